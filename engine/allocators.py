@@ -1,0 +1,62 @@
+"""Pure-Python bookkeeping of the two pooled resources: recurrent-state slots and KV blocks.
+
+Never touches a tensor. Checks and actions come in pairs (`can_allocate` / `allocate`).
+Slot 0 and block 0 are scratch reserved for padding rows: they are never handed out, so a
+padding row can never alias a real sequence.
+"""
+
+from __future__ import annotations
+
+
+class PoolExhausted(RuntimeError):
+    """allocate() without a successful can_allocate()."""
+
+
+class _FreeList:
+    def __init__(self, capacity: int, what: str) -> None:
+        if capacity < 2:
+            raise ValueError(f"a {what} pool needs at least 2 entries (entry 0 is scratch), got {capacity}")
+        self.capacity = capacity
+        self._what = what
+        # LIFO keeps recently used entries warm; entry 0 is never in the list.
+        self._free = list(range(capacity - 1, 0, -1))
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def can_allocate(self, n: int = 1) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if not self.can_allocate(n):
+            raise PoolExhausted(f"asked for {n} {self._what}s, {len(self._free)} free")
+        taken = [self._free.pop() for _ in range(n)]
+        self._used.update(taken)
+        return taken
+
+    def free(self, entries: list[int]) -> None:
+        for e in entries:
+            if e not in self._used:
+                raise ValueError(f"{self._what} {e} is not allocated")
+            self._used.remove(e)
+            self._free.append(e)
+
+
+class SlotAllocator(_FreeList):
+    """Recurrent-state slots; a running sequence keeps its slot for its whole life."""
+
+    def __init__(self, num_slots: int) -> None:
+        super().__init__(num_slots, "slot")
+
+
+class BlockAllocator(_FreeList):
+    """Fixed-size KV blocks; a sequence's blocks are listed in its block table."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        super().__init__(num_blocks, "KV block")
+        self.block_size = block_size
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)

@@ -1,0 +1,78 @@
+"""The hybrid language model: Qwen3.5, Qwen3.5-MoE and Qwen3-Next share one module tree.
+
+The families differ only in config (MoE or dense MLP per layer) and in checkpoint layout,
+which the weight loader normalises before `checkpoint_map` is consulted. The forward pass takes
+one flattened varlen batch and reads/writes state only through the pools. Knows nothing about
+files, tokenizers or scheduling.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...kernels import Ops
+from ..batch import ForwardBatch
+from ..config import ModelConfig
+from ..state_pool import KVPool, StatePool
+from .layers import ALL, CheckpointMap, DecoderLayer, _param
+from .mtp import MTP
+
+
+class HybridLM(nn.Module):
+    def __init__(self, config: ModelConfig, ops: Ops, dtype: torch.dtype, with_mtp: bool) -> None:
+        super().__init__()
+        self.config, self.ops = config, ops
+        c = config
+        self.embed_tokens = _param(c.vocab_size, c.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(c, is_gdn=t == "linear_attention", is_moe=c.is_moe_layer(i), dtype=dtype)
+            for i, t in enumerate(c.layer_types))
+        self.norm = _param(c.hidden_size, dtype=dtype)
+        self.lm_head = None if c.tie_word_embeddings else _param(c.vocab_size, c.hidden_size, dtype=dtype)
+        self.mtp = MTP(c, dtype) if with_mtp else None
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Attention layers of the target, then the MTP layers: all share one KV pool."""
+        return len(self.config.attention_layer_ids) + (len(self.mtp.layers) if self.mtp else 0)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    def checkpoint_map(self) -> CheckpointMap:
+        mapping = {
+            "model.embed_tokens.weight": ("embed_tokens", ALL),
+            "model.norm.weight": ("norm", ALL),
+        }
+        if self.lm_head is not None:
+            mapping["lm_head.weight"] = ("lm_head", ALL)
+        for i, layer in enumerate(self.layers):
+            mapping.update(layer.checkpoint_map(f"model.layers.{i}", f"layers.{i}"))
+        if self.mtp is not None:
+            mapping.update(self.mtp.checkpoint_map("mtp", "mtp"))
+        return mapping
+
+    def forward(self, batch: ForwardBatch, states: StatePool, kv: KVPool) -> torch.Tensor:
+        """Returns the final (post-norm) hidden state of every token: [T, H]."""
+        x, residual = F.embedding(batch.input_ids, self.embed_tokens), None
+        gdn_states, kv_layers = iter(states.layers), iter(kv.layers)
+        for layer, kind in zip(self.layers, self.config.layer_types):
+            mixer_state = next(gdn_states) if kind == "linear_attention" else next(kv_layers)
+            x, residual = layer(x, residual, batch, mixer_state, self.ops)
+        x, _ = self.ops.rms_norm(x, self.norm, self.config.rms_norm_eps, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> float32 logits [N, V]."""
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    def draft_hidden(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
+                     kv: KVPool, mtp_layer: int = 0) -> torch.Tensor:
+        """One MTP step (see mtp.py); its KV lives after the target's attention layers."""
+        if self.mtp is None:
+            raise RuntimeError("this checkpoint has no MTP weights")
+        kv_layer = kv.layers[len(self.config.attention_layer_ids) + mtp_layer]
+        return self.mtp(input_ids, hidden, self.embed_tokens, batch, kv_layer, self.ops, mtp_layer)

@@ -1,0 +1,51 @@
+"""The multi-token-prediction (MTP) module: the model's own one-layer drafter.
+
+For the token at position t with target hidden state h_t (after the target's final norm) and
+the next token x_{t+1}:
+    u   = fc(cat[pre_fc_norm_embedding(embed(x_{t+1})), pre_fc_norm_hidden(h_t)])
+    out = norm(decoder_layer(u))          (a full-attention layer at position t, own KV cache)
+and lm_head(out) scores x_{t+2}. A later draft step feeds `out` back as h. Embeddings and
+lm_head are the target's. Knows nothing about acceptance or scheduling.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...kernels import Ops
+from ..batch import ForwardBatch
+from ..config import ModelConfig
+from ..state_pool import KVLayer
+from .layers import ALL, CheckpointMap, DecoderLayer, _param
+
+
+class MTP(nn.Module):
+    def __init__(self, c: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = c.rms_norm_eps
+        self.fc = _param(c.hidden_size, 2 * c.hidden_size, dtype=dtype)
+        self.pre_fc_norm_embedding = _param(c.hidden_size, dtype=dtype)
+        self.pre_fc_norm_hidden = _param(c.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(c, is_gdn=False, is_moe=c.mtp_is_moe, dtype=dtype)
+                                    for _ in range(max(c.num_mtp_layers, 1)))
+        self.norm = _param(c.hidden_size, dtype=dtype)
+
+    def checkpoint_map(self, src: str, dst: str) -> CheckpointMap:
+        mapping = {f"{src}.{name}.weight": (f"{dst}.{name}", ALL)
+                   for name in ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+        for j, layer in enumerate(self.layers):
+            mapping.update(layer.checkpoint_map(f"{src}.layers.{j}", f"{dst}.layers.{j}"))
+        return mapping
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, embed_tokens: torch.Tensor,
+                batch: ForwardBatch, kv: KVLayer, ops: Ops, layer: int = 0) -> torch.Tensor:
+        """input_ids [T] (x_{t+1}), hidden [T, H] (h_t) -> post-norm MTP hidden [T, H].
+        batch carries positions t and the MTP layer's KV metadata."""
+        embedded, _ = ops.rms_norm(F.embedding(input_ids, embed_tokens), self.pre_fc_norm_embedding, self.eps)
+        hidden, _ = ops.rms_norm(hidden, self.pre_fc_norm_hidden, self.eps)
+        x = F.linear(torch.cat([embedded, hidden], dim=-1), self.fc)
+        x, residual = self.layers[layer](x, None, batch, kv, ops)
+        out, _ = ops.rms_norm(x, self.norm, self.eps, residual)
+        return out

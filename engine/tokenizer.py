@@ -1,0 +1,218 @@
+"""Text <-> token ids for an HF checkpoint directory, chat templating, and streaming detokenization.
+
+`Tokenizer` wraps a `tokenizers` tokenizer.json and reads the special tokens, end-of-sequence ids
+and chat template from the files HF ships beside it. `IncrementalDetokenizer` turns a growing
+list of output ids into text deltas that never split a UTF-8 character.
+
+Knows nothing about models, sampling or requests: stop conditions beyond `eos_token_ids` (stop
+strings, max tokens) belong to the engine. Only renders chat templates; it does not validate
+messages beyond what a template itself checks with `raise_exception`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2.ext
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# A lone U+FFFD at the end of decoded text means the last bytes are an incomplete UTF-8
+# character (byte-level BPE splits multi-byte characters across tokens).
+REPLACEMENT_CHARACTER = "\ufffd"
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise ValueError(f"cannot read {path}: {error}") from error
+
+
+def _token_content(value: str | dict | None) -> str | None:
+    """Special tokens appear as a string or as an AddedToken dict {"content": ...}."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _as_id_list(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+def _hf_tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # HF replaces jinja's tojson, which HTML-escapes and always sorts keys: templates rely on this.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise ValueError(message)
+
+
+def _compile_chat_template(source: str) -> jinja2.Template:
+    # The same environment HF builds: chat templates are untrusted code from the Hub.
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    environment.filters["tojson"] = _hf_tojson
+    environment.globals["raise_exception"] = _raise_exception
+    return environment.from_string(source)
+
+
+def _select_chat_template(value: str | list | None) -> str | None:
+    """HF allows a list of named templates; the engine serves the one named "default"."""
+    if isinstance(value, list):
+        named = {entry["name"]: entry["template"] for entry in value}
+        return named.get("default")
+    return value
+
+
+class Tokenizer:
+    """A loaded tokenizer plus the special-token facts the engine needs."""
+
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        *,
+        eos_token_ids: tuple[int, ...] = (),
+        eos_token: str | None = None,
+        bos_token: str | None = None,
+        pad_token: str | None = None,
+        chat_template: str | None = None,
+        source: str = "<memory>",
+    ) -> None:
+        self._tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.eos_token = eos_token
+        self.bos_token = bos_token
+        self.pad_token = pad_token
+        self.chat_template = chat_template
+        self._source = source
+        self._compiled_template: jinja2.Template | None = None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Load tokenizer.json and the optional tokenizer_config.json, chat_template.jinja,
+        generation_config.json and config.json of an HF checkpoint directory."""
+        path = Path(path)
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {path}")
+        try:
+            tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        except Exception as error:  # the Rust side raises a bare Exception
+            raise ValueError(f"cannot load {tokenizer_file}: {error}") from error
+
+        config = _read_json(path / "tokenizer_config.json")
+        eos_token = _token_content(config.get("eos_token"))
+        template_file = path / "chat_template.jinja"
+        if template_file.is_file():
+            chat_template = template_file.read_text(encoding="utf-8")
+        else:
+            chat_template = _select_chat_template(config.get("chat_template"))
+
+        # generation_config.json is what HF generate() stops on; config.json is older and only
+        # a fallback. The tokenizer's eos token is always a stop token too.
+        eos_ids = _as_id_list(_read_json(path / "generation_config.json").get("eos_token_id"))
+        if not eos_ids:
+            model_config = _read_json(path / "config.json")
+            # Multimodal Qwen3.5 configs keep it in text_config.
+            for section in (model_config, model_config.get("text_config", {})):
+                eos_ids = eos_ids or _as_id_list(section.get("eos_token_id"))
+        if eos_token is not None and (eos_token_id := tokenizer.token_to_id(eos_token)) is not None:
+            eos_ids.append(eos_token_id)
+
+        return cls(
+            tokenizer,
+            eos_token_ids=tuple(dict.fromkeys(eos_ids)),
+            eos_token=eos_token,
+            bos_token=_token_content(config.get("bos_token")),
+            pad_token=_token_content(config.get("pad_token")),
+            chat_template=chat_template,
+            source=str(path),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer can produce (may be below the model's vocab_size)."""
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        # Special-token strings in `text` (e.g. "<|im_start|>" from a chat template) still map to
+        # their ids; add_special_tokens only controls the post-processor's BOS/EOS.
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        """Render `messages` to a prompt string; kwargs (tools, enable_thinking, ...) reach the
+        template as variables. A template's raise_exception surfaces as ValueError."""
+        if self.chat_template is None:
+            raise ValueError(f"tokenizer at {self._source} has no chat template "
+                             "(tokenizer_config.json 'chat_template' or chat_template.jinja)")
+        if self._compiled_template is None:
+            self._compiled_template = _compile_chat_template(self.chat_template)
+        # Unset special tokens stay undefined (render as ""), as in HF.
+        special = {name: value for name, value in
+                   (("bos_token", self.bos_token), ("eos_token", self.eos_token),
+                    ("pad_token", self.pad_token)) if value is not None}
+        return self._compiled_template.render(
+            **special, messages=messages, add_generation_prompt=add_generation_prompt, **kwargs
+        )
+
+
+class IncrementalDetokenizer:
+    """Streams the text of a growing output, one delta per push.
+
+    vLLM's prefix/read offsets: `_ids[prefix:read]` is a short window of tokens already emitted,
+    decoded again only as context; `_ids[read:]` are tokens not yet emitted. Each push decodes
+    window + pending and emits the text past the window's own text, unless it ends in an
+    incomplete character — then the tokens stay pending. Tokens before the window are dropped,
+    so a push costs O(tokens of this and the previous push + tokens held), never O(output length).
+
+    Invariant: a window starts and ends on a character boundary (offsets only advance when the
+    decoded text ends cleanly), so the deltas concatenate to `decode(output_ids)` exactly.
+    """
+
+    # Prompt tokens kept as context: enough for decoders that change a token's text by what
+    # precedes it (SentencePiece's leading-space rule), like vLLM's initial offset.
+    PROMPT_CONTEXT_TOKENS = 5
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int] | None = None) -> None:
+        self._tokenizer = tokenizer
+        self._ids = list(prompt_token_ids or [])[-self.PROMPT_CONTEXT_TOKENS:]
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+
+    def push(self, token_ids: list[int]) -> str:
+        """Append output tokens; return the newly complete text (possibly "")."""
+        self._ids.extend(token_ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """Return the text still held back at the end of the output, even if incomplete."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        if self._read_offset == len(self._ids):
+            return ""
+        window_text = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
+        text = self._tokenizer.decode(self._ids[self._prefix_offset:])
+        if text.endswith(REPLACEMENT_CHARACTER) and not final:
+            return ""
+        delta = text[len(window_text):]
+        # The new tokens become the next window; everything before it is no longer needed.
+        del self._ids[:self._read_offset]
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        return delta

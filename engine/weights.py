@@ -1,0 +1,200 @@
+"""Load an HF-format checkpoint (sharded safetensors) into a `HybridLM`.
+
+Handles both projection layouts (Qwen3-Next fused, grouped per key head `in_proj_qkvz` /
+`in_proj_ba`; Qwen3.5 split `in_proj_qkv` / `in_proj_z` / `in_proj_b` / `in_proj_a`), the
+`model.language_model.` prefix of multimodal checkpoints (vision weights are skipped), MoE
+experts per expert or fused, tied embeddings, and optional `mtp.*` weights. Checkpoint names
+are first normalised to one canonical scheme; the model's `checkpoint_map` then says where each
+tensor goes. Any problem ends in one `WeightLoadError` listing every missing, unexpected or
+mis-shaped tensor. Knows nothing about the forward pass.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from ..kernels import Ops
+from .config import ModelConfig
+from .models import HybridLM
+
+_PREFIX_REWRITES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                    ("language_model.lm_head.", "lm_head."), ("model.mtp.", "mtp."))
+_VISION_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.")
+_PROGRESS_BAR_BYTES = 256 << 20
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint that does not match the model it claims to be."""
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise WeightLoadError(f"{index} is not a valid safetensors index: {e}") from None
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.exists()]
+        if missing:
+            raise WeightLoadError(f"{index} lists shard files that do not exist: {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise WeightLoadError(f"no *.safetensors files in {path}")
+    return files
+
+
+def _canonical_name(name: str) -> str | None:
+    """Strip layout prefixes; None for tensors deltaspec never uses (vision tower)."""
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    for old, new in _PREFIX_REWRITES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def _split_fused_projections(name: str, tensor: torch.Tensor, c: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Qwen3-Next stores q|k|v|z and b|a grouped per key head: [HK, (K, K, rV, rV), H] and
+    [HK, (r, r), H] with r = HV/HK. Yield the flat (Qwen3.5) layout instead."""
+    stem = name.rsplit(".", 2)[0]
+    hk, r = c.linear_num_key_heads, c.linear_num_value_heads // c.linear_num_key_heads
+    dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+    if name.endswith("in_proj_qkvz.weight"):
+        expected = (hk * (2 * dk + 2 * r * dv), c.hidden_size)
+        if tuple(tensor.shape) != expected:
+            raise _ShapeMismatch(name, expected, tuple(tensor.shape))
+        q, k, v, z = tensor.view(hk, -1, c.hidden_size).split((dk, dk, r * dv, r * dv), dim=1)
+        flat = lambda t: t.reshape(-1, c.hidden_size)
+        yield f"{stem}.in_proj_qkv.weight", torch.cat([flat(q), flat(k), flat(v)])
+        yield f"{stem}.in_proj_z.weight", flat(z)
+    else:
+        expected = (hk * 2 * r, c.hidden_size)
+        if tuple(tensor.shape) != expected:
+            raise _ShapeMismatch(name, expected, tuple(tensor.shape))
+        b, a = tensor.view(hk, 2 * r, c.hidden_size).split((r, r), dim=1)
+        yield f"{stem}.in_proj_b.weight", b.reshape(-1, c.hidden_size)
+        yield f"{stem}.in_proj_a.weight", a.reshape(-1, c.hidden_size)
+
+
+class _ShapeMismatch(Exception):
+    def __init__(self, name: str, expected: tuple, got: tuple) -> None:
+        self.line = f"{name}: expected {list(expected)}, got {list(got)}"
+
+
+def _normalise(name: str, tensor: torch.Tensor, c: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    if name.endswith(("in_proj_qkvz.weight", "in_proj_ba.weight")):
+        yield from _split_fused_projections(name, tensor, c)
+    elif name.endswith("conv1d.weight") and tensor.dim() == 3:
+        yield name, tensor.squeeze(1)   # [C, 1, W] depthwise conv -> [C, W]
+    else:
+        yield name, tensor
+
+
+def _open(file: Path):
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
+        raise WeightLoadError(f"cannot read {file}: {e}") from None
+
+
+def _checkpoint_names(files: list[Path]) -> dict[str, Path]:
+    names = {}
+    for file in files:
+        with _open(file) as f:
+            for name in f.keys():
+                names[name] = file
+    return names
+
+
+def load_model(path: str | Path, ops: Ops, dtype: torch.dtype, device: torch.device | str,
+               config: ModelConfig | None = None) -> HybridLM:
+    """Build the model for the checkpoint at `path` and fill every parameter from it."""
+    path = Path(path)
+    config = config or ModelConfig.from_file(path)
+    files = checkpoint_files(path)
+    names = _checkpoint_names(files)
+    with_mtp = any((_canonical_name(n) or "").startswith("mtp.") for n in names)
+    with torch.device(device):
+        model = HybridLM(config, ops, dtype, with_mtp=with_mtp)
+    _fill(model, files, config)
+    return model.eval()
+
+
+def _fill(model: HybridLM, files: list[Path], config: ModelConfig) -> None:
+    mapping = model.checkpoint_map()
+    params = dict(model.named_parameters())
+    covered: dict[str, int] = defaultdict(int)
+    seen: set[str] = set()
+    unexpected, mismatched, duplicated = [], [], []
+    total_bytes = sum(f.stat().st_size for f in files)
+    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="loading weights",
+              disable=total_bytes < _PROGRESS_BAR_BYTES) as bar:
+        for file in files:
+            with _open(file) as f:
+                for raw_name in f.keys():
+                    name = _canonical_name(raw_name)
+                    if name is None or (name == "lm_head.weight" and model.lm_head is None):
+                        continue
+                    try:
+                        tensor = f.get_tensor(raw_name)
+                    except Exception as e:
+                        raise WeightLoadError(f"cannot read tensor {raw_name} from {file}: {e}") from None
+                    bar.update(tensor.numel() * tensor.element_size())
+                    try:
+                        pieces = list(_normalise(name, tensor, config))
+                    except _ShapeMismatch as e:
+                        mismatched.append(e.line)
+                        continue
+                    for canonical, piece in pieces:
+                        if canonical not in mapping:
+                            unexpected.append(f"{raw_name} {list(piece.shape)}")
+                            continue
+                        if canonical in seen:
+                            duplicated.append(canonical)
+                            continue
+                        seen.add(canonical)
+                        param_name, index = mapping[canonical]
+                        target = params[param_name].data[index]
+                        if target.shape != piece.shape:
+                            mismatched.append(f"{canonical}: expected {list(target.shape)}, got {list(piece.shape)}")
+                            continue
+                        target.copy_(piece)
+                        covered[param_name] += piece.numel()
+    missing = sorted(name for name, (param_name, _) in mapping.items()
+                     if covered[param_name] < params[param_name].numel() and name not in seen
+                     and not _alternative_layout_complete(name, mapping, seen))
+    problems = []
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): " + ", ".join(missing))
+    if mismatched:
+        problems.append(f"tensors with the wrong shape ({len(mismatched)}): " + "; ".join(mismatched))
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): " + ", ".join(unexpected))
+    if duplicated:
+        problems.append(f"tensors given twice ({len(duplicated)}): " + ", ".join(duplicated))
+    if problems:
+        raise WeightLoadError(f"checkpoint does not match the {config.model_type} config:\n  "
+                              + "\n  ".join(problems))
+
+
+def _alternative_layout_complete(name: str, mapping: dict, seen: set[str]) -> bool:
+    """Fused and per-expert expert tensors are alternatives: when a parameter is partly covered
+    by one layout, report only that layout's missing names."""
+    param_name = mapping[name][0]
+    siblings = [n for n, (p, _) in mapping.items() if p == param_name]
+    fused = [n for n in siblings if mapping[n][1] == (slice(None),)]
+    per_part = [n for n in siblings if n not in fused]
+    if not fused or not per_part:
+        return False
+    mine, other = (fused, per_part) if name in fused else (per_part, fused)
+    return not any(n in seen for n in mine) and any(n in seen for n in other)
+

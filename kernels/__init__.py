@@ -1,0 +1,8 @@
+"""deltaspec.kernels: heavy ops (Triton on the GPU) beside their torch references.
+
+Imports nothing of the rest of the project. Models call ops only through `Ops` (backend.py).
+"""
+
+from .backend import BACKENDS, REFERENCE_OPS, Ops, select_ops
+
+__all__ = ["BACKENDS", "REFERENCE_OPS", "Ops", "select_ops"]

@@ -1,0 +1,70 @@
+"""The one interface through which models reach heavy ops, chosen once at start-up.
+
+`Ops` is a frozen table of functions. `REFERENCE_OPS` holds the torch references: the CPU
+backend and the oracle of every kernel test. Triton kernels join as another table with the same
+signatures; `select_ops` is the only place that decides which table a model gets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .activation import silu_and_mul_reference
+from .attention import paged_attention_reference, write_kv_reference
+from .conv1d import causal_conv1d_decode_reference, causal_conv1d_prefill_reference
+from .gdn import gdn_chunked_reference, gdn_decode_reference
+from .moe import moe_experts_reference, route_reference
+from .norms import gated_rms_norm_reference, rms_norm_reference
+from .rope import qk_norm_rope_reference
+from .sampling import sample_reference
+
+
+@dataclass(frozen=True)
+class Ops:
+    name: str
+    rms_norm: Callable
+    gated_rms_norm: Callable
+    qk_norm_rope: Callable
+    silu_and_mul: Callable
+    causal_conv1d_prefill: Callable
+    causal_conv1d_decode: Callable
+    gdn_chunked: Callable
+    gdn_decode: Callable
+    write_kv: Callable
+    paged_attention: Callable
+    moe_route: Callable
+    moe_experts: Callable
+    sample: Callable
+
+
+REFERENCE_OPS = Ops(
+    name="torch",
+    rms_norm=rms_norm_reference,
+    gated_rms_norm=gated_rms_norm_reference,
+    qk_norm_rope=qk_norm_rope_reference,
+    silu_and_mul=silu_and_mul_reference,
+    causal_conv1d_prefill=causal_conv1d_prefill_reference,
+    causal_conv1d_decode=causal_conv1d_decode_reference,
+    gdn_chunked=gdn_chunked_reference,
+    gdn_decode=gdn_decode_reference,
+    write_kv=write_kv_reference,
+    paged_attention=paged_attention_reference,
+    moe_route=route_reference,
+    moe_experts=moe_experts_reference,
+    sample=sample_reference,
+)
+
+BACKENDS = {"torch": REFERENCE_OPS}
+
+
+def select_ops(device: torch.device | str, backend: str = "auto") -> Ops:
+    """'auto' picks the fastest table available for the device; a name forces one (for
+    example the torch references on CUDA, to debug a kernel)."""
+    if backend == "auto":
+        return REFERENCE_OPS
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; available: auto, {', '.join(BACKENDS)}")
+    return BACKENDS[backend]

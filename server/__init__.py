@@ -1,0 +1,1 @@
+"""deltaspec.server: the aiohttp OpenAI-compatible server and the command line."""

@@ -1,0 +1,1 @@
+"""deltaspec.spec: MTP drafting, verification and acceptance (built on deltaspec.kernels)."""

@@ -1,0 +1,296 @@
+"""Tiny, deterministic HF-format checkpoints and tokenizers for tests.
+
+`make_tokenizer` trains a byte-level BPE (ChatML specials) on a built-in corpus that mixes
+English, Python and multi-byte UTF-8. `make_checkpoint` builds a random Qwen3.5 / Qwen3.5-MoE /
+Qwen3-Next model through HF transformers, re-randomises every parameter from a seeded generator
+(so norms are not all ones, A_log is not HF's init, logits are O(1)), saves it with
+`save_pretrained`, and then rewrites the safetensors into the layout a test asks for: per-expert
+or fused MoE experts, with or without the `model.language_model.` prefix, plus `mtp.*` weights in
+their own shard.
+
+Knows nothing about deltaspec: it only writes files the way HF and real Qwen checkpoints do.
+Must not import pytest (benchmarks and scripts use it too).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+EOS_TOKEN = "<|im_end|>"
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Multi-byte characters (é, CJK, emoji) stay rare so BPE keeps them as 2-4 byte tokens: that is
+# what makes incremental detokenization hold back partial characters.
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog. A hybrid model interleaves linear attention "
+    "with full attention layers, three to one. The engine schedules requests, runs the model "
+    "and commits the accepted tokens. Speculative decoding drafts tokens and verifies them.\n",
+    "def fibonacci(n: int) -> int:\n    if n < 2:\n        return n\n"
+    "    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
+    "for i in range(10):\n    print(i, fibonacci(i))\n",
+    "class Cache:\n    def __init__(self, size):\n        self.size = size\n"
+    "        self.items = {}\n\n    def get(self, key):\n        return self.items.get(key)\n",
+    "Le café est très bon. Élève, été, naïve, déjà vu. 中文字符测试。你好，世界！"
+    " Emoji: 🙂 🚀 🎉 👍. Ünïcödé ñ ß ø.\n",
+    "Hello, world! How are you today? I am fine, thank you. What is 2 + 2? It is 4.\n",
+)
+
+
+def make_tokenizer(directory: Path, vocab_size: int = 384) -> Path:
+    """Train the test tokenizer into `directory` (tokenizer.json + tokenizer_config.json)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS * 4, trainer=trainer)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": EOS_TOKEN,
+        "pad_token": "<|endoftext|>",
+        "chat_template": CHATML_TEMPLATE,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return directory
+
+
+MOE_DEFAULTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                    shared_expert_intermediate_size=40)
+FAMILY_DEFAULTS: dict[str, dict] = {"qwen3_5": {}, "qwen3_5_moe": MOE_DEFAULTS, "qwen3_next": MOE_DEFAULTS}
+
+COMMON_DEFAULTS = dict(
+    vocab_size=512,
+    hidden_size=72,
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    partial_rotary_factor=0.25,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    intermediate_size=96,
+)
+
+# The key real checkpoints use to announce their MTP layers.
+MTP_CONFIG_KEY = {"qwen3_5": "mtp_num_hidden_layers", "qwen3_5_moe": "mtp_num_hidden_layers",
+                  "qwen3_next": "num_nextn_predict_layers"}
+
+MTP_SHARD = "model-mtp.safetensors"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _model_classes(family: str) -> tuple[type, type]:
+    import transformers  # slow to import; tokenizer-only users never pay for it
+
+    classes = {
+        "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+        "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+        "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+    }
+    if family not in classes:
+        raise ValueError(f"unknown family {family!r}; expected one of {sorted(classes)}")
+    config_name, model_name = classes[family]
+    return getattr(transformers, config_name), getattr(transformers, model_name)
+
+
+def _random_parameter(name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
+    """A random value for the parameter `name` whose scale matches its role in the forward pass."""
+    normal = torch.randn(shape, generator=generator)
+    if name.endswith("linear_attn.norm.weight"):  # gated RMSNorm multiplies by plain w
+        return 1.0 + 0.1 * normal
+    if name.endswith("norm.weight"):  # layer / q / k / final RMSNorms multiply by (1 + w)
+        return 0.1 * normal
+    if name.endswith("A_log"):  # decay rate exp(A_log) in [1, 16)
+        return torch.log(1.0 + 15.0 * torch.rand(shape, generator=generator))
+    if name.endswith("dt_bias"):
+        return 0.5 * normal
+    if name.endswith("embed_tokens.weight"):
+        return normal
+    # Linear [out, in], fused experts [E, out, in], depthwise conv [C, 1, K]: the last dim is
+    # the fan-in, so std 1/sqrt(fan_in) keeps activations (and logits) O(1).
+    return normal / math.sqrt(shape[-1])
+
+
+@torch.no_grad()
+def _randomise(module: torch.nn.Module, generator: torch.Generator) -> None:
+    for name, parameter in module.named_parameters():
+        parameter.copy_(_random_parameter(name, parameter.shape, generator))
+
+
+def _split_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """In-memory fused experts -> the per-expert names HF saves and real Qwen checkpoints use."""
+    result = {}
+    for name, tensor in tensors.items():
+        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H], gate rows first
+            base = name.removesuffix("gate_up_proj")
+            gate, up = tensor.chunk(2, dim=1)
+            for expert in range(tensor.shape[0]):
+                result[f"{base}{expert}.gate_proj.weight"] = gate[expert].clone()
+                result[f"{base}{expert}.up_proj.weight"] = up[expert].clone()
+        elif name.endswith("mlp.experts.down_proj"):  # [E, H, I]
+            base = name.removesuffix("down_proj")
+            for expert in range(tensor.shape[0]):
+                result[f"{base}{expert}.down_proj.weight"] = tensor[expert].clone()
+        else:
+            result[name] = tensor
+    return result
+
+
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def _fuse_experts(tensors: dict[str, tuple[str, torch.Tensor]]) -> dict[str, tuple[str, torch.Tensor]]:
+    """Per-expert tensors -> `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I].
+
+    Values are (shard file, tensor); a fused tensor goes to the shard of its expert-0 gate.
+    """
+    result = {}
+    groups: dict[str, dict[tuple[str, int], tuple[str, torch.Tensor]]] = {}
+    for name, value in tensors.items():
+        match = _PER_EXPERT.match(name)
+        if match:
+            groups.setdefault(match[1], {})[(match[3], int(match[2]))] = value
+        else:
+            result[name] = value
+    for base, parts in groups.items():
+        num_experts = 1 + max(expert for _, expert in parts)
+        shard = parts[("gate", 0)][0]
+
+        def stack(projection: str) -> torch.Tensor:
+            return torch.stack([parts[(projection, expert)][1] for expert in range(num_experts)])
+
+        result[f"{base}.gate_up_proj"] = (shard, torch.cat([stack("gate"), stack("up")], dim=1))
+        result[f"{base}.down_proj"] = (shard, stack("down"))
+    return result
+
+
+def _mtp_tensors(model: torch.nn.Module, hidden_size: int, copy_last_layer: bool,
+                 generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """`mtp.*` weights: fc + three norms + one full-attention decoder layer (fused experts)."""
+    layers = model.model.layers
+    last_full = max(i for i, layer in enumerate(layers) if hasattr(layer, "self_attn"))
+    layer = copy.deepcopy(layers[last_full])
+    if not copy_last_layer:
+        _randomise(layer, generator)
+    tensors = {f"mtp.layers.0.{name}": tensor for name, tensor in layer.state_dict().items()}
+    tensors["mtp.fc.weight"] = _random_parameter("fc.weight", (hidden_size, 2 * hidden_size), generator)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{norm}.weight"] = _random_parameter("norm.weight", (hidden_size,), generator)
+    return tensors
+
+
+def _read_checkpoint(directory: Path) -> dict[str, tuple[str, torch.Tensor]]:
+    index_path = directory / INDEX_FILE
+    if index_path.exists():
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    else:
+        files = [SINGLE_FILE]
+    tensors = {}
+    for file in files:
+        with safe_open(directory / file, framework="pt") as f:
+            for name in f.keys():
+                tensors[name] = (file, f.get_tensor(name))
+    return tensors
+
+
+def _write_checkpoint(directory: Path, tensors: dict[str, tuple[str, torch.Tensor]]) -> None:
+    """Rewrite every shard; a single file stays unindexed, more than one gets an index."""
+    for path in directory.glob("model*.safetensors*"):
+        path.unlink()
+    shards: dict[str, dict[str, torch.Tensor]] = {}
+    for name, (file, tensor) in tensors.items():
+        shards.setdefault(file, {})[name] = tensor.contiguous()
+    for file, shard in shards.items():
+        save_file(shard, str(directory / file), metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for _, t in tensors.values())},
+            "weight_map": {name: tensors[name][0] for name in sorted(tensors)},
+        }
+        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2))
+
+
+def make_checkpoint(
+    directory: Path,
+    family: str,
+    *,
+    seed: int = 0,
+    with_mtp: bool = True,
+    mtp_copy_of_last_layer: bool = False,
+    tie_word_embeddings: bool = False,
+    moe_layout: str = "per_expert",
+    language_model_prefix: bool = False,
+    max_shard_size: int | str | None = None,
+    dtype: torch.dtype = torch.float32,
+    **config_overrides,
+) -> Path:
+    """Write a tiny random `family` checkpoint (+ tokenizer) into `directory` and return it.
+
+    moe_layout: "per_expert" (`mlp.experts.N.{gate,up,down}_proj.weight`, as HF saves) or
+    "fused" (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]).
+    language_model_prefix: store `model.*` as `model.language_model.*` (multimodal Qwen3.5).
+    config_overrides go to the HF config (e.g. num_hidden_layers=8, layer_types=[...]).
+    """
+    if moe_layout not in ("per_expert", "fused"):
+        raise ValueError(f"moe_layout must be 'per_expert' or 'fused', got {moe_layout!r}")
+    directory = Path(directory)
+    config_class, model_class = _model_classes(family)
+    make_tokenizer(directory)
+    eos_token_id = Tokenizer.from_file(str(directory / "tokenizer.json")).token_to_id(EOS_TOKEN)
+
+    settings = {**COMMON_DEFAULTS, **FAMILY_DEFAULTS[family], "eos_token_id": eos_token_id,
+                "tie_word_embeddings": tie_word_embeddings, **config_overrides}
+    if "num_hidden_layers" in config_overrides and "layer_types" not in config_overrides:
+        del settings["layer_types"]  # let HF derive the 3:1 pattern for the new depth
+    config = config_class(**settings)
+    model = model_class(config)
+    generator = torch.Generator().manual_seed(seed)
+    _randomise(model, generator)
+    model.to(dtype)
+    save_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(directory, safe_serialization=True, **save_kwargs)
+
+    tensors = _read_checkpoint(directory)
+    if with_mtp:
+        mtp = _split_experts(_mtp_tensors(model, config.hidden_size, mtp_copy_of_last_layer, generator))
+        tensors.update({name: (MTP_SHARD, tensor.to(dtype)) for name, tensor in mtp.items()})
+    if moe_layout == "fused":
+        tensors = _fuse_experts(tensors)
+    if language_model_prefix:
+        tensors = {re.sub(r"^model\.", "model.language_model.", name): value for name, value in tensors.items()}
+    _write_checkpoint(directory, tensors)
+
+    if with_mtp:
+        config_path = directory / "config.json"
+        saved = json.loads(config_path.read_text())
+        saved[MTP_CONFIG_KEY[family]] = 1
+        config_path.write_text(json.dumps(saved, indent=2))
+    return directory
