@@ -72,15 +72,19 @@ class LLM:
         return [RequestOutput(s.request_id, s.prompt_token_ids, s.output_token_ids, s.text, s.finish_reason)
                 for s in sequences]
 
-    @torch.inference_mode()
     def score(self, token_ids: Seq[int]) -> torch.Tensor:
         """Logits at every position of one sequence: [T, vocab] float32 on the CPU."""
-        token_ids = self._validate_tokens(list(token_ids))
-        slots, blocks, states, kv = self._pools([len(token_ids)])
-        row = Row(token_ids, 0, slots[0], blocks[0], num_logits=len(token_ids))
-        batch = ForwardBatch.build([], [row], self.block_size, self.device)
-        hidden = self.model(batch, states, kv)
-        return self.model.compute_logits(hidden[batch.logits_indices]).cpu()
+        return self.score_batch([token_ids])[0]
+
+    @torch.inference_mode()
+    def score_batch(self, sequences: Seq[Seq[int]]) -> list[torch.Tensor]:
+        """`score` for several sequences of any lengths, run together as one varlen batch."""
+        sequences = [self._validate_tokens(list(ids)) for ids in sequences]
+        slots, blocks, states, kv = self._pools([len(ids) for ids in sequences])
+        rows = [Row(ids, 0, slot, table, num_logits=len(ids)) for ids, slot, table in zip(sequences, slots, blocks)]
+        batch = ForwardBatch.build([], rows, self.block_size, self.device)
+        logits = self.model.compute_logits(self.model(batch, states, kv)[batch.logits_indices]).cpu()
+        return list(logits.split([len(ids) for ids in sequences]))
 
     # Internals -------------------------------------------------------------------------------
 

@@ -1,1 +1,42 @@
-import sys, pathlib; sys.path.insert(0, str(pathlib.Path(__file__).parent))
+"""Shared test fixtures: tiny random checkpoints of each family, built once per session, and the
+`gpu` marker (skipped without CUDA)."""
+
+import pathlib
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+from fixtures import make_checkpoint  # noqa: E402
+
+FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint(family, **options) -> path; identical requests share one directory."""
+    cache: dict = {}
+
+    def build(family: str, **options) -> pathlib.Path:
+        key = (family, tuple(sorted(options.items())))
+        if key not in cache:
+            cache[key] = make_checkpoint(tmp_path_factory.mktemp(family), family, **options)
+        return cache[key]
+
+    return build
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request) -> str:
+    return request.param

@@ -294,3 +294,14 @@ def make_checkpoint(
         saved[MTP_CONFIG_KEY[family]] = 1
         config_path.write_text(json.dumps(saved, indent=2))
     return directory
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write a tiny random checkpoint (+ tokenizer).")
+    parser.add_argument("directory", type=Path)
+    parser.add_argument("--family", choices=("qwen3_5", "qwen3_5_moe", "qwen3_next"), default="qwen3_5")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print(make_checkpoint(args.directory, args.family, seed=args.seed))

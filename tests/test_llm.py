@@ -1,0 +1,106 @@
+"""The embedded API: generate() results, stop conditions, seeded sampling, input validation."""
+
+import json
+import shutil
+from functools import lru_cache
+
+import pytest
+
+from deltaspec.engine import LLM, SamplingParams
+
+
+@pytest.fixture
+def path(checkpoint):
+    return checkpoint("qwen3_5")
+
+
+@pytest.fixture
+def llm(path):
+    return _llm(path)
+
+
+@lru_cache(maxsize=None)
+def _llm(path):
+    return LLM(path)
+
+
+def test_string_and_token_prompts(llm):
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    by_text = llm.generate("def fibonacci(n):", greedy)[0]
+    by_ids = llm.generate([llm.tokenizer.encode("def fibonacci(n):")], greedy)[0]
+    assert by_text.token_ids == by_ids.token_ids and len(by_text.token_ids) == 12
+    assert by_text.text == llm.tokenizer.decode(by_text.token_ids)
+    assert by_text.finish_reason == "length"
+
+
+def test_stop_token_ids_and_eos(llm, path, tmp_path):
+    greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    tokens = llm.generate("hello", greedy)[0].token_ids
+    stop_at = tokens[5]
+    first = tokens.index(stop_at)
+    out = llm.generate("hello", SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[stop_at]))[0]
+    assert out.token_ids == tokens[:first + 1] and out.finish_reason == "stop"
+    # The same token declared as EOS: generation stops there, unless ignore_eos.
+    eos_path = tmp_path / "eos"
+    shutil.copytree(path, eos_path)
+    (eos_path / "generation_config.json").write_text(json.dumps({"eos_token_id": stop_at}))
+    eos_llm = LLM(eos_path)
+    out = eos_llm.generate("hello", SamplingParams(max_tokens=30, temperature=0))[0]
+    assert out.token_ids == tokens[:first + 1] and out.finish_reason == "stop"
+    assert eos_llm.generate("hello", greedy)[0].token_ids == tokens
+
+
+def test_stop_string_across_token_boundaries(llm):
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    full = llm.generate("The quick", greedy)[0]
+    text = full.text
+    assert len(text) > 12
+    # A stop string that starts inside one token and ends inside a later one.
+    stop = text[5:12]
+    out = llm.generate("The quick", SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == text[:text.index(stop)]
+    assert out.token_ids == full.token_ids[:len(out.token_ids)]
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
+    params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    alone = llm.generate("Hello, world", params)[0].token_ids
+    assert llm.generate("Hello, world", params)[0].token_ids == alone
+    others = SamplingParams(max_tokens=25, temperature=1.0, seed=7, ignore_eos=True)
+    batch = llm.generate(["class Cache:", "Hello, world", "for i in"], [others, params, others])
+    assert batch[1].token_ids == alone
+    different_seed = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=99, ignore_eos=True)
+    assert llm.generate("Hello, world", different_seed)[0].token_ids != alone
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -3}, "max_tokens"),
+    ({"temperature": -1.0}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"min_p": 2.0}, "min_p"),
+    ({"seed": -1}, "seed"),
+    ({"stop": [""]}, "stop"),
+])
+def test_invalid_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_invalid_prompts(llm, path):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[1, 2, 100000]])
+    with pytest.raises(ValueError, match="context limit"):
+        LLM(path, max_model_len=8).generate([list(range(1, 12))])
+    with pytest.raises(ValueError, match="2 prompts but 1"):
+        llm.generate(["a", "b"], [SamplingParams()])
+
+
+def test_generation_stops_at_the_context_limit(path):
+    out = LLM(path, max_model_len=20).generate([list(range(1, 15))], SamplingParams(max_tokens=50, ignore_eos=True))
+    assert len(out[0].token_ids) == 6 and out[0].finish_reason == "length"
