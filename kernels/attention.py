@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .conv1d import _pad_rows, _row_layout
+from .varlen import pad_rows, row_layout
 
 
 def write_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -28,7 +28,7 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     keys per row (cached prefix + this step's tokens, already written). Returns [T, Hq, D]."""
     num_rows, (num_heads, head_dim) = block_tables.shape[0], q.shape[1:]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    lengths, row, index_in_row, max_q = _row_layout(cu_seqlens, q.shape[0])
+    lengths, row, index_in_row, max_q = row_layout(cu_seqlens, q.shape[0])
     context = context_lens.long()
     max_k = int(context.max())
     key_pos = torch.arange(max_k, device=q.device)
@@ -39,7 +39,7 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     values = v_cache.view(-1, num_kv_heads, head_dim)[flat].float()
     groups = num_heads // num_kv_heads
     keys, values = keys.repeat_interleave(groups, dim=2), values.repeat_interleave(groups, dim=2)
-    queries = _pad_rows(q.float(), row, index_in_row, num_rows, max_q)         # [B, max_q, Hq, D]
+    queries = pad_rows(q.float(), row, index_in_row, num_rows, max_q)         # [B, max_q, Hq, D]
     scores = torch.einsum("bqhd,bkhd->bhqk", queries, keys) * scale
     query_pos = context.view(-1, 1) - lengths.view(-1, 1) + torch.arange(max_q, device=q.device).view(1, -1)
     allowed = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(-1)                # [B, max_q, max_k]

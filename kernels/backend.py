@@ -15,7 +15,8 @@ import torch
 from .activation import silu_and_mul_reference
 from .attention import paged_attention_reference, write_kv_reference
 from .conv1d import causal_conv1d_decode_reference, causal_conv1d_prefill_reference
-from .gdn import gdn_chunked_reference, gdn_decode_reference
+from .gdn_chunked import gdn_chunked_reference
+from .gdn_decode import gdn_decode_reference
 from .moe import moe_experts_reference, route_reference
 from .norms import gated_rms_norm_reference, rms_norm_reference
 from .rope import qk_norm_rope_reference

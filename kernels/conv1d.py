@@ -19,23 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def _row_layout(cu_seqlens: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """-> (lengths [B], row of each token [T], index of each token within its row [T], max_len)."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    row = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths,
-                                  output_size=num_tokens)
-    index_in_row = torch.arange(num_tokens, device=cu_seqlens.device) - cu_seqlens[:-1].long()[row]
-    max_len = int(lengths.max()) if lengths.numel() else 0
-    return lengths, row, index_in_row, max_len
-
-
-def _pad_rows(x: torch.Tensor, row: torch.Tensor, index_in_row: torch.Tensor, num_rows: int,
-              max_len: int) -> torch.Tensor:
-    """[T, ...] -> [B, max_len, ...] zero-padded."""
-    out = x.new_zeros((num_rows, max_len) + tuple(x.shape[1:]))
-    out[row, index_in_row] = x
-    return out
+from .varlen import pad_rows, row_layout
 
 
 def _depthwise(window: torch.Tensor, weight: torch.Tensor, num_out: int) -> torch.Tensor:
@@ -56,9 +40,9 @@ def causal_conv1d_prefill_reference(x: torch.Tensor, weight: torch.Tensor, cu_se
     (else zeros), writes the last W-1 inputs back to conv_state[slot]. Returns [T, C]."""
     num_rows = slot_ids.numel()
     width = weight.shape[1]
-    lengths, row, index_in_row, max_len = _row_layout(cu_seqlens, x.shape[0])
+    lengths, row, index_in_row, max_len = row_layout(cu_seqlens, x.shape[0])
     initial = conv_state[slot_ids.long()] * has_initial_state.view(-1, 1, 1).to(conv_state.dtype)
-    window = torch.cat([initial.to(x.dtype), _pad_rows(x, row, index_in_row, num_rows, max_len)], dim=1)
+    window = torch.cat([initial.to(x.dtype), pad_rows(x, row, index_in_row, num_rows, max_len)], dim=1)
     out = _depthwise(window, weight, max_len)[row, index_in_row]
     # Final window of row b: inputs at window positions [len_b, len_b + W-1).
     tail = lengths.view(-1, 1) + torch.arange(width - 1, device=x.device).view(1, -1)
@@ -76,12 +60,12 @@ def causal_conv1d_decode_reference(x: torch.Tensor, weight: torch.Tensor, cu_seq
     width = weight.shape[1]
     max_pending = pending_conv.shape[1]
     slots = slot_ids.long()
-    lengths, row, index_in_row, max_len = _row_layout(cu_seqlens, x.shape[0])
+    lengths, row, index_in_row, max_len = row_layout(cu_seqlens, x.shape[0])
     counts = pending_counts[slots].long()
     # Per row, the sequence committed(W-1) ++ pending(p) ++ new(n) built by gathering from the
     # concatenation committed ++ pending(P) ++ new(max_len): position m >= W-1+p reads new[m-W+1-p].
     source = torch.cat([conv_state[slots].to(x.dtype), pending_conv[slots].to(x.dtype),
-                        _pad_rows(x, row, index_in_row, num_rows, max_len)], dim=1)
+                        pad_rows(x, row, index_in_row, num_rows, max_len)], dim=1)
     m = torch.arange(width - 1 + max_pending + max_len, device=x.device).view(1, -1)
     boundary = (width - 1) + counts.view(-1, 1)
     index = torch.where(m < boundary, m, m - counts.view(-1, 1) + max_pending).clamp(max=source.shape[1] - 1)
