@@ -3,6 +3,6 @@
 Imports nothing of the rest of the project. Models call ops only through `Ops` (backend.py).
 """
 
-from .backend import BACKENDS, REFERENCE_OPS, Ops, select_ops
+from .backend import BACKEND_NAMES, REFERENCE_OPS, Ops, select_ops, triton_ops
 
-__all__ = ["BACKENDS", "REFERENCE_OPS", "Ops", "select_ops"]
+__all__ = ["BACKEND_NAMES", "REFERENCE_OPS", "Ops", "select_ops", "triton_ops"]

@@ -1,13 +1,14 @@
 """The one interface through which models reach heavy ops, chosen once at start-up.
 
 `Ops` is a frozen table of functions. `REFERENCE_OPS` holds the torch references: the CPU
-backend and the oracle of every kernel test. Triton kernels join as another table with the same
+backend and the oracle of every kernel test. `triton_ops()` is the GPU table with the same
 signatures; `select_ops` is the only place that decides which table a model gets.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cache
 from typing import Callable
 
 import torch
@@ -58,14 +59,23 @@ REFERENCE_OPS = Ops(
     sample=sample_reference,
 )
 
-BACKENDS = {"torch": REFERENCE_OPS}
+
+
+@cache
+def triton_ops() -> Ops:
+    """The GPU table: Triton kernels where they exist; the remaining entries are the (batched,
+    device-agnostic) torch references, listed here so the mix is visible in one place."""
+    return replace(REFERENCE_OPS, name="triton")
+
+
+BACKEND_NAMES = ("torch", "triton")
 
 
 def select_ops(device: torch.device | str, backend: str = "auto") -> Ops:
-    """'auto' picks the fastest table available for the device; a name forces one (for
-    example the torch references on CUDA, to debug a kernel)."""
+    """'auto' picks Triton on CUDA and the torch references elsewhere; a name forces one (for
+    example the references on CUDA, to debug a kernel)."""
     if backend == "auto":
-        return REFERENCE_OPS
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown kernel backend {backend!r}; available: auto, {', '.join(BACKENDS)}")
-    return BACKENDS[backend]
+        backend = "triton" if torch.device(device).type == "cuda" else "torch"
+    if backend not in BACKEND_NAMES:
+        raise ValueError(f"unknown kernel backend {backend!r}; available: auto, {', '.join(BACKEND_NAMES)}")
+    return REFERENCE_OPS if backend == "torch" else triton_ops()

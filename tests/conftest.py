@@ -1,11 +1,19 @@
-"""Shared test fixtures: tiny random checkpoints of each family, built once per session, and the
-`gpu` marker (skipped without CUDA)."""
+"""Shared test fixtures: tiny random checkpoints of each family (built once per session), the
+device Triton kernels are tested on, and the `gpu` marker (skipped without CUDA).
 
+Without CUDA, Triton kernels run under the interpreter on CPU tensors: TRITON_INTERPRET must be
+set before any kernel module is imported, hence at the top of this file."""
+
+import os
 import pathlib
 import sys
 
-import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
@@ -35,6 +43,12 @@ def checkpoint(tmp_path_factory):
         return cache[key]
 
     return build
+
+
+@pytest.fixture(scope="session")
+def kernel_device() -> str:
+    """Where Triton kernel tests run: the GPU when there is one, else the interpreter on CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(params=FAMILIES)
