@@ -1,10 +1,13 @@
-"""deltaspec.engine: configs, models, weight loading, tokenizer, state pools and the Python API.
+"""deltaspec.engine: configs, models, weight loading, tokenizer, state pools, scheduler, runner,
+and the Python APIs (sync `LLM`, asyncio `AsyncLLM`). Never imports deltaspec.server."""
 
-Never imports deltaspec.server."""
-
+from .async_llm import AsyncLLM
 from .config import ConfigError, ModelConfig
-from .llm import LLM, RequestOutput
+from .engine_config import EngineConfig
+from .llm import LLM
+from .request import RequestDelta, RequestOutput
 from .sampling_params import SamplingParams
 from .weights import WeightLoadError
 
-__all__ = ["LLM", "ConfigError", "ModelConfig", "RequestOutput", "SamplingParams", "WeightLoadError"]
+__all__ = ["AsyncLLM", "LLM", "ConfigError", "EngineConfig", "ModelConfig", "RequestDelta", "RequestOutput",
+           "SamplingParams", "WeightLoadError"]

@@ -35,8 +35,11 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     blocks = block_tables.long().gather(1, (key_pos // block_size).clamp(max=block_tables.shape[1] - 1)
                                         .expand(num_rows, -1))
     flat = blocks * block_size + key_pos % block_size                          # [B, max_k]
-    keys = k_cache.view(-1, num_kv_heads, head_dim)[flat].float()              # [B, max_k, Hkv, D]
-    values = v_cache.view(-1, num_kv_heads, head_dim)[flat].float()
+    # Positions past a row's context (block-table padding, the tail of its last block) are never
+    # read: they may hold anything, NaN included.
+    in_context = (key_pos.view(1, -1) < context.view(-1, 1)).view(num_rows, max_k, 1, 1)
+    keys = torch.where(in_context, k_cache.view(-1, num_kv_heads, head_dim)[flat].float(), 0.0)
+    values = torch.where(in_context, v_cache.view(-1, num_kv_heads, head_dim)[flat].float(), 0.0)
     groups = num_heads // num_kv_heads
     keys, values = keys.repeat_interleave(groups, dim=2), values.repeat_interleave(groups, dim=2)
     queries = pad_rows(q.float(), row, index_in_row, num_rows, max_q)         # [B, max_q, Hq, D]

@@ -41,7 +41,8 @@ def causal_conv1d_prefill_reference(x: torch.Tensor, weight: torch.Tensor, cu_se
     num_rows = slot_ids.numel()
     width = weight.shape[1]
     lengths, row, index_in_row, max_len = row_layout(cu_seqlens, x.shape[0])
-    initial = conv_state[slot_ids.long()] * has_initial_state.view(-1, 1, 1).to(conv_state.dtype)
+    # Select, never multiply: a fresh row must not read whatever its slot's last owner left.
+    initial = torch.where(has_initial_state.view(-1, 1, 1), conv_state[slot_ids.long()], 0)
     window = torch.cat([initial.to(x.dtype), pad_rows(x, row, index_in_row, num_rows, max_len)], dim=1)
     out = _depthwise(window, weight, max_len)[row, index_in_row]
     # Final window of row b: inputs at window positions [len_b, len_b + W-1).

@@ -62,7 +62,8 @@ def gdn_chunked_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: 
     qn = expand_heads(l2norm(q), num_value_heads) * q.shape[-1] ** -0.5
     kn = expand_heads(l2norm(k), num_value_heads)
     pad = lambda x: pad_rows(x, row, index_in_row, num_rows, padded_len)
-    initial = state[slots].float() * has_initial_state.view(-1, 1, 1, 1).float()
+    # Select, never multiply: a fresh row must not read whatever its slot's last owner left.
+    initial = torch.where(has_initial_state.view(-1, 1, 1, 1), state[slots].float(), 0.0)
     final, out = _chunked(initial, pad(qn), pad(kn), pad(v.float()), pad(g), pad(beta), CHUNK_SIZE)
     state[slots] = final.to(state.dtype)
     return out[row, index_in_row].to(v.dtype)

@@ -26,11 +26,17 @@ def gdn_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: t
     max_pending = pending_k.shape[1]
     slots = slot_ids.long()
     lengths, row, index_in_row, max_len = row_layout(cu_seqlens, v.shape[0])
+    # Columns past a slot's pending count are stale: select them away (g = beta = 0, k = v = 0
+    # is an exact no-op step), never multiply them in.
     valid = (torch.arange(max_pending, device=v.device).view(1, -1)
-             < pending_counts[slots].long().view(-1, 1)).float()[..., None]     # [B, P, 1]
-    folded, _ = recurrent_steps(state[slots].float(), None, expand_heads(pending_k[slots].float(), num_value_heads),
-                                 pending_v[slots].float(), pending_g[slots].float() * valid,
-                                 pending_beta[slots].float() * valid)
+             < pending_counts[slots].long().view(-1, 1))[..., None]             # [B, P, 1]
+
+    def pending(buffer: torch.Tensor) -> torch.Tensor:
+        values = buffer[slots].float()
+        return torch.where(valid.view(*valid.shape, *[1] * (values.dim() - 3)), values, 0.0)
+
+    folded, _ = recurrent_steps(state[slots].float(), None, expand_heads(pending(pending_k), num_value_heads),
+                                pending(pending_v), pending(pending_g), pending(pending_beta))
     g, beta = gdn_gating_reference(a, b, A_log, dt_bias)
     kn = l2norm(k)
     qn = expand_heads(l2norm(q), num_value_heads) * q.shape[-1] ** -0.5

@@ -32,8 +32,9 @@ def uniform_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -
     row = _fmix32(row ^ ((offsets * 0x85EBCA77) & _MASK32))
     token = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
     bits = _fmix32(row[:, None] ^ ((token[None, :] * 0xC2B2AE3D) & _MASK32))
-    # 24 high bits -> exactly representable in float32, strictly inside (0, 1).
-    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    # 23 high bits: (n + 0.5) * 2^-23 needs 24 significant bits, exact in float32, so u lies
+    # strictly inside (0, 1) (with 24 bits, n = 2^24 - 1 would round up to exactly 1.0).
+    return ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def filter_probs_reference(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

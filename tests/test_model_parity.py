@@ -64,9 +64,9 @@ class ManualStepper:
         self.llm = llm
         self.slots = SlotAllocator(num_sequences + 3)
         self.blocks = BlockAllocator(num_sequences * (-(-max_len // 16)) + 4, 16)
-        self.states = StatePool(llm.config, self.slots.capacity, 1, llm.dtype, llm.device)
+        self.states = StatePool(llm.config, self.slots.capacity, 1, llm.core.dtype, llm.core.device)
         self.kv = KVPool(llm.model.num_kv_layers, self.blocks.capacity, 16, llm.config.num_key_value_heads,
-                         llm.config.head_dim, llm.dtype, llm.device)
+                         llm.config.head_dim, llm.core.dtype, llm.core.device)
         # Skip a few slots/blocks so the sequences do not sit at 1, 2, ...
         self.slots.allocate(2)
         self.blocks.allocate(3)
@@ -81,7 +81,7 @@ class ManualStepper:
         def rows(items):
             return [Row(ids, start, *self.tables[key], num_logits=len(ids)) for key, ids, start in items]
 
-        batch = ForwardBatch.build(rows(decode), rows(prefill), 16, self.llm.device)
+        batch = ForwardBatch.build(rows(decode), rows(prefill), 16, self.llm.core.device)
         hidden = self.llm.model(batch, self.states, self.kv)
         logits = self.llm.model.compute_logits(hidden[batch.logits_indices])
         return list(logits.split([len(ids) for _, ids, _ in [*decode, *prefill]]))

@@ -1,0 +1,138 @@
+"""AsyncLLM: the asyncio front end. One engine task drives EngineCore; requests stream deltas.
+
+    async for delta in engine.generate(prompt, params):   # new token ids, new text,
+        ...                                               # finish_reason on the last
+    await engine.abort(request_id)
+    engine.stats()
+
+The engine task schedules and commits on the event loop (pure Python, fast) and runs the model
+in one worker thread, so the loop keeps serving other coroutines while the device works; the
+next step's CPU work (streaming deltas out, admitting requests) overlaps the current step's
+device work. Results reach per-request queues with put_nowait: never blocking. A consumer that
+stops iterating (client disconnect) aborts its request. Runs on uvloop when the caller's loop
+is uvloop (see `run`). Knows nothing about HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Sequence as Seq
+
+from .core import EngineCore
+from .engine_config import EngineConfig
+from .request import RequestDelta
+from .sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine task failed; no request can make progress."""
+
+
+class AsyncLLM:
+    def __init__(self, model_path: str | Path | None = None, *, config: EngineConfig | None = None,
+                 **engine_options) -> None:
+        if config is None:
+            config = EngineConfig(model=model_path, **engine_options)
+        self.core = EngineCore(config)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaspec-runner")
+        self._error: BaseException | None = None
+
+    @property
+    def tokenizer(self):
+        return self.core.tokenizer
+
+    # Public API ---------------------------------------------------------------------------
+
+    async def generate(self, prompt: str | Seq[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestDelta]:
+        """Submit a request and stream its deltas. Bad input raises ValueError before anything
+        is queued."""
+        self._ensure_running()
+        request = self.core.add_request(prompt, params or SamplingParams(), request_id)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request.request_id] = queue
+        self._wakeup.set()
+        finished = False
+        try:
+            while not finished:
+                delta = await queue.get()
+                if isinstance(delta, BaseException):
+                    raise EngineDeadError("the engine failed") from delta
+                finished = delta.finish_reason is not None
+                yield delta
+        finally:
+            self._queues.pop(request.request_id, None)
+            if not finished:  # the consumer went away (disconnect, cancellation)
+                self.core.abort(request.request_id)
+                self._wakeup.set()
+
+    async def abort(self, request_id: str) -> bool:
+        aborted = self.core.abort(request_id)
+        if aborted and self._wakeup is not None:
+            self._wakeup.set()
+        return aborted
+
+    def stats(self) -> dict:
+        return self.core.stats()
+
+    async def shutdown(self) -> None:
+        """Abort everything in flight and stop the engine task."""
+        for request_id in list(self.core.requests):
+            self.core.abort(request_id)
+        if self._task is not None:
+            self._wakeup.set()
+            while self.core.has_work and not self._task.done():
+                await asyncio.sleep(0.01)
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self._executor.shutdown(wait=True)
+
+    # The engine task ----------------------------------------------------------------------
+
+    def _ensure_running(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError("the engine failed") from self._error
+        if self._task is None or self._task.done():
+            self._wakeup = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._engine_loop(), name="deltaspec-engine")
+
+    async def _engine_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                if not self.core.has_work:
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                plan = self.core.schedule()
+                output = await loop.run_in_executor(self._executor, self.core.run, plan)
+                for delta in self.core.commit(plan, output):
+                    queue = self._queues.get(delta.request_id)
+                    if queue is not None:
+                        queue.put_nowait(delta)
+                await asyncio.sleep(0)  # let consumers run between steps
+        except asyncio.CancelledError:
+            raise
+        except BaseException as error:  # noqa: BLE001 - every waiting request must hear about it
+            self._error = error
+            for queue in self._queues.values():
+                queue.put_nowait(error)
+            raise
+
+
+def run(main) -> object:
+    """asyncio.run on uvloop when it is installed (the engine's default loop)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)

@@ -1,0 +1,169 @@
+"""EngineCore: the model, its pools, the scheduler and the runner, driven one step at a time.
+
+    plan   = core.schedule()          pure Python
+    output = core.run(plan)           device work (may run in a worker thread)
+    deltas = core.commit(plan, output)
+
+`step()` is the three in a row. Both front ends (the sync `LLM` and `AsyncLLM`) drive this one
+object. Pools are sized once at start-up from the memory budget. Knows nothing about asyncio
+or HTTP.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from pathlib import Path
+from typing import Sequence as Seq
+
+import torch
+
+from ..kernels import select_ops
+from .allocators import BlockAllocator, SlotAllocator
+from .config import ModelConfig
+from .engine_config import EngineConfig
+from .request import Request, RequestDelta
+from .runner import Runner, StepOutput
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig, StepPlan
+from .state_pool import KVPool, StatePool
+from .tokenizer import Tokenizer
+from .weights import load_model
+
+logger = logging.getLogger("deltaspec")
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = _TORCH_DTYPES[config.dtype]
+        path = Path(config.model)
+        self.model_config = ModelConfig.from_file(path)
+        self.tokenizer = Tokenizer.from_dir(path)
+        self.ops = select_ops(self.device, config.kernel_backend)
+        self.model = load_model(path, self.ops, self.dtype, self.device, self.model_config)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.states, self.kv = self._allocate_pools()
+        self.slots = SlotAllocator(self.states.num_slots)
+        self.blocks = BlockAllocator(self.kv.num_blocks, config.block_size)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
+                                   self.slots, self.blocks)
+        self.runner = Runner(self.model, self.states, self.kv, self.ops, config.block_size, self.device)
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+
+    # Requests -----------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | Seq[int], params: SamplingParams,
+                    request_id: str | None = None) -> Request:
+        """Validate and queue a request; raises ValueError and changes nothing on bad input."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool)
+               or not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"token ids outside the vocabulary [0, {self.model_config.vocab_size}): {bad[:8]}")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; the context limit is {self.max_model_len} "
+                             f"(including at least one generated token)")
+        arrival = next(self._arrivals)
+        request_id = str(arrival) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        request = Request.create(request_id, token_ids, params, seed, arrival, self.max_model_len, self.tokenizer)
+        self.scheduler.add(request)
+        self.requests[request_id] = request
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        """Abort at the next step boundary; False when the id is unknown or already finished."""
+        request = self.requests.get(request_id)
+        if request is None or request.finished:
+            return False
+        self.scheduler.abort(request)
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # One step -----------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        return self.scheduler.schedule()
+
+    def run(self, plan: StepPlan) -> StepOutput:
+        return self.runner.run(plan) if plan.rows else StepOutput([])
+
+    def commit(self, plan: StepPlan, output: StepOutput) -> list[RequestDelta]:
+        updated = self.scheduler.commit(plan, output.sampled) + self.scheduler.take_aborted()
+        deltas = [request.take_delta() for request in updated]
+        for request in updated:
+            if request.finished:
+                self.requests.pop(request.request_id, None)
+        return deltas
+
+    def step(self) -> list[RequestDelta]:
+        plan = self.schedule()
+        return self.commit(plan, self.run(plan))
+
+    def stats(self) -> dict:
+        running = self.scheduler.running
+        return {
+            "num_running": len(running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_free_slots": self.slots.num_free,
+            "num_slots": self.slots.capacity - 1,
+            "num_free_kv_blocks": self.blocks.num_free,
+            "num_kv_blocks": self.blocks.capacity - 1,
+            "num_preempted": self.scheduler.num_preempted,
+            "state_bytes_per_sequence": self.states.bytes_per_slot,
+        }
+
+    # Memory -------------------------------------------------------------------------------
+
+    def _allocate_pools(self) -> tuple[StatePool, KVPool]:
+        c, config = self.model_config, self.config
+        states = StatePool(c, config.max_num_seqs + 1, max_pending=1, dtype=self.dtype, device=self.device)
+        kv_layers = self.model.num_kv_layers
+        bytes_per_block = (2 * kv_layers * config.block_size * c.num_key_value_heads * c.head_dim
+                           * torch.finfo(self.dtype).bits // 8)
+        blocks_per_sequence = -(-self.max_model_len // config.block_size)
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        else:
+            budget = self._memory_budget() - states.num_slots * states.bytes_per_slot
+            # More blocks than max_num_seqs full-length sequences can use would sit idle.
+            num_blocks = min(budget // max(bytes_per_block, 1), config.max_num_seqs * blocks_per_sequence + 1)
+            if num_blocks < 2:
+                raise ValueError(f"not enough memory for the KV pool: budget {budget} bytes after the "
+                                 f"recurrent state, {bytes_per_block} bytes per block")
+        kv = KVPool(kv_layers, num_blocks, config.block_size, c.num_key_value_heads, c.head_dim, self.dtype,
+                    self.device)
+        logger.info("pools: %d sequence slots x %.2f MiB recurrent state; %d KV blocks x %d tokens "
+                    "(%.1f MiB) = %d full-context (%d-token) sequences at once",
+                    states.num_slots - 1, states.bytes_per_slot / 2**20, num_blocks - 1, config.block_size,
+                    (num_blocks - 1) * bytes_per_block / 2**20, (num_blocks - 1) // blocks_per_sequence,
+                    self.max_model_len)
+        return states, kv
+
+    def _memory_budget(self) -> int:
+        if self.device.type != "cuda":
+            return self.config.cpu_memory_bytes
+        free, _ = torch.cuda.mem_get_info(self.device)
+        c = self.model_config
+        # Activations of the largest step: a few hidden-sized and MLP-sized buffers per token,
+        # plus float32 logits of every sampled row.
+        width = 6 * c.hidden_size + 3 * max(c.intermediate_size, c.conv_dim + c.linear_value_dim,
+                                             c.num_experts_per_tok * c.moe_intermediate_size)
+        activations = (self.config.max_num_batched_tokens * width * torch.finfo(self.dtype).bits // 8
+                       + self.config.max_num_seqs * c.vocab_size * 4 * 2)
+        return int(free * self.config.gpu_memory_utilization) - activations

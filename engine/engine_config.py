@@ -1,0 +1,42 @@
+"""Engine settings: one frozen, validated object built once at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | Path
+    device: str = "cpu"
+    dtype: str = "float32"
+    kernel_backend: str = "auto"
+    max_model_len: int | None = None        # default: the model's max_position_embeddings
+    max_num_seqs: int = 64                  # running requests at most
+    max_num_batched_tokens: int = 2048      # tokens per step; long prompts are chunked to fit
+    block_size: int = 16                    # tokens per KV block
+    gpu_memory_utilization: float = 0.9     # share of free GPU memory after weights for the pools
+    cpu_memory_bytes: int = 1 << 30         # pool budget on the CPU
+    num_kv_blocks: int | None = None        # override the KV pool size (tests, preemption)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.dtype not in DTYPES:
+            problems.append(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            problems.append("max_model_len must be >= 2")
+        if self.max_num_seqs < 1:
+            problems.append("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            problems.append("max_num_batched_tokens must be >= max_num_seqs")
+        if self.block_size < 1:
+            problems.append("block_size must be >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            problems.append("gpu_memory_utilization must be in (0, 1]")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            problems.append("num_kv_blocks must be >= 2 (block 0 is scratch)")
+        if problems:
+            raise ValueError("invalid EngineConfig: " + "; ".join(problems))

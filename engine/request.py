@@ -1,0 +1,139 @@
+"""A request as the engine tracks it: its tokens, text, stop conditions and scheduling state.
+
+Stop rules: max_tokens and the context limit finish with "length"; EOS (unless ignore_eos),
+a stop token id, or a stop string finish with "stop"; an abort finishes with "abort". A stop
+string may span token boundaries: it is searched in the new text plus the tail that could hold
+its start, and the text ends right before it. While streaming, text that could still turn into
+a stop string is held back until it cannot.
+
+Knows nothing about devices or batching; the scheduler owns the scheduling fields.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .sampling_params import SamplingParams
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """The final result of a request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length" | "abort"
+
+
+@dataclass(frozen=True)
+class RequestDelta:
+    """What a request produced since its previous delta; finish_reason is set on the last."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival: int  # submission order; the newest running request is preempted first
+    max_model_len: int
+    detokenizer: IncrementalDetokenizer
+    eos_token_ids: frozenset[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    # Scheduling state.
+    status: RequestStatus = RequestStatus.WAITING
+    slot: int | None = None
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens already folded into the slot's state and KV blocks
+    num_preemptions: int = 0
+    abort_requested: bool = False
+    # Streaming cursors.
+    _emitted_tokens: int = 0
+    _emitted_chars: int = 0
+
+    @classmethod
+    def create(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
+               arrival: int, max_model_len: int, tokenizer: Tokenizer) -> "Request":
+        return cls(request_id, list(prompt_token_ids), params, seed, arrival, max_model_len,
+                   IncrementalDetokenizer(tokenizer, list(prompt_token_ids)),
+                   frozenset(() if params.ignore_eos else tokenizer.eos_token_ids))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output."""
+        prompt = len(self.prompt_token_ids)
+        if end <= prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= prompt:
+            return self.output_token_ids[start - prompt:end - prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt]
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Tokens the request may hold at most: prompt + max_tokens, within the context."""
+        return min(len(self.prompt_token_ids) + self.params.max_tokens, self.max_model_len)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token_id: int) -> None:
+        """Record one sampled token and decide whether the request is done."""
+        self.output_token_ids.append(token_id)
+        # A stop string completed by this token starts at most (longest stop - 1) chars before
+        # the new text.
+        search_from = max(0, len(self.text) - self._longest_stop + 1)
+        self.text += self.detokenizer.push([token_id])
+        cut = min((i for i in (self.text.find(s, search_from) for s in self.params.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text = self.text[:cut]
+            self.finish_reason = "stop"
+            return
+        if token_id in self.eos_token_ids or token_id in self.params.stop_token_ids:
+            self.finish_reason = "stop"
+        elif len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= self.max_model_len:
+            self.finish_reason = "length"
+        if self.finished:
+            self.text += self.detokenizer.flush()
+
+    def abort(self) -> None:
+        self.finish_reason = "abort"
+
+    @property
+    def _longest_stop(self) -> int:
+        return max(map(len, self.params.stop), default=1)
+
+    def take_delta(self) -> RequestDelta:
+        """New tokens and text since the last call. Until the request finishes, the last
+        (longest stop - 1) characters stay back: they could be the start of a stop string."""
+        safe_chars = len(self.text) if self.finished else max(self._emitted_chars,
+                                                              len(self.text) - self._longest_stop + 1)
+        delta = RequestDelta(self.request_id, self.output_token_ids[self._emitted_tokens:],
+                             self.text[self._emitted_chars:safe_chars], self.finish_reason)
+        self._emitted_tokens, self._emitted_chars = len(self.output_token_ids), safe_chars
+        return delta
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt_token_ids, list(self.output_token_ids), self.text,
+                             self.finish_reason)
