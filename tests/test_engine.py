@@ -1,0 +1,224 @@
+"""Engine core: the isolation harness (every request's output in a batch equals its output
+alone), abort, preemption, input validation, the scheduler's invariants, and AsyncLLM."""
+
+import asyncio
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from deltaspec.engine import AsyncLLM, EngineConfig, SamplingParams
+from deltaspec.engine.core import EngineCore
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt: list[int]
+    params: SamplingParams
+    arrival_step: int            # submitted before this engine step
+    abort_after: int | None      # abort once this many tokens were produced (None: never)
+
+
+def make_jobs(n: int, seed: int, max_prompt: int = 400, vocab: int = 512) -> list[Job]:
+    rng = random.Random(seed)
+    jobs = []
+    for i in range(n):
+        length = rng.choice([1, 2, rng.randint(3, 40), rng.randint(41, max_prompt)])
+        if rng.random() < 0.5:
+            params = SamplingParams(max_tokens=rng.randint(1, 24), temperature=0.0, ignore_eos=True)
+        else:
+            params = SamplingParams(max_tokens=rng.randint(1, 24), temperature=0.8, top_p=0.95, top_k=40,
+                                    seed=rng.randint(0, 2**31), ignore_eos=True)
+        abort_after = rng.randint(0, 3) if n > 2 and rng.random() < 0.15 else None
+        jobs.append(Job([rng.randrange(vocab) for _ in range(length)], params, rng.randint(0, 2 * n), abort_after))
+    return jobs
+
+
+def run_alone(core: EngineCore, job: Job) -> list[int]:
+    request = core.add_request(job.prompt, job.params)
+    while core.has_work:
+        core.step()
+    return request.output_token_ids
+
+
+def run_staggered(core: EngineCore, jobs: list[Job]) -> dict[int, object]:
+    """Submit job i before step arrival_step[i]; abort jobs after their abort_after-th token."""
+    requests, step = {}, 0
+    while len(requests) < len(jobs) or core.has_work:
+        for i, job in enumerate(jobs):
+            if i not in requests and job.arrival_step <= step:
+                requests[i] = core.add_request(job.prompt, job.params)
+        for i, request in requests.items():
+            abort_after = jobs[i].abort_after
+            if abort_after is not None and len(request.output_token_ids) >= abort_after and not request.finished:
+                core.abort(request.request_id)
+        core.step()
+        step += 1
+    return requests
+
+
+def assert_all_free(core: EngineCore) -> None:
+    stats = core.stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["num_free_slots"] == stats["num_slots"]
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    assert not core.requests
+
+
+def check_isolation(path, n: int, seed: int, **engine_options) -> EngineCore:
+    jobs = make_jobs(n, seed)
+    core = EngineCore(EngineConfig(model=path, **engine_options))
+    alone = [run_alone(core, job) for job in jobs]
+    requests = run_staggered(core, jobs)
+    for i, job in enumerate(jobs):
+        request = requests[i]
+        if request.finish_reason == "abort":
+            assert request.output_token_ids == alone[i][:len(request.output_token_ids)]
+        else:
+            assert request.output_token_ids == alone[i], f"request {i} (prompt {len(job.prompt)}) differs"
+            assert request.finish_reason == "length"
+    assert_all_free(core)
+    return core
+
+
+@pytest.mark.parametrize("n, max_num_seqs", [(1, 8), (2, 8), (3, 8), (4, 8), (8, 8), (16, 8), (64, 16), (64, 64)])
+def test_isolation(family, checkpoint, n, max_num_seqs):
+    check_isolation(checkpoint(family), n, seed=n + max_num_seqs, max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=256)
+
+
+def test_preemption_gives_identical_output(checkpoint):
+    """A KV pool that holds about three requests at once: the newest are preempted, recompute,
+    and finish with the output of an unconstrained run."""
+    path = checkpoint("qwen3_5")
+    jobs = [Job(random.Random(i).choices(range(512), k=60 + 10 * i),
+                SamplingParams(max_tokens=40, temperature=0.0 if i % 2 else 0.7, seed=i, ignore_eos=True), 0, None)
+            for i in range(8)]
+    free = EngineCore(EngineConfig(model=path, max_num_seqs=8))
+    expected = [r.output_token_ids for r in run_staggered(free, jobs).values()]
+    tight = EngineCore(EngineConfig(model=path, max_num_seqs=8, num_kv_blocks=22))
+    got = run_staggered(tight, jobs)
+    assert tight.stats()["num_preempted"] > 0
+    assert [got[i].output_token_ids for i in range(8)] == expected
+    assert_all_free(tight)
+
+
+def test_request_that_can_never_fit_is_refused(checkpoint):
+    core = EngineCore(EngineConfig(model=checkpoint("qwen3_5"), num_kv_blocks=4))
+    with pytest.raises(ValueError, match="KV blocks"):
+        core.add_request(list(range(1, 60)), SamplingParams(max_tokens=10))
+    assert not core.has_work
+
+
+def test_bad_input_changes_nothing(checkpoint):
+    core = EngineCore(EngineConfig(model=checkpoint("qwen3_5"), max_model_len=64))
+    good = core.add_request([5, 6, 7], SamplingParams(max_tokens=5, temperature=0))
+    before = core.stats()
+    for prompt in ([], list(range(1, 80)), [1, 2, 512], [-1]):
+        with pytest.raises(ValueError):
+            core.add_request(prompt, SamplingParams())
+    for options in ({"max_tokens": 0}, {"max_tokens": -1}, {"temperature": -0.5}, {"top_p": 0.0}, {"top_p": 1.01}):
+        with pytest.raises(ValueError):
+            core.add_request([1, 2], SamplingParams(**options))
+    with pytest.raises(ValueError, match="already in use"):
+        core.add_request([1, 2], SamplingParams(), request_id=good.request_id)
+    assert core.stats() == before
+    while core.has_work:
+        core.step()
+    assert len(good.output_token_ids) == 5
+    assert_all_free(core)
+
+
+def test_scheduler_never_hands_out_slot_or_block_zero_and_respects_budget(checkpoint):
+    core = EngineCore(EngineConfig(model=checkpoint("qwen3_5"), max_num_seqs=4, max_num_batched_tokens=32))
+    for i in range(6):
+        core.add_request(list(range(1, 2 + 13 * i)), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    while core.has_work:
+        plan = core.schedule()
+        assert plan.num_tokens <= 32
+        assert len(plan.rows) <= 4
+        assert all(len(r.token_ids) == 1 for r in plan.decode_rows)
+        for row in plan.rows:
+            assert row.slot != 0 and 0 not in row.block_table
+        core.commit(plan, core.run(plan))
+    assert_all_free(core)
+
+
+def test_long_prompt_does_not_stall_decodes(checkpoint):
+    """Chunked prefill: while a 300-token prompt is prefilled in 32-token chunks, the running
+    request still decodes one token every step."""
+    core = EngineCore(EngineConfig(model=checkpoint("qwen3_5"), max_num_seqs=2, max_num_batched_tokens=33))
+    short = core.add_request([1, 2, 3], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    core.step()
+    core.add_request(list(range(1, 301)), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    for _ in range(9):
+        plan = core.schedule()
+        assert [r.request for r in plan.decode_rows] == [short]
+        assert plan.prefill_rows and len(plan.prefill_rows[0].token_ids) == 32
+        core.commit(plan, core.run(plan))
+
+
+# AsyncLLM ---------------------------------------------------------------------------------------
+
+async def test_async_generate_streams_and_matches_sync(checkpoint):
+    path = checkpoint("qwen3_next")
+    engine = AsyncLLM(path, max_num_seqs=8)
+    jobs = make_jobs(10, seed=3, max_prompt=120)
+    alone = [run_alone(engine.core, job) for job in jobs]
+
+    async def consume(job: Job, delay: float):
+        await asyncio.sleep(delay)
+        tokens, text, reasons = [], "", []
+        async for delta in engine.generate(job.prompt, job.params):
+            tokens += delta.token_ids
+            text += delta.text
+            reasons.append(delta.finish_reason)
+        return tokens, text, reasons
+
+    results = await asyncio.gather(*(consume(job, 0.002 * i) for i, job in enumerate(jobs)))
+    for (tokens, text, reasons), expected in zip(results, alone):
+        assert tokens == expected
+        assert text == engine.tokenizer.decode(tokens) or "\ufffd" in text
+        assert reasons[-1] == "length" and all(r is None for r in reasons[:-1])
+    assert engine.stats()["num_free_slots"] == engine.stats()["num_slots"]
+    await engine.shutdown()
+
+
+async def test_async_abort_and_disconnect_free_resources(checkpoint):
+    engine = AsyncLLM(checkpoint("qwen3_5"))
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+
+    async def abort_after_first(request_id):
+        reasons = []
+        async for delta in engine.generate([1, 2, 3], params, request_id=request_id):
+            reasons.append(delta.finish_reason)
+            if len(reasons) == 1:
+                assert await engine.abort(request_id)
+        return reasons
+
+    async def disconnect_after_first():
+        stream = engine.generate([4, 5, 6], params)
+        async for _ in stream:
+            break
+        await stream.aclose()
+
+    reasons, _ = await asyncio.gather(abort_after_first("x"), disconnect_after_first())
+    assert reasons[-1] == "abort"
+    for _ in range(100):
+        if engine.stats()["num_running"] == 0:
+            break
+        await asyncio.sleep(0.01)
+    stats = engine.stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["num_free_slots"] == stats["num_slots"] and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    assert await engine.abort("unknown") is False
+    await engine.shutdown()
+
+
+async def test_async_bad_input_raises_at_submission(checkpoint):
+    engine = AsyncLLM(checkpoint("qwen3_5"))
+    with pytest.raises(ValueError, match="empty"):
+        async for _ in engine.generate([], SamplingParams()):
+            pass
+    assert engine.stats()["num_waiting"] == 0
+    await engine.shutdown()
