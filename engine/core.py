@@ -22,6 +22,7 @@ import torch
 from ..kernels import select_ops
 from .allocators import BlockAllocator, SlotAllocator
 from .config import ModelConfig
+from .cuda_graphs import DecodeGraphs
 from .engine_config import EngineConfig
 from .request import Request, RequestDelta
 from .runner import Runner, StepOutput
@@ -52,7 +53,8 @@ class EngineCore:
         self.blocks = BlockAllocator(self.kv.num_blocks, config.block_size)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
                                    self.slots, self.blocks)
-        self.runner = Runner(self.model, self.states, self.kv, self.ops, config.block_size, self.device)
+        self.runner = Runner(self.model, self.states, self.kv, self.ops, config.block_size, self.device,
+                             self._capture_graphs())
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
 
@@ -127,6 +129,16 @@ class EngineCore:
             "num_preempted": self.scheduler.num_preempted,
             "state_bytes_per_sequence": self.states.bytes_per_slot,
         }
+
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        """Decode graphs need CUDA and kernels free of host syncs (the Triton table)."""
+        if not (self.config.enable_cuda_graphs and self.device.type == "cuda" and self.ops.name == "triton"):
+            return None
+        graphs = DecodeGraphs(self.model, self.states, self.kv, self.config.block_size, self.config.max_num_seqs,
+                              -(-self.max_model_len // self.config.block_size), self.device)
+        graphs.capture()
+        logger.info("captured CUDA graphs for decode batch sizes %s", graphs.buckets)
+        return graphs
 
     # Memory -------------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9     # share of free GPU memory after weights for the pools
     cpu_memory_bytes: int = 1 << 30         # pool budget on the CPU
     num_kv_blocks: int | None = None        # override the KV pool size (tests, preemption)
+    enable_cuda_graphs: bool = True         # decode steps replay captured graphs (CUDA + Triton only)
 
     def __post_init__(self) -> None:
         problems = []

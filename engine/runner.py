@@ -13,6 +13,7 @@ import torch
 
 from ..kernels import Ops
 from .batch import ForwardBatch, Row
+from .cuda_graphs import DecodeGraphs
 from .models import HybridLM
 from .scheduler import ScheduledRow, StepPlan
 from .state_pool import KVPool, StatePool
@@ -25,18 +26,21 @@ class StepOutput:
 
 class Runner:
     def __init__(self, model: HybridLM, states: StatePool, kv: KVPool, ops: Ops, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, graphs: DecodeGraphs | None = None) -> None:
         self.model, self.states, self.kv, self.ops = model, states, kv, ops
-        self.block_size, self.device = block_size, device
+        self.block_size, self.device, self.graphs = block_size, device, graphs
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepOutput:
-        batch = ForwardBatch.build([self._row(r) for r in plan.decode_rows],
-                                   [self._row(r) for r in plan.prefill_rows], self.block_size, self.device)
-        hidden = self.model(batch, self.states, self.kv)
+        decode = [self._row(r) for r in plan.decode_rows]
         sampling = [r for r in plan.rows if r.sample]
-        tokens = iter(self._sample(self.model.compute_logits(hidden[batch.logits_indices]), sampling)
-                      if sampling else [])
+        if self.graphs is not None and self.graphs.can_run(decode, len(plan.prefill_rows)):
+            logits = self.graphs.run(decode)
+        else:
+            batch = ForwardBatch.build(decode, [self._row(r) for r in plan.prefill_rows], self.block_size,
+                                       self.device)
+            logits = self.model.compute_logits(self.model(batch, self.states, self.kv)[batch.logits_indices])
+        tokens = iter(self._sample(logits, sampling) if sampling else [])
         return StepOutput([next(tokens) if r.sample else None for r in plan.rows])
 
     @staticmethod

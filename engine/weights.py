@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -122,53 +122,65 @@ def load_model(path: str | Path, ops: Ops, dtype: torch.dtype, device: torch.dev
     config = config or ModelConfig.from_file(path)
     files = checkpoint_files(path)
     names = _checkpoint_names(files)
-    with_mtp = any((_canonical_name(n) or "").startswith("mtp.") for n in names)
+    total_bytes = sum(f.stat().st_size for f in files)
+    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="loading weights",
+              disable=total_bytes < _PROGRESS_BAR_BYTES) as bar:
+        return model_from_tensors(config, _read_tensors(files, bar), ops, dtype, device,
+                                  with_mtp=any((_canonical_name(n) or "").startswith("mtp.") for n in names))
+
+
+def model_from_tensors(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], ops: Ops,
+                       dtype: torch.dtype, device: torch.device | str, with_mtp: bool) -> HybridLM:
+    """Build the model and fill it from (checkpoint name, tensor) pairs, e.g. an HF state_dict."""
     with torch.device(device):
         model = HybridLM(config, ops, dtype, with_mtp=with_mtp)
-    _fill(model, files, config)
+    _fill(model, tensors, config)
     return model.eval()
 
 
-def _fill(model: HybridLM, files: list[Path], config: ModelConfig) -> None:
+def _read_tensors(files: list[Path], bar: tqdm) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        with _open(file) as f:
+            for name in f.keys():
+                try:
+                    tensor = f.get_tensor(name)
+                except Exception as e:
+                    raise WeightLoadError(f"cannot read tensor {name} from {file}: {e}") from None
+                bar.update(tensor.numel() * tensor.element_size())
+                yield name, tensor
+
+
+def _fill(model: HybridLM, tensors: Iterable[tuple[str, torch.Tensor]], config: ModelConfig) -> None:
     mapping = model.checkpoint_map()
     params = dict(model.named_parameters())
     covered: dict[str, int] = defaultdict(int)
     seen: set[str] = set()
     unexpected, mismatched, duplicated = [], [], []
-    total_bytes = sum(f.stat().st_size for f in files)
-    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="loading weights",
-              disable=total_bytes < _PROGRESS_BAR_BYTES) as bar:
-        for file in files:
-            with _open(file) as f:
-                for raw_name in f.keys():
-                    name = _canonical_name(raw_name)
-                    if name is None or (name == "lm_head.weight" and model.lm_head is None):
-                        continue
-                    try:
-                        tensor = f.get_tensor(raw_name)
-                    except Exception as e:
-                        raise WeightLoadError(f"cannot read tensor {raw_name} from {file}: {e}") from None
-                    bar.update(tensor.numel() * tensor.element_size())
-                    try:
-                        pieces = list(_normalise(name, tensor, config))
-                    except _ShapeMismatch as e:
-                        mismatched.append(e.line)
-                        continue
-                    for canonical, piece in pieces:
-                        if canonical not in mapping:
-                            unexpected.append(f"{raw_name} {list(piece.shape)}")
-                            continue
-                        if canonical in seen:
-                            duplicated.append(canonical)
-                            continue
-                        seen.add(canonical)
-                        param_name, index = mapping[canonical]
-                        target = params[param_name].data[index]
-                        if target.shape != piece.shape:
-                            mismatched.append(f"{canonical}: expected {list(target.shape)}, got {list(piece.shape)}")
-                            continue
-                        target.copy_(piece)
-                        covered[param_name] += piece.numel()
+    for raw_name, tensor in tensors:
+        name = _canonical_name(raw_name)
+        if name is None or (name == "lm_head.weight" and model.lm_head is None) \
+                or (name.startswith("mtp.") and model.mtp is None):
+            continue
+        try:
+            pieces = list(_normalise(name, tensor, config))
+        except _ShapeMismatch as e:
+            mismatched.append(e.line)
+            continue
+        for canonical, piece in pieces:
+            if canonical not in mapping:
+                unexpected.append(f"{raw_name} {list(piece.shape)}")
+                continue
+            if canonical in seen:
+                duplicated.append(canonical)
+                continue
+            seen.add(canonical)
+            param_name, index = mapping[canonical]
+            target = params[param_name].data[index]
+            if target.shape != piece.shape:
+                mismatched.append(f"{canonical}: expected {list(target.shape)}, got {list(piece.shape)}")
+                continue
+            target.copy_(piece)
+            covered[param_name] += piece.numel()
     missing = sorted(name for name, (param_name, _) in mapping.items()
                      if covered[param_name] < params[param_name].numel() and name not in seen
                      and not _alternative_layout_complete(name, mapping, seen))

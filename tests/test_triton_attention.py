@@ -1,0 +1,227 @@
+"""Triton write_kv / paged_attention (kernels/attention.py) against their torch references.
+
+The references are checked against naive float64 attention in test_ref_attention.py; here they
+are the oracle. Inputs are fresh seeded random draws (no zeros), outputs are poisoned with NaN
+before the kernel runs, and pool positions a batch does not own hold finite garbage (or NaN) and
+must stay bit-identical. Rows mix decode (q_len 1), verify (q_len <= 8) and prefill chunks over
+cached prefixes of length 0, 1, not a multiple of the block size, and many blocks, in one batch.
+Block ids are shuffled; block 0 is the null block that pads block tables.
+
+CPU: the interpreter, fp32/fp16, head_dim 32/64, block sizes 4/16, every tile kind (decode tile,
+prefill tile, split key range) through explicit configs plus the launcher's own choice.
+GPU (`gpu` marker): bf16, head_dim 128/256, GQA 1/4/8, block sizes 16/64, the launcher's choice
+and the prefill/split configs, long contexts, and capture in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from deltaspec.kernels.attention import (AttentionConfig, launch_paged_attention, paged_attention,
+                                         paged_attention_reference, write_kv, write_kv_reference)
+
+# (q_len, cached prefix): decode/verify rows first, prefill chunks after, as the runner orders them.
+ROWS = [(1, 36), (4, 17), (1, 0), (4, 150), (9, 0), (6, 1), (12, 13), (3, 150)]
+GPU_ROWS = [(1, 1000), (1, 0), (4, 37), (8, 300), (2, 63), (200, 0), (77, 1), (130, 517), (16, 2048)]
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def make_case(seed: int, rows, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+              dtype: torch.dtype, device: str, stale: float | None = None) -> SimpleNamespace:
+    """Rows' K/V written into shuffled blocks of a pool whose other positions hold `stale`
+    (random garbage when None). q is a strided view, as the model slices it from [q | gate]."""
+    gen = torch.Generator().manual_seed(seed)
+    contexts = [q_len + prefix for q_len, prefix in rows]
+    blocks_per_row = [math.ceil(c / block_size) for c in contexts]
+    num_blocks = 1 + sum(blocks_per_row) + 3
+    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    block_tables = torch.zeros(len(rows), max(blocks_per_row) + 2, dtype=torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    if stale is None:
+        k_cache, v_cache = 3 * torch.randn(shape, generator=gen), 3 * torch.randn(shape, generator=gen)
+    else:
+        k_cache, v_cache = torch.full(shape, stale), torch.full(shape, stale)
+    for r, (n, context) in enumerate(zip(blocks_per_row, contexts)):
+        block_tables[r, :n] = torch.tensor(ids[:n])
+        ids = ids[n:]
+        pos = torch.arange(context)
+        flat = block_tables[r].long()[pos // block_size] * block_size + pos % block_size
+        k_cache.view(-1, num_kv_heads, head_dim)[flat] = torch.randn(context, num_kv_heads, head_dim, generator=gen)
+        v_cache.view(-1, num_kv_heads, head_dim)[flat] = torch.randn(context, num_kv_heads, head_dim, generator=gen)
+    num_tokens = sum(q_len for q_len, _ in rows)
+    q_gate = torch.randn(num_tokens, num_heads, 2 * head_dim, generator=gen)
+    to = dict(device=device)
+    return SimpleNamespace(
+        q=q_gate.to(dtype=dtype, **to)[..., :head_dim], k_cache=k_cache.to(dtype=dtype, **to),
+        v_cache=v_cache.to(dtype=dtype, **to), block_tables=block_tables.to(**to),
+        cu_seqlens=torch.tensor([0] + [q for q, _ in rows]).cumsum(0).to(torch.int32).to(**to),
+        context_lens=torch.tensor(contexts, dtype=torch.int32, device=device), scale=head_dim ** -0.5)
+
+
+def reference(case: SimpleNamespace) -> torch.Tensor:
+    return paged_attention_reference(case.q, case.k_cache, case.v_cache, case.block_tables, case.cu_seqlens,
+                                     case.context_lens, case.scale)
+
+
+def launch(case: SimpleNamespace, config: AttentionConfig) -> torch.Tensor:
+    out = torch.full(case.q.shape, float("nan"), dtype=case.q.dtype, device=case.q.device)
+    launch_paged_attention(out, case.q, case.k_cache, case.v_cache, case.block_tables, case.cu_seqlens,
+                           case.context_lens, case.scale, config)
+    return out
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what: str = "") -> None:
+    """Max error relative to the largest reference magnitude; NaN never passes."""
+    error = float((actual.float() - expected.float()).abs().max())
+    scale = float(expected.float().abs().max())
+    assert error <= rtol * scale, f"{what}: max abs error {error:.3e} (scale {scale:.3e}, rtol {rtol})"
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-identical, NaN included."""
+    as_int = {4: torch.int32, 2: torch.int16}[a.element_size()]
+    return a.dtype == b.dtype and torch.equal(a.view(as_int), b.view(as_int))
+
+
+def check_attention(case: SimpleNamespace, config: AttentionConfig | None, what: str) -> None:
+    k_before, v_before = case.k_cache.clone(), case.v_cache.clone()
+    if config is None:
+        out = paged_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.cu_seqlens,
+                              case.context_lens, case.scale)
+    else:
+        out = launch(case, config)
+    expected = reference(case)
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    assert_close(out, expected, TOLERANCE[case.q.dtype], what)
+    assert bit_equal(case.k_cache, k_before) and bit_equal(case.v_cache, v_before), "attention wrote the pool"
+
+
+# --------------------------------------------------------------------------- CPU (interpreter) and GPU
+
+@pytest.mark.parametrize("block_size,dtype,slot_dtype", [(4, torch.float32, torch.int64), (16, torch.float16, torch.int32)])
+def test_write_kv_matches_reference_and_touches_nothing_else(kernel_device, block_size, dtype, slot_dtype):
+    gen = torch.Generator().manual_seed(block_size)
+    num_blocks, num_kv_heads, head_dim, num_tokens = 7, 2, 32, 11
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype=dtype, device=kernel_device)
+    v_cache = torch.randn(shape, generator=gen).to(dtype=dtype, device=kernel_device)
+    # k, v as the model slices them from one projection: token stride wider than Hkv * D.
+    kv = torch.randn(num_tokens, num_kv_heads, 3 * head_dim, generator=gen).to(dtype=dtype, device=kernel_device)
+    k, v = kv[..., :head_dim], kv[..., 2 * head_dim:]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].to(slot_dtype).to(kernel_device)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    write_kv_reference(k, v, expected_k, expected_v, slots)
+    write_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+# (block_size, Hq, Hkv, D, dtype, config): decode tiles (16 rows), prefill tiles (several tokens
+# x heads), split key ranges, GQA 1 / 3 (not a power of two) / 4 / 8.
+CPU_CASES = [
+    (4, 4, 4, 32, torch.float32, AttentionConfig(16, 16, 1, 4, 1)),
+    (16, 8, 2, 32, torch.float32, AttentionConfig(32, 32, 1, 4, 1)),
+    (16, 8, 2, 64, torch.float16, AttentionConfig(16, 32, 3, 4, 1)),
+    (4, 6, 2, 32, torch.float32, AttentionConfig(16, 16, 2, 4, 1)),
+    (16, 8, 1, 32, torch.float16, AttentionConfig(64, 16, 1, 4, 1)),
+]
+
+
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim,dtype,config", CPU_CASES,
+                         ids=["bs4-mha-decode-tile", "bs16-gqa4-prefill-tile", "bs16-gqa4-d64-fp16-split3",
+                              "bs4-gqa3-split2", "bs16-gqa8-fp16-tile64"])
+def test_paged_attention_matches_reference(kernel_device, block_size, num_heads, num_kv_heads, head_dim, dtype,
+                                           config):
+    case = make_case(block_size + num_heads + head_dim, ROWS, block_size, num_heads, num_kv_heads, head_dim, dtype,
+                     kernel_device)
+    check_attention(case, config, f"{config}")
+
+
+def test_paged_attention_launcher_choice(kernel_device):
+    """The launcher's own configs: a ragged mixed batch, and a decode batch with a long context
+    (which splits the key range) at once."""
+    mixed = make_case(1, ROWS, 16, 8, 2, 32, torch.float32, kernel_device)
+    check_attention(mixed, None, "mixed batch")
+    decode = make_case(2, [(1, 300), (1, 5)], 16, 8, 2, 32, torch.float32, kernel_device)
+    check_attention(decode, None, "long decode")
+
+
+@pytest.mark.parametrize("config", [AttentionConfig(16, 16, 1, 4, 1), AttentionConfig(32, 16, 4, 4, 1)],
+                         ids=["whole-range", "split4"])
+def test_paged_attention_never_reads_positions_past_context(kernel_device, config):
+    """Unowned pool positions (null block 0, the tail of a row's last block, other blocks) may
+    hold NaN, e.g. written by pad rows of a CUDA graph; no real row's output may see them."""
+    case = make_case(3, ROWS, 16, 8, 2, 32, torch.float32, kernel_device, stale=float("nan"))
+    check_attention(case, config, "NaN in unowned KV positions")
+
+
+# --------------------------------------------------------------------------- GPU only (bf16)
+
+# (block_size, Hq, Hkv, D, config); None is the launcher's own choice, which for GPU_ROWS is the
+# prefill tile with a split key range.
+GPU_CASES = [
+    (16, 8, 2, 256, None), (64, 8, 2, 256, None), (16, 8, 8, 128, None), (16, 8, 1, 256, None), (64, 16, 2, 128, None),
+    (16, 8, 2, 256, AttentionConfig(128, 32, 1, 8, 2)), (64, 8, 1, 256, AttentionConfig(128, 64, 1, 8, 2)),
+    (16, 8, 2, 256, AttentionConfig(16, 32, 5, 4, 3)), (16, 8, 1, 128, AttentionConfig(64, 64, 3, 4, 3)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim,config", GPU_CASES,
+                         ids=["bs16-gqa4-d256", "bs64-gqa4-d256", "bs16-mha-d128", "bs16-gqa8-d256", "bs64-gqa8-d128",
+                              "bs16-gqa4-d256-prefill-tile", "bs64-gqa8-d256-prefill-tile",
+                              "bs16-gqa4-d256-decode-tile-split5", "bs16-gqa8-d128-verify-tile-split3"])
+def test_paged_attention_bf16_gpu(block_size, num_heads, num_kv_heads, head_dim, config):
+    case = make_case(block_size * num_heads + head_dim, GPU_ROWS, block_size, num_heads, num_kv_heads, head_dim,
+                     torch.bfloat16, "cuda")
+    check_attention(case, config, f"{config}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [[(1, 9000)], [(1, 4000)] * 3 + [(1, 17)], [(5, 3000)] * 2, [(3000, 0)],
+                                  [(100, 5000), (1, 7)]],
+                         ids=["decode-1x9k", "decode-4-ragged", "verify-2x3k", "prefill-3k", "chunk-over-5k"])
+def test_paged_attention_long_contexts_gpu(rows):
+    case = make_case(len(rows), rows, 16, 8, 2, 256, torch.bfloat16, "cuda")
+    check_attention(case, None, f"rows {rows[:2]}")
+
+
+@pytest.mark.gpu
+def test_paged_attention_and_write_kv_in_cuda_graph():
+    """Launch geometry depends on shapes only: a captured decode step (write this token's K/V,
+    attend) replays correctly after lengths, slots, queries and K/V change in place."""
+    rows = [(1, 700), (1, 30), (1, 2000), (1, 0)]
+    case = make_case(9, rows, 16, 8, 2, 256, torch.bfloat16, "cuda")
+    new_k = torch.randn(len(rows), 2, 256, device="cuda", dtype=torch.bfloat16)
+    new_v = torch.randn_like(new_k)
+    slots = torch.zeros(len(rows), dtype=torch.int64, device="cuda")
+
+    def step() -> torch.Tensor:
+        write_kv(new_k, new_v, case.k_cache, case.v_cache, slots)
+        return paged_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.cu_seqlens,
+                               case.context_lens, case.scale)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()                                                      # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    gen = torch.Generator().manual_seed(10)
+    for contexts in ([650, 1, 1999, 1], [17, 31, 64, 1]):
+        case.context_lens.copy_(torch.tensor(contexts, dtype=torch.int32))
+        position = case.context_lens.long() - 1                     # this step's token: the row's last
+        slots.copy_(case.block_tables.long().gather(1, (position // 16)[:, None])[:, 0] * 16 + position % 16)
+        case.q.copy_(torch.randn(case.q.shape, generator=gen))
+        new_k.copy_(torch.randn(new_k.shape, generator=gen))
+        new_v.copy_(torch.randn(new_v.shape, generator=gen))
+        expected_k, expected_v = case.k_cache.clone(), case.v_cache.clone()
+        write_kv_reference(new_k, new_v, expected_k, expected_v, slots)
+        graph.replay()
+        assert torch.equal(case.k_cache, expected_k) and torch.equal(case.v_cache, expected_v)
+        assert_close(out, reference(case), TOLERANCE[torch.bfloat16], f"graph replay, contexts {contexts}")
