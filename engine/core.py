@@ -22,6 +22,7 @@ import torch
 from ..kernels import select_ops
 from .allocators import BlockAllocator, SlotAllocator
 from .config import ModelConfig
+from .models import HybridLM
 from .cuda_graphs import DecodeGraphs
 from .engine_config import EngineConfig
 from .request import Request, RequestDelta
@@ -38,15 +39,20 @@ _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, model: HybridLM | None = None, tokenizer: Tokenizer | None = None) -> None:
+        """Loads model and tokenizer from config.model unless given (benchmarks build random
+        models in memory; a given model must already be on config.device in config.dtype)."""
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = _TORCH_DTYPES[config.dtype]
         path = Path(config.model)
-        self.model_config = ModelConfig.from_file(path)
-        self.tokenizer = Tokenizer.from_dir(path)
-        self.ops = select_ops(self.device, config.kernel_backend)
-        self.model = load_model(path, self.ops, self.dtype, self.device, self.model_config)
+        self.tokenizer = tokenizer or Tokenizer.from_dir(path)
+        if model is None:
+            self.model_config = ModelConfig.from_file(path)
+            self.ops = select_ops(self.device, config.kernel_backend)
+            self.model = load_model(path, self.ops, self.dtype, self.device, self.model_config)
+        else:
+            self.model, self.model_config, self.ops = model, model.config, model.ops
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.states, self.kv = self._allocate_pools()
         self.slots = SlotAllocator(self.states.num_slots)
