@@ -21,6 +21,7 @@ import torch
 
 from ..kernels import select_ops
 from .allocators import BlockAllocator, SlotAllocator
+from ..spec import AdaptivePolicy, SpecStats
 from .config import ModelConfig
 from .models import HybridLM
 from .cuda_graphs import DecodeGraphs
@@ -54,13 +55,20 @@ class EngineCore:
         else:
             self.model, self.model_config, self.ops = model, model.config, model.ops
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.num_draft_tokens = config.num_draft_tokens if self.model.mtp is not None else 0
+        if config.num_draft_tokens and self.model.mtp is None:
+            logger.warning("the checkpoint has no MTP weights: speculation is off")
         self.states, self.kv = self._allocate_pools()
         self.slots = SlotAllocator(self.states.num_slots)
         self.blocks = BlockAllocator(self.kv.num_blocks, config.block_size)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
-                                   self.slots, self.blocks)
+        policy = (AdaptivePolicy(self.num_draft_tokens, enabled=config.adaptive_draft_length)
+                  if self.num_draft_tokens else None)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, policy,
+                                                   self.max_model_len), self.slots, self.blocks)
         self.runner = Runner(self.model, self.states, self.kv, self.ops, config.block_size, self.device,
-                             self._capture_graphs())
+                             None if self.num_draft_tokens else self._capture_graphs(),
+                             speculative=bool(self.num_draft_tokens))
+        self.spec_stats = SpecStats()
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
 
@@ -112,7 +120,12 @@ class EngineCore:
         return self.runner.run(plan) if plan.rows else StepOutput([])
 
     def commit(self, plan: StepPlan, output: StepOutput) -> list[RequestDelta]:
-        updated = self.scheduler.commit(plan, output.sampled) + self.scheduler.take_aborted()
+        for row, tokens in zip(plan.decode_rows, output.emitted):
+            if row.num_draft_tokens:
+                self.spec_stats.record(row.num_draft_tokens, len(tokens) - 1)
+        self.spec_stats.draft_seconds += output.draft_seconds
+        self.spec_stats.verify_seconds += output.verify_seconds
+        updated = self.scheduler.commit(plan, output.emitted) + self.scheduler.take_aborted()
         deltas = [request.take_delta() for request in updated]
         for request in updated:
             if request.finished:
@@ -134,6 +147,8 @@ class EngineCore:
             "num_kv_blocks": self.blocks.capacity - 1,
             "num_preempted": self.scheduler.num_preempted,
             "state_bytes_per_sequence": self.states.bytes_per_slot,
+            "num_draft_tokens": self.num_draft_tokens,
+            "spec": self.spec_stats.as_dict(),
         }
 
     def _capture_graphs(self) -> DecodeGraphs | None:
@@ -150,7 +165,8 @@ class EngineCore:
 
     def _allocate_pools(self) -> tuple[StatePool, KVPool]:
         c, config = self.model_config, self.config
-        states = StatePool(c, config.max_num_seqs + 1, max_pending=1, dtype=self.dtype, device=self.device)
+        states = StatePool(c, config.max_num_seqs + 1, max_pending=self.num_draft_tokens + 1, dtype=self.dtype,
+                           device=self.device, keep_mtp_hidden=bool(self.num_draft_tokens))
         kv_layers = self.model.num_kv_layers
         bytes_per_block = (2 * kv_layers * config.block_size * c.num_key_value_heads * c.head_dim
                            * torch.finfo(self.dtype).bits // 8)

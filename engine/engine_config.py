@@ -22,6 +22,8 @@ class EngineConfig:
     cpu_memory_bytes: int = 1 << 30         # pool budget on the CPU
     num_kv_blocks: int | None = None        # override the KV pool size (tests, preemption)
     enable_cuda_graphs: bool = True         # decode steps replay captured graphs (CUDA + Triton only)
+    num_draft_tokens: int = 0               # MTP speculation: drafts per step at most (0: off)
+    adaptive_draft_length: bool = True      # per-request draft length from recent acceptance
 
     def __post_init__(self) -> None:
         problems = []
@@ -37,6 +39,8 @@ class EngineConfig:
             problems.append("block_size must be >= 1")
         if not 0 < self.gpu_memory_utilization <= 1:
             problems.append("gpu_memory_utilization must be in (0, 1]")
+        if not 0 <= self.num_draft_tokens <= 8:
+            problems.append("num_draft_tokens must be in 0..8")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             problems.append("num_kv_blocks must be >= 2 (block 0 is scratch)")
         if problems:

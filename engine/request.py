@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from ..spec import DraftLengthState, SpecStats
 from .sampling_params import SamplingParams
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -65,6 +66,10 @@ class Request:
     num_computed_tokens: int = 0  # tokens already folded into the slot's state and KV blocks
     num_preemptions: int = 0
     abort_requested: bool = False
+    # Speculation: the MTP layer's KV is exact for positions < mtp_position; drafts per step.
+    mtp_position: int = 0
+    draft_length: DraftLengthState | None = None
+    spec_stats: SpecStats = field(default_factory=SpecStats)
     # Streaming cursors.
     _emitted_tokens: int = 0
     _emitted_chars: int = 0
@@ -97,6 +102,13 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def extend(self, token_ids: list[int]) -> None:
+        """Record the tokens of one step in order, stopping at the first that finishes."""
+        for token_id in token_ids:
+            if self.finished:
+                return
+            self.append(token_id)
 
     def append(self, token_id: int) -> None:
         """Record one sampled token and decide whether the request is done."""

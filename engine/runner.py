@@ -1,17 +1,33 @@
 """Runs one StepPlan on the device: builds the step's metadata once, runs the model, samples.
 
-Returns a typed StepOutput and never reads scheduler state beyond the plan it is handed (rows
-carry the request only so that sampling parameters travel with them). Knows nothing about
-queues, stop conditions or HTTP.
+Without speculation a step is one forward (decode rows commit their token at once; decode-only
+steps replay a CUDA graph). With speculation (the model's MTP layer drafts) a step is:
+
+  1. draft:  the MTP layer catches up over the positions verified last step (inputs shifted
+             by one, the target hidden states kept from that step), then chains k-1 more
+             single-token steps on its own output; greedy drafts.
+  2. verify: one target forward over every row — decode rows feed [newest, d_1 .. d_k] through
+             the deferred-commit kernels (nothing is folded into the committed state yet),
+             prefill chunks run as usual.
+  3. accept: greedy acceptance on the device; each slot's pending count becomes the number of
+             fed tokens that were accepted (rollback is that counter), the hidden states of
+             the fed positions are kept for the next catch-up, and prefill chunks run the MTP
+             over their own positions so the MTP's KV cache stays complete.
+
+One host sync per step (the emitted tokens). Returns a typed StepOutput and never reads
+scheduler state beyond the plan it is handed. Knows nothing about queues or stop conditions.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from dataclasses import dataclass
 
 import torch
 
 from ..kernels import Ops
+from ..spec import greedy_accept
 from .batch import ForwardBatch, Row
 from .cuda_graphs import DecodeGraphs
 from .models import HybridLM
@@ -21,27 +37,160 @@ from .state_pool import KVPool, StatePool
 
 @dataclass(frozen=True)
 class StepOutput:
-    sampled: list[int | None]  # per plan row (decode rows first); None for rows that do not sample
+    emitted: list[list[int]]  # per plan row (decode rows first): the tokens it produced
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
 
 
 class Runner:
     def __init__(self, model: HybridLM, states: StatePool, kv: KVPool, ops: Ops, block_size: int,
-                 device: torch.device, graphs: DecodeGraphs | None = None) -> None:
+                 device: torch.device, graphs: DecodeGraphs | None = None, speculative: bool = False) -> None:
         self.model, self.states, self.kv, self.ops = model, states, kv, ops
         self.block_size, self.device, self.graphs = block_size, device, graphs
+        self.speculative = speculative
+        if speculative and (model.mtp is None or states.mtp_hidden is None):
+            raise ValueError("speculation needs a model with MTP weights and a pool that keeps MTP inputs")
+        # The draft stage: rows -> drafts [B, max k] (or None). The MTP drafter by default; a seam
+        # for scripted drafters (tests force every acceptance count through it).
+        self.drafter = self.draft_with_mtp
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepOutput:
+        if self.speculative:
+            return self._run_speculative(plan)
         decode = [self._row(r) for r in plan.decode_rows]
-        sampling = [r for r in plan.rows if r.sample]
         if self.graphs is not None and self.graphs.can_run(decode, len(plan.prefill_rows)):
             logits = self.graphs.run(decode)
         else:
-            batch = ForwardBatch.build(decode, [self._row(r) for r in plan.prefill_rows], self.block_size,
-                                       self.device)
+            batch = self._batch(decode, [self._row(r) for r in plan.prefill_rows], commit=True)
             logits = self.model.compute_logits(self.model(batch, self.states, self.kv)[batch.logits_indices])
+        sampling = [r for r in plan.rows if r.sample]
         tokens = iter(self._sample(logits, sampling) if sampling else [])
-        return StepOutput([next(tokens) if r.sample else None for r in plan.rows])
+        return StepOutput([[next(tokens)] if r.sample else [] for r in plan.rows])
+
+    # Speculative step ---------------------------------------------------------------------
+
+    def _run_speculative(self, plan: StepPlan) -> StepOutput:
+        decode_rows, prefill_rows = plan.decode_rows, plan.prefill_rows
+        started = time.perf_counter()
+        drafts = self.drafter(decode_rows)                                   # [B, K] or None
+        drafted = time.perf_counter()
+        # Verify: decode rows feed [newest, drafts...] (draft ids filled in on the device).
+        rows = [Row(list(r.token_ids) + [0] * r.num_draft_tokens, r.start_position, r.slot, r.block_table,
+                    num_logits=1 + r.num_draft_tokens) for r in decode_rows]
+        batch = self._batch(rows, [self._row(r) for r in prefill_rows], commit=False)
+        input_ids = batch.input_ids
+        if drafts is not None:
+            draft_rows = [i for i, r in enumerate(decode_rows) for _ in range(r.num_draft_tokens)]
+            draft_depths = [d for r in decode_rows for d in range(r.num_draft_tokens)]
+            starts = _offsets([len(r.token_ids) for r in rows])
+            draft_positions = [starts[i] + 1 + d for i, d in zip(draft_rows, draft_depths)]
+            input_ids = input_ids.clone()
+            input_ids[self._tensor(draft_positions)] = drafts[self._tensor(draft_rows), self._tensor(draft_depths)]
+            batch = dataclasses.replace(batch, input_ids=input_ids)
+        hidden = self.model(batch, self.states, self.kv)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+
+        # Accept (greedy): decode rows' logits come first, k_r + 1 per row.
+        emitted: list[list[int]] = []
+        if decode_rows:
+            num_decode_logits = sum(1 + r.num_draft_tokens for r in decode_rows)
+            accepted, tokens = self._accept(logits[:num_decode_logits], decode_rows, drafts)
+            slots = self._tensor([r.slot for r in decode_rows])
+            self.states.pending_counts[slots] = (accepted + 1).to(torch.int32)
+            self._keep_hidden(hidden, rows, decode_rows)
+            accepted_host, tokens_host = accepted.tolist(), tokens.tolist()
+            emitted = [tokens_host[i][:accepted_host[i] + 1] for i in range(len(decode_rows))]
+        if prefill_rows:
+            # A fresh prefill leaves nothing pending; its MTP pass keeps the MTP KV complete.
+            self.states.pending_counts[self._tensor([r.slot for r in prefill_rows])] = 0
+            self._prefill_mtp(hidden, batch, prefill_rows)
+            sampling = [r for r in prefill_rows if r.sample]
+            sampled = iter(self._sample(logits[len(logits) - len(sampling):], sampling) if sampling else [])
+            emitted += [[next(sampled)] if r.sample else [] for r in prefill_rows]
+        verified = time.perf_counter()
+        return StepOutput(emitted, draft_seconds=drafted - started, verify_seconds=verified - drafted)
+
+    def draft_with_mtp(self, rows: tuple[ScheduledRow, ...]) -> torch.Tensor | None:
+        """Greedy drafts [B, max k] for the decode rows (None when no row drafts). Every row
+        runs the MTP catch-up over its last verified positions, drafting or not."""
+        # A row whose MTP is already at its newest position (the prompt's last token fed alone
+        # after a chunk) has nothing to catch up and drafts nothing.
+        catching = [i for i, r in enumerate(rows) if r.mtp_end > r.mtp_start]
+        if not catching:
+            return None
+        catch_up = [Row(rows[i].mtp_token_ids, rows[i].mtp_start, rows[i].slot, rows[i].block_table)
+                    for i in catching]
+        batch = self._batch([], catch_up, commit=True)
+        # Target hidden states of the catch-up positions were kept at the slot, in order.
+        slots = [rows[i].slot for i in catching for _ in range(rows[i].mtp_end - rows[i].mtp_start)]
+        depths = [d for i in catching for d in range(rows[i].mtp_end - rows[i].mtp_start)]
+        hidden = self.states.mtp_hidden[self._tensor(slots), self._tensor(depths)]
+        last = self.model.draft_hidden(batch.input_ids, hidden, batch, self.kv)[batch.logits_indices]
+        max_drafts = max(r.num_draft_tokens for r in rows)
+        if max_drafts == 0:
+            return None
+        out = torch.zeros(len(rows), last.shape[1], dtype=last.dtype, device=self.device)
+        out[self._tensor(catching)] = last
+        drafts = torch.zeros(len(rows), max_drafts, dtype=torch.int64, device=self.device)
+        drafting = self._tensor([i for i, r in enumerate(rows) if r.num_draft_tokens > 0])
+        drafts[drafting, 0] = self.model.compute_logits(out[drafting]).argmax(dim=-1)
+        for depth in range(1, max_drafts):
+            # Rows still drafting: one MTP step at position (newest - 1 + depth) on its own output.
+            active = [i for i, r in enumerate(rows) if r.num_draft_tokens > depth]
+            chain = [Row([0], rows[i].mtp_end - 1 + depth, rows[i].slot, rows[i].block_table) for i in active]
+            batch = self._batch([], chain, commit=True)
+            index = self._tensor(active)
+            out[index] = self.model.draft_hidden(drafts[index, depth - 1], out[index], batch, self.kv)
+            drafts[index, depth] = self.model.compute_logits(out[index]).argmax(dim=-1)
+        return drafts
+
+    def _accept(self, logits: torch.Tensor, rows: tuple[ScheduledRow, ...],
+                drafts: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits: [sum(k_r + 1), V] of the decode rows -> (accepted [B], tokens [B, K+1])."""
+        max_drafts = max(r.num_draft_tokens for r in rows)
+        row_of = self._tensor([i for i, r in enumerate(rows) for _ in range(1 + r.num_draft_tokens)])
+        depth_of = self._tensor([d for r in rows for d in range(1 + r.num_draft_tokens)])
+        target = torch.zeros(len(rows), max_drafts + 1, dtype=torch.int64, device=self.device)
+        target[row_of, depth_of] = logits.argmax(dim=-1)
+        if drafts is None:
+            drafts = torch.zeros(len(rows), 0, dtype=torch.int64, device=self.device)
+        return greedy_accept(target, drafts, self._tensor([r.num_draft_tokens for r in rows]))
+
+    def _keep_hidden(self, hidden: torch.Tensor, rows: list[Row], scheduled: tuple[ScheduledRow, ...]) -> None:
+        """Keep the target hidden states of every fed position of the decode rows (the next
+        step's catch-up reads the accepted prefix of them)."""
+        slots = [r.slot for r in rows for _ in r.token_ids]
+        depths = [d for r in rows for d in range(len(r.token_ids))]
+        self.states.mtp_hidden[self._tensor(slots), self._tensor(depths)] = hidden[:len(slots)]
+
+    def _prefill_mtp(self, hidden: torch.Tensor, batch: ForwardBatch, rows: tuple[ScheduledRow, ...]) -> None:
+        """Run the MTP over each prefill chunk's positions [mtp_start, mtp_end) with this step's
+        target hidden states; a chunk that ends the prompt keeps its last hidden state."""
+        decode_tokens = batch.prefill.token_start
+        offsets = _offsets([len(r.token_ids) for r in rows])
+        mtp_rows, hidden_index, keep_slots, keep_index = [], [], [], []
+        for r, offset in zip(rows, offsets):
+            first = decode_tokens + offset + (r.mtp_start - r.start_position)
+            if r.mtp_end > r.mtp_start:
+                mtp_rows.append(Row(r.mtp_token_ids, r.mtp_start, r.slot, r.block_table, num_logits=0))
+                hidden_index.extend(range(first, first + r.mtp_end - r.mtp_start))
+            if r.sample:
+                keep_slots.append(r.slot)
+                keep_index.append(decode_tokens + offset + len(r.token_ids) - 1)
+        if mtp_rows:
+            mtp_batch = self._batch([], mtp_rows, commit=True)
+            self.model.draft_hidden(mtp_batch.input_ids, hidden[self._tensor(hidden_index)], mtp_batch, self.kv)
+        if keep_slots:
+            self.states.mtp_hidden[self._tensor(keep_slots), 0] = hidden[self._tensor(keep_index)]
+
+    # Helpers ------------------------------------------------------------------------------
+
+    def _batch(self, decode: list[Row], prefill: list[Row], commit: bool) -> ForwardBatch:
+        return ForwardBatch.build(decode, prefill, self.block_size, self.device, commit=commit)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     @staticmethod
     def _row(row: ScheduledRow) -> Row:
@@ -66,3 +215,12 @@ class Runner:
             column([r.start_position + len(r.token_ids) for r in rows], torch.int64),
         )
         return tokens.tolist()
+
+
+def _offsets(lengths: list[int]) -> list[int]:
+    """Start index of each row in a flattened batch."""
+    starts, total = [], 0
+    for n in lengths:
+        starts.append(total)
+        total += n
+    return starts

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from ..spec import AdaptivePolicy, DraftLengthState
 from .allocators import BlockAllocator, SlotAllocator
 from .request import Request, RequestStatus
 
@@ -25,6 +26,8 @@ from .request import Request, RequestStatus
 class SchedulerConfig:
     max_num_seqs: int = 64             # running requests at most
     max_num_batched_tokens: int = 2048  # tokens per step (decode tokens + prefill chunks)
+    draft_policy: AdaptivePolicy | None = None  # None: no speculation
+    max_model_len: int = 1 << 30
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -36,12 +39,28 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ScheduledRow:
+    """One request's work this step.
+
+    Decode rows feed the newest token plus `num_draft_tokens` drafts (verify). With speculation
+    on, the MTP layer also runs over positions [mtp_start, mtp_end) with inputs shifted by one:
+    for a decode row those are the positions verified and accepted last step (their target
+    hidden states were kept), for a prefill row the chunk's positions (hidden states from this
+    step's forward)."""
+
     request: Request
     token_ids: list[int]
     start_position: int
     slot: int
     block_table: tuple[int, ...]
     sample: bool  # the row ends at the request's newest token: its logits give the next token
+    num_draft_tokens: int = 0
+    mtp_start: int = 0
+    mtp_end: int = 0
+
+    @property
+    def mtp_token_ids(self) -> list[int]:
+        """MTP inputs: the token after each MTP position."""
+        return self.request.token_ids(self.mtp_start + 1, self.mtp_end + 1)
 
 
 @dataclass(frozen=True)
@@ -75,6 +94,8 @@ class Scheduler:
         if not self.can_ever_fit(request):
             raise ValueError(f"request needs {self.blocks.blocks_needed(request.max_num_tokens)} KV blocks, "
                              f"the pool has {self.blocks.capacity - 1}")
+        if self.config.draft_policy is not None:
+            request.draft_length = DraftLengthState(self.config.draft_policy)
         self.waiting.append(request)
 
     def abort(self, request: Request) -> None:
@@ -96,14 +117,19 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         decode_rows: list[ScheduledRow] = []
         scheduled: set[int] = set()
-        for request in list(self.running):
-            if request.status is not RequestStatus.RUNNING or self._in_prefill(request):
-                continue
-            if not self._reserve_blocks(request, request.num_tokens, scheduled):
+        decoding = [r for r in self.running if not self._in_prefill(r)]
+        # Every decoding request gets its one token; drafts share what is left of the budget.
+        spare = budget - len(decoding)
+        for request in decoding:
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted to make room for an older request
+            num_drafts = min(self._draft_length(request), spare)
+            spare -= num_drafts
+            if not self._reserve_blocks(request, request.num_tokens + num_drafts, scheduled):
                 continue  # the request itself was preempted
-            decode_rows.append(self._row(request, 1))
+            decode_rows.append(self._row(request, 1, num_drafts))
             scheduled.add(id(request))
-            budget -= 1
+            budget -= 1 + num_drafts
         prefill_rows: list[ScheduledRow] = []
         for request in [r for r in self.running if self._in_prefill(r)]:
             if budget == 0:
@@ -129,17 +155,26 @@ class Scheduler:
             budget -= chunk
         return StepPlan(tuple(decode_rows), tuple(prefill_rows))
 
-    def commit(self, plan: StepPlan, sampled: list[int | None]) -> list[Request]:
-        """Fold the step's results in. sampled[i] is the token of plan.rows[i] (None when the row
-        does not sample). Returns the requests that got a token or finished."""
+    def commit(self, plan: StepPlan, emitted: list[list[int]]) -> list[Request]:
+        """Fold the step's results in. emitted[i]: the tokens plan.rows[i] produced (none for a
+        prefill chunk that does not end the prompt; accepted drafts + one for a verify row).
+        Returns the requests that got tokens or finished."""
         updated = []
-        for row, token in zip(plan.rows, sampled):
+        for index, (row, tokens) in enumerate(zip(plan.rows, emitted)):
             request = row.request
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted while this step ran: it recomputes from scratch
-            request.num_computed_tokens += len(row.token_ids)
+            accepted_drafts = len(tokens) - 1 if row.num_draft_tokens else 0
+            # Fed tokens whose state is now pending or committed: the row's token(s) and the
+            # drafts the target confirmed.
+            request.num_computed_tokens += len(row.token_ids) + accepted_drafts
+            request.mtp_position = max(request.mtp_position, row.mtp_end)
+            if request.draft_length is not None and index < len(plan.decode_rows):
+                request.draft_length.record(row.num_draft_tokens, accepted_drafts)
+                if row.num_draft_tokens:
+                    request.spec_stats.record(row.num_draft_tokens, accepted_drafts)
             if row.sample:
-                request.append(token)
+                request.extend(tokens)
                 updated.append(request)
                 if request.finished:
                     self._finish(request)
@@ -154,10 +189,29 @@ class Scheduler:
         remaining = request.num_tokens - request.num_computed_tokens
         return remaining > 1 or request.num_computed_tokens == 0
 
-    def _row(self, request: Request, num_tokens: int) -> ScheduledRow:
-        start = request.num_computed_tokens
-        return ScheduledRow(request, request.token_ids(start, start + num_tokens), start, request.slot,
-                            tuple(request.block_table), sample=start + num_tokens == request.num_tokens)
+    def _row(self, request: Request, num_tokens: int, num_drafts: int = 0) -> ScheduledRow:
+        start, end = request.num_computed_tokens, request.num_computed_tokens + num_tokens
+        if self.config.draft_policy is None:
+            mtp_start = mtp_end = 0
+        elif self._in_prefill(request):
+            # The chunk's positions, except the prompt's last: its next token is not sampled yet.
+            mtp_start, mtp_end = start, min(end, request.num_tokens - 1)
+        else:
+            mtp_start, mtp_end = request.mtp_position, request.num_tokens - 1
+        return ScheduledRow(request, request.token_ids(start, end), start, request.slot, tuple(request.block_table),
+                            sample=end == request.num_tokens, num_draft_tokens=num_drafts, mtp_start=mtp_start,
+                            mtp_end=mtp_end)
+
+    def _draft_length(self, request: Request) -> int:
+        """Drafts for this step: the request's adaptive length, never past max_tokens or the
+        context. Sampled requests do not speculate yet (rejection sampling is not wired)."""
+        if request.draft_length is None or not request.params.greedy:
+            return 0
+        if request.mtp_position >= request.num_tokens - 1:
+            return 0  # the prompt's last token, fed alone after a chunk: no MTP output to chain from
+        room = min(self.config.max_model_len - request.num_tokens,
+                   request.params.max_tokens - len(request.output_token_ids) - 1)
+        return max(0, min(request.draft_length.num_draft_tokens, room))
 
     def _reserve_blocks(self, request: Request, num_tokens: int, scheduled: set[int]) -> bool:
         """Grow the block table to hold num_tokens, preempting the newest running requests not
@@ -178,7 +232,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self._release(request)
         request.status = RequestStatus.WAITING
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.mtp_position = 0
         request.num_preemptions += 1
         self.num_preempted += 1
         # Back to the queue in arrival order, ahead of anything that arrived later.

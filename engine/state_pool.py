@@ -35,7 +35,11 @@ class KVLayer(NamedTuple):
 
 class StatePool:
     def __init__(self, config: ModelConfig, num_slots: int, max_pending: int, dtype: torch.dtype,
-                 device: torch.device | str, state_dtype: torch.dtype = torch.float32) -> None:
+                 device: torch.device | str, state_dtype: torch.dtype = torch.float32,
+                 keep_mtp_hidden: bool = False) -> None:
+        """max_pending: tokens one step may feed per row (k + 1 with k drafts). keep_mtp_hidden:
+        also keep, per slot, the target's hidden states at the positions fed last step (the MTP
+        layer's inputs for the next step's catch-up), [num_slots, max_pending, hidden]."""
         if max_pending < 1:
             raise ValueError("max_pending must be >= 1 (one step's new tokens)")
         self.num_slots, self.max_pending = num_slots, max_pending
@@ -59,12 +63,15 @@ class StatePool:
             )
 
         self.layers = [layer() for _ in config.gdn_layer_ids]
+        self.mtp_hidden = (torch.zeros(s, p, c.hidden_size, dtype=dtype, device=device) if keep_mtp_hidden
+                           else None)
 
     @property
     def bytes_per_slot(self) -> int:
         """Committed state + conv window + pending buffers of one slot, all layers."""
         per_layer = sum(t[0].numel() * t.element_size() for layer in self.layers for t in layer[:-1])
-        return per_layer + self.pending_counts.element_size()
+        mtp = 0 if self.mtp_hidden is None else self.mtp_hidden[0].numel() * self.mtp_hidden.element_size()
+        return per_layer + mtp + self.pending_counts.element_size()
 
     def reset_slot(self, slot: int) -> None:
         """A slot handed to a new sequence starts with nothing pending (its state is not read

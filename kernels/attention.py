@@ -5,14 +5,27 @@ tokens live at positions [0, context_len) mapped through its block table; the ro
 query tokens are its last q_len positions, causal among themselves. Decode (q_len 1),
 verify (q_len k+1) and prefill chunks (any q_len, any cached prefix) are the same call.
 Softmax in float32. Knows nothing about sequences beyond block tables and lengths.
+
+Triton kernels: `write_kv` scatters this step's K/V into the pool by slot_mapping;
+`paged_attention` is one flash-attention kernel for every row kind. A program owns one query
+tile of one row and one KV head: the tile packs TOKENS consecutive query tokens x the GROUP
+query heads of that KV head into its BLOCK_M rows (m -> token m // GROUP, head m % GROUP), so
+K/V are read once per KV head for all its query heads, and a decode or verify row (q_len <= 8)
+is one tile. Optionally the key range of a tile is split over num_splits programs (long contexts,
+few rows); a second small kernel merges their partial (max, sum, acc). Launch geometry depends
+only on tensor shapes, never on tensor values, so both launchers run inside CUDA graphs.
 """
 
 from __future__ import annotations
 
+from functools import cache
+from typing import NamedTuple
+
 import torch
+import triton
+import triton.language as tl
 
 from .varlen import pad_rows, row_layout
-
 
 def write_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slot_mapping: torch.Tensor) -> None:
@@ -35,11 +48,10 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     blocks = block_tables.long().gather(1, (key_pos // block_size).clamp(max=block_tables.shape[1] - 1)
                                         .expand(num_rows, -1))
     flat = blocks * block_size + key_pos % block_size                          # [B, max_k]
-    # Positions past a row's context (block-table padding, the tail of its last block) are never
-    # read: they may hold anything, NaN included.
-    in_context = (key_pos.view(1, -1) < context.view(-1, 1)).view(num_rows, max_k, 1, 1)
-    keys = torch.where(in_context, k_cache.view(-1, num_kv_heads, head_dim)[flat].float(), 0.0)
-    values = torch.where(in_context, v_cache.view(-1, num_kv_heads, head_dim)[flat].float(), 0.0)
+    keys = k_cache.view(-1, num_kv_heads, head_dim)[flat].float()              # [B, max_k, Hkv, D]
+    # Positions past a row's context may hold anything (NaN too); probability 0 times NaN is NaN.
+    owned = (key_pos.view(1, -1) < context.view(-1, 1)).view(num_rows, max_k, 1, 1)
+    values = v_cache.view(-1, num_kv_heads, head_dim)[flat].float().where(owned, 0.0)
     groups = num_heads // num_kv_heads
     keys, values = keys.repeat_interleave(groups, dim=2), values.repeat_interleave(groups, dim=2)
     queries = pad_rows(q.float(), row, index_in_row, num_rows, max_q)         # [B, max_q, Hq, D]
@@ -50,3 +62,307 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)                     # padded queries: all -inf
     out = torch.einsum("bhqk,bkhd->bqhd", probs, values)
     return out[row, index_in_row].to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# write_kv
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+                     stride_k_token, stride_k_head, stride_v_token, stride_v_head,
+                     stride_kc_block, stride_kc_offset, stride_kc_head,
+                     stride_vc_block, stride_vc_offset, stride_vc_head,
+                     NUM_KV_HEADS: tl.constexpr, HEADS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK_SIZE: tl.constexpr):
+    """One program per token: k[t], v[t] ([Hkv, D]) -> pool position slot_mapping[t]."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+    head = tl.arange(0, HEADS_POW2)[:, None]
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    mask = head < NUM_KV_HEADS
+    k = tl.load(k_ptr + token * stride_k_token + head * stride_k_head + d, mask=mask)
+    v = tl.load(v_ptr + token * stride_v_token + head * stride_v_head + d, mask=mask)
+    tl.store(k_cache_ptr + block * stride_kc_block + offset * stride_kc_offset + head * stride_kc_head + d,
+             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + block * stride_vc_block + offset * stride_vc_offset + head * stride_vc_head + d,
+             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_pool(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, "k_cache, v_cache: [num_blocks, block_size, Hkv, D]"
+    assert k_cache.dtype == v_cache.dtype and k_cache.device == v_cache.device
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "pool head_dim must be contiguous"
+    head_dim = k_cache.shape[3]
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim} must be a power of 2 >= 16"
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Triton write_kv_reference: k, v [T, Hkv, D] (any token/head strides, D contiguous);
+    slot_mapping [T] int32/int64 flat pool index; casts to the pool dtype."""
+    _check_pool(k_cache, v_cache)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    assert v.shape == k.shape and k_cache.shape[2:] == (num_kv_heads, head_dim), "k, v: [T, Hkv, D] matching the pool"
+    assert k.stride(-1) == 1 and v.stride(-1) == 1, "k, v: head_dim must be contiguous"
+    assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype in (torch.int32, torch.int64)
+    assert k.device == v.device == k_cache.device == slot_mapping.device
+    if num_tokens == 0:
+        return
+    _write_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEADS_POW2=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
+        BLOCK_SIZE=k_cache.shape[1], num_warps=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# paged attention
+
+
+@triton.jit
+def _find_row(cu_seqlens_ptr, tile, num_rows, TOKENS: tl.constexpr):
+    """Row r owns tile slots [cu[r] // TOKENS + r, cu[r+1] // TOKENS + r + 1): at least
+    cdiv(q_len_r, TOKENS) of them, the surplus empty. Returns the largest r with
+    cu[r] // TOKENS + r <= tile (binary search; slot starts strictly increase with r)."""
+    lo = 0
+    hi = num_rows
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(cu_seqlens_ptr + mid) // TOKENS + mid <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attend_block(acc, m_i, l_i, q, start, hi, query_pos, table, k_cache_ptr, v_cache_ptr, kv_head,
+                  stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
+                  qk_scale, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  PRECISION: tl.constexpr, CAUSAL_MASK: tl.constexpr):
+    """Online softmax over keys [start, start + BLOCK_N) ∩ [.., hi). Scores are in the log2
+    domain (qk_scale = scale * log2 e). Keys >= hi are never loaded (they may be stale or NaN);
+    CAUSAL_MASK also hides key > query position (off when the whole block is visible).
+    A row that has seen no key keeps m = -inf, l = 0, acc = 0 (m_safe avoids inf - inf)."""
+    key_pos = start + tl.arange(0, BLOCK_N)
+    in_range = key_pos < hi
+    block = tl.load(table + key_pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+    offset = key_pos % BLOCK_SIZE
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    k = tl.load(k_cache_ptr + (block * stride_k_block + offset * stride_k_offset + kv_head * stride_k_head)[:, None] + d,
+                mask=in_range[:, None], other=0.0)                                     # [BLOCK_N, D]
+    v = tl.load(v_cache_ptr + (block * stride_v_block + offset * stride_v_offset + kv_head * stride_v_head)[:, None] + d,
+                mask=in_range[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale                   # [BLOCK_M, BLOCK_N]
+    if CAUSAL_MASK:
+        s = tl.where((key_pos[None, :] <= query_pos[:, None]) & in_range[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr,
+        out_ptr, partial_acc_ptr, partial_stats_ptr, qk_scale, num_rows, num_tile_slots, num_splits,
+        stride_q_token, stride_q_head, stride_k_block, stride_k_offset, stride_k_head,
+        stride_v_block, stride_v_offset, stride_v_head, stride_table_row, stride_out_token, stride_out_head,
+        NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+    """Grid (tile slot, KV head, split). Tile rows m < TOKENS * GROUP hold query token
+    first + m // GROUP of the row, query head kv_head * GROUP + m % GROUP.
+
+    Query token i of a row (0 <= i < q_len) sits at position prefix + i, prefix = context - q_len,
+    and sees keys [0, prefix + i]. The tile therefore needs keys [0, end), end = min(context,
+    prefix + first + TOKENS); keys [0, prefix + first + 1) are visible to all of its queries and
+    skip the causal mask. With SPLIT, split s of num_splits takes the BLOCK_N-aligned s-th chunk of
+    [0, end) and writes unnormalised (acc, m, l) for _combine_splits_kernel."""
+    TOKENS: tl.constexpr = BLOCK_M // GROUP
+    tile = num_tile_slots - 1 - tl.program_id(0)          # a row's last (longest) tiles start first
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    row = _find_row(cu_seqlens_ptr, tile, num_rows, TOKENS)
+    q_start = tl.load(cu_seqlens_ptr + row)
+    q_len = tl.load(cu_seqlens_ptr + row + 1) - q_start
+    first = (tile - q_start // TOKENS - row) * TOKENS
+    if first >= q_len:
+        return
+    context = tl.load(context_lens_ptr + row)
+    prefix = context - q_len
+
+    m = tl.arange(0, BLOCK_M)
+    token = first + m // GROUP
+    head = kv_head * GROUP + m % GROUP
+    valid = (m < TOKENS * GROUP) & (token < q_len)
+    query_pos = prefix + token
+    q_row = (q_start + token).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + (q_row * stride_q_token + head * stride_q_head)[:, None] + d, mask=valid[:, None], other=0.0)
+
+    end = tl.minimum(context, prefix + first + TOKENS)
+    if SPLIT:
+        chunk = tl.cdiv(tl.cdiv(end, num_splits), BLOCK_N) * BLOCK_N
+        lo = tl.minimum(split * chunk, end)
+        hi = tl.minimum(lo + chunk, end)
+    else:
+        lo = 0
+        hi = end
+    unmasked_hi = lo + tl.maximum(tl.minimum(prefix + first + 1, hi) - lo, 0) // BLOCK_N * BLOCK_N
+
+    table = block_tables_ptr + row.to(tl.int64) * stride_table_row
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for start in range(lo, unmasked_hi, BLOCK_N):
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, start, hi, query_pos, table, k_cache_ptr, v_cache_ptr,
+                                      kv_head, stride_k_block, stride_k_offset, stride_k_head, stride_v_block,
+                                      stride_v_offset, stride_v_head, qk_scale, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION,
+                                      False)
+    for start in range(unmasked_hi, hi, BLOCK_N):
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, start, hi, query_pos, table, k_cache_ptr, v_cache_ptr,
+                                      kv_head, stride_k_block, stride_k_offset, stride_k_head, stride_v_block,
+                                      stride_v_offset, stride_v_head, qk_scale, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION,
+                                      True)
+
+    if SPLIT:
+        partial = (q_row * NUM_HEADS + head) * num_splits + split                    # [T, Hq, S]
+        tl.store(partial_acc_ptr + partial[:, None] * HEAD_DIM + d, acc, mask=valid[:, None])
+        tl.store(partial_stats_ptr + partial * 2, m_i, mask=valid)
+        tl.store(partial_stats_ptr + partial * 2 + 1, l_i, mask=valid)
+    else:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + (q_row * stride_out_token + head * stride_out_head)[:, None] + d,
+                 out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def _combine_splits_kernel(partial_acc_ptr, partial_stats_ptr, out_ptr, num_splits, stride_out_token,
+                           stride_out_head, NUM_HEADS: tl.constexpr, SPLITS_POW2: tl.constexpr,
+                           HEAD_DIM: tl.constexpr):
+    """One program per (token, query head): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,
+    M = max_s m_s. Splits that saw no key (m = -inf, l = 0, acc = 0) weigh 0."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_POW2)
+    d = tl.arange(0, HEAD_DIM)
+    base = (token * NUM_HEADS + head) * num_splits
+    in_range = s < num_splits
+    m = tl.load(partial_stats_ptr + (base + s) * 2, mask=in_range, other=float("-inf"))
+    l = tl.load(partial_stats_ptr + (base + s) * 2 + 1, mask=in_range, other=0.0)
+    acc = tl.load(partial_acc_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=in_range[:, None], other=0.0)
+    weight = tl.exp2(m - tl.max(m, 0))
+    out = tl.sum(acc * weight[:, None], 0) / tl.sum(l * weight, 0)
+    tl.store(out_ptr + token * stride_out_token + head * stride_out_head + d, out.to(out_ptr.dtype.element_ty))
+
+
+class AttentionConfig(NamedTuple):
+    """Tile shape and launch options of _paged_attention_kernel. block_m: packed (token, head)
+    rows per tile (>= GROUP); block_n: keys per step; num_splits: key-range splits per tile."""
+    block_m: int
+    block_n: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+
+
+# _combine_splits_kernel holds [splits, D] fp32 partials in registers: 64 x 256 compiled to 184
+# registers a thread without spills (H200); more splits would need a chunked combine.
+MAX_SPLITS = 64
+
+
+@cache
+def multiprocessor_count(device: torch.device) -> int:
+    # Without CUDA (the interpreter) a small "machine" keeps grids tiny yet still splits long contexts.
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def attention_config(num_tokens: int, num_rows: int, num_kv_heads: int, group: int, max_context: int,
+                     num_sms: int) -> AttentionConfig:
+    """Pick the tile from shapes alone (never device values, so CUDA graphs can capture the call).
+    The table is what won in bench/kernels_attn.py on an H200 (bench/results/kernels_attn-h200.json,
+    8 q / 2 kv heads, D 256); D 128 uses the same tiles.
+
+    Average q_len <= 8 (decode/verify batches): a tile holds a row's tokens x its GROUP heads in
+    the smallest power of two >= 16 rows (tl.dot's minimum); memory-bound: 64 keys a step, 4 warps,
+    3 stages. Longer rows (prefill): 128-row tiles, 64 keys a step, 8 warps (two warpgroups), 2
+    stages. One decode program streams KV at only ~16 GB/s (latency-bound), so when tiles x KV heads
+    leave SMs idle the key range is split until the grid holds 1-2 programs per SM (a power of two,
+    >= one key step per split, <= MAX_SPLITS)."""
+    if num_tokens <= 8 * num_rows:
+        tokens_per_row = triton.cdiv(num_tokens, max(num_rows, 1))
+        block_m = max(16, triton.next_power_of_2(group * min(tokens_per_row, 8)))
+        num_warps, num_stages = 4, 3
+    else:
+        block_m = max(128, triton.next_power_of_2(group))
+        num_warps, num_stages = 8, 2
+    block_n = 64
+    programs = max(num_rows, triton.cdiv(num_tokens, block_m // group), 1) * num_kv_heads
+    num_splits = 1
+    if programs < num_sms:
+        wanted = triton.cdiv(2 * num_sms, programs)
+        num_splits = max(1, min(1 << (wanted.bit_length() - 1), max_context // block_n, MAX_SPLITS))
+    return AttentionConfig(block_m, block_n, num_splits, num_warps, num_stages)
+
+
+def _check_attention_args(out, q, k_cache, v_cache, block_tables, cu_seqlens, context_lens) -> None:
+    _check_pool(k_cache, v_cache)
+    num_rows = block_tables.shape[0]
+    assert q.dim() == 3 and q.shape[2] == k_cache.shape[3], "q: [T, Hq, D] with the pool's D"
+    assert q.shape[1] % k_cache.shape[2] == 0, "query heads must be a multiple of KV heads"
+    assert q.stride(-1) == 1 and q.dtype == k_cache.dtype, "q: D contiguous, the pool's dtype"
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
+    assert block_tables.dim() == 2 and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
+    assert cu_seqlens.shape == (num_rows + 1,) and cu_seqlens.dtype == torch.int32 and cu_seqlens.is_contiguous()
+    assert context_lens.shape == (num_rows,) and context_lens.dtype == torch.int32 and context_lens.is_contiguous()
+    assert len({t.device for t in (out, q, k_cache, block_tables, cu_seqlens, context_lens)}) == 1
+
+
+def launch_paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, cu_seqlens: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float, config: AttentionConfig) -> None:
+    """paged_attention with an explicit config, writing into out [T, Hq, D] (tests, benchmarks)."""
+    _check_attention_args(out, q, k_cache, v_cache, block_tables, cu_seqlens, context_lens)
+    num_tokens, num_heads, head_dim = q.shape
+    num_rows, num_kv_heads = block_tables.shape[0], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    assert config.block_m >= group and config.block_m >= 16 and 1 <= config.num_splits
+    if num_tokens == 0:
+        return
+    tokens_per_tile = config.block_m // group
+    num_tile_slots = num_tokens // tokens_per_tile + num_rows
+    splits = config.num_splits
+    partial_acc = partial_stats = out                      # unused unless splits > 1
+    if splits > 1:
+        partial_acc = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+        partial_stats = torch.empty(num_tokens, num_heads, splits, 2, dtype=torch.float32, device=q.device)
+    _paged_attention_kernel[(num_tile_slots, num_kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, out, partial_acc, partial_stats,
+        scale * 1.4426950408889634, num_rows, num_tile_slots, splits,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPLIT=splits > 1,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",              # fp32 stays fp32 (no tf32)
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    if splits > 1:
+        _combine_splits_kernel[(num_tokens, num_heads)](
+            partial_acc, partial_stats, out, splits, out.stride(0), out.stride(1), NUM_HEADS=num_heads,
+            SPLITS_POW2=triton.next_power_of_2(splits), HEAD_DIM=head_dim, num_warps=4)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    cu_seqlens: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Triton paged_attention_reference (same arguments, same result): q [T, Hq, D] with any
+    token/head strides; block_tables [B, M] int32; cu_seqlens [B+1], context_lens [B] int32."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    num_kv_heads = k_cache.shape[2]
+    config = attention_config(q.shape[0], block_tables.shape[0], num_kv_heads, q.shape[1] // num_kv_heads,
+                              block_tables.shape[1] * k_cache.shape[1], multiprocessor_count(q.device))
+    launch_paged_attention(out, q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, scale, config)
+    return out

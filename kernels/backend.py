@@ -65,7 +65,20 @@ REFERENCE_OPS = Ops(
 def triton_ops() -> Ops:
     """The GPU table: Triton kernels where they exist; the remaining entries are the (batched,
     device-agnostic) torch references, listed here so the mix is visible in one place."""
-    return replace(REFERENCE_OPS, name="triton")
+    from . import attention, conv1d, gdn_decode, norms, rope
+
+    return replace(
+        REFERENCE_OPS,
+        name="triton",
+        rms_norm=norms.rms_norm,
+        gated_rms_norm=norms.gated_rms_norm,
+        qk_norm_rope=rope.qk_norm_rope,
+        causal_conv1d_prefill=conv1d.causal_conv1d_prefill,
+        causal_conv1d_decode=conv1d.causal_conv1d_decode,
+        gdn_decode=gdn_decode.gdn_decode,
+        write_kv=attention.write_kv,
+        paged_attention=attention.paged_attention,
+    )
 
 
 BACKEND_NAMES = ("torch", "triton")

@@ -11,15 +11,23 @@ then convolves the step's new tokens against that window, and records the new in
 pending. After acceptance the engine only sets the pending count, so rejected columns are never
 read again. With `commit=True` (plain decode) the new inputs are folded at once.
 
-Knows nothing about models or the scheduler: rows are described by cu_seqlens and slot ids.
+`causal_conv1d_prefill` / `causal_conv1d_decode` are the Triton kernels (one launch each, SiLU
+fused); the `_reference` functions are their torch oracles. Knows nothing about models or the
+scheduler: rows are described by cu_seqlens and slot ids.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from .varlen import pad_rows, row_layout
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _depthwise(window: torch.Tensor, weight: torch.Tensor, num_out: int) -> torch.Tensor:
@@ -82,3 +90,178 @@ def causal_conv1d_decode_reference(x: torch.Tensor, weight: torch.Tensor, cu_seq
     if not commit:
         pending_conv[slots[row], index_in_row] = x.to(pending_conv.dtype)
     return out.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels: one program per (channel tile, row); a program owns its channels of its row's
+# slot (window, pending columns), so the only ordering it needs is its own: every read of the
+# slot's window / pending columns happens before the CTA barrier, every write after it. Rows own
+# distinct slots, except pad rows, which all point at scratch slot 0.
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _silu(x):
+    return x * tl.sigmoid(x)
+
+
+@triton.jit
+def _prefill_sequence_at(m, x, conv_state, bos, length, slot, initial_end, offs_c, mask_c, stride_x,
+                         C: tl.constexpr, WIDTH: tl.constexpr):
+    """Element m [M] of the row's sequence (initial window ++ row) at channels offs_c -> [M, BC] in
+    x's dtype: positions < initial_end read the slot's window (initial_end = W-1 with an initial
+    state, else 0: the window is then zeros and the slot is never read)."""
+    from_x = m >= WIDTH - 1
+    in_row = m < WIDTH - 1 + length
+    x_val = tl.load(x + (bos + m - (WIDTH - 1))[:, None] * stride_x + offs_c[None, :],
+                    mask=(from_x & in_row)[:, None] & mask_c[None, :], other=0.0)
+    state_val = tl.load(conv_state + (slot * (WIDTH - 1) + m)[:, None] * C + offs_c[None, :],
+                        mask=(m < initial_end)[:, None] & mask_c[None, :], other=0.0)
+    return tl.where(from_x[:, None], x_val, state_val.to(x_val.dtype))
+
+
+@triton.jit
+def _conv_prefill_kernel(x, weight, out, cu_seqlens, slot_ids, has_initial_state, conv_state,
+                         stride_x, stride_out,
+                         C: tl.constexpr, WIDTH: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr,
+                         BC: tl.constexpr):
+    """Program (channel tile, row): loops over the row's tokens in blocks of BT; out[t] =
+    silu(sum_j w[:, j] * seq[t + j]) over seq = initial(W-1) ++ row. Then the last W-1 entries of
+    seq become the slot's window (the initial window is read before it is overwritten)."""
+    i_c, row = tl.program_id(0), tl.program_id(1)
+    bos = tl.load(cu_seqlens + row).to(tl.int64)
+    length = tl.load(cu_seqlens + row + 1).to(tl.int64) - bos
+    slot = tl.load(slot_ids + row).to(tl.int64)
+    initial_end = (WIDTH - 1) * tl.load(has_initial_state + row).to(tl.int32)
+    offs_c = i_c * BC + tl.arange(0, BC)
+    mask_c = offs_c < C
+    for start in range(0, length, BT):
+        offs_t = start + tl.arange(0, BT)
+        acc = tl.zeros([BT, BC], dtype=tl.float32)
+        for j in tl.static_range(WIDTH):
+            w_j = tl.load(weight + offs_c * WIDTH + j, mask=mask_c, other=0.0).to(tl.float32)
+            seq = _prefill_sequence_at(offs_t + j, x, conv_state, bos, length, slot, initial_end, offs_c, mask_c,
+                                       stride_x, C, WIDTH)
+            acc += seq.to(tl.float32) * w_j[None, :]
+        tl.store(out + (bos + offs_t)[:, None] * stride_out + offs_c[None, :], _silu(acc).to(out.dtype.element_ty),
+                 mask=(offs_t < length)[:, None] & mask_c[None, :])
+    offs_w = tl.arange(0, BW)
+    window = _prefill_sequence_at(length + offs_w, x, conv_state, bos, length, slot, initial_end, offs_c, mask_c,
+                                  stride_x, C, WIDTH)
+    tl.debug_barrier()
+    tl.store(conv_state + (slot * (WIDTH - 1) + offs_w)[:, None] * C + offs_c[None, :],
+             window.to(conv_state.dtype.element_ty), mask=(offs_w < WIDTH - 1)[:, None] & mask_c[None, :])
+
+
+def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor,
+                          has_initial_state: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
+    """Triton causal_conv1d_prefill_reference. x [T, C] with unit channel stride; weight [C, W],
+    conv_state [S, W-1, C] contiguous; has_initial_state bool [B]."""
+    num_tokens, channels = x.shape
+    width = weight.shape[1]
+    num_rows = slot_ids.numel()
+    _check_conv_args(x, weight, cu_seqlens, slot_ids, conv_state)
+    assert has_initial_state.shape == (num_rows,) and has_initial_state.dtype == torch.bool
+    out = torch.empty((num_tokens, channels), dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return out
+    block_c = min(128, triton.next_power_of_2(channels))
+    grid = (triton.cdiv(channels, block_c), num_rows)
+    _conv_prefill_kernel[grid](x, weight, out, cu_seqlens, slot_ids, has_initial_state.view(torch.uint8), conv_state,
+                               x.stride(0), out.stride(0), C=channels, WIDTH=width,
+                               BW=triton.next_power_of_2(width - 1), BT=16 if INTERPRETED else 64,
+                               BC=block_c, num_warps=4)
+    return out
+
+
+@triton.jit
+def _decode_sequence_at(m, x, conv_state, pending_conv, bos, num_new, slot, num_pending, offs_c, mask_c, stride_x,
+                        C: tl.constexpr, WIDTH: tl.constexpr, P: tl.constexpr):
+    """Element m [M] of the row's sequence committed(W-1) ++ pending(p) ++ new(n) at channels
+    offs_c -> [M, BC] in x's dtype."""
+    committed = m < WIDTH - 1
+    pending = ~committed & (m < WIDTH - 1 + num_pending)
+    new = m - (WIDTH - 1) - num_pending
+    from_x = (new >= 0) & (new < num_new)
+    x_val = tl.load(x + (bos + new)[:, None] * stride_x + offs_c[None, :],
+                    mask=from_x[:, None] & mask_c[None, :], other=0.0)
+    state_val = tl.load(conv_state + (slot * (WIDTH - 1) + m)[:, None] * C + offs_c[None, :],
+                        mask=committed[:, None] & mask_c[None, :], other=0.0)
+    pending_val = tl.load(pending_conv + (slot * P + m - (WIDTH - 1))[:, None] * C + offs_c[None, :],
+                          mask=pending[:, None] & mask_c[None, :], other=0.0)
+    return tl.where(committed[:, None], state_val.to(x_val.dtype),
+                    tl.where(pending[:, None], pending_val.to(x_val.dtype), x_val))
+
+
+@triton.jit
+def _conv_decode_kernel(x, weight, out, cu_seqlens, slot_ids, conv_state, pending_conv, pending_counts,
+                        stride_x, stride_out,
+                        C: tl.constexpr, WIDTH: tl.constexpr, P: tl.constexpr, BW: tl.constexpr,
+                        BP: tl.constexpr, BC: tl.constexpr, COMMIT: tl.constexpr):
+    """Program (channel tile, row). New token i (< n <= P) sees seq[p + i .. p + i + W-1]; the
+    window becomes seq[f .. f + W-1) with f = p (+ n when commit); without commit the new inputs
+    are recorded as pending columns [0, n). All reads precede the barrier, all writes follow it."""
+    i_c, row = tl.program_id(0), tl.program_id(1)
+    bos = tl.load(cu_seqlens + row).to(tl.int64)
+    num_new = tl.load(cu_seqlens + row + 1).to(tl.int64) - bos
+    slot = tl.load(slot_ids + row).to(tl.int64)
+    num_pending = tl.minimum(tl.load(pending_counts + slot), P).to(tl.int64)
+    offs_c = i_c * BC + tl.arange(0, BC)
+    mask_c = offs_c < C
+    offs_i = tl.arange(0, BP)
+    acc = tl.zeros([BP, BC], dtype=tl.float32)
+    for j in tl.static_range(WIDTH):
+        w_j = tl.load(weight + offs_c * WIDTH + j, mask=mask_c, other=0.0).to(tl.float32)
+        seq = _decode_sequence_at(num_pending + offs_i + j, x, conv_state, pending_conv, bos, num_new, slot,
+                                  num_pending, offs_c, mask_c, stride_x, C, WIDTH, P)
+        acc += seq.to(tl.float32) * w_j[None, :]
+    mask_new = (offs_i < num_new)[:, None] & mask_c[None, :]
+    tl.store(out + (bos + offs_i)[:, None] * stride_out + offs_c[None, :], _silu(acc).to(out.dtype.element_ty),
+             mask=mask_new)
+    fold = num_pending
+    if COMMIT:
+        fold += num_new
+    offs_w = tl.arange(0, BW)
+    window = _decode_sequence_at(fold + offs_w, x, conv_state, pending_conv, bos, num_new, slot, num_pending,
+                                 offs_c, mask_c, stride_x, C, WIDTH, P)
+    if not COMMIT:
+        new_inputs = tl.load(x + (bos + offs_i)[:, None] * stride_x + offs_c[None, :], mask=mask_new, other=0.0)
+    tl.debug_barrier()
+    tl.store(conv_state + (slot * (WIDTH - 1) + offs_w)[:, None] * C + offs_c[None, :],
+             window.to(conv_state.dtype.element_ty), mask=(offs_w < WIDTH - 1)[:, None] & mask_c[None, :])
+    if not COMMIT:
+        tl.store(pending_conv + (slot * P + offs_i)[:, None] * C + offs_c[None, :],
+                 new_inputs.to(pending_conv.dtype.element_ty), mask=mask_new & (offs_i < P)[:, None])
+
+
+def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor,
+                         conv_state: torch.Tensor, pending_conv: torch.Tensor, pending_counts: torch.Tensor,
+                         commit: bool) -> torch.Tensor:
+    """Triton causal_conv1d_decode_reference. x [T, C] (1..P tokens per row) with unit channel
+    stride; pending_conv [S, P, C] and pending_counts [S] int32 contiguous."""
+    num_tokens, channels = x.shape
+    width = weight.shape[1]
+    num_rows = slot_ids.numel()
+    max_pending = pending_conv.shape[1]
+    _check_conv_args(x, weight, cu_seqlens, slot_ids, conv_state)
+    assert pending_conv.shape == (conv_state.shape[0], max_pending, channels) and pending_conv.is_contiguous()
+    assert pending_counts.shape == (conv_state.shape[0],) and pending_counts.dtype == torch.int32
+    out = torch.empty((num_tokens, channels), dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return out
+    block_c = min(256, triton.next_power_of_2(channels))
+    grid = (triton.cdiv(channels, block_c), num_rows)
+    _conv_decode_kernel[grid](x, weight, out, cu_seqlens, slot_ids, conv_state, pending_conv, pending_counts,
+                              x.stride(0), out.stride(0), C=channels, WIDTH=width, P=max_pending,
+                              BW=triton.next_power_of_2(width - 1), BP=triton.next_power_of_2(max_pending),
+                              BC=block_c, COMMIT=commit, num_warps=4)
+    return out
+
+
+def _check_conv_args(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor,
+                     conv_state: torch.Tensor) -> None:
+    channels, width = weight.shape
+    assert x.dim() == 2 and x.shape[1] == channels and x.stride(1) == 1
+    assert weight.is_contiguous() and width >= 2
+    assert conv_state.shape[1:] == (width - 1, channels) and conv_state.is_contiguous()
+    assert cu_seqlens.dtype == torch.int32 and slot_ids.dtype == torch.int32
+    assert cu_seqlens.shape == (slot_ids.numel() + 1,) and cu_seqlens.is_contiguous() and slot_ids.is_contiguous()

@@ -1,0 +1,62 @@
+"""Per-request adaptive draft length.
+
+Policy (documented, switchable off): each request keeps an exponential moving average of the
+acceptance rate of its drafted positions, alpha (fraction of proposed drafts accepted; weight
+0.3 for the newest step). A verify step with k drafts costs about 1 + c*k decode steps of work
+(c ~ the draft-plus-verify cost of one extra token relative to a decode step; 0.15 by default)
+and yields 1 + alpha + .. + alpha^k tokens in expectation. The next k is the one in 0..k_max
+that maximises expected tokens per unit of cost. When drafting does not pay (alpha low), k
+drops to 0; a request at k = 0 still runs the MTP catch-up each step, and probes again with
+k = 1 every `probe_interval` steps so that it can grow back when acceptance recovers.
+
+Knows nothing about tensors or the scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class AdaptivePolicy:
+    max_draft_tokens: int
+    enabled: bool = True
+    cost_per_draft: float = 0.15
+    smoothing: float = 0.3
+    initial_acceptance: float = 0.7
+    probe_interval: int = 16
+
+    def best_length(self, acceptance: float) -> int:
+        def value(k: int) -> float:
+            expected_tokens = sum(acceptance ** i for i in range(k + 1))
+            return expected_tokens / (1 + self.cost_per_draft * k)
+        return max(range(self.max_draft_tokens + 1), key=value)
+
+
+@dataclass
+class DraftLengthState:
+    """One request's acceptance history and current draft length."""
+
+    policy: AdaptivePolicy
+    acceptance: float = field(init=False)
+    steps_at_zero: int = 0
+
+    def __post_init__(self) -> None:
+        self.acceptance = self.policy.initial_acceptance
+
+    @property
+    def num_draft_tokens(self) -> int:
+        if not self.policy.enabled:
+            return self.policy.max_draft_tokens
+        k = self.policy.best_length(self.acceptance)
+        if k == 0 and self.steps_at_zero >= self.policy.probe_interval:
+            return 1
+        return k
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        if num_drafted == 0:
+            self.steps_at_zero += 1
+            return
+        self.steps_at_zero = 0
+        rate = num_accepted / num_drafted
+        self.acceptance += self.policy.smoothing * (rate - self.acceptance)

@@ -1,0 +1,179 @@
+"""MTP speculative decoding: lossless greedy output for every acceptance count, isolation with
+speculation on, rollback as a counter (the pool after partial acceptance), adaptive length."""
+
+import random
+
+import pytest
+import torch
+
+from deltaspec.engine import EngineConfig, ModelConfig, SamplingParams
+from deltaspec.engine.core import EngineCore
+from deltaspec.engine.state_pool import StatePool
+from deltaspec.kernels.gdn import expand_heads, recurrent_steps
+from deltaspec.spec import AdaptivePolicy, DraftLengthState, greedy_accept
+
+from test_engine import assert_all_free, check_isolation, make_jobs, run_staggered
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(512) for _ in range(rng.choice([1, 7, 64, 150]))] for _ in range(n)]
+
+
+def generate(core: EngineCore, batch: list[list[int]], params=GREEDY) -> list[list[int]]:
+    requests = [core.add_request(p, params) for p in batch]
+    while core.has_work:
+        core.step()
+    return [r.output_token_ids for r in requests]
+
+
+class ScriptedDrafter:
+    """Runs the MTP drafter (its KV side effects stay real), then replaces its drafts with the
+    true greedy continuation corrupted at a chosen depth, so acceptance a = 0..k all occur."""
+
+    def __init__(self, core: EngineCore, truth: dict[str, list[int]], seed: int) -> None:
+        self.core, self.truth, self.rng = core, truth, random.Random(seed)
+        self.mtp = core.runner.draft_with_mtp
+        self.forced: list[int] = []
+
+    def __call__(self, rows):
+        drafts = self.mtp(rows)
+        if drafts is None:
+            return None
+        scripted = drafts.clone()
+        for i, row in enumerate(rows):
+            request, k = row.request, row.num_draft_tokens
+            full = request.prompt_token_ids + self.truth[request.request_id]
+            newest = request.num_tokens  # drafts predict positions newest .. newest + k - 1
+            want = self.rng.randint(0, k)
+            for depth in range(k):
+                token = full[newest + depth] if newest + depth < len(full) else 0
+                scripted[i, depth] = token if depth < want else (token + 1) % 512
+            if k:
+                self.forced.append(want)
+        return scripted
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_greedy_is_lossless_for_every_acceptance_count(family, checkpoint, k):
+    path = checkpoint(family)
+    batch = prompts(5, seed=k)
+    base = generate(EngineCore(EngineConfig(model=path)), batch)
+    core = EngineCore(EngineConfig(model=path, num_draft_tokens=k, adaptive_draft_length=False))
+    truth = {str(i): tokens for i, tokens in enumerate(base)}
+    drafter = ScriptedDrafter(core, truth, seed=k)
+    core.runner.drafter = drafter
+    assert generate(core, batch) == base
+    assert set(drafter.forced) == set(range(k + 1))          # every acceptance count happened
+    stats = core.stats()["spec"]
+    assert stats["mean_accepted_length"] > 1.2
+    assert_all_free(core)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_with_the_real_mtp_drafter_is_lossless(family, checkpoint, k):
+    path = checkpoint(family, mtp_copy_of_last_layer=True)
+    batch = prompts(4, seed=10 + k)
+    base = generate(EngineCore(EngineConfig(model=path)), batch)
+    core = EngineCore(EngineConfig(model=path, num_draft_tokens=k, adaptive_draft_length=False))
+    assert generate(core, batch) == base
+    assert core.stats()["spec"]["num_verify_steps"] > 0
+
+
+@pytest.mark.parametrize("n", [3, 16, 64])
+def test_isolation_with_speculation(checkpoint, n):
+    """Every surviving request's output with speculation on, in a staggered batch with aborts,
+    equals its output alone — and for greedy requests equals the output without speculation."""
+    path = checkpoint("qwen3_next", mtp_copy_of_last_layer=True)
+    core = check_isolation(path, n, seed=100 + n, num_draft_tokens=3, max_num_seqs=16, max_num_batched_tokens=256)
+    jobs = [j for j in make_jobs(n, 100 + n) if j.params.greedy and j.abort_after is None]
+    plain = EngineCore(EngineConfig(model=path, max_num_seqs=16, max_num_batched_tokens=256))
+    spec = run_staggered(core, jobs)
+    base = run_staggered(plain, jobs)
+    assert [spec[i].output_token_ids for i in range(len(jobs))] == [base[i].output_token_ids for i in range(len(jobs))]
+
+
+def test_rollback_is_a_counter(checkpoint):
+    """After a verify step with partial acceptance, the slot's committed state with its pending
+    inputs folded in equals the state of a sequence that only ever saw the accepted tokens."""
+    path = checkpoint("qwen3_5")
+    prompt = prompts(1, seed=3)[0] + [1, 2, 3]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    base = generate(EngineCore(EngineConfig(model=path)), [prompt], params)
+    core = EngineCore(EngineConfig(model=path, num_draft_tokens=4, adaptive_draft_length=False))
+    drafter = ScriptedDrafter(core, {"0": base[0]}, seed=5)
+    core.runner.drafter = drafter
+    request = core.add_request(prompt, params)
+    while True:  # step until a verify accepted some but not all drafts; inspect before the next folds it
+        seen = len(drafter.forced)
+        core.step()
+        if len(drafter.forced) > seen and 0 < drafter.forced[-1] < 4:
+            break
+    pending = int(core.states.pending_counts[request.slot])
+    assert 1 <= pending <= 5
+    fed = request.num_computed_tokens
+    # Truth: a fresh engine prefills exactly the accepted tokens.
+    fresh = EngineCore(EngineConfig(model=path))
+    fresh.add_request(request.token_ids(0, fed), SamplingParams(max_tokens=1, temperature=0))
+    plan = fresh.schedule()
+    truth_slot = plan.prefill_rows[0].slot
+    fresh.commit(plan, fresh.run(plan))
+    for layer, (ours, reference) in enumerate(zip(core.states.layers, fresh.states.layers)):
+        slot, heads = request.slot, ours.recurrent.shape[1]
+        valid = slice(0, pending)
+        folded, _ = recurrent_steps(ours.recurrent[slot:slot + 1].float(), None,
+                                    expand_heads(ours.pending_k[slot:slot + 1, valid].float(), heads),
+                                    ours.pending_v[slot:slot + 1, valid].float(),
+                                    ours.pending_g[slot:slot + 1, valid], ours.pending_beta[slot:slot + 1, valid])
+        expected = reference.recurrent[truth_slot].float()
+        assert torch.allclose(folded[0], expected, rtol=1e-4, atol=1e-5), f"layer {layer}"
+        window = torch.cat([ours.conv[slot], ours.pending_conv[slot, valid]])[-ours.conv.shape[1]:]
+        assert torch.allclose(window, reference.conv[truth_slot], rtol=1e-4, atol=1e-5), f"conv window, layer {layer}"
+
+
+REAL_SHAPES = {
+    "0.8b": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
+                 linear_num_key_heads=16, linear_num_value_heads=16, intermediate_size=3584),
+    "9b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4,
+               linear_num_key_heads=16, linear_num_value_heads=32, intermediate_size=12288),
+}
+
+
+@pytest.mark.xfail(strict=True, reason="pending buffers keep post-conv k and v besides the raw conv inputs "
+                                       "(~1.07x at k=4); the compact layout (raw inputs only) is still to do")
+@pytest.mark.parametrize("shape", sorted(REAL_SHAPES))
+def test_memory_does_not_grow_with_k(shape):
+    """Bytes of recurrent state per sequence with k = 4 are <= 1.05x those with k = 0."""
+    config = ModelConfig.from_dict({"model_type": "qwen3_5_text", "vocab_size": 248320, "head_dim": 256,
+                                    "linear_key_head_dim": 128, "linear_value_head_dim": 128, **REAL_SHAPES[shape]})
+    without = StatePool(config, 2, 1, torch.bfloat16, "meta").bytes_per_slot
+    with_k4 = StatePool(config, 2, 5, torch.bfloat16, "meta", keep_mtp_hidden=True).bytes_per_slot
+    assert with_k4 / without <= 1.05
+
+
+def test_greedy_accept_math():
+    target = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [1, 2, 3, 4]])
+    drafts = torch.tensor([[5, 6, 9], [5, 6, 7], [1, 2, 3]])
+    accepted, emitted = greedy_accept(target, drafts, torch.tensor([3, 3, 1]))
+    assert accepted.tolist() == [2, 3, 1]
+    assert emitted[0, :3].tolist() == [5, 6, 7]
+
+
+def test_adaptive_draft_length_shrinks_and_recovers():
+    state = DraftLengthState(AdaptivePolicy(max_draft_tokens=4))
+    assert state.num_draft_tokens >= 2
+    for _ in range(20):
+        state.record(state.num_draft_tokens, 0)
+    assert state.num_draft_tokens == 0
+    for _ in range(16):
+        state.record(0, 0)
+    assert state.num_draft_tokens == 1  # probing
+    for _ in range(20):
+        k = state.num_draft_tokens
+        state.record(k, k)
+    assert state.num_draft_tokens == 4
+    fixed = DraftLengthState(AdaptivePolicy(max_draft_tokens=3, enabled=False))
+    fixed.record(3, 0)
+    assert fixed.num_draft_tokens == 3
