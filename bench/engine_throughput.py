@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -169,7 +170,9 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     result = {"benchmark": "engine_throughput", "device": gpu,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+              # The GPU machine's copy of the tree has no .git: the caller passes the commit.
+              "commit": os.environ.get("DELTASPEC_COMMIT") or subprocess.run(
+                  ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
               "command": " ".join(["python"] + sys.argv), "copy_bandwidth_bytes_per_s": bandwidth,
               "torch": torch.__version__, "shapes": {}}
     for shape in tqdm(args.shapes.split(","), desc="shapes"):

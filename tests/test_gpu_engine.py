@@ -1,0 +1,57 @@
+"""The whole engine on the GPU with the Triton table (marked `gpu`, skipped without CUDA):
+bf16 logits against the CPU float32 reference, the isolation harness up to N = 256 with CUDA
+graphs, and lossless greedy speculation."""
+
+import pytest
+import torch
+
+from deltaspec.engine import LLM, EngineConfig, SamplingParams
+from deltaspec.engine.core import EngineCore
+
+from test_engine import check_isolation, make_jobs, run_staggered
+
+pytestmark = pytest.mark.gpu
+
+TOKENS = torch.randint(0, 512, (150,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def test_bf16_gpu_model_matches_cpu_reference(family, checkpoint):
+    path = checkpoint(family)
+    reference = LLM(path).score(TOKENS)
+    gpu = LLM(path, device="cuda", dtype="bfloat16")
+    assert gpu.core.ops.name == "triton"
+    logits = gpu.score(TOKENS)
+    # Random tiny models amplify rounding: HF itself in bf16 is ~5% RMS off its fp32 logits.
+    error = (logits - reference).pow(2).mean().sqrt() / reference.pow(2).mean().sqrt()
+    assert error < 0.1, f"rms relative error {error:.3f}"
+    assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("n", [16, 64, 256])
+def test_isolation_on_gpu(family, checkpoint, n):
+    """float32 so that the comparison tests isolation, not bf16 rounding of different batch shapes."""
+    check_isolation(checkpoint(family), n, seed=n, device="cuda", dtype="float32", max_num_seqs=min(n, 128),
+                    max_num_batched_tokens=1024)
+
+
+def test_cuda_graphs_are_used_and_match_eager(checkpoint):
+    path = checkpoint("qwen3_5")
+    jobs = [j for j in make_jobs(24, seed=5) if j.abort_after is None]
+    graphs = EngineCore(EngineConfig(model=path, device="cuda", dtype="float32", max_num_seqs=32))
+    assert graphs.runner.graphs is not None
+    eager = EngineCore(EngineConfig(model=path, device="cuda", dtype="float32", max_num_seqs=32,
+                                    enable_cuda_graphs=False))
+    with_graphs = run_staggered(graphs, jobs)
+    without = run_staggered(eager, jobs)
+    assert [with_graphs[i].output_token_ids for i in range(len(jobs))] == \
+        [without[i].output_token_ids for i in range(len(jobs))]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_speculation_is_lossless_on_gpu(family, checkpoint, k):
+    path = checkpoint(family, mtp_copy_of_last_layer=True)
+    prompts = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 50, 200)]
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    base = [o.token_ids for o in LLM(path, device="cuda", dtype="float32").generate(prompts, params)]
+    spec = LLM(path, device="cuda", dtype="float32", num_draft_tokens=k, adaptive_draft_length=False)
+    assert [o.token_ids for o in spec.generate(prompts, params)] == base
