@@ -48,6 +48,11 @@ class AsyncLLM:
     def tokenizer(self):
         return self.core.tokenizer
 
+    @property
+    def max_model_len(self) -> int:
+        """Tokens one request may hold at most: prompt plus output."""
+        return self.core.max_model_len
+
     # Public API ---------------------------------------------------------------------------
 
     async def generate(self, prompt: str | Seq[int], params: SamplingParams | None = None,

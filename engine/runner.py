@@ -5,11 +5,12 @@ steps replay a CUDA graph). With speculation (the model's MTP layer drafts) a st
 
   1. draft:  the MTP layer catches up over the positions verified last step (inputs shifted
              by one, the target hidden states kept from that step), then chains k-1 more
-             single-token steps on its own output; greedy drafts.
+             single-token steps on its own output; drafts are the MTP's argmax.
   2. verify: one target forward over every row — decode rows feed [newest, d_1 .. d_k] through
              the deferred-commit kernels (nothing is folded into the committed state yet),
              prefill chunks run as usual.
-  3. accept: greedy acceptance on the device; each slot's pending count becomes the number of
+  3. accept: on the device — argmax matching for greedy rows, rejection sampling for sampled
+             rows (lossless in distribution); each slot's pending count becomes the number of
              fed tokens that were accepted (rollback is that counter), the hidden states of
              the fed positions are kept for the next catch-up, and prefill chunks run the MTP
              over their own positions so the MTP's KV cache stays complete.
@@ -147,15 +148,48 @@ class Runner:
 
     def _accept(self, logits: torch.Tensor, rows: tuple[ScheduledRow, ...],
                 drafts: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits: [sum(k_r + 1), V] of the decode rows -> (accepted [B], tokens [B, K+1])."""
+        """logits: [sum(k_r + 1), V] of the decode rows -> (accepted [B], tokens [B, K+1]).
+
+        Greedy rows match drafts against the target's argmax. Sampled rows verify the (greedy)
+        drafts by rejection sampling against the target's filtered distribution: accept d with
+        probability p(d), else resample from p without d — emitted tokens are distributed
+        exactly as without speculation. Their uniforms are the stream plain sampling would use
+        at those positions (seed, position)."""
         max_drafts = max(r.num_draft_tokens for r in rows)
-        row_of = self._tensor([i for i, r in enumerate(rows) for _ in range(1 + r.num_draft_tokens)])
-        depth_of = self._tensor([d for r in rows for d in range(1 + r.num_draft_tokens)])
+        row_of = [i for i, r in enumerate(rows) for _ in range(1 + r.num_draft_tokens)]
+        depth_of = [d for r in rows for d in range(1 + r.num_draft_tokens)]
         target = torch.zeros(len(rows), max_drafts + 1, dtype=torch.int64, device=self.device)
-        target[row_of, depth_of] = logits.argmax(dim=-1)
+        target[self._tensor(row_of), self._tensor(depth_of)] = logits.argmax(dim=-1)
         if drafts is None:
-            drafts = torch.zeros(len(rows), 0, dtype=torch.int64, device=self.device)
-        return greedy_accept(target, drafts, self._tensor([r.num_draft_tokens for r in rows]))
+            drafts = torch.zeros(len(rows), max_drafts, dtype=torch.int64, device=self.device)
+        num_drafts = self._tensor([r.num_draft_tokens for r in rows])
+        accepted, tokens = greedy_accept(target, drafts, num_drafts)
+        sampled = [i for i, r in enumerate(rows) if not r.request.params.greedy]
+        if not sampled:
+            return accepted, tokens
+        # Filtered target distributions of the sampled rows, padded to [S, K+1, V].
+        flat = [j for j, i in enumerate(row_of) if not rows[i].request.params.greedy]
+        params = [rows[row_of[j]].request.params for j in flat]
+
+        def column(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        probs = self.ops.filter_probs(logits[self._tensor(flat)], column([p.temperature for p in params], torch.float32),
+                                      column([p.top_k for p in params], torch.int64),
+                                      column([p.top_p for p in params], torch.float32),
+                                      column([p.min_p for p in params], torch.float32))
+        position = {i: n for n, i in enumerate(sampled)}
+        padded = torch.zeros(len(sampled), max_drafts + 1, logits.shape[1], dtype=torch.float32, device=self.device)
+        padded[self._tensor([position[row_of[j]] for j in flat]), self._tensor([depth_of[j] for j in flat])] = probs
+        index = self._tensor(sampled)
+        sampled_tokens, sampled_accepted = self.ops.rejection_sample(
+            padded, None, drafts[index].contiguous(), num_drafts[index],
+            column([rows[i].request.seed for i in sampled], torch.int64),
+            column([rows[i].start_position + 1 for i in sampled], torch.int64))
+        accepted, tokens = accepted.clone(), tokens.clone()
+        accepted[index] = sampled_accepted.to(accepted.dtype)
+        tokens[index] = sampled_tokens
+        return accepted, tokens
 
     def _keep_hidden(self, hidden: torch.Tensor, rows: list[Row], scheduled: tuple[ScheduledRow, ...]) -> None:
         """Keep the target hidden states of every fed position of the decode rows (the next

@@ -204,8 +204,8 @@ class Scheduler:
 
     def _draft_length(self, request: Request) -> int:
         """Drafts for this step: the request's adaptive length, never past max_tokens or the
-        context. Sampled requests do not speculate yet (rejection sampling is not wired)."""
-        if request.draft_length is None or not request.params.greedy:
+        context."""
+        if request.draft_length is None:
             return 0
         if request.mtp_position >= request.num_tokens - 1:
             return 0  # the prompt's last token, fed alone after a chunk: no MTP output to chain from

@@ -21,7 +21,7 @@ from .gdn_decode import gdn_decode_reference
 from .moe import moe_experts_reference, route_reference
 from .norms import gated_rms_norm_reference, rms_norm_reference
 from .rope import qk_norm_rope_reference
-from .sampling import sample_reference
+from .sampling import filter_probs_reference, rejection_sample_reference, sample_reference
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,8 @@ class Ops:
     moe_route: Callable
     moe_experts: Callable
     sample: Callable
+    filter_probs: Callable
+    rejection_sample: Callable
 
 
 REFERENCE_OPS = Ops(
@@ -57,6 +59,8 @@ REFERENCE_OPS = Ops(
     moe_route=route_reference,
     moe_experts=moe_experts_reference,
     sample=sample_reference,
+    filter_probs=filter_probs_reference,
+    rejection_sample=rejection_sample_reference,
 )
 
 
@@ -65,7 +69,7 @@ REFERENCE_OPS = Ops(
 def triton_ops() -> Ops:
     """The GPU table: Triton kernels where they exist; the remaining entries are the (batched,
     device-agnostic) torch references, listed here so the mix is visible in one place."""
-    from . import attention, conv1d, gdn_decode, norms, rope
+    from . import attention, conv1d, gdn_chunked, gdn_decode, moe, norms, rope, sampling
 
     return replace(
         REFERENCE_OPS,
@@ -75,9 +79,14 @@ def triton_ops() -> Ops:
         qk_norm_rope=rope.qk_norm_rope,
         causal_conv1d_prefill=conv1d.causal_conv1d_prefill,
         causal_conv1d_decode=conv1d.causal_conv1d_decode,
+        gdn_chunked=gdn_chunked.gdn_chunked,
         gdn_decode=gdn_decode.gdn_decode,
         write_kv=attention.write_kv,
         paged_attention=attention.paged_attention,
+        moe_route=moe.route,
+        moe_experts=moe.moe_experts,
+        sample=sampling.sample,
+        rejection_sample=sampling.rejection_sample,
     )
 
 

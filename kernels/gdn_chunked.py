@@ -1,27 +1,73 @@
 """Chunked varlen GDN prefill: many sequences of different lengths in one call, each starting
-from its slot's committed state (or zero) and writing its final state back to the slot.
+from its slot's committed state (or zero) and writing its final state back to the slot, and
+optionally saving the state at chosen prefix lengths (checkpoints for the prefix cache).
 Recurrence and pool layout: gdn.py. Knows nothing about models or the scheduler.
+
+Rows are cut into chunks of CHUNK_SIZE tokens from each row's start (the last chunk of a row may
+be short). Per chunk and value head, with G = cumsum of g inside the chunk (WY representation):
+    A[i, j] = beta_i (k_i . k_j) exp(G_i - G_j)            for j < i     (strictly lower)
+    U = (I + A)^-1 (beta * V),  W = (I + A)^-1 (beta * exp(G) * K)
+    P[i, j] = K^-1/2 (q_i . k_j) exp(G_i - G_j)            for j <= i
+and then, sequentially over the chunks of a row, with S the state [K, V] at the chunk start:
+    V' = U - W S
+    O  = K^-1/2 exp(G) * (Q S) + P V'
+    S  = exp(G_last) S + (K * exp(G_last - G))^T V'
+(q, k l2-normalised with eps 1e-6; g and beta from the gating of gdn.py.)
+
+Triton path, two kernels:
+  1. `_gdn_chunk_prepare_kernel`, one program per (chunk, value head), all chunks in parallel:
+     gating, chunk-local cumsum of g, the q/k inverse norms, P, and the 64x64 unit
+     lower-triangular solve as four 16x16 diagonal inverses (forward substitution) merged into
+     the blocks below them, applied to V and K. Writes g_cum, q_scale = K^-1/2 exp(G) / |q|,
+     k_scale = exp(G_last - G) / |k| ([T, HV] fp32), w [T, HV, K], u [T, HV, V], attn = P
+     [T, HV, 64]. Chunks are located from cu_seqlens inside the kernel (no host sync, no index
+     tensors): the grid has an upper bound of T // 64 + rows programs per head; surplus ones exit.
+  2. `_gdn_chunk_state_kernel`, one program per (row, value head, V tile), sequential over the
+     row's chunks with the state tile in registers: reads the initial state from state[slot]
+     (only when has_initial_state: a fresh slot's stale contents are never read), computes V'
+     and O for every chunk, writes O, the checkpoints, and the final state to state[slot]. Raw
+     q and k tiles go to the tensor cores as loaded; l2norm, scale and decays are applied as row
+     scales on the [64, BV] side (q_scale, k_scale), which keeps the loop free of spills.
+  Dots take the activation dtype (bf16 on the GPU) with fp32 accumulation, as fla does; the
+  inverse runs in fp32 operands (tf32 on the GPU; exact fp32 everywhere for fp32 activations);
+  the state stays fp32 in registers whatever the pool dtype.
+
+Invariants: slot ids of one call are distinct; checkpoint lengths of a row are increasing, in
+(0, row length], and each a multiple of CHUNK_SIZE or the row length (checked, with a host sync,
+only when checkpoints are requested).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
+import triton
+import triton.language as tl
 
 from .gdn import expand_heads, gdn_gating_reference, l2norm
 from .varlen import pad_rows, row_layout
 
 CHUNK_SIZE = 64
+SUB_CHUNK = 16     # the solve works on 4 x 4 blocks of 16 x 16
+L2NORM_EPS = 1e-6
 
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ---------------------------------------------------------------------------------------------
+# torch reference
 
 def _chunked(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-             beta: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunk-parallel form of `_recurrent_steps` (WY representation). Shapes as there, with the
+             beta: torch.Tensor, chunk_size: int,
+             keep_chunk_states: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Chunk-parallel form of `recurrent_steps` (WY representation). Shapes as there, with the
     padded length a multiple of chunk_size. Within a chunk (positions i, j; G = cumsum g):
         A[i, j]  = beta_i (k_i . k_j) exp(G_i - G_j)            for j < i
         (I + A) U = beta * V,  (I + A) W = beta * exp(G) * K     (unit lower-triangular solves)
         V'  = U - W S_0,   O = exp(G) * (Q S_0) + (QK^T * exp(G_i - G_j), j <= i) V'
         S_1 = exp(G_last) S_0 + (K * exp(G_last - G))^T V'
-    """
+    Returns (final state, outputs, the state after each chunk when keep_chunk_states else [])."""
     batch, length, heads, _ = k.shape
     n = length // chunk_size
     shape = lambda x: x.reshape(batch, n, chunk_size, heads, -1).transpose(2, 3)  # [B, n, H, C, *]
@@ -39,31 +85,429 @@ def _chunked(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                                       unitriangular=True)
     intra = (q @ k.transpose(-1, -2)) * decay
     outputs = torch.empty_like(u)
+    chunk_states = []
     for c in range(n):
         v_new = u[:, c] - w[:, c] @ state
         outputs[:, c] = (q[:, c] * cum[:, c, :, :, None].exp()) @ state + intra[:, c] @ v_new
         last = cum[:, c, :, -1:]
         state = state * last.exp()[..., None] + (k[:, c] * (last - cum[:, c]).exp()[..., None]).transpose(-1, -2) @ v_new
-    return state, outputs.transpose(2, 3).reshape(batch, length, heads, -1)
+        if keep_chunk_states:
+            chunk_states.append(state)
+    return state, outputs.transpose(2, 3).reshape(batch, length, heads, -1), chunk_states
+
+
+def check_checkpoints(cu_seqlens: torch.Tensor, checkpoint_cu: torch.Tensor | None,
+                      checkpoint_lengths: torch.Tensor | None, checkpoint_states: torch.Tensor | None,
+                      state: torch.Tensor) -> bool:
+    """Validates the checkpoint arguments (all three or none); returns whether there are any.
+
+    checkpoint_cu [rows+1] int32: CSR offsets, row i owns checkpoints checkpoint_cu[i] ..
+    checkpoint_cu[i+1]-1. checkpoint_lengths [N] int32: increasing within a row, each in
+    (0, row length] and a multiple of CHUNK_SIZE or the row length. checkpoint_states
+    [N, HV, K, V] (fp32 or bf16, contiguous): written. Reads the lengths on the host (a sync)."""
+    given = [x is not None for x in (checkpoint_cu, checkpoint_lengths, checkpoint_states)]
+    if not any(given):
+        return False
+    if not all(given):
+        raise ValueError("checkpoint_cu, checkpoint_lengths and checkpoint_states go together")
+    num_rows, num_checkpoints = cu_seqlens.numel() - 1, checkpoint_lengths.numel()
+    if checkpoint_cu.shape != (num_rows + 1,) or checkpoint_cu.dtype != torch.int32:
+        raise ValueError(f"checkpoint_cu must be int32 [{num_rows + 1}], got {checkpoint_cu.dtype} "
+                         f"{tuple(checkpoint_cu.shape)}")
+    if checkpoint_lengths.dim() != 1 or checkpoint_lengths.dtype != torch.int32:
+        raise ValueError("checkpoint_lengths must be a 1-d int32 tensor")
+    if (checkpoint_states.shape != (num_checkpoints,) + tuple(state.shape[1:])
+            or checkpoint_states.dtype not in (torch.float32, torch.bfloat16)
+            or not checkpoint_states.is_contiguous()):
+        raise ValueError(f"checkpoint_states must be contiguous fp32/bf16 {(num_checkpoints,) + tuple(state.shape[1:])}, "
+                         f"got {checkpoint_states.dtype} {tuple(checkpoint_states.shape)}")
+    cu = checkpoint_cu.long().cpu()
+    counts = cu[1:] - cu[:-1]
+    if int(cu[0]) != 0 or int(cu[-1]) != num_checkpoints or bool((counts < 0).any()):
+        raise ValueError(f"checkpoint_cu must rise from 0 to {num_checkpoints}")
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long().cpu()
+    row = torch.repeat_interleave(torch.arange(num_rows), counts, output_size=num_checkpoints)
+    position, row_length = checkpoint_lengths.long().cpu(), lengths[row]
+    valid = (position > 0) & (position <= row_length) & ((position % CHUNK_SIZE == 0) | (position == row_length))
+    increasing = (position[1:] > position[:-1]) | (row[1:] != row[:-1])
+    if not bool(valid.all()) or not bool(increasing.all()):
+        raise ValueError(f"checkpoint lengths must increase within a row and be multiples of {CHUNK_SIZE} "
+                         f"or the row length, in (0, row length]; got {position.tolist()} for rows of "
+                         f"lengths {row_length.tolist()}")
+    return True
 
 
 def gdn_chunked_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                           A_log: torch.Tensor, dt_bias: torch.Tensor, cu_seqlens: torch.Tensor,
-                          slot_ids: torch.Tensor, has_initial_state: torch.Tensor,
-                          state: torch.Tensor) -> torch.Tensor:
-    """Varlen prefill. q, k: [T, HK, K]; v: [T, HV, V]; a, b: [T, HV]. Reads the slot's state when
-    has_initial_state (else zeros) and writes the final state back to state[slot].
+                          slot_ids: torch.Tensor, has_initial_state: torch.Tensor, state: torch.Tensor,
+                          checkpoint_cu: torch.Tensor | None = None, checkpoint_lengths: torch.Tensor | None = None,
+                          checkpoint_states: torch.Tensor | None = None) -> torch.Tensor:
+    """Varlen prefill. q, k: [T, HK, K]; v: [T, HV, V]; a, b: [T, HV]; cu_seqlens [rows+1] int32;
+    slot_ids [rows] int32 (distinct); has_initial_state [rows] bool; state [slots, HV, K, V].
+    Reads the slot's state when has_initial_state (else zeros; the slot is not read) and writes
+    the final state back to state[slot]. Checkpoints (optional, see `check_checkpoints`):
+    checkpoint_states[j] = the state after the first checkpoint_lengths[j] tokens of its row.
     Returns o [T, HV, V] in v's dtype."""
+    has_checkpoints = check_checkpoints(cu_seqlens, checkpoint_cu, checkpoint_lengths, checkpoint_states, state)
     num_rows, num_value_heads = slot_ids.numel(), v.shape[1]
     slots = slot_ids.long()
     lengths, row, index_in_row, max_len = row_layout(cu_seqlens, v.shape[0])
     padded_len = -(-max_len // CHUNK_SIZE) * CHUNK_SIZE
     g, beta = gdn_gating_reference(a, b, A_log, dt_bias)
-    qn = expand_heads(l2norm(q), num_value_heads) * q.shape[-1] ** -0.5
-    kn = expand_heads(l2norm(k), num_value_heads)
+    qn = expand_heads(l2norm(q, L2NORM_EPS), num_value_heads) * q.shape[-1] ** -0.5
+    kn = expand_heads(l2norm(k, L2NORM_EPS), num_value_heads)
     pad = lambda x: pad_rows(x, row, index_in_row, num_rows, padded_len)
     # Select, never multiply: a fresh row must not read whatever its slot's last owner left.
     initial = torch.where(has_initial_state.view(-1, 1, 1, 1), state[slots].float(), 0.0)
-    final, out = _chunked(initial, pad(qn), pad(kn), pad(v.float()), pad(g), pad(beta), CHUNK_SIZE)
+    final, out, chunk_states = _chunked(initial, pad(qn), pad(kn), pad(v.float()), pad(g), pad(beta), CHUNK_SIZE,
+                                        keep_chunk_states=has_checkpoints)
+    if has_checkpoints and checkpoint_lengths.numel():
+        # Padded tokens carry g = beta = 0, so the state after chunk c is the state after
+        # min(64 (c+1), length) tokens: a checkpoint at p is the state after chunk ceil(p/64)-1.
+        counts = (checkpoint_cu[1:] - checkpoint_cu[:-1]).long()
+        checkpoint_row = torch.repeat_interleave(torch.arange(num_rows, device=v.device), counts,
+                                                 output_size=checkpoint_lengths.numel())
+        checkpoint_chunk = (checkpoint_lengths.long() + CHUNK_SIZE - 1) // CHUNK_SIZE - 1
+        checkpoint_states.copy_(torch.stack(chunk_states)[checkpoint_chunk, checkpoint_row])
     state[slots] = final.to(state.dtype)
     return out[row, index_in_row].to(v.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels
+
+@triton.jit
+def _softplus(x):
+    # torch's F.softplus (threshold 20) without libdevice's log1p.
+    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+
+
+@triton.jit
+def _load_rows(ptr, tok, valid, stride_t, col0, D: tl.constexpr):
+    """Rows `tok` [R] of a token-major tensor, columns col0 .. col0+D-1 -> [R, D] (0 where not
+    valid), in the tensor's dtype."""
+    cols = tl.arange(0, D)
+    return tl.load(ptr + tok[:, None] * stride_t + col0 + cols[None, :], mask=valid[:, None], other=0.0)
+
+
+@triton.jit
+def _inverse_norm(x, EPS: tl.constexpr):
+    """1 / sqrt(sum x^2 + eps) per row of x [R, D]: the l2norm is applied as a row scale, so the
+    raw tile goes to the tensor cores unchanged."""
+    x = x.to(tl.float32)
+    return tl.rsqrt(tl.sum(x * x, 1) + EPS)
+
+
+@triton.jit
+def _store_rows(ptr, x, tok, valid, stride_t, col0, D: tl.constexpr):
+    cols = tl.arange(0, D)
+    tl.store(ptr + tok[:, None] * stride_t + col0 + cols[None, :], x.to(ptr.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def _take(x, part, SUB: tl.constexpr, CHUNK: tl.constexpr):
+    """Entries part*SUB .. part*SUB+SUB-1 of x [CHUNK] (an exact select; Triton has no slices)."""
+    i, j = tl.arange(0, SUB), tl.arange(0, CHUNK)
+    return tl.sum(tl.where(part * SUB + i[:, None] == j[None, :], x[None, :], 0.0), 1)
+
+
+@triton.jit
+def _decayed_dot(x, y, gi, gj, ci, cj, mask, PRECISION: tl.constexpr):
+    """ci (x_i . y_j) cj exp(g_i - g_j) where mask, else 0: one [16, 16] block (of A or P)."""
+    s = tl.dot(x, tl.trans(y), input_precision=PRECISION)
+    # G is non-increasing, so exponents of selected entries are <= 0; the clamp keeps the
+    # unselected ones (j > i) from overflowing.
+    decay = tl.exp(tl.minimum(gi[:, None] - gj[None, :], 0.0))
+    return tl.where(mask, s * ci[:, None] * cj[None, :] * decay, 0.0)
+
+
+@triton.jit
+def _unit_lower_inverse(A, SUB: tl.constexpr):
+    """(I + A)^-1 of a strictly lower-triangular [SUB, SUB] A by forward substitution: with
+    N = (I + A)^-1 - I, row i of N is -A_i - sum_{j<i} A_ij N_j (rows 0 and 1 are -A_i)."""
+    o = tl.arange(0, SUB)
+    inv = -A
+    for i in tl.static_range(2, SUB):
+        row = tl.sum(tl.where((o == i)[:, None], -A, 0.0), 0)          # -A_i, zero from column i on
+        row = row + tl.sum(row[:, None] * inv, 0)
+        inv = tl.where((o == i)[:, None], row[None, :], inv)
+    return inv + (o[:, None] == o[None, :]).to(tl.float32)
+
+
+@triton.jit
+def _inverse_times(out, x, I0, I1, I2, I3, c0, c1, c2, c3, t0, t1, t2, t3, m0, m1, m2, m3, stride_xt, col_x,
+                   col_out, NUM: tl.constexpr, HV: tl.constexpr, D: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """Stores 16-row block NUM-1 of (I + A)^-1 diag(c) X: sum over t < NUM of (I_t * c_t) @ X_t,
+    with I_t the inverse's block in block-column t and X_t the t-th 16-token block of X, loaded
+    here (not kept live across the kernel)."""
+    acc = tl.dot((I0 * c0[None, :]).to(DOT_DTYPE), _load_rows(x, t0, m0, stride_xt, col_x, D).to(DOT_DTYPE),
+                 input_precision=PRECISION)
+    if NUM > 1:
+        acc = tl.dot((I1 * c1[None, :]).to(DOT_DTYPE), _load_rows(x, t1, m1, stride_xt, col_x, D).to(DOT_DTYPE),
+                     acc, input_precision=PRECISION)
+    if NUM > 2:
+        acc = tl.dot((I2 * c2[None, :]).to(DOT_DTYPE), _load_rows(x, t2, m2, stride_xt, col_x, D).to(DOT_DTYPE),
+                     acc, input_precision=PRECISION)
+    if NUM > 3:
+        acc = tl.dot((I3 * c3[None, :]).to(DOT_DTYPE), _load_rows(x, t3, m3, stride_xt, col_x, D).to(DOT_DTYPE),
+                     acc, input_precision=PRECISION)
+    if NUM == 1:
+        _store_rows(out, acc, t0, m0, HV * D, col_out, D)
+    elif NUM == 2:
+        _store_rows(out, acc, t1, m1, HV * D, col_out, D)
+    elif NUM == 3:
+        _store_rows(out, acc, t2, m2, HV * D, col_out, D)
+    else:
+        _store_rows(out, acc, t3, m3, HV * D, col_out, D)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _gdn_chunk_prepare_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, g_cum, q_scale, k_scale, w, u, attn,
+                              num_rows, scale, stride_qt, stride_kt, stride_vt, stride_at, stride_bt,
+                              HV: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                              ROWS_POW2: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
+                              EPS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    chunk_id, h = tl.program_id(0), tl.program_id(1)
+    hk = h // (HV // HK)
+    # Which (row, chunk of the row) is chunk_id: rows own ceil(len / CHUNK) consecutive ids.
+    r = tl.arange(0, ROWS_POW2)
+    start = tl.load(cu_seqlens + r, mask=r < num_rows, other=0)
+    end = tl.load(cu_seqlens + r + 1, mask=r < num_rows, other=0)
+    row_chunks = (end - start + CHUNK - 1) // CHUNK
+    row = tl.sum((tl.cumsum(row_chunks, 0) <= chunk_id).to(tl.int32), 0)
+    if row >= num_rows:
+        return  # surplus program of the T // CHUNK + rows upper bound
+    chunk = chunk_id - tl.sum(tl.where(r < row, row_chunks, 0), 0)
+    bos = tl.load(cu_seqlens + row).to(tl.int64)
+    chunk_start = bos + chunk * CHUNK
+    num_valid = tl.load(cu_seqlens + row + 1).to(tl.int64) - chunk_start   # may exceed CHUNK
+
+    # Per-token gating and norms over the whole chunk [C]; invalid tokens get g = beta = 0.
+    ct = tl.arange(0, CHUNK)
+    tok, valid = chunk_start + ct, ct < num_valid
+    a_t = tl.load(a + tok * stride_at + h, mask=valid, other=0.0).to(tl.float32)
+    b_t = tl.load(b + tok * stride_bt + h, mask=valid, other=0.0).to(tl.float32)
+    g = tl.where(valid, -tl.exp(tl.load(A_log + h).to(tl.float32)) * _softplus(a_t + tl.load(dt_bias + h)), 0.0)
+    beta = tl.where(valid, tl.sigmoid(b_t), 0.0)
+    gc = tl.cumsum(g, 0)                                              # G, chunk-local
+    g_last = tl.sum(g, 0)
+    tl.store(g_cum + tok * HV + h, gc, mask=valid)
+    key = _load_rows(k, tok, valid, stride_kt, hk * K, K)           # raw [C, K]
+    query = _load_rows(q, tok, valid, stride_qt, hk * K, K)
+    rk = _inverse_norm(key, EPS)
+    cq = _inverse_norm(query, EPS) * scale
+    tl.store(q_scale + tok * HV + h, cq * tl.exp(gc), mask=valid)                # K^-1/2 exp(G) / |q|
+    tl.store(k_scale + tok * HV + h, rk * tl.exp(g_last - gc), mask=valid)       # exp(G_last - G) / |k|
+    # P = K^-1/2 (q_i . k_j) exp(G_i - G_j) / (|q_i| |k_j|), j <= i
+    p = tl.dot(query.to(DOT_DTYPE), tl.trans(key.to(DOT_DTYPE)), input_precision=PRECISION)
+    causal = valid[:, None] & (ct[:, None] >= ct[None, :])
+    decay = tl.exp(tl.minimum(gc[:, None] - gc[None, :], 0.0))
+    p = tl.where(causal, p * cq[:, None] * rk[None, :] * decay, 0.0)
+    _store_rows(attn, p, tok, valid, HV * CHUNK, h * CHUNK, CHUNK)
+
+    # The solve works on 16-token sub-chunks s: tokens t_s, masks m_s, and their G, beta, 1/|k|.
+    o = tl.arange(0, SUB)
+    t0, t1, t2, t3 = chunk_start + o, chunk_start + SUB + o, chunk_start + 2 * SUB + o, chunk_start + 3 * SUB + o
+    m0, m1, m2, m3 = o < num_valid, SUB + o < num_valid, 2 * SUB + o < num_valid, 3 * SUB + o < num_valid
+    g0, g1 = _take(gc, 0, SUB, CHUNK), _take(gc, 1, SUB, CHUNK)
+    g2, g3 = _take(gc, 2, SUB, CHUNK), _take(gc, 3, SUB, CHUNK)
+    b0, b1 = _take(beta, 0, SUB, CHUNK), _take(beta, 1, SUB, CHUNK)
+    b2, b3 = _take(beta, 2, SUB, CHUNK), _take(beta, 3, SUB, CHUNK)
+    rk0, rk1 = _take(rk, 0, SUB, CHUNK), _take(rk, 1, SUB, CHUNK)
+    rk2, rk3 = _take(rk, 2, SUB, CHUNK), _take(rk, 3, SUB, CHUNK)
+    k0 = _load_rows(k, t0, m0, stride_kt, hk * K, K).to(DOT_DTYPE)
+    k1 = _load_rows(k, t1, m1, stride_kt, hk * K, K).to(DOT_DTYPE)
+    k2 = _load_rows(k, t2, m2, stride_kt, hk * K, K).to(DOT_DTYPE)
+    k3 = _load_rows(k, t3, m3, stride_kt, hk * K, K).to(DOT_DTYPE)
+
+    # A in 16 x 16 blocks: strictly lower diagonal blocks, full blocks below them.
+    lower = o[:, None] > o[None, :]
+    A00 = _decayed_dot(k0, k0, g0, g0, b0 * rk0, rk0, lower & m0[:, None], PRECISION)
+    A11 = _decayed_dot(k1, k1, g1, g1, b1 * rk1, rk1, lower & m1[:, None], PRECISION)
+    A22 = _decayed_dot(k2, k2, g2, g2, b2 * rk2, rk2, lower & m2[:, None], PRECISION)
+    A33 = _decayed_dot(k3, k3, g3, g3, b3 * rk3, rk3, lower & m3[:, None], PRECISION)
+    A10 = _decayed_dot(k1, k0, g1, g0, b1 * rk1, rk0, m1[:, None] & m0[None, :], PRECISION)
+    A20 = _decayed_dot(k2, k0, g2, g0, b2 * rk2, rk0, m2[:, None] & m0[None, :], PRECISION)
+    A21 = _decayed_dot(k2, k1, g2, g1, b2 * rk2, rk1, m2[:, None] & m1[None, :], PRECISION)
+    A30 = _decayed_dot(k3, k0, g3, g0, b3 * rk3, rk0, m3[:, None] & m0[None, :], PRECISION)
+    A31 = _decayed_dot(k3, k1, g3, g1, b3 * rk3, rk1, m3[:, None] & m1[None, :], PRECISION)
+    A32 = _decayed_dot(k3, k2, g3, g2, b3 * rk3, rk2, m3[:, None] & m2[None, :], PRECISION)
+    # (I + A)^-1 blockwise: diagonal blocks by substitution, then the blocks below them
+    # (X_st = -X_ss sum_{t<=j<s} A_sj X_jt), in fp32 operands.
+    I00, I11 = _unit_lower_inverse(A00, SUB), _unit_lower_inverse(A11, SUB)
+    I22, I33 = _unit_lower_inverse(A22, SUB), _unit_lower_inverse(A33, SUB)
+    I10 = -tl.dot(tl.dot(I11, A10, input_precision=PRECISION), I00, input_precision=PRECISION)
+    I21 = -tl.dot(tl.dot(I22, A21, input_precision=PRECISION), I11, input_precision=PRECISION)
+    I32 = -tl.dot(tl.dot(I33, A32, input_precision=PRECISION), I22, input_precision=PRECISION)
+    I20 = -tl.dot(I22, tl.dot(A20, I00, input_precision=PRECISION) + tl.dot(A21, I10, input_precision=PRECISION),
+                  input_precision=PRECISION)
+    I31 = -tl.dot(I33, tl.dot(A31, I11, input_precision=PRECISION) + tl.dot(A32, I21, input_precision=PRECISION),
+                  input_precision=PRECISION)
+    I30 = -tl.dot(I33, tl.dot(A30, I00, input_precision=PRECISION) + tl.dot(A31, I10, input_precision=PRECISION)
+                  + tl.dot(A32, I20, input_precision=PRECISION), input_precision=PRECISION)
+
+    # U = (I + A)^-1 diag(beta) V,  W = (I + A)^-1 diag(beta exp(G) / |k|) K_raw
+    ts, ms = (t0, t1, t2, t3), (m0, m1, m2, m3)
+    _inverse_times(u, v, I00, I00, I00, I00, b0, b0, b0, b0, *ts, *ms, stride_vt, h * V, h * V, 1, HV, V,
+                   DOT_DTYPE, PRECISION)
+    _inverse_times(u, v, I10, I11, I11, I11, b0, b1, b1, b1, *ts, *ms, stride_vt, h * V, h * V, 2, HV, V,
+                   DOT_DTYPE, PRECISION)
+    _inverse_times(u, v, I20, I21, I22, I22, b0, b1, b2, b2, *ts, *ms, stride_vt, h * V, h * V, 3, HV, V,
+                   DOT_DTYPE, PRECISION)
+    _inverse_times(u, v, I30, I31, I32, I33, b0, b1, b2, b3, *ts, *ms, stride_vt, h * V, h * V, 4, HV, V,
+                   DOT_DTYPE, PRECISION)
+    c0, c1, c2, c3 = b0 * rk0 * tl.exp(g0), b1 * rk1 * tl.exp(g1), b2 * rk2 * tl.exp(g2), b3 * rk3 * tl.exp(g3)
+    _inverse_times(w, k, I00, I00, I00, I00, c0, c0, c0, c0, *ts, *ms, stride_kt, hk * K, h * K, 1, HV, K,
+                   DOT_DTYPE, PRECISION)
+    _inverse_times(w, k, I10, I11, I11, I11, c0, c1, c1, c1, *ts, *ms, stride_kt, hk * K, h * K, 2, HV, K,
+                   DOT_DTYPE, PRECISION)
+    _inverse_times(w, k, I20, I21, I22, I22, c0, c1, c2, c2, *ts, *ms, stride_kt, hk * K, h * K, 3, HV, K,
+                   DOT_DTYPE, PRECISION)
+    _inverse_times(w, k, I30, I31, I32, I33, c0, c1, c2, c3, *ts, *ms, stride_kt, hk * K, h * K, 4, HV, K,
+                   DOT_DTYPE, PRECISION)
+
+
+@triton.jit(do_not_specialize=["row_bucket"])
+def _gdn_chunk_state_kernel(q, k, g_cum, q_scale, k_scale, w, u, attn, o, state, cu_seqlens, slot_ids,
+                            has_initial_state, checkpoint_cu, checkpoint_lengths, checkpoint_states,
+                            stride_qt, stride_kt, row_bucket,
+                            HV: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                            BV: tl.constexpr, CHUNK: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                            PRECISION: tl.constexpr, HAS_CHECKPOINTS: tl.constexpr):
+    """One (row, value head, V tile): the state tile S [K, BV] lives in registers across the
+    row's chunks. Raw q and k tiles go to the tensor cores as loaded; their l2norm, scale and
+    decays are row scales on the [C, BV] side (q_scale, k_scale from the prepare kernel).
+    row_bucket only keys the autotuner (few long rows want narrow V tiles)."""
+    row, h, tile_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    hk = h // (HV // HK)
+    bos = tl.load(cu_seqlens + row).to(tl.int64)
+    length = tl.load(cu_seqlens + row + 1) - tl.load(cu_seqlens + row)
+    kk = tl.arange(0, K)
+    vv = tile_v * BV + tl.arange(0, BV)
+    ct = tl.arange(0, CHUNK)
+    tile = kk[:, None] * V + vv[None, :]                                   # [K, BV] inside one [K, V]
+    state_tile = state + (tl.load(slot_ids + row).to(tl.int64) * HV + h) * (K * V) + tile
+    S = tl.zeros([K, BV], dtype=tl.float32)
+    if tl.load(has_initial_state + row) != 0:
+        S = tl.load(state_tile).to(tl.float32)
+    if HAS_CHECKPOINTS:
+        checkpoint = tl.load(checkpoint_cu + row)
+        checkpoint_end = tl.load(checkpoint_cu + row + 1)
+        checkpoint_at = tl.load(checkpoint_lengths + checkpoint, mask=checkpoint < checkpoint_end, other=-1)
+
+    for c in range(0, tl.cdiv(length, CHUNK)):
+        tok = bos + c * CHUNK + ct
+        valid = c * CHUNK + ct < length
+        num_valid = tl.minimum(length - c * CHUNK, CHUNK)
+        g_last = tl.load(g_cum + (bos + c * CHUNK + num_valid - 1) * HV + h)
+        cq = tl.load(q_scale + tok * HV + h, mask=valid, other=0.0)
+        ck = tl.load(k_scale + tok * HV + h, mask=valid, other=0.0)
+        qc = _load_rows(q, tok, valid, stride_qt, hk * K, K)                                 # [C, K]
+        kt = tl.load(k + tok[None, :] * stride_kt + hk * K + kk[:, None], mask=valid[None, :], other=0.0)  # [K, C]
+        wc = tl.load(w + tok[:, None] * (HV * K) + h * K + kk[None, :], mask=valid[:, None], other=0.0)
+        uc = tl.load(u + tok[:, None] * (HV * V) + h * V + vv[None, :], mask=valid[:, None], other=0.0)
+        p = tl.load(attn + tok[:, None] * (HV * CHUNK) + h * CHUNK + ct[None, :],
+                    mask=valid[:, None] & (ct[None, :] <= ct[:, None]), other=0.0)
+        S_dot = S.to(DOT_DTYPE)
+        v_new = uc.to(tl.float32) - tl.dot(wc.to(DOT_DTYPE), S_dot, input_precision=PRECISION)   # V' = U - W S
+        out = tl.dot(qc.to(DOT_DTYPE), S_dot, input_precision=PRECISION) * cq[:, None]         # O = Q S + P V'
+        out = tl.dot(p.to(DOT_DTYPE), v_new.to(DOT_DTYPE), out, input_precision=PRECISION)
+        tl.store(o + tok[:, None] * (HV * V) + h * V + vv[None, :], out.to(o.dtype.element_ty), mask=valid[:, None])
+        # S = exp(G_last) S + (K exp(G_last - G) / |k|)^T V'
+        S = S * tl.exp(g_last) + tl.dot(kt.to(DOT_DTYPE), (v_new * ck[:, None]).to(DOT_DTYPE),
+                                        input_precision=PRECISION)
+        if HAS_CHECKPOINTS:
+            if checkpoint_at == c * CHUNK + num_valid:
+                tl.store(checkpoint_states + (checkpoint.to(tl.int64) * HV + h) * (K * V) + tile,
+                         S.to(checkpoint_states.dtype.element_ty))
+                checkpoint += 1
+                checkpoint_at = tl.load(checkpoint_lengths + checkpoint, mask=checkpoint < checkpoint_end, other=-1)
+    tl.store(state_tile, S.to(state.dtype.element_ty))
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch configuration. The interpreter runs exactly one config; on the GPU the autotuner picks
+# (once per key). The state kernel updates the pool in place, so tuning runs restore it.
+
+def _prepare_configs() -> list[triton.Config]:
+    if _INTERPRET:
+        return [triton.Config({}, num_warps=4)]
+    return [triton.Config({}, num_warps=num_warps) for num_warps in (4, 8)]
+
+
+def _state_configs() -> list[triton.Config]:
+    if _INTERPRET:
+        return [triton.Config({"BV": 16}, num_warps=4)]   # V = 32 in the CPU tests: two V tiles
+    # V tiles of 16 and 32 hit a Triton shared-memory bug on sm_90 for kernels with several
+    # tl.dot (illegal address, seen here on an H200 with Triton 3.6 at BV = 16; pytorch/helion
+    # PR #1905, triton-lang/triton #10486, #11366): only 64 and 128 on the GPU.
+    return [triton.Config({"BV": bv}, num_warps=num_warps, num_stages=num_stages)
+            for bv, num_warps, num_stages in ((64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 8, 2))]
+
+
+def _fitting_v_tiles(configs, named_args, **kwargs):
+    value_dim = kwargs.get("V", named_args.get("V"))
+    return [c for c in configs if c.kwargs["BV"] <= value_dim]
+
+
+_prepare = triton.autotune(_prepare_configs(), key=["HV", "HK", "K", "V"])(_gdn_chunk_prepare_kernel)
+_state = triton.autotune(_state_configs(), key=["HV", "HK", "K", "V", "row_bucket", "HAS_CHECKPOINTS"],
+                         prune_configs_by={"early_config_prune": _fitting_v_tiles},
+                         restore_value=["state"])(_gdn_chunk_state_kernel)
+
+_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                A_log: torch.Tensor, dt_bias: torch.Tensor, cu_seqlens: torch.Tensor,
+                slot_ids: torch.Tensor, has_initial_state: torch.Tensor, state: torch.Tensor,
+                checkpoint_cu: torch.Tensor | None = None, checkpoint_lengths: torch.Tensor | None = None,
+                checkpoint_states: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton `gdn_chunked_reference` (same arguments and semantics). q, k, v may be views with
+    any token stride (e.g. splits of the conv output) as long as each token's heads are packed;
+    a, b likewise. K and V are powers of two, 16 .. 256 (V >= 64 on the GPU)."""
+    num_tokens, num_key_heads, key_dim = q.shape
+    num_value_heads, value_dim = v.shape[1], v.shape[2]
+    num_rows = slot_ids.numel()
+    assert k.shape == q.shape and v.shape[0] == num_tokens, "q, k [T, HK, K] and v [T, HV, V]"
+    assert a.shape == b.shape == (num_tokens, num_value_heads), "a, b [T, HV]"
+    assert num_value_heads % num_key_heads == 0, "value heads must be a multiple of key heads"
+    assert q.dtype == k.dtype == v.dtype and q.dtype in _TL_DTYPE, "q, k, v share one float dtype"
+    for name, dim in (("K", key_dim), ("V", value_dim)):
+        assert 16 <= dim <= 256 and dim & (dim - 1) == 0, f"{name} = {dim} must be a power of two in 16..256"
+    assert _INTERPRET or value_dim >= 64, "V >= 64 on the GPU (V tiles below 64 are unsafe: _state_configs)"
+    for name, x, head_stride in (("q", q, key_dim), ("k", k, key_dim), ("v", v, value_dim), ("a", a, 1), ("b", b, 1)):
+        assert x.stride(-1) == 1 and (x.dim() == 2 or x.stride(-2) == head_stride), f"{name}: heads must be packed"
+    assert A_log.shape == dt_bias.shape == (num_value_heads,), "A_log, dt_bias [HV]"
+    assert cu_seqlens.shape == (num_rows + 1,) and cu_seqlens.dtype == torch.int32, "cu_seqlens int32 [rows+1]"
+    assert slot_ids.dtype == torch.int32 and has_initial_state.shape == (num_rows,) \
+        and has_initial_state.dtype == torch.bool, "slot_ids int32 [rows], has_initial_state bool [rows]"
+    assert state.shape[1:] == (num_value_heads, key_dim, value_dim) and state.is_contiguous() \
+        and state.dtype in (torch.float32, torch.bfloat16), "state pool contiguous fp32/bf16 [slots, HV, K, V]"
+    has_checkpoints = check_checkpoints(cu_seqlens, checkpoint_cu, checkpoint_lengths, checkpoint_states, state)
+    device = q.device
+    o = torch.empty(num_tokens, num_value_heads, value_dim, dtype=v.dtype, device=device)
+    if num_rows == 0:
+        return o
+    g_cum, q_scale, k_scale = torch.empty(3, num_tokens, num_value_heads, dtype=torch.float32, device=device)
+    w = torch.empty(num_tokens, num_value_heads, key_dim, dtype=q.dtype, device=device)
+    u = torch.empty(num_tokens, num_value_heads, value_dim, dtype=q.dtype, device=device)
+    attn = torch.empty(num_tokens, num_value_heads, CHUNK_SIZE, dtype=q.dtype, device=device)
+    scale = key_dim ** -0.5
+    dot_dtype = _TL_DTYPE[q.dtype]
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"   # fp32 activations: exact fp32 dots
+    _prepare[(num_tokens // CHUNK_SIZE + num_rows, num_value_heads)](
+        q, k, v, a, b, A_log, dt_bias, cu_seqlens, g_cum, q_scale, k_scale, w, u, attn,
+        num_rows, scale, q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0),
+        HV=num_value_heads, HK=num_key_heads, K=key_dim, V=value_dim,
+        ROWS_POW2=max(64, triton.next_power_of_2(num_rows)), CHUNK=CHUNK_SIZE, SUB=SUB_CHUNK, EPS=L2NORM_EPS,
+        DOT_DTYPE=dot_dtype, PRECISION=precision)
+    _state[lambda meta: (num_rows, num_value_heads, value_dim // meta["BV"])](
+        q, k, g_cum, q_scale, k_scale, w, u, attn, o, state, cu_seqlens, slot_ids, has_initial_state.view(torch.uint8),
+        checkpoint_cu if has_checkpoints else slot_ids, checkpoint_lengths if has_checkpoints else slot_ids,
+        checkpoint_states if has_checkpoints else state,
+        q.stride(0), k.stride(0), min(triton.next_power_of_2(num_rows), 64),
+        HV=num_value_heads, HK=num_key_heads, K=key_dim, V=value_dim, CHUNK=CHUNK_SIZE,
+        DOT_DTYPE=dot_dtype, PRECISION=precision, HAS_CHECKPOINTS=has_checkpoints)
+    return o

@@ -177,3 +177,66 @@ def test_adaptive_draft_length_shrinks_and_recovers():
     fixed = DraftLengthState(AdaptivePolicy(max_draft_tokens=3, enabled=False))
     fixed.record(3, 0)
     assert fixed.num_draft_tokens == 3
+
+
+class FrequentTokenDrafter:
+    """Drafts, at every output index, the token plain sampling emits most often there: drafts
+    that the target often accepts (probability p(d)) and often rejects."""
+
+    def __init__(self, core: EngineCore, favourites: list[int]) -> None:
+        self.mtp, self.favourites = core.runner.draft_with_mtp, favourites
+
+    def __call__(self, rows):
+        drafts = self.mtp(rows)
+        if drafts is None:
+            return None
+        for i, row in enumerate(rows):
+            generated = len(row.request.output_token_ids)
+            for depth in range(row.num_draft_tokens):
+                drafts[i, depth] = self.favourites[min(generated + depth, len(self.favourites) - 1)]
+        return drafts
+
+
+def test_sampling_with_speculation_keeps_the_distribution(checkpoint):
+    """Outputs with speculation (rejection sampling) follow the same distribution as without:
+    two-sample chi-square on the second and third generated tokens (temperature 1, top-k 3)."""
+    path = checkpoint("qwen3_5")
+    prompt = [7, 8, 9, 10]
+    runs = 1500
+
+    def sample_all(core: EngineCore, seed_base: int) -> list[list[int]]:
+        requests = [core.add_request(prompt, SamplingParams(max_tokens=3, temperature=1.0, top_k=3,
+                                                            seed=seed_base + i, ignore_eos=True)) for i in range(runs)]
+        while core.has_work:
+            core.step()
+        return [r.output_token_ids for r in requests]
+
+    plain = sample_all(EngineCore(EngineConfig(model=path, max_num_seqs=64, max_num_batched_tokens=512)), 0)
+    favourites = [max(set(col), key=col.count) for col in zip(*plain)]
+    core = EngineCore(EngineConfig(model=path, max_num_seqs=64, max_num_batched_tokens=512, num_draft_tokens=2,
+                                   adaptive_draft_length=False))
+    core.runner.drafter = FrequentTokenDrafter(core, favourites)
+    spec = sample_all(core, 10**6)
+    stats = core.stats()["spec"]
+    assert 0.1 < stats["acceptance_by_position"][0] < 0.9  # both branches of the test ran
+    for index in (1, 2):
+        a = [tokens[index] for tokens in plain]
+        b = [tokens[index] for tokens in spec]
+        categories = sorted(set(a) | set(b))
+        statistic, dof = 0.0, len(categories) - 1
+        for c in categories:
+            ca, cb = a.count(c), b.count(c)
+            statistic += (ca - cb) ** 2 / (ca + cb)
+        # chi-square critical value at p = 0.001 (Wilson-Hilferty; z = 3.09), e.g. 26.1 at 8 dof
+        critical = dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3
+        assert statistic < critical, f"token {index}: chi2 {statistic:.1f} over {dof} dof"
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(checkpoint):
+    path = checkpoint("qwen3_next", mtp_copy_of_last_layer=True)
+    params = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=42, ignore_eos=True)
+    outputs = []
+    for _ in range(2):
+        core = EngineCore(EngineConfig(model=path, num_draft_tokens=3))
+        outputs.append(generate(core, [[1, 2, 3], [4, 5, 6, 7, 8]], params))
+    assert outputs[0] == outputs[1]

@@ -1,0 +1,227 @@
+"""Triton chunked varlen GDN prefill (kernels/gdn_chunked.py: `gdn_chunked`) against its torch
+reference, and the reference's checkpoint output against the recurrence itself.
+
+Contracts checked (CPU: the interpreter in fp32 / fp16 at tiny K, V; GPU: bf16 at K = V = 128):
+  - ragged rows of 1, 63, 64, 65, 130 tokens (chunks of 64 from each row start), HV = 2 HK and
+    HV = HK; q, k, v and a, b as strided views of packed projections, as the model passes them;
+  - initial states from permuted slots; rows without one start from zero and never read their
+    slot (it holds NaN); slots outside the batch (scratch slot 0 included) stay bit-identical;
+  - every buffer the launcher allocates starts as NaN (`torch.empty` is poisoned), so any output
+    element not written, or any scratch element read before being written, shows up;
+  - checkpoints: the kernel writes what the reference writes, and a reference checkpoint at p
+    equals the final state of a run over only the first p tokens of its row; invalid checkpoint
+    lengths are refused;
+  - a bf16 state pool.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaspec.kernels.gdn_chunked import gdn_chunked, gdn_chunked_reference
+
+KEY_DIM, VALUE_DIM = 16, 32
+LENGTHS = [1, 63, 64, 65, 130]
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.double(), expected.double()
+    assert torch.isfinite(actual).all(), "non-finite values (unwritten or read before written)"
+    return float((actual - expected).norm() / expected.norm())
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what: str) -> None:
+    """Elementwise |a - e| <= rtol * (|e| + max|e|), and everything finite."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    actual, expected = actual.double(), expected.double()
+    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
+    error = (actual - expected).abs()
+    bound = rtol * (expected.abs() + expected.abs().max())
+    assert bool((error <= bound).all()), f"{what}: max abs error {float(error.max()):.3e} (rtol {rtol:.0e})"
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view({2: torch.int16, 4: torch.int32}[x.element_size()])
+
+
+@pytest.fixture
+def interpreter_device(kernel_device) -> str:
+    """The tiny-head tests (K = 16, V = 32) run under the interpreter only: on the GPU the state
+    kernel needs V >= 64 (see _state_configs); the `gpu` tests below cover it at K = V = 128."""
+    if kernel_device != "cpu":
+        pytest.skip("sized for the interpreter; the gpu-marked tests cover CUDA")
+    return kernel_device
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """torch.empty returns NaN-filled float tensors while a kernel launcher runs."""
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        x = empty(*args, **kwargs)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    def run(fn, *args, **kwargs):
+        with monkeypatch.context() as patch:
+            patch.setattr(torch, "empty", nan_empty)
+            return fn(*args, **kwargs)
+
+    return run
+
+
+class Batch:
+    """A varlen batch as the model builds it, plus a state pool of num_slots slots."""
+
+    def __init__(self, gen: torch.Generator, device: str, lengths: list[int], num_key_heads: int,
+                 num_value_heads: int, key_dim: int, value_dim: int, dtype: torch.dtype,
+                 state_dtype: torch.dtype = torch.float32, num_slots: int = 9, extra_columns: int = 1) -> None:
+        self.lengths, total = lengths, sum(lengths)
+        hk, hv = num_key_heads, num_value_heads
+        # q | k | v packed per token (plus extra columns), then split: token stride != heads * dim.
+        mixed = torch.randn(total, 2 * hk * key_dim + hv * value_dim + extra_columns, generator=gen)
+        q, k, v, _ = mixed.to(device, dtype).split((hk * key_dim, hk * key_dim, hv * value_dim, extra_columns), -1)
+        self.q, self.k = q.view(total, hk, key_dim), k.view(total, hk, key_dim)
+        self.v = v.view(total, hv, value_dim)
+        ba = torch.randn(total, 2 * hv + extra_columns, generator=gen).to(device, dtype)
+        self.b, self.a = ba[:, :hv], ba[:, hv:2 * hv]
+        self.A_log = (torch.rand(hv, generator=gen) * 5.0 - 4.0).to(device)   # decay rates 0.02 .. 2.7
+        self.dt_bias = (0.5 * torch.randn(hv, generator=gen)).to(device)
+        self.cu_seqlens = torch.tensor([0] + lengths).cumsum(0).to(device, torch.int32)
+        # Row i uses slot perm[i] (never 0, the scratch slot); rows alternate with/without a state.
+        perm = (torch.randperm(num_slots - 1, generator=gen)[:len(lengths)] + 1).tolist()
+        self.slots = perm
+        self.slot_ids = torch.tensor(perm, dtype=torch.int32, device=device)
+        self.has_initial = torch.tensor([i % 3 != 1 for i in range(len(lengths))], device=device)
+        state = 0.5 * torch.randn(num_slots, hv, key_dim, value_dim, generator=gen)
+        for slot, initial in zip(perm, self.has_initial.tolist()):
+            if not initial:
+                state[slot] = float("nan")  # a fresh slot's stale contents must never be read
+        self.state = state.to(device, state_dtype)
+
+    def args(self) -> tuple:
+        return (self.q, self.k, self.v, self.a, self.b, self.A_log, self.dt_bias, self.cu_seqlens, self.slot_ids,
+                self.has_initial)
+
+    def check_untouched(self, state: torch.Tensor) -> None:
+        for slot in range(state.shape[0]):
+            if slot not in self.slots:
+                assert torch.equal(bits(state[slot]), bits(self.state[slot])), f"slot {slot} changed"
+
+
+@pytest.mark.parametrize("num_key_heads,num_value_heads", [(1, 2), (2, 2)], ids=["HV=2HK", "HV=HK"])
+def test_kernel_matches_reference(interpreter_device, poisoned_empty, num_key_heads, num_value_heads):
+    gen = torch.Generator().manual_seed(10 + num_key_heads)
+    batch = Batch(gen, interpreter_device, LENGTHS, num_key_heads, num_value_heads, KEY_DIM, VALUE_DIM, torch.float32)
+    state, expected_state = batch.state.clone(), batch.state.clone()
+
+    out = poisoned_empty(gdn_chunked, *batch.args(), state)
+    expected = gdn_chunked_reference(*batch.args(), expected_state)
+
+    assert out.shape == batch.v.shape and out.dtype == batch.v.dtype
+    assert_close(out, expected, 1e-4, "output")
+    for slot in batch.slots:
+        assert_close(state[slot], expected_state[slot], 1e-4, f"final state of slot {slot}")
+    batch.check_untouched(state)
+
+
+def checkpoint_plan(lengths: list[int], device: str) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+    """Per row: every multiple of 64 inside it, plus its end for every other row."""
+    plan = [list(range(64, n, 64)) + ([n] if i % 2 == 0 or n % 64 == 0 else []) for i, n in enumerate(lengths)]
+    cu = torch.tensor([0] + [len(p) for p in plan]).cumsum(0).to(device, torch.int32)
+    flat = torch.tensor([p for row in plan for p in row], dtype=torch.int32, device=device)
+    return plan, cu, flat
+
+
+def test_checkpoints_match_reference_and_prefix_runs(interpreter_device, poisoned_empty):
+    gen = torch.Generator().manual_seed(3)
+    lengths = [130, 64, 65, 1, 200]
+    batch = Batch(gen, interpreter_device, lengths, 1, 2, KEY_DIM, VALUE_DIM, torch.float32)
+    plan, checkpoint_cu, checkpoint_lengths = checkpoint_plan(lengths, interpreter_device)
+    num = checkpoint_lengths.numel()
+    shape = (num,) + tuple(batch.state.shape[1:])
+    checkpoints = torch.full(shape, float("nan"), device=interpreter_device)
+    expected_checkpoints = torch.full(shape, float("nan"), device=interpreter_device)
+    state, expected_state = batch.state.clone(), batch.state.clone()
+
+    out = poisoned_empty(gdn_chunked, *batch.args(), state, checkpoint_cu, checkpoint_lengths, checkpoints)
+    expected = gdn_chunked_reference(*batch.args(), expected_state, checkpoint_cu, checkpoint_lengths,
+                                     expected_checkpoints)
+
+    assert_close(out, expected, 1e-4, "output")
+    assert_close(checkpoints, expected_checkpoints, 1e-4, "checkpoints")
+    batch.check_untouched(state)
+    # Each reference checkpoint = the state after a run over that prefix of its row alone.
+    j = 0
+    for i, (n, row_plan) in enumerate(zip(lengths, plan)):
+        start = int(batch.cu_seqlens[i])
+        for p in row_plan:
+            pool = batch.state.clone()
+            span = slice(start, start + p)
+            one = lambda x: x[span]
+            gdn_chunked_reference(one(batch.q), one(batch.k), one(batch.v), one(batch.a), one(batch.b),
+                                  batch.A_log, batch.dt_bias, batch.cu_seqlens.new_tensor([0, p]),
+                                  batch.slot_ids[i:i + 1], batch.has_initial[i:i + 1], pool)
+            assert_close(expected_checkpoints[j], pool[batch.slots[i]], 1e-5, f"row {i} checkpoint at {p}")
+            j += 1
+    assert j == num
+
+
+@pytest.mark.parametrize("positions", [[70], [0], [128, 64], [192]], ids=["not-multiple", "zero", "decreasing",
+                                                                           "past-end"])
+def test_invalid_checkpoint_lengths_are_refused(interpreter_device, positions):
+    gen = torch.Generator().manual_seed(4)
+    batch = Batch(gen, interpreter_device, [130, 5], 1, 2, KEY_DIM, VALUE_DIM, torch.float32)
+    checkpoint_cu = torch.tensor([0, len(positions), len(positions)], dtype=torch.int32, device=interpreter_device)
+    checkpoint_lengths = torch.tensor(positions, dtype=torch.int32, device=interpreter_device)
+    checkpoints = torch.empty((len(positions),) + tuple(batch.state.shape[1:]), device=interpreter_device)
+    for fn in (gdn_chunked, gdn_chunked_reference):
+        with pytest.raises(ValueError, match="checkpoint lengths"):
+            fn(*batch.args(), batch.state.clone(), checkpoint_cu, checkpoint_lengths, checkpoints)
+
+
+def test_fp16_activations_bf16_state_pool(interpreter_device, poisoned_empty):
+    gen = torch.Generator().manual_seed(5)
+    batch = Batch(gen, interpreter_device, [70, 3, 64], 1, 2, KEY_DIM, VALUE_DIM, torch.float16,
+                  state_dtype=torch.bfloat16)
+    state, expected_state = batch.state.clone(), batch.state.clone()
+    out = poisoned_empty(gdn_chunked, *batch.args(), state)
+    expected = gdn_chunked_reference(*batch.args(), expected_state)
+    assert out.dtype == torch.float16 and state.dtype == torch.bfloat16
+    assert relative_error(out, expected) < 3e-3
+    for slot in batch.slots:
+        assert relative_error(state[slot], expected_state[slot]) < 1e-2, f"final state of slot {slot}"
+    batch.check_untouched(state)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: bf16 activations at the model's head size against the reference in fp32
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_key_heads,num_value_heads,state_dtype",
+                         [(16, 32, torch.float32), (16, 16, torch.bfloat16)], ids=["HV=2HK-fp32-pool", "HV=HK-bf16-pool"])
+def test_gpu_bf16_matches_fp32_reference(poisoned_empty, num_key_heads, num_value_heads, state_dtype):
+    """The model's head shapes (those of bench/kernels_gdn.py, so compiled kernels are shared)."""
+    gen = torch.Generator().manual_seed(6)
+    lengths = [1, 63, 64, 65, 130, 1000, 300, 2]
+    batch = Batch(gen, "cuda", lengths, num_key_heads, num_value_heads, 128, 128, torch.bfloat16,
+                  state_dtype=state_dtype, num_slots=12, extra_columns=0)
+    plan, checkpoint_cu, checkpoint_lengths = checkpoint_plan(lengths, "cuda")
+    shape = (checkpoint_lengths.numel(),) + tuple(batch.state.shape[1:])
+    checkpoints = torch.full(shape, float("nan"), device="cuda", dtype=state_dtype)
+    expected_checkpoints = torch.full(shape, float("nan"), device="cuda")
+    state, expected_state = batch.state.clone(), batch.state.float()
+
+    out = poisoned_empty(gdn_chunked, *batch.args(), state, checkpoint_cu, checkpoint_lengths, checkpoints)
+    fp32 = [x.float() if x.is_floating_point() else x for x in batch.args()]
+    expected = gdn_chunked_reference(*fp32, expected_state, checkpoint_cu, checkpoint_lengths, expected_checkpoints)
+
+    assert out.dtype == torch.bfloat16
+    for i in range(len(lengths)):
+        span = slice(int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1]))
+        assert relative_error(out[span], expected[span]) < 2e-2, f"output of row {i} (length {lengths[i]})"
+        slot = batch.slots[i]
+        assert relative_error(state[slot], expected_state[slot]) < 2e-2, f"final state of row {i}"
+    assert relative_error(checkpoints, expected_checkpoints) < 2e-2
+    batch.check_untouched(state)
