@@ -1,52 +1,116 @@
-"""The `deltaspec` command line: `deltaspec generate "prompt"` prints a completion.
+"""The `deltaspec` command line.
 
-Knows nothing about models beyond the engine's public API.
+    deltaspec serve [MODEL_PATH] [--host H] [--port P] ...   OpenAI-compatible server (see serve.py)
+    deltaspec generate "prompt" [--model PATH] ...            stream one completion to stdout
+
+Both run on uvloop when it is installed. Knows nothing about models beyond the engine's public API.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 from pathlib import Path
 
-from ..engine import LLM, SamplingParams
+from ..engine import AsyncLLM, EngineConfig, SamplingParams
+from ..engine.async_llm import run
+from .config import ServerConfig
+from .serve import serve
 
 # The shipped demonstration model (models/default in a source checkout).
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "default"
 
 
+def _check_model(path: Path) -> None:
+    if not (path / "config.json").exists():
+        hint = (" (the default model is not shipped yet)" if path == DEFAULT_MODEL else "")
+        raise ValueError(f"no model at {path}{hint}: pass the path of an HF-format checkpoint")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    model = Path(args.model_path)
+    _check_model(model)
+    engine_config = EngineConfig(model=model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                                 max_num_seqs=args.max_running, num_draft_tokens=args.num_draft_tokens)
+    server_config = ServerConfig(model_name=args.served_model_name or model.name, host=args.host, port=args.port,
+                                 api_key=args.api_key, max_waiting=args.max_waiting,
+                                 max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run(serve(engine_config, server_config))
+    return 0
+
+
 def _generate(args: argparse.Namespace) -> int:
     model = Path(args.model)
-    if not (model / "config.json").exists():
-        print(f"deltaspec: no model at {model} (pass --model PATH to an HF-format checkpoint)", file=sys.stderr)
-        return 2
-    llm = LLM(model, device=args.device, dtype=args.dtype)
+    _check_model(model)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed)
-    output = llm.generate(args.prompt, params)[0]
-    print(args.prompt + output.text)
+    engine = AsyncLLM(model, device=args.device, dtype=args.dtype, num_draft_tokens=args.num_draft_tokens)
+
+    async def stream() -> None:
+        try:
+            sys.stdout.write(args.prompt)
+            async for delta in engine.generate(args.prompt, params):
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()  # each delta shows as soon as it is decoded
+            sys.stdout.write("\n")
+        finally:
+            await engine.shutdown()
+
+    run(stream())
     return 0
+
+
+def _add_engine_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    parser.add_argument("--num-draft-tokens", type=int, default=0,
+                        help="MTP drafts per step at most (0: no speculation)")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deltaspec")
     commands = parser.add_subparsers(dest="command", required=True)
-    generate = commands.add_parser("generate", help="print a completion of PROMPT")
+
+    serve_parser = commands.add_parser("serve", help="serve MODEL_PATH over an OpenAI-compatible HTTP API")
+    serve_parser.add_argument("model_path", nargs="?", default=str(DEFAULT_MODEL), metavar="MODEL_PATH")
+    serve_parser.add_argument("--host", default="127.0.0.1")
+    serve_parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    _add_engine_options(serve_parser)
+    serve_parser.add_argument("--max-model-len", type=int, default=None,
+                              help="context length (default: the model's max_position_embeddings)")
+    serve_parser.add_argument("--max-running", type=int, default=64, help="requests decoding at once")
+    serve_parser.add_argument("--max-waiting", type=int, default=256,
+                              help="queued requests at most; more get HTTP 503")
+    serve_parser.add_argument("--api-key", default=os.environ.get("DELTASPEC_API_KEY"),
+                              help="require 'Authorization: Bearer KEY' on /v1 routes (default: $DELTASPEC_API_KEY)")
+    serve_parser.add_argument("--served-model-name", default=None,
+                              help="the model id clients use (default: the model directory's name)")
+    serve_parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get HTTP 413")
+    serve_parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                              help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
+    serve_parser.set_defaults(run=_serve)
+
+    generate = commands.add_parser("generate", help="stream a completion of PROMPT to stdout")
     generate.add_argument("prompt")
     generate.add_argument("--model", default=str(DEFAULT_MODEL))
-    generate.add_argument("--device", default="cpu")
-    generate.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    _add_engine_options(generate)
     generate.add_argument("--max-tokens", type=int, default=64)
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--seed", type=int, default=None)
     generate.set_defaults(run=_generate)
+
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except ValueError as e:
-        print(f"deltaspec: {e}", file=sys.stderr)
+    except (ValueError, FileNotFoundError) as error:  # bad options, config or checkpoint
+        print(f"deltaspec: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,0 +1,253 @@
+"""The aiohttp application: OpenAI routes over one AsyncLLM, SSE streaming, JSON errors, auth, metrics.
+
+    POST /v1/completions        POST /v1/chat/completions      (stream: true -> SSE)
+    GET  /v1/models             GET  /health                   GET  /metrics (Prometheus text)
+
+Every failure is an OpenAI error body (`errors.APIError`), aiohttp's own included (unknown route
+404, wrong method 405, body over the limit 413). A request's engine stream is closed whenever its
+handler exits: normally, on an error, on a write to a client that went away, or on cancellation
+(the runner in `serve` cancels the handler of a client that disconnects); closing it aborts the
+request, so a vanished client never holds a slot.
+
+Knows the engine only through AsyncLLM's public API; knows nothing about processes or signals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import msgspec
+from aiohttp import web
+
+from ..engine import AsyncLLM, RequestDelta
+from .config import ServerConfig
+from .errors import APIError, decode_error
+from .inputs import EngineInput, chat_input, completion_input
+from .metrics import RequestTimer, ServerMetrics
+from .protocol import ChatCompletionRequest, CompletionRequest, Model, ModelList, SamplingFields, Usage
+from .responses import ChatRenderer, CompletionRenderer, Renderer
+
+logger = logging.getLogger("deltaspec.server")
+
+_encoder = msgspec.json.Encoder()
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+_PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# aiohttp's own refusals, as OpenAI-style error codes.
+_HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+class OpenAIServer:
+    def __init__(self, engine: AsyncLLM, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = ServerMetrics()
+        self.in_flight: set[str] = set()  # engine request ids of the generation handlers running now
+        self._created = int(time.time())
+        # aiohttp reads at most client_max_size bytes of a body and then raises 413.
+        self.app = web.Application(client_max_size=config.max_body_bytes,
+                                   middlewares=[self._count, self._errors, self._authenticate])
+        self.app.router.add_post("/v1/completions", self.completions)
+        self.app.router.add_post("/v1/chat/completions", self.chat_completions)
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_get("/health", self.health)
+        self.app.router.add_get("/metrics", self.prometheus)
+
+    async def abort_in_flight(self) -> None:
+        """Abort every running generation; their handlers end at the next step boundary."""
+        for request_id in list(self.in_flight):
+            await self.engine.abort(request_id)
+
+    # Routes -------------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        arrival = time.monotonic()
+        body = await self._decode(request, CompletionRequest)
+        self._check_model(body.model)
+        engine_input = completion_input(body, self.engine.tokenizer)
+        return await self._generate(request, body, engine_input, CompletionRenderer(self.config.model_name), arrival)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        arrival = time.monotonic()
+        body = await self._decode(request, ChatCompletionRequest)
+        self._check_model(body.model)
+        engine_input = chat_input(body, self.engine.tokenizer, self.engine.max_model_len)
+        return await self._generate(request, body, engine_input, ChatRenderer(self.config.model_name), arrival)
+
+    async def models(self, request: web.Request) -> web.Response:
+        model = Model(self.config.model_name, self._created, self.engine.max_model_len)
+        return _json(ModelList([model]))
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        text = self.metrics.render(self.engine.stats())
+        return web.Response(body=text.encode(), headers={"Content-Type": _PROMETHEUS_CONTENT_TYPE})
+
+    # Generation ---------------------------------------------------------------------------
+
+    async def _generate(self, request: web.Request, body: SamplingFields, engine_input: EngineInput,
+                        renderer: Renderer, arrival: float) -> web.StreamResponse:
+        num_waiting = self.engine.stats()["num_waiting"]
+        if num_waiting >= self.config.max_waiting:
+            raise APIError(503, f"the server is overloaded ({num_waiting} requests queued); retry later",
+                           code="overloaded")
+        prompt_token_ids, params = engine_input.prompt_token_ids, engine_input.params
+        deltas = self.engine.generate(prompt_token_ids, params, renderer.id)
+        self.in_flight.add(renderer.id)
+        try:
+            # Closing the stream aborts an unfinished request. aclosing closes it on every exit,
+            # also when the handler leaves from outside the generator (a failed write, a
+            # cancellation during a write), where garbage collection would only do it later.
+            async with contextlib.aclosing(deltas):
+                try:
+                    # Submission happens on the first step of the stream: the engine's own checks
+                    # (empty prompt, context length, vocabulary) fail here, before any header is sent.
+                    first = await anext(deltas)
+                except ValueError as error:
+                    raise APIError(400, str(error)) from error
+                timer = self.metrics.timer(len(prompt_token_ids), arrival)
+                progress = _Progress(timer, len(prompt_token_ids))
+                try:
+                    if body.stream:
+                        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                        return await self._stream(request, renderer, first, deltas, progress, include_usage)
+                    return await self._respond(renderer, first, deltas, progress)
+                finally:
+                    timer.finish(progress.finish_reason or "abort")
+        finally:
+            self.in_flight.discard(renderer.id)
+
+    async def _respond(self, renderer: Renderer, first: RequestDelta, deltas: AsyncIterator[RequestDelta],
+                       progress: _Progress) -> web.Response:
+        parts, delta = [], first
+        while True:
+            progress.record(delta)
+            parts.append(delta.text)
+            if delta.finish_reason is not None:
+                break
+            delta = await anext(deltas)
+        text = "".join(parts)
+        if progress.finish_reason == "abort":
+            raise APIError(503, "the request was aborted: the server is shutting down", code="aborted")
+        return _json(renderer.response(text, progress.finish_reason, progress.usage()))
+
+    async def _stream(self, request: web.Request, renderer: Renderer, first: RequestDelta,
+                      deltas: AsyncIterator[RequestDelta], progress: _Progress,
+                      include_usage: bool) -> web.StreamResponse:
+        response = web.StreamResponse(headers=_SSE_HEADERS)
+        await response.prepare(request)
+        try:
+            for chunk in renderer.opening():
+                await _send(response, chunk)
+            delta = first
+            while True:
+                progress.record(delta)
+                if delta.finish_reason == "abort":
+                    # Headers are out: the error travels as an event (the openai client raises it).
+                    error = APIError(503, "the request was aborted: the server is shutting down", code="aborted")
+                    await _send(response, error.body())
+                    return response
+                if delta.text or delta.finish_reason is not None:
+                    await _send(response, renderer.chunk(delta.text, delta.finish_reason))
+                if delta.finish_reason is not None:
+                    break
+                delta = await anext(deltas)
+            if include_usage:
+                await _send(response, renderer.usage_chunk(progress.usage()))
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except ConnectionResetError:
+            pass  # the client went away; leaving `_generate`'s aclosing block aborts the request
+        return response
+
+    # Middleware and helpers ---------------------------------------------------------------
+
+    @web.middleware
+    async def _count(self, request: web.Request, handler) -> web.StreamResponse:
+        if not request.path.startswith("/v1/"):
+            return await handler(request)
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "unmatched"  # bounded label values
+        status = "499"  # nginx's "client closed request": the handler was cancelled
+        try:
+            response = await handler(request)
+            status = str(response.status)
+            return response
+        finally:
+            self.metrics.requests.inc(route=route, status=status)
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except APIError as error:
+            return _error_response(error)
+        except web.HTTPException as error:
+            if error.status < 400:
+                raise
+            messages = {404: f"no route {request.method} {request.path}",
+                        405: f"method {request.method} is not allowed on {request.path}",
+                        413: f"request body larger than {self.config.max_body_bytes} bytes"}
+            message = messages.get(error.status, error.reason)
+            return _error_response(APIError(error.status, message, code=_HTTP_ERROR_CODES.get(error.status)))
+        except Exception:
+            logger.exception("%s %s failed", request.method, request.path)
+            return _error_response(APIError(500, "internal server error", code="internal_error"))
+
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler) -> web.StreamResponse:
+        # /health and /metrics stay open for probes and scrapers.
+        if self.config.api_key is not None and request.path.startswith("/v1/"):
+            expected = f"Bearer {self.config.api_key}".encode()
+            if not hmac.compare_digest(request.headers.get("Authorization", "").encode(), expected):
+                raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                               code="invalid_api_key")
+        return await handler(request)
+
+    async def _decode(self, request: web.Request, request_type: type[msgspec.Struct]):
+        body = await request.read()
+        try:
+            return msgspec.json.decode(body, type=request_type)
+        except msgspec.DecodeError as error:
+            raise decode_error(error) from error
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.config.model_name!r}",
+                           param="model", code="model_not_found")
+
+
+class _Progress:
+    """What one request has produced so far: token counts for `usage`, timings, finish reason."""
+
+    def __init__(self, timer: RequestTimer, num_prompt_tokens: int) -> None:
+        self.timer = timer
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_completion_tokens = 0
+        self.finish_reason: str | None = None
+
+    def record(self, delta: RequestDelta) -> None:
+        self.num_completion_tokens += len(delta.token_ids)
+        self.timer.on_tokens(len(delta.token_ids))
+        self.finish_reason = delta.finish_reason
+
+    def usage(self) -> Usage:
+        return Usage(self.num_prompt_tokens, self.num_completion_tokens,
+                     self.num_prompt_tokens + self.num_completion_tokens)
+
+
+async def _send(response: web.StreamResponse, chunk: msgspec.Struct) -> None:
+    await response.write(b"data: " + _encoder.encode(chunk) + b"\n\n")
+
+
+def _json(body: msgspec.Struct, status: int = 200) -> web.Response:
+    return web.Response(body=_encoder.encode(body), status=status, content_type="application/json")
+
+
+def _error_response(error: APIError) -> web.Response:
+    return _json(error.body(), error.status)

@@ -1,0 +1,34 @@
+"""Server settings: one frozen, validated object built once at start-up (the engine has its own,
+`EngineConfig`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_name: str                     # the one id /v1/models lists and requests may name
+    host: str = "127.0.0.1"
+    port: int = 8000                    # 0: any free port (the log line says which)
+    api_key: str | None = None          # when set, /v1 routes need "Authorization: Bearer <key>"
+    max_waiting: int = 256              # queued requests at most; past it new ones get 503
+    max_body_bytes: int = 1 << 20       # larger request bodies get 413
+    shutdown_timeout: float = 30.0      # seconds in-flight requests get to finish on SIGINT/SIGTERM
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.model_name:
+            problems.append("model_name must not be empty")
+        if not 0 <= self.port <= 65535:
+            problems.append(f"port must be in 0..65535, got {self.port}")
+        if self.api_key == "":
+            problems.append("api_key must not be empty (leave it unset for no authentication)")
+        if self.max_waiting < 1:
+            problems.append("max_waiting must be >= 1")
+        if self.max_body_bytes < 1024:
+            problems.append("max_body_bytes must be >= 1024")
+        if self.shutdown_timeout < 0:
+            problems.append("shutdown_timeout must be >= 0")
+        if problems:
+            raise ValueError("invalid ServerConfig: " + "; ".join(problems))

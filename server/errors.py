@@ -1,0 +1,46 @@
+"""OpenAI-style errors: `APIError` carries an HTTP status and the `{"error": {message, type, param,
+code}}` body; helpers turn msgspec decode failures into one that names the offending field.
+
+Knows nothing about aiohttp or the engine.
+"""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+from .protocol import ErrorBody, ErrorDetail
+
+# msgspec ends a validation message with " - at `$.field[0].sub`" and names a missing field as
+# "Object missing required field `name`".
+_AT_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
+_MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        # OpenAI reports every client error as invalid_request_error and its own faults as
+        # server_error; `code` says which case it is.
+        self.type = "server_error" if status >= 500 else "invalid_request_error"
+
+    def body(self) -> ErrorBody:
+        return ErrorBody(ErrorDetail(self.message, self.type, self.param, self.code))
+
+
+def decode_error(error: msgspec.DecodeError) -> APIError:
+    """A 400 for a body that is not JSON, or JSON of the wrong shape (naming the field)."""
+    if not isinstance(error, msgspec.ValidationError):
+        return APIError(400, f"request body is not valid JSON: {error}", code="invalid_json")
+    message = str(error)
+    at = _AT_PATH.search(message)
+    path = at.group(1) if at else ""
+    missing = _MISSING_FIELD.search(message)
+    if missing:
+        path = f"{path}.{missing.group(1)}" if path else missing.group(1)
+    return APIError(400, message, param=path or None, code="invalid_value")

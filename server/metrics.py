@@ -1,0 +1,173 @@
+"""Prometheus metrics in the text exposition format (0.0.4), written by hand: no runtime dependency.
+
+The server owns counters and latency histograms that move as requests run (`ServerMetrics`,
+one `RequestTimer` per generation request); the engine's gauges (slots, KV blocks, queue depths,
+speculation acceptance) are read from `AsyncLLM.stats()` at scrape time, so they are never stale.
+
+Knows nothing about HTTP; knows the engine only through its stats dict.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import defaultdict
+
+# Seconds. TTFT includes queueing and prefill; inter-token latency is one decode step shared by
+# the tokens it emitted (a verify step emits several).
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+
+# (metric, stats key, help) for engine values exported as gauges.
+ENGINE_GAUGES = (
+    ("deltaspec_num_requests_running", "num_running", "Requests holding a sequence slot."),
+    ("deltaspec_num_requests_waiting", "num_waiting", "Requests queued for a sequence slot."),
+    ("deltaspec_free_slots", "num_free_slots", "Sequence slots free."),
+    ("deltaspec_slots", "num_slots", "Sequence slots in the state pool."),
+    ("deltaspec_free_kv_blocks", "num_free_kv_blocks", "KV cache blocks free."),
+    ("deltaspec_kv_blocks", "num_kv_blocks", "KV cache blocks in the pool."),
+    ("deltaspec_num_draft_tokens", "num_draft_tokens", "MTP drafts per step at most (0: speculation off)."),
+)
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _sample(name: str, labels: dict[str, str], value: float) -> str:
+    if labels:
+        name += "{" + ",".join(f'{key}="{_escape(str(v))}"' for key, v in labels.items()) + "}"
+    return f"{name} {float(value)!r}"
+
+
+def _header(name: str, kind: str, help_text: str) -> list[str]:
+    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+
+
+class Counter:
+    """A counter family; `inc` with one value per label name."""
+
+    def __init__(self, name: str, help_text: str, label_names: tuple[str, ...] = ()) -> None:
+        self.name, self.help_text, self.label_names = name, help_text, label_names
+        self.values: dict[tuple[str, ...], float] = defaultdict(float)
+        if not label_names:
+            self.values[()] = 0.0  # an unlabelled counter is exported from the start
+
+    def inc(self, amount: float = 1, **labels: str) -> None:
+        self.values[tuple(str(labels[name]) for name in self.label_names)] += amount
+
+    def render(self) -> list[str]:
+        lines = _header(self.name, "counter", self.help_text)
+        for key, value in sorted(self.values.items()):
+            lines.append(_sample(self.name, dict(zip(self.label_names, key)), value))
+        return lines
+
+
+class Histogram:
+    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]) -> None:
+        self.name, self.help_text, self.buckets = name, help_text, buckets
+        self.bucket_counts = [0] * (len(buckets) + 1)  # the last is +Inf
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, value: float, count: int = 1) -> None:
+        """Record `value` `count` times."""
+        self.bucket_counts[bisect.bisect_left(self.buckets, value)] += count
+        self.count += count
+        self.sum += value * count
+
+    def render(self) -> list[str]:
+        lines = _header(self.name, "histogram", self.help_text)
+        cumulative = 0
+        for bound, count in zip((*map(repr, self.buckets), "+Inf"), self.bucket_counts):
+            cumulative += count
+            lines.append(_sample(f"{self.name}_bucket", {"le": bound}, cumulative))
+        lines.append(_sample(f"{self.name}_sum", {}, self.sum))
+        lines.append(_sample(f"{self.name}_count", {}, self.count))
+        return lines
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.requests = Counter("deltaspec_requests_total", "HTTP requests to the /v1 routes, by route and status.",
+                                ("route", "status"))
+        self.finished = Counter("deltaspec_requests_finished_total",
+                                "Generation requests finished, by finish reason (abort: client gone or shutdown).",
+                                ("finish_reason",))
+        self.prompt_tokens = Counter("deltaspec_prompt_tokens_total", "Prompt tokens of admitted requests.")
+        self.generation_tokens = Counter("deltaspec_generation_tokens_total", "Tokens generated.")
+        self.time_to_first_token = Histogram("deltaspec_time_to_first_token_seconds",
+                                             "From request arrival to its first generated token.", TTFT_BUCKETS)
+        self.inter_token_latency = Histogram("deltaspec_inter_token_latency_seconds",
+                                             "Time between generated tokens of one request.", ITL_BUCKETS)
+        self.request_latency = Histogram("deltaspec_e2e_request_latency_seconds",
+                                         "From request arrival to its last token.", E2E_BUCKETS)
+
+    def timer(self, num_prompt_tokens: int, arrival: float) -> RequestTimer:
+        """Time an admitted generation request that arrived at `arrival` (time.monotonic())."""
+        self.prompt_tokens.inc(num_prompt_tokens)
+        return RequestTimer(self, arrival)
+
+    def render(self, stats: dict) -> str:
+        lines: list[str] = []
+        for metric in (self.requests, self.finished, self.prompt_tokens, self.generation_tokens,
+                       self.time_to_first_token, self.inter_token_latency, self.request_latency):
+            lines += metric.render()
+        for name, key, help_text in ENGINE_GAUGES:
+            lines += _header(name, "gauge", help_text) + [_sample(name, {}, stats[key])]
+        lines += _header("deltaspec_preemptions_total", "counter", "Requests preempted for lack of KV blocks.")
+        lines.append(_sample("deltaspec_preemptions_total", {}, stats["num_preempted"]))
+        lines += self._render_spec(stats["spec"])
+        # The engine reports this key once it has a prefix cache; until then nothing hits.
+        lines += _header("deltaspec_prefix_cache_hit_rate", "gauge",
+                         "Share of prompt tokens served from the prefix cache.")
+        lines.append(_sample("deltaspec_prefix_cache_hit_rate", {}, stats.get("prefix_cache_hit_rate", 0.0)))
+        return "\n".join(lines) + "\n"
+
+    @staticmethod
+    def _render_spec(spec: dict) -> list[str]:
+        """Position p (1-based) is the p-th draft of a verify step."""
+        lines = []
+        for name, key, kind, help_text in (
+            ("deltaspec_spec_acceptance_rate", "acceptance_by_position", "gauge",
+             "Share of drafts at this position that the target accepted."),
+            ("deltaspec_spec_draft_tokens_total", "proposed_by_position", "counter",
+             "Drafts proposed at this position."),
+            ("deltaspec_spec_accepted_tokens_total", "accepted_by_position", "counter",
+             "Drafts accepted at this position."),
+        ):
+            lines += _header(name, kind, help_text)
+            lines += [_sample(name, {"position": str(i + 1)}, v) for i, v in enumerate(spec[key])]
+        lines += _header("deltaspec_spec_mean_accepted_length", "gauge",
+                         "Tokens emitted per verify step (accepted drafts + the target's token).")
+        lines.append(_sample("deltaspec_spec_mean_accepted_length", {}, spec["mean_accepted_length"]))
+        lines += _header("deltaspec_spec_verify_steps_total", "counter", "Verify steps (one per request per step).")
+        lines.append(_sample("deltaspec_spec_verify_steps_total", {}, spec["num_verify_steps"]))
+        return lines
+
+
+class RequestTimer:
+    """Token timings of one generation request, fed one engine delta at a time."""
+
+    def __init__(self, metrics: ServerMetrics, arrival: float) -> None:
+        self._metrics = metrics
+        self._arrival = self._last = arrival
+        self._has_tokens = False
+
+    def on_tokens(self, num_tokens: int) -> None:
+        if num_tokens == 0:
+            return
+        now = time.monotonic()
+        self._metrics.generation_tokens.inc(num_tokens)
+        if self._has_tokens:
+            # One step emitted these tokens: each waited its share of the gap.
+            self._metrics.inter_token_latency.observe((now - self._last) / num_tokens, num_tokens)
+        else:
+            self._metrics.time_to_first_token.observe(now - self._arrival)
+            self._has_tokens = True
+        self._last = now
+
+    def finish(self, finish_reason: str) -> None:
+        self._metrics.request_latency.observe(time.monotonic() - self._arrival)
+        self._metrics.finished.inc(finish_reason=finish_reason)

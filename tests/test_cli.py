@@ -1,0 +1,85 @@
+"""The `deltaspec` command line: `serve` as a real process (signals, graceful shutdown, exit code)
+and `generate` in-process (streamed text equals the engine's greedy completion)."""
+
+import asyncio
+import contextlib
+import json
+import re
+import signal
+import sys
+
+import aiohttp
+
+from deltaspec.engine import LLM, SamplingParams
+from deltaspec.server import cli
+
+MODEL = "tiny"
+
+
+@contextlib.asynccontextmanager
+async def serve_process(checkpoint_path, *options: str):
+    """`deltaspec serve` on a free port; yields (process, port, stderr read to the end)."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "deltaspec.server.cli", "serve", str(checkpoint_path), "--port", "0",
+        "--max-model-len", "256", "--served-model-name", MODEL, *options, stderr=asyncio.subprocess.PIPE)
+    try:
+        port = None
+        while port is None:
+            line = (await asyncio.wait_for(process.stderr.readline(), 60)).decode()
+            assert line, "the server exited before listening"
+            if match := re.search(r"serving .* on http://127\.0\.0\.1:(\d+)/v1", line):
+                port = int(match.group(1))
+        stderr = asyncio.create_task(process.stderr.read())  # keep the pipe from filling
+        yield process, port, stderr
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+def sse_events(text: str) -> list[str]:
+    return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+
+
+async def test_serve_drains_in_flight_requests_on_sigterm_and_exits_0(checkpoint):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 64, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    async with serve_process(checkpoint("qwen3_5")) as (process, port, stderr), aiohttp.ClientSession() as http:
+        async with http.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as response:
+            first = await response.content.readline()
+            process.send_signal(signal.SIGTERM)  # mid-stream: the request finishes, then the server exits
+            events = sse_events((first + await response.content.read()).decode())
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+        assert await asyncio.wait_for(process.wait(), 30) == 0
+        assert "stopped" in (await stderr).decode()
+
+
+async def test_second_sigint_aborts_in_flight_requests(checkpoint):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 240, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    async with serve_process(checkpoint("qwen3_5"), "--shutdown-timeout", "60") as (process, port, stderr), \
+            aiohttp.ClientSession() as http:
+        async with http.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as response:
+            first = await response.content.readline()
+            process.send_signal(signal.SIGINT)
+            await asyncio.sleep(0.2)  # two signals close together could merge into one
+            process.send_signal(signal.SIGINT)
+            events = sse_events((first + await response.content.read()).decode())
+        assert json.loads(events[-1])["error"]["code"] == "aborted"
+        assert await asyncio.wait_for(process.wait(), 30) == 0
+        assert "aborting in-flight requests" in (await stderr).decode()
+
+
+def test_generate_streams_the_greedy_completion(checkpoint, capsys):
+    path = checkpoint("qwen3_5")
+    assert cli.main(["generate", "Hello", "--model", str(path), "--max-tokens", "6"]) == 0
+    expected = LLM(path).generate("Hello", SamplingParams(max_tokens=6, temperature=0))[0].text
+    assert capsys.readouterr().out == "Hello" + expected + "\n"
+
+
+def test_without_a_model_the_cli_says_so(tmp_path, capsys):
+    assert cli.main(["serve", "--port", "0"]) == 2
+    assert "default model is not shipped yet" in capsys.readouterr().err
+    assert cli.main(["generate", "hi", "--model", str(tmp_path)]) == 2
+    assert f"no model at {tmp_path}" in capsys.readouterr().err

@@ -1,0 +1,351 @@
+"""The OpenAI-compatible server, driven over loopback by the official `openai` client and raw HTTP.
+
+One in-process server (aiohttp runner inside the test's event loop) over a tiny random Qwen3.5
+checkpoint with MTP speculation on serves most tests; the API-key and overload tests start their
+own beside it. Everything is greedy with small max_tokens. The `deltaspec serve` process itself
+(signals, exit code) is tested in test_cli.py.
+"""
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import openai
+import pytest
+import pytest_asyncio
+from prometheus_client.parser import text_string_to_metric_families
+
+from deltaspec.engine import AsyncLLM
+from deltaspec.server.config import ServerConfig
+from deltaspec.server.serve import start
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+MODEL = "tiny"
+MAX_MODEL_LEN = 256
+GREEDY = {"temperature": 0, "max_tokens": 8}
+IGNORE_EOS = {"ignore_eos": True}  # every request runs to max_tokens: lengths are predictable
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(checkpoint):
+    engine = AsyncLLM(checkpoint("qwen3_5"), max_model_len=MAX_MODEL_LEN, num_draft_tokens=2)
+    yield engine
+    await engine.shutdown()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def server(engine):
+    running = await start(engine, ServerConfig(model_name=MODEL, port=0, shutdown_timeout=1))
+    yield running
+    await running.stop()
+
+
+@pytest.fixture
+def base_url(server) -> str:
+    return f"http://127.0.0.1:{server.port}"
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def client(base_url):
+    async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0) as client:
+        yield client
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def http():
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def wait_idle(engine: AsyncLLM, timeout: float = 10.0) -> dict:
+    """Stats once no request runs or waits; fails if slots or KV blocks stay taken."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = engine.stats()
+        if stats["num_running"] == stats["num_waiting"] == 0 or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.01)
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["num_free_slots"] == stats["num_slots"]
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    return stats
+
+
+async def scrape(http: aiohttp.ClientSession, base_url: str) -> dict:
+    """/metrics as {(sample name, sorted labels): value}, checked to parse as Prometheus text."""
+    async with http.get(f"{base_url}/metrics") as response:
+        assert response.status == 200 and response.content_type == "text/plain"
+        text = await response.text()
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+# The OpenAI routes ------------------------------------------------------------------------------
+
+async def test_completions_streamed_equals_non_streamed_with_usage(client, engine):
+    prompt = "def fibonacci(n):"
+    response = await client.completions.create(model=MODEL, prompt=prompt, extra_body=IGNORE_EOS, **GREEDY)
+    assert response.id.startswith("cmpl-") and response.object == "text_completion" and response.model == MODEL
+    assert abs(response.created - time.time()) < 60
+    [choice] = response.choices
+    assert choice.finish_reason == "length" and choice.index == 0
+    num_prompt_tokens = len(engine.tokenizer.encode(prompt))
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens, response.usage.total_tokens) == (
+        num_prompt_tokens, 8, num_prompt_tokens + 8)
+
+    stream = await client.completions.create(model=MODEL, prompt=prompt, stream=True,
+                                             stream_options={"include_usage": True}, extra_body=IGNORE_EOS,
+                                             **GREEDY)
+    chunks = [chunk async for chunk in stream]
+    assert len({chunk.id for chunk in chunks}) == 1 and chunks[0].id.startswith("cmpl-")
+    *text_chunks, usage_chunk = chunks
+    assert "".join(chunk.choices[0].text for chunk in text_chunks) == choice.text
+    assert [chunk.choices[0].finish_reason for chunk in text_chunks][-1] == "length"
+    assert all(chunk.choices[0].finish_reason is None for chunk in text_chunks[:-1])
+    assert usage_chunk.choices == [] and usage_chunk.usage == response.usage
+    assert all(chunk.usage is None for chunk in text_chunks)
+
+
+async def test_chat_streamed_equals_non_streamed_with_usage(client, engine):
+    response = await client.chat.completions.create(model=MODEL, messages=MESSAGES, **GREEDY)
+    assert response.id.startswith("chatcmpl-") and response.object == "chat.completion"
+    [choice] = response.choices
+    assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+    prompt = engine.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
+    assert response.usage.prompt_tokens == len(engine.tokenizer.encode(prompt))
+    assert 1 <= response.usage.completion_tokens <= 8
+
+    stream = await client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True,
+                                                  stream_options={"include_usage": True}, **GREEDY)
+    chunks = [chunk async for chunk in stream]
+    assert all(chunk.object == "chat.completion.chunk" and chunk.id == chunks[0].id for chunk in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    *text_chunks, usage_chunk = chunks
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in text_chunks) == choice.message.content
+    assert text_chunks[-1].choices[0].finish_reason == choice.finish_reason
+    assert usage_chunk.choices == [] and usage_chunk.usage == response.usage
+
+
+async def test_chat_default_max_tokens_fills_the_context(client):
+    # No max_tokens: a chat request may run to the end of the context (OpenAI's behaviour).
+    response = await client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0,
+                                                    extra_body=IGNORE_EOS)
+    assert response.choices[0].finish_reason == "length"
+    assert response.usage.total_tokens == MAX_MODEL_LEN
+
+
+async def test_sampling_parameters_reach_the_engine(client):
+    async def complete(**options) -> openai.types.CompletionChoice:
+        response = await client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, **options)
+        return response.choices[0]
+
+    sampled = dict(temperature=0.8, top_p=0.9, seed=7, extra_body={"top_k": 50, "min_p": 0.05, **IGNORE_EOS})
+    first, second = await complete(**sampled), await complete(**sampled)
+    assert first.text == second.text  # the seed makes sampling reproducible
+    text = (await complete(temperature=0, extra_body=IGNORE_EOS)).text
+    stop = text[2:4]
+    if stop.strip():  # a stop string cuts the text right before it
+        stopped = await complete(temperature=0, stop=[stop], extra_body=IGNORE_EOS)
+        assert stopped.finish_reason == "stop" and stopped.text == text[:text.index(stop)]
+
+
+async def test_models_and_health(client, http, base_url, engine):
+    models = await client.models.list()
+    assert [(m.id, m.object) for m in models.data] == [(MODEL, "model")]
+    assert models.data[0].model_extra["max_model_len"] == MAX_MODEL_LEN
+    async with http.get(f"{base_url}/health") as response:
+        assert response.status == 200 and (await response.json())["status"] == "ok"
+
+
+async def test_64_concurrent_streams_get_the_text_each_gets_alone(client, engine):
+    words = "fox dog cache model engine token draft verify slot block".split()
+    prompts = [f"{words[i % 10]} {words[(i // 10) % 10]} {i}" for i in range(64)]
+    alone = [(await client.completions.create(model=MODEL, prompt=p, extra_body=IGNORE_EOS, **GREEDY)).choices[0].text
+             for p in prompts]
+
+    async def stream(prompt: str) -> str:
+        chunks = await client.completions.create(model=MODEL, prompt=prompt, stream=True, extra_body=IGNORE_EOS,
+                                                 **GREEDY)
+        return "".join([chunk.choices[0].text async for chunk in chunks])
+
+    together = await asyncio.gather(*(stream(p) for p in prompts))
+    assert together == alone
+    await wait_idle(engine)
+
+
+# Bad input --------------------------------------------------------------------------------------
+
+ONE_MESSAGE = [{"role": "user", "content": "hi"}]
+# (route, body: JSON value or raw bytes, status, expected param, a substring of the message)
+BAD_REQUESTS = [
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens":', 400, None, "not valid JSON"),
+    ("/v1/completions", b"[1, 2]", 400, None, "object"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens", "int"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -5}, 400, "max_tokens", ">= 1"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature", ">= 0"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 2}, 400, "top_p", "<= 1"),
+    ("/v1/completions", {"prompt": "hi", "top_k": -2}, 400, "top_k", ">= -1"),
+    ("/v1/completions", {"prompt": "hi", "seed": -1}, 400, "seed", ">= 0"),
+    ("/v1/completions", {"prompt": "hi", "stop": 3}, 400, "stop", "str"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream", "bool"),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt", "missing"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n", "n=1"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 1}, 400, "logprobs", "not supported"),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo", "not supported"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
+    ("/v1/completions", {"prompt": ["one", "two"]}, 400, "prompt", "batches"),
+    ("/v1/completions", {"prompt": ""}, 400, None, "empty"),
+    ("/v1/completions", {"prompt": [1, 100000]}, 400, None, "vocabulary"),
+    ("/v1/completions", {"prompt": "word " * 400}, 400, None, "context limit"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model", "gpt-4"),
+    ("/v1/completions", b'{"prompt": "' + b"x" * (10 << 20) + b'"}', 413, None, "larger than"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", "length"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages[0].role", "missing"),
+    ("/v1/chat/completions", {"messages": ONE_MESSAGE, "logprobs": True}, 400, "logprobs", "not supported"),
+    ("/v1/chat/completions", {"messages": ONE_MESSAGE, "top_logprobs": 3}, 400, "top_logprobs", "not supported"),
+    ("/v1/chat/completions", {"messages": ONE_MESSAGE, "max_completion_tokens": 0}, 400,
+     "max_completion_tokens", ">= 1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages[0].content", "text only"),
+    ("/v1/nowhere", {"prompt": "hi"}, 404, None, "no route"),
+]
+
+
+async def test_bad_input_gets_an_openai_error_and_harms_nothing(http, base_url, client, engine):
+    before = await scrape(http, base_url)
+    for route, body, status, param, message in BAD_REQUESTS:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        async with http.post(base_url + route, data=data, headers={"Content-Type": "application/json"}) as response:
+            error = await response.json()
+            case = f"{route} {data[:60]!r}: {response.status} {error}"
+            assert response.status == status, case
+            assert set(error) == {"error"} and set(error["error"]) == {"message", "type", "param", "code"}, case
+            assert error["error"]["param"] == param and message in error["error"]["message"], case
+            assert error["error"]["type"] == "invalid_request_error", case
+    async with http.get(f"{base_url}/v1/completions") as response:
+        assert response.status == 405 and (await response.json())["error"]["code"] == "method_not_allowed"
+    async with http.get(f"{base_url}/no/such/route") as response:
+        assert response.status == 404 and "no route" in (await response.json())["error"]["message"]
+
+    # The openai client raises the matching exception classes.
+    with pytest.raises(openai.NotFoundError):
+        await client.completions.create(model="gpt-4", prompt="hi")
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        await client.completions.create(model=MODEL, prompt="hi", temperature=-1)
+
+    # Nothing leaked, the server still serves, and the failures were counted.
+    await wait_idle(engine)
+    async with http.get(f"{base_url}/health") as response:
+        assert response.status == 200
+    ok = await client.completions.create(model=MODEL, prompt="still here?", **GREEDY)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+    after = await scrape(http, base_url)
+    key = ("deltaspec_requests_total", (("route", "/v1/completions"), ("status", "400")))
+    assert after[key] - before.get(key, 0) == sum(1 for r, _, s, _, _ in BAD_REQUESTS
+                                                  if r == "/v1/completions" and s == 400) + 1
+
+
+async def test_client_that_disconnects_aborts_its_request(client, http, base_url, engine):
+    aborted = ("deltaspec_requests_finished_total", (("finish_reason", "abort"),))
+    before = (await scrape(http, base_url)).get(aborted, 0)
+    long = {"model": MODEL, "prompt": "Hello", "max_tokens": 200, "temperature": 0}
+    # Streaming: hang up after the first chunk.
+    stream = await client.completions.create(stream=True, extra_body=IGNORE_EOS, **long)
+    async for _ in stream:
+        break
+    await stream.close()
+    await wait_idle(engine)
+    # Non-streaming: the client gives up while the request still runs (nothing is being written).
+    with pytest.raises(asyncio.TimeoutError):
+        await http.post(f"{base_url}/v1/completions", json={**long, **IGNORE_EOS},
+                        timeout=aiohttp.ClientTimeout(total=0.1))
+    await wait_idle(engine)
+    assert (await scrape(http, base_url))[aborted] - before == 2
+    ok = await client.completions.create(model=MODEL, prompt="Hello", **GREEDY)
+    assert ok.usage.completion_tokens >= 1
+
+
+async def test_metrics_parse_and_move_with_requests(http, base_url, client, engine):
+    before = await scrape(http, base_url)
+    prompt = "The engine schedules requests"
+    await client.completions.create(model=MODEL, prompt=prompt, extra_body=IGNORE_EOS, **GREEDY)
+    stream = await client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True,
+                                                  extra_body=IGNORE_EOS, **GREEDY)
+    [_ async for _ in stream]
+    after = await scrape(http, base_url)
+
+    def moved(name: str, **labels) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after[key] - before.get(key, 0)
+
+    assert moved("deltaspec_requests_total", route="/v1/completions", status="200") == 1
+    assert moved("deltaspec_requests_total", route="/v1/chat/completions", status="200") == 1
+    assert moved("deltaspec_requests_finished_total", finish_reason="length") == 2
+    assert moved("deltaspec_generation_tokens_total") == 16
+    assert moved("deltaspec_prompt_tokens_total") >= len(engine.tokenizer.encode(prompt)) + 1
+    assert moved("deltaspec_time_to_first_token_seconds_count") == 2
+    assert moved("deltaspec_time_to_first_token_seconds_bucket", le="+Inf") == 2
+    assert moved("deltaspec_inter_token_latency_seconds_count") == 14  # 7 gaps per request
+    assert moved("deltaspec_e2e_request_latency_seconds_count") == 2
+    # Engine gauges, read from stats() at scrape time.
+    stats = engine.stats()
+    assert after[("deltaspec_free_slots", ())] == stats["num_free_slots"] == stats["num_slots"]
+    assert after[("deltaspec_free_kv_blocks", ())] == stats["num_free_kv_blocks"]
+    assert after[("deltaspec_num_requests_running", ())] == after[("deltaspec_num_requests_waiting", ())] == 0
+    assert after[("deltaspec_num_draft_tokens", ())] == 2
+    assert after[("deltaspec_prefix_cache_hit_rate", ())] == 0
+    spec = stats["spec"]
+    assert moved("deltaspec_spec_verify_steps_total") > 0
+    for position, proposed in enumerate(spec["proposed_by_position"], start=1):
+        assert after[("deltaspec_spec_draft_tokens_total", (("position", str(position)),))] == proposed
+        assert 0 <= after[("deltaspec_spec_acceptance_rate", (("position", str(position)),))] <= 1
+    assert after[("deltaspec_spec_mean_accepted_length", ())] == pytest.approx(spec["mean_accepted_length"])
+
+
+# Servers with other settings --------------------------------------------------------------------
+
+async def test_api_key_guards_the_v1_routes(engine, http):
+    running = await start(engine, ServerConfig(model_name=MODEL, port=0, api_key="sesame"))
+    base_url = f"http://127.0.0.1:{running.port}"
+    try:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
+            async with http.post(f"{base_url}/v1/completions", json={"prompt": "hi"}, headers=headers) as response:
+                assert response.status == 401
+                assert (await response.json())["error"]["code"] == "invalid_api_key"
+        async with http.get(f"{base_url}/health") as response:
+            assert response.status == 200
+        async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="wrong", max_retries=0) as client:
+            with pytest.raises(openai.AuthenticationError):
+                await client.models.list()
+        async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="sesame", max_retries=0) as client:
+            response = await client.completions.create(model=MODEL, prompt="hi", **GREEDY)
+            assert response.choices[0].finish_reason in ("stop", "length")
+    finally:
+        await running.stop()
+
+
+async def test_overload_gets_503_and_the_queue_recovers(checkpoint, http):
+    engine = AsyncLLM(checkpoint("qwen3_5"), max_model_len=MAX_MODEL_LEN, max_num_seqs=1)
+    running = await start(engine, ServerConfig(model_name=MODEL, port=0, max_waiting=1))
+    url = f"http://127.0.0.1:{running.port}/v1/completions"
+    long = {"prompt": "Hello", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    try:
+        holder = await http.post(url, json=long)  # headers come with the first token: it holds the one slot
+        await holder.content.readline()
+        queued = asyncio.create_task(http.post(url, json={"prompt": "Hi", **GREEDY}))
+        while engine.stats()["num_waiting"] == 0:
+            await asyncio.sleep(0.005)
+        async with http.post(url, json={"prompt": "Hey", **GREEDY}) as response:
+            assert response.status == 503
+            assert (await response.json())["error"]["code"] == "overloaded"
+        holder.close()  # hang up: the slot frees and the queued request runs
+        async with await queued as response:
+            assert response.status == 200
+            assert (await response.json())["usage"]["completion_tokens"] >= 1
+        await wait_idle(engine)
+    finally:
+        await running.stop()
+        await engine.shutdown()
