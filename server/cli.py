@@ -2,6 +2,7 @@
 
     deltaspec serve [MODEL_PATH] [--host H] [--port P] ...   OpenAI-compatible server (see serve.py)
     deltaspec generate "prompt" [--model PATH] ...            stream one completion to stdout
+    deltaspec bench acceptance [--model PATH] [--quick] ...   speculation acceptance benchmark
 
 Both run on uvloop when it is installed. Knows nothing about models beyond the engine's public API.
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from ..engine import AsyncLLM, EngineConfig, SamplingParams
 from ..engine.async_llm import run
+from . import acceptance
 from .config import ServerConfig
 from .serve import serve
 
@@ -102,6 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--seed", type=int, default=None)
     generate.set_defaults(run=_generate)
+
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="benchmark", required=True)
+    acceptance_parser = bench.add_parser("acceptance", help="MTP draft acceptance and speedup by draft length")
+    acceptance.add_arguments(acceptance_parser, DEFAULT_MODEL)
+    acceptance_parser.set_defaults(run=lambda args: acceptance.main(args, sys.argv[3:] if argv is None else argv[2:]))
 
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,12 @@
+"""Speculation-acceptance benchmark (same as `deltaspec bench acceptance`; see
+deltaspec/server/acceptance.py for what it measures).
+
+    python bench/acceptance.py [--model models/default] [--device cuda --dtype bfloat16] [--quick]
+"""
+
+import sys
+
+from deltaspec.server.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["bench", "acceptance", *sys.argv[1:]]))
