@@ -110,7 +110,8 @@ def losses(model, mtp: MTP, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     hidden = out.last_hidden_state                                   # [B, T, H] post-norm
     logits = model.lm_head(hidden[:, :-1])
     main = F.cross_entropy(logits.float().reshape(-1, VOCAB), batch[:, 1:].reshape(-1).long())
-    positions = torch.arange(batch.shape[1] - 1, device=batch.device)[None].expand(batch.shape[0], -1)
+    # Text positions as the multimodal rotary embedding takes them: [3 (t, h, w), B, T], all equal.
+    positions = torch.arange(batch.shape[1] - 1, device=batch.device)[None, None].expand(3, batch.shape[0], -1)
     position_embeddings = model.model.rotary_emb(hidden, positions)
     drafted = mtp(model.model.embed_tokens(batch[:, 1:]), hidden[:, :-1], position_embeddings)
     mtp_logits = model.lm_head(drafted[:, :-1]).float()              # predicts x_{t+2}
