@@ -125,7 +125,7 @@ class EngineCore:
                 self.spec_stats.record(row.num_draft_tokens, len(tokens) - 1)
         self.spec_stats.draft_seconds += output.draft_seconds
         self.spec_stats.verify_seconds += output.verify_seconds
-        updated = self.scheduler.commit(plan, output.emitted) + self.scheduler.take_aborted()
+        updated = self.scheduler.commit(plan, output.emitted, output.logprobs) + self.scheduler.take_aborted()
         deltas = [request.take_delta() for request in updated]
         for request in updated:
             if request.finished:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..spec import DraftLengthState, SpecStats
 from .sampling_params import SamplingParams
@@ -25,6 +26,14 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class TokenLogprobs(NamedTuple):
+    """Log-probability of an emitted token under the model's raw distribution, and the most
+    likely tokens there (as many as the request asked for)."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
 @dataclass(frozen=True)
 class RequestOutput:
     """The final result of a request."""
@@ -34,6 +43,7 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     finish_reason: str  # "stop" | "length" | "abort"
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,7 @@ class RequestDelta:
     token_ids: list[int]
     text: str
     finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None = None  # one per token when the request asked for them
 
 
 @dataclass(eq=False)
@@ -57,6 +68,7 @@ class Request:
     detokenizer: IncrementalDetokenizer
     eos_token_ids: frozenset[int]
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
     # Scheduling state.
@@ -103,11 +115,13 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def extend(self, token_ids: list[int]) -> None:
+    def extend(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None = None) -> None:
         """Record the tokens of one step in order, stopping at the first that finishes."""
-        for token_id in token_ids:
+        for i, token_id in enumerate(token_ids):
             if self.finished:
                 return
+            if logprobs is not None:
+                self.output_logprobs.append(logprobs[i])
             self.append(token_id)
 
     def append(self, token_id: int) -> None:
@@ -142,10 +156,12 @@ class Request:
         safe_chars = len(self.text) if self.finished else max(self._emitted_chars,
                                                               len(self.text) - self._longest_stop + 1)
         delta = RequestDelta(self.request_id, self.output_token_ids[self._emitted_tokens:],
-                             self.text[self._emitted_chars:safe_chars], self.finish_reason)
+                             self.text[self._emitted_chars:safe_chars], self.finish_reason,
+                             self.output_logprobs[self._emitted_tokens:] if self.params.logprobs is not None else None)
         self._emitted_tokens, self._emitted_chars = len(self.output_token_ids), safe_chars
         return delta
 
     def output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt_token_ids, list(self.output_token_ids), self.text,
-                             self.finish_reason)
+                             self.finish_reason,
+                             list(self.output_logprobs) if self.params.logprobs is not None else None)

@@ -32,6 +32,7 @@ from ..spec import greedy_accept
 from .batch import ForwardBatch, Row
 from .cuda_graphs import DecodeGraphs
 from .models import HybridLM
+from .request import TokenLogprobs
 from .scheduler import ScheduledRow, StepPlan
 from .state_pool import KVPool, StatePool
 
@@ -41,6 +42,8 @@ class StepOutput:
     emitted: list[list[int]]  # per plan row (decode rows first): the tokens it produced
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    # Per plan row: one TokenLogprobs per emitted token, for rows whose request asked for them.
+    logprobs: list[list[TokenLogprobs] | None] | None = None
 
 
 class Runner:
@@ -66,8 +69,13 @@ class Runner:
             batch = self._batch(decode, [self._row(r) for r in plan.prefill_rows], commit=True)
             logits = self.model.compute_logits(self.model(batch, self.states, self.kv)[batch.logits_indices])
         sampling = [r for r in plan.rows if r.sample]
-        tokens = iter(self._sample(logits, sampling) if sampling else [])
-        return StepOutput([[next(tokens)] if r.sample else [] for r in plan.rows])
+        sampled = self._sample(logits, sampling) if sampling else []
+        tokens = iter(sampled)
+        emitted = [[next(tokens)] if r.sample else [] for r in plan.rows]
+        # Sampling rows' logits are in row order: logits row j belongs to the j-th sampling row.
+        logit_row = iter(range(len(sampling)))
+        wanted = [[next(logit_row)] if r.sample else [] for r in plan.rows]
+        return StepOutput(emitted, logprobs=self._logprobs(logits, plan.rows, wanted, emitted))
 
     # Speculative step ---------------------------------------------------------------------
 
@@ -94,6 +102,7 @@ class Runner:
 
         # Accept (greedy): decode rows' logits come first, k_r + 1 per row.
         emitted: list[list[int]] = []
+        logit_rows: list[list[int]] = []  # per row: the logits rows of its emitted tokens
         if decode_rows:
             num_decode_logits = sum(1 + r.num_draft_tokens for r in decode_rows)
             accepted, tokens = self._accept(logits[:num_decode_logits], decode_rows, drafts)
@@ -102,15 +111,21 @@ class Runner:
             self._keep_hidden(hidden, rows, decode_rows)
             accepted_host, tokens_host = accepted.tolist(), tokens.tolist()
             emitted = [tokens_host[i][:accepted_host[i] + 1] for i in range(len(decode_rows))]
+            starts = _offsets([1 + r.num_draft_tokens for r in decode_rows])
+            logit_rows = [list(range(start, start + len(e))) for start, e in zip(starts, emitted)]
         if prefill_rows:
             # A fresh prefill leaves nothing pending; its MTP pass keeps the MTP KV complete.
             self.states.pending_counts[self._tensor([r.slot for r in prefill_rows])] = 0
             self._prefill_mtp(hidden, batch, prefill_rows)
             sampling = [r for r in prefill_rows if r.sample]
-            sampled = iter(self._sample(logits[len(logits) - len(sampling):], sampling) if sampling else [])
+            first = len(logits) - len(sampling)
+            sampled = iter(self._sample(logits[first:], sampling) if sampling else [])
             emitted += [[next(sampled)] if r.sample else [] for r in prefill_rows]
+            logit_row = iter(range(first, len(logits)))
+            logit_rows += [[next(logit_row)] if r.sample else [] for r in prefill_rows]
         verified = time.perf_counter()
-        return StepOutput(emitted, draft_seconds=drafted - started, verify_seconds=verified - drafted)
+        return StepOutput(emitted, draft_seconds=drafted - started, verify_seconds=verified - drafted,
+                          logprobs=self._logprobs(logits, plan.rows, logit_rows, emitted))
 
     def draft_with_mtp(self, rows: tuple[ScheduledRow, ...]) -> torch.Tensor | None:
         """Greedy drafts [B, max k] for the decode rows (None when no row drafts). Every row
@@ -217,6 +232,32 @@ class Runner:
             self.model.draft_hidden(mtp_batch.input_ids, hidden[self._tensor(hidden_index)], mtp_batch, self.kv)
         if keep_slots:
             self.states.mtp_hidden[self._tensor(keep_slots), 0] = hidden[self._tensor(keep_index)]
+
+    def _logprobs(self, logits: torch.Tensor, rows: tuple[ScheduledRow, ...], logit_rows: list[list[int]],
+                  emitted: list[list[int]]) -> list[list[TokenLogprobs] | None] | None:
+        """Raw-distribution log-probabilities of each emitted token (logits row logit_rows[i][j]
+        scored emitted[i][j]) and the top-N, for rows whose request set `logprobs`."""
+        asking = [i for i, r in enumerate(rows) if r.request.params.logprobs is not None and emitted[i]]
+        if not asking:
+            return None
+        index = [j for i in asking for j in logit_rows[i]]
+        chosen = [t for i in asking for t in emitted[i]]
+        scores = torch.log_softmax(logits[self._tensor(index)].float(), dim=-1)
+        chosen_lp = scores.gather(1, self._tensor(chosen)[:, None])[:, 0].tolist()
+        top_n = max(rows[i].request.params.logprobs for i in asking)
+        top_values, top_ids = scores.topk(top_n, dim=-1) if top_n else (scores[:, :0], scores[:, :0].long())
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        result: list[list[TokenLogprobs] | None] = [None] * len(rows)
+        position = 0
+        for i in asking:
+            n = rows[i].request.params.logprobs
+            entries = []
+            for _ in emitted[i]:
+                entries.append(TokenLogprobs(chosen_lp[position],
+                                             list(zip(top_ids[position][:n], top_values[position][:n]))))
+                position += 1
+            result[i] = entries
+        return result
 
     # Helpers ------------------------------------------------------------------------------
 

@@ -19,6 +19,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; N >= 0: the chosen token's plus the N most likely
+
+    MAX_LOGPROBS = 20
 
     def __post_init__(self) -> None:
         # Accept a single stop string or any iterable, store tuples (the object stays hashable).
@@ -39,6 +42,9 @@ class SamplingParams:
             problems.append(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             problems.append(f"seed must be a non-negative int, got {self.seed!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= self.MAX_LOGPROBS):
+            problems.append(f"logprobs must be an int in 0..{self.MAX_LOGPROBS}, got {self.logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             problems.append("stop strings must be non-empty strings")
         if problems:

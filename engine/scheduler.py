@@ -155,9 +155,10 @@ class Scheduler:
             budget -= chunk
         return StepPlan(tuple(decode_rows), tuple(prefill_rows))
 
-    def commit(self, plan: StepPlan, emitted: list[list[int]]) -> list[Request]:
+    def commit(self, plan: StepPlan, emitted: list[list[int]], logprobs: list | None = None) -> list[Request]:
         """Fold the step's results in. emitted[i]: the tokens plan.rows[i] produced (none for a
         prefill chunk that does not end the prompt; accepted drafts + one for a verify row).
+        logprobs[i]: their TokenLogprobs when the request asked for them.
         Returns the requests that got tokens or finished."""
         updated = []
         for index, (row, tokens) in enumerate(zip(plan.rows, emitted)):
@@ -174,7 +175,7 @@ class Scheduler:
                 if row.num_draft_tokens:
                     request.spec_stats.record(row.num_draft_tokens, accepted_drafts)
             if row.sample:
-                request.extend(tokens)
+                request.extend(tokens, logprobs[index] if logprobs else None)
                 updated.append(request)
                 if request.finished:
                     self._finish(request)

@@ -68,14 +68,16 @@ class OpenAIServer:
         body = await self._decode(request, CompletionRequest)
         self._check_model(body.model)
         engine_input = completion_input(body, self.engine.tokenizer)
-        return await self._generate(request, body, engine_input, CompletionRenderer(self.config.model_name), arrival)
+        return await self._generate(request, body, engine_input,
+                                    CompletionRenderer(self.config.model_name, self.engine.tokenizer), arrival)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         arrival = time.monotonic()
         body = await self._decode(request, ChatCompletionRequest)
         self._check_model(body.model)
         engine_input = chat_input(body, self.engine.tokenizer, self.engine.max_model_len)
-        return await self._generate(request, body, engine_input, ChatRenderer(self.config.model_name), arrival)
+        return await self._generate(request, body, engine_input,
+                                    ChatRenderer(self.config.model_name, self.engine.tokenizer), arrival)
 
     async def models(self, request: web.Request) -> web.Response:
         model = Model(self.config.model_name, self._created, self.engine.max_model_len)
@@ -124,17 +126,20 @@ class OpenAIServer:
 
     async def _respond(self, renderer: Renderer, first: RequestDelta, deltas: AsyncIterator[RequestDelta],
                        progress: _Progress) -> web.Response:
-        parts, delta = [], first
+        parts, token_ids, logprobs, delta = [], [], [], first
         while True:
             progress.record(delta)
             parts.append(delta.text)
+            token_ids += delta.token_ids
+            logprobs += delta.logprobs or []
             if delta.finish_reason is not None:
                 break
             delta = await anext(deltas)
         text = "".join(parts)
         if progress.finish_reason == "abort":
             raise APIError(503, "the request was aborted: the server is shutting down", code="aborted")
-        return _json(renderer.response(text, progress.finish_reason, progress.usage()))
+        return _json(renderer.response(text, progress.finish_reason, progress.usage(), token_ids,
+                                       logprobs if first.logprobs is not None else None))
 
     async def _stream(self, request: web.Request, renderer: Renderer, first: RequestDelta,
                       deltas: AsyncIterator[RequestDelta], progress: _Progress,
@@ -152,8 +157,9 @@ class OpenAIServer:
                     error = APIError(503, "the request was aborted: the server is shutting down", code="aborted")
                     await _send(response, error.body())
                     return response
-                if delta.text or delta.finish_reason is not None:
-                    await _send(response, renderer.chunk(delta.text, delta.finish_reason))
+                if delta.text or delta.finish_reason is not None or delta.logprobs:
+                    await _send(response, renderer.chunk(delta.text, delta.finish_reason, delta.token_ids,
+                                                         delta.logprobs))
                 if delta.finish_reason is not None:
                     break
                 delta = await anext(deltas)

@@ -40,7 +40,6 @@ class EngineInput:
 def completion_input(request: CompletionRequest, tokenizer: PromptTokenizer) -> EngineInput:
     _reject_unsupported(request, [
         ("echo", bool(request.echo), "the prompt is not echoed"),
-        ("logprobs", request.logprobs is not None, "the engine does not return log probabilities yet"),
         ("best_of", request.best_of not in (None, 1), "only best_of=1 is supported"),
         ("suffix", bool(request.suffix), "insertion (suffix) is not supported"),
     ])
@@ -56,14 +55,13 @@ def completion_input(request: CompletionRequest, tokenizer: PromptTokenizer) -> 
                             "not supported (send one request per prompt)", param="prompt",
                        code="unsupported_parameter")
     max_tokens = request.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
-    return EngineInput(token_ids, _sampling_params(request, max_tokens))
+    return EngineInput(token_ids, _sampling_params(request, max_tokens, request.logprobs))
 
 
 def chat_input(request: ChatCompletionRequest, tokenizer: PromptTokenizer, max_model_len: int) -> EngineInput:
     _reject_unsupported(request, [
-        ("logprobs", bool(request.logprobs), "the engine does not return log probabilities yet"),
-        ("top_logprobs", request.top_logprobs not in (None, 0),
-         "the engine does not return log probabilities yet"),
+        ("top_logprobs", request.top_logprobs is not None and not request.logprobs,
+         "top_logprobs needs logprobs: true"),
         ("tools", bool(request.tools), "tool calling is not supported"),
         ("response_format", request.response_format is not None and request.response_format.type != "text",
          "only response_format {\"type\": \"text\"} is supported"),
@@ -82,7 +80,8 @@ def chat_input(request: ChatCompletionRequest, tokenizer: PromptTokenizer, max_m
         raise APIError(400, f"chat_template_kwargs: {error}", param="chat_template_kwargs") from error
     token_ids = tokenizer.encode(prompt)
     max_tokens = request.max_completion_tokens or request.max_tokens or max(1, max_model_len - len(token_ids))
-    return EngineInput(token_ids, _sampling_params(request, max_tokens))
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    return EngineInput(token_ids, _sampling_params(request, max_tokens, logprobs))
 
 
 def _message_text(content, index: int) -> str:
@@ -111,10 +110,10 @@ def _reject_unsupported(request: SamplingFields, specific: list[tuple[str, bool,
             raise APIError(400, f"{field} is not supported: {why}", param=field, code="unsupported_parameter")
 
 
-def _sampling_params(request: SamplingFields, max_tokens: int) -> SamplingParams:
+def _sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
     options = dict(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
                    min_p=request.min_p, seed=request.seed, stop=request.stop,
-                   stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos)
+                   stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, logprobs=logprobs)
     try:
         # Unset (None) fields keep SamplingParams' defaults, which are OpenAI's.
         return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in options.items() if v is not None})

@@ -3,7 +3,7 @@
 Request Structs carry the range checks (`msgspec.Meta`), so `msgspec.json.decode(body, type=...)`
 rejects a wrong type or an out-of-range value with a message naming the field. Every optional
 request field also accepts JSON null (some clients send null for "unset"); defaults are applied
-in `inputs`. Fields the engine cannot honour (logprobs, n > 1, penalties, ...) are declared so that
+in `inputs`. Fields the engine cannot honour (n > 1, penalties, ...) are declared so that
 `inputs` can reject them by name instead of msgspec silently dropping them. Unknown fields are
 ignored, as the OpenAI API does.
 
@@ -53,7 +53,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     # A string or one prompt's token ids; lists of prompts (batches) are rejected in `inputs`.
     prompt: str | list[TokenId | str]
     echo: bool | None = None
-    logprobs: int | None = None
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     best_of: int | None = None
     suffix: str | None = None
 
@@ -77,7 +77,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: PositiveInt | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false} (vLLM's name)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     tools: list[Any] | None = None
     response_format: ResponseFormat | None = None
 
@@ -90,11 +90,20 @@ class Usage(msgspec.Struct):
     total_tokens: int
 
 
+class CompletionLogprobs(msgspec.Struct):
+    """The legacy completions format: parallel lists, one entry per generated token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(msgspec.Struct):
@@ -114,11 +123,28 @@ class AssistantMessage(msgspec.Struct):
     role: Literal["assistant"] = "assistant"
 
 
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatTokenLogprob]
+
+
 class ChatChoice(msgspec.Struct):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(msgspec.Struct):
@@ -139,7 +165,7 @@ class ChatChunkChoice(msgspec.Struct):
     index: int
     delta: ChatDelta
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct):

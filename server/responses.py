@@ -15,8 +15,14 @@ from typing import Protocol
 
 import msgspec
 
+from ..engine import TokenLogprobs
 from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
-                       ChatDelta, Completion, CompletionChoice, Usage)
+                       ChatDelta, ChatLogprobs, ChatTokenLogprob, Completion, CompletionChoice, CompletionLogprobs,
+                       TopLogprob, Usage)
+
+
+class TokenText(Protocol):
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 class Renderer(Protocol):
@@ -25,52 +31,96 @@ class Renderer(Protocol):
     def opening(self) -> list[msgspec.Struct]:
         """Chunks sent before any text."""
 
-    def chunk(self, text: str, finish_reason: str | None) -> msgspec.Struct: ...
+    def chunk(self, text: str, finish_reason: str | None, token_ids: list[int],
+              logprobs: list[TokenLogprobs] | None) -> msgspec.Struct: ...
 
     def usage_chunk(self, usage: Usage) -> msgspec.Struct:
         """The last chunk of a stream with stream_options.include_usage: no choices, the usage."""
 
-    def response(self, text: str, finish_reason: str, usage: Usage) -> msgspec.Struct: ...
+    def response(self, text: str, finish_reason: str, usage: Usage, token_ids: list[int],
+                 logprobs: list[TokenLogprobs] | None) -> msgspec.Struct: ...
 
 
 class CompletionRenderer:
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, tokenizer: TokenText) -> None:
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.model = model
+        self.model, self.tokenizer = model, tokenizer
+        self._offset = 0  # text_offset of the next token, relative to the completion's start
 
     def opening(self) -> list[msgspec.Struct]:
         return []
 
-    def chunk(self, text: str, finish_reason: str | None) -> Completion:
-        return Completion(self.id, self.created, self.model, [CompletionChoice(0, text, finish_reason)])
+    def chunk(self, text: str, finish_reason: str | None, token_ids: list[int],
+              logprobs: list[TokenLogprobs] | None) -> Completion:
+        return Completion(self.id, self.created, self.model,
+                          [CompletionChoice(0, text, finish_reason, self._logprobs(token_ids, logprobs))])
 
     def usage_chunk(self, usage: Usage) -> Completion:
         return Completion(self.id, self.created, self.model, [], usage)
 
-    def response(self, text: str, finish_reason: str, usage: Usage) -> Completion:
-        return Completion(self.id, self.created, self.model, [CompletionChoice(0, text, finish_reason)], usage)
+    def response(self, text: str, finish_reason: str, usage: Usage, token_ids: list[int],
+                 logprobs: list[TokenLogprobs] | None) -> Completion:
+        return Completion(self.id, self.created, self.model,
+                          [CompletionChoice(0, text, finish_reason, self._logprobs(token_ids, logprobs))], usage)
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None) -> CompletionLogprobs | None:
+        if logprobs is None:
+            return None
+        tokens = [_token_text(self.tokenizer, t) for t in token_ids]
+        offsets = []
+        for token in tokens:
+            offsets.append(self._offset)
+            self._offset += len(token)
+        return CompletionLogprobs(tokens, [entry.logprob for entry in logprobs],
+                                  [{_token_text(self.tokenizer, t): lp for t, lp in entry.top} for entry in logprobs],
+                                  offsets)
 
 
 class ChatRenderer:
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, tokenizer: TokenText) -> None:
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.model = model
+        self.model, self.tokenizer = model, tokenizer
 
     def opening(self) -> list[msgspec.Struct]:
         # OpenAI announces the role first, with empty content.
-        return [self._chunk(ChatDelta(role="assistant", content=""), None)]
+        return [self._chunk(ChatDelta(role="assistant", content=""), None, None)]
 
-    def chunk(self, text: str, finish_reason: str | None) -> ChatCompletionChunk:
-        return self._chunk(ChatDelta(content=text or None), finish_reason)
+    def chunk(self, text: str, finish_reason: str | None, token_ids: list[int],
+              logprobs: list[TokenLogprobs] | None) -> ChatCompletionChunk:
+        return self._chunk(ChatDelta(content=text or None), finish_reason, self._logprobs(token_ids, logprobs))
 
     def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
         return ChatCompletionChunk(self.id, self.created, self.model, [], usage)
 
-    def response(self, text: str, finish_reason: str, usage: Usage) -> ChatCompletion:
+    def response(self, text: str, finish_reason: str, usage: Usage, token_ids: list[int],
+                 logprobs: list[TokenLogprobs] | None) -> ChatCompletion:
         return ChatCompletion(self.id, self.created, self.model,
-                              [ChatChoice(0, AssistantMessage(text), finish_reason)], usage)
+                              [ChatChoice(0, AssistantMessage(text), finish_reason,
+                                          self._logprobs(token_ids, logprobs))], usage)
 
-    def _chunk(self, delta: ChatDelta, finish_reason: str | None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(self.id, self.created, self.model, [ChatChunkChoice(0, delta, finish_reason)])
+    def _chunk(self, delta: ChatDelta, finish_reason: str | None,
+               logprobs: ChatLogprobs | None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(self.id, self.created, self.model,
+                                   [ChatChunkChoice(0, delta, finish_reason, logprobs)])
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None) -> ChatLogprobs | None:
+        if logprobs is None:
+            return None
+
+        def top(token_id: int, logprob: float) -> TopLogprob:
+            text = _token_text(self.tokenizer, token_id)
+            return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+        content = []
+        for token_id, entry in zip(token_ids, logprobs):
+            text = _token_text(self.tokenizer, token_id)
+            content.append(ChatTokenLogprob(token=text, logprob=entry.logprob, bytes=list(text.encode()),
+                                            top_logprobs=[top(i, lp) for i, lp in entry.top]))
+        return ChatLogprobs(content)
+
+
+def _token_text(tokenizer: TokenText, token_id: int) -> str:
+    """One token's text; a token holding part of a multi-byte character shows U+FFFD."""
+    return tokenizer.decode([token_id], skip_special_tokens=False)

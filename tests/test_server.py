@@ -193,7 +193,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream", "bool"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt", "missing"),
     ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n", "n=1"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 1}, 400, "logprobs", "not supported"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs", "<= 20"),
     ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo", "not supported"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
     ("/v1/completions", {"prompt": ["one", "two"]}, 400, "prompt", "batches"),
@@ -204,8 +204,7 @@ BAD_REQUESTS = [
     ("/v1/completions", b'{"prompt": "' + b"x" * (10 << 20) + b'"}', 413, None, "larger than"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", "length"),
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages[0].role", "missing"),
-    ("/v1/chat/completions", {"messages": ONE_MESSAGE, "logprobs": True}, 400, "logprobs", "not supported"),
-    ("/v1/chat/completions", {"messages": ONE_MESSAGE, "top_logprobs": 3}, 400, "top_logprobs", "not supported"),
+    ("/v1/chat/completions", {"messages": ONE_MESSAGE, "top_logprobs": 3}, 400, "top_logprobs", "needs logprobs"),
     ("/v1/chat/completions", {"messages": ONE_MESSAGE, "max_completion_tokens": 0}, 400,
      "max_completion_tokens", ">= 1"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
@@ -349,3 +348,27 @@ async def test_overload_gets_503_and_the_queue_recovers(checkpoint, http):
     finally:
         await running.stop()
         await engine.shutdown()
+
+
+async def test_logprobs(client, engine):
+    """Log-probabilities of the chosen tokens (and the top alternatives) agree with the model's
+    own distribution: a greedy token is the most likely one, so its logprob leads the top list."""
+    completion = await client.completions.create(model=MODEL, prompt="def add(a, b):", logprobs=2, **GREEDY,
+                                                 extra_body=IGNORE_EOS)
+    lp = completion.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+    # (The legacy format keys alternatives by text: tokens that decode alike collapse into one.)
+    assert all(chosen <= 0 and 1 <= len(top) <= 2 for chosen, top in zip(lp.token_logprobs, lp.top_logprobs))
+    assert lp.text_offset == sorted(lp.text_offset)
+    chat = await client.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=3,
+                                                **GREEDY, extra_body=IGNORE_EOS)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 8 and all(len(t.top_logprobs) == 3 for t in content)
+    assert all(abs(t.top_logprobs[0].logprob - t.logprob) < 1e-4 for t in content)
+    streamed = []
+    stream = await client.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=3,
+                                                  stream=True, **GREEDY, extra_body=IGNORE_EOS)
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += [t.logprob for t in chunk.choices[0].logprobs.content]
+    assert streamed == [t.logprob for t in content]
