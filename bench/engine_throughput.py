@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from fixtures import make_tokenizer  # noqa: E402
 
+from common import copy_bandwidth  # noqa: E402
 from deltaspec.engine import EngineConfig, ModelConfig, SamplingParams  # noqa: E402
 from deltaspec.engine.batch import ForwardBatch, Row  # noqa: E402
 from deltaspec.engine.core import EngineCore  # noqa: E402
@@ -48,21 +49,6 @@ SHAPES = {
                tie_word_embeddings=False),
 }
 PROMPT_LEN, DECODE_STEPS, TTFT_PROMPT = 128, 48, 8192
-
-
-def copy_bandwidth() -> float:
-    """Bytes read + written per second by a large device-to-device copy (median of 20)."""
-    src = torch.randn(1 << 28, device="cuda")  # 1 GiB
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(25):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * src.numel() * 4 / statistics.median(times[5:])
 
 
 def build(shape: str):

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from common import copy_bandwidth  # noqa: E402
 from deltaspec.kernels.attention import (AttentionConfig, attention_config, launch_paged_attention,
                                          multiprocessor_count)
 
@@ -60,14 +61,6 @@ def graph_time_us(calls, replays: int = 15) -> float:
         times.append(start.elapsed_time(stop))
     del graph
     return statistics.median(times) * 1e3 / len(calls)
-
-
-def copy_bandwidth() -> float:
-    """GB/s of a 1 GiB device copy, counting bytes read + written."""
-    src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
-    return 2 * src.numel() * 2 / (ms * 1e-3) / 1e9
 
 
 def matmul_tflops() -> float:
@@ -268,7 +261,7 @@ def main() -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(report, indent=1))
 
-    report["copy_gbps"] = copy_gbps = copy_bandwidth()
+    report["copy_gbps"] = copy_gbps = copy_bandwidth() / 1e9
     report["matmul_bf16_tflops"] = matmul_tflops()
     print(f"{name}: copy {copy_gbps:.0f} GB/s, bf16 matmul {report['matmul_bf16_tflops']:.0f} TFLOP/s", flush=True)
     save()

@@ -34,20 +34,13 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from common import copy_bandwidth  # noqa: E402
 from deltaspec.kernels.gdn_chunked import _prepare, _state, gdn_chunked, gdn_chunked_reference
 
 SHAPES = [(1, 16384), (16, 1024), (64, 256)]          # (rows, tokens per row)
 HEADS = [(16, 16), (16, 32)]                           # (HK, HV)
 KEY_DIM = VALUE_DIM = 128
 NUM_SETS = 4
-
-
-def copy_bandwidth() -> float:
-    """Bytes per second of a 2 GiB device-to-device copy, counting read + write."""
-    src = torch.empty(1 << 30, dtype=torch.int16, device="cuda").random_()
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
-    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
 
 
 def time_ms(fns: list, calls: int = 20, trials: int = 9) -> float:

@@ -28,6 +28,7 @@ import traceback
 
 import torch
 
+from common import copy_bandwidth, graph_time_us  # noqa: E402
 from deltaspec.kernels.gdn_decode import DecodeConfig, arrival_counters, decode_config, launch_gdn_decode
 
 KEY_DIM = VALUE_DIM = 128
@@ -36,51 +37,6 @@ BATCHES = (1, 8, 64, 256)
 MAX_PENDING = 4
 L2_DEFEAT_BYTES = 256 << 20
 SWEEP = [DecodeConfig(bv, w) for bv, w in ((8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4), (64, 8))]
-
-
-def graph_time_us(launch, repeats: int, replays: int = 20) -> float:
-    """Median replay time of a CUDA graph of `repeats` calls of launch(r), per call, in µs."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for r in range(min(repeats, 2)):
-            launch(r)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for r in range(repeats):
-            launch(r)
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / repeats)
-    del graph
-    return sorted(times)[len(times) // 2]
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy of 1 GiB, bytes read + written per second (median of 20)."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1000.0)
-    return 2 * src.numel() / sorted(times)[len(times) // 2]
 
 
 class Setup:

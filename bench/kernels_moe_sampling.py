@@ -35,6 +35,7 @@ import traceback
 import torch
 import triton
 
+from common import copy_bandwidth, graph_time_us  # noqa: E402
 from deltaspec.kernels.moe import (GroupedConfig, PerTokenConfig, grouped_config, moe_experts, moe_experts_grouped,
                                    moe_experts_per_token, moe_experts_reference, route, route_reference,
                                    use_per_token_path)
@@ -55,34 +56,6 @@ GROUPED_SWEEP_LARGE = [GroupedConfig(64, 64, 64, 4, 3), GroupedConfig(64, 128, 6
 BATCH, VOCAB = 64, 248_320
 
 
-def graph_time_us(launch, repeats: int, replays: int = 20) -> float:
-    """Median replay time of a CUDA graph of `repeats` calls of launch(r), per call, in µs."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for r in range(min(repeats, 2)):
-            launch(r)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for r in range(repeats):
-            launch(r)
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / repeats)
-    del graph
-    return sorted(times)[len(times) // 2]
-
-
 def eager_time_us(launch, repeats: int, rounds: int = 5) -> float:
     """Median over rounds of (events around `repeats` eager calls) / repeats, in µs."""
     for r in range(min(repeats, 2)):
@@ -98,23 +71,6 @@ def eager_time_us(launch, repeats: int, rounds: int = 5) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1000.0 / repeats)
     return sorted(times)[len(times) // 2]
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy of 1 GiB, bytes read + written per second (median of 20)."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1000.0)
-    return 2 * src.numel() / sorted(times)[len(times) // 2]
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

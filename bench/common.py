@@ -1,0 +1,43 @@
+"""Measurement helpers shared by the GPU benchmarks (run as scripts from the repo root, so
+`from common import ...` resolves to this file)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a 1 GiB device-to-device copy of random data (median)."""
+    src = torch.empty(1 << 29, dtype=torch.int16, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+def graph_time_us(launch, repeats: int, replays: int = 20) -> float:
+    """Median replay time of a CUDA graph of `repeats` calls of launch(r), per call, in µs."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for r in range(min(repeats, 2)):
+            launch(r)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for r in range(repeats):
+            launch(r)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / repeats)
+    del graph
+    return sorted(times)[len(times) // 2]
