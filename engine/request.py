@@ -127,15 +127,19 @@ class Request:
     def append(self, token_id: int) -> None:
         """Record one sampled token and decide whether the request is done."""
         self.output_token_ids.append(token_id)
-        # A stop string completed by this token starts at most (longest stop - 1) chars before
-        # the new text.
-        search_from = max(0, len(self.text) - self._longest_stop + 1)
-        self.text += self.detokenizer.push([token_id])
-        cut = min((i for i in (self.text.find(s, search_from) for s in self.params.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            self.text = self.text[:cut]
-            self.finish_reason = "stop"
-            return
+        stops = self.params.stop
+        if stops:
+            # A stop string completed by this token starts at most (longest stop - 1) chars
+            # before the new text.
+            search_from = max(0, len(self.text) - self._longest_stop + 1)
+            self.text += self.detokenizer.push([token_id])
+            cut = min((i for i in (self.text.find(s, search_from) for s in stops) if i >= 0), default=-1)
+            if cut >= 0:
+                self.text = self.text[:cut]
+                self.finish_reason = "stop"
+                return
+        else:
+            self.text += self.detokenizer.push([token_id])
         if token_id in self.eos_token_ids or token_id in self.params.stop_token_ids:
             self.finish_reason = "stop"
         elif len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= self.max_model_len:
@@ -148,7 +152,7 @@ class Request:
 
     @property
     def _longest_stop(self) -> int:
-        return max(map(len, self.params.stop), default=1)
+        return self.params.longest_stop
 
     def take_delta(self) -> RequestDelta:
         """New tokens and text since the last call. Until the request finishes, the last

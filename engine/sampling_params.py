@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; N >= 0: the chosen token's plus the N most likely
+    # Derived: length of the longest stop string (1 without any), for stop-string search windows.
+    longest_stop: int = field(init=False, repr=False, compare=False)
 
     MAX_LOGPROBS = 20
 
@@ -29,6 +31,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "longest_stop", max(map(len, self.stop), default=1))
         problems = []
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             problems.append(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
