@@ -27,8 +27,7 @@ DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "default"
 
 def _check_model(path: Path) -> None:
     if not (path / "config.json").exists():
-        hint = (" (the default model is not shipped yet)" if path == DEFAULT_MODEL else "")
-        raise ValueError(f"no model at {path}{hint}: pass the path of an HF-format checkpoint")
+        raise ValueError(f"no model at {path}: pass the path of an HF-format checkpoint")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -100,8 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--model", default=str(DEFAULT_MODEL))
     _add_engine_options(generate)
     generate.add_argument("--max-tokens", type=int, default=64)
-    generate.add_argument("--temperature", type=float, default=0.0)
-    generate.add_argument("--top-p", type=float, default=1.0)
+    # Sampling by default: the small shipped model loops on short prompts when decoding greedily.
+    generate.add_argument("--temperature", type=float, default=0.7, help="0 decodes greedily")
+    generate.add_argument("--top-p", type=float, default=0.95)
     generate.add_argument("--seed", type=int, default=None)
     generate.set_defaults(run=_generate)
 

@@ -73,13 +73,21 @@ async def test_second_sigint_aborts_in_flight_requests(checkpoint):
 
 def test_generate_streams_the_greedy_completion(checkpoint, capsys):
     path = checkpoint("qwen3_5")
-    assert cli.main(["generate", "Hello", "--model", str(path), "--max-tokens", "6"]) == 0
+    assert cli.main(["generate", "Hello", "--model", str(path), "--max-tokens", "6", "--temperature", "0"]) == 0
     expected = LLM(path).generate("Hello", SamplingParams(max_tokens=6, temperature=0))[0].text
     assert capsys.readouterr().out == "Hello" + expected + "\n"
 
 
 def test_without_a_model_the_cli_says_so(tmp_path, capsys):
-    assert cli.main(["serve", "--port", "0"]) == 2
-    assert "default model is not shipped yet" in capsys.readouterr().err
+    assert cli.main(["serve", str(tmp_path), "--port", "0"]) == 2
+    assert f"no model at {tmp_path}" in capsys.readouterr().err
     assert cli.main(["generate", "hi", "--model", str(tmp_path)]) == 2
     assert f"no model at {tmp_path}" in capsys.readouterr().err
+
+
+def test_the_shipped_model_is_the_default(capsys):
+    """`deltaspec generate` with no --model loads models/default and writes Python-looking text."""
+    assert cli.DEFAULT_MODEL.joinpath("config.json").exists()
+    assert cli.main(["generate", "def fibonacci(n):", "--max-tokens", "24", "--seed", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("def fibonacci(n):") and len(out) > len("def fibonacci(n):") + 20
