@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import torch
 import triton
 
@@ -41,3 +44,18 @@ def graph_time_us(launch, repeats: int, replays: int = 20) -> float:
         times.append(start.elapsed_time(end) * 1000.0 / repeats)
     del graph
     return sorted(times)[len(times) // 2]
+
+
+def device_tag(name: str) -> str:
+    """Short GPU name for result file names (h200, h100, ...)."""
+    lowered = name.lower()
+    for tag in ("h200", "h100", "a100", "l40s", "b200"):
+        if tag in lowered:
+            return tag
+    return "".join(c if c.isalnum() else "-" for c in lowered).strip("-")
+
+
+def commit_id() -> str:
+    """The checkout's commit; the GPU machine's copy has no .git, so callers pass DELTASPEC_COMMIT."""
+    return os.environ.get("DELTASPEC_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"

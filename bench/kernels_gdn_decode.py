@@ -20,15 +20,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import pathlib
-import subprocess
 import sys
 import traceback
 
 import torch
 
-from common import copy_bandwidth, graph_time_us  # noqa: E402
+from common import commit_id, copy_bandwidth, device_tag, graph_time_us  # noqa: E402
 from deltaspec.kernels.gdn_decode import DecodeConfig, arrival_counters, decode_config, launch_gdn_decode
 
 KEY_DIM = VALUE_DIM = 128
@@ -106,25 +104,16 @@ def time_fla(setup: Setup, fla_fn) -> tuple[float, float]:
     return graph_time_us(launch, setup.repeats), difference
 
 
-def device_tag(name: str) -> str:
-    lowered = name.lower()
-    for tag in ("h200", "h100", "a100", "l40s", "b200"):
-        if tag in lowered:
-            return tag
-    return "".join(c if c.isalnum() else "-" for c in lowered).strip("-")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out-dir", default=str(pathlib.Path(__file__).parent / "results"))
     parser.add_argument("--sweep", action="store_true", help="also time every tile config")
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
-    commit_id = os.environ.get("DELTASPEC_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+    commit = commit_id()
     result = dict(
         benchmark="kernels_gdn_decode", device=props.name, num_sms=props.multi_processor_count,
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=commit_id,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=commit,
         command=" ".join([sys.executable] + sys.argv), torch=torch.__version__,
         shapes=dict(key_dim=KEY_DIM, value_dim=VALUE_DIM, num_key_heads=NUM_KEY_HEADS, activations="bf16",
                     state="fp32", verify="4 new tokens/row, 3 pending, commit=False"),

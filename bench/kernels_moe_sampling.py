@@ -26,16 +26,14 @@ import argparse
 import collections
 import datetime
 import json
-import os
 import pathlib
-import subprocess
 import sys
 import traceback
 
 import torch
 import triton
 
-from common import copy_bandwidth, graph_time_us  # noqa: E402
+from common import commit_id, copy_bandwidth, device_tag, graph_time_us  # noqa: E402
 from deltaspec.kernels.moe import (GroupedConfig, PerTokenConfig, grouped_config, moe_experts, moe_experts_grouped,
                                    moe_experts_per_token, moe_experts_reference, route, route_reference,
                                    use_per_token_path)
@@ -242,26 +240,17 @@ def bench_rejection(bandwidth: float) -> dict:
     return row
 
 
-def device_tag(name: str) -> str:
-    lowered = name.lower()
-    for tag in ("h200", "h100", "a100", "l40s", "b200"):
-        if tag in lowered:
-            return tag
-    return "".join(c if c.isalnum() else "-" for c in lowered).strip("-")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out-dir", default=str(pathlib.Path(__file__).parent / "results"))
     parser.add_argument("--skip", nargs="*", default=[], choices=["moe", "sampling", "rejection"])
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
-    commit_id = os.environ.get("DELTASPEC_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+    commit = commit_id()
     bandwidth = copy_bandwidth()
     result = dict(
         benchmark="kernels_moe_sampling", device=props.name, num_sms=props.multi_processor_count,
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=commit_id,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=commit,
         command=" ".join([sys.executable] + sys.argv), torch=torch.__version__, triton=triton.__version__,
         copy_bandwidth_GBps=bandwidth / 1e9,
         moe_shape=dict(num_experts=NUM_EXPERTS, top_k=TOP_K, hidden=HIDDEN, intermediate=INTER, dtype="bf16",
