@@ -12,6 +12,7 @@ or HTTP.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import random
 from pathlib import Path
@@ -36,6 +37,23 @@ from .weights import load_model
 
 logger = logging.getLogger("deltaspec")
 
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
+def load_draft_vocab(model_path: Path, size: int) -> torch.Tensor:
+    """The `size` most frequent token ids from the checkpoint's draft_vocab.json
+    ({"token_ids": [...], most frequent first}; written by bench/draft_vocab.py)."""
+    path = model_path / DRAFT_VOCAB_FILE
+    try:
+        token_ids = json.loads(path.read_text())["token_ids"]
+    except FileNotFoundError:
+        raise ValueError(f"draft_vocab_size={size} needs {path} (make it with bench/draft_vocab.py)") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a draft vocabulary file: {e}") from None
+    if len(token_ids) < size:
+        raise ValueError(f"{path} lists {len(token_ids)} tokens, draft_vocab_size is {size}")
+    return torch.tensor(token_ids[:size], dtype=torch.int64)
+
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -58,6 +76,8 @@ class EngineCore:
         self.num_draft_tokens = config.num_draft_tokens if self.model.mtp is not None else 0
         if config.num_draft_tokens and self.model.mtp is None:
             logger.warning("the checkpoint has no MTP weights: speculation is off")
+        if self.num_draft_tokens and config.draft_vocab_size:
+            self.model.use_draft_vocab(load_draft_vocab(path, config.draft_vocab_size))
         self.states, self.kv = self._allocate_pools()
         self.slots = SlotAllocator(self.states.num_slots)
         self.blocks = BlockAllocator(self.kv.num_blocks, config.block_size)

@@ -24,6 +24,7 @@ class EngineConfig:
     enable_cuda_graphs: bool = True         # decode steps replay captured graphs (CUDA + Triton only)
     num_draft_tokens: int = 0               # MTP speculation: drafts per step at most (0: off)
     adaptive_draft_length: bool = True      # per-request draft length from recent acceptance
+    draft_vocab_size: int = 0               # >0: drafts from the N most frequent tokens (draft_vocab.json)
 
     def __post_init__(self) -> None:
         problems = []
@@ -41,6 +42,8 @@ class EngineConfig:
             problems.append("gpu_memory_utilization must be in (0, 1]")
         if not 0 <= self.num_draft_tokens <= 8:
             problems.append("num_draft_tokens must be in 0..8")
+        if self.draft_vocab_size < 0:
+            problems.append("draft_vocab_size must be >= 0 (0: the full vocabulary)")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             problems.append("num_kv_blocks must be >= 2 (block 0 is scratch)")
         if problems:

@@ -150,7 +150,7 @@ class Runner:
         out[self._tensor(catching)] = last
         drafts = torch.zeros(len(rows), max_drafts, dtype=torch.int64, device=self.device)
         drafting = self._tensor([i for i, r in enumerate(rows) if r.num_draft_tokens > 0])
-        drafts[drafting, 0] = self.model.compute_logits(out[drafting]).argmax(dim=-1)
+        drafts[drafting, 0] = self.model.draft_tokens(out[drafting])
         for depth in range(1, max_drafts):
             # Rows still drafting: one MTP step at position (newest - 1 + depth) on its own output.
             active = [i for i, r in enumerate(rows) if r.num_draft_tokens > depth]
@@ -158,7 +158,7 @@ class Runner:
             batch = self._batch([], chain, commit=True)
             index = self._tensor(active)
             out[index] = self.model.draft_hidden(drafts[index, depth - 1], out[index], batch, self.kv)
-            drafts[index, depth] = self.model.compute_logits(out[index]).argmax(dim=-1)
+            drafts[index, depth] = self.model.draft_tokens(out[index])
         return drafts
 
     def _accept(self, logits: torch.Tensor, rows: tuple[ScheduledRow, ...],

@@ -91,7 +91,8 @@ def benchmark(args: argparse.Namespace) -> dict:
             base = run_config(EngineCore(EngineConfig(**engine)), prompts, params, batch)
             bar.update()
             for k in args.draft_lengths:
-                core = EngineCore(EngineConfig(**engine, num_draft_tokens=k, adaptive_draft_length=False))
+                core = EngineCore(EngineConfig(**engine, num_draft_tokens=k, adaptive_draft_length=False,
+                                               draft_vocab_size=args.draft_vocab_size))
                 measured = run_config(core, prompts, params, batch)
                 measured.update(temperature=temperature, batch=batch, k=k,
                                 baseline_tokens_per_s=base["tokens_per_s"],
@@ -102,7 +103,8 @@ def benchmark(args: argparse.Namespace) -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": os.environ.get("DELTASPEC_COMMIT") or subprocess.run(
                 ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-            "command": args.command, "num_prompts": len(prompts), "max_tokens": args.max_tokens, "results": results}
+            "command": args.command, "num_prompts": len(prompts), "max_tokens": args.max_tokens,
+            "draft_vocab_size": args.draft_vocab_size, "results": results}
 
 
 def _device_name(device: str) -> str:
@@ -160,6 +162,8 @@ def add_arguments(parser: argparse.ArgumentParser, default_model: Path) -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-prompt-chars", type=int, default=2000)
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--draft-vocab-size", type=int, default=0,
+                        help="draft from the N most frequent tokens (the model's draft_vocab.json); 0: all")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--quick", action="store_true", help="a small CPU run (under a minute)")

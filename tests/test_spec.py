@@ -240,3 +240,33 @@ def test_seeded_sampling_with_speculation_is_reproducible(checkpoint):
         core = EngineCore(EngineConfig(model=path, num_draft_tokens=3))
         outputs.append(generate(core, [[1, 2, 3], [4, 5, 6, 7, 8]], params))
     assert outputs[0] == outputs[1]
+
+
+def test_reduced_draft_vocabulary_is_lossless(checkpoint, tmp_path):
+    """With draft_vocab_size set, drafts come only from the listed ids (the MTP head reads
+    those lm_head rows only); greedy output is unchanged."""
+    import json
+    import shutil
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(checkpoint("qwen3_5", mtp_copy_of_last_layer=True), path)
+    vocab = list(range(0, 512, 3))
+    (path / "draft_vocab.json").write_text(json.dumps({"token_ids": vocab}))
+    batch = prompts(3, seed=21)
+    base = generate(EngineCore(EngineConfig(model=path)), batch)
+    core = EngineCore(EngineConfig(model=path, num_draft_tokens=3, adaptive_draft_length=False,
+                                   draft_vocab_size=len(vocab)))
+    proposed = []
+    mtp = core.runner.draft_with_mtp
+
+    def recording(rows):
+        drafts = mtp(rows)
+        if drafts is not None:
+            proposed.extend(drafts[i, :r.num_draft_tokens].tolist() for i, r in enumerate(rows))
+        return drafts
+
+    core.runner.drafter = recording
+    assert generate(core, batch) == base
+    assert proposed and all(t in set(vocab) for row in proposed for t in row)
+    with pytest.raises(ValueError, match="lists 171 tokens"):
+        EngineCore(EngineConfig(model=path, num_draft_tokens=2, draft_vocab_size=200))

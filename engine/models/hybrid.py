@@ -32,6 +32,9 @@ class HybridLM(nn.Module):
         self.norm = _param(c.hidden_size, dtype=dtype)
         self.lm_head = None if c.tie_word_embeddings else _param(c.vocab_size, c.hidden_size, dtype=dtype)
         self.mtp = MTP(c, dtype) if with_mtp else None
+        # Reduced draft vocabulary (optional): the MTP head scores only these token ids.
+        self.draft_token_ids: torch.Tensor | None = None
+        self.draft_head: torch.Tensor | None = None
 
     @property
     def num_kv_layers(self) -> int:
@@ -68,6 +71,25 @@ class HybridLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, V]."""
         return F.linear(hidden, self.lm_head_weight).float()
+
+    def use_draft_vocab(self, token_ids: torch.Tensor | None) -> None:
+        """Let drafts come from `token_ids` only (None: the full vocabulary). The rows of the
+        lm_head for those ids are copied once, so a draft step reads N x H weights, not V x H;
+        exactness is unaffected because the target verifies every draft."""
+        if token_ids is None:
+            self.draft_token_ids = self.draft_head = None
+            return
+        ids = token_ids.to(self.embed_tokens.device, torch.int64)
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+            raise ValueError(f"draft vocabulary ids must be in [0, {self.config.vocab_size})")
+        self.draft_token_ids = ids
+        self.draft_head = self.lm_head_weight.detach()[ids].contiguous()
+
+    def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """MTP output [N, H] -> greedy draft token ids [N], from the draft vocabulary if set."""
+        if self.draft_head is None:
+            return self.compute_logits(hidden).argmax(dim=-1)
+        return self.draft_token_ids[F.linear(hidden, self.draft_head).argmax(dim=-1)]
 
     def draft_hidden(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
                      kv: KVPool, mtp_layer: int = 0) -> torch.Tensor:
