@@ -40,7 +40,7 @@ class LLM:
     def generate(self, prompts: str | Seq[int] | Seq[str | Seq[int]],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
         """Prompts are strings or token-id lists (one prompt or a list); params one for all or
-        one per prompt. Every prompt is validated before any is submitted."""
+        one per prompt. A bad prompt raises ValueError; the ones submitted before it are withdrawn."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
