@@ -59,3 +59,21 @@ def commit_id() -> str:
     """The checkout's commit; the GPU machine's copy has no .git, so callers pass DELTASPEC_COMMIT."""
     return os.environ.get("DELTASPEC_COMMIT") or subprocess.run(
         ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+
+
+def eager_time_us(launch, repeats: int, rounds: int = 9) -> float:
+    """Median over rounds of (events around launch(0..repeats-1), back to back) / repeats, in µs.
+    For code that cannot be captured in a graph (host syncs, autotuning on first call)."""
+    for r in range(repeats):
+        launch(r)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for r in range(repeats):
+            launch(r)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / repeats)
+    return sorted(times)[len(times) // 2]

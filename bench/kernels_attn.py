@@ -20,7 +20,6 @@ import datetime
 import json
 import math
 import pathlib
-import statistics
 import subprocess
 import sys
 
@@ -29,38 +28,12 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from common import copy_bandwidth  # noqa: E402
+from common import copy_bandwidth, graph_time_us  # noqa: E402
 from deltaspec.kernels.attention import (AttentionConfig, attention_config, launch_paged_attention,
                                          multiprocessor_count)
 
 HQ, HKV, D = 8, 2, 256
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def graph_time_us(calls, replays: int = 15) -> float:
-    """Median replay time of one CUDA graph holding all calls, per call."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    del graph
-    return statistics.median(times) * 1e3 / len(calls)
 
 
 def matmul_tflops() -> float:
@@ -163,7 +136,8 @@ def time_config(case: dict, config: AttentionConfig) -> tuple[float, torch.Tenso
     def call(i: int):
         return lambda: launch_paged_attention(outs[i], case["qs"][i], case["k_cache"], case["v_cache"], case["tables"][i],
                                               case["cu_seqlens"], case["context_lens"], D ** -0.5, config)
-    us = graph_time_us([call(i) for i in range(case["rotations"])])
+    calls = [call(i) for i in range(case["rotations"])]
+    us = graph_time_us(lambda r: calls[r](), len(calls))
     return us, outs[0]
 
 
@@ -192,7 +166,7 @@ def bench_decode(num_rows: int, context: int, q_len: int, copy_gbps: float, swee
     if q_len == 1:
         try:
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                sdpa_us = graph_time_us([lambda: F.scaled_dot_product_attention(q0, ks, vs, enable_gqa=True)])
+                sdpa_us = graph_time_us(lambda r: F.scaled_dot_product_attention(q0, ks, vs, enable_gqa=True), 1)
             result["sdpa_contiguous_kv_flash_enable_gqa"] = {"us": sdpa_us, "gbps": kv_bytes / sdpa_us / 1e3,
                                                              "note": "one KV set, may sit in L2 when small"}
         except RuntimeError as error:

@@ -27,14 +27,13 @@ import argparse
 import datetime
 import json
 import pathlib
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 import triton
 
-from common import copy_bandwidth  # noqa: E402
+from common import copy_bandwidth, eager_time_us  # noqa: E402
 from deltaspec.kernels.gdn_chunked import _prepare, _state, gdn_chunked, gdn_chunked_reference
 
 SHAPES = [(1, 16384), (16, 1024), (64, 256)]          # (rows, tokens per row)
@@ -43,21 +42,9 @@ KEY_DIM = VALUE_DIM = 128
 NUM_SETS = 4
 
 
-def time_ms(fns: list, calls: int = 20, trials: int = 9) -> float:
-    """Median over trials of the mean time per call of `calls` back-to-back calls, cycling fns."""
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(trials):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for i in range(calls):
-            fns[i % len(fns)]()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / calls)
-    return statistics.median(samples)
+def time_ms(fns: list, calls: int = 20) -> float:
+    """Mean ms per call of `calls` back-to-back calls cycling through fns (rotating inputs)."""
+    return eager_time_us(lambda i: fns[i % len(fns)](), calls) / 1e3
 
 
 class Inputs:

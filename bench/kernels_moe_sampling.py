@@ -33,7 +33,7 @@ import traceback
 import torch
 import triton
 
-from common import commit_id, copy_bandwidth, device_tag, graph_time_us  # noqa: E402
+from common import commit_id, copy_bandwidth, device_tag, eager_time_us, graph_time_us  # noqa: E402
 from deltaspec.kernels.moe import (GroupedConfig, PerTokenConfig, grouped_config, moe_experts, moe_experts_grouped,
                                    moe_experts_per_token, moe_experts_reference, route, route_reference,
                                    use_per_token_path)
@@ -52,23 +52,6 @@ GROUPED_SWEEP_LARGE = [GroupedConfig(64, 64, 64, 4, 3), GroupedConfig(64, 128, 6
                        GroupedConfig(128, 128, 64, 8, 3), GroupedConfig(64, 256, 64, 8, 3),
                        GroupedConfig(128, 64, 64, 4, 3)]
 BATCH, VOCAB = 64, 248_320
-
-
-def eager_time_us(launch, repeats: int, rounds: int = 5) -> float:
-    """Median over rounds of (events around `repeats` eager calls) / repeats, in µs."""
-    for r in range(min(repeats, 2)):
-        launch(r)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for r in range(repeats):
-            launch(r)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / repeats)
-    return sorted(times)[len(times) // 2]
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
