@@ -188,8 +188,8 @@ class EngineCore:
         states = StatePool(c, config.max_num_seqs + 1, max_pending=self.num_draft_tokens + 1, dtype=self.dtype,
                            device=self.device, keep_mtp_hidden=bool(self.num_draft_tokens))
         kv_layers = self.model.num_kv_layers
-        bytes_per_block = (2 * kv_layers * config.block_size * c.num_key_value_heads * c.head_dim
-                           * torch.finfo(self.dtype).bits // 8)
+        bytes_per_block = KVPool.bytes_per_block(kv_layers, config.block_size, c.num_key_value_heads, c.head_dim,
+                                                 self.dtype)
         blocks_per_sequence = -(-self.max_model_len // config.block_size)
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks

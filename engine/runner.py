@@ -186,21 +186,15 @@ class Runner:
         flat = [j for j, i in enumerate(row_of) if not rows[i].request.params.greedy]
         params = [rows[row_of[j]].request.params for j in flat]
 
-        def column(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=self.device)
-
-        probs = self.ops.filter_probs(logits[self._tensor(flat)], column([p.temperature for p in params], torch.float32),
-                                      column([p.top_k for p in params], torch.int64),
-                                      column([p.top_p for p in params], torch.float32),
-                                      column([p.min_p for p in params], torch.float32))
+        probs = self.ops.filter_probs(logits[self._tensor(flat)], *self._filter_columns(params))
         position = {i: n for n, i in enumerate(sampled)}
         padded = torch.zeros(len(sampled), max_drafts + 1, logits.shape[1], dtype=torch.float32, device=self.device)
         padded[self._tensor([position[row_of[j]] for j in flat]), self._tensor([depth_of[j] for j in flat])] = probs
         index = self._tensor(sampled)
         sampled_tokens, sampled_accepted = self.ops.rejection_sample(
             padded, None, drafts[index].contiguous(), num_drafts[index],
-            column([rows[i].request.seed for i in sampled], torch.int64),
-            column([rows[i].start_position + 1 for i in sampled], torch.int64))
+            self._tensor([rows[i].request.seed for i in sampled]),
+            self._tensor([rows[i].start_position + 1 for i in sampled]))
         accepted, tokens = accepted.clone(), tokens.clone()
         accepted[index] = sampled_accepted.to(accepted.dtype)
         tokens[index] = sampled_tokens
@@ -264,6 +258,14 @@ class Runner:
     def _batch(self, decode: list[Row], prefill: list[Row], commit: bool) -> ForwardBatch:
         return ForwardBatch.build(decode, prefill, self.block_size, self.device, commit=commit)
 
+    def _filter_columns(self, params: list) -> tuple[torch.Tensor, ...]:
+        """Per-row (temperature, top_k, top_p, min_p) tensors of the sampling ops."""
+        def column(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        return (column([p.temperature for p in params], torch.float32), column([p.top_k for p in params], torch.int64),
+                column([p.top_p for p in params], torch.float32), column([p.min_p for p in params], torch.float32))
+
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
@@ -276,18 +278,11 @@ class Runner:
         if all(p.greedy for p in params):
             return logits.argmax(dim=-1).tolist()  # greedy fast path: no filtering, no noise
 
-        def column(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=logits.device)
-
         tokens, _ = self.ops.sample(
-            logits,
-            column([p.temperature for p in params], torch.float32),
-            column([p.top_k for p in params], torch.int64),
-            column([p.top_p for p in params], torch.float32),
-            column([p.min_p for p in params], torch.float32),
-            column([r.request.seed for r in rows], torch.int64),
+            logits, *self._filter_columns(params),
+            self._tensor([r.request.seed for r in rows]),
             # The position the sampled token will take: a seeded draw depends on nothing else.
-            column([r.start_position + len(r.token_ids) for r in rows], torch.int64),
+            self._tensor([r.start_position + len(r.token_ids) for r in rows]),
         )
         return tokens.tolist()
 

@@ -87,6 +87,8 @@ class KVPool:
         self.layers = [KVLayer(torch.zeros(shape, dtype=dtype, device=device),
                                torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
 
-    @property
-    def bytes_per_block(self) -> int:
-        return sum(t[0].numel() * t.element_size() for layer in self.layers for t in layer)
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        """K and V of one block in every layer: what sizing a pool before allocating it needs."""
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
