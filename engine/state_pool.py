@@ -73,11 +73,6 @@ class StatePool:
         mtp = 0 if self.mtp_hidden is None else self.mtp_hidden[0].numel() * self.mtp_hidden.element_size()
         return per_layer + mtp + self.pending_counts.element_size()
 
-    def reset_slot(self, slot: int) -> None:
-        """A slot handed to a new sequence starts with nothing pending (its state is not read
-        until written: the first prefill runs with has_initial_state = False)."""
-        self.pending_counts[slot] = 0
-
 
 class KVPool:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
