@@ -3,7 +3,8 @@ fused_recurrent_gated_delta_rule and the copy-bandwidth roofline, on one GPU.
 
 Shapes: K = V = 128, HK = 16 with HV = 16 and HV = 32, bf16 activations, fp32 state pool.
   decode: 1 token per row, commit=True, nothing pending (plain decode)
-  verify: 4 new tokens per row (k+1 = 4), 3 pending per slot, commit=False
+  verify: 4 new tokens per row (k = 3 drafts), 3 pending per slot (k, v read from the conv's step
+          buffer [B, P, conv_dim], g / beta from the pool), commit=False
   fla:    its plain varlen call, 1 token per row, in-kernel gating / l2norm / sigmoid, reading
           initial_state [B, HV, K, V] and writing a fresh final state (fla 0.6.0 has no slot
           indices, so it moves the same state bytes as our in-place kernel, minus the gather).
@@ -12,6 +13,7 @@ so no launch finds its state in L2); time per launch = median replay / R. Roofli
 read + written (2 x B x HV x K x V x 4) over the copy bandwidth measured in the same run.
 
 Usage: python bench/kernels_gdn_decode.py [--out-dir bench/results] [--sweep]
+(Results before the compact pending layout, with its tile sweep: this file as committed in 54c80a9.)
 fla-core is imported from /tmp/fla (install there; never in the test environment).
 """
 
@@ -32,7 +34,7 @@ from deltaspec.kernels.gdn_decode import DecodeConfig, arrival_counters, decode_
 KEY_DIM = VALUE_DIM = 128
 NUM_KEY_HEADS = 16
 BATCHES = (1, 8, 64, 256)
-MAX_PENDING = 4
+MAX_PENDING = 3  # P = k
 L2_DEFEAT_BYTES = 256 << 20
 SWEEP = [DecodeConfig(bv, w) for bv, w in ((8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4), (64, 8))]
 
@@ -48,14 +50,15 @@ class Setup:
         self.repeats = max(1, min(128, -(-L2_DEFEAT_BYTES // self.state_bytes)))
         num_slots = 1 + self.repeats * batch
         self.state = torch.randn(num_slots, hv, kd, vd, generator=gen, device="cuda") * 0.1
-        self.pending_k = torch.nn.functional.normalize(
-            torch.randn(num_slots, MAX_PENDING, hk, kd, generator=gen, device="cuda"), dim=-1).bfloat16()
-        self.pending_v = torch.randn(num_slots, MAX_PENDING, hv, vd, generator=gen, device="cuda").bfloat16()
         self.pending_g = -torch.rand(num_slots, MAX_PENDING, hv, generator=gen, device="cuda")
         self.pending_beta = torch.rand(num_slots, MAX_PENDING, hv, generator=gen, device="cuda")
         self.pending_counts = torch.full((num_slots,), pending, dtype=torch.int32, device="cuda")
         num_tokens = batch * tokens_per_row
         conv_dim = 2 * hk * kd + hv * vd
+        # The conv decode kernel's step buffer: conv outputs of each row's pending tokens.
+        pending_out = torch.randn(batch, MAX_PENDING, conv_dim, generator=gen, device="cuda").bfloat16()
+        self.pending_k = pending_out[..., hk * kd:2 * hk * kd].unflatten(-1, (hk, kd))
+        self.pending_v = pending_out[..., 2 * hk * kd:].unflatten(-1, (hv, vd))
         conv_out = torch.randn(num_tokens, conv_dim, generator=gen, device="cuda").bfloat16()
         q, k, v = conv_out.split((hk * kd, hk * kd, hv * vd), dim=-1)
         self.q, self.k = q.view(num_tokens, hk, kd), k.view(num_tokens, hk, kd)
@@ -116,7 +119,7 @@ def main() -> None:
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=commit,
         command=" ".join([sys.executable] + sys.argv), torch=torch.__version__,
         shapes=dict(key_dim=KEY_DIM, value_dim=VALUE_DIM, num_key_heads=NUM_KEY_HEADS, activations="bf16",
-                    state="fp32", verify="4 new tokens/row, 3 pending, commit=False"),
+                    state="fp32", verify="4 new tokens/row (k = 3), 3 pending (P = k), commit=False"),
         timing="CUDA graph of R launches over disjoint slot sets (>= 256 MiB of state), median of 20 replays / R",
         rows=[],
     )
@@ -131,7 +134,7 @@ def main() -> None:
         fla_fn = None
         result["fla_error"] = repr(error)
         print("fla unavailable:", error)
-    arrival_counters(torch.device("cuda"), max(BATCHES) * NUM_KEY_HEADS)
+    arrival_counters(torch.device("cuda"), max(BATCHES) * 32)  # rows x value heads
     out_dir = pathlib.Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"kernels_gdn_decode-{device_tag(props.name)}.json"

@@ -15,6 +15,7 @@ import torch
 from .batch import ForwardBatch, Row
 from .core import EngineCore
 from .engine_config import EngineConfig
+from .prefix_cache import CheckpointHandle
 from .request import RequestOutput
 from .sampling_params import SamplingParams
 from .state_pool import KVPool, StatePool
@@ -38,9 +39,12 @@ class LLM:
         return self.core.model
 
     def generate(self, prompts: str | Seq[int] | Seq[str | Seq[int]],
-                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 resume_from: CheckpointHandle | None = None) -> list[RequestOutput]:
         """Prompts are strings or token-id lists (one prompt or a list); params one for all or
-        one per prompt. A bad prompt raises ValueError; the ones submitted before it are withdrawn."""
+        one per prompt. A bad prompt raises ValueError; the ones submitted before it are withdrawn.
+        resume_from: a session saved by `save_checkpoint`; every prompt continues it (so several
+        prompts fork one conversation)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -50,7 +54,7 @@ class LLM:
         requests = []
         try:
             for prompt, p in zip(prompts, params):
-                requests.append(self.core.add_request(prompt, p))
+                requests.append(self.core.add_request(prompt, p, resume_from=resume_from))
         except ValueError:
             for request in requests:
                 self.core.abort(request.request_id)
@@ -60,6 +64,15 @@ class LLM:
         while self.core.has_work:
             self.core.step()
         return [request.output() for request in requests]
+
+    def save_checkpoint(self, request_id: str) -> CheckpointHandle:
+        """A handle on a finished request's state (its RequestOutput.request_id) that
+        `generate(..., resume_from=handle)` continues without prefilling it again; it holds
+        memory until `release_checkpoint`."""
+        return self.core.save_checkpoint(request_id)
+
+    def release_checkpoint(self, handle: CheckpointHandle) -> None:
+        self.core.release_checkpoint(handle)
 
     @torch.inference_mode()
     def score(self, token_ids: Seq[int]) -> torch.Tensor:
@@ -77,7 +90,7 @@ class LLM:
                 raise ValueError("score needs non-empty token ids inside the vocabulary")
         block_size = core.config.block_size
         block_counts = [-(-len(ids) // block_size) for ids in sequences]
-        states = StatePool(config, len(sequences) + 1, 1, core.dtype, core.device)
+        states = StatePool(config, len(sequences) + 1, 0, core.dtype, core.device)
         kv = KVPool(core.model.num_kv_layers, sum(block_counts) + 1, block_size, config.num_key_value_heads,
                     config.head_dim, core.dtype, core.device)
         rows, next_block = [], 1

@@ -2,14 +2,18 @@
 
 State layout (per GDN layer), time-major so a token's channels are contiguous:
   conv_state   [num_slots, W-1, C]   the last W-1 *committed* inputs of each slot
-  pending_conv [num_slots, P, C]     inputs of tokens accepted but not yet folded in
+  pending_conv [num_slots, P, C]     raw inputs of drafts accepted but not yet folded in (P = k)
   pending_counts [num_slots]         how many pending columns are valid (shared by all layers)
 
-Rollback uses the same deferred-commit idea as the recurrent state: a decode/verify step first
-folds the slot's pending inputs into its window (window := last W-1 of committed ++ pending),
-then convolves the step's new tokens against that window, and records the new inputs as
-pending. After acceptance the engine only sets the pending count, so rejected columns are never
-read again. With `commit=True` (plain decode) the new inputs are folded at once.
+Rollback uses the same deferred-commit idea as the recurrent state. Per row, a decode/verify
+step sees seq = committed(W-1) ++ pending(p) ++ new(n) and convolves every token of
+pending ++ new: the new tokens' outputs are the step's output, the pending tokens' outputs (the
+k and v the GDN kernel folds; recomputed here rather than kept per slot) go to a step buffer
+[rows, P, C]. The first new token of a verify row is always accepted (drafts follow it), so the
+window becomes the last W-1 of committed ++ pending ++ new token 0 and the raw inputs of new
+tokens 1..n-1 become the pending columns. After acceptance the engine only sets the pending
+count (accepted drafts), so rejected columns are never read again. With `commit=True` (plain
+decode) every new input is folded at once and nothing is recorded.
 
 `causal_conv1d_prefill` / `causal_conv1d_decode` are the Triton kernels (one launch each, SiLU
 fused); the `_reference` functions are their torch oracles. Knows nothing about models or the
@@ -63,8 +67,11 @@ def causal_conv1d_prefill_reference(x: torch.Tensor, weight: torch.Tensor, cu_se
 def causal_conv1d_decode_reference(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
                                    slot_ids: torch.Tensor, conv_state: torch.Tensor,
                                    pending_conv: torch.Tensor, pending_counts: torch.Tensor,
-                                   commit: bool) -> torch.Tensor:
-    """Decode/verify with deferred commit. x: [T, C] new tokens (1..P per row). Returns [T, C]."""
+                                   commit: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode/verify with deferred commit. x: [T, C] new tokens (1..P+1 per row).
+
+    Returns (out [T, C], pending_out [B, P, C]): silu(conv) of the new tokens, and of row b's
+    p_b pending tokens in pending_out[b, :p_b] (entries past p_b are unspecified)."""
     num_rows = slot_ids.numel()
     width = weight.shape[1]
     max_pending = pending_conv.shape[1]
@@ -79,17 +86,18 @@ def causal_conv1d_decode_reference(x: torch.Tensor, weight: torch.Tensor, cu_seq
     boundary = (width - 1) + counts.view(-1, 1)
     index = torch.where(m < boundary, m, m - counts.view(-1, 1) + max_pending).clamp(max=source.shape[1] - 1)
     sequence = torch.gather(source, 1, index.unsqueeze(-1).expand(-1, -1, source.shape[-1]))
-    # New token i of a row sits at sequence position W-1+p+i; its window starts at p+i.
-    shifted = torch.gather(sequence, 1, (counts.view(-1, 1) + torch.arange(max_len + width - 1, device=x.device)
-                                         .view(1, -1)).unsqueeze(-1).expand(-1, -1, sequence.shape[-1]))
-    out = _depthwise(shifted, weight, max_len)[row, index_in_row]
-    # Fold: the committed window becomes the last W-1 columns of committed ++ pending (++ new).
-    folded = counts + (lengths if commit else 0)
+    # Token t of pending ++ new sees sequence[t .. t+W-1]: pending j is t = j, new token i is t = p+i.
+    conv = _depthwise(sequence, weight, max_pending + max_len)                 # [B, P + max_len, C]
+    out = conv[row, counts[row] + index_in_row]
+    # Fold: the committed window becomes the last W-1 columns of committed ++ pending ++ new
+    # token 0 (verify: the first fed token is always accepted) or ++ every new token (commit).
+    folded = counts + (lengths if commit else 1)
     tail = folded.view(-1, 1) + torch.arange(width - 1, device=x.device).view(1, -1)
     conv_state[slots] = torch.gather(sequence, 1, tail.unsqueeze(-1).expand(-1, -1, sequence.shape[-1])).to(conv_state.dtype)
     if not commit:
-        pending_conv[slots[row], index_in_row] = x.to(pending_conv.dtype)
-    return out.to(x.dtype)
+        later = index_in_row > 0  # new tokens 1..n-1 (the drafts) become pending columns 0..n-2
+        pending_conv[slots[row[later]], index_in_row[later] - 1] = x[later].to(pending_conv.dtype)
+    return out.to(x.dtype), conv[:, :max_pending].to(x.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -193,13 +201,15 @@ def _decode_sequence_at(m, x, conv_state, pending_conv, bos, num_new, slot, num_
 
 
 @triton.jit
-def _conv_decode_kernel(x, weight, out, cu_seqlens, slot_ids, conv_state, pending_conv, pending_counts,
+def _conv_decode_kernel(x, weight, out, pending_out, cu_seqlens, slot_ids, conv_state, pending_conv, pending_counts,
                         stride_x, stride_out,
                         C: tl.constexpr, WIDTH: tl.constexpr, P: tl.constexpr, BW: tl.constexpr,
-                        BP: tl.constexpr, BC: tl.constexpr, COMMIT: tl.constexpr):
-    """Program (channel tile, row). New token i (< n <= P) sees seq[p + i .. p + i + W-1]; the
-    window becomes seq[f .. f + W-1) with f = p (+ n when commit); without commit the new inputs
-    are recorded as pending columns [0, n). All reads precede the barrier, all writes follow it."""
+                        BT: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, COMMIT: tl.constexpr):
+    """Program (channel tile, row). Token t of pending(p) ++ new(n) (t < p + n <= 2P + 1 <= BT)
+    sees seq[t .. t + W-1]; pending tokens' outputs go to pending_out[row, t], new tokens' to out.
+    The window becomes seq[f .. f + W-1) with f = p + 1 (verify: new token 0 is committed) or
+    p + n (commit); in verify the inputs of new tokens 1..n-1 become pending columns [0, n-1).
+    All reads of the slot precede the barrier, all writes follow it."""
     i_c, row = tl.program_id(0), tl.program_id(1)
     bos = tl.load(cu_seqlens + row).to(tl.int64)
     num_new = tl.load(cu_seqlens + row + 1).to(tl.int64) - bos
@@ -207,37 +217,44 @@ def _conv_decode_kernel(x, weight, out, cu_seqlens, slot_ids, conv_state, pendin
     num_pending = tl.minimum(tl.load(pending_counts + slot), P).to(tl.int64)
     offs_c = i_c * BC + tl.arange(0, BC)
     mask_c = offs_c < C
-    offs_i = tl.arange(0, BP)
-    acc = tl.zeros([BP, BC], dtype=tl.float32)
+    offs_t = tl.arange(0, BT)
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
     for j in tl.static_range(WIDTH):
         w_j = tl.load(weight + offs_c * WIDTH + j, mask=mask_c, other=0.0).to(tl.float32)
-        seq = _decode_sequence_at(num_pending + offs_i + j, x, conv_state, pending_conv, bos, num_new, slot,
+        seq = _decode_sequence_at(offs_t + j, x, conv_state, pending_conv, bos, num_new, slot,
                                   num_pending, offs_c, mask_c, stride_x, C, WIDTH, P)
         acc += seq.to(tl.float32) * w_j[None, :]
-    mask_new = (offs_i < num_new)[:, None] & mask_c[None, :]
-    tl.store(out + (bos + offs_i)[:, None] * stride_out + offs_c[None, :], _silu(acc).to(out.dtype.element_ty),
-             mask=mask_new)
-    fold = num_pending
+    y = _silu(acc)
+    tl.store(pending_out + (row * P + offs_t)[:, None] * C + offs_c[None, :], y.to(pending_out.dtype.element_ty),
+             mask=(offs_t < num_pending)[:, None] & mask_c[None, :])
+    new = offs_t - num_pending
+    tl.store(out + (bos + new)[:, None] * stride_out + offs_c[None, :], y.to(out.dtype.element_ty),
+             mask=((new >= 0) & (new < num_new))[:, None] & mask_c[None, :])
     if COMMIT:
-        fold += num_new
+        fold = num_pending + num_new
+    else:
+        fold = num_pending + 1
     offs_w = tl.arange(0, BW)
     window = _decode_sequence_at(fold + offs_w, x, conv_state, pending_conv, bos, num_new, slot, num_pending,
                                  offs_c, mask_c, stride_x, C, WIDTH, P)
     if not COMMIT:
-        new_inputs = tl.load(x + (bos + offs_i)[:, None] * stride_x + offs_c[None, :], mask=mask_new, other=0.0)
+        offs_i = tl.arange(0, BN)
+        # a row never carries more than P drafts; guard the buffer anyway
+        mask_drafts = ((offs_i < num_new - 1) & (offs_i < P))[:, None] & mask_c[None, :]
+        drafts = tl.load(x + (bos + 1 + offs_i)[:, None] * stride_x + offs_c[None, :], mask=mask_drafts, other=0.0)
     tl.debug_barrier()
     tl.store(conv_state + (slot * (WIDTH - 1) + offs_w)[:, None] * C + offs_c[None, :],
              window.to(conv_state.dtype.element_ty), mask=(offs_w < WIDTH - 1)[:, None] & mask_c[None, :])
     if not COMMIT:
         tl.store(pending_conv + (slot * P + offs_i)[:, None] * C + offs_c[None, :],
-                 new_inputs.to(pending_conv.dtype.element_ty), mask=mask_new & (offs_i < P)[:, None])
+                 drafts.to(pending_conv.dtype.element_ty), mask=mask_drafts)
 
 
 def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor,
                          conv_state: torch.Tensor, pending_conv: torch.Tensor, pending_counts: torch.Tensor,
-                         commit: bool) -> torch.Tensor:
-    """Triton causal_conv1d_decode_reference. x [T, C] (1..P tokens per row) with unit channel
-    stride; pending_conv [S, P, C] and pending_counts [S] int32 contiguous."""
+                         commit: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton causal_conv1d_decode_reference. x [T, C] (1..P+1 tokens per row) with unit channel
+    stride; pending_conv [S, P, C] (P may be 0) and pending_counts [S] int32 contiguous."""
     num_tokens, channels = x.shape
     width = weight.shape[1]
     num_rows = slot_ids.numel()
@@ -246,15 +263,17 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torc
     assert pending_conv.shape == (conv_state.shape[0], max_pending, channels) and pending_conv.is_contiguous()
     assert pending_counts.shape == (conv_state.shape[0],) and pending_counts.dtype == torch.int32
     out = torch.empty((num_tokens, channels), dtype=x.dtype, device=x.device)
+    pending_out = torch.empty((num_rows, max_pending, channels), dtype=x.dtype, device=x.device)
     if num_rows == 0:
-        return out
+        return out, pending_out
     block_c = min(256, triton.next_power_of_2(channels))
     grid = (triton.cdiv(channels, block_c), num_rows)
-    _conv_decode_kernel[grid](x, weight, out, cu_seqlens, slot_ids, conv_state, pending_conv, pending_counts,
-                              x.stride(0), out.stride(0), C=channels, WIDTH=width, P=max_pending,
-                              BW=triton.next_power_of_2(width - 1), BP=triton.next_power_of_2(max_pending),
-                              BC=block_c, COMMIT=commit, num_warps=4)
-    return out
+    _conv_decode_kernel[grid](x, weight, out, pending_out, cu_seqlens, slot_ids, conv_state, pending_conv,
+                              pending_counts, x.stride(0), out.stride(0), C=channels, WIDTH=width, P=max_pending,
+                              BW=triton.next_power_of_2(width - 1), BT=triton.next_power_of_2(2 * max_pending + 1),
+                              BN=triton.next_power_of_2(max(max_pending, 1)), BC=block_c, COMMIT=commit,
+                              num_warps=4)
+    return out, pending_out
 
 
 def _check_conv_args(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor,

@@ -8,10 +8,12 @@ Per value head, with state S [K, V], for each token t (q, k l2-normalised, q sca
     o_t    = S^T q_t
 Value heads may outnumber key heads: value head h reads key head h // (HV / HK).
 
-Pool layout (per GDN layer): state [num_slots, HV, K, V] (fp32 by default), and the pending
-inputs of tokens accepted but not folded in: pending_k [num_slots, P, HK, K] (normalised),
-pending_v [num_slots, P, HV, V], pending_g / pending_beta [num_slots, P, HV] (fp32), with
-pending_counts [num_slots] shared by every layer. See DESIGN.md, "Deferred commit".
+Pool layout (per GDN layer): state [num_slots, HV, K, V] (fp32 by default), and of the tokens
+accepted but not folded in (P = k: the drafts of one verify step; the step's first token is
+always committed at once) only what cannot be recomputed: their raw conv inputs (conv1d.py) and
+pending_g / pending_beta [num_slots, P, HV] (fp32), with pending_counts [num_slots] shared by
+every layer. Their k and v are recomputed each step by the conv decode kernel from the window
+and the raw inputs, into a step buffer the decode kernel folds from. DESIGN.md, "Deferred commit".
 
 gdn_chunked.py and gdn_decode.py hold the two kernels and their references; this module holds
 the definition of the recurrence they both implement. Knows nothing about models or the scheduler.
@@ -44,13 +46,13 @@ def recurrent_steps(state: torch.Tensor, q: torch.Tensor | None, k: torch.Tensor
                      g: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-by-token recurrence over a padded batch. state [B, HV, K, V] fp32; k [B, L, HV, K];
     v [B, L, HV, V]; g, beta [B, L, HV]; q [B, L, HV, K] or None (fold only).
-    A padded token must carry g = 0 and beta = 0: it then leaves the state unchanged."""
-    outputs = []
+    A padded token must carry g = 0 and beta = 0: it then leaves the state unchanged. L may be 0."""
+    out = None if q is None else v.new_empty(v.shape)  # [B, L, HV, V]
     for t in range(k.shape[1]):
         state = state * g[:, t].exp()[..., None, None]
         predicted = torch.einsum("bhkv,bhk->bhv", state, k[:, t])
         delta = beta[:, t, :, None] * (v[:, t] - predicted)
         state = state + k[:, t, :, :, None] * delta[:, :, None, :]
-        if q is not None:
-            outputs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
-    return state, (torch.stack(outputs, dim=1) if q is not None else None)
+        if out is not None:
+            out[:, t] = torch.einsum("bhkv,bhk->bhv", state, q[:, t])
+    return state, out

@@ -64,7 +64,7 @@ class ManualStepper:
         self.llm = llm
         self.slots = SlotAllocator(num_sequences + 3)
         self.blocks = BlockAllocator(num_sequences * (-(-max_len // 16)) + 4, 16)
-        self.states = StatePool(llm.config, self.slots.capacity, 1, llm.core.dtype, llm.core.device)
+        self.states = StatePool(llm.config, self.slots.capacity, 0, llm.core.dtype, llm.core.device)
         self.kv = KVPool(llm.model.num_kv_layers, self.blocks.capacity, 16, llm.config.num_key_value_heads,
                          llm.config.head_dim, llm.core.dtype, llm.core.device)
         # Skip a few slots/blocks so the sequences do not sit at 1, 2, ...

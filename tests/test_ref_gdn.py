@@ -6,8 +6,10 @@ against code that shares nothing with them. Contracts checked:
   - chunked varlen prefill = the token-by-token recurrence (outputs and final state), with and
     without an initial state read from a permuted slot, HV = HK and HV = 2 HK;
   - causal conv1d prefill = F.conv1d over (initial window ++ row), final window = last W-1 inputs;
-  - deferred commit is exact (DESIGN.md, "State"): one prefill, 8 commit decode steps, or verify
-    steps with pending counts 0..k+1 and rollback give the same outputs and final state;
+  - deferred commit is exact (DESIGN.md, "State"): one prefill, commit decode steps, or verify
+    steps with pending counts 0..k and rollback give the same outputs and final state; a verify
+    step commits its first token at once, and committed state + pending raw inputs and g, beta
+    reproduce the state of running only the accepted tokens;
   - slots not in the batch are bit-identical after every call; slot 0 is scratch for pad rows.
 """
 
@@ -61,6 +63,13 @@ def assert_slots_untouched(pool: dict[str, torch.Tensor], before: dict[str, torc
                 assert torch.equal(bits(tensor[slot]), bits(before[name][slot])), f"{name}[{slot}] changed"
 
 
+def naive_step(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: float, beta: float) -> torch.Tensor:
+    """One token on one value head's state [K, V] in float64; k not yet normalised."""
+    k = k / torch.sqrt((k * k).sum() + 1e-6)
+    s = math.exp(g) * state
+    return s + torch.outer(k, beta * (v - s.T @ k))
+
+
 def naive_gdn(q, k, v, a, b, A_log, dt_bias, initial):
     """Token-by-token gated delta rule in float64, one value head at a time.
 
@@ -75,22 +84,21 @@ def naive_gdn(q, k, v, a, b, A_log, dt_bias, initial):
     out = torch.empty(length, num_value_heads, v.shape[2], dtype=torch.float64)
     for t in range(length):
         for h in range(num_value_heads):
-            qt, kt = q[t, h // group], k[t, h // group]
+            qt = q[t, h // group]
             qt = qt / torch.sqrt((qt * qt).sum() + 1e-6) * key_dim ** -0.5
-            kt = kt / torch.sqrt((kt * kt).sum() + 1e-6)
             g = -math.exp(A_log[h]) * math.log1p(math.exp(a[t][h] + dt_bias[h]))
             beta = 1.0 / (1.0 + math.exp(-b[t][h]))
-            s = math.exp(g) * state[h]
-            s = s + torch.outer(kt, beta * (v[t, h] - s.T @ kt))
-            state[h] = s
-            out[t, h] = s.T @ qt
+            state[h] = naive_step(state[h], k[t, h // group], v[t, h], g, beta)
+            out[t, h] = state[h].T @ qt
     return out, state
 
 
 def naive_conv(sequence: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """silu(depthwise causal conv) in float64 by F.conv1d. sequence [W-1+L, C] (window ++ row),
     weight [C, W] -> [L, C]: output t sees sequence[t .. t+W-1], tap W-1 on the newest."""
-    channels = weight.shape[0]
+    channels, width = weight.shape
+    if sequence.shape[0] == width - 1:  # L = 0
+        return torch.zeros(0, channels, dtype=torch.float64)
     out = F.conv1d(sequence.double().T[None], weight.double()[:, None, :], groups=channels)[0].T
     return F.silu(out)
 
@@ -179,7 +187,7 @@ def test_conv1d_prefill_matches_f_conv1d():
 # 2. Deferred commit: conv + GDN layer, prefill vs commit decode vs verify with rollback
 # ----------------------------------------------------------------------------------------------
 
-WIDTH, KEY_DIM, VALUE_DIM, NUM_SLOTS, MAX_PENDING, SEQ_LEN = 4, 8, 6, 9, 4, 8
+WIDTH, KEY_DIM, VALUE_DIM, NUM_SLOTS, MAX_PENDING, SEQ_LEN = 4, 8, 6, 9, 3, 10  # MAX_PENDING = k
 
 
 class Layer:
@@ -192,10 +200,11 @@ class Layer:
         self.A_log, self.dt_bias = random_gating_params(gen, num_value_heads)
 
     def split(self, conv_out: torch.Tensor):
-        n, key = conv_out.shape[0], self.hk * KEY_DIM
+        """[..., C] -> q, k [..., HK, K], v [..., HV, V]."""
+        key = self.hk * KEY_DIM
         q, k, v = conv_out.split((key, key, self.hv * VALUE_DIM), dim=-1)
-        return (q.reshape(n, self.hk, KEY_DIM), k.reshape(n, self.hk, KEY_DIM),
-                v.reshape(n, self.hv, VALUE_DIM))
+        return (q.unflatten(-1, (self.hk, KEY_DIM)), k.unflatten(-1, (self.hk, KEY_DIM)),
+                v.unflatten(-1, (self.hv, VALUE_DIM)))
 
     def naive(self, x, a, b, window, state):
         """Whole sequence in float64: -> (outputs [L, HV, V], final state, final window)."""
@@ -204,6 +213,20 @@ class Layer:
         out, final = naive_gdn(q, k, v, a, b, self.A_log, self.dt_bias, state)
         return out, final, sequence[-(WIDTH - 1):]
 
+    def naive_fold(self, pool, slot: int):
+        """Committed state and window of a slot with its pending drafts folded in, float64, from
+        what the pool keeps of them: raw conv inputs and g, beta. -> (state, window)."""
+        count = int(pool["pending_counts"][slot])
+        sequence = torch.cat([pool["conv"][slot], pool["pending_conv"][slot, :count]]).double()
+        _, k, v = self.split(naive_conv(sequence, self.weight))
+        state = pool["state"][slot].double().clone()
+        group = self.hv // self.hk
+        for t in range(count):
+            for h in range(self.hv):
+                state[h] = naive_step(state[h], k[t, h // group], v[t, h], float(pool["pending_g"][slot, t, h]),
+                                      float(pool["pending_beta"][slot, t, h]))
+        return state, sequence[-(WIDTH - 1):]
+
     def new_pool(self, gen: torch.Generator) -> dict[str, torch.Tensor]:
         """Every slot filled with finite garbage (stale contents), random pending counts."""
         s, p = NUM_SLOTS, MAX_PENDING
@@ -211,8 +234,6 @@ class Layer:
             state=0.5 * torch.randn(s, self.hv, KEY_DIM, VALUE_DIM, generator=gen),
             conv=torch.randn(s, WIDTH - 1, self.channels, generator=gen),
             pending_conv=torch.randn(s, p, self.channels, generator=gen),
-            pending_k=torch.randn(s, p, self.hk, KEY_DIM, generator=gen),
-            pending_v=torch.randn(s, p, self.hv, VALUE_DIM, generator=gen),
             pending_g=-torch.rand(s, p, self.hv, generator=gen),
             pending_beta=torch.rand(s, p, self.hv, generator=gen),
             pending_counts=torch.randint(0, p + 1, (s,), generator=gen, dtype=torch.int32),
@@ -227,22 +248,24 @@ class Layer:
 
     def decode(self, pool, x, a, b, lengths, slots, commit):
         cu, slot_ids = cu_seqlens_of(lengths), torch.tensor(slots, dtype=torch.int32)
-        conv_out = causal_conv1d_decode_reference(x, self.weight, cu, slot_ids, pool["conv"], pool["pending_conv"],
-                                                  pool["pending_counts"], commit)
+        conv_out, pending_out = causal_conv1d_decode_reference(x, self.weight, cu, slot_ids, pool["conv"],
+                                                               pool["pending_conv"], pool["pending_counts"], commit)
         q, k, v = self.split(conv_out)
+        _, pending_k, pending_v = self.split(pending_out)
         return gdn_decode_reference(q, k, v, a, b, self.A_log, self.dt_bias, cu, slot_ids, pool["state"],
-                                    pool["pending_k"], pool["pending_v"], pool["pending_g"], pool["pending_beta"],
+                                    pending_k, pending_v, pool["pending_g"], pool["pending_beta"],
                                     pool["pending_counts"], commit)
 
 
-# Verify schedules: per sequence, (tokens fed, tokens accepted) per step; accepted sets the
-# slot's pending count (0 = everything rolled back, n = all kept). The next step re-feeds from
-# the first rejected token. The rest of the sequence is then fed in one commit step.
+# Verify schedules: per sequence, (tokens fed, drafts accepted) per step. The first fed token is
+# always accepted; the accepted drafts set the slot's pending count (0 = every draft rolled
+# back, k = all kept) and the next step re-feeds from the first rejected draft. The rest of the
+# sequence is then fed in commit steps of at most k+1 tokens.
 SCHEDULES = {
-    5: [(4, 0), (4, 4), (4, 2), (2, 1)],   # k=3: full rollback, then pending k+1, ...; final 1 token
-    2: [(2, 2), (2, 1), (2, 0), (2, 2)],   # k=1; final 3 tokens over 2 pending
-    7: [(1, 1), (1, 1), (1, 1), (1, 1)],   # plain decode through the verify path; final 4 tokens
-    3: [(3, 3), (3, 0), (3, 3), (1, 0)],   # final 2 tokens over 0 pending
+    5: [(4, 0), (4, 3), (4, 1), (2, 1)],   # k=3: full rollback, then pending k, ...; final 1 token over 1
+    2: [(2, 1), (2, 1), (2, 0), (2, 1)],   # k=1; final 3 tokens over 1 pending
+    7: [(1, 0), (1, 0), (1, 0), (1, 0)],   # no drafts: plain decode through the verify path; final 4 + 2
+    3: [(3, 2), (3, 0), (3, 2), (1, 0)],   # k=2; final 2 tokens over 0 pending
 }
 SLOTS = list(SCHEDULES)  # batch order: permuted slots, never 0
 PAD_SLOT = 0
@@ -253,12 +276,17 @@ class Sequences:
     and window, and the float64 truth for the whole sequence."""
 
     def __init__(self, gen: torch.Generator, layer: Layer) -> None:
+        self.layer = layer
         self.x = {s: torch.randn(SEQ_LEN, layer.channels, generator=gen) for s in SLOTS}
         self.a = {s: torch.randn(SEQ_LEN, layer.hv, generator=gen) for s in SLOTS}
         self.b = {s: torch.randn(SEQ_LEN, layer.hv, generator=gen) for s in SLOTS}
         self.state0 = {s: 0.5 * torch.randn(layer.hv, KEY_DIM, VALUE_DIM, generator=gen) for s in SLOTS}
         self.window0 = {s: torch.randn(WIDTH - 1, layer.channels, generator=gen) for s in SLOTS}
-        self.truth = {s: layer.naive(self.x[s], self.a[s], self.b[s], self.window0[s], self.state0[s]) for s in SLOTS}
+        self.truth = {s: self.truth_after(s, SEQ_LEN) for s in SLOTS}
+
+    def truth_after(self, s: int, n: int):
+        """float64 (outputs, state, window) after the first n >= 1 tokens of slot s."""
+        return self.layer.naive(self.x[s][:n], self.a[s][:n], self.b[s][:n], self.window0[s], self.state0[s])
 
     def install(self, pool: dict[str, torch.Tensor]) -> None:
         """Committed state as a finished prefill leaves it: nothing pending."""
@@ -292,11 +320,28 @@ def check_outputs(out: torch.Tensor, seqs: Sequences, spans: dict[int, tuple[int
         start += j - i
 
 
+def check_committed(pool: dict[str, torch.Tensor], seqs: Sequences, slot: int, n: int, what: str) -> None:
+    """The slot's committed state and window (pending ignored) are those after n tokens."""
+    _, state, window = seqs.truth_after(slot, n)
+    assert_close(pool["state"][slot], state, what=f"{what}: committed state of slot {slot}")
+    assert_close(pool["conv"][slot], window, what=f"{what}: committed window of slot {slot}")
+
+
 def check_final_state(pool: dict[str, torch.Tensor], seqs: Sequences, what: str) -> None:
     for s in SLOTS:
-        _, state, window = seqs.truth[s]
-        assert_close(pool["state"][s], state, what=f"{what}: recurrent state of slot {s}")
-        assert_close(pool["conv"][s], window, what=f"{what}: conv window of slot {s}")
+        check_committed(pool, seqs, s, SEQ_LEN, what)
+
+
+def commit_rest(layer: Layer, seqs: Sequences, gen: torch.Generator, pool, position: dict[int, int]) -> None:
+    """Feed every slot's remaining tokens in commit steps of at most k+1 tokens (pad rows too),
+    checking outputs; rows with nothing left drop out."""
+    while any(p < SEQ_LEN for p in position.values()):
+        spans = {s: (p, min(p + MAX_PENDING + 1, SEQ_LEN)) for s, p in position.items() if p < SEQ_LEN}
+        x, a, b, lengths, slots = batch_of(seqs, gen, layer, spans, num_pad_rows=2)
+        check_outputs(layer.decode(pool, x, a, b, lengths, slots, commit=True), seqs, spans, "commit step")
+        for s, (_, j) in spans.items():
+            position[s] = j
+            pool["pending_counts"][s] = 0  # folded (the engine's runner does not run commit over pending)
 
 
 @pytest.fixture(params=[(2, 4), (2, 2)], ids=["HV=2HK", "HV=HK"])
@@ -338,10 +383,12 @@ def test_deferred_commit_decode_steps(setup):
 
 
 def test_deferred_commit_verify_with_rollback(setup):
-    """(c) Verify steps (commit=False) with different token counts per row; after each step the
-    engine only sets the pending count to the accepted count (0..k+1) and the next step re-feeds
-    from the first rejected token. A final commit step folds pending + the remaining tokens.
-    Every output and the folded state/window must equal the whole-sequence truth."""
+    """(c) Verify steps (commit=False) with different token counts per row. Each stores the
+    committed state up to its first fed token (always accepted); the engine then only sets the
+    pending count to the accepted drafts (0..k), and committed + pending must equal the state
+    of the accepted tokens alone. The next step re-feeds from the first rejected draft; commit
+    steps fold pending + the remaining tokens. Every output and the final state/window must
+    equal the whole-sequence truth."""
     gen, layer, seqs = setup
     pool = layer.new_pool(gen)
     seqs.install(pool)
@@ -354,37 +401,38 @@ def test_deferred_commit_verify_with_rollback(setup):
         x, a, b, lengths, slots = batch_of(seqs, gen, layer, spans, num_pad_rows=2)
         out = layer.decode(pool, x, a, b, lengths, slots, commit=False)
         check_outputs(out, seqs, spans, f"verify step {step}")
-        for s in SLOTS:  # acceptance: the only thing the engine does to the pool
+        for s in SLOTS:
+            check_committed(pool, seqs, s, position[s] + 1, f"verify step {step}")
             accepted = SCHEDULES[s][step][1]
-            pool["pending_counts"][s] = accepted
-            position[s] += accepted
-    spans = {s: (position[s], SEQ_LEN) for s in SLOTS}
-    assert all(0 < SEQ_LEN - p <= MAX_PENDING for p in position.values())
-    x, a, b, lengths, slots = batch_of(seqs, gen, layer, spans, num_pad_rows=2)
-    out = layer.decode(pool, x, a, b, lengths, slots, commit=True)
-    check_outputs(out, seqs, spans, "final commit step")
+            pool["pending_counts"][s] = accepted  # acceptance: the only thing the engine does to the pool
+            position[s] += 1 + accepted
+            _, state, window = seqs.truth_after(s, position[s])
+            folded_state, folded_window = layer.naive_fold(pool, s)
+            assert_close(folded_state, state, what=f"step {step}: committed + pending state of slot {s}")
+            assert_close(folded_window, window, what=f"step {step}: committed + pending window of slot {s}")
+    assert all(p < SEQ_LEN for p in position.values())
+    commit_rest(layer, seqs, gen, pool, position)
     check_final_state(pool, seqs, "verify + fold")
     assert_slots_untouched(pool, before, touched=set(SLOTS) | {PAD_SLOT})
 
 
-def test_verify_step_stores_folded_state_and_keeps_rejected_columns_unread():
-    """A verify step stores exactly committed ⊕ pending (not the new tokens): with the pending
-    count then set to 0, the next step behaves as if the verify step's tokens never happened."""
+def test_rejected_drafts_are_never_read():
+    """With every draft rejected twice in a row (pending count 0), each verify step leaves the
+    state of its first token alone, and the rest of the sequence behaves as if the drafts had
+    never been fed."""
     gen = torch.Generator().manual_seed(11)
     layer = Layer(gen, 2, 4)
     seqs = Sequences(gen, layer)
     pool = layer.new_pool(gen)
     seqs.install(pool)
-    # Two rejected verify steps in a row, then the whole sequence as commit decode steps.
-    for _ in range(2):
-        spans = {s: (0, 3) for s in SLOTS}
+    for start in range(2):
+        spans = {s: (start, start + 3) for s in SLOTS}
         x, a, b, lengths, slots = batch_of(seqs, gen, layer, spans, )
         layer.decode(pool, x, a, b, lengths, slots, commit=False)
         for s in SLOTS:
             pool["pending_counts"][s] = 0
-            assert_close(pool["state"][s], seqs.state0[s], what="state after rejected verify")
-            assert torch.equal(pool["conv"][s], seqs.window0[s]), "window after rejected verify"
-    for t in range(SEQ_LEN):
+            check_committed(pool, seqs, s, start + 1, "after rejected drafts")
+    for t in range(2, SEQ_LEN):
         spans = {s: (t, t + 1) for s in SLOTS}
         x, a, b, lengths, slots = batch_of(seqs, gen, layer, spans, )
         check_outputs(layer.decode(pool, x, a, b, lengths, slots, commit=True), seqs, spans, f"step {t}")
@@ -432,7 +480,7 @@ def test_gdn_decode_ignores_nonfinite_pending_columns_past_the_count():
     seqs = Sequences(gen, layer)
     pool = layer.new_pool(gen)
     seqs.install(pool)
-    for name in ("pending_k", "pending_v", "pending_g", "pending_beta", "pending_conv"):
+    for name in ("pending_g", "pending_beta", "pending_conv"):
         pool[name][SLOTS] = float("nan")  # count is 0: none of these columns is valid
     spans = {s: (0, 1) for s in SLOTS}
     x, a, b, lengths, slots = batch_of(seqs, gen, layer, spans, )

@@ -5,10 +5,13 @@ rms_norm / gated_rms_norm (kernels/norms.py) and q/k norm + partial RoPE (kernel
 The references are checked against float64 oracles in test_ref_*.py; here they are the oracle.
 Inputs are fresh seeded random draws (no zeros); kernel outputs are poisoned with NaN before the
 kernel writes them (launch_* entry points) or freshly allocated; every pool slot a batch does
-not own holds finite garbage and must stay bit-identical. Batches are ragged (1 to P tokens per
-row, a sequence of length 1), slots permuted, pad rows point at scratch slot 0 (whose pending
-count is garbage), pending counts range over 0..P, q/k/v are strided views of the conv output
-and a/b of the projection, exactly as engine/models/layers.py passes them.
+not own holds finite garbage and must stay bit-identical. Batches are ragged (1 to P+1 tokens
+per row, a sequence of length 1), slots permuted, pad rows point at scratch slot 0 (whose
+pending count is garbage), pending counts range over 0..P (P = k; P = 0 for plain decode), q/k/v
+and the pending k/v of the step buffer are strided views of conv outputs and a/b of the
+projection, exactly as engine/models/layers.py passes them. Step-buffer entries past a row's
+pending count are NaN (the conv kernel leaves them unwritten). A layer test chains the conv and
+GDN kernels through verify steps, acceptance and commit steps against plain decode.
 
 CPU: the interpreter, fp32, tiny head dims (16/32), HV = HK and HV = 2 HK, one V tile and two.
 GPU (`gpu` marker): bf16 activations, K = V = 128, fp32 and bf16 state pools, every V-tile
@@ -34,6 +37,8 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what: str = "") -> None:
     """Max error relative to the largest reference magnitude; NaN never passes."""
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    if not actual.numel():
+        return
     error = (actual.double() - expected.double()).abs().max()
     scale = expected.double().abs().max()
     assert bool(error <= rtol * scale), f"{what}: max abs error {float(error):.3e} (scale {float(scale):.3e})"
@@ -65,42 +70,56 @@ def clone(pool: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 class GDNCase:
     """A GDN layer's pool (every slot finite garbage, counts per slot) and one step's inputs,
-    sliced like the model slices them: q|k|v from one conv output row, a|b from the projection."""
+    sliced like the model slices them: q|k|v from one conv output row, a|b from the projection,
+    pending k|v from the conv's step buffer [rows, P, conv_dim]."""
 
     def __init__(self, seed: int, hk: int, hv: int, key_dim: int, value_dim: int, max_pending: int,
                  num_slots: int, dtype: torch.dtype, state_dtype: torch.dtype, device: str) -> None:
         self.gen = torch.Generator().manual_seed(seed)
         self.hk, self.hv, self.key_dim, self.value_dim = hk, hv, key_dim, value_dim
-        self.dtype, self.device = dtype, device
+        self.max_pending, self.dtype, self.device = max_pending, dtype, device
         gen, s, p = self.gen, num_slots, max_pending
         self.A_log = (torch.rand(hv, generator=gen) * 5.0 - 4.0).to(device)
         self.dt_bias = (0.5 * torch.randn(hv, generator=gen)).to(device)
         self.pool = dict(
             state=(0.5 * torch.randn(s, hv, key_dim, value_dim, generator=gen)).to(state_dtype).to(device),
-            pending_k=torch.randn(s, p, hk, key_dim, generator=gen).to(dtype).to(device),
-            pending_v=torch.randn(s, p, hv, value_dim, generator=gen).to(dtype).to(device),
             pending_g=(-torch.rand(s, p, hv, generator=gen) - 0.01).to(device),
             pending_beta=(torch.rand(s, p, hv, generator=gen) * 0.98 + 0.01).to(device),
             pending_counts=torch.randint(0, p + 1, (s,), generator=gen, dtype=torch.int32).to(device),
         )
         self.pool["pending_counts"][PAD_SLOT] = p
 
-    def inputs(self, num_tokens: int):
-        gen, hk, hv = self.gen, self.hk, self.hv
-        key, value = hk * self.key_dim, hv * self.value_dim
-        conv_out = torch.randn(num_tokens, 2 * key + value, generator=gen).to(self.dtype).to(self.device)
+    def split(self, conv_out: torch.Tensor):
+        """[..., conv_dim] -> views q, k [..., HK, K], v [..., HV, V]."""
+        key, value = self.hk * self.key_dim, self.hv * self.value_dim
         q, k, v = conv_out.split((key, key, value), dim=-1)
+        return (q.unflatten(-1, (self.hk, self.key_dim)), k.unflatten(-1, (self.hk, self.key_dim)),
+                v.unflatten(-1, (self.hv, self.value_dim)))
+
+    def inputs(self, num_tokens: int):
+        gen, hv = self.gen, self.hv
+        conv_dim = 2 * self.hk * self.key_dim + hv * self.value_dim
+        q, k, v = self.split(torch.randn(num_tokens, conv_dim, generator=gen).to(self.dtype).to(self.device))
         projection = torch.randn(num_tokens, 3 + 2 * hv, generator=gen).to(self.dtype).to(self.device)
         b, a = projection[:, 3:3 + hv], projection[:, 3 + hv:]
-        return (q.view(num_tokens, hk, self.key_dim), k.view(num_tokens, hk, self.key_dim),
-                v.view(num_tokens, hv, self.value_dim), a, b)
+        return q, k, v, a, b
 
-    def run(self, kernel: bool, pool, inputs, lengths: list[int], slots: list[int], commit: bool,
+    def pending_inputs(self, slots: list[int], counts: torch.Tensor):
+        """Step buffer views (pending k, pending v) of the rows; NaN past each slot's count."""
+        conv_dim = 2 * self.hk * self.key_dim + self.hv * self.value_dim
+        buffer = torch.randn(len(slots), self.max_pending, conv_dim, generator=self.gen).to(self.dtype)
+        counts = counts.cpu()
+        for row, slot in enumerate(slots):
+            buffer[row, int(counts[slot]):] = float("nan")
+        _, pending_k, pending_v = self.split(buffer.to(self.device))
+        return pending_k, pending_v
+
+    def run(self, kernel: bool, pool, inputs, pending, lengths: list[int], slots: list[int], commit: bool,
             config: DecodeConfig | None = None) -> torch.Tensor:
         q, k, v, a, b = inputs
         args = (q, k, v, a, b, self.A_log, self.dt_bias, cu_seqlens_of(lengths, self.device),
-                torch.tensor(slots, dtype=torch.int32, device=self.device), pool["state"], pool["pending_k"],
-                pool["pending_v"], pool["pending_g"], pool["pending_beta"], pool["pending_counts"], commit)
+                torch.tensor(slots, dtype=torch.int32, device=self.device), pool["state"], *pending,
+                pool["pending_g"], pool["pending_beta"], pool["pending_counts"], commit)
         if not kernel:
             return gdn_decode_reference(*args)
         out = torch.full(v.shape, float("nan"), dtype=v.dtype, device=v.device)
@@ -114,10 +133,11 @@ def check_gdn_step(case: GDNCase, lengths: list[int], slots: list[int], commit: 
     """One call, kernel vs reference on copies of the same pool: outputs of real rows, every
     tensor of every real slot, and bit-identity of every slot outside the batch."""
     inputs = case.inputs(sum(lengths))
+    pending = case.pending_inputs(slots, case.pool["pending_counts"])
     before = clone(case.pool)
     expected_pool, actual_pool = clone(case.pool), clone(case.pool)
-    expected = case.run(False, expected_pool, inputs, lengths, slots, commit)
-    actual = case.run(True, actual_pool, inputs, lengths, slots, commit, config)
+    expected = case.run(False, expected_pool, inputs, pending, lengths, slots, commit)
+    actual = case.run(True, actual_pool, inputs, pending, lengths, slots, commit, config)
     rtol = TOLERANCE[case.dtype]
     start = 0
     for length, slot in zip(lengths, slots):
@@ -127,8 +147,8 @@ def check_gdn_step(case: GDNCase, lengths: list[int], slots: list[int], commit: 
             # a bf16 state rounds each store
             tolerance = max(rtol, TOLERANCE[actual_pool["state"].dtype])
             assert_close(actual_pool["state"][slot], expected_pool["state"][slot], tolerance, f"state[{slot}]")
-            written = 0 if commit else length  # pending entries past those are left as they were
-            for name in ("pending_k", "pending_v", "pending_g", "pending_beta"):
+            written = 0 if commit else length - 1  # the drafts' g, beta; entries past those stay as they were
+            for name in ("pending_g", "pending_beta"):
                 actual_entries, expected_entries = actual_pool[name][slot], expected_pool[name][slot]
                 if written:
                     assert_close(actual_entries[:written], expected_entries[:written], rtol, f"{name}[{slot}]")
@@ -138,8 +158,10 @@ def check_gdn_step(case: GDNCase, lengths: list[int], slots: list[int], commit: 
     assert int(arrival_counters(torch.device(case.device), 1).abs().sum()) == 0, "arrival counters not reset"
 
 
-# Rows: (new tokens, slot, pending count of the slot); pad rows (slot 0) last, as CUDA graphs pad.
-RAGGED = [(1, 5, 0), (4, 2, 4), (2, 7, 3), (1, 3, 1), (3, 8, 0), (1, PAD_SLOT, None), (1, PAD_SLOT, None)]
+# Rows: (new tokens, slot, pending count of the slot) with P = k = 4: 1..k+1 new tokens over 0..k
+# pending; pad rows (slot 0) last, as CUDA graphs pad.
+RAGGED = [(1, 5, 0), (5, 2, 4), (2, 7, 3), (1, 3, 1), (3, 8, 0), (5, 4, 0), (1, PAD_SLOT, None),
+          (1, PAD_SLOT, None)]
 
 
 def ragged_case(seed: int, hk: int, hv: int, dim: int, state_dtype: torch.dtype, device: str) -> GDNCase:
@@ -160,46 +182,109 @@ def test_gdn_decode_ragged_batch(kernel_device, hk, hv, commit):
 
 @pytest.mark.parametrize("commit", [True, False], ids=["commit", "verify"])
 def test_gdn_decode_two_v_tiles_bf16_state(kernel_device, commit):
-    """K = V = 32 with 16-column tiles: 2 V tiles x 2 value heads share each key head's pending
-    k, so the verify step's arrival ordering is exercised; the state pool is bf16."""
+    """K = V = 32 with 16-column tiles: 2 V tiles share each value head's pending g / beta, so the
+    verify step's arrival ordering is exercised; the state pool is bf16."""
     case = ragged_case(20, 2, 4, 32, torch.bfloat16, kernel_device)
     check_gdn_step(case, [n for n, _, _ in RAGGED], [s for _, s, _ in RAGGED], commit,
                    DecodeConfig(block_v=16, num_warps=1))
 
 
 def test_gdn_decode_ignores_nonfinite_pending_past_the_count(kernel_device):
+    """Pool g / beta past each count are NaN too (the step buffer's always are)."""
     case = ragged_case(30, 2, 4, 16, torch.float32, kernel_device)
     for _, slot, count in RAGGED:
         if count is not None:
-            for name in ("pending_k", "pending_v", "pending_g", "pending_beta"):
+            for name in ("pending_g", "pending_beta"):
                 case.pool[name][slot, count:] = float("nan")
     check_gdn_step(case, [n for n, _, _ in RAGGED], [s for _, s, _ in RAGGED], commit=False)
 
 
-def test_gdn_decode_verify_rollback_sequence(kernel_device):
-    """Verify steps whose pending entries were written by the kernel itself are folded by the
-    kernel at the next step: kernel and reference pools evolve side by side through acceptance
-    (the engine only sets counts: 0, some, all k+1) and a final commit step."""
-    lengths, slots = [4, 2, 1, 3], [6, 1, 4, 9]
-    accepted = [[0, 2, 1, 3], [4, 1, 1, 0], [2, 2, 0, 3]]
-    case = GDNCase(40, 2, 4, 16, 16, max_pending=4, num_slots=10, dtype=torch.float32,
+def test_gdn_decode_plain_decode_without_pending_buffers(kernel_device):
+    """P = 0 (no speculation): empty pending buffers, one token per row, commit."""
+    case = GDNCase(35, 2, 4, 16, 16, max_pending=0, num_slots=6, dtype=torch.float32,
                    state_dtype=torch.float32, device=kernel_device)
+    check_gdn_step(case, [1, 1, 1, 1], [4, 1, 3, PAD_SLOT], commit=True)
+
+
+class LayerCase:
+    """One GDN layer's decode path as the model drives it: the conv decode kernel (window ++
+    pending raw inputs -> conv outputs of new and pending tokens), then the GDN decode kernel
+    folding the pending k, v from the conv's step buffer. Pool: conv window, pending raw
+    inputs, recurrent state, pending g / beta, counts."""
+
+    def __init__(self, seed: int, max_pending: int, slots: list[int], seq_len: int, device: str) -> None:
+        self.gdn = GDNCase(seed, 2, 4, 16, 16, max_pending, num_slots=10, dtype=torch.float32,
+                           state_dtype=torch.float32, device=device)
+        gen, self.device = self.gdn.gen, device
+        self.channels = 2 * 2 * 16 + 4 * 16
+        self.weight = (0.6 * torch.randn(self.channels, 4, generator=gen)).to(device)
+        self.pool = {**conv_pool(gen, 10, max_pending, self.channels, 4, device), **self.gdn.pool}
+        self.pool["pending_counts"][slots] = 0  # a finished prefill: nothing pending
+        self.x = {s: torch.randn(seq_len, self.channels, generator=gen).to(device) for s in slots}
+        self.ab = {s: torch.randn(seq_len, 2 * 4, generator=gen).to(device) for s in slots}
+
+    def step(self, kernel: bool, pool, spans: dict[int, tuple[int, int]], commit: bool) -> dict[int, torch.Tensor]:
+        """Feed tokens [i, j) of each slot; -> outputs per slot."""
+        lengths, slots = [j - i for i, j in spans.values()], list(spans)
+        x = torch.cat([self.x[s][i:j] for s, (i, j) in spans.items()])
+        ab = torch.cat([self.ab[s][i:j] for s, (i, j) in spans.items()])
+        conv_out, pending_out = run_conv_decode(kernel, x, self.weight, lengths, slots, pool, commit)
+        q, k, v = self.gdn.split(conv_out)
+        _, pending_k, pending_v = self.gdn.split(pending_out)
+        out = self.gdn.run(kernel, pool, (q, k, v, ab[:, :4], ab[:, 4:]), (pending_k, pending_v), lengths, slots,
+                           commit)
+        return dict(zip(slots, out.split(lengths)))
+
+
+def test_layer_verify_rollback_matches_plain_decode(kernel_device):
+    """Conv + GDN kernels through verify steps whose pending inputs the kernels wrote themselves,
+    acceptance (the engine only sets counts: 0, some, all k drafts) and commit steps, side by side
+    with the references. Every output must equal plain one-token decode of the same sequence,
+    and the final state and window too: committed state + pending inputs reproduce the state of
+    the accepted tokens alone."""
+    k, seq_len = 3, 12
+    # per slot, (tokens fed, drafts accepted) per verify step; then commit steps finish the rest
+    schedules = {6: [(4, 0), (4, 3), (4, 1)], 1: [(2, 1), (2, 0), (1, 0)], 4: [(1, 0), (3, 2), (4, 3)],
+                 9: [(4, 3), (4, 3), (2, 1)]}
+    slots = list(schedules)
+    case = LayerCase(40, k, slots, seq_len, kernel_device)
+    plain_pool = clone(case.pool)
+    plain = {s: [] for s in slots}
+    for t in range(seq_len):
+        for s, out in case.step(True, plain_pool, {s: (t, t + 1) for s in slots}, commit=True).items():
+            plain[s].append(out)
+    plain = {s: torch.cat(outs) for s, outs in plain.items()}
+
+    rtol = TOLERANCE[torch.float32]
+    before = clone(case.pool)
     expected_pool, actual_pool = clone(case.pool), clone(case.pool)
-    for slot in slots:
-        for pool in (expected_pool, actual_pool):
-            pool["pending_counts"][slot] = 0
-    before = clone(actual_pool)
-    for step, counts in enumerate(accepted + [None]):
-        commit = counts is None
-        inputs = case.inputs(sum(lengths))
-        expected = case.run(False, expected_pool, inputs, lengths, slots, commit)
-        actual = case.run(True, actual_pool, inputs, lengths, slots, commit)
-        assert_close(actual, expected, TOLERANCE[torch.float32], f"outputs of step {step}")
-        for pool in (expected_pool, actual_pool):
-            for slot, count in zip(slots, counts or [0] * len(slots)):
-                pool["pending_counts"][slot] = count
-    for name in ("state", "pending_k", "pending_v", "pending_g", "pending_beta"):
-        assert_close(actual_pool[name][slots], expected_pool[name][slots], TOLERANCE[torch.float32], name)
+    position = {s: 0 for s in slots}
+
+    def step(spans, commit, what):
+        expected = case.step(False, expected_pool, spans, commit)
+        actual = case.step(True, actual_pool, spans, commit)
+        for s, (i, j) in spans.items():
+            assert_close(actual[s], expected[s], rtol, f"{what}: slot {s} vs reference")
+            assert_close(actual[s], plain[s][i:j], rtol, f"{what}: slot {s} vs plain decode")
+
+    for step_index in range(3):
+        step({s: (position[s], position[s] + schedules[s][step_index][0]) for s in slots}, False,
+             f"verify step {step_index}")
+        for s in slots:
+            accepted = schedules[s][step_index][1]
+            for pool in (expected_pool, actual_pool):
+                pool["pending_counts"][s] = accepted
+            position[s] += 1 + accepted
+    while any(p < seq_len for p in position.values()):
+        spans = {s: (p, min(p + k + 1, seq_len)) for s, p in position.items() if p < seq_len}
+        step(spans, True, "commit step")
+        for s, (_, j) in spans.items():
+            position[s] = j
+            for pool in (expected_pool, actual_pool):
+                pool["pending_counts"][s] = 0
+    for name in ("state", "conv"):
+        assert_close(actual_pool[name][slots], expected_pool[name][slots], rtol, f"{name} vs reference")
+        assert_close(actual_pool[name][slots], plain_pool[name][slots], rtol, f"{name} vs plain decode")
     assert_slots_untouched(actual_pool, before, owned=set(slots))
 
 
@@ -224,10 +309,10 @@ def test_gdn_decode_gpu_bf16(hk, hv, commit, state_dtype):
 @pytest.mark.gpu
 def test_gdn_decode_cuda_graph_replay():
     """Captured once, replayed over steps whose pending counts and inputs change in place."""
-    case = GDNCase(60, 16, 32, 128, 128, max_pending=4, num_slots=12, dtype=torch.bfloat16,
+    case = GDNCase(60, 16, 32, 128, 128, max_pending=3, num_slots=12, dtype=torch.bfloat16,
                    state_dtype=torch.float32, device="cuda")
     lengths, slots = [4, 4, 4, 4], [3, 7, 1, 10]
-    static = case.inputs(sum(lengths))
+    static = case.inputs(sum(lengths)) + case.pending_inputs(slots, case.pool["pending_counts"])
     pool = clone(case.pool)
     expected_pool = clone(case.pool)
     out = torch.empty_like(static[2], memory_format=torch.contiguous_format)
@@ -235,21 +320,21 @@ def test_gdn_decode_cuda_graph_replay():
     config = decode_config(len(slots), case.hv, 128, 128, False, torch.device("cuda"))
 
     def step(p):
-        launch_gdn_decode(out, *static, case.A_log, case.dt_bias, cu, slot_ids, p["state"], p["pending_k"],
-                          p["pending_v"], p["pending_g"], p["pending_beta"], p["pending_counts"], False, config)
+        launch_gdn_decode(out, *static[:5], case.A_log, case.dt_bias, cu, slot_ids, p["state"], *static[5:],
+                          p["pending_g"], p["pending_beta"], p["pending_counts"], False, config)
 
     step(clone(pool))  # warm-up on a scratch copy: compiles, sizes the arrival counters
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step(pool)
     for i in range(3):
-        fresh = case.inputs(sum(lengths))
+        fresh = case.inputs(sum(lengths)) + case.pending_inputs(slots, pool["pending_counts"])
         for dst, src in zip(static, fresh):
             dst.copy_(src)
         graph.replay()
-        expected = case.run(False, expected_pool, fresh, lengths, slots, commit=False)
+        expected = case.run(False, expected_pool, fresh[:5], fresh[5:], lengths, slots, commit=False)
         assert_close(out, expected, TOLERANCE[torch.bfloat16], f"replay {i}")
-        for slot, count in zip(slots, (i, 4, 1, 3)):
+        for slot, count in zip(slots, (i, 3, 1, 3)):
             pool["pending_counts"][slot] = count
             expected_pool["pending_counts"][slot] = count
     assert_close(pool["state"][slots], expected_pool["state"][slots], TOLERANCE[torch.bfloat16], "state")
@@ -307,9 +392,30 @@ def run_conv_decode(kernel: bool, x, weight, lengths, slots, pool, commit):
               pool["conv"], pool["pending_conv"], pool["pending_counts"], commit)
 
 
+def check_conv_step(pool, x, weight, lengths: list[int], slots: list[int], commit: bool, rtol: float) -> None:
+    """One call, kernel vs reference on copies of the pool: outputs of the new tokens and of the
+    pending tokens (step buffer, first p entries) of real rows, windows and pending columns of
+    real slots bit for bit, every other slot untouched."""
+    before = clone(pool)
+    expected_pool, actual_pool = clone(pool), clone(pool)
+    expected, expected_pending = run_conv_decode(False, x, weight, lengths, slots, expected_pool, commit)
+    actual, actual_pending = run_conv_decode(True, x, weight, lengths, slots, actual_pool, commit)
+    start = 0
+    for row, (length, slot) in enumerate(zip(lengths, slots)):
+        if slot != PAD_SLOT:
+            span = slice(start, start + length)
+            assert_close(actual[span], expected[span], rtol, f"output of slot {slot}")
+            count = int(before["pending_counts"][slot])
+            assert_close(actual_pending[row, :count], expected_pending[row, :count], rtol, f"pending of slot {slot}")
+            assert torch.equal(actual_pool["conv"][slot], expected_pool["conv"][slot]), f"window of slot {slot}"
+            assert torch.equal(bits(actual_pool["pending_conv"][slot]), bits(expected_pool["pending_conv"][slot]))
+        start += length
+    assert_slots_untouched(actual_pool, before, owned=set(slots))
+
+
 @pytest.mark.parametrize("commit", [True, False], ids=["commit", "verify"])
 def test_conv1d_decode_ragged_batch(kernel_device, commit):
-    """1..P new tokens per row over 0..P pending columns (NaN past the count), pad rows on slot 0."""
+    """1..P+1 new tokens per row over 0..P pending columns (NaN past the count), pad rows on slot 0."""
     gen = torch.Generator().manual_seed(70)
     channels, width, max_pending, num_slots = 40, 4, 4, 10
     pool = conv_pool(gen, num_slots, max_pending, channels, width, kernel_device)
@@ -320,34 +426,31 @@ def test_conv1d_decode_ragged_batch(kernel_device, commit):
     lengths, slots = [n for n, _, _ in RAGGED], [s for _, s, _ in RAGGED]
     x = conv_inputs(gen, sum(lengths), channels, torch.float32, kernel_device)
     weight = torch.randn(channels, width, generator=gen).to(kernel_device)
-    before = clone(pool)
-    expected_pool, actual_pool = clone(pool), clone(pool)
-    expected = run_conv_decode(False, x, weight, lengths, slots, expected_pool, commit)
-    actual = run_conv_decode(True, x, weight, lengths, slots, actual_pool, commit)
-    start = 0
-    for length, slot in zip(lengths, slots):
-        if slot != PAD_SLOT:
-            span = slice(start, start + length)
-            assert_close(actual[span], expected[span], TOLERANCE[torch.float32], f"output of slot {slot}")
-            assert torch.equal(actual_pool["conv"][slot], expected_pool["conv"][slot]), f"window of slot {slot}"
-            assert torch.equal(bits(actual_pool["pending_conv"][slot]), bits(expected_pool["pending_conv"][slot]))
-        start += length
-    assert_slots_untouched(actual_pool, before, owned=set(slots))
+    check_conv_step(pool, x, weight, lengths, slots, commit, TOLERANCE[torch.float32])
+
+
+def test_conv1d_plain_decode_without_pending_buffers(kernel_device):
+    """P = 0 (no speculation): empty pending buffers, one token per row, commit."""
+    gen = torch.Generator().manual_seed(72)
+    pool = conv_pool(gen, 6, 0, 40, 4, kernel_device)
+    x = conv_inputs(gen, 4, 40, torch.float32, kernel_device)
+    weight = torch.randn(40, 4, generator=gen).to(kernel_device)
+    check_conv_step(pool, x, weight, [1, 1, 1, 1], [4, 1, 3, PAD_SLOT], True, TOLERANCE[torch.float32])
 
 
 def test_conv1d_decode_verify_rollback_sequence(kernel_device):
     gen = torch.Generator().manual_seed(71)
-    channels, width, max_pending = 24, 4, 4
+    channels, width, max_pending = 24, 4, 3
     pool = conv_pool(gen, 8, max_pending, channels, width, kernel_device)
     lengths, slots = [4, 1, 3], [6, 2, 5]
     pool["pending_counts"][slots] = 0
     weight = torch.randn(channels, width, generator=gen).to(kernel_device)
     expected_pool, actual_pool = clone(pool), clone(pool)
-    for step, counts in enumerate([[3, 1, 0], [0, 1, 3], [4, 0, 2], None]):
+    for step, counts in enumerate([[3, 0, 0], [0, 0, 2], [1, 0, 2], None]):  # accepted drafts
         x = conv_inputs(gen, sum(lengths), channels, torch.float32, kernel_device)
         commit = counts is None
-        expected = run_conv_decode(False, x, weight, lengths, slots, expected_pool, commit)
-        actual = run_conv_decode(True, x, weight, lengths, slots, actual_pool, commit)
+        expected, _ = run_conv_decode(False, x, weight, lengths, slots, expected_pool, commit)
+        actual, _ = run_conv_decode(True, x, weight, lengths, slots, actual_pool, commit)
         assert_close(actual, expected, TOLERANCE[torch.float32], f"step {step}")
         for pool_ in (expected_pool, actual_pool):
             pool_["pending_counts"][slots] = torch.tensor(counts or [0, 0, 0], dtype=torch.int32,
@@ -373,14 +476,9 @@ def test_conv1d_gpu_bf16():
     assert_close(actual, expected, TOLERANCE[torch.bfloat16], "prefill output")
     assert torch.equal(actual_state, expected_state)
     for commit in (True, False):
-        lengths, slots = [1, 4, 2, 1], [3, 1, 7, PAD_SLOT]
+        lengths, slots = [1, 5, 2, 1], [3, 1, 7, PAD_SLOT]
         x = conv_inputs(gen, sum(lengths), channels, torch.bfloat16, "cuda")
-        expected_pool, actual_pool = clone(pool), clone(pool)
-        expected = run_conv_decode(False, x, weight, lengths, slots, expected_pool, commit)
-        actual = run_conv_decode(True, x, weight, lengths, slots, actual_pool, commit)
-        assert_close(actual[:-1], expected[:-1], TOLERANCE[torch.bfloat16], "decode output")
-        assert torch.equal(actual_pool["conv"][slots[:-1]], expected_pool["conv"][slots[:-1]])
-        assert torch.equal(actual_pool["pending_conv"][slots[:-1]], expected_pool["pending_conv"][slots[:-1]])
+        check_conv_step(pool, x, weight, lengths, slots, commit, TOLERANCE[torch.bfloat16])
 
 
 # ----------------------------------------------------------------------------------------------
