@@ -110,7 +110,7 @@ def measure_ttft(core: EngineCore, model, config: ModelConfig) -> dict:
             core.step()
         ttfts.append(time.perf_counter() - begin)
     # The bare forward: one prefill row through the model + last-token logits, no engine.
-    states = StatePool(config, 2, 1, torch.bfloat16, "cuda")
+    states = StatePool(config, 2, 0, torch.bfloat16, "cuda")
     kv = KVPool(model.num_kv_layers, TTFT_PROMPT // 16 + 2, 16, config.num_key_value_heads, config.head_dim,
                 torch.bfloat16, "cuda")
     batch = ForwardBatch.build([], [Row(prompt, 0, 1, list(range(1, TTFT_PROMPT // 16 + 1)))], 16, "cuda")
@@ -165,7 +165,8 @@ def main() -> None:
         hf, model, config = build(shape)
         core = EngineCore(EngineConfig(model=".", device="cuda", dtype="bfloat16", max_num_seqs=max(batches),
                                        max_num_batched_tokens=max(TTFT_PROMPT, max(batches)),
-                                       max_model_len=TTFT_PROMPT + 64, gpu_memory_utilization=0.5),
+                                       max_model_len=TTFT_PROMPT + 64, gpu_memory_utilization=0.5,
+                                       enable_prefix_cache=False),  # TTFT repeats one prompt: measure cold
                           model=model, tokenizer=tokenizer)
         entry = {"parameters": sum(p.numel() for p in model.parameters()), "decode": [], "hf_generate": []}
         for batch in tqdm(batches, desc=f"{shape} decode", leave=False):

@@ -5,9 +5,10 @@ from .async_llm import AsyncLLM
 from .config import ConfigError, ModelConfig
 from .engine_config import EngineConfig
 from .llm import LLM
+from .prefix_cache import CheckpointHandle
 from .request import RequestDelta, RequestOutput, TokenLogprobs
 from .sampling_params import SamplingParams
 from .weights import WeightLoadError
 
-__all__ = ["AsyncLLM", "LLM", "ConfigError", "EngineConfig", "ModelConfig", "RequestDelta", "RequestOutput",
+__all__ = ["AsyncLLM", "LLM", "CheckpointHandle", "ConfigError", "EngineConfig", "ModelConfig", "RequestDelta", "RequestOutput",
            "SamplingParams", "TokenLogprobs", "WeightLoadError"]

@@ -2,7 +2,8 @@
 
 Never touches a tensor. Checks and actions come in pairs (`can_allocate` / `allocate`).
 Slot 0 and block 0 are scratch reserved for padding rows: they are never handed out, so a
-padding row can never alias a real sequence.
+padding row can never alias a real sequence. KV blocks are refcounted: a full block of a cached
+prefix is shared, read-only, by the prefix cache and every request that restored it.
 """
 
 from __future__ import annotations
@@ -52,11 +53,42 @@ class SlotAllocator(_FreeList):
 
 
 class BlockAllocator(_FreeList):
-    """Fixed-size KV blocks; a sequence's blocks are listed in its block table."""
+    """Fixed-size KV blocks; a sequence's blocks are listed in its block table. Each holder of
+    a block owns one reference; `free` drops one and the block returns to the free list when
+    none are left."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         super().__init__(num_blocks, "KV block")
         self.block_size = block_size
+        self._refs: dict[int, int] = {}
+
+    def allocate(self, n: int) -> list[int]:
+        taken = super().allocate(n)
+        self._refs.update((b, 1) for b in taken)
+        return taken
+
+    def share(self, blocks: list[int]) -> None:
+        """One more reference to each (allocated) block."""
+        for b in blocks:
+            if b not in self._refs:
+                raise ValueError(f"KV block {b} is not allocated")
+        for b in blocks:
+            self._refs[b] += 1
+
+    def free(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if b not in self._refs:
+                raise ValueError(f"KV block {b} is not allocated")
+        released = []
+        for b in blocks:
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                del self._refs[b]
+                released.append(b)
+        super().free(released)
+
+    def refcount(self, block: int) -> int:
+        return self._refs.get(block, 0)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

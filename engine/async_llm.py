@@ -24,6 +24,7 @@ from typing import Sequence as Seq
 
 from .core import EngineCore
 from .engine_config import EngineConfig
+from .prefix_cache import CheckpointHandle
 from .request import RequestDelta
 from .sampling_params import SamplingParams
 
@@ -56,11 +57,12 @@ class AsyncLLM:
     # Public API ---------------------------------------------------------------------------
 
     async def generate(self, prompt: str | Seq[int], params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestDelta]:
+                       request_id: str | None = None,
+                       resume_from: CheckpointHandle | None = None) -> AsyncIterator[RequestDelta]:
         """Submit a request and stream its deltas. Bad input raises ValueError before anything
-        is queued."""
+        is queued. resume_from: a session saved by `save_checkpoint`; the prompt continues it."""
         self._ensure_running()
-        request = self.core.add_request(prompt, params or SamplingParams(), request_id)
+        request = self.core.add_request(prompt, params or SamplingParams(), request_id, resume_from)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request.request_id] = queue
         self._wakeup.set()
@@ -83,6 +85,13 @@ class AsyncLLM:
         if aborted and self._wakeup is not None:
             self._wakeup.set()
         return aborted
+
+    def save_checkpoint(self, request_id: str) -> CheckpointHandle:
+        """A handle on a finished request's state for `generate(..., resume_from=handle)`."""
+        return self.core.save_checkpoint(request_id)
+
+    def release_checkpoint(self, handle: CheckpointHandle) -> None:
+        self.core.release_checkpoint(handle)
 
     def stats(self) -> dict:
         return self.core.stats()

@@ -19,6 +19,8 @@ class Row:
 
     start_position: tokens of the sequence already folded into its state and KV cache.
     num_logits: how many of the row's last positions need logits (1 to generate, all to score).
+    checkpoints (prefill rows): (n, slot) pairs, write the state after the row's first n tokens
+    into slot (n a multiple of the GDN chunk size or the row's length; kernels/gdn_chunked.py).
     """
 
     token_ids: Sequence[int]
@@ -26,6 +28,7 @@ class Row:
     slot: int
     block_table: Sequence[int]
     num_logits: int = 1
+    checkpoints: Sequence[tuple[int, int]] = ()
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -50,6 +53,19 @@ class RowGroup:
 
 
 @dataclass(frozen=True)
+class PrefillCheckpoints:
+    """States the prefill group's forward writes into checkpoint slots (N of them, CSR by row).
+    Token indices are within the prefill group."""
+
+    cu: torch.Tensor           # [prefill rows + 1] int32
+    lengths: torch.Tensor      # [N] int32: tokens of its row before the checkpoint
+    slots: torch.Tensor        # [N] int64: the slot the state goes to
+    last_token: torch.Tensor   # [N] int64: index of the last token before the checkpoint
+    row_start: torch.Tensor    # [N] int64: index of its row's first token
+    row_slot: torch.Tensor     # [N] int64: its row's own slot
+
+
+@dataclass(frozen=True)
 class ForwardBatch:
     input_ids: torch.Tensor       # [T] int64
     positions: torch.Tensor       # [T] int64
@@ -61,6 +77,7 @@ class ForwardBatch:
     decode: RowGroup
     prefill: RowGroup
     commit: bool                  # decode rows fold their new tokens at once (no speculation)
+    checkpoints: PrefillCheckpoints | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -100,6 +117,20 @@ class ForwardBatch:
                             has_initial_state=tensor([r.start_position > 0 for r in rows[first:last]], torch.bool))
 
         num_decode = len(decode_rows)
+        checkpoints = None
+        if any(r.checkpoints for r in prefill_rows):
+            base = offsets[num_decode]
+            owners = [(i, n, slot) for i, r in enumerate(prefill_rows) for n, slot in r.checkpoints]
+            cu = [0]
+            for r in prefill_rows:
+                cu.append(cu[-1] + len(r.checkpoints))
+            checkpoints = PrefillCheckpoints(
+                cu=tensor(cu, torch.int32),
+                lengths=tensor([n for _, n, _ in owners], torch.int32),
+                slots=tensor([slot for _, _, slot in owners], torch.int64),
+                last_token=tensor([offsets[num_decode + i] - base + n - 1 for i, n, _ in owners], torch.int64),
+                row_start=tensor([offsets[num_decode + i] - base for i, _, _ in owners], torch.int64),
+                row_slot=tensor([prefill_rows[i].slot for i, _, _ in owners], torch.int64))
         return cls(
             input_ids=tensor(input_ids, torch.int64),
             positions=tensor(positions, torch.int64),
@@ -112,4 +143,5 @@ class ForwardBatch:
             decode=group(0, num_decode),
             prefill=group(num_decode, len(rows)),
             commit=commit,
+            checkpoints=checkpoints,
         )

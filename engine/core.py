@@ -27,6 +27,7 @@ from .config import ModelConfig
 from .models import HybridLM
 from .cuda_graphs import DecodeGraphs
 from .engine_config import EngineConfig
+from .prefix_cache import CheckpointHandle, PrefixCache
 from .request import Request, RequestDelta
 from .runner import Runner, StepOutput
 from .sampling_params import SamplingParams
@@ -78,13 +79,21 @@ class EngineCore:
             logger.warning("the checkpoint has no MTP weights: speculation is off")
         if self.num_draft_tokens and config.draft_vocab_size:
             self.model.use_draft_vocab(load_draft_vocab(path, config.draft_vocab_size))
+        self.num_checkpoint_slots = (config.num_checkpoint_slots if config.num_checkpoint_slots is not None
+                                     else config.max_num_seqs if config.enable_prefix_cache else 0)
         self.states, self.kv = self._allocate_pools()
         self.slots = SlotAllocator(self.states.num_slots)
         self.blocks = BlockAllocator(self.kv.num_blocks, config.block_size)
+        bytes_per_block = KVPool.bytes_per_block(self.model.num_kv_layers, config.block_size,
+                                                 self.model_config.num_key_value_heads, self.model_config.head_dim,
+                                                 self.dtype)
+        self.cache = PrefixCache(self.slots, self.blocks, config.checkpoint_interval, config.enable_prefix_cache,
+                                 mtp=bool(self.num_draft_tokens), host_capacity_bytes=config.host_cache_bytes,
+                                 checkpoint_bytes=lambda n: self.states.bytes_per_slot + n * bytes_per_block)
         policy = (AdaptivePolicy(self.num_draft_tokens, enabled=config.adaptive_draft_length)
                   if self.num_draft_tokens else None)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, policy,
-                                                   self.max_model_len), self.slots, self.blocks)
+                                                   self.max_model_len), self.slots, self.blocks, self.cache)
         self.runner = Runner(self.model, self.states, self.kv, self.ops, config.block_size, self.device,
                              None if self.num_draft_tokens else self._capture_graphs(),
                              speculative=bool(self.num_draft_tokens))
@@ -94,12 +103,19 @@ class EngineCore:
 
     # Requests -----------------------------------------------------------------------------
 
-    def add_request(self, prompt: str | Seq[int], params: SamplingParams,
-                    request_id: str | None = None) -> Request:
-        """Validate and queue a request; raises ValueError and changes nothing on bad input."""
+    def add_request(self, prompt: str | Seq[int], params: SamplingParams, request_id: str | None = None,
+                    resume_from: CheckpointHandle | None = None) -> Request:
+        """Validate and queue a request; raises ValueError and changes nothing on bad input.
+        resume_from: a saved session (`save_checkpoint`); the request's tokens are the session's
+        followed by the prompt (which may then be empty), and it starts from the session's
+        state instead of prefilling it."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        checkpoint = None
+        if resume_from is not None:
+            checkpoint = self.cache.session(resume_from)
+            token_ids = list(resume_from.token_ids) + token_ids
         if not token_ids:
             raise ValueError("prompt is empty")
         bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool)
@@ -116,6 +132,9 @@ class EngineCore:
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         request = Request.create(request_id, token_ids, params, seed, arrival, self.max_model_len, self.tokenizer)
         self.scheduler.add(request)
+        if checkpoint is not None:
+            self.cache.pin(checkpoint)  # until the request restores it (or is aborted first)
+            request.resume_from = checkpoint
         self.requests[request_id] = request
         return request
 
@@ -126,6 +145,22 @@ class EngineCore:
             return False
         self.scheduler.abort(request)
         return True
+
+    def save_checkpoint(self, request_id: str) -> CheckpointHandle:
+        """A handle on a finished request's state (prompt + output) that `add_request(...,
+        resume_from=handle)` continues from without prefilling it again. The checkpoint stays
+        until `release_checkpoint` (moved to the host tier, never dropped, under pressure)."""
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r} has not finished")
+        return self.cache.save(request_id)
+
+    def release_checkpoint(self, handle: CheckpointHandle) -> None:
+        self.cache.release(handle)
+
+    def clear_prefix_cache(self) -> None:
+        """Drop every cached checkpoint nobody pins, on the GPU and the host (between steps)."""
+        self.cache.clear()
+        self.runner.checkpoint_io.before_forward(self.cache.take_ops())
 
     @property
     def has_work(self) -> bool:
@@ -145,7 +180,8 @@ class EngineCore:
                 self.spec_stats.record(row.num_draft_tokens, len(tokens) - 1)
         self.spec_stats.draft_seconds += output.draft_seconds
         self.spec_stats.verify_seconds += output.verify_seconds
-        updated = self.scheduler.commit(plan, output.emitted, output.logprobs) + self.scheduler.take_aborted()
+        updated = (self.scheduler.commit(plan, output.emitted, output.logprobs, output.num_pending)
+                   + self.scheduler.take_aborted())
         deltas = [request.take_delta() for request in updated]
         for request in updated:
             if request.finished:
@@ -166,7 +202,11 @@ class EngineCore:
             "num_free_kv_blocks": self.blocks.num_free,
             "num_kv_blocks": self.blocks.capacity - 1,
             "num_preempted": self.scheduler.num_preempted,
+            "num_cached_slots": len(self.cache.held_slots()),
+            "num_cached_kv_blocks": len(self.cache.held_blocks()),
+            "prefix_cache": self.cache.stats_dict(),
             "state_bytes_per_sequence": self.states.bytes_per_slot,
+            "state_bytes_per_sequence_without_speculation": self.states.bytes_per_slot_without_speculation,
             "num_draft_tokens": self.num_draft_tokens,
             "spec": self.spec_stats.as_dict(),
         }
@@ -185,8 +225,10 @@ class EngineCore:
 
     def _allocate_pools(self) -> tuple[StatePool, KVPool]:
         c, config = self.model_config, self.config
-        states = StatePool(c, config.max_num_seqs + 1, max_pending=self.num_draft_tokens + 1, dtype=self.dtype,
-                           device=self.device, keep_mtp_hidden=bool(self.num_draft_tokens))
+        # Slots: scratch slot 0, one per running sequence, and room for prefix-cache checkpoints.
+        states = StatePool(c, config.max_num_seqs + 1 + self.num_checkpoint_slots, max_pending=self.num_draft_tokens,
+                           dtype=self.dtype, device=self.device, keep_mtp_hidden=bool(self.num_draft_tokens),
+                           keep_last_hidden=True)
         kv_layers = self.model.num_kv_layers
         bytes_per_block = KVPool.bytes_per_block(kv_layers, config.block_size, c.num_key_value_heads, c.head_dim,
                                                  self.dtype)
@@ -202,9 +244,11 @@ class EngineCore:
                                  f"recurrent state, {bytes_per_block} bytes per block")
         kv = KVPool(kv_layers, num_blocks, config.block_size, c.num_key_value_heads, c.head_dim, self.dtype,
                     self.device)
-        logger.info("pools: %d sequence slots x %.2f MiB recurrent state; %d KV blocks x %d tokens "
-                    "(%.1f MiB) = %d full-context (%d-token) sequences at once",
-                    states.num_slots - 1, states.bytes_per_slot / 2**20, num_blocks - 1, config.block_size,
+        logger.info("pools: %d sequence + %d checkpoint slots x %.2f MiB recurrent state with k=%d drafts (%.2f MiB "
+                    "without speculation); %d KV blocks x %d tokens (%.1f MiB) = %d full-context (%d-token) "
+                    "sequences at once", config.max_num_seqs, self.num_checkpoint_slots,
+                    states.bytes_per_slot / 2**20, self.num_draft_tokens,
+                    states.bytes_per_slot_without_speculation / 2**20, num_blocks - 1, config.block_size,
                     (num_blocks - 1) * bytes_per_block / 2**20, (num_blocks - 1) // blocks_per_sequence,
                     self.max_model_len)
         return states, kv

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..kernels.gdn_chunked import CHUNK_SIZE
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -25,6 +27,10 @@ class EngineConfig:
     num_draft_tokens: int = 0               # MTP speculation: drafts per step at most (0: off)
     adaptive_draft_length: bool = True      # per-request draft length from recent acceptance
     draft_vocab_size: int = 0               # >0: drafts from the N most frequent tokens (draft_vocab.json)
+    enable_prefix_cache: bool = True        # restore cached prompt prefixes (recurrent checkpoints + KV)
+    checkpoint_interval: int = 512          # tokens between the prefix checkpoints a prefill leaves
+    num_checkpoint_slots: int | None = None  # state slots for checkpoints (default: max_num_seqs, 0 if off)
+    host_cache_bytes: int = 0               # host tier: pinned CPU memory evicted checkpoints move to
 
     def __post_init__(self) -> None:
         problems = []
@@ -44,6 +50,14 @@ class EngineConfig:
             problems.append("num_draft_tokens must be in 0..8")
         if self.draft_vocab_size < 0:
             problems.append("draft_vocab_size must be >= 0 (0: the full vocabulary)")
+        if self.checkpoint_interval < 1 or self.checkpoint_interval % self.block_size \
+                or self.checkpoint_interval % CHUNK_SIZE:
+            problems.append(f"checkpoint_interval must be a positive multiple of block_size and of the GDN chunk "
+                            f"size {CHUNK_SIZE}")
+        if self.num_checkpoint_slots is not None and self.num_checkpoint_slots < 0:
+            problems.append("num_checkpoint_slots must be >= 0")
+        if self.host_cache_bytes < 0:
+            problems.append("host_cache_bytes must be >= 0")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             problems.append("num_kv_blocks must be >= 2 (block 0 is scratch)")
         if problems:

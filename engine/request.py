@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..spec import DraftLengthState, SpecStats
+from .prefix_cache import Checkpoint
 from .sampling_params import SamplingParams
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -76,6 +77,8 @@ class Request:
     slot: int | None = None
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens already folded into the slot's state and KV blocks
+    num_pending: int = 0  # of those, tokens whose state is still pending in the slot (speculation)
+    resume_from: Checkpoint | None = None  # a saved session to restore instead of a prefix lookup
     num_preemptions: int = 0
     abort_requested: bool = False
     # Speculation: the MTP layer's KV is exact for positions < mtp_position; drafts per step.

@@ -7,13 +7,17 @@ steps replay a CUDA graph). With speculation (the model's MTP layer drafts) a st
              by one, the target hidden states kept from that step), then chains k-1 more
              single-token steps on its own output; drafts are the MTP's argmax.
   2. verify: one target forward over every row — decode rows feed [newest, d_1 .. d_k] through
-             the deferred-commit kernels (nothing is folded into the committed state yet),
-             prefill chunks run as usual.
+             the deferred-commit kernels (the newest token, always accepted, is folded into
+             the committed state; the drafts are not yet), prefill chunks run as usual.
   3. accept: on the device — argmax matching for greedy rows, rejection sampling for sampled
              rows (lossless in distribution); each slot's pending count becomes the number of
-             fed tokens that were accepted (rollback is that counter), the hidden states of
+             drafts that were accepted (rollback is that counter), the hidden states of
              the fed positions are kept for the next catch-up, and prefill chunks run the MTP
              over their own positions so the MTP's KV cache stays complete.
+
+Around the forward it executes the prefix cache's device work (checkpoint_io.py): restores
+before, and after it the hidden states of the checkpoints the forward wrote. Cached rows (a
+fully cached prompt) take their logits from the restored checkpoint's hidden state.
 
 One host sync per step (the emitted tokens). Returns a typed StepOutput and never reads
 scheduler state beyond the plan it is handed. Knows nothing about queues or stop conditions.
@@ -30,6 +34,7 @@ import torch
 from ..kernels import Ops
 from ..spec import greedy_accept
 from .batch import ForwardBatch, Row
+from .checkpoint_io import CheckpointIO
 from .cuda_graphs import DecodeGraphs
 from .models import HybridLM
 from .request import TokenLogprobs
@@ -44,6 +49,22 @@ class StepOutput:
     verify_seconds: float = 0.0
     # Per plan row: one TokenLogprobs per emitted token, for rows whose request asked for them.
     logprobs: list[list[TokenLogprobs] | None] | None = None
+    # Per plan row: fed tokens left pending in its slot (None: none anywhere, no speculation).
+    num_pending: list[int] | None = None
+
+    def then(self, other: "StepOutput") -> "StepOutput":
+        """This step's rows followed by other's."""
+        def joined(mine, theirs, size_mine, size_theirs):
+            if mine is None and theirs is None:
+                return None
+            return (mine or [None] * size_mine) + (theirs or [None] * size_theirs)
+
+        n, m = len(self.emitted), len(other.emitted)
+        pending = None if self.num_pending is None and other.num_pending is None else \
+            (self.num_pending or [0] * n) + (other.num_pending or [0] * m)
+        return StepOutput(self.emitted + other.emitted, self.draft_seconds + other.draft_seconds,
+                          self.verify_seconds + other.verify_seconds, joined(self.logprobs, other.logprobs, n, m),
+                          pending)
 
 
 class Runner:
@@ -52,6 +73,7 @@ class Runner:
         self.model, self.states, self.kv, self.ops = model, states, kv, ops
         self.block_size, self.device, self.graphs = block_size, device, graphs
         self.speculative = speculative
+        self.checkpoint_io = CheckpointIO(states, kv)
         if speculative and (model.mtp is None or states.mtp_hidden is None):
             raise ValueError("speculation needs a model with MTP weights and a pool that keeps MTP inputs")
         # The draft stage: rows -> drafts [B, max k] (or None). The MTP drafter by default; a seam
@@ -60,14 +82,23 @@ class Runner:
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepOutput:
-        if self.speculative:
-            return self._run_speculative(plan)
+        self.checkpoint_io.before_forward(plan.cache_ops)
+        output = StepOutput([])
+        if plan.decode_rows or plan.prefill_rows:
+            forward = dataclasses.replace(plan, cached_rows=())
+            output = self._run_speculative(forward) if self.speculative else self._run_plain(forward)
+        self.checkpoint_io.after_forward(plan.cache_ops)
+        return output.then(self._run_cached(plan.cached_rows)) if plan.cached_rows else output
+
+    def _run_plain(self, plan: StepPlan) -> StepOutput:
         decode = [self._row(r) for r in plan.decode_rows]
         if self.graphs is not None and self.graphs.can_run(decode, len(plan.prefill_rows)):
             logits = self.graphs.run(decode)
         else:
             batch = self._batch(decode, [self._row(r) for r in plan.prefill_rows], commit=True)
-            logits = self.model.compute_logits(self.model(batch, self.states, self.kv)[batch.logits_indices])
+            hidden = self.model(batch, self.states, self.kv)
+            self._keep_checkpoint_hidden(batch, hidden)
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
         sampling = [r for r in plan.rows if r.sample]
         sampled = self._sample(logits, sampling) if sampling else []
         tokens = iter(sampled)
@@ -98,19 +129,22 @@ class Runner:
             input_ids[self._tensor(draft_positions)] = drafts[self._tensor(draft_rows), self._tensor(draft_depths)]
             batch = dataclasses.replace(batch, input_ids=input_ids)
         hidden = self.model(batch, self.states, self.kv)
+        self._keep_checkpoint_hidden(batch, hidden)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
 
         # Accept (greedy): decode rows' logits come first, k_r + 1 per row.
         emitted: list[list[int]] = []
         logit_rows: list[list[int]] = []  # per row: the logits rows of its emitted tokens
+        num_pending: list[int] = []
         if decode_rows:
             num_decode_logits = sum(1 + r.num_draft_tokens for r in decode_rows)
             accepted, tokens = self._accept(logits[:num_decode_logits], decode_rows, drafts)
             slots = self._tensor([r.slot for r in decode_rows])
-            self.states.pending_counts[slots] = (accepted + 1).to(torch.int32)
+            self.states.pending_counts[slots] = accepted.to(torch.int32)  # the newest token is committed
             self._keep_hidden(hidden, rows, decode_rows)
             accepted_host, tokens_host = accepted.tolist(), tokens.tolist()
             emitted = [tokens_host[i][:accepted_host[i] + 1] for i in range(len(decode_rows))]
+            num_pending = list(accepted_host)  # as pending_counts above
             starts = _offsets([1 + r.num_draft_tokens for r in decode_rows])
             logit_rows = [list(range(start, start + len(e))) for start, e in zip(starts, emitted)]
         if prefill_rows:
@@ -123,9 +157,30 @@ class Runner:
             emitted += [[next(sampled)] if r.sample else [] for r in prefill_rows]
             logit_row = iter(range(first, len(logits)))
             logit_rows += [[next(logit_row)] if r.sample else [] for r in prefill_rows]
+            num_pending += [0] * len(prefill_rows)
         verified = time.perf_counter()
         return StepOutput(emitted, draft_seconds=drafted - started, verify_seconds=verified - drafted,
-                          logprobs=self._logprobs(logits, plan.rows, logit_rows, emitted))
+                          logprobs=self._logprobs(logits, plan.rows, logit_rows, emitted), num_pending=num_pending)
+
+    def _run_cached(self, rows: tuple[ScheduledRow, ...]) -> StepOutput:
+        """Fully cached prompts: the first token's logits from the hidden state the checkpoint
+        kept for its last position (restored into the row's slot before the forward)."""
+        logits = self.model.compute_logits(self.states.last_hidden[self._tensor([r.slot for r in rows])])
+        emitted = [[t] for t in self._sample(logits, list(rows))]
+        return StepOutput(emitted, logprobs=self._logprobs(logits, rows, [[i] for i in range(len(rows))], emitted),
+                          num_pending=[0] * len(rows))
+
+    def _keep_checkpoint_hidden(self, batch: ForwardBatch, hidden: torch.Tensor) -> None:
+        """Checkpoints the forward wrote keep the hidden state of their last position (a full
+        hit's logits; the MTP catch-up of a checkpoint one position behind) and nothing pending."""
+        written = batch.checkpoints
+        if written is None:
+            return
+        last = hidden[batch.prefill.token_start + written.last_token]
+        self.states.last_hidden[written.slots] = last
+        if self.states.mtp_hidden is not None:
+            self.states.mtp_hidden[written.slots, 0] = last
+        self.states.pending_counts[written.slots] = 0
 
     def draft_with_mtp(self, rows: tuple[ScheduledRow, ...]) -> torch.Tensor | None:
         """Greedy drafts [B, max k] for the decode rows (None when no row drafts). Every row
@@ -208,22 +263,37 @@ class Runner:
         self.states.mtp_hidden[self._tensor(slots), self._tensor(depths)] = hidden[:len(slots)]
 
     def _prefill_mtp(self, hidden: torch.Tensor, batch: ForwardBatch, rows: tuple[ScheduledRow, ...]) -> None:
-        """Run the MTP over each prefill chunk's positions [mtp_start, mtp_end) with this step's
-        target hidden states; a chunk that ends the prompt keeps its last hidden state."""
+        """Run the MTP over each prefill chunk's positions [mtp_start, mtp_end) with the target
+        hidden states: this step's for the chunk's own positions, the slot's kept ones for the
+        position before the chunk (a restored checkpoint whose MTP was one behind); a chunk
+        that ends the prompt keeps its last hidden state."""
         decode_tokens = batch.prefill.token_start
         offsets = _offsets([len(r.token_ids) for r in rows])
-        mtp_rows, hidden_index, keep_slots, keep_index = [], [], [], []
+        mtp_rows, fresh_index, fresh_place, kept_slots, kept_depths, kept_place = [], [], [], [], [], []
+        keep_slots, keep_index = [], []
         for r, offset in zip(rows, offsets):
-            first = decode_tokens + offset + (r.mtp_start - r.start_position)
             if r.mtp_end > r.mtp_start:
+                for position in range(r.mtp_start, r.mtp_end):
+                    place = len(fresh_place) + len(kept_place)
+                    if position < r.start_position:
+                        kept_slots.append(r.slot)
+                        kept_depths.append(position - r.mtp_start)
+                        kept_place.append(place)
+                    else:
+                        fresh_index.append(decode_tokens + offset + position - r.start_position)
+                        fresh_place.append(place)
                 mtp_rows.append(Row(r.mtp_token_ids, r.mtp_start, r.slot, r.block_table, num_logits=0))
-                hidden_index.extend(range(first, first + r.mtp_end - r.mtp_start))
             if r.sample:
                 keep_slots.append(r.slot)
                 keep_index.append(decode_tokens + offset + len(r.token_ids) - 1)
         if mtp_rows:
+            inputs = hidden.new_empty(len(fresh_place) + len(kept_place), hidden.shape[1])
+            inputs[self._tensor(fresh_place)] = hidden[self._tensor(fresh_index)]
+            if kept_place:
+                inputs[self._tensor(kept_place)] = self.states.mtp_hidden[self._tensor(kept_slots),
+                                                                          self._tensor(kept_depths)]
             mtp_batch = self._batch([], mtp_rows, commit=True)
-            self.model.draft_hidden(mtp_batch.input_ids, hidden[self._tensor(hidden_index)], mtp_batch, self.kv)
+            self.model.draft_hidden(mtp_batch.input_ids, inputs, mtp_batch, self.kv)
         if keep_slots:
             self.states.mtp_hidden[self._tensor(keep_slots), 0] = hidden[self._tensor(keep_index)]
 
@@ -271,7 +341,8 @@ class Runner:
 
     @staticmethod
     def _row(row: ScheduledRow) -> Row:
-        return Row(row.token_ids, row.start_position, row.slot, row.block_table, num_logits=int(row.sample))
+        return Row(row.token_ids, row.start_position, row.slot, row.block_table, num_logits=int(row.sample),
+                   checkpoints=tuple((w.position - row.start_position, w.slot) for w in row.checkpoints))
 
     def _sample(self, logits: torch.Tensor, rows: list[ScheduledRow]) -> list[int]:
         params = [r.request.params for r in rows]

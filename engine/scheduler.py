@@ -7,18 +7,27 @@ Pure Python; never touches a tensor. Each step:
      blocks are freed, it goes back to the front of the queue and later recomputes its prompt
      and output so far, which reproduces its state exactly);
   3. prefill chunks under the remaining token budget: first running requests mid-prompt, then
-     waiting requests admitted FIFO while a slot, max_num_seqs and KV blocks allow.
-Rows are ordered decode first, prefill after (the runner's kernels rely on it).
-`commit` folds the step's sampled tokens back in and finishes requests.
+     waiting requests admitted FIFO while a slot, max_num_seqs and KV blocks allow. An admitted
+     request restores the longest cached prefix of its tokens (prefix_cache.py) and prefills
+     only the rest; a fully cached one samples its first token from the checkpoint (a cached
+     row). Chunks that do not end the prompt end on a multiple of the GDN chunk size, so the
+     chunked kernel can write checkpoints at the block boundaries they pass.
+Rows are ordered decode first, prefill after, cached rows last (the runner relies on it).
+`commit` folds the step's sampled tokens back in and finishes requests; a finished request's
+slot and blocks become the checkpoint of its committed state.
+When slots or KV blocks run short, cached checkpoints are evicted before anything is preempted.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass
 
+from ..kernels.gdn_chunked import CHUNK_SIZE
 from ..spec import AdaptivePolicy, DraftLengthState
 from .allocators import BlockAllocator, SlotAllocator
+from .prefix_cache import CacheOps, Checkpoint, CheckpointWrite, PrefixCache
 from .request import Request, RequestStatus
 
 
@@ -56,6 +65,7 @@ class ScheduledRow:
     num_draft_tokens: int = 0
     mtp_start: int = 0
     mtp_end: int = 0
+    checkpoints: tuple[CheckpointWrite, ...] = ()  # prefill rows: checkpoints the forward writes
 
     @property
     def mtp_token_ids(self) -> list[int]:
@@ -67,10 +77,14 @@ class ScheduledRow:
 class StepPlan:
     decode_rows: tuple[ScheduledRow, ...]
     prefill_rows: tuple[ScheduledRow, ...]
+    # Fully cached prompts: no tokens to run, the first token comes from the restored hidden state.
+    cached_rows: tuple[ScheduledRow, ...] = ()
+    cache_ops: CacheOps = CacheOps()
+    pinned: tuple[Checkpoint, ...] = ()  # checkpoints this step restores (unpinned at commit)
 
     @property
     def rows(self) -> tuple[ScheduledRow, ...]:
-        return self.decode_rows + self.prefill_rows
+        return self.decode_rows + self.prefill_rows + self.cached_rows
 
     @property
     def num_tokens(self) -> int:
@@ -78,8 +92,9 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, slots: SlotAllocator, blocks: BlockAllocator) -> None:
-        self.config, self.slots, self.blocks = config, slots, blocks
+    def __init__(self, config: SchedulerConfig, slots: SlotAllocator, blocks: BlockAllocator,
+                 cache: PrefixCache) -> None:
+        self.config, self.slots, self.blocks, self.cache = config, slots, blocks, cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.num_preempted = 0
@@ -134,37 +149,47 @@ class Scheduler:
         for request in [r for r in self.running if self._in_prefill(r)]:
             if budget == 0:
                 break
-            chunk = min(request.num_tokens - request.num_computed_tokens, budget)
+            chunk = self._chunk(request, request.num_computed_tokens, budget)
             if not self._reserve_blocks(request, request.num_computed_tokens + chunk, scheduled):
                 continue
-            prefill_rows.append(self._row(request, chunk))
+            prefill_rows.append(self._prefill_row(request, chunk))
             scheduled.add(id(request))
             budget -= chunk
+        cached_rows: list[ScheduledRow] = []
+        pinned: list[Checkpoint] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            chunk = min(request.num_tokens, budget)
-            if not (self.slots.can_allocate(1) and self.blocks.can_allocate(self.blocks.blocks_needed(chunk))):
+            chunk = self._admit(request, budget, pinned)
+            if chunk is None:
                 break
             self.waiting.popleft()
-            request.slot = self.slots.allocate(1)[0]
-            request.block_table = self.blocks.allocate(self.blocks.blocks_needed(chunk))
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            prefill_rows.append(self._row(request, chunk))
             scheduled.add(id(request))
-            budget -= chunk
-        return StepPlan(tuple(decode_rows), tuple(prefill_rows))
+            if chunk == 0:
+                cached_rows.append(self._row(request, 0))
+            else:
+                prefill_rows.append(self._prefill_row(request, chunk))
+                budget -= chunk
+        return StepPlan(tuple(decode_rows), tuple(prefill_rows), tuple(cached_rows), self.cache.take_ops(),
+                        tuple(pinned))
 
-    def commit(self, plan: StepPlan, emitted: list[list[int]], logprobs: list | None = None) -> list[Request]:
+    def commit(self, plan: StepPlan, emitted: list[list[int]], logprobs: list | None = None,
+               num_pending: list[int] | None = None) -> list[Request]:
         """Fold the step's results in. emitted[i]: the tokens plan.rows[i] produced (none for a
         prefill chunk that does not end the prompt; accepted drafts + one for a verify row).
-        logprobs[i]: their TokenLogprobs when the request asked for them.
+        logprobs[i]: their TokenLogprobs when the request asked for them. num_pending[i]: fed
+        tokens of the row left pending in its slot (None: nothing pending anywhere).
         Returns the requests that got tokens or finished."""
+        self.cache.register_writes()
+        for checkpoint in plan.pinned:
+            self.cache.unpin(checkpoint)
         updated = []
         for index, (row, tokens) in enumerate(zip(plan.rows, emitted)):
             request = row.request
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted while this step ran: it recomputes from scratch
+            request.num_pending = num_pending[index] if num_pending else 0
             accepted_drafts = len(tokens) - 1 if row.num_draft_tokens else 0
             # Fed tokens whose state is now pending or committed: the row's token(s) and the
             # drafts the target confirmed.
@@ -190,13 +215,73 @@ class Scheduler:
         remaining = request.num_tokens - request.num_computed_tokens
         return remaining > 1 or request.num_computed_tokens == 0
 
+    def _admit(self, request: Request, budget: int, pinned: list[Checkpoint]) -> int | None:
+        """Give a waiting request a slot and the KV blocks of its first chunk, restoring the
+        longest cached prefix of its tokens (or the session it resumes). Returns the chunk
+        length (0: everything is cached) or None when it does not fit now."""
+        hit = request.resume_from or self.cache.lookup(request.token_ids(0, request.num_tokens))
+        start = hit.position if hit is not None else 0
+        full_hit = start == request.num_tokens
+        chunk = 0 if full_hit else self._chunk(request, start, budget)
+        shared = 0
+        if hit is not None:
+            shared = self.cache.restore_plan(hit, full_hit)[0]
+            if request.resume_from is None:
+                self.cache.pin(hit)  # a resumed session arrives pinned by its request
+        if not self.cache.make_room(1, self.blocks.blocks_needed(start + chunk) - shared):
+            if hit is not None and request.resume_from is None:
+                self.cache.unpin(hit)
+            return None
+        request.slot = self.slots.allocate(1)[0]
+        request.block_table = []
+        if hit is not None:
+            request.block_table, request.mtp_position = self.cache.restore(hit, request.slot, full_hit)
+            request.num_computed_tokens = start
+            request.resume_from = None
+            pinned.append(hit)
+        request.block_table += self.blocks.allocate(self.blocks.blocks_needed(start + chunk) - len(request.block_table))
+        self.cache.stats.prompt_tokens += request.num_tokens
+        self.cache.stats.reused_tokens += start
+        return chunk
+
+    def _chunk(self, request: Request, start: int, budget: int) -> int:
+        """Prefill tokens from `start` under the budget. A chunk that does not reach the end of
+        the known tokens ends on a multiple of the GDN chunk size when it can, so every later
+        chunk starts aligned and the chunked kernel can checkpoint the boundaries it passes."""
+        chunk = min(request.num_tokens - start, budget)
+        end = start + chunk
+        if end < request.num_tokens and end - end % CHUNK_SIZE > start:
+            chunk = end - end % CHUNK_SIZE - start
+        return chunk
+
+    def _prefill_row(self, request: Request, num_tokens: int) -> ScheduledRow:
+        """A prefill chunk and the checkpoints its forward writes: at every checkpoint-interval
+        boundary it passes and at the end of the known tokens, where the chunked kernel can
+        (a multiple of its chunk size from the row's start, or the row's end)."""
+        start, end = request.num_computed_tokens, request.num_computed_tokens + num_tokens
+        interval = self.cache.interval
+        positions = list(range((start // interval + 1) * interval, end + 1, interval))
+        if end == request.num_tokens and end not in positions:
+            positions.append(end)
+        writes = []
+        for position in positions:
+            if ((position - start) % CHUNK_SIZE and position != end) \
+                    or not self.cache.wants_checkpoint(position, request.num_tokens):
+                continue
+            write = self.cache.reserve_write(request.token_ids(0, position), request.block_table,
+                                             ends_tokens=position == request.num_tokens)
+            if write is not None:
+                writes.append(write)
+        return dataclasses.replace(self._row(request, num_tokens), checkpoints=tuple(writes))
+
     def _row(self, request: Request, num_tokens: int, num_drafts: int = 0) -> ScheduledRow:
         start, end = request.num_computed_tokens, request.num_computed_tokens + num_tokens
         if self.config.draft_policy is None:
             mtp_start = mtp_end = 0
         elif self._in_prefill(request):
-            # The chunk's positions, except the prompt's last: its next token is not sampled yet.
-            mtp_start, mtp_end = start, min(end, request.num_tokens - 1)
+            # From the MTP's first missing position (the chunk's start, or one before after a
+            # restore) through the chunk, except the last known token: its next is not sampled yet.
+            mtp_start, mtp_end = request.mtp_position, min(end, request.num_tokens - 1)
         else:
             mtp_start, mtp_end = request.mtp_position, request.num_tokens - 1
         return ScheduledRow(request, request.token_ids(start, end), start, request.slot, tuple(request.block_table),
@@ -218,7 +303,7 @@ class Scheduler:
         """Grow the block table to hold num_tokens, preempting the newest running requests not
         yet scheduled this step. False when `request` itself had to be preempted."""
         needed = self.blocks.blocks_needed(num_tokens) - len(request.block_table)
-        while not self.blocks.can_allocate(needed):
+        while not self.cache.make_room(0, needed):
             victims = [r for r in self.running if id(r) not in scheduled and r is not request]
             victim = max(victims, key=lambda r: r.arrival) if victims else request
             if victim.arrival < request.arrival:
@@ -233,7 +318,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self._release(request)
         request.status = RequestStatus.WAITING
-        request.num_computed_tokens = request.mtp_position = 0
+        request.num_computed_tokens = request.mtp_position = request.num_pending = 0
         request.num_preemptions += 1
         self.num_preempted += 1
         # Back to the queue in arrival order, ahead of anything that arrived later.
@@ -249,14 +334,33 @@ class Scheduler:
             self.running.remove(request)
 
     def _finish(self, request: Request) -> None:
+        self._keep_checkpoint(request)
         self._release(request)
         request.status = RequestStatus.FINISHED
+
+    def _keep_checkpoint(self, request: Request) -> None:
+        """Hand a finished request's slot and the blocks of its committed tokens to the prefix
+        cache (the next turn of a chat restores all of it). Committed: fed tokens minus those
+        still pending; the MTP must be at most as far as that."""
+        committed = request.num_computed_tokens - request.num_pending
+        mtp_position = request.mtp_position if self.config.draft_policy is not None else committed
+        if request.slot is None or committed <= 0 or mtp_position > committed:
+            return
+        keep = self.blocks.blocks_needed(committed)
+        if self.cache.adopt(request.request_id, request.token_ids(0, committed),
+                            request.token_ids(0, request.num_tokens), mtp_position, request.slot,
+                            request.block_table[:keep]):
+            self.blocks.free(request.block_table[keep:])
+            request.slot, request.block_table = None, []
 
     def _release_aborted(self) -> None:
         for queue in (self.running, self.waiting):
             for request in [r for r in queue if r.abort_requested]:
                 if request in self.waiting:
                     self.waiting.remove(request)
+                if request.resume_from is not None:
+                    self.cache.unpin(request.resume_from)
+                    request.resume_from = None
                 self._release(request)
                 request.status = RequestStatus.FINISHED
                 request.abort()

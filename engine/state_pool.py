@@ -1,8 +1,9 @@
 """Device tensors of the packed recurrent-state pool and the paged KV pool.
 
 StatePool, per GDN layer (see kernels/gdn.py and kernels/conv1d.py for the layouts):
-the committed recurrent state and conv window of every slot, and the pending inputs of
-tokens accepted but not yet folded in; `pending_counts` [num_slots] is shared by all layers.
+the committed recurrent state and conv window of every slot, and what cannot be recomputed of
+the drafts accepted but not yet folded in (their raw conv inputs and g, beta; the decode kernels
+recompute their k and v each step); `pending_counts` [num_slots] is shared by all layers.
 KVPool, per full-attention layer (and per MTP layer): k/v caches in fixed-size blocks.
 
 Holds tensors only; which slot or block belongs to whom is the allocators' business.
@@ -20,11 +21,9 @@ from .config import ModelConfig
 class GDNLayerState(NamedTuple):
     recurrent: torch.Tensor     # [S, HV, K, V]
     conv: torch.Tensor          # [S, W-1, conv_dim]
-    pending_conv: torch.Tensor  # [S, P, conv_dim]
-    pending_k: torch.Tensor     # [S, P, HK, K]  l2-normalised keys
-    pending_v: torch.Tensor     # [S, P, HV, V]
-    pending_g: torch.Tensor     # [S, P, HV]     log decay
-    pending_beta: torch.Tensor  # [S, P, HV]
+    pending_conv: torch.Tensor  # [S, P, conv_dim]  raw conv inputs (activation dtype)
+    pending_g: torch.Tensor     # [S, P, HV]        log decay (fp32)
+    pending_beta: torch.Tensor  # [S, P, HV]        (fp32)
     pending_counts: torch.Tensor  # [S] int32, the same tensor for every layer
 
 
@@ -36,16 +35,18 @@ class KVLayer(NamedTuple):
 class StatePool:
     def __init__(self, config: ModelConfig, num_slots: int, max_pending: int, dtype: torch.dtype,
                  device: torch.device | str, state_dtype: torch.dtype = torch.float32,
-                 keep_mtp_hidden: bool = False) -> None:
-        """max_pending: tokens one step may feed per row (k + 1 with k drafts). keep_mtp_hidden:
-        also keep, per slot, the target's hidden states at the positions fed last step (the MTP
-        layer's inputs for the next step's catch-up), [num_slots, max_pending, hidden]."""
-        if max_pending < 1:
-            raise ValueError("max_pending must be >= 1 (one step's new tokens)")
+                 keep_mtp_hidden: bool = False, keep_last_hidden: bool = False) -> None:
+        """max_pending: drafts a slot may hold unfolded, P = k (0 without speculation): a verify
+        step commits its first fed token at once. keep_mtp_hidden: also keep, per slot, the
+        target's hidden states at the k + 1 positions fed last step (the MTP layer's inputs for
+        the next step's catch-up), [num_slots, max_pending + 1, hidden].
+        keep_last_hidden: also keep [num_slots, hidden], the hidden state before a checkpoint's
+        position (the prefix cache computes a fully cached prompt's first logits from it)."""
+        if max_pending < 0:
+            raise ValueError("max_pending must be >= 0")
         self.num_slots, self.max_pending = num_slots, max_pending
         c = config
-        hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
-                          c.linear_value_head_dim)
+        hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         s, p = num_slots, max_pending
 
         self.pending_counts = torch.zeros(num_slots, dtype=torch.int32, device=device)
@@ -55,23 +56,50 @@ class StatePool:
                 recurrent=torch.zeros(s, hv, dk, dv, dtype=state_dtype, device=device),
                 conv=torch.zeros(s, c.linear_conv_kernel_dim - 1, c.conv_dim, dtype=dtype, device=device),
                 pending_conv=torch.zeros(s, p, c.conv_dim, dtype=dtype, device=device),
-                pending_k=torch.zeros(s, p, hk, dk, dtype=dtype, device=device),
-                pending_v=torch.zeros(s, p, hv, dv, dtype=dtype, device=device),
                 pending_g=torch.zeros(s, p, hv, dtype=torch.float32, device=device),
                 pending_beta=torch.zeros(s, p, hv, dtype=torch.float32, device=device),
                 pending_counts=self.pending_counts,
             )
 
         self.layers = [layer() for _ in config.gdn_layer_ids]
-        self.mtp_hidden = (torch.zeros(s, p, c.hidden_size, dtype=dtype, device=device) if keep_mtp_hidden
+        self.mtp_hidden = (torch.zeros(s, p + 1, c.hidden_size, dtype=dtype, device=device) if keep_mtp_hidden
                            else None)
+        self.last_hidden = (torch.zeros(s, c.hidden_size, dtype=dtype, device=device) if keep_last_hidden
+                            else None)
+
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """Every per-slot tensor (slot is dim 0) except the pending counts: what a checkpoint of
+        a slot holds."""
+        per_layer = [t for layer in self.layers for t in layer if t is not self.pending_counts]
+        return per_layer + [t for t in (self.mtp_hidden, self.last_hidden) if t is not None]
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """dst := src, with nothing pending (checkpoints never hold pending tokens)."""
+        for t in self.slot_tensors():
+            t[dst].copy_(t[src])
+        self.pending_counts[dst] = 0
+
+    def save_slot(self, slot: int) -> list[torch.Tensor]:
+        """Host copies of a slot's tensors (pinned when the pool is on CUDA)."""
+        return [_to_host(t[slot]) for t in self.slot_tensors()]
+
+    def load_slot(self, slot: int, saved: list[torch.Tensor]) -> None:
+        for t, host in zip(self.slot_tensors(), saved, strict=True):
+            t[slot].copy_(host, non_blocking=True)
+        self.pending_counts[slot] = 0
 
     @property
     def bytes_per_slot(self) -> int:
-        """Committed state + conv window + pending buffers of one slot, all layers."""
-        per_layer = sum(t[0].numel() * t.element_size() for layer in self.layers for t in layer[:-1])
-        mtp = 0 if self.mtp_hidden is None else self.mtp_hidden[0].numel() * self.mtp_hidden.element_size()
-        return per_layer + mtp + self.pending_counts.element_size()
+        """Committed state + conv window + pending buffers (+ kept hidden states) of one slot."""
+        return sum(t[0].numel() * t.element_size() for t in self.slot_tensors()) + self.pending_counts.element_size()
+
+    @property
+    def bytes_per_slot_without_speculation(self) -> int:
+        """bytes_per_slot of this pool with k = 0: less the pending buffers and the MTP inputs."""
+        speculative = [t for layer in self.layers for t in (layer.pending_conv, layer.pending_g, layer.pending_beta)]
+        if self.mtp_hidden is not None:
+            speculative.append(self.mtp_hidden)
+        return self.bytes_per_slot - sum(t[0].numel() * t.element_size() for t in speculative)
 
 
 class KVPool:
@@ -82,8 +110,39 @@ class KVPool:
         self.layers = [KVLayer(torch.zeros(shape, dtype=dtype, device=device),
                                torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """block dst := block src in every layer, for each (src, dst)."""
+        if not pairs:
+            return
+        device = self.layers[0].k_cache.device
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=device)
+        for layer in self.layers:
+            for cache in layer:
+                cache[dst] = cache[src]
+
+    def save_blocks(self, blocks: list[int]) -> list[torch.Tensor]:
+        """Host copies of the blocks, [k, v] of every layer."""
+        index = torch.tensor(blocks, dtype=torch.int64, device=self.layers[0].k_cache.device)
+        return [_to_host(cache[index]) for layer in self.layers for cache in layer]
+
+    def load_blocks(self, blocks: list[int], saved: list[torch.Tensor]) -> None:
+        index = torch.tensor(blocks, dtype=torch.int64, device=self.layers[0].k_cache.device)
+        caches = [cache for layer in self.layers for cache in layer]
+        for cache, host in zip(caches, saved, strict=True):
+            cache[index] = host.to(cache.device, non_blocking=True)
+
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:
         """K and V of one block in every layer: what sizing a pool before allocating it needs."""
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of t; pinned when t is on CUDA, so copies back can be asynchronous."""
+    if t.device.type != "cuda":
+        return t.clone()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t)
+    return host

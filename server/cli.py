@@ -34,7 +34,10 @@ def _serve(args: argparse.Namespace) -> int:
     model = Path(args.model_path)
     _check_model(model)
     engine_config = EngineConfig(model=model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                                 max_num_seqs=args.max_running, num_draft_tokens=args.num_draft_tokens)
+                                 max_num_seqs=args.max_running, num_draft_tokens=args.num_draft_tokens,
+                                 enable_prefix_cache=not args.no_prefix_cache,
+                                 checkpoint_interval=args.checkpoint_interval,
+                                 host_cache_bytes=int(args.host_cache_gib * 2**30))
     server_config = ServerConfig(model_name=args.served_model_name or model.name, host=args.host, port=args.port,
                                  api_key=args.api_key, max_waiting=args.max_waiting,
                                  max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout)
@@ -90,6 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     serve_parser.add_argument("--served-model-name", default=None,
                               help="the model id clients use (default: the model directory's name)")
     serve_parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get HTTP 413")
+    serve_parser.add_argument("--no-prefix-cache", action="store_true",
+                              help="prefill every prompt in full (prefix reuse is on by default)")
+    serve_parser.add_argument("--checkpoint-interval", type=int, default=512,
+                              help="tokens between the recurrent-state checkpoints a prefill leaves")
+    serve_parser.add_argument("--host-cache-gib", type=float, default=0.0,
+                              help="pinned host memory evicted prefix checkpoints move to (0: none)")
     serve_parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                               help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
     serve_parser.set_defaults(run=_serve)

@@ -119,11 +119,25 @@ class ServerMetrics:
         lines += _header("deltaspec_preemptions_total", "counter", "Requests preempted for lack of KV blocks.")
         lines.append(_sample("deltaspec_preemptions_total", {}, stats["num_preempted"]))
         lines += self._render_spec(stats["spec"])
-        # The engine reports this key once it has a prefix cache; until then nothing hits.
-        lines += _header("deltaspec_prefix_cache_hit_rate", "gauge",
-                         "Share of prompt tokens served from the prefix cache.")
-        lines.append(_sample("deltaspec_prefix_cache_hit_rate", {}, stats.get("prefix_cache_hit_rate", 0.0)))
+        lines += self._render_prefix_cache(stats["prefix_cache"])
         return "\n".join(lines) + "\n"
+
+    @staticmethod
+    def _render_prefix_cache(cache: dict) -> list[str]:
+        lines = []
+        for name, kind, value, help_text in (
+                ("deltaspec_prefix_cache_hit_rate", "gauge", cache["hit_rate"],
+                 "Share of prompt tokens served from the prefix cache."),
+                ("deltaspec_prefix_cache_checkpoints", "gauge", None, "Checkpoints the prefix cache holds."),
+                ("deltaspec_prefix_cache_evictions_total", "counter", cache["evictions"],
+                 "Checkpoints evicted from the GPU (to the host tier or dropped).")):
+            lines += _header(name, kind, help_text)
+            if value is None:
+                lines += [_sample(name, {"tier": "gpu"}, cache["gpu_checkpoints"]),
+                          _sample(name, {"tier": "host"}, cache["host_checkpoints"])]
+            else:
+                lines.append(_sample(name, {}, value))
+        return lines
 
     @staticmethod
     def _render_spec(spec: dict) -> list[str]:

@@ -305,3 +305,12 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     print(make_checkpoint(args.directory, args.family, seed=args.seed))
+
+
+def assert_idle(stats: dict) -> None:
+    """Nothing runs or waits, and every slot and KV block is free or owned by the prefix cache
+    (which pins nothing): no leak."""
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["num_free_slots"] + stats["num_cached_slots"] == stats["num_slots"]
+    assert stats["num_free_kv_blocks"] + stats["num_cached_kv_blocks"] == stats["num_kv_blocks"]
+    assert stats["prefix_cache"]["pinned"] == 0

@@ -9,6 +9,7 @@ import pytest
 
 from deltaspec.engine import AsyncLLM, EngineConfig, SamplingParams
 from deltaspec.engine.core import EngineCore
+from fixtures import assert_idle
 
 
 @dataclass(frozen=True)
@@ -58,10 +59,7 @@ def run_staggered(core: EngineCore, jobs: list[Job]) -> dict[int, object]:
 
 
 def assert_all_free(core: EngineCore) -> None:
-    stats = core.stats()
-    assert stats["num_running"] == stats["num_waiting"] == 0
-    assert stats["num_free_slots"] == stats["num_slots"]
-    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    assert_idle(core.stats())
     assert not core.requests
 
 
@@ -150,7 +148,7 @@ def test_long_prompt_does_not_stall_decodes(checkpoint):
     core = EngineCore(EngineConfig(model=checkpoint("qwen3_5"), max_num_seqs=2, max_num_batched_tokens=33))
     short = core.add_request([1, 2, 3], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     core.step()
-    core.add_request(list(range(1, 301)), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    core.add_request(list(range(100, 400)), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     for _ in range(9):
         plan = core.schedule()
         assert [r.request for r in plan.decode_rows] == [short]
@@ -180,7 +178,7 @@ async def test_async_generate_streams_and_matches_sync(checkpoint):
         assert tokens == expected
         assert text == engine.tokenizer.decode(tokens) or "\ufffd" in text
         assert reasons[-1] == "length" and all(r is None for r in reasons[:-1])
-    assert engine.stats()["num_free_slots"] == engine.stats()["num_slots"]
+    assert_idle(engine.stats())
     await engine.shutdown()
 
 
@@ -208,9 +206,7 @@ async def test_async_abort_and_disconnect_free_resources(checkpoint):
         if engine.stats()["num_running"] == 0:
             break
         await asyncio.sleep(0.01)
-    stats = engine.stats()
-    assert stats["num_running"] == stats["num_waiting"] == 0
-    assert stats["num_free_slots"] == stats["num_slots"] and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    assert_idle(engine.stats())
     assert await engine.abort("unknown") is False
     await engine.shutdown()
 

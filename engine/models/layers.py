@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import Ops
-from ..batch import ForwardBatch
+from ..batch import ForwardBatch, PrefillCheckpoints
 from ..config import ModelConfig
 from ..state_pool import GDNLayerState, KVLayer
 
@@ -22,6 +22,17 @@ from ..state_pool import GDNLayerState, KVLayer
 CheckpointMap = dict[str, tuple[str, tuple]]
 
 ALL = (slice(None),)
+
+
+def checkpoint_conv_windows(x: torch.Tensor, written: PrefillCheckpoints, conv_state: torch.Tensor) -> torch.Tensor:
+    """The conv window at each checkpoint: the W-1 raw inputs before it [N, W-1, C]. x: the
+    prefill group's raw conv inputs [T, C]. A checkpoint closer than W-1 tokens to its row's
+    start is at the row's end (checkpoints sit on chunk-size multiples or the row's end), so its
+    window is the row's final one, which the conv prefill has just written to the row's slot."""
+    width = conv_state.shape[1]
+    index = written.last_token[:, None] - (width - 1) + torch.arange(width, device=x.device)
+    inside = (index[:, 0] >= written.row_start)[:, None, None]
+    return torch.where(inside, x[index.clamp(min=0)], conv_state[written.row_slot])
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -64,6 +75,14 @@ class GatedDeltaNet(nn.Module):
             f"{src}.out_proj.weight": (f"{dst}.out_proj", ALL),
         }
 
+    def _split_heads(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv output [..., conv_dim] -> views q, k [..., HK, K] and v [..., HV, V]."""
+        c = self.c
+        q, k, v = conv_out.split((c.linear_key_dim, c.linear_key_dim, c.linear_value_dim), dim=-1)
+        return (q.unflatten(-1, (c.linear_num_key_heads, c.linear_key_head_dim)),
+                k.unflatten(-1, (c.linear_num_key_heads, c.linear_key_head_dim)),
+                v.unflatten(-1, (c.linear_num_value_heads, c.linear_value_head_dim)))
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state: GDNLayerState, ops: Ops) -> torch.Tensor:
         c, num_tokens = self.c, x.shape[0]
         mixed, z, b, a = F.linear(x, self.in_proj).split(self.splits, dim=-1)
@@ -73,26 +92,32 @@ class GatedDeltaNet(nn.Module):
         dec, pre = batch.decode, batch.prefill
         if dec.num_rows:
             span = slice(dec.token_start, dec.token_end)
-            conv_out[span] = ops.causal_conv1d_decode(mixed[span], self.conv_weight, dec.cu_seqlens, dec.slot_ids,
-                                                      state.conv, state.pending_conv, state.pending_counts, batch.commit)
+            # pending_conv_out [rows, P, conv_dim]: the conv outputs of each row's pending drafts
+            conv_out[span], pending_conv_out = ops.causal_conv1d_decode(
+                mixed[span], self.conv_weight, dec.cu_seqlens, dec.slot_ids, state.conv, state.pending_conv,
+                state.pending_counts, batch.commit)
         if pre.num_rows:
             span = slice(pre.token_start, pre.token_end)
             conv_out[span] = ops.causal_conv1d_prefill(mixed[span], self.conv_weight, pre.cu_seqlens, pre.slot_ids,
                                                        pre.has_initial_state, state.conv)
-        q, k, v = conv_out.split((c.linear_key_dim, c.linear_key_dim, c.linear_value_dim), dim=-1)
-        q = q.view(num_tokens, c.linear_num_key_heads, c.linear_key_head_dim)
-        k = k.view(num_tokens, c.linear_num_key_heads, c.linear_key_head_dim)
-        v = v.view(num_tokens, c.linear_num_value_heads, c.linear_value_head_dim)
+        q, k, v = self._split_heads(conv_out)
         if dec.num_rows:
             span = slice(dec.token_start, dec.token_end)
+            _, pending_k, pending_v = self._split_heads(pending_conv_out)
             core[span] = ops.gdn_decode(q[span], k[span], v[span], a[span], b[span], self.A_log, self.dt_bias,
-                                        dec.cu_seqlens, dec.slot_ids, state.recurrent, state.pending_k,
-                                        state.pending_v, state.pending_g, state.pending_beta, state.pending_counts,
-                                        batch.commit)
+                                        dec.cu_seqlens, dec.slot_ids, state.recurrent, pending_k, pending_v,
+                                        state.pending_g, state.pending_beta, state.pending_counts, batch.commit)
         if pre.num_rows:
             span = slice(pre.token_start, pre.token_end)
+            written = batch.checkpoints
+            saved = (None if written is None
+                     else state.recurrent.new_empty((written.slots.numel(), *state.recurrent.shape[1:])))
             core[span] = ops.gdn_chunked(q[span], k[span], v[span], a[span], b[span], self.A_log, self.dt_bias,
-                                         pre.cu_seqlens, pre.slot_ids, pre.has_initial_state, state.recurrent)
+                                         pre.cu_seqlens, pre.slot_ids, pre.has_initial_state, state.recurrent,
+                                         *(() if written is None else (written.cu, written.lengths, saved)))
+            if written is not None:
+                state.recurrent[written.slots] = saved
+                state.conv[written.slots] = checkpoint_conv_windows(mixed[span], written, state.conv)
         gate = z.reshape(num_tokens, c.linear_num_value_heads, c.linear_value_head_dim)
         core = ops.gated_rms_norm(core, gate, self.norm_weight, c.rms_norm_eps)
         return F.linear(core.reshape(num_tokens, -1), self.out_proj)

@@ -1,0 +1,46 @@
+"""Executes the prefix cache's device work (`CacheOps`) on the pools and keeps the host tier.
+
+Before a step's forward: GPU checkpoints leaving for the host are copied there (their slot and
+blocks may be reused by this very step), dropped host copies are freed, and restores copy a
+checkpoint's slot and KV blocks into the restoring sequence's own (copy-on-restore: the cached
+checkpoint is never written by the sequence that uses it). After the forward: the partial last
+block of each prompt-end checkpoint is copied from the sequence that wrote it.
+
+Knows nothing about which checkpoint is worth keeping: that is prefix_cache.py's business.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .prefix_cache import CacheOps
+from .state_pool import KVPool, StatePool
+
+
+class CheckpointIO:
+    def __init__(self, states: StatePool, kv: KVPool) -> None:
+        self.states, self.kv = states, kv
+        # Host tier: checkpoint id -> (slot tensors, KV blocks) in pinned CPU memory.
+        self.host: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+
+    def before_forward(self, ops: CacheOps) -> None:
+        for offload in ops.offloads:
+            self.host[offload.checkpoint_id] = (self.states.save_slot(offload.slot),
+                                                self.kv.save_blocks(list(offload.blocks)))
+        for checkpoint_id in ops.host_drops:
+            del self.host[checkpoint_id]
+        for restore in ops.restores:
+            if restore.src_slot is not None:
+                self.states.copy_slot(restore.src_slot, restore.dst_slot)
+                self.kv.copy_blocks(list(restore.block_copies))
+            else:
+                slot_tensors, blocks = self.host[restore.host_id]
+                self.states.load_slot(restore.dst_slot, slot_tensors)
+                self.kv.load_blocks(list(restore.host_blocks), blocks)
+            if restore.hidden_to_mtp:
+                # A fully cached prompt: the MTP re-runs the position before the checkpoint with
+                # the token sampled from it, so its catch-up input is that position's hidden state.
+                self.states.mtp_hidden[restore.dst_slot, 0] = self.states.last_hidden[restore.dst_slot]
+
+    def after_forward(self, ops: CacheOps) -> None:
+        self.kv.copy_blocks(list(ops.tail_copies))

@@ -1,0 +1,465 @@
+"""Prompt-prefix reuse for hybrid models: which token prefixes have a restorable checkpoint.
+
+A hybrid model cannot resume from KV blocks alone: a sequence that starts at position q needs
+the recurrent state at q too. A `Checkpoint` at q holds everything a new sequence needs:
+  - one pool slot with the committed recurrent state and conv window at q (nothing pending),
+    the target's post-norm hidden state at q-1 (`last_hidden`, when `has_hidden`: the logits of
+    a fully cached prompt's first token come from it) and, with speculation, the hidden states
+    of positions [mtp_position, q) the MTP catch-up still needs (`mtp_hidden`);
+  - the KV blocks covering [0, q), one reference each (full blocks are shared read-only; a
+    partial last block is the checkpoint's own).
+Checkpoints come from (DESIGN.md, "Prefix cache"):
+  - every `checkpoint_interval`-th block boundary a prefill chunk passes and the exact end of
+    every prompt, written by the chunked GDN kernel during the forward (`CheckpointWrite`);
+  - the end of every finished request (prompt + output): its slot and blocks change owner,
+    nothing is copied.
+Keys: token blocks hashed in a chain (hash of the parent hash and the block's tokens); a
+checkpoint inside a block is found through its last full block's hash and its tail tokens.
+A hit compares the tokens themselves, so a hash collision cannot restore the wrong state.
+Restores copy (copy-on-restore): the restoring sequence shares the full blocks below the first
+position it will write and gets its own copies of the rest and of the slot.
+
+Memory: checkpoints live in slots and KV blocks that running requests do not use; `make_room`
+evicts least-recently-used checkpoints nobody pins, to the host tier when one is configured
+(pinned CPU memory, restored from there later) or for good. A checkpoint is pinned while a
+step restores it and while a session handle (`save`) holds it; a session checkpoint may move
+to the host tier but is never dropped.
+
+Pure Python, like the scheduler that drives it: device copies are described as `CacheOps`
+that the runner executes around the step's forward.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from .allocators import BlockAllocator, SlotAllocator
+
+_ROOT_HASH = 0x9E3779B97F4A7C15  # any constant: ints and tuples of ints hash deterministically
+_MAX_REQUEST_IDS = 16  # finished requests remembered per checkpoint for `save`
+
+
+@dataclass(eq=False)
+class Checkpoint:
+    id: int
+    token_ids: tuple[int, ...]  # the prefix [0, position)
+    mtp_position: int           # the MTP layer's KV is exact below this (position or position - 1)
+    has_hidden: bool            # the slot's last_hidden holds the hidden state at position - 1
+    slot: int | None            # its pool slot while on the GPU
+    blocks: list[int]           # its KV blocks covering [0, position) while on the GPU
+    num_blocks: int             # blocks covering [0, position) wherever it lives
+    on_host: bool = False
+    pins: int = 0               # steps and waiting requests restoring it + session handles
+    sessions: int = 0           # session handles on it (it may move to the host, never be dropped)
+    request_ids: list[str] = field(default_factory=list)  # finished requests it is the end of
+    last_used: int = 0
+
+    @property
+    def position(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class CheckpointHandle:
+    """A saved session: a finished request's tokens (prompt + output) and its checkpoint, which
+    covers all of them but the few never fed (the last sampled token, speculative tokens left
+    pending); a resume feeds those again."""
+
+    handle_id: int
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CheckpointWrite:
+    """A checkpoint a prefill row writes during the forward: the state after `position`
+    tokens (absolute) into `slot`. Its mtp_position is `position`, or position - 1 when the
+    position ends the sequence's known tokens (the MTP has no next token there yet)."""
+
+    position: int
+    slot: int
+    ends_tokens: bool
+
+
+@dataclass(frozen=True)
+class Restore:
+    """Copy a checkpoint into a sequence's fresh slot (pending count 0)."""
+
+    dst_slot: int
+    src_slot: int | None                     # on the GPU: copy slot -> slot
+    host_id: int | None                      # on the host: copy host -> slot and blocks
+    block_copies: tuple[tuple[int, int], ...]  # (src, dst) KV blocks copied on the GPU
+    host_blocks: tuple[int, ...]             # from the host: the destination of every block
+    hidden_to_mtp: bool                      # mtp_hidden[dst, 0] := last_hidden (full hit)
+
+
+@dataclass(frozen=True)
+class Offload:
+    """Copy a GPU checkpoint to the host tier before its slot and blocks are reused."""
+
+    checkpoint_id: int
+    slot: int
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CacheOps:
+    """Device work of one step, in this order: offloads, host drops, restores (all before the
+    forward); tail copies after it (the partial last block of a prompt-end checkpoint)."""
+
+    offloads: tuple[Offload, ...] = ()
+    host_drops: tuple[int, ...] = ()
+    restores: tuple[Restore, ...] = ()
+    tail_copies: tuple[tuple[int, int], ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.offloads or self.host_drops or self.restores or self.tail_copies)
+
+
+@dataclass
+class CacheStats:
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    evictions: int = 0
+    offloads: int = 0
+    host_restores: int = 0
+
+
+@dataclass(frozen=True)
+class _PendingWrite:
+    checkpoint: Checkpoint
+    block_refs: list[int]  # references taken at registration: the row's full blocks
+
+
+class PrefixCache:
+    def __init__(self, slots: SlotAllocator, blocks: BlockAllocator, checkpoint_interval: int, enabled: bool = True,
+                 mtp: bool = False, host_capacity_bytes: int = 0,
+                 checkpoint_bytes: Callable[[int], int] = lambda num_blocks: 0) -> None:
+        """enabled: restore prefixes and write prompt checkpoints (finished requests are kept
+        either way, for `save`). mtp: the engine speculates with the MTP layer, whose KV may be
+        one position behind a checkpoint. checkpoint_bytes(num_blocks): bytes a checkpoint with
+        that many KV blocks takes on the host (its slot's tensors + the blocks)."""
+        self.slots, self.blocks, self.mtp = slots, blocks, mtp
+        self.block_size = blocks.block_size
+        if checkpoint_interval % self.block_size:
+            raise ValueError(f"checkpoint_interval {checkpoint_interval} is not a multiple of the block size "
+                             f"{self.block_size}")
+        self.interval, self.enabled = checkpoint_interval, enabled
+        self.host_capacity_bytes, self._checkpoint_bytes = host_capacity_bytes, checkpoint_bytes
+        self.host_bytes = 0
+        self.stats = CacheStats()
+        self._entries: dict[int, Checkpoint] = {}          # by id
+        self._aligned: dict[int, Checkpoint] = {}          # chain hash of its full blocks -> checkpoint
+        self._tails: dict[int, list[Checkpoint]] = {}      # chain hash of the last full block -> unaligned ones
+        # Finished requests: (their checkpoint, all their tokens), for `save`.
+        self._by_request: dict[str, tuple[Checkpoint, tuple[int, ...]]] = {}
+        self._sessions: dict[int, Checkpoint] = {}         # handle id -> checkpoint
+        self._pending: list[Checkpoint] = []               # written by the step in flight
+        self._ids = itertools.count(1)
+        self._clock = itertools.count(1)
+        self._ops = _OpsBuilder()
+
+    # Lookup ---------------------------------------------------------------------------------
+
+    def lookup(self, token_ids: Sequence[int]) -> Checkpoint | None:
+        """The checkpoint of the longest prefix of token_ids that can be restored: a prefix
+        shorter than token_ids, or all of it when the checkpoint kept the hidden state its
+        next token's logits need."""
+        if not self.enabled:
+            return None
+        hashes = self._chain(token_ids)
+        for j in range(len(hashes) - 1, -1, -1):
+            start = j * self.block_size
+            tails = sorted(self._tails.get(hashes[j], ()), key=lambda c: -c.position)
+            candidates = [c for c in tails if c.position <= len(token_ids)]
+            aligned = self._aligned.get(hashes[j]) if j else None
+            if aligned is not None:
+                candidates.append(aligned)
+            for c in candidates:
+                usable = c.position < len(token_ids) or c.has_hidden
+                if usable and tuple(token_ids[start:c.position]) == c.token_ids[start:] \
+                        and tuple(token_ids[:start]) == c.token_ids[:start]:
+                    c.last_used = next(self._clock)
+                    return c
+        return None
+
+    def has(self, token_ids: Sequence[int]) -> bool:
+        return self._find(tuple(token_ids)) is not None
+
+    def get(self, checkpoint_id: int) -> Checkpoint | None:
+        return self._entries.get(checkpoint_id)
+
+    # Writes and adoption ---------------------------------------------------------------------
+
+    def wants_checkpoint(self, position: int, num_known: int) -> bool:
+        """Whether a prefill pass through `position` should leave a checkpoint there: every
+        interval-th boundary and the end of the known tokens."""
+        return self.enabled and position > 0 and (position % self.interval == 0 or position == num_known)
+
+    def reserve_write(self, token_ids: Sequence[int], block_table: Sequence[int],
+                      ends_tokens: bool) -> CheckpointWrite | None:
+        """A slot (and, for a position inside a block, a tail block copied after the forward)
+        for a checkpoint of token_ids written by this step's forward; None when it is cached
+        already or no room can be made. ends_tokens: token_ids are all the sequence's known
+        tokens, so the MTP's KV stops one position short (its next token is not known yet)."""
+        key = tuple(token_ids)
+        if self._find(key) is not None:
+            return None
+        position = len(key)
+        tail = position % self.block_size != 0
+        if not self.make_room(1, int(tail)):
+            return None
+        slot = self.slots.allocate(1)[0]
+        full = position // self.block_size
+        blocks = list(block_table[:full])
+        tail_block = None
+        if tail:
+            tail_block = self.blocks.allocate(1)[0]
+            self._ops.tail_copies.append((block_table[full], tail_block))
+            blocks.append(tail_block)
+        self.blocks.share(list(block_table[:full]))
+        mtp_position = position - int(self.mtp and ends_tokens)
+        self._pending.append(Checkpoint(next(self._ids), key, mtp_position, True, slot, blocks, len(blocks)))
+        return CheckpointWrite(position, slot, ends_tokens)
+
+    def register_writes(self) -> None:
+        """The step that wrote the reserved checkpoints ran: make them findable."""
+        for checkpoint in self._pending:
+            if self._find(checkpoint.token_ids) is not None:
+                self._drop(checkpoint)  # two rows of one step wrote the same prefix
+            else:
+                self._insert(checkpoint)
+        self._pending.clear()
+
+    def adopt(self, request_id: str, token_ids: Sequence[int], all_token_ids: Sequence[int], mtp_position: int,
+              slot: int, blocks: list[int]) -> bool:
+        """Take over a finished request's slot and the KV blocks covering token_ids, its
+        committed tokens (one reference each), as their checkpoint; False (nothing taken) when
+        that prefix is cached already. all_token_ids: every token of the request, for `save`."""
+        key = tuple(token_ids)
+        existing = self._find(key)
+        checkpoint = existing or Checkpoint(next(self._ids), key, mtp_position, False, slot, list(blocks),
+                                            len(blocks))
+        if existing is None:
+            self._insert(checkpoint)
+        checkpoint.request_ids.append(request_id)
+        self._by_request[request_id] = (checkpoint, tuple(all_token_ids))
+        if len(checkpoint.request_ids) > _MAX_REQUEST_IDS:
+            self._by_request.pop(checkpoint.request_ids.pop(0), None)
+        return existing is None
+
+    # Restore --------------------------------------------------------------------------------
+
+    def restore_plan(self, checkpoint: Checkpoint, full_hit: bool) -> tuple[int, int, int]:
+        """(shared, copied, mtp_position) for restoring `checkpoint`: the sequence shares its
+        first `shared` blocks and needs `copied` fresh blocks for the rest of [0, position).
+        On a full hit the MTP re-runs position - 1 with the sampled token, so it is behind."""
+        mtp_position = checkpoint.mtp_position
+        if full_hit and self.mtp:
+            mtp_position = min(mtp_position, checkpoint.position - 1)
+        if checkpoint.on_host:
+            return 0, checkpoint.num_blocks, mtp_position
+        first_write = min(checkpoint.position, mtp_position)
+        shared = first_write // self.block_size
+        return shared, checkpoint.num_blocks - shared, mtp_position
+
+    def restore(self, checkpoint: Checkpoint, dst_slot: int, full_hit: bool) -> tuple[list[int], int]:
+        """Plan the copy of `checkpoint` into dst_slot; returns the sequence's block table for
+        [0, position) and its mtp_position. The caller made room for the fresh blocks and pins
+        the checkpoint until the step ran."""
+        shared, copied, mtp_position = self.restore_plan(checkpoint, full_hit)
+        fresh = self.blocks.allocate(copied)
+        hidden_to_mtp = mtp_position < checkpoint.mtp_position
+        if checkpoint.on_host:
+            self._ops.restores.append(Restore(dst_slot, None, checkpoint.id, (), tuple(fresh), hidden_to_mtp))
+            self.stats.host_restores += 1
+            table = fresh
+        else:
+            self.blocks.share(checkpoint.blocks[:shared])
+            self._ops.restores.append(Restore(dst_slot, checkpoint.slot, None,
+                                              tuple(zip(checkpoint.blocks[shared:], fresh)), (), hidden_to_mtp))
+            table = checkpoint.blocks[:shared] + fresh
+        checkpoint.last_used = next(self._clock)
+        return table, mtp_position
+
+    def pin(self, checkpoint: Checkpoint) -> None:
+        checkpoint.pins += 1
+
+    def unpin(self, checkpoint: Checkpoint) -> None:
+        if checkpoint.pins <= 0:
+            raise ValueError(f"checkpoint {checkpoint.id} is not pinned")
+        checkpoint.pins -= 1
+
+    def take_ops(self) -> CacheOps:
+        ops, self._ops = self._ops.build(), _OpsBuilder()
+        return ops
+
+    # Sessions -------------------------------------------------------------------------------
+
+    def save(self, request_id: str) -> CheckpointHandle:
+        """Pin the checkpoint of a finished request as a session a later request resumes."""
+        checkpoint, all_token_ids = self._by_request.get(request_id, (None, ()))
+        if checkpoint is None or checkpoint.id not in self._entries:
+            raise ValueError(f"no checkpoint is kept for request {request_id!r} (unknown, evicted, or it "
+                             f"finished before any token was committed)")
+        checkpoint.sessions += 1
+        self.pin(checkpoint)
+        handle = CheckpointHandle(next(self._ids), all_token_ids)
+        self._sessions[handle.handle_id] = checkpoint
+        return handle
+
+    def session(self, handle: CheckpointHandle) -> Checkpoint:
+        """The checkpoint of a saved session (ValueError once it is released)."""
+        checkpoint = self._sessions.get(handle.handle_id) if isinstance(handle, CheckpointHandle) else None
+        if checkpoint is None:
+            raise ValueError("resume_from is not a saved session (or it was released)")
+        return checkpoint
+
+    def release(self, handle: CheckpointHandle) -> None:
+        checkpoint = self.session(handle)
+        del self._sessions[handle.handle_id]
+        checkpoint.sessions -= 1
+        self.unpin(checkpoint)
+
+    # Memory ---------------------------------------------------------------------------------
+
+    def make_room(self, num_slots: int, num_blocks: int) -> bool:
+        """Evict least-recently-used checkpoints until the allocators can hand out num_slots
+        slots and num_blocks blocks; False when the unpinned ones do not free enough."""
+        kept: set[int] = set()  # sessions the host tier turned out to have no room for
+        while not (self.slots.can_allocate(num_slots) and self.blocks.can_allocate(num_blocks)):
+            victim = self._victim(kept)
+            if victim is None:
+                return False
+            if not self._evict(victim):
+                kept.add(victim.id)
+        return True
+
+    def clear(self) -> None:
+        """Drop every checkpoint nobody pins (GPU and host)."""
+        for checkpoint in [c for c in self._entries.values() if c.pins == 0]:
+            self._remove(checkpoint)
+
+    @property
+    def num_gpu_checkpoints(self) -> int:
+        return sum(not c.on_host for c in self._entries.values())
+
+    @property
+    def num_host_checkpoints(self) -> int:
+        return sum(c.on_host for c in self._entries.values())
+
+    def held_slots(self) -> set[int]:
+        return {c.slot for c in [*self._entries.values(), *self._pending] if c.slot is not None}
+
+    def held_blocks(self) -> set[int]:
+        return {b for c in [*self._entries.values(), *self._pending] for b in c.blocks}
+
+    def stats_dict(self) -> dict:
+        s = self.stats
+        return {"enabled": self.enabled, "gpu_checkpoints": self.num_gpu_checkpoints,
+                "host_checkpoints": self.num_host_checkpoints, "host_bytes": self.host_bytes,
+                "pinned": sum(c.pins > 0 for c in self._entries.values()),
+                "prompt_tokens": s.prompt_tokens, "reused_tokens": s.reused_tokens,
+                "hit_rate": s.reused_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+                "evictions": s.evictions, "offloads": s.offloads, "host_restores": s.host_restores}
+
+    # Internals ------------------------------------------------------------------------------
+
+    def _chain(self, token_ids: Sequence[int]) -> list[int]:
+        """hashes[j]: chain hash of the first j full blocks (hashes[0] the root)."""
+        hashes = [_ROOT_HASH]
+        for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
+            hashes.append(hash((hashes[-1], tuple(token_ids[start:start + self.block_size]))))
+        return hashes
+
+    def _find(self, key: tuple[int, ...]) -> Checkpoint | None:
+        hashes = self._chain(key)
+        full = len(key) // self.block_size
+        if len(key) % self.block_size == 0:
+            found = self._aligned.get(hashes[full])
+            return found if found is not None and found.token_ids == key else None
+        return next((c for c in self._tails.get(hashes[full], ()) if c.token_ids == key), None)
+
+    def _insert(self, checkpoint: Checkpoint) -> None:
+        checkpoint.last_used = next(self._clock)
+        self._entries[checkpoint.id] = checkpoint
+        hashes = self._chain(checkpoint.token_ids)
+        full = checkpoint.position // self.block_size
+        if checkpoint.position % self.block_size == 0:
+            self._aligned[hashes[full]] = checkpoint
+        else:
+            self._tails.setdefault(hashes[full], []).append(checkpoint)
+
+    def _victim(self, kept: set[int]) -> Checkpoint | None:
+        """The least recently used GPU checkpoint that may leave the GPU: unpinned, or a
+        session (pinned by its handles alone) when the host tier could take it."""
+        candidates = [c for c in self._entries.values() if not c.on_host and c.id not in kept
+                      and (c.pins == 0 or (c.pins == c.sessions and self._host_fits(c)))]
+        return min(candidates, key=lambda c: c.last_used, default=None)
+
+    def _host_fits(self, checkpoint: Checkpoint) -> bool:
+        return self._checkpoint_bytes(checkpoint.num_blocks) <= self.host_capacity_bytes
+
+    def _evict(self, checkpoint: Checkpoint) -> bool:
+        """Move a checkpoint to the host tier, or drop it; False when it is a session the host
+        tier has no room for (it stays)."""
+        size = self._checkpoint_bytes(checkpoint.num_blocks)
+        if self._host_fits(checkpoint):
+            while self.host_bytes + size > self.host_capacity_bytes:
+                oldest = min((c for c in self._entries.values() if c.on_host and c.pins == 0),
+                             key=lambda c: c.last_used, default=None)
+                if oldest is None:
+                    break
+                self._remove(oldest)
+            if self.host_bytes + size <= self.host_capacity_bytes:
+                self._ops.offloads.append(Offload(checkpoint.id, checkpoint.slot, tuple(checkpoint.blocks)))
+                self._release_gpu(checkpoint)
+                checkpoint.on_host = True
+                self.host_bytes += size
+                self.stats.offloads += 1
+                self.stats.evictions += 1
+                return True
+        if checkpoint.pins:
+            return False
+        self._remove(checkpoint)
+        self.stats.evictions += 1
+        return True
+
+    def _release_gpu(self, checkpoint: Checkpoint) -> None:
+        self.slots.free([checkpoint.slot])
+        self.blocks.free(checkpoint.blocks)
+        checkpoint.slot, checkpoint.blocks = None, []
+
+    def _remove(self, checkpoint: Checkpoint) -> None:
+        """Forget a registered checkpoint and free what it holds."""
+        del self._entries[checkpoint.id]
+        hashes = self._chain(checkpoint.token_ids)
+        full = checkpoint.position // self.block_size
+        if checkpoint.position % self.block_size == 0:
+            del self._aligned[hashes[full]]
+        else:
+            self._tails[hashes[full]].remove(checkpoint)
+            if not self._tails[hashes[full]]:
+                del self._tails[hashes[full]]
+        for request_id in checkpoint.request_ids:
+            self._by_request.pop(request_id, None)
+        self._drop(checkpoint)
+
+    def _drop(self, checkpoint: Checkpoint) -> None:
+        if checkpoint.on_host:
+            self.host_bytes -= self._checkpoint_bytes(checkpoint.num_blocks)
+            self._ops.host_drops.append(checkpoint.id)
+        else:
+            self._release_gpu(checkpoint)
+
+
+@dataclass
+class _OpsBuilder:
+    offloads: list[Offload] = field(default_factory=list)
+    host_drops: list[int] = field(default_factory=list)
+    restores: list[Restore] = field(default_factory=list)
+    tail_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    def build(self) -> CacheOps:
+        return CacheOps(tuple(self.offloads), tuple(self.host_drops), tuple(self.restores), tuple(self.tail_copies))

@@ -1,0 +1,241 @@
+"""Prompt-prefix reuse: output with the prefix cache on equals output with it off (greedy and
+seeded sampling, speculation on and off) for shared system prompts, a multi-turn chat, prompts
+that diverge inside a block and at a block boundary, fully cached prompts, two requests
+restoring one checkpoint at once, eviction to the host tier and back, memory pressure and saved
+sessions; nothing leaks. Plus the pure-Python cache's own rules."""
+
+import random
+
+import pytest
+import torch
+
+from deltaspec.engine import EngineConfig, SamplingParams
+from deltaspec.engine.allocators import BlockAllocator, SlotAllocator
+from deltaspec.engine.core import EngineCore
+from deltaspec.engine.prefix_cache import PrefixCache
+from fixtures import assert_idle
+
+VOCAB = 512
+OPTIONS = dict(checkpoint_interval=64, max_num_batched_tokens=128, max_num_seqs=8)
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+def params(sampled: bool, i: int, max_tokens: int = 10) -> SamplingParams:
+    if sampled:
+        return SamplingParams(max_tokens=max_tokens, temperature=0.9, top_p=0.95, seed=1000 + i, ignore_eos=True)
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def run_batches(core: EngineCore, batches: list[list[tuple[list[int], SamplingParams]]]) -> list:
+    """Submit each batch at once and run it to completion before the next one."""
+    results = []
+    for batch in batches:
+        requests = [core.add_request(prompt, p) for prompt, p in batch]
+        while core.has_work:
+            core.step()
+        results += [(r.output_token_ids, r.spec_stats.as_dict()["accepted_by_position"]) for r in requests]
+    return results
+
+
+def scenario(seed: int, sampled: bool) -> list[list[tuple[list[int], SamplingParams]]]:
+    """Shared system prompt (first alone, then 4 concurrent users), prompts diverging inside a
+    block and exactly at block boundaries (one of them a checkpoint boundary), fully cached
+    prompts (a prompt end, a checkpoint boundary), and two identical prompts at once."""
+    rng = random.Random(seed)
+    system = tokens(rng, 150)
+    users = [tokens(rng, n) for n in (5, 17, 40, 64)]
+    n = iter(range(100))
+    return [
+        [(system + tokens(rng, 9), params(sampled, next(n)))],
+        [(system + u, params(sampled, next(n))) for u in users],
+        [(system[:70] + tokens(rng, 30), params(sampled, next(n))),   # inside a block
+         (system[:80] + tokens(rng, 20), params(sampled, next(n))),   # at a block boundary
+         (system[:128] + tokens(rng, 3), params(sampled, next(n)))],  # at a checkpoint boundary
+        [(system + users[1], params(sampled, next(n))),               # fully cached: a prompt end
+         (system[:128], params(sampled, next(n)))],                   # fully cached: a boundary
+        [(system + users[2], params(sampled, next(n))), (system + users[2], params(sampled, next(n)))],
+    ]
+
+
+def chat(core: EngineCore, seed: int, sampled: bool, turns: int = 6) -> list[list[int]]:
+    """Each turn's prompt is the previous prompt + its answer + a new user message."""
+    rng = random.Random(seed)
+    conversation, answers = tokens(rng, 40), []
+    for turn in range(turns):
+        request = core.add_request(conversation, params(sampled, turn, max_tokens=12))
+        while core.has_work:
+            core.step()
+        answers.append(request.output_token_ids)
+        conversation = conversation + request.output_token_ids + tokens(rng, rng.randint(3, 30))
+    return answers
+
+
+@pytest.mark.parametrize("family, k, sampled", [
+    ("qwen3_5", 0, False), ("qwen3_5", 0, True), ("qwen3_5", 3, False), ("qwen3_5", 3, True),
+    ("qwen3_5_moe", 3, True), ("qwen3_next", 3, True)])
+def test_prefix_cache_is_exact(checkpoint, family, k, sampled):
+    path = checkpoint(family)
+    off = EngineCore(EngineConfig(model=path, enable_prefix_cache=False, num_draft_tokens=k, **OPTIONS))
+    on = EngineCore(EngineConfig(model=path, num_draft_tokens=k, **OPTIONS))
+    # Equal per-position acceptance too: the MTP's restored KV and hidden states are exact.
+    assert run_batches(on, scenario(1, sampled)) == run_batches(off, scenario(1, sampled))
+    assert chat(on, 2, sampled) == chat(off, 2, sampled)
+    stats = on.stats()["prefix_cache"]
+    assert stats["reused_tokens"] > 0.5 * stats["prompt_tokens"]
+    assert off.stats()["prefix_cache"]["reused_tokens"] == 0
+    for core in (on, off):
+        assert_idle(core.stats())
+        core.clear_prefix_cache()
+        stats = core.stats()
+        assert stats["num_free_slots"] == stats["num_slots"] and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_host_tier_evicts_and_restores_exactly(checkpoint, k):
+    """One GPU checkpoint slot: checkpoints keep moving to the host tier and come back."""
+    path = checkpoint("qwen3_5")
+    common = dict(OPTIONS, num_draft_tokens=k, max_num_seqs=2)
+    off = EngineCore(EngineConfig(model=path, enable_prefix_cache=False, **common))
+    on = EngineCore(EngineConfig(model=path, num_checkpoint_slots=1, host_cache_bytes=1 << 30, **common))
+    assert run_batches(on, scenario(3, True)) == run_batches(off, scenario(3, True))
+    assert chat(on, 4, False) == chat(off, 4, False)
+    stats = on.stats()["prefix_cache"]
+    assert stats["offloads"] > 0 and stats["host_restores"] > 0 and stats["host_checkpoints"] > 0
+    assert_idle(on.stats())
+    on.clear_prefix_cache()
+    assert not on.runner.checkpoint_io.host and on.cache.host_bytes == 0
+
+
+def test_cache_shrinks_instead_of_failing(checkpoint):
+    """A KV pool for about two sequences: cached prefixes are evicted to make room, every
+    request completes with the output of an uncached run."""
+    path = checkpoint("qwen3_5")
+    rng = random.Random(5)
+    batches = [[(tokens(rng, rng.randint(100, 200)), params(False, i))] for i in range(8)]
+    batches.append([(batches[0][0][0], params(False, 0))])
+    common = dict(OPTIONS, num_kv_blocks=30)
+    off = EngineCore(EngineConfig(model=path, enable_prefix_cache=False, **common))
+    on = EngineCore(EngineConfig(model=path, **common))
+    assert run_batches(on, batches) == run_batches(off, batches)
+    assert on.stats()["prefix_cache"]["evictions"] > 0
+    assert_idle(on.stats())
+
+
+def test_concurrent_restores_and_isolation(checkpoint):
+    """Many requests restoring the same checkpoints in one step, staggered, some aborted: each
+    equals its run alone."""
+    from test_engine import check_isolation
+    core = check_isolation(checkpoint("qwen3_next"), 24, seed=7, checkpoint_interval=64, max_num_seqs=8,
+                           num_checkpoint_slots=64,
+                           max_num_batched_tokens=128)
+    assert core.stats()["prefix_cache"]["reused_tokens"] > 0
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_saved_session_resumes_without_prefill(checkpoint, k):
+    path = checkpoint("qwen3_5")
+    rng = random.Random(9)
+    first, second = tokens(rng, 90), tokens(rng, 25)
+    core = EngineCore(EngineConfig(model=path, num_draft_tokens=k, enable_prefix_cache=False, **OPTIONS))
+    request = core.add_request(first, params(True, 0, max_tokens=14))
+    while core.has_work:
+        core.step()
+    handle = core.save_checkpoint(request.request_id)
+    assert list(handle.token_ids) == first + request.output_token_ids
+    resumed = core.add_request(second, params(True, 1, max_tokens=14), resume_from=handle)
+    while core.has_work:
+        core.step()
+    reused = core.stats()["prefix_cache"]["reused_tokens"]
+    assert reused >= len(handle.token_ids) - (k + 2)  # all but the tokens never fed
+    reference = EngineCore(EngineConfig(model=path, num_draft_tokens=k, enable_prefix_cache=False, **OPTIONS))
+    expected = reference.add_request(list(handle.token_ids) + second, params(True, 1, max_tokens=14))
+    while reference.has_work:
+        reference.step()
+    assert resumed.output_token_ids == expected.output_token_ids
+    # A session survives cache pressure (pinned) until released.
+    core.clear_prefix_cache()
+    again = core.add_request([], params(True, 1, max_tokens=14), resume_from=handle)
+    while core.has_work:
+        core.step()
+    fresh = reference.add_request(list(handle.token_ids), params(True, 1, max_tokens=14))
+    while reference.has_work:
+        reference.step()
+    assert again.output_token_ids == fresh.output_token_ids
+    core.release_checkpoint(handle)
+    with pytest.raises(ValueError, match="not a saved session"):
+        core.add_request(second, params(True, 1), resume_from=handle)
+    with pytest.raises(ValueError, match="no checkpoint"):
+        core.save_checkpoint("unknown")
+    assert_idle(core.stats())
+
+
+# The pure-Python cache --------------------------------------------------------------------------
+
+def make_cache(num_slots: int = 8, num_blocks: int = 32, host: int = 0) -> PrefixCache:
+    return PrefixCache(SlotAllocator(num_slots), BlockAllocator(num_blocks, 4), checkpoint_interval=8,
+                       host_capacity_bytes=host, checkpoint_bytes=lambda n: 100 + n)
+
+
+def adopt(cache: PrefixCache, token_ids: list[int], name: str) -> None:
+    slot = cache.slots.allocate(1)[0]
+    blocks = cache.blocks.allocate(cache.blocks.blocks_needed(len(token_ids)))
+    assert cache.adopt(name, token_ids, token_ids, len(token_ids), slot, blocks)
+
+
+def test_lookup_takes_the_longest_restorable_prefix():
+    cache = make_cache()
+    adopt(cache, [1, 2, 3, 4, 5, 6], "a")
+    adopt(cache, [1, 2, 3, 4, 5, 6, 7, 8, 9], "b")
+    adopt(cache, [1, 2, 3, 9], "c")
+    assert cache.lookup([1, 2, 3, 4, 5, 6, 7, 8, 9, 10]).position == 9
+    assert cache.lookup([1, 2, 3, 4, 5, 6, 7, 8]).position == 6
+    assert cache.lookup([1, 2, 3, 9, 9]).position == 4
+    assert cache.lookup([1, 2, 3, 4, 5, 7]) is None
+    # Adopted checkpoints keep no hidden state: they never serve a fully cached prompt.
+    assert cache.lookup([1, 2, 3, 4, 5, 6]) is None
+    assert not cache.adopt("d", [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 0], 6, 7, [])  # cached already
+
+
+def test_eviction_is_lru_skips_pinned_and_keeps_sessions():
+    cache = make_cache(num_slots=4, host=250)  # room on the host for two checkpoints (102 bytes each)
+    adopt(cache, [1, 2, 3, 4, 5], "a")
+    adopt(cache, [6, 7, 8, 9, 1], "b")
+    adopt(cache, [2, 2, 2, 2, 2], "c")
+    a = cache.lookup([1, 2, 3, 4, 5, 0])                  # a is now the most recent ...
+    cache.pin(a)                                           # ... and pinned
+    handle = cache.save("b")
+    b, c = cache.session(handle), cache.lookup([2, 2, 2, 2, 2, 0])
+    assert cache.make_room(1, 0) and b.on_host and not c.on_host   # the least recent moves first
+    assert cache.make_room(2, 0) and c.on_host and a.slot is not None
+    assert not cache.make_room(3, 0)                        # only the pinned one is left
+    assert [o.checkpoint_id for o in cache.take_ops().offloads] == [b.id, c.id]
+    assert cache.lookup([2, 2, 2, 2, 2, 0]) is c            # host checkpoints are still found
+    adopt(cache, [3, 3, 3, 3, 3], "d")
+    assert cache.make_room(2, 0)                           # d to the host: c (unpinned) is dropped
+    assert cache.get(c.id) is None and cache.session(handle).on_host
+    cache.release(handle)
+    with pytest.raises(ValueError):
+        cache.release(handle)
+
+
+def test_a_hash_collision_cannot_restore_the_wrong_prefix(monkeypatch):
+    cache = make_cache()
+    adopt(cache, [1, 2, 3, 4, 5], "a")
+    monkeypatch.setattr(cache, "_chain", lambda token_ids: [0] * (len(token_ids) // 4 + 1))
+    assert cache.lookup([9, 9, 9, 9, 5, 1]) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("k", [0, 3])
+def test_prefix_cache_is_exact_on_gpu(checkpoint, k):
+    path = checkpoint("qwen3_5", linear_key_head_dim=64, linear_value_head_dim=64)
+    common = dict(OPTIONS, device="cuda", dtype="float32", num_draft_tokens=k)
+    off = EngineCore(EngineConfig(model=path, enable_prefix_cache=False, **common))
+    on = EngineCore(EngineConfig(model=path, host_cache_bytes=1 << 30, **common))
+    assert run_batches(on, scenario(11, True)) == run_batches(off, scenario(11, True))
+    assert chat(on, 12, False) == chat(off, 12, False)
+    assert_idle(on.stats())
