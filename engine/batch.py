@@ -12,6 +12,8 @@ from typing import Sequence
 
 import torch
 
+from ..kernels.gdn_chunked import CHUNK_SIZE
+
 
 @dataclass(frozen=True)
 class Row:
@@ -35,6 +37,11 @@ class Row:
             raise ValueError("a row must carry at least one token")
         if not 0 <= self.num_logits <= len(self.token_ids):
             raise ValueError(f"num_logits={self.num_logits} outside 0..{len(self.token_ids)}")
+        lengths = [n for n, _ in self.checkpoints]
+        if any(not 0 < n <= len(self.token_ids) or (n % CHUNK_SIZE and n != len(self.token_ids)) for n in lengths) \
+                or lengths != sorted(set(lengths)):
+            raise ValueError(f"checkpoint lengths {lengths} must increase, each in (0, {len(self.token_ids)}] and a "
+                             f"multiple of {CHUNK_SIZE} or the row's length")
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ def load_draft_vocab(model_path: Path, size: int) -> torch.Tensor:
         raise ValueError(f"{path} lists {len(token_ids)} tokens, draft_vocab_size is {size}")
     return torch.tensor(token_ids[:size], dtype=torch.int64)
 
+CHECKPOINT_MEMORY_SHARE = 0.1  # of the pool budget, for prefix-cache checkpoint slots by default
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -79,8 +80,6 @@ class EngineCore:
             logger.warning("the checkpoint has no MTP weights: speculation is off")
         if self.num_draft_tokens and config.draft_vocab_size:
             self.model.use_draft_vocab(load_draft_vocab(path, config.draft_vocab_size))
-        self.num_checkpoint_slots = (config.num_checkpoint_slots if config.num_checkpoint_slots is not None
-                                     else config.max_num_seqs if config.enable_prefix_cache else 0)
         self.states, self.kv = self._allocate_pools()
         self.slots = SlotAllocator(self.states.num_slots)
         self.blocks = BlockAllocator(self.kv.num_blocks, config.block_size)
@@ -225,10 +224,13 @@ class EngineCore:
 
     def _allocate_pools(self) -> tuple[StatePool, KVPool]:
         c, config = self.model_config, self.config
+        layout = dict(max_pending=self.num_draft_tokens, dtype=self.dtype, keep_mtp_hidden=bool(self.num_draft_tokens),
+                      keep_last_hidden=True)
+        budget = self._memory_budget()
+        self.num_checkpoint_slots = self._checkpoint_slots(StatePool(c, 1, device="meta", **layout).bytes_per_slot,
+                                                           budget)
         # Slots: scratch slot 0, one per running sequence, and room for prefix-cache checkpoints.
-        states = StatePool(c, config.max_num_seqs + 1 + self.num_checkpoint_slots, max_pending=self.num_draft_tokens,
-                           dtype=self.dtype, device=self.device, keep_mtp_hidden=bool(self.num_draft_tokens),
-                           keep_last_hidden=True)
+        states = StatePool(c, config.max_num_seqs + 1 + self.num_checkpoint_slots, device=self.device, **layout)
         kv_layers = self.model.num_kv_layers
         bytes_per_block = KVPool.bytes_per_block(kv_layers, config.block_size, c.num_key_value_heads, c.head_dim,
                                                  self.dtype)
@@ -236,7 +238,7 @@ class EngineCore:
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         else:
-            budget = self._memory_budget() - states.num_slots * states.bytes_per_slot
+            budget -= states.num_slots * states.bytes_per_slot
             # More blocks than max_num_seqs full-length sequences can use would sit idle.
             num_blocks = min(budget // max(bytes_per_block, 1), config.max_num_seqs * blocks_per_sequence + 1)
             if num_blocks < 2:
@@ -252,6 +254,16 @@ class EngineCore:
                     (num_blocks - 1) * bytes_per_block / 2**20, (num_blocks - 1) // blocks_per_sequence,
                     self.max_model_len)
         return states, kv
+
+    def _checkpoint_slots(self, bytes_per_slot: int, budget: int) -> int:
+        """Slots for prefix-cache checkpoints: as configured, or a share of the memory budget
+        (at least one per running sequence, at most 256)."""
+        config = self.config
+        if config.num_checkpoint_slots is not None:
+            return config.num_checkpoint_slots
+        if not config.enable_prefix_cache:
+            return 0
+        return min(256, max(config.max_num_seqs, int(CHECKPOINT_MEMORY_SHARE * budget) // max(bytes_per_slot, 1)))
 
     def _memory_budget(self) -> int:
         if self.device.type != "cuda":

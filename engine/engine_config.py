@@ -29,7 +29,7 @@ class EngineConfig:
     draft_vocab_size: int = 0               # >0: drafts from the N most frequent tokens (draft_vocab.json)
     enable_prefix_cache: bool = True        # restore cached prompt prefixes (recurrent checkpoints + KV)
     checkpoint_interval: int = 512          # tokens between the prefix checkpoints a prefill leaves
-    num_checkpoint_slots: int | None = None  # state slots for checkpoints (default: max_num_seqs, 0 if off)
+    num_checkpoint_slots: int | None = None  # state slots for checkpoints (default: 10% of the pool budget)
     host_cache_bytes: int = 0               # host tier: pinned CPU memory evicted checkpoints move to
 
     def __post_init__(self) -> None:

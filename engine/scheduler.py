@@ -264,7 +264,7 @@ class Scheduler:
         if end == request.num_tokens and end not in positions:
             positions.append(end)
         writes = []
-        for position in positions:
+        for position in reversed(positions):  # the longest prefixes first, when slots run short
             if ((position - start) % CHUNK_SIZE and position != end) \
                     or not self.cache.wants_checkpoint(position, request.num_tokens):
                 continue
@@ -272,7 +272,7 @@ class Scheduler:
                                              ends_tokens=position == request.num_tokens)
             if write is not None:
                 writes.append(write)
-        return dataclasses.replace(self._row(request, num_tokens), checkpoints=tuple(writes))
+        return dataclasses.replace(self._row(request, num_tokens), checkpoints=tuple(reversed(writes)))
 
     def _row(self, request: Request, num_tokens: int, num_drafts: int = 0) -> ScheduledRow:
         start, end = request.num_computed_tokens, request.num_computed_tokens + num_tokens

@@ -75,8 +75,8 @@ class StatePool:
 
     def copy_slot(self, src: int, dst: int) -> None:
         """dst := src, with nothing pending (checkpoints never hold pending tokens)."""
-        for t in self.slot_tensors():
-            t[dst].copy_(t[src])
+        tensors = self.slot_tensors()
+        torch._foreach_copy_([t[dst] for t in tensors], [t[src] for t in tensors])  # one launch, not one per tensor
         self.pending_counts[dst] = 0
 
     def save_slot(self, slot: int) -> list[torch.Tensor]:

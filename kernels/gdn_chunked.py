@@ -98,13 +98,14 @@ def _chunked(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 def check_checkpoints(cu_seqlens: torch.Tensor, checkpoint_cu: torch.Tensor | None,
                       checkpoint_lengths: torch.Tensor | None, checkpoint_states: torch.Tensor | None,
-                      state: torch.Tensor) -> bool:
+                      state: torch.Tensor, lengths_checked: bool = False) -> bool:
     """Validates the checkpoint arguments (all three or none); returns whether there are any.
 
     checkpoint_cu [rows+1] int32: CSR offsets, row i owns checkpoints checkpoint_cu[i] ..
     checkpoint_cu[i+1]-1. checkpoint_lengths [N] int32: increasing within a row, each in
     (0, row length] and a multiple of CHUNK_SIZE or the row length. checkpoint_states
-    [N, HV, K, V] (fp32 or bf16, contiguous): written. Reads the lengths on the host (a sync)."""
+    [N, HV, K, V] (fp32 or bf16, contiguous): written. Reads the lengths on the host (a sync)
+    unless the caller says it built them checked (lengths_checked)."""
     given = [x is not None for x in (checkpoint_cu, checkpoint_lengths, checkpoint_states)]
     if not any(given):
         return False
@@ -121,6 +122,8 @@ def check_checkpoints(cu_seqlens: torch.Tensor, checkpoint_cu: torch.Tensor | No
             or not checkpoint_states.is_contiguous()):
         raise ValueError(f"checkpoint_states must be contiguous fp32/bf16 {(num_checkpoints,) + tuple(state.shape[1:])}, "
                          f"got {checkpoint_states.dtype} {tuple(checkpoint_states.shape)}")
+    if lengths_checked:
+        return True
     cu = checkpoint_cu.long().cpu()
     counts = cu[1:] - cu[:-1]
     if int(cu[0]) != 0 or int(cu[-1]) != num_checkpoints or bool((counts < 0).any()):
@@ -141,14 +144,15 @@ def gdn_chunked_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: 
                           A_log: torch.Tensor, dt_bias: torch.Tensor, cu_seqlens: torch.Tensor,
                           slot_ids: torch.Tensor, has_initial_state: torch.Tensor, state: torch.Tensor,
                           checkpoint_cu: torch.Tensor | None = None, checkpoint_lengths: torch.Tensor | None = None,
-                          checkpoint_states: torch.Tensor | None = None) -> torch.Tensor:
+                          checkpoint_states: torch.Tensor | None = None, lengths_checked: bool = False) -> torch.Tensor:
     """Varlen prefill. q, k: [T, HK, K]; v: [T, HV, V]; a, b: [T, HV]; cu_seqlens [rows+1] int32;
     slot_ids [rows] int32 (distinct); has_initial_state [rows] bool; state [slots, HV, K, V].
     Reads the slot's state when has_initial_state (else zeros; the slot is not read) and writes
     the final state back to state[slot]. Checkpoints (optional, see `check_checkpoints`):
     checkpoint_states[j] = the state after the first checkpoint_lengths[j] tokens of its row.
     Returns o [T, HV, V] in v's dtype."""
-    has_checkpoints = check_checkpoints(cu_seqlens, checkpoint_cu, checkpoint_lengths, checkpoint_states, state)
+    has_checkpoints = check_checkpoints(cu_seqlens, checkpoint_cu, checkpoint_lengths, checkpoint_states, state,
+                                        lengths_checked)
     num_rows, num_value_heads = slot_ids.numel(), v.shape[1]
     slots = slot_ids.long()
     lengths, row, index_in_row, max_len = row_layout(cu_seqlens, v.shape[0])
@@ -463,7 +467,7 @@ def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
                 A_log: torch.Tensor, dt_bias: torch.Tensor, cu_seqlens: torch.Tensor,
                 slot_ids: torch.Tensor, has_initial_state: torch.Tensor, state: torch.Tensor,
                 checkpoint_cu: torch.Tensor | None = None, checkpoint_lengths: torch.Tensor | None = None,
-                checkpoint_states: torch.Tensor | None = None) -> torch.Tensor:
+                checkpoint_states: torch.Tensor | None = None, lengths_checked: bool = False) -> torch.Tensor:
     """Triton `gdn_chunked_reference` (same arguments and semantics). q, k, v may be views with
     any token stride (e.g. splits of the conv output) as long as each token's heads are packed;
     a, b likewise. K and V are powers of two, 16 .. 256 (V >= 64 on the GPU)."""
@@ -485,7 +489,8 @@ def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
         and has_initial_state.dtype == torch.bool, "slot_ids int32 [rows], has_initial_state bool [rows]"
     assert state.shape[1:] == (num_value_heads, key_dim, value_dim) and state.is_contiguous() \
         and state.dtype in (torch.float32, torch.bfloat16), "state pool contiguous fp32/bf16 [slots, HV, K, V]"
-    has_checkpoints = check_checkpoints(cu_seqlens, checkpoint_cu, checkpoint_lengths, checkpoint_states, state)
+    has_checkpoints = check_checkpoints(cu_seqlens, checkpoint_cu, checkpoint_lengths, checkpoint_states, state,
+                                        lengths_checked)
     device = q.device
     o = torch.empty(num_tokens, num_value_heads, value_dim, dtype=v.dtype, device=device)
     if num_rows == 0:

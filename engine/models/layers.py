@@ -110,11 +110,14 @@ class GatedDeltaNet(nn.Module):
         if pre.num_rows:
             span = slice(pre.token_start, pre.token_end)
             written = batch.checkpoints
-            saved = (None if written is None
-                     else state.recurrent.new_empty((written.slots.numel(), *state.recurrent.shape[1:])))
+            checkpoints = {}
+            if written is not None:  # lengths checked when the batch was built: no host sync here
+                saved = state.recurrent.new_empty((written.slots.numel(), *state.recurrent.shape[1:]))
+                checkpoints = dict(checkpoint_cu=written.cu, checkpoint_lengths=written.lengths,
+                                   checkpoint_states=saved, lengths_checked=True)
             core[span] = ops.gdn_chunked(q[span], k[span], v[span], a[span], b[span], self.A_log, self.dt_bias,
                                          pre.cu_seqlens, pre.slot_ids, pre.has_initial_state, state.recurrent,
-                                         *(() if written is None else (written.cu, written.lengths, saved)))
+                                         **checkpoints)
             if written is not None:
                 state.recurrent[written.slots] = saved
                 state.conv[written.slots] = checkpoint_conv_windows(mixed[span], written, state.conv)
