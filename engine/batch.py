@@ -15,6 +15,15 @@ import torch
 from ..kernels.gdn_chunked import CHUNK_SIZE
 
 
+def device_tensor(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A tensor of host values on `device` without stalling its stream: a copy from pageable
+    memory waits for all queued GPU work, one from pinned memory is queued like a kernel (the
+    caching host allocator keeps the staging buffer until the copy has run)."""
+    if torch.device(device).type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class Row:
     """The tokens one sequence runs this step.
@@ -114,7 +123,7 @@ class ForwardBatch:
             logits_indices.extend(range(start + len(r.token_ids) - r.num_logits, start + len(r.token_ids)))
 
         def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
+            return device_tensor(values, dtype, device)
 
         def group(first: int, last: int) -> RowGroup:
             base = offsets[first]

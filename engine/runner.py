@@ -33,7 +33,7 @@ import torch
 
 from ..kernels import Ops
 from ..spec import greedy_accept
-from .batch import ForwardBatch, Row
+from .batch import ForwardBatch, Row, device_tensor
 from .checkpoint_io import CheckpointIO
 from .cuda_graphs import DecodeGraphs
 from .models import HybridLM
@@ -331,13 +331,13 @@ class Runner:
     def _filter_columns(self, params: list) -> tuple[torch.Tensor, ...]:
         """Per-row (temperature, top_k, top_p, min_p) tensors of the sampling ops."""
         def column(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=self.device)
+            return device_tensor(values, dtype, self.device)
 
         return (column([p.temperature for p in params], torch.float32), column([p.top_k for p in params], torch.int64),
                 column([p.top_p for p in params], torch.float32), column([p.min_p for p in params], torch.float32))
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+        return device_tensor(values, torch.int64, self.device)
 
     @staticmethod
     def _row(row: ScheduledRow) -> Row:
