@@ -65,10 +65,15 @@ class Checkpoint:
 class CheckpointHandle:
     """A saved session: a finished request's tokens (prompt + output) and its checkpoint, which
     covers all of them but the few never fed (the last sampled token, speculative tokens left
-    pending); a resume feeds those again."""
+    pending); a resume feeds those again. `release()` frees it (the engine's
+    `release_checkpoint(handle)` does the same)."""
 
     handle_id: int
     token_ids: tuple[int, ...]
+    _release: Callable[["CheckpointHandle"], None] = field(repr=False, compare=False, default=lambda handle: None)
+
+    def release(self) -> None:
+        self._release(self)
 
 
 @dataclass(frozen=True)
@@ -305,7 +310,7 @@ class PrefixCache:
                              f"finished before any token was committed)")
         checkpoint.sessions += 1
         self.pin(checkpoint)
-        handle = CheckpointHandle(next(self._ids), all_token_ids)
+        handle = CheckpointHandle(next(self._ids), all_token_ids, self.release)
         self._sessions[handle.handle_id] = checkpoint
         return handle
 

@@ -4,16 +4,18 @@ that diverge inside a block and at a block boundary, fully cached prompts, two r
 restoring one checkpoint at once, eviction to the host tier and back, memory pressure and saved
 sessions; nothing leaks. Plus the pure-Python cache's own rules."""
 
+import asyncio
 import random
 
 import pytest
 import torch
 
-from deltaspec.engine import EngineConfig, SamplingParams
+from deltaspec.engine import AsyncLLM, EngineConfig, SamplingParams
 from deltaspec.engine.allocators import BlockAllocator, SlotAllocator
 from deltaspec.engine.core import EngineCore
 from deltaspec.engine.prefix_cache import PrefixCache
 from fixtures import assert_idle
+from test_engine import check_isolation
 
 VOCAB = 512
 OPTIONS = dict(checkpoint_interval=64, max_num_batched_tokens=128, max_num_seqs=8)
@@ -127,7 +129,6 @@ def test_cache_shrinks_instead_of_failing(checkpoint):
 def test_concurrent_restores_and_isolation(checkpoint):
     """Many requests restoring the same checkpoints in one step, staggered, some aborted: each
     equals its run alone."""
-    from test_engine import check_isolation
     core = check_isolation(checkpoint("qwen3_next"), 24, seed=7, checkpoint_interval=64, max_num_seqs=8,
                            num_checkpoint_slots=64,
                            max_num_batched_tokens=128)
@@ -170,6 +171,33 @@ def test_saved_session_resumes_without_prefill(checkpoint, k):
     with pytest.raises(ValueError, match="no checkpoint"):
         core.save_checkpoint("unknown")
     assert_idle(core.stats())
+
+
+async def test_async_sessions(checkpoint):
+    """AsyncLLM: save a finished request, resume it twice concurrently (a fork), release."""
+    path = checkpoint("qwen3_5")
+    engine = AsyncLLM(path, num_draft_tokens=2, **OPTIONS)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    first = [t async for delta in engine.generate(list(range(1, 80)), params, request_id="turn1")
+             for t in delta.token_ids]
+    handle = engine.save_checkpoint("turn1")
+    assert list(handle.token_ids) == list(range(1, 80)) + first
+
+    async def resume(prompt):
+        return [t async for delta in engine.generate(prompt, params, resume_from=handle) for t in delta.token_ids]
+
+    forks = await asyncio.gather(resume([5, 6, 7]), resume([8, 9]))
+    reference = EngineCore(EngineConfig(model=path, num_draft_tokens=2, enable_prefix_cache=False, **OPTIONS))
+    for prompt, fork in zip(([5, 6, 7], [8, 9]), forks):
+        request = reference.add_request(list(handle.token_ids) + prompt, params)
+        while reference.has_work:
+            reference.step()
+        assert fork == request.output_token_ids
+    handle.release()
+    with pytest.raises(ValueError, match="not a saved session"):
+        engine.release_checkpoint(handle)
+    assert_idle(engine.stats())
+    await engine.shutdown()
 
 
 # The pure-Python cache --------------------------------------------------------------------------
