@@ -118,9 +118,6 @@ class CacheOps:
     restores: tuple[Restore, ...] = ()
     tail_copies: tuple[tuple[int, int], ...] = ()
 
-    def __bool__(self) -> bool:
-        return bool(self.offloads or self.host_drops or self.restores or self.tail_copies)
-
 
 @dataclass
 class CacheStats:
@@ -129,12 +126,6 @@ class CacheStats:
     evictions: int = 0
     offloads: int = 0
     host_restores: int = 0
-
-
-@dataclass(frozen=True)
-class _PendingWrite:
-    checkpoint: Checkpoint
-    block_refs: list[int]  # references taken at registration: the row's full blocks
 
 
 class PrefixCache:
@@ -189,9 +180,6 @@ class PrefixCache:
                     return c
         return None
 
-    def has(self, token_ids: Sequence[int]) -> bool:
-        return self._find(tuple(token_ids)) is not None
-
     def get(self, checkpoint_id: int) -> Checkpoint | None:
         return self._entries.get(checkpoint_id)
 
@@ -218,12 +206,10 @@ class PrefixCache:
         slot = self.slots.allocate(1)[0]
         full = position // self.block_size
         blocks = list(block_table[:full])
-        tail_block = None
-        if tail:
-            tail_block = self.blocks.allocate(1)[0]
-            self._ops.tail_copies.append((block_table[full], tail_block))
-            blocks.append(tail_block)
-        self.blocks.share(list(block_table[:full]))
+        self.blocks.share(blocks)
+        if tail:  # the sequence goes on writing its last block: the checkpoint gets a copy
+            blocks += self.blocks.allocate(1)
+            self._ops.tail_copies.append((block_table[full], blocks[-1]))
         mtp_position = position - int(self.mtp and ends_tokens)
         self._pending.append(Checkpoint(next(self._ids), key, mtp_position, True, slot, blocks, len(blocks)))
         return CheckpointWrite(position, slot, ends_tokens)
