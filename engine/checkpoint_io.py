@@ -26,21 +26,21 @@ class CheckpointIO:
     def before_forward(self, ops: CacheOps) -> None:
         for offload in ops.offloads:
             self.host[offload.checkpoint_id] = (self.states.save_slot(offload.slot),
-                                                self.kv.save_blocks(list(offload.blocks)))
+                                                self.kv.save_blocks(offload.blocks))
         for checkpoint_id in ops.host_drops:
             del self.host[checkpoint_id]
         for restore in ops.restores:
             if restore.src_slot is not None:
                 self.states.copy_slot(restore.src_slot, restore.dst_slot)
-                self.kv.copy_blocks(list(restore.block_copies))
+                self.kv.copy_blocks(restore.block_copies)
             else:
                 slot_tensors, blocks = self.host[restore.host_id]
                 self.states.load_slot(restore.dst_slot, slot_tensors)
-                self.kv.load_blocks(list(restore.host_blocks), blocks)
+                self.kv.load_blocks(restore.host_blocks, blocks)
             if restore.hidden_to_mtp:
                 # A fully cached prompt: the MTP re-runs the position before the checkpoint with
                 # the token sampled from it, so its catch-up input is that position's hidden state.
                 self.states.mtp_hidden[restore.dst_slot, 0] = self.states.last_hidden[restore.dst_slot]
 
     def after_forward(self, ops: CacheOps) -> None:
-        self.kv.copy_blocks(list(ops.tail_copies))
+        self.kv.copy_blocks(ops.tail_copies)

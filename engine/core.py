@@ -83,12 +83,9 @@ class EngineCore:
         self.states, self.kv = self._allocate_pools()
         self.slots = SlotAllocator(self.states.num_slots)
         self.blocks = BlockAllocator(self.kv.num_blocks, config.block_size)
-        bytes_per_block = KVPool.bytes_per_block(self.model.num_kv_layers, config.block_size,
-                                                 self.model_config.num_key_value_heads, self.model_config.head_dim,
-                                                 self.dtype)
         self.cache = PrefixCache(self.slots, self.blocks, config.checkpoint_interval, config.enable_prefix_cache,
                                  mtp=bool(self.num_draft_tokens), host_capacity_bytes=config.host_cache_bytes,
-                                 checkpoint_bytes=lambda n: self.states.bytes_per_slot + n * bytes_per_block)
+                                 checkpoint_bytes=lambda n: self.states.bytes_per_slot + n * self.kv.block_bytes)
         policy = (AdaptivePolicy(self.num_draft_tokens, enabled=config.adaptive_draft_length)
                   if self.num_draft_tokens else None)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, policy,

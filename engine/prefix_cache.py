@@ -274,6 +274,11 @@ class PrefixCache:
         checkpoint.last_used = next(self._clock)
         return table, mtp_position
 
+    def count_admission(self, num_tokens: int, reused: int) -> None:
+        """A request started with `reused` of its `num_tokens` tokens restored (the hit rate)."""
+        self.stats.prompt_tokens += num_tokens
+        self.stats.reused_tokens += reused
+
     def pin(self, checkpoint: Checkpoint) -> None:
         checkpoint.pins += 1
 

@@ -172,7 +172,8 @@ class Runner:
 
     def _keep_checkpoint_hidden(self, batch: ForwardBatch, hidden: torch.Tensor) -> None:
         """Checkpoints the forward wrote keep the hidden state of their last position (a full
-        hit's logits; the MTP catch-up of a checkpoint one position behind) and nothing pending."""
+        hit's logits; the MTP catch-up of a checkpoint one position behind). Their pending
+        counts are never read: a restore zeroes the destination's."""
         written = batch.checkpoints
         if written is None:
             return
@@ -180,7 +181,6 @@ class Runner:
         self.states.last_hidden[written.slots] = last
         if self.states.mtp_hidden is not None:
             self.states.mtp_hidden[written.slots, 0] = last
-        self.states.pending_counts[written.slots] = 0
 
     def draft_with_mtp(self, rows: tuple[ScheduledRow, ...]) -> torch.Tensor | None:
         """Greedy drafts [B, max k] for the decode rows (None when no row drafts). Every row

@@ -228,7 +228,8 @@ class Scheduler:
             shared = self.cache.restore_plan(hit, full_hit)[0]
             if request.resume_from is None:
                 self.cache.pin(hit)  # a resumed session arrives pinned by its request
-        if not self.cache.make_room(1, self.blocks.blocks_needed(start + chunk) - shared):
+        num_blocks = self.blocks.blocks_needed(start + chunk)
+        if not self.cache.make_room(1, num_blocks - shared):
             if hit is not None and request.resume_from is None:
                 self.cache.unpin(hit)
             return None
@@ -239,9 +240,8 @@ class Scheduler:
             request.num_computed_tokens = start
             request.resume_from = None
             pinned.append(hit)
-        request.block_table += self.blocks.allocate(self.blocks.blocks_needed(start + chunk) - len(request.block_table))
-        self.cache.stats.prompt_tokens += request.num_tokens
-        self.cache.stats.reused_tokens += start
+        request.block_table += self.blocks.allocate(num_blocks - len(request.block_table))
+        self.cache.count_admission(request.num_tokens, start)
         return chunk
 
     def _chunk(self, request: Request, start: int, budget: int) -> int:

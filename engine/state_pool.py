@@ -11,7 +11,7 @@ Holds tensors only; which slot or block belongs to whom is the allocators' busin
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -109,8 +109,9 @@ class KVPool:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.layers = [KVLayer(torch.zeros(shape, dtype=dtype, device=device),
                                torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+        self.block_bytes = self.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """block dst := block src in every layer, for each (src, dst)."""
         if not pairs:
             return
@@ -121,12 +122,12 @@ class KVPool:
             for cache in layer:
                 cache[dst] = cache[src]
 
-    def save_blocks(self, blocks: list[int]) -> list[torch.Tensor]:
+    def save_blocks(self, blocks: Sequence[int]) -> list[torch.Tensor]:
         """Host copies of the blocks, [k, v] of every layer."""
         index = torch.tensor(blocks, dtype=torch.int64, device=self.layers[0].k_cache.device)
         return [_to_host(cache[index]) for layer in self.layers for cache in layer]
 
-    def load_blocks(self, blocks: list[int], saved: list[torch.Tensor]) -> None:
+    def load_blocks(self, blocks: Sequence[int], saved: list[torch.Tensor]) -> None:
         index = torch.tensor(blocks, dtype=torch.int64, device=self.layers[0].k_cache.device)
         caches = [cache for layer in self.layers for cache in layer]
         for cache, host in zip(caches, saved, strict=True):
