@@ -1,0 +1,105 @@
+"""Where a model step's GPU time goes: per-kernel device time of one decode (or verify) step of a
+random checkpoint, grouped by kernel, beside the step's CUDA-graph replay time. The gap between
+the replay and the sum of kernel times is what the graph's node launches cost.
+
+    python bench/profile_step.py [--shape 0.8b] [--batches 1,64] [--verify-drafts 3]
+
+Writes bench/results/profile-<gpu>.json and prints the top kernels per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from common import commit_id, device_tag, graph_time_us  # noqa: E402
+from spec_step import BLOCK, CONTEXT, random_model  # noqa: E402
+from deltaspec.engine.batch import ForwardBatch, Row  # noqa: E402
+from deltaspec.engine.state_pool import KVPool, StatePool  # noqa: E402
+
+PROFILED_STEPS = 5
+
+
+def kernel_table(step, steps: int) -> tuple[list[dict], int]:
+    """(kernels grouped by name with device µs per step, kernel launches per step)."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = collections.defaultdict(float)
+    counts: dict[str, int] = collections.Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] += event.device_time
+            counts[event.name] += 1
+    rows = [{"kernel": name[:120], "us_per_step": t / steps, "launches_per_step": counts[name] / steps}
+            for name, t in sorted(totals.items(), key=lambda kv: -kv[1])]
+    return rows, sum(counts.values()) // steps
+
+
+def measure(model, batch: int, num_drafts: int) -> dict:
+    config, dtype, device = model.config, torch.bfloat16, "cuda"
+    blocks_per_row = (CONTEXT + num_drafts + 1) // BLOCK + 1
+    states = StatePool(config, batch + 1, num_drafts, dtype, device, keep_mtp_hidden=num_drafts > 0)
+    kv = KVPool(model.num_kv_layers, batch * blocks_per_row + 1, BLOCK, config.num_key_value_heads, config.head_dim,
+                dtype, device)
+    tables = [list(range(1 + r * blocks_per_row, 1 + (r + 1) * blocks_per_row)) for r in range(batch)]
+    generator = torch.Generator().manual_seed(batch)
+    tokens = num_drafts + 1
+    with torch.inference_mode():
+        prefill = ForwardBatch.build([], [Row(torch.randint(0, config.vocab_size, (CONTEXT,), generator=generator)
+                                              .tolist(), 0, r + 1, tables[r]) for r in range(batch)], BLOCK, device)
+        model(prefill, states, kv)
+        rows = [Row(torch.randint(0, config.vocab_size, (tokens,), generator=generator).tolist(), CONTEXT, r + 1,
+                    tables[r], num_logits=tokens) for r in range(batch)]
+        step_batch = ForwardBatch.build(rows, [], BLOCK, device, commit=num_drafts == 0)
+
+        def step():
+            return model.compute_logits(model(step_batch, states, kv)).argmax(dim=-1)
+
+        for _ in range(3):
+            step()
+        graph_us = graph_time_us(lambda _: step(), 4)
+        kernels, launches = kernel_table(step, PROFILED_STEPS)
+    kernel_us = sum(k["us_per_step"] for k in kernels)
+    return {"batch": batch, "tokens_per_row": tokens, "graph_replay_us": graph_us, "kernel_sum_us": kernel_us,
+            "launches_per_step": launches, "graph_overhead_us": graph_us - kernel_us, "kernels": kernels[:40]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="0.8b")
+    parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--verify-drafts", type=int, default=3, help="also profile verify with this many drafts (0: no)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    model = random_model(args.shape, "cuda", torch.bfloat16)
+    name = torch.cuda.get_device_name()
+    results = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        for drafts in sorted({0, args.verify_drafts}):
+            results.append(measure(model, batch, drafts))
+    report = {"benchmark": "profile_step", "device": name, "shape": args.shape, "dtype": "bfloat16",
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "commit": commit_id(), "command": " ".join(["python"] + sys.argv), "context": CONTEXT,
+              "results": results}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"profile-{device_tag(name)}.json"
+    path.write_text(json.dumps(report, indent=2))
+    for r in results:
+        print(f"\nB={r['batch']} tokens/row={r['tokens_per_row']}: graph {r['graph_replay_us']:.0f} us, kernels "
+              f"{r['kernel_sum_us']:.0f} us in {r['launches_per_step']} launches")
+        for k in r["kernels"][:14]:
+            print(f"  {k['us_per_step']:8.1f} us  x{k['launches_per_step']:5.1f}  {k['kernel'][:90]}")
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
