@@ -21,9 +21,9 @@ Every step reads and writes the KV and state pools in place, so each call is a f
 On CUDA each step is captured in a CUDA graph and timed as a replay (common.graph_time_us): at
 this size an eager step is bound by the host launching its kernels (eager decode measured 11-24 ms
 against ~1.8 ms graphed on an H200), so eager ratios compare launch counts, not work. The eager
-time (events around back-to-back calls) is kept beside it under "eager_ms": the engine replays
-graphs for plain decode steps only and runs speculative steps eagerly. On the CPU (a smoke
-test) every step is timed eagerly with the wall clock.
+time (events around back-to-back calls) is kept beside it under "eager_ms" (the engine replays
+graphs for decode-only steps, plain and speculative: cuda_graphs.py). On the CPU (a smoke test)
+every step is timed eagerly with the wall clock.
 
 Speedup for mean accepted length L at draft length k: L * decode / (verify(k) + k * draft).
 """

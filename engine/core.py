@@ -25,13 +25,14 @@ from .allocators import BlockAllocator, SlotAllocator
 from ..spec import AdaptivePolicy, SpecStats
 from .config import ModelConfig
 from .models import HybridLM
-from .cuda_graphs import DecodeGraphs
+from .cuda_graphs import DecodeGraphs, SpecGraphs
 from .engine_config import EngineConfig
 from .prefix_cache import CheckpointHandle, PrefixCache
 from .request import Request, RequestDelta
 from .runner import Runner, StepOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, StepPlan
+from .spec_decode import SpecDecoder
 from .state_pool import KVPool, StatePool
 from .tokenizer import Tokenizer
 from .weights import load_model
@@ -90,9 +91,10 @@ class EngineCore:
                   if self.num_draft_tokens else None)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, policy,
                                                    self.max_model_len), self.slots, self.blocks, self.cache)
+        spec = SpecDecoder(self.model, self.states, self.kv, config.block_size) if self.num_draft_tokens else None
         self.runner = Runner(self.model, self.states, self.kv, self.ops, config.block_size, self.device,
-                             None if self.num_draft_tokens else self._capture_graphs(),
-                             speculative=bool(self.num_draft_tokens))
+                             graphs=self._decode_graphs() if spec is None else None, spec=spec,
+                             spec_graphs=self._spec_graphs(spec) if spec is not None else None)
         self.spec_stats = SpecStats()
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -207,14 +209,33 @@ class EngineCore:
             "spec": self.spec_stats.as_dict(),
         }
 
-    def _capture_graphs(self) -> DecodeGraphs | None:
-        """Decode graphs need CUDA and kernels free of host syncs (the Triton table)."""
-        if not (self.config.enable_cuda_graphs and self.device.type == "cuda" and self.ops.name == "triton"):
+    @property
+    def _graphs_enabled(self) -> bool:
+        """Graphs need CUDA and kernels free of host syncs (the Triton table)."""
+        return self.config.enable_cuda_graphs and self.device.type == "cuda" and self.ops.name == "triton"
+
+    @property
+    def _max_blocks_per_row(self) -> int:
+        """A row's block table at most: the context plus room for k drafts' positions."""
+        return -(-(self.max_model_len + self.num_draft_tokens) // self.config.block_size)
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        if not self._graphs_enabled:
             return None
         graphs = DecodeGraphs(self.model, self.states, self.kv, self.config.block_size, self.config.max_num_seqs,
-                              -(-self.max_model_len // self.config.block_size), self.device)
+                              self._max_blocks_per_row, self.device)
         graphs.capture()
         logger.info("captured CUDA graphs for decode batch sizes %s", graphs.buckets)
+        return graphs
+
+    def _spec_graphs(self, spec: SpecDecoder) -> SpecGraphs | None:
+        if not self._graphs_enabled:
+            return None
+        graphs = SpecGraphs(spec, self.config.max_num_seqs, self._max_blocks_per_row, self.num_draft_tokens,
+                            self.device)
+        graphs.capture()
+        logger.info("captured CUDA graphs for speculative steps: batch sizes %s x drafts 0..%d", graphs.buckets,
+                    self.num_draft_tokens)
         return graphs
 
     # Memory -------------------------------------------------------------------------------
@@ -231,7 +252,7 @@ class EngineCore:
         kv_layers = self.model.num_kv_layers
         bytes_per_block = KVPool.bytes_per_block(kv_layers, config.block_size, c.num_key_value_heads, c.head_dim,
                                                  self.dtype)
-        blocks_per_sequence = -(-self.max_model_len // config.block_size)
+        blocks_per_sequence = self._max_blocks_per_row
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         else:
@@ -271,6 +292,10 @@ class EngineCore:
         # plus float32 logits of every sampled row.
         width = 6 * c.hidden_size + 3 * max(c.intermediate_size, c.conv_dim + c.linear_value_dim,
                                              c.num_experts_per_tok * c.moe_intermediate_size)
-        activations = (self.config.max_num_batched_tokens * width * torch.finfo(self.dtype).bits // 8
-                       + self.config.max_num_seqs * c.vocab_size * 4 * 2)
+        # Speculative decode rows run k + 1 tokens each (the verify logits of every one are kept
+        # in the model's dtype, float32 copies of sampled rows').
+        rows = self.config.max_num_seqs * (self.num_draft_tokens + 1)
+        tokens = max(self.config.max_num_batched_tokens, rows)
+        activations = (tokens * width * torch.finfo(self.dtype).bits // 8
+                       + rows * c.vocab_size * (4 + torch.finfo(self.dtype).bits // 8) * 2)
         return int(free * self.config.gpu_memory_utilization) - activations

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps: one graph per batch-size bucket, captured at start-up.
+"""CUDA graphs for decode steps, captured at start-up per batch-size bucket.
 
 A decode step (every row feeds one token through the recurrent kernels) is dozens of small
 launches per layer; replaying a captured graph removes their launch cost. Each bucket's graph
@@ -6,8 +6,13 @@ reads its inputs from static buffers; a step with B rows copies its metadata int
 entries and pads the rest of the bucket with rows that point at scratch slot 0 and scratch KV
 block 0 (context length 1), so a padding row never touches a real sequence's state.
 
+`DecodeGraphs`: plain decode steps (no speculation), one graph per bucket.
+`SpecGraphs`: the speculative stages of spec_decode.py, a draft graph and a verify graph per
+(bucket, K drafts per row); the verify graph reads the draft graph's output, so between the two
+replays the drafts can be edited in place.
+
 Requires kernels with no host synchronisation and launch parameters that depend only on tensor
-shapes (the Triton table). Knows nothing about requests: it is handed `Row`s.
+shapes (the Triton table). Knows nothing about requests: it is handed `Row`s / `SpecRow`s.
 """
 
 from __future__ import annotations
@@ -18,12 +23,23 @@ import torch
 
 from .batch import ForwardBatch, Row, RowGroup
 from .models import HybridLM
+from .spec_decode import SpecDecoder, SpecRow, SpecRows, Verified, pack_rows
 from .state_pool import KVPool, StatePool
 
 
 def default_buckets(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every 16 up to max_batch (padding wastes at most 15 rows)."""
     return sorted({b for b in (1, 2, 4, 8, *range(16, max_batch, 16)) if b < max_batch} | {max_batch})
+
+
+def _warm_up(run, times: int) -> None:
+    """Run eagerly on a side stream before a capture: compiles every kernel, sizes workspaces."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(times):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
 
 
 @dataclass
@@ -73,12 +89,7 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         for bucket in sorted(self.buckets, reverse=True):  # largest first: the pool fits the rest
             batch = self.batch_for(bucket)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up compiles every kernel outside the capture
-                for _ in range(2):
-                    self.model.compute_logits(self.model(batch, self.states, self.kv))
-            torch.cuda.current_stream().wait_stream(stream)
+            _warm_up(lambda: self.model.compute_logits(self.model(batch, self.states, self.kv)), 2)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 logits = self.model.compute_logits(self.model(batch, self.states, self.kv))
@@ -113,3 +124,67 @@ class DecodeGraphs:
         entry = self.graphs[bucket]
         entry.graph.replay()
         return entry.logits[:n]
+
+
+@dataclass
+class _SpecGraph:
+    draft: torch.cuda.CUDAGraph
+    drafts: torch.Tensor     # [bucket, K] written by the draft replay, read by the verify replay
+    verify: torch.cuda.CUDAGraph
+    verified: Verified       # written by the verify replay
+
+
+class SpecGraphs:
+    def __init__(self, decoder: SpecDecoder, max_batch: int, max_blocks_per_row: int, max_drafts: int,
+                 device: torch.device) -> None:
+        self.decoder, self.max_blocks, self.max_drafts = decoder, max_blocks_per_row, max_drafts
+        self.buckets = default_buckets(max_batch)
+        model = decoder.model
+        # Static inputs (all zeros: padding rows) and the verify logits of every graph.
+        self.rows = SpecRows(torch.zeros(max_batch, decoder.catch_up + 6, dtype=torch.int64, device=device),
+                             torch.zeros(max_batch, max_blocks_per_row, dtype=torch.int32, device=device))
+        self.logits = torch.empty(max_batch * (max_drafts + 1), model.config.vocab_size,
+                                  dtype=model.embed_tokens.dtype, device=device)
+        self.graphs: dict[tuple[int, int], _SpecGraph] = {}
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        decoder = self.decoder
+        for bucket in sorted(self.buckets, reverse=True):  # largest first: the pool fits the rest
+            rows = self.rows.head(bucket)
+            for num_drafts in range(self.max_drafts, -1, -1):
+                logits = self.logits[:bucket * (num_drafts + 1)]
+                _warm_up(lambda: decoder.verify(rows, decoder.draft(rows, num_drafts), logits), 1)
+                draft = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(draft, pool=pool):
+                    drafts = decoder.draft(rows, num_drafts)
+                verify = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(verify, pool=pool):
+                    verified = decoder.verify(rows, drafts, logits)
+                self.graphs[bucket, num_drafts] = _SpecGraph(draft, drafts, verify, verified)
+        torch.cuda.synchronize()
+
+    def can_run(self, rows: list[SpecRow], num_drafts: int) -> bool:
+        return (0 < len(rows) <= self.buckets[-1] and num_drafts <= self.max_drafts
+                and all(len(r.block_table) <= self.max_blocks for r in rows))
+
+    def draft(self, rows: list[SpecRow], num_drafts: int) -> tuple[SpecRows, torch.Tensor]:
+        """Copy the rows into the static inputs and replay the draft graph -> (the bucket's
+        SpecRows, its drafts [bucket, K]). Block-table columns past the widest row keep stale
+        values: no position of any row reaches them."""
+        bucket = next(b for b in self.buckets if b >= len(rows))
+        width = max(len(r.block_table) for r in rows)
+        packed, tables = pack_rows(rows, self.decoder.catch_up, self.decoder.block_size, bucket, width,
+                                   pin_memory=True)
+        self.rows.packed[:bucket].copy_(packed, non_blocking=True)
+        self.rows.block_tables[:bucket, :width].copy_(tables, non_blocking=True)
+        entry = self.graphs[bucket, num_drafts]
+        entry.draft.replay()
+        return self.rows.head(bucket), entry.drafts
+
+    def verify(self, num_rows: int, num_drafts: int) -> Verified:
+        """Replay the verify graph of the bucket `draft` used; outputs cover the whole bucket."""
+        entry = self.graphs[next(b for b in self.buckets if b >= num_rows), num_drafts]
+        entry.verify.replay()
+        return entry.verified

@@ -4,9 +4,9 @@ Without speculation a step is one forward (decode rows commit their token at onc
 steps replay a CUDA graph). With speculation (the model's MTP layer drafts) a step is:
 
   1. draft:  the MTP layer catches up over the positions verified last step (inputs shifted
-             by one, the target hidden states kept from that step), then chains k-1 more
+             by one, the target hidden states kept from that step), then chains K-1 more
              single-token steps on its own output; drafts are the MTP's argmax.
-  2. verify: one target forward over every row — decode rows feed [newest, d_1 .. d_k] through
+  2. verify: one target forward over every row — decode rows feed [newest, d_1 .. d_K] through
              the deferred-commit kernels (the newest token, always accepted, is folded into
              the committed state; the drafts are not yet), prefill chunks run as usual.
   3. accept: on the device — argmax matching for greedy rows, rejection sampling for sampled
@@ -14,6 +14,8 @@ steps replay a CUDA graph). With speculation (the model's MTP layer drafts) a st
              drafts that were accepted (rollback is that counter), the hidden states of
              the fed positions are kept for the next catch-up, and prefill chunks run the MTP
              over their own positions so the MTP's KV cache stays complete.
+Decode rows run at fixed shapes (spec_decode.py), so a step without prefill chunks replays two
+CUDA graphs (draft, verify); a step with prefill chunks runs its verify forward eagerly.
 
 Around the forward it executes the prefix cache's device work (checkpoint_io.py): restores
 before, and after it the hidden states of the checkpoints the forward wrote. Cached rows (a
@@ -32,13 +34,13 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import Ops
-from ..spec import greedy_accept
 from .batch import ForwardBatch, Row, device_tensor
 from .checkpoint_io import CheckpointIO
-from .cuda_graphs import DecodeGraphs
+from .cuda_graphs import DecodeGraphs, SpecGraphs
 from .models import HybridLM
 from .request import TokenLogprobs
 from .scheduler import ScheduledRow, StepPlan
+from .spec_decode import SpecDecoder, SpecRow, SpecRows, Verified
 from .state_pool import KVPool, StatePool
 
 
@@ -69,16 +71,18 @@ class StepOutput:
 
 class Runner:
     def __init__(self, model: HybridLM, states: StatePool, kv: KVPool, ops: Ops, block_size: int,
-                 device: torch.device, graphs: DecodeGraphs | None = None, speculative: bool = False) -> None:
+                 device: torch.device, graphs: DecodeGraphs | None = None, spec: SpecDecoder | None = None,
+                 spec_graphs: SpecGraphs | None = None) -> None:
+        """spec: the speculative stages (None: no speculation); graphs / spec_graphs: captured
+        plain-decode / speculative-stage graphs (None: eager)."""
         self.model, self.states, self.kv, self.ops = model, states, kv, ops
         self.block_size, self.device, self.graphs = block_size, device, graphs
-        self.speculative = speculative
+        self.spec, self.spec_graphs = spec, spec_graphs
+        self.speculative = spec is not None
         self.checkpoint_io = CheckpointIO(states, kv)
-        if speculative and (model.mtp is None or states.mtp_hidden is None):
-            raise ValueError("speculation needs a model with MTP weights and a pool that keeps MTP inputs")
-        # The draft stage: rows -> drafts [B, max k] (or None). The MTP drafter by default; a seam
-        # for scripted drafters (tests force every acceptance count through it).
-        self.drafter = self.draft_with_mtp
+        # A seam for tests: called with (decode rows, drafts [B, K]) between drafting and verify,
+        # it may edit the drafts in place (scripted drafters force every acceptance count).
+        self.draft_hook = None
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepOutput:
@@ -112,55 +116,95 @@ class Runner:
 
     def _run_speculative(self, plan: StepPlan) -> StepOutput:
         decode_rows, prefill_rows = plan.decode_rows, plan.prefill_rows
-        started = time.perf_counter()
-        drafts = self.drafter(decode_rows)                                   # [B, K] or None
-        drafted = time.perf_counter()
-        # Verify: decode rows feed [newest, drafts...] (draft ids filled in on the device).
-        rows = [Row(list(r.token_ids) + [0] * r.num_draft_tokens, r.start_position, r.slot, r.block_table,
-                    num_logits=1 + r.num_draft_tokens) for r in decode_rows]
-        batch = self._batch(rows, [self._row(r) for r in prefill_rows], commit=False)
-        input_ids = batch.input_ids
-        if drafts is not None:
-            draft_rows = [i for i, r in enumerate(decode_rows) for _ in range(r.num_draft_tokens)]
-            draft_depths = [d for r in decode_rows for d in range(r.num_draft_tokens)]
-            starts = _offsets([len(r.token_ids) for r in rows])
-            draft_positions = [starts[i] + 1 + d for i, d in zip(draft_rows, draft_depths)]
-            input_ids = input_ids.clone()
-            input_ids[self._tensor(draft_positions)] = drafts[self._tensor(draft_rows), self._tensor(draft_depths)]
-            batch = dataclasses.replace(batch, input_ids=input_ids)
-        hidden = self.model(batch, self.states, self.kv)
-        self._keep_checkpoint_hidden(batch, hidden)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
-
-        # Accept (greedy): decode rows' logits come first, k_r + 1 per row.
-        emitted: list[list[int]] = []
-        logit_rows: list[list[int]] = []  # per row: the logits rows of its emitted tokens
-        num_pending: list[int] = []
+        clock = _StageClock(self.device)
+        drafted, on_graph = None, False
         if decode_rows:
-            num_decode_logits = sum(1 + r.num_draft_tokens for r in decode_rows)
-            accepted, tokens = self._accept(logits[:num_decode_logits], decode_rows, drafts)
-            slots = self._tensor([r.slot for r in decode_rows])
-            self.states.pending_counts[slots] = accepted.to(torch.int32)  # the newest token is committed
-            self._keep_hidden(hidden, rows, decode_rows)
-            accepted_host, tokens_host = accepted.tolist(), tokens.tolist()
-            emitted = [tokens_host[i][:accepted_host[i] + 1] for i in range(len(decode_rows))]
-            num_pending = list(accepted_host)  # as pending_counts above
-            starts = _offsets([1 + r.num_draft_tokens for r in decode_rows])
-            logit_rows = [list(range(start, start + len(e))) for start, e in zip(starts, emitted)]
+            num_drafts = max(r.num_draft_tokens for r in decode_rows)
+            rows = [_spec_row(r) for r in decode_rows]
+            on_graph = (self.spec_graphs is not None and not prefill_rows
+                        and self.spec_graphs.can_run(rows, num_drafts))
+            if on_graph:
+                drafted = self.spec_graphs.draft(rows, num_drafts)
+            else:
+                device_rows = self.spec.row_tensors(rows, max(len(r.block_table) for r in rows), self.device)
+                drafted = device_rows, self.spec.draft(device_rows, num_drafts)
+            if self.draft_hook is not None:
+                self.draft_hook(decode_rows, drafted[1])  # edits the drafts in place
+        clock.mark()
         if prefill_rows:
-            # A fresh prefill leaves nothing pending; its MTP pass keeps the MTP KV complete.
-            self.states.pending_counts[self._tensor([r.slot for r in prefill_rows])] = 0
-            self._prefill_mtp(hidden, batch, prefill_rows)
+            verified, logits = self._verify_mixed(decode_rows, prefill_rows, drafted)
+        else:
+            verified = self.spec_graphs.verify(len(decode_rows), num_drafts) if on_graph else self.spec.verify(*drafted)
+            logits = verified.logits
+        clock.mark()
+        emitted, logit_rows, num_pending = self._accepted(decode_rows, verified, *drafted) if decode_rows \
+            else ([], [], [])
+        if prefill_rows:
             sampling = [r for r in prefill_rows if r.sample]
-            first = len(logits) - len(sampling)
-            sampled = iter(self._sample(logits[first:], sampling) if sampling else [])
+            first = len(logits) - len(sampling)  # the prefill rows' logits follow the decode rows'
+            sampled = iter(self._sample(logits[first:].float(), sampling) if sampling else [])
             emitted += [[next(sampled)] if r.sample else [] for r in prefill_rows]
             logit_row = iter(range(first, len(logits)))
             logit_rows += [[next(logit_row)] if r.sample else [] for r in prefill_rows]
             num_pending += [0] * len(prefill_rows)
-        verified = time.perf_counter()
-        return StepOutput(emitted, draft_seconds=drafted - started, verify_seconds=verified - drafted,
+        draft_seconds, verify_seconds = clock.seconds()
+        return StepOutput(emitted, draft_seconds=draft_seconds, verify_seconds=verify_seconds,
                           logprobs=self._logprobs(logits, plan.rows, logit_rows, emitted), num_pending=num_pending)
+
+    def _verify_mixed(self, decode_rows: tuple[ScheduledRow, ...], prefill_rows: tuple[ScheduledRow, ...],
+                      drafted: tuple[SpecRows, torch.Tensor] | None) -> tuple[Verified | None, torch.Tensor]:
+        """One target forward over decode rows (K + 1 tokens each, as spec_decode's verify) and
+        prefill chunks. Returns the decode rows' Verified (None without decode rows) and the
+        logits of every row that needs them (decode rows' first, in the model's dtype)."""
+        num_drafts = drafted[1].shape[1] if drafted else 0
+        rows = [Row([r.token_ids[0]] + [0] * num_drafts, r.start_position, r.slot, r.block_table,
+                    num_logits=1 + num_drafts) for r in decode_rows]
+        batch = self._batch(rows, [self._row(r) for r in prefill_rows], commit=False)
+        num_decode_tokens = len(rows) * (1 + num_drafts)
+        if num_drafts:
+            input_ids = batch.input_ids.clone()
+            input_ids[:num_decode_tokens].view(len(rows), 1 + num_drafts)[:, 1:] = drafted[1]
+            batch = dataclasses.replace(batch, input_ids=input_ids)
+        hidden = self.model(batch, self.states, self.kv)
+        self._keep_checkpoint_hidden(batch, hidden)
+        logits = self.model.logits(hidden[batch.logits_indices])
+        # A fresh prefill leaves nothing pending; its MTP pass keeps the MTP KV complete.
+        self.states.pending_counts[self._tensor([r.slot for r in prefill_rows])] = 0
+        self._prefill_mtp(hidden, batch, prefill_rows)
+        if not drafted:
+            return None, logits
+        decode_logits = logits[:num_decode_tokens]
+        accepted, emitted = self.spec.accept(hidden[:num_decode_tokens], decode_logits, *drafted)
+        return Verified(decode_logits, accepted, emitted), logits
+
+    def _accepted(self, rows: tuple[ScheduledRow, ...], verified: Verified, device_rows: SpecRows,
+                  drafts: torch.Tensor) -> tuple[list[list[int]], list[list[int]], list[int]]:
+        """Decode rows' emitted tokens, the logits rows that scored them, and their pending
+        counts. Greedy rows were accepted on the device; sampled rows are redone here by
+        rejection sampling against the target's filtered distribution: accept a (greedy) draft d
+        with probability p(d), else resample from p without d, so emitted tokens are distributed
+        exactly as without speculation. Their uniforms are the stream plain sampling would use
+        at those positions (seed, position)."""
+        accepted, emitted = verified.accepted, verified.emitted
+        width = drafts.shape[1] + 1
+        sampled = [i for i, r in enumerate(rows) if not r.request.params.greedy]
+        if sampled:
+            index = self._tensor(sampled)
+            flat = (index[:, None] * width + torch.arange(width, device=self.device)).reshape(-1)
+            params = [rows[i].request.params for i in sampled for _ in range(width)]
+            probs = self.ops.filter_probs(verified.logits[flat].float(), *self._filter_columns(params))
+            tokens, sampled_accepted = self.ops.rejection_sample(
+                probs.view(len(sampled), width, -1), None, drafts[index].contiguous(), device_rows.num_drafts[index],
+                self._tensor([rows[i].request.seed for i in sampled]),
+                self._tensor([rows[i].start_position + 1 for i in sampled]))
+            accepted, emitted = accepted.clone(), emitted.clone()
+            accepted[index] = sampled_accepted.to(accepted.dtype)
+            emitted[index] = tokens
+            self.states.pending_counts[device_rows.slots[index]] = sampled_accepted.to(torch.int32)
+        accepted_host, emitted_host = accepted[:len(rows)].tolist(), emitted[:len(rows)].tolist()
+        tokens = [emitted_host[i][:accepted_host[i] + 1] for i in range(len(rows))]
+        logit_rows = [list(range(i * width, i * width + len(t))) for i, t in enumerate(tokens)]
+        return tokens, logit_rows, accepted_host
 
     def _run_cached(self, rows: tuple[ScheduledRow, ...]) -> StepOutput:
         """Fully cached prompts: the first token's logits from the hidden state the checkpoint
@@ -181,86 +225,6 @@ class Runner:
         self.states.last_hidden[written.slots] = last
         if self.states.mtp_hidden is not None:
             self.states.mtp_hidden[written.slots, 0] = last
-
-    def draft_with_mtp(self, rows: tuple[ScheduledRow, ...]) -> torch.Tensor | None:
-        """Greedy drafts [B, max k] for the decode rows (None when no row drafts). Every row
-        runs the MTP catch-up over its last verified positions, drafting or not."""
-        # A row whose MTP is already at its newest position (the prompt's last token fed alone
-        # after a chunk) has nothing to catch up and drafts nothing.
-        catching = [i for i, r in enumerate(rows) if r.mtp_end > r.mtp_start]
-        if not catching:
-            return None
-        catch_up = [Row(rows[i].mtp_token_ids, rows[i].mtp_start, rows[i].slot, rows[i].block_table)
-                    for i in catching]
-        batch = self._batch([], catch_up, commit=True)
-        # Target hidden states of the catch-up positions were kept at the slot, in order.
-        slots = [rows[i].slot for i in catching for _ in range(rows[i].mtp_end - rows[i].mtp_start)]
-        depths = [d for i in catching for d in range(rows[i].mtp_end - rows[i].mtp_start)]
-        hidden = self.states.mtp_hidden[self._tensor(slots), self._tensor(depths)]
-        last = self.model.draft_hidden(batch.input_ids, hidden, batch, self.kv)[batch.logits_indices]
-        max_drafts = max(r.num_draft_tokens for r in rows)
-        if max_drafts == 0:
-            return None
-        out = torch.zeros(len(rows), last.shape[1], dtype=last.dtype, device=self.device)
-        out[self._tensor(catching)] = last
-        drafts = torch.zeros(len(rows), max_drafts, dtype=torch.int64, device=self.device)
-        drafting = self._tensor([i for i, r in enumerate(rows) if r.num_draft_tokens > 0])
-        drafts[drafting, 0] = self.model.draft_tokens(out[drafting])
-        for depth in range(1, max_drafts):
-            # Rows still drafting: one MTP step at position (newest - 1 + depth) on its own output.
-            active = [i for i, r in enumerate(rows) if r.num_draft_tokens > depth]
-            chain = [Row([0], rows[i].mtp_end - 1 + depth, rows[i].slot, rows[i].block_table) for i in active]
-            batch = self._batch([], chain, commit=True)
-            index = self._tensor(active)
-            out[index] = self.model.draft_hidden(drafts[index, depth - 1], out[index], batch, self.kv)
-            drafts[index, depth] = self.model.draft_tokens(out[index])
-        return drafts
-
-    def _accept(self, logits: torch.Tensor, rows: tuple[ScheduledRow, ...],
-                drafts: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits: [sum(k_r + 1), V] of the decode rows -> (accepted [B], tokens [B, K+1]).
-
-        Greedy rows match drafts against the target's argmax. Sampled rows verify the (greedy)
-        drafts by rejection sampling against the target's filtered distribution: accept d with
-        probability p(d), else resample from p without d — emitted tokens are distributed
-        exactly as without speculation. Their uniforms are the stream plain sampling would use
-        at those positions (seed, position)."""
-        max_drafts = max(r.num_draft_tokens for r in rows)
-        row_of = [i for i, r in enumerate(rows) for _ in range(1 + r.num_draft_tokens)]
-        depth_of = [d for r in rows for d in range(1 + r.num_draft_tokens)]
-        target = torch.zeros(len(rows), max_drafts + 1, dtype=torch.int64, device=self.device)
-        target[self._tensor(row_of), self._tensor(depth_of)] = logits.argmax(dim=-1)
-        if drafts is None:
-            drafts = torch.zeros(len(rows), max_drafts, dtype=torch.int64, device=self.device)
-        num_drafts = self._tensor([r.num_draft_tokens for r in rows])
-        accepted, tokens = greedy_accept(target, drafts, num_drafts)
-        sampled = [i for i, r in enumerate(rows) if not r.request.params.greedy]
-        if not sampled:
-            return accepted, tokens
-        # Filtered target distributions of the sampled rows, padded to [S, K+1, V].
-        flat = [j for j, i in enumerate(row_of) if not rows[i].request.params.greedy]
-        params = [rows[row_of[j]].request.params for j in flat]
-
-        probs = self.ops.filter_probs(logits[self._tensor(flat)], *self._filter_columns(params))
-        position = {i: n for n, i in enumerate(sampled)}
-        padded = torch.zeros(len(sampled), max_drafts + 1, logits.shape[1], dtype=torch.float32, device=self.device)
-        padded[self._tensor([position[row_of[j]] for j in flat]), self._tensor([depth_of[j] for j in flat])] = probs
-        index = self._tensor(sampled)
-        sampled_tokens, sampled_accepted = self.ops.rejection_sample(
-            padded, None, drafts[index].contiguous(), num_drafts[index],
-            self._tensor([rows[i].request.seed for i in sampled]),
-            self._tensor([rows[i].start_position + 1 for i in sampled]))
-        accepted, tokens = accepted.clone(), tokens.clone()
-        accepted[index] = sampled_accepted.to(accepted.dtype)
-        tokens[index] = sampled_tokens
-        return accepted, tokens
-
-    def _keep_hidden(self, hidden: torch.Tensor, rows: list[Row], scheduled: tuple[ScheduledRow, ...]) -> None:
-        """Keep the target hidden states of every fed position of the decode rows (the next
-        step's catch-up reads the accepted prefix of them)."""
-        slots = [r.slot for r in rows for _ in r.token_ids]
-        depths = [d for r in rows for d in range(len(r.token_ids))]
-        self.states.mtp_hidden[self._tensor(slots), self._tensor(depths)] = hidden[:len(slots)]
 
     def _prefill_mtp(self, hidden: torch.Tensor, batch: ForwardBatch, rows: tuple[ScheduledRow, ...]) -> None:
         """Run the MTP over each prefill chunk's positions [mtp_start, mtp_end) with the target
@@ -356,6 +320,36 @@ class Runner:
             self._tensor([r.start_position + len(r.token_ids) for r in rows]),
         )
         return tokens.tolist()
+
+
+def _spec_row(row: ScheduledRow) -> SpecRow:
+    return SpecRow(row.slot, row.token_ids[0], row.start_position, row.num_draft_tokens, row.mtp_start,
+                   row.mtp_token_ids, row.block_table)
+
+
+class _StageClock:
+    """Durations between marks: device time from CUDA events (read after the step's host sync),
+    host time on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks = [self._now()]
+
+    def mark(self) -> None:
+        self.marks.append(self._now())
+
+    def seconds(self) -> list[float]:
+        if self.cuda:
+            self.marks[-1].synchronize()  # a step whose rows sample nothing has not synced yet
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
 
 def _offsets(lengths: list[int]) -> list[int]:

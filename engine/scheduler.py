@@ -102,13 +102,18 @@ class Scheduler:
 
     # Admission and abort ------------------------------------------------------------------
 
+    @property
+    def _draft_room(self) -> int:
+        """Positions past its newest token a decode row may write: k drafts (0 without speculation)."""
+        return self.config.draft_policy.max_draft_tokens if self.config.draft_policy is not None else 0
+
     def can_ever_fit(self, request: Request) -> bool:
-        return self.blocks.blocks_needed(request.max_num_tokens) <= self.blocks.capacity - 1
+        return self.blocks.blocks_needed(request.max_num_tokens + self._draft_room) <= self.blocks.capacity - 1
 
     def add(self, request: Request) -> None:
         if not self.can_ever_fit(request):
-            raise ValueError(f"request needs {self.blocks.blocks_needed(request.max_num_tokens)} KV blocks, "
-                             f"the pool has {self.blocks.capacity - 1}")
+            raise ValueError(f"request needs {self.blocks.blocks_needed(request.max_num_tokens + self._draft_room)} "
+                             f"KV blocks, the pool has {self.blocks.capacity - 1}")
         if self.config.draft_policy is not None:
             request.draft_length = DraftLengthState(self.config.draft_policy)
         self.waiting.append(request)
@@ -133,18 +138,19 @@ class Scheduler:
         decode_rows: list[ScheduledRow] = []
         scheduled: set[int] = set()
         decoding = [r for r in self.running if not self._in_prefill(r)]
-        # Every decoding request gets its one token; drafts share what is left of the budget.
-        spare = budget - len(decoding)
+        # Every decode row runs the step's largest draft count (spec_decode.py: fixed shapes), so
+        # a step's drafts per row are capped to keep all decode rows within the token budget, and
+        # each row holds KV blocks for the positions of k drafts whatever it drafts itself.
+        max_drafts = budget // len(decoding) - 1 if decoding else 0
         for request in decoding:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted to make room for an older request
-            num_drafts = min(self._draft_length(request), spare)
-            spare -= num_drafts
-            if not self._reserve_blocks(request, request.num_tokens + num_drafts, scheduled):
+            num_drafts = min(self._draft_length(request), max_drafts)
+            if not self._reserve_blocks(request, request.num_tokens + self._draft_room, scheduled):
                 continue  # the request itself was preempted
             decode_rows.append(self._row(request, 1, num_drafts))
             scheduled.add(id(request))
-            budget -= 1 + num_drafts
+        budget -= len(decode_rows) * (1 + max((r.num_draft_tokens for r in decode_rows), default=0))
         prefill_rows: list[ScheduledRow] = []
         for request in [r for r in self.running if self._in_prefill(r)]:
             if budget == 0:

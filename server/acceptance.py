@@ -133,7 +133,7 @@ def benchmark(args: argparse.Namespace) -> dict:
                                        max_model_len=args.max_model_len, **options), *loaded)
         loaded = core.model, core.tokenizer
         measured = run_config(core, prompts, params, batch)
-        # The runner's drafter is a bound method (a reference cycle): collect now, so the next
+        # Engines hold reference cycles (graphs, pools): collect now, so the next
         # engine sizes its pools from memory this one no longer holds.
         del core
         gc.collect()

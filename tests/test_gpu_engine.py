@@ -1,6 +1,6 @@
 """The whole engine on the GPU with the Triton table (marked `gpu`, skipped without CUDA):
 bf16 logits against the CPU float32 reference, the isolation harness up to N = 256 with CUDA
-graphs, and lossless greedy speculation."""
+graphs, and lossless speculation through the captured draft/verify graphs."""
 
 import pytest
 import torch
@@ -8,7 +8,8 @@ import torch
 from deltaspec.engine import LLM, EngineConfig, SamplingParams
 from deltaspec.engine.core import EngineCore
 
-from test_engine import check_isolation, make_jobs, run_staggered
+from test_engine import assert_all_free, check_isolation, make_jobs, run_staggered
+from test_spec import ScriptedDrafter, generate, prompts
 
 pytestmark = pytest.mark.gpu
 
@@ -59,6 +60,15 @@ def test_cuda_graphs_are_used_and_match_eager(gpu_checkpoint):
         [without[i].output_token_ids for i in range(len(jobs))]
 
 
+def count_graph_steps(core: EngineCore) -> list[int]:
+    """Counts verify-graph replays of a speculative engine (so a test sees that graphs ran)."""
+    graphs, replays = core.runner.spec_graphs, []
+    assert graphs is not None
+    verify = graphs.verify
+    graphs.verify = lambda *args: replays.append(1) or verify(*args)
+    return replays
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_speculation_is_lossless_on_gpu(family, gpu_checkpoint, k):
     path = gpu_checkpoint(family, mtp_copy_of_last_layer=True)
@@ -66,4 +76,36 @@ def test_speculation_is_lossless_on_gpu(family, gpu_checkpoint, k):
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     base = [o.token_ids for o in LLM(path, device="cuda", dtype="float32").generate(prompts, params)]
     spec = LLM(path, device="cuda", dtype="float32", num_draft_tokens=k, adaptive_draft_length=False)
+    replays = count_graph_steps(spec.core)
     assert [o.token_ids for o in spec.generate(prompts, params)] == base
+    assert len(replays) > 10
+
+
+def test_spec_graphs_are_lossless_for_every_acceptance_count(family, gpu_checkpoint):
+    """Through the captured draft/verify graphs (the hook edits the draft graph's output in
+    place): every acceptance count 0..k occurs, output equals plain greedy decoding and equals
+    the eager speculative engine's, and every slot and block is free afterwards."""
+    path, k = gpu_checkpoint(family), 3
+    batch = prompts(6, seed=7)
+    options = dict(device="cuda", dtype="float32")
+    base = generate(EngineCore(EngineConfig(model=path, **options)), batch)
+    truth = {str(i): tokens for i, tokens in enumerate(base)}
+    outputs = []
+    for graphs in (True, False):
+        core = EngineCore(EngineConfig(model=path, num_draft_tokens=k, adaptive_draft_length=False,
+                                       enable_cuda_graphs=graphs, **options))
+        drafter = ScriptedDrafter(truth, seed=3)
+        core.runner.draft_hook = drafter
+        replays = count_graph_steps(core) if graphs else None
+        outputs.append(generate(core, batch))
+        assert set(drafter.forced) == set(range(k + 1))
+        assert replays is None or len(replays) > 10
+        assert_all_free(core)
+    assert outputs[0] == base and outputs[1] == base
+
+
+def test_isolation_with_speculation_on_gpu(gpu_checkpoint):
+    """The isolation harness (staggered arrivals, aborts, greedy and seeded rows) with MTP
+    speculation through the graphs, N = 64."""
+    check_isolation(gpu_checkpoint("qwen3_next", mtp_copy_of_last_layer=True), 64, seed=64, device="cuda",
+                    dtype="float32", max_num_seqs=32, max_num_batched_tokens=1024, num_draft_tokens=3)

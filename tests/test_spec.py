@@ -31,30 +31,27 @@ def generate(core: EngineCore, batch: list[list[int]], params=GREEDY) -> list[li
 
 
 class ScriptedDrafter:
-    """Runs the MTP drafter (its KV side effects stay real), then replaces its drafts with the
-    true greedy continuation corrupted at a chosen depth, so acceptance a = 0..k all occur."""
+    """A draft hook: replaces the MTP's drafts (its KV side effects stay real) with the true
+    greedy continuation corrupted at a chosen depth, so acceptance a = 0..k all occur."""
 
-    def __init__(self, core: EngineCore, truth: dict[str, list[int]], seed: int) -> None:
-        self.core, self.truth, self.rng = core, truth, random.Random(seed)
-        self.mtp = core.runner.draft_with_mtp
+    def __init__(self, truth: dict[str, list[int]], seed: int) -> None:
+        self.truth, self.rng = truth, random.Random(seed)
         self.forced: list[int] = []
 
-    def __call__(self, rows):
-        drafts = self.mtp(rows)
-        if drafts is None:
-            return None
-        scripted = drafts.clone()
+    def __call__(self, rows, drafts):
         for i, row in enumerate(rows):
             request, k = row.request, row.num_draft_tokens
+            if not k:
+                continue
             full = request.prompt_token_ids + self.truth[request.request_id]
             newest = request.num_tokens  # drafts predict positions newest .. newest + k - 1
             want = self.rng.randint(0, k)
+            scripted = []
             for depth in range(k):
                 token = full[newest + depth] if newest + depth < len(full) else 0
-                scripted[i, depth] = token if depth < want else (token + 1) % 512
-            if k:
-                self.forced.append(want)
-        return scripted
+                scripted.append(token if depth < want else (token + 1) % 512)
+            drafts[i, :k] = torch.tensor(scripted)
+            self.forced.append(want)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
@@ -64,8 +61,8 @@ def test_greedy_is_lossless_for_every_acceptance_count(family, checkpoint, k):
     base = generate(EngineCore(EngineConfig(model=path)), batch)
     core = EngineCore(EngineConfig(model=path, num_draft_tokens=k, adaptive_draft_length=False))
     truth = {str(i): tokens for i, tokens in enumerate(base)}
-    drafter = ScriptedDrafter(core, truth, seed=k)
-    core.runner.drafter = drafter
+    drafter = ScriptedDrafter(truth, seed=k)
+    core.runner.draft_hook = drafter
     assert generate(core, batch) == base
     assert set(drafter.forced) == set(range(k + 1))          # every acceptance count happened
     stats = core.stats()["spec"]
@@ -106,8 +103,8 @@ def test_rollback_is_a_counter(checkpoint):
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     base = generate(EngineCore(EngineConfig(model=path)), [prompt], params)
     core = EngineCore(EngineConfig(model=path, num_draft_tokens=4, adaptive_draft_length=False))
-    drafter = ScriptedDrafter(core, {"0": base[0]}, seed=5)
-    core.runner.drafter = drafter
+    drafter = ScriptedDrafter({"0": base[0]}, seed=5)
+    core.runner.draft_hook = drafter
     request = core.add_request(prompt, params)
     while True:  # step until a verify accepted some but not all drafts; inspect before the next folds it
         seen = len(drafter.forced)
@@ -189,21 +186,17 @@ def test_adaptive_draft_length_shrinks_and_recovers():
 
 
 class FrequentTokenDrafter:
-    """Drafts, at every output index, the token plain sampling emits most often there: drafts
-    that the target often accepts (probability p(d)) and often rejects."""
+    """A draft hook: drafts, at every output index, the token plain sampling emits most often
+    there: drafts that the target often accepts (probability p(d)) and often rejects."""
 
-    def __init__(self, core: EngineCore, favourites: list[int]) -> None:
-        self.mtp, self.favourites = core.runner.draft_with_mtp, favourites
+    def __init__(self, favourites: list[int]) -> None:
+        self.favourites = favourites
 
-    def __call__(self, rows):
-        drafts = self.mtp(rows)
-        if drafts is None:
-            return None
+    def __call__(self, rows, drafts):
         for i, row in enumerate(rows):
             generated = len(row.request.output_token_ids)
             for depth in range(row.num_draft_tokens):
                 drafts[i, depth] = self.favourites[min(generated + depth, len(self.favourites) - 1)]
-        return drafts
 
 
 def test_sampling_with_speculation_keeps_the_distribution(checkpoint):
@@ -224,7 +217,7 @@ def test_sampling_with_speculation_keeps_the_distribution(checkpoint):
     favourites = [max(set(col), key=col.count) for col in zip(*plain)]
     core = EngineCore(EngineConfig(model=path, max_num_seqs=64, max_num_batched_tokens=512, num_draft_tokens=2,
                                    adaptive_draft_length=False))
-    core.runner.drafter = FrequentTokenDrafter(core, favourites)
+    core.runner.draft_hook = FrequentTokenDrafter(favourites)
     spec = sample_all(core, 10**6)
     stats = core.stats()["spec"]
     assert 0.1 < stats["acceptance_by_position"][0] < 0.9  # both branches of the test ran
@@ -266,15 +259,11 @@ def test_reduced_draft_vocabulary_is_lossless(checkpoint, tmp_path):
     core = EngineCore(EngineConfig(model=path, num_draft_tokens=3, adaptive_draft_length=False,
                                    draft_vocab_size=len(vocab)))
     proposed = []
-    mtp = core.runner.draft_with_mtp
 
-    def recording(rows):
-        drafts = mtp(rows)
-        if drafts is not None:
-            proposed.extend(drafts[i, :r.num_draft_tokens].tolist() for i, r in enumerate(rows))
-        return drafts
+    def recording(rows, drafts):
+        proposed.extend(drafts[i, :r.num_draft_tokens].tolist() for i, r in enumerate(rows))
 
-    core.runner.drafter = recording
+    core.runner.draft_hook = recording
     assert generate(core, batch) == base
     assert proposed and all(t in set(vocab) for row in proposed for t in row)
     with pytest.raises(ValueError, match="lists 171 tokens"):

@@ -70,7 +70,14 @@ class HybridLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, V]."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        return self.logits(hidden).float()
+
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] in the model's dtype (greedy argmax needs no float32
+        copy), into `out` when given (a CUDA graph's static buffer)."""
+        if out is None:
+            return F.linear(hidden, self.lm_head_weight)
+        return torch.mm(hidden, self.lm_head_weight.t(), out=out)
 
     def use_draft_vocab(self, token_ids: torch.Tensor | None) -> None:
         """Let drafts come from `token_ids` only (None: the full vocabulary). The rows of the

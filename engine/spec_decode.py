@@ -1,0 +1,230 @@
+"""The decode rows of a speculative step at fixed shapes: the MTP draft stage and the verify stage.
+
+Every decode row of a step runs the same number of positions, whatever its own draft length
+k_r and however many MTP positions it has to catch up:
+
+  draft : the MTP catch-up over C = k + 1 positions from the row's first missing MTP position
+          (its n_r <= C real ones are the positions verified and accepted last step, inputs
+          shifted by one, with the target hidden states kept at the slot; the rest is padding),
+          then K - 1 chained single-token MTP steps on the MTP's own output. K is the step's
+          largest k_r; drafts are the MTP's argmax, [B, K].
+  verify: the target over K + 1 tokens per row, [newest, d_1 .. d_K], through the deferred-
+          commit kernels; greedy acceptance of each row's first k_r drafts; the slot's pending
+          count becomes its accepted count (rollback is that counter) and the fed positions'
+          hidden states are kept at the slot for the next catch-up.
+
+Fixed shapes make a step's device work a function of (number of rows, K) alone: the engine
+captures it in CUDA graphs per (batch bucket, K) (cuda_graphs.py), and the same code runs
+eagerly on the CPU and for steps that also carry prefill chunks (their verify forward is built
+by the runner; `accept` is shared).
+
+Padding is harmless by construction. Every position a row writes past its valid ones lies in its
+own KV blocks (the scheduler reserves room for k drafts) at or after the first position whose
+KV is not valid yet, so it is overwritten before any valid query reads it, and causal attention
+keeps valid queries from seeing it; drafts past k_r are never accepted. Padding rows point at
+scratch slot 0 and scratch block 0.
+
+Positions, slot mappings and context lengths are derived on the device from a few integers per
+row, so a step copies one small packed tensor and the block tables to the device. Knows nothing
+about requests or scheduling beyond the rows it is handed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import torch
+
+from ..spec import greedy_accept
+from .batch import ForwardBatch, RowGroup
+from .models import HybridLM
+from .state_pool import KVPool, StatePool
+
+# Columns of SpecRows.packed before the catch-up token ids.
+_SLOT, _NEWEST, _POSITION, _NUM_DRAFTS, _MTP_START, _NUM_CATCH_UP, _CATCH_UP_IDS = range(7)
+
+
+@dataclass(frozen=True)
+class SpecRow:
+    """What the device needs of one decode row (the scheduler's ScheduledRow, distilled).
+
+    position: where the newest token sits (its state is not folded in yet); the MTP catches up
+    positions [mtp_start, position) whose next tokens are catch_up_ids."""
+
+    slot: int
+    newest: int
+    position: int
+    num_drafts: int
+    mtp_start: int
+    catch_up_ids: Sequence[int]
+    block_table: Sequence[int]
+
+
+class SpecRows(NamedTuple):
+    """The decode rows of a step on the device, padding rows included ([B] leading dim)."""
+
+    packed: torch.Tensor        # [B, 6 + C] int64: slot, newest, position, k_r, mtp_start, n_r, catch-up ids
+    block_tables: torch.Tensor  # [B, M] int32, zero (scratch block 0) past each row's own blocks
+
+    @property
+    def num_rows(self) -> int:
+        return self.packed.shape[0]
+
+    @property
+    def slots(self) -> torch.Tensor:
+        return self.packed[:, _SLOT]
+
+    @property
+    def newest(self) -> torch.Tensor:
+        return self.packed[:, _NEWEST]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.packed[:, _POSITION]
+
+    @property
+    def num_drafts(self) -> torch.Tensor:
+        return self.packed[:, _NUM_DRAFTS]
+
+    @property
+    def mtp_start(self) -> torch.Tensor:
+        return self.packed[:, _MTP_START]
+
+    @property
+    def num_catch_up(self) -> torch.Tensor:
+        return self.packed[:, _NUM_CATCH_UP]
+
+    @property
+    def catch_up_ids(self) -> torch.Tensor:
+        return self.packed[:, _CATCH_UP_IDS:]
+
+    def head(self, num_rows: int) -> "SpecRows":
+        """The first num_rows rows (a bucket of static buffers)."""
+        return SpecRows(self.packed[:num_rows], self.block_tables[:num_rows])
+
+
+def pack_rows(rows: Sequence[SpecRow], catch_up: int, block_size: int, num_rows: int, num_blocks: int,
+              pin_memory: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host tensors (packed [num_rows, 6 + C], block tables [num_rows, num_blocks]) of `rows`
+    followed by padding rows (all zeros: slot 0, block 0, nothing to draft or catch up).
+    Every position a row may write, up to position + C - 1, must be in its own blocks."""
+    packed, tables = [], []
+    for r in rows:
+        num_catch_up = len(r.catch_up_ids)
+        if num_catch_up > catch_up or r.mtp_start + num_catch_up > r.position:
+            raise ValueError(f"slot {r.slot}: MTP catch-up of {num_catch_up} positions from {r.mtp_start} "
+                             f"(at most {catch_up}, ending before the newest position {r.position})")
+        if r.position + catch_up > len(r.block_table) * block_size:
+            raise ValueError(f"slot {r.slot}: {len(r.block_table)} KV blocks do not cover positions up to "
+                             f"{r.position + catch_up - 1}")
+        packed.append([r.slot, r.newest, r.position, r.num_drafts, r.mtp_start, num_catch_up, *r.catch_up_ids]
+                      + [0] * (catch_up - num_catch_up))
+        tables.append([*r.block_table] + [0] * (num_blocks - len(r.block_table)))
+    padding = num_rows - len(rows)
+    packed += [[0] * (_CATCH_UP_IDS + catch_up)] * padding
+    tables += [[0] * num_blocks] * padding
+    return (torch.tensor(packed, dtype=torch.int64, pin_memory=pin_memory),
+            torch.tensor(tables, dtype=torch.int32, pin_memory=pin_memory))
+
+
+class Verified(NamedTuple):
+    logits: torch.Tensor    # [B * (K + 1), V] in the model's dtype, row-major by (row, depth)
+    accepted: torch.Tensor  # [B] int64: drafts accepted (greedy; sampled rows are redone by the runner)
+    emitted: torch.Tensor   # [B, K + 1] int64: row r emits emitted[r, :accepted[r] + 1]
+
+
+class SpecDecoder:
+    def __init__(self, model: HybridLM, states: StatePool, kv: KVPool, block_size: int) -> None:
+        if model.mtp is None or states.mtp_hidden is None:
+            raise ValueError("speculation needs a model with MTP weights and a pool that keeps MTP inputs")
+        self.model, self.states, self.kv, self.block_size = model, states, kv, block_size
+        self.catch_up = states.max_pending + 1  # C: positions verified per step at most
+        self._constants: dict[tuple, torch.Tensor] = {}
+
+    def row_tensors(self, rows: Sequence[SpecRow], num_blocks: int, device: torch.device) -> SpecRows:
+        """SpecRows on the device for an eager step (graphs copy into static buffers instead)."""
+        cuda = device.type == "cuda"
+        packed, tables = pack_rows(rows, self.catch_up, self.block_size, len(rows), num_blocks, pin_memory=cuda)
+        return SpecRows(packed.to(device, non_blocking=cuda), tables.to(device, non_blocking=cuda))
+
+    def draft(self, rows: SpecRows, num_drafts: int) -> torch.Tensor:
+        """MTP catch-up + chain -> drafts [B, num_drafts] int64 (the catch-up runs even for
+        num_drafts = 0: it keeps the MTP's KV cache complete for later drafting)."""
+        num_rows, catch_up = rows.num_rows, self.catch_up
+        positions = rows.mtp_start[:, None] + self._arange(catch_up)                      # [B, C]
+        batch = self._batch(rows, positions, rows.catch_up_ids.reshape(-1), commit=True)
+        kept = self.states.mtp_hidden[rows.slots].flatten(0, 1)                             # [B*C, H]
+        out = self.model.draft_hidden(batch.input_ids, kept, batch, self.kv).view(num_rows, catch_up, -1)
+        if num_drafts == 0:
+            return rows.packed.new_empty(num_rows, 0)
+        # The MTP output at each row's newest caught-up position predicts the first draft.
+        hidden = out[self._arange(num_rows), (rows.num_catch_up - 1).clamp(min=0)]        # [B, H]
+        drafts = [self.model.draft_tokens(hidden)]
+        for depth in range(1, num_drafts):
+            # MTP position (newest - 1 + depth): input the previous draft and the MTP's own output.
+            positions = (rows.positions + (depth - 1))[:, None]
+            batch = self._batch(rows, positions, drafts[-1], commit=True)
+            hidden = self.model.draft_hidden(drafts[-1], hidden, batch, self.kv)
+            drafts.append(self.model.draft_tokens(hidden))
+        return torch.stack(drafts, dim=1)
+
+    def verify(self, rows: SpecRows, drafts: torch.Tensor, logits_out: torch.Tensor | None = None) -> Verified:
+        """The target over [newest, drafts] of every row, then `accept`. logits_out: where the
+        logits go ([B * (K + 1), V]; a graph's static buffer), or None for a new tensor."""
+        num_rows, num_drafts = drafts.shape
+        positions = rows.positions[:, None] + self._arange(num_drafts + 1)              # [B, K+1]
+        input_ids = torch.cat([rows.newest[:, None], drafts], dim=1).reshape(-1)
+        batch = self._batch(rows, positions, input_ids, commit=False)
+        hidden = self.model(batch, self.states, self.kv)
+        logits = self.model.logits(hidden, out=logits_out)
+        accepted, emitted = self.accept(hidden, logits, rows, drafts)
+        return Verified(logits, accepted, emitted)
+
+    def accept(self, hidden: torch.Tensor, logits: torch.Tensor, rows: SpecRows,
+               drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [B*(K+1), H], logits [B*(K+1), V] of the fed tokens -> greedy (accepted,
+        emitted); sets each slot's pending count to its accepted drafts and keeps the hidden
+        states for the next catch-up. Argmax of the model-dtype logits equals argmax of their
+        float32 copies (the widening is exact)."""
+        num_rows, width = drafts.shape[0], drafts.shape[1] + 1
+        slots = rows.slots
+        self.states.mtp_hidden[slots, :width] = hidden.view(num_rows, width, -1)
+        target = logits.argmax(dim=-1).view(num_rows, width)
+        accepted, emitted = greedy_accept(target, drafts, rows.num_drafts)
+        self.states.pending_counts[slots] = accepted.to(torch.int32)
+        return accepted, emitted
+
+    def _batch(self, rows: SpecRows, positions: torch.Tensor, input_ids: torch.Tensor, commit: bool) -> ForwardBatch:
+        """A batch of rows with q = positions.shape[1] consecutive new positions each."""
+        num_rows, q = positions.shape
+        tables = rows.block_tables
+        block = tables.gather(1, positions // self.block_size).long()
+        slot_mapping = (block * self.block_size + positions % self.block_size).reshape(-1)
+        cu_seqlens = self._arange(num_rows + 1, q, torch.int32)
+        num_tokens = num_rows * q
+        group = RowGroup(0, num_tokens, cu_seqlens, rows.slots.to(torch.int32), self._ones(num_rows))
+        empty = self._arange(1, 0, torch.int32)
+        return ForwardBatch(
+            input_ids=input_ids, positions=positions.reshape(-1), cu_seqlens=cu_seqlens,
+            context_lens=(positions[:, -1] + 1).to(torch.int32), block_tables=tables, slot_mapping=slot_mapping,
+            logits_indices=self._arange(num_tokens), decode=group,
+            prefill=RowGroup(num_tokens, num_tokens, empty, empty[:0], self._ones(0)), commit=commit)
+
+    def _arange(self, n: int, step: int = 1, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """arange(n) * step on the device, made once (not a kernel per graph replay)."""
+        return self._constant(("arange", n, step, dtype),
+                              lambda device: torch.arange(n, dtype=dtype, device=device) * step)
+
+    def _ones(self, n: int) -> torch.Tensor:
+        return self._constant(("ones", n), lambda device: torch.ones(n, dtype=torch.bool, device=device))
+
+    def _constant(self, key: tuple, make) -> torch.Tensor:
+        """A constant made on first use. Never during a CUDA-graph capture: there it would be
+        recorded, not computed (graph warm-up runs make every constant a capture needs)."""
+        if key not in self._constants:
+            device = self.states.pending_counts.device
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"spec_decode constant {key} first needed inside a graph capture; warm up first")
+            self._constants[key] = make(device)
+        return self._constants[key]
