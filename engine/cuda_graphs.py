@@ -17,6 +17,8 @@ shapes (the Triton table). Knows nothing about requests: it is handed `Row`s / `
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +32,19 @@ from .state_pool import KVPool, StatePool
 def default_buckets(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every 16 up to max_batch (padding wastes at most 15 rows)."""
     return sorted({b for b in (1, 2, 4, 8, *range(16, max_batch, 16)) if b < max_batch} | {max_batch})
+
+
+@contextlib.contextmanager
+def _no_garbage_collection():
+    """Python's collector must not run during a capture: objects it frees (tensors of earlier
+    engines, pinned host buffers) release device or host memory through CUDA calls that are
+    illegal while a stream captures, which invalidates the capture."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def _warm_up(run, times: int) -> None:
@@ -85,6 +100,7 @@ class DecodeGraphs:
             commit=True)
 
     @torch.inference_mode()
+    @_no_garbage_collection()
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         for bucket in sorted(self.buckets, reverse=True):  # largest first: the pool fits the rest
@@ -148,6 +164,7 @@ class SpecGraphs:
         self.graphs: dict[tuple[int, int], _SpecGraph] = {}
 
     @torch.inference_mode()
+    @_no_garbage_collection()
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         decoder = self.decoder
