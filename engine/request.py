@@ -45,6 +45,8 @@ class RequestOutput:
     text: str
     finish_reason: str  # "stop" | "length" | "abort"
     logprobs: list[TokenLogprobs] | None = None
+    # Speculation counters of this request (SpecStats.as_dict without times; None: no verify step).
+    spec_stats: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class RequestDelta:
     text: str
     finish_reason: str | None
     logprobs: list[TokenLogprobs] | None = None  # one per token when the request asked for them
+    spec_stats: dict | None = None  # on the last delta, as RequestOutput.spec_stats
 
 
 @dataclass(eq=False)
@@ -164,11 +167,18 @@ class Request:
                                                               len(self.text) - self._longest_stop + 1)
         delta = RequestDelta(self.request_id, self.output_token_ids[self._emitted_tokens:],
                              self.text[self._emitted_chars:safe_chars], self.finish_reason,
-                             self.output_logprobs[self._emitted_tokens:] if self.params.logprobs is not None else None)
+                             self.output_logprobs[self._emitted_tokens:] if self.params.logprobs is not None else None,
+                             self.spec_summary if self.finished else None)
         self._emitted_tokens, self._emitted_chars = len(self.output_token_ids), safe_chars
         return delta
+
+    @property
+    def spec_summary(self) -> dict | None:
+        """This request's acceptance counters (None when it never went through a verify step)."""
+        return self.spec_stats.as_dict(with_times=False) if self.spec_stats.num_verify_steps else None
 
     def output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt_token_ids, list(self.output_token_ids), self.text,
                              self.finish_reason,
-                             list(self.output_logprobs) if self.params.logprobs is not None else None)
+                             list(self.output_logprobs) if self.params.logprobs is not None else None,
+                             self.spec_summary)

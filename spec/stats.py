@@ -38,8 +38,11 @@ class SpecStats:
     def mean_accepted_length(self) -> float:
         return self.num_emitted_tokens / self.num_verify_steps if self.num_verify_steps else 0.0
 
-    def as_dict(self) -> dict:
-        return {"acceptance_by_position": self.acceptance_by_position, "proposed_by_position": list(self.proposed),
-                "accepted_by_position": list(self.accepted), "mean_accepted_length": self.mean_accepted_length,
-                "num_verify_steps": self.num_verify_steps, "draft_seconds": self.draft_seconds,
-                "verify_seconds": self.verify_seconds}
+    def as_dict(self, with_times: bool = True) -> dict:
+        """The counters (and the stage times, which only the engine-wide stats keep)."""
+        counters = {"acceptance_by_position": self.acceptance_by_position, "proposed_by_position": list(self.proposed),
+                    "accepted_by_position": list(self.accepted), "mean_accepted_length": self.mean_accepted_length,
+                    "num_verify_steps": self.num_verify_steps}
+        if with_times:
+            counters.update(draft_seconds=self.draft_seconds, verify_seconds=self.verify_seconds)
+        return counters

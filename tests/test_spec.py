@@ -268,3 +268,21 @@ def test_reduced_draft_vocabulary_is_lossless(checkpoint, tmp_path):
     assert proposed and all(t in set(vocab) for row in proposed for t in row)
     with pytest.raises(ValueError, match="lists 171 tokens"):
         EngineCore(EngineConfig(model=path, num_draft_tokens=2, draft_vocab_size=200))
+
+
+def test_final_outputs_carry_per_request_acceptance(checkpoint):
+    """Each request's own counters reach its final output (sync and streamed); none without
+    speculation. The engine-wide counters are the sum of the requests'."""
+    from deltaspec.engine import LLM
+
+    path = checkpoint("qwen3_5", mtp_copy_of_last_layer=True)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    spec = LLM(path, num_draft_tokens=2, adaptive_draft_length=False)
+    outputs = spec.generate(prompts(3, seed=4), params)
+    counters = [o.spec_stats for o in outputs]
+    assert all(c is not None and c["num_verify_steps"] > 0 and "draft_seconds" not in c for c in counters)
+    assert all(1.0 <= c["mean_accepted_length"] <= 3.0 for c in counters)
+    total = spec.core.stats()["spec"]
+    assert sum(c["num_verify_steps"] for c in counters) == total["num_verify_steps"]
+    assert [sum(c["accepted_by_position"][d] for c in counters) for d in range(2)] == total["accepted_by_position"]
+    assert all(o.spec_stats is None for o in LLM(path).generate(prompts(2, seed=4), params))
