@@ -32,7 +32,7 @@ from .request import Request, RequestDelta
 from .runner import Runner, StepOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, StepPlan
-from .spec_decode import SpecDecoder
+from .decode_step import DecodeStep
 from .state_pool import KVPool, StatePool
 from .tokenizer import Tokenizer
 from .weights import load_model
@@ -91,10 +91,10 @@ class EngineCore:
                   if self.num_draft_tokens else None)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, policy,
                                                    self.max_model_len), self.slots, self.blocks, self.cache)
-        spec = SpecDecoder(self.model, self.states, self.kv, config.block_size) if self.num_draft_tokens else None
-        self.runner = Runner(self.model, self.states, self.kv, self.ops, config.block_size, self.device,
-                             graphs=self._decode_graphs() if spec is None else None, spec=spec,
-                             spec_graphs=self._spec_graphs(spec) if spec is not None else None)
+        decode = DecodeStep(self.model, self.states, self.kv, config.block_size, bool(self.num_draft_tokens))
+        self.runner = Runner(self.model, self.states, self.kv, self.ops, config.block_size, self.device, decode,
+                             graphs=self._decode_graphs(decode) if not decode.speculative else None,
+                             spec_graphs=self._spec_graphs(decode) if decode.speculative else None)
         self.spec_stats = SpecStats()
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -219,19 +219,18 @@ class EngineCore:
         """A row's block table at most: the context plus room for k drafts' positions."""
         return -(-(self.max_model_len + self.num_draft_tokens) // self.config.block_size)
 
-    def _decode_graphs(self) -> DecodeGraphs | None:
+    def _decode_graphs(self, decode: DecodeStep) -> DecodeGraphs | None:
         if not self._graphs_enabled:
             return None
-        graphs = DecodeGraphs(self.model, self.states, self.kv, self.config.block_size, self.config.max_num_seqs,
-                              self._max_blocks_per_row, self.device)
+        graphs = DecodeGraphs(decode, self.config.max_num_seqs, self._max_blocks_per_row, self.device)
         graphs.capture()
         logger.info("captured CUDA graphs for decode batch sizes %s", graphs.buckets)
         return graphs
 
-    def _spec_graphs(self, spec: SpecDecoder) -> SpecGraphs | None:
+    def _spec_graphs(self, decode: DecodeStep) -> SpecGraphs | None:
         if not self._graphs_enabled:
             return None
-        graphs = SpecGraphs(spec, self.config.max_num_seqs, self._max_blocks_per_row, self.num_draft_tokens,
+        graphs = SpecGraphs(decode, self.config.max_num_seqs, self._max_blocks_per_row, self.num_draft_tokens,
                             self.device)
         graphs.capture()
         logger.info("captured CUDA graphs for speculative steps: batch sizes %s x drafts 0..%d", graphs.buckets,

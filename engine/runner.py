@@ -14,8 +14,9 @@ steps replay a CUDA graph). With speculation (the model's MTP layer drafts) a st
              drafts that were accepted (rollback is that counter), the hidden states of
              the fed positions are kept for the next catch-up, and prefill chunks run the MTP
              over their own positions so the MTP's KV cache stays complete.
-Decode rows run at fixed shapes (spec_decode.py), so a step without prefill chunks replays two
-CUDA graphs (draft, verify); a step with prefill chunks runs its verify forward eagerly.
+Decode rows run at fixed shapes (decode_step.py): a decode-only step replays CUDA graphs (plain:
+one; speculative: draft and verify); a step with prefill chunks runs its forward eagerly (with
+speculation, after the draft graph).
 
 Around the forward it executes the prefix cache's device work (checkpoint_io.py): restores
 before, and after it the hidden states of the checkpoints the forward wrote. Cached rows (a
@@ -40,7 +41,7 @@ from .cuda_graphs import DecodeGraphs, SpecGraphs
 from .models import HybridLM
 from .request import TokenLogprobs
 from .scheduler import ScheduledRow, StepPlan
-from .spec_decode import SpecDecoder, SpecRow, SpecRows, Verified
+from .decode_step import DecodeRow, DecodeRows, DecodeStep, Verified
 from .state_pool import KVPool, StatePool
 
 
@@ -71,14 +72,14 @@ class StepOutput:
 
 class Runner:
     def __init__(self, model: HybridLM, states: StatePool, kv: KVPool, ops: Ops, block_size: int,
-                 device: torch.device, graphs: DecodeGraphs | None = None, spec: SpecDecoder | None = None,
+                 device: torch.device, decode: DecodeStep, graphs: DecodeGraphs | None = None,
                  spec_graphs: SpecGraphs | None = None) -> None:
-        """spec: the speculative stages (None: no speculation); graphs / spec_graphs: captured
-        plain-decode / speculative-stage graphs (None: eager)."""
+        """decode: the fixed-shape decode stages (speculative or not); graphs / spec_graphs: their
+        captured plain / speculative graphs (None: eager)."""
         self.model, self.states, self.kv, self.ops = model, states, kv, ops
         self.block_size, self.device, self.graphs = block_size, device, graphs
-        self.spec, self.spec_graphs = spec, spec_graphs
-        self.speculative = spec is not None
+        self.decode, self.spec_graphs = decode, spec_graphs
+        self.speculative = decode.speculative
         self.checkpoint_io = CheckpointIO(states, kv)
         # A seam for tests: called with (decode rows, drafts [B, K]) between drafting and verify,
         # it may edit the drafts in place (scripted drafters force every acceptance count).
@@ -95,16 +96,18 @@ class Runner:
         return output.then(self._run_cached(plan.cached_rows)) if plan.cached_rows else output
 
     def _run_plain(self, plan: StepPlan) -> StepOutput:
-        decode = [self._row(r) for r in plan.decode_rows]
-        if self.graphs is not None and self.graphs.can_run(decode, len(plan.prefill_rows)):
-            logits = self.graphs.run(decode)
+        decode = [_decode_row(r) for r in plan.decode_rows]
+        greedy = None
+        if self.graphs is not None and not plan.prefill_rows and self.graphs.fits(decode):
+            logits, greedy = self.graphs.run(decode)
         else:
-            batch = self._batch(decode, [self._row(r) for r in plan.prefill_rows], commit=True)
+            batch = self._batch([self._row(r) for r in plan.decode_rows], [self._row(r) for r in plan.prefill_rows],
+                                commit=True)
             hidden = self.model(batch, self.states, self.kv)
             self._keep_checkpoint_hidden(batch, hidden)
             logits = self.model.compute_logits(hidden[batch.logits_indices])
         sampling = [r for r in plan.rows if r.sample]
-        sampled = self._sample(logits, sampling) if sampling else []
+        sampled = self._sample(logits, sampling, greedy) if sampling else []
         tokens = iter(sampled)
         emitted = [[next(tokens)] if r.sample else [] for r in plan.rows]
         # Sampling rows' logits are in row order: logits row j belongs to the j-th sampling row.
@@ -120,21 +123,21 @@ class Runner:
         drafted, on_graph = None, False
         if decode_rows:
             num_drafts = max(r.num_draft_tokens for r in decode_rows)
-            rows = [_spec_row(r) for r in decode_rows]
-            on_graph = (self.spec_graphs is not None and not prefill_rows
-                        and self.spec_graphs.can_run(rows, num_drafts))
-            if on_graph:
-                drafted = self.spec_graphs.draft(rows, num_drafts)
+            rows = [_decode_row(r) for r in decode_rows]
+            on_graph = self.spec_graphs is not None and self.spec_graphs.can_run(rows, num_drafts)
+            if on_graph:  # the draft stage only reads decode rows: a graph serves mixed steps too
+                bucket_rows, bucket_drafts = self.spec_graphs.draft(rows, num_drafts)
+                drafted = bucket_rows.head(len(rows)), bucket_drafts[:len(rows)]  # views: edits reach the graph
             else:
-                device_rows = self.spec.row_tensors(rows, max(len(r.block_table) for r in rows), self.device)
-                drafted = device_rows, self.spec.draft(device_rows, num_drafts)
+                device_rows = self.decode.row_tensors(rows, max(len(r.block_table) for r in rows), self.device)
+                drafted = device_rows, self.decode.draft(device_rows, num_drafts)
             if self.draft_hook is not None:
                 self.draft_hook(decode_rows, drafted[1])  # edits the drafts in place
         clock.mark()
         if prefill_rows:
             verified, logits = self._verify_mixed(decode_rows, prefill_rows, drafted)
         else:
-            verified = self.spec_graphs.verify(len(decode_rows), num_drafts) if on_graph else self.spec.verify(*drafted)
+            verified = self.spec_graphs.verify(len(decode_rows), num_drafts) if on_graph else self.decode.verify(*drafted)
             logits = verified.logits
         clock.mark()
         emitted, logit_rows, num_pending = self._accepted(decode_rows, verified, *drafted) if decode_rows \
@@ -152,8 +155,8 @@ class Runner:
                           logprobs=self._logprobs(logits, plan.rows, logit_rows, emitted), num_pending=num_pending)
 
     def _verify_mixed(self, decode_rows: tuple[ScheduledRow, ...], prefill_rows: tuple[ScheduledRow, ...],
-                      drafted: tuple[SpecRows, torch.Tensor] | None) -> tuple[Verified | None, torch.Tensor]:
-        """One target forward over decode rows (K + 1 tokens each, as spec_decode's verify) and
+                      drafted: tuple[DecodeRows, torch.Tensor] | None) -> tuple[Verified | None, torch.Tensor]:
+        """One target forward over decode rows (K + 1 tokens each, as DecodeStep.verify) and
         prefill chunks. Returns the decode rows' Verified (None without decode rows) and the
         logits of every row that needs them (decode rows' first, in the model's dtype)."""
         num_drafts = drafted[1].shape[1] if drafted else 0
@@ -174,10 +177,10 @@ class Runner:
         if not drafted:
             return None, logits
         decode_logits = logits[:num_decode_tokens]
-        accepted, emitted = self.spec.accept(hidden[:num_decode_tokens], decode_logits, *drafted)
+        accepted, emitted = self.decode.accept(hidden[:num_decode_tokens], decode_logits, *drafted)
         return Verified(decode_logits, accepted, emitted), logits
 
-    def _accepted(self, rows: tuple[ScheduledRow, ...], verified: Verified, device_rows: SpecRows,
+    def _accepted(self, rows: tuple[ScheduledRow, ...], verified: Verified, device_rows: DecodeRows,
                   drafts: torch.Tensor) -> tuple[list[list[int]], list[list[int]], list[int]]:
         """Decode rows' emitted tokens, the logits rows that scored them, and their pending
         counts. Greedy rows were accepted on the device; sampled rows are redone here by
@@ -308,10 +311,11 @@ class Runner:
         return Row(row.token_ids, row.start_position, row.slot, row.block_table, num_logits=int(row.sample),
                    checkpoints=tuple((w.position - row.start_position, w.slot) for w in row.checkpoints))
 
-    def _sample(self, logits: torch.Tensor, rows: list[ScheduledRow]) -> list[int]:
+    def _sample(self, logits: torch.Tensor, rows: list[ScheduledRow], greedy: torch.Tensor | None = None) -> list[int]:
+        """greedy: the logits' argmax when a graph already computed it."""
         params = [r.request.params for r in rows]
-        if all(p.greedy for p in params):
-            return logits.argmax(dim=-1).tolist()  # greedy fast path: no filtering, no noise
+        if all(p.greedy for p in params):  # greedy fast path: no filtering, no noise
+            return (greedy if greedy is not None else logits.argmax(dim=-1)).tolist()
 
         tokens, _ = self.ops.sample(
             logits, *self._filter_columns(params),
@@ -322,9 +326,9 @@ class Runner:
         return tokens.tolist()
 
 
-def _spec_row(row: ScheduledRow) -> SpecRow:
-    return SpecRow(row.slot, row.token_ids[0], row.start_position, row.num_draft_tokens, row.mtp_start,
-                   row.mtp_token_ids, row.block_table)
+def _decode_row(row: ScheduledRow) -> DecodeRow:
+    return DecodeRow(row.slot, row.token_ids[0], row.start_position, row.block_table, row.num_draft_tokens,
+                     row.mtp_start, row.mtp_token_ids)
 
 
 class _StageClock:

@@ -138,7 +138,7 @@ class Scheduler:
         decode_rows: list[ScheduledRow] = []
         scheduled: set[int] = set()
         decoding = [r for r in self.running if not self._in_prefill(r)]
-        # Every decode row runs the step's largest draft count (spec_decode.py: fixed shapes), so
+        # Every decode row runs the step's largest draft count (decode_step.py: fixed shapes), so
         # a step's drafts per row are capped to keep all decode rows within the token budget, and
         # each row holds KV blocks for the positions of k drafts whatever it drafts itself.
         max_drafts = budget // len(decoding) - 1 if decoding else 0

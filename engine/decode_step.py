@@ -1,7 +1,8 @@
-"""The decode rows of a speculative step at fixed shapes: the MTP draft stage and the verify stage.
+"""Decode rows at fixed shapes: a plain decode step, and the speculative draft and verify stages.
 
-Every decode row of a step runs the same number of positions, whatever its own draft length
-k_r and however many MTP positions it has to catch up:
+Every decode row of a step runs the same number of positions. A plain decode row feeds its
+newest token (committed at once). With speculation, whatever a row's own draft length k_r and
+however many MTP positions it has to catch up:
 
   draft : the MTP catch-up over C = k + 1 positions from the row's first missing MTP position
           (its n_r <= C real ones are the positions verified and accepted last step, inputs
@@ -41,27 +42,27 @@ from .batch import ForwardBatch, RowGroup
 from .models import HybridLM
 from .state_pool import KVPool, StatePool
 
-# Columns of SpecRows.packed before the catch-up token ids.
+# Columns of DecodeRows.packed before the catch-up token ids.
 _SLOT, _NEWEST, _POSITION, _NUM_DRAFTS, _MTP_START, _NUM_CATCH_UP, _CATCH_UP_IDS = range(7)
 
 
 @dataclass(frozen=True)
-class SpecRow:
+class DecodeRow:
     """What the device needs of one decode row (the scheduler's ScheduledRow, distilled).
 
-    position: where the newest token sits (its state is not folded in yet); the MTP catches up
-    positions [mtp_start, position) whose next tokens are catch_up_ids."""
+    position: where the newest token sits (its state is not folded in yet). With speculation the
+    MTP catches up positions [mtp_start, position) whose next tokens are catch_up_ids."""
 
     slot: int
     newest: int
     position: int
-    num_drafts: int
-    mtp_start: int
-    catch_up_ids: Sequence[int]
     block_table: Sequence[int]
+    num_drafts: int = 0
+    mtp_start: int = 0
+    catch_up_ids: Sequence[int] = ()
 
 
-class SpecRows(NamedTuple):
+class DecodeRows(NamedTuple):
     """The decode rows of a step on the device, padding rows included ([B] leading dim)."""
 
     packed: torch.Tensor        # [B, 6 + C] int64: slot, newest, position, k_r, mtp_start, n_r, catch-up ids
@@ -99,25 +100,31 @@ class SpecRows(NamedTuple):
     def catch_up_ids(self) -> torch.Tensor:
         return self.packed[:, _CATCH_UP_IDS:]
 
-    def head(self, num_rows: int) -> "SpecRows":
+    def head(self, num_rows: int) -> "DecodeRows":
         """The first num_rows rows (a bucket of static buffers)."""
-        return SpecRows(self.packed[:num_rows], self.block_tables[:num_rows])
+        return DecodeRows(self.packed[:num_rows], self.block_tables[:num_rows])
+
+    @classmethod
+    def zeros(cls, num_rows: int, catch_up: int, num_blocks: int, device: torch.device) -> "DecodeRows":
+        """Static buffers holding padding rows."""
+        return cls(torch.zeros(num_rows, _CATCH_UP_IDS + catch_up, dtype=torch.int64, device=device),
+                   torch.zeros(num_rows, num_blocks, dtype=torch.int32, device=device))
 
 
-def pack_rows(rows: Sequence[SpecRow], catch_up: int, block_size: int, num_rows: int, num_blocks: int,
+def pack_rows(rows: Sequence[DecodeRow], catch_up: int, block_size: int, num_rows: int, num_blocks: int,
               pin_memory: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Host tensors (packed [num_rows, 6 + C], block tables [num_rows, num_blocks]) of `rows`
     followed by padding rows (all zeros: slot 0, block 0, nothing to draft or catch up).
-    Every position a row may write, up to position + C - 1, must be in its own blocks."""
+    Every position a row may write, up to position + max(C, 1) - 1, must be in its own blocks."""
     packed, tables = [], []
     for r in rows:
         num_catch_up = len(r.catch_up_ids)
         if num_catch_up > catch_up or r.mtp_start + num_catch_up > r.position:
             raise ValueError(f"slot {r.slot}: MTP catch-up of {num_catch_up} positions from {r.mtp_start} "
                              f"(at most {catch_up}, ending before the newest position {r.position})")
-        if r.position + catch_up > len(r.block_table) * block_size:
-            raise ValueError(f"slot {r.slot}: {len(r.block_table)} KV blocks do not cover positions up to "
-                             f"{r.position + catch_up - 1}")
+        last = r.position + max(catch_up, 1) - 1
+        if last >= len(r.block_table) * block_size:
+            raise ValueError(f"slot {r.slot}: {len(r.block_table)} KV blocks do not cover positions up to {last}")
         packed.append([r.slot, r.newest, r.position, r.num_drafts, r.mtp_start, num_catch_up, *r.catch_up_ids]
                       + [0] * (catch_up - num_catch_up))
         tables.append([*r.block_table] + [0] * (num_blocks - len(r.block_table)))
@@ -134,21 +141,30 @@ class Verified(NamedTuple):
     emitted: torch.Tensor   # [B, K + 1] int64: row r emits emitted[r, :accepted[r] + 1]
 
 
-class SpecDecoder:
-    def __init__(self, model: HybridLM, states: StatePool, kv: KVPool, block_size: int) -> None:
-        if model.mtp is None or states.mtp_hidden is None:
+class DecodeStep:
+    def __init__(self, model: HybridLM, states: StatePool, kv: KVPool, block_size: int, speculative: bool) -> None:
+        if speculative and (model.mtp is None or states.mtp_hidden is None):
             raise ValueError("speculation needs a model with MTP weights and a pool that keeps MTP inputs")
         self.model, self.states, self.kv, self.block_size = model, states, kv, block_size
-        self.catch_up = states.max_pending + 1  # C: positions verified per step at most
+        self.speculative = speculative
+        # C: MTP positions caught up per step at most, those verified and accepted last step.
+        self.catch_up = states.max_pending + 1 if speculative else 0
         self._constants: dict[tuple, torch.Tensor] = {}
 
-    def row_tensors(self, rows: Sequence[SpecRow], num_blocks: int, device: torch.device) -> SpecRows:
-        """SpecRows on the device for an eager step (graphs copy into static buffers instead)."""
+    def row_tensors(self, rows: Sequence[DecodeRow], num_blocks: int, device: torch.device) -> DecodeRows:
+        """DecodeRows on the device for an eager step (graphs copy into static buffers instead)."""
         cuda = device.type == "cuda"
         packed, tables = pack_rows(rows, self.catch_up, self.block_size, len(rows), num_blocks, pin_memory=cuda)
-        return SpecRows(packed.to(device, non_blocking=cuda), tables.to(device, non_blocking=cuda))
+        return DecodeRows(packed.to(device, non_blocking=cuda), tables.to(device, non_blocking=cuda))
 
-    def draft(self, rows: SpecRows, num_drafts: int) -> torch.Tensor:
+    def plain(self, rows: DecodeRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """A plain decode step (no speculation): each row's newest token, committed at once.
+        Returns (float32 logits [B, V], their argmax [B])."""
+        batch = self._batch(rows, rows.positions[:, None], rows.newest, commit=True)
+        logits = self.model.compute_logits(self.model(batch, self.states, self.kv))
+        return logits, logits.argmax(dim=-1)
+
+    def draft(self, rows: DecodeRows, num_drafts: int) -> torch.Tensor:
         """MTP catch-up + chain -> drafts [B, num_drafts] int64 (the catch-up runs even for
         num_drafts = 0: it keeps the MTP's KV cache complete for later drafting)."""
         num_rows, catch_up = rows.num_rows, self.catch_up
@@ -169,7 +185,7 @@ class SpecDecoder:
             drafts.append(self.model.draft_tokens(hidden))
         return torch.stack(drafts, dim=1)
 
-    def verify(self, rows: SpecRows, drafts: torch.Tensor, logits_out: torch.Tensor | None = None) -> Verified:
+    def verify(self, rows: DecodeRows, drafts: torch.Tensor, logits_out: torch.Tensor | None = None) -> Verified:
         """The target over [newest, drafts] of every row, then `accept`. logits_out: where the
         logits go ([B * (K + 1), V]; a graph's static buffer), or None for a new tensor."""
         num_rows, num_drafts = drafts.shape
@@ -181,7 +197,7 @@ class SpecDecoder:
         accepted, emitted = self.accept(hidden, logits, rows, drafts)
         return Verified(logits, accepted, emitted)
 
-    def accept(self, hidden: torch.Tensor, logits: torch.Tensor, rows: SpecRows,
+    def accept(self, hidden: torch.Tensor, logits: torch.Tensor, rows: DecodeRows,
                drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [B*(K+1), H], logits [B*(K+1), V] of the fed tokens -> greedy (accepted,
         emitted); sets each slot's pending count to its accepted drafts and keeps the hidden
@@ -195,7 +211,7 @@ class SpecDecoder:
         self.states.pending_counts[slots] = accepted.to(torch.int32)
         return accepted, emitted
 
-    def _batch(self, rows: SpecRows, positions: torch.Tensor, input_ids: torch.Tensor, commit: bool) -> ForwardBatch:
+    def _batch(self, rows: DecodeRows, positions: torch.Tensor, input_ids: torch.Tensor, commit: bool) -> ForwardBatch:
         """A batch of rows with q = positions.shape[1] consecutive new positions each."""
         num_rows, q = positions.shape
         tables = rows.block_tables
@@ -225,6 +241,6 @@ class SpecDecoder:
         if key not in self._constants:
             device = self.states.pending_counts.device
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(f"spec_decode constant {key} first needed inside a graph capture; warm up first")
+                raise RuntimeError(f"decode_step constant {key} first needed inside a graph capture; warm up first")
             self._constants[key] = make(device)
         return self._constants[key]
