@@ -1,0 +1,196 @@
+"""Skinny GEMM for decode and verify batches: y[M, N] = x[M, K] @ W[N, K]^T with M <= 64.
+
+At such M a projection only streams its weight, so its time is W's bytes over the memory
+bandwidth if enough of W is in flight at once. cuBLAS tiles along N only for these shapes
+(H100: a 64x8 tile), so a projection whose output is the hidden size (N = 1024) runs 16 CTAs
+on 132 SMs and reaches a sixth of the bandwidth (bench/results/profile-h100.json). This kernel
+splits K as well, so the grid fills the SMs whatever N is, and sums the split-K partials in
+the same launch: every program stores its fp32 partial tile, and the last program of an N tile
+to arrive (arrivals.py) adds the tile's partials in split order (deterministic, whichever
+program is last) and writes y. No fp32 output to memset, no reduce or cast launch; scratch is
+one torch.empty per call, so the call can be captured in a CUDA graph.
+
+`linear` is the entry point (the `Ops.linear` of the GPU table): it falls back to F.linear
+(cuBLAS) where `linear_config` says cuBLAS does as well — more than MAX_ROWS rows (prefill),
+or N wide enough that cuBLAS's own N tiles fill the GPU. `launch_linear` runs the kernel with
+an explicit config (tests, the tuning sweep of bench/kernels_linear.py); `linear_reference` is
+the torch oracle. Knows nothing about which projection it computes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .arrivals import arrival_counters, last_to_arrive, num_sms, reset_arrivals
+
+MAX_ROWS = 64               # above this (prefill) a GEMM has enough rows to be cuBLAS's business
+CUBLAS_MIN_N_PER_SM = 32    # from this many output features per SM on, cuBLAS's N tiles fill the GPU
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype."""
+    return F.linear(x, weight)
+
+
+# M and the split count vary with the batch and the config: not compile-time (one binary per tile).
+@triton.jit(do_not_specialize=["M", "num_splits"])
+def _linear_kernel(x, w, y, partials, arrivals, M, N, K, num_splits, k_per_split, stride_xm, stride_wn, stride_ym,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                   EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (N tile pid_n, K split pid_k): acc[BLOCK_N, BLOCK_M] = W[n tile, k split] @ x[:, k split]^T,
+    i.e. y^T, so that the wide side (W's rows) is the MMA's M and the padded batch (>= 16 rows
+    for tl.dot) its N. K splits are k_per_split long (a multiple of BLOCK_K); the last may be
+    short or empty. Rows of W past N and of x past M are clamped to the last row instead of
+    masked, so the loads along K stay unpredicated 16-byte vectors; their products land in
+    columns that are never stored.
+
+    USE_DOT=False multiplies on the CUDA cores (acc += sum_k W[n, k] x[m, k]) for batches too
+    small to fill an MMA tile.
+
+    SPLIT (num_splits > 1): partials [num_splits, M, N] fp32 (scratch); arrivals[pid_n] counts
+    the tile's programs in. The last one sums the partials in split order and writes y."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows_w = tl.minimum(offs_n, N - 1).to(tl.int64)
+    rows_x = tl.minimum(offs_m, M - 1).to(tl.int64)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    w_ptrs = w + rows_w[:, None] * stride_wn + (k_start + offs_k)[None, :]     # [BLOCK_N, BLOCK_K]
+    x_ptrs = x + rows_x[:, None] * stride_xm + (k_start + offs_k)[None, :]     # [BLOCK_M, BLOCK_K]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            w_tile = tl.load(w_ptrs)
+            x_tile = tl.load(x_ptrs)
+        else:  # zero both sides past K: garbage there may be inf or NaN
+            in_k = (k + offs_k) < K
+            w_tile = tl.load(w_ptrs, mask=in_k[None, :], other=0.0)
+            x_tile = tl.load(x_ptrs, mask=in_k[None, :], other=0.0)
+        if USE_DOT:
+            acc = tl.dot(w_tile, tl.trans(x_tile), acc, input_precision=PRECISION)
+        else:
+            acc += tl.sum(w_tile.to(tl.float32)[:, :, None] * tl.trans(x_tile.to(tl.float32))[None, :, :], axis=1)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+
+    out = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    y_ptrs = y + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
+    if not SPLIT:
+        tl.store(y_ptrs, acc.to(y.dtype.element_ty), mask=out)
+    else:
+        tile = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]                # within one [M, N] partial
+        tl.store(partials + pid_k.to(tl.int64) * M * N + tile, acc, mask=out)
+        if last_to_arrive(arrivals + pid_n, num_splits):
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for s in range(num_splits):
+                # .cg: from L2, where the other SMs' stores are, never a stale L1 line
+                total += tl.load(partials + s * M * N + tile, mask=out, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(y.dtype.element_ty), mask=out)
+            reset_arrivals(arrivals + pid_n)
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    block_n: int      # rows of W (columns of y) per program
+    block_k: int      # K step of a program's loop
+    split_k: int      # programs per N tile, each over an equal run of K blocks
+    num_warps: int
+    num_stages: int   # software-pipelining depth of the W / x loads
+    use_dot: bool = True   # tensor cores (x padded to 16 rows) or CUDA cores
+
+    def block_m(self, num_rows: int) -> int:
+        """x rows per program: the batch padded to a power of two, >= 16 for an MMA."""
+        return max(16 if self.use_dot else 1, triton.next_power_of_2(num_rows))
+
+
+def split_k_for(num_k_blocks: int, wanted: int) -> int:
+    """At most `wanted` splits, each an equal whole number of K blocks (so none is short),
+    as many as that allows."""
+    per_split = triton.cdiv(num_k_blocks, max(1, min(wanted, num_k_blocks)))
+    return triton.cdiv(num_k_blocks, per_split)
+
+
+def kernel_config(num_rows: int, out_features: int, in_features: int, sms: int) -> LinearConfig:
+    """Tiles for x [num_rows, in_features] @ W[out_features, in_features]^T on a GPU of `sms` SMs.
+
+    BLOCK_K = 128 (a warp reads 256-byte stretches of W's rows in 16-byte vectors); BLOCK_N 64
+    up to 16 rows, 128 above (x is re-read from L2 once per N tile); split-K up to about two
+    programs per SM, each split an equal run of K blocks."""
+    block_n = 64 if num_rows <= 16 else 128
+    block_k = 128
+    num_tiles = triton.cdiv(out_features, block_n)
+    split_k = split_k_for(triton.cdiv(in_features, block_k), triton.cdiv(2 * sms, num_tiles))
+    return LinearConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4, num_stages=3)
+
+
+def use_kernel(num_rows: int, out_features: int, sms: int) -> bool:
+    """The rule between this kernel and cuBLAS: the kernel for 1..MAX_ROWS rows and fewer than
+    CUBLAS_MIN_N_PER_SM output features per SM; from there on cuBLAS's N tiles alone fill the
+    GPU and it streams W near the copy bandwidth (the wide projections in profile-h100.json)."""
+    return 0 < num_rows <= MAX_ROWS and out_features < CUBLAS_MIN_N_PER_SM * sms
+
+
+@cache
+def linear_config(num_rows: int, out_features: int, in_features: int, device: torch.device) -> LinearConfig | None:
+    """The config `linear` launches for these shapes on `device`, or None for cuBLAS. Shapes and
+    the SM count only: CUDA graphs replay the choice. The interpreter gets one small config."""
+    if INTERPRETED:
+        if not 0 < num_rows <= MAX_ROWS:
+            return None
+        return LinearConfig(block_n=16, block_k=32, split_k=split_k_for(triton.cdiv(in_features, 32), 2),
+                            num_warps=1, num_stages=1)
+    sms = num_sms(device)
+    if not use_kernel(num_rows, out_features, sms):
+        return None
+    return kernel_config(num_rows, out_features, in_features, sms)
+
+
+def launch_linear(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config: LinearConfig) -> None:
+    """y [M, N] = x [M, K] @ weight [N, K]^T with an explicit config. x and weight: same dtype
+    (bf16, fp16 or fp32), unit stride along K (x may be a row-strided view); y contiguous, same
+    dtype. Accumulates in fp32; fp32 inputs multiply in full fp32 (no tf32)."""
+    assert x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == x.shape[1], \
+        f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not chain"
+    (num_rows, in_features), out_features = x.shape, weight.shape[0]
+    assert x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16, torch.float32), \
+        f"linear: x {x.dtype}, weight {weight.dtype}"
+    assert x.stride(1) == 1 and weight.stride(1) == 1, "linear: x and weight need unit stride along K"
+    assert x.device == weight.device == y.device
+    assert y.shape == (num_rows, out_features) and y.dtype == x.dtype and y.is_contiguous()
+    assert 0 < num_rows <= MAX_ROWS, f"linear kernel takes 1..{MAX_ROWS} rows, got {num_rows}"
+    block_m = config.block_m(num_rows)
+    k_per_split = triton.cdiv(triton.cdiv(in_features, config.split_k), config.block_k) * config.block_k
+    num_tiles = triton.cdiv(out_features, config.block_n)
+    if config.split_k > 1:
+        partials = torch.empty((config.split_k, num_rows, out_features), dtype=torch.float32, device=x.device)
+        arrivals = arrival_counters(x.device, num_tiles)
+    else:  # never touched
+        partials = arrivals = y
+    _linear_kernel[(num_tiles, config.split_k)](
+        x, weight, y, partials, arrivals, num_rows, out_features, in_features, config.split_k, k_per_split,
+        x.stride(0), weight.stride(0), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=config.split_k > 1,
+        EVEN_K=in_features % config.block_k == 0, USE_DOT=config.use_dot,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",              # fp32 stays fp32 (no tf32)
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """linear_reference through the kernel where linear_config picks it, else through F.linear."""
+    config = linear_config(x.shape[0], weight.shape[0], weight.shape[1], x.device) if x.dim() == 2 else None
+    if config is None:
+        return F.linear(x, weight)
+    y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    launch_linear(y, x, weight, config)
+    return y
