@@ -18,14 +18,17 @@ Per projection and M in ROWS:
   F.linear, so ours == cublas there);  kernel: the kernel with its tile heuristic whatever
   the rule says (the data for the rule).
 Each is timed as a CUDA graph of R calls over R copies of W (R x W >= 256 MiB, so no call
-finds its weight in the 50-60 MB L2), time per call = median replay / R. Bytes = W + x + y;
+finds its weight in the 50-60 MB L2), time per call = median replay / R; and eagerly
+(common.eager_time_us: events around R back-to-back calls, so where the host launches slower
+than the GPU runs, this is the launch cost: the case of steps that are not graphed). Bytes = W + x + y;
 roofline fraction = bytes / time / copy bandwidth measured in the same run. Error = max |y -
 y_fp32| / max |y_fp32| against F.linear in fp32 on the same bf16 inputs, for ours and cuBLAS.
 "step" sums a decode step's projections (layer counts in LAYERS) for cuBLAS and ours.
 
---sweep (a second pass, after the main numbers are written) times a grid of configs per row
-(tiles x num_warps x num_stages x split-K for 1, 2 and 4 programs per SM; CUDA-core tiles for
-M <= 8) and records each config's time and the best: the data kernel_config is tuned from.
+--sweep (a second pass, after the main numbers are written, narrow N first) times a grid of
+configs per row (BLOCK_N x BLOCK_K x num_stages x split-K for 1/2, 1 and 2 programs per SM)
+and records each config's time and the best: the data kernel_config and use_kernel are tuned
+from. The whole run takes about N minutes on an H100.
 """
 
 from __future__ import annotations
@@ -41,11 +44,12 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from common import commit_id, copy_bandwidth, device_tag, graph_time_us  # noqa: E402
+from common import commit_id, copy_bandwidth, device_tag, eager_time_us, graph_time_us  # noqa: E402
 from deltaspec.kernels.arrivals import arrival_counters
-from deltaspec.kernels.linear import LinearConfig, kernel_config, launch_linear, linear, linear_config, split_k_for
+from deltaspec.kernels.linear import (LinearConfig, block_m, kernel_config, launch_linear, linear, linear_config,
+                                      split_k_for)
 
-ROWS = (1, 4, 8, 16, 64)
+ROWS = (1, 4, 8, 16, 32, 64)
 L2_DEFEAT_BYTES = 256 << 20
 MAX_COPIES = 64
 # As bench/engine_throughput.py SHAPES (head dims: GDN 128, attention 256).
@@ -71,23 +75,19 @@ def projections(hidden: int, key_heads: int, value_heads: int, heads: int, kv_he
 
 
 def config_name(c: LinearConfig) -> str:
-    return f"{c.block_n}x{c.block_k}/s{c.split_k}/w{c.num_warps}p{c.num_stages}{'' if c.use_dot else '/fma'}"
+    return f"{c.block_n}x{c.block_k}/s{c.split_k}/w{c.num_warps}p{c.num_stages}"
 
 
 def sweep_configs(num_rows: int, n: int, k: int, sms: int) -> list[LinearConfig]:
-    """Tensor-core tiles (shared memory of the pipeline stages under 160 KB) and, for M <= 8,
-    CUDA-core tiles; each at the split-K that gives about 1, 2 and 4 programs per SM."""
-    block_m = triton.next_power_of_2(num_rows)
-    tiles = [(bn, bk, w, s, True) for bn in (16, 32, 64, 128) for bk in (64, 128, 256)
-             for w, s in ((4, 3), (4, 4), (8, 3))
-             if s * (bn + max(16, block_m)) * bk * 2 <= 160 << 10]
-    if num_rows <= 8:  # at most 64 fp32 products per thread in registers
-        tiles += [(bn, bk, 4, 1, False) for bn in (8, 16, 32) for bk in (128, 256) if bn * bk * block_m <= 64 * 128]
+    """Tiles whose pipeline stages fit in 160 KB of shared memory, each at the split-K that
+    gives about 1/2, 1 and 2 programs per SM (4 per SM and 8 warps never won on the H100)."""
+    tiles = [(bn, bk, w, s) for bn in (16, 32, 64, 128) for bk in (128, 256) for w, s in ((4, 3), (4, 4))
+             if s * (bn + block_m(num_rows)) * bk * 2 <= 160 << 10]
     configs = []
-    for bn, bk, w, s, dot in tiles:
-        for per_sm in (1, 2, 4):
-            split = split_k_for(triton.cdiv(k, bk), triton.cdiv(per_sm * sms, triton.cdiv(n, bn)))
-            config = LinearConfig(bn, bk, split, w, s, dot)
+    for bn, bk, w, s in tiles:
+        for programs in (sms // 2, sms, 2 * sms):
+            split = split_k_for(triton.cdiv(k, bk), triton.cdiv(programs, triton.cdiv(n, bn)))
+            config = LinearConfig(bn, bk, split, w, s)
             if config not in configs:
                 configs.append(config)
     return configs
@@ -112,6 +112,12 @@ class Setup:
     def time_ours(self) -> float:
         return graph_time_us(lambda r: linear(self.x, self.weights[r]), self.copies)
 
+    def eager_cublas(self) -> float:
+        return eager_time_us(lambda r: F.linear(self.x, self.weights[r]), self.copies)
+
+    def eager_ours(self) -> float:
+        return eager_time_us(lambda r: linear(self.x, self.weights[r]), self.copies)
+
     def time_config(self, config: LinearConfig) -> float:
         return graph_time_us(lambda r: launch_linear(self.y, self.x, self.weights[r], config), self.copies)
 
@@ -129,9 +135,11 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time a grid of configs per row")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
+    parser.add_argument("--projections", default="", help="comma-separated names (gdn.out_proj, ...); default all")
     args = parser.parse_args()
     models = args.models.split(",")
     rows = [int(r) for r in args.rows.split(",")]
+    wanted = set(filter(None, args.projections.split(",")))
     props = torch.cuda.get_device_properties(0)
     sms = props.multi_processor_count
     device = torch.device("cuda", 0)
@@ -156,6 +164,8 @@ def main() -> None:
 
     for model in models:
         for name, n, k, calls in projections(**MODELS[model]):
+            if wanted and name not in wanted:
+                continue
             for num_rows in rows:
                 row = dict(model=model, projection=name, N=n, K=k, M=num_rows, calls_per_step=calls)
                 try:
@@ -171,6 +181,7 @@ def main() -> None:
                         row[f"{label}_us"] = timer()
                         row[f"{label}_roofline"] = setup.bytes / row[f"{label}_us"] / 1e3 / bandwidth
                     row["speedup"] = row["cublas_us"] / row["ours_us"]
+                    row["cublas_eager_us"], row["ours_eager_us"] = setup.eager_cublas(), setup.eager_ours()
                     del setup
                 except Exception as error:  # noqa: BLE001 - recorded, the run goes on
                     row["error"] = repr(error)
@@ -181,8 +192,8 @@ def main() -> None:
                 save()
     result["step"] = step_totals(result["rows"])
     save()
-    if args.sweep:  # second pass, so that a time limit cuts the sweep, not the main numbers
-        for row in result["rows"]:
+    if args.sweep:  # second pass, so that a time limit cuts the sweep, not the main numbers; narrow N first
+        for row in sorted(result["rows"], key=lambda r: r["N"]):
             if "error" in row:
                 continue
             sweep: dict[str, float | str] = {}
@@ -227,12 +238,14 @@ def step_totals(rows: list[dict]) -> list[dict]:
 def print_table(result: dict) -> None:
     nan = float("nan")
     print(f"{'model':5} {'projection':13} {'N':>6} {'K':>6} {'M':>3} | {'cublas':>7} {'ours':>7} {'kernel':>7} us | "
-          f"{'cublas':>6} {'ours':>5} {'kernel':>6} of roofline | {'error':>7} | ours config / sweep best")
+          f"{'cublas':>6} {'ours':>5} {'kernel':>6} of roofline | eager us: {'cublas':>6} {'ours':>6} | "
+          f"{'error':>7} | ours config / sweep best")
     for r in result["rows"]:
         best = f" / {r['sweep_best']} {r['sweep_best_us']:.2f}us" if "sweep_best" in r else ""
         print(f"{r['model']:5} {r['projection']:13} {r['N']:6} {r['K']:6} {r['M']:3} | {r.get('cublas_us', nan):7.2f} "
               f"{r.get('ours_us', nan):7.2f} {r.get('kernel_us', nan):7.2f}    | {r.get('cublas_roofline', nan):6.2f} "
               f"{r.get('ours_roofline', nan):5.2f} {r.get('kernel_roofline', nan):6.2f}              | "
+              f"          {r.get('cublas_eager_us', nan):6.2f} {r.get('ours_eager_us', nan):6.2f} | "
               f"{r.get('ours_error', nan):7.1e} | {r.get('ours_config', r.get('error', '?'))}{best}")
     for t in result.get("step", []):
         print(f"decode step projections, {t['model']} M={t['M']}: cuBLAS {t['cublas_us']:.0f} us, "

@@ -1,20 +1,27 @@
 """Skinny GEMM for decode and verify batches: y[M, N] = x[M, K] @ W[N, K]^T with M <= 64.
 
 At such M a projection only streams its weight, so its time is W's bytes over the memory
-bandwidth if enough of W is in flight at once. cuBLAS tiles along N only for these shapes
-(H100: a 64x8 tile), so a projection whose output is the hidden size (N = 1024) runs 16 CTAs
-on 132 SMs and reaches a sixth of the bandwidth (bench/results/profile-h100.json). This kernel
-splits K as well, so the grid fills the SMs whatever N is, and sums the split-K partials in
-the same launch: every program stores its fp32 partial tile, and the last program of an N tile
-to arrive (arrivals.py) adds the tile's partials in split order (deterministic, whichever
-program is last) and writes y. No fp32 output to memset, no reduce or cast launch; scratch is
-one torch.empty per call, so the call can be captured in a CUDA graph.
+bandwidth plus fixed latency. cuBLAS tiles along N only for these shapes (H100: a 64x8 tile),
+so a projection whose output is the hidden size (N = 1024) runs 16 CTAs on 132 SMs (and the
+down projection adds a split-K reduce launch). This kernel splits K as well, so the grid fills
+the SMs whatever N is, and sums the split-K partials in the same launch: every program stores
+its fp32 partial tile, and the last program of an N tile to arrive (arrivals.py) adds the
+tile's partials in split order (deterministic, whichever program is last) and writes y. No
+fp32 output to memset, no reduce or cast launch; scratch is one torch.empty per call, so the
+call can be captured in a CUDA graph.
 
-`linear` is the entry point (the `Ops.linear` of the GPU table): it falls back to F.linear
-(cuBLAS) where `linear_config` says cuBLAS does as well — more than MAX_ROWS rows (prefill),
-or N wide enough that cuBLAS's own N tiles fill the GPU. `launch_linear` runs the kernel with
-an explicit config (tests, the tuning sweep of bench/kernels_linear.py); `linear_reference` is
-the torch oracle. Knows nothing about which projection it computes.
+Measured on an H100 (bench/kernels_linear.py, CUDA graphs, cold weights), M <= 16: N = 1024,
+K = 2048 (4.2 MB) 4.9-5.0 us against cuBLAS's 5.8; N = 1024, K = 3584 5.9-6.2 us against
+8.2-8.4; N = 4096 5-10% faster. Where the time goes at 4.2 MB: a kernel that only reads W
+needs 3.5 us (0.9 us of it the launch gap in a graph), the GEMM without its split-K tail 4.0,
+and the tail (partial stores made visible, the counter atomic, the partial loads: three
+dependent L2 round trips) ~1.1 us more.
+
+`linear` is the entry point (the `Ops.linear` of the GPU table): the kernel where `use_kernel`
+says it beats cuBLAS, F.linear elsewhere (prefill, wide N, 32+ rows at larger N).
+`launch_linear` runs the kernel with an explicit config (tests, the tuning sweep of
+bench/kernels_linear.py); `linear_reference` is the torch oracle. Knows nothing about which
+projection it computes.
 """
 
 from __future__ import annotations
@@ -30,8 +37,8 @@ import triton.language as tl
 
 from .arrivals import arrival_counters, last_to_arrive, num_sms, reset_arrivals
 
-MAX_ROWS = 64               # above this (prefill) a GEMM has enough rows to be cuBLAS's business
-CUBLAS_MIN_N_PER_SM = 32    # from this many output features per SM on, cuBLAS's N tiles fill the GPU
+MAX_ROWS = 64               # the kernel's limit (x is padded to a power of two >= 16 rows)
+KERNEL_MAX_ROWS = 32        # use_kernel never picks the kernel for more rows
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -40,11 +47,11 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-# M and the split count vary with the batch and the config: not compile-time (one binary per tile).
-@triton.jit(do_not_specialize=["M", "num_splits"])
-def _linear_kernel(x, w, y, partials, arrivals, M, N, K, num_splits, k_per_split, stride_xm, stride_wn, stride_ym,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                   EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
+# M varies with the batch: not compile-time (one binary serves a BLOCK_M).
+@triton.jit(do_not_specialize=["M"])
+def _linear_kernel(x, w, y, partials, arrivals, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                   EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
     """Program (N tile pid_n, K split pid_k): acc[BLOCK_N, BLOCK_M] = W[n tile, k split] @ x[:, k split]^T,
     i.e. y^T, so that the wide side (W's rows) is the MMA's M and the padded batch (>= 16 rows
     for tl.dot) its N. K splits are k_per_split long (a multiple of BLOCK_K); the last may be
@@ -52,11 +59,10 @@ def _linear_kernel(x, w, y, partials, arrivals, M, N, K, num_splits, k_per_split
     masked, so the loads along K stay unpredicated 16-byte vectors; their products land in
     columns that are never stored.
 
-    USE_DOT=False multiplies on the CUDA cores (acc += sum_k W[n, k] x[m, k]) for batches too
-    small to fill an MMA tile.
-
-    SPLIT (num_splits > 1): partials [num_splits, M, N] fp32 (scratch); arrivals[pid_n] counts
-    the tile's programs in. The last one sums the partials in split order and writes y."""
+    SPLIT_K > 1: partials [SPLIT_K, M, N] fp32 (scratch); arrivals[pid_n] counts the tile's
+    programs in. The last one sums the partials in split order and writes y. The sum is
+    unrolled so that its SPLIT_K loads are in flight together: that tail is one L2 round trip,
+    not SPLIT_K of them (a loop made 16 splits ~3 us slower on an H100)."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -76,23 +82,20 @@ def _linear_kernel(x, w, y, partials, arrivals, M, N, K, num_splits, k_per_split
             in_k = (k + offs_k) < K
             w_tile = tl.load(w_ptrs, mask=in_k[None, :], other=0.0)
             x_tile = tl.load(x_ptrs, mask=in_k[None, :], other=0.0)
-        if USE_DOT:
-            acc = tl.dot(w_tile, tl.trans(x_tile), acc, input_precision=PRECISION)
-        else:
-            acc += tl.sum(w_tile.to(tl.float32)[:, :, None] * tl.trans(x_tile.to(tl.float32))[None, :, :], axis=1)
+        acc = tl.dot(w_tile, tl.trans(x_tile), acc, input_precision=PRECISION)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
 
     out = (offs_n < N)[:, None] & (offs_m < M)[None, :]
     y_ptrs = y + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
-    if not SPLIT:
+    if SPLIT_K == 1:
         tl.store(y_ptrs, acc.to(y.dtype.element_ty), mask=out)
     else:
         tile = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]                # within one [M, N] partial
         tl.store(partials + pid_k.to(tl.int64) * M * N + tile, acc, mask=out)
-        if last_to_arrive(arrivals + pid_n, num_splits):
+        if last_to_arrive(arrivals + pid_n, SPLIT_K):
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for s in range(num_splits):
+            for s in tl.static_range(SPLIT_K):
                 # .cg: from L2, where the other SMs' stores are, never a stale L1 line
                 total += tl.load(partials + s * M * N + tile, mask=out, other=0.0, cache_modifier=".cg")
             tl.store(y_ptrs, total.to(y.dtype.element_ty), mask=out)
@@ -106,16 +109,16 @@ class LinearConfig:
     split_k: int      # programs per N tile, each over an equal run of K blocks
     num_warps: int
     num_stages: int   # software-pipelining depth of the W / x loads
-    use_dot: bool = True   # tensor cores (x padded to 16 rows) or CUDA cores
 
-    def block_m(self, num_rows: int) -> int:
-        """x rows per program: the batch padded to a power of two, >= 16 for an MMA."""
-        return max(16 if self.use_dot else 1, triton.next_power_of_2(num_rows))
+
+def block_m(num_rows: int) -> int:
+    """x rows per program: the batch padded to a power of two, >= 16 for an MMA."""
+    return max(16, triton.next_power_of_2(num_rows))
 
 
 def split_k_for(num_k_blocks: int, wanted: int) -> int:
-    """At most `wanted` splits, each an equal whole number of K blocks (so none is short),
-    as many as that allows."""
+    """At most `wanted` splits of whole K blocks, cdiv(num_k_blocks, wanted) blocks each (the last
+    may be shorter), never an empty one."""
     per_split = triton.cdiv(num_k_blocks, max(1, min(wanted, num_k_blocks)))
     return triton.cdiv(num_k_blocks, per_split)
 
@@ -123,21 +126,29 @@ def split_k_for(num_k_blocks: int, wanted: int) -> int:
 def kernel_config(num_rows: int, out_features: int, in_features: int, sms: int) -> LinearConfig:
     """Tiles for x [num_rows, in_features] @ W[out_features, in_features]^T on a GPU of `sms` SMs.
 
-    BLOCK_K = 128 (a warp reads 256-byte stretches of W's rows in 16-byte vectors); BLOCK_N 64
-    up to 16 rows, 128 above (x is re-read from L2 once per N tile); split-K up to about two
-    programs per SM, each split an equal run of K blocks."""
-    block_n = 64 if num_rows <= 16 else 128
-    block_k = 128
-    num_tiles = triton.cdiv(out_features, block_n)
-    split_k = split_k_for(triton.cdiv(in_features, block_k), triton.cdiv(2 * sms, num_tiles))
-    return LinearConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4, num_stages=3)
+    BLOCK_K = 128 (a warp reads 256-byte stretches of W's rows in 16-byte vectors), 4 warps, 4
+    stages; BLOCK_N 64 up to 8 rows, 32 above; split-K for at most one program per SM and at
+    least num_stages K blocks per split (shorter splits pay the pipeline's prologue and the
+    split-K tail for fewer bytes). On the H100 sweep (bench/results/kernels_linear-h100.json)
+    this is within 4% of the fastest swept config for every shape use_kernel gives the kernel."""
+    block_n = 64 if num_rows <= 8 else 32
+    block_k, num_stages = 128, 4
+    num_tiles, num_k_blocks = triton.cdiv(out_features, block_n), triton.cdiv(in_features, block_k)
+    split_k = split_k_for(num_k_blocks, min(triton.cdiv(sms, num_tiles), max(1, num_k_blocks // num_stages)))
+    return LinearConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4, num_stages=num_stages)
 
 
 def use_kernel(num_rows: int, out_features: int, sms: int) -> bool:
-    """The rule between this kernel and cuBLAS: the kernel for 1..MAX_ROWS rows and fewer than
-    CUBLAS_MIN_N_PER_SM output features per SM; from there on cuBLAS's N tiles alone fill the
-    GPU and it streams W near the copy bandwidth (the wide projections in profile-h100.json)."""
-    return 0 < num_rows <= MAX_ROWS and out_features < CUBLAS_MIN_N_PER_SM * sms
+    """The rule between this kernel and cuBLAS (H100 numbers in bench/results/kernels_linear-h100.json):
+      - N >= 32 per SM (the 0.8B in_proj, qkv, gate_up; every 9B one but out/o_proj and down):
+        cuBLAS's own N tiles fill the GPU; it ties or wins (by up to 15% at M = 1);
+      - up to 16 rows otherwise: the kernel, 10-25% faster at N = 1024, 5-10% at N = 4096;
+      - 17..32 rows: the kernel up to 16 features per SM (N = 1024: 5.4 us against 5.9); at
+        N = 4096 cuBLAS switches to a faster kernel there (15.5 us against our 16.3);
+      - more than 32 rows: cuBLAS (x's re-reads from L2 and the fp32 partials grow with M)."""
+    if not 0 < num_rows <= KERNEL_MAX_ROWS or out_features >= 32 * sms:
+        return False
+    return num_rows <= 16 or out_features <= 16 * sms
 
 
 @cache
@@ -145,7 +156,7 @@ def linear_config(num_rows: int, out_features: int, in_features: int, device: to
     """The config `linear` launches for these shapes on `device`, or None for cuBLAS. Shapes and
     the SM count only: CUDA graphs replay the choice. The interpreter gets one small config."""
     if INTERPRETED:
-        if not 0 < num_rows <= MAX_ROWS:
+        if not 0 < num_rows <= KERNEL_MAX_ROWS:
             return None
         return LinearConfig(block_n=16, block_k=32, split_k=split_k_for(triton.cdiv(in_features, 32), 2),
                             num_warps=1, num_stages=1)
@@ -168,7 +179,6 @@ def launch_linear(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config
     assert x.device == weight.device == y.device
     assert y.shape == (num_rows, out_features) and y.dtype == x.dtype and y.is_contiguous()
     assert 0 < num_rows <= MAX_ROWS, f"linear kernel takes 1..{MAX_ROWS} rows, got {num_rows}"
-    block_m = config.block_m(num_rows)
     k_per_split = triton.cdiv(triton.cdiv(in_features, config.split_k), config.block_k) * config.block_k
     num_tiles = triton.cdiv(out_features, config.block_n)
     if config.split_k > 1:
@@ -177,10 +187,10 @@ def launch_linear(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config
     else:  # never touched
         partials = arrivals = y
     _linear_kernel[(num_tiles, config.split_k)](
-        x, weight, y, partials, arrivals, num_rows, out_features, in_features, config.split_k, k_per_split,
+        x, weight, y, partials, arrivals, num_rows, out_features, in_features, k_per_split,
         x.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=config.split_k > 1,
-        EVEN_K=in_features % config.block_k == 0, USE_DOT=config.use_dot,
+        BLOCK_M=block_m(num_rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
+        EVEN_K=in_features % config.block_k == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",              # fp32 stays fp32 (no tf32)
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -1,10 +1,10 @@
 """The skinny split-K GEMM (kernels/linear.py) against its reference, F.linear.
 
 Inputs are fresh seeded random draws; outputs are poisoned with NaN before the kernel writes
-them. Cases cover M = 1, 3, 16, 33 (the tensor-core path pads x to >= 16 rows, so M = 33 pads
-to 64), N not a multiple of the tile, K not a multiple of BLOCK_K * split_k (short and empty
-last splits), split-K = 1 and > 1 (the in-launch reduction by the last arriver), the CUDA-core
-path, and x as a row-strided view with an unaligned start. After each launch the arrival
+them. Cases cover M = 1, 3, 16, 33 (x is padded to >= 16 rows for the MMA, so M = 33 pads to
+64), N not a multiple of the tile, K not a multiple of BLOCK_K * split_k (short and empty last
+splits), split-K = 1 and > 1 (the in-launch reduction by the last arriver), and x as a
+row-strided view with an unaligned start. After each launch the arrival
 counters are back at zero, and a second launch gives bit-identical output (the partials are
 summed in a fixed order, whichever program arrives last).
 
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from deltaspec.kernels.arrivals import arrival_counters
-from deltaspec.kernels.linear import (MAX_ROWS, LinearConfig, launch_linear, linear, linear_config,
+from deltaspec.kernels.linear import (KERNEL_MAX_ROWS, MAX_ROWS, LinearConfig, launch_linear, linear, linear_config,
                                       linear_reference)
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -63,14 +63,13 @@ CASES = [
     (3, 33, 64, LinearConfig(block_n=16, block_k=32, split_k=1, num_warps=1, num_stages=1)),
     (16, 50, 96, LinearConfig(block_n=16, block_k=32, split_k=3, num_warps=1, num_stages=1)),
     (33, 20, 70, LinearConfig(block_n=16, block_k=32, split_k=4, num_warps=1, num_stages=1)),   # 4th split empty
-    (3, 24, 72, LinearConfig(block_n=16, block_k=16, split_k=3, num_warps=1, num_stages=1, use_dot=False)),
-    (1, 17, 48, LinearConfig(block_n=16, block_k=32, split_k=1, num_warps=1, num_stages=1, use_dot=False)),
+    (3, 24, 72, LinearConfig(block_n=16, block_k=16, split_k=5, num_warps=1, num_stages=1)),    # 16 | K, 80 !| K
+    (1, 17, 48, LinearConfig(block_n=16, block_k=16, split_k=1, num_warps=1, num_stages=1)),
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"M{c[0]}-N{c[1]}-K{c[2]}-s{c[3].split_k}"
-                         f"{'' if c[3].use_dot else '-fma'}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"M{c[0]}-N{c[1]}-K{c[2]}-s{c[3].split_k}")
 def test_linear_kernel(case, dtype, kernel_device):
     num_rows, n, k, config = case
     x, weight = inputs(num_rows, n, k, dtype, kernel_device, seed=num_rows * 100 + n)
@@ -85,12 +84,12 @@ def test_linear_strided_x(kernel_device):
 
 
 def test_linear_entry_point(kernel_device):
-    """`linear` takes the kernel up to MAX_ROWS rows and F.linear above (and for no rows)."""
-    for num_rows in (1, 7, MAX_ROWS):
+    """`linear` takes the kernel up to KERNEL_MAX_ROWS rows and F.linear above (and for no rows)."""
+    for num_rows in (1, 7, KERNEL_MAX_ROWS):
         x, weight = inputs(num_rows, 24, 64, torch.float32, kernel_device, seed=num_rows)
         assert linear_config(num_rows, 24, 64, x.device) is not None
         assert_close(linear(x, weight), linear_reference(x, weight), TOLERANCE[torch.float32], f"M={num_rows}")
-    for num_rows in (0, MAX_ROWS + 1):
+    for num_rows in (0, KERNEL_MAX_ROWS + 1):
         x, weight = inputs(num_rows, 24, 64, torch.float32, kernel_device, seed=num_rows)
         assert linear_config(num_rows, 24, 64, x.device) is None
         assert torch.equal(linear(x, weight), linear_reference(x, weight))
@@ -135,10 +134,10 @@ def test_linear_gpu_shapes(shape):
     LinearConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=3),
     LinearConfig(block_n=32, block_k=64, split_k=7, num_warps=4, num_stages=4),
     LinearConfig(block_n=128, block_k=256, split_k=28, num_warps=8, num_stages=2),   # half the splits empty
-    LinearConfig(block_n=16, block_k=256, split_k=5, num_warps=2, num_stages=1, use_dot=False),
-], ids=lambda c: f"{c.block_n}x{c.block_k}-s{c.split_k}{'' if c.use_dot else '-fma'}")
+    LinearConfig(block_n=16, block_k=256, split_k=5, num_warps=2, num_stages=1),
+], ids=lambda c: f"{c.block_n}x{c.block_k}-s{c.split_k}")
 def test_linear_gpu_configs(config):
-    for num_rows, n, k in ((1, 1024, 3584), (4, 1000, 3500), (64 if config.use_dot else 8, 1024, 2048)):
+    for num_rows, n, k in ((1, 1024, 3584), (4, 1000, 3500), (64, 1024, 2048)):
         x, weight = inputs(num_rows, n, k, torch.bfloat16, "cuda", seed=num_rows)
         check(x, weight, config)
     x, weight = inputs(3, 1024, 2048, torch.bfloat16, "cuda", seed=9, row_stride=2048 + 24, offset=8)
