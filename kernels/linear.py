@@ -11,14 +11,14 @@ fp32 output to memset, no reduce or cast launch; scratch is one torch.empty per 
 call can be captured in a CUDA graph.
 
 Measured on an H100 (bench/kernels_linear.py, CUDA graphs, cold weights), M <= 16: N = 1024,
-K = 2048 (4.2 MB) 4.9-5.0 us against cuBLAS's 5.8; N = 1024, K = 3584 5.9-6.2 us against
-8.2-8.4; N = 4096 5-10% faster. Where the time goes at 4.2 MB: a kernel that only reads W
+K = 2048 (4.2 MB) 4.9-5.1 us against cuBLAS's 5.8-5.9; N = 1024, K = 3584 5.9-6.5 us against
+8.1-8.8; N = 4096 3-10% faster. Where the time goes at 4.2 MB: a kernel that only reads W
 needs 3.5 us (0.9 us of it the launch gap in a graph), the GEMM without its split-K tail 4.0,
 and the tail (partial stores made visible, the counter atomic, the partial loads: three
 dependent L2 round trips) ~1.1 us more.
 
 `linear` is the entry point (the `Ops.linear` of the GPU table): the kernel where `use_kernel`
-says it beats cuBLAS, F.linear elsewhere (prefill, wide N, 32+ rows at larger N).
+says it beats cuBLAS, F.linear elsewhere (prefill, wide N, more than 16 rows at larger N).
 `launch_linear` runs the kernel with an explicit config (tests, the tuning sweep of
 bench/kernels_linear.py); `linear_reference` is the torch oracle. Knows nothing about which
 projection it computes.
@@ -106,7 +106,7 @@ def _linear_kernel(x, w, y, partials, arrivals, M, N, K, k_per_split, stride_xm,
 class LinearConfig:
     block_n: int      # rows of W (columns of y) per program
     block_k: int      # K step of a program's loop
-    split_k: int      # programs per N tile, each over an equal run of K blocks
+    split_k: int      # programs per N tile, each over a run of whole K blocks
     num_warps: int
     num_stages: int   # software-pipelining depth of the W / x loads
 
@@ -142,9 +142,9 @@ def use_kernel(num_rows: int, out_features: int, sms: int) -> bool:
     """The rule between this kernel and cuBLAS (H100 numbers in bench/results/kernels_linear-h100.json):
       - N >= 32 per SM (the 0.8B in_proj, qkv, gate_up; every 9B one but out/o_proj and down):
         cuBLAS's own N tiles fill the GPU; it ties or wins (by up to 15% at M = 1);
-      - up to 16 rows otherwise: the kernel, 10-25% faster at N = 1024, 5-10% at N = 4096;
-      - 17..32 rows: the kernel up to 16 features per SM (N = 1024: 5.4 us against 5.9); at
-        N = 4096 cuBLAS switches to a faster kernel there (15.5 us against our 16.3);
+      - up to 16 rows otherwise: the kernel, 15-27% faster at N = 1024, 3-10% at N = 4096;
+      - 17..32 rows: the kernel up to 16 features per SM (N = 1024: 5.3-5.5 us against 5.8-6.0);
+        at N = 4096 cuBLAS switches to a faster kernel there (14.9-15.5 us against our 16.0);
       - more than 32 rows: cuBLAS (x's re-reads from L2 and the fp32 partials grow with M)."""
     if not 0 < num_rows <= KERNEL_MAX_ROWS or out_features >= 32 * sms:
         return False
