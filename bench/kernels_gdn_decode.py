@@ -29,7 +29,8 @@ import traceback
 import torch
 
 from common import commit_id, copy_bandwidth, device_tag, graph_time_us  # noqa: E402
-from deltaspec.kernels.gdn_decode import DecodeConfig, arrival_counters, decode_config, launch_gdn_decode
+from deltaspec.kernels.arrivals import arrival_counters
+from deltaspec.kernels.gdn_decode import DecodeConfig, decode_config, launch_gdn_decode
 
 KEY_DIM = VALUE_DIM = 128
 NUM_KEY_HEADS = 16

@@ -18,6 +18,7 @@ from .attention import paged_attention_reference, write_kv_reference
 from .conv1d import causal_conv1d_decode_reference, causal_conv1d_prefill_reference
 from .gdn_chunked import gdn_chunked_reference
 from .gdn_decode import gdn_decode_reference
+from .linear import linear_reference
 from .moe import moe_experts_reference, route_reference
 from .norms import gated_rms_norm_reference, rms_norm_reference
 from .rope import qk_norm_rope_reference
@@ -27,6 +28,7 @@ from .sampling import filter_probs_reference, rejection_sample_reference, sample
 @dataclass(frozen=True)
 class Ops:
     name: str
+    linear: Callable
     rms_norm: Callable
     gated_rms_norm: Callable
     qk_norm_rope: Callable
@@ -46,6 +48,7 @@ class Ops:
 
 REFERENCE_OPS = Ops(
     name="torch",
+    linear=linear_reference,
     rms_norm=rms_norm_reference,
     gated_rms_norm=gated_rms_norm_reference,
     qk_norm_rope=qk_norm_rope_reference,
@@ -69,11 +72,12 @@ REFERENCE_OPS = Ops(
 def triton_ops() -> Ops:
     """The GPU table: Triton kernels where they exist; the remaining entries are the (batched,
     device-agnostic) torch references, listed here so the mix is visible in one place."""
-    from . import attention, conv1d, gdn_chunked, gdn_decode, moe, norms, rope, sampling
+    from . import attention, conv1d, gdn_chunked, gdn_decode, linear, moe, norms, rope, sampling
 
     return replace(
         REFERENCE_OPS,
         name="triton",
+        linear=linear.linear,
         rms_norm=norms.rms_norm,
         gated_rms_norm=norms.gated_rms_norm,
         qk_norm_rope=rope.qk_norm_rope,

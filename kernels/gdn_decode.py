@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 import triton
 import triton.language as tl
 
+from .arrivals import arrival_counters, last_to_arrive, num_sms, reset_arrivals
 from .gdn import expand_heads, gdn_gating_reference, l2norm, recurrent_steps
 from .varlen import pad_rows, row_layout
 
@@ -158,8 +158,7 @@ def _gdn_decode_kernel(
 
     is_last = False
     if not COMMIT:
-        tl.debug_barrier()
-        is_last = tl.atomic_add(arrivals + row * HV + i_h, 1) == V // BV - 1
+        is_last = last_to_arrive(arrivals + row * HV + i_h, V // BV)
 
     A = tl.load(A_log + i_h).to(tl.float32)
     bias = tl.load(dt_bias + i_h).to(tl.float32)
@@ -181,7 +180,7 @@ def _gdn_decode_kernel(
     if COMMIT:
         tl.store(state_ptrs, h.to(state.dtype.element_ty))
     elif is_last:
-        tl.store(arrivals + row * HV + i_h, 0)
+        reset_arrivals(arrivals + row * HV + i_h)
 
 
 @dataclass(frozen=True)
@@ -203,34 +202,10 @@ def decode_config(num_rows: int, num_value_heads: int, key_dim: int, value_dim: 
     if INTERPRETED:
         return DecodeConfig(block_v=min(16, value_dim), num_warps=1)
     block_v = 16
-    if commit and num_rows * num_value_heads * (value_dim // 32) >= 8 * _num_sms(device):
+    if commit and num_rows * num_value_heads * (value_dim // 32) >= 8 * num_sms(device):
         block_v = 32
     block_v = min(block_v, value_dim)
     return DecodeConfig(block_v, num_warps=max(1, key_dim * block_v // 2048))
-
-
-@cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-
-
-def arrival_counters(device: torch.device, size: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per (row, value head), kept at zero between launches by the kernel
-    itself (its last arriver resets them). One buffer per device, shared by every layer: launches
-    on one stream run one after another. Grows outside CUDA-graph capture only (warm up first)."""
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    buffer = _ARRIVALS.get(device)
-    if buffer is None or buffer.numel() < size:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("gdn_decode: arrival counters must be sized before CUDA-graph capture; "
-                               "run the largest batch once eagerly first")
-        buffer = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
-        _ARRIVALS[device] = buffer
-    return buffer
 
 
 def launch_gdn_decode(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,

@@ -23,10 +23,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deltaspec.kernels.arrivals import arrival_counters
 from deltaspec.kernels.conv1d import (causal_conv1d_decode, causal_conv1d_decode_reference, causal_conv1d_prefill,
                                       causal_conv1d_prefill_reference)
-from deltaspec.kernels.gdn_decode import (DecodeConfig, arrival_counters, decode_config, gdn_decode_reference,
-                                          launch_gdn_decode)
+from deltaspec.kernels.gdn_decode import DecodeConfig, decode_config, gdn_decode_reference, launch_gdn_decode
 from deltaspec.kernels.norms import gated_rms_norm, gated_rms_norm_reference, rms_norm, rms_norm_reference
 from deltaspec.kernels.rope import qk_norm_rope, qk_norm_rope_reference
 

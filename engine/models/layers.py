@@ -1,6 +1,6 @@
 """Building blocks of the hybrid family: GDN mixer, gated attention, dense and MoE MLPs, and
-the decoder layer that wraps them. Every heavy op goes through the `Ops` table; dense GEMMs are
-plain `F.linear`.
+the decoder layer that wraps them. Every heavy op goes through the `Ops` table, dense
+projections too (`ops.linear`: a skinny-GEMM kernel for decode batches, cuBLAS otherwise).
 
 Parameters are stored fused for one GEMM each (GDN q|k|v|z|b|a, attention q+gate|k|v, MLP
 gate|up); `checkpoint_map` says which checkpoint tensor fills which region, so the loader
@@ -10,7 +10,6 @@ needs no knowledge of the modules. Knows nothing about checkpoint files or sched
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import Ops
@@ -85,7 +84,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state: GDNLayerState, ops: Ops) -> torch.Tensor:
         c, num_tokens = self.c, x.shape[0]
-        mixed, z, b, a = F.linear(x, self.in_proj).split(self.splits, dim=-1)
+        mixed, z, b, a = ops.linear(x, self.in_proj).split(self.splits, dim=-1)
         mixed = mixed.contiguous()
         conv_out = torch.empty_like(mixed)
         core = x.new_empty(num_tokens, c.linear_num_value_heads, c.linear_value_head_dim)
@@ -123,7 +122,7 @@ class GatedDeltaNet(nn.Module):
                 state.conv[written.slots] = checkpoint_conv_windows(mixed[span], written, state.conv)
         gate = z.reshape(num_tokens, c.linear_num_value_heads, c.linear_value_head_dim)
         core = ops.gated_rms_norm(core, gate, self.norm_weight, c.rms_norm_eps)
-        return F.linear(core.reshape(num_tokens, -1), self.out_proj)
+        return ops.linear(core.reshape(num_tokens, -1), self.out_proj)
 
 
 class GatedAttention(nn.Module):
@@ -152,7 +151,7 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVLayer, ops: Ops) -> torch.Tensor:
         c, num_tokens = self.c, x.shape[0]
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        q_gate, k, v = F.linear(x, self.qkv_proj).split(self.splits, dim=-1)
+        q_gate, k, v = ops.linear(x, self.qkv_proj).split(self.splits, dim=-1)
         q_gate = q_gate.view(num_tokens, hq, 2 * d)
         q, gate = q_gate[..., :d], q_gate[..., d:]
         q, k = ops.qk_norm_rope(q, k.view(num_tokens, hkv, d), self.q_norm, self.k_norm, batch.positions,
@@ -161,7 +160,7 @@ class GatedAttention(nn.Module):
         out = ops.paged_attention(q, kv.k_cache, kv.v_cache, batch.block_tables, batch.cu_seqlens, batch.context_lens,
                                   d ** -0.5)
         out = out * torch.sigmoid(gate)
-        return F.linear(out.reshape(num_tokens, hq * d), self.o_proj)
+        return ops.linear(out.reshape(num_tokens, hq * d), self.o_proj)
 
 
 class DenseMLP(nn.Module):
@@ -180,7 +179,7 @@ class DenseMLP(nn.Module):
         }
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        return F.linear(ops.silu_and_mul(F.linear(x, self.gate_up)), self.down)
+        return ops.linear(ops.silu_and_mul(ops.linear(x, self.gate_up)), self.down)
 
 
 class MoEMLP(nn.Module):
@@ -213,10 +212,10 @@ class MoEMLP(nn.Module):
         return mapping
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        weights, experts = ops.moe_route(F.linear(x, self.router), self.c.num_experts_per_tok,
+        weights, experts = ops.moe_route(ops.linear(x, self.router), self.c.num_experts_per_tok,
                                          self.c.norm_topk_prob)
         routed = ops.moe_experts(x, weights, experts, self.w_gate_up, self.w_down)
-        return routed + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x, ops)
+        return routed + torch.sigmoid(ops.linear(x, self.shared_gate)) * self.shared(x, ops)
 
 
 class DecoderLayer(nn.Module):

@@ -45,7 +45,7 @@ class MTP(nn.Module):
         batch carries positions t and the MTP layer's KV metadata."""
         embedded, _ = ops.rms_norm(F.embedding(input_ids, embed_tokens), self.pre_fc_norm_embedding, self.eps)
         hidden, _ = ops.rms_norm(hidden, self.pre_fc_norm_hidden, self.eps)
-        x = F.linear(torch.cat([embedded, hidden], dim=-1), self.fc)
+        x = ops.linear(torch.cat([embedded, hidden], dim=-1), self.fc)
         x, residual = self.layers[layer](x, None, batch, kv, ops)
         out, _ = ops.rms_norm(x, self.norm, self.eps, residual)
         return out

@@ -1,0 +1,61 @@
+"""The "last arriver" pattern, shared by kernels whose programs must combine work without a
+second launch or a grid-wide barrier (gdn_decode.py: shared pending entries; linear.py: split-K
+partial sums), and the device facts their launchers size grids by.
+
+Each of a group of programs does its part, then `last_to_arrive` bumps the group's counter; the
+one that sees the count reach the group size knows every other member's memory effects are
+visible to it, does the group's final work, and calls `reset_arrivals`, so the counters are zero
+again between launches (launches of one stream never overlap). Knows nothing about what the
+groups compute.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def last_to_arrive(counter, group_size):
+    """Count this program in at `counter`; true for exactly one program of the group, the last.
+
+    The CTA barrier orders every thread's prior loads and stores before the atomic, which is
+    acq_rel at gpu scope: the last arriver's later loads see the others' stores (the pattern of
+    CUTLASS's split-K semaphore: __syncthreads, then one release by the CTA)."""
+    tl.debug_barrier()
+    return tl.atomic_add(counter, 1) == group_size - 1
+
+
+@triton.jit
+def reset_arrivals(counter):
+    """The last arriver puts its group's counter back to zero for the next launch."""
+    tl.store(counter, 0)
+
+
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, size: int) -> torch.Tensor:
+    """Zeroed int32 counters (at least `size`), kept at zero between launches by the kernels
+    themselves. One buffer per device, shared by every kernel and layer: launches on one stream
+    run one after another, and each leaves its counters at zero. Grows outside CUDA-graph
+    capture only (warm up first)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    buffer = _ARRIVALS.get(device)
+    if buffer is None or buffer.numel() < size:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("arrival counters must be sized before CUDA-graph capture; "
+                               "run the largest batch once eagerly first")
+        buffer = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
+        _ARRIVALS[device] = buffer
+    return buffer
+
+
+@cache
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (what grids are sized against)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count

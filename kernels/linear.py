@@ -1,0 +1,220 @@
+"""Skinny GEMM for decode and verify batches: y[M, N] = x[M, K] @ W[N, K]^T with M <= 64.
+
+At such M a projection only streams its weight, so its time is W's bytes over the memory
+bandwidth plus fixed latency. cuBLAS tiles along N only for these shapes (H100: a 64x8 tile),
+so a projection whose output is the hidden size (N = 1024) runs 16 CTAs on 132 SMs (and the
+down projection adds a split-K reduce launch). This kernel splits K as well, so the grid fills
+the SMs whatever N is, and sums the split-K partials in the same launch: every program stores
+its fp32 partial tile, and the last program of an N tile to arrive (arrivals.py) adds the
+tile's partials in split order (deterministic, whichever program is last) and writes y. No
+fp32 output to memset, no reduce or cast launch; scratch is one torch.empty per call, so the
+call can be captured in a CUDA graph.
+
+Measured on an H100 (bench/kernels_linear.py, CUDA graphs, cold weights), M <= 16: N = 1024,
+K = 2048 (4.2 MB) 4.9-5.1 us against cuBLAS's 5.8-5.9; N = 1024, K = 3584 5.9-6.5 us against
+8.1-8.8; N = 4096 3-10% faster. Where the time goes at 4.2 MB: a kernel that only reads W
+needs 3.5 us (0.9 us of it the launch gap in a graph), the GEMM without its split-K tail 4.0,
+and the tail (partial stores made visible, the counter atomic, the partial loads: three
+dependent L2 round trips) ~1.1 us more.
+
+`linear` is the entry point (the `Ops.linear` of the GPU table): the kernel where `use_kernel`
+says it beats cuBLAS, F.linear elsewhere (prefill, wide N, more than 16 rows at larger N).
+`launch_linear` runs the kernel with an explicit config (tests, the tuning sweep of
+bench/kernels_linear.py); `linear_reference` is the torch oracle. Knows nothing about which
+projection it computes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .arrivals import arrival_counters, last_to_arrive, num_sms, reset_arrivals
+
+MAX_ROWS = 64               # the kernel's limit (x is padded to a power of two >= 16 rows)
+KERNEL_MAX_ROWS = 32        # use_kernel never picks the kernel for more rows
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype."""
+    return F.linear(x, weight)
+
+
+# M varies with the batch: not compile-time (one binary serves a BLOCK_M).
+@triton.jit(do_not_specialize=["M"])
+def _linear_kernel(x, w, y, partials, arrivals, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                   EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (N tile pid_n, K split pid_k): acc[BLOCK_N, BLOCK_M] = W[n tile, k split] @ x[:, k split]^T,
+    i.e. y^T, so that the wide side (W's rows) is the MMA's M and the padded batch (>= 16 rows
+    for tl.dot) its N. K splits are k_per_split long (a multiple of BLOCK_K); the last may be
+    short or empty. Rows of W past N and of x past M are clamped to the last row instead of
+    masked, so the loads along K stay unpredicated 16-byte vectors; their products land in
+    columns that are never stored.
+
+    SPLIT_K > 1: partials [SPLIT_K, M, N] fp32 (scratch); arrivals[pid_n] counts the tile's
+    programs in. The last one sums the partials in split order and writes y. The sum is
+    unrolled so that its SPLIT_K loads are in flight together: that tail is one L2 round trip,
+    not SPLIT_K of them (a loop made 16 splits ~3 us slower on an H100)."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows_w = tl.minimum(offs_n, N - 1).to(tl.int64)
+    rows_x = tl.minimum(offs_m, M - 1).to(tl.int64)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    w_ptrs = w + rows_w[:, None] * stride_wn + (k_start + offs_k)[None, :]     # [BLOCK_N, BLOCK_K]
+    x_ptrs = x + rows_x[:, None] * stride_xm + (k_start + offs_k)[None, :]     # [BLOCK_M, BLOCK_K]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            w_tile = tl.load(w_ptrs)
+            x_tile = tl.load(x_ptrs)
+        else:  # zero both sides past K: garbage there may be inf or NaN
+            in_k = (k + offs_k) < K
+            w_tile = tl.load(w_ptrs, mask=in_k[None, :], other=0.0)
+            x_tile = tl.load(x_ptrs, mask=in_k[None, :], other=0.0)
+        acc = tl.dot(w_tile, tl.trans(x_tile), acc, input_precision=PRECISION)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+
+    out = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    y_ptrs = y + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(y.dtype.element_ty), mask=out)
+    else:
+        tile = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]                # within one [M, N] partial
+        tl.store(partials + pid_k.to(tl.int64) * M * N + tile, acc, mask=out)
+        if last_to_arrive(arrivals + pid_n, SPLIT_K):
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                # .cg: from L2, where the other SMs' stores are, never a stale L1 line
+                total += tl.load(partials + s * M * N + tile, mask=out, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(y.dtype.element_ty), mask=out)
+            reset_arrivals(arrivals + pid_n)
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    block_n: int      # rows of W (columns of y) per program
+    block_k: int      # K step of a program's loop
+    split_k: int      # programs per N tile, each over a run of whole K blocks
+    num_warps: int
+    num_stages: int   # software-pipelining depth of the W / x loads
+
+
+def block_m(num_rows: int) -> int:
+    """x rows per program: the batch padded to a power of two, >= 16 for an MMA."""
+    return max(16, triton.next_power_of_2(num_rows))
+
+
+def split_k_for(num_k_blocks: int, wanted: int) -> int:
+    """At most `wanted` splits of whole K blocks, cdiv(num_k_blocks, wanted) blocks each (the last
+    may be shorter), never an empty one."""
+    per_split = triton.cdiv(num_k_blocks, max(1, min(wanted, num_k_blocks)))
+    return triton.cdiv(num_k_blocks, per_split)
+
+
+def kernel_config(num_rows: int, out_features: int, in_features: int, sms: int) -> LinearConfig:
+    """Tiles for x [num_rows, in_features] @ W[out_features, in_features]^T on a GPU of `sms` SMs.
+
+    BLOCK_K = 128 (a warp reads 256-byte stretches of W's rows in 16-byte vectors), 4 warps, 4
+    stages; BLOCK_N 64 up to 8 rows, 32 above; split-K for at most one program per SM and at
+    least num_stages K blocks per split (shorter splits pay the pipeline's prologue and the
+    split-K tail for fewer bytes). On the H100 sweep (bench/results/kernels_linear-h100.json)
+    this is within 4% of the fastest swept config for every shape use_kernel gives the kernel."""
+    block_n = 64 if num_rows <= 8 else 32
+    block_k, num_stages = 128, 4
+    num_tiles, num_k_blocks = triton.cdiv(out_features, block_n), triton.cdiv(in_features, block_k)
+    split_k = split_k_for(num_k_blocks, min(triton.cdiv(sms, num_tiles), max(1, num_k_blocks // num_stages)))
+    return LinearConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4, num_stages=num_stages)
+
+
+def use_kernel(num_rows: int, out_features: int, sms: int) -> bool:
+    """The rule between this kernel and cuBLAS (H100 numbers in bench/results/kernels_linear-h100.json):
+      - N >= 32 per SM (the 0.8B in_proj, qkv, gate_up; every 9B one but out/o_proj and down):
+        cuBLAS's own N tiles fill the GPU; it ties or wins (by up to 15% at M = 1);
+      - up to 16 rows otherwise: the kernel, 15-27% faster at N = 1024, 3-10% at N = 4096;
+      - 17..32 rows: the kernel up to 16 features per SM (N = 1024: 5.3-5.5 us against 5.8-6.0);
+        at N = 4096 cuBLAS switches to a faster kernel there (14.9-15.5 us against our 16.0);
+      - more than 32 rows: cuBLAS (x's re-reads from L2 and the fp32 partials grow with M)."""
+    if not 0 < num_rows <= KERNEL_MAX_ROWS or out_features >= 32 * sms:
+        return False
+    return num_rows <= 16 or out_features <= 16 * sms
+
+
+@cache
+def linear_config(num_rows: int, out_features: int, in_features: int, device: torch.device) -> LinearConfig | None:
+    """The config `linear` launches for these shapes on `device`, or None for cuBLAS. Shapes and
+    the SM count only: CUDA graphs replay the choice. The interpreter gets one small config."""
+    if INTERPRETED:
+        if not 0 < num_rows <= KERNEL_MAX_ROWS:
+            return None
+        return LinearConfig(block_n=16, block_k=32, split_k=split_k_for(triton.cdiv(in_features, 32), 2),
+                            num_warps=1, num_stages=1)
+    sms = num_sms(device)
+    if not use_kernel(num_rows, out_features, sms):
+        return None
+    return kernel_config(num_rows, out_features, in_features, sms)
+
+
+@cache
+def _launch_plan(x_shape: torch.Size, weight_shape: torch.Size, y_shape: torch.Size, dtype: torch.dtype,
+                 weight_dtype: torch.dtype, y_dtype: torch.dtype,
+                 config: LinearConfig) -> tuple[tuple[int, int], int, dict]:
+    """Shape and dtype checks, then (grid, K per split, compile-time arguments): once per shape,
+    so that a call pays only for its stride checks, its scratch and the launch (an eager step is
+    bound by the host's launches)."""
+    assert len(x_shape) == 2 and len(weight_shape) == 2 and weight_shape[1] == x_shape[1], \
+        f"linear: x {tuple(x_shape)} and weight {tuple(weight_shape)} do not chain"
+    (num_rows, in_features), out_features = x_shape, weight_shape[0]
+    assert dtype == weight_dtype == y_dtype and dtype in (torch.bfloat16, torch.float16, torch.float32), \
+        f"linear: x {dtype}, weight {weight_dtype}, y {y_dtype}"
+    assert y_shape == (num_rows, out_features), f"linear: y {tuple(y_shape)}"
+    assert 0 < num_rows <= MAX_ROWS, f"linear kernel takes 1..{MAX_ROWS} rows, got {num_rows}"
+    k_per_split = triton.cdiv(triton.cdiv(in_features, config.split_k), config.block_k) * config.block_k
+    meta = dict(BLOCK_M=block_m(num_rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
+                EVEN_K=in_features % config.block_k == 0,
+                PRECISION="ieee" if dtype == torch.float32 else "tf32",                 # fp32 stays fp32 (no tf32)
+                num_warps=config.num_warps, num_stages=config.num_stages)
+    return (triton.cdiv(out_features, config.block_n), config.split_k), k_per_split, meta
+
+
+def launch_linear(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config: LinearConfig) -> None:
+    """y [M, N] = x [M, K] @ weight [N, K]^T with an explicit config. x and weight: same dtype
+    (bf16, fp16 or fp32), unit stride along K (x may be a row-strided view); y contiguous, same
+    dtype. Accumulates in fp32; fp32 inputs multiply in full fp32 (no tf32)."""
+    grid, k_per_split, meta = _launch_plan(x.shape, weight.shape, y.shape, x.dtype, weight.dtype, y.dtype, config)
+    assert x.stride(1) == 1 and weight.stride(1) == 1, "linear: x and weight need unit stride along K"
+    assert y.is_contiguous(), "linear: y must be contiguous"
+    device = x.device
+    assert weight.device == device == y.device
+    (num_rows, in_features), out_features = x.shape, weight.shape[0]
+    if config.split_k > 1:
+        partials = torch.empty((config.split_k, num_rows, out_features), dtype=torch.float32, device=device)
+        arrivals = arrival_counters(device, grid[0])
+    else:  # never touched
+        partials = arrivals = y
+    _linear_kernel[grid](x, weight, y, partials, arrivals, num_rows, out_features, in_features, k_per_split,
+                         x.stride(0), weight.stride(0), y.stride(0), **meta)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """linear_reference through the kernel where linear_config picks it, else through F.linear."""
+    if x.dim() != 2:
+        return F.linear(x, weight)
+    (num_rows, in_features), out_features, device = x.shape, weight.shape[0], x.device
+    config = linear_config(num_rows, out_features, in_features, device)
+    if config is None:
+        return F.linear(x, weight)
+    y = torch.empty((num_rows, out_features), dtype=x.dtype, device=device)
+    launch_linear(y, x, weight, config)
+    return y

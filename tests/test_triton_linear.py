@@ -1,0 +1,162 @@
+"""The skinny split-K GEMM (kernels/linear.py) against its reference, F.linear.
+
+Inputs are fresh seeded random draws; outputs are poisoned with NaN before the kernel writes
+them. Cases cover M = 1, 3, 16, 33 (x is padded to >= 16 rows for the MMA, so M = 33 pads to
+64), N not a multiple of the tile, K not a multiple of BLOCK_K * split_k (short and empty last
+splits), split-K = 1 and > 1 (the in-launch reduction by the last arriver), and x as a
+row-strided view with an unaligned start. After each launch the arrival
+counters are back at zero, and a second launch gives bit-identical output (the partials are
+summed in a fixed order, whichever program arrives last).
+
+CPU: the interpreter, fp32 and fp16 (it computes bf16 dots wrongly), small shapes.
+GPU (`gpu` marker): bf16 on the Qwen3.5-0.8B and -9B projection shapes through `linear` (the
+kernel or its cuBLAS fallback), explicit configs, and replay in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaspec.kernels.arrivals import arrival_counters
+from deltaspec.kernels.linear import (KERNEL_MAX_ROWS, MAX_ROWS, LinearConfig, launch_linear, linear, linear_config,
+                                      linear_reference)
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what: str = "") -> None:
+    """Max error relative to the largest reference magnitude; NaN never passes."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    error = (actual.double() - expected.double()).abs().max()
+    scale = expected.double().abs().max()
+    assert bool(error <= rtol * scale), f"{what}: max abs error {float(error):.3e} (scale {float(scale):.3e})"
+
+
+def inputs(num_rows: int, n: int, k: int, dtype: torch.dtype, device: str, seed: int,
+           row_stride: int | None = None, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (a view into a wider buffer when row_stride is given) and W [N, K], scaled so
+    that y is O(1)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    stride = row_stride or k
+    buffer = torch.randn(num_rows * stride + offset, generator=gen, device=device).to(dtype)
+    x = buffer[offset:].as_strided((num_rows, k), (stride, 1))
+    weight = (torch.randn(n, k, generator=gen, device=device) * k ** -0.5).to(dtype)
+    return x, weight
+
+
+def check(x: torch.Tensor, weight: torch.Tensor, config: LinearConfig) -> None:
+    """Poisoned output vs reference; counters at zero; a second launch bit-identical."""
+    y = torch.full((x.shape[0], weight.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
+    launch_linear(y, x, weight, config)
+    expected = linear_reference(x.float(), weight.float())
+    assert_close(y, expected, TOLERANCE[x.dtype], f"{config}")
+    assert int(arrival_counters(x.device, 1).abs().sum()) == 0, "arrival counters not reset"
+    again = torch.full_like(y, float("nan"))
+    launch_linear(again, x, weight, config)
+    assert torch.equal(y, again), "second launch differs"
+
+
+# (M, N, K, config): BLOCK_N 16 and BLOCK_K 32 or 16 keep the interpreter's grids small.
+CASES = [
+    (1, 40, 100, LinearConfig(block_n=16, block_k=32, split_k=2, num_warps=1, num_stages=1)),   # K % 64 != 0
+    (3, 33, 64, LinearConfig(block_n=16, block_k=32, split_k=1, num_warps=1, num_stages=1)),
+    (16, 50, 96, LinearConfig(block_n=16, block_k=32, split_k=3, num_warps=1, num_stages=1)),
+    (33, 20, 70, LinearConfig(block_n=16, block_k=32, split_k=4, num_warps=1, num_stages=1)),   # 4th split empty
+    (3, 24, 72, LinearConfig(block_n=16, block_k=16, split_k=5, num_warps=1, num_stages=1)),    # 16 | K, 80 !| K
+    (1, 17, 48, LinearConfig(block_n=16, block_k=16, split_k=1, num_warps=1, num_stages=1)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"M{c[0]}-N{c[1]}-K{c[2]}-s{c[3].split_k}")
+def test_linear_kernel(case, dtype, kernel_device):
+    num_rows, n, k, config = case
+    x, weight = inputs(num_rows, n, k, dtype, kernel_device, seed=num_rows * 100 + n)
+    check(x, weight, config)
+
+
+def test_linear_strided_x(kernel_device):
+    """x as a row-strided view (unit stride along K) starting off a 16-byte boundary."""
+    x, weight = inputs(5, 36, 80, torch.float32, kernel_device, seed=3, row_stride=93, offset=3)
+    assert not x.is_contiguous() and x.stride() == (93, 1)
+    check(x, weight, LinearConfig(block_n=16, block_k=32, split_k=2, num_warps=1, num_stages=1))
+
+
+def test_linear_entry_point(kernel_device):
+    """`linear` takes the kernel up to KERNEL_MAX_ROWS rows and F.linear above (and for no rows)."""
+    for num_rows in (1, 7, KERNEL_MAX_ROWS):
+        x, weight = inputs(num_rows, 24, 64, torch.float32, kernel_device, seed=num_rows)
+        assert linear_config(num_rows, 24, 64, x.device) is not None
+        assert_close(linear(x, weight), linear_reference(x, weight), TOLERANCE[torch.float32], f"M={num_rows}")
+    for num_rows in (0, KERNEL_MAX_ROWS + 1):
+        x, weight = inputs(num_rows, 24, 64, torch.float32, kernel_device, seed=num_rows)
+        assert linear_config(num_rows, 24, 64, x.device) is None
+        assert torch.equal(linear(x, weight), linear_reference(x, weight))
+
+
+def test_linear_rejects_bad_arguments(kernel_device):
+    config = LinearConfig(block_n=16, block_k=32, split_k=1, num_warps=1, num_stages=1)
+    x, weight = inputs(2, 16, 32, torch.float32, kernel_device, seed=0)
+    y = torch.empty(2, 16, device=kernel_device)
+    with pytest.raises(AssertionError, match="dtype|float"):
+        launch_linear(y, x, weight.half(), config)
+    with pytest.raises(AssertionError, match="unit stride"):
+        launch_linear(y, x.t().contiguous().t(), weight, config)
+    with pytest.raises(AssertionError, match="chain"):
+        launch_linear(y, x, weight[:, :16], config)
+    with pytest.raises(AssertionError, match="rows"):
+        launch_linear(torch.empty(MAX_ROWS + 1, 16, device=kernel_device),
+                      torch.zeros(MAX_ROWS + 1, 32, device=kernel_device), weight, config)
+
+
+# ---- GPU --------------------------------------------------------------------------------------
+
+# (N, K) of the Qwen3.5-0.8B and -9B projections (bench/kernels_linear.py derives them).
+GPU_SHAPES = [(1024, 2048), (1024, 3584), (8224, 1024), (7168, 1024), (5120, 1024),
+              (4096, 4096), (4096, 12288), (12352, 4096), (10240, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: f"N{s[0]}-K{s[1]}")
+def test_linear_gpu_shapes(shape):
+    n, k = shape
+    for num_rows in (1, 3, 4, 8, 16, 33, 64):
+        x, weight = inputs(num_rows, n, k, torch.bfloat16, "cuda", seed=num_rows + n)
+        y = linear(x, weight)
+        assert_close(y, linear_reference(x.float(), weight.float()), TOLERANCE[torch.bfloat16], f"M={num_rows}")
+        assert torch.equal(y, linear(x, weight)), f"M={num_rows}: not deterministic"
+    assert int(arrival_counters(x.device, 1).abs().sum()) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [
+    LinearConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=3),
+    LinearConfig(block_n=32, block_k=64, split_k=7, num_warps=4, num_stages=4),
+    LinearConfig(block_n=128, block_k=256, split_k=28, num_warps=8, num_stages=2),   # half the splits empty
+    LinearConfig(block_n=16, block_k=256, split_k=5, num_warps=2, num_stages=1),
+], ids=lambda c: f"{c.block_n}x{c.block_k}-s{c.split_k}")
+def test_linear_gpu_configs(config):
+    for num_rows, n, k in ((1, 1024, 3584), (4, 1000, 3500), (64, 1024, 2048)):
+        x, weight = inputs(num_rows, n, k, torch.bfloat16, "cuda", seed=num_rows)
+        check(x, weight, config)
+    x, weight = inputs(3, 1024, 2048, torch.bfloat16, "cuda", seed=9, row_stride=2048 + 24, offset=8)
+    check(x, weight, config)
+
+
+@pytest.mark.gpu
+def test_linear_gpu_cuda_graph():
+    """Captured once, replayed on new x: the same as eager (scratch from the graph's pool,
+    counters reset inside the launch)."""
+    x, weight = inputs(4, 1024, 3584, torch.bfloat16, "cuda", seed=1)
+    assert linear_config(4, 1024, 3584, x.device).split_k > 1
+    linear(x, weight)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = linear(x, weight)
+    for seed in range(3):
+        x.copy_(inputs(4, 1024, 3584, torch.bfloat16, "cuda", seed=seed + 10)[0])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, linear(x, weight))
+    assert int(arrival_counters(x.device, 1).abs().sum()) == 0
