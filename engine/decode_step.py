@@ -160,7 +160,7 @@ class DecodeStep:
     def plain(self, rows: DecodeRows) -> tuple[torch.Tensor, torch.Tensor]:
         """A plain decode step (no speculation): each row's newest token, committed at once.
         Returns (float32 logits [B, V], their argmax [B])."""
-        batch = self._batch(rows, rows.positions[:, None], rows.newest, commit=True)
+        batch = self._batch(rows, rows.positions[:, None].contiguous(), rows.newest.contiguous(), commit=True)
         logits = self.model.compute_logits(self.model(batch, self.states, self.kv))
         return logits, logits.argmax(dim=-1)
 
