@@ -96,10 +96,14 @@ class Runner:
         return output.then(self._run_cached(plan.cached_rows)) if plan.cached_rows else output
 
     def _run_plain(self, plan: StepPlan) -> StepOutput:
-        decode = [_decode_row(r) for r in plan.decode_rows]
         greedy = None
-        if self.graphs is not None and not plan.prefill_rows and self.graphs.fits(decode):
-            logits, greedy = self.graphs.run(decode)
+        if not plan.prefill_rows:  # decode rows only: fixed shapes, a graph when one is captured
+            rows = [_decode_row(r) for r in plan.decode_rows]
+            if self.graphs is not None and self.graphs.fits(rows):
+                logits, greedy = self.graphs.run(rows)
+            else:
+                logits, greedy = self.decode.plain(self.decode.row_tensors(
+                    rows, max(len(r.block_table) for r in rows), self.device))
         else:
             batch = self._batch([self._row(r) for r in plan.decode_rows], [self._row(r) for r in plan.prefill_rows],
                                 commit=True)
