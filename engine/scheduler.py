@@ -132,7 +132,9 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         decode_rows: list[ScheduledRow] = []
         scheduled: set[int] = set()
-        decoding = [r for r in self.running if not self._in_prefill(r)]
+        decoding, prefilling = [], []
+        for request in self.running:
+            (prefilling if self._in_prefill(request) else decoding).append(request)
         # Every decoding request gets its one token; drafts share what is left of the budget.
         spare = budget - len(decoding)
         for request in decoding:
@@ -146,9 +148,11 @@ class Scheduler:
             scheduled.add(id(request))
             budget -= 1 + num_drafts
         prefill_rows: list[ScheduledRow] = []
-        for request in [r for r in self.running if self._in_prefill(r)]:
+        for request in prefilling:
             if budget == 0:
                 break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted to make room for an older request
             chunk = self._chunk(request, request.num_computed_tokens, budget)
             if not self._reserve_blocks(request, request.num_computed_tokens + chunk, scheduled):
                 continue
