@@ -75,7 +75,8 @@ class Request:
     # Scheduling state.
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
-    block_table: list[int] = field(default_factory=list)
+    # Replaced, not mutated, when it grows (every block_size tokens): a step's row shares it.
+    block_table: tuple[int, ...] = ()
     num_computed_tokens: int = 0  # tokens already folded into the slot's state and KV blocks
     num_pending: int = 0  # of those, tokens whose state is still pending in the slot (speculation)
     resume_from: Checkpoint | None = None  # a saved session to restore instead of a prefix lookup
