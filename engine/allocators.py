@@ -8,6 +8,8 @@ prefix is shared, read-only, by the prefix cache and every request that restored
 
 from __future__ import annotations
 
+from typing import Sequence
+
 
 class PoolExhausted(RuntimeError):
     """allocate() without a successful can_allocate()."""
@@ -37,7 +39,7 @@ class _FreeList:
         self._used.update(taken)
         return taken
 
-    def free(self, entries: list[int]) -> None:
+    def free(self, entries: Sequence[int]) -> None:
         for e in entries:
             if e not in self._used:
                 raise ValueError(f"{self._what} {e} is not allocated")
@@ -67,7 +69,7 @@ class BlockAllocator(_FreeList):
         self._refs.update((b, 1) for b in taken)
         return taken
 
-    def share(self, blocks: list[int]) -> None:
+    def share(self, blocks: Sequence[int]) -> None:
         """One more reference to each (allocated) block."""
         for b in blocks:
             if b not in self._refs:
@@ -75,7 +77,7 @@ class BlockAllocator(_FreeList):
         for b in blocks:
             self._refs[b] += 1
 
-    def free(self, blocks: list[int]) -> None:
+    def free(self, blocks: Sequence[int]) -> None:
         for b in blocks:
             if b not in self._refs:
                 raise ValueError(f"KV block {b} is not allocated")

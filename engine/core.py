@@ -173,15 +173,16 @@ class EngineCore:
         return self.runner.run(plan) if plan.rows else StepOutput([])
 
     def commit(self, plan: StepPlan, output: StepOutput) -> list[RequestDelta]:
-        for row, tokens in zip(plan.decode_rows, output.emitted):
-            if row.num_draft_tokens:
-                self.spec_stats.record(row.num_draft_tokens, len(tokens) - 1)
+        if self.num_draft_tokens:
+            for row, tokens in zip(plan.decode_rows, output.emitted):
+                if row.num_draft_tokens:
+                    self.spec_stats.record(row.num_draft_tokens, len(tokens) - 1)
         self.spec_stats.draft_seconds += output.draft_seconds
         self.spec_stats.verify_seconds += output.verify_seconds
-        updated = (self.scheduler.commit(plan, output.emitted, output.logprobs, output.num_pending)
-                   + self.scheduler.take_aborted())
-        deltas = [request.take_delta() for request in updated]
-        for request in updated:
+        deltas = []
+        for request in (self.scheduler.commit(plan, output.emitted, output.logprobs, output.num_pending)
+                        + self.scheduler.take_aborted()):
+            deltas.append(request.take_delta())
             if request.finished:
                 self.requests.pop(request.request_id, None)
         return deltas

@@ -224,7 +224,7 @@ class PrefixCache:
         self._pending.clear()
 
     def adopt(self, request_id: str, token_ids: Sequence[int], all_token_ids: Sequence[int], mtp_position: int,
-              slot: int, blocks: list[int]) -> bool:
+              slot: int, blocks: Sequence[int]) -> bool:
         """Take over a finished request's slot and the KV blocks covering token_ids, its
         committed tokens (one reference each), as their checkpoint; False (nothing taken) when
         that prefix is cached already. all_token_ids: every token of the request, for `save`."""

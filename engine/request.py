@@ -49,9 +49,10 @@ class RequestOutput:
     spec_stats: dict | None = None
 
 
-@dataclass(frozen=True)
-class RequestDelta:
-    """What a request produced since its previous delta; finish_reason is set on the last."""
+class RequestDelta(NamedTuple):
+    """What a request produced since its previous delta; finish_reason is set on the last.
+    A NamedTuple: every running request gets one per step, and a tuple is built several times
+    faster than a frozen dataclass."""
 
     request_id: str
     token_ids: list[int]
@@ -68,9 +69,9 @@ class Request:
     params: SamplingParams
     seed: int
     arrival: int  # submission order; the newest running request is preempted first
-    max_model_len: int
+    max_num_tokens: int  # prompt + max_tokens, within the context: it finishes with "length" there
     detokenizer: IncrementalDetokenizer
-    eos_token_ids: frozenset[int]
+    stop_token_ids: frozenset[int]  # EOS (unless ignore_eos) and params.stop_token_ids
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     text: str = ""
@@ -78,7 +79,8 @@ class Request:
     # Scheduling state.
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
-    block_table: list[int] = field(default_factory=list)
+    # Replaced, not mutated, when it grows (every block_size tokens): a step's row shares it.
+    block_table: tuple[int, ...] = ()
     num_computed_tokens: int = 0  # tokens already folded into the slot's state and KV blocks
     num_pending: int = 0  # of those, tokens whose state is still pending in the slot (speculation)
     resume_from: Checkpoint | None = None  # a saved session to restore instead of a prefix lookup
@@ -95,9 +97,10 @@ class Request:
     @classmethod
     def create(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
                arrival: int, max_model_len: int, tokenizer: Tokenizer) -> "Request":
-        return cls(request_id, list(prompt_token_ids), params, seed, arrival, max_model_len,
+        return cls(request_id, list(prompt_token_ids), params, seed, arrival,
+                   min(len(prompt_token_ids) + params.max_tokens, max_model_len),
                    IncrementalDetokenizer(tokenizer, list(prompt_token_ids)),
-                   frozenset(() if params.ignore_eos else tokenizer.eos_token_ids))
+                   frozenset(params.stop_token_ids).union(() if params.ignore_eos else tokenizer.eos_token_ids))
 
     @property
     def num_tokens(self) -> int:
@@ -113,62 +116,76 @@ class Request:
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt]
 
     @property
-    def max_num_tokens(self) -> int:
-        """Tokens the request may hold at most: prompt + max_tokens, within the context."""
-        return min(len(self.prompt_token_ids) + self.params.max_tokens, self.max_model_len)
-
-    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def extend(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None = None) -> None:
         """Record the tokens of one step in order, stopping at the first that finishes."""
-        for i, token_id in enumerate(token_ids):
-            if self.finished:
-                return
-            if logprobs is not None:
-                self.output_logprobs.append(logprobs[i])
-            self.append(token_id)
-
-    def append(self, token_id: int) -> None:
-        """Record one sampled token and decide whether the request is done."""
-        self.output_token_ids.append(token_id)
-        stops = self.params.stop
-        if stops:
-            # A stop string completed by this token starts at most (longest stop - 1) chars
-            # before the new text.
-            search_from = max(0, len(self.text) - self._longest_stop + 1)
-            self.text += self.detokenizer.push([token_id])
-            cut = min((i for i in (self.text.find(s, search_from) for s in stops) if i >= 0), default=-1)
-            if cut >= 0:
-                self.text = self.text[:cut]
-                self.finish_reason = "stop"
-                return
-        else:
-            self.text += self.detokenizer.push([token_id])
-        if token_id in self.eos_token_ids or token_id in self.params.stop_token_ids:
-            self.finish_reason = "stop"
-        elif len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= self.max_model_len:
-            self.finish_reason = "length"
-        if self.finished:
+        if self.finish_reason is not None:
+            return
+        if self.params.stop:
+            # A stop string can end in any token: the text is searched after each one.
+            for i, token_id in enumerate(token_ids):
+                if logprobs is not None:
+                    self.output_logprobs.append(logprobs[i])
+                self._append_searching_stops(token_id)
+                if self.finish_reason is not None:
+                    return
+            return
+        # Token ids alone decide where the step's tokens stop; their text comes from one
+        # detokenizer push, as it would token by token.
+        taken = 0
+        for token_id in token_ids:
+            self.output_token_ids.append(token_id)
+            taken += 1
+            self.finish_reason = self._stop_reason(token_id)
+            if self.finish_reason is not None:
+                token_ids = token_ids[:taken]
+                break
+        if logprobs is not None:
+            self.output_logprobs += logprobs[:taken]
+        self.text += self.detokenizer.push(token_ids)
+        if self.finish_reason is not None:
             self.text += self.detokenizer.flush()
+
+    def _append_searching_stops(self, token_id: int) -> None:
+        """Record one token of a request with stop strings; the text ends right before a stop
+        string the token completes."""
+        self.output_token_ids.append(token_id)
+        # A stop string completed by this token starts at most (longest stop - 1) chars before
+        # the new text.
+        search_from = max(0, len(self.text) - self.params.longest_stop + 1)
+        self.text += self.detokenizer.push([token_id])
+        cut = min((i for i in (self.text.find(s, search_from) for s in self.params.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text = self.text[:cut]
+            self.finish_reason = "stop"
+            return
+        self.finish_reason = self._stop_reason(token_id)
+        if self.finish_reason is not None:
+            self.text += self.detokenizer.flush()
+
+    def _stop_reason(self, token_id: int) -> str | None:
+        """Why the request ends after token_id, its newest output token (stop strings aside)."""
+        if token_id in self.stop_token_ids:
+            return "stop"
+        if self.num_tokens >= self.max_num_tokens:
+            return "length"
+        return None
 
     def abort(self) -> None:
         self.finish_reason = "abort"
 
-    @property
-    def _longest_stop(self) -> int:
-        return self.params.longest_stop
-
     def take_delta(self) -> RequestDelta:
         """New tokens and text since the last call. Until the request finishes, the last
         (longest stop - 1) characters stay back: they could be the start of a stop string."""
-        safe_chars = len(self.text) if self.finished else max(self._emitted_chars,
-                                                              len(self.text) - self._longest_stop + 1)
-        delta = RequestDelta(self.request_id, self.output_token_ids[self._emitted_tokens:],
-                             self.text[self._emitted_chars:safe_chars], self.finish_reason,
-                             self.output_logprobs[self._emitted_tokens:] if self.params.logprobs is not None else None,
-                             self.spec_summary if self.finished else None)
+        text, emitted_tokens, emitted_chars = self.text, self._emitted_tokens, self._emitted_chars
+        finished = self.finish_reason is not None
+        safe_chars = len(text) if finished else max(emitted_chars, len(text) - self.params.longest_stop + 1)
+        delta = RequestDelta(self.request_id, self.output_token_ids[emitted_tokens:], text[emitted_chars:safe_chars],
+                             self.finish_reason,
+                             self.output_logprobs[emitted_tokens:] if self.params.logprobs is not None else None,
+                             self.spec_summary if finished else None)
         self._emitted_tokens, self._emitted_chars = len(self.output_token_ids), safe_chars
         return delta
 

@@ -20,9 +20,9 @@ When slots or KV blocks run short, cached checkpoints are evicted before anythin
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..kernels.gdn_chunked import CHUNK_SIZE
 from ..spec import AdaptivePolicy, DraftLengthState
@@ -46,15 +46,17 @@ class SchedulerConfig:
                              "needs one token per step)")
 
 
-@dataclass(frozen=True)
-class ScheduledRow:
+class ScheduledRow(NamedTuple):
     """One request's work this step.
 
     Decode rows feed the newest token plus `num_draft_tokens` drafts (verify). With speculation
     on, the MTP layer also runs over positions [mtp_start, mtp_end) with inputs shifted by one:
     for a decode row those are the positions verified and accepted last step (their target
     hidden states were kept), for a prefill row the chunk's positions (hidden states from this
-    step's forward)."""
+    step's forward).
+
+    A NamedTuple: every running request gets one per step, and a tuple is built several times
+    faster than a frozen dataclass. block_table is the request's own (immutable) tuple."""
 
     request: Request
     token_ids: list[int]
@@ -137,7 +139,9 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         decode_rows: list[ScheduledRow] = []
         scheduled: set[int] = set()
-        decoding = [r for r in self.running if not self._in_prefill(r)]
+        decoding, prefilling = [], []
+        for request in self.running:
+            (prefilling if self._in_prefill(request) else decoding).append(request)
         # Every decode row runs the step's largest draft count (decode_step.py: fixed shapes), so
         # a step's drafts per row are capped to keep all decode rows within the token budget, and
         # each row holds KV blocks for the positions of k drafts whatever it drafts itself.
@@ -152,9 +156,11 @@ class Scheduler:
             scheduled.add(id(request))
         budget -= len(decode_rows) * (1 + max((r.num_draft_tokens for r in decode_rows), default=0))
         prefill_rows: list[ScheduledRow] = []
-        for request in [r for r in self.running if self._in_prefill(r)]:
+        for request in prefilling:
             if budget == 0:
                 break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted to make room for an older request
             chunk = self._chunk(request, request.num_computed_tokens, budget)
             if not self._reserve_blocks(request, request.num_computed_tokens + chunk, scheduled):
                 continue
@@ -191,6 +197,7 @@ class Scheduler:
         for checkpoint in plan.pinned:
             self.cache.unpin(checkpoint)
         updated = []
+        num_decode_rows = len(plan.decode_rows)
         for index, (row, tokens) in enumerate(zip(plan.rows, emitted)):
             request = row.request
             if request.status is not RequestStatus.RUNNING:
@@ -201,7 +208,7 @@ class Scheduler:
             # drafts the target confirmed.
             request.num_computed_tokens += len(row.token_ids) + accepted_drafts
             request.mtp_position = max(request.mtp_position, row.mtp_end)
-            if request.draft_length is not None and index < len(plan.decode_rows):
+            if request.draft_length is not None and index < num_decode_rows:
                 request.draft_length.record(row.num_draft_tokens, accepted_drafts)
                 if row.num_draft_tokens:
                     request.spec_stats.record(row.num_draft_tokens, accepted_drafts)
@@ -240,13 +247,13 @@ class Scheduler:
                 self.cache.unpin(hit)
             return None
         request.slot = self.slots.allocate(1)[0]
-        request.block_table = []
+        block_table = []
         if hit is not None:
-            request.block_table, request.mtp_position = self.cache.restore(hit, request.slot, full_hit)
+            block_table, request.mtp_position = self.cache.restore(hit, request.slot, full_hit)
             request.num_computed_tokens = start
             request.resume_from = None
             pinned.append(hit)
-        request.block_table += self.blocks.allocate(num_blocks - len(request.block_table))
+        request.block_table = tuple(block_table + self.blocks.allocate(num_blocks - len(block_table)))
         self.cache.count_admission(request.num_tokens, start)
         return chunk
 
@@ -278,21 +285,21 @@ class Scheduler:
                                              ends_tokens=position == request.num_tokens)
             if write is not None:
                 writes.append(write)
-        return dataclasses.replace(self._row(request, num_tokens), checkpoints=tuple(reversed(writes)))
+        return self._row(request, num_tokens, checkpoints=tuple(reversed(writes)))
 
-    def _row(self, request: Request, num_tokens: int, num_drafts: int = 0) -> ScheduledRow:
+    def _row(self, request: Request, num_tokens: int, num_drafts: int = 0,
+             checkpoints: tuple[CheckpointWrite, ...] = ()) -> ScheduledRow:
         start, end = request.num_computed_tokens, request.num_computed_tokens + num_tokens
+        num_known = request.num_tokens
         if self.config.draft_policy is None:
             mtp_start = mtp_end = 0
-        elif self._in_prefill(request):
-            # From the MTP's first missing position (the chunk's start, or one before after a
-            # restore) through the chunk, except the last known token: its next is not sampled yet.
-            mtp_start, mtp_end = request.mtp_position, min(end, request.num_tokens - 1)
         else:
-            mtp_start, mtp_end = request.mtp_position, request.num_tokens - 1
-        return ScheduledRow(request, request.token_ids(start, end), start, request.slot, tuple(request.block_table),
-                            sample=end == request.num_tokens, num_draft_tokens=num_drafts, mtp_start=mtp_start,
-                            mtp_end=mtp_end)
+            # From the MTP's first missing position (the chunk's start, or one before after a
+            # restore) through the row, except the last known token: its next is not sampled
+            # yet. A decode row (or a cached one) ends at the newest token: through num_known - 1.
+            mtp_start, mtp_end = request.mtp_position, min(end, num_known - 1)
+        return ScheduledRow(request, request.token_ids(start, end), start, request.slot, request.block_table,
+                            end == num_known, num_drafts, mtp_start, mtp_end, checkpoints)
 
     def _draft_length(self, request: Request) -> int:
         """Drafts for this step: the request's adaptive length, never past max_tokens or the
@@ -309,6 +316,8 @@ class Scheduler:
         """Grow the block table to hold num_tokens, preempting the newest running requests not
         yet scheduled this step. False when `request` itself had to be preempted."""
         needed = self.blocks.blocks_needed(num_tokens) - len(request.block_table)
+        if needed <= 0:
+            return True  # most decode steps: the last block has room
         while not self.cache.make_room(0, needed):
             victims = [r for r in self.running if id(r) not in scheduled and r is not request]
             victim = max(victims, key=lambda r: r.arrival) if victims else request
@@ -317,8 +326,7 @@ class Scheduler:
             self._preempt(victim)
             if victim is request:
                 return False
-        if needed > 0:
-            request.block_table.extend(self.blocks.allocate(needed))
+        request.block_table += tuple(self.blocks.allocate(needed))
         return True
 
     def _preempt(self, request: Request) -> None:
@@ -335,7 +343,7 @@ class Scheduler:
         if request.slot is not None:
             self.slots.free([request.slot])
             self.blocks.free(request.block_table)
-        request.slot, request.block_table = None, []
+        request.slot, request.block_table = None, ()
         if request in self.running:
             self.running.remove(request)
 
@@ -357,7 +365,7 @@ class Scheduler:
                             request.token_ids(0, request.num_tokens), mtp_position, request.slot,
                             request.block_table[:keep]):
             self.blocks.free(request.block_table[keep:])
-            request.slot, request.block_table = None, []
+            request.slot, request.block_table = None, ()
 
     def _release_aborted(self) -> None:
         for queue in (self.running, self.waiting):

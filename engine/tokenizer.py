@@ -97,6 +97,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self._source = source
         self._compiled_template: jinja2.Template | None = None
+        self._token_texts: dict[int, str] = {}  # decode_token's cache
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -153,6 +154,14 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def decode_token(self, token_id: int) -> str:
+        """decode([token_id]), cached (one entry per vocabulary id at most): every decode step
+        of every streaming request decodes its previous token on its own as context."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.decode([token_id])
+        return text
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
         """Render `messages` to a prompt string; kwargs (tools, enable_thinking, ...) reach the
@@ -174,11 +183,12 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Streams the text of a growing output, one delta per push.
 
-    vLLM's prefix/read offsets: `_ids[prefix:read]` is a short window of tokens already emitted,
-    decoded again only as context; `_ids[read:]` are tokens not yet emitted. Each push decodes
-    window + pending and emits the text past the window's own text, unless it ends in an
-    incomplete character — then the tokens stay pending. Tokens before the window are dropped,
-    so a push costs O(tokens of this and the previous push + tokens held), never O(output length).
+    vLLM's prefix/read offsets, with the prefix at 0: `_ids[:read]` is a short window of tokens
+    already emitted, decoded again only as context; `_ids[read:]` are tokens not yet emitted.
+    Each push decodes window + pending and emits the text past the window's own text, unless it
+    ends in an incomplete character — then the tokens stay pending. Tokens before the window are
+    dropped, so a push costs O(tokens of this and the previous push + tokens held), never
+    O(output length).
 
     Invariant: a window starts and ends on a character boundary (offsets only advance when the
     decoded text ends cleanly), so the deltas concatenate to `decode(output_ids)` exactly.
@@ -191,28 +201,39 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int] | None = None) -> None:
         self._tokenizer = tokenizer
         self._ids = list(prompt_token_ids or [])[-self.PROMPT_CONTEXT_TOKENS:]
-        self._prefix_offset = 0
         self._read_offset = len(self._ids)
 
     def push(self, token_ids: list[int]) -> str:
-        """Append output tokens; return the newly complete text (possibly "")."""
-        self._ids.extend(token_ids)
-        return self._advance(final=False)
+        """Append output tokens; return the newly complete text (possibly "").
+
+        Several tokens at once return what pushing them one by one would: their text from one
+        decode when it ends on a complete character (the deltas concatenate to it, by the
+        invariant); else they go one by one, which still emits the complete text before the
+        incomplete character."""
+        held = len(self._ids)
+        self._ids += token_ids
+        delta = self._advance(final=False)
+        if delta is None and len(token_ids) > 1:
+            del self._ids[held:]
+            return "".join([self.push([token_id]) for token_id in token_ids])
+        return delta or ""
 
     def flush(self) -> str:
         """Return the text still held back at the end of the output, even if incomplete."""
-        return self._advance(final=True)
+        return self._advance(final=True)  # never None when final
 
-    def _advance(self, final: bool) -> str:
-        if self._read_offset == len(self._ids):
+    def _advance(self, final: bool) -> str | None:
+        """The text of the tokens past the window; None (nothing advances) while it ends in an
+        incomplete character, unless final."""
+        ids, read = self._ids, self._read_offset
+        if read == len(ids):
             return ""
-        window_text = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
-        text = self._tokenizer.decode(self._ids[self._prefix_offset:])
-        if text.endswith(REPLACEMENT_CHARACTER) and not final:
-            return ""
+        text = self._tokenizer.decode(ids)
+        if not final and text.endswith(REPLACEMENT_CHARACTER):
+            return None
+        window_text = self._tokenizer.decode_token(ids[0]) if read == 1 else self._tokenizer.decode(ids[:read])
         delta = text[len(window_text):]
         # The new tokens become the next window; everything before it is no longer needed.
-        del self._ids[:self._read_offset]
-        self._prefix_offset = 0
-        self._read_offset = len(self._ids)
+        del ids[:read]
+        self._read_offset = len(ids)
         return delta

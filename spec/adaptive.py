@@ -27,10 +27,16 @@ class AdaptivePolicy:
     probe_interval: int = 16
 
     def best_length(self, acceptance: float) -> int:
-        def value(k: int) -> float:
-            expected_tokens = sum(acceptance ** i for i in range(k + 1))
-            return expected_tokens / (1 + self.cost_per_draft * k)
-        return max(range(self.max_draft_tokens + 1), key=value)
+        """The k in 0..max_draft_tokens with the most expected tokens per unit of cost (the
+        smallest such k on a tie); runs for every decoding request every step."""
+        best, best_value = 0, float("-inf")
+        expected_tokens = 0.0  # 1 + alpha + .. + alpha^k, summed in that order
+        for k in range(self.max_draft_tokens + 1):
+            expected_tokens += acceptance ** k
+            value = expected_tokens / (1 + self.cost_per_draft * k)
+            if value > best_value:
+                best, best_value = k, value
+        return best
 
 
 @dataclass

@@ -2,33 +2,52 @@
 
 Position i (1-based) counts how often a draft at depth i was proposed and accepted. The mean
 accepted length is tokens emitted per verify step (accepted drafts + the target's own token).
+Every verify row of every step is recorded (twice: per request and per engine), so a record is
+one count of its (drafted, accepted) pair; the per-position counts are derived when read.
 Knows nothing about tensors or the engine.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 
 @dataclass
 class SpecStats:
-    proposed: list[int] = field(default_factory=list)  # proposed[i]: drafts at depth i+1
-    accepted: list[int] = field(default_factory=list)
-    num_verify_steps: int = 0   # rows verified (one per request per step)
-    num_emitted_tokens: int = 0
+    rows: Counter[tuple[int, int]] = field(default_factory=Counter)  # (drafted, accepted) -> verify rows
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
-        grow = num_drafted - len(self.proposed)
-        if grow > 0:
-            self.proposed += [0] * grow
-            self.accepted += [0] * grow
-        for depth in range(num_drafted):
-            self.proposed[depth] += 1
-            self.accepted[depth] += depth < num_accepted
-        self.num_verify_steps += 1
-        self.num_emitted_tokens += num_accepted + 1
+        self.rows[num_drafted, num_accepted] += 1
+
+    @property
+    def proposed(self) -> list[int]:
+        """proposed[i]: drafts at depth i+1."""
+        counts = [0] * max((drafted for drafted, _ in self.rows), default=0)
+        for (drafted, _), n in self.rows.items():
+            for depth in range(drafted):
+                counts[depth] += n
+        return counts
+
+    @property
+    def accepted(self) -> list[int]:
+        """accepted[i]: accepted drafts at depth i+1."""
+        counts = [0] * max((drafted for drafted, _ in self.rows), default=0)
+        for (drafted, accepted), n in self.rows.items():
+            for depth in range(min(accepted, drafted)):
+                counts[depth] += n
+        return counts
+
+    @property
+    def num_verify_steps(self) -> int:
+        """Rows verified (one per request per step)."""
+        return sum(self.rows.values())
+
+    @property
+    def num_emitted_tokens(self) -> int:
+        return sum((accepted + 1) * n for (_, accepted), n in self.rows.items())
 
     @property
     def acceptance_by_position(self) -> list[float]:
@@ -40,8 +59,8 @@ class SpecStats:
 
     def as_dict(self, with_times: bool = True) -> dict:
         """The counters (and the stage times, which only the engine-wide stats keep)."""
-        counters = {"acceptance_by_position": self.acceptance_by_position, "proposed_by_position": list(self.proposed),
-                    "accepted_by_position": list(self.accepted), "mean_accepted_length": self.mean_accepted_length,
+        counters = {"acceptance_by_position": self.acceptance_by_position, "proposed_by_position": self.proposed,
+                    "accepted_by_position": self.accepted, "mean_accepted_length": self.mean_accepted_length,
                     "num_verify_steps": self.num_verify_steps}
         if with_times:
             counters.update(draft_seconds=self.draft_seconds, verify_seconds=self.verify_seconds)

@@ -9,6 +9,7 @@ import pytest
 
 from deltaspec.engine import AsyncLLM, EngineConfig, SamplingParams
 from deltaspec.engine.core import EngineCore
+from deltaspec.engine.request import RequestStatus
 from fixtures import assert_idle
 
 
@@ -139,6 +140,29 @@ def test_scheduler_never_hands_out_slot_or_block_zero_and_respects_budget(checkp
         for row in plan.rows:
             assert row.slot != 0 and 0 not in row.block_table
         core.commit(plan, core.run(plan))
+    assert_all_free(core)
+
+
+def test_preempted_mid_prefill_request_gets_no_row(checkpoint):
+    """Growing one prefill chunk preempts a newer request that is also mid-prompt: it goes back
+    to the queue (once) and gets no row in that step, and every output equals its output alone."""
+    path = checkpoint("qwen3_5")
+    # A configuration where the step after admission grows the oldest prefill into the blocks of
+    # a newer one (found by searching small configurations of the pure-Python scheduler).
+    jobs = [Job(random.Random(i).choices(range(512), k=length), SamplingParams(max_tokens=16, temperature=0.0,
+                                                                                ignore_eos=True), 0, None)
+            for i, length in enumerate([40, 200, 130, 100])]
+    core = EngineCore(EngineConfig(model=path, max_num_seqs=4, max_num_batched_tokens=80, num_kv_blocks=18,
+                                   enable_prefix_cache=False))
+    alone = [run_alone(core, job) for job in jobs]
+    requests = [core.add_request(job.prompt, job.params) for job in jobs]
+    while core.has_work:
+        plan = core.schedule()
+        assert all(row.request.status is RequestStatus.RUNNING and row.slot is not None for row in plan.rows)
+        assert len(set(map(id, core.scheduler.waiting))) == len(core.scheduler.waiting)
+        core.commit(plan, core.run(plan))
+    assert core.stats()["num_preempted"] > 0
+    assert [r.output_token_ids for r in requests] == alone
     assert_all_free(core)
 
 
