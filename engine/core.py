@@ -84,9 +84,12 @@ class EngineCore:
         self.states, self.kv = self._allocate_pools()
         self.slots = SlotAllocator(self.states.num_slots)
         self.blocks = BlockAllocator(self.kv.num_blocks, config.block_size)
+        # The size function must not capture self: an engine -> cache -> engine cycle would keep a
+        # dropped engine's pools alive until Python's cyclic collector happens to run.
+        slot_bytes, block_bytes = self.states.bytes_per_slot, self.kv.block_bytes
         self.cache = PrefixCache(self.slots, self.blocks, config.checkpoint_interval, config.enable_prefix_cache,
                                  mtp=bool(self.num_draft_tokens), host_capacity_bytes=config.host_cache_bytes,
-                                 checkpoint_bytes=lambda n: self.states.bytes_per_slot + n * self.kv.block_bytes)
+                                 checkpoint_bytes=lambda n: slot_bytes + n * block_bytes)
         policy = (AdaptivePolicy(self.num_draft_tokens, enabled=config.adaptive_draft_length)
                   if self.num_draft_tokens else None)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, policy,

@@ -242,3 +242,25 @@ async def test_async_bad_input_raises_at_submission(checkpoint):
             pass
     assert engine.stats()["num_waiting"] == 0
     await engine.shutdown()
+
+
+def test_a_dropped_engine_frees_its_pools_at_once(checkpoint):
+    """No reference cycle keeps an engine (and its memory-budget-sized pools) alive after its
+    last reference goes: tests and benchmarks build many engines one after another."""
+    import gc
+    import weakref
+
+    path = checkpoint("qwen3_5", mtp_copy_of_last_layer=True)
+    gc.collect()
+    gc.disable()
+    try:
+        for options in ({}, {"num_draft_tokens": 3}):
+            core = EngineCore(EngineConfig(model=path, **options))
+            core.add_request([1, 2, 3], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+            while core.has_work:
+                core.step()
+            pool = weakref.ref(core.states.pending_counts)
+            del core
+            assert pool() is None, f"engine with {options} outlived its last reference"
+    finally:
+        gc.enable()
