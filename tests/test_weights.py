@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -54,8 +55,16 @@ def test_bfloat16_load_is_close_to_float32(checkpoint):
     full = LLM(path).score(TOKENS)
     half = LLM(path, dtype="bfloat16").score(TOKENS)
     assert half.dtype == torch.float32
-    # These random tiny models amplify rounding: HF itself in bf16 is ~5% RMS off its fp32 logits.
-    assert ((half - full).pow(2).mean().sqrt() / full.pow(2).mean().sqrt()) < 0.1
+    # These random tiny models amplify rounding (HF itself in bf16 is ~10% RMS off its fp32
+    # logits here), so the bound is HF's own bf16 error on the same checkpoint.
+    with torch.no_grad():
+        hf_full, hf_half = (AutoModelForCausalLM.from_pretrained(path, dtype=dtype)(torch.tensor([TOKENS])).logits[0].float()
+                            for dtype in (torch.float32, torch.bfloat16))
+    assert relative_rms(half, full) <= max(0.05, 1.5 * relative_rms(hf_half, hf_full))
+
+
+def relative_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).pow(2).mean().sqrt() / expected.pow(2).mean().sqrt()).item()
 
 
 # Corruptions -----------------------------------------------------------------------------------
