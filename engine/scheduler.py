@@ -211,6 +211,7 @@ class Scheduler:
                 updated.append(request)
                 if request.finished:
                     self._finish(request)
+        Request.update_texts(updated)
         return updated
 
     # Helpers ------------------------------------------------------------------------------
