@@ -71,6 +71,8 @@ class Request:
     stop_token_ids: frozenset[int]  # EOS (unless ignore_eos) and params.stop_token_ids
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Prompt + output tokens: a count kept as tokens are appended (read many times per step).
+    num_tokens: int = field(init=False)
     text: str = ""
     finish_reason: str | None = None
     # Scheduling state.
@@ -100,9 +102,8 @@ class Request:
                    IncrementalDetokenizer(tokenizer, list(prompt_token_ids)),
                    frozenset(params.stop_token_ids).union(() if params.ignore_eos else tokenizer.eos_token_ids))
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+    def __post_init__(self) -> None:
+        self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output."""
@@ -135,6 +136,7 @@ class Request:
         taken = 0
         for token_id in token_ids:
             self.output_token_ids.append(token_id)
+            self.num_tokens += 1
             taken += 1
             self.finish_reason = self._stop_reason(token_id)
             if self.finish_reason is not None:
@@ -161,6 +163,7 @@ class Request:
         """Record one token of a request with stop strings; the text ends right before a stop
         string the token completes."""
         self.output_token_ids.append(token_id)
+        self.num_tokens += 1
         # A stop string completed by this token starts at most (longest stop - 1) chars before
         # the new text.
         search_from = max(0, len(self.text) - self.params.longest_stop + 1)

@@ -142,7 +142,7 @@ class Scheduler:
         for request in decoding:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted to make room for an older request
-            num_drafts = min(self._draft_length(request), spare)
+            num_drafts = 0 if request.draft_length is None else min(self._draft_length(request), spare)
             spare -= num_drafts
             if not self._reserve_blocks(request, request.num_tokens + num_drafts, scheduled):
                 continue  # the request itself was preempted
@@ -297,22 +297,21 @@ class Scheduler:
                             end == num_known, num_drafts, mtp_start, mtp_end, checkpoints)
 
     def _draft_length(self, request: Request) -> int:
-        """Drafts for this step: the request's adaptive length, never past max_tokens or the
-        context."""
-        if request.draft_length is None:
-            return 0
-        if request.mtp_position >= request.num_tokens - 1:
+        """Drafts for this step of a speculating request: its adaptive length, never past
+        max_tokens or the context."""
+        num_tokens = request.num_tokens
+        if request.mtp_position >= num_tokens - 1:
             return 0  # the prompt's last token, fed alone after a chunk: no MTP output to chain from
-        room = min(self.config.max_model_len - request.num_tokens,
+        room = min(self.config.max_model_len - num_tokens,
                    request.params.max_tokens - len(request.output_token_ids) - 1)
         return max(0, min(request.draft_length.num_draft_tokens, room))
 
     def _reserve_blocks(self, request: Request, num_tokens: int, scheduled: set[int]) -> bool:
         """Grow the block table to hold num_tokens, preempting the newest running requests not
         yet scheduled this step. False when `request` itself had to be preempted."""
-        needed = self.blocks.blocks_needed(num_tokens) - len(request.block_table)
-        if needed <= 0:
+        if num_tokens <= len(request.block_table) * self.blocks.block_size:
             return True  # most decode steps: the last block has room
+        needed = self.blocks.blocks_needed(num_tokens) - len(request.block_table)
         while not self.cache.make_room(0, needed):
             victims = [r for r in self.running if id(r) not in scheduled and r is not request]
             victim = max(victims, key=lambda r: r.arrival) if victims else request
