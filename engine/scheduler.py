@@ -101,6 +101,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.num_preempted = 0
         self._aborted: list[Request] = []
+        self._abort_requested = False  # since the last step boundary
 
     # Admission and abort ------------------------------------------------------------------
 
@@ -118,6 +119,7 @@ class Scheduler:
     def abort(self, request: Request) -> None:
         """Takes effect at the next step boundary (the request may be in the step running now)."""
         request.abort_requested = True
+        self._abort_requested = True
 
     def take_aborted(self) -> list[Request]:
         aborted, self._aborted = self._aborted, []
@@ -362,6 +364,9 @@ class Scheduler:
             request.slot, request.block_table = None, ()
 
     def _release_aborted(self) -> None:
+        if not self._abort_requested:
+            return  # most steps: no queue to search
+        self._abort_requested = False
         for queue in (self.running, self.waiting):
             for request in [r for r in queue if r.abort_requested]:
                 if request in self.waiting:
