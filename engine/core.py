@@ -186,7 +186,7 @@ class EngineCore:
         for request in (self.scheduler.commit(plan, output.emitted, output.logprobs, output.num_pending)
                         + self.scheduler.take_aborted()):
             deltas.append(request.take_delta())
-            if request.finished:
+            if request.finish_reason is not None:
                 self.requests.pop(request.request_id, None)
         return deltas
 

@@ -288,6 +288,8 @@ class PrefixCache:
         checkpoint.pins -= 1
 
     def take_ops(self) -> CacheOps:
+        if self._ops.empty:
+            return _NO_OPS  # most steps: nothing to copy
         ops, self._ops = self._ops.build(), _OpsBuilder()
         return ops
 
@@ -457,5 +459,12 @@ class _OpsBuilder:
     restores: list[Restore] = field(default_factory=list)
     tail_copies: list[tuple[int, int]] = field(default_factory=list)
 
+    @property
+    def empty(self) -> bool:
+        return not (self.offloads or self.host_drops or self.restores or self.tail_copies)
+
     def build(self) -> CacheOps:
         return CacheOps(tuple(self.offloads), tuple(self.host_drops), tuple(self.restores), tuple(self.tail_copies))
+
+
+_NO_OPS = CacheOps()

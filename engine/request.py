@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 from ..spec import DraftLengthState, SpecStats
 from .prefix_cache import Checkpoint
@@ -74,6 +74,8 @@ class Request:
     stop_token_ids: frozenset[int]  # EOS (unless ignore_eos) and params.stop_token_ids
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Prompt + output tokens: a count kept as tokens are appended (read many times per step).
+    num_tokens: int = field(init=False)
     text: str = ""
     finish_reason: str | None = None
     # Scheduling state.
@@ -91,6 +93,7 @@ class Request:
     draft_length: DraftLengthState | None = None
     spec_stats: SpecStats = field(default_factory=SpecStats)
     # Streaming cursors.
+    _num_detokenized: int = 0  # output tokens the detokenizer has (their text is in `text`)
     _emitted_tokens: int = 0
     _emitted_chars: int = 0
 
@@ -102,9 +105,8 @@ class Request:
                    IncrementalDetokenizer(tokenizer, list(prompt_token_ids)),
                    frozenset(params.stop_token_ids).union(() if params.ignore_eos else tokenizer.eos_token_ids))
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+    def __post_init__(self) -> None:
+        self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output."""
@@ -120,7 +122,8 @@ class Request:
         return self.finish_reason is not None
 
     def extend(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None = None) -> None:
-        """Record the tokens of one step in order, stopping at the first that finishes."""
+        """Record the tokens of one step in order, stopping at the first that finishes. Without
+        stop strings their text follows in `update_texts`, for all of a step's requests at once."""
         if self.finish_reason is not None:
             return
         if self.params.stop:
@@ -132,30 +135,43 @@ class Request:
                 if self.finish_reason is not None:
                     return
             return
-        # Token ids alone decide where the step's tokens stop; their text comes from one
-        # detokenizer push, as it would token by token.
+        # Token ids alone decide where the step's tokens stop.
         taken = 0
         for token_id in token_ids:
             self.output_token_ids.append(token_id)
+            self.num_tokens += 1
             taken += 1
             self.finish_reason = self._stop_reason(token_id)
             if self.finish_reason is not None:
-                token_ids = token_ids[:taken]
                 break
         if logprobs is not None:
             self.output_logprobs += logprobs[:taken]
-        self.text += self.detokenizer.push(token_ids)
-        if self.finish_reason is not None:
-            self.text += self.detokenizer.flush()
+
+    @staticmethod
+    def update_texts(requests: Sequence[Request]) -> None:
+        """Bring the text of a step's requests up to date: the output tokens their detokenizers
+        do not have yet go in one push each, as they would token by token, and all the pushes in
+        one batch (IncrementalDetokenizer.push_all). A finished request gets the text its
+        detokenizer still held back."""
+        behind = [r for r in requests if r._num_detokenized < len(r.output_token_ids)]
+        deltas = IncrementalDetokenizer.push_all([r.detokenizer for r in behind],
+                                                 [r.output_token_ids[r._num_detokenized:] for r in behind])
+        for request, delta in zip(behind, deltas):
+            request.text += delta
+            request._num_detokenized = len(request.output_token_ids)
+            if request.finish_reason is not None:
+                request.text += request.detokenizer.flush()
 
     def _append_searching_stops(self, token_id: int) -> None:
         """Record one token of a request with stop strings; the text ends right before a stop
         string the token completes."""
         self.output_token_ids.append(token_id)
+        self.num_tokens += 1
         # A stop string completed by this token starts at most (longest stop - 1) chars before
         # the new text.
         search_from = max(0, len(self.text) - self.params.longest_stop + 1)
         self.text += self.detokenizer.push([token_id])
+        self._num_detokenized += 1
         cut = min((i for i in (self.text.find(s, search_from) for s in self.params.stop) if i >= 0), default=-1)
         if cut >= 0:
             self.text = self.text[:cut]

@@ -101,6 +101,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.num_preempted = 0
         self._aborted: list[Request] = []
+        self._abort_requested = False  # since the last step boundary
 
     # Admission and abort ------------------------------------------------------------------
 
@@ -123,6 +124,7 @@ class Scheduler:
     def abort(self, request: Request) -> None:
         """Takes effect at the next step boundary (the request may be in the step running now)."""
         request.abort_requested = True
+        self._abort_requested = True
 
     def take_aborted(self) -> list[Request]:
         aborted, self._aborted = self._aborted, []
@@ -142,14 +144,15 @@ class Scheduler:
         decoding, prefilling = [], []
         for request in self.running:
             (prefilling if self._in_prefill(request) else decoding).append(request)
+        running = RequestStatus.RUNNING  # looked up once: on Python 3.11 an Enum member costs a call
         # Every decode row runs the step's largest draft count (decode_step.py: fixed shapes), so
         # a step's drafts per row are capped to keep all decode rows within the token budget, and
         # each row holds KV blocks for the positions of k drafts whatever it drafts itself.
         max_drafts = budget // len(decoding) - 1 if decoding else 0
         for request in decoding:
-            if request.status is not RequestStatus.RUNNING:
+            if request.status is not running:
                 continue  # preempted to make room for an older request
-            num_drafts = min(self._draft_length(request), max_drafts)
+            num_drafts = 0 if request.draft_length is None else min(self._draft_length(request), max_drafts)
             if not self._reserve_blocks(request, request.num_tokens + self._draft_room, scheduled):
                 continue  # the request itself was preempted
             decode_rows.append(self._row(request, 1, num_drafts))
@@ -159,7 +162,7 @@ class Scheduler:
         for request in prefilling:
             if budget == 0:
                 break
-            if request.status is not RequestStatus.RUNNING:
+            if request.status is not running:
                 continue  # preempted to make room for an older request
             chunk = self._chunk(request, request.num_computed_tokens, budget)
             if not self._reserve_blocks(request, request.num_computed_tokens + chunk, scheduled):
@@ -198,9 +201,10 @@ class Scheduler:
             self.cache.unpin(checkpoint)
         updated = []
         num_decode_rows = len(plan.decode_rows)
+        running = RequestStatus.RUNNING  # looked up once: on Python 3.11 an Enum member costs a call
         for index, (row, tokens) in enumerate(zip(plan.rows, emitted)):
             request = row.request
-            if request.status is not RequestStatus.RUNNING:
+            if request.status is not running:
                 continue  # preempted while this step ran: it recomputes from scratch
             request.num_pending = num_pending[index] if num_pending else 0
             accepted_drafts = len(tokens) - 1 if row.num_draft_tokens else 0
@@ -215,8 +219,9 @@ class Scheduler:
             if row.sample:
                 request.extend(tokens, logprobs[index] if logprobs else None)
                 updated.append(request)
-                if request.finished:
+                if request.finish_reason is not None:
                     self._finish(request)
+        Request.update_texts(updated)
         return updated
 
     # Helpers ------------------------------------------------------------------------------
@@ -302,22 +307,21 @@ class Scheduler:
                             end == num_known, num_drafts, mtp_start, mtp_end, checkpoints)
 
     def _draft_length(self, request: Request) -> int:
-        """Drafts for this step: the request's adaptive length, never past max_tokens or the
-        context."""
-        if request.draft_length is None:
-            return 0
-        if request.mtp_position >= request.num_tokens - 1:
+        """Drafts for this step of a speculating request: its adaptive length, never past
+        max_tokens or the context."""
+        num_tokens = request.num_tokens
+        if request.mtp_position >= num_tokens - 1:
             return 0  # the prompt's last token, fed alone after a chunk: no MTP output to chain from
-        room = min(self.config.max_model_len - request.num_tokens,
+        room = min(self.config.max_model_len - num_tokens,
                    request.params.max_tokens - len(request.output_token_ids) - 1)
         return max(0, min(request.draft_length.num_draft_tokens, room))
 
     def _reserve_blocks(self, request: Request, num_tokens: int, scheduled: set[int]) -> bool:
         """Grow the block table to hold num_tokens, preempting the newest running requests not
         yet scheduled this step. False when `request` itself had to be preempted."""
-        needed = self.blocks.blocks_needed(num_tokens) - len(request.block_table)
-        if needed <= 0:
+        if num_tokens <= len(request.block_table) * self.blocks.block_size:
             return True  # most decode steps: the last block has room
+        needed = self.blocks.blocks_needed(num_tokens) - len(request.block_table)
         while not self.cache.make_room(0, needed):
             victims = [r for r in self.running if id(r) not in scheduled and r is not request]
             victim = max(victims, key=lambda r: r.arrival) if victims else request
@@ -368,6 +372,9 @@ class Scheduler:
             request.slot, request.block_table = None, ()
 
     def _release_aborted(self) -> None:
+        if not self._abort_requested:
+            return  # most steps: no queue to search
+        self._abort_requested = False
         for queue in (self.running, self.waiting):
             for request in [r for r in queue if r.abort_requested]:
                 if request in self.waiting:

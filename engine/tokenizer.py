@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import jinja2.ext
 import tokenizers
@@ -204,36 +204,46 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
 
     def push(self, token_ids: list[int]) -> str:
-        """Append output tokens; return the newly complete text (possibly "").
+        """Append output tokens; return the newly complete text (possibly "")."""
+        return self.push_all([self], [token_ids])[0]
+
+    def flush(self) -> str:
+        """Return the text still held back at the end of the output, even if incomplete."""
+        if self._read_offset == len(self._ids):
+            return ""
+        return self._advance(self._tokenizer.decode(self._ids), final=True)  # never None when final
+
+    @staticmethod
+    def push_all(detokenizers: Sequence[IncrementalDetokenizer], token_ids: Sequence[list[int]]) -> list[str]:
+        """push(token_ids[i]) on detokenizers[i], for a step's streams at once: their decodes run
+        back to back (measured faster than one push per request amid its other bookkeeping).
 
         Several tokens at once return what pushing them one by one would: their text from one
         decode when it ends on a complete character (the deltas concatenate to it, by the
         invariant); else they go one by one, which still emits the complete text before the
         incomplete character."""
-        held = len(self._ids)
-        self._ids += token_ids
-        delta = self._advance(final=False)
-        if delta is None and len(token_ids) > 1:
-            del self._ids[held:]
-            return "".join([self.push([token_id]) for token_id in token_ids])
-        return delta or ""
+        for detokenizer, new in zip(detokenizers, token_ids):
+            detokenizer._ids += new
+        texts = [detokenizer._tokenizer.decode(detokenizer._ids) for detokenizer in detokenizers]
+        deltas = []
+        for detokenizer, new, text in zip(detokenizers, token_ids, texts):
+            delta = detokenizer._advance(text, final=False)
+            if delta is None and len(new) > 1:
+                del detokenizer._ids[-len(new):]
+                delta = "".join([detokenizer.push([token_id]) for token_id in new])
+            deltas.append(delta or "")
+        return deltas
 
-    def flush(self) -> str:
-        """Return the text still held back at the end of the output, even if incomplete."""
-        return self._advance(final=True)  # never None when final
-
-    def _advance(self, final: bool) -> str | None:
-        """The text of the tokens past the window; None (nothing advances) while it ends in an
-        incomplete character, unless final."""
+    def _advance(self, text: str, final: bool) -> str | None:
+        """Emit `text`, the decode of the window and the pending tokens, past the window's own
+        text; None (nothing advances) while it ends in an incomplete character, unless final."""
         ids, read = self._ids, self._read_offset
         if read == len(ids):
             return ""
-        text = self._tokenizer.decode(ids)
         if not final and text.endswith(REPLACEMENT_CHARACTER):
             return None
         window_text = self._tokenizer.decode_token(ids[0]) if read == 1 else self._tokenizer.decode(ids[:read])
-        delta = text[len(window_text):]
         # The new tokens become the next window; everything before it is no longer needed.
         del ids[:read]
         self._read_offset = len(ids)
-        return delta
+        return text[len(window_text):]

@@ -14,6 +14,7 @@ Knows nothing about tensors or the scheduler.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -25,15 +26,20 @@ class AdaptivePolicy:
     smoothing: float = 0.3
     initial_acceptance: float = 0.7
     probe_interval: int = 16
+    # Derived: costs[k] = 1 + cost_per_draft * k, the cost of a step with k drafts.
+    costs: tuple[float, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "costs", tuple(1 + self.cost_per_draft * k for k in range(self.max_draft_tokens + 1)))
 
     def best_length(self, acceptance: float) -> int:
         """The k in 0..max_draft_tokens with the most expected tokens per unit of cost (the
         smallest such k on a tie); runs for every decoding request every step."""
-        best, best_value = 0, float("-inf")
+        best, best_value = 0, -math.inf
         expected_tokens = 0.0  # 1 + alpha + .. + alpha^k, summed in that order
-        for k in range(self.max_draft_tokens + 1):
+        for k, cost in enumerate(self.costs):
             expected_tokens += acceptance ** k
-            value = expected_tokens / (1 + self.cost_per_draft * k)
+            value = expected_tokens / cost
             if value > best_value:
                 best, best_value = k, value
         return best
