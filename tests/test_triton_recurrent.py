@@ -1,6 +1,7 @@
 """Triton kernels of the recurrent path against their torch references: GDN deferred-commit
 decode/verify (kernels/gdn_decode.py), causal conv1d prefill/decode (kernels/conv1d.py),
-rms_norm / gated_rms_norm (kernels/norms.py) and q/k norm + partial RoPE (kernels/rope.py).
+rms_norm / gated_rms_norm (kernels/norms.py), silu_and_mul (kernels/activation.py) and q/k norm
++ partial RoPE (kernels/rope.py).
 
 The references are checked against float64 oracles in test_ref_*.py; here they are the oracle.
 Inputs are fresh seeded random draws (no zeros); kernel outputs are poisoned with NaN before the
@@ -15,7 +16,7 @@ GDN kernels through verify steps, acceptance and commit steps against plain deco
 
 CPU: the interpreter, fp32, tiny head dims (16/32), HV = HK and HV = 2 HK, one V tile and two.
 GPU (`gpu` marker): bf16 activations, K = V = 128, fp32 and bf16 state pools, every V-tile
-config, capture in a CUDA graph, realistic conv/norm/rope widths and long positions.
+config, capture in a CUDA graph, realistic conv/norm/rope/SwiGLU widths and long positions.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deltaspec.kernels.activation import silu_and_mul, silu_and_mul_reference
 from deltaspec.kernels.arrivals import arrival_counters
 from deltaspec.kernels.conv1d import (causal_conv1d_decode, causal_conv1d_decode_reference, causal_conv1d_prefill,
                                       causal_conv1d_prefill_reference)
@@ -482,7 +484,7 @@ def test_conv1d_gpu_bf16():
 
 
 # ----------------------------------------------------------------------------------------------
-# Norms and q/k norm + RoPE
+# Norms, SwiGLU activation and q/k norm + RoPE
 # ----------------------------------------------------------------------------------------------
 
 def norm_cases(device: str, dtype: torch.dtype, hidden: int, tokens: int = 5, seed: int = 90):
@@ -515,6 +517,31 @@ def test_gated_rms_norm(kernel_device, leading):
     weight = torch.randn(dim, generator=gen).to(kernel_device)
     assert_close(gated_rms_norm(x, gate, weight, 1e-6), gated_rms_norm_reference(x, gate, weight, 1e-6),
                  TOLERANCE[torch.float32], "gated norm")
+
+
+def check_silu_and_mul(num_tokens: int, intermediate: int, dtype: torch.dtype, device: str, rtol: float,
+                       monkeypatch) -> None:
+    """gate_up as F.linear returns it or as a strided row view (a wider buffer's columns); the
+    output is allocated NaN (torch.empty poisoned), so an unwritten element fails."""
+    gen = torch.Generator().manual_seed(num_tokens + intermediate)
+    wide = (2 * torch.randn(num_tokens, 2 * intermediate + 11, generator=gen)).to(dtype).to(device)
+    for gate_up in (wide[:, 3:3 + 2 * intermediate], wide[:, :2 * intermediate].contiguous()):
+        expected = silu_and_mul_reference(gate_up)
+        with monkeypatch.context() as patch:
+            empty = torch.empty
+            patch.setattr(torch, "empty", lambda *args, **kwargs: empty(*args, **kwargs).fill_(float("nan")))
+            actual = silu_and_mul(gate_up)
+        assert actual.dtype == dtype and actual.is_contiguous()
+        assert_close(actual, expected, rtol, f"silu_and_mul T={num_tokens} I={intermediate}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_tokens,intermediate", [(0, 24), (1, 40), (6, 24), (2, 1100)],
+                         ids=["empty", "decode", "tokens", "two-column-tiles"])
+def test_silu_and_mul(kernel_device, monkeypatch, num_tokens, intermediate, dtype):
+    """fp16 rounds once (fp32 math), as the reference: they may differ by one fp16 ulp."""
+    rtol = {torch.float32: 2e-5, torch.float16: 1e-3}[dtype]
+    check_silu_and_mul(num_tokens, intermediate, dtype, kernel_device, rtol, monkeypatch)
 
 
 def rope_case(device: str, dtype: torch.dtype, tokens: int, hq: int, hk: int, head_dim: int, max_position: int,
@@ -561,3 +588,13 @@ def test_norms_and_rope_gpu_bf16():
     actual = qk_norm_rope(*args, 64, 10_000_000.0, 1e-6)
     for a, e, name in zip(actual, expected, "qk"):
         assert_close(a, e, TOLERANCE[torch.bfloat16], name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+def test_silu_and_mul_gpu_bf16(monkeypatch, num_tokens):
+    """bf16 at the 0.8B dense width (3584), a wide dense one (12288), the Qwen3-Next expert and
+    shared-expert width (512) and one that is no multiple of the tile (1000). The reference rounds
+    once from fp32 too, so they agree to a bf16 ulp."""
+    for intermediate in (3584, 12288, 512, 1000):
+        check_silu_and_mul(num_tokens, intermediate, torch.bfloat16, "cuda", 1e-2, monkeypatch)
