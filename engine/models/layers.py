@@ -157,9 +157,9 @@ class GatedAttention(nn.Module):
         q, k = ops.qk_norm_rope(q, k.view(num_tokens, hkv, d), self.q_norm, self.k_norm, batch.positions,
                                 c.rotary_dim, c.rope_theta, c.rms_norm_eps)
         ops.write_kv(k, v.view(num_tokens, hkv, d), kv.k_cache, kv.v_cache, batch.slot_mapping)
+        # attention * sigmoid(gate), the gate applied by the kernel that stores the output
         out = ops.paged_attention(q, kv.k_cache, kv.v_cache, batch.block_tables, batch.cu_seqlens, batch.context_lens,
-                                  d ** -0.5)
-        out = out * torch.sigmoid(gate)
+                                  d ** -0.5, gate)
         return ops.linear(out.reshape(num_tokens, hq * d), self.o_proj)
 
 
