@@ -4,7 +4,10 @@ KV pool (per attention layer): k_cache, v_cache [num_blocks, block_size, Hkv, D]
 tokens live at positions [0, context_len) mapped through its block table; the row's q_len
 query tokens are its last q_len positions, causal among themselves. Decode (q_len 1),
 verify (q_len k+1) and prefill chunks (any q_len, any cached prefix) are the same call.
-Softmax in float32. Knows nothing about sequences beyond block tables and lengths.
+Softmax in float32. An optional output gate (the gated attention of the Qwen3.5 family: the
+output is attention * sigmoid(gate), gate a [T, Hq, D] view of the q projection) is applied in
+float32 before the output's single rounding. Knows nothing about sequences beyond block tables
+and lengths.
 
 Triton kernels: `write_kv` scatters this step's K/V into the pool by slot_mapping;
 `paged_attention` is one flash-attention kernel for every row kind. A program owns one query
@@ -12,7 +15,9 @@ tile of one row and one KV head: the tile packs TOKENS consecutive query tokens 
 query heads of that KV head into its BLOCK_M rows (m -> token m // GROUP, head m % GROUP), so
 K/V are read once per KV head for all its query heads, and a decode or verify row (q_len <= 8)
 is one tile. Optionally the key range of a tile is split over num_splits programs (long contexts,
-few rows); a second small kernel merges their partial (max, sum, acc). Launch geometry depends
+few rows); a second small kernel merges their partial (max, sum, acc). The gate is multiplied in
+by whichever kernel stores the output (the attention kernel's epilogue, or the merge): fusing it
+there saves the two elementwise launches per layer it used to cost. Launch geometry depends
 only on tensor shapes, never on tensor values, so both launchers run inside CUDA graphs.
 """
 
@@ -36,9 +41,11 @@ def write_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               block_tables: torch.Tensor, cu_seqlens: torch.Tensor,
-                              context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                              context_lens: torch.Tensor, scale: float,
+                              gate: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, Hq, D]; block_tables: [B, M]; cu_seqlens: [B+1] query offsets; context_lens: [B]
-    keys per row (cached prefix + this step's tokens, already written). Returns [T, Hq, D]."""
+    keys per row (cached prefix + this step's tokens, already written); gate (optional) [T, Hq, D].
+    Returns [T, Hq, D]: attention, times sigmoid(gate) when given, rounded once to q's dtype."""
     num_rows, (num_heads, head_dim) = block_tables.shape[0], q.shape[1:]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     lengths, row, index_in_row, max_q = row_layout(cu_seqlens, q.shape[0])
@@ -60,8 +67,10 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     allowed = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(-1)                # [B, max_q, max_k]
     scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)                     # padded queries: all -inf
-    out = torch.einsum("bhqk,bkhd->bqhd", probs, values)
-    return out[row, index_in_row].to(q.dtype)
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, values)[row, index_in_row]
+    if gate is not None:
+        out = out * torch.sigmoid(gate.float())
+    return out.to(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,12 +178,14 @@ def _attend_block(acc, m_i, l_i, q, start, hi, query_pos, table, k_cache_ptr, v_
 
 @triton.jit
 def _paged_attention_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr,
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, gate_ptr,
         out_ptr, partial_acc_ptr, partial_stats_ptr, qk_scale, num_rows, num_tile_slots, num_splits,
         stride_q_token, stride_q_head, stride_k_block, stride_k_offset, stride_k_head,
-        stride_v_block, stride_v_offset, stride_v_head, stride_table_row, stride_out_token, stride_out_head,
+        stride_v_block, stride_v_offset, stride_v_head, stride_table_row, stride_gate_token, stride_gate_head,
+        stride_out_token, stride_out_head,
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_GATE: tl.constexpr,
+        PRECISION: tl.constexpr):
     """Grid (tile slot, KV head, split). Tile rows m < TOKENS * GROUP hold query token
     first + m // GROUP of the row, query head kv_head * GROUP + m % GROUP.
 
@@ -182,7 +193,8 @@ def _paged_attention_kernel(
     and sees keys [0, prefix + i]. The tile therefore needs keys [0, end), end = min(context,
     prefix + first + TOKENS); keys [0, prefix + first + 1) are visible to all of its queries and
     skip the causal mask. With SPLIT, split s of num_splits takes the BLOCK_N-aligned s-th chunk of
-    [0, end) and writes unnormalised (acc, m, l) for _combine_splits_kernel."""
+    [0, end) and writes unnormalised (acc, m, l) for _combine_splits_kernel (which then applies
+    the gate); else the tile stores acc / l, times sigmoid(gate) with HAS_GATE."""
     TOKENS: tl.constexpr = BLOCK_M // GROUP
     tile = num_tile_slots - 1 - tl.program_id(0)          # a row's last (longest) tiles start first
     kv_head = tl.program_id(1)
@@ -237,16 +249,21 @@ def _paged_attention_kernel(
         tl.store(partial_stats_ptr + partial * 2 + 1, l_i, mask=valid)
     else:
         out = acc / l_i[:, None]
+        if HAS_GATE:
+            gate = tl.load(gate_ptr + (q_row * stride_gate_token + head * stride_gate_head)[:, None] + d,
+                           mask=valid[:, None], other=0.0).to(tl.float32)
+            out = out * tl.sigmoid(gate)
         tl.store(out_ptr + (q_row * stride_out_token + head * stride_out_head)[:, None] + d,
                  out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
 
 
 @triton.jit
-def _combine_splits_kernel(partial_acc_ptr, partial_stats_ptr, out_ptr, num_splits, stride_out_token,
-                           stride_out_head, NUM_HEADS: tl.constexpr, SPLITS_POW2: tl.constexpr,
-                           HEAD_DIM: tl.constexpr):
+def _combine_splits_kernel(partial_acc_ptr, partial_stats_ptr, gate_ptr, out_ptr, num_splits, stride_gate_token,
+                           stride_gate_head, stride_out_token, stride_out_head, NUM_HEADS: tl.constexpr,
+                           SPLITS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_GATE: tl.constexpr):
     """One program per (token, query head): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,
-    M = max_s m_s. Splits that saw no key (m = -inf, l = 0, acc = 0) weigh 0."""
+    M = max_s m_s, times sigmoid(gate) with HAS_GATE. Splits that saw no key (m = -inf, l = 0,
+    acc = 0) weigh 0."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_POW2)
@@ -258,6 +275,9 @@ def _combine_splits_kernel(partial_acc_ptr, partial_stats_ptr, out_ptr, num_spli
     acc = tl.load(partial_acc_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=in_range[:, None], other=0.0)
     weight = tl.exp2(m - tl.max(m, 0))
     out = tl.sum(acc * weight[:, None], 0) / tl.sum(l * weight, 0)
+    if HAS_GATE:
+        gate = tl.load(gate_ptr + token * stride_gate_token + head * stride_gate_head + d).to(tl.float32)
+        out = out * tl.sigmoid(gate)
     tl.store(out_ptr + token * stride_out_token + head * stride_out_head + d, out.to(out_ptr.dtype.element_ty))
 
 
@@ -310,13 +330,17 @@ def attention_config(num_tokens: int, num_rows: int, num_kv_heads: int, group: i
     return AttentionConfig(block_m, block_n, num_splits, num_warps, num_stages)
 
 
-def _check_attention_args(out, q, k_cache, v_cache, block_tables, cu_seqlens, context_lens) -> None:
+def _check_attention_args(out, q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, gate) -> None:
     _check_pool(k_cache, v_cache)
     num_rows = block_tables.shape[0]
     assert q.dim() == 3 and q.shape[2] == k_cache.shape[3], "q: [T, Hq, D] with the pool's D"
     assert q.shape[1] % k_cache.shape[2] == 0, "query heads must be a multiple of KV heads"
     assert q.stride(-1) == 1 and q.dtype == k_cache.dtype, "q: D contiguous, the pool's dtype"
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
+    if gate is not None:
+        assert gate.shape == q.shape and gate.dtype == q.dtype and gate.stride(-1) == 1, \
+            "gate: [T, Hq, D] in q's dtype, D contiguous (any token/head strides)"
+        assert gate.device == q.device
     assert block_tables.dim() == 2 and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
     assert cu_seqlens.shape == (num_rows + 1,) and cu_seqlens.dtype == torch.int32 and cu_seqlens.is_contiguous()
     assert context_lens.shape == (num_rows,) and context_lens.dtype == torch.int32 and context_lens.is_contiguous()
@@ -325,9 +349,9 @@ def _check_attention_args(out, q, k_cache, v_cache, block_tables, cu_seqlens, co
 
 def launch_paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, cu_seqlens: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float, config: AttentionConfig) -> None:
+                           scale: float, config: AttentionConfig, gate: torch.Tensor | None = None) -> None:
     """paged_attention with an explicit config, writing into out [T, Hq, D] (tests, benchmarks)."""
-    _check_attention_args(out, q, k_cache, v_cache, block_tables, cu_seqlens, context_lens)
+    _check_attention_args(out, q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, gate)
     num_tokens, num_heads, head_dim = q.shape
     num_rows, num_kv_heads = block_tables.shape[0], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -338,31 +362,38 @@ def launch_paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Te
     num_tile_slots = num_tokens // tokens_per_tile + num_rows
     splits = config.num_splits
     partial_acc = partial_stats = out                      # unused unless splits > 1
+    has_gate = gate is not None
+    gate_strides = (gate.stride(0), gate.stride(1)) if has_gate else (0, 0)
+    gate = gate if has_gate else q                         # never read without HAS_GATE
     if splits > 1:
         partial_acc = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         partial_stats = torch.empty(num_tokens, num_heads, splits, 2, dtype=torch.float32, device=q.device)
     _paged_attention_kernel[(num_tile_slots, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, out, partial_acc, partial_stats,
+        q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, gate, out, partial_acc, partial_stats,
         scale * 1.4426950408889634, num_rows, num_tile_slots, splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), *gate_strides,
+        out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPLIT=splits > 1,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPLIT=splits > 1, HAS_GATE=has_gate,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",              # fp32 stays fp32 (no tf32)
         num_warps=config.num_warps, num_stages=config.num_stages)
     if splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
-            partial_acc, partial_stats, out, splits, out.stride(0), out.stride(1), NUM_HEADS=num_heads,
-            SPLITS_POW2=triton.next_power_of_2(splits), HEAD_DIM=head_dim, num_warps=4)
+            partial_acc, partial_stats, gate, out, splits, *gate_strides, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, SPLITS_POW2=triton.next_power_of_2(splits), HEAD_DIM=head_dim,
+            HAS_GATE=has_gate, num_warps=4)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    cu_seqlens: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Triton paged_attention_reference (same arguments, same result): q [T, Hq, D] with any
-    token/head strides; block_tables [B, M] int32; cu_seqlens [B+1], context_lens [B] int32."""
+                    cu_seqlens: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                    gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton paged_attention_reference (same arguments, same result): q and gate (optional)
+    [T, Hq, D] with any token/head strides; block_tables [B, M] int32; cu_seqlens [B+1],
+    context_lens [B] int32."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     num_kv_heads = k_cache.shape[2]
     config = attention_config(q.shape[0], block_tables.shape[0], num_kv_heads, q.shape[1] // num_kv_heads,
                               block_tables.shape[1] * k_cache.shape[1], multiprocessor_count(q.device))
-    launch_paged_attention(out, q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, scale, config)
+    launch_paged_attention(out, q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, scale, config, gate)
     return out

@@ -72,7 +72,7 @@ REFERENCE_OPS = Ops(
 def triton_ops() -> Ops:
     """The GPU table: Triton kernels where they exist; the remaining entries are the (batched,
     device-agnostic) torch references, listed here so the mix is visible in one place."""
-    from . import attention, conv1d, gdn_chunked, gdn_decode, linear, moe, norms, rope, sampling
+    from . import activation, attention, conv1d, gdn_chunked, gdn_decode, linear, moe, norms, rope, sampling
 
     return replace(
         REFERENCE_OPS,
@@ -81,6 +81,7 @@ def triton_ops() -> Ops:
         rms_norm=norms.rms_norm,
         gated_rms_norm=norms.gated_rms_norm,
         qk_norm_rope=rope.qk_norm_rope,
+        silu_and_mul=activation.silu_and_mul,
         causal_conv1d_prefill=conv1d.causal_conv1d_prefill,
         causal_conv1d_decode=conv1d.causal_conv1d_decode,
         gdn_chunked=gdn_chunked.gdn_chunked,

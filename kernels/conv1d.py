@@ -16,7 +16,10 @@ count (accepted drafts), so rejected columns are never read again. With `commit=
 decode) every new input is folded at once and nothing is recorded.
 
 `causal_conv1d_prefill` / `causal_conv1d_decode` are the Triton kernels (one launch each, SiLU
-fused); the `_reference` functions are their torch oracles. Knows nothing about models or the
+fused); the `_reference` functions are their torch oracles. Both take x as a row view of the
+projection output (unit channel stride, any row stride: no copy of the q|k|v columns) and write
+the outputs of the new tokens into `out` when the caller passes one (a row slice of the step's
+conv-output buffer, so nothing is copied afterwards). Knows nothing about models or the
 scheduler: rows are described by cu_seqlens and slot ids.
 """
 
@@ -29,7 +32,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .varlen import pad_rows, row_layout
+from .varlen import into, pad_rows, row_layout
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -47,31 +50,34 @@ def _depthwise(window: torch.Tensor, weight: torch.Tensor, num_out: int) -> torc
 
 def causal_conv1d_prefill_reference(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
                                     slot_ids: torch.Tensor, has_initial_state: torch.Tensor,
-                                    conv_state: torch.Tensor) -> torch.Tensor:
+                                    conv_state: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Varlen prefill. x: [T, C], weight: [C, W]. Reads the slot's window when has_initial_state
-    (else zeros), writes the last W-1 inputs back to conv_state[slot]. Returns [T, C]."""
+    (else zeros), writes the last W-1 inputs back to conv_state[slot]. Returns [T, C] (`out`
+    when given: varlen.into)."""
     num_rows = slot_ids.numel()
     width = weight.shape[1]
     lengths, row, index_in_row, max_len = row_layout(cu_seqlens, x.shape[0])
     # Select, never multiply: a fresh row must not read whatever its slot's last owner left.
     initial = torch.where(has_initial_state.view(-1, 1, 1), conv_state[slot_ids.long()], 0)
     window = torch.cat([initial.to(x.dtype), pad_rows(x, row, index_in_row, num_rows, max_len)], dim=1)
-    out = _depthwise(window, weight, max_len)[row, index_in_row]
+    result = _depthwise(window, weight, max_len)[row, index_in_row]
     # Final window of row b: inputs at window positions [len_b, len_b + W-1).
     tail = lengths.view(-1, 1) + torch.arange(width - 1, device=x.device).view(1, -1)
     conv_state[slot_ids.long()] = torch.gather(
         window, 1, tail.unsqueeze(-1).expand(-1, -1, window.shape[-1])).to(conv_state.dtype)
-    return out.to(x.dtype)
+    return into(out, result.to(x.dtype))
 
 
 def causal_conv1d_decode_reference(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
                                    slot_ids: torch.Tensor, conv_state: torch.Tensor,
                                    pending_conv: torch.Tensor, pending_counts: torch.Tensor,
-                                   commit: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                                   commit: bool,
+                                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode/verify with deferred commit. x: [T, C] new tokens (1..P+1 per row).
 
-    Returns (out [T, C], pending_out [B, P, C]): silu(conv) of the new tokens, and of row b's
-    p_b pending tokens in pending_out[b, :p_b] (entries past p_b are unspecified)."""
+    Returns (out [T, C], pending_out [B, P, C]): silu(conv) of the new tokens (into `out` when
+    given: varlen.into), and of row b's p_b pending tokens in pending_out[b, :p_b] (entries past
+    p_b are unspecified)."""
     num_rows = slot_ids.numel()
     width = weight.shape[1]
     max_pending = pending_conv.shape[1]
@@ -88,7 +94,7 @@ def causal_conv1d_decode_reference(x: torch.Tensor, weight: torch.Tensor, cu_seq
     sequence = torch.gather(source, 1, index.unsqueeze(-1).expand(-1, -1, source.shape[-1]))
     # Token t of pending ++ new sees sequence[t .. t+W-1]: pending j is t = j, new token i is t = p+i.
     conv = _depthwise(sequence, weight, max_pending + max_len)                 # [B, P + max_len, C]
-    out = conv[row, counts[row] + index_in_row]
+    new_out = conv[row, counts[row] + index_in_row]
     # Fold: the committed window becomes the last W-1 columns of committed ++ pending ++ new
     # token 0 (verify: the first fed token is always accepted) or ++ every new token (commit).
     folded = counts + (lengths if commit else 1)
@@ -97,7 +103,7 @@ def causal_conv1d_decode_reference(x: torch.Tensor, weight: torch.Tensor, cu_seq
     if not commit:
         later = index_in_row > 0  # new tokens 1..n-1 (the drafts) become pending columns 0..n-2
         pending_conv[slots[row[later]], index_in_row[later] - 1] = x[later].to(pending_conv.dtype)
-    return out.to(x.dtype), conv[:, :max_pending].to(x.dtype)
+    return into(out, new_out.to(x.dtype)), conv[:, :max_pending].to(x.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -161,15 +167,17 @@ def _conv_prefill_kernel(x, weight, out, cu_seqlens, slot_ids, has_initial_state
 
 
 def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor,
-                          has_initial_state: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
-    """Triton causal_conv1d_prefill_reference. x [T, C] with unit channel stride; weight [C, W],
-    conv_state [S, W-1, C] contiguous; has_initial_state bool [B]."""
-    num_tokens, channels = x.shape
+                          has_initial_state: torch.Tensor, conv_state: torch.Tensor,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton causal_conv1d_prefill_reference. x [T, C] and out (optional) [T, C] with unit
+    channel stride, any row stride; weight [C, W], conv_state [S, W-1, C] contiguous;
+    has_initial_state bool [B]."""
+    channels = x.shape[1]
     width = weight.shape[1]
     num_rows = slot_ids.numel()
     _check_conv_args(x, weight, cu_seqlens, slot_ids, conv_state)
     assert has_initial_state.shape == (num_rows,) and has_initial_state.dtype == torch.bool
-    out = torch.empty((num_tokens, channels), dtype=x.dtype, device=x.device)
+    out = _conv_output(x, out)
     if num_rows == 0:
         return out
     block_c = min(128, triton.next_power_of_2(channels))
@@ -252,17 +260,18 @@ def _conv_decode_kernel(x, weight, out, pending_out, cu_seqlens, slot_ids, conv_
 
 def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor,
                          conv_state: torch.Tensor, pending_conv: torch.Tensor, pending_counts: torch.Tensor,
-                         commit: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton causal_conv1d_decode_reference. x [T, C] (1..P+1 tokens per row) with unit channel
-    stride; pending_conv [S, P, C] (P may be 0) and pending_counts [S] int32 contiguous."""
-    num_tokens, channels = x.shape
+                         commit: bool, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton causal_conv1d_decode_reference. x [T, C] (1..P+1 tokens per row) and out
+    (optional) [T, C] with unit channel stride, any row stride; pending_conv [S, P, C] (P may be
+    0) and pending_counts [S] int32 contiguous."""
+    channels = x.shape[1]
     width = weight.shape[1]
     num_rows = slot_ids.numel()
     max_pending = pending_conv.shape[1]
     _check_conv_args(x, weight, cu_seqlens, slot_ids, conv_state)
     assert pending_conv.shape == (conv_state.shape[0], max_pending, channels) and pending_conv.is_contiguous()
     assert pending_counts.shape == (conv_state.shape[0],) and pending_counts.dtype == torch.int32
-    out = torch.empty((num_tokens, channels), dtype=x.dtype, device=x.device)
+    out = _conv_output(x, out)
     pending_out = torch.empty((num_rows, max_pending, channels), dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out, pending_out
@@ -276,10 +285,21 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torc
     return out, pending_out
 
 
+def _conv_output(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The launchers' output: a fresh [T, C], or the caller's view (which must not overlap x:
+    a program reads the inputs of its row's other tokens after storing outputs)."""
+    if out is None:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    assert out.shape == x.shape and out.dtype == x.dtype and out.device == x.device, "out: x's shape and dtype"
+    assert out.stride(1) == 1, "out: unit channel stride"
+    return out
+
+
 def _check_conv_args(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor,
                      conv_state: torch.Tensor) -> None:
     channels, width = weight.shape
-    assert x.dim() == 2 and x.shape[1] == channels and x.stride(1) == 1
+    assert x.dim() == 2 and x.shape[1] == channels, "x: [T, C]"
+    assert x.stride(1) == 1, "x: unit channel stride (any row stride: e.g. the q|k|v columns of the projection)"
     assert weight.is_contiguous() and width >= 2
     assert conv_state.shape[1:] == (width - 1, channels) and conv_state.is_contiguous()
     assert cu_seqlens.dtype == torch.int32 and slot_ids.dtype == torch.int32

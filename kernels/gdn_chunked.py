@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from .gdn import expand_heads, gdn_gating_reference, l2norm
-from .varlen import pad_rows, row_layout
+from .varlen import into, pad_rows, row_layout
 
 CHUNK_SIZE = 64
 SUB_CHUNK = 16     # the solve works on 4 x 4 blocks of 16 x 16
@@ -144,13 +144,14 @@ def gdn_chunked_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: 
                           A_log: torch.Tensor, dt_bias: torch.Tensor, cu_seqlens: torch.Tensor,
                           slot_ids: torch.Tensor, has_initial_state: torch.Tensor, state: torch.Tensor,
                           checkpoint_cu: torch.Tensor | None = None, checkpoint_lengths: torch.Tensor | None = None,
-                          checkpoint_states: torch.Tensor | None = None, lengths_checked: bool = False) -> torch.Tensor:
+                          checkpoint_states: torch.Tensor | None = None, lengths_checked: bool = False,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
     """Varlen prefill. q, k: [T, HK, K]; v: [T, HV, V]; a, b: [T, HV]; cu_seqlens [rows+1] int32;
     slot_ids [rows] int32 (distinct); has_initial_state [rows] bool; state [slots, HV, K, V].
     Reads the slot's state when has_initial_state (else zeros; the slot is not read) and writes
     the final state back to state[slot]. Checkpoints (optional, see `check_checkpoints`):
     checkpoint_states[j] = the state after the first checkpoint_lengths[j] tokens of its row.
-    Returns o [T, HV, V] in v's dtype."""
+    Returns o [T, HV, V] in v's dtype (`out` when given: varlen.into)."""
     has_checkpoints = check_checkpoints(cu_seqlens, checkpoint_cu, checkpoint_lengths, checkpoint_states, state,
                                         lengths_checked)
     num_rows, num_value_heads = slot_ids.numel(), v.shape[1]
@@ -163,8 +164,8 @@ def gdn_chunked_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: 
     pad = lambda x: pad_rows(x, row, index_in_row, num_rows, padded_len)
     # Select, never multiply: a fresh row must not read whatever its slot's last owner left.
     initial = torch.where(has_initial_state.view(-1, 1, 1, 1), state[slots].float(), 0.0)
-    final, out, chunk_states = _chunked(initial, pad(qn), pad(kn), pad(v.float()), pad(g), pad(beta), CHUNK_SIZE,
-                                        keep_chunk_states=has_checkpoints)
+    final, outputs, chunk_states = _chunked(initial, pad(qn), pad(kn), pad(v.float()), pad(g), pad(beta),
+                                            CHUNK_SIZE, keep_chunk_states=has_checkpoints)
     if has_checkpoints and checkpoint_lengths.numel():
         # Padded tokens carry g = beta = 0, so the state after chunk c is the state after
         # min(64 (c+1), length) tokens: a checkpoint at p is the state after chunk ceil(p/64)-1.
@@ -174,7 +175,7 @@ def gdn_chunked_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: 
         checkpoint_chunk = (checkpoint_lengths.long() + CHUNK_SIZE - 1) // CHUNK_SIZE - 1
         checkpoint_states.copy_(torch.stack(chunk_states)[checkpoint_chunk, checkpoint_row])
     state[slots] = final.to(state.dtype)
-    return out[row, index_in_row].to(v.dtype)
+    return into(out, outputs[row, index_in_row].to(v.dtype))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -467,10 +468,12 @@ def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
                 A_log: torch.Tensor, dt_bias: torch.Tensor, cu_seqlens: torch.Tensor,
                 slot_ids: torch.Tensor, has_initial_state: torch.Tensor, state: torch.Tensor,
                 checkpoint_cu: torch.Tensor | None = None, checkpoint_lengths: torch.Tensor | None = None,
-                checkpoint_states: torch.Tensor | None = None, lengths_checked: bool = False) -> torch.Tensor:
+                checkpoint_states: torch.Tensor | None = None, lengths_checked: bool = False,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton `gdn_chunked_reference` (same arguments and semantics). q, k, v may be views with
     any token stride (e.g. splits of the conv output) as long as each token's heads are packed;
-    a, b likewise. K and V are powers of two, 16 .. 256 (V >= 64 on the GPU)."""
+    a, b likewise. `out` (optional): a contiguous [T, HV, V] view in v's dtype, e.g. a row slice
+    of the layer's output buffer. K and V are powers of two, 16 .. 256 (V >= 64 on the GPU)."""
     num_tokens, num_key_heads, key_dim = q.shape
     num_value_heads, value_dim = v.shape[1], v.shape[2]
     num_rows = slot_ids.numel()
@@ -492,9 +495,12 @@ def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
     has_checkpoints = check_checkpoints(cu_seqlens, checkpoint_cu, checkpoint_lengths, checkpoint_states, state,
                                         lengths_checked)
     device = q.device
-    o = torch.empty(num_tokens, num_value_heads, value_dim, dtype=v.dtype, device=device)
+    if out is None:
+        out = torch.empty(num_tokens, num_value_heads, value_dim, dtype=v.dtype, device=device)
+    assert out.shape == v.shape and out.dtype == v.dtype and out.is_contiguous() and out.device == device, \
+        "out: contiguous [T, HV, V] in v's dtype"
     if num_rows == 0:
-        return o
+        return out
     g_cum, q_scale, k_scale = torch.empty(3, num_tokens, num_value_heads, dtype=torch.float32, device=device)
     w = torch.empty(num_tokens, num_value_heads, key_dim, dtype=q.dtype, device=device)
     u = torch.empty(num_tokens, num_value_heads, value_dim, dtype=q.dtype, device=device)
@@ -509,10 +515,11 @@ def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
         ROWS_POW2=max(64, triton.next_power_of_2(num_rows)), CHUNK=CHUNK_SIZE, SUB=SUB_CHUNK, EPS=L2NORM_EPS,
         DOT_DTYPE=dot_dtype, PRECISION=precision)
     _state[lambda meta: (num_rows, num_value_heads, value_dim // meta["BV"])](
-        q, k, g_cum, q_scale, k_scale, w, u, attn, o, state, cu_seqlens, slot_ids, has_initial_state.view(torch.uint8),
+        q, k, g_cum, q_scale, k_scale, w, u, attn, out, state, cu_seqlens, slot_ids,
+        has_initial_state.view(torch.uint8),
         checkpoint_cu if has_checkpoints else slot_ids, checkpoint_lengths if has_checkpoints else slot_ids,
         checkpoint_states if has_checkpoints else state,
         q.stride(0), k.stride(0), min(triton.next_power_of_2(num_rows), 64),
         HV=num_value_heads, HK=num_key_heads, K=key_dim, V=value_dim, CHUNK=CHUNK_SIZE,
         DOT_DTYPE=dot_dtype, PRECISION=precision, HAS_CHECKPOINTS=has_checkpoints)
-    return o
+    return out

@@ -8,11 +8,12 @@ inputs it keeps (conv1d.py) into a step buffer this kernel folds from. Recurrenc
 layout: gdn.py. Knows nothing about models or the scheduler.
 
 `gdn_decode` is the Triton kernel (one launch per layer), `gdn_decode_reference` its torch
-oracle. Kernel grid: one program per (V tile, value head, row); a program owns the [K, BV] tile
-of its slot's state, so the state needs no coordination, and reads the step buffer, which nothing
-writes. Only pending g / beta (one per value head) are shared, by the V tiles of a head: all of
-them read the old entries [0, p) to fold, and the new entries [0, n-1) overwrite them. See
-`_gdn_decode_kernel` for how that is ordered.
+oracle; both write into a caller's `out` view when given one (a row slice of the layer's output
+buffer: no copy after the launch). Kernel grid: one program per (V tile, value head, row); a
+program owns the [K, BV] tile of its slot's state, so the state needs no coordination, and reads
+the step buffer, which nothing writes. Only pending g / beta (one per value head) are shared, by
+the V tiles of a head: all of them read the old entries [0, p) to fold, and the new entries
+[0, n-1) overwrite them. See `_gdn_decode_kernel` for how that is ordered.
 """
 
 from __future__ import annotations
@@ -26,21 +27,23 @@ import triton.language as tl
 
 from .arrivals import arrival_counters, last_to_arrive, num_sms, reset_arrivals
 from .gdn import expand_heads, gdn_gating_reference, l2norm, recurrent_steps
-from .varlen import pad_rows, row_layout
+from .varlen import into, pad_rows, row_layout
 
 
 def gdn_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                          A_log: torch.Tensor, dt_bias: torch.Tensor, cu_seqlens: torch.Tensor,
                          slot_ids: torch.Tensor, state: torch.Tensor, pending_k: torch.Tensor,
                          pending_v: torch.Tensor, pending_g: torch.Tensor, pending_beta: torch.Tensor,
-                         pending_counts: torch.Tensor, commit: bool) -> torch.Tensor:
+                         pending_counts: torch.Tensor, commit: bool,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode/verify with deferred commit; shapes as gdn_chunked_reference, 1..P+1 new tokens per row.
 
     pending_k [B, P, HK, K] and pending_v [B, P, HV, V] are per row: the conv outputs of the
     row's pending tokens (causal_conv1d_decode's step buffer; k not yet l2-normalised).
     pending_g, pending_beta [S, P, HV] are the pool's. Per row: load the committed state, fold
     the slot's p pending tokens and new token 0, store it; run new tokens 1..n-1 producing
-    outputs and record their g, beta as pending entries [0, n-1). With commit, fold them too."""
+    outputs and record their g, beta as pending entries [0, n-1). With commit, fold them too.
+    Returns o [T, HV, V] in v's dtype (`out` when given: varlen.into)."""
     num_rows, num_value_heads = slot_ids.numel(), v.shape[1]
     max_pending = pending_g.shape[1]
     slots = slot_ids.long()
@@ -68,7 +71,7 @@ def gdn_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: t
         pending_slots, entry = slots[row[later]], index_in_row[later] - 1
         pending_g[pending_slots, entry] = g[later]
         pending_beta[pending_slots, entry] = beta[later]
-    return torch.cat([out_first, out_rest], dim=1)[row, index_in_row].to(v.dtype)
+    return into(out, torch.cat([out_first, out_rest], dim=1)[row, index_in_row].to(v.dtype))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -262,9 +265,12 @@ def launch_gdn_decode(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                A_log: torch.Tensor, dt_bias: torch.Tensor, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor,
                state: torch.Tensor, pending_k: torch.Tensor, pending_v: torch.Tensor, pending_g: torch.Tensor,
-               pending_beta: torch.Tensor, pending_counts: torch.Tensor, commit: bool) -> torch.Tensor:
-    """Triton gdn_decode_reference: same arguments, same effects, one launch."""
-    out = torch.empty_like(v, memory_format=torch.contiguous_format)
+               pending_beta: torch.Tensor, pending_counts: torch.Tensor, commit: bool,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton gdn_decode_reference: same arguments, same effects, one launch. `out` (optional):
+    a contiguous [T, HV, V] view in v's dtype, e.g. a row slice of the layer's output buffer."""
+    if out is None:
+        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     config = decode_config(slot_ids.numel(), v.shape[1], q.shape[2], v.shape[2], commit, v.device)
     launch_gdn_decode(out, q, k, v, a, b, A_log, dt_bias, cu_seqlens, slot_ids, state, pending_k, pending_v,
                       pending_g, pending_beta, pending_counts, commit, config)

@@ -22,3 +22,14 @@ def pad_rows(x: torch.Tensor, row: torch.Tensor, index_in_row: torch.Tensor, num
     out = x.new_zeros((num_rows, max_len) + tuple(x.shape[1:]))
     out[row, index_in_row] = x
     return out
+
+
+def into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    """The references' `out=` contract, as the Triton launchers keep it: the result is written
+    into the caller's view `out` (same shape and dtype; e.g. a row slice of a step buffer) and
+    `out` is returned; without one the result itself is."""
+    if out is None:
+        return result
+    assert out.shape == result.shape and out.dtype == result.dtype, \
+        f"out: {out.dtype} {tuple(out.shape)}, expected {result.dtype} {tuple(result.shape)}"
+    return out.copy_(result)

@@ -5,7 +5,8 @@ Contracts checked: write_kv puts token t at block_table[pos // bs] * bs + pos % 
 nothing else; paged attention over ragged rows (decode q_len 1, verify q_len 4, prefill chunks
 over cached prefixes of 0, 1, non-multiple-of-block and many-block lengths) with shuffled,
 non-contiguous block ids (block 0 is the null block, never a real row's), block sizes 4 and 16,
-GQA ratios 1 and 4, equals per-row causal softmax attention; head h reads kv head h // (Hq/Hkv).
+GQA ratios 1 and 4, equals per-row causal softmax attention; head h reads kv head h // (Hq/Hkv);
+with an output gate, that times sigmoid(gate).
 """
 
 from __future__ import annotations
@@ -176,3 +177,18 @@ def test_paged_attention_never_reads_positions_past_context():
     k, v, mapping = case.new_tokens()
     write_kv_reference(k, v, case.k_cache, case.v_cache, mapping)
     assert_close(case.attend(), case.expected(), what="outputs with NaN in unowned KV positions")
+
+
+def test_paged_attention_output_gate():
+    """With a gate (a strided [T, Hq, D] view, as the model slices it from [q | gate] per head),
+    the output is attention * sigmoid(gate), computed before the one rounding."""
+    gen = torch.Generator().manual_seed(7)
+    case = PagedCase(gen, 16, 8, 2, 32)
+    case.write_prefixes()
+    k, v, mapping = case.new_tokens()
+    write_kv_reference(k, v, case.k_cache, case.v_cache, mapping)
+    gate = (3 * torch.randn(case.q.shape[0], case.q.shape[1], 2 * case.head_dim, generator=gen))[..., case.head_dim:]
+    out = paged_attention_reference(case.q, case.k_cache, case.v_cache, case.block_tables, case.cu_seqlens,
+                                    case.context_lens, case.head_dim ** -0.5, gate)
+    assert out.shape == case.q.shape and out.dtype == case.q.dtype
+    assert_close(out, case.expected() * torch.sigmoid(gate.double()), what="gated output")

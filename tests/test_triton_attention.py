@@ -8,9 +8,10 @@ cached prefixes of length 0, 1, not a multiple of the block size, and many block
 Block ids are shuffled; block 0 is the null block that pads block tables.
 
 CPU: the interpreter, fp32/fp16, head_dim 32/64, block sizes 4/16, every tile kind (decode tile,
-prefill tile, split key range) through explicit configs plus the launcher's own choice.
+prefill tile, split key range) through explicit configs plus the launcher's own choice, with and
+without the output gate (attention * sigmoid(gate), fused into whichever kernel stores the output).
 GPU (`gpu` marker): bf16, head_dim 128/256, GQA 1/4/8, block sizes 16/64, the launcher's choice
-and the prefill/split configs, long contexts, and capture in a CUDA graph.
+and the prefill/split configs, long contexts, the gate, and capture in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 def make_case(seed: int, rows, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
               dtype: torch.dtype, device: str, stale: float | None = None) -> SimpleNamespace:
     """Rows' K/V written into shuffled blocks of a pool whose other positions hold `stale`
-    (random garbage when None). q is a strided view, as the model slices it from [q | gate]."""
+    (random garbage when None). q and gate are strided views, as the model slices them from
+    [q | gate] per head."""
     gen = torch.Generator().manual_seed(seed)
     contexts = [q_len + prefix for q_len, prefix in rows]
     blocks_per_row = [math.ceil(c / block_size) for c in contexts]
@@ -55,22 +57,23 @@ def make_case(seed: int, rows, block_size: int, num_heads: int, num_kv_heads: in
     num_tokens = sum(q_len for q_len, _ in rows)
     q_gate = torch.randn(num_tokens, num_heads, 2 * head_dim, generator=gen)
     to = dict(device=device)
+    q_gate = q_gate.to(dtype=dtype, **to)
     return SimpleNamespace(
-        q=q_gate.to(dtype=dtype, **to)[..., :head_dim], k_cache=k_cache.to(dtype=dtype, **to),
+        q=q_gate[..., :head_dim], gate=q_gate[..., head_dim:], k_cache=k_cache.to(dtype=dtype, **to),
         v_cache=v_cache.to(dtype=dtype, **to), block_tables=block_tables.to(**to),
         cu_seqlens=torch.tensor([0] + [q for q, _ in rows]).cumsum(0).to(torch.int32).to(**to),
         context_lens=torch.tensor(contexts, dtype=torch.int32, device=device), scale=head_dim ** -0.5)
 
 
-def reference(case: SimpleNamespace) -> torch.Tensor:
+def reference(case: SimpleNamespace, gate: torch.Tensor | None = None) -> torch.Tensor:
     return paged_attention_reference(case.q, case.k_cache, case.v_cache, case.block_tables, case.cu_seqlens,
-                                     case.context_lens, case.scale)
+                                     case.context_lens, case.scale, gate)
 
 
-def launch(case: SimpleNamespace, config: AttentionConfig) -> torch.Tensor:
+def launch(case: SimpleNamespace, config: AttentionConfig, gate: torch.Tensor | None = None) -> torch.Tensor:
     out = torch.full(case.q.shape, float("nan"), dtype=case.q.dtype, device=case.q.device)
     launch_paged_attention(out, case.q, case.k_cache, case.v_cache, case.block_tables, case.cu_seqlens,
-                           case.context_lens, case.scale, config)
+                           case.context_lens, case.scale, config, gate)
     return out
 
 
@@ -87,14 +90,17 @@ def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(a.view(as_int), b.view(as_int))
 
 
-def check_attention(case: SimpleNamespace, config: AttentionConfig | None, what: str) -> None:
+def check_attention(case: SimpleNamespace, config: AttentionConfig | None, what: str, gated: bool = False) -> None:
+    """gated: the output gate of the Qwen3.5 attention, applied by the kernel that stores the
+    output (the attention kernel, or the split merge)."""
     k_before, v_before = case.k_cache.clone(), case.v_cache.clone()
+    gate = case.gate if gated else None
     if config is None:
         out = paged_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.cu_seqlens,
-                              case.context_lens, case.scale)
+                              case.context_lens, case.scale, gate)
     else:
-        out = launch(case, config)
-    expected = reference(case)
+        out = launch(case, config, gate)
+    expected = reference(case, gate)
     assert out.shape == expected.shape and out.dtype == expected.dtype
     assert_close(out, expected, TOLERANCE[case.q.dtype], what)
     assert bit_equal(case.k_cache, k_before) and bit_equal(case.v_cache, v_before), "attention wrote the pool"
@@ -149,6 +155,16 @@ def test_paged_attention_launcher_choice(kernel_device):
     check_attention(decode, None, "long decode")
 
 
+@pytest.mark.parametrize("config,dtype", [
+    (AttentionConfig(16, 16, 1, 4, 1), torch.float32), (AttentionConfig(32, 32, 1, 4, 1), torch.float32),
+    (AttentionConfig(16, 32, 3, 4, 1), torch.float16), (None, torch.float32)],
+    ids=["decode-tile", "prefill-tile", "fp16-split3", "launcher"])
+def test_paged_attention_output_gate(kernel_device, config, dtype):
+    """attention * sigmoid(gate) in one launch (two with a split key range: the merge applies it)."""
+    case = make_case(21, ROWS, 16, 8, 2, 32, dtype, kernel_device)
+    check_attention(case, config, f"gated {config}", gated=True)
+
+
 @pytest.mark.parametrize("config", [AttentionConfig(16, 16, 1, 4, 1), AttentionConfig(32, 16, 4, 4, 1)],
                          ids=["whole-range", "split4"])
 def test_paged_attention_never_reads_positions_past_context(kernel_device, config):
@@ -190,9 +206,20 @@ def test_paged_attention_long_contexts_gpu(rows):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows,config", [
+    (GPU_ROWS, None), ([(1, 9000)], None), ([(1, 4000)] * 3 + [(1, 17)], AttentionConfig(16, 64, 1, 4, 3)),
+    (GPU_ROWS, AttentionConfig(128, 64, 1, 8, 2))],
+    ids=["mixed-launcher", "decode-split", "decode-tile", "prefill-tile"])
+def test_paged_attention_output_gate_bf16_gpu(rows, config):
+    case = make_case(11, rows, 16, 8, 2, 256, torch.bfloat16, "cuda")
+    check_attention(case, config, f"gated {config}", gated=True)
+
+
+@pytest.mark.gpu
 def test_paged_attention_and_write_kv_in_cuda_graph():
     """Launch geometry depends on shapes only: a captured decode step (write this token's K/V,
-    attend) replays correctly after lengths, slots, queries and K/V change in place."""
+    attend with the output gate, as the model does) replays correctly after lengths, slots,
+    queries, gates and K/V change in place."""
     rows = [(1, 700), (1, 30), (1, 2000), (1, 0)]
     case = make_case(9, rows, 16, 8, 2, 256, torch.bfloat16, "cuda")
     new_k = torch.randn(len(rows), 2, 256, device="cuda", dtype=torch.bfloat16)
@@ -202,7 +229,7 @@ def test_paged_attention_and_write_kv_in_cuda_graph():
     def step() -> torch.Tensor:
         write_kv(new_k, new_v, case.k_cache, case.v_cache, slots)
         return paged_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.cu_seqlens,
-                               case.context_lens, case.scale)
+                               case.context_lens, case.scale, case.gate)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -218,10 +245,11 @@ def test_paged_attention_and_write_kv_in_cuda_graph():
         position = case.context_lens.long() - 1                     # this step's token: the row's last
         slots.copy_(case.block_tables.long().gather(1, (position // 16)[:, None])[:, 0] * 16 + position % 16)
         case.q.copy_(torch.randn(case.q.shape, generator=gen))
+        case.gate.copy_(torch.randn(case.gate.shape, generator=gen))
         new_k.copy_(torch.randn(new_k.shape, generator=gen))
         new_v.copy_(torch.randn(new_v.shape, generator=gen))
         expected_k, expected_v = case.k_cache.clone(), case.v_cache.clone()
         write_kv_reference(new_k, new_v, expected_k, expected_v, slots)
         graph.replay()
         assert torch.equal(case.k_cache, expected_k) and torch.equal(case.v_cache, expected_v)
-        assert_close(out, reference(case), TOLERANCE[torch.bfloat16], f"graph replay, contexts {contexts}")
+        assert_close(out, reference(case, case.gate), TOLERANCE[torch.bfloat16], f"graph replay, contexts {contexts}")

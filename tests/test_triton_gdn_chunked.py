@@ -11,7 +11,8 @@ Contracts checked (CPU: the interpreter in fp32 / fp16 at tiny K, V; GPU: bf16 a
   - checkpoints: the kernel writes what the reference writes, and a reference checkpoint at p
     equals the final state of a run over only the first p tokens of its row; invalid checkpoint
     lengths are refused;
-  - a bf16 state pool.
+  - a bf16 state pool;
+  - `out=`: a row slice of a larger buffer is written in place, nothing outside it.
 """
 
 from __future__ import annotations
@@ -195,6 +196,30 @@ def test_fp16_activations_bf16_state_pool(interpreter_device, poisoned_empty):
     batch.check_untouched(state)
 
 
+def check_row_slice_output(batch: Batch, kernel: bool, rtol: float) -> None:
+    """out= a row slice of a NaN-poisoned buffer (the prefill rows of the layer's output, which
+    the decode rows precede): it holds what a fresh output holds; rows outside it stay NaN."""
+    num_tokens = batch.v.shape[0]
+    fp32 = [x.float() if x.is_floating_point() else x for x in batch.args()]
+    expected = gdn_chunked_reference(*fp32, batch.state.clone().float())
+    buffer = torch.full((num_tokens + 4, *batch.v.shape[1:]), float("nan"), dtype=batch.v.dtype,
+                        device=batch.v.device)
+    out = buffer[3:3 + num_tokens]
+    state = batch.state.clone()
+    returned = (gdn_chunked if kernel else gdn_chunked_reference)(*batch.args(), state, out=out)
+    assert returned.data_ptr() == out.data_ptr() and returned.shape == out.shape
+    assert relative_error(out, expected) < rtol
+    assert buffer[:3].isnan().all() and buffer[3 + num_tokens:].isnan().all(), "rows outside out were written"
+    batch.check_untouched(state)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["triton", "reference"])
+def test_writes_into_a_row_slice(interpreter_device, kernel):
+    gen = torch.Generator().manual_seed(7)
+    batch = Batch(gen, interpreter_device, [65, 3], 1, 2, KEY_DIM, VALUE_DIM, torch.float32)
+    check_row_slice_output(batch, kernel, 1e-5)
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU: bf16 activations at the model's head size against the reference in fp32
 
@@ -225,3 +250,10 @@ def test_gpu_bf16_matches_fp32_reference(poisoned_empty, num_key_heads, num_valu
         assert relative_error(state[slot], expected_state[slot]) < 2e-2, f"final state of row {i}"
     assert relative_error(checkpoints, expected_checkpoints) < 2e-2
     batch.check_untouched(state)
+
+
+@pytest.mark.gpu
+def test_gpu_writes_into_a_row_slice():
+    gen = torch.Generator().manual_seed(8)
+    batch = Batch(gen, "cuda", [1, 130, 64], 16, 32, 128, 128, torch.bfloat16, num_slots=6, extra_columns=0)
+    check_row_slice_output(batch, True, 2e-2)

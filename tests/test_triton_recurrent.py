@@ -1,6 +1,7 @@
 """Triton kernels of the recurrent path against their torch references: GDN deferred-commit
 decode/verify (kernels/gdn_decode.py), causal conv1d prefill/decode (kernels/conv1d.py),
-rms_norm / gated_rms_norm (kernels/norms.py) and q/k norm + partial RoPE (kernels/rope.py).
+rms_norm / gated_rms_norm (kernels/norms.py), silu_and_mul (kernels/activation.py) and q/k norm
++ partial RoPE (kernels/rope.py).
 
 The references are checked against float64 oracles in test_ref_*.py; here they are the oracle.
 Inputs are fresh seeded random draws (no zeros); kernel outputs are poisoned with NaN before the
@@ -11,11 +12,13 @@ pending count is garbage), pending counts range over 0..P (P = k; P = 0 for plai
 and the pending k/v of the step buffer are strided views of conv outputs and a/b of the
 projection, exactly as engine/models/layers.py passes them. Step-buffer entries past a row's
 pending count are NaN (the conv kernel leaves them unwritten). A layer test chains the conv and
-GDN kernels through verify steps, acceptance and commit steps against plain decode.
+GDN kernels through verify steps, acceptance and commit steps against plain decode. The `out=`
+views the layer passes (row slices of its step buffers, the conv's also column-strided) are
+written in place by kernels and references alike, and nothing outside them is.
 
 CPU: the interpreter, fp32, tiny head dims (16/32), HV = HK and HV = 2 HK, one V tile and two.
 GPU (`gpu` marker): bf16 activations, K = V = 128, fp32 and bf16 state pools, every V-tile
-config, capture in a CUDA graph, realistic conv/norm/rope widths and long positions.
+config, capture in a CUDA graph, realistic conv/norm/rope/SwiGLU widths and long positions.
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deltaspec.kernels.activation import silu_and_mul, silu_and_mul_reference
 from deltaspec.kernels.arrivals import arrival_counters
 from deltaspec.kernels.conv1d import (causal_conv1d_decode, causal_conv1d_decode_reference, causal_conv1d_prefill,
                                       causal_conv1d_prefill_reference)
-from deltaspec.kernels.gdn_decode import DecodeConfig, decode_config, gdn_decode_reference, launch_gdn_decode
+from deltaspec.kernels.gdn_decode import (DecodeConfig, decode_config, gdn_decode, gdn_decode_reference,
+                                          launch_gdn_decode)
 from deltaspec.kernels.norms import gated_rms_norm, gated_rms_norm_reference, rms_norm, rms_norm_reference
 from deltaspec.kernels.rope import qk_norm_rope, qk_norm_rope_reference
 
@@ -114,14 +119,18 @@ class GDNCase:
         _, pending_k, pending_v = self.split(buffer.to(self.device))
         return pending_k, pending_v
 
-    def run(self, kernel: bool, pool, inputs, pending, lengths: list[int], slots: list[int], commit: bool,
-            config: DecodeConfig | None = None) -> torch.Tensor:
-        q, k, v, a, b = inputs
-        args = (q, k, v, a, b, self.A_log, self.dt_bias, cu_seqlens_of(lengths, self.device),
+    def args(self, pool, inputs, pending, lengths: list[int], slots: list[int], commit: bool) -> tuple:
+        """The arguments of gdn_decode / gdn_decode_reference."""
+        return (*inputs, self.A_log, self.dt_bias, cu_seqlens_of(lengths, self.device),
                 torch.tensor(slots, dtype=torch.int32, device=self.device), pool["state"], *pending,
                 pool["pending_g"], pool["pending_beta"], pool["pending_counts"], commit)
+
+    def run(self, kernel: bool, pool, inputs, pending, lengths: list[int], slots: list[int], commit: bool,
+            config: DecodeConfig | None = None) -> torch.Tensor:
+        args = self.args(pool, inputs, pending, lengths, slots, commit)
         if not kernel:
             return gdn_decode_reference(*args)
+        v = inputs[2]
         out = torch.full(v.shape, float("nan"), dtype=v.dtype, device=v.device)
         config = config or decode_config(len(slots), self.hv, self.key_dim, self.value_dim, commit, v.device)
         launch_gdn_decode(out, *args, config)
@@ -204,6 +213,33 @@ def test_gdn_decode_plain_decode_without_pending_buffers(kernel_device):
     case = GDNCase(35, 2, 4, 16, 16, max_pending=0, num_slots=6, dtype=torch.float32,
                    state_dtype=torch.float32, device=kernel_device)
     check_gdn_step(case, [1, 1, 1, 1], [4, 1, 3, PAD_SLOT], commit=True)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["triton", "reference"])
+def test_gdn_decode_writes_into_a_row_slice(kernel_device, kernel):
+    """out= a row slice of a NaN-poisoned buffer (the decode rows of the layer's output, which
+    prefill rows follow): the slice holds what a fresh output holds, every other row stays NaN."""
+    case = ragged_case(33, 2, 4, 16, torch.float32, kernel_device)
+    lengths, slots = [n for n, _, _ in RAGGED], [s for _, s, _ in RAGGED]
+    num_tokens = sum(lengths)
+    inputs = case.inputs(num_tokens)
+    pending = case.pending_inputs(slots, case.pool["pending_counts"])
+    expected_pool, actual_pool = clone(case.pool), clone(case.pool)
+    expected = case.run(False, expected_pool, inputs, pending, lengths, slots, commit=False)
+    buffer = torch.full((num_tokens + 5, case.hv, case.value_dim), float("nan"), device=kernel_device)
+    out = buffer[2:2 + num_tokens]
+    fn = gdn_decode if kernel else gdn_decode_reference
+    returned = fn(*case.args(actual_pool, inputs, pending, lengths, slots, False), out=out)
+    assert returned.data_ptr() == out.data_ptr() and returned.shape == out.shape
+    start = 0
+    for length, slot in zip(lengths, slots):
+        if slot != PAD_SLOT:  # pad rows share scratch slot 0: their outputs are garbage
+            span = slice(start, start + length)
+            assert_close(out[span], expected[span], TOLERANCE[torch.float32], f"output of slot {slot}")
+            assert_close(actual_pool["state"][slot], expected_pool["state"][slot], TOLERANCE[torch.float32],
+                         f"state[{slot}]")
+        start += length
+    assert buffer[:2].isnan().all() and buffer[2 + num_tokens:].isnan().all(), "rows outside out were written"
 
 
 class LayerCase:
@@ -458,6 +494,79 @@ def test_conv1d_decode_verify_rollback_sequence(kernel_device):
     assert torch.equal(actual_pool["conv"][slots], expected_pool["conv"][slots])
 
 
+def check_conv_layer_buffers(kernel: bool, channels: int, dtype: torch.dtype, device: str, rtol: float) -> None:
+    """The conv as the GDN layer drives it: x is the q|k|v column view of one projection output
+    (row stride C + 9), decode rows (verify, pending 0..P) first and prefill rows after, each
+    group writing its rows of one NaN-poisoned buffer through out= (itself a strided view: the
+    buffer is wider than C). Outputs and windows equal the reference's fresh outputs; rows and
+    columns outside the view stay NaN."""
+    gen = torch.Generator().manual_seed(73 + channels)
+    width, max_pending = 4, 4
+    pool = conv_pool(gen, 10, max_pending, channels, width, device)
+    pool = {name: t.to(dtype) if t.is_floating_point() else t for name, t in pool.items()}
+    decode_lengths, decode_slots, counts = [1, 5, 3], [5, 2, 8], [0, 4, 2]
+    prefill_lengths, prefill_slots, has_initial = [7, 1, 20], [3, 9, 6], [True, False, True]
+    pool["pending_counts"][decode_slots] = torch.tensor(counts, dtype=torch.int32, device=device)
+    num_decode, num_prefill = sum(decode_lengths), sum(prefill_lengths)
+    num_tokens = num_decode + num_prefill
+    projection = torch.randn(num_tokens, channels + 9, generator=gen).to(dtype).to(device)
+    mixed = projection[:, :channels]                               # the q|k|v columns; z, b, a follow
+    weight = torch.randn(channels, width, generator=gen).to(dtype).to(device)
+    ids = lambda slots: torch.tensor(slots, dtype=torch.int32, device=device)  # noqa: E731
+    decode_args = (cu_seqlens_of(decode_lengths, device), ids(decode_slots))
+    prefill_args = (cu_seqlens_of(prefill_lengths, device), ids(prefill_slots),
+                    torch.tensor(has_initial, device=device))
+
+    expected_pool, actual_pool = clone(pool), clone(pool)
+    expected_decode, expected_pending = causal_conv1d_decode_reference(
+        mixed[:num_decode], weight, *decode_args, expected_pool["conv"], expected_pool["pending_conv"],
+        expected_pool["pending_counts"], False)
+    expected_prefill = causal_conv1d_prefill_reference(mixed[num_decode:], weight, *prefill_args, expected_pool["conv"])
+
+    buffer = torch.full((num_tokens + 3, channels + 2), float("nan"), dtype=dtype, device=device)
+    conv_out = buffer[1:1 + num_tokens, 1:1 + channels]
+    decode = causal_conv1d_decode if kernel else causal_conv1d_decode_reference
+    prefill = causal_conv1d_prefill if kernel else causal_conv1d_prefill_reference
+    returned, pending = decode(mixed[:num_decode], weight, *decode_args, actual_pool["conv"],
+                               actual_pool["pending_conv"], actual_pool["pending_counts"], False,
+                               out=conv_out[:num_decode])
+    assert returned.data_ptr() == conv_out.data_ptr() and returned.shape == (num_decode, channels)
+    returned = prefill(mixed[num_decode:], weight, *prefill_args, actual_pool["conv"], out=conv_out[num_decode:])
+    assert returned.data_ptr() == conv_out[num_decode:].data_ptr() and returned.shape == (num_prefill, channels)
+
+    assert_close(conv_out[:num_decode], expected_decode, rtol, "decode rows")
+    assert_close(conv_out[num_decode:], expected_prefill, rtol, "prefill rows")
+    for row, count in enumerate(counts):
+        assert_close(pending[row, :count], expected_pending[row, :count], rtol, f"pending outputs of row {row}")
+    for slot in decode_slots + prefill_slots:
+        assert torch.equal(actual_pool["conv"][slot], expected_pool["conv"][slot]), f"window of slot {slot}"
+    outside = torch.ones(buffer.shape, dtype=torch.bool, device=device)
+    outside[1:1 + num_tokens, 1:1 + channels] = False
+    assert buffer[outside].isnan().all(), "the launchers wrote outside out"
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["triton", "reference"])
+def test_conv1d_strided_inputs_write_into_out_views(kernel_device, kernel):
+    check_conv_layer_buffers(kernel, 40, torch.float32, kernel_device, TOLERANCE[torch.float32])
+
+
+def test_conv1d_launchers_check_channel_strides(kernel_device):
+    """Rows may be strided, channels may not (the kernels load a channel tile as one vector)."""
+    gen = torch.Generator().manual_seed(74)
+    pool = conv_pool(gen, 4, 2, 16, 4, kernel_device)
+    weight = torch.randn(16, 4, generator=gen).to(kernel_device)
+    x = torch.randn(16, 3, generator=gen).to(kernel_device).t()          # [3, 16], channel stride 3
+    good = conv_inputs(gen, 3, 16, torch.float32, kernel_device)
+    args = (cu_seqlens_of([3], kernel_device), torch.tensor([1], dtype=torch.int32, device=kernel_device))
+    flags = torch.tensor([False], device=kernel_device)
+    with pytest.raises(AssertionError):
+        causal_conv1d_prefill(x, weight, *args, flags, pool["conv"])
+    with pytest.raises(AssertionError, match="unit channel stride"):
+        causal_conv1d_prefill(good, weight, *args, flags, pool["conv"], out=torch.empty_like(x))
+    with pytest.raises(AssertionError):
+        causal_conv1d_decode(x, weight, *args, pool["conv"], pool["pending_conv"], pool["pending_counts"], False)
+
+
 @pytest.mark.gpu
 def test_conv1d_gpu_bf16():
     """The real conv width (2 x 16 x 128 + 32 x 128 channels), a long prefill row, bf16."""
@@ -479,10 +588,11 @@ def test_conv1d_gpu_bf16():
         lengths, slots = [1, 5, 2, 1], [3, 1, 7, PAD_SLOT]
         x = conv_inputs(gen, sum(lengths), channels, torch.bfloat16, "cuda")
         check_conv_step(pool, x, weight, lengths, slots, commit, TOLERANCE[torch.bfloat16])
+    check_conv_layer_buffers(True, channels, torch.bfloat16, "cuda", TOLERANCE[torch.bfloat16])
 
 
 # ----------------------------------------------------------------------------------------------
-# Norms and q/k norm + RoPE
+# Norms, SwiGLU activation and q/k norm + RoPE
 # ----------------------------------------------------------------------------------------------
 
 def norm_cases(device: str, dtype: torch.dtype, hidden: int, tokens: int = 5, seed: int = 90):
@@ -515,6 +625,31 @@ def test_gated_rms_norm(kernel_device, leading):
     weight = torch.randn(dim, generator=gen).to(kernel_device)
     assert_close(gated_rms_norm(x, gate, weight, 1e-6), gated_rms_norm_reference(x, gate, weight, 1e-6),
                  TOLERANCE[torch.float32], "gated norm")
+
+
+def check_silu_and_mul(num_tokens: int, intermediate: int, dtype: torch.dtype, device: str, rtol: float,
+                       monkeypatch) -> None:
+    """gate_up as F.linear returns it or as a strided row view (a wider buffer's columns); the
+    output is allocated NaN (torch.empty poisoned), so an unwritten element fails."""
+    gen = torch.Generator().manual_seed(num_tokens + intermediate)
+    wide = (2 * torch.randn(num_tokens, 2 * intermediate + 11, generator=gen)).to(dtype).to(device)
+    for gate_up in (wide[:, 3:3 + 2 * intermediate], wide[:, :2 * intermediate].contiguous()):
+        expected = silu_and_mul_reference(gate_up)
+        with monkeypatch.context() as patch:
+            empty = torch.empty
+            patch.setattr(torch, "empty", lambda *args, **kwargs: empty(*args, **kwargs).fill_(float("nan")))
+            actual = silu_and_mul(gate_up)
+        assert actual.dtype == dtype and actual.is_contiguous()
+        assert_close(actual, expected, rtol, f"silu_and_mul T={num_tokens} I={intermediate}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_tokens,intermediate", [(0, 24), (1, 40), (6, 24), (2, 1100)],
+                         ids=["empty", "decode", "tokens", "two-column-tiles"])
+def test_silu_and_mul(kernel_device, monkeypatch, num_tokens, intermediate, dtype):
+    """fp16 rounds once (fp32 math), as the reference: they may differ by one fp16 ulp."""
+    rtol = {torch.float32: 2e-5, torch.float16: 1e-3}[dtype]
+    check_silu_and_mul(num_tokens, intermediate, dtype, kernel_device, rtol, monkeypatch)
 
 
 def rope_case(device: str, dtype: torch.dtype, tokens: int, hq: int, hk: int, head_dim: int, max_position: int,
@@ -561,3 +696,13 @@ def test_norms_and_rope_gpu_bf16():
     actual = qk_norm_rope(*args, 64, 10_000_000.0, 1e-6)
     for a, e, name in zip(actual, expected, "qk"):
         assert_close(a, e, TOLERANCE[torch.bfloat16], name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+def test_silu_and_mul_gpu_bf16(monkeypatch, num_tokens):
+    """bf16 at the 0.8B dense width (3584), a wide dense one (12288), the Qwen3-Next expert and
+    shared-expert width (512) and one that is no multiple of the tile (1000). The reference rounds
+    once from fp32 too, so they agree to a bf16 ulp."""
+    for intermediate in (3584, 12288, 512, 1000):
+        check_silu_and_mul(num_tokens, intermediate, torch.bfloat16, "cuda", 1e-2, monkeypatch)

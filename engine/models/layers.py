@@ -85,27 +85,28 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state: GDNLayerState, ops: Ops) -> torch.Tensor:
         c, num_tokens = self.c, x.shape[0]
         mixed, z, b, a = ops.linear(x, self.in_proj).split(self.splits, dim=-1)
-        mixed = mixed.contiguous()
-        conv_out = torch.empty_like(mixed)
+        # No copies: the conv kernels read mixed (the q|k|v columns of the projection, a strided
+        # view) where it lies, and every kernel writes its row group's rows of the step buffers.
+        conv_out = x.new_empty(num_tokens, c.conv_dim)
         core = x.new_empty(num_tokens, c.linear_num_value_heads, c.linear_value_head_dim)
         dec, pre = batch.decode, batch.prefill
         if dec.num_rows:
             span = slice(dec.token_start, dec.token_end)
             # pending_conv_out [rows, P, conv_dim]: the conv outputs of each row's pending drafts
-            conv_out[span], pending_conv_out = ops.causal_conv1d_decode(
+            _, pending_conv_out = ops.causal_conv1d_decode(
                 mixed[span], self.conv_weight, dec.cu_seqlens, dec.slot_ids, state.conv, state.pending_conv,
-                state.pending_counts, batch.commit)
+                state.pending_counts, batch.commit, out=conv_out[span])
         if pre.num_rows:
             span = slice(pre.token_start, pre.token_end)
-            conv_out[span] = ops.causal_conv1d_prefill(mixed[span], self.conv_weight, pre.cu_seqlens, pre.slot_ids,
-                                                       pre.has_initial_state, state.conv)
+            ops.causal_conv1d_prefill(mixed[span], self.conv_weight, pre.cu_seqlens, pre.slot_ids,
+                                      pre.has_initial_state, state.conv, out=conv_out[span])
         q, k, v = self._split_heads(conv_out)
         if dec.num_rows:
             span = slice(dec.token_start, dec.token_end)
             _, pending_k, pending_v = self._split_heads(pending_conv_out)
-            core[span] = ops.gdn_decode(q[span], k[span], v[span], a[span], b[span], self.A_log, self.dt_bias,
-                                        dec.cu_seqlens, dec.slot_ids, state.recurrent, pending_k, pending_v,
-                                        state.pending_g, state.pending_beta, state.pending_counts, batch.commit)
+            ops.gdn_decode(q[span], k[span], v[span], a[span], b[span], self.A_log, self.dt_bias, dec.cu_seqlens,
+                           dec.slot_ids, state.recurrent, pending_k, pending_v, state.pending_g, state.pending_beta,
+                           state.pending_counts, batch.commit, out=core[span])
         if pre.num_rows:
             span = slice(pre.token_start, pre.token_end)
             written = batch.checkpoints
@@ -114,9 +115,8 @@ class GatedDeltaNet(nn.Module):
                 saved = state.recurrent.new_empty((written.slots.numel(), *state.recurrent.shape[1:]))
                 checkpoints = dict(checkpoint_cu=written.cu, checkpoint_lengths=written.lengths,
                                    checkpoint_states=saved, lengths_checked=True)
-            core[span] = ops.gdn_chunked(q[span], k[span], v[span], a[span], b[span], self.A_log, self.dt_bias,
-                                         pre.cu_seqlens, pre.slot_ids, pre.has_initial_state, state.recurrent,
-                                         **checkpoints)
+            ops.gdn_chunked(q[span], k[span], v[span], a[span], b[span], self.A_log, self.dt_bias, pre.cu_seqlens,
+                            pre.slot_ids, pre.has_initial_state, state.recurrent, **checkpoints, out=core[span])
             if written is not None:
                 state.recurrent[written.slots] = saved
                 state.conv[written.slots] = checkpoint_conv_windows(mixed[span], written, state.conv)
@@ -157,9 +157,9 @@ class GatedAttention(nn.Module):
         q, k = ops.qk_norm_rope(q, k.view(num_tokens, hkv, d), self.q_norm, self.k_norm, batch.positions,
                                 c.rotary_dim, c.rope_theta, c.rms_norm_eps)
         ops.write_kv(k, v.view(num_tokens, hkv, d), kv.k_cache, kv.v_cache, batch.slot_mapping)
+        # attention * sigmoid(gate), the gate applied by the kernel that stores the output
         out = ops.paged_attention(q, kv.k_cache, kv.v_cache, batch.block_tables, batch.cu_seqlens, batch.context_lens,
-                                  d ** -0.5)
-        out = out * torch.sigmoid(gate)
+                                  d ** -0.5, gate)
         return ops.linear(out.reshape(num_tokens, hq * d), self.o_proj)
 
 
