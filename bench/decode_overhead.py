@@ -5,7 +5,8 @@ speculation landed ran the torch references on the GPU (no Triton table yet), so
 baseline; instead this compares, in one run on the same random Qwen3.5-0.8B-like model (bf16):
 
     engine : EngineCore with num_draft_tokens=0, one greedy request, wall time per step
-             (schedule + run + commit: token latency as a user sees it), steady state;
+             (schedule + run + commit: token latency as a user sees it), steady state; with
+             async scheduling (the default) and without it (every step waits for the one before);
     bare   : the model's own decode forward captured in a CUDA graph, replayed with the next
              token fed back on the device, plus the host read of each token: no scheduler,
              no requests, no pools beyond one slot, no speculation code on the path at all.
@@ -46,11 +47,12 @@ from deltaspec.engine.tokenizer import Tokenizer  # noqa: E402
 PROMPT_LEN = 128
 
 
-def engine_step_ms(model, tokenizer, steps: int, num_draft_tokens: int) -> dict:
+def engine_step_ms(model, tokenizer, steps: int, num_draft_tokens: int, async_scheduling: bool = True) -> dict:
     core = EngineCore(EngineConfig(model=".", device="cuda", dtype="bfloat16", max_num_seqs=1,
                                    max_model_len=PROMPT_LEN + steps + 64, gpu_memory_utilization=0.3,
                                    num_draft_tokens=num_draft_tokens, adaptive_draft_length=False,
-                                   enable_prefix_cache=False), model=model, tokenizer=tokenizer)
+                                   enable_prefix_cache=False, async_scheduling=async_scheduling),
+                      model=model, tokenizer=tokenizer)
     prompt = torch.randint(0, model.config.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(0))
     request = core.add_request(prompt.tolist(), SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))
     times, tokens = [], []
@@ -112,9 +114,11 @@ def main() -> None:
     rounds = []
     for _ in range(3):  # interleaved, so drift of the machine hits both sides alike
         rounds.append({"bare_ms": bare_step_ms(model, args.steps),
-                       "engine": engine_step_ms(model, tokenizer, args.steps, 0)})
+                       "engine": engine_step_ms(model, tokenizer, args.steps, 0),
+                       "engine_sync": engine_step_ms(model, tokenizer, args.steps, 0, async_scheduling=False)})
     bare = statistics.median(r["bare_ms"] for r in rounds)
     engine = statistics.median(r["engine"]["step_ms"] for r in rounds)
+    engine_sync = statistics.median(r["engine_sync"]["step_ms"] for r in rounds)
     speculative = engine_step_ms(model, tokenizer, args.steps, 3)
     name = torch.cuda.get_device_name()
     report = {"benchmark": "decode_overhead", "device": name, "shape": "0.8b", "dtype": "bfloat16",
@@ -122,12 +126,14 @@ def main() -> None:
               "commit": commit_id(), "command": " ".join(["python"] + sys.argv), "batch": 1,
               "rounds": rounds, "bare_step_ms": bare, "engine_step_ms": engine,
               "engine_over_bare": engine / bare,
+              "engine_without_async_scheduling_step_ms": engine_sync,
+              "engine_without_async_scheduling_over_bare": engine_sync / bare,
               "engine_with_speculation_k3_random_mtp": speculative}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"decode_overhead-{device_tag(name)}.json"
     path.write_text(json.dumps(report, indent=2))
     print(f"bare graph step {bare:.3f} ms, engine step (speculation off) {engine:.3f} ms: "
-          f"{100 * (engine / bare - 1):+.1f}%; engine k=3 step {speculative['step_ms']:.3f} ms "
+          f"{100 * (engine / bare - 1):+.1f}% ({engine_sync:.3f} ms without async scheduling); engine k=3 step {speculative['step_ms']:.3f} ms "
           f"({speculative['tokens_per_step']:.2f} tokens/step)")
     print("wrote", path)
 

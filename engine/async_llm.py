@@ -5,10 +5,11 @@
     await engine.abort(request_id)
     engine.stats()
 
-The engine task schedules and commits on the event loop (pure Python, fast) and runs the model
-in one worker thread, so the loop keeps serving other coroutines while the device works; the
-next step's CPU work (streaming deltas out, admitting requests) overlaps the current step's
-device work. Results reach per-request queues with put_nowait: never blocking. A consumer that
+The engine task dispatches and commits steps on the event loop (pure Python, fast) and waits
+for the device in one worker thread, so the loop keeps serving other coroutines while the
+device works; the next step's CPU work (streaming deltas out, admitting requests) overlaps the
+current step's device work, and in steady plain decoding the next step is already launched
+before the current one is waited for (EngineCore.dispatch). Results reach per-request queues with put_nowait: never blocking. A consumer that
 stops iterating (client disconnect) aborts its request. Runs on uvloop when the caller's loop
 is uvloop (see `run`). Knows nothing about HTTP.
 """
@@ -127,9 +128,9 @@ class AsyncLLM:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
-                plan = self.core.schedule()
-                output = await loop.run_in_executor(self._executor, self.core.run, plan)
-                for delta in self.core.commit(plan, output):
+                step = self.core.dispatch()
+                output = await loop.run_in_executor(self._executor, step.wait)
+                for delta in self.core.commit(step.plan, output):
                     queue = self._queues.get(delta.request_id)
                     if queue is not None:
                         queue.put_nowait(delta)

@@ -1,12 +1,19 @@
 """EngineCore: the model, its pools, the scheduler and the runner, driven one step at a time.
 
-    plan   = core.schedule()          pure Python
-    output = core.run(plan)           device work (may run in a worker thread)
-    deltas = core.commit(plan, output)
+    step   = core.dispatch()          schedule, and launch what needs no waiting
+    output = step.wait()              device work (may run in a worker thread)
+    deltas = core.commit(step.plan, output)
 
 `step()` is the three in a row. Both front ends (the sync `LLM` and `AsyncLLM`) drive this one
-object. Pools are sized once at start-up from the memory budget. Knows nothing about asyncio
-or HTTP.
+object; `schedule()` and `run(plan)` remain for callers that drive plans themselves.
+
+Async scheduling (EngineConfig.async_scheduling): in steady plain decoding, `dispatch` launches
+step n+1 (Scheduler.continuation: its rows fed step n's tokens on the device) before step n's
+tokens are waited for, so the host's scheduling, launching and committing hide behind the
+device's work instead of adding to it. Whatever else a step needs (admissions, prefill chunks,
+aborts, speculation) drains the pipeline: that step is scheduled after the one before it is
+committed. Pools are sized once at start-up from the memory budget. Knows nothing about
+asyncio or HTTP.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import json
 import logging
 import random
 from pathlib import Path
-from typing import Sequence as Seq
+from typing import Callable, NamedTuple, Sequence as Seq
 
 import torch
 
@@ -29,7 +36,7 @@ from .cuda_graphs import DecodeGraphs, SpecGraphs
 from .engine_config import EngineConfig
 from .prefix_cache import CheckpointHandle, PrefixCache
 from .request import Request, RequestDelta
-from .runner import Runner, StepOutput
+from .runner import InFlight, Runner, StepOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, StepPlan
 from .decode_step import DecodeStep
@@ -40,6 +47,13 @@ from .weights import load_model
 logger = logging.getLogger("deltaspec")
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
+class Dispatched(NamedTuple):
+    """A step on its way: `wait()` returns its output (blocking; safe in a worker thread)."""
+
+    plan: StepPlan
+    wait: Callable[[], StepOutput]
 
 
 def load_draft_vocab(model_path: Path, size: int) -> torch.Tensor:
@@ -94,11 +108,13 @@ class EngineCore:
                   if self.num_draft_tokens else None)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, policy,
                                                    self.max_model_len), self.slots, self.blocks, self.cache)
-        decode = DecodeStep(self.model, self.states, self.kv, config.block_size, bool(self.num_draft_tokens))
+        decode = DecodeStep(self.model, self.states, self.kv, config.block_size, bool(self.num_draft_tokens),
+                            config.max_num_seqs)
         self.runner = Runner(self.model, self.states, self.kv, self.ops, config.block_size, self.device, decode,
                              graphs=self._decode_graphs(decode) if not decode.speculative else None,
                              spec_graphs=self._spec_graphs(decode) if decode.speculative else None)
         self.spec_stats = SpecStats()
+        self._in_flight: InFlight | None = None  # launched by the last step's wait, next to dispatch
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
 
@@ -165,7 +181,7 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._in_flight is not None
 
     # One step -----------------------------------------------------------------------------
 
@@ -175,6 +191,23 @@ class EngineCore:
     def run(self, plan: StepPlan) -> StepOutput:
         return self.runner.run(plan) if plan.rows else StepOutput([])
 
+    def dispatch(self) -> Dispatched:
+        """The next step: the continuation launched earlier when there is one, else a freshly
+        scheduled step. Scheduling happens here; launches and the wait happen in `wait()`,
+        which launches the continuation of a plain decode step before waiting for it."""
+        current = self._in_flight
+        plan = current.plan if current is not None else self.scheduler.schedule()
+        if current is None and not (self.config.async_scheduling and self.runner.can_launch(plan)):
+            return Dispatched(plan, lambda: self.run(plan))
+        follow = self.scheduler.continuation(plan) if self.config.async_scheduling else None
+
+        def wait() -> StepOutput:
+            launched = current or self.runner.launch(plan)
+            self._in_flight = self.runner.launch(follow) if follow is not None else None
+            return launched.result()
+
+        return Dispatched(plan, wait)
+
     def commit(self, plan: StepPlan, output: StepOutput) -> list[RequestDelta]:
         if self.num_draft_tokens:
             for row, tokens in zip(plan.decode_rows, output.emitted):
@@ -183,7 +216,8 @@ class EngineCore:
         self.spec_stats.draft_seconds += output.draft_seconds
         self.spec_stats.verify_seconds += output.verify_seconds
         deltas = []
-        for request in (self.scheduler.commit(plan, output.emitted, output.logprobs, output.num_pending)
+        fed_ahead = {row.request for row in self._in_flight.plan.decode_rows} if self._in_flight else ()
+        for request in (self.scheduler.commit(plan, output.emitted, output.logprobs, output.num_pending, fed_ahead)
                         + self.scheduler.take_aborted()):
             deltas.append(request.take_delta())
             if request.finish_reason is not None:
@@ -191,8 +225,8 @@ class EngineCore:
         return deltas
 
     def step(self) -> list[RequestDelta]:
-        plan = self.schedule()
-        return self.commit(plan, self.run(plan))
+        step = self.dispatch()
+        return self.commit(step.plan, step.wait())
 
     def stats(self) -> dict:
         running = self.scheduler.running

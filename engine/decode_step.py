@@ -26,8 +26,11 @@ keeps valid queries from seeing it; drafts past k_r are never accepted. Padding 
 scratch slot 0 and scratch block 0.
 
 Positions, slot mappings and context lengths are derived on the device from a few integers per
-row, so a step copies one small packed tensor and the block tables to the device. Knows nothing
-about requests or scheduling beyond the rows it is handed.
+row, so a step copies one small packed tensor and the block tables to the device. A plain row's
+token may also be *fed* (`fed_token`): the token the previous plain step emitted at one of its
+rows, read from the device buffer that step left it in, so a step can be launched before the
+host has seen the tokens of the step before it (async scheduling, core.py). Knows nothing about
+requests or scheduling beyond the rows it is handed.
 """
 
 from __future__ import annotations
@@ -46,12 +49,19 @@ from .state_pool import KVPool, StatePool
 _SLOT, _NEWEST, _POSITION, _NUM_DRAFTS, _MTP_START, _NUM_CATCH_UP, _CATCH_UP_IDS = range(7)
 
 
+def fed_token(row: int) -> int:
+    """The `newest` of a plain decode row whose token is the one the previous plain step emitted
+    at its row `row` (token ids are >= 0; this is -1 - row)."""
+    return -1 - row
+
+
 @dataclass(frozen=True)
 class DecodeRow:
     """What the device needs of one decode row (the scheduler's ScheduledRow, distilled).
 
-    position: where the newest token sits (its state is not folded in yet). With speculation the
-    MTP catches up positions [mtp_start, position) whose next tokens are catch_up_ids."""
+    position: where the newest token sits (its state is not folded in yet). newest may be a
+    `fed_token` (plain steps only). With speculation the MTP catches up positions
+    [mtp_start, position) whose next tokens are catch_up_ids."""
 
     slot: int
     newest: int
@@ -142,13 +152,18 @@ class Verified(NamedTuple):
 
 
 class DecodeStep:
-    def __init__(self, model: HybridLM, states: StatePool, kv: KVPool, block_size: int, speculative: bool) -> None:
+    def __init__(self, model: HybridLM, states: StatePool, kv: KVPool, block_size: int, speculative: bool,
+                 max_rows: int) -> None:
+        """max_rows: decode rows per step at most (padding rows included)."""
         if speculative and (model.mtp is None or states.mtp_hidden is None):
             raise ValueError("speculation needs a model with MTP weights and a pool that keeps MTP inputs")
         self.model, self.states, self.kv, self.block_size = model, states, kv, block_size
         self.speculative = speculative
         # C: MTP positions caught up per step at most, those verified and accepted last step.
         self.catch_up = states.max_pending + 1 if speculative else 0
+        # The tokens the latest plain step emitted, by row: its argmax, where the runner then
+        # writes the sampled rows' tokens. The next step's fed rows read them here.
+        self.last_tokens = torch.zeros(max_rows, dtype=torch.int64, device=states.pending_counts.device)
         self._constants: dict[tuple, torch.Tensor] = {}
 
     def row_tensors(self, rows: Sequence[DecodeRow], num_blocks: int, device: torch.device) -> DecodeRows:
@@ -159,10 +174,15 @@ class DecodeStep:
 
     def plain(self, rows: DecodeRows) -> tuple[torch.Tensor, torch.Tensor]:
         """A plain decode step (no speculation): each row's newest token, committed at once.
-        Returns (float32 logits [B, V], their argmax [B])."""
-        batch = self._batch(rows, rows.positions[:, None].contiguous(), rows.newest.contiguous(), commit=True)
+        Returns (float32 logits [B, V], their argmax [B]: a view of `last_tokens`)."""
+        newest = rows.newest
+        # A fed row (newest = -1 - j) takes the token the previous step emitted at row j.
+        input_ids = torch.where(newest >= 0, newest, self.last_tokens[(~newest).clamp(min=0)])
+        batch = self._batch(rows, rows.positions[:, None].contiguous(), input_ids, commit=True)
         logits = self.model.compute_logits(self.model(batch, self.states, self.kv))
-        return logits, logits.argmax(dim=-1)
+        greedy = self.last_tokens[:rows.num_rows]
+        torch.argmax(logits, dim=-1, out=greedy)
+        return logits, greedy
 
     def draft(self, rows: DecodeRows, num_drafts: int) -> torch.Tensor:
         """MTP catch-up + chain -> drafts [B, num_drafts] int64 (the catch-up runs even for

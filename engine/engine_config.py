@@ -24,6 +24,7 @@ class EngineConfig:
     cpu_memory_bytes: int = 1 << 30         # pool budget on the CPU
     num_kv_blocks: int | None = None        # override the KV pool size (tests, preemption)
     enable_cuda_graphs: bool = True         # decode steps replay captured graphs (CUDA + Triton only)
+    async_scheduling: bool = True           # plain decoding launches step n+1 before step n's tokens arrive
     num_draft_tokens: int = 0               # MTP speculation: drafts per step at most (0: off)
     adaptive_draft_length: bool = True      # per-request draft length from recent acceptance
     draft_vocab_size: int = 0               # >0: drafts from the N most frequent tokens (draft_vocab.json)

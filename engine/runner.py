@@ -22,8 +22,11 @@ Around the forward it executes the prefix cache's device work (checkpoint_io.py)
 before, and after it the hidden states of the checkpoints the forward wrote. Cached rows (a
 fully cached prompt) take their logits from the restored checkpoint's hidden state.
 
-One host sync per step (the emitted tokens). Returns a typed StepOutput and never reads
-scheduler state beyond the plan it is handed. Knows nothing about queues or stop conditions.
+One host sync per step (the emitted tokens). A plain decode-only step can also be `launch`ed:
+its tokens go to the host by an asynchronous copy and the returned `InFlight` waits for them
+only when asked, so the engine can launch the next step first (its rows fed from the device,
+decode_step.fed_token). Returns typed StepOutputs and never reads scheduler state beyond the
+plan it is handed. Knows nothing about queues or stop conditions.
 """
 
 from __future__ import annotations
@@ -70,6 +73,24 @@ class StepOutput:
                           pending)
 
 
+class InFlight:
+    """A launched plain decode step: `result()` waits for its tokens (on the host by then, or
+    on their way in a pinned buffer) and returns its StepOutput."""
+
+    def __init__(self, plan: StepPlan, tokens: torch.Tensor | None, done: torch.cuda.Event | None,
+                 output: StepOutput | None = None) -> None:
+        """tokens: [B] host tensor the step's tokens are being copied into, done: the event after
+        that copy (None: already there); or output: the finished result."""
+        self.plan, self._tokens, self._done, self._output = plan, tokens, done, output
+
+    def result(self) -> StepOutput:
+        if self._output is None:
+            if self._done is not None:
+                self._done.synchronize()
+            self._output = StepOutput([[t] for t in self._tokens.tolist()])
+        return self._output
+
+
 class Runner:
     def __init__(self, model: HybridLM, states: StatePool, kv: KVPool, ops: Ops, block_size: int,
                  device: torch.device, decode: DecodeStep, graphs: DecodeGraphs | None = None,
@@ -81,12 +102,56 @@ class Runner:
         self.decode, self.spec_graphs = decode, spec_graphs
         self.speculative = decode.speculative
         self.checkpoint_io = CheckpointIO(states, kv)
+        # Host buffers of launched steps' tokens, used in turn: at most two steps are in flight
+        # (the one being waited for and the one launched after it).
+        cuda = device.type == "cuda"
+        self._host_tokens = [torch.empty(decode.last_tokens.shape[0], dtype=torch.int64, pin_memory=cuda)
+                             for _ in range(2)]
+        self._launches = 0
         # A seam for tests: called with (decode rows, drafts [B, K]) between drafting and verify,
         # it may edit the drafts in place (scripted drafters force every acceptance count).
         self.draft_hook = None
 
+    def can_launch(self, plan: StepPlan) -> bool:
+        """Whether `launch` takes the plan: plain decode rows only."""
+        return not self.speculative and bool(plan.decode_rows) and not plan.prefill_rows and not plan.cached_rows
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> InFlight:
+        """Launch a plain decode-only step (`can_launch`) without waiting for its tokens. Its rows
+        may be fed (decode_step.fed_token) from the step launched before it. A step whose rows
+        ask for log-probabilities is waited for here (they need the logits before the next step
+        overwrites them)."""
+        self.checkpoint_io.before_forward(plan.cache_ops)
+        rows = [_decode_row(r) for r in plan.decode_rows]
+        if self.graphs is not None and self.graphs.fits(rows):
+            logits, tokens = self.graphs.run(rows)
+        else:
+            logits, tokens = self.decode.plain(self.decode.row_tensors(
+                rows, max(len(r.block_table) for r in rows), self.device))
+        self.checkpoint_io.after_forward(plan.cache_ops)
+        sampling = [i for i, r in enumerate(plan.decode_rows) if not r.request.params.greedy]
+        if sampling:
+            # tokens is DecodeStep.last_tokens: the sampled rows' tokens go where fed rows read.
+            index = self._tensor(sampling)
+            tokens[index] = self._sample_tokens(logits[index], [plan.decode_rows[i] for i in sampling])
+        if any(r.request.params.logprobs is not None for r in plan.decode_rows):
+            emitted = [[t] for t in tokens.tolist()]
+            logprobs = self._logprobs(logits, plan.rows, [[i] for i in range(len(rows))], emitted)
+            return InFlight(plan, None, None, StepOutput(emitted, logprobs=logprobs))
+        host = self._host_tokens[self._launches % 2][:len(rows)]
+        self._launches += 1
+        if self.device.type != "cuda":
+            return InFlight(plan, host.copy_(tokens), None)
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return InFlight(plan, host, done)
+
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepOutput:
+        if self.can_launch(plan):
+            return self.launch(plan).result()
         self.checkpoint_io.before_forward(plan.cache_ops)
         output = StepOutput([])
         if plan.decode_rows or plan.prefill_rows:
@@ -96,22 +161,14 @@ class Runner:
         return output.then(self._run_cached(plan.cached_rows)) if plan.cached_rows else output
 
     def _run_plain(self, plan: StepPlan) -> StepOutput:
-        greedy = None
-        if not plan.prefill_rows:  # decode rows only: fixed shapes, a graph when one is captured
-            rows = [_decode_row(r) for r in plan.decode_rows]
-            if self.graphs is not None and self.graphs.fits(rows):
-                logits, greedy = self.graphs.run(rows)
-            else:
-                logits, greedy = self.decode.plain(self.decode.row_tensors(
-                    rows, max(len(r.block_table) for r in rows), self.device))
-        else:
-            batch = self._batch([self._row(r) for r in plan.decode_rows], [self._row(r) for r in plan.prefill_rows],
-                                commit=True)
-            hidden = self.model(batch, self.states, self.kv)
-            self._keep_checkpoint_hidden(batch, hidden)
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
+        """A step with prefill chunks (decode-only steps are `launch`ed)."""
+        batch = self._batch([self._row(r) for r in plan.decode_rows], [self._row(r) for r in plan.prefill_rows],
+                            commit=True)
+        hidden = self.model(batch, self.states, self.kv)
+        self._keep_checkpoint_hidden(batch, hidden)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
         sampling = [r for r in plan.rows if r.sample]
-        sampled = self._sample(logits, sampling, greedy) if sampling else []
+        sampled = self._sample(logits, sampling) if sampling else []
         tokens = iter(sampled)
         emitted = [[next(tokens)] if r.sample else [] for r in plan.rows]
         # Sampling rows' logits are in row order: logits row j belongs to the j-th sampling row.
@@ -315,19 +372,21 @@ class Runner:
         return Row(row.token_ids, row.start_position, row.slot, row.block_table, num_logits=int(row.sample),
                    checkpoints=tuple((w.position - row.start_position, w.slot) for w in row.checkpoints))
 
-    def _sample(self, logits: torch.Tensor, rows: list[ScheduledRow], greedy: torch.Tensor | None = None) -> list[int]:
-        """greedy: the logits' argmax when a graph already computed it."""
+    def _sample(self, logits: torch.Tensor, rows: list[ScheduledRow]) -> list[int]:
+        return self._sample_tokens(logits, rows).tolist()
+
+    def _sample_tokens(self, logits: torch.Tensor, rows: list[ScheduledRow]) -> torch.Tensor:
+        """The next token of each row (logits row i is rows[i]'s) on the device, no host sync."""
         params = [r.request.params for r in rows]
         if all(p.greedy for p in params):  # greedy fast path: no filtering, no noise
-            return (greedy if greedy is not None else logits.argmax(dim=-1)).tolist()
-
+            return logits.argmax(dim=-1)
         tokens, _ = self.ops.sample(
             logits, *self._filter_columns(params),
             self._tensor([r.request.seed for r in rows]),
             # The position the sampled token will take: a seeded draw depends on nothing else.
             self._tensor([r.start_position + len(r.token_ids) for r in rows]),
         )
-        return tokens.tolist()
+        return tokens
 
 
 def _decode_row(row: ScheduledRow) -> DecodeRow:

@@ -15,18 +15,27 @@ Pure Python; never touches a tensor. Each step:
 Rows are ordered decode first, prefill after, cached rows last (the runner relies on it).
 `commit` folds the step's sampled tokens back in and finishes requests; a finished request's
 slot and blocks become the checkpoint of its committed state.
+
+`continuation` plans the step after a plain decode step whose tokens are not known yet (async
+scheduling): the same requests, one position further, each fed the token that step emits at
+its row. Only when nothing else is to be done: no request to admit or prefill, no abort, no
+preemption, no speculation. A request that the step in flight finishes with "length" is left
+out (that is known in advance); one it finishes with "stop" has already been fed its last
+token when the step is committed, so its kept checkpoint covers every token it has.
 When slots or KV blocks run short, cached checkpoints are evicted before anything is preempted.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..kernels.gdn_chunked import CHUNK_SIZE
 from ..spec import AdaptivePolicy, DraftLengthState
 from .allocators import BlockAllocator, SlotAllocator
+from .decode_step import fed_token
 from .prefix_cache import CacheOps, Checkpoint, CheckpointWrite, PrefixCache
 from .request import Request, RequestStatus
 
@@ -189,12 +198,41 @@ class Scheduler:
         return StepPlan(tuple(decode_rows), tuple(prefill_rows), tuple(cached_rows), self.cache.take_ops(),
                         tuple(pinned))
 
+    def continuation(self, plan: StepPlan) -> StepPlan | None:
+        """The next step of `plan`, a plain decode step still in flight, or None when the next
+        step needs `schedule` (see the module docstring). Each row is fed the token `plan`
+        emits at the request's row; the row holds the position after that row's."""
+        if (self.config.draft_policy is not None or self._abort_requested or plan.prefill_rows or plan.cached_rows
+                or (self.waiting and len(self.running) < self.config.max_num_seqs)):
+            return None
+        running = RequestStatus.RUNNING
+        in_plan = 0
+        rows = []
+        for index, row in enumerate(plan.decode_rows):
+            request = row.request
+            if request.status is not running:
+                continue  # finished by the step before `plan`: its row there is discarded
+            in_plan += 1
+            position = row.start_position + 1
+            if request.num_tokens + 1 >= request.max_num_tokens:
+                continue  # `plan` gives it its last token
+            if position + 1 > len(request.block_table) * self.blocks.block_size:
+                needed = self.blocks.blocks_needed(position + 1) - len(request.block_table)
+                if not self.cache.make_room(0, needed):
+                    return None  # preemption is `schedule`'s business
+                request.block_table += tuple(self.blocks.allocate(needed))
+            rows.append(ScheduledRow(request, [fed_token(index)], position, request.slot, request.block_table, True))
+        if not rows or in_plan != len(self.running):
+            return None  # nothing left to decode, or a running request needs a prefill chunk
+        return StepPlan(tuple(rows), (), (), self.cache.take_ops())
+
     def commit(self, plan: StepPlan, emitted: list[list[int]], logprobs: list | None = None,
-               num_pending: list[int] | None = None) -> list[Request]:
+               num_pending: list[int] | None = None, fed_ahead: Collection[Request] = ()) -> list[Request]:
         """Fold the step's results in. emitted[i]: the tokens plan.rows[i] produced (none for a
         prefill chunk that does not end the prompt; accepted drafts + one for a verify row).
         logprobs[i]: their TokenLogprobs when the request asked for them. num_pending[i]: fed
-        tokens of the row left pending in its slot (None: nothing pending anywhere).
+        tokens of the row left pending in its slot (None: nothing pending anywhere). fed_ahead:
+        requests the step launched after this one (`continuation`) already fed their newest token.
         Returns the requests that got tokens or finished."""
         self.cache.register_writes()
         for checkpoint in plan.pinned:
@@ -220,7 +258,7 @@ class Scheduler:
                 request.extend(tokens, logprobs[index] if logprobs else None)
                 updated.append(request)
                 if request.finish_reason is not None:
-                    self._finish(request)
+                    self._finish(request, request in fed_ahead)
         Request.update_texts(updated)
         return updated
 
@@ -351,16 +389,17 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
 
-    def _finish(self, request: Request) -> None:
-        self._keep_checkpoint(request)
+    def _finish(self, request: Request, fed_ahead: bool = False) -> None:
+        self._keep_checkpoint(request, fed_ahead)
         self._release(request)
         request.status = RequestStatus.FINISHED
 
-    def _keep_checkpoint(self, request: Request) -> None:
+    def _keep_checkpoint(self, request: Request, fed_ahead: bool) -> None:
         """Hand a finished request's slot and the blocks of its committed tokens to the prefix
         cache (the next turn of a chat restores all of it). Committed: fed tokens minus those
-        still pending; the MTP must be at most as far as that."""
-        committed = request.num_computed_tokens - request.num_pending
+        still pending, or every token when the step in flight feeds the last one (plain decode
+        commits at once); the MTP must be at most as far as that."""
+        committed = request.num_tokens if fed_ahead else request.num_computed_tokens - request.num_pending
         mtp_position = request.mtp_position if self.config.draft_policy is not None else committed
         if request.slot is None or committed <= 0 or mtp_position > committed:
             return

@@ -1,0 +1,114 @@
+"""Async scheduling (EngineCore.dispatch + Scheduler.continuation): in steady plain decoding,
+step n+1 is launched before step n's tokens reach the host, its rows fed those tokens on the
+device. Output must be exactly what the step-by-step engine produces: with requests that stop
+on stop tokens (an unpredictable finish while the next step is already in flight), max_tokens
+finishes, staggered arrivals, aborts, seeded sampling and log-probabilities. A request that
+stops while its next step is in flight keeps a checkpoint of every token it has."""
+
+import random
+
+import pytest
+
+from deltaspec.engine import EngineConfig, SamplingParams
+from deltaspec.engine.core import EngineCore
+from fixtures import assert_idle
+from test_engine import Job, run_staggered
+
+VOCAB = 512
+OPTIONS = dict(max_num_batched_tokens=256, max_num_seqs=8, checkpoint_interval=64)
+
+
+def stopping_jobs(n: int, seed: int) -> list[Job]:
+    """Jobs that often stop on one of 12 stop tokens (each step stops with ~2% chance)."""
+    rng = random.Random(seed)
+    stops = tuple(rng.sample(range(VOCAB), 12))
+    jobs = []
+    for i in range(n):
+        sampled = rng.random() < 0.5
+        params = SamplingParams(max_tokens=rng.randint(1, 40), temperature=0.8 if sampled else 0.0,
+                                top_p=0.95, seed=rng.randint(0, 2**31) if sampled else None, stop_token_ids=stops,
+                                logprobs=2 if rng.random() < 0.2 else None)
+        abort_after = rng.randint(1, 6) if rng.random() < 0.15 else None
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.choice([1, rng.randint(2, 30), rng.randint(31, 200)]))]
+        jobs.append(Job(prompt, params, rng.randint(0, 2 * n), abort_after))
+    return jobs
+
+
+class LaunchCounter:
+    """Counts the steps the runner launched with fed rows (continuations)."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.fed_steps = 0
+        launch = core.runner.launch
+
+        def counting(plan):
+            self.fed_steps += any(row.token_ids[0] < 0 for row in plan.decode_rows)
+            return launch(plan)
+
+        core.runner.launch = counting
+
+
+@pytest.mark.parametrize("n", [2, 12])
+def test_async_scheduling_matches_step_by_step(family, checkpoint, n):
+    """Same tokens, finish reasons, text and log-probabilities (to float32 rounding: batches are
+    composed differently) as without async scheduling. An abort takes effect at a step boundary
+    and a step may already be in flight then: an aborted request's tokens are a prefix."""
+    path = checkpoint(family)
+    jobs = stopping_jobs(n, seed=n)
+    results = {}
+    for async_scheduling in (False, True):
+        core = EngineCore(EngineConfig(model=path, async_scheduling=async_scheduling, **OPTIONS))
+        counter = LaunchCounter(core)
+        results[async_scheduling] = run_staggered(core, jobs)
+        assert_idle(core.stats())
+        assert counter.fed_steps == 0 or async_scheduling
+        if async_scheduling and max(len(r.output_token_ids) for r in results[True].values()) > 8:
+            assert counter.fed_steps > 0
+    for i in range(n):
+        ours, reference = results[True][i], results[False][i]
+        if "abort" in (ours.finish_reason, reference.finish_reason):
+            length = min(len(ours.output_token_ids), len(reference.output_token_ids))
+            assert ours.output_token_ids[:length] == reference.output_token_ids[:length]
+            continue
+        assert (ours.output_token_ids, ours.finish_reason, ours.text) == \
+            (reference.output_token_ids, reference.finish_reason, reference.text)
+        assert len(ours.output_logprobs) == len(reference.output_logprobs)
+        for a, b in zip(ours.output_logprobs, reference.output_logprobs):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert any(r.finish_reason == "stop" for r in results[True].values())
+
+
+def test_a_request_stopped_in_flight_keeps_every_token(checkpoint):
+    """A chat whose turns end on a stop token while the next step is in flight: the kept
+    checkpoint covers the whole turn (the stop token included), and the next turn restores it
+    and answers exactly as an engine without a cache."""
+    path = checkpoint("qwen3_5")
+    rng = random.Random(5)
+    cached = EngineCore(EngineConfig(model=path, **OPTIONS))
+    plain = EngineCore(EngineConfig(model=path, enable_prefix_cache=False, async_scheduling=False, **OPTIONS))
+    counter = LaunchCounter(cached)
+    conversation = [rng.randrange(VOCAB) for _ in range(70)]
+    stopped = 0
+    for turn in range(5):
+        # Stop on the greedy answer's 4th token: the turn stops mid-stream, with its next step in flight.
+        probe = plain.add_request(conversation, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        while plain.has_work:
+            plain.step()
+        params = SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=(probe.output_token_ids[-1],))
+        answers = []
+        for core in (cached, plain):
+            reused_before = core.stats()["prefix_cache"]["reused_tokens"]
+            request = core.add_request(conversation, params)
+            while core.has_work:
+                core.step()
+            answers.append((request.output_token_ids, request.finish_reason))
+            if core is cached and turn:
+                # Everything but the new user message comes from the previous turn's checkpoint.
+                assert core.stats()["prefix_cache"]["reused_tokens"] - reused_before == len(previous)
+        assert answers[0] == answers[1]
+        stopped += answers[0][1] == "stop"
+        previous = conversation + answers[0][0]
+        conversation = previous + [rng.randrange(VOCAB) for _ in range(rng.randint(3, 20))]
+    assert stopped >= 3 and counter.fed_steps > 0
+    assert_idle(cached.stats())
