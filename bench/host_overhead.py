@@ -1,7 +1,8 @@
-"""Host time per engine step: `EngineCore.schedule()` and `EngineCore.commit()` in steady-state
-decode, on the CPU, without the model. Writes bench/results/host_overhead-cpu.json.
+"""Host time per engine step: `EngineCore.dispatch()` (the scheduling) and `EngineCore.commit()`
+in steady-state decode, on the CPU, without the model. Writes bench/results/host_overhead-cpu.json.
 
     python bench/host_overhead.py [--batches 16,64,256] [--drafts 0,3] [--label after] [--profile 64]
+                                  [--no-async-scheduling]
 
 This is the CPU half of an engine step that `engine_throughput.py` times on the GPU
 (`cpu_schedule_commit_ms`, issue #5: at most 15% of the GPU step at batch 64). The setting is
@@ -38,6 +39,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -57,14 +59,20 @@ ACCEPTANCE = 0.7  # per drafted position, as the adaptive policy's initial estim
 
 
 class FakeRunner:
-    """Stands in for `EngineCore.run`: the StepOutput the runner would return for `plan`, with
-    corpus tokens and seeded acceptance instead of a forward."""
+    """Stands in for the engine's Runner: the StepOutput it would return for a plan, with
+    corpus tokens and seeded acceptance instead of a forward (a launched step is done at once)."""
 
     def __init__(self, text_ids: list[int], speculative: bool, seed: int) -> None:
         self.text_ids, self.speculative = text_ids, speculative
         self.random = random.Random(seed)
 
-    def __call__(self, plan: StepPlan) -> StepOutput:
+    def can_launch(self, plan: StepPlan) -> bool:
+        return not self.speculative and bool(plan.decode_rows) and not plan.prefill_rows and not plan.cached_rows
+
+    def launch(self, plan: StepPlan) -> "Launched":
+        return Launched(plan, self.run(plan))
+
+    def run(self, plan: StepPlan) -> StepOutput:
         emitted, num_pending = [], []
         for row in plan.decode_rows:
             accepted = 0
@@ -83,18 +91,28 @@ class FakeRunner:
         return [self.text_ids[(start + i) % len(self.text_ids)] for i in range(n)]
 
 
-def build_core(checkpoint: Path, num_draft_tokens: int, max_num_seqs: int) -> EngineCore:
+class Launched(NamedTuple):
+    plan: StepPlan
+    output: StepOutput
+
+    def result(self) -> StepOutput:
+        return self.output
+
+
+def build_core(checkpoint: Path, num_draft_tokens: int, max_num_seqs: int, async_scheduling: bool) -> EngineCore:
     config = EngineConfig(model=checkpoint, device="cpu", max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max(8192, max_num_seqs), max_model_len=8192,
-                          num_draft_tokens=num_draft_tokens, enable_prefix_cache=False)
+                          num_draft_tokens=num_draft_tokens, enable_prefix_cache=False,
+                          async_scheduling=async_scheduling)
     return EngineCore(config)
 
 
 def measure(core: EngineCore, batch: int, steps: int, seed: int,
             profiler: cProfile.Profile | None = None) -> dict:
-    """Median host ms of schedule() and commit() over `steps` decode steps of `batch` requests."""
+    """Median host ms of dispatch() (scheduling: `schedule`, or `continuation` with async
+    scheduling) and commit() over `steps` decode steps of `batch` requests."""
     speculative = bool(core.num_draft_tokens)
-    run = FakeRunner(core.tokenizer.encode("".join(CORPUS)), speculative, seed)
+    core.runner = FakeRunner(core.tokenizer.encode("".join(CORPUS)), speculative, seed)
     generator = random.Random(seed)
     # Room for the steps while prompts are admitted and every timed step to emit k + 1 tokens:
     # nobody finishes while being timed.
@@ -106,9 +124,9 @@ def measure(core: EngineCore, batch: int, steps: int, seed: int,
     num_tokens = []
     while len(num_tokens) < WARMUP_STEPS + steps:
         begin, begin_cpu = time.perf_counter(), time.process_time()
-        plan = core.schedule()
+        step = core.dispatch()
         scheduled, scheduled_cpu = time.perf_counter(), time.process_time()
-        output = run(plan)
+        plan, output = step.plan, step.wait()
         ran, ran_cpu = time.perf_counter(), time.process_time()
         core.commit(plan, output)
         committed, committed_cpu = time.perf_counter(), time.process_time()
@@ -127,7 +145,7 @@ def measure(core: EngineCore, batch: int, steps: int, seed: int,
     for request in requests:
         core.abort(request.request_id)
     while core.has_work:
-        core.commit(plan := core.schedule(), run(plan))
+        core.step()
     result = {"batch": batch, "num_draft_tokens": core.num_draft_tokens}
     for name, measured in times.items():
         result[f"{name}_ms"] = statistics.median(measured[WARMUP_STEPS:]) * 1e3
@@ -151,6 +169,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs per setting; the one with the least median CPU time is kept")
     parser.add_argument("--label", default="after")
+    parser.add_argument("--no-async-scheduling", action="store_true",
+                        help="every step from `schedule` (default: steady decoding from `continuation`)")
     parser.add_argument("--profile", type=int, default=0, metavar="BATCH",
                         help="print a cProfile of the timed steps at this batch size instead of recording")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "host_overhead-cpu.json"))
@@ -159,7 +179,7 @@ def main() -> None:
     checkpoint = make_checkpoint(Path(tempfile.mkdtemp()), "qwen3_5", with_mtp=True, vocab_size=VOCAB_SIZE)
     results = []
     for num_draft_tokens in [int(k) for k in args.drafts.split(",")]:
-        core = build_core(checkpoint, num_draft_tokens, max(batches))
+        core = build_core(checkpoint, num_draft_tokens, max(batches), not args.no_async_scheduling)
         if args.profile:
             profiler = cProfile.Profile()
             measure(core, args.profile, args.steps, seed=args.profile, profiler=profiler)

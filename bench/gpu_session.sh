@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One device call that checks and measures the tree: the GPU tests, then the engine benches.
+# Run from the repo root on the GPU machine (carry .whl); results land in $OUT.
+#
+#   bash bench/gpu_session.sh [tests|engine|all]     (default: all)
+#
+# tests : pytest -m gpu (kernels in bf16, graphs, isolation, speculation, prefix cache)
+# engine: decode_overhead (engine vs a bare graph at batch 1, async scheduling on and off),
+#         profile_step (per-kernel time of a 0.8B-like step), engine_throughput (0.8B-like shape)
+set -uo pipefail
+source bench/device_setup.sh
+export DELTASPEC_COMMIT="${DELTASPEC_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+what="${1:-all}"
+out="${OUT:-bench/results}"
+nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+if [[ "$what" == tests || "$what" == all ]]; then
+    timeout 330 python -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tail -25
+fi
+if [[ "$what" == engine || "$what" == all ]]; then
+    timeout 150 python bench/decode_overhead.py --steps 200 --out "$out" 2>&1 | tail -3
+    timeout 120 python bench/profile_step.py --batches 1,64 --verify-drafts 0 --out "$out" 2>&1 | tail -3
+    timeout 240 python bench/engine_throughput.py --shapes 0.8b --out "$out" 2>&1 | tail -8
+fi
