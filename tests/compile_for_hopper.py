@@ -1,0 +1,126 @@
+"""Compile, without launching, every Triton kernel of the engine for an sm_90 GPU (H100/H200) on
+a machine without one, and print the names of the kernels compiled (one JSON list).
+
+    python tests/compile_for_hopper.py
+
+Triton's frontend, its LLVM passes and ptxas (shipped in the triton wheel) all run on the CPU;
+only loading and launching need the driver. So the active driver is replaced by one that names
+an sm_90 target, every launch becomes a warm-up (compile, no launch) and each autotuner config
+is compiled once. The engine then runs tiny checkpoints of every family through its GPU kernel
+table — prefill chunks, decode, draft and verify steps — plus the sampling kernels, with real
+launch geometry (an H100's 132 SMs). Outputs are garbage (nothing ran), which the engine never
+inspects beyond shapes on these greedy paths.
+
+This catches what the interpreter cannot: code that does not compile for the GPU (types, layouts,
+register limits at ptxas). Run by tests/test_kernels_compile.py in a subprocess, because the
+suite's interpreter mode is fixed when the kernel modules are first imported.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import json
+import os
+import pkgutil
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # before any kernel module is imported
+
+import torch  # noqa: E402
+import triton.runtime.jit as jit  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+
+SMS = 132  # an H100's SMs: the launch geometry the kernels' configs see
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+class CompileOnlyDriver:
+    """The parts of Triton's active driver a warm-up touches, for an sm_90 target."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return TARGET
+
+    def get_device_interface(self):
+        return torch.cuda
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def get_benchmarker(self):
+        # An autotuner "times" each config by calling it: every config compiles, all tie.
+        return lambda fn, quantiles=None, **kwargs: (fn(), [1.0, 1.0, 1.0])[1]
+
+
+def compile_only() -> collections.Counter:
+    """Install the driver and the warm-up launches; returns the counter of compiled kernels."""
+    driver.set_active(CompileOnlyDriver())
+    compiled: collections.Counter = collections.Counter()
+    run = jit.JITFunction.run
+
+    def warm_up(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled[self.fn.__name__] += 1
+        return kernel
+
+    jit.JITFunction.run = warm_up
+    import deltaspec.kernels as kernels
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"deltaspec.kernels.{info.name}")
+        for name in ("num_sms", "multiprocessor_count"):
+            if hasattr(module, name):
+                setattr(module, name, lambda device: SMS)
+    return compiled
+
+
+def run_engine() -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from fixtures import make_checkpoint
+
+    from deltaspec.engine import LLM, SamplingParams
+
+    gpu_shape = dict(linear_key_head_dim=64, linear_value_head_dim=64)  # the GPU kernels' minimum
+    prompts = [[1 + i for i in range(n)] for n in (3, 70, 130)]
+    for family, num_draft_tokens in (("qwen3_5", 0), ("qwen3_5", 3), ("qwen3_next", 0), ("qwen3_5_moe", 2)):
+        path = make_checkpoint(Path(tempfile.mkdtemp()), family, **gpu_shape)
+        llm = LLM(path, device="cpu", dtype="bfloat16", kernel_backend="triton", enable_cuda_graphs=False,
+                  num_draft_tokens=num_draft_tokens, max_num_seqs=4)
+        llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+
+
+def run_kernels() -> None:
+    """Kernels the greedy engine runs above do not reach: sampling, and MoE's per-token path."""
+    from deltaspec.kernels import moe, sampling
+
+    vocab, rows = 1000, 4
+    column = lambda value, dtype: torch.full((rows,), value, dtype=dtype)  # noqa: E731
+    sampling.sample(torch.randn(rows, vocab), column(0.8, torch.float32), column(20, torch.int64),
+                    column(0.9, torch.float32), column(0.05, torch.float32), column(1, torch.int64),
+                    column(5, torch.int64))
+    sampling.rejection_sample(torch.rand(2, 4, vocab), None, torch.randint(0, vocab, (2, 3)), torch.tensor([3, 2]),
+                              torch.tensor([1, 2]), torch.tensor([5, 6]))
+    experts, top_k, hidden, inner = 8, 2, 128, 64
+    x = torch.randn(1, hidden, dtype=torch.bfloat16)
+    weights, ids = torch.rand(1, top_k), torch.tensor([[1, 5]])
+    moe.moe_experts_per_token(x, weights, ids, torch.randn(experts, 2 * inner, hidden, dtype=torch.bfloat16),
+                              torch.randn(experts, hidden, inner, dtype=torch.bfloat16))
+
+
+def main() -> None:
+    compiled = compile_only()
+    run_engine()
+    run_kernels()
+    print(json.dumps(sorted(compiled)))
+
+
+if __name__ == "__main__":
+    main()
