@@ -202,7 +202,7 @@ class EngineCore:
         follow = self.scheduler.continuation(plan) if self.config.async_scheduling else None
 
         def wait() -> StepOutput:
-            launched = current or self.runner.launch(plan)
+            launched = current if current is not None else self.runner.launch(plan)
             self._in_flight = self.runner.launch(follow) if follow is not None else None
             return launched.result()
 

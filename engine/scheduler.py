@@ -1,7 +1,8 @@
 """Continuous batching: which requests run this step, with which tokens, in which slots/blocks.
 
 Pure Python; never touches a tensor. Each step:
-  1. aborted requests release their slot and KV blocks (the step boundary);
+  1. aborted requests release their slot and KV blocks (at the step boundary: when a step is
+     committed or the next one scheduled);
   2. decode rows: every running request whose prompt is done feeds its newest token, oldest
      first; when KV blocks run out, the newest running request is preempted (its slot and
      blocks are freed, it goes back to the front of the queue and later recomputes its prompt
@@ -235,6 +236,9 @@ class Scheduler:
         requests the step launched after this one (`continuation`) already fed their newest token.
         Returns the requests that got tokens or finished."""
         self.cache.register_writes()
+        # Aborts take effect here too: a request aborted while this step ran gets none of its
+        # tokens, as if it had been released before the step (the next step may be in flight).
+        self._release_aborted()
         for checkpoint in plan.pinned:
             self.cache.unpin(checkpoint)
         updated = []
