@@ -14,6 +14,7 @@ Knows nothing about tensors or the scheduler.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 
@@ -26,15 +27,36 @@ class AdaptivePolicy:
     smoothing: float = 0.3
     initial_acceptance: float = 0.7
     probe_interval: int = 16
-    # Derived: costs[k] = 1 + cost_per_draft * k, the cost of a step with k drafts.
+    # Derived: costs[k] = 1 + cost_per_draft * k, the cost of a step with k drafts; thresholds[j]
+    # ~ the least acceptance whose best length exceeds j (see `best_length`).
     costs: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    thresholds: tuple[float, ...] = field(init=False, repr=False, compare=False)
+
+    # Acceptances this close to a threshold are decided by the direct search (bisection and
+    # the direct sums may round differently there).
+    _NEAR = 1e-9
 
     def __post_init__(self) -> None:
+        if self.max_draft_tokens < 0 or self.cost_per_draft < 0:
+            raise ValueError("max_draft_tokens and cost_per_draft must be >= 0")
         object.__setattr__(self, "costs", tuple(1 + self.cost_per_draft * k for k in range(self.max_draft_tokens + 1)))
+        object.__setattr__(self, "thresholds", self._thresholds())
 
     def best_length(self, acceptance: float) -> int:
         """The k in 0..max_draft_tokens with the most expected tokens per unit of cost (the
-        smallest such k on a tie); runs for every decoding request every step."""
+        smallest such k on a tie), for an acceptance in [0, 1]; runs for every decoding request
+        every step, so it is a lookup. The best k never decreases as acceptance grows: for
+        j < k, value_k / value_j = (S_k / S_j) (cost_j / cost_k) with S_k = 1 + a + .. + a^k, and
+        S_k / S_j = 1 + (a^(j+1) + .. + a^k) / (1 + .. + a^j) increases with a (every power
+        above is higher than every power below). So best_length(a) = #thresholds below a."""
+        k = bisect.bisect_right(self.thresholds, acceptance)
+        if (k and acceptance - self.thresholds[k - 1] < self._NEAR) or \
+                (k < len(self.thresholds) and self.thresholds[k] - acceptance < self._NEAR):
+            return self._search(acceptance)
+        return k
+
+    def _search(self, acceptance: float) -> int:
+        """best_length by evaluating every k."""
         best, best_value = 0, -math.inf
         expected_tokens = 0.0  # 1 + alpha + .. + alpha^k, summed in that order
         for k, cost in enumerate(self.costs):
@@ -43,6 +65,24 @@ class AdaptivePolicy:
             if value > best_value:
                 best, best_value = k, value
         return best
+
+    def _thresholds(self) -> tuple[float, ...]:
+        """thresholds[j]: the least acceptance in [0, 1] (to float bisection) with _search > j,
+        or 2.0 (never) when even acceptance 1 keeps the best length at j or below."""
+        thresholds = []
+        for j in range(self.max_draft_tokens):
+            if self._search(1.0) <= j:
+                thresholds.append(2.0)
+                continue
+            low, high = 0.0, 1.0  # _search(low) <= j < _search(high), unless low = 0 already exceeds
+            if self._search(0.0) > j:
+                thresholds.append(0.0)
+                continue
+            for _ in range(64):
+                middle = (low + high) / 2
+                low, high = (low, middle) if self._search(middle) > j else (middle, high)
+            thresholds.append(high)
+        return tuple(thresholds)
 
 
 @dataclass

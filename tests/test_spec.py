@@ -185,6 +185,30 @@ def test_adaptive_draft_length_shrinks_and_recovers():
     assert fixed.num_draft_tokens == 3
 
 
+@pytest.mark.parametrize("max_draft_tokens", [0, 1, 3, 8])
+@pytest.mark.parametrize("cost_per_draft", [0.0, 0.05, 0.15, 0.6])
+def test_draft_length_lookup_equals_the_search(max_draft_tokens, cost_per_draft):
+    """best_length (a threshold lookup) picks what evaluating every k picks, at every
+    acceptance, right at and around its thresholds too."""
+    policy = AdaptivePolicy(max_draft_tokens, cost_per_draft=cost_per_draft)
+
+    def search(acceptance):
+        values = [sum(acceptance ** i for i in range(k + 1)) / (1 + cost_per_draft * k)
+                  for k in range(max_draft_tokens + 1)]
+        return values.index(max(values))
+
+    rng = random.Random(max_draft_tokens)
+    points = [i / 4096 for i in range(4097)] + [rng.random() for _ in range(4000)]
+    points += [t + d for t in policy.thresholds for d in (0.0, 1e-12, -1e-12, 1e-8, -1e-8) if 0 <= t + d <= 1]
+    for acceptance in points:
+        assert policy.best_length(acceptance) == policy._search(acceptance)
+        # An independent evaluation agrees wherever the best value is not a near tie.
+        values = sorted(sum(acceptance ** i for i in range(k + 1)) / (1 + cost_per_draft * k)
+                        for k in range(max_draft_tokens + 1))
+        if len(values) < 2 or values[-1] - values[-2] > 1e-9:
+            assert policy.best_length(acceptance) == search(acceptance)
+
+
 class FrequentTokenDrafter:
     """A draft hook: drafts, at every output index, the token plain sampling emits most often
     there: drafts that the target often accepts (probability p(d)) and often rejects."""
