@@ -109,7 +109,7 @@ class EngineCore:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, policy,
                                                    self.max_model_len), self.slots, self.blocks, self.cache)
         decode = DecodeStep(self.model, self.states, self.kv, config.block_size, bool(self.num_draft_tokens),
-                            config.max_num_seqs)
+                            config.max_num_seqs, self._max_blocks_per_row)
         self.runner = Runner(self.model, self.states, self.kv, self.ops, config.block_size, self.device, decode,
                              graphs=self._decode_graphs(decode) if not decode.speculative else None,
                              spec_graphs=self._spec_graphs(decode) if decode.speculative else None)
@@ -260,7 +260,7 @@ class EngineCore:
     def _decode_graphs(self, decode: DecodeStep) -> DecodeGraphs | None:
         if not self._graphs_enabled:
             return None
-        graphs = DecodeGraphs(decode, self.config.max_num_seqs, self._max_blocks_per_row, self.device)
+        graphs = DecodeGraphs(decode, self.config.max_num_seqs, self.device)
         graphs.capture()
         logger.info("captured CUDA graphs for decode batch sizes %s", graphs.buckets)
         return graphs
@@ -268,8 +268,7 @@ class EngineCore:
     def _spec_graphs(self, decode: DecodeStep) -> SpecGraphs | None:
         if not self._graphs_enabled:
             return None
-        graphs = SpecGraphs(decode, self.config.max_num_seqs, self._max_blocks_per_row, self.num_draft_tokens,
-                            self.device)
+        graphs = SpecGraphs(decode, self.config.max_num_seqs, self.num_draft_tokens, self.device)
         graphs.capture()
         logger.info("captured CUDA graphs for speculative steps: batch sizes %s x drafts 0..%d", graphs.buckets,
                     self.num_draft_tokens)

@@ -57,26 +57,25 @@ def _warm_up(run, times: int) -> None:
 class _StaticRows:
     """The static decode rows of the largest bucket, and a step's copy into them."""
 
-    def __init__(self, step: DecodeStep, max_batch: int, max_blocks_per_row: int, device: torch.device) -> None:
-        self.step, self.max_blocks = step, max_blocks_per_row
+    def __init__(self, step: DecodeStep, max_batch: int, device: torch.device) -> None:
+        self.step = step
         self.buckets = default_buckets(max_batch)
-        self.rows = DecodeRows.zeros(max_batch, step.catch_up, max_blocks_per_row, device)
+        self.rows = DecodeRows.zeros(max_batch, step.catch_up, device)
 
     def fits(self, rows: list[DecodeRow]) -> bool:
-        return 0 < len(rows) <= self.buckets[-1] and all(len(r.block_table) <= self.max_blocks for r in rows)
+        return 0 < len(rows) <= self.buckets[-1]
 
     def bucket(self, num_rows: int) -> int:
         return next(b for b in self.buckets if b >= num_rows)
 
     def load(self, rows: list[DecodeRow]) -> int:
-        """Copy rows (and padding rows up to their bucket) into the static buffers: one pinned
-        copy each for the packed rows and the block tables. Block-table columns past the
-        widest row keep stale values: no position of any row reaches them. Returns the bucket."""
+        """Copy rows (and padding rows up to their bucket) into the static buffer (one pinned
+        copy) and bring their block tables up to date on the device (DecodeStep.sync_tables).
+        Returns the bucket."""
         bucket = self.bucket(len(rows))
-        width = max(len(r.block_table) for r in rows)
-        packed, tables = pack_rows(rows, self.step.catch_up, self.step.block_size, bucket, width, pin_memory=True)
+        packed = pack_rows(rows, self.step.catch_up, self.step.block_size, bucket, pin_memory=True)
         self.rows.packed[:bucket].copy_(packed, non_blocking=True)
-        self.rows.block_tables[:bucket, :width].copy_(tables, non_blocking=True)
+        self.step.sync_tables(rows)
         return bucket
 
 
@@ -88,8 +87,8 @@ class _Graph:
 
 
 class DecodeGraphs(_StaticRows):
-    def __init__(self, step: DecodeStep, max_batch: int, max_blocks_per_row: int, device: torch.device) -> None:
-        super().__init__(step, max_batch, max_blocks_per_row, device)
+    def __init__(self, step: DecodeStep, max_batch: int, device: torch.device) -> None:
+        super().__init__(step, max_batch, device)
         self.graphs: dict[int, _Graph] = {}
 
     @torch.inference_mode()
@@ -121,9 +120,8 @@ class _SpecGraph:
 
 
 class SpecGraphs(_StaticRows):
-    def __init__(self, step: DecodeStep, max_batch: int, max_blocks_per_row: int, max_drafts: int,
-                 device: torch.device) -> None:
-        super().__init__(step, max_batch, max_blocks_per_row, device)
+    def __init__(self, step: DecodeStep, max_batch: int, max_drafts: int, device: torch.device) -> None:
+        super().__init__(step, max_batch, device)
         self.max_drafts = max_drafts
         model = step.model
         # The verify logits of every graph.

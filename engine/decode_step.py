@@ -26,7 +26,10 @@ keeps valid queries from seeing it; drafts past k_r are never accepted. Padding 
 scratch slot 0 and scratch block 0.
 
 Positions, slot mappings and context lengths are derived on the device from a few integers per
-row, so a step copies one small packed tensor and the block tables to the device. A plain row's
+row, so a step copies one small packed tensor to the device. Block tables live on the device
+per slot (`slot_tables`): a step sends only the entries that changed since a slot's table was
+last sent (a new block every block_size tokens, a whole table when a slot gets a new request),
+and each stage gathers its rows' tables there. A plain row's
 token may also be *fed* (`fed_token`): the token the previous plain step emitted at one of its
 rows, read from the device buffer that step left it in, so a step can be launched before the
 host has seen the tokens of the step before it (async scheduling, core.py). Knows nothing about
@@ -38,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from ..spec import greedy_accept
@@ -75,8 +79,7 @@ class DecodeRow:
 class DecodeRows(NamedTuple):
     """The decode rows of a step on the device, padding rows included ([B] leading dim)."""
 
-    packed: torch.Tensor        # [B, 6 + C] int64: slot, newest, position, k_r, mtp_start, n_r, catch-up ids
-    block_tables: torch.Tensor  # [B, M] int32, zero (scratch block 0) past each row's own blocks
+    packed: torch.Tensor  # [B, 6 + C] int64: slot, newest, position, k_r, mtp_start, n_r, catch-up ids
 
     @property
     def num_rows(self) -> int:
@@ -112,22 +115,22 @@ class DecodeRows(NamedTuple):
 
     def head(self, num_rows: int) -> "DecodeRows":
         """The first num_rows rows (a bucket of static buffers)."""
-        return DecodeRows(self.packed[:num_rows], self.block_tables[:num_rows])
+        return DecodeRows(self.packed[:num_rows])
 
     @classmethod
-    def zeros(cls, num_rows: int, catch_up: int, num_blocks: int, device: torch.device) -> "DecodeRows":
+    def zeros(cls, num_rows: int, catch_up: int, device: torch.device) -> "DecodeRows":
         """Static buffers holding padding rows."""
-        return cls(torch.zeros(num_rows, _CATCH_UP_IDS + catch_up, dtype=torch.int64, device=device),
-                   torch.zeros(num_rows, num_blocks, dtype=torch.int32, device=device))
+        return cls(torch.zeros(num_rows, _CATCH_UP_IDS + catch_up, dtype=torch.int64, device=device))
 
 
-def pack_rows(rows: Sequence[DecodeRow], catch_up: int, block_size: int, num_rows: int, num_blocks: int,
-              pin_memory: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Host tensors (packed [num_rows, 6 + C], block tables [num_rows, num_blocks]) of `rows`
-    followed by padding rows (all zeros: slot 0, block 0, nothing to draft or catch up).
-    Every position a row may write, up to position + max(C, 1) - 1, must be in its own blocks."""
-    packed, tables = [], []
-    for r in rows:
+def pack_rows(rows: Sequence[DecodeRow], catch_up: int, block_size: int, num_rows: int,
+              pin_memory: bool) -> torch.Tensor:
+    """The host tensor packed [num_rows, 6 + C] of `rows` followed by padding rows (all zeros:
+    slot 0, nothing to draft or catch up). Every position a row may write, up to
+    position + max(C, 1) - 1, must be in its own blocks."""
+    packed = torch.zeros(num_rows, _CATCH_UP_IDS + catch_up, dtype=torch.int64, pin_memory=pin_memory)
+    packed_rows = packed.numpy()  # a row is one slice assignment (torch.tensor of lists is ~5x slower)
+    for i, r in enumerate(rows):
         num_catch_up = len(r.catch_up_ids)
         if num_catch_up > catch_up or r.mtp_start + num_catch_up > r.position:
             raise ValueError(f"slot {r.slot}: MTP catch-up of {num_catch_up} positions from {r.mtp_start} "
@@ -135,14 +138,9 @@ def pack_rows(rows: Sequence[DecodeRow], catch_up: int, block_size: int, num_row
         last = r.position + max(catch_up, 1) - 1
         if last >= len(r.block_table) * block_size:
             raise ValueError(f"slot {r.slot}: {len(r.block_table)} KV blocks do not cover positions up to {last}")
-        packed.append([r.slot, r.newest, r.position, r.num_drafts, r.mtp_start, num_catch_up, *r.catch_up_ids]
-                      + [0] * (catch_up - num_catch_up))
-        tables.append([*r.block_table] + [0] * (num_blocks - len(r.block_table)))
-    padding = num_rows - len(rows)
-    packed += [[0] * (_CATCH_UP_IDS + catch_up)] * padding
-    tables += [[0] * num_blocks] * padding
-    return (torch.tensor(packed, dtype=torch.int64, pin_memory=pin_memory),
-            torch.tensor(tables, dtype=torch.int32, pin_memory=pin_memory))
+        packed_rows[i, :_CATCH_UP_IDS + num_catch_up] = (r.slot, r.newest, r.position, r.num_drafts, r.mtp_start,
+                                                         num_catch_up, *r.catch_up_ids)
+    return packed
 
 
 class Verified(NamedTuple):
@@ -153,8 +151,9 @@ class Verified(NamedTuple):
 
 class DecodeStep:
     def __init__(self, model: HybridLM, states: StatePool, kv: KVPool, block_size: int, speculative: bool,
-                 max_rows: int) -> None:
-        """max_rows: decode rows per step at most (padding rows included)."""
+                 max_rows: int, max_blocks_per_row: int) -> None:
+        """max_rows: decode rows per step at most (padding rows included); max_blocks_per_row: a
+        row's block table at most."""
         if speculative and (model.mtp is None or states.mtp_hidden is None):
             raise ValueError("speculation needs a model with MTP weights and a pool that keeps MTP inputs")
         self.model, self.states, self.kv, self.block_size = model, states, kv, block_size
@@ -163,14 +162,51 @@ class DecodeStep:
         self.catch_up = states.max_pending + 1 if speculative else 0
         # The tokens the latest plain step emitted, by row: its argmax, where the runner then
         # writes the sampled rows' tokens. The next step's fed rows read them here.
-        self.last_tokens = torch.zeros(max_rows, dtype=torch.int64, device=states.pending_counts.device)
+        device = states.pending_counts.device
+        self.last_tokens = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        # Block tables by slot, zero (scratch block 0) where nothing was written: slot 0 (padding
+        # rows) stays all zeros. Entries past a row's own blocks may be stale: no position of the
+        # row reaches them. _sent[slot]: the table last written there (compared by identity:
+        # a request's table is an immutable tuple, replaced when it grows).
+        self.max_blocks_per_row = max_blocks_per_row
+        self.slot_tables = torch.zeros(states.num_slots, max_blocks_per_row, dtype=torch.int32, device=device)
+        self._sent: dict[int, Sequence[int]] = {}
         self._constants: dict[tuple, torch.Tensor] = {}
 
-    def row_tensors(self, rows: Sequence[DecodeRow], num_blocks: int, device: torch.device) -> DecodeRows:
+    def row_tensors(self, rows: Sequence[DecodeRow], device: torch.device) -> DecodeRows:
         """DecodeRows on the device for an eager step (graphs copy into static buffers instead)."""
         cuda = device.type == "cuda"
-        packed, tables = pack_rows(rows, self.catch_up, self.block_size, len(rows), num_blocks, pin_memory=cuda)
-        return DecodeRows(packed.to(device, non_blocking=cuda), tables.to(device, non_blocking=cuda))
+        packed = pack_rows(rows, self.catch_up, self.block_size, len(rows), pin_memory=cuda)
+        self.sync_tables(rows)
+        return DecodeRows(packed.to(device, non_blocking=cuda))
+
+    def sync_tables(self, rows: Sequence[DecodeRow]) -> int:
+        """Write the rows' block tables into `slot_tables` where they changed since last sent:
+        the appended entries when the table extends the one sent, else the whole table. One
+        small copy and one scatter for the step, none when nothing changed. Returns the number
+        of entries written."""
+        slots: list[int] = []
+        columns: list[int] = []
+        blocks: list[int] = []
+        for r in rows:
+            table, sent = r.block_table, self._sent.get(r.slot)
+            if table is sent:
+                continue
+            if len(table) > self.max_blocks_per_row:
+                raise ValueError(f"slot {r.slot}: {len(table)} KV blocks, at most {self.max_blocks_per_row}")
+            start = len(sent) if sent is not None and tuple(table[:len(sent)]) == tuple(sent) else 0
+            slots += [r.slot] * (len(table) - start)
+            columns += range(start, len(table))
+            blocks += table[start:]
+            self._sent[r.slot] = table
+        if not blocks:
+            return 0
+        cuda = self.slot_tables.device.type == "cuda"
+        updates = torch.from_numpy(np.array((slots, columns, blocks), dtype=np.int64))
+        if cuda:
+            updates = updates.pin_memory().to(self.slot_tables.device, non_blocking=True)
+        self.slot_tables[updates[0], updates[1]] = updates[2].to(torch.int32)
+        return len(blocks)
 
     def plain(self, rows: DecodeRows) -> tuple[torch.Tensor, torch.Tensor]:
         """A plain decode step (no speculation): each row's newest token, committed at once.
@@ -178,7 +214,7 @@ class DecodeStep:
         newest = rows.newest
         # A fed row (newest = -1 - j) takes the token the previous step emitted at row j.
         input_ids = torch.where(newest >= 0, newest, self.last_tokens[(~newest).clamp(min=0)])
-        batch = self._batch(rows, rows.positions[:, None].contiguous(), input_ids, commit=True)
+        batch = self._batch(rows, self._tables(rows), rows.positions[:, None].contiguous(), input_ids, commit=True)
         logits = self.model.compute_logits(self.model(batch, self.states, self.kv))
         greedy = self.last_tokens[:rows.num_rows]
         torch.argmax(logits, dim=-1, out=greedy)
@@ -188,8 +224,9 @@ class DecodeStep:
         """MTP catch-up + chain -> drafts [B, num_drafts] int64 (the catch-up runs even for
         num_drafts = 0: it keeps the MTP's KV cache complete for later drafting)."""
         num_rows, catch_up = rows.num_rows, self.catch_up
+        tables = self._tables(rows)
         positions = rows.mtp_start[:, None] + self._arange(catch_up)                      # [B, C]
-        batch = self._batch(rows, positions, rows.catch_up_ids.reshape(-1), commit=True)
+        batch = self._batch(rows, tables, positions, rows.catch_up_ids.reshape(-1), commit=True)
         kept = self.states.mtp_hidden[rows.slots].flatten(0, 1)                             # [B*C, H]
         out = self.model.draft_hidden(batch.input_ids, kept, batch, self.kv).view(num_rows, catch_up, -1)
         if num_drafts == 0:
@@ -200,7 +237,7 @@ class DecodeStep:
         for depth in range(1, num_drafts):
             # MTP position (newest - 1 + depth): input the previous draft and the MTP's own output.
             positions = (rows.positions + (depth - 1))[:, None]
-            batch = self._batch(rows, positions, drafts[-1], commit=True)
+            batch = self._batch(rows, tables, positions, drafts[-1], commit=True)
             hidden = self.model.draft_hidden(drafts[-1], hidden, batch, self.kv)
             drafts.append(self.model.draft_tokens(hidden))
         return torch.stack(drafts, dim=1)
@@ -211,7 +248,7 @@ class DecodeStep:
         num_rows, num_drafts = drafts.shape
         positions = rows.positions[:, None] + self._arange(num_drafts + 1)              # [B, K+1]
         input_ids = torch.cat([rows.newest[:, None], drafts], dim=1).reshape(-1)
-        batch = self._batch(rows, positions, input_ids, commit=False)
+        batch = self._batch(rows, self._tables(rows), positions, input_ids, commit=False)
         hidden = self.model(batch, self.states, self.kv)
         logits = self.model.logits(hidden, out=logits_out)
         accepted, emitted = self.accept(hidden, logits, rows, drafts)
@@ -231,10 +268,14 @@ class DecodeStep:
         self.states.pending_counts[slots] = accepted.to(torch.int32)
         return accepted, emitted
 
-    def _batch(self, rows: DecodeRows, positions: torch.Tensor, input_ids: torch.Tensor, commit: bool) -> ForwardBatch:
+    def _tables(self, rows: DecodeRows) -> torch.Tensor:
+        """The rows' block tables [B, max_blocks_per_row] int32, gathered from `slot_tables`."""
+        return self.slot_tables.index_select(0, rows.slots)
+
+    def _batch(self, rows: DecodeRows, tables: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor,
+               commit: bool) -> ForwardBatch:
         """A batch of rows with q = positions.shape[1] consecutive new positions each."""
         num_rows, q = positions.shape
-        tables = rows.block_tables
         block = tables.gather(1, positions // self.block_size).long()
         slot_mapping = (block * self.block_size + positions % self.block_size).reshape(-1)
         cu_seqlens = self._arange(num_rows + 1, q, torch.int32)

@@ -127,8 +127,7 @@ class Runner:
         if self.graphs is not None and self.graphs.fits(rows):
             logits, tokens = self.graphs.run(rows)
         else:
-            logits, tokens = self.decode.plain(self.decode.row_tensors(
-                rows, max(len(r.block_table) for r in rows), self.device))
+            logits, tokens = self.decode.plain(self.decode.row_tensors(rows, self.device))
         self.checkpoint_io.after_forward(plan.cache_ops)
         sampling = [i for i, r in enumerate(plan.decode_rows) if not r.request.params.greedy]
         if sampling:
@@ -190,7 +189,7 @@ class Runner:
                 bucket_rows, bucket_drafts = self.spec_graphs.draft(rows, num_drafts)
                 drafted = bucket_rows.head(len(rows)), bucket_drafts[:len(rows)]  # views: edits reach the graph
             else:
-                device_rows = self.decode.row_tensors(rows, max(len(r.block_table) for r in rows), self.device)
+                device_rows = self.decode.row_tensors(rows, self.device)
                 drafted = device_rows, self.decode.draft(device_rows, num_drafts)
             if self.draft_hook is not None:
                 self.draft_hook(decode_rows, drafted[1])  # edits the drafts in place
