@@ -38,7 +38,6 @@ requests or scheduling beyond the rows it is handed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -59,9 +58,9 @@ def fed_token(row: int) -> int:
     return -1 - row
 
 
-@dataclass(frozen=True)
-class DecodeRow:
-    """What the device needs of one decode row (the scheduler's ScheduledRow, distilled).
+class DecodeRow(NamedTuple):
+    """What the device needs of one decode row (the scheduler's ScheduledRow, distilled). A
+    NamedTuple: every decode row of every step builds one (~3x faster than a frozen dataclass).
 
     position: where the newest token sits (its state is not folded in yet). newest may be a
     `fed_token` (plain steps only). With speculation the MTP catches up positions
