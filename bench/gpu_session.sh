@@ -2,8 +2,9 @@
 # One device call that checks and measures the tree: the GPU tests, then the engine benches.
 # Run from the repo root on the GPU machine (carry .whl); results land in $OUT.
 #
-#   bash bench/gpu_session.sh [tests|engine|all]     (default: all)
+#   DELTASPEC_COMMIT=<sha> bash bench/gpu_session.sh [tests|engine|all]     (default: all)
 #
+# The device's copy of the tree has no .git: pass the commit the results are recorded under.
 # tests : pytest -m gpu (kernels in bf16, graphs, isolation, speculation, prefix cache)
 # engine: decode_overhead (engine vs a bare graph at batch 1, async scheduling on and off),
 #         profile_step (per-kernel time of a 0.8B-like step), engine_throughput (0.8B-like shape)
