@@ -216,8 +216,8 @@ class EngineCore:
         self.spec_stats.draft_seconds += output.draft_seconds
         self.spec_stats.verify_seconds += output.verify_seconds
         deltas = []
-        fed_ahead = {row.request for row in self._in_flight.plan.decode_rows} if self._in_flight else ()
-        for request in (self.scheduler.commit(plan, output.emitted, output.logprobs, output.num_pending, fed_ahead)
+        ahead = self._in_flight.plan if self._in_flight is not None else None
+        for request in (self.scheduler.commit(plan, output.emitted, output.logprobs, output.num_pending, ahead)
                         + self.scheduler.take_aborted()):
             deltas.append(request.take_delta())
             if request.finish_reason is not None:

@@ -193,7 +193,7 @@ class DecodeStep:
                 continue
             if len(table) > self.max_blocks_per_row:
                 raise ValueError(f"slot {r.slot}: {len(table)} KV blocks, at most {self.max_blocks_per_row}")
-            start = len(sent) if sent is not None and tuple(table[:len(sent)]) == tuple(sent) else 0
+            start = len(sent) if sent is not None and table[:len(sent)] == sent else 0
             slots += [r.slot] * (len(table) - start)
             columns += range(start, len(table))
             blocks += table[start:]

@@ -79,14 +79,13 @@ class InFlight:
 
     def __init__(self, plan: StepPlan, tokens: torch.Tensor | None, done: torch.cuda.Event | None,
                  output: StepOutput | None = None) -> None:
-        """tokens: [B] host tensor the step's tokens are being copied into, done: the event after
-        that copy (None: already there); or output: the finished result."""
+        """tokens: [B] pinned tensor the step's tokens are being copied into and done: the event
+        after that copy; or output: the finished result."""
         self.plan, self._tokens, self._done, self._output = plan, tokens, done, output
 
     def result(self) -> StepOutput:
         if self._output is None:
-            if self._done is not None:
-                self._done.synchronize()
+            self._done.synchronize()
             self._output = StepOutput([[t] for t in self._tokens.tolist()])
         return self._output
 
@@ -102,11 +101,10 @@ class Runner:
         self.decode, self.spec_graphs = decode, spec_graphs
         self.speculative = decode.speculative
         self.checkpoint_io = CheckpointIO(states, kv)
-        # Host buffers of launched steps' tokens, used in turn: at most two steps are in flight
+        # Pinned buffers of launched steps' tokens, used in turn: at most two steps are in flight
         # (the one being waited for and the one launched after it).
-        cuda = device.type == "cuda"
-        self._host_tokens = [torch.empty(decode.last_tokens.shape[0], dtype=torch.int64, pin_memory=cuda)
-                             for _ in range(2)]
+        self._host_tokens = [torch.empty(decode.last_tokens.shape[0], dtype=torch.int64, pin_memory=True)
+                             for _ in range(2)] if device.type == "cuda" else []
         self._launches = 0
         # A seam for tests: called with (decode rows, drafts [B, K]) between drafting and verify,
         # it may edit the drafts in place (scripted drafters force every acceptance count).
@@ -121,7 +119,7 @@ class Runner:
         """Launch a plain decode-only step (`can_launch`) without waiting for its tokens. Its rows
         may be fed (decode_step.fed_token) from the step launched before it. A step whose rows
         ask for log-probabilities is waited for here (they need the logits before the next step
-        overwrites them)."""
+        overwrites them), as is every step off the GPU (nothing runs asynchronously there)."""
         self.checkpoint_io.before_forward(plan.cache_ops)
         rows = [_decode_row(r) for r in plan.decode_rows]
         if self.graphs is not None and self.graphs.fits(rows):
@@ -134,14 +132,12 @@ class Runner:
             # tokens is DecodeStep.last_tokens: the sampled rows' tokens go where fed rows read.
             index = self._tensor(sampling)
             tokens[index] = self._sample_tokens(logits[index], [plan.decode_rows[i] for i in sampling])
-        if any(r.request.params.logprobs is not None for r in plan.decode_rows):
+        if self.device.type != "cuda" or any(r.request.params.logprobs is not None for r in plan.decode_rows):
             emitted = [[t] for t in tokens.tolist()]
             logprobs = self._logprobs(logits, plan.rows, [[i] for i in range(len(rows))], emitted)
             return InFlight(plan, None, None, StepOutput(emitted, logprobs=logprobs))
         host = self._host_tokens[self._launches % 2][:len(rows)]
         self._launches += 1
-        if self.device.type != "cuda":
-            return InFlight(plan, host.copy_(tokens), None)
         host.copy_(tokens, non_blocking=True)
         done = torch.cuda.Event()
         done.record()

@@ -29,7 +29,6 @@ When slots or KV blocks run short, cached checkpoints are evicted before anythin
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -217,23 +216,21 @@ class Scheduler:
             position = row.start_position + 1
             if request.num_tokens + 1 >= request.max_num_tokens:
                 continue  # `plan` gives it its last token
-            if position + 1 > len(request.block_table) * self.blocks.block_size:
-                needed = self.blocks.blocks_needed(position + 1) - len(request.block_table)
-                if not self.cache.make_room(0, needed):
-                    return None  # preemption is `schedule`'s business
-                request.block_table += tuple(self.blocks.allocate(needed))
+            if not self._reserve_blocks(request, position + 1, scheduled=None):
+                return None  # preemption is `schedule`'s business
             rows.append(ScheduledRow(request, [fed_token(index)], position, request.slot, request.block_table, True))
         if not rows or in_plan != len(self.running):
             return None  # nothing left to decode, or a running request needs a prefill chunk
         return StepPlan(tuple(rows), (), (), self.cache.take_ops())
 
     def commit(self, plan: StepPlan, emitted: list[list[int]], logprobs: list | None = None,
-               num_pending: list[int] | None = None, fed_ahead: Collection[Request] = ()) -> list[Request]:
+               num_pending: list[int] | None = None, ahead: StepPlan | None = None) -> list[Request]:
         """Fold the step's results in. emitted[i]: the tokens plan.rows[i] produced (none for a
         prefill chunk that does not end the prompt; accepted drafts + one for a verify row).
         logprobs[i]: their TokenLogprobs when the request asked for them. num_pending[i]: fed
-        tokens of the row left pending in its slot (None: nothing pending anywhere). fed_ahead:
-        requests the step launched after this one (`continuation`) already fed their newest token.
+        tokens of the row left pending in its slot (None: nothing pending anywhere). ahead: the
+        step launched after this one (`continuation`), which already fed its rows their newest
+        token.
         Returns the requests that got tokens or finished."""
         self.cache.register_writes()
         # Aborts take effect here too: a request aborted while this step ran gets none of its
@@ -262,7 +259,8 @@ class Scheduler:
                 request.extend(tokens, logprobs[index] if logprobs else None)
                 updated.append(request)
                 if request.finish_reason is not None:
-                    self._finish(request, request in fed_ahead)
+                    fed_ahead = ahead is not None and any(r.request is request for r in ahead.decode_rows)
+                    self._finish(request, fed_ahead)
         Request.update_texts(updated)
         return updated
 
@@ -358,13 +356,16 @@ class Scheduler:
                    request.params.max_tokens - len(request.output_token_ids) - 1)
         return max(0, min(request.draft_length.num_draft_tokens, room))
 
-    def _reserve_blocks(self, request: Request, num_tokens: int, scheduled: set[int]) -> bool:
+    def _reserve_blocks(self, request: Request, num_tokens: int, scheduled: set[int] | None) -> bool:
         """Grow the block table to hold num_tokens, preempting the newest running requests not
-        yet scheduled this step. False when `request` itself had to be preempted."""
+        yet scheduled this step. False when `request` itself had to be preempted, or (scheduled
+        None: nothing may be preempted) when the blocks are not there."""
         if num_tokens <= len(request.block_table) * self.blocks.block_size:
             return True  # most decode steps: the last block has room
         needed = self.blocks.blocks_needed(num_tokens) - len(request.block_table)
         while not self.cache.make_room(0, needed):
+            if scheduled is None:
+                return False
             victims = [r for r in self.running if id(r) not in scheduled and r is not request]
             victim = max(victims, key=lambda r: r.arrival) if victims else request
             if victim.arrival < request.arrival:

@@ -68,16 +68,15 @@ class AdaptivePolicy:
 
     def _thresholds(self) -> tuple[float, ...]:
         """thresholds[j]: the least acceptance in [0, 1] (to float bisection) with _search > j,
-        or 2.0 (never) when even acceptance 1 keeps the best length at j or below."""
+        or 2.0 (never) when even acceptance 1 keeps the best length at j or below. At acceptance
+        0 every k yields one token and k = 0 costs least, so each search starts above 0."""
+        best_at_one = self._search(1.0)
         thresholds = []
         for j in range(self.max_draft_tokens):
-            if self._search(1.0) <= j:
+            if best_at_one <= j:
                 thresholds.append(2.0)
                 continue
-            low, high = 0.0, 1.0  # _search(low) <= j < _search(high), unless low = 0 already exceeds
-            if self._search(0.0) > j:
-                thresholds.append(0.0)
-                continue
+            low, high = 0.0, 1.0  # _search(low) <= j < _search(high)
             for _ in range(64):
                 middle = (low + high) / 2
                 low, high = (low, middle) if self._search(middle) > j else (middle, high)
