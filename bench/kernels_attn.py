@@ -115,13 +115,17 @@ def bench_prefill(num_tokens: int, sweep: bool, gen: torch.Generator) -> dict:
     return result
 
 
-def decode_case(num_rows: int, context: int, q_len: int, gen: torch.Generator):
+def decode_case(num_rows: int, context: int, q_len: int, gen: torch.Generator, table_tokens: int = 0):
+    """table_tokens: width of the block tables in tokens (an engine's are max_model_len wide,
+    whatever the context; default: the context)."""
     block_size = 16
     blocks_per_row = context // block_size
     kv_bytes = num_rows * context * HKV * D * 2 * 2
     rotations = max(1, min(32, math.ceil(512e6 / kv_bytes)))
     k_cache, v_cache, ids = shuffled_pool(rotations * num_rows * blocks_per_row + 1, block_size, gen)
     tables = ids.view(rotations, num_rows, blocks_per_row)
+    if table_tokens > context:
+        tables = F.pad(tables, (0, table_tokens // block_size - blocks_per_row))  # block 0 past the context
     num_tokens = num_rows * q_len
     qs = [torch.randn(num_tokens, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(rotations)]
     cu_seqlens = torch.arange(0, num_tokens + 1, q_len, dtype=torch.int32, device="cuda")
@@ -141,11 +145,19 @@ def time_config(case: dict, config: AttentionConfig) -> tuple[float, torch.Tenso
     return us, outs[0]
 
 
-def bench_decode(num_rows: int, context: int, q_len: int, copy_gbps: float, sweep: bool, gen: torch.Generator) -> dict:
-    case = decode_case(num_rows, context, q_len, gen)
+SWEEP = [(block_n, warps, stages) for block_n, warps, stages in
+         [(32, 4, 3), (32, 4, 4), (64, 4, 2), (64, 4, 3), (64, 8, 2)]]
+# Small batches are latency-bound: shorter key steps, fewer warps, no pipelining too.
+SMALL_BATCH_SWEEP = [(block_n, warps, stages) for block_n in (16, 32, 64) for warps in (2, 4)
+                     for stages in (1, 2, 3)]
+
+
+def bench_decode(num_rows: int, context: int, q_len: int, copy_gbps: float, sweep: bool, gen: torch.Generator,
+                 table_tokens: int = 0, sweep_table: list = SWEEP) -> dict:
+    case = decode_case(num_rows, context, q_len, gen, table_tokens)
     kv_bytes = case["kv_bytes"]
     num_tokens = num_rows * q_len
-    default = attention_config(num_tokens, num_rows, HKV, HQ // HKV, context,
+    default = attention_config(num_tokens, num_rows, HKV, HQ // HKV, max(context, table_tokens),
                                multiprocessor_count(torch.device("cuda")))
 
     # Flash SDPA over contiguous copies of the same K/V (rotation 0), as the independent check and peer.
@@ -162,7 +174,7 @@ def bench_decode(num_rows: int, context: int, q_len: int, copy_gbps: float, swee
         expected = F.scaled_dot_product_attention(q0, ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1),
                                                   attn_mask=mask).transpose(1, 2).reshape(num_tokens, HQ, D)
     result = {"rows": num_rows, "context": context, "q_len": q_len, "kv_bytes": kv_bytes,
-              "rotations": case["rotations"]}
+              "rotations": case["rotations"], "table_tokens": max(context, table_tokens)}
     if q_len == 1:
         try:
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -184,9 +196,9 @@ def bench_decode(num_rows: int, context: int, q_len: int, copy_gbps: float, swee
     result["default"] = record(default, default._asdict())     # what paged_attention picks for this shape
     if sweep:
         rows = []
-        for block_n, warps, stages in [(32, 4, 3), (32, 4, 4), (64, 4, 2), (64, 4, 3), (64, 8, 2)]:
+        for block_n, warps, stages in sweep_table:
             for splits in (1, 2, 4, 8, 16, 32, 64):
-                if splits > 1 and context // splits < block_n:
+                if splits > 1 and max(context, table_tokens) // splits < block_n:
                     continue
                 config = default._replace(block_n=block_n, num_warps=warps, num_stages=stages, num_splits=splits)
                 rows.append(record(config, config._asdict()))
@@ -213,6 +225,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true", help="also time alternative configs and split counts")
     parser.add_argument("--out", default=None, help="extra directory for the JSON (the device's $OUT)")
+    parser.add_argument("--small-batch", action="store_true",
+                        help="only decode at batch 1-8 over short contexts in 8192-token tables (an engine "
+                             "step's shape), with a sweep for latency-bound tiles; kernels_attn_small-<gpu>.json")
     args = parser.parse_args()
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -226,9 +241,10 @@ def main() -> None:
     report = {"device": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "commit": commit,
               "command": " ".join([sys.executable] + sys.argv), "torch": torch.__version__,
               "triton": triton.__version__, "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D}}
-    paths = [ROOT / "bench" / "results" / f"kernels_attn-{gpu}.json"]
+    stem = f"kernels_attn_small-{gpu}.json" if args.small_batch else f"kernels_attn-{gpu}.json"
+    paths = [ROOT / "bench" / "results" / stem]
     if args.out:
-        paths.append(pathlib.Path(args.out) / f"kernels_attn-{gpu}.json")
+        paths.append(pathlib.Path(args.out) / stem)
 
     def save():
         for path in paths:
@@ -239,6 +255,20 @@ def main() -> None:
     report["matmul_bf16_tflops"] = matmul_tflops()
     print(f"{name}: copy {copy_gbps:.0f} GB/s, bf16 matmul {report['matmul_bf16_tflops']:.0f} TFLOP/s", flush=True)
     save()
+    if args.small_batch:
+        report["decode"] = []
+        for context in (512, 2048):
+            for num_rows in (1, 2, 8):
+                report["decode"].append(bench_decode(num_rows, context, 1, copy_gbps, True, gen, table_tokens=8192,
+                                                     sweep_table=SMALL_BATCH_SWEEP))
+                save()
+                best, default = report["decode"][-1]["best"], report["decode"][-1]["default"]
+                print(f"B={num_rows} C={context}: default {default.get('us', float('nan')):.2f} us "
+                      f"{tuple(default['config'].values())}, best {best['us']:.2f} us {tuple(best['config'].values())}",
+                      flush=True)
+        report["compiled"] = compiled_resources()
+        save()
+        return
     report["prefill"] = []
     for num_tokens in (4096, 16384):
         report["prefill"].append(bench_prefill(num_tokens, args.sweep, gen))

@@ -2,7 +2,7 @@
 fused_recurrent_gated_delta_rule and the copy-bandwidth roofline, on one GPU.
 
 Shapes: K = V = 128, HK = 16 with HV = 16 and HV = 32, bf16 activations, fp32 state pool.
-  decode: 1 token per row, commit=True, nothing pending (plain decode)
+  decode: 1 token per row, commit=True, no pending buffers (P = 0: plain decode, speculation off)
   verify: 4 new tokens per row (k = 3 drafts), 3 pending per slot (k, v read from the conv's step
           buffer [B, P, conv_dim], g / beta from the pool), commit=False
   fla:    its plain varlen call, 1 token per row, in-kernel gating / l2norm / sigmoid, reading
@@ -43,7 +43,8 @@ SWEEP = [DecodeConfig(bv, w) for bv, w in ((8, 1), (16, 1), (16, 2), (32, 2), (3
 class Setup:
     """R replicas of a batch of B rows (disjoint slots of one pool) with model-like strided inputs."""
 
-    def __init__(self, batch: int, num_value_heads: int, tokens_per_row: int, pending: int) -> None:
+    def __init__(self, batch: int, num_value_heads: int, tokens_per_row: int, pending: int,
+                 max_pending: int = MAX_PENDING) -> None:
         gen = torch.Generator(device="cuda").manual_seed(batch * 100 + num_value_heads)
         hk, hv, kd, vd = NUM_KEY_HEADS, num_value_heads, KEY_DIM, VALUE_DIM
         self.batch, self.hv = batch, hv
@@ -51,13 +52,13 @@ class Setup:
         self.repeats = max(1, min(128, -(-L2_DEFEAT_BYTES // self.state_bytes)))
         num_slots = 1 + self.repeats * batch
         self.state = torch.randn(num_slots, hv, kd, vd, generator=gen, device="cuda") * 0.1
-        self.pending_g = -torch.rand(num_slots, MAX_PENDING, hv, generator=gen, device="cuda")
-        self.pending_beta = torch.rand(num_slots, MAX_PENDING, hv, generator=gen, device="cuda")
+        self.pending_g = -torch.rand(num_slots, max_pending, hv, generator=gen, device="cuda")
+        self.pending_beta = torch.rand(num_slots, max_pending, hv, generator=gen, device="cuda")
         self.pending_counts = torch.full((num_slots,), pending, dtype=torch.int32, device="cuda")
         num_tokens = batch * tokens_per_row
         conv_dim = 2 * hk * kd + hv * vd
         # The conv decode kernel's step buffer: conv outputs of each row's pending tokens.
-        pending_out = torch.randn(batch, MAX_PENDING, conv_dim, generator=gen, device="cuda").bfloat16()
+        pending_out = torch.randn(batch, max_pending, conv_dim, generator=gen, device="cuda").bfloat16()
         self.pending_k = pending_out[..., hk * kd:2 * hk * kd].unflatten(-1, (hk, kd))
         self.pending_v = pending_out[..., 2 * hk * kd:].unflatten(-1, (hv, vd))
         conv_out = torch.randn(num_tokens, conv_dim, generator=gen, device="cuda").bfloat16()
@@ -147,7 +148,7 @@ def main() -> None:
                 auto_verify = decode_config(batch, hv, KEY_DIM, VALUE_DIM, False, torch.device("cuda"))
                 row["config"] = f"{auto.block_v}x{auto.num_warps}"
                 row["verify_config"] = f"{auto_verify.block_v}x{auto_verify.num_warps}"
-                decode = Setup(batch, hv, tokens_per_row=1, pending=0)
+                decode = Setup(batch, hv, tokens_per_row=1, pending=0, max_pending=0)
                 row["repeats"] = decode.repeats
                 row["state_MiB"] = decode.state_bytes / 2**20
                 row["decode_us"] = time_ours(decode, True, auto)
@@ -177,7 +178,8 @@ def main() -> None:
         for row in result["rows"]:
             try:
                 for name, tokens, pending, commit in (("decode", 1, 0, True), ("verify", 4, 3, False)):
-                    setup = Setup(row["batch"], row["num_value_heads"], tokens_per_row=tokens, pending=pending)
+                    setup = Setup(row["batch"], row["num_value_heads"], tokens_per_row=tokens, pending=pending,
+                                  max_pending=pending)
                     row[f"{name}_sweep_us"] = {f"{c.block_v}x{c.num_warps}": time_ours(setup, commit, c)
                                                for c in SWEEP}
                     del setup

@@ -83,6 +83,7 @@ class EngineCore:
         self.dtype = _TORCH_DTYPES[config.dtype]
         path = Path(config.model)
         self.tokenizer = tokenizer or Tokenizer.from_dir(path)
+        self.tokenizer.token_bytes  # the detokenizers' table, built now rather than by the first request
         if model is None:
             self.model_config = ModelConfig.from_file(path)
             self.ops = select_ops(self.device, config.kernel_backend)

@@ -15,10 +15,12 @@ import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
+import msgspec
+
 from ..spec import DraftLengthState, SpecStats
 from .prefix_cache import Checkpoint
 from .sampling_params import SamplingParams
-from .tokenizer import IncrementalDetokenizer, Tokenizer
+from .tokenizer import Detokenizer, Tokenizer
 
 
 class RequestStatus(enum.Enum):
@@ -49,10 +51,10 @@ class RequestOutput:
     spec_stats: dict | None = None
 
 
-class RequestDelta(NamedTuple):
+class RequestDelta(msgspec.Struct, frozen=True, gc=False):
     """What a request produced since its previous delta; finish_reason is set on the last.
-    A NamedTuple: every running request gets one per step, and a tuple is built several times
-    faster than a frozen dataclass."""
+    A msgspec Struct: every running request gets one per step, and one is built ~2x faster
+    than a NamedTuple, ~5x faster than a frozen dataclass (gc=False: it holds no cycles)."""
 
     request_id: str
     token_ids: list[int]
@@ -70,7 +72,7 @@ class Request:
     seed: int
     arrival: int  # submission order; the newest running request is preempted first
     max_num_tokens: int  # prompt + max_tokens, within the context: it finishes with "length" there
-    detokenizer: IncrementalDetokenizer
+    detokenizer: Detokenizer
     stop_token_ids: frozenset[int]  # EOS (unless ignore_eos) and params.stop_token_ids
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -102,7 +104,7 @@ class Request:
                arrival: int, max_model_len: int, tokenizer: Tokenizer) -> "Request":
         return cls(request_id, list(prompt_token_ids), params, seed, arrival,
                    min(len(prompt_token_ids) + params.max_tokens, max_model_len),
-                   IncrementalDetokenizer(tokenizer, list(prompt_token_ids)),
+                   tokenizer.detokenizer(list(prompt_token_ids)),
                    frozenset(params.stop_token_ids).union(() if params.ignore_eos else tokenizer.eos_token_ids))
 
     def __post_init__(self) -> None:
@@ -151,11 +153,13 @@ class Request:
     def update_texts(requests: Sequence[Request]) -> None:
         """Bring the text of a step's requests up to date: the output tokens their detokenizers
         do not have yet go in one push each, as they would token by token, and all the pushes in
-        one batch (IncrementalDetokenizer.push_all). A finished request gets the text its
-        detokenizer still held back."""
+        one batch (push_all of the detokenizers' class: one tokenizer, so one kind). A finished
+        request gets the text its detokenizer still held back."""
         behind = [r for r in requests if r._num_detokenized < len(r.output_token_ids)]
-        deltas = IncrementalDetokenizer.push_all([r.detokenizer for r in behind],
-                                                 [r.output_token_ids[r._num_detokenized:] for r in behind])
+        if not behind:
+            return
+        deltas = type(behind[0].detokenizer).push_all([r.detokenizer for r in behind],
+                                                      [r.output_token_ids[r._num_detokenized:] for r in behind])
         for request, delta in zip(behind, deltas):
             request.text += delta
             request._num_detokenized = len(request.output_token_ids)
@@ -195,12 +199,14 @@ class Request:
     def take_delta(self) -> RequestDelta:
         """New tokens and text since the last call. Until the request finishes, the last
         (longest stop - 1) characters stay back: they could be the start of a stop string."""
-        text, emitted_tokens, emitted_chars = self.text, self._emitted_tokens, self._emitted_chars
+        text, emitted_tokens, emitted_chars, params = self.text, self._emitted_tokens, self._emitted_chars, self.params
         finished = self.finish_reason is not None
-        safe_chars = len(text) if finished else max(emitted_chars, len(text) - self.params.longest_stop + 1)
+        safe_chars = len(text)
+        if not finished and params.stop:
+            safe_chars = max(emitted_chars, safe_chars - params.longest_stop + 1)
         delta = RequestDelta(self.request_id, self.output_token_ids[emitted_tokens:], text[emitted_chars:safe_chars],
                              self.finish_reason,
-                             self.output_logprobs[emitted_tokens:] if self.params.logprobs is not None else None,
+                             self.output_logprobs[emitted_tokens:] if params.logprobs is not None else None,
                              self.spec_summary if finished else None)
         self._emitted_tokens, self._emitted_chars = len(self.output_token_ids), safe_chars
         return delta

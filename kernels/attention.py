@@ -306,14 +306,19 @@ def attention_config(num_tokens: int, num_rows: int, num_kv_heads: int, group: i
                      num_sms: int) -> AttentionConfig:
     """Pick the tile from shapes alone (never device values, so CUDA graphs can capture the call).
     The table is what won in bench/kernels_attn.py on an H200 (bench/results/kernels_attn-h200.json,
-    8 q / 2 kv heads, D 256); D 128 uses the same tiles.
+    8 q / 2 kv heads, D 256) and, for small decode batches, with --small-batch on an H100
+    (kernels_attn_small-h100.json); D 128 uses the same tiles.
 
     Average q_len <= 8 (decode/verify batches): a tile holds a row's tokens x its GROUP heads in
     the smallest power of two >= 16 rows (tl.dot's minimum); memory-bound: 64 keys a step, 4 warps,
     3 stages. Longer rows (prefill): 128-row tiles, 64 keys a step, 8 warps (two warpgroups), 2
     stages. One decode program streams KV at only ~16 GB/s (latency-bound), so when tiles x KV heads
     leave SMs idle the key range is split until the grid holds 1-2 programs per SM (a power of two,
-    >= one key step per split, <= MAX_SPLITS)."""
+    >= one key step per split, <= MAX_SPLITS). Such split programs run a few key steps each, where
+    a software pipeline's prologue costs more than it hides: decode rows that fill at most 1/8 of
+    the SMs before splitting take 32 keys a step, unpipelined (batch 1-8 over 512-2048 keys in an
+    8192-token table: 1.02-1.45x faster than 64 keys, 3 stages; a program costs least when it
+    runs a single key step)."""
     if num_tokens <= 8 * num_rows:
         tokens_per_row = triton.cdiv(num_tokens, max(num_rows, 1))
         block_m = max(16, triton.next_power_of_2(group * min(tokens_per_row, 8)))
@@ -325,6 +330,8 @@ def attention_config(num_tokens: int, num_rows: int, num_kv_heads: int, group: i
     programs = max(num_rows, triton.cdiv(num_tokens, block_m // group), 1) * num_kv_heads
     num_splits = 1
     if programs < num_sms:
+        if num_tokens <= 8 * num_rows and 8 * programs <= num_sms:
+            block_n, num_stages = 32, 1
         wanted = triton.cdiv(2 * num_sms, programs)
         num_splits = max(1, min(1 << (wanted.bit_length() - 1), max_context // block_n, MAX_SPLITS))
     return AttentionConfig(block_m, block_n, num_splits, num_warps, num_stages)

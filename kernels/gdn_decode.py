@@ -88,11 +88,6 @@ def _delta_rule_step(state, k, v, g, beta):
 
 
 @triton.jit
-def _l2normalize(x):
-    return x * tl.rsqrt(tl.sum(x * x) + 1e-6)
-
-
-@triton.jit
 def _gating(a, b, A_log, dt_bias):
     """g = -exp(A_log) softplus(a + dt_bias) (softplus(x) = x above 20, as torch); beta = sigmoid(b)."""
     x = a + dt_bias
@@ -101,19 +96,23 @@ def _gating(a, b, A_log, dt_bias):
 
 
 @triton.jit
-def _new_token(h, t, q, k, v, a, b, out, A, bias, i_kh, i_h, offs_k, offs_v,
-               stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_a_t, stride_b_t,
-               scale, HV: tl.constexpr, V: tl.constexpr):
-    """Token t on the state tile h: writes its output columns, returns (new h, g_t, beta_t)."""
-    q_t = tl.load(q + t * stride_q_t + i_kh * stride_q_h + offs_k).to(tl.float32)
-    k_t = tl.load(k + t * stride_k_t + i_kh * stride_k_h + offs_k).to(tl.float32)
-    v_t = tl.load(v + t * stride_v_t + i_h * stride_v_h + offs_v).to(tl.float32)
-    g_t, beta_t = _gating(tl.load(a + t * stride_a_t + i_h).to(tl.float32),
-                          tl.load(b + t * stride_b_t + i_h).to(tl.float32), A, bias)
-    h = _delta_rule_step(h, _l2normalize(k_t), v_t, g_t, beta_t)
-    o_t = tl.sum(h * (_l2normalize(q_t) * scale)[:, None], axis=0)
-    tl.store(out + (t * HV + i_h) * V + offs_v, o_t.to(out.dtype.element_ty))
-    return h, g_t, beta_t
+def _inverse_norms(x):
+    """1 / ||row|| of a [R, C] block, as the l2norm of gdn.py (eps 1e-6 inside the root)."""
+    x = x.to(tl.float32)
+    return tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)
+
+
+@triton.jit
+def _row(block, offs, j):
+    """Row j of a [R, C] block held in registers, as [C] fp32 (a select and a sum over R:
+    registers cannot be indexed)."""
+    return tl.sum(tl.where((offs == j)[:, None], block.to(tl.float32), 0.0), axis=0)
+
+
+@triton.jit
+def _entry(vector, offs, j):
+    """Entry j of an [R] vector held in registers."""
+    return tl.sum(tl.where(offs == j, vector, 0.0), axis=0)
 
 
 @triton.jit
@@ -124,18 +123,24 @@ def _gdn_decode_kernel(
     stride_pk_r, stride_pk_p, stride_pk_h, stride_pv_r, stride_pv_p, stride_pv_h,
     scale,
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr,
-    BV: tl.constexpr, COMMIT: tl.constexpr,
+    P_BLOCK: tl.constexpr, T_BLOCK: tl.constexpr, BV: tl.constexpr, COMMIT: tl.constexpr,
 ):
     """Program (V tile i_v, value head i_h, row). State tile [K, BV] fp32 in registers (K, V and
     BV are powers of two, BV <= V: no masks, so state accesses vectorise).
 
+    Everything the row's token steps read (pending k, v, g, beta: up to P_BLOCK >= P entries;
+    the new tokens' q, k, v, a, b: up to T_BLOCK >= P + 1) is loaded up front, beside the
+    state, and the steps pick their entry out of registers: the steps are a dependent chain,
+    and a load inside it would put one memory round trip on every token.
+
     Ordering of the shared pending g / beta (commit=False only): the V // BV programs of a value
-    head read the old entries [slot, 0..p) while folding, and the new entries [slot, 0..n-1)
-    overwrite them. Programs of one launch have no grid-wide barrier, so each program, after its
-    fold and a CTA barrier, increments the head's arrival counter (acq_rel, gpu scope: its loads
-    happen before the last arriver's stores). The program that arrives last knows that every
-    reader is done; it alone writes the head's new g / beta, then resets the counter to 0, so the
-    counters are zero between launches (launches of one stream never overlap).
+    head read the old entries [slot, 0..p) (the prefetch above), and the new entries
+    [slot, 0..n-1) overwrite them. Programs of one launch have no grid-wide barrier, so each
+    program, after its prefetch and a CTA barrier, increments the head's arrival counter
+    (acq_rel, gpu scope: its loads happen before the last arriver's stores). The program that
+    arrives last knows that every reader is done; it alone writes the head's new g / beta, then
+    resets the counter to 0, so the counters are zero between launches (launches of one stream
+    never overlap).
     Invariant: rows in a launch own distinct slots, except pad rows, which all point at scratch
     slot 0, whose contents are never read as real state.
     """
@@ -144,41 +149,64 @@ def _gdn_decode_kernel(
     slot = tl.load(slot_ids + row).to(tl.int64)
     bos = tl.load(cu_seqlens + row).to(tl.int64)
     num_new = tl.load(cu_seqlens + row + 1).to(tl.int64) - bos
-    num_pending = tl.minimum(tl.load(pending_counts + slot), P)
+    if P > 0:
+        num_pending = tl.minimum(tl.load(pending_counts + slot), P)
+    else:
+        num_pending = 0
 
     offs_k = tl.arange(0, K)
     offs_v = i_v * BV + tl.arange(0, BV)
+    offs_p = tl.arange(0, P_BLOCK)
+    offs_t = tl.arange(0, T_BLOCK)
     # state [S, HV, K, V]; pending_g/beta [S, P, HV]; step buffer pending_k [B, P, HK, K], pending_v [B, P, HV, V]
     state_ptrs = state + (slot * HV + i_h) * (K * V) + offs_k[:, None] * V + offs_v[None, :]
     h = tl.load(state_ptrs).to(tl.float32)
 
-    for j in range(0, num_pending):
-        k_j = tl.load(pending_k + row * stride_pk_r + j * stride_pk_p + i_kh * stride_pk_h + offs_k).to(tl.float32)
-        v_j = tl.load(pending_v + row * stride_pv_r + j * stride_pv_p + i_h * stride_pv_h + offs_v).to(tl.float32)
-        g_j = tl.load(pending_g + (slot * P + j) * HV + i_h)
-        beta_j = tl.load(pending_beta + (slot * P + j) * HV + i_h)
-        h = _delta_rule_step(h, _l2normalize(k_j), v_j, g_j, beta_j)
+    # All P entries are loaded, not the first num_pending: the loads then wait for the slot id
+    # alone, not for the count read through it. Entries past the count may be stale or NaN;
+    # _row / _entry select (never multiply) their entry, so those never reach the state.
+    in_buffer = offs_p < P
+    pk = tl.load(pending_k + row * stride_pk_r + offs_p[:, None] * stride_pk_p + i_kh * stride_pk_h + offs_k[None, :],
+                 mask=in_buffer[:, None], other=0.0)                                            # [P_BLOCK, K]
+    pk_norms = _inverse_norms(pk)
+    pv = tl.load(pending_v + row * stride_pv_r + offs_p[:, None] * stride_pv_p + i_h * stride_pv_h + offs_v[None, :],
+                 mask=in_buffer[:, None], other=0.0)                                            # [P_BLOCK, BV]
+    pg = tl.load(pending_g + (slot * P + offs_p) * HV + i_h, mask=in_buffer, other=0.0)
+    pbeta = tl.load(pending_beta + (slot * P + offs_p) * HV + i_h, mask=in_buffer, other=0.0)
+
+    is_new = offs_t < num_new
+    tokens = bos + offs_t
+    nq = tl.load(q + tokens[:, None] * stride_q_t + i_kh * stride_q_h + offs_k[None, :], mask=is_new[:, None], other=0.0)
+    nq_norms = _inverse_norms(nq) * scale
+    nk = tl.load(k + tokens[:, None] * stride_k_t + i_kh * stride_k_h + offs_k[None, :], mask=is_new[:, None], other=0.0)
+    nk_norms = _inverse_norms(nk)
+    nv = tl.load(v + tokens[:, None] * stride_v_t + i_h * stride_v_h + offs_v[None, :], mask=is_new[:, None], other=0.0)
+    ng, nbeta = _gating(tl.load(a + tokens * stride_a_t + i_h, mask=is_new, other=0.0).to(tl.float32),
+                        tl.load(b + tokens * stride_b_t + i_h, mask=is_new, other=0.0).to(tl.float32),
+                        tl.load(A_log + i_h).to(tl.float32), tl.load(dt_bias + i_h).to(tl.float32))
 
     is_last = False
     if not COMMIT:
         is_last = last_to_arrive(arrivals + row * HV + i_h, V // BV)
 
-    A = tl.load(A_log + i_h).to(tl.float32)
-    bias = tl.load(dt_bias + i_h).to(tl.float32)
-    h, _, _ = _new_token(h, bos, q, k, v, a, b, out, A, bias, i_kh, i_h, offs_k, offs_v,
-                         stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_a_t,
-                         stride_b_t, scale, HV, V)
-    if not COMMIT:  # the committed state now ends at new token 0
-        tl.store(state_ptrs, h.to(state.dtype.element_ty))
-    for i in range(1, num_new):
-        h, g_t, beta_t = _new_token(h, bos + i, q, k, v, a, b, out, A, bias, i_kh, i_h, offs_k, offs_v,
-                                    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
-                                    stride_a_t, stride_b_t, scale, HV, V)
+    for j in range(0, num_pending):
+        h = _delta_rule_step(h, _row(pk, offs_p, j) * _entry(pk_norms, offs_p, j), _row(pv, offs_p, j),
+                             _entry(pg, offs_p, j), _entry(pbeta, offs_p, j))
+    for i in range(0, tl.minimum(num_new, T_BLOCK)):  # num_new <= P + 1 <= T_BLOCK (the launcher's contract)
+        g_i = _entry(ng, offs_t, i)
+        beta_i = _entry(nbeta, offs_t, i)
+        h = _delta_rule_step(h, _row(nk, offs_t, i) * _entry(nk_norms, offs_t, i), _row(nv, offs_t, i), g_i, beta_i)
+        o_i = tl.sum(h * (_row(nq, offs_t, i) * _entry(nq_norms, offs_t, i))[:, None], axis=0)
+        tl.store(out + ((bos + i) * HV + i_h) * V + offs_v, o_i.to(out.dtype.element_ty))
         if not COMMIT:
-            # a row never carries more than P drafts; guard the buffer anyway
-            write = is_last & (i - 1 < P)
-            tl.store(pending_g + (slot * P + i - 1) * HV + i_h, g_t, mask=write)
-            tl.store(pending_beta + (slot * P + i - 1) * HV + i_h, beta_t, mask=write)
+            if i == 0:  # the committed state ends at new token 0
+                tl.store(state_ptrs, h.to(state.dtype.element_ty))
+            else:
+                # new tokens 1..n-1 (drafts) become pending entries 0..n-2; a row never carries
+                # more than P drafts: guard the buffer anyway
+                write = is_last & (i - 1 < P)
+                tl.store(pending_g + (slot * P + i - 1) * HV + i_h, g_i, mask=write)
+                tl.store(pending_beta + (slot * P + i - 1) * HV + i_h, beta_i, mask=write)
 
     if COMMIT:
         tl.store(state_ptrs, h.to(state.dtype.element_ty))
@@ -198,10 +226,10 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 def decode_config(num_rows: int, num_value_heads: int, key_dim: int, value_dim: int, commit: bool,
                   device: torch.device) -> DecodeConfig:
     """16-column tiles of one warp; decode batches with >= 8 programs of 32 columns per SM take
-    32-column tiles of two warps (64 state values per thread either way). From the tile sweep in
-    bench/results/kernels_gdn_decode-h200.json as committed in 54c80a9 (--sweep): 16x1 is
-    fastest for verify at every batch (by 1.2-1.8x at B >= 64) and for decode up to B = 8; 32x2
-    gains ~4% on large decode batches."""
+    32-column tiles of two warps (64 state values per thread either way). From the tile sweeps
+    of bench/kernels_gdn_decode.py (--sweep; results/kernels_gdn_decode-*.json): 16x1 is fastest
+    for verify at every batch (by 1.5-2x at B >= 64) and for decode up to B = 8; 32x2 for
+    larger decode batches."""
     if INTERPRETED:
         return DecodeConfig(block_v=min(16, value_dim), num_warps=1)
     block_v = 16
@@ -216,7 +244,8 @@ def launch_gdn_decode(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                       slot_ids: torch.Tensor, state: torch.Tensor, pending_k: torch.Tensor,
                       pending_v: torch.Tensor, pending_g: torch.Tensor, pending_beta: torch.Tensor,
                       pending_counts: torch.Tensor, commit: bool, config: DecodeConfig) -> None:
-    """gdn_decode into `out` [T, HV, V] (contiguous) with an explicit tile config.
+    """gdn_decode into `out` [T, HV, V] (contiguous) with an explicit tile config. Each row runs
+    1..P+1 new tokens (the kernel holds P + 1 at most; the total is checked here).
 
     q, k [T, HK, K] and v [T, HV, V] may be strided views (the split of the conv output) with
     unit stride along the head dim; a, b [T, HV] unit stride along heads; so may the step buffer
@@ -245,6 +274,7 @@ def launch_gdn_decode(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     for t in (state, pending_g, pending_beta, pending_counts, cu_seqlens, slot_ids):
         assert t.is_contiguous()
     assert out.shape == v.shape and out.dtype == v.dtype and out.is_contiguous()
+    assert num_tokens <= num_rows * (max_pending + 1), "a row runs at most P + 1 new tokens"
     if num_rows == 0:
         return
     # Plain decode (commit) writes nothing shared and never touches the counters.
@@ -257,6 +287,9 @@ def launch_gdn_decode(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         *pending_k.stride()[:3], *pending_v.stride()[:3],
         key_dim ** -0.5,
         HK=num_key_heads, HV=num_value_heads, K=key_dim, V=value_dim, P=max_pending,
+        # One token per row (every plain decode step): a one-entry token block.
+        P_BLOCK=triton.next_power_of_2(max(max_pending, 1)),
+        T_BLOCK=1 if num_tokens == num_rows else triton.next_power_of_2(max_pending + 1),
         BV=config.block_v, COMMIT=commit,
         num_warps=config.num_warps,
     )
