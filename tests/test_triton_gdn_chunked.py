@@ -2,8 +2,9 @@
 reference, and the reference's checkpoint output against the recurrence itself.
 
 Contracts checked (CPU: the interpreter in fp32 / fp16 at tiny K, V; GPU: bf16 at K = V = 128):
-  - ragged rows of 1, 63, 64, 65, 130 tokens (chunks of 64 from each row start), HV = 2 HK and
-    HV = HK; q, k, v and a, b as strided views of packed projections, as the model passes them;
+  - ragged rows of 1, 63, 64, 65, 130 tokens (chunks of 64 from each row start), HV = 2 HK (with
+    one and two key heads: value head h reads key head h // 2) and HV = HK; q, k, v and a, b as
+    strided views of packed projections, as the model passes them;
   - initial states from permuted slots; rows without one start from zero and never read their
     slot (it holds NaN); slots outside the batch (scratch slot 0 included) stay bit-identical;
   - every buffer the launcher allocates starts as NaN (`torch.empty` is poisoned), so any output
@@ -111,7 +112,8 @@ class Batch:
                 assert torch.equal(bits(state[slot]), bits(self.state[slot])), f"slot {slot} changed"
 
 
-@pytest.mark.parametrize("num_key_heads,num_value_heads", [(1, 2), (2, 2)], ids=["HV=2HK", "HV=HK"])
+@pytest.mark.parametrize("num_key_heads,num_value_heads", [(1, 2), (2, 4), (2, 2)],
+                         ids=["HV=2HK", "HV=2HK-HK=2", "HV=HK"])
 def test_kernel_matches_reference(interpreter_device, poisoned_empty, num_key_heads, num_value_heads):
     gen = torch.Generator().manual_seed(10 + num_key_heads)
     batch = Batch(gen, interpreter_device, LENGTHS, num_key_heads, num_value_heads, KEY_DIM, VALUE_DIM, torch.float32)
