@@ -110,7 +110,6 @@ class Tokenizer:
         self._source = source
         self._compiled_template: jinja2.Template | None = None
         self._token_texts: dict[int, str] = {}  # decode_token's cache
-        self._decoder_type = json.loads(tokenizer.to_str()).get("decoder") or {}
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -188,7 +187,7 @@ class Tokenizer:
         exactly the UTF-8 decoding (invalid bytes replaced) of the ids' bytes concatenated.
         The table is checked against decode on every id before it is trusted (0.3 s for a 250k
         vocabulary: EngineCore builds it at start-up); a mismatch gives None, the generic path."""
-        if self._decoder_type.get("type") != "ByteLevel":
+        if not isinstance(self._tokenizer.decoder, tokenizers.decoders.ByteLevel):
             return None
         alphabet = _byte_level_alphabet()
         to_latin1 = str.maketrans({char: chr(byte) for char, byte in alphabet.items()})
