@@ -103,85 +103,40 @@ def _inverse_norms(x):
 
 
 @triton.jit
-def _unit_lower_inverse(A, offs, num_rows):
-    """(I + A)^-1 for a strictly lower-triangular [M, M] block A whose rows from num_rows on are
-    zero (their rows of the inverse are those of I). Forward substitution, row i of L = T - I:
-    L[i] = -A[i] - sum_{j<i} A[i, j] L[j] (a select and two sums per row: registers cannot be
-    indexed)."""
-    L = -A
-    for i in range(1, num_rows):
-        row_i = tl.sum(tl.where((offs == i)[:, None], L, 0.0), axis=0)          # -A[i]
-        row_i += tl.sum(row_i[:, None] * L, axis=0)                           # - sum_j A[i, j] L[j]
-        L = tl.where((offs == i)[:, None], row_i[None, :], L)
-    return L + tl.where(offs[:, None] == offs[None, :], 1.0, 0.0)
+def _row(block, offs, j):
+    """Row j of a [R, C] block held in registers, as [C] fp32 (a select and a sum over R:
+    registers cannot be indexed)."""
+    return tl.sum(tl.where((offs == j)[:, None], block.to(tl.float32), 0.0), axis=0)
 
 
 @triton.jit
-def _gdn_step_kernel(
-    q, k, v, a, b, A_log, dt_bias, slot_ids, state, out,
-    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_a_t, stride_b_t,
-    scale,
-    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-):
-    """Plain decode (P = 0: one token per row, token i of row i). Program (V tile i_v, value
-    head i_h, row); state tile [K, BV] fp32 in registers (K, V and BV are powers of two,
-    BV <= V: no masks, so state accesses vectorise); the token's inputs load beside it."""
-    i_v, i_h, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_kh = i_h // (HV // HK)
-    slot = tl.load(slot_ids + row).to(tl.int64)
-    token = row.to(tl.int64)
-    offs_k = tl.arange(0, K)
-    offs_v = i_v * BV + tl.arange(0, BV)
-    state_ptrs = state + (slot * HV + i_h) * (K * V) + offs_k[:, None] * V + offs_v[None, :]
-    h = tl.load(state_ptrs).to(tl.float32)
-    q_t = tl.load(q + token * stride_q_t + i_kh * stride_q_h + offs_k).to(tl.float32)
-    k_t = tl.load(k + token * stride_k_t + i_kh * stride_k_h + offs_k).to(tl.float32)
-    v_t = tl.load(v + token * stride_v_t + i_h * stride_v_h + offs_v).to(tl.float32)
-    g, beta = _gating(tl.load(a + token * stride_a_t + i_h).to(tl.float32),
-                      tl.load(b + token * stride_b_t + i_h).to(tl.float32),
-                      tl.load(A_log + i_h).to(tl.float32), tl.load(dt_bias + i_h).to(tl.float32))
-    k_t = k_t * tl.rsqrt(tl.sum(k_t * k_t) + 1e-6)
-    q_t = q_t * (tl.rsqrt(tl.sum(q_t * q_t) + 1e-6) * scale)
-    h = _delta_rule_step(h, k_t, v_t, g, beta)
-    tl.store(out + (token * HV + i_h) * V + offs_v, tl.sum(h * q_t[:, None], axis=0).to(out.dtype.element_ty))
-    tl.store(state_ptrs, h.to(state.dtype.element_ty))
+def _entry(vector, offs, j):
+    """Entry j of an [R] vector held in registers."""
+    return tl.sum(tl.where(offs == j, vector, 0.0), axis=0)
 
 
 @triton.jit
-def _gdn_verify_kernel(
+def _gdn_decode_kernel(
     q, k, v, a, b, A_log, dt_bias, cu_seqlens, slot_ids, state,
     pending_k, pending_v, pending_g, pending_beta, pending_counts, out, arrivals,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_a_t, stride_b_t,
     stride_pk_r, stride_pk_p, stride_pk_h, stride_pv_r, stride_pv_p, stride_pv_h,
     scale,
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr,
-    M: tl.constexpr, BV: tl.constexpr, COMMIT: tl.constexpr, PRECISION: tl.constexpr,
+    P_BLOCK: tl.constexpr, T_BLOCK: tl.constexpr, BV: tl.constexpr, COMMIT: tl.constexpr,
 ):
-    """Deferred commit, P >= 1. Program (V tile i_v, value head i_h, row); state tile [K, BV]
-    fp32 in registers (K, V, BV powers of two, BV <= V).
+    """Program (V tile i_v, value head i_h, row). State tile [K, BV] fp32 in registers (K, V and
+    BV are powers of two, BV <= V: no masks, so state accesses vectorise).
 
-    The row's tokens form one small chunk of M >= 2P + 1 positions: pending entries at [0, P),
-    new token i at P + i. Positions past the slot's pending count or the row's token count are
-    identity steps (g = beta = 0, k = v = q = 0), so the committed state, which ends at new
-    token 0, is the state at position c* = P (c* = M - 1 with COMMIT). With G the cumsum of g
-    over the chunk, D[c, d] = exp(G_c - G_d) for d <= c (0 above), and S the committed state
-    (the WY form of gdn_chunked.py for one chunk):
-        A = strictly-lower(beta_c (k_c . k_d) D)       T = (I + A)^-1   (forward substitution)
-        W = T (beta exp(G) * K)                        U = T (beta * V) - W S
-        O = exp(G) * (Q S) + (D * (Q K^T)) U           (rows of the new tokens)
-        S' = exp(G_c*) S + (K * D[c*, :])^T U           (rows d <= c*)
-    T and W need no state: they run while the state tile is in flight. Matrix products go to
-    the tensor cores in fp32 operands (tf32 on the GPU for bf16 activations: a 2^-11 rounding
-    of each operand, against the bf16 operands of the chunked prefill; exact fp32 under the
-    interpreter or for fp32 activations).
-
-    Entries past the counts may be stale or NaN: they are loaded (so the loads wait for the
-    slot id alone, not for the count read through it) and then selected away, never multiplied.
+    Everything the row's token steps read (pending k, v, g, beta: up to P_BLOCK >= P entries;
+    the new tokens' q, k, v, a, b: up to T_BLOCK >= P + 1) is loaded up front, beside the
+    state, and the steps pick their entry out of registers: the steps are a dependent chain,
+    and a load inside it would put one memory round trip on every token.
 
     Ordering of the shared pending g / beta (commit=False only): the V // BV programs of a value
-    head read the old entries [slot, 0..p) (loaded up front), and the new entries
+    head read the old entries [slot, 0..p) (the prefetch above), and the new entries
     [slot, 0..n-1) overwrite them. Programs of one launch have no grid-wide barrier, so each
-    program, after its loads and a CTA barrier, increments the head's arrival counter
+    program, after its prefetch and a CTA barrier, increments the head's arrival counter
     (acq_rel, gpu scope: its loads happen before the last arriver's stores). The program that
     arrives last knows that every reader is done; it alone writes the head's new g / beta, then
     resets the counter to 0, so the counters are zero between launches (launches of one stream
@@ -193,98 +148,92 @@ def _gdn_verify_kernel(
     i_kh = i_h // (HV // HK)
     slot = tl.load(slot_ids + row).to(tl.int64)
     bos = tl.load(cu_seqlens + row).to(tl.int64)
-    num_new = tl.minimum(tl.load(cu_seqlens + row + 1).to(tl.int64) - bos, P + 1)  # the launcher's contract
-    num_pending = tl.minimum(tl.load(pending_counts + slot), P)
+    num_new = tl.load(cu_seqlens + row + 1).to(tl.int64) - bos
+    if P > 0:
+        num_pending = tl.minimum(tl.load(pending_counts + slot), P)
+    else:
+        num_pending = 0
 
-    offs_c = tl.arange(0, M)
     offs_k = tl.arange(0, K)
     offs_v = i_v * BV + tl.arange(0, BV)
+    offs_p = tl.arange(0, P_BLOCK)
+    offs_t = tl.arange(0, T_BLOCK)
     # state [S, HV, K, V]; pending_g/beta [S, P, HV]; step buffer pending_k [B, P, HK, K], pending_v [B, P, HV, V]
     state_ptrs = state + (slot * HV + i_h) * (K * V) + offs_k[:, None] * V + offs_v[None, :]
     h = tl.load(state_ptrs).to(tl.float32)
 
-    in_buffer = offs_c < P
-    new_index = offs_c - P
-    is_new = (new_index >= 0) & (new_index < num_new)
-    active = (offs_c < num_pending) | is_new
-    tokens = bos + new_index
-    # Raw k and q rows go to the tensor cores as loaded (bf16 values are exact in tf32); their
-    # l2norms, the scale, beta and the decays apply as row scales on the small side.
-    pk = tl.load(pending_k + row * stride_pk_r + offs_c[:, None] * stride_pk_p + i_kh * stride_pk_h + offs_k[None, :],
-                 mask=in_buffer[:, None], other=0.0)
+    # All P entries are loaded, not the first num_pending: the loads then wait for the slot id
+    # alone, not for the count read through it. Entries past the count may be stale or NaN;
+    # _row / _entry select (never multiply) their entry, so those never reach the state.
+    in_buffer = offs_p < P
+    pk = tl.load(pending_k + row * stride_pk_r + offs_p[:, None] * stride_pk_p + i_kh * stride_pk_h + offs_k[None, :],
+                 mask=in_buffer[:, None], other=0.0)                                            # [P_BLOCK, K]
+    pk_norms = _inverse_norms(pk)
+    pv = tl.load(pending_v + row * stride_pv_r + offs_p[:, None] * stride_pv_p + i_h * stride_pv_h + offs_v[None, :],
+                 mask=in_buffer[:, None], other=0.0)                                            # [P_BLOCK, BV]
+    pg = tl.load(pending_g + (slot * P + offs_p) * HV + i_h, mask=in_buffer, other=0.0)
+    pbeta = tl.load(pending_beta + (slot * P + offs_p) * HV + i_h, mask=in_buffer, other=0.0)
+
+    is_new = offs_t < num_new
+    tokens = bos + offs_t
+    nq = tl.load(q + tokens[:, None] * stride_q_t + i_kh * stride_q_h + offs_k[None, :], mask=is_new[:, None], other=0.0)
+    nq_norms = _inverse_norms(nq) * scale
     nk = tl.load(k + tokens[:, None] * stride_k_t + i_kh * stride_k_h + offs_k[None, :], mask=is_new[:, None], other=0.0)
-    kc = tl.where(active[:, None], tl.where(in_buffer[:, None], pk.to(tl.float32), nk.to(tl.float32)), 0.0)  # [M, K]
-    k_norms = _inverse_norms(kc)
-    pv = tl.load(pending_v + row * stride_pv_r + offs_c[:, None] * stride_pv_p + i_h * stride_pv_h + offs_v[None, :],
-                 mask=in_buffer[:, None], other=0.0)
+    nk_norms = _inverse_norms(nk)
     nv = tl.load(v + tokens[:, None] * stride_v_t + i_h * stride_v_h + offs_v[None, :], mask=is_new[:, None], other=0.0)
-    vc = tl.where(active[:, None], tl.where(in_buffer[:, None], pv.to(tl.float32), nv.to(tl.float32)), 0.0)  # [M, BV]
-    qc = tl.load(q + tokens[:, None] * stride_q_t + i_kh * stride_q_h + offs_k[None, :], mask=is_new[:, None],
-                 other=0.0).to(tl.float32)                                                              # [M, K]
-    q_norms = tl.where(is_new, _inverse_norms(qc) * scale, 0.0)
     ng, nbeta = _gating(tl.load(a + tokens * stride_a_t + i_h, mask=is_new, other=0.0).to(tl.float32),
                         tl.load(b + tokens * stride_b_t + i_h, mask=is_new, other=0.0).to(tl.float32),
                         tl.load(A_log + i_h).to(tl.float32), tl.load(dt_bias + i_h).to(tl.float32))
-    pg = tl.load(pending_g + (slot * P + offs_c) * HV + i_h, mask=in_buffer, other=0.0)
-    pbeta = tl.load(pending_beta + (slot * P + offs_c) * HV + i_h, mask=in_buffer, other=0.0)
-    g = tl.where(active, tl.where(in_buffer, pg, ng), 0.0)
-    beta = tl.where(active, tl.where(in_buffer, pbeta, nbeta), 0.0)
 
     is_last = False
     if not COMMIT:
         is_last = last_to_arrive(arrivals + row * HV + i_h, V // BV)
 
-    G = tl.cumsum(g, axis=0)
-    causal = offs_c[:, None] >= offs_c[None, :]
-    decay = tl.where(causal, tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0)), 0.0)      # D [M, M]
-    kk = tl.dot(kc, tl.trans(kc), input_precision=PRECISION) * decay * k_norms[None, :]
-    T = _unit_lower_inverse(tl.where(offs_c[:, None] > offs_c[None, :], (beta * k_norms)[:, None] * kk, 0.0),
-                            offs_c, P + num_new)
-    qk = tl.dot(qc, tl.trans(kc), input_precision=PRECISION) * decay * (q_norms[:, None] * k_norms[None, :])
+    for j in range(0, num_pending):
+        h = _delta_rule_step(h, _row(pk, offs_p, j) * _entry(pk_norms, offs_p, j), _row(pv, offs_p, j),
+                             _entry(pg, offs_p, j), _entry(pbeta, offs_p, j))
+    for i in range(0, tl.minimum(num_new, T_BLOCK)):  # num_new <= P + 1 <= T_BLOCK (the launcher's contract)
+        g_i = _entry(ng, offs_t, i)
+        beta_i = _entry(nbeta, offs_t, i)
+        h = _delta_rule_step(h, _row(nk, offs_t, i) * _entry(nk_norms, offs_t, i), _row(nv, offs_t, i), g_i, beta_i)
+        o_i = tl.sum(h * (_row(nq, offs_t, i) * _entry(nq_norms, offs_t, i))[:, None], axis=0)
+        tl.store(out + ((bos + i) * HV + i_h) * V + offs_v, o_i.to(out.dtype.element_ty))
+        if not COMMIT:
+            if i == 0:  # the committed state ends at new token 0
+                tl.store(state_ptrs, h.to(state.dtype.element_ty))
+            else:
+                # new tokens 1..n-1 (drafts) become pending entries 0..n-2; a row never carries
+                # more than P drafts: guard the buffer anyway
+                write = is_last & (i - 1 < P)
+                tl.store(pending_g + (slot * P + i - 1) * HV + i_h, g_i, mask=write)
+                tl.store(pending_beta + (slot * P + i - 1) * HV + i_h, beta_i, mask=write)
 
-    # U = T (beta * (V - exp(G) * K S)), K l2-normalised
-    ks = tl.dot(kc, h, input_precision=PRECISION)                                                 # [M, BV]
-    u = tl.dot(T, beta[:, None] * (vc - (tl.exp(G) * k_norms)[:, None] * ks), input_precision=PRECISION)
-    o = tl.dot(qk, u, tl.dot(qc, h, input_precision=PRECISION) * (tl.exp(G) * q_norms)[:, None],
-               input_precision=PRECISION)
-    tl.store(out + (tokens[:, None] * HV + i_h) * V + offs_v[None, :], o.to(out.dtype.element_ty),
-             mask=is_new[:, None])
-
-    LAST: tl.constexpr = M - 1 if COMMIT else P  # c*
-    G_last = tl.sum(tl.where(offs_c == LAST, G, 0.0), axis=0)
-    k_decay = tl.where(offs_c <= LAST, tl.exp(G_last - G) * k_norms, 0.0)
-    h = tl.dot(tl.trans(kc), u * k_decay[:, None], h * tl.exp(G_last), input_precision=PRECISION)
-    tl.store(state_ptrs, h.to(state.dtype.element_ty))
-    if not COMMIT:
-        # new tokens 1..n-1 (drafts) become pending entries 0..n-2 (n - 1 <= P)
-        write = tl.where(is_last, is_new & (new_index >= 1), False)
-        tl.store(pending_g + (slot * P + new_index - 1) * HV + i_h, ng, mask=write)
-        tl.store(pending_beta + (slot * P + new_index - 1) * HV + i_h, nbeta, mask=write)
-        if is_last:
-            reset_arrivals(arrivals + row * HV + i_h)
+    if COMMIT:
+        tl.store(state_ptrs, h.to(state.dtype.element_ty))
+    elif is_last:
+        reset_arrivals(arrivals + row * HV + i_h)
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    block_v: int    # value columns per program (power of two; >= 16 for the verify kernel's dots)
+    block_v: int    # value columns per program (power of two)
     num_warps: int
 
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def decode_config(num_rows: int, num_value_heads: int, key_dim: int, value_dim: int, max_pending: int,
+def decode_config(num_rows: int, num_value_heads: int, key_dim: int, value_dim: int, commit: bool,
                   device: torch.device) -> DecodeConfig:
-    """Plain decode (P = 0): 16-column tiles of one warp; batches with >= 8 programs of 32
-    columns per SM take 32-column tiles of two warps (64 state values per thread either way).
-    Verify (P > 0): TODO sweep. From the tile sweeps of bench/kernels_gdn_decode.py (--sweep;
-    results/kernels_gdn_decode-*.json)."""
+    """16-column tiles of one warp; decode batches with >= 8 programs of 32 columns per SM take
+    32-column tiles of two warps (64 state values per thread either way). From the tile sweeps
+    of bench/kernels_gdn_decode.py (--sweep; results/kernels_gdn_decode-*.json): 16x1 is fastest
+    for verify at every batch (by 1.5-2x at B >= 64) and for decode up to B = 8; 32x2 for
+    larger decode batches."""
     if INTERPRETED:
         return DecodeConfig(block_v=min(16, value_dim), num_warps=1)
-    if max_pending:
-        return DecodeConfig(block_v=min(32, value_dim), num_warps=2)
     block_v = 16
-    if num_rows * num_value_heads * (value_dim // 32) >= 8 * num_sms(device):
+    if commit and num_rows * num_value_heads * (value_dim // 32) >= 8 * num_sms(device):
         block_v = 32
     block_v = min(block_v, value_dim)
     return DecodeConfig(block_v, num_warps=max(1, key_dim * block_v // 2048))
@@ -296,8 +245,7 @@ def launch_gdn_decode(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                       pending_v: torch.Tensor, pending_g: torch.Tensor, pending_beta: torch.Tensor,
                       pending_counts: torch.Tensor, commit: bool, config: DecodeConfig) -> None:
     """gdn_decode into `out` [T, HV, V] (contiguous) with an explicit tile config. Each row runs
-    1..P+1 new tokens (the kernels hold P + 1 at most; the total is checked here); with P = 0,
-    one token per row (plain decode: `_gdn_step_kernel`), else `_gdn_verify_kernel`.
+    1..P+1 new tokens (the kernel holds P + 1 at most; the total is checked here).
 
     q, k [T, HK, K] and v [T, HV, V] may be strided views (the split of the conv output) with
     unit stride along the head dim; a, b [T, HV] unit stride along heads; so may the step buffer
@@ -329,25 +277,20 @@ def launch_gdn_decode(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     assert num_tokens <= num_rows * (max_pending + 1), "a row runs at most P + 1 new tokens"
     if num_rows == 0:
         return
-    grid = (triton.cdiv(value_dim, config.block_v), num_value_heads, num_rows)
-    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0))
-    if max_pending == 0:
-        # Nothing pending, no drafts: commit or not, the one token is committed.
-        assert num_tokens == num_rows, "without pending buffers (P = 0) every row runs one token"
-        _gdn_step_kernel[grid](q, k, v, a, b, A_log, dt_bias, slot_ids, state, out, *strides, key_dim ** -0.5,
-                               HK=num_key_heads, HV=num_value_heads, K=key_dim, V=value_dim, BV=config.block_v,
-                               num_warps=config.num_warps)
-        return
-    assert config.block_v >= 16 and key_dim >= 16, "the verify kernel's dots need 16 columns"
     # Plain decode (commit) writes nothing shared and never touches the counters.
     arrivals = arrival_counters(v.device, 0 if commit else num_rows * num_value_heads)
-    _gdn_verify_kernel[grid](
+    grid = (triton.cdiv(value_dim, config.block_v), num_value_heads, num_rows)
+    _gdn_decode_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, cu_seqlens, slot_ids, state,
         pending_k, pending_v, pending_g, pending_beta, pending_counts, out, arrivals,
-        *strides, *pending_k.stride()[:3], *pending_v.stride()[:3], key_dim ** -0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
+        *pending_k.stride()[:3], *pending_v.stride()[:3],
+        key_dim ** -0.5,
         HK=num_key_heads, HV=num_value_heads, K=key_dim, V=value_dim, P=max_pending,
-        M=max(16, triton.next_power_of_2(2 * max_pending + 1)), BV=config.block_v, COMMIT=commit,
-        PRECISION="ieee" if v.dtype == torch.float32 else "tf32",      # fp32 activations: exact fp32 dots
+        # One token per row (every plain decode step): a one-entry token block.
+        P_BLOCK=triton.next_power_of_2(max(max_pending, 1)),
+        T_BLOCK=1 if num_tokens == num_rows else triton.next_power_of_2(max_pending + 1),
+        BV=config.block_v, COMMIT=commit,
         num_warps=config.num_warps,
     )
 
@@ -361,8 +304,7 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tenso
     a contiguous [T, HV, V] view in v's dtype, e.g. a row slice of the layer's output buffer."""
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    config = decode_config(slot_ids.numel(), v.shape[1], q.shape[2], v.shape[2], pending_g.shape[1],
-                           v.device)
+    config = decode_config(slot_ids.numel(), v.shape[1], q.shape[2], v.shape[2], commit, v.device)
     launch_gdn_decode(out, q, k, v, a, b, A_log, dt_bias, cu_seqlens, slot_ids, state, pending_k, pending_v,
                       pending_g, pending_beta, pending_counts, commit, config)
     return out
