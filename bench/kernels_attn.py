@@ -7,7 +7,8 @@ Decode: B rows of one token over contexts of C keys (8/2 heads, D 256, block 16,
 blocks); bytes = the KV the rows own, B * C * Hkv * D * 2 (K and V) * 2 bytes; against the
 copy bandwidth (read + write of a 1 GiB device-to-device copy). Decode calls are timed as CUDA
 graph replays of R launches over R disjoint block sets (R * KV >= 512 MB, so L2 cannot serve
-them). Verify rows (q_len 4) are timed the same way, for information.
+them); beside them, a copy moving the same bytes timed the same way (the bandwidth a copy
+reaches at that size). Verify rows (q_len 4) are timed the same way, for information.
 
 Writes bench/results/kernels_attn-<gpu>.json (and a copy under --out). --sweep also times a
 small table of alternative tile configs and split counts per shape.
@@ -152,6 +153,17 @@ SMALL_BATCH_SWEEP = [(block_n, warps, stages) for block_n in (16, 32, 64) for wa
                      for stages in (1, 2, 3)]
 
 
+def same_bytes_copy(num_bytes: int, copy_gbps: float) -> dict:
+    """A device copy that moves num_bytes (half read, half written), timed like the kernel (graph
+    replays over rotated buffers): what the copy bandwidth comes to at this size, launch and
+    ramp-up included; small decodes cannot beat it."""
+    rotations = max(1, min(32, math.ceil(512e6 / num_bytes)))
+    sources = [torch.empty(num_bytes // 4, dtype=torch.int16, device="cuda").random_() for _ in range(rotations)]
+    targets = [torch.empty_like(source) for source in sources]
+    us = graph_time_us(lambda r: targets[r].copy_(sources[r]), rotations)
+    return {"us": us, "gbps": num_bytes / us / 1e3, "fraction_of_copy": num_bytes / us / 1e3 / copy_gbps}
+
+
 def bench_decode(num_rows: int, context: int, q_len: int, copy_gbps: float, sweep: bool, gen: torch.Generator,
                  table_tokens: int = 0, sweep_table: list = SWEEP) -> dict:
     case = decode_case(num_rows, context, q_len, gen, table_tokens)
@@ -184,6 +196,9 @@ def bench_decode(num_rows: int, context: int, q_len: int, copy_gbps: float, swee
         except RuntimeError as error:
             result["sdpa_contiguous_kv_flash_enable_gqa"] = {"error": str(error)[:200]}
 
+    if q_len == 1:
+        result["same_bytes_copy"] = same_bytes_copy(kv_bytes, copy_gbps)
+
     def record(config, label):
         try:
             us, out = time_config(case, config)
@@ -197,7 +212,7 @@ def bench_decode(num_rows: int, context: int, q_len: int, copy_gbps: float, swee
     if sweep:
         rows = []
         for block_n, warps, stages in sweep_table:
-            for splits in (1, 2, 4, 8, 16, 32, 64):
+            for splits in (1, 2, 4, 8, 16, 32, 64, 128, 256):
                 if splits > 1 and max(context, table_tokens) // splits < block_n:
                     continue
                 config = default._replace(block_n=block_n, num_warps=warps, num_stages=stages, num_splits=splits)
@@ -303,7 +318,8 @@ def main() -> None:
         best_text = f"{best['us']:.1f}us {best['fraction_of_copy']:.2f} {tuple(best['config'].values())}" if best else "-"
         print(f"  B={r['rows']:3d} C={r['context']:6d} q={r['q_len']} {d.get('us', float('nan')):8.1f}us "
               f"{d.get('gbps', float('nan')):6.0f} GB/s {d.get('fraction_of_copy', float('nan')):.2f} "
-              f"err {d.get('rel_error_vs_sdpa', float('nan')):.1e} {tuple(d['config'].values())} | {best_text}")
+              f"err {d.get('rel_error_vs_sdpa', float('nan')):.1e} {tuple(d['config'].values())} | {best_text}"
+              + (f" | copy of these bytes {r['same_bytes_copy']['fraction_of_copy']:.2f}" if "same_bytes_copy" in r else ""))
     spills = [c for c in report["compiled"] if c.get("n_spills")]
     print(f"compiled variants: {len(report['compiled'])}, with spills: {[(c['n_regs'], c['n_spills']) for c in spills]}")
 

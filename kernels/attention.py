@@ -260,21 +260,31 @@ def _paged_attention_kernel(
 @triton.jit
 def _combine_splits_kernel(partial_acc_ptr, partial_stats_ptr, gate_ptr, out_ptr, num_splits, stride_gate_token,
                            stride_gate_head, stride_out_token, stride_out_head, NUM_HEADS: tl.constexpr,
-                           SPLITS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_GATE: tl.constexpr):
-    """One program per (token, query head): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,
-    M = max_s m_s, times sigmoid(gate) with HAS_GATE. Splits that saw no key (m = -inf, l = 0,
+                           SPLITS_POW2: tl.constexpr, SPLIT_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr):
+    """One program per (token, query head, BLOCK_D columns): out = sum_s 2^(m_s - M) acc_s /
+    sum_s 2^(m_s - M) l_s, M = max_s m_s, times sigmoid(gate) with HAS_GATE. The [splits, BLOCK_D]
+    partials stream through in chunks of SPLIT_CHUNK splits (any split count, bounded registers);
+    the per-split stats (2 floats each) are read whole. Splits that saw no key (m = -inf, l = 0,
     acc = 0) weigh 0."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    s = tl.arange(0, SPLITS_POW2)
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     base = (token * NUM_HEADS + head) * num_splits
-    in_range = s < num_splits
-    m = tl.load(partial_stats_ptr + (base + s) * 2, mask=in_range, other=float("-inf"))
-    l = tl.load(partial_stats_ptr + (base + s) * 2 + 1, mask=in_range, other=0.0)
-    acc = tl.load(partial_acc_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=in_range[:, None], other=0.0)
-    weight = tl.exp2(m - tl.max(m, 0))
-    out = tl.sum(acc * weight[:, None], 0) / tl.sum(l * weight, 0)
+    s = tl.arange(0, SPLITS_POW2)
+    m = tl.load(partial_stats_ptr + (base + s) * 2, mask=s < num_splits, other=float("-inf"))
+    l = tl.load(partial_stats_ptr + (base + s) * 2 + 1, mask=s < num_splits, other=0.0)
+    m_max = tl.max(m, 0)
+    denominator = tl.sum(l * tl.exp2(m - m_max), 0)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for start in range(0, num_splits, SPLIT_CHUNK):
+        chunk = start + tl.arange(0, SPLIT_CHUNK)
+        in_range = chunk < num_splits
+        weight = tl.exp2(tl.load(partial_stats_ptr + (base + chunk) * 2, mask=in_range, other=float("-inf")) - m_max)
+        partial = tl.load(partial_acc_ptr + (base + chunk)[:, None] * HEAD_DIM + d[None, :], mask=in_range[:, None],
+                          other=0.0)
+        acc += tl.sum(partial * weight[:, None], 0)
+    out = acc / denominator
     if HAS_GATE:
         gate = tl.load(gate_ptr + token * stride_gate_token + head * stride_gate_head + d).to(tl.float32)
         out = out * tl.sigmoid(gate)
@@ -291,9 +301,11 @@ class AttentionConfig(NamedTuple):
     num_stages: int
 
 
-# _combine_splits_kernel holds [splits, D] fp32 partials in registers: 64 x 256 compiled to 184
-# registers a thread without spills (H200); more splits would need a chunked combine.
-MAX_SPLITS = 64
+# The merge streams any number of splits; more than 128 never ran faster (H100, one row over 4K and
+# 32K keys: bench/results/kernels_attn-h100.json), and each split adds [Hq, D] fp32 of partials.
+MAX_SPLITS = 128
+COMBINE_SPLIT_CHUNK = 32
+COMBINE_BLOCK_D = 64
 
 
 @cache
@@ -386,10 +398,11 @@ def launch_paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Te
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",              # fp32 stays fp32 (no tf32)
         num_warps=config.num_warps, num_stages=config.num_stages)
     if splits > 1:
-        _combine_splits_kernel[(num_tokens, num_heads)](
+        block_d = min(COMBINE_BLOCK_D, head_dim)
+        _combine_splits_kernel[(num_tokens, num_heads, head_dim // block_d)](
             partial_acc, partial_stats, gate, out, splits, *gate_strides, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, SPLITS_POW2=triton.next_power_of_2(splits), HEAD_DIM=head_dim,
-            HAS_GATE=has_gate, num_warps=4)
+            NUM_HEADS=num_heads, SPLITS_POW2=triton.next_power_of_2(splits), SPLIT_CHUNK=COMBINE_SPLIT_CHUNK,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_GATE=has_gate, num_warps=4)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
