@@ -304,8 +304,10 @@ class AttentionConfig(NamedTuple):
 # The merge streams any number of splits; more than 128 never ran faster (H100, one row over 4K and
 # 32K keys: bench/results/kernels_attn-h100.json), and each split adds [Hq, D] fp32 of partials.
 MAX_SPLITS = 128
-COMBINE_SPLIT_CHUNK = 32
-COMBINE_BLOCK_D = 64
+# The merge of a decode row is a latency chain: one chunk holds every split (its stats and partials
+# load at once), and narrow D blocks spread a row over more programs.
+COMBINE_SPLIT_CHUNK = MAX_SPLITS
+COMBINE_BLOCK_D = 32
 
 
 @cache
@@ -401,7 +403,8 @@ def launch_paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Te
         block_d = min(COMBINE_BLOCK_D, head_dim)
         _combine_splits_kernel[(num_tokens, num_heads, head_dim // block_d)](
             partial_acc, partial_stats, gate, out, splits, *gate_strides, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, SPLITS_POW2=triton.next_power_of_2(splits), SPLIT_CHUNK=COMBINE_SPLIT_CHUNK,
+            NUM_HEADS=num_heads, SPLITS_POW2=triton.next_power_of_2(splits),
+            SPLIT_CHUNK=min(COMBINE_SPLIT_CHUNK, triton.next_power_of_2(splits)),
             HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_GATE=has_gate, num_warps=4)
 
 

@@ -22,9 +22,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from deltaspec.kernels.attention import (COMBINE_BLOCK_D, COMBINE_SPLIT_CHUNK, AttentionConfig,
-                                         launch_paged_attention, paged_attention, paged_attention_reference,
-                                         write_kv, write_kv_reference)
+from deltaspec.kernels import attention
+from deltaspec.kernels.attention import (AttentionConfig, launch_paged_attention, paged_attention,
+                                         paged_attention_reference, write_kv, write_kv_reference)
 
 # (q_len, cached prefix): decode/verify rows first, prefill chunks after, as the runner orders them.
 ROWS = [(1, 36), (4, 17), (1, 0), (4, 150), (9, 0), (6, 1), (12, 13), (3, 150)]
@@ -156,10 +156,11 @@ def test_paged_attention_launcher_choice(kernel_device):
     check_attention(decode, None, "long decode")
 
 
-def test_paged_attention_more_splits_than_a_merge_chunk(kernel_device):
-    """40 splits: the merge streams them in chunks of COMBINE_SPLIT_CHUNK (one full chunk and a
-    ragged one), over two D blocks (D 128); splits past a short row's keys see none (weight 0)."""
-    assert COMBINE_SPLIT_CHUNK < 40 < 2 * COMBINE_SPLIT_CHUNK and 128 // COMBINE_BLOCK_D == 2
+def test_paged_attention_split_merge_chunks(kernel_device, monkeypatch):
+    """40 splits merged in chunks of 32 (a full chunk and a ragged one; the launcher's chunk holds
+    MAX_SPLITS), over D blocks of COMBINE_BLOCK_D; splits past a short row's keys see none (weight 0)."""
+    monkeypatch.setattr(attention, "COMBINE_SPLIT_CHUNK", 32)
+    assert 128 // attention.COMBINE_BLOCK_D >= 2
     case = make_case(7, [(1, 600), (2, 45)], 16, 8, 2, 128, torch.float32, kernel_device)
     check_attention(case, AttentionConfig(16, 16, 40, 4, 1), "40 splits", gated=True)
 
