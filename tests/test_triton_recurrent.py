@@ -198,6 +198,17 @@ def test_gdn_decode_two_v_tiles_bf16_state(kernel_device, commit):
                    DecodeConfig(block_v=16, num_warps=1))
 
 
+@pytest.mark.parametrize("commit", [True, False], ids=["commit", "verify"])
+def test_gdn_decode_strongly_decaying_heads(kernel_device, commit):
+    """Heads whose decay underflows fp32 within a token or a few (g down to about -100, pending g
+    -60) beside mild ones: exp(g) = 0 wipes the state, and nothing divides by it."""
+    case = ragged_case(25, 2, 4, 16, torch.float32, kernel_device)
+    case.A_log = torch.tensor([3.0, 0.5, 4.0, -2.0], device=kernel_device)
+    case.dt_bias = torch.tensor([5.0, 0.0, 2.0, 0.0], device=kernel_device)
+    case.pool["pending_g"][..., 0] = -60.0
+    check_gdn_step(case, [n for n, _, _ in RAGGED], [s for _, s, _ in RAGGED], commit)
+
+
 def test_gdn_decode_ignores_nonfinite_pending_past_the_count(kernel_device):
     """Pool g / beta past each count are NaN too (the step buffer's always are)."""
     case = ragged_case(30, 2, 4, 16, torch.float32, kernel_device)
