@@ -438,7 +438,8 @@ def _gdn_chunk_state_kernel(q, k, g_cum, q_scale, k_scale, w, u, attn, o, state,
 def _prepare_configs() -> list[triton.Config]:
     if _INTERPRET:
         return [triton.Config({}, num_warps=4)]
-    return [triton.Config({}, num_warps=num_warps) for num_warps in (4, 8)]
+    return [triton.Config({}, num_warps=num_warps, maxnreg=maxnreg)
+            for num_warps, maxnreg in ((4, None), (8, None), (4, 168), (4, 128), (8, 128))]
 
 
 def _state_configs() -> list[triton.Config]:
