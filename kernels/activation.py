@@ -12,6 +12,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .launch import dependent_prologue, pdl
+
 
 def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [T, 2I] (gate columns first) -> [T, I]."""
@@ -20,8 +22,10 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_up, out, stride_gate_up, I: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(gate_up, out, stride_gate_up, I: tl.constexpr, BLOCK: tl.constexpr,
+                         DEPENDENT_LAUNCH: tl.constexpr):
     """Program (token, column tile): out[t, n] = silu(g) * u with g = gate_up[t, n], u = gate_up[t, I + n]."""
+    dependent_prologue(DEPENDENT_LAUNCH)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -44,5 +48,5 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     # 1024 columns of 4 warps: 8 contiguous elements (16 bytes of bf16) per thread and load.
     block = min(1024, triton.next_power_of_2(intermediate))
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(intermediate, block))](
-        gate_up, out, gate_up.stride(0), I=intermediate, BLOCK=block, num_warps=4)
+        gate_up, out, gate_up.stride(0), I=intermediate, BLOCK=block, num_warps=4, **pdl(gate_up.device))
     return out

@@ -15,8 +15,8 @@ tile of one row and one KV head: the tile packs TOKENS consecutive query tokens 
 query heads of that KV head into its BLOCK_M rows (m -> token m // GROUP, head m % GROUP), so
 K/V are read once per KV head for all its query heads, and a decode or verify row (q_len <= 8)
 is one tile. Optionally the key range of a tile is split over num_splits programs (long contexts,
-few rows); a second small kernel merges their partial (max, sum, acc), launched as a programmatic
-dependent of the first on sm_90+ (dependent_launch). The gate is multiplied in
+few rows); a second small kernel merges their partial (max, sum, acc). All three are programmatic
+dependent launches on sm_90+ (launch.py). The gate is multiplied in
 by whichever kernel stores the output (the attention kernel's epilogue, or the merge): fusing it
 there saves the two elementwise launches per layer it used to cost. Launch geometry depends
 only on tensor shapes, never on tensor values, so both launchers run inside CUDA graphs.
@@ -24,7 +24,6 @@ only on tensor shapes, never on tensor values, so both launchers run inside CUDA
 
 from __future__ import annotations
 
-import os
 from functools import cache
 from typing import NamedTuple
 
@@ -32,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import dependent_prologue, pdl
 from .varlen import pad_rows, row_layout
 
 def write_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -85,8 +85,9 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
                      stride_kc_block, stride_kc_offset, stride_kc_head,
                      stride_vc_block, stride_vc_offset, stride_vc_head,
                      NUM_KV_HEADS: tl.constexpr, HEADS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_SIZE: tl.constexpr):
+                     BLOCK_SIZE: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """One program per token: k[t], v[t] ([Hkv, D]) -> pool position slot_mapping[t]."""
+    dependent_prologue(DEPENDENT_LAUNCH)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
@@ -125,7 +126,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEADS_POW2=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
-        BLOCK_SIZE=k_cache.shape[1], num_warps=4)
+        BLOCK_SIZE=k_cache.shape[1], num_warps=4, **pdl(k.device))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,8 +199,7 @@ def _paged_attention_kernel(
     [0, end) and writes unnormalised (acc, m, l) for _combine_splits_kernel (which then applies
     the gate); else the tile stores acc / l, times sigmoid(gate) with HAS_GATE."""
     TOKENS: tl.constexpr = BLOCK_M // GROUP
-    if DEPENDENT_LAUNCH:
-        tl.extra.cuda.gdc_launch_dependents()   # the merge may launch now; it waits for this grid
+    dependent_prologue(DEPENDENT_LAUNCH)
     tile = num_tile_slots - 1 - tl.program_id(0)          # a row's last (longest) tiles start first
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -271,8 +271,7 @@ def _combine_splits_kernel(partial_acc_ptr, partial_stats_ptr, gate_ptr, out_ptr
     partials stream through in chunks of SPLIT_CHUNK splits (any split count, bounded registers);
     the per-split stats (2 floats each) are read whole. Splits that saw no key (m = -inf, l = 0,
     acc = 0) weigh 0."""
-    if DEPENDENT_LAUNCH:
-        tl.extra.cuda.gdc_wait()   # every attention program has finished and its stores are visible
+    dependent_prologue(DEPENDENT_LAUNCH)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -314,17 +313,6 @@ MAX_SPLITS = 128
 # load at once), and narrow D blocks spread a row over more programs.
 COMBINE_SPLIT_CHUNK = MAX_SPLITS
 COMBINE_BLOCK_D = 32
-
-
-@cache
-def dependent_launch(device: torch.device) -> bool:
-    """Programmatic dependent launch of the split merge (sm_90+): the merge grid is launched while
-    the attention grid still runs and waits on-chip (griddepcontrol.wait) for its stores, which
-    hides the merge's launch latency (H100, B=1 decode over 4K / 32K keys: 10.6 -> 10.0 and
-    38.7 -> 37.6 us, bench/results/kernels_attn-h100.json). The interpreter has no grid
-    dependency control."""
-    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-            and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
 @cache
@@ -399,7 +387,6 @@ def launch_paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Te
     tokens_per_tile = config.block_m // group
     num_tile_slots = num_tokens // tokens_per_tile + num_rows
     splits = config.num_splits
-    dependent = dependent_launch(q.device)
     partial_acc = partial_stats = out                      # unused unless splits > 1
     has_gate = gate is not None
     gate_strides = (gate.stride(0), gate.stride(1)) if has_gate else (0, 0)
@@ -416,15 +403,14 @@ def launch_paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Te
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPLIT=splits > 1, HAS_GATE=has_gate,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",              # fp32 stays fp32 (no tf32)
-        DEPENDENT_LAUNCH=dependent and splits > 1, num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl(q.device))
     if splits > 1:
         block_d = min(COMBINE_BLOCK_D, head_dim)
         _combine_splits_kernel[(num_tokens, num_heads, head_dim // block_d)](
             partial_acc, partial_stats, gate, out, splits, *gate_strides, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, SPLITS_POW2=triton.next_power_of_2(splits),
             SPLIT_CHUNK=min(COMBINE_SPLIT_CHUNK, triton.next_power_of_2(splits)),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_GATE=has_gate, DEPENDENT_LAUNCH=dependent, num_warps=4,
-            launch_pdl=dependent)
+            HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_GATE=has_gate, num_warps=4, **pdl(q.device))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .launch import dependent_prologue, pdl
 from .varlen import into, pad_rows, row_layout
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -212,12 +213,14 @@ def _decode_sequence_at(m, x, conv_state, pending_conv, bos, num_new, slot, num_
 def _conv_decode_kernel(x, weight, out, pending_out, cu_seqlens, slot_ids, conv_state, pending_conv, pending_counts,
                         stride_x, stride_out,
                         C: tl.constexpr, WIDTH: tl.constexpr, P: tl.constexpr, BW: tl.constexpr,
-                        BT: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, COMMIT: tl.constexpr):
+                        BT: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, COMMIT: tl.constexpr,
+                        DEPENDENT_LAUNCH: tl.constexpr):
     """Program (channel tile, row). Token t of pending(p) ++ new(n) (t < p + n <= 2P + 1 <= BT)
     sees seq[t .. t + W-1]; pending tokens' outputs go to pending_out[row, t], new tokens' to out.
     The window becomes seq[f .. f + W-1) with f = p + 1 (verify: new token 0 is committed) or
     p + n (commit); in verify the inputs of new tokens 1..n-1 become pending columns [0, n-1).
     All reads of the slot precede the barrier, all writes follow it."""
+    dependent_prologue(DEPENDENT_LAUNCH)
     i_c, row = tl.program_id(0), tl.program_id(1)
     bos = tl.load(cu_seqlens + row).to(tl.int64)
     num_new = tl.load(cu_seqlens + row + 1).to(tl.int64) - bos
@@ -281,7 +284,7 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torc
                               pending_counts, x.stride(0), out.stride(0), C=channels, WIDTH=width, P=max_pending,
                               BW=triton.next_power_of_2(width - 1), BT=triton.next_power_of_2(2 * max_pending + 1),
                               BN=triton.next_power_of_2(max(max_pending, 1)), BC=block_c, COMMIT=commit,
-                              num_warps=4)
+                              num_warps=4, **pdl(x.device))
     return out, pending_out
 
 

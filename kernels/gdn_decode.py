@@ -27,6 +27,7 @@ import triton.language as tl
 
 from .arrivals import arrival_counters, last_to_arrive, num_sms, reset_arrivals
 from .gdn import expand_heads, gdn_gating_reference, l2norm, recurrent_steps
+from .launch import dependent_prologue, pdl
 from .varlen import into, pad_rows, row_layout
 
 
@@ -124,6 +125,7 @@ def _gdn_decode_kernel(
     scale,
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr,
     P_BLOCK: tl.constexpr, T_BLOCK: tl.constexpr, BV: tl.constexpr, COMMIT: tl.constexpr,
+    DEPENDENT_LAUNCH: tl.constexpr,
 ):
     """Program (V tile i_v, value head i_h, row). State tile [K, BV] fp32 in registers (K, V and
     BV are powers of two, BV <= V: no masks, so state accesses vectorise).
@@ -144,6 +146,7 @@ def _gdn_decode_kernel(
     Invariant: rows in a launch own distinct slots, except pad rows, which all point at scratch
     slot 0, whose contents are never read as real state.
     """
+    dependent_prologue(DEPENDENT_LAUNCH)
     i_v, i_h, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_kh = i_h // (HV // HK)
     slot = tl.load(slot_ids + row).to(tl.int64)
@@ -291,7 +294,7 @@ def launch_gdn_decode(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         P_BLOCK=triton.next_power_of_2(max(max_pending, 1)),
         T_BLOCK=1 if num_tokens == num_rows else triton.next_power_of_2(max_pending + 1),
         BV=config.block_v, COMMIT=commit,
-        num_warps=config.num_warps,
+        num_warps=config.num_warps, **pdl(v.device),
     )
 
 

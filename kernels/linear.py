@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from .arrivals import arrival_counters, last_to_arrive, num_sms, reset_arrivals
+from .launch import dependent_prologue, pdl
 
 MAX_ROWS = 64               # the kernel's limit (x is padded to a power of two >= 16 rows)
 KERNEL_MAX_ROWS = 32        # use_kernel never picks the kernel for more rows
@@ -51,7 +52,7 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(x, w, y, partials, arrivals, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                   EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+                   EVEN_K: tl.constexpr, PRECISION: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """Program (N tile pid_n, K split pid_k): acc[BLOCK_N, BLOCK_M] = W[n tile, k split] @ x[:, k split]^T,
     i.e. y^T, so that the wide side (W's rows) is the MMA's M and the padded batch (>= 16 rows
     for tl.dot) its N. K splits are k_per_split long (a multiple of BLOCK_K); the last may be
@@ -63,6 +64,7 @@ def _linear_kernel(x, w, y, partials, arrivals, M, N, K, k_per_split, stride_xm,
     programs in. The last one sums the partials in split order and writes y. The sum is
     unrolled so that its SPLIT_K loads are in flight together: that tail is one L2 round trip,
     not SPLIT_K of them (a loop made 16 splits ~3 us slower on an H100)."""
+    dependent_prologue(DEPENDENT_LAUNCH)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -204,7 +206,7 @@ def launch_linear(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config
     else:  # never touched
         partials = arrivals = y
     _linear_kernel[grid](x, weight, y, partials, arrivals, num_rows, out_features, in_features, k_per_split,
-                         x.stride(0), weight.stride(0), y.stride(0), **meta)
+                         x.stride(0), weight.stride(0), y.stride(0), **meta, **pdl(x.device))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

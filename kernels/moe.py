@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from .activation import silu_and_mul_reference
+from .launch import dependent_prologue, pdl
 
 
 def route_reference(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,9 +85,10 @@ def moe_experts_reference(x: torch.Tensor, weights: torch.Tensor, experts: torch
 
 @triton.jit
 def _route_kernel(logits, stride_row, weights, experts, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                  BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr):
+                  BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """One token: probs = softmax(logits) in float32; slot j = the j-th largest (first index on
     ties, as argmax); weights optionally renormalised over the k kept."""
+    dependent_prologue(DEPENDENT_LAUNCH)
     row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     x = tl.load(logits + row * stride_row + e, mask=e < E, other=float("-inf")).to(tl.float32)
@@ -121,15 +123,16 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
         _route_kernel[(num_tokens,)](router_logits, router_logits.stride(0), weights, experts, num_experts,
                                      TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
                                      BLOCK_E=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize,
-                                     num_warps=4)
+                                     num_warps=4, **pdl(router_logits.device))
     return weights, experts
 
 
 @triton.jit
 def _gate_up_per_pair_kernel(x, experts, w_gate_up, act, H, I, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr):
+                             BLOCK_K: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """Program (pair, tile of I), pair = token * TOP_K + slot: act[pair, n] = silu(g_n) * u_n with
     g = W_gate[e] x[token], u = W_up[e] x[token] (rows n and I + n of w_gate_up[e]), fp32 sums."""
+    dependent_prologue(DEPENDENT_LAUNCH)
     pair = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
@@ -149,9 +152,10 @@ def _gate_up_per_pair_kernel(x, experts, w_gate_up, act, H, I, TOP_K: tl.constex
 
 @triton.jit
 def _down_per_token_kernel(act, weights, experts, w_down, out, H, I, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
+                           BLOCK_K: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """Program (token, tile of H): out[token, n] = sum over slots j (in order) of
     w[token, j] * (W_down[e_j] act[token * TOP_K + j])_n, fp32 sums."""
+    dependent_prologue(DEPENDENT_LAUNCH)
     token = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < H
@@ -351,10 +355,10 @@ def moe_experts_per_token(x, weights, experts, w_gate_up, w_down, config: PerTok
         return out
     _gate_up_per_pair_kernel[(num_tokens * top_k, triton.cdiv(inter, config.gate_n))](
         x, experts, w_gate_up, act, hidden, inter, TOP_K=top_k, BLOCK_N=config.gate_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps)
+        num_warps=config.num_warps, **pdl(x.device))
     _down_per_token_kernel[(num_tokens, triton.cdiv(hidden, config.down_n))](
         act, weights, experts, w_down, out, hidden, inter, TOP_K=top_k, BLOCK_N=config.down_n,
-        BLOCK_K=min(config.block_k, triton.next_power_of_2(inter)), num_warps=config.num_warps)
+        BLOCK_K=min(config.block_k, triton.next_power_of_2(inter)), num_warps=config.num_warps, **pdl(x.device))
     return out
 
 

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .launch import dependent_prologue, pdl
+
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
                        residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,9 +51,10 @@ def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.
 
 @triton.jit
 def _rms_norm_kernel(x, residual, weight, out, residual_out, stride_x, stride_residual, eps,
-                     H: tl.constexpr, BH: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                     H: tl.constexpr, BH: tl.constexpr, HAS_RESIDUAL: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """One row: s = x (+ residual, rounded to x's dtype: the new residual stream);
     out = s / sqrt(mean(s^2) + eps) * (1 + w), in float32, rounded once."""
+    dependent_prologue(DEPENDENT_LAUNCH)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BH)
     mask = offs < H
@@ -83,16 +86,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _rms_norm_kernel[(num_tokens,)](x, residual if residual is not None else x, weight, out, new_residual,
                                         x.stride(0), residual.stride(0) if residual is not None else 0, eps,
                                         H=hidden, BH=block, HAS_RESIDUAL=residual is not None,
-                                        num_warps=min(16, max(1, block // 512)))
+                                        num_warps=min(16, max(1, block // 512)), **pdl(x.device))
     return out, new_residual
 
 
 @triton.jit
 def _gated_rms_norm_kernel(x, gate, weight, out, num_rows, inner, stride_x_outer, stride_x_inner,
                            stride_gate_outer, stride_gate_inner, eps,
-                           D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+                           D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """BR rows of D: out = x / sqrt(mean(x^2) + eps) * w * silu(gate), float32, rounded once.
     Row r is (r // inner, r % inner) of the [outer, inner, D] views."""
+    dependent_prologue(DEPENDENT_LAUNCH)
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     offs = tl.arange(0, BD)
     mask = (rows < num_rows)[:, None] & (offs < D)[None, :]
@@ -129,5 +133,5 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
         block_rows = max(1, min(16, 4096 // block_d))
         _gated_rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
             x3, gate3, weight, out, num_rows, x3.shape[1], x3.stride(0), x3.stride(1), gate3.stride(0),
-            gate3.stride(1), eps, D=dim, BD=block_d, BR=block_rows, num_warps=4)
+            gate3.stride(1), eps, D=dim, BD=block_d, BR=block_rows, num_warps=4, **pdl(x.device))
     return out

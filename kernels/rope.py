@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import dependent_prologue, pdl
+
 
 def rope_inv_freq(rotary_dim: int, theta: float, device: torch.device | str) -> torch.Tensor:
     """[rotary_dim // 2] float32: theta^(-2i / rotary_dim)."""
@@ -78,10 +80,11 @@ def _norm_rope_heads(x, weight, out, t, cos, sin, partner, sign, stride_t, strid
 def _qk_norm_rope_kernel(q, k, q_weight, k_weight, q_out, k_out, positions, inv_freq,
                          stride_q_t, stride_q_h, stride_k_t, stride_k_h, eps,
                          HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-                         BHQ: tl.constexpr, BHK: tl.constexpr, BD: tl.constexpr):
+                         BHQ: tl.constexpr, BHK: tl.constexpr, BD: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """One token: every q and k head. Channel i < R/2 pairs with i + R/2 (out = x1 c - x2 s),
     R/2 <= i < R with i - R/2 (out = x2 c + x1 s); angle = position * inv_freq[i mod R/2] in
     float32, as the reference."""
+    dependent_prologue(DEPENDENT_LAUNCH)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BD)
     half = R // 2
@@ -126,5 +129,5 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), eps,
             HQ=num_q_heads, HK=num_k_heads, D=head_dim, R=rotary_dim, BHQ=block_q,
             BHK=triton.next_power_of_2(num_k_heads), BD=block_d,
-            num_warps=min(8, max(1, block_q * block_d // 1024)))
+            num_warps=min(8, max(1, block_q * block_d // 1024)), **pdl(q.device))
     return q_out, k_out

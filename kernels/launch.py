@@ -1,0 +1,45 @@
+"""Programmatic dependent launch (PDL) of the decode-path kernels, on sm_90 and newer.
+
+A step is a long chain of small kernels (a 0.8B model's batch-1 decode step: ~250 launches of
+5-20 us each), so the gap between one kernel's end and the next one's start is a real share of
+it. A kernel launched with `**pdl(device)` may be scheduled while its predecessor still runs:
+its programs start with `dependent_prologue`, which waits on-chip (griddepcontrol.wait) until
+the predecessor grid has finished and its stores are visible, and then lets its own successor
+launch. The wait comes before any memory access, so a dependent kernel orders exactly like a
+plain one (reads after the predecessor's writes, writes after its reads); only the launch
+latency overlaps. A predecessor that never signals (a cuBLAS GEMM, the interpreter) simply
+completes first. Knows nothing about what the kernels compute.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+
+
+@cache
+def dependent_launch(device: torch.device) -> bool:
+    """PDL where the hardware has grid dependency control (sm_90+), not under the interpreter;
+    DELTASPEC_DEPENDENT_LAUNCH=0 turns it off (debugging, A/B timing)."""
+    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+            and os.environ.get("DELTASPEC_DEPENDENT_LAUNCH", "1") != "0"
+            and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
+def pdl(device: torch.device) -> dict:
+    """Launch options of a kernel that starts with dependent_prologue(DEPENDENT_LAUNCH)."""
+    dependent = dependent_launch(device)
+    return {"DEPENDENT_LAUNCH": dependent, "launch_pdl": dependent}
+
+
+@triton.jit
+def dependent_prologue(DEPENDENT_LAUNCH: tl.constexpr):
+    """First statement of a PDL kernel: wait for the predecessor grid, then let the successor
+    launch (after the wait, so at most one kernel's programs sit waiting at a time)."""
+    if DEPENDENT_LAUNCH:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
