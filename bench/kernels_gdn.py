@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import triton
 
 from common import copy_bandwidth, eager_time_us  # noqa: E402
-from deltaspec.kernels.gdn_chunked import _prepare, _state, gdn_chunked, gdn_chunked_reference
+from deltaspec.kernels.gdn_chunked import _output, _prepare, _state, gdn_chunked, gdn_chunked_reference, split_output
 
 SHAPES = [(1, 16384), (16, 1024), (64, 256)]          # (rows, tokens per row)
 HEADS = [(16, 16), (16, 32)]                           # (HK, HV)
@@ -68,8 +68,8 @@ class Inputs:
         return (self.q, self.k, self.v, self.a, self.b, self.A_log, self.dt_bias, self.cu_seqlens, self.slot_ids,
                 self.has_initial)
 
-    def ours(self):
-        return gdn_chunked(*self.args(), self.state)
+    def ours(self, split: bool | None = None):
+        return gdn_chunked(*self.args(), self.state, split=split)
 
     def bytes_moved(self) -> int:
         tensors = (self.q, self.k, self.v, self.a, self.b, self.v)            # the last v: o, same size
@@ -191,10 +191,15 @@ def main() -> None:
             except Exception as error:
                 row["fla_error"] = repr(error)
             ours = time_ms([x.ours for x in sets])
+            # The path gdn_chunked picks (split_output) and, same inputs, the one it does not.
+            split = split_output(rows, hv, VALUE_DIM, torch.device("cuda"))
+            other = time_ms([lambda x=x: x.ours(split=not split) for x in sets])
             roofline = sets[0].bytes_moved() / bandwidth * 1e3
-            row.update(ours_ms=ours, roofline_ms=roofline, bytes=sets[0].bytes_moved(),
+            row.update(ours_ms=ours, path="split" if split else "fused",
+                       ours_other_path_ms=other, roofline_ms=roofline, bytes=sets[0].bytes_moved(),
                        ours_fraction_of_roofline=roofline / ours,
                        configs={"prepare": str(_prepare.best_config), "state": str(_state.best_config),
+                                "output": str(getattr(_output, "best_config", None)),
                                 "state_tuning_ms": {str(c): t for c, t in getattr(_state, "configs_timings", {}).items()}},
                        breakdown_us={"ours": kernel_breakdown(sets[0].ours)})
             if "fla_kernel_ms" in row:
@@ -203,7 +208,8 @@ def main() -> None:
                 row["breakdown_us"]["fla_kernel"] = kernel_breakdown(flas[0].kernel)
             results.append(row)
             save()
-            print(f"HK={hk} HV={hv} {rows}x{length}: ours {ours:.3f} ms, roofline {roofline:.3f} ms; "
+            print(f"HK={hk} HV={hv} {rows}x{length}: ours {ours:.3f} ms ({row['path']}; other path "
+                  f"{other:.3f} ms), roofline {roofline:.3f} ms; "
                   f"fla {row.get('fla_kernel_ms', float('nan')):.3f} ms (drop-in {row.get('fla_dropin_ms', float('nan')):.3f}), "
                   f"ratio {row.get('ours_over_fla_kernel', float('nan')):.2f}; errors {row.get('errors')} "
                   f"{row.get('fla_error', '')}", flush=True)
@@ -223,10 +229,12 @@ def main() -> None:
 
     record["ours_16x1024_with_64_checkpoints_ms"] = ours_checkpointed
     save()
-    print(f"\n{'HK':>3} {'HV':>3} {'shape':>9} {'ours ms':>8} {'fla ms':>8} {'ratio':>6} {'drop-in':>8} {'roof ms':>8}")
+    print(f"\n{'HK':>3} {'HV':>3} {'shape':>9} {'ours ms':>8} {'path':>6} {'other':>8} {'fla ms':>8} {'ratio':>6} "
+          f"{'drop-in':>8} {'roof ms':>8}")
     nan = float("nan")
     for r in results:
-        print(f"{r['hk']:>3} {r['hv']:>3} {r['rows']:>3}x{r['length']:<5} {r['ours_ms']:>8.3f} "
+        print(f"{r['hk']:>3} {r['hv']:>3} {r['rows']:>3}x{r['length']:<5} {r['ours_ms']:>8.3f} {r['path']:>6} "
+              f"{r['ours_other_path_ms']:>8.3f} "
               f"{r.get('fla_kernel_ms', nan):>8.3f} {r.get('ours_over_fla_kernel', nan):>6.2f} "
               f"{r.get('fla_dropin_ms', nan):>8.3f} {r['roofline_ms']:>8.3f}")
     print(f"wrote {path}")

@@ -14,7 +14,7 @@ and then, sequentially over the chunks of a row, with S the state [K, V] at the 
     S  = exp(G_last) S + (K * exp(G_last - G))^T V'
 (q, k l2-normalised with eps 1e-6; g and beta from the gating of gdn.py.)
 
-Triton path, two kernels:
+Triton path, two kernels (three when split):
   1. `_gdn_chunk_prepare_kernel`, one program per (chunk, value head), all chunks in parallel:
      gating, chunk-local cumsum of g, the q/k inverse norms, P, and the 64x64 unit
      lower-triangular solve as four 16x16 diagonal inverses (forward substitution) merged into
@@ -28,6 +28,10 @@ Triton path, two kernels:
      and O for every chunk, writes O, the checkpoints, and the final state to state[slot]. Raw
      q and k tiles go to the tensor cores as loaded; l2norm, scale and decays are applied as row
      scales on the [64, BV] side (q_scale, k_scale), which keeps the loop free of spills.
+  3. Split (`split_output`: when the state kernel's programs would fill at most half the SMs,
+     i.e. few long rows): the state kernel leaves O out of its chain. It stores each chunk's starting state
+     (chunk_states [chunk id, HV, K, V], dot dtype) and V' (over u), and
+     `_gdn_chunk_output_kernel` computes O for every (chunk, value head, V tile) in parallel.
   Dots take the activation dtype (bf16 on the GPU) with fp32 accumulation, as fla does; the
   inverse runs in fp32 operands (tf32 on the GPU; exact fp32 everywhere for fp32 activations);
   the state stays fp32 in registers whatever the pool dtype.
@@ -46,6 +50,7 @@ import triton
 import triton.language as tl
 
 from .gdn import expand_heads, gdn_gating_reference, l2norm
+from .arrivals import num_sms
 from .varlen import into, pad_rows, row_layout
 
 CHUNK_SIZE = 64
@@ -267,6 +272,28 @@ def _inverse_times(out, x, I0, I1, I2, I3, c0, c1, c2, c3, t0, t1, t2, t3, m0, m
         _store_rows(out, acc, t3, m3, HV * D, col_out, D)
 
 
+@triton.jit
+def _chunk_of(cu_seqlens, chunk_id, num_rows, ROWS_POW2: tl.constexpr, CHUNK: tl.constexpr):
+    """Chunk ids number the chunks of all rows in order: row r owns ceil(len_r / CHUNK)
+    consecutive ids. -> (row, chunk of the row) of chunk_id; row = num_rows for ids past the
+    last chunk (the surplus of an upper-bound grid)."""
+    r = tl.arange(0, ROWS_POW2)
+    start = tl.load(cu_seqlens + r, mask=r < num_rows, other=0)
+    end = tl.load(cu_seqlens + r + 1, mask=r < num_rows, other=0)
+    row_chunks = (end - start + CHUNK - 1) // CHUNK
+    row = tl.sum((tl.cumsum(row_chunks, 0) <= chunk_id).to(tl.int32), 0)
+    return row, chunk_id - tl.sum(tl.where(r < row, row_chunks, 0), 0)
+
+
+@triton.jit
+def _first_chunk(cu_seqlens, row, num_rows, ROWS_POW2: tl.constexpr, CHUNK: tl.constexpr):
+    """The chunk id of chunk 0 of `row` (see `_chunk_of`)."""
+    r = tl.arange(0, ROWS_POW2)
+    start = tl.load(cu_seqlens + r, mask=r < row, other=0)
+    end = tl.load(cu_seqlens + r + 1, mask=r < row, other=0)
+    return tl.sum((end - start + CHUNK - 1) // CHUNK, 0)
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _gdn_chunk_prepare_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, g_cum, q_scale, k_scale, w, u, attn,
                               num_rows, scale, stride_qt, stride_kt, stride_vt, stride_at, stride_bt,
@@ -275,15 +302,9 @@ def _gdn_chunk_prepare_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, g_cum, 
                               EPS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     chunk_id, h = tl.program_id(0), tl.program_id(1)
     hk = h // (HV // HK)
-    # Which (row, chunk of the row) is chunk_id: rows own ceil(len / CHUNK) consecutive ids.
-    r = tl.arange(0, ROWS_POW2)
-    start = tl.load(cu_seqlens + r, mask=r < num_rows, other=0)
-    end = tl.load(cu_seqlens + r + 1, mask=r < num_rows, other=0)
-    row_chunks = (end - start + CHUNK - 1) // CHUNK
-    row = tl.sum((tl.cumsum(row_chunks, 0) <= chunk_id).to(tl.int32), 0)
+    row, chunk = _chunk_of(cu_seqlens, chunk_id, num_rows, ROWS_POW2, CHUNK)
     if row >= num_rows:
         return  # surplus program of the T // CHUNK + rows upper bound
-    chunk = chunk_id - tl.sum(tl.where(r < row, row_chunks, 0), 0)
     bos = tl.load(cu_seqlens + row).to(tl.int64)
     chunk_start = bos + chunk * CHUNK
     num_valid = tl.load(cu_seqlens + row + 1).to(tl.int64) - chunk_start   # may exceed CHUNK
@@ -373,17 +394,61 @@ def _gdn_chunk_prepare_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, g_cum, 
                    DOT_DTYPE, PRECISION)
 
 
-@triton.jit(do_not_specialize=["row_bucket"])
+@triton.jit
+def _chunk_output(o, q, attn, q_scale, S_dot, v_new, tok, valid, ct, h, hk, vv, stride_qt,
+                  HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, CHUNK: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """O = K^-1/2 exp(G) / |q| * (Q_raw S) + P V' for one chunk and V tile, stored to o [T, HV, V].
+    S_dot [K, BV] (the state at the chunk start, dot dtype), v_new = V' [C, BV]."""
+    cq = tl.load(q_scale + tok * HV + h, mask=valid, other=0.0)
+    qc = _load_rows(q, tok, valid, stride_qt, hk * K, K)                                     # [C, K]
+    p = tl.load(attn + tok[:, None] * (HV * CHUNK) + h * CHUNK + ct[None, :],
+                mask=valid[:, None] & (ct[None, :] <= ct[:, None]), other=0.0)
+    out = tl.dot(qc.to(DOT_DTYPE), S_dot, input_precision=PRECISION) * cq[:, None]
+    out = tl.dot(p.to(DOT_DTYPE), v_new.to(DOT_DTYPE), out, input_precision=PRECISION)
+    tl.store(o + tok[:, None] * (HV * V) + h * V + vv[None, :], out.to(o.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _gdn_chunk_output_kernel(q, q_scale, u, attn, o, cu_seqlens, chunk_states, num_rows, stride_qt,
+                             HV: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                             BV: tl.constexpr, ROWS_POW2: tl.constexpr, CHUNK: tl.constexpr,
+                             DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """One (chunk, value head, V tile) of the split path: the outputs from the chunk's starting
+    state and V' that `_gdn_chunk_state_kernel` (SPLIT_O) stored, every chunk in parallel."""
+    chunk_id, h, tile_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row, chunk = _chunk_of(cu_seqlens, chunk_id, num_rows, ROWS_POW2, CHUNK)
+    if row >= num_rows:
+        return  # surplus program of the T // CHUNK + rows upper bound
+    hk = h // (HV // HK)
+    chunk_start = tl.load(cu_seqlens + row).to(tl.int64) + chunk * CHUNK
+    ct = tl.arange(0, CHUNK)
+    kk = tl.arange(0, K)
+    vv = tile_v * BV + tl.arange(0, BV)
+    tok = chunk_start + ct
+    valid = tok < tl.load(cu_seqlens + row + 1)
+    S_dot = tl.load(chunk_states + (chunk_id.to(tl.int64) * HV + h) * (K * V) + kk[:, None] * V + vv[None, :])
+    v_new = tl.load(u + tok[:, None] * (HV * V) + h * V + vv[None, :], mask=valid[:, None], other=0.0)
+    _chunk_output(o, q, attn, q_scale, S_dot, v_new, tok, valid, ct, h, hk, vv, stride_qt,
+                  HV, K, V, CHUNK, DOT_DTYPE, PRECISION)
+
+
+@triton.jit(do_not_specialize=["row_bucket", "num_rows"])
 def _gdn_chunk_state_kernel(q, k, g_cum, q_scale, k_scale, w, u, attn, o, state, cu_seqlens, slot_ids,
                             has_initial_state, checkpoint_cu, checkpoint_lengths, checkpoint_states,
-                            stride_qt, stride_kt, row_bucket,
+                            chunk_states, num_rows, stride_qt, stride_kt, row_bucket,
                             HV: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                             BV: tl.constexpr, CHUNK: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                            PRECISION: tl.constexpr, HAS_CHECKPOINTS: tl.constexpr):
+                            PRECISION: tl.constexpr, HAS_CHECKPOINTS: tl.constexpr, SPLIT_O: tl.constexpr,
+                            ROWS_POW2: tl.constexpr):
     """One (row, value head, V tile): the state tile S [K, BV] lives in registers across the
     row's chunks. Raw q and k tiles go to the tensor cores as loaded; their l2norm, scale and
     decays are row scales on the [C, BV] side (q_scale, k_scale from the prepare kernel).
-    row_bucket only keys the autotuner (few long rows want narrow V tiles)."""
+    row_bucket only keys the autotuner (few long rows want narrow V tiles).
+    SPLIT_O: the outputs are left to `_gdn_chunk_output_kernel`, which runs all chunks at once:
+    this kernel stores each chunk's starting state (chunk_states[chunk id], in the dot dtype,
+    as the fused O dot would use it) and V' (over u, in place), and its loop carries two dots
+    instead of four."""
     row, h, tile_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hk = h // (HV // HK)
     bos = tl.load(cu_seqlens + row).to(tl.int64)
@@ -401,24 +466,26 @@ def _gdn_chunk_state_kernel(q, k, g_cum, q_scale, k_scale, w, u, attn, o, state,
         checkpoint_end = tl.load(checkpoint_cu + row + 1)
         checkpoint_at = tl.load(checkpoint_lengths + checkpoint, mask=checkpoint < checkpoint_end, other=-1)
 
+    if SPLIT_O:
+        first_chunk = _first_chunk(cu_seqlens, row, num_rows, ROWS_POW2, CHUNK).to(tl.int64)
     for c in range(0, tl.cdiv(length, CHUNK)):
         tok = bos + c * CHUNK + ct
         valid = c * CHUNK + ct < length
         num_valid = tl.minimum(length - c * CHUNK, CHUNK)
         g_last = tl.load(g_cum + (bos + c * CHUNK + num_valid - 1) * HV + h)
-        cq = tl.load(q_scale + tok * HV + h, mask=valid, other=0.0)
         ck = tl.load(k_scale + tok * HV + h, mask=valid, other=0.0)
-        qc = _load_rows(q, tok, valid, stride_qt, hk * K, K)                                 # [C, K]
         kt = tl.load(k + tok[None, :] * stride_kt + hk * K + kk[:, None], mask=valid[None, :], other=0.0)  # [K, C]
         wc = tl.load(w + tok[:, None] * (HV * K) + h * K + kk[None, :], mask=valid[:, None], other=0.0)
-        uc = tl.load(u + tok[:, None] * (HV * V) + h * V + vv[None, :], mask=valid[:, None], other=0.0)
-        p = tl.load(attn + tok[:, None] * (HV * CHUNK) + h * CHUNK + ct[None, :],
-                    mask=valid[:, None] & (ct[None, :] <= ct[:, None]), other=0.0)
+        u_tile = u + tok[:, None] * (HV * V) + h * V + vv[None, :]
+        uc = tl.load(u_tile, mask=valid[:, None], other=0.0)
         S_dot = S.to(DOT_DTYPE)
         v_new = uc.to(tl.float32) - tl.dot(wc.to(DOT_DTYPE), S_dot, input_precision=PRECISION)   # V' = U - W S
-        out = tl.dot(qc.to(DOT_DTYPE), S_dot, input_precision=PRECISION) * cq[:, None]         # O = Q S + P V'
-        out = tl.dot(p.to(DOT_DTYPE), v_new.to(DOT_DTYPE), out, input_precision=PRECISION)
-        tl.store(o + tok[:, None] * (HV * V) + h * V + vv[None, :], out.to(o.dtype.element_ty), mask=valid[:, None])
+        if SPLIT_O:
+            tl.store(chunk_states + ((first_chunk + c) * HV + h) * (K * V) + tile, S_dot)
+            tl.store(u_tile, v_new.to(u.dtype.element_ty), mask=valid[:, None])
+        else:
+            _chunk_output(o, q, attn, q_scale, S_dot, v_new, tok, valid, ct, h, hk, vv, stride_qt,
+                          HV, K, V, CHUNK, DOT_DTYPE, PRECISION)
         # S = exp(G_last) S + (K exp(G_last - G) / |k|)^T V'
         S = S * tl.exp(g_last) + tl.dot(kt.to(DOT_DTYPE), (v_new * ck[:, None]).to(DOT_DTYPE),
                                         input_precision=PRECISION)
@@ -445,22 +512,47 @@ def _prepare_configs() -> list[triton.Config]:
 def _state_configs() -> list[triton.Config]:
     if _INTERPRET:
         return [triton.Config({"BV": 16}, num_warps=4)]   # V = 32 in the CPU tests: two V tiles
-    # V tiles of 16 and 32 hit a Triton shared-memory bug on sm_90 for kernels with several
-    # tl.dot (illegal address, seen here on an H200 with Triton 3.6 at BV = 16; pytorch/helion
-    # PR #1905, triton-lang/triton #10486, #11366): only 64 and 128 on the GPU.
     return [triton.Config({"BV": bv}, num_warps=num_warps, num_stages=num_stages)
-            for bv, num_warps, num_stages in ((64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 8, 2))]
+            for bv, num_warps, num_stages in ((32, 4, 2), (32, 2, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2),
+                                              (128, 8, 2))]
+
+
+def _output_configs() -> list[triton.Config]:
+    if _INTERPRET:
+        return [triton.Config({"BV": 16}, num_warps=4)]
+    return [triton.Config({"BV": bv}, num_warps=num_warps) for bv, num_warps in ((64, 4), (128, 4), (128, 8))]
 
 
 def _fitting_v_tiles(configs, named_args, **kwargs):
+    """V tiles no wider than V. On the GPU, tiles under 64 columns only for the split state
+    kernel (two dots): with the four dots of the fused loop, narrow tiles hit a Triton
+    shared-memory bug on sm_90 (illegal address, seen on an H200 with Triton 3.6 at BV = 16;
+    pytorch/helion PR #1905, triton-lang/triton #10486, #11366)."""
     value_dim = kwargs.get("V", named_args.get("V"))
-    return [c for c in configs if c.kwargs["BV"] <= value_dim]
+    narrow_ok = _INTERPRET or kwargs.get("SPLIT_O", named_args.get("SPLIT_O", False))
+    return [c for c in configs if c.kwargs["BV"] <= value_dim and (narrow_ok or c.kwargs["BV"] >= 64)]
 
 
 _prepare = triton.autotune(_prepare_configs(), key=["HV", "HK", "K", "V"])(_gdn_chunk_prepare_kernel)
-_state = triton.autotune(_state_configs(), key=["HV", "HK", "K", "V", "row_bucket", "HAS_CHECKPOINTS"],
+# The split state kernel writes V' over u: tuning runs restore it as well as the pool.
+_state = triton.autotune(_state_configs(), key=["HV", "HK", "K", "V", "row_bucket", "HAS_CHECKPOINTS", "SPLIT_O"],
                          prune_configs_by={"early_config_prune": _fitting_v_tiles},
-                         restore_value=["state"])(_gdn_chunk_state_kernel)
+                         restore_value=["state", "u"])(_gdn_chunk_state_kernel)
+_output = triton.autotune(_output_configs(), key=["HV", "HK", "K", "V"],
+                          prune_configs_by={"early_config_prune": _fitting_v_tiles})(_gdn_chunk_output_kernel)
+
+
+def split_output(num_rows: int, num_value_heads: int, value_dim: int, device: torch.device) -> bool:
+    """Whether the outputs get their own all-chunks-parallel kernel: when the fused state kernel
+    (a program per row, value head and 64-column V tile) would occupy at most half the SMs. Then
+    its chain of chunks is the critical path; the split takes the two output dots off it and
+    lets the state kernel use 32-column tiles (twice the programs), which beats the traffic of
+    the stored chunk states (fla's layout, chunk_fwd_h + chunk_fwd_o). H100, K = V = 128: 1 x
+    16384 at HV = 16 (32 programs) 1293 -> 1105 us, HV = 32 (64) 1770 -> 1732, 2 x 8192 at
+    HV = 16 (64) 910 -> 892; at 128 programs (4 x 4096) fused is faster, 734 against 814.
+    The interpreter keeps the fused path unless told (tests force both)."""
+    return device.type == "cuda" and num_rows * num_value_heads * max(1, value_dim // 64) <= num_sms(device) // 2
+
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -470,11 +562,13 @@ def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
                 slot_ids: torch.Tensor, has_initial_state: torch.Tensor, state: torch.Tensor,
                 checkpoint_cu: torch.Tensor | None = None, checkpoint_lengths: torch.Tensor | None = None,
                 checkpoint_states: torch.Tensor | None = None, lengths_checked: bool = False,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, split: bool | None = None) -> torch.Tensor:
     """Triton `gdn_chunked_reference` (same arguments and semantics). q, k, v may be views with
     any token stride (e.g. splits of the conv output) as long as each token's heads are packed;
     a, b likewise. `out` (optional): a contiguous [T, HV, V] view in v's dtype, e.g. a row slice
-    of the layer's output buffer. K and V are powers of two, 16 .. 256 (V >= 64 on the GPU)."""
+    of the layer's output buffer. K and V are powers of two, 16 .. 256 (V >= 64 on the GPU).
+    `split`: outputs by their own kernel (True) or inside the state kernel (False); None picks
+    by `split_output`."""
     num_tokens, num_key_heads, key_dim = q.shape
     num_value_heads, value_dim = v.shape[1], v.shape[2]
     num_rows = slot_ids.numel()
@@ -509,18 +603,30 @@ def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
     scale = key_dim ** -0.5
     dot_dtype = _TL_DTYPE[q.dtype]
     precision = "ieee" if q.dtype == torch.float32 else "tf32"   # fp32 activations: exact fp32 dots
+    rows_pow2 = max(64, triton.next_power_of_2(num_rows))
     _prepare[(num_tokens // CHUNK_SIZE + num_rows, num_value_heads)](
         q, k, v, a, b, A_log, dt_bias, cu_seqlens, g_cum, q_scale, k_scale, w, u, attn,
         num_rows, scale, q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0),
         HV=num_value_heads, HK=num_key_heads, K=key_dim, V=value_dim,
-        ROWS_POW2=max(64, triton.next_power_of_2(num_rows)), CHUNK=CHUNK_SIZE, SUB=SUB_CHUNK, EPS=L2NORM_EPS,
+        ROWS_POW2=rows_pow2, CHUNK=CHUNK_SIZE, SUB=SUB_CHUNK, EPS=L2NORM_EPS,
         DOT_DTYPE=dot_dtype, PRECISION=precision)
+    if split is None:
+        split = split_output(num_rows, num_value_heads, value_dim, device)
+    num_chunk_ids = num_tokens // CHUNK_SIZE + num_rows     # an upper bound of the chunks of all rows
+    chunk_states = (torch.empty(num_chunk_ids, num_value_heads, key_dim, value_dim, dtype=q.dtype, device=device)
+                    if split else w)
     _state[lambda meta: (num_rows, num_value_heads, value_dim // meta["BV"])](
         q, k, g_cum, q_scale, k_scale, w, u, attn, out, state, cu_seqlens, slot_ids,
         has_initial_state.view(torch.uint8),
         checkpoint_cu if has_checkpoints else slot_ids, checkpoint_lengths if has_checkpoints else slot_ids,
-        checkpoint_states if has_checkpoints else state,
+        checkpoint_states if has_checkpoints else state, chunk_states, num_rows,
         q.stride(0), k.stride(0), min(triton.next_power_of_2(num_rows), 64),
         HV=num_value_heads, HK=num_key_heads, K=key_dim, V=value_dim, CHUNK=CHUNK_SIZE,
-        DOT_DTYPE=dot_dtype, PRECISION=precision, HAS_CHECKPOINTS=has_checkpoints)
+        DOT_DTYPE=dot_dtype, PRECISION=precision, HAS_CHECKPOINTS=has_checkpoints, SPLIT_O=split,
+        ROWS_POW2=rows_pow2 if split else 1)
+    if split:
+        _output[lambda meta: (num_chunk_ids, num_value_heads, value_dim // meta["BV"])](
+            q, q_scale, u, attn, out, cu_seqlens, chunk_states, num_rows, q.stride(0),
+            HV=num_value_heads, HK=num_key_heads, K=key_dim, V=value_dim, ROWS_POW2=rows_pow2, CHUNK=CHUNK_SIZE,
+            DOT_DTYPE=dot_dtype, PRECISION=precision)
     return out

@@ -7,9 +7,9 @@ Triton's frontend, its LLVM passes and ptxas (shipped in the triton wheel) all r
 only loading and launching need the driver. So the active driver is replaced by one that names
 an sm_90 target, every launch becomes a warm-up (compile, no launch) and each autotuner config
 is compiled once. The engine then runs tiny checkpoints of every family through its GPU kernel
-table — prefill chunks, decode, draft and verify steps — plus the sampling kernels, with real
-launch geometry (an H100's 132 SMs). Outputs are garbage (nothing ran), which the engine never
-inspects beyond shapes on these greedy paths.
+table — prefill chunks, decode, draft and verify steps — plus the sampling kernels and the
+split GDN prefill, with real launch geometry (an H100's 132 SMs). Outputs are garbage (nothing
+ran), which the engine never inspects beyond shapes on these greedy paths.
 
 This catches what the interpreter cannot: code that does not compile for the GPU (types, layouts,
 register limits at ptxas). Run by tests/test_kernels_compile.py in a subprocess, because the
@@ -100,8 +100,10 @@ def run_engine() -> None:
 
 
 def run_kernels() -> None:
-    """Kernels the greedy engine runs above do not reach: sampling, and MoE's per-token path."""
-    from deltaspec.kernels import moe, sampling
+    """Kernels the greedy engine runs above do not reach: sampling, MoE's per-token path, and the
+    split GDN prefill (few long rows on a real GPU; the tiny engine batches here look like CPU
+    tensors, which take the fused path)."""
+    from deltaspec.kernels import gdn_chunked, moe, sampling
 
     vocab, rows = 1000, 4
     column = lambda value, dtype: torch.full((rows,), value, dtype=dtype)  # noqa: E731
@@ -115,6 +117,12 @@ def run_kernels() -> None:
     weights, ids = torch.rand(1, top_k), torch.tensor([[1, 5]])
     moe.moe_experts_per_token(x, weights, ids, torch.randn(experts, 2 * inner, hidden, dtype=torch.bfloat16),
                               torch.randn(experts, hidden, inner, dtype=torch.bfloat16))
+    tokens, heads, dim = 130, 2, 64
+    qkv = torch.randn(3, tokens, heads, dim, dtype=torch.bfloat16)
+    gates = torch.randn(2, tokens, heads, dtype=torch.bfloat16)
+    gdn_chunked.gdn_chunked(*qkv, *gates, torch.randn(heads), torch.randn(heads),
+                            torch.tensor([0, tokens], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
+                            torch.tensor([True]), torch.randn(2, heads, dim, dim), split=True)
 
 
 def main() -> None:

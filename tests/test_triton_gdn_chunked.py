@@ -13,6 +13,8 @@ Contracts checked (CPU: the interpreter in fp32 / fp16 at tiny K, V; GPU: bf16 a
     equals the final state of a run over only the first p tokens of its row; invalid checkpoint
     lengths are refused;
   - a bf16 state pool;
+  - both paths: outputs inside the state kernel (fused) and by their own kernel from stored
+    chunk states (split), forced either way;
   - `out=`: a row slice of a larger buffer is written in place, nothing outside it.
 """
 
@@ -112,14 +114,15 @@ class Batch:
                 assert torch.equal(bits(state[slot]), bits(self.state[slot])), f"slot {slot} changed"
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
 @pytest.mark.parametrize("num_key_heads,num_value_heads", [(1, 2), (2, 4), (2, 2)],
                          ids=["HV=2HK", "HV=2HK-HK=2", "HV=HK"])
-def test_kernel_matches_reference(interpreter_device, poisoned_empty, num_key_heads, num_value_heads):
+def test_kernel_matches_reference(interpreter_device, poisoned_empty, num_key_heads, num_value_heads, split):
     gen = torch.Generator().manual_seed(10 + num_key_heads)
     batch = Batch(gen, interpreter_device, LENGTHS, num_key_heads, num_value_heads, KEY_DIM, VALUE_DIM, torch.float32)
     state, expected_state = batch.state.clone(), batch.state.clone()
 
-    out = poisoned_empty(gdn_chunked, *batch.args(), state)
+    out = poisoned_empty(gdn_chunked, *batch.args(), state, split=split)
     expected = gdn_chunked_reference(*batch.args(), expected_state)
 
     assert out.shape == batch.v.shape and out.dtype == batch.v.dtype
@@ -137,7 +140,8 @@ def checkpoint_plan(lengths: list[int], device: str) -> tuple[list[list[int]], t
     return plan, cu, flat
 
 
-def test_checkpoints_match_reference_and_prefix_runs(interpreter_device, poisoned_empty):
+@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
+def test_checkpoints_match_reference_and_prefix_runs(interpreter_device, poisoned_empty, split):
     gen = torch.Generator().manual_seed(3)
     lengths = [130, 64, 65, 1, 200]
     batch = Batch(gen, interpreter_device, lengths, 1, 2, KEY_DIM, VALUE_DIM, torch.float32)
@@ -148,7 +152,8 @@ def test_checkpoints_match_reference_and_prefix_runs(interpreter_device, poisone
     expected_checkpoints = torch.full(shape, float("nan"), device=interpreter_device)
     state, expected_state = batch.state.clone(), batch.state.clone()
 
-    out = poisoned_empty(gdn_chunked, *batch.args(), state, checkpoint_cu, checkpoint_lengths, checkpoints)
+    out = poisoned_empty(gdn_chunked, *batch.args(), state, checkpoint_cu, checkpoint_lengths, checkpoints,
+                         split=split)
     expected = gdn_chunked_reference(*batch.args(), expected_state, checkpoint_cu, checkpoint_lengths,
                                      expected_checkpoints)
 
@@ -226,9 +231,10 @@ def test_writes_into_a_row_slice(interpreter_device, kernel):
 # GPU: bf16 activations at the model's head size against the reference in fp32
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split", [None, False, True], ids=["auto", "fused", "split"])
 @pytest.mark.parametrize("num_key_heads,num_value_heads,state_dtype",
                          [(16, 32, torch.float32), (16, 16, torch.bfloat16)], ids=["HV=2HK-fp32-pool", "HV=HK-bf16-pool"])
-def test_gpu_bf16_matches_fp32_reference(poisoned_empty, num_key_heads, num_value_heads, state_dtype):
+def test_gpu_bf16_matches_fp32_reference(poisoned_empty, num_key_heads, num_value_heads, state_dtype, split):
     """The model's head shapes (those of bench/kernels_gdn.py, so compiled kernels are shared)."""
     gen = torch.Generator().manual_seed(6)
     lengths = [1, 63, 64, 65, 130, 1000, 300, 2]
@@ -240,7 +246,8 @@ def test_gpu_bf16_matches_fp32_reference(poisoned_empty, num_key_heads, num_valu
     expected_checkpoints = torch.full(shape, float("nan"), device="cuda")
     state, expected_state = batch.state.clone(), batch.state.float()
 
-    out = poisoned_empty(gdn_chunked, *batch.args(), state, checkpoint_cu, checkpoint_lengths, checkpoints)
+    out = poisoned_empty(gdn_chunked, *batch.args(), state, checkpoint_cu, checkpoint_lengths, checkpoints,
+                         split=split)
     fp32 = [x.float() if x.is_floating_point() else x for x in batch.args()]
     expected = gdn_chunked_reference(*fp32, expected_state, checkpoint_cu, checkpoint_lengths, expected_checkpoints)
 
