@@ -29,8 +29,8 @@ Triton path, two kernels (three when split):
      q and k tiles go to the tensor cores as loaded; l2norm, scale and decays are applied as row
      scales on the [64, BV] side (q_scale, k_scale), which keeps the loop free of spills.
   3. Split (`split_output`: when the state kernel's programs would fill at most half the SMs,
-     i.e. few long rows): the state kernel leaves O out of its chain. It stores each chunk's starting state
-     (chunk_states [chunk id, HV, K, V], dot dtype) and V' (over u), and
+     i.e. few long rows): the state kernel leaves O out of its chain. It stores each chunk's
+     starting state (chunk_states [chunk id, HV, K, V], dot dtype) and V' (over u), and
      `_gdn_chunk_output_kernel` computes O for every (chunk, value head, V tile) in parallel.
   Dots take the activation dtype (bf16 on the GPU) with fp32 accumulation, as fla does; the
   inverse runs in fp32 operands (tf32 on the GPU; exact fp32 everywhere for fp32 activations);
@@ -49,8 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .gdn import expand_heads, gdn_gating_reference, l2norm
 from .arrivals import num_sms
+from .gdn import expand_heads, gdn_gating_reference, l2norm
 from .varlen import into, pad_rows, row_layout
 
 CHUNK_SIZE = 64
