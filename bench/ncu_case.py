@@ -1,0 +1,57 @@
+"""One GDN kernel case for Nsight Compute: warms up (compiles, autotunes), then runs the case once
+between torch.cuda.profiler.start() and stop(), so `ncu --profile-from-start off` profiles only
+that call. ncu works on the Firecracker H100 (give it --clock-control none: leave clocks alone).
+
+    ncu --clock-control none --profile-from-start off --section SpeedOfLight --section Occupancy \\
+        --section LaunchStats --section WarpStateStats --section SchedulerStats \\
+        --section MemoryWorkloadAnalysis python bench/ncu_case.py CASE
+
+CASE: verify_B / decode_B (GDN decode kernel, HV = 16, B rows: verify 3 pending + 4 new tokens at
+16x1 tiles, decode 1 token at 32x2) or chunk_ROWS_LENGTH_HV (gdn_chunked, HK = 16, bf16).
+Shapes and inputs are those of kernels_gdn_decode.py and kernels_gdn.py.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+
+def main() -> None:
+    case = sys.argv[1]
+    kind, *sizes = case.split("_")
+    if kind in ("verify", "decode"):
+        from kernels_gdn_decode import Setup
+
+        from deltaspec.kernels.arrivals import arrival_counters
+        from deltaspec.kernels.gdn_decode import DecodeConfig
+        batch = int(sizes[0])
+        arrival_counters(torch.device("cuda"), batch * 16)
+        if kind == "verify":
+            setup, commit, config = Setup(batch, 16, tokens_per_row=4, pending=3), False, DecodeConfig(16, 1)
+        else:
+            setup = Setup(batch, 16, tokens_per_row=1, pending=0, max_pending=0)
+            commit, config = True, DecodeConfig(32, 2)
+        run = lambda r: setup.launch(r % setup.repeats, commit, config)  # noqa: E731
+    elif kind == "chunk":
+        from kernels_gdn import Inputs
+        rows, length, hv = (int(x) for x in sizes)
+        x = Inputs(torch.Generator(device="cuda").manual_seed(0), rows, length, 16, hv)
+        run = lambda r: x.ours()  # noqa: E731
+    else:
+        raise SystemExit(f"unknown case {case!r}: verify_B, decode_B or chunk_ROWS_LENGTH_HV")
+    for r in range(3):
+        run(r)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    run(3)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
+if __name__ == "__main__":
+    main()
