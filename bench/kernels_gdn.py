@@ -20,7 +20,8 @@ time between its launches.
 
 Run on the GPU machine (fla-core importable from /tmp/fla, never installed in the test env):
     python bench/kernels_gdn.py --out DIR [--commit HASH]
-Writes DIR/kernels_gdn-<gpu>.json and prints a table.
+Writes DIR/kernels_gdn-<gpu>.json and .png (stacked kernel times per shape) and prints a table;
+`--plot JSON` redraws the PNG of an existing results file.
 """
 
 from __future__ import annotations
@@ -151,11 +152,46 @@ def check(x: Inputs) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
     return errors, expected, state_ref[slots]
 
 
+def plot(record: dict, path: pathlib.Path) -> None:
+    """Per shape, each side's kernel device times stacked (ours left, fla right) and the wall
+    time per call as a marker: where the time goes, and what the host adds."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in record["results"] if "fla_kernel" in r.get("breakdown_us", {})]
+    figure, axis = plt.subplots(figsize=(14, 4.8))
+    colors: dict[str, str] = {}
+    palette = iter(plt.get_cmap("tab20").colors)
+    for i, r in enumerate(rows):
+        for offset, side, wall in ((-0.2, "ours", r["ours_ms"]), (0.2, "fla_kernel", r["fla_kernel_ms"])):
+            bottom = 0.0
+            for name, us in sorted(r["breakdown_us"][side].items(), key=lambda kv: -kv[1]):
+                label = name.split("(")[0].split("<")[0].strip().lstrip("_")[:40]   # "_x": hidden by matplotlib
+                color = colors.setdefault(label, next(palette, "grey"))
+                axis.bar(i + offset, us / 1e3, 0.38, bottom=bottom, color=color,
+                         label=label if label not in axis.get_legend_handles_labels()[1] else None)
+                bottom += us / 1e3
+            axis.plot(i + offset, wall, marker="_", markersize=22, color="black")
+    axis.set_xticks(range(len(rows)),
+                    [f"HV={r['hv']} {r['rows']}x{r['length']}\n({r.get('path', 'fused')}) ours | fla" for r in rows])
+    axis.set(ylabel="ms per call", title=f"GDN chunked prefill, {record['device']} ({record.get('git_commit', '')}): "
+                                          "kernel device time stacked, wall time per call as a black bar")
+    axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))
     parser.add_argument("--commit", default="unknown")
+    parser.add_argument("--plot", type=pathlib.Path, help="only draw the PNG of an existing results JSON")
     args = parser.parse_args()
+    if args.plot:
+        plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
+        return
     sys.path.insert(0, "/tmp/fla")
     import fla
 
@@ -245,7 +281,8 @@ def main() -> None:
               f"{r.get('fla_kernel_ms', nan):>8.3f} {r.get('ours_over_fla_kernel', nan):>6.2f} "
               f"{r.get('ours_over_fla_device_time', nan):>6.2f} "
               f"{r.get('fla_dropin_ms', nan):>8.3f} {r['roofline_ms']:>8.3f}")
-    print(f"wrote {path}")
+    plot(record, path.with_suffix(".png"))
+    print(f"wrote {path} and its .png")
 
 
 if __name__ == "__main__":
