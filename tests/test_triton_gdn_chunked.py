@@ -20,6 +20,8 @@ Contracts checked (CPU: the interpreter in fp32 / fp16 at tiny K, V; GPU: bf16 a
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -203,7 +205,7 @@ def test_fp16_activations_bf16_state_pool(interpreter_device, poisoned_empty):
     batch.check_untouched(state)
 
 
-def check_row_slice_output(batch: Batch, kernel: bool, rtol: float) -> None:
+def check_row_slice_output(batch: Batch, fn, rtol: float) -> None:
     """out= a row slice of a NaN-poisoned buffer (the prefill rows of the layer's output, which
     the decode rows precede): it holds what a fresh output holds; rows outside it stay NaN."""
     num_tokens = batch.v.shape[0]
@@ -213,18 +215,19 @@ def check_row_slice_output(batch: Batch, kernel: bool, rtol: float) -> None:
                         device=batch.v.device)
     out = buffer[3:3 + num_tokens]
     state = batch.state.clone()
-    returned = (gdn_chunked if kernel else gdn_chunked_reference)(*batch.args(), state, out=out)
+    returned = fn(*batch.args(), state, out=out)
     assert returned.data_ptr() == out.data_ptr() and returned.shape == out.shape
     assert relative_error(out, expected) < rtol
     assert buffer[:3].isnan().all() and buffer[3 + num_tokens:].isnan().all(), "rows outside out were written"
     batch.check_untouched(state)
 
 
-@pytest.mark.parametrize("kernel", [True, False], ids=["triton", "reference"])
-def test_writes_into_a_row_slice(interpreter_device, kernel):
+@pytest.mark.parametrize("fn", [gdn_chunked, functools.partial(gdn_chunked, split=True), gdn_chunked_reference],
+                         ids=["triton-fused", "triton-split", "reference"])
+def test_writes_into_a_row_slice(interpreter_device, fn):
     gen = torch.Generator().manual_seed(7)
     batch = Batch(gen, interpreter_device, [65, 3], 1, 2, KEY_DIM, VALUE_DIM, torch.float32)
-    check_row_slice_output(batch, kernel, 1e-5)
+    check_row_slice_output(batch, fn, 1e-5)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -265,4 +268,4 @@ def test_gpu_bf16_matches_fp32_reference(poisoned_empty, num_key_heads, num_valu
 def test_gpu_writes_into_a_row_slice():
     gen = torch.Generator().manual_seed(8)
     batch = Batch(gen, "cuda", [1, 130, 64], 16, 32, 128, 128, torch.bfloat16, num_slots=6, extra_columns=0)
-    check_row_slice_output(batch, True, 2e-2)
+    check_row_slice_output(batch, gdn_chunked, 2e-2)
