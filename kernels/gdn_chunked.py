@@ -275,25 +275,29 @@ def _inverse_times(out, x, I0, I1, I2, I3, c0, c1, c2, c3, t0, t1, t2, t3, m0, m
 
 
 @triton.jit
-def _chunk_of(cu_seqlens, chunk_id, num_rows, ROWS_POW2: tl.constexpr, CHUNK: tl.constexpr):
+def _row_chunks(cu_seqlens, num_rows, ROWS_POW2: tl.constexpr, CHUNK: tl.constexpr):
     """Chunk ids number the chunks of all rows in order: row r owns ceil(len_r / CHUNK)
-    consecutive ids. -> (row, chunk of the row) of chunk_id; row = num_rows for ids past the
-    last chunk (the surplus of an upper-bound grid)."""
+    consecutive ids. -> (r = arange(ROWS_POW2), ceil(len_r / CHUNK), 0 past the last row)."""
     r = tl.arange(0, ROWS_POW2)
     start = tl.load(cu_seqlens + r, mask=r < num_rows, other=0)
     end = tl.load(cu_seqlens + r + 1, mask=r < num_rows, other=0)
-    row_chunks = (end - start + CHUNK - 1) // CHUNK
+    return r, (end - start + CHUNK - 1) // CHUNK
+
+
+@triton.jit
+def _chunk_of(cu_seqlens, chunk_id, num_rows, ROWS_POW2: tl.constexpr, CHUNK: tl.constexpr):
+    """(row, chunk of the row) of chunk_id (`_row_chunks`); row = num_rows for ids past the last
+    chunk (the surplus of an upper-bound grid)."""
+    r, row_chunks = _row_chunks(cu_seqlens, num_rows, ROWS_POW2, CHUNK)
     row = tl.sum((tl.cumsum(row_chunks, 0) <= chunk_id).to(tl.int32), 0)
     return row, chunk_id - tl.sum(tl.where(r < row, row_chunks, 0), 0)
 
 
 @triton.jit
 def _first_chunk(cu_seqlens, row, num_rows, ROWS_POW2: tl.constexpr, CHUNK: tl.constexpr):
-    """The chunk id of chunk 0 of `row` (see `_chunk_of`)."""
-    r = tl.arange(0, ROWS_POW2)
-    start = tl.load(cu_seqlens + r, mask=r < row, other=0)
-    end = tl.load(cu_seqlens + r + 1, mask=r < row, other=0)
-    return tl.sum((end - start + CHUNK - 1) // CHUNK, 0)
+    """The chunk id of chunk 0 of `row` (`_row_chunks`)."""
+    r, row_chunks = _row_chunks(cu_seqlens, num_rows, ROWS_POW2, CHUNK)
+    return tl.sum(tl.where(r < row, row_chunks, 0), 0)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
