@@ -37,7 +37,7 @@ import torch.nn.functional as F
 import triton
 
 from common import copy_bandwidth, eager_time_us  # noqa: E402
-from deltaspec.kernels.gdn_chunked import _output, _prepare, _state, gdn_chunked, gdn_chunked_reference, split_output
+from deltaspec.kernels.gdn_chunked import _output, _solve, _state, _wy, gdn_chunked, gdn_chunked_reference, split_output
 
 SHAPES = [(1, 16384), (16, 1024), (64, 256)]          # (rows, tokens per row)
 HEADS = [(16, 16), (16, 32)]                           # (HK, HV)
@@ -236,7 +236,7 @@ def main() -> None:
             row.update(ours_ms=ours, path="split" if split else "fused",
                        ours_other_path_ms=other, roofline_ms=roofline, bytes=sets[0].bytes_moved(),
                        ours_fraction_of_roofline=roofline / ours,
-                       configs={"prepare": str(_prepare.best_config), "state": str(_state.best_config),
+                       configs={"solve": str(_solve.best_config), "wy": str(_wy.best_config), "state": str(_state.best_config),
                                 "output": str(getattr(_output, "best_config", None)),
                                 "state_tuning_ms": {str(c): t for c, t in getattr(_state, "configs_timings", {}).items()}},
                        breakdown_us={"ours": kernel_breakdown(sets[0].ours)})

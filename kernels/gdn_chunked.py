@@ -14,14 +14,17 @@ and then, sequentially over the chunks of a row, with S the state [K, V] at the 
     S  = exp(G_last) S + (K * exp(G_last - G))^T V'
 (q, k l2-normalised with eps 1e-6; g and beta from the gating of gdn.py.)
 
-Triton path, two kernels (three when split):
-  1. `_gdn_chunk_prepare_kernel`, one program per (chunk, value head), all chunks in parallel:
-     gating, chunk-local cumsum of g, the q/k inverse norms, P, and the 64x64 unit
+Triton path, three kernels (four when split):
+  1. `_gdn_chunk_solve_kernel` and `_gdn_chunk_wy_kernel`, one program per (chunk, value head),
+     all chunks in parallel. Solve: the gating and chunk-local cumsum of g, A from 16x16 blocks
+     of raw k k^T over column slices of k (few live registers, few warps), and the 64x64 unit
      lower-triangular solve as four 16x16 diagonal inverses (forward substitution) merged into
-     the blocks below them, applied to V and K. Writes g_cum, q_scale = K^-1/2 exp(G) / |q|,
-     k_scale = exp(G_last - G) / |k| ([T, HV] fp32), w [T, HV, K], u [T, HV, V], attn = P
-     [T, HV, 64]. Chunks are located from cu_seqlens inside the kernel (no host sync, no index
-     tensors): the grid has an upper bound of T // 64 + rows programs per head; surplus ones exit.
+     the blocks below them; stores the inverse with its columns scaled for U and for W
+     ([T, HV, 64], dot dtype). WY: the q/k inverse norms, P, and U, W as 64-row dots. Writes
+     g_cum, q_scale = K^-1/2 exp(G) / |q|, k_scale = exp(G_last - G) / |k| ([T, HV] fp32),
+     w [T, HV, K], u [T, HV, V], attn = P [T, HV, 64]. Chunks are located from cu_seqlens inside
+     the kernels (no host sync, no index tensors): the grid has an upper bound of T // 64 + rows
+     programs per head; surplus ones exit.
   2. `_gdn_chunk_state_kernel`, one program per (row, value head, V tile), sequential over the
      row's chunks with the state tile in registers: reads the initial state from state[slot]
      (only when has_initial_state: a fresh slot's stale contents are never read), computes V'
@@ -224,9 +227,8 @@ def _take(x, part, SUB: tl.constexpr, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _decayed_dot(x, y, gi, gj, ci, cj, mask, PRECISION: tl.constexpr):
-    """ci (x_i . y_j) cj exp(g_i - g_j) where mask, else 0: one [16, 16] block (of A or P)."""
-    s = tl.dot(x, tl.trans(y), input_precision=PRECISION)
+def _decayed(s, gi, gj, ci, cj, mask):
+    """ci s_ij cj exp(g_i - g_j) where mask, else 0: one [16, 16] block of A (s = raw k_i . k_j)."""
     # G is non-increasing, so exponents of selected entries are <= 0; the clamp keeps the
     # unselected ones (j > i) from overflowing.
     decay = tl.exp(tl.minimum(gi[:, None] - gj[None, :], 0.0))
@@ -247,31 +249,33 @@ def _unit_lower_inverse(A, SUB: tl.constexpr):
 
 
 @triton.jit
-def _inverse_times(out, x, I0, I1, I2, I3, c0, c1, c2, c3, t0, t1, t2, t3, m0, m1, m2, m3, stride_xt, col_x,
-                   col_out, NUM: tl.constexpr, HV: tl.constexpr, D: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                   PRECISION: tl.constexpr):
-    """Stores 16-row block NUM-1 of (I + A)^-1 diag(c) X: sum over t < NUM of (I_t * c_t) @ X_t,
-    with I_t the inverse's block in block-column t and X_t the t-th 16-token block of X, loaded
-    here (not kept live across the kernel)."""
-    acc = tl.dot((I0 * c0[None, :]).to(DOT_DTYPE), _load_rows(x, t0, m0, stride_xt, col_x, D).to(DOT_DTYPE),
-                 input_precision=PRECISION)
-    if NUM > 1:
-        acc = tl.dot((I1 * c1[None, :]).to(DOT_DTYPE), _load_rows(x, t1, m1, stride_xt, col_x, D).to(DOT_DTYPE),
-                     acc, input_precision=PRECISION)
-    if NUM > 2:
-        acc = tl.dot((I2 * c2[None, :]).to(DOT_DTYPE), _load_rows(x, t2, m2, stride_xt, col_x, D).to(DOT_DTYPE),
-                     acc, input_precision=PRECISION)
-    if NUM > 3:
-        acc = tl.dot((I3 * c3[None, :]).to(DOT_DTYPE), _load_rows(x, t3, m3, stride_xt, col_x, D).to(DOT_DTYPE),
-                     acc, input_precision=PRECISION)
-    if NUM == 1:
-        _store_rows(out, acc, t0, m0, HV * D, col_out, D)
-    elif NUM == 2:
-        _store_rows(out, acc, t1, m1, HV * D, col_out, D)
-    elif NUM == 3:
-        _store_rows(out, acc, t2, m2, HV * D, col_out, D)
-    else:
-        _store_rows(out, acc, t3, m3, HV * D, col_out, D)
+def _store_inverse(ptr, I00, I10, I11, I20, I21, I22, I30, I31, I32, I33, c0, c1, c2, c3, t0, t1, t2, t3,
+                   m0, m1, m2, m3, HV: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, DTYPE: tl.constexpr):
+    """The lower triangle of (I + A)^-1 diag(c) into a [T, HV, CHUNK] buffer (ptr already at the
+    value head), block by block: block (s, t) at rows t_s (where m_s), columns 16 t.., times c_t,
+    rounded to DTYPE."""
+    o = tl.arange(0, SUB)
+    base = ptr + o[None, :]
+    tl.store(base + t0[:, None] * (HV * CHUNK), (I00 * c0[None, :]).to(DTYPE), mask=m0[:, None])
+    tl.store(base + t1[:, None] * (HV * CHUNK), (I10 * c0[None, :]).to(DTYPE), mask=m1[:, None])
+    tl.store(base + t1[:, None] * (HV * CHUNK) + SUB, (I11 * c1[None, :]).to(DTYPE), mask=m1[:, None])
+    tl.store(base + t2[:, None] * (HV * CHUNK), (I20 * c0[None, :]).to(DTYPE), mask=m2[:, None])
+    tl.store(base + t2[:, None] * (HV * CHUNK) + SUB, (I21 * c1[None, :]).to(DTYPE), mask=m2[:, None])
+    tl.store(base + t2[:, None] * (HV * CHUNK) + 2 * SUB, (I22 * c2[None, :]).to(DTYPE), mask=m2[:, None])
+    tl.store(base + t3[:, None] * (HV * CHUNK), (I30 * c0[None, :]).to(DTYPE), mask=m3[:, None])
+    tl.store(base + t3[:, None] * (HV * CHUNK) + SUB, (I31 * c1[None, :]).to(DTYPE), mask=m3[:, None])
+    tl.store(base + t3[:, None] * (HV * CHUNK) + 2 * SUB, (I32 * c2[None, :]).to(DTYPE), mask=m3[:, None])
+    tl.store(base + t3[:, None] * (HV * CHUNK) + 3 * SUB, (I33 * c3[None, :]).to(DTYPE), mask=m3[:, None])
+
+
+@triton.jit
+def _chunk_gating(a, b, A_log, dt_bias, tok, valid, h, stride_at, stride_bt):
+    """Per token of a chunk [C]: G = the chunk-local cumsum of g = -exp(A_log) softplus(a +
+    dt_bias), beta = sigmoid(b), and G_last = sum g; invalid tokens get g = beta = 0."""
+    a_t = tl.load(a + tok * stride_at + h, mask=valid, other=0.0).to(tl.float32)
+    b_t = tl.load(b + tok * stride_bt + h, mask=valid, other=0.0).to(tl.float32)
+    g = tl.where(valid, -tl.exp(tl.load(A_log + h).to(tl.float32)) * _softplus(a_t + tl.load(dt_bias + h)), 0.0)
+    return tl.cumsum(g, 0), tl.where(valid, tl.sigmoid(b_t), 0.0), tl.sum(g, 0)
 
 
 @triton.jit
@@ -301,44 +305,29 @@ def _first_chunk(cu_seqlens, row, num_rows, ROWS_POW2: tl.constexpr, CHUNK: tl.c
 
 
 @triton.jit(do_not_specialize=["num_rows"])
-def _gdn_chunk_prepare_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, g_cum, q_scale, k_scale, w, u, attn,
-                              num_rows, scale, stride_qt, stride_kt, stride_vt, stride_at, stride_bt,
-                              HV: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                              ROWS_POW2: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
-                              EPS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+def _gdn_chunk_solve_kernel(k, a, b, A_log, dt_bias, cu_seqlens, inverse_u, inverse_w, num_rows,
+                            stride_kt, stride_at, stride_bt,
+                            HV: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                            ROWS_POW2: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, EPS: tl.constexpr,
+                            DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """One (chunk, value head): (I + A)^-1 with its columns scaled for U and for W, stored as
+    inverse_u = (I + A)^-1 diag(beta) and inverse_w = (I + A)^-1 diag(beta exp(G) / |k|)
+    ([T, HV, CHUNK] in the dot dtype, lower triangle only). A is built in 16 x 16 blocks from
+    BK-column slices of raw k (few live registers), scaled by beta, the inverse norms and the
+    decays afterwards; the diagonal blocks are inverted by forward substitution, then merged
+    into the blocks below them. Few warps suit the substitution: its row picks and reductions
+    stay inside a warp."""
     chunk_id, h = tl.program_id(0), tl.program_id(1)
     hk = h // (HV // HK)
     row, chunk = _chunk_of(cu_seqlens, chunk_id, num_rows, ROWS_POW2, CHUNK)
     if row >= num_rows:
         return  # surplus program of the T // CHUNK + rows upper bound
-    bos = tl.load(cu_seqlens + row).to(tl.int64)
-    chunk_start = bos + chunk * CHUNK
+    chunk_start = tl.load(cu_seqlens + row).to(tl.int64) + chunk * CHUNK
     num_valid = tl.load(cu_seqlens + row + 1).to(tl.int64) - chunk_start   # may exceed CHUNK
-
-    # Per-token gating and norms over the whole chunk [C]; invalid tokens get g = beta = 0.
     ct = tl.arange(0, CHUNK)
-    tok, valid = chunk_start + ct, ct < num_valid
-    a_t = tl.load(a + tok * stride_at + h, mask=valid, other=0.0).to(tl.float32)
-    b_t = tl.load(b + tok * stride_bt + h, mask=valid, other=0.0).to(tl.float32)
-    g = tl.where(valid, -tl.exp(tl.load(A_log + h).to(tl.float32)) * _softplus(a_t + tl.load(dt_bias + h)), 0.0)
-    beta = tl.where(valid, tl.sigmoid(b_t), 0.0)
-    gc = tl.cumsum(g, 0)                                              # G, chunk-local
-    g_last = tl.sum(g, 0)
-    tl.store(g_cum + tok * HV + h, gc, mask=valid)
-    key = _load_rows(k, tok, valid, stride_kt, hk * K, K)           # raw [C, K]
-    query = _load_rows(q, tok, valid, stride_qt, hk * K, K)
-    rk = _inverse_norm(key, EPS)
-    cq = _inverse_norm(query, EPS) * scale
-    tl.store(q_scale + tok * HV + h, cq * tl.exp(gc), mask=valid)                # K^-1/2 exp(G) / |q|
-    tl.store(k_scale + tok * HV + h, rk * tl.exp(g_last - gc), mask=valid)       # exp(G_last - G) / |k|
-    # P = K^-1/2 (q_i . k_j) exp(G_i - G_j) / (|q_i| |k_j|), j <= i
-    p = tl.dot(query.to(DOT_DTYPE), tl.trans(key.to(DOT_DTYPE)), input_precision=PRECISION)
-    causal = valid[:, None] & (ct[:, None] >= ct[None, :])
-    decay = tl.exp(tl.minimum(gc[:, None] - gc[None, :], 0.0))
-    p = tl.where(causal, p * cq[:, None] * rk[None, :] * decay, 0.0)
-    _store_rows(attn, p, tok, valid, HV * CHUNK, h * CHUNK, CHUNK)
+    gc, beta, _ = _chunk_gating(a, b, A_log, dt_bias, chunk_start + ct, ct < num_valid, h, stride_at, stride_bt)
 
-    # The solve works on 16-token sub-chunks s: tokens t_s, masks m_s, and their G, beta, 1/|k|.
+    # 16-token sub-chunks s: tokens t_s, masks m_s, and their G and beta.
     o = tl.arange(0, SUB)
     t0, t1, t2, t3 = chunk_start + o, chunk_start + SUB + o, chunk_start + 2 * SUB + o, chunk_start + 3 * SUB + o
     m0, m1, m2, m3 = o < num_valid, SUB + o < num_valid, 2 * SUB + o < num_valid, 3 * SUB + o < num_valid
@@ -346,25 +335,45 @@ def _gdn_chunk_prepare_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, g_cum, 
     g2, g3 = _take(gc, 2, SUB, CHUNK), _take(gc, 3, SUB, CHUNK)
     b0, b1 = _take(beta, 0, SUB, CHUNK), _take(beta, 1, SUB, CHUNK)
     b2, b3 = _take(beta, 2, SUB, CHUNK), _take(beta, 3, SUB, CHUNK)
-    rk0, rk1 = _take(rk, 0, SUB, CHUNK), _take(rk, 1, SUB, CHUNK)
-    rk2, rk3 = _take(rk, 2, SUB, CHUNK), _take(rk, 3, SUB, CHUNK)
-    k0 = _load_rows(k, t0, m0, stride_kt, hk * K, K).to(DOT_DTYPE)
-    k1 = _load_rows(k, t1, m1, stride_kt, hk * K, K).to(DOT_DTYPE)
-    k2 = _load_rows(k, t2, m2, stride_kt, hk * K, K).to(DOT_DTYPE)
-    k3 = _load_rows(k, t3, m3, stride_kt, hk * K, K).to(DOT_DTYPE)
 
-    # A in 16 x 16 blocks: strictly lower diagonal blocks, full blocks below them.
+    # Raw k_i . k_j in 16 x 16 blocks (strictly lower diagonal blocks, full blocks below them)
+    # and the squared norms, over BK-column slices of k.
+    zero = tl.zeros([SUB, SUB], dtype=tl.float32)
+    A00, A11, A22, A33, A10, A20, A21, A30, A31, A32 = zero, zero, zero, zero, zero, zero, zero, zero, zero, zero
+    n0, n1, n2, n3 = tl.zeros([SUB], dtype=tl.float32), tl.zeros([SUB], dtype=tl.float32), \
+        tl.zeros([SUB], dtype=tl.float32), tl.zeros([SUB], dtype=tl.float32)
+    for col in range(0, K, BK):
+        k0 = _load_rows(k, t0, m0, stride_kt, hk * K + col, BK).to(DOT_DTYPE)
+        k1 = _load_rows(k, t1, m1, stride_kt, hk * K + col, BK).to(DOT_DTYPE)
+        k2 = _load_rows(k, t2, m2, stride_kt, hk * K + col, BK).to(DOT_DTYPE)
+        k3 = _load_rows(k, t3, m3, stride_kt, hk * K + col, BK).to(DOT_DTYPE)
+        n0 += tl.sum(k0.to(tl.float32) * k0.to(tl.float32), 1)
+        n1 += tl.sum(k1.to(tl.float32) * k1.to(tl.float32), 1)
+        n2 += tl.sum(k2.to(tl.float32) * k2.to(tl.float32), 1)
+        n3 += tl.sum(k3.to(tl.float32) * k3.to(tl.float32), 1)
+        A00 = tl.dot(k0, tl.trans(k0), A00, input_precision=PRECISION)
+        A11 = tl.dot(k1, tl.trans(k1), A11, input_precision=PRECISION)
+        A22 = tl.dot(k2, tl.trans(k2), A22, input_precision=PRECISION)
+        A33 = tl.dot(k3, tl.trans(k3), A33, input_precision=PRECISION)
+        A10 = tl.dot(k1, tl.trans(k0), A10, input_precision=PRECISION)
+        A20 = tl.dot(k2, tl.trans(k0), A20, input_precision=PRECISION)
+        A21 = tl.dot(k2, tl.trans(k1), A21, input_precision=PRECISION)
+        A30 = tl.dot(k3, tl.trans(k0), A30, input_precision=PRECISION)
+        A31 = tl.dot(k3, tl.trans(k1), A31, input_precision=PRECISION)
+        A32 = tl.dot(k3, tl.trans(k2), A32, input_precision=PRECISION)
+    rk0, rk1 = tl.rsqrt(n0 + EPS), tl.rsqrt(n1 + EPS)
+    rk2, rk3 = tl.rsqrt(n2 + EPS), tl.rsqrt(n3 + EPS)
     lower = o[:, None] > o[None, :]
-    A00 = _decayed_dot(k0, k0, g0, g0, b0 * rk0, rk0, lower & m0[:, None], PRECISION)
-    A11 = _decayed_dot(k1, k1, g1, g1, b1 * rk1, rk1, lower & m1[:, None], PRECISION)
-    A22 = _decayed_dot(k2, k2, g2, g2, b2 * rk2, rk2, lower & m2[:, None], PRECISION)
-    A33 = _decayed_dot(k3, k3, g3, g3, b3 * rk3, rk3, lower & m3[:, None], PRECISION)
-    A10 = _decayed_dot(k1, k0, g1, g0, b1 * rk1, rk0, m1[:, None] & m0[None, :], PRECISION)
-    A20 = _decayed_dot(k2, k0, g2, g0, b2 * rk2, rk0, m2[:, None] & m0[None, :], PRECISION)
-    A21 = _decayed_dot(k2, k1, g2, g1, b2 * rk2, rk1, m2[:, None] & m1[None, :], PRECISION)
-    A30 = _decayed_dot(k3, k0, g3, g0, b3 * rk3, rk0, m3[:, None] & m0[None, :], PRECISION)
-    A31 = _decayed_dot(k3, k1, g3, g1, b3 * rk3, rk1, m3[:, None] & m1[None, :], PRECISION)
-    A32 = _decayed_dot(k3, k2, g3, g2, b3 * rk3, rk2, m3[:, None] & m2[None, :], PRECISION)
+    A00 = _decayed(A00, g0, g0, b0 * rk0, rk0, lower & m0[:, None])
+    A11 = _decayed(A11, g1, g1, b1 * rk1, rk1, lower & m1[:, None])
+    A22 = _decayed(A22, g2, g2, b2 * rk2, rk2, lower & m2[:, None])
+    A33 = _decayed(A33, g3, g3, b3 * rk3, rk3, lower & m3[:, None])
+    A10 = _decayed(A10, g1, g0, b1 * rk1, rk0, m1[:, None] & m0[None, :])
+    A20 = _decayed(A20, g2, g0, b2 * rk2, rk0, m2[:, None] & m0[None, :])
+    A21 = _decayed(A21, g2, g1, b2 * rk2, rk1, m2[:, None] & m1[None, :])
+    A30 = _decayed(A30, g3, g0, b3 * rk3, rk0, m3[:, None] & m0[None, :])
+    A31 = _decayed(A31, g3, g1, b3 * rk3, rk1, m3[:, None] & m1[None, :])
+    A32 = _decayed(A32, g3, g2, b3 * rk3, rk2, m3[:, None] & m2[None, :])
     # (I + A)^-1 blockwise: diagonal blocks by substitution, then the blocks below them
     # (X_st = -X_ss sum_{t<=j<s} A_sj X_jt), in fp32 operands.
     I00, I11 = _unit_lower_inverse(A00, SUB), _unit_lower_inverse(A11, SUB)
@@ -379,25 +388,53 @@ def _gdn_chunk_prepare_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, g_cum, 
     I30 = -tl.dot(I33, tl.dot(A30, I00, input_precision=PRECISION) + tl.dot(A31, I10, input_precision=PRECISION)
                   + tl.dot(A32, I20, input_precision=PRECISION), input_precision=PRECISION)
 
-    # U = (I + A)^-1 diag(beta) V,  W = (I + A)^-1 diag(beta exp(G) / |k|) K_raw
-    ts, ms = (t0, t1, t2, t3), (m0, m1, m2, m3)
-    _inverse_times(u, v, I00, I00, I00, I00, b0, b0, b0, b0, *ts, *ms, stride_vt, h * V, h * V, 1, HV, V,
-                   DOT_DTYPE, PRECISION)
-    _inverse_times(u, v, I10, I11, I11, I11, b0, b1, b1, b1, *ts, *ms, stride_vt, h * V, h * V, 2, HV, V,
-                   DOT_DTYPE, PRECISION)
-    _inverse_times(u, v, I20, I21, I22, I22, b0, b1, b2, b2, *ts, *ms, stride_vt, h * V, h * V, 3, HV, V,
-                   DOT_DTYPE, PRECISION)
-    _inverse_times(u, v, I30, I31, I32, I33, b0, b1, b2, b3, *ts, *ms, stride_vt, h * V, h * V, 4, HV, V,
-                   DOT_DTYPE, PRECISION)
-    c0, c1, c2, c3 = b0 * rk0 * tl.exp(g0), b1 * rk1 * tl.exp(g1), b2 * rk2 * tl.exp(g2), b3 * rk3 * tl.exp(g3)
-    _inverse_times(w, k, I00, I00, I00, I00, c0, c0, c0, c0, *ts, *ms, stride_kt, hk * K, h * K, 1, HV, K,
-                   DOT_DTYPE, PRECISION)
-    _inverse_times(w, k, I10, I11, I11, I11, c0, c1, c1, c1, *ts, *ms, stride_kt, hk * K, h * K, 2, HV, K,
-                   DOT_DTYPE, PRECISION)
-    _inverse_times(w, k, I20, I21, I22, I22, c0, c1, c2, c2, *ts, *ms, stride_kt, hk * K, h * K, 3, HV, K,
-                   DOT_DTYPE, PRECISION)
-    _inverse_times(w, k, I30, I31, I32, I33, c0, c1, c2, c3, *ts, *ms, stride_kt, hk * K, h * K, 4, HV, K,
-                   DOT_DTYPE, PRECISION)
+    # Columns scaled: beta (U = inverse_u V) and beta exp(G) / |k| (W = inverse_w K_raw).
+    _store_inverse(inverse_u + h * CHUNK, I00, I10, I11, I20, I21, I22, I30, I31, I32, I33, b0, b1, b2, b3,
+                   t0, t1, t2, t3, m0, m1, m2, m3, HV, CHUNK, SUB, DOT_DTYPE)
+    _store_inverse(inverse_w + h * CHUNK, I00, I10, I11, I20, I21, I22, I30, I31, I32, I33,
+                   b0 * rk0 * tl.exp(g0), b1 * rk1 * tl.exp(g1), b2 * rk2 * tl.exp(g2), b3 * rk3 * tl.exp(g3),
+                   t0, t1, t2, t3, m0, m1, m2, m3, HV, CHUNK, SUB, DOT_DTYPE)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _gdn_chunk_wy_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, inverse_u, inverse_w, g_cum, q_scale, k_scale,
+                         w, u, attn, num_rows, scale, stride_qt, stride_kt, stride_vt, stride_at, stride_bt,
+                         HV: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                         ROWS_POW2: tl.constexpr, CHUNK: tl.constexpr, EPS: tl.constexpr,
+                         DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """One (chunk, value head): U = inverse_u V and W = inverse_w K_raw (64-row dots), P, and
+    the per-token scales: g_cum = G, q_scale = K^-1/2 exp(G) / |q|, k_scale = exp(G_last - G) /
+    |k| ([T, HV] fp32), w [T, HV, K], u [T, HV, V], attn = P [T, HV, CHUNK]."""
+    chunk_id, h = tl.program_id(0), tl.program_id(1)
+    hk = h // (HV // HK)
+    row, chunk = _chunk_of(cu_seqlens, chunk_id, num_rows, ROWS_POW2, CHUNK)
+    if row >= num_rows:
+        return  # surplus program of the T // CHUNK + rows upper bound
+    chunk_start = tl.load(cu_seqlens + row).to(tl.int64) + chunk * CHUNK
+    ct = tl.arange(0, CHUNK)
+    tok = chunk_start + ct
+    valid = tok < tl.load(cu_seqlens + row + 1)
+    gc, _, g_last = _chunk_gating(a, b, A_log, dt_bias, tok, valid, h, stride_at, stride_bt)
+    tl.store(g_cum + tok * HV + h, gc, mask=valid)
+    key = _load_rows(k, tok, valid, stride_kt, hk * K, K)           # raw [C, K]
+    query = _load_rows(q, tok, valid, stride_qt, hk * K, K)
+    rk = _inverse_norm(key, EPS)
+    cq = _inverse_norm(query, EPS) * scale
+    tl.store(q_scale + tok * HV + h, cq * tl.exp(gc), mask=valid)                # K^-1/2 exp(G) / |q|
+    tl.store(k_scale + tok * HV + h, rk * tl.exp(g_last - gc), mask=valid)       # exp(G_last - G) / |k|
+    # P = K^-1/2 (q_i . k_j) exp(G_i - G_j) / (|q_i| |k_j|), j <= i
+    causal = valid[:, None] & (ct[:, None] >= ct[None, :])
+    p = tl.dot(query.to(DOT_DTYPE), tl.trans(key.to(DOT_DTYPE)), input_precision=PRECISION)
+    decay = tl.exp(tl.minimum(gc[:, None] - gc[None, :], 0.0))
+    p = tl.where(causal, p * cq[:, None] * rk[None, :] * decay, 0.0)
+    _store_rows(attn, p, tok, valid, HV * CHUNK, h * CHUNK, CHUNK)
+    # W = inverse_w K_raw, U = inverse_u V: the inverses' upper triangles were never stored.
+    matrix = tok[:, None] * (HV * CHUNK) + h * CHUNK + ct[None, :]
+    inverse = tl.load(inverse_w + matrix, mask=causal, other=0.0)
+    _store_rows(w, tl.dot(inverse, key.to(DOT_DTYPE), input_precision=PRECISION), tok, valid, HV * K, h * K, K)
+    inverse = tl.load(inverse_u + matrix, mask=causal, other=0.0)
+    values = _load_rows(v, tok, valid, stride_vt, h * V, V).to(DOT_DTYPE)
+    _store_rows(u, tl.dot(inverse, values, input_precision=PRECISION), tok, valid, HV * V, h * V, V)
 
 
 @triton.jit
@@ -508,11 +545,18 @@ def _gdn_chunk_state_kernel(q, k, g_cum, q_scale, k_scale, w, u, attn, o, state,
 # Launch configuration. The interpreter runs exactly one config; on the GPU the autotuner picks
 # (once per key). The state kernel updates the pool in place, so tuning runs restore it.
 
-def _prepare_configs() -> list[triton.Config]:
+def _solve_configs() -> list[triton.Config]:
+    if _INTERPRET:
+        return [triton.Config({"BK": 16}, num_warps=1)]
+    return [triton.Config({"BK": bk}, num_warps=num_warps, num_stages=stages) for bk in (32, 64)
+            for num_warps in (1, 2, 4) for stages in (1, 2)]
+
+
+def _wy_configs() -> list[triton.Config]:
     if _INTERPRET:
         return [triton.Config({}, num_warps=4)]
-    return [triton.Config({}, num_warps=num_warps, maxnreg=maxnreg)
-            for num_warps, maxnreg in ((4, None), (8, None), (4, 168), (4, 128), (8, 128))]
+    return [triton.Config({}, num_warps=num_warps, num_stages=num_stages)
+            for num_warps, num_stages in ((4, 1), (4, 2), (8, 1))]
 
 
 def _state_configs() -> list[triton.Config]:
@@ -539,7 +583,8 @@ def _fitting_v_tiles(configs, named_args, **kwargs):
     return [c for c in configs if c.kwargs["BV"] <= value_dim and (narrow_ok or c.kwargs["BV"] >= 64)]
 
 
-_prepare = triton.autotune(_prepare_configs(), key=["HV", "HK", "K", "V"])(_gdn_chunk_prepare_kernel)
+_solve = triton.autotune(_solve_configs(), key=["HV", "HK", "K"])(_gdn_chunk_solve_kernel)
+_wy = triton.autotune(_wy_configs(), key=["HV", "HK", "K", "V"])(_gdn_chunk_wy_kernel)
 # The split state kernel writes V' over u: tuning runs restore it as well as the pool.
 _state = triton.autotune(_state_configs(), key=["HV", "HK", "K", "V", "row_bucket", "HAS_CHECKPOINTS", "SPLIT_O"],
                          prune_configs_by={"early_config_prune": _fitting_v_tiles},
@@ -605,17 +650,20 @@ def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
     g_cum, q_scale, k_scale = torch.empty(3, num_tokens, num_value_heads, dtype=torch.float32, device=device)
     w = torch.empty(num_tokens, num_value_heads, key_dim, dtype=q.dtype, device=device)
     u = torch.empty(num_tokens, num_value_heads, value_dim, dtype=q.dtype, device=device)
-    attn = torch.empty(num_tokens, num_value_heads, CHUNK_SIZE, dtype=q.dtype, device=device)
+    attn, inverse_u, inverse_w = torch.empty(3, num_tokens, num_value_heads, CHUNK_SIZE, dtype=q.dtype, device=device)
     scale = key_dim ** -0.5
     dot_dtype = _TL_DTYPE[q.dtype]
     precision = "ieee" if q.dtype == torch.float32 else "tf32"   # fp32 activations: exact fp32 dots
     rows_pow2 = max(64, triton.next_power_of_2(num_rows))
-    _prepare[(num_tokens // CHUNK_SIZE + num_rows, num_value_heads)](
-        q, k, v, a, b, A_log, dt_bias, cu_seqlens, g_cum, q_scale, k_scale, w, u, attn,
-        num_rows, scale, q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0),
-        HV=num_value_heads, HK=num_key_heads, K=key_dim, V=value_dim,
-        ROWS_POW2=rows_pow2, CHUNK=CHUNK_SIZE, SUB=SUB_CHUNK, EPS=L2NORM_EPS,
-        DOT_DTYPE=dot_dtype, PRECISION=precision)
+    grid = (num_tokens // CHUNK_SIZE + num_rows, num_value_heads)   # T // 64 + rows bounds the chunks
+    _solve[grid](k, a, b, A_log, dt_bias, cu_seqlens, inverse_u, inverse_w, num_rows,
+                 k.stride(0), a.stride(0), b.stride(0),
+                 HV=num_value_heads, HK=num_key_heads, K=key_dim, ROWS_POW2=rows_pow2, CHUNK=CHUNK_SIZE,
+                 SUB=SUB_CHUNK, EPS=L2NORM_EPS, DOT_DTYPE=dot_dtype, PRECISION=precision)
+    _wy[grid](q, k, v, a, b, A_log, dt_bias, cu_seqlens, inverse_u, inverse_w, g_cum, q_scale, k_scale, w, u, attn,
+              num_rows, scale, q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0),
+              HV=num_value_heads, HK=num_key_heads, K=key_dim, V=value_dim, ROWS_POW2=rows_pow2, CHUNK=CHUNK_SIZE,
+              EPS=L2NORM_EPS, DOT_DTYPE=dot_dtype, PRECISION=precision)
     if split is None:
         split = split_output(num_rows, num_value_heads, value_dim, device)
     num_chunk_ids = num_tokens // CHUNK_SIZE + num_rows     # an upper bound of the chunks of all rows
