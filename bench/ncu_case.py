@@ -7,7 +7,8 @@ that call. ncu works on the Firecracker H100 (give it --clock-control none: leav
         --section MemoryWorkloadAnalysis python bench/ncu_case.py CASE
 
 CASE: verify_B / decode_B (GDN decode kernel, HV = 16, B rows: verify 3 pending + 4 new tokens at
-16x1 tiles, decode 1 token at 32x2) or chunk_ROWS_LENGTH_HV (gdn_chunked, HK = 16, bf16).
+16x1 tiles, decode 1 token at 32x2), chunk_ROWS_LENGTH_HV (gdn_chunked, HK = 16, bf16) or
+flachunk_ROWS_LENGTH_HV (fla's chunk_gated_delta_rule on the same inputs; fla-core from /tmp/fla).
 Shapes and inputs are those of kernels_gdn_decode.py and kernels_gdn.py.
 """
 
@@ -37,13 +38,13 @@ def main() -> None:
             setup = Setup(batch, 16, tokens_per_row=1, pending=0, max_pending=0)
             commit, config = True, DecodeConfig(32, 2)
         run = lambda r: setup.launch(r % setup.repeats, commit, config)  # noqa: E731
-    elif kind == "chunk":
-        from kernels_gdn import Inputs
+    elif kind in ("chunk", "flachunk"):
+        from kernels_gdn import Fla, Inputs
         rows, length, hv = (int(x) for x in sizes)
         x = Inputs(torch.Generator(device="cuda").manual_seed(0), rows, length, 16, hv)
-        run = lambda r: x.ours()  # noqa: E731
+        run = (lambda r: x.ours()) if kind == "chunk" else (lambda r, fla=Fla(x): fla.kernel())  # noqa: E731
     else:
-        raise SystemExit(f"unknown case {case!r}: verify_B, decode_B or chunk_ROWS_LENGTH_HV")
+        raise SystemExit(f"unknown case {case!r}: verify_B, decode_B, chunk_ROWS_LENGTH_HV or flachunk_ROWS_LENGTH_HV")
     for r in range(3):
         run(r)
     torch.cuda.synchronize()
