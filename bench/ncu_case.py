@@ -41,6 +41,7 @@ def main() -> None:
     elif kind in ("chunk", "flachunk"):
         from kernels_gdn import Fla, Inputs
         rows, length, hv = (int(x) for x in sizes)
+        sys.path.insert(0, "/tmp/fla")
         x = Inputs(torch.Generator(device="cuda").manual_seed(0), rows, length, 16, hv)
         run = (lambda r: x.ours()) if kind == "chunk" else (lambda r, fla=Fla(x): fla.kernel())  # noqa: E731
     else:
