@@ -220,13 +220,6 @@ def _store_rows(ptr, x, tok, valid, stride_t, col0, D: tl.constexpr):
 
 
 @triton.jit
-def _take(x, part, SUB: tl.constexpr, CHUNK: tl.constexpr):
-    """Entries part*SUB .. part*SUB+SUB-1 of x [CHUNK] (an exact select; Triton has no slices)."""
-    i, j = tl.arange(0, SUB), tl.arange(0, CHUNK)
-    return tl.sum(tl.where(part * SUB + i[:, None] == j[None, :], x[None, :], 0.0), 1)
-
-
-@triton.jit
 def _decayed(s, gi, gj, ci, cj, mask):
     """ci s_ij cj exp(g_i - g_j) where mask, else 0: one [16, 16] block of A (s = raw k_i . k_j)."""
     # G is non-increasing, so exponents of selected entries are <= 0; the clamp keeps the
@@ -270,8 +263,9 @@ def _store_inverse(ptr, I00, I10, I11, I20, I21, I22, I30, I31, I32, I33, c0, c1
 
 @triton.jit
 def _chunk_gating(a, b, A_log, dt_bias, tok, valid, h, stride_at, stride_bt):
-    """Per token of a chunk [C]: G = the chunk-local cumsum of g = -exp(A_log) softplus(a +
-    dt_bias), beta = sigmoid(b), and G_last = sum g; invalid tokens get g = beta = 0."""
+    """Per token of a run of tokens (a chunk or a 16-token sub-chunk): G = the run-local cumsum
+    of g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b), and sum g; invalid tokens get
+    g = beta = 0."""
     a_t = tl.load(a + tok * stride_at + h, mask=valid, other=0.0).to(tl.float32)
     b_t = tl.load(b + tok * stride_bt + h, mask=valid, other=0.0).to(tl.float32)
     g = tl.where(valid, -tl.exp(tl.load(A_log + h).to(tl.float32)) * _softplus(a_t + tl.load(dt_bias + h)), 0.0)
@@ -324,17 +318,16 @@ def _gdn_chunk_solve_kernel(k, a, b, A_log, dt_bias, cu_seqlens, inverse_u, inve
         return  # surplus program of the T // CHUNK + rows upper bound
     chunk_start = tl.load(cu_seqlens + row).to(tl.int64) + chunk * CHUNK
     num_valid = tl.load(cu_seqlens + row + 1).to(tl.int64) - chunk_start   # may exceed CHUNK
-    ct = tl.arange(0, CHUNK)
-    gc, beta, _ = _chunk_gating(a, b, A_log, dt_bias, chunk_start + ct, ct < num_valid, h, stride_at, stride_bt)
-
-    # 16-token sub-chunks s: tokens t_s, masks m_s, and their G and beta.
+    # 16-token sub-chunks s: tokens t_s, masks m_s, and their G (the chunk's cumsum: each
+    # sub-chunk's own plus the sums before it) and beta.
     o = tl.arange(0, SUB)
     t0, t1, t2, t3 = chunk_start + o, chunk_start + SUB + o, chunk_start + 2 * SUB + o, chunk_start + 3 * SUB + o
     m0, m1, m2, m3 = o < num_valid, SUB + o < num_valid, 2 * SUB + o < num_valid, 3 * SUB + o < num_valid
-    g0, g1 = _take(gc, 0, SUB, CHUNK), _take(gc, 1, SUB, CHUNK)
-    g2, g3 = _take(gc, 2, SUB, CHUNK), _take(gc, 3, SUB, CHUNK)
-    b0, b1 = _take(beta, 0, SUB, CHUNK), _take(beta, 1, SUB, CHUNK)
-    b2, b3 = _take(beta, 2, SUB, CHUNK), _take(beta, 3, SUB, CHUNK)
+    g0, b0, s0 = _chunk_gating(a, b, A_log, dt_bias, t0, m0, h, stride_at, stride_bt)
+    g1, b1, s1 = _chunk_gating(a, b, A_log, dt_bias, t1, m1, h, stride_at, stride_bt)
+    g2, b2, s2 = _chunk_gating(a, b, A_log, dt_bias, t2, m2, h, stride_at, stride_bt)
+    g3, b3, _ = _chunk_gating(a, b, A_log, dt_bias, t3, m3, h, stride_at, stride_bt)
+    g1, g2, g3 = g1 + s0, g2 + (s0 + s1), g3 + (s0 + s1 + s2)
 
     # Raw k_i . k_j in 16 x 16 blocks (strictly lower diagonal blocks, full blocks below them)
     # and the squared norms, over BK-column slices of k.
