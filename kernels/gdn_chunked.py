@@ -16,7 +16,8 @@ and then, sequentially over the chunks of a row, with S the state [K, V] at the 
 
 Triton path, three kernels (four when split):
   1. `_gdn_chunk_solve_kernel` and `_gdn_chunk_wy_kernel`, one program per (chunk, value head),
-     all chunks in parallel. Solve: the gating and chunk-local cumsum of g, A from 16x16 blocks
+     all chunks in parallel. Solve: the gating and chunk-local cumsum of g (per 16-token
+     sub-chunk, plus the sums of the sub-chunks before it), A from 16x16 blocks
      of raw k k^T over column slices of k (few live registers, few warps), and the 64x64 unit
      lower-triangular solve as four 16x16 diagonal inverses (forward substitution) merged into
      the blocks below them; stores the inverse with its columns scaled for U and for W
@@ -479,7 +480,7 @@ def _gdn_chunk_state_kernel(q, k, g_cum, q_scale, k_scale, w, u, attn, o, state,
                             ROWS_POW2: tl.constexpr):
     """One (row, value head, V tile): the state tile S [K, BV] lives in registers across the
     row's chunks. Raw q and k tiles go to the tensor cores as loaded; their l2norm, scale and
-    decays are row scales on the [C, BV] side (q_scale, k_scale from the prepare kernel).
+    decays are row scales on the [C, BV] side (q_scale, k_scale from the wy kernel).
     row_bucket only keys the autotuner (few long rows want narrow V tiles).
     SPLIT_O: the outputs are left to `_gdn_chunk_output_kernel`, which runs all chunks at once:
     this kernel stores each chunk's starting state (chunk_states[chunk id], in the dot dtype,
