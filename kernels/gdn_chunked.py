@@ -285,11 +285,13 @@ def _row_chunks(cu_seqlens, num_rows, ROWS_POW2: tl.constexpr, CHUNK: tl.constex
 
 @triton.jit
 def _chunk_of(cu_seqlens, chunk_id, num_rows, ROWS_POW2: tl.constexpr, CHUNK: tl.constexpr):
-    """(row, chunk of the row) of chunk_id (`_row_chunks`); row = num_rows for ids past the last
-    chunk (the surplus of an upper-bound grid)."""
+    """(row, first token of the chunk, int64) of chunk_id (`_row_chunks`); row = num_rows for
+    ids past the last chunk (the surplus of an upper-bound grid, which exits: cu_seqlens[row]
+    is still in bounds, cu_seqlens[row + 1] is not)."""
     r, row_chunks = _row_chunks(cu_seqlens, num_rows, ROWS_POW2, CHUNK)
     row = tl.sum((tl.cumsum(row_chunks, 0) <= chunk_id).to(tl.int32), 0)
-    return row, chunk_id - tl.sum(tl.where(r < row, row_chunks, 0), 0)
+    chunk = chunk_id - tl.sum(tl.where(r < row, row_chunks, 0), 0)
+    return row, tl.load(cu_seqlens + row).to(tl.int64) + chunk * CHUNK
 
 
 @triton.jit
@@ -314,10 +316,9 @@ def _gdn_chunk_solve_kernel(k, a, b, A_log, dt_bias, cu_seqlens, inverse_u, inve
     stay inside a warp."""
     chunk_id, h = tl.program_id(0), tl.program_id(1)
     hk = h // (HV // HK)
-    row, chunk = _chunk_of(cu_seqlens, chunk_id, num_rows, ROWS_POW2, CHUNK)
+    row, chunk_start = _chunk_of(cu_seqlens, chunk_id, num_rows, ROWS_POW2, CHUNK)
     if row >= num_rows:
         return  # surplus program of the T // CHUNK + rows upper bound
-    chunk_start = tl.load(cu_seqlens + row).to(tl.int64) + chunk * CHUNK
     num_valid = tl.load(cu_seqlens + row + 1).to(tl.int64) - chunk_start   # may exceed CHUNK
     # 16-token sub-chunks s: tokens t_s, masks m_s, and their G (the chunk's cumsum: each
     # sub-chunk's own plus the sums before it) and beta.
@@ -401,10 +402,9 @@ def _gdn_chunk_wy_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, inverse_u, i
     |k| ([T, HV] fp32), w [T, HV, K], u [T, HV, V], attn = P [T, HV, CHUNK]."""
     chunk_id, h = tl.program_id(0), tl.program_id(1)
     hk = h // (HV // HK)
-    row, chunk = _chunk_of(cu_seqlens, chunk_id, num_rows, ROWS_POW2, CHUNK)
+    row, chunk_start = _chunk_of(cu_seqlens, chunk_id, num_rows, ROWS_POW2, CHUNK)
     if row >= num_rows:
         return  # surplus program of the T // CHUNK + rows upper bound
-    chunk_start = tl.load(cu_seqlens + row).to(tl.int64) + chunk * CHUNK
     ct = tl.arange(0, CHUNK)
     tok = chunk_start + ct
     valid = tok < tl.load(cu_seqlens + row + 1)
@@ -454,11 +454,10 @@ def _gdn_chunk_output_kernel(q, q_scale, u, attn, o, cu_seqlens, chunk_states, n
     """One (chunk, value head, V tile) of the split path: the outputs from the chunk's starting
     state and V' that `_gdn_chunk_state_kernel` (SPLIT_O) stored, every chunk in parallel."""
     chunk_id, h, tile_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    row, chunk = _chunk_of(cu_seqlens, chunk_id, num_rows, ROWS_POW2, CHUNK)
+    row, chunk_start = _chunk_of(cu_seqlens, chunk_id, num_rows, ROWS_POW2, CHUNK)
     if row >= num_rows:
         return  # surplus program of the T // CHUNK + rows upper bound
     hk = h // (HV // HK)
-    chunk_start = tl.load(cu_seqlens + row).to(tl.int64) + chunk * CHUNK
     ct = tl.arange(0, CHUNK)
     kk = tl.arange(0, K)
     vv = tile_v * BV + tl.arange(0, BV)
