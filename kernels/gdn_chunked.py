@@ -432,18 +432,21 @@ def _gdn_chunk_wy_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, inverse_u, i
 
 
 @triton.jit
-def _chunk_output(o, q, attn, q_scale, S_dot, v_new, tok, valid, ct, h, hk, vv, stride_qt,
+def _chunk_output(o_chunk, q_chunk, attn_chunk, q_scale_chunk, S_dot, v_new, valid, ct, vv, stride_qt,
                   HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, CHUNK: tl.constexpr,
                   DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     """O = K^-1/2 exp(G) / |q| * (Q_raw S) + P V' for one chunk and V tile, stored to o [T, HV, V].
-    S_dot [K, BV] (the state at the chunk start, dot dtype), v_new = V' [C, BV]."""
-    cq = tl.load(q_scale + tok * HV + h, mask=valid, other=0.0)
-    qc = _load_rows(q, tok, valid, stride_qt, hk * K, K)                                     # [C, K]
-    p = tl.load(attn + tok[:, None] * (HV * CHUNK) + h * CHUNK + ct[None, :],
+    The *_chunk pointers are at the chunk's first token and this head (o, attn, q_scale of the
+    value head, q of its key head); offsets inside the chunk are int32. S_dot [K, BV] (the state
+    at the chunk start, dot dtype), v_new = V' [C, BV]."""
+    kk = tl.arange(0, K)
+    cq = tl.load(q_scale_chunk + ct * HV, mask=valid, other=0.0)
+    qc = tl.load(q_chunk + ct[:, None] * stride_qt + kk[None, :], mask=valid[:, None], other=0.0)     # [C, K]
+    p = tl.load(attn_chunk + ct[:, None] * (HV * CHUNK) + ct[None, :],
                 mask=valid[:, None] & (ct[None, :] <= ct[:, None]), other=0.0)
     out = tl.dot(qc.to(DOT_DTYPE), S_dot, input_precision=PRECISION) * cq[:, None]
     out = tl.dot(p.to(DOT_DTYPE), v_new.to(DOT_DTYPE), out, input_precision=PRECISION)
-    tl.store(o + tok[:, None] * (HV * V) + h * V + vv[None, :], out.to(o.dtype.element_ty), mask=valid[:, None])
+    tl.store(o_chunk + ct[:, None] * (HV * V) + vv[None, :], out.to(o_chunk.dtype.element_ty), mask=valid[:, None])
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -465,8 +468,9 @@ def _gdn_chunk_output_kernel(q, q_scale, u, attn, o, cu_seqlens, chunk_states, n
     valid = tok < tl.load(cu_seqlens + row + 1)
     S_dot = tl.load(chunk_states + (chunk_id.to(tl.int64) * HV + h) * (K * V) + kk[:, None] * V + vv[None, :])
     v_new = tl.load(u + tok[:, None] * (HV * V) + h * V + vv[None, :], mask=valid[:, None], other=0.0)
-    _chunk_output(o, q, attn, q_scale, S_dot, v_new, tok, valid, ct, h, hk, vv, stride_qt,
-                  HV, K, V, CHUNK, DOT_DTYPE, PRECISION)
+    _chunk_output(o + chunk_start * (HV * V) + h * V, q + chunk_start * stride_qt + hk * K,
+                  attn + chunk_start * (HV * CHUNK) + h * CHUNK, q_scale + chunk_start * HV + h,
+                  S_dot, v_new, valid, ct, vv, stride_qt, HV, K, V, CHUNK, DOT_DTYPE, PRECISION)
 
 
 @triton.jit(do_not_specialize=["row_bucket", "num_rows"])
@@ -502,26 +506,45 @@ def _gdn_chunk_state_kernel(q, k, g_cum, q_scale, k_scale, w, u, attn, o, state,
         checkpoint_end = tl.load(checkpoint_cu + row + 1)
         checkpoint_at = tl.load(checkpoint_lengths + checkpoint, mask=checkpoint < checkpoint_end, other=-1)
 
+    # The loop advances scalar pointers to the chunk's first token; the offsets inside a chunk
+    # are int32 and loop-invariant, so no per-element 64-bit address arithmetic in the loop.
+    k_chunk = k + bos * stride_kt + hk * K
+    w_chunk = w + bos * (HV * K) + h * K
+    u_chunk = u + bos * (HV * V) + h * V
+    scale_chunk = k_scale + bos * HV + h
+    g_chunk = g_cum + bos * HV + h
+    kt_offsets = ct[None, :] * stride_kt + kk[:, None]                     # [K, C]
+    w_offsets = ct[:, None] * (HV * K) + kk[None, :]                       # [C, K]
+    u_offsets = ct[:, None] * (HV * V) + vv[None, :]                       # [C, BV]
     if SPLIT_O:
-        first_chunk = _first_chunk(cu_seqlens, row, num_rows, ROWS_POW2, CHUNK).to(tl.int64)
+        states_chunk = chunk_states + _first_chunk(cu_seqlens, row, num_rows, ROWS_POW2, CHUNK).to(tl.int64) \
+            * (HV * K * V) + h * (K * V) + tile
+    else:
+        o_chunk = o + bos * (HV * V) + h * V
+        q_chunk = q + bos * stride_qt + hk * K
+        attn_chunk = attn + bos * (HV * CHUNK) + h * CHUNK
+        q_scale_chunk = q_scale + bos * HV + h
     for c in range(0, tl.cdiv(length, CHUNK)):
-        tok = bos + c * CHUNK + ct
         valid = c * CHUNK + ct < length
         num_valid = tl.minimum(length - c * CHUNK, CHUNK)
-        g_last = tl.load(g_cum + (bos + c * CHUNK + num_valid - 1) * HV + h)
-        ck = tl.load(k_scale + tok * HV + h, mask=valid, other=0.0)
-        kt = tl.load(k + tok[None, :] * stride_kt + hk * K + kk[:, None], mask=valid[None, :], other=0.0)  # [K, C]
-        wc = tl.load(w + tok[:, None] * (HV * K) + h * K + kk[None, :], mask=valid[:, None], other=0.0)
-        u_tile = u + tok[:, None] * (HV * V) + h * V + vv[None, :]
-        uc = tl.load(u_tile, mask=valid[:, None], other=0.0)
+        g_last = tl.load(g_chunk + (num_valid - 1) * HV)
+        ck = tl.load(scale_chunk + ct * HV, mask=valid, other=0.0)
+        kt = tl.load(k_chunk + kt_offsets, mask=valid[None, :], other=0.0)                   # [K, C]
+        wc = tl.load(w_chunk + w_offsets, mask=valid[:, None], other=0.0)
+        uc = tl.load(u_chunk + u_offsets, mask=valid[:, None], other=0.0)
         S_dot = S.to(DOT_DTYPE)
         v_new = uc.to(tl.float32) - tl.dot(wc.to(DOT_DTYPE), S_dot, input_precision=PRECISION)   # V' = U - W S
         if SPLIT_O:
-            tl.store(chunk_states + ((first_chunk + c) * HV + h) * (K * V) + tile, S_dot)
-            tl.store(u_tile, v_new.to(u.dtype.element_ty), mask=valid[:, None])
+            tl.store(states_chunk, S_dot)
+            tl.store(u_chunk + u_offsets, v_new.to(u.dtype.element_ty), mask=valid[:, None])
+            states_chunk += HV * K * V
         else:
-            _chunk_output(o, q, attn, q_scale, S_dot, v_new, tok, valid, ct, h, hk, vv, stride_qt,
+            _chunk_output(o_chunk, q_chunk, attn_chunk, q_scale_chunk, S_dot, v_new, valid, ct, vv, stride_qt,
                           HV, K, V, CHUNK, DOT_DTYPE, PRECISION)
+            o_chunk += CHUNK * HV * V
+            q_chunk += CHUNK * stride_qt
+            attn_chunk += CHUNK * HV * CHUNK
+            q_scale_chunk += CHUNK * HV
         # S = exp(G_last) S + (K exp(G_last - G) / |k|)^T V'
         S = S * tl.exp(g_last) + tl.dot(kt.to(DOT_DTYPE), (v_new * ck[:, None]).to(DOT_DTYPE),
                                         input_precision=PRECISION)
@@ -531,6 +554,11 @@ def _gdn_chunk_state_kernel(q, k, g_cum, q_scale, k_scale, w, u, attn, o, state,
                          S.to(checkpoint_states.dtype.element_ty))
                 checkpoint += 1
                 checkpoint_at = tl.load(checkpoint_lengths + checkpoint, mask=checkpoint < checkpoint_end, other=-1)
+        k_chunk += CHUNK * stride_kt
+        w_chunk += CHUNK * HV * K
+        u_chunk += CHUNK * HV * V
+        scale_chunk += CHUNK * HV
+        g_chunk += CHUNK * HV
     tl.store(state_tile, S.to(state.dtype.element_ty))
 
 
@@ -559,12 +587,13 @@ def _state_configs() -> list[triton.Config]:
     # Stages: at 2 the pipeliner issues chunk c+1's async copies at the end of chunk c and waits
     # for them at the top of c+1, so the whole load latency sits on the chain (ncu: over half the
     # stall cycles on the scoreboard); 3-4 stages keep a chunk's loads in flight behind the next.
-    # H100, HV16 1 x 16384, 32-column tiles: 610 -> 531 us per tuning run.
+    # H100, HV16 1 x 16384, 32-column tiles: 610 -> 531 us per tuning run. Two warpgroups split
+    # the K^T V' rows: HV32 1 x 16384 (128 programs) 392 -> 383 us.
     if _INTERPRET:
         return [triton.Config({"BV": 16}, num_warps=4)]   # V = 32 in the CPU tests: two V tiles
     return [triton.Config({"BV": bv}, num_warps=num_warps, num_stages=num_stages)
-            for bv, num_warps, num_stages in ((32, 4, 2), (32, 4, 3), (32, 4, 4), (64, 4, 2), (64, 4, 3),
-                                              (64, 8, 2), (128, 8, 2), (128, 8, 3))]
+            for bv, num_warps, num_stages in ((32, 4, 2), (32, 4, 3), (32, 4, 4), (32, 8, 3), (64, 4, 2),
+                                              (64, 4, 3), (64, 8, 2), (128, 8, 2), (128, 8, 3))]
 
 
 def _output_configs() -> list[triton.Config]:
