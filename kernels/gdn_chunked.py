@@ -20,8 +20,9 @@ Triton path, three kernels (four when split):
      sub-chunk, plus the sums of the sub-chunks before it), A from 16x16 blocks
      of raw k k^T over column slices of k (few live registers, few warps), and the 64x64 unit
      lower-triangular solve as four 16x16 diagonal inverses (forward substitution) merged into
-     the blocks below them; stores the inverse with its columns scaled for U and for W
-     ([T, HV, 64], dot dtype). WY: the q/k inverse norms, P, and U, W as 64-row dots. Writes
+     the blocks below them; stores the inverse ([T, HV, 64], dot dtype). WY: the q/k inverse
+     norms, P, and U, W as 64-row dots (beta, exp(G) and 1/|k| scale the rows of V and of raw
+     K on the way in, so one inverse serves both, as fla's recompute_w_u). Writes
      g_cum, q_scale = K^-1/2 exp(G) / |q|, k_scale = exp(G_last - G) / |k| ([T, HV] fp32),
      w [T, HV, K], u [T, HV, V], attn = P [T, HV, 64]. Chunks are located from cu_seqlens inside
      the kernels (no host sync, no index tensors): the grid has an upper bound of T // 64 + rows
@@ -243,23 +244,22 @@ def _unit_lower_inverse(A, SUB: tl.constexpr):
 
 
 @triton.jit
-def _store_inverse(ptr, I00, I10, I11, I20, I21, I22, I30, I31, I32, I33, c0, c1, c2, c3, t0, t1, t2, t3,
-                   m0, m1, m2, m3, HV: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, DTYPE: tl.constexpr):
-    """The lower triangle of (I + A)^-1 diag(c) into a [T, HV, CHUNK] buffer (ptr already at the
-    value head), block by block: block (s, t) at rows t_s (where m_s), columns 16 t.., times c_t,
-    rounded to DTYPE."""
+def _store_inverse(ptr, I00, I10, I11, I20, I21, I22, I30, I31, I32, I33, t0, t1, t2, t3, m0, m1, m2, m3,
+                   HV: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, DTYPE: tl.constexpr):
+    """The lower triangle of (I + A)^-1 into a [T, HV, CHUNK] buffer (ptr already at the value
+    head), block by block: block (s, t) at rows t_s (where m_s), columns 16 t.., rounded to DTYPE."""
     o = tl.arange(0, SUB)
     base = ptr + o[None, :]
-    tl.store(base + t0[:, None] * (HV * CHUNK), (I00 * c0[None, :]).to(DTYPE), mask=m0[:, None])
-    tl.store(base + t1[:, None] * (HV * CHUNK), (I10 * c0[None, :]).to(DTYPE), mask=m1[:, None])
-    tl.store(base + t1[:, None] * (HV * CHUNK) + SUB, (I11 * c1[None, :]).to(DTYPE), mask=m1[:, None])
-    tl.store(base + t2[:, None] * (HV * CHUNK), (I20 * c0[None, :]).to(DTYPE), mask=m2[:, None])
-    tl.store(base + t2[:, None] * (HV * CHUNK) + SUB, (I21 * c1[None, :]).to(DTYPE), mask=m2[:, None])
-    tl.store(base + t2[:, None] * (HV * CHUNK) + 2 * SUB, (I22 * c2[None, :]).to(DTYPE), mask=m2[:, None])
-    tl.store(base + t3[:, None] * (HV * CHUNK), (I30 * c0[None, :]).to(DTYPE), mask=m3[:, None])
-    tl.store(base + t3[:, None] * (HV * CHUNK) + SUB, (I31 * c1[None, :]).to(DTYPE), mask=m3[:, None])
-    tl.store(base + t3[:, None] * (HV * CHUNK) + 2 * SUB, (I32 * c2[None, :]).to(DTYPE), mask=m3[:, None])
-    tl.store(base + t3[:, None] * (HV * CHUNK) + 3 * SUB, (I33 * c3[None, :]).to(DTYPE), mask=m3[:, None])
+    tl.store(base + t0[:, None] * (HV * CHUNK), I00.to(DTYPE), mask=m0[:, None])
+    tl.store(base + t1[:, None] * (HV * CHUNK), I10.to(DTYPE), mask=m1[:, None])
+    tl.store(base + t1[:, None] * (HV * CHUNK) + SUB, I11.to(DTYPE), mask=m1[:, None])
+    tl.store(base + t2[:, None] * (HV * CHUNK), I20.to(DTYPE), mask=m2[:, None])
+    tl.store(base + t2[:, None] * (HV * CHUNK) + SUB, I21.to(DTYPE), mask=m2[:, None])
+    tl.store(base + t2[:, None] * (HV * CHUNK) + 2 * SUB, I22.to(DTYPE), mask=m2[:, None])
+    tl.store(base + t3[:, None] * (HV * CHUNK), I30.to(DTYPE), mask=m3[:, None])
+    tl.store(base + t3[:, None] * (HV * CHUNK) + SUB, I31.to(DTYPE), mask=m3[:, None])
+    tl.store(base + t3[:, None] * (HV * CHUNK) + 2 * SUB, I32.to(DTYPE), mask=m3[:, None])
+    tl.store(base + t3[:, None] * (HV * CHUNK) + 3 * SUB, I33.to(DTYPE), mask=m3[:, None])
 
 
 @triton.jit
@@ -302,14 +302,13 @@ def _first_chunk(cu_seqlens, row, num_rows, ROWS_POW2: tl.constexpr, CHUNK: tl.c
 
 
 @triton.jit(do_not_specialize=["num_rows"])
-def _gdn_chunk_solve_kernel(k, a, b, A_log, dt_bias, cu_seqlens, inverse_u, inverse_w, num_rows,
+def _gdn_chunk_solve_kernel(k, a, b, A_log, dt_bias, cu_seqlens, inverse, num_rows,
                             stride_kt, stride_at, stride_bt,
                             HV: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                             ROWS_POW2: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, EPS: tl.constexpr,
                             DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """One (chunk, value head): (I + A)^-1 with its columns scaled for U and for W, stored as
-    inverse_u = (I + A)^-1 diag(beta) and inverse_w = (I + A)^-1 diag(beta exp(G) / |k|)
-    ([T, HV, CHUNK] in the dot dtype, lower triangle only). A is built in 16 x 16 blocks from
+    """One (chunk, value head): (I + A)^-1, stored to inverse ([T, HV, CHUNK] in the dot dtype,
+    lower triangle only). A is built in 16 x 16 blocks from
     BK-column slices of raw k (few live registers), scaled by beta, the inverse norms and the
     decays afterwards; the diagonal blocks are inverted by forward substitution, then merged
     into the blocks below them. Few warps suit the substitution: its row picks and reductions
@@ -383,22 +382,18 @@ def _gdn_chunk_solve_kernel(k, a, b, A_log, dt_bias, cu_seqlens, inverse_u, inve
     I30 = -tl.dot(I33, tl.dot(A30, I00, input_precision=PRECISION) + tl.dot(A31, I10, input_precision=PRECISION)
                   + tl.dot(A32, I20, input_precision=PRECISION), input_precision=PRECISION)
 
-    # Columns scaled: beta (U = inverse_u V) and beta exp(G) / |k| (W = inverse_w K_raw).
-    _store_inverse(inverse_u + h * CHUNK, I00, I10, I11, I20, I21, I22, I30, I31, I32, I33, b0, b1, b2, b3,
-                   t0, t1, t2, t3, m0, m1, m2, m3, HV, CHUNK, SUB, DOT_DTYPE)
-    _store_inverse(inverse_w + h * CHUNK, I00, I10, I11, I20, I21, I22, I30, I31, I32, I33,
-                   b0 * rk0 * tl.exp(g0), b1 * rk1 * tl.exp(g1), b2 * rk2 * tl.exp(g2), b3 * rk3 * tl.exp(g3),
+    _store_inverse(inverse + h * CHUNK, I00, I10, I11, I20, I21, I22, I30, I31, I32, I33,
                    t0, t1, t2, t3, m0, m1, m2, m3, HV, CHUNK, SUB, DOT_DTYPE)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
-def _gdn_chunk_wy_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, inverse_u, inverse_w, g_cum, q_scale, k_scale,
+def _gdn_chunk_wy_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, inverse, g_cum, q_scale, k_scale,
                          w, u, attn, num_rows, scale, stride_qt, stride_kt, stride_vt, stride_at, stride_bt,
                          HV: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                          ROWS_POW2: tl.constexpr, CHUNK: tl.constexpr, EPS: tl.constexpr,
                          DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """One (chunk, value head): U = inverse_u V and W = inverse_w K_raw (64-row dots), P, and
-    the per-token scales: g_cum = G, q_scale = K^-1/2 exp(G) / |q|, k_scale = exp(G_last - G) /
+    """One (chunk, value head): U = (I + A)^-1 diag(beta) V and W = (I + A)^-1 diag(beta exp(G)
+    / |k|) K_raw (64-row dots on rows scaled in registers), P, and the per-token scales: g_cum = G, q_scale = K^-1/2 exp(G) / |q|, k_scale = exp(G_last - G) /
     |k| ([T, HV] fp32), w [T, HV, K], u [T, HV, V], attn = P [T, HV, CHUNK]."""
     chunk_id, h = tl.program_id(0), tl.program_id(1)
     hk = h // (HV // HK)
@@ -408,7 +403,7 @@ def _gdn_chunk_wy_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, inverse_u, i
     ct = tl.arange(0, CHUNK)
     tok = chunk_start + ct
     valid = tok < tl.load(cu_seqlens + row + 1)
-    gc, _, g_last = _chunk_gating(a, b, A_log, dt_bias, tok, valid, h, stride_at, stride_bt)
+    gc, beta, g_last = _chunk_gating(a, b, A_log, dt_bias, tok, valid, h, stride_at, stride_bt)
     tl.store(g_cum + tok * HV + h, gc, mask=valid)
     key = _load_rows(k, tok, valid, stride_kt, hk * K, K)           # raw [C, K]
     query = _load_rows(q, tok, valid, stride_qt, hk * K, K)
@@ -422,13 +417,13 @@ def _gdn_chunk_wy_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, inverse_u, i
     decay = tl.exp(tl.minimum(gc[:, None] - gc[None, :], 0.0))
     p = tl.where(causal, p * cq[:, None] * rk[None, :] * decay, 0.0)
     _store_rows(attn, p, tok, valid, HV * CHUNK, h * CHUNK, CHUNK)
-    # W = inverse_w K_raw, U = inverse_u V: the inverses' upper triangles were never stored.
-    matrix = tok[:, None] * (HV * CHUNK) + h * CHUNK + ct[None, :]
-    inverse = tl.load(inverse_w + matrix, mask=causal, other=0.0)
-    _store_rows(w, tl.dot(inverse, key.to(DOT_DTYPE), input_precision=PRECISION), tok, valid, HV * K, h * K, K)
-    inverse = tl.load(inverse_u + matrix, mask=causal, other=0.0)
-    values = _load_rows(v, tok, valid, stride_vt, h * V, V).to(DOT_DTYPE)
-    _store_rows(u, tl.dot(inverse, values, input_precision=PRECISION), tok, valid, HV * V, h * V, V)
+    # The inverse's upper triangle was never stored.
+    solved = tl.load(inverse + tok[:, None] * (HV * CHUNK) + h * CHUNK + ct[None, :], mask=causal, other=0.0)
+    key = (key.to(tl.float32) * (beta * tl.exp(gc) * rk)[:, None]).to(DOT_DTYPE)
+    _store_rows(w, tl.dot(solved, key, input_precision=PRECISION), tok, valid, HV * K, h * K, K)
+    values = _load_rows(v, tok, valid, stride_vt, h * V, V)
+    values = (values.to(tl.float32) * beta[:, None]).to(DOT_DTYPE)
+    _store_rows(u, tl.dot(solved, values, input_precision=PRECISION), tok, valid, HV * V, h * V, V)
 
 
 @triton.jit
@@ -679,17 +674,17 @@ def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
     g_cum, q_scale, k_scale = torch.empty(3, num_tokens, num_value_heads, dtype=torch.float32, device=device)
     w = torch.empty(num_tokens, num_value_heads, key_dim, dtype=q.dtype, device=device)
     u = torch.empty(num_tokens, num_value_heads, value_dim, dtype=q.dtype, device=device)
-    attn, inverse_u, inverse_w = torch.empty(3, num_tokens, num_value_heads, CHUNK_SIZE, dtype=q.dtype, device=device)
+    attn, inverse = torch.empty(2, num_tokens, num_value_heads, CHUNK_SIZE, dtype=q.dtype, device=device)
     scale = key_dim ** -0.5
     dot_dtype = _TL_DTYPE[q.dtype]
     precision = "ieee" if q.dtype == torch.float32 else "tf32"   # fp32 activations: exact fp32 dots
     rows_pow2 = max(64, triton.next_power_of_2(num_rows))
     grid = (num_tokens // CHUNK_SIZE + num_rows, num_value_heads)   # T // 64 + rows bounds the chunks
-    _solve[grid](k, a, b, A_log, dt_bias, cu_seqlens, inverse_u, inverse_w, num_rows,
+    _solve[grid](k, a, b, A_log, dt_bias, cu_seqlens, inverse, num_rows,
                  k.stride(0), a.stride(0), b.stride(0),
                  HV=num_value_heads, HK=num_key_heads, K=key_dim, ROWS_POW2=rows_pow2, CHUNK=CHUNK_SIZE,
                  SUB=SUB_CHUNK, EPS=L2NORM_EPS, DOT_DTYPE=dot_dtype, PRECISION=precision)
-    _wy[grid](q, k, v, a, b, A_log, dt_bias, cu_seqlens, inverse_u, inverse_w, g_cum, q_scale, k_scale, w, u, attn,
+    _wy[grid](q, k, v, a, b, A_log, dt_bias, cu_seqlens, inverse, g_cum, q_scale, k_scale, w, u, attn,
               num_rows, scale, q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0),
               HV=num_value_heads, HK=num_key_heads, K=key_dim, V=value_dim, ROWS_POW2=rows_pow2, CHUNK=CHUNK_SIZE,
               EPS=L2NORM_EPS, DOT_DTYPE=dot_dtype, PRECISION=precision)
