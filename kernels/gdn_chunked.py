@@ -416,9 +416,11 @@ def _gdn_chunk_wy_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, inverse, g_c
     p = tl.dot(query.to(DOT_DTYPE), tl.trans(key.to(DOT_DTYPE)), input_precision=PRECISION)
     decay = tl.exp(tl.minimum(gc[:, None] - gc[None, :], 0.0))
     p = tl.where(causal, p * cq[:, None] * rk[None, :] * decay, 0.0)
-    _store_rows(attn, p, tok, valid, HV * CHUNK, h * CHUNK, CHUNK)
-    # The inverse's upper triangle was never stored.
-    solved = tl.load(inverse + tok[:, None] * (HV * CHUNK) + h * CHUNK + ct[None, :], mask=causal, other=0.0)
+    _store_rows(attn, p, tok, valid, HV * CHUNK, h * CHUNK, CHUNK)   # zeros above the diagonal too
+    # The inverse's upper triangle was never stored: selected away after a load with row masks
+    # only (a mask per element would split the vectorised loads into scalar ones).
+    solved = tl.where(causal, tl.load(inverse + tok[:, None] * (HV * CHUNK) + h * CHUNK + ct[None, :],
+                                      mask=valid[:, None], other=0.0), 0.0)
     key = (key.to(tl.float32) * (beta * tl.exp(gc) * rk)[:, None]).to(DOT_DTYPE)
     _store_rows(w, tl.dot(solved, key, input_precision=PRECISION), tok, valid, HV * K, h * K, K)
     values = _load_rows(v, tok, valid, stride_vt, h * V, V)
@@ -437,8 +439,7 @@ def _chunk_output(o_chunk, q_chunk, attn_chunk, q_scale_chunk, S_dot, v_new, val
     kk = tl.arange(0, K)
     cq = tl.load(q_scale_chunk + ct * HV, mask=valid, other=0.0)
     qc = tl.load(q_chunk + ct[:, None] * stride_qt + kk[None, :], mask=valid[:, None], other=0.0)     # [C, K]
-    p = tl.load(attn_chunk + ct[:, None] * (HV * CHUNK) + ct[None, :],
-                mask=valid[:, None] & (ct[None, :] <= ct[:, None]), other=0.0)
+    p = tl.load(attn_chunk + ct[:, None] * (HV * CHUNK) + ct[None, :], mask=valid[:, None], other=0.0)  # 0 above
     out = tl.dot(qc.to(DOT_DTYPE), S_dot, input_precision=PRECISION) * cq[:, None]
     out = tl.dot(p.to(DOT_DTYPE), v_new.to(DOT_DTYPE), out, input_precision=PRECISION)
     tl.store(o_chunk + ct[:, None] * (HV * V) + vv[None, :], out.to(o_chunk.dtype.element_ty), mask=valid[:, None])
