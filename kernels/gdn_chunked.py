@@ -313,7 +313,7 @@ def _gdn_chunk_solve_kernel(k, a, b, A_log, dt_bias, cu_seqlens, inverse, num_ro
     decays afterwards; the diagonal blocks are inverted by forward substitution, then merged
     into the blocks below them. Few warps suit the substitution: its row picks and reductions
     stay inside a warp."""
-    chunk_id, h = tl.program_id(0), tl.program_id(1)
+    chunk_id, h = tl.program_id(0) // HV, tl.program_id(0) % HV   # a chunk's heads side by side
     hk = h // (HV // HK)
     row, chunk_start = _chunk_of(cu_seqlens, chunk_id, num_rows, ROWS_POW2, CHUNK)
     if row >= num_rows:
@@ -393,9 +393,10 @@ def _gdn_chunk_wy_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, inverse, g_c
                          ROWS_POW2: tl.constexpr, CHUNK: tl.constexpr, EPS: tl.constexpr,
                          DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     """One (chunk, value head): U = (I + A)^-1 diag(beta) V and W = (I + A)^-1 diag(beta exp(G)
-    / |k|) K_raw (64-row dots on rows scaled in registers), P, and the per-token scales: g_cum = G, q_scale = K^-1/2 exp(G) / |q|, k_scale = exp(G_last - G) /
-    |k| ([T, HV] fp32), w [T, HV, K], u [T, HV, V], attn = P [T, HV, CHUNK]."""
-    chunk_id, h = tl.program_id(0), tl.program_id(1)
+    / |k|) K_raw (64-row dots on rows scaled in registers), P, and the per-token scales:
+    g_cum = G, q_scale = K^-1/2 exp(G) / |q|, k_scale = exp(G_last - G) / |k| ([T, HV] fp32),
+    w [T, HV, K], u [T, HV, V], attn = P [T, HV, CHUNK]."""
+    chunk_id, h = tl.program_id(0) // HV, tl.program_id(0) % HV   # a chunk's heads side by side
     hk = h // (HV // HK)
     row, chunk_start = _chunk_of(cu_seqlens, chunk_id, num_rows, ROWS_POW2, CHUNK)
     if row >= num_rows:
@@ -452,7 +453,7 @@ def _gdn_chunk_output_kernel(q, q_scale, u, attn, o, cu_seqlens, chunk_states, n
                              DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     """One (chunk, value head, V tile) of the split path: the outputs from the chunk's starting
     state and V' that `_gdn_chunk_state_kernel` (SPLIT_O) stored, every chunk in parallel."""
-    chunk_id, h, tile_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    chunk_id, h, tile_v = tl.program_id(0) // HV, tl.program_id(0) % HV, tl.program_id(1)
     row, chunk_start = _chunk_of(cu_seqlens, chunk_id, num_rows, ROWS_POW2, CHUNK)
     if row >= num_rows:
         return  # surplus program of the T // CHUNK + rows upper bound
@@ -680,7 +681,11 @@ def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
     dot_dtype = _TL_DTYPE[q.dtype]
     precision = "ieee" if q.dtype == torch.float32 else "tf32"   # fp32 activations: exact fp32 dots
     rows_pow2 = max(64, triton.next_power_of_2(num_rows))
-    grid = (num_tokens // CHUNK_SIZE + num_rows, num_value_heads)   # T // 64 + rows bounds the chunks
+    # T // 64 + rows bounds the chunks. Program ids run over the value heads of a chunk first, so
+    # the heads that share a key head (HV > HK) run side by side and its second read of q and k
+    # comes from L2 (chunk-major, the sibling ran a whole head's chunks earlier: HV32 read them
+    # twice from memory).
+    grid = ((num_tokens // CHUNK_SIZE + num_rows) * num_value_heads,)
     _solve[grid](k, a, b, A_log, dt_bias, cu_seqlens, inverse, num_rows,
                  k.stride(0), a.stride(0), b.stride(0),
                  HV=num_value_heads, HK=num_key_heads, K=key_dim, ROWS_POW2=rows_pow2, CHUNK=CHUNK_SIZE,
@@ -704,7 +709,7 @@ def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
         DOT_DTYPE=dot_dtype, PRECISION=precision, HAS_CHECKPOINTS=has_checkpoints, SPLIT_O=split,
         ROWS_POW2=rows_pow2 if split else 1)
     if split:
-        _output[lambda meta: (num_chunk_ids, num_value_heads, value_dim // meta["BV"])](
+        _output[lambda meta: (num_chunk_ids * num_value_heads, value_dim // meta["BV"])](
             q, q_scale, u, attn, out, cu_seqlens, chunk_states, num_rows, q.stride(0),
             HV=num_value_heads, HK=num_key_heads, K=key_dim, V=value_dim, ROWS_POW2=rows_pow2, CHUNK=CHUNK_SIZE,
             DOT_DTYPE=dot_dtype, PRECISION=precision)
