@@ -486,7 +486,10 @@ def _gdn_chunk_state_kernel(q, k, g_cum, q_scale, k_scale, w, u, attn, o, state,
     this kernel stores each chunk's starting state (chunk_states[chunk id], in the dot dtype,
     as the fused O dot would use it) and V' (over u, in place), and its loop carries two dots
     instead of four."""
-    row, h, tile_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # V tiles of a head, then the heads of a row, side by side: programs that share k (and w)
+    # tiles run together, so the repeats come from L2 (H100, fused 16 x 1024 HV16: 209 -> 188 us).
+    program = tl.program_id(0)
+    row, h, tile_v = program // (HV * (V // BV)), program // (V // BV) % HV, program % (V // BV)
     hk = h // (HV // HK)
     bos = tl.load(cu_seqlens + row).to(tl.int64)
     length = tl.load(cu_seqlens + row + 1) - tl.load(cu_seqlens + row)
@@ -699,7 +702,7 @@ def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
     num_chunk_ids = num_tokens // CHUNK_SIZE + num_rows     # an upper bound of the chunks of all rows
     chunk_states = (torch.empty(num_chunk_ids, num_value_heads, key_dim, value_dim, dtype=q.dtype, device=device)
                     if split else w)
-    _state[lambda meta: (num_rows, num_value_heads, value_dim // meta["BV"])](
+    _state[lambda meta: (num_rows * num_value_heads * (value_dim // meta["BV"]),)](
         q, k, g_cum, q_scale, k_scale, w, u, attn, out, state, cu_seqlens, slot_ids,
         has_initial_state.view(torch.uint8),
         checkpoint_cu if has_checkpoints else slot_ids, checkpoint_lengths if has_checkpoints else slot_ids,
