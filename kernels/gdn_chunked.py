@@ -33,8 +33,8 @@ Triton path, three kernels (four when split):
      and O for every chunk, writes O, the checkpoints, and the final state to state[slot]. Raw
      q and k tiles go to the tensor cores as loaded; l2norm, scale and decays are applied as row
      scales on the [64, BV] side (q_scale, k_scale), which keeps the loop free of spills.
-  3. Split (`split_output`: when the state kernel's programs would fill at most half the SMs,
-     i.e. few long rows): the state kernel leaves O out of its chain. It stores each chunk's
+  3. Split (`split_output`: when the state kernel's programs would fill at most a quarter of
+     the SMs, i.e. few long rows): the state kernel leaves O out of its chain. It stores each chunk's
      starting state (chunk_states [chunk id, HV, K, V], dot dtype) and V' (over u), and
      `_gdn_chunk_output_kernel` computes O for every (chunk, value head, V tile) in parallel.
      Scratch: (T / 64 + rows) x HV x K x V in the activation dtype (34 MB for one 2048-token
@@ -624,14 +624,14 @@ _output = triton.autotune(_output_configs(), key=["HV", "HK", "K", "V"],
 
 def split_output(num_rows: int, num_value_heads: int, value_dim: int, device: torch.device) -> bool:
     """Whether the outputs get their own all-chunks-parallel kernel: when the fused state kernel
-    (a program per row, value head and 64-column V tile) would occupy at most half the SMs. Then
-    its chain of chunks is the critical path; the split takes the two output dots off it and
-    lets the state kernel use 32-column tiles (twice the programs), which beats the traffic of
-    the stored chunk states (fla's layout, chunk_fwd_h + chunk_fwd_o). H100, K = V = 128: 1 x
-    16384 at HV = 16 (32 programs) 1293 -> 1105 us, HV = 32 (64) 1770 -> 1732, 2 x 8192 at
-    HV = 16 (64) 910 -> 892; at 128 programs (4 x 4096) fused is faster, 734 against 814.
+    (a program per row, value head and 64-column V tile) would occupy at most a quarter of the
+    SMs. Then its chain of chunks is the critical path; the split takes the two output dots off
+    it and lets the state kernel use 32-column tiles (twice the programs), which beats the
+    traffic of the stored chunk states (fla's layout, chunk_fwd_h + chunk_fwd_o). H100, K = V =
+    128 (bench/results/kernels_gdn-h100.json): one 16384-token row at HV = 16 (32 programs)
+    split 757 us against fused 835; at HV = 32 (64 programs) fused is faster, 1109 against 1147.
     The interpreter keeps the fused path unless told (tests force both)."""
-    return device.type == "cuda" and num_rows * num_value_heads * max(1, value_dim // 64) <= num_sms(device) // 2
+    return device.type == "cuda" and num_rows * num_value_heads * max(1, value_dim // 64) <= num_sms(device) // 4
 
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
