@@ -588,13 +588,12 @@ def _state_configs() -> list[triton.Config]:
     # Stages: at 2 the pipeliner issues chunk c+1's async copies at the end of chunk c and waits
     # for them at the top of c+1, so the whole load latency sits on the chain (ncu: over half the
     # stall cycles on the scoreboard); 3-4 stages keep a chunk's loads in flight behind the next.
-    # H100, HV16 1 x 16384, 32-column tiles: 610 -> 531 us per tuning run. Two warpgroups split
-    # the K^T V' rows: HV32 1 x 16384 (128 programs) 392 -> 383 us.
+    # H100, HV16 1 x 16384, 32-column tiles: 610 -> 531 us per tuning run.
     if _INTERPRET:
         return [triton.Config({"BV": 16}, num_warps=4)]   # V = 32 in the CPU tests: two V tiles
     return [triton.Config({"BV": bv}, num_warps=num_warps, num_stages=num_stages)
-            for bv, num_warps, num_stages in ((32, 4, 2), (32, 4, 3), (32, 4, 4), (32, 8, 3), (64, 4, 2),
-                                              (64, 4, 3), (64, 8, 2), (128, 8, 2), (128, 8, 3))]
+            for bv, num_warps, num_stages in ((32, 4, 2), (32, 4, 3), (32, 4, 4), (64, 4, 2), (64, 4, 3),
+                                              (64, 8, 2), (128, 8, 2), (128, 8, 3))]
 
 
 def _output_configs() -> list[triton.Config]:
