@@ -263,3 +263,12 @@ def test_paged_attention_and_write_kv_in_cuda_graph():
         graph.replay()
         assert torch.equal(case.k_cache, expected_k) and torch.equal(case.v_cache, expected_v)
         assert_close(out, reference(case, case.gate), TOLERANCE[torch.bfloat16], f"graph replay, contexts {contexts}")
+
+
+def test_decode_config_pipelines_only_splits_with_many_key_steps():
+    """A one-row decode over 4K keys splits into one key step per program (unpipelined); over
+    32K keys each split still walks 8 steps and keeps its 3-stage pipeline."""
+    short = attention.attention_config(1, 1, 2, 4, 4096, 132)
+    long = attention.attention_config(1, 1, 2, 4, 32768, 132)
+    assert (short.block_n, short.num_splits, short.num_stages) == (32, 128, 1)
+    assert (long.block_n, long.num_splits, long.num_stages) == (32, 128, 3)

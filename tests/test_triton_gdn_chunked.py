@@ -25,6 +25,7 @@ import functools
 import pytest
 import torch
 
+from deltaspec.kernels import gdn_chunked as chunked
 from deltaspec.kernels.gdn_chunked import gdn_chunked, gdn_chunked_reference
 
 KEY_DIM, VALUE_DIM = 16, 32
@@ -269,3 +270,13 @@ def test_gpu_writes_into_a_row_slice():
     gen = torch.Generator().manual_seed(8)
     batch = Batch(gen, "cuda", [1, 130, 64], 16, 32, 128, 128, torch.bfloat16, num_slots=6, extra_columns=0)
     check_row_slice_output(batch, gdn_chunked, 2e-2)
+
+
+def test_split_output_only_for_few_programs(monkeypatch):
+    """On a 132-SM GPU, one 16K row at HV = 16 (32 fused programs) takes the split path; at
+    HV = 32 (64 programs) the fused path, which measured faster there."""
+    monkeypatch.setattr(chunked, "num_sms", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert chunked.split_output(1, 16, 128, cuda)
+    assert not chunked.split_output(1, 32, 128, cuda)
+    assert not chunked.split_output(1, 16, 128, torch.device("cpu"))
