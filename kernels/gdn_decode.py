@@ -80,12 +80,25 @@ def gdn_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: t
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _delta_rule_step(state, k, v, g, beta):
-    """One token on a [BK, BV] state tile: S = exp(g) S; S += k (beta (v - S^T k))^T.
-    k [BK] fp32 (l2-normalised), v [BV] fp32, g, beta fp32 scalars."""
-    state = state * tl.exp(g)
-    delta = beta * (v - tl.sum(state * k[:, None], axis=0))
-    return state + k[:, None] * delta[None, :]
+def _delta_rule_step(tile, scale, k, v, g, beta):
+    """One token on a [BK, BV] state tile held as S = scale * tile, with the decay kept apart as
+    a scalar so that a step does no [BK, BV] multiply for it. With e = exp(g):
+        S' = e S + k delta^T,   delta = beta (v - e S^T k)
+    is  scale' = e scale,  tile' = tile + k (delta / scale')^T.
+    Once scale' falls below 2^-60 it is folded into the tile (tile' = scale' tile, scale' = 1)
+    first: 1 / scale' stays far inside fp32's range, and e = 0 (g = -inf) zeroes the tile as the
+    plain form does. k [BK] fp32 (l2-normalised), v [BV] fp32, g, beta, scale fp32 scalars.
+    Returns (tile', scale')."""
+    decay = tl.exp(g)
+    delta = beta * (v - (scale * decay) * tl.sum(tile * k[:, None], axis=0))
+    scale = scale * decay
+    if scale < 8.673617379884035e-19:  # 2^-60
+        # The barrier (the condition is uniform over the program) keeps ptxas from predicating
+        # this rare block's multiplies into every step.
+        tl.debug_barrier()
+        tile = tile * scale
+        scale = tl.full([], 1.0, tl.float32)
+    return tile + k[:, None] * (delta * (1.0 / scale))[None, :], scale
 
 
 @triton.jit
@@ -104,15 +117,8 @@ def _inverse_norms(x):
 
 
 @triton.jit
-def _row(block, offs, j):
-    """Row j of a [R, C] block held in registers, as [C] fp32 (a select and a sum over R:
-    registers cannot be indexed)."""
-    return tl.sum(tl.where((offs == j)[:, None], block.to(tl.float32), 0.0), axis=0)
-
-
-@triton.jit
 def _entry(vector, offs, j):
-    """Entry j of an [R] vector held in registers."""
+    """Entry j of an [R] vector held in registers (a select and a sum: registers cannot be indexed)."""
     return tl.sum(tl.where(offs == j, vector, 0.0), axis=0)
 
 
@@ -124,25 +130,26 @@ def _gdn_decode_kernel(
     stride_pk_r, stride_pk_p, stride_pk_h, stride_pv_r, stride_pv_p, stride_pv_h,
     scale,
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr,
-    P_BLOCK: tl.constexpr, T_BLOCK: tl.constexpr, BV: tl.constexpr, COMMIT: tl.constexpr,
+    P_BLOCK: tl.constexpr, T_BLOCK: tl.constexpr, BV: tl.constexpr, ONE_TOKEN: tl.constexpr, COMMIT: tl.constexpr,
     DEPENDENT_LAUNCH: tl.constexpr,
 ):
     """Program (V tile i_v, value head i_h, row). State tile [K, BV] fp32 in registers (K, V and
     BV are powers of two, BV <= V: no masks, so state accesses vectorise).
 
-    Everything the row's token steps read (pending k, v, g, beta: up to P_BLOCK >= P entries;
-    the new tokens' q, k, v, a, b: up to T_BLOCK >= P + 1) is loaded up front, beside the
-    state, and the steps pick their entry out of registers: the steps are a dependent chain,
-    and a load inside it would put one memory round trip on every token.
+    The token steps are a dependent chain on the tile. Each step's k, v (and q) rows are loaded
+    one step ahead, in the layouts the step uses, so a load's latency overlaps the step before
+    it and no step picks its row out of a register block (a select per element and a
+    cross-lane sum, which cost more than the step's own arithmetic). The first rows are loaded
+    beside the state.
 
     Ordering of the shared pending g / beta (commit=False only): the V // BV programs of a value
-    head read the old entries [slot, 0..p) (the prefetch above), and the new entries
-    [slot, 0..n-1) overwrite them. Programs of one launch have no grid-wide barrier, so each
-    program, after its prefetch and a CTA barrier, increments the head's arrival counter
+    head read the old entries [slot, 0..p) (loaded up front: P_BLOCK >= P entries), and the new
+    entries [slot, 0..n-1) overwrite them. Programs of one launch have no grid-wide barrier, so
+    each program, after those loads and a CTA barrier, increments the head's arrival counter
     (acq_rel, gpu scope: its loads happen before the last arriver's stores). The program that
     arrives last knows that every reader is done; it alone writes the head's new g / beta, then
     resets the counter to 0, so the counters are zero between launches (launches of one stream
-    never overlap).
+    never overlap). The step buffer (pending k, v) and the new tokens are never written here.
     Invariant: rows in a launch own distinct slots, except pad rows, which all point at scratch
     slot 0, whose contents are never read as real state.
     """
@@ -164,55 +171,92 @@ def _gdn_decode_kernel(
     # state [S, HV, K, V]; pending_g/beta [S, P, HV]; step buffer pending_k [B, P, HK, K], pending_v [B, P, HV, V]
     state_ptrs = state + (slot * HV + i_h) * (K * V) + offs_k[:, None] * V + offs_v[None, :]
     h = tl.load(state_ptrs).to(tl.float32)
+    h_scale = tl.full([], 1.0, tl.float32)  # the state is h_scale * h (_delta_rule_step)
 
-    # All P entries are loaded, not the first num_pending: the loads then wait for the slot id
-    # alone, not for the count read through it. Entries past the count may be stale or NaN;
-    # _row / _entry select (never multiply) their entry, so those never reach the state.
+    # Every load the steps start from is issued here, and the arithmetic on them comes after the
+    # arrival below: otherwise ptxas may hold the state's loads back behind the norms, and the
+    # row pays two memory round trips instead of one.
+    # Step-buffer rows of entry 0 and every pending g / beta: all P entries, not the first
+    # num_pending, so the loads wait for the slot id alone, not for the count read through it.
+    # Entries past the count may be stale or NaN; no step reads them (_entry selects).
+    pk_ptrs = pending_k + row * stride_pk_r + i_kh * stride_pk_h + offs_k
+    pv_ptrs = pending_v + row * stride_pv_r + i_h * stride_pv_h + offs_v
+    if P > 0:
+        k_j, v_j = tl.load(pk_ptrs), tl.load(pv_ptrs)
     in_buffer = offs_p < P
-    pk = tl.load(pending_k + row * stride_pk_r + offs_p[:, None] * stride_pk_p + i_kh * stride_pk_h + offs_k[None, :],
-                 mask=in_buffer[:, None], other=0.0)                                            # [P_BLOCK, K]
-    pk_norms = _inverse_norms(pk)
-    pv = tl.load(pending_v + row * stride_pv_r + offs_p[:, None] * stride_pv_p + i_h * stride_pv_h + offs_v[None, :],
-                 mask=in_buffer[:, None], other=0.0)                                            # [P_BLOCK, BV]
+    pk_block = tl.load(pk_ptrs[None, :] + offs_p[:, None] * stride_pk_p, mask=in_buffer[:, None], other=0.0)
     pg = tl.load(pending_g + (slot * P + offs_p) * HV + i_h, mask=in_buffer, other=0.0)
     pbeta = tl.load(pending_beta + (slot * P + offs_p) * HV + i_h, mask=in_buffer, other=0.0)
 
-    is_new = offs_t < num_new
+    # The new tokens' q and k rows as whole [T_BLOCK, K] blocks, for their norms (off the steps'
+    # chain; the loads also bring the rows the steps read into L1), and new token 0 (a row may
+    # have none: every load masked).
+    q_ptrs = q + i_kh * stride_q_h + offs_k
+    k_ptrs = k + i_kh * stride_k_h + offs_k
+    v_ptrs = v + i_h * stride_v_h + offs_v
     tokens = bos + offs_t
-    nq = tl.load(q + tokens[:, None] * stride_q_t + i_kh * stride_q_h + offs_k[None, :], mask=is_new[:, None], other=0.0)
-    nq_norms = _inverse_norms(nq) * scale
-    nk = tl.load(k + tokens[:, None] * stride_k_t + i_kh * stride_k_h + offs_k[None, :], mask=is_new[:, None], other=0.0)
-    nk_norms = _inverse_norms(nk)
-    nv = tl.load(v + tokens[:, None] * stride_v_t + i_h * stride_v_h + offs_v[None, :], mask=is_new[:, None], other=0.0)
-    ng, nbeta = _gating(tl.load(a + tokens * stride_a_t + i_h, mask=is_new, other=0.0).to(tl.float32),
-                        tl.load(b + tokens * stride_b_t + i_h, mask=is_new, other=0.0).to(tl.float32),
-                        tl.load(A_log + i_h).to(tl.float32), tl.load(dt_bias + i_h).to(tl.float32))
+    if ONE_TOKEN:  # every row has its one token: no masks, and the blocks are the rows
+        q_block = tl.load(q_ptrs[None, :] + tokens[:, None] * stride_q_t)
+        k_block = tl.load(k_ptrs[None, :] + tokens[:, None] * stride_k_t)
+        q_i, k_i = tl.sum(q_block.to(tl.float32), axis=0), tl.sum(k_block.to(tl.float32), axis=0)
+        v_i = tl.load(v_ptrs + bos * stride_v_t)
+        a_i = tl.load(a + bos * stride_a_t + i_h).to(tl.float32)
+        b_i = tl.load(b + bos * stride_b_t + i_h).to(tl.float32)
+    else:
+        is_new = (offs_t < num_new)[:, None]
+        q_block = tl.load(q_ptrs[None, :] + tokens[:, None] * stride_q_t, mask=is_new, other=0.0)
+        k_block = tl.load(k_ptrs[None, :] + tokens[:, None] * stride_k_t, mask=is_new, other=0.0)
+        first_k = offs_k < tl.where(num_new > 0, K, 0)
+        q_i = tl.load(q_ptrs + bos * stride_q_t, mask=first_k, other=0.0)
+        k_i = tl.load(k_ptrs + bos * stride_k_t, mask=first_k, other=0.0)
+        v_i = tl.load(v_ptrs + bos * stride_v_t, mask=offs_v < tl.where(num_new > 0, V, 0), other=0.0)
+        a_i = tl.load(a + bos * stride_a_t + i_h, mask=num_new > 0, other=0.0).to(tl.float32)
+        b_i = tl.load(b + bos * stride_b_t + i_h, mask=num_new > 0, other=0.0).to(tl.float32)
+    A_log_h, dt_bias_h = tl.load(A_log + i_h).to(tl.float32), tl.load(dt_bias + i_h).to(tl.float32)
 
     is_last = False
     if not COMMIT:
         is_last = last_to_arrive(arrivals + row * HV + i_h, V // BV)
+    pk_norms = _inverse_norms(pk_block)
+    q_scales = _inverse_norms(q_block) * scale
+    k_scales = _inverse_norms(k_block)
 
-    for j in range(0, num_pending):
-        h = _delta_rule_step(h, _row(pk, offs_p, j) * _entry(pk_norms, offs_p, j), _row(pv, offs_p, j),
-                             _entry(pg, offs_p, j), _entry(pbeta, offs_p, j))
-    for i in range(0, tl.minimum(num_new, T_BLOCK)):  # num_new <= P + 1 <= T_BLOCK (the launcher's contract)
-        g_i = _entry(ng, offs_t, i)
-        beta_i = _entry(nbeta, offs_t, i)
-        h = _delta_rule_step(h, _row(nk, offs_t, i) * _entry(nk_norms, offs_t, i), _row(nv, offs_t, i), g_i, beta_i)
-        o_i = tl.sum(h * (_row(nq, offs_t, i) * _entry(nq_norms, offs_t, i))[:, None], axis=0)
+    if P > 0:
+        for j in range(0, num_pending):
+            ahead = tl.minimum(j + 1, P - 1)  # inside the buffer; unused past the count
+            k_ahead, v_ahead = tl.load(pk_ptrs + ahead * stride_pk_p), tl.load(pv_ptrs + ahead * stride_pv_p)
+            h, h_scale = _delta_rule_step(h, h_scale, k_j.to(tl.float32) * _entry(pk_norms, offs_p, j), v_j.to(tl.float32),
+                                 _entry(pg, offs_p, j), _entry(pbeta, offs_p, j))
+            k_j, v_j = k_ahead, v_ahead
+    # num_new <= P + 1 (the launcher's contract); ONE_TOKEN: every row runs one (plain decode),
+    # and nothing is loaded ahead.
+    for i in range(0, 1 if ONE_TOKEN else num_new):
+        if not ONE_TOKEN:
+            ahead = bos + tl.minimum(i + 1, num_new - 1)
+            q_ahead = tl.load(q_ptrs + ahead * stride_q_t)
+            k_ahead = tl.load(k_ptrs + ahead * stride_k_t)
+            v_ahead = tl.load(v_ptrs + ahead * stride_v_t)
+            a_ahead = tl.load(a + ahead * stride_a_t + i_h).to(tl.float32)
+            b_ahead = tl.load(b + ahead * stride_b_t + i_h).to(tl.float32)
+        g_i, beta_i = _gating(a_i, b_i, A_log_h, dt_bias_h)
+        h, h_scale = _delta_rule_step(h, h_scale, k_i.to(tl.float32) * _entry(k_scales, offs_t, i),
+                                      v_i.to(tl.float32), g_i, beta_i)
+        o_i = tl.sum(h * (q_i.to(tl.float32) * (_entry(q_scales, offs_t, i) * h_scale))[:, None], axis=0)
         tl.store(out + ((bos + i) * HV + i_h) * V + offs_v, o_i.to(out.dtype.element_ty))
         if not COMMIT:
             if i == 0:  # the committed state ends at new token 0
-                tl.store(state_ptrs, h.to(state.dtype.element_ty))
+                tl.store(state_ptrs, (h * h_scale).to(state.dtype.element_ty))
             else:
                 # new tokens 1..n-1 (drafts) become pending entries 0..n-2; a row never carries
                 # more than P drafts: guard the buffer anyway
                 write = is_last & (i - 1 < P)
                 tl.store(pending_g + (slot * P + i - 1) * HV + i_h, g_i, mask=write)
                 tl.store(pending_beta + (slot * P + i - 1) * HV + i_h, beta_i, mask=write)
+        if not ONE_TOKEN:
+            q_i, k_i, v_i, a_i, b_i = q_ahead, k_ahead, v_ahead, a_ahead, b_ahead
 
     if COMMIT:
-        tl.store(state_ptrs, h.to(state.dtype.element_ty))
+        tl.store(state_ptrs, (h * h_scale).to(state.dtype.element_ty))
     elif is_last:
         reset_arrivals(arrivals + row * HV + i_h)
 
@@ -228,16 +272,22 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 def decode_config(num_rows: int, num_value_heads: int, key_dim: int, value_dim: int, commit: bool,
                   device: torch.device) -> DecodeConfig:
-    """16-column tiles of one warp; decode batches with >= 8 programs of 32 columns per SM take
-    32-column tiles of two warps (64 state values per thread either way). From the tile sweeps
-    of bench/kernels_gdn_decode.py (--sweep; results/kernels_gdn_decode-*.json): 16x1 is fastest
-    for verify at every batch (by 1.5-2x at B >= 64) and for decode up to B = 8; 32x2 for
-    larger decode batches."""
+    """16-column tiles of one warp, except: decode batches with >= 8 programs of 32 columns per
+    SM take 32-column tiles of two warps (64 state values per thread either way), and verify
+    batches with <= 8 programs of 16 columns per SM take 8-column tiles (twice the programs
+    for a launch bound by one warp's chain of steps). From the tile sweeps of
+    bench/kernels_gdn_decode.py (--sweep; results/kernels_gdn_decode-*.json): verify B = 1 at
+    HV = 16, 5.1 us at 8x1 against 5.7 at 16x1, B = 8 13.1 against 13.9; 16x1 from 2048 programs
+    (B = 8, HV = 32: 22.9 against 23.4) and fastest by 1.1-1.3x at B >= 64; decode 16x1 up to
+    B = 8, 32x2 above."""
     if INTERPRETED:
         return DecodeConfig(block_v=min(16, value_dim), num_warps=1)
+    programs_of_16 = num_rows * num_value_heads * (value_dim // 16)
     block_v = 16
-    if commit and num_rows * num_value_heads * (value_dim // 32) >= 8 * num_sms(device):
+    if commit and programs_of_16 >= 16 * num_sms(device):
         block_v = 32
+    elif not commit and programs_of_16 <= 8 * num_sms(device):
+        block_v = 8
     block_v = min(block_v, value_dim)
     return DecodeConfig(block_v, num_warps=max(1, key_dim * block_v // 2048))
 
@@ -282,6 +332,7 @@ def launch_gdn_decode(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         return
     # Plain decode (commit) writes nothing shared and never touches the counters.
     arrivals = arrival_counters(v.device, 0 if commit else num_rows * num_value_heads)
+    one_token = num_tokens == num_rows  # every row runs one token (plain decode)
     grid = (triton.cdiv(value_dim, config.block_v), num_value_heads, num_rows)
     _gdn_decode_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, cu_seqlens, slot_ids, state,
@@ -290,9 +341,8 @@ def launch_gdn_decode(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         *pending_k.stride()[:3], *pending_v.stride()[:3],
         key_dim ** -0.5,
         HK=num_key_heads, HV=num_value_heads, K=key_dim, V=value_dim, P=max_pending,
-        # One token per row (every plain decode step): a one-entry token block.
-        P_BLOCK=triton.next_power_of_2(max(max_pending, 1)),
-        T_BLOCK=1 if num_tokens == num_rows else triton.next_power_of_2(max_pending + 1),
+        P_BLOCK=triton.next_power_of_2(max(max_pending, 1)), ONE_TOKEN=one_token,
+        T_BLOCK=1 if one_token else triton.next_power_of_2(max_pending + 1),
         BV=config.block_v, COMMIT=commit,
         num_warps=config.num_warps, **pdl(v.device),
     )

@@ -30,6 +30,7 @@ from deltaspec.kernels.activation import silu_and_mul, silu_and_mul_reference
 from deltaspec.kernels.arrivals import arrival_counters
 from deltaspec.kernels.conv1d import (causal_conv1d_decode, causal_conv1d_decode_reference, causal_conv1d_prefill,
                                       causal_conv1d_prefill_reference)
+import deltaspec.kernels.gdn_decode as gdn_decode_module
 from deltaspec.kernels.gdn_decode import (DecodeConfig, decode_config, gdn_decode, gdn_decode_reference,
                                           launch_gdn_decode)
 from deltaspec.kernels.norms import gated_rms_norm, gated_rms_norm_reference, rms_norm, rms_norm_reference
@@ -201,12 +202,25 @@ def test_gdn_decode_two_v_tiles_bf16_state(kernel_device, commit):
 @pytest.mark.parametrize("commit", [True, False], ids=["commit", "verify"])
 def test_gdn_decode_strongly_decaying_heads(kernel_device, commit):
     """Heads whose decay underflows fp32 within a token or a few (g down to about -100, pending g
-    -60) beside mild ones: exp(g) = 0 wipes the state, and nothing divides by it."""
+    -60), one that decays by about e^-8 a token (the kernel's running decay scale crosses 2^-60
+    mid-row and is folded into the tile) and a mild one: exp(g) = 0 wipes the state, and nothing
+    divides by it."""
     case = ragged_case(25, 2, 4, 16, torch.float32, kernel_device)
-    case.A_log = torch.tensor([3.0, 0.5, 4.0, -2.0], device=kernel_device)
+    case.A_log = torch.tensor([3.0, 2.5, 4.0, -2.0], device=kernel_device)
     case.dt_bias = torch.tensor([5.0, 0.0, 2.0, 0.0], device=kernel_device)
     case.pool["pending_g"][..., 0] = -60.0
     check_gdn_step(case, [n for n, _, _ in RAGGED], [s for _, s, _ in RAGGED], commit)
+
+
+def test_decode_config_by_batch(monkeypatch):
+    """On a 132-SM GPU (HV = 16, K = V = 128): verify takes 8-column tiles up to 8 programs of
+    16 columns per SM (B = 8), 16 above; decode 16 columns up to B = 8, 32 x 2 warps from B = 64."""
+    monkeypatch.setattr(gdn_decode_module, "INTERPRETED", False)
+    monkeypatch.setattr(gdn_decode_module, "num_sms", lambda device: 132)
+    cuda = torch.device("cuda")
+    tiles = lambda batch, commit: decode_config(batch, 16, 128, 128, commit, cuda)  # noqa: E731
+    assert [tiles(b, False) for b in (1, 8, 9, 64)] == [DecodeConfig(8, 1)] * 2 + [DecodeConfig(16, 1)] * 2
+    assert [tiles(b, True) for b in (1, 8, 64)] == [DecodeConfig(16, 1)] * 2 + [DecodeConfig(32, 2)]
 
 
 def test_gdn_decode_ignores_nonfinite_pending_past_the_count(kernel_device):
