@@ -80,17 +80,18 @@ def gdn_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: t
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _delta_rule_step(tile, scale, k, v, g, beta):
+def _delta_rule_step(tile, scale, k, k_norm, v, g, beta):
     """One token on a [BK, BV] state tile held as S = scale * tile, with the decay kept apart as
-    a scalar so that a step does no [BK, BV] multiply for it. With e = exp(g):
-        S' = e S + k delta^T,   delta = beta (v - e S^T k)
-    is  scale' = e scale,  tile' = tile + k (delta / scale')^T.
+    a scalar so that a step does no [BK, BV] multiply for it. With e = exp(g) and the unit key
+    k / |k| (k_norm = 1 / |k|, applied to [BV] vectors, never to the [BK] row):
+        S' = e S + (k / |k|) delta^T,   delta = beta (v - e S^T k / |k|)
+    is  scale' = e scale,  tile' = tile + k (delta / (|k| scale'))^T.
     Once scale' falls below 2^-60 it is folded into the tile (tile' = scale' tile, scale' = 1)
     first: 1 / scale' stays far inside fp32's range, and e = 0 (g = -inf) zeroes the tile as the
-    plain form does. k [BK] fp32 (l2-normalised), v [BV] fp32, g, beta, scale fp32 scalars.
+    plain form does. k [BK] fp32, v [BV] fp32; k_norm, g, beta, scale fp32 scalars.
     Returns (tile', scale')."""
     decay = tl.exp(g)
-    delta = beta * (v - (scale * decay) * tl.sum(tile * k[:, None], axis=0))
+    delta = beta * (v - (scale * decay * k_norm) * tl.sum(tile * k[:, None], axis=0))
     scale = scale * decay
     if scale < 8.673617379884035e-19:  # 2^-60
         # The barrier (the condition is uniform over the program) keeps ptxas from predicating
@@ -98,7 +99,7 @@ def _delta_rule_step(tile, scale, k, v, g, beta):
         tl.debug_barrier()
         tile = tile * scale
         scale = tl.full([], 1.0, tl.float32)
-    return tile + k[:, None] * (delta * (1.0 / scale))[None, :], scale
+    return tile + k[:, None] * (delta * (k_norm / scale))[None, :], scale
 
 
 @triton.jit
@@ -225,8 +226,8 @@ def _gdn_decode_kernel(
         for j in range(0, num_pending):
             ahead = tl.minimum(j + 1, P - 1)  # inside the buffer; unused past the count
             k_ahead, v_ahead = tl.load(pk_ptrs + ahead * stride_pk_p), tl.load(pv_ptrs + ahead * stride_pv_p)
-            h, h_scale = _delta_rule_step(h, h_scale, k_j.to(tl.float32) * _entry(pk_norms, offs_p, j), v_j.to(tl.float32),
-                                 _entry(pg, offs_p, j), _entry(pbeta, offs_p, j))
+            h, h_scale = _delta_rule_step(h, h_scale, k_j.to(tl.float32), _entry(pk_norms, offs_p, j),
+                                          v_j.to(tl.float32), _entry(pg, offs_p, j), _entry(pbeta, offs_p, j))
             k_j, v_j = k_ahead, v_ahead
     # num_new <= P + 1 (the launcher's contract); ONE_TOKEN: every row runs one (plain decode),
     # and nothing is loaded ahead.
@@ -239,9 +240,9 @@ def _gdn_decode_kernel(
             a_ahead = tl.load(a + ahead * stride_a_t + i_h).to(tl.float32)
             b_ahead = tl.load(b + ahead * stride_b_t + i_h).to(tl.float32)
         g_i, beta_i = _gating(a_i, b_i, A_log_h, dt_bias_h)
-        h, h_scale = _delta_rule_step(h, h_scale, k_i.to(tl.float32) * _entry(k_scales, offs_t, i),
+        h, h_scale = _delta_rule_step(h, h_scale, k_i.to(tl.float32), _entry(k_scales, offs_t, i),
                                       v_i.to(tl.float32), g_i, beta_i)
-        o_i = tl.sum(h * (q_i.to(tl.float32) * (_entry(q_scales, offs_t, i) * h_scale))[:, None], axis=0)
+        o_i = tl.sum(h * q_i.to(tl.float32)[:, None], axis=0) * (_entry(q_scales, offs_t, i) * h_scale)
         tl.store(out + ((bos + i) * HV + i_h) * V + offs_v, o_i.to(out.dtype.element_ty))
         if not COMMIT:
             if i == 0:  # the committed state ends at new token 0
