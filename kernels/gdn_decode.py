@@ -131,17 +131,18 @@ def _gdn_decode_kernel(
     stride_pk_r, stride_pk_p, stride_pk_h, stride_pv_r, stride_pv_p, stride_pv_h,
     scale,
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr,
-    P_BLOCK: tl.constexpr, T_BLOCK: tl.constexpr, BV: tl.constexpr, ONE_TOKEN: tl.constexpr, COMMIT: tl.constexpr,
-    DEPENDENT_LAUNCH: tl.constexpr,
+    P_BLOCK: tl.constexpr, T_BLOCK: tl.constexpr, BV: tl.constexpr, ONE_TOKEN: tl.constexpr,
+    COMMIT: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr,
 ):
     """Program (V tile i_v, value head i_h, row). State tile [K, BV] fp32 in registers (K, V and
     BV are powers of two, BV <= V: no masks, so state accesses vectorise).
 
     The token steps are a dependent chain on the tile. Each step's k, v (and q) rows are loaded
-    one step ahead, in the layouts the step uses, so a load's latency overlaps the step before
-    it and no step picks its row out of a register block (a select per element and a
-    cross-lane sum, which cost more than the step's own arithmetic). The first rows are loaded
-    beside the state.
+    one step ahead, so a load's latency overlaps the step before it and no step picks its row
+    out of a register block (a select per element and a cross-lane sum, which cost more than
+    the step's own arithmetic). The first rows, and whole [*, K] blocks of the q and k rows for
+    their norms, are loaded beside the state. The tile carries no per-step decay multiply
+    (_delta_rule_step).
 
     Ordering of the shared pending g / beta (commit=False only): the V // BV programs of a value
     head read the old entries [slot, 0..p) (loaded up front: P_BLOCK >= P entries), and the new
@@ -277,10 +278,10 @@ def decode_config(num_rows: int, num_value_heads: int, key_dim: int, value_dim: 
     SM take 32-column tiles of two warps (64 state values per thread either way), and verify
     batches with <= 8 programs of 16 columns per SM take 8-column tiles (twice the programs
     for a launch bound by one warp's chain of steps). From the tile sweeps of
-    bench/kernels_gdn_decode.py (--sweep; results/kernels_gdn_decode-*.json): verify B = 1 at
-    HV = 16, 5.1 us at 8x1 against 5.7 at 16x1, B = 8 13.1 against 13.9; 16x1 from 2048 programs
-    (B = 8, HV = 32: 22.9 against 23.4) and fastest by 1.1-1.3x at B >= 64; decode 16x1 up to
-    B = 8, 32x2 above."""
+    bench/kernels_gdn_decode.py (--sweep; results/kernels_gdn_decode-*.json, H100): verify at
+    HV = 16, B = 1 5.2 us at 8x1 against 5.5 at 16x1, B = 8 13.1 against 13.4; 16x1 from 2048
+    programs (B = 8, HV = 32: 22.3 against 23.1) and fastest by 1.1-1.3x at B >= 64; decode
+    16x1 up to B = 8, 32x2 above."""
     if INTERPRETED:
         return DecodeConfig(block_v=min(16, value_dim), num_warps=1)
     programs_of_16 = num_rows * num_value_heads * (value_dim // 16)
