@@ -200,6 +200,14 @@ def test_gdn_decode_two_v_tiles_bf16_state(kernel_device, commit):
 
 
 @pytest.mark.parametrize("commit", [True, False], ids=["commit", "verify"])
+def test_gdn_decode_one_token_rows_fold_pending(kernel_device, commit):
+    """Every row runs exactly one new token (the kernel's one-token path, no loads ahead) after
+    folding its slot's 0..k pending tokens: a speculative step whose rows drafted nothing."""
+    case = ragged_case(27, 2, 4, 32, torch.float32, kernel_device)
+    check_gdn_step(case, [1] * len(RAGGED), [s for _, s, _ in RAGGED], commit)
+
+
+@pytest.mark.parametrize("commit", [True, False], ids=["commit", "verify"])
 def test_gdn_decode_strongly_decaying_heads(kernel_device, commit):
     """Heads whose decay underflows fp32 within a token or a few (g down to about -100, pending g
     -60), one that decays by about e^-8 a token (the kernel's running decay scale crosses 2^-60
