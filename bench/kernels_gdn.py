@@ -1,5 +1,7 @@
-"""GDN chunked prefill on the GPU: deltaspec's Triton `gdn_chunked` against fla-core 0.6.0's
-`chunk_gated_delta_rule` and against the memory roofline, side by side in one run.
+"""The GDN kernels on the GPU, in one run: chunked prefill (deltaspec's Triton `gdn_chunked`
+against fla-core 0.6.0's `chunk_gated_delta_rule` and the memory roofline), then decode and verify
+(`gdn_decode` against fla's `fused_recurrent_gated_delta_rule` and the state-bytes roofline:
+kernels_gdn_decode.measure, stored under "decode_verify").
 
 Shapes (issue 3): K = V = 128, bf16 activations, fp32 state pool, every row with an initial
 state, varlen batches 1 x 16384, 16 x 1024 and 64 x 256 tokens, at HK = HV = 16 and HK = 16 /
@@ -11,7 +13,7 @@ state read/write. fla is timed two ways:
   fla_dropin: the same call plus what a drop-in replacement of our op needs around it: the
               gating in torch (g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)), the
               gather state[slots] and the scatter of the final states back into the pool.
-Timing: median over trials of back-to-back calls (CPU launch overhead hidden when the GPU is
+Prefill timing: median over trials of back-to-back calls (CPU launch overhead hidden when the GPU is
 the bottleneck), rotating input sets larger than L2 together. Roofline: the bytes the op must
 move (q, k, v, a, b read, o written, the rows' states read and written) over the device-to-device
 copy bandwidth measured in the same run (read + write bytes). Device time: each side's kernel
@@ -20,7 +22,8 @@ time between its launches.
 
 Run on the GPU machine (fla-core importable from /tmp/fla, never installed in the test env):
     python bench/kernels_gdn.py --out DIR [--commit HASH]
-Writes DIR/kernels_gdn-<gpu>.json and .png (stacked kernel times per shape) and prints a table;
+Writes DIR/kernels_gdn-<gpu>.json and .png (prefill: stacked kernel times per shape) and prints
+the tables;
 `--plot JSON` redraws the PNG of an existing results file.
 """
 
@@ -37,6 +40,7 @@ import torch.nn.functional as F
 import triton
 
 from common import copy_bandwidth, eager_time_us  # noqa: E402
+from kernels_gdn_decode import measure as measure_decode  # noqa: E402
 from deltaspec.kernels.gdn_chunked import _output, _solve, _state, _wy, gdn_chunked, gdn_chunked_reference, split_output
 
 SHAPES = [(1, 16384), (16, 1024), (64, 256)]          # (rows, tokens per row)
@@ -200,7 +204,7 @@ def main() -> None:
     print(f"{device}: copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
     results: list[dict] = []
     record = dict(
-        benchmark="kernels_gdn (GDN chunked varlen prefill)", device=device,
+        benchmark="kernels_gdn (GDN chunked varlen prefill; decode and verify under decode_verify)", device=device,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), git_commit=args.commit,
         command="python bench/kernels_gdn.py --out $OUT --commit <HEAD>", torch=torch.__version__,
         triton=triton.__version__, fla=getattr(fla, "__version__", "0.6.0"),
@@ -282,6 +286,10 @@ def main() -> None:
               f"{r.get('ours_over_fla_device_time', nan):>6.2f} "
               f"{r.get('fla_dropin_ms', nan):>8.3f} {r['roofline_ms']:>8.3f}")
     plot(record, path.with_suffix(".png"))
+
+    # Decode and verify in the same run (kernels_gdn_decode.py: CUDA-graph replays beside fla's
+    # fused_recurrent_gated_delta_rule and the state-bytes roofline; its --sweep adds the tiles).
+    measure_decode(sweep=False, save=lambda part: (record.update(decode_verify=part), save()))
     print(f"wrote {path} and its .png")
 
 

@@ -109,16 +109,13 @@ def time_fla(setup: Setup, fla_fn) -> tuple[float, float]:
     return graph_time_us(launch, setup.repeats), difference
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out-dir", default=str(pathlib.Path(__file__).parent / "results"))
-    parser.add_argument("--sweep", action="store_true", help="also time every tile config")
-    args = parser.parse_args()
+def measure(sweep: bool, save=lambda result: None) -> dict:
+    """Decode and verify at every (HV, B) of the issue beside fla, then (sweep) every tile config;
+    calls save(result) after each row, so a run cut off by a time limit keeps what it measured."""
     props = torch.cuda.get_device_properties(0)
-    commit = commit_id()
     result = dict(
         benchmark="kernels_gdn_decode", device=props.name, num_sms=props.multi_processor_count,
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=commit,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=commit_id(),
         command=" ".join([sys.executable] + sys.argv), torch=torch.__version__,
         shapes=dict(key_dim=KEY_DIM, value_dim=VALUE_DIM, num_key_heads=NUM_KEY_HEADS, activations="bf16",
                     state="fp32", verify="4 new tokens/row (k = 3), 3 pending (P = k), commit=False"),
@@ -137,9 +134,6 @@ def main() -> None:
         result["fla_error"] = repr(error)
         print("fla unavailable:", error)
     arrival_counters(torch.device("cuda"), max(BATCHES) * 32)  # rows x value heads
-    out_dir = pathlib.Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"kernels_gdn_decode-{device_tag(props.name)}.json"
     for hv in (16, 32):
         for batch in BATCHES:
             row = dict(num_value_heads=hv, batch=batch)
@@ -173,8 +167,8 @@ def main() -> None:
             torch.cuda.empty_cache()
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
-            path.write_text(json.dumps(result, indent=1))
-    if args.sweep:  # second pass, so that a time limit cuts the sweep, not the main numbers
+            save(result)
+    if sweep:  # second pass, so that a time limit cuts the sweep, not the main numbers
         for row in result["rows"]:
             try:
                 for name, tokens, pending, commit in (("decode", 1, 0, True), ("verify", 4, 3, False)):
@@ -188,12 +182,28 @@ def main() -> None:
                 row["sweep_error"] = repr(error)
                 traceback.print_exc()
             print(json.dumps({k: row[k] for k in row if "sweep" in k or k in ("batch", "num_value_heads")}), flush=True)
-            path.write_text(json.dumps(result, indent=1))
-    print(f"HV  B   decode_us  fla_us  verify_us  verify/decode  roofline", flush=True)
+            save(result)
+    print_table(result)
+    return result
+
+
+def print_table(result: dict) -> None:
+    print("HV  B   decode_us  fla_us  verify_us  verify/decode  roofline", flush=True)
     for row in result["rows"]:
         print(f"{row['num_value_heads']:<3} {row['batch']:<4} {row.get('decode_us', float('nan')):9.2f} "
               f"{row.get('fla_us', float('nan')):7.2f} {row.get('verify_us', float('nan')):9.2f} "
               f"{row.get('verify_over_decode', float('nan')):13.2f} {row.get('decode_roofline_fraction', float('nan')):8.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out-dir", default=str(pathlib.Path(__file__).parent / "results"))
+    parser.add_argument("--sweep", action="store_true", help="also time every tile config")
+    args = parser.parse_args()
+    out_dir = pathlib.Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"kernels_gdn_decode-{device_tag(torch.cuda.get_device_name())}.json"
+    measure(args.sweep, lambda result: path.write_text(json.dumps(result, indent=1)))
     print("wrote", path)
 
 
