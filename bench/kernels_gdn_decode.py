@@ -13,6 +13,7 @@ so no launch finds its state in L2); time per launch = median replay / R. Roofli
 read + written (2 x B x HV x K x V x 4) over the copy bandwidth measured in the same run.
 
 Usage: python bench/kernels_gdn_decode.py [--out-dir bench/results] [--sweep]
+(bench/kernels_gdn.py runs `measure` too, after the prefill shapes, into kernels_gdn-<gpu>.json.)
 (Results before the compact pending layout, with its tile sweep: this file as committed in 54c80a9.)
 fla-core is imported from /tmp/fla (install there; never in the test environment).
 """
