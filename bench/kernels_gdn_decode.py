@@ -110,9 +110,10 @@ def time_fla(setup: Setup, fla_fn) -> tuple[float, float]:
     return graph_time_us(launch, setup.repeats), difference
 
 
-def measure(sweep: bool, save=lambda result: None) -> dict:
+def measure(sweep: bool, save=lambda result: None, copy_bytes_per_s: float | None = None) -> dict:
     """Decode and verify at every (HV, B) of the issue beside fla, then (sweep) every tile config;
-    calls save(result) after each row, so a run cut off by a time limit keeps what it measured."""
+    calls save(result) after each row, so a run cut off by a time limit keeps what it measured.
+    copy_bytes_per_s: the copy bandwidth when the caller measured it already (else measured here)."""
     props = torch.cuda.get_device_properties(0)
     result = dict(
         benchmark="kernels_gdn_decode", device=props.name, num_sms=props.multi_processor_count,
@@ -125,7 +126,7 @@ def measure(sweep: bool, save=lambda result: None) -> dict:
     )
     import triton
     result["triton"] = triton.__version__
-    result["copy_bandwidth_GBps"] = copy_bandwidth() / 1e9
+    result["copy_bandwidth_GBps"] = (copy_bytes_per_s or copy_bandwidth()) / 1e9
     print(f"{props.name}: copy bandwidth {result['copy_bandwidth_GBps']:.0f} GB/s (read + write)", flush=True)
     sys.path.insert(0, "/tmp/fla")
     try:
