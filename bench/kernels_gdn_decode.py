@@ -38,7 +38,7 @@ NUM_KEY_HEADS = 16
 BATCHES = (1, 8, 64, 256)
 MAX_PENDING = 3  # P = k
 L2_DEFEAT_BYTES = 256 << 20
-SWEEP = [DecodeConfig(bv, w) for bv, w in ((8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4), (64, 8))]
+SWEEP = [DecodeConfig(bv, w) for bv, w in ((8, 1), (16, 1), (32, 1), (32, 2), (64, 2), (64, 4))]
 
 
 class Setup:

@@ -6,8 +6,8 @@ that call. ncu works on the Firecracker H100 (give it --clock-control none: leav
         --section LaunchStats --section WarpStateStats --section SchedulerStats \\
         --section MemoryWorkloadAnalysis python bench/ncu_case.py CASE
 
-CASE: verify_B / decode_B (GDN decode kernel, HV = 16, B rows: verify 3 pending + 4 new tokens at
-16x1 tiles, decode 1 token at 32x2), chunk_ROWS_LENGTH_HV (gdn_chunked, HK = 16, bf16) or
+CASE: verify_B / decode_B (GDN decode kernel, HV = 16, B rows: verify 3 pending + 4 new tokens,
+decode 1 token, each at its decode_config tile), chunk_ROWS_LENGTH_HV (gdn_chunked, HK = 16, bf16) or
 flachunk_ROWS_LENGTH_HV (fla's chunk_gated_delta_rule on the same inputs; fla-core from /tmp/fla).
 Shapes and inputs are those of kernels_gdn_decode.py and kernels_gdn.py.
 """
@@ -29,14 +29,14 @@ def main() -> None:
         from kernels_gdn_decode import Setup
 
         from deltaspec.kernels.arrivals import arrival_counters
-        from deltaspec.kernels.gdn_decode import DecodeConfig
+        from deltaspec.kernels.gdn_decode import decode_config
         batch = int(sizes[0])
         arrival_counters(torch.device("cuda"), batch * 16)
         if kind == "verify":
-            setup, commit, config = Setup(batch, 16, tokens_per_row=4, pending=3), False, DecodeConfig(16, 1)
+            setup, commit = Setup(batch, 16, tokens_per_row=4, pending=3), False
         else:
-            setup = Setup(batch, 16, tokens_per_row=1, pending=0, max_pending=0)
-            commit, config = True, DecodeConfig(32, 2)
+            setup, commit = Setup(batch, 16, tokens_per_row=1, pending=0, max_pending=0), True
+        config = decode_config(batch, 16, 128, 128, commit, torch.device("cuda"))
         run = lambda r: setup.launch(r % setup.repeats, commit, config)  # noqa: E731
     elif kind in ("chunk", "flachunk"):
         from kernels_gdn import Fla, Inputs

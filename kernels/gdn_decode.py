@@ -276,24 +276,28 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 def decode_config(num_rows: int, num_value_heads: int, key_dim: int, value_dim: int, commit: bool,
                   device: torch.device) -> DecodeConfig:
-    """16-column tiles of one warp, except: decode batches with >= 8 programs of 32 columns per
-    SM take 32-column tiles of two warps (64 state values per thread either way), and verify
-    batches with <= 8 programs of 16 columns per SM take 8-column tiles (twice the programs
-    for a launch bound by one warp's chain of steps). From the tile sweeps of
-    bench/kernels_gdn_decode.py (--sweep; results/kernels_gdn_decode-*.json, H100): verify at
-    HV = 16, B = 1 5.2 us at 8x1 against 5.5 at 16x1, B = 8 13.1 against 13.4; 16x1 from 2048
-    programs (B = 8, HV = 32: 22.3 against 23.1) and fastest by 1.1-1.3x at B >= 64; decode
-    16x1 up to B = 8, 32x2 above."""
+    """The tile by how many programs of 16 columns the batch makes per SM (n = rows x HV x V / 16
+    / SMs): few programs want narrow tiles (a launch of few programs is bound by one warp's
+    chain of steps, so more of shorter chains finish first), many want wide ones (the per-step
+    work that does not scale with the tile, its gating, row loads and norms, is paid once for
+    more columns). Tiles of up to 32 columns are one warp (128 state values a thread at K = 128);
+    wider ones get a warp per 4096 values.
+        verify: 8 columns for n <= 1, 16 for n <= 4, else 32
+        decode: 16 columns for n <= 8, 32 for n <= 16, else 64 (two warps)
+    From the sweep of bench/kernels_gdn_decode.py on an H100 (results/kernels_gdn_decode-h100.json,
+    K = V = 128): verify at HV = 16, B = 1 5.1 us at 8 columns against 5.4 at 16; B = 8 11.1 at
+    32 columns against 13.1 at 16; B = 256 232 against 245. Decode at HV = 16, B = 8 7.5 us at 16
+    columns against 7.7 at 32; B = 16 13.0 at 32 against 13.3 at 64; B = 256 192 at 64 against
+    197 at 32."""
     if INTERPRETED:
         return DecodeConfig(block_v=min(16, value_dim), num_warps=1)
-    programs_of_16 = num_rows * num_value_heads * (value_dim // 16)
-    block_v = 16
-    if commit and programs_of_16 >= 16 * num_sms(device):
-        block_v = 32
-    elif not commit and programs_of_16 <= 8 * num_sms(device):
-        block_v = 8
+    per_sm = num_rows * num_value_heads * (value_dim // 16) / num_sms(device)
+    if commit:
+        block_v = 16 if per_sm <= 8 else 32 if per_sm <= 16 else 64
+    else:
+        block_v = 8 if per_sm <= 1 else 16 if per_sm <= 4 else 32
     block_v = min(block_v, value_dim)
-    return DecodeConfig(block_v, num_warps=max(1, key_dim * block_v // 2048))
+    return DecodeConfig(block_v, num_warps=max(1, key_dim * block_v // 4096))
 
 
 def launch_gdn_decode(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,

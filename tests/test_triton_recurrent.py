@@ -221,14 +221,17 @@ def test_gdn_decode_strongly_decaying_heads(kernel_device, commit):
 
 
 def test_decode_config_by_batch(monkeypatch):
-    """On a 132-SM GPU (HV = 16, K = V = 128): verify takes 8-column tiles up to 8 programs of
-    16 columns per SM (B = 8), 16 above; decode 16 columns up to B = 8, 32 x 2 warps from B = 64."""
+    """On a 132-SM GPU (HV = 16, K = V = 128): verify takes 8-column tiles up to one program of
+    16 columns per SM (B = 1), 16 up to four (B = 4), 32 above; decode 16 columns up to eight
+    per SM (B = 8), 32 up to sixteen (B = 16), 64 on two warps above."""
     monkeypatch.setattr(gdn_decode_module, "INTERPRETED", False)
     monkeypatch.setattr(gdn_decode_module, "num_sms", lambda device: 132)
     cuda = torch.device("cuda")
     tiles = lambda batch, commit: decode_config(batch, 16, 128, 128, commit, cuda)  # noqa: E731
-    assert [tiles(b, False) for b in (1, 8, 9, 64)] == [DecodeConfig(8, 1)] * 2 + [DecodeConfig(16, 1)] * 2
-    assert [tiles(b, True) for b in (1, 8, 64)] == [DecodeConfig(16, 1)] * 2 + [DecodeConfig(32, 2)]
+    assert [tiles(b, False) for b in (1, 2, 4, 5, 8, 256)] == \
+        [DecodeConfig(8, 1)] + [DecodeConfig(16, 1)] * 2 + [DecodeConfig(32, 1)] * 3
+    assert [tiles(b, True) for b in (1, 8, 9, 16, 17, 256)] == \
+        [DecodeConfig(16, 1)] * 2 + [DecodeConfig(32, 1)] * 2 + [DecodeConfig(64, 2)] * 2
 
 
 def test_gdn_decode_ignores_nonfinite_pending_past_the_count(kernel_device):
@@ -370,7 +373,7 @@ def test_gdn_decode_gpu_bf16(hk, hv, commit, state_dtype):
     slots += [PAD_SLOT, PAD_SLOT]
     case = GDNCase(51, hk, hv, 128, 128, max_pending=4, num_slots=64, dtype=torch.bfloat16,
                    state_dtype=state_dtype, device="cuda")
-    configs = [None] + [DecodeConfig(block_v, warps) for block_v, warps in ((8, 1), (16, 1), (32, 2), (64, 8))]
+    configs = [None] + [DecodeConfig(block_v, warps) for block_v, warps in ((8, 1), (16, 1), (32, 1), (32, 2), (64, 2), (64, 8))]
     for config in configs:
         check_gdn_step(case, lengths, slots, commit, config)
 
