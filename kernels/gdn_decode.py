@@ -280,8 +280,8 @@ def decode_config(num_rows: int, num_value_heads: int, key_dim: int, value_dim: 
     / SMs): few programs want narrow tiles (a launch of few programs is bound by one warp's
     chain of steps, so more of shorter chains finish first), many want wide ones (the per-step
     work that does not scale with the tile, its gating, row loads and norms, is paid once for
-    more columns). Tiles of up to 32 columns are one warp (128 state values a thread at K = 128);
-    wider ones get a warp per 4096 values.
+    more columns). A warp holds up to 4096 state values (128 a thread), so at K = 128 tiles of up
+    to 32 columns are one warp and 64 columns are two.
         verify: 8 columns for n <= 1, 16 for n <= 4, else 32
         decode: 16 columns for n <= 8, 32 for n <= 16, else 64 (two warps)
     From the sweep of bench/kernels_gdn_decode.py on an H100 (results/kernels_gdn_decode-h100.json,

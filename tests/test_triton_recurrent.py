@@ -373,7 +373,8 @@ def test_gdn_decode_gpu_bf16(hk, hv, commit, state_dtype):
     slots += [PAD_SLOT, PAD_SLOT]
     case = GDNCase(51, hk, hv, 128, 128, max_pending=4, num_slots=64, dtype=torch.bfloat16,
                    state_dtype=state_dtype, device="cuda")
-    configs = [None] + [DecodeConfig(block_v, warps) for block_v, warps in ((8, 1), (16, 1), (32, 1), (32, 2), (64, 2), (64, 8))]
+    tiles = ((8, 1), (16, 1), (32, 1), (32, 2), (64, 2), (64, 8))
+    configs = [None] + [DecodeConfig(block_v, warps) for block_v, warps in tiles]
     for config in configs:
         check_gdn_step(case, lengths, slots, commit, config)
 
