@@ -289,8 +289,11 @@ def main() -> None:
 
     # Decode and verify in the same run (kernels_gdn_decode.py: CUDA-graph replays beside fla's
     # fused_recurrent_gated_delta_rule and the state-bytes roofline; its --sweep adds the tiles).
-    measure_decode(sweep=False, save=lambda part: (record.update(decode_verify=part), save()),
-                   copy_bytes_per_s=bandwidth)
+    def save_decode(part: dict) -> None:
+        record["decode_verify"] = part
+        save()
+
+    measure_decode(sweep=False, save=save_decode, copy_bytes_per_s=bandwidth)
     print(f"wrote {path} and its .png")
 
 

@@ -26,17 +26,17 @@ def main() -> None:
     case = sys.argv[1]
     kind, *sizes = case.split("_")
     if kind in ("verify", "decode"):
-        from kernels_gdn_decode import Setup
+        from kernels_gdn_decode import KEY_DIM, VALUE_DIM, Setup
 
         from deltaspec.kernels.arrivals import arrival_counters
         from deltaspec.kernels.gdn_decode import decode_config
-        batch = int(sizes[0])
-        arrival_counters(torch.device("cuda"), batch * 16)
+        batch, num_value_heads = int(sizes[0]), 16
+        arrival_counters(torch.device("cuda"), batch * num_value_heads)
         if kind == "verify":
-            setup, commit = Setup(batch, 16, tokens_per_row=4, pending=3), False
+            setup, commit = Setup(batch, num_value_heads, tokens_per_row=4, pending=3), False
         else:
-            setup, commit = Setup(batch, 16, tokens_per_row=1, pending=0, max_pending=0), True
-        config = decode_config(batch, 16, 128, 128, commit, torch.device("cuda"))
+            setup, commit = Setup(batch, num_value_heads, tokens_per_row=1, pending=0, max_pending=0), True
+        config = decode_config(batch, num_value_heads, KEY_DIM, VALUE_DIM, commit, torch.device("cuda"))
         run = lambda r: setup.launch(r % setup.repeats, commit, config)  # noqa: E731
     elif kind in ("chunk", "flachunk"):
         from kernels_gdn import Fla, Inputs
