@@ -150,25 +150,53 @@ def _find_row(cu_seqlens_ptr, tile, num_rows, TOKENS: tl.constexpr):
 
 
 @triton.jit
+def _key_rows(start, hi, table, kv_head, stride_block, stride_offset, stride_head, BLOCK_SIZE: tl.constexpr,
+              BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """Pool offsets (elements, int64) of keys [start, start + BLOCK_N) of one KV head, for K and V
+    alike (the two pools share a layout). start is a multiple of BLOCK_N. When one of BLOCK_N and
+    BLOCK_SIZE divides the other, a step lies inside one block or covers whole blocks, so the key ->
+    (block, offset) split costs one scalar division per step instead of a division per key, and
+    the in-block part of the offset is loop-invariant. Table entries of keys >= hi are never read
+    (MASKED: the row's last step may run past its table)."""
+    lane = tl.arange(0, BLOCK_N)
+    if BLOCK_SIZE % BLOCK_N == 0:
+        block = tl.load(table + start // BLOCK_SIZE).to(tl.int64)                        # one block
+        inner = (start % BLOCK_SIZE + lane) * stride_offset
+    elif BLOCK_N % BLOCK_SIZE == 0:
+        index = start // BLOCK_SIZE + lane // BLOCK_SIZE                                  # whole blocks
+        if MASKED:
+            block = tl.load(table + index, mask=start + lane < hi, other=0).to(tl.int64)
+        else:
+            block = tl.load(table + index).to(tl.int64)
+        inner = (lane % BLOCK_SIZE) * stride_offset
+    else:
+        key_pos = start + lane
+        block = tl.load(table + key_pos // BLOCK_SIZE, mask=key_pos < hi, other=0).to(tl.int64)
+        inner = (key_pos % BLOCK_SIZE) * stride_offset
+    return block * stride_block + inner + kv_head * stride_head
+
+
+@triton.jit
 def _attend_block(acc, m_i, l_i, q, start, hi, query_pos, table, k_cache_ptr, v_cache_ptr, kv_head,
-                  stride_k_block, stride_k_offset, stride_k_head, stride_v_block, stride_v_offset, stride_v_head,
-                  qk_scale, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  PRECISION: tl.constexpr, CAUSAL_MASK: tl.constexpr):
+                  stride_block, stride_offset, stride_head, qk_scale, HEAD_DIM: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr):
     """Online softmax over keys [start, start + BLOCK_N) ∩ [.., hi). Scores are in the log2
     domain (qk_scale = scale * log2 e). Keys >= hi are never loaded (they may be stale or NaN);
-    CAUSAL_MASK also hides key > query position (off when the whole block is visible).
-    A row that has seen no key keeps m = -inf, l = 0, acc = 0 (m_safe avoids inf - inf)."""
+    MASKED hides them and also key > query position (off when the whole block is visible, which
+    implies every key < hi). A row that has seen no key keeps m = -inf, l = 0, acc = 0 (m_safe
+    avoids inf - inf)."""
     key_pos = start + tl.arange(0, BLOCK_N)
-    in_range = key_pos < hi
-    block = tl.load(table + key_pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
-    offset = key_pos % BLOCK_SIZE
-    d = tl.arange(0, HEAD_DIM)[None, :]
-    k = tl.load(k_cache_ptr + (block * stride_k_block + offset * stride_k_offset + kv_head * stride_k_head)[:, None] + d,
-                mask=in_range[:, None], other=0.0)                                     # [BLOCK_N, D]
-    v = tl.load(v_cache_ptr + (block * stride_v_block + offset * stride_v_offset + kv_head * stride_v_head)[:, None] + d,
-                mask=in_range[:, None], other=0.0)
+    rows = _key_rows(start, hi, table, kv_head, stride_block, stride_offset, stride_head, BLOCK_SIZE, BLOCK_N,
+                     MASKED)[:, None] + tl.arange(0, HEAD_DIM)[None, :]                  # [BLOCK_N, D]
+    if MASKED:
+        in_range = key_pos < hi
+        k = tl.load(k_cache_ptr + rows, mask=in_range[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + rows, mask=in_range[:, None], other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + rows)
+        v = tl.load(v_cache_ptr + rows)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale                   # [BLOCK_M, BLOCK_N]
-    if CAUSAL_MASK:
+    if MASKED:
         s = tl.where((key_pos[None, :] <= query_pos[:, None]) & in_range[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -183,8 +211,7 @@ def _attend_block(acc, m_i, l_i, q, start, hi, query_pos, table, k_cache_ptr, v_
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, gate_ptr,
         out_ptr, partial_acc_ptr, partial_stats_ptr, qk_scale, num_rows, num_tile_slots, num_splits,
-        stride_q_token, stride_q_head, stride_k_block, stride_k_offset, stride_k_head,
-        stride_v_block, stride_v_offset, stride_v_head, stride_table_row, stride_gate_token, stride_gate_head,
+        stride_q_token, stride_q_head, stride_kv_block, stride_kv_offset, stride_kv_head, stride_table_row, stride_gate_token, stride_gate_head,
         stride_out_token, stride_out_head,
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_GATE: tl.constexpr,
@@ -237,14 +264,12 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for start in range(lo, unmasked_hi, BLOCK_N):
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, start, hi, query_pos, table, k_cache_ptr, v_cache_ptr,
-                                      kv_head, stride_k_block, stride_k_offset, stride_k_head, stride_v_block,
-                                      stride_v_offset, stride_v_head, qk_scale, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION,
-                                      False)
+                                      kv_head, stride_kv_block, stride_kv_offset, stride_kv_head, qk_scale,
+                                      HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, False)
     for start in range(unmasked_hi, hi, BLOCK_N):
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, start, hi, query_pos, table, k_cache_ptr, v_cache_ptr,
-                                      kv_head, stride_k_block, stride_k_offset, stride_k_head, stride_v_block,
-                                      stride_v_offset, stride_v_head, qk_scale, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION,
-                                      True)
+                                      kv_head, stride_kv_block, stride_kv_offset, stride_kv_head, qk_scale,
+                                      HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, True)
 
     if SPLIT:
         partial = (q_row * NUM_HEADS + head) * num_splits + split                    # [T, Hq, S]
@@ -367,6 +392,7 @@ def _check_attention_args(out, q, k_cache, v_cache, block_tables, cu_seqlens, co
     assert q.shape[1] % k_cache.shape[2] == 0, "query heads must be a multiple of KV heads"
     assert q.stride(-1) == 1 and q.dtype == k_cache.dtype, "q: D contiguous, the pool's dtype"
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
+    assert k_cache.stride() == v_cache.stride(), "k_cache and v_cache must share one layout (one offset serves both)"
     if gate is not None:
         assert gate.shape == q.shape and gate.dtype == q.dtype and gate.stride(-1) == 1, \
             "gate: [T, Hq, D] in q's dtype, D contiguous (any token/head strides)"
@@ -401,8 +427,8 @@ def launch_paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Te
     _paged_attention_kernel[(num_tile_slots, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, gate, out, partial_acc, partial_stats,
         scale * 1.4426950408889634, num_rows, num_tile_slots, splits,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), *gate_strides,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        *gate_strides,
         out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPLIT=splits > 1, HAS_GATE=has_gate,

@@ -127,19 +127,23 @@ def test_write_kv_matches_reference_and_touches_nothing_else(kernel_device, bloc
 
 
 # (block_size, Hq, Hkv, D, dtype, config): decode tiles (16 rows), prefill tiles (several tokens
-# x heads), split key ranges, GQA 1 / 3 (not a power of two) / 4 / 8.
+# x heads), split key ranges, GQA 1 / 3 (not a power of two) / 4 / 8; key steps that cover whole
+# blocks, lie inside one block (32 / 16) or straddle blocks (6 / 16).
 CPU_CASES = [
     (4, 4, 4, 32, torch.float32, AttentionConfig(16, 16, 1, 4, 1)),
     (16, 8, 2, 32, torch.float32, AttentionConfig(32, 32, 1, 4, 1)),
     (16, 8, 2, 64, torch.float16, AttentionConfig(16, 32, 3, 4, 1)),
     (4, 6, 2, 32, torch.float32, AttentionConfig(16, 16, 2, 4, 1)),
     (16, 8, 1, 32, torch.float16, AttentionConfig(64, 16, 1, 4, 1)),
+    (32, 8, 2, 32, torch.float32, AttentionConfig(16, 16, 3, 4, 1)),
+    (6, 4, 2, 32, torch.float16, AttentionConfig(32, 16, 1, 4, 1)),
 ]
 
 
 @pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim,dtype,config", CPU_CASES,
                          ids=["bs4-mha-decode-tile", "bs16-gqa4-prefill-tile", "bs16-gqa4-d64-fp16-split3",
-                              "bs4-gqa3-split2", "bs16-gqa8-fp16-tile64"])
+                              "bs4-gqa3-split2", "bs16-gqa8-fp16-tile64", "bs32-steps-in-block-split3",
+                              "bs6-steps-straddle-blocks"])
 def test_paged_attention_matches_reference(kernel_device, block_size, num_heads, num_kv_heads, head_dim, dtype,
                                            config):
     case = make_case(block_size + num_heads + head_dim, ROWS, block_size, num_heads, num_kv_heads, head_dim, dtype,
