@@ -150,18 +150,27 @@ def _find_row(cu_seqlens_ptr, tile, num_rows, TOKENS: tl.constexpr):
 
 
 @triton.jit
-def _key_rows(start, hi, table, kv_head, stride_block, stride_offset, stride_head, BLOCK_SIZE: tl.constexpr,
+def _step_block(start, hi, table, BLOCK_SIZE: tl.constexpr):
+    """Block id (int64) of key start, 0 when start >= hi (never read past the row's keys)."""
+    return tl.load(table + start // BLOCK_SIZE, mask=start < hi, other=0).to(tl.int64)
+
+
+@triton.jit
+def _key_rows(start, hi, carried, table, kv_head, stride_block, stride_offset, stride_head, BLOCK_SIZE: tl.constexpr,
               BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
     """Pool offsets (elements, int64) of keys [start, start + BLOCK_N) of one KV head, for K and V
-    alike (the two pools share a layout). start is a multiple of BLOCK_N. When one of BLOCK_N and
-    BLOCK_SIZE divides the other, a step lies inside one block or covers whole blocks, so the key ->
-    (block, offset) split costs one scalar division per step instead of a division per key, and
-    the in-block part of the offset is loop-invariant. Table entries of keys >= hi are never read
-    (MASKED: the row's last step may run past its table)."""
+    alike (the two pools share a layout), and the block for the next step. start is a multiple of
+    BLOCK_N. When one of BLOCK_N and BLOCK_SIZE divides the other, a step lies inside one block or
+    covers whole blocks, so the key -> (block, offset) split costs no per-key division and the
+    in-block part of the offset is loop-invariant. A step inside one block takes its block id
+    from the previous step (`carried`, loaded one step ahead): K/V addresses then never wait on a
+    table load of their own step, which would leave the software pipeline one K/V tile in flight.
+    Table entries of keys >= hi are never read (MASKED: the row's last step may run past its table)."""
     lane = tl.arange(0, BLOCK_N)
     if BLOCK_SIZE % BLOCK_N == 0:
-        block = tl.load(table + start // BLOCK_SIZE).to(tl.int64)                        # one block
+        block = carried                                                                   # one block
         inner = (start % BLOCK_SIZE + lane) * stride_offset
+        carried = _step_block(start + BLOCK_N, hi, table, BLOCK_SIZE)
     elif BLOCK_N % BLOCK_SIZE == 0:
         index = start // BLOCK_SIZE + lane // BLOCK_SIZE                                  # whole blocks
         if MASKED:
@@ -173,21 +182,22 @@ def _key_rows(start, hi, table, kv_head, stride_block, stride_offset, stride_hea
         key_pos = start + lane
         block = tl.load(table + key_pos // BLOCK_SIZE, mask=key_pos < hi, other=0).to(tl.int64)
         inner = (key_pos % BLOCK_SIZE) * stride_offset
-    return block * stride_block + inner + kv_head * stride_head
+    return block * stride_block + inner + kv_head * stride_head, carried
 
 
 @triton.jit
-def _attend_block(acc, m_i, l_i, q, start, hi, query_pos, table, k_cache_ptr, v_cache_ptr, kv_head,
+def _attend_block(acc, m_i, l_i, block, q, start, hi, query_pos, table, k_cache_ptr, v_cache_ptr, kv_head,
                   stride_block, stride_offset, stride_head, qk_scale, HEAD_DIM: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr):
-    """Online softmax over keys [start, start + BLOCK_N) ∩ [.., hi). Scores are in the log2
-    domain (qk_scale = scale * log2 e). Keys >= hi are never loaded (they may be stale or NaN);
-    MASKED hides them and also key > query position (off when the whole block is visible, which
-    implies every key < hi). A row that has seen no key keeps m = -inf, l = 0, acc = 0 (m_safe
-    avoids inf - inf)."""
+    """Online softmax over keys [start, start + BLOCK_N) ∩ [.., hi); block carries a step's block
+    id to the next (_key_rows). Scores are in the log2 domain (qk_scale = scale * log2 e). Keys
+    >= hi are never loaded (they may be stale or NaN); MASKED hides them and also key > query
+    position (off when the whole block is visible, which implies every key < hi). A row that has
+    seen no key keeps m = -inf, l = 0, acc = 0 (m_safe avoids inf - inf)."""
     key_pos = start + tl.arange(0, BLOCK_N)
-    rows = _key_rows(start, hi, table, kv_head, stride_block, stride_offset, stride_head, BLOCK_SIZE, BLOCK_N,
-                     MASKED)[:, None] + tl.arange(0, HEAD_DIM)[None, :]                  # [BLOCK_N, D]
+    offsets, block = _key_rows(start, hi, block, table, kv_head, stride_block, stride_offset, stride_head,
+                               BLOCK_SIZE, BLOCK_N, MASKED)
+    rows = offsets[:, None] + tl.arange(0, HEAD_DIM)[None, :]                            # [BLOCK_N, D]
     if MASKED:
         in_range = key_pos < hi
         k = tl.load(k_cache_ptr + rows, mask=in_range[:, None], other=0.0)
@@ -204,7 +214,7 @@ def _attend_block(acc, m_i, l_i, q, start, hi, query_pos, table, k_cache_ptr, v_
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-    return acc, m_new, l_i
+    return acc, m_new, l_i, block
 
 
 @triton.jit
@@ -262,12 +272,13 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    block = _step_block(lo, hi, table, BLOCK_SIZE)       # carried from step to step (_key_rows)
     for start in range(lo, unmasked_hi, BLOCK_N):
-        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, start, hi, query_pos, table, k_cache_ptr, v_cache_ptr,
+        acc, m_i, l_i, block = _attend_block(acc, m_i, l_i, block, q, start, hi, query_pos, table, k_cache_ptr, v_cache_ptr,
                                       kv_head, stride_kv_block, stride_kv_offset, stride_kv_head, qk_scale,
                                       HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, False)
     for start in range(unmasked_hi, hi, BLOCK_N):
-        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, start, hi, query_pos, table, k_cache_ptr, v_cache_ptr,
+        acc, m_i, l_i, block = _attend_block(acc, m_i, l_i, block, q, start, hi, query_pos, table, k_cache_ptr, v_cache_ptr,
                                       kv_head, stride_kv_block, stride_kv_offset, stride_kv_head, qk_scale,
                                       HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, True)
 
@@ -347,7 +358,7 @@ def multiprocessor_count(device: torch.device) -> int:
 
 
 def attention_config(num_tokens: int, num_rows: int, num_kv_heads: int, group: int, max_context: int,
-                     num_sms: int) -> AttentionConfig:
+                     num_sms: int, *, block_size: int) -> AttentionConfig:
     """Pick the tile from shapes alone (never device values, so CUDA graphs can capture the call).
     The table is what won in bench/kernels_attn.py on an H200 (bench/results/kernels_attn-h200.json,
     8 q / 2 kv heads, D 256) and, for small decode batches, with --small-batch on an H100
@@ -363,7 +374,12 @@ def attention_config(num_tokens: int, num_rows: int, num_kv_heads: int, group: i
     the SMs before splitting take 32 keys a step, unpipelined (batch 1-8 over 512-2048 keys in an
     8192-token table: 1.02-1.45x faster than 64 keys, 3 stages; a program costs least when it
     runs a single key step), unless a split still walks more than two key steps over the table
-    (one row over 32K keys, 128 splits of 8 steps: 3 stages 34.1 us against 38.3 unpipelined)."""
+    (one row over 32K keys, 128 splits of 8 steps: 3 stages 34.1 us against 38.3 unpipelined).
+    One-token rows whose splits hold more than 32 keys, over blocks of a multiple of 16 keys, take
+    16-key steps on 2 warps, 3 stages: each step lies inside one block whose id was loaded a step
+    ahead (_key_rows), so two K/V tiles are in flight per program (H100, interleaved with 32-key
+    steps: one row over 32K keys 33.6 -> 31.4 us, over 2K keys of an 8K table 8.2 -> 7.5 us, four
+    rows over 4K keys 21.2 -> 19.5 us; bench/results/kernels_attn_decode_steps-h100.json)."""
     if num_tokens <= 8 * num_rows:
         tokens_per_row = triton.cdiv(num_tokens, max(num_rows, 1))
         block_m = max(16, triton.next_power_of_2(group * min(tokens_per_row, 8)))
@@ -380,8 +396,11 @@ def attention_config(num_tokens: int, num_rows: int, num_kv_heads: int, group: i
             block_n, num_stages = 32, 1
         wanted = triton.cdiv(2 * num_sms, programs)
         num_splits = max(1, min(1 << (wanted.bit_length() - 1), max_context // block_n, MAX_SPLITS))
-        if few_rows and max_context // (num_splits * block_n) > 2:
-            num_stages = 3   # long splits (many key steps each) want their pipeline back
+        split_keys = max_context // num_splits
+        if few_rows and num_tokens == num_rows and block_size % 16 == 0 and split_keys > 32:
+            block_n, num_warps, num_stages = 16, 2, 3     # one-token rows: 16-key steps inside one block
+        elif few_rows and split_keys > 2 * block_n:
+            num_stages = 3                  # long splits (many key steps each) want their pipeline back
     return AttentionConfig(block_m, block_n, num_splits, num_warps, num_stages)
 
 
@@ -452,6 +471,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     num_kv_heads = k_cache.shape[2]
     config = attention_config(q.shape[0], block_tables.shape[0], num_kv_heads, q.shape[1] // num_kv_heads,
-                              block_tables.shape[1] * k_cache.shape[1], multiprocessor_count(q.device))
+                              block_tables.shape[1] * k_cache.shape[1], multiprocessor_count(q.device),
+                              block_size=k_cache.shape[1])
     launch_paged_attention(out, q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, scale, config, gate)
     return out

@@ -196,6 +196,7 @@ GPU_CASES = [
     (16, 8, 2, 256, None), (64, 8, 2, 256, None), (16, 8, 8, 128, None), (16, 8, 1, 256, None), (64, 16, 2, 128, None),
     (16, 8, 2, 256, AttentionConfig(128, 32, 1, 8, 2)), (64, 8, 1, 256, AttentionConfig(128, 64, 1, 8, 2)),
     (16, 8, 2, 256, AttentionConfig(16, 32, 5, 4, 3)), (16, 8, 1, 128, AttentionConfig(64, 64, 3, 4, 3)),
+    (64, 8, 2, 256, AttentionConfig(16, 16, 7, 2, 3)), (24, 8, 2, 256, AttentionConfig(16, 32, 3, 4, 3)),
 ]
 
 
@@ -203,7 +204,8 @@ GPU_CASES = [
 @pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim,config", GPU_CASES,
                          ids=["bs16-gqa4-d256", "bs64-gqa4-d256", "bs16-mha-d128", "bs16-gqa8-d256", "bs64-gqa8-d128",
                               "bs16-gqa4-d256-prefill-tile", "bs64-gqa8-d256-prefill-tile",
-                              "bs16-gqa4-d256-decode-tile-split5", "bs16-gqa8-d128-verify-tile-split3"])
+                              "bs16-gqa4-d256-decode-tile-split5", "bs16-gqa8-d128-verify-tile-split3",
+                              "bs64-gqa4-d256-steps-in-block-split7", "bs24-gqa4-d256-steps-straddle-blocks"])
 def test_paged_attention_bf16_gpu(block_size, num_heads, num_kv_heads, head_dim, config):
     case = make_case(block_size * num_heads + head_dim, GPU_ROWS, block_size, num_heads, num_kv_heads, head_dim,
                      torch.bfloat16, "cuda")
@@ -270,9 +272,14 @@ def test_paged_attention_and_write_kv_in_cuda_graph():
 
 
 def test_decode_config_pipelines_only_splits_with_many_key_steps():
-    """A one-row decode over 4K keys splits into one key step per program (unpipelined); over
-    32K keys each split still walks 8 steps and keeps its 3-stage pipeline."""
-    short = attention.attention_config(1, 1, 2, 4, 4096, 132)
-    long = attention.attention_config(1, 1, 2, 4, 32768, 132)
-    assert (short.block_n, short.num_splits, short.num_stages) == (32, 128, 1)
-    assert (long.block_n, long.num_splits, long.num_stages) == (32, 128, 3)
+    """A one-row decode over 4K keys splits into one key step per program (unpipelined). Over 32K
+    keys each split walks many steps and keeps a 3-stage pipeline: one-token rows in 16-key steps
+    inside one block (blocks of a multiple of 16 keys), verify rows and other block sizes in 32."""
+    def tile(num_tokens, context, block_size):
+        config = attention.attention_config(num_tokens, 1, 2, 4, context, 132, block_size=block_size)
+        return config.block_n, config.num_splits, config.num_warps, config.num_stages
+    assert tile(1, 4096, 16) == (32, 128, 4, 1)
+    assert tile(1, 32768, 16) == (16, 128, 2, 3)
+    assert tile(1, 32768, 64) == (16, 128, 2, 3)
+    assert tile(4, 32768, 16) == (32, 128, 4, 3)
+    assert tile(1, 32768, 24) == (32, 128, 4, 3)
