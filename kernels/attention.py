@@ -375,11 +375,13 @@ def attention_config(num_tokens: int, num_rows: int, num_kv_heads: int, group: i
     8192-token table: 1.02-1.45x faster than 64 keys, 3 stages; a program costs least when it
     runs a single key step), unless a split still walks more than two key steps over the table
     (one row over 32K keys, 128 splits of 8 steps: 3 stages 34.1 us against 38.3 unpipelined).
-    One-token rows whose splits hold more than 32 keys, over blocks of a multiple of 16 keys, take
-    16-key steps on 2 warps, 3 stages: each step lies inside one block whose id was loaded a step
-    ahead (_key_rows), so two K/V tiles are in flight per program (H100, interleaved with 32-key
-    steps: one row over 32K keys 33.6 -> 31.4 us, over 2K keys of an 8K table 8.2 -> 7.5 us, four
-    rows over 4K keys 21.2 -> 19.5 us; bench/results/kernels_attn_decode_steps-h100.json)."""
+    Those rows whose splits hold more than 32 keys, over blocks of a multiple of 16 keys, take
+    16-key steps on 2 warps, 3 stages instead: each step lies inside one block whose id was loaded
+    a step ahead (_key_rows), so two K/V tiles are in flight per program (H100, interleaved with
+    32-key steps: one decode row over 32K keys 33.6 -> 31.4 us, over 2K keys of an 8K table 8.2 ->
+    7.5 us, four rows over 4K keys 21.2 -> 19.5 us; 4-token verify rows from 2.5% slower (one row
+    over 32K keys) to 10% faster;
+    bench/results/kernels_attn_decode_steps-h100.json)."""
     if num_tokens <= 8 * num_rows:
         tokens_per_row = triton.cdiv(num_tokens, max(num_rows, 1))
         block_m = max(16, triton.next_power_of_2(group * min(tokens_per_row, 8)))
@@ -397,8 +399,8 @@ def attention_config(num_tokens: int, num_rows: int, num_kv_heads: int, group: i
         wanted = triton.cdiv(2 * num_sms, programs)
         num_splits = max(1, min(1 << (wanted.bit_length() - 1), max_context // block_n, MAX_SPLITS))
         split_keys = max_context // num_splits
-        if few_rows and num_tokens == num_rows and block_size % 16 == 0 and split_keys > 32:
-            block_n, num_warps, num_stages = 16, 2, 3     # one-token rows: 16-key steps inside one block
+        if few_rows and block_size % 16 == 0 and split_keys > 32:
+            block_n, num_warps, num_stages = 16, 2, 3     # 16-key steps, each inside one block
         elif few_rows and split_keys > 2 * block_n:
             num_stages = 3                  # long splits (many key steps each) want their pipeline back
     return AttentionConfig(block_m, block_n, num_splits, num_warps, num_stages)

@@ -273,13 +273,13 @@ def test_paged_attention_and_write_kv_in_cuda_graph():
 
 def test_decode_config_pipelines_only_splits_with_many_key_steps():
     """A one-row decode over 4K keys splits into one key step per program (unpipelined). Over 32K
-    keys each split walks many steps and keeps a 3-stage pipeline: one-token rows in 16-key steps
-    inside one block (blocks of a multiple of 16 keys), verify rows and other block sizes in 32."""
+    keys each split walks many steps and keeps a 3-stage pipeline: in 16-key steps inside one
+    block on 2 warps (blocks of a multiple of 16 keys; decode and verify rows), else in 32."""
     def tile(num_tokens, context, block_size):
         config = attention.attention_config(num_tokens, 1, 2, 4, context, 132, block_size=block_size)
         return config.block_n, config.num_splits, config.num_warps, config.num_stages
     assert tile(1, 4096, 16) == (32, 128, 4, 1)
     assert tile(1, 32768, 16) == (16, 128, 2, 3)
     assert tile(1, 32768, 64) == (16, 128, 2, 3)
-    assert tile(4, 32768, 16) == (32, 128, 4, 3)
+    assert tile(4, 32768, 16) == (16, 128, 2, 3)
     assert tile(1, 32768, 24) == (32, 128, 4, 3)
