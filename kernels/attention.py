@@ -300,31 +300,36 @@ def _paged_attention_kernel(
 @triton.jit
 def _combine_splits_kernel(partial_acc_ptr, partial_stats_ptr, gate_ptr, out_ptr, num_splits, stride_gate_token,
                            stride_gate_head, stride_out_token, stride_out_head, NUM_HEADS: tl.constexpr,
-                           SPLITS_POW2: tl.constexpr, SPLIT_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
+                           SPLIT_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                           HAS_GATE: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """One program per (token, query head, BLOCK_D columns): out = sum_s 2^(m_s - M) acc_s /
-    sum_s 2^(m_s - M) l_s, M = max_s m_s, times sigmoid(gate) with HAS_GATE. The [splits, BLOCK_D]
-    partials stream through in chunks of SPLIT_CHUNK splits (any split count, bounded registers);
-    the per-split stats (2 floats each) are read whole. Splits that saw no key (m = -inf, l = 0,
-    acc = 0) weigh 0."""
+    sum_s 2^(m_s - M) l_s, M = max_s m_s, times sigmoid(gate) with HAS_GATE. The splits stream
+    through in chunks of SPLIT_CHUNK (any split count, bounded registers), each chunk's stats and
+    [SPLIT_CHUNK, BLOCK_D] partials loaded together and folded in with a running max (as the
+    attention kernel folds key steps), so a row of <= SPLIT_CHUNK splits costs one memory round
+    trip. Splits that saw no key (m = -inf, l = 0, acc = 0) weigh 0."""
     dependent_prologue(DEPENDENT_LAUNCH)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     base = (token * NUM_HEADS + head) * num_splits
-    s = tl.arange(0, SPLITS_POW2)
-    m = tl.load(partial_stats_ptr + (base + s) * 2, mask=s < num_splits, other=float("-inf"))
-    l = tl.load(partial_stats_ptr + (base + s) * 2 + 1, mask=s < num_splits, other=0.0)
-    m_max = tl.max(m, 0)
-    denominator = tl.sum(l * tl.exp2(m - m_max), 0)
+    m_run = tl.full([], float("-inf"), tl.float32)
+    denominator = tl.zeros([], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
     for start in range(0, num_splits, SPLIT_CHUNK):
         chunk = start + tl.arange(0, SPLIT_CHUNK)
         in_range = chunk < num_splits
-        weight = tl.exp2(tl.load(partial_stats_ptr + (base + chunk) * 2, mask=in_range, other=float("-inf")) - m_max)
+        m = tl.load(partial_stats_ptr + (base + chunk) * 2, mask=in_range, other=float("-inf"))
+        l = tl.load(partial_stats_ptr + (base + chunk) * 2 + 1, mask=in_range, other=0.0)
         partial = tl.load(partial_acc_ptr + (base + chunk)[:, None] * HEAD_DIM + d[None, :], mask=in_range[:, None],
                           other=0.0)
-        acc += tl.sum(partial * weight[:, None], 0)
+        m_new = tl.maximum(m_run, tl.max(m, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # no split so far saw a key
+        alpha = tl.exp2(m_run - m_safe)
+        weight = tl.exp2(m - m_safe)
+        denominator = denominator * alpha + tl.sum(l * weight, 0)
+        acc = acc * alpha + tl.sum(partial * weight[:, None], 0)
+        m_run = m_new
     out = acc / denominator
     if HAS_GATE:
         gate = tl.load(gate_ptr + token * stride_gate_token + head * stride_gate_head + d).to(tl.float32)
@@ -377,10 +382,10 @@ def attention_config(num_tokens: int, num_rows: int, num_kv_heads: int, group: i
     (one row over 32K keys, 128 splits of 8 steps: 3 stages 34.1 us against 38.3 unpipelined).
     Those rows whose splits hold more than 32 keys, over blocks of a multiple of 16 keys, take
     16-key steps on 2 warps, 3 stages instead: each step lies inside one block whose id was loaded
-    a step ahead (_key_rows), so two K/V tiles are in flight per program (H100, interleaved with
-    32-key steps: one decode row over 32K keys 33.6 -> 31.4 us, over 2K keys of an 8K table 8.2 ->
-    7.5 us, four rows over 4K keys 21.2 -> 19.5 us; 4-token verify rows from 2.5% slower (one row
-    over 32K keys) to 10% faster;
+    a step ahead (_key_rows), so two K/V tiles are in flight per program (H100, against 32-key
+    steps that read their block ids in the same step: one decode row over 32K keys 31.4 us against
+    33.6, over 2K keys of an 8K table 7.5 against 8.0, four rows over 4K keys 19.5 against 21.2;
+    4-token verify rows from 2.5% slower (one row over 32K keys) to 10% faster;
     bench/results/kernels_attn_decode_steps-h100.json)."""
     if num_tokens <= 8 * num_rows:
         tokens_per_row = triton.cdiv(num_tokens, max(num_rows, 1))
@@ -459,8 +464,7 @@ def launch_paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Te
         block_d = min(COMBINE_BLOCK_D, head_dim)
         _combine_splits_kernel[(num_tokens, num_heads, head_dim // block_d)](
             partial_acc, partial_stats, gate, out, splits, *gate_strides, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, SPLITS_POW2=triton.next_power_of_2(splits),
-            SPLIT_CHUNK=min(COMBINE_SPLIT_CHUNK, triton.next_power_of_2(splits)),
+            NUM_HEADS=num_heads, SPLIT_CHUNK=min(COMBINE_SPLIT_CHUNK, triton.next_power_of_2(splits)),
             HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_GATE=has_gate, num_warps=4, **pdl(q.device))
 
 
