@@ -221,8 +221,8 @@ def _attend_block(acc, m_i, l_i, block, q, start, hi, query_pos, table, k_cache_
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, gate_ptr,
         out_ptr, partial_acc_ptr, partial_stats_ptr, qk_scale, num_rows, num_tile_slots, num_splits,
-        stride_q_token, stride_q_head, stride_kv_block, stride_kv_offset, stride_kv_head, stride_table_row, stride_gate_token, stride_gate_head,
-        stride_out_token, stride_out_head,
+        stride_q_token, stride_q_head, stride_kv_block, stride_kv_offset, stride_kv_head, stride_table_row,
+        stride_gate_token, stride_gate_head, stride_out_token, stride_out_head,
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_GATE: tl.constexpr,
         PRECISION: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
@@ -274,13 +274,13 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     block = _step_block(lo, hi, table, BLOCK_SIZE)       # carried from step to step (_key_rows)
     for start in range(lo, unmasked_hi, BLOCK_N):
-        acc, m_i, l_i, block = _attend_block(acc, m_i, l_i, block, q, start, hi, query_pos, table, k_cache_ptr, v_cache_ptr,
-                                      kv_head, stride_kv_block, stride_kv_offset, stride_kv_head, qk_scale,
-                                      HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, False)
+        acc, m_i, l_i, block = _attend_block(acc, m_i, l_i, block, q, start, hi, query_pos, table, k_cache_ptr,
+                                             v_cache_ptr, kv_head, stride_kv_block, stride_kv_offset, stride_kv_head,
+                                             qk_scale, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, False)
     for start in range(unmasked_hi, hi, BLOCK_N):
-        acc, m_i, l_i, block = _attend_block(acc, m_i, l_i, block, q, start, hi, query_pos, table, k_cache_ptr, v_cache_ptr,
-                                      kv_head, stride_kv_block, stride_kv_offset, stride_kv_head, qk_scale,
-                                      HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, True)
+        acc, m_i, l_i, block = _attend_block(acc, m_i, l_i, block, q, start, hi, query_pos, table, k_cache_ptr,
+                                             v_cache_ptr, kv_head, stride_kv_block, stride_kv_offset, stride_kv_head,
+                                             qk_scale, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION, True)
 
     if SPLIT:
         partial = (q_row * NUM_HEADS + head) * num_splits + split                    # [T, Hq, S]
