@@ -272,7 +272,10 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    block = _step_block(lo, hi, table, BLOCK_SIZE)       # carried from step to step (_key_rows)
+    if BLOCK_SIZE % BLOCK_N == 0:    # steps inside one block carry their block id (_key_rows)
+        block = _step_block(lo, hi, table, BLOCK_SIZE)
+    else:
+        block = tl.full([], 0, tl.int64)
     for start in range(lo, unmasked_hi, BLOCK_N):
         acc, m_i, l_i, block = _attend_block(acc, m_i, l_i, block, q, start, hi, query_pos, table, k_cache_ptr,
                                              v_cache_ptr, kv_head, stride_kv_block, stride_kv_offset, stride_kv_head,
