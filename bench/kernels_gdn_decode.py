@@ -30,7 +30,7 @@ import traceback
 import torch
 
 from common import commit_id, copy_bandwidth, device_tag, graph_time_us  # noqa: E402
-from deltaspec.kernels.arrivals import arrival_counters
+from deltaspec.kernels.gdn import pending_replicas
 from deltaspec.kernels.gdn_decode import DecodeConfig, decode_config, launch_gdn_decode
 
 KEY_DIM = VALUE_DIM = 128
@@ -38,7 +38,7 @@ NUM_KEY_HEADS = 16
 BATCHES = (1, 8, 64, 256)
 MAX_PENDING = 3  # P = k
 L2_DEFEAT_BYTES = 256 << 20
-SWEEP = [DecodeConfig(bv, w) for bv, w in ((8, 1), (16, 1), (32, 1), (32, 2), (64, 2), (64, 4))]
+SWEEP = [DecodeConfig(bv, w) for bv, w in ((16, 1), (32, 1), (32, 2), (64, 2), (64, 4))]  # 16 columns: one pending replica
 
 
 class Setup:
@@ -53,8 +53,9 @@ class Setup:
         self.repeats = max(1, min(128, -(-L2_DEFEAT_BYTES // self.state_bytes)))
         num_slots = 1 + self.repeats * batch
         self.state = torch.randn(num_slots, hv, kd, vd, generator=gen, device="cuda") * 0.1
-        self.pending_g = -torch.rand(num_slots, max_pending, hv, generator=gen, device="cuda")
-        self.pending_beta = torch.rand(num_slots, max_pending, hv, generator=gen, device="cuda")
+        replicas = pending_replicas(vd)
+        self.pending_g = -torch.rand(num_slots, max_pending, hv, 1, generator=gen, device="cuda").repeat(1, 1, 1, replicas)
+        self.pending_beta = torch.rand(num_slots, max_pending, hv, 1, generator=gen, device="cuda").repeat(1, 1, 1, replicas)
         self.pending_counts = torch.full((num_slots,), pending, dtype=torch.int32, device="cuda")
         num_tokens = batch * tokens_per_row
         conv_dim = 2 * hk * kd + hv * vd
@@ -135,7 +136,6 @@ def measure(sweep: bool, save=lambda result: None, copy_bytes_per_s: float | Non
         fla_fn = None
         result["fla_error"] = repr(error)
         print("fla unavailable:", error)
-    arrival_counters(torch.device("cuda"), max(BATCHES) * 32)  # rows x value heads
     for hv in (16, 32):
         for batch in BATCHES:
             row = dict(num_value_heads=hv, batch=batch)

@@ -28,10 +28,8 @@ def main() -> None:
     if kind in ("verify", "decode"):
         from kernels_gdn_decode import KEY_DIM, VALUE_DIM, Setup
 
-        from deltaspec.kernels.arrivals import arrival_counters
         from deltaspec.kernels.gdn_decode import decode_config
         batch, num_value_heads = int(sizes[0]), 16
-        arrival_counters(torch.device("cuda"), batch * num_value_heads)
         if kind == "verify":
             setup, commit = Setup(batch, num_value_heads, tokens_per_row=4, pending=3), False
         else:

@@ -15,6 +15,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from ..kernels.gdn import pending_replicas
 from .config import ModelConfig
 
 
@@ -22,8 +23,8 @@ class GDNLayerState(NamedTuple):
     recurrent: torch.Tensor     # [S, HV, K, V]
     conv: torch.Tensor          # [S, W-1, conv_dim]
     pending_conv: torch.Tensor  # [S, P, conv_dim]  raw conv inputs (activation dtype)
-    pending_g: torch.Tensor     # [S, P, HV]        log decay (fp32)
-    pending_beta: torch.Tensor  # [S, P, HV]        (fp32)
+    pending_g: torch.Tensor     # [S, P, HV, R]     log decay (fp32), R equal replicas (kernels/gdn.py)
+    pending_beta: torch.Tensor  # [S, P, HV, R]     (fp32)
     pending_counts: torch.Tensor  # [S] int32, the same tensor for every layer
 
 
@@ -48,6 +49,7 @@ class StatePool:
         c = config
         hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         s, p = num_slots, max_pending
+        replicas = pending_replicas(dv)
 
         self.pending_counts = torch.zeros(num_slots, dtype=torch.int32, device=device)
 
@@ -56,8 +58,8 @@ class StatePool:
                 recurrent=torch.zeros(s, hv, dk, dv, dtype=state_dtype, device=device),
                 conv=torch.zeros(s, c.linear_conv_kernel_dim - 1, c.conv_dim, dtype=dtype, device=device),
                 pending_conv=torch.zeros(s, p, c.conv_dim, dtype=dtype, device=device),
-                pending_g=torch.zeros(s, p, hv, dtype=torch.float32, device=device),
-                pending_beta=torch.zeros(s, p, hv, dtype=torch.float32, device=device),
+                pending_g=torch.zeros(s, p, hv, replicas, dtype=torch.float32, device=device),
+                pending_beta=torch.zeros(s, p, hv, replicas, dtype=torch.float32, device=device),
                 pending_counts=self.pending_counts,
             )
 

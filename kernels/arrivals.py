@@ -1,6 +1,6 @@
-"""The "last arriver" pattern, shared by kernels whose programs must combine work without a
-second launch or a grid-wide barrier (gdn_decode.py: shared pending entries; linear.py: split-K
-partial sums), and the device facts their launchers size grids by.
+"""The "last arriver" pattern, for kernels whose programs must combine work without a second
+launch or a grid-wide barrier (linear.py: split-K partial sums), and the device facts launchers
+size grids by.
 
 Each of a group of programs does its part, then `last_to_arrive` bumps the group's counter; the
 one that sees the count reach the group size knows every other member's memory effects are

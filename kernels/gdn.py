@@ -11,9 +11,13 @@ Value heads may outnumber key heads: value head h reads key head h // (HV / HK).
 Pool layout (per GDN layer): state [num_slots, HV, K, V] (fp32 by default), and of the tokens
 accepted but not folded in (P = k: the drafts of one verify step; the step's first token is
 always committed at once) only what cannot be recomputed: their raw conv inputs (conv1d.py) and
-pending_g / pending_beta [num_slots, P, HV] (fp32), with pending_counts [num_slots] shared by
+pending_g / pending_beta [num_slots, P, HV, R] (fp32), with pending_counts [num_slots] shared by
 every layer. Their k and v are recomputed each step by the conv decode kernel from the window
 and the raw inputs, into a step buffer the decode kernel folds from. DESIGN.md, "Deferred commit".
+Each g / beta is kept R = pending_replicas(V) times, one replica per V / R value columns, all
+equal: the decode kernel's programs split a head's columns into tiles of at least V / R, and a
+program reads and writes only its own columns' replicas, so no program overwrites an entry
+another is still to read, and none waits for another (gdn_decode.py).
 
 gdn_chunked.py and gdn_decode.py hold the two kernels and their references; this module holds
 the definition of the recurrence they both implement. Knows nothing about models or the scheduler.
@@ -23,6 +27,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+PENDING_REPLICA_COLUMNS = 16  # value columns per pending g / beta replica: the narrowest decode tile
+
+
+def pending_replicas(value_dim: int) -> int:
+    """R, the replicas of each pending g / beta: one per PENDING_REPLICA_COLUMNS value columns."""
+    return max(1, value_dim // PENDING_REPLICA_COLUMNS)
 
 
 def gdn_gating_reference(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,

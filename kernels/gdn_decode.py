@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .arrivals import arrival_counters, last_to_arrive, num_sms, reset_arrivals
+from .arrivals import num_sms
 from .gdn import expand_heads, gdn_gating_reference, l2norm, recurrent_steps
 from .launch import dependent_prologue, pdl
 from .varlen import into, pad_rows, row_layout
@@ -41,9 +41,10 @@ def gdn_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: t
 
     pending_k [B, P, HK, K] and pending_v [B, P, HV, V] are per row: the conv outputs of the
     row's pending tokens (causal_conv1d_decode's step buffer; k not yet l2-normalised).
-    pending_g, pending_beta [S, P, HV] are the pool's. Per row: load the committed state, fold
-    the slot's p pending tokens and new token 0, store it; run new tokens 1..n-1 producing
-    outputs and record their g, beta as pending entries [0, n-1). With commit, fold them too.
+    pending_g, pending_beta [S, P, HV, R] are the pool's (R equal replicas, gdn.py: read the
+    first, write all). Per row: load the committed state, fold the slot's p pending tokens and
+    new token 0, store it; run new tokens 1..n-1 producing outputs and record their g, beta as
+    pending entries [0, n-1). With commit, fold them too.
     Returns o [T, HV, V] in v's dtype (`out` when given: varlen.into)."""
     num_rows, num_value_heads = slot_ids.numel(), v.shape[1]
     max_pending = pending_g.shape[1]
@@ -59,7 +60,8 @@ def gdn_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: t
         return torch.where(valid.view(*valid.shape, *[1] * (values.dim() - 2)), values.float(), 0.0)
 
     folded, _ = recurrent_steps(state[slots].float(), None, pending(expand_heads(l2norm(pending_k), num_value_heads)),
-                                pending(pending_v), pending(pending_g[slots]), pending(pending_beta[slots]))
+                                pending(pending_v), pending(pending_g[slots, ..., 0]),
+                                pending(pending_beta[slots, ..., 0]))
     g, beta = gdn_gating_reference(a, b, A_log, dt_bias)
     qn = expand_heads(l2norm(q), num_value_heads) * q.shape[-1] ** -0.5
     new = [pad_rows(x, row, index_in_row, num_rows, max_len)
@@ -70,8 +72,8 @@ def gdn_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: t
     if not commit:
         later = index_in_row > 0  # new tokens 1..n-1 (the drafts) become pending entries 0..n-2
         pending_slots, entry = slots[row[later]], index_in_row[later] - 1
-        pending_g[pending_slots, entry] = g[later]
-        pending_beta[pending_slots, entry] = beta[later]
+        pending_g[pending_slots, entry] = g[later, :, None]
+        pending_beta[pending_slots, entry] = beta[later, :, None]
     return into(out, torch.cat([out_first, out_rest], dim=1)[row, index_in_row].to(v.dtype))
 
 
@@ -80,26 +82,34 @@ def gdn_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: t
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _delta_rule_step(tile, scale, k, k_norm, v, g, beta):
+def _delta_rule_step(tile, scale, k, k_norm, v, g, beta, q, q_norm, qk, OUTPUT: tl.constexpr):
     """One token on a [BK, BV] state tile held as S = scale * tile, with the decay kept apart as
-    a scalar so that a step does no [BK, BV] multiply for it. With e = exp(g) and the unit key
-    k / |k| (k_norm = 1 / |k|, applied to [BV] vectors, never to the [BK] row):
-        S' = e S + (k / |k|) delta^T,   delta = beta (v - e S^T k / |k|)
-    is  scale' = e scale,  tile' = tile + k (delta / (|k| scale'))^T.
+    a scalar so that a step does no [BK, BV] multiply for it. With e = exp(g), the unit key
+    k^ = k / |k| (k_norm = 1 / |k|, applied to [BV] vectors, never to the [BK] row) and the
+    scaled unit query q^ = q_norm q:
+        S' = e S + k^ delta^T,   delta = beta (v - e S^T k^)
+    is  scale' = e scale,  tile' = tile + k (delta / (|k| scale'))^T,
+    and the token's output (OUTPUT) is taken from the tile before its update,
+        o = S'^T q^ = q_norm (e scale tile^T q + (q . k) k_norm delta),
+    so its reduction runs beside the key's (qk = q . k, the raw rows' dot, needs no state): a
+    step's chain is one reduction, a few [BV] operations and the rank-one update.
     Once scale' falls below 2^-60 it is folded into the tile (tile' = scale' tile, scale' = 1)
     first: 1 / scale' stays far inside fp32's range, and e = 0 (g = -inf) zeroes the tile as the
-    plain form does. k [BK] fp32, v [BV] fp32; k_norm, g, beta, scale fp32 scalars.
-    Returns (tile', scale')."""
-    decay = tl.exp(g)
-    delta = beta * (v - (scale * decay * k_norm) * tl.sum(tile * k[:, None], axis=0))
-    scale = scale * decay
+    plain form does. k, q [BK] fp32, v [BV] fp32; k_norm, g, beta, scale, q_norm, qk fp32
+    scalars (q, q_norm, qk unused without OUTPUT). Returns (tile', scale', o [BV])."""
+    carried = scale * tl.exp(g)  # e S = carried * tile
+    delta = beta * (v - (carried * k_norm) * tl.sum(tile * k[:, None], axis=0))
+    o = delta  # without OUTPUT: a placeholder the caller drops
+    if OUTPUT:
+        o = q_norm * (carried * tl.sum(tile * q[:, None], axis=0) + (qk * k_norm) * delta)
+    scale = carried
     if scale < 8.673617379884035e-19:  # 2^-60
         # The barrier (the condition is uniform over the program) keeps ptxas from predicating
         # this rare block's multiplies into every step.
         tl.debug_barrier()
         tile = tile * scale
         scale = tl.full([], 1.0, tl.float32)
-    return tile + k[:, None] * (delta * (k_norm / scale))[None, :], scale
+    return tile + k[:, None] * (delta * (k_norm / scale))[None, :], scale, o
 
 
 @triton.jit
@@ -126,13 +136,13 @@ def _entry(vector, offs, j):
 @triton.jit
 def _gdn_decode_kernel(
     q, k, v, a, b, A_log, dt_bias, cu_seqlens, slot_ids, state,
-    pending_k, pending_v, pending_g, pending_beta, pending_counts, out, arrivals,
+    pending_k, pending_v, pending_g, pending_beta, pending_counts, out,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_a_t, stride_b_t,
     stride_pk_r, stride_pk_p, stride_pk_h, stride_pv_r, stride_pv_p, stride_pv_h,
     scale,
-    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr,
-    P_BLOCK: tl.constexpr, T_BLOCK: tl.constexpr, BV: tl.constexpr, ONE_TOKEN: tl.constexpr,
-    COMMIT: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr,
+    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr,
+    OWNED: tl.constexpr, P_BLOCK: tl.constexpr, T_BLOCK: tl.constexpr, BV: tl.constexpr,
+    ONE_TOKEN: tl.constexpr, COMMIT: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr,
 ):
     """Program (V tile i_v, value head i_h, row). State tile [K, BV] fp32 in registers (K, V and
     BV are powers of two, BV <= V: no masks, so state accesses vectorise).
@@ -144,14 +154,14 @@ def _gdn_decode_kernel(
     their norms, are loaded beside the state. The tile carries no per-step decay multiply
     (_delta_rule_step).
 
-    Ordering of the shared pending g / beta (commit=False only): the V // BV programs of a value
-    head read the old entries [slot, 0..p) (loaded up front: P_BLOCK >= P entries), and the new
-    entries [slot, 0..n-1) overwrite them. Programs of one launch have no grid-wide barrier, so
-    each program, after those loads and a CTA barrier, increments the head's arrival counter
-    (acq_rel, gpu scope: its loads happen before the last arriver's stores). The program that
-    arrives last knows that every reader is done; it alone writes the head's new g / beta, then
-    resets the counter to 0, so the counters are zero between launches (launches of one stream
-    never overlap). The step buffer (pending k, v) and the new tokens are never written here.
+    Pending g / beta (one per value head) would be shared by the head's V // BV programs, which
+    all read the old entries [slot, 0..p) and whose new entries [slot, 0..n-1) overwrite them:
+    with no grid-wide barrier, that needs ordering (an arrival counter cost about 0.4 us of a
+    one-row verify on an H100). So the pool keeps R replicas of each, one per V // R columns
+    (gdn.py), and a program owns the replicas of its columns: it reads the first, writes all of
+    them, and touches no other. Programs of one launch own disjoint replicas; a launch with
+    another tile width reads replicas that their last owner wrote with the same values. The step
+    buffer (pending k, v) and the new tokens are never written here.
     Invariant: rows in a launch own distinct slots, except pad rows, which all point at scratch
     slot 0, whose contents are never read as real state.
     """
@@ -170,14 +180,12 @@ def _gdn_decode_kernel(
     offs_v = i_v * BV + tl.arange(0, BV)
     offs_p = tl.arange(0, P_BLOCK)
     offs_t = tl.arange(0, T_BLOCK)
-    # state [S, HV, K, V]; pending_g/beta [S, P, HV]; step buffer pending_k [B, P, HK, K], pending_v [B, P, HV, V]
+    # state [S, HV, K, V]; pending_g/beta [S, P, HV, R]; step buffer pending_k [B, P, HK, K], pending_v [B, P, HV, V]
     state_ptrs = state + (slot * HV + i_h) * (K * V) + offs_k[:, None] * V + offs_v[None, :]
     h = tl.load(state_ptrs).to(tl.float32)
     h_scale = tl.full([], 1.0, tl.float32)  # the state is h_scale * h (_delta_rule_step)
 
-    # Every load the steps start from is issued here, and the arithmetic on them comes after the
-    # arrival below: otherwise ptxas may hold the state's loads back behind the norms, and the
-    # row pays two memory round trips instead of one.
+    # Every load the steps start from is issued here, before any arithmetic on them.
     # Step-buffer rows of entry 0 and every pending g / beta: all P entries, not the first
     # num_pending, so the loads wait for the slot id alone, not for the count read through it.
     # Entries past the count may be stale or NaN; no step reads them (_entry selects).
@@ -187,8 +195,9 @@ def _gdn_decode_kernel(
         k_j, v_j = tl.load(pk_ptrs), tl.load(pv_ptrs)
     in_buffer = offs_p < P
     pk_block = tl.load(pk_ptrs[None, :] + offs_p[:, None] * stride_pk_p, mask=in_buffer[:, None], other=0.0)
-    pg = tl.load(pending_g + (slot * P + offs_p) * HV + i_h, mask=in_buffer, other=0.0)
-    pbeta = tl.load(pending_beta + (slot * P + offs_p) * HV + i_h, mask=in_buffer, other=0.0)
+    replicas = ((slot * P + offs_p) * HV + i_h) * R + i_v * OWNED
+    pg = tl.load(pending_g + replicas, mask=in_buffer, other=0.0)
+    pbeta = tl.load(pending_beta + replicas, mask=in_buffer, other=0.0)
 
     # The new tokens' q and k rows as whole [T_BLOCK, K] blocks, for their norms (off the steps'
     # chain; the loads also bring the rows the steps read into L1), and new token 0 (a row may
@@ -218,19 +227,19 @@ def _gdn_decode_kernel(
         b_i = tl.load(b + bos * stride_b_t + i_h, mask=num_new > 0, other=0.0).to(tl.float32)
     A_log_h, dt_bias_h = tl.load(A_log + i_h).to(tl.float32), tl.load(dt_bias + i_h).to(tl.float32)
 
-    is_last = False
-    if not COMMIT:
-        is_last = last_to_arrive(arrivals + row * HV + i_h, V // BV)
     pk_norms = _inverse_norms(pk_block)
     q_scales = _inverse_norms(q_block) * scale
     k_scales = _inverse_norms(k_block)
+    qk = tl.sum(q_block.to(tl.float32) * k_block.to(tl.float32), axis=1)  # raw q . k per token
 
     if P > 0:
         for j in range(0, num_pending):
             ahead = tl.minimum(j + 1, P - 1)  # inside the buffer; unused past the count
             k_ahead, v_ahead = tl.load(pk_ptrs + ahead * stride_pk_p), tl.load(pv_ptrs + ahead * stride_pv_p)
-            h, h_scale = _delta_rule_step(h, h_scale, k_j.to(tl.float32), _entry(pk_norms, offs_p, j),
-                                          v_j.to(tl.float32), _entry(pg, offs_p, j), _entry(pbeta, offs_p, j))
+            # no output: the query arguments are placeholders
+            h, h_scale, _ = _delta_rule_step(h, h_scale, k_j.to(tl.float32), _entry(pk_norms, offs_p, j),
+                                             v_j.to(tl.float32), _entry(pg, offs_p, j), _entry(pbeta, offs_p, j),
+                                             k_j, h_scale, h_scale, OUTPUT=False)
             k_j, v_j = k_ahead, v_ahead
     # num_new <= P + 1 (the launcher's contract); ONE_TOKEN: every row runs one (plain decode),
     # and nothing is loaded ahead.
@@ -243,9 +252,9 @@ def _gdn_decode_kernel(
             a_ahead = tl.load(a + ahead * stride_a_t + i_h).to(tl.float32)
             b_ahead = tl.load(b + ahead * stride_b_t + i_h).to(tl.float32)
         g_i, beta_i = _gating(a_i, b_i, A_log_h, dt_bias_h)
-        h, h_scale = _delta_rule_step(h, h_scale, k_i.to(tl.float32), _entry(k_scales, offs_t, i),
-                                      v_i.to(tl.float32), g_i, beta_i)
-        o_i = tl.sum(h * q_i.to(tl.float32)[:, None], axis=0) * (_entry(q_scales, offs_t, i) * h_scale)
+        h, h_scale, o_i = _delta_rule_step(h, h_scale, k_i.to(tl.float32), _entry(k_scales, offs_t, i),
+                                           v_i.to(tl.float32), g_i, beta_i, q_i.to(tl.float32),
+                                           _entry(q_scales, offs_t, i), _entry(qk, offs_t, i), OUTPUT=True)
         tl.store(out + ((bos + i) * HV + i_h) * V + offs_v, o_i.to(out.dtype.element_ty))
         if not COMMIT:
             if i == 0:  # the committed state ends at new token 0
@@ -253,16 +262,14 @@ def _gdn_decode_kernel(
             else:
                 # new tokens 1..n-1 (drafts) become pending entries 0..n-2; a row never carries
                 # more than P drafts: guard the buffer anyway
-                write = is_last & (i - 1 < P)
-                tl.store(pending_g + (slot * P + i - 1) * HV + i_h, g_i, mask=write)
-                tl.store(pending_beta + (slot * P + i - 1) * HV + i_h, beta_i, mask=write)
+                entry = ((slot * P + i - 1) * HV + i_h) * R + i_v * OWNED + tl.arange(0, OWNED)
+                tl.store(pending_g + entry, g_i, mask=i - 1 < P)
+                tl.store(pending_beta + entry, beta_i, mask=i - 1 < P)
         if not ONE_TOKEN:
             q_i, k_i, v_i, a_i, b_i = q_ahead, k_ahead, v_ahead, a_ahead, b_ahead
 
     if COMMIT:
         tl.store(state_ptrs, (h * h_scale).to(state.dtype.element_ty))
-    elif is_last:
-        reset_arrivals(arrivals + row * HV + i_h)
 
 
 @dataclass(frozen=True)
@@ -282,11 +289,13 @@ def decode_config(num_rows: int, num_value_heads: int, key_dim: int, value_dim: 
     work that does not scale with the tile, its gating, row loads and norms, is paid once for
     more columns). A warp holds up to 4096 state values (128 a thread), so at K = 128 tiles of up
     to 32 columns are one warp and 64 columns are two.
-        verify: 8 columns for n <= 1, 16 for n <= 4, else 32
+        verify: 16 columns for n <= 4, else 32
         decode: 16 columns for n <= 8, 32 for n <= 16, else 64 (two warps)
-    From the sweep of bench/kernels_gdn_decode.py on an H100 (results/kernels_gdn_decode-h100.json,
-    K = V = 128): verify at HV = 16, B = 1 5.1 us at 8 columns against 5.4 at 16; B = 8 11.1 at
-    32 columns against 13.1 at 16; B = 256 232 against 245. Decode at HV = 16, B = 8 7.5 us at 16
+    Never narrower than 16 columns, the width of a pending g / beta replica (gdn.py): 8-column
+    verify tiles were 2% faster at HV = 16, B = 1 alone (4.67 against 4.78 us), and would double
+    the replicas. From the sweep of bench/kernels_gdn_decode.py on an H100
+    (results/kernels_gdn_decode-h100.json, K = V = 128): verify at HV = 16, B = 8 11.1 us at 32
+    columns against 13.1 at 16; B = 256 232 against 245. Decode at HV = 16, B = 8 7.5 us at 16
     columns against 7.7 at 32; B = 16 13.0 at 32 against 13.3 at 64; B = 256 192 at 64 against
     197 at 32."""
     if INTERPRETED:
@@ -295,7 +304,7 @@ def decode_config(num_rows: int, num_value_heads: int, key_dim: int, value_dim: 
     if commit:
         block_v = 16 if per_sm <= 8 else 32 if per_sm <= 16 else 64
     else:
-        block_v = 8 if per_sm <= 1 else 16 if per_sm <= 4 else 32
+        block_v = 16 if per_sm <= 4 else 32
     block_v = min(block_v, value_dim)
     return DecodeConfig(block_v, num_warps=max(1, key_dim * block_v // 4096))
 
@@ -329,7 +338,11 @@ def launch_gdn_decode(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     assert config.block_v <= value_dim and config.block_v & (config.block_v - 1) == 0
     assert pending_k.shape == (num_rows, max_pending, num_key_heads, key_dim) and pending_k.stride(3) == 1
     assert pending_v.shape == (num_rows, max_pending, num_value_heads, value_dim) and pending_v.stride(3) == 1
-    assert pending_g.shape == (num_slots, max_pending, num_value_heads) and pending_beta.shape == pending_g.shape
+    replicas = pending_g.shape[3]
+    assert pending_g.shape == (num_slots, max_pending, num_value_heads, replicas)
+    assert pending_beta.shape == pending_g.shape
+    assert replicas & (replicas - 1) == 0 and value_dim % replicas == 0
+    assert config.block_v * replicas >= value_dim, "a tile must own whole pending replicas (gdn.py)"
     assert pending_g.dtype == torch.float32 and pending_beta.dtype == torch.float32
     assert pending_counts.shape == (num_slots,)
     for t in (state, pending_g, pending_beta, pending_counts, cu_seqlens, slot_ids):
@@ -338,18 +351,17 @@ def launch_gdn_decode(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     assert num_tokens <= num_rows * (max_pending + 1), "a row runs at most P + 1 new tokens"
     if num_rows == 0:
         return
-    # Plain decode (commit) writes nothing shared and never touches the counters.
-    arrivals = arrival_counters(v.device, 0 if commit else num_rows * num_value_heads)
     one_token = num_tokens == num_rows  # every row runs one token (plain decode)
     grid = (triton.cdiv(value_dim, config.block_v), num_value_heads, num_rows)
     _gdn_decode_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, cu_seqlens, slot_ids, state,
-        pending_k, pending_v, pending_g, pending_beta, pending_counts, out, arrivals,
+        pending_k, pending_v, pending_g, pending_beta, pending_counts, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         *pending_k.stride()[:3], *pending_v.stride()[:3],
         key_dim ** -0.5,
-        HK=num_key_heads, HV=num_value_heads, K=key_dim, V=value_dim, P=max_pending,
-        P_BLOCK=triton.next_power_of_2(max(max_pending, 1)), ONE_TOKEN=one_token,
+        HK=num_key_heads, HV=num_value_heads, K=key_dim, V=value_dim, P=max_pending, R=replicas,
+        OWNED=config.block_v * replicas // value_dim, ONE_TOKEN=one_token,
+        P_BLOCK=triton.next_power_of_2(max(max_pending, 1)),
         T_BLOCK=1 if one_token else triton.next_power_of_2(max_pending + 1),
         BV=config.block_v, COMMIT=commit,
         num_warps=config.num_warps, **pdl(v.device),

@@ -30,6 +30,7 @@ gdn_chunked_reference = REFERENCE_OPS.gdn_chunked
 gdn_decode_reference = REFERENCE_OPS.gdn_decode
 
 RTOL = 1e-4  # fp32 kernels vs float64 oracles
+REPLICAS = 2  # of each pending g / beta in the pool (kernels/gdn.py): the reference reads the first, writes all
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,10 +222,13 @@ class Layer:
         _, k, v = self.split(naive_conv(sequence, self.weight))
         state = pool["state"][slot].double().clone()
         group = self.hv // self.hk
+        for name in ("pending_g", "pending_beta"):  # every replica of a valid entry holds the same value
+            entries = pool[name][slot, :count]
+            assert torch.equal(entries, entries[..., :1].expand_as(entries)), f"{name}[{slot}] replicas differ"
         for t in range(count):
             for h in range(self.hv):
-                state[h] = naive_step(state[h], k[t, h // group], v[t, h], float(pool["pending_g"][slot, t, h]),
-                                      float(pool["pending_beta"][slot, t, h]))
+                state[h] = naive_step(state[h], k[t, h // group], v[t, h], float(pool["pending_g"][slot, t, h, 0]),
+                                      float(pool["pending_beta"][slot, t, h, 0]))
         return state, sequence[-(WIDTH - 1):]
 
     def new_pool(self, gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -234,8 +238,8 @@ class Layer:
             state=0.5 * torch.randn(s, self.hv, KEY_DIM, VALUE_DIM, generator=gen),
             conv=torch.randn(s, WIDTH - 1, self.channels, generator=gen),
             pending_conv=torch.randn(s, p, self.channels, generator=gen),
-            pending_g=-torch.rand(s, p, self.hv, generator=gen),
-            pending_beta=torch.rand(s, p, self.hv, generator=gen),
+            pending_g=-torch.rand(s, p, self.hv, 1, generator=gen).repeat(1, 1, 1, REPLICAS),
+            pending_beta=torch.rand(s, p, self.hv, 1, generator=gen).repeat(1, 1, 1, REPLICAS),
             pending_counts=torch.randint(0, p + 1, (s,), generator=gen, dtype=torch.int32),
         )
 

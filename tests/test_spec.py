@@ -129,8 +129,8 @@ def test_rollback_is_a_counter(checkpoint):
         k = conv[:, c.linear_key_dim:2 * c.linear_key_dim].unflatten(-1, (c.linear_num_key_heads, -1))
         v = conv[:, 2 * c.linear_key_dim:].unflatten(-1, (heads, -1))
         folded, _ = recurrent_steps(ours.recurrent[slot:slot + 1].float(), None, expand_heads(l2norm(k), heads)[None],
-                                    v[None], ours.pending_g[slot:slot + 1, :pending],
-                                    ours.pending_beta[slot:slot + 1, :pending])
+                                    v[None], ours.pending_g[slot:slot + 1, :pending, :, 0],
+                                    ours.pending_beta[slot:slot + 1, :pending, :, 0])
         expected = reference.recurrent[truth_slot].float()
         assert torch.allclose(folded[0], expected, rtol=1e-4, atol=1e-5), f"layer {layer}"
         window = sequence[-ours.conv.shape[1]:]

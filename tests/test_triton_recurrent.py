@@ -27,9 +27,9 @@ import pytest
 import torch
 
 from deltaspec.kernels.activation import silu_and_mul, silu_and_mul_reference
-from deltaspec.kernels.arrivals import arrival_counters
 from deltaspec.kernels.conv1d import (causal_conv1d_decode, causal_conv1d_decode_reference, causal_conv1d_prefill,
                                       causal_conv1d_prefill_reference)
+from deltaspec.kernels.gdn import pending_replicas
 import deltaspec.kernels.gdn_decode as gdn_decode_module
 from deltaspec.kernels.gdn_decode import (DecodeConfig, decode_config, gdn_decode, gdn_decode_reference,
                                           launch_gdn_decode)
@@ -66,6 +66,11 @@ def cu_seqlens_of(lengths: list[int], device: str) -> torch.Tensor:
     return torch.tensor([0] + lengths).cumsum(0).to(torch.int32).to(device)
 
 
+def replicated(entries: torch.Tensor, value_dim: int) -> torch.Tensor:
+    """Pending g or beta [S, P, HV] as the pool keeps them: [S, P, HV, R], R equal replicas."""
+    return entries[..., None].repeat(1, 1, 1, pending_replicas(value_dim))
+
+
 def clone(pool: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: t.clone() for name, t in pool.items()}
 
@@ -89,8 +94,8 @@ class GDNCase:
         self.dt_bias = (0.5 * torch.randn(hv, generator=gen)).to(device)
         self.pool = dict(
             state=(0.5 * torch.randn(s, hv, key_dim, value_dim, generator=gen)).to(state_dtype).to(device),
-            pending_g=(-torch.rand(s, p, hv, generator=gen) - 0.01).to(device),
-            pending_beta=(torch.rand(s, p, hv, generator=gen) * 0.98 + 0.01).to(device),
+            pending_g=replicated(-torch.rand(s, p, hv, generator=gen) - 0.01, value_dim).to(device),
+            pending_beta=replicated(torch.rand(s, p, hv, generator=gen) * 0.98 + 0.01, value_dim).to(device),
             pending_counts=torch.randint(0, p + 1, (s,), generator=gen, dtype=torch.int32).to(device),
         )
         self.pool["pending_counts"][PAD_SLOT] = p
@@ -165,7 +170,6 @@ def check_gdn_step(case: GDNCase, lengths: list[int], slots: list[int], commit: 
                 assert torch.equal(bits(actual_entries[written:]), bits(before[name][slot, written:])), name
         start += length
     assert_slots_untouched(actual_pool, before, owned=set(slots))
-    assert int(arrival_counters(torch.device(case.device), 1).abs().sum()) == 0, "arrival counters not reset"
 
 
 # Rows: (new tokens, slot, pending count of the slot) with P = k = 4: 1..k+1 new tokens over 0..k
@@ -192,11 +196,45 @@ def test_gdn_decode_ragged_batch(kernel_device, hk, hv, commit):
 
 @pytest.mark.parametrize("commit", [True, False], ids=["commit", "verify"])
 def test_gdn_decode_two_v_tiles_bf16_state(kernel_device, commit):
-    """K = V = 32 with 16-column tiles: 2 V tiles share each value head's pending g / beta, so the
-    verify step's arrival ordering is exercised; the state pool is bf16."""
+    """K = V = 32 with 16-column tiles: 2 V tiles per value head, each owning 1 of its 2 pending
+    g / beta replicas (every replica is checked against the reference's); the state pool is bf16."""
     case = ragged_case(20, 2, 4, 32, torch.bfloat16, kernel_device)
     check_gdn_step(case, [n for n, _, _ in RAGGED], [s for _, s, _ in RAGGED], commit,
                    DecodeConfig(block_v=16, num_warps=1))
+
+
+def test_gdn_decode_verify_steps_across_tile_widths(kernel_device):
+    """Verify steps on one pool whose tile width changes every step (16, 64, 32 of V = 64 columns,
+    as the batch size moves decode_config): a step folds the pending g / beta that tiles of
+    another width wrote (a tile reads the first replica it owns), against the reference run on
+    its own copy of the pool; each step accepts some drafts (the new pending counts)."""
+    case = ragged_case(21, 2, 4, 64, torch.float32, kernel_device)
+    lengths, slots = [n for n, _, _ in RAGGED], [s for _, s, _ in RAGGED]
+    expected_pool, actual_pool = clone(case.pool), clone(case.pool)
+    for step, block_v in enumerate((16, 64, 32)):
+        inputs = case.inputs(sum(lengths))
+        pending = case.pending_inputs(slots, expected_pool["pending_counts"])
+        expected = case.run(False, expected_pool, inputs, pending, lengths, slots, False)
+        actual = case.run(True, actual_pool, inputs, pending, lengths, slots, False, DecodeConfig(block_v, 1))
+        start = 0
+        for length, slot in zip(lengths, slots):
+            if slot != PAD_SLOT:
+                what = f"step {step}, slot {slot}"
+                assert_close(actual[start:start + length], expected[start:start + length], 1e-4, what)
+                for name in ("state", "pending_g", "pending_beta"):
+                    assert_close(actual_pool[name][slot], expected_pool[name][slot], 1e-4, f"{what}: {name}")
+                accepted = int(torch.randint(0, length, (), generator=case.gen))  # drafts accepted: 0..n-1
+                for pool in (expected_pool, actual_pool):
+                    pool["pending_counts"][slot] = accepted
+            start += length
+
+
+def test_gdn_decode_rejects_a_tile_narrower_than_a_replica():
+    """A tile must own whole pending replicas: 8 columns of V = 32 (16 columns a replica) is refused."""
+    case = ragged_case(22, 2, 4, 32, torch.float32, "cpu")
+    with pytest.raises(AssertionError, match="whole pending replicas"):
+        case.run(True, clone(case.pool), case.inputs(1), case.pending_inputs([5], case.pool["pending_counts"]),
+                 [1], [5], False, DecodeConfig(8, 1))
 
 
 @pytest.mark.parametrize("commit", [True, False], ids=["commit", "verify"])
@@ -216,20 +254,20 @@ def test_gdn_decode_strongly_decaying_heads(kernel_device, commit):
     case = ragged_case(25, 2, 4, 16, torch.float32, kernel_device)
     case.A_log = torch.tensor([3.0, 2.5, 4.0, -2.0], device=kernel_device)
     case.dt_bias = torch.tensor([5.0, 0.0, 2.0, 0.0], device=kernel_device)
-    case.pool["pending_g"][..., 0] = -60.0
+    case.pool["pending_g"][:, :, 0] = -60.0
     check_gdn_step(case, [n for n, _, _ in RAGGED], [s for _, s, _ in RAGGED], commit)
 
 
 def test_decode_config_by_batch(monkeypatch):
-    """On a 132-SM GPU (HV = 16, K = V = 128): verify takes 8-column tiles up to one program of
-    16 columns per SM (B = 1), 16 up to four (B = 4), 32 above; decode 16 columns up to eight
-    per SM (B = 8), 32 up to sixteen (B = 16), 64 on two warps above."""
+    """On a 132-SM GPU (HV = 16, K = V = 128): verify takes 16-column tiles up to four programs of
+    16 columns per SM (B = 4), 32 above; decode 16 columns up to eight per SM (B = 8), 32 up to
+    sixteen (B = 16), 64 on two warps above."""
     monkeypatch.setattr(gdn_decode_module, "INTERPRETED", False)
     monkeypatch.setattr(gdn_decode_module, "num_sms", lambda device: 132)
     cuda = torch.device("cuda")
     tiles = lambda batch, commit: decode_config(batch, 16, 128, 128, commit, cuda)  # noqa: E731
     assert [tiles(b, False) for b in (1, 2, 4, 5, 8, 256)] == \
-        [DecodeConfig(8, 1)] + [DecodeConfig(16, 1)] * 2 + [DecodeConfig(32, 1)] * 3
+        [DecodeConfig(16, 1)] * 3 + [DecodeConfig(32, 1)] * 3
     assert [tiles(b, True) for b in (1, 8, 9, 16, 17, 256)] == \
         [DecodeConfig(16, 1)] * 2 + [DecodeConfig(32, 1)] * 2 + [DecodeConfig(64, 2)] * 2
 
@@ -373,7 +411,7 @@ def test_gdn_decode_gpu_bf16(hk, hv, commit, state_dtype):
     slots += [PAD_SLOT, PAD_SLOT]
     case = GDNCase(51, hk, hv, 128, 128, max_pending=4, num_slots=64, dtype=torch.bfloat16,
                    state_dtype=state_dtype, device="cuda")
-    tiles = ((8, 1), (16, 1), (32, 1), (32, 2), (64, 2), (64, 8))
+    tiles = ((16, 1), (32, 1), (32, 2), (64, 2), (64, 8))
     configs = [None] + [DecodeConfig(block_v, warps) for block_v, warps in tiles]
     for config in configs:
         check_gdn_step(case, lengths, slots, commit, config)
@@ -396,7 +434,7 @@ def test_gdn_decode_cuda_graph_replay():
         launch_gdn_decode(out, *static[:5], case.A_log, case.dt_bias, cu, slot_ids, p["state"], *static[5:],
                           p["pending_g"], p["pending_beta"], p["pending_counts"], False, config)
 
-    step(clone(pool))  # warm-up on a scratch copy: compiles, sizes the arrival counters
+    step(clone(pool))  # warm-up on a scratch copy: compiles
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step(pool)
