@@ -11,9 +11,9 @@ layout: gdn.py. Knows nothing about models or the scheduler.
 oracle; both write into a caller's `out` view when given one (a row slice of the layer's output
 buffer: no copy after the launch). Kernel grid: one program per (V tile, value head, row); a
 program owns the [K, BV] tile of its slot's state, so the state needs no coordination, and reads
-the step buffer, which nothing writes. Only pending g / beta (one per value head) are shared, by
-the V tiles of a head: all of them read the old entries [0, p) to fold, and the new entries
-[0, n-1) overwrite them. See `_gdn_decode_kernel` for how that is ordered.
+the step buffer, which nothing writes. Pending g / beta (one per value head) would be shared by
+the V tiles of a head; the pool keeps a replica per 16 value columns instead, and a program
+reads and writes only its own (`_gdn_decode_kernel`).
 """
 
 from __future__ import annotations
@@ -294,10 +294,10 @@ def decode_config(num_rows: int, num_value_heads: int, key_dim: int, value_dim: 
     Never narrower than 16 columns, the width of a pending g / beta replica (gdn.py): 8-column
     verify tiles were 2% faster at HV = 16, B = 1 alone (4.67 against 4.78 us), and would double
     the replicas. From the sweep of bench/kernels_gdn_decode.py on an H100
-    (results/kernels_gdn_decode-h100.json, K = V = 128): verify at HV = 16, B = 8 11.1 us at 32
-    columns against 13.1 at 16; B = 256 232 against 245. Decode at HV = 16, B = 8 7.5 us at 16
-    columns against 7.7 at 32; B = 16 13.0 at 32 against 13.3 at 64; B = 256 192 at 64 against
-    197 at 32."""
+    (results/kernels_gdn_decode-h100.json, K = V = 128, HV = 16): verify at B = 1 4.9 us at 16
+    columns against 6.1 at 32; B = 8 10.5 at 32 against 12.9 at 16; B = 256 220 against 235.
+    Decode at B = 8 6.9 us at 16 columns against 7.8 at 32; B = 256 191 at 64 against 195 at 32
+    (and, in an earlier sweep, B = 16 13.0 at 32 against 13.3 at 64)."""
     if INTERPRETED:
         return DecodeConfig(block_v=min(16, value_dim), num_warps=1)
     per_sm = num_rows * num_value_heads * (value_dim // 16) / num_sms(device)
