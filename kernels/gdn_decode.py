@@ -134,6 +134,14 @@ def _entry(vector, offs, j):
 
 
 @triton.jit
+def _first_owned_replica(slot, entry, i_h, i_v, HV: tl.constexpr, P: tl.constexpr, R: tl.constexpr,
+                         BV: tl.constexpr, V: tl.constexpr):
+    """Offset in pending_g / pending_beta [S, P, HV, R] of the first replica of `entry` (any
+    shape) that V tile i_v owns; it owns BV * R / V of them, the replicas of its columns."""
+    return ((slot * P + entry) * HV + i_h) * R + i_v * (BV * R // V)
+
+
+@triton.jit
 def _gdn_decode_kernel(
     q, k, v, a, b, A_log, dt_bias, cu_seqlens, slot_ids, state,
     pending_k, pending_v, pending_g, pending_beta, pending_counts, out,
@@ -141,7 +149,7 @@ def _gdn_decode_kernel(
     stride_pk_r, stride_pk_p, stride_pk_h, stride_pv_r, stride_pv_p, stride_pv_h,
     scale,
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr,
-    OWNED: tl.constexpr, P_BLOCK: tl.constexpr, T_BLOCK: tl.constexpr, BV: tl.constexpr,
+    P_BLOCK: tl.constexpr, T_BLOCK: tl.constexpr, BV: tl.constexpr,
     ONE_TOKEN: tl.constexpr, COMMIT: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr,
 ):
     """Program (V tile i_v, value head i_h, row). State tile [K, BV] fp32 in registers (K, V and
@@ -195,9 +203,9 @@ def _gdn_decode_kernel(
         k_j, v_j = tl.load(pk_ptrs), tl.load(pv_ptrs)
     in_buffer = offs_p < P
     pk_block = tl.load(pk_ptrs[None, :] + offs_p[:, None] * stride_pk_p, mask=in_buffer[:, None], other=0.0)
-    replicas = ((slot * P + offs_p) * HV + i_h) * R + i_v * OWNED
-    pg = tl.load(pending_g + replicas, mask=in_buffer, other=0.0)
-    pbeta = tl.load(pending_beta + replicas, mask=in_buffer, other=0.0)
+    first_owned = _first_owned_replica(slot, offs_p, i_h, i_v, HV, P, R, BV, V)
+    pg = tl.load(pending_g + first_owned, mask=in_buffer, other=0.0)
+    pbeta = tl.load(pending_beta + first_owned, mask=in_buffer, other=0.0)
 
     # The new tokens' q and k rows as whole [T_BLOCK, K] blocks, for their norms (off the steps'
     # chain; the loads also bring the rows the steps read into L1), and new token 0 (a row may
@@ -262,7 +270,7 @@ def _gdn_decode_kernel(
             else:
                 # new tokens 1..n-1 (drafts) become pending entries 0..n-2; a row never carries
                 # more than P drafts: guard the buffer anyway
-                entry = ((slot * P + i - 1) * HV + i_h) * R + i_v * OWNED + tl.arange(0, OWNED)
+                entry = _first_owned_replica(slot, i - 1, i_h, i_v, HV, P, R, BV, V) + tl.arange(0, BV * R // V)
                 tl.store(pending_g + entry, g_i, mask=i - 1 < P)
                 tl.store(pending_beta + entry, beta_i, mask=i - 1 < P)
         if not ONE_TOKEN:
@@ -360,7 +368,7 @@ def launch_gdn_decode(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         *pending_k.stride()[:3], *pending_v.stride()[:3],
         key_dim ** -0.5,
         HK=num_key_heads, HV=num_value_heads, K=key_dim, V=value_dim, P=max_pending, R=replicas,
-        OWNED=config.block_v * replicas // value_dim, ONE_TOKEN=one_token,
+        ONE_TOKEN=one_token,
         P_BLOCK=triton.next_power_of_2(max(max_pending, 1)),
         T_BLOCK=1 if one_token else triton.next_power_of_2(max_pending + 1),
         BV=config.block_v, COMMIT=commit,
