@@ -30,8 +30,8 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from common import copy_bandwidth, graph_time_us  # noqa: E402
-from deltaspec.kernels.attention import (AttentionConfig, attention_config, launch_paged_attention,
-                                         multiprocessor_count)
+from deltaspec.kernels.arrivals import num_sms
+from deltaspec.kernels.attention import AttentionConfig, attention_config, launch_paged_attention
 
 HQ, HKV, D = 8, 2, 256
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -95,7 +95,7 @@ def bench_prefill(num_tokens: int, sweep: bool, gen: torch.Generator) -> dict:
     result = {"tokens": num_tokens, "flops": flops, "sdpa": {"mode": mode, "ms": sdpa_ms,
                                                             "tflops": flops / sdpa_ms / 1e9}}
     default = attention_config(num_tokens, 1, HKV, HQ // HKV, block_tables.shape[1] * block_size,
-                               multiprocessor_count(q.device), block_size=block_size)
+                               num_sms(q.device), block_size=block_size)
     configs = [default] + ([c for c in PREFILL_SWEEP if c != default] if sweep else [])
     rows = []
     for config in configs:
@@ -170,7 +170,7 @@ def bench_decode(num_rows: int, context: int, q_len: int, copy_gbps: float, swee
     kv_bytes = case["kv_bytes"]
     num_tokens = num_rows * q_len
     default = attention_config(num_tokens, num_rows, HKV, HQ // HKV, max(context, table_tokens),
-                               multiprocessor_count(torch.device("cuda")), block_size=case["k_cache"].shape[1])
+                               num_sms(torch.device("cuda")), block_size=case["k_cache"].shape[1])
 
     # Flash SDPA over contiguous copies of the same K/V (rotation 0), as the independent check and peer.
     ks = gather_rows(case["k_cache"], case["tables"][0], context)

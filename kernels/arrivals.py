@@ -57,5 +57,9 @@ def arrival_counters(device: torch.device, size: int) -> torch.Tensor:
 
 @cache
 def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (what grids are sized against)."""
+    """Streaming multiprocessors of a CUDA device (what grids are sized against). Any other device
+    runs the kernels in the interpreter, which gets a small machine of 4: grids stay tiny there,
+    yet a launcher that splits work across SMs (long attention contexts) still splits."""
+    if device.type != "cuda":
+        return 4
     return torch.cuda.get_device_properties(device).multi_processor_count

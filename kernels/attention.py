@@ -24,13 +24,13 @@ only on tensor shapes, never on tensor values, so both launchers run inside CUDA
 
 from __future__ import annotations
 
-from functools import cache
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from .arrivals import num_sms
 from .launch import dependent_prologue, pdl
 from .varlen import pad_rows, row_layout
 
@@ -359,12 +359,6 @@ COMBINE_SPLIT_CHUNK = MAX_SPLITS
 COMBINE_BLOCK_D = 32
 
 
-@cache
-def multiprocessor_count(device: torch.device) -> int:
-    # Without CUDA (the interpreter) a small "machine" keeps grids tiny yet still splits long contexts.
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def attention_config(num_tokens: int, num_rows: int, num_kv_heads: int, group: int, max_context: int,
                      num_sms: int, *, block_size: int) -> AttentionConfig:
     """Pick the tile from shapes alone (never device values, so CUDA graphs can capture the call).
@@ -480,7 +474,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     num_kv_heads = k_cache.shape[2]
     config = attention_config(q.shape[0], block_tables.shape[0], num_kv_heads, q.shape[1] // num_kv_heads,
-                              block_tables.shape[1] * k_cache.shape[1], multiprocessor_count(q.device),
+                              block_tables.shape[1] * k_cache.shape[1], num_sms(q.device),
                               block_size=k_cache.shape[1])
     launch_paged_attention(out, q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, scale, config, gate)
     return out
