@@ -2,7 +2,7 @@
 and the Python APIs (sync `LLM`, asyncio `AsyncLLM`). Never imports deltaspec.server."""
 
 from .async_llm import AsyncLLM
-from .config import ConfigError, ModelConfig
+from .model_config import ConfigError, ModelConfig
 from .engine_config import EngineConfig
 from .llm import LLM
 from .prefix_cache import CheckpointHandle

@@ -30,7 +30,7 @@ import torch
 from ..kernels import select_ops
 from .allocators import BlockAllocator, SlotAllocator
 from ..spec import AdaptivePolicy, SpecStats
-from .config import ModelConfig
+from .model_config import ModelConfig
 from .models import HybridLM
 from .cuda_graphs import DecodeGraphs, SpecGraphs
 from .engine_config import EngineConfig

@@ -16,7 +16,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from ..kernels.gdn import pending_replicas
-from .config import ModelConfig
+from .model_config import ModelConfig
 
 
 class GDNLayerState(NamedTuple):

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from ..kernels import Ops
-from .config import ModelConfig
+from .model_config import ModelConfig
 from .models import HybridLM
 
 _PREFIX_REWRITES = (("model.language_model.", "model."), ("language_model.model.", "model."),

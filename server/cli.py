@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..engine import AsyncLLM, EngineConfig, SamplingParams
 from ..engine.async_llm import run
-from . import acceptance
+from . import acceptance_benchmark
 from .config import ServerConfig
 from .serve import serve
 
@@ -116,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="benchmark", required=True)
     acceptance_parser = bench.add_parser("acceptance", help="MTP draft acceptance and speedup by draft length")
-    acceptance.add_arguments(acceptance_parser, DEFAULT_MODEL)
-    acceptance_parser.set_defaults(run=lambda args: acceptance.main(args, sys.argv[3:] if argv is None else argv[2:]))
+    acceptance_benchmark.add_arguments(acceptance_parser, DEFAULT_MODEL)
+    acceptance_parser.set_defaults(run=lambda args: acceptance_benchmark.main(args, sys.argv[3:] if argv is None else argv[2:]))
 
     args = parser.parse_args(argv)
     try:

@@ -14,7 +14,7 @@ from torch import nn
 
 from ...kernels import Ops
 from ..batch import ForwardBatch
-from ..config import ModelConfig
+from ..model_config import ModelConfig
 from ..state_pool import KVPool, StatePool
 from .layers import ALL, CheckpointMap, DecoderLayer, _param
 from .mtp import MTP

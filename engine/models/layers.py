@@ -14,7 +14,7 @@ from torch import nn
 
 from ...kernels import Ops
 from ..batch import ForwardBatch, PrefillCheckpoints
-from ..config import ModelConfig
+from ..model_config import ModelConfig
 from ..state_pool import GDNLayerState, KVLayer
 
 # checkpoint name -> (parameter name, index into that parameter)

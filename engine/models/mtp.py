@@ -16,7 +16,7 @@ from torch import nn
 
 from ...kernels import Ops
 from ..batch import ForwardBatch
-from ..config import ModelConfig
+from ..model_config import ModelConfig
 from ..state_pool import KVLayer
 from .layers import ALL, CheckpointMap, DecoderLayer, _param
 

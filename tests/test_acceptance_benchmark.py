@@ -5,7 +5,7 @@ import json
 
 from deltaspec.engine import EngineConfig, SamplingParams
 from deltaspec.engine.core import EngineCore
-from deltaspec.server import acceptance
+from deltaspec.server import acceptance_benchmark
 from deltaspec.server.cli import main
 
 
@@ -54,8 +54,8 @@ def test_warm_up_is_neither_timed_nor_counted(checkpoint, monkeypatch):
         return real_step()
 
     monkeypatch.setattr(core, "step", step)
-    monkeypatch.setattr(acceptance.time, "perf_counter", lambda: clock[0])
-    measured = acceptance.run_config(core, prompts, params, batch=2)
+    monkeypatch.setattr(acceptance_benchmark.time, "perf_counter", lambda: clock[0])
+    measured = acceptance_benchmark.run_config(core, prompts, params, batch=2)
 
     assert measured["warmup_seconds"] >= 1000.0
     assert 0 < measured["seconds"] < 1000.0

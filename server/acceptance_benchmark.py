@@ -17,7 +17,7 @@ model. The draft/verify split is the runner's host clock around each stage.
 Prompts: held-out code files cut at random points — files given on the command line, a JSONL
 file of {"prompt": ...} lines, or by default the held-out stdlib modules listed in the model's
 training.json. Knows nothing about HTTP; used by `deltaspec bench acceptance` and
-bench/acceptance.py.
+bench/acceptance_benchmark.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Speculation-acceptance benchmark (same as `deltaspec bench acceptance`; see
-deltaspec/server/acceptance.py for what it measures).
+deltaspec/server/acceptance_benchmark.py for what it measures).
 
-    python bench/acceptance.py [--model models/default] [--device cuda --dtype bfloat16] [--quick]
+    python bench/acceptance_benchmark.py [--model models/default] [--device cuda --dtype bfloat16] [--quick]
 """
 
 import sys
