@@ -48,8 +48,7 @@ from fixtures import CORPUS, make_checkpoint  # noqa: E402
 from common import commit_id  # noqa: E402
 from deltaspec.engine import EngineConfig, SamplingParams  # noqa: E402
 from deltaspec.engine.core import EngineCore  # noqa: E402
-from deltaspec.engine.runner import StepOutput  # noqa: E402
-from deltaspec.engine.scheduler import ScheduledRow, StepPlan  # noqa: E402
+from deltaspec.engine.step import ScheduledRow, StepOutput, StepPlan  # noqa: E402
 
 VOCAB_SIZE = 248320
 PROMPT_LEN = 128

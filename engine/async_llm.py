@@ -129,8 +129,8 @@ class AsyncLLM:
                     await self._wakeup.wait()
                     continue
                 step = self.core.dispatch()
-                output = await loop.run_in_executor(self._executor, step.wait)
-                for delta in self.core.commit(step.plan, output):
+                result = await loop.run_in_executor(self._executor, step.wait)
+                for delta in self.core.commit(step.plan, result):
                     queue = self._queues.get(delta.request_id)
                     if queue is not None:
                         queue.put_nowait(delta)

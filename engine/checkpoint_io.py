@@ -4,7 +4,8 @@ Before a step's forward: GPU checkpoints leaving for the host are copied there (
 blocks may be reused by this very step), dropped host copies are freed, and restores copy a
 checkpoint's slot and KV blocks into the restoring sequence's own (copy-on-restore: the cached
 checkpoint is never written by the sequence that uses it). After the forward: the partial last
-block of each prompt-end checkpoint is copied from the sequence that wrote it.
+block of each prompt-end checkpoint is copied from the sequence that wrote it, and the
+checkpoints the chunked kernel wrote during the forward keep their last hidden state.
 
 Knows nothing about which checkpoint is worth keeping: that is prefix_cache.py's business.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from .batch import ForwardBatch
 from .prefix_cache import CacheOps
 from .state_pool import KVPool, StatePool
 
@@ -41,6 +43,18 @@ class CheckpointIO:
                 # A fully cached prompt: the MTP re-runs the position before the checkpoint with
                 # the token sampled from it, so its catch-up input is that position's hidden state.
                 self.states.mtp_hidden[restore.dst_slot, 0] = self.states.last_hidden[restore.dst_slot]
+
+    def keep_hidden(self, batch: ForwardBatch, hidden: torch.Tensor) -> None:
+        """Checkpoints the forward wrote keep the hidden state of their last position (a full
+        hit's logits; the MTP catch-up of a checkpoint one position behind). Their pending
+        counts are never read: a restore zeroes the destination's."""
+        written = batch.checkpoints
+        if written is None:
+            return
+        last = hidden[batch.prefill.token_start + written.last_token]
+        self.states.last_hidden[written.slots] = last
+        if self.states.mtp_hidden is not None:
+            self.states.mtp_hidden[written.slots, 0] = last
 
     def after_forward(self, ops: CacheOps) -> None:
         self.kv.copy_blocks(ops.tail_copies)

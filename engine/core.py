@@ -1,25 +1,25 @@
 """EngineCore: the model, its pools, the scheduler and the runner, driven one step at a time.
 
-    step   = core.dispatch()          schedule, and launch what needs no waiting
-    output = step.wait()              device work (may run in a worker thread)
-    deltas = core.commit(step.plan, output)
+    step   = core.dispatch()          schedule (or take the step launched ahead); launch what needs no waiting
+    result = step.wait()              device work (may run in a worker thread) -> StepResult
+    deltas = core.commit(step.plan, result)
 
 `step()` is the three in a row. Both front ends (the sync `LLM` and `AsyncLLM`) drive this one
 object; `schedule()` and `run(plan)` remain for callers that drive plans themselves.
 
-Async scheduling (EngineConfig.async_scheduling): in steady plain decoding, `dispatch` launches
-step n+1 (Scheduler.continuation: its rows fed step n's tokens on the device) before step n's
-tokens are waited for, so the host's scheduling, launching and committing hide behind the
-device's work instead of adding to it. Whatever else a step needs (admissions, prefill chunks,
-aborts, speculation) drains the pipeline: that step is scheduled after the one before it is
-committed. Pools are sized once at start-up from the memory budget. Knows nothing about
-asyncio or HTTP.
+Async scheduling (EngineConfig.async_scheduling): in steady plain decoding, `wait` launches
+step n+1 (Scheduler.continuation: its rows fed step n's tokens on the device) before it waits
+for step n's tokens, and returns that launched step in its StepResult; `commit`, on the
+caller's thread, keeps it as the next step to dispatch. So the host's scheduling, launching
+and committing hide behind the device's work instead of adding to it. Whatever else a step
+needs (admissions, prefill chunks, aborts, speculation) drains the pipeline: that step is
+scheduled after the one before it is committed. Pools are sized once at start-up from the
+memory budget. Knows nothing about asyncio or HTTP.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import random
 from pathlib import Path
@@ -28,56 +28,54 @@ from typing import Callable, NamedTuple, Sequence as Seq
 import torch
 
 from ..kernels import select_ops
+from ..spec import AdaptivePolicy, load_draft_vocab
 from .allocators import BlockAllocator, SlotAllocator
-from ..spec import AdaptivePolicy, SpecStats
+from .checkpoint_io import CheckpointIO
+from .cuda_graphs import DecodeGraphs, SpecGraphs
+from .decode_step import DecodeStep
+from .engine_config import EngineConfig
 from .model_config import ModelConfig
 from .models import HybridLM
-from .cuda_graphs import DecodeGraphs, SpecGraphs
-from .engine_config import EngineConfig
 from .prefix_cache import CheckpointHandle, PrefixCache
 from .request import Request, RequestDelta
-from .runner import InFlight, Runner, StepOutput
+from .runner import InFlight, Runner
+from .sampler import Sampler
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerConfig, StepPlan
-from .decode_step import DecodeStep
+from .scheduler import Scheduler, SchedulerConfig
+from .speculation import DraftEditor, Speculator
 from .state_pool import KVPool, StatePool
+from .step import StepOutput, StepPlan
 from .tokenizer import Tokenizer
 from .weights import load_model
 
 logger = logging.getLogger("deltaspec")
 
-DRAFT_VOCAB_FILE = "draft_vocab.json"
+class StepResult(NamedTuple):
+    """What waiting for a dispatched step gives: its output, and the step launched after it
+    (before its tokens were read), if any, which becomes the next step to dispatch."""
+
+    output: StepOutput
+    launched: InFlight | None = None
 
 
 class Dispatched(NamedTuple):
-    """A step on its way: `wait()` returns its output (blocking; safe in a worker thread)."""
+    """A step on its way: `wait()` returns its StepResult (blocking; safe in a worker thread)."""
 
     plan: StepPlan
-    wait: Callable[[], StepOutput]
+    wait: Callable[[], StepResult]
 
-
-def load_draft_vocab(model_path: Path, size: int) -> torch.Tensor:
-    """The `size` most frequent token ids from the checkpoint's draft_vocab.json
-    ({"token_ids": [...], most frequent first}; written by bench/draft_vocab.py)."""
-    path = model_path / DRAFT_VOCAB_FILE
-    try:
-        token_ids = json.loads(path.read_text())["token_ids"]
-    except FileNotFoundError:
-        raise ValueError(f"draft_vocab_size={size} needs {path} (make it with bench/draft_vocab.py)") from None
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"{path} is not a draft vocabulary file: {e}") from None
-    if len(token_ids) < size:
-        raise ValueError(f"{path} lists {len(token_ids)} tokens, draft_vocab_size is {size}")
-    return torch.tensor(token_ids[:size], dtype=torch.int64)
 
 CHECKPOINT_MEMORY_SHARE = 0.1  # of the pool budget, for prefix-cache checkpoint slots by default
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model: HybridLM | None = None, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(self, config: EngineConfig, model: HybridLM | None = None, tokenizer: Tokenizer | None = None,
+                 edit_drafts: DraftEditor | None = None) -> None:
         """Loads model and tokenizer from config.model unless given (benchmarks build random
-        models in memory; a given model must already be on config.device in config.dtype)."""
+        models in memory; a given model must already be on config.device in config.dtype).
+        edit_drafts: rewrites each speculative step's drafts before verify (tests and
+        benchmarks force acceptance counts with it; speculation.py)."""
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = _TORCH_DTYPES[config.dtype]
@@ -111,10 +109,13 @@ class EngineCore:
                                                    self.max_model_len), self.slots, self.blocks, self.cache)
         decode = DecodeStep(self.model, self.states, self.kv, config.block_size, bool(self.num_draft_tokens),
                             config.max_num_seqs, self._max_blocks_per_row)
-        self.runner = Runner(self.model, self.states, self.kv, self.ops, config.block_size, self.device, decode,
-                             graphs=self._decode_graphs(decode) if not decode.speculative else None,
-                             spec_graphs=self._spec_graphs(decode) if decode.speculative else None)
-        self.spec_stats = SpecStats()
+        sampler, checkpoint_io = Sampler(self.ops, self.device), CheckpointIO(self.states, self.kv)
+        speculator = Speculator(self.model, self.states, self.kv, decode, sampler, checkpoint_io, edit_drafts) \
+            if self.num_draft_tokens else None
+        self.runner = Runner(self.model, self.states, self.kv, sampler, checkpoint_io, config.block_size, self.device,
+                             decode, graphs=self._decode_graphs(decode) if speculator is None else None,
+                             speculator=speculator,
+                             spec_graphs=self._spec_graphs(decode, speculator) if speculator is not None else None)
         self._in_flight: InFlight | None = None  # launched by the last step's wait, next to dispatch
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -189,37 +190,33 @@ class EngineCore:
     def schedule(self) -> StepPlan:
         return self.scheduler.schedule()
 
-    def run(self, plan: StepPlan) -> StepOutput:
-        return self.runner.run(plan) if plan.rows else StepOutput([])
+    def run(self, plan: StepPlan) -> StepResult:
+        return StepResult(self.runner.run(plan) if plan.rows else StepOutput([]))
 
     def dispatch(self) -> Dispatched:
-        """The next step: the continuation launched earlier when there is one, else a freshly
-        scheduled step. Scheduling happens here; launches and the wait happen in `wait()`,
-        which launches the continuation of a plain decode step before waiting for it."""
+        """The next step: the one launched ahead by the last step's wait when there is one, else
+        a freshly scheduled step. Scheduling happens here; launches and the wait happen in
+        `wait()`, which launches the continuation of a plain decode step before waiting for it
+        and returns it in the StepResult."""
         current = self._in_flight
         plan = current.plan if current is not None else self.scheduler.schedule()
         if current is None and not (self.config.async_scheduling and self.runner.can_launch(plan)):
             return Dispatched(plan, lambda: self.run(plan))
         follow = self.scheduler.continuation(plan) if self.config.async_scheduling else None
 
-        def wait() -> StepOutput:
+        def wait() -> StepResult:
             launched = current if current is not None else self.runner.launch(plan)
-            self._in_flight = self.runner.launch(follow) if follow is not None else None
-            return launched.result()
+            ahead = self.runner.launch(follow) if follow is not None else None
+            return StepResult(launched.result(), ahead)
 
         return Dispatched(plan, wait)
 
-    def commit(self, plan: StepPlan, output: StepOutput) -> list[RequestDelta]:
-        if self.num_draft_tokens:
-            for row, tokens in zip(plan.decode_rows, output.emitted):
-                if row.num_draft_tokens:
-                    self.spec_stats.record(row.num_draft_tokens, len(tokens) - 1)
-        self.spec_stats.draft_seconds += output.draft_seconds
-        self.spec_stats.verify_seconds += output.verify_seconds
+    def commit(self, plan: StepPlan, result: StepResult) -> list[RequestDelta]:
+        """Fold a step's result in; the step it launched ahead becomes the next to dispatch."""
+        self._in_flight = result.launched
+        ahead = result.launched.plan if result.launched is not None else None
         deltas = []
-        ahead = self._in_flight.plan if self._in_flight is not None else None
-        for request in (self.scheduler.commit(plan, output.emitted, output.logprobs, output.num_pending, ahead)
-                        + self.scheduler.take_aborted()):
+        for request in self.scheduler.commit(plan, result.output, ahead) + self.scheduler.take_aborted():
             deltas.append(request.take_delta())
             if request.finish_reason is not None:
                 self.requests.pop(request.request_id, None)
@@ -245,7 +242,7 @@ class EngineCore:
             "state_bytes_per_sequence": self.states.bytes_per_slot,
             "state_bytes_per_sequence_without_speculation": self.states.bytes_per_slot_without_speculation,
             "num_draft_tokens": self.num_draft_tokens,
-            "spec": self.spec_stats.as_dict(),
+            "spec": self.scheduler.spec_stats.as_dict(),
         }
 
     @property
@@ -266,10 +263,10 @@ class EngineCore:
         logger.info("captured CUDA graphs for decode batch sizes %s", graphs.buckets)
         return graphs
 
-    def _spec_graphs(self, decode: DecodeStep) -> SpecGraphs | None:
+    def _spec_graphs(self, decode: DecodeStep, speculator: Speculator) -> SpecGraphs | None:
         if not self._graphs_enabled:
             return None
-        graphs = SpecGraphs(decode, self.config.max_num_seqs, self.num_draft_tokens, self.device)
+        graphs = SpecGraphs(decode, speculator, self.config.max_num_seqs, self.num_draft_tokens, self.device)
         graphs.capture()
         logger.info("captured CUDA graphs for speculative steps: batch sizes %s x drafts 0..%d", graphs.buckets,
                     self.num_draft_tokens)

@@ -1,4 +1,4 @@
-"""CUDA graphs of decode steps (decode_step.py), captured at start-up per batch-size bucket.
+"""CUDA graphs of decode steps (decode_step.py, speculation.py), captured at start-up per batch bucket.
 
 A decode step is dozens of small launches per layer; replaying a captured graph removes their
 launch cost. Each bucket's graphs read their inputs from static buffers; a step with B rows
@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .decode_step import DecodeRow, DecodeRows, DecodeStep, Verified, pack_rows
+from .decode_step import DecodeRow, DecodeRows, DecodeStep, pack_rows
+from .speculation import Speculator, Verified
 
 
 def default_buckets(max_batch: int) -> list[int]:
@@ -120,9 +121,10 @@ class _SpecGraph:
 
 
 class SpecGraphs(_StaticRows):
-    def __init__(self, step: DecodeStep, max_batch: int, max_drafts: int, device: torch.device) -> None:
+    def __init__(self, step: DecodeStep, speculator: Speculator, max_batch: int, max_drafts: int,
+                 device: torch.device) -> None:
         super().__init__(step, max_batch, device)
-        self.max_drafts = max_drafts
+        self.speculator, self.max_drafts = speculator, max_drafts
         model = step.model
         # The verify logits of every graph.
         self.logits = torch.empty(max_batch * (max_drafts + 1), model.config.vocab_size,
@@ -133,7 +135,7 @@ class SpecGraphs(_StaticRows):
     @_no_garbage_collection()
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
-        step = self.step
+        step = self.speculator
         for bucket in sorted(self.buckets, reverse=True):  # largest first: the pool fits the rest
             rows = self.rows.head(bucket)
             for num_drafts in range(self.max_drafts, -1, -1):

@@ -1,23 +1,12 @@
-"""Decode rows at fixed shapes: a plain decode step, and the speculative draft and verify stages.
+"""Decode rows at fixed shapes: their device form, block tables, the plain decode step, and the
+batch builder the speculative stages (speculation.py) run on.
 
-Every decode row of a step runs the same number of positions. A plain decode row feeds its
-newest token (committed at once). With speculation, whatever a row's own draft length k_r and
-however many MTP positions it has to catch up:
-
-  draft : the MTP catch-up over C = k + 1 positions from the row's first missing MTP position
-          (its n_r <= C real ones are the positions verified and accepted last step, inputs
-          shifted by one, with the target hidden states kept at the slot; the rest is padding),
-          then K - 1 chained single-token MTP steps on the MTP's own output. K is the step's
-          largest k_r; drafts are the MTP's argmax, [B, K].
-  verify: the target over K + 1 tokens per row, [newest, d_1 .. d_K], through the deferred-
-          commit kernels; greedy acceptance of each row's first k_r drafts; the slot's pending
-          count becomes its accepted count (rollback is that counter) and the fed positions'
-          hidden states are kept at the slot for the next catch-up.
-
-Fixed shapes make a step's device work a function of (number of rows, K) alone: the engine
-captures it in CUDA graphs per (batch bucket, K) (cuda_graphs.py), and the same code runs
-eagerly on the CPU and for steps that also carry prefill chunks (their verify forward is built
-by the runner; `accept` is shared).
+Every decode row of a step runs the same number of positions, so a step's device work is a
+function of (number of rows, positions per row) alone: the engine captures it in CUDA graphs per
+batch bucket (cuda_graphs.py), and the same code runs eagerly on the CPU. A plain decode row
+feeds its newest token, committed at once. With speculation a row also carries its draft count
+k_r and the MTP positions it has to catch up (at most C = k + 1, the positions verified and
+accepted last step, with their next tokens).
 
 Padding is harmless by construction. Every position a row writes past its valid ones lies in its
 own KV blocks (the scheduler reserves room for k drafts) at or after the first position whose
@@ -29,9 +18,9 @@ Positions, slot mappings and context lengths are derived on the device from a fe
 row, so a step copies one small packed tensor to the device. Block tables live on the device
 per slot (`slot_tables`): a step sends only the entries that changed since a slot's table was
 last sent (a new block every block_size tokens, a whole table when a slot gets a new request),
-and each stage gathers its rows' tables there. A plain row's
-token may also be *fed* (`fed_token`): the token the previous plain step emitted at one of its
-rows, read from the device buffer that step left it in, so a step can be launched before the
+and each stage gathers its rows' tables there. A plain row's token may also be *fed*
+(`DecodeRow.fed_from`): the token the previous plain step emitted at one of its rows, read from
+the device buffer that step left it in (`last_tokens`), so a step can be launched before the
 host has seen the tokens of the step before it (async scheduling, core.py). Knows nothing about
 requests or scheduling beyond the rows it is handed.
 """
@@ -44,27 +33,21 @@ import msgspec
 import numpy as np
 import torch
 
-from ..spec import greedy_accept
 from .batch import ForwardBatch, RowGroup
 from .models import HybridLM
 from .state_pool import KVPool, StatePool
 
 # Columns of DecodeRows.packed before the catch-up token ids.
-_SLOT, _NEWEST, _POSITION, _NUM_DRAFTS, _MTP_START, _NUM_CATCH_UP, _CATCH_UP_IDS = range(7)
-
-
-def fed_token(row: int) -> int:
-    """The `newest` of a plain decode row whose token is the one the previous plain step emitted
-    at its row `row` (token ids are >= 0; this is -1 - row)."""
-    return -1 - row
+_SLOT, _NEWEST, _IS_FED, _FED_FROM, _POSITION, _NUM_DRAFTS, _MTP_START, _NUM_CATCH_UP, _CATCH_UP_IDS = range(9)
 
 
 class DecodeRow(msgspec.Struct, frozen=True, gc=False):
     """What the device needs of one decode row (the scheduler's ScheduledRow, distilled). A
     msgspec Struct: every decode row of every step builds one (as RequestDelta says why).
 
-    position: where the newest token sits (its state is not folded in yet). newest may be a
-    `fed_token` (plain steps only). With speculation the MTP catches up positions
+    position: where the newest token sits (its state is not folded in yet). A fed row (plain
+    steps only) takes as its newest token the one the previous plain step emitted at its row
+    `fed_from` (`newest` is then unused). With speculation the MTP catches up positions
     [mtp_start, position) whose next tokens are catch_up_ids."""
 
     slot: int
@@ -74,12 +57,14 @@ class DecodeRow(msgspec.Struct, frozen=True, gc=False):
     num_drafts: int = 0
     mtp_start: int = 0
     catch_up_ids: Sequence[int] = ()
+    fed_from: int | None = None
 
 
 class DecodeRows(NamedTuple):
     """The decode rows of a step on the device, padding rows included ([B] leading dim)."""
 
-    packed: torch.Tensor  # [B, 6 + C] int64: slot, newest, position, k_r, mtp_start, n_r, catch-up ids
+    packed: torch.Tensor  # [B, 8 + C] int64: slot, newest, is_fed, fed_from, position, k_r, mtp_start, n_r,
+    #                                    catch-up ids
 
     @property
     def num_rows(self) -> int:
@@ -92,6 +77,14 @@ class DecodeRows(NamedTuple):
     @property
     def newest(self) -> torch.Tensor:
         return self.packed[:, _NEWEST]
+
+    @property
+    def is_fed(self) -> torch.Tensor:
+        return self.packed[:, _IS_FED]
+
+    @property
+    def fed_from(self) -> torch.Tensor:
+        return self.packed[:, _FED_FROM]
 
     @property
     def positions(self) -> torch.Tensor:
@@ -125,7 +118,7 @@ class DecodeRows(NamedTuple):
 
 def pack_rows(rows: Sequence[DecodeRow], catch_up: int, block_size: int, num_rows: int,
               pin_memory: bool) -> torch.Tensor:
-    """The host tensor packed [num_rows, 6 + C] of `rows` followed by padding rows (all zeros:
+    """The host tensor packed [num_rows, 8 + C] of `rows` followed by padding rows (all zeros:
     slot 0, nothing to draft or catch up). Every position a row may write, up to
     position + max(C, 1) - 1, must be in its own blocks."""
     packed = torch.zeros(num_rows, _CATCH_UP_IDS + catch_up, dtype=torch.int64, pin_memory=pin_memory)
@@ -138,15 +131,10 @@ def pack_rows(rows: Sequence[DecodeRow], catch_up: int, block_size: int, num_row
         last = r.position + max(catch_up, 1) - 1
         if last >= len(r.block_table) * block_size:
             raise ValueError(f"slot {r.slot}: {len(r.block_table)} KV blocks do not cover positions up to {last}")
-        packed_rows[i, :_CATCH_UP_IDS + num_catch_up] = (r.slot, r.newest, r.position, r.num_drafts, r.mtp_start,
-                                                         num_catch_up, *r.catch_up_ids)
+        fed = r.fed_from is not None
+        packed_rows[i, :_CATCH_UP_IDS + num_catch_up] = (r.slot, r.newest, fed, r.fed_from if fed else 0, r.position,
+                                                         r.num_drafts, r.mtp_start, num_catch_up, *r.catch_up_ids)
     return packed
-
-
-class Verified(NamedTuple):
-    logits: torch.Tensor    # [B * (K + 1), V] in the model's dtype, row-major by (row, depth)
-    accepted: torch.Tensor  # [B] int64: drafts accepted (greedy; sampled rows are redone by the runner)
-    emitted: torch.Tensor   # [B, K + 1] int64: row r emits emitted[r, :accepted[r] + 1]
 
 
 class DecodeStep:
@@ -154,8 +142,6 @@ class DecodeStep:
                  max_rows: int, max_blocks_per_row: int) -> None:
         """max_rows: decode rows per step at most (padding rows included); max_blocks_per_row: a
         row's block table at most."""
-        if speculative and (model.mtp is None or states.mtp_hidden is None):
-            raise ValueError("speculation needs a model with MTP weights and a pool that keeps MTP inputs")
         self.model, self.states, self.kv, self.block_size = model, states, kv, block_size
         self.speculative = speculative
         # C: MTP positions caught up per step at most, those verified and accepted last step.
@@ -211,89 +197,39 @@ class DecodeStep:
     def plain(self, rows: DecodeRows) -> tuple[torch.Tensor, torch.Tensor]:
         """A plain decode step (no speculation): each row's newest token, committed at once.
         Returns (float32 logits [B, V], their argmax [B]: a view of `last_tokens`)."""
-        newest = rows.newest
-        # A fed row (newest = -1 - j) takes the token the previous step emitted at row j.
-        input_ids = torch.where(newest >= 0, newest, self.last_tokens[(~newest).clamp(min=0)])
-        batch = self._batch(rows, self._tables(rows), rows.positions[:, None].contiguous(), input_ids, commit=True)
+        input_ids = torch.where(rows.is_fed.bool(), self.last_tokens[rows.fed_from], rows.newest)
+        batch = self.batch(rows, self.tables(rows), rows.positions[:, None].contiguous(), input_ids, commit=True)
         logits = self.model.compute_logits(self.model(batch, self.states, self.kv))
         greedy = self.last_tokens[:rows.num_rows]
         torch.argmax(logits, dim=-1, out=greedy)
         return logits, greedy
 
-    def draft(self, rows: DecodeRows, num_drafts: int) -> torch.Tensor:
-        """MTP catch-up + chain -> drafts [B, num_drafts] int64 (the catch-up runs even for
-        num_drafts = 0: it keeps the MTP's KV cache complete for later drafting)."""
-        num_rows, catch_up = rows.num_rows, self.catch_up
-        tables = self._tables(rows)
-        positions = rows.mtp_start[:, None] + self._arange(catch_up)                      # [B, C]
-        batch = self._batch(rows, tables, positions, rows.catch_up_ids.reshape(-1), commit=True)
-        kept = self.states.mtp_hidden[rows.slots].flatten(0, 1)                             # [B*C, H]
-        out = self.model.draft_hidden(batch.input_ids, kept, batch, self.kv).view(num_rows, catch_up, -1)
-        if num_drafts == 0:
-            return rows.packed.new_empty(num_rows, 0)
-        # The MTP output at each row's newest caught-up position predicts the first draft.
-        hidden = out[self._arange(num_rows), (rows.num_catch_up - 1).clamp(min=0)]        # [B, H]
-        drafts = [self.model.draft_tokens(hidden)]
-        for depth in range(1, num_drafts):
-            # MTP position (newest - 1 + depth): input the previous draft and the MTP's own output.
-            positions = (rows.positions + (depth - 1))[:, None]
-            batch = self._batch(rows, tables, positions, drafts[-1], commit=True)
-            hidden = self.model.draft_hidden(drafts[-1], hidden, batch, self.kv)
-            drafts.append(self.model.draft_tokens(hidden))
-        return torch.stack(drafts, dim=1)
-
-    def verify(self, rows: DecodeRows, drafts: torch.Tensor, logits_out: torch.Tensor | None = None) -> Verified:
-        """The target over [newest, drafts] of every row, then `accept`. logits_out: where the
-        logits go ([B * (K + 1), V]; a graph's static buffer), or None for a new tensor."""
-        num_rows, num_drafts = drafts.shape
-        positions = rows.positions[:, None] + self._arange(num_drafts + 1)              # [B, K+1]
-        input_ids = torch.cat([rows.newest[:, None], drafts], dim=1).reshape(-1)
-        batch = self._batch(rows, self._tables(rows), positions, input_ids, commit=False)
-        hidden = self.model(batch, self.states, self.kv)
-        logits = self.model.logits(hidden, out=logits_out)
-        accepted, emitted = self.accept(hidden, logits, rows, drafts)
-        return Verified(logits, accepted, emitted)
-
-    def accept(self, hidden: torch.Tensor, logits: torch.Tensor, rows: DecodeRows,
-               drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [B*(K+1), H], logits [B*(K+1), V] of the fed tokens -> greedy (accepted,
-        emitted); sets each slot's pending count to its accepted drafts and keeps the hidden
-        states for the next catch-up. Argmax of the model-dtype logits equals argmax of their
-        float32 copies (the widening is exact)."""
-        num_rows, width = drafts.shape[0], drafts.shape[1] + 1
-        slots = rows.slots
-        self.states.mtp_hidden[slots, :width] = hidden.view(num_rows, width, -1)
-        target = logits.argmax(dim=-1).view(num_rows, width)
-        accepted, emitted = greedy_accept(target, drafts, rows.num_drafts)
-        self.states.pending_counts[slots] = accepted.to(torch.int32)
-        return accepted, emitted
-
-    def _tables(self, rows: DecodeRows) -> torch.Tensor:
+    def tables(self, rows: DecodeRows) -> torch.Tensor:
         """The rows' block tables [B, max_blocks_per_row] int32, gathered from `slot_tables`."""
         return self.slot_tables.index_select(0, rows.slots)
 
-    def _batch(self, rows: DecodeRows, tables: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor,
+    def batch(self, rows: DecodeRows, tables: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor,
                commit: bool) -> ForwardBatch:
         """A batch of rows with q = positions.shape[1] consecutive new positions each."""
         num_rows, q = positions.shape
         block = tables.gather(1, positions // self.block_size).long()
         slot_mapping = (block * self.block_size + positions % self.block_size).reshape(-1)
-        cu_seqlens = self._arange(num_rows + 1, q, torch.int32)
+        cu_seqlens = self.arange(num_rows + 1, q, torch.int32)
         num_tokens = num_rows * q
-        group = RowGroup(0, num_tokens, cu_seqlens, rows.slots.to(torch.int32), self._ones(num_rows))
-        empty = self._arange(1, 0, torch.int32)
+        group = RowGroup(0, num_tokens, cu_seqlens, rows.slots.to(torch.int32), self.ones(num_rows))
+        empty = self.arange(1, 0, torch.int32)
         return ForwardBatch(
             input_ids=input_ids, positions=positions.reshape(-1), cu_seqlens=cu_seqlens,
             context_lens=(positions[:, -1] + 1).to(torch.int32), block_tables=tables, slot_mapping=slot_mapping,
-            logits_indices=self._arange(num_tokens), decode=group,
-            prefill=RowGroup(num_tokens, num_tokens, empty, empty[:0], self._ones(0)), commit=commit)
+            logits_indices=self.arange(num_tokens), decode=group,
+            prefill=RowGroup(num_tokens, num_tokens, empty, empty[:0], self.ones(0)), commit=commit)
 
-    def _arange(self, n: int, step: int = 1, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    def arange(self, n: int, step: int = 1, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         """arange(n) * step on the device, made once (not a kernel per graph replay)."""
         return self._constant(("arange", n, step, dtype),
                               lambda device: torch.arange(n, dtype=dtype, device=device) * step)
 
-    def _ones(self, n: int) -> torch.Tensor:
+    def ones(self, n: int) -> torch.Tensor:
         return self._constant(("ones", n), lambda device: torch.ones(n, dtype=torch.bool, device=device))
 
     def _constant(self, key: tuple, make) -> torch.Tensor:

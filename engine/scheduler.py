@@ -30,14 +30,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-import msgspec
 
 from ..kernels.gdn_chunked import CHUNK_SIZE
-from ..spec import AdaptivePolicy, DraftLengthState
+from ..spec import AdaptivePolicy, DraftLengthState, SpecStats
 from .allocators import BlockAllocator, SlotAllocator
-from .decode_step import fed_token
-from .prefix_cache import CacheOps, Checkpoint, CheckpointWrite, PrefixCache
+from .prefix_cache import Checkpoint, CheckpointWrite, PrefixCache
 from .request import Request, RequestStatus
+from .step import ScheduledRow, StepOutput, StepPlan
 
 
 @dataclass(frozen=True)
@@ -55,53 +54,6 @@ class SchedulerConfig:
                              "needs one token per step)")
 
 
-class ScheduledRow(msgspec.Struct, frozen=True, gc=False):
-    """One request's work this step.
-
-    Decode rows feed the newest token plus `num_draft_tokens` drafts (verify). With speculation
-    on, the MTP layer also runs over positions [mtp_start, mtp_end) with inputs shifted by one:
-    for a decode row those are the positions verified and accepted last step (their target
-    hidden states were kept), for a prefill row the chunk's positions (hidden states from this
-    step's forward).
-
-    A msgspec Struct: every running request gets one per step (as RequestDelta says why).
-    block_table is the request's own (immutable) tuple."""
-
-    request: Request
-    token_ids: list[int]
-    start_position: int
-    slot: int
-    block_table: tuple[int, ...]
-    sample: bool  # the row ends at the request's newest token: its logits give the next token
-    num_draft_tokens: int = 0
-    mtp_start: int = 0
-    mtp_end: int = 0
-    checkpoints: tuple[CheckpointWrite, ...] = ()  # prefill rows: checkpoints the forward writes
-
-    @property
-    def mtp_token_ids(self) -> list[int]:
-        """MTP inputs: the token after each MTP position."""
-        return self.request.token_ids(self.mtp_start + 1, self.mtp_end + 1)
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    decode_rows: tuple[ScheduledRow, ...]
-    prefill_rows: tuple[ScheduledRow, ...]
-    # Fully cached prompts: no tokens to run, the first token comes from the restored hidden state.
-    cached_rows: tuple[ScheduledRow, ...] = ()
-    cache_ops: CacheOps = CacheOps()
-    pinned: tuple[Checkpoint, ...] = ()  # checkpoints this step restores (unpinned at commit)
-
-    @property
-    def rows(self) -> tuple[ScheduledRow, ...]:
-        return self.decode_rows + self.prefill_rows + self.cached_rows
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(r.token_ids) for r in self.rows)
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, slots: SlotAllocator, blocks: BlockAllocator,
                  cache: PrefixCache) -> None:
@@ -109,6 +61,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.num_preempted = 0
+        self.spec_stats = SpecStats()  # engine-wide speculation counters and stage times
         self._aborted: list[Request] = []
         self._abort_requested = False  # since the last step boundary
 
@@ -221,19 +174,15 @@ class Scheduler:
             if position + 1 > len(request.block_table) * block_size \
                     and not self._reserve_blocks(request, position + 1, scheduled=None):
                 return None  # preemption is `schedule`'s business
-            rows.append(ScheduledRow(request, [fed_token(index)], position, request.slot, request.block_table, True))
+            rows.append(ScheduledRow(request, [], position, request.slot, request.block_table, True, fed_from=index))
         if not rows or in_plan != len(self.running):
             return None  # nothing left to decode, or a running request needs a prefill chunk
         return StepPlan(tuple(rows), (), (), self.cache.take_ops())
 
-    def commit(self, plan: StepPlan, emitted: list[list[int]], logprobs: list | None = None,
-               num_pending: list[int] | None = None, ahead: StepPlan | None = None) -> list[Request]:
-        """Fold the step's results in. emitted[i]: the tokens plan.rows[i] produced (none for a
-        prefill chunk that does not end the prompt; accepted drafts + one for a verify row).
-        logprobs[i]: their TokenLogprobs when the request asked for them. num_pending[i]: fed
-        tokens of the row left pending in its slot (None: nothing pending anywhere). ahead: the
-        step launched after this one (`continuation`), which already fed its rows their newest
-        token.
+    def commit(self, plan: StepPlan, output: StepOutput, ahead: StepPlan | None = None) -> list[Request]:
+        """Fold the step's output in (StepOutput: per plan row, the emitted tokens, their
+        log-probabilities, the fed tokens left pending in the slot). ahead: the step launched
+        after this one (`continuation`), which already fed its rows their newest token.
         Returns the requests that got tokens or finished."""
         self.cache.register_writes()
         # Aborts take effect here too: a request aborted while this step ran gets none of its
@@ -241,10 +190,13 @@ class Scheduler:
         self._release_aborted()
         for checkpoint in plan.pinned:
             self.cache.unpin(checkpoint)
+        self.spec_stats.draft_seconds += output.draft_seconds
+        self.spec_stats.verify_seconds += output.verify_seconds
+        logprobs, num_pending = output.logprobs, output.num_pending
         updated = []
         num_decode_rows = len(plan.decode_rows)
         running = RequestStatus.RUNNING  # looked up once: on Python 3.11 an Enum member costs a call
-        for index, (row, tokens) in enumerate(zip(plan.rows, emitted)):
+        for index, (row, tokens) in enumerate(zip(plan.rows, output.emitted)):
             request = row.request
             if request.status is not running:
                 continue  # preempted while this step ran: it recomputes from scratch
@@ -252,13 +204,11 @@ class Scheduler:
             accepted_drafts = len(tokens) - 1 if row.num_draft_tokens else 0
             # Fed tokens whose state is now pending or committed: the row's token(s) and the
             # drafts the target confirmed.
-            request.num_computed_tokens += len(row.token_ids) + accepted_drafts
+            request.num_computed_tokens += row.num_tokens + accepted_drafts
             if row.mtp_end > request.mtp_position:
                 request.mtp_position = row.mtp_end
             if request.draft_length is not None and index < num_decode_rows:
-                request.draft_length.record(row.num_draft_tokens, accepted_drafts)
-                if row.num_draft_tokens:
-                    request.spec_stats.record(row.num_draft_tokens, accepted_drafts)
+                self._record_verify(request, row.num_draft_tokens, accepted_drafts)
             if row.sample:
                 request.extend(tokens, logprobs[index] if logprobs else None)
                 updated.append(request)
@@ -267,6 +217,15 @@ class Scheduler:
                     self._finish(request, fed_ahead)
         Request.update_texts(updated)
         return updated
+
+    def _record_verify(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+        """The one place a decode row's speculation outcome is counted: the request's adaptive
+        length (which also counts steps without drafts, to probe again), its counters and the
+        engine's."""
+        request.draft_length.record(num_drafted, num_accepted)
+        if num_drafted:
+            request.spec_stats.record(num_drafted, num_accepted)
+            self.spec_stats.record(num_drafted, num_accepted)
 
     # Helpers ------------------------------------------------------------------------------
 

@@ -1,9 +1,18 @@
-"""deltaspec.spec: the math and policies of MTP speculative decoding — draft selection,
-acceptance (greedy and rejection sampling), adaptive draft length and counters. The engine's
-runner executes the forwards; this package decides. Depends only on deltaspec.kernels."""
+"""deltaspec.spec: the math and policies of MTP speculative decoding, on tensors and numbers.
 
-from .accept import greedy_accept
+- accept.py      greedy acceptance and rejection sampling of drafts against the verify logits
+- adaptive.py    the per-request adaptive draft length
+- stats.py       speculation counters (per-position acceptance, mean accepted length)
+- draft_vocab.py the reduced draft vocabulary's file format
+
+The engine's speculation module (engine/speculation.py) runs the draft and verify forwards on
+the pools and calls this package to decide what is accepted. Depends only on deltaspec.kernels.
+"""
+
+from .accept import greedy_accept, rejection_accept
 from .adaptive import AdaptivePolicy, DraftLengthState
+from .draft_vocab import DRAFT_VOCAB_FILE, load_draft_vocab, write_draft_vocab
 from .stats import SpecStats
 
-__all__ = ["AdaptivePolicy", "DraftLengthState", "SpecStats", "greedy_accept"]
+__all__ = ["AdaptivePolicy", "DRAFT_VOCAB_FILE", "DraftLengthState", "SpecStats", "greedy_accept", "load_draft_vocab",
+           "rejection_accept", "write_draft_vocab"]

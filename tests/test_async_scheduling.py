@@ -42,7 +42,7 @@ class LaunchCounter:
         launch = core.runner.launch
 
         def counting(plan):
-            self.fed_steps += any(row.token_ids[0] < 0 for row in plan.decode_rows)
+            self.fed_steps += plan.is_fed
             return launch(plan)
 
         core.runner.launch = counting

@@ -29,7 +29,7 @@ def test_slot_tables_follow_growth_and_reuse(checkpoint):
         sent.append(step.sync_tables(rows))
         assert sent[-1] <= changed  # growth sends the new entry only
         packed = pack_rows(rows, step.catch_up, step.block_size, len(rows) + 1, pin_memory=False)
-        gathered = step._tables(DecodeRows(packed)).tolist()
+        gathered = step.tables(DecodeRows(packed)).tolist()
         for row, table in zip(rows, gathered):
             assert table[:len(row.block_table)] == list(row.block_table)
         assert not any(gathered[-1])  # the padding row: slot 0, scratch block 0
@@ -38,7 +38,10 @@ def test_slot_tables_follow_growth_and_reuse(checkpoint):
 
 
 def test_pack_rows_matches_the_rows():
-    rows = [DecodeRow(3, 11, 40, (1, 2, 3), 2, 37, (5, 6, 7)), DecodeRow(5, 12, 20, (4, 9), 0, 19, (8,))]
+    """Columns: slot, newest, is_fed, fed_from, position, k_r, mtp_start, n_r, catch-up ids; a fed
+    row names the previous step's row whose token it takes; padding rows are all zeros."""
+    rows = [DecodeRow(3, 11, 40, (1, 2, 3), 2, 37, (5, 6, 7)), DecodeRow(5, 12, 20, (4, 9), 0, 19, (8,)),
+            DecodeRow(6, 0, 21, (10, 11), fed_from=1)]
     packed = pack_rows(rows, 4, 16, 4, pin_memory=False)
-    assert packed.tolist() == [[3, 11, 40, 2, 37, 3, 5, 6, 7, 0], [5, 12, 20, 0, 19, 1, 8, 0, 0, 0],
-                               [0] * 10, [0] * 10]
+    assert packed.tolist() == [[3, 11, 0, 0, 40, 2, 37, 3, 5, 6, 7, 0], [5, 12, 0, 0, 20, 0, 19, 1, 8, 0, 0, 0],
+                               [6, 0, 1, 1, 21, 0, 0, 0, 0, 0, 0, 0], [0] * 12]

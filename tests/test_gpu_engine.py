@@ -82,7 +82,7 @@ def test_speculation_is_lossless_on_gpu(family, gpu_checkpoint, k):
 
 
 def test_spec_graphs_are_lossless_for_every_acceptance_count(family, gpu_checkpoint):
-    """Through the captured draft/verify graphs (the hook edits the draft graph's output in
+    """Through the captured draft/verify graphs (the draft editor edits the draft graph's output in
     place): every acceptance count 0..k occurs, output equals plain greedy decoding and equals
     the eager speculative engine's, and every slot and block is free afterwards."""
     path, k = gpu_checkpoint(family), 3
@@ -92,10 +92,9 @@ def test_spec_graphs_are_lossless_for_every_acceptance_count(family, gpu_checkpo
     truth = {str(i): tokens for i, tokens in enumerate(base)}
     outputs = []
     for graphs in (True, False):
-        core = EngineCore(EngineConfig(model=path, num_draft_tokens=k, adaptive_draft_length=False,
-                                       enable_cuda_graphs=graphs, **options))
         drafter = ScriptedDrafter(truth, seed=3)
-        core.runner.draft_hook = drafter
+        core = EngineCore(EngineConfig(model=path, num_draft_tokens=k, adaptive_draft_length=False,
+                                       enable_cuda_graphs=graphs, **options), edit_drafts=drafter)
         replays = count_graph_steps(core) if graphs else None
         outputs.append(generate(core, batch))
         assert set(drafter.forced) == set(range(k + 1))

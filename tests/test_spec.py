@@ -31,7 +31,7 @@ def generate(core: EngineCore, batch: list[list[int]], params=GREEDY) -> list[li
 
 
 class ScriptedDrafter:
-    """A draft hook: replaces the MTP's drafts (its KV side effects stay real) with the true
+    """A draft editor (EngineCore(edit_drafts=...)): replaces the MTP's drafts (its KV side effects stay real) with the true
     greedy continuation corrupted at a chosen depth, so acceptance a = 0..k all occur."""
 
     def __init__(self, truth: dict[str, list[int]], seed: int) -> None:
@@ -59,10 +59,9 @@ def test_greedy_is_lossless_for_every_acceptance_count(family, checkpoint, k):
     path = checkpoint(family)
     batch = prompts(5, seed=k)
     base = generate(EngineCore(EngineConfig(model=path)), batch)
-    core = EngineCore(EngineConfig(model=path, num_draft_tokens=k, adaptive_draft_length=False))
     truth = {str(i): tokens for i, tokens in enumerate(base)}
     drafter = ScriptedDrafter(truth, seed=k)
-    core.runner.draft_hook = drafter
+    core = EngineCore(EngineConfig(model=path, num_draft_tokens=k, adaptive_draft_length=False), edit_drafts=drafter)
     assert generate(core, batch) == base
     assert set(drafter.forced) == set(range(k + 1))          # every acceptance count happened
     stats = core.stats()["spec"]
@@ -102,9 +101,8 @@ def test_rollback_is_a_counter(checkpoint):
     prompt = prompts(1, seed=3)[0] + [1, 2, 3]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     base = generate(EngineCore(EngineConfig(model=path)), [prompt], params)
-    core = EngineCore(EngineConfig(model=path, num_draft_tokens=4, adaptive_draft_length=False))
     drafter = ScriptedDrafter({"0": base[0]}, seed=5)
-    core.runner.draft_hook = drafter
+    core = EngineCore(EngineConfig(model=path, num_draft_tokens=4, adaptive_draft_length=False), edit_drafts=drafter)
     request = core.add_request(prompt, params)
     while True:  # step until a verify accepted some but not all drafts; inspect before the next folds it
         seen = len(drafter.forced)
@@ -240,8 +238,7 @@ def test_sampling_with_speculation_keeps_the_distribution(checkpoint):
     plain = sample_all(EngineCore(EngineConfig(model=path, max_num_seqs=64, max_num_batched_tokens=512)), 0)
     favourites = [max(set(col), key=col.count) for col in zip(*plain)]
     core = EngineCore(EngineConfig(model=path, max_num_seqs=64, max_num_batched_tokens=512, num_draft_tokens=2,
-                                   adaptive_draft_length=False))
-    core.runner.draft_hook = FrequentTokenDrafter(favourites)
+                                   adaptive_draft_length=False), edit_drafts=FrequentTokenDrafter(favourites))
     spec = sample_all(core, 10**6)
     stats = core.stats()["spec"]
     assert 0.1 < stats["acceptance_by_position"][0] < 0.9  # both branches of the test ran
@@ -280,14 +277,13 @@ def test_reduced_draft_vocabulary_is_lossless(checkpoint, tmp_path):
     (path / "draft_vocab.json").write_text(json.dumps({"token_ids": vocab}))
     batch = prompts(3, seed=21)
     base = generate(EngineCore(EngineConfig(model=path)), batch)
-    core = EngineCore(EngineConfig(model=path, num_draft_tokens=3, adaptive_draft_length=False,
-                                   draft_vocab_size=len(vocab)))
     proposed = []
 
     def recording(rows, drafts):
         proposed.extend(drafts[i, :r.num_draft_tokens].tolist() for i, r in enumerate(rows))
 
-    core.runner.draft_hook = recording
+    core = EngineCore(EngineConfig(model=path, num_draft_tokens=3, adaptive_draft_length=False,
+                                   draft_vocab_size=len(vocab)), edit_drafts=recording)
     assert generate(core, batch) == base
     assert proposed and all(t in set(vocab) for row in proposed for t in row)
     with pytest.raises(ValueError, match="lists 171 tokens"):

@@ -1,0 +1,81 @@
+"""Next tokens from logits on the device, and the log-probabilities requests ask for.
+
+`sample` draws each row's token without a host sync: greedy rows take the argmax, sampled rows
+the seeded draw of the sampling kernel (temperature, top-k, top-p, min-p), which depends only on
+(seed, position), so a request's samples do not depend on the rest of its batch. `filter_probs`
+gives the filtered distributions rejection sampling verifies drafts against. `logprobs` scores
+emitted tokens under the raw distribution. Knows nothing about steps or speculation: a row is
+a ScheduledRow's request parameters and position.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..kernels import Ops
+from .batch import device_tensor
+from .request import TokenLogprobs
+from .sampling_params import SamplingParams
+from .step import ScheduledRow
+
+
+class Sampler:
+    def __init__(self, ops: Ops, device: torch.device) -> None:
+        self.ops, self.device = ops, device
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[ScheduledRow]) -> torch.Tensor:
+        """The next token of each row (logits row i is rows[i]'s) [B] int64, on the device."""
+        params = [r.request.params for r in rows]
+        if all(p.greedy for p in params):  # greedy fast path: no filtering, no noise
+            return logits.argmax(dim=-1)
+        tokens, _ = self.ops.sample(
+            logits, *self.filter_columns(params),
+            self.tensor([r.request.seed for r in rows]),
+            # The position the sampled token will take: a seeded draw depends on nothing else.
+            self.tensor([r.start_position + r.num_tokens for r in rows]),
+        )
+        return tokens
+
+    def filter_probs(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """Each row's filtered, renormalised distribution [N, V] float32 (row i under params[i])."""
+        return self.ops.filter_probs(logits.float(), *self.filter_columns(params))
+
+    def filter_columns(self, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, ...]:
+        """Per-row (temperature, top_k, top_p, min_p) tensors of the sampling ops."""
+        def column(values, dtype):
+            return device_tensor(values, dtype, self.device)
+
+        return (column([p.temperature for p in params], torch.float32), column([p.top_k for p in params], torch.int64),
+                column([p.top_p for p in params], torch.float32), column([p.min_p for p in params], torch.float32))
+
+    def logprobs(self, logits: torch.Tensor, rows: Sequence[ScheduledRow], logit_rows: list[list[int]],
+                 emitted: list[list[int]]) -> list[list[TokenLogprobs] | None] | None:
+        """Raw-distribution log-probabilities of each emitted token (logits row logit_rows[i][j]
+        scored emitted[i][j]) and the top-N, for rows whose request set `logprobs`."""
+        asking = [i for i, r in enumerate(rows) if r.request.params.logprobs is not None and emitted[i]]
+        if not asking:
+            return None
+        index = [j for i in asking for j in logit_rows[i]]
+        chosen = [t for i in asking for t in emitted[i]]
+        scores = torch.log_softmax(logits[self.tensor(index)].float(), dim=-1)
+        chosen_lp = scores.gather(1, self.tensor(chosen)[:, None])[:, 0].tolist()
+        top_n = max(rows[i].request.params.logprobs for i in asking)
+        top_values, top_ids = scores.topk(top_n, dim=-1) if top_n else (scores[:, :0], scores[:, :0].long())
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        result: list[list[TokenLogprobs] | None] = [None] * len(rows)
+        position = 0
+        for i in asking:
+            n = rows[i].request.params.logprobs
+            entries = []
+            for _ in emitted[i]:
+                entries.append(TokenLogprobs(chosen_lp[position],
+                                             list(zip(top_ids[position][:n], top_values[position][:n]))))
+                position += 1
+            result[i] = entries
+        return result
+
+    def tensor(self, values: Sequence[int]) -> torch.Tensor:
+        """int64 values on the device, without stalling its stream."""
+        return device_tensor(values, torch.int64, self.device)

@@ -1,0 +1,115 @@
+"""The step contract between the scheduler and the runner: what one step runs and what it gave.
+
+    Scheduler.schedule() -> StepPlan  ──►  Runner.run(plan) -> StepOutput  ──►  Scheduler.commit(plan, output)
+
+A StepPlan lists the step's rows in the order the runner relies on: decode rows first (one token
+each, plus the drafts the runner makes for them when speculating), then prefill chunks, then
+cached rows (fully cached prompts, nothing to run). A StepOutput holds, per plan row in that
+order, the tokens it emitted and what the scheduler needs to fold them in. Data flows one way:
+the runner reads nothing of the scheduler beyond the plan, the scheduler nothing of the device.
+
+A decode row's token may be *fed*: when the step is planned before the step in flight has been
+read (async scheduling), the row names the row of that step whose emitted token it takes
+(`fed_from`), and the runner reads the token on the device. Knows nothing about how rows are
+chosen or run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from .batch import Row
+from .prefix_cache import CacheOps, Checkpoint, CheckpointWrite
+from .request import Request, TokenLogprobs
+
+
+class ScheduledRow(msgspec.Struct, frozen=True, gc=False):
+    """One request's work this step.
+
+    Decode rows feed the newest token (`token_ids`, or the token the step in flight emits at its
+    row `fed_from`) plus `num_draft_tokens` drafts (verify). With speculation on, the MTP layer
+    also runs over positions [mtp_start, mtp_end) with inputs shifted by one: for a decode row
+    those are the positions verified and accepted last step (their target hidden states were
+    kept), for a prefill row the chunk's positions (hidden states from this step's forward).
+
+    A msgspec Struct: every running request gets one per step (as RequestDelta says why).
+    block_table is the request's own (immutable) tuple."""
+
+    request: Request
+    token_ids: list[int]  # empty for a fed row
+    start_position: int
+    slot: int
+    block_table: tuple[int, ...]
+    sample: bool  # the row ends at the request's newest token: its logits give the next token
+    num_draft_tokens: int = 0
+    mtp_start: int = 0
+    mtp_end: int = 0
+    checkpoints: tuple[CheckpointWrite, ...] = ()  # prefill rows: checkpoints the forward writes
+    fed_from: int | None = None  # a fed decode row: the row of the step in flight giving its token
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the row feeds (drafts aside)."""
+        return 1 if self.fed_from is not None else len(self.token_ids)
+
+    @property
+    def mtp_token_ids(self) -> list[int]:
+        """MTP inputs: the token after each MTP position."""
+        return self.request.token_ids(self.mtp_start + 1, self.mtp_end + 1)
+
+    def forward_row(self) -> Row:
+        """The row as the model's varlen batch takes it (known tokens only)."""
+        return Row(self.token_ids, self.start_position, self.slot, self.block_table, num_logits=int(self.sample),
+                   checkpoints=tuple((w.position - self.start_position, w.slot) for w in self.checkpoints))
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    decode_rows: tuple[ScheduledRow, ...]
+    prefill_rows: tuple[ScheduledRow, ...]
+    # Fully cached prompts: no tokens to run, the first token comes from the restored hidden state.
+    cached_rows: tuple[ScheduledRow, ...] = ()
+    cache_ops: CacheOps = CacheOps()
+    pinned: tuple[Checkpoint, ...] = ()  # checkpoints this step restores (unpinned at commit)
+
+    @property
+    def rows(self) -> tuple[ScheduledRow, ...]:
+        return self.decode_rows + self.prefill_rows + self.cached_rows
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rows)
+
+    @property
+    def is_fed(self) -> bool:
+        """Some decode row takes its token from the step in flight."""
+        return any(r.fed_from is not None for r in self.decode_rows)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """Per plan row (decode rows first), what the step produced."""
+
+    emitted: list[list[int]]  # the tokens each row emitted (accepted drafts + one for a verify row)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    # One TokenLogprobs per emitted token, for rows whose request asked for them.
+    logprobs: list[list[TokenLogprobs] | None] | None = None
+    # Fed tokens of each row left pending in its slot (None: none anywhere, no speculation).
+    num_pending: list[int] | None = None
+
+    def then(self, other: "StepOutput") -> "StepOutput":
+        """This step's rows followed by other's."""
+        def joined(mine, theirs, size_mine, size_theirs):
+            if mine is None and theirs is None:
+                return None
+            return (mine or [None] * size_mine) + (theirs or [None] * size_theirs)
+
+        n, m = len(self.emitted), len(other.emitted)
+        pending = None if self.num_pending is None and other.num_pending is None else \
+            (self.num_pending or [0] * n) + (other.num_pending or [0] * m)
+        return StepOutput(self.emitted + other.emitted, self.draft_seconds + other.draft_seconds,
+                          self.verify_seconds + other.verify_seconds, joined(self.logprobs, other.logprobs, n, m),
+                          pending)
