@@ -8,7 +8,7 @@ the recurrent state at q too. A `Checkpoint` at q holds everything a new sequenc
     of positions [mtp_position, q) the MTP catch-up still needs (`mtp_hidden`);
   - the KV blocks covering [0, q), one reference each (full blocks are shared read-only; a
     partial last block is the checkpoint's own).
-Checkpoints come from (DESIGN.md, "Prefix cache"):
+Checkpoints come from (docs/design.md, "Prefix cache"):
   - every `checkpoint_interval`-th block boundary a prefill chunk passes and the exact end of
     every prompt, written by the chunked GDN kernel during the forward (`CheckpointWrite`);
   - the end of every finished request (prompt + output): its slot and blocks change owner,

@@ -1,4 +1,4 @@
-"""The MTP module against an independent, straightforward torch implementation of DESIGN.md's
+"""The MTP module against an independent, straightforward torch implementation of docs/design.md's
 formula, written here from the raw checkpoint tensors:
 
     u      = fc(cat[pre_fc_norm_embedding(embed(x_{t+1})), pre_fc_norm_hidden(h_t)])

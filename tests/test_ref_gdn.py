@@ -6,7 +6,7 @@ against code that shares nothing with them. Contracts checked:
   - chunked varlen prefill = the token-by-token recurrence (outputs and final state), with and
     without an initial state read from a permuted slot, HV = HK and HV = 2 HK;
   - causal conv1d prefill = F.conv1d over (initial window ++ row), final window = last W-1 inputs;
-  - deferred commit is exact (DESIGN.md, "State"): one prefill, commit decode steps, or verify
+  - deferred commit is exact (docs/design.md, "Deferred commit"): one prefill, commit decode steps, or verify
     steps with pending counts 0..k and rollback give the same outputs and final state; a verify
     step commits its first token at once, and committed state + pending raw inputs and g, beta
     reproduce the state of running only the accepted tokens;
@@ -444,7 +444,7 @@ def test_rejected_drafts_are_never_read():
 
 
 # ----------------------------------------------------------------------------------------------
-# Stale state must never be read (DESIGN: a fresh slot's "state is not read until written";
+# Stale state must never be read (design: a fresh slot's "state is not read until written";
 # pending columns past the count are rejected tokens). A previous owner that diverged can leave
 # inf/NaN there; multiplying by 0 instead of selecting lets it leak into a new sequence.
 # ----------------------------------------------------------------------------------------------
