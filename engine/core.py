@@ -58,12 +58,12 @@ class Dispatched(NamedTuple):
 
 def load_draft_vocab(model_path: Path, size: int) -> torch.Tensor:
     """The `size` most frequent token ids from the checkpoint's draft_vocab.json
-    ({"token_ids": [...], most frequent first}; written by bench/draft_vocab.py)."""
+    ({"token_ids": [...], most frequent first}; written by bench/tools/draft_vocab.py)."""
     path = model_path / DRAFT_VOCAB_FILE
     try:
         token_ids = json.loads(path.read_text())["token_ids"]
     except FileNotFoundError:
-        raise ValueError(f"draft_vocab_size={size} needs {path} (make it with bench/draft_vocab.py)") from None
+        raise ValueError(f"draft_vocab_size={size} needs {path} (make it with bench/tools/draft_vocab.py)") from None
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise ValueError(f"{path} is not a draft vocabulary file: {e}") from None
     if len(token_ids) < size:
