@@ -9,6 +9,8 @@ import subprocess
 import torch
 import triton
 
+from deltaspec.server.acceptance_benchmark import device_tag  # noqa: F401  (the results' device naming)
+
 
 def copy_bandwidth() -> float:
     """Bytes read + written per second by a 1 GiB device-to-device copy of random data (median)."""
@@ -44,15 +46,6 @@ def graph_time_us(launch, repeats: int, replays: int = 20) -> float:
         times.append(start.elapsed_time(end) * 1000.0 / repeats)
     del graph
     return sorted(times)[len(times) // 2]
-
-
-def device_tag(name: str) -> str:
-    """Short GPU name for result file names (h200, h100, ...)."""
-    lowered = name.lower()
-    for tag in ("h200", "h100", "a100", "l40s", "b200"):
-        if tag in lowered:
-            return tag
-    return "".join(c if c.isalnum() else "-" for c in lowered).strip("-")
 
 
 def commit_id() -> str:

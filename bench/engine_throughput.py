@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from fixtures import make_tokenizer  # noqa: E402
 
-from common import copy_bandwidth  # noqa: E402
+from common import commit_id, copy_bandwidth, device_tag  # noqa: E402
 from deltaspec.engine import EngineConfig, ModelConfig, SamplingParams  # noqa: E402
 from deltaspec.engine.batch import ForwardBatch, Row  # noqa: E402
 from deltaspec.engine.core import EngineCore  # noqa: E402
@@ -158,9 +156,7 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     result = {"benchmark": "engine_throughput", "device": gpu,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              # The GPU machine's copy of the tree has no .git: the caller passes the commit.
-              "commit": os.environ.get("DELTASPEC_COMMIT") or subprocess.run(
-                  ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+              "commit": commit_id(),
               "command": " ".join(["python"] + sys.argv), "copy_bandwidth_bytes_per_s": bandwidth,
               "torch": torch.__version__, "shapes": {}}
     for shape in tqdm(args.shapes.split(","), desc="shapes"):
@@ -192,9 +188,9 @@ def main() -> None:
         print(json.dumps(entry, indent=1))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = gpu.replace(" ", "_").replace("/", "_")
-    (out / f"engine-{name}.json").write_text(json.dumps(result, indent=2))
-    print("wrote", out / f"engine-{name}.json")
+    path = out / f"engine-{device_tag(gpu)}.json"
+    path.write_text(json.dumps(result, indent=2))
+    print("wrote", path)
 
 
 if __name__ == "__main__":

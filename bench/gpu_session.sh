@@ -9,7 +9,7 @@
 # engine: decode_overhead (engine vs a bare graph at batch 1, async scheduling on and off),
 #         profile_step (per-kernel time of a 0.8B-like step), engine_throughput (0.8B-like shape)
 set -uo pipefail
-source bench/device_setup.sh
+source bench/tools/device_setup.sh
 export DELTASPEC_COMMIT="${DELTASPEC_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 what="${1:-all}"
 out="${OUT:-bench/results}"

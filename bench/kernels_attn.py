@@ -21,7 +21,6 @@ import datetime
 import json
 import math
 import pathlib
-import subprocess
 import sys
 
 import torch
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from common import copy_bandwidth, graph_time_us  # noqa: E402
+from common import commit_id, copy_bandwidth, device_tag, graph_time_us  # noqa: E402
 from deltaspec.kernels.arrivals import num_sms
 from deltaspec.kernels.attention import AttentionConfig, attention_config, launch_paged_attention
 
@@ -247,13 +246,8 @@ def main() -> None:
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)
     name = torch.cuda.get_device_name()
-    gpu = next((g for g in ("h200", "h100", "a100") if g in name.lower()), name.split()[-1].lower())
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True,
-                                         stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown (no git checkout here)"
-    report = {"device": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "commit": commit,
+    gpu = device_tag(name)
+    report = {"device": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "commit": commit_id(),
               "command": " ".join([sys.executable] + sys.argv), "torch": torch.__version__,
               "triton": triton.__version__, "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D}}
     stem = f"kernels_attn_small-{gpu}.json" if args.small_batch else f"kernels_attn-{gpu}.json"

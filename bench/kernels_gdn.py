@@ -21,7 +21,7 @@ times summed (torch.profiler), beside the wall-clock ratio, since fla's call als
 time between its launches.
 
 Run on the GPU machine (fla-core importable from /tmp/fla, never installed in the test env):
-    python bench/kernels_gdn.py --out DIR [--commit HASH]
+    DELTASPEC_COMMIT=<sha> python bench/kernels_gdn.py --out DIR
 Writes DIR/kernels_gdn-<gpu>.json and .png (prefill: stacked kernel times per shape) and prints
 the tables;
 `--plot JSON` redraws the PNG of an existing results file.
@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from common import copy_bandwidth, eager_time_us  # noqa: E402
+from common import commit_id, copy_bandwidth, device_tag, eager_time_us  # noqa: E402
 from kernels_gdn_decode import measure as measure_decode  # noqa: E402
 from deltaspec.kernels.gdn_chunked import _output, _solve, _state, _wy, gdn_chunked, gdn_chunked_reference, split_output
 
@@ -179,7 +179,7 @@ def plot(record: dict, path: pathlib.Path) -> None:
             axis.plot(i + offset, wall, marker="_", markersize=22, color="black")
     axis.set_xticks(range(len(rows)),
                     [f"HV={r['hv']} {r['rows']}x{r['length']}\n({r.get('path', 'fused')}) ours | fla" for r in rows])
-    axis.set(ylabel="ms per call", title=f"GDN chunked prefill, {record['device']} ({record.get('git_commit', '')}): "
+    axis.set(ylabel="ms per call", title=f"GDN chunked prefill, {record['device']} ({record.get('commit', '')}): "
                                           "kernel device time stacked, wall time per call as a black bar")
     axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     figure.tight_layout()
@@ -190,7 +190,6 @@ def plot(record: dict, path: pathlib.Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/results"))
-    parser.add_argument("--commit", default="unknown")
     parser.add_argument("--plot", type=pathlib.Path, help="only draw the PNG of an existing results JSON")
     args = parser.parse_args()
     if args.plot:
@@ -205,8 +204,8 @@ def main() -> None:
     results: list[dict] = []
     record = dict(
         benchmark="kernels_gdn (GDN chunked varlen prefill; decode and verify under decode_verify)", device=device,
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), git_commit=args.commit,
-        command="python bench/kernels_gdn.py --out $OUT --commit <HEAD>", torch=torch.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=commit_id(),
+        command=" ".join(["python"] + sys.argv), torch=torch.__version__,
         triton=triton.__version__, fla=getattr(fla, "__version__", "0.6.0"),
         copy_bandwidth_bytes_per_s=bandwidth,
         timing=f"median of 9 trials x 20 back-to-back calls, rotating {NUM_SETS} input sets; ms per call",
@@ -214,7 +213,7 @@ def main() -> None:
                    "fla_dropin": "torch gating + state[slots] gather + chunk_gated_delta_rule + scatter back"},
         results=results)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"kernels_gdn-{device.lower().replace('nvidia', '').strip().split()[0]}.json"
+    path = args.out / f"kernels_gdn-{device_tag(device)}.json"
     save = lambda: path.write_text(json.dumps(record, indent=1))   # after every shape: a cut-off run keeps its rows
     for hk, hv in HEADS:
         for rows, length in SHAPES:

@@ -2,7 +2,7 @@
 Qwen3.5-0.8B and Qwen3.5-9B at decode/verify batch sizes, and both against the copy-bandwidth
 roofline, on one GPU. bf16, random weights.
 
-    source bench/device_setup.sh && python3 bench/kernels_linear.py --sweep --out $OUT
+    source bench/tools/device_setup.sh && python3 bench/kernels_linear.py --sweep --out $OUT
 
 (from the repo root; without --out it writes to bench/results). Writes
 kernels_linear-<gpu>.json and prints a table.

@@ -173,6 +173,16 @@ def _device_name(device: str) -> str:
     return "cpu"
 
 
+def device_tag(name: str) -> str:
+    """Short lowercase device name for results file names (h100, h200, cpu, ...): one scheme for
+    this benchmark and bench/'s, which imports it."""
+    lowered = name.lower()
+    for tag in ("h200", "h100", "a100", "l40s", "b200"):
+        if tag in lowered:
+            return tag
+    return "".join(c if c.isalnum() else "-" for c in lowered).strip("-")
+
+
 def markdown(report: dict) -> str:
     lines = [f"# Speculation acceptance — {report['model']} on {report['device']}", "",
              f"Timing: {report['timing']}.", "",
@@ -236,7 +246,7 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     args.command = "deltaspec bench acceptance " + " ".join(argv)
     report = benchmark(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "acceptance-" + report["device"].replace(" ", "_").replace("/", "_")
+    name = "acceptance-" + device_tag(report["device"])
     (args.out / f"{name}.json").write_text(json.dumps(report, indent=2))
     (args.out / f"{name}.md").write_text(markdown(report))
     plot(report, args.out / f"{name}.png")

@@ -4,7 +4,7 @@ that call. ncu works on the Firecracker H100 (give it --clock-control none: leav
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight --section Occupancy \\
         --section LaunchStats --section WarpStateStats --section SchedulerStats \\
-        --section MemoryWorkloadAnalysis python bench/ncu_case.py CASE
+        --section MemoryWorkloadAnalysis python bench/tools/ncu_case.py CASE
 
 CASE: verify_B / decode_B (GDN decode kernel, HV = 16, B rows: verify 3 pending + 4 new tokens,
 decode 1 token, each at its decode_config tile), chunk_ROWS_LENGTH_HV (gdn_chunked, HK = 16, bf16) or
@@ -19,7 +19,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
+# The cases are bench/'s own benchmarks (kernels_gdn_decode, kernels_gdn and their `common`).
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 
 def main() -> None:

@@ -2,10 +2,10 @@
 most frequent first. With `draft_vocab_size=N` the engine's MTP drafts only from the first N
 (a smaller lm_head read per draft step; the target still verifies every draft).
 
-    python bench/draft_vocab.py --model models/default [--corpus FILE ...]
+    python bench/tools/draft_vocab.py --model models/default [--corpus FILE ...]
 
 Default corpus: the standard library of this interpreter minus the default model's held-out
-modules (bench/train_default_model.py), i.e. text like the model's training data.
+modules (bench/tools/train_default_model.py), i.e. text like the model's training data.
 """
 
 from __future__ import annotations

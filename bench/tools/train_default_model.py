@@ -1,7 +1,7 @@
 """Train deltaspec's shipped demonstration model: a small Qwen3.5-architecture model with one
 MTP layer, on the Python standard library of the interpreter that runs this script.
 
-    python bench/train_default_model.py --out models/default [--minutes 6.5]
+    python bench/tools/train_default_model.py --out models/default [--minutes 6.5]
 
 Corpus: every *.py under sysconfig's stdlib path (sorted; site-packages excluded), minus the
 held-out modules in HELD_OUT (kept for evaluation and the acceptance benchmark), plus, with
@@ -9,7 +9,7 @@ held-out modules in HELD_OUT (kept for evaluation and the acceptance benchmark),
 8k byte-level BPE trained on the training split, with ChatML specials and template. Model:
 GDN and gated attention 3:1 (HF `Qwen3_5ForCausalLM`), plus an MTP layer trained jointly:
     loss = CE(lm_head(h_t), x_{t+1}) + MTP_WEIGHT * CE(lm_head(mtp(embed(x_{t+1}), h_t)), x_{t+2})
-with h_t the model's post-final-norm hidden state, as DESIGN.md defines the MTP module. Trains in
+with h_t the model's post-final-norm hidden state, as docs/design.md defines the MTP module. Trains in
 bf16 autocast for a fixed wall-clock budget and writes an HF checkpoint (safetensors shards of at
 most 12 MB, `mtp.*` in their own shard) that HF transformers loads (MTP aside) and deltaspec
 serves, plus `training.json` with the held-out losses.
@@ -241,7 +241,7 @@ def main() -> None:
               "tokens_per_second": tokens / train_seconds, "held_out": held_out, "held_out_modules": list(HELD_OUT),
               "train_tokens": len(train), "held_out_tokens": len(held), "config": MODEL, "mtp_weight": MTP_WEIGHT,
               "lr": args.lr, "batch": [BATCH, SEQ_LEN], "train_files": len(train_files),
-              "site_packages_mb": args.site_packages_mb, "command": "python bench/train_default_model.py "
+              "site_packages_mb": args.site_packages_mb, "command": "python bench/tools/train_default_model.py "
               f"--out {args.out} --minutes {args.minutes} --site-packages-mb {args.site_packages_mb}"}
     print(json.dumps(report, indent=1))
     save(model, mtp, tokenizer, args.out, report)
