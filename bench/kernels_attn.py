@@ -30,8 +30,8 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from common import copy_bandwidth, graph_time_us  # noqa: E402
-from deltaspec.kernels.arrivals import num_sms
 from deltaspec.kernels.attention import AttentionConfig, attention_config, launch_paged_attention
+from deltaspec.kernels.device import num_sms
 
 HQ, HKV, D = 8, 2, 256
 ROOT = pathlib.Path(__file__).resolve().parents[1]

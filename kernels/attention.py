@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .arrivals import num_sms
+from .device import num_sms
 from .launch import dependent_prologue, pdl
 from .varlen import pad_rows, row_layout
 

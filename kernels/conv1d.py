@@ -25,17 +25,14 @@ scheduler: rows are described by cu_seqlens and slot ids.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .device import INTERPRETED
 from .launch import dependent_prologue, pdl
 from .varlen import into, pad_rows, row_layout
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _depthwise(window: torch.Tensor, weight: torch.Tensor, num_out: int) -> torch.Tensor:

@@ -50,22 +50,17 @@ only when checkpoints are requested).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .arrivals import num_sms
+from .device import INTERPRETED, num_sms
 from .gdn import expand_heads, gdn_gating_reference, l2norm
 from .varlen import into, pad_rows, row_layout
 
 CHUNK_SIZE = 64
 SUB_CHUNK = 16     # the solve works on 4 x 4 blocks of 16 x 16
 L2NORM_EPS = 1e-6
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
 
 # ---------------------------------------------------------------------------------------------
 # torch reference
@@ -566,7 +561,7 @@ def _gdn_chunk_state_kernel(q, k, g_cum, q_scale, k_scale, w, u, attn, o, state,
 # (once per key). The state kernel updates the pool in place, so tuning runs restore it.
 
 def _solve_configs() -> list[triton.Config]:
-    if _INTERPRET:
+    if INTERPRETED:
         return [triton.Config({"BK": 16}, num_warps=1)]
     # The substitution's row picks want one warp: on an H100 (HV 16 and 32, all bench shapes)
     # BK 32 / 1 warp won against 2 and 4 warps and 64-column slices; since the solve stores one
@@ -577,7 +572,7 @@ def _solve_configs() -> list[triton.Config]:
 
 
 def _wy_configs() -> list[triton.Config]:
-    if _INTERPRET:
+    if INTERPRETED:
         return [triton.Config({}, num_warps=4)]
     return [triton.Config({}, num_warps=num_warps, num_stages=num_stages)
             for num_warps, num_stages in ((4, 1), (4, 2), (8, 1))]
@@ -588,7 +583,7 @@ def _state_configs() -> list[triton.Config]:
     # for them at the top of c+1, so the whole load latency sits on the chain (ncu: over half the
     # stall cycles on the scoreboard); 3-4 stages keep a chunk's loads in flight behind the next.
     # H100, HV16 1 x 16384, 32-column tiles: 610 -> 531 us per tuning run.
-    if _INTERPRET:
+    if INTERPRETED:
         return [triton.Config({"BV": 16}, num_warps=4)]   # V = 32 in the CPU tests: two V tiles
     return [triton.Config({"BV": bv}, num_warps=num_warps, num_stages=num_stages)
             for bv, num_warps, num_stages in ((32, 4, 2), (32, 4, 3), (32, 4, 4), (64, 4, 2), (64, 4, 3),
@@ -596,7 +591,7 @@ def _state_configs() -> list[triton.Config]:
 
 
 def _output_configs() -> list[triton.Config]:
-    if _INTERPRET:
+    if INTERPRETED:
         return [triton.Config({"BV": 16}, num_warps=4)]
     return [triton.Config({"BV": bv}, num_warps=num_warps) for bv, num_warps in ((64, 4), (128, 4), (128, 8))]
 
@@ -607,7 +602,7 @@ def _fitting_v_tiles(configs, named_args, **kwargs):
     shared-memory bug on sm_90 (illegal address, seen on an H200 with Triton 3.6 at BV = 16;
     pytorch/helion PR #1905, triton-lang/triton #10486, #11366)."""
     value_dim = kwargs.get("V", named_args.get("V"))
-    narrow_ok = _INTERPRET or kwargs.get("SPLIT_O", named_args.get("SPLIT_O", False))
+    narrow_ok = INTERPRETED or kwargs.get("SPLIT_O", named_args.get("SPLIT_O", False))
     return [c for c in configs if c.kwargs["BV"] <= value_dim and (narrow_ok or c.kwargs["BV"] >= 64)]
 
 
@@ -657,7 +652,7 @@ def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
     assert q.dtype == k.dtype == v.dtype and q.dtype in _TL_DTYPE, "q, k, v share one float dtype"
     for name, dim in (("K", key_dim), ("V", value_dim)):
         assert 16 <= dim <= 256 and dim & (dim - 1) == 0, f"{name} = {dim} must be a power of two in 16..256"
-    assert _INTERPRET or value_dim >= 64, "V >= 64 on the GPU (V tiles below 64 are unsafe: _state_configs)"
+    assert INTERPRETED or value_dim >= 64, "V >= 64 on the GPU (V tiles below 64 are unsafe: _state_configs)"
     for name, x, head_stride in (("q", q, key_dim), ("k", k, key_dim), ("v", v, value_dim), ("a", a, 1), ("b", b, 1)):
         assert x.stride(-1) == 1 and (x.dim() == 2 or x.stride(-2) == head_stride), f"{name}: heads must be packed"
     assert A_log.shape == dt_bias.shape == (num_value_heads,), "A_log, dt_bias [HV]"

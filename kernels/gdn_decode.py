@@ -18,14 +18,13 @@ reads and writes only its own (`_gdn_decode_kernel`).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .arrivals import num_sms
+from .device import INTERPRETED, num_sms
 from .gdn import expand_heads, gdn_gating_reference, l2norm, recurrent_steps
 from .launch import dependent_prologue, pdl
 from .varlen import into, pad_rows, row_layout
@@ -284,9 +283,6 @@ def _gdn_decode_kernel(
 class DecodeConfig:
     block_v: int    # value columns per program (power of two)
     num_warps: int
-
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def decode_config(num_rows: int, num_value_heads: int, key_dim: int, value_dim: int, commit: bool,

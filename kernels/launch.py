@@ -20,14 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .device import supports_dependent_launch
+
 
 @cache
 def dependent_launch(device: torch.device) -> bool:
-    """PDL where the hardware has grid dependency control (sm_90+), not under the interpreter;
-    DELTASPEC_DEPENDENT_LAUNCH=0 turns it off (debugging, A/B timing)."""
-    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-            and os.environ.get("DELTASPEC_DEPENDENT_LAUNCH", "1") != "0"
-            and torch.cuda.get_device_capability(device) >= (9, 0))
+    """PDL where the device supports it (device.py); DELTASPEC_DEPENDENT_LAUNCH=0 turns it off
+    (debugging, A/B timing)."""
+    return os.environ.get("DELTASPEC_DEPENDENT_LAUNCH", "1") != "0" and supports_dependent_launch(device)
 
 
 def pdl(device: torch.device) -> dict:

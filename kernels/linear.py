@@ -26,7 +26,6 @@ projection it computes.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import cache
 
@@ -35,12 +34,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .arrivals import arrival_counters, last_to_arrive, num_sms, reset_arrivals
+from .arrivals import arrival_counters, last_to_arrive, reset_arrivals
+from .device import INTERPRETED, num_sms
 from .launch import dependent_prologue, pdl
 
 MAX_ROWS = 64               # the kernel's limit (x is padded to a power of two >= 16 rows)
 KERNEL_MAX_ROWS = 32        # use_kernel never picks the kernel for more rows
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,6 @@ Threshold: the per-token path while pairs = tokens * k <= E / 4 (12 tokens at th
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +45,7 @@ import triton
 import triton.language as tl
 
 from .activation import silu_and_mul_reference
+from .device import INTERPRETED
 from .launch import dependent_prologue, pdl
 
 
@@ -283,9 +283,6 @@ def _sum_slots_kernel(out_pairs, out, H, TOP_K: tl.constexpr, BLOCK_N: tl.conste
     for slot in range(TOP_K):
         total += tl.load(out_pairs + (token * TOP_K + slot) * H + n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out + token * H + n, total.to(out.dtype.element_ty), mask=n_ok)
-
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass(frozen=True)
