@@ -37,8 +37,8 @@ from common import commit_id, copy_bandwidth, device_tag, eager_time_us, graph_t
 from deltaspec.kernels.moe import (GroupedConfig, PerTokenConfig, grouped_config, moe_experts, moe_experts_grouped,
                                    moe_experts_per_token, moe_experts_reference, route, route_reference,
                                    use_per_token_path)
-from deltaspec.kernels.sampling import (launch_sample, rejection_sample, rejection_sample_reference,
-                                        sample_reference)
+from deltaspec.kernels.rejection import rejection_sample, rejection_sample_reference
+from deltaspec.kernels.sampling import launch_sample, sample_reference
 
 NUM_EXPERTS, TOP_K, HIDDEN, INTER = 512, 10, 2048, 512
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 256, 4096)

@@ -27,9 +27,9 @@ import triton.language as tl
 
 from deltaspec.kernels.moe import (GroupedConfig, PerTokenConfig, moe_experts, moe_experts_grouped,
                                    moe_experts_per_token, moe_experts_reference, route, route_reference)
-from deltaspec.kernels.sampling import (GREEDY, LAST_RESORT, NO_FILTER, WINDOW, _row_hash_tl, _uniform_tl,
-                                        launch_sample, rejection_sample, rejection_sample_reference, sample,
-                                        sample_reference, uniform_noise)
+from deltaspec.kernels.noise import row_hash_tl, uniform_noise, uniform_tl
+from deltaspec.kernels.rejection import rejection_sample, rejection_sample_reference
+from deltaspec.kernels.sampling import GREEDY, LAST_RESORT, NO_FILTER, WINDOW, launch_sample, sample, sample_reference
 
 # Upper 0.1% points of the chi-square distribution by degrees of freedom (no scipy needed).
 CHI2_CRITICAL_P001 = {5: 20.515}
@@ -157,7 +157,7 @@ def test_moe_bf16_qwen_like_shapes(tokens):
 def _noise_kernel(seeds, offsets, out, V, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     v = tl.arange(0, BLOCK)
-    u = _uniform_tl(_row_hash_tl(tl.load(seeds + row), tl.load(offsets + row)), v)
+    u = uniform_tl(row_hash_tl(tl.load(seeds + row), tl.load(offsets + row)), v)
     tl.store(out + row * V + v, u, mask=v < V)
 
 
