@@ -24,14 +24,13 @@ only on tensor shapes, never on tensor values, so both launchers run inside CUDA
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
 from .device import num_sms
 from .launch import dependent_prologue, pdl
+from .tiles import TileConfig
 from .varlen import pad_rows, row_layout
 
 def write_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -340,16 +339,6 @@ def _combine_splits_kernel(partial_acc_ptr, partial_stats_ptr, gate_ptr, out_ptr
     tl.store(out_ptr + token * stride_out_token + head * stride_out_head + d, out.to(out_ptr.dtype.element_ty))
 
 
-class AttentionConfig(NamedTuple):
-    """Tile shape and launch options of _paged_attention_kernel. block_m: packed (token, head)
-    rows per tile (>= GROUP); block_n: keys per step; num_splits: key-range splits per tile."""
-    block_m: int
-    block_n: int
-    num_splits: int
-    num_warps: int
-    num_stages: int
-
-
 # The merge streams any number of splits; more than 128 never ran faster (H100, one row over 4K and
 # 32K keys: bench/results/kernels_attn-h100.json), and each split adds [Hq, D] fp32 of partials.
 MAX_SPLITS = 128
@@ -360,9 +349,10 @@ COMBINE_BLOCK_D = 32
 
 
 def attention_config(num_tokens: int, num_rows: int, num_kv_heads: int, group: int, max_context: int,
-                     num_sms: int, *, block_size: int) -> AttentionConfig:
-    """Pick the tile from shapes alone (never device values, so CUDA graphs can capture the call).
-    The table is what won in bench/kernels_attn.py on an H200 (bench/results/kernels_attn-h200.json,
+                     num_sms: int, *, block_size: int) -> TileConfig:
+    """The tile of _paged_attention_kernel (block_m packed (token, head) rows per tile, >= GROUP;
+    block_n keys a step; num_splits key-range splits per tile), picked from shapes alone (never
+    device values, so CUDA graphs can capture the call). The table is what won in bench/kernels_attn.py on an H200 (bench/results/kernels_attn-h200.json,
     8 q / 2 kv heads, D 256) and, for small decode batches, with --small-batch on an H100
     (kernels_attn_small-h100.json); D 128 uses the same tiles.
 
@@ -405,7 +395,8 @@ def attention_config(num_tokens: int, num_rows: int, num_kv_heads: int, group: i
             block_n, num_warps, num_stages = 16, 2, 3     # 16-key steps, each inside one block
         elif few_rows and split_keys > 2 * block_n:
             num_stages = 3                  # long splits (many key steps each) want their pipeline back
-    return AttentionConfig(block_m, block_n, num_splits, num_warps, num_stages)
+    return TileConfig(block_m=block_m, block_n=block_n, num_splits=num_splits, num_warps=num_warps,
+                      num_stages=num_stages)
 
 
 def _check_attention_args(out, q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, gate) -> None:
@@ -428,7 +419,7 @@ def _check_attention_args(out, q, k_cache, v_cache, block_tables, cu_seqlens, co
 
 def launch_paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, cu_seqlens: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float, config: AttentionConfig, gate: torch.Tensor | None = None) -> None:
+                           scale: float, config: TileConfig, gate: torch.Tensor | None = None) -> None:
     """paged_attention with an explicit config, writing into out [T, Hq, D] (tests, benchmarks)."""
     _check_attention_args(out, q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, gate)
     num_tokens, num_heads, head_dim = q.shape
@@ -456,7 +447,7 @@ def launch_paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Te
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPLIT=splits > 1, HAS_GATE=has_gate,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",              # fp32 stays fp32 (no tf32)
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl(q.device))
+        **config.launch_options(), **pdl(q.device))
     if splits > 1:
         block_d = min(COMBINE_BLOCK_D, head_dim)
         _combine_splits_kernel[(num_tokens, num_heads, head_dim // block_d)](

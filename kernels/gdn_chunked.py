@@ -56,6 +56,7 @@ import triton.language as tl
 
 from .device import INTERPRETED, num_sms
 from .gdn import expand_heads, gdn_gating_reference, l2norm
+from .tiles import TileConfig, autotune_configs
 from .varlen import into, pad_rows, row_layout
 
 CHUNK_SIZE = 64
@@ -560,40 +561,39 @@ def _gdn_chunk_state_kernel(q, k, g_cum, q_scale, k_scale, w, u, attn, o, state,
 # Launch configuration. The interpreter runs exactly one config; on the GPU the autotuner picks
 # (once per key). The state kernel updates the pool in place, so tuning runs restore it.
 
-def _solve_configs() -> list[triton.Config]:
+def _solve_configs() -> list[TileConfig]:
     if INTERPRETED:
-        return [triton.Config({"BK": 16}, num_warps=1)]
+        return [TileConfig(block_k=16, num_warps=1)]
     # The substitution's row picks want one warp: on an H100 (HV 16 and 32, all bench shapes)
     # BK 32 / 1 warp won against 2 and 4 warps and 64-column slices; since the solve stores one
     # inverse, 2 stages beat 1 (HV16 1 x 16384: 131 -> 99 us). The runners-up are kept, the rest
     # dropped (each config is also an sm_90 compile in CI).
-    return [triton.Config({"BK": bk}, num_warps=num_warps, num_stages=stages)
-            for bk, num_warps, stages in ((32, 1, 1), (32, 1, 2), (32, 2, 1), (64, 1, 1))]
+    return [TileConfig(block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+            for block_k, num_warps, num_stages in ((32, 1, 1), (32, 1, 2), (32, 2, 1), (64, 1, 1))]
 
 
-def _wy_configs() -> list[triton.Config]:
+def _wy_configs() -> list[TileConfig]:
     if INTERPRETED:
-        return [triton.Config({}, num_warps=4)]
-    return [triton.Config({}, num_warps=num_warps, num_stages=num_stages)
-            for num_warps, num_stages in ((4, 1), (4, 2), (8, 1))]
+        return [TileConfig(num_warps=4)]
+    return [TileConfig(num_warps=num_warps, num_stages=num_stages) for num_warps, num_stages in ((4, 1), (4, 2), (8, 1))]
 
 
-def _state_configs() -> list[triton.Config]:
+def _state_configs() -> list[TileConfig]:
     # Stages: at 2 the pipeliner issues chunk c+1's async copies at the end of chunk c and waits
     # for them at the top of c+1, so the whole load latency sits on the chain (ncu: over half the
     # stall cycles on the scoreboard); 3-4 stages keep a chunk's loads in flight behind the next.
     # H100, HV16 1 x 16384, 32-column tiles: 610 -> 531 us per tuning run.
     if INTERPRETED:
-        return [triton.Config({"BV": 16}, num_warps=4)]   # V = 32 in the CPU tests: two V tiles
-    return [triton.Config({"BV": bv}, num_warps=num_warps, num_stages=num_stages)
-            for bv, num_warps, num_stages in ((32, 4, 2), (32, 4, 3), (32, 4, 4), (64, 4, 2), (64, 4, 3),
-                                              (64, 8, 2), (128, 8, 2), (128, 8, 3))]
+        return [TileConfig(block_n=16, num_warps=4)]   # V = 32 in the CPU tests: two V tiles
+    return [TileConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+            for block_n, num_warps, num_stages in ((32, 4, 2), (32, 4, 3), (32, 4, 4), (64, 4, 2), (64, 4, 3),
+                                                   (64, 8, 2), (128, 8, 2), (128, 8, 3))]
 
 
-def _output_configs() -> list[triton.Config]:
+def _output_configs() -> list[TileConfig]:
     if INTERPRETED:
-        return [triton.Config({"BV": 16}, num_warps=4)]
-    return [triton.Config({"BV": bv}, num_warps=num_warps) for bv, num_warps in ((64, 4), (128, 4), (128, 8))]
+        return [TileConfig(block_n=16, num_warps=4)]
+    return [TileConfig(block_n=block_n, num_warps=num_warps) for block_n, num_warps in ((64, 4), (128, 4), (128, 8))]
 
 
 def _fitting_v_tiles(configs, named_args, **kwargs):
@@ -606,13 +606,15 @@ def _fitting_v_tiles(configs, named_args, **kwargs):
     return [c for c in configs if c.kwargs["BV"] <= value_dim and (narrow_ok or c.kwargs["BV"] >= 64)]
 
 
-_solve = triton.autotune(_solve_configs(), key=["HV", "HK", "K"])(_gdn_chunk_solve_kernel)
-_wy = triton.autotune(_wy_configs(), key=["HV", "HK", "K", "V"])(_gdn_chunk_wy_kernel)
+_solve = triton.autotune(autotune_configs(_solve_configs(), BK="block_k"),
+                         key=["HV", "HK", "K"])(_gdn_chunk_solve_kernel)
+_wy = triton.autotune(autotune_configs(_wy_configs()), key=["HV", "HK", "K", "V"])(_gdn_chunk_wy_kernel)
 # The split state kernel writes V' over u: tuning runs restore it as well as the pool.
-_state = triton.autotune(_state_configs(), key=["HV", "HK", "K", "V", "row_bucket", "HAS_CHECKPOINTS", "SPLIT_O"],
+_state = triton.autotune(autotune_configs(_state_configs(), BV="block_n"),
+                         key=["HV", "HK", "K", "V", "row_bucket", "HAS_CHECKPOINTS", "SPLIT_O"],
                          prune_configs_by={"early_config_prune": _fitting_v_tiles},
                          restore_value=["state", "u"])(_gdn_chunk_state_kernel)
-_output = triton.autotune(_output_configs(), key=["HV", "HK", "K", "V"],
+_output = triton.autotune(autotune_configs(_output_configs(), BV="block_n"), key=["HV", "HK", "K", "V"],
                           prune_configs_by={"early_config_prune": _fitting_v_tiles})(_gdn_chunk_output_kernel)
 
 

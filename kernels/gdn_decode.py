@@ -18,8 +18,6 @@ reads and writes only its own (`_gdn_decode_kernel`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -27,6 +25,7 @@ import triton.language as tl
 from .device import INTERPRETED, num_sms
 from .gdn import expand_heads, gdn_gating_reference, l2norm, recurrent_steps
 from .launch import dependent_prologue, pdl
+from .tiles import TileConfig
 from .varlen import into, pad_rows, row_layout
 
 
@@ -279,15 +278,10 @@ def _gdn_decode_kernel(
         tl.store(state_ptrs, (h * h_scale).to(state.dtype.element_ty))
 
 
-@dataclass(frozen=True)
-class DecodeConfig:
-    block_v: int    # value columns per program (power of two)
-    num_warps: int
-
-
 def decode_config(num_rows: int, num_value_heads: int, key_dim: int, value_dim: int, commit: bool,
-                  device: torch.device) -> DecodeConfig:
-    """The tile by how many programs of 16 columns the batch makes per SM (n = rows x HV x V / 16
+                  device: torch.device) -> TileConfig:
+    """The tile of _gdn_decode_kernel (block_n value columns per program, a power of two; num_warps)
+    by how many programs of 16 columns the batch makes per SM (n = rows x HV x V / 16
     / SMs): few programs want narrow tiles (a launch of few programs is bound by one warp's
     chain of steps, so more of shorter chains finish first), many want wide ones (the per-step
     work that does not scale with the tile, its gating, row loads and norms, is paid once for
@@ -303,21 +297,21 @@ def decode_config(num_rows: int, num_value_heads: int, key_dim: int, value_dim: 
     Decode at B = 8 6.9 us at 16 columns against 7.8 at 32; B = 256 191 at 64 against 195 at 32
     (and, in an earlier sweep, B = 16 13.0 at 32 against 13.3 at 64)."""
     if INTERPRETED:
-        return DecodeConfig(block_v=min(16, value_dim), num_warps=1)
+        return TileConfig(block_n=min(16, value_dim), num_warps=1)
     per_sm = num_rows * num_value_heads * (value_dim // 16) / num_sms(device)
     if commit:
-        block_v = 16 if per_sm <= 8 else 32 if per_sm <= 16 else 64
+        block_n = 16 if per_sm <= 8 else 32 if per_sm <= 16 else 64
     else:
-        block_v = 16 if per_sm <= 4 else 32
-    block_v = min(block_v, value_dim)
-    return DecodeConfig(block_v, num_warps=max(1, key_dim * block_v // 4096))
+        block_n = 16 if per_sm <= 4 else 32
+    block_n = min(block_n, value_dim)
+    return TileConfig(block_n=block_n, num_warps=max(1, key_dim * block_n // 4096))
 
 
 def launch_gdn_decode(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                       b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, cu_seqlens: torch.Tensor,
                       slot_ids: torch.Tensor, state: torch.Tensor, pending_k: torch.Tensor,
                       pending_v: torch.Tensor, pending_g: torch.Tensor, pending_beta: torch.Tensor,
-                      pending_counts: torch.Tensor, commit: bool, config: DecodeConfig) -> None:
+                      pending_counts: torch.Tensor, commit: bool, config: TileConfig) -> None:
     """gdn_decode into `out` [T, HV, V] (contiguous) with an explicit tile config. Each row runs
     1..P+1 new tokens (the kernel holds P + 1 at most; the total is checked here).
 
@@ -339,14 +333,14 @@ def launch_gdn_decode(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     assert state.shape == (num_slots, num_value_heads, key_dim, value_dim)
     assert state.dtype in (torch.float32, torch.bfloat16)
     assert key_dim & (key_dim - 1) == 0 and value_dim & (value_dim - 1) == 0, "K and V must be powers of two"
-    assert config.block_v <= value_dim and config.block_v & (config.block_v - 1) == 0
+    assert config.block_n <= value_dim and config.block_n & (config.block_n - 1) == 0
     assert pending_k.shape == (num_rows, max_pending, num_key_heads, key_dim) and pending_k.stride(3) == 1
     assert pending_v.shape == (num_rows, max_pending, num_value_heads, value_dim) and pending_v.stride(3) == 1
     replicas = pending_g.shape[3]
     assert pending_g.shape == (num_slots, max_pending, num_value_heads, replicas)
     assert pending_beta.shape == pending_g.shape
     assert replicas & (replicas - 1) == 0 and value_dim % replicas == 0
-    assert config.block_v * replicas >= value_dim, "a tile must own whole pending replicas (gdn.py)"
+    assert config.block_n * replicas >= value_dim, "a tile must own whole pending replicas (gdn.py)"
     assert pending_g.dtype == torch.float32 and pending_beta.dtype == torch.float32
     assert pending_counts.shape == (num_slots,)
     for t in (state, pending_g, pending_beta, pending_counts, cu_seqlens, slot_ids):
@@ -356,7 +350,7 @@ def launch_gdn_decode(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     if num_rows == 0:
         return
     one_token = num_tokens == num_rows  # every row runs one token (plain decode)
-    grid = (triton.cdiv(value_dim, config.block_v), num_value_heads, num_rows)
+    grid = (triton.cdiv(value_dim, config.block_n), num_value_heads, num_rows)
     _gdn_decode_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, cu_seqlens, slot_ids, state,
         pending_k, pending_v, pending_g, pending_beta, pending_counts, out,
@@ -367,8 +361,8 @@ def launch_gdn_decode(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         ONE_TOKEN=one_token,
         P_BLOCK=triton.next_power_of_2(max(max_pending, 1)),
         T_BLOCK=1 if one_token else triton.next_power_of_2(max_pending + 1),
-        BV=config.block_v, COMMIT=commit,
-        num_warps=config.num_warps, **pdl(v.device),
+        BV=config.block_n, COMMIT=commit,
+        **config.launch_options(), **pdl(v.device),
     )
 
 

@@ -26,7 +26,6 @@ projection it computes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cache
 
 import torch
@@ -37,6 +36,7 @@ import triton.language as tl
 from .arrivals import arrival_counters, last_to_arrive, reset_arrivals
 from .device import INTERPRETED, num_sms
 from .launch import dependent_prologue, pdl
+from .tiles import TileConfig
 
 MAX_ROWS = 64               # the kernel's limit (x is padded to a power of two >= 16 rows)
 KERNEL_MAX_ROWS = 32        # use_kernel never picks the kernel for more rows
@@ -103,15 +103,6 @@ def _linear_kernel(x, w, y, partials, arrivals, M, N, K, k_per_split, stride_xm,
             reset_arrivals(arrivals + pid_n)
 
 
-@dataclass(frozen=True)
-class LinearConfig:
-    block_n: int      # rows of W (columns of y) per program
-    block_k: int      # K step of a program's loop
-    split_k: int      # programs per N tile, each over a run of whole K blocks
-    num_warps: int
-    num_stages: int   # software-pipelining depth of the W / x loads
-
-
 def block_m(num_rows: int) -> int:
     """x rows per program: the batch padded to a power of two, >= 16 for an MMA."""
     return max(16, triton.next_power_of_2(num_rows))
@@ -124,8 +115,11 @@ def split_k_for(num_k_blocks: int, wanted: int) -> int:
     return triton.cdiv(num_k_blocks, per_split)
 
 
-def kernel_config(num_rows: int, out_features: int, in_features: int, sms: int) -> LinearConfig:
-    """Tiles for x [num_rows, in_features] @ W[out_features, in_features]^T on a GPU of `sms` SMs.
+def kernel_config(num_rows: int, out_features: int, in_features: int, sms: int) -> TileConfig:
+    """Tiles for x [num_rows, in_features] @ W[out_features, in_features]^T on a GPU of `sms` SMs:
+    block_n rows of W (columns of y) per program, block_k the K step of its loop, num_splits
+    programs per N tile (each over a run of whole K blocks), num_stages the pipelining depth of
+    the W / x loads. The batch is one tile of block_m(num_rows) rows, not a field.
 
     BLOCK_K = 128 (a warp reads 256-byte stretches of W's rows in 16-byte vectors), 4 warps, 4
     stages; BLOCK_N 64 up to 8 rows, 32 above; split-K for at most one program per SM and at
@@ -136,7 +130,7 @@ def kernel_config(num_rows: int, out_features: int, in_features: int, sms: int) 
     block_k, num_stages = 128, 4
     num_tiles, num_k_blocks = triton.cdiv(out_features, block_n), triton.cdiv(in_features, block_k)
     split_k = split_k_for(num_k_blocks, min(triton.cdiv(sms, num_tiles), max(1, num_k_blocks // num_stages)))
-    return LinearConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4, num_stages=num_stages)
+    return TileConfig(block_n=block_n, block_k=block_k, num_splits=split_k, num_warps=4, num_stages=num_stages)
 
 
 def use_kernel(num_rows: int, out_features: int, sms: int) -> bool:
@@ -153,14 +147,14 @@ def use_kernel(num_rows: int, out_features: int, sms: int) -> bool:
 
 
 @cache
-def linear_config(num_rows: int, out_features: int, in_features: int, device: torch.device) -> LinearConfig | None:
+def linear_config(num_rows: int, out_features: int, in_features: int, device: torch.device) -> TileConfig | None:
     """The config `linear` launches for these shapes on `device`, or None for cuBLAS. Shapes and
     the SM count only: CUDA graphs replay the choice. The interpreter gets one small config."""
     if INTERPRETED:
         if not 0 < num_rows <= KERNEL_MAX_ROWS:
             return None
-        return LinearConfig(block_n=16, block_k=32, split_k=split_k_for(triton.cdiv(in_features, 32), 2),
-                            num_warps=1, num_stages=1)
+        return TileConfig(block_n=16, block_k=32, num_splits=split_k_for(triton.cdiv(in_features, 32), 2),
+                          num_warps=1, num_stages=1)
     sms = num_sms(device)
     if not use_kernel(num_rows, out_features, sms):
         return None
@@ -170,7 +164,7 @@ def linear_config(num_rows: int, out_features: int, in_features: int, device: to
 @cache
 def _launch_plan(x_shape: torch.Size, weight_shape: torch.Size, y_shape: torch.Size, dtype: torch.dtype,
                  weight_dtype: torch.dtype, y_dtype: torch.dtype,
-                 config: LinearConfig) -> tuple[tuple[int, int], int, dict]:
+                 config: TileConfig) -> tuple[tuple[int, int], int, dict]:
     """Shape and dtype checks, then (grid, K per split, compile-time arguments): once per shape,
     so that a call pays only for its stride checks, its scratch and the launch (an eager step is
     bound by the host's launches)."""
@@ -181,15 +175,15 @@ def _launch_plan(x_shape: torch.Size, weight_shape: torch.Size, y_shape: torch.S
         f"linear: x {dtype}, weight {weight_dtype}, y {y_dtype}"
     assert y_shape == (num_rows, out_features), f"linear: y {tuple(y_shape)}"
     assert 0 < num_rows <= MAX_ROWS, f"linear kernel takes 1..{MAX_ROWS} rows, got {num_rows}"
-    k_per_split = triton.cdiv(triton.cdiv(in_features, config.split_k), config.block_k) * config.block_k
-    meta = dict(BLOCK_M=block_m(num_rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
+    k_per_split = triton.cdiv(triton.cdiv(in_features, config.num_splits), config.block_k) * config.block_k
+    meta = dict(BLOCK_M=block_m(num_rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.num_splits,
                 EVEN_K=in_features % config.block_k == 0,
                 PRECISION="ieee" if dtype == torch.float32 else "tf32",                 # fp32 stays fp32 (no tf32)
-                num_warps=config.num_warps, num_stages=config.num_stages)
-    return (triton.cdiv(out_features, config.block_n), config.split_k), k_per_split, meta
+                **config.launch_options())
+    return (triton.cdiv(out_features, config.block_n), config.num_splits), k_per_split, meta
 
 
-def launch_linear(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config: LinearConfig) -> None:
+def launch_linear(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config: TileConfig) -> None:
     """y [M, N] = x [M, K] @ weight [N, K]^T with an explicit config. x and weight: same dtype
     (bf16, fp16 or fp32), unit stride along K (x may be a row-strided view); y contiguous, same
     dtype. Accumulates in fp32; fp32 inputs multiply in full fp32 (no tf32)."""
@@ -199,8 +193,8 @@ def launch_linear(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config
     device = x.device
     assert weight.device == device == y.device
     (num_rows, in_features), out_features = x.shape, weight.shape[0]
-    if config.split_k > 1:
-        partials = torch.empty((config.split_k, num_rows, out_features), dtype=torch.float32, device=device)
+    if config.num_splits > 1:
+        partials = torch.empty((config.num_splits, num_rows, out_features), dtype=torch.float32, device=device)
         arrivals = arrival_counters(device, grid[0])
     else:  # never touched
         partials = arrivals = y

@@ -38,8 +38,6 @@ Threshold: the per-token path while pairs = tokens * k <= E / 4 (12 tokens at th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -47,6 +45,7 @@ import triton.language as tl
 from .activation import silu_and_mul_reference
 from .device import INTERPRETED
 from .launch import dependent_prologue, pdl
+from .tiles import TileConfig
 
 
 def route_reference(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,40 +284,27 @@ def _sum_slots_kernel(out_pairs, out, H, TOP_K: tl.constexpr, BLOCK_N: tl.conste
     tl.store(out + token * H + n, total.to(out.dtype.element_ty), mask=n_ok)
 
 
-@dataclass(frozen=True)
-class PerTokenConfig:
-    """Tiles of the per-token path: gate/up programs cover gate_n rows of I, down programs
-    down_n rows of H; both loop over the reduction in block_k steps. The defaults were the
-    fastest of six at 1, 2, 4 and 8 tokens (small tiles: many programs, many loads in flight)."""
-    gate_n: int = 8
-    down_n: int = 4
-    block_k: int = 256
-    num_warps: int = 4
+# Tiles of the per-token path: gate/up programs cover block_n rows of I, down programs block_n
+# rows of H; both loop over the reduction in block_k steps. These were the fastest of six at 1,
+# 2, 4 and 8 tokens (small tiles: many programs, many loads in flight).
+PER_TOKEN_GATE_UP = TileConfig(block_n=8, block_k=256, num_warps=4)
+PER_TOKEN_DOWN = TileConfig(block_n=4, block_k=256, num_warps=4)
 
 
-@dataclass(frozen=True)
-class GroupedConfig:
-    """Tiles of the grouped path (block_m: pairs per row block, the per-expert padding unit)."""
-    block_m: int = 64
-    block_n: int = 64
-    block_k: int = 64
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-def grouped_config(num_pairs: int, num_experts: int) -> GroupedConfig:
-    """Tiles by the mean pairs per expert: up to 8 (decode-like), 16-row blocks with long K
-    steps (the fastest of five from 2 to 64 tokens, within 3% of the best at 1 and 256); 64 and
-    more (prefill), 128x128 tiles (the fastest of seven at 4096 tokens, 80 pairs per expert); in
-    between (not measured) block_m follows the mean."""
+def grouped_config(num_pairs: int, num_experts: int) -> TileConfig:
+    """Tiles of the grouped path (block_m: pairs per row block, the per-expert padding unit; the
+    gate/up and down GEMMs share them) by the mean pairs per expert: up to 8 (decode-like),
+    16-row blocks with long K steps (the fastest of five from 2 to 64 tokens, within 3% of the
+    best at 1 and 256); 64 and more (prefill), 128x128 tiles (the fastest of seven at 4096
+    tokens, 80 pairs per expert); in between (not measured) block_m follows the mean."""
     if INTERPRETED:
-        return GroupedConfig(block_m=16, block_n=16, block_k=16, num_stages=1)
+        return TileConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1)
     mean = triton.cdiv(num_pairs, num_experts)
     if mean <= 8:
-        return GroupedConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
+        return TileConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
     if mean >= 64:
-        return GroupedConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
-    return GroupedConfig(block_m=triton.next_power_of_2(mean), block_n=64, block_k=64, num_warps=4, num_stages=3)
+        return TileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    return TileConfig(block_m=triton.next_power_of_2(mean), block_n=64, block_k=64, num_warps=4, num_stages=3)
 
 
 def use_per_token_path(num_pairs: int, num_experts: int) -> bool:
@@ -341,8 +327,9 @@ def _check_moe_args(x, weights, experts, w_gate_up, w_down) -> None:
         assert t.device == x.device, f"{name} on {t.device}, x on {x.device}"
 
 
-def moe_experts_per_token(x, weights, experts, w_gate_up, w_down, config: PerTokenConfig = PerTokenConfig()):
-    """The per-token path (any batch; meant for decode)."""
+def moe_experts_per_token(x, weights, experts, w_gate_up, w_down, gate_up_config: TileConfig = PER_TOKEN_GATE_UP,
+                          down_config: TileConfig = PER_TOKEN_DOWN):
+    """The per-token path (any batch; meant for decode), with the tiles of its two kernels."""
     _check_moe_args(x, weights, experts, w_gate_up, w_down)
     num_tokens, hidden = x.shape
     top_k, inter = experts.shape[1], w_down.shape[2]
@@ -350,16 +337,17 @@ def moe_experts_per_token(x, weights, experts, w_gate_up, w_down, config: PerTok
     out = torch.empty_like(x)
     if num_tokens == 0:
         return out
-    _gate_up_per_pair_kernel[(num_tokens * top_k, triton.cdiv(inter, config.gate_n))](
-        x, experts, w_gate_up, act, hidden, inter, TOP_K=top_k, BLOCK_N=config.gate_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, **pdl(x.device))
-    _down_per_token_kernel[(num_tokens, triton.cdiv(hidden, config.down_n))](
-        act, weights, experts, w_down, out, hidden, inter, TOP_K=top_k, BLOCK_N=config.down_n,
-        BLOCK_K=min(config.block_k, triton.next_power_of_2(inter)), num_warps=config.num_warps, **pdl(x.device))
+    _gate_up_per_pair_kernel[(num_tokens * top_k, triton.cdiv(inter, gate_up_config.block_n))](
+        x, experts, w_gate_up, act, hidden, inter, TOP_K=top_k, BLOCK_N=gate_up_config.block_n,
+        BLOCK_K=gate_up_config.block_k, **gate_up_config.launch_options(), **pdl(x.device))
+    _down_per_token_kernel[(num_tokens, triton.cdiv(hidden, down_config.block_n))](
+        act, weights, experts, w_down, out, hidden, inter, TOP_K=top_k, BLOCK_N=down_config.block_n,
+        BLOCK_K=min(down_config.block_k, triton.next_power_of_2(inter)), **down_config.launch_options(),
+        **pdl(x.device))
     return out
 
 
-def moe_experts_grouped(x, weights, experts, w_gate_up, w_down, config: GroupedConfig | None = None):
+def moe_experts_grouped(x, weights, experts, w_gate_up, w_down, config: TileConfig | None = None):
     """The grouped path (any batch; meant for prefill and large batches)."""
     _check_moe_args(x, weights, experts, w_gate_up, w_down)
     num_tokens, hidden = x.shape
@@ -382,7 +370,7 @@ def moe_experts_grouped(x, weights, experts, w_gate_up, w_down, config: GroupedC
     num_m_blocks = (num_pairs + (bm - 1) * min(num_experts, num_pairs)) // bm
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     tiles = dict(E_PAD=e_pad, BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k, PRECISION=precision,
-                 num_warps=config.num_warps, num_stages=config.num_stages)
+                 **config.launch_options())
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=device)  # rows in expert order
     _gate_up_grouped_kernel[(num_m_blocks * triton.cdiv(inter, config.block_n),)](
         x, counts, sorted_pairs, w_gate_up, act, hidden, inter, num_experts, num_m_blocks, TOP_K=top_k, **tiles)
