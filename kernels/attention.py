@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .device import num_sms
-from .launch import dependent_prologue, pdl
+from .launch import dependent_prologue, dot_precision, pdl
 from .tiles import TileConfig
 from .varlen import pad_rows, row_layout
 
@@ -103,22 +103,28 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
 
 def _check_pool(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, "k_cache, v_cache: [num_blocks, block_size, Hkv, D]"
-    assert k_cache.dtype == v_cache.dtype and k_cache.device == v_cache.device
+    assert k_cache.dtype == v_cache.dtype and k_cache.device == v_cache.device, "k_cache, v_cache: one dtype and device"
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "pool head_dim must be contiguous"
     head_dim = k_cache.shape[3]
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim} must be a power of 2 >= 16"
+
+
+def _check_write_kv_args(k, v, k_cache, v_cache, slot_mapping) -> None:
+    _check_pool(k_cache, v_cache)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    assert v.shape == k.shape and k_cache.shape[2:] == (num_kv_heads, head_dim), "k, v: [T, Hkv, D] matching the pool"
+    assert k.stride(-1) == 1 and v.stride(-1) == 1, "k, v: head_dim must be contiguous"
+    assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype in (torch.int32, torch.int64), \
+        "slot_mapping: [T] int32 or int64"
+    assert k.device == v.device == k_cache.device == slot_mapping.device, "k, v, slot_mapping on the pool's device"
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Triton write_kv_reference: k, v [T, Hkv, D] (any token/head strides, D contiguous);
     slot_mapping [T] int32/int64 flat pool index; casts to the pool dtype."""
-    _check_pool(k_cache, v_cache)
+    _check_write_kv_args(k, v, k_cache, v_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = k.shape
-    assert v.shape == k.shape and k_cache.shape[2:] == (num_kv_heads, head_dim), "k, v: [T, Hkv, D] matching the pool"
-    assert k.stride(-1) == 1 and v.stride(-1) == 1, "k, v: head_dim must be contiguous"
-    assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype in (torch.int32, torch.int64)
-    assert k.device == v.device == k_cache.device == slot_mapping.device
     if num_tokens == 0:
         return
     _write_kv_kernel[(num_tokens,)](
@@ -399,33 +405,41 @@ def attention_config(num_tokens: int, num_rows: int, num_kv_heads: int, group: i
                       num_stages=num_stages)
 
 
-def _check_attention_args(out, q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, gate) -> None:
+def _check_paged_attention_args(out, q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, gate,
+                                config) -> None:
     _check_pool(k_cache, v_cache)
     num_rows = block_tables.shape[0]
     assert q.dim() == 3 and q.shape[2] == k_cache.shape[3], "q: [T, Hq, D] with the pool's D"
     assert q.shape[1] % k_cache.shape[2] == 0, "query heads must be a multiple of KV heads"
     assert q.stride(-1) == 1 and q.dtype == k_cache.dtype, "q: D contiguous, the pool's dtype"
-    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1, \
+        "out: q's shape and dtype, D contiguous"
     assert k_cache.stride() == v_cache.stride(), "k_cache and v_cache must share one layout (one offset serves both)"
     if gate is not None:
         assert gate.shape == q.shape and gate.dtype == q.dtype and gate.stride(-1) == 1, \
             "gate: [T, Hq, D] in q's dtype, D contiguous (any token/head strides)"
-        assert gate.device == q.device
-    assert block_tables.dim() == 2 and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
-    assert cu_seqlens.shape == (num_rows + 1,) and cu_seqlens.dtype == torch.int32 and cu_seqlens.is_contiguous()
-    assert context_lens.shape == (num_rows,) and context_lens.dtype == torch.int32 and context_lens.is_contiguous()
-    assert len({t.device for t in (out, q, k_cache, block_tables, cu_seqlens, context_lens)}) == 1
+        assert gate.device == q.device, "gate on q's device"
+    assert block_tables.dim() == 2 and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1, \
+        "block_tables: [B, M] int32, unit stride along M"
+    assert cu_seqlens.shape == (num_rows + 1,) and cu_seqlens.dtype == torch.int32 and cu_seqlens.is_contiguous(), \
+        "cu_seqlens: contiguous [B+1] int32"
+    assert context_lens.shape == (num_rows,) and context_lens.dtype == torch.int32 and context_lens.is_contiguous(), \
+        "context_lens: contiguous [B] int32"
+    assert len({t.device for t in (out, q, k_cache, block_tables, cu_seqlens, context_lens)}) == 1, \
+        "out, q, the pool and the row tensors on one device"
+    group = q.shape[1] // k_cache.shape[2]
+    assert config.block_m >= group and config.block_m >= 16 and 1 <= config.num_splits, \
+        f"config: block_m >= max(16, GROUP = {group}), num_splits >= 1"
 
 
 def launch_paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, cu_seqlens: torch.Tensor, context_lens: torch.Tensor,
                            scale: float, config: TileConfig, gate: torch.Tensor | None = None) -> None:
     """paged_attention with an explicit config, writing into out [T, Hq, D] (tests, benchmarks)."""
-    _check_attention_args(out, q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, gate)
+    _check_paged_attention_args(out, q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, gate, config)
     num_tokens, num_heads, head_dim = q.shape
     num_rows, num_kv_heads = block_tables.shape[0], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    assert config.block_m >= group and config.block_m >= 16 and 1 <= config.num_splits
     if num_tokens == 0:
         return
     tokens_per_tile = config.block_m // group
@@ -446,7 +460,7 @@ def launch_paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Te
         out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPLIT=splits > 1, HAS_GATE=has_gate,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",              # fp32 stays fp32 (no tf32)
+        PRECISION=dot_precision(q.dtype),
         **config.launch_options(), **pdl(q.device))
     if splits > 1:
         block_d = min(COMBINE_BLOCK_D, head_dim)

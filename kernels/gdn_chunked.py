@@ -56,6 +56,7 @@ import triton.language as tl
 
 from .device import INTERPRETED, num_sms
 from .gdn import expand_heads, gdn_gating_reference, l2norm
+from .launch import dot_precision
 from .tiles import TileConfig, autotune_configs
 from .varlen import into, pad_rows, row_layout
 
@@ -633,18 +634,8 @@ def split_output(num_rows: int, num_value_heads: int, value_dim: int, device: to
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                A_log: torch.Tensor, dt_bias: torch.Tensor, cu_seqlens: torch.Tensor,
-                slot_ids: torch.Tensor, has_initial_state: torch.Tensor, state: torch.Tensor,
-                checkpoint_cu: torch.Tensor | None = None, checkpoint_lengths: torch.Tensor | None = None,
-                checkpoint_states: torch.Tensor | None = None, lengths_checked: bool = False,
-                out: torch.Tensor | None = None, split: bool | None = None) -> torch.Tensor:
-    """Triton `gdn_chunked_reference` (same arguments and semantics). q, k, v may be views with
-    any token stride (e.g. splits of the conv output) as long as each token's heads are packed;
-    a, b likewise. `out` (optional): a contiguous [T, HV, V] view in v's dtype, e.g. a row slice
-    of the layer's output buffer. K and V are powers of two, 16 .. 256 (V >= 64 on the GPU).
-    `split`: outputs by their own kernel (True) or inside the state kernel (False); None picks
-    by `split_output`."""
+def _check_gdn_chunked_args(q, k, v, a, b, A_log, dt_bias, cu_seqlens, slot_ids, has_initial_state, state,
+                            out) -> None:
     num_tokens, num_key_heads, key_dim = q.shape
     num_value_heads, value_dim = v.shape[1], v.shape[2]
     num_rows = slot_ids.numel()
@@ -663,13 +654,32 @@ def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
         and has_initial_state.dtype == torch.bool, "slot_ids int32 [rows], has_initial_state bool [rows]"
     assert state.shape[1:] == (num_value_heads, key_dim, value_dim) and state.is_contiguous() \
         and state.dtype in (torch.float32, torch.bfloat16), "state pool contiguous fp32/bf16 [slots, HV, K, V]"
+    if out is not None:
+        assert out.shape == v.shape and out.dtype == v.dtype and out.is_contiguous() and out.device == q.device, \
+            "out: contiguous [T, HV, V] in v's dtype"
+
+
+def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                A_log: torch.Tensor, dt_bias: torch.Tensor, cu_seqlens: torch.Tensor,
+                slot_ids: torch.Tensor, has_initial_state: torch.Tensor, state: torch.Tensor,
+                checkpoint_cu: torch.Tensor | None = None, checkpoint_lengths: torch.Tensor | None = None,
+                checkpoint_states: torch.Tensor | None = None, lengths_checked: bool = False,
+                out: torch.Tensor | None = None, split: bool | None = None) -> torch.Tensor:
+    """Triton `gdn_chunked_reference` (same arguments and semantics). q, k, v may be views with
+    any token stride (e.g. splits of the conv output) as long as each token's heads are packed;
+    a, b likewise. `out` (optional): a contiguous [T, HV, V] view in v's dtype, e.g. a row slice
+    of the layer's output buffer. K and V are powers of two, 16 .. 256 (V >= 64 on the GPU).
+    `split`: outputs by their own kernel (True) or inside the state kernel (False); None picks
+    by `split_output`."""
+    _check_gdn_chunked_args(q, k, v, a, b, A_log, dt_bias, cu_seqlens, slot_ids, has_initial_state, state, out)
     has_checkpoints = check_checkpoints(cu_seqlens, checkpoint_cu, checkpoint_lengths, checkpoint_states, state,
                                         lengths_checked)
+    num_tokens, num_key_heads, key_dim = q.shape
+    num_value_heads, value_dim = v.shape[1], v.shape[2]
+    num_rows = slot_ids.numel()
     device = q.device
     if out is None:
         out = torch.empty(num_tokens, num_value_heads, value_dim, dtype=v.dtype, device=device)
-    assert out.shape == v.shape and out.dtype == v.dtype and out.is_contiguous() and out.device == device, \
-        "out: contiguous [T, HV, V] in v's dtype"
     if num_rows == 0:
         return out
     g_cum, q_scale, k_scale = torch.empty(3, num_tokens, num_value_heads, dtype=torch.float32, device=device)
@@ -678,7 +688,7 @@ def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
     attn, inverse = torch.empty(2, num_tokens, num_value_heads, CHUNK_SIZE, dtype=q.dtype, device=device)
     scale = key_dim ** -0.5
     dot_dtype = _TL_DTYPE[q.dtype]
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"   # fp32 activations: exact fp32 dots
+    precision = dot_precision(q.dtype)
     rows_pow2 = max(64, triton.next_power_of_2(num_rows))
     # T // 64 + rows bounds the chunks. Program ids run over the value heads of a chunk first, so
     # the heads that share a key head (HV > HK) run side by side and its second read of q and k

@@ -307,6 +307,43 @@ def decode_config(num_rows: int, num_value_heads: int, key_dim: int, value_dim: 
     return TileConfig(block_n=block_n, num_warps=max(1, key_dim * block_n // 4096))
 
 
+def _check_gdn_decode_args(out, q, k, v, a, b, A_log, dt_bias, cu_seqlens, slot_ids, state, pending_k, pending_v,
+                           pending_g, pending_beta, pending_counts, config) -> None:
+    num_tokens, num_key_heads, key_dim = q.shape
+    num_value_heads, value_dim = v.shape[1], v.shape[2]
+    num_slots, max_pending = pending_g.shape[0], pending_g.shape[1]
+    num_rows = slot_ids.numel()
+    assert k.shape == q.shape and v.shape[0] == num_tokens and num_value_heads % num_key_heads == 0, \
+        "q, k [T, HK, K] and v [T, HV, V], HV a multiple of HK"
+    assert a.shape == (num_tokens, num_value_heads) and b.shape == a.shape, "a, b [T, HV]"
+    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and a.stride(1) == 1 and b.stride(1) == 1, \
+        "q, k, v, a, b: unit stride along the last dim"
+    assert A_log.shape == (num_value_heads,) and dt_bias.shape == A_log.shape, "A_log, dt_bias [HV]"
+    assert A_log.is_contiguous() and dt_bias.is_contiguous(), "A_log, dt_bias: contiguous"
+    assert cu_seqlens.dtype == torch.int32 and cu_seqlens.shape == (num_rows + 1,), "cu_seqlens: int32 [B+1]"
+    assert slot_ids.dtype == torch.int32 and pending_counts.dtype == torch.int32, "slot_ids, pending_counts: int32"
+    assert state.shape == (num_slots, num_value_heads, key_dim, value_dim), "state [S, HV, K, V]"
+    assert state.dtype in (torch.float32, torch.bfloat16), "state: fp32 or bf16"
+    assert key_dim & (key_dim - 1) == 0 and value_dim & (value_dim - 1) == 0, "K and V must be powers of two"
+    assert config.block_n <= value_dim and config.block_n & (config.block_n - 1) == 0, \
+        "config: block_n a power of two <= V"
+    assert pending_k.shape == (num_rows, max_pending, num_key_heads, key_dim) and pending_k.stride(3) == 1, \
+        "pending_k [B, P, HK, K], unit stride along K"
+    assert pending_v.shape == (num_rows, max_pending, num_value_heads, value_dim) and pending_v.stride(3) == 1, \
+        "pending_v [B, P, HV, V], unit stride along V"
+    replicas = pending_g.shape[3]
+    assert pending_g.shape == (num_slots, max_pending, num_value_heads, replicas), "pending_g [S, P, HV, R]"
+    assert pending_beta.shape == pending_g.shape, "pending_beta: pending_g's shape"
+    assert replicas & (replicas - 1) == 0 and value_dim % replicas == 0, "R a power of two dividing V"
+    assert config.block_n * replicas >= value_dim, "a tile must own whole pending replicas (gdn.py)"
+    assert pending_g.dtype == torch.float32 and pending_beta.dtype == torch.float32, "pending_g, pending_beta: fp32"
+    assert pending_counts.shape == (num_slots,), "pending_counts [S]"
+    for t in (state, pending_g, pending_beta, pending_counts, cu_seqlens, slot_ids):
+        assert t.is_contiguous(), "state, pending_g, pending_beta, pending_counts, cu_seqlens, slot_ids: contiguous"
+    assert out.shape == v.shape and out.dtype == v.dtype and out.is_contiguous(), "out: contiguous, v's shape and dtype"
+    assert num_tokens <= num_rows * (max_pending + 1), "a row runs at most P + 1 new tokens"
+
+
 def launch_gdn_decode(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                       b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, cu_seqlens: torch.Tensor,
                       slot_ids: torch.Tensor, state: torch.Tensor, pending_k: torch.Tensor,
@@ -319,34 +356,12 @@ def launch_gdn_decode(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     unit stride along the head dim; a, b [T, HV] unit stride along heads; so may the step buffer
     views pending_k [B, P, HK, K] and pending_v [B, P, HV, V] (P may be 0). The pool tensors are
     contiguous, laid out as gdn.py says; state fp32 or bf16 (math in fp32 either way)."""
+    _check_gdn_decode_args(out, q, k, v, a, b, A_log, dt_bias, cu_seqlens, slot_ids, state, pending_k, pending_v,
+                           pending_g, pending_beta, pending_counts, config)
     num_tokens, num_key_heads, key_dim = q.shape
     num_value_heads, value_dim = v.shape[1], v.shape[2]
-    num_slots, max_pending = pending_g.shape[0], pending_g.shape[1]
+    max_pending, replicas = pending_g.shape[1], pending_g.shape[3]
     num_rows = slot_ids.numel()
-    assert k.shape == q.shape and v.shape[0] == num_tokens and num_value_heads % num_key_heads == 0
-    assert a.shape == (num_tokens, num_value_heads) and b.shape == a.shape
-    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and a.stride(1) == 1 and b.stride(1) == 1
-    assert A_log.shape == (num_value_heads,) and dt_bias.shape == A_log.shape
-    assert A_log.is_contiguous() and dt_bias.is_contiguous()
-    assert cu_seqlens.dtype == torch.int32 and cu_seqlens.shape == (num_rows + 1,)
-    assert slot_ids.dtype == torch.int32 and pending_counts.dtype == torch.int32
-    assert state.shape == (num_slots, num_value_heads, key_dim, value_dim)
-    assert state.dtype in (torch.float32, torch.bfloat16)
-    assert key_dim & (key_dim - 1) == 0 and value_dim & (value_dim - 1) == 0, "K and V must be powers of two"
-    assert config.block_n <= value_dim and config.block_n & (config.block_n - 1) == 0
-    assert pending_k.shape == (num_rows, max_pending, num_key_heads, key_dim) and pending_k.stride(3) == 1
-    assert pending_v.shape == (num_rows, max_pending, num_value_heads, value_dim) and pending_v.stride(3) == 1
-    replicas = pending_g.shape[3]
-    assert pending_g.shape == (num_slots, max_pending, num_value_heads, replicas)
-    assert pending_beta.shape == pending_g.shape
-    assert replicas & (replicas - 1) == 0 and value_dim % replicas == 0
-    assert config.block_n * replicas >= value_dim, "a tile must own whole pending replicas (gdn.py)"
-    assert pending_g.dtype == torch.float32 and pending_beta.dtype == torch.float32
-    assert pending_counts.shape == (num_slots,)
-    for t in (state, pending_g, pending_beta, pending_counts, cu_seqlens, slot_ids):
-        assert t.is_contiguous()
-    assert out.shape == v.shape and out.dtype == v.dtype and out.is_contiguous()
-    assert num_tokens <= num_rows * (max_pending + 1), "a row runs at most P + 1 new tokens"
     if num_rows == 0:
         return
     one_token = num_tokens == num_rows  # every row runs one token (plain decode)

@@ -1,4 +1,5 @@
-"""Programmatic dependent launch (PDL) of the decode-path kernels, on sm_90 and newer.
+"""Launch options the launchers share: programmatic dependent launch (PDL) of the decode-path
+kernels, on sm_90 and newer, and tl.dot's input precision by activation dtype.
 
 A step is a long chain of small kernels (a 0.8B model's batch-1 decode step: ~250 launches of
 5-20 us each), so the gap between one kernel's end and the next one's start is a real share of
@@ -43,3 +44,10 @@ def dependent_prologue(DEPENDENT_LAUNCH: tl.constexpr):
     if DEPENDENT_LAUNCH:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision for activations of `dtype`: fp32 stays exact fp32 ("ieee", no
+    tf32); otherwise "tf32", which leaves bf16 / fp16 operands as they are and lets fp32 ones that
+    a kernel forms itself (gdn_chunked's inverse) round to tf32."""
+    return "ieee" if dtype == torch.float32 else "tf32"

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from .arrivals import arrival_counters, last_to_arrive, reset_arrivals
 from .device import INTERPRETED, num_sms
-from .launch import dependent_prologue, pdl
+from .launch import dependent_prologue, dot_precision, pdl
 from .tiles import TileConfig
 
 MAX_ROWS = 64               # the kernel's limit (x is padded to a power of two >= 16 rows)
@@ -178,9 +178,16 @@ def _launch_plan(x_shape: torch.Size, weight_shape: torch.Size, y_shape: torch.S
     k_per_split = triton.cdiv(triton.cdiv(in_features, config.num_splits), config.block_k) * config.block_k
     meta = dict(BLOCK_M=block_m(num_rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.num_splits,
                 EVEN_K=in_features % config.block_k == 0,
-                PRECISION="ieee" if dtype == torch.float32 else "tf32",                 # fp32 stays fp32 (no tf32)
+                PRECISION=dot_precision(dtype),
                 **config.launch_options())
     return (triton.cdiv(out_features, config.block_n), config.num_splits), k_per_split, meta
+
+
+def _check_linear_args(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """What a call must check itself (_launch_plan checks shapes and dtypes once per shape)."""
+    assert x.stride(1) == 1 and weight.stride(1) == 1, "linear: x and weight need unit stride along K"
+    assert y.is_contiguous(), "linear: y must be contiguous"
+    assert weight.device == x.device == y.device, "linear: x, weight and y on one device"
 
 
 def launch_linear(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config: TileConfig) -> None:
@@ -188,10 +195,8 @@ def launch_linear(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config
     (bf16, fp16 or fp32), unit stride along K (x may be a row-strided view); y contiguous, same
     dtype. Accumulates in fp32; fp32 inputs multiply in full fp32 (no tf32)."""
     grid, k_per_split, meta = _launch_plan(x.shape, weight.shape, y.shape, x.dtype, weight.dtype, y.dtype, config)
-    assert x.stride(1) == 1 and weight.stride(1) == 1, "linear: x and weight need unit stride along K"
-    assert y.is_contiguous(), "linear: y must be contiguous"
+    _check_linear_args(y, x, weight)
     device = x.device
-    assert weight.device == device == y.device
     (num_rows, in_features), out_features = x.shape, weight.shape[0]
     if config.num_splits > 1:
         partials = torch.empty((config.num_splits, num_rows, out_features), dtype=torch.float32, device=device)

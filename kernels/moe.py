@@ -44,7 +44,7 @@ import triton.language as tl
 
 from .activation import silu_and_mul_reference
 from .device import INTERPRETED
-from .launch import dependent_prologue, pdl
+from .launch import dependent_prologue, dot_precision, pdl
 from .tiles import TileConfig
 
 
@@ -110,12 +110,18 @@ def _route_kernel(logits, stride_row, weights, experts, E, TOP_K: tl.constexpr, 
     tl.store(experts + row * TOP_K + slot, chosen_expert.to(tl.int64), mask=ok)
 
 
+def _check_route_args(router_logits: torch.Tensor, top_k: int) -> None:
+    assert router_logits.dim() == 2 and router_logits.stride(1) == 1, "router_logits [T, E], unit stride along E"
+    assert router_logits.dtype in (torch.float32, torch.bfloat16, torch.float16), \
+        f"router_logits: dtype {router_logits.dtype}"
+    num_experts = router_logits.shape[1]
+    assert 1 <= top_k <= num_experts, f"top_k {top_k} with {num_experts} experts"
+
+
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `route_reference`: [T, E] -> (weights [T, k] in the logits' dtype, experts [T, k] int64)."""
-    assert router_logits.dim() == 2 and router_logits.stride(1) == 1, "router_logits [T, E], unit stride along E"
-    assert router_logits.dtype in (torch.float32, torch.bfloat16, torch.float16), router_logits.dtype
+    _check_route_args(router_logits, top_k)
     num_tokens, num_experts = router_logits.shape
-    assert 1 <= top_k <= num_experts, f"top_k {top_k} with {num_experts} experts"
     weights = torch.empty(num_tokens, top_k, dtype=router_logits.dtype, device=router_logits.device)
     experts = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
     if num_tokens > 0:
@@ -313,15 +319,17 @@ def use_per_token_path(num_pairs: int, num_experts: int) -> bool:
     return 4 * num_pairs <= num_experts
 
 
-def _check_moe_args(x, weights, experts, w_gate_up, w_down) -> None:
+def _check_moe_experts_args(x, weights, experts, w_gate_up, w_down) -> None:
     num_tokens, hidden = x.shape
     num_experts, two_inter, hidden_2 = w_gate_up.shape
     assert hidden_2 == hidden and two_inter % 2 == 0, f"w_gate_up {tuple(w_gate_up.shape)} vs x {tuple(x.shape)}"
     assert w_down.shape == (num_experts, hidden, two_inter // 2), f"w_down {tuple(w_down.shape)}"
-    assert experts.dim() == 2 and experts.shape[0] == num_tokens and weights.shape == experts.shape
-    assert experts.dtype in (torch.int64, torch.int32), experts.dtype
-    assert x.dtype == w_gate_up.dtype == w_down.dtype, (x.dtype, w_gate_up.dtype, w_down.dtype)
-    assert x.dtype in (torch.float32, torch.bfloat16, torch.float16), x.dtype
+    assert experts.dim() == 2 and experts.shape[0] == num_tokens and weights.shape == experts.shape, \
+        "weights, experts: [T, k]"
+    assert experts.dtype in (torch.int64, torch.int32), f"experts: dtype {experts.dtype}"
+    assert x.dtype == w_gate_up.dtype == w_down.dtype, \
+        f"x {x.dtype}, w_gate_up {w_gate_up.dtype}, w_down {w_down.dtype}: one dtype"
+    assert x.dtype in (torch.float32, torch.bfloat16, torch.float16), f"x: dtype {x.dtype}"
     for name, t in (("x", x), ("weights", weights), ("experts", experts), ("w_gate_up", w_gate_up), ("w_down", w_down)):
         assert t.is_contiguous(), f"{name} must be contiguous"
         assert t.device == x.device, f"{name} on {t.device}, x on {x.device}"
@@ -330,7 +338,7 @@ def _check_moe_args(x, weights, experts, w_gate_up, w_down) -> None:
 def moe_experts_per_token(x, weights, experts, w_gate_up, w_down, gate_up_config: TileConfig = PER_TOKEN_GATE_UP,
                           down_config: TileConfig = PER_TOKEN_DOWN):
     """The per-token path (any batch; meant for decode), with the tiles of its two kernels."""
-    _check_moe_args(x, weights, experts, w_gate_up, w_down)
+    _check_moe_experts_args(x, weights, experts, w_gate_up, w_down)
     num_tokens, hidden = x.shape
     top_k, inter = experts.shape[1], w_down.shape[2]
     act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
@@ -349,7 +357,7 @@ def moe_experts_per_token(x, weights, experts, w_gate_up, w_down, gate_up_config
 
 def moe_experts_grouped(x, weights, experts, w_gate_up, w_down, config: TileConfig | None = None):
     """The grouped path (any batch; meant for prefill and large batches)."""
-    _check_moe_args(x, weights, experts, w_gate_up, w_down)
+    _check_moe_experts_args(x, weights, experts, w_gate_up, w_down)
     num_tokens, hidden = x.shape
     num_experts, top_k, inter = w_gate_up.shape[0], experts.shape[1], w_down.shape[2]
     num_pairs = num_tokens * top_k
@@ -368,9 +376,8 @@ def moe_experts_grouped(x, weights, experts, w_gate_up, w_down, config: TileConf
     # sum over experts of ceil(count / block_m) <= (pairs + (block_m - 1) * nonempty experts) / block_m
     bm = config.block_m
     num_m_blocks = (num_pairs + (bm - 1) * min(num_experts, num_pairs)) // bm
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    tiles = dict(E_PAD=e_pad, BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k, PRECISION=precision,
-                 **config.launch_options())
+    tiles = dict(E_PAD=e_pad, BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                 PRECISION=dot_precision(x.dtype), **config.launch_options())
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=device)  # rows in expert order
     _gate_up_grouped_kernel[(num_m_blocks * triton.cdiv(inter, config.block_n),)](
         x, counts, sorted_pairs, w_gate_up, act, hidden, inter, num_experts, num_m_blocks, TOP_K=top_k, **tiles)

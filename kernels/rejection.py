@@ -123,11 +123,7 @@ def _rejection_kernel(target_probs, draft_probs, draft_tokens, num_draft, seeds,
     tl.store(num_accepted + row, j)
 
 
-def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, draft_tokens: torch.Tensor,
-                     num_draft: torch.Tensor, seeds: torch.Tensor,
-                     offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton `rejection_sample_reference` (same arguments and results, ties aside): one
-    program per row, no host sync."""
+def _check_rejection_sample_args(target_probs, draft_probs, draft_tokens, num_draft, seeds, offsets) -> None:
     batch, num_positions, vocab = target_probs.shape
     max_draft = num_positions - 1
     assert target_probs.dtype == torch.float32 and target_probs.is_contiguous(), "target_probs: contiguous float32"
@@ -138,6 +134,16 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor | Non
     assert draft_tokens.is_contiguous(), "draft_tokens must be contiguous"
     for name, x in (("num_draft", num_draft), ("seeds", seeds), ("offsets", offsets)):
         assert x.shape == (batch,) and x.dtype == torch.int64 and x.is_contiguous(), f"{name}: contiguous [B] int64"
+
+
+def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, draft_tokens: torch.Tensor,
+                     num_draft: torch.Tensor, seeds: torch.Tensor,
+                     offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton `rejection_sample_reference` (same arguments and results, ties aside): one
+    program per row, no host sync."""
+    _check_rejection_sample_args(target_probs, draft_probs, draft_tokens, num_draft, seeds, offsets)
+    batch, num_positions, vocab = target_probs.shape
+    max_draft = num_positions - 1
     output_tokens = torch.empty(batch, num_positions, dtype=torch.int64, device=target_probs.device)
     num_accepted = torch.empty(batch, dtype=torch.int64, device=target_probs.device)
     if batch == 0:

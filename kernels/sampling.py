@@ -509,9 +509,10 @@ _SAMPLE_BINS = 256       # histogram bins per round (the last one collects what 
 _SAMPLE_CAPACITY = 4096  # window elements a row may keep in registers for the exact search
 
 
-def _check_sample_args(logits, temperature, top_k, top_p, min_p, seeds, offsets) -> None:
+def _check_sample_args(logits, temperature, top_k, top_p, min_p, seeds, offsets, chunk, block, num_bins,
+                       capacity) -> None:
     assert logits.dim() == 2 and logits.stride(1) == 1, "logits [B, V], unit stride along V"
-    assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16), logits.dtype
+    assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16), f"logits: dtype {logits.dtype}"
     batch = logits.shape[0]
     for name, x, dtypes in (("temperature", temperature, (torch.float32,)),
                             ("top_k", top_k, (torch.int64, torch.int32)), ("top_p", top_p, (torch.float32,)),
@@ -520,6 +521,8 @@ def _check_sample_args(logits, temperature, top_k, top_p, min_p, seeds, offsets)
         assert x.shape == (batch,) and x.is_contiguous(), f"{name}: expected contiguous [{batch}], got {tuple(x.shape)}"
         assert x.dtype in dtypes, f"{name}: dtype {x.dtype} not in {dtypes}"
         assert x.device == logits.device, f"{name} on {x.device}, logits on {logits.device}"
+    assert chunk % block == 0 and num_bins & (num_bins - 1) == 0 and capacity & (capacity - 1) == 0, \
+        "tiling: chunk a multiple of block, num_bins and capacity powers of two"
 
 
 def launch_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -529,9 +532,8 @@ def launch_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
                   statuses: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample` with its tiling exposed (tests shrink it to reach every path on small rows);
     `statuses` ([B] int32), when given, receives each row's path (GREEDY .. LAST_RESORT)."""
-    _check_sample_args(logits, temperature, top_k, top_p, min_p, seeds, offsets)
+    _check_sample_args(logits, temperature, top_k, top_p, min_p, seeds, offsets, chunk, block, num_bins, capacity)
     batch, vocab = logits.shape
-    assert chunk % block == 0 and num_bins & (num_bins - 1) == 0 and capacity & (capacity - 1) == 0
     tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(batch, dtype=torch.float32, device=logits.device)
     if batch == 0:
