@@ -1,8 +1,8 @@
 """SwiGLU activation of the dense and expert MLPs: silu(gate) * up on a fused [.., 2I] input.
 
 Math in float32, rounded once to the input dtype (as the norms and the fused MoE kernels do).
-`silu_and_mul` is the Triton kernel (one launch; a decode step used to pay two torch kernels per
-MLP for it), `silu_and_mul_reference` its torch oracle. Knows nothing about weights.
+`silu_and_mul` is the Triton kernel (one launch, where torch takes two per MLP),
+`silu_and_mul_reference` its torch oracle. Knows nothing about weights.
 """
 
 from __future__ import annotations

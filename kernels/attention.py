@@ -16,10 +16,10 @@ query heads of that KV head into its BLOCK_M rows (m -> token m // GROUP, head m
 K/V are read once per KV head for all its query heads, and a decode or verify row (q_len <= 8)
 is one tile. Optionally the key range of a tile is split over num_splits programs (long contexts,
 few rows); a second small kernel merges their partial (max, sum, acc). All three are programmatic
-dependent launches on sm_90+ (launch.py). The gate is multiplied in
-by whichever kernel stores the output (the attention kernel's epilogue, or the merge): fusing it
-there saves the two elementwise launches per layer it used to cost. Launch geometry depends
-only on tensor shapes, never on tensor values, so both launchers run inside CUDA graphs.
+dependent launches on sm_90+ (launch.py). The gate is multiplied in by whichever kernel stores
+the output (the attention kernel's epilogue, or the merge), so it costs no launch of its own.
+Launch geometry depends only on tensor shapes, never on tensor values, so both launchers run
+inside CUDA graphs.
 """
 
 from __future__ import annotations
@@ -345,8 +345,8 @@ def _combine_splits_kernel(partial_acc_ptr, partial_stats_ptr, gate_ptr, out_ptr
     tl.store(out_ptr + token * stride_out_token + head * stride_out_head + d, out.to(out_ptr.dtype.element_ty))
 
 
-# The merge streams any number of splits; more than 128 never ran faster (H100, one row over 4K and
-# 32K keys: bench/results/kernels_attn-h100.json), and each split adds [Hq, D] fp32 of partials.
+# The merge streams any number of splits; more than 128 never ran faster (measured:
+# bench/results/kernels_attn-h100.json), and each split adds [Hq, D] fp32 of partials.
 MAX_SPLITS = 128
 # The merge of a decode row is a latency chain: one chunk holds every split (its stats and partials
 # load at once), and narrow D blocks spread a row over more programs.
@@ -358,28 +358,26 @@ def attention_config(num_tokens: int, num_rows: int, num_kv_heads: int, group: i
                      num_sms: int, *, block_size: int) -> TileConfig:
     """The tile of _paged_attention_kernel (block_m packed (token, head) rows per tile, >= GROUP;
     block_n keys a step; num_splits key-range splits per tile), picked from shapes alone (never
-    device values, so CUDA graphs can capture the call). The table is what won in bench/kernels_attn.py on an H200 (bench/results/kernels_attn-h200.json,
-    8 q / 2 kv heads, D 256) and, for small decode batches, with --small-batch on an H100
-    (kernels_attn_small-h100.json); D 128 uses the same tiles.
+    device values, so CUDA graphs can capture the call). The table is what won in
+    bench/kernels_attn.py at 8 q / 2 kv heads, D 256 (measured: bench/results/kernels_attn-h200.json;
+    small decode batches: bench/results/kernels_attn_small-h100.json); D 128 uses the same tiles.
 
     Average q_len <= 8 (decode/verify batches): a tile holds a row's tokens x its GROUP heads in
     the smallest power of two >= 16 rows (tl.dot's minimum); memory-bound: 64 keys a step, 4 warps,
     3 stages. Longer rows (prefill): 128-row tiles, 64 keys a step, 8 warps (two warpgroups), 2
-    stages. One decode program streams KV at only ~16 GB/s (latency-bound), so when tiles x KV heads
-    leave SMs idle the key range is split until the grid holds 1-2 programs per SM (a power of two,
-    >= one key step per split, <= MAX_SPLITS). Such split programs run a few key steps each, where
-    a software pipeline's prologue costs more than it hides: decode rows that fill at most 1/8 of
-    the SMs before splitting take 32 keys a step, unpipelined (batch 1-8 over 512-2048 keys in an
-    8192-token table: 1.02-1.45x faster than 64 keys, 3 stages; a program costs least when it
-    runs a single key step), unless a split still walks more than two key steps over the table
-    (one row over 32K keys, 128 splits of 8 steps: 3 stages 34.1 us against 38.3 unpipelined).
+    stages. One decode program is latency-bound, far below the memory bandwidth, so when tiles x
+    KV heads leave SMs idle the key range is split until the grid holds 1-2 programs per SM (a
+    power of two, >= one key step per split, <= MAX_SPLITS). Such split programs run a few key
+    steps each, where a software pipeline's prologue costs more than it hides: decode rows that
+    fill at most 1/8 of the SMs before splitting take 32 keys a step, unpipelined (a program costs
+    least when it runs a single key step), unless a split still walks more than two key steps
+    over the table, which wants its 3 stages back (measured:
+    bench/results/kernels_attn_small-h100.json).
     Those rows whose splits hold more than 32 keys, over blocks of a multiple of 16 keys, take
     16-key steps on 2 warps, 3 stages instead: each step lies inside one block whose id was loaded
-    a step ahead (_key_rows), so two K/V tiles are in flight per program (H100, against 32-key
-    steps that read their block ids in the same step: one decode row over 32K keys 31.4 us against
-    33.6, over 2K keys of an 8K table 7.5 against 8.0, four rows over 4K keys 19.5 against 21.2;
-    4-token verify rows from 2.5% slower (one row over 32K keys) to 10% faster;
-    bench/results/kernels_attn_decode_steps-h100.json)."""
+    a step ahead (_key_rows), so two K/V tiles are in flight per program: faster for decode rows
+    than 32-key steps that read their block ids in the same step, for verify rows from slightly
+    slower to faster (measured: bench/results/kernels_attn_decode_steps-h100.json)."""
     if num_tokens <= 8 * num_rows:
         tokens_per_row = triton.cdiv(num_tokens, max(num_rows, 1))
         block_m = max(16, triton.next_power_of_2(group * min(tokens_per_row, 8)))

@@ -2,7 +2,8 @@
 
 `Ops` is a frozen table of functions. `REFERENCE_OPS` holds the torch references: the CPU
 backend and the oracle of every kernel test. `triton_ops()` is the GPU table with the same
-signatures; `select_ops` is the only place that decides which table a model gets.
+signatures; `select_ops` is the only place that decides which table a model gets. Knows nothing
+about what the ops compute, only which implementation fills each entry.
 """
 
 from __future__ import annotations

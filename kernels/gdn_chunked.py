@@ -483,7 +483,7 @@ def _gdn_chunk_state_kernel(q, k, g_cum, q_scale, k_scale, w, u, attn, o, state,
     as the fused O dot would use it) and V' (over u, in place), and its loop carries two dots
     instead of four."""
     # V tiles of a head, then the heads of a row, side by side: programs that share k (and w)
-    # tiles run together, so the repeats come from L2 (H100, fused 16 x 1024 HV16: 209 -> 188 us).
+    # tiles run together, so the repeats come from L2 (H100 A/B in commit 3d23aed).
     program = tl.program_id(0)
     row, h, tile_v = program // (HV * (V // BV)), program // (V // BV) % HV, program % (V // BV)
     hk = h // (HV // HK)
@@ -567,7 +567,7 @@ def _solve_configs() -> list[TileConfig]:
         return [TileConfig(block_k=16, num_warps=1)]
     # The substitution's row picks want one warp: on an H100 (HV 16 and 32, all bench shapes)
     # BK 32 / 1 warp won against 2 and 4 warps and 64-column slices; since the solve stores one
-    # inverse, 2 stages beat 1 (HV16 1 x 16384: 131 -> 99 us). The runners-up are kept, the rest
+    # inverse, 2 stages beat 1 (H100 A/B in commit 5f40532). The runners-up are kept, the rest
     # dropped (each config is also an sm_90 compile in CI).
     return [TileConfig(block_k=block_k, num_warps=num_warps, num_stages=num_stages)
             for block_k, num_warps, num_stages in ((32, 1, 1), (32, 1, 2), (32, 2, 1), (64, 1, 1))]
@@ -576,14 +576,15 @@ def _solve_configs() -> list[TileConfig]:
 def _wy_configs() -> list[TileConfig]:
     if INTERPRETED:
         return [TileConfig(num_warps=4)]
-    return [TileConfig(num_warps=num_warps, num_stages=num_stages) for num_warps, num_stages in ((4, 1), (4, 2), (8, 1))]
+    return [TileConfig(num_warps=num_warps, num_stages=num_stages)
+            for num_warps, num_stages in ((4, 1), (4, 2), (8, 1))]
 
 
 def _state_configs() -> list[TileConfig]:
     # Stages: at 2 the pipeliner issues chunk c+1's async copies at the end of chunk c and waits
     # for them at the top of c+1, so the whole load latency sits on the chain (ncu: over half the
-    # stall cycles on the scoreboard); 3-4 stages keep a chunk's loads in flight behind the next.
-    # H100, HV16 1 x 16384, 32-column tiles: 610 -> 531 us per tuning run.
+    # stall cycles on the scoreboard); 3-4 stages keep a chunk's loads in flight behind the next
+    # (H100 A/B in commit ca0660b).
     if INTERPRETED:
         return [TileConfig(block_n=16, num_warps=4)]   # V = 32 in the CPU tests: two V tiles
     return [TileConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
@@ -624,10 +625,10 @@ def split_output(num_rows: int, num_value_heads: int, value_dim: int, device: to
     (a program per row, value head and 64-column V tile) would occupy at most a quarter of the
     SMs. Then its chain of chunks is the critical path; the split takes the two output dots off
     it and lets the state kernel use 32-column tiles (twice the programs), which beats the
-    traffic of the stored chunk states (fla's layout, chunk_fwd_h + chunk_fwd_o). H100, K = V =
-    128 (bench/results/kernels_gdn-h100.json): one 16384-token row at HV = 16 (32 programs)
-    split 757 us against fused 835; at HV = 32 (64 programs) fused is faster, 1109 against 1147.
-    The interpreter keeps the fused path unless told (tests force both)."""
+    traffic of the stored chunk states (fla's layout, chunk_fwd_h + chunk_fwd_o). On an H100 at
+    K = V = 128, one long row is faster split at HV = 16 (32 programs) and fused at HV = 32 (64
+    programs) (measured: bench/results/kernels_gdn-h100.json). The interpreter keeps the fused
+    path unless told (tests force both)."""
     return device.type == "cuda" and num_rows * num_value_heads * max(1, value_dim // 64) <= num_sms(device) // 4
 
 
@@ -693,7 +694,7 @@ def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
     # T // 64 + rows bounds the chunks. Program ids run over the value heads of a chunk first, so
     # the heads that share a key head (HV > HK) run side by side and its second read of q and k
     # comes from L2 (chunk-major, the sibling ran a whole head's chunks earlier and HV32 read them
-    # twice from memory; H100, HV32 1 x 16384: wy 371 -> 315 us, output 260 -> 245).
+    # twice from memory; H100 A/B in commit 058d68a).
     grid = ((num_tokens // CHUNK_SIZE + num_rows) * num_value_heads,)
     _solve[grid](k, a, b, A_log, dt_bias, cu_seqlens, inverse, num_rows,
                  k.stride(0), a.stride(0), b.stride(0),

@@ -162,12 +162,12 @@ def _gdn_decode_kernel(
 
     Pending g / beta (one per value head) would be shared by the head's V // BV programs, which
     all read the old entries [slot, 0..p) and whose new entries [slot, 0..n-1) overwrite them:
-    with no grid-wide barrier, that needs ordering (an arrival counter cost about 0.4 us of a
-    one-row verify on an H100). So the pool keeps R replicas of each, one per V // R columns
-    (gdn.py), and a program owns the replicas of its columns: it reads the first, writes all of
-    them, and touches no other. Programs of one launch own disjoint replicas; a launch with
-    another tile width reads replicas that their last owner wrote with the same values. The step
-    buffer (pending k, v) and the new tokens are never written here.
+    with no grid-wide barrier, that needs ordering, and an arrival counter measured slower
+    (bench/results/kernels_gdn_decode_replicas-h100.json). So the pool keeps R replicas of each,
+    one per V // R columns (gdn.py), and a program owns the replicas of its columns: it reads the
+    first, writes all of them, and touches no other. Programs of one launch own disjoint
+    replicas; a launch with another tile width reads replicas that their last owner wrote with
+    the same values. The step buffer (pending k, v) and the new tokens are never written here.
     Invariant: rows in a launch own distinct slots, except pad rows, which all point at scratch
     slot 0, whose contents are never read as real state.
     """
@@ -212,8 +212,8 @@ def _gdn_decode_kernel(
     k_ptrs = k + i_kh * stride_k_h + offs_k
     v_ptrs = v + i_h * stride_v_h + offs_v
     tokens = bos + offs_t
-    # One token per row: no masks (masked loads measured 2-3% slower decode at B = 1 on an H100),
-    # and the blocks are the rows.
+    # One token per row: no masks (masked loads made plain decode slower; H100 A/B in commit
+    # 6dc8cf0), and the blocks are the rows.
     if ONE_TOKEN:
         q_block = tl.load(q_ptrs[None, :] + tokens[:, None] * stride_q_t)
         k_block = tl.load(k_ptrs[None, :] + tokens[:, None] * stride_k_t)
@@ -280,8 +280,8 @@ def _gdn_decode_kernel(
 
 def decode_config(num_rows: int, num_value_heads: int, key_dim: int, value_dim: int, commit: bool,
                   device: torch.device) -> TileConfig:
-    """The tile of _gdn_decode_kernel (block_n value columns per program, a power of two; num_warps)
-    by how many programs of 16 columns the batch makes per SM (n = rows x HV x V / 16
+    """The tile of _gdn_decode_kernel (block_n value columns per program, a power of two, and
+    num_warps) by how many programs of 16 columns the batch makes per SM (n = rows x HV x V / 16
     / SMs): few programs want narrow tiles (a launch of few programs is bound by one warp's
     chain of steps, so more of shorter chains finish first), many want wide ones (the per-step
     work that does not scale with the tile, its gating, row loads and norms, is paid once for
@@ -290,12 +290,10 @@ def decode_config(num_rows: int, num_value_heads: int, key_dim: int, value_dim: 
         verify: 16 columns for n <= 4, else 32
         decode: 16 columns for n <= 8, 32 for n <= 16, else 64 (two warps)
     Never narrower than 16 columns, the width of a pending g / beta replica (gdn.py): 8-column
-    verify tiles were 2% faster at HV = 16, B = 1 alone (4.67 against 4.78 us), and would double
-    the replicas. From the sweep of bench/kernels_gdn_decode.py on an H100
-    (results/kernels_gdn_decode-h100.json, K = V = 128, HV = 16): verify at B = 1 4.9 us at 16
-    columns against 6.1 at 32; B = 8 10.5 at 32 against 12.9 at 16; B = 256 220 against 235.
-    Decode at B = 8 6.9 us at 16 columns against 7.8 at 32; B = 256 191 at 64 against 195 at 32
-    (and, in an earlier sweep, B = 16 13.0 at 32 against 13.3 at 64)."""
+    verify tiles won only at HV = 16, B = 1, by 2% (measured:
+    bench/results/kernels_gdn_decode_replicas-h100.json), and would double the replicas. The
+    thresholds are the sweep of bench/kernels_gdn_decode.py at K = V = 128, HV = 16 (measured:
+    bench/results/kernels_gdn_decode-h100.json)."""
     if INTERPRETED:
         return TileConfig(block_n=min(16, value_dim), num_warps=1)
     per_sm = num_rows * num_value_heads * (value_dim // 16) / num_sms(device)

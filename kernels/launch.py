@@ -1,15 +1,16 @@
 """Launch options the launchers share: programmatic dependent launch (PDL) of the decode-path
 kernels, on sm_90 and newer, and tl.dot's input precision by activation dtype.
 
-A step is a long chain of small kernels (a 0.8B model's batch-1 decode step: ~250 launches of
-5-20 us each), so the gap between one kernel's end and the next one's start is a real share of
-it. A kernel launched with `**pdl(device)` may be scheduled while its predecessor still runs:
-its programs start with `dependent_prologue`, which waits on-chip (griddepcontrol.wait) until
-the predecessor grid has finished and its stores are visible, and then lets its own successor
-launch. The wait comes before any memory access, so a dependent kernel orders exactly like a
-plain one (reads after the predecessor's writes, writes after its reads); only the launch
-latency overlaps. A predecessor that never signals (a cuBLAS GEMM, the interpreter) simply
-completes first. Knows nothing about what the kernels compute.
+A step is a long chain of small kernels (a 0.8B model's batch-1 decode step: ~250 launches of a
+few microseconds each; measured: bench/results/profile-h100.json), so the gap between one
+kernel's end and the next one's start is a real share of it. A kernel launched with
+`**pdl(device)` may be scheduled while its predecessor still runs: its programs start with
+`dependent_prologue`, which waits on-chip (griddepcontrol.wait) until the predecessor grid has
+finished and its stores are visible, and then lets its own successor launch. The wait comes
+before any memory access, so a dependent kernel orders exactly like a plain one (reads after the
+predecessor's writes, writes after its reads); only the launch latency overlaps. A predecessor
+that never signals (a cuBLAS GEMM, the interpreter) simply completes first. Knows nothing about
+what the kernels compute.
 """
 
 from __future__ import annotations

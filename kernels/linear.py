@@ -10,12 +10,10 @@ tile's partials in split order (deterministic, whichever program is last) and wr
 fp32 output to memset, no reduce or cast launch; scratch is one torch.empty per call, so the
 call can be captured in a CUDA graph.
 
-Measured on an H100 (bench/kernels_linear.py, CUDA graphs, cold weights), M <= 16: N = 1024,
-K = 2048 (4.2 MB) 4.9-5.1 us against cuBLAS's 5.8-5.9; N = 1024, K = 3584 5.9-6.5 us against
-8.1-8.8; N = 4096 3-10% faster. Where the time goes at 4.2 MB: a kernel that only reads W
-needs 3.5 us (0.9 us of it the launch gap in a graph), the GEMM without its split-K tail 4.0,
-and the tail (partial stores made visible, the counter atomic, the partial loads: three
-dependent L2 round trips) ~1.1 us more.
+Up to 16 rows it beats cuBLAS at N = 1024 and N = 4096 (measured:
+bench/results/kernels_linear-h100.json). What it pays beyond streaming W is the split-K tail:
+partial stores made visible, the counter atomic and the partial loads, three dependent L2 round
+trips (H100 breakdown in commit 8b76c27).
 
 `linear` is the entry point (the `Ops.linear` of the GPU table): the kernel where `use_kernel`
 says it beats cuBLAS, F.linear elsewhere (prefill, wide N, more than 16 rows at larger N).
@@ -62,7 +60,7 @@ def _linear_kernel(x, w, y, partials, arrivals, M, N, K, k_per_split, stride_xm,
     SPLIT_K > 1: partials [SPLIT_K, M, N] fp32 (scratch); arrivals[pid_n] counts the tile's
     programs in. The last one sums the partials in split order and writes y. The sum is
     unrolled so that its SPLIT_K loads are in flight together: that tail is one L2 round trip,
-    not SPLIT_K of them (a loop made 16 splits ~3 us slower on an H100)."""
+    not SPLIT_K of them (a loop was slower; H100 A/B in commit 8b76c27)."""
     dependent_prologue(DEPENDENT_LAUNCH)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -124,8 +122,8 @@ def kernel_config(num_rows: int, out_features: int, in_features: int, sms: int) 
     BLOCK_K = 128 (a warp reads 256-byte stretches of W's rows in 16-byte vectors), 4 warps, 4
     stages; BLOCK_N 64 up to 8 rows, 32 above; split-K for at most one program per SM and at
     least num_stages K blocks per split (shorter splits pay the pipeline's prologue and the
-    split-K tail for fewer bytes). On the H100 sweep (bench/results/kernels_linear-h100.json)
-    this is within 4% of the fastest swept config for every shape use_kernel gives the kernel."""
+    split-K tail for fewer bytes). Within a few percent of the fastest swept config for every
+    shape use_kernel gives the kernel (measured: bench/results/kernels_linear-h100.json)."""
     block_n = 64 if num_rows <= 8 else 32
     block_k, num_stages = 128, 4
     num_tiles, num_k_blocks = triton.cdiv(out_features, block_n), triton.cdiv(in_features, block_k)
@@ -134,12 +132,12 @@ def kernel_config(num_rows: int, out_features: int, in_features: int, sms: int) 
 
 
 def use_kernel(num_rows: int, out_features: int, sms: int) -> bool:
-    """The rule between this kernel and cuBLAS (H100 numbers in bench/results/kernels_linear-h100.json):
+    """The rule between this kernel and cuBLAS (measured: bench/results/kernels_linear-h100.json):
       - N >= 32 per SM (the 0.8B in_proj, qkv, gate_up; every 9B one but out/o_proj and down):
-        cuBLAS's own N tiles fill the GPU; it ties or wins (by up to 15% at M = 1);
-      - up to 16 rows otherwise: the kernel, 15-27% faster at N = 1024, 3-10% at N = 4096;
-      - 17..32 rows: the kernel up to 16 features per SM (N = 1024: 5.3-5.5 us against 5.8-6.0);
-        at N = 4096 cuBLAS switches to a faster kernel there (14.9-15.5 us against our 16.0);
+        cuBLAS's own N tiles fill the GPU; it ties or wins;
+      - up to 16 rows otherwise: the kernel;
+      - 17..32 rows: the kernel up to 16 features per SM; at N = 4096 cuBLAS switches to a
+        faster kernel there;
       - more than 32 rows: cuBLAS (x's re-reads from L2 and the fp32 partials grow with M)."""
     if not 0 < num_rows <= KERNEL_MAX_ROWS or out_features >= 32 * sms:
         return False

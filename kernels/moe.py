@@ -20,20 +20,10 @@ one of two paths, chosen from the batch shape alone (no host sync, CUDA-graph sa
   gate_up with SiLU*up fused, then down with the routing weight applied, written per pair; a
   last kernel sums each token's k rows in slot order (deterministic, no float atomics).
 
-Measured on an H200 (bench/results/kernels_moe_sampling-h200.json; Qwen3-Next layer: 512
-experts, top-10, H 2048, I 512, bf16; CUDA graphs over input sets with different routing; µs,
-with the tile configs the launchers default to: the fastest of each path's sweep at most sizes):
-
-    tokens            1      2      4      8     16     32     64    256   4096
-    per-token      36.2   44.6   71.9  130.1  242.7  449.1  815.1   2917      -
-    grouped        32.7   46.1   76.6  128.6  220.4  362.9  537.0  829.6   1315
-    roofline       15.0   29.7   58.4  112.8  210.3  360.8  543.7  764.9  776.9
-    torch ref      1378   1954   3282   6819  12005  20698  34234  44302  46572
-
-(roofline: bytes of the distinct experts touched / measured copy bandwidth.) Up to 8 tokens the
-two paths are within 11% of each other (grouped ahead at 1 token, per-token at 2 and 4; one
-measurement each, so not beyond noise); from 16 tokens on the grouped path wins, by 1.5x at 64.
-Threshold: the per-token path while pairs = tokens * k <= E / 4 (12 tokens at this shape).
+The per-token path runs while pairs = tokens * k <= E / 4 (12 tokens of a Qwen3-Next layer):
+up to 8 tokens the two paths are within noise of each other, from 16 tokens on the grouped path
+wins (measured at 512 experts, top-10, H 2048, I 512, bf16:
+bench/results/kernels_moe_sampling-h200.json).
 """
 
 from __future__ import annotations
@@ -291,8 +281,9 @@ def _sum_slots_kernel(out_pairs, out, H, TOP_K: tl.constexpr, BLOCK_N: tl.conste
 
 
 # Tiles of the per-token path: gate/up programs cover block_n rows of I, down programs block_n
-# rows of H; both loop over the reduction in block_k steps. These were the fastest of six at 1,
-# 2, 4 and 8 tokens (small tiles: many programs, many loads in flight).
+# rows of H; both loop over the reduction in block_k steps. The fastest of the sweep at 1-8
+# tokens (small tiles: many programs, many loads in flight; measured:
+# bench/results/kernels_moe_sampling-h200.json).
 PER_TOKEN_GATE_UP = TileConfig(block_n=8, block_k=256, num_warps=4)
 PER_TOKEN_DOWN = TileConfig(block_n=4, block_k=256, num_warps=4)
 
@@ -300,9 +291,9 @@ PER_TOKEN_DOWN = TileConfig(block_n=4, block_k=256, num_warps=4)
 def grouped_config(num_pairs: int, num_experts: int) -> TileConfig:
     """Tiles of the grouped path (block_m: pairs per row block, the per-expert padding unit; the
     gate/up and down GEMMs share them) by the mean pairs per expert: up to 8 (decode-like),
-    16-row blocks with long K steps (the fastest of five from 2 to 64 tokens, within 3% of the
-    best at 1 and 256); 64 and more (prefill), 128x128 tiles (the fastest of seven at 4096
-    tokens, 80 pairs per expert); in between (not measured) block_m follows the mean."""
+    16-row blocks with long K steps; 64 and more (prefill), 128x128 tiles; in between (not
+    measured) block_m follows the mean. Each the fastest of its sweep (measured:
+    bench/results/kernels_moe_sampling-h200.json)."""
     if INTERPRETED:
         return TileConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1)
     mean = triton.cdiv(num_pairs, num_experts)
@@ -315,7 +306,8 @@ def grouped_config(num_pairs: int, num_experts: int) -> TileConfig:
 
 def use_per_token_path(num_pairs: int, num_experts: int) -> bool:
     """Few pairs per expert: each pair's weights are read once either way, and the per-token
-    path saves the counting, scatter and sum launches (measured: bench/kernels_moe_sampling.py)."""
+    path saves the counting, scatter and sum launches (measured:
+    bench/results/kernels_moe_sampling-h200.json)."""
     return 4 * num_pairs <= num_experts
 
 
