@@ -17,6 +17,7 @@ small table of alternative tile configs and split counts per shape.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -29,8 +30,9 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from common import commit_id, copy_bandwidth, device_tag, graph_time_us  # noqa: E402
-from deltaspec.kernels.arrivals import num_sms
-from deltaspec.kernels.attention import AttentionConfig, attention_config, launch_paged_attention
+from deltaspec.kernels.attention import attention_config, launch_paged_attention
+from deltaspec.kernels.device import num_sms
+from deltaspec.kernels.tiles import TileConfig
 
 HQ, HKV, D = 8, 2, 256
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -63,7 +65,7 @@ def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
 
-PREFILL_SWEEP = [AttentionConfig(bm, bn, 1, w, s) for bm, bn, w, s in
+PREFILL_SWEEP = [TileConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s) for bm, bn, w, s in
                  [(128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2), (64, 32, 4, 3),
                   (128, 64, 16, 2), (128, 32, 16, 3)]]
 
@@ -105,10 +107,10 @@ def bench_prefill(num_tokens: int, sweep: bool, gen: torch.Generator) -> dict:
             run()
             torch.cuda.synchronize()
         except Exception as error:                      # out of shared memory / registers: skip the config
-            rows.append({"config": config._asdict(), "error": str(error)[:200]})
+            rows.append({"config": dataclasses.asdict(config), "error": str(error)[:200]})
             continue
         ms = triton.testing.do_bench(run, warmup=100, rep=400, return_mode="median")
-        rows.append({"config": config._asdict(), "ms": ms, "tflops": flops / ms / 1e9,
+        rows.append({"config": dataclasses.asdict(config), "ms": ms, "tflops": flops / ms / 1e9,
                      "vs_sdpa": sdpa_ms / ms, "rel_error_vs_sdpa": rel_error(out, expected)})
     result["default"] = rows[0]
     result["sweep"] = rows[1:]
@@ -134,7 +136,7 @@ def decode_case(num_rows: int, context: int, q_len: int, gen: torch.Generator, t
                 context_lens=context_lens, kv_bytes=kv_bytes, rotations=rotations)
 
 
-def time_config(case: dict, config: AttentionConfig) -> tuple[float, torch.Tensor]:
+def time_config(case: dict, config: TileConfig) -> tuple[float, torch.Tensor]:
     outs = [torch.full_like(q, float("nan")) for q in case["qs"]]
 
     def call(i: int):
@@ -207,15 +209,16 @@ def bench_decode(num_rows: int, context: int, q_len: int, copy_gbps: float, swee
         return {"config": label, "us": us, "gbps": gbps, "fraction_of_copy": gbps / copy_gbps,
                 "rel_error_vs_sdpa": rel_error(out, expected)}
 
-    result["default"] = record(default, default._asdict())     # what paged_attention picks for this shape
+    result["default"] = record(default, dataclasses.asdict(default))     # what paged_attention picks for this shape
     if sweep:
         rows = []
         for block_n, warps, stages in sweep_table:
             for splits in (1, 2, 4, 8, 16, 32, 64, 128, 256):
                 if splits > 1 and max(context, table_tokens) // splits < block_n:
                     continue
-                config = default._replace(block_n=block_n, num_warps=warps, num_stages=stages, num_splits=splits)
-                rows.append(record(config, config._asdict()))
+                config = dataclasses.replace(default, block_n=block_n, num_warps=warps, num_stages=stages,
+                                             num_splits=splits)
+                rows.append(record(config, dataclasses.asdict(config)))
         result["sweep"] = rows
         timed = [r for r in rows if "us" in r]
         result["best"] = min(timed, key=lambda r: r["us"]) if timed else None

@@ -31,14 +31,16 @@ import torch
 
 from common import commit_id, copy_bandwidth, device_tag, graph_time_us  # noqa: E402
 from deltaspec.kernels.gdn import pending_replicas
-from deltaspec.kernels.gdn_decode import DecodeConfig, decode_config, launch_gdn_decode
+from deltaspec.kernels.gdn_decode import decode_config, launch_gdn_decode
+from deltaspec.kernels.tiles import TileConfig
 
 KEY_DIM = VALUE_DIM = 128
 NUM_KEY_HEADS = 16
 BATCHES = (1, 8, 64, 256)
 MAX_PENDING = 3  # P = k
 L2_DEFEAT_BYTES = 256 << 20
-SWEEP = [DecodeConfig(bv, w) for bv, w in ((16, 1), (32, 1), (32, 2), (64, 2), (64, 4))]  # 16 columns: one pending replica
+SWEEP = [TileConfig(block_n=bv, num_warps=w)  # 16 columns: one pending replica
+         for bv, w in ((16, 1), (32, 1), (32, 2), (64, 2), (64, 4))]
 
 
 class Setup:
@@ -76,13 +78,13 @@ class Setup:
                           for r in range(self.repeats)]
         self.out = torch.empty(num_tokens, hv, vd, dtype=torch.bfloat16, device="cuda")
 
-    def launch(self, r: int, commit: bool, config: DecodeConfig) -> None:
+    def launch(self, r: int, commit: bool, config: TileConfig) -> None:
         launch_gdn_decode(self.out, self.q, self.k, self.v, self.a, self.b, self.A_log, self.dt_bias, self.cu_seqlens,
                           self.slot_sets[r], self.state, self.pending_k, self.pending_v, self.pending_g,
                           self.pending_beta, self.pending_counts, commit, config)
 
 
-def time_ours(setup: Setup, commit: bool, config: DecodeConfig) -> float:
+def time_ours(setup: Setup, commit: bool, config: TileConfig) -> float:
     return graph_time_us(lambda r: setup.launch(r, commit, config), setup.repeats)
 
 
@@ -142,8 +144,8 @@ def measure(sweep: bool, save=lambda result: None, copy_bytes_per_s: float | Non
             try:
                 auto = decode_config(batch, hv, KEY_DIM, VALUE_DIM, True, torch.device("cuda"))
                 auto_verify = decode_config(batch, hv, KEY_DIM, VALUE_DIM, False, torch.device("cuda"))
-                row["config"] = f"{auto.block_v}x{auto.num_warps}"
-                row["verify_config"] = f"{auto_verify.block_v}x{auto_verify.num_warps}"
+                row["config"] = f"{auto.block_n}x{auto.num_warps}"
+                row["verify_config"] = f"{auto_verify.block_n}x{auto_verify.num_warps}"
                 decode = Setup(batch, hv, tokens_per_row=1, pending=0, max_pending=0)
                 row["repeats"] = decode.repeats
                 row["state_MiB"] = decode.state_bytes / 2**20
@@ -176,7 +178,7 @@ def measure(sweep: bool, save=lambda result: None, copy_bytes_per_s: float | Non
                 for name, tokens, pending, commit in (("decode", 1, 0, True), ("verify", 4, 3, False)):
                     setup = Setup(row["batch"], row["num_value_heads"], tokens_per_row=tokens, pending=pending,
                                   max_pending=pending)
-                    row[f"{name}_sweep_us"] = {f"{c.block_v}x{c.num_warps}": time_ours(setup, commit, c)
+                    row[f"{name}_sweep_us"] = {f"{c.block_n}x{c.num_warps}": time_ours(setup, commit, c)
                                                for c in SWEEP}
                     del setup
                     torch.cuda.empty_cache()

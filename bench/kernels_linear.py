@@ -46,8 +46,8 @@ import triton
 
 from common import commit_id, copy_bandwidth, device_tag, eager_time_us, graph_time_us  # noqa: E402
 from deltaspec.kernels.arrivals import arrival_counters
-from deltaspec.kernels.linear import (LinearConfig, block_m, kernel_config, launch_linear, linear, linear_config,
-                                      split_k_for)
+from deltaspec.kernels.linear import block_m, kernel_config, launch_linear, linear, linear_config, split_k_for
+from deltaspec.kernels.tiles import TileConfig
 
 ROWS = (1, 4, 8, 16, 32, 64)
 L2_DEFEAT_BYTES = 256 << 20
@@ -74,11 +74,11 @@ def projections(hidden: int, key_heads: int, value_heads: int, heads: int, kv_he
     ]
 
 
-def config_name(c: LinearConfig) -> str:
-    return f"{c.block_n}x{c.block_k}/s{c.split_k}/w{c.num_warps}p{c.num_stages}"
+def config_name(c: TileConfig) -> str:
+    return f"{c.block_n}x{c.block_k}/s{c.num_splits}/w{c.num_warps}p{c.num_stages}"
 
 
-def sweep_configs(num_rows: int, n: int, k: int, sms: int) -> list[LinearConfig]:
+def sweep_configs(num_rows: int, n: int, k: int, sms: int) -> list[TileConfig]:
     """Tiles whose pipeline stages fit in 160 KB of shared memory, each at the split-K that
     gives about 1/2, 1 and 2 programs per SM (4 per SM and 8 warps never won on the H100)."""
     tiles = [(bn, bk, w, s) for bn in (16, 32, 64, 128) for bk in (128, 256) for w, s in ((4, 3), (4, 4))
@@ -87,7 +87,7 @@ def sweep_configs(num_rows: int, n: int, k: int, sms: int) -> list[LinearConfig]
     for bn, bk, w, s in tiles:
         for programs in (sms // 2, sms, 2 * sms):
             split = split_k_for(triton.cdiv(k, bk), triton.cdiv(programs, triton.cdiv(n, bn)))
-            config = LinearConfig(bn, bk, split, w, s)
+            config = TileConfig(block_n=bn, block_k=bk, num_splits=split, num_warps=w, num_stages=s)
             if config not in configs:
                 configs.append(config)
     return configs
@@ -118,7 +118,7 @@ class Setup:
     def eager_ours(self) -> float:
         return eager_time_us(lambda r: linear(self.x, self.weights[r]), self.copies)
 
-    def time_config(self, config: LinearConfig) -> float:
+    def time_config(self, config: TileConfig) -> float:
         return graph_time_us(lambda r: launch_linear(self.y, self.x, self.weights[r], config), self.copies)
 
     def errors(self) -> tuple[float, float]:

@@ -34,23 +34,27 @@ import torch
 import triton
 
 from common import commit_id, copy_bandwidth, device_tag, eager_time_us, graph_time_us  # noqa: E402
-from deltaspec.kernels.moe import (GroupedConfig, PerTokenConfig, grouped_config, moe_experts, moe_experts_grouped,
-                                   moe_experts_per_token, moe_experts_reference, route, route_reference,
-                                   use_per_token_path)
-from deltaspec.kernels.sampling import (launch_sample, rejection_sample, rejection_sample_reference,
-                                        sample_reference)
+from deltaspec.kernels.moe import (grouped_config, moe_experts, moe_experts_grouped, moe_experts_per_token,
+                                   moe_experts_reference, route, route_reference, use_per_token_path)
+from deltaspec.kernels.rejection import rejection_sample, rejection_sample_reference
+from deltaspec.kernels.sampling import launch_sample, sample_reference
+from deltaspec.kernels.tiles import TileConfig
 
 NUM_EXPERTS, TOP_K, HIDDEN, INTER = 512, 10, 2048, 512
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 256, 4096)
-PER_TOKEN_SWEEP = [PerTokenConfig(16, 16, 256, 4), PerTokenConfig(16, 4, 256, 4), PerTokenConfig(32, 8, 128, 4),
-                   PerTokenConfig(8, 8, 512, 4), PerTokenConfig(16, 16, 256, 8), PerTokenConfig(8, 4, 256, 4)]
-GROUPED_SWEEP_SMALL = [GroupedConfig(16, 64, 64, 4, 3), GroupedConfig(16, 64, 128, 4, 3),
-                       GroupedConfig(16, 128, 64, 4, 3), GroupedConfig(16, 32, 128, 4, 4),
-                       GroupedConfig(32, 64, 64, 4, 3)]
-GROUPED_SWEEP_LARGE = [GroupedConfig(64, 64, 64, 4, 3), GroupedConfig(64, 128, 64, 4, 3),
-                       GroupedConfig(64, 128, 64, 8, 3), GroupedConfig(64, 64, 64, 4, 4),
-                       GroupedConfig(128, 128, 64, 8, 3), GroupedConfig(64, 256, 64, 8, 3),
-                       GroupedConfig(128, 64, 64, 4, 3)]
+# per-token: (gate/up tile, down tile) from gate_n x down_n x block_k x num_warps
+PER_TOKEN_SWEEP = [(TileConfig(block_n=gate_n, block_k=bk, num_warps=w),
+                    TileConfig(block_n=down_n, block_k=bk, num_warps=w))
+                   for gate_n, down_n, bk, w in ((16, 16, 256, 4), (16, 4, 256, 4), (32, 8, 128, 4), (8, 8, 512, 4),
+                                                 (16, 16, 256, 8), (8, 4, 256, 4))]
+# grouped: block_m x block_n x block_k x num_warps x num_stages
+GROUPED_SWEEP_SMALL = [TileConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s)
+                       for bm, bn, bk, w, s in ((16, 64, 64, 4, 3), (16, 64, 128, 4, 3), (16, 128, 64, 4, 3),
+                                                (16, 32, 128, 4, 4), (32, 64, 64, 4, 3))]
+GROUPED_SWEEP_LARGE = [TileConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s)
+                       for bm, bn, bk, w, s in ((64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (64, 128, 64, 8, 3),
+                                                (64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 256, 64, 8, 3),
+                                                (128, 64, 64, 4, 3))]
 BATCH, VOCAB = 64, 248_320
 
 
@@ -58,8 +62,12 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual.float() - expected.float()).norm() / expected.float().norm())
 
 
-def config_name(config) -> str:
-    return "x".join(str(v) for v in config.__dict__.values())
+def per_token_name(gate_up: TileConfig, down: TileConfig) -> str:
+    return f"{gate_up.block_n}x{down.block_n}x{gate_up.block_k}x{gate_up.num_warps}"
+
+
+def grouped_name(c: TileConfig) -> str:
+    return f"{c.block_m}x{c.block_n}x{c.block_k}x{c.num_warps}x{c.num_stages}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -103,13 +111,13 @@ def bench_moe(bandwidth: float) -> list[dict]:
                 lambda r: moe_experts(xs[r], *route(logits[r], TOP_K, True), w_gate_up, w_down), repeats)
             if tokens <= 256:
                 row["per_token_us"] = {
-                    config_name(c): graph_time_us(
-                        lambda r, c=c: moe_experts_per_token(xs[r], *routed[r], w_gate_up, w_down, c), repeats)
+                    per_token_name(*c): graph_time_us(
+                        lambda r, c=c: moe_experts_per_token(xs[r], *routed[r], w_gate_up, w_down, *c), repeats)
                     for c in PER_TOKEN_SWEEP}
             sweep = GROUPED_SWEEP_LARGE if tokens >= 1024 else GROUPED_SWEEP_SMALL
-            row["grouped_default"] = config_name(grouped_config(tokens * TOP_K, NUM_EXPERTS))
+            row["grouped_default"] = grouped_name(grouped_config(tokens * TOP_K, NUM_EXPERTS))
             row["grouped_us"] = {
-                config_name(c): graph_time_us(
+                grouped_name(c): graph_time_us(
                     lambda r, c=c: moe_experts_grouped(xs[r], *routed[r], w_gate_up, w_down, c), repeats)
                 for c in sweep}
             row["experts_vs_roofline"] = row["experts_us"] / row["roofline_us"]

@@ -1,8 +1,8 @@
 """SwiGLU activation of the dense and expert MLPs: silu(gate) * up on a fused [.., 2I] input.
 
 Math in float32, rounded once to the input dtype (as the norms and the fused MoE kernels do).
-`silu_and_mul` is the Triton kernel (one launch; a decode step used to pay two torch kernels per
-MLP for it), `silu_and_mul_reference` its torch oracle. Knows nothing about weights.
+`silu_and_mul` is the Triton kernel (one launch, where torch takes two per MLP),
+`silu_and_mul_reference` its torch oracle. Knows nothing about weights.
 """
 
 from __future__ import annotations
@@ -35,12 +35,16 @@ def _silu_and_mul_kernel(gate_up, out, stride_gate_up, I: tl.constexpr, BLOCK: t
     tl.store(out + token * I + cols, (g * tl.sigmoid(g) * u).to(out.dtype.element_ty), mask=mask)
 
 
+def _check_silu_and_mul_args(gate_up: torch.Tensor) -> None:
+    assert gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0, "gate_up: [T, 2I]"
+    assert gate_up.stride(1) == 1, "gate_up: unit column stride"
+    assert gate_up.dtype in (torch.float32, torch.bfloat16, torch.float16), f"gate_up: dtype {gate_up.dtype}"
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """Triton silu_and_mul_reference. gate_up [T, 2I] with unit column stride (any row stride);
     returns a contiguous [T, I]. Grid (T, cdiv(I, BLOCK)): shapes only, CUDA-graph safe."""
-    assert gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0, "gate_up: [T, 2I]"
-    assert gate_up.stride(1) == 1, "gate_up: unit column stride"
-    assert gate_up.dtype in (torch.float32, torch.bfloat16, torch.float16), gate_up.dtype
+    _check_silu_and_mul_args(gate_up)
     num_tokens, intermediate = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(num_tokens, intermediate, dtype=gate_up.dtype, device=gate_up.device)
     if num_tokens == 0 or intermediate == 0:

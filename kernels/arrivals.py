@@ -1,6 +1,5 @@
 """The "last arriver" pattern, for kernels whose programs must combine work without a second
-launch or a grid-wide barrier (linear.py: split-K partial sums), and the device facts launchers
-size grids by.
+launch or a grid-wide barrier (linear.py: split-K partial sums).
 
 Each of a group of programs does its part, then `last_to_arrive` bumps the group's counter; the
 one that sees the count reach the group size knows every other member's memory effects are
@@ -10,8 +9,6 @@ groups compute.
 """
 
 from __future__ import annotations
-
-from functools import cache
 
 import torch
 import triton
@@ -54,12 +51,3 @@ def arrival_counters(device: torch.device, size: int) -> torch.Tensor:
         _ARRIVALS[device] = buffer
     return buffer
 
-
-@cache
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (what grids are sized against). Any other device
-    runs the kernels in the interpreter, which gets a small machine of 4: grids stay tiny there,
-    yet a launcher that splits work across SMs (long attention contexts) still splits."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -16,22 +16,21 @@ query heads of that KV head into its BLOCK_M rows (m -> token m // GROUP, head m
 K/V are read once per KV head for all its query heads, and a decode or verify row (q_len <= 8)
 is one tile. Optionally the key range of a tile is split over num_splits programs (long contexts,
 few rows); a second small kernel merges their partial (max, sum, acc). All three are programmatic
-dependent launches on sm_90+ (launch.py). The gate is multiplied in
-by whichever kernel stores the output (the attention kernel's epilogue, or the merge): fusing it
-there saves the two elementwise launches per layer it used to cost. Launch geometry depends
-only on tensor shapes, never on tensor values, so both launchers run inside CUDA graphs.
+dependent launches on sm_90+ (launch.py). The gate is multiplied in by whichever kernel stores
+the output (the attention kernel's epilogue, or the merge), so it costs no launch of its own.
+Launch geometry depends only on tensor shapes, never on tensor values, so both launchers run
+inside CUDA graphs.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from .arrivals import num_sms
-from .launch import dependent_prologue, pdl
+from .device import num_sms
+from .launch import dependent_prologue, dot_precision, pdl
+from .tiles import TileConfig
 from .varlen import pad_rows, row_layout
 
 def write_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -104,22 +103,28 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
 
 def _check_pool(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, "k_cache, v_cache: [num_blocks, block_size, Hkv, D]"
-    assert k_cache.dtype == v_cache.dtype and k_cache.device == v_cache.device
+    assert k_cache.dtype == v_cache.dtype and k_cache.device == v_cache.device, "k_cache, v_cache: one dtype and device"
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "pool head_dim must be contiguous"
     head_dim = k_cache.shape[3]
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim} must be a power of 2 >= 16"
+
+
+def _check_write_kv_args(k, v, k_cache, v_cache, slot_mapping) -> None:
+    _check_pool(k_cache, v_cache)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    assert v.shape == k.shape and k_cache.shape[2:] == (num_kv_heads, head_dim), "k, v: [T, Hkv, D] matching the pool"
+    assert k.stride(-1) == 1 and v.stride(-1) == 1, "k, v: head_dim must be contiguous"
+    assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype in (torch.int32, torch.int64), \
+        "slot_mapping: [T] int32 or int64"
+    assert k.device == v.device == k_cache.device == slot_mapping.device, "k, v, slot_mapping on the pool's device"
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Triton write_kv_reference: k, v [T, Hkv, D] (any token/head strides, D contiguous);
     slot_mapping [T] int32/int64 flat pool index; casts to the pool dtype."""
-    _check_pool(k_cache, v_cache)
+    _check_write_kv_args(k, v, k_cache, v_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = k.shape
-    assert v.shape == k.shape and k_cache.shape[2:] == (num_kv_heads, head_dim), "k, v: [T, Hkv, D] matching the pool"
-    assert k.stride(-1) == 1 and v.stride(-1) == 1, "k, v: head_dim must be contiguous"
-    assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype in (torch.int32, torch.int64)
-    assert k.device == v.device == k_cache.device == slot_mapping.device
     if num_tokens == 0:
         return
     _write_kv_kernel[(num_tokens,)](
@@ -340,18 +345,8 @@ def _combine_splits_kernel(partial_acc_ptr, partial_stats_ptr, gate_ptr, out_ptr
     tl.store(out_ptr + token * stride_out_token + head * stride_out_head + d, out.to(out_ptr.dtype.element_ty))
 
 
-class AttentionConfig(NamedTuple):
-    """Tile shape and launch options of _paged_attention_kernel. block_m: packed (token, head)
-    rows per tile (>= GROUP); block_n: keys per step; num_splits: key-range splits per tile."""
-    block_m: int
-    block_n: int
-    num_splits: int
-    num_warps: int
-    num_stages: int
-
-
-# The merge streams any number of splits; more than 128 never ran faster (H100, one row over 4K and
-# 32K keys: bench/results/kernels_attn-h100.json), and each split adds [Hq, D] fp32 of partials.
+# The merge streams any number of splits; more than 128 never ran faster (measured:
+# bench/results/kernels_attn-h100.json), and each split adds [Hq, D] fp32 of partials.
 MAX_SPLITS = 128
 # The merge of a decode row is a latency chain: one chunk holds every split (its stats and partials
 # load at once), and narrow D blocks spread a row over more programs.
@@ -360,30 +355,29 @@ COMBINE_BLOCK_D = 32
 
 
 def attention_config(num_tokens: int, num_rows: int, num_kv_heads: int, group: int, max_context: int,
-                     num_sms: int, *, block_size: int) -> AttentionConfig:
-    """Pick the tile from shapes alone (never device values, so CUDA graphs can capture the call).
-    The table is what won in bench/kernels_attn.py on an H200 (bench/results/kernels_attn-h200.json,
-    8 q / 2 kv heads, D 256) and, for small decode batches, with --small-batch on an H100
-    (kernels_attn_small-h100.json); D 128 uses the same tiles.
+                     num_sms: int, *, block_size: int) -> TileConfig:
+    """The tile of _paged_attention_kernel (block_m packed (token, head) rows per tile, >= GROUP;
+    block_n keys a step; num_splits key-range splits per tile), picked from shapes alone (never
+    device values, so CUDA graphs can capture the call). The table is what won in
+    bench/kernels_attn.py at 8 q / 2 kv heads, D 256 (measured: bench/results/kernels_attn-h200.json;
+    small decode batches: bench/results/kernels_attn_small-h100.json); D 128 uses the same tiles.
 
     Average q_len <= 8 (decode/verify batches): a tile holds a row's tokens x its GROUP heads in
     the smallest power of two >= 16 rows (tl.dot's minimum); memory-bound: 64 keys a step, 4 warps,
     3 stages. Longer rows (prefill): 128-row tiles, 64 keys a step, 8 warps (two warpgroups), 2
-    stages. One decode program streams KV at only ~16 GB/s (latency-bound), so when tiles x KV heads
-    leave SMs idle the key range is split until the grid holds 1-2 programs per SM (a power of two,
-    >= one key step per split, <= MAX_SPLITS). Such split programs run a few key steps each, where
-    a software pipeline's prologue costs more than it hides: decode rows that fill at most 1/8 of
-    the SMs before splitting take 32 keys a step, unpipelined (batch 1-8 over 512-2048 keys in an
-    8192-token table: 1.02-1.45x faster than 64 keys, 3 stages; a program costs least when it
-    runs a single key step), unless a split still walks more than two key steps over the table
-    (one row over 32K keys, 128 splits of 8 steps: 3 stages 34.1 us against 38.3 unpipelined).
+    stages. One decode program is latency-bound, far below the memory bandwidth, so when tiles x
+    KV heads leave SMs idle the key range is split until the grid holds 1-2 programs per SM (a
+    power of two, >= one key step per split, <= MAX_SPLITS). Such split programs run a few key
+    steps each, where a software pipeline's prologue costs more than it hides: decode rows that
+    fill at most 1/8 of the SMs before splitting take 32 keys a step, unpipelined (a program costs
+    least when it runs a single key step), unless a split still walks more than two key steps
+    over the table, which wants its 3 stages back (measured:
+    bench/results/kernels_attn_small-h100.json).
     Those rows whose splits hold more than 32 keys, over blocks of a multiple of 16 keys, take
     16-key steps on 2 warps, 3 stages instead: each step lies inside one block whose id was loaded
-    a step ahead (_key_rows), so two K/V tiles are in flight per program (H100, against 32-key
-    steps that read their block ids in the same step: one decode row over 32K keys 31.4 us against
-    33.6, over 2K keys of an 8K table 7.5 against 8.0, four rows over 4K keys 19.5 against 21.2;
-    4-token verify rows from 2.5% slower (one row over 32K keys) to 10% faster;
-    bench/results/kernels_attn_decode_steps-h100.json)."""
+    a step ahead (_key_rows), so two K/V tiles are in flight per program: faster for decode rows
+    than 32-key steps that read their block ids in the same step, for verify rows from slightly
+    slower to faster (measured: bench/results/kernels_attn_decode_steps-h100.json)."""
     if num_tokens <= 8 * num_rows:
         tokens_per_row = triton.cdiv(num_tokens, max(num_rows, 1))
         block_m = max(16, triton.next_power_of_2(group * min(tokens_per_row, 8)))
@@ -405,36 +399,45 @@ def attention_config(num_tokens: int, num_rows: int, num_kv_heads: int, group: i
             block_n, num_warps, num_stages = 16, 2, 3     # 16-key steps, each inside one block
         elif few_rows and split_keys > 2 * block_n:
             num_stages = 3                  # long splits (many key steps each) want their pipeline back
-    return AttentionConfig(block_m, block_n, num_splits, num_warps, num_stages)
+    return TileConfig(block_m=block_m, block_n=block_n, num_splits=num_splits, num_warps=num_warps,
+                      num_stages=num_stages)
 
 
-def _check_attention_args(out, q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, gate) -> None:
+def _check_paged_attention_args(out, q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, gate,
+                                config) -> None:
     _check_pool(k_cache, v_cache)
     num_rows = block_tables.shape[0]
     assert q.dim() == 3 and q.shape[2] == k_cache.shape[3], "q: [T, Hq, D] with the pool's D"
     assert q.shape[1] % k_cache.shape[2] == 0, "query heads must be a multiple of KV heads"
     assert q.stride(-1) == 1 and q.dtype == k_cache.dtype, "q: D contiguous, the pool's dtype"
-    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1, \
+        "out: q's shape and dtype, D contiguous"
     assert k_cache.stride() == v_cache.stride(), "k_cache and v_cache must share one layout (one offset serves both)"
     if gate is not None:
         assert gate.shape == q.shape and gate.dtype == q.dtype and gate.stride(-1) == 1, \
             "gate: [T, Hq, D] in q's dtype, D contiguous (any token/head strides)"
-        assert gate.device == q.device
-    assert block_tables.dim() == 2 and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
-    assert cu_seqlens.shape == (num_rows + 1,) and cu_seqlens.dtype == torch.int32 and cu_seqlens.is_contiguous()
-    assert context_lens.shape == (num_rows,) and context_lens.dtype == torch.int32 and context_lens.is_contiguous()
-    assert len({t.device for t in (out, q, k_cache, block_tables, cu_seqlens, context_lens)}) == 1
+        assert gate.device == q.device, "gate on q's device"
+    assert block_tables.dim() == 2 and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1, \
+        "block_tables: [B, M] int32, unit stride along M"
+    assert cu_seqlens.shape == (num_rows + 1,) and cu_seqlens.dtype == torch.int32 and cu_seqlens.is_contiguous(), \
+        "cu_seqlens: contiguous [B+1] int32"
+    assert context_lens.shape == (num_rows,) and context_lens.dtype == torch.int32 and context_lens.is_contiguous(), \
+        "context_lens: contiguous [B] int32"
+    assert len({t.device for t in (out, q, k_cache, block_tables, cu_seqlens, context_lens)}) == 1, \
+        "out, q, the pool and the row tensors on one device"
+    group = q.shape[1] // k_cache.shape[2]
+    assert config.block_m >= group and config.block_m >= 16 and 1 <= config.num_splits, \
+        f"config: block_m >= max(16, GROUP = {group}), num_splits >= 1"
 
 
 def launch_paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, cu_seqlens: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float, config: AttentionConfig, gate: torch.Tensor | None = None) -> None:
+                           scale: float, config: TileConfig, gate: torch.Tensor | None = None) -> None:
     """paged_attention with an explicit config, writing into out [T, Hq, D] (tests, benchmarks)."""
-    _check_attention_args(out, q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, gate)
+    _check_paged_attention_args(out, q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, gate, config)
     num_tokens, num_heads, head_dim = q.shape
     num_rows, num_kv_heads = block_tables.shape[0], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    assert config.block_m >= group and config.block_m >= 16 and 1 <= config.num_splits
     if num_tokens == 0:
         return
     tokens_per_tile = config.block_m // group
@@ -455,8 +458,8 @@ def launch_paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Te
         out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPLIT=splits > 1, HAS_GATE=has_gate,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",              # fp32 stays fp32 (no tf32)
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl(q.device))
+        PRECISION=dot_precision(q.dtype),
+        **config.launch_options(), **pdl(q.device))
     if splits > 1:
         block_d = min(COMBINE_BLOCK_D, head_dim)
         _combine_splits_kernel[(num_tokens, num_heads, head_dim // block_d)](

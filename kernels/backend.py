@@ -2,7 +2,8 @@
 
 `Ops` is a frozen table of functions. `REFERENCE_OPS` holds the torch references: the CPU
 backend and the oracle of every kernel test. `triton_ops()` is the GPU table with the same
-signatures; `select_ops` is the only place that decides which table a model gets.
+signatures; `select_ops` is the only place that decides which table a model gets. Knows nothing
+about what the ops compute, only which implementation fills each entry.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from .linear import linear_reference
 from .moe import moe_experts_reference, route_reference
 from .norms import gated_rms_norm_reference, rms_norm_reference
 from .rope import qk_norm_rope_reference
-from .sampling import filter_probs_reference, rejection_sample_reference, sample_reference
+from .rejection import rejection_sample_reference
+from .sampling import filter_probs_reference, sample_reference
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,7 @@ REFERENCE_OPS = Ops(
 def triton_ops() -> Ops:
     """The GPU table: Triton kernels where they exist; the remaining entries are the (batched,
     device-agnostic) torch references, listed here so the mix is visible in one place."""
-    from . import activation, attention, conv1d, gdn_chunked, gdn_decode, linear, moe, norms, rope, sampling
+    from . import activation, attention, conv1d, gdn_chunked, gdn_decode, linear, moe, norms, rejection, rope, sampling
 
     return replace(
         REFERENCE_OPS,
@@ -91,7 +93,7 @@ def triton_ops() -> Ops:
         moe_route=moe.route,
         moe_experts=moe.moe_experts,
         sample=sampling.sample,
-        rejection_sample=sampling.rejection_sample,
+        rejection_sample=rejection.rejection_sample,
     )
 
 

@@ -25,17 +25,14 @@ scheduler: rows are described by cu_seqlens and slot ids.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .device import INTERPRETED
 from .launch import dependent_prologue, pdl
 from .varlen import into, pad_rows, row_layout
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _depthwise(window: torch.Tensor, weight: torch.Tensor, num_out: int) -> torch.Tensor:
@@ -167,17 +164,22 @@ def _conv_prefill_kernel(x, weight, out, cu_seqlens, slot_ids, has_initial_state
              window.to(conv_state.dtype.element_ty), mask=(offs_w < WIDTH - 1)[:, None] & mask_c[None, :])
 
 
+def _check_causal_conv1d_prefill_args(x, weight, cu_seqlens, slot_ids, has_initial_state, conv_state) -> None:
+    _check_conv_args(x, weight, cu_seqlens, slot_ids, conv_state)
+    assert has_initial_state.shape == (slot_ids.numel(),) and has_initial_state.dtype == torch.bool, \
+        "has_initial_state: [B] bool"
+
+
 def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor,
                           has_initial_state: torch.Tensor, conv_state: torch.Tensor,
                           out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton causal_conv1d_prefill_reference. x [T, C] and out (optional) [T, C] with unit
     channel stride, any row stride; weight [C, W], conv_state [S, W-1, C] contiguous;
     has_initial_state bool [B]."""
+    _check_causal_conv1d_prefill_args(x, weight, cu_seqlens, slot_ids, has_initial_state, conv_state)
     channels = x.shape[1]
     width = weight.shape[1]
     num_rows = slot_ids.numel()
-    _check_conv_args(x, weight, cu_seqlens, slot_ids, conv_state)
-    assert has_initial_state.shape == (num_rows,) and has_initial_state.dtype == torch.bool
     out = _conv_output(x, out)
     if num_rows == 0:
         return out
@@ -261,19 +263,26 @@ def _conv_decode_kernel(x, weight, out, pending_out, cu_seqlens, slot_ids, conv_
                  drafts.to(pending_conv.dtype.element_ty), mask=mask_drafts)
 
 
+def _check_causal_conv1d_decode_args(x, weight, cu_seqlens, slot_ids, conv_state, pending_conv,
+                                     pending_counts) -> None:
+    _check_conv_args(x, weight, cu_seqlens, slot_ids, conv_state)
+    num_slots, channels = conv_state.shape[0], x.shape[1]
+    assert pending_conv.shape == (num_slots, pending_conv.shape[1], channels) and pending_conv.is_contiguous(), \
+        "pending_conv: contiguous [S, P, C]"
+    assert pending_counts.shape == (num_slots,) and pending_counts.dtype == torch.int32, "pending_counts: [S] int32"
+
+
 def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor,
                          conv_state: torch.Tensor, pending_conv: torch.Tensor, pending_counts: torch.Tensor,
                          commit: bool, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton causal_conv1d_decode_reference. x [T, C] (1..P+1 tokens per row) and out
     (optional) [T, C] with unit channel stride, any row stride; pending_conv [S, P, C] (P may be
     0) and pending_counts [S] int32 contiguous."""
+    _check_causal_conv1d_decode_args(x, weight, cu_seqlens, slot_ids, conv_state, pending_conv, pending_counts)
     channels = x.shape[1]
     width = weight.shape[1]
     num_rows = slot_ids.numel()
     max_pending = pending_conv.shape[1]
-    _check_conv_args(x, weight, cu_seqlens, slot_ids, conv_state)
-    assert pending_conv.shape == (conv_state.shape[0], max_pending, channels) and pending_conv.is_contiguous()
-    assert pending_counts.shape == (conv_state.shape[0],) and pending_counts.dtype == torch.int32
     out = _conv_output(x, out)
     pending_out = torch.empty((num_rows, max_pending, channels), dtype=x.dtype, device=x.device)
     if num_rows == 0:
@@ -300,10 +309,13 @@ def _conv_output(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 
 def _check_conv_args(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor,
                      conv_state: torch.Tensor) -> None:
+    """The arguments both launchers take."""
     channels, width = weight.shape
     assert x.dim() == 2 and x.shape[1] == channels, "x: [T, C]"
     assert x.stride(1) == 1, "x: unit channel stride (any row stride: e.g. the q|k|v columns of the projection)"
-    assert weight.is_contiguous() and width >= 2
-    assert conv_state.shape[1:] == (width - 1, channels) and conv_state.is_contiguous()
-    assert cu_seqlens.dtype == torch.int32 and slot_ids.dtype == torch.int32
-    assert cu_seqlens.shape == (slot_ids.numel() + 1,) and cu_seqlens.is_contiguous() and slot_ids.is_contiguous()
+    assert weight.is_contiguous() and width >= 2, "weight: contiguous [C, W], W >= 2"
+    assert conv_state.shape[1:] == (width - 1, channels) and conv_state.is_contiguous(), \
+        "conv_state: contiguous [S, W-1, C]"
+    assert cu_seqlens.dtype == torch.int32 and slot_ids.dtype == torch.int32, "cu_seqlens, slot_ids: int32"
+    assert cu_seqlens.shape == (slot_ids.numel() + 1,) and cu_seqlens.is_contiguous() and slot_ids.is_contiguous(), \
+        "cu_seqlens [B+1], slot_ids [B]: contiguous"

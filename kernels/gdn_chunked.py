@@ -50,22 +50,19 @@ only when checkpoints are requested).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .arrivals import num_sms
+from .device import INTERPRETED, num_sms
 from .gdn import expand_heads, gdn_gating_reference, l2norm
+from .launch import dot_precision
+from .tiles import TileConfig, autotune_configs
 from .varlen import into, pad_rows, row_layout
 
 CHUNK_SIZE = 64
 SUB_CHUNK = 16     # the solve works on 4 x 4 blocks of 16 x 16
 L2NORM_EPS = 1e-6
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
 
 # ---------------------------------------------------------------------------------------------
 # torch reference
@@ -486,7 +483,7 @@ def _gdn_chunk_state_kernel(q, k, g_cum, q_scale, k_scale, w, u, attn, o, state,
     as the fused O dot would use it) and V' (over u, in place), and its loop carries two dots
     instead of four."""
     # V tiles of a head, then the heads of a row, side by side: programs that share k (and w)
-    # tiles run together, so the repeats come from L2 (H100, fused 16 x 1024 HV16: 209 -> 188 us).
+    # tiles run together, so the repeats come from L2 (H100 A/B in commit 3d23aed).
     program = tl.program_id(0)
     row, h, tile_v = program // (HV * (V // BV)), program // (V // BV) % HV, program % (V // BV)
     hk = h // (HV // HK)
@@ -565,40 +562,40 @@ def _gdn_chunk_state_kernel(q, k, g_cum, q_scale, k_scale, w, u, attn, o, state,
 # Launch configuration. The interpreter runs exactly one config; on the GPU the autotuner picks
 # (once per key). The state kernel updates the pool in place, so tuning runs restore it.
 
-def _solve_configs() -> list[triton.Config]:
-    if _INTERPRET:
-        return [triton.Config({"BK": 16}, num_warps=1)]
+def _solve_configs() -> list[TileConfig]:
+    if INTERPRETED:
+        return [TileConfig(block_k=16, num_warps=1)]
     # The substitution's row picks want one warp: on an H100 (HV 16 and 32, all bench shapes)
     # BK 32 / 1 warp won against 2 and 4 warps and 64-column slices; since the solve stores one
-    # inverse, 2 stages beat 1 (HV16 1 x 16384: 131 -> 99 us). The runners-up are kept, the rest
+    # inverse, 2 stages beat 1 (H100 A/B in commit 5f40532). The runners-up are kept, the rest
     # dropped (each config is also an sm_90 compile in CI).
-    return [triton.Config({"BK": bk}, num_warps=num_warps, num_stages=stages)
-            for bk, num_warps, stages in ((32, 1, 1), (32, 1, 2), (32, 2, 1), (64, 1, 1))]
+    return [TileConfig(block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+            for block_k, num_warps, num_stages in ((32, 1, 1), (32, 1, 2), (32, 2, 1), (64, 1, 1))]
 
 
-def _wy_configs() -> list[triton.Config]:
-    if _INTERPRET:
-        return [triton.Config({}, num_warps=4)]
-    return [triton.Config({}, num_warps=num_warps, num_stages=num_stages)
+def _wy_configs() -> list[TileConfig]:
+    if INTERPRETED:
+        return [TileConfig(num_warps=4)]
+    return [TileConfig(num_warps=num_warps, num_stages=num_stages)
             for num_warps, num_stages in ((4, 1), (4, 2), (8, 1))]
 
 
-def _state_configs() -> list[triton.Config]:
+def _state_configs() -> list[TileConfig]:
     # Stages: at 2 the pipeliner issues chunk c+1's async copies at the end of chunk c and waits
     # for them at the top of c+1, so the whole load latency sits on the chain (ncu: over half the
-    # stall cycles on the scoreboard); 3-4 stages keep a chunk's loads in flight behind the next.
-    # H100, HV16 1 x 16384, 32-column tiles: 610 -> 531 us per tuning run.
-    if _INTERPRET:
-        return [triton.Config({"BV": 16}, num_warps=4)]   # V = 32 in the CPU tests: two V tiles
-    return [triton.Config({"BV": bv}, num_warps=num_warps, num_stages=num_stages)
-            for bv, num_warps, num_stages in ((32, 4, 2), (32, 4, 3), (32, 4, 4), (64, 4, 2), (64, 4, 3),
-                                              (64, 8, 2), (128, 8, 2), (128, 8, 3))]
+    # stall cycles on the scoreboard); 3-4 stages keep a chunk's loads in flight behind the next
+    # (H100 A/B in commit ca0660b).
+    if INTERPRETED:
+        return [TileConfig(block_n=16, num_warps=4)]   # V = 32 in the CPU tests: two V tiles
+    return [TileConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+            for block_n, num_warps, num_stages in ((32, 4, 2), (32, 4, 3), (32, 4, 4), (64, 4, 2), (64, 4, 3),
+                                                   (64, 8, 2), (128, 8, 2), (128, 8, 3))]
 
 
-def _output_configs() -> list[triton.Config]:
-    if _INTERPRET:
-        return [triton.Config({"BV": 16}, num_warps=4)]
-    return [triton.Config({"BV": bv}, num_warps=num_warps) for bv, num_warps in ((64, 4), (128, 4), (128, 8))]
+def _output_configs() -> list[TileConfig]:
+    if INTERPRETED:
+        return [TileConfig(block_n=16, num_warps=4)]
+    return [TileConfig(block_n=block_n, num_warps=num_warps) for block_n, num_warps in ((64, 4), (128, 4), (128, 8))]
 
 
 def _fitting_v_tiles(configs, named_args, **kwargs):
@@ -607,17 +604,19 @@ def _fitting_v_tiles(configs, named_args, **kwargs):
     shared-memory bug on sm_90 (illegal address, seen on an H200 with Triton 3.6 at BV = 16;
     pytorch/helion PR #1905, triton-lang/triton #10486, #11366)."""
     value_dim = kwargs.get("V", named_args.get("V"))
-    narrow_ok = _INTERPRET or kwargs.get("SPLIT_O", named_args.get("SPLIT_O", False))
+    narrow_ok = INTERPRETED or kwargs.get("SPLIT_O", named_args.get("SPLIT_O", False))
     return [c for c in configs if c.kwargs["BV"] <= value_dim and (narrow_ok or c.kwargs["BV"] >= 64)]
 
 
-_solve = triton.autotune(_solve_configs(), key=["HV", "HK", "K"])(_gdn_chunk_solve_kernel)
-_wy = triton.autotune(_wy_configs(), key=["HV", "HK", "K", "V"])(_gdn_chunk_wy_kernel)
+_solve = triton.autotune(autotune_configs(_solve_configs(), BK="block_k"),
+                         key=["HV", "HK", "K"])(_gdn_chunk_solve_kernel)
+_wy = triton.autotune(autotune_configs(_wy_configs()), key=["HV", "HK", "K", "V"])(_gdn_chunk_wy_kernel)
 # The split state kernel writes V' over u: tuning runs restore it as well as the pool.
-_state = triton.autotune(_state_configs(), key=["HV", "HK", "K", "V", "row_bucket", "HAS_CHECKPOINTS", "SPLIT_O"],
+_state = triton.autotune(autotune_configs(_state_configs(), BV="block_n"),
+                         key=["HV", "HK", "K", "V", "row_bucket", "HAS_CHECKPOINTS", "SPLIT_O"],
                          prune_configs_by={"early_config_prune": _fitting_v_tiles},
                          restore_value=["state", "u"])(_gdn_chunk_state_kernel)
-_output = triton.autotune(_output_configs(), key=["HV", "HK", "K", "V"],
+_output = triton.autotune(autotune_configs(_output_configs(), BV="block_n"), key=["HV", "HK", "K", "V"],
                           prune_configs_by={"early_config_prune": _fitting_v_tiles})(_gdn_chunk_output_kernel)
 
 
@@ -626,14 +625,39 @@ def split_output(num_rows: int, num_value_heads: int, value_dim: int, device: to
     (a program per row, value head and 64-column V tile) would occupy at most a quarter of the
     SMs. Then its chain of chunks is the critical path; the split takes the two output dots off
     it and lets the state kernel use 32-column tiles (twice the programs), which beats the
-    traffic of the stored chunk states (fla's layout, chunk_fwd_h + chunk_fwd_o). H100, K = V =
-    128 (bench/results/kernels_gdn-h100.json): one 16384-token row at HV = 16 (32 programs)
-    split 757 us against fused 835; at HV = 32 (64 programs) fused is faster, 1109 against 1147.
-    The interpreter keeps the fused path unless told (tests force both)."""
+    traffic of the stored chunk states (fla's layout, chunk_fwd_h + chunk_fwd_o). On an H100 at
+    K = V = 128, one long row is faster split at HV = 16 (32 programs) and fused at HV = 32 (64
+    programs) (measured: bench/results/kernels_gdn-h100.json). The interpreter keeps the fused
+    path unless told (tests force both)."""
     return device.type == "cuda" and num_rows * num_value_heads * max(1, value_dim // 64) <= num_sms(device) // 4
 
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _check_gdn_chunked_args(q, k, v, a, b, A_log, dt_bias, cu_seqlens, slot_ids, has_initial_state, state,
+                            out) -> None:
+    num_tokens, num_key_heads, key_dim = q.shape
+    num_value_heads, value_dim = v.shape[1], v.shape[2]
+    num_rows = slot_ids.numel()
+    assert k.shape == q.shape and v.shape[0] == num_tokens, "q, k [T, HK, K] and v [T, HV, V]"
+    assert a.shape == b.shape == (num_tokens, num_value_heads), "a, b [T, HV]"
+    assert num_value_heads % num_key_heads == 0, "value heads must be a multiple of key heads"
+    assert q.dtype == k.dtype == v.dtype and q.dtype in _TL_DTYPE, "q, k, v share one float dtype"
+    for name, dim in (("K", key_dim), ("V", value_dim)):
+        assert 16 <= dim <= 256 and dim & (dim - 1) == 0, f"{name} = {dim} must be a power of two in 16..256"
+    assert INTERPRETED or value_dim >= 64, "V >= 64 on the GPU (V tiles below 64 are unsafe: _state_configs)"
+    for name, x, head_stride in (("q", q, key_dim), ("k", k, key_dim), ("v", v, value_dim), ("a", a, 1), ("b", b, 1)):
+        assert x.stride(-1) == 1 and (x.dim() == 2 or x.stride(-2) == head_stride), f"{name}: heads must be packed"
+    assert A_log.shape == dt_bias.shape == (num_value_heads,), "A_log, dt_bias [HV]"
+    assert cu_seqlens.shape == (num_rows + 1,) and cu_seqlens.dtype == torch.int32, "cu_seqlens int32 [rows+1]"
+    assert slot_ids.dtype == torch.int32 and has_initial_state.shape == (num_rows,) \
+        and has_initial_state.dtype == torch.bool, "slot_ids int32 [rows], has_initial_state bool [rows]"
+    assert state.shape[1:] == (num_value_heads, key_dim, value_dim) and state.is_contiguous() \
+        and state.dtype in (torch.float32, torch.bfloat16), "state pool contiguous fp32/bf16 [slots, HV, K, V]"
+    if out is not None:
+        assert out.shape == v.shape and out.dtype == v.dtype and out.is_contiguous() and out.device == q.device, \
+            "out: contiguous [T, HV, V] in v's dtype"
 
 
 def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -648,31 +672,15 @@ def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
     of the layer's output buffer. K and V are powers of two, 16 .. 256 (V >= 64 on the GPU).
     `split`: outputs by their own kernel (True) or inside the state kernel (False); None picks
     by `split_output`."""
+    _check_gdn_chunked_args(q, k, v, a, b, A_log, dt_bias, cu_seqlens, slot_ids, has_initial_state, state, out)
+    has_checkpoints = check_checkpoints(cu_seqlens, checkpoint_cu, checkpoint_lengths, checkpoint_states, state,
+                                        lengths_checked)
     num_tokens, num_key_heads, key_dim = q.shape
     num_value_heads, value_dim = v.shape[1], v.shape[2]
     num_rows = slot_ids.numel()
-    assert k.shape == q.shape and v.shape[0] == num_tokens, "q, k [T, HK, K] and v [T, HV, V]"
-    assert a.shape == b.shape == (num_tokens, num_value_heads), "a, b [T, HV]"
-    assert num_value_heads % num_key_heads == 0, "value heads must be a multiple of key heads"
-    assert q.dtype == k.dtype == v.dtype and q.dtype in _TL_DTYPE, "q, k, v share one float dtype"
-    for name, dim in (("K", key_dim), ("V", value_dim)):
-        assert 16 <= dim <= 256 and dim & (dim - 1) == 0, f"{name} = {dim} must be a power of two in 16..256"
-    assert _INTERPRET or value_dim >= 64, "V >= 64 on the GPU (V tiles below 64 are unsafe: _state_configs)"
-    for name, x, head_stride in (("q", q, key_dim), ("k", k, key_dim), ("v", v, value_dim), ("a", a, 1), ("b", b, 1)):
-        assert x.stride(-1) == 1 and (x.dim() == 2 or x.stride(-2) == head_stride), f"{name}: heads must be packed"
-    assert A_log.shape == dt_bias.shape == (num_value_heads,), "A_log, dt_bias [HV]"
-    assert cu_seqlens.shape == (num_rows + 1,) and cu_seqlens.dtype == torch.int32, "cu_seqlens int32 [rows+1]"
-    assert slot_ids.dtype == torch.int32 and has_initial_state.shape == (num_rows,) \
-        and has_initial_state.dtype == torch.bool, "slot_ids int32 [rows], has_initial_state bool [rows]"
-    assert state.shape[1:] == (num_value_heads, key_dim, value_dim) and state.is_contiguous() \
-        and state.dtype in (torch.float32, torch.bfloat16), "state pool contiguous fp32/bf16 [slots, HV, K, V]"
-    has_checkpoints = check_checkpoints(cu_seqlens, checkpoint_cu, checkpoint_lengths, checkpoint_states, state,
-                                        lengths_checked)
     device = q.device
     if out is None:
         out = torch.empty(num_tokens, num_value_heads, value_dim, dtype=v.dtype, device=device)
-    assert out.shape == v.shape and out.dtype == v.dtype and out.is_contiguous() and out.device == device, \
-        "out: contiguous [T, HV, V] in v's dtype"
     if num_rows == 0:
         return out
     g_cum, q_scale, k_scale = torch.empty(3, num_tokens, num_value_heads, dtype=torch.float32, device=device)
@@ -681,12 +689,12 @@ def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
     attn, inverse = torch.empty(2, num_tokens, num_value_heads, CHUNK_SIZE, dtype=q.dtype, device=device)
     scale = key_dim ** -0.5
     dot_dtype = _TL_DTYPE[q.dtype]
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"   # fp32 activations: exact fp32 dots
+    precision = dot_precision(q.dtype)
     rows_pow2 = max(64, triton.next_power_of_2(num_rows))
     # T // 64 + rows bounds the chunks. Program ids run over the value heads of a chunk first, so
     # the heads that share a key head (HV > HK) run side by side and its second read of q and k
     # comes from L2 (chunk-major, the sibling ran a whole head's chunks earlier and HV32 read them
-    # twice from memory; H100, HV32 1 x 16384: wy 371 -> 315 us, output 260 -> 245).
+    # twice from memory; H100 A/B in commit 058d68a).
     grid = ((num_tokens // CHUNK_SIZE + num_rows) * num_value_heads,)
     _solve[grid](k, a, b, A_log, dt_bias, cu_seqlens, inverse, num_rows,
                  k.stride(0), a.stride(0), b.stride(0),

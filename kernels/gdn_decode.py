@@ -18,16 +18,14 @@ reads and writes only its own (`_gdn_decode_kernel`).
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from .arrivals import num_sms
+from .device import INTERPRETED, num_sms
 from .gdn import expand_heads, gdn_gating_reference, l2norm, recurrent_steps
 from .launch import dependent_prologue, pdl
+from .tiles import TileConfig
 from .varlen import into, pad_rows, row_layout
 
 
@@ -164,12 +162,12 @@ def _gdn_decode_kernel(
 
     Pending g / beta (one per value head) would be shared by the head's V // BV programs, which
     all read the old entries [slot, 0..p) and whose new entries [slot, 0..n-1) overwrite them:
-    with no grid-wide barrier, that needs ordering (an arrival counter cost about 0.4 us of a
-    one-row verify on an H100). So the pool keeps R replicas of each, one per V // R columns
-    (gdn.py), and a program owns the replicas of its columns: it reads the first, writes all of
-    them, and touches no other. Programs of one launch own disjoint replicas; a launch with
-    another tile width reads replicas that their last owner wrote with the same values. The step
-    buffer (pending k, v) and the new tokens are never written here.
+    with no grid-wide barrier, that needs ordering, and an arrival counter measured slower
+    (bench/results/kernels_gdn_decode_replicas-h100.json). So the pool keeps R replicas of each,
+    one per V // R columns (gdn.py), and a program owns the replicas of its columns: it reads the
+    first, writes all of them, and touches no other. Programs of one launch own disjoint
+    replicas; a launch with another tile width reads replicas that their last owner wrote with
+    the same values. The step buffer (pending k, v) and the new tokens are never written here.
     Invariant: rows in a launch own distinct slots, except pad rows, which all point at scratch
     slot 0, whose contents are never read as real state.
     """
@@ -214,8 +212,8 @@ def _gdn_decode_kernel(
     k_ptrs = k + i_kh * stride_k_h + offs_k
     v_ptrs = v + i_h * stride_v_h + offs_v
     tokens = bos + offs_t
-    # One token per row: no masks (masked loads measured 2-3% slower decode at B = 1 on an H100),
-    # and the blocks are the rows.
+    # One token per row: no masks (masked loads made plain decode slower; H100 A/B in commit
+    # 6dc8cf0), and the blocks are the rows.
     if ONE_TOKEN:
         q_block = tl.load(q_ptrs[None, :] + tokens[:, None] * stride_q_t)
         k_block = tl.load(k_ptrs[None, :] + tokens[:, None] * stride_k_t)
@@ -280,18 +278,10 @@ def _gdn_decode_kernel(
         tl.store(state_ptrs, (h * h_scale).to(state.dtype.element_ty))
 
 
-@dataclass(frozen=True)
-class DecodeConfig:
-    block_v: int    # value columns per program (power of two)
-    num_warps: int
-
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def decode_config(num_rows: int, num_value_heads: int, key_dim: int, value_dim: int, commit: bool,
-                  device: torch.device) -> DecodeConfig:
-    """The tile by how many programs of 16 columns the batch makes per SM (n = rows x HV x V / 16
+                  device: torch.device) -> TileConfig:
+    """The tile of _gdn_decode_kernel (block_n value columns per program, a power of two, and
+    num_warps) by how many programs of 16 columns the batch makes per SM (n = rows x HV x V / 16
     / SMs): few programs want narrow tiles (a launch of few programs is bound by one warp's
     chain of steps, so more of shorter chains finish first), many want wide ones (the per-step
     work that does not scale with the tile, its gating, row loads and norms, is paid once for
@@ -300,28 +290,63 @@ def decode_config(num_rows: int, num_value_heads: int, key_dim: int, value_dim: 
         verify: 16 columns for n <= 4, else 32
         decode: 16 columns for n <= 8, 32 for n <= 16, else 64 (two warps)
     Never narrower than 16 columns, the width of a pending g / beta replica (gdn.py): 8-column
-    verify tiles were 2% faster at HV = 16, B = 1 alone (4.67 against 4.78 us), and would double
-    the replicas. From the sweep of bench/kernels_gdn_decode.py on an H100
-    (results/kernels_gdn_decode-h100.json, K = V = 128, HV = 16): verify at B = 1 4.9 us at 16
-    columns against 6.1 at 32; B = 8 10.5 at 32 against 12.9 at 16; B = 256 220 against 235.
-    Decode at B = 8 6.9 us at 16 columns against 7.8 at 32; B = 256 191 at 64 against 195 at 32
-    (and, in an earlier sweep, B = 16 13.0 at 32 against 13.3 at 64)."""
+    verify tiles won only at HV = 16, B = 1, by 2% (measured:
+    bench/results/kernels_gdn_decode_replicas-h100.json), and would double the replicas. The
+    thresholds are the sweep of bench/kernels_gdn_decode.py at K = V = 128, HV = 16 (measured:
+    bench/results/kernels_gdn_decode-h100.json)."""
     if INTERPRETED:
-        return DecodeConfig(block_v=min(16, value_dim), num_warps=1)
+        return TileConfig(block_n=min(16, value_dim), num_warps=1)
     per_sm = num_rows * num_value_heads * (value_dim // 16) / num_sms(device)
     if commit:
-        block_v = 16 if per_sm <= 8 else 32 if per_sm <= 16 else 64
+        block_n = 16 if per_sm <= 8 else 32 if per_sm <= 16 else 64
     else:
-        block_v = 16 if per_sm <= 4 else 32
-    block_v = min(block_v, value_dim)
-    return DecodeConfig(block_v, num_warps=max(1, key_dim * block_v // 4096))
+        block_n = 16 if per_sm <= 4 else 32
+    block_n = min(block_n, value_dim)
+    return TileConfig(block_n=block_n, num_warps=max(1, key_dim * block_n // 4096))
+
+
+def _check_gdn_decode_args(out, q, k, v, a, b, A_log, dt_bias, cu_seqlens, slot_ids, state, pending_k, pending_v,
+                           pending_g, pending_beta, pending_counts, config) -> None:
+    num_tokens, num_key_heads, key_dim = q.shape
+    num_value_heads, value_dim = v.shape[1], v.shape[2]
+    num_slots, max_pending = pending_g.shape[0], pending_g.shape[1]
+    num_rows = slot_ids.numel()
+    assert k.shape == q.shape and v.shape[0] == num_tokens and num_value_heads % num_key_heads == 0, \
+        "q, k [T, HK, K] and v [T, HV, V], HV a multiple of HK"
+    assert a.shape == (num_tokens, num_value_heads) and b.shape == a.shape, "a, b [T, HV]"
+    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and a.stride(1) == 1 and b.stride(1) == 1, \
+        "q, k, v, a, b: unit stride along the last dim"
+    assert A_log.shape == (num_value_heads,) and dt_bias.shape == A_log.shape, "A_log, dt_bias [HV]"
+    assert A_log.is_contiguous() and dt_bias.is_contiguous(), "A_log, dt_bias: contiguous"
+    assert cu_seqlens.dtype == torch.int32 and cu_seqlens.shape == (num_rows + 1,), "cu_seqlens: int32 [B+1]"
+    assert slot_ids.dtype == torch.int32 and pending_counts.dtype == torch.int32, "slot_ids, pending_counts: int32"
+    assert state.shape == (num_slots, num_value_heads, key_dim, value_dim), "state [S, HV, K, V]"
+    assert state.dtype in (torch.float32, torch.bfloat16), "state: fp32 or bf16"
+    assert key_dim & (key_dim - 1) == 0 and value_dim & (value_dim - 1) == 0, "K and V must be powers of two"
+    assert config.block_n <= value_dim and config.block_n & (config.block_n - 1) == 0, \
+        "config: block_n a power of two <= V"
+    assert pending_k.shape == (num_rows, max_pending, num_key_heads, key_dim) and pending_k.stride(3) == 1, \
+        "pending_k [B, P, HK, K], unit stride along K"
+    assert pending_v.shape == (num_rows, max_pending, num_value_heads, value_dim) and pending_v.stride(3) == 1, \
+        "pending_v [B, P, HV, V], unit stride along V"
+    replicas = pending_g.shape[3]
+    assert pending_g.shape == (num_slots, max_pending, num_value_heads, replicas), "pending_g [S, P, HV, R]"
+    assert pending_beta.shape == pending_g.shape, "pending_beta: pending_g's shape"
+    assert replicas & (replicas - 1) == 0 and value_dim % replicas == 0, "R a power of two dividing V"
+    assert config.block_n * replicas >= value_dim, "a tile must own whole pending replicas (gdn.py)"
+    assert pending_g.dtype == torch.float32 and pending_beta.dtype == torch.float32, "pending_g, pending_beta: fp32"
+    assert pending_counts.shape == (num_slots,), "pending_counts [S]"
+    for t in (state, pending_g, pending_beta, pending_counts, cu_seqlens, slot_ids):
+        assert t.is_contiguous(), "state, pending_g, pending_beta, pending_counts, cu_seqlens, slot_ids: contiguous"
+    assert out.shape == v.shape and out.dtype == v.dtype and out.is_contiguous(), "out: contiguous, v's shape and dtype"
+    assert num_tokens <= num_rows * (max_pending + 1), "a row runs at most P + 1 new tokens"
 
 
 def launch_gdn_decode(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                       b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, cu_seqlens: torch.Tensor,
                       slot_ids: torch.Tensor, state: torch.Tensor, pending_k: torch.Tensor,
                       pending_v: torch.Tensor, pending_g: torch.Tensor, pending_beta: torch.Tensor,
-                      pending_counts: torch.Tensor, commit: bool, config: DecodeConfig) -> None:
+                      pending_counts: torch.Tensor, commit: bool, config: TileConfig) -> None:
     """gdn_decode into `out` [T, HV, V] (contiguous) with an explicit tile config. Each row runs
     1..P+1 new tokens (the kernel holds P + 1 at most; the total is checked here).
 
@@ -329,38 +354,16 @@ def launch_gdn_decode(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     unit stride along the head dim; a, b [T, HV] unit stride along heads; so may the step buffer
     views pending_k [B, P, HK, K] and pending_v [B, P, HV, V] (P may be 0). The pool tensors are
     contiguous, laid out as gdn.py says; state fp32 or bf16 (math in fp32 either way)."""
+    _check_gdn_decode_args(out, q, k, v, a, b, A_log, dt_bias, cu_seqlens, slot_ids, state, pending_k, pending_v,
+                           pending_g, pending_beta, pending_counts, config)
     num_tokens, num_key_heads, key_dim = q.shape
     num_value_heads, value_dim = v.shape[1], v.shape[2]
-    num_slots, max_pending = pending_g.shape[0], pending_g.shape[1]
+    max_pending, replicas = pending_g.shape[1], pending_g.shape[3]
     num_rows = slot_ids.numel()
-    assert k.shape == q.shape and v.shape[0] == num_tokens and num_value_heads % num_key_heads == 0
-    assert a.shape == (num_tokens, num_value_heads) and b.shape == a.shape
-    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and a.stride(1) == 1 and b.stride(1) == 1
-    assert A_log.shape == (num_value_heads,) and dt_bias.shape == A_log.shape
-    assert A_log.is_contiguous() and dt_bias.is_contiguous()
-    assert cu_seqlens.dtype == torch.int32 and cu_seqlens.shape == (num_rows + 1,)
-    assert slot_ids.dtype == torch.int32 and pending_counts.dtype == torch.int32
-    assert state.shape == (num_slots, num_value_heads, key_dim, value_dim)
-    assert state.dtype in (torch.float32, torch.bfloat16)
-    assert key_dim & (key_dim - 1) == 0 and value_dim & (value_dim - 1) == 0, "K and V must be powers of two"
-    assert config.block_v <= value_dim and config.block_v & (config.block_v - 1) == 0
-    assert pending_k.shape == (num_rows, max_pending, num_key_heads, key_dim) and pending_k.stride(3) == 1
-    assert pending_v.shape == (num_rows, max_pending, num_value_heads, value_dim) and pending_v.stride(3) == 1
-    replicas = pending_g.shape[3]
-    assert pending_g.shape == (num_slots, max_pending, num_value_heads, replicas)
-    assert pending_beta.shape == pending_g.shape
-    assert replicas & (replicas - 1) == 0 and value_dim % replicas == 0
-    assert config.block_v * replicas >= value_dim, "a tile must own whole pending replicas (gdn.py)"
-    assert pending_g.dtype == torch.float32 and pending_beta.dtype == torch.float32
-    assert pending_counts.shape == (num_slots,)
-    for t in (state, pending_g, pending_beta, pending_counts, cu_seqlens, slot_ids):
-        assert t.is_contiguous()
-    assert out.shape == v.shape and out.dtype == v.dtype and out.is_contiguous()
-    assert num_tokens <= num_rows * (max_pending + 1), "a row runs at most P + 1 new tokens"
     if num_rows == 0:
         return
     one_token = num_tokens == num_rows  # every row runs one token (plain decode)
-    grid = (triton.cdiv(value_dim, config.block_v), num_value_heads, num_rows)
+    grid = (triton.cdiv(value_dim, config.block_n), num_value_heads, num_rows)
     _gdn_decode_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, cu_seqlens, slot_ids, state,
         pending_k, pending_v, pending_g, pending_beta, pending_counts, out,
@@ -371,8 +374,8 @@ def launch_gdn_decode(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         ONE_TOKEN=one_token,
         P_BLOCK=triton.next_power_of_2(max(max_pending, 1)),
         T_BLOCK=1 if one_token else triton.next_power_of_2(max_pending + 1),
-        BV=config.block_v, COMMIT=commit,
-        num_warps=config.num_warps, **pdl(v.device),
+        BV=config.block_n, COMMIT=commit,
+        **config.launch_options(), **pdl(v.device),
     )
 
 

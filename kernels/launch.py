@@ -1,14 +1,16 @@
-"""Programmatic dependent launch (PDL) of the decode-path kernels, on sm_90 and newer.
+"""Launch options the launchers share: programmatic dependent launch (PDL) of the decode-path
+kernels, on sm_90 and newer, and tl.dot's input precision by activation dtype.
 
-A step is a long chain of small kernels (a 0.8B model's batch-1 decode step: ~250 launches of
-5-20 us each), so the gap between one kernel's end and the next one's start is a real share of
-it. A kernel launched with `**pdl(device)` may be scheduled while its predecessor still runs:
-its programs start with `dependent_prologue`, which waits on-chip (griddepcontrol.wait) until
-the predecessor grid has finished and its stores are visible, and then lets its own successor
-launch. The wait comes before any memory access, so a dependent kernel orders exactly like a
-plain one (reads after the predecessor's writes, writes after its reads); only the launch
-latency overlaps. A predecessor that never signals (a cuBLAS GEMM, the interpreter) simply
-completes first. Knows nothing about what the kernels compute.
+A step is a long chain of small kernels (a 0.8B model's batch-1 decode step: ~250 launches of a
+few microseconds each; measured: bench/results/profile-h100.json), so the gap between one
+kernel's end and the next one's start is a real share of it. A kernel launched with
+`**pdl(device)` may be scheduled while its predecessor still runs: its programs start with
+`dependent_prologue`, which waits on-chip (griddepcontrol.wait) until the predecessor grid has
+finished and its stores are visible, and then lets its own successor launch. The wait comes
+before any memory access, so a dependent kernel orders exactly like a plain one (reads after the
+predecessor's writes, writes after its reads); only the launch latency overlaps. A predecessor
+that never signals (a cuBLAS GEMM, the interpreter) simply completes first. Knows nothing about
+what the kernels compute.
 """
 
 from __future__ import annotations
@@ -20,14 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .device import supports_dependent_launch
+
 
 @cache
 def dependent_launch(device: torch.device) -> bool:
-    """PDL where the hardware has grid dependency control (sm_90+), not under the interpreter;
-    DELTASPEC_DEPENDENT_LAUNCH=0 turns it off (debugging, A/B timing)."""
-    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-            and os.environ.get("DELTASPEC_DEPENDENT_LAUNCH", "1") != "0"
-            and torch.cuda.get_device_capability(device) >= (9, 0))
+    """PDL where the device supports it (device.py); DELTASPEC_DEPENDENT_LAUNCH=0 turns it off
+    (debugging, A/B timing)."""
+    return os.environ.get("DELTASPEC_DEPENDENT_LAUNCH", "1") != "0" and supports_dependent_launch(device)
 
 
 def pdl(device: torch.device) -> dict:
@@ -43,3 +45,10 @@ def dependent_prologue(DEPENDENT_LAUNCH: tl.constexpr):
     if DEPENDENT_LAUNCH:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision for activations of `dtype`: fp32 stays exact fp32 ("ieee", no
+    tf32); otherwise "tf32", which leaves bf16 / fp16 operands as they are and lets fp32 ones that
+    a kernel forms itself (gdn_chunked's inverse) round to tf32."""
+    return "ieee" if dtype == torch.float32 else "tf32"

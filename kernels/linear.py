@@ -10,12 +10,10 @@ tile's partials in split order (deterministic, whichever program is last) and wr
 fp32 output to memset, no reduce or cast launch; scratch is one torch.empty per call, so the
 call can be captured in a CUDA graph.
 
-Measured on an H100 (bench/kernels_linear.py, CUDA graphs, cold weights), M <= 16: N = 1024,
-K = 2048 (4.2 MB) 4.9-5.1 us against cuBLAS's 5.8-5.9; N = 1024, K = 3584 5.9-6.5 us against
-8.1-8.8; N = 4096 3-10% faster. Where the time goes at 4.2 MB: a kernel that only reads W
-needs 3.5 us (0.9 us of it the launch gap in a graph), the GEMM without its split-K tail 4.0,
-and the tail (partial stores made visible, the counter atomic, the partial loads: three
-dependent L2 round trips) ~1.1 us more.
+Up to 16 rows it beats cuBLAS at N = 1024 and N = 4096 (measured:
+bench/results/kernels_linear-h100.json). What it pays beyond streaming W is the split-K tail:
+partial stores made visible, the counter atomic and the partial loads, three dependent L2 round
+trips (H100 breakdown in commit 8b76c27).
 
 `linear` is the entry point (the `Ops.linear` of the GPU table): the kernel where `use_kernel`
 says it beats cuBLAS, F.linear elsewhere (prefill, wide N, more than 16 rows at larger N).
@@ -26,8 +24,6 @@ projection it computes.
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
 from functools import cache
 
 import torch
@@ -35,12 +31,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .arrivals import arrival_counters, last_to_arrive, num_sms, reset_arrivals
-from .launch import dependent_prologue, pdl
+from .arrivals import arrival_counters, last_to_arrive, reset_arrivals
+from .device import INTERPRETED, num_sms
+from .launch import dependent_prologue, dot_precision, pdl
+from .tiles import TileConfig
 
 MAX_ROWS = 64               # the kernel's limit (x is padded to a power of two >= 16 rows)
 KERNEL_MAX_ROWS = 32        # use_kernel never picks the kernel for more rows
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -63,7 +60,7 @@ def _linear_kernel(x, w, y, partials, arrivals, M, N, K, k_per_split, stride_xm,
     SPLIT_K > 1: partials [SPLIT_K, M, N] fp32 (scratch); arrivals[pid_n] counts the tile's
     programs in. The last one sums the partials in split order and writes y. The sum is
     unrolled so that its SPLIT_K loads are in flight together: that tail is one L2 round trip,
-    not SPLIT_K of them (a loop made 16 splits ~3 us slower on an H100)."""
+    not SPLIT_K of them (a loop was slower; H100 A/B in commit 8b76c27)."""
     dependent_prologue(DEPENDENT_LAUNCH)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -104,15 +101,6 @@ def _linear_kernel(x, w, y, partials, arrivals, M, N, K, k_per_split, stride_xm,
             reset_arrivals(arrivals + pid_n)
 
 
-@dataclass(frozen=True)
-class LinearConfig:
-    block_n: int      # rows of W (columns of y) per program
-    block_k: int      # K step of a program's loop
-    split_k: int      # programs per N tile, each over a run of whole K blocks
-    num_warps: int
-    num_stages: int   # software-pipelining depth of the W / x loads
-
-
 def block_m(num_rows: int) -> int:
     """x rows per program: the batch padded to a power of two, >= 16 for an MMA."""
     return max(16, triton.next_power_of_2(num_rows))
@@ -125,28 +113,31 @@ def split_k_for(num_k_blocks: int, wanted: int) -> int:
     return triton.cdiv(num_k_blocks, per_split)
 
 
-def kernel_config(num_rows: int, out_features: int, in_features: int, sms: int) -> LinearConfig:
-    """Tiles for x [num_rows, in_features] @ W[out_features, in_features]^T on a GPU of `sms` SMs.
+def kernel_config(num_rows: int, out_features: int, in_features: int, sms: int) -> TileConfig:
+    """Tiles for x [num_rows, in_features] @ W[out_features, in_features]^T on a GPU of `sms` SMs:
+    block_n rows of W (columns of y) per program, block_k the K step of its loop, num_splits
+    programs per N tile (each over a run of whole K blocks), num_stages the pipelining depth of
+    the W / x loads. The batch is one tile of block_m(num_rows) rows, not a field.
 
     BLOCK_K = 128 (a warp reads 256-byte stretches of W's rows in 16-byte vectors), 4 warps, 4
     stages; BLOCK_N 64 up to 8 rows, 32 above; split-K for at most one program per SM and at
     least num_stages K blocks per split (shorter splits pay the pipeline's prologue and the
-    split-K tail for fewer bytes). On the H100 sweep (bench/results/kernels_linear-h100.json)
-    this is within 4% of the fastest swept config for every shape use_kernel gives the kernel."""
+    split-K tail for fewer bytes). Within a few percent of the fastest swept config for every
+    shape use_kernel gives the kernel (measured: bench/results/kernels_linear-h100.json)."""
     block_n = 64 if num_rows <= 8 else 32
     block_k, num_stages = 128, 4
     num_tiles, num_k_blocks = triton.cdiv(out_features, block_n), triton.cdiv(in_features, block_k)
     split_k = split_k_for(num_k_blocks, min(triton.cdiv(sms, num_tiles), max(1, num_k_blocks // num_stages)))
-    return LinearConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4, num_stages=num_stages)
+    return TileConfig(block_n=block_n, block_k=block_k, num_splits=split_k, num_warps=4, num_stages=num_stages)
 
 
 def use_kernel(num_rows: int, out_features: int, sms: int) -> bool:
-    """The rule between this kernel and cuBLAS (H100 numbers in bench/results/kernels_linear-h100.json):
+    """The rule between this kernel and cuBLAS (measured: bench/results/kernels_linear-h100.json):
       - N >= 32 per SM (the 0.8B in_proj, qkv, gate_up; every 9B one but out/o_proj and down):
-        cuBLAS's own N tiles fill the GPU; it ties or wins (by up to 15% at M = 1);
-      - up to 16 rows otherwise: the kernel, 15-27% faster at N = 1024, 3-10% at N = 4096;
-      - 17..32 rows: the kernel up to 16 features per SM (N = 1024: 5.3-5.5 us against 5.8-6.0);
-        at N = 4096 cuBLAS switches to a faster kernel there (14.9-15.5 us against our 16.0);
+        cuBLAS's own N tiles fill the GPU; it ties or wins;
+      - up to 16 rows otherwise: the kernel;
+      - 17..32 rows: the kernel up to 16 features per SM; at N = 4096 cuBLAS switches to a
+        faster kernel there;
       - more than 32 rows: cuBLAS (x's re-reads from L2 and the fp32 partials grow with M)."""
     if not 0 < num_rows <= KERNEL_MAX_ROWS or out_features >= 32 * sms:
         return False
@@ -154,14 +145,14 @@ def use_kernel(num_rows: int, out_features: int, sms: int) -> bool:
 
 
 @cache
-def linear_config(num_rows: int, out_features: int, in_features: int, device: torch.device) -> LinearConfig | None:
+def linear_config(num_rows: int, out_features: int, in_features: int, device: torch.device) -> TileConfig | None:
     """The config `linear` launches for these shapes on `device`, or None for cuBLAS. Shapes and
     the SM count only: CUDA graphs replay the choice. The interpreter gets one small config."""
     if INTERPRETED:
         if not 0 < num_rows <= KERNEL_MAX_ROWS:
             return None
-        return LinearConfig(block_n=16, block_k=32, split_k=split_k_for(triton.cdiv(in_features, 32), 2),
-                            num_warps=1, num_stages=1)
+        return TileConfig(block_n=16, block_k=32, num_splits=split_k_for(triton.cdiv(in_features, 32), 2),
+                          num_warps=1, num_stages=1)
     sms = num_sms(device)
     if not use_kernel(num_rows, out_features, sms):
         return None
@@ -171,7 +162,7 @@ def linear_config(num_rows: int, out_features: int, in_features: int, device: to
 @cache
 def _launch_plan(x_shape: torch.Size, weight_shape: torch.Size, y_shape: torch.Size, dtype: torch.dtype,
                  weight_dtype: torch.dtype, y_dtype: torch.dtype,
-                 config: LinearConfig) -> tuple[tuple[int, int], int, dict]:
+                 config: TileConfig) -> tuple[tuple[int, int], int, dict]:
     """Shape and dtype checks, then (grid, K per split, compile-time arguments): once per shape,
     so that a call pays only for its stride checks, its scratch and the launch (an eager step is
     bound by the host's launches)."""
@@ -182,26 +173,31 @@ def _launch_plan(x_shape: torch.Size, weight_shape: torch.Size, y_shape: torch.S
         f"linear: x {dtype}, weight {weight_dtype}, y {y_dtype}"
     assert y_shape == (num_rows, out_features), f"linear: y {tuple(y_shape)}"
     assert 0 < num_rows <= MAX_ROWS, f"linear kernel takes 1..{MAX_ROWS} rows, got {num_rows}"
-    k_per_split = triton.cdiv(triton.cdiv(in_features, config.split_k), config.block_k) * config.block_k
-    meta = dict(BLOCK_M=block_m(num_rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
+    k_per_split = triton.cdiv(triton.cdiv(in_features, config.num_splits), config.block_k) * config.block_k
+    meta = dict(BLOCK_M=block_m(num_rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.num_splits,
                 EVEN_K=in_features % config.block_k == 0,
-                PRECISION="ieee" if dtype == torch.float32 else "tf32",                 # fp32 stays fp32 (no tf32)
-                num_warps=config.num_warps, num_stages=config.num_stages)
-    return (triton.cdiv(out_features, config.block_n), config.split_k), k_per_split, meta
+                PRECISION=dot_precision(dtype),
+                **config.launch_options())
+    return (triton.cdiv(out_features, config.block_n), config.num_splits), k_per_split, meta
 
 
-def launch_linear(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config: LinearConfig) -> None:
+def _check_linear_args(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """What a call must check itself (_launch_plan checks shapes and dtypes once per shape)."""
+    assert x.stride(1) == 1 and weight.stride(1) == 1, "linear: x and weight need unit stride along K"
+    assert y.is_contiguous(), "linear: y must be contiguous"
+    assert weight.device == x.device == y.device, "linear: x, weight and y on one device"
+
+
+def launch_linear(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config: TileConfig) -> None:
     """y [M, N] = x [M, K] @ weight [N, K]^T with an explicit config. x and weight: same dtype
     (bf16, fp16 or fp32), unit stride along K (x may be a row-strided view); y contiguous, same
     dtype. Accumulates in fp32; fp32 inputs multiply in full fp32 (no tf32)."""
     grid, k_per_split, meta = _launch_plan(x.shape, weight.shape, y.shape, x.dtype, weight.dtype, y.dtype, config)
-    assert x.stride(1) == 1 and weight.stride(1) == 1, "linear: x and weight need unit stride along K"
-    assert y.is_contiguous(), "linear: y must be contiguous"
+    _check_linear_args(y, x, weight)
     device = x.device
-    assert weight.device == device == y.device
     (num_rows, in_features), out_features = x.shape, weight.shape[0]
-    if config.split_k > 1:
-        partials = torch.empty((config.split_k, num_rows, out_features), dtype=torch.float32, device=device)
+    if config.num_splits > 1:
+        partials = torch.empty((config.num_splits, num_rows, out_features), dtype=torch.float32, device=device)
         arrivals = arrival_counters(device, grid[0])
     else:  # never touched
         partials = arrivals = y

@@ -20,33 +20,22 @@ one of two paths, chosen from the batch shape alone (no host sync, CUDA-graph sa
   gate_up with SiLU*up fused, then down with the routing weight applied, written per pair; a
   last kernel sums each token's k rows in slot order (deterministic, no float atomics).
 
-Measured on an H200 (bench/results/kernels_moe_sampling-h200.json; Qwen3-Next layer: 512
-experts, top-10, H 2048, I 512, bf16; CUDA graphs over input sets with different routing; µs,
-with the tile configs the launchers default to: the fastest of each path's sweep at most sizes):
-
-    tokens            1      2      4      8     16     32     64    256   4096
-    per-token      36.2   44.6   71.9  130.1  242.7  449.1  815.1   2917      -
-    grouped        32.7   46.1   76.6  128.6  220.4  362.9  537.0  829.6   1315
-    roofline       15.0   29.7   58.4  112.8  210.3  360.8  543.7  764.9  776.9
-    torch ref      1378   1954   3282   6819  12005  20698  34234  44302  46572
-
-(roofline: bytes of the distinct experts touched / measured copy bandwidth.) Up to 8 tokens the
-two paths are within 11% of each other (grouped ahead at 1 token, per-token at 2 and 4; one
-measurement each, so not beyond noise); from 16 tokens on the grouped path wins, by 1.5x at 64.
-Threshold: the per-token path while pairs = tokens * k <= E / 4 (12 tokens at this shape).
+The per-token path runs while pairs = tokens * k <= E / 4 (12 tokens of a Qwen3-Next layer):
+up to 8 tokens the two paths are within noise of each other, from 16 tokens on the grouped path
+wins (measured at 512 experts, top-10, H 2048, I 512, bf16:
+bench/results/kernels_moe_sampling-h200.json).
 """
 
 from __future__ import annotations
-
-import os
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from .activation import silu_and_mul_reference
-from .launch import dependent_prologue, pdl
+from .device import INTERPRETED
+from .launch import dependent_prologue, dot_precision, pdl
+from .tiles import TileConfig
 
 
 def route_reference(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,12 +100,18 @@ def _route_kernel(logits, stride_row, weights, experts, E, TOP_K: tl.constexpr, 
     tl.store(experts + row * TOP_K + slot, chosen_expert.to(tl.int64), mask=ok)
 
 
+def _check_route_args(router_logits: torch.Tensor, top_k: int) -> None:
+    assert router_logits.dim() == 2 and router_logits.stride(1) == 1, "router_logits [T, E], unit stride along E"
+    assert router_logits.dtype in (torch.float32, torch.bfloat16, torch.float16), \
+        f"router_logits: dtype {router_logits.dtype}"
+    num_experts = router_logits.shape[1]
+    assert 1 <= top_k <= num_experts, f"top_k {top_k} with {num_experts} experts"
+
+
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `route_reference`: [T, E] -> (weights [T, k] in the logits' dtype, experts [T, k] int64)."""
-    assert router_logits.dim() == 2 and router_logits.stride(1) == 1, "router_logits [T, E], unit stride along E"
-    assert router_logits.dtype in (torch.float32, torch.bfloat16, torch.float16), router_logits.dtype
+    _check_route_args(router_logits, top_k)
     num_tokens, num_experts = router_logits.shape
-    assert 1 <= top_k <= num_experts, f"top_k {top_k} with {num_experts} experts"
     weights = torch.empty(num_tokens, top_k, dtype=router_logits.dtype, device=router_logits.device)
     experts = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
     if num_tokens > 0:
@@ -285,86 +280,76 @@ def _sum_slots_kernel(out_pairs, out, H, TOP_K: tl.constexpr, BLOCK_N: tl.conste
     tl.store(out + token * H + n, total.to(out.dtype.element_ty), mask=n_ok)
 
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Tiles of the per-token path: gate/up programs cover block_n rows of I, down programs block_n
+# rows of H; both loop over the reduction in block_k steps. The fastest of the sweep at 1-8
+# tokens (small tiles: many programs, many loads in flight; measured:
+# bench/results/kernels_moe_sampling-h200.json).
+PER_TOKEN_GATE_UP = TileConfig(block_n=8, block_k=256, num_warps=4)
+PER_TOKEN_DOWN = TileConfig(block_n=4, block_k=256, num_warps=4)
 
 
-@dataclass(frozen=True)
-class PerTokenConfig:
-    """Tiles of the per-token path: gate/up programs cover gate_n rows of I, down programs
-    down_n rows of H; both loop over the reduction in block_k steps. The defaults were the
-    fastest of six at 1, 2, 4 and 8 tokens (small tiles: many programs, many loads in flight)."""
-    gate_n: int = 8
-    down_n: int = 4
-    block_k: int = 256
-    num_warps: int = 4
-
-
-@dataclass(frozen=True)
-class GroupedConfig:
-    """Tiles of the grouped path (block_m: pairs per row block, the per-expert padding unit)."""
-    block_m: int = 64
-    block_n: int = 64
-    block_k: int = 64
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-def grouped_config(num_pairs: int, num_experts: int) -> GroupedConfig:
-    """Tiles by the mean pairs per expert: up to 8 (decode-like), 16-row blocks with long K
-    steps (the fastest of five from 2 to 64 tokens, within 3% of the best at 1 and 256); 64 and
-    more (prefill), 128x128 tiles (the fastest of seven at 4096 tokens, 80 pairs per expert); in
-    between (not measured) block_m follows the mean."""
+def grouped_config(num_pairs: int, num_experts: int) -> TileConfig:
+    """Tiles of the grouped path (block_m: pairs per row block, the per-expert padding unit; the
+    gate/up and down GEMMs share them) by the mean pairs per expert: up to 8 (decode-like),
+    16-row blocks with long K steps; 64 and more (prefill), 128x128 tiles; in between (not
+    measured) block_m follows the mean. Each the fastest of its sweep (measured:
+    bench/results/kernels_moe_sampling-h200.json)."""
     if INTERPRETED:
-        return GroupedConfig(block_m=16, block_n=16, block_k=16, num_stages=1)
+        return TileConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1)
     mean = triton.cdiv(num_pairs, num_experts)
     if mean <= 8:
-        return GroupedConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
+        return TileConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
     if mean >= 64:
-        return GroupedConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
-    return GroupedConfig(block_m=triton.next_power_of_2(mean), block_n=64, block_k=64, num_warps=4, num_stages=3)
+        return TileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    return TileConfig(block_m=triton.next_power_of_2(mean), block_n=64, block_k=64, num_warps=4, num_stages=3)
 
 
 def use_per_token_path(num_pairs: int, num_experts: int) -> bool:
     """Few pairs per expert: each pair's weights are read once either way, and the per-token
-    path saves the counting, scatter and sum launches (measured: bench/kernels_moe_sampling.py)."""
+    path saves the counting, scatter and sum launches (measured:
+    bench/results/kernels_moe_sampling-h200.json)."""
     return 4 * num_pairs <= num_experts
 
 
-def _check_moe_args(x, weights, experts, w_gate_up, w_down) -> None:
+def _check_moe_experts_args(x, weights, experts, w_gate_up, w_down) -> None:
     num_tokens, hidden = x.shape
     num_experts, two_inter, hidden_2 = w_gate_up.shape
     assert hidden_2 == hidden and two_inter % 2 == 0, f"w_gate_up {tuple(w_gate_up.shape)} vs x {tuple(x.shape)}"
     assert w_down.shape == (num_experts, hidden, two_inter // 2), f"w_down {tuple(w_down.shape)}"
-    assert experts.dim() == 2 and experts.shape[0] == num_tokens and weights.shape == experts.shape
-    assert experts.dtype in (torch.int64, torch.int32), experts.dtype
-    assert x.dtype == w_gate_up.dtype == w_down.dtype, (x.dtype, w_gate_up.dtype, w_down.dtype)
-    assert x.dtype in (torch.float32, torch.bfloat16, torch.float16), x.dtype
+    assert experts.dim() == 2 and experts.shape[0] == num_tokens and weights.shape == experts.shape, \
+        "weights, experts: [T, k]"
+    assert experts.dtype in (torch.int64, torch.int32), f"experts: dtype {experts.dtype}"
+    assert x.dtype == w_gate_up.dtype == w_down.dtype, \
+        f"x {x.dtype}, w_gate_up {w_gate_up.dtype}, w_down {w_down.dtype}: one dtype"
+    assert x.dtype in (torch.float32, torch.bfloat16, torch.float16), f"x: dtype {x.dtype}"
     for name, t in (("x", x), ("weights", weights), ("experts", experts), ("w_gate_up", w_gate_up), ("w_down", w_down)):
         assert t.is_contiguous(), f"{name} must be contiguous"
         assert t.device == x.device, f"{name} on {t.device}, x on {x.device}"
 
 
-def moe_experts_per_token(x, weights, experts, w_gate_up, w_down, config: PerTokenConfig = PerTokenConfig()):
-    """The per-token path (any batch; meant for decode)."""
-    _check_moe_args(x, weights, experts, w_gate_up, w_down)
+def moe_experts_per_token(x, weights, experts, w_gate_up, w_down, gate_up_config: TileConfig = PER_TOKEN_GATE_UP,
+                          down_config: TileConfig = PER_TOKEN_DOWN):
+    """The per-token path (any batch; meant for decode), with the tiles of its two kernels."""
+    _check_moe_experts_args(x, weights, experts, w_gate_up, w_down)
     num_tokens, hidden = x.shape
     top_k, inter = experts.shape[1], w_down.shape[2]
     act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
     out = torch.empty_like(x)
     if num_tokens == 0:
         return out
-    _gate_up_per_pair_kernel[(num_tokens * top_k, triton.cdiv(inter, config.gate_n))](
-        x, experts, w_gate_up, act, hidden, inter, TOP_K=top_k, BLOCK_N=config.gate_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, **pdl(x.device))
-    _down_per_token_kernel[(num_tokens, triton.cdiv(hidden, config.down_n))](
-        act, weights, experts, w_down, out, hidden, inter, TOP_K=top_k, BLOCK_N=config.down_n,
-        BLOCK_K=min(config.block_k, triton.next_power_of_2(inter)), num_warps=config.num_warps, **pdl(x.device))
+    _gate_up_per_pair_kernel[(num_tokens * top_k, triton.cdiv(inter, gate_up_config.block_n))](
+        x, experts, w_gate_up, act, hidden, inter, TOP_K=top_k, BLOCK_N=gate_up_config.block_n,
+        BLOCK_K=gate_up_config.block_k, **gate_up_config.launch_options(), **pdl(x.device))
+    _down_per_token_kernel[(num_tokens, triton.cdiv(hidden, down_config.block_n))](
+        act, weights, experts, w_down, out, hidden, inter, TOP_K=top_k, BLOCK_N=down_config.block_n,
+        BLOCK_K=min(down_config.block_k, triton.next_power_of_2(inter)), **down_config.launch_options(),
+        **pdl(x.device))
     return out
 
 
-def moe_experts_grouped(x, weights, experts, w_gate_up, w_down, config: GroupedConfig | None = None):
+def moe_experts_grouped(x, weights, experts, w_gate_up, w_down, config: TileConfig | None = None):
     """The grouped path (any batch; meant for prefill and large batches)."""
-    _check_moe_args(x, weights, experts, w_gate_up, w_down)
+    _check_moe_experts_args(x, weights, experts, w_gate_up, w_down)
     num_tokens, hidden = x.shape
     num_experts, top_k, inter = w_gate_up.shape[0], experts.shape[1], w_down.shape[2]
     num_pairs = num_tokens * top_k
@@ -383,9 +368,8 @@ def moe_experts_grouped(x, weights, experts, w_gate_up, w_down, config: GroupedC
     # sum over experts of ceil(count / block_m) <= (pairs + (block_m - 1) * nonempty experts) / block_m
     bm = config.block_m
     num_m_blocks = (num_pairs + (bm - 1) * min(num_experts, num_pairs)) // bm
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    tiles = dict(E_PAD=e_pad, BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k, PRECISION=precision,
-                 num_warps=config.num_warps, num_stages=config.num_stages)
+    tiles = dict(E_PAD=e_pad, BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                 PRECISION=dot_precision(x.dtype), **config.launch_options())
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=device)  # rows in expert order
     _gate_up_grouped_kernel[(num_m_blocks * triton.cdiv(inter, config.block_n),)](
         x, counts, sorted_pairs, w_gate_up, act, hidden, inter, num_experts, num_m_blocks, TOP_K=top_k, **tiles)

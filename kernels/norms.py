@@ -69,15 +69,22 @@ def _rms_norm_kernel(x, residual, weight, out, residual_out, stride_x, stride_re
     tl.store(out + row * H + offs, (h * rstd * (1.0 + w)).to(out.dtype.element_ty), mask=mask)
 
 
+def _check_rms_norm_args(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
+    assert x.dim() == 2 and x.stride(1) == 1, "x: [T, H], unit stride along H"
+    assert weight.shape == (x.shape[1],) and weight.is_contiguous(), "weight: contiguous [H]"
+    if residual is not None:
+        assert residual.shape == x.shape and residual.stride(1) == 1 and residual.dtype == x.dtype, \
+            "residual: x's shape and dtype, unit stride along H"
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton rms_norm_reference. x, residual [T, H] with unit stride along H; outputs contiguous.
     Without a residual the returned residual is x itself (no copy), as the reference."""
+    _check_rms_norm_args(x, weight, residual)
     num_tokens, hidden = x.shape
-    assert x.stride(1) == 1 and weight.shape == (hidden,) and weight.is_contiguous()
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     if residual is not None:
-        assert residual.shape == x.shape and residual.stride(1) == 1 and residual.dtype == x.dtype
         new_residual = torch.empty_like(out)
     else:
         new_residual = x
@@ -119,12 +126,17 @@ def _as_3d(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1, *t.shape[-2:]) if t.dim() > 3 else t
 
 
+def _check_gated_rms_norm_args(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor) -> None:
+    assert x.shape == gate.shape and x.dim() >= 2 and x.stride(-1) == 1 and gate.stride(-1) == 1, \
+        "x, gate: [..., D] of one shape, unit stride along D"
+    assert weight.shape == (x.shape[-1],) and weight.is_contiguous(), "weight: contiguous [D]"
+
+
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Triton gated_rms_norm_reference. x, gate [..., D] with unit stride along D (gate may be a
     strided view, e.g. z of the GDN projection as [T, HV, V]). Returns a contiguous x.dtype tensor."""
-    assert x.shape == gate.shape and x.dim() >= 2 and x.stride(-1) == 1 and gate.stride(-1) == 1
+    _check_gated_rms_norm_args(x, gate, weight)
     dim = x.shape[-1]
-    assert weight.shape == (dim,) and weight.is_contiguous()
     x3, gate3 = _as_3d(x), _as_3d(gate)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     num_rows = x3.shape[0] * x3.shape[1]

@@ -106,19 +106,26 @@ def _inv_freq_table(rotary_dim: int, theta: float, device: torch.device) -> torc
     return rope_inv_freq(rotary_dim, theta, device)
 
 
+def _check_qk_norm_rope_args(q, k, q_weight, k_weight, positions, rotary_dim) -> None:
+    num_tokens, _, head_dim = q.shape
+    assert k.shape == (num_tokens, k.shape[1], head_dim) and q.stride(2) == 1 and k.stride(2) == 1, \
+        "q [T, Hq, D], k [T, Hk, D], unit stride along D"
+    assert q_weight.shape == (head_dim,) and k_weight.shape == (head_dim,), "q_weight, k_weight: [D]"
+    assert q_weight.is_contiguous() and k_weight.is_contiguous(), "q_weight, k_weight: contiguous"
+    assert positions.shape == (num_tokens,) and positions.is_contiguous() and not positions.is_floating_point(), \
+        "positions: contiguous [T] integers"
+    assert rotary_dim % 2 == 0 and 0 < rotary_dim <= head_dim, f"rotary_dim {rotary_dim}: even, in (0, D]"
+
+
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                  positions: torch.Tensor, rotary_dim: int, theta: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton qk_norm_rope_reference. q [T, Hq, D], k [T, Hk, D] may be strided views with unit
     stride along D (q is sliced from [q | gate] per head); positions [T] int. Returns contiguous
     (q, k). The first call per (rotary_dim, theta, device) builds the frequency table: do it
     before CUDA-graph capture."""
+    _check_qk_norm_rope_args(q, k, q_weight, k_weight, positions, rotary_dim)
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
-    assert k.shape == (num_tokens, num_k_heads, head_dim) and q.stride(2) == 1 and k.stride(2) == 1
-    assert q_weight.shape == (head_dim,) and k_weight.shape == (head_dim,)
-    assert q_weight.is_contiguous() and k_weight.is_contiguous()
-    assert positions.shape == (num_tokens,) and positions.is_contiguous() and not positions.is_floating_point()
-    assert rotary_dim % 2 == 0 and 0 < rotary_dim <= head_dim
     q_out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     k_out = torch.empty((num_tokens, num_k_heads, head_dim), dtype=k.dtype, device=k.device)
     if num_tokens:

@@ -1,16 +1,12 @@
-"""Token selection on device: temperature, top-k, top-p, min-p, seeded, without a host sync;
-and rejection sampling of speculative drafts.
+"""Token selection on device: temperature, top-k, top-p, min-p, seeded, without a host sync.
 
-Randomness is counter-based: the uniform number for (row, token v) is a hash of the row's
-seed, its offset (the position being sampled) and v. A row's draw therefore depends only on
-its own seed and position — reproducible across runs and independent of the other rows in the
-batch and of the batch size. Sampling uses the exponential race (Gumbel-max): argmax of
-log p_v - log(-log u_v) is distributed as p.
+Randomness is counter-based, a row's draw a function of its own seed and position only; a token
+is drawn by the exponential race (Gumbel-max) over the kept tokens (noise.py).
 
 `sample` (Triton) draws the same token as `sample_reference` (ties aside: race values, or a
-token's mass above against top_p, that agree to float32 rounding) without sorting the vocabulary. The kept set of the
-filters is a prefix of the vocabulary sorted by scaled logit s, so it is {s >= threshold}; the
-kernels find that threshold exactly:
+token's mass above against top_p, that agree to float32 rounding) without sorting the
+vocabulary. The kept set of the filters is a prefix of the vocabulary sorted by scaled logit s,
+so it is {s >= threshold}; the kernels find that threshold exactly:
 
   1. stats    (rows x splits): max / log-sum-exp of s and of the raw logits, raw argmax.
   2. hist     (rows x splits): counts of d = max(s) - s in bins (1/16 logit wide). Counts bound
@@ -33,22 +29,13 @@ A typical LLM row (or a top-k row) keeps a few hundred tokens: three passes over
 small work. Rows with no top-k/top-p filter skip 2, 3 and 5's search: the race runs over the
 whole row in step 4. Temperature-0 rows are the argmax of step 1.
 
-Measured on an H200 (bench/results/kernels_moe_sampling-h200.json), B = 64, V = 248,320, fp32
-logits, CUDA graphs: top-p 0.9 258 µs vs 3.73 ms for the sort-based reference (14x); T 0.7 /
-top-k 20 / top-p 0.8 266 µs (14x); temperature only 160 µs (23x); greedy 58 µs; top-p 0.9 over
-flat N(0, 1) logits (the nucleus holds ~60% of the vocabulary, refined in the second round)
-418 µs (9x); same tokens as the reference in every case. One read of the logits takes 15 µs:
-the kernels are far from that bound (block-level reductions every 2048 elements, IEEE division
-x / t and exp / hash / log per element, the 64 serial bisection steps of step 5, 7 launches).
+About ten times faster than the sort-based reference, with the same tokens, yet far from
+one read of the logits: block-level reductions every 2048 elements, IEEE division x / t and
+exp / hash / log per element, the 64 serial bisection steps of step 5 and 7 launches (measured
+at B = 64, V = 248,320: bench/results/kernels_moe_sampling-h200.json).
 
-`rejection_sample` accepts draft token d_i with probability min(1, p_i(d_i) / q_i(d_i)) using
-the uniform of (seed, offset + i, d_i); at the first rejection it races over
-max(0, p_i - q_i) with the uniforms of (seed, offset + i, ·), which excludes d_i itself
-(p_i(d_i) < q_i(d_i) there), so the two uses of one position's noise are independent. After a
-fully accepted draft the bonus token races over p at the next position. Emitted tokens are
-distributed exactly as sampling from p alone.
-
-Knows nothing about requests: every parameter arrives as a per-row tensor.
+Knows nothing about requests (every parameter arrives as a per-row tensor) nor about drafts
+(rejection.py).
 """
 
 from __future__ import annotations
@@ -57,37 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-_MASK32 = 0xFFFFFFFF
-
-
-def _fmix32(x: torch.Tensor) -> torch.Tensor:
-    """murmur3 finaliser on int64 tensors holding uint32 values (products wrap mod 2^64)."""
-    x = x ^ (x >> 16)
-    x = (x * 0x85EBCA6B) & _MASK32
-    x = x ^ (x >> 13)
-    x = (x * 0xC2B2AE35) & _MASK32
-    return x ^ (x >> 16)
-
-
-def _row_hash(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """seeds, offsets: int64 (any shape) -> the uint32 (in int64) hash of each (seed, offset)."""
-    seeds, offsets = seeds.long(), offsets.long()
-    row = _fmix32((seeds & _MASK32) ^ _fmix32(((seeds >> 32) & _MASK32) ^ 0x9E3779B9))
-    return _fmix32(row ^ ((offsets * 0x85EBCA77) & _MASK32))
-
-
-def _uniform_at(row: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """row hashes and token ids (broadcasting, int64) -> float32 uniforms in (0, 1)."""
-    bits = _fmix32(row ^ ((tokens * 0xC2B2AE3D) & _MASK32))
-    # 23 high bits: (n + 0.5) * 2^-23 needs 24 significant bits, exact in float32, so u lies
-    # strictly inside (0, 1) (with 24 bits, n = 2^24 - 1 would round up to exactly 1.0).
-    return ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
-
-
-def uniform_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """seeds, offsets: [B] int64 -> u: [B, V] float32 in (0, 1)."""
-    token = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
-    return _uniform_at(_row_hash(seeds, offsets)[:, None], token[None, :])
+from .noise import race_block, row_hash_tl, uniform_noise
 
 
 def filter_probs_reference(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -122,57 +79,6 @@ def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
     return tokens, logprobs
 
 
-def rejection_sample_reference(target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
-                               draft_tokens: torch.Tensor, num_draft: torch.Tensor, seeds: torch.Tensor,
-                               offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Verify sampled drafts so that the emitted tokens are distributed exactly as p.
-
-    target_probs [B, K+1, V] float32: the target's (filtered) distribution p_i at each draft
-    position and at the bonus position; draft_probs [B, K, V] float32: the drafter's q_i, or None
-    for a greedy drafter (q_i one-hot at d_i); draft_tokens [B, K] int64; num_draft [B] int64 in
-    [0, K] (positions past it are ignored); seeds, offsets [B] int64: position i of a row uses the
-    uniforms of (seed, offset + i), the stream a plain `sample` at that position would use.
-    A greedy target row is a one-hot p: that is exactly argmax matching.
-
-    Returns (output_tokens [B, K+1] int64: the accepted drafts, then the correction or bonus
-    token, then -1; num_accepted [B] int64: the emitted length is num_accepted + 1).
-    """
-    batch, num_positions, vocab = target_probs.shape
-    max_draft = num_positions - 1
-    device = target_probs.device
-    rows = torch.arange(batch, device=device)
-    positions = torch.arange(num_positions, device=device)
-    hashes = _row_hash(seeds[:, None], offsets[:, None] + positions[None, :])  # [B, K+1]
-    tokens = draft_tokens.long()
-    p_draft = target_probs[:, :max_draft].gather(2, tokens[..., None])[..., 0]  # [B, K]
-    q_draft = torch.ones_like(p_draft) if draft_probs is None else draft_probs.gather(2, tokens[..., None])[..., 0]
-    # accept d_i iff u_i < p_i(d_i) / q_i(d_i), i.e. with probability min(1, p / q)
-    rejected = ~(_uniform_at(hashes[:, :max_draft], tokens) < p_draft / q_draft)
-    rejected &= positions[None, :max_draft] < num_draft[:, None]
-    # first rejected position (an appended column holding K stands for "none rejected")
-    first_rejection = torch.where(rejected, positions[None, :max_draft], max_draft)
-    num_accepted = torch.cat([first_rejection, positions[None, -1:].expand(batch, 1)], 1).amin(1)
-    num_accepted = torch.minimum(num_accepted, num_draft.long())
-
-    p = target_probs[rows, num_accepted]  # [B, V]: p at the correction / bonus position
-    q = torch.zeros_like(p)
-    if max_draft > 0:
-        last = num_accepted.clamp(max=max_draft - 1)
-        if draft_probs is None:
-            q.scatter_(1, tokens[rows, last][:, None], 1.0)
-        else:
-            q = draft_probs[rows, last].float()
-        q = q * (num_accepted < num_draft)[:, None]  # a bonus position races over p itself
-    residual = (p - q).clamp_min(0.0)
-    u = _uniform_at(hashes[rows, num_accepted][:, None], torch.arange(vocab, device=device)[None, :])
-    final = (residual.log() - (-u.log()).log()).argmax(-1)
-
-    padded = torch.cat([tokens, tokens.new_zeros(batch, 1)], dim=1)
-    output = torch.where(positions[None, :] < num_accepted[:, None], padded, -1)
-    output[rows, num_accepted] = final
-    return output, num_accepted
-
-
 # ----------------------------------------------------------------------------------------------
 # Triton kernels
 # ----------------------------------------------------------------------------------------------
@@ -193,32 +99,6 @@ _BOUND_SLACK = tl.constexpr(1e-4)    # relative widening of the per-bin mass bou
 
 
 @triton.jit
-def _fmix32_tl(x):
-    """murmur3 finaliser on uint32 (products wrap mod 2^32), as `_fmix32` above."""
-    x = x ^ (x >> 16)
-    x = x * 0x85EBCA6B
-    x = x ^ (x >> 13)
-    x = x * 0xC2B2AE35
-    return x ^ (x >> 16)
-
-
-@triton.jit
-def _row_hash_tl(seed, offset):
-    """int64 seed, offset -> uint32 hash, bit-identical to `_row_hash`."""
-    low = seed.to(tl.uint32)  # truncation: the low 32 bits
-    high = (seed >> 32).to(tl.uint32)
-    row = _fmix32_tl(low ^ _fmix32_tl(high ^ 0x9E3779B9))
-    return _fmix32_tl(row ^ (offset.to(tl.uint32) * 0x85EBCA77))
-
-
-@triton.jit
-def _uniform_tl(row, token):
-    """uint32 row hash, int token ids -> float32 uniforms, bit-identical to `_uniform_at`."""
-    bits = _fmix32_tl(row ^ (token.to(tl.uint32) * 0xC2B2AE3D))
-    return ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-
-
-@triton.jit
 def _order_key(s):
     """float32 -> int64 in [0, 2^32) with the same order (ties aside: -0.0 < +0.0)."""
     bits = s.to(tl.int32, bitcast=True)
@@ -231,16 +111,6 @@ def _online_logsumexp(running_max, running_sum, x):
     new_max = tl.maximum(running_max, tl.max(x, 0))
     safe = tl.where(new_max == float("-inf"), 0.0, new_max)
     return new_max, running_sum * tl.exp(running_max - safe) + tl.sum(tl.exp(x - safe), 0)
-
-
-@triton.jit
-def _race_block(s, token, kept, top, row_hash):
-    """Exponential race over one block: (best value, its token; the first on ties).
-    value = (s - top) - log(-log u): log p up to the row's normalisation."""
-    u = _uniform_tl(row_hash, token)
-    value = tl.where(kept, (s - top) - tl.log(-tl.log(u)), float("-inf"))
-    best = tl.max(value, 0)
-    return best, tl.min(tl.where(value == best, token, 2147483647), 0)
 
 
 @triton.jit
@@ -453,7 +323,7 @@ def _sample_compact_kernel(logits, stride_row, temperature, min_p, seeds, offset
     top, _, _, _, _ = _row_stats(stats, argmax, row, num_splits, S_PAD)
     t = tl.maximum(tl.load(temperature + row), 1e-6)
     floor_p = tl.load(min_p + row)
-    row_hash = _row_hash_tl(tl.load(seeds + row), tl.load(offsets + row))
+    row_hash = row_hash_tl(tl.load(seeds + row), tl.load(offsets + row))
     if status == NO_FILTER:
         d_lo = 3.0e38  # everything finite is prefix
         scale = 1.0
@@ -482,7 +352,7 @@ def _sample_compact_kernel(logits, stride_row, temperature, min_p, seeds, offset
         if tl.sum(prefix.to(tl.int32), 0) > 0:  # most blocks of a peaked row hold no prefix
             e = tl.exp(s - top)
             mass += tl.sum(tl.where(prefix, e, 0.0), 0)
-            value, token = _race_block(s, offs, prefix & (e >= floor_p), top, row_hash)
+            value, token = race_block(s, offs, prefix & (e >= floor_p), top, row_hash)
             best_token = tl.where(value > best, token, best_token)
             best = tl.maximum(best, value)
         if compact:
@@ -568,13 +438,13 @@ def _window_select(key, e, s, token, valid, row_ptr, V, t, top, total, d_lo, sca
             _, window = _classify(top - s_block, ok, d_lo, scale, d_hi, lo, hi, NUM_BINS)
             key_block = _order_key(s_block)
             kept = window & (key_block >= key_k) & (key_block > key_p) & (tl.exp(s_block - top) >= floor_p)
-            value, winner = _race_block(s_block, offs, kept, top, row_hash)
+            value, winner = race_block(s_block, offs, kept, top, row_hash)
             best_token = tl.where(value > best, winner, best_token)
             best = tl.maximum(best, value)
         return best, best_token
     else:
         kept = valid & (key >= key_k) & (key > key_p) & (e >= floor_p)
-        return _race_block(s, token, kept, top, row_hash)
+        return race_block(s, token, kept, top, row_hash)
 
 
 @triton.jit
@@ -602,7 +472,7 @@ def _sample_select_kernel(logits, stride_row, temperature, top_k, top_p, min_p, 
             k_on = (k > 0) & (k < V)
             p_on = p < 1.0
             floor_p = tl.load(min_p + row)
-            row_hash = _row_hash_tl(tl.load(seeds + row), tl.load(offsets + row))
+            row_hash = row_hash_tl(tl.load(seeds + row), tl.load(offsets + row))
             num_prefix = tl.load(plan_i + row * 8 + _NUM_PREFIX).to(tl.float32)
             mass_prefix = tl.sum(tl.load(prefix_mass + row * num_splits + split, mask=ok, other=0.0), 0)
             d_lo = tl.load(plan_f + row * 4 + _D_LO)
@@ -636,9 +506,10 @@ _SAMPLE_BINS = 256       # histogram bins per round (the last one collects what 
 _SAMPLE_CAPACITY = 4096  # window elements a row may keep in registers for the exact search
 
 
-def _check_sample_args(logits, temperature, top_k, top_p, min_p, seeds, offsets) -> None:
+def _check_sample_args(logits, temperature, top_k, top_p, min_p, seeds, offsets, chunk, block, num_bins,
+                       capacity) -> None:
     assert logits.dim() == 2 and logits.stride(1) == 1, "logits [B, V], unit stride along V"
-    assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16), logits.dtype
+    assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16), f"logits: dtype {logits.dtype}"
     batch = logits.shape[0]
     for name, x, dtypes in (("temperature", temperature, (torch.float32,)),
                             ("top_k", top_k, (torch.int64, torch.int32)), ("top_p", top_p, (torch.float32,)),
@@ -647,6 +518,8 @@ def _check_sample_args(logits, temperature, top_k, top_p, min_p, seeds, offsets)
         assert x.shape == (batch,) and x.is_contiguous(), f"{name}: expected contiguous [{batch}], got {tuple(x.shape)}"
         assert x.dtype in dtypes, f"{name}: dtype {x.dtype} not in {dtypes}"
         assert x.device == logits.device, f"{name} on {x.device}, logits on {logits.device}"
+    assert chunk % block == 0 and num_bins & (num_bins - 1) == 0 and capacity & (capacity - 1) == 0, \
+        "tiling: chunk a multiple of block, num_bins and capacity powers of two"
 
 
 def launch_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -656,9 +529,8 @@ def launch_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
                   statuses: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample` with its tiling exposed (tests shrink it to reach every path on small rows);
     `statuses` ([B] int32), when given, receives each row's path (GREEDY .. LAST_RESORT)."""
-    _check_sample_args(logits, temperature, top_k, top_p, min_p, seeds, offsets)
+    _check_sample_args(logits, temperature, top_k, top_p, min_p, seeds, offsets, chunk, block, num_bins, capacity)
     batch, vocab = logits.shape
-    assert chunk % block == 0 and num_bins & (num_bins - 1) == 0 and capacity & (capacity - 1) == 0
     tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(batch, dtype=torch.float32, device=logits.device)
     if batch == 0:
@@ -700,77 +572,3 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `sample_reference`: same arguments, same tokens (ties aside), same log-probs."""
     return launch_sample(logits, temperature, top_k, top_p, min_p, seeds, offsets)
-
-
-@triton.jit
-def _rejection_kernel(target_probs, draft_probs, draft_tokens, num_draft, seeds, offsets, output_tokens,
-                      num_accepted, V, K: tl.constexpr, K_PAD: tl.constexpr, HAS_DRAFT_PROBS: tl.constexpr,
-                      BLOCK: tl.constexpr):
-    """One row: accept drafts while u_i < p_i(d_i) / q_i(d_i); then race over the residual
-    max(0, p_j - q_j) at the first rejection j, or over p_j at the bonus position j = num_draft.
-    target_probs [B, K+1, V], draft_probs [B, K, V] contiguous; output_tokens [B, K+1]."""
-    row = tl.program_id(0).to(tl.int64)
-    n = tl.load(num_draft + row)
-    seed = tl.load(seeds + row)
-    offset = tl.load(offsets + row)
-    i = tl.arange(0, K_PAD)
-    is_draft = i < n
-    d = tl.load(draft_tokens + row * K + i, mask=is_draft, other=0)
-    p_d = tl.load(target_probs + (row * (K + 1) + i) * V + d, mask=is_draft, other=0.0)
-    if HAS_DRAFT_PROBS:
-        q_d = tl.load(draft_probs + (row * K + i) * V + d, mask=is_draft, other=1.0)
-    else:
-        q_d = tl.full([K_PAD], 1.0, tl.float32)
-    accept = _uniform_tl(_row_hash_tl(seed, offset + i), d) < p_d / q_d
-    j = tl.min(tl.where(is_draft & ~accept, i, K), 0)  # first rejection, or K
-    j = tl.minimum(j, n).to(tl.int64)
-    rejected = j < n
-    d_j = tl.where(rejected, tl.sum(tl.where(i == j, d, 0), 0), -1)
-    row_hash = _row_hash_tl(seed, offset + j)
-    best = float("-inf")
-    best_token = 0
-    for start in range(0, V, BLOCK):
-        v = start + tl.arange(0, BLOCK)
-        ok = v < V
-        p = tl.load(target_probs + (row * (K + 1) + j) * V + v, mask=ok, other=0.0)
-        if HAS_DRAFT_PROBS:
-            # q only at a rejection ((v * 0 + j) < n: j < n as a vector; scalar masks trip the interpreter)
-            q = tl.load(draft_probs + (row * K + j) * V + v, mask=ok & (v * 0 + j < n), other=0.0)
-        else:
-            q = tl.where(v == d_j, 1.0, 0.0)
-        residual = tl.maximum(p - q, 0.0)
-        value, token = _race_block(tl.log(residual), v, ok, 0.0, row_hash)
-        best_token = tl.where(value > best, token, best_token)
-        best = tl.maximum(best, value)
-    out = tl.arange(0, 2 * K_PAD)
-    drafts = tl.load(draft_tokens + row * K + out, mask=out < j, other=-1)
-    tl.store(output_tokens + row * (K + 1) + out, tl.where(out == j, best_token.to(tl.int64), drafts),
-             mask=out < K + 1)
-    tl.store(num_accepted + row, j)
-
-
-def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, draft_tokens: torch.Tensor,
-                     num_draft: torch.Tensor, seeds: torch.Tensor,
-                     offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton `rejection_sample_reference` (same arguments and results, ties aside): one
-    program per row, no host sync."""
-    batch, num_positions, vocab = target_probs.shape
-    max_draft = num_positions - 1
-    assert target_probs.dtype == torch.float32 and target_probs.is_contiguous(), "target_probs: contiguous float32"
-    if draft_probs is not None:
-        assert draft_probs.shape == (batch, max_draft, vocab), f"draft_probs {tuple(draft_probs.shape)}"
-        assert draft_probs.dtype == torch.float32 and draft_probs.is_contiguous(), "draft_probs: contiguous float32"
-    assert draft_tokens.shape == (batch, max_draft) and draft_tokens.dtype == torch.int64, "draft_tokens [B, K] int64"
-    assert draft_tokens.is_contiguous(), "draft_tokens must be contiguous"
-    for name, x in (("num_draft", num_draft), ("seeds", seeds), ("offsets", offsets)):
-        assert x.shape == (batch,) and x.dtype == torch.int64 and x.is_contiguous(), f"{name}: contiguous [B] int64"
-    output_tokens = torch.empty(batch, num_positions, dtype=torch.int64, device=target_probs.device)
-    num_accepted = torch.empty(batch, dtype=torch.int64, device=target_probs.device)
-    if batch == 0:
-        return output_tokens, num_accepted
-    _rejection_kernel[(batch,)](target_probs, target_probs if draft_probs is None else draft_probs, draft_tokens,
-                                num_draft, seeds, offsets, output_tokens, num_accepted, vocab, K=max_draft,
-                                K_PAD=triton.next_power_of_2(max(max_draft, 1)),
-                                HAS_DRAFT_PROBS=draft_probs is not None, BLOCK=min(4096, triton.next_power_of_2(vocab)),
-                                num_warps=8)
-    return output_tokens, num_accepted

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from deltaspec.kernels import REFERENCE_OPS
-from deltaspec.kernels.sampling import filter_probs_reference, uniform_noise
+from deltaspec.kernels.noise import uniform_noise
+from deltaspec.kernels.sampling import filter_probs_reference
 
 sample_reference = REFERENCE_OPS.sample
 

@@ -23,8 +23,9 @@ import pytest
 import torch
 
 from deltaspec.kernels import attention
-from deltaspec.kernels.attention import (AttentionConfig, launch_paged_attention, paged_attention,
-                                         paged_attention_reference, write_kv, write_kv_reference)
+from deltaspec.kernels.attention import (launch_paged_attention, paged_attention, paged_attention_reference, write_kv,
+                                         write_kv_reference)
+from deltaspec.kernels.tiles import TileConfig
 
 # (q_len, cached prefix): decode/verify rows first, prefill chunks after, as the runner orders them.
 ROWS = [(1, 36), (4, 17), (1, 0), (4, 150), (9, 0), (6, 1), (12, 13), (3, 150)]
@@ -71,7 +72,7 @@ def reference(case: SimpleNamespace, gate: torch.Tensor | None = None) -> torch.
                                      case.context_lens, case.scale, gate)
 
 
-def launch(case: SimpleNamespace, config: AttentionConfig, gate: torch.Tensor | None = None) -> torch.Tensor:
+def launch(case: SimpleNamespace, config: TileConfig, gate: torch.Tensor | None = None) -> torch.Tensor:
     out = torch.full(case.q.shape, float("nan"), dtype=case.q.dtype, device=case.q.device)
     launch_paged_attention(out, case.q, case.k_cache, case.v_cache, case.block_tables, case.cu_seqlens,
                            case.context_lens, case.scale, config, gate)
@@ -91,7 +92,7 @@ def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(a.view(as_int), b.view(as_int))
 
 
-def check_attention(case: SimpleNamespace, config: AttentionConfig | None, what: str, gated: bool = False) -> None:
+def check_attention(case: SimpleNamespace, config: TileConfig | None, what: str, gated: bool = False) -> None:
     """gated: the output gate of the Qwen3.5 attention, applied by the kernel that stores the
     output (the attention kernel, or the split merge)."""
     k_before, v_before = case.k_cache.clone(), case.v_cache.clone()
@@ -130,13 +131,13 @@ def test_write_kv_matches_reference_and_touches_nothing_else(kernel_device, bloc
 # x heads), split key ranges, GQA 1 / 3 (not a power of two) / 4 / 8; key steps that cover whole
 # blocks, lie inside one block (32 / 16) or straddle blocks (6 / 16).
 CPU_CASES = [
-    (4, 4, 4, 32, torch.float32, AttentionConfig(16, 16, 1, 4, 1)),
-    (16, 8, 2, 32, torch.float32, AttentionConfig(32, 32, 1, 4, 1)),
-    (16, 8, 2, 64, torch.float16, AttentionConfig(16, 32, 3, 4, 1)),
-    (4, 6, 2, 32, torch.float32, AttentionConfig(16, 16, 2, 4, 1)),
-    (16, 8, 1, 32, torch.float16, AttentionConfig(64, 16, 1, 4, 1)),
-    (32, 8, 2, 32, torch.float32, AttentionConfig(16, 16, 3, 4, 1)),
-    (6, 4, 2, 32, torch.float16, AttentionConfig(32, 16, 1, 4, 1)),
+    (4, 4, 4, 32, torch.float32, TileConfig(block_m=16, block_n=16, num_splits=1, num_warps=4, num_stages=1)),
+    (16, 8, 2, 32, torch.float32, TileConfig(block_m=32, block_n=32, num_splits=1, num_warps=4, num_stages=1)),
+    (16, 8, 2, 64, torch.float16, TileConfig(block_m=16, block_n=32, num_splits=3, num_warps=4, num_stages=1)),
+    (4, 6, 2, 32, torch.float32, TileConfig(block_m=16, block_n=16, num_splits=2, num_warps=4, num_stages=1)),
+    (16, 8, 1, 32, torch.float16, TileConfig(block_m=64, block_n=16, num_splits=1, num_warps=4, num_stages=1)),
+    (32, 8, 2, 32, torch.float32, TileConfig(block_m=16, block_n=16, num_splits=3, num_warps=4, num_stages=1)),
+    (6, 4, 2, 32, torch.float16, TileConfig(block_m=32, block_n=16, num_splits=1, num_warps=4, num_stages=1)),
 ]
 
 
@@ -166,12 +167,15 @@ def test_paged_attention_split_merge_chunks(kernel_device, monkeypatch):
     monkeypatch.setattr(attention, "COMBINE_SPLIT_CHUNK", 32)
     assert 128 // attention.COMBINE_BLOCK_D >= 2
     case = make_case(7, [(1, 600), (2, 45)], 16, 8, 2, 128, torch.float32, kernel_device)
-    check_attention(case, AttentionConfig(16, 16, 40, 4, 1), "40 splits", gated=True)
+    check_attention(case, TileConfig(block_m=16, block_n=16, num_splits=40, num_warps=4, num_stages=1), "40 splits",
+                    gated=True)
 
 
 @pytest.mark.parametrize("config,dtype", [
-    (AttentionConfig(16, 16, 1, 4, 1), torch.float32), (AttentionConfig(32, 32, 1, 4, 1), torch.float32),
-    (AttentionConfig(16, 32, 3, 4, 1), torch.float16), (None, torch.float32)],
+    (TileConfig(block_m=16, block_n=16, num_splits=1, num_warps=4, num_stages=1), torch.float32),
+    (TileConfig(block_m=32, block_n=32, num_splits=1, num_warps=4, num_stages=1), torch.float32),
+    (TileConfig(block_m=16, block_n=32, num_splits=3, num_warps=4, num_stages=1), torch.float16),
+    (None, torch.float32)],
     ids=["decode-tile", "prefill-tile", "fp16-split3", "launcher"])
 def test_paged_attention_output_gate(kernel_device, config, dtype):
     """attention * sigmoid(gate) in one launch (two with a split key range: the merge applies it)."""
@@ -179,7 +183,8 @@ def test_paged_attention_output_gate(kernel_device, config, dtype):
     check_attention(case, config, f"gated {config}", gated=True)
 
 
-@pytest.mark.parametrize("config", [AttentionConfig(16, 16, 1, 4, 1), AttentionConfig(32, 16, 4, 4, 1)],
+@pytest.mark.parametrize("config", [TileConfig(block_m=16, block_n=16, num_splits=1, num_warps=4, num_stages=1),
+                                    TileConfig(block_m=32, block_n=16, num_splits=4, num_warps=4, num_stages=1)],
                          ids=["whole-range", "split4"])
 def test_paged_attention_never_reads_positions_past_context(kernel_device, config):
     """Unowned pool positions (null block 0, the tail of a row's last block, other blocks) may
@@ -194,9 +199,12 @@ def test_paged_attention_never_reads_positions_past_context(kernel_device, confi
 # prefill tile with a split key range.
 GPU_CASES = [
     (16, 8, 2, 256, None), (64, 8, 2, 256, None), (16, 8, 8, 128, None), (16, 8, 1, 256, None), (64, 16, 2, 128, None),
-    (16, 8, 2, 256, AttentionConfig(128, 32, 1, 8, 2)), (64, 8, 1, 256, AttentionConfig(128, 64, 1, 8, 2)),
-    (16, 8, 2, 256, AttentionConfig(16, 32, 5, 4, 3)), (16, 8, 1, 128, AttentionConfig(64, 64, 3, 4, 3)),
-    (64, 8, 2, 256, AttentionConfig(16, 16, 7, 2, 3)), (24, 8, 2, 256, AttentionConfig(16, 32, 3, 4, 3)),
+    (16, 8, 2, 256, TileConfig(block_m=128, block_n=32, num_splits=1, num_warps=8, num_stages=2)),
+    (64, 8, 1, 256, TileConfig(block_m=128, block_n=64, num_splits=1, num_warps=8, num_stages=2)),
+    (16, 8, 2, 256, TileConfig(block_m=16, block_n=32, num_splits=5, num_warps=4, num_stages=3)),
+    (16, 8, 1, 128, TileConfig(block_m=64, block_n=64, num_splits=3, num_warps=4, num_stages=3)),
+    (64, 8, 2, 256, TileConfig(block_m=16, block_n=16, num_splits=7, num_warps=2, num_stages=3)),
+    (24, 8, 2, 256, TileConfig(block_m=16, block_n=32, num_splits=3, num_warps=4, num_stages=3)),
 ]
 
 
@@ -223,8 +231,9 @@ def test_paged_attention_long_contexts_gpu(rows):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,config", [
-    (GPU_ROWS, None), ([(1, 9000)], None), ([(1, 4000)] * 3 + [(1, 17)], AttentionConfig(16, 64, 1, 4, 3)),
-    (GPU_ROWS, AttentionConfig(128, 64, 1, 8, 2))],
+    (GPU_ROWS, None), ([(1, 9000)], None),
+    ([(1, 4000)] * 3 + [(1, 17)], TileConfig(block_m=16, block_n=64, num_splits=1, num_warps=4, num_stages=3)),
+    (GPU_ROWS, TileConfig(block_m=128, block_n=64, num_splits=1, num_warps=8, num_stages=2))],
     ids=["mixed-launcher", "decode-split", "decode-tile", "prefill-tile"])
 def test_paged_attention_output_gate_bf16_gpu(rows, config):
     case = make_case(11, rows, 16, 8, 2, 256, torch.bfloat16, "cuda")

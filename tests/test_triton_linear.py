@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from deltaspec.kernels.arrivals import arrival_counters
-from deltaspec.kernels.linear import (KERNEL_MAX_ROWS, MAX_ROWS, LinearConfig, launch_linear, linear, linear_config,
-                                      linear_reference)
+from deltaspec.kernels.linear import KERNEL_MAX_ROWS, MAX_ROWS, launch_linear, linear, linear_config, linear_reference
+from deltaspec.kernels.tiles import TileConfig
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -45,7 +45,7 @@ def inputs(num_rows: int, n: int, k: int, dtype: torch.dtype, device: str, seed:
     return x, weight
 
 
-def check(x: torch.Tensor, weight: torch.Tensor, config: LinearConfig) -> None:
+def check(x: torch.Tensor, weight: torch.Tensor, config: TileConfig) -> None:
     """Poisoned output vs reference; counters at zero; a second launch bit-identical."""
     y = torch.full((x.shape[0], weight.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
     launch_linear(y, x, weight, config)
@@ -59,17 +59,17 @@ def check(x: torch.Tensor, weight: torch.Tensor, config: LinearConfig) -> None:
 
 # (M, N, K, config): BLOCK_N 16 and BLOCK_K 32 or 16 keep the interpreter's grids small.
 CASES = [
-    (1, 40, 100, LinearConfig(block_n=16, block_k=32, split_k=2, num_warps=1, num_stages=1)),   # K % 64 != 0
-    (3, 33, 64, LinearConfig(block_n=16, block_k=32, split_k=1, num_warps=1, num_stages=1)),
-    (16, 50, 96, LinearConfig(block_n=16, block_k=32, split_k=3, num_warps=1, num_stages=1)),
-    (33, 20, 70, LinearConfig(block_n=16, block_k=32, split_k=4, num_warps=1, num_stages=1)),   # 4th split empty
-    (3, 24, 72, LinearConfig(block_n=16, block_k=16, split_k=5, num_warps=1, num_stages=1)),    # 16 | K, 80 !| K
-    (1, 17, 48, LinearConfig(block_n=16, block_k=16, split_k=1, num_warps=1, num_stages=1)),
+    (1, 40, 100, TileConfig(block_n=16, block_k=32, num_splits=2, num_warps=1, num_stages=1)),   # K % 64 != 0
+    (3, 33, 64, TileConfig(block_n=16, block_k=32, num_splits=1, num_warps=1, num_stages=1)),
+    (16, 50, 96, TileConfig(block_n=16, block_k=32, num_splits=3, num_warps=1, num_stages=1)),
+    (33, 20, 70, TileConfig(block_n=16, block_k=32, num_splits=4, num_warps=1, num_stages=1)),   # 4th split empty
+    (3, 24, 72, TileConfig(block_n=16, block_k=16, num_splits=5, num_warps=1, num_stages=1)),    # 16 | K, 80 !| K
+    (1, 17, 48, TileConfig(block_n=16, block_k=16, num_splits=1, num_warps=1, num_stages=1)),
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"M{c[0]}-N{c[1]}-K{c[2]}-s{c[3].split_k}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"M{c[0]}-N{c[1]}-K{c[2]}-s{c[3].num_splits}")
 def test_linear_kernel(case, dtype, kernel_device):
     num_rows, n, k, config = case
     x, weight = inputs(num_rows, n, k, dtype, kernel_device, seed=num_rows * 100 + n)
@@ -80,7 +80,7 @@ def test_linear_strided_x(kernel_device):
     """x as a row-strided view (unit stride along K) starting off a 16-byte boundary."""
     x, weight = inputs(5, 36, 80, torch.float32, kernel_device, seed=3, row_stride=93, offset=3)
     assert not x.is_contiguous() and x.stride() == (93, 1)
-    check(x, weight, LinearConfig(block_n=16, block_k=32, split_k=2, num_warps=1, num_stages=1))
+    check(x, weight, TileConfig(block_n=16, block_k=32, num_splits=2, num_warps=1, num_stages=1))
 
 
 def test_linear_entry_point(kernel_device):
@@ -96,7 +96,7 @@ def test_linear_entry_point(kernel_device):
 
 
 def test_linear_rejects_bad_arguments(kernel_device):
-    config = LinearConfig(block_n=16, block_k=32, split_k=1, num_warps=1, num_stages=1)
+    config = TileConfig(block_n=16, block_k=32, num_splits=1, num_warps=1, num_stages=1)
     x, weight = inputs(2, 16, 32, torch.float32, kernel_device, seed=0)
     y = torch.empty(2, 16, device=kernel_device)
     with pytest.raises(AssertionError, match="dtype|float"):
@@ -131,11 +131,11 @@ def test_linear_gpu_shapes(shape):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [
-    LinearConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=3),
-    LinearConfig(block_n=32, block_k=64, split_k=7, num_warps=4, num_stages=4),
-    LinearConfig(block_n=128, block_k=256, split_k=28, num_warps=8, num_stages=2),   # half the splits empty
-    LinearConfig(block_n=16, block_k=256, split_k=5, num_warps=2, num_stages=1),
-], ids=lambda c: f"{c.block_n}x{c.block_k}-s{c.split_k}")
+    TileConfig(block_n=64, block_k=128, num_splits=1, num_warps=4, num_stages=3),
+    TileConfig(block_n=32, block_k=64, num_splits=7, num_warps=4, num_stages=4),
+    TileConfig(block_n=128, block_k=256, num_splits=28, num_warps=8, num_stages=2),   # half the splits empty
+    TileConfig(block_n=16, block_k=256, num_splits=5, num_warps=2, num_stages=1),
+], ids=lambda c: f"{c.block_n}x{c.block_k}-s{c.num_splits}")
 def test_linear_gpu_configs(config):
     for num_rows, n, k in ((1, 1024, 3584), (4, 1000, 3500), (64, 1024, 2048)):
         x, weight = inputs(num_rows, n, k, torch.bfloat16, "cuda", seed=num_rows)
@@ -149,7 +149,7 @@ def test_linear_gpu_cuda_graph():
     """Captured once, replayed on new x: the same as eager (scratch from the graph's pool,
     counters reset inside the launch)."""
     x, weight = inputs(4, 1024, 3584, torch.bfloat16, "cuda", seed=1)
-    assert linear_config(4, 1024, 3584, x.device).split_k > 1
+    assert linear_config(4, 1024, 3584, x.device).num_splits > 1
     linear(x, weight)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

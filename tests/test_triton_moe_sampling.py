@@ -25,11 +25,12 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaspec.kernels.moe import (GroupedConfig, PerTokenConfig, moe_experts, moe_experts_grouped,
-                                   moe_experts_per_token, moe_experts_reference, route, route_reference)
-from deltaspec.kernels.sampling import (GREEDY, LAST_RESORT, NO_FILTER, WINDOW, _row_hash_tl, _uniform_tl,
-                                        launch_sample, rejection_sample, rejection_sample_reference, sample,
-                                        sample_reference, uniform_noise)
+from deltaspec.kernels.moe import (moe_experts, moe_experts_grouped, moe_experts_per_token, moe_experts_reference,
+                                   route, route_reference)
+from deltaspec.kernels.noise import row_hash_tl, uniform_noise, uniform_tl
+from deltaspec.kernels.rejection import rejection_sample, rejection_sample_reference
+from deltaspec.kernels.sampling import GREEDY, LAST_RESORT, NO_FILTER, WINDOW, launch_sample, sample, sample_reference
+from deltaspec.kernels.tiles import TileConfig
 
 # Upper 0.1% points of the chi-square distribution by degrees of freedom (no scipy needed).
 CHI2_CRITICAL_P001 = {5: 20.515}
@@ -100,9 +101,10 @@ def test_route_matches_reference(kernel_device, poisoned_empty, dtype, renormali
 
 
 PATHS = {
-    "per_token": lambda *a: moe_experts_per_token(*a, config=PerTokenConfig(gate_n=8, down_n=16, block_k=32)),
-    "grouped": lambda *a: moe_experts_grouped(*a, config=GroupedConfig(block_m=16, block_n=16, block_k=16,
-                                                                       num_stages=1)),
+    "per_token": lambda *a: moe_experts_per_token(*a, gate_up_config=TileConfig(block_n=8, block_k=32),
+                                                  down_config=TileConfig(block_n=16, block_k=32)),
+    "grouped": lambda *a: moe_experts_grouped(*a, config=TileConfig(block_m=16, block_n=16, block_k=16,
+                                                                    num_stages=1)),
     "dispatch": moe_experts,
 }
 
@@ -126,7 +128,7 @@ def test_moe_grouped_crosses_blocks_and_matches_alone(kernel_device, poisoned_em
     x, router_logits, w_gate_up, w_down = moe_case(gen, 40, 32, 16, 5, 2, torch.float16, kernel_device)
     router_logits[:, 3] = 20.0
     weights, experts = route_reference(router_logits, 2, False)
-    config = GroupedConfig(block_m=16, block_n=16, block_k=16, num_stages=1)
+    config = TileConfig(block_m=16, block_n=16, block_k=16, num_stages=1)
     out = poisoned_empty(moe_experts_grouped, x, weights, experts, w_gate_up, w_down, config)
     assert_close(out, moe_experts_reference(x, weights, experts, w_gate_up, w_down), 3e-3, "fp16 grouped")
     for t in (0, 17, 39):
@@ -157,7 +159,7 @@ def test_moe_bf16_qwen_like_shapes(tokens):
 def _noise_kernel(seeds, offsets, out, V, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     v = tl.arange(0, BLOCK)
-    u = _uniform_tl(_row_hash_tl(tl.load(seeds + row), tl.load(offsets + row)), v)
+    u = uniform_tl(row_hash_tl(tl.load(seeds + row), tl.load(offsets + row)), v)
     tl.store(out + row * V + v, u, mask=v < V)
 
 

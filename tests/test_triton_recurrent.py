@@ -31,10 +31,10 @@ from deltaspec.kernels.conv1d import (causal_conv1d_decode, causal_conv1d_decode
                                       causal_conv1d_prefill_reference)
 from deltaspec.kernels.gdn import pending_replicas
 import deltaspec.kernels.gdn_decode as gdn_decode_module
-from deltaspec.kernels.gdn_decode import (DecodeConfig, decode_config, gdn_decode, gdn_decode_reference,
-                                          launch_gdn_decode)
+from deltaspec.kernels.gdn_decode import decode_config, gdn_decode, gdn_decode_reference, launch_gdn_decode
 from deltaspec.kernels.norms import gated_rms_norm, gated_rms_norm_reference, rms_norm, rms_norm_reference
 from deltaspec.kernels.rope import qk_norm_rope, qk_norm_rope_reference
+from deltaspec.kernels.tiles import TileConfig
 
 PAD_SLOT = 0
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
@@ -132,7 +132,7 @@ class GDNCase:
                 pool["pending_g"], pool["pending_beta"], pool["pending_counts"], commit)
 
     def run(self, kernel: bool, pool, inputs, pending, lengths: list[int], slots: list[int], commit: bool,
-            config: DecodeConfig | None = None) -> torch.Tensor:
+            config: TileConfig | None = None) -> torch.Tensor:
         args = self.args(pool, inputs, pending, lengths, slots, commit)
         if not kernel:
             return gdn_decode_reference(*args)
@@ -144,7 +144,7 @@ class GDNCase:
 
 
 def check_gdn_step(case: GDNCase, lengths: list[int], slots: list[int], commit: bool,
-                   config: DecodeConfig | None = None) -> None:
+                   config: TileConfig | None = None) -> None:
     """One call, kernel vs reference on copies of the same pool: outputs of real rows, every
     tensor of every real slot, and bit-identity of every slot outside the batch."""
     inputs = case.inputs(sum(lengths))
@@ -200,7 +200,7 @@ def test_gdn_decode_two_v_tiles_bf16_state(kernel_device, commit):
     g / beta replicas (every replica is checked against the reference's); the state pool is bf16."""
     case = ragged_case(20, 2, 4, 32, torch.bfloat16, kernel_device)
     check_gdn_step(case, [n for n, _, _ in RAGGED], [s for _, s, _ in RAGGED], commit,
-                   DecodeConfig(block_v=16, num_warps=1))
+                   TileConfig(block_n=16, num_warps=1))
 
 
 def test_gdn_decode_verify_steps_across_tile_widths(kernel_device):
@@ -215,7 +215,8 @@ def test_gdn_decode_verify_steps_across_tile_widths(kernel_device):
         inputs = case.inputs(sum(lengths))
         pending = case.pending_inputs(slots, expected_pool["pending_counts"])
         expected = case.run(False, expected_pool, inputs, pending, lengths, slots, False)
-        actual = case.run(True, actual_pool, inputs, pending, lengths, slots, False, DecodeConfig(block_v, 1))
+        actual = case.run(True, actual_pool, inputs, pending, lengths, slots, False,
+                          TileConfig(block_n=block_v, num_warps=1))
         start = 0
         for length, slot in zip(lengths, slots):
             if slot != PAD_SLOT:
@@ -234,7 +235,7 @@ def test_gdn_decode_rejects_a_tile_narrower_than_a_replica():
     case = ragged_case(22, 2, 4, 32, torch.float32, "cpu")
     with pytest.raises(AssertionError, match="whole pending replicas"):
         case.run(True, clone(case.pool), case.inputs(1), case.pending_inputs([5], case.pool["pending_counts"]),
-                 [1], [5], False, DecodeConfig(8, 1))
+                 [1], [5], False, TileConfig(block_n=8, num_warps=1))
 
 
 @pytest.mark.parametrize("commit", [True, False], ids=["commit", "verify"])
@@ -267,9 +268,10 @@ def test_decode_config_by_batch(monkeypatch):
     cuda = torch.device("cuda")
     tiles = lambda batch, commit: decode_config(batch, 16, 128, 128, commit, cuda)  # noqa: E731
     assert [tiles(b, False) for b in (1, 2, 4, 5, 8, 256)] == \
-        [DecodeConfig(16, 1)] * 3 + [DecodeConfig(32, 1)] * 3
+        [TileConfig(block_n=16, num_warps=1)] * 3 + [TileConfig(block_n=32, num_warps=1)] * 3
     assert [tiles(b, True) for b in (1, 8, 9, 16, 17, 256)] == \
-        [DecodeConfig(16, 1)] * 2 + [DecodeConfig(32, 1)] * 2 + [DecodeConfig(64, 2)] * 2
+        [TileConfig(block_n=16, num_warps=1)] * 2 + [TileConfig(block_n=32, num_warps=1)] * 2 \
+        + [TileConfig(block_n=64, num_warps=2)] * 2
 
 
 def test_gdn_decode_ignores_nonfinite_pending_past_the_count(kernel_device):
@@ -412,7 +414,7 @@ def test_gdn_decode_gpu_bf16(hk, hv, commit, state_dtype):
     case = GDNCase(51, hk, hv, 128, 128, max_pending=4, num_slots=64, dtype=torch.bfloat16,
                    state_dtype=state_dtype, device="cuda")
     tiles = ((16, 1), (32, 1), (32, 2), (64, 2), (64, 8))
-    configs = [None] + [DecodeConfig(block_v, warps) for block_v, warps in tiles]
+    configs = [None] + [TileConfig(block_n=block_v, num_warps=warps) for block_v, warps in tiles]
     for config in configs:
         check_gdn_step(case, lengths, slots, commit, config)
 
