@@ -13,7 +13,7 @@ accepted but not folded in (P = k: the drafts of one verify step; the step's fir
 always committed at once) only what cannot be recomputed: their raw conv inputs (conv1d.py) and
 pending_g / pending_beta [num_slots, P, HV, R] (fp32), with pending_counts [num_slots] shared by
 every layer. Their k and v are recomputed each step by the conv decode kernel from the window
-and the raw inputs, into a step buffer the decode kernel folds from. DESIGN.md, "Deferred commit".
+and the raw inputs, into a step buffer the decode kernel folds from. docs/design.md, "Deferred commit".
 Each g / beta is kept R = pending_replicas(V) times, one replica per V / R value columns, all
 equal: the decode kernel's programs split a head's columns into tiles of at least V / R, and a
 program reads and writes only its own columns' replicas, so no program overwrites an entry

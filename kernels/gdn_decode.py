@@ -1,4 +1,4 @@
-"""GDN decode/verify with deferred commit (DESIGN.md, "Deferred commit"): one call per layer for
+"""GDN decode/verify with deferred commit (docs/design.md, "Deferred commit"): one call per layer for
 the whole batch. Each row loads its slot's committed state once, folds the slot's pending tokens
 (drafts accepted last step), runs its first new token (always accepted: the newest emitted token,
 or the only token of a plain decode row), stores the state, then runs its other new tokens (up
