@@ -7,13 +7,14 @@
 `step()` is the three in a row. Both front ends (the sync `LLM` and `AsyncLLM`) drive this one
 object; `schedule()` and `run(plan)` remain for callers that drive plans themselves.
 
-Async scheduling (EngineConfig.async_scheduling): in steady plain decoding, `wait` launches
+Async scheduling (EngineConfig.async_scheduling): in steady decoding, `wait` launches
 step n+1 (Scheduler.continuation: its rows fed step n's tokens on the device) before it waits
 for step n's tokens, and returns that launched step in its StepResult; `commit`, on the
 caller's thread, keeps it as the next step to dispatch. So the host's scheduling, launching
-and committing hide behind the device's work instead of adding to it. Whatever else a step
-needs (admissions, prefill chunks, aborts, speculation) drains the pipeline: that step is
-scheduled after the one before it is committed. Pools are sized once at start-up from the
+and committing hide behind the device's work instead of adding to it, speculative steps too
+(their outputs, acceptance included, stay on the device until read one step late). Whatever
+else a step needs (admissions, prefill chunks, aborts, log-probabilities) drains the pipeline:
+that step is scheduled after the one before it is committed. Pools are sized once at start-up from the
 memory budget. Knows nothing about asyncio or HTTP.
 """
 
@@ -28,7 +29,7 @@ from typing import Callable, NamedTuple, Sequence as Seq
 import torch
 
 from ..kernels import select_ops
-from ..spec import AdaptivePolicy, load_draft_vocab
+from ..spec import DraftPolicy, StepCosts, load_draft_vocab
 from .allocators import BlockAllocator, SlotAllocator
 from .checkpoint_io import CheckpointIO
 from .cuda_graphs import DecodeGraphs, SpecGraphs
@@ -65,6 +66,7 @@ class Dispatched(NamedTuple):
     wait: Callable[[], StepResult]
 
 
+MAX_DRAFT_TOKENS = 3  # drafts a step at most by default (EngineConfig.num_draft_tokens None)
 CHECKPOINT_MEMORY_SHARE = 0.1  # of the pool budget, for prefix-cache checkpoint slots by default
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -74,8 +76,9 @@ class EngineCore:
                  edit_drafts: DraftEditor | None = None) -> None:
         """Loads model and tokenizer from config.model unless given (benchmarks build random
         models in memory; a given model must already be on config.device in config.dtype).
-        edit_drafts: rewrites each speculative step's drafts before verify (tests and
-        benchmarks force acceptance counts with it; speculation.py)."""
+        edit_drafts: rewrites each speculative step's drafts before verify (tests force
+        acceptance counts with it; speculation.py). It reads the requests' committed tokens, so
+        no step is launched ahead of the one before it then."""
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = _TORCH_DTYPES[config.dtype]
@@ -89,9 +92,7 @@ class EngineCore:
         else:
             self.model, self.model_config, self.ops = model, model.config, model.ops
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        self.num_draft_tokens = config.num_draft_tokens if self.model.mtp is not None else 0
-        if config.num_draft_tokens and self.model.mtp is None:
-            logger.warning("the checkpoint has no MTP weights: speculation is off")
+        self.num_draft_tokens = self._draft_tokens()
         if self.num_draft_tokens and config.draft_vocab_size:
             self.model.use_draft_vocab(load_draft_vocab(path, config.draft_vocab_size))
         self.states, self.kv = self._allocate_pools()
@@ -103,20 +104,24 @@ class EngineCore:
         self.cache = PrefixCache(self.slots, self.blocks, config.checkpoint_interval, config.enable_prefix_cache,
                                  mtp=bool(self.num_draft_tokens), host_capacity_bytes=config.host_cache_bytes,
                                  checkpoint_bytes=lambda n: slot_bytes + n * block_bytes)
-        policy = (AdaptivePolicy(self.num_draft_tokens, enabled=config.adaptive_draft_length)
-                  if self.num_draft_tokens else None)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, policy,
-                                                   self.max_model_len), self.slots, self.blocks, self.cache)
         decode = DecodeStep(self.model, self.states, self.kv, config.block_size, bool(self.num_draft_tokens),
                             config.max_num_seqs, self._max_blocks_per_row)
         sampler, checkpoint_io = Sampler(self.ops, self.device), CheckpointIO(self.states, self.kv)
         speculator = Speculator(self.model, self.states, self.kv, decode, sampler, checkpoint_io, edit_drafts) \
             if self.num_draft_tokens else None
+        graphs = self._decode_graphs(decode)
+        spec_graphs = self._spec_graphs(decode, speculator, split=edit_drafts is not None) if speculator else None
         self.runner = Runner(self.model, self.states, self.kv, sampler, checkpoint_io, config.block_size, self.device,
-                             decode, graphs=self._decode_graphs(decode) if speculator is None else None,
-                             speculator=speculator,
-                             spec_graphs=self._spec_graphs(decode, speculator) if speculator is not None else None)
+                             decode, graphs=graphs, speculator=speculator, spec_graphs=spec_graphs)
+        policy = None
+        if self.num_draft_tokens:
+            costs = self._step_costs(graphs, spec_graphs)
+            policy = DraftPolicy(self.num_draft_tokens, costs, adaptive=config.adaptive_draft_length)
+            logger.info("step costs (seconds by batch bucket; K=0 is plain decoding): %s", costs.as_dict())
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   self.max_model_len), self.slots, self.blocks, self.cache, policy)
         self._in_flight: InFlight | None = None  # launched by the last step's wait, next to dispatch
+        self._overlap = config.async_scheduling and edit_drafts is None
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
 
@@ -200,9 +205,9 @@ class EngineCore:
         and returns it in the StepResult."""
         current = self._in_flight
         plan = current.plan if current is not None else self.scheduler.schedule()
-        if current is None and not (self.config.async_scheduling and self.runner.can_launch(plan)):
+        if current is None and not (self._overlap and self.runner.can_launch(plan)):
             return Dispatched(plan, lambda: self.run(plan))
-        follow = self.scheduler.continuation(plan) if self.config.async_scheduling else None
+        follow = self.scheduler.continuation(plan) if self._overlap else None
 
         def wait() -> StepResult:
             launched = current if current is not None else self.runner.launch(plan)
@@ -243,6 +248,7 @@ class EngineCore:
             "state_bytes_per_sequence_without_speculation": self.states.bytes_per_slot_without_speculation,
             "num_draft_tokens": self.num_draft_tokens,
             "spec": self.scheduler.spec_stats.as_dict(),
+            "step_costs": policy.costs.as_dict() if (policy := self.scheduler.draft_policy) is not None else None,
         }
 
     @property
@@ -263,14 +269,39 @@ class EngineCore:
         logger.info("captured CUDA graphs for decode batch sizes %s", graphs.buckets)
         return graphs
 
-    def _spec_graphs(self, decode: DecodeStep, speculator: Speculator) -> SpecGraphs | None:
+    def _spec_graphs(self, decode: DecodeStep, speculator: Speculator, split: bool) -> SpecGraphs | None:
         if not self._graphs_enabled:
             return None
-        graphs = SpecGraphs(decode, speculator, self.config.max_num_seqs, self.num_draft_tokens, self.device)
+        graphs = SpecGraphs(decode, speculator, self.config.max_num_seqs, self.num_draft_tokens, self.device, split)
         graphs.capture()
-        logger.info("captured CUDA graphs for speculative steps: batch sizes %s x drafts 0..%d", graphs.buckets,
+        logger.info("captured CUDA graphs for speculative steps: batch sizes %s x drafts 1..%d", graphs.buckets,
                     self.num_draft_tokens)
         return graphs
+
+    def _step_costs(self, graphs: DecodeGraphs | None, spec_graphs: SpecGraphs | None) -> StepCosts:
+        """Measured on the captured graphs, else relative (eager engines)."""
+        if graphs is None or spec_graphs is None:
+            return StepCosts.relative(self.num_draft_tokens)
+        seconds = {(bucket, 0): cost for bucket, cost in graphs.step_costs().items()}
+        seconds.update(spec_graphs.step_costs())
+        return StepCosts(tuple(graphs.buckets), seconds)
+
+    def _draft_tokens(self) -> int:
+        """The most drafts a step runs: as configured, by default MAX_DRAFT_TOKENS when the
+        checkpoint has MTP weights; 0 (plain decoding) without them. The log says which."""
+        requested = self.config.num_draft_tokens
+        if self.model.mtp is None:
+            if requested:
+                logger.warning("the checkpoint has no MTP weights: speculation is off (plain decoding)")
+            else:
+                logger.info("the checkpoint has no MTP weights: plain decoding")
+            return 0
+        if requested is None:
+            logger.info("speculating with the checkpoint's MTP layer: up to %d drafts a step, %s", MAX_DRAFT_TOKENS,
+                        "adaptive" if self.config.adaptive_draft_length else "fixed")
+            return MAX_DRAFT_TOKENS
+        logger.info("speculation %s", f"with up to {requested} drafts a step" if requested else "off (plain decoding)")
+        return requested
 
     # Memory -------------------------------------------------------------------------------
 

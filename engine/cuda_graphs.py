@@ -6,10 +6,14 @@ copies its packed rows into the first B entries and pads the rest of the bucket 
 point at scratch slot 0 and scratch KV block 0, so a padding row never touches a real sequence's
 state.
 
-`DecodeGraphs`: plain decode steps (no speculation), one graph per bucket.
-`SpecGraphs`: the speculative stages, a draft graph and a verify graph per (bucket, K drafts
-per row); the verify graph reads the draft graph's output, so between the two replays the
-drafts can be edited in place.
+`DecodeGraphs`: plain decode steps (no row drafts), one graph per bucket.
+`SpecGraphs`: speculative decode steps, one graph per (bucket, K drafts per row) holding the
+whole step: fed rows, MTP catch-up and chain, verify, greedy acceptance and rollback. With a
+draft editor (tests, speculation.py) each is captured as two graphs, draft then verify, so the
+drafts can be edited in place between the replays.
+
+`measure` times every captured graph at start-up (replays on padding rows); the draft-length
+policy chooses each step's K from those costs (spec/adaptive.py).
 
 Requires kernels with no host synchronisation and launch parameters that depend only on tensor
 shapes (the Triton table). Knows nothing about requests: it is handed `DecodeRow`s.
@@ -20,11 +24,12 @@ from __future__ import annotations
 import contextlib
 import gc
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from .decode_step import DecodeRow, DecodeRows, DecodeStep, pack_rows
-from .speculation import Speculator, Verified
+from .speculation import Drafted, Speculator
 
 
 def default_buckets(max_batch: int) -> list[int]:
@@ -69,6 +74,19 @@ class _StaticRows:
     def bucket(self, num_rows: int) -> int:
         return next(b for b in self.buckets if b >= num_rows)
 
+    def measure(self, graph: torch.cuda.CUDAGraph, replays: int = 5) -> float:
+        """Median seconds of a replay (after one untimed)."""
+        graph.replay()
+        times = []
+        for _ in range(replays):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return sorted(times)[len(times) // 2]
+
     def load(self, rows: list[DecodeRow]) -> int:
         """Copy rows (and padding rows up to their bucket) into the static buffer (one pinned
         copy) and bring their block tables up to date on the device (DecodeStep.sync_tables).
@@ -105,64 +123,78 @@ class DecodeGraphs(_StaticRows):
             self.graphs[bucket] = _Graph(graph, logits, tokens)
         torch.cuda.synchronize()
 
-    def run(self, rows: list[DecodeRow]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(float32 logits [B, V], greedy tokens [B]) of one decode step of the B rows."""
+    def run(self, rows: list[DecodeRow]) -> tuple[DecodeRows, torch.Tensor, torch.Tensor]:
+        """(the B rows on the device, float32 logits [B, V], greedy tokens [B]) of one decode
+        step of the B rows."""
         entry = self.graphs[self.load(rows)]
         entry.graph.replay()
-        return entry.logits[:len(rows)], entry.tokens[:len(rows)]
+        return self.rows.head(len(rows)), entry.logits[:len(rows)], entry.tokens[:len(rows)]
+
+    def step_costs(self) -> dict[int, float]:
+        """Seconds of a plain step by bucket."""
+        return {bucket: self.measure(entry.graph) for bucket, entry in self.graphs.items()}
 
 
 @dataclass
 class _SpecGraph:
-    draft: torch.cuda.CUDAGraph
-    drafts: torch.Tensor     # [bucket, K] written by the draft replay, read by the verify replay
-    verify: torch.cuda.CUDAGraph
-    verified: Verified       # written by the verify replay
+    graph: torch.cuda.CUDAGraph        # the whole step, or its draft half when `verify` is set
+    verify: torch.cuda.CUDAGraph | None
+    drafts: torch.Tensor               # [bucket, K] written by the draft (half)
+    logits: torch.Tensor               # [bucket * (K + 1), V] verify logits
 
 
 class SpecGraphs(_StaticRows):
     def __init__(self, step: DecodeStep, speculator: Speculator, max_batch: int, max_drafts: int,
-                 device: torch.device) -> None:
+                 device: torch.device, split: bool = False) -> None:
+        """split: capture draft and verify apart (a draft editor edits in between)."""
         super().__init__(step, max_batch, device)
-        self.speculator, self.max_drafts = speculator, max_drafts
-        model = step.model
+        self.speculator, self.max_drafts, self.split = speculator, max_drafts, split
         # The verify logits of every graph.
-        self.logits = torch.empty(max_batch * (max_drafts + 1), model.config.vocab_size,
-                                  dtype=model.embed_tokens.dtype, device=device)
+        self.logits = torch.empty(max_batch * (max_drafts + 1), step.model.config.vocab_size,
+                                  dtype=step.model.embed_tokens.dtype, device=device)
         self.graphs: dict[tuple[int, int], _SpecGraph] = {}
 
     @torch.inference_mode()
     @_no_garbage_collection()
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
-        step = self.speculator
+        speculator = self.speculator
         for bucket in sorted(self.buckets, reverse=True):  # largest first: the pool fits the rest
             rows = self.rows.head(bucket)
-            for num_drafts in range(self.max_drafts, -1, -1):
+            for num_drafts in range(self.max_drafts, 0, -1):  # no row drafting: a plain step
                 logits = self.logits[:bucket * (num_drafts + 1)]
-                _warm_up(lambda: step.verify(rows, step.draft(rows, num_drafts), logits), 1)
-                draft = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(draft, pool=pool):
-                    drafts = step.draft(rows, num_drafts)
-                verify = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(verify, pool=pool):
-                    verified = step.verify(rows, drafts, logits)
-                self.graphs[bucket, num_drafts] = _SpecGraph(draft, drafts, verify, verified)
+                _warm_up(lambda: speculator.step(rows, num_drafts, logits), 1)
+                graph, verify = torch.cuda.CUDAGraph(), None
+                if self.split:
+                    with torch.cuda.graph(graph, pool=pool):
+                        drafts = speculator.draft(rows, num_drafts)
+                    verify = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(verify, pool=pool):
+                        speculator.verify(rows, drafts, logits)
+                else:
+                    with torch.cuda.graph(graph, pool=pool):
+                        drafts, _ = speculator.step(rows, num_drafts, logits)
+                self.graphs[bucket, num_drafts] = _SpecGraph(graph, verify, drafts, logits)
         torch.cuda.synchronize()
 
     def can_run(self, rows: list[DecodeRow], num_drafts: int) -> bool:
         return num_drafts <= self.max_drafts and self.fits(rows)
 
-    def draft(self, rows: list[DecodeRow], num_drafts: int) -> tuple[DecodeRows, torch.Tensor]:
-        """Load the rows and replay the draft graph -> (the bucket's DecodeRows, its drafts
-        [bucket, K])."""
-        bucket = self.load(rows)
-        entry = self.graphs[bucket, num_drafts]
-        entry.draft.replay()
-        return self.rows.head(bucket), entry.drafts
+    def run(self, rows: list[DecodeRow], num_drafts: int,
+            edit: Callable[[torch.Tensor], None] | None = None) -> Drafted:
+        """Load the rows and replay the step's graph(s); edit: called with the rows' drafts
+        [B, K] between the draft and verify halves (split graphs only). Outputs are views of
+        the static buffers, the first B rows of the bucket."""
+        num_rows = len(rows)
+        entry = self.graphs[self.load(rows), num_drafts]
+        entry.graph.replay()
+        if entry.verify is not None:
+            if edit is not None:
+                edit(entry.drafts[:num_rows])
+            entry.verify.replay()
+        return Drafted(self.rows.head(num_rows), entry.drafts[:num_rows], entry.logits[:num_rows * (num_drafts + 1)])
 
-    def verify(self, num_rows: int, num_drafts: int) -> Verified:
-        """Replay the verify graph of the bucket `draft` used; outputs cover the whole bucket."""
-        entry = self.graphs[self.bucket(num_rows), num_drafts]
-        entry.verify.replay()
-        return entry.verified
+    def step_costs(self) -> dict[tuple[int, int], float]:
+        """Seconds of a speculative step by (bucket, K) (both halves when split)."""
+        return {key: self.measure(entry.graph) + (self.measure(entry.verify) if entry.verify is not None else 0.0)
+                for key, entry in self.graphs.items()}

@@ -37,18 +37,22 @@ from .batch import ForwardBatch, RowGroup
 from .models import HybridLM
 from .state_pool import KVPool, StatePool
 
-# Columns of DecodeRows.packed before the catch-up token ids.
-_SLOT, _NEWEST, _IS_FED, _FED_FROM, _POSITION, _NUM_DRAFTS, _MTP_START, _NUM_CATCH_UP, _CATCH_UP_IDS = range(9)
+# Columns of DecodeRows.packed before the catch-up token ids: those the host always knows, then
+# those a fed row derives on the device (_DERIVED onwards, DecodeStep.feed).
+_SLOT, _IS_FED, _FED_FROM, _NUM_DRAFTS, _NEWEST, _POSITION, _MTP_START, _NUM_CATCH_UP, _CATCH_UP_IDS = range(9)
+_DERIVED = _NEWEST
 
 
 class DecodeRow(msgspec.Struct, frozen=True, gc=False):
     """What the device needs of one decode row (the scheduler's ScheduledRow, distilled). A
     msgspec Struct: every decode row of every step builds one (as RequestDelta says why).
 
-    position: where the newest token sits (its state is not folded in yet). A fed row (plain
-    steps only) takes as its newest token the one the previous plain step emitted at its row
-    `fed_from` (`newest` is then unused). With speculation the MTP catches up positions
-    [mtp_start, position) whose next tokens are catch_up_ids."""
+    position: where the newest token sits (its state is not folded in yet). With speculation the
+    MTP catches up positions [mtp_start, position) whose next tokens are catch_up_ids. A fed row
+    continues the row `fed_from` of the latest decode step, whose outputs are still on the
+    device (`DecodeStep.feed`): its newest token is the last that row emitted; in a speculative
+    engine its position and MTP catch-up follow from that row's accepted count too, and
+    `position` is only the furthest it can be (what its blocks must cover)."""
 
     slot: int
     newest: int
@@ -63,7 +67,7 @@ class DecodeRow(msgspec.Struct, frozen=True, gc=False):
 class DecodeRows(NamedTuple):
     """The decode rows of a step on the device, padding rows included ([B] leading dim)."""
 
-    packed: torch.Tensor  # [B, 8 + C] int64: slot, newest, is_fed, fed_from, position, k_r, mtp_start, n_r,
+    packed: torch.Tensor  # [B, 8 + C] int64: slot, is_fed, fed_from, k_r, newest, position, mtp_start, n_r,
     #                                    catch-up ids
 
     @property
@@ -132,8 +136,8 @@ def pack_rows(rows: Sequence[DecodeRow], catch_up: int, block_size: int, num_row
         if last >= len(r.block_table) * block_size:
             raise ValueError(f"slot {r.slot}: {len(r.block_table)} KV blocks do not cover positions up to {last}")
         fed = r.fed_from is not None
-        packed_rows[i, :_CATCH_UP_IDS + num_catch_up] = (r.slot, r.newest, fed, r.fed_from if fed else 0, r.position,
-                                                         r.num_drafts, r.mtp_start, num_catch_up, *r.catch_up_ids)
+        packed_rows[i, :_CATCH_UP_IDS + num_catch_up] = (r.slot, fed, r.fed_from if fed else 0, r.num_drafts, r.newest,
+                                                         r.position, r.mtp_start, num_catch_up, *r.catch_up_ids)
     return packed
 
 
@@ -146,10 +150,15 @@ class DecodeStep:
         self.speculative = speculative
         # C: MTP positions caught up per step at most, those verified and accepted last step.
         self.catch_up = states.max_pending + 1 if speculative else 0
-        # The tokens the latest plain step emitted, by row: its argmax, where the runner then
-        # writes the sampled rows' tokens. The next step's fed rows read them here.
+        # The latest decode step's outputs by row, which the next step's fed rows read (`feed`):
+        # row r emitted emitted[:accepted[r] + 1, r] (drafts it accepted, then the target's
+        # token; the runner writes sampled rows' tokens here too) with its newest token at
+        # last_positions[r]. W = C rows: a row accepts at most k drafts. A plain engine keeps
+        # only emitted[0] (its positions are known to the host, its accepted counts are 0).
         device = states.pending_counts.device
-        self.last_tokens = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.emitted = torch.zeros(max(self.catch_up, 1), max_rows, dtype=torch.int64, device=device)
+        self.accepted = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.last_positions = torch.zeros(max_rows, dtype=torch.int64, device=device)
         # Block tables by slot, zero (scratch block 0) where nothing was written: slot 0 (padding
         # rows) stays all zeros. Entries past a row's own blocks may be stale: no position of the
         # row reaches them. _sent[slot]: the table last written there (compared by identity:
@@ -194,14 +203,52 @@ class DecodeStep:
         self.slot_tables[updates[0], updates[1]] = updates[2].to(torch.int32)
         return len(blocks)
 
+    def feed(self, rows: DecodeRows) -> None:
+        """Fill in the fed rows (in place, on the device) from the latest decode step's outputs:
+        the newest token is the last one row j = fed_from emitted; with speculation the position
+        moves past the a_j tokens it accepted, and the MTP catches up the positions that row
+        verified and accepted, [last_position_j, last_position_j + a_j], whose next tokens are
+        the ones it emitted (their hidden states are kept at the slot)."""
+        fed, source = rows.is_fed.bool(), rows.fed_from
+        packed = rows.packed
+        if not self.speculative:  # a plain row's position is known to the host: one past its source's
+            packed[:, _NEWEST] = torch.where(fed, self.emitted[0, source], rows.newest)
+            return
+        accepted, previous = self.accepted[source], self.last_positions[source]
+        derived = torch.cat([torch.stack([self.emitted[accepted, source], previous + accepted + 1, previous,
+                                          accepted + 1], dim=1),
+                             self.emitted[:, source].T], dim=1)                      # [B, 4 + C]
+        packed[:, _DERIVED:] = torch.where(fed[:, None], derived, packed[:, _DERIVED:])
+
+    def record(self, rows: DecodeRows, accepted: torch.Tensor | None, emitted: torch.Tensor | None = None) -> None:
+        """Keep a speculative step's outputs for the next step's fed rows: accepted [B] and
+        emitted [B, K + 1] (None, None: a plain step, whose argmax is in emitted[0] already)."""
+        num_rows = rows.num_rows
+        if accepted is None:
+            self.accepted[:num_rows] = 0
+        else:
+            self.accepted[:num_rows] = accepted
+            self.emitted[:emitted.shape[1], :num_rows] = emitted.T
+        self.last_positions[:num_rows] = rows.positions
+
     def plain(self, rows: DecodeRows) -> tuple[torch.Tensor, torch.Tensor]:
-        """A plain decode step (no speculation): each row's newest token, committed at once.
-        Returns (float32 logits [B, V], their argmax [B]: a view of `last_tokens`)."""
-        input_ids = torch.where(rows.is_fed.bool(), self.last_tokens[rows.fed_from], rows.newest)
-        batch = self.batch(rows, self.tables(rows), rows.positions[:, None].contiguous(), input_ids, commit=True)
-        logits = self.model.compute_logits(self.model(batch, self.states, self.kv))
-        greedy = self.last_tokens[:rows.num_rows]
+        """A plain decode step: each row's newest token, committed at once. Returns (float32
+        logits [B, V], their argmax [B]: a view of `emitted[0]`, where the runner writes sampled
+        rows' tokens). In a speculative engine (a step where no row drafts) it also folds the
+        slots' pending drafts (its kernels commit everything: nothing stays pending) and keeps
+        the hidden state for the next step's MTP catch-up; the MTP itself does not run, so
+        its KV cache misses this position: drafts attend to a stale entry there, which costs
+        acceptance, never correctness."""
+        self.feed(rows)
+        batch = self.batch(rows, self.tables(rows), rows.positions[:, None].contiguous(), rows.newest, commit=True)
+        hidden = self.model(batch, self.states, self.kv)
+        logits = self.model.compute_logits(hidden)
+        greedy = self.emitted[0, :rows.num_rows]
         torch.argmax(logits, dim=-1, out=greedy)
+        if self.speculative:
+            self.states.pending_counts[rows.slots] = 0
+            self.states.mtp_hidden[rows.slots, 0] = hidden
+            self.record(rows, None)
         return logits, greedy
 
     def tables(self, rows: DecodeRows) -> torch.Tensor:

@@ -25,8 +25,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None        # override the KV pool size (tests, preemption)
     enable_cuda_graphs: bool = True         # decode steps replay captured graphs (CUDA + Triton only)
     async_scheduling: bool = True           # plain decoding launches step n+1 before step n's tokens arrive
-    num_draft_tokens: int = 0               # MTP speculation: drafts per step at most (0: off)
-    adaptive_draft_length: bool = True      # per-request draft length from recent acceptance
+    num_draft_tokens: int | None = None     # MTP drafts a step at most (0: off; None: 3 with MTP weights)
+    adaptive_draft_length: bool = True      # each step's drafts from measured step costs and acceptance
     draft_vocab_size: int = 0               # >0: drafts from the N most frequent tokens (draft_vocab.json)
     enable_prefix_cache: bool = True        # restore cached prompt prefixes (recurrent checkpoints + KV)
     checkpoint_interval: int = 512          # tokens between the prefix checkpoints a prefill leaves
@@ -47,7 +47,7 @@ class EngineConfig:
             problems.append("block_size must be >= 1")
         if not 0 < self.gpu_memory_utilization <= 1:
             problems.append("gpu_memory_utilization must be in (0, 1]")
-        if not 0 <= self.num_draft_tokens <= 8:
+        if self.num_draft_tokens is not None and not 0 <= self.num_draft_tokens <= 8:
             problems.append("num_draft_tokens must be in 0..8")
         if self.draft_vocab_size < 0:
             problems.append("draft_vocab_size must be >= 0 (0: the full vocabulary)")

@@ -17,7 +17,7 @@ from typing import NamedTuple, Sequence
 
 import msgspec
 
-from ..spec import DraftLengthState, SpecStats
+from ..spec import AcceptanceEstimate, SpecStats
 from .prefix_cache import Checkpoint
 from .sampling_params import SamplingParams
 from .tokenizer import Detokenizer, Tokenizer
@@ -90,9 +90,10 @@ class Request:
     resume_from: Checkpoint | None = None  # a saved session to restore instead of a prefix lookup
     num_preemptions: int = 0
     abort_requested: bool = False
-    # Speculation: the MTP layer's KV is exact for positions < mtp_position; drafts per step.
+    # Speculation: the next MTP catch-up starts at mtp_position (its KV below is written, stale
+    # where plain steps ran: drafts then see stale entries, which costs acceptance only).
     mtp_position: int = 0
-    draft_length: DraftLengthState | None = None
+    acceptance: AcceptanceEstimate | None = None  # for the draft-length policy (spec/adaptive.py)
     spec_stats: SpecStats = field(default_factory=SpecStats)
     # Streaming cursors.
     _num_detokenized: int = 0  # output tokens the detokenizer has (their text is in `text`)
@@ -214,7 +215,7 @@ class Request:
     @property
     def spec_summary(self) -> dict | None:
         """This request's acceptance counters (None when it never went through a verify step)."""
-        return self.spec_stats.as_dict(with_times=False) if self.spec_stats.num_verify_steps else None
+        return self.spec_stats.as_dict() if self.spec_stats.num_verify_steps else None
 
     def output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt_token_ids, list(self.output_token_ids), self.text,

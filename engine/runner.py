@@ -25,7 +25,7 @@ import torch
 from .batch import ForwardBatch
 from .checkpoint_io import CheckpointIO
 from .cuda_graphs import DecodeGraphs, SpecGraphs
-from .decode_step import DecodeRow, DecodeStep
+from .decode_step import DecodeStep
 from .models import HybridLM
 from .sampler import Sampler
 from .speculation import Speculator
@@ -34,19 +34,27 @@ from .step import ScheduledRow, StepOutput, StepPlan
 
 
 class InFlight:
-    """A launched plain decode step: `result()` waits for its tokens (on the host by then, or
-    on their way in a pinned buffer) and returns its StepOutput."""
+    """A launched decode-only step: `result()` waits for its outputs (on the host by then, or
+    on their way in pinned buffers) and returns its StepOutput."""
 
-    def __init__(self, plan: StepPlan, tokens: torch.Tensor | None, done: torch.cuda.Event | None,
-                 output: StepOutput | None = None) -> None:
-        """tokens: [B] pinned tensor the step's tokens are being copied into and done: the event
-        after that copy; or output: the finished result."""
-        self.plan, self._tokens, self._done, self._output = plan, tokens, done, output
+    def __init__(self, plan: StepPlan, output: StepOutput | None = None, emitted: torch.Tensor | None = None,
+                 accepted: torch.Tensor | None = None, done: torch.cuda.Event | None = None) -> None:
+        """output: the finished result; or emitted [W, B] (and accepted [B] when the step
+        speculated) pinned tensors the outputs are being copied into, and done: the event after
+        those copies."""
+        self.plan, self._output = plan, output
+        self._emitted, self._accepted, self._done = emitted, accepted, done
 
     def result(self) -> StepOutput:
         if self._output is None:
             self._done.synchronize()
-            self._output = StepOutput([[t] for t in self._tokens.tolist()])
+            emitted = self._emitted.tolist()
+            if self._accepted is None:
+                self._output = StepOutput([[t] for t in emitted[0]])
+            else:
+                accepted = self._accepted.tolist()
+                self._output = StepOutput([[emitted[d][r] for d in range(a + 1)] for r, a in enumerate(accepted)],
+                                          num_pending=accepted)
         return self._output
 
 
@@ -61,44 +69,65 @@ class Runner:
         self.block_size, self.device, self.graphs = block_size, device, graphs
         self.decode, self.speculator, self.spec_graphs = decode, speculator, spec_graphs
         self.checkpoint_io = checkpoint_io
-        # Pinned buffers of launched steps' tokens, used in turn: at most two steps are in flight
-        # (the one being waited for and the one launched after it).
-        self._host_tokens = [torch.empty(decode.last_tokens.shape[0], dtype=torch.int64, pin_memory=True)
-                             for _ in range(2)] if device.type == "cuda" else []
+        # Pinned buffers of launched steps' outputs (emitted, accepted), used in turn: at most
+        # two steps are in flight (the one being waited for and the one launched after it).
+        self._host_outputs = [(torch.empty_like(decode.emitted, device="cpu", pin_memory=True),
+                               torch.empty_like(decode.accepted, device="cpu", pin_memory=True))
+                              for _ in range(2)] if device.type == "cuda" else []
         self._launches = 0
 
     def can_launch(self, plan: StepPlan) -> bool:
-        """Whether `launch` takes the plan: plain decode rows only."""
-        return self.speculator is None and bool(plan.decode_rows) and not plan.prefill_rows and not plan.cached_rows
+        """Whether `launch` takes the plan: decode rows only."""
+        return bool(plan.decode_rows) and not plan.prefill_rows and not plan.cached_rows
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> InFlight:
-        """Launch a plain decode-only step (`can_launch`) without waiting for its tokens. Its rows
-        may be fed (ScheduledRow.fed_from) from the step launched before it. A step whose rows
-        ask for log-probabilities is waited for here (they need the logits before the next step
-        overwrites them), as is every step off the GPU (nothing runs asynchronously there)."""
+        """Launch a decode-only step (`can_launch`) without waiting for its outputs: a plain step
+        when no row drafts, else a speculative one. Its rows may be fed (ScheduledRow.fed_from)
+        from the step launched before it. A step whose rows ask for log-probabilities is waited
+        for here (they need the logits before the next step overwrites them), as is every step
+        off the GPU (nothing runs asynchronously there)."""
         self.checkpoint_io.before_forward(plan.cache_ops)
-        rows = [_plain_decode_row(r) for r in plan.decode_rows]
-        if self.graphs is not None and self.graphs.fits(rows):
-            logits, tokens = self.graphs.run(rows)
+        rows = plan.decode_rows
+        speculative = any(r.num_draft_tokens for r in rows)
+        if speculative:
+            drafted = self.speculator.launch(rows, self.spec_graphs)
+            logits, width = drafted.logits, drafted.drafts.shape[1] + 1
         else:
-            logits, tokens = self.decode.plain(self.decode.row_tensors(rows, self.device))
+            logits, width = self._launch_plain(rows), 1
         self.checkpoint_io.after_forward(plan.cache_ops)
-        sampling = [i for i, r in enumerate(plan.decode_rows) if not r.request.params.greedy]
-        if sampling:
-            # tokens is DecodeStep.last_tokens: the sampled rows' tokens go where fed rows read.
-            index = self.sampler.tensor(sampling)
-            tokens[index] = self.sampler.sample(logits[index], [plan.decode_rows[i] for i in sampling])
-        if self.device.type != "cuda" or any(r.request.params.logprobs is not None for r in plan.decode_rows):
-            emitted = [[t] for t in tokens.tolist()]
-            logprobs = self.sampler.logprobs(logits, plan.rows, [[i] for i in range(len(rows))], emitted)
-            return InFlight(plan, None, None, StepOutput(emitted, logprobs=logprobs))
-        host = self._host_tokens[self._launches % 2][:len(rows)]
+        if self.device.type != "cuda" or any(r.request.params.logprobs is not None for r in rows):
+            emitted, logit_rows, num_pending = self.speculator.read(len(rows), width) if speculative else \
+                ([[t] for t in self.decode.emitted[0, :len(rows)].tolist()], [[i] for i in range(len(rows))], None)
+            return InFlight(plan, StepOutput(emitted, logprobs=self.sampler.logprobs(logits, rows, logit_rows, emitted),
+                                             num_pending=num_pending))
+        host_emitted, host_accepted = self._host_outputs[self._launches % 2]
         self._launches += 1
-        host.copy_(tokens, non_blocking=True)
+        host_emitted = host_emitted[:width, :len(rows)]
+        host_emitted.copy_(self.decode.emitted[:width, :len(rows)], non_blocking=True)
+        if speculative:
+            host_accepted = host_accepted[:len(rows)]
+            host_accepted.copy_(self.decode.accepted[:len(rows)], non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return InFlight(plan, host, done)
+        return InFlight(plan, emitted=host_emitted, accepted=host_accepted if speculative else None, done=done)
+
+    def _launch_plain(self, rows: tuple[ScheduledRow, ...]) -> torch.Tensor:
+        """Queue a plain decode step: greedy tokens land in DecodeStep.emitted[0], where sampled
+        rows' tokens then go too (their seeded draws use the positions on the device: a fed
+        row's is known there only). Returns the logits [B, V]."""
+        decode_rows = [r.decode_row() for r in rows]
+        if self.graphs is not None and self.graphs.fits(decode_rows):
+            device_rows, logits, tokens = self.graphs.run(decode_rows)
+        else:
+            device_rows = self.decode.row_tensors(decode_rows, self.device)
+            logits, tokens = self.decode.plain(device_rows)
+        sampling = [i for i, r in enumerate(rows) if not r.request.params.greedy]
+        if sampling:
+            index = self.sampler.tensor(sampling)
+            tokens[index] = self.sampler.sample(logits[index], [rows[i] for i in sampling],
+                                                device_rows.positions[index] + 1)
+        return logits
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepOutput:
@@ -136,9 +165,3 @@ class Runner:
         emitted = [[t] for t in self.sampler.sample(logits, rows).tolist()]
         return StepOutput(emitted, logprobs=self.sampler.logprobs(logits, rows, [[i] for i in range(len(rows))], emitted),
                           num_pending=[0] * len(rows))
-
-
-def _plain_decode_row(row: ScheduledRow) -> DecodeRow:
-    if row.fed_from is not None:
-        return DecodeRow(row.slot, 0, row.start_position, row.block_table, fed_from=row.fed_from)
-    return DecodeRow(row.slot, row.token_ids[0], row.start_position, row.block_table)

@@ -2,9 +2,9 @@
 
 `sample` draws each row's token without a host sync: greedy rows take the argmax, sampled rows
 the seeded draw of the sampling kernel (temperature, top-k, top-p, min-p), which depends only on
-(seed, position), so a request's samples do not depend on the rest of its batch. `filter_probs`
-gives the filtered distributions rejection sampling verifies drafts against. `logprobs` scores
-emitted tokens under the raw distribution. Knows nothing about steps or speculation: a row is
+(seed, position), so a request's samples do not depend on the rest of its batch (and rejection
+sampling of drafts can be coupled with it: spec/accept.py). `logprobs` scores emitted tokens
+under the raw distribution. Knows nothing about steps or speculation: a row is
 a ScheduledRow's request parameters and position.
 """
 
@@ -25,22 +25,19 @@ class Sampler:
     def __init__(self, ops: Ops, device: torch.device) -> None:
         self.ops, self.device = ops, device
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[ScheduledRow]) -> torch.Tensor:
-        """The next token of each row (logits row i is rows[i]'s) [B] int64, on the device."""
+    def sample(self, logits: torch.Tensor, rows: Sequence[ScheduledRow],
+               positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The next token of each row (logits row i is rows[i]'s) [B] int64, on the device.
+        positions [B]: where the sampled tokens go, when only the device knows (fed rows);
+        by default from the rows. A seeded draw depends on nothing else."""
         params = [r.request.params for r in rows]
         if all(p.greedy for p in params):  # greedy fast path: no filtering, no noise
             return logits.argmax(dim=-1)
-        tokens, _ = self.ops.sample(
-            logits, *self.filter_columns(params),
-            self.tensor([r.request.seed for r in rows]),
-            # The position the sampled token will take: a seeded draw depends on nothing else.
-            self.tensor([r.start_position + r.num_tokens for r in rows]),
-        )
+        if positions is None:
+            positions = self.tensor([r.start_position + r.num_tokens for r in rows])
+        tokens, _ = self.ops.sample(logits, *self.filter_columns(params), self.tensor([r.request.seed for r in rows]),
+                                    positions)
         return tokens
-
-    def filter_probs(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-        """Each row's filtered, renormalised distribution [N, V] float32 (row i under params[i])."""
-        return self.ops.filter_probs(logits.float(), *self.filter_columns(params))
 
     def filter_columns(self, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, ...]:
         """Per-row (temperature, top_k, top_p, min_p) tensors of the sampling ops."""

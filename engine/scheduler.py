@@ -13,16 +13,20 @@ Pure Python; never touches a tensor. Each step:
      only the rest; a fully cached one samples its first token from the checkpoint (a cached
      row). Chunks that do not end the prompt end on a multiple of the GDN chunk size, so the
      chunked kernel can write checkpoints at the block boundaries they pass.
-Rows are ordered decode first, prefill after, cached rows last (the runner relies on it).
-`commit` folds the step's sampled tokens back in and finishes requests; a finished request's
-slot and blocks become the checkpoint of its committed state.
+Rows are ordered decode first, prefill after, cached rows last (the runner relies on it). With
+speculation, every decode row of a step runs the step's draft count K (fixed shapes), which the
+draft policy chooses from measured step costs and the rows' acceptance (spec/adaptive.py).
+`commit` folds the step's tokens back in, counts speculation, and finishes requests; a finished
+request's slot and blocks become the checkpoint of its committed state.
 
-`continuation` plans the step after a plain decode step whose tokens are not known yet (async
-scheduling): the same requests, one position further, each fed the token that step emits at
-its row. Only when nothing else is to be done: no request to admit or prefill, no abort, no
-preemption, no speculation. A request that the step in flight finishes with "length" is left
-out (that is known in advance); one it finishes with "stop" has already been fed its last
-token when the step is committed, so its kept checkpoint covers every token it has.
+`continuation` plans the step after a decode step whose tokens are not known yet (async
+scheduling): the same requests, each fed from its row of that step on the device (its newest
+token, and with speculation its position and MTP catch-up, follow from what that row emits).
+Only when nothing else is to be done: no request to admit or prefill, no abort, no preemption.
+A request that the step in flight may finish with "length" is left out (that is known in
+advance); one it finishes with "stop" has been fed its last token when the step is committed,
+so its kept checkpoint covers every token it has (or, when the step emitted tokens past the
+stop, nothing is kept: its state went past them).
 When slots or KV blocks run short, cached checkpoints are evicted before anything is preempted.
 """
 
@@ -32,7 +36,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..kernels.gdn_chunked import CHUNK_SIZE
-from ..spec import AdaptivePolicy, DraftLengthState, SpecStats
+from ..spec import DraftPolicy, SpecStats
 from .allocators import BlockAllocator, SlotAllocator
 from .prefix_cache import Checkpoint, CheckpointWrite, PrefixCache
 from .request import Request, RequestStatus
@@ -43,7 +47,6 @@ from .step import ScheduledRow, StepOutput, StepPlan
 class SchedulerConfig:
     max_num_seqs: int = 64             # running requests at most
     max_num_batched_tokens: int = 2048  # tokens per step (decode tokens + prefill chunks)
-    draft_policy: AdaptivePolicy | None = None  # None: no speculation
     max_model_len: int = 1 << 30
 
     def __post_init__(self) -> None:
@@ -56,12 +59,16 @@ class SchedulerConfig:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, slots: SlotAllocator, blocks: BlockAllocator,
-                 cache: PrefixCache) -> None:
+                 cache: PrefixCache, draft_policy: DraftPolicy | None = None) -> None:
+        """draft_policy: how many drafts each step runs (None: no speculation). It may be
+        replaced between steps (benchmarks compare settings on one engine) by one with the
+        same max_draft_tokens: the pools are sized for that."""
         self.config, self.slots, self.blocks, self.cache = config, slots, blocks, cache
+        self.draft_policy = draft_policy
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.num_preempted = 0
-        self.spec_stats = SpecStats()  # engine-wide speculation counters and stage times
+        self.spec_stats = SpecStats()  # engine-wide speculation counters
         self._aborted: list[Request] = []
         self._abort_requested = False  # since the last step boundary
 
@@ -70,7 +77,7 @@ class Scheduler:
     @property
     def _draft_room(self) -> int:
         """Positions past its newest token a decode row may write: k drafts (0 without speculation)."""
-        return self.config.draft_policy.max_draft_tokens if self.config.draft_policy is not None else 0
+        return self.draft_policy.max_draft_tokens if self.draft_policy is not None else 0
 
     def can_ever_fit(self, request: Request) -> bool:
         return self.blocks.blocks_needed(request.max_num_tokens + self._draft_room) <= self.blocks.capacity - 1
@@ -79,8 +86,8 @@ class Scheduler:
         if not self.can_ever_fit(request):
             raise ValueError(f"request needs {self.blocks.blocks_needed(request.max_num_tokens + self._draft_room)} "
                              f"KV blocks, the pool has {self.blocks.capacity - 1}")
-        if self.config.draft_policy is not None:
-            request.draft_length = DraftLengthState(self.config.draft_policy)
+        if self.draft_policy is not None:
+            request.acceptance = self.draft_policy.new_estimate()
         self.waiting.append(request)
 
     def abort(self, request: Request) -> None:
@@ -107,19 +114,20 @@ class Scheduler:
         for request in self.running:
             (prefilling if self._in_prefill(request) else decoding).append(request)
         running = RequestStatus.RUNNING  # looked up once: on Python 3.11 an Enum member costs a call
-        # Every decode row runs the step's largest draft count (decode_step.py: fixed shapes), so
-        # a step's drafts per row are capped to keep all decode rows within the token budget, and
-        # each row holds KV blocks for the positions of k drafts whatever it drafts itself.
-        max_drafts = budget // len(decoding) - 1 if decoding else 0
+        # Each row holds KV blocks for the positions of k drafts whatever the step drafts. (A
+        # request scheduled here is never preempted for a later one.)
+        decoded = []
         for request in decoding:
             if request.status is not running:
                 continue  # preempted to make room for an older request
-            num_drafts = 0 if request.draft_length is None else min(self._draft_length(request), max_drafts)
-            if not self._reserve_blocks(request, request.num_tokens + self._draft_room, scheduled):
-                continue  # the request itself was preempted
-            decode_rows.append(self._row(request, 1, num_drafts))
-            scheduled.add(id(request))
-        budget -= len(decode_rows) * (1 + max((r.num_draft_tokens for r in decode_rows), default=0))
+            if self._reserve_blocks(request, request.num_tokens + self._draft_room, scheduled):
+                decoded.append(request)
+                scheduled.add(id(request))
+        rooms = [self._draft_room_of(r) for r in decoded]
+        # Every decode row runs the step's K (decode_step.py: fixed shapes), within the token budget.
+        num_drafts = self._choose_drafts(decoded, rooms, budget // len(decoded) - 1 if decoded else 0)
+        decode_rows = [self._row(r, 1, min(num_drafts, room)) for r, room in zip(decoded, rooms)]
+        budget -= len(decode_rows) * (1 + num_drafts)
         prefill_rows: list[ScheduledRow] = []
         for request in prefilling:
             if budget == 0:
@@ -152,32 +160,42 @@ class Scheduler:
                         tuple(pinned))
 
     def continuation(self, plan: StepPlan) -> StepPlan | None:
-        """The next step of `plan`, a plain decode step still in flight, or None when the next
-        step needs `schedule` (see the module docstring). Each row is fed the token `plan`
-        emits at the request's row; the row holds the position after that row's."""
-        if (self.config.draft_policy is not None or self._abort_requested or plan.prefill_rows or plan.cached_rows
+        """The next step of `plan`, a decode step still in flight, or None when the next step
+        needs `schedule` (see the module docstring). Each row is fed from the request's row of
+        `plan`: `plan` feeds the newest token, at position num_tokens - 1, and emits 1 .. k + 1
+        tokens, so the fed row's newest token sits between num_tokens and num_tokens + k (the
+        device knows where: DecodeStep.feed); its start_position is that furthest place."""
+        if (self._abort_requested or plan.prefill_rows or plan.cached_rows
                 or (self.waiting and len(self.running) < self.config.max_num_seqs)):
             return None
         running = RequestStatus.RUNNING
-        block_size = self.blocks.block_size
+        capacity = self.blocks.block_size
         in_plan = 0
-        rows = []
+        fed = []
         for index, row in enumerate(plan.decode_rows):
             request = row.request
             if request.status is not running:
                 continue  # finished by the step before `plan`: its row there is discarded
             in_plan += 1
-            position = row.start_position + 1
-            if request.num_tokens + 1 >= request.max_num_tokens:
-                continue  # `plan` gives it its last token
-            # (Most rows have room in their last block: checked before calling.)
-            if position + 1 > len(request.block_table) * block_size \
-                    and not self._reserve_blocks(request, position + 1, scheduled=None):
+            furthest = request.num_tokens + row.num_draft_tokens
+            if furthest + 1 >= request.max_num_tokens:
+                continue  # `plan` may give it its last token
+            # Blocks for the furthest newest position and the K positions after it. (Most rows
+            # have room in their last block: checked before calling.)
+            if furthest + 1 + self._draft_room > len(request.block_table) * capacity \
+                    and not self._reserve_blocks(request, furthest + 1 + self._draft_room, scheduled=None):
                 return None  # preemption is `schedule`'s business
-            rows.append(ScheduledRow(request, [], position, request.slot, request.block_table, True, fed_from=index))
-        if not rows or in_plan != len(self.running):
+            fed.append((index, request, furthest, row.num_draft_tokens))
+        if not fed or in_plan != len(self.running):
             return None  # nothing left to decode, or a running request needs a prefill chunk
-        return StepPlan(tuple(rows), (), (), self.cache.take_ops())
+        # Room as if `plan` emitted its most tokens (the least room it can leave).
+        rooms = [self._draft_room_of(request, ahead=k + 1) for _, request, _, k in fed]
+        num_drafts = self._choose_drafts([request for _, request, _, _ in fed], rooms,
+                                         self.config.max_num_batched_tokens // len(fed) - 1)
+        rows = tuple(ScheduledRow(request, [], furthest, request.slot, request.block_table, True,
+                                  min(num_drafts, room), fed_from=index)
+                     for (index, request, furthest, _), room in zip(fed, rooms))
+        return StepPlan(rows, (), (), self.cache.take_ops())
 
     def commit(self, plan: StepPlan, output: StepOutput, ahead: StepPlan | None = None) -> list[Request]:
         """Fold the step's output in (StepOutput: per plan row, the emitted tokens, their
@@ -190,8 +208,6 @@ class Scheduler:
         self._release_aborted()
         for checkpoint in plan.pinned:
             self.cache.unpin(checkpoint)
-        self.spec_stats.draft_seconds += output.draft_seconds
-        self.spec_stats.verify_seconds += output.verify_seconds
         logprobs, num_pending = output.logprobs, output.num_pending
         updated = []
         num_decode_rows = len(plan.decode_rows)
@@ -205,24 +221,27 @@ class Scheduler:
             # Fed tokens whose state is now pending or committed: the row's token(s) and the
             # drafts the target confirmed.
             request.num_computed_tokens += row.num_tokens + accepted_drafts
-            if row.mtp_end > request.mtp_position:
-                request.mtp_position = row.mtp_end
-            if request.draft_length is not None and index < num_decode_rows:
+            if request.acceptance is not None and index < num_decode_rows:
+                # The next catch-up starts at this step's newest position: the MTP caught up to
+                # it (a plain step kept its hidden state instead).
+                request.mtp_position = request.num_tokens - 1
                 self._record_verify(request, row.num_draft_tokens, accepted_drafts)
+            elif row.mtp_end > request.mtp_position:
+                request.mtp_position = row.mtp_end
             if row.sample:
+                num_known = request.num_tokens
                 request.extend(tokens, logprobs[index] if logprobs else None)
                 updated.append(request)
                 if request.finish_reason is not None:
                     fed_ahead = ahead is not None and any(r.request is request for r in ahead.decode_rows)
-                    self._finish(request, fed_ahead)
+                    self._finish(request, fed_ahead, request.num_tokens - num_known == len(tokens))
         Request.update_texts(updated)
         return updated
 
     def _record_verify(self, request: Request, num_drafted: int, num_accepted: int) -> None:
-        """The one place a decode row's speculation outcome is counted: the request's adaptive
-        length (which also counts steps without drafts, to probe again), its counters and the
-        engine's."""
-        request.draft_length.record(num_drafted, num_accepted)
+        """The one place a decode row's speculation outcome is counted: the request's acceptance
+        estimate (for the draft-length policy), its counters and the engine's."""
+        request.acceptance.record(num_drafted, num_accepted, self.draft_policy.smoothing)
         if num_drafted:
             request.spec_stats.record(num_drafted, num_accepted)
             self.spec_stats.record(num_drafted, num_accepted)
@@ -299,7 +318,7 @@ class Scheduler:
              checkpoints: tuple[CheckpointWrite, ...] = ()) -> ScheduledRow:
         start, end = request.num_computed_tokens, request.num_computed_tokens + num_tokens
         num_known = request.num_tokens
-        if self.config.draft_policy is None:
+        if self.draft_policy is None:
             mtp_start = mtp_end = 0
         else:
             # From the MTP's first missing position (the chunk's start, or one before after a
@@ -309,15 +328,20 @@ class Scheduler:
         return ScheduledRow(request, request.token_ids(start, end), start, request.slot, request.block_table,
                             end == num_known, num_drafts, mtp_start, mtp_end, checkpoints)
 
-    def _draft_length(self, request: Request) -> int:
-        """Drafts for this step of a speculating request: its adaptive length, never past
-        max_tokens or the context."""
-        num_tokens = request.num_tokens
+    def _draft_room_of(self, request: Request, ahead: int = 0) -> int:
+        """Drafts a decode row of the request may take, never past max_tokens or the context;
+        ahead: tokens the step in flight may still add first (a continuation's fed row)."""
+        num_tokens = request.num_tokens + ahead
         if request.mtp_position >= num_tokens - 1:
             return 0  # the prompt's last token, fed alone after a chunk: no MTP output to chain from
-        room = min(self.config.max_model_len - num_tokens,
-                   request.params.max_tokens - len(request.output_token_ids) - 1)
-        return max(0, min(request.draft_length.num_draft_tokens, room))
+        return max(0, min(self.config.max_model_len - num_tokens,
+                          request.params.max_tokens - len(request.output_token_ids) - ahead - 1))
+
+    def _choose_drafts(self, requests: list[Request], rooms: list[int], limit: int) -> int:
+        """The step's K (spec/adaptive.py); 0 without speculation."""
+        if self.draft_policy is None or not requests:
+            return 0
+        return self.draft_policy.choose([r.acceptance for r in requests], rooms, limit)
 
     def _reserve_blocks(self, request: Request, num_tokens: int, scheduled: set[int] | None) -> bool:
         """Grow the block table to hold num_tokens, preempting the newest running requests not
@@ -357,18 +381,25 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
 
-    def _finish(self, request: Request, fed_ahead: bool = False) -> None:
-        self._keep_checkpoint(request, fed_ahead)
+    def _finish(self, request: Request, fed_ahead: bool = False, took_every_token: bool = True) -> None:
+        if took_every_token or not fed_ahead:
+            self._keep_checkpoint(request, fed_ahead)
         self._release(request)
         request.status = RequestStatus.FINISHED
 
     def _keep_checkpoint(self, request: Request, fed_ahead: bool) -> None:
         """Hand a finished request's slot and the blocks of its committed tokens to the prefix
         cache (the next turn of a chat restores all of it). Committed: fed tokens minus those
-        still pending, or every token when the step in flight feeds the last one (plain decode
-        commits at once); the MTP must be at most as far as that."""
+        still pending, or every token when the step in flight feeds the last one (its newest
+        token is committed at once, and with it everything pending before it; a request whose
+        last step emitted tokens past its stop keeps nothing then: the state went past them);
+        the MTP must be at most as far as that, and the step in flight catches it up to the
+        newest position."""
         committed = request.num_tokens if fed_ahead else request.num_computed_tokens - request.num_pending
-        mtp_position = request.mtp_position if self.config.draft_policy is not None else committed
+        if self.draft_policy is None:
+            mtp_position = committed
+        else:
+            mtp_position = request.num_tokens - 1 if fed_ahead else request.mtp_position
         if request.slot is None or committed <= 0 or mtp_position > committed:
             return
         keep = self.blocks.blocks_needed(committed)

@@ -12,7 +12,8 @@ A speculative step (Speculator.run) is:
              committed state; the drafts are left pending), with the step's prefill chunks in
              the same forward when there are any (a mixed step).
   3. accept: greedy rows take the longest prefix matching the target's argmax, sampled rows
-             are decided by rejection sampling (spec/accept.py: lossless in distribution).
+             are decided by rejection sampling coupled with plain sampling (spec/accept.py):
+             they emit exactly the tokens plain sampling would, whatever the drafts.
   4. roll back: each slot's pending count becomes its accepted drafts (`_set_pending`, the one
              place it is written): the rejected drafts' inputs stay in the pending buffer
              unread, so rollback is a counter, not a copy or a re-run. The fed positions'
@@ -30,15 +31,14 @@ draft length: the plan says how many drafts each row gets.
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import torch
 
-from ..spec import greedy_accept, rejection_accept
+from ..spec import greedy_accept, sampled_accept
 from .batch import ForwardBatch, Row
 from .checkpoint_io import CheckpointIO
-from .decode_step import DecodeRow, DecodeRows, DecodeStep
+from .decode_step import DecodeRows, DecodeStep
 from .models import HybridLM
 from .sampler import Sampler
 from .state_pool import KVPool, StatePool
@@ -50,6 +50,14 @@ if TYPE_CHECKING:
 # Called between draft and verify with the step's decode rows and their drafts [B, K] (B >= the
 # number of rows: a graph bucket's padding rows follow); may rewrite the drafts in place.
 DraftEditor = Callable[[Sequence[ScheduledRow], torch.Tensor], None]
+
+
+class Drafted(NamedTuple):
+    """A speculative step's decode rows on the device and what it made of them."""
+
+    rows: DecodeRows
+    drafts: torch.Tensor        # [B, K]
+    logits: torch.Tensor | None  # [B * (K + 1), V] verify logits (None until verified)
 
 
 class Verified(NamedTuple):
@@ -70,9 +78,11 @@ class Speculator:
     # Fixed-shape stages (captured in CUDA graphs) ------------------------------------------
 
     def draft(self, rows: DecodeRows, num_drafts: int) -> torch.Tensor:
-        """MTP catch-up + chain -> drafts [B, num_drafts] int64 (the catch-up runs even for
-        num_drafts = 0: it keeps the MTP's KV cache complete for later drafting)."""
+        """MTP catch-up + chain -> drafts [B, num_drafts] int64, after filling in fed rows
+        (DecodeStep.feed). The catch-up runs even for num_drafts = 0: it keeps the MTP's KV cache
+        complete for later drafting."""
         decode, num_rows, catch_up = self.decode, rows.num_rows, self.decode.catch_up
+        decode.feed(rows)
         tables = decode.tables(rows)
         positions = rows.mtp_start[:, None] + decode.arange(catch_up)                       # [B, C]
         batch = decode.batch(rows, tables, positions, rows.catch_up_ids.reshape(-1), commit=True)
@@ -103,66 +113,123 @@ class Speculator:
         accepted, emitted = self.accept(hidden, logits, rows, drafts)
         return Verified(logits, accepted, emitted)
 
+    def step(self, rows: DecodeRows, num_drafts: int,
+             logits_out: torch.Tensor | None = None) -> tuple[torch.Tensor, Verified]:
+        """draft then verify: a whole speculative decode step on the device (one CUDA graph)."""
+        drafts = self.draft(rows, num_drafts)
+        return drafts, self.verify(rows, drafts, logits_out)
+
     def accept(self, hidden: torch.Tensor, logits: torch.Tensor, rows: DecodeRows,
                drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [B*(K+1), H], logits [B*(K+1), V] of the fed tokens -> greedy (accepted,
-        emitted); rolls each slot back to its accepted drafts and keeps the hidden states for
-        the next catch-up. Argmax of the model-dtype logits equals argmax of their float32
-        copies (the widening is exact)."""
+        emitted); rolls each slot back to its accepted drafts, keeps the hidden states for the
+        next catch-up and the outputs for the next step's fed rows (DecodeStep.record). Argmax
+        of the model-dtype logits equals argmax of their float32 copies (the widening is exact)."""
         num_rows, width = drafts.shape[0], drafts.shape[1] + 1
         self.states.mtp_hidden[rows.slots, :width] = hidden.view(num_rows, width, -1)
         target = logits.argmax(dim=-1).view(num_rows, width)
         accepted, emitted = greedy_accept(target, drafts, rows.num_drafts)
         self._set_pending(rows.slots, accepted)
+        self.decode.record(rows, accepted, emitted)
         return accepted, emitted
 
     # One step -------------------------------------------------------------------------------
 
+    def launch(self, rows: Sequence[ScheduledRow], graphs: SpecGraphs | None) -> Drafted:
+        """A decode-only speculative step, queued on the device with no host sync: draft,
+        verify, accept, roll back. Its outputs stay in DecodeStep's buffers (`accepted`,
+        `emitted`), where the next step's fed rows read them and `read` takes them to the host."""
+        num_drafts = max(r.num_draft_tokens for r in rows)
+        decode_rows = [r.decode_row() for r in rows]
+        if graphs is not None and graphs.can_run(decode_rows, num_drafts):
+            drafted = graphs.run(decode_rows, num_drafts, self._edit_in_place(rows))
+        else:
+            device_rows = self.decode.row_tensors(decode_rows, self.device)
+            drafts = self.draft(device_rows, num_drafts)
+            self._edit(rows, drafts)
+            drafted = Drafted(device_rows, drafts, self.verify(device_rows, drafts).logits)
+        self.resample(rows, drafted)
+        return drafted
+
     def run(self, plan: StepPlan, graphs: SpecGraphs | None) -> StepOutput:
-        """A speculative step over the plan's decode and prefill rows (no cached rows)."""
+        """A speculative step over the plan's decode and prefill rows (no cached rows), waited
+        for. Decode-only steps are `launch`ed; a mixed step drafts for its decode rows, then
+        runs one verify forward over decode and prefill rows, eagerly."""
         decode_rows, prefill_rows = plan.decode_rows, plan.prefill_rows
-        clock = _StageClock(self.device)
-        drafted, on_graph = None, False
+        if not prefill_rows:
+            drafted = self.launch(decode_rows, graphs)
+            emitted, logit_rows, num_pending = self.read(len(decode_rows), drafted.drafts.shape[1] + 1)
+            return StepOutput(emitted, logprobs=self.sampler.logprobs(drafted.logits, plan.rows, logit_rows, emitted),
+                              num_pending=num_pending)
+        drafted = None
         if decode_rows:
             num_drafts = max(r.num_draft_tokens for r in decode_rows)
-            rows = [_decode_row(r) for r in decode_rows]
-            on_graph = graphs is not None and graphs.can_run(rows, num_drafts)
-            if on_graph:  # the draft stage only reads decode rows: a graph serves mixed steps too
-                bucket_rows, bucket_drafts = graphs.draft(rows, num_drafts)
-                drafted = bucket_rows.head(len(rows)), bucket_drafts[:len(rows)]  # views: edits reach the graph
-            else:
-                device_rows = self.decode.row_tensors(rows, self.device)
-                drafted = device_rows, self.draft(device_rows, num_drafts)
-            if self.edit_drafts is not None:
-                self.edit_drafts(decode_rows, drafted[1])
-        clock.mark()
-        if prefill_rows:
-            verified, logits = self._verify_mixed(decode_rows, prefill_rows, drafted)
-        else:
-            verified = graphs.verify(len(decode_rows), num_drafts) if on_graph else self.verify(*drafted)
-            logits = verified.logits
-        clock.mark()
-        emitted, logit_rows, num_pending = self._accepted(decode_rows, verified, *drafted) if decode_rows \
-            else ([], [], [])
-        if prefill_rows:
-            sampling = [r for r in prefill_rows if r.sample]
-            first = len(logits) - len(sampling)  # the prefill rows' logits follow the decode rows'
-            sampled = iter(self.sampler.sample(logits[first:].float(), sampling).tolist() if sampling else [])
-            emitted += [[next(sampled)] if r.sample else [] for r in prefill_rows]
-            logit_row = iter(range(first, len(logits)))
-            logit_rows += [[next(logit_row)] if r.sample else [] for r in prefill_rows]
-            num_pending += [0] * len(prefill_rows)
-        draft_seconds, verify_seconds = clock.seconds()
-        return StepOutput(emitted, draft_seconds=draft_seconds, verify_seconds=verify_seconds,
-                          logprobs=self.sampler.logprobs(logits, plan.rows, logit_rows, emitted),
+            device_rows = self.decode.row_tensors([r.decode_row() for r in decode_rows], self.device)
+            drafts = self.draft(device_rows, num_drafts)
+            self._edit(decode_rows, drafts)
+            drafted = Drafted(device_rows, drafts, None)
+        logits = self._verify_mixed(decode_rows, prefill_rows, drafted)
+        emitted, logit_rows, num_pending = [], [], []
+        if decode_rows:
+            drafted = drafted._replace(logits=logits[:len(decode_rows) * (drafted.drafts.shape[1] + 1)])
+            self.resample(decode_rows, drafted)
+            emitted, logit_rows, num_pending = self.read(len(decode_rows), drafted.drafts.shape[1] + 1)
+        sampling = [r for r in prefill_rows if r.sample]
+        first = len(logits) - len(sampling)  # the prefill rows' logits follow the decode rows'
+        sampled = iter(self.sampler.sample(logits[first:].float(), sampling).tolist() if sampling else [])
+        emitted += [[next(sampled)] if r.sample else [] for r in prefill_rows]
+        logit_row = iter(range(first, len(logits)))
+        logit_rows += [[next(logit_row)] if r.sample else [] for r in prefill_rows]
+        num_pending += [0] * len(prefill_rows)
+        return StepOutput(emitted, logprobs=self.sampler.logprobs(logits, plan.rows, logit_rows, emitted),
                           num_pending=num_pending)
 
+    def resample(self, rows: Sequence[ScheduledRow], drafted: Drafted) -> None:
+        """Redo the acceptance of sampled rows by rejection sampling (spec/accept.py), on the
+        device: at each verified position the token plain sampling would draw there (same
+        seed, same position), the drafts accepted while they match. Overwrites those rows'
+        accepted counts, emitted tokens and pending counts (greedy acceptance ran for all)."""
+        sampled = [i for i, r in enumerate(rows) if not r.request.params.greedy]
+        if not sampled:
+            return
+        device_rows, drafts = drafted.rows, drafted.drafts
+        width = drafts.shape[1] + 1
+        index = self.sampler.tensor(sampled)
+        flat = (index[:, None] * width + self.decode.arange(width)).reshape(-1)
+        # Position i of a row's verify predicts the token at its newest position + 1 + i.
+        positions = (device_rows.positions[index][:, None] + 1 + self.decode.arange(width)).reshape(-1)
+        targets = self.sampler.sample(drafted.logits[flat].float(), [rows[i] for i in sampled for _ in range(width)],
+                                      positions).view(len(sampled), width)
+        accepted, emitted = sampled_accept(targets, drafts[index], device_rows.num_drafts[index])
+        self.decode.accepted[index] = accepted
+        self.decode.emitted[:width, index] = emitted.T
+        self._set_pending(device_rows.slots[index], accepted)
+
+    def read(self, num_rows: int, width: int) -> tuple[list[list[int]], list[list[int]], list[int]]:
+        """The step's outputs on the host (a sync): each row's emitted tokens, the logits rows
+        that scored them (row-major by (row, depth)) and its pending count."""
+        accepted = self.decode.accepted[:num_rows].tolist()
+        emitted = self.decode.emitted[:width, :num_rows].T.tolist()
+        tokens = [emitted[i][:accepted[i] + 1] for i in range(num_rows)]
+        logit_rows = [list(range(i * width, i * width + len(t))) for i, t in enumerate(tokens)]
+        return tokens, logit_rows, accepted
+
+    def _edit(self, rows: Sequence[ScheduledRow], drafts: torch.Tensor) -> None:
+        if self.edit_drafts is not None:
+            self.edit_drafts(rows, drafts)
+
+    def _edit_in_place(self, rows: Sequence[ScheduledRow]) -> Callable[[torch.Tensor], None] | None:
+        """What a graph replay calls between its draft and verify halves (None: one graph)."""
+        if self.edit_drafts is None:
+            return None
+        return lambda drafts: self.edit_drafts(rows, drafts)
+
     def _verify_mixed(self, decode_rows: Sequence[ScheduledRow], prefill_rows: Sequence[ScheduledRow],
-                      drafted: tuple[DecodeRows, torch.Tensor] | None) -> tuple[Verified | None, torch.Tensor]:
-        """One target forward over decode rows (K + 1 tokens each, as `verify`) and prefill
-        chunks. Returns the decode rows' Verified (None without decode rows) and the logits of
-        every row that needs them (decode rows' first, in the model's dtype)."""
-        num_drafts = drafted[1].shape[1] if drafted else 0
+                      drafted: Drafted | None) -> torch.Tensor:
+        """One target forward over decode rows (K + 1 tokens each, as `verify`, accepted
+        greedily) and prefill chunks. Returns the logits of every row that needs them (decode
+        rows' first, in the model's dtype)."""
+        num_drafts = drafted.drafts.shape[1] if drafted else 0
         rows = [Row([r.token_ids[0]] + [0] * num_drafts, r.start_position, r.slot, r.block_table,
                     num_logits=1 + num_drafts) for r in decode_rows]
         batch = ForwardBatch.build(rows, [r.forward_row() for r in prefill_rows], self.decode.block_size,
@@ -170,7 +237,7 @@ class Speculator:
         num_decode_tokens = len(rows) * (1 + num_drafts)
         if num_drafts:
             input_ids = batch.input_ids.clone()
-            input_ids[:num_decode_tokens].view(len(rows), 1 + num_drafts)[:, 1:] = drafted[1]
+            input_ids[:num_decode_tokens].view(len(rows), 1 + num_drafts)[:, 1:] = drafted.drafts
             batch = dataclasses.replace(batch, input_ids=input_ids)
         hidden = self.model(batch, self.states, self.kv)
         self.checkpoint_io.keep_hidden(batch, hidden)
@@ -178,38 +245,9 @@ class Speculator:
         # A fresh prefill leaves nothing pending; its MTP pass keeps the MTP KV complete.
         self._set_pending(self.sampler.tensor([r.slot for r in prefill_rows]), None)
         self._prefill_mtp(hidden, batch, prefill_rows)
-        if not drafted:
-            return None, logits
-        decode_logits = logits[:num_decode_tokens]
-        accepted, emitted = self.accept(hidden[:num_decode_tokens], decode_logits, *drafted)
-        return Verified(decode_logits, accepted, emitted), logits
-
-    def _accepted(self, rows: Sequence[ScheduledRow], verified: Verified, device_rows: DecodeRows,
-                  drafts: torch.Tensor) -> tuple[list[list[int]], list[list[int]], list[int]]:
-        """Decode rows' emitted tokens, the logits rows that scored them, and their pending
-        counts. Greedy rows were accepted on the device; sampled rows are redone here by
-        rejection sampling against the target's filtered distribution (spec/accept.py), with
-        the uniforms plain sampling would use at those positions (seed, position)."""
-        accepted, emitted = verified.accepted, verified.emitted
-        width = drafts.shape[1] + 1
-        sampled = [i for i, r in enumerate(rows) if not r.request.params.greedy]
-        if sampled:
-            index = self.sampler.tensor(sampled)
-            flat = (index[:, None] * width + torch.arange(width, device=self.device)).reshape(-1)
-            params = [rows[i].request.params for i in sampled for _ in range(width)]
-            probs = self.sampler.filter_probs(verified.logits[flat], params)
-            sampled_accepted, tokens = rejection_accept(
-                self.model.ops.rejection_sample, probs.view(len(sampled), width, -1), drafts[index].contiguous(),
-                device_rows.num_drafts[index], self.sampler.tensor([rows[i].request.seed for i in sampled]),
-                self.sampler.tensor([rows[i].start_position + 1 for i in sampled]))
-            accepted, emitted = accepted.clone(), emitted.clone()
-            accepted[index] = sampled_accepted.to(accepted.dtype)
-            emitted[index] = tokens
-            self._set_pending(device_rows.slots[index], sampled_accepted)
-        accepted_host, emitted_host = accepted[:len(rows)].tolist(), emitted[:len(rows)].tolist()
-        tokens = [emitted_host[i][:accepted_host[i] + 1] for i in range(len(rows))]
-        logit_rows = [list(range(i * width, i * width + len(t))) for i, t in enumerate(tokens)]
-        return tokens, logit_rows, accepted_host
+        if drafted:
+            self.accept(hidden[:num_decode_tokens], logits[:num_decode_tokens], drafted.rows, drafted.drafts)
+        return logits
 
     def _set_pending(self, slots: torch.Tensor, num_accepted: torch.Tensor | None) -> None:
         """Roll the slots back to their accepted drafts: the next step folds the first
@@ -254,36 +292,6 @@ class Speculator:
             self.model.draft_hidden(mtp_batch.input_ids, inputs, mtp_batch, self.kv)
         if keep_slots:
             self.states.mtp_hidden[tensor(keep_slots), 0] = hidden[tensor(keep_index)]
-
-
-def _decode_row(row: ScheduledRow) -> DecodeRow:
-    return DecodeRow(row.slot, row.token_ids[0], row.start_position, row.block_table, row.num_draft_tokens,
-                     row.mtp_start, row.mtp_token_ids)
-
-
-class _StageClock:
-    """Durations between marks: device time from CUDA events (read after the step's host sync),
-    host time on the CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.marks = [self._now()]
-
-    def mark(self) -> None:
-        self.marks.append(self._now())
-
-    def seconds(self) -> list[float]:
-        if self.cuda:
-            self.marks[-1].synchronize()  # a step whose rows sample nothing has not synced yet
-            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
-        return [b - a for a, b in zip(self.marks, self.marks[1:])]
-
-    def _now(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
 
 
 def _offsets(lengths: list[int]) -> list[int]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import msgspec
 
 from .batch import Row
+from .decode_step import DecodeRow
 from .prefix_cache import CacheOps, Checkpoint, CheckpointWrite
 from .request import Request, TokenLogprobs
 
@@ -59,6 +60,16 @@ class ScheduledRow(msgspec.Struct, frozen=True, gc=False):
         """MTP inputs: the token after each MTP position."""
         return self.request.token_ids(self.mtp_start + 1, self.mtp_end + 1)
 
+    def decode_row(self) -> DecodeRow:
+        """The decode row as the fixed-shape decode stages take it. A fed row's token, position
+        and MTP catch-up come from the step in flight (DecodeStep.feed); its start_position is
+        the furthest the row can be, which its blocks cover."""
+        if self.fed_from is not None:
+            return DecodeRow(self.slot, 0, self.start_position, self.block_table, self.num_draft_tokens,
+                             fed_from=self.fed_from)
+        return DecodeRow(self.slot, self.token_ids[0], self.start_position, self.block_table, self.num_draft_tokens,
+                         self.mtp_start, self.mtp_token_ids)
+
     def forward_row(self) -> Row:
         """The row as the model's varlen batch takes it (known tokens only)."""
         return Row(self.token_ids, self.start_position, self.slot, self.block_table, num_logits=int(self.sample),
@@ -93,8 +104,6 @@ class StepOutput:
     """Per plan row (decode rows first), what the step produced."""
 
     emitted: list[list[int]]  # the tokens each row emitted (accepted drafts + one for a verify row)
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
     # One TokenLogprobs per emitted token, for rows whose request asked for them.
     logprobs: list[list[TokenLogprobs] | None] | None = None
     # Fed tokens of each row left pending in its slot (None: none anywhere, no speculation).
@@ -110,6 +119,4 @@ class StepOutput:
         n, m = len(self.emitted), len(other.emitted)
         pending = None if self.num_pending is None and other.num_pending is None else \
             (self.num_pending or [0] * n) + (other.num_pending or [0] * m)
-        return StepOutput(self.emitted + other.emitted, self.draft_seconds + other.draft_seconds,
-                          self.verify_seconds + other.verify_seconds, joined(self.logprobs, other.logprobs, n, m),
-                          pending)
+        return StepOutput(self.emitted + other.emitted, joined(self.logprobs, other.logprobs, n, m), pending)

@@ -4,15 +4,15 @@ worth in tokens/s, for a model and a prompt set.
 For each temperature and batch size it runs the engine once without speculation (the baseline)
 and once per draft length k (fixed k: adaptive length off, so positions are comparable), and
 records per-position acceptance, mean accepted length (tokens per verify step), tokens/s, the
-speedup over the baseline and the draft/verify time split. Writes JSON, a markdown table and a
-PNG (acceptance by position for each k; speedup by k).
+speedup over the baseline and the engine's measured step costs. Writes JSON, a markdown table
+and a PNG (acceptance by position for each k; speedup by k).
 
 Every configuration, baseline included, is measured the same way (`run_config`): its engine is
 built (decode CUDA graphs are captured then), runs one untimed warm-up group of requests shaped
 like the timed ones, and only then is the whole prompt set timed, between two device syncs.
 Without the warm-up, the first configuration at each batch size paid Triton's compilation and
 autotuning (a B=1 baseline took 31 s instead of 8.6 s). The engine instances share one loaded
-model. The draft/verify split is the runner's host clock around each stage.
+model.
 
 Prompts: held-out code files cut at random points — files given on the command line, a JSONL
 file of {"prompt": ...} lines, or by default the held-out stdlib modules listed in the model's
@@ -91,8 +91,7 @@ def run_config(core: EngineCore, prompts: list[str], params: SamplingParams, bat
     return {"tokens": generated, "seconds": seconds, "tokens_per_s": generated / seconds,
             "warmup_seconds": warmup_seconds, "num_verify_steps": spec["num_verify_steps"],
             "acceptance_by_position": spec["acceptance_by_position"],
-            "mean_accepted_length": spec["mean_accepted_length"], "draft_seconds": spec["draft_seconds"],
-            "verify_seconds": spec["verify_seconds"]}
+            "mean_accepted_length": spec["mean_accepted_length"], "step_costs": core.stats()["step_costs"]}
 
 
 def warm_up(core: EngineCore, prompts: list[str], params: SamplingParams) -> None:
@@ -145,7 +144,7 @@ def benchmark(args: argparse.Namespace) -> dict:
         for temperature, batch in configs:
             params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=args.seed,
                                     ignore_eos=True)
-            base = measure(params, batch)
+            base = measure(params, batch, num_draft_tokens=0)
             bar.update()
             for k in args.draft_lengths:
                 measured = measure(params, batch, num_draft_tokens=k, adaptive_draft_length=False,

@@ -70,8 +70,9 @@ def _generate(args: argparse.Namespace) -> int:
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
-    parser.add_argument("--num-draft-tokens", type=int, default=0,
-                        help="MTP drafts per step at most (0: no speculation)")
+    parser.add_argument("--num-draft-tokens", type=int, default=None,
+                        help="MTP drafts per step at most (default: 3 when the checkpoint has MTP weights, each "
+                             "step's count chosen by the adaptive policy; 0: no speculation)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,21 +7,23 @@ Greedy rows accept the longest prefix with d_{i+1} == argmax_i, then add the tar
 token argmax_a: the emitted tokens are exactly argmax_0 .. argmax_a, identical to greedy
 decoding without speculation.
 
-Sampled rows use rejection sampling (the kernel `rejection_sample`). With p_i the target's
-filtered distribution at position i and q_i the drafter's (one-hot at d_i for the MTP's greedy
-drafts): accept d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection emit a
-token from max(0, p_i - q_i) renormalised, and when every draft is accepted a bonus token from
-p_k. Each emitted token is then distributed exactly as p: speculation changes how many forwards
-a token costs, never which tokens come out. Position i draws the uniforms of (seed, position),
-the stream plain sampling would use there.
+Sampled rows use rejection sampling, realised as a coupling with plain sampling. The MTP's
+drafts are greedy, so the drafter's q_i is one-hot at d_i, and rejection sampling reads: accept
+d_i with probability min(1, p_i(d_i) / q_i(d_i)) = p_i(d_i); on rejection emit a token from
+max(0, p_i - q_i) renormalised, i.e. from p_i without d_i; when every draft is accepted, a bonus
+token from p_k. Draw x_i ~ p_i at every position with the seeded noise plain sampling would use
+there (seed, position), accept d_i iff x_i = d_i, and emit x_i at the first mismatch (or as the
+bonus): P(accept) = p_i(d_i), and a rejected position emits x_i given x_i != d_i, which is p_i
+without d_i renormalised — the same law. So `sampled_accept` is `greedy_accept` on the sampled
+tokens, and more: the emitted tokens are exactly those plain sampling emits with the same seed,
+whatever the drafts and however many there are. Speculation changes how many forwards a token
+costs, never which tokens come out, for greedy and seeded rows alike.
 
 Both return (num_accepted [B], emitted [B, K+1]): row r emits emitted[r, :num_accepted[r] + 1].
 Knows nothing about requests or the engine: every input is a batched tensor on the device.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 
@@ -35,11 +37,8 @@ def greedy_accept(target_argmax: torch.Tensor, drafts: torch.Tensor,
     return num_accepted, target_argmax
 
 
-def rejection_accept(rejection_sample: Callable, target_probs: torch.Tensor, drafts: torch.Tensor,
-                     num_drafts: torch.Tensor, seeds: torch.Tensor,
-                     positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """target_probs [B, K+1, V] float32 (filtered p at each position), greedy drafts [B, K],
-    num_drafts [B]; seeds [B] and positions [B] (the position of each row's first emitted token)
-    pick the uniforms. rejection_sample: the backend's kernel (kernels.Ops.rejection_sample)."""
-    emitted, num_accepted = rejection_sample(target_probs, None, drafts, num_drafts, seeds, positions)
-    return num_accepted, emitted
+def sampled_accept(target_sampled: torch.Tensor, drafts: torch.Tensor,
+                   num_drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """target_sampled [B, K+1]: the token plain sampling draws from the target's filtered
+    distribution at each position (with that position's seeded noise); drafts [B, K] greedy."""
+    return greedy_accept(target_sampled, drafts, num_drafts)

@@ -1,113 +1,134 @@
-"""Per-request adaptive draft length.
+"""How many drafts each speculative step runs: chosen from measured step costs and each request's
+recent acceptance, so that speculation runs only where it pays.
 
-Policy (documented, switchable off): each request keeps an exponential moving average of the
-acceptance rate of its drafted positions, alpha (fraction of proposed drafts accepted; weight
-0.3 for the newest step). A verify step with k drafts costs about 1 + c*k decode steps of work
-(c ~ the draft-plus-verify cost of one extra token relative to a decode step; 0.15 by default)
-and yields 1 + alpha + .. + alpha^k tokens in expectation. The next k is the one in 0..k_max
-that maximises expected tokens per unit of cost. When drafting does not pay (alpha low), k
-drops to 0; a request at k = 0 still runs the MTP catch-up each step, and probes again with
-k = 1 every `probe_interval` steps so that it can grow back when acceptance recovers.
+A decode step runs every row at the same number of positions (fixed shapes, CUDA graphs), so
+its cost depends on its number of rows B and its draft count K alone, not on each row's own
+count. The policy therefore chooses one K per step, the one in 0..max_draft_tokens with the most
+expected tokens per second:
 
+    value(K) = sum_r E_r(min(K, room_r)) / cost(B, K),   E_r(k) = 1 + c_r1 + c_r1 c_r2 + .. + c_r1 .. c_rk,
+
+with c_ri request r's conditional acceptance at depth i (the chance that draft i is accepted
+when draft i - 1 was), an exponential moving average of what its verify steps saw (weight
+`smoothing` for the newest), room_r the drafts its token limit leaves, and cost(B, K) the
+seconds of a step (`StepCosts`, measured at start-up on the captured graphs; K = 0 is the plain
+decode step, which runs no MTP at all). So K = 0 wherever drafting does not pay: large batches,
+low acceptance, cheap steps. A step at K = 0 observes no acceptance, so after `probe_interval`
+of them in a row the policy runs one step at K = 1 (the cheapest probe) and acceptance can grow
+back. Ties go to the smaller K.
+
+With `adaptive` off every step drafts max_draft_tokens (a fixed K, as benchmarks compare).
 Knows nothing about tensors or the scheduler.
 """
 
 from __future__ import annotations
 
 import bisect
-import math
 from dataclasses import dataclass, field
+from typing import Mapping, Sequence
 
 
 @dataclass(frozen=True)
-class AdaptivePolicy:
-    max_draft_tokens: int
-    enabled: bool = True
-    cost_per_draft: float = 0.15
-    smoothing: float = 0.3
-    initial_acceptance: float = 0.7
-    probe_interval: int = 16
-    # Derived: costs[k] = 1 + cost_per_draft * k, the cost of a step with k drafts; thresholds[j]
-    # ~ the least acceptance whose best length exceeds j (see `best_length`).
-    costs: tuple[float, ...] = field(init=False, repr=False, compare=False)
-    thresholds: tuple[float, ...] = field(init=False, repr=False, compare=False)
+class StepCosts:
+    """Seconds of a decode step by (rows, K). Measured per graph bucket: a step of B rows costs
+    what its bucket (the smallest >= B) costs, as it replays that bucket's graph padded."""
 
-    # Acceptances this close to a threshold are decided by the direct search (bisection and
-    # the direct sums may round differently there).
-    _NEAR = 1e-9
+    buckets: tuple[int, ...]
+    seconds: Mapping[tuple[int, int], float]  # (bucket, K) -> seconds; K = 0: the plain step
 
     def __post_init__(self) -> None:
-        if self.max_draft_tokens < 0 or self.cost_per_draft < 0:
-            raise ValueError("max_draft_tokens and cost_per_draft must be >= 0")
-        object.__setattr__(self, "costs", tuple(1 + self.cost_per_draft * k for k in range(self.max_draft_tokens + 1)))
-        object.__setattr__(self, "thresholds", self._thresholds())
+        if not self.buckets or any((b, 0) not in self.seconds for b in self.buckets):
+            raise ValueError("step costs need the plain step (K = 0) of every bucket")
 
-    def best_length(self, acceptance: float) -> int:
-        """The k in 0..max_draft_tokens with the most expected tokens per unit of cost (the
-        smallest such k on a tie), for an acceptance in [0, 1]; runs for every decoding request
-        every step, so it is a lookup. The best k never decreases as acceptance grows: for
-        j < k, value_k / value_j = (S_k / S_j) (cost_j / cost_k) with S_k = 1 + a + .. + a^k, and
-        S_k / S_j = 1 + (a^(j+1) + .. + a^k) / (1 + .. + a^j) increases with a (every power
-        above is higher than every power below). So best_length(a) = #thresholds below a."""
-        k = bisect.bisect_right(self.thresholds, acceptance)
-        if (k and acceptance - self.thresholds[k - 1] < self._NEAR) or \
-                (k < len(self.thresholds) and self.thresholds[k] - acceptance < self._NEAR):
-            return self._search(acceptance)
-        return k
+    @classmethod
+    def relative(cls, max_draft_tokens: int, cost_per_draft: float = 0.15) -> StepCosts:
+        """Unmeasured (eager engines): a step with K drafts costs 1 + cost_per_draft * K plain
+        steps at every batch size."""
+        return cls((1 << 30,), {(1 << 30, k): 1 + cost_per_draft * k for k in range(max_draft_tokens + 1)})
 
-    def _search(self, acceptance: float) -> int:
-        """best_length by evaluating every k."""
-        best, best_value = 0, -math.inf
-        expected_tokens = 0.0  # 1 + alpha + .. + alpha^k, summed in that order
-        for k, cost in enumerate(self.costs):
-            expected_tokens += acceptance ** k
-            value = expected_tokens / cost
-            if value > best_value:
-                best, best_value = k, value
-        return best
+    def __call__(self, num_rows: int, num_drafts: int) -> float:
+        index = bisect.bisect_left(self.buckets, num_rows)
+        return self.seconds[self.buckets[min(index, len(self.buckets) - 1)], num_drafts]
 
-    def _thresholds(self) -> tuple[float, ...]:
-        """thresholds[j]: the least acceptance in [0, 1] (to float bisection) with _search > j,
-        or 2.0 (never) when even acceptance 1 keeps the best length at j or below. At acceptance
-        0 every k yields one token and k = 0 costs least, so each search starts above 0."""
-        best_at_one = self._search(1.0)
-        thresholds = []
-        for j in range(self.max_draft_tokens):
-            if best_at_one <= j:
-                thresholds.append(2.0)
-                continue
-            low, high = 0.0, 1.0  # _search(low) <= j < _search(high)
-            for _ in range(64):
-                middle = (low + high) / 2
-                low, high = (low, middle) if self._search(middle) > j else (middle, high)
-            thresholds.append(high)
-        return tuple(thresholds)
+    def as_dict(self) -> dict[str, dict[int, float]]:
+        """{"K=k": {bucket: seconds}} for stats and benchmarks."""
+        table: dict[str, dict[int, float]] = {}
+        for (bucket, k), seconds in sorted(self.seconds.items()):
+            table.setdefault(f"K={k}", {})[bucket] = seconds
+        return table
 
 
 @dataclass
-class DraftLengthState:
-    """One request's acceptance history and current draft length."""
+class AcceptanceEstimate:
+    """One request's recent acceptance: reach[i] = c_1 .. c_(i+1), the chance that its first
+    i + 1 drafts are all accepted (so E(k) = 1 + reach[0] + .. + reach[k - 1])."""
 
-    policy: AdaptivePolicy
-    acceptance: float = field(init=False)
-    steps_at_zero: int = 0
+    conditional: list[float]
+    reach: list[float] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.acceptance = self.policy.initial_acceptance
+        self._update_reach()
 
-    @property
-    def num_draft_tokens(self) -> int:
-        if not self.policy.enabled:
-            return self.policy.max_draft_tokens
-        k = self.policy.best_length(self.acceptance)
-        if k == 0 and self.steps_at_zero >= self.policy.probe_interval:
-            return 1
-        return k
+    def record(self, num_drafted: int, num_accepted: int, smoothing: float) -> None:
+        """A verify step drafted k and accepted a: depths 1..min(a + 1, k) were reached; each
+        of them but a rejected one at depth a + 1 was accepted."""
+        for depth in range(min(num_accepted + 1, num_drafted)):
+            seen = 1.0 if depth < num_accepted else 0.0
+            self.conditional[depth] += smoothing * (seen - self.conditional[depth])
+        if num_drafted:
+            self._update_reach()
 
-    def record(self, num_drafted: int, num_accepted: int) -> None:
-        if num_drafted == 0:
+    def _update_reach(self) -> None:
+        reach, product = [], 1.0
+        for c in self.conditional:
+            product *= c
+            reach.append(product)
+        self.reach = reach
+
+
+@dataclass
+class DraftPolicy:
+    max_draft_tokens: int
+    costs: StepCosts
+    adaptive: bool = True
+    smoothing: float = 0.3
+    initial_acceptance: float = 0.7  # every depth's conditional acceptance before any is seen
+    probe_interval: int = 16
+    steps_at_zero: int = 0  # steps in a row at K = 0 (a probe follows `probe_interval` of them)
+
+    def __post_init__(self) -> None:
+        if self.max_draft_tokens < 1:
+            raise ValueError("a draft policy needs max_draft_tokens >= 1 (0: no speculation, no policy)")
+        if not 0 < self.smoothing <= 1 or not 0 <= self.initial_acceptance <= 1 or self.probe_interval < 1:
+            raise ValueError("smoothing in (0, 1], initial_acceptance in [0, 1], probe_interval >= 1")
+
+    def new_estimate(self) -> AcceptanceEstimate:
+        return AcceptanceEstimate([self.initial_acceptance] * self.max_draft_tokens)
+
+    def choose(self, estimates: Sequence[AcceptanceEstimate], rooms: Sequence[int], limit: int) -> int:
+        """K for a step of these rows (their estimates, and the drafts room_r each may take);
+        limit: the most K the step's token budget allows."""
+        top = min(self.max_draft_tokens, limit, max(rooms, default=0))
+        if top <= 0:
+            return 0
+        if not self.adaptive:
+            return top
+        # gains[i]: expected tokens that depth i + 1 adds over the batch.
+        gains = [0.0] * top
+        for estimate, room in zip(estimates, rooms):
+            for i, reach in enumerate(estimate.reach[:min(room, top)]):
+                gains[i] += reach
+        num_rows = len(estimates)
+        best, best_value, tokens = 0, num_rows / self.costs(num_rows, 0), float(num_rows)
+        for k in range(1, top + 1):
+            tokens += gains[k - 1]
+            value = tokens / self.costs(num_rows, k)
+            if value > best_value:
+                best, best_value = k, value
+        if best == 0:
             self.steps_at_zero += 1
-            return
-        self.steps_at_zero = 0
-        rate = num_accepted / num_drafted
-        self.acceptance += self.policy.smoothing * (rate - self.acceptance)
+            if self.steps_at_zero > self.probe_interval:
+                best = 1
+        if best:
+            self.steps_at_zero = 0
+        return best

@@ -1,4 +1,4 @@
-"""Speculation counters: per-position acceptance, mean accepted length, draft/verify time.
+"""Speculation counters: per-position acceptance and mean accepted length.
 
 Position i (1-based) counts how often a draft at depth i was proposed and accepted. The mean
 accepted length is tokens emitted per verify step (accepted drafts + the target's own token).
@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 @dataclass
 class SpecStats:
     rows: Counter[tuple[int, int]] = field(default_factory=Counter)  # (drafted, accepted) -> verify rows
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
         self.rows[num_drafted, num_accepted] += 1
@@ -57,11 +55,7 @@ class SpecStats:
     def mean_accepted_length(self) -> float:
         return self.num_emitted_tokens / self.num_verify_steps if self.num_verify_steps else 0.0
 
-    def as_dict(self, with_times: bool = True) -> dict:
-        """The counters (and the stage times, which only the engine-wide stats keep)."""
-        counters = {"acceptance_by_position": self.acceptance_by_position, "proposed_by_position": self.proposed,
-                    "accepted_by_position": self.accepted, "mean_accepted_length": self.mean_accepted_length,
-                    "num_verify_steps": self.num_verify_steps}
-        if with_times:
-            counters.update(draft_seconds=self.draft_seconds, verify_seconds=self.verify_seconds)
-        return counters
+    def as_dict(self) -> dict:
+        return {"acceptance_by_position": self.acceptance_by_position, "proposed_by_position": self.proposed,
+                "accepted_by_position": self.accepted, "mean_accepted_length": self.mean_accepted_length,
+                "num_verify_steps": self.num_verify_steps}

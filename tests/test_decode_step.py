@@ -1,14 +1,19 @@
-"""DecodeStep's device-side block tables: a step sends only what changed, and the tables the
-stages gather always equal the rows' own (growth, a slot handed to a new request, row order)."""
+"""DecodeStep: the device-side block tables (a step sends only what changed, and the tables the
+stages gather always equal the rows' own: growth, a slot handed to a new request, row order),
+the packed row layout, and fed rows derived on the device from the latest step's outputs."""
 
 import random
 
-from deltaspec.engine import LLM
+import pytest
+import torch
+
+from deltaspec.engine import LLM, EngineConfig
+from deltaspec.engine.core import EngineCore
 from deltaspec.engine.decode_step import DecodeRow, DecodeRows, DecodeStep, pack_rows
 
 
 def test_slot_tables_follow_growth_and_reuse(checkpoint):
-    core = LLM(checkpoint("qwen3_5")).core
+    core = LLM(checkpoint("qwen3_5"), num_draft_tokens=0).core
     step = DecodeStep(core.model, core.states, core.kv, 16, False, 4, 12)
     rng = random.Random(0)
     tables = {slot: tuple(rng.sample(range(1, 100), 2)) for slot in (1, 2, 3)}
@@ -38,10 +43,45 @@ def test_slot_tables_follow_growth_and_reuse(checkpoint):
 
 
 def test_pack_rows_matches_the_rows():
-    """Columns: slot, newest, is_fed, fed_from, position, k_r, mtp_start, n_r, catch-up ids; a fed
-    row names the previous step's row whose token it takes; padding rows are all zeros."""
+    """Columns: slot, is_fed, fed_from, k_r, newest, position, mtp_start, n_r, catch-up ids; a fed
+    row names the previous step's row it continues; padding rows are all zeros."""
     rows = [DecodeRow(3, 11, 40, (1, 2, 3), 2, 37, (5, 6, 7)), DecodeRow(5, 12, 20, (4, 9), 0, 19, (8,)),
-            DecodeRow(6, 0, 21, (10, 11), fed_from=1)]
+            DecodeRow(6, 0, 21, (10, 11), 3, fed_from=1)]
     packed = pack_rows(rows, 4, 16, 4, pin_memory=False)
-    assert packed.tolist() == [[3, 11, 0, 0, 40, 2, 37, 3, 5, 6, 7, 0], [5, 12, 0, 0, 20, 0, 19, 1, 8, 0, 0, 0],
-                               [6, 0, 1, 1, 21, 0, 0, 0, 0, 0, 0, 0], [0] * 12]
+    assert packed.tolist() == [[3, 0, 0, 2, 11, 40, 37, 3, 5, 6, 7, 0], [5, 0, 0, 0, 12, 20, 19, 1, 8, 0, 0, 0],
+                               [6, 1, 1, 3, 0, 21, 0, 0, 0, 0, 0, 0], [0] * 12]
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_fed_rows_continue_the_latest_step(checkpoint, speculative):
+    """A fed row takes its newest token from the row it continues; with speculation its position
+    moves past that row's accepted drafts and its MTP catch-up covers the positions that row
+    verified and accepted, with the tokens it emitted (an independent reading of the buffers)."""
+    core = EngineCore(EngineConfig(model=checkpoint("qwen3_5"), max_num_seqs=4,
+                                   num_draft_tokens=3 if speculative else 0))
+    step = DecodeStep(core.model, core.states, core.kv, 16, speculative, 4, 12)
+    width = step.emitted.shape[0]
+    rng = random.Random(int(speculative))
+    emitted = [[rng.randrange(1, 500) for _ in range(4)] for _ in range(width)]   # [W, rows]
+    accepted = [rng.randrange(width) for _ in range(4)] if speculative else [0] * 4
+    positions = [rng.randrange(20, 60) for _ in range(4)]
+    step.emitted.copy_(torch.tensor(emitted))
+    step.accepted.copy_(torch.tensor(accepted))
+    step.last_positions.copy_(torch.tensor(positions))
+    table = tuple(range(1, 6))
+    rows = [DecodeRow(2, 0, 70, table, 1, fed_from=3), DecodeRow(1, 7, 33, table, 2, 30, (4, 5, 6)[:step.catch_up]),
+            DecodeRow(3, 0, 70, table, 0, fed_from=0)]
+    packed = DecodeRows(pack_rows(rows, step.catch_up, 16, 3, pin_memory=False))
+    before = packed.packed.clone()
+    step.feed(packed)
+    assert torch.equal(packed.packed[1], before[1])  # not fed: untouched
+    for i, source in ((0, 3), (2, 0)):
+        a = accepted[source]
+        assert packed.newest[i] == emitted[a][source]
+        assert packed.slots[i] == rows[i].slot and packed.num_drafts[i] == rows[i].num_drafts
+        if speculative:
+            assert packed.positions[i] == positions[source] + a + 1
+            assert packed.mtp_start[i] == positions[source] and packed.num_catch_up[i] == a + 1
+            assert packed.catch_up_ids[i, :a + 1].tolist() == [emitted[d][source] for d in range(a + 1)]
+        else:
+            assert packed.positions[i] == 70  # the host knows a plain row's position

@@ -11,7 +11,7 @@ from deltaspec.engine import EngineConfig, ModelConfig, SamplingParams
 from deltaspec.engine.core import EngineCore
 from deltaspec.engine.state_pool import StatePool
 from deltaspec.kernels.gdn import expand_heads, l2norm, recurrent_steps
-from deltaspec.spec import AdaptivePolicy, DraftLengthState, greedy_accept
+from deltaspec.spec import AcceptanceEstimate, DraftPolicy, StepCosts, greedy_accept
 
 from test_engine import assert_all_free, check_isolation, make_jobs, run_staggered
 
@@ -58,7 +58,7 @@ class ScriptedDrafter:
 def test_greedy_is_lossless_for_every_acceptance_count(family, checkpoint, k):
     path = checkpoint(family)
     batch = prompts(5, seed=k)
-    base = generate(EngineCore(EngineConfig(model=path)), batch)
+    base = generate(EngineCore(EngineConfig(model=path, num_draft_tokens=0)), batch)
     truth = {str(i): tokens for i, tokens in enumerate(base)}
     drafter = ScriptedDrafter(truth, seed=k)
     core = EngineCore(EngineConfig(model=path, num_draft_tokens=k, adaptive_draft_length=False), edit_drafts=drafter)
@@ -73,7 +73,7 @@ def test_greedy_is_lossless_for_every_acceptance_count(family, checkpoint, k):
 def test_greedy_with_the_real_mtp_drafter_is_lossless(family, checkpoint, k):
     path = checkpoint(family, mtp_copy_of_last_layer=True)
     batch = prompts(4, seed=10 + k)
-    base = generate(EngineCore(EngineConfig(model=path)), batch)
+    base = generate(EngineCore(EngineConfig(model=path, num_draft_tokens=0)), batch)
     core = EngineCore(EngineConfig(model=path, num_draft_tokens=k, adaptive_draft_length=False))
     assert generate(core, batch) == base
     assert core.stats()["spec"]["num_verify_steps"] > 0
@@ -86,7 +86,7 @@ def test_isolation_with_speculation(checkpoint, n):
     path = checkpoint("qwen3_next", mtp_copy_of_last_layer=True)
     core = check_isolation(path, n, seed=100 + n, num_draft_tokens=3, max_num_seqs=16, max_num_batched_tokens=256)
     jobs = [j for j in make_jobs(n, 100 + n) if j.params.greedy and j.abort_after is None]
-    plain = EngineCore(EngineConfig(model=path, max_num_seqs=16, max_num_batched_tokens=256))
+    plain = EngineCore(EngineConfig(model=path, max_num_seqs=16, max_num_batched_tokens=256, num_draft_tokens=0))
     spec = run_staggered(core, jobs)
     base = run_staggered(plain, jobs)
     assert [spec[i].output_token_ids for i in range(len(jobs))] == [base[i].output_token_ids for i in range(len(jobs))]
@@ -100,7 +100,7 @@ def test_rollback_is_a_counter(checkpoint):
     path = checkpoint("qwen3_5")
     prompt = prompts(1, seed=3)[0] + [1, 2, 3]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    base = generate(EngineCore(EngineConfig(model=path)), [prompt], params)
+    base = generate(EngineCore(EngineConfig(model=path, num_draft_tokens=0)), [prompt], params)
     drafter = ScriptedDrafter({"0": base[0]}, seed=5)
     core = EngineCore(EngineConfig(model=path, num_draft_tokens=4, adaptive_draft_length=False), edit_drafts=drafter)
     request = core.add_request(prompt, params)
@@ -113,7 +113,7 @@ def test_rollback_is_a_counter(checkpoint):
     assert pending == drafter.forced[-1]
     fed = request.num_computed_tokens
     # Truth: a fresh engine prefills exactly the accepted tokens.
-    fresh = EngineCore(EngineConfig(model=path))
+    fresh = EngineCore(EngineConfig(model=path, num_draft_tokens=0))
     fresh.add_request(request.token_ids(0, fed), SamplingParams(max_tokens=1, temperature=0))
     plan = fresh.schedule()
     truth_slot = plan.prefill_rows[0].slot
@@ -165,50 +165,68 @@ def test_greedy_accept_math():
     assert emitted[0, :3].tolist() == [5, 6, 7]
 
 
-def test_adaptive_draft_length_shrinks_and_recovers():
-    state = DraftLengthState(AdaptivePolicy(max_draft_tokens=4))
-    assert state.num_draft_tokens >= 2
-    for _ in range(20):
-        state.record(state.num_draft_tokens, 0)
-    assert state.num_draft_tokens == 0
-    for _ in range(16):
-        state.record(0, 0)
-    assert state.num_draft_tokens == 1  # probing
-    for _ in range(20):
-        k = state.num_draft_tokens
-        state.record(k, k)
-    assert state.num_draft_tokens == 4
-    fixed = DraftLengthState(AdaptivePolicy(max_draft_tokens=3, enabled=False))
-    fixed.record(3, 0)
-    assert fixed.num_draft_tokens == 3
+def test_acceptance_estimate_follows_each_depth():
+    """A verify of k drafts that accepted a saw depths 1..min(a + 1, k): accepted up to a, the
+    next rejected; deeper ones unseen keep their estimate."""
+    estimate = AcceptanceEstimate([0.5, 0.5, 0.5])
+    estimate.record(3, 1, smoothing=0.5)   # depth 1 accepted, depth 2 rejected, depth 3 unseen
+    assert estimate.conditional == [0.75, 0.25, 0.5]
+    assert estimate.reach == pytest.approx([0.75, 0.1875, 0.09375])
+    estimate.record(0, 0, smoothing=0.5)   # a step without drafts observes nothing
+    assert estimate.conditional == [0.75, 0.25, 0.5]
 
 
-@pytest.mark.parametrize("max_draft_tokens", [0, 1, 3, 8])
-@pytest.mark.parametrize("cost_per_draft", [0.0, 0.05, 0.15, 0.6])
-def test_draft_length_lookup_equals_the_search(max_draft_tokens, cost_per_draft):
-    """best_length (a threshold lookup) picks what evaluating every k picks, at every
-    acceptance, right at and around its thresholds too."""
-    policy = AdaptivePolicy(max_draft_tokens, cost_per_draft=cost_per_draft)
+def _best_by_search(costs, estimates, rooms, top):
+    """Evaluate value(K) = sum_r E_r(min(K, room_r)) / cost(B, K) for every K directly."""
+    values = []
+    for k in range(top + 1):
+        tokens = 0.0
+        for estimate, room in zip(estimates, rooms):
+            product, expected = 1.0, 1.0
+            for c in estimate.conditional[:min(k, room)]:
+                product *= c
+                expected += product
+            tokens += expected
+        values.append(tokens / costs(len(estimates), k))
+    return values.index(max(values))
 
-    def search(acceptance):
-        values = [sum(acceptance ** i for i in range(k + 1)) / (1 + cost_per_draft * k)
-                  for k in range(max_draft_tokens + 1)]
-        return values.index(max(values))
 
-    rng = random.Random(max_draft_tokens)
-    points = [i / 4096 for i in range(4097)] + [rng.random() for _ in range(4000)]
-    points += [t + d for t in policy.thresholds for d in (0.0, 1e-12, -1e-12, 1e-8, -1e-8) if 0 <= t + d <= 1]
-    for acceptance in points:
-        assert policy.best_length(acceptance) == policy._search(acceptance)
-        # An independent evaluation agrees wherever the best value is not a near tie.
-        values = sorted(sum(acceptance ** i for i in range(k + 1)) / (1 + cost_per_draft * k)
-                        for k in range(max_draft_tokens + 1))
-        if len(values) < 2 or values[-1] - values[-2] > 1e-9:
-            assert policy.best_length(acceptance) == search(acceptance)
+@pytest.mark.parametrize("seed", range(6))
+def test_draft_policy_picks_the_most_tokens_per_second(seed):
+    rng = random.Random(seed)
+    max_drafts = rng.randint(1, 6)
+    buckets = (1, 2, 4, 8, 16)
+    seconds = {(b, k): (1 + 0.05 * b) * (1 + rng.uniform(0.02, 0.6) * k) for b in buckets for k in range(max_drafts + 1)}
+    costs = StepCosts(buckets, seconds)
+    policy = DraftPolicy(max_drafts, costs, probe_interval=10**9)
+    for _ in range(50):
+        rows = rng.randint(1, 16)
+        estimates = [AcceptanceEstimate([rng.random() for _ in range(max_drafts)]) for _ in range(rows)]
+        rooms = [rng.choice([0, 1, max_drafts, max_drafts]) for _ in range(rows)]
+        limit = rng.randint(0, max_drafts + 1)
+        top = min(max_drafts, limit, max(rooms))
+        assert policy.choose(estimates, rooms, limit) == (_best_by_search(costs, estimates, rooms, top) if top > 0 else 0)
+
+
+def test_draft_policy_turns_off_probes_and_grows_back():
+    costs = StepCosts.relative(4, cost_per_draft=0.3)
+    policy = DraftPolicy(4, costs, probe_interval=5)
+    good, bad = AcceptanceEstimate([0.95] * 4), AcceptanceEstimate([0.05] * 4)
+    assert policy.choose([good], [4], limit=100) == 4
+    chosen = [policy.choose([bad], [4], limit=100) for _ in range(12)]
+    assert chosen == [0] * 5 + [1] + [0] * 5 + [1]      # a probe after every 5 steps at K = 0
+    cheap = DraftPolicy(4, StepCosts.relative(4, cost_per_draft=0.05))
+    assert cheap.choose([good, good], [4, 2], limit=100) == 4  # rooms cap rows, not the step
+    assert cheap.choose([good], [4], limit=2) == 2             # the token budget caps the step
+    assert policy.choose([good], [0], limit=100) == 0
+    fixed = DraftPolicy(3, costs, adaptive=False)
+    assert fixed.choose([bad], [3], limit=100) == 3 and fixed.choose([bad], [1], limit=100) == 1
+    with pytest.raises(ValueError):
+        StepCosts((1, 2), {(1, 0): 1.0})
 
 
 class FrequentTokenDrafter:
-    """A draft hook: drafts, at every output index, the token plain sampling emits most often
+    """A draft editor: drafts, at every output index, the token plain sampling emits most often
     there: drafts that the target often accepts (probability p(d)) and often rejects."""
 
     def __init__(self, favourites: list[int]) -> None:
@@ -235,7 +253,8 @@ def test_sampling_with_speculation_keeps_the_distribution(checkpoint):
             core.step()
         return [r.output_token_ids for r in requests]
 
-    plain = sample_all(EngineCore(EngineConfig(model=path, max_num_seqs=64, max_num_batched_tokens=512)), 0)
+    plain = sample_all(EngineCore(EngineConfig(model=path, max_num_seqs=64, max_num_batched_tokens=512,
+                                               num_draft_tokens=0)), 0)
     favourites = [max(set(col), key=col.count) for col in zip(*plain)]
     core = EngineCore(EngineConfig(model=path, max_num_seqs=64, max_num_batched_tokens=512, num_draft_tokens=2,
                                    adaptive_draft_length=False), edit_drafts=FrequentTokenDrafter(favourites))
@@ -253,6 +272,31 @@ def test_sampling_with_speculation_keeps_the_distribution(checkpoint):
         # chi-square critical value at p = 0.001 (Wilson-Hilferty; z = 3.09), e.g. 26.1 at 8 dof
         critical = dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3
         assert statistic < critical, f"token {index}: chi2 {statistic:.1f} over {dof} dof"
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_seeded_sampling_with_speculation_equals_plain_sampling(checkpoint, k):
+    """Rejection sampling coupled with plain sampling (spec/accept.py) emits exactly the tokens
+    plain sampling emits with the same seeds, whatever the drafts: forced to the frequent
+    tokens (every acceptance count happens) and from the real MTP layer with the adaptive K."""
+    path = checkpoint("qwen3_5", mtp_copy_of_last_layer=True)
+    batch = prompts(6, seed=30 + k)
+    params = [SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=1000 + i, ignore_eos=True)
+              for i in range(len(batch))]
+
+    def run(core: EngineCore) -> list[list[int]]:
+        requests = [core.add_request(p, q) for p, q in zip(batch, params)]
+        while core.has_work:
+            core.step()
+        return [r.output_token_ids for r in requests]
+
+    plain = run(EngineCore(EngineConfig(model=path, num_draft_tokens=0)))
+    favourites = [max(set(col), key=col.count) for col in zip(*plain)]
+    forced = EngineCore(EngineConfig(model=path, num_draft_tokens=k, adaptive_draft_length=False),
+                        edit_drafts=FrequentTokenDrafter(favourites))
+    assert run(forced) == plain
+    assert 0 < forced.stats()["spec"]["acceptance_by_position"][0] < 1
+    assert run(EngineCore(EngineConfig(model=path, num_draft_tokens=k))) == plain
 
 
 def test_seeded_sampling_with_speculation_is_reproducible(checkpoint):
@@ -276,7 +320,7 @@ def test_reduced_draft_vocabulary_is_lossless(checkpoint, tmp_path):
     vocab = list(range(0, 512, 3))
     (path / "draft_vocab.json").write_text(json.dumps({"token_ids": vocab}))
     batch = prompts(3, seed=21)
-    base = generate(EngineCore(EngineConfig(model=path)), batch)
+    base = generate(EngineCore(EngineConfig(model=path, num_draft_tokens=0)), batch)
     proposed = []
 
     def recording(rows, drafts):
@@ -300,9 +344,9 @@ def test_final_outputs_carry_per_request_acceptance(checkpoint):
     spec = LLM(path, num_draft_tokens=2, adaptive_draft_length=False)
     outputs = spec.generate(prompts(3, seed=4), params)
     counters = [o.spec_stats for o in outputs]
-    assert all(c is not None and c["num_verify_steps"] > 0 and "draft_seconds" not in c for c in counters)
+    assert all(c is not None and c["num_verify_steps"] > 0 for c in counters)
     assert all(1.0 <= c["mean_accepted_length"] <= 3.0 for c in counters)
     total = spec.core.stats()["spec"]
     assert sum(c["num_verify_steps"] for c in counters) == total["num_verify_steps"]
     assert [sum(c["accepted_by_position"][d] for c in counters) for d in range(2)] == total["accepted_by_position"]
-    assert all(o.spec_stats is None for o in LLM(path).generate(prompts(2, seed=4), params))
+    assert all(o.spec_stats is None for o in LLM(path, num_draft_tokens=0).generate(prompts(2, seed=4), params))
