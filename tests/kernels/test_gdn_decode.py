@@ -1,24 +1,30 @@
-"""Triton kernels of the recurrent path against their torch references: GDN deferred-commit
-decode/verify (kernels/gdn_decode.py), causal conv1d prefill/decode (kernels/conv1d.py),
-rms_norm / gated_rms_norm (kernels/norms.py), silu_and_mul (kernels/activation.py) and q/k norm
-+ partial RoPE (kernels/rope.py).
+"""GDN deferred-commit decode/verify (kernels/gdn_decode.py): the torch reference, driven as one GDN
+layer with the conv1d and chunked-prefill references, against a naive float64 recurrence written
+here; then the Triton kernel against the reference, alone and chained with the conv decode kernel
+(kernels/conv1d.py) as the layer drives them.
 
-The references are checked against float64 oracles in test_ref_*.py; here they are the oracle.
-Inputs are fresh seeded random draws (no zeros); kernel outputs are poisoned with NaN before the
-kernel writes them (launch_* entry points) or freshly allocated; every pool slot a batch does
-not own holds finite garbage and must stay bit-identical. Batches are ragged (1 to P+1 tokens
-per row, a sequence of length 1), slots permuted, pad rows point at scratch slot 0 (whose
-pending count is garbage), pending counts range over 0..P (P = k; P = 0 for plain decode), q/k/v
-and the pending k/v of the step buffer are strided views of conv outputs and a/b of the
-projection, exactly as engine/models/layers.py passes them. Step-buffer entries past a row's
-pending count are NaN (the conv kernel leaves them unwritten). A layer test chains the conv and
-GDN kernels through verify steps, acceptance and commit steps against plain decode. The `out=`
-views the layer passes (row slices of its step buffers, the conv's also column-strided) are
-written in place by kernels and references alike, and nothing outside them is.
+Reference. Contracts checked: deferred commit is exact (docs/design.md, "Deferred commit"): one
+prefill, commit decode steps, or verify steps with pending counts 0..k and rollback give the same
+outputs and final state; a verify step commits its first token at once, and committed state +
+pending raw inputs and g, beta reproduce the state of running only the accepted tokens; pending
+columns past the count are never read; slots not in the batch are bit-identical after every
+call; slot 0 is scratch for pad rows.
+
+Triton kernel, with the reference as the oracle. Inputs are fresh seeded random draws (no zeros);
+outputs are poisoned with NaN before the kernel writes them (launch_gdn_decode) or freshly
+allocated; every pool slot a batch does not own holds finite garbage and must stay bit-identical.
+Batches are ragged (1 to P+1 tokens per row, a sequence of length 1), slots permuted, pad rows
+point at scratch slot 0 (whose pending count is garbage), pending counts range over 0..P (P = k;
+P = 0 for plain decode), q/k/v and the pending k/v of the step buffer are strided views of conv
+outputs and a/b of the projection, exactly as engine/models/layers.py passes them. Step-buffer
+entries past a row's pending count are NaN (the conv kernel leaves them unwritten). A layer test
+chains the conv and GDN kernels through verify steps, acceptance and commit steps against plain
+decode. The `out=` view the layer passes (a row slice of its step buffer) is written in place by
+kernel and reference alike, and nothing outside it is.
 
 CPU: the interpreter, fp32, tiny head dims (16/32), HV = HK and HV = 2 HK, one V tile and two.
 GPU (`gpu` marker): bf16 activations, K = V = 128, fp32 and bf16 state pools, every V-tile
-config, capture in a CUDA graph, realistic conv/norm/rope/SwiGLU widths and long positions.
+config, capture in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -26,58 +32,313 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltaspec.kernels.activation import silu_and_mul, silu_and_mul_reference
-from deltaspec.kernels.conv1d import (causal_conv1d_decode, causal_conv1d_decode_reference, causal_conv1d_prefill,
-                                      causal_conv1d_prefill_reference)
+from deltaspec.kernels import REFERENCE_OPS
 from deltaspec.kernels.gdn import pending_replicas
 import deltaspec.kernels.gdn_decode as gdn_decode_module
-from deltaspec.kernels.gdn_decode import decode_config, gdn_decode, gdn_decode_reference, launch_gdn_decode
-from deltaspec.kernels.norms import gated_rms_norm, gated_rms_norm_reference, rms_norm, rms_norm_reference
-from deltaspec.kernels.rope import qk_norm_rope, qk_norm_rope_reference
+from deltaspec.kernels.gdn_decode import decode_config, gdn_decode, launch_gdn_decode
 from deltaspec.kernels.tiles import TileConfig
-
-PAD_SLOT = 0
-TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what: str = "") -> None:
-    """Max error relative to the largest reference magnitude; NaN never passes."""
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    if not actual.numel():
-        return
-    error = (actual.double() - expected.double()).abs().max()
-    scale = expected.double().abs().max()
-    assert bool(error <= rtol * scale), f"{what}: max abs error {float(error):.3e} (scale {float(scale):.3e})"
+from kernel_helpers import (PAD_SLOT, RAGGED, TOLERANCE, assert_close, assert_close_elementwise,
+                            assert_slots_untouched, bits, clone, conv_pool, cu_seqlens_of, naive_conv, naive_gdn,
+                            naive_step, random_gating_params, run_conv_decode)
 
 
-def bits(x: torch.Tensor) -> torch.Tensor:
-    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
-    return x.contiguous().view(view)
+# Through the backend table, so the tests follow the references wherever they live.
+causal_conv1d_prefill_reference = REFERENCE_OPS.causal_conv1d_prefill
+causal_conv1d_decode_reference = REFERENCE_OPS.causal_conv1d_decode
+gdn_chunked_reference = REFERENCE_OPS.gdn_chunked
+gdn_decode_reference = REFERENCE_OPS.gdn_decode
 
 
-def assert_slots_untouched(pool: dict[str, torch.Tensor], before: dict[str, torch.Tensor], owned: set[int]) -> None:
-    for name, tensor in pool.items():
-        for slot in range(tensor.shape[0]):
-            if slot not in owned:
-                assert torch.equal(bits(tensor[slot]), bits(before[name][slot])), f"{name}[{slot}] changed"
+# ----------------------------------------------------------------------------------------------
+# Torch reference: deferred commit of a conv + GDN layer, prefill vs commit decode vs verify
+# with rollback, against float64 truth
+# ----------------------------------------------------------------------------------------------
+
+WIDTH, KEY_DIM, VALUE_DIM, NUM_SLOTS, MAX_PENDING, SEQ_LEN = 4, 8, 6, 9, 3, 10  # MAX_PENDING = k
+
+REPLICAS = 2  # of each pending g / beta in the pool (kernels/gdn.py): the reference reads the first, writes all
 
 
-def cu_seqlens_of(lengths: list[int], device: str) -> torch.Tensor:
-    return torch.tensor([0] + lengths).cumsum(0).to(torch.int32).to(device)
+class Layer:
+    """One GDN layer as the model drives it: conv over the q|k|v channels, split, recurrence."""
 
+    def __init__(self, gen: torch.Generator, num_key_heads: int, num_value_heads: int) -> None:
+        self.hk, self.hv = num_key_heads, num_value_heads
+        self.channels = 2 * num_key_heads * KEY_DIM + num_value_heads * VALUE_DIM
+        self.weight = torch.randn(self.channels, WIDTH, generator=gen) * 0.6
+        self.A_log, self.dt_bias = random_gating_params(gen, num_value_heads)
+
+    def split(self, conv_out: torch.Tensor):
+        """[..., C] -> q, k [..., HK, K], v [..., HV, V]."""
+        key = self.hk * KEY_DIM
+        q, k, v = conv_out.split((key, key, self.hv * VALUE_DIM), dim=-1)
+        return (q.unflatten(-1, (self.hk, KEY_DIM)), k.unflatten(-1, (self.hk, KEY_DIM)),
+                v.unflatten(-1, (self.hv, VALUE_DIM)))
+
+    def naive(self, x, a, b, window, state):
+        """Whole sequence in float64: -> (outputs [L, HV, V], final state, final window)."""
+        sequence = torch.cat([window.double(), x.double()])
+        q, k, v = self.split(naive_conv(sequence, self.weight))
+        out, final = naive_gdn(q, k, v, a, b, self.A_log, self.dt_bias, state)
+        return out, final, sequence[-(WIDTH - 1):]
+
+    def naive_fold(self, pool, slot: int):
+        """Committed state and window of a slot with its pending drafts folded in, float64, from
+        what the pool keeps of them: raw conv inputs and g, beta. -> (state, window)."""
+        count = int(pool["pending_counts"][slot])
+        sequence = torch.cat([pool["conv"][slot], pool["pending_conv"][slot, :count]]).double()
+        _, k, v = self.split(naive_conv(sequence, self.weight))
+        state = pool["state"][slot].double().clone()
+        group = self.hv // self.hk
+        for name in ("pending_g", "pending_beta"):  # every replica of a valid entry holds the same value
+            entries = pool[name][slot, :count]
+            assert torch.equal(entries, entries[..., :1].expand_as(entries)), f"{name}[{slot}] replicas differ"
+        for t in range(count):
+            for h in range(self.hv):
+                state[h] = naive_step(state[h], k[t, h // group], v[t, h], float(pool["pending_g"][slot, t, h, 0]),
+                                      float(pool["pending_beta"][slot, t, h, 0]))
+        return state, sequence[-(WIDTH - 1):]
+
+    def new_pool(self, gen: torch.Generator) -> dict[str, torch.Tensor]:
+        """Every slot filled with finite garbage (stale contents), random pending counts."""
+        s, p = NUM_SLOTS, MAX_PENDING
+        return dict(
+            state=0.5 * torch.randn(s, self.hv, KEY_DIM, VALUE_DIM, generator=gen),
+            conv=torch.randn(s, WIDTH - 1, self.channels, generator=gen),
+            pending_conv=torch.randn(s, p, self.channels, generator=gen),
+            pending_g=-torch.rand(s, p, self.hv, 1, generator=gen).repeat(1, 1, 1, REPLICAS),
+            pending_beta=torch.rand(s, p, self.hv, 1, generator=gen).repeat(1, 1, 1, REPLICAS),
+            pending_counts=torch.randint(0, p + 1, (s,), generator=gen, dtype=torch.int32),
+        )
+
+    def prefill(self, pool, x, a, b, lengths, slots, has_initial):
+        cu, slot_ids = cu_seqlens_of(lengths), torch.tensor(slots, dtype=torch.int32)
+        conv_out = causal_conv1d_prefill_reference(x, self.weight, cu, slot_ids, torch.tensor(has_initial), pool["conv"])
+        q, k, v = self.split(conv_out)
+        return gdn_chunked_reference(q, k, v, a, b, self.A_log, self.dt_bias, cu, slot_ids,
+                                     torch.tensor(has_initial), pool["state"])
+
+    def decode(self, pool, x, a, b, lengths, slots, commit):
+        cu, slot_ids = cu_seqlens_of(lengths), torch.tensor(slots, dtype=torch.int32)
+        conv_out, pending_out = causal_conv1d_decode_reference(x, self.weight, cu, slot_ids, pool["conv"],
+                                                               pool["pending_conv"], pool["pending_counts"], commit)
+        q, k, v = self.split(conv_out)
+        _, pending_k, pending_v = self.split(pending_out)
+        return gdn_decode_reference(q, k, v, a, b, self.A_log, self.dt_bias, cu, slot_ids, pool["state"],
+                                    pending_k, pending_v, pool["pending_g"], pool["pending_beta"],
+                                    pool["pending_counts"], commit)
+
+
+# Verify schedules: per sequence, (tokens fed, drafts accepted) per step. The first fed token is
+# always accepted; the accepted drafts set the slot's pending count (0 = every draft rolled
+# back, k = all kept) and the next step re-feeds from the first rejected draft. The rest of the
+# sequence is then fed in commit steps of at most k+1 tokens.
+SCHEDULES = {
+    5: [(4, 0), (4, 3), (4, 1), (2, 1)],   # k=3: full rollback, then pending k, ...; final 1 token over 1
+    2: [(2, 1), (2, 1), (2, 0), (2, 1)],   # k=1; final 3 tokens over 1 pending
+    7: [(1, 0), (1, 0), (1, 0), (1, 0)],   # no drafts: plain decode through the verify path; final 4 + 2
+    3: [(3, 2), (3, 0), (3, 2), (1, 0)],   # k=2; final 2 tokens over 0 pending
+}
+
+SLOTS = list(SCHEDULES)  # batch order: permuted slots, never 0
+
+
+class Sequences:
+    """SEQ_LEN tokens per slot (conv inputs x, gating inputs a, b), an initial committed state
+    and window, and the float64 truth for the whole sequence."""
+
+    def __init__(self, gen: torch.Generator, layer: Layer) -> None:
+        self.layer = layer
+        self.x = {s: torch.randn(SEQ_LEN, layer.channels, generator=gen) for s in SLOTS}
+        self.a = {s: torch.randn(SEQ_LEN, layer.hv, generator=gen) for s in SLOTS}
+        self.b = {s: torch.randn(SEQ_LEN, layer.hv, generator=gen) for s in SLOTS}
+        self.state0 = {s: 0.5 * torch.randn(layer.hv, KEY_DIM, VALUE_DIM, generator=gen) for s in SLOTS}
+        self.window0 = {s: torch.randn(WIDTH - 1, layer.channels, generator=gen) for s in SLOTS}
+        self.truth = {s: self.truth_after(s, SEQ_LEN) for s in SLOTS}
+
+    def truth_after(self, s: int, n: int):
+        """float64 (outputs, state, window) after the first n >= 1 tokens of slot s."""
+        return self.layer.naive(self.x[s][:n], self.a[s][:n], self.b[s][:n], self.window0[s], self.state0[s])
+
+    def install(self, pool: dict[str, torch.Tensor]) -> None:
+        """Committed state as a finished prefill leaves it: nothing pending."""
+        for s in SLOTS:
+            pool["state"][s] = self.state0[s]
+            pool["conv"][s] = self.window0[s]
+            pool["pending_counts"][s] = 0
+
+
+def batch_of(seqs: Sequences, gen: torch.Generator, layer: Layer, spans: dict[int, tuple[int, int]],
+             num_pad_rows: int = 0):
+    """Pack token ranges [start, end) per slot (in SLOTS order), then 1-token pad rows on
+    scratch slot 0 (as CUDA-graph padding does: several rows may share it)."""
+    xs = [seqs.x[s][i:j] for s, (i, j) in spans.items()]
+    as_ = [seqs.a[s][i:j] for s, (i, j) in spans.items()]
+    bs = [seqs.b[s][i:j] for s, (i, j) in spans.items()]
+    lengths, slots = [j - i for i, j in spans.values()], list(spans)
+    for _ in range(num_pad_rows):
+        xs.append(torch.randn(1, layer.channels, generator=gen))
+        as_.append(torch.randn(1, layer.hv, generator=gen))
+        bs.append(torch.randn(1, layer.hv, generator=gen))
+        lengths.append(1)
+        slots.append(PAD_SLOT)
+    return torch.cat(xs), torch.cat(as_), torch.cat(bs), lengths, slots
+
+
+def check_outputs(out: torch.Tensor, seqs: Sequences, spans: dict[int, tuple[int, int]], what: str) -> None:
+    start = 0
+    for s, (i, j) in spans.items():
+        assert_close_elementwise(out[start:start + j - i], seqs.truth[s][0][i:j], what=f"{what}: slot {s} tokens {i}..{j - 1}")
+        start += j - i
+
+
+def check_committed(pool: dict[str, torch.Tensor], seqs: Sequences, slot: int, n: int, what: str) -> None:
+    """The slot's committed state and window (pending ignored) are those after n tokens."""
+    _, state, window = seqs.truth_after(slot, n)
+    assert_close_elementwise(pool["state"][slot], state, what=f"{what}: committed state of slot {slot}")
+    assert_close_elementwise(pool["conv"][slot], window, what=f"{what}: committed window of slot {slot}")
+
+
+def check_final_state(pool: dict[str, torch.Tensor], seqs: Sequences, what: str) -> None:
+    for s in SLOTS:
+        check_committed(pool, seqs, s, SEQ_LEN, what)
+
+
+def commit_rest(layer: Layer, seqs: Sequences, gen: torch.Generator, pool, position: dict[int, int]) -> None:
+    """Feed every slot's remaining tokens in commit steps of at most k+1 tokens (pad rows too),
+    checking outputs; rows with nothing left drop out."""
+    while any(p < SEQ_LEN for p in position.values()):
+        spans = {s: (p, min(p + MAX_PENDING + 1, SEQ_LEN)) for s, p in position.items() if p < SEQ_LEN}
+        x, a, b, lengths, slots = batch_of(seqs, gen, layer, spans, num_pad_rows=2)
+        check_outputs(layer.decode(pool, x, a, b, lengths, slots, commit=True), seqs, spans, "commit step")
+        for s, (_, j) in spans.items():
+            position[s] = j
+            pool["pending_counts"][s] = 0  # folded (the engine's runner does not run commit over pending)
+
+
+@pytest.fixture(params=[(2, 4), (2, 2)], ids=["HV=2HK", "HV=HK"])
+def setup(request):
+    gen = torch.Generator().manual_seed(7 + request.param[1])
+    layer = Layer(gen, *request.param)
+    return gen, layer, Sequences(gen, layer)
+
+
+def test_deferred_commit_one_prefill(setup):
+    """(a) All sequences as one varlen prefill from their committed state."""
+    gen, layer, seqs = setup
+    pool = layer.new_pool(gen)
+    seqs.install(pool)
+    before = {name: t.clone() for name, t in pool.items()}
+    spans = {s: (0, SEQ_LEN) for s in SLOTS}
+    x, a, b, lengths, slots = batch_of(seqs, gen, layer, spans, )
+    out = layer.prefill(pool, x, a, b, lengths, slots, [True] * len(slots))
+    check_outputs(out, seqs, spans, "prefill")
+    check_final_state(pool, seqs, "prefill")
+    assert_slots_untouched(pool, before, owned=set(SLOTS))
+
+
+def test_deferred_commit_decode_steps(setup):
+    """(b) SEQ_LEN batched decode steps with commit=True, one token per row, plus two pad rows on
+    scratch slot 0 (pending count garbage): no other slot may change."""
+    gen, layer, seqs = setup
+    pool = layer.new_pool(gen)
+    seqs.install(pool)
+    pool["pending_counts"][PAD_SLOT] = MAX_PENDING
+    before = {name: t.clone() for name, t in pool.items()}
+    for t in range(SEQ_LEN):
+        spans = {s: (t, t + 1) for s in SLOTS}
+        x, a, b, lengths, slots = batch_of(seqs, gen, layer, spans, num_pad_rows=2)
+        out = layer.decode(pool, x, a, b, lengths, slots, commit=True)
+        check_outputs(out, seqs, spans, f"decode step {t}")
+    check_final_state(pool, seqs, "decode")
+    assert_slots_untouched(pool, before, owned=set(SLOTS) | {PAD_SLOT})
+
+
+def test_deferred_commit_verify_with_rollback(setup):
+    """(c) Verify steps (commit=False) with different token counts per row. Each stores the
+    committed state up to its first fed token (always accepted); the engine then only sets the
+    pending count to the accepted drafts (0..k), and committed + pending must equal the state
+    of the accepted tokens alone. The next step re-feeds from the first rejected draft; commit
+    steps fold pending + the remaining tokens. Every output and the final state/window must
+    equal the whole-sequence truth."""
+    gen, layer, seqs = setup
+    pool = layer.new_pool(gen)
+    seqs.install(pool)
+    pool["pending_counts"][PAD_SLOT] = MAX_PENDING
+    before = {name: t.clone() for name, t in pool.items()}
+    position = {s: 0 for s in SLOTS}
+    num_steps = len(next(iter(SCHEDULES.values())))
+    for step in range(num_steps):
+        spans = {s: (position[s], position[s] + SCHEDULES[s][step][0]) for s in SLOTS}
+        x, a, b, lengths, slots = batch_of(seqs, gen, layer, spans, num_pad_rows=2)
+        out = layer.decode(pool, x, a, b, lengths, slots, commit=False)
+        check_outputs(out, seqs, spans, f"verify step {step}")
+        for s in SLOTS:
+            check_committed(pool, seqs, s, position[s] + 1, f"verify step {step}")
+            accepted = SCHEDULES[s][step][1]
+            pool["pending_counts"][s] = accepted  # acceptance: the only thing the engine does to the pool
+            position[s] += 1 + accepted
+            _, state, window = seqs.truth_after(s, position[s])
+            folded_state, folded_window = layer.naive_fold(pool, s)
+            assert_close_elementwise(folded_state, state, what=f"step {step}: committed + pending state of slot {s}")
+            assert_close_elementwise(folded_window, window, what=f"step {step}: committed + pending window of slot {s}")
+    assert all(p < SEQ_LEN for p in position.values())
+    commit_rest(layer, seqs, gen, pool, position)
+    check_final_state(pool, seqs, "verify + fold")
+    assert_slots_untouched(pool, before, owned=set(SLOTS) | {PAD_SLOT})
+
+
+def test_rejected_drafts_are_never_read():
+    """With every draft rejected twice in a row (pending count 0), each verify step leaves the
+    state of its first token alone, and the rest of the sequence behaves as if the drafts had
+    never been fed."""
+    gen = torch.Generator().manual_seed(11)
+    layer = Layer(gen, 2, 4)
+    seqs = Sequences(gen, layer)
+    pool = layer.new_pool(gen)
+    seqs.install(pool)
+    for start in range(2):
+        spans = {s: (start, start + 3) for s in SLOTS}
+        x, a, b, lengths, slots = batch_of(seqs, gen, layer, spans, )
+        layer.decode(pool, x, a, b, lengths, slots, commit=False)
+        for s in SLOTS:
+            pool["pending_counts"][s] = 0
+            check_committed(pool, seqs, s, start + 1, "after rejected drafts")
+    for t in range(2, SEQ_LEN):
+        spans = {s: (t, t + 1) for s in SLOTS}
+        x, a, b, lengths, slots = batch_of(seqs, gen, layer, spans, )
+        check_outputs(layer.decode(pool, x, a, b, lengths, slots, commit=True), seqs, spans, f"step {t}")
+    check_final_state(pool, seqs, "after rollbacks")
+
+
+# ----------------------------------------------------------------------------------------------
+# Stale state must never be read (design: pending columns past the count are rejected tokens). A
+# previous owner that diverged can leave inf/NaN there; multiplying by 0 instead of selecting
+# lets it leak into a new sequence.
+# ----------------------------------------------------------------------------------------------
+
+def test_gdn_decode_ignores_nonfinite_pending_columns_past_the_count():
+    gen = torch.Generator().manual_seed(23)
+    layer = Layer(gen, 2, 4)
+    seqs = Sequences(gen, layer)
+    pool = layer.new_pool(gen)
+    seqs.install(pool)
+    for name in ("pending_g", "pending_beta", "pending_conv"):
+        pool[name][SLOTS] = float("nan")  # count is 0: none of these columns is valid
+    spans = {s: (0, 1) for s in SLOTS}
+    x, a, b, lengths, slots = batch_of(seqs, gen, layer, spans, )
+    out = layer.decode(pool, x, a, b, lengths, slots, commit=True)
+    check_outputs(out, seqs, spans, "decode over NaN rejected columns")
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernel vs the torch reference
+# ----------------------------------------------------------------------------------------------
 
 def replicated(entries: torch.Tensor, value_dim: int) -> torch.Tensor:
     """Pending g or beta [S, P, HV] as the pool keeps them: [S, P, HV, R], R equal replicas."""
     return entries[..., None].repeat(1, 1, 1, pending_replicas(value_dim))
 
-
-def clone(pool: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {name: t.clone() for name, t in pool.items()}
-
-
-# ----------------------------------------------------------------------------------------------
-# GDN decode / verify
-# ----------------------------------------------------------------------------------------------
 
 class GDNCase:
     """A GDN layer's pool (every slot finite garbage, counts per slot) and one step's inputs,
@@ -170,12 +431,6 @@ def check_gdn_step(case: GDNCase, lengths: list[int], slots: list[int], commit: 
                 assert torch.equal(bits(actual_entries[written:]), bits(before[name][slot, written:])), name
         start += length
     assert_slots_untouched(actual_pool, before, owned=set(slots))
-
-
-# Rows: (new tokens, slot, pending count of the slot) with P = k = 4: 1..k+1 new tokens over 0..k
-# pending; pad rows (slot 0) last, as CUDA graphs pad.
-RAGGED = [(1, 5, 0), (5, 2, 4), (2, 7, 3), (1, 3, 1), (3, 8, 0), (5, 4, 0), (1, PAD_SLOT, None),
-          (1, PAD_SLOT, None)]
 
 
 def ragged_case(seed: int, hk: int, hv: int, dim: int, state_dtype: torch.dtype, device: str) -> GDNCase:
@@ -451,335 +706,3 @@ def test_gdn_decode_cuda_graph_replay():
             pool["pending_counts"][slot] = count
             expected_pool["pending_counts"][slot] = count
     assert_close(pool["state"][slots], expected_pool["state"][slots], TOLERANCE[torch.bfloat16], "state")
-
-
-# ----------------------------------------------------------------------------------------------
-# Causal conv1d
-# ----------------------------------------------------------------------------------------------
-
-def conv_inputs(gen: torch.Generator, num_tokens: int, channels: int, dtype, device):
-    """x as the model's mixed q|k|v rows: a strided view of a wider projection output."""
-    wide = torch.randn(num_tokens, channels + 5, generator=gen).to(dtype).to(device)
-    return wide[:, 2:2 + channels]
-
-
-@pytest.mark.parametrize("channels", [24, 160])
-def test_conv1d_prefill(kernel_device, channels):
-    """Rows shorter than, equal to and longer than W-1 and than a token block (16 under the
-    interpreter), with and without an initial window (the stale window of a fresh row is NaN)."""
-    gen = torch.Generator().manual_seed(channels)
-    width, num_slots = 4, 9
-    lengths = [1, 2, 3, 5, 40, 1, 17]
-    slots = [5, 2, 8, 1, 6, 3, 7]
-    has_initial = [True, False, True, True, False, True, False]
-    x = conv_inputs(gen, sum(lengths), channels, torch.float32, kernel_device)
-    weight = torch.randn(channels, width, generator=gen).to(kernel_device)
-    conv_state = torch.randn(num_slots, width - 1, channels, generator=gen).to(kernel_device)
-    for slot, initial in zip(slots, has_initial):
-        if not initial:
-            conv_state[slot] = float("nan")
-    before = conv_state.clone()
-    args = (cu_seqlens_of(lengths, kernel_device), torch.tensor(slots, dtype=torch.int32, device=kernel_device),
-            torch.tensor(has_initial, device=kernel_device))
-    expected_state, actual_state = conv_state.clone(), conv_state.clone()
-    expected = causal_conv1d_prefill_reference(x, weight, *args, expected_state)
-    actual = causal_conv1d_prefill(x, weight, *args, actual_state)
-    assert_close(actual, expected, TOLERANCE[torch.float32], "output")
-    assert torch.equal(actual_state[slots], expected_state[slots]), "final windows"
-    assert_slots_untouched({"conv": actual_state}, {"conv": before}, owned=set(slots))
-
-
-def conv_pool(gen: torch.Generator, num_slots: int, max_pending: int, channels: int, width: int, device: str):
-    pool = dict(conv=torch.randn(num_slots, width - 1, channels, generator=gen).to(device),
-                pending_conv=torch.randn(num_slots, max_pending, channels, generator=gen).to(device),
-                pending_counts=torch.randint(0, max_pending + 1, (num_slots,), generator=gen,
-                                             dtype=torch.int32).to(device))
-    pool["pending_counts"][PAD_SLOT] = max_pending
-    return pool
-
-
-def run_conv_decode(kernel: bool, x, weight, lengths, slots, pool, commit):
-    device = x.device
-    fn = causal_conv1d_decode if kernel else causal_conv1d_decode_reference
-    return fn(x, weight, cu_seqlens_of(lengths, device), torch.tensor(slots, dtype=torch.int32, device=device),
-              pool["conv"], pool["pending_conv"], pool["pending_counts"], commit)
-
-
-def check_conv_step(pool, x, weight, lengths: list[int], slots: list[int], commit: bool, rtol: float) -> None:
-    """One call, kernel vs reference on copies of the pool: outputs of the new tokens and of the
-    pending tokens (step buffer, first p entries) of real rows, windows and pending columns of
-    real slots bit for bit, every other slot untouched."""
-    before = clone(pool)
-    expected_pool, actual_pool = clone(pool), clone(pool)
-    expected, expected_pending = run_conv_decode(False, x, weight, lengths, slots, expected_pool, commit)
-    actual, actual_pending = run_conv_decode(True, x, weight, lengths, slots, actual_pool, commit)
-    start = 0
-    for row, (length, slot) in enumerate(zip(lengths, slots)):
-        if slot != PAD_SLOT:
-            span = slice(start, start + length)
-            assert_close(actual[span], expected[span], rtol, f"output of slot {slot}")
-            count = int(before["pending_counts"][slot])
-            assert_close(actual_pending[row, :count], expected_pending[row, :count], rtol, f"pending of slot {slot}")
-            assert torch.equal(actual_pool["conv"][slot], expected_pool["conv"][slot]), f"window of slot {slot}"
-            assert torch.equal(bits(actual_pool["pending_conv"][slot]), bits(expected_pool["pending_conv"][slot]))
-        start += length
-    assert_slots_untouched(actual_pool, before, owned=set(slots))
-
-
-@pytest.mark.parametrize("commit", [True, False], ids=["commit", "verify"])
-def test_conv1d_decode_ragged_batch(kernel_device, commit):
-    """1..P+1 new tokens per row over 0..P pending columns (NaN past the count), pad rows on slot 0."""
-    gen = torch.Generator().manual_seed(70)
-    channels, width, max_pending, num_slots = 40, 4, 4, 10
-    pool = conv_pool(gen, num_slots, max_pending, channels, width, kernel_device)
-    for _, slot, count in RAGGED:
-        if count is not None:
-            pool["pending_counts"][slot] = count
-            pool["pending_conv"][slot, count:] = float("nan")
-    lengths, slots = [n for n, _, _ in RAGGED], [s for _, s, _ in RAGGED]
-    x = conv_inputs(gen, sum(lengths), channels, torch.float32, kernel_device)
-    weight = torch.randn(channels, width, generator=gen).to(kernel_device)
-    check_conv_step(pool, x, weight, lengths, slots, commit, TOLERANCE[torch.float32])
-
-
-def test_conv1d_plain_decode_without_pending_buffers(kernel_device):
-    """P = 0 (no speculation): empty pending buffers, one token per row, commit."""
-    gen = torch.Generator().manual_seed(72)
-    pool = conv_pool(gen, 6, 0, 40, 4, kernel_device)
-    x = conv_inputs(gen, 4, 40, torch.float32, kernel_device)
-    weight = torch.randn(40, 4, generator=gen).to(kernel_device)
-    check_conv_step(pool, x, weight, [1, 1, 1, 1], [4, 1, 3, PAD_SLOT], True, TOLERANCE[torch.float32])
-
-
-def test_conv1d_decode_verify_rollback_sequence(kernel_device):
-    gen = torch.Generator().manual_seed(71)
-    channels, width, max_pending = 24, 4, 3
-    pool = conv_pool(gen, 8, max_pending, channels, width, kernel_device)
-    lengths, slots = [4, 1, 3], [6, 2, 5]
-    pool["pending_counts"][slots] = 0
-    weight = torch.randn(channels, width, generator=gen).to(kernel_device)
-    expected_pool, actual_pool = clone(pool), clone(pool)
-    for step, counts in enumerate([[3, 0, 0], [0, 0, 2], [1, 0, 2], None]):  # accepted drafts
-        x = conv_inputs(gen, sum(lengths), channels, torch.float32, kernel_device)
-        commit = counts is None
-        expected, _ = run_conv_decode(False, x, weight, lengths, slots, expected_pool, commit)
-        actual, _ = run_conv_decode(True, x, weight, lengths, slots, actual_pool, commit)
-        assert_close(actual, expected, TOLERANCE[torch.float32], f"step {step}")
-        for pool_ in (expected_pool, actual_pool):
-            pool_["pending_counts"][slots] = torch.tensor(counts or [0, 0, 0], dtype=torch.int32,
-                                                          device=kernel_device)
-    assert torch.equal(actual_pool["conv"][slots], expected_pool["conv"][slots])
-
-
-def check_conv_layer_buffers(kernel: bool, channels: int, dtype: torch.dtype, device: str, rtol: float) -> None:
-    """The conv as the GDN layer drives it: x is the q|k|v column view of one projection output
-    (row stride C + 9), decode rows (verify, pending 0..P) first and prefill rows after, each
-    group writing its rows of one NaN-poisoned buffer through out= (itself a strided view: the
-    buffer is wider than C). Outputs and windows equal the reference's fresh outputs; rows and
-    columns outside the view stay NaN."""
-    gen = torch.Generator().manual_seed(73 + channels)
-    width, max_pending = 4, 4
-    pool = conv_pool(gen, 10, max_pending, channels, width, device)
-    pool = {name: t.to(dtype) if t.is_floating_point() else t for name, t in pool.items()}
-    decode_lengths, decode_slots, counts = [1, 5, 3], [5, 2, 8], [0, 4, 2]
-    prefill_lengths, prefill_slots, has_initial = [7, 1, 20], [3, 9, 6], [True, False, True]
-    pool["pending_counts"][decode_slots] = torch.tensor(counts, dtype=torch.int32, device=device)
-    num_decode, num_prefill = sum(decode_lengths), sum(prefill_lengths)
-    num_tokens = num_decode + num_prefill
-    projection = torch.randn(num_tokens, channels + 9, generator=gen).to(dtype).to(device)
-    mixed = projection[:, :channels]                               # the q|k|v columns; z, b, a follow
-    weight = torch.randn(channels, width, generator=gen).to(dtype).to(device)
-    ids = lambda slots: torch.tensor(slots, dtype=torch.int32, device=device)  # noqa: E731
-    decode_args = (cu_seqlens_of(decode_lengths, device), ids(decode_slots))
-    prefill_args = (cu_seqlens_of(prefill_lengths, device), ids(prefill_slots),
-                    torch.tensor(has_initial, device=device))
-
-    expected_pool, actual_pool = clone(pool), clone(pool)
-    expected_decode, expected_pending = causal_conv1d_decode_reference(
-        mixed[:num_decode], weight, *decode_args, expected_pool["conv"], expected_pool["pending_conv"],
-        expected_pool["pending_counts"], False)
-    expected_prefill = causal_conv1d_prefill_reference(mixed[num_decode:], weight, *prefill_args, expected_pool["conv"])
-
-    buffer = torch.full((num_tokens + 3, channels + 2), float("nan"), dtype=dtype, device=device)
-    conv_out = buffer[1:1 + num_tokens, 1:1 + channels]
-    decode = causal_conv1d_decode if kernel else causal_conv1d_decode_reference
-    prefill = causal_conv1d_prefill if kernel else causal_conv1d_prefill_reference
-    returned, pending = decode(mixed[:num_decode], weight, *decode_args, actual_pool["conv"],
-                               actual_pool["pending_conv"], actual_pool["pending_counts"], False,
-                               out=conv_out[:num_decode])
-    assert returned.data_ptr() == conv_out.data_ptr() and returned.shape == (num_decode, channels)
-    returned = prefill(mixed[num_decode:], weight, *prefill_args, actual_pool["conv"], out=conv_out[num_decode:])
-    assert returned.data_ptr() == conv_out[num_decode:].data_ptr() and returned.shape == (num_prefill, channels)
-
-    assert_close(conv_out[:num_decode], expected_decode, rtol, "decode rows")
-    assert_close(conv_out[num_decode:], expected_prefill, rtol, "prefill rows")
-    for row, count in enumerate(counts):
-        assert_close(pending[row, :count], expected_pending[row, :count], rtol, f"pending outputs of row {row}")
-    for slot in decode_slots + prefill_slots:
-        assert torch.equal(actual_pool["conv"][slot], expected_pool["conv"][slot]), f"window of slot {slot}"
-    outside = torch.ones(buffer.shape, dtype=torch.bool, device=device)
-    outside[1:1 + num_tokens, 1:1 + channels] = False
-    assert buffer[outside].isnan().all(), "the launchers wrote outside out"
-
-
-@pytest.mark.parametrize("kernel", [True, False], ids=["triton", "reference"])
-def test_conv1d_strided_inputs_write_into_out_views(kernel_device, kernel):
-    check_conv_layer_buffers(kernel, 40, torch.float32, kernel_device, TOLERANCE[torch.float32])
-
-
-def test_conv1d_launchers_check_channel_strides(kernel_device):
-    """Rows may be strided, channels may not (the kernels load a channel tile as one vector)."""
-    gen = torch.Generator().manual_seed(74)
-    pool = conv_pool(gen, 4, 2, 16, 4, kernel_device)
-    weight = torch.randn(16, 4, generator=gen).to(kernel_device)
-    x = torch.randn(16, 3, generator=gen).to(kernel_device).t()          # [3, 16], channel stride 3
-    good = conv_inputs(gen, 3, 16, torch.float32, kernel_device)
-    args = (cu_seqlens_of([3], kernel_device), torch.tensor([1], dtype=torch.int32, device=kernel_device))
-    flags = torch.tensor([False], device=kernel_device)
-    with pytest.raises(AssertionError):
-        causal_conv1d_prefill(x, weight, *args, flags, pool["conv"])
-    with pytest.raises(AssertionError, match="unit channel stride"):
-        causal_conv1d_prefill(good, weight, *args, flags, pool["conv"], out=torch.empty_like(x))
-    with pytest.raises(AssertionError):
-        causal_conv1d_decode(x, weight, *args, pool["conv"], pool["pending_conv"], pool["pending_counts"], False)
-
-
-@pytest.mark.gpu
-def test_conv1d_gpu_bf16():
-    """The real conv width (2 x 16 x 128 + 32 x 128 channels), a long prefill row, bf16."""
-    gen = torch.Generator().manual_seed(80)
-    channels, width, max_pending = 8192, 4, 4
-    lengths, slots, has_initial = [1, 3, 1000, 70], [3, 1, 7, 5], [True, False, True, True]
-    x = conv_inputs(gen, sum(lengths), channels, torch.bfloat16, "cuda")
-    weight = torch.randn(channels, width, generator=gen).to(torch.bfloat16).cuda()
-    pool = conv_pool(gen, 9, max_pending, channels, width, "cuda")
-    pool = {name: t.to(torch.bfloat16) if t.is_floating_point() else t for name, t in pool.items()}
-    args = (cu_seqlens_of(lengths, "cuda"), torch.tensor(slots, dtype=torch.int32, device="cuda"),
-            torch.tensor(has_initial, device="cuda"))
-    expected_state, actual_state = pool["conv"].clone(), pool["conv"].clone()
-    expected = causal_conv1d_prefill_reference(x, weight, *args, expected_state)
-    actual = causal_conv1d_prefill(x, weight, *args, actual_state)
-    assert_close(actual, expected, TOLERANCE[torch.bfloat16], "prefill output")
-    assert torch.equal(actual_state, expected_state)
-    for commit in (True, False):
-        lengths, slots = [1, 5, 2, 1], [3, 1, 7, PAD_SLOT]
-        x = conv_inputs(gen, sum(lengths), channels, torch.bfloat16, "cuda")
-        check_conv_step(pool, x, weight, lengths, slots, commit, TOLERANCE[torch.bfloat16])
-    check_conv_layer_buffers(True, channels, torch.bfloat16, "cuda", TOLERANCE[torch.bfloat16])
-
-
-# ----------------------------------------------------------------------------------------------
-# Norms, SwiGLU activation and q/k norm + RoPE
-# ----------------------------------------------------------------------------------------------
-
-def norm_cases(device: str, dtype: torch.dtype, hidden: int, tokens: int = 5, seed: int = 90):
-    gen = torch.Generator().manual_seed(seed)
-    wide = (3 * torch.randn(tokens, hidden + 7, generator=gen)).to(dtype).to(device)
-    x = wide[:, 7:]  # a strided row view
-    residual = torch.randn(tokens, hidden, generator=gen).to(dtype).to(device)
-    weight = (0.1 * torch.randn(hidden, generator=gen)).to(dtype).to(device)
-    return x, residual, weight
-
-
-@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
-@pytest.mark.parametrize("hidden", [48, 100])
-def test_rms_norm(kernel_device, hidden, with_residual):
-    x, residual, weight = norm_cases(kernel_device, torch.float32, hidden)
-    expected, expected_residual = rms_norm_reference(x, weight, 1e-6, residual if with_residual else None)
-    actual, actual_residual = rms_norm(x, weight, 1e-6, residual if with_residual else None)
-    assert_close(actual, expected, TOLERANCE[torch.float32], "normed")
-    assert torch.equal(actual_residual, expected_residual), "new residual is x + residual, in x's dtype"
-
-
-@pytest.mark.parametrize("leading", [(6,), (5, 3)], ids=["2d", "3d"])
-def test_gated_rms_norm(kernel_device, leading):
-    """gate is a strided view (z of the GDN projection)."""
-    gen = torch.Generator().manual_seed(91)
-    dim = 24
-    x = torch.randn(*leading, dim, generator=gen).to(kernel_device)
-    wide = torch.randn(leading[0], dim * (leading[1] if len(leading) > 1 else 1) + 9, generator=gen).to(kernel_device)
-    gate = wide[:, 9:].view(*leading, dim)
-    weight = torch.randn(dim, generator=gen).to(kernel_device)
-    assert_close(gated_rms_norm(x, gate, weight, 1e-6), gated_rms_norm_reference(x, gate, weight, 1e-6),
-                 TOLERANCE[torch.float32], "gated norm")
-
-
-def check_silu_and_mul(num_tokens: int, intermediate: int, dtype: torch.dtype, device: str, rtol: float,
-                       monkeypatch) -> None:
-    """gate_up as F.linear returns it or as a strided row view (a wider buffer's columns); the
-    output is allocated NaN (torch.empty poisoned), so an unwritten element fails."""
-    gen = torch.Generator().manual_seed(num_tokens + intermediate)
-    wide = (2 * torch.randn(num_tokens, 2 * intermediate + 11, generator=gen)).to(dtype).to(device)
-    for gate_up in (wide[:, 3:3 + 2 * intermediate], wide[:, :2 * intermediate].contiguous()):
-        expected = silu_and_mul_reference(gate_up)
-        with monkeypatch.context() as patch:
-            empty = torch.empty
-            patch.setattr(torch, "empty", lambda *args, **kwargs: empty(*args, **kwargs).fill_(float("nan")))
-            actual = silu_and_mul(gate_up)
-        assert actual.dtype == dtype and actual.is_contiguous()
-        assert_close(actual, expected, rtol, f"silu_and_mul T={num_tokens} I={intermediate}")
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("num_tokens,intermediate", [(0, 24), (1, 40), (6, 24), (2, 1100)],
-                         ids=["empty", "decode", "tokens", "two-column-tiles"])
-def test_silu_and_mul(kernel_device, monkeypatch, num_tokens, intermediate, dtype):
-    """fp16 rounds once (fp32 math), as the reference: they may differ by one fp16 ulp."""
-    rtol = {torch.float32: 2e-5, torch.float16: 1e-3}[dtype]
-    check_silu_and_mul(num_tokens, intermediate, dtype, kernel_device, rtol, monkeypatch)
-
-
-def rope_case(device: str, dtype: torch.dtype, tokens: int, hq: int, hk: int, head_dim: int, max_position: int,
-              seed: int):
-    """q sliced from [q | gate] per head and k from a fused qkv row, as GatedAttention does."""
-    gen = torch.Generator().manual_seed(seed)
-    q_gate = torch.randn(tokens, hq, 2 * head_dim, generator=gen).to(dtype).to(device)
-    kv = torch.randn(tokens, 2 * hk * head_dim, generator=gen).to(dtype).to(device)
-    q, k = q_gate[..., :head_dim], kv[:, :hk * head_dim].view(tokens, hk, head_dim)
-    q_weight = (0.1 * torch.randn(head_dim, generator=gen)).to(dtype).to(device)
-    k_weight = (0.1 * torch.randn(head_dim, generator=gen)).to(dtype).to(device)
-    positions = torch.randint(0, max_position, (tokens,), generator=gen).to(device)
-    return q, k, q_weight, k_weight, positions
-
-
-@pytest.mark.parametrize("rotary_dim", [8, 32])
-def test_qk_norm_rope(kernel_device, rotary_dim):
-    args = rope_case(kernel_device, torch.float32, 6, 4, 2, 32, 5000, seed=92)
-    expected = qk_norm_rope_reference(*args, rotary_dim, 10_000.0, 1e-6)
-    actual = qk_norm_rope(*args, rotary_dim, 10_000.0, 1e-6)
-    for a, e, name in zip(actual, expected, "qk"):
-        assert_close(a, e, TOLERANCE[torch.float32], name)
-
-
-@pytest.mark.gpu
-def test_norms_and_rope_gpu_bf16():
-    """Model widths in bf16: hidden 2048 / 5120, GDN output heads 32 x 128, attention heads
-    16 q / 2 kv of 256 with rotary 64 at positions up to 256k."""
-    for hidden in (2048, 5120):
-        x, residual, weight = norm_cases("cuda", torch.bfloat16, hidden, tokens=300)
-        for res in (None, residual):
-            expected, expected_residual = rms_norm_reference(x, weight, 1e-6, res)
-            actual, actual_residual = rms_norm(x, weight, 1e-6, res)
-            assert_close(actual, expected, TOLERANCE[torch.bfloat16], f"rms_norm {hidden}")
-            assert torch.equal(actual_residual, expected_residual)
-    gen = torch.Generator().manual_seed(93)
-    core = torch.randn(300, 32, 128, generator=gen).to(torch.bfloat16).cuda()
-    z = torch.randn(300, 32 * 128 + 64, generator=gen).to(torch.bfloat16).cuda()[:, 64:].view(300, 32, 128)
-    weight = torch.randn(128, generator=gen).to(torch.bfloat16).cuda()
-    assert_close(gated_rms_norm(core, z, weight, 1e-6), gated_rms_norm_reference(core, z, weight, 1e-6),
-                 TOLERANCE[torch.bfloat16], "gated_rms_norm")
-    args = rope_case("cuda", torch.bfloat16, 300, 16, 2, 256, 262_144, seed=94)
-    expected = qk_norm_rope_reference(*args, 64, 10_000_000.0, 1e-6)
-    actual = qk_norm_rope(*args, 64, 10_000_000.0, 1e-6)
-    for a, e, name in zip(actual, expected, "qk"):
-        assert_close(a, e, TOLERANCE[torch.bfloat16], name)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 7, 300])
-def test_silu_and_mul_gpu_bf16(monkeypatch, num_tokens):
-    """bf16 at the 0.8B dense width (3584), a wide dense one (12288), the Qwen3-Next expert and
-    shared-expert width (512) and one that is no multiple of the tile (1000). The reference rounds
-    once from fp32 too, so they agree to a bf16 ulp."""
-    for intermediate in (3584, 12288, 512, 1000):
-        check_silu_and_mul(num_tokens, intermediate, torch.bfloat16, "cuda", 1e-2, monkeypatch)

@@ -1,45 +1,32 @@
-"""Norm, RoPE, SwiGLU and MoE torch references (kernels/norms.py, rope.py, activation.py,
-moe.py) against naive float64 per-row / per-token formulas written here.
+"""rms_norm and gated_rms_norm (kernels/norms.py): the torch references against naive float64
+per-row formulas written here, then the Triton kernels against the references.
 
-Contracts checked: rms_norm multiplies by (1 + w) and fuses the residual add (returning the sum
-as the new residual); gated_rms_norm is norm(x) * w * silu(z) with plain w; q/k norm + partial
-RoPE rotates only the first rotary_dim channels, pairs (i, i + rotary_dim/2), at each token's
-own position; MoE routing is softmax -> top-k (optionally renormalised) and the experts output is
-sum_k weight_k * down_k(silu(gate_k x) * up_k x).
+References. Contracts checked: rms_norm multiplies by (1 + w) and fuses the residual add
+(returning the sum as the new residual), in bf16 within one rounding of the float64 value;
+gated_rms_norm is norm(x) * w * silu(z) with plain w.
+
+Triton kernels, with the references as the oracle: x and the gate are strided row views, with
+and without the residual, widths that are not a power of two. CPU: the interpreter, fp32.
+GPU (`gpu` marker): bf16 at model widths (hidden 2048 / 5120, GDN output heads 32 x 128), with
+q/k norm + partial RoPE (kernels/rope.py) at attention widths in the same test.
 """
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
 
 from deltaspec.kernels import REFERENCE_OPS
+from deltaspec.kernels.norms import gated_rms_norm, gated_rms_norm_reference, rms_norm, rms_norm_reference
+from deltaspec.kernels.rope import qk_norm_rope, qk_norm_rope_reference
+from kernel_helpers import TOLERANCE, assert_close, assert_close_elementwise, naive_rms, rope_case, silu
+
 
 ops = REFERENCE_OPS
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what: str = "") -> None:
-    actual, expected = actual.double(), expected.double()
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    scale = float(expected.abs().max())
-    error = (actual - expected).abs()
-    worst = float((error - rtol * (expected.abs() + scale)).max())
-    assert worst <= 0, f"{what}: max abs error {float(error.max()):.3e} (scale {scale:.3e})"
-
-
-def silu(x: float) -> float:
-    return x / (1.0 + math.exp(-x))
-
-
-def naive_rms(row: list[float], eps: float) -> float:
-    """1 / sqrt(mean(x^2) + eps) of one row."""
-    return 1.0 / math.sqrt(sum(x * x for x in row) / len(row) + eps)
-
-
 # ----------------------------------------------------------------------------------------------
-# Norms
+# Torch references vs float64 formulas
 # ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("with_residual", [False, True])
@@ -57,7 +44,7 @@ def test_rms_norm_one_plus_w_with_residual(with_residual):
         row = summed[t].double().tolist()
         r = naive_rms(row, eps)
         expected = torch.tensor([row[i] * r * (1.0 + w[i]) for i in range(hidden)], dtype=torch.float64)
-        assert_close(normed[t], expected, 1e-5, f"token {t}")
+        assert_close_elementwise(normed[t], expected, 1e-5, f"token {t}")
 
 
 def test_rms_norm_bf16_rounds_once():
@@ -70,7 +57,7 @@ def test_rms_norm_bf16_rounds_once():
     assert normed.dtype == torch.bfloat16 and new_residual.dtype == torch.bfloat16
     h = new_residual.double()
     expected = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + weight.double())
-    assert_close(normed, expected, 2 ** -8, "bf16")
+    assert_close_elementwise(normed, expected, 2 ** -8, "bf16")
 
 
 def test_gated_rms_norm_plain_w_times_silu_gate():
@@ -87,105 +74,64 @@ def test_gated_rms_norm_plain_w_times_silu_gate():
             row, z = x[t, h].double().tolist(), gate[t, h].double().tolist()
             r = naive_rms(row, eps)
             expected = torch.tensor([row[i] * r * w[i] * silu(z[i]) for i in range(dim)])
-            assert_close(out[t, h], expected, 1e-5, f"token {t} head {h}")
-
-
-def test_silu_and_mul_gate_columns_first():
-    gen = torch.Generator().manual_seed(4)
-    gate_up = torch.randn(5, 2 * 12, generator=gen) * 2
-    out = ops.silu_and_mul(gate_up)
-    rows = gate_up.double().tolist()
-    expected = torch.tensor([[silu(r[i]) * r[12 + i] for i in range(12)] for r in rows])
-    assert_close(out, expected, 1e-6)
+            assert_close_elementwise(out[t, h], expected, 1e-5, f"token {t} head {h}")
 
 
 # ----------------------------------------------------------------------------------------------
-# q/k norm + partial RoPE
+# Triton kernels vs the torch references
 # ----------------------------------------------------------------------------------------------
 
-def naive_norm_rope(x: torch.Tensor, weight: torch.Tensor, positions: list[int], rotary_dim: int,
-                    theta: float, eps: float) -> torch.Tensor:
-    """x [T, H, D] -> per token and head: (1 + w) RMSNorm, then rotate pairs (i, i + R/2) of
-    the first R channels by position * theta^(-2i/R); channels >= R pass through."""
-    tokens, heads, dim = x.shape
-    half = rotary_dim // 2
-    w = weight.tolist()
-    out = torch.empty(tokens, heads, dim, dtype=torch.float64)
-    for t in range(tokens):
-        for h in range(heads):
-            row = x[t, h].double().tolist()
-            r = naive_rms(row, eps)
-            y = [row[i] * r * (1.0 + w[i]) for i in range(dim)]
-            z = list(y)
-            for i in range(half):
-                angle = positions[t] * theta ** (-2.0 * i / rotary_dim)
-                c, s = math.cos(angle), math.sin(angle)
-                z[i] = y[i] * c - y[i + half] * s
-                z[i + half] = y[i + half] * c + y[i] * s
-            out[t, h] = torch.tensor(z)
-    return out
+def norm_cases(device: str, dtype: torch.dtype, hidden: int, tokens: int = 5, seed: int = 90):
+    gen = torch.Generator().manual_seed(seed)
+    wide = (3 * torch.randn(tokens, hidden + 7, generator=gen)).to(dtype).to(device)
+    x = wide[:, 7:]  # a strided row view
+    residual = torch.randn(tokens, hidden, generator=gen).to(dtype).to(device)
+    weight = (0.1 * torch.randn(hidden, generator=gen)).to(dtype).to(device)
+    return x, residual, weight
 
 
-def test_qk_norm_partial_rope():
-    """head_dim 64, rotary_dim 16 (0.25), GQA heads; positions out of order and far apart."""
-    gen = torch.Generator().manual_seed(5)
-    heads_q, heads_k, dim, rotary_dim, theta, eps = 4, 2, 64, 16, 10_000.0, 1e-6
-    positions = [0, 1, 517, 3, 64, 1999, 2, 200]
-    q = torch.randn(len(positions), heads_q, dim, generator=gen)
-    k = torch.randn(len(positions), heads_k, dim, generator=gen)
-    q_weight, k_weight = 0.1 * torch.randn(dim, generator=gen), 0.1 * torch.randn(dim, generator=gen)
-    q_out, k_out = ops.qk_norm_rope(q, k, q_weight, k_weight, torch.tensor(positions), rotary_dim, theta, eps)
-    # fp32 angles at position ~2000 carry ~1e-4 rad of rounding (as HF's), hence 5e-4.
-    assert_close(q_out, naive_norm_rope(q, q_weight, positions, rotary_dim, theta, eps), 5e-4, "q")
-    assert_close(k_out, naive_norm_rope(k, k_weight, positions, rotary_dim, theta, eps), 5e-4, "k")
-    # Channels past rotary_dim are only normalised: tight tolerance there.
-    assert_close(q_out[..., rotary_dim:], naive_norm_rope(q, q_weight, positions, rotary_dim, theta, eps)[..., rotary_dim:],
-                 1e-5, "q pass-through channels")
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("hidden", [48, 100])
+def test_rms_norm(kernel_device, hidden, with_residual):
+    x, residual, weight = norm_cases(kernel_device, torch.float32, hidden)
+    expected, expected_residual = rms_norm_reference(x, weight, 1e-6, residual if with_residual else None)
+    actual, actual_residual = rms_norm(x, weight, 1e-6, residual if with_residual else None)
+    assert_close(actual, expected, TOLERANCE[torch.float32], "normed")
+    assert torch.equal(actual_residual, expected_residual), "new residual is x + residual, in x's dtype"
 
 
-# ----------------------------------------------------------------------------------------------
-# MoE
-# ----------------------------------------------------------------------------------------------
-
-def naive_route(logits: torch.Tensor, top_k: int, renormalize: bool):
-    """Per token in float64: softmax, the top_k largest (descending), optionally renormalised."""
-    weights, experts = [], []
-    for row in logits.double().tolist():
-        top = max(row)
-        e = [math.exp(x - top) for x in row]
-        probs = [x / sum(e) for x in e]
-        chosen = sorted(range(len(row)), key=lambda i: -probs[i])[:top_k]
-        w = [probs[i] for i in chosen]
-        if renormalize:
-            w = [x / sum(w) for x in w]
-        weights.append(w)
-        experts.append(chosen)
-    return torch.tensor(weights, dtype=torch.float64), torch.tensor(experts)
+@pytest.mark.parametrize("leading", [(6,), (5, 3)], ids=["2d", "3d"])
+def test_gated_rms_norm(kernel_device, leading):
+    """gate is a strided view (z of the GDN projection)."""
+    gen = torch.Generator().manual_seed(91)
+    dim = 24
+    x = torch.randn(*leading, dim, generator=gen).to(kernel_device)
+    wide = torch.randn(leading[0], dim * (leading[1] if len(leading) > 1 else 1) + 9, generator=gen).to(kernel_device)
+    gate = wide[:, 9:].view(*leading, dim)
+    weight = torch.randn(dim, generator=gen).to(kernel_device)
+    assert_close(gated_rms_norm(x, gate, weight, 1e-6), gated_rms_norm_reference(x, gate, weight, 1e-6),
+                 TOLERANCE[torch.float32], "gated norm")
 
 
-@pytest.mark.parametrize("renormalize", [False, True])
-def test_moe_route_and_experts_match_per_token_loop(renormalize):
-    gen = torch.Generator().manual_seed(6 + renormalize)
-    tokens, hidden, inter, num_experts, top_k = 13, 16, 8, 6, 2
-    x = torch.randn(tokens, hidden, generator=gen)
-    router_logits = torch.randn(tokens, num_experts, generator=gen) * 2
-    router_logits[:, 4] = -30.0  # expert 4 gets no token: the grouped loop must skip it
-    w_gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / 4
-    w_down = torch.randn(num_experts, hidden, inter, generator=gen) / 3
-
-    weights, experts = ops.moe_route(router_logits, top_k, renormalize)
-    expected_weights, expected_experts = naive_route(router_logits, top_k, renormalize)
-    assert weights.dtype == router_logits.dtype
-    assert torch.equal(experts.long(), expected_experts)
-    assert_close(weights, expected_weights, 1e-6, "routing weights")
-
-    out = ops.moe_experts(x, weights, experts, w_gate_up, w_down)
-    assert out.shape == x.shape and out.dtype == x.dtype
-    xd, gu, dn = x.double(), w_gate_up.double(), w_down.double()
-    for t in range(tokens):
-        expected = torch.zeros(hidden, dtype=torch.float64)
-        for j in range(top_k):
-            e = int(expected_experts[t, j])
-            gate, up = gu[e, :inter] @ xd[t], gu[e, inter:] @ xd[t]
-            expected += expected_weights[t, j] * (dn[e] @ (gate * torch.sigmoid(gate) * up))
-        assert_close(out[t], expected, 1e-5, f"token {t}")
+@pytest.mark.gpu
+def test_norms_and_rope_gpu_bf16():
+    """Model widths in bf16: hidden 2048 / 5120, GDN output heads 32 x 128, attention heads
+    16 q / 2 kv of 256 with rotary 64 at positions up to 256k."""
+    for hidden in (2048, 5120):
+        x, residual, weight = norm_cases("cuda", torch.bfloat16, hidden, tokens=300)
+        for res in (None, residual):
+            expected, expected_residual = rms_norm_reference(x, weight, 1e-6, res)
+            actual, actual_residual = rms_norm(x, weight, 1e-6, res)
+            assert_close(actual, expected, TOLERANCE[torch.bfloat16], f"rms_norm {hidden}")
+            assert torch.equal(actual_residual, expected_residual)
+    gen = torch.Generator().manual_seed(93)
+    core = torch.randn(300, 32, 128, generator=gen).to(torch.bfloat16).cuda()
+    z = torch.randn(300, 32 * 128 + 64, generator=gen).to(torch.bfloat16).cuda()[:, 64:].view(300, 32, 128)
+    weight = torch.randn(128, generator=gen).to(torch.bfloat16).cuda()
+    assert_close(gated_rms_norm(core, z, weight, 1e-6), gated_rms_norm_reference(core, z, weight, 1e-6),
+                 TOLERANCE[torch.bfloat16], "gated_rms_norm")
+    args = rope_case("cuda", torch.bfloat16, 300, 16, 2, 256, 262_144, seed=94)
+    expected = qk_norm_rope_reference(*args, 64, 10_000_000.0, 1e-6)
+    actual = qk_norm_rope(*args, 64, 10_000_000.0, 1e-6)
+    for a, e, name in zip(actual, expected, "qk"):
+        assert_close(a, e, TOLERANCE[torch.bfloat16], name)
