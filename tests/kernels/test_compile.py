@@ -25,6 +25,7 @@ def kernel_names() -> set[str]:
     return names
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the gpu-marked tests compile and run them")
 def test_every_kernel_compiles_for_hopper():
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}

@@ -192,6 +192,7 @@ class Batch:
                 assert torch.equal(bits(state[slot]), bits(self.state[slot])), f"slot {slot} changed"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
 @pytest.mark.parametrize("num_key_heads,num_value_heads", [(1, 2), (2, 4), (2, 2)],
                          ids=["HV=2HK", "HV=2HK-HK=2", "HV=HK"])
@@ -218,6 +219,7 @@ def checkpoint_plan(lengths: list[int], device: str) -> tuple[list[list[int]], t
     return plan, cu, flat
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
 def test_checkpoints_match_reference_and_prefix_runs(interpreter_device, poisoned_empty, split):
     gen = torch.Generator().manual_seed(3)

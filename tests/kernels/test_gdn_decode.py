@@ -458,6 +458,7 @@ def test_gdn_decode_two_v_tiles_bf16_state(kernel_device, commit):
                    TileConfig(block_n=16, num_warps=1))
 
 
+@pytest.mark.slow
 def test_gdn_decode_verify_steps_across_tile_widths(kernel_device):
     """Verify steps on one pool whose tile width changes every step (16, 64, 32 of V = 64 columns,
     as the batch size moves decode_config): a step folds the pending g / beta that tiles of
@@ -603,6 +604,7 @@ class LayerCase:
         return dict(zip(slots, out.split(lengths)))
 
 
+@pytest.mark.slow
 def test_layer_verify_rollback_matches_plain_decode(kernel_device):
     """Conv + GDN kernels through verify steps whose pending inputs the kernels wrote themselves,
     acceptance (the engine only sets counts: 0, some, all k drafts) and commit steps, side by side
