@@ -1,12 +1,19 @@
-"""The sampling torch reference (kernels/sampling.py) against naive float64 formulas and
-statistics computed here.
+"""Sampling (kernels/sampling.py): the torch reference against naive float64 formulas and
+statistics computed here, then the Triton kernel against the reference.
 
-Contracts checked: temperature-0 rows are argmax; the filtered distribution is softmax(logits/T)
-truncated by top-k, then top-p (on the renormalised top-k mass), then min-p, renormalised;
-draws follow it (chi-square at p = 0.001, with fixed seeds so the outcome is deterministic) and
-never leave its support; a row's draw depends only on its own (seed, offset): reproducible,
-independent of the other rows, of batch order and of batch size; the counter-based noise lies
-strictly in (0, 1) and is uniform.
+Reference. Contracts checked: temperature-0 rows are argmax; the filtered distribution is
+softmax(logits/T) truncated by top-k, then top-p (on the renormalised top-k mass), then min-p,
+renormalised; draws follow it (chi-square at p = 0.001, with fixed seeds so the outcome is
+deterministic) and never leave its support (top_k = 1 is the argmax whatever the noise); a row's
+draw depends only on its own (seed, offset): reproducible, independent of the other rows, of
+batch order and of batch size. (The noise itself: test_noise.py.)
+
+Triton kernel, with the reference as the oracle. Every buffer the launcher allocates starts as
+garbage (`torch.empty` is poisoned), and the tiling is shrunk so that every path runs (greedy,
+no filter, window found in the first or second histogram round, last resort). It must draw the
+same token as the reference (the noise is bit-identical), from its own (seed, offset) only.
+CPU: the interpreter on tiny vocabularies, fp32, fp16 and bf16 logits. GPU (`gpu` marker): a
+248,320 vocabulary (peaked and flat rows).
 """
 
 from __future__ import annotations
@@ -18,15 +25,18 @@ import torch
 
 from deltaspec.kernels import REFERENCE_OPS
 from deltaspec.kernels.noise import uniform_noise
-from deltaspec.kernels.sampling import filter_probs_reference
+from deltaspec.kernels.sampling import (GREEDY, LAST_RESORT, NO_FILTER, WINDOW, filter_probs_reference, launch_sample,
+                                        sample)
+from kernel_helpers import CHI2_CRITICAL_P001, U_ONE_OFFSET, U_ONE_SEED, U_ONE_VOCAB, assert_close, on
 
+
+# Through the backend table, so the tests follow the reference wherever it lives.
 sample_reference = REFERENCE_OPS.sample
 
-# Upper 0.1% points of the chi-square distribution, by degrees of freedom (no scipy needed).
-CHI2_CRITICAL_P001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322,
-                      8: 26.124, 9: 27.877, 10: 29.588, 11: 31.264, 12: 32.909, 13: 34.528, 14: 36.123,
-                      15: 37.697}
 
+# ----------------------------------------------------------------------------------------------
+# Torch reference vs float64 formulas and statistics
+# ----------------------------------------------------------------------------------------------
 
 def params(batch: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
     """Per-row parameter tensors (scalars broadcast to the batch)."""
@@ -177,39 +187,6 @@ def test_offset_and_seed_change_the_draw():
     assert not torch.equal(low, high)
 
 
-def test_uniform_noise_is_per_row_per_token_and_uniform():
-    """u(seed, offset, v) does not depend on other rows or on the vocabulary size; values lie
-    strictly in (0, 1) with a flat histogram (chi-square, 16 bins, p = 0.001)."""
-    gen = torch.Generator().manual_seed(4)
-    seeds = torch.randint(-2**62, 2**62, (256,), generator=gen)
-    offsets = torch.randint(0, 2**40, (256,), generator=gen)
-    u = uniform_noise(seeds, offsets, 1024)
-    assert u.dtype == torch.float32 and u.shape == (256, 1024)
-    assert torch.equal(uniform_noise(seeds[7:8], offsets[7:8], 1024), u[7:8])
-    assert torch.equal(uniform_noise(seeds, offsets, 100), u[:, :100])
-    assert float(u.min()) > 0.0 and float(u.max()) < 1.0
-    assert abs(float(u.double().mean()) - 0.5) < 3e-3
-    counts = torch.histc(u.double(), bins=16, min=0.0, max=1.0)
-    expected = u.numel() / 16
-    stat = float(((counts - expected) ** 2 / expected).sum())
-    assert stat < CHI2_CRITICAL_P001[15], f"histogram chi-square {stat:.1f}"
-    flat = u.double().flatten()
-    lag1 = torch.corrcoef(torch.stack([flat[:-1], flat[1:]]))[0, 1]
-    assert abs(float(lag1)) < 0.01
-
-
-# Found by search: with 24 random bits b, (b + 0.5) / 2^24 is computed in float32, where b + 0.5
-# needs 25 bits: b = 2^24 - 1 rounds to 2^24 and u becomes exactly 1.0 (~V / 2^24 of draws hit a
-# u = 1 token: ~0.9% at V = 151936). Then -log(-log u) = +inf and that token wins the race even
-# when filtered out (log 0 + inf = nan, which argmax also picks).
-U_ONE_SEED, U_ONE_OFFSET, U_ONE_TOKEN, U_ONE_VOCAB = 1234, 152, 5330, 151936
-
-
-def test_uniform_noise_never_reaches_one():
-    u = uniform_noise(torch.tensor([U_ONE_SEED]), torch.tensor([U_ONE_OFFSET]), U_ONE_VOCAB)
-    assert float(u[0, U_ONE_TOKEN]) < 1.0, "uniform_noise returned exactly 1.0"
-
-
 def test_sampled_token_stays_inside_top_k():
     """top_k = 1 must return the argmax whatever the noise."""
     gen = torch.Generator().manual_seed(8)
@@ -217,3 +194,98 @@ def test_sampled_token_stays_inside_top_k():
     tokens, _ = sample_reference(logits, *params(1, 1.0, 1, 1.0, 0.0), torch.tensor([U_ONE_SEED]),
                                  torch.tensor([U_ONE_OFFSET]))
     assert tokens.item() == logits.argmax().item(), f"top_k=1 sampled token {tokens.item()}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernel vs the torch reference
+# ----------------------------------------------------------------------------------------------
+
+def sampling_rows(gen: torch.Generator, batch: int, vocab: int, flat: bool = False):
+    """Mixed rows: greedy, plain temperature, min-p, top-k, top-p, both, ranks just above and
+    below the vocabulary; peaked logits (a few strong tokens) unless flat."""
+    logits = torch.randn(batch, vocab, generator=gen) * (0.4 if flat else 2.0)
+    if not flat:
+        logits[:, :5] += 6.0 * torch.rand(batch, 5, generator=gen)
+        logits = logits[:, torch.randperm(vocab, generator=gen)]
+    pattern = [  # temperature, top_k, top_p, min_p
+        (0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.8, 0, 1.0, 0.1), (1.2, 10, 1.0, 0.0),
+        (1.0, 0, 0.9, 0.0), (0.7, 20, 0.8, 0.0), (1.5, vocab + 3, 0.95, 0.02), (0.9, 1, 0.5, 0.0),
+        (1.0, vocab - 1, 0.999, 0.0), (2.0, 0, 0.6, 0.0),
+    ]
+    rows = [pattern[i % len(pattern)] for i in range(batch)]
+    columns = list(zip(*rows))
+    temperature = torch.tensor(columns[0], dtype=torch.float32)
+    top_k = torch.tensor(columns[1], dtype=torch.int64)
+    top_p = torch.tensor(columns[2], dtype=torch.float32)
+    min_p = torch.tensor(columns[3], dtype=torch.float32)
+    seeds = torch.randint(-2 ** 62, 2 ** 62, (batch,), generator=gen)
+    offsets = torch.randint(0, 10 ** 6, (batch,), generator=gen)
+    return [logits, temperature, top_k, top_p, min_p, seeds, offsets]
+
+
+# chunk, block, bins, capacity: the launcher's own; 2 splits and a window found by the first
+# histogram round; a tiny capacity that sends the wide windows to the second round or the last resort
+TILINGS = [dict(), dict(chunk=128, block=64, num_bins=64, capacity=256),
+           dict(chunk=64, block=64, num_bins=16, capacity=8)]
+
+
+@pytest.mark.parametrize("tiling", [0, 1, pytest.param(2, marks=pytest.mark.slow)])
+def test_sample_matches_reference(kernel_device, poisoned_empty, tiling):
+    gen = torch.Generator().manual_seed(50 + tiling)
+    args = sampling_rows(gen, 10, 200)
+    expected_tokens, expected_logprobs = sample_reference(*args)
+    statuses = torch.zeros(10, dtype=torch.int32, device=kernel_device)
+    tokens, logprobs = poisoned_empty(launch_sample, *on(kernel_device, args), **TILINGS[tiling], statuses=statuses)
+    assert tokens.dtype == torch.int64 and logprobs.dtype == torch.float32
+    assert torch.equal(tokens.cpu(), expected_tokens)
+    assert_close(logprobs.cpu(), expected_logprobs, 1e-5, "logprobs")
+    seen = set(statuses.tolist())
+    assert {GREEDY.value, NO_FILTER.value} <= seen
+    assert (WINDOW.value in seen) and (tiling < 2 or LAST_RESORT.value in seen), seen
+
+
+def test_sample_flat_rows_refine_and_low_precision_logits(kernel_device):
+    """Flat logits (wide top-p windows, re-binned) in fp16 and bf16: the reference's tokens."""
+    gen = torch.Generator().manual_seed(60)
+    args = sampling_rows(gen, 10, 300, flat=True)
+    for dtype in (torch.float16, torch.bfloat16):
+        args[0] = args[0].to(dtype)
+        expected_tokens, expected_logprobs = sample_reference(*args)
+        tokens, logprobs = launch_sample(*on(kernel_device, args), chunk=256, block=128, num_bins=32, capacity=64)
+        assert torch.equal(tokens.cpu(), expected_tokens), dtype
+        assert_close(logprobs.cpu(), expected_logprobs, 1e-5, f"{dtype} logprobs")
+
+
+def test_sample_draw_depends_only_on_own_seed_and_offset(kernel_device):
+    """Each row alone, and the rows scattered among strangers in a bigger batch, draw the same
+    tokens as the batch did; the same call twice gives the same tokens."""
+    gen = torch.Generator().manual_seed(70)
+    rows = sampling_rows(gen, 6, 150)
+    tokens, _ = sample(*on(kernel_device, rows))
+    assert torch.equal(sample(*on(kernel_device, rows))[0], tokens)
+    for r in (1, 4):
+        alone, _ = sample(*on(kernel_device, [x[r:r + 1] for x in rows]))
+        assert alone.item() == tokens[r].item(), f"row {r} alone"
+    strangers = sampling_rows(gen, 5, 150)
+    places = torch.randperm(11, generator=gen)
+    big = [torch.empty((11,) + x.shape[1:], dtype=x.dtype) for x in rows]
+    for merged, mine, theirs in zip(big, rows, strangers):
+        merged[places[:6]] = mine
+        merged[places[6:]] = theirs
+    big_tokens, _ = sample(*on(kernel_device, big))
+    assert torch.equal(big_tokens[places[:6].to(kernel_device)], tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flat", [False, True])
+def test_sample_full_vocabulary(flat):
+    """B = 20 rows over a 248,320 vocabulary, fp32 and bf16 logits."""
+    gen = torch.Generator().manual_seed(80 + flat)
+    args = sampling_rows(gen, 20, 248_320, flat=flat)
+    for dtype in (torch.float32, torch.bfloat16):
+        args[0] = args[0].to(dtype)
+        expected_tokens, expected_logprobs = sample_reference(*on("cuda", args))
+        statuses = torch.zeros(20, dtype=torch.int32, device="cuda")
+        tokens, logprobs = launch_sample(*on("cuda", args), statuses=statuses)
+        assert torch.equal(tokens, expected_tokens), (dtype, statuses.tolist())
+        assert_close(logprobs, expected_logprobs, 1e-5, f"{dtype} logprobs")

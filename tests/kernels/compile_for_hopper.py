@@ -1,7 +1,7 @@
 """Compile, without launching, every Triton kernel of the engine for an sm_90 GPU (H100/H200) on
 a machine without one, and print the names of the kernels compiled (one JSON list).
 
-    python tests/compile_for_hopper.py
+    python tests/kernels/compile_for_hopper.py
 
 Triton's frontend, its LLVM passes and ptxas (shipped in the triton wheel) all run on the CPU;
 only loading and launching need the driver. So the active driver is replaced by one that names
@@ -12,7 +12,7 @@ split GDN prefill, with real launch geometry (an H100's 132 SMs). Outputs are ga
 ran), which the engine never inspects beyond shapes on these greedy paths.
 
 This catches what the interpreter cannot: code that does not compile for the GPU (types, layouts,
-register limits at ptxas). Run by tests/test_kernels_compile.py in a subprocess, because the
+register limits at ptxas). Run by tests/kernels/test_compile.py in a subprocess, because the
 suite's interpreter mode is fixed when the kernel modules are first imported.
 """
 
@@ -84,7 +84,7 @@ def compile_only() -> collections.Counter:
 
 
 def run_engine() -> None:
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for fixtures.py
     from fixtures import make_checkpoint
 
     from deltaspec.engine import LLM, SamplingParams

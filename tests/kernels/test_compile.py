@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def kernel_names() -> set[str]:
@@ -25,10 +25,11 @@ def kernel_names() -> set[str]:
     return names
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the gpu-marked tests compile and run them")
 def test_every_kernel_compiles_for_hopper():
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, str(ROOT / "tests" / "compile_for_hopper.py")], env=env,
+    result = subprocess.run([sys.executable, str(ROOT / "tests" / "kernels" / "compile_for_hopper.py")], env=env,
                             capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stderr[-4000:]
     compiled = set(json.loads(result.stdout.strip().splitlines()[-1]))

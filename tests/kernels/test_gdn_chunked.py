@@ -1,7 +1,13 @@
-"""Triton chunked varlen GDN prefill (kernels/gdn_chunked.py: `gdn_chunked`) against its torch
-reference, and the reference's checkpoint output against the recurrence itself.
+"""Chunked varlen GDN prefill (kernels/gdn_chunked.py: `gdn_chunked`): the torch reference against
+the token-by-token gated delta rule in float64 (kernel_helpers.naive_gdn), then the Triton kernel
+against the reference, and the reference's checkpoint output against the reference itself.
 
-Contracts checked (CPU: the interpreter in fp32 / fp16 at tiny K, V; GPU: bf16 at K = V = 128):
+Reference: chunked varlen prefill = the token-by-token recurrence (outputs and final state), with
+and without an initial state read from a permuted slot, HV = HK and HV = 2 HK; a row without an
+initial state never reads its slot (it may hold NaN); slots not in the batch are bit-identical.
+
+Triton kernel. Contracts checked (CPU: the interpreter in fp32 / fp16 at tiny K, V; GPU: bf16 at
+K = V = 128):
   - ragged rows of 1, 63, 64, 65, 130 tokens (chunks of 64 from each row start), HV = 2 HK (with
     one and two key heads: value head h reads key head h // 2) and HV = HK; q, k, v and a, b as
     strided views of packed projections, as the model passes them;
@@ -25,10 +31,83 @@ import functools
 import pytest
 import torch
 
+from deltaspec.kernels import REFERENCE_OPS
 from deltaspec.kernels import gdn_chunked as chunked
-from deltaspec.kernels.gdn_chunked import gdn_chunked, gdn_chunked_reference
+from deltaspec.kernels.gdn_chunked import gdn_chunked
+from kernel_helpers import (assert_close_elementwise, assert_slots_untouched, bits, cu_seqlens_of, naive_gdn,
+                            random_gating_params)
+
+
+# Through the backend table, so the tests follow the reference wherever it lives.
+gdn_chunked_reference = REFERENCE_OPS.gdn_chunked
+
+
+# ----------------------------------------------------------------------------------------------
+# Torch reference vs the token-by-token recurrence in float64
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("num_key_heads,num_value_heads", [(2, 4), (2, 2)])
+def test_gdn_chunked_prefill_matches_naive_recurrence(num_key_heads, num_value_heads):
+    """Varlen rows across chunk boundaries (1 .. 200 tokens, CHUNK_SIZE 64), initial state read
+    from permuted slots for some rows, zeros for the others (whose slots hold stale garbage)."""
+    gen = torch.Generator().manual_seed(100 + num_value_heads)
+    key_dim, value_dim, num_slots = 16, 12, 11
+    lengths = [1, 5, 64, 65, 130, 200]
+    slots = [7, 3, 9, 1, 4, 8]
+    has_initial = [True, False, True, True, False, True]
+    total = sum(lengths)
+    q = torch.randn(total, num_key_heads, key_dim, generator=gen)
+    k = torch.randn(total, num_key_heads, key_dim, generator=gen)
+    v = torch.randn(total, num_value_heads, value_dim, generator=gen)
+    a = torch.randn(total, num_value_heads, generator=gen)
+    b = torch.randn(total, num_value_heads, generator=gen)
+    A_log, dt_bias = random_gating_params(gen, num_value_heads)
+    state = 0.5 * torch.randn(num_slots, num_value_heads, key_dim, value_dim, generator=gen)
+    before = state.clone()
+
+    out = gdn_chunked_reference(q, k, v, a, b, A_log, dt_bias, cu_seqlens_of(lengths),
+                                torch.tensor(slots, dtype=torch.int32), torch.tensor(has_initial), state)
+
+    assert out.shape == v.shape and out.dtype == v.dtype
+    start = 0
+    for length, slot, initial in zip(lengths, slots, has_initial):
+        span = slice(start, start + length)
+        init = before[slot] if initial else torch.zeros_like(before[slot])
+        expected_out, expected_state = naive_gdn(q[span], k[span], v[span], a[span], b[span], A_log, dt_bias, init)
+        assert_close_elementwise(out[span], expected_out, what=f"output of row len {length}")
+        assert_close_elementwise(state[slot], expected_state, what=f"final state of slot {slot}")
+        start += length
+    assert_slots_untouched({"state": state}, {"state": before}, owned=set(slots))
+
+
+# ----------------------------------------------------------------------------------------------
+# Stale state must never be read (design: a fresh slot's "state is not read until written"). A
+# previous owner that diverged can leave inf/NaN there; multiplying by 0 instead of selecting
+# lets it leak into a new sequence.
+# ----------------------------------------------------------------------------------------------
+
+def test_gdn_prefill_without_initial_state_ignores_nonfinite_stale_slot():
+    gen = torch.Generator().manual_seed(21)
+    hk, hv, key_dim, value_dim = 2, 4, 8, 6
+    q = torch.randn(5, hk, key_dim, generator=gen)
+    k = torch.randn(5, hk, key_dim, generator=gen)
+    v = torch.randn(5, hv, value_dim, generator=gen)
+    a, b = torch.randn(5, hv, generator=gen), torch.randn(5, hv, generator=gen)
+    A_log, dt_bias = random_gating_params(gen, hv)
+    state = torch.full((4, hv, key_dim, value_dim), float("nan"))
+    out = gdn_chunked_reference(q, k, v, a, b, A_log, dt_bias, cu_seqlens_of([5]), torch.tensor([2], dtype=torch.int32),
+                                torch.tensor([False]), state)
+    expected, final = naive_gdn(q, k, v, a, b, A_log, dt_bias, torch.zeros(hv, key_dim, value_dim))
+    assert_close_elementwise(out, expected, what="output from a fresh (stale NaN) slot")
+    assert_close_elementwise(state[2], final, what="final state from a fresh (stale NaN) slot")
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernel vs the torch reference
+# ----------------------------------------------------------------------------------------------
 
 KEY_DIM, VALUE_DIM = 16, 32
+
 LENGTHS = [1, 63, 64, 65, 130]
 
 
@@ -46,10 +125,6 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what
     error = (actual - expected).abs()
     bound = rtol * (expected.abs() + expected.abs().max())
     assert bool((error <= bound).all()), f"{what}: max abs error {float(error.max()):.3e} (rtol {rtol:.0e})"
-
-
-def bits(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().view({2: torch.int16, 4: torch.int32}[x.element_size()])
 
 
 @pytest.fixture
@@ -117,6 +192,7 @@ class Batch:
                 assert torch.equal(bits(state[slot]), bits(self.state[slot])), f"slot {slot} changed"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
 @pytest.mark.parametrize("num_key_heads,num_value_heads", [(1, 2), (2, 4), (2, 2)],
                          ids=["HV=2HK", "HV=2HK-HK=2", "HV=HK"])
@@ -143,6 +219,7 @@ def checkpoint_plan(lengths: list[int], device: str) -> tuple[list[list[int]], t
     return plan, cu, flat
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
 def test_checkpoints_match_reference_and_prefix_runs(interpreter_device, poisoned_empty, split):
     gen = torch.Generator().manual_seed(3)

@@ -21,16 +21,10 @@ import torch
 from deltaspec.kernels.arrivals import arrival_counters
 from deltaspec.kernels.linear import KERNEL_MAX_ROWS, MAX_ROWS, launch_linear, linear, linear_config, linear_reference
 from deltaspec.kernels.tiles import TileConfig
+from kernel_helpers import assert_close
+
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what: str = "") -> None:
-    """Max error relative to the largest reference magnitude; NaN never passes."""
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    error = (actual.double() - expected.double()).abs().max()
-    scale = expected.double().abs().max()
-    assert bool(error <= rtol * scale), f"{what}: max abs error {float(error):.3e} (scale {float(scale):.3e})"
 
 
 def inputs(num_rows: int, n: int, k: int, dtype: torch.dtype, device: str, seed: int,

@@ -1,0 +1,137 @@
+"""rms_norm and gated_rms_norm (kernels/norms.py): the torch references against naive float64
+per-row formulas written here, then the Triton kernels against the references.
+
+References. Contracts checked: rms_norm multiplies by (1 + w) and fuses the residual add
+(returning the sum as the new residual), in bf16 within one rounding of the float64 value;
+gated_rms_norm is norm(x) * w * silu(z) with plain w.
+
+Triton kernels, with the references as the oracle: x and the gate are strided row views, with
+and without the residual, widths that are not a power of two. CPU: the interpreter, fp32.
+GPU (`gpu` marker): bf16 at model widths (hidden 2048 / 5120, GDN output heads 32 x 128), with
+q/k norm + partial RoPE (kernels/rope.py) at attention widths in the same test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaspec.kernels import REFERENCE_OPS
+from deltaspec.kernels.norms import gated_rms_norm, gated_rms_norm_reference, rms_norm, rms_norm_reference
+from deltaspec.kernels.rope import qk_norm_rope, qk_norm_rope_reference
+from kernel_helpers import TOLERANCE, assert_close, assert_close_elementwise, naive_rms, rope_case, silu
+
+
+ops = REFERENCE_OPS
+
+
+# ----------------------------------------------------------------------------------------------
+# Torch references vs float64 formulas
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_one_plus_w_with_residual(with_residual):
+    gen = torch.Generator().manual_seed(1)
+    tokens, hidden, eps = 7, 48, 1e-6
+    x = torch.randn(tokens, hidden, generator=gen) * 3
+    residual = torch.randn(tokens, hidden, generator=gen) if with_residual else None
+    weight = 0.1 * torch.randn(hidden, generator=gen)
+    normed, new_residual = ops.rms_norm(x, weight, eps, residual)
+    summed = x + residual if with_residual else x
+    assert torch.equal(new_residual, summed), "new residual is x + residual, in x's dtype"
+    w = weight.tolist()
+    for t in range(tokens):
+        row = summed[t].double().tolist()
+        r = naive_rms(row, eps)
+        expected = torch.tensor([row[i] * r * (1.0 + w[i]) for i in range(hidden)], dtype=torch.float64)
+        assert_close_elementwise(normed[t], expected, 1e-5, f"token {t}")
+
+
+def test_rms_norm_bf16_rounds_once():
+    """bf16 in, bf16 out: within one bf16 rounding of the float64 value."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 64, generator=gen).bfloat16()
+    residual = torch.randn(5, 64, generator=gen).bfloat16()
+    weight = (0.1 * torch.randn(64, generator=gen)).bfloat16()
+    normed, new_residual = ops.rms_norm(x, weight, 1e-6, residual)
+    assert normed.dtype == torch.bfloat16 and new_residual.dtype == torch.bfloat16
+    h = new_residual.double()
+    expected = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + weight.double())
+    assert_close_elementwise(normed, expected, 2 ** -8, "bf16")
+
+
+def test_gated_rms_norm_plain_w_times_silu_gate():
+    gen = torch.Generator().manual_seed(3)
+    tokens, heads, dim, eps = 6, 3, 16, 1e-6
+    x = torch.randn(tokens, heads, dim, generator=gen)
+    gate = torch.randn(tokens, heads, dim, generator=gen) * 2
+    weight = 1.0 + 0.1 * torch.randn(dim, generator=gen)
+    out = ops.gated_rms_norm(x, gate, weight, eps)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    w = weight.tolist()
+    for t in range(tokens):
+        for h in range(heads):  # one value head per row
+            row, z = x[t, h].double().tolist(), gate[t, h].double().tolist()
+            r = naive_rms(row, eps)
+            expected = torch.tensor([row[i] * r * w[i] * silu(z[i]) for i in range(dim)])
+            assert_close_elementwise(out[t, h], expected, 1e-5, f"token {t} head {h}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels vs the torch references
+# ----------------------------------------------------------------------------------------------
+
+def norm_cases(device: str, dtype: torch.dtype, hidden: int, tokens: int = 5, seed: int = 90):
+    gen = torch.Generator().manual_seed(seed)
+    wide = (3 * torch.randn(tokens, hidden + 7, generator=gen)).to(dtype).to(device)
+    x = wide[:, 7:]  # a strided row view
+    residual = torch.randn(tokens, hidden, generator=gen).to(dtype).to(device)
+    weight = (0.1 * torch.randn(hidden, generator=gen)).to(dtype).to(device)
+    return x, residual, weight
+
+
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("hidden", [48, 100])
+def test_rms_norm(kernel_device, hidden, with_residual):
+    x, residual, weight = norm_cases(kernel_device, torch.float32, hidden)
+    expected, expected_residual = rms_norm_reference(x, weight, 1e-6, residual if with_residual else None)
+    actual, actual_residual = rms_norm(x, weight, 1e-6, residual if with_residual else None)
+    assert_close(actual, expected, TOLERANCE[torch.float32], "normed")
+    assert torch.equal(actual_residual, expected_residual), "new residual is x + residual, in x's dtype"
+
+
+@pytest.mark.parametrize("leading", [(6,), (5, 3)], ids=["2d", "3d"])
+def test_gated_rms_norm(kernel_device, leading):
+    """gate is a strided view (z of the GDN projection)."""
+    gen = torch.Generator().manual_seed(91)
+    dim = 24
+    x = torch.randn(*leading, dim, generator=gen).to(kernel_device)
+    wide = torch.randn(leading[0], dim * (leading[1] if len(leading) > 1 else 1) + 9, generator=gen).to(kernel_device)
+    gate = wide[:, 9:].view(*leading, dim)
+    weight = torch.randn(dim, generator=gen).to(kernel_device)
+    assert_close(gated_rms_norm(x, gate, weight, 1e-6), gated_rms_norm_reference(x, gate, weight, 1e-6),
+                 TOLERANCE[torch.float32], "gated norm")
+
+
+@pytest.mark.gpu
+def test_norms_and_rope_gpu_bf16():
+    """Model widths in bf16: hidden 2048 / 5120, GDN output heads 32 x 128, attention heads
+    16 q / 2 kv of 256 with rotary 64 at positions up to 256k."""
+    for hidden in (2048, 5120):
+        x, residual, weight = norm_cases("cuda", torch.bfloat16, hidden, tokens=300)
+        for res in (None, residual):
+            expected, expected_residual = rms_norm_reference(x, weight, 1e-6, res)
+            actual, actual_residual = rms_norm(x, weight, 1e-6, res)
+            assert_close(actual, expected, TOLERANCE[torch.bfloat16], f"rms_norm {hidden}")
+            assert torch.equal(actual_residual, expected_residual)
+    gen = torch.Generator().manual_seed(93)
+    core = torch.randn(300, 32, 128, generator=gen).to(torch.bfloat16).cuda()
+    z = torch.randn(300, 32 * 128 + 64, generator=gen).to(torch.bfloat16).cuda()[:, 64:].view(300, 32, 128)
+    weight = torch.randn(128, generator=gen).to(torch.bfloat16).cuda()
+    assert_close(gated_rms_norm(core, z, weight, 1e-6), gated_rms_norm_reference(core, z, weight, 1e-6),
+                 TOLERANCE[torch.bfloat16], "gated_rms_norm")
+    args = rope_case("cuda", torch.bfloat16, 300, 16, 2, 256, 262_144, seed=94)
+    expected = qk_norm_rope_reference(*args, 64, 10_000_000.0, 1e-6)
+    actual = qk_norm_rope(*args, 64, 10_000_000.0, 1e-6)
+    for a, e, name in zip(actual, expected, "qk"):
+        assert_close(a, e, TOLERANCE[torch.bfloat16], name)
