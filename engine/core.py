@@ -29,7 +29,7 @@ from typing import Callable, NamedTuple, Sequence as Seq
 import torch
 
 from ..kernels import select_ops
-from ..spec import DraftPolicy, StepCosts, load_draft_vocab
+from ..spec import AcceptanceProfile, DraftPolicy, StepCosts, load_draft_vocab
 from .allocators import BlockAllocator, SlotAllocator
 from .checkpoint_io import CheckpointIO
 from .cuda_graphs import DecodeGraphs, SpecGraphs
@@ -73,12 +73,13 @@ _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 
 class EngineCore:
     def __init__(self, config: EngineConfig, model: HybridLM | None = None, tokenizer: Tokenizer | None = None,
-                 edit_drafts: DraftEditor | None = None) -> None:
+                 edit_drafts: DraftEditor | None = None, forced_acceptance: AcceptanceProfile | None = None) -> None:
         """Loads model and tokenizer from config.model unless given (benchmarks build random
         models in memory; a given model must already be on config.device in config.dtype).
         edit_drafts: rewrites each speculative step's drafts before verify (tests force
         acceptance counts with it; speculation.py). It reads the requests' committed tokens, so
-        no step is launched ahead of the one before it then."""
+        no step is launched ahead of the one before it then. forced_acceptance: benchmarks at
+        real sizes draw each verify row's accepted count from a profile (spec/profile.py)."""
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = _TORCH_DTYPES[config.dtype]
@@ -107,8 +108,8 @@ class EngineCore:
         decode = DecodeStep(self.model, self.states, self.kv, config.block_size, bool(self.num_draft_tokens),
                             config.max_num_seqs, self._max_blocks_per_row)
         sampler, checkpoint_io = Sampler(self.ops, self.device), CheckpointIO(self.states, self.kv)
-        speculator = Speculator(self.model, self.states, self.kv, decode, sampler, checkpoint_io, edit_drafts) \
-            if self.num_draft_tokens else None
+        speculator = Speculator(self.model, self.states, self.kv, decode, sampler, checkpoint_io, edit_drafts,
+                                forced_acceptance) if self.num_draft_tokens else None
         graphs = self._decode_graphs(decode)
         spec_graphs = self._spec_graphs(decode, speculator, split=edit_drafts is not None) if speculator else None
         self.runner = Runner(self.model, self.states, self.kv, sampler, checkpoint_io, config.block_size, self.device,

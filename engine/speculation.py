@@ -20,11 +20,15 @@ A speculative step (Speculator.run) is:
              hidden states are kept at the slot for the next step's catch-up, and prefill chunks
              run the MTP over their own positions so the MTP's KV cache stays complete.
 
-`draft` and `verify` run at fixed shapes (decode_step.py), so a decode-only step replays two
-CUDA graphs per (batch bucket, K) (cuda_graphs.SpecGraphs); steps with prefill chunks run the
-draft graph, then their verify forward eagerly. A test or benchmark may pass `edit_drafts`,
+`draft` and `verify` run at fixed shapes (decode_step.py), so a decode-only step replays one
+CUDA graph per (batch bucket, K) (cuda_graphs.SpecGraphs) and can be launched before the step
+before it is read: its outputs stay on the device (`launch`), sampled rows' acceptance too
+(`resample`), and the host reads them one step late (`read`). Steps with prefill chunks run
+eagerly and are waited for (`run`). A test may pass `edit_drafts`,
 called between draft and verify with the rows and the drafts [B, K], to rewrite the drafts in
-place (forcing acceptance counts). Knows nothing about queues, stop conditions or the adaptive
+place (forcing acceptance counts); a benchmark may pass `forced_acceptance` (spec/profile.py),
+which replaces each row's accepted count with a draw from a per-position profile, every other
+stage running as it does. Knows nothing about queues, stop conditions or the adaptive
 draft length: the plan says how many drafts each row gets.
 """
 
@@ -35,7 +39,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import torch
 
-from ..spec import greedy_accept, sampled_accept
+from ..spec import AcceptanceProfile, greedy_accept, sampled_accept
 from .batch import ForwardBatch, Row
 from .checkpoint_io import CheckpointIO
 from .decode_step import DecodeRows, DecodeStep
@@ -68,11 +72,14 @@ class Verified(NamedTuple):
 
 class Speculator:
     def __init__(self, model: HybridLM, states: StatePool, kv: KVPool, decode: DecodeStep, sampler: Sampler,
-                 checkpoint_io: CheckpointIO, edit_drafts: DraftEditor | None = None) -> None:
+                 checkpoint_io: CheckpointIO, edit_drafts: DraftEditor | None = None,
+                 forced_acceptance: AcceptanceProfile | None = None) -> None:
+        """edit_drafts, forced_acceptance: for tests and benchmarks (the module docstring)."""
         if model.mtp is None or states.mtp_hidden is None or not decode.speculative:
             raise ValueError("speculation needs a model with MTP weights and a pool that keeps MTP inputs")
         self.model, self.states, self.kv, self.decode = model, states, kv, decode
         self.sampler, self.checkpoint_io, self.edit_drafts = sampler, checkpoint_io, edit_drafts
+        self.forced_acceptance = forced_acceptance
         self.device = states.pending_counts.device
 
     # Fixed-shape stages (captured in CUDA graphs) ------------------------------------------
@@ -128,7 +135,7 @@ class Speculator:
         num_rows, width = drafts.shape[0], drafts.shape[1] + 1
         self.states.mtp_hidden[rows.slots, :width] = hidden.view(num_rows, width, -1)
         target = logits.argmax(dim=-1).view(num_rows, width)
-        accepted, emitted = greedy_accept(target, drafts, rows.num_drafts)
+        accepted, emitted = self._forced(*greedy_accept(target, drafts, rows.num_drafts), rows.num_drafts)
         self._set_pending(rows.slots, accepted)
         self.decode.record(rows, accepted, emitted)
         return accepted, emitted
@@ -200,7 +207,8 @@ class Speculator:
         positions = (device_rows.positions[index][:, None] + 1 + self.decode.arange(width)).reshape(-1)
         targets = self.sampler.sample(drafted.logits[flat].float(), [rows[i] for i in sampled for _ in range(width)],
                                       positions).view(len(sampled), width)
-        accepted, emitted = sampled_accept(targets, drafts[index], device_rows.num_drafts[index])
+        accepted, emitted = self._forced(*sampled_accept(targets, drafts[index], device_rows.num_drafts[index]),
+                                         device_rows.num_drafts[index])
         self.decode.accepted[index] = accepted
         self.decode.emitted[:width, index] = emitted.T
         self._set_pending(device_rows.slots[index], accepted)
@@ -213,6 +221,13 @@ class Speculator:
         tokens = [emitted[i][:accepted[i] + 1] for i in range(num_rows)]
         logit_rows = [list(range(i * width, i * width + len(t))) for i, t in enumerate(tokens)]
         return tokens, logit_rows, accepted
+
+    def _forced(self, accepted: torch.Tensor, emitted: torch.Tensor,
+                num_drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(accepted, emitted), the accepted counts drawn from the forced profile if one is set."""
+        if self.forced_acceptance is None:
+            return accepted, emitted
+        return self.forced_acceptance.draw(num_drafts, emitted.shape[1] - 1), emitted
 
     def _edit(self, rows: Sequence[ScheduledRow], drafts: torch.Tensor) -> None:
         if self.edit_drafts is not None:

@@ -23,8 +23,7 @@ from .linear import linear_reference
 from .moe import moe_experts_reference, route_reference
 from .norms import gated_rms_norm_reference, rms_norm_reference
 from .rope import qk_norm_rope_reference
-from .rejection import rejection_sample_reference
-from .sampling import filter_probs_reference, sample_reference
+from .sampling import sample_reference
 
 
 @dataclass(frozen=True)
@@ -44,8 +43,6 @@ class Ops:
     moe_route: Callable
     moe_experts: Callable
     sample: Callable
-    filter_probs: Callable
-    rejection_sample: Callable
 
 
 REFERENCE_OPS = Ops(
@@ -64,8 +61,6 @@ REFERENCE_OPS = Ops(
     moe_route=route_reference,
     moe_experts=moe_experts_reference,
     sample=sample_reference,
-    filter_probs=filter_probs_reference,
-    rejection_sample=rejection_sample_reference,
 )
 
 
@@ -74,7 +69,7 @@ REFERENCE_OPS = Ops(
 def triton_ops() -> Ops:
     """The GPU table: Triton kernels where they exist; the remaining entries are the (batched,
     device-agnostic) torch references, listed here so the mix is visible in one place."""
-    from . import activation, attention, conv1d, gdn_chunked, gdn_decode, linear, moe, norms, rejection, rope, sampling
+    from . import activation, attention, conv1d, gdn_chunked, gdn_decode, linear, moe, norms, rope, sampling
 
     return replace(
         REFERENCE_OPS,
@@ -93,7 +88,6 @@ def triton_ops() -> Ops:
         moe_route=moe.route,
         moe_experts=moe.moe_experts,
         sample=sampling.sample,
-        rejection_sample=rejection.rejection_sample,
     )
 
 

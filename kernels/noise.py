@@ -1,4 +1,4 @@
-"""Counter-based noise, shared by sampling.py and rejection.py: the uniform number for (row,
+"""Counter-based noise for sampling.py: the uniform number for (row,
 token v) is a hash of the row's seed, its offset (the position being sampled) and v. A row's
 draw therefore depends only on its own seed and position — reproducible across runs and
 independent of the other rows in the batch and of the batch size. Torch (`row_hashes`,

@@ -35,7 +35,7 @@ exp / hash / log per element, the 64 serial bisection steps of step 5 and 7 laun
 at B = 64, V = 248,320: bench/results/kernels_moe_sampling-h200.json).
 
 Knows nothing about requests (every parameter arrives as a per-row tensor) nor about drafts
-(rejection.py).
+(speculation verifies sampled drafts against this very draw: spec/accept.py).
 """
 
 from __future__ import annotations

@@ -102,15 +102,13 @@ def run_kernels() -> None:
     """Kernels the greedy engine runs above do not reach: sampling, MoE's per-token path, and the
     split GDN prefill (few long rows on a real GPU; the tiny engine batches here look like CPU
     tensors, which take the fused path)."""
-    from deltaspec.kernels import gdn_chunked, moe, rejection, sampling
+    from deltaspec.kernels import gdn_chunked, moe, sampling
 
     vocab, rows = 1000, 4
     column = lambda value, dtype: torch.full((rows,), value, dtype=dtype)  # noqa: E731
     sampling.sample(torch.randn(rows, vocab), column(0.8, torch.float32), column(20, torch.int64),
                     column(0.9, torch.float32), column(0.05, torch.float32), column(1, torch.int64),
                     column(5, torch.int64))
-    rejection.rejection_sample(torch.rand(2, 4, vocab), None, torch.randint(0, vocab, (2, 3)), torch.tensor([3, 2]),
-                               torch.tensor([1, 2]), torch.tensor([5, 6]))
     experts, top_k, hidden, inner = 8, 2, 128, 64
     x = torch.randn(1, hidden, dtype=torch.bfloat16)
     weights, ids = torch.rand(1, top_k), torch.tensor([[1, 5]])

@@ -1,7 +1,7 @@
 """Fixtures shared by the kernel tests of this folder (tests/conftest.py sets up the interpreter,
 `kernel_device` and the `gpu` marker for every test).
 
-`poisoned_empty`: the MoE, sampling and rejection launchers run with `torch.empty` returning
+`poisoned_empty`: the MoE and sampling launchers run with `torch.empty` returning
 garbage (NaN for floats, a large negative number for integers). test_gdn_chunked.py overrides it
 with its own, which poisons float buffers only.
 """

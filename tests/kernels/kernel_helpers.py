@@ -7,7 +7,7 @@ tensor's scale) and bit-identity of the pool slots a batch does not own. Float64
 GDN recurrence and the causal conv (test_gdn_chunked.py, test_conv1d.py, test_gdn_decode.py) and
 of RMSNorm and SiLU (test_norms.py, test_rope.py, test_activation.py); the recurrent pools and
 ragged batches of the conv and GDN decode tests; q/k inputs for RoPE; constants of the sampling,
-noise and rejection tests. Shared fixtures are in conftest.py beside this module.
+noise tests. Shared fixtures are in conftest.py beside this module.
 
 These share no code with kernels/ beyond the launchers and references they call.
 """
@@ -183,7 +183,7 @@ def rope_case(device: str, dtype: torch.dtype, tokens: int, hq: int, hk: int, he
 
 
 # ----------------------------------------------------------------------------------------------
-# Sampling, noise and rejection
+# Sampling and noise
 # ----------------------------------------------------------------------------------------------
 
 # Upper 0.1% points of the chi-square distribution, by degrees of freedom (no scipy needed).

@@ -1,4 +1,4 @@
-"""The counter-based noise of sampling and rejection sampling (kernels/noise.py): `uniform_noise`,
+"""The counter-based noise of sampling (kernels/noise.py): `uniform_noise`,
 the torch side, against statistics computed here, and the Triton side (`row_hash_tl`,
 `uniform_tl`) against it.
 
