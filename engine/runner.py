@@ -163,5 +163,5 @@ class Runner:
         kept for its last position (restored into the row's slot before the forward)."""
         logits = self.model.compute_logits(self.states.last_hidden[self.sampler.tensor([r.slot for r in rows])])
         emitted = [[t] for t in self.sampler.sample(logits, rows).tolist()]
-        return StepOutput(emitted, logprobs=self.sampler.logprobs(logits, rows, [[i] for i in range(len(rows))], emitted),
-                          num_pending=[0] * len(rows))
+        logprobs = self.sampler.logprobs(logits, rows, [[i] for i in range(len(rows))], emitted)
+        return StepOutput(emitted, logprobs=logprobs, num_pending=[0] * len(rows))

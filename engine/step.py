@@ -1,6 +1,6 @@
 """The step contract between the scheduler and the runner: what one step runs and what it gave.
 
-    Scheduler.schedule() -> StepPlan  ──►  Runner.run(plan) -> StepOutput  ──►  Scheduler.commit(plan, output)
+    Scheduler.schedule() -> StepPlan ──► Runner.run(plan) -> StepOutput ──► Scheduler.commit(plan, output)
 
 A StepPlan lists the step's rows in the order the runner relies on: decode rows first (one token
 each, plus the drafts the runner makes for them when speculating), then prefill chunks, then

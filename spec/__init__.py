@@ -16,5 +16,5 @@ from .draft_vocab import DRAFT_VOCAB_FILE, load_draft_vocab, write_draft_vocab
 from .profile import AcceptanceProfile
 from .stats import SpecStats
 
-__all__ = ["AcceptanceEstimate", "AcceptanceProfile", "DRAFT_VOCAB_FILE", "DraftPolicy", "SpecStats", "StepCosts", "greedy_accept",
-           "load_draft_vocab", "sampled_accept", "write_draft_vocab"]
+__all__ = ["AcceptanceEstimate", "AcceptanceProfile", "DRAFT_VOCAB_FILE", "DraftPolicy", "SpecStats", "StepCosts",
+           "greedy_accept", "load_draft_vocab", "sampled_accept", "write_draft_vocab"]

@@ -39,34 +39,48 @@ def test_bf16_gpu_model_matches_cpu_reference(family, gpu_checkpoint):
 def test_isolation_on_gpu(family, gpu_checkpoint, n):
     """float32 so that the comparison tests isolation, not bf16 rounding of different batch shapes."""
     check_isolation(gpu_checkpoint(family), n, seed=n, device="cuda", dtype="float32", max_num_seqs=n,
-                    max_num_batched_tokens=1024)
+                    max_num_batched_tokens=1024, num_draft_tokens=0)
 
 
 def test_isolation_on_gpu_256(gpu_checkpoint):
     check_isolation(gpu_checkpoint("qwen3_next"), 256, seed=256, device="cuda", dtype="float32", max_num_seqs=256,
-                    max_num_batched_tokens=2048)
+                    max_num_batched_tokens=2048, num_draft_tokens=0)
 
 
-def test_cuda_graphs_are_used_and_match_eager(gpu_checkpoint):
-    path = gpu_checkpoint("qwen3_5")
+def count_replays(graphs) -> list[int]:
+    """Counts the replays of every captured graph of a DecodeGraphs or SpecGraphs (so a test
+    sees that graphs ran, not only that they were captured)."""
+    replays = []
+    for entry in graphs.graphs.values():
+        for graph in (entry.graph, getattr(entry, "verify", None)):
+            if graph is not None:
+                replay = graph.replay
+                graph.replay = lambda replay=replay: replays.append(1) or replay()
+    return replays
+
+
+@pytest.mark.parametrize("num_draft_tokens", [0, 3])
+def test_cuda_graphs_replay_and_match_eager(gpu_checkpoint, num_draft_tokens):
+    """Plain decoding, and speculation (plain and speculative graphs), on graphs and eagerly."""
+    path = gpu_checkpoint("qwen3_5", mtp_copy_of_last_layer=True)
     jobs = [j for j in make_jobs(24, seed=5) if j.abort_after is None]
-    graphs = EngineCore(EngineConfig(model=path, device="cuda", dtype="float32", max_num_seqs=32))
-    assert graphs.runner.graphs is not None
-    eager = EngineCore(EngineConfig(model=path, device="cuda", dtype="float32", max_num_seqs=32,
-                                    enable_cuda_graphs=False))
+    options = dict(model=path, device="cuda", dtype="float32", max_num_seqs=32, num_draft_tokens=num_draft_tokens)
+    graphs = EngineCore(EngineConfig(**options))
+    replays = [count_replays(graphs.runner.graphs)]
+    if num_draft_tokens:
+        replays.append(count_replays(graphs.runner.spec_graphs))
+    eager = EngineCore(EngineConfig(**options, enable_cuda_graphs=False))
     with_graphs = run_staggered(graphs, jobs)
     without = run_staggered(eager, jobs)
     assert [with_graphs[i].output_token_ids for i in range(len(jobs))] == \
         [without[i].output_token_ids for i in range(len(jobs))]
+    assert all(len(r) > 10 for r in replays)
 
 
 def count_graph_steps(core: EngineCore) -> list[int]:
-    """Counts verify-graph replays of a speculative engine (so a test sees that graphs ran)."""
-    graphs, replays = core.runner.spec_graphs, []
-    assert graphs is not None
-    verify = graphs.verify
-    graphs.verify = lambda *args: replays.append(1) or verify(*args)
-    return replays
+    """Counts speculative-graph replays of a speculative engine."""
+    assert core.runner.spec_graphs is not None
+    return count_replays(core.runner.spec_graphs)
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -74,7 +88,8 @@ def test_speculation_is_lossless_on_gpu(family, gpu_checkpoint, k):
     path = gpu_checkpoint(family, mtp_copy_of_last_layer=True)
     prompts = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 50, 200)]
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
-    base = [o.token_ids for o in LLM(path, device="cuda", dtype="float32").generate(prompts, params)]
+    plain = LLM(path, device="cuda", dtype="float32", num_draft_tokens=0)
+    base = [o.token_ids for o in plain.generate(prompts, params)]
     spec = LLM(path, device="cuda", dtype="float32", num_draft_tokens=k, adaptive_draft_length=False)
     replays = count_graph_steps(spec.core)
     assert [o.token_ids for o in spec.generate(prompts, params)] == base
@@ -88,7 +103,7 @@ def test_spec_graphs_are_lossless_for_every_acceptance_count(family, gpu_checkpo
     path, k = gpu_checkpoint(family), 3
     batch = prompts(6, seed=7)
     options = dict(device="cuda", dtype="float32")
-    base = generate(EngineCore(EngineConfig(model=path, **options)), batch)
+    base = generate(EngineCore(EngineConfig(model=path, num_draft_tokens=0, **options)), batch)
     truth = {str(i): tokens for i, tokens in enumerate(base)}
     outputs = []
     for graphs in (True, False):
