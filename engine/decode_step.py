@@ -246,7 +246,7 @@ class DecodeStep:
         greedy = self.emitted[0, :rows.num_rows]
         torch.argmax(logits, dim=-1, out=greedy)
         if self.speculative:
-            self.states.pending_counts[rows.slots] = 0
+            self.states.pending_counts.index_fill_(0, rows.slots, 0)  # (no host scalar: graph-safe)
             self.states.mtp_hidden[rows.slots, 0] = hidden
             self.record(rows, None)
         return logits, greedy

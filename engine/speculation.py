@@ -269,7 +269,7 @@ class Speculator:
         num_accepted pending inputs into the committed state and ignores the rest (None: zero,
         nothing pending)."""
         if num_accepted is None:
-            self.states.pending_counts[slots] = 0
+            self.states.pending_counts.index_fill_(0, slots, 0)
         else:
             self.states.pending_counts[slots] = num_accepted.to(torch.int32)
 
