@@ -178,7 +178,9 @@ class SpecGraphs(_StaticRows):
         torch.cuda.synchronize()
 
     def can_run(self, rows: list[DecodeRow], num_drafts: int) -> bool:
-        return num_drafts <= self.max_drafts and self.fits(rows)
+        """A step where no row drafts is a plain one (DecodeGraphs), unless it rides along
+        with cached rows; that rare step runs eagerly."""
+        return 0 < num_drafts <= self.max_drafts and self.fits(rows)
 
     def run(self, rows: list[DecodeRow], num_drafts: int,
             edit: Callable[[torch.Tensor], None] | None = None) -> Drafted:
