@@ -211,10 +211,11 @@ def main() -> None:
         report["shapes"][shape] = per_shape
         del model
         gc.collect()
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"spec_e2e-{device_tag() if args.device == 'cuda' else 'cpu'}"
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    plot(report, batches, stem.with_suffix(".png"))
+        # After every shape: a run cut off by a time limit keeps what it measured.
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem = args.out / f"spec_e2e-{device_tag() if args.device == 'cuda' else 'cpu'}"
+        stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
+        plot(report, batches, stem.with_suffix(".png"))
     for shape, per_shape in report["shapes"].items():
         for variant, per_variant in per_shape.get("variants", {}).items():
             for profile_name, result in per_variant.items():
