@@ -120,7 +120,8 @@ class EngineCore:
             policy = DraftPolicy(self.num_draft_tokens, costs, adaptive=config.adaptive_draft_length)
             logger.info("step costs (seconds by batch bucket; K=0 is plain decoding): %s", costs.as_dict())
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   self.max_model_len), self.slots, self.blocks, self.cache, policy)
+                                                   self.max_model_len, self.num_draft_tokens),
+                                   self.slots, self.blocks, self.cache, policy)
         self._in_flight: InFlight | None = None  # launched by the last step's wait, next to dispatch
         self._overlap = config.async_scheduling and edit_drafts is None
         self.requests: dict[str, Request] = {}

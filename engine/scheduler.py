@@ -48,6 +48,9 @@ class SchedulerConfig:
     max_num_seqs: int = 64             # running requests at most
     max_num_batched_tokens: int = 2048  # tokens per step (decode tokens + prefill chunks)
     max_model_len: int = 1 << 30
+    # Positions past its newest token a decode row may write (its drafts, the MTP catch-up's
+    # padding): the pools' k, whatever the draft policy drafts.
+    max_draft_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -61,8 +64,11 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, slots: SlotAllocator, blocks: BlockAllocator,
                  cache: PrefixCache, draft_policy: DraftPolicy | None = None) -> None:
         """draft_policy: how many drafts each step runs (None: no speculation). It may be
-        replaced between steps (benchmarks compare settings on one engine) by one with the
-        same max_draft_tokens: the pools are sized for that."""
+        replaced between steps (benchmarks compare settings on one engine) by one drafting at
+        most config.max_draft_tokens, what the pools are sized for."""
+        if draft_policy is not None and not 0 < draft_policy.max_draft_tokens <= config.max_draft_tokens:
+            raise ValueError(f"a draft policy of up to {draft_policy.max_draft_tokens} drafts on pools sized for "
+                             f"{config.max_draft_tokens}")
         self.config, self.slots, self.blocks, self.cache = config, slots, blocks, cache
         self.draft_policy = draft_policy
         self.waiting: deque[Request] = deque()
@@ -74,17 +80,17 @@ class Scheduler:
 
     # Admission and abort ------------------------------------------------------------------
 
-    @property
-    def _draft_room(self) -> int:
-        """Positions past its newest token a decode row may write: k drafts (0 without speculation)."""
-        return self.draft_policy.max_draft_tokens if self.draft_policy is not None else 0
-
     def can_ever_fit(self, request: Request) -> bool:
-        return self.blocks.blocks_needed(request.max_num_tokens + self._draft_room) <= self.blocks.capacity - 1
+        return self._blocks_for_life(request) <= self.blocks.capacity - 1
+
+    def _blocks_for_life(self, request: Request) -> int:
+        """KV blocks the request needs at most: every token it may hold, and the positions past
+        its newest that a decode row writes."""
+        return self.blocks.blocks_needed(request.max_num_tokens + self.config.max_draft_tokens)
 
     def add(self, request: Request) -> None:
         if not self.can_ever_fit(request):
-            raise ValueError(f"request needs {self.blocks.blocks_needed(request.max_num_tokens + self._draft_room)} "
+            raise ValueError(f"request needs {self._blocks_for_life(request)} "
                              f"KV blocks, the pool has {self.blocks.capacity - 1}")
         if self.draft_policy is not None:
             request.acceptance = self.draft_policy.new_estimate()
@@ -120,7 +126,7 @@ class Scheduler:
         for request in decoding:
             if request.status is not running:
                 continue  # preempted to make room for an older request
-            if self._reserve_blocks(request, request.num_tokens + self._draft_room, scheduled):
+            if self._reserve_blocks(request, request.num_tokens + self.config.max_draft_tokens, scheduled):
                 decoded.append(request)
                 scheduled.add(id(request))
         rooms = [self._draft_room_of(r) for r in decoded]
@@ -182,8 +188,8 @@ class Scheduler:
                 continue  # `plan` may give it its last token
             # Blocks for the furthest newest position and the K positions after it. (Most rows
             # have room in their last block: checked before calling.)
-            if furthest + 1 + self._draft_room > len(request.block_table) * capacity \
-                    and not self._reserve_blocks(request, furthest + 1 + self._draft_room, scheduled=None):
+            needed = furthest + 1 + self.config.max_draft_tokens
+            if needed > len(request.block_table) * capacity and not self._reserve_blocks(request, needed, scheduled=None):
                 return None  # preemption is `schedule`'s business
             fed.append((index, request, furthest, row.num_draft_tokens))
         if not fed or in_plan != len(self.running):

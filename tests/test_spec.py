@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from deltaspec.engine import EngineConfig, ModelConfig, SamplingParams
 from deltaspec.engine.core import EngineCore
+from deltaspec.engine.scheduler import Scheduler
 from deltaspec.engine.state_pool import StatePool
 from deltaspec.kernels.gdn import expand_heads, l2norm, recurrent_steps
 from deltaspec.spec import AcceptanceEstimate, DraftPolicy, StepCosts, greedy_accept
@@ -297,6 +298,21 @@ def test_seeded_sampling_with_speculation_equals_plain_sampling(checkpoint, k):
     assert run(forced) == plain
     assert 0 < forced.stats()["spec"]["acceptance_by_position"][0] < 1
     assert run(EngineCore(EngineConfig(model=path, num_draft_tokens=k))) == plain
+
+
+def test_draft_policy_can_change_between_steps(checkpoint):
+    """Benchmarks compare settings on one engine: a policy of fewer drafts than the pools are
+    sized for takes over between steps (greedy output unchanged); one of more is refused."""
+    path = checkpoint("qwen3_5", mtp_copy_of_last_layer=True)
+    batch = prompts(3, seed=40)
+    base = generate(EngineCore(EngineConfig(model=path, num_draft_tokens=0)), batch)
+    core = EngineCore(EngineConfig(model=path, num_draft_tokens=4))
+    costs = core.scheduler.draft_policy.costs
+    for k in (1, 2):
+        core.scheduler.draft_policy = DraftPolicy(k, costs, adaptive=False)
+        assert generate(core, batch) == base
+    with pytest.raises(ValueError, match="sized for 4"):
+        Scheduler(core.scheduler.config, core.slots, core.blocks, core.cache, DraftPolicy(5, costs))
 
 
 def test_seeded_sampling_with_speculation_is_reproducible(checkpoint):
