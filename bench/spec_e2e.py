@@ -213,7 +213,7 @@ def main() -> None:
         gc.collect()
         # After every shape: a run cut off by a time limit keeps what it measured.
         args.out.mkdir(parents=True, exist_ok=True)
-        stem = args.out / f"spec_e2e-{device_tag() if args.device == 'cuda' else 'cpu'}"
+        stem = args.out / f"spec_e2e-{device_tag(device_name)}"
         stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
         plot(report, batches, stem.with_suffix(".png"))
     for shape, per_shape in report["shapes"].items():
