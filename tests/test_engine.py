@@ -83,7 +83,7 @@ def check_isolation(path, n: int, seed: int, **engine_options) -> EngineCore:
 @pytest.mark.parametrize("n, max_num_seqs", [(1, 8), (2, 8), (3, 8), (4, 8), (8, 8), (16, 8), (64, 16), (64, 64)])
 def test_isolation(family, checkpoint, n, max_num_seqs):
     check_isolation(checkpoint(family), n, seed=n + max_num_seqs, max_num_seqs=max_num_seqs,
-                    max_num_batched_tokens=256)
+                    max_num_batched_tokens=256, num_draft_tokens=0)
 
 
 def test_preemption_gives_identical_output(checkpoint):
@@ -129,7 +129,8 @@ def test_bad_input_changes_nothing(checkpoint):
 
 
 def test_scheduler_never_hands_out_slot_or_block_zero_and_respects_budget(checkpoint):
-    core = EngineCore(EngineConfig(model=checkpoint("qwen3_5"), max_num_seqs=4, max_num_batched_tokens=32))
+    core = EngineCore(EngineConfig(model=checkpoint("qwen3_5"), max_num_seqs=4, max_num_batched_tokens=32,
+                                   num_draft_tokens=0))
     for i in range(6):
         core.add_request(list(range(1, 2 + 13 * i)), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     while core.has_work:
@@ -153,7 +154,7 @@ def test_preempted_mid_prefill_request_gets_no_row(checkpoint):
                                                                                 ignore_eos=True), 0, None)
             for i, length in enumerate([40, 200, 130, 100])]
     core = EngineCore(EngineConfig(model=path, max_num_seqs=4, max_num_batched_tokens=80, num_kv_blocks=18,
-                                   enable_prefix_cache=False))
+                                   enable_prefix_cache=False, num_draft_tokens=0))
     alone = [run_alone(core, job) for job in jobs]
     requests = [core.add_request(job.prompt, job.params) for job in jobs]
     while core.has_work:
@@ -169,7 +170,8 @@ def test_preempted_mid_prefill_request_gets_no_row(checkpoint):
 def test_long_prompt_does_not_stall_decodes(checkpoint):
     """Chunked prefill: while a 300-token prompt is prefilled in 32-token chunks, the running
     request still decodes one token every step."""
-    core = EngineCore(EngineConfig(model=checkpoint("qwen3_5"), max_num_seqs=2, max_num_batched_tokens=33))
+    core = EngineCore(EngineConfig(model=checkpoint("qwen3_5"), max_num_seqs=2, max_num_batched_tokens=33,
+                                   num_draft_tokens=0))
     short = core.add_request([1, 2, 3], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     core.step()
     core.add_request(list(range(100, 400)), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
