@@ -13,8 +13,10 @@ For each shape, batch (1, 4, 16, 64, 256), temperature (0, 0.7) and profile, sid
 one run: plain decoding (an engine with num_draft_tokens=0), fixed k = 1..4 and the adaptive
 default (up to 3 drafts, each step's K from the measured step costs). tokens/s counts generated
 tokens over the wall time of the decode steps (prefill excluded: every request's prompt is
-prefilled before the clock starts). The 9B shape also runs with the reduced draft vocabulary
-(the 32768 most frequent ids; on a random model which ids does not change the cost).
+prefilled before the clock starts); small batches generate more tokens per request (at least
+2048 in all, at most 256 each) so that every run spans many steps. The dense shapes also run
+with the reduced draft vocabulary (the 32768 most frequent ids; on a random model which ids does
+not change the cost).
 
 Also recorded per shape and batch: the measured step costs (the policy's table: plain step,
 speculative step at each K) and the bound they give, mean accepted length / (cost(K) / cost(0))
@@ -135,7 +137,8 @@ def measure(core: EngineCore, batches: list[int], tokens: int, temperatures: lis
     for batch in batches:
         run(core, batch, 8, temperatures[-1], seed=0)
         for temperature in temperatures:
-            results[f"T={temperature}", batch] = run(core, batch, tokens, temperature, seed=1)
+            results[f"T={temperature}", batch] = run(core, batch, max(tokens, min(256, 2048 // batch)), temperature,
+                                                     seed=1)
             bar.update()
     return results
 
@@ -175,7 +178,7 @@ def main() -> None:
             report["shapes"][shape] = {"skipped": "the weights do not fit this GPU"}
             continue
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        variants = [("full", False)] + ([("draft_vocab_32k", True)] if shape == "9b" else [])
+        variants = [("full", False)] + ([("draft_vocab_32k", True)] if shape in ("0.8b", "9b") else [])
         per_shape = {"weights_gib": weights / 2**30, "variants": {}}
         total = len(batches) * len(temperatures) * (1 + len(variants) * len(PROFILES) * (len(FIXED) + 1))
         with tqdm(total=total, desc=shape) as bar:

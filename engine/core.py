@@ -286,7 +286,24 @@ class EngineCore:
             return StepCosts.relative(self.num_draft_tokens)
         seconds = {(bucket, 0): cost for bucket, cost in graphs.step_costs().items()}
         seconds.update(spec_graphs.step_costs())
-        return StepCosts(tuple(graphs.buckets), seconds)
+        return StepCosts(tuple(graphs.buckets), seconds, self._sample_seconds_per_row())
+
+    @torch.inference_mode()
+    def _sample_seconds_per_row(self, num_rows: int = 256) -> float:
+        """Seconds of one seeded top-p draw over the vocabulary (the sampling kernel's cost per
+        row at a few hundred rows, where a sampled batch's verify positions land)."""
+        logits = torch.randn(num_rows, self.model_config.vocab_size, device=self.device)
+        column = lambda value, dtype: torch.full((num_rows,), value, dtype=dtype, device=self.device)  # noqa: E731
+        arguments = (logits, column(0.7, torch.float32), column(0, torch.int64), column(0.95, torch.float32),
+                     column(0.0, torch.float32), column(1, torch.int64), column(0, torch.int64))
+        self.ops.sample(*arguments)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            self.ops.sample(*arguments)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / 3 / num_rows
 
     def _draft_tokens(self) -> int:
         """The most drafts a step runs: as configured, by default MAX_DRAFT_TOKENS when the

@@ -347,7 +347,8 @@ class Scheduler:
         """The step's K (spec/adaptive.py); 0 without speculation."""
         if self.draft_policy is None or not requests:
             return 0
-        return self.draft_policy.choose([r.acceptance for r in requests], rooms, limit)
+        return self.draft_policy.choose([r.acceptance for r in requests], rooms, limit,
+                                        sum(not r.params.greedy for r in requests))
 
     def _reserve_blocks(self, request: Request, num_tokens: int, scheduled: set[int] | None) -> bool:
         """Grow the block table to hold num_tokens, preempting the newest running requests not

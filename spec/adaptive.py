@@ -12,10 +12,13 @@ with c_ri request r's conditional acceptance at depth i (the chance that draft i
 when draft i - 1 was), an exponential moving average of what its verify steps saw (weight
 `smoothing` for the newest), room_r the drafts its token limit leaves, and cost(B, K) the
 seconds of a step (`StepCosts`, measured at start-up on the captured graphs; K = 0 is the plain
-decode step, which runs no MTP at all). So K = 0 wherever drafting does not pay: large batches,
-low acceptance, cheap steps. A step at K = 0 observes no acceptance, so after `probe_interval`
-of them in a row the policy runs one step at K = 1 (the cheapest probe) and acceptance can grow
-back. Ties go to the smaller K.
+decode step, which runs no MTP at all), plus the sampling of every verified position of the
+step's sampled rows (S (K + 1) draws instead of S). A K > 0 must beat K = 0 by `min_gain`: the
+costs are measured on short contexts, where a verify's extra positions cost least, and a step
+that only breaks even is a loss once that is wrong. So K = 0 wherever drafting does not pay:
+large batches, low acceptance, cheap steps. A step at K = 0 observes no acceptance, so after
+`probe_interval` of them in a row the policy runs one step at K = 1 (the cheapest probe) and
+acceptance can grow back. Ties go to the smaller K.
 
 With `adaptive` off every step drafts max_draft_tokens (a fixed K, as benchmarks compare).
 Knows nothing about tensors or the scheduler.
@@ -35,6 +38,7 @@ class StepCosts:
 
     buckets: tuple[int, ...]
     seconds: Mapping[tuple[int, int], float]  # (bucket, K) -> seconds; K = 0: the plain step
+    sample_seconds_per_row: float = 0.0       # one seeded top-k/top-p draw over the vocabulary
 
     def __post_init__(self) -> None:
         if not self.buckets or any((b, 0) not in self.seconds for b in self.buckets):
@@ -46,15 +50,18 @@ class StepCosts:
         steps at every batch size."""
         return cls((1 << 30,), {(1 << 30, k): 1 + cost_per_draft * k for k in range(max_draft_tokens + 1)})
 
-    def __call__(self, num_rows: int, num_drafts: int) -> float:
+    def __call__(self, num_rows: int, num_drafts: int, num_sampled: int = 0) -> float:
+        """Seconds of a step of num_rows rows at K = num_drafts, num_sampled of them sampled."""
         index = bisect.bisect_left(self.buckets, num_rows)
-        return self.seconds[self.buckets[min(index, len(self.buckets) - 1)], num_drafts]
+        graph = self.seconds[self.buckets[min(index, len(self.buckets) - 1)], num_drafts]
+        return graph + num_sampled * (num_drafts + 1) * self.sample_seconds_per_row
 
-    def as_dict(self) -> dict[str, dict[int, float]]:
-        """{"K=k": {bucket: seconds}} for stats and benchmarks."""
-        table: dict[str, dict[int, float]] = {}
+    def as_dict(self) -> dict:
+        """{"K=k": {bucket: seconds}, "sample_seconds_per_row": s} for stats and benchmarks."""
+        table: dict = {}
         for (bucket, k), seconds in sorted(self.seconds.items()):
             table.setdefault(f"K={k}", {})[bucket] = seconds
+        table["sample_seconds_per_row"] = self.sample_seconds_per_row
         return table
 
 
@@ -94,20 +101,23 @@ class DraftPolicy:
     smoothing: float = 0.3
     initial_acceptance: float = 0.7  # every depth's conditional acceptance before any is seen
     probe_interval: int = 16
+    min_gain: float = 0.03  # the least relative gain in tokens/s a K > 0 must promise over K = 0
     steps_at_zero: int = 0  # steps in a row at K = 0 (a probe follows `probe_interval` of them)
 
     def __post_init__(self) -> None:
         if self.max_draft_tokens < 1:
             raise ValueError("a draft policy needs max_draft_tokens >= 1 (0: no speculation, no policy)")
-        if not 0 < self.smoothing <= 1 or not 0 <= self.initial_acceptance <= 1 or self.probe_interval < 1:
-            raise ValueError("smoothing in (0, 1], initial_acceptance in [0, 1], probe_interval >= 1")
+        if not 0 < self.smoothing <= 1 or not 0 <= self.initial_acceptance <= 1 or self.probe_interval < 1 \
+                or self.min_gain < 0:
+            raise ValueError("smoothing in (0, 1], initial_acceptance in [0, 1], probe_interval >= 1, min_gain >= 0")
 
     def new_estimate(self) -> AcceptanceEstimate:
         return AcceptanceEstimate([self.initial_acceptance] * self.max_draft_tokens)
 
-    def choose(self, estimates: Sequence[AcceptanceEstimate], rooms: Sequence[int], limit: int) -> int:
+    def choose(self, estimates: Sequence[AcceptanceEstimate], rooms: Sequence[int], limit: int,
+               num_sampled: int = 0) -> int:
         """K for a step of these rows (their estimates, and the drafts room_r each may take);
-        limit: the most K the step's token budget allows."""
+        limit: the most K the step's token budget allows; num_sampled: rows that sample."""
         top = min(self.max_draft_tokens, limit, max(rooms, default=0))
         if top <= 0:
             return 0
@@ -119,10 +129,11 @@ class DraftPolicy:
             for i, reach in enumerate(estimate.reach[:min(room, top)]):
                 gains[i] += reach
         num_rows = len(estimates)
-        best, best_value, tokens = 0, num_rows / self.costs(num_rows, 0), float(num_rows)
+        plain = num_rows / self.costs(num_rows, 0, num_sampled)
+        best, best_value, tokens = 0, plain * (1 + self.min_gain), float(num_rows)
         for k in range(1, top + 1):
             tokens += gains[k - 1]
-            value = tokens / self.costs(num_rows, k)
+            value = tokens / self.costs(num_rows, k, num_sampled)
             if value > best_value:
                 best, best_value = k, value
         if best == 0:

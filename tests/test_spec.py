@@ -177,8 +177,10 @@ def test_acceptance_estimate_follows_each_depth():
     assert estimate.conditional == [0.75, 0.25, 0.5]
 
 
-def _best_by_search(costs, estimates, rooms, top):
-    """Evaluate value(K) = sum_r E_r(min(K, room_r)) / cost(B, K) for every K directly."""
+def _best_by_search(seconds, per_row, estimates, rooms, top, num_sampled, min_gain):
+    """Evaluate value(K) = sum_r E_r(min(K, room_r)) / cost(B, K) for every K directly: cost
+    from the bucket B pads to plus S (K + 1) sampled draws; K > 0 must beat K = 0 by min_gain."""
+    bucket = min(b for b, _ in seconds if b >= len(estimates))
     values = []
     for k in range(top + 1):
         tokens = 0.0
@@ -188,8 +190,9 @@ def _best_by_search(costs, estimates, rooms, top):
                 product *= c
                 expected += product
             tokens += expected
-        values.append(tokens / costs(len(estimates), k))
-    return values.index(max(values))
+        values.append(tokens / (seconds[bucket, k] + num_sampled * (k + 1) * per_row))
+    best = max(range(1, top + 1), key=lambda k: (values[k], -k)) if top else 0
+    return best if top and values[best] > values[0] * (1 + min_gain) else 0
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -198,15 +201,19 @@ def test_draft_policy_picks_the_most_tokens_per_second(seed):
     max_drafts = rng.randint(1, 6)
     buckets = (1, 2, 4, 8, 16)
     seconds = {(b, k): (1 + 0.05 * b) * (1 + rng.uniform(0.02, 0.6) * k) for b in buckets for k in range(max_drafts + 1)}
-    costs = StepCosts(buckets, seconds)
-    policy = DraftPolicy(max_drafts, costs, probe_interval=10**9)
+    per_row = rng.choice([0.0, 0.01])
+    costs = StepCosts(buckets, seconds, per_row)
+    min_gain = rng.choice([0.0, 0.05])
+    policy = DraftPolicy(max_drafts, costs, probe_interval=10**9, min_gain=min_gain)
     for _ in range(50):
         rows = rng.randint(1, 16)
         estimates = [AcceptanceEstimate([rng.random() for _ in range(max_drafts)]) for _ in range(rows)]
         rooms = [rng.choice([0, 1, max_drafts, max_drafts]) for _ in range(rows)]
         limit = rng.randint(0, max_drafts + 1)
+        num_sampled = rng.randint(0, rows)
         top = min(max_drafts, limit, max(rooms))
-        assert policy.choose(estimates, rooms, limit) == (_best_by_search(costs, estimates, rooms, top) if top > 0 else 0)
+        expected = _best_by_search(seconds, per_row, estimates, rooms, top, num_sampled, min_gain)
+        assert policy.choose(estimates, rooms, limit, num_sampled) == expected
 
 
 def test_draft_policy_turns_off_probes_and_grows_back():
