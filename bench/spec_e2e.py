@@ -132,10 +132,11 @@ def synchronize() -> None:
 
 
 def measure(core: EngineCore, batches: list[int], tokens: int, temperatures: list[float], bar: tqdm) -> dict:
-    """tokens/s by (temperature, batch), after one untimed run per batch (compiles and warms)."""
+    """tokens/s by (temperature, batch), after an untimed run per batch and temperature."""
     results = {}
     for batch in batches:
-        run(core, batch, 8, temperatures[-1], seed=0)
+        for temperature in temperatures:  # greedy and sampled steps compile different kernels
+            run(core, batch, 8, temperature, seed=0)
         for temperature in temperatures:
             results[f"T={temperature}", batch] = run(core, batch, max(tokens, min(256, 2048 // batch)), temperature,
                                                      seed=1)
