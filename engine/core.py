@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import time
 from pathlib import Path
 from typing import Callable, NamedTuple, Sequence as Seq
 
@@ -123,6 +124,8 @@ class EngineCore:
                                                    self.max_model_len, self.num_draft_tokens),
                                    self.slots, self.blocks, self.cache, policy)
         self._in_flight: InFlight | None = None  # launched by the last step's wait, next to dispatch
+        self._back_to_back = False  # the step being dispatched was launched ahead
+        self._last_commit: float | None = None
         self._overlap = config.async_scheduling and edit_drafts is None
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -206,6 +209,7 @@ class EngineCore:
         `wait()`, which launches the continuation of a plain decode step before waiting for it
         and returns it in the StepResult."""
         current = self._in_flight
+        self._back_to_back = current is not None  # launched before the step before it was read
         plan = current.plan if current is not None else self.scheduler.schedule()
         if current is None and not (self._overlap and self.runner.can_launch(plan)):
             return Dispatched(plan, lambda: self.run(plan))
@@ -219,7 +223,15 @@ class EngineCore:
         return Dispatched(plan, wait)
 
     def commit(self, plan: StepPlan, result: StepResult) -> list[RequestDelta]:
-        """Fold a step's result in; the step it launched ahead becomes the next to dispatch."""
+        """Fold a step's result in; the step it launched ahead becomes the next to dispatch. A
+        decode step that ran back to back with the one before reports its wall time to the
+        draft policy (what it really cost, host included: spec/adaptive.py)."""
+        now = time.perf_counter()
+        policy = self.scheduler.draft_policy
+        if policy is not None and self._back_to_back and self._last_commit is not None:
+            policy.observe(len(plan.decode_rows), max(r.num_draft_tokens for r in plan.decode_rows),
+                           now - self._last_commit)
+        self._last_commit = now
         self._in_flight = result.launched
         ahead = result.launched.plan if result.launched is not None else None
         deltas = []

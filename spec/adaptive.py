@@ -20,6 +20,13 @@ large batches, low acceptance, cheap steps. A step at K = 0 observes no acceptan
 `probe_interval` of them in a row the policy runs one step at K = 1 (the cheapest probe) and
 acceptance can grow back. Ties go to the smaller K.
 
+The start-up costs time the device alone. Where the host is the bottleneck (small models,
+many rows to schedule and commit) a step costs its wall time, not its device time, so the
+engine reports the wall time of every step it ran back to back (`observe`), and an observed
+cost (an exponential moving average per bucket and K) replaces the start-up one: a K whose
+steps turn out slower than they promised is dropped after a few steps, and the ones never run
+keep their optimistic start-up cost until tried.
+
 With `adaptive` off every step drafts max_draft_tokens (a fixed K, as benchmarks compare).
 Knows nothing about tensors or the scheduler.
 """
@@ -50,10 +57,12 @@ class StepCosts:
         steps at every batch size."""
         return cls((1 << 30,), {(1 << 30, k): 1 + cost_per_draft * k for k in range(max_draft_tokens + 1)})
 
+    def bucket(self, num_rows: int) -> int:
+        return self.buckets[min(bisect.bisect_left(self.buckets, num_rows), len(self.buckets) - 1)]
+
     def __call__(self, num_rows: int, num_drafts: int, num_sampled: int = 0) -> float:
         """Seconds of a step of num_rows rows at K = num_drafts, num_sampled of them sampled."""
-        index = bisect.bisect_left(self.buckets, num_rows)
-        graph = self.seconds[self.buckets[min(index, len(self.buckets) - 1)], num_drafts]
+        graph = self.seconds[self.bucket(num_rows), num_drafts]
         return graph + num_sampled * (num_drafts + 1) * self.sample_seconds_per_row
 
     def as_dict(self) -> dict:
@@ -103,6 +112,8 @@ class DraftPolicy:
     probe_interval: int = 16
     min_gain: float = 0.03  # the least relative gain in tokens/s a K > 0 must promise over K = 0
     steps_at_zero: int = 0  # steps in a row at K = 0 (a probe follows `probe_interval` of them)
+    # Observed wall seconds of a step by (bucket, K), sampled rows' draws included.
+    observed: dict[tuple[int, int], float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_draft_tokens < 1:
@@ -110,6 +121,16 @@ class DraftPolicy:
         if not 0 < self.smoothing <= 1 or not 0 <= self.initial_acceptance <= 1 or self.probe_interval < 1 \
                 or self.min_gain < 0:
             raise ValueError("smoothing in (0, 1], initial_acceptance in [0, 1], probe_interval >= 1, min_gain >= 0")
+
+    def observe(self, num_rows: int, num_drafts: int, seconds: float) -> None:
+        """The wall time of a step run back to back with the one before it."""
+        key = self.costs.bucket(num_rows), num_drafts
+        previous = self.observed.get(key)
+        self.observed[key] = seconds if previous is None else previous + self.smoothing * (seconds - previous)
+
+    def cost(self, num_rows: int, num_drafts: int, num_sampled: int) -> float:
+        observed = self.observed.get((self.costs.bucket(num_rows), num_drafts))
+        return observed if observed is not None else self.costs(num_rows, num_drafts, num_sampled)
 
     def new_estimate(self) -> AcceptanceEstimate:
         return AcceptanceEstimate([self.initial_acceptance] * self.max_draft_tokens)
@@ -129,11 +150,11 @@ class DraftPolicy:
             for i, reach in enumerate(estimate.reach[:min(room, top)]):
                 gains[i] += reach
         num_rows = len(estimates)
-        plain = num_rows / self.costs(num_rows, 0, num_sampled)
+        plain = num_rows / self.cost(num_rows, 0, num_sampled)
         best, best_value, tokens = 0, plain * (1 + self.min_gain), float(num_rows)
         for k in range(1, top + 1):
             tokens += gains[k - 1]
-            value = tokens / self.costs(num_rows, k, num_sampled)
+            value = tokens / self.cost(num_rows, k, num_sampled)
             if value > best_value:
                 best, best_value = k, value
         if best == 0:

@@ -307,6 +307,20 @@ def test_seeded_sampling_with_speculation_equals_plain_sampling(checkpoint, k):
     assert run(EngineCore(EngineConfig(model=path, num_draft_tokens=k))) == plain
 
 
+def test_observed_step_costs_replace_the_measured_ones():
+    """Start-up costs time the device alone; steps that really cost more (a busy host) are
+    observed, and a K that does not pay in wall time is dropped while plain steps stay."""
+    policy = DraftPolicy(3, StepCosts.relative(3, cost_per_draft=0.1), probe_interval=10**9)
+    rows = [AcceptanceEstimate([0.9] * 3)] * 4
+    assert policy.choose(rows, [3] * 4, limit=100) == 3
+    policy.observe(4, 0, 1.0)
+    for k in (3, 2, 1):  # each K tried turns out to cost 4 plain steps: the policy steps down
+        policy.observe(4, k, 4.0)
+        assert policy.choose(rows, [3] * 4, limit=100) == k - 1
+    policy.observe(4, 3, 1.5)   # K = 3 got cheap again (observed on a probe): back to it
+    assert policy.choose(rows, [3] * 4, limit=100) == 3
+
+
 def test_draft_policy_can_change_between_steps(checkpoint):
     """Benchmarks compare settings on one engine: a policy of fewer drafts than the pools are
     sized for takes over between steps (greedy output unchanged); one of more is refused."""
