@@ -131,7 +131,11 @@ class Scheduler:
                 scheduled.add(id(request))
         rooms = [self._draft_room_of(r) for r in decoded]
         # Every decode row runs the step's K (decode_step.py: fixed shapes), within the token budget.
-        num_drafts = self._choose_drafts(decoded, rooms, budget // len(decoded) - 1 if decoded else 0)
+        # A step that prefills runs eagerly (no graph has its shapes), where a K-step MTP chain
+        # costs K rounds of kernel launches from the host: such steps do not draft.
+        prefills = bool(prefilling) or (bool(self.waiting) and len(self.running) < self.config.max_num_seqs)
+        limit = 0 if prefills or not decoded else budget // len(decoded) - 1
+        num_drafts = self._choose_drafts(decoded, rooms, limit)
         decode_rows = [self._row(r, 1, min(num_drafts, room)) for r, room in zip(decoded, rooms)]
         budget -= len(decode_rows) * (1 + num_drafts)
         prefill_rows: list[ScheduledRow] = []
