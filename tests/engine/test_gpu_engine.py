@@ -9,7 +9,7 @@ from deltaspec.engine import LLM, EngineConfig, SamplingParams
 from deltaspec.engine.core import EngineCore
 
 from test_engine import assert_all_free, check_isolation, make_jobs, run_staggered
-from test_spec import ScriptedDrafter, generate, prompts
+from test_speculation import ScriptedDrafter, generate, prompts
 
 pytestmark = pytest.mark.gpu
 
