@@ -15,7 +15,7 @@ from deltaspec.engine.allocators import BlockAllocator, SlotAllocator
 from deltaspec.engine.core import EngineCore
 from deltaspec.engine.prefix_cache import PrefixCache
 from fixtures import assert_idle
-from test_engine import check_isolation
+from harness import check_isolation
 
 VOCAB = 512
 # A fixed draft count where speculation is on: the adaptive one depends on the batch and on

@@ -14,45 +14,7 @@ from deltaspec.engine.state_pool import StatePool
 from deltaspec.kernels.gdn import expand_heads, l2norm, recurrent_steps
 from deltaspec.spec import AcceptanceEstimate, DraftPolicy, StepCosts, greedy_accept
 
-from test_engine import assert_all_free, check_isolation, make_jobs, run_staggered
-
-GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-
-
-def prompts(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(512) for _ in range(rng.choice([1, 7, 64, 150]))] for _ in range(n)]
-
-
-def generate(core: EngineCore, batch: list[list[int]], params=GREEDY) -> list[list[int]]:
-    requests = [core.add_request(p, params) for p in batch]
-    while core.has_work:
-        core.step()
-    return [r.output_token_ids for r in requests]
-
-
-class ScriptedDrafter:
-    """A draft editor (EngineCore(edit_drafts=...)): replaces the MTP's drafts (its KV side effects stay real) with the true
-    greedy continuation corrupted at a chosen depth, so acceptance a = 0..k all occur."""
-
-    def __init__(self, truth: dict[str, list[int]], seed: int) -> None:
-        self.truth, self.rng = truth, random.Random(seed)
-        self.forced: list[int] = []
-
-    def __call__(self, rows, drafts):
-        for i, row in enumerate(rows):
-            request, k = row.request, row.num_draft_tokens
-            if not k:
-                continue
-            full = request.prompt_token_ids + self.truth[request.request_id]
-            newest = request.num_tokens  # drafts predict positions newest .. newest + k - 1
-            want = self.rng.randint(0, k)
-            scripted = []
-            for depth in range(k):
-                token = full[newest + depth] if newest + depth < len(full) else 0
-                scripted.append(token if depth < want else (token + 1) % 512)
-            drafts[i, :k] = torch.tensor(scripted)
-            self.forced.append(want)
+from harness import ScriptedDrafter, assert_all_free, check_isolation, generate, make_jobs, prompts, run_staggered
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
