@@ -13,7 +13,9 @@ from fixtures import assert_idle
 from harness import Job, assert_all_free, check_isolation, make_jobs, run_alone, run_staggered
 
 
-@pytest.mark.parametrize("n, max_num_seqs", [(1, 8), (2, 8), (3, 8), (4, 8), (8, 8), (16, 8), (64, 16), (64, 64)])
+@pytest.mark.parametrize("n, max_num_seqs", [(1, 8), (2, 8), (3, 8), (4, 8), (8, 8), (16, 8),
+                                             pytest.param(64, 16, marks=pytest.mark.slow),
+                                             pytest.param(64, 64, marks=pytest.mark.slow)])
 def test_isolation(family, checkpoint, n, max_num_seqs):
     check_isolation(checkpoint(family), n, seed=n + max_num_seqs, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=256, num_draft_tokens=0)

@@ -41,7 +41,7 @@ def test_greedy_with_the_real_mtp_drafter_is_lossless(family, checkpoint, k):
     assert core.stats()["spec"]["num_verify_steps"] > 0
 
 
-@pytest.mark.parametrize("n", [3, 16, 64])
+@pytest.mark.parametrize("n", [3, pytest.param(16, marks=pytest.mark.slow), pytest.param(64, marks=pytest.mark.slow)])
 def test_isolation_with_speculation(checkpoint, n):
     """Every surviving request's output with speculation on, in a staggered batch with aborts,
     equals its output alone — and for greedy requests equals the output without speculation."""
@@ -133,6 +133,7 @@ class FrequentTokenDrafter:
                 drafts[i, depth] = self.favourites[min(generated + depth, len(self.favourites) - 1)]
 
 
+@pytest.mark.slow
 def test_sampling_with_speculation_keeps_the_distribution(checkpoint):
     """Outputs with speculation (rejection sampling) follow the same distribution as without:
     two-sample chi-square on the second and third generated tokens (temperature 1, top-k 3)."""
@@ -168,7 +169,7 @@ def test_sampling_with_speculation_keeps_the_distribution(checkpoint):
         assert statistic < critical, f"token {index}: chi2 {statistic:.1f} over {dof} dof"
 
 
-@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("k", [1, 2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)])
 def test_seeded_sampling_with_speculation_equals_plain_sampling(checkpoint, k):
     """Rejection sampling coupled with plain sampling (spec/accept.py) emits exactly the tokens
     plain sampling emits with the same seeds, whatever the drafts: forced to the frequent
