@@ -18,7 +18,7 @@ if [[ "$what" == tests || "$what" == all ]]; then
     # One pytest process per file that has GPU tests, all at once: the run is dominated by
     # Triton's JIT compiles, which are CPU-bound and use one core per process.
     mkdir -p /tmp/gpu_tests
-    grep -l "mark.gpu" tests/test_*.py tests/*/test_*.py | xargs -P 8 -I{} sh -c \
+    grep -rl --include='test_*.py' "mark.gpu" tests | sort | xargs -P 8 -I{} sh -c \
         'timeout 420 python -m pytest -q -m gpu -p no:cacheprovider {} > /tmp/gpu_tests/$(basename {}).log 2>&1'
     for log in /tmp/gpu_tests/*.log; do echo "== $log"; grep -E "passed|failed|error" "$log" | tail -1; done
     grep -h -E "^(FAILED|ERROR)" /tmp/gpu_tests/*.log

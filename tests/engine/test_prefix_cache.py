@@ -15,7 +15,7 @@ from deltaspec.engine.allocators import BlockAllocator, SlotAllocator
 from deltaspec.engine.core import EngineCore
 from deltaspec.engine.prefix_cache import PrefixCache
 from fixtures import assert_idle
-from test_engine import check_isolation
+from harness import check_isolation
 
 VOCAB = 512
 # A fixed draft count where speculation is on: the adaptive one depends on the batch and on
@@ -79,7 +79,8 @@ def chat(core: EngineCore, seed: int, sampled: bool, turns: int = 6) -> list[lis
 
 @pytest.mark.parametrize("family, k, sampled", [
     ("qwen3_5", 0, False), ("qwen3_5", 0, True), ("qwen3_5", 3, False), ("qwen3_5", 3, True),
-    ("qwen3_5_moe", 3, True), ("qwen3_next", 3, True)])
+    pytest.param("qwen3_5_moe", 3, True, marks=pytest.mark.slow),
+    pytest.param("qwen3_next", 3, True, marks=pytest.mark.slow)])
 def test_prefix_cache_is_exact(checkpoint, family, k, sampled):
     path = checkpoint(family)
     common = dict(OPTIONS, num_draft_tokens=k)

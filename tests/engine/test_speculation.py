@@ -1,7 +1,6 @@
 """MTP speculative decoding: lossless greedy output for every acceptance count, isolation with
-speculation on, rollback as a counter (the pool after partial acceptance), adaptive length."""
-
-import random
+speculation on, rollback as a counter (the pool after partial acceptance), adaptive length in the
+engine. The spec package's pure math (acceptance, the draft policy) is tested in tests/spec/."""
 
 import pytest
 import torch
@@ -12,47 +11,9 @@ from deltaspec.engine.core import EngineCore
 from deltaspec.engine.scheduler import Scheduler
 from deltaspec.engine.state_pool import StatePool
 from deltaspec.kernels.gdn import expand_heads, l2norm, recurrent_steps
-from deltaspec.spec import AcceptanceEstimate, DraftPolicy, StepCosts, greedy_accept
+from deltaspec.spec import DraftPolicy
 
-from test_engine import assert_all_free, check_isolation, make_jobs, run_staggered
-
-GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-
-
-def prompts(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(512) for _ in range(rng.choice([1, 7, 64, 150]))] for _ in range(n)]
-
-
-def generate(core: EngineCore, batch: list[list[int]], params=GREEDY) -> list[list[int]]:
-    requests = [core.add_request(p, params) for p in batch]
-    while core.has_work:
-        core.step()
-    return [r.output_token_ids for r in requests]
-
-
-class ScriptedDrafter:
-    """A draft editor (EngineCore(edit_drafts=...)): replaces the MTP's drafts (its KV side effects stay real) with the true
-    greedy continuation corrupted at a chosen depth, so acceptance a = 0..k all occur."""
-
-    def __init__(self, truth: dict[str, list[int]], seed: int) -> None:
-        self.truth, self.rng = truth, random.Random(seed)
-        self.forced: list[int] = []
-
-    def __call__(self, rows, drafts):
-        for i, row in enumerate(rows):
-            request, k = row.request, row.num_draft_tokens
-            if not k:
-                continue
-            full = request.prompt_token_ids + self.truth[request.request_id]
-            newest = request.num_tokens  # drafts predict positions newest .. newest + k - 1
-            want = self.rng.randint(0, k)
-            scripted = []
-            for depth in range(k):
-                token = full[newest + depth] if newest + depth < len(full) else 0
-                scripted.append(token if depth < want else (token + 1) % 512)
-            drafts[i, :k] = torch.tensor(scripted)
-            self.forced.append(want)
+from harness import ScriptedDrafter, assert_all_free, check_isolation, generate, make_jobs, prompts, run_staggered
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
@@ -80,7 +41,7 @@ def test_greedy_with_the_real_mtp_drafter_is_lossless(family, checkpoint, k):
     assert core.stats()["spec"]["num_verify_steps"] > 0
 
 
-@pytest.mark.parametrize("n", [3, 16, 64])
+@pytest.mark.parametrize("n", [3, pytest.param(16, marks=pytest.mark.slow), pytest.param(64, marks=pytest.mark.slow)])
 def test_isolation_with_speculation(checkpoint, n):
     """Every surviving request's output with speculation on, in a staggered batch with aborts,
     equals its output alone — and for greedy requests equals the output without speculation."""
@@ -158,81 +119,6 @@ def test_memory_does_not_grow_with_k(shape):
     assert with_k4.bytes_per_slot / without.bytes_per_slot <= 1.05
 
 
-def test_greedy_accept_math():
-    target = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [1, 2, 3, 4]])
-    drafts = torch.tensor([[5, 6, 9], [5, 6, 7], [1, 2, 3]])
-    accepted, emitted = greedy_accept(target, drafts, torch.tensor([3, 3, 1]))
-    assert accepted.tolist() == [2, 3, 1]
-    assert emitted[0, :3].tolist() == [5, 6, 7]
-
-
-def test_acceptance_estimate_follows_each_depth():
-    """A verify of k drafts that accepted a saw depths 1..min(a + 1, k): accepted up to a, the
-    next rejected; deeper ones unseen keep their estimate."""
-    estimate = AcceptanceEstimate([0.5, 0.5, 0.5])
-    estimate.record(3, 1, smoothing=0.5)   # depth 1 accepted, depth 2 rejected, depth 3 unseen
-    assert estimate.conditional == [0.75, 0.25, 0.5]
-    assert estimate.reach == pytest.approx([0.75, 0.1875, 0.09375])
-    estimate.record(0, 0, smoothing=0.5)   # a step without drafts observes nothing
-    assert estimate.conditional == [0.75, 0.25, 0.5]
-
-
-def _best_by_search(seconds, per_row, estimates, rooms, top, num_sampled, min_gain):
-    """Evaluate value(K) = sum_r E_r(min(K, room_r)) / cost(B, K) for every K directly: cost
-    from the bucket B pads to plus S (K + 1) sampled draws; K > 0 must beat K = 0 by min_gain."""
-    bucket = min(b for b, _ in seconds if b >= len(estimates))
-    values = []
-    for k in range(top + 1):
-        tokens = 0.0
-        for estimate, room in zip(estimates, rooms):
-            product, expected = 1.0, 1.0
-            for c in estimate.conditional[:min(k, room)]:
-                product *= c
-                expected += product
-            tokens += expected
-        values.append(tokens / (seconds[bucket, k] + num_sampled * (k + 1) * per_row))
-    best = max(range(1, top + 1), key=lambda k: (values[k], -k)) if top else 0
-    return best if top and values[best] > values[0] * (1 + min_gain) else 0
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_draft_policy_picks_the_most_tokens_per_second(seed):
-    rng = random.Random(seed)
-    max_drafts = rng.randint(1, 6)
-    buckets = (1, 2, 4, 8, 16)
-    seconds = {(b, k): (1 + 0.05 * b) * (1 + rng.uniform(0.02, 0.6) * k) for b in buckets for k in range(max_drafts + 1)}
-    per_row = rng.choice([0.0, 0.01])
-    costs = StepCosts(buckets, seconds, per_row)
-    min_gain = rng.choice([0.0, 0.05])
-    policy = DraftPolicy(max_drafts, costs, probe_interval=10**9, min_gain=min_gain)
-    for _ in range(50):
-        rows = rng.randint(1, 16)
-        estimates = [AcceptanceEstimate([rng.random() for _ in range(max_drafts)]) for _ in range(rows)]
-        rooms = [rng.choice([0, 1, max_drafts, max_drafts]) for _ in range(rows)]
-        limit = rng.randint(0, max_drafts + 1)
-        num_sampled = rng.randint(0, rows)
-        top = min(max_drafts, limit, max(rooms))
-        expected = _best_by_search(seconds, per_row, estimates, rooms, top, num_sampled, min_gain)
-        assert policy.choose(estimates, rooms, limit, num_sampled) == expected
-
-
-def test_draft_policy_turns_off_probes_and_grows_back():
-    costs = StepCosts.relative(4, cost_per_draft=0.3)
-    policy = DraftPolicy(4, costs, probe_interval=5)
-    good, bad = AcceptanceEstimate([0.95] * 4), AcceptanceEstimate([0.05] * 4)
-    assert policy.choose([good], [4], limit=100) == 4
-    chosen = [policy.choose([bad], [4], limit=100) for _ in range(12)]
-    assert chosen == [0] * 5 + [1] + [0] * 5 + [1]      # a probe after every 5 steps at K = 0
-    cheap = DraftPolicy(4, StepCosts.relative(4, cost_per_draft=0.05))
-    assert cheap.choose([good, good], [4, 2], limit=100) == 4  # rooms cap rows, not the step
-    assert cheap.choose([good], [4], limit=2) == 2             # the token budget caps the step
-    assert policy.choose([good], [0], limit=100) == 0
-    fixed = DraftPolicy(3, costs, adaptive=False)
-    assert fixed.choose([bad], [3], limit=100) == 3 and fixed.choose([bad], [1], limit=100) == 1
-    with pytest.raises(ValueError):
-        StepCosts((1, 2), {(1, 0): 1.0})
-
-
 class FrequentTokenDrafter:
     """A draft editor: drafts, at every output index, the token plain sampling emits most often
     there: drafts that the target often accepts (probability p(d)) and often rejects."""
@@ -247,6 +133,7 @@ class FrequentTokenDrafter:
                 drafts[i, depth] = self.favourites[min(generated + depth, len(self.favourites) - 1)]
 
 
+@pytest.mark.slow
 def test_sampling_with_speculation_keeps_the_distribution(checkpoint):
     """Outputs with speculation (rejection sampling) follow the same distribution as without:
     two-sample chi-square on the second and third generated tokens (temperature 1, top-k 3)."""
@@ -282,7 +169,7 @@ def test_sampling_with_speculation_keeps_the_distribution(checkpoint):
         assert statistic < critical, f"token {index}: chi2 {statistic:.1f} over {dof} dof"
 
 
-@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("k", [1, 2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)])
 def test_seeded_sampling_with_speculation_equals_plain_sampling(checkpoint, k):
     """Rejection sampling coupled with plain sampling (spec/accept.py) emits exactly the tokens
     plain sampling emits with the same seeds, whatever the drafts: forced to the frequent
@@ -305,20 +192,6 @@ def test_seeded_sampling_with_speculation_equals_plain_sampling(checkpoint, k):
     assert run(forced) == plain
     assert 0 < forced.stats()["spec"]["acceptance_by_position"][0] < 1
     assert run(EngineCore(EngineConfig(model=path, num_draft_tokens=k))) == plain
-
-
-def test_observed_step_costs_replace_the_measured_ones():
-    """Start-up costs time the device alone; steps that really cost more (a busy host) are
-    observed, and a K that does not pay in wall time is dropped while plain steps stay."""
-    policy = DraftPolicy(3, StepCosts.relative(3, cost_per_draft=0.1), probe_interval=10**9)
-    rows = [AcceptanceEstimate([0.9] * 3)] * 4
-    assert policy.choose(rows, [3] * 4, limit=100) == 3
-    policy.observe(4, 0, 1.0)
-    for k in (3, 2, 1):  # each K tried turns out to cost 4 plain steps: the policy steps down
-        policy.observe(4, k, 4.0)
-        assert policy.choose(rows, [3] * 4, limit=100) == k - 1
-    policy.observe(4, 3, 1.5)   # K = 3 got cheap again (observed on a probe): back to it
-    assert policy.choose(rows, [3] * 4, limit=100) == 3
 
 
 def test_draft_policy_can_change_between_steps(checkpoint):

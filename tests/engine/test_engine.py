@@ -3,7 +3,6 @@ alone), abort, preemption, input validation, the scheduler's invariants, and Asy
 
 import asyncio
 import random
-from dataclasses import dataclass
 
 import pytest
 
@@ -11,76 +10,12 @@ from deltaspec.engine import AsyncLLM, EngineConfig, SamplingParams
 from deltaspec.engine.core import EngineCore
 from deltaspec.engine.request import RequestStatus
 from fixtures import assert_idle
+from harness import Job, assert_all_free, check_isolation, make_jobs, run_alone, run_staggered
 
 
-@dataclass(frozen=True)
-class Job:
-    prompt: list[int]
-    params: SamplingParams
-    arrival_step: int            # submitted before this engine step
-    abort_after: int | None      # abort once this many tokens were produced (None: never)
-
-
-def make_jobs(n: int, seed: int, max_prompt: int = 400, vocab: int = 512) -> list[Job]:
-    rng = random.Random(seed)
-    jobs = []
-    for i in range(n):
-        length = rng.choice([1, 2, rng.randint(3, 40), rng.randint(41, max_prompt)])
-        if rng.random() < 0.5:
-            params = SamplingParams(max_tokens=rng.randint(1, 24), temperature=0.0, ignore_eos=True)
-        else:
-            params = SamplingParams(max_tokens=rng.randint(1, 24), temperature=0.8, top_p=0.95, top_k=40,
-                                    seed=rng.randint(0, 2**31), ignore_eos=True)
-        abort_after = rng.randint(0, 3) if n > 2 and rng.random() < 0.15 else None
-        jobs.append(Job([rng.randrange(vocab) for _ in range(length)], params, rng.randint(0, 2 * n), abort_after))
-    return jobs
-
-
-def run_alone(core: EngineCore, job: Job) -> list[int]:
-    request = core.add_request(job.prompt, job.params)
-    while core.has_work:
-        core.step()
-    return request.output_token_ids
-
-
-def run_staggered(core: EngineCore, jobs: list[Job]) -> dict[int, object]:
-    """Submit job i before step arrival_step[i]; abort jobs after their abort_after-th token."""
-    requests, step = {}, 0
-    while len(requests) < len(jobs) or core.has_work:
-        for i, job in enumerate(jobs):
-            if i not in requests and job.arrival_step <= step:
-                requests[i] = core.add_request(job.prompt, job.params)
-        for i, request in requests.items():
-            abort_after = jobs[i].abort_after
-            if abort_after is not None and len(request.output_token_ids) >= abort_after and not request.finished:
-                core.abort(request.request_id)
-        core.step()
-        step += 1
-    return requests
-
-
-def assert_all_free(core: EngineCore) -> None:
-    assert_idle(core.stats())
-    assert not core.requests
-
-
-def check_isolation(path, n: int, seed: int, **engine_options) -> EngineCore:
-    jobs = make_jobs(n, seed)
-    core = EngineCore(EngineConfig(model=path, **engine_options))
-    alone = [run_alone(core, job) for job in jobs]
-    requests = run_staggered(core, jobs)
-    for i, job in enumerate(jobs):
-        request = requests[i]
-        if request.finish_reason == "abort":
-            assert request.output_token_ids == alone[i][:len(request.output_token_ids)]
-        else:
-            assert request.output_token_ids == alone[i], f"request {i} (prompt {len(job.prompt)}) differs"
-            assert request.finish_reason == "length"
-    assert_all_free(core)
-    return core
-
-
-@pytest.mark.parametrize("n, max_num_seqs", [(1, 8), (2, 8), (3, 8), (4, 8), (8, 8), (16, 8), (64, 16), (64, 64)])
+@pytest.mark.parametrize("n, max_num_seqs", [(1, 8), (2, 8), (3, 8), (4, 8), (8, 8), (16, 8),
+                                             pytest.param(64, 16, marks=pytest.mark.slow),
+                                             pytest.param(64, 64, marks=pytest.mark.slow)])
 def test_isolation(family, checkpoint, n, max_num_seqs):
     check_isolation(checkpoint(family), n, seed=n + max_num_seqs, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=256, num_draft_tokens=0)

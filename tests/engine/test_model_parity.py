@@ -148,6 +148,7 @@ TRITON_TABLE_SHAPE = dict(num_hidden_layers=2, full_attention_interval=2, linear
                           linear_num_value_heads=2)
 
 
+@pytest.mark.slow
 def test_triton_table_matches_hf(checkpoint, kernel_device):
     """Dense Qwen3.5 through the Triton table: a prefill; a decode row beside a prefill row in one
     step (the GDN kernels read the row groups' strided conv inputs and write their rows of one

@@ -12,7 +12,7 @@ import pytest
 from deltaspec.engine import EngineConfig, SamplingParams
 from deltaspec.engine.core import EngineCore
 from fixtures import assert_idle
-from test_engine import Job, run_staggered
+from harness import Job, run_staggered
 
 VOCAB = 512
 OPTIONS = dict(max_num_batched_tokens=256, max_num_seqs=8, checkpoint_interval=64)

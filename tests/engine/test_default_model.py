@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from deltaspec.engine import EngineConfig, LLM, SamplingParams
 from deltaspec.engine.core import EngineCore
 
-DEFAULT = Path(__file__).resolve().parent.parent / "models" / "default"
+DEFAULT = Path(__file__).resolve().parents[2] / "models" / "default"
 HELD_OUT_CODE = textwrap.dedent(inspect.getsource(textwrap.TextWrapper._split))  # textwrap is held out
 
 

@@ -115,7 +115,7 @@ def test_flush_returns_incomplete_character(tokenizer: Tokenizer, make_detokeniz
 def test_byte_level_table_only_for_byte_level_decoders(tokenizer: Tokenizer, tmp_path: Path) -> None:
     assert tokenizer.token_bytes is not None and isinstance(tokenizer.detokenizer(), ByteLevelDetokenizer)
     assert all(tokenizer.token_bytes[i] == b"" for i in tokenizer.encode("<|im_start|><|im_end|>"))  # special
-    shipped = Tokenizer.from_dir(Path(__file__).parent.parent / "models" / "default")
+    shipped = Tokenizer.from_dir(Path(__file__).parents[2] / "models" / "default")
     assert isinstance(shipped.detokenizer(), ByteLevelDetokenizer)
     # Another decoder (here the metaspace one of SentencePiece-style tokenizers) gets the generic path.
     spec = json.loads((make_tokenizer(tmp_path) / "tokenizer.json").read_text())

@@ -8,8 +8,7 @@ import torch
 from deltaspec.engine import LLM, EngineConfig, SamplingParams
 from deltaspec.engine.core import EngineCore
 
-from test_engine import assert_all_free, check_isolation, make_jobs, run_staggered
-from test_spec import ScriptedDrafter, generate, prompts
+from harness import ScriptedDrafter, assert_all_free, check_isolation, generate, make_jobs, prompts, run_staggered
 
 pytestmark = pytest.mark.gpu
 

@@ -1,0 +1,127 @@
+"""Helpers shared by several engine test files (tests/engine/test_*.py), one definition each.
+
+The isolation harness (test_engine.py, test_speculation.py, test_prefix_cache.py,
+test_async_scheduling.py, test_gpu_engine.py): random jobs with staggered arrivals and aborts,
+each request's output in a batch checked against its output alone, and the check that an idle
+engine holds no slots, blocks or requests. The speculation helpers (test_speculation.py,
+test_gpu_engine.py): prompts, generate, and ScriptedDrafter, a draft editor that forces every
+acceptance count."""
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from deltaspec.engine import EngineConfig, SamplingParams
+from deltaspec.engine.core import EngineCore
+from fixtures import assert_idle
+
+
+# The isolation harness -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Job:
+    prompt: list[int]
+    params: SamplingParams
+    arrival_step: int            # submitted before this engine step
+    abort_after: int | None      # abort once this many tokens were produced (None: never)
+
+
+def make_jobs(n: int, seed: int, max_prompt: int = 400, vocab: int = 512) -> list[Job]:
+    rng = random.Random(seed)
+    jobs = []
+    for i in range(n):
+        length = rng.choice([1, 2, rng.randint(3, 40), rng.randint(41, max_prompt)])
+        if rng.random() < 0.5:
+            params = SamplingParams(max_tokens=rng.randint(1, 24), temperature=0.0, ignore_eos=True)
+        else:
+            params = SamplingParams(max_tokens=rng.randint(1, 24), temperature=0.8, top_p=0.95, top_k=40,
+                                    seed=rng.randint(0, 2**31), ignore_eos=True)
+        abort_after = rng.randint(0, 3) if n > 2 and rng.random() < 0.15 else None
+        jobs.append(Job([rng.randrange(vocab) for _ in range(length)], params, rng.randint(0, 2 * n), abort_after))
+    return jobs
+
+
+def run_alone(core: EngineCore, job: Job) -> list[int]:
+    request = core.add_request(job.prompt, job.params)
+    while core.has_work:
+        core.step()
+    return request.output_token_ids
+
+
+def run_staggered(core: EngineCore, jobs: list[Job]) -> dict[int, object]:
+    """Submit job i before step arrival_step[i]; abort jobs after their abort_after-th token."""
+    requests, step = {}, 0
+    while len(requests) < len(jobs) or core.has_work:
+        for i, job in enumerate(jobs):
+            if i not in requests and job.arrival_step <= step:
+                requests[i] = core.add_request(job.prompt, job.params)
+        for i, request in requests.items():
+            abort_after = jobs[i].abort_after
+            if abort_after is not None and len(request.output_token_ids) >= abort_after and not request.finished:
+                core.abort(request.request_id)
+        core.step()
+        step += 1
+    return requests
+
+
+def assert_all_free(core: EngineCore) -> None:
+    assert_idle(core.stats())
+    assert not core.requests
+
+
+def check_isolation(path, n: int, seed: int, **engine_options) -> EngineCore:
+    jobs = make_jobs(n, seed)
+    core = EngineCore(EngineConfig(model=path, **engine_options))
+    alone = [run_alone(core, job) for job in jobs]
+    requests = run_staggered(core, jobs)
+    for i, job in enumerate(jobs):
+        request = requests[i]
+        if request.finish_reason == "abort":
+            assert request.output_token_ids == alone[i][:len(request.output_token_ids)]
+        else:
+            assert request.output_token_ids == alone[i], f"request {i} (prompt {len(job.prompt)}) differs"
+            assert request.finish_reason == "length"
+    assert_all_free(core)
+    return core
+
+
+# Speculation -----------------------------------------------------------------------------------
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(512) for _ in range(rng.choice([1, 7, 64, 150]))] for _ in range(n)]
+
+
+def generate(core: EngineCore, batch: list[list[int]], params=GREEDY) -> list[list[int]]:
+    requests = [core.add_request(p, params) for p in batch]
+    while core.has_work:
+        core.step()
+    return [r.output_token_ids for r in requests]
+
+
+class ScriptedDrafter:
+    """A draft editor (EngineCore(edit_drafts=...)): replaces the MTP's drafts (its KV side effects stay real) with the true
+    greedy continuation corrupted at a chosen depth, so acceptance a = 0..k all occur."""
+
+    def __init__(self, truth: dict[str, list[int]], seed: int) -> None:
+        self.truth, self.rng = truth, random.Random(seed)
+        self.forced: list[int] = []
+
+    def __call__(self, rows, drafts):
+        for i, row in enumerate(rows):
+            request, k = row.request, row.num_draft_tokens
+            if not k:
+                continue
+            full = request.prompt_token_ids + self.truth[request.request_id]
+            newest = request.num_tokens  # drafts predict positions newest .. newest + k - 1
+            want = self.rng.randint(0, k)
+            scripted = []
+            for depth in range(k):
+                token = full[newest + depth] if newest + depth < len(full) else 0
+                scripted.append(token if depth < want else (token + 1) % 512)
+            drafts[i, :k] = torch.tensor(scripted)
+            self.forced.append(want)

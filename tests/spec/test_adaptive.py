@@ -1,0 +1,91 @@
+"""Adaptive draft length (spec/adaptive.py) without an engine: the per-depth acceptance
+estimate, the draft policy's choice of K (the most expected tokens per second, checked against a
+direct search over every K), its probes after turning speculation off, and observed step costs
+replacing the measured ones."""
+
+import random
+
+import pytest
+
+from deltaspec.spec import AcceptanceEstimate, DraftPolicy, StepCosts
+
+
+def test_acceptance_estimate_follows_each_depth():
+    """A verify of k drafts that accepted a saw depths 1..min(a + 1, k): accepted up to a, the
+    next rejected; deeper ones unseen keep their estimate."""
+    estimate = AcceptanceEstimate([0.5, 0.5, 0.5])
+    estimate.record(3, 1, smoothing=0.5)   # depth 1 accepted, depth 2 rejected, depth 3 unseen
+    assert estimate.conditional == [0.75, 0.25, 0.5]
+    assert estimate.reach == pytest.approx([0.75, 0.1875, 0.09375])
+    estimate.record(0, 0, smoothing=0.5)   # a step without drafts observes nothing
+    assert estimate.conditional == [0.75, 0.25, 0.5]
+
+
+def _best_by_search(seconds, per_row, estimates, rooms, top, num_sampled, min_gain):
+    """Evaluate value(K) = sum_r E_r(min(K, room_r)) / cost(B, K) for every K directly: cost
+    from the bucket B pads to plus S (K + 1) sampled draws; K > 0 must beat K = 0 by min_gain."""
+    bucket = min(b for b, _ in seconds if b >= len(estimates))
+    values = []
+    for k in range(top + 1):
+        tokens = 0.0
+        for estimate, room in zip(estimates, rooms):
+            product, expected = 1.0, 1.0
+            for c in estimate.conditional[:min(k, room)]:
+                product *= c
+                expected += product
+            tokens += expected
+        values.append(tokens / (seconds[bucket, k] + num_sampled * (k + 1) * per_row))
+    best = max(range(1, top + 1), key=lambda k: (values[k], -k)) if top else 0
+    return best if top and values[best] > values[0] * (1 + min_gain) else 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_draft_policy_picks_the_most_tokens_per_second(seed):
+    rng = random.Random(seed)
+    max_drafts = rng.randint(1, 6)
+    buckets = (1, 2, 4, 8, 16)
+    seconds = {(b, k): (1 + 0.05 * b) * (1 + rng.uniform(0.02, 0.6) * k) for b in buckets for k in range(max_drafts + 1)}
+    per_row = rng.choice([0.0, 0.01])
+    costs = StepCosts(buckets, seconds, per_row)
+    min_gain = rng.choice([0.0, 0.05])
+    policy = DraftPolicy(max_drafts, costs, probe_interval=10**9, min_gain=min_gain)
+    for _ in range(50):
+        rows = rng.randint(1, 16)
+        estimates = [AcceptanceEstimate([rng.random() for _ in range(max_drafts)]) for _ in range(rows)]
+        rooms = [rng.choice([0, 1, max_drafts, max_drafts]) for _ in range(rows)]
+        limit = rng.randint(0, max_drafts + 1)
+        num_sampled = rng.randint(0, rows)
+        top = min(max_drafts, limit, max(rooms))
+        expected = _best_by_search(seconds, per_row, estimates, rooms, top, num_sampled, min_gain)
+        assert policy.choose(estimates, rooms, limit, num_sampled) == expected
+
+
+def test_draft_policy_turns_off_probes_and_grows_back():
+    costs = StepCosts.relative(4, cost_per_draft=0.3)
+    policy = DraftPolicy(4, costs, probe_interval=5)
+    good, bad = AcceptanceEstimate([0.95] * 4), AcceptanceEstimate([0.05] * 4)
+    assert policy.choose([good], [4], limit=100) == 4
+    chosen = [policy.choose([bad], [4], limit=100) for _ in range(12)]
+    assert chosen == [0] * 5 + [1] + [0] * 5 + [1]      # a probe after every 5 steps at K = 0
+    cheap = DraftPolicy(4, StepCosts.relative(4, cost_per_draft=0.05))
+    assert cheap.choose([good, good], [4, 2], limit=100) == 4  # rooms cap rows, not the step
+    assert cheap.choose([good], [4], limit=2) == 2             # the token budget caps the step
+    assert policy.choose([good], [0], limit=100) == 0
+    fixed = DraftPolicy(3, costs, adaptive=False)
+    assert fixed.choose([bad], [3], limit=100) == 3 and fixed.choose([bad], [1], limit=100) == 1
+    with pytest.raises(ValueError):
+        StepCosts((1, 2), {(1, 0): 1.0})
+
+
+def test_observed_step_costs_replace_the_measured_ones():
+    """Start-up costs time the device alone; steps that really cost more (a busy host) are
+    observed, and a K that does not pay in wall time is dropped while plain steps stay."""
+    policy = DraftPolicy(3, StepCosts.relative(3, cost_per_draft=0.1), probe_interval=10**9)
+    rows = [AcceptanceEstimate([0.9] * 3)] * 4
+    assert policy.choose(rows, [3] * 4, limit=100) == 3
+    policy.observe(4, 0, 1.0)
+    for k in (3, 2, 1):  # each K tried turns out to cost 4 plain steps: the policy steps down
+        policy.observe(4, k, 4.0)
+        assert policy.choose(rows, [3] * 4, limit=100) == k - 1
+    policy.observe(4, 3, 1.5)   # K = 3 got cheap again (observed on a probe): back to it
+    assert policy.choose(rows, [3] * 4, limit=100) == 3
