@@ -32,7 +32,10 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(checkpoint):
-    engine = AsyncLLM(checkpoint("qwen3_5"), max_model_len=MAX_MODEL_LEN, num_draft_tokens=2)
+    # A fixed draft count: the adaptive one follows observed step times, and the verify width
+    # moves log-probabilities in their last bits (test_logprobs compares them exactly).
+    engine = AsyncLLM(checkpoint("qwen3_5"), max_model_len=MAX_MODEL_LEN, num_draft_tokens=2,
+                      adaptive_draft_length=False)
     yield engine
     await engine.shutdown()
 
