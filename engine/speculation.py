@@ -1,12 +1,13 @@
 """MTP speculation on the pools: draft, verify, accept and roll back, for one step's decode rows.
 
-A speculative step (Speculator.run) is:
+A speculative step (`launch`, or `run` when it also prefills) is:
 
   1. draft:  the MTP catch-up over C = k + 1 positions from each row's first missing MTP
              position (its n_r <= C real ones are the positions verified and accepted last step,
              inputs shifted by one, with the target hidden states kept at the slot; the rest is
              padding), then K - 1 chained single-token MTP steps on the MTP's own output. K is
-             the step's largest k_r; drafts are the MTP's argmax [B, K].
+             the step's draft count (spec/adaptive.py chooses it; a row drafts k_r <= K);
+             drafts are the MTP's argmax [B, K].
   2. verify: one target forward over [newest, d_1 .. d_K] of every decode row through the
              deferred-commit kernels (the newest token, always accepted, is folded into the
              committed state; the drafts are left pending), with the step's prefill chunks in
