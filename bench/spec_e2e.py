@@ -47,12 +47,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from fixtures import make_tokenizer  # noqa: E402
 
+import common  # noqa: E402
 from common import commit_id, device_tag  # noqa: E402
 from deltaspec.engine import EngineConfig, ModelConfig, SamplingParams  # noqa: E402
 from deltaspec.engine.core import EngineCore  # noqa: E402
 from deltaspec.engine.models import HybridLM  # noqa: E402
 from deltaspec.engine.tokenizer import Tokenizer  # noqa: E402
-from deltaspec.kernels import select_ops  # noqa: E402
 from deltaspec.spec import AcceptanceProfile, DraftPolicy, write_draft_vocab  # noqa: E402
 
 COMMON = dict(vocab_size=248320, head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128,
@@ -82,18 +82,7 @@ PROMPT_LEN = 128
 
 def random_model(shape: str, device: str) -> HybridLM:
     config = ModelConfig.from_dict({**COMMON, **SHAPES[shape]})
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    with torch.device(device):
-        model = HybridLM(config, select_ops(device), dtype, with_mtp=True)
-    generator = torch.Generator(device=device).manual_seed(0)
-    for name, p in model.named_parameters():
-        if name.endswith("A_log"):
-            p.data.uniform_(0.0, 2.7, generator=generator)
-        elif p.dim() == 1:
-            p.data.normal_(0.0, 0.1, generator=generator)
-        else:
-            p.data.normal_(0.0, p.shape[-1] ** -0.5, generator=generator)
-    return model.eval()
+    return common.random_model(config, device, torch.bfloat16 if device == "cuda" else torch.float32)
 
 
 def engine(model: HybridLM, tokenizer: Tokenizer, directory: Path, max_batch: int, num_draft_tokens: int,

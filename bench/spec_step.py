@@ -41,12 +41,12 @@ from typing import Callable
 
 import torch
 
+import common  # noqa: E402
 from common import commit_id, device_tag, eager_time_us, graph_time_us  # noqa: E402
 from deltaspec.engine import ModelConfig  # noqa: E402
 from deltaspec.engine.batch import ForwardBatch, Row  # noqa: E402
 from deltaspec.engine.models import HybridLM  # noqa: E402
 from deltaspec.engine.state_pool import KVPool, StatePool  # noqa: E402
-from deltaspec.kernels import select_ops  # noqa: E402
 
 SHAPES = {
     "0.8b": dict(vocab_size=248320, hidden_size=1024, num_hidden_layers=24, num_attention_heads=8,
@@ -64,18 +64,7 @@ CPU_ROUNDS = 30
 
 
 def random_model(shape: str, device: str, dtype: torch.dtype) -> HybridLM:
-    config = ModelConfig.from_dict({"model_type": "qwen3_5_text", **SHAPES[shape]})
-    with torch.device(device):
-        model = HybridLM(config, select_ops(device), dtype, with_mtp=True)
-    generator = torch.Generator(device=device).manual_seed(0)
-    for name, p in model.named_parameters():
-        if name.endswith("A_log"):
-            p.data.uniform_(0.0, 2.7, generator=generator)
-        elif p.dim() == 1:
-            p.data.normal_(0.0, 0.1, generator=generator)
-        else:
-            p.data.normal_(0.0, p.shape[-1] ** -0.5, generator=generator)
-    return model.eval()
+    return common.random_model(ModelConfig.from_dict({"model_type": "qwen3_5_text", **SHAPES[shape]}), device, dtype)
 
 
 def time_step(step: Callable[[], object], device: str) -> dict[str, float]:
