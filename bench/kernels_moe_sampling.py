@@ -1,4 +1,4 @@
-"""MoE experts / routing (kernels/moe.py), sampling and rejection sampling (kernels/sampling.py)
+"""MoE experts / routing (kernels/moe.py) and sampling (kernels/sampling.py)
 against their torch references and the copy-bandwidth roofline, on one GPU.
 
 MoE: the Qwen3-Next layer shape (512 experts, top-10, renormalised, hidden 2048, expert
@@ -36,7 +36,6 @@ import triton
 from common import commit_id, copy_bandwidth, device_tag, eager_time_us, graph_time_us  # noqa: E402
 from deltaspec.kernels.moe import (grouped_config, moe_experts, moe_experts_grouped, moe_experts_per_token,
                                    moe_experts_reference, route, route_reference, use_per_token_path)
-from deltaspec.kernels.rejection import rejection_sample, rejection_sample_reference
 from deltaspec.kernels.sampling import launch_sample, sample_reference
 from deltaspec.kernels.tiles import TileConfig
 
@@ -203,38 +202,10 @@ def bench_sampling(bandwidth: float) -> list[dict]:
     return rows
 
 
-def bench_rejection(bandwidth: float) -> dict:
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    max_draft = 4
-    row = dict(batch=BATCH, drafts=max_draft, vocab=VOCAB)
-    try:
-        p = torch.softmax(torch.randn(BATCH, max_draft + 1, VOCAB, generator=gen, device="cuda") * 3, -1)
-        q = torch.softmax(torch.randn(BATCH, max_draft, VOCAB, generator=gen, device="cuda") * 3, -1)
-        draft = torch.multinomial(q.view(-1, VOCAB), 1, generator=gen).view(BATCH, max_draft)
-        num_draft = torch.full((BATCH,), max_draft, dtype=torch.int64, device="cuda")
-        seeds = torch.randint(0, 2 ** 62, (BATCH,), generator=gen, device="cuda")
-        offsets = torch.randint(0, 10 ** 6, (BATCH,), generator=gen, device="cuda")
-        args = (p, q, draft, num_draft, seeds, offsets)
-        tokens, accepted = rejection_sample(*args)
-        expected_tokens, expected_accepted = rejection_sample_reference(*args)
-        row["mismatching_rows"] = int((tokens != expected_tokens).any(1).sum() + (accepted != expected_accepted).sum())
-        row["mean_accepted"] = float(accepted.float().mean())
-        row["triton_us"] = graph_time_us(lambda r: rejection_sample(*args), 4)
-        row["reference_us"] = graph_time_us(lambda r: rejection_sample_reference(*args), 4)
-        row["roofline_us"] = 2 * BATCH * VOCAB * 4 / bandwidth * 1e6  # one row of p and of q per batch row
-        print(f"rejection B={BATCH} K={max_draft}: triton {row['triton_us']:.1f} us, reference "
-              f"{row['reference_us']:.1f} us, roofline {row['roofline_us']:.1f} us, mismatching rows "
-              f"{row['mismatching_rows']}", flush=True)
-    except Exception:  # noqa: BLE001
-        row["error"] = traceback.format_exc()
-        print(row["error"], flush=True)
-    return row
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out-dir", default=str(pathlib.Path(__file__).parent / "results"))
-    parser.add_argument("--skip", nargs="*", default=[], choices=["moe", "sampling", "rejection"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["moe", "sampling"])
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
     commit = commit_id()
@@ -259,8 +230,6 @@ def main() -> None:
     if "sampling" not in args.skip:
         result["sampling"] = bench_sampling(bandwidth)
         path.write_text(json.dumps(result, indent=1))
-    if "rejection" not in args.skip:
-        result["rejection"] = bench_rejection(bandwidth)
     path.write_text(json.dumps(result, indent=1))
     print("wrote", path)
 
