@@ -15,8 +15,6 @@ flat: N(0, 1), whose top-p nucleus holds ~60% of the vocabulary). Both the Trito
 sort-based `sample_reference` run as CUDA graphs over 2 logit sets (128 MiB > L2); roofline: one
 read of the logits. Tokens are compared with the reference; the row paths are counted.
 
-Rejection sampling: B = 64 rows, 4 drafts, 248,320 vocabulary, fp32 p and q.
-
 Usage: python bench/kernels_moe_sampling.py [--out-dir bench/results]
 """
 
