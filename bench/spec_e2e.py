@@ -34,7 +34,6 @@ import argparse
 import datetime
 import gc
 import json
-import statistics
 import sys
 import tempfile
 import time

@@ -112,7 +112,7 @@ class Speculator:
     def verify(self, rows: DecodeRows, drafts: torch.Tensor, logits_out: torch.Tensor | None = None) -> Verified:
         """The target over [newest, drafts] of every row, then `accept`. logits_out: where the
         logits go ([B * (K + 1), V]; a graph's static buffer), or None for a new tensor."""
-        decode, (num_rows, num_drafts) = self.decode, drafts.shape
+        decode, num_drafts = self.decode, drafts.shape[1]
         positions = rows.positions[:, None] + decode.arange(num_drafts + 1)                # [B, K+1]
         input_ids = torch.cat([rows.newest[:, None], drafts], dim=1).reshape(-1)
         batch = decode.batch(rows, decode.tables(rows), positions, input_ids, commit=False)
