@@ -24,8 +24,10 @@ The start-up costs time the device alone. Where the host is the bottleneck (smal
 many rows to schedule and commit) a step costs its wall time, not its device time, so the
 engine reports the wall time of every step it ran back to back (`observe`), and an observed
 cost (an exponential moving average per bucket and K) replaces the start-up one: a K whose
-steps turn out slower than they promised is dropped after a few steps, and the ones never run
-keep their optimistic start-up cost until tried.
+steps turn out slower than they promised is dropped after a few steps. A K not yet observed in
+a bucket costs its start-up figure scaled by what the observed ones there cost over their own
+start-up figures, so both are in the same units (seconds of wall time; the start-up figures
+of an eager engine are only relative).
 
 With `adaptive` off every step drafts max_draft_tokens (a fixed K, as benchmarks compare).
 Knows nothing about tensors or the scheduler.
@@ -129,8 +131,15 @@ class DraftPolicy:
         self.observed[key] = seconds if previous is None else previous + self.smoothing * (seconds - previous)
 
     def cost(self, num_rows: int, num_drafts: int, num_sampled: int) -> float:
-        observed = self.observed.get((self.costs.bucket(num_rows), num_drafts))
-        return observed if observed is not None else self.costs(num_rows, num_drafts, num_sampled)
+        bucket = self.costs.bucket(num_rows)
+        observed = self.observed.get((bucket, num_drafts))
+        if observed is not None:
+            return observed
+        # Scale: observed / start-up cost of the K observed in this bucket (1 when none is).
+        ratios = [seconds / self.costs(num_rows, k, num_sampled)
+                  for (b, k), seconds in self.observed.items() if b == bucket]
+        scale = sum(ratios) / len(ratios) if ratios else 1.0
+        return self.costs(num_rows, num_drafts, num_sampled) * scale
 
     def new_estimate(self) -> AcceptanceEstimate:
         return AcceptanceEstimate([self.initial_acceptance] * self.max_draft_tokens)

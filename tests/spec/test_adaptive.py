@@ -84,8 +84,24 @@ def test_observed_step_costs_replace_the_measured_ones():
     rows = [AcceptanceEstimate([0.9] * 3)] * 4
     assert policy.choose(rows, [3] * 4, limit=100) == 3
     policy.observe(4, 0, 1.0)
-    for k in (3, 2, 1):  # each K tried turns out to cost 4 plain steps: the policy steps down
+    # Each K tried turns out to cost 4 plain steps: the policy steps down, and once two of them
+    # have shown the start-up figures 3x too low, K = 1 (scaled likewise) is not worth a try.
+    for k, then in ((3, 2), (2, 0)):
         policy.observe(4, k, 4.0)
-        assert policy.choose(rows, [3] * 4, limit=100) == k - 1
+        assert policy.choose(rows, [3] * 4, limit=100) == then
     policy.observe(4, 3, 1.5)   # K = 3 got cheap again (observed on a probe): back to it
     assert policy.choose(rows, [3] * 4, limit=100) == 3
+
+
+def test_unobserved_costs_are_scaled_to_the_observed_ones():
+    """Start-up costs in other units (relative, or device time only) are scaled by the observed
+    ones of the same bucket: a K = 3 observed at 40x its start-up figure makes K = 0, not yet
+    observed, cost 40x its own, and K = 3 keeps winning only if its tokens pay for that."""
+    policy = DraftPolicy(3, StepCosts.relative(3, cost_per_draft=0.1), probe_interval=10**9)
+    good = [AcceptanceEstimate([0.9] * 3)] * 4
+    poor = [AcceptanceEstimate([0.1] * 3)] * 4
+    policy.observe(4, 3, 1.3 * 40)       # seconds, against a relative start-up cost of 1.3
+    assert policy.cost(4, 0, 0) == pytest.approx(1.0 * 40)
+    assert policy.cost(64, 0, 0) == pytest.approx(1.0 * 40)   # one bucket for the relative table
+    assert policy.choose(good, [3] * 4, limit=100) == 3
+    assert policy.choose(poor, [3] * 4, limit=100) == 0
