@@ -18,10 +18,11 @@ Positions, slot mappings and context lengths are derived on the device from a fe
 row, so a step copies one small packed tensor to the device. Block tables live on the device
 per slot (`slot_tables`): a step sends only the entries that changed since a slot's table was
 last sent (a new block every block_size tokens, a whole table when a slot gets a new request),
-and each stage gathers its rows' tables there. A plain row's token may also be *fed*
-(`DecodeRow.fed_from`): the token the previous plain step emitted at one of its rows, read from
-the device buffer that step left it in (`last_tokens`), so a step can be launched before the
-host has seen the tokens of the step before it (async scheduling, core.py). Knows nothing about
+and each stage gathers its rows' tables there. A row may also be *fed* (`DecodeRow.fed_from`):
+it continues a row of the latest decode step, whose outputs that step left on the device
+(`emitted`, `accepted`, `last_positions`), and `feed` derives its newest token (and with
+speculation its position and MTP catch-up) there, so a step can be launched before the host
+has seen the outputs of the step before it (async scheduling, core.py). Knows nothing about
 requests or scheduling beyond the rows it is handed.
 """
 

@@ -1,6 +1,6 @@
 """The whole engine on the GPU with the Triton table (marked `gpu`, skipped without CUDA):
 bf16 logits against the CPU float32 reference, the isolation harness up to N = 256 with CUDA
-graphs, and lossless speculation through the captured draft/verify graphs."""
+graphs (replays counted), and lossless speculation through the captured speculative graphs."""
 
 import pytest
 import torch
@@ -96,7 +96,7 @@ def test_speculation_is_lossless_on_gpu(family, gpu_checkpoint, k):
 
 
 def test_spec_graphs_are_lossless_for_every_acceptance_count(family, gpu_checkpoint):
-    """Through the captured draft/verify graphs (the draft editor edits the draft graph's output in
+    """Through the captured draft/verify graph halves (the draft editor edits the draft half's output in
     place): every acceptance count 0..k occurs, output equals plain greedy decoding and equals
     the eager speculative engine's, and every slot and block is free afterwards."""
     path, k = gpu_checkpoint(family), 3
