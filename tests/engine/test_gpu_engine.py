@@ -96,8 +96,8 @@ def test_speculation_is_lossless_on_gpu(family, gpu_checkpoint, k):
 
 
 def test_spec_graphs_are_lossless_for_every_acceptance_count(family, gpu_checkpoint):
-    """Through the captured draft/verify graph halves (the draft editor edits the draft half's output in
-    place): every acceptance count 0..k occurs, output equals plain greedy decoding and equals
+    """Through the captured draft/verify graph halves (the draft editor edits the draft half's
+    output in place): every acceptance count 0..k occurs, output equals plain greedy decoding and equals
     the eager speculative engine's, and every slot and block is free afterwards."""
     path, k = gpu_checkpoint(family), 3
     batch = prompts(6, seed=7)
