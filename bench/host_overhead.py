@@ -66,7 +66,7 @@ class FakeRunner:
         self.random = random.Random(seed)
 
     def can_launch(self, plan: StepPlan) -> bool:
-        return not self.speculative and bool(plan.decode_rows) and not plan.prefill_rows and not plan.cached_rows
+        return bool(plan.decode_rows) and not plan.prefill_rows and not plan.cached_rows
 
     def launch(self, plan: StepPlan) -> "Launched":
         return Launched(plan, self.run(plan))
@@ -125,9 +125,9 @@ def measure(core: EngineCore, batch: int, steps: int, seed: int,
         begin, begin_cpu = time.perf_counter(), time.process_time()
         step = core.dispatch()
         scheduled, scheduled_cpu = time.perf_counter(), time.process_time()
-        plan, output = step.plan, step.wait()
+        plan, result = step.plan, step.wait()
         ran, ran_cpu = time.perf_counter(), time.process_time()
-        core.commit(plan, output)
+        core.commit(plan, result)
         committed, committed_cpu = time.perf_counter(), time.process_time()
         if any(request.finished for request in requests):
             raise RuntimeError("a request finished before the timed steps did: raise its max_tokens")
@@ -136,7 +136,7 @@ def measure(core: EngineCore, batch: int, steps: int, seed: int,
             times["commit"].append(committed - ran)
             times["schedule_cpu"].append(scheduled_cpu - begin_cpu)
             times["commit_cpu"].append(committed_cpu - ran_cpu)
-            num_tokens.append(sum(len(tokens) for tokens in output.emitted))
+            num_tokens.append(sum(len(tokens) for tokens in result.output.emitted))
             if profiler is not None and len(num_tokens) == WARMUP_STEPS:
                 profiler.enable()
     if profiler is not None:
