@@ -65,12 +65,6 @@ class Drafted(NamedTuple):
     logits: torch.Tensor | None  # [B * (K + 1), V] verify logits (None until verified)
 
 
-class Verified(NamedTuple):
-    logits: torch.Tensor    # [B * (K + 1), V] in the model's dtype, row-major by (row, depth)
-    accepted: torch.Tensor  # [B] int64: drafts accepted (greedy; sampled rows are redone by `run`)
-    emitted: torch.Tensor   # [B, K + 1] int64: row r emits emitted[r, :accepted[r] + 1]
-
-
 class Speculator:
     def __init__(self, model: HybridLM, states: StatePool, kv: KVPool, decode: DecodeStep, sampler: Sampler,
                  checkpoint_io: CheckpointIO, edit_drafts: DraftEditor | None = None,
@@ -109,37 +103,38 @@ class Speculator:
             drafts.append(self.model.draft_tokens(hidden))
         return torch.stack(drafts, dim=1)
 
-    def verify(self, rows: DecodeRows, drafts: torch.Tensor, logits_out: torch.Tensor | None = None) -> Verified:
-        """The target over [newest, drafts] of every row, then `accept`. logits_out: where the
-        logits go ([B * (K + 1), V]; a graph's static buffer), or None for a new tensor."""
+    def verify(self, rows: DecodeRows, drafts: torch.Tensor, logits_out: torch.Tensor | None = None) -> torch.Tensor:
+        """The target over [newest, drafts] of every row, then `accept`; returns the logits
+        [B * (K + 1), V], row-major by (row, depth): `logits_out` (a graph's static buffer) when
+        given."""
         decode, num_drafts = self.decode, drafts.shape[1]
         positions = rows.positions[:, None] + decode.arange(num_drafts + 1)                # [B, K+1]
         input_ids = torch.cat([rows.newest[:, None], drafts], dim=1).reshape(-1)
         batch = decode.batch(rows, decode.tables(rows), positions, input_ids, commit=False)
         hidden = self.model(batch, self.states, self.kv)
         logits = self.model.logits(hidden, out=logits_out)
-        accepted, emitted = self.accept(hidden, logits, rows, drafts)
-        return Verified(logits, accepted, emitted)
+        self.accept(hidden, logits, rows, drafts)
+        return logits
 
     def step(self, rows: DecodeRows, num_drafts: int,
-             logits_out: torch.Tensor | None = None) -> tuple[torch.Tensor, Verified]:
-        """draft then verify: a whole speculative decode step on the device (one CUDA graph)."""
+             logits_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """draft then verify: a whole speculative decode step on the device (one CUDA graph).
+        Returns (drafts, logits)."""
         drafts = self.draft(rows, num_drafts)
         return drafts, self.verify(rows, drafts, logits_out)
 
-    def accept(self, hidden: torch.Tensor, logits: torch.Tensor, rows: DecodeRows,
-               drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [B*(K+1), H], logits [B*(K+1), V] of the fed tokens -> greedy (accepted,
-        emitted); rolls each slot back to its accepted drafts, keeps the hidden states for the
-        next catch-up and the outputs for the next step's fed rows (DecodeStep.record). Argmax
-        of the model-dtype logits equals argmax of their float32 copies (the widening is exact)."""
+    def accept(self, hidden: torch.Tensor, logits: torch.Tensor, rows: DecodeRows, drafts: torch.Tensor) -> None:
+        """Greedy acceptance of every row from hidden [B*(K+1), H] and logits [B*(K+1), V] of
+        the fed tokens: rolls each slot back to its accepted drafts, keeps the hidden states for
+        the next catch-up and the accepted counts and emitted tokens for the host and the next
+        step's fed rows (DecodeStep.record). Argmax of the model-dtype logits equals argmax of
+        their float32 copies (the widening is exact)."""
         num_rows, width = drafts.shape[0], drafts.shape[1] + 1
         self.states.mtp_hidden[rows.slots, :width] = hidden.view(num_rows, width, -1)
         target = logits.argmax(dim=-1).view(num_rows, width)
         accepted, emitted = self._forced(*greedy_accept(target, drafts, rows.num_drafts), rows.num_drafts)
         self._set_pending(rows.slots, accepted)
         self.decode.record(rows, accepted, emitted)
-        return accepted, emitted
 
     # One step -------------------------------------------------------------------------------
 
@@ -155,7 +150,7 @@ class Speculator:
             device_rows = self.decode.row_tensors(decode_rows, self.device)
             drafts = self.draft(device_rows, num_drafts)
             self._edit(rows, drafts)
-            drafted = Drafted(device_rows, drafts, self.verify(device_rows, drafts).logits)
+            drafted = Drafted(device_rows, drafts, self.verify(device_rows, drafts))
         self.resample(rows, drafted)
         return drafted
 
