@@ -27,7 +27,8 @@ cost (an exponential moving average per bucket and K) replaces the start-up one:
 steps turn out slower than they promised is dropped after a few steps. A K not yet observed in
 a bucket costs its start-up figure scaled by what the observed ones there cost over their own
 start-up figures, so both are in the same units (seconds of wall time; the start-up figures
-of an eager engine are only relative).
+of an eager engine are only relative). Plain steps are observed too: one as soon as a K > 0
+has been in a bucket, then one every 16 probe intervals of drafting steps.
 
 With `adaptive` off every step drafts max_draft_tokens (a fixed K, as benchmarks compare).
 Knows nothing about tensors or the scheduler.
@@ -114,6 +115,7 @@ class DraftPolicy:
     probe_interval: int = 16
     min_gain: float = 0.03  # the least relative gain in tokens/s a K > 0 must promise over K = 0
     steps_at_zero: int = 0  # steps in a row at K = 0 (a probe follows `probe_interval` of them)
+    steps_with_drafts: int = 0  # steps in a row at K > 0 (a plain probe follows 16 intervals)
     # Observed wall seconds of a step by (bucket, K), sampled rows' draws included.
     observed: dict[tuple[int, int], float] = field(default_factory=dict)
 
@@ -170,6 +172,20 @@ class DraftPolicy:
             self.steps_at_zero += 1
             if self.steps_at_zero > self.probe_interval:
                 best = 1
+        elif self._plain_probe_due(num_rows):
+            best = 0
         if best:
             self.steps_at_zero = 0
+            self.steps_with_drafts += 1
+        else:
+            self.steps_with_drafts = 0
         return best
+
+    def _plain_probe_due(self, num_rows: int) -> bool:
+        """A plain step is run to observe its wall time: once a K > 0 has been observed in the
+        bucket and K = 0 has not (the start-up figures may be in other units), and then every
+        16 probe intervals of drafting steps, so that a plain step that would now pay is seen."""
+        bucket = self.costs.bucket(num_rows)
+        if (bucket, 0) not in self.observed:
+            return any(b == bucket for b, _ in self.observed)
+        return self.steps_with_drafts >= 16 * self.probe_interval

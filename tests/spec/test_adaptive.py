@@ -103,5 +103,20 @@ def test_unobserved_costs_are_scaled_to_the_observed_ones():
     policy.observe(4, 3, 1.3 * 40)       # seconds, against a relative start-up cost of 1.3
     assert policy.cost(4, 0, 0) == pytest.approx(1.0 * 40)
     assert policy.cost(64, 0, 0) == pytest.approx(1.0 * 40)   # one bucket for the relative table
+    assert policy.choose(good, [3] * 4, limit=100) == 0       # the plain probe (test below)
+    policy.observe(4, 0, 40.0)
     assert policy.choose(good, [3] * 4, limit=100) == 3
     assert policy.choose(poor, [3] * 4, limit=100) == 0
+
+
+def test_plain_steps_are_observed_too():
+    """Once a K > 0 has been observed in a bucket, the next step is a plain one (its wall time
+    unknown), and later one every 16 probe intervals of drafting steps."""
+    policy = DraftPolicy(3, StepCosts.relative(3, cost_per_draft=0.1), probe_interval=2)
+    rows = [AcceptanceEstimate([0.9] * 3)] * 4
+    assert policy.choose(rows, [3] * 4, limit=100) == 3
+    policy.observe(4, 3, 1.3)
+    assert policy.choose(rows, [3] * 4, limit=100) == 0      # K = 0 never seen here: probe it
+    policy.observe(4, 0, 1.0)
+    chosen = [policy.choose(rows, [3] * 4, limit=100) for _ in range(40)]
+    assert chosen == ([3] * 32 + [0]) + [3] * 7               # a plain probe after 32 drafting steps
