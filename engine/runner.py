@@ -22,7 +22,7 @@ import dataclasses
 
 import torch
 
-from .batch import ForwardBatch
+from .batch import ForwardBatch, device_tensor
 from .checkpoint_io import CheckpointIO
 from .cuda_graphs import DecodeGraphs, SpecGraphs
 from .decode_step import DecodeStep
@@ -125,7 +125,7 @@ class Runner:
             logits, tokens = self.decode.plain(device_rows)
         sampling = [i for i, r in enumerate(rows) if not r.request.params.greedy]
         if sampling:
-            index = self.sampler.tensor(sampling)
+            index = device_tensor(sampling, torch.int64, self.device)
             tokens[index] = self.sampler.sample(logits[index], [rows[i] for i in sampling],
                                                 device_rows.positions[index] + 1)
         return logits
@@ -162,7 +162,8 @@ class Runner:
     def _run_cached(self, rows: tuple[ScheduledRow, ...]) -> StepOutput:
         """Fully cached prompts: the first token's logits from the hidden state the checkpoint
         kept for its last position (restored into the row's slot before the forward)."""
-        logits = self.model.compute_logits(self.states.last_hidden[self.sampler.tensor([r.slot for r in rows])])
+        slots = device_tensor([r.slot for r in rows], torch.int64, self.device)
+        logits = self.model.compute_logits(self.states.last_hidden[slots])
         emitted = [[t] for t in self.sampler.sample(logits, rows).tolist()]
         logprobs = self.sampler.logprobs(logits, rows, [[i] for i in range(len(rows))], emitted)
         return StepOutput(emitted, logprobs=logprobs, num_pending=[0] * len(rows))

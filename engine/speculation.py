@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 import torch
 
 from ..spec import AcceptanceProfile, greedy_accept, sampled_accept
-from .batch import ForwardBatch, Row
+from .batch import ForwardBatch, Row, device_tensor
 from .checkpoint_io import CheckpointIO
 from .decode_step import DecodeRows, DecodeStep
 from .models import HybridLM
@@ -197,7 +197,7 @@ class Speculator:
             return
         device_rows, drafts = drafted.rows, drafted.drafts
         width = drafts.shape[1] + 1
-        index = self.sampler.tensor(sampled)
+        index = self._indices(sampled)
         flat = (index[:, None] * width + self.decode.arange(width)).reshape(-1)
         # Position i of a row's verify predicts the token at its newest position + 1 + i.
         positions = (device_rows.positions[index][:, None] + 1 + self.decode.arange(width)).reshape(-1)
@@ -224,6 +224,10 @@ class Speculator:
         if self.forced_acceptance is None:
             return accepted, emitted
         return self.forced_acceptance.draw(num_drafts, emitted.shape[1] - 1), emitted
+
+    def _indices(self, values: Sequence[int]) -> torch.Tensor:
+        """Row or slot indices on the device, without stalling its stream."""
+        return device_tensor(values, torch.int64, self.device)
 
     def _edit(self, rows: Sequence[ScheduledRow], drafts: torch.Tensor) -> None:
         if self.edit_drafts is not None:
@@ -254,7 +258,7 @@ class Speculator:
         self.checkpoint_io.keep_hidden(batch, hidden)
         logits = self.model.logits(hidden[batch.logits_indices])
         # A fresh prefill leaves nothing pending; its MTP pass keeps the MTP KV complete.
-        self._set_pending(self.sampler.tensor([r.slot for r in prefill_rows]), None)
+        self._set_pending(self._indices([r.slot for r in prefill_rows]), None)
         self._prefill_mtp(hidden, batch, prefill_rows)
         if drafted:
             self.accept(hidden[:num_decode_tokens], logits[:num_decode_tokens], drafted.rows, drafted.drafts)
@@ -293,7 +297,7 @@ class Speculator:
             if r.sample:
                 keep_slots.append(r.slot)
                 keep_index.append(decode_tokens + offset + len(r.token_ids) - 1)
-        tensor = self.sampler.tensor
+        tensor = self._indices
         if mtp_rows:
             inputs = hidden.new_empty(len(fresh_place) + len(kept_place), hidden.shape[1])
             inputs[tensor(fresh_place)] = hidden[tensor(fresh_index)]

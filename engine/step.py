@@ -93,11 +93,6 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(r.num_tokens for r in self.rows)
 
-    @property
-    def is_fed(self) -> bool:
-        """Some decode row takes its token from the step in flight."""
-        return any(r.fed_from is not None for r in self.decode_rows)
-
 
 @dataclass(frozen=True)
 class StepOutput:

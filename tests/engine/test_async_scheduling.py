@@ -42,7 +42,7 @@ class LaunchCounter:
         launch = core.runner.launch
 
         def counting(plan):
-            self.fed_steps += plan.is_fed
+            self.fed_steps += any(row.fed_from is not None for row in plan.decode_rows)
             return launch(plan)
 
         core.runner.launch = counting
