@@ -30,6 +30,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import torch
+
 from common import commit_id, device_tag  # noqa: E402
 from deltaspec.engine import AsyncLLM, EngineConfig, SamplingParams  # noqa: E402
 from deltaspec.server.acceptance_benchmark import load_prompts  # noqa: E402
@@ -38,11 +40,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class Recorder:
-    """Wraps one EngineCore's dispatch and commit; records each step."""
+    """Wraps one EngineCore's dispatch and commit; records each step, the Triton compiles and
+    autotuning runs that happened during it, and (profile_mixed > 0) a torch.profiler summary of
+    that many steps with prefill rows."""
 
-    def __init__(self, core) -> None:
+    def __init__(self, core, profile_mixed: int = 0) -> None:
         self.core, self.steps, self.origin = core, [], time.perf_counter()
         self.enabled = False
+        self.profiles, self.profile_mixed = [], profile_mixed
+        self.compiles: list[str] = []
+        _watch_triton(self.compiles)
         dispatch, commit = core.dispatch, core.commit
 
         def traced_dispatch():
@@ -50,8 +57,11 @@ class Recorder:
             back_to_back = core._in_flight is not None
             running, waiting = len(core.scheduler.running), len(core.scheduler.waiting)
             step = dispatch()
+            self.compiles.clear()
             if self.enabled:
                 plan = step.plan
+                if (plan.prefill_rows or plan.cached_rows) and len(self.profiles) < self.profile_mixed:
+                    step = step._replace(wait=self._profiled(step.wait, plan))
                 self.steps.append({
                     "dispatch_s": started - self.origin, "scheduled_s": time.perf_counter() - started,
                     "back_to_back": back_to_back, "running": running, "waiting": waiting,
@@ -71,9 +81,58 @@ class Recorder:
                 step["committed_s"] = time.perf_counter() - self.origin
                 step["launched_ahead"] = result.launched is not None
                 step["tokens"] = sum(len(d.token_ids) for d in deltas)
+                step["compiles"] = list(self.compiles)
             return deltas
 
         core.dispatch, core.commit = traced_dispatch, traced_commit
+
+
+    def _profiled(self, wait, plan):
+        def profiled_wait():
+            import torch
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            started = time.perf_counter()
+            with profile(activities=activities) as prof:
+                result = wait()
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+            seconds = time.perf_counter() - started
+            events = prof.key_averages()
+            device_us = sum(e.self_device_time_total for e in events if e.self_device_time_total > 0
+                            and not e.key.startswith(("cuda", "aten::")))
+            self.profiles.append({
+                "decode_rows": len(plan.decode_rows), "prefill_rows": len(plan.prefill_rows),
+                "prefill_tokens": sum(r.num_tokens for r in plan.prefill_rows), "wall_ms": 1e3 * seconds,
+                "kernel_ms": device_us / 1e3,
+                "top_cpu": [{"op": e.key[:80], "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3}
+                            for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:25]]})
+            return result
+        return profiled_wait
+
+
+def _watch_triton(compiles: list[str]) -> None:
+    """Appends to `compiles` the name of every Triton kernel specialization compiled (or loaded
+    from the disk cache) in this process, and 'autotune:<kernel>' for every autotuning run."""
+    try:
+        from triton import knobs
+        from triton.runtime.autotuner import Autotuner
+    except ImportError:
+        return
+
+    def on_compile(*args, **kwargs):
+        compiles.append(kwargs["fn"].name if "fn" in kwargs else "?")
+        return False  # compile as usual
+
+    knobs.runtime.jit_cache_hook = on_compile
+    bench = Autotuner._bench
+
+    def timed_bench(self, *args, **kwargs):
+        compiles.append(f"autotune:{self.base_fn.__name__}")
+        return bench(self, *args, **kwargs)
+
+    Autotuner._bench = timed_bench
 
 
 def kind(step: dict) -> str:
@@ -104,7 +163,7 @@ async def run_setting(args: argparse.Namespace, setting: str, prompts: list[str]
     if setting != "default":
         options["num_draft_tokens"] = int(setting)
     engine = AsyncLLM(args.model, **options)
-    recorder = Recorder(engine.core)
+    recorder = Recorder(engine.core, args.profile_mixed if setting == args.settings.split(",")[-1] else 0)
     per_stream = args.requests_per_stream
     requests: dict[str, dict] = {}
 
@@ -144,7 +203,8 @@ async def run_setting(args: argparse.Namespace, setting: str, prompts: list[str]
     await engine.shutdown()
     del engine
     return {"setting": setting, "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
-            "steps": len(steps), "by_kind": summarize(steps), "requests": requests, "trace": steps}
+            "steps": len(steps), "by_kind": summarize(steps), "requests": requests, "profiles": recorder.profiles,
+            "trace": steps}
 
 
 def plot(report: dict, path: Path) -> None:
@@ -183,6 +243,8 @@ def main() -> None:
     parser.add_argument("--max-prompt-chars", type=int, default=2000)
     parser.add_argument("--settings", default="default,0")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile-mixed", type=int, default=0,
+                        help="torch.profiler summaries of this many steps with prefill rows (last setting)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
     prompts = load_prompts(args.model, [], args.streams * (1 + args.requests_per_stream), args.max_prompt_chars,
@@ -195,10 +257,17 @@ def main() -> None:
             print(f"  {name:>18}: {row['steps']:5d} steps, {row['wall_ms_total']:8.1f} ms, median "
                   f"{row['wall_ms_median']:.3f} ms, p90 {row['wall_ms_p90']:.3f} ms, rows {row['rows_mean']:.1f}, "
                   f"tokens {row['tokens']}")
+        compiled = [c for step in runs[-1]["trace"] for c in step.get("compiles", [])]
+        print(f"  Triton compiles/autotunes during timed steps: {len(compiled)} {sorted(set(compiled))[:12]}")
+        for profiled in runs[-1]["profiles"]:
+            print(f"  profiled mixed step: {profiled['wall_ms']:.1f} ms wall, {profiled['kernel_ms']:.2f} ms kernels, "
+                  f"{profiled['decode_rows']} decode + {profiled['prefill_rows']} prefill rows "
+                  f"({profiled['prefill_tokens']} tokens); top CPU: " + ", ".join(
+                      f"{t['op']} x{t['calls']} {t['self_cpu_ms']:.2f}" for t in profiled["top_cpu"][:10]))
         latencies = sorted(r["latency_s"] for r in runs[-1]["requests"].values())
         print(f"  request latency s: min {latencies[0]:.3f} median {statistics.median(latencies):.3f} "
               f"max {latencies[-1]:.3f}")
-    device = device_tag(args.device)
+    device = device_tag(torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device)
     report = {"benchmark": "step_trace", "model": str(args.model), "device": device, "dtype": args.dtype,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "commit": commit_id(), "command": "python " + " ".join(sys.argv), "streams": args.streams,
