@@ -41,8 +41,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 class Recorder:
     """Wraps one EngineCore's dispatch and commit; records each step, the Triton compiles and
-    autotuning runs that happened during it, and (profile_mixed > 0) a torch.profiler summary of
-    that many steps with prefill rows."""
+    autotuning runs that happened during it, and (profile_mixed > 0) a cProfile summary of that
+    many steps with prefill rows."""
 
     def __init__(self, core, profile_mixed: int = 0) -> None:
         self.core, self.steps, self.origin = core, [], time.perf_counter()
@@ -88,26 +88,26 @@ class Recorder:
 
 
     def _profiled(self, wait, plan):
+        """wait() under cProfile: the host's time by function (a mixed step runs eagerly)."""
         def profiled_wait():
-            import torch
-            from torch.profiler import ProfilerActivity, profile
+            import cProfile
+            import io
+            import pstats
 
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            profiler = cProfile.Profile()
             started = time.perf_counter()
-            with profile(activities=activities) as prof:
-                result = wait()
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
+            profiler.enable()
+            result = wait()
+            profiler.disable()
             seconds = time.perf_counter() - started
-            events = prof.key_averages()
-            device_us = sum(e.self_device_time_total for e in events if e.self_device_time_total > 0
-                            and not e.key.startswith(("cuda", "aten::")))
+            text = io.StringIO()
+            stats = pstats.Stats(profiler, stream=text)
+            stats.sort_stats("tottime").print_stats(25)
+            stats.sort_stats("cumulative").print_stats(40)
             self.profiles.append({
                 "decode_rows": len(plan.decode_rows), "prefill_rows": len(plan.prefill_rows),
                 "prefill_tokens": sum(r.num_tokens for r in plan.prefill_rows), "wall_ms": 1e3 * seconds,
-                "kernel_ms": device_us / 1e3,
-                "top_cpu": [{"op": e.key[:80], "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3}
-                            for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:25]]})
+                "cprofile": text.getvalue()})
             return result
         return profiled_wait
 
@@ -244,7 +244,7 @@ def main() -> None:
     parser.add_argument("--settings", default="default,0")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile-mixed", type=int, default=0,
-                        help="torch.profiler summaries of this many steps with prefill rows (last setting)")
+                        help="cProfile summaries of this many steps with prefill rows (last setting)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
     prompts = load_prompts(args.model, [], args.streams * (1 + args.requests_per_stream), args.max_prompt_chars,
@@ -260,10 +260,8 @@ def main() -> None:
         compiled = [c for step in runs[-1]["trace"] for c in step.get("compiles", [])]
         print(f"  Triton compiles/autotunes during timed steps: {len(compiled)} {sorted(set(compiled))[:12]}")
         for profiled in runs[-1]["profiles"]:
-            print(f"  profiled mixed step: {profiled['wall_ms']:.1f} ms wall, {profiled['kernel_ms']:.2f} ms kernels, "
-                  f"{profiled['decode_rows']} decode + {profiled['prefill_rows']} prefill rows "
-                  f"({profiled['prefill_tokens']} tokens); top CPU: " + ", ".join(
-                      f"{t['op']} x{t['calls']} {t['self_cpu_ms']:.2f}" for t in profiled["top_cpu"][:10]))
+            print(f"  profiled mixed step: {profiled['wall_ms']:.1f} ms wall, {profiled['decode_rows']} decode + "
+                  f"{profiled['prefill_rows']} prefill rows ({profiled['prefill_tokens']} tokens)")
         latencies = sorted(r["latency_s"] for r in runs[-1]["requests"].values())
         print(f"  request latency s: min {latencies[0]:.3f} median {statistics.median(latencies):.3f} "
               f"max {latencies[-1]:.3f}")
