@@ -48,6 +48,7 @@ from .speculation import DraftEditor, Speculator
 from .state_pool import KVPool, StatePool
 from .step import StepOutput, StepPlan
 from .tokenizer import Tokenizer
+from .warm_up import warm_up
 from .weights import load_model
 
 logger = logging.getLogger("deltaspec")
@@ -129,6 +130,8 @@ class EngineCore:
         self._overlap = config.async_scheduling and edit_drafts is None
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
+        if config.warm_up and self._graphs_enabled:
+            logger.info("warmed up the eager steps' kernels in %.1f s", warm_up(self))
 
     # Requests -----------------------------------------------------------------------------
 
@@ -186,14 +189,20 @@ class EngineCore:
     def release_checkpoint(self, handle: CheckpointHandle) -> None:
         self.cache.release(handle)
 
-    def clear_prefix_cache(self) -> None:
-        """Drop every cached checkpoint nobody pins, on the GPU and the host (between steps)."""
-        self.cache.clear()
+    def clear_prefix_cache(self, reset_stats: bool = False) -> None:
+        """Drop every cached checkpoint nobody pins, on the GPU and the host (between steps);
+        reset_stats: and zero the cache's counters."""
+        self.cache.clear(reset_stats)
         self.runner.checkpoint_io.before_forward(self.cache.take_ops())
 
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work or self._in_flight is not None
+
+    def reset_arrivals(self) -> None:
+        """Request ids start again at "0" (after the start-up warm-up; no request may be live)."""
+        assert not self.requests and not self.has_work
+        self._arrivals = itertools.count()
 
     # One step -----------------------------------------------------------------------------
 

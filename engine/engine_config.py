@@ -32,6 +32,7 @@ class EngineConfig:
     checkpoint_interval: int = 512          # tokens between the prefix checkpoints a prefill leaves
     num_checkpoint_slots: int | None = None  # state slots for checkpoints (default: 10% of the pool budget)
     host_cache_bytes: int = 0               # host tier: pinned CPU memory evicted checkpoints move to
+    warm_up: bool = True                    # CUDA: compile and autotune the eager steps' kernels at start-up
 
     def __post_init__(self) -> None:
         problems = []

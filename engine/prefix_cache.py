@@ -334,10 +334,12 @@ class PrefixCache:
                 kept.add(victim.id)
         return True
 
-    def clear(self) -> None:
-        """Drop every checkpoint nobody pins (GPU and host)."""
+    def clear(self, reset_stats: bool = False) -> None:
+        """Drop every checkpoint nobody pins (GPU and host); reset_stats: and zero the counters."""
         for checkpoint in [c for c in self._entries.values() if c.pins == 0]:
             self._remove(checkpoint)
+        if reset_stats:
+            self.stats = CacheStats()
 
     @property
     def num_gpu_checkpoints(self) -> int:

@@ -101,6 +101,11 @@ class Scheduler:
         request.abort_requested = True
         self._abort_requested = True
 
+    def reset_counters(self) -> None:
+        """Speculation and preemption counters back to zero (after the start-up warm-up)."""
+        self.spec_stats = SpecStats()
+        self.num_preempted = 0
+
     def take_aborted(self) -> list[Request]:
         aborted, self._aborted = self._aborted, []
         return aborted

@@ -222,7 +222,7 @@ def _attend_block(acc, m_i, l_i, block, q, start, hi, query_pos, table, k_cache_
     return acc, m_new, l_i, block
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "num_tile_slots", "num_splits", "stride_table_row"])
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, gate_ptr,
         out_ptr, partial_acc_ptr, partial_stats_ptr, qk_scale, num_rows, num_tile_slots, num_splits,
@@ -305,7 +305,7 @@ def _paged_attention_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(partial_acc_ptr, partial_stats_ptr, gate_ptr, out_ptr, num_splits, stride_gate_token,
                            stride_gate_head, stride_out_token, stride_out_head, NUM_HEADS: tl.constexpr,
                            SPLIT_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,

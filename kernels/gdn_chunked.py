@@ -608,16 +608,20 @@ def _fitting_v_tiles(configs, named_args, **kwargs):
     return [c for c in configs if c.kwargs["BV"] <= value_dim and (narrow_ok or c.kwargs["BV"] >= 64)]
 
 
+# cache_results: tuning results persist in Triton's cache directory, so a restarted server (and
+# the engine's start-up warm-up, engine/warm_up.py) does not tune again.
 _solve = triton.autotune(autotune_configs(_solve_configs(), BK="block_k"),
-                         key=["HV", "HK", "K"])(_gdn_chunk_solve_kernel)
-_wy = triton.autotune(autotune_configs(_wy_configs()), key=["HV", "HK", "K", "V"])(_gdn_chunk_wy_kernel)
+                         key=["HV", "HK", "K"], cache_results=True)(_gdn_chunk_solve_kernel)
+_wy = triton.autotune(autotune_configs(_wy_configs()), key=["HV", "HK", "K", "V"],
+                      cache_results=True)(_gdn_chunk_wy_kernel)
 # The split state kernel writes V' over u: tuning runs restore it as well as the pool.
 _state = triton.autotune(autotune_configs(_state_configs(), BV="block_n"),
                          key=["HV", "HK", "K", "V", "row_bucket", "HAS_CHECKPOINTS", "SPLIT_O"],
                          prune_configs_by={"early_config_prune": _fitting_v_tiles},
-                         restore_value=["state", "u"])(_gdn_chunk_state_kernel)
+                         restore_value=["state", "u"], cache_results=True)(_gdn_chunk_state_kernel)
 _output = triton.autotune(autotune_configs(_output_configs(), BV="block_n"), key=["HV", "HK", "K", "V"],
-                          prune_configs_by={"early_config_prune": _fitting_v_tiles})(_gdn_chunk_output_kernel)
+                          prune_configs_by={"early_config_prune": _fitting_v_tiles},
+                          cache_results=True)(_gdn_chunk_output_kernel)
 
 
 def split_output(num_rows: int, num_value_heads: int, value_dim: int, device: torch.device) -> bool:

@@ -169,7 +169,7 @@ def _down_per_token_kernel(act, weights, experts, w_down, out, H, I, TOP_K: tl.c
     tl.store(out + token * H + n, total.to(out.dtype.element_ty), mask=n_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _count_pairs_kernel(experts, counts, ranks, N, BLOCK: tl.constexpr):
     """ranks[pair] = the pair's position among its expert's pairs (arrival order of the atomics:
     any order works, each GEMM row only depends on its own pair); counts[e] += pairs of e."""
@@ -188,7 +188,7 @@ def _expert_layout(counts, E, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
     return e, count, tl.cumsum(count, 0) - count, tl.cumsum(blocks, 0) - blocks, blocks
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _scatter_pairs_kernel(experts, counts, ranks, sorted_pairs, N, E, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
     """sorted_pairs[start[e] + rank] = pair: pairs grouped by expert, experts in order."""
     lanes, _, start, _, _ = _expert_layout(counts, E, E_PAD, 1)
@@ -212,7 +212,7 @@ def _block_rows(counts, sorted_pairs, m_block, E, E_PAD: tl.constexpr, BLOCK_M: 
     return expert, position, valid, tl.load(sorted_pairs + position, mask=valid, other=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_m_blocks"])
 def _gate_up_grouped_kernel(x, counts, sorted_pairs, w_gate_up, act, H, I, E, num_m_blocks, TOP_K: tl.constexpr,
                             E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             PRECISION: tl.constexpr):
@@ -242,7 +242,7 @@ def _gate_up_grouped_kernel(x, counts, sorted_pairs, w_gate_up, act, H, I, E, nu
              (gate * tl.sigmoid(gate) * up).to(act.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_m_blocks"])
 def _down_grouped_kernel(act, counts, sorted_pairs, weights, w_down, out_pairs, H, I, E, num_m_blocks,
                          E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          PRECISION: tl.constexpr):

@@ -97,7 +97,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out, new_residual
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _gated_rms_norm_kernel(x, gate, weight, out, num_rows, inner, stride_x_outer, stride_x_inner,
                            stride_gate_outer, stride_gate_inner, eps,
                            D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):

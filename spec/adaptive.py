@@ -37,6 +37,7 @@ Knows nothing about tensors or the scheduler.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -131,6 +132,10 @@ class DraftPolicy:
         key = self.costs.bucket(num_rows), num_drafts
         previous = self.observed.get(key)
         self.observed[key] = seconds if previous is None else previous + self.smoothing * (seconds - previous)
+
+    def fresh(self) -> DraftPolicy:
+        """The same policy with nothing observed (after the start-up warm-up)."""
+        return dataclasses.replace(self, steps_at_zero=0, steps_with_drafts=0, observed={})
 
     def cost(self, num_rows: int, num_drafts: int, num_sampled: int) -> float:
         bucket = self.costs.bucket(num_rows)

@@ -1,0 +1,65 @@
+"""Start-up warm-up: dummy requests through the engine's own steps, so that serving never waits
+for a Triton compile or an autotuning run.
+
+Triton compiles one binary per specialization of a kernel's arguments (an integer equal to 1 or
+divisible by 16, a pointer aligned to 16 bytes, each constexpr value) and autotunes once per key;
+on an H200 a compile costs ~0.1-0.3 s and an autotuning run ~0.5 s. Decode-only steps replay
+CUDA graphs captured at start-up, but steps with prefill chunks run eagerly with shapes set by
+the traffic: the first step of each new kind (a prefill row count in a new power-of-two bucket,
+the prefill group starting at an odd token offset, a row past the checkpoint interval, a
+sampled row) stalled every running stream for up to a second (bench/step_trace.py). Kernel
+arguments that vary with the step and need no specialization are marked do_not_specialize
+(kernels/); this covers the rest by running, before the first request, steps of every kind:
+prefill rows in each bucket 1, 2, 4, .. max_num_seqs, beside an odd and an even number of decode
+rows, short and checkpoint-crossing prompts, greedy and sampled rows, and a cached prompt.
+
+Afterwards the engine is as new: the prefix cache is cleared, counters and the draft policy's
+observations are reset. Knows nothing about kernels: it only submits requests and steps.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+from .sampling_params import SamplingParams
+
+
+def warm_up(core) -> float:
+    """Run the warm-up on `core` (an EngineCore with no requests). Returns its seconds."""
+    started = time.perf_counter()
+    config, scheduler = core.config, core.scheduler
+    rng = random.Random(0)
+    vocab = core.model_config.vocab_size
+    budget = config.max_num_batched_tokens
+    # Enough output tokens that each wave is still decoding when the next one is admitted.
+    greedy = SamplingParams(max_tokens=4 + core.num_draft_tokens, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=4 + core.num_draft_tokens, temperature=0.7, top_p=0.9, seed=0,
+                             ignore_eos=True)
+    long_prompt = min(config.checkpoint_interval + 17, budget // 2, core.max_model_len - greedy.max_tokens - 1)
+    waves = sorted({n for n in (1, 2, 3, 4, 8, 16, 32, 64, 128, 256) if n <= config.max_num_seqs}
+                   | {config.max_num_seqs})
+
+    def prompt(length: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(max(1, length))]
+
+    shared = prompt(min(48, long_prompt))  # submitted twice: the second restores a cached prefix
+    for index, rows in enumerate(waves):
+        per_row = max(1, min(budget // (2 * rows), core.max_model_len - greedy.max_tokens - 1))
+        for row in range(rows):
+            # Log-uniform in 1 .. per_row: single tokens (the small-batch GEMM tiles) to full chunks.
+            length = long_prompt if row == 0 and index % 2 else round(per_row ** rng.random())
+            core.add_request(prompt(length), sampled if row % 3 == 1 else greedy)
+        core.add_request(shared, greedy)
+        # Two steps per wave: the wave's prefill lands beside the previous wave's decode rows.
+        for _ in range(2):
+            if core.has_work:
+                core.step()
+    while core.has_work:
+        core.step()
+    core.clear_prefix_cache(reset_stats=True)
+    scheduler.reset_counters()
+    if scheduler.draft_policy is not None:
+        scheduler.draft_policy = scheduler.draft_policy.fresh()
+    core.reset_arrivals()
+    return time.perf_counter() - started

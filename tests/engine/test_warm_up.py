@@ -1,0 +1,66 @@
+"""The start-up warm-up (engine/warm_up.py): it leaves the engine as new (same outputs, ids from
+"0", zeroed counters, an empty prefix cache, a policy that has observed nothing), and on the GPU
+serving a staggered mix of requests afterwards compiles no Triton kernel and tunes nothing."""
+
+import pytest
+import torch
+
+from deltaspec.engine import EngineConfig, SamplingParams
+from deltaspec.engine.core import EngineCore
+from deltaspec.engine.warm_up import warm_up
+
+from harness import assert_all_free, generate, make_jobs, prompts, run_staggered
+
+SAMPLED = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+
+
+def test_warm_up_leaves_the_engine_as_new(checkpoint):
+    path = checkpoint("qwen3_5", mtp_copy_of_last_layer=True)
+    config = EngineConfig(model=path, max_num_seqs=4, num_draft_tokens=2, checkpoint_interval=64)
+    batch = prompts(3, seed=7)
+    fresh = EngineCore(config)
+    expected = generate(fresh, batch), generate(fresh, batch, SAMPLED)
+
+    core = EngineCore(config)
+    seconds = warm_up(core)
+    assert seconds > 0
+    assert_all_free(core)
+    stats = core.stats()
+    assert stats["spec"]["num_verify_steps"] == 0 and stats["num_preempted"] == 0
+    assert stats["prefix_cache"]["gpu_checkpoints"] == 0 and stats["prefix_cache"]["reused_tokens"] == 0
+    assert core.scheduler.draft_policy.observed == {}
+    first = core.add_request([1, 2, 3], SamplingParams(max_tokens=1))
+    assert first.request_id == "0"
+    core.abort(first.request_id)
+    while core.has_work:
+        core.step()
+    core.reset_arrivals()
+    assert (generate(core, batch), generate(core, batch, SAMPLED)) == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_draft_tokens", [0, None])
+def test_no_compile_or_tuning_while_serving_after_warm_up(checkpoint, num_draft_tokens):
+    from triton import knobs
+    from triton.runtime.autotuner import Autotuner
+
+    path = checkpoint("qwen3_5", mtp_copy_of_last_layer=True, linear_key_head_dim=64, linear_value_head_dim=64)
+    core = EngineCore(EngineConfig(model=path, device="cuda", dtype="bfloat16", max_num_seqs=16,
+                                   num_draft_tokens=num_draft_tokens, checkpoint_interval=64))
+    compiled = []
+    bench = Autotuner._bench
+
+    def tuned(self, *args, **kwargs):
+        compiled.append(f"autotune:{self.base_fn.__name__}")
+        return bench(self, *args, **kwargs)
+
+    knobs.runtime.jit_cache_hook = lambda *args, **kwargs: compiled.append(kwargs["fn"].name)
+    Autotuner._bench = tuned
+    try:
+        run_staggered(core, make_jobs(40, seed=3, max_prompt=300))
+    finally:
+        knobs.runtime.jit_cache_hook = None
+        Autotuner._bench = bench
+    torch.cuda.synchronize()
+    assert compiled == [], f"compiled or tuned while serving: {sorted(set(compiled))}"
+    assert_all_free(core)
