@@ -130,7 +130,7 @@ class EngineCore:
         self._overlap = config.async_scheduling and edit_drafts is None
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
-        if config.warm_up and self._graphs_enabled:
+        if config.warm_up and self._graphs_enabled and edit_drafts is None:
             logger.info("warmed up the eager steps' kernels in %.1f s", warm_up(self))
 
     # Requests -----------------------------------------------------------------------------

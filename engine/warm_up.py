@@ -11,7 +11,9 @@ sampled row) stalled every running stream for up to a second (bench/step_trace.p
 arguments that vary with the step and need no specialization are marked do_not_specialize
 (kernels/); this covers the rest by running, before the first request, steps of every kind:
 prefill rows in each bucket 1, 2, 4, .. max_num_seqs, beside an odd and an even number of decode
-rows, short and checkpoint-crossing prompts, greedy and sampled rows, and a cached prompt.
+rows, short and checkpoint-crossing prompts, greedy and sampled rows, a cached prompt, and
+small steps of a few short prompts beside a few decode rows. An engine with a draft editor
+(tests) is not warmed up: the editor sees every request.
 
 Afterwards the engine is as new: the prefix cache is cleared, counters and the draft policy's
 observations are reset. Knows nothing about kernels: it only submits requests and steps.
@@ -23,6 +25,8 @@ import random
 import time
 
 from .sampling_params import SamplingParams
+
+SMALL_STEPS = 48
 
 
 def warm_up(core) -> float:
@@ -47,7 +51,7 @@ def warm_up(core) -> float:
     for index, rows in enumerate(waves):
         per_row = max(1, min(budget // (2 * rows), core.max_model_len - greedy.max_tokens - 1))
         for row in range(rows):
-            # Log-uniform in 1 .. per_row: single tokens (the small-batch GEMM tiles) to full chunks.
+            # Log-uniform in 1 .. per_row: single tokens to full chunks.
             length = long_prompt if row == 0 and index % 2 else round(per_row ** rng.random())
             core.add_request(prompt(length), sampled if row % 3 == 1 else greedy)
         core.add_request(shared, greedy)
@@ -55,6 +59,15 @@ def warm_up(core) -> float:
         for _ in range(2):
             if core.has_work:
                 core.step()
+    # Small steps: a few short prompts beside a few decode rows (a step of at most a few dozen
+    # tokens takes other GEMM and attention tiles than a full chunk does).
+    for _ in range(SMALL_STEPS):
+        for _ in range(rng.randint(1, 3)):
+            length = min(rng.randint(1, 8), core.max_model_len // 2)
+            params = SamplingParams(max_tokens=min(rng.randint(2, 12), core.max_model_len - length),
+                                    temperature=rng.choice((0.0, 0.7)), seed=0, ignore_eos=True)
+            core.add_request(prompt(length), params)
+        core.step()
     while core.has_work:
         core.step()
     core.clear_prefix_cache(reset_stats=True)
