@@ -200,10 +200,15 @@ async def run_setting(args: argparse.Namespace, setting: str, prompts: list[str]
         record["decode_steps"] = decode_steps_of[request_id]
         record["latency_s"] = record["last_s"] - record["sent_s"]
     tokens = sum(r["tokens"] for r in requests.values())
+    policy = engine.core.scheduler.draft_policy
+    costs = {"start_up_ms": {f"{b},{k}": 1e3 * s for (b, k), s in policy.costs.seconds.items()},
+             "observed_ms": {f"{b},{k}": 1e3 * s for (b, k), s in policy.observed.items()},
+             "acceptance": engine.core.stats()["spec"]["acceptance_by_position"]} if policy is not None else None
     await engine.shutdown()
     del engine
     return {"setting": setting, "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
             "steps": len(steps), "by_kind": summarize(steps), "requests": requests, "profiles": recorder.profiles,
+            "policy": costs,
             "trace": steps}
 
 
@@ -262,6 +267,12 @@ def main() -> None:
         for profiled in runs[-1]["profiles"]:
             print(f"  profiled mixed step: {profiled['wall_ms']:.1f} ms wall, {profiled['decode_rows']} decode + "
                   f"{profiled['prefill_rows']} prefill rows ({profiled['prefill_tokens']} tokens)")
+        if runs[-1]["policy"] is not None:
+            policy = runs[-1]["policy"]
+            print("  step costs ms (bucket,K): start-up " + json.dumps({k: round(v, 3) for k, v in
+                                                                     policy["start_up_ms"].items()}))
+            print("  observed " + json.dumps({k: round(v, 3) for k, v in policy["observed_ms"].items()})
+                  + f"; acceptance by position {[round(a, 3) for a in policy['acceptance']]}")
         latencies = sorted(r["latency_s"] for r in runs[-1]["requests"].values())
         print(f"  request latency s: min {latencies[0]:.3f} median {statistics.median(latencies):.3f} "
               f"max {latencies[-1]:.3f}")
