@@ -27,6 +27,7 @@ import time
 from .sampling_params import SamplingParams
 
 SMALL_STEPS = 48
+SMALL_PROMPT = 600  # small steps' prompts are log-uniform in 1 .. this: contexts short and long
 
 
 def warm_up(core) -> float:
@@ -59,11 +60,11 @@ def warm_up(core) -> float:
         for _ in range(2):
             if core.has_work:
                 core.step()
-    # Small steps: a few short prompts beside a few decode rows (a step of at most a few dozen
-    # tokens takes other GEMM and attention tiles than a full chunk does).
+    # Small steps: a few prompts, mostly short, beside a few decode rows of various contexts (a
+    # step of a few dozen tokens takes other GEMM and attention tiles than a full chunk does).
     for _ in range(SMALL_STEPS):
         for _ in range(rng.randint(1, 3)):
-            length = min(rng.randint(1, 8), core.max_model_len // 2)
+            length = min(round(SMALL_PROMPT ** rng.random()), core.max_model_len // 2)
             params = SamplingParams(max_tokens=min(rng.randint(2, 12), core.max_model_len - length),
                                     temperature=rng.choice((0.0, 0.7)), seed=0, ignore_eos=True)
             core.add_request(prompt(length), params)
