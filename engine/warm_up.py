@@ -69,6 +69,15 @@ def warm_up(core) -> float:
                                     temperature=rng.choice((0.0, 0.7)), seed=0, ignore_eos=True)
             core.add_request(prompt(length), params)
         core.step()
+    # Decode rows of long contexts beside a single short prompt: steps of few, short rows (the
+    # attention's split-key decode tiles) at the contexts long prompts reach.
+    for num_long in (1, 2, 4):
+        for _ in range(num_long):
+            core.add_request(prompt(min(rng.randint(64, SMALL_PROMPT), core.max_model_len // 2)), greedy)
+        for _ in range(6):
+            if core.has_work:
+                core.step()
+            core.add_request(prompt(rng.randint(1, 4)), greedy)
     while core.has_work:
         core.step()
     core.clear_prefix_cache(reset_stats=True)

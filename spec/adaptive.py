@@ -128,10 +128,15 @@ class DraftPolicy:
             raise ValueError("smoothing in (0, 1], initial_acceptance in [0, 1], probe_interval >= 1, min_gain >= 0")
 
     def observe(self, num_rows: int, num_drafts: int, seconds: float) -> None:
-        """The wall time of a step run back to back with the one before it."""
+        """The wall time of a step run back to back with the one before it. Once a K has an
+        estimate, a step that took more than twice it (a collector pause, a host hiccup) counts
+        as twice it: one outlier must not price a K out, since a K not chosen is not observed
+        again. (The first sight is taken as it is: it is what puts the start-up figures, maybe
+        in other units, on the wall-time scale.)"""
         key = self.costs.bucket(num_rows), num_drafts
         previous = self.observed.get(key)
-        self.observed[key] = seconds if previous is None else previous + self.smoothing * (seconds - previous)
+        self.observed[key] = seconds if previous is None else \
+            previous + self.smoothing * (min(seconds, 2 * previous) - previous)
 
     def fresh(self) -> DraftPolicy:
         """The same policy with nothing observed (after the start-up warm-up)."""

@@ -120,3 +120,13 @@ def test_plain_steps_are_observed_too():
     policy.observe(4, 0, 1.0)
     chosen = [policy.choose(rows, [3] * 4, limit=100) for _ in range(40)]
     assert chosen == ([3] * 32 + [0]) + [3] * 7               # a plain probe after 32 drafting steps
+
+
+def test_one_slow_step_does_not_price_a_k_out():
+    """An observed step more than twice the estimate (a collector pause) counts as twice it."""
+    policy = DraftPolicy(3, StepCosts.relative(3, cost_per_draft=0.1), probe_interval=10**9)
+    policy.observe(4, 3, 1.0)
+    policy.observe(4, 3, 50.0)
+    assert policy.observed[(4, 3)] == pytest.approx(1.0 + policy.smoothing * (2.0 - 1.0))
+    policy.observe(4, 3, 0.5)
+    assert policy.observed[(4, 3)] < 1.3
