@@ -127,6 +127,6 @@ def test_one_slow_step_does_not_price_a_k_out():
     policy = DraftPolicy(3, StepCosts.relative(3, cost_per_draft=0.1), probe_interval=10**9)
     policy.observe(4, 3, 1.0)
     policy.observe(4, 3, 50.0)
-    assert policy.observed[(4, 3)] == pytest.approx(1.0 + policy.smoothing * (2.0 - 1.0))
+    assert policy.cost(4, 3, 0) == pytest.approx(1.0 + policy.smoothing * (2.0 - 1.0))
     policy.observe(4, 3, 0.5)
-    assert policy.observed[(4, 3)] < 1.3
+    assert policy.cost(4, 3, 0) < 1.3
