@@ -44,10 +44,10 @@ class Recorder:
     autotuning runs that happened during it, and (profile_mixed > 0) a cProfile summary of that
     many steps with prefill rows."""
 
-    def __init__(self, core, profile_mixed: int = 0) -> None:
+    def __init__(self, core, profile_mixed: int = 0, profiler: str = "cprofile") -> None:
         self.core, self.steps, self.origin = core, [], time.perf_counter()
         self.enabled = False
-        self.profiles, self.profile_mixed = [], profile_mixed
+        self.profiles, self.profile_mixed, self.profiler = [], profile_mixed, profiler
         self.compiles: list[str] = []
         _watch_triton(self.compiles)
         dispatch, commit = core.dispatch, core.commit
@@ -88,22 +88,34 @@ class Recorder:
 
 
     def _profiled(self, wait, plan):
-        """wait() under cProfile: the host's time by function (a mixed step runs eagerly)."""
+        """wait() under cProfile (the host's time by function: a mixed step runs eagerly) or
+        torch.profiler (ops and kernels)."""
         def profiled_wait():
             import cProfile
             import io
             import pstats
 
-            profiler = cProfile.Profile()
-            started = time.perf_counter()
-            profiler.enable()
-            result = wait()
-            profiler.disable()
-            seconds = time.perf_counter() - started
             text = io.StringIO()
-            stats = pstats.Stats(profiler, stream=text)
-            stats.sort_stats("tottime").print_stats(25)
-            stats.sort_stats("cumulative").print_stats(40)
+            started = time.perf_counter()
+            if self.profiler == "torch":
+                import torch
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    result = wait()
+                    torch.cuda.synchronize()
+                seconds = time.perf_counter() - started
+                text.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25) + "\n")
+                text.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
+            else:
+                profiler = cProfile.Profile()
+                profiler.enable()
+                result = wait()
+                profiler.disable()
+                seconds = time.perf_counter() - started
+                stats = pstats.Stats(profiler, stream=text)
+                stats.sort_stats("tottime").print_stats(25)
+                stats.sort_stats("cumulative").print_stats(40)
             self.profiles.append({
                 "decode_rows": len(plan.decode_rows), "prefill_rows": len(plan.prefill_rows),
                 "prefill_tokens": sum(r.num_tokens for r in plan.prefill_rows), "wall_ms": 1e3 * seconds,
@@ -163,7 +175,8 @@ async def run_setting(args: argparse.Namespace, setting: str, prompts: list[str]
     if setting != "default":
         options["num_draft_tokens"] = int(setting)
     engine = AsyncLLM(args.model, **options)
-    recorder = Recorder(engine.core, args.profile_mixed if setting == args.settings.split(",")[-1] else 0)
+    recorder = Recorder(engine.core, args.profile_mixed if setting == args.settings.split(",")[-1] else 0,
+                        args.profiler)
     per_stream = args.requests_per_stream
     requests: dict[str, dict] = {}
 
@@ -249,7 +262,8 @@ def main() -> None:
     parser.add_argument("--settings", default="default,0")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile-mixed", type=int, default=0,
-                        help="cProfile summaries of this many steps with prefill rows (last setting)")
+                        help="profiles of this many steps with prefill rows (last setting)")
+    parser.add_argument("--profiler", choices=("cprofile", "torch"), default="cprofile")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
     prompts = load_prompts(args.model, [], args.streams * (1 + args.requests_per_stream), args.max_prompt_chars,
