@@ -101,9 +101,11 @@ class Recorder:
                 import torch
                 from torch.profiler import ProfilerActivity, profile
 
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                cuda = torch.cuda.is_available()
+                with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
                     result = wait()
-                    torch.cuda.synchronize()
+                    if cuda:
+                        torch.cuda.synchronize()
                 seconds = time.perf_counter() - started
                 text.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25) + "\n")
                 text.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
