@@ -28,6 +28,7 @@ from .sampling_params import SamplingParams
 
 SMALL_STEPS = 48
 SMALL_PROMPT = 600  # small steps' prompts are log-uniform in 1 .. this: contexts short and long
+LONG_PROMPT = 2048  # the long-context phase's prompts reach this (the attention splits keys by context)
 
 
 def warm_up(core) -> float:
@@ -71,9 +72,10 @@ def warm_up(core) -> float:
         core.step()
     # Decode rows of long contexts beside a single short prompt: steps of few, short rows (the
     # attention's split-key decode tiles) at the contexts long prompts reach.
-    for num_long in (1, 2, 4):
+    for num_long in (1, 2, 3, 4, 6, 8):
         for _ in range(num_long):
-            core.add_request(prompt(min(rng.randint(64, SMALL_PROMPT), core.max_model_len // 2)), greedy)
+            core.add_request(prompt(round(min(LONG_PROMPT, budget, core.max_model_len // 2) ** rng.uniform(0.6, 1))),
+                             greedy)
         for _ in range(6):
             if core.has_work:
                 core.step()
