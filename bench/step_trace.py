@@ -266,10 +266,14 @@ def main() -> None:
     parser.add_argument("--profile-mixed", type=int, default=0,
                         help="profiles of this many steps with prefill rows (last setting)")
     parser.add_argument("--profiler", choices=("cprofile", "torch"), default="cprofile")
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="sys.setswitchinterval (seconds) for the run: the GIL's hand-over period")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
     prompts = load_prompts(args.model, [], args.streams * (1 + args.requests_per_stream), args.max_prompt_chars,
                            args.seed)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     runs = []
     for setting in args.settings.split(","):
         runs.append(asyncio.run(run_setting(args, setting, prompts)))
