@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from deltaspec.engine import AsyncLLM, EngineConfig, SamplingParams
+from deltaspec.engine.core import EngineCore
 from deltaspec.engine.models.hybrid import HybridLM
 from deltaspec.engine.speculation import Speculator
 from deltaspec.engine.runner import Runner
@@ -50,6 +51,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=600)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=1, help="decode steps (graphs) between the prefills")
+    parser.add_argument("--background", type=int, default=0,
+                        help="requests decoding (10k tokens) beside each prefill: its step is a mixed one")
     parser.add_argument("--front-end", choices=("core", "async"), default="core",
                         help="drive EngineCore.step on this thread, or AsyncLLM (steps in its worker thread)")
     args = parser.parse_args()
@@ -60,8 +63,9 @@ def main() -> None:
         core = engine.core
         table = collections.defaultdict(list)
         patches = [(HybridLM, "forward"), (HybridLM, "logits"), (HybridLM, "draft_hidden"), (Runner, "run"),
-                   (Speculator, "_prefill_mtp"), (Speculator, "_verify_mixed"), (Speculator, "read"),
-                   (Speculator, "run")]
+                   (Runner, "_run_plain"), (Speculator, "_prefill_mtp"), (Speculator, "_verify_mixed"),
+                   (Speculator, "read"), (Speculator, "run"), (Speculator, "draft"), (Speculator, "accept"),
+                   (Speculator, "resample"), (EngineCore, "commit"), (EngineCore, "dispatch")]
         saved = [(cls, name, getattr(cls, name)) for cls, name in patches]
         for cls, name, fn in saved:
             setattr(cls, name, timed(table, f"{cls.__name__}.{name}", fn))
@@ -69,10 +73,19 @@ def main() -> None:
             params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
             prompts = [[rng.randrange(1000) for _ in range(args.tokens)] for _ in range(args.repeats)]
             if args.front_end == "core":
+                background = [core.add_request([rng.randrange(1000) for _ in range(100)],
+                                               SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True))
+                              for _ in range(args.background)]
+                for _ in range(3):
+                    core.step()
                 for prompt in prompts:
-                    core.add_request(prompt, params)
-                    while core.has_work:
+                    request = core.add_request(prompt, params)
+                    while not request.finished:
                         core.step()
+                for request in background:
+                    core.abort(request.request_id)
+                while core.has_work:
+                    core.step()
             else:
                 asyncio.run(drive(engine, prompts, params))
         finally:
