@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 from deltaspec.engine import AsyncLLM, EngineConfig, SamplingParams
-from deltaspec.engine.core import EngineCore
 from deltaspec.engine.models.hybrid import HybridLM
 from deltaspec.engine.speculation import Speculator
 from deltaspec.engine.runner import Runner
@@ -65,7 +64,7 @@ def main() -> None:
         patches = [(HybridLM, "forward"), (HybridLM, "logits"), (HybridLM, "draft_hidden"), (Runner, "run"),
                    (Runner, "_run_plain"), (Speculator, "_prefill_mtp"), (Speculator, "_verify_mixed"),
                    (Speculator, "read"), (Speculator, "run"), (Speculator, "draft"), (Speculator, "accept"),
-                   (Speculator, "resample"), (EngineCore, "commit"), (EngineCore, "dispatch")]
+                   (Speculator, "resample")]
         saved = [(cls, name, getattr(cls, name)) for cls, name in patches]
         for cls, name, fn in saved:
             setattr(cls, name, timed(table, f"{cls.__name__}.{name}", fn))
