@@ -51,7 +51,7 @@ def engine_step_ms(model, tokenizer, steps: int, num_draft_tokens: int, async_sc
     core = EngineCore(EngineConfig(model=".", device="cuda", dtype="bfloat16", max_num_seqs=1,
                                    max_model_len=PROMPT_LEN + steps + 64, gpu_memory_utilization=0.3,
                                    num_draft_tokens=num_draft_tokens, adaptive_draft_length=False,
-                                   enable_prefix_cache=False, async_scheduling=async_scheduling),
+                                   enable_prefix_cache=False, async_scheduling=async_scheduling, warm_up=False),
                       model=model, tokenizer=tokenizer)
     prompt = torch.randint(0, model.config.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(0))
     request = core.add_request(prompt.tolist(), SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))

@@ -164,7 +164,8 @@ def main() -> None:
         core = EngineCore(EngineConfig(model=".", device="cuda", dtype="bfloat16", max_num_seqs=max(batches),
                                        max_num_batched_tokens=max(TTFT_PROMPT, max(batches)),
                                        max_model_len=TTFT_PROMPT + 64, gpu_memory_utilization=0.5,
-                                       enable_prefix_cache=False),  # TTFT repeats one prompt: measure cold
+                                       enable_prefix_cache=False,  # TTFT repeats one prompt: measure cold
+                                       warm_up=False),  # its own warm-up compiles what it times
                           model=model, tokenizer=tokenizer)
         entry = {"parameters": sum(p.numel() for p in model.parameters()), "decode": [], "hf_generate": []}
         for batch in tqdm(batches, desc=f"{shape} decode", leave=False):

@@ -91,7 +91,8 @@ def engine(model: HybridLM, tokenizer: Tokenizer, directory: Path, max_batch: in
                           dtype="bfloat16" if cuda else "float32", max_num_seqs=max_batch,
                           max_num_batched_tokens=max(2048, max_batch * (PROMPT_LEN // 4)), max_model_len=1024,
                           num_draft_tokens=num_draft_tokens, enable_prefix_cache=False,
-                          draft_vocab_size=DRAFT_VOCAB if draft_vocab else 0, gpu_memory_utilization=0.5)
+                          draft_vocab_size=DRAFT_VOCAB if draft_vocab else 0, gpu_memory_utilization=0.5,
+                          warm_up=False)  # decode steps are timed, never the eager prefills
     return EngineCore(config, model, tokenizer, forced_acceptance=profile)
 
 
