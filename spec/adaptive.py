@@ -28,7 +28,8 @@ steps turn out slower than they promised is dropped after a few steps. A K not y
 a bucket costs its start-up figure scaled by what the observed ones there cost over their own
 start-up figures, so both are in the same units (seconds of wall time; the start-up figures
 of an eager engine are only relative). Plain steps are observed too: one as soon as a K > 0
-has been in a bucket, then one every 16 probe intervals of drafting steps.
+has been in a bucket. And a K not chosen for 16 probe intervals runs once more, so that an
+estimate taken during a hiccup (or before contexts grew) does not decide for good.
 
 With `adaptive` off every step drafts max_draft_tokens (a fixed K, as benchmarks compare).
 Knows nothing about tensors or the scheduler.
@@ -116,7 +117,10 @@ class DraftPolicy:
     probe_interval: int = 16
     min_gain: float = 0.03  # the least relative gain in tokens/s a K > 0 must promise over K = 0
     steps_at_zero: int = 0  # steps in a row at K = 0 (a probe follows `probe_interval` of them)
-    steps_with_drafts: int = 0  # steps in a row at K > 0 (a plain probe follows 16 intervals)
+    steps: int = 0          # steps chosen so far
+    # The step at which each (bucket, K) was last chosen (stale estimates are probed again).
+    last_chosen: dict[tuple[int, int], int] = field(default_factory=dict)
+    observed_at: dict[tuple[int, int], int] = field(default_factory=dict)  # the step of each last sight
     # Observed wall seconds of a step by (bucket, K), sampled rows' draws included.
     observed: dict[tuple[int, int], float] = field(default_factory=dict)
 
@@ -130,17 +134,19 @@ class DraftPolicy:
     def observe(self, num_rows: int, num_drafts: int, seconds: float) -> None:
         """The wall time of a step run back to back with the one before it. Once a K has an
         estimate, a step that took more than twice it (a collector pause, a host hiccup) counts
-        as twice it: one outlier must not price a K out, since a K not chosen is not observed
-        again. (The first sight is taken as it is: it is what puts the start-up figures, maybe
-        in other units, on the wall-time scale.)"""
+        as twice it: one outlier must not price a K out. The first sight, and the first after
+        16 probe intervals without one (a stale estimate's probe), are taken as they are: the
+        first puts the start-up figures, maybe in other units, on the wall-time scale."""
         key = self.costs.bucket(num_rows), num_drafts
         previous = self.observed.get(key)
-        self.observed[key] = seconds if previous is None else \
+        stale = self.steps - self.observed_at.get(key, self.steps) >= 16 * self.probe_interval
+        self.observed[key] = seconds if previous is None or stale else \
             previous + self.smoothing * (min(seconds, 2 * previous) - previous)
+        self.observed_at[key] = self.steps
 
     def fresh(self) -> DraftPolicy:
         """The same policy with nothing observed (after the start-up warm-up)."""
-        return dataclasses.replace(self, steps_at_zero=0, steps_with_drafts=0, observed={})
+        return dataclasses.replace(self, steps_at_zero=0, steps=0, last_chosen={}, observed={}, observed_at={})
 
     def cost(self, num_rows: int, num_drafts: int, num_sampled: int) -> float:
         bucket = self.costs.bucket(num_rows)
@@ -182,20 +188,26 @@ class DraftPolicy:
             self.steps_at_zero += 1
             if self.steps_at_zero > self.probe_interval:
                 best = 1
-        elif self._plain_probe_due(num_rows):
-            best = 0
+        else:
+            best = self._stale_probe(num_rows, best, top)
         if best:
             self.steps_at_zero = 0
-            self.steps_with_drafts += 1
-        else:
-            self.steps_with_drafts = 0
+        self.steps += 1
+        self.last_chosen[self.costs.bucket(num_rows), best] = self.steps
         return best
 
-    def _plain_probe_due(self, num_rows: int) -> bool:
-        """A plain step is run to observe its wall time: once a K > 0 has been observed in the
-        bucket and K = 0 has not (the start-up figures may be in other units), and then every
-        16 probe intervals of drafting steps, so that a plain step that would now pay is seen."""
+    def _stale_probe(self, num_rows: int, best: int, top: int) -> int:
+        """The K to run instead of `best` to refresh what the policy knows of its cost: K = 0
+        once a K > 0 has been observed in the bucket and K = 0 has not (the start-up figures may
+        be in other units), and any K not chosen for 16 probe intervals whose estimate is
+        therefore stale (a first sight taken during a hiccup would otherwise price it out for
+        good, since a K not chosen is not observed again). Else `best`."""
         bucket = self.costs.bucket(num_rows)
         if (bucket, 0) not in self.observed:
-            return any(b == bucket for b, _ in self.observed)
-        return self.steps_with_drafts >= 16 * self.probe_interval
+            return 0 if any(b == bucket for b, _ in self.observed) else best
+        horizon = 16 * self.probe_interval
+        for k in range(top + 1):
+            if k != best and (bucket, k) in self.observed \
+                    and self.steps - self.last_chosen.get((bucket, k), 0) >= horizon:
+                return k
+        return best

@@ -111,7 +111,7 @@ def test_unobserved_costs_are_scaled_to_the_observed_ones():
 
 def test_plain_steps_are_observed_too():
     """Once a K > 0 has been observed in a bucket, the next step is a plain one (its wall time
-    unknown), and later one every 16 probe intervals of drafting steps."""
+    unknown), and later one whenever K = 0 has not run for 16 probe intervals."""
     policy = DraftPolicy(3, StepCosts.relative(3, cost_per_draft=0.1), probe_interval=2)
     rows = [AcceptanceEstimate([0.9] * 3)] * 4
     assert policy.choose(rows, [3] * 4, limit=100) == 3
@@ -119,7 +119,23 @@ def test_plain_steps_are_observed_too():
     assert policy.choose(rows, [3] * 4, limit=100) == 0      # K = 0 never seen here: probe it
     policy.observe(4, 0, 1.0)
     chosen = [policy.choose(rows, [3] * 4, limit=100) for _ in range(40)]
-    assert chosen == ([3] * 32 + [0]) + [3] * 7               # a plain probe after 32 drafting steps
+    assert chosen == ([3] * 32 + [0]) + [3] * 7               # 32 steps after the last plain one
+
+
+def test_a_k_priced_out_by_one_bad_sight_is_tried_again():
+    """K = 3 first observed during a hiccup looks too costly and K = 1 runs; after 16 probe
+    intervals K = 3 runs once more, is seen at its real cost, and wins again."""
+    policy = DraftPolicy(3, StepCosts.relative(3, cost_per_draft=0.1), probe_interval=2)
+    rows = [AcceptanceEstimate([0.9] * 3)] * 4
+    for k, seconds in ((0, 1.0), (3, 20.0), (2, 20.0), (1, 1.1)):
+        policy.observe(4, k, seconds)
+    chosen = []
+    for _ in range(40):
+        k = policy.choose(rows, [3] * 4, limit=100)
+        chosen.append(k)
+        policy.observe(4, k, {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}[k])
+    assert chosen[0] == 1 and 3 in chosen
+    assert chosen[-5:] == [3] * 5
 
 
 def test_one_slow_step_does_not_price_a_k_out():
