@@ -230,3 +230,14 @@ async def test_fields_the_server_cannot_honour_get_a_400_naming_them(qwen3_5):
         assert error["param"] == param and message in error["message"], (body, error)
     ok, _ = await complete(client, False, messages=ONE_MESSAGE, max_tokens=2)
     assert ok["role"] == "assistant"
+
+
+async def test_the_clients_own_message_object_goes_back_into_the_history(qwen3_5):
+    engine, client = qwen3_5
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    response = await client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER],
+                                                    tool_choice="required", max_tokens=8)
+    reply = response.choices[0].message  # a pydantic object, sent back as the client serializes it
+    messages += [reply, {"role": "tool", "tool_call_id": reply.tool_calls[0].id, "content": "21 C"}]
+    again = await client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=2)
+    assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")
