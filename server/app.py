@@ -26,9 +26,9 @@ import msgspec
 from aiohttp import web
 
 from ..engine import AsyncLLM, RequestDelta
+from .chat_output import ChatOutput
 from .config import ServerConfig
 from .errors import APIError, decode_error
-from .chat_output import ChatOutput
 from .inputs import ChatParsers, EngineInput, chat_input, completion_input
 from .messages import check_tools, render_prompt
 from .metrics import RequestTimer, ServerMetrics

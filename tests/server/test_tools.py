@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 from transformers import AutoTokenizer
 
-from deltaspec.engine import AsyncLLM
+from deltaspec.engine import AsyncLLM, SamplingParams
 from deltaspec.server.config import ServerConfig
 from deltaspec.server.messages import render_prompt
 from deltaspec.server.protocol import ChatMessage
@@ -157,7 +157,6 @@ async def test_reasoning_with_thinking_on_and_off(qwen3_5, stream):
 
 async def raw_text(engine: AsyncLLM, messages: list[dict], kwargs: dict) -> str:
     """The greedy text the engine writes for this conversation, unparsed."""
-    from deltaspec.engine import SamplingParams
     prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     return "".join([delta.text async for delta in engine.generate(engine.tokenizer.encode(prompt), params)])
@@ -222,7 +221,7 @@ BAD_CHAT_REQUESTS = [
 
 
 async def test_fields_the_server_cannot_honour_get_a_400_naming_them(qwen3_5):
-    engine, client = qwen3_5
+    client = qwen3_5[1]
     for body, param, message in BAD_CHAT_REQUESTS:
         with pytest.raises(openai.BadRequestError) as raised:
             await client.post("/chat/completions", cast_to=object, body={"model": MODEL, **body})
@@ -233,7 +232,7 @@ async def test_fields_the_server_cannot_honour_get_a_400_naming_them(qwen3_5):
 
 
 async def test_the_clients_own_message_object_goes_back_into_the_history(qwen3_5):
-    engine, client = qwen3_5
+    client = qwen3_5[1]
     messages = [{"role": "user", "content": "Weather in Paris?"}]
     response = await client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER],
                                                     tool_choice="required", max_tokens=8)
