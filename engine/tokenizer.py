@@ -209,7 +209,7 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
         """Render `messages` to a prompt string; kwargs (tools, enable_thinking, ...) reach the
-        template as variables. A template's raise_exception surfaces as ValueError."""
+        template as variables. A template's raise_exception or error surfaces as ValueError."""
         if self.chat_template is None:
             raise ValueError(f"tokenizer at {self._source} has no chat template "
                              "(tokenizer_config.json 'chat_template' or chat_template.jinja)")
@@ -219,9 +219,12 @@ class Tokenizer:
         special = {name: value for name, value in
                    (("bos_token", self.bos_token), ("eos_token", self.eos_token),
                     ("pad_token", self.pad_token)) if value is not None}
-        return self._compiled_template.render(
-            **special, messages=messages, add_generation_prompt=add_generation_prompt, **kwargs
-        )
+        try:
+            return self._compiled_template.render(
+                **special, messages=messages, add_generation_prompt=add_generation_prompt, **kwargs
+            )
+        except jinja2.TemplateError as error:  # e.g. a filter applied to a value of the wrong kind
+            raise ValueError(f"chat template: {error}") from error
 
 
 class ByteLevelDetokenizer:

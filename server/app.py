@@ -2,6 +2,7 @@
 
     POST /v1/completions        POST /v1/chat/completions      (stream: true -> SSE)
     GET  /v1/models             GET  /health                   GET  /metrics (Prometheus text)
+    POST /tokenize              POST /detokenize               GET  /version     (vLLM's shapes)
 
 Every failure is an OpenAI error body (`errors.APIError`), aiohttp's own included (unknown route
 404, wrong method 405, body over the limit 413). A request's engine stream is closed whenever its
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import importlib.metadata
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -24,12 +26,17 @@ import msgspec
 from aiohttp import web
 
 from ..engine import AsyncLLM, RequestDelta
+from .chat_output import ChatOutput
 from .config import ServerConfig
 from .errors import APIError, decode_error
-from .inputs import EngineInput, chat_input, completion_input
+from .inputs import ChatParsers, EngineInput, chat_input, completion_input
+from .messages import check_tools, render_prompt
 from .metrics import RequestTimer, ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, Model, ModelList, SamplingFields, Usage
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, Model,
+                       ModelList, SamplingFields, TokenizeRequest, TokenizeResponse, Usage)
+from .reasoning import reasoning_enabled
 from .responses import ChatRenderer, CompletionRenderer, Renderer
+from .tool_parsers import tool_call_parser_name
 
 logger = logging.getLogger("deltaspec.server")
 
@@ -38,6 +45,10 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"
 _PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # aiohttp's own refusals, as OpenAI-style error codes.
 _HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+try:
+    _VERSION = importlib.metadata.version("deltaspec")
+except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+    _VERSION = "unknown"
 
 
 class OpenAIServer:
@@ -47,6 +58,9 @@ class OpenAIServer:
         self.metrics = ServerMetrics()
         self.in_flight: set[str] = set()  # engine request ids of the generation handlers running now
         self._created = int(time.time())
+        chat_template = engine.tokenizer.chat_template
+        self.chat_parsers = ChatParsers(tool_call_parser_name(config.tool_call_parser, chat_template),
+                                        reasoning_enabled(config.reasoning_parser, chat_template))
         # aiohttp reads at most client_max_size bytes of a body and then raises 413.
         self.app = web.Application(client_max_size=config.max_body_bytes,
                                    middlewares=[self._count, self._errors, self._authenticate])
@@ -55,6 +69,9 @@ class OpenAIServer:
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/metrics", self.prometheus)
+        self.app.router.add_post("/tokenize", self.tokenize)
+        self.app.router.add_post("/detokenize", self.detokenize)
+        self.app.router.add_get("/version", self.version)
 
     async def abort_in_flight(self) -> None:
         """Abort every running generation; their handlers end at the next step boundary."""
@@ -75,9 +92,31 @@ class OpenAIServer:
         arrival = time.monotonic()
         body = await self._decode(request, ChatCompletionRequest)
         self._check_model(body.model)
-        engine_input = chat_input(body, self.engine.tokenizer, self.engine.max_model_len)
-        return await self._generate(request, body, engine_input,
-                                    ChatRenderer(self.config.model_name, self.engine.tokenizer), arrival)
+        engine_input, output = chat_input(body, self.engine.tokenizer, self.engine.max_model_len, self.chat_parsers)
+        renderer = ChatRenderer(self.config.model_name, self.engine.tokenizer, ChatOutput(output))
+        return await self._generate(request, body, engine_input, renderer, arrival)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await self._decode(request, TokenizeRequest)
+        self._check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "send either prompt or messages", param="prompt", code="invalid_value")
+        if body.messages is not None:
+            check_tools(body.tools or [])
+            text = render_prompt(self.engine.tokenizer, body.messages, body.tools, body.chat_template_kwargs,
+                                 body.add_generation_prompt)
+        else:
+            text = body.prompt
+        tokens = self.engine.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+        return _json(TokenizeResponse(len(tokens), self.engine.max_model_len, tokens))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await self._decode(request, DetokenizeRequest)
+        self._check_model(body.model)
+        return _json(DetokenizeResponse(self.engine.tokenizer.decode(body.tokens)))
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": _VERSION})
 
     async def models(self, request: web.Request) -> web.Response:
         model = Model(self.config.model_name, self._created, self.engine.max_model_len)
@@ -157,9 +196,8 @@ class OpenAIServer:
                     error = APIError(503, "the request was aborted: the server is shutting down", code="aborted")
                     await _send(response, error.body())
                     return response
-                if delta.text or delta.finish_reason is not None or delta.logprobs:
-                    await _send(response, renderer.chunk(delta.text, delta.finish_reason, delta.token_ids,
-                                                         delta.logprobs))
+                for chunk in renderer.chunks(delta.text, delta.finish_reason, delta.token_ids, delta.logprobs):
+                    await _send(response, chunk)
                 if delta.finish_reason is not None:
                     break
                 delta = await anext(deltas)
@@ -208,7 +246,7 @@ class OpenAIServer:
     @web.middleware
     async def _authenticate(self, request: web.Request, handler) -> web.StreamResponse:
         # /health and /metrics stay open for probes and scrapers.
-        if self.config.api_key is not None and request.path.startswith("/v1/"):
+        if self.config.api_key is not None and request.path not in ("/health", "/metrics"):
             expected = f"Bearer {self.config.api_key}".encode()
             if not hmac.compare_digest(request.headers.get("Authorization", "").encode(), expected):
                 raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",

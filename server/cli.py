@@ -19,6 +19,8 @@ from ..engine import AsyncLLM, EngineConfig, SamplingParams
 from ..engine.async_llm import run
 from . import acceptance_benchmark
 from .config import ServerConfig
+from .reasoning import REASONING_PARSERS
+from .tool_parsers import TOOL_CALL_PARSERS
 from .serve import serve
 
 # The shipped demonstration model (models/default in a source checkout).
@@ -40,7 +42,8 @@ def _serve(args: argparse.Namespace) -> int:
                                  host_cache_bytes=int(args.host_cache_gib * 2**30))
     server_config = ServerConfig(model_name=args.served_model_name or model.name, host=args.host, port=args.port,
                                  api_key=args.api_key, max_waiting=args.max_waiting,
-                                 max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout)
+                                 max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout,
+                                 tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run(serve(engine_config, server_config))
     return 0
@@ -102,6 +105,12 @@ def main(argv: list[str] | None = None) -> int:
                               help="pinned host memory evicted prefix checkpoints move to (0: none)")
     serve_parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                               help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
+    serve_parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                              help="the tool-call format (default: the one the chat template shows; Qwen3.5's "
+                                   "qwen3_coder when it shows none)")
+    serve_parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                              help="split reasoning_content at </think> (default: qwen3 when the chat template "
+                                   "has <think>)")
     serve_parser.set_defaults(run=_serve)
 
     generate = commands.add_parser("generate", help="stream a completion of PROMPT to stdout")

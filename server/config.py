@@ -15,6 +15,8 @@ class ServerConfig:
     max_waiting: int = 256              # queued requests at most; past it new ones get 503
     max_body_bytes: int = 1 << 20       # larger request bodies get 413
     shutdown_timeout: float = 30.0      # seconds in-flight requests get to finish on SIGINT/SIGTERM
+    tool_call_parser: str | None = None  # qwen3_coder, hermes or none; None: from the chat template
+    reasoning_parser: str | None = None  # qwen3 or none; None: qwen3 when the chat template thinks
 
     def __post_init__(self) -> None:
         problems = []

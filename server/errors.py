@@ -13,9 +13,9 @@ import msgspec
 from .protocol import ErrorBody, ErrorDetail
 
 # msgspec ends a validation message with " - at `$.field[0].sub`" and names a missing field as
-# "Object missing required field `name`".
+# "Object missing required field `name`" (or "contains unknown field `name`").
 _AT_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
-_MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
+_NAMED_FIELD = re.compile(r"(?:missing required|contains unknown) field `([^`]+)`")
 
 
 class APIError(Exception):
@@ -40,7 +40,8 @@ def decode_error(error: msgspec.DecodeError) -> APIError:
     message = str(error)
     at = _AT_PATH.search(message)
     path = at.group(1) if at else ""
-    missing = _MISSING_FIELD.search(message)
-    if missing:
-        path = f"{path}.{missing.group(1)}" if path else missing.group(1)
-    return APIError(400, message, param=path or None, code="invalid_value")
+    named = _NAMED_FIELD.search(message)
+    if named:
+        path = f"{path}.{named.group(1)}" if path else named.group(1)
+    code = "unknown_parameter" if "unknown field" in message else "invalid_value"
+    return APIError(400, message, param=path or None, code=code)

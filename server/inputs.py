@@ -1,7 +1,8 @@
 """Turns a validated OpenAI request into what the engine takes: prompt token ids and SamplingParams.
 
-The server tokenizes (rendering the chat template for chat requests) so that `usage` counts the
-exact ids the engine runs. OpenAI options the engine cannot honour are rejected with a 400 that
+The server tokenizes (rendering the chat template for chat requests, `messages`) so that `usage`
+counts the exact ids the engine runs, and settles how a chat request's output is read
+(`chat_output.OutputSettings`: reasoning split, tool-call parser, the text tool_choice forces). OpenAI options the engine cannot honour are rejected with a 400 that
 names the field, never silently ignored. Range checks already happened in `protocol`; the
 engine's own checks (empty prompt, context length, vocabulary) happen when the request is
 submitted.
@@ -15,8 +16,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..engine import SamplingParams
+from .chat_output import OutputSettings
 from .errors import APIError
-from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from .messages import check_tools, render_prompt
+from .protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, SamplingFields
+from .reasoning import THINK_END, ReasoningParser, prompt_opens_reasoning
+from .tool_parsers import make_tool_call_parser
 
 # OpenAI's default for /v1/completions; chat requests default to the rest of the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -24,6 +29,8 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 class PromptTokenizer(Protocol):
     """What the server needs of the engine's tokenizer (`AsyncLLM.tokenizer`)."""
+
+    chat_template: str | None
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -58,43 +65,61 @@ def completion_input(request: CompletionRequest, tokenizer: PromptTokenizer) -> 
     return EngineInput(token_ids, _sampling_params(request, max_tokens, request.logprobs))
 
 
-def chat_input(request: ChatCompletionRequest, tokenizer: PromptTokenizer, max_model_len: int) -> EngineInput:
+@dataclass(frozen=True)
+class ChatParsers:
+    """How the server reads chat output, settled at start-up from the chat template and the
+    --tool-call-parser / --reasoning-parser options."""
+
+    tool_call_parser: str  # qwen3_coder, hermes or none
+    reasoning: bool
+
+
+def chat_input(request: ChatCompletionRequest, tokenizer: PromptTokenizer, max_model_len: int,
+               parsers: ChatParsers) -> tuple[EngineInput, OutputSettings]:
+    """The engine input and how to read its output.
+
+    tool_choice is enforced by forcing the start of the output: after the template renders, the
+    opening of a call (`<tool_call>\n<function=NAME>\n` for a named function; for "required",
+    `<tool_call>\n<function=`, with the name too when there is one tool) is appended to the
+    prompt, closing an open think block first, and the parser reads it as already written. So
+    the output always parses as a call; of that function when one is named or there is one tool
+    (with several, the model writes the name). "none" renders the tools, as vLLM
+    does, and parses no calls."""
     _reject_unsupported(request, [
         ("top_logprobs", request.top_logprobs is not None and not request.logprobs,
          "top_logprobs needs logprobs: true"),
-        ("tools", bool(request.tools), "tool calling is not supported"),
         ("response_format", request.response_format is not None and request.response_format.type != "text",
          "only response_format {\"type\": \"text\"} is supported"),
     ])
-    messages = [{"role": message.role, "content": _message_text(message.content, index)}
-                for index, message in enumerate(request.messages)]
-    try:
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                               **(request.chat_template_kwargs or {}))
-    except ValueError as error:  # the template's raise_exception, or no template at all
-        raise APIError(400, str(error), param="messages") from error
-    except TypeError as error:
-        if not request.chat_template_kwargs:
-            raise
-        # A kwarg that collides with the template's own variables (messages, bos_token, ...).
-        raise APIError(400, f"chat_template_kwargs: {error}", param="chat_template_kwargs") from error
-    token_ids = tokenizer.encode(prompt)
+    schemas = check_tools(request.tools or [])
+    tool_choice = request.tool_choice or ("auto" if request.tools else "none")
+    named = tool_choice.function.name if isinstance(tool_choice, NamedToolChoice) else None
+    if tool_choice != "none" and not request.tools:
+        raise APIError(400, "tool_choice needs tools", param="tool_choice", code="invalid_value")
+    if named is not None and named not in schemas:
+        raise APIError(400, f"tool_choice names the function {named!r}, which is not in tools",
+                       param="tool_choice", code="invalid_value")
+    if tool_choice != "none" and parsers.tool_call_parser == "none":
+        raise APIError(400, "tool calling needs a tool-call parser: this server runs with --tool-call-parser none",
+                       param="tool_choice", code="unsupported_parameter")
+    prompt = render_prompt(tokenizer, request.messages, request.tools, request.chat_template_kwargs)
+
+    tool_calls = make_tool_call_parser(parsers.tool_call_parser, schemas) if tool_choice != "none" else None
+    in_reasoning = parsers.reasoning and prompt_opens_reasoning(prompt)
+    forced_text = ""
+    if tool_calls is not None and tool_choice != "auto":
+        if tool_choice == "required" and len(schemas) == 1:
+            named = next(iter(schemas))
+        forced_text = (THINK_END + "\n\n" if in_reasoning else "") + tool_calls.forced_prefix(named)
+    single_call = named is not None or request.parallel_tool_calls is False
+    settings = OutputSettings(reasoning=ReasoningParser(in_reasoning) if parsers.reasoning else None,
+                              tool_calls=tool_calls, max_tool_calls=1 if single_call else None,
+                              forced_text=forced_text)
+
+    token_ids = tokenizer.encode(prompt + forced_text)
     max_tokens = request.max_completion_tokens or request.max_tokens or max(1, max_model_len - len(token_ids))
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    return EngineInput(token_ids, _sampling_params(request, max_tokens, logprobs))
-
-
-def _message_text(content, index: int) -> str:
-    """A message's text: a string, or the concatenated text parts of a content list."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    for part in content:
-        if part.type != "text" or part.text is None:
-            raise APIError(400, f"content parts of type {part.type!r} are not supported (text only)",
-                           param=f"messages[{index}].content", code="unsupported_parameter")
-    return "".join(part.text for part in content)
+    return EngineInput(token_ids, _sampling_params(request, max_tokens, logprobs)), settings
 
 
 def _reject_unsupported(request: SamplingFields, specific: list[tuple[str, bool, str]]) -> None:

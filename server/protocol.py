@@ -5,7 +5,8 @@ rejects a wrong type or an out-of-range value with a message naming the field. E
 request field also accepts JSON null (some clients send null for "unset"); defaults are applied
 in `inputs`. Fields the engine cannot honour (n > 1, penalties, ...) are declared so that
 `inputs` can reject them by name instead of msgspec silently dropping them. Unknown fields are
-ignored, as the OpenAI API does.
+rejected (`forbid_unknown_fields`), as the OpenAI API does: nothing in a request is dropped
+silently.
 
 Knows nothing about HTTP, the engine or tokenization.
 """
@@ -23,11 +24,15 @@ Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 
 # Requests -----------------------------------------------------------------------------------
 
-class StreamOptions(msgspec.Struct):
+class Request(msgspec.Struct, forbid_unknown_fields=True):
+    """Base of every request Struct: an unknown field is a 400 naming it."""
+
+
+class StreamOptions(Request):
     include_usage: bool | None = None
 
 
-class SamplingFields(msgspec.Struct, kw_only=True):
+class SamplingFields(Request, kw_only=True):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
@@ -47,6 +52,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    user: str | None = None  # an end-user id for abuse monitoring: accepted, nothing to do with it
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -58,17 +64,70 @@ class CompletionRequest(SamplingFields, kw_only=True):
     suffix: str | None = None
 
 
-class ContentPart(msgspec.Struct):
+class ContentPart(Request):
+    """One part of a message's content list; only text parts are served (`messages` rejects the
+    rest by name), but any part decodes so the error can say which type it was."""
+
     type: str
     text: str | None = None
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
+    refusal: str | None = None
 
 
-class ChatMessage(msgspec.Struct):
+class FunctionCall(Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it; `messages` parses it for the template
+
+
+class ToolCall(Request):
+    """A call in an assistant message of the history."""
+
+    function: FunctionCall
+    id: str | None = None
+    type: Literal["function"] = "function"
+
+
+class ChatMessage(Request, kw_only=True):
+    """Every field of an OpenAI chat message a chat template can use."""
+
     role: str
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    # Declared only to be rejected when set (an assistant message echoed back by a client
+    # carries them as null).
+    refusal: str | None = None
+    function_call: Any = None
+    audio: Any = None
+    annotations: list[Any] | None = None
 
 
-class ResponseFormat(msgspec.Struct):
+class FunctionDefinition(Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema: parsers convert argument types by it
+    strict: bool | None = None
+
+
+class Tool(Request):
+    function: FunctionDefinition
+    type: Literal["function"] = "function"
+
+
+class FunctionName(Request):
+    name: str
+
+
+class NamedToolChoice(Request):
+    function: FunctionName
+    type: Literal["function"] = "function"
+
+
+class ResponseFormat(Request):
     type: str
 
 
@@ -78,8 +137,29 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false} (vLLM's name)
     logprobs: bool | None = None
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
-    tools: list[Any] | None = None
+    # The tools as sent: the template renders these dicts (key order kept, as HF renders what
+    # it is given); `inputs` checks each against `Tool`.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+
+
+class TokenizeRequest(Request, kw_only=True):
+    """vLLM's /tokenize: a prompt, or chat messages rendered as /v1/chat/completions renders them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class DetokenizeRequest(Request, kw_only=True):
+    model: str | None = None
+    tokens: list[TokenId]
 
 
 # Responses ----------------------------------------------------------------------------------
@@ -118,8 +198,25 @@ class Completion(msgspec.Struct):
     object: Literal["text_completion"] = "text_completion"
 
 
+class ResponseFunctionCall(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None  # JSON text (a fragment of it in a stream delta)
+
+
+class ResponseToolCall(msgspec.Struct, omit_defaults=True):
+    """A tool call the model made: whole in a response (no index); in a stream, the first delta
+    of a call carries its index, id, type and name, later ones the index and argument fragments."""
+
+    function: ResponseFunctionCall
+    index: int | None = None
+    id: str | None = None
+    type: Literal["function"] | None = None
+
+
 class AssistantMessage(msgspec.Struct):
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ResponseToolCall] | None = None
     role: Literal["assistant"] = "assistant"
 
 
@@ -159,6 +256,8 @@ class ChatCompletion(msgspec.Struct):
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):
@@ -188,6 +287,16 @@ class Model(msgspec.Struct):
 class ModelList(msgspec.Struct):
     data: list[Model]
     object: Literal["list"] = "list"
+
+
+class TokenizeResponse(msgspec.Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
 
 
 class ErrorDetail(msgspec.Struct):

@@ -16,7 +16,8 @@ from typing import Protocol
 import msgspec
 
 from ..engine import TokenLogprobs
-from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
+from .chat_output import ChatOutput
+from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
                        ChatDelta, ChatLogprobs, ChatTokenLogprob, Completion, CompletionChoice, CompletionLogprobs,
                        TopLogprob, Usage)
 
@@ -31,8 +32,9 @@ class Renderer(Protocol):
     def opening(self) -> list[msgspec.Struct]:
         """Chunks sent before any text."""
 
-    def chunk(self, text: str, finish_reason: str | None, token_ids: list[int],
-              logprobs: list[TokenLogprobs] | None) -> msgspec.Struct: ...
+    def chunks(self, text: str, finish_reason: str | None, token_ids: list[int],
+               logprobs: list[TokenLogprobs] | None) -> list[msgspec.Struct]:
+        """The chunks for one engine delta (none while the text shows nothing yet)."""
 
     def usage_chunk(self, usage: Usage) -> msgspec.Struct:
         """The last chunk of a stream with stream_options.include_usage: no choices, the usage."""
@@ -51,10 +53,12 @@ class CompletionRenderer:
     def opening(self) -> list[msgspec.Struct]:
         return []
 
-    def chunk(self, text: str, finish_reason: str | None, token_ids: list[int],
-              logprobs: list[TokenLogprobs] | None) -> Completion:
-        return Completion(self.id, self.created, self.model,
-                          [CompletionChoice(0, text, finish_reason, self._logprobs(token_ids, logprobs))])
+    def chunks(self, text: str, finish_reason: str | None, token_ids: list[int],
+               logprobs: list[TokenLogprobs] | None) -> list[Completion]:
+        if not (text or finish_reason is not None or logprobs):
+            return []
+        return [Completion(self.id, self.created, self.model,
+                           [CompletionChoice(0, text, finish_reason, self._logprobs(token_ids, logprobs))])]
 
     def usage_chunk(self, usage: Usage) -> Completion:
         return Completion(self.id, self.created, self.model, [], usage)
@@ -78,27 +82,41 @@ class CompletionRenderer:
 
 
 class ChatRenderer:
-    def __init__(self, model: str, tokenizer: TokenText) -> None:
+    """Chat responses; the text goes through the request's `ChatOutput` (reasoning, tool calls)."""
+
+    def __init__(self, model: str, tokenizer: TokenText, output: ChatOutput) -> None:
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.model, self.tokenizer = model, tokenizer
+        self.model, self.tokenizer, self.output = model, tokenizer, output
 
     def opening(self) -> list[msgspec.Struct]:
         # OpenAI announces the role first, with empty content.
         return [self._chunk(ChatDelta(role="assistant", content=""), None, None)]
 
-    def chunk(self, text: str, finish_reason: str | None, token_ids: list[int],
-              logprobs: list[TokenLogprobs] | None) -> ChatCompletionChunk:
-        return self._chunk(ChatDelta(content=text or None), finish_reason, self._logprobs(token_ids, logprobs))
+    def chunks(self, text: str, finish_reason: str | None, token_ids: list[int],
+               logprobs: list[TokenLogprobs] | None) -> list[ChatCompletionChunk]:
+        delta = self.output.push(text, final=finish_reason is not None)
+        if delta is None and finish_reason is None and not logprobs:
+            return []
+        return [self._chunk(delta or ChatDelta(), self._finish_reason(finish_reason),
+                            self._logprobs(token_ids, logprobs))]
 
     def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
         return ChatCompletionChunk(self.id, self.created, self.model, [], usage)
 
     def response(self, text: str, finish_reason: str, usage: Usage, token_ids: list[int],
                  logprobs: list[TokenLogprobs] | None) -> ChatCompletion:
+        self.output.push(text, final=True)
         return ChatCompletion(self.id, self.created, self.model,
-                              [ChatChoice(0, AssistantMessage(text), finish_reason,
+                              [ChatChoice(0, self.output.message(), self._finish_reason(finish_reason),
                                           self._logprobs(token_ids, logprobs))], usage)
+
+    def _finish_reason(self, finish_reason: str | None) -> str | None:
+        # A turn that ends on its calls (EOS or a stop) finished to call tools; one cut by
+        # max_tokens still says so.
+        if finish_reason == "stop" and self.output.has_tool_calls:
+            return "tool_calls"
+        return finish_reason
 
     def _chunk(self, delta: ChatDelta, finish_reason: str | None,
                logprobs: ChatLogprobs | None) -> ChatCompletionChunk:

@@ -1,0 +1,113 @@
+"""OpenAI chat messages and tools, carried whole to the chat template, and the rendered prompt.
+
+Every field a template can use reaches it: `name`, `tool_calls` (with `function.arguments`
+parsed from JSON text into a dict, as HF and vLLM give templates), `tool_call_id`,
+`reasoning_content`, and content as a string or a list of text parts. Parts stay a list for
+templates that read parts (Qwen3.5's `render_content`) and are joined for templates that
+concatenate strings (plain ChatML). What cannot be honoured (an image part, a refusal, a legacy
+`function_call`) is a 400 naming it, never dropped.
+
+Knows nothing about HTTP or the engine beyond the tokenizer's template rendering.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Protocol
+
+import msgspec
+
+from .errors import APIError
+from .protocol import ChatMessage, Tool
+
+# Templates that branch on the content's type, or loop over it, take lists of parts.
+_READS_CONTENT_PARTS = re.compile(r"content\s+is\s+(not\s+)?string|for\s+\w+\s+in\s+(message\.|message\[.)?content")
+
+
+class ChatTemplate(Protocol):
+    chat_template: str | None
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str: ...
+
+
+def template_messages(messages: list[ChatMessage], content_parts: bool) -> list[dict[str, Any]]:
+    return [_template_message(message, index, content_parts) for index, message in enumerate(messages)]
+
+
+def check_tools(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each tool against OpenAI's shape; returns name -> the JSON schema of its parameters."""
+    schemas = {}
+    for index, tool in enumerate(tools):
+        try:
+            function = msgspec.convert(tool, Tool).function
+        except msgspec.ValidationError as error:
+            raise APIError(400, f"tools[{index}]: {error}", param=f"tools[{index}]", code="invalid_value") from error
+        schemas[function.name] = function.parameters or {}
+    return schemas
+
+
+def render_prompt(tokenizer: ChatTemplate, messages: list[ChatMessage], tools: list[dict[str, Any]] | None,
+                  chat_template_kwargs: dict[str, Any] | None, add_generation_prompt: bool = True) -> str:
+    content_parts = bool(_READS_CONTENT_PARTS.search(tokenizer.chat_template or ""))
+    try:
+        return tokenizer.apply_chat_template(template_messages(messages, content_parts),
+                                             add_generation_prompt=add_generation_prompt, tools=tools,
+                                             **(chat_template_kwargs or {}))
+    except ValueError as error:  # the template's raise_exception, a template error, or no template
+        raise APIError(400, str(error), param="messages") from error
+    except TypeError as error:
+        if not chat_template_kwargs:
+            raise
+        # A kwarg that collides with the template's own variables (messages, tools, bos_token, ...).
+        raise APIError(400, f"chat_template_kwargs: {error}", param="chat_template_kwargs") from error
+
+
+def _template_message(message: ChatMessage, index: int, content_parts: bool) -> dict[str, Any]:
+    where = f"messages[{index}]"
+    for field, is_set in (("refusal", message.refusal is not None), ("function_call", message.function_call is not None),
+                          ("audio", message.audio is not None), ("annotations", bool(message.annotations))):
+        if is_set:
+            raise APIError(400, f"{where}.{field} is not supported", param=f"{where}.{field}",
+                           code="unsupported_parameter")
+    rendered: dict[str, Any] = {"role": message.role, "content": _content(message.content, where, content_parts)}
+    if message.name is not None:
+        rendered["name"] = message.name
+    if message.tool_calls is not None:
+        rendered["tool_calls"] = [_tool_call(call, f"{where}.tool_calls[{i}]")
+                                  for i, call in enumerate(message.tool_calls)]
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    if message.reasoning_content is not None:
+        rendered["reasoning_content"] = message.reasoning_content
+    return rendered
+
+
+def _content(content, where: str, content_parts: bool) -> str | list[dict[str, str]]:
+    if content is None:
+        return ""  # templates that concatenate strings cannot take None; the rest render both alike
+    if isinstance(content, str):
+        return content
+    for index, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise APIError(400, f"content parts of type {part.type!r} are not supported (text only): "
+                                f"{where}.content[{index}]", param=f"{where}.content", code="unsupported_parameter")
+    if content_parts:
+        return [{"type": "text", "text": part.text} for part in content]
+    return "".join(part.text for part in content)
+
+
+def _tool_call(call, where: str) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError as error:
+        raise APIError(400, f"{where}.function.arguments is not valid JSON: {error}",
+                       param=f"{where}.function.arguments", code="invalid_value") from error
+    if not isinstance(arguments, dict):
+        raise APIError(400, f"{where}.function.arguments must be a JSON object",
+                       param=f"{where}.function.arguments", code="invalid_value")
+    rendered = {"type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
+    if call.id is not None:
+        rendered = {"id": call.id, **rendered}
+    return rendered
