@@ -21,7 +21,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Sequence as Seq
+from typing import Mapping, Sequence as Seq
 
 from .core import EngineCore
 from .engine_config import EngineConfig
@@ -49,6 +49,11 @@ class AsyncLLM:
     @property
     def tokenizer(self):
         return self.core.tokenizer
+
+    @property
+    def generation_defaults(self) -> Mapping[str, float | int]:
+        """What unset sampling fields become (generation_config.json; empty with "none")."""
+        return self.core.generation_defaults
 
     @property
     def max_model_len(self) -> int:

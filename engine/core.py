@@ -32,12 +32,14 @@ import torch
 from ..kernels import select_ops
 from ..spec import AcceptanceProfile, DraftPolicy, StepCosts, load_draft_vocab
 from .allocators import BlockAllocator, SlotAllocator
+from . import generation_defaults
 from .checkpoint_io import CheckpointIO
 from .cuda_graphs import DecodeGraphs, SpecGraphs
 from .decode_step import DecodeStep
 from .engine_config import EngineConfig
 from .model_config import ModelConfig
 from .models import HybridLM
+from .penalties import Penalties
 from .prefix_cache import CheckpointHandle, PrefixCache
 from .request import Request, RequestDelta
 from .runner import InFlight, Runner
@@ -88,6 +90,11 @@ class EngineCore:
         path = Path(config.model)
         self.tokenizer = tokenizer or Tokenizer.from_dir(path)
         self.tokenizer.token_bytes  # the detokenizers' table, built now rather than by the first request
+        # What a request's unset sampling fields become (SamplingParams.resolve).
+        self.generation_defaults = generation_defaults.load(path, config.generation_config)
+        logger.info("sampling defaults from generation_config.json: %s",
+                    dict(self.generation_defaults) if self.generation_defaults else
+                    f"none ({'off' if config.generation_config == 'none' else 'the file sets none'})")
         if model is None:
             self.model_config = ModelConfig.from_file(path)
             self.ops = select_ops(self.device, config.kernel_backend)
@@ -109,7 +116,8 @@ class EngineCore:
                                  checkpoint_bytes=lambda n: slot_bytes + n * block_bytes)
         decode = DecodeStep(self.model, self.states, self.kv, config.block_size, bool(self.num_draft_tokens),
                             config.max_num_seqs, self._max_blocks_per_row)
-        sampler, checkpoint_io = Sampler(self.ops, self.device), CheckpointIO(self.states, self.kv)
+        penalties = Penalties(config.max_num_seqs, self.model_config.vocab_size, self.device)
+        sampler, checkpoint_io = Sampler(self.ops, self.device, penalties), CheckpointIO(self.states, self.kv)
         speculator = Speculator(self.model, self.states, self.kv, decode, sampler, checkpoint_io, edit_drafts,
                                 forced_acceptance) if self.num_draft_tokens else None
         graphs = self._decode_graphs(decode)
@@ -143,6 +151,11 @@ class EngineCore:
         state instead of prefilling it."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        params = params.resolve(self.generation_defaults)
+        outside = [t for t, _ in params.logit_bias if t >= self.model_config.vocab_size]
+        if outside:
+            raise ValueError(f"logit_bias token ids outside the vocabulary [0, {self.model_config.vocab_size}): "
+                             f"{outside[:8]}")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         checkpoint = None
         if resume_from is not None:

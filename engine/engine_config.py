@@ -33,6 +33,7 @@ class EngineConfig:
     num_checkpoint_slots: int | None = None  # state slots for checkpoints (default: 10% of the pool budget)
     host_cache_bytes: int = 0               # host tier: pinned CPU memory evicted checkpoints move to
     warm_up: bool = True                    # CUDA: compile and autotune the eager steps' kernels at start-up
+    generation_config: str = "auto"         # unset sampling fields from generation_config.json ("none": off)
 
     def __post_init__(self) -> None:
         problems = []
@@ -62,5 +63,7 @@ class EngineConfig:
             problems.append("host_cache_bytes must be >= 0")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             problems.append("num_kv_blocks must be >= 2 (block 0 is scratch)")
+        if self.generation_config not in ("auto", "none"):
+            problems.append(f"generation_config must be 'auto' or 'none', got {self.generation_config!r}")
         if problems:
             raise ValueError("invalid EngineConfig: " + "; ".join(problems))

@@ -19,8 +19,19 @@ import msgspec
 
 from ..spec import AcceptanceEstimate, SpecStats
 from .prefix_cache import Checkpoint
-from .sampling_params import SamplingParams
+from .sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
 from .tokenizer import Detokenizer, Tokenizer
+
+
+def bad_word_token_ids(word: str, tokenizer: Tokenizer) -> list[tuple[int, ...]]:
+    """The token sequences a bad word bans, as vLLM finds them: the word (leading spaces
+    stripped) at the start of a text, and with one leading space (in the middle of a text) when
+    that is a different tokenization of the same length."""
+    bare = tuple(tokenizer.encode(word.lstrip()))
+    spaced = tuple(tokenizer.encode(" " + word.lstrip()))
+    if len(bare) > MAX_BAD_WORD_TOKENS or len(spaced) > MAX_BAD_WORD_TOKENS:
+        raise ValueError(f"bad word {word!r} is more than {MAX_BAD_WORD_TOKENS} tokens long")
+    return [bare, spaced] if spaced[0] != bare[0] and len(spaced) == len(bare) else [bare]
 
 
 class RequestStatus(enum.Enum):
@@ -74,6 +85,7 @@ class Request:
     max_num_tokens: int  # prompt + max_tokens, within the context: it finishes with "length" there
     detokenizer: Detokenizer
     stop_token_ids: frozenset[int]  # EOS (unless ignore_eos) and params.stop_token_ids
+    bad_words_token_ids: tuple[tuple[int, ...], ...]  # params.bad_words tokenized (`bad_word_token_ids`)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # Prompt + output tokens: a count kept as tokens are appended (read many times per step).
@@ -103,10 +115,12 @@ class Request:
     @classmethod
     def create(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
                arrival: int, max_model_len: int, tokenizer: Tokenizer) -> "Request":
+        """params: resolved (SamplingParams.resolve)."""
         return cls(request_id, list(prompt_token_ids), params, seed, arrival,
                    min(len(prompt_token_ids) + params.max_tokens, max_model_len),
                    tokenizer.detokenizer(list(prompt_token_ids)),
-                   frozenset(params.stop_token_ids).union(() if params.ignore_eos else tokenizer.eos_token_ids))
+                   frozenset(params.stop_token_ids).union(() if params.ignore_eos else tokenizer.eos_token_ids),
+                   tuple(ids for word in params.bad_words for ids in bad_word_token_ids(word, tokenizer)))
 
     def __post_init__(self) -> None:
         self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -115,19 +115,21 @@ class Runner:
 
     def _launch_plain(self, rows: tuple[ScheduledRow, ...]) -> torch.Tensor:
         """Queue a plain decode step: greedy tokens land in DecodeStep.emitted[0], where sampled
-        rows' tokens then go too (their seeded draws use the positions on the device: a fed
-        row's is known there only). Returns the logits [B, V]."""
+        and penalized rows' tokens then go too (their seeded draws use the positions on the
+        device: a fed row's is known there only), decided after the graph from its logits.
+        Returns the raw logits [B, V]."""
         decode_rows = [r.decode_row() for r in rows]
         if self.graphs is not None and self.graphs.fits(decode_rows):
             device_rows, logits, tokens = self.graphs.run(decode_rows)
         else:
             device_rows = self.decode.row_tensors(decode_rows, self.device)
             logits, tokens = self.decode.plain(device_rows)
-        sampling = [i for i, r in enumerate(rows) if not r.request.params.greedy]
+        sampling = [i for i, r in enumerate(rows) if not r.request.params.greedy or r.request.params.penalized]
         if sampling:
             index = device_tensor(sampling, torch.int64, self.device)
-            tokens[index] = self.sampler.sample(logits[index], [rows[i] for i in sampling],
-                                                device_rows.positions[index] + 1)
+            chosen = [rows[i] for i in sampling]
+            tokens[index] = self.sampler.sample(logits[index], chosen, device_rows.positions[index] + 1)
+            self.sampler.penalties.record(chosen, tokens[index, None])
         return logits
 
     @torch.inference_mode()
@@ -151,8 +153,11 @@ class Runner:
         self.checkpoint_io.keep_hidden(batch, hidden)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         sampling = [r for r in plan.rows if r.sample]
-        sampled = self.sampler.sample(logits, sampling).tolist() if sampling else []
-        tokens = iter(sampled)
+        self.sampler.penalties.start(plan.prefill_rows)
+        sampled = self.sampler.sample(logits, sampling) if sampling else None
+        if sampling:
+            self.sampler.penalties.record(sampling, sampled[:, None])
+        tokens = iter(sampled.tolist() if sampling else [])
         emitted = [[next(tokens)] if r.sample else [] for r in plan.rows]
         # Sampling rows' logits are in row order: logits row j belongs to the j-th sampling row.
         logit_row = iter(range(len(sampling)))
@@ -164,6 +169,9 @@ class Runner:
         kept for its last position (restored into the row's slot before the forward)."""
         slots = device_tensor([r.slot for r in rows], torch.int64, self.device)
         logits = self.model.compute_logits(self.states.last_hidden[slots])
-        emitted = [[t] for t in self.sampler.sample(logits, rows).tolist()]
+        self.sampler.penalties.start(rows)
+        tokens = self.sampler.sample(logits, rows)
+        self.sampler.penalties.record(rows, tokens[:, None])
+        emitted = [[t] for t in tokens.tolist()]
         logprobs = self.sampler.logprobs(logits, rows, [[i] for i in range(len(rows))], emitted)
         return StepOutput(emitted, logprobs=logprobs, num_pending=[0] * len(rows))

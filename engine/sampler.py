@@ -4,8 +4,9 @@
 the seeded draw of the sampling kernel (temperature, top-k, top-p, min-p), which depends only on
 (seed, position), so a request's samples do not depend on the rest of its batch (and rejection
 sampling of drafts can be coupled with it: spec/accept.py). `logprobs` scores emitted tokens
-under the raw distribution. Knows nothing about steps or speculation: a row is
-a ScheduledRow's request parameters and position.
+under the raw distribution. Penalized rows' logits are adjusted before either (penalties.py).
+Knows nothing about steps or speculation: a row is a ScheduledRow's request parameters, slot
+and position.
 """
 
 from __future__ import annotations
@@ -16,33 +17,41 @@ import torch
 
 from ..kernels import Ops
 from .batch import device_tensor
+from .penalties import Penalties
 from .request import TokenLogprobs
 from .sampling_params import SamplingParams
 from .step import ScheduledRow
 
 
 class Sampler:
-    def __init__(self, ops: Ops, device: torch.device) -> None:
-        self.ops, self.device = ops, device
+    def __init__(self, ops: Ops, device: torch.device, penalties: Penalties) -> None:
+        """penalties: the per-slot statistics of penalized requests, which `sample` applies."""
+        self.ops, self.device, self.penalties = ops, device, penalties
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[ScheduledRow],
-               positions: torch.Tensor | None = None) -> torch.Tensor:
-        """The next token of each row (logits row i is rows[i]'s) [B] int64, on the device.
-        positions [B]: where the sampled tokens go, when only the device knows (fed rows);
-        by default from the rows. A seeded draw depends on nothing else."""
+    def sample(self, logits: torch.Tensor, rows: Sequence[ScheduledRow], positions: torch.Tensor | None = None,
+               drafts: torch.Tensor | None = None) -> torch.Tensor:
+        """The next token at each of W consecutive positions of each row [N * W] int64, on the
+        device: logits [N * W, V], rows [N]; W = 1 but in verification, where drafts [N, W - 1]
+        are the tokens the positions after a row's first were fed (penalties count them).
+        positions [N * W]: where the sampled tokens go, when only the device knows (fed rows,
+        drafts); by default from the rows. A seeded draw depends on nothing else. Penalized
+        rows' logits are adjusted first (penalties.py), greedy rows' too."""
+        logits = self.penalties.adjust(logits, rows, drafts)
         params = [r.request.params for r in rows]
         if all(p.greedy for p in params):  # greedy fast path: no filtering, no noise
             return logits.argmax(dim=-1)
         if positions is None:
             positions = self.tensor([r.start_position + r.num_tokens for r in rows])
-        tokens, _ = self.ops.sample(logits, *self.filter_columns(params), self.tensor([r.request.seed for r in rows]),
-                                    positions)
+        width = logits.shape[0] // len(rows)
+        tokens, _ = self.ops.sample(logits, *self.filter_columns(params, width),
+                                    self.tensor([r.request.seed for r in rows for _ in range(width)]), positions)
         return tokens
 
-    def filter_columns(self, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, ...]:
-        """Per-row (temperature, top_k, top_p, min_p) tensors of the sampling ops."""
+    def filter_columns(self, params: Sequence[SamplingParams], width: int = 1) -> tuple[torch.Tensor, ...]:
+        """Per-row (temperature, top_k, top_p, min_p) tensors of the sampling ops, each row's
+        repeated for its W positions."""
         def column(values, dtype):
-            return device_tensor(values, dtype, self.device)
+            return device_tensor([v for v in values for _ in range(width)], dtype, self.device)
 
         return (column([p.temperature for p in params], torch.float32), column([p.top_k for p in params], torch.int64),
                 column([p.top_p for p in params], torch.float32), column([p.min_p for p in params], torch.float32))

@@ -1,27 +1,60 @@
-"""Per-request sampling settings, validated at construction (a bad value never reaches a batch)."""
+"""Per-request sampling settings, validated at construction (a bad value never reaches a batch).
+
+The distribution fields (temperature, top_p, top_k, min_p and the three penalties) may be left
+None, "unset": `resolve` fills them from the checkpoint's generation defaults
+(generation_defaults.py) when the request is added, else from the built-in neutral values
+(`BUILT_IN`). A request the engine runs always holds resolved params.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
+from typing import Mapping
+
+# The value of each distribution field when neither the request nor the checkpoint sets it.
+BUILT_IN = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
+                frequency_penalty=0.0)
+
+MAX_BAD_WORD_TOKENS = 16  # tokens of one bad word at most (penalties.py keeps that many - 1 per slot)
+MAX_LOGIT_BIAS = 100.0    # |bias| at most, as OpenAI and vLLM
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 is greedy. top_k <= 0 (vLLM uses -1), top_p = 1 and min_p = 0 switch those
-    filters off. seed makes sampling reproducible and independent of the rest of the batch."""
+    filters off. seed makes sampling reproducible and independent of the rest of the batch.
+
+    Penalties and bias, as vLLM defines them (applied in this order, before temperature and the
+    filters, and before greedy argmax: penalties.py): bad_words bans each word's tokens (a
+    one-token word always, a longer word's last token when the output so far ends with the rest);
+    logit_bias adds a bias to a token's logit; min_tokens bans the stop tokens (EOS unless
+    ignore_eos, and stop_token_ids) until that many tokens were generated; repetition_penalty
+    divides the positive logits and multiplies the negative ones of every token seen in the
+    prompt or the output; frequency_penalty subtracts itself times the token's count in the
+    output, presence_penalty itself once for a token in the output."""
 
     max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; N >= 0: the chosen token's plus the N most likely
+    repetition_penalty: float | None = None   # > 0; 1: off
+    presence_penalty: float | None = None     # [-2, 2]; 0: off
+    frequency_penalty: float | None = None    # [-2, 2]; 0: off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]); a mapping is taken too
+    min_tokens: int = 0
+    bad_words: tuple[str, ...] = ()
     # Derived: length of the longest stop string (1 without any), for stop-string search windows.
     longest_stop: int = field(init=False, repr=False, compare=False)
+    # Derived: whether anything of penalties.py applies (read for every row of every step).
+    penalized: bool = field(init=False, repr=False, compare=False)
 
     MAX_LOGPROBS = 20
 
@@ -31,17 +64,25 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "bad_words", (self.bad_words,) if isinstance(self.bad_words, str)
+                           else tuple(self.bad_words))
         object.__setattr__(self, "longest_stop", max(map(len, self.stop), default=1))
         problems = []
+        try:
+            bias = dict(self.logit_bias)
+            object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias.items())))
+        except (TypeError, ValueError):
+            problems.append(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+            object.__setattr__(self, "logit_bias", ())
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             problems.append(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
+        if self.temperature is not None and not self.temperature >= 0:
             problems.append(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
+        if self.top_p is not None and not 0 < self.top_p <= 1:
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < -1):
             problems.append(f"top_k must be an int >= -1 (-1 or 0: off), got {self.top_k!r}")
-        if not 0 <= self.min_p <= 1:
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
             problems.append(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             problems.append(f"seed must be a non-negative int, got {self.seed!r}")
@@ -50,8 +91,34 @@ class SamplingParams:
             problems.append(f"logprobs must be an int in 0..{self.MAX_LOGPROBS}, got {self.logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             problems.append("stop strings must be non-empty strings")
+        if self.repetition_penalty is not None and not (self.repetition_penalty > 0
+                                                        and math.isfinite(self.repetition_penalty)):
+            problems.append(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value is not None and not -2 <= value <= 2:
+                problems.append(f"{name} must be in [-2, 2], got {value!r}")
+        if any(t < 0 or not abs(b) <= MAX_LOGIT_BIAS for t, b in self.logit_bias):
+            problems.append(f"logit_bias keys must be token ids >= 0 and values in [-{MAX_LOGIT_BIAS:g}, "
+                            f"{MAX_LOGIT_BIAS:g}], got {self.logit_bias!r}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            problems.append(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        elif isinstance(self.max_tokens, int) and self.min_tokens > self.max_tokens:
+            problems.append(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            problems.append("bad_words must be non-empty strings")
         if problems:
             raise ValueError("invalid SamplingParams: " + "; ".join(problems))
+        object.__setattr__(self, "penalized", bool(
+            self.repetition_penalty not in (None, 1) or self.presence_penalty or self.frequency_penalty
+            or self.logit_bias or self.min_tokens or self.bad_words))
+
+    def resolve(self, defaults: Mapping[str, float | int] | None = None) -> SamplingParams:
+        """These params with every unset distribution field taken from `defaults` (the
+        checkpoint's generation config), else from BUILT_IN."""
+        defaults = defaults or {}
+        unset = {name: defaults.get(name, value) for name, value in BUILT_IN.items() if getattr(self, name) is None}
+        return dataclasses.replace(self, **unset) if unset else self
 
     @property
     def greedy(self) -> bool:

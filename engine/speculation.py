@@ -179,7 +179,11 @@ class Speculator:
             emitted, logit_rows, num_pending = self.read(len(decode_rows), drafted.drafts.shape[1] + 1)
         sampling = [r for r in prefill_rows if r.sample]
         first = len(logits) - len(sampling)  # the prefill rows' logits follow the decode rows'
-        sampled = iter(self.sampler.sample(logits[first:].float(), sampling).tolist() if sampling else [])
+        self.sampler.penalties.start(sampling)
+        tokens = self.sampler.sample(logits[first:].float(), sampling) if sampling else None
+        if sampling:
+            self.sampler.penalties.record(sampling, tokens[:, None])
+        sampled = iter(tokens.tolist() if sampling else [])
         emitted += [[next(sampled)] if r.sample else [] for r in prefill_rows]
         logit_row = iter(range(first, len(logits)))
         logit_rows += [[next(logit_row)] if r.sample else [] for r in prefill_rows]
@@ -188,11 +192,14 @@ class Speculator:
                           num_pending=num_pending)
 
     def resample(self, rows: Sequence[ScheduledRow], drafted: Drafted) -> None:
-        """Redo the acceptance of sampled rows by rejection sampling (spec/accept.py), on the
-        device: at each verified position the token plain sampling would draw there (same
-        seed, same position), the drafts accepted while they match. Overwrites those rows'
-        accepted counts, emitted tokens and pending counts (greedy acceptance ran for all)."""
-        sampled = [i for i, r in enumerate(rows) if not r.request.params.greedy]
+        """Redo the acceptance of sampled and penalized rows, on the device: at each verified
+        position the token plain decoding would choose there (same seed, same position; the
+        penalties counting the drafts before it as generated: penalties.py), the drafts
+        accepted while they match — rejection sampling for sampled rows (spec/accept.py),
+        greedy acceptance of the penalized argmax for greedy ones. Overwrites those rows'
+        accepted counts, emitted tokens and pending counts (greedy acceptance of the raw
+        logits ran for all), and adds penalized rows' emitted tokens to their statistics."""
+        sampled = [i for i, r in enumerate(rows) if not r.request.params.greedy or r.request.params.penalized]
         if not sampled:
             return
         device_rows, drafts = drafted.rows, drafted.drafts
@@ -201,13 +208,15 @@ class Speculator:
         flat = (index[:, None] * width + self.decode.arange(width)).reshape(-1)
         # Position i of a row's verify predicts the token at its newest position + 1 + i.
         positions = (device_rows.positions[index][:, None] + 1 + self.decode.arange(width)).reshape(-1)
-        targets = self.sampler.sample(drafted.logits[flat].float(), [rows[i] for i in sampled for _ in range(width)],
-                                      positions).view(len(sampled), width)
+        chosen = [rows[i] for i in sampled]
+        targets = self.sampler.sample(drafted.logits[flat].float(), chosen, positions,
+                                      drafts[index]).view(len(sampled), width)
         accepted, emitted = self._forced(*sampled_accept(targets, drafts[index], device_rows.num_drafts[index]),
                                          device_rows.num_drafts[index])
         self.decode.accepted[index] = accepted
         self.decode.emitted[:width, index] = emitted.T
         self._set_pending(device_rows.slots[index], accepted)
+        self.sampler.penalties.record(chosen, emitted, accepted + 1)
 
     def read(self, num_rows: int, width: int) -> tuple[list[list[int]], list[list[int]], list[int]]:
         """The step's outputs on the host (a sync): each row's emitted tokens, the logits rows

@@ -119,7 +119,8 @@ class OpenAIServer:
         return web.json_response({"version": _VERSION})
 
     async def models(self, request: web.Request) -> web.Response:
-        model = Model(self.config.model_name, self._created, self.engine.max_model_len)
+        model = Model(self.config.model_name, self._created, self.engine.max_model_len,
+                      dict(self.engine.generation_defaults))
         return _json(ModelList([model]))
 
     async def health(self, request: web.Request) -> web.Response:

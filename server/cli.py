@@ -39,7 +39,8 @@ def _serve(args: argparse.Namespace) -> int:
                                  max_num_seqs=args.max_running, num_draft_tokens=args.num_draft_tokens,
                                  enable_prefix_cache=not args.no_prefix_cache,
                                  checkpoint_interval=args.checkpoint_interval,
-                                 host_cache_bytes=int(args.host_cache_gib * 2**30))
+                                 host_cache_bytes=int(args.host_cache_gib * 2**30),
+                                 generation_config=args.generation_config)
     server_config = ServerConfig(model_name=args.served_model_name or model.name, host=args.host, port=args.port,
                                  api_key=args.api_key, max_waiting=args.max_waiting,
                                  max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout,
@@ -54,7 +55,8 @@ def _generate(args: argparse.Namespace) -> int:
     _check_model(model)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed)
-    engine = AsyncLLM(model, device=args.device, dtype=args.dtype, num_draft_tokens=args.num_draft_tokens)
+    engine = AsyncLLM(model, device=args.device, dtype=args.dtype, num_draft_tokens=args.num_draft_tokens,
+                      generation_config=args.generation_config)
 
     async def stream() -> None:
         try:
@@ -76,6 +78,9 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-draft-tokens", type=int, default=None,
                         help="MTP drafts per step at most (default: 3 when the checkpoint has MTP weights, each "
                              "step's count chosen by the adaptive policy; 0: no speculation)")
+    parser.add_argument("--generation-config", choices=("auto", "none"), default="auto",
+                        help="auto: sampling fields a request leaves unset take the checkpoint's "
+                             "generation_config.json values; none: the built-in neutral ones")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     _add_engine_options(generate)
     generate.add_argument("--max-tokens", type=int, default=64)
     # Sampling by default: the small shipped model loops on short prompts when decoding greedily.
-    generate.add_argument("--temperature", type=float, default=0.7, help="0 decodes greedily")
-    generate.add_argument("--top-p", type=float, default=0.95)
+    generate.add_argument("--temperature", type=float, default=None,
+                          help="0 decodes greedily (default: the checkpoint's, else 1)")
+    generate.add_argument("--top-p", type=float, default=None, help="default: the checkpoint's, else 1")
     generate.add_argument("--seed", type=int, default=None)
     generate.set_defaults(run=_generate)
 

@@ -125,9 +125,6 @@ def chat_input(request: ChatCompletionRequest, tokenizer: PromptTokenizer, max_m
 def _reject_unsupported(request: SamplingFields, specific: list[tuple[str, bool, str]]) -> None:
     checks = [
         ("n", request.n not in (None, 1), "only n=1 is supported"),
-        ("presence_penalty", request.presence_penalty not in (None, 0), "penalties are not supported"),
-        ("frequency_penalty", request.frequency_penalty not in (None, 0), "penalties are not supported"),
-        ("logit_bias", bool(request.logit_bias), "logit_bias is not supported"),
         *specific,
     ]
     for field, is_set, why in checks:
@@ -138,9 +135,24 @@ def _reject_unsupported(request: SamplingFields, specific: list[tuple[str, bool,
 def _sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
     options = dict(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
                    min_p=request.min_p, seed=request.seed, stop=request.stop,
-                   stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, logprobs=logprobs)
+                   stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, logprobs=logprobs,
+                   presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
+                   repetition_penalty=request.repetition_penalty, logit_bias=_logit_bias(request.logit_bias),
+                   min_tokens=request.min_tokens, bad_words=request.bad_words)
     try:
-        # Unset (None) fields keep SamplingParams' defaults, which are OpenAI's.
+        # Unset (None) fields keep SamplingParams' defaults: the sampling ones are resolved
+        # against the checkpoint's generation defaults when the engine takes the request.
         return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in options.items() if v is not None})
     except ValueError as error:
         raise APIError(400, str(error)) from error
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias keys are token ids written as strings."""
+    if bias is None:
+        return None
+    bad = [key for key in bias if not key.strip().isdigit()]
+    if bad:
+        raise APIError(400, f"logit_bias keys must be token ids (non-negative integers as strings), got {bad[:8]}",
+                       param="logit_bias")
+    return {int(key): value for key, value in bias.items()}

@@ -3,7 +3,7 @@
 Request Structs carry the range checks (`msgspec.Meta`), so `msgspec.json.decode(body, type=...)`
 rejects a wrong type or an out-of-range value with a message naming the field. Every optional
 request field also accepts JSON null (some clients send null for "unset"); defaults are applied
-in `inputs`. Fields the engine cannot honour (n > 1, penalties, ...) are declared so that
+in `inputs`. Fields the engine cannot honour (n > 1, ...) are declared so that
 `inputs` can reject them by name instead of msgspec silently dropping them. Unknown fields are
 rejected (`forbid_unknown_fields`), as the OpenAI API does: nothing in a request is dropped
 silently.
@@ -47,11 +47,15 @@ class SamplingFields(Request, kw_only=True):
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool | None = None
     max_tokens: PositiveInt | None = None
-    # Declared only to be rejected when set to anything but their neutral value.
+    presence_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    # OpenAI: token ids as strings -> bias in [-100, 100] (`inputs` checks the keys).
+    logit_bias: dict[str, Annotated[float, msgspec.Meta(ge=-100, le=100)]] | None = None
+    min_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    bad_words: list[str] | None = None
+    # Declared only to be rejected when set to anything but its neutral value.
     n: PositiveInt | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
     user: str | None = None  # an end-user id for abuse monitoring: accepted, nothing to do with it
 
 
@@ -280,6 +284,8 @@ class Model(msgspec.Struct):
     id: str
     created: int
     max_model_len: int
+    # The checkpoint's defaults for sampling fields a request leaves unset (generation_config.json).
+    generation_defaults: dict[str, float | int] = {}
     owned_by: str = "deltaspec"
     object: Literal["model"] = "model"
 

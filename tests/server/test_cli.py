@@ -71,10 +71,19 @@ async def test_second_sigint_aborts_in_flight_requests(checkpoint):
         assert "aborting in-flight requests" in (await stderr).decode()
 
 
-def test_generate_streams_the_greedy_completion(checkpoint, capsys):
+def test_generate_streams_the_greedy_completion(checkpoint, capsys, tmp_path):
     path = checkpoint("qwen3_5")
     assert cli.main(["generate", "Hello", "--model", str(path), "--max-tokens", "6", "--temperature", "0"]) == 0
     expected = LLM(path).generate("Hello", SamplingParams(max_tokens=6, temperature=0))[0].text
+    assert capsys.readouterr().out == "Hello" + expected + "\n"
+    # --generation-config none: the checkpoint's sampling defaults are not used.
+    (tmp_path / "gen").mkdir()
+    for file in path.iterdir():
+        (tmp_path / "gen" / file.name).symlink_to(file)
+    (tmp_path / "gen" / "generation_config.json").unlink(missing_ok=True)
+    (tmp_path / "gen" / "generation_config.json").write_text('{"temperature": 0.0, "repetition_penalty": 0.2}')
+    assert cli.main(["generate", "Hello", "--model", str(tmp_path / "gen"), "--max-tokens", "6",
+                     "--generation-config", "none", "--temperature", "0"]) == 0
     assert capsys.readouterr().out == "Hello" + expected + "\n"
 
 

@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from deltaspec.engine import AsyncLLM
+from deltaspec.engine import AsyncLLM, SamplingParams
 from deltaspec.server.config import ServerConfig
 from deltaspec.server.serve import start
 from fixtures import assert_idle
@@ -154,10 +154,29 @@ async def test_sampling_parameters_reach_the_engine(client):
         assert stopped.finish_reason == "stop" and stopped.text == text[:text.index(stop)]
 
 
+async def test_penalties_bias_min_tokens_and_bad_words_reach_the_engine(client, engine):
+    """The server's output with every penalty field equals the engine's with the same params,
+    on both routes, and differs from the plain output."""
+    fields = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3, logit_bias={"7": 6.0},
+                  min_tokens=4, bad_words=["the"])
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, **{**fields, "logit_bias": {7: 6.0}})
+    expected = "".join([delta.text async for delta in engine.generate("Hello", params)])
+    plain = await client.completions.create(model=MODEL, prompt="Hello", extra_body=IGNORE_EOS, **GREEDY)
+    penalized = await client.completions.create(model=MODEL, prompt="Hello", extra_body={**IGNORE_EOS, **fields},
+                                                **GREEDY)
+    assert penalized.choices[0].text == expected != plain.choices[0].text
+    chat = await client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={**IGNORE_EOS, **fields},
+                                                **GREEDY)
+    prompt = engine.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
+    expected = "".join([delta.text async for delta in engine.generate(engine.tokenizer.encode(prompt), params)])
+    assert chat.choices[0].message.content == expected
+
+
 async def test_models_and_health(client, http, base_url, engine):
     models = await client.models.list()
     assert [(m.id, m.object) for m in models.data] == [(MODEL, "model")]
     assert models.data[0].model_extra["max_model_len"] == MAX_MODEL_LEN
+    assert models.data[0].model_extra["generation_defaults"] == dict(engine.generation_defaults)
     async with http.get(f"{base_url}/health") as response:
         assert response.status == 200 and (await response.json())["status"] == "ok"
 
@@ -197,7 +216,15 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n", "n=1"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs", "<= 20"),
     ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo", "not supported"),
-    ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty", "<= 2"),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": -3}, 400, "frequency_penalty", ">= -2"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty", "> 0"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"x1": 1}}, 400, "logit_bias", "token ids"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"100000": 1}}, 400, None, "outside the vocabulary"),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": -1}, 400, "min_tokens", ">= 0"),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": 9, "max_tokens": 8}, 400, None, "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "bad_words": [" "]}, 400, None, "bad_words"),
+    ("/v1/chat/completions", {"messages": ONE_MESSAGE, "logit_bias": {"5": 101}}, 400, "logit_bias[...]", "<= 100"),
     ("/v1/completions", {"prompt": ["one", "two"]}, 400, "prompt", "batches"),
     ("/v1/completions", {"prompt": ""}, 400, None, "empty"),
     ("/v1/completions", {"prompt": [1, 100000]}, 400, None, "vocabulary"),

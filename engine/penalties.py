@@ -1,0 +1,211 @@
+"""Penalties, logit bias, min_tokens and bad words (SamplingParams) on the device, per slot.
+
+Each slot running a penalized request has a row of statistics on the device: `output_counts`
+[N, V] int32 (how often each token was generated), `prompt_mask` [N, V] bool (tokens of the
+prompt), `num_output` [N] (tokens generated) and `recent` [N, R] (the last R =
+MAX_BAD_WORD_TOKENS - 1 generated tokens, right-aligned, -1 before the first). N = the running
+requests at most (max_num_seqs), not the slots (checkpoints hold slots too): a slot gets the
+least recently used row when its request starts. Every running penalized request uses its row
+every step (a request not scheduled in a step is preempted, and starts again), so the rows
+of running requests are the most recently used. `start` builds a slot's from the host's
+token lists when the request's first token is sampled (after admission, a restore or a
+preemption: the host knows every token then); `record` adds the tokens a step emitted, on the
+device, so a step launched before the host has read the step before it (fed rows) sees them.
+The tensors are allocated on the first penalized request (a plain engine pays nothing:
+N x V x 5 bytes, 0.3 GiB at N = 256 and V = 248,320).
+
+`adjust` rewrites the logits of penalized rows before sampling (vLLM's order): bad words and
+min_tokens set banned tokens to -inf, logit_bias adds, then for a token with output count c,
+seen in prompt or output: x / r if x > 0 else x * r (repetition r), then x - f * c - p * [c > 0].
+A verify row scores W positions; position j is adjusted as if the drafts before it,
+drafts[:j], were generated already (counts, min_tokens length and bad-word context), so every
+accepted token was chosen from exactly the distribution plain decoding would have used.
+That costs one dense pass with the slot's counts, then a sparse fix of the at most W(W-1)/2
+(position, earlier draft) entries. Rows without penalties are not touched, and a step without
+penalized rows does nothing at all.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+import torch
+
+from .batch import device_tensor
+from .sampling_params import MAX_BAD_WORD_TOKENS
+from .step import ScheduledRow
+
+_RECENT = MAX_BAD_WORD_TOKENS - 1  # a bad word's prefix is at most this long
+
+
+def penalize(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor, repetition: torch.Tensor,
+             frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+    """The penalties of broadcastable tensors: logits (float32), output counts, prompt mask and
+    the per-row penalties. vLLM's definitions (the module docstring)."""
+    generated = counts > 0
+    scale = torch.where(in_prompt | generated, repetition, 1.0)
+    logits = torch.where(logits > 0, logits / scale, logits * scale)
+    return logits - frequency * counts - presence * generated
+
+
+class Penalties:
+    def __init__(self, num_rows: int, vocab_size: int, device: torch.device) -> None:
+        """num_rows: penalized requests running at once at most."""
+        self.num_rows, self.vocab_size, self.device = num_rows, vocab_size, device
+        self.output_counts: torch.Tensor | None = None  # allocated by the first `start`
+        self._row_of: OrderedDict[int, int] = OrderedDict()  # slot -> its statistics row, least recently used first
+
+    @staticmethod
+    def penalized(rows: Sequence[ScheduledRow]) -> list[int]:
+        """Indices of the rows whose request is penalized."""
+        return [i for i, r in enumerate(rows) if r.request.params.penalized]
+
+    def start(self, rows: Sequence[ScheduledRow]) -> None:
+        """Rebuild the statistics of the penalized rows among `rows` (prefill or cached rows;
+        those that sample their request's next token) from the request's prompt and output so
+        far."""
+        rows = [r for r in rows if r.sample and r.request.params.penalized]
+        if not rows:
+            return
+        if self.output_counts is None:
+            s, v = self.num_rows, self.vocab_size
+            self.output_counts = torch.zeros(s, v, dtype=torch.int32, device=self.device)
+            self.prompt_mask = torch.zeros(s, v, dtype=torch.bool, device=self.device)
+            self.num_output = torch.zeros(s, dtype=torch.int64, device=self.device)
+            self.recent = torch.full((s, _RECENT), -1, dtype=torch.int64, device=self.device)
+        for r in rows:
+            if r.slot not in self._row_of:
+                self._row_of[r.slot] = self._row_of.popitem(last=False)[1] if len(self._row_of) == self.num_rows \
+                    else len(self._row_of)
+        stats = self._rows(rows)
+        prompts = [r.request.prompt_token_ids for r in rows]
+        outputs = [r.request.output_token_ids for r in rows]
+        self.output_counts[stats] = 0
+        self.prompt_mask[stats] = False
+        self.output_counts.index_put_(self._scatter_index(rows, outputs), self._ones(outputs, torch.int32),
+                                      accumulate=True)
+        self.prompt_mask.index_put_(self._scatter_index(rows, prompts), self._ones(prompts, torch.bool))
+        self.num_output[stats] = self._tensor([len(o) for o in outputs])
+        tails = [o[-_RECENT:] if o else [] for o in outputs]
+        self.recent[stats] = self._tensor([[-1] * (_RECENT - len(t)) + t for t in tails]).view(len(rows), -1)
+
+    def adjust(self, logits: torch.Tensor, rows: Sequence[ScheduledRow],
+               drafts: torch.Tensor | None = None) -> torch.Tensor:
+        """logits [N * W, V]: W consecutive positions of each of the N rows (W = 1, or a verify
+        row's newest token and its W - 1 drafts [N, W - 1]). Returns float32 logits with the
+        penalized rows adjusted (the input itself when there are none)."""
+        penalized = self.penalized(rows)
+        if not penalized:
+            return logits
+        num_rows, vocab = len(penalized), logits.shape[1]
+        width = logits.shape[0] // len(rows)
+        index = self._tensor(penalized)
+        flat = (index[:, None] * width + torch.arange(width, device=self.device)).reshape(-1)
+        logits = logits.float().clone()
+        x = logits[flat].view(num_rows, width, vocab)
+        rows = [rows[i] for i in penalized]
+        params = [r.request.params for r in rows]
+        stats = self._rows(rows)
+        drafts = drafts[index] if drafts is not None and width > 1 else x.new_zeros(num_rows, 0, dtype=torch.int64)
+        positions = torch.arange(width, device=self.device)
+        self._ban_bad_words(x, rows, stats, drafts)
+        self._add_bias(x, params)
+        self._ban_stops_before_min_tokens(x, rows, stats, positions)
+        column = lambda name: device_tensor([getattr(p, name) for p in params], torch.float32, self.device)
+        repetition, frequency, presence = (column(n)[:, None, None] for n in
+                                           ("repetition_penalty", "frequency_penalty", "presence_penalty"))
+        counts, in_prompt = self.output_counts[stats], self.prompt_mask[stats]          # [P, V]
+        # Entries (row, position j, earlier draft i < j) whose count the drafts raise; their
+        # values before the penalties, read before the dense pass below overwrites them.
+        later, earlier = torch.tril_indices(width, width - 1, -1, device=self.device)  # j > i
+        tokens = drafts[:, earlier]                                                    # [P, E]
+        row = torch.arange(num_rows, device=self.device)[:, None].expand_as(tokens)
+        before = x[row, later[None].expand_as(tokens), tokens]
+        x = penalize(x, counts[:, None], in_prompt[:, None], repetition, frequency, presence)
+        if tokens.numel():
+            # count at position j of token t: the slot's count + the drafts before j equal to t
+            extra = ((drafts[:, None, :] == tokens[:, :, None])
+                     & (torch.arange(drafts.shape[1], device=self.device) < later[:, None])).sum(-1)
+            fixed = penalize(before, counts.gather(1, tokens) + extra, in_prompt.gather(1, tokens),
+                             repetition[:, :, 0], frequency[:, :, 0], presence[:, :, 0])
+            x[row, later[None].expand_as(tokens), tokens] = fixed  # duplicates write equal values
+        logits[flat] = x.view(-1, vocab)
+        return logits
+
+    def record(self, rows: Sequence[ScheduledRow], emitted: torch.Tensor,
+               num_emitted: torch.Tensor | None = None) -> None:
+        """Add the tokens the rows emitted, emitted [N, W] (row r's first num_emitted[r], all W
+        when None), to the penalized rows' slot statistics."""
+        penalized = self.penalized(rows)
+        if not penalized:
+            return
+        index = self._tensor(penalized)
+        stats = self._rows([rows[i] for i in penalized])
+        tokens = emitted[index]                                                        # [P, W]
+        width = tokens.shape[1]
+        count = num_emitted[index] if num_emitted is not None else torch.full_like(stats, width)
+        valid = torch.arange(width, device=self.device) < count[:, None]
+        self.output_counts.index_put_((stats[:, None].expand_as(tokens), tokens), valid.int(), accumulate=True)
+        self.num_output[stats] += count
+        # recent: the last R of (recent, the valid emitted tokens)
+        joined = torch.cat([self.recent[stats], tokens], dim=1)                        # [P, R + W]
+        self.recent[stats] = joined.gather(1, count[:, None] + torch.arange(_RECENT, device=self.device))
+
+    def _ban_bad_words(self, x: torch.Tensor, rows: Sequence[ScheduledRow], stats: torch.Tensor,
+                       drafts: torch.Tensor) -> None:
+        """A bad word's last token is banned at position j when the R tokens before j (generated
+        ones, then drafts[:j]) end with the word's other tokens (none: always)."""
+        words = [(p, w) for p, r in enumerate(rows) for w in r.request.bad_words_token_ids]
+        if not words:
+            return
+        width = x.shape[1]
+        context = torch.cat([self.recent[stats], drafts], dim=1).unfold(1, _RECENT, 1)  # [P, W, R]: before j
+        prefixes = self._tensor([[-1] * (_RECENT - len(w) + 1) + list(w[:-1]) for _, w in words]).view(len(words), -1)
+        used = self._tensor([[0] * (_RECENT - len(w) + 1) + [1] * (len(w) - 1) for _, w in words]).view(
+            len(words), -1).bool()
+        row = self._tensor([p for p, _ in words])
+        match = ((context[row] == prefixes[:, None]) | ~used[:, None]).all(-1)          # [num_words, W]
+        ban = torch.where(match, float("-inf"), 0.0)
+        last = self._tensor([w[-1] for _, w in words])
+        x.index_put_((row[:, None].expand(-1, width), torch.arange(width, device=self.device).expand_as(ban),
+                      last[:, None].expand(-1, width)), ban, accumulate=True)
+
+    def _add_bias(self, x: torch.Tensor, params) -> None:
+        entries = [(p, t, b) for p, params_p in enumerate(params) for t, b in params_p.logit_bias]
+        if entries:
+            row, token, bias = zip(*entries)
+            x[self._tensor(row), :, self._tensor(token)] += device_tensor(bias, torch.float32, self.device)[:, None]
+
+    def _ban_stops_before_min_tokens(self, x: torch.Tensor, rows: Sequence[ScheduledRow], stats: torch.Tensor,
+                                     positions: torch.Tensor) -> None:
+        """Position j of a row has generated num_output + j tokens before it."""
+        entries = [(p, t) for p, r in enumerate(rows) if r.request.params.min_tokens
+                   for t in sorted(r.request.stop_token_ids)]
+        if not entries:
+            return
+        minimum = self._tensor([r.request.params.min_tokens for r in rows])
+        early = self.num_output[stats][:, None] + positions < minimum[:, None]       # [P, W]
+        row, token = (self._tensor(column) for column in zip(*entries))
+        banned = x[row, :, token]                                                      # [E, W]
+        x[row, :, token] = torch.where(early[row], float("-inf"), banned)
+
+    def _rows(self, rows: Sequence[ScheduledRow]) -> torch.Tensor:
+        """The statistics rows of the rows' slots, on the device (now the most recently used)."""
+        for r in rows:
+            if r.slot not in self._row_of:
+                raise RuntimeError(f"slot {r.slot}: penalized, but its request never started (Penalties.start)")
+            self._row_of.move_to_end(r.slot)
+        return self._tensor([self._row_of[r.slot] for r in rows])
+
+    def _scatter_index(self, rows: Sequence[ScheduledRow], lists: list[list[int]]) -> tuple[torch.Tensor, ...]:
+        stats_rows = [self._row_of[r.slot] for r, tokens in zip(rows, lists) for _ in tokens]
+        return self._tensor(stats_rows), self._tensor([t for tokens in lists for t in tokens])
+
+    def _ones(self, lists: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+        return torch.ones(sum(map(len, lists)), dtype=dtype, device=self.device)
+
+    def _tensor(self, values) -> torch.Tensor:
+        """int64 values (a flat or nested list) on the device, without stalling its stream."""
+        flat = [v for row in values for v in row] if values and isinstance(values[0], list) else values
+        return device_tensor(flat, torch.int64, self.device)

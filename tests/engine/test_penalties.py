@@ -1,0 +1,220 @@
+"""Penalties, logit_bias, min_tokens and bad_words (engine/penalties.py) against a reference
+written here over the full logits with plain Python; in mixed batches; with speculation at
+every acceptance count; and the checkpoint's generation defaults."""
+
+import json
+import random
+import shutil
+from functools import lru_cache
+
+import pytest
+import torch
+
+from deltaspec.engine import LLM, EngineConfig, SamplingParams
+from deltaspec.engine.core import EngineCore
+from deltaspec.engine.request import bad_word_token_ids
+from deltaspec.kernels.sampling import sample_reference
+
+from harness import ScriptedDrafter, assert_all_free
+
+VOCAB = 512
+
+
+@pytest.fixture
+def path(checkpoint):
+    return checkpoint("qwen3_5")
+
+
+@lru_cache(maxsize=None)
+def _llm(path, **options):
+    return LLM(path, **options)
+
+
+def reference_adjust(logits: torch.Tensor, prompt: list[int], output: list[int], params: SamplingParams,
+                     stop_ids: set[int], bad_words: list[list[int]]) -> torch.Tensor:
+    """vLLM's definitions, token by token: bad words, logit bias, min_tokens, then repetition
+    (prompt and output), frequency and presence (output)."""
+    x = logits.clone().float()
+    for word in bad_words:
+        prefix = word[:-1]
+        if len(word) <= len(output) + 1 and (not prefix or output[len(output) - len(prefix):] == prefix):
+            x[word[-1]] = float("-inf")
+    for token, bias in params.logit_bias:
+        x[token] += bias
+    if len(output) < params.min_tokens:
+        for token in stop_ids:
+            x[token] = float("-inf")
+    rep = params.repetition_penalty if params.repetition_penalty is not None else 1.0
+    for token in set(prompt) | set(output):
+        x[token] = x[token] / rep if x[token] > 0 else x[token] * rep
+    for token in set(output):
+        x[token] = x[token] - (params.frequency_penalty or 0.0) * output.count(token)
+        x[token] = x[token] - (params.presence_penalty or 0.0)
+    return x
+
+
+def random_params(rng: random.Random, greedy: bool, max_tokens: int = 10) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=0.0 if greedy else 0.9, seed=rng.randrange(2**31), ignore_eos=True,
+        repetition_penalty=rng.choice([1.0, rng.uniform(1.1, 2.0), rng.uniform(0.5, 0.9)]),
+        presence_penalty=rng.uniform(-2, 2), frequency_penalty=rng.uniform(-2, 2),
+        logit_bias={rng.randrange(VOCAB): rng.uniform(-100, 100) for _ in range(rng.randint(0, 4))})
+
+
+def check_against_reference(llm: LLM, prompt: list[int], params: SamplingParams, output: list[int],
+                            bad_words: list[list[int]] = (), stop_ids: set[int] = frozenset()) -> None:
+    """Greedy, teacher-forced along the engine's tokens: each is the argmax of the reference's
+    adjusted logits at its position (up to float rounding: the engine's decode logits and
+    `score`'s prefill logits agree to ~1e-6)."""
+    logits = llm.score(prompt + output[:-1])[len(prompt) - 1:]                     # [len(output), V]
+    for step, token in enumerate(output):
+        x = reference_adjust(logits[step], prompt, output[:step], params, stop_ids, bad_words)
+        assert x[token] >= x.max() - 1e-4, f"step {step}: {token} is not the penalized argmax {int(x.argmax())}"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_greedy_penalties_and_bias_equal_the_reference(path, seed):
+    rng = random.Random(seed)
+    llm = _llm(path, num_draft_tokens=0)
+    for _ in range(3):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))]
+        params = random_params(rng, greedy=True, max_tokens=12)
+        output = llm.generate(prompt, params)[0].token_ids
+        check_against_reference(llm, prompt, params, output)
+    # Strong penalties change the output (the check above can fail).
+    plain = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids
+    strong = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, frequency_penalty=2.0,
+                            repetition_penalty=2.0, logit_bias={plain[1]: -100})
+    assert llm.generate(prompt, strong)[0].token_ids != plain
+
+
+def test_sampled_penalties_equal_the_seeded_reference(path):
+    """Seeded sampling of a penalized row draws the race of the sampling kernels' reference
+    over the penalized logits, at every position (the seed and the position only)."""
+    rng = random.Random(7)
+    llm = _llm(path, num_draft_tokens=0)
+    for _ in range(3):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))]
+        params = random_params(rng, greedy=False, max_tokens=10)
+        output = llm.generate(prompt, params)[0].token_ids
+        logits = llm.score(prompt + output[:-1])[len(prompt) - 1:]
+        column = lambda value, dtype: torch.tensor([value], dtype=dtype)  # noqa: E731
+        for step, token in enumerate(output):
+            x = reference_adjust(logits[step], prompt, output[:step], params, set(), [])
+            expected, _ = sample_reference(x[None], column(params.temperature, torch.float32),
+                                           column(0, torch.int64), column(1.0, torch.float32),
+                                           column(0.0, torch.float32), column(params.seed, torch.int64),
+                                           column(len(prompt) + step, torch.int64))
+            assert token == int(expected), f"step {step}"
+
+
+def test_min_tokens_and_bad_words(path):
+    llm = _llm(path, num_draft_tokens=0)
+    tokenizer = llm.tokenizer
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompt = tokenizer.encode("hello world, the cat")
+    plain = llm.generate(prompt, greedy)[0].token_ids
+    # min_tokens: the 3rd plain token declared a stop token is banned until 6 tokens are out.
+    stop = plain[2]
+    params = SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[stop], min_tokens=6, ignore_eos=True)
+    out = llm.generate(prompt, params)[0]
+    assert stop not in out.token_ids[:6] and out.token_ids[:2] == plain[:2]
+    check_against_reference(llm, prompt, params, out.token_ids, stop_ids={stop})
+    # bad words: a two-token and a one-token word that plain decoding generates.
+    def word_of(length):
+        for i in range(1, len(plain) - length + 1):
+            text = tokenizer.decode(plain[i:i + length])
+            if text.strip() and tokenizer.encode(text.lstrip()) == plain[i:i + length]:
+                return text
+        pytest.skip(f"no {length}-token word in the plain output")
+    two, one = word_of(2), word_of(1)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, bad_words=[two, one])
+    out = llm.generate(prompt, params)[0].token_ids
+    request_words = [list(w) for word in (two, one) for w in bad_word_token_ids(word, tokenizer)]
+    check_against_reference(llm, prompt, params, out, bad_words=request_words)
+    for word in request_words:
+        for i in range(len(out) - len(word) + 1):
+            assert out[i:i + len(word)] != word
+    assert out != plain
+
+
+def test_a_mixed_batch_gives_each_request_its_solo_output(path):
+    rng = random.Random(11)
+    llm = _llm(path, num_draft_tokens=0)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))] for _ in range(6)]
+    params = [random_params(rng, greedy=i % 2 == 0) if i < 4 else
+              SamplingParams(max_tokens=10, temperature=0.0 if i == 4 else 0.8, seed=i, ignore_eos=True)
+              for i in range(6)]
+    params[1] = SamplingParams(max_tokens=10, temperature=0.8, seed=5, ignore_eos=True,
+                               logit_bias={rng.randrange(VOCAB): 8.0 for _ in range(3)})
+    alone = [llm.generate(p, q)[0].token_ids for p, q in zip(prompts, params)]
+    together = [o.token_ids for o in llm.generate(prompts, params)]
+    assert together == alone
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_speculation_keeps_penalized_output(checkpoint, k):
+    """Greedy and seeded penalized requests: identical output with speculation at every
+    acceptance count (ScriptedDrafter) and without."""
+    path = checkpoint("qwen3_5")
+    rng = random.Random(20 + k)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))] for _ in range(4)]
+    params = [random_params(rng, greedy=i < 2, max_tokens=24) for i in range(4)]
+    params[0] = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, frequency_penalty=1.5,
+                               presence_penalty=0.5, repetition_penalty=1.3, min_tokens=5, bad_words=["ab c"])
+    plain = EngineCore(EngineConfig(model=path, num_draft_tokens=0))
+    base = [plain.add_request(p, q) for p, q in zip(prompts, params)]
+    while plain.has_work:
+        plain.step()
+    truth = {str(i): r.output_token_ids for i, r in enumerate(base)}
+    drafter = ScriptedDrafter(truth, seed=k)
+    core = EngineCore(EngineConfig(model=path, num_draft_tokens=k, adaptive_draft_length=False), edit_drafts=drafter)
+    requests = [core.add_request(p, q) for p, q in zip(prompts, params)]
+    while core.has_work:
+        core.step()
+    assert [r.output_token_ids for r in requests] == [r.output_token_ids for r in base]
+    assert set(drafter.forced) == set(range(k + 1))
+    assert_all_free(core)
+
+
+def test_sampling_params_validation():
+    for bad in (dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(repetition_penalty=0),
+                dict(logit_bias={1: 101}), dict(logit_bias={-1: 1}), dict(logit_bias={"x": 1}),
+                dict(min_tokens=-1), dict(min_tokens=20, max_tokens=10), dict(bad_words=[""])):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+
+
+def test_engine_rejects_bias_outside_the_vocabulary(path):
+    llm = _llm(path, num_draft_tokens=0)
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate([1, 2], SamplingParams(logit_bias={VOCAB: 1.0}))
+
+
+def test_generation_config_defaults(path, tmp_path):
+    """Unset fields take generation_config.json's values ("auto"), not with "none"; a
+    request's own value wins."""
+    with_defaults = tmp_path / "defaults"
+    shutil.copytree(path, with_defaults)
+    config = json.loads((with_defaults / "generation_config.json").read_text()) \
+        if (with_defaults / "generation_config.json").exists() else {}
+    config.update(temperature=0.0, frequency_penalty=2.0, repetition_penalty=0.2)
+    (with_defaults / "generation_config.json").write_text(json.dumps(config))
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    explicit = SamplingParams(max_tokens=12, temperature=0, frequency_penalty=2.0, repetition_penalty=0.2,
+                              ignore_eos=True)
+    plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    llm = LLM(with_defaults, num_draft_tokens=0)
+    assert llm.core.generation_defaults == dict(temperature=0.0, frequency_penalty=2.0, repetition_penalty=0.2)
+    reference = _llm(path, num_draft_tokens=0)
+    assert (llm.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
+            == reference.generate(prompt, explicit)[0].token_ids
+            != reference.generate(prompt, plain)[0].token_ids)
+    assert llm.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True, frequency_penalty=0.0,
+                                               repetition_penalty=1.0))[0].token_ids == \
+        reference.generate(prompt, plain)[0].token_ids
+    off = LLM(with_defaults, num_draft_tokens=0, generation_config="none")
+    assert not off.core.generation_defaults
+    seeded = SamplingParams(max_tokens=12, seed=3, ignore_eos=True)
+    assert off.generate(prompt, seeded)[0].token_ids == \
+        reference.generate(prompt, SamplingParams(max_tokens=12, seed=3, temperature=1.0, ignore_eos=True))[0].token_ids
