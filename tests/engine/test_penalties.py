@@ -218,3 +218,32 @@ def test_generation_config_defaults(path, tmp_path):
     seeded = SamplingParams(max_tokens=12, seed=3, ignore_eos=True)
     assert off.generate(prompt, seeded)[0].token_ids == \
         reference.generate(prompt, SamplingParams(max_tokens=12, seed=3, temperature=1.0, ignore_eos=True))[0].token_ids
+
+
+@pytest.mark.gpu
+def test_penalized_rows_through_the_cuda_graphs(checkpoint):
+    """On the GPU (float32, CUDA graphs, overlapped steps): a batch mixing penalized, biased and
+    plain rows gives the same tokens with speculation (real MTP drafts, graphs per (bucket, K))
+    as without, and the same as each request alone."""
+    path = checkpoint("qwen3_5", mtp_copy_of_last_layer=True, linear_key_head_dim=64, linear_value_head_dim=64)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 60))] for _ in range(8)]
+    params = [random_params(rng, greedy=i % 2 == 0, max_tokens=24) if i < 6 else
+              SamplingParams(max_tokens=24, temperature=0.0 if i == 6 else 0.8, seed=i, ignore_eos=True)
+              for i in range(8)]
+    options = dict(device="cuda", dtype="float32", max_num_seqs=8)
+    outputs = []
+    for drafts in (0, 3):
+        core = EngineCore(EngineConfig(model=path, num_draft_tokens=drafts, **options))
+        requests = [core.add_request(p, q) for p, q in zip(prompts, params)]
+        while core.has_work:
+            core.step()
+        outputs.append([r.output_token_ids for r in requests])
+        assert_all_free(core)
+    assert outputs[0] == outputs[1]
+    alone = EngineCore(EngineConfig(model=path, num_draft_tokens=0, **options))
+    for prompt, param, together in zip(prompts, params, outputs[0]):
+        request = alone.add_request(prompt, param)
+        while alone.has_work:
+            alone.step()
+        assert request.output_token_ids == together
