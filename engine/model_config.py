@@ -9,6 +9,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .quantization import Fp8Config
 
 # model_type -> family. The family decides the weight-name scheme and the MLP kind.
 SUPPORTED_MODEL_TYPES = {
@@ -63,6 +67,8 @@ class ModelConfig:
     num_mtp_layers: int = 0
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # Block-FP8 checkpoint (its quantization_config), None for unquantized weights.
+    quantization: Fp8Config | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -160,6 +166,11 @@ class ModelConfig:
             raise ConfigError(f"unsupported model_type {model_type!r}; deltaspec serves "
                               f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
         family = SUPPORTED_MODEL_TYPES[model_type]
+        # Before anything else: an unsupported quantization method is one line, not a
+        # complaint about its tensors later. (Imported here: quantization.py uses ConfigError.)
+        from .quantization import Fp8Config
+        quantization = Fp8Config.from_dict(raw.get("quantization_config")
+                                           or (raw.get("text_config") or {}).get("quantization_config"))
         # Multimodal Qwen3.5 checkpoints nest the language model under text_config; vision
         # settings are ignored. Top-level fields (tie_word_embeddings) still apply.
         text = dict(raw.get("text_config") or raw)
@@ -167,7 +178,7 @@ class ModelConfig:
             if key not in text and key in raw:
                 text[key] = raw[key]
         try:
-            return cls._from_text_config(model_type, family, text)
+            return cls._from_text_config(model_type, family, text, quantization)
         except KeyError as e:
             raise ConfigError(f"{model_type} config lacks required field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
@@ -176,7 +187,8 @@ class ModelConfig:
             raise ConfigError(f"{model_type} config has a malformed field: {e}") from None
 
     @classmethod
-    def _from_text_config(cls, model_type: str, family: str, c: dict) -> "ModelConfig":
+    def _from_text_config(cls, model_type: str, family: str, c: dict,
+                          quantization: "Fp8Config | None") -> "ModelConfig":
         num_layers = int(c["num_hidden_layers"])
         layer_types = c.get("layer_types")
         if layer_types is None:
@@ -228,4 +240,5 @@ class ModelConfig:
             num_mtp_layers=int(c.get("mtp_num_hidden_layers", c.get("num_nextn_predict_layers", 0)) or 0),
             eos_token_ids=eos_ids,
             bos_token_id=c.get("bos_token_id"),
+            quantization=quantization,
         )
