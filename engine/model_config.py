@@ -7,8 +7,15 @@ devices or the engine; derived sizes are properties so they can never disagree w
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..kernels.rope import Yarn
+
+if TYPE_CHECKING:
+    from .quantization import Fp8Config
 
 # model_type -> family. The family decides the weight-name scheme and the MLP kind.
 SUPPORTED_MODEL_TYPES = {
@@ -44,6 +51,8 @@ class ModelConfig:
     rope_theta: float
     partial_rotary_factor: float
     max_position_embeddings: int
+    # YaRN-scaled RoPE (rope_type "yarn"), None for default RoPE.
+    yarn: Yarn | None
     # Gated DeltaNet.
     linear_num_key_heads: int
     linear_num_value_heads: int
@@ -63,6 +72,8 @@ class ModelConfig:
     num_mtp_layers: int = 0
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # Block-FP8 checkpoint (its quantization_config), None for unquantized weights.
+    quantization: Fp8Config | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -160,6 +171,11 @@ class ModelConfig:
             raise ConfigError(f"unsupported model_type {model_type!r}; deltaspec serves "
                               f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
         family = SUPPORTED_MODEL_TYPES[model_type]
+        # Before anything else: an unsupported quantization method is one line, not a
+        # complaint about its tensors later. (Imported here: quantization.py uses ConfigError.)
+        from .quantization import Fp8Config
+        quantization = Fp8Config.from_dict(raw.get("quantization_config")
+                                           or (raw.get("text_config") or {}).get("quantization_config"))
         # Multimodal Qwen3.5 checkpoints nest the language model under text_config; vision
         # settings are ignored. Top-level fields (tie_word_embeddings) still apply.
         text = dict(raw.get("text_config") or raw)
@@ -167,7 +183,7 @@ class ModelConfig:
             if key not in text and key in raw:
                 text[key] = raw[key]
         try:
-            return cls._from_text_config(model_type, family, text)
+            return cls._from_text_config(model_type, family, text, quantization)
         except KeyError as e:
             raise ConfigError(f"{model_type} config lacks required field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
@@ -176,7 +192,8 @@ class ModelConfig:
             raise ConfigError(f"{model_type} config has a malformed field: {e}") from None
 
     @classmethod
-    def _from_text_config(cls, model_type: str, family: str, c: dict) -> "ModelConfig":
+    def _from_text_config(cls, model_type: str, family: str, c: dict,
+                          quantization: "Fp8Config | None") -> "ModelConfig":
         num_layers = int(c["num_hidden_layers"])
         layer_types = c.get("layer_types")
         if layer_types is None:
@@ -186,8 +203,8 @@ class ModelConfig:
         # Newer configs keep RoPE settings in rope_parameters (or rope_scaling); older ones flat.
         rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "mrope"):
-            raise ConfigError(f"unsupported rope_type {rope_type!r} (only default RoPE is served)")
+        if rope_type not in ("default", "mrope", "yarn"):
+            raise ConfigError(f"unsupported rope_type {rope_type!r} (deltaspec serves default and yarn RoPE)")
         rope_theta = float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
         partial = float(rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.25)))
         hidden = int(c["hidden_size"])
@@ -210,6 +227,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             partial_rotary_factor=partial,
             max_position_embeddings=int(c.get("max_position_embeddings", 32768)),
+            yarn=_yarn(rope, int(c.get("max_position_embeddings", 32768))) if rope_type == "yarn" else None,
             linear_num_key_heads=int(c["linear_num_key_heads"]),
             linear_num_value_heads=int(c["linear_num_value_heads"]),
             linear_key_head_dim=int(c["linear_key_head_dim"]),
@@ -228,4 +246,31 @@ class ModelConfig:
             num_mtp_layers=int(c.get("mtp_num_hidden_layers", c.get("num_nextn_predict_layers", 0)) or 0),
             eos_token_ids=eos_ids,
             bos_token_id=c.get("bos_token_id"),
+            quantization=quantization,
         )
+
+
+def _yarn(rope: dict, max_position_embeddings: int) -> Yarn:
+    """YaRN's parameters as HF's `_compute_yarn_parameters` reads them: factor defaults to
+    max_position_embeddings / original_max_position_embeddings, and attention_factor (the
+    cos/sin scale) to 0.1 ln(factor) + 1, or the ratio of two such terms with mscale and
+    mscale_all_dim."""
+    if "original_max_position_embeddings" not in rope:
+        raise ConfigError("yarn rope_parameters lack original_max_position_embeddings")
+    original = int(rope["original_max_position_embeddings"])
+    factor = rope.get("factor")
+    factor = float(factor) if factor is not None else max_position_embeddings / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    try:
+        return Yarn(factor=factor, original_max_position_embeddings=original,
+                    beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+                    attention_factor=float(attention_factor), truncate=bool(rope.get("truncate", True)))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

@@ -5,7 +5,9 @@ Handles both projection layouts (Qwen3-Next fused, grouped per key head `in_proj
 `model.language_model.` prefix of multimodal checkpoints (vision weights are skipped), MoE
 experts per expert or fused, tied embeddings, and optional `mtp.*` weights. Checkpoint names
 are first normalised to one canonical scheme; the model's `checkpoint_map` then says where each
-tensor goes. Any problem ends in one `WeightLoadError` listing every missing, unexpected or
+tensor goes. Block-FP8 checkpoints (engine/quantization.py) load as they are stored: float8
+weights, and their `weight_scale_inv` block scales repeated over each block's rows (so fused
+and regrouped projections split them row by row, as they split the weights). Any problem ends in one `WeightLoadError` listing every missing, unexpected or
 mis-shaped tensor. Knows nothing about the forward pass.
 """
 
@@ -21,11 +23,11 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from ..kernels import Ops
+from ..kernels.fp8 import FP8
 from .model_config import ModelConfig
 from .models import HybridLM
+from .quantization import canonical_module
 
-_PREFIX_REWRITES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-                    ("language_model.lm_head.", "lm_head."), ("model.mtp.", "mtp."))
 _VISION_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.")
 _PROGRESS_BAR_BYTES = 256 << 20
 
@@ -54,35 +56,43 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 def _canonical_name(name: str) -> str | None:
     """Strip layout prefixes; None for tensors deltaspec never uses (vision tower)."""
-    if name.startswith(_VISION_PREFIXES):
-        return None
-    for old, new in _PREFIX_REWRITES:
-        if name.startswith(old):
-            return new + name[len(old):]
-    return name
+    return None if name.startswith(_VISION_PREFIXES) else canonical_module(name)
+
+
+_FUSED_PROJECTIONS = ("in_proj_qkvz.weight", "in_proj_ba.weight",
+                      "in_proj_qkvz.weight_scale_inv", "in_proj_ba.weight_scale_inv")
+_SCALE_SUFFIX = ".weight_scale_inv"
 
 
 def _split_fused_projections(name: str, tensor: torch.Tensor, c: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Qwen3-Next stores q|k|v|z and b|a grouped per key head: [HK, (K, K, rV, rV), H] and
-    [HK, (r, r), H] with r = HV/HK. Yield the flat (Qwen3.5) layout instead."""
-    stem = name.rsplit(".", 2)[0]
+    [HK, (r, r), H] with r = HV/HK. Yield the flat (Qwen3.5) layout instead. A block scale
+    (already repeated over rows, maybe past the last row) is regrouped the same way; its
+    columns are H's blocks."""
+    stem, _, suffix = name.partition(".in_proj_")
+    projection, leaf = suffix.split(".", 1)
     hk, r = c.linear_num_key_heads, c.linear_num_value_heads // c.linear_num_key_heads
     dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
-    if name.endswith("in_proj_qkvz.weight"):
-        expected = (hk * (2 * dk + 2 * r * dv), c.hidden_size)
-        if tuple(tensor.shape) != expected:
-            raise _ShapeMismatch(name, expected, tuple(tensor.shape))
-        q, k, v, z = tensor.view(hk, -1, c.hidden_size).split((dk, dk, r * dv, r * dv), dim=1)
-        flat = lambda t: t.reshape(-1, c.hidden_size)
-        yield f"{stem}.in_proj_qkv.weight", torch.cat([flat(q), flat(k), flat(v)])
-        yield f"{stem}.in_proj_z.weight", flat(z)
+    is_scale = leaf == "weight_scale_inv"
+    columns = _block_count(c.hidden_size, c.quantization.weight_block_size[1]) if is_scale else c.hidden_size
+    num_rows = hk * (2 * dk + 2 * r * dv) if projection == "qkvz" else hk * 2 * r
+    if is_scale and tensor.shape[0] >= num_rows:
+        tensor = tensor[:num_rows]
+    if tuple(tensor.shape) != (num_rows, columns):
+        raise _ShapeMismatch(name, (num_rows, columns), tuple(tensor.shape))
+    flat = lambda t: t.reshape(-1, columns)
+    if projection == "qkvz":
+        q, k, v, z = tensor.view(hk, -1, columns).split((dk, dk, r * dv, r * dv), dim=1)
+        yield f"{stem}.in_proj_qkv.{leaf}", torch.cat([flat(q), flat(k), flat(v)])
+        yield f"{stem}.in_proj_z.{leaf}", flat(z)
     else:
-        expected = (hk * 2 * r, c.hidden_size)
-        if tuple(tensor.shape) != expected:
-            raise _ShapeMismatch(name, expected, tuple(tensor.shape))
-        b, a = tensor.view(hk, 2 * r, c.hidden_size).split((r, r), dim=1)
-        yield f"{stem}.in_proj_b.weight", b.reshape(-1, c.hidden_size)
-        yield f"{stem}.in_proj_a.weight", a.reshape(-1, c.hidden_size)
+        b, a = tensor.view(hk, 2 * r, columns).split((r, r), dim=1)
+        yield f"{stem}.in_proj_b.{leaf}", flat(b)
+        yield f"{stem}.in_proj_a.{leaf}", flat(a)
+
+
+def _block_count(size: int, block: int) -> int:
+    return -(-size // block)
 
 
 class _ShapeMismatch(Exception):
@@ -91,7 +101,11 @@ class _ShapeMismatch(Exception):
 
 
 def _normalise(name: str, tensor: torch.Tensor, c: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    if name.endswith(("in_proj_qkvz.weight", "in_proj_ba.weight")):
+    if name.endswith(_SCALE_SUFFIX) and c.quantization is not None and tensor.dim() == 2:
+        # [ceil(N / bn), KB] -> [ceil(N / bn) * bn, KB]: one scale per weight row; the copy
+        # trims the rows past N (kernels/fp8.py says why scales are kept per row).
+        tensor = tensor.float().repeat_interleave(c.quantization.weight_block_size[0], dim=0)
+    if name.endswith(_FUSED_PROJECTIONS) and (c.quantization is not None or not name.endswith(_SCALE_SUFFIX)):
         yield from _split_fused_projections(name, tensor, c)
     elif name.endswith("conv1d.weight") and tensor.dim() == 3:
         yield name, tensor.squeeze(1)   # [C, 1, W] depthwise conv -> [C, W]
@@ -155,7 +169,7 @@ def _fill(model: HybridLM, tensors: Iterable[tuple[str, torch.Tensor]], config: 
     params = dict(model.named_parameters())
     covered: dict[str, int] = defaultdict(int)
     seen: set[str] = set()
-    unexpected, mismatched, duplicated = [], [], []
+    unexpected, mismatched, duplicated, wrong_dtype = [], [], [], []
     for raw_name, tensor in tensors:
         name = _canonical_name(raw_name)
         if name is None or (name == "lm_head.weight" and model.lm_head is None) \
@@ -176,6 +190,12 @@ def _fill(model: HybridLM, tensors: Iterable[tuple[str, torch.Tensor]], config: 
             seen.add(canonical)
             param_name, index = mapping[canonical]
             target = params[param_name].data[index]
+            if canonical.endswith(_SCALE_SUFFIX):
+                piece = _trim_scale_rows(piece, target, config)
+            if (piece.dtype == FP8) != (target.dtype == FP8):
+                wrong_dtype.append(f"{raw_name}: {piece.dtype}, expected "
+                                   f"{'float8_e4m3fn' if target.dtype == FP8 else 'an unquantized float'}")
+                continue
             if target.shape != piece.shape:
                 mismatched.append(f"{canonical}: expected {list(target.shape)}, got {list(piece.shape)}")
                 continue
@@ -193,9 +213,23 @@ def _fill(model: HybridLM, tensors: Iterable[tuple[str, torch.Tensor]], config: 
         problems.append(f"unexpected tensors ({len(unexpected)}): " + ", ".join(unexpected))
     if duplicated:
         problems.append(f"tensors given twice ({len(duplicated)}): " + ", ".join(duplicated))
+    if wrong_dtype:
+        problems.append(f"tensors with the wrong dtype ({len(wrong_dtype)}): " + "; ".join(wrong_dtype))
+    if config.quantization is None and any(_SCALE_SUFFIX in line for line in unexpected):
+        problems.insert(0, "the checkpoint holds FP8 block scales (*.weight_scale_inv) but its config.json has "
+                           "no quantization_config: add the one published with the checkpoint")
     if problems:
         raise WeightLoadError(f"checkpoint does not match the {config.model_type} config:\n  "
                               + "\n  ".join(problems))
+
+
+def _trim_scale_rows(piece: torch.Tensor, target: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """A block scale repeated over ceil(N / bn) * bn rows -> N rows, when it has that many."""
+    block_rows = config.quantization.weight_block_size[0]
+    num_rows = target.shape[0]
+    if piece.dim() == target.dim() and piece.shape[0] == _block_count(num_rows, block_rows) * block_rows:
+        return piece[:num_rows]
+    return piece
 
 
 def _alternative_layout_complete(name: str, mapping: dict, seen: set[str]) -> bool:

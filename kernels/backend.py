@@ -17,6 +17,7 @@ import torch
 from .activation import silu_and_mul_reference
 from .attention import paged_attention_reference, write_kv_reference
 from .conv1d import causal_conv1d_decode_reference, causal_conv1d_prefill_reference
+from .fp8 import fp8_linear_reference, fp8_moe_experts_reference
 from .gdn_chunked import gdn_chunked_reference
 from .gdn_decode import gdn_decode_reference
 from .linear import linear_reference
@@ -30,6 +31,7 @@ from .sampling import sample_reference
 class Ops:
     name: str
     linear: Callable
+    fp8_linear: Callable
     rms_norm: Callable
     gated_rms_norm: Callable
     qk_norm_rope: Callable
@@ -42,12 +44,14 @@ class Ops:
     paged_attention: Callable
     moe_route: Callable
     moe_experts: Callable
+    fp8_moe_experts: Callable
     sample: Callable
 
 
 REFERENCE_OPS = Ops(
     name="torch",
     linear=linear_reference,
+    fp8_linear=fp8_linear_reference,
     rms_norm=rms_norm_reference,
     gated_rms_norm=gated_rms_norm_reference,
     qk_norm_rope=qk_norm_rope_reference,
@@ -60,21 +64,22 @@ REFERENCE_OPS = Ops(
     paged_attention=paged_attention_reference,
     moe_route=route_reference,
     moe_experts=moe_experts_reference,
+    fp8_moe_experts=fp8_moe_experts_reference,
     sample=sample_reference,
 )
-
 
 
 @cache
 def triton_ops() -> Ops:
     """The GPU table: Triton kernels where they exist; the remaining entries are the (batched,
     device-agnostic) torch references, listed here so the mix is visible in one place."""
-    from . import activation, attention, conv1d, gdn_chunked, gdn_decode, linear, moe, norms, rope, sampling
+    from . import activation, attention, conv1d, fp8, gdn_chunked, gdn_decode, linear, moe, norms, rope, sampling
 
     return replace(
         REFERENCE_OPS,
         name="triton",
         linear=linear.linear,
+        fp8_linear=fp8.fp8_linear,
         rms_norm=norms.rms_norm,
         gated_rms_norm=norms.gated_rms_norm,
         qk_norm_rope=rope.qk_norm_rope,
@@ -87,6 +92,9 @@ def triton_ops() -> Ops:
         paged_attention=attention.paged_attention,
         moe_route=moe.route,
         moe_experts=moe.moe_experts,
+        # No Triton FP8 expert kernel yet: the reference, which reads the expert counts on the
+        # host, so FP8 MoE models run eagerly only (not under CUDA graphs).
+        fp8_moe_experts=fp8.fp8_moe_experts_reference,
         sample=sampling.sample,
     )
 

@@ -2,13 +2,17 @@
 
 Gated attention normalises every query and key head with its own `(1 + w)` RMSNorm and then
 rotates only the first `rotary_dim` channels (partial RoPE, Qwen3.5: 0.25 of head_dim) with
-the rotate-half convention: pairs are (i, i + rotary_dim/2). `qk_norm_rope` is the Triton
+the rotate-half convention: pairs are (i, i + rotary_dim/2). Frequencies are RoPE's
+theta^(-2i / rotary_dim), or YaRN's blend of those and their interpolation (`Yarn`, with its
+cos/sin scale, as HF's `_compute_yarn_parameters`). `qk_norm_rope` is the Triton
 kernel (one launch for q and k), `qk_norm_rope_reference` its torch oracle. Knows nothing about
 the KV cache.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from functools import cache
 
 import torch
@@ -18,15 +22,55 @@ import triton.language as tl
 from .launch import dependent_prologue, pdl
 
 
-def rope_inv_freq(rotary_dim: int, theta: float, device: torch.device | str) -> torch.Tensor:
-    """[rotary_dim // 2] float32: theta^(-2i / rotary_dim)."""
-    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN context extension. Frequencies that turn fewer than beta_slow times over the
+    original context are interpolated (divided by factor), those turning more than beta_fast
+    times kept, with a linear ramp between; cos and sin are scaled by attention_factor (the
+    config resolves it from factor / mscale as HF does)."""
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        if not (self.factor > 0 and self.original_max_position_embeddings > 0 and self.beta_fast > 0
+                and self.beta_slow > 0 and self.attention_factor > 0):
+            raise ValueError(f"invalid YaRN parameters {self}")
+
+    def correction_range(self, rotary_dim: int, theta: float) -> tuple[float, float]:
+        """Frequency indices (of rotary_dim / 2) where the ramp from extrapolation to
+        interpolation starts and ends: dim i turns L / (2 pi theta^(2i/d)) times over L."""
+        def index(num_rotations: float) -> float:
+            return (rotary_dim * math.log(self.original_max_position_embeddings / (num_rotations * 2 * math.pi))
+                    / (2 * math.log(theta)))
+        low, high = index(self.beta_fast), index(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        return max(low, 0), min(high, rotary_dim - 1)
 
 
-def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions: [T] -> cos, sin: [T, rotary_dim // 2] float32."""
-    freqs = positions.float()[:, None] * rope_inv_freq(rotary_dim, theta, positions.device)[None, :]
-    return freqs.cos(), freqs.sin()
+def rope_inv_freq(rotary_dim: int, theta: float, device: torch.device | str, yarn: Yarn | None = None) -> torch.Tensor:
+    """[rotary_dim // 2] float32: theta^(-2i / rotary_dim), YaRN-blended when given."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
+    if yarn is None:
+        return inv_freq
+    low, high = yarn.correction_range(rotary_dim, theta)
+    high = high + 0.001 if low == high else high      # as HF: no division by zero
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    extrapolated = 1 - ramp        # 1: keep the frequency (fast dims), 0: interpolate it
+    return inv_freq / yarn.factor * (1 - extrapolated) + inv_freq * extrapolated
+
+
+def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float,
+                 yarn: Yarn | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: [T] -> cos, sin: [T, rotary_dim // 2] float32 (times YaRN's attention factor)."""
+    freqs = positions.float()[:, None] * rope_inv_freq(rotary_dim, theta, positions.device, yarn)[None, :]
+    if yarn is None:
+        return freqs.cos(), freqs.sin()
+    return freqs.cos() * yarn.attention_factor, freqs.sin() * yarn.attention_factor
 
 
 def _norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -45,9 +89,9 @@ def _norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: to
 
 def qk_norm_rope_reference(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
                            k_weight: torch.Tensor, positions: torch.Tensor, rotary_dim: int,
-                           theta: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                           theta: float, eps: float, yarn: Yarn | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq, D], k: [T, Hk, D], positions: [T]. Returns normalised, rotated (q, k)."""
-    cos, sin = rope_cos_sin(positions, rotary_dim, theta)
+    cos, sin = rope_cos_sin(positions, rotary_dim, theta, yarn)
     return _norm_rope(q, q_weight, cos, sin, eps), _norm_rope(k, k_weight, cos, sin, eps)
 
 
@@ -78,12 +122,13 @@ def _norm_rope_heads(x, weight, out, t, cos, sin, partner, sign, stride_t, strid
 
 @triton.jit
 def _qk_norm_rope_kernel(q, k, q_weight, k_weight, q_out, k_out, positions, inv_freq,
-                         stride_q_t, stride_q_h, stride_k_t, stride_k_h, eps,
+                         stride_q_t, stride_q_h, stride_k_t, stride_k_h, eps, attention_factor,
                          HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
                          BHQ: tl.constexpr, BHK: tl.constexpr, BD: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """One token: every q and k head. Channel i < R/2 pairs with i + R/2 (out = x1 c - x2 s),
     R/2 <= i < R with i - R/2 (out = x2 c + x1 s); angle = position * inv_freq[i mod R/2] in
-    float32, as the reference."""
+    float32, as the reference; the rotary channels' cos and sin scaled by attention_factor
+    (YaRN; 1.0 otherwise)."""
     dependent_prologue(DEPENDENT_LAUNCH)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BD)
@@ -94,16 +139,16 @@ def _qk_norm_rope_kernel(q, k, q_weight, k_weight, q_out, k_out, positions, inv_
     sign = tl.where(first, -1.0, 1.0)
     freq = tl.load(inv_freq + tl.where(first, offs, offs - half), mask=rotary, other=0.0)
     angle = tl.load(positions + t).to(tl.float32) * freq
-    cos = tl.where(rotary, tl.cos(angle), 1.0)
-    sin = tl.where(rotary, tl.sin(angle), 0.0)
+    cos = tl.where(rotary, tl.cos(angle) * attention_factor, 1.0)
+    sin = tl.where(rotary, tl.sin(angle) * attention_factor, 0.0)
     _norm_rope_heads(q, q_weight, q_out, t, cos, sin, partner, sign, stride_q_t, stride_q_h, eps, HQ, D, BHQ, BD)
     _norm_rope_heads(k, k_weight, k_out, t, cos, sin, partner, sign, stride_k_t, stride_k_h, eps, HK, D, BHK, BD)
 
 
 @cache
-def _inv_freq_table(rotary_dim: int, theta: float, device: torch.device) -> torch.Tensor:
-    """rope_inv_freq, computed once per (rotary_dim, theta, device) by the reference's own formula."""
-    return rope_inv_freq(rotary_dim, theta, device)
+def _inv_freq_table(rotary_dim: int, theta: float, device: torch.device, yarn: Yarn | None) -> torch.Tensor:
+    """rope_inv_freq, computed once per (rotary_dim, theta, device, yarn) by the reference's own formula."""
+    return rope_inv_freq(rotary_dim, theta, device, yarn)
 
 
 def _check_qk_norm_rope_args(q, k, q_weight, k_weight, positions, rotary_dim) -> None:
@@ -118,7 +163,8 @@ def _check_qk_norm_rope_args(q, k, q_weight, k_weight, positions, rotary_dim) ->
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                 positions: torch.Tensor, rotary_dim: int, theta: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 positions: torch.Tensor, rotary_dim: int, theta: float, eps: float,
+                 yarn: Yarn | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton qk_norm_rope_reference. q [T, Hq, D], k [T, Hk, D] may be strided views with unit
     stride along D (q is sliced from [q | gate] per head); positions [T] int. Returns contiguous
     (q, k). The first call per (rotary_dim, theta, device) builds the frequency table: do it
@@ -132,8 +178,8 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
         block_d = triton.next_power_of_2(head_dim)
         block_q = triton.next_power_of_2(num_q_heads)
         _qk_norm_rope_kernel[(num_tokens,)](
-            q, k, q_weight, k_weight, q_out, k_out, positions, _inv_freq_table(rotary_dim, theta, q.device),
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), eps,
+            q, k, q_weight, k_weight, q_out, k_out, positions, _inv_freq_table(rotary_dim, theta, q.device, yarn),
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), eps, 1.0 if yarn is None else yarn.attention_factor,
             HQ=num_q_heads, HK=num_k_heads, D=head_dim, R=rotary_dim, BHQ=block_q,
             BHK=triton.next_power_of_2(num_k_heads), BD=block_d,
             num_warps=min(8, max(1, block_q * block_d // 1024)), **pdl(q.device))

@@ -6,7 +6,8 @@ Qwen3-Next model through HF transformers, re-randomises every parameter from a s
 (so norms are not all ones, A_log is not HF's init, logits are O(1)), saves it with
 `save_pretrained`, and then rewrites the safetensors into the layout a test asks for: per-expert
 or fused MoE experts, with or without the `model.language_model.` prefix, plus `mtp.*` weights in
-their own shard.
+their own shard, optionally in the official block-FP8 layout (`fp8=True`);
+`dequantize_checkpoint` writes the same weights dequantized, as an unquantized checkpoint.
 
 Knows nothing about deltaspec: it only writes files the way HF and real Qwen checkpoints do.
 Must not import pytest (benchmarks and scripts use it too).
@@ -18,6 +19,7 @@ import copy
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -211,6 +213,75 @@ def _mtp_tensors(model: torch.nn.Module, hidden_size: int, copy_last_layer: bool
     return tensors
 
 
+# What the official FP8 checkpoints keep unquantized (their modules_to_not_convert names them):
+# embeddings, lm_head, the router, the shared-expert gate, the GDN b/a projections, mtp.fc.
+# Norms, conv1d, A_log and dt_bias are not 2-D weights and are never quantized.
+FP8_KEPT_MODULES = re.compile(r"(^|\.)(embed_tokens|lm_head|mlp\.gate|shared_expert_gate|in_proj_a|in_proj_b|in_proj_ba|"
+                              r"mtp\.fc)$")
+FP8_MAX = 448.0
+
+
+def quantize_block_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (float8_e4m3fn [N, K], weight_scale_inv [ceil(N/bn), ceil(K/bk)] float32)
+    with weight ~= fp8.float() * scale_inv over bn x bk blocks (each block's amax maps to 448)."""
+    rows, columns = weight.shape
+    bn, bk = block
+    nb, kb = -(-rows // bn), -(-columns // bk)
+    padded = weight.float().new_zeros(nb * bn, kb * bk)
+    padded[:rows, :columns] = weight.float()
+    blocks = padded.view(nb, bn, kb, bk)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    quantized = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return quantized.view(nb * bn, kb * bk)[:rows, :columns].contiguous(), scale
+
+
+def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    rows, columns = weight.shape
+    bn, bk = block
+    expanded = scale_inv.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:rows, :columns]
+    return weight.float() * expanded
+
+
+def _to_fp8(tensors: dict[str, tuple[str, torch.Tensor]], block: tuple[int, int],
+            extra_kept: tuple[str, ...]) -> tuple[dict[str, tuple[str, torch.Tensor]], list[str]]:
+    """Quantize every 2-D projection weight outside the kept modules; returns the new tensors and
+    modules_to_not_convert (every kept projection, as the published configs list them)."""
+    result, kept = {}, []
+    for name, (file, tensor) in tensors.items():
+        module = name.removesuffix(".weight")
+        is_projection = name.endswith(".weight") and tensor.dim() == 2
+        if is_projection and (FP8_KEPT_MODULES.search(module) or module in extra_kept):
+            kept.append(module)
+        if is_projection and module not in kept:
+            weight, scale_inv = quantize_block_fp8(tensor, block)
+            result[name] = (file, weight)
+            result[f"{module}.weight_scale_inv"] = (file, scale_inv)
+        else:
+            result[name] = (file, tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor)
+    return result, sorted(kept)
+
+
+def dequantize_checkpoint(source: Path, destination: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """The FP8 checkpoint at `source` with every weight dequantized (w.float() * scale_inv) and
+    every tensor in `dtype`, without quantization_config: the same model, unquantized."""
+    source, destination = Path(source), Path(destination)
+    shutil.copytree(source, destination, dirs_exist_ok=True)
+    config_path = destination / "config.json"
+    config = json.loads(config_path.read_text())
+    block = tuple(config.pop("quantization_config")["weight_block_size"])
+    tensors = _read_checkpoint(source)
+    result = {}
+    for name, (file, tensor) in tensors.items():
+        if name.endswith(".weight_scale_inv"):
+            continue
+        scale = tensors.get(name.removesuffix(".weight") + ".weight_scale_inv")
+        value = dequantize_block_fp8(tensor, scale[1], block) if scale is not None else tensor.float()
+        result[name] = (file, value.to(dtype))
+    _write_checkpoint(destination, result)
+    config_path.write_text(json.dumps(config, indent=2))
+    return destination
+
+
 def _read_checkpoint(directory: Path) -> dict[str, tuple[str, torch.Tensor]]:
     index_path = directory / INDEX_FILE
     if index_path.exists():
@@ -255,6 +326,9 @@ def make_checkpoint(
     language_model_prefix: bool = False,
     max_shard_size: int | str | None = None,
     dtype: torch.dtype = torch.float32,
+    fp8: bool = False,
+    fp8_block_size: tuple[int, int] = (128, 128),
+    fp8_not_converted: tuple[str, ...] = (),
     **config_overrides,
 ) -> Path:
     """Write a tiny random `family` checkpoint (+ tokenizer) into `directory` and return it.
@@ -262,10 +336,15 @@ def make_checkpoint(
     moe_layout: "per_expert" (`mlp.experts.N.{gate,up,down}_proj.weight`, as HF saves) or
     "fused" (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]).
     language_model_prefix: store `model.*` as `model.language_model.*` (multimodal Qwen3.5).
+    fp8: the official block-FP8 layout (float8_e4m3fn projections with `weight_scale_inv`
+    [ceil(out/bn), ceil(in/bk)], experts per expert, the kept modules and every other tensor in
+    bf16, `quantization_config` in config.json); fp8_not_converted adds modules kept in bf16.
     config_overrides go to the HF config (e.g. num_hidden_layers=8, layer_types=[...]).
     """
     if moe_layout not in ("per_expert", "fused"):
         raise ValueError(f"moe_layout must be 'per_expert' or 'fused', got {moe_layout!r}")
+    if fp8 and moe_layout != "per_expert":
+        raise ValueError("FP8 checkpoints store experts per expert")
     directory = Path(directory)
     config_class, model_class = _model_classes(family)
     make_tokenizer(directory)
@@ -289,15 +368,22 @@ def make_checkpoint(
         tensors.update({name: (MTP_SHARD, tensor.to(dtype)) for name, tensor in mtp.items()})
     if moe_layout == "fused":
         tensors = _fuse_experts(tensors)
+    if fp8:
+        tensors, not_converted = _to_fp8(tensors, fp8_block_size, fp8_not_converted)
     if language_model_prefix:
         tensors = {re.sub(r"^model\.", "model.language_model.", name): value for name, value in tensors.items()}
     _write_checkpoint(directory, tensors)
 
+    config_path = directory / "config.json"
+    saved = json.loads(config_path.read_text())
     if with_mtp:
-        config_path = directory / "config.json"
-        saved = json.loads(config_path.read_text())
         saved[MTP_CONFIG_KEY[family]] = 1
-        config_path.write_text(json.dumps(saved, indent=2))
+    if fp8:
+        prefix = (lambda m: re.sub(r"^model\.", "model.language_model.", m)) if language_model_prefix else str
+        saved["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                        "weight_block_size": list(fp8_block_size),
+                                        "modules_to_not_convert": [prefix(m) for m in not_converted]}
+    config_path.write_text(json.dumps(saved, indent=2))
     return directory
 
 

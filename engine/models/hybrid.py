@@ -27,7 +27,7 @@ class HybridLM(nn.Module):
         c = config
         self.embed_tokens = _param(c.vocab_size, c.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(c, is_gdn=t == "linear_attention", is_moe=c.is_moe_layer(i), dtype=dtype)
+            DecoderLayer(c, f"model.layers.{i}", is_gdn=t == "linear_attention", is_moe=c.is_moe_layer(i), dtype=dtype)
             for i, t in enumerate(c.layer_types))
         self.norm = _param(c.hidden_size, dtype=dtype)
         self.lm_head = None if c.tie_word_embeddings else _param(c.vocab_size, c.hidden_size, dtype=dtype)
@@ -53,9 +53,9 @@ class HybridLM(nn.Module):
         if self.lm_head is not None:
             mapping["lm_head.weight"] = ("lm_head", ALL)
         for i, layer in enumerate(self.layers):
-            mapping.update(layer.checkpoint_map(f"model.layers.{i}", f"layers.{i}"))
+            mapping.update(layer.checkpoint_map(f"layers.{i}"))
         if self.mtp is not None:
-            mapping.update(self.mtp.checkpoint_map("mtp", "mtp"))
+            mapping.update(self.mtp.checkpoint_map("mtp"))
         return mapping
 
     def forward(self, batch: ForwardBatch, states: StatePool, kv: KVPool) -> torch.Tensor:

@@ -2,17 +2,21 @@
 the decoder layer that wraps them. Every heavy op goes through the `Ops` table, dense
 projections too (`ops.linear`: a skinny-GEMM kernel for decode batches, cuBLAS otherwise).
 
-Parameters are stored fused for one GEMM each (GDN q|k|v|z|b|a, attention q+gate|k|v, MLP
-gate|up); `checkpoint_map` says which checkpoint tensor fills which region, so the loader
-needs no knowledge of the modules. Knows nothing about checkpoint files or scheduling.
+Projections are `Linear`s stored fused for one GEMM each (GDN q|k|v|z|b|a, attention
+q+gate|k|v, MLP gate|up); `checkpoint_map` says which checkpoint tensor fills which region, so
+the loader needs no knowledge of the modules. Each module is built with its checkpoint name
+(`src`), which decides, for an FP8 checkpoint, whether a projection is stored in FP8 with block
+scales (engine/quantization.py). Knows nothing about checkpoint files or scheduling.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
 from torch import nn
 
 from ...kernels import Ops
+from ...kernels.fp8 import FP8
 from ..batch import ForwardBatch, PrefillCheckpoints
 from ..model_config import ModelConfig
 from ..state_pool import GDNLayerState, KVLayer
@@ -42,36 +46,76 @@ def _rows(start: int, size: int) -> tuple:
     return (slice(start, start + size),)
 
 
-class GatedDeltaNet(nn.Module):
-    def __init__(self, c: ModelConfig, dtype: torch.dtype) -> None:
+def _is_fp8(c: ModelConfig, modules) -> bool:
+    return c.quantization is not None and c.quantization.quantizes_all(modules)
+
+
+class Linear(nn.Module):
+    """y = x W^T for the checkpoint projections `parts` (module name -> rows), stacked in order.
+
+    W is `weight` [N, K] in the model dtype, or, when the checkpoint stores these projections in
+    FP8, float8_e4m3fn with `weight_scale` [N, ceil(K / G)] float32 (each checkpoint block
+    scale repeated over its rows: see kernels/fp8.py). No dequantized copy is kept."""
+
+    def __init__(self, c: ModelConfig, parts: dict[str, int], in_features: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.c = c
+        self.parts = parts
+        num_rows = sum(parts.values())
+        if _is_fp8(c, parts):
+            self.group_size = c.quantization.group_size
+            self.weight = _param(num_rows, in_features, dtype=FP8)
+            self.weight_scale = _param(num_rows, triton.cdiv(in_features, self.group_size), dtype=torch.float32)
+        else:
+            self.group_size = 0
+            self.weight = _param(num_rows, in_features, dtype=dtype)
+            self.weight_scale = None
+
+    def checkpoint_map(self, dst: str) -> CheckpointMap:
+        mapping, start = {}, 0
+        for module, num_rows in self.parts.items():
+            mapping[f"{module}.weight"] = (f"{dst}.weight", _rows(start, num_rows))
+            if self.weight_scale is not None:
+                mapping[f"{module}.weight_scale_inv"] = (f"{dst}.weight_scale", _rows(start, num_rows))
+            start += num_rows
+        return mapping
+
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        if self.weight_scale is None:
+            return ops.linear(x, self.weight)
+        return ops.fp8_linear(x, self.weight, self.weight_scale, self.group_size)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, c: ModelConfig, src: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.c, self.src = c, src
         hv = c.linear_num_value_heads
-        # in_proj rows: q | k | v (the conv channels) | z | b | a
+        # in_proj rows: q | k | v (the conv channels) | z | b | a. FP8 checkpoints keep b and a
+        # in bf16: then they are a second, small projection in_proj_ba.
         self.splits = (c.conv_dim, c.linear_value_dim, hv, hv)
-        self.in_proj = _param(sum(self.splits), c.hidden_size, dtype=dtype)
+        qkvz = {f"{src}.in_proj_qkv": c.conv_dim, f"{src}.in_proj_z": c.linear_value_dim}
+        ba = {f"{src}.in_proj_b": hv, f"{src}.in_proj_a": hv}
+        if _is_fp8(c, qkvz) == _is_fp8(c, ba):
+            self.in_proj, self.in_proj_ba = Linear(c, {**qkvz, **ba}, c.hidden_size, dtype), None
+        else:
+            self.in_proj, self.in_proj_ba = Linear(c, qkvz, c.hidden_size, dtype), Linear(c, ba, c.hidden_size, dtype)
         self.conv_weight = _param(c.conv_dim, c.linear_conv_kernel_dim, dtype=dtype)
         # Gating parameters stay float32: g = -exp(A_log) * softplus(a + dt_bias) is computed there.
         self.A_log = _param(hv, dtype=torch.float32)
         self.dt_bias = _param(hv, dtype=torch.float32)
         self.norm_weight = _param(c.linear_value_head_dim, dtype=dtype)
-        self.out_proj = _param(c.hidden_size, c.linear_value_dim, dtype=dtype)
+        self.out_proj = Linear(c, {f"{src}.out_proj": c.hidden_size}, c.linear_value_dim, dtype)
 
-    def checkpoint_map(self, src: str, dst: str) -> CheckpointMap:
-        c = self.c
+    def checkpoint_map(self, dst: str) -> CheckpointMap:
+        src = self.src
         return {
-            f"{src}.in_proj_qkv.weight": (f"{dst}.in_proj", _rows(0, c.conv_dim)),
-            f"{src}.in_proj_z.weight": (f"{dst}.in_proj", _rows(c.conv_dim, c.linear_value_dim)),
-            f"{src}.in_proj_b.weight": (f"{dst}.in_proj", _rows(c.conv_dim + c.linear_value_dim,
-                                                                 c.linear_num_value_heads)),
-            f"{src}.in_proj_a.weight": (f"{dst}.in_proj", _rows(c.conv_dim + c.linear_value_dim
-                                                                 + c.linear_num_value_heads,
-                                                                 c.linear_num_value_heads)),
+            **self.in_proj.checkpoint_map(f"{dst}.in_proj"),
+            **(self.in_proj_ba.checkpoint_map(f"{dst}.in_proj_ba") if self.in_proj_ba is not None else {}),
+            **self.out_proj.checkpoint_map(f"{dst}.out_proj"),
             f"{src}.conv1d.weight": (f"{dst}.conv_weight", ALL),
             f"{src}.A_log": (f"{dst}.A_log", ALL),
             f"{src}.dt_bias": (f"{dst}.dt_bias", ALL),
             f"{src}.norm.weight": (f"{dst}.norm_weight", ALL),
-            f"{src}.out_proj.weight": (f"{dst}.out_proj", ALL),
         }
 
     def _split_heads(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -84,7 +128,11 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state: GDNLayerState, ops: Ops) -> torch.Tensor:
         c, num_tokens = self.c, x.shape[0]
-        mixed, z, b, a = ops.linear(x, self.in_proj).split(self.splits, dim=-1)
+        if self.in_proj_ba is None:
+            mixed, z, b, a = self.in_proj(x, ops).split(self.splits, dim=-1)
+        else:
+            mixed, z = self.in_proj(x, ops).split(self.splits[:2], dim=-1)
+            b, a = self.in_proj_ba(x, ops).split(self.splits[2:], dim=-1)
         # No copies: the conv kernels read mixed (the q|k|v columns of the projection, a strided
         # view) where it lies, and every kernel writes its row group's rows of the step buffers.
         conv_out = x.new_empty(num_tokens, c.conv_dim)
@@ -122,100 +170,110 @@ class GatedDeltaNet(nn.Module):
                 state.conv[written.slots] = checkpoint_conv_windows(mixed[span], written, state.conv)
         gate = z.reshape(num_tokens, c.linear_num_value_heads, c.linear_value_head_dim)
         core = ops.gated_rms_norm(core, gate, self.norm_weight, c.rms_norm_eps)
-        return ops.linear(core.reshape(num_tokens, -1), self.out_proj)
+        return self.out_proj(core.reshape(num_tokens, -1), ops)
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, c: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, c: ModelConfig, src: str, dtype: torch.dtype) -> None:
         super().__init__()
-        self.c = c
+        self.c, self.src = c, src
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         # qkv_proj rows: [q_h | gate_h] per head (as q_proj stores them) | k | v
         self.splits = (2 * hq * d, hkv * d, hkv * d)
-        self.qkv_proj = _param(sum(self.splits), c.hidden_size, dtype=dtype)
+        q, kv, _ = self.splits
+        self.qkv_proj = Linear(c, {f"{src}.q_proj": q, f"{src}.k_proj": kv, f"{src}.v_proj": kv}, c.hidden_size, dtype)
         self.q_norm = _param(d, dtype=dtype)
         self.k_norm = _param(d, dtype=dtype)
-        self.o_proj = _param(c.hidden_size, hq * d, dtype=dtype)
+        self.o_proj = Linear(c, {f"{src}.o_proj": c.hidden_size}, hq * d, dtype)
 
-    def checkpoint_map(self, src: str, dst: str) -> CheckpointMap:
-        q, kv, _ = self.splits
+    def checkpoint_map(self, dst: str) -> CheckpointMap:
         return {
-            f"{src}.q_proj.weight": (f"{dst}.qkv_proj", _rows(0, q)),
-            f"{src}.k_proj.weight": (f"{dst}.qkv_proj", _rows(q, kv)),
-            f"{src}.v_proj.weight": (f"{dst}.qkv_proj", _rows(q + kv, kv)),
-            f"{src}.q_norm.weight": (f"{dst}.q_norm", ALL),
-            f"{src}.k_norm.weight": (f"{dst}.k_norm", ALL),
-            f"{src}.o_proj.weight": (f"{dst}.o_proj", ALL),
+            **self.qkv_proj.checkpoint_map(f"{dst}.qkv_proj"),
+            f"{self.src}.q_norm.weight": (f"{dst}.q_norm", ALL),
+            f"{self.src}.k_norm.weight": (f"{dst}.k_norm", ALL),
+            **self.o_proj.checkpoint_map(f"{dst}.o_proj"),
         }
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVLayer, ops: Ops) -> torch.Tensor:
         c, num_tokens = self.c, x.shape[0]
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        q_gate, k, v = ops.linear(x, self.qkv_proj).split(self.splits, dim=-1)
+        q_gate, k, v = self.qkv_proj(x, ops).split(self.splits, dim=-1)
         q_gate = q_gate.view(num_tokens, hq, 2 * d)
         q, gate = q_gate[..., :d], q_gate[..., d:]
         q, k = ops.qk_norm_rope(q, k.view(num_tokens, hkv, d), self.q_norm, self.k_norm, batch.positions,
-                                c.rotary_dim, c.rope_theta, c.rms_norm_eps)
+                                c.rotary_dim, c.rope_theta, c.rms_norm_eps, c.yarn)
         ops.write_kv(k, v.view(num_tokens, hkv, d), kv.k_cache, kv.v_cache, batch.slot_mapping)
         # attention * sigmoid(gate), the gate applied by the kernel that stores the output
         out = ops.paged_attention(q, kv.k_cache, kv.v_cache, batch.block_tables, batch.cu_seqlens, batch.context_lens,
                                   d ** -0.5, gate)
-        return ops.linear(out.reshape(num_tokens, hq * d), self.o_proj)
+        return self.o_proj(out.reshape(num_tokens, hq * d), ops)
 
 
 class DenseMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, c: ModelConfig, src: str, intermediate_size: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up = _param(2 * intermediate_size, hidden_size, dtype=dtype)
-        self.down = _param(hidden_size, intermediate_size, dtype=dtype)
+        i = intermediate_size
+        self.gate_up = Linear(c, {f"{src}.gate_proj": i, f"{src}.up_proj": i}, c.hidden_size, dtype)
+        self.down = Linear(c, {f"{src}.down_proj": c.hidden_size}, i, dtype)
 
-    def checkpoint_map(self, src: str, dst: str) -> CheckpointMap:
-        i = self.intermediate_size
-        return {
-            f"{src}.gate_proj.weight": (f"{dst}.gate_up", _rows(0, i)),
-            f"{src}.up_proj.weight": (f"{dst}.gate_up", _rows(i, i)),
-            f"{src}.down_proj.weight": (f"{dst}.down", ALL),
-        }
+    def checkpoint_map(self, dst: str) -> CheckpointMap:
+        return {**self.gate_up.checkpoint_map(f"{dst}.gate_up"), **self.down.checkpoint_map(f"{dst}.down")}
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        return ops.linear(ops.silu_and_mul(ops.linear(x, self.gate_up)), self.down)
+        return self.down(ops.silu_and_mul(self.gate_up(x, ops)), ops)
 
 
 class MoEMLP(nn.Module):
     """Routed experts + shared expert scaled by sigmoid(shared_expert_gate(x))."""
 
-    def __init__(self, c: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, c: ModelConfig, src: str, dtype: torch.dtype) -> None:
         super().__init__()
-        self.c = c
+        self.c, self.src = c, src
         e, i, h = c.num_experts, c.moe_intermediate_size, c.hidden_size
-        self.router = _param(e, h, dtype=dtype)
-        self.w_gate_up = _param(e, 2 * i, h, dtype=dtype)
-        self.w_down = _param(e, h, i, dtype=dtype)
-        self.shared = DenseMLP(h, c.shared_expert_intermediate_size, dtype)
-        self.shared_gate = _param(1, h, dtype=dtype)
+        self.router = Linear(c, {f"{src}.gate": e}, h, dtype)
+        expert_modules = [f"{src}.experts.{n}.{p}_proj" for n in range(e) for p in ("gate", "up", "down")]
+        if _is_fp8(c, expert_modules):
+            # FP8 experts (stored per expert) with their block scales repeated over rows.
+            g = self.group_size = c.quantization.group_size
+            self.w_gate_up = _param(e, 2 * i, h, dtype=FP8)
+            self.w_down = _param(e, h, i, dtype=FP8)
+            self.w_gate_up_scale = _param(e, 2 * i, triton.cdiv(h, g), dtype=torch.float32)
+            self.w_down_scale = _param(e, h, triton.cdiv(i, g), dtype=torch.float32)
+        else:
+            self.group_size = 0
+            self.w_gate_up = _param(e, 2 * i, h, dtype=dtype)
+            self.w_down = _param(e, h, i, dtype=dtype)
+            self.w_gate_up_scale = self.w_down_scale = None
+        self.shared = DenseMLP(c, f"{src}.shared_expert", c.shared_expert_intermediate_size, dtype)
+        self.shared_gate = Linear(c, {f"{src}.shared_expert_gate": 1}, h, dtype)
 
-    def checkpoint_map(self, src: str, dst: str) -> CheckpointMap:
-        i = self.c.moe_intermediate_size
+    def checkpoint_map(self, dst: str) -> CheckpointMap:
+        src, i = self.src, self.c.moe_intermediate_size
         mapping = {
-            f"{src}.gate.weight": (f"{dst}.router", ALL),
-            f"{src}.shared_expert_gate.weight": (f"{dst}.shared_gate", ALL),
+            **self.router.checkpoint_map(f"{dst}.router"),
+            **self.shared_gate.checkpoint_map(f"{dst}.shared_gate"),
             # Experts come either fused over all experts or one tensor per expert.
             f"{src}.experts.gate_up_proj": (f"{dst}.w_gate_up", ALL),
             f"{src}.experts.down_proj": (f"{dst}.w_down", ALL),
-            **self.shared.checkpoint_map(f"{src}.shared_expert", f"{dst}.shared"),
+            **self.shared.checkpoint_map(f"{dst}.shared"),
         }
         for e in range(self.c.num_experts):
-            mapping[f"{src}.experts.{e}.gate_proj.weight"] = (f"{dst}.w_gate_up", (e, slice(0, i)))
-            mapping[f"{src}.experts.{e}.up_proj.weight"] = (f"{dst}.w_gate_up", (e, slice(i, 2 * i)))
-            mapping[f"{src}.experts.{e}.down_proj.weight"] = (f"{dst}.w_down", (e,))
+            rows = {"gate": (e, slice(0, i)), "up": (e, slice(i, 2 * i)), "down": (e,)}
+            for projection, index in rows.items():
+                target = "w_down" if projection == "down" else "w_gate_up"
+                mapping[f"{src}.experts.{e}.{projection}_proj.weight"] = (f"{dst}.{target}", index)
+                if self.w_down_scale is not None:
+                    mapping[f"{src}.experts.{e}.{projection}_proj.weight_scale_inv"] = (f"{dst}.{target}_scale", index)
         return mapping
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        weights, experts = ops.moe_route(ops.linear(x, self.router), self.c.num_experts_per_tok,
-                                         self.c.norm_topk_prob)
-        routed = ops.moe_experts(x, weights, experts, self.w_gate_up, self.w_down)
-        return routed + torch.sigmoid(ops.linear(x, self.shared_gate)) * self.shared(x, ops)
+        weights, experts = ops.moe_route(self.router(x, ops), self.c.num_experts_per_tok, self.c.norm_topk_prob)
+        if self.w_down_scale is None:
+            routed = ops.moe_experts(x, weights, experts, self.w_gate_up, self.w_down)
+        else:
+            routed = ops.fp8_moe_experts(x, weights, experts, self.w_gate_up, self.w_gate_up_scale, self.w_down,
+                                         self.w_down_scale, self.group_size)
+        return routed + torch.sigmoid(self.shared_gate(x, ops)) * self.shared(x, ops)
 
 
 class DecoderLayer(nn.Module):
@@ -224,21 +282,22 @@ class DecoderLayer(nn.Module):
     The residual add is fused into the next RMSNorm, so a layer returns (mlp_out, residual) and
     the stream is materialised only inside the fused norm."""
 
-    def __init__(self, c: ModelConfig, is_gdn: bool, is_moe: bool, dtype: torch.dtype) -> None:
+    def __init__(self, c: ModelConfig, src: str, is_gdn: bool, is_moe: bool, dtype: torch.dtype) -> None:
         super().__init__()
-        self.eps = c.rms_norm_eps
+        self.eps, self.src = c.rms_norm_eps, src
         self.input_norm = _param(c.hidden_size, dtype=dtype)
         self.post_attention_norm = _param(c.hidden_size, dtype=dtype)
-        self.mixer = GatedDeltaNet(c, dtype) if is_gdn else GatedAttention(c, dtype)
-        self.mlp = MoEMLP(c, dtype) if is_moe else DenseMLP(c.hidden_size, c.intermediate_size, dtype)
+        self.mixer = GatedDeltaNet(c, f"{src}.linear_attn", dtype) if is_gdn else \
+            GatedAttention(c, f"{src}.self_attn", dtype)
+        self.mlp = MoEMLP(c, f"{src}.mlp", dtype) if is_moe else \
+            DenseMLP(c, f"{src}.mlp", c.intermediate_size, dtype)
 
-    def checkpoint_map(self, src: str, dst: str) -> CheckpointMap:
-        mixer_src = f"{src}.linear_attn" if isinstance(self.mixer, GatedDeltaNet) else f"{src}.self_attn"
+    def checkpoint_map(self, dst: str) -> CheckpointMap:
         return {
-            f"{src}.input_layernorm.weight": (f"{dst}.input_norm", ALL),
-            f"{src}.post_attention_layernorm.weight": (f"{dst}.post_attention_norm", ALL),
-            **self.mixer.checkpoint_map(mixer_src, f"{dst}.mixer"),
-            **self.mlp.checkpoint_map(f"{src}.mlp", f"{dst}.mlp"),
+            f"{self.src}.input_layernorm.weight": (f"{dst}.input_norm", ALL),
+            f"{self.src}.post_attention_layernorm.weight": (f"{dst}.post_attention_norm", ALL),
+            **self.mixer.checkpoint_map(f"{dst}.mixer"),
+            **self.mlp.checkpoint_map(f"{dst}.mlp"),
         }
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,

@@ -18,25 +18,26 @@ from ...kernels import Ops
 from ..batch import ForwardBatch
 from ..model_config import ModelConfig
 from ..state_pool import KVLayer
-from .layers import ALL, CheckpointMap, DecoderLayer, _param
+from .layers import ALL, CheckpointMap, DecoderLayer, Linear, _param
 
 
 class MTP(nn.Module):
     def __init__(self, c: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = c.rms_norm_eps
-        self.fc = _param(c.hidden_size, 2 * c.hidden_size, dtype=dtype)
+        self.fc = Linear(c, {"mtp.fc": c.hidden_size}, 2 * c.hidden_size, dtype)
         self.pre_fc_norm_embedding = _param(c.hidden_size, dtype=dtype)
         self.pre_fc_norm_hidden = _param(c.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(c, is_gdn=False, is_moe=c.mtp_is_moe, dtype=dtype)
-                                    for _ in range(max(c.num_mtp_layers, 1)))
+        self.layers = nn.ModuleList(DecoderLayer(c, f"mtp.layers.{j}", is_gdn=False, is_moe=c.mtp_is_moe, dtype=dtype)
+                                    for j in range(max(c.num_mtp_layers, 1)))
         self.norm = _param(c.hidden_size, dtype=dtype)
 
-    def checkpoint_map(self, src: str, dst: str) -> CheckpointMap:
-        mapping = {f"{src}.{name}.weight": (f"{dst}.{name}", ALL)
-                   for name in ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+    def checkpoint_map(self, dst: str) -> CheckpointMap:
+        mapping = {f"mtp.{name}.weight": (f"{dst}.{name}", ALL)
+                   for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+        mapping.update(self.fc.checkpoint_map(f"{dst}.fc"))
         for j, layer in enumerate(self.layers):
-            mapping.update(layer.checkpoint_map(f"{src}.layers.{j}", f"{dst}.layers.{j}"))
+            mapping.update(layer.checkpoint_map(f"{dst}.layers.{j}"))
         return mapping
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, embed_tokens: torch.Tensor,
@@ -45,7 +46,7 @@ class MTP(nn.Module):
         batch carries positions t and the MTP layer's KV metadata."""
         embedded, _ = ops.rms_norm(F.embedding(input_ids, embed_tokens), self.pre_fc_norm_embedding, self.eps)
         hidden, _ = ops.rms_norm(hidden, self.pre_fc_norm_hidden, self.eps)
-        x = ops.linear(torch.cat([embedded, hidden], dim=-1), self.fc)
+        x = self.fc(torch.cat([embedded, hidden], dim=-1), ops)
         x, residual = self.layers[layer](x, None, batch, kv, ops)
         out, _ = ops.rms_norm(x, self.norm, self.eps, residual)
         return out

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from deltaspec.kernels import REFERENCE_OPS
-from deltaspec.kernels.rope import qk_norm_rope, qk_norm_rope_reference
+from deltaspec.kernels.rope import Yarn, qk_norm_rope, qk_norm_rope_reference
 from kernel_helpers import TOLERANCE, assert_close, assert_close_elementwise, naive_rms, rope_case
 
 
@@ -80,3 +80,16 @@ def test_qk_norm_rope(kernel_device, rotary_dim):
     actual = qk_norm_rope(*args, rotary_dim, 10_000.0, 1e-6)
     for a, e, name in zip(actual, expected, "qk"):
         assert_close(a, e, TOLERANCE[torch.float32], name)
+
+
+def test_qk_norm_rope_yarn(kernel_device):
+    """YaRN: blended frequencies and the cos/sin attention factor, on the rotary channels only."""
+    args = rope_case(kernel_device, torch.float32, 6, 4, 2, 32, 5000, seed=95)
+    yarn = Yarn(factor=8.0, original_max_position_embeddings=64, beta_fast=16, beta_slow=1, attention_factor=1.2)
+    expected = qk_norm_rope_reference(*args, 16, 10_000.0, 1e-6, yarn)
+    actual = qk_norm_rope(*args, 16, 10_000.0, 1e-6, yarn)
+    for a, e, name in zip(actual, expected, "qk"):
+        assert_close(a, e, TOLERANCE[torch.float32], name)
+    plain = qk_norm_rope_reference(*args, 16, 10_000.0, 1e-6)
+    assert not torch.allclose(expected[0][..., :16], plain[0][..., :16])
+    assert torch.equal(expected[0][..., 16:], plain[0][..., 16:])
