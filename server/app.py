@@ -15,11 +15,13 @@ Knows the engine only through AsyncLLM's public API; knows nothing about process
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import hmac
 import importlib.metadata
 import logging
 import time
+import zlib
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -43,6 +45,8 @@ logger = logging.getLogger("deltaspec.server")
 _encoder = msgspec.json.Encoder()
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# The Content-Encodings a body may have: zlib's window bits for each (gzip's header: + 16).
+_ZLIB_WBITS = {"identity": None, "gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 # aiohttp's own refusals, as OpenAI-style error codes.
 _HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 try:
@@ -254,11 +258,25 @@ class OpenAIServer:
         return await handler(request)
 
     async def _decode(self, request: web.Request, request_type: type[msgspec.Struct]):
-        body = await request.read()
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in _ZLIB_WBITS:
+            raise APIError(415, f"Content-Encoding {encoding!r} is not supported (gzip, deflate or none)",
+                           code="unsupported_media_type")
+        # JSON travels as UTF-8 (RFC 8259 8.1): a body declared in another charset would be misread.
+        if request.charset is not None and not _is_utf8(request.charset):
+            raise APIError(415, f"charset {request.charset!r} is not supported: send JSON as UTF-8",
+                           code="unsupported_media_type")
+        body = await request.read()  # as sent: `serve.start` turns aiohttp's decompression off
+        if encoding != "identity":
+            body = _decompress(body, encoding, self.config.max_body_bytes)
         try:
             return msgspec.json.decode(body, type=request_type)
         except msgspec.DecodeError as error:
             raise decode_error(error) from error
+        except UnicodeDecodeError as error:  # msgspec checks UTF-8 only when it builds a string
+            raise APIError(400, f"request body is not valid UTF-8: {error}", code="invalid_json") from error
+        except RecursionError as error:  # JSON nested deeper than Python's recursion limit
+            raise APIError(400, "request body is nested too deeply", code="invalid_json") from error
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.model_name:
@@ -291,6 +309,28 @@ async def _send(response: web.StreamResponse, chunk: msgspec.Struct) -> None:
 
 def _json(body: msgspec.Struct, status: int = 200) -> web.Response:
     return web.Response(body=_encoder.encode(body), status=status, content_type="application/json")
+
+
+def _decompress(body: bytes, encoding: str, max_bytes: int) -> bytes:
+    """A gzip or deflate body, decompressed to at most max_bytes (a small bomb cannot fill memory)."""
+    decompressor = zlib.decompressobj(_ZLIB_WBITS[encoding])
+    try:
+        text = decompressor.decompress(body, max_bytes + 1)
+    except zlib.error as error:
+        raise APIError(400, f"the request body is not valid {encoding}: {error}", code="invalid_body") from error
+    if len(text) > max_bytes:
+        raise APIError(413, f"request body larger than {max_bytes} bytes once decompressed",
+                       code="request_too_large")
+    if not decompressor.eof:
+        raise APIError(400, f"the request body is a truncated {encoding} stream", code="invalid_body")
+    return text
+
+
+def _is_utf8(charset: str) -> bool:
+    try:
+        return codecs.lookup(charset).name == "utf-8"
+    except LookupError:
+        return False
 
 
 def _error_response(error: APIError) -> web.Response:

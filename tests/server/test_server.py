@@ -7,6 +7,7 @@ own beside it. Everything is greedy with small max_tokens. The `deltaspec serve`
 """
 
 import asyncio
+import gzip
 import json
 import time
 
@@ -247,6 +248,40 @@ async def test_bad_input_gets_an_openai_error_and_harms_nothing(http, base_url, 
     key = ("deltaspec_requests_total", (("route", "/v1/completions"), ("status", "400")))
     assert after[key] - before.get(key, 0) == sum(1 for r, _, s, _, _ in BAD_REQUESTS
                                                   if r == "/v1/completions" and s == 400) + 1
+
+
+# (route, body bytes, extra headers, status, a substring of the message)
+MALFORMED_BODIES = [
+    ("/v1/completions", b'{"prompt": "a\xff\xfeb"}', {}, 400, "not valid UTF-8"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\xffb"}]}', {}, 400, "not valid UTF-8"),
+    ("/v1/completions", '{"prompt": "caf\xe9"}'.encode("latin-1"),
+     {"Content-Type": "application/json; charset=latin-1"}, 415, "UTF-8"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"x": '
+     + b"[" * 100_000 + b"]" * 100_000 + b"}}", {}, 400, "nested too deeply"),
+    ("/v1/completions", b'{"prompt": "hi"}', {"Content-Encoding": "gzip"}, 400, "not valid gzip"),
+    ("/v1/completions", b'{"prompt": "hi"}', {"Content-Encoding": "zstd"}, 415, "not supported"),
+    ("/v1/completions", gzip.compress(b'{"prompt": "hi", "max_tokens": 2}')[:-8], {"Content-Encoding": "gzip"},
+     400, "truncated"),
+    ("/v1/completions", gzip.compress(b" " * (2 << 20) + b"{}"), {"Content-Encoding": "gzip"}, 413,
+     "once decompressed"),
+]
+
+
+async def test_malformed_bodies_get_4xx_without_a_traceback(http, base_url, engine, caplog):
+    for route, data, headers, status, message in MALFORMED_BODIES:
+        caplog.clear()
+        async with http.post(base_url + route, data=data, compress=False,
+                             headers={"Content-Type": "application/json", **headers}) as response:
+            error = await response.json()
+            case = f"{route} {data[:60]!r} {headers}: {response.status} {error}"
+            assert response.status == status and message in error["error"]["message"], case
+        await asyncio.sleep(0.05)  # aiohttp drains the body after the response
+        assert not [record for record in caplog.records if record.exc_info], case
+    body = gzip.compress(json.dumps({"prompt": "hi", **GREEDY}).encode())
+    async with http.post(f"{base_url}/v1/completions", data=body, compress=False,
+                         headers={"Content-Type": "application/json", "Content-Encoding": "gzip"}) as response:
+        assert response.status == 200 and (await response.json())["usage"]["completion_tokens"] >= 1
+    await wait_idle(engine)
 
 
 async def test_client_that_disconnects_aborts_its_request(client, http, base_url, engine):
