@@ -88,7 +88,7 @@ class OpenAIServer:
         arrival = time.monotonic()
         body = await self._decode(request, CompletionRequest)
         self._check_model(body.model)
-        engine_input = completion_input(body, self.engine.tokenizer)
+        engine_input = completion_input(body, self.engine.tokenizer, self.engine.max_model_len)
         return await self._generate(request, body, engine_input,
                                     CompletionRenderer(self.config.model_name, self.engine.tokenizer), arrival)
 
@@ -334,4 +334,6 @@ def _is_utf8(charset: str) -> bool:
 
 
 def _error_response(error: APIError) -> web.Response:
-    return _json(error.body(), error.status)
+    response = _json(error.body(), error.status)
+    response.headers.update(error.headers)
+    return response
