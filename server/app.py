@@ -22,7 +22,7 @@ import importlib.metadata
 import logging
 import time
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import msgspec
 from aiohttp import web
@@ -44,6 +44,7 @@ logger = logging.getLogger("deltaspec.server")
 
 _encoder = msgspec.json.Encoder()
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+_RETRY_AFTER_SECONDS = "1"  # on a 503: the queue moves every step
 _PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # The Content-Encodings a body may have: zlib's window bits for each (gzip's header: + 16).
 _ZLIB_WBITS = {"identity": None, "gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
@@ -61,6 +62,9 @@ class OpenAIServer:
         self.config = config
         self.metrics = ServerMetrics()
         self.in_flight: set[str] = set()  # engine request ids of the generation handlers running now
+        # Generation requests admitted and not yet answered (being tokenized, waiting or running):
+        # at most the engine's running requests plus config.max_waiting.
+        self.num_admitted = 0
         self._created = int(time.time())
         chat_template = engine.tokenizer.chat_template
         self.chat_parsers = ChatParsers(tool_call_parser_name(config.tool_call_parser, chat_template),
@@ -88,17 +92,20 @@ class OpenAIServer:
         arrival = time.monotonic()
         body = await self._decode(request, CompletionRequest)
         self._check_model(body.model)
-        engine_input = completion_input(body, self.engine.tokenizer, self.engine.max_model_len)
-        return await self._generate(request, body, engine_input,
-                                    CompletionRenderer(self.config.model_name, self.engine.tokenizer), arrival)
+        with self._admit():
+            engine_input = completion_input(body, self.engine.tokenizer, self.engine.max_model_len)
+            return await self._generate(request, body, engine_input,
+                                        CompletionRenderer(self.config.model_name, self.engine.tokenizer), arrival)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         arrival = time.monotonic()
         body = await self._decode(request, ChatCompletionRequest)
         self._check_model(body.model)
-        engine_input, output = chat_input(body, self.engine.tokenizer, self.engine.max_model_len, self.chat_parsers)
-        renderer = ChatRenderer(self.config.model_name, self.engine.tokenizer, ChatOutput(output))
-        return await self._generate(request, body, engine_input, renderer, arrival)
+        with self._admit():
+            engine_input, output = chat_input(body, self.engine.tokenizer, self.engine.max_model_len,
+                                              self.chat_parsers)
+            renderer = ChatRenderer(self.config.model_name, self.engine.tokenizer, ChatOutput(output))
+            return await self._generate(request, body, engine_input, renderer, arrival)
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await self._decode(request, TokenizeRequest)
@@ -137,10 +144,6 @@ class OpenAIServer:
 
     async def _generate(self, request: web.Request, body: SamplingFields, engine_input: EngineInput,
                         renderer: Renderer, arrival: float) -> web.StreamResponse:
-        num_waiting = self.engine.stats()["num_waiting"]
-        if num_waiting >= self.config.max_waiting:
-            raise APIError(503, f"the server is overloaded ({num_waiting} requests queued); retry later",
-                           code="overloaded")
         prompt_token_ids, params = engine_input.prompt_token_ids, engine_input.params
         deltas = self.engine.generate(prompt_token_ids, params, renderer.id)
         self.in_flight.add(renderer.id)
@@ -277,6 +280,22 @@ class OpenAIServer:
             raise APIError(400, f"request body is not valid UTF-8: {error}", code="invalid_json") from error
         except RecursionError as error:  # JSON nested deeper than Python's recursion limit
             raise APIError(400, "request body is nested too deeply", code="invalid_json") from error
+
+    @contextlib.contextmanager
+    def _admit(self) -> Iterator[None]:
+        """Hold one of the max_num_seqs + max_waiting places for a generation request while its
+        handler runs, or refuse it with a 503. Counted here, not from the engine's queue: the
+        engine queues every request until its next step, and a request being tokenized is not
+        in it yet."""
+        capacity = self.engine.max_num_seqs + self.config.max_waiting
+        if self.num_admitted >= capacity:
+            raise APIError(503, f"the server is overloaded ({self.num_admitted} requests running or queued); "
+                                f"retry later", code="overloaded", headers={"Retry-After": _RETRY_AFTER_SECONDS})
+        self.num_admitted += 1
+        try:
+            yield
+        finally:
+            self.num_admitted -= 1
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.model_name:

@@ -380,12 +380,34 @@ async def test_overload_gets_503_and_the_queue_recovers(checkpoint, http):
         while engine.stats()["num_waiting"] == 0:
             await asyncio.sleep(0.005)
         async with http.post(url, json={"prompt": "Hey", **GREEDY}) as response:
-            assert response.status == 503
+            assert response.status == 503 and response.headers["Retry-After"] == "1"
             assert (await response.json())["error"]["code"] == "overloaded"
         holder.close()  # hang up: the slot frees and the queued request runs
         async with await queued as response:
             assert response.status == 200
             assert (await response.json())["usage"]["completion_tokens"] >= 1
+        await wait_idle(engine)
+    finally:
+        await running.stop()
+        await engine.shutdown()
+
+
+async def test_admits_max_running_plus_max_waiting_at_once(checkpoint, http):
+    # Requests arriving together all sit in the engine's queue until its next step: the limit
+    # counts running and queued ones alike (2 + 3 here, as 64 + 256 with the CLI's defaults).
+    engine = AsyncLLM(checkpoint("qwen3_5"), max_model_len=MAX_MODEL_LEN, max_num_seqs=2)
+    running = await start(engine, ServerConfig(model_name=MODEL, port=0, max_waiting=3))
+    url = f"http://127.0.0.1:{running.port}/v1/completions"
+    body = {"prompt": "Hello", "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+
+    async def status(index: int) -> tuple[int, str | None]:
+        async with http.post(url, json={**body, "prompt": f"Hello {index}"}) as response:
+            await response.read()
+            return response.status, response.headers.get("Retry-After")
+
+    try:
+        statuses = await asyncio.gather(*(status(i) for i in range(8)))
+        assert sorted(statuses, key=str) == [(200, None)] * 5 + [(503, "1")] * 3
         await wait_idle(engine)
     finally:
         await running.stop()
