@@ -254,8 +254,10 @@ class OpenAIServer:
     async def _authenticate(self, request: web.Request, handler) -> web.StreamResponse:
         # /health and /metrics stay open for probes and scrapers.
         if self.config.api_key is not None and request.path not in ("/health", "/metrics"):
-            expected = f"Bearer {self.config.api_key}".encode()
-            if not hmac.compare_digest(request.headers.get("Authorization", "").encode(), expected):
+            # The scheme is case-insensitive (RFC 7235): "bearer KEY" is as good as "Bearer KEY".
+            scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(),
+                                                                    self.config.api_key.encode()):
                 raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
                                code="invalid_api_key")
         return await handler(request)

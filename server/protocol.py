@@ -38,7 +38,7 @@ class SamplingFields(Request, kw_only=True):
     model: str | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    temperature: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None  # OpenAI's range
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
     top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None
     min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
@@ -92,7 +92,7 @@ class ToolCall(Request):
 class ChatMessage(Request, kw_only=True):
     """Every field of an OpenAI chat message a chat template can use."""
 
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None

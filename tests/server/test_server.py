@@ -217,6 +217,13 @@ BAD_REQUESTS = [
      "max_completion_tokens", ">= 1"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "messages[0].content", "text only"),
+    ("/v1/completions", {"prompt": "hi", "temperature": 2.5}, 400, "temperature", "<= 2"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [100000]}, 400, None, "stop_token_ids outside"),
+    ("/v1/completions", {"prompt": "hi", "max_completion_tokens": 4}, 400, "max_completion_tokens", "unknown"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role",
+     "Invalid enum value 'wizard'"),
+    ("/v1/chat/completions", {"messages": [*ONE_MESSAGE, {"role": "tool", "content": "4"}]}, 400,
+     "messages[1].tool_call_id", "required"),
     ("/v1/nowhere", {"prompt": "hi"}, 404, None, "no route"),
 ]
 
@@ -364,6 +371,9 @@ async def test_api_key_guards_the_v1_routes(engine, http):
         async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="sesame", max_retries=0) as client:
             response = await client.completions.create(model=MODEL, prompt="hi", **GREEDY)
             assert response.choices[0].finish_reason in ("stop", "length")
+        # The scheme is case-insensitive (RFC 7235).
+        async with http.get(f"{base_url}/v1/models", headers={"Authorization": "bearer sesame"}) as response:
+            assert response.status == 200
     finally:
         await running.stop()
 
