@@ -133,9 +133,10 @@ class PrefixCache:
                  mtp: bool = False, host_capacity_bytes: int = 0,
                  checkpoint_bytes: Callable[[int], int] = lambda num_blocks: 0) -> None:
         """enabled: restore prefixes, write prompt checkpoints and keep finished requests (for
-        the next turn and `save`); off, a finished request's slot and blocks are freed at once. mtp: the engine speculates with the MTP layer, whose KV may be
-        one position behind a checkpoint. checkpoint_bytes(num_blocks): bytes a checkpoint with
-        that many KV blocks takes on the host (its slot's tensors + the blocks)."""
+        the next turn and `save`); off, a finished request's slot and blocks are freed at once.
+        mtp: the engine speculates with the MTP layer, whose KV may be one position behind a
+        checkpoint. checkpoint_bytes(num_blocks): bytes a checkpoint with that many KV blocks
+        takes on the host (its slot's tensors + the blocks)."""
         self.slots, self.blocks, self.mtp = slots, blocks, mtp
         self.block_size = blocks.block_size
         if checkpoint_interval % self.block_size:

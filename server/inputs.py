@@ -45,27 +45,34 @@ class EngineInput:
     params: SamplingParams
 
 
-def completion_input(request: CompletionRequest, tokenizer: PromptTokenizer, max_model_len: int) -> EngineInput:
+def completion_inputs(request: CompletionRequest, tokenizer: PromptTokenizer,
+                      max_model_len: int) -> list[EngineInput]:
+    """One engine input per prompt: `prompt` is one prompt (a string or token ids) or a list of
+    them (a batch, as LangChain sends it; choice i answers prompt i)."""
     _reject_unsupported(request, [
         ("echo", bool(request.echo), "the prompt is not echoed"),
         ("best_of", request.best_of not in (None, 1), "only best_of=1 is supported"),
         ("suffix", bool(request.suffix), "insertion (suffix) is not supported"),
     ])
+    inputs = []
+    for prompt in prompts(request):
+        token_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        room = max_model_len - len(token_ids)
+        max_tokens = request.max_tokens or max(1, min(DEFAULT_COMPLETION_MAX_TOKENS, room))
+        _check_context(len(token_ids), max_tokens, max_model_len, "prompt", "max_tokens")
+        inputs.append(EngineInput(token_ids, _sampling_params(request, max_tokens, request.logprobs)))
+    return inputs
+
+
+def prompts(request: CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts: a string, one prompt's token ids, or a list of either."""
     prompt = request.prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]  # a batch of one prompt
-    if isinstance(prompt, str):
-        token_ids = tokenizer.encode(prompt)
-    elif all(isinstance(t, int) for t in prompt):
-        token_ids = list(prompt)
-    else:
-        raise APIError(400, "prompt must be a string or one prompt's token ids; batches of prompts are "
-                            "not supported (send one request per prompt)", param="prompt",
-                       code="unsupported_parameter")
-    room = max_model_len - len(token_ids)
-    max_tokens = request.max_tokens or max(1, min(DEFAULT_COMPLETION_MAX_TOKENS, room))
-    _check_context(len(token_ids), max_tokens, max_model_len, "prompt", "max_tokens")
-    return EngineInput(token_ids, _sampling_params(request, max_tokens, request.logprobs))
+    if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt):
+        return [prompt]
+    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        return prompt
+    raise APIError(400, "prompt must be a string, a list of token ids, or a list of strings or of token-id "
+                        "lists (one prompt each)", param="prompt", code="invalid_value")
 
 
 @dataclass(frozen=True)

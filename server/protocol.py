@@ -56,8 +56,9 @@ class SamplingFields(Request, kw_only=True):
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
-    # A string or one prompt's token ids; lists of prompts (batches) are rejected in `inputs`.
-    prompt: str | list[TokenId | str]
+    # A string, one prompt's token ids, or a list of prompts (strings or token-id lists); `inputs`
+    # rejects a list that mixes them.
+    prompt: str | list[TokenId | str | list[TokenId]]
     echo: bool | None = None
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     best_of: int | None = None
@@ -195,6 +196,7 @@ class Completion(msgspec.Struct):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None
     object: Literal["text_completion"] = "text_completion"
 
 
@@ -250,6 +252,7 @@ class ChatCompletion(msgspec.Struct):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    system_fingerprint: str | None = None
     object: Literal["chat.completion"] = "chat.completion"
 
 
@@ -273,6 +276,7 @@ class ChatCompletionChunk(msgspec.Struct):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
 
 

@@ -95,6 +95,7 @@ async def test_completions_streamed_equals_non_streamed_with_usage(client, engin
     assert abs(response.created - time.time()) < 60
     [choice] = response.choices
     assert choice.finish_reason == "length" and choice.index == 0
+    assert response.system_fingerprint.startswith("deltaspec-")
     num_prompt_tokens = len(engine.tokenizer.encode(prompt))
     assert (response.usage.prompt_tokens, response.usage.completion_tokens, response.usage.total_tokens) == (
         num_prompt_tokens, 8, num_prompt_tokens + 8)
@@ -110,6 +111,32 @@ async def test_completions_streamed_equals_non_streamed_with_usage(client, engin
     assert all(chunk.choices[0].finish_reason is None for chunk in text_chunks[:-1])
     assert usage_chunk.choices == [] and usage_chunk.usage == response.usage
     assert all(chunk.usage is None for chunk in text_chunks)
+
+
+async def test_a_list_of_prompts_gets_a_choice_each(client, engine):
+    prompts = ["def fibonacci(n):", "Hello", "The engine schedules"]
+    alone = [await client.completions.create(model=MODEL, prompt=p, extra_body=IGNORE_EOS, **GREEDY) for p in prompts]
+    texts = [response.choices[0].text for response in alone]
+    batch = await client.completions.create(model=MODEL, prompt=prompts, extra_body=IGNORE_EOS, **GREEDY)
+    assert [(c.index, c.text, c.finish_reason) for c in batch.choices] == [
+        (index, text, "length") for index, text in enumerate(texts)]
+    num_prompt_tokens = sum(response.usage.prompt_tokens for response in alone)
+    assert (batch.usage.prompt_tokens, batch.usage.completion_tokens) == (num_prompt_tokens, 8 * len(prompts))
+    token_ids = [engine.tokenizer.encode(p) for p in prompts]
+    by_ids = await client.completions.create(model=MODEL, prompt=token_ids, extra_body=IGNORE_EOS, **GREEDY)
+    assert [c.text for c in by_ids.choices] == texts
+
+    stream = await client.completions.create(model=MODEL, prompt=prompts, stream=True, extra_body=IGNORE_EOS,
+                                             stream_options={"include_usage": True}, **GREEDY)
+    streamed, finish_reasons, usage = [""] * len(prompts), [None] * len(prompts), None
+    async for chunk in stream:
+        assert chunk.id == batch.id or chunk.id.startswith("cmpl-")
+        for choice in chunk.choices:  # each chunk carries its prompt's index
+            streamed[choice.index] += choice.text
+            finish_reasons[choice.index] = choice.finish_reason or finish_reasons[choice.index]
+        usage = chunk.usage or usage
+    assert streamed == texts and finish_reasons == ["length"] * len(prompts) and usage == batch.usage
+    await wait_idle(engine)
 
 
 async def test_chat_streamed_equals_non_streamed_with_usage(client, engine):
@@ -128,8 +155,14 @@ async def test_chat_streamed_equals_non_streamed_with_usage(client, engine):
     assert chunks[0].choices[0].delta.role == "assistant"
     *text_chunks, usage_chunk = chunks
     assert "".join(chunk.choices[0].delta.content or "" for chunk in text_chunks) == choice.message.content
-    assert text_chunks[-1].choices[0].finish_reason == choice.finish_reason
+    # As OpenAI sends it: the finish reason comes alone, in a last chunk with an empty delta.
+    *text_chunks, finish_chunk = text_chunks
+    assert finish_chunk.choices[0].finish_reason == choice.finish_reason
+    assert finish_chunk.choices[0].delta.content is None and finish_chunk.choices[0].delta.role is None
+    assert all(chunk.choices[0].finish_reason is None for chunk in text_chunks)
     assert usage_chunk.choices == [] and usage_chunk.usage == response.usage
+    assert response.system_fingerprint.startswith("deltaspec-")
+    assert {chunk.system_fingerprint for chunk in chunks} == {response.system_fingerprint}
 
 
 async def test_chat_default_max_tokens_fills_the_context(client):
@@ -158,6 +191,9 @@ async def test_sampling_parameters_reach_the_engine(client):
 async def test_models_and_health(client, http, base_url, engine):
     models = await client.models.list()
     assert [(m.id, m.object) for m in models.data] == [(MODEL, "model")]
+    assert await client.models.retrieve(MODEL) == models.data[0]
+    with pytest.raises(openai.NotFoundError):
+        await client.models.retrieve("org/other-model")
     assert models.data[0].model_extra["max_model_len"] == MAX_MODEL_LEN
     async with http.get(f"{base_url}/health") as response:
         assert response.status == 200 and (await response.json())["status"] == "ok"
@@ -199,7 +235,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs", "<= 20"),
     ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo", "not supported"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
-    ("/v1/completions", {"prompt": ["one", "two"]}, 400, "prompt", "batches"),
+    ("/v1/completions", {"prompt": ["one", [1, 2]]}, 400, "prompt", "list of strings or of token-id lists"),
+    ("/v1/completions", {"prompt": ["one", ""]}, 400, None, "empty"),
     ("/v1/completions", {"prompt": ""}, 400, None, "empty"),
     ("/v1/completions", {"prompt": [1, 100000]}, 400, None, "vocabulary"),
     ("/v1/completions", {"prompt": "word " * 400}, 400, "prompt", "maximum context length is 256 tokens"),
@@ -293,6 +330,30 @@ async def test_malformed_bodies_get_4xx_without_a_traceback(http, base_url, engi
     async with http.post(f"{base_url}/v1/completions", data=body, compress=False,
                          headers={"Content-Type": "application/json", "Content-Encoding": "gzip"}) as response:
         assert response.status == 200 and (await response.json())["usage"]["completion_tokens"] >= 1
+    await wait_idle(engine)
+
+
+async def test_tokenizing_long_prompts_leaves_the_loop_free(http, base_url, engine):
+    # Four ~1 MB prompts keep the tokenizer busy for seconds on a CPU; /health meanwhile answers
+    # promptly (the target is 50 ms on the GPU machine; 0.5 s on a shared test CPU).
+    async def post(index: int) -> int:
+        body = {"prompt": f"{index} " + "The quick brown fox jumps over the lazy dog. " * 22_000, "max_tokens": 1}
+        async with http.post(f"{base_url}/v1/completions", json=body) as response:
+            return response.status
+
+    posts = asyncio.gather(*(post(i) for i in range(4)))
+    await asyncio.sleep(0.2)  # the bodies are in, tokenizing
+    # The client shares the server's event loop here: a blocked loop shows as a long round
+    # (probe and pause), however short the probe itself looks.
+    rounds = []
+    while not posts.done():
+        start = time.monotonic()
+        async with http.get(f"{base_url}/health") as response:
+            assert response.status == 200
+        await asyncio.sleep(0.02)
+        rounds.append(time.monotonic() - start)
+    assert await posts == [400] * 4  # far over the context: refused once tokenized
+    assert len(rounds) >= 5 and max(rounds) < 0.5, rounds
     await wait_idle(engine)
 
 
