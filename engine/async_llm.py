@@ -56,6 +56,11 @@ class AsyncLLM:
         return self.core.generation_defaults
 
     @property
+    def max_num_seqs(self) -> int:
+        """Requests running at once at most; more wait in the engine's queue."""
+        return self.core.config.max_num_seqs
+
+    @property
     def max_model_len(self) -> int:
         """Tokens one request may hold at most: prompt plus output."""
         return self.core.max_model_len

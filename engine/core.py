@@ -167,6 +167,9 @@ class EngineCore:
                or not 0 <= t < self.model_config.vocab_size]
         if bad:
             raise ValueError(f"token ids outside the vocabulary [0, {self.model_config.vocab_size}): {bad[:8]}")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids outside the vocabulary [0, {self.model_config.vocab_size}): {bad[:8]}")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; the context limit is {self.max_model_len} "
                              f"(including at least one generated token)")

@@ -132,10 +132,11 @@ class PrefixCache:
     def __init__(self, slots: SlotAllocator, blocks: BlockAllocator, checkpoint_interval: int, enabled: bool = True,
                  mtp: bool = False, host_capacity_bytes: int = 0,
                  checkpoint_bytes: Callable[[int], int] = lambda num_blocks: 0) -> None:
-        """enabled: restore prefixes and write prompt checkpoints (finished requests are kept
-        either way, for `save`). mtp: the engine speculates with the MTP layer, whose KV may be
-        one position behind a checkpoint. checkpoint_bytes(num_blocks): bytes a checkpoint with
-        that many KV blocks takes on the host (its slot's tensors + the blocks)."""
+        """enabled: restore prefixes, write prompt checkpoints and keep finished requests (for
+        the next turn and `save`); off, a finished request's slot and blocks are freed at once.
+        mtp: the engine speculates with the MTP layer, whose KV may be one position behind a
+        checkpoint. checkpoint_bytes(num_blocks): bytes a checkpoint with that many KV blocks
+        takes on the host (its slot's tensors + the blocks)."""
         self.slots, self.blocks, self.mtp = slots, blocks, mtp
         self.block_size = blocks.block_size
         if checkpoint_interval % self.block_size:
@@ -228,6 +229,8 @@ class PrefixCache:
         """Take over a finished request's slot and the KV blocks covering token_ids, its
         committed tokens (one reference each), as their checkpoint; False (nothing taken) when
         that prefix is cached already. all_token_ids: every token of the request, for `save`."""
+        if not self.enabled:
+            return False  # a cache that is off holds nothing: idle, every slot is free
         key = tuple(token_ids)
         existing = self._find(key)
         checkpoint = existing or Checkpoint(next(self._ids), key, mtp_position, False, slot, list(blocks),
@@ -299,8 +302,8 @@ class PrefixCache:
         """Pin the checkpoint of a finished request as a session a later request resumes."""
         checkpoint, all_token_ids = self._by_request.get(request_id, (None, ()))
         if checkpoint is None or checkpoint.id not in self._entries:
-            raise ValueError(f"no checkpoint is kept for request {request_id!r} (unknown, evicted, or it "
-                             f"finished before any token was committed)")
+            raise ValueError(f"no checkpoint is kept for request {request_id!r} (unknown, evicted, the prefix "
+                             f"cache is off, or it finished before any token was committed)")
         checkpoint.sessions += 1
         self.pin(checkpoint)
         handle = CheckpointHandle(next(self._ids), all_token_ids, self.release)

@@ -160,8 +160,10 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         # Special-token strings in `text` (e.g. "<|im_start|>" from a chat template) still map to
-        # their ids; add_special_tokens only controls the post-processor's BOS/EOS.
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # their ids; add_special_tokens only controls the post-processor's BOS/EOS. encode_batch
+        # gives the same ids and releases the GIL while it works (encode holds it): a long
+        # prompt tokenized in a worker thread then leaves the event loop free.
+        return self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

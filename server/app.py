@@ -1,7 +1,8 @@
 """The aiohttp application: OpenAI routes over one AsyncLLM, SSE streaming, JSON errors, auth, metrics.
 
     POST /v1/completions        POST /v1/chat/completions      (stream: true -> SSE)
-    GET  /v1/models             GET  /health                   GET  /metrics (Prometheus text)
+    GET  /v1/models             GET  /v1/models/{id}           GET  /health
+    GET  /metrics (Prometheus text)
     POST /tokenize              POST /detokenize               GET  /version     (vLLM's shapes)
 
 Every failure is an OpenAI error body (`errors.APIError`), aiohttp's own included (unknown route
@@ -15,12 +16,17 @@ Knows the engine only through AsyncLLM's public API; knows nothing about process
 
 from __future__ import annotations
 
+import asyncio
+import codecs
 import contextlib
+import functools
 import hmac
-import importlib.metadata
 import logging
 import time
-from collections.abc import AsyncIterator
+import zlib
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import msgspec
 from aiohttp import web
@@ -29,26 +35,27 @@ from ..engine import AsyncLLM, RequestDelta
 from .chat_output import ChatOutput
 from .config import ServerConfig
 from .errors import APIError, decode_error
-from .inputs import ChatParsers, EngineInput, chat_input, completion_input
+from .inputs import ChatParsers, EngineInput, chat_input, completion_inputs, prompts
 from .messages import check_tools, render_prompt
 from .metrics import RequestTimer, ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, Model,
                        ModelList, SamplingFields, TokenizeRequest, TokenizeResponse, Usage)
 from .reasoning import reasoning_enabled
-from .responses import ChatRenderer, CompletionRenderer, Renderer
+from .responses import VERSION, ChatRenderer, CompletionRenderer, Renderer
 from .tool_parsers import tool_call_parser_name
 
 logger = logging.getLogger("deltaspec.server")
 
 _encoder = msgspec.json.Encoder()
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+_NUM_REQUEST_WORKERS = 2  # threads tokenizing request bodies (the tokenizer releases the GIL)
+T = TypeVar("T")
+_RETRY_AFTER_SECONDS = "1"  # on a 503: the queue moves every step
 _PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# The Content-Encodings a body may have: zlib's window bits for each (gzip's header: + 16).
+_ZLIB_WBITS = {"identity": None, "gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 # aiohttp's own refusals, as OpenAI-style error codes.
 _HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
-try:
-    _VERSION = importlib.metadata.version("deltaspec")
-except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
-    _VERSION = "unknown"
 
 
 class OpenAIServer:
@@ -57,6 +64,9 @@ class OpenAIServer:
         self.config = config
         self.metrics = ServerMetrics()
         self.in_flight: set[str] = set()  # engine request ids of the generation handlers running now
+        # Generation requests admitted and not yet answered (being tokenized, waiting or running):
+        # at most the engine's running requests plus config.max_waiting.
+        self.num_admitted = 0
         self._created = int(time.time())
         chat_template = engine.tokenizer.chat_template
         self.chat_parsers = ChatParsers(tool_call_parser_name(config.tool_call_parser, chat_template),
@@ -67,11 +77,16 @@ class OpenAIServer:
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
         self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_get("/v1/models/{model:.+}", self.model)  # ids may hold a '/'
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/metrics", self.prometheus)
         self.app.router.add_post("/tokenize", self.tokenize)
         self.app.router.add_post("/detokenize", self.detokenize)
         self.app.router.add_get("/version", self.version)
+        # Tokenizing and template rendering of request bodies (up to max_body_bytes each) run
+        # here, off the event loop that streams every response and answers /health.
+        self._executor = ThreadPoolExecutor(max_workers=_NUM_REQUEST_WORKERS, thread_name_prefix="deltaspec-request")
+        self.app.on_cleanup.append(self._shut_down_executor)
 
     async def abort_in_flight(self) -> None:
         """Abort every running generation; their handlers end at the next step boundary."""
@@ -84,44 +99,45 @@ class OpenAIServer:
         arrival = time.monotonic()
         body = await self._decode(request, CompletionRequest)
         self._check_model(body.model)
-        engine_input = completion_input(body, self.engine.tokenizer)
-        return await self._generate(request, body, engine_input,
-                                    CompletionRenderer(self.config.model_name, self.engine.tokenizer), arrival)
+        with self._admit(len(prompts(body))):
+            inputs = await self._off_loop(completion_inputs, body, self.engine.tokenizer, self.engine.max_model_len)
+            first = CompletionRenderer(self.config.model_name, self.engine.tokenizer)
+            renderers = [first] + [CompletionRenderer(self.config.model_name, self.engine.tokenizer, index, first.id)
+                                   for index in range(1, len(inputs))]
+            return await self._generate(request, body, inputs, renderers, arrival)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         arrival = time.monotonic()
         body = await self._decode(request, ChatCompletionRequest)
         self._check_model(body.model)
-        engine_input, output = chat_input(body, self.engine.tokenizer, self.engine.max_model_len, self.chat_parsers)
-        renderer = ChatRenderer(self.config.model_name, self.engine.tokenizer, ChatOutput(output))
-        return await self._generate(request, body, engine_input, renderer, arrival)
+        with self._admit():
+            engine_input, output = await self._off_loop(chat_input, body, self.engine.tokenizer,
+                                                        self.engine.max_model_len, self.chat_parsers)
+            renderer = ChatRenderer(self.config.model_name, self.engine.tokenizer, ChatOutput(output))
+            return await self._generate(request, body, [engine_input], [renderer], arrival)
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await self._decode(request, TokenizeRequest)
         self._check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send either prompt or messages", param="prompt", code="invalid_value")
-        if body.messages is not None:
-            check_tools(body.tools or [])
-            text = render_prompt(self.engine.tokenizer, body.messages, body.tools, body.chat_template_kwargs,
-                                 body.add_generation_prompt)
-        else:
-            text = body.prompt
-        tokens = self.engine.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+        tokens = await self._off_loop(_tokenize, self.engine.tokenizer, body)
         return _json(TokenizeResponse(len(tokens), self.engine.max_model_len, tokens))
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = await self._decode(request, DetokenizeRequest)
         self._check_model(body.model)
-        return _json(DetokenizeResponse(self.engine.tokenizer.decode(body.tokens)))
+        return _json(DetokenizeResponse(await self._off_loop(self.engine.tokenizer.decode, body.tokens)))
 
     async def version(self, request: web.Request) -> web.Response:
-        return web.json_response({"version": _VERSION})
+        return web.json_response({"version": VERSION})
 
     async def models(self, request: web.Request) -> web.Response:
-        model = Model(self.config.model_name, self._created, self.engine.max_model_len,
-                      dict(self.engine.generation_defaults))
-        return _json(ModelList([model]))
+        return _json(ModelList([self._model()]))
+
+    async def model(self, request: web.Request) -> web.Response:
+        self._check_model(request.match_info["model"])
+        return _json(self._model())
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -132,82 +148,84 @@ class OpenAIServer:
 
     # Generation ---------------------------------------------------------------------------
 
-    async def _generate(self, request: web.Request, body: SamplingFields, engine_input: EngineInput,
-                        renderer: Renderer, arrival: float) -> web.StreamResponse:
-        num_waiting = self.engine.stats()["num_waiting"]
-        if num_waiting >= self.config.max_waiting:
-            raise APIError(503, f"the server is overloaded ({num_waiting} requests queued); retry later",
-                           code="overloaded")
-        prompt_token_ids, params = engine_input.prompt_token_ids, engine_input.params
-        deltas = self.engine.generate(prompt_token_ids, params, renderer.id)
-        self.in_flight.add(renderer.id)
+    async def _generate(self, request: web.Request, body: SamplingFields, inputs: list[EngineInput],
+                        renderers: list[Renderer], arrival: float) -> web.StreamResponse:
+        """One engine request per input (renderer i renders choice i), answered together."""
+        streams = [self.engine.generate(engine_input.prompt_token_ids, engine_input.params, renderer.request_id)
+                   for engine_input, renderer in zip(inputs, renderers)]
+        request_ids = [renderer.request_id for renderer in renderers]
+        self.in_flight.update(request_ids)
         try:
-            # Closing the stream aborts an unfinished request. aclosing closes it on every exit,
+            # Closing the streams aborts unfinished requests. aclosing closes them on every exit,
             # also when the handler leaves from outside the generator (a failed write, a
             # cancellation during a write), where garbage collection would only do it later.
-            async with contextlib.aclosing(deltas):
+            async with contextlib.aclosing(_merged(streams)) as deltas:
                 try:
-                    # Submission happens on the first step of the stream: the engine's own checks
-                    # (empty prompt, context length, vocabulary) fail here, before any header is sent.
-                    first = await anext(deltas)
+                    # Submission happens on the first step of each stream: the engine's own checks
+                    # (empty prompt, vocabulary) fail here, before any header is sent.
+                    started = await _until_each_started(deltas, len(streams))
                 except ValueError as error:
                     raise APIError(400, str(error)) from error
-                timer = self.metrics.timer(len(prompt_token_ids), arrival)
-                progress = _Progress(timer, len(prompt_token_ids))
+                progress = [_Progress(self.metrics.timer(len(engine_input.prompt_token_ids), arrival),
+                                      len(engine_input.prompt_token_ids), engine_input.params.logprobs is not None)
+                            for engine_input in inputs]
                 try:
+                    deltas_in_order = _chain(started, deltas)
                     if body.stream:
                         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                        return await self._stream(request, renderer, first, deltas, progress, include_usage)
-                    return await self._respond(renderer, first, deltas, progress)
+                        return await self._stream(request, renderers, deltas_in_order, progress, include_usage)
+                    return await self._respond(renderers, deltas_in_order, progress)
                 finally:
-                    timer.finish(progress.finish_reason or "abort")
+                    for each in progress:
+                        each.timer.finish(each.finish_reason or "abort")
         finally:
-            self.in_flight.discard(renderer.id)
+            self.in_flight.difference_update(request_ids)
 
-    async def _respond(self, renderer: Renderer, first: RequestDelta, deltas: AsyncIterator[RequestDelta],
-                       progress: _Progress) -> web.Response:
-        parts, token_ids, logprobs, delta = [], [], [], first
-        while True:
-            progress.record(delta)
-            parts.append(delta.text)
-            token_ids += delta.token_ids
-            logprobs += delta.logprobs or []
-            if delta.finish_reason is not None:
-                break
-            delta = await anext(deltas)
-        text = "".join(parts)
-        if progress.finish_reason == "abort":
+    async def _respond(self, renderers: list[Renderer], deltas: AsyncIterator[tuple[int, RequestDelta]],
+                       progress: list[_Progress]) -> web.Response:
+        parts = [[] for _ in renderers]
+        async for index, delta in deltas:
+            progress[index].record(delta)
+            parts[index].append(delta)
+        if any(each.finish_reason == "abort" for each in progress):
             raise APIError(503, "the request was aborted: the server is shutting down", code="aborted")
-        return _json(renderer.response(text, progress.finish_reason, progress.usage(), token_ids,
-                                       logprobs if first.logprobs is not None else None))
+        responses = []
+        for renderer, each, index_parts in zip(renderers, progress, parts):
+            token_ids = [t for delta in index_parts for t in delta.token_ids]
+            logprobs = [entry for delta in index_parts for entry in delta.logprobs or []] if each.logprobs else None
+            responses.append(renderer.response("".join(delta.text for delta in index_parts), each.finish_reason,
+                                               each.usage(), token_ids, logprobs))
+        if len(responses) == 1:
+            return _json(responses[0])
+        # A batch of prompts: one response, a choice per prompt, the usage summed.
+        return _json(msgspec.structs.replace(responses[0], choices=[r.choices[0] for r in responses],
+                                             usage=_total_usage(progress)))
 
-    async def _stream(self, request: web.Request, renderer: Renderer, first: RequestDelta,
-                      deltas: AsyncIterator[RequestDelta], progress: _Progress,
+    async def _stream(self, request: web.Request, renderers: list[Renderer],
+                      deltas: AsyncIterator[tuple[int, RequestDelta]], progress: list[_Progress],
                       include_usage: bool) -> web.StreamResponse:
         response = web.StreamResponse(headers=_SSE_HEADERS)
         await response.prepare(request)
         try:
-            for chunk in renderer.opening():
-                await _send(response, chunk)
-            delta = first
-            while True:
-                progress.record(delta)
+            for renderer in renderers:
+                for chunk in renderer.opening():
+                    await _send(response, chunk)
+            async for index, delta in deltas:
+                progress[index].record(delta)
                 if delta.finish_reason == "abort":
                     # Headers are out: the error travels as an event (the openai client raises it).
                     error = APIError(503, "the request was aborted: the server is shutting down", code="aborted")
                     await _send(response, error.body())
                     return response
-                for chunk in renderer.chunks(delta.text, delta.finish_reason, delta.token_ids, delta.logprobs):
+                for chunk in renderers[index].chunks(delta.text, delta.finish_reason, delta.token_ids,
+                                                     delta.logprobs):
                     await _send(response, chunk)
-                if delta.finish_reason is not None:
-                    break
-                delta = await anext(deltas)
             if include_usage:
-                await _send(response, renderer.usage_chunk(progress.usage()))
+                await _send(response, renderers[0].usage_chunk(_total_usage(progress)))
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
         except ConnectionResetError:
-            pass  # the client went away; leaving `_generate`'s aclosing block aborts the request
+            pass  # the client went away; leaving `_generate`'s aclosing block aborts the requests
         return response
 
     # Middleware and helpers ---------------------------------------------------------------
@@ -248,18 +266,60 @@ class OpenAIServer:
     async def _authenticate(self, request: web.Request, handler) -> web.StreamResponse:
         # /health and /metrics stay open for probes and scrapers.
         if self.config.api_key is not None and request.path not in ("/health", "/metrics"):
-            expected = f"Bearer {self.config.api_key}".encode()
-            if not hmac.compare_digest(request.headers.get("Authorization", "").encode(), expected):
+            # The scheme is case-insensitive (RFC 7235): "bearer KEY" is as good as "Bearer KEY".
+            scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(),
+                                                                    self.config.api_key.encode()):
                 raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
                                code="invalid_api_key")
         return await handler(request)
 
     async def _decode(self, request: web.Request, request_type: type[msgspec.Struct]):
-        body = await request.read()
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in _ZLIB_WBITS:
+            raise APIError(415, f"Content-Encoding {encoding!r} is not supported (gzip, deflate or none)",
+                           code="unsupported_media_type")
+        # JSON travels as UTF-8 (RFC 8259 8.1): a body declared in another charset would be misread.
+        if request.charset is not None and not _is_utf8(request.charset):
+            raise APIError(415, f"charset {request.charset!r} is not supported: send JSON as UTF-8",
+                           code="unsupported_media_type")
+        body = await request.read()  # as sent: `serve.start` turns aiohttp's decompression off
+        if encoding != "identity":
+            body = _decompress(body, encoding, self.config.max_body_bytes)
         try:
             return msgspec.json.decode(body, type=request_type)
         except msgspec.DecodeError as error:
             raise decode_error(error) from error
+        except UnicodeDecodeError as error:  # msgspec checks UTF-8 only when it builds a string
+            raise APIError(400, f"request body is not valid UTF-8: {error}", code="invalid_json") from error
+        except RecursionError as error:  # JSON nested deeper than Python's recursion limit
+            raise APIError(400, "request body is nested too deeply", code="invalid_json") from error
+
+    @contextlib.contextmanager
+    def _admit(self, num_requests: int = 1) -> Iterator[None]:
+        """Hold num_requests of the max_num_seqs + max_waiting places for generation requests
+        while their handler runs, or refuse them with a 503. Counted here, not from the engine's
+        queue: the engine queues every request until its next step, and a request being
+        tokenized is not in it yet."""
+        capacity = self.engine.max_num_seqs + self.config.max_waiting
+        if self.num_admitted + num_requests > capacity:
+            raise APIError(503, f"the server is overloaded ({self.num_admitted} requests running or queued); "
+                                f"retry later", code="overloaded", headers={"Retry-After": _RETRY_AFTER_SECONDS})
+        self.num_admitted += num_requests
+        try:
+            yield
+        finally:
+            self.num_admitted -= num_requests
+
+    async def _off_loop(self, function: Callable[..., T], *args) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(function, *args))
+
+    async def _shut_down_executor(self, app: web.Application) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _model(self) -> Model:
+        return Model(self.config.model_name, self._created, self.engine.max_model_len,
+                     dict(self.engine.generation_defaults))
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.model_name:
@@ -268,11 +328,12 @@ class OpenAIServer:
 
 
 class _Progress:
-    """What one request has produced so far: token counts for `usage`, timings, finish reason."""
+    """What one engine request has produced so far: token counts for `usage`, timings, finish reason."""
 
-    def __init__(self, timer: RequestTimer, num_prompt_tokens: int) -> None:
+    def __init__(self, timer: RequestTimer, num_prompt_tokens: int, logprobs: bool) -> None:
         self.timer = timer
         self.num_prompt_tokens = num_prompt_tokens
+        self.logprobs = logprobs  # whether the request asked for log-probabilities
         self.num_completion_tokens = 0
         self.finish_reason: str | None = None
 
@@ -286,6 +347,64 @@ class _Progress:
                      self.num_prompt_tokens + self.num_completion_tokens)
 
 
+def _total_usage(progress: list[_Progress]) -> Usage:
+    usages = [each.usage() for each in progress]
+    return Usage(*(sum(values) for values in zip(*((u.prompt_tokens, u.completion_tokens, u.total_tokens)
+                                                   for u in usages))))
+
+
+async def _merged(streams: list[AsyncIterator[RequestDelta]]) -> AsyncIterator[tuple[int, RequestDelta]]:
+    """(index, delta) from every stream as they come, until each has finished; closing this
+    closes them all (which aborts their unfinished requests)."""
+    if len(streams) == 1:  # the common case, without a task per stream
+        async with contextlib.aclosing(streams[0]) as stream:
+            async for delta in stream:
+                yield 0, delta
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestDelta]) -> None:
+        async with contextlib.aclosing(stream):
+            try:
+                async for delta in stream:
+                    queue.put_nowait((index, delta))
+            except Exception as error:  # noqa: BLE001 - raised to the consumer
+                queue.put_nowait((index, error))
+
+    pumps = [asyncio.create_task(pump(index, stream)) for index, stream in enumerate(streams)]
+    try:
+        num_open = len(streams)
+        while num_open:
+            index, delta = await queue.get()
+            if isinstance(delta, Exception):
+                raise delta
+            num_open -= delta.finish_reason is not None
+            yield index, delta
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+
+async def _until_each_started(deltas: AsyncIterator[tuple[int, RequestDelta]],
+                              num_streams: int) -> list[tuple[int, RequestDelta]]:
+    """The deltas that came until every stream produced its first one (each was submitted)."""
+    started, seen = [], set()
+    while len(seen) < num_streams:
+        index, delta = await anext(deltas)
+        started.append((index, delta))
+        seen.add(index)
+    return started
+
+
+async def _chain(first: list[tuple[int, RequestDelta]],
+                 rest: AsyncIterator[tuple[int, RequestDelta]]) -> AsyncIterator[tuple[int, RequestDelta]]:
+    for item in first:
+        yield item
+    async for item in rest:
+        yield item
+
+
 async def _send(response: web.StreamResponse, chunk: msgspec.Struct) -> None:
     await response.write(b"data: " + _encoder.encode(chunk) + b"\n\n")
 
@@ -294,5 +413,40 @@ def _json(body: msgspec.Struct, status: int = 200) -> web.Response:
     return web.Response(body=_encoder.encode(body), status=status, content_type="application/json")
 
 
+def _decompress(body: bytes, encoding: str, max_bytes: int) -> bytes:
+    """A gzip or deflate body, decompressed to at most max_bytes (a small bomb cannot fill memory)."""
+    decompressor = zlib.decompressobj(_ZLIB_WBITS[encoding])
+    try:
+        text = decompressor.decompress(body, max_bytes + 1)
+    except zlib.error as error:
+        raise APIError(400, f"the request body is not valid {encoding}: {error}", code="invalid_body") from error
+    if len(text) > max_bytes:
+        raise APIError(413, f"request body larger than {max_bytes} bytes once decompressed",
+                       code="request_too_large")
+    if not decompressor.eof:
+        raise APIError(400, f"the request body is a truncated {encoding} stream", code="invalid_body")
+    return text
+
+
+def _tokenize(tokenizer, body: TokenizeRequest) -> list[int]:
+    """/tokenize's work: the prompt, or the messages rendered as /v1/chat/completions renders them."""
+    if body.messages is not None:
+        check_tools(body.tools or [])
+        text = render_prompt(tokenizer, body.messages, body.tools, body.chat_template_kwargs,
+                             body.add_generation_prompt)
+    else:
+        text = body.prompt
+    return tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+
+
+def _is_utf8(charset: str) -> bool:
+    try:
+        return codecs.lookup(charset).name == "utf-8"
+    except LookupError:
+        return False
+
+
 def _error_response(error: APIError) -> web.Response:
-    return _json(error.body(), error.status)
+    response = _json(error.body(), error.status)
+    response.headers.update(error.headers)
+    return response

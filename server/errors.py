@@ -19,8 +19,10 @@ _NAMED_FIELD = re.compile(r"(?:missing required|contains unknown) field `([^`]+)
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
+        self.headers = headers or {}  # e.g. Retry-After on a 503
         self.status = status
         self.message = message
         self.param = param

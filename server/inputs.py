@@ -23,7 +23,8 @@ from .protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice,
 from .reasoning import THINK_END, ReasoningParser, prompt_opens_reasoning
 from .tool_parsers import make_tool_call_parser
 
-# OpenAI's default for /v1/completions; chat requests default to the rest of the context.
+# OpenAI's default for /v1/completions (less where the context has less room); chat requests
+# default to the rest of the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 
@@ -44,25 +45,34 @@ class EngineInput:
     params: SamplingParams
 
 
-def completion_input(request: CompletionRequest, tokenizer: PromptTokenizer) -> EngineInput:
+def completion_inputs(request: CompletionRequest, tokenizer: PromptTokenizer,
+                      max_model_len: int) -> list[EngineInput]:
+    """One engine input per prompt: `prompt` is one prompt (a string or token ids) or a list of
+    them (a batch, as LangChain sends it; choice i answers prompt i)."""
     _reject_unsupported(request, [
         ("echo", bool(request.echo), "the prompt is not echoed"),
         ("best_of", request.best_of not in (None, 1), "only best_of=1 is supported"),
         ("suffix", bool(request.suffix), "insertion (suffix) is not supported"),
     ])
+    inputs = []
+    for prompt in prompts(request):
+        token_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        room = max_model_len - len(token_ids)
+        max_tokens = request.max_tokens or max(1, min(DEFAULT_COMPLETION_MAX_TOKENS, room))
+        _check_context(len(token_ids), max_tokens, max_model_len, "prompt", "max_tokens")
+        inputs.append(EngineInput(token_ids, _sampling_params(request, max_tokens, request.logprobs)))
+    return inputs
+
+
+def prompts(request: CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts: a string, one prompt's token ids, or a list of either."""
     prompt = request.prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]  # a batch of one prompt
-    if isinstance(prompt, str):
-        token_ids = tokenizer.encode(prompt)
-    elif all(isinstance(t, int) for t in prompt):
-        token_ids = list(prompt)
-    else:
-        raise APIError(400, "prompt must be a string or one prompt's token ids; batches of prompts are "
-                            "not supported (send one request per prompt)", param="prompt",
-                       code="unsupported_parameter")
-    max_tokens = request.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
-    return EngineInput(token_ids, _sampling_params(request, max_tokens, request.logprobs))
+    if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt):
+        return [prompt]
+    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        return prompt
+    raise APIError(400, "prompt must be a string, a list of token ids, or a list of strings or of token-id "
+                        "lists (one prompt each)", param="prompt", code="invalid_value")
 
 
 @dataclass(frozen=True)
@@ -118,8 +128,23 @@ def chat_input(request: ChatCompletionRequest, tokenizer: PromptTokenizer, max_m
 
     token_ids = tokenizer.encode(prompt + forced_text)
     max_tokens = request.max_completion_tokens or request.max_tokens or max(1, max_model_len - len(token_ids))
+    _check_context(len(token_ids), max_tokens, max_model_len, "messages",
+                   "max_completion_tokens" if request.max_completion_tokens else "max_tokens")
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     return EngineInput(token_ids, _sampling_params(request, max_tokens, logprobs)), settings
+
+
+def _check_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int, prompt_field: str,
+                   max_tokens_field: str) -> None:
+    """The prompt and the tokens asked for must fit the context: a request is refused up front
+    rather than cut short (vLLM's check and message)."""
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+                            f"{prompt_field}, {max_tokens} in the completion). Please reduce the length of the "
+                            f"{prompt_field} or completion.",
+                       param=max_tokens_field if num_prompt_tokens < max_model_len else prompt_field,
+                       code="context_length_exceeded")
 
 
 def _reject_unsupported(request: SamplingFields, specific: list[tuple[str, bool, str]]) -> None:

@@ -71,6 +71,10 @@ def _template_message(message: ChatMessage, index: int, content_parts: bool) -> 
         if is_set:
             raise APIError(400, f"{where}.{field} is not supported", param=f"{where}.{field}",
                            code="unsupported_parameter")
+    if message.role == "tool" and message.tool_call_id is None:
+        # The template (and the model) match a result to its call by this id.
+        raise APIError(400, f"{where}.tool_call_id is required in a tool message", param=f"{where}.tool_call_id",
+                       code="missing_required_parameter")
     rendered: dict[str, Any] = {"role": message.role, "content": _content(message.content, where, content_parts)}
     if message.name is not None:
         rendered["name"] = message.name

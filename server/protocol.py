@@ -38,7 +38,7 @@ class SamplingFields(Request, kw_only=True):
     model: str | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    temperature: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None  # OpenAI's range
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
     top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None
     min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
@@ -60,8 +60,9 @@ class SamplingFields(Request, kw_only=True):
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
-    # A string or one prompt's token ids; lists of prompts (batches) are rejected in `inputs`.
-    prompt: str | list[TokenId | str]
+    # A string, one prompt's token ids, or a list of prompts (strings or token-id lists); `inputs`
+    # rejects a list that mixes them.
+    prompt: str | list[TokenId | str | list[TokenId]]
     echo: bool | None = None
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     best_of: int | None = None
@@ -96,7 +97,7 @@ class ToolCall(Request):
 class ChatMessage(Request, kw_only=True):
     """Every field of an OpenAI chat message a chat template can use."""
 
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
@@ -199,6 +200,7 @@ class Completion(msgspec.Struct):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None
     object: Literal["text_completion"] = "text_completion"
 
 
@@ -254,6 +256,7 @@ class ChatCompletion(msgspec.Struct):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    system_fingerprint: str | None = None
     object: Literal["chat.completion"] = "chat.completion"
 
 
@@ -277,6 +280,7 @@ class ChatCompletionChunk(msgspec.Struct):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
 
 

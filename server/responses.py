@@ -9,6 +9,7 @@ Knows nothing about HTTP, SSE framing or the engine.
 
 from __future__ import annotations
 
+import importlib.metadata
 import time
 import uuid
 from typing import Protocol
@@ -22,12 +23,21 @@ from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompleti
                        TopLogprob, Usage)
 
 
+try:
+    VERSION = importlib.metadata.version("deltaspec")
+except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+    VERSION = "unknown"
+# OpenAI's "backend configuration" marker on every response: which deltaspec produced it.
+FINGERPRINT = f"deltaspec-{VERSION}"
+
+
 class TokenText(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 class Renderer(Protocol):
-    id: str
+    id: str          # the response's
+    request_id: str  # the engine request's
 
     def opening(self) -> list[msgspec.Struct]:
         """Chunks sent before any text."""
@@ -44,8 +54,13 @@ class Renderer(Protocol):
 
 
 class CompletionRenderer:
-    def __init__(self, model: str, tokenizer: TokenText) -> None:
-        self.id = f"cmpl-{uuid.uuid4().hex}"
+    """The choice of one prompt, `index`, of a request; the renderers of a batch of prompts
+    share the response's id (given to all but the first)."""
+
+    def __init__(self, model: str, tokenizer: TokenText, index: int = 0, response_id: str | None = None) -> None:
+        self.id = response_id or f"cmpl-{uuid.uuid4().hex}"
+        self.index = index
+        self.request_id = self.id if index == 0 else f"{self.id}-{index}"
         self.created = int(time.time())
         self.model, self.tokenizer = model, tokenizer
         self._offset = 0  # text_offset of the next token, relative to the completion's start
@@ -58,15 +73,17 @@ class CompletionRenderer:
         if not (text or finish_reason is not None or logprobs):
             return []
         return [Completion(self.id, self.created, self.model,
-                           [CompletionChoice(0, text, finish_reason, self._logprobs(token_ids, logprobs))])]
+                           [CompletionChoice(self.index, text, finish_reason, self._logprobs(token_ids, logprobs))],
+                           system_fingerprint=FINGERPRINT)]
 
     def usage_chunk(self, usage: Usage) -> Completion:
-        return Completion(self.id, self.created, self.model, [], usage)
+        return Completion(self.id, self.created, self.model, [], usage, system_fingerprint=FINGERPRINT)
 
     def response(self, text: str, finish_reason: str, usage: Usage, token_ids: list[int],
                  logprobs: list[TokenLogprobs] | None) -> Completion:
         return Completion(self.id, self.created, self.model,
-                          [CompletionChoice(0, text, finish_reason, self._logprobs(token_ids, logprobs))], usage)
+                          [CompletionChoice(self.index, text, finish_reason, self._logprobs(token_ids, logprobs))],
+                          usage, system_fingerprint=FINGERPRINT)
 
     def _logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None) -> CompletionLogprobs | None:
         if logprobs is None:
@@ -85,7 +102,7 @@ class ChatRenderer:
     """Chat responses; the text goes through the request's `ChatOutput` (reasoning, tool calls)."""
 
     def __init__(self, model: str, tokenizer: TokenText, output: ChatOutput) -> None:
-        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.id = self.request_id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model, self.tokenizer, self.output = model, tokenizer, output
 
@@ -96,20 +113,24 @@ class ChatRenderer:
     def chunks(self, text: str, finish_reason: str | None, token_ids: list[int],
                logprobs: list[TokenLogprobs] | None) -> list[ChatCompletionChunk]:
         delta = self.output.push(text, final=finish_reason is not None)
-        if delta is None and finish_reason is None and not logprobs:
-            return []
-        return [self._chunk(delta or ChatDelta(), self._finish_reason(finish_reason),
-                            self._logprobs(token_ids, logprobs))]
+        chunks = []
+        if delta is not None or logprobs:
+            chunks.append(self._chunk(delta or ChatDelta(), None, self._logprobs(token_ids, logprobs)))
+        if finish_reason is not None:
+            # As OpenAI sends it: the finish reason in a last chunk of its own, with an empty delta.
+            chunks.append(self._chunk(ChatDelta(), self._finish_reason(finish_reason), None))
+        return chunks
 
     def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
-        return ChatCompletionChunk(self.id, self.created, self.model, [], usage)
+        return ChatCompletionChunk(self.id, self.created, self.model, [], usage, system_fingerprint=FINGERPRINT)
 
     def response(self, text: str, finish_reason: str, usage: Usage, token_ids: list[int],
                  logprobs: list[TokenLogprobs] | None) -> ChatCompletion:
         self.output.push(text, final=True)
         return ChatCompletion(self.id, self.created, self.model,
                               [ChatChoice(0, self.output.message(), self._finish_reason(finish_reason),
-                                          self._logprobs(token_ids, logprobs))], usage)
+                                          self._logprobs(token_ids, logprobs))], usage,
+                              system_fingerprint=FINGERPRINT)
 
     def _finish_reason(self, finish_reason: str | None) -> str | None:
         # A turn that ends on its calls (EOS or a stop) finished to call tools; one cut by
@@ -121,7 +142,7 @@ class ChatRenderer:
     def _chunk(self, delta: ChatDelta, finish_reason: str | None,
                logprobs: ChatLogprobs | None) -> ChatCompletionChunk:
         return ChatCompletionChunk(self.id, self.created, self.model,
-                                   [ChatChunkChoice(0, delta, finish_reason, logprobs)])
+                                   [ChatChunkChoice(0, delta, finish_reason, logprobs)], system_fingerprint=FINGERPRINT)
 
     def _logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None) -> ChatLogprobs | None:
         if logprobs is None:

@@ -39,8 +39,10 @@ async def start(engine: AsyncLLM, config: ServerConfig) -> RunningServer:
     server = OpenAIServer(engine, config)
     # handler_cancellation: a client that disconnects gets its handler cancelled, which closes its
     # engine stream and aborts the request even while nothing is being written to it.
+    # auto_decompress off: `OpenAIServer` decompresses bodies itself, so a bad or unsupported
+    # Content-Encoding gets a JSON error rather than aiohttp's plain-text one.
     runner = web.AppRunner(server.app, handle_signals=False, handler_cancellation=True,
-                           shutdown_timeout=config.shutdown_timeout)
+                           shutdown_timeout=config.shutdown_timeout, auto_decompress=False)
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
     return RunningServer(server, runner, runner.addresses[0][1])

@@ -144,7 +144,7 @@ def test_saved_session_resumes_without_prefill(checkpoint, k):
     path = checkpoint("qwen3_5")
     rng = random.Random(9)
     first, second = tokens(rng, 90), tokens(rng, 25)
-    core = EngineCore(EngineConfig(model=path, num_draft_tokens=k, enable_prefix_cache=False, **OPTIONS))
+    core = EngineCore(EngineConfig(model=path, num_draft_tokens=k, **OPTIONS))
     request = core.add_request(first, params(True, 0, max_tokens=14))
     while core.has_work:
         core.step()
@@ -175,6 +175,21 @@ def test_saved_session_resumes_without_prefill(checkpoint, k):
     with pytest.raises(ValueError, match="no checkpoint"):
         core.save_checkpoint("unknown")
     assert_idle(core.stats())
+
+
+def test_cache_off_frees_finished_requests(checkpoint):
+    """With the prefix cache off nothing is kept: idle, every slot and KV block is free (a
+    finished request's slot used to stay taken as a checkpoint nobody could reuse)."""
+    rng = random.Random(3)
+    core = EngineCore(EngineConfig(model=checkpoint("qwen3_5"), num_draft_tokens=2, enable_prefix_cache=False,
+                                   **OPTIONS))
+    requests = [core.add_request(tokens(rng, 40), params(i % 2 == 1, i)) for i in range(3)]
+    while core.has_work:
+        core.step()
+    stats = core.stats()
+    assert stats["num_free_slots"] == stats["num_slots"] and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    with pytest.raises(ValueError, match="prefix cache is off"):
+        core.save_checkpoint(requests[0].request_id)
 
 
 async def test_async_sessions(checkpoint):
