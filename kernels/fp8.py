@@ -100,8 +100,10 @@ def _quantize_groups_kernel(x, x_fp8, x_scale, K, stride_xm, num_groups, GROUP: 
     m, g = tl.program_id(0).to(tl.int64), tl.program_id(1)
     k = g * GROUP + tl.arange(0, GROUP)
     values = tl.load(x + m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(values), axis=0), 1e-10) / 448.0
-    quantized = tl.clamp(values / scale, -448.0, 448.0)
+    # IEEE-rounded divisions (div_rn): Triton's `/` on float32 is the approximate PTX division,
+    # whose last bit differs from torch's and so would the scale and the rounding of the values.
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(values), axis=0), 1e-10), 448.0)
+    quantized = tl.clamp(tl.math.div_rn(values, scale), -448.0, 448.0)
     tl.store(x_fp8 + m * K + k, quantized.to(x_fp8.dtype.element_ty), mask=k < K)
     tl.store(x_scale + m * num_groups + g, scale)
 
