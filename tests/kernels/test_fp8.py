@@ -63,7 +63,9 @@ def test_fp8_gemm_matches_reference(kernel_device, shape, group):
     expected = dequantize_reference(x_fp8, x_scale, group) @ dequantize_reference(weight, weight_scale, group).T
     to = lambda t: t.to(kernel_device)
     actual = fp8_gemm(to(x_fp8), to(x_scale), to(weight), to(weight_scale), group, torch.float32).cpu()
-    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    # On sm_90 the fp8 dot accumulates in reduced precision (test_fp8_linear_matches_reference_on_gpu).
+    tolerance = 2.0 ** -11 if kernel_device == "cuda" else 1e-5
+    torch.testing.assert_close(actual, expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
 
 
 @pytest.mark.gpu
