@@ -27,6 +27,7 @@ import triton.language as tl
 
 from .activation import silu_and_mul_reference
 from .device import INTERPRETED
+from .moe import by_expert_reference
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0           # largest finite e4m3fn
@@ -72,22 +73,11 @@ def fp8_moe_experts_reference(x: torch.Tensor, weights: torch.Tensor, experts: t
     """moe_experts_reference with FP8 experts: w_gate_up [E, 2I, H] fp8 + gate_up_scale
     [E, 2I, ceil(H/G)], w_down [E, H, I] fp8 + down_scale [E, H, ceil(I/G)]; both GEMM inputs
     (x and the SwiGLU output) quantized per token group. x: [T, H]; weights, experts: [T, k]."""
-    out = torch.zeros_like(x)
-    flat_experts = experts.reshape(-1)
-    order = torch.argsort(flat_experts, stable=True)
-    counts = torch.bincount(flat_experts, minlength=w_gate_up.shape[0]).tolist()
-    token_of = order // experts.shape[1]
-    weight_of = weights.reshape(-1)[order]
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        tokens = token_of[start:start + count]
-        act = silu_and_mul_reference(fp8_linear_reference(x[tokens], w_gate_up[expert], gate_up_scale[expert], group_size))
-        hidden = fp8_linear_reference(act, w_down[expert], down_scale[expert], group_size)
-        out.index_add_(0, tokens, hidden * weight_of[start:start + count, None])
-        start += count
-    return out
+    def mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        gate_up = fp8_linear_reference(rows, w_gate_up[expert], gate_up_scale[expert], group_size)
+        return fp8_linear_reference(silu_and_mul_reference(gate_up), w_down[expert], down_scale[expert], group_size)
+
+    return by_expert_reference(x, weights, experts, w_gate_up.shape[0], mlp)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -28,6 +28,8 @@ bench/results/kernels_moe_sampling-h200.json).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -47,14 +49,15 @@ def route_reference(router_logits: torch.Tensor, top_k: int, renormalize: bool) 
     return weights.to(router_logits.dtype), experts
 
 
-def moe_experts_reference(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                          w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """x: [T, H]; weights, experts: [T, k]; w_gate_up: [E, 2I, H]; w_down: [E, H, I] -> [T, H].
-    Tokens are grouped by expert so each expert runs one GEMM over its tokens."""
+def by_expert_reference(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, num_experts: int,
+                        mlp: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """sum over each token's k experts e of weight * mlp(e, its row of x): x [T, H]; weights,
+    experts [T, k] -> [T, H]. Tokens are grouped by expert so each expert's mlp runs once, over
+    all of its tokens (the references of the bf16 and the FP8 experts share this)."""
     out = torch.zeros_like(x)
     flat_experts = experts.reshape(-1)
     order = torch.argsort(flat_experts, stable=True)
-    counts = torch.bincount(flat_experts, minlength=w_gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat_experts, minlength=num_experts).tolist()
     token_of = order // experts.shape[1]
     weight_of = weights.reshape(-1)[order]
     start = 0
@@ -62,10 +65,16 @@ def moe_experts_reference(x: torch.Tensor, weights: torch.Tensor, experts: torch
         if count == 0:
             continue
         tokens = token_of[start:start + count]
-        hidden = silu_and_mul_reference(x[tokens] @ w_gate_up[expert].T) @ w_down[expert].T
-        out.index_add_(0, tokens, hidden * weight_of[start:start + count, None])
+        out.index_add_(0, tokens, mlp(expert, x[tokens]) * weight_of[start:start + count, None])
         start += count
     return out
+
+
+def moe_experts_reference(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                          w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """x: [T, H]; weights, experts: [T, k]; w_gate_up: [E, 2I, H]; w_down: [E, H, I] -> [T, H]."""
+    return by_expert_reference(x, weights, experts, w_gate_up.shape[0],
+                               lambda e, rows: silu_and_mul_reference(rows @ w_gate_up[e].T) @ w_down[e].T)
 
 
 # ----------------------------------------------------------------------------------------------
