@@ -147,7 +147,8 @@ class ChatRenderer:
     def _chunk(self, delta: ChatDelta, finish_reason: str | None,
                logprobs: ChatLogprobs | None) -> ChatCompletionChunk:
         return ChatCompletionChunk(self.id, self.created, self.model,
-                                   [ChatChunkChoice(self.index, delta, finish_reason, logprobs)], system_fingerprint=FINGERPRINT)
+                                   [ChatChunkChoice(self.index, delta, finish_reason, logprobs)],
+                                   system_fingerprint=FINGERPRINT)
 
     def _logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None) -> ChatLogprobs | None:
         if logprobs is None:
