@@ -69,11 +69,14 @@ class AsyncLLM:
 
     async def generate(self, prompt: str | Seq[int], params: SamplingParams | None = None,
                        request_id: str | None = None,
-                       resume_from: CheckpointHandle | None = None) -> AsyncIterator[RequestDelta]:
+                       resume_from: CheckpointHandle | None = None,
+                       fork_of: str | None = None) -> AsyncIterator[RequestDelta]:
         """Submit a request and stream its deltas. Bad input raises ValueError before anything
-        is queued. resume_from: a session saved by `save_checkpoint`; the prompt continues it."""
+        is queued. resume_from: a session saved by `save_checkpoint`; the prompt continues it.
+        fork_of: the id of another choice of the same prompt, submitted first, whose prefill this
+        one reuses (EngineCore.add_request)."""
         self._ensure_running()
-        request = self.core.add_request(prompt, params or SamplingParams(), request_id, resume_from)
+        request = self.core.add_request(prompt, params or SamplingParams(), request_id, resume_from, fork_of)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request.request_id] = queue
         self._wakeup.set()

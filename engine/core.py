@@ -144,11 +144,13 @@ class EngineCore:
     # Requests -----------------------------------------------------------------------------
 
     def add_request(self, prompt: str | Seq[int], params: SamplingParams, request_id: str | None = None,
-                    resume_from: CheckpointHandle | None = None) -> Request:
+                    resume_from: CheckpointHandle | None = None, fork_of: str | None = None) -> Request:
         """Validate and queue a request; raises ValueError and changes nothing on bad input.
         resume_from: a saved session (`save_checkpoint`); the request's tokens are the session's
         followed by the prompt (which may then be empty), and it starts from the session's
-        state instead of prefilling it."""
+        state instead of prefilling it. fork_of: the id of a request with the same tokens (another
+        choice of the prompt, n > 1); while that one is queued or running, this one waits for its
+        prompt to be computed and restores it from the prefix cache instead of prefilling it."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         params = params.resolve(self.generation_defaults)
@@ -173,12 +175,16 @@ class EngineCore:
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; the context limit is {self.max_model_len} "
                              f"(including at least one generated token)")
+        parent = self.requests.get(fork_of) if fork_of is not None else None
+        if parent is not None and parent.prompt_token_ids != token_ids:
+            raise ValueError(f"fork_of {fork_of!r}: that request has a different prompt")
         arrival = next(self._arrivals)
         request_id = str(arrival) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         request = Request.create(request_id, token_ids, params, seed, arrival, self.max_model_len, self.tokenizer)
+        request.fork_of = parent  # None: a finished (or unknown) parent's checkpoint is found by lookup
         self.scheduler.add(request)
         if checkpoint is not None:
             self.cache.pin(checkpoint)  # until the request restores it (or is aborted first)

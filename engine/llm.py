@@ -40,11 +40,13 @@ class LLM:
 
     def generate(self, prompts: str | Seq[int] | Seq[str | Seq[int]],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 resume_from: CheckpointHandle | None = None) -> list[RequestOutput]:
+                 resume_from: CheckpointHandle | None = None, n: int = 1) -> list[RequestOutput]:
         """Prompts are strings or token-id lists (one prompt or a list); params one for all or
         one per prompt. A bad prompt raises ValueError; the ones submitted before it are withdrawn.
         resume_from: a session saved by `save_checkpoint`; every prompt continues it (so several
-        prompts fork one conversation)."""
+        prompts fork one conversation). n: choices per prompt, its prompt prefilled once
+        (SamplingParams.for_choices: choice i samples with seed + i); the outputs are choices
+        0..n-1 of the first prompt, then of the next."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -54,7 +56,10 @@ class LLM:
         requests = []
         try:
             for prompt, p in zip(prompts, params):
-                requests.append(self.core.add_request(prompt, p, resume_from=resume_from))
+                parent = None
+                for choice in p.for_choices(n):
+                    requests.append(self.core.add_request(prompt, choice, resume_from=resume_from, fork_of=parent))
+                    parent = parent or requests[-1].request_id
         except ValueError:
             for request in requests:
                 self.core.abort(request.request_id)

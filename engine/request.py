@@ -100,6 +100,10 @@ class Request:
     num_computed_tokens: int = 0  # tokens already folded into the slot's state and KV blocks
     num_pending: int = 0  # of those, tokens whose state is still pending in the slot (speculation)
     resume_from: Checkpoint | None = None  # a saved session to restore instead of a prefix lookup
+    # Another choice of the same prompt (n > 1): this request is admitted only once that one's
+    # prompt is computed, so it restores the prompt from that prefill's checkpoint instead of
+    # prefilling it again. Dropped at admission.
+    fork_of: Request | None = None
     num_preemptions: int = 0
     abort_requested: bool = False
     # Speculation: the next MTP catch-up starts at mtp_position (its KV below is written, stale

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -119,6 +120,17 @@ class SamplingParams:
         defaults = defaults or {}
         unset = {name: defaults.get(name, value) for name, value in BUILT_IN.items() if getattr(self, name) is None}
         return dataclasses.replace(self, **unset) if unset else self
+
+    def for_choices(self, n: int) -> list[SamplingParams]:
+        """The params of choices 0..n-1 of one prompt (n > 1): choice i samples with seed + i
+        (from a random base when seed is unset), as vLLM does, so each choice is reproducible as a
+        single request with that seed. Seeds wrap below 2**63 (the sampler's int64)."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"n must be an int >= 1, got {n!r}")
+        if n == 1:
+            return [self]
+        base = self.seed if self.seed is not None else random.getrandbits(63)
+        return [dataclasses.replace(self, seed=(base + i) % 2**63) for i in range(n)]
 
     @property
     def greedy(self) -> bool:

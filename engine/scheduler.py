@@ -159,6 +159,8 @@ class Scheduler:
         pinned: list[Checkpoint] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.fork_of is not None and not self._prompt_computed(request.fork_of):
+                break  # FIFO: what arrived after a waiting fork waits too (its parent prefills meanwhile)
             chunk = self._admit(request, budget, pinned)
             if chunk is None:
                 break
@@ -270,6 +272,12 @@ class Scheduler:
         remaining = request.num_tokens - request.num_computed_tokens
         return remaining > 1 or request.num_computed_tokens == 0
 
+    @staticmethod
+    def _prompt_computed(request: Request) -> bool:
+        """Whether a fork's parent is past its prompt (its prompt-end checkpoint is written,
+        unless the cache is off or had no room) or gone (finished, aborted)."""
+        return request.num_computed_tokens >= len(request.prompt_token_ids) or request.finished
+
     def _admit(self, request: Request, budget: int, pinned: list[Checkpoint]) -> int | None:
         """Give a waiting request a slot and the KV blocks of its first chunk, restoring the
         longest cached prefix of its tokens (or the session it resumes). Returns the chunk
@@ -296,6 +304,7 @@ class Scheduler:
             request.resume_from = None
             pinned.append(hit)
         request.block_table = tuple(block_table + self.blocks.allocate(num_blocks - len(block_table)))
+        request.fork_of = None  # a later recompute (preemption) needs no parent
         self.cache.count_admission(request.num_tokens, start)
         return chunk
 

@@ -35,7 +35,8 @@ from ..engine import AsyncLLM, RequestDelta
 from .chat_output import ChatOutput
 from .config import ServerConfig
 from .errors import APIError, decode_error
-from .inputs import ChatParsers, EngineInput, chat_input, completion_inputs, prompts
+from .inputs import (ChatParsers, EngineInput, chat_input, completion_inputs, num_choices, prompts,
+                     with_choices)
 from .messages import check_tools, render_prompt
 from .metrics import RequestTimer, ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, Model,
@@ -99,8 +100,10 @@ class OpenAIServer:
         arrival = time.monotonic()
         body = await self._decode(request, CompletionRequest)
         self._check_model(body.model)
-        with self._admit(len(prompts(body))):
+        n = num_choices(body)
+        with self._admit(len(prompts(body)) * n):
             inputs = await self._off_loop(completion_inputs, body, self.engine.tokenizer, self.engine.max_model_len)
+            inputs = with_choices(inputs, n)
             first = CompletionRenderer(self.config.model_name, self.engine.tokenizer)
             renderers = [first] + [CompletionRenderer(self.config.model_name, self.engine.tokenizer, index, first.id)
                                    for index in range(1, len(inputs))]
@@ -110,11 +113,14 @@ class OpenAIServer:
         arrival = time.monotonic()
         body = await self._decode(request, ChatCompletionRequest)
         self._check_model(body.model)
-        with self._admit():
+        n = num_choices(body)
+        with self._admit(n):
             engine_input, output = await self._off_loop(chat_input, body, self.engine.tokenizer,
                                                         self.engine.max_model_len, self.chat_parsers)
-            renderer = ChatRenderer(self.config.model_name, self.engine.tokenizer, ChatOutput(output))
-            return await self._generate(request, body, [engine_input], [renderer], arrival)
+            first = ChatRenderer(self.config.model_name, self.engine.tokenizer, ChatOutput(output))
+            renderers = [first] + [ChatRenderer(self.config.model_name, self.engine.tokenizer, ChatOutput(output),
+                                                index, first.id) for index in range(1, n)]
+            return await self._generate(request, body, with_choices([engine_input], n), renderers, arrival)
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await self._decode(request, TokenizeRequest)
@@ -150,8 +156,12 @@ class OpenAIServer:
 
     async def _generate(self, request: web.Request, body: SamplingFields, inputs: list[EngineInput],
                         renderers: list[Renderer], arrival: float) -> web.StreamResponse:
-        """One engine request per input (renderer i renders choice i), answered together."""
-        streams = [self.engine.generate(engine_input.prompt_token_ids, engine_input.params, renderer.request_id)
+        """One engine request per input (renderer i renders choice i), answered together. A
+        fork (n > 1) is submitted after the choice it forks (the streams start in order), and its
+        prompt tokens count once, on that choice."""
+        streams = [self.engine.generate(engine_input.prompt_token_ids, engine_input.params, renderer.request_id,
+                                        fork_of=None if engine_input.fork_of is None
+                                        else renderers[engine_input.fork_of].request_id)
                    for engine_input, renderer in zip(inputs, renderers)]
         request_ids = [renderer.request_id for renderer in renderers]
         self.in_flight.update(request_ids)
@@ -166,9 +176,9 @@ class OpenAIServer:
                     started = await _until_each_started(deltas, len(streams))
                 except ValueError as error:
                     raise APIError(400, str(error)) from error
-                progress = [_Progress(self.metrics.timer(len(engine_input.prompt_token_ids), arrival),
-                                      len(engine_input.prompt_token_ids), engine_input.params.logprobs is not None)
-                            for engine_input in inputs]
+                num_prompt_tokens = [len(e.prompt_token_ids) if e.fork_of is None else 0 for e in inputs]
+                progress = [_Progress(self.metrics.timer(num, arrival), num, engine_input.params.logprobs is not None)
+                            for engine_input, num in zip(inputs, num_prompt_tokens)]
                 try:
                     deltas_in_order = _chain(started, deltas)
                     if body.stream:
@@ -197,7 +207,7 @@ class OpenAIServer:
                                                each.usage(), token_ids, logprobs))
         if len(responses) == 1:
             return _json(responses[0])
-        # A batch of prompts: one response, a choice per prompt, the usage summed.
+        # A batch of prompts or n > 1: one response, a choice each, the usage summed.
         return _json(msgspec.structs.replace(responses[0], choices=[r.choices[0] for r in responses],
                                              usage=_total_usage(progress)))
 

@@ -23,6 +23,8 @@ from .protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice,
 from .reasoning import THINK_END, ReasoningParser, prompt_opens_reasoning
 from .tool_parsers import make_tool_call_parser
 
+MAX_N = 64  # choices per prompt at most (`n`): each is a running request of its own
+
 # OpenAI's default for /v1/completions (less where the context has less room); chat requests
 # default to the rest of the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -43,6 +45,32 @@ class PromptTokenizer(Protocol):
 class EngineInput:
     prompt_token_ids: list[int]
     params: SamplingParams
+    # n > 1: the index of the input of the same prompt's first choice, whose prefill this one
+    # reuses (AsyncLLM.generate's fork_of); None for a prompt's first choice.
+    fork_of: int | None = None
+
+
+def num_choices(request: SamplingFields) -> int:
+    """The request's `n` (choices per prompt), checked before the request takes any room."""
+    n = request.n or 1
+    if n > MAX_N:
+        raise APIError(400, f"n must be at most {MAX_N}, got {n}", param="n", code="invalid_value")
+    best_of = getattr(request, "best_of", None)  # /v1/completions only
+    if best_of is not None and best_of != n:
+        raise APIError(400, f"best_of must equal n ({n}) or be unset: choosing the best of more choices "
+                            f"than are returned is not supported", param="best_of", code="unsupported_parameter")
+    return n
+
+
+def with_choices(inputs: list[EngineInput], n: int) -> list[EngineInput]:
+    """n inputs per input, choice i of a prompt at i of its n (OpenAI's choice order): choice i
+    samples with seed + i (SamplingParams.for_choices) and forks the prompt's first choice."""
+    expanded = []
+    for engine_input in inputs:
+        first = len(expanded)
+        for i, params in enumerate(engine_input.params.for_choices(n)):
+            expanded.append(EngineInput(engine_input.prompt_token_ids, params, first if i else None))
+    return expanded
 
 
 def completion_inputs(request: CompletionRequest, tokenizer: PromptTokenizer,
@@ -51,7 +79,6 @@ def completion_inputs(request: CompletionRequest, tokenizer: PromptTokenizer,
     them (a batch, as LangChain sends it; choice i answers prompt i)."""
     _reject_unsupported(request, [
         ("echo", bool(request.echo), "the prompt is not echoed"),
-        ("best_of", request.best_of not in (None, 1), "only best_of=1 is supported"),
         ("suffix", bool(request.suffix), "insertion (suffix) is not supported"),
     ])
     inputs = []
@@ -148,11 +175,7 @@ def _check_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int, 
 
 
 def _reject_unsupported(request: SamplingFields, specific: list[tuple[str, bool, str]]) -> None:
-    checks = [
-        ("n", request.n not in (None, 1), "only n=1 is supported"),
-        *specific,
-    ]
-    for field, is_set, why in checks:
+    for field, is_set, why in specific:
         if is_set:
             raise APIError(400, f"{field} is not supported: {why}", param=field, code="unsupported_parameter")
 

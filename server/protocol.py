@@ -3,7 +3,7 @@
 Request Structs carry the range checks (`msgspec.Meta`), so `msgspec.json.decode(body, type=...)`
 rejects a wrong type or an out-of-range value with a message naming the field. Every optional
 request field also accepts JSON null (some clients send null for "unset"); defaults are applied
-in `inputs`. Fields the engine cannot honour (n > 1, ...) are declared so that
+in `inputs`. Fields the engine cannot honour (echo, suffix, ...) are declared so that
 `inputs` can reject them by name instead of msgspec silently dropping them. Unknown fields are
 rejected (`forbid_unknown_fields`), as the OpenAI API does: nothing in a request is dropped
 silently.
@@ -54,8 +54,7 @@ class SamplingFields(Request, kw_only=True):
     logit_bias: dict[str, Annotated[float, msgspec.Meta(ge=-100, le=100)]] | None = None
     min_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
     bad_words: list[str] | None = None
-    # Declared only to be rejected when set to anything but its neutral value.
-    n: PositiveInt | None = None
+    n: PositiveInt | None = None  # choices per prompt (`inputs.num_choices` caps it)
     user: str | None = None  # an end-user id for abuse monitoring: accepted, nothing to do with it
 
 
@@ -65,7 +64,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | list[TokenId | str | list[TokenId]]
     echo: bool | None = None
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
-    best_of: int | None = None
+    best_of: PositiveInt | None = None  # accepted when it equals n (`inputs.num_choices`)
     suffix: str | None = None
 
 

@@ -54,8 +54,8 @@ class Renderer(Protocol):
 
 
 class CompletionRenderer:
-    """The choice of one prompt, `index`, of a request; the renderers of a batch of prompts
-    share the response's id (given to all but the first)."""
+    """Choice `index` of a request (one per prompt of a batch, n per prompt with n > 1); the
+    renderers of a request share the response's id (given to all but the first)."""
 
     def __init__(self, model: str, tokenizer: TokenText, index: int = 0, response_id: str | None = None) -> None:
         self.id = response_id or f"cmpl-{uuid.uuid4().hex}"
@@ -99,10 +99,15 @@ class CompletionRenderer:
 
 
 class ChatRenderer:
-    """Chat responses; the text goes through the request's `ChatOutput` (reasoning, tool calls)."""
+    """Chat responses; the text goes through the choice's own `ChatOutput` (reasoning, tool
+    calls). Choice `index` of a request (n > 1); its renderers share the response's id (given to
+    all but the first)."""
 
-    def __init__(self, model: str, tokenizer: TokenText, output: ChatOutput) -> None:
-        self.id = self.request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    def __init__(self, model: str, tokenizer: TokenText, output: ChatOutput, index: int = 0,
+                 response_id: str | None = None) -> None:
+        self.id = response_id or f"chatcmpl-{uuid.uuid4().hex}"
+        self.index = index
+        self.request_id = self.id if index == 0 else f"{self.id}-{index}"
         self.created = int(time.time())
         self.model, self.tokenizer, self.output = model, tokenizer, output
 
@@ -128,7 +133,7 @@ class ChatRenderer:
                  logprobs: list[TokenLogprobs] | None) -> ChatCompletion:
         self.output.push(text, final=True)
         return ChatCompletion(self.id, self.created, self.model,
-                              [ChatChoice(0, self.output.message(), self._finish_reason(finish_reason),
+                              [ChatChoice(self.index, self.output.message(), self._finish_reason(finish_reason),
                                           self._logprobs(token_ids, logprobs))], usage,
                               system_fingerprint=FINGERPRINT)
 
@@ -142,7 +147,8 @@ class ChatRenderer:
     def _chunk(self, delta: ChatDelta, finish_reason: str | None,
                logprobs: ChatLogprobs | None) -> ChatCompletionChunk:
         return ChatCompletionChunk(self.id, self.created, self.model,
-                                   [ChatChunkChoice(0, delta, finish_reason, logprobs)], system_fingerprint=FINGERPRINT)
+                                   [ChatChunkChoice(self.index, delta, finish_reason, logprobs)],
+                                   system_fingerprint=FINGERPRINT)
 
     def _logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None) -> ChatLogprobs | None:
         if logprobs is None:

@@ -165,6 +165,51 @@ async def test_chat_streamed_equals_non_streamed_with_usage(client, engine):
     assert {chunk.system_fingerprint for chunk in chunks} == {response.system_fingerprint}
 
 
+SAMPLED = {"temperature": 0.9, "seed": 11, "max_tokens": 8}
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+async def test_n_choices_equal_their_seeded_twins_and_prefill_once(client, engine, route):
+    """n = 4: choice i equals a single request with seed + i, streamed or not; the prompt is
+    computed once (the 3 forks restore it), its tokens counted once in usage."""
+    async def create(n: int, seed: int, **options):
+        body = dict(SAMPLED, seed=seed, n=n, extra_body=IGNORE_EOS, **options)
+        if route == "chat":
+            return await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"Count the {route} choices."}], **body)
+        return await client.completions.create(model=MODEL, prompt=f"Four {route} choices of one prompt:", **body)
+
+    def text(choice) -> str:
+        return choice.message.content if route == "chat" else choice.text
+
+    await wait_idle(engine)
+    before = engine.stats()["prefix_cache"]
+    response = await create(4, 11)
+    after = engine.stats()["prefix_cache"]
+    num_prompt_tokens = response.usage.prompt_tokens
+    assert after["prompt_tokens"] - before["prompt_tokens"] == 4 * num_prompt_tokens
+    assert after["reused_tokens"] - before["reused_tokens"] == 3 * num_prompt_tokens  # the forks
+    assert [c.index for c in response.choices] == [0, 1, 2, 3]
+    twins = [await create(1, 11 + i) for i in range(4)]
+    assert [text(c) for c in response.choices] == [text(t.choices[0]) for t in twins]
+    assert len({text(c) for c in response.choices}) > 1  # seed + i: not one choice four times
+    assert response.usage.completion_tokens == sum(t.usage.completion_tokens for t in twins)
+    assert response.usage.prompt_tokens == twins[0].usage.prompt_tokens
+
+    stream = await create(4, 11, stream=True, stream_options={"include_usage": True})
+    chunks = [chunk async for chunk in stream]
+    assert len({chunk.id for chunk in chunks}) == 1
+    streamed, finish_reasons, usage = [""] * 4, [None] * 4, None
+    for chunk in chunks:
+        for choice in chunk.choices:  # each chunk carries its choice's index
+            streamed[choice.index] += (choice.delta.content or "") if route == "chat" else choice.text
+            finish_reasons[choice.index] = choice.finish_reason or finish_reasons[choice.index]
+        usage = chunk.usage or usage
+    assert streamed == [text(c) for c in response.choices]
+    assert finish_reasons == [c.finish_reason for c in response.choices] and usage == response.usage
+    await wait_idle(engine)
+
+
 async def test_chat_default_max_tokens_fills_the_context(client):
     # No max_tokens: a chat request may run to the end of the context (OpenAI's behaviour).
     response = await client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0,
@@ -250,7 +295,10 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "stop": 3}, 400, "stop", "str"),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream", "bool"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt", "missing"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n", "n=1"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n", ">= 1"),
+    ("/v1/completions", {"prompt": "hi", "n": 65}, 400, "n", "at most 64"),
+    ("/v1/chat/completions", {"messages": ONE_MESSAGE, "n": 1000}, 400, "n", "at most 64"),
+    ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of", "must equal n"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs", "<= 20"),
     ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo", "not supported"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty", "<= 2"),
