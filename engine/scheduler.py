@@ -425,6 +425,26 @@ class Scheduler:
             self.blocks.free(request.block_table[keep:])
             request.slot, request.block_table = None, ()
 
+    def fail(self, plan: StepPlan | None, requests: list[Request]) -> None:
+        """A step raised: `requests` (its rows) finish without its tokens and free their slots
+        and blocks, and its pins are released. The step may have written part of any state it
+        touched, so the checkpoints it was writing are dropped and so is every unpinned cached
+        one (a request finished one step ahead handed over a slot the failed step was feeding)."""
+        if plan is not None:
+            for checkpoint in plan.pinned:
+                self.cache.unpin(checkpoint)
+        self.cache.discard_writes()
+        for request in requests:
+            if request in self.waiting:
+                self.waiting.remove(request)
+            if request.resume_from is not None:
+                self.cache.unpin(request.resume_from)
+                request.resume_from = None
+            self._release(request)
+            request.status = RequestStatus.FINISHED
+            request.abort()
+        self.cache.clear()
+
     def _release_aborted(self) -> None:
         if not self._abort_requested:
             return  # most steps: no queue to search

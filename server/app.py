@@ -9,7 +9,9 @@ Every failure is an OpenAI error body (`errors.APIError`), aiohttp's own include
 404, wrong method 405, body over the limit 413). A request's engine stream is closed whenever its
 handler exits: normally, on an error, on a write to a client that went away, or on cancellation
 (the runner in `serve` cancels the handler of a client that disconnects); closing it aborts the
-request, so a vanished client never holds a slot.
+request, so a vanished client never holds a slot. A request whose engine step failed
+(StepFailedError) gets a 500: a JSON body before the headers are out, an error event and
+[DONE] after.
 
 Knows the engine only through AsyncLLM's public API; knows nothing about processes or signals.
 """
@@ -31,7 +33,7 @@ from typing import TypeVar
 import msgspec
 from aiohttp import web
 
-from ..engine import AsyncLLM, RequestDelta
+from ..engine import AsyncLLM, RequestDelta, StepFailedError
 from .chat_output import ChatOutput
 from .config import ServerConfig
 from .errors import APIError, decode_error
@@ -178,6 +180,8 @@ class OpenAIServer:
                 finally:
                     for each in progress:
                         each.timer.finish(each.finish_reason or "abort")
+        except StepFailedError as error:
+            raise _step_failed(error) from error
         finally:
             self.in_flight.difference_update(request_ids)
 
@@ -207,21 +211,24 @@ class OpenAIServer:
         response = web.StreamResponse(headers=_SSE_HEADERS)
         await response.prepare(request)
         try:
-            for renderer in renderers:
-                for chunk in renderer.opening():
-                    await _send(response, chunk)
-            async for index, delta in deltas:
-                progress[index].record(delta)
-                if delta.finish_reason == "abort":
-                    # Headers are out: the error travels as an event (the openai client raises it).
-                    error = APIError(503, "the request was aborted: the server is shutting down", code="aborted")
-                    await _send(response, error.body())
-                    return response
-                for chunk in renderers[index].chunks(delta.text, delta.finish_reason, delta.token_ids,
-                                                     delta.logprobs):
-                    await _send(response, chunk)
-            if include_usage:
-                await _send(response, renderers[0].usage_chunk(_total_usage(progress)))
+            try:
+                for renderer in renderers:
+                    for chunk in renderer.opening():
+                        await _send(response, chunk)
+                async for index, delta in deltas:
+                    progress[index].record(delta)
+                    if delta.finish_reason == "abort":
+                        # Headers are out: the error travels as an event (the openai client raises it).
+                        error = APIError(503, "the request was aborted: the server is shutting down", code="aborted")
+                        await _send(response, error.body())
+                        return response
+                    for chunk in renderers[index].chunks(delta.text, delta.finish_reason, delta.token_ids,
+                                                         delta.logprobs):
+                        await _send(response, chunk)
+                if include_usage:
+                    await _send(response, renderers[0].usage_chunk(_total_usage(progress)))
+            except StepFailedError as error:
+                await _send(response, _step_failed(error).body())  # and the stream ends as usual
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
         except ConnectionResetError:
@@ -403,6 +410,10 @@ async def _chain(first: list[tuple[int, RequestDelta]],
         yield item
     async for item in rest:
         yield item
+
+
+def _step_failed(error: StepFailedError) -> APIError:
+    return APIError(500, str(error), code="internal_error")
 
 
 async def _send(response: web.StreamResponse, chunk: msgspec.Struct) -> None:
