@@ -404,6 +404,49 @@ async def test_client_that_disconnects_aborts_its_request(client, http, base_url
     assert ok.usage.completion_tokens >= 1
 
 
+async def test_a_failed_engine_step_gets_500s_and_the_server_serves_on(http, base_url, client, engine, monkeypatch,
+                                                                        caplog):
+    """A fault injected into one engine step (the runner raises): a streamed request in it gets
+    an error event and [DONE], a non-streamed one a 500 body; both free their slot and blocks,
+    and the next request gets the text it gets alone."""
+    body = {"model": MODEL, "prompt": "Hello", **GREEDY, **IGNORE_EOS}
+    async def text_alone() -> str:
+        return (await client.completions.create(model=MODEL, prompt="Hello", extra_body=IGNORE_EOS,
+                                                **GREEDY)).choices[0].text
+
+    alone = await text_alone()
+    runner, faults = engine.core.runner, []
+
+    def fail_once_decoding(method):
+        def call(plan):
+            if not faults and any(len(row.request.output_token_ids) >= 2 for row in plan.rows):
+                faults.append(plan)
+                raise RuntimeError("CUDA out of memory (injected)")
+            return method(plan)
+        return call
+
+    for name in ("run", "launch"):
+        monkeypatch.setattr(runner, name, fail_once_decoding(getattr(runner, name)))
+    async with http.post(f"{base_url}/v1/completions", json={**body, "stream": True}) as response:
+        assert response.status == 200
+        events = [line.removeprefix(b"data: ").strip() async for line in response.content if line.strip()]
+    assert faults and events[-1] == b"[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "internal_error" and error["type"] == "server_error"
+    assert "CUDA out of memory (injected)" in error["message"]
+    assert all("choices" in json.loads(event) for event in events[:-2])
+    await wait_idle(engine)
+
+    faults.clear()
+    async with http.post(f"{base_url}/v1/completions", json=body) as response:
+        assert response.status == 500
+        assert (await response.json())["error"]["code"] == "internal_error"
+    assert faults
+    await wait_idle(engine)
+    assert await text_alone() == alone
+    assert sum("a step failed with RuntimeError" in r.getMessage() for r in caplog.records) == 2
+
+
 async def test_metrics_parse_and_move_with_requests(http, base_url, client, engine):
     before = await scrape(http, base_url)
     prompt = "The engine schedules requests"
