@@ -210,26 +210,41 @@ class OpenAIServer:
                       include_usage: bool) -> web.StreamResponse:
         response = web.StreamResponse(headers=_SSE_HEADERS)
         await response.prepare(request)
+        stall_timeout = self.config.stream_stall_timeout
+
+        async def send(data: bytes) -> None:
+            """A write waits while the client reads nothing (its socket buffers full); past the
+            stall timeout the connection is dropped, which ends the stream as a disconnect does."""
+            try:
+                async with asyncio.timeout(stall_timeout):
+                    await response.write(data)
+            except TimeoutError:
+                logger.warning("%s %s: the client read nothing for %gs; aborting its request", request.method,
+                               request.path, stall_timeout)
+                if request.transport is not None:
+                    request.transport.abort()  # close() would wait to flush what the client does not read
+                raise ConnectionResetError("the client stopped reading") from None
+
         try:
             try:
                 for renderer in renderers:
                     for chunk in renderer.opening():
-                        await _send(response, chunk)
+                        await send(_event(chunk))
                 async for index, delta in deltas:
                     progress[index].record(delta)
                     if delta.finish_reason == "abort":
                         # Headers are out: the error travels as an event (the openai client raises it).
                         error = APIError(503, "the request was aborted: the server is shutting down", code="aborted")
-                        await _send(response, error.body())
+                        await send(_event(error.body()))
                         return response
                     for chunk in renderers[index].chunks(delta.text, delta.finish_reason, delta.token_ids,
                                                          delta.logprobs):
-                        await _send(response, chunk)
+                        await send(_event(chunk))
                 if include_usage:
-                    await _send(response, renderers[0].usage_chunk(_total_usage(progress)))
+                    await send(_event(renderers[0].usage_chunk(_total_usage(progress))))
             except StepFailedError as error:
-                await _send(response, _step_failed(error).body())  # and the stream ends as usual
-            await response.write(b"data: [DONE]\n\n")
+                await send(_event(_step_failed(error).body()))  # and the stream ends as usual
+            await send(b"data: [DONE]\n\n")
             await response.write_eof()
         except ConnectionResetError:
             pass  # the client went away; leaving `_generate`'s aclosing block aborts the requests
@@ -290,7 +305,13 @@ class OpenAIServer:
         if request.charset is not None and not _is_utf8(request.charset):
             raise APIError(415, f"charset {request.charset!r} is not supported: send JSON as UTF-8",
                            code="unsupported_media_type")
-        body = await request.read()  # as sent: `serve.start` turns aiohttp's decompression off
+        try:
+            async with asyncio.timeout(self.config.body_timeout):
+                body = await request.read()  # as sent: `serve.start` turns aiohttp's decompression off
+        except TimeoutError:
+            # The connection is done: what is left of the body would be read as the next request.
+            raise APIError(408, f"the request body did not arrive within {self.config.body_timeout:g}s",
+                           code="timeout", headers={"Connection": "close"}) from None
         if encoding != "identity":
             body = _decompress(body, encoding, self.config.max_body_bytes)
         try:
@@ -416,8 +437,8 @@ def _step_failed(error: StepFailedError) -> APIError:
     return APIError(500, str(error), code="internal_error")
 
 
-async def _send(response: web.StreamResponse, chunk: msgspec.Struct) -> None:
-    await response.write(b"data: " + _encoder.encode(chunk) + b"\n\n")
+def _event(chunk: msgspec.Struct) -> bytes:
+    return b"data: " + _encoder.encode(chunk) + b"\n\n"
 
 
 def _json(body: msgspec.Struct, status: int = 200) -> web.Response:

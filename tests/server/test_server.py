@@ -447,6 +447,65 @@ async def test_a_failed_engine_step_gets_500s_and_the_server_serves_on(http, bas
     assert sum("a step failed with RuntimeError" in r.getMessage() for r in caplog.records) == 2
 
 
+@pytest_asyncio.fixture(loop_scope="module")
+async def impatient(engine):
+    """A server beside the shared one whose socket and stream timeouts are short."""
+    running = await start(engine, ServerConfig(model_name=MODEL, port=0, shutdown_timeout=1, idle_timeout=0.5,
+                                               body_timeout=0.5, stream_stall_timeout=0.5))
+    yield running
+    await running.stop()
+
+
+async def _closed_within(reader: asyncio.StreamReader, seconds: float) -> bytes:
+    """What the server sent until it closed the connection (fails if it stays open longer)."""
+    async with asyncio.timeout(seconds):
+        return await reader.read()
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"], ids=["idle", "header"])
+async def test_idle_and_header_only_sockets_are_closed(impatient, sent):
+    reader, writer = await asyncio.open_connection("127.0.0.1", impatient.port)
+    writer.write(sent)
+    start_time = time.monotonic()
+    assert await _closed_within(reader, 3) == b""
+    assert 0.4 < time.monotonic() - start_time
+    writer.close()
+
+
+async def test_a_body_that_does_not_arrive_gets_408(impatient):
+    reader, writer = await asyncio.open_connection("127.0.0.1", impatient.port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100\r\n\r\n{\"model\": ")
+    async with asyncio.timeout(3):
+        head = await reader.readuntil(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408") and b"Connection: close" in head
+    writer.close()
+
+
+async def test_a_stream_whose_client_stops_reading_is_aborted(impatient, engine, http, caplog):
+    """The client reads nothing (a small receive buffer, never read): once the server's writes
+    stay blocked for the stall timeout, the request is aborted, its slot and blocks freed, and
+    the connection dropped."""
+    import socket
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", impatient.port))
+    # Top log-probabilities make each event about a kilobyte: more than the socket buffers hold.
+    body = json.dumps({"model": MODEL, "prompt": ["Hello"] * 4, "max_tokens": 240, "temperature": 0,
+                       "logprobs": 20, "stream": True, **IGNORE_EOS}).encode()
+    await asyncio.get_running_loop().sock_sendall(sock, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                                  b"Content-Type: application/json\r\nContent-Length: "
+                                                  + str(len(body)).encode() + b"\r\n\r\n" + body)
+    deadline = time.monotonic() + 30
+    while not any("read nothing" in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < deadline, "the stalled stream was never aborted"
+        await asyncio.sleep(0.05)
+    stats = await wait_idle(engine)
+    assert stats["num_running"] == 0
+    sock.close()
+
+
 async def test_metrics_parse_and_move_with_requests(http, base_url, client, engine):
     before = await scrape(http, base_url)
     prompt = "The engine schedules requests"
