@@ -492,7 +492,7 @@ async def test_a_stream_whose_client_stops_reading_is_aborted(impatient, engine,
     sock.setblocking(False)
     await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", impatient.port))
     # Top log-probabilities make each event about a kilobyte: more than the socket buffers hold.
-    body = json.dumps({"model": MODEL, "prompt": ["Hello"] * 4, "max_tokens": 240, "temperature": 0,
+    body = json.dumps({"model": MODEL, "prompt": ["Hello"] * 32, "max_tokens": 240, "temperature": 0,
                        "logprobs": 20, "stream": True, **IGNORE_EOS}).encode()
     await asyncio.get_running_loop().sock_sendall(sock, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
                                                   b"Content-Type: application/json\r\nContent-Length: "
