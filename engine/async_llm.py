@@ -113,6 +113,17 @@ class AsyncLLM:
             self._wakeup.set()
         return aborted
 
+    def pause(self, request_id: str) -> bool:
+        """Backpressure: schedule no more of the request until `resume` (its client reads
+        nothing), so its output queue stops growing; it keeps its slot and blocks."""
+        return self.core.pause(request_id)
+
+    def resume(self, request_id: str) -> bool:
+        resumed = self.core.resume(request_id)
+        if resumed and self._wakeup is not None:
+            self._wakeup.set()  # the engine may have gone idle with every request paused
+        return resumed
+
     def save_checkpoint(self, request_id: str) -> CheckpointHandle:
         """A handle on a finished request's state for `generate(..., resume_from=handle)`."""
         return self.core.save_checkpoint(request_id)

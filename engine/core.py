@@ -194,6 +194,22 @@ class EngineCore:
         self.scheduler.abort(request)
         return True
 
+    def pause(self, request_id: str) -> bool:
+        """Schedule no more steps of the request until `resume` (its consumer is not reading;
+        a step already launched still runs it). False when the id is unknown or finished."""
+        request = self.requests.get(request_id)
+        if request is None or request.finished:
+            return False
+        self.scheduler.pause(request)
+        return True
+
+    def resume(self, request_id: str) -> bool:
+        request = self.requests.get(request_id)
+        if request is None or request.finished:
+            return False
+        self.scheduler.resume(request)
+        return True
+
     def save_checkpoint(self, request_id: str) -> CheckpointHandle:
         """A handle on a finished request's state (prompt + output) that `add_request(...,
         resume_from=handle)` continues from without prefilling it again. The checkpoint stays

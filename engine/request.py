@@ -102,6 +102,7 @@ class Request:
     resume_from: Checkpoint | None = None  # a saved session to restore instead of a prefix lookup
     num_preemptions: int = 0
     abort_requested: bool = False
+    paused: bool = False  # its consumer reads nothing for now: not scheduled (Scheduler.pause)
     # Speculation: the next MTP catch-up starts at mtp_position (its KV below is written, stale
     # where plain steps ran: drafts then see stale entries, which costs acceptance only).
     mtp_position: int = 0

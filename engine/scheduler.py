@@ -101,6 +101,14 @@ class Scheduler:
         request.abort_requested = True
         self._abort_requested = True
 
+    def pause(self, request: Request) -> None:
+        """Schedule no more of the request until `resume` (its client is not reading): it keeps
+        its slot and blocks, and may be preempted like any running request."""
+        request.paused = True
+
+    def resume(self, request: Request) -> None:
+        request.paused = False
+
     def reset_counters(self) -> None:
         """Speculation and preemption counters back to zero (after the start-up warm-up)."""
         self.spec_stats = SpecStats()
@@ -112,7 +120,8 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._aborted)
+        return bool(self.waiting or self._aborted or self._abort_requested
+                    or any(not request.paused for request in self.running))
 
     # One step -----------------------------------------------------------------------------
 
@@ -123,7 +132,8 @@ class Scheduler:
         scheduled: set[int] = set()
         decoding, prefilling = [], []
         for request in self.running:
-            (prefilling if self._in_prefill(request) else decoding).append(request)
+            if not request.paused:
+                (prefilling if self._in_prefill(request) else decoding).append(request)
         running = RequestStatus.RUNNING  # looked up once: on Python 3.11 an Enum member costs a call
         # Each row holds KV blocks for the positions of k drafts whatever the step drafts. (A
         # request scheduled here is never preempted for a later one.)
@@ -189,6 +199,8 @@ class Scheduler:
         fed = []
         for index, row in enumerate(plan.decode_rows):
             request = row.request
+            if request.paused:
+                return None  # paused since `plan` was scheduled
             if request.status is not running:
                 continue  # finished by the step before `plan`: its row there is discarded
             in_plan += 1

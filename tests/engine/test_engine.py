@@ -236,6 +236,29 @@ async def test_steps_failing_in_a_row_stop_the_engine(checkpoint, monkeypatch):
     await engine.shutdown()
 
 
+async def test_a_paused_request_is_not_scheduled_until_resumed(checkpoint):
+    """Backpressure: a paused request gets no steps (beyond one already launched) while others
+    run to the end, the engine idles rather than spins, and resumed it finishes with its output
+    alone."""
+    engine = AsyncLLM(checkpoint("qwen3_5"), max_num_seqs=8)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    expected = [run_alone(engine.core, Job(prompt, params, 0, None)) for prompt in ([1, 2, 3], [4, 5, 6])]
+    paused = engine.generate([1, 2, 3], params, request_id="a")
+    tokens = list((await anext(paused)).token_ids)
+    assert engine.pause("a")
+    at_pause = len(engine.core.requests["a"].output_token_ids)
+    assert [t async for delta in engine.generate([4, 5, 6], params) for t in delta.token_ids] == expected[1]
+    await asyncio.sleep(0.05)
+    held = len(engine.core.requests["a"].output_token_ids)
+    assert held <= at_pause + 1 + engine.core.num_draft_tokens < 16  # at most the step launched ahead
+    assert not engine.core.has_work  # idle, not spinning on empty steps
+    assert engine.resume("a")
+    tokens += [t async for delta in paused for t in delta.token_ids]
+    assert tokens == expected[0]
+    assert_idle(engine.stats())
+    await engine.shutdown()
+
+
 async def test_async_bad_input_raises_at_submission(checkpoint):
     engine = AsyncLLM(checkpoint("qwen3_5"))
     with pytest.raises(ValueError, match="empty"):
