@@ -10,7 +10,9 @@ for the device in one worker thread, so the loop keeps serving other coroutines 
 device works; the next step's CPU work (streaming deltas out, admitting requests) overlaps the
 current step's device work, and in steady plain decoding the next step is already launched
 before the current one is waited for (EngineCore.dispatch). Results reach per-request queues with put_nowait: never blocking. A consumer that
-stops iterating (client disconnect) aborts its request. Runs on uvloop when the caller's loop
+stops iterating (client disconnect) aborts its request; one that cannot keep up pauses it
+(`pause`/`resume`). A step that raises fails its requests only (StepFailedError); several in a
+row end the engine (EngineDeadError). Runs on uvloop when the caller's loop
 is uvloop (see `run`). Knows nothing about HTTP.
 """
 

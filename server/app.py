@@ -211,10 +211,19 @@ class OpenAIServer:
         response = web.StreamResponse(headers=_SSE_HEADERS)
         await response.prepare(request)
         stall_timeout = self.config.stream_stall_timeout
+        request_ids = [renderer.request_id for renderer in renderers]
 
         async def send(data: bytes) -> None:
-            """A write waits while the client reads nothing (its socket buffers full); past the
-            stall timeout the connection is dropped, which ends the stream as a disconnect does."""
+            """A write waits while the client reads nothing (the transport's buffer past its
+            high-water mark); meanwhile its requests are paused, so the engine stops producing
+            what nobody reads. Past the stall timeout the connection is dropped, which ends the
+            stream as a disconnect does."""
+            transport = request.transport
+            stalled = transport is not None and \
+                transport.get_write_buffer_size() > transport.get_write_buffer_limits()[1]
+            if stalled:
+                for request_id in request_ids:
+                    self.engine.pause(request_id)
             try:
                 async with asyncio.timeout(stall_timeout):
                     await response.write(data)
@@ -224,6 +233,9 @@ class OpenAIServer:
                 if request.transport is not None:
                     request.transport.abort()  # close() would wait to flush what the client does not read
                 raise ConnectionResetError("the client stopped reading") from None
+            if stalled:  # (not when the write failed: the requests are aborted then)
+                for request_id in request_ids:
+                    self.engine.resume(request_id)
 
         try:
             try:

@@ -483,9 +483,9 @@ async def test_a_body_that_does_not_arrive_gets_408(impatient):
 
 
 async def test_a_stream_whose_client_stops_reading_is_aborted(impatient, engine, http, caplog):
-    """The client reads nothing (a small receive buffer, never read): once the server's writes
-    stay blocked for the stall timeout, the request is aborted, its slot and blocks freed, and
-    the connection dropped."""
+    """The client reads nothing (a small receive buffer, never read): while the server's writes
+    are blocked its requests are paused; once blocked for the stall timeout, they are aborted,
+    their slots and blocks freed, and the connection dropped."""
     import socket
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -497,10 +497,13 @@ async def test_a_stream_whose_client_stops_reading_is_aborted(impatient, engine,
     await asyncio.get_running_loop().sock_sendall(sock, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
                                                   b"Content-Type: application/json\r\nContent-Length: "
                                                   + str(len(body)).encode() + b"\r\n\r\n" + body)
-    deadline = time.monotonic() + 30
+    deadline, paused = time.monotonic() + 30, False
     while not any("read nothing" in r.getMessage() for r in caplog.records):
         assert time.monotonic() < deadline, "the stalled stream was never aborted"
-        await asyncio.sleep(0.05)
+        # Meanwhile its requests hold their slots but get no steps: the engine idles.
+        paused = paused or (engine.stats()["num_running"] > 0 and not engine.core.has_work)
+        await asyncio.sleep(0.02)
+    assert paused
     stats = await wait_idle(engine)
     assert stats["num_running"] == 0
     sock.close()
