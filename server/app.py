@@ -177,6 +177,10 @@ class OpenAIServer:
                         include_usage = bool(body.stream_options and body.stream_options.include_usage)
                         return await self._stream(request, renderers, deltas_in_order, progress, include_usage)
                     return await self._respond(renderers, deltas_in_order, progress)
+                except StepFailedError:
+                    for each in progress:
+                        each.fail()
+                    raise
                 finally:
                     for each in progress:
                         each.timer.finish(each.finish_reason or "abort")
@@ -255,6 +259,8 @@ class OpenAIServer:
                 if include_usage:
                     await send(_event(renderers[0].usage_chunk(_total_usage(progress))))
             except StepFailedError as error:
+                for each in progress:
+                    each.fail()
                 await send(_event(_step_failed(error).body()))  # and the stream ends as usual
             await send(b"data: [DONE]\n\n")
             await response.write_eof()
@@ -381,6 +387,11 @@ class _Progress:
         self.num_completion_tokens += len(delta.token_ids)
         self.timer.on_tokens(len(delta.token_ids))
         self.finish_reason = delta.finish_reason
+
+    def fail(self) -> None:
+        """Its engine step failed (the metrics count it as finished with "error")."""
+        if self.finish_reason is None:
+            self.finish_reason = "error"
 
     def usage(self) -> Usage:
         return Usage(self.num_prompt_tokens, self.num_completion_tokens,

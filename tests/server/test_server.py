@@ -410,6 +410,8 @@ async def test_a_failed_engine_step_gets_500s_and_the_server_serves_on(http, bas
     an error event and [DONE], a non-streamed one a 500 body; both free their slot and blocks,
     and the next request gets the text it gets alone."""
     body = {"model": MODEL, "prompt": "Hello", **GREEDY, **IGNORE_EOS}
+    failed = ("deltaspec_requests_finished_total", (("finish_reason", "error"),))
+    before = (await scrape(http, base_url)).get(failed, 0)
     async def text_alone() -> str:
         return (await client.completions.create(model=MODEL, prompt="Hello", extra_body=IGNORE_EOS,
                                                 **GREEDY)).choices[0].text
@@ -445,6 +447,7 @@ async def test_a_failed_engine_step_gets_500s_and_the_server_serves_on(http, bas
     await wait_idle(engine)
     assert await text_alone() == alone
     assert sum("a step failed with RuntimeError" in r.getMessage() for r in caplog.records) == 2
+    assert (await scrape(http, base_url))[failed] - before == 2
 
 
 @pytest_asyncio.fixture(loop_scope="module")
