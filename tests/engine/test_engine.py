@@ -217,6 +217,34 @@ async def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(checkpo
     await engine.shutdown()
 
 
+async def test_a_failure_to_schedule_fails_the_running_requests(checkpoint):
+    """Scheduling itself raises (no plan to name the step's rows): the running requests fail,
+    a waiting one does not, and the engine serves on."""
+    # Every step scheduled (none launched ahead), one request running at a time.
+    engine = AsyncLLM(checkpoint("qwen3_5"), max_num_seqs=1, async_scheduling=False)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    expected = run_alone(engine.core, Job([4, 5, 6], params, 0, None))
+    scheduler, schedule, faults = engine.core.scheduler, engine.core.scheduler.schedule, []
+
+    def faulty():
+        running = scheduler.running
+        if not faults and running and running[0].request_id == "a" and running[0].output_token_ids:
+            faults.append(running[0])
+            raise MemoryError("injected")
+        return schedule()
+
+    scheduler.schedule = faulty
+
+    async def consume(prompt, request_id):
+        return [t async for delta in engine.generate(prompt, params, request_id=request_id) for t in delta.token_ids]
+
+    a, b = await asyncio.gather(consume([1, 2, 3], "a"), consume([4, 5, 6], "b"), return_exceptions=True)
+    assert faults and isinstance(a, StepFailedError) and "MemoryError" in str(a)
+    assert b == expected  # waited behind "a" (one running at most), then ran
+    assert_idle(engine.stats())
+    await engine.shutdown()
+
+
 async def test_steps_failing_in_a_row_stop_the_engine(checkpoint, monkeypatch):
     """A fault that repeats with no step succeeding (a lost device) ends in EngineDeadError
     after MAX_CONSECUTIVE_FAILED_STEPS, for the requests then and every later one."""
