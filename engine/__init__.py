@@ -10,5 +10,5 @@ from .request import RequestDelta, RequestOutput, TokenLogprobs
 from .sampling_params import SamplingParams
 from .weights import WeightLoadError
 
-__all__ = ["AsyncLLM", "EngineDeadError", "LLM", "StepFailedError", "CheckpointHandle", "ConfigError", "EngineConfig", "ModelConfig", "RequestDelta", "RequestOutput",
-           "SamplingParams", "TokenLogprobs", "WeightLoadError"]
+__all__ = ["AsyncLLM", "CheckpointHandle", "ConfigError", "EngineConfig", "EngineDeadError", "LLM", "ModelConfig",
+           "RequestDelta", "RequestOutput", "SamplingParams", "StepFailedError", "TokenLogprobs", "WeightLoadError"]

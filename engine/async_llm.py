@@ -30,6 +30,7 @@ from .engine_config import EngineConfig
 from .prefix_cache import CheckpointHandle
 from .request import RequestDelta
 from .sampling_params import SamplingParams
+from .step import StepPlan
 
 
 logger = logging.getLogger("deltaspec")
@@ -196,10 +197,11 @@ class AsyncLLM:
                 queue.put_nowait(error)
             raise
 
-    def _fail_step(self, plan, error: Exception) -> None:
+    def _fail_step(self, plan: StepPlan | None, error: Exception) -> None:
         failed = self.core.fail(plan)
+        named = ", ".join(failed[:8]) + (" ..." if len(failed) > 8 else "")
         logger.error("a step failed with %s: %s; failing its %d requests (%s), serving the rest",
-                     type(error).__name__, error, len(failed), ", ".join(failed[:8]) + (" ..." if len(failed) > 8 else ""))
+                     type(error).__name__, error, len(failed), named)
         logger.debug("the failed step's traceback", exc_info=error)
         for request_id in failed:
             queue = self._queues.get(request_id)
