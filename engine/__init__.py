@@ -1,7 +1,7 @@
 """deltaspec.engine: configs, models, weight loading, tokenizer, state pools, scheduler, runner,
 and the Python APIs (sync `LLM`, asyncio `AsyncLLM`). Never imports deltaspec.server."""
 
-from .async_llm import AsyncLLM
+from .async_llm import AsyncLLM, EngineDeadError, StepFailedError
 from .model_config import ConfigError, ModelConfig
 from .engine_config import EngineConfig
 from .llm import LLM
@@ -10,5 +10,5 @@ from .request import RequestDelta, RequestOutput, TokenLogprobs
 from .sampling_params import SamplingParams
 from .weights import WeightLoadError
 
-__all__ = ["AsyncLLM", "LLM", "CheckpointHandle", "ConfigError", "EngineConfig", "ModelConfig", "RequestDelta", "RequestOutput",
-           "SamplingParams", "TokenLogprobs", "WeightLoadError"]
+__all__ = ["AsyncLLM", "CheckpointHandle", "ConfigError", "EngineConfig", "EngineDeadError", "LLM", "ModelConfig",
+           "RequestDelta", "RequestOutput", "SamplingParams", "StepFailedError", "TokenLogprobs", "WeightLoadError"]

@@ -10,14 +10,16 @@ for the device in one worker thread, so the loop keeps serving other coroutines 
 device works; the next step's CPU work (streaming deltas out, admitting requests) overlaps the
 current step's device work, and in steady plain decoding the next step is already launched
 before the current one is waited for (EngineCore.dispatch). Results reach per-request queues with put_nowait: never blocking. A consumer that
-stops iterating (client disconnect) aborts its request. Runs on uvloop when the caller's loop
+stops iterating (client disconnect) aborts its request; one that cannot keep up pauses it
+(`pause`/`resume`). A step that raises fails its requests only (StepFailedError); several in a
+row end the engine (EngineDeadError). Runs on uvloop when the caller's loop
 is uvloop (see `run`). Knows nothing about HTTP.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,10 +30,24 @@ from .engine_config import EngineConfig
 from .prefix_cache import CheckpointHandle
 from .request import RequestDelta
 from .sampling_params import SamplingParams
+from .step import StepPlan
+
+
+logger = logging.getLogger("deltaspec")
+
+# Steps in a row that may fail before the engine gives up: a fault that repeats with no step
+# succeeding in between (a lost device: CUDA errors are sticky) would otherwise fail every new
+# request forever.
+MAX_CONSECUTIVE_FAILED_STEPS = 3
 
 
 class EngineDeadError(RuntimeError):
     """The engine task failed; no request can make progress."""
+
+
+class StepFailedError(RuntimeError):
+    """The step running this request raised (a failed allocation, a kernel error); the request
+    was dropped, its slot and blocks freed, and the engine serves the others."""
 
 
 class AsyncLLM:
@@ -84,6 +100,9 @@ class AsyncLLM:
         try:
             while not finished:
                 delta = await queue.get()
+                if isinstance(delta, StepFailedError):
+                    finished = True  # the engine dropped it already
+                    raise delta
                 if isinstance(delta, BaseException):
                     raise EngineDeadError("the engine failed") from delta
                 finished = delta.finish_reason is not None
@@ -99,6 +118,17 @@ class AsyncLLM:
         if aborted and self._wakeup is not None:
             self._wakeup.set()
         return aborted
+
+    def pause(self, request_id: str) -> bool:
+        """Backpressure: schedule no more of the request until `resume` (its client reads
+        nothing), so its output queue stops growing; it keeps its slot and blocks."""
+        return self.core.pause(request_id)
+
+    def resume(self, request_id: str) -> bool:
+        resumed = self.core.resume(request_id)
+        if resumed and self._wakeup is not None:
+            self._wakeup.set()  # the engine may have gone idle with every request paused
+        return resumed
 
     def save_checkpoint(self, request_id: str) -> CheckpointHandle:
         """A handle on a finished request's state for `generate(..., resume_from=handle)`."""
@@ -119,8 +149,8 @@ class AsyncLLM:
             while self.core.has_work and not self._task.done():
                 await asyncio.sleep(0.01)
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # A dead engine's task ended with the error its requests were given (EngineDeadError).
+            await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         self._executor.shutdown(wait=True)
 
@@ -135,15 +165,29 @@ class AsyncLLM:
 
     async def _engine_loop(self) -> None:
         loop = asyncio.get_running_loop()
+        num_failed = 0  # steps failed in a row
         try:
             while True:
                 if not self.core.has_work:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
-                step = self.core.dispatch()
-                result = await loop.run_in_executor(self._executor, step.wait)
-                for delta in self.core.commit(step.plan, result):
+                plan = None
+                try:
+                    step = self.core.dispatch()
+                    plan = step.plan
+                    result = await loop.run_in_executor(self._executor, step.wait)
+                    deltas = self.core.commit(step.plan, result)
+                except Exception as error:  # noqa: BLE001 - one step's fault fails its requests only
+                    num_failed += 1
+                    if num_failed >= MAX_CONSECUTIVE_FAILED_STEPS:
+                        logger.error("%d steps failed in a row, the last with %s: %s; the engine stops",
+                                     num_failed, type(error).__name__, error)
+                        raise
+                    self._fail_step(plan, error)
+                    continue
+                num_failed = 0
+                for delta in deltas:
                     queue = self._queues.get(delta.request_id)
                     if queue is not None:
                         queue.put_nowait(delta)
@@ -155,6 +199,18 @@ class AsyncLLM:
             for queue in self._queues.values():
                 queue.put_nowait(error)
             raise
+
+    def _fail_step(self, plan: StepPlan | None, error: Exception) -> None:
+        failed = self.core.fail(plan)
+        named = ", ".join(failed[:8]) + (" ..." if len(failed) > 8 else "")
+        logger.error("a step failed with %s: %s; failing its %d requests (%s), serving the rest",
+                     type(error).__name__, error, len(failed), named)
+        logger.debug("the failed step's traceback", exc_info=error)
+        for request_id in failed:
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(StepFailedError(f"the engine step running this request failed: "
+                                                 f"{type(error).__name__}: {error}"))
 
 
 def run(main) -> object:

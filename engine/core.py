@@ -200,6 +200,22 @@ class EngineCore:
         self.scheduler.abort(request)
         return True
 
+    def pause(self, request_id: str) -> bool:
+        """Schedule no more steps of the request until `resume` (its consumer is not reading;
+        a step already launched still runs it). False when the id is unknown or finished."""
+        request = self.requests.get(request_id)
+        if request is None or request.finished:
+            return False
+        self.scheduler.pause(request)
+        return True
+
+    def resume(self, request_id: str) -> bool:
+        request = self.requests.get(request_id)
+        if request is None or request.finished:
+            return False
+        self.scheduler.resume(request)
+        return True
+
     def save_checkpoint(self, request_id: str) -> CheckpointHandle:
         """A handle on a finished request's state (prompt + output) that `add_request(...,
         resume_from=handle)` continues from without prefilling it again. The checkpoint stays
@@ -271,6 +287,21 @@ class EngineCore:
             if request.finish_reason is not None:
                 self.requests.pop(request.request_id, None)
         return deltas
+
+    def fail(self, plan: StepPlan | None) -> list[str]:
+        """A step raised between dispatch and the end of its commit: its requests (the plan's
+        rows not yet handed out as finished; every running request when scheduling itself
+        raised, `plan` None) are finished without its tokens and their slots and blocks freed
+        (Scheduler.fail). The step launched ahead has the same rows and is forgotten. Returns
+        the failed requests' ids; the rest of the engine goes on."""
+        self._in_flight = None
+        self._last_commit = None  # the next step's wall time would include the failure
+        rows = [row.request for row in plan.rows] if plan is not None else list(self.scheduler.running)
+        failed = [r for r in dict.fromkeys(rows) if self.requests.get(r.request_id) is r]
+        self.scheduler.fail(plan, [r for r in failed if not r.finished])
+        for request in failed:
+            del self.requests[request.request_id]
+        return [request.request_id for request in failed]
 
     def step(self) -> list[RequestDelta]:
         step = self.dispatch()

@@ -224,6 +224,12 @@ class PrefixCache:
                 self._insert(checkpoint)
         self._pending.clear()
 
+    def discard_writes(self) -> None:
+        """The step that was to write the reserved checkpoints failed: free what they hold."""
+        for checkpoint in self._pending:
+            self._drop(checkpoint)
+        self._pending.clear()
+
     def adopt(self, request_id: str, token_ids: Sequence[int], all_token_ids: Sequence[int], mtp_position: int,
               slot: int, blocks: Sequence[int]) -> bool:
         """Take over a finished request's slot and the KV blocks covering token_ids, its

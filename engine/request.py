@@ -106,6 +106,7 @@ class Request:
     fork_of: Request | None = None
     num_preemptions: int = 0
     abort_requested: bool = False
+    paused: bool = False  # its consumer reads nothing for now: not scheduled (Scheduler.pause)
     # Speculation: the next MTP catch-up starts at mtp_position (its KV below is written, stale
     # where plain steps ran: drafts then see stale entries, which costs acceptance only).
     mtp_position: int = 0

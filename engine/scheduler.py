@@ -101,6 +101,14 @@ class Scheduler:
         request.abort_requested = True
         self._abort_requested = True
 
+    def pause(self, request: Request) -> None:
+        """Schedule no more of the request until `resume` (its client is not reading): it keeps
+        its slot and blocks, and may be preempted like any running request."""
+        request.paused = True
+
+    def resume(self, request: Request) -> None:
+        request.paused = False
+
     def reset_counters(self) -> None:
         """Speculation and preemption counters back to zero (after the start-up warm-up)."""
         self.spec_stats = SpecStats()
@@ -112,7 +120,8 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._aborted)
+        return bool(self.waiting or self._aborted or self._abort_requested
+                    or any(not request.paused for request in self.running))
 
     # One step -----------------------------------------------------------------------------
 
@@ -123,7 +132,8 @@ class Scheduler:
         scheduled: set[int] = set()
         decoding, prefilling = [], []
         for request in self.running:
-            (prefilling if self._in_prefill(request) else decoding).append(request)
+            if not request.paused:
+                (prefilling if self._in_prefill(request) else decoding).append(request)
         running = RequestStatus.RUNNING  # looked up once: on Python 3.11 an Enum member costs a call
         # Each row holds KV blocks for the positions of k drafts whatever the step drafts. (A
         # request scheduled here is never preempted for a later one.)
@@ -191,6 +201,8 @@ class Scheduler:
         fed = []
         for index, row in enumerate(plan.decode_rows):
             request = row.request
+            if request.paused:
+                return None  # paused since `plan` was scheduled
             if request.status is not running:
                 continue  # finished by the step before `plan`: its row there is discarded
             in_plan += 1
@@ -433,6 +445,26 @@ class Scheduler:
                             request.block_table[:keep]):
             self.blocks.free(request.block_table[keep:])
             request.slot, request.block_table = None, ()
+
+    def fail(self, plan: StepPlan | None, requests: list[Request]) -> None:
+        """A step raised: `requests` (its rows) finish without its tokens and free their slots
+        and blocks, and its pins are released. The step may have written part of any state it
+        touched, so the checkpoints it was writing are dropped and so is every unpinned cached
+        one (a request finished one step ahead handed over a slot the failed step was feeding)."""
+        if plan is not None:
+            for checkpoint in plan.pinned:
+                self.cache.unpin(checkpoint)
+        self.cache.discard_writes()
+        for request in requests:
+            if request in self.waiting:
+                self.waiting.remove(request)
+            if request.resume_from is not None:
+                self.cache.unpin(request.resume_from)
+                request.resume_from = None
+            self._release(request)
+            request.status = RequestStatus.FINISHED
+            request.abort()
+        self.cache.clear()
 
     def _release_aborted(self) -> None:
         if not self._abort_requested:

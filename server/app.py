@@ -9,7 +9,9 @@ Every failure is an OpenAI error body (`errors.APIError`), aiohttp's own include
 404, wrong method 405, body over the limit 413). A request's engine stream is closed whenever its
 handler exits: normally, on an error, on a write to a client that went away, or on cancellation
 (the runner in `serve` cancels the handler of a client that disconnects); closing it aborts the
-request, so a vanished client never holds a slot.
+request, so a vanished client never holds a slot. A request whose engine step failed
+(StepFailedError) gets a 500: a JSON body before the headers are out, an error event and
+[DONE] after.
 
 Knows the engine only through AsyncLLM's public API; knows nothing about processes or signals.
 """
@@ -31,7 +33,7 @@ from typing import TypeVar
 import msgspec
 from aiohttp import web
 
-from ..engine import AsyncLLM, RequestDelta
+from ..engine import AsyncLLM, RequestDelta, StepFailedError
 from .chat_output import ChatOutput
 from .config import ServerConfig
 from .errors import APIError, decode_error
@@ -185,9 +187,15 @@ class OpenAIServer:
                         include_usage = bool(body.stream_options and body.stream_options.include_usage)
                         return await self._stream(request, renderers, deltas_in_order, progress, include_usage)
                     return await self._respond(renderers, deltas_in_order, progress)
+                except StepFailedError:
+                    for each in progress:
+                        each.fail()
+                    raise
                 finally:
                     for each in progress:
                         each.timer.finish(each.finish_reason or "abort")
+        except StepFailedError as error:
+            raise _step_failed(error) from error
         finally:
             self.in_flight.difference_update(request_ids)
 
@@ -216,23 +224,55 @@ class OpenAIServer:
                       include_usage: bool) -> web.StreamResponse:
         response = web.StreamResponse(headers=_SSE_HEADERS)
         await response.prepare(request)
+        stall_timeout = self.config.stream_stall_timeout
+        request_ids = [renderer.request_id for renderer in renderers]
+
+        async def send(data: bytes) -> None:
+            """A write waits while the client reads nothing (the transport's buffer past its
+            high-water mark); meanwhile its requests are paused, so the engine stops producing
+            what nobody reads. Past the stall timeout the connection is dropped, which ends the
+            stream as a disconnect does."""
+            transport = request.transport
+            stalled = transport is not None and \
+                transport.get_write_buffer_size() > transport.get_write_buffer_limits()[1]
+            if stalled:
+                for request_id in request_ids:
+                    self.engine.pause(request_id)
+            try:
+                async with asyncio.timeout(stall_timeout):
+                    await response.write(data)
+            except TimeoutError:
+                logger.warning("%s %s: the client read nothing for %gs; aborting its request", request.method,
+                               request.path, stall_timeout)
+                if request.transport is not None:
+                    request.transport.abort()  # close() would wait to flush what the client does not read
+                raise ConnectionResetError("the client stopped reading") from None
+            if stalled:  # (not when the write failed: the requests are aborted then)
+                for request_id in request_ids:
+                    self.engine.resume(request_id)
+
         try:
-            for renderer in renderers:
-                for chunk in renderer.opening():
-                    await _send(response, chunk)
-            async for index, delta in deltas:
-                progress[index].record(delta)
-                if delta.finish_reason == "abort":
-                    # Headers are out: the error travels as an event (the openai client raises it).
-                    error = APIError(503, "the request was aborted: the server is shutting down", code="aborted")
-                    await _send(response, error.body())
-                    return response
-                for chunk in renderers[index].chunks(delta.text, delta.finish_reason, delta.token_ids,
-                                                     delta.logprobs):
-                    await _send(response, chunk)
-            if include_usage:
-                await _send(response, renderers[0].usage_chunk(_total_usage(progress)))
-            await response.write(b"data: [DONE]\n\n")
+            try:
+                for renderer in renderers:
+                    for chunk in renderer.opening():
+                        await send(_event(chunk))
+                async for index, delta in deltas:
+                    progress[index].record(delta)
+                    if delta.finish_reason == "abort":
+                        # Headers are out: the error travels as an event (the openai client raises it).
+                        error = APIError(503, "the request was aborted: the server is shutting down", code="aborted")
+                        await send(_event(error.body()))
+                        return response
+                    for chunk in renderers[index].chunks(delta.text, delta.finish_reason, delta.token_ids,
+                                                         delta.logprobs):
+                        await send(_event(chunk))
+                if include_usage:
+                    await send(_event(renderers[0].usage_chunk(_total_usage(progress))))
+            except StepFailedError as error:
+                for each in progress:
+                    each.fail()
+                await send(_event(_step_failed(error).body()))  # and the stream ends as usual
+            await send(b"data: [DONE]\n\n")
             await response.write_eof()
         except ConnectionResetError:
             pass  # the client went away; leaving `_generate`'s aclosing block aborts the requests
@@ -293,7 +333,13 @@ class OpenAIServer:
         if request.charset is not None and not _is_utf8(request.charset):
             raise APIError(415, f"charset {request.charset!r} is not supported: send JSON as UTF-8",
                            code="unsupported_media_type")
-        body = await request.read()  # as sent: `serve.start` turns aiohttp's decompression off
+        try:
+            async with asyncio.timeout(self.config.body_timeout):
+                body = await request.read()  # as sent: `serve.start` turns aiohttp's decompression off
+        except TimeoutError:
+            # The connection is done: what is left of the body would be read as the next request.
+            raise APIError(408, f"the request body did not arrive within {self.config.body_timeout:g}s",
+                           code="timeout", headers={"Connection": "close"}) from None
         if encoding != "identity":
             body = _decompress(body, encoding, self.config.max_body_bytes)
         try:
@@ -351,6 +397,11 @@ class _Progress:
         self.num_completion_tokens += len(delta.token_ids)
         self.timer.on_tokens(len(delta.token_ids))
         self.finish_reason = delta.finish_reason
+
+    def fail(self) -> None:
+        """Its engine step failed (the metrics count it as finished with "error")."""
+        if self.finish_reason is None:
+            self.finish_reason = "error"
 
     def usage(self) -> Usage:
         return Usage(self.num_prompt_tokens, self.num_completion_tokens,
@@ -415,8 +466,12 @@ async def _chain(first: list[tuple[int, RequestDelta]],
         yield item
 
 
-async def _send(response: web.StreamResponse, chunk: msgspec.Struct) -> None:
-    await response.write(b"data: " + _encoder.encode(chunk) + b"\n\n")
+def _step_failed(error: StepFailedError) -> APIError:
+    return APIError(500, str(error), code="internal_error")
+
+
+def _event(chunk: msgspec.Struct) -> bytes:
+    return b"data: " + _encoder.encode(chunk) + b"\n\n"
 
 
 def _json(body: msgspec.Struct, status: int = 200) -> web.Response:

@@ -44,6 +44,8 @@ def _serve(args: argparse.Namespace) -> int:
     server_config = ServerConfig(model_name=args.served_model_name or model.name, host=args.host, port=args.port,
                                  api_key=args.api_key, max_waiting=args.max_waiting,
                                  max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout,
+                                 idle_timeout=args.idle_timeout, body_timeout=args.body_timeout,
+                                 stream_stall_timeout=args.stream_stall_timeout,
                                  tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run(serve(engine_config, server_config))
@@ -110,6 +112,13 @@ def main(argv: list[str] | None = None) -> int:
                               help="pinned host memory evicted prefix checkpoints move to (0: none)")
     serve_parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                               help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
+    serve_parser.add_argument("--idle-timeout", type=float, default=60.0,
+                              help="seconds a connection may go without sending a whole request header, then closed")
+    serve_parser.add_argument("--body-timeout", type=float, default=60.0,
+                              help="seconds a request body may take to arrive, then HTTP 408")
+    serve_parser.add_argument("--stream-stall-timeout", type=float, default=60.0,
+                              help="seconds a streaming client may read nothing before its request is aborted and "
+                                   "the connection closed")
     serve_parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                               help="the tool-call format (default: the one the chat template shows; Qwen3.5's "
                                    "qwen3_coder when it shows none)")

@@ -15,6 +15,9 @@ class ServerConfig:
     max_waiting: int = 256              # queued requests at most; past it new ones get 503
     max_body_bytes: int = 1 << 20       # larger request bodies get 413
     shutdown_timeout: float = 30.0      # seconds in-flight requests get to finish on SIGINT/SIGTERM
+    idle_timeout: float = 60.0          # seconds a connection may go without a whole request header
+    body_timeout: float = 60.0          # seconds a request body may take to arrive (then 408)
+    stream_stall_timeout: float = 60.0  # seconds a stream's client may read nothing before its request is aborted
     tool_call_parser: str | None = None  # qwen3_coder, hermes or none; None: from the chat template
     reasoning_parser: str | None = None  # qwen3 or none; None: qwen3 when the chat template thinks
 
@@ -32,5 +35,8 @@ class ServerConfig:
             problems.append("max_body_bytes must be >= 1024")
         if self.shutdown_timeout < 0:
             problems.append("shutdown_timeout must be >= 0")
+        for name in ("idle_timeout", "body_timeout", "stream_stall_timeout"):
+            if not getattr(self, name) > 0:
+                problems.append(f"{name} must be > 0")
         if problems:
             raise ValueError("invalid ServerConfig: " + "; ".join(problems))

@@ -41,8 +41,11 @@ async def start(engine: AsyncLLM, config: ServerConfig) -> RunningServer:
     # engine stream and aborts the request even while nothing is being written to it.
     # auto_decompress off: `OpenAIServer` decompresses bodies itself, so a bad or unsupported
     # Content-Encoding gets a JSON error rather than aiohttp's plain-text one.
+    # keepalive_timeout: aiohttp closes a connection that has not sent a whole request header
+    # this long after it opened or after its last response (idle, or headers trickling in).
     runner = web.AppRunner(server.app, handle_signals=False, handler_cancellation=True,
-                           shutdown_timeout=config.shutdown_timeout, auto_decompress=False)
+                           shutdown_timeout=config.shutdown_timeout, auto_decompress=False,
+                           keepalive_timeout=config.idle_timeout)
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
     return RunningServer(server, runner, runner.addresses[0][1])

@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from deltaspec.engine import AsyncLLM, EngineConfig, SamplingParams
+from deltaspec.engine import AsyncLLM, EngineConfig, EngineDeadError, SamplingParams, StepFailedError
+from deltaspec.engine import async_llm
 from deltaspec.engine.core import EngineCore
 from deltaspec.engine.request import RequestStatus
 from fixtures import assert_idle
@@ -169,6 +170,120 @@ async def test_async_abort_and_disconnect_free_resources(checkpoint):
         await asyncio.sleep(0.01)
     assert_idle(engine.stats())
     assert await engine.abort("unknown") is False
+    await engine.shutdown()
+
+
+def _fail_steps(engine: AsyncLLM, error: Exception, when) -> list:
+    """Make the runner raise `error` on each step whose plan `when` accepts (run, or launch for
+    decode steps, which may run one ahead); returns those plans."""
+    failed, runner = [], engine.core.runner
+
+    def faulty(method):
+        def call(plan):
+            if when(plan):
+                failed.append(plan)
+                raise error
+            return method(plan)
+        return call
+
+    runner.run, runner.launch = faulty(runner.run), faulty(runner.launch)
+    return failed
+
+
+@pytest.mark.parametrize("error", [RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                                   ZeroDivisionError("division by zero")])
+async def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(checkpoint, caplog, error):
+    engine = AsyncLLM(checkpoint("qwen3_5"), max_num_seqs=8)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    expected = run_alone(engine.core, Job([7, 8, 9], params, 0, None))
+    # Once "a" has three tokens: "a" and "b" decode in that step.
+    failed = _fail_steps(engine, error, lambda plan: any(
+        row.request.request_id == "a" and len(row.request.output_token_ids) >= 3 for row in plan.rows))
+
+    async def consume(prompt, request_id):
+        tokens = []
+        async for delta in engine.generate(prompt, params, request_id=request_id):
+            tokens += delta.token_ids
+        return tokens
+
+    results = await asyncio.gather(consume([1, 2, 3], "a"), consume([4, 5, 6], "b"), return_exceptions=True)
+    assert len(failed) == 1 and {row.request.request_id for row in failed[0].rows} == {"a", "b"}
+    for result in results:
+        assert isinstance(result, StepFailedError) and type(error).__name__ in str(result)
+    assert_idle(engine.stats())
+    assert await consume([7, 8, 9], "c") == expected  # submitted after: served as if nothing happened
+    lines = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(lines) == 1 and str(error) in lines[0].getMessage() and "2 requests" in lines[0].getMessage()
+    await engine.shutdown()
+
+
+async def test_a_failure_to_schedule_fails_the_running_requests(checkpoint):
+    """Scheduling itself raises (no plan to name the step's rows): the running requests fail,
+    a waiting one does not, and the engine serves on."""
+    # Every step scheduled (none launched ahead), one request running at a time.
+    engine = AsyncLLM(checkpoint("qwen3_5"), max_num_seqs=1, async_scheduling=False)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    expected = run_alone(engine.core, Job([4, 5, 6], params, 0, None))
+    scheduler, schedule, faults = engine.core.scheduler, engine.core.scheduler.schedule, []
+
+    def faulty():
+        running = scheduler.running
+        if not faults and running and running[0].request_id == "a" and running[0].output_token_ids:
+            faults.append(running[0])
+            raise MemoryError("injected")
+        return schedule()
+
+    scheduler.schedule = faulty
+
+    async def consume(prompt, request_id):
+        return [t async for delta in engine.generate(prompt, params, request_id=request_id) for t in delta.token_ids]
+
+    a, b = await asyncio.gather(consume([1, 2, 3], "a"), consume([4, 5, 6], "b"), return_exceptions=True)
+    assert faults and isinstance(a, StepFailedError) and "MemoryError" in str(a)
+    assert b == expected  # waited behind "a" (one running at most), then ran
+    assert_idle(engine.stats())
+    await engine.shutdown()
+
+
+async def test_steps_failing_in_a_row_stop_the_engine(checkpoint, monkeypatch):
+    """A fault that repeats with no step succeeding (a lost device) ends in EngineDeadError
+    after MAX_CONSECUTIVE_FAILED_STEPS, for the requests then and every later one."""
+    monkeypatch.setattr(async_llm, "MAX_CONSECUTIVE_FAILED_STEPS", 3)
+    engine = AsyncLLM(checkpoint("qwen3_5"))
+    _fail_steps(engine, RuntimeError("CUDA error: an illegal memory access was encountered"), lambda plan: True)
+    errors = []
+    for prompt in ([1, 2], [3, 4], [5, 6]):
+        with pytest.raises((StepFailedError, EngineDeadError)) as raised:
+            async for _ in engine.generate(prompt, SamplingParams(max_tokens=4)):
+                pass
+        errors.append(raised.type)
+    assert errors == [StepFailedError, StepFailedError, EngineDeadError]
+    with pytest.raises(EngineDeadError):
+        async for _ in engine.generate([7, 8], SamplingParams(max_tokens=4)):
+            pass
+    await engine.shutdown()
+
+
+async def test_a_paused_request_is_not_scheduled_until_resumed(checkpoint):
+    """Backpressure: a paused request gets no steps (beyond one already launched) while others
+    run to the end, the engine idles rather than spins, and resumed it finishes with its output
+    alone."""
+    engine = AsyncLLM(checkpoint("qwen3_5"), max_num_seqs=8)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    expected = [run_alone(engine.core, Job(prompt, params, 0, None)) for prompt in ([1, 2, 3], [4, 5, 6])]
+    paused = engine.generate([1, 2, 3], params, request_id="a")
+    tokens = list((await anext(paused)).token_ids)
+    assert engine.pause("a")
+    at_pause = len(engine.core.requests["a"].output_token_ids)
+    assert [t async for delta in engine.generate([4, 5, 6], params) for t in delta.token_ids] == expected[1]
+    await asyncio.sleep(0.05)
+    held = len(engine.core.requests["a"].output_token_ids)
+    assert held <= at_pause + 1 + engine.core.num_draft_tokens < 16  # at most the step launched ahead
+    assert not engine.core.has_work  # idle, not spinning on empty steps
+    assert engine.resume("a")
+    tokens += [t async for delta in paused for t in delta.token_ids]
+    assert tokens == expected[0]
+    assert_idle(engine.stats())
     await engine.shutdown()
 
 

@@ -452,6 +452,114 @@ async def test_client_that_disconnects_aborts_its_request(client, http, base_url
     assert ok.usage.completion_tokens >= 1
 
 
+async def test_a_failed_engine_step_gets_500s_and_the_server_serves_on(http, base_url, client, engine, monkeypatch,
+                                                                        caplog):
+    """A fault injected into one engine step (the runner raises): a streamed request in it gets
+    an error event and [DONE], a non-streamed one a 500 body; both free their slot and blocks,
+    and the next request gets the text it gets alone."""
+    body = {"model": MODEL, "prompt": "Hello", **GREEDY, **IGNORE_EOS}
+    failed = ("deltaspec_requests_finished_total", (("finish_reason", "error"),))
+    before = (await scrape(http, base_url)).get(failed, 0)
+    async def text_alone() -> str:
+        return (await client.completions.create(model=MODEL, prompt="Hello", extra_body=IGNORE_EOS,
+                                                **GREEDY)).choices[0].text
+
+    alone = await text_alone()
+    runner, faults = engine.core.runner, []
+
+    def fail_once_decoding(method):
+        def call(plan):
+            if not faults and any(len(row.request.output_token_ids) >= 2 for row in plan.rows):
+                faults.append(plan)
+                raise RuntimeError("CUDA out of memory (injected)")
+            return method(plan)
+        return call
+
+    for name in ("run", "launch"):
+        monkeypatch.setattr(runner, name, fail_once_decoding(getattr(runner, name)))
+    async with http.post(f"{base_url}/v1/completions", json={**body, "stream": True}) as response:
+        assert response.status == 200
+        events = [line.removeprefix(b"data: ").strip() async for line in response.content if line.strip()]
+    assert faults and events[-1] == b"[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "internal_error" and error["type"] == "server_error"
+    assert "CUDA out of memory (injected)" in error["message"]
+    assert all("choices" in json.loads(event) for event in events[:-2])
+    await wait_idle(engine)
+
+    faults.clear()
+    async with http.post(f"{base_url}/v1/completions", json=body) as response:
+        assert response.status == 500
+        assert (await response.json())["error"]["code"] == "internal_error"
+    assert faults
+    await wait_idle(engine)
+    assert await text_alone() == alone
+    assert sum("a step failed with RuntimeError" in r.getMessage() for r in caplog.records) == 2
+    assert (await scrape(http, base_url))[failed] - before == 2
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def impatient(engine):
+    """A server beside the shared one whose socket and stream timeouts are short."""
+    running = await start(engine, ServerConfig(model_name=MODEL, port=0, shutdown_timeout=1, idle_timeout=0.5,
+                                               body_timeout=0.5, stream_stall_timeout=0.5))
+    yield running
+    await running.stop()
+
+
+async def _closed_within(reader: asyncio.StreamReader, seconds: float) -> bytes:
+    """What the server sent until it closed the connection (fails if it stays open longer)."""
+    async with asyncio.timeout(seconds):
+        return await reader.read()
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"], ids=["idle", "header"])
+async def test_idle_and_header_only_sockets_are_closed(impatient, sent):
+    reader, writer = await asyncio.open_connection("127.0.0.1", impatient.port)
+    writer.write(sent)
+    start_time = time.monotonic()
+    assert await _closed_within(reader, 3) == b""
+    assert 0.4 < time.monotonic() - start_time
+    writer.close()
+
+
+async def test_a_body_that_does_not_arrive_gets_408(impatient):
+    reader, writer = await asyncio.open_connection("127.0.0.1", impatient.port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100\r\n\r\n{\"model\": ")
+    async with asyncio.timeout(3):
+        head = await reader.readuntil(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408") and b"Connection: close" in head
+    writer.close()
+
+
+async def test_a_stream_whose_client_stops_reading_is_aborted(impatient, engine, http, caplog):
+    """The client reads nothing (a small receive buffer, never read): while the server's writes
+    are blocked its requests are paused; once blocked for the stall timeout, they are aborted,
+    their slots and blocks freed, and the connection dropped."""
+    import socket
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", impatient.port))
+    # Top log-probabilities make each event about a kilobyte: more than the socket buffers hold.
+    body = json.dumps({"model": MODEL, "prompt": ["Hello"] * 32, "max_tokens": 240, "temperature": 0,
+                       "logprobs": 20, "stream": True, **IGNORE_EOS}).encode()
+    await asyncio.get_running_loop().sock_sendall(sock, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                                  b"Content-Type: application/json\r\nContent-Length: "
+                                                  + str(len(body)).encode() + b"\r\n\r\n" + body)
+    deadline, paused = time.monotonic() + 30, False
+    while not any("read nothing" in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < deadline, "the stalled stream was never aborted"
+        # Meanwhile its requests hold their slots but get no steps: the engine idles.
+        paused = paused or (engine.stats()["num_running"] > 0 and not engine.core.has_work)
+        await asyncio.sleep(0.02)
+    assert paused
+    stats = await wait_idle(engine)
+    assert stats["num_running"] == 0
+    sock.close()
+
+
 async def test_metrics_parse_and_move_with_requests(http, base_url, client, engine):
     before = await scrape(http, base_url)
     prompt = "The engine schedules requests"
