@@ -8,7 +8,8 @@ from .llm import LLM
 from .prefix_cache import CheckpointHandle
 from .request import RequestDelta, RequestOutput, TokenLogprobs
 from .sampling_params import SamplingParams
+from .structured import Structured
 from .weights import WeightLoadError
 
 __all__ = ["AsyncLLM", "LLM", "CheckpointHandle", "ConfigError", "EngineConfig", "ModelConfig", "RequestDelta", "RequestOutput",
-           "SamplingParams", "TokenLogprobs", "WeightLoadError"]
+           "SamplingParams", "Structured", "TokenLogprobs", "WeightLoadError"]

@@ -124,7 +124,7 @@ class Runner:
         else:
             device_rows = self.decode.row_tensors(decode_rows, self.device)
             logits, tokens = self.decode.plain(device_rows)
-        sampling = [i for i, r in enumerate(rows) if not r.request.params.greedy or r.request.params.penalized]
+        sampling = [i for i, r in enumerate(rows) if r.request.params.redecided]
         if sampling:
             index = device_tensor(sampling, torch.int64, self.device)
             chosen = [rows[i] for i in sampling]

@@ -199,7 +199,7 @@ class Speculator:
         greedy acceptance of the penalized argmax for greedy ones. Overwrites those rows'
         accepted counts, emitted tokens and pending counts (greedy acceptance of the raw
         logits ran for all), and adds penalized rows' emitted tokens to their statistics."""
-        sampled = [i for i, r in enumerate(rows) if not r.request.params.greedy or r.request.params.penalized]
+        sampled = [i for i, r in enumerate(rows) if r.request.params.redecided]
         if not sampled:
             return
         device_rows, drafts = drafted.rows, drafted.drafts
