@@ -100,13 +100,14 @@ class Matcher:
     def allowed(self, drafts: Sequence[int] = ()) -> np.ndarray:
         """bool [len(drafts) + 1, V]: the tokens allowed at each position (the module docstring)."""
         result = np.ones((len(drafts) + 1, self._vocab_size), dtype=bool)
-        consumed = 0
-        for j in range(len(drafts) + 1):
+        # Consuming a refused token would leave the matcher in its error state for good:
+        # only the drafts' valid prefix is consumed.
+        valid = self._matcher.validate_tokens(list(drafts)) if drafts else 0
+        for j in range(valid + 1):
             result[j] = self._mask()
-            if j == len(drafts) or not self._matcher.consume_token(drafts[j]):
-                break
-            consumed += 1
-        self._matcher.rollback(consumed)
+            if j < valid:
+                self._matcher.consume_token(drafts[j])
+        self._matcher.rollback(valid)
         return result
 
     def _mask(self) -> np.ndarray:
