@@ -5,6 +5,7 @@ greedy, with speculation and without, and the grammar must roll back with reject
 
 import json
 import random
+import re
 
 import pytest
 
@@ -87,6 +88,7 @@ def test_sampled_json_schema_outputs_validate(checkpoint, speculative):
     prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 20))] for _ in range(50)]
     outputs = llm.generate(prompts, [schema_params(rng) for _ in prompts])
     check_outputs(outputs)
+    assert all(o.spec_stats is not None for o in outputs) == speculative
 
 
 def test_json_object_regex_and_choice(checkpoint):
@@ -105,7 +107,6 @@ def test_json_object_regex_and_choice(checkpoint):
                     assert isinstance(json.loads(output.text), dict)
             elif kind == "regex":
                 assert output.finish_reason == "stop"
-                import re
                 assert re.fullmatch(spec, output.text), output.text
             else:
                 assert output.finish_reason == "stop" and output.text in spec
