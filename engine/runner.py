@@ -114,10 +114,10 @@ class Runner:
         return InFlight(plan, emitted=host_emitted, accepted=host_accepted if speculative else None, done=done)
 
     def _launch_plain(self, rows: tuple[ScheduledRow, ...]) -> torch.Tensor:
-        """Queue a plain decode step: greedy tokens land in DecodeStep.emitted[0], where sampled
-        and penalized rows' tokens then go too (their seeded draws use the positions on the
-        device: a fed row's is known there only), decided after the graph from its logits.
-        Returns the raw logits [B, V]."""
+        """Queue a plain decode step: greedy tokens land in DecodeStep.emitted[0], where
+        sampled, penalized and constrained rows' tokens then go too (their seeded draws use the
+        positions on the device: a fed row's is known there only), decided after the graph from
+        its logits. Returns the raw logits [B, V]."""
         decode_rows = [r.decode_row() for r in rows]
         if self.graphs is not None and self.graphs.fits(decode_rows):
             device_rows, logits, tokens = self.graphs.run(decode_rows)

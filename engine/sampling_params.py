@@ -75,10 +75,14 @@ class SamplingParams:
         object.__setattr__(self, "longest_stop", max(map(len, self.stop), default=1))
         problems = []
         if self.structured is not None and not isinstance(self.structured, Structured):
+            value = self.structured
+            pairs = list(value.items()) if isinstance(value, Mapping) else [tuple(value)] \
+                if isinstance(value, (tuple, list)) else []
+            if len(pairs) != 1 or len(pairs[0]) != 2:
+                raise ValueError(f"structured must be a Structured, a (kind, spec) pair or {{kind: spec}}, "
+                                 f"got {value!r}")
             # A constraint that does not compile raises its own ValueError here.
-            kind, spec = next(iter(self.structured.items())) if isinstance(self.structured, Mapping) \
-                else self.structured
-            object.__setattr__(self, "structured", Structured(kind, spec))
+            object.__setattr__(self, "structured", Structured(*pairs[0]))
         try:
             bias = dict(self.logit_bias)
             object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias.items())))

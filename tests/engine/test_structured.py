@@ -150,4 +150,7 @@ def test_bad_constraints_are_value_errors():
                        ("json_object", "x")):
         with pytest.raises(ValueError):
             SamplingParams(structured=(kind, spec))
+    for bad in ("json_object", ("regex",), {"regex": "a", "choice": ("a",)}):
+        with pytest.raises(ValueError):
+            SamplingParams(structured=bad)
     assert SamplingParams(structured={"regex": "a+"}).structured == Structured("regex", "a+")
