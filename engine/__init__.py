@@ -8,7 +8,9 @@ from .llm import LLM
 from .prefix_cache import CheckpointHandle
 from .request import RequestDelta, RequestOutput, TokenLogprobs
 from .sampling_params import SamplingParams
+from .structured import Structured
 from .weights import WeightLoadError
 
 __all__ = ["AsyncLLM", "CheckpointHandle", "ConfigError", "EngineConfig", "EngineDeadError", "LLM", "ModelConfig",
-           "RequestDelta", "RequestOutput", "SamplingParams", "StepFailedError", "TokenLogprobs", "WeightLoadError"]
+           "RequestDelta", "RequestOutput", "SamplingParams", "StepFailedError", "Structured", "TokenLogprobs",
+           "WeightLoadError"]

@@ -48,6 +48,7 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .speculation import DraftEditor, Speculator
 from .state_pool import KVPool, StatePool
+from .structured import Grammars
 from .step import StepOutput, StepPlan
 from .tokenizer import Tokenizer
 from .warm_up import warm_up
@@ -117,6 +118,7 @@ class EngineCore:
         decode = DecodeStep(self.model, self.states, self.kv, config.block_size, bool(self.num_draft_tokens),
                             config.max_num_seqs, self._max_blocks_per_row)
         penalties = Penalties(config.max_num_seqs, self.model_config.vocab_size, self.device)
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         sampler, checkpoint_io = Sampler(self.ops, self.device, penalties), CheckpointIO(self.states, self.kv)
         speculator = Speculator(self.model, self.states, self.kv, decode, sampler, checkpoint_io, edit_drafts,
                                 forced_acceptance) if self.num_draft_tokens else None
@@ -183,7 +185,9 @@ class EngineCore:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
+        grammar = self.grammars.matcher(params.structured) if params.structured is not None else None
         request = Request.create(request_id, token_ids, params, seed, arrival, self.max_model_len, self.tokenizer)
+        request.grammar = grammar
         request.fork_of = parent  # None: a finished (or unknown) parent's checkpoint is found by lookup
         self.scheduler.add(request)
         if checkpoint is not None:

@@ -1,7 +1,8 @@
 """A request as the engine tracks it: its tokens, text, stop conditions and scheduling state.
 
-Stop rules: max_tokens and the context limit finish with "length"; EOS (unless ignore_eos),
-a stop token id, or a stop string finish with "stop"; an abort finishes with "abort". A stop
+Stop rules: max_tokens and the context limit finish with "length" (a constrained output cut
+there is unfinished, and reported so); EOS (unless ignore_eos), a stop token id, a stop string,
+or a completed grammar (SamplingParams.structured) finish with "stop"; an abort finishes with "abort". A stop
 string may span token boundaries: it is searched in the new text plus the tail that could hold
 its start, and the text ends right before it. While streaming, text that could still turn into
 a stop string is held back until it cannot.
@@ -20,6 +21,7 @@ import msgspec
 from ..spec import AcceptanceEstimate, SpecStats
 from .prefix_cache import Checkpoint
 from .sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
+from .structured import Matcher
 from .tokenizer import Detokenizer, Tokenizer
 
 
@@ -86,6 +88,8 @@ class Request:
     detokenizer: Detokenizer
     stop_token_ids: frozenset[int]  # EOS (unless ignore_eos) and params.stop_token_ids
     bad_words_token_ids: tuple[tuple[int, ...], ...]  # params.bad_words tokenized (`bad_word_token_ids`)
+    # params.structured's grammar state at the end of the output (advanced as tokens are recorded).
+    grammar: Matcher | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # Prompt + output tokens: a count kept as tokens are appended (read many times per step).
@@ -209,6 +213,8 @@ class Request:
         """Why the request ends after token_id, its newest output token (stop strings aside)."""
         if token_id in self.stop_token_ids:
             return "stop"
+        if self.grammar is not None and self.grammar.advance(token_id):
+            return "stop"  # the grammar is complete: nothing but EOS could follow
         if self.num_tokens >= self.max_num_tokens:
             return "length"
         return None

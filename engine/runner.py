@@ -114,17 +114,17 @@ class Runner:
         return InFlight(plan, emitted=host_emitted, accepted=host_accepted if speculative else None, done=done)
 
     def _launch_plain(self, rows: tuple[ScheduledRow, ...]) -> torch.Tensor:
-        """Queue a plain decode step: greedy tokens land in DecodeStep.emitted[0], where sampled
-        and penalized rows' tokens then go too (their seeded draws use the positions on the
-        device: a fed row's is known there only), decided after the graph from its logits.
-        Returns the raw logits [B, V]."""
+        """Queue a plain decode step: greedy tokens land in DecodeStep.emitted[0], where
+        sampled, penalized and constrained rows' tokens then go too (their seeded draws use the
+        positions on the device: a fed row's is known there only), decided after the graph from
+        its logits. Returns the raw logits [B, V]."""
         decode_rows = [r.decode_row() for r in rows]
         if self.graphs is not None and self.graphs.fits(decode_rows):
             device_rows, logits, tokens = self.graphs.run(decode_rows)
         else:
             device_rows = self.decode.row_tensors(decode_rows, self.device)
             logits, tokens = self.decode.plain(device_rows)
-        sampling = [i for i, r in enumerate(rows) if not r.request.params.greedy or r.request.params.penalized]
+        sampling = [i for i, r in enumerate(rows) if r.request.params.redecided]
         if sampling:
             index = device_tensor(sampling, torch.int64, self.device)
             chosen = [rows[i] for i in sampling]

@@ -4,7 +4,8 @@
 the seeded draw of the sampling kernel (temperature, top-k, top-p, min-p), which depends only on
 (seed, position), so a request's samples do not depend on the rest of its batch (and rejection
 sampling of drafts can be coupled with it: spec/accept.py). `logprobs` scores emitted tokens
-under the raw distribution. Penalized rows' logits are adjusted before either (penalties.py).
+under the raw distribution. Penalized rows' logits are adjusted before either (penalties.py),
+constrained rows' masked to their grammar (structured.py).
 Knows nothing about steps or speculation: a row is a ScheduledRow's request parameters, slot
 and position.
 """
@@ -20,6 +21,7 @@ from .batch import device_tensor
 from .penalties import Penalties
 from .request import TokenLogprobs
 from .sampling_params import SamplingParams
+from .structured import Grammars
 from .step import ScheduledRow
 
 
@@ -35,8 +37,9 @@ class Sampler:
         are the tokens the positions after a row's first were fed (penalties count them).
         positions [N * W]: where the sampled tokens go, when only the device knows (fed rows,
         drafts); by default from the rows. A seeded draw depends on nothing else. Penalized
-        rows' logits are adjusted first (penalties.py), greedy rows' too."""
-        logits = self.penalties.adjust(logits, rows, drafts)
+        rows' logits are adjusted first (penalties.py), greedy rows' too, and constrained rows'
+        tokens outside their grammar masked (structured.py)."""
+        logits = Grammars.mask(self.penalties.adjust(logits, rows, drafts), rows, drafts)
         params = [r.request.params for r in rows]
         if all(p.greedy for p in params):  # greedy fast path: no filtering, no noise
             return logits.argmax(dim=-1)

@@ -14,6 +14,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from .structured import Structured
+
 # The value of each distribution field when neither the request nor the checkpoint sets it.
 BUILT_IN = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
                 frequency_penalty=0.0)
@@ -52,6 +54,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]); a mapping is taken too
     min_tokens: int = 0
     bad_words: tuple[str, ...] = ()
+    # Output constrained to a grammar (structured.py): a JSON schema, any JSON object, a regex
+    # or a choice of strings. A (kind, spec) pair or a mapping {kind: spec} is taken too.
+    structured: Structured | None = None
     # Derived: length of the longest stop string (1 without any), for stop-string search windows.
     longest_stop: int = field(init=False, repr=False, compare=False)
     # Derived: whether anything of penalties.py applies (read for every row of every step).
@@ -69,6 +74,15 @@ class SamplingParams:
                            else tuple(self.bad_words))
         object.__setattr__(self, "longest_stop", max(map(len, self.stop), default=1))
         problems = []
+        if self.structured is not None and not isinstance(self.structured, Structured):
+            value = self.structured
+            pairs = list(value.items()) if isinstance(value, Mapping) else [tuple(value)] \
+                if isinstance(value, (tuple, list)) else []
+            if len(pairs) != 1 or len(pairs[0]) != 2:
+                raise ValueError(f"structured must be a Structured, a (kind, spec) pair or {{kind: spec}}, "
+                                 f"got {value!r}")
+            # A constraint that does not compile raises its own ValueError here.
+            object.__setattr__(self, "structured", Structured(*pairs[0]))
         try:
             bias = dict(self.logit_bias)
             object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias.items())))
@@ -135,3 +149,9 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def redecided(self) -> bool:
+        """Whether a step's raw greedy choice is not this request's: it samples, or penalties
+        or a grammar change its logits (the runner decides its tokens again after the step)."""
+        return not self.greedy or self.penalized or self.structured is not None

@@ -192,14 +192,15 @@ class Speculator:
                           num_pending=num_pending)
 
     def resample(self, rows: Sequence[ScheduledRow], drafted: Drafted) -> None:
-        """Redo the acceptance of sampled and penalized rows, on the device: at each verified
-        position the token plain decoding would choose there (same seed, same position; the
-        penalties counting the drafts before it as generated: penalties.py), the drafts
+        """Redo the acceptance of sampled, penalized and constrained rows, on the device: at
+        each verified position the token plain decoding would choose there (same seed, same
+        position; the penalties counting the drafts before it as generated: penalties.py; the
+        grammar after the drafts before it: structured.py), the drafts
         accepted while they match — rejection sampling for sampled rows (spec/accept.py),
         greedy acceptance of the penalized argmax for greedy ones. Overwrites those rows'
         accepted counts, emitted tokens and pending counts (greedy acceptance of the raw
         logits ran for all), and adds penalized rows' emitted tokens to their statistics."""
-        sampled = [i for i, r in enumerate(rows) if not r.request.params.greedy or r.request.params.penalized]
+        sampled = [i for i, r in enumerate(rows) if r.request.params.redecided]
         if not sampled:
             return
         device_rows, drafts = drafted.rows, drafted.drafts

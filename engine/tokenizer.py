@@ -158,6 +158,10 @@ class Tokenizer:
         """Number of token ids the tokenizer can produce (may be below the model's vocab_size)."""
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json holds it (llguidance builds its own from it)."""
+        return self._tokenizer.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         # Special-token strings in `text` (e.g. "<|im_start|>" from a chat template) still map to
         # their ids; add_special_tokens only controls the post-processor's BOS/EOS. encode_batch

@@ -15,11 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..engine import SamplingParams
+from ..engine import SamplingParams, Structured
 from .chat_output import OutputSettings
 from .errors import APIError
 from .messages import check_tools, render_prompt
-from .protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, SamplingFields
+from .protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, ResponseFormat, SamplingFields
 from .reasoning import THINK_END, ReasoningParser, prompt_opens_reasoning
 from .tool_parsers import make_tool_call_parser
 
@@ -125,8 +125,6 @@ def chat_input(request: ChatCompletionRequest, tokenizer: PromptTokenizer, max_m
     _reject_unsupported(request, [
         ("top_logprobs", request.top_logprobs is not None and not request.logprobs,
          "top_logprobs needs logprobs: true"),
-        ("response_format", request.response_format is not None and request.response_format.type != "text",
-         "only response_format {\"type\": \"text\"} is supported"),
     ])
     schemas = check_tools(request.tools or [])
     tool_choice = request.tool_choice or ("auto" if request.tools else "none")
@@ -186,13 +184,33 @@ def _sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | N
                    stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, logprobs=logprobs,
                    presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
                    repetition_penalty=request.repetition_penalty, logit_bias=_logit_bias(request.logit_bias),
-                   min_tokens=request.min_tokens, bad_words=request.bad_words)
+                   min_tokens=request.min_tokens, bad_words=request.bad_words,
+                   structured=_structured(request.response_format))
     try:
         # Unset (None) fields keep SamplingParams' defaults: the sampling ones are resolved
         # against the checkpoint's generation defaults when the engine takes the request.
         return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in options.items() if v is not None})
     except ValueError as error:
         raise APIError(400, str(error)) from error
+
+
+def _structured(response_format: ResponseFormat | None) -> Structured | None:
+    """OpenAI's response_format as the engine's constraint: "text" is none, "json_object" any
+    JSON object, "json_schema" its schema (strict or not: the output always follows it)."""
+    kind = response_format.type if response_format is not None else "text"
+    if kind == "text":
+        return None
+    if kind not in ("json_object", "json_schema"):
+        raise APIError(400, f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                       param="response_format", code="invalid_value")
+    if kind == "json_schema" and response_format.json_schema is None:
+        raise APIError(400, "response_format json_schema needs its json_schema field", param="response_format",
+                       code="invalid_value")
+    schema = response_format.json_schema.schema if kind == "json_schema" else None
+    try:
+        return Structured("json_schema", schema) if schema is not None else Structured("json_object")
+    except ValueError as error:
+        raise APIError(400, str(error), param="response_format", code="invalid_value") from error
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -54,6 +54,7 @@ class SamplingFields(Request, kw_only=True):
     logit_bias: dict[str, Annotated[float, msgspec.Meta(ge=-100, le=100)]] | None = None
     min_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
     bad_words: list[str] | None = None
+    response_format: ResponseFormat | None = None  # structured output (engine/structured.py)
     n: PositiveInt | None = None  # choices per prompt (`inputs.num_choices` caps it)
     user: str | None = None  # an end-user id for abuse monitoring: accepted, nothing to do with it
 
@@ -131,8 +132,16 @@ class NamedToolChoice(Request):
     type: Literal["function"] = "function"
 
 
+class JsonSchemaFormat(Request):
+    name: str
+    schema: dict[str, Any] | None = None  # None: any JSON object
+    strict: bool | None = None  # the output always follows the schema, strict or not
+    description: str | None = None
+
+
 class ResponseFormat(Request):
-    type: str
+    type: str  # "text" (no constraint), "json_object" or "json_schema" (`inputs` checks it)
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -146,7 +155,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
 
 
 class TokenizeRequest(Request, kw_only=True):

@@ -251,6 +251,28 @@ async def test_penalties_bias_min_tokens_and_bad_words_reach_the_engine(client, 
     assert chat.choices[0].message.content == expected
 
 
+SMALL_SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+                                                  "score": {"type": "integer", "minimum": 0, "maximum": 9}},
+                "required": ["answer", "score"], "additionalProperties": False}
+
+
+async def test_response_format_json_schema_on_both_routes(client):
+    """The output follows the schema (the tiny random model alone would write garbage)."""
+    response_format = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": SMALL_SCHEMA,
+                                                              "strict": True}}
+    completion = await client.completions.create(model=MODEL, prompt="Hello", max_tokens=40, temperature=1.0,
+                                                 seed=3, extra_body={"response_format": response_format})
+    chat = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=1.0,
+                                                seed=4, response_format=response_format)
+    any_object = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0,
+                                                      response_format={"type": "json_object"})
+    for text, reason in ((completion.choices[0].text, completion.choices[0].finish_reason),
+                         (chat.choices[0].message.content, chat.choices[0].finish_reason)):
+        value = json.loads(text)
+        assert reason == "stop" and value["answer"] in ("yes", "no") and 0 <= value["score"] <= 9, text
+    assert any_object.choices[0].message.content.startswith("{")
+
+
 async def test_models_and_health(client, http, base_url, engine):
     models = await client.models.list()
     assert [(m.id, m.object) for m in models.data] == [(MODEL, "model")]
@@ -336,6 +358,11 @@ BAD_REQUESTS = [
      "Invalid enum value 'wizard'"),
     ("/v1/chat/completions", {"messages": [*ONE_MESSAGE, {"role": "tool", "content": "4"}]}, 400,
      "messages[1].tool_call_id", "required"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "xml"}}, 400, "response_format", "xml"),
+    ("/v1/chat/completions", {"messages": ONE_MESSAGE, "response_format": {"type": "json_schema"}}, 400,
+     "response_format", "needs its json_schema"),
+    ("/v1/chat/completions", {"messages": ONE_MESSAGE, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "objectx"}}}}, 400, "response_format", "objectx"),
     ("/v1/nowhere", {"prompt": "hi"}, 404, None, "no route"),
 ]
 
