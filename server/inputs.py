@@ -12,7 +12,7 @@ Knows nothing about HTTP or streaming.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from ..engine import SamplingParams, Structured
@@ -119,9 +119,9 @@ def chat_input(request: ChatCompletionRequest, tokenizer: PromptTokenizer, max_m
     opening of a call (`<tool_call>\n<function=NAME>\n` for a named function; for "required",
     `<tool_call>\n<function=`, with the name too when there is one tool) is appended to the
     prompt, closing an open think block first, and the parser reads it as already written. So
-    the output always parses as a call; of that function when one is named or there is one tool
-    (with several, the model writes the name). "none" renders the tools, as vLLM
-    does, and parses no calls."""
+    the output always parses as a call; of that function when one is named or there is one tool;
+    with several, decoding is constrained (a regex grammar, engine/structured.py) to write one
+    of their names. "none" renders the tools, as vLLM does, and parses no calls."""
     _reject_unsupported(request, [
         ("top_logprobs", request.top_logprobs is not None and not request.logprobs,
          "top_logprobs needs logprobs: true"),
@@ -141,11 +141,16 @@ def chat_input(request: ChatCompletionRequest, tokenizer: PromptTokenizer, max_m
 
     tool_calls = make_tool_call_parser(parsers.tool_call_parser, schemas) if tool_choice != "none" else None
     in_reasoning = parsers.reasoning and prompt_opens_reasoning(prompt)
-    forced_text = ""
+    forced_text, name_constraint = "", None
     if tool_calls is not None and tool_choice != "auto":
         if tool_choice == "required" and len(schemas) == 1:
             named = next(iter(schemas))
         forced_text = (THINK_END + "\n\n" if in_reasoning else "") + tool_calls.forced_prefix(named)
+        if named is None:  # "required" with several tools: the model picks, among them only
+            if request.response_format is not None and request.response_format.type != "text":
+                raise APIError(400, "response_format cannot be combined with tool_choice \"required\"",
+                               param="response_format", code="invalid_value")
+            name_constraint = Structured("regex", tool_calls.name_pattern(list(schemas)))
     single_call = named is not None or request.parallel_tool_calls is False
     settings = OutputSettings(reasoning=ReasoningParser(in_reasoning) if parsers.reasoning else None,
                               tool_calls=tool_calls, max_tool_calls=1 if single_call else None,
@@ -156,7 +161,10 @@ def chat_input(request: ChatCompletionRequest, tokenizer: PromptTokenizer, max_m
     _check_context(len(token_ids), max_tokens, max_model_len, "messages",
                    "max_completion_tokens" if request.max_completion_tokens else "max_tokens")
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    return EngineInput(token_ids, _sampling_params(request, max_tokens, logprobs)), settings
+    params = _sampling_params(request, max_tokens, logprobs)
+    if name_constraint is not None:
+        params = replace(params, structured=name_constraint)
+    return EngineInput(token_ids, params), settings
 
 
 def _check_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int, prompt_field: str,

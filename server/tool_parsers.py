@@ -52,6 +52,10 @@ class ToolCallParser(Protocol):
         """The text that opens a call (of `function_name`, when given): appended to the prompt
         to force one."""
 
+    def name_pattern(self, names: list[str]) -> str:
+        """A regex (llguidance's syntax) for the output after `forced_prefix(None)`: one of the
+        names, then anything; it constrains decoding so that a forced call names a real tool."""
+
 
 def parse(parser: ToolCallParser, text: str, final: bool, max_calls: int | None = None) -> ParsedContent:
     first = start = text.find(CALL_START)
@@ -99,6 +103,9 @@ class Qwen3CoderParser:
     def forced_prefix(self, function_name: str | None) -> str:
         return f"{CALL_START}\n<function={function_name}>\n" if function_name else f"{CALL_START}\n<function="
 
+    def name_pattern(self, names: list[str]) -> str:
+        return f"({_alternatives(names)})>\\n[\\s\\S]*"
+
     def parse_call(self, body: str, closed: bool) -> ParsedToolCall | None:
         function = self._FUNCTION.match(body)
         if function is None:
@@ -135,6 +142,9 @@ class HermesParser:
         if function_name:
             return f'{CALL_START}\n{{"name": {json.dumps(function_name)}, "arguments": '
         return f'{CALL_START}\n{{"name": "'
+
+    def name_pattern(self, names: list[str]) -> str:
+        return f'({_alternatives(names)})"[\\s\\S]*'
 
     def parse_call(self, body: str, closed: bool) -> ParsedToolCall | None:
         if not closed:
@@ -191,3 +201,8 @@ def _convert(value: str, schema: dict[str, Any] | None) -> Any:
     except ValueError:
         pass
     return value
+
+
+def _alternatives(names: list[str]) -> str:
+    """names as a regex alternation, each matched literally."""
+    return "|".join(re.escape(name) for name in sorted(names))
