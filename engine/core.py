@@ -198,26 +198,22 @@ class EngineCore:
 
     def abort(self, request_id: str) -> bool:
         """Abort at the next step boundary; False when the id is unknown or already finished."""
-        request = self.requests.get(request_id)
-        if request is None or request.finished:
-            return False
-        self.scheduler.abort(request)
-        return True
+        return self._on_live(request_id, self.scheduler.abort)
 
     def pause(self, request_id: str) -> bool:
         """Schedule no more steps of the request until `resume` (its consumer is not reading;
         a step already launched still runs it). False when the id is unknown or finished."""
-        request = self.requests.get(request_id)
-        if request is None or request.finished:
-            return False
-        self.scheduler.pause(request)
-        return True
+        return self._on_live(request_id, self.scheduler.pause)
 
     def resume(self, request_id: str) -> bool:
+        return self._on_live(request_id, self.scheduler.resume)
+
+    def _on_live(self, request_id: str, action: Callable[[Request], None]) -> bool:
+        """action(request) when the id names an unfinished request; whether it did."""
         request = self.requests.get(request_id)
         if request is None or request.finished:
             return False
-        self.scheduler.resume(request)
+        action(request)
         return True
 
     def save_checkpoint(self, request_id: str) -> CheckpointHandle:

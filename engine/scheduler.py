@@ -458,14 +458,7 @@ class Scheduler:
                 self.cache.unpin(checkpoint)
         self.cache.discard_writes()
         for request in requests:
-            if request in self.waiting:
-                self.waiting.remove(request)
-            if request.resume_from is not None:
-                self.cache.unpin(request.resume_from)
-                request.resume_from = None
-            self._release(request)
-            request.status = RequestStatus.FINISHED
-            request.abort()
+            self._drop(request)
         self.cache.clear()
 
     def _release_aborted(self) -> None:
@@ -474,12 +467,17 @@ class Scheduler:
         self._abort_requested = False
         for queue in (self.running, self.waiting):
             for request in [r for r in queue if r.abort_requested]:
-                if request in self.waiting:
-                    self.waiting.remove(request)
-                if request.resume_from is not None:
-                    self.cache.unpin(request.resume_from)
-                    request.resume_from = None
-                self._release(request)
-                request.status = RequestStatus.FINISHED
-                request.abort()
+                self._drop(request)
                 self._aborted.append(request)
+
+    def _drop(self, request: Request) -> None:
+        """Finish `request` as aborted: out of the queue, its resumed session unpinned, its slot
+        and blocks released."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request.resume_from is not None:
+            self.cache.unpin(request.resume_from)
+            request.resume_from = None
+        self._release(request)
+        request.status = RequestStatus.FINISHED
+        request.abort()

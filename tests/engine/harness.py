@@ -125,3 +125,23 @@ class ScriptedDrafter:
                 scripted.append(token if depth < want else (token + 1) % 512)
             drafts[i, :k] = torch.tensor(scripted)
             self.forced.append(want)
+
+
+def check_scripted_speculation(path, prompts: list[list[int]], params: list[SamplingParams], k: int) -> list:
+    """Each request's output with k drafts a step, ScriptedDrafter forcing every acceptance
+    count, equals its output without speculation (and every slot and block is free after).
+    Returns the plain engine's requests."""
+    plain = EngineCore(EngineConfig(model=path, num_draft_tokens=0))
+    base = [plain.add_request(p, q) for p, q in zip(prompts, params)]
+    while plain.has_work:
+        plain.step()
+    truth = {str(i): r.output_token_ids for i, r in enumerate(base)}
+    drafter = ScriptedDrafter(truth, seed=k)
+    core = EngineCore(EngineConfig(model=path, num_draft_tokens=k, adaptive_draft_length=False), edit_drafts=drafter)
+    requests = [core.add_request(p, q) for p, q in zip(prompts, params)]
+    while core.has_work:
+        core.step()
+    assert [r.output_token_ids for r in requests] == [r.output_token_ids for r in base]
+    assert set(drafter.forced) == set(range(k + 1))
+    assert_all_free(core)
+    return base

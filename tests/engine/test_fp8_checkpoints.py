@@ -9,7 +9,6 @@ from functools import lru_cache
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from deltaspec.engine import LLM, ConfigError, EngineConfig, ModelConfig, WeightLoadError
 from deltaspec.engine.core import EngineCore

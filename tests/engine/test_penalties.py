@@ -15,7 +15,7 @@ from deltaspec.engine.core import EngineCore
 from deltaspec.engine.request import bad_word_token_ids
 from deltaspec.kernels.sampling import sample_reference
 
-from harness import ScriptedDrafter, assert_all_free
+from harness import assert_all_free, check_scripted_speculation
 
 VOCAB = 512
 
@@ -162,19 +162,7 @@ def test_speculation_keeps_penalized_output(checkpoint, k):
     params = [random_params(rng, greedy=i < 2, max_tokens=24) for i in range(4)]
     params[0] = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, frequency_penalty=1.5,
                                presence_penalty=0.5, repetition_penalty=1.3, min_tokens=5, bad_words=["ab c"])
-    plain = EngineCore(EngineConfig(model=path, num_draft_tokens=0))
-    base = [plain.add_request(p, q) for p, q in zip(prompts, params)]
-    while plain.has_work:
-        plain.step()
-    truth = {str(i): r.output_token_ids for i, r in enumerate(base)}
-    drafter = ScriptedDrafter(truth, seed=k)
-    core = EngineCore(EngineConfig(model=path, num_draft_tokens=k, adaptive_draft_length=False), edit_drafts=drafter)
-    requests = [core.add_request(p, q) for p, q in zip(prompts, params)]
-    while core.has_work:
-        core.step()
-    assert [r.output_token_ids for r in requests] == [r.output_token_ids for r in base]
-    assert set(drafter.forced) == set(range(k + 1))
-    assert_all_free(core)
+    check_scripted_speculation(path, prompts, params, k)
 
 
 def test_sampling_params_validation():

@@ -9,10 +9,9 @@ import re
 
 import pytest
 
-from deltaspec.engine import LLM, EngineConfig, SamplingParams, Structured
-from deltaspec.engine.core import EngineCore
+from deltaspec.engine import LLM, SamplingParams, Structured
 
-from harness import ScriptedDrafter, assert_all_free
+from harness import check_scripted_speculation
 
 VOCAB = 512
 
@@ -128,20 +127,8 @@ def test_grammar_rolls_back_with_rejected_drafts(checkpoint, k):
     rng = random.Random(10 + k)
     prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 20))] for _ in range(4)]
     params = [schema_params(rng, greedy=i < 2) for i in range(4)]
-    plain = EngineCore(EngineConfig(model=path, num_draft_tokens=0))
-    base = [plain.add_request(p, q) for p, q in zip(prompts, params)]
-    while plain.has_work:
-        plain.step()
+    base = check_scripted_speculation(path, prompts, params, k)
     check_outputs([r.output() for r in base])
-    truth = {str(i): r.output_token_ids for i, r in enumerate(base)}
-    drafter = ScriptedDrafter(truth, seed=k)
-    core = EngineCore(EngineConfig(model=path, num_draft_tokens=k, adaptive_draft_length=False), edit_drafts=drafter)
-    requests = [core.add_request(p, q) for p, q in zip(prompts, params)]
-    while core.has_work:
-        core.step()
-    assert [r.output_token_ids for r in requests] == [r.output_token_ids for r in base]
-    assert set(drafter.forced) == set(range(k + 1))
-    assert_all_free(core)
 
 
 def test_bad_constraints_are_value_errors():
