@@ -1,24 +1,23 @@
 """Runs one StepPlan on the device: builds the step's metadata once, runs the model, samples.
 
-Without speculation a step is one forward: decode rows commit their token at once, and a
-decode-only step replays a CUDA graph per batch bucket (cuda_graphs.DecodeGraphs). With
-speculation the step's decode and prefill rows go to the Speculator (speculation.py: draft,
-verify, accept, roll back). Cached rows (a fully cached prompt) take their logits from the
+A step's decode rows run through the fixed-shape decode stages (decode_step.py): without
+speculation one forward in which they commit their token at once, with it the Speculator's
+draft, verify, accept and roll back (speculation.py); either replays a CUDA graph per batch
+bucket (and K) when one fits (cuda_graphs.py). Prefill chunks run in their own eager forward,
+queued after the decode rows; cached rows (a fully cached prompt) take their logits from the
 restored checkpoint's hidden state.
 
-Around the forward it executes the prefix cache's device work (checkpoint_io.py): restores
-before, and after it the hidden states of the checkpoints the forward wrote.
+Around the forwards it executes the prefix cache's device work (checkpoint_io.py): restores
+before, and after them the hidden states of the checkpoints the forward wrote.
 
-One host sync per step (the emitted tokens). A plain decode-only step can also be `launch`ed:
-its tokens go to the host by an asynchronous copy and the returned `InFlight` waits for them
-only when asked, so the engine can launch the next step first (its rows fed from the device,
+One host sync per step (the emitted tokens). A decode-only step can also be `launch`ed: its
+tokens go to the host by an asynchronous copy and the returned `InFlight` waits for them only
+when asked, so the engine can launch the next step first (its rows fed from the device,
 ScheduledRow.fed_from). Returns StepOutputs (step.py) and reads nothing of the scheduler beyond
 the plan it is handed. Knows nothing about queues or stop conditions.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 
@@ -88,14 +87,18 @@ class Runner:
         for here (they need the logits before the next step overwrites them), as is every step
         off the GPU (nothing runs asynchronously there)."""
         self.checkpoint_io.before_forward(plan.cache_ops)
-        rows = plan.decode_rows
+        launched = self._launch_decode(plan, plan.decode_rows)
+        self.checkpoint_io.after_forward(plan.cache_ops)
+        return launched
+
+    def _launch_decode(self, plan: StepPlan, rows: tuple[ScheduledRow, ...]) -> InFlight:
+        """`launch` without the prefix cache's device work."""
         speculative = any(r.num_draft_tokens for r in rows)
         if speculative:
             drafted = self.speculator.launch(rows, self.spec_graphs)
             logits, width = drafted.logits, drafted.drafts.shape[1] + 1
         else:
             logits, width = self._launch_plain(rows), 1
-        self.checkpoint_io.after_forward(plan.cache_ops)
         if self.device.type != "cuda" or any(r.request.params.logprobs is not None for r in rows):
             emitted, logit_rows, num_pending = self.speculator.read(len(rows), width) if speculative else \
                 ([[t] for t in self.decode.emitted[0, :len(rows)].tolist()], [[i] for i in range(len(rows))], None)
@@ -134,35 +137,44 @@ class Runner:
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepOutput:
+        """A step, waited for. Its decode rows are queued first through the decode stages, as a
+        launched step's (a CUDA graph when one fits; they draft as in any decode step), its
+        prefill chunks follow in their own eager forward, cached rows last. Decode rows and
+        prefill chunks are different sequences, so two forwards compute what one mixed forward
+        would; the decode rows skip the eager path's kernel launches, which for a small model cost
+        far more host time than the graph's second pass over the weights costs the GPU."""
         if self.can_launch(plan):
             return self.launch(plan).result()
         self.checkpoint_io.before_forward(plan.cache_ops)
-        output = StepOutput([])
-        if plan.decode_rows or plan.prefill_rows:
-            forward = dataclasses.replace(plan, cached_rows=())
-            output = self.speculator.run(forward, self.spec_graphs) if self.speculator is not None \
-                else self._run_plain(forward)
+        decoded = self._launch_decode(plan, plan.decode_rows) if plan.decode_rows else None
+        output = self._prefill(plan.prefill_rows) if plan.prefill_rows else StepOutput([])
         self.checkpoint_io.after_forward(plan.cache_ops)
+        if decoded is not None:
+            output = decoded.result().then(output)
         return output.then(self._run_cached(plan.cached_rows)) if plan.cached_rows else output
 
-    def _run_plain(self, plan: StepPlan) -> StepOutput:
-        """A step with prefill chunks (decode-only steps are `launch`ed)."""
-        batch = ForwardBatch.build([r.forward_row() for r in plan.decode_rows],
-                                   [r.forward_row() for r in plan.prefill_rows], self.block_size, self.device)
+    def _prefill(self, rows: tuple[ScheduledRow, ...]) -> StepOutput:
+        """One eager forward over prefill chunks; the rows that end their prompt sample their
+        first token. With speculation the MTP runs over the chunks too (Speculator.prefill_mtp)."""
+        batch = ForwardBatch.build([], [r.forward_row() for r in rows], self.block_size, self.device,
+                                   commit=self.speculator is None)
         hidden = self.model(batch, self.states, self.kv)
         self.checkpoint_io.keep_hidden(batch, hidden)
+        if self.speculator is not None:
+            self.speculator.prefill_mtp(hidden, batch, rows)
+        sampling = [r for r in rows if r.sample]
+        if not sampling:
+            return StepOutput([[] for _ in rows])
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        sampling = [r for r in plan.rows if r.sample]
-        self.sampler.penalties.start(plan.prefill_rows)
-        sampled = self.sampler.sample(logits, sampling) if sampling else None
-        if sampling:
-            self.sampler.penalties.record(sampling, sampled[:, None])
-        tokens = iter(sampled.tolist() if sampling else [])
-        emitted = [[next(tokens)] if r.sample else [] for r in plan.rows]
+        self.sampler.penalties.start(sampling)
+        sampled = self.sampler.sample(logits, sampling)
+        self.sampler.penalties.record(sampling, sampled[:, None])
+        tokens = iter(sampled.tolist())
+        emitted = [[next(tokens)] if r.sample else [] for r in rows]
         # Sampling rows' logits are in row order: logits row j belongs to the j-th sampling row.
         logit_row = iter(range(len(sampling)))
-        wanted = [[next(logit_row)] if r.sample else [] for r in plan.rows]
-        return StepOutput(emitted, logprobs=self.sampler.logprobs(logits, plan.rows, wanted, emitted))
+        wanted = [[next(logit_row)] if r.sample else [] for r in rows]
+        return StepOutput(emitted, logprobs=self.sampler.logprobs(logits, rows, wanted, emitted))
 
     def _run_cached(self, rows: tuple[ScheduledRow, ...]) -> StepOutput:
         """Fully cached prompts: the first token's logits from the hidden state the checkpoint

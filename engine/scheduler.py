@@ -145,11 +145,9 @@ class Scheduler:
                 decoded.append(request)
                 scheduled.add(id(request))
         rooms = [self._draft_room_of(r) for r in decoded]
-        # Every decode row runs the step's K (decode_step.py: fixed shapes), within the token budget.
-        # A step that prefills runs eagerly (no graph has its shapes), where a K-step MTP chain
-        # costs K rounds of kernel launches from the host: such steps do not draft.
-        prefills = bool(prefilling) or (bool(self.waiting) and len(self.running) < self.config.max_num_seqs)
-        limit = 0 if prefills or not decoded else budget // len(decoded) - 1
+        # Every decode row runs the step's K (decode_step.py: fixed shapes), within the token budget;
+        # beside prefill chunks too (the runner runs decode rows through the same stages).
+        limit = budget // len(decoded) - 1 if decoded else 0
         num_drafts = self._choose_drafts(decoded, rooms, limit)
         decode_rows = [self._row(r, 1, min(num_drafts, room)) for r, room in zip(decoded, rooms)]
         budget -= len(decode_rows) * (1 + num_drafts)

@@ -1,6 +1,6 @@
 """MTP speculation on the pools: draft, verify, accept and roll back, for one step's decode rows.
 
-A speculative step (`launch`, or `run` when it also prefills) is:
+A speculative step (`launch`) is:
 
   1. draft:  the MTP catch-up over C = k + 1 positions from each row's first missing MTP
              position (its n_r <= C real ones are the positions verified and accepted last step,
@@ -10,8 +10,7 @@ A speculative step (`launch`, or `run` when it also prefills) is:
              drafts are the MTP's argmax [B, K].
   2. verify: one target forward over [newest, d_1 .. d_K] of every decode row through the
              deferred-commit kernels (the newest token, always accepted, is folded into the
-             committed state; the drafts are left pending), with the step's prefill chunks in
-             the same forward when there are any (a mixed step).
+             committed state; the drafts are left pending).
   3. accept: greedy rows take the longest prefix matching the target's argmax, sampled rows
              are decided by rejection sampling coupled with plain sampling (spec/accept.py):
              they emit exactly the tokens plain sampling would, whatever the drafts.
@@ -24,8 +23,9 @@ A speculative step (`launch`, or `run` when it also prefills) is:
 `draft` and `verify` run at fixed shapes (decode_step.py), so a decode-only step replays one
 CUDA graph per (batch bucket, K) (cuda_graphs.SpecGraphs) and can be launched before the step
 before it is read: its outputs stay on the device (`launch`), sampled rows' acceptance too
-(`resample`), and the host reads them one step late (`read`). Steps with prefill chunks run
-eagerly and are waited for (`run`). A test may pass `edit_drafts`,
+(`resample`), and the host reads them one step late (`read`). A step with prefill chunks runs
+its decode rows the same way and its chunks in an eager forward after them (runner.py), where
+`prefill_mtp` runs the MTP over the chunks' positions. A test may pass `edit_drafts`,
 called between draft and verify with the rows and the drafts [B, K], to rewrite the drafts in
 place (forcing acceptance counts); a benchmark may pass `forced_acceptance` (spec/profile.py),
 which replaces each row's accepted count with a draw from a per-position profile, every other
@@ -35,7 +35,6 @@ draft length: the plan says how many drafts each row gets.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import torch
@@ -47,7 +46,7 @@ from .decode_step import DecodeRows, DecodeStep
 from .models import HybridLM
 from .sampler import Sampler
 from .state_pool import KVPool, StatePool
-from .step import ScheduledRow, StepOutput, StepPlan
+from .step import ScheduledRow
 
 if TYPE_CHECKING:
     from .cuda_graphs import SpecGraphs
@@ -154,43 +153,6 @@ class Speculator:
         self.resample(rows, drafted)
         return drafted
 
-    def run(self, plan: StepPlan, graphs: SpecGraphs | None) -> StepOutput:
-        """A speculative step over the plan's decode and prefill rows (no cached rows), waited
-        for. Decode-only steps are `launch`ed; a mixed step drafts for its decode rows, then
-        runs one verify forward over decode and prefill rows, eagerly."""
-        decode_rows, prefill_rows = plan.decode_rows, plan.prefill_rows
-        if not prefill_rows:
-            drafted = self.launch(decode_rows, graphs)
-            emitted, logit_rows, num_pending = self.read(len(decode_rows), drafted.drafts.shape[1] + 1)
-            return StepOutput(emitted, logprobs=self.sampler.logprobs(drafted.logits, plan.rows, logit_rows, emitted),
-                              num_pending=num_pending)
-        drafted = None
-        if decode_rows:
-            num_drafts = max(r.num_draft_tokens for r in decode_rows)
-            device_rows = self.decode.row_tensors([r.decode_row() for r in decode_rows], self.device)
-            drafts = self.draft(device_rows, num_drafts)
-            self._edit(decode_rows, drafts)
-            drafted = Drafted(device_rows, drafts, None)
-        logits = self._verify_mixed(decode_rows, prefill_rows, drafted)
-        emitted, logit_rows, num_pending = [], [], []
-        if decode_rows:
-            drafted = drafted._replace(logits=logits[:len(decode_rows) * (drafted.drafts.shape[1] + 1)])
-            self.resample(decode_rows, drafted)
-            emitted, logit_rows, num_pending = self.read(len(decode_rows), drafted.drafts.shape[1] + 1)
-        sampling = [r for r in prefill_rows if r.sample]
-        first = len(logits) - len(sampling)  # the prefill rows' logits follow the decode rows'
-        self.sampler.penalties.start(sampling)
-        tokens = self.sampler.sample(logits[first:].float(), sampling) if sampling else None
-        if sampling:
-            self.sampler.penalties.record(sampling, tokens[:, None])
-        sampled = iter(tokens.tolist() if sampling else [])
-        emitted += [[next(sampled)] if r.sample else [] for r in prefill_rows]
-        logit_row = iter(range(first, len(logits)))
-        logit_rows += [[next(logit_row)] if r.sample else [] for r in prefill_rows]
-        num_pending += [0] * len(prefill_rows)
-        return StepOutput(emitted, logprobs=self.sampler.logprobs(logits, plan.rows, logit_rows, emitted),
-                          num_pending=num_pending)
-
     def resample(self, rows: Sequence[ScheduledRow], drafted: Drafted) -> None:
         """Redo the acceptance of sampled, penalized and constrained rows, on the device: at
         each verified position the token plain decoding would choose there (same seed, same
@@ -249,31 +211,6 @@ class Speculator:
             return None
         return lambda drafts: self.edit_drafts(rows, drafts)
 
-    def _verify_mixed(self, decode_rows: Sequence[ScheduledRow], prefill_rows: Sequence[ScheduledRow],
-                      drafted: Drafted | None) -> torch.Tensor:
-        """One target forward over decode rows (K + 1 tokens each, as `verify`, accepted
-        greedily) and prefill chunks. Returns the logits of every row that needs them (decode
-        rows' first, in the model's dtype)."""
-        num_drafts = drafted.drafts.shape[1] if drafted else 0
-        rows = [Row([r.token_ids[0]] + [0] * num_drafts, r.start_position, r.slot, r.block_table,
-                    num_logits=1 + num_drafts) for r in decode_rows]
-        batch = ForwardBatch.build(rows, [r.forward_row() for r in prefill_rows], self.decode.block_size,
-                                   self.device, commit=False)
-        num_decode_tokens = len(rows) * (1 + num_drafts)
-        if num_drafts:
-            input_ids = batch.input_ids.clone()
-            input_ids[:num_decode_tokens].view(len(rows), 1 + num_drafts)[:, 1:] = drafted.drafts
-            batch = dataclasses.replace(batch, input_ids=input_ids)
-        hidden = self.model(batch, self.states, self.kv)
-        self.checkpoint_io.keep_hidden(batch, hidden)
-        logits = self.model.logits(hidden[batch.logits_indices])
-        # A fresh prefill leaves nothing pending; its MTP pass keeps the MTP KV complete.
-        self._set_pending(self._indices([r.slot for r in prefill_rows]), None)
-        self._prefill_mtp(hidden, batch, prefill_rows)
-        if drafted:
-            self.accept(hidden[:num_decode_tokens], logits[:num_decode_tokens], drafted.rows, drafted.drafts)
-        return logits
-
     def _set_pending(self, slots: torch.Tensor, num_accepted: torch.Tensor | None) -> None:
         """Roll the slots back to their accepted drafts: the next step folds the first
         num_accepted pending inputs into the committed state and ignores the rest (None: zero,
@@ -283,26 +220,32 @@ class Speculator:
         else:
             self.states.pending_counts[slots] = num_accepted.to(torch.int32)
 
-    def _prefill_mtp(self, hidden: torch.Tensor, batch: ForwardBatch, rows: Sequence[ScheduledRow]) -> None:
-        """Run the MTP over each prefill chunk's positions [mtp_start, mtp_end) with the target
-        hidden states: this step's for the chunk's own positions, the slot's kept ones for the
-        position before the chunk (a restored checkpoint whose MTP was one behind); a chunk
-        that ends the prompt keeps its last hidden state."""
+    def prefill_mtp(self, hidden: torch.Tensor, batch: ForwardBatch, rows: Sequence[ScheduledRow]) -> None:
+        """After the target's forward over prefill chunks (hidden [T, H]): a fresh prefill leaves
+        nothing pending, and the MTP runs over each chunk's positions [mtp_start, mtp_end) with
+        the target hidden states — this step's for the chunk's own positions, the slot's kept
+        ones for the position before the chunk (a restored checkpoint whose MTP was one behind)
+        — so the MTP's KV cache stays complete; a chunk that ends the prompt keeps its last
+        hidden state for the first catch-up."""
+        self._set_pending(self._indices([r.slot for r in rows]), None)
         decode_tokens = batch.prefill.token_start
         offsets = _offsets([len(r.token_ids) for r in rows])
         mtp_rows, fresh_index, fresh_place, kept_slots, kept_depths, kept_place = [], [], [], [], [], []
         keep_slots, keep_index = [], []
+        place = 0  # index of the position in the MTP batch
         for r, offset in zip(rows, offsets):
             if r.mtp_end > r.mtp_start:
-                for position in range(r.mtp_start, r.mtp_end):
-                    place = len(fresh_place) + len(kept_place)
-                    if position < r.start_position:
-                        kept_slots.append(r.slot)
-                        kept_depths.append(position - r.mtp_start)
-                        kept_place.append(place)
-                    else:
-                        fresh_index.append(decode_tokens + offset + position - r.start_position)
-                        fresh_place.append(place)
+                # Positions [mtp_start, split) precede the chunk (kept hidden states, depth
+                # position - mtp_start); [split, mtp_end) are the chunk's own.
+                split = min(max(r.start_position, r.mtp_start), r.mtp_end)
+                num_kept, num_positions = split - r.mtp_start, r.mtp_end - r.mtp_start
+                kept_slots.extend([r.slot] * num_kept)
+                kept_depths.extend(range(num_kept))
+                kept_place.extend(range(place, place + num_kept))
+                fresh_place.extend(range(place + num_kept, place + num_positions))
+                first = decode_tokens + offset + split - r.start_position
+                fresh_index.extend(range(first, first + r.mtp_end - split))
+                place += num_positions
                 mtp_rows.append(Row(r.mtp_token_ids, r.mtp_start, r.slot, r.block_table, num_logits=0))
             if r.sample:
                 keep_slots.append(r.slot)
