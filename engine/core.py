@@ -329,11 +329,8 @@ class EngineCore:
 
     @property
     def _graphs_enabled(self) -> bool:
-        """Graphs need CUDA and kernels free of host syncs (the Triton table; its FP8 MoE
-        experts are the torch reference, which reads expert counts on the host)."""
-        fp8_moe = self.model_config.quantization is not None and self.model_config.num_experts > 0
-        return self.config.enable_cuda_graphs and self.device.type == "cuda" and self.ops.name == "triton" \
-            and not fp8_moe
+        """Graphs need CUDA and kernels free of host syncs (the Triton table)."""
+        return self.config.enable_cuda_graphs and self.device.type == "cuda" and self.ops.name == "triton"
 
     @property
     def _max_blocks_per_row(self) -> int:
@@ -342,8 +339,6 @@ class EngineCore:
 
     def _decode_graphs(self, decode: DecodeStep) -> DecodeGraphs | None:
         if not self._graphs_enabled:
-            if self.config.enable_cuda_graphs and self.device.type == "cuda":
-                logger.warning("no CUDA graphs: the FP8 MoE experts have no graph-safe kernel yet (eager decode steps)")
             return None
         graphs = DecodeGraphs(decode, self.config.max_num_seqs, self.device)
         graphs.capture()
