@@ -134,7 +134,7 @@ def _quantize_groups_kernel(x, x_fp8, x_scale, M, K, stride_xm, num_groups, BLOC
 @triton.jit(do_not_specialize=["M", "groups_per_split"])
 def _fp8_gemm_kernel(x_fp8, x_scale, w, w_scale, y, partials, arrivals, M, N, K, num_groups, groups_per_split,
                      stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-                     SPLIT_K: tl.constexpr):
+                     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr):
     """Program (m tile, n tile, K split): y = sum over groups g of (x_fp8[:, g] @ w[:, g]^T) *
     x_scale[:, g] (per row) * w_scale[:, g] (per output feature), fp32 accumulation. One K step
     is one group, so each partial product has exactly one scale per row and per column.
@@ -143,8 +143,17 @@ def _fp8_gemm_kernel(x_fp8, x_scale, w, w_scale, y, partials, arrivals, M, N, K,
     SPLIT_K > 1 (decode shapes: few m tiles times n tiles would leave SMs idle): the program
     sums groups [pid_k * groups_per_split, +groups_per_split) into its fp32 partial
     [SPLIT_K, M, N]; the last program of an (m, n) tile to arrive (arrivals.py) adds the
-    partials in split order (deterministic) and writes y, as kernels/linear.py does."""
-    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    partials in split order (deterministic) and writes y, as kernels/linear.py does.
+
+    Tiles run in groups of GROUP_M m tiles down each n tile (the matmul tutorial's order), so
+    the programs in flight share x's rows and W's rows in L2 instead of streaming x once per n
+    tile."""
+    pid, pid_k = tl.program_id(0), tl.program_id(1)
+    num_m_tiles, num_n_tiles = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    first_m = (pid // (GROUP_M * num_n_tiles)) * GROUP_M
+    group_rows = tl.minimum(num_m_tiles - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n_tiles)) % group_rows
+    pid_n = (pid % (GROUP_M * num_n_tiles)) // group_rows
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, GROUP)
@@ -168,7 +177,7 @@ def _fp8_gemm_kernel(x_fp8, x_scale, w, w_scale, y, partials, arrivals, M, N, K,
     else:
         tile = rows_x[:, None] * N + offs_n[None, :]                     # within one [M, N] partial
         tl.store(partials + pid_k.to(tl.int64) * M * N + tile, acc, mask=out)
-        counter = arrivals + pid_m * tl.num_programs(1) + pid_n
+        counter = arrivals + pid
         if last_to_arrive(counter, SPLIT_K):
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):
@@ -239,15 +248,15 @@ def launch_fp8_gemm(y: torch.Tensor, x_fp8: torch.Tensor, x_scale: torch.Tensor,
     if num_rows == 0:
         return
     groups_per_split = triton.cdiv(num_groups, config.num_splits)
-    grid = (triton.cdiv(num_rows, config.block_m), triton.cdiv(num_features, config.block_n), config.num_splits)
+    grid = (triton.cdiv(num_rows, config.block_m) * triton.cdiv(num_features, config.block_n), config.num_splits)
     if config.num_splits > 1:
         partials = torch.empty((config.num_splits, num_rows, num_features), dtype=torch.float32, device=y.device)
-        arrivals = arrival_counters(y.device, grid[0] * grid[1])
+        arrivals = arrival_counters(y.device, grid[0])
     else:  # never touched
         partials = arrivals = y
     _fp8_gemm_kernel[grid](x_fp8, x_scale, weight, weight_scale, y, partials, arrivals, num_rows, num_features,
                            num_columns, num_groups, groups_per_split, y.stride(0), BLOCK_M=config.block_m,
-                           BLOCK_N=config.block_n, GROUP=group_size, SPLIT_K=config.num_splits,
+                           BLOCK_N=config.block_n, GROUP=group_size, SPLIT_K=config.num_splits, GROUP_M=8,
                            **config.launch_options())
 
 
