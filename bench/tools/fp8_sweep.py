@@ -27,7 +27,7 @@ SHAPES = ((12352, 4096), (4096, 12288), (4096, 4096), (24576, 4096))
 
 def configs(m: int, n: int, groups: int, sms: int):
     if m <= 64:
-        for bn, stages, per_sm in itertools.product((32, 64, 128), (3, 4, 6), (1, 2, 4)):
+        for bn, stages, per_sm in [(32, 4, 2), *itertools.product((64, 128), (4,), (1, 2, 4)), (64, 6, 2)]:
             bm = max(16, triton.next_power_of_2(m))
             tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
             split = split_k_for(groups, min(triton.cdiv(per_sm * sms, tiles), max(1, groups // 2)))
@@ -40,7 +40,7 @@ def configs(m: int, n: int, groups: int, sms: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rows", default="1,16,64,256,2048,8192")
+    parser.add_argument("--rows", default="1,16,64,2048,8192")
     parser.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent.parent / "results"))
     args = parser.parse_args()
     bandwidth, sms = copy_bandwidth(), torch.cuda.get_device_properties(0).multi_processor_count
