@@ -219,20 +219,23 @@ SKINNY_MAX_ROWS = 64      # decode / verify / draft shapes: split-K fills the SM
 
 
 def gemm_config(num_rows: int, num_features: int, num_groups: int, sms: int) -> TileConfig:
-    """Tiles of `_fp8_gemm_kernel` (block_k is the group). Skinny batches (<= 64 rows): 16-row
-    tiles (tl.dot's minimum) x 64 features, K split over whole groups until about two programs
-    per SM, each split at least 4 groups long (the pipeline's depth); the time is the weight's
-    bytes, so the grid must fill the GPU. Prefill: 128 x 128 tiles, 8 warps (vLLM's block-FP8
-    tiles for large M)."""
+    """Tiles of `_fp8_gemm_kernel` (block_k is the group). Skinny batches (<= 64 rows): the
+    batch in one tile of 16, 32 or 64 rows (16 is tl.dot's minimum) x 64 features (32 above 16
+    rows), K split over whole groups until about two programs per SM, each split at least 4
+    groups long (the pipeline's depth): the time is the weight's bytes, so the grid must fill the
+    GPU. Prefill: 64 x 128 tiles, 4 warps, 4 stages. Each the fastest or within 5% of it in a
+    sweep of the 9B projections (bench/tools/fp8_sweep.py; results/fp8_sweep-h200.json), except
+    at 17..64 rows where block_n 32 is within 25%."""
     if INTERPRETED:
         return TileConfig(block_m=16, block_n=32, num_splits=split_k_for(num_groups, 2), num_warps=4, num_stages=1)
     if num_rows <= SKINNY_MAX_ROWS:
-        block_m, block_n = max(16, triton.next_power_of_2(num_rows)), 64
+        block_m = max(16, triton.next_power_of_2(num_rows))
+        block_n = 64 if num_rows <= 16 else 32
         num_tiles = triton.cdiv(num_rows, block_m) * triton.cdiv(num_features, block_n)
         wanted = min(triton.cdiv(2 * sms, num_tiles), max(1, num_groups // 4))
         return TileConfig(block_m=block_m, block_n=block_n, num_splits=split_k_for(num_groups, wanted),
                           num_warps=4, num_stages=4)
-    return TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
+    return TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=4)
 
 
 def launch_fp8_gemm(y: torch.Tensor, x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
@@ -367,11 +370,12 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 def fp8_moe_config(num_pairs: int, num_experts: int) -> TileConfig:
     """Tiles of the FP8 expert kernels (block_k is the group; gate/up tiles are one group of I
     wide, so block_n is the down GEMM's): moe.grouped_config's block_m by pairs per expert,
-    capped at 64 rows (gate/up keep two [block_m, group] fp32 accumulators)."""
+    capped at 64 rows (gate/up keep two [block_m, group] fp32 accumulators), 4 warps as the
+    dense FP8 GEMM's prefill tiles (not swept for the experts)."""
     if INTERPRETED:
         return TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=1)
     block_m = min(64, grouped_config(num_pairs, num_experts).block_m)
-    return TileConfig(block_m=block_m, block_n=128, num_warps=4 if block_m <= 32 else 8, num_stages=3)
+    return TileConfig(block_m=block_m, block_n=128, num_warps=4, num_stages=4 if block_m >= 64 else 3)
 
 
 def _check_fp8_moe_args(x, weights, experts, w_gate_up, gate_up_scale, w_down, down_scale, group_size) -> None:
