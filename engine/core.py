@@ -52,6 +52,7 @@ from .structured import Grammars
 from .step import StepOutput, StepPlan
 from .tokenizer import Tokenizer
 from .warm_up import warm_up
+from .quantization import with_online_quantization
 from .weights import load_model
 
 logger = logging.getLogger("deltaspec")
@@ -98,8 +99,11 @@ class EngineCore:
                     f"none ({'off' if config.generation_config == 'none' else 'the file sets none'})")
         if model is None:
             self.model_config = ModelConfig.from_file(path)
+            if config.quantization is not None:
+                self.model_config = with_online_quantization(self.model_config, config.quantization)
             self.ops = select_ops(self.device, config.kernel_backend)
-            self.model = load_model(path, self.ops, self.dtype, self.device, self.model_config)
+            self.model = load_model(path, self.ops, self.dtype, self.device, self.model_config,
+                                    quantize_online=config.quantization is not None)
         else:
             self.model, self.model_config, self.ops = model, model.config, model.ops
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings

@@ -63,6 +63,22 @@ def quantize_groups_reference(x: torch.Tensor, group_size: int) -> tuple[torch.T
     return x_fp8.view(num_rows, -1)[:, :num_columns].contiguous(), scale
 
 
+def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [..., N, K] -> (float8_e4m3fn [..., N, K], scale_inv [..., ceil(N/bn), ceil(K/bk)]
+    float32): the official checkpoints' block format, each bn x bk block's amax mapped to 448
+    (weight ~= fp8 * scale_inv over the block). Runs on the weight's device (online FP8 loading
+    quantizes on the GPU), in float32 with IEEE divisions: bit-equal on every device."""
+    *batch, num_rows, num_columns = weight.shape
+    bn, bk = block
+    nb, kb = triton.cdiv(num_rows, bn), triton.cdiv(num_columns, bk)
+    padded = weight.new_zeros(*batch, nb * bn, kb * bk, dtype=torch.float32)
+    padded[..., :num_rows, :num_columns] = weight
+    blocks = padded.view(*batch, nb, bn, kb, bk)
+    scale = blocks.abs().amax(dim=(-3, -1)).clamp(min=SCALE_FLOOR) / FP8_MAX
+    quantized = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return quantized.view(*batch, nb * bn, kb * bk)[..., :num_rows, :num_columns].contiguous(), scale
+
+
 def dequantize_reference(values: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
     """fp8 values [..., K] and their group scales [..., KB] -> float32 [..., K]."""
     return values.float() * expand_groups(scale, group_size, values.shape[-1])
