@@ -15,9 +15,8 @@ their groups; the product sums them exactly in fp32 up to summation order.
 `fp8_linear_reference` (the CPU table, and the oracle) dequantizes both and runs one fp32 GEMM;
 `fp8_linear` (the GPU table) runs `_quantize_groups_kernel` then `_fp8_gemm_kernel`, a tiled GEMM
 with one tl.dot on fp8 tiles per group (needs sm_89+) scaled by both groups' scales. For decode,
-verify and draft batches (<= 64 rows) it is one launch: the GEMM quantizes x's groups as it
-loads them, splits K over the SMs (the weight's bytes are the time: half of bf16's) and its last
-program per tile sums the partials (arrivals.py).
+verify and draft batches (<= 64 rows) the same kernel splits K over the SMs (the weight's bytes
+are the time: half of bf16's) and its last program per tile sums the partials (arrivals.py).
 
 `fp8_moe_experts_reference` is the MoE expert op on FP8 expert weights; `fp8_moe_experts` its
 Triton twin, over moe.py's expert-sorted row blocks (one way of routing pairs to experts for the
@@ -149,23 +148,18 @@ def _quantize_groups_kernel(x, x_fp8, x_scale, M, K, stride_xm, num_groups, BLOC
 
 
 @triton.jit(do_not_specialize=["M", "groups_per_split"])
-def _fp8_gemm_kernel(x, x_scale, w, w_scale, y, partials, arrivals, M, N, K, num_groups, groups_per_split,
-                     stride_xm, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-                     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, QUANTIZE_X: tl.constexpr):
-    """Program (tile, K split): y = sum over groups g of (x_fp8[:, g] @ w[:, g]^T) * x_scale[:, g]
-    (per row) * w_scale[:, g] (per output feature), fp32 accumulation. One K step is one group,
-    so each partial product has exactly one scale per row and per column. Out-of-range rows,
-    columns and the K tail load as 0 (fp8 0 is exact).
-
-    QUANTIZE_X (decode shapes): x is the unquantized activation and each program quantizes its
-    rows' groups as it loads them (_quantize_tile: bit-equal to quantize_groups), which saves
-    the quantizer's launch; x is a few rows, so quantizing it once per n tile costs nothing
-    next to the weight's bytes. Otherwise x is x_fp8 with its x_scale.
+def _fp8_gemm_kernel(x_fp8, x_scale, w, w_scale, y, partials, arrivals, M, N, K, num_groups, groups_per_split,
+                     stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+                     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program (m tile, n tile, K split): y = sum over groups g of (x_fp8[:, g] @ w[:, g]^T) *
+    x_scale[:, g] (per row) * w_scale[:, g] (per output feature), fp32 accumulation. One K step
+    is one group, so each partial product has exactly one scale per row and per column.
+    Out-of-range rows, columns and the K tail load as 0 (fp8 0 is exact).
 
     SPLIT_K > 1 (decode shapes: few m tiles times n tiles would leave SMs idle): the program
     sums groups [pid_k * groups_per_split, +groups_per_split) into its fp32 partial
-    [SPLIT_K, M, N]; the last program of a tile to arrive (arrivals.py) adds the partials in
-    split order (deterministic) and writes y, as kernels/linear.py does.
+    [SPLIT_K, M, N]; the last program of an (m, n) tile to arrive (arrivals.py) adds the
+    partials in split order (deterministic) and writes y, as kernels/linear.py does.
 
     Tiles run in groups of GROUP_M m tiles down each n tile (the matmul tutorial's order), so
     the programs in flight share x's rows and W's rows in L2 instead of streaming x once per n
@@ -187,13 +181,9 @@ def _fp8_gemm_kernel(x, x_scale, w, w_scale, y, partials, arrivals, M, N, K, num
     for g in range(first, last):
         k = g * GROUP + offs_k
         k_ok = k < K
-        a = tl.load(x + rows_x[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if QUANTIZE_X:
-            a, a_scale = _quantize_tile(a.to(tl.float32))
-            a = a.to(w.dtype.element_ty)
-        else:
-            a_scale = tl.load(x_scale + rows_x * num_groups + g, mask=m_ok, other=0.0)
+        a = tl.load(x_fp8 + rows_x[:, None] * K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w + rows_w[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        a_scale = tl.load(x_scale + rows_x * num_groups + g, mask=m_ok, other=0.0)
         b_scale = tl.load(w_scale + rows_w * num_groups + g, mask=n_ok, other=0.0)
         acc += tl.dot(a, tl.trans(b)) * a_scale[:, None] * b_scale[None, :]
     out = m_ok[:, None] & n_ok[None, :]
@@ -264,20 +254,15 @@ def gemm_config(num_rows: int, num_features: int, num_groups: int, sms: int) -> 
     return TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=4)
 
 
-def launch_fp8_gemm(y: torch.Tensor, x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor,
+def launch_fp8_gemm(y: torch.Tensor, x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
                     weight_scale: torch.Tensor, group_size: int, config: TileConfig) -> None:
-    """y [M, N] = x [M, K] @ weight [N, K]^T (weight_scale [N, KB]) with an explicit config
-    (tests, benchmark sweeps). x: float8_e4m3fn, contiguous, with x_scale [M, KB]; or x_scale
-    None and x unquantized (unit column stride), quantized per group inside the kernel. Scratch
-    is torch.empty and the shared arrival counters: capturable in a CUDA graph."""
-    (num_rows, num_columns), num_features = x.shape, weight.shape[0]
+    """y [M, N] = x_fp8 [M, K] (x_scale [M, KB]) @ weight [N, K]^T (weight_scale [N, KB]) with an
+    explicit config (tests, benchmark sweeps). Scratch is torch.empty and the shared arrival
+    counters: capturable in a CUDA graph."""
+    (num_rows, num_columns), num_features = x_fp8.shape, weight.shape[0]
     num_groups = weight_scale.shape[1]
-    if x_scale is None:
-        assert x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.stride(1) == 1, \
-            "x: float rows with unit column stride"
-    else:
-        assert x.dtype == FP8 and x.is_contiguous() and x_scale.shape == (num_rows, num_groups) \
-            and x_scale.is_contiguous(), "x: contiguous [M, K] float8_e4m3fn with x_scale: contiguous [M, KB]"
+    assert x_fp8.dtype == FP8 and x_fp8.is_contiguous() and x_scale.shape == (num_rows, num_groups) \
+        and x_scale.is_contiguous(), "x_fp8: contiguous [M, K] float8_e4m3fn, x_scale: contiguous [M, KB]"
     assert y.shape == (num_rows, num_features) and y.stride(1) == 1, f"y {tuple(y.shape)}"
     if num_rows == 0:
         return
@@ -288,10 +273,9 @@ def launch_fp8_gemm(y: torch.Tensor, x: torch.Tensor, x_scale: torch.Tensor | No
         arrivals = arrival_counters(y.device, grid[0])
     else:  # never touched
         partials = arrivals = y
-    _fp8_gemm_kernel[grid](x, x if x_scale is None else x_scale, weight, weight_scale, y, partials, arrivals,
-                           num_rows, num_features, num_columns, num_groups, groups_per_split, x.stride(0),
-                           y.stride(0), BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP=group_size,
-                           SPLIT_K=config.num_splits, GROUP_M=8, QUANTIZE_X=x_scale is None,
+    _fp8_gemm_kernel[grid](x_fp8, x_scale, weight, weight_scale, y, partials, arrivals, num_rows, num_features,
+                           num_columns, num_groups, groups_per_split, y.stride(0), BLOCK_M=config.block_m,
+                           BLOCK_N=config.block_n, GROUP=group_size, SPLIT_K=config.num_splits, GROUP_M=8,
                            **config.launch_options())
 
 
@@ -308,17 +292,10 @@ def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int) -> torch.Tensor:
     """Triton fp8_linear_reference (same arguments and result up to fp32 summation order):
-    decode shapes (<= 64 rows) in one launch, the GEMM quantizing x's groups as it loads them;
-    larger batches quantize x once (the group quantizer), then the GEMM."""
+    the group quantizer, then the GEMM."""
     _check_fp8_linear_args(x, weight, weight_scale, group_size)
-    num_rows, num_features = x.shape[0], weight.shape[0]
-    if num_rows > SKINNY_MAX_ROWS:
-        x_fp8, x_scale = quantize_groups(x, group_size)
-        return fp8_gemm(x_fp8, x_scale, weight, weight_scale, group_size, x.dtype)
-    y = torch.empty(num_rows, num_features, dtype=x.dtype, device=x.device)
-    config = gemm_config(num_rows, num_features, weight_scale.shape[1], num_sms(x.device))
-    launch_fp8_gemm(y, x, None, weight, weight_scale, group_size, config)
-    return y
+    x_fp8, x_scale = quantize_groups(x, group_size)
+    return fp8_gemm(x_fp8, x_scale, weight, weight_scale, group_size, x.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -409,12 +386,12 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 def fp8_moe_config(num_pairs: int, num_experts: int) -> TileConfig:
     """Tiles of the FP8 expert kernels (block_k is the group; gate/up tiles are one group of I
     wide, so block_n is the down GEMM's): moe.grouped_config's block_m by pairs per expert,
-    capped at 64 rows (gate/up keep two [block_m, group] fp32 accumulators: 8 warps at 64 rows,
-    or they spill; bench/results/kernels_fp8-h200.json, not swept further)."""
+    capped at 64 rows (gate/up keep two [block_m, group] fp32 accumulators), 4 warps as the
+    dense FP8 GEMM's prefill tiles (not swept for the experts)."""
     if INTERPRETED:
         return TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=1)
     block_m = min(64, grouped_config(num_pairs, num_experts).block_m)
-    return TileConfig(block_m=block_m, block_n=128, num_warps=8 if block_m >= 64 else 4, num_stages=3)
+    return TileConfig(block_m=block_m, block_n=128, num_warps=4, num_stages=4 if block_m >= 64 else 3)
 
 
 def _check_fp8_moe_args(x, weights, experts, w_gate_up, gate_up_scale, w_down, down_scale, group_size) -> None:
