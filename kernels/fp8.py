@@ -386,12 +386,12 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 def fp8_moe_config(num_pairs: int, num_experts: int) -> TileConfig:
     """Tiles of the FP8 expert kernels (block_k is the group; gate/up tiles are one group of I
     wide, so block_n is the down GEMM's): moe.grouped_config's block_m by pairs per expert,
-    capped at 64 rows (gate/up keep two [block_m, group] fp32 accumulators), 4 warps as the
-    dense FP8 GEMM's prefill tiles (not swept for the experts)."""
+    capped at 64 rows (gate/up keep two [block_m, group] fp32 accumulators: 8 warps at 64 rows,
+    or they spill: 3x slower at 2048 tokens; bench/results/kernels_fp8-h200.json)."""
     if INTERPRETED:
         return TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=1)
     block_m = min(64, grouped_config(num_pairs, num_experts).block_m)
-    return TileConfig(block_m=block_m, block_n=128, num_warps=4, num_stages=4 if block_m >= 64 else 3)
+    return TileConfig(block_m=block_m, block_n=128, num_warps=8 if block_m >= 64 else 4, num_stages=3)
 
 
 def _check_fp8_moe_args(x, weights, experts, w_gate_up, gate_up_scale, w_down, down_scale, group_size) -> None:
