@@ -35,6 +35,7 @@ import triton.language as tl
 from .activation import silu_and_mul_reference
 from .arrivals import arrival_counters, last_to_arrive, reset_arrivals
 from .device import INTERPRETED, num_sms
+from .launch import dependent_prologue, pdl
 from .linear import split_k_for
 from .moe import block_rows, by_expert_reference, grouped_config, sort_pairs, sum_slots
 from .tiles import TileConfig
@@ -134,8 +135,9 @@ def _quantize_tile(values):
 
 @triton.jit
 def _quantize_groups_kernel(x, x_fp8, x_scale, M, K, stride_xm, num_groups, BLOCK_M: tl.constexpr,
-                            GROUP: tl.constexpr):
+                            GROUP: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """Program (block of rows, group g): quantize_groups_reference for one group of BLOCK_M rows."""
+    dependent_prologue(DEPENDENT_LAUNCH)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     g = tl.program_id(1)
     k = g * GROUP + tl.arange(0, GROUP)
@@ -150,7 +152,7 @@ def _quantize_groups_kernel(x, x_fp8, x_scale, M, K, stride_xm, num_groups, BLOC
 @triton.jit(do_not_specialize=["M", "groups_per_split"])
 def _fp8_gemm_kernel(x_fp8, x_scale, w, w_scale, y, partials, arrivals, M, N, K, num_groups, groups_per_split,
                      stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-                     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr):
+                     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """Program (m tile, n tile, K split): y = sum over groups g of (x_fp8[:, g] @ w[:, g]^T) *
     x_scale[:, g] (per row) * w_scale[:, g] (per output feature), fp32 accumulation. One K step
     is one group, so each partial product has exactly one scale per row and per column.
@@ -164,6 +166,7 @@ def _fp8_gemm_kernel(x_fp8, x_scale, w, w_scale, y, partials, arrivals, M, N, K,
     Tiles run in groups of GROUP_M m tiles down each n tile (the matmul tutorial's order), so
     the programs in flight share x's rows and W's rows in L2 instead of streaming x once per n
     tile."""
+    dependent_prologue(DEPENDENT_LAUNCH)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     num_m_tiles, num_n_tiles = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     first_m = (pid // (GROUP_M * num_n_tiles)) * GROUP_M
@@ -227,7 +230,7 @@ def quantize_groups(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, tor
         block_m = 1 if INTERPRETED else 4
         _quantize_groups_kernel[(triton.cdiv(num_rows, block_m), num_groups)](
             x, x_fp8, x_scale, num_rows, num_columns, x.stride(0), num_groups, BLOCK_M=block_m, GROUP=group_size,
-            num_warps=4)
+            num_warps=4, **pdl(x.device))
     return x_fp8, x_scale
 
 
@@ -276,7 +279,7 @@ def launch_fp8_gemm(y: torch.Tensor, x_fp8: torch.Tensor, x_scale: torch.Tensor,
     _fp8_gemm_kernel[grid](x_fp8, x_scale, weight, weight_scale, y, partials, arrivals, num_rows, num_features,
                            num_columns, num_groups, groups_per_split, y.stride(0), BLOCK_M=config.block_m,
                            BLOCK_N=config.block_n, GROUP=group_size, SPLIT_K=config.num_splits, GROUP_M=8,
-                           **config.launch_options())
+                           **config.launch_options(), **pdl(y.device))
 
 
 def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
