@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from deltaspec.kernels.fp8 import (FP8, dequantize_reference, fp8_gemm, fp8_linear, fp8_linear_reference,
-                                   fp8_moe_experts, fp8_moe_experts_reference, gemm_config, launch_fp8_gemm,
+                                   fp8_moe_experts, fp8_moe_experts_reference, launch_fp8_gemm, quantize_blocks,
                                    quantize_groups, quantize_groups_reference)
+from fixtures import quantize_block_fp8
 from deltaspec.kernels.moe import route_reference
 from deltaspec.kernels.tiles import TileConfig
 from kernel_helpers import assert_close
@@ -58,6 +59,18 @@ def test_fp8_linear_reference_error_bound(shape):
     assert ((actual - expected).abs() <= bound * (1 + 1e-5) + 1e-6).all()
 
 
+def test_quantize_blocks_matches_the_checkpoint_generator():
+    """The online-FP8 block quantizer against tests/fixtures.py's (the official layout), bit for
+    bit, on a batch of experts with partial blocks in both dimensions, in bf16 as checkpoints are."""
+    weight = (torch.randn(3, 200, 300, generator=torch.Generator().manual_seed(9)) * 0.05).to(torch.bfloat16)
+    values, scale_inv = quantize_blocks(weight, (128, 128))
+    assert values.shape == weight.shape and scale_inv.shape == (3, 2, 3)
+    for e in range(3):
+        expected_values, expected_scale = quantize_block_fp8(weight[e], (128, 128))
+        assert torch.equal(values[e].view(torch.uint8), expected_values.view(torch.uint8))
+        assert torch.equal(scale_inv[e], expected_scale)
+
+
 # On sm_90 an fp8 tl.dot accumulates in the tensor cores' reduced precision (Triton's default
 # max_num_imprecise_acc there; about 13 mantissa bits), promoted to float32 once per 128-wide
 # group as DeepGEMM does: errors up to ~2^-11 of the output's scale, far above float32's.
@@ -102,19 +115,16 @@ def test_fp8_gemm_matches_reference(kernel_device, poisoned_empty, config, shape
     torch.testing.assert_close(again.cpu(), expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
 
 
-def test_gemm_config_splits_decode_shapes_only():
+def test_gemm_config_splits_decode_shapes_only(monkeypatch):
     """Decode-shaped GEMMs of a 9B projection split K so the grid fills a 132-SM GPU; prefill
-    shapes do not split. (The interpreter's own config is not the one checked.)"""
+    shapes do not split. (The GPU's rule, also under the interpreter.)"""
     import deltaspec.kernels.fp8 as fp8
-    interpreted, fp8.INTERPRETED = fp8.INTERPRETED, False
-    try:
-        for rows in (1, 16, 64):
-            config = fp8.gemm_config(rows, 4096, 12288 // 128, 132)
-            grid = -(-rows // config.block_m) * -(-4096 // config.block_n) * config.num_splits
-            assert config.num_splits > 1 and grid >= 132, (rows, config)
-        assert fp8.gemm_config(2048, 4096, 32, 132).num_splits == 1
-    finally:
-        fp8.INTERPRETED = interpreted
+    monkeypatch.setattr(fp8, "INTERPRETED", False)
+    for rows in (1, 16, 64):
+        config = fp8.gemm_config(rows, 4096, 12288 // 128, 132)
+        grid = -(-rows // config.block_m) * -(-4096 // config.block_n) * config.num_splits
+        assert config.num_splits > 1 and grid >= 132, (rows, config)
+    assert fp8.gemm_config(2048, 4096, 32, 132).num_splits == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
