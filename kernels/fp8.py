@@ -152,8 +152,7 @@ def _quantize_groups_kernel(x, x_fp8, x_scale, M, K, stride_xm, num_groups, BLOC
 @triton.jit(do_not_specialize=["M", "groups_per_split"])
 def _fp8_gemm_kernel(x_fp8, x_scale, w, w_scale, y, partials, arrivals, M, N, K, num_groups, groups_per_split,
                      stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-                     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr,
-                     DEPENDENT_LAUNCH: tl.constexpr):
+                     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """Program (m tile, n tile, K split): y = sum over groups g of (x_fp8[:, g] @ w[:, g]^T) *
     x_scale[:, g] (per row) * w_scale[:, g] (per output feature), fp32 accumulation. One K step
     is one group, so each partial product has exactly one scale per row and per column.
@@ -166,8 +165,7 @@ def _fp8_gemm_kernel(x_fp8, x_scale, w, w_scale, y, partials, arrivals, M, N, K,
 
     Tiles run in groups of GROUP_M m tiles down each n tile (the matmul tutorial's order), so
     the programs in flight share x's rows and W's rows in L2 instead of streaming x once per n
-    tile. SWAP_AB computes y^T's tile (W's rows as the MMA's M side, the few x rows as its N),
-    as kernels/linear.py does for decode batches."""
+    tile."""
     dependent_prologue(DEPENDENT_LAUNCH)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     num_m_tiles, num_n_tiles = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -182,10 +180,7 @@ def _fp8_gemm_kernel(x_fp8, x_scale, w, w_scale, y, partials, arrivals, M, N, K,
     rows_x, rows_w = offs_m.to(tl.int64), offs_n.to(tl.int64)
     first = pid_k * groups_per_split
     last = tl.minimum(first + groups_per_split, num_groups)
-    if SWAP_AB:
-        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for g in range(first, last):
         k = g * GROUP + offs_k
         k_ok = k < K
@@ -193,12 +188,7 @@ def _fp8_gemm_kernel(x_fp8, x_scale, w, w_scale, y, partials, arrivals, M, N, K,
         b = tl.load(w + rows_w[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         a_scale = tl.load(x_scale + rows_x * num_groups + g, mask=m_ok, other=0.0)
         b_scale = tl.load(w_scale + rows_w * num_groups + g, mask=n_ok, other=0.0)
-        if SWAP_AB:
-            acc_t += tl.dot(b, tl.trans(a)) * b_scale[:, None] * a_scale[None, :]
-        else:
-            acc += tl.dot(a, tl.trans(b)) * a_scale[:, None] * b_scale[None, :]
-    if SWAP_AB:
-        acc = tl.trans(acc_t)
+        acc += tl.dot(a, tl.trans(b)) * a_scale[:, None] * b_scale[None, :]
     out = m_ok[:, None] & n_ok[None, :]
     y_ptrs = y + rows_x[:, None] * stride_ym + offs_n[None, :]
     if SPLIT_K == 1:
@@ -268,7 +258,7 @@ def gemm_config(num_rows: int, num_features: int, num_groups: int, sms: int) -> 
 
 
 def launch_fp8_gemm(y: torch.Tensor, x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
-                    weight_scale: torch.Tensor, group_size: int, config: TileConfig, swap_ab: bool = False) -> None:
+                    weight_scale: torch.Tensor, group_size: int, config: TileConfig) -> None:
     """y [M, N] = x_fp8 [M, K] (x_scale [M, KB]) @ weight [N, K]^T (weight_scale [N, KB]) with an
     explicit config (tests, benchmark sweeps). Scratch is torch.empty and the shared arrival
     counters: capturable in a CUDA graph."""
@@ -289,7 +279,7 @@ def launch_fp8_gemm(y: torch.Tensor, x_fp8: torch.Tensor, x_scale: torch.Tensor,
     _fp8_gemm_kernel[grid](x_fp8, x_scale, weight, weight_scale, y, partials, arrivals, num_rows, num_features,
                            num_columns, num_groups, groups_per_split, y.stride(0), BLOCK_M=config.block_m,
                            BLOCK_N=config.block_n, GROUP=group_size, SPLIT_K=config.num_splits, GROUP_M=8,
-                           SWAP_AB=swap_ab, **config.launch_options(), **pdl(y.device))
+                           **config.launch_options(), **pdl(y.device))
 
 
 def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -26,17 +26,16 @@ SHAPES = ((12352, 4096), (4096, 12288), (4096, 4096), (24576, 4096))
 
 
 def configs(m: int, n: int, groups: int, sms: int):
-    """(config, swap_ab) pairs to time."""
     if m <= 64:
-        for bn, stages, per_sm, swap in itertools.product((32, 64, 128), (4,), (1, 2), (False, True)):
+        for bn, stages, per_sm in [(32, 4, 2), *itertools.product((64, 128), (4,), (1, 2, 4)), (64, 6, 2)]:
             bm = max(16, triton.next_power_of_2(m))
             tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
             split = split_k_for(groups, min(triton.cdiv(per_sm * sms, tiles), max(1, groups // 2)))
-            yield TileConfig(block_m=bm, block_n=bn, num_splits=split, num_warps=4, num_stages=stages), swap
+            yield TileConfig(block_m=bm, block_n=bn, num_splits=split, num_warps=4, num_stages=stages)
     else:
         for bm, bn, warps, stages in ((128, 128, 8, 3), (64, 128, 4, 3), (128, 128, 4, 3), (128, 256, 8, 3),
                                       (64, 256, 4, 3), (128, 64, 4, 4), (128, 128, 8, 4), (64, 128, 4, 4)):
-            yield TileConfig(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages), False
+            yield TileConfig(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
 
 
 def main() -> None:
@@ -53,14 +52,14 @@ def main() -> None:
         x_fp8, x_scale = quantize_groups(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), 128)
         y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         timed = []
-        for config, swap in configs(m, n, k // 128, sms):
+        for config in configs(m, n, k // 128, sms):
             try:
                 us = graph_time_us(lambda r: launch_fp8_gemm(y, x_fp8, x_scale, weights[r % copies], scale, 128,
-                                                             config, swap), copies, replays=10)
+                                                             config), copies, replays=10)
             except Exception as e:  # out of shared memory, say
                 print("skip", config, type(e).__name__)
                 continue
-            timed.append((us, (config, swap)))
+            timed.append((us, config))
         chosen = gemm_config(m, n, k // 128, sms)
         chosen_us = graph_time_us(lambda r: launch_fp8_gemm(y, x_fp8, x_scale, weights[r % copies], scale, 128,
                                                             chosen), copies, replays=10)
