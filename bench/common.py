@@ -35,6 +35,7 @@ def random_model(config, device: str, dtype: torch.dtype):
             p.data.normal_(0.0, 0.1, generator=generator)
         else:
             p.data.normal_(0.0, p.shape[-1] ** -0.5, generator=generator)
+    model.finish_loading()
     return model.eval()
 
 

@@ -7,7 +7,8 @@ and .png and prints a table.
 
 GEMMs: the dense projections of the Qwen3.5-9B and 35B-A3B shapes (bench/kernels_linear.py's
 `projections`; 35B-A3B's MLP is its shared expert), y[M, N] = x[M, K] @ W[N, K]^T at each M:
-  fp8   kernels.fp8.fp8_linear (group quantizer + GEMM; split-K up to 64 rows)
+  fp8   kernels.fp8.fp8_linear as the engine calls it (group quantizer + Triton GEMM, split-K up
+        to 64 rows; past 64 rows cuBLAS's block-scaled GEMM on sm_90)
   bf16  kernels.linear.linear (the engine's bf16 op: the skinny kernel where its rule picks it,
         else F.linear) and torch.matmul (cuBLAS) in bf16
 Time, two ways: `*_us` a CUDA graph of R calls over R weight copies (R x W >= 256 MiB, so no call
@@ -35,7 +36,7 @@ import triton
 
 from common import commit_id, copy_bandwidth, device_tag, graph_time_us  # noqa: E402
 from kernels_linear import projections  # noqa: E402
-from deltaspec.kernels.fp8 import FP8, fp8_linear, fp8_moe_experts
+from deltaspec.kernels.fp8 import FP8, block_scales, fp8_linear, fp8_moe_experts
 from deltaspec.kernels.linear import linear
 from deltaspec.kernels.moe import moe_experts, route
 
@@ -72,8 +73,8 @@ def gemm_row(model: str, name: str, n: int, k: int, m: int, bandwidth: float) ->
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     copies = num_copies(n * k)
     w = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(copies)]
-    w8 = [fp8_weight(n, k) for _ in range(copies)]
-    times = {"fp8": times_us(lambda r: fp8_linear(x, *w8[r % copies], GROUP), copies),
+    w8 = [(*w_s, block_scales(w_s[1], GROUP)) for w_s in (fp8_weight(n, k) for _ in range(copies))]
+    times = {"fp8": times_us(lambda r: fp8_linear(x, *w8[r % copies][:2], GROUP, w8[r % copies][2]), copies),
              "bf16_linear": times_us(lambda r: linear(x, w[r % copies]), copies),
              "bf16_matmul": times_us(lambda r: torch.matmul(x, w[r % copies].T), copies)}
     activations = m * k * 2 + m * n * 2

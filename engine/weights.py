@@ -159,6 +159,7 @@ def model_from_tensors(config: ModelConfig, tensors: Iterable[tuple[str, torch.T
     if quantize_online:
         tensors = online_quantization.quantize_online(tensors, config.quantization, device)
     _fill(model, tensors, config)
+    model.finish_loading()
     return model.eval()
 
 

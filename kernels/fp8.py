@@ -17,6 +17,8 @@ their groups; the product sums them exactly in fp32 up to summation order.
 with one tl.dot on fp8 tiles per group (needs sm_89+) scaled by both groups' scales. For decode,
 verify and draft batches (<= 64 rows) the same kernel splits K over the SMs (the weight's bytes
 are the time: half of bf16's) and its last program per tile sums the partials (arrivals.py).
+Prefill batches of a weight whose scales are whole 128 x 128 blocks (`block_scales`) run cuBLAS's
+block-scaled FP8 GEMM on sm_90 instead (1.6x bf16 there; the Triton GEMM is 0.7x).
 
 `fp8_moe_experts_reference` is the MoE expert op on FP8 expert weights; `fp8_moe_experts` its
 Triton twin, over moe.py's expert-sorted row blocks (one way of routing pairs to experts for the
@@ -27,6 +29,8 @@ interpreter too. Knows nothing about checkpoints: scales arrive already repeated
 """
 
 from __future__ import annotations
+
+from functools import cache
 
 import torch
 import triton
@@ -86,9 +90,10 @@ def dequantize_reference(values: torch.Tensor, scale: torch.Tensor, group_size: 
 
 
 def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                         group_size: int) -> torch.Tensor:
+                         group_size: int, block_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (float) @ dequantized weight [N, K]^T -> [M, N] in x's dtype, with x quantized
-    per token group first, as the kernel does."""
+    per token group first, as the kernel does. block_scale (the same scales per block of rows,
+    for fp8_linear's cuBLAS path) changes nothing here."""
     x_fp8, x_scale = quantize_groups_reference(x, group_size)
     product = dequantize_reference(x_fp8, x_scale, group_size) @ dequantize_reference(weight, weight_scale, group_size).T
     return product.to(x.dtype)
@@ -134,7 +139,7 @@ def _quantize_tile(values):
 
 
 @triton.jit
-def _quantize_groups_kernel(x, x_fp8, x_scale, M, K, stride_xm, num_groups, BLOCK_M: tl.constexpr,
+def _quantize_groups_kernel(x, x_fp8, x_scale, M, K, stride_xm, stride_sm, stride_sg, BLOCK_M: tl.constexpr,
                             GROUP: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """Program (block of rows, group g): quantize_groups_reference for one group of BLOCK_M rows."""
     dependent_prologue(DEPENDENT_LAUNCH)
@@ -146,7 +151,7 @@ def _quantize_groups_kernel(x, x_fp8, x_scale, M, K, stride_xm, num_groups, BLOC
     values = tl.load(x + rows[:, None] * stride_xm + k[None, :], mask=ok, other=0.0).to(tl.float32)
     quantized, scale = _quantize_tile(values)
     tl.store(x_fp8 + rows[:, None] * K + k[None, :], quantized.to(x_fp8.dtype.element_ty), mask=ok)
-    tl.store(x_scale + rows * num_groups + g, scale, mask=m < M)
+    tl.store(x_scale + rows * stride_sm + g * stride_sg, scale, mask=m < M)
 
 
 @triton.jit(do_not_specialize=["M", "groups_per_split"])
@@ -220,18 +225,33 @@ def _check_fp8_linear_args(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
     assert x.device == weight.device == weight_scale.device, "x, weight, weight_scale: one device"
 
 
-def quantize_groups(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton quantize_groups_reference (bit-equal); x_fp8 comes back contiguous."""
+def quantize_groups(x: torch.Tensor, group_size: int,
+                    scale_column_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton quantize_groups_reference (bit-equal); x_fp8 comes back contiguous, x_scale [M, KB]
+    row-major, or column-major (strides (1, M): what cuBLAS's blockwise scaled GEMM reads)."""
     num_rows, num_columns = x.shape
     num_groups = triton.cdiv(num_columns, group_size)
     x_fp8 = torch.empty(num_rows, num_columns, dtype=FP8, device=x.device)
-    x_scale = torch.empty(num_rows, num_groups, dtype=torch.float32, device=x.device)
+    if scale_column_major:
+        x_scale = torch.empty(num_groups, num_rows, dtype=torch.float32, device=x.device).t()
+    else:
+        x_scale = torch.empty(num_rows, num_groups, dtype=torch.float32, device=x.device)
     if num_rows:
         block_m = 1 if INTERPRETED else 4
         _quantize_groups_kernel[(triton.cdiv(num_rows, block_m), num_groups)](
-            x, x_fp8, x_scale, num_rows, num_columns, x.stride(0), num_groups, BLOCK_M=block_m, GROUP=group_size,
-            num_warps=4, **pdl(x.device))
+            x, x_fp8, x_scale, num_rows, num_columns, x.stride(0), x_scale.stride(0), x_scale.stride(1),
+            BLOCK_M=block_m, GROUP=group_size, num_warps=4, **pdl(x.device))
     return x_fp8, x_scale
+
+
+def block_scales(weight_scale: torch.Tensor, block_rows: int) -> torch.Tensor | None:
+    """Per-row scales [N, KB] -> the checkpoint's block scales [ceil(N / block_rows), KB] when
+    every aligned block of rows shares one scale row (a projection, or fused ones whose parts
+    start at multiples of block_rows), else None (Qwen3-Next's regrouped per-head projections,
+    parts of odd sizes). Reads the scales back: once, at load."""
+    blocks = weight_scale[::block_rows].contiguous()
+    expanded = blocks.repeat_interleave(block_rows, dim=0)[:weight_scale.shape[0]]
+    return blocks if torch.equal(expanded, weight_scale) else None
 
 
 SKINNY_MAX_ROWS = 64      # decode / verify / draft shapes: split-K fills the SMs
@@ -293,10 +313,26 @@ def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w
     return y
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Triton fp8_linear_reference (same arguments and result up to fp32 summation order):
-    the group quantizer, then the GEMM."""
+@cache
+def _cublas_blockwise(device: torch.device) -> bool:
+    """cuBLAS's block-scaled FP8 GEMM (torch._scaled_mm with 1x128 activation and 128x128 weight
+    scales) runs on sm_90: 1.6-1.7x bf16 at prefill shapes on the H200, where the Triton GEMM
+    reaches 0.7x (bench/results/kernels_fp8-h200.json)."""
+    return device.type == "cuda" and not INTERPRETED and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int,
+               block_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton fp8_linear_reference (same arguments and result up to fp32 summation order): the
+    group quantizer, then the GEMM. Batches past SKINNY_MAX_ROWS in bf16 with the weight's block
+    scales (`block_scales`, 128 x 128) go to cuBLAS's block-scaled GEMM on sm_90 instead (the
+    same W8A8 product; graph-capturable)."""
     _check_fp8_linear_args(x, weight, weight_scale, group_size)
+    (num_rows, num_columns), num_features = x.shape, weight.shape[0]
+    if (block_scale is not None and num_rows > SKINNY_MAX_ROWS and group_size == 128 and x.dtype == torch.bfloat16
+            and num_columns % 128 == 0 and num_features % 16 == 0 and _cublas_blockwise(x.device)):
+        x_fp8, x_scale = quantize_groups(x, group_size, scale_column_major=True)
+        return torch._scaled_mm(x_fp8, weight.t(), x_scale, block_scale.t(), out_dtype=x.dtype)
     x_fp8, x_scale = quantize_groups(x, group_size)
     return fp8_gemm(x_fp8, x_scale, weight, weight_scale, group_size, x.dtype)
 

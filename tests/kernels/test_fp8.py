@@ -9,7 +9,7 @@ graph whose routing changes between replays). Buffers the launchers allocate sta
 import pytest
 import torch
 
-from deltaspec.kernels.fp8 import (FP8, dequantize_reference, fp8_gemm, fp8_linear, fp8_linear_reference,
+from deltaspec.kernels.fp8 import (FP8, block_scales, dequantize_reference, fp8_gemm, fp8_linear, fp8_linear_reference,
                                    fp8_moe_experts, fp8_moe_experts_reference, launch_fp8_gemm, quantize_blocks,
                                    quantize_groups, quantize_groups_reference)
 from fixtures import quantize_block_fp8
@@ -154,6 +154,30 @@ def test_fp8_linear_matches_reference_on_gpu(shape, dtype):
     expected = fp8_linear_reference(x, weight, weight_scale, 128).float()
     tolerance = 2.0 ** -11 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(actual, expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
+
+
+def test_block_scales_only_for_whole_blocks():
+    """Per-row scales that repeat one row per 4-row block (the last block partial) give the block
+    scales back; a projection whose parts are not block-aligned gives None."""
+    blocks = torch.rand(3, 5) + 0.5
+    per_row = blocks.repeat_interleave(4, dim=0)[:10]
+    assert torch.equal(block_scales(per_row, 4), blocks)
+    shifted = torch.cat([per_row[:1], per_row[:-1]])       # a 1-row part before the blocks
+    assert block_scales(shifted, 4) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_rows", [65, 300, 2048])
+def test_fp8_linear_cublas_prefill_path_matches_reference(num_rows):
+    """bf16 batches past 64 rows with whole-block scales take cuBLAS's block-scaled GEMM (sm_90)."""
+    gen = torch.Generator().manual_seed(num_rows)
+    x = (torch.randn(num_rows, 1024, generator=gen) * 3).to(torch.bfloat16)
+    weight = (torch.randn(640, 1024, generator=gen) * 100).clamp(-448, 448).to(FP8)   # 5 row blocks
+    blocks = torch.rand(5, 8, generator=gen) * 1e-2 + 1e-3
+    per_row = blocks.repeat_interleave(128, dim=0)
+    actual = fp8_linear(x.cuda(), weight.cuda(), per_row.cuda(), 128, blocks.cuda()).cpu().float()
+    expected = fp8_linear_reference(x, weight, per_row, 128).float()
+    torch.testing.assert_close(actual, expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
 
 
 # ----------------------------------------------------------------------------------------------
