@@ -316,8 +316,9 @@ def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w
 @cache
 def _cublas_blockwise(device: torch.device) -> bool:
     """cuBLAS's block-scaled FP8 GEMM (torch._scaled_mm with 1x128 activation and 128x128 weight
-    scales) runs on sm_90: 1.6-1.7x bf16 at prefill shapes on the H200, where the Triton GEMM
-    reaches 0.7x (bench/results/kernels_fp8-h200.json)."""
+    scales) runs on sm_90: 1.6-1.7x bf16 at prefill shapes on the H200 (measured alone with
+    torch._scaled_mm at 8192 x {12352, 24576, 4000} x 4096 and 8192 x 4096 x 12288), where the
+    Triton GEMM reaches 0.7x (bench/results/kernels_fp8-h200.json)."""
     return device.type == "cuda" and not INTERPRETED and torch.cuda.get_device_capability(device) == (9, 0)
 
 
@@ -329,8 +330,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     same W8A8 product; graph-capturable)."""
     _check_fp8_linear_args(x, weight, weight_scale, group_size)
     (num_rows, num_columns), num_features = x.shape, weight.shape[0]
+    # Not while a CUDA graph is captured (verify steps past 64 rows): that path is unmeasured there.
     if (block_scale is not None and num_rows > SKINNY_MAX_ROWS and group_size == 128 and x.dtype == torch.bfloat16
-            and num_columns % 128 == 0 and num_features % 16 == 0 and _cublas_blockwise(x.device)):
+            and num_columns % 128 == 0 and num_features % 16 == 0 and _cublas_blockwise(x.device)
+            and not torch.cuda.is_current_stream_capturing()):
         x_fp8, x_scale = quantize_groups(x, group_size, scale_column_major=True)
         return torch._scaled_mm(x_fp8, weight.t(), x_scale, block_scale.t(), out_dtype=x.dtype)
     x_fp8, x_scale = quantize_groups(x, group_size)

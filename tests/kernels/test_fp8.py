@@ -89,6 +89,14 @@ def test_quantize_groups_is_bit_equal_to_reference(kernel_device, poisoned_empty
     assert torch.equal(x_fp8.cpu().float(), ref_fp8.float()) and torch.equal(x_scale.cpu(), ref_scale)
 
 
+def test_quantize_groups_column_major_scales(kernel_device):
+    """The layout cuBLAS's block-scaled GEMM reads: the same scales, strides (1, M)."""
+    x = random_case(37, 300, 1, 128, seed=4)[0]
+    _, x_scale = quantize_groups(x.to(kernel_device), 128, scale_column_major=True)
+    assert x_scale.shape == (37, 3) and x_scale.stride() == (1, 37)
+    assert torch.equal(x_scale.cpu(), quantize_groups_reference(x, 128)[1])
+
+
 GEMM_CONFIGS = {   # the interpreter's small tiles: one pass, and split-K over 2 or 3 runs of groups
     "one_pass": TileConfig(block_m=16, block_n=32, num_splits=1, num_stages=1),
     "split_2": TileConfig(block_m=16, block_n=32, num_splits=2, num_stages=1),
