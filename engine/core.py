@@ -52,6 +52,7 @@ from .structured import Grammars
 from .step import StepOutput, StepPlan
 from .tokenizer import Tokenizer
 from .warm_up import warm_up
+from .quantization import with_online_quantization
 from .weights import load_model
 
 logger = logging.getLogger("deltaspec")
@@ -98,8 +99,11 @@ class EngineCore:
                     f"none ({'off' if config.generation_config == 'none' else 'the file sets none'})")
         if model is None:
             self.model_config = ModelConfig.from_file(path)
+            if config.quantization is not None:
+                self.model_config = with_online_quantization(self.model_config, config.quantization)
             self.ops = select_ops(self.device, config.kernel_backend)
-            self.model = load_model(path, self.ops, self.dtype, self.device, self.model_config)
+            self.model = load_model(path, self.ops, self.dtype, self.device, self.model_config,
+                                    quantize_online=config.quantization is not None)
         else:
             self.model, self.model_config, self.ops = model, model.config, model.ops
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
@@ -329,11 +333,8 @@ class EngineCore:
 
     @property
     def _graphs_enabled(self) -> bool:
-        """Graphs need CUDA and kernels free of host syncs (the Triton table; its FP8 MoE
-        experts are the torch reference, which reads expert counts on the host)."""
-        fp8_moe = self.model_config.quantization is not None and self.model_config.num_experts > 0
-        return self.config.enable_cuda_graphs and self.device.type == "cuda" and self.ops.name == "triton" \
-            and not fp8_moe
+        """Graphs need CUDA and kernels free of host syncs (the Triton table)."""
+        return self.config.enable_cuda_graphs and self.device.type == "cuda" and self.ops.name == "triton"
 
     @property
     def _max_blocks_per_row(self) -> int:
@@ -342,8 +343,6 @@ class EngineCore:
 
     def _decode_graphs(self, decode: DecodeStep) -> DecodeGraphs | None:
         if not self._graphs_enabled:
-            if self.config.enable_cuda_graphs and self.device.type == "cuda":
-                logger.warning("no CUDA graphs: the FP8 MoE experts have no graph-safe kernel yet (eager decode steps)")
             return None
         graphs = DecodeGraphs(decode, self.config.max_num_seqs, self.device)
         graphs.capture()

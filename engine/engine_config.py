@@ -34,6 +34,7 @@ class EngineConfig:
     host_cache_bytes: int = 0               # host tier: pinned CPU memory evicted checkpoints move to
     warm_up: bool = True                    # CUDA: compile and autotune the eager steps' kernels at start-up
     generation_config: str = "auto"         # unset sampling fields from generation_config.json ("none": off)
+    quantization: str | None = None         # "fp8": quantize an unquantized checkpoint to block FP8 at load
 
     def __post_init__(self) -> None:
         problems = []
@@ -65,5 +66,7 @@ class EngineConfig:
             problems.append("num_kv_blocks must be >= 2 (block 0 is scratch)")
         if self.generation_config not in ("auto", "none"):
             problems.append(f"generation_config must be 'auto' or 'none', got {self.generation_config!r}")
+        if self.quantization not in (None, "fp8"):
+            problems.append(f"quantization must be 'fp8' (online block FP8) or None, got {self.quantization!r}")
         if problems:
             raise ValueError("invalid EngineConfig: " + "; ".join(problems))

@@ -4,18 +4,21 @@ deltaspec runs one quantized format, the official block-FP8 checkpoints of Qwen3
 Qwen3-Next: weights in float8_e4m3fn, each with `<name>.weight_scale_inv` of shape
 [ceil(out / bn), ceil(in / bk)] (the real weight is `w.float() * scale_inv` over bn x bk
 blocks), activations quantized at run time per token in groups of bk ("dynamic"). Any other
-method fails at once, before a tensor is read. Knows nothing about tensors or kernels: only the
-config and the rule saying which projection is stored in FP8.
+method fails at once, before a tensor is read. `with_online_quantization` gives an unquantized
+checkpoint the same config for online FP8 (engine/online_quantization.py quantizes its tensors).
+Knows nothing about tensors or kernels: only the config and the rule saying which projection is
+stored in FP8.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable
 
-from .model_config import ConfigError
+from .model_config import ConfigError, ModelConfig
 
 SUPPORTED_METHODS = ("fp8",)
+ONLINE_METHODS = ("fp8",)          # EngineConfig.quantization: quantize an unquantized checkpoint at load
 
 # Projections the published FP8 checkpoints keep in bf16 whether or not their config lists them
 # (vLLM builds these without a quant config): the MoE router, the shared-expert gate, the GDN
@@ -106,3 +109,16 @@ class Fp8Config:
             raise ConfigError(f"fp8 weight_block_size must be two positive ints, got {block!r}")
         return cls(weight_block_size=tuple(block),
                    modules_to_not_convert=tuple(canonical_module(m) for m in raw.get("modules_to_not_convert") or ()))
+
+
+def with_online_quantization(config: ModelConfig, method: str) -> ModelConfig:
+    """The model config an unquantized checkpoint loads under with `--quantization method`: block
+    FP8 in the official checkpoints' format (128 x 128 weight blocks, the same modules kept in
+    bf16: ALWAYS_BF16), so both load and run alike. A checkpoint already quantized is refused."""
+    if method not in ONLINE_METHODS:
+        raise ConfigError(f"online quantization {method!r} is not supported; deltaspec quantizes to "
+                          f"{', '.join(ONLINE_METHODS)} at load time")
+    if config.quantization is not None:
+        raise ConfigError(f"--quantization {method} quantizes an unquantized checkpoint at load time, but this "
+                          f"checkpoint is already block-FP8 (its config.json's quantization_config): drop the option")
+    return replace(config, quantization=Fp8Config())

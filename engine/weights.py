@@ -7,8 +7,10 @@ experts per expert or fused, tied embeddings, and optional `mtp.*` weights. Chec
 are first normalised to one canonical scheme; the model's `checkpoint_map` then says where each
 tensor goes. Block-FP8 checkpoints (engine/quantization.py) load as they are stored: float8
 weights, and their `weight_scale_inv` block scales repeated over each block's rows (so fused
-and regrouped projections split them row by row, as they split the weights). Any problem ends in one `WeightLoadError` listing every missing, unexpected or
-mis-shaped tensor. Knows nothing about the forward pass.
+and regrouped projections split them row by row, as they split the weights); an unquantized
+checkpoint loaded with online FP8 goes through engine/online_quantization.py first and then
+takes the same path. Any problem ends in one `WeightLoadError` listing every missing, unexpected
+or mis-shaped tensor. Knows nothing about the forward pass.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from tqdm import tqdm
 
 from ..kernels import Ops
 from ..kernels.fp8 import FP8
+from . import online_quantization
 from .model_config import ModelConfig
 from .models import HybridLM
 from .quantization import canonical_module
@@ -130,8 +133,10 @@ def _checkpoint_names(files: list[Path]) -> dict[str, Path]:
 
 
 def load_model(path: str | Path, ops: Ops, dtype: torch.dtype, device: torch.device | str,
-               config: ModelConfig | None = None) -> HybridLM:
-    """Build the model for the checkpoint at `path` and fill every parameter from it."""
+               config: ModelConfig | None = None, quantize_online: bool = False) -> HybridLM:
+    """Build the model for the checkpoint at `path` and fill every parameter from it.
+    quantize_online: the checkpoint is unquantized and `config` says block FP8
+    (quantization.with_online_quantization): its projections are quantized as they are read."""
     path = Path(path)
     config = config or ModelConfig.from_file(path)
     files = checkpoint_files(path)
@@ -140,15 +145,21 @@ def load_model(path: str | Path, ops: Ops, dtype: torch.dtype, device: torch.dev
     with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="loading weights",
               disable=total_bytes < _PROGRESS_BAR_BYTES) as bar:
         return model_from_tensors(config, _read_tensors(files, bar), ops, dtype, device,
-                                  with_mtp=any((_canonical_name(n) or "").startswith("mtp.") for n in names))
+                                  with_mtp=any((_canonical_name(n) or "").startswith("mtp.") for n in names),
+                                  quantize_online=quantize_online)
 
 
 def model_from_tensors(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], ops: Ops,
-                       dtype: torch.dtype, device: torch.device | str, with_mtp: bool) -> HybridLM:
-    """Build the model and fill it from (checkpoint name, tensor) pairs, e.g. an HF state_dict."""
+                       dtype: torch.dtype, device: torch.device | str, with_mtp: bool,
+                       quantize_online: bool = False) -> HybridLM:
+    """Build the model and fill it from (checkpoint name, tensor) pairs, e.g. an HF state_dict
+    (quantize_online: as load_model)."""
     with torch.device(device):
         model = HybridLM(config, ops, dtype, with_mtp=with_mtp)
+    if quantize_online:
+        tensors = online_quantization.quantize_online(tensors, config.quantization, device)
     _fill(model, tensors, config)
+    model.finish_loading()
     return model.eval()
 
 

@@ -92,9 +92,7 @@ def triton_ops() -> Ops:
         paged_attention=attention.paged_attention,
         moe_route=moe.route,
         moe_experts=moe.moe_experts,
-        # No Triton FP8 expert kernel yet: the reference, which reads the expert counts on the
-        # host, so FP8 MoE models run eagerly only (not under CUDA graphs).
-        fp8_moe_experts=fp8.fp8_moe_experts_reference,
+        fp8_moe_experts=fp8.fp8_moe_experts,
         sample=sampling.sample,
     )
 

@@ -13,21 +13,36 @@ The real weight is weight * weight_scale and the real x is x_fp8 * x_scale, elem
 their groups; the product sums them exactly in fp32 up to summation order.
 
 `fp8_linear_reference` (the CPU table, and the oracle) dequantizes both and runs one fp32 GEMM;
-`fp8_linear` (the GPU table) runs `_quantize_groups_kernel` then `_fp8_gemm_kernel`, a plain
-tiled GEMM with one tl.dot on fp8 tiles per group (needs sm_89+) scaled by both groups' scales.
-`fp8_moe_experts_reference` is the MoE expert op on FP8 expert weights. Knows nothing about
-checkpoints: scales arrive already repeated over rows.
+`fp8_linear` (the GPU table) runs `_quantize_groups_kernel` then `_fp8_gemm_kernel`, a tiled GEMM
+with one tl.dot on fp8 tiles per group (needs sm_89+) scaled by both groups' scales. For decode,
+verify and draft batches (<= 64 rows) the same kernel splits K over the SMs (the weight's bytes
+are the time: half of bf16's) and its last program per tile sums the partials (arrivals.py).
+Prefill batches of a weight whose scales are whole 128 x 128 blocks (`block_scales`) run cuBLAS's
+block-scaled FP8 GEMM on sm_90 instead (1.6x bf16 there; the Triton GEMM is 0.7x).
+
+`fp8_moe_experts_reference` is the MoE expert op on FP8 expert weights; `fp8_moe_experts` its
+Triton twin, over moe.py's expert-sorted row blocks (one way of routing pairs to experts for the
+bf16 and the FP8 experts), with the down GEMM's activation quantizer fused into the gate/up GEMM.
+Every launch is sized from shapes: graph-safe. Quantizing kernels round on the e4m3 grid in
+float32 before the cast (`_round_to_e4m3`), so they are bit-equal to the reference under the
+interpreter too. Knows nothing about checkpoints: scales arrive already repeated over rows.
 """
 
 from __future__ import annotations
+
+from functools import cache
 
 import torch
 import triton
 import triton.language as tl
 
 from .activation import silu_and_mul_reference
-from .device import INTERPRETED
-from .moe import by_expert_reference
+from .arrivals import arrival_counters, last_to_arrive, reset_arrivals
+from .device import INTERPRETED, num_sms
+from .launch import dependent_prologue, pdl
+from .linear import split_k_for
+from .moe import block_rows, by_expert_reference, grouped_config, sort_pairs, sum_slots
+from .tiles import TileConfig
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0           # largest finite e4m3fn
@@ -53,15 +68,32 @@ def quantize_groups_reference(x: torch.Tensor, group_size: int) -> tuple[torch.T
     return x_fp8.view(num_rows, -1)[:, :num_columns].contiguous(), scale
 
 
+def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [..., N, K] -> (float8_e4m3fn [..., N, K], scale_inv [..., ceil(N/bn), ceil(K/bk)]
+    float32): the official checkpoints' block format, each bn x bk block's amax mapped to 448
+    (weight ~= fp8 * scale_inv over the block). Runs on the weight's device (online FP8 loading
+    quantizes on the GPU), in float32 with IEEE divisions: bit-equal on every device."""
+    *batch, num_rows, num_columns = weight.shape
+    bn, bk = block
+    nb, kb = triton.cdiv(num_rows, bn), triton.cdiv(num_columns, bk)
+    padded = weight.new_zeros(*batch, nb * bn, kb * bk, dtype=torch.float32)
+    padded[..., :num_rows, :num_columns] = weight
+    blocks = padded.view(*batch, nb, bn, kb, bk)
+    scale = blocks.abs().amax(dim=(-3, -1)).clamp(min=SCALE_FLOOR) / FP8_MAX
+    quantized = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return quantized.view(*batch, nb * bn, kb * bk)[..., :num_rows, :num_columns].contiguous(), scale
+
+
 def dequantize_reference(values: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
     """fp8 values [..., K] and their group scales [..., KB] -> float32 [..., K]."""
     return values.float() * expand_groups(scale, group_size, values.shape[-1])
 
 
 def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                         group_size: int) -> torch.Tensor:
+                         group_size: int, block_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (float) @ dequantized weight [N, K]^T -> [M, N] in x's dtype, with x quantized
-    per token group first, as the kernel does."""
+    per token group first, as the kernel does. block_scale (the same scales per block of rows,
+    for fp8_linear's cuBLAS path) changes nothing here."""
     x_fp8, x_scale = quantize_groups_reference(x, group_size)
     product = dequantize_reference(x_fp8, x_scale, group_size) @ dequantize_reference(weight, weight_scale, group_size).T
     return product.to(x.dtype)
@@ -85,34 +117,76 @@ def fp8_moe_experts_reference(x: torch.Tensor, weights: torch.Tensor, experts: t
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _quantize_groups_kernel(x, x_fp8, x_scale, K, stride_xm, num_groups, GROUP: tl.constexpr):
-    """Program (row m, group g): quantize_groups_reference for one group of one row."""
-    m, g = tl.program_id(0).to(tl.int64), tl.program_id(1)
+def _round_to_e4m3(v):
+    """v (float32, |v| <= 448) rounded to nearest even on the e4m3 grid, still float32, so the
+    cast to fp8 that follows is exact: spacing 2^(e-3) in the binade [2^e, 2^(e+1)), 2^-9 below
+    2^-6 (subnormals). Adding and subtracting 1.5 * 2^(e+20) rounds v to that spacing in one
+    IEEE fp32 addition (the sum's ulp is 2^(e-3)). Equal to a direct rounding cast on the GPU;
+    the interpreter's own cast loses the carry of a mantissa rounded up to 2.0 (124.3 -> 64)."""
+    exponent = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    magic = (((exponent + 20 + 127) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    return (v + magic) - magic
+
+
+@triton.jit
+def _quantize_tile(values):
+    """values [R, GROUP] float32, one group per row -> (e4m3 values rounded, still float32;
+    scale [R]) as quantize_groups_reference. IEEE-rounded divisions (div_rn): Triton's `/` on
+    float32 is the approximate PTX division, whose last bit differs from torch's."""
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(values), axis=1), 1e-10), 448.0)
+    quantized = tl.clamp(tl.math.div_rn(values, scale[:, None]), -448.0, 448.0)
+    return _round_to_e4m3(quantized), scale
+
+
+@triton.jit
+def _quantize_groups_kernel(x, x_fp8, x_scale, M, K, stride_xm, stride_sm, stride_sg, BLOCK_M: tl.constexpr,
+                            GROUP: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
+    """Program (block of rows, group g): quantize_groups_reference for one group of BLOCK_M rows."""
+    dependent_prologue(DEPENDENT_LAUNCH)
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    g = tl.program_id(1)
     k = g * GROUP + tl.arange(0, GROUP)
-    values = tl.load(x + m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
-    # IEEE-rounded divisions (div_rn): Triton's `/` on float32 is the approximate PTX division,
-    # whose last bit differs from torch's and so would the scale and the rounding of the values.
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(values), axis=0), 1e-10), 448.0)
-    quantized = tl.clamp(tl.math.div_rn(values, scale), -448.0, 448.0)
-    tl.store(x_fp8 + m * K + k, quantized.to(x_fp8.dtype.element_ty), mask=k < K)
-    tl.store(x_scale + m * num_groups + g, scale)
+    rows = m.to(tl.int64)
+    ok = (m < M)[:, None] & (k < K)[None, :]
+    values = tl.load(x + rows[:, None] * stride_xm + k[None, :], mask=ok, other=0.0).to(tl.float32)
+    quantized, scale = _quantize_tile(values)
+    tl.store(x_fp8 + rows[:, None] * K + k[None, :], quantized.to(x_fp8.dtype.element_ty), mask=ok)
+    tl.store(x_scale + rows * stride_sm + g * stride_sg, scale, mask=m < M)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _fp8_gemm_kernel(x_fp8, x_scale, w, w_scale, y, M, N, K, num_groups, stride_ym,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
-    """Program (m tile, n tile): y = sum over groups g of (x_fp8[:, g] @ w[:, g]^T) * x_scale[:, g]
-    (per row) * w_scale[:, g] (per output feature), fp32 accumulation. One K step is one group,
-    so each partial product has exactly one scale per row and per column. Out-of-range rows,
-    columns and the K tail load as 0 (fp8 0 is exact)."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+@triton.jit(do_not_specialize=["M", "groups_per_split"])
+def _fp8_gemm_kernel(x_fp8, x_scale, w, w_scale, y, partials, arrivals, M, N, K, num_groups, groups_per_split,
+                     stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+                     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
+    """Program (m tile, n tile, K split): y = sum over groups g of (x_fp8[:, g] @ w[:, g]^T) *
+    x_scale[:, g] (per row) * w_scale[:, g] (per output feature), fp32 accumulation. One K step
+    is one group, so each partial product has exactly one scale per row and per column.
+    Out-of-range rows, columns and the K tail load as 0 (fp8 0 is exact).
+
+    SPLIT_K > 1 (decode shapes: few m tiles times n tiles would leave SMs idle): the program
+    sums groups [pid_k * groups_per_split, +groups_per_split) into its fp32 partial
+    [SPLIT_K, M, N]; the last program of an (m, n) tile to arrive (arrivals.py) adds the
+    partials in split order (deterministic) and writes y, as kernels/linear.py does.
+
+    Tiles run in groups of GROUP_M m tiles down each n tile (the matmul tutorial's order), so
+    the programs in flight share x's rows and W's rows in L2 instead of streaming x once per n
+    tile."""
+    dependent_prologue(DEPENDENT_LAUNCH)
+    pid, pid_k = tl.program_id(0), tl.program_id(1)
+    num_m_tiles, num_n_tiles = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    first_m = (pid // (GROUP_M * num_n_tiles)) * GROUP_M
+    group_rows = tl.minimum(num_m_tiles - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n_tiles)) % group_rows
+    pid_n = (pid % (GROUP_M * num_n_tiles)) // group_rows
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, GROUP)
     m_ok, n_ok = offs_m < M, offs_n < N
     rows_x, rows_w = offs_m.to(tl.int64), offs_n.to(tl.int64)
+    first = pid_k * groups_per_split
+    last = tl.minimum(first + groups_per_split, num_groups)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for g in range(num_groups):
+    for g in range(first, last):
         k = g * GROUP + offs_k
         k_ok = k < K
         a = tl.load(x_fp8 + rows_x[:, None] * K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -120,8 +194,21 @@ def _fp8_gemm_kernel(x_fp8, x_scale, w, w_scale, y, M, N, K, num_groups, stride_
         a_scale = tl.load(x_scale + rows_x * num_groups + g, mask=m_ok, other=0.0)
         b_scale = tl.load(w_scale + rows_w * num_groups + g, mask=n_ok, other=0.0)
         acc += tl.dot(a, tl.trans(b)) * a_scale[:, None] * b_scale[None, :]
-    tl.store(y + rows_x[:, None] * stride_ym + offs_n[None, :], acc.to(y.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    out = m_ok[:, None] & n_ok[None, :]
+    y_ptrs = y + rows_x[:, None] * stride_ym + offs_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(y.dtype.element_ty), mask=out)
+    else:
+        tile = rows_x[:, None] * N + offs_n[None, :]                     # within one [M, N] partial
+        tl.store(partials + pid_k.to(tl.int64) * M * N + tile, acc, mask=out)
+        counter = arrivals + pid
+        if last_to_arrive(counter, SPLIT_K):
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                # .cg: from L2, where the other SMs' stores are, never a stale L1 line
+                total += tl.load(partials + s * M * N + tile, mask=out, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(y.dtype.element_ty), mask=out)
+            reset_arrivals(counter)
 
 
 def _check_fp8_linear_args(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int) -> None:
@@ -138,41 +225,269 @@ def _check_fp8_linear_args(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
     assert x.device == weight.device == weight_scale.device, "x, weight, weight_scale: one device"
 
 
-def quantize_groups(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton quantize_groups_reference; x_fp8 comes back contiguous."""
+def quantize_groups(x: torch.Tensor, group_size: int,
+                    scale_column_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton quantize_groups_reference (bit-equal); x_fp8 comes back contiguous, x_scale [M, KB]
+    row-major, or column-major (strides (1, M): what cuBLAS's blockwise scaled GEMM reads)."""
     num_rows, num_columns = x.shape
     num_groups = triton.cdiv(num_columns, group_size)
     x_fp8 = torch.empty(num_rows, num_columns, dtype=FP8, device=x.device)
-    x_scale = torch.empty(num_rows, num_groups, dtype=torch.float32, device=x.device)
+    if scale_column_major:
+        x_scale = torch.empty(num_groups, num_rows, dtype=torch.float32, device=x.device).t()
+    else:
+        x_scale = torch.empty(num_rows, num_groups, dtype=torch.float32, device=x.device)
     if num_rows:
-        _quantize_groups_kernel[(num_rows, num_groups)](x, x_fp8, x_scale, num_columns, x.stride(0), num_groups,
-                                                        GROUP=group_size, num_warps=1 if group_size <= 128 else 4)
+        block_m = 1 if INTERPRETED else 4
+        _quantize_groups_kernel[(triton.cdiv(num_rows, block_m), num_groups)](
+            x, x_fp8, x_scale, num_rows, num_columns, x.stride(0), x_scale.stride(0), x_scale.stride(1),
+            BLOCK_M=block_m, GROUP=group_size, num_warps=4, **pdl(x.device))
     return x_fp8, x_scale
+
+
+def block_scales(weight_scale: torch.Tensor, block_rows: int) -> torch.Tensor | None:
+    """Per-row scales [N, KB] -> the checkpoint's block scales [ceil(N / block_rows), KB] when
+    every aligned block of rows shares one scale row (a projection, or fused ones whose parts
+    start at multiples of block_rows), else None (Qwen3-Next's regrouped per-head projections,
+    parts of odd sizes). Reads the scales back: once, at load."""
+    blocks = weight_scale[::block_rows].contiguous()
+    expanded = blocks.repeat_interleave(block_rows, dim=0)[:weight_scale.shape[0]]
+    return blocks if torch.equal(expanded, weight_scale) else None
+
+
+SKINNY_MAX_ROWS = 64      # decode / verify / draft shapes: split-K fills the SMs
+
+
+def gemm_config(num_rows: int, num_features: int, num_groups: int, sms: int) -> TileConfig:
+    """Tiles of `_fp8_gemm_kernel` (block_k is the group). Skinny batches (<= 64 rows): the
+    batch in one tile of 16, 32 or 64 rows (16 is tl.dot's minimum) x 64 features (32 above 16
+    rows), K split over whole groups until about two programs per SM, each split at least 4
+    groups long (the pipeline's depth): the time is the weight's bytes, so the grid must fill the
+    GPU. Prefill: 64 x 128 tiles, 4 warps, 4 stages. Each the fastest or within 5% of it in a
+    sweep of the 9B projections (bench/tools/fp8_sweep.py; results/fp8_sweep-h200.json), except
+    at 17..64 rows where block_n 32 is within 25%."""
+    if INTERPRETED:
+        return TileConfig(block_m=16, block_n=32, num_splits=split_k_for(num_groups, 2), num_warps=4, num_stages=1)
+    if num_rows <= SKINNY_MAX_ROWS:
+        block_m = max(16, triton.next_power_of_2(num_rows))
+        block_n = 64 if num_rows <= 16 else 32
+        num_tiles = triton.cdiv(num_rows, block_m) * triton.cdiv(num_features, block_n)
+        wanted = min(triton.cdiv(2 * sms, num_tiles), max(1, num_groups // 4))
+        return TileConfig(block_m=block_m, block_n=block_n, num_splits=split_k_for(num_groups, wanted),
+                          num_warps=4, num_stages=4)
+    return TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=4)
+
+
+def launch_fp8_gemm(y: torch.Tensor, x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+                    weight_scale: torch.Tensor, group_size: int, config: TileConfig) -> None:
+    """y [M, N] = x_fp8 [M, K] (x_scale [M, KB]) @ weight [N, K]^T (weight_scale [N, KB]) with an
+    explicit config (tests, benchmark sweeps). Scratch is torch.empty and the shared arrival
+    counters: capturable in a CUDA graph."""
+    (num_rows, num_columns), num_features = x_fp8.shape, weight.shape[0]
+    num_groups = weight_scale.shape[1]
+    assert x_fp8.dtype == FP8 and x_fp8.is_contiguous() and x_scale.shape == (num_rows, num_groups) \
+        and x_scale.is_contiguous(), "x_fp8: contiguous [M, K] float8_e4m3fn, x_scale: contiguous [M, KB]"
+    assert y.shape == (num_rows, num_features) and y.stride(1) == 1, f"y {tuple(y.shape)}"
+    if num_rows == 0:
+        return
+    groups_per_split = triton.cdiv(num_groups, config.num_splits)
+    grid = (triton.cdiv(num_rows, config.block_m) * triton.cdiv(num_features, config.block_n), config.num_splits)
+    if config.num_splits > 1:
+        partials = torch.empty((config.num_splits, num_rows, num_features), dtype=torch.float32, device=y.device)
+        arrivals = arrival_counters(y.device, grid[0])
+    else:  # never touched
+        partials = arrivals = y
+    _fp8_gemm_kernel[grid](x_fp8, x_scale, weight, weight_scale, y, partials, arrivals, num_rows, num_features,
+                           num_columns, num_groups, groups_per_split, y.stride(0), BLOCK_M=config.block_m,
+                           BLOCK_N=config.block_n, GROUP=group_size, SPLIT_K=config.num_splits, GROUP_M=8,
+                           **config.launch_options(), **pdl(y.device))
 
 
 def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
              group_size: int, out_dtype: torch.dtype) -> torch.Tensor:
-    """x_fp8 [M, K] (x_scale [M, KB]) @ weight [N, K]^T (weight_scale [N, KB]) -> [M, N] out_dtype.
-    Decode-sized M gets 16-row tiles (tl.dot's minimum), larger M 64-row tiles."""
-    num_rows, num_columns = x_fp8.shape
-    num_features = weight.shape[0]
-    assert x_fp8.dtype == FP8 and x_fp8.is_contiguous() and x_scale.shape == (num_rows, weight_scale.shape[1]) \
-        and x_scale.is_contiguous(), "x_fp8: contiguous [M, K] float8_e4m3fn, x_scale: contiguous [M, KB]"
+    """x_fp8 [M, K] (x_scale [M, KB]) @ weight [N, K]^T (weight_scale [N, KB]) -> [M, N] out_dtype,
+    with gemm_config's tiles (shapes and the SM count only: CUDA graphs replay the choice)."""
+    num_rows, num_features = x_fp8.shape[0], weight.shape[0]
     y = torch.empty(num_rows, num_features, dtype=out_dtype, device=x_fp8.device)
-    if num_rows == 0:
-        return y
-    block_m = 16 if num_rows <= 16 or INTERPRETED else 64
-    block_n = 32 if INTERPRETED else 128
-    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_features, block_n))
-    _fp8_gemm_kernel[grid](x_fp8, x_scale, weight, weight_scale, y, num_rows, num_features, num_columns,
-                           x_scale.shape[1], y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group_size,
-                           num_warps=4)
+    config = gemm_config(num_rows, num_features, weight_scale.shape[1], num_sms(x_fp8.device))
+    launch_fp8_gemm(y, x_fp8, x_scale, weight, weight_scale, group_size, config)
     return y
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Triton fp8_linear_reference (same arguments and result up to fp32 summation order):
-    the group quantizer, then the GEMM."""
+@cache
+def _cublas_blockwise(device: torch.device) -> bool:
+    """cuBLAS's block-scaled FP8 GEMM (torch._scaled_mm with 1x128 activation and 128x128 weight
+    scales) runs on sm_90: 1.6-1.7x bf16 at prefill shapes on the H200 (measured alone with
+    torch._scaled_mm at 8192 x {12352, 24576, 4000} x 4096 and 8192 x 4096 x 12288), where the
+    Triton GEMM reaches 0.7x (bench/results/kernels_fp8-h200.json)."""
+    return device.type == "cuda" and not INTERPRETED and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int,
+               block_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton fp8_linear_reference (same arguments and result up to fp32 summation order): the
+    group quantizer, then the GEMM. Batches past SKINNY_MAX_ROWS in bf16 with the weight's block
+    scales (`block_scales`, 128 x 128) go to cuBLAS's block-scaled GEMM on sm_90 instead (the
+    same W8A8 product; graph-capturable)."""
     _check_fp8_linear_args(x, weight, weight_scale, group_size)
+    (num_rows, num_columns), num_features = x.shape, weight.shape[0]
+    # Not while a CUDA graph is captured (verify steps past 64 rows): that path is unmeasured there.
+    if (block_scale is not None and num_rows > SKINNY_MAX_ROWS and group_size == 128 and x.dtype == torch.bfloat16
+            and num_columns % 128 == 0 and num_features % 16 == 0 and _cublas_blockwise(x.device)
+            and not torch.cuda.is_current_stream_capturing()):
+        x_fp8, x_scale = quantize_groups(x, group_size, scale_column_major=True)
+        return torch._scaled_mm(x_fp8, weight.t(), x_scale, block_scale.t(), out_dtype=x.dtype)
     x_fp8, x_scale = quantize_groups(x, group_size)
     return fp8_gemm(x_fp8, x_scale, weight, weight_scale, group_size, x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Grouped FP8 experts: moe.py's expert-sorted row blocks (sort_pairs, block_rows, sum_slots)
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["num_m_blocks"])
+def _fp8_gate_up_grouped_kernel(x_fp8, x_scale, counts, sorted_pairs, w, w_scale, act_fp8, act_scale, H, I, E,
+                                num_m_blocks, num_h_groups, num_i_groups, TOP_K: tl.constexpr, E_PAD: tl.constexpr,
+                                BLOCK_M: tl.constexpr, GROUP: tl.constexpr, ACT_DTYPE: tl.constexpr):
+    """Program (row block, group of I), row blocks fastest so an expert's blocks share its weight
+    tiles in L2: act = silu(x W_gate^T) * (x W_up^T) over the block's pairs for one group of GROUP
+    intermediate columns (rows n and I + n of w[e]), each K step one group of H scaled as in
+    _fp8_gemm_kernel; gate and up rounded to ACT_DTYPE, then act too (as the reference's
+    fp8_linear -> silu_and_mul), then quantized per row over this group — the down GEMM's
+    activation quantizer fused here: act_fp8 [pairs, I] and act_scale [pairs, IB], rows in
+    expert order."""
+    pid = tl.program_id(0)
+    m_block = pid % num_m_blocks
+    expert, position, valid, pair = block_rows(counts, sorted_pairs, m_block, E, E_PAD, BLOCK_M)
+    if expert >= E:
+        return
+    token = (pair // TOP_K).to(tl.int64)
+    group_i = pid // num_m_blocks
+    n = group_i * GROUP + tl.arange(0, GROUP)
+    n_ok = n < I
+    offs_k = tl.arange(0, GROUP)
+    w += expert.to(tl.int64) * (2 * I * H)
+    w_scale += expert.to(tl.int64) * (2 * I * num_h_groups)
+    gate = tl.zeros([BLOCK_M, GROUP], dtype=tl.float32)
+    up = tl.zeros([BLOCK_M, GROUP], dtype=tl.float32)
+    for g in range(num_h_groups):
+        k = g * GROUP + offs_k
+        k_ok = k < H
+        a = tl.load(x_fp8 + token[:, None] * H + k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        a_scale = tl.load(x_scale + token * num_h_groups + g, mask=valid, other=0.0)[:, None]
+        b_ok = k_ok[:, None] & n_ok[None, :]
+        b_gate = tl.load(w + n[None, :] * H + k[:, None], mask=b_ok, other=0.0)
+        b_up = tl.load(w + (n + I)[None, :] * H + k[:, None], mask=b_ok, other=0.0)
+        s_gate = tl.load(w_scale + n * num_h_groups + g, mask=n_ok, other=0.0)[None, :]
+        s_up = tl.load(w_scale + (n + I) * num_h_groups + g, mask=n_ok, other=0.0)[None, :]
+        gate += tl.dot(a, b_gate) * a_scale * s_gate
+        up += tl.dot(a, b_up) * a_scale * s_up
+    gate = gate.to(ACT_DTYPE).to(tl.float32)
+    up = up.to(ACT_DTYPE).to(tl.float32)
+    act = (gate * tl.sigmoid(gate) * up).to(ACT_DTYPE).to(tl.float32)   # 0 past I (gate 0 there)
+    quantized, scale = _quantize_tile(act)
+    rows = position.to(tl.int64)
+    tl.store(act_fp8 + rows[:, None] * I + n[None, :], quantized.to(act_fp8.dtype.element_ty),
+             mask=valid[:, None] & n_ok[None, :])
+    tl.store(act_scale + rows * num_i_groups + group_i, scale, mask=valid)
+
+
+@triton.jit(do_not_specialize=["num_m_blocks"])
+def _fp8_down_grouped_kernel(act_fp8, act_scale, counts, sorted_pairs, weights, w, w_scale, out_pairs, H, I, E,
+                             num_m_blocks, num_i_groups, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    """Program (row block, tile of H): out_pairs[pair, n] = w[pair] * (act W_down^T)[row, n], the
+    FP8 product summed per group of I as in _fp8_gemm_kernel."""
+    pid = tl.program_id(0)
+    m_block = pid % num_m_blocks
+    expert, position, valid, pair = block_rows(counts, sorted_pairs, m_block, E, E_PAD, BLOCK_M)
+    if expert >= E:
+        return
+    n = (pid // num_m_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < H
+    offs_k = tl.arange(0, GROUP)
+    rows = position.to(tl.int64)
+    w += expert.to(tl.int64) * (H * I)
+    w_scale += expert.to(tl.int64) * (H * num_i_groups)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for g in range(num_i_groups):
+        k = g * GROUP + offs_k
+        k_ok = k < I
+        a = tl.load(act_fp8 + rows[:, None] * I + k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        a_scale = tl.load(act_scale + rows * num_i_groups + g, mask=valid, other=0.0)[:, None]
+        b = tl.load(w + n[None, :] * I + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        b_scale = tl.load(w_scale + n * num_i_groups + g, mask=n_ok, other=0.0)[None, :]
+        acc += tl.dot(a, b) * a_scale * b_scale
+    acc *= tl.load(weights + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_pairs + pair[:, None].to(tl.int64) * H + n[None, :], acc.to(out_pairs.dtype.element_ty),
+             mask=valid[:, None] & n_ok[None, :])
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def fp8_moe_config(num_pairs: int, num_experts: int) -> TileConfig:
+    """Tiles of the FP8 expert kernels (block_k is the group; gate/up tiles are one group of I
+    wide, so block_n is the down GEMM's): moe.grouped_config's block_m by pairs per expert,
+    capped at 64 rows (gate/up keep two [block_m, group] fp32 accumulators: 8 warps at 64 rows,
+    or they spill: 3x slower at 2048 tokens; bench/results/kernels_fp8-h200.json)."""
+    if INTERPRETED:
+        return TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=1)
+    block_m = min(64, grouped_config(num_pairs, num_experts).block_m)
+    return TileConfig(block_m=block_m, block_n=128, num_warps=8 if block_m >= 64 else 4, num_stages=3)
+
+
+def _check_fp8_moe_args(x, weights, experts, w_gate_up, gate_up_scale, w_down, down_scale, group_size) -> None:
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, hidden_2 = w_gate_up.shape
+    inter = two_inter // 2
+    assert hidden_2 == hidden and two_inter % 2 == 0, f"w_gate_up {tuple(w_gate_up.shape)} vs x {tuple(x.shape)}"
+    assert w_down.shape == (num_experts, hidden, inter), f"w_down {tuple(w_down.shape)}"
+    assert w_gate_up.dtype == w_down.dtype == FP8, "expert weights: float8_e4m3fn"
+    assert gate_up_scale.shape == (num_experts, two_inter, triton.cdiv(hidden, group_size)) \
+        and down_scale.shape == (num_experts, hidden, triton.cdiv(inter, group_size)) \
+        and gate_up_scale.dtype == down_scale.dtype == torch.float32, \
+        f"scales: float32 [E, 2I, ceil(H/G)] and [E, H, ceil(I/G)], got {tuple(gate_up_scale.shape)}, " \
+        f"{tuple(down_scale.shape)}"
+    assert group_size >= 16 and group_size & (group_size - 1) == 0, f"group size {group_size}: a power of two >= 16"
+    assert experts.dim() == 2 and experts.shape[0] == num_tokens and weights.shape == experts.shape, \
+        "weights, experts: [T, k]"
+    assert experts.dtype in (torch.int64, torch.int32), f"experts: dtype {experts.dtype}"
+    assert x.dtype in _TL_DTYPES, f"x: dtype {x.dtype}"
+    for name, t in (("x", x), ("weights", weights), ("experts", experts), ("w_gate_up", w_gate_up),
+                    ("gate_up_scale", gate_up_scale), ("w_down", w_down), ("down_scale", down_scale)):
+        assert t.is_contiguous(), f"{name} must be contiguous"
+        assert t.device == x.device, f"{name} on {t.device}, x on {x.device}"
+
+
+def fp8_moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
+                    gate_up_scale: torch.Tensor, w_down: torch.Tensor, down_scale: torch.Tensor, group_size: int,
+                    config: TileConfig | None = None) -> torch.Tensor:
+    """Triton fp8_moe_experts_reference (same arguments; result up to fp32 summation order and
+    the rare activation that rounds to the neighbouring e4m3 value because of it): x quantized
+    per token group, the pairs sorted by expert (moe.sort_pairs), the gate/up GEMM with SiLU*up
+    and the down GEMM's activation quantizer fused, the down GEMM with the routing weight, the
+    slots summed. Launch sizes depend on shapes only: CUDA-graph safe at every batch."""
+    _check_fp8_moe_args(x, weights, experts, w_gate_up, gate_up_scale, w_down, down_scale, group_size)
+    num_tokens, hidden = x.shape
+    num_experts, top_k, inter = w_gate_up.shape[0], experts.shape[1], w_down.shape[2]
+    num_pairs = num_tokens * top_k
+    out = torch.empty_like(x)
+    if num_tokens == 0:
+        return out
+    config = config or fp8_moe_config(num_pairs, num_experts)
+    num_h_groups, num_i_groups = triton.cdiv(hidden, group_size), triton.cdiv(inter, group_size)
+    x_fp8, x_scale = quantize_groups(x, group_size)
+    pairs = sort_pairs(experts, num_experts, config.block_m)
+    act_fp8 = torch.empty(num_pairs, inter, dtype=FP8, device=x.device)                 # rows in expert order
+    act_scale = torch.empty(num_pairs, num_i_groups, dtype=torch.float32, device=x.device)
+    _fp8_gate_up_grouped_kernel[(pairs.num_m_blocks * num_i_groups,)](
+        x_fp8, x_scale, pairs.counts, pairs.sorted_pairs, w_gate_up, gate_up_scale, act_fp8, act_scale, hidden,
+        inter, num_experts, pairs.num_m_blocks, num_h_groups, num_i_groups, TOP_K=top_k, E_PAD=pairs.e_pad,
+        BLOCK_M=config.block_m, GROUP=group_size, ACT_DTYPE=_TL_DTYPES[x.dtype], **config.launch_options())
+    out_pairs = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)            # rows by pair
+    _fp8_down_grouped_kernel[(pairs.num_m_blocks * triton.cdiv(hidden, config.block_n),)](
+        act_fp8, act_scale, pairs.counts, pairs.sorted_pairs, weights, w_down, down_scale, out_pairs, hidden, inter,
+        num_experts, pairs.num_m_blocks, num_i_groups, E_PAD=pairs.e_pad, BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, GROUP=group_size, **config.launch_options())
+    sum_slots(out_pairs, out, top_k)
+    return out

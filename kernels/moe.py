@@ -28,7 +28,7 @@ bench/results/kernels_moe_sampling-h200.json).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import triton
@@ -209,7 +209,7 @@ def _scatter_pairs_kernel(experts, counts, ranks, sorted_pairs, N, E, E_PAD: tl.
 
 
 @triton.jit
-def _block_rows(counts, sorted_pairs, m_block, E, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+def block_rows(counts, sorted_pairs, m_block, E, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
     """Row block m_block of the expert-sorted, per-expert BLOCK_M-padded pair list ->
     (expert (E past the last block), sorted positions [BLOCK_M], valid rows, pair ids)."""
     lanes, count, start, block_start, blocks = _expert_layout(counts, E, E_PAD, BLOCK_M)
@@ -229,7 +229,7 @@ def _gate_up_grouped_kernel(x, counts, sorted_pairs, w_gate_up, act, H, I, E, nu
     tile in L2: act[position, n] = silu(x W_gate^T) * (x W_up^T) over the block's pairs."""
     pid = tl.program_id(0)
     m_block = pid % num_m_blocks
-    expert, position, valid, pair = _block_rows(counts, sorted_pairs, m_block, E, E_PAD, BLOCK_M)
+    expert, position, valid, pair = block_rows(counts, sorted_pairs, m_block, E, E_PAD, BLOCK_M)
     if expert >= E:
         return
     token = (pair // TOP_K).to(tl.int64)
@@ -258,7 +258,7 @@ def _down_grouped_kernel(act, counts, sorted_pairs, weights, w_down, out_pairs, 
     """Program (row block, tile of H): out_pairs[pair, n] = w[pair] * (act W_down^T)[row, n]."""
     pid = tl.program_id(0)
     m_block = pid % num_m_blocks
-    expert, position, valid, pair = _block_rows(counts, sorted_pairs, m_block, E, E_PAD, BLOCK_M)
+    expert, position, valid, pair = block_rows(counts, sorted_pairs, m_block, E, E_PAD, BLOCK_M)
     if expert >= E:
         return
     n = (pid // num_m_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -320,6 +320,40 @@ def use_per_token_path(num_pairs: int, num_experts: int) -> bool:
     return 4 * num_pairs <= num_experts
 
 
+class SortedPairs(NamedTuple):
+    """The (token, slot) pairs grouped by expert, as every grouped kernel reads them (`block_rows`)."""
+    counts: torch.Tensor        # [E] int32: pairs per expert
+    sorted_pairs: torch.Tensor  # [pairs] int32: pair ids, experts in order
+    num_m_blocks: int           # row blocks launched: an upper bound from shapes alone (blocks past the
+                                # last expert's return at once)
+    e_pad: int                  # E rounded up to a power of two (the lanes of _expert_layout)
+
+
+def sort_pairs(experts: torch.Tensor, num_experts: int, block_m: int) -> SortedPairs:
+    """Count and scatter the pairs of `experts` [T, k] by expert on the device (no host sync: the
+    launch sizes depend on shapes only, so CUDA graphs replay them). Shared by the bf16 and the
+    FP8 grouped experts."""
+    num_pairs, device = experts.numel(), experts.device
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    e_pad = triton.next_power_of_2(num_experts)
+    _count_pairs_kernel[(triton.cdiv(num_pairs, 1024),)](experts, counts, ranks, num_pairs, BLOCK=1024)
+    _scatter_pairs_kernel[(triton.cdiv(num_pairs, 32),)](experts, counts, ranks, sorted_pairs, num_pairs,
+                                                          num_experts, E_PAD=e_pad, BLOCK=32)
+    # sum over experts of ceil(count / block_m) <= (pairs + (block_m - 1) * nonempty experts) / block_m
+    num_m_blocks = (num_pairs + (block_m - 1) * min(num_experts, num_pairs)) // block_m
+    return SortedPairs(counts, sorted_pairs, num_m_blocks, e_pad)
+
+
+def sum_slots(out_pairs: torch.Tensor, out: torch.Tensor, top_k: int) -> None:
+    """out [T, H] = each token's k rows of out_pairs [T * k, H] summed in slot order."""
+    num_tokens, hidden = out.shape
+    block = min(1024, triton.next_power_of_2(hidden))
+    _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, block))](out_pairs, out, hidden, TOP_K=top_k, BLOCK_N=block,
+                                                                 num_warps=4)
+
+
 def _check_moe_experts_args(x, weights, experts, w_gate_up, w_down) -> None:
     num_tokens, hidden = x.shape
     num_experts, two_inter, hidden_2 = w_gate_up.shape
@@ -366,28 +400,18 @@ def moe_experts_grouped(x, weights, experts, w_gate_up, w_down, config: TileConf
     if num_tokens == 0:
         return out
     config = config or grouped_config(num_pairs, num_experts)
-    device = x.device
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
-    ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
-    sorted_pairs = torch.empty(num_pairs, dtype=torch.int32, device=device)
-    e_pad = triton.next_power_of_2(num_experts)
-    _count_pairs_kernel[(triton.cdiv(num_pairs, 1024),)](experts, counts, ranks, num_pairs, BLOCK=1024)
-    _scatter_pairs_kernel[(triton.cdiv(num_pairs, 32),)](experts, counts, ranks, sorted_pairs, num_pairs,
-                                                          num_experts, E_PAD=e_pad, BLOCK=32)
-    # sum over experts of ceil(count / block_m) <= (pairs + (block_m - 1) * nonempty experts) / block_m
-    bm = config.block_m
-    num_m_blocks = (num_pairs + (bm - 1) * min(num_experts, num_pairs)) // bm
-    tiles = dict(E_PAD=e_pad, BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+    pairs = sort_pairs(experts, num_experts, config.block_m)
+    tiles = dict(E_PAD=pairs.e_pad, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                  PRECISION=dot_precision(x.dtype), **config.launch_options())
-    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=device)  # rows in expert order
-    _gate_up_grouped_kernel[(num_m_blocks * triton.cdiv(inter, config.block_n),)](
-        x, counts, sorted_pairs, w_gate_up, act, hidden, inter, num_experts, num_m_blocks, TOP_K=top_k, **tiles)
-    out_pairs = torch.empty(num_pairs, hidden, dtype=x.dtype, device=device)  # rows by pair
-    _down_grouped_kernel[(num_m_blocks * triton.cdiv(hidden, config.block_n),)](
-        act, counts, sorted_pairs, weights, w_down, out_pairs, hidden, inter, num_experts, num_m_blocks, **tiles)
-    block = min(1024, triton.next_power_of_2(hidden))
-    _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, block))](out_pairs, out, hidden, TOP_K=top_k, BLOCK_N=block,
-                                                                 num_warps=4)
+    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # rows in expert order
+    _gate_up_grouped_kernel[(pairs.num_m_blocks * triton.cdiv(inter, config.block_n),)](
+        x, pairs.counts, pairs.sorted_pairs, w_gate_up, act, hidden, inter, num_experts, pairs.num_m_blocks,
+        TOP_K=top_k, **tiles)
+    out_pairs = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # rows by pair
+    _down_grouped_kernel[(pairs.num_m_blocks * triton.cdiv(hidden, config.block_n),)](
+        act, pairs.counts, pairs.sorted_pairs, weights, w_down, out_pairs, hidden, inter, num_experts,
+        pairs.num_m_blocks, **tiles)
+    sum_slots(out_pairs, out, top_k)
     return out
 
 

@@ -40,7 +40,7 @@ def _serve(args: argparse.Namespace) -> int:
                                  enable_prefix_cache=not args.no_prefix_cache,
                                  checkpoint_interval=args.checkpoint_interval,
                                  host_cache_bytes=int(args.host_cache_gib * 2**30),
-                                 generation_config=args.generation_config)
+                                 generation_config=args.generation_config, quantization=args.quantization)
     server_config = ServerConfig(model_name=args.served_model_name or model.name, host=args.host, port=args.port,
                                  api_key=args.api_key, max_waiting=args.max_waiting,
                                  max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout,
@@ -58,7 +58,7 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed)
     engine = AsyncLLM(model, device=args.device, dtype=args.dtype, num_draft_tokens=args.num_draft_tokens,
-                      generation_config=args.generation_config)
+                      generation_config=args.generation_config, quantization=args.quantization)
 
     async def stream() -> None:
         try:
@@ -83,6 +83,9 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generation-config", choices=("auto", "none"), default="auto",
                         help="auto: sampling fields a request leaves unset take the checkpoint's "
                              "generation_config.json values; none: the built-in neutral ones")
+    parser.add_argument("--quantization", choices=("fp8",), default=None,
+                        help="fp8: quantize an unquantized checkpoint to block FP8 (128x128 weight blocks, as the "
+                             "official FP8 checkpoints) while loading; FP8 checkpoints need no option")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,7 @@ from ...kernels import Ops
 from ..batch import ForwardBatch
 from ..model_config import ModelConfig
 from ..state_pool import KVPool, StatePool
-from .layers import ALL, CheckpointMap, DecoderLayer, _param
+from .layers import ALL, CheckpointMap, DecoderLayer, Linear, _param
 from .mtp import MTP
 
 
@@ -44,6 +44,12 @@ class HybridLM(nn.Module):
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    def finish_loading(self) -> None:
+        """Once every parameter is filled: derived per-projection data (FP8 block scales)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.finish_loading()
 
     def checkpoint_map(self) -> CheckpointMap:
         mapping = {

@@ -16,7 +16,7 @@ import triton
 from torch import nn
 
 from ...kernels import Ops
-from ...kernels.fp8 import FP8
+from ...kernels.fp8 import FP8, block_scales
 from ..batch import ForwardBatch, PrefillCheckpoints
 from ..model_config import ModelConfig
 from ..state_pool import GDNLayerState, KVLayer
@@ -61,14 +61,22 @@ class Linear(nn.Module):
         super().__init__()
         self.parts = parts
         num_rows = sum(parts.values())
+        self.block_scale = None    # FP8 with whole-block scales: [ceil(N / bn), KB] (finish_loading)
         if _is_fp8(c, parts):
             self.group_size = c.quantization.group_size
+            self.block_rows = c.quantization.weight_block_size[0]
             self.weight = _param(num_rows, in_features, dtype=FP8)
             self.weight_scale = _param(num_rows, triton.cdiv(in_features, self.group_size), dtype=torch.float32)
         else:
-            self.group_size = 0
+            self.group_size = self.block_rows = 0
             self.weight = _param(num_rows, in_features, dtype=dtype)
             self.weight_scale = None
+
+    def finish_loading(self) -> None:
+        """After the weights are in: the checkpoint's block scales, where the per-row scales are
+        whole blocks (kernels/fp8.py block_scales), for the GPU table's cuBLAS prefill path."""
+        if self.weight_scale is not None:
+            self.block_scale = block_scales(self.weight_scale.data, self.block_rows)
 
     def checkpoint_map(self, dst: str) -> CheckpointMap:
         mapping, start = {}, 0
@@ -82,7 +90,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         if self.weight_scale is None:
             return ops.linear(x, self.weight)
-        return ops.fp8_linear(x, self.weight, self.weight_scale, self.group_size)
+        return ops.fp8_linear(x, self.weight, self.weight_scale, self.group_size, self.block_scale)
 
 
 class GatedDeltaNet(nn.Module):
