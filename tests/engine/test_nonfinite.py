@@ -1,0 +1,116 @@
+"""Non-finite logits: a row whose logits hold a NaN fails its request alone.
+
+A NaN is injected into one request's target logits (the model's `logits`, as the runner and the
+speculator call it) in the step that gives its first token (a prefill row) or a later one (a
+decode row), beside plain and sampled requests, with and without speculation. The flag is
+computed on the device beside the tokens and read with them; the request fails (finish reason
+"error", NonFiniteLogitsError naming it), its slot and blocks are freed, and every other request's
+output equals the same batch's without the fault.
+"""
+
+import asyncio
+import random
+import re
+
+import pytest
+
+from deltaspec.engine import LLM, AsyncLLM, NonFiniteLogitsError, SamplingParams
+from deltaspec.engine.request import NONFINITE_LOGITS
+from fixtures import assert_idle
+
+
+def poison(engine, victim_prompt: list[int], after_tokens: int) -> list:
+    """Set NaN in the target logits of the request with victim_prompt, once, in the first step
+    it runs with at least after_tokens output tokens. Returns the list the poisoned plans go to."""
+    runner, model = engine.runner, engine.model
+    current, poisoned = {}, []
+
+    def tracking(method):
+        def call(plan):
+            current["plan"] = plan
+            return method(plan)
+        return call
+
+    runner.run, runner.launch = tracking(runner.run), tracking(runner.launch)
+    logits_of = model.logits
+
+    def logits(hidden, out=None):
+        result = logits_of(hidden, out=out)
+        plan = current.get("plan")
+        if plan is None or poisoned:
+            return result
+        # The target's layout: each decode row's 1 + K positions, then each sampling prefill row's one.
+        width = 1 + max((r.num_draft_tokens for r in plan.decode_rows), default=0)
+        sampling_prefill = [r for r in plan.prefill_rows if r.sample]
+        if result.shape[0] != len(plan.decode_rows) * width + len(sampling_prefill):
+            return result  # an MTP draft's logits, or cached rows'
+        starts = [i * width for i in range(len(plan.decode_rows))]
+        starts += [len(plan.decode_rows) * width + i for i in range(len(sampling_prefill))]
+        for row, start in zip(list(plan.decode_rows) + sampling_prefill, starts):
+            request = row.request
+            if request.prompt_token_ids == victim_prompt and len(request.output_token_ids) >= after_tokens:
+                result[start:start + (width if row in plan.decode_rows else 1)] = float("nan")
+                poisoned.append(plan)
+        return result
+
+    model.logits = logits
+    return poisoned
+
+
+def _batch(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = random.Random(seed)
+    prompts = [rng.choices(range(3, 500), k=rng.randint(4, 40)) for _ in range(4)]
+    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0.8, seed=seed, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)]
+    return prompts, params
+
+
+@pytest.mark.parametrize("num_draft_tokens", [0, 2])
+@pytest.mark.parametrize("after_tokens", [0, 3], ids=["prefill", "decode"])
+def test_nonfinite_logits_fail_their_request_alone(checkpoint, num_draft_tokens, after_tokens):
+    llm = LLM(checkpoint("qwen3_5"), num_draft_tokens=num_draft_tokens, adaptive_draft_length=False)
+    prompts, params = _batch(seed=after_tokens + num_draft_tokens)
+    expected = [output.token_ids for output in llm.generate(prompts, params)]
+    llm.core.clear_prefix_cache()  # the victim prefills again (not a cached row)
+    victim = 1
+    poisoned = poison(llm.core, prompts[victim], after_tokens)
+    with pytest.raises(NonFiniteLogitsError, match=re.escape(NONFINITE_LOGITS)) as raised:
+        llm.generate(prompts, params)
+    assert len(poisoned) == 1 and bool(poisoned[0].prefill_rows) == (after_tokens == 0)
+    outputs = raised.value.outputs
+    assert raised.value.request_ids == [outputs[victim].request_id]
+    assert outputs[victim].request_id in str(raised.value)
+    assert outputs[victim].finish_reason == "error"
+    # The victim keeps what steps before the faulty one produced (with the step in flight when
+    # it was launched: at most 1 + K tokens more), nothing of the faulty step.
+    assert outputs[victim].token_ids == expected[victim][:len(outputs[victim].token_ids)]
+    assert len(outputs[victim].token_ids) <= after_tokens + (num_draft_tokens + 1 if after_tokens else 0)
+    for i, output in enumerate(outputs):
+        if i != victim:
+            assert output.token_ids == expected[i] and output.finish_reason == "length"
+    stats = llm.core.stats()
+    assert_idle(stats)
+    llm.core.clear_prefix_cache()
+    assert [output.token_ids for output in llm.generate(prompts, params)] == expected  # healthy after
+
+
+async def test_async_llm_raises_for_the_failed_request_only(checkpoint, caplog):
+    engine = AsyncLLM(checkpoint("qwen3_5"), num_draft_tokens=2, adaptive_draft_length=False)
+    prompts, params = _batch(seed=7)
+
+    async def consume(prompt, p):
+        return [t async for delta in engine.generate(prompt, p) for t in delta.token_ids]
+
+    expected = await asyncio.gather(*(consume(prompt, p) for prompt, p in zip(prompts, params)))
+    engine.core.clear_prefix_cache()
+    poison(engine.core, prompts[0], 2)
+    results = await asyncio.gather(*(consume(prompt, p) for prompt, p in zip(prompts, params)),
+                                   return_exceptions=True)
+    assert isinstance(results[0], NonFiniteLogitsError) and NONFINITE_LOGITS in str(results[0])
+    assert results[1:] == expected[1:]
+    assert_idle(engine.stats())
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(lines) == 1 and NONFINITE_LOGITS in lines[0]
+    await engine.shutdown()
