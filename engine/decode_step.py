@@ -48,7 +48,7 @@ def nonfinite_rows(logits: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Whether each of num_rows rows of logits [num_rows * W, V] (W positions a row) holds a
     NaN or an infinity: bool [num_rows], on the device, no sync. One reduction: a sum is finite
     iff every term is (logits are far below float32's range, so a finite row cannot overflow it)."""
-    return ~torch.isfinite(logits.view(num_rows, -1).sum(dim=-1, dtype=torch.float32))
+    return ~torch.isfinite(logits.reshape(num_rows, -1).sum(dim=-1, dtype=torch.float32))
 
 
 def read_with_flags(tokens: torch.Tensor, logits: torch.Tensor) -> tuple[list[int], list[bool]]:

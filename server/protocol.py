@@ -316,6 +316,14 @@ class DetokenizeResponse(msgspec.Struct):
     prompt: str
 
 
+class Health(msgspec.Struct):
+    status: Literal["ok"] = "ok"
+
+
+class VersionInfo(msgspec.Struct):
+    version: str
+
+
 class ErrorDetail(msgspec.Struct):
     message: str
     type: str

@@ -2,7 +2,8 @@
 
 A NaN is injected into one request's target logits (the model's `logits`, as the runner and the
 speculator call it) in the step that gives its first token (a prefill row) or a later one (a
-decode row), beside plain and sampled requests, with and without speculation. The flag is
+decode row), beside plain and sampled requests, with and without speculation; or, as a real
+fault would, into its slot's recurrent state (also on the GPU, through the CUDA graphs). The flag is
 computed on the device beside the tokens and read with them; the request fails (finish reason
 "error", NonFiniteLogitsError naming it), its slot and blocks are freed, and every other request's
 output equals the same batch's without the fault.
@@ -57,25 +58,35 @@ def poison(engine, victim_prompt: list[int], after_tokens: int) -> list:
     return poisoned
 
 
-def _batch(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
-    rng = random.Random(seed)
-    prompts = [rng.choices(range(3, 500), k=rng.randint(4, 40)) for _ in range(4)]
-    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
-              SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
-              SamplingParams(max_tokens=10, temperature=0.8, seed=seed, ignore_eos=True),
-              SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)]
-    return prompts, params
+def poison_state(engine, victim_prompt: list[int], after_tokens: int) -> list:
+    """Fill the recurrent state of the victim's slot with NaN (first GDN layer), once, before the
+    first step that runs it with at least after_tokens output tokens."""
+    runner, poisoned = engine.runner, []
+
+    def poisoning(method):
+        def call(plan):
+            for row in plan.decode_rows:
+                request = row.request
+                if not poisoned and request.prompt_token_ids == victim_prompt \
+                        and len(request.output_token_ids) >= after_tokens:
+                    engine.states.layers[0].recurrent[row.slot] = float("nan")
+                    poisoned.append(plan)
+            return method(plan)
+        return call
+
+    runner.run, runner.launch = poisoning(runner.run), poisoning(runner.launch)
+    return poisoned
 
 
-@pytest.mark.parametrize("num_draft_tokens", [0, 2])
-@pytest.mark.parametrize("after_tokens", [0, 3], ids=["prefill", "decode"])
-def test_nonfinite_logits_fail_their_request_alone(checkpoint, num_draft_tokens, after_tokens):
-    llm = LLM(checkpoint("qwen3_5"), num_draft_tokens=num_draft_tokens, adaptive_draft_length=False)
+def check_fails_alone(llm: LLM, inject, after_tokens: int, num_draft_tokens: int) -> None:
+    """Run a batch, then the same batch with `inject` (poison or poison_state) aimed at one
+    request: it fails alone, the others' output is unchanged, nothing is held, and the batch
+    gives the same output after."""
     prompts, params = _batch(seed=after_tokens + num_draft_tokens)
     expected = [output.token_ids for output in llm.generate(prompts, params)]
     llm.core.clear_prefix_cache()  # the victim prefills again (not a cached row)
     victim = 1
-    poisoned = poison(llm.core, prompts[victim], after_tokens)
+    poisoned = inject(llm.core, prompts[victim], after_tokens)
     with pytest.raises(NonFiniteLogitsError, match=re.escape(NONFINITE_LOGITS)) as raised:
         llm.generate(prompts, params)
     assert len(poisoned) == 1 and bool(poisoned[0].prefill_rows) == (after_tokens == 0)
@@ -90,10 +101,44 @@ def test_nonfinite_logits_fail_their_request_alone(checkpoint, num_draft_tokens,
     for i, output in enumerate(outputs):
         if i != victim:
             assert output.token_ids == expected[i] and output.finish_reason == "length"
-    stats = llm.core.stats()
-    assert_idle(stats)
+    assert_idle(llm.core.stats())
     llm.core.clear_prefix_cache()
-    assert [output.token_ids for output in llm.generate(prompts, params)] == expected  # healthy after
+    # Healthy after, the failed request's slot and blocks reused.
+    assert [output.token_ids for output in llm.generate(prompts, params)] == expected
+
+
+def _batch(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = random.Random(seed)
+    prompts = [rng.choices(range(3, 500), k=rng.randint(4, 40)) for _ in range(4)]
+    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0.8, seed=seed, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)]
+    return prompts, params
+
+
+@pytest.mark.parametrize("num_draft_tokens", [0, 2])
+@pytest.mark.parametrize("after_tokens", [0, 3], ids=["prefill", "decode"])
+def test_nonfinite_logits_fail_their_request_alone(checkpoint, num_draft_tokens, after_tokens):
+    llm = LLM(checkpoint("qwen3_5"), num_draft_tokens=num_draft_tokens, adaptive_draft_length=False)
+    check_fails_alone(llm, poison, after_tokens, num_draft_tokens)
+
+
+@pytest.mark.parametrize("num_draft_tokens", [0, 2])
+def test_a_nan_state_fails_its_request_alone(checkpoint, num_draft_tokens):
+    llm = LLM(checkpoint("qwen3_5"), num_draft_tokens=num_draft_tokens, adaptive_draft_length=False)
+    check_fails_alone(llm, poison_state, 3, num_draft_tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_draft_tokens", [0, 2])
+def test_a_nan_state_fails_its_request_alone_through_the_graphs(checkpoint, num_draft_tokens):
+    """On the GPU: decode steps replay CUDA graphs and run overlapped; the flag is computed
+    inside the graphs and copied to the host with the tokens."""
+    llm = LLM(checkpoint("qwen3_5"), device="cuda", dtype="bfloat16", num_draft_tokens=num_draft_tokens,
+              adaptive_draft_length=False)
+    assert llm.core.runner.graphs is not None
+    check_fails_alone(llm, poison_state, 3, num_draft_tokens)
 
 
 async def test_async_llm_raises_for_the_failed_request_only(checkpoint, caplog):
