@@ -40,7 +40,7 @@ class SamplingFields(Request, kw_only=True):
     stream_options: StreamOptions | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None  # OpenAI's range
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
-    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)] | None = None  # SamplingParams.MAX_TOP_K
     min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
     seed: Seed | None = None
     stop: str | list[str] | None = None

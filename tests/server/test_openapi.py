@@ -30,7 +30,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "default"
 MODEL = "default"
 MAX_MODEL_LEN = 512
-NUM_CASES = 160  # bodies sent (valid and mutated, over every route with a body)
+NUM_CASES = 320  # bodies sent (valid and mutated, over every route with a body)
 # Integer fields that set how much work a valid request asks for: kept small so the fuzz stays
 # bounded (their out-of-range values are still sent by the mutations).
 SMALL_INTS = {"max_tokens": 6, "max_completion_tokens": 6, "min_tokens": 3, "n": 2, "best_of": 2,
@@ -77,8 +77,10 @@ class Fuzzer:
     """Instances of a JSON schema (the subset msgspec writes: $ref, anyOf, type, enum, const,
     properties/required, items, additionalProperties, min/max, lengths) and their mutations."""
 
-    def __init__(self, schemas: dict, rng: random.Random) -> None:
-        self.schemas, self.rng = schemas, rng
+    def __init__(self, schemas: dict, rng: random.Random, hints: dict) -> None:
+        """hints: field name -> the value a valid instance takes (what the schema cannot know,
+        e.g. the served model's id)."""
+        self.schemas, self.rng, self.hints = schemas, rng, hints
 
     def resolve(self, schema: dict) -> dict:
         while "$ref" in schema:
@@ -98,8 +100,17 @@ class Fuzzer:
         if kind == "object":
             properties = schema.get("properties", {})
             required = set(schema.get("required", []))
-            value = {key: self.valid(sub, key, depth + 1) for key, sub in properties.items()
-                     if key in required or (depth < 3 and rng.random() < 0.25)}
+            value = {}
+            for key, sub in properties.items():
+                # An optional field: mostly absent, sometimes null (how many clients say "unset"),
+                # now and then a value.
+                chance = rng.random()
+                if key in self.hints and (key in required or chance < 0.5):
+                    value[key] = self.hints[key]
+                elif key in required or (depth < 3 and chance < 0.05 and sub):
+                    value[key] = self.valid(sub, key, depth + 1)
+                elif chance < 0.3 and (not sub or any(o.get("type") == "null" for o in sub.get("anyOf", ()))):
+                    value[key] = None  # (`{}`: any JSON, null included)
             if not properties and depth < 3 and rng.random() < 0.5:
                 extra = schema.get("additionalProperties", {})
                 value.update({self.text(6): self.valid(extra if isinstance(extra, dict) else {}, "", depth + 1)
@@ -193,23 +204,27 @@ def _encode(body) -> bytes:
 
 
 def _bounded(path: str, body: dict, rng: random.Random) -> dict:
-    """A valid generation request asks for a few tokens at most (an unset max_tokens means the
-    rest of the context)."""
+    """What the schema cannot say: a valid generation request asks for a few tokens at most (an
+    unset max_tokens means the rest of the context), and /tokenize takes a prompt or messages."""
+    if path == "/tokenize" and body.get("prompt") is None and body.get("messages") is None:
+        body["prompt"] = "def fibonacci(n):" if rng.random() < 0.5 else "é中🙂\u202e"
     if path in ("/v1/completions", "/v1/chat/completions"):
         body["max_tokens"] = rng.randint(1, SMALL_INTS["max_tokens"])
         body.pop("max_completion_tokens", None)
-        if "min_tokens" in body:
+        if body.get("min_tokens") is not None:
             body["min_tokens"] = min(body["min_tokens"], body["max_tokens"])
     return body
 
 
-async def _check_answer(response: aiohttp.ClientResponse, what: str) -> None:
+async def _check_answer(response: aiohttp.ClientResponse, what: str) -> int:
+    """The status, after checking the answer is whole: a JSON error, a JSON body or a stream
+    ending in [DONE] without an error event."""
     assert response.status < 500, f"{what}: {response.status} {await response.text()}"
     raw = await response.read()  # a dropped connection raises here
     if response.status >= 400:
         error = json.loads(raw)["error"]
         assert error["message"] and error["type"] == "invalid_request_error", what
-        return
+        return response.status
     if response.content_type == "text/event-stream":
         events = [line.removeprefix(b"data: ") for line in raw.split(b"\n\n") if line.strip()]
         assert events and events[-1] == b"[DONE]", f"{what}: stream did not end with [DONE]"
@@ -217,6 +232,7 @@ async def _check_answer(response: aiohttp.ClientResponse, what: str) -> None:
             assert "error" not in json.loads(event), f"{what}: {event!r}"
     elif response.content_type == "application/json":
         json.loads(raw)
+    return response.status
 
 
 async def reference(http: aiohttp.ClientSession, base_url: str) -> str:
@@ -240,20 +256,23 @@ async def _idle(engine: AsyncLLM, timeout: float = 30.0) -> None:
     assert_idle(engine.stats())
 
 
-@pytest.mark.slow
 async def test_schema_fuzz_of_every_route(served):
     engine, _, base_url, http = served
     async with http.get(f"{base_url}/openapi.json") as response:
         document = await response.json()
     expected, gauges = await reference(http, base_url), _gauges(engine)
+    async with http.get(f"{base_url}/v1/models") as response:
+        [model] = (await response.json())["data"]
     rng = random.Random(20261126)
-    fuzzer = Fuzzer(document["components"]["schemas"], rng)
+    fuzzer = Fuzzer(document["components"]["schemas"], rng, {"model": model["id"]})
     with_body = [(path, method, op["requestBody"]["content"]["application/json"]["schema"])
                  for path, operations in document["paths"].items() for method, op in operations.items()
                  if "requestBody" in op]
     without_body = [path for path, operations in document["paths"].items() if "get" in operations]
     assert {path for path, _, _ in with_body} == {"/v1/completions", "/v1/chat/completions", "/tokenize",
                                                   "/detokenize"}
+
+    seen: dict[tuple[str, str], set[int]] = {}  # (route, valid or mutation) -> statuses
 
     async def one(case: int) -> None:
         path, method, schema = with_body[case % len(with_body)]
@@ -264,10 +283,18 @@ async def test_schema_fuzz_of_every_route(served):
             what, raw, headers = fuzzer.mutated(schema, body)  # of a bounded body: the rest stays cheap
         headers = {"Content-Type": "application/json", **headers}
         async with http.request(method, f"{base_url}{path}", data=raw, headers=headers) as response:
-            await _check_answer(response, f"case {case} {path} {what} {raw[:300]!r}")
+            status = await _check_answer(response, f"case {case} {path} {what} {raw[:300]!r}")
+        seen.setdefault((path, what), set()).add(status // 100)
 
     for start in range(0, NUM_CASES, 8):  # 8 at a time: concurrency without a slow queue
         await asyncio.gather(*(one(case) for case in range(start, start + 8)))
+    # The fuzz reached both answers of every route, and every kind of mutation.
+    for path, _, _ in with_body:
+        assert {2, 4} <= set().union(*(statuses for (p, _), statuses in seen.items() if p == path)), path
+        assert 2 in seen.get((path, "valid"), set()), f"no valid {path} body was served"
+    assert {what for _, what in seen} == {"valid", "wrong_type", "missing", "out_of_range", "huge_string",
+                                          "huge_array", "junk", "unknown_field", "content_type", "truncated",
+                                          "not_object", "invalid_utf8"}
     for path in without_body:
         for model in ("default", "x" * 5000, "%ff%00", "\u00e9/../../etc", MODEL + "/"):
             url = f"{base_url}{path.replace('{model}', model)}"
