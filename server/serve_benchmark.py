@@ -11,8 +11,8 @@ streams and sampling go through `AsyncLLM.generate` with no HTTP, so the report 
 served / in-process ratio of output tokens/s. The server is started as its own process
 (`deltaspec serve` with the same engine flags: it never shares a CPU core's loop with the
 client) and stopped before the in-process engine is built, or is the one at `--url`. The
-client's own CPU time is reported: above 90% of the wall time the client, not the server, may
-be the limit, and the report says so.
+client's own CPU time is reported for the server it started: above 90% of the wall time the
+client, not the server, may be the limit, and the report says so.
 
 `--abuse`: the issue's bar under abuse. The streams run twice for `--duration` seconds (at
 least 4): without, then with `--abuse-prompts` prompts of `--abuse-bytes` (about 1 MiB: under
@@ -223,8 +223,9 @@ def _engine(args: argparse.Namespace) -> AsyncLLM:
 
 # Runs -------------------------------------------------------------------------------------------
 
-async def measure(args: argparse.Namespace, prompts: list[str], send) -> list[dict]:
-    """One closed-loop run per stream count, each after a warm-up pass of one request a stream."""
+async def measure(args: argparse.Namespace, prompts: list[str], send, served: bool) -> list[dict]:
+    """One closed-loop run per stream count, each after a warm-up pass of one request a stream.
+    served: the server is another process, so this process's CPU time is the client's."""
     results = []
     for num_streams in args.streams:
         await closed_loop(Load(prompts, num_streams, 1, None), send)
@@ -232,8 +233,8 @@ async def measure(args: argparse.Namespace, prompts: list[str], send) -> list[di
         cpu = time.process_time()
         seconds = await closed_loop(load, send)
         result = summary(load, seconds)
-        result["client_cpu_fraction"] = (time.process_time() - cpu) / seconds
-        result["client_bound"] = result["client_cpu_fraction"] > _CLIENT_BOUND
+        result["client_cpu_fraction"] = (time.process_time() - cpu) / seconds if served else None
+        result["client_bound"] = served and result["client_cpu_fraction"] > _CLIENT_BOUND
         results.append(result)
     return results
 
@@ -246,7 +247,8 @@ async def abuse(args: argparse.Namespace, url: str, http: aiohttp.ClientSession,
     await closed_loop(load, send)
     calm = _percentiles([x for s in load.samples for x in s.itls])
     load = Load(prompts, num_streams, None, duration)
-    big = ("# " + "x" * 70 + "\n") * (args.abuse_bytes // 73)  # code-like text, one body just under the limit
+    line = "# " + "x" * 70 + "\n"  # code-like text; the body (JSON escapes each newline) just under the limit
+    big = line * ((args.abuse_bytes - 100) // (len(json.dumps(line)) - 2))
     health: list[float] = []
     statuses: list[int] = []
     fired: list[float] = []
@@ -261,10 +263,8 @@ async def abuse(args: argparse.Namespace, url: str, http: aiohttp.ClientSession,
                 statuses.append(response.status)
                 await response.read()
 
-        polling = asyncio.create_task(poll())
         await asyncio.gather(*(one() for _ in range(args.abuse_prompts)))
         fired.append(time.perf_counter() - origin)
-        polling.cancel()
 
     async def poll() -> None:
         while True:
@@ -275,9 +275,9 @@ async def abuse(args: argparse.Namespace, url: str, http: aiohttp.ClientSession,
             await asyncio.sleep(_HEALTH_PERIOD)
 
     origin = time.perf_counter()
-    firing = asyncio.create_task(fire(origin))
-    streams = asyncio.create_task(closed_loop(load, send))
-    await asyncio.gather(firing, streams)
+    polling = asyncio.create_task(poll())  # through the whole run
+    await asyncio.gather(fire(origin), closed_loop(load, send))
+    polling.cancel()
     # The gaps that ended while the big prompts were in flight (sent until answered), and 1 s after.
     start, end = fired[0], fired[-1] + 1.0
     window = [gap for s in load.samples for gap, t in zip(s.itls, s.token_times[1:]) if start <= t <= end]
@@ -299,14 +299,14 @@ async def benchmark(args: argparse.Namespace) -> dict:
         url = args.url or await stack.enter_async_context(server_process(args))
         http = await stack.enter_async_context(aiohttp.ClientSession(timeout=timeout, connector=connector))
         send = functools.partial(_served_request, http, url, sampling)
-        report["served"] = await measure(args, prompts, send)
+        report["served"] = await measure(args, prompts, send, served=args.url is None)
         if args.abuse:
             report["abuse"] = await abuse(args, url, http, prompts, send)
     if not args.no_in_process:
         engine = _engine(args)
         try:
             report["in_process"] = await measure(args, prompts, functools.partial(_in_process_request, engine,
-                                                                                  sampling))
+                                                                                  sampling), served=False)
         finally:
             await engine.shutdown()
         report["served_over_in_process"] = [
@@ -329,7 +329,7 @@ def plot(report: dict, path: Path) -> None:
             for axis, key in ((ttft, "ttft_cdf"), (itl, "itl_cdf")):
                 values = np.asarray(result[key]) * 1e3
                 if len(values):
-                    axis.plot(values, np.linspace(0, 1, len(values)), label=label)
+                    axis.step(values, np.arange(1, len(values) + 1) / len(values), where="post", label=label)
         results = report.get(mode, [])
         rate.plot([r["streams"] for r in results], [r["output_tokens_per_s"] for r in results], marker="o",
                   label=mode)

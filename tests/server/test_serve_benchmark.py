@@ -27,11 +27,12 @@ def test_bench_serve_writes_its_report(tmp_path):
             for key in ("ttft_s", "itl_s", "e2e_s"):
                 assert 0 < r[key]["p50"] <= r[key]["p90"] <= r[key]["p99"]
             assert len(r["ttft_cdf"]) == r["num_requests"] and isinstance(r["client_bound"], bool)
+            assert (r["client_cpu_fraction"] is None) == (mode == "in_process")
     assert [r["streams"] for r in report["served_over_in_process"]] == [1, 2]
     assert all(r["output_tokens_per_s"] > 0 for r in report["served_over_in_process"])
     abuse = report["abuse"]
     # Prompts far over the 512-token context: each is refused after tokenizing, never a 5xx.
     assert abuse["abuse_statuses"] == [400, 400]
     assert abuse["itl_p99_without_s"] > 0 and abuse["itl_p99_with_s"] > 0 and abuse["itl_p99_ratio"] > 0
-    assert abuse["health_s"]["count"] > 0 and abuse["health_s"]["max"] > 0
+    assert abuse["health_s"]["count"] > 10 and abuse["health_s"]["max"] > 0  # polled through the run
     assert (out / "serve-cpu.png").stat().st_size > 1000
