@@ -4,7 +4,7 @@
 # attention kernels (the ones whose warps share memory through tl.dot tiles). Prints one line a
 # run and a pass/fail summary; exit 0 only when every run is clean.
 #
-#   bash bench/tools/sanitize.sh            (repo root, GPU machine; ~6 minutes on an H200)
+#   bash bench/tools/sanitize.sh            (repo root, GPU machine; under 7 minutes)
 #
 # PyTorch's caching allocator is off (PYTORCH_NO_CUDA_MEMORY_CACHING=1) so an access past a
 # tensor's end lands outside any allocation, where memcheck sees it, instead of in a cached block.
@@ -32,13 +32,13 @@ flags=(--error-exitcode 99 --target-processes all --print-limit 20 --launch-time
 
 # name|tool|timeout seconds|command
 runs=(
-    "attention|memcheck|240|python -m pytest -q -x -p no:cacheprovider tests/kernels/test_attention.py"
-    "attention|racecheck|300|python -m pytest -q -x -p no:cacheprovider tests/kernels/test_attention.py -k \"paged_attention_matches_reference or split_merge or bf16_gpu\""
-    "gdn_decode|memcheck|240|python -m pytest -q -x -p no:cacheprovider tests/kernels/test_gdn_decode.py"
-    "gdn_chunked|memcheck|300|python -m pytest -q -x -p no:cacheprovider tests/kernels/test_gdn_chunked.py"
-    "conv1d+norms+rope|memcheck|240|python -m pytest -q -x -p no:cacheprovider tests/kernels/test_conv1d.py tests/kernels/test_norms.py tests/kernels/test_rope.py"
-    "sampling|memcheck|240|python -m pytest -q -x -p no:cacheprovider tests/kernels/test_sampling.py"
-    "engine_eager|memcheck|300|python bench/tools/sanitize_engine.py"
+    "attention|memcheck|200|python -m pytest -q -x -p no:cacheprovider tests/kernels/test_attention.py"
+    "attention|racecheck|200|python -m pytest -q -x -p no:cacheprovider tests/kernels/test_attention.py -k \"paged_attention_matches_reference or split_merge or bf16_gpu\""
+    "gdn_decode|memcheck|200|python -m pytest -q -x -p no:cacheprovider tests/kernels/test_gdn_decode.py"
+    "gdn_chunked|memcheck|200|python -m pytest -q -x -p no:cacheprovider tests/kernels/test_gdn_chunked.py"
+    "conv1d+norms+rope|memcheck|200|python -m pytest -q -x -p no:cacheprovider tests/kernels/test_conv1d.py tests/kernels/test_norms.py tests/kernels/test_rope.py"
+    "sampling|memcheck|200|python -m pytest -q -x -p no:cacheprovider tests/kernels/test_sampling.py"
+    "engine_eager|memcheck|200|python bench/tools/sanitize_engine.py"
 )
 
 run_one() {
@@ -55,8 +55,8 @@ export -f run_one
 export sanitizer logs
 export flags_string="${flags[*]}"
 
-# Three at a time: the runs are bound by Triton's compiles (CPU) and the sanitizer's slowdown.
-results="$(printf '%s\n' "${runs[@]}" | xargs -d '\n' -P 3 -I{} bash -c 'flags=($flags_string); run_one "$@"' _ {})"
+# Four at a time (two waves, under 7 minutes): the runs are bound by Triton's compiles (CPU) and the sanitizer's slowdown.
+results="$(printf '%s\n' "${runs[@]}" | xargs -d '\n' -P 4 -I{} bash -c 'flags=($flags_string); run_one "$@"' _ {})"
 echo "$results" | sort
 failed="$(echo "$results" | grep -vc " PASS " || true)"
 echo "sanitize: $(( ${#runs[@]} - failed )) of ${#runs[@]} runs clean; logs in $logs"
