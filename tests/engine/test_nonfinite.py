@@ -21,37 +21,39 @@ from fixtures import assert_idle
 
 
 def poison(engine, victim_prompt: list[int], after_tokens: int) -> list:
-    """Set NaN in the target logits of the request with victim_prompt, once, in the first step
-    it runs with at least after_tokens output tokens. Returns the list the poisoned plans go to."""
+    """Set NaN in the target logits of the request with victim_prompt, once, in the first
+    forward that runs it with at least after_tokens output tokens: its decode row's 1 + K
+    positions (the verify; an MTP draft's logits have one row a decode row), or its prefill
+    row's one. Returns the list the poisoned row's kind ("decode" or "prefill") goes to."""
     runner, model = engine.runner, engine.model
     current, poisoned = {}, []
 
-    def tracking(method):
-        def call(plan):
-            current["plan"] = plan
-            return method(plan)
+    def tracking(method, kind):
+        def call(*args):
+            current["rows"], current["kind"] = args[-1], kind  # the forward's rows
+            return method(*args)
         return call
 
-    runner.run, runner.launch = tracking(runner.run), tracking(runner.launch)
+    runner._launch_decode = tracking(runner._launch_decode, "decode")
+    runner._prefill = tracking(runner._prefill, "prefill")
     logits_of = model.logits
 
     def logits(hidden, out=None):
         result = logits_of(hidden, out=out)
-        plan = current.get("plan")
-        if plan is None or poisoned:
+        rows = current.get("rows")
+        if rows is None or poisoned:
             return result
-        # The target's layout: each decode row's 1 + K positions, then each sampling prefill row's one.
-        width = 1 + max((r.num_draft_tokens for r in plan.decode_rows), default=0)
-        sampling_prefill = [r for r in plan.prefill_rows if r.sample]
-        if result.shape[0] != len(plan.decode_rows) * width + len(sampling_prefill):
-            return result  # an MTP draft's logits, or cached rows'
-        starts = [i * width for i in range(len(plan.decode_rows))]
-        starts += [len(plan.decode_rows) * width + i for i in range(len(sampling_prefill))]
-        for row, start in zip(list(plan.decode_rows) + sampling_prefill, starts):
+        if current["kind"] == "decode":
+            width = 1 + max(r.num_draft_tokens for r in rows)
+        else:
+            width, rows = 1, [r for r in rows if r.sample]
+        if result.shape[0] != len(rows) * width:
+            return result  # an MTP draft's logits
+        for i, row in enumerate(rows):
             request = row.request
             if request.prompt_token_ids == victim_prompt and len(request.output_token_ids) >= after_tokens:
-                result[start:start + (width if row in plan.decode_rows else 1)] = float("nan")
-                poisoned.append(plan)
+                result[i * width:(i + 1) * width] = float("nan")
+                poisoned.append(current["kind"])
         return result
 
     model.logits = logits
@@ -60,7 +62,8 @@ def poison(engine, victim_prompt: list[int], after_tokens: int) -> list:
 
 def poison_state(engine, victim_prompt: list[int], after_tokens: int) -> list:
     """Fill the recurrent state of the victim's slot with NaN (first GDN layer), once, before the
-    first step that runs it with at least after_tokens output tokens."""
+    first step that runs it with at least after_tokens output tokens. Returns the list "decode"
+    goes to then."""
     runner, poisoned = engine.runner, []
 
     def poisoning(method):
@@ -70,7 +73,7 @@ def poison_state(engine, victim_prompt: list[int], after_tokens: int) -> list:
                 if not poisoned and request.prompt_token_ids == victim_prompt \
                         and len(request.output_token_ids) >= after_tokens:
                     engine.states.layers[0].recurrent[row.slot] = float("nan")
-                    poisoned.append(plan)
+                    poisoned.append("decode")
             return method(plan)
         return call
 
@@ -89,7 +92,7 @@ def check_fails_alone(llm: LLM, inject, after_tokens: int, num_draft_tokens: int
     poisoned = inject(llm.core, prompts[victim], after_tokens)
     with pytest.raises(NonFiniteLogitsError, match=re.escape(NONFINITE_LOGITS)) as raised:
         llm.generate(prompts, params)
-    assert len(poisoned) == 1 and bool(poisoned[0].prefill_rows) == (after_tokens == 0)
+    assert poisoned == ["prefill" if after_tokens == 0 else "decode"]
     outputs = raised.value.outputs
     assert raised.value.request_ids == [outputs[victim].request_id]
     assert outputs[victim].request_id in str(raised.value)
