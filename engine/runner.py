@@ -10,11 +10,12 @@ restored checkpoint's hidden state.
 Around the forwards it executes the prefix cache's device work (checkpoint_io.py): restores
 before, and after them the hidden states of the checkpoints the forward wrote.
 
-One host sync per step (the emitted tokens). A decode-only step can also be `launch`ed: its
-tokens go to the host by an asynchronous copy and the returned `InFlight` waits for them only
-when asked, so the engine can launch the next step first (its rows fed from the device,
-ScheduledRow.fed_from). Returns StepOutputs (step.py) and reads nothing of the scheduler beyond
-the plan it is handed. Knows nothing about queues or stop conditions.
+One host sync per step (the emitted tokens, with each row's flag for non-finite logits). A
+decode-only step can also be `launch`ed: its tokens go to the host by an asynchronous copy and
+the returned `InFlight` waits for them only when asked, so the engine can launch the next step
+first (its rows fed from the device, ScheduledRow.fed_from). Returns StepOutputs (step.py) and
+reads nothing of the scheduler beyond the plan it is handed. Knows nothing about queues or stop
+conditions.
 """
 
 from __future__ import annotations
@@ -198,4 +199,3 @@ class Runner:
         emitted = [[t] for t in tokens]
         logprobs = self.sampler.logprobs(logits, rows, [[i] for i in range(len(rows))], emitted)
         return StepOutput(emitted, logprobs=logprobs, num_pending=[0] * len(rows), nonfinite=flagged(nonfinite))
-
