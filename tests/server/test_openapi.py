@@ -205,11 +205,14 @@ def _encode(body) -> bytes:
 
 def _bounded(path: str, body: dict, rng: random.Random) -> dict:
     """What the schema cannot say: a valid generation request asks for a few tokens at most (an
-    unset max_tokens means the rest of the context), and /tokenize takes a prompt or messages."""
+    unset max_tokens means the rest of the context), and /tokenize takes a prompt or messages.
+    Half the generation requests stream."""
     if path == "/tokenize" and body.get("prompt") is None and body.get("messages") is None:
         body["prompt"] = "def fibonacci(n):" if rng.random() < 0.5 else "é中🙂\u202e"
     if path in ("/v1/completions", "/v1/chat/completions"):
         body["max_tokens"] = rng.randint(1, SMALL_INTS["max_tokens"])
+        if body.get("stream") is None:
+            body["stream"] = rng.random() < 0.5  # both answers, as often
         body.pop("max_completion_tokens", None)
         if body.get("min_tokens") is not None:
             body["min_tokens"] = min(body["min_tokens"], body["max_tokens"])
