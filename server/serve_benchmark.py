@@ -211,6 +211,8 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--num-draft-tokens", str(args.num_draft_tokens)]
     if args.max_model_len is not None:
         flags += ["--max-model-len", str(args.max_model_len)]
+    if args.quantization is not None:
+        flags += ["--quantization", args.quantization]
     return flags
 
 
@@ -218,7 +220,7 @@ def _engine(args: argparse.Namespace) -> AsyncLLM:
     return AsyncLLM(config=EngineConfig(model=Path(args.model), device=args.device, dtype=args.dtype,
                                         max_model_len=args.max_model_len, max_num_seqs=args.max_running,
                                         num_draft_tokens=args.num_draft_tokens,
-                                        generation_config=args.generation_config))
+                                        generation_config=args.generation_config, quantization=args.quantization))
 
 
 # Runs -------------------------------------------------------------------------------------------
