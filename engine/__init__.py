@@ -1,7 +1,8 @@
 """deltaspec.engine: configs, models, weight loading, tokenizer, state pools, scheduler, runner,
 and the Python APIs (sync `LLM`, asyncio `AsyncLLM`). Never imports deltaspec.server."""
 
-from .async_llm import AsyncLLM, EngineDeadError, StepFailedError
+from .async_llm import AsyncLLM
+from .errors import EngineDeadError, NonFiniteLogitsError, StepFailedError
 from .model_config import ConfigError, ModelConfig
 from .engine_config import EngineConfig
 from .llm import LLM
@@ -12,5 +13,5 @@ from .structured import Structured
 from .weights import WeightLoadError
 
 __all__ = ["AsyncLLM", "CheckpointHandle", "ConfigError", "EngineConfig", "EngineDeadError", "LLM", "ModelConfig",
-           "RequestDelta", "RequestOutput", "SamplingParams", "StepFailedError", "Structured", "TokenLogprobs",
-           "WeightLoadError"]
+           "NonFiniteLogitsError", "RequestDelta", "RequestOutput", "SamplingParams", "StepFailedError",
+           "Structured", "TokenLogprobs", "WeightLoadError"]

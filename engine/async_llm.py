@@ -11,8 +11,9 @@ device works; the next step's CPU work (streaming deltas out, admitting requests
 current step's device work, and in steady plain decoding the next step is already launched
 before the current one is waited for (EngineCore.dispatch). Results reach per-request queues with put_nowait: never blocking. A consumer that
 stops iterating (client disconnect) aborts its request; one that cannot keep up pauses it
-(`pause`/`resume`). A step that raises fails its requests only (StepFailedError); several in a
-row end the engine (EngineDeadError). Runs on uvloop when the caller's loop
+(`pause`/`resume`). A step that raises fails its requests only (StepFailedError), a row with
+non-finite logits its own request only (NonFiniteLogitsError); several failed steps in a row end
+the engine (EngineDeadError). Runs on uvloop when the caller's loop
 is uvloop (see `run`). Knows nothing about HTTP.
 """
 
@@ -27,6 +28,7 @@ from typing import Mapping, Sequence as Seq
 
 from .core import EngineCore
 from .engine_config import EngineConfig
+from .errors import EngineDeadError, NonFiniteLogitsError, StepFailedError
 from .prefix_cache import CheckpointHandle
 from .request import RequestDelta
 from .sampling_params import SamplingParams
@@ -39,15 +41,6 @@ logger = logging.getLogger("deltaspec")
 # succeeding in between (a lost device: CUDA errors are sticky) would otherwise fail every new
 # request forever.
 MAX_CONSECUTIVE_FAILED_STEPS = 3
-
-
-class EngineDeadError(RuntimeError):
-    """The engine task failed; no request can make progress."""
-
-
-class StepFailedError(RuntimeError):
-    """The step running this request raised (a failed allocation, a kernel error); the request
-    was dropped, its slot and blocks freed, and the engine serves the others."""
 
 
 class AsyncLLM:
@@ -106,6 +99,8 @@ class AsyncLLM:
                 if isinstance(delta, BaseException):
                     raise EngineDeadError("the engine failed") from delta
                 finished = delta.finish_reason is not None
+                if delta.finish_reason == "error":
+                    raise NonFiniteLogitsError([request.request_id])
                 yield delta
         finally:
             self._queues.pop(request.request_id, None)

@@ -41,7 +41,7 @@ from .model_config import ModelConfig
 from .models import HybridLM
 from .penalties import Penalties
 from .prefix_cache import CheckpointHandle, PrefixCache
-from .request import Request, RequestDelta
+from .request import NONFINITE_LOGITS, Request, RequestDelta
 from .runner import InFlight, Runner
 from .sampler import Sampler
 from .sampling_params import SamplingParams
@@ -290,6 +290,8 @@ class EngineCore:
             deltas.append(request.take_delta())
             if request.finish_reason is not None:
                 self.requests.pop(request.request_id, None)
+                if request.finish_reason == "error":
+                    logger.error("request %s failed: %s; serving the rest", request.request_id, NONFINITE_LOGITS)
         return deltas
 
     def fail(self, plan: StepPlan | None) -> list[str]:

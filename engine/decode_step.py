@@ -44,6 +44,20 @@ _SLOT, _IS_FED, _FED_FROM, _NUM_DRAFTS, _NEWEST, _POSITION, _MTP_START, _NUM_CAT
 _DERIVED = _NEWEST
 
 
+def nonfinite_rows(logits: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Whether each of num_rows rows of logits [num_rows * W, V] (W positions a row) holds a
+    NaN or an infinity: bool [num_rows], on the device, no sync. One reduction: a sum is finite
+    iff every term is (logits are far below float32's range, so a finite row cannot overflow it)."""
+    return ~torch.isfinite(logits.reshape(num_rows, -1).sum(dim=-1, dtype=torch.float32))
+
+
+def read_with_flags(tokens: torch.Tensor, logits: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """Tokens [N] sampled from logits [N, V] and whether each row's logits were not finite, read
+    to the host in one copy."""
+    tokens, flags = torch.stack([tokens, nonfinite_rows(logits, len(tokens)).long()]).tolist()
+    return tokens, [bool(flag) for flag in flags]
+
+
 class DecodeRow(msgspec.Struct, frozen=True, gc=False):
     """What the device needs of one decode row (the scheduler's ScheduledRow, distilled). A
     msgspec Struct: every decode row of every step builds one (as RequestDelta says why).
@@ -160,6 +174,9 @@ class DecodeStep:
         self.emitted = torch.zeros(max(self.catch_up, 1), max_rows, dtype=torch.int64, device=device)
         self.accepted = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.last_positions = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        # Per row of the latest decode step: its logits held a NaN or an infinity (a numerical
+        # fault of the model). Set beside the tokens, read by the host with them.
+        self.nonfinite = torch.zeros(max_rows, dtype=torch.bool, device=device)
         # Block tables by slot, zero (scratch block 0) where nothing was written: slot 0 (padding
         # rows) stays all zeros. Entries past a row's own blocks may be stale: no position of the
         # row reaches them. _sent[slot]: the table last written there (compared by identity:
@@ -246,6 +263,7 @@ class DecodeStep:
         logits = self.model.compute_logits(hidden)
         greedy = self.emitted[0, :rows.num_rows]
         torch.argmax(logits, dim=-1, out=greedy)
+        self.nonfinite[:rows.num_rows] = nonfinite_rows(logits, rows.num_rows)
         if self.speculative:
             self.states.pending_counts.index_fill_(0, rows.slots, 0)  # (no host scalar: graph-safe)
             self.states.mtp_hidden[rows.slots, 0] = hidden

@@ -15,6 +15,7 @@ import torch
 from .batch import ForwardBatch, Row
 from .core import EngineCore
 from .engine_config import EngineConfig
+from .errors import NonFiniteLogitsError
 from .prefix_cache import CheckpointHandle
 from .request import RequestOutput
 from .sampling_params import SamplingParams
@@ -46,7 +47,9 @@ class LLM:
         resume_from: a session saved by `save_checkpoint`; every prompt continues it (so several
         prompts fork one conversation). n: choices per prompt, its prompt prefilled once
         (SamplingParams.for_choices: choice i samples with seed + i); the outputs are choices
-        0..n-1 of the first prompt, then of the next."""
+        0..n-1 of the first prompt, then of the next. A request whose logits turn non-finite
+        fails alone: the others run to the end, then NonFiniteLogitsError names it (and holds
+        every output)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -68,7 +71,11 @@ class LLM:
             raise
         while self.core.has_work:
             self.core.step()
-        return [request.output() for request in requests]
+        outputs = [request.output() for request in requests]
+        failed = [output.request_id for output in outputs if output.finish_reason == "error"]
+        if failed:
+            raise NonFiniteLogitsError(failed, outputs)
+        return outputs
 
     def save_checkpoint(self, request_id: str) -> CheckpointHandle:
         """A handle on a finished request's state (its RequestOutput.request_id) that

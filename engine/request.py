@@ -36,6 +36,10 @@ def bad_word_token_ids(word: str, tokenizer: Tokenizer) -> list[tuple[int, ...]]
     return [bare, spaced] if spaced[0] != bare[0] and len(spaced) == len(bare) else [bare]
 
 
+# Why a request finishes with "error": a step's logits for it held a NaN or an infinity.
+NONFINITE_LOGITS = "numerical error in the model output (non-finite logits)"
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -58,7 +62,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" | "length" | "abort"
+    finish_reason: str  # "stop" | "length" | "abort" | "error" (NONFINITE_LOGITS)
     logprobs: list[TokenLogprobs] | None = None
     # Speculation counters of this request (SpecStats.as_dict without times; None: no verify step).
     spec_stats: dict | None = None
@@ -221,6 +225,10 @@ class Request:
 
     def abort(self) -> None:
         self.finish_reason = "abort"
+
+    def fail(self) -> None:
+        """Its logits were not finite (NONFINITE_LOGITS): its tokens of that step are garbage."""
+        self.finish_reason = "error"
 
     def take_delta(self) -> RequestDelta:
         """New tokens and text since the last call. Until the request finishes, the last

@@ -10,11 +10,12 @@ restored checkpoint's hidden state.
 Around the forwards it executes the prefix cache's device work (checkpoint_io.py): restores
 before, and after them the hidden states of the checkpoints the forward wrote.
 
-One host sync per step (the emitted tokens). A decode-only step can also be `launch`ed: its
-tokens go to the host by an asynchronous copy and the returned `InFlight` waits for them only
-when asked, so the engine can launch the next step first (its rows fed from the device,
-ScheduledRow.fed_from). Returns StepOutputs (step.py) and reads nothing of the scheduler beyond
-the plan it is handed. Knows nothing about queues or stop conditions.
+One host sync per step (the emitted tokens, with each row's flag for non-finite logits). A
+decode-only step can also be `launch`ed: its tokens go to the host by an asynchronous copy and
+the returned `InFlight` waits for them only when asked, so the engine can launch the next step
+first (its rows fed from the device, ScheduledRow.fed_from). Returns StepOutputs (step.py) and
+reads nothing of the scheduler beyond the plan it is handed. Knows nothing about queues or stop
+conditions.
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ import torch
 from .batch import ForwardBatch, device_tensor
 from .checkpoint_io import CheckpointIO
 from .cuda_graphs import DecodeGraphs, SpecGraphs
-from .decode_step import DecodeStep
+from .decode_step import DecodeStep, read_with_flags
 from .models import HybridLM
 from .sampler import Sampler
 from .speculation import Speculator
 from .state_pool import KVPool, StatePool
-from .step import ScheduledRow, StepOutput, StepPlan
+from .step import ScheduledRow, StepOutput, StepPlan, flagged
 
 
 class InFlight:
@@ -37,23 +38,24 @@ class InFlight:
     on their way in pinned buffers) and returns its StepOutput."""
 
     def __init__(self, plan: StepPlan, output: StepOutput | None = None, emitted: torch.Tensor | None = None,
-                 accepted: torch.Tensor | None = None, done: torch.cuda.Event | None = None) -> None:
-        """output: the finished result; or emitted [W, B] (and accepted [B] when the step
-        speculated) pinned tensors the outputs are being copied into, and done: the event after
-        those copies."""
+                 accepted: torch.Tensor | None = None, nonfinite: torch.Tensor | None = None,
+                 done: torch.cuda.Event | None = None) -> None:
+        """output: the finished result; or emitted [W, B], nonfinite [B] (and accepted [B]
+        when the step speculated) pinned tensors the outputs are being copied into, and done:
+        the event after those copies."""
         self.plan, self._output = plan, output
-        self._emitted, self._accepted, self._done = emitted, accepted, done
+        self._emitted, self._accepted, self._nonfinite, self._done = emitted, accepted, nonfinite, done
 
     def result(self) -> StepOutput:
         if self._output is None:
             self._done.synchronize()
-            emitted = self._emitted.tolist()
+            emitted, nonfinite = self._emitted.tolist(), flagged(self._nonfinite.tolist())
             if self._accepted is None:
-                self._output = StepOutput([[t] for t in emitted[0]])
+                self._output = StepOutput([[t] for t in emitted[0]], nonfinite=nonfinite)
             else:
                 accepted = self._accepted.tolist()
                 self._output = StepOutput([[emitted[d][r] for d in range(a + 1)] for r, a in enumerate(accepted)],
-                                          num_pending=accepted)
+                                          num_pending=accepted, nonfinite=nonfinite)
         return self._output
 
 
@@ -71,7 +73,8 @@ class Runner:
         # Pinned buffers of launched steps' outputs (emitted, accepted), used in turn: at most
         # two steps are in flight (the one being waited for and the one launched after it).
         self._host_outputs = [(torch.empty_like(decode.emitted, device="cpu", pin_memory=True),
-                               torch.empty_like(decode.accepted, device="cpu", pin_memory=True))
+                               torch.empty_like(decode.accepted, device="cpu", pin_memory=True),
+                               torch.empty_like(decode.nonfinite, device="cpu", pin_memory=True))
                               for _ in range(2)] if device.type == "cuda" else []
         self._launches = 0
 
@@ -100,21 +103,25 @@ class Runner:
         else:
             logits, width = self._launch_plain(rows), 1
         if self.device.type != "cuda" or any(r.request.params.logprobs is not None for r in rows):
-            emitted, logit_rows, num_pending = self.speculator.read(len(rows), width) if speculative else \
-                ([[t] for t in self.decode.emitted[0, :len(rows)].tolist()], [[i] for i in range(len(rows))], None)
+            emitted, logit_rows, num_pending, nonfinite = self.speculator.read(len(rows), width) if speculative else \
+                ([[t] for t in self.decode.emitted[0, :len(rows)].tolist()], [[i] for i in range(len(rows))], None,
+                 self.decode.nonfinite[:len(rows)].tolist())
             return InFlight(plan, StepOutput(emitted, logprobs=self.sampler.logprobs(logits, rows, logit_rows, emitted),
-                                             num_pending=num_pending))
-        host_emitted, host_accepted = self._host_outputs[self._launches % 2]
+                                             num_pending=num_pending, nonfinite=flagged(nonfinite)))
+        host_emitted, host_accepted, host_nonfinite = self._host_outputs[self._launches % 2]
         self._launches += 1
         # A contiguous destination: a strided one makes the copy wait for the device.
         host_emitted = host_emitted.view(-1)[:width * len(rows)].view(width, len(rows))
         host_emitted.copy_(self.decode.emitted[:width, :len(rows)], non_blocking=True)
+        host_nonfinite = host_nonfinite[:len(rows)]
+        host_nonfinite.copy_(self.decode.nonfinite[:len(rows)], non_blocking=True)
         if speculative:
             host_accepted = host_accepted[:len(rows)]
             host_accepted.copy_(self.decode.accepted[:len(rows)], non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return InFlight(plan, emitted=host_emitted, accepted=host_accepted if speculative else None, done=done)
+        return InFlight(plan, emitted=host_emitted, accepted=host_accepted if speculative else None,
+                        nonfinite=host_nonfinite, done=done)
 
     def _launch_plain(self, rows: tuple[ScheduledRow, ...]) -> torch.Tensor:
         """Queue a plain decode step: greedy tokens land in DecodeStep.emitted[0], where
@@ -169,12 +176,16 @@ class Runner:
         self.sampler.penalties.start(sampling)
         sampled = self.sampler.sample(logits, sampling)
         self.sampler.penalties.record(sampling, sampled[:, None])
-        tokens = iter(sampled.tolist())
-        emitted = [[next(tokens)] if r.sample else [] for r in rows]
         # Sampling rows' logits are in row order: logits row j belongs to the j-th sampling row.
-        logit_row = iter(range(len(sampling)))
-        wanted = [[next(logit_row)] if r.sample else [] for r in rows]
-        return StepOutput(emitted, logprobs=self.sampler.logprobs(logits, rows, wanted, emitted))
+        outputs = zip(*read_with_flags(sampled, logits), range(len(sampling)))
+        emitted, wanted, nonfinite = [], [], []
+        for row in rows:
+            token, flag, logit_row = next(outputs) if row.sample else (None, False, None)
+            emitted.append([token] if row.sample else [])
+            wanted.append([logit_row] if row.sample else [])
+            nonfinite.append(flag)
+        return StepOutput(emitted, logprobs=self.sampler.logprobs(logits, rows, wanted, emitted),
+                          nonfinite=flagged(nonfinite))
 
     def _run_cached(self, rows: tuple[ScheduledRow, ...]) -> StepOutput:
         """Fully cached prompts: the first token's logits from the hidden state the checkpoint
@@ -184,6 +195,7 @@ class Runner:
         self.sampler.penalties.start(rows)
         tokens = self.sampler.sample(logits, rows)
         self.sampler.penalties.record(rows, tokens[:, None])
-        emitted = [[t] for t in tokens.tolist()]
+        tokens, nonfinite = read_with_flags(tokens, logits)
+        emitted = [[t] for t in tokens]
         logprobs = self.sampler.logprobs(logits, rows, [[i] for i in range(len(rows))], emitted)
-        return StepOutput(emitted, logprobs=logprobs, num_pending=[0] * len(rows))
+        return StepOutput(emitted, logprobs=logprobs, num_pending=[0] * len(rows), nonfinite=flagged(nonfinite))

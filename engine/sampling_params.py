@@ -17,6 +17,8 @@ from typing import Mapping
 from .structured import Structured
 
 # The value of each distribution field when neither the request nor the checkpoint sets it.
+# The sampler keeps top_k in int32 (any k >= the vocabulary keeps every token).
+MAX_TOP_K = 2**31 - 1
 BUILT_IN = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
                 frequency_penalty=0.0)
 
@@ -95,12 +97,12 @@ class SamplingParams:
             problems.append(f"temperature must be >= 0, got {self.temperature!r}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < -1):
-            problems.append(f"top_k must be an int >= -1 (-1 or 0: off), got {self.top_k!r}")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or not -1 <= self.top_k <= MAX_TOP_K):
+            problems.append(f"top_k must be an int in -1..{MAX_TOP_K} (-1 or 0: off), got {self.top_k!r}")
         if self.min_p is not None and not 0 <= self.min_p <= 1:
             problems.append(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            problems.append(f"seed must be a non-negative int, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            problems.append(f"seed must be an int in 0..2**63 - 1, got {self.seed!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= self.MAX_LOGPROBS):
             problems.append(f"logprobs must be an int in 0..{self.MAX_LOGPROBS}, got {self.logprobs!r}")

@@ -230,8 +230,14 @@ class Scheduler:
         """Fold the step's output in (StepOutput: per plan row, the emitted tokens, their
         log-probabilities, the fed tokens left pending in the slot). ahead: the step launched
         after this one (`continuation`), which already fed its rows their newest token.
-        Returns the requests that got tokens or finished."""
-        self.cache.register_writes()
+        Returns the requests that got tokens or finished. A row whose logits were not finite
+        (`output.nonfinite`) fails its request alone: no tokens, slot and blocks freed, and none
+        of the step's checkpoints kept (a prefill row's would hold the broken state)."""
+        nonfinite = output.nonfinite
+        if nonfinite is None:
+            self.cache.register_writes()
+        else:
+            self.cache.discard_writes()
         # Aborts take effect here too: a request aborted while this step ran gets none of its
         # tokens, as if it had been released before the step (the next step may be in flight).
         self._release_aborted()
@@ -245,6 +251,10 @@ class Scheduler:
             request = row.request
             if request.status is not running:
                 continue  # preempted while this step ran: it recomputes from scratch
+            if nonfinite is not None and nonfinite[index]:
+                self._drop(request, failed=True)
+                updated.append(request)
+                continue
             request.num_pending = num_pending[index] if num_pending else 0
             accepted_drafts = len(tokens) - 1 if row.num_draft_tokens else 0
             # Fed tokens whose state is now pending or committed: the row's token(s) and the
@@ -468,9 +478,9 @@ class Scheduler:
                 self._drop(request)
                 self._aborted.append(request)
 
-    def _drop(self, request: Request) -> None:
-        """Finish `request` as aborted: out of the queue, its resumed session unpinned, its slot
-        and blocks released."""
+    def _drop(self, request: Request, failed: bool = False) -> None:
+        """Finish `request` as aborted (failed: with "error"): out of the queue, its resumed
+        session unpinned, its slot and blocks released."""
         if request in self.waiting:
             self.waiting.remove(request)
         if request.resume_from is not None:
@@ -478,4 +488,7 @@ class Scheduler:
             request.resume_from = None
         self._release(request)
         request.status = RequestStatus.FINISHED
-        request.abort()
+        if failed:
+            request.fail()
+        else:
+            request.abort()

@@ -42,7 +42,7 @@ import torch
 from ..spec import AcceptanceProfile, greedy_accept, sampled_accept
 from .batch import ForwardBatch, Row, device_tensor
 from .checkpoint_io import CheckpointIO
-from .decode_step import DecodeRows, DecodeStep
+from .decode_step import DecodeRows, DecodeStep, nonfinite_rows
 from .models import HybridLM
 from .sampler import Sampler
 from .state_pool import KVPool, StatePool
@@ -134,6 +134,7 @@ class Speculator:
         accepted, emitted = self._forced(*greedy_accept(target, drafts, rows.num_drafts), rows.num_drafts)
         self._set_pending(rows.slots, accepted)
         self.decode.record(rows, accepted, emitted)
+        self.decode.nonfinite[:num_rows] = nonfinite_rows(logits, num_rows)
 
     # One step -------------------------------------------------------------------------------
 
@@ -181,14 +182,15 @@ class Speculator:
         self._set_pending(device_rows.slots[index], accepted)
         self.sampler.penalties.record(chosen, emitted, accepted + 1)
 
-    def read(self, num_rows: int, width: int) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    def read(self, num_rows: int, width: int) -> tuple[list[list[int]], list[list[int]], list[int], list[bool]]:
         """The step's outputs on the host (a sync): each row's emitted tokens, the logits rows
-        that scored them (row-major by (row, depth)) and its pending count."""
+        that scored them (row-major by (row, depth)), its pending count and whether its logits
+        were not finite."""
         accepted = self.decode.accepted[:num_rows].tolist()
         emitted = self.decode.emitted[:width, :num_rows].T.tolist()
         tokens = [emitted[i][:accepted[i] + 1] for i in range(num_rows)]
         logit_rows = [list(range(i * width, i * width + len(t))) for i, t in enumerate(tokens)]
-        return tokens, logit_rows, accepted
+        return tokens, logit_rows, accepted, self.decode.nonfinite[:num_rows].tolist()
 
     def _forced(self, accepted: torch.Tensor, emitted: torch.Tensor,
                 num_drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -103,6 +103,9 @@ class StepOutput:
     logprobs: list[list[TokenLogprobs] | None] | None = None
     # Fed tokens of each row left pending in its slot (None: none anywhere, no speculation).
     num_pending: list[int] | None = None
+    # Whether each row's logits held a NaN or an infinity (None: no row's did, or none were
+    # checked); such a row's tokens are garbage and its request fails (Scheduler.commit).
+    nonfinite: list[bool] | None = None
 
     def then(self, other: "StepOutput") -> "StepOutput":
         """This step's rows followed by other's."""
@@ -114,4 +117,12 @@ class StepOutput:
         n, m = len(self.emitted), len(other.emitted)
         pending = None if self.num_pending is None and other.num_pending is None else \
             (self.num_pending or [0] * n) + (other.num_pending or [0] * m)
-        return StepOutput(self.emitted + other.emitted, joined(self.logprobs, other.logprobs, n, m), pending)
+        nonfinite = None if self.nonfinite is None and other.nonfinite is None else \
+            (self.nonfinite or [False] * n) + (other.nonfinite or [False] * m)
+        return StepOutput(self.emitted + other.emitted, joined(self.logprobs, other.logprobs, n, m), pending,
+                          nonfinite)
+
+
+def flagged(nonfinite: list[bool]) -> list[bool] | None:
+    """Per-row non-finite flags as StepOutput keeps them: None when no row is flagged."""
+    return nonfinite if any(nonfinite) else None

@@ -154,7 +154,7 @@ def benchmark(args: argparse.Namespace) -> dict:
                                 speedup=measured["tokens_per_s"] / base["tokens_per_s"])
                 results.append(measured)
                 bar.update()
-    return {"benchmark": "acceptance", "model": str(model), "device": _device_name(args.device),
+    return {"benchmark": "acceptance", "model": str(model), "device": device_name(args.device),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": os.environ.get("DELTASPEC_COMMIT") or subprocess.run(
                 ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
@@ -165,9 +165,9 @@ def benchmark(args: argparse.Namespace) -> dict:
             "results": results}
 
 
-def _device_name(device: str) -> str:
+def device_name(device: str) -> str:
     if device.startswith("cuda"):
-        return torch.cuda.get_device_name()
+        return torch.cuda.getdevice_name()
     return "cpu"
 
 

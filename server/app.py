@@ -4,6 +4,7 @@
     GET  /v1/models             GET  /v1/models/{id}           GET  /health
     GET  /metrics (Prometheus text)
     POST /tokenize              POST /detokenize               GET  /version     (vLLM's shapes)
+    GET  /openapi.json (every route's bodies, from the protocol Structs: openapi.py)
 
 Every failure is an OpenAI error body (`errors.APIError`), aiohttp's own included (unknown route
 404, wrong method 405, body over the limit 413). A request's engine stream is closed whenever its
@@ -41,8 +42,9 @@ from .inputs import (ChatParsers, EngineInput, chat_input, completion_inputs, nu
                      with_choices)
 from .messages import check_tools, render_prompt
 from .metrics import RequestTimer, ServerMetrics
-from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, Model,
-                       ModelList, SamplingFields, TokenizeRequest, TokenizeResponse, Usage)
+from .openapi import openapi_document
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, Health, Model,
+                       ModelList, SamplingFields, TokenizeRequest, TokenizeResponse, Usage, VersionInfo)
 from .reasoning import reasoning_enabled
 from .responses import VERSION, ChatRenderer, CompletionRenderer, Renderer
 from .tool_parsers import tool_call_parser_name
@@ -86,6 +88,8 @@ class OpenAIServer:
         self.app.router.add_post("/tokenize", self.tokenize)
         self.app.router.add_post("/detokenize", self.detokenize)
         self.app.router.add_get("/version", self.version)
+        self.app.router.add_get("/openapi.json", self.openapi)
+        self._openapi = _encoder.encode(openapi_document(VERSION))
         # Tokenizing and template rendering of request bodies (up to max_body_bytes each) run
         # here, off the event loop that streams every response and answers /health.
         self._executor = ThreadPoolExecutor(max_workers=_NUM_REQUEST_WORKERS, thread_name_prefix="deltaspec-request")
@@ -138,7 +142,10 @@ class OpenAIServer:
         return _json(DetokenizeResponse(await self._off_loop(self.engine.tokenizer.decode, body.tokens)))
 
     async def version(self, request: web.Request) -> web.Response:
-        return web.json_response({"version": VERSION})
+        return _json(VersionInfo(VERSION))
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._openapi, content_type="application/json")
 
     async def models(self, request: web.Request) -> web.Response:
         return _json(ModelList([self._model()]))
@@ -148,7 +155,7 @@ class OpenAIServer:
         return _json(self._model())
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+        return _json(Health())
 
     async def prometheus(self, request: web.Request) -> web.Response:
         text = self.metrics.render(self.engine.stats())

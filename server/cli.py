@@ -3,6 +3,7 @@
     deltaspec serve [MODEL_PATH] [--host H] [--port P] ...   OpenAI-compatible server (see serve.py)
     deltaspec generate "prompt" [--model PATH] ...            stream one completion to stdout
     deltaspec bench acceptance [--model PATH] [--quick] ...   speculation acceptance benchmark
+    deltaspec bench serve [--streams 16 64] [--url URL] ...   closed-loop HTTP load vs in-process AsyncLLM
 
 Both run on uvloop when it is installed. Knows nothing about models beyond the engine's public API.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from ..engine import AsyncLLM, EngineConfig, SamplingParams
 from ..engine.async_llm import run
-from . import acceptance_benchmark
+from . import acceptance_benchmark, serve_benchmark
 from .config import ServerConfig
 from .reasoning import REASONING_PARSERS
 from .tool_parsers import TOOL_CALL_PARSERS
@@ -146,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     acceptance_parser = bench.add_parser("acceptance", help="MTP draft acceptance and speedup by draft length")
     acceptance_benchmark.add_arguments(acceptance_parser, DEFAULT_MODEL)
     acceptance_parser.set_defaults(run=lambda args: acceptance_benchmark.main(args, sys.argv[3:] if argv is None else argv[2:]))
+    serve_bench_parser = bench.add_parser("serve", help="served vs in-process latency and throughput under "
+                                                        "closed-loop streams (and --abuse)")
+    serve_benchmark.add_arguments(serve_bench_parser, DEFAULT_MODEL, _add_engine_options)
+    serve_bench_parser.set_defaults(run=lambda args: serve_benchmark.main(args, sys.argv[3:] if argv is None else argv[2:]))
 
     args = parser.parse_args(argv)
     try:

@@ -40,7 +40,7 @@ class SamplingFields(Request, kw_only=True):
     stream_options: StreamOptions | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None  # OpenAI's range
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
-    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)] | None = None  # SamplingParams.MAX_TOP_K
     min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
     seed: Seed | None = None
     stop: str | list[str] | None = None
@@ -314,6 +314,14 @@ class TokenizeResponse(msgspec.Struct):
 
 class DetokenizeResponse(msgspec.Struct):
     prompt: str
+
+
+class Health(msgspec.Struct):
+    status: Literal["ok"] = "ok"
+
+
+class VersionInfo(msgspec.Struct):
+    version: str
 
 
 class ErrorDetail(msgspec.Struct):

@@ -52,7 +52,8 @@ def test_bad_input_changes_nothing(checkpoint):
     for prompt in ([], list(range(1, 80)), [1, 2, 512], [-1]):
         with pytest.raises(ValueError):
             core.add_request(prompt, SamplingParams())
-    for options in ({"max_tokens": 0}, {"max_tokens": -1}, {"temperature": -0.5}, {"top_p": 0.0}, {"top_p": 1.01}):
+    for options in ({"max_tokens": 0}, {"max_tokens": -1}, {"temperature": -0.5}, {"top_p": 0.0}, {"top_p": 1.01},
+                    {"top_k": 2**31}, {"seed": 2**63}):  # past the sampler's int32 / int64
         with pytest.raises(ValueError):
             core.add_request([1, 2], SamplingParams(**options))
     with pytest.raises(ValueError, match="already in use"):

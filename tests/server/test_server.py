@@ -525,6 +525,46 @@ async def test_a_failed_engine_step_gets_500s_and_the_server_serves_on(http, bas
     assert (await scrape(http, base_url))[failed] - before == 2
 
 
+async def test_nonfinite_logits_get_a_500_and_the_server_serves_on(http, base_url, client, engine, monkeypatch):
+    """A NaN in a request's verify logits (the engine speculates with 2 drafts: the target's
+    logits have 3 rows a request, the MTP's 1): a non-streamed request gets a 500 naming the
+    numerical error, a streamed one an error event and [DONE]; slots and blocks are freed and
+    the next request gets the text it gets alone."""
+    body = {"model": MODEL, "prompt": "Hello", **GREEDY, **IGNORE_EOS}
+
+    async def text_alone() -> str:
+        response = await client.completions.create(model=MODEL, prompt="Hello", extra_body=IGNORE_EOS, **GREEDY)
+        return response.choices[0].text
+
+    alone = await text_alone()
+    model, poisoned = engine.core.model, []
+    logits_of = model.logits
+
+    def logits(hidden, out=None):
+        result = logits_of(hidden, out=out)
+        if not poisoned and hidden.shape[0] == 3:  # one request's verify: newest + 2 drafts
+            result[1] = float("nan")
+            poisoned.append(True)
+        return result
+
+    monkeypatch.setattr(model, "logits", logits)
+    message = "numerical error in the model output (non-finite logits)"
+    async with http.post(f"{base_url}/v1/completions", json=body) as response:
+        assert response.status == 500
+        error = (await response.json())["error"]
+        assert message in error["message"] and error["code"] == "internal_error"
+    assert poisoned
+    await wait_idle(engine)
+    poisoned.clear()
+    async with http.post(f"{base_url}/v1/completions", json={**body, "stream": True}) as response:
+        assert response.status == 200
+        events = [line.removeprefix(b"data: ").strip() async for line in response.content if line.strip()]
+    assert poisoned and events[-1] == b"[DONE]" and message in json.loads(events[-2])["error"]["message"]
+    await wait_idle(engine)
+    monkeypatch.undo()
+    assert await text_alone() == alone
+
+
 @pytest_asyncio.fixture(loop_scope="module")
 async def impatient(engine):
     """A server beside the shared one whose socket and stream timeouts are short."""

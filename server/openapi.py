@@ -1,0 +1,82 @@
+"""The OpenAPI 3.1 document of the server's routes (`GET /openapi.json`), generated from the
+msgspec Structs of protocol.py (`msgspec.json.schema_components`): the schemas are the ones
+requests are decoded with, so the document cannot drift from what the server accepts.
+
+`ROUTES` lists every route with its request and response bodies; the app registers its handlers
+by the same paths (a test checks that each registered route is documented). Knows nothing about
+aiohttp or the engine.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import msgspec
+
+from .protocol import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion, CompletionRequest,
+                       DetokenizeRequest, DetokenizeResponse, ErrorBody, Health, Model, ModelList, TokenizeRequest,
+                       TokenizeResponse, VersionInfo)
+
+_REF = "#/components/schemas/{name}"
+
+
+class Route(NamedTuple):
+    method: str
+    path: str  # OpenAPI's template: {model}
+    summary: str
+    request: type | None = None     # the JSON body's Struct
+    response: type | None = None    # the JSON response's Struct (200)
+    stream: type | None = None      # each SSE event's Struct when the body asks for stream: true
+    content_type: str = "application/json"  # of a response without a Struct (e.g. /metrics)
+
+
+ROUTES = (
+    Route("post", "/v1/completions", "Complete a prompt (or a list of prompts)", CompletionRequest, Completion,
+          Completion),
+    Route("post", "/v1/chat/completions", "Answer a chat", ChatCompletionRequest, ChatCompletion,
+          ChatCompletionChunk),
+    Route("get", "/v1/models", "The served model", response=ModelList),
+    Route("get", "/v1/models/{model}", "One model by id", response=Model),
+    Route("post", "/tokenize", "Token ids of a prompt or of rendered chat messages", TokenizeRequest,
+          TokenizeResponse),
+    Route("post", "/detokenize", "Text of token ids", DetokenizeRequest, DetokenizeResponse),
+    Route("get", "/health", "Liveness", response=Health),
+    Route("get", "/version", "The server's version", response=VersionInfo),
+    Route("get", "/metrics", "Prometheus metrics", content_type="text/plain"),
+    Route("get", "/openapi.json", "This document"),
+)
+
+
+def openapi_document(version: str) -> dict:
+    structs = [t for route in ROUTES for t in (route.request, route.response, route.stream) if t is not None]
+    types = list(dict.fromkeys(structs + [ErrorBody]))
+    schemas, components = msgspec.json.schema_components(types, ref_template=_REF)
+    by_type = dict(zip(types, schemas))
+    error = {"description": "an OpenAI-style error", "content": {"application/json": {"schema": by_type[ErrorBody]}}}
+    paths: dict[str, dict] = {}
+    for route in ROUTES:
+        operation: dict = {"summary": route.summary, "operationId": _operation_id(route)}
+        if route.request is not None:
+            operation["requestBody"] = {"required": True,
+                                        "content": {"application/json": {"schema": by_type[route.request]}}}
+        ok: dict = {"description": "OK"}
+        if route.response is not None:
+            ok["content"] = {"application/json": {"schema": by_type[route.response]}}
+            if route.stream is not None:
+                # Server-sent events: `data: <chunk JSON>` each, then `data: [DONE]`.
+                ok["content"]["text/event-stream"] = {"schema": by_type[route.stream]}
+        elif route.content_type != "application/json":
+            ok["content"] = {route.content_type: {"schema": {"type": "string"}}}
+        else:
+            ok["content"] = {"application/json": {"schema": {"type": "object"}}}
+        operation["responses"] = {"200": ok, "4XX": error, "5XX": error}
+        if "{model}" in route.path:
+            operation["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
+        paths.setdefault(route.path, {})[route.method] = operation
+    return {"openapi": "3.1.0", "info": {"title": "deltaspec", "version": version},
+            "paths": paths, "components": {"schemas": components}}
+
+
+def _operation_id(route: Route) -> str:
+    words = route.path.strip("/").replace("{", "").replace("}", "").replace(".", "_").replace("/", "_")
+    return f"{route.method}_{words}"
