@@ -26,6 +26,17 @@ class LLM:
         """engine_options: any other EngineConfig field (max_model_len, max_num_seqs, ...)."""
         self.core = EngineCore(EngineConfig(model=model_path, device=device, dtype=dtype, **engine_options))
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (also done when the LLM is collected or the
+        interpreter exits); nothing to do on one device."""
+        self.core.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def tokenizer(self):
         return self.core.tokenizer
@@ -89,6 +100,8 @@ class LLM:
         """`score` for several sequences, run together as one varlen prefill in scratch pools of
         their own (the engine's pools and running requests are not touched)."""
         core, config = self.core, self.core.model_config
+        if core.config.tensor_parallel_size > 1:
+            raise ValueError("score is not supported with tensor_parallel_size > 1 yet")
         sequences = [list(ids) for ids in sequences]
         for ids in sequences:
             if not ids or any(not 0 <= t < config.vocab_size for t in ids):

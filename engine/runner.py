@@ -27,6 +27,7 @@ from .checkpoint_io import CheckpointIO
 from .cuda_graphs import DecodeGraphs, SpecGraphs
 from .decode_step import DecodeStep
 from .models import HybridLM
+from .prefix_cache import CacheOps
 from .sampler import Sampler
 from .speculation import Speculator
 from .state_pool import KVPool, StatePool
@@ -75,6 +76,10 @@ class Runner:
                                torch.empty_like(decode.accepted, device="cpu", pin_memory=True))
                               for _ in range(2)] if device.type == "cuda" else []
         self._launches = 0
+
+    def apply_cache_ops(self, ops: CacheOps) -> None:
+        """The prefix cache's device work outside a step (clearing it: host drops)."""
+        self.checkpoint_io.before_forward(ops)
 
     def can_launch(self, plan: StepPlan) -> bool:
         """Whether `launch` takes the plan: decode rows only."""
