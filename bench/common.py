@@ -14,21 +14,11 @@ from deltaspec.server.acceptance_benchmark import device_tag  # noqa: F401  (the
 
 def random_model(config, device: str, dtype: torch.dtype):
     """A HybridLM with its MTP layer and random weights at the scales a trained model has
-    (A_log in [0, 2.7], vectors ~0.1, matrices ~1/sqrt(fan-in)): what the benchmarks time."""
-    from deltaspec.engine.models import HybridLM
+    (engine/weights.py `random_model`): what the benchmarks time."""
+    from deltaspec.engine.weights import random_model as build
     from deltaspec.kernels import select_ops
 
-    with torch.device(device):
-        model = HybridLM(config, select_ops(device), dtype, with_mtp=True)
-    generator = torch.Generator(device=device).manual_seed(0)
-    for name, p in model.named_parameters():
-        if name.endswith("A_log"):
-            p.data.uniform_(0.0, 2.7, generator=generator)
-        elif p.dim() == 1:
-            p.data.normal_(0.0, 0.1, generator=generator)
-        else:
-            p.data.normal_(0.0, p.shape[-1] ** -0.5, generator=generator)
-    return model.eval()
+    return build(config, select_ops(device), dtype, device)
 
 
 def copy_bandwidth() -> float:

@@ -38,7 +38,7 @@ from .checkpoint_io import CheckpointIO
 from .cuda_graphs import DecodeGraphs, SpecGraphs
 from .decode_step import DecodeStep
 from .engine_config import EngineConfig
-from .executor import ParallelRunner, Workers
+from .executor import ParallelRunner, Workers, rank_device
 from .model_config import ModelConfig
 from .models import HybridLM
 from .penalties import Penalties
@@ -112,7 +112,7 @@ class EngineCore:
         self._finalizer = weakref.finalize(self, _release, self.workers, group)
         try:
             if self.workers is not None:
-                tp = group[0] = self.workers.join(self.device)
+                tp = group[0] = self.workers.join(torch.device(rank_device(config.device, 0)))
             self.tp = tp
             if tp is not None:
                 torch.manual_seed(0)  # device draws (forced acceptance) alike on every rank

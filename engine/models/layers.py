@@ -233,6 +233,7 @@ class MoEMLP(nn.Module):
         # Under expert parallelism this rank holds experts c.local_experts only; the router
         # scores every expert.
         e = len(c.local_experts)
+        self.expert_parallel = e != c.num_experts
         self.router = Linear(c, {f"{src}.gate": c.num_experts}, h, dtype)
         expert_modules = [f"{src}.experts.{n}.{p}_proj" for n in range(e) for p in ("gate", "up", "down")]
         if _is_fp8(c, expert_modules):
@@ -272,7 +273,7 @@ class MoEMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         weights, experts = ops.moe_route(self.router(x, ops), self.c.num_experts_per_tok, self.c.norm_topk_prob)
-        if len(self.c.local_experts) != self.c.num_experts:
+        if self.expert_parallel:
             weights, experts = self._local_pairs(weights, experts)
         if self.w_down_scale is None:
             routed = ops.moe_experts(x, weights, experts, self.w_gate_up, self.w_down)
