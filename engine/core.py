@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple, Sequence as Seq
 
 import torch
+import torch.distributed
 
 from ..kernels import select_ops
 from ..spec import AcceptanceProfile, DraftPolicy, StepCosts, load_draft_vocab
@@ -103,6 +104,9 @@ class EngineCore:
                 raise ValueError("tensor_parallel_size > 1 loads the model on every rank: pass no model")
             if edit_drafts is not None:
                 raise ValueError("a draft editor runs on rank 0 only: not supported with tensor_parallel_size > 1")
+            if torch.distributed.is_initialized():
+                raise ValueError("this process already runs a tensor-parallel engine (or another torch.distributed "
+                                 "group): one per process; close it first (LLM.close, AsyncLLM.shutdown)")
             check_divisible(ModelConfig.from_file(Path(config.model)), config.tensor_parallel_size,
                             config.enable_expert_parallel)  # before any process starts
             self.workers = Workers(config, forced_acceptance)

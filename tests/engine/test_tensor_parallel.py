@@ -21,7 +21,7 @@ from deltaspec.kernels import REFERENCE_OPS
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 # Small pools: every rank allocates its own.
 POOLS = dict(max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=64, num_checkpoint_slots=8,
-             max_model_len=256, checkpoint_interval=32)
+             max_model_len=256, checkpoint_interval=64)
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -50,8 +50,8 @@ def test_greedy_speculation_and_prefix_cache_equal_one_device(dense, checkpoint)
     path = checkpoint("qwen3_5")
     first = prompts(3, 20, seed=1)
     # The second round repeats a prompt (restored from the prefix cache whole) and extends one
-    # past a checkpoint at 32 tokens (restored, then the rest prefilled).
-    second = [first[0], first[2] + prompts(1, 30, seed=2)[0]]
+    # past a checkpoint at 64 tokens (restored, then the rest prefilled).
+    second = [first[0], first[2] + prompts(1, 50, seed=2)[0]]
     expected = reference(path, first + second)
     got = [o.token_ids for o in dense.generate(first, GREEDY)]
     got += [o.token_ids for o in dense.generate(second, GREEDY)]
@@ -59,6 +59,25 @@ def test_greedy_speculation_and_prefix_cache_equal_one_device(dense, checkpoint)
     stats = dense.core.stats()
     assert stats["prefix_cache"]["reused_tokens"] > 0
     assert stats["spec"]["num_verify_steps"] > 0
+
+
+def test_killed_worker_ends_the_engine_naming_its_rank(dense):
+    """After the other test of the shared engine: it kills its worker. One tensor-parallel
+    engine runs per process, so the next tests start theirs after this one's close."""
+    core = dense.core
+    core.add_request(prompts(1, 10, seed=5)[0], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    core.step()
+    worker = core.workers.processes[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="rank 1"):
+        while True:
+            core.step()
+    assert time.monotonic() - started < 30
+    dense.close()
+    assert no_workers_left(dense)
+    with LLM(dense.core.config.model, tensor_parallel_size=2, num_draft_tokens=0, **POOLS) as llm:  # a fresh group
+        assert llm.generate([[1, 2, 3]], GREEDY)[0].token_ids
 
 
 @pytest.mark.parametrize("family, expert_parallel", [("qwen3_5_moe", False), ("qwen3_next", True)])
@@ -82,28 +101,15 @@ def test_four_ranks_with_replicated_kv_heads(checkpoint):
     assert got == reference(path, batch)
 
 
-def test_killed_worker_ends_the_engine_naming_its_rank(dense):
-    """Last in the module: it kills the shared engine's worker."""
-    core = dense.core
-    core.add_request(prompts(1, 10, seed=5)[0], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
-    core.step()
-    worker = core.workers.processes[0]
-    os.kill(worker.pid, signal.SIGKILL)
-    started = time.monotonic()
-    with pytest.raises(WorkerDiedError, match="rank 1"):
-        while True:
-            core.step()
-    assert time.monotonic() - started < 30
-    dense.close()
-    assert no_workers_left(dense)
-
-
 # Configuration and weight loading: no processes ------------------------------------------------
 
 def test_sizes_tp_does_not_divide_are_named(checkpoint):
     config = ModelConfig.from_file(checkpoint("qwen3_5_moe"))
-    with pytest.raises(ValueError, match="linear_num_key_heads=2.*moe_intermediate_size=24"):
-        check_divisible(config, 4, expert_parallel=False)
+    with pytest.raises(ValueError, match="num_attention_heads=4.*linear_num_key_heads=2.*"
+                                         "shared_expert_intermediate_size=40"):
+        check_divisible(config, 3, expert_parallel=False)
+    with pytest.raises(ValueError, match="num_experts=8"):
+        check_divisible(config, 16, expert_parallel=True)
     check_divisible(config, 2, expert_parallel=True)
     with pytest.raises(ValueError, match="enable_expert_parallel needs tensor_parallel_size > 1"):
         EngineConfig(model="x", enable_expert_parallel=True)
