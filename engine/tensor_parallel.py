@@ -61,7 +61,7 @@ class TensorParallel:
         when given. One all-gather into [tp, N, V / tp], then one copy into vocabulary order."""
         parts = local.new_empty((self.size * local.shape[0], local.shape[1]))
         _all_gather(parts, local.contiguous())
-        full = parts.view(self.size, *local.shape).permute(1, 0, 2).reshape(local.shape[0], -1)
+        full = parts.view(self.size, *local.shape).permute(1, 0, 2).reshape(local.shape[0], self.size * local.shape[1])
         if out is None:
             return full
         return out.copy_(full)

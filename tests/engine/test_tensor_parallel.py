@@ -17,6 +17,7 @@ from deltaspec.engine.sharding import NotThisRank, Sharding, check_divisible
 from deltaspec.engine.tensor_parallel import TensorParallel
 from deltaspec.engine.weights import checkpoint_files, load_model, read_tensors
 from deltaspec.kernels import REFERENCE_OPS
+from harness import check_isolation
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 # Small pools: every rank allocates its own.
@@ -76,8 +77,17 @@ def test_killed_worker_ends_the_engine_naming_its_rank(dense):
     assert time.monotonic() - started < 30
     dense.close()
     assert no_workers_left(dense)
-    with LLM(dense.core.config.model, tensor_parallel_size=2, num_draft_tokens=0, **POOLS) as llm:  # a fresh group
-        assert llm.generate([[1, 2, 3]], GREEDY)[0].token_ids
+
+
+@pytest.mark.slow
+def test_isolation_harness_with_speculation(checkpoint):
+    """Staggered greedy and seeded sampled requests with aborts, each equal to its output alone
+    (sampled speculation decides on every rank alike), after the killed engine's group is gone."""
+    core = check_isolation(checkpoint("qwen3_5"), n=4, seed=7, tensor_parallel_size=2, num_draft_tokens=2,
+                           max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=128, num_checkpoint_slots=8)
+    assert core.scheduler.spec_stats.num_verify_steps > 0
+    core.close()
+    assert not any(p.is_alive() for p in core.workers.processes)
 
 
 @pytest.mark.parametrize("family, expert_parallel", [("qwen3_5_moe", False), ("qwen3_next", True)])
