@@ -124,7 +124,9 @@ class Workers:
             parent, child = context.Pipe()
             process = context.Process(target=_worker_main, name=f"deltaspec-tp{rank}", daemon=True,
                                       args=(config, rank, self.store.port, child, forced_acceptance,
-                                            logging.getLogger("deltaspec").level, os.getpid()))
+                                            # Workers repeat rank 0's start-up lines: warnings only.
+                                            max(logging.getLogger("deltaspec").getEffectiveLevel(), logging.WARNING),
+                                            os.getpid()))
             process.start()
             child.close()
             self.processes.append(process)
@@ -161,8 +163,10 @@ class Workers:
 
     def _died(self, rank: int) -> None:
         if self.dead is None:
-            code = self.processes[rank - 1].exitcode
-            self.dead = (f"tensor-parallel worker rank {rank} (pid {self.processes[rank - 1].pid}) died"
+            process = self.processes[rank - 1]
+            process.join(1.0)  # its pipe may close a moment before the process can be reaped
+            code = process.exitcode
+            self.dead = (f"tensor-parallel worker rank {rank} (pid {process.pid}) died"
                          + (f" with exit code {code}" if code is not None else "") + "; the engine cannot continue")
 
     def _watch(self) -> None:
