@@ -153,11 +153,15 @@ class Workers:
                 self._died(rank)
                 self.check()
 
-    def check(self) -> None:
+    def check(self, grace: float = 0.0) -> None:
+        """Raise WorkerDiedError when a worker has ended; grace: first wait up to that many
+        seconds for one to end (a collective that failed on a closed peer)."""
         if self.dead is None:
+            ended = multiprocessing.connection.wait([p.sentinel for p in self.processes], timeout=grace)
             for rank, process in enumerate(self.processes, start=1):
-                if process.exitcode is not None:
+                if process.sentinel in ended:
                     self._died(rank)
+                    break
         if self.dead is not None:
             raise WorkerDiedError(self.dead)
 
@@ -228,12 +232,15 @@ class ParallelRunner:
     def apply_cache_ops(self, ops):
         return self._call("apply_cache_ops", ops)
 
+    def score(self, sequences: list[list[int]]):
+        return self._call("score", sequences)
+
     def _call(self, method: str, arg):
         self.workers.send(method, plan_for_workers(arg) if isinstance(arg, StepPlan) else arg)
         try:
             return getattr(self.runner, method)(arg)
         except Exception:
-            self.workers.check()  # a collective that failed because a worker died: say so
+            self.workers.check(grace=2.0)  # a collective that failed because a worker died: say so
             raise
 
 

@@ -22,7 +22,7 @@ import dataclasses
 
 import torch
 
-from .batch import ForwardBatch, device_tensor
+from .batch import ForwardBatch, Row, device_tensor
 from .checkpoint_io import CheckpointIO
 from .cuda_graphs import DecodeGraphs, SpecGraphs
 from .decode_step import DecodeStep
@@ -180,3 +180,20 @@ class Runner:
         emitted = [[t] for t in tokens.tolist()]
         logprobs = self.sampler.logprobs(logits, rows, [[i] for i in range(len(rows))], emitted)
         return StepOutput(emitted, logprobs=logprobs, num_pending=[0] * len(rows))
+
+    @torch.inference_mode()
+    def score(self, sequences: list[list[int]]) -> list[torch.Tensor]:
+        """Float32 logits [T, V] on the CPU at every position of each sequence, run as one
+        varlen prefill in scratch pools of their own (the engine's pools are not touched)."""
+        config, dtype = self.model.config, self.model.norm.dtype
+        block_counts = [-(-len(ids) // self.block_size) for ids in sequences]
+        states = StatePool(config, len(sequences) + 1, 0, dtype, self.device)
+        kv = KVPool(self.model.num_kv_layers, sum(block_counts) + 1, self.block_size, config.num_key_value_heads,
+                    config.head_dim, dtype, self.device)
+        rows, next_block = [], 1
+        for slot, (ids, count) in enumerate(zip(sequences, block_counts), start=1):
+            rows.append(Row(ids, 0, slot, list(range(next_block, next_block + count)), num_logits=len(ids)))
+            next_block += count
+        batch = ForwardBatch.build([], rows, self.block_size, self.device)
+        logits = self.model.compute_logits(self.model(batch, states, kv)[batch.logits_indices]).cpu()
+        return list(logits.split([len(ids) for ids in sequences]))

@@ -48,13 +48,18 @@ def dense(checkpoint):
     llm.close()
 
 
-def test_greedy_speculation_and_prefix_cache_equal_one_device(dense, checkpoint):
+def test_logits_greedy_speculation_and_prefix_cache_equal_one_device(dense, checkpoint):
     path = checkpoint("qwen3_5")
     first = prompts(3, 20, seed=1)
     # The second round repeats a prompt (restored from the prefix cache whole) and extends one
     # past a checkpoint at 64 tokens (restored, then the rest prefilled).
     second = [first[0], first[2] + prompts(1, 50, seed=2)[0]]
-    expected = reference(path, first + second)
+    with LLM(path, num_draft_tokens=0, **POOLS) as one:
+        expected = [o.token_ids for o in one.generate(first + second, GREEDY)]
+        logits = one.score_batch(first)
+    # Logits too (float32; the all-reduce sums partial products in another order).
+    for got_logits, want in zip(dense.score_batch(first), logits):
+        torch.testing.assert_close(got_logits, want, rtol=1e-4, atol=1e-4)
     got = [o.token_ids for o in dense.generate(first, GREEDY)]
     got += [o.token_ids for o in dense.generate(second, GREEDY)]
     assert got == expected
