@@ -167,7 +167,7 @@ class EngineCore:
                             config.max_num_seqs, self._max_blocks_per_row)
         penalties = Penalties(config.max_num_seqs, self.model_config.vocab_size, self.device)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
-        sampler, checkpoint_io = Sampler(self.ops, self.device, penalties), CheckpointIO(self.states, self.kv)
+        sampler, checkpoint_io = Sampler(self.ops, self.device, penalties, self.tp), CheckpointIO(self.states, self.kv)
         speculator = Speculator(self.model, self.states, self.kv, decode, sampler, checkpoint_io, edit_drafts,
                                 forced_acceptance) if self.num_draft_tokens else None
         graphs = self._decode_graphs(decode)
@@ -235,8 +235,6 @@ class EngineCore:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        if params.structured is not None and self.config.tensor_parallel_size > 1:
-            raise ValueError("structured output is not supported with tensor_parallel_size > 1 yet")
         grammar = self.grammars.matcher(params.structured) if params.structured is not None else None
         request = Request.create(request_id, token_ids, params, seed, arrival, self.max_model_len, self.tokenizer)
         request.grammar = grammar

@@ -64,7 +64,7 @@ class RowRequest(msgspec.Struct, frozen=True, gc=False):
     num_prompt_tokens: int
     tokens_start: int
     tokens: list[int]
-    grammar: None = None  # structured output is refused under tensor parallelism
+    grammar: None = None  # the matchers stay on rank 0, which broadcasts each step's masks
 
     @classmethod
     def of(cls, row: ScheduledRow) -> "RowRequest":

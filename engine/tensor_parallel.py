@@ -50,6 +50,11 @@ class TensorParallel:
         dist.all_reduce(x)
         return x
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's x on every rank, in place (the grammar masks only rank 0 can compute)."""
+        dist.broadcast(x, src=0)
+        return x
+
     def min_over_ranks(self, value: int) -> int:
         """The smallest of every rank's value (pool sizes: every rank's pools must match)."""
         t = torch.tensor([value], dtype=torch.int64, device=self.device)

@@ -5,6 +5,7 @@ The GPU variants (NCCL, CUDA graphs) need two CUDA devices."""
 
 import gc
 import os
+import re
 import signal
 import time
 
@@ -14,6 +15,7 @@ from safetensors import safe_open
 
 from deltaspec.engine import LLM, EngineConfig, ModelConfig, SamplingParams, WeightLoadError
 from deltaspec.engine.executor import WorkerDiedError
+from deltaspec.engine.structured import Structured
 from deltaspec.engine.sharding import NotThisRank, Sharding, check_divisible
 from deltaspec.engine.tensor_parallel import TensorParallel
 from deltaspec.engine.weights import checkpoint_files, load_model, read_tensors
@@ -48,21 +50,28 @@ def dense(checkpoint):
     llm.close()
 
 
-def test_logits_greedy_speculation_and_prefix_cache_equal_one_device(dense, checkpoint):
+def test_logits_greedy_sampled_constrained_and_cached_equal_one_device(dense, checkpoint):
     path = checkpoint("qwen3_5")
     first = prompts(3, 20, seed=1)
     # The second round repeats a prompt (restored from the prefix cache whole) and extends one
     # past a checkpoint at 64 tokens (restored, then the rest prefilled).
     second = [first[0], first[2] + prompts(1, 50, seed=2)[0]]
+    # Then a seeded sampled request (rejection sampling decides alike on every rank) beside a
+    # constrained one (rank 0's grammar masks, broadcast).
+    third = [SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True),
+             SamplingParams(max_tokens=12, temperature=0, structured=Structured("regex", "[a-f ]{4,30}"))]
     with LLM(path, num_draft_tokens=0, **POOLS) as one:
         expected = [o.token_ids for o in one.generate(first + second, GREEDY)]
+        expected += [o.token_ids for o in one.generate(first[:2], third)]
         logits = one.score_batch(first)
     # Logits too (float32; the all-reduce sums partial products in another order).
     for got_logits, want in zip(dense.score_batch(first), logits):
         torch.testing.assert_close(got_logits, want, rtol=1e-4, atol=1e-4)
     got = [o.token_ids for o in dense.generate(first, GREEDY)]
     got += [o.token_ids for o in dense.generate(second, GREEDY)]
+    got += [o.token_ids for o in dense.generate(first[:2], third)]
     assert got == expected
+    assert re.fullmatch("[a-f ]+", dense.tokenizer.decode(got[-1]))
     stats = dense.core.stats()
     assert stats["prefix_cache"]["reused_tokens"] > 0
     assert stats["spec"]["num_verify_steps"] > 0
