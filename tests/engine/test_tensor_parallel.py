@@ -26,6 +26,8 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 # Small pools: every rank allocates its own.
 POOLS = dict(max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=64, num_checkpoint_slots=8,
              max_model_len=256, checkpoint_interval=64)
+# The shared dense engine also moves checkpoints to a host tier (2 checkpoint slots on the device).
+DENSE = {**POOLS, "num_checkpoint_slots": 2, "host_cache_bytes": 1 << 24}
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -45,7 +47,7 @@ def no_workers_left(llm: LLM) -> bool:
 @pytest.fixture(scope="module")
 def dense(checkpoint):
     """A TP=2 engine speculating with the MTP layer (module-wide: each start spawns a process)."""
-    llm = LLM(checkpoint("qwen3_5"), tensor_parallel_size=2, num_draft_tokens=2, **POOLS)
+    llm = LLM(checkpoint("qwen3_5"), tensor_parallel_size=2, num_draft_tokens=2, **DENSE)
     yield llm
     llm.close()
 
@@ -60,9 +62,11 @@ def test_logits_greedy_sampled_constrained_and_cached_equal_one_device(dense, ch
     # constrained one (rank 0's grammar masks, broadcast).
     third = [SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True),
              SamplingParams(max_tokens=12, temperature=0, structured=Structured("regex", "[a-f ]{4,30}"))]
-    with LLM(path, num_draft_tokens=0, **POOLS) as one:
+    # Last, a session: a finished request's state saved, then continued.
+    with LLM(path, num_draft_tokens=0, **DENSE) as one:
         expected = [o.token_ids for o in one.generate(first + second, GREEDY)]
         expected += [o.token_ids for o in one.generate(first[:2], third)]
+        expected += continue_session(one, first[1])
         logits = one.score_batch(first)
     # Logits too (float32; the all-reduce sums partial products in another order).
     for got_logits, want in zip(dense.score_batch(first), logits):
@@ -70,11 +74,19 @@ def test_logits_greedy_sampled_constrained_and_cached_equal_one_device(dense, ch
     got = [o.token_ids for o in dense.generate(first, GREEDY)]
     got += [o.token_ids for o in dense.generate(second, GREEDY)]
     got += [o.token_ids for o in dense.generate(first[:2], third)]
-    assert got == expected
     assert re.fullmatch("[a-f ]+", dense.tokenizer.decode(got[-1]))
+    got += continue_session(dense, first[1])
+    assert got == expected
     stats = dense.core.stats()
-    assert stats["prefix_cache"]["reused_tokens"] > 0
+    assert stats["prefix_cache"]["reused_tokens"] > 0 and stats["prefix_cache"]["offloads"] > 0
     assert stats["spec"]["num_verify_steps"] > 0
+
+
+def continue_session(llm: LLM, prompt: list[int]) -> list[list[int]]:
+    handle = llm.save_checkpoint(llm.generate([prompt], GREEDY)[0].request_id)
+    continued = llm.generate([[7, 8, 9]], GREEDY, resume_from=handle)[0].token_ids
+    llm.release_checkpoint(handle)
+    return [continued]
 
 
 def test_killed_worker_ends_the_engine_naming_its_rank(dense):
