@@ -137,7 +137,8 @@ def main() -> None:
                 started = time.perf_counter()
                 core = engine(directory, tp, max(batches), args.expert_parallel)
                 start_s = time.perf_counter() - started
-                report["shapes"][shape][f"tp{tp}"] = {"start_s": start_s, "batches": measure(core, batches, args.tokens)}
+                results = measure(core, batches, args.tokens)
+                report["shapes"][shape][f"tp{tp}"] = {"start_s": start_s, "batches": results}
                 core.close()
                 del core
                 torch.cuda.empty_cache()

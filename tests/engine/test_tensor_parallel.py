@@ -204,7 +204,8 @@ def test_expert_parallel_ranks_read_their_experts_only(checkpoint):
     experts = [{int(n.split(".experts.")[1].split(".")[0]) for n in r if ".experts." in n} for r in ranks]
     assert experts == [{0, 1, 2, 3}, {4, 5, 6, 7}]
     with pytest.raises(NotThisRank):
-        Sharding(ModelConfig.from_file(path), 0, 2, True).pieces("model.layers.0.mlp.experts.5.up_proj.weight", (24, 72))
+        sharding = Sharding(ModelConfig.from_file(path), 0, 2, expert_parallel=True)
+        sharding.pieces("model.layers.0.mlp.experts.5.up_proj.weight", (24, 72))
 
 
 def test_fp8_scales_are_sliced_by_block_and_a_cut_block_is_refused(checkpoint):
