@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import sys
@@ -87,9 +88,11 @@ def collective_share(core: EngineCore, batch: int) -> dict:
         torch.cuda.synchronize()
     while core.has_work:
         core.step()
-    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    total = sum(e.self_device_time_total for e in kernels)
-    nccl = sum(e.self_device_time_total for e in kernels if "nccl" in e.key.lower())
+    # Kernels only (self device time; torch < 2.4 names it self_cuda_time_total).
+    times = [(e.key, getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0))
+             for e in prof.key_averages()]
+    total = sum(t for _, t in times)
+    nccl = sum(t for key, t in times if "nccl" in key.lower())
     return {"nccl_us_per_step": nccl / PROFILED_STEPS, "cuda_us_per_step": total / PROFILED_STEPS,
             "share": nccl / total if total else None}
 
@@ -141,6 +144,7 @@ def main() -> None:
                 report["shapes"][shape][f"tp{tp}"] = {"start_s": start_s, "batches": results}
                 core.close()
                 del core
+                gc.collect()
                 torch.cuda.empty_cache()
             plain = report["shapes"][shape]
             if "tp1" in plain:
