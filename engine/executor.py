@@ -269,8 +269,7 @@ def _worker_main(config, rank: int, store_port: int, pipe, forced_acceptance, lo
         tp.leave()
     except BaseException:  # noqa: BLE001 - rank 0 learns of it from the process's end
         traceback.print_exc()
-        os._exit(1)
-    os._exit(0)  # no interpreter teardown: CUDA and NCCL state go with the process
+        os._exit(1)  # no teardown: a collective may still hold this process's CUDA and NCCL state
 
 
 def _exit_with_parent(parent_pid: int) -> None:
