@@ -27,7 +27,7 @@ from typing import Mapping, Sequence as Seq
 
 from .core import EngineCore
 from .engine_config import EngineConfig
-from .executor import WorkerDiedError
+from .executor import TensorParallelError
 from .prefix_cache import CheckpointHandle
 from .request import RequestDelta
 from .sampling_params import SamplingParams
@@ -182,7 +182,7 @@ class AsyncLLM:
                     deltas = self.core.commit(step.plan, result)
                 except Exception as error:  # noqa: BLE001 - one step's fault fails its requests only
                     num_failed += 1
-                    if isinstance(error, WorkerDiedError):
+                    if isinstance(error, TensorParallelError):
                         logger.error("%s", error)
                         raise
                     if num_failed >= MAX_CONSECUTIVE_FAILED_STEPS:

@@ -13,7 +13,9 @@ and only rank 0's outputs are read.
 
 Failure: a worker that raises exits; a monitor thread sees a worker's process end and aborts
 the process group, so rank 0's collective in flight fails at once (gloo fails on a closed peer
-by itself), and every call after it raises WorkerDiedError naming the rank. Workers ignore
+by itself), and every call after it raises WorkerDiedError naming the rank; a call that fails
+on rank 0 alone stops the workers too (TensorParallelError: the ranks' collectives no longer
+pair up). Workers ignore
 Ctrl-C (rank 0 shuts them down) and exit when rank 0's end of their pipe closes or rank 0's
 process is gone. Knows nothing about scheduling or models.
 """
@@ -46,8 +48,12 @@ JOIN_TIMEOUT_S = 10.0  # a closing worker gets this long before it is killed
 _JOINED = "deltaspec/workers_joined"  # store counter: workers that reached rank 0's store
 
 
-class WorkerDiedError(RuntimeError):
-    """A tensor-parallel worker process ended: the engine cannot run another step."""
+class TensorParallelError(RuntimeError):
+    """The ranks can no longer run steps together: the engine cannot run another step."""
+
+
+class WorkerDiedError(TensorParallelError):
+    """A tensor-parallel worker process ended."""
 
 
 class RowRequest(msgspec.Struct, frozen=True, gc=False):
@@ -115,7 +121,9 @@ class Workers:
         if torch.device(config.device).type == "cuda" and torch.cuda.device_count() < size:
             raise ValueError(f"tensor_parallel_size={size} needs {size} CUDA devices, "
                              f"{torch.cuda.device_count()} are visible")
-        self.size, self.closing, self.dead = size, False, None
+        self.size, self.closing = size, False
+        # Why no step can run any more: (the error to raise, its message); None while all is well.
+        self.dead: tuple[type[TensorParallelError], str] | None = None
         self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
                                    timeout=COLLECTIVE_TIMEOUT)
         context = mp.get_context("spawn")
@@ -163,14 +171,14 @@ class Workers:
                     self._died(rank)
                     break
         if self.dead is not None:
-            raise WorkerDiedError(self.dead)
+            raise self.dead[0](self.dead[1])
 
     def _died(self, rank: int) -> None:
         if self.dead is None:
             process = self.processes[rank - 1]
             process.join(1.0)  # its pipe may close a moment before the process can be reaped
             code = process.exitcode
-            self.dead = (f"tensor-parallel worker rank {rank} (pid {process.pid}) died"
+            self.dead = (WorkerDiedError, f"tensor-parallel worker rank {rank} (pid {process.pid}) died"
                          + (f" with exit code {code}" if code is not None else "") + "; the engine cannot continue")
 
     def _watch(self) -> None:
@@ -181,7 +189,7 @@ class Workers:
         if self.closing:
             return
         self._died(sentinels[ready[0]])
-        logger.error("%s", self.dead)
+        logger.error("%s", self.dead[1])
         if dist.is_initialized() and dist.get_backend() == "nccl":
             try:
                 dist.distributed_c10d._abort_process_group()
@@ -193,6 +201,9 @@ class Workers:
         if self.closing:
             return
         self.closing = True
+        if self.dead is None:
+            self.dead = (TensorParallelError, "the tensor-parallel workers were stopped (the engine was closed or "
+                                              "failed)")
         for pipe in self.pipes:
             try:
                 pipe.send_bytes(pickle.dumps(("close", ())))
@@ -239,9 +250,13 @@ class ParallelRunner:
         self.workers.send(method, plan_for_workers(arg) if isinstance(arg, StepPlan) else arg)
         try:
             return getattr(self.runner, method)(arg)
-        except Exception:
+        except Exception as error:
             self.workers.check(grace=2.0)  # a collective that failed because a worker died: say so
-            raise
+            # Rank 0 stopped partway through a call the workers ran whole: their collectives no
+            # longer pair with rank 0's, so no step can follow (on one device it could).
+            self.workers.close()
+            raise TensorParallelError(f"rank 0 failed in {method} ({type(error).__name__}: {error}); the ranks are "
+                                      f"out of step and the engine cannot continue") from error
 
 
 def _worker_main(config, rank: int, store_port: int, pipe, forced_acceptance, log_level: int,

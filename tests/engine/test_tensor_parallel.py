@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from deltaspec.engine import LLM, EngineConfig, ModelConfig, SamplingParams, WeightLoadError
-from deltaspec.engine.executor import WorkerDiedError
+from deltaspec.engine.executor import TensorParallelError, WorkerDiedError
 from deltaspec.engine.structured import Structured
 from deltaspec.engine.sharding import NotThisRank, Sharding, check_divisible
 from deltaspec.engine.tensor_parallel import TensorParallel
@@ -109,12 +109,23 @@ def test_killed_worker_ends_the_engine_naming_its_rank(dense):
 @pytest.mark.slow
 def test_isolation_harness_with_speculation(checkpoint):
     """Staggered greedy and seeded sampled requests with aborts, each equal to its output alone
-    (sampled speculation decides on every rank alike), after the killed engine's group is gone."""
+    (sampled speculation decides on every rank alike), after the killed engine's group is gone.
+    Then a failure on rank 0 alone."""
     core = check_isolation(checkpoint("qwen3_5"), n=4, seed=7, tensor_parallel_size=2, num_draft_tokens=2,
                            max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=128, num_checkpoint_slots=8)
     assert core.scheduler.spec_stats.num_verify_steps > 0
-    core.close()
+    # A step that fails on rank 0 alone leaves the ranks out of step: the engine stops.
+    def fail(plan):
+        raise RuntimeError("injected")
+
+    core.runner.runner.run = core.runner.runner.launch = fail
+    core.add_request([1, 2, 3], GREEDY)
+    with pytest.raises(TensorParallelError, match="rank 0 failed .*injected.*out of step"):
+        core.step()
     assert not any(p.is_alive() for p in core.workers.processes)
+    with pytest.raises(TensorParallelError, match="workers were stopped"):
+        core.step()
+    core.close()
 
 
 @pytest.mark.parametrize("family, expert_parallel", [("qwen3_5_moe", False), ("qwen3_next", True)])
