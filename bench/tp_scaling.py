@@ -43,7 +43,7 @@ from common import commit_id, device_tag  # noqa: E402
 from deltaspec.engine import EngineConfig, SamplingParams  # noqa: E402
 from deltaspec.engine.core import EngineCore  # noqa: E402
 from deltaspec.spec import AcceptanceProfile, DraftPolicy  # noqa: E402
-from spec_e2e import COMMON, PROFILES, PROMPT_LEN, SHAPES, run  # noqa: E402
+from spec_e2e import COMMON, PROFILES, PROMPT_LEN, SHAPES, run, synchronize  # noqa: E402
 
 MAX_DRAFTS = 3
 PROFILED_STEPS = 8
@@ -58,8 +58,9 @@ def checkpoint_dir(shape: str, root: Path) -> Path:
     return directory
 
 
-def engine(directory: Path, tp: int, max_batch: int, expert_parallel: bool) -> EngineCore:
-    config = EngineConfig(model=directory, device="cuda", dtype="bfloat16", tensor_parallel_size=tp,
+def engine(directory: Path, device: str, tp: int, max_batch: int, expert_parallel: bool) -> EngineCore:
+    config = EngineConfig(model=directory, device=device, dtype="bfloat16" if device == "cuda" else "float32",
+                          tensor_parallel_size=tp,
                           enable_expert_parallel=expert_parallel and tp > 1, load_format="dummy",
                           max_num_seqs=max_batch, max_num_batched_tokens=max(2048, max_batch * (PROMPT_LEN // 4)),
                           max_model_len=1024, num_draft_tokens=MAX_DRAFTS, enable_prefix_cache=False,
@@ -81,18 +82,18 @@ def collective_share(core: EngineCore, batch: int) -> dict:
                                                generator=generator).tolist(), params) for _ in range(batch)]
     while any(len(r.output_token_ids) < 4 for r in requests):
         core.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    synchronize()
+    with profile(activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU]) as prof:
         for _ in range(PROFILED_STEPS):
             core.step()
-        torch.cuda.synchronize()
+        synchronize()
     while core.has_work:
         core.step()
     # Kernels only (self device time; torch < 2.4 names it self_cuda_time_total).
     times = [(e.key, getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0))
              for e in prof.key_averages()]
     total = sum(t for _, t in times)
-    nccl = sum(t for key, t in times if "nccl" in key.lower())
+    nccl = sum(t for key, t in times if "nccl" in key.lower())  # on the CPU (smoke runs) nothing is
     return {"nccl_us_per_step": nccl / PROFILED_STEPS, "cuda_us_per_step": total / PROFILED_STEPS,
             "share": nccl / total if total else None}
 
@@ -122,10 +123,13 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--tokens", type=int, default=48, help="decode tokens per request at least")
     parser.add_argument("--expert-parallel", action="store_true", help="MoE shapes: whole experts per rank")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (--shapes tiny; gloo)")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     sizes = [int(t) for t in args.tp.split(",")]
-    report = {"device": device_tag(), "num_gpus": torch.cuda.device_count(), "date": datetime.date.today().isoformat(),
+    num_devices = torch.cuda.device_count() if args.device == "cuda" else max(sizes)
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    report = {"device": device_tag(name), "num_gpus": torch.cuda.device_count(), "date": datetime.date.today().isoformat(),
               "commit": commit_id(), "command": " ".join(["python", *sys.argv]), "profile": PROFILES["shipped"],
               "expert_parallel": args.expert_parallel, "shapes": {}}
     with tempfile.TemporaryDirectory() as root:
@@ -133,19 +137,20 @@ def main() -> None:
             directory = checkpoint_dir(shape, Path(root))
             report["shapes"][shape] = {}
             for tp in sizes:
-                if tp > torch.cuda.device_count():
-                    print(f"{shape} tp={tp}: skipped, {torch.cuda.device_count()} GPUs")
+                if tp > num_devices:
+                    print(f"{shape} tp={tp}: skipped, {num_devices} GPUs")
                     continue
                 print(f"{shape} tp={tp}", flush=True)
                 started = time.perf_counter()
-                core = engine(directory, tp, max(batches), args.expert_parallel)
+                core = engine(directory, args.device, tp, max(batches), args.expert_parallel)
                 start_s = time.perf_counter() - started
                 results = measure(core, batches, args.tokens)
                 report["shapes"][shape][f"tp{tp}"] = {"start_s": start_s, "batches": results}
                 core.close()
                 del core
                 gc.collect()
-                torch.cuda.empty_cache()
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
             plain = report["shapes"][shape]
             if "tp1" in plain:
                 for key, value in plain.items():
