@@ -15,7 +15,7 @@ all-reduce for a slower peer counts as collective time). NVLink multicast is off
 
     python bench/tp_scaling.py [--shapes 9b,35b-a3b] [--tp 1,2] [--batches 1,16,64] [--expert-parallel]
 
-Writes bench/results/tp_scaling-<gpu>.json and .png.
+Writes bench/results/tp_scaling-<gpu>-<shapes>[-ep].json and .png.
 """
 
 from __future__ import annotations
@@ -157,7 +157,9 @@ def main() -> None:
                     for batch, row in value["batches"].items():
                         row["plain_scaling_over_tp1"] = (row["plain_tokens_per_s"]
                                                          / plain["tp1"]["batches"][batch]["plain_tokens_per_s"])
-    out = Path(__file__).resolve().parent / "results" / f"tp_scaling-{report['device']}"
+    # One file per device, shapes and expert placement: the runs of one GPU session do not overwrite each other.
+    suffix = args.shapes.replace(",", "_") + ("-ep" if args.expert_parallel else "")
+    out = Path(__file__).resolve().parent / "results" / f"tp_scaling-{report['device']}-{suffix}"
     out.with_suffix(".json").write_text(json.dumps(report, indent=2))
     plot(report, batches, sizes, out.with_suffix(".png"))
     print(f"wrote {out}.json and .png")
