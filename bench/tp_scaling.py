@@ -129,7 +129,8 @@ def main() -> None:
     sizes = [int(t) for t in args.tp.split(",")]
     num_devices = torch.cuda.device_count() if args.device == "cuda" else max(sizes)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    report = {"device": device_tag(name), "num_gpus": torch.cuda.device_count(), "date": datetime.date.today().isoformat(),
+    report = {"device": device_tag(name), "num_gpus": torch.cuda.device_count(),
+              "date": datetime.date.today().isoformat(),
               "commit": commit_id(), "command": " ".join(["python", *sys.argv]), "profile": PROFILES["shipped"],
               "expert_parallel": args.expert_parallel, "shapes": {}}
     with tempfile.TemporaryDirectory() as root:
