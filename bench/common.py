@@ -14,29 +14,12 @@ from deltaspec.server.acceptance_benchmark import device_tag  # noqa: F401  (the
 
 def random_model(config, device: str, dtype: torch.dtype):
     """A HybridLM with its MTP layer and random weights at the scales a trained model has
-    (A_log in [0, 2.7], vectors ~0.1, matrices ~1/sqrt(fan-in)): what the benchmarks time.
-    A config with block-FP8 quantization gets random e4m3 values and block scales of the same
-    magnitude, drawn in place (no bf16 copy: a 35B-A3B-shape model fits one H100)."""
-    from deltaspec.engine.models import HybridLM
+    (engine/weights.py `random_model`; block-FP8 configs get e4m3 weights drawn in place): what
+    the benchmarks time."""
+    from deltaspec.engine.weights import random_model as build
     from deltaspec.kernels import select_ops
 
-    with torch.device(device):
-        model = HybridLM(config, select_ops(device), dtype, with_mtp=True)
-    generator = torch.Generator(device=device).manual_seed(0)
-    for name, p in model.named_parameters():
-        if p.dtype == torch.float8_e4m3fn:   # block FP8: e4m3 values ~N(0, 64) ...
-            for chunk in p.data.view(-1, p.shape[-1]).split(4096):
-                chunk.copy_(torch.randn(chunk.shape, device=device, generator=generator).mul_(64).clamp_(-448, 448))
-        elif name.endswith("_scale"):          # ... times 1 / (64 sqrt(fan-in)): the bf16 weights' scale
-            p.data.fill_((p.shape[-1] * 128) ** -0.5 / 64)
-        elif name.endswith("A_log"):
-            p.data.uniform_(0.0, 2.7, generator=generator)
-        elif p.dim() == 1:
-            p.data.normal_(0.0, 0.1, generator=generator)
-        else:
-            p.data.normal_(0.0, p.shape[-1] ** -0.5, generator=generator)
-    model.finish_loading()
-    return model.eval()
+    return build(config, select_ops(device), dtype, device)
 
 
 def copy_bandwidth() -> float:

@@ -13,7 +13,7 @@ before the current one is waited for (EngineCore.dispatch). Results reach per-re
 stops iterating (client disconnect) aborts its request; one that cannot keep up pauses it
 (`pause`/`resume`). A step that raises fails its requests only (StepFailedError), a row with
 non-finite logits its own request only (NonFiniteLogitsError); several failed steps in a row end
-the engine (EngineDeadError). Runs on uvloop when the caller's loop
+the engine (EngineDeadError), as does a tensor-parallel worker's death at once. Runs on uvloop when the caller's loop
 is uvloop (see `run`). Knows nothing about HTTP.
 """
 
@@ -29,6 +29,7 @@ from typing import Mapping, Sequence as Seq
 from .core import EngineCore
 from .engine_config import EngineConfig
 from .errors import EngineDeadError, NonFiniteLogitsError, StepFailedError
+from .executor import TensorParallelError
 from .prefix_cache import CheckpointHandle
 from .request import RequestDelta
 from .sampling_params import SamplingParams
@@ -148,6 +149,7 @@ class AsyncLLM:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         self._executor.shutdown(wait=True)
+        self.core.close()
 
     # The engine task ----------------------------------------------------------------------
 
@@ -175,6 +177,9 @@ class AsyncLLM:
                     deltas = self.core.commit(step.plan, result)
                 except Exception as error:  # noqa: BLE001 - one step's fault fails its requests only
                     num_failed += 1
+                    if isinstance(error, TensorParallelError):
+                        logger.error("%s", error)
+                        raise
                     if num_failed >= MAX_CONSECUTIVE_FAILED_STEPS:
                         logger.error("%d steps failed in a row, the last with %s: %s; the engine stops",
                                      num_failed, type(error).__name__, error)

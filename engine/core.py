@@ -24,10 +24,12 @@ import itertools
 import logging
 import random
 import time
+import weakref
 from pathlib import Path
 from typing import Callable, NamedTuple, Sequence as Seq
 
 import torch
+import torch.distributed
 
 from ..kernels import select_ops
 from ..spec import AcceptanceProfile, DraftPolicy, StepCosts, load_draft_vocab
@@ -37,6 +39,7 @@ from .checkpoint_io import CheckpointIO
 from .cuda_graphs import DecodeGraphs, SpecGraphs
 from .decode_step import DecodeStep
 from .engine_config import EngineConfig
+from .executor import ParallelRunner, Workers, rank_device
 from .model_config import ModelConfig
 from .models import HybridLM
 from .penalties import Penalties
@@ -46,14 +49,16 @@ from .runner import InFlight, Runner
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
+from .sharding import check_divisible
 from .speculation import DraftEditor, Speculator
 from .state_pool import KVPool, StatePool
 from .structured import Grammars
 from .step import StepOutput, StepPlan
 from .tokenizer import Tokenizer
+from .tensor_parallel import TensorParallel
 from .warm_up import warm_up
 from .quantization import with_online_quantization
-from .weights import load_model
+from .weights import load_model, random_model
 
 logger = logging.getLogger("deltaspec")
 
@@ -79,16 +84,54 @@ _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 
 class EngineCore:
     def __init__(self, config: EngineConfig, model: HybridLM | None = None, tokenizer: Tokenizer | None = None,
-                 edit_drafts: DraftEditor | None = None, forced_acceptance: AcceptanceProfile | None = None) -> None:
+                 edit_drafts: DraftEditor | None = None, forced_acceptance: AcceptanceProfile | None = None,
+                 tp: TensorParallel | None = None) -> None:
         """Loads model and tokenizer from config.model unless given (benchmarks build random
         models in memory; a given model must already be on config.device in config.dtype).
         edit_drafts: rewrites each speculative step's drafts before verify (tests force
         acceptance counts with it; speculation.py). It reads the requests' committed tokens, so
         no step is launched ahead of the one before it then. forced_acceptance: benchmarks at
-        real sizes draw each verify row's accepted count from a profile (spec/profile.py)."""
+        real sizes draw each verify row's accepted count from a profile (spec/profile.py).
+
+        config.tensor_parallel_size > 1: this engine is rank 0 and starts the other ranks'
+        worker processes (executor.py); tp: this engine is a worker's, of that rank (the
+        workers build it themselves)."""
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = _TORCH_DTYPES[config.dtype]
+        self.workers: Workers | None = None
+        if tp is None and config.tensor_parallel_size > 1:
+            if model is not None:
+                raise ValueError("tensor_parallel_size > 1 loads the model on every rank: pass no model")
+            if edit_drafts is not None:
+                raise ValueError("a draft editor runs on rank 0 only: not supported with tensor_parallel_size > 1")
+            if torch.distributed.is_initialized():
+                raise ValueError("this process already runs a tensor-parallel engine (or another torch.distributed "
+                                 "group): one per process; close it first (LLM.close, AsyncLLM.shutdown)")
+            check_divisible(ModelConfig.from_file(Path(config.model)), config.tensor_parallel_size,
+                            config.enable_expert_parallel)  # before any process starts
+            self.workers = Workers(config, forced_acceptance)
+        # Every rank's resources go together: a failed start-up, close() or the engine's
+        # collection stops the workers and leaves the process group.
+        group = [tp]  # filled in once rank 0 has joined
+        self._finalizer = weakref.finalize(self, _release, self.workers, group)
+        try:
+            if self.workers is not None:
+                tp = group[0] = self.workers.join(torch.device(rank_device(config.device, 0)))
+            self.tp = tp
+            if tp is not None:
+                torch.manual_seed(0)  # device draws (forced acceptance) alike on every rank
+            self._build(config, model, tokenizer, edit_drafts, forced_acceptance)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers and leave the process group (nothing on one device)."""
+        self._finalizer()
+
+    def _build(self, config: EngineConfig, model: HybridLM | None, tokenizer: Tokenizer | None,
+               edit_drafts: DraftEditor | None, forced_acceptance: AcceptanceProfile | None) -> None:
         path = Path(config.model)
         self.tokenizer = tokenizer or Tokenizer.from_dir(path)
         self.tokenizer.token_bytes  # the detokenizers' table, built now rather than by the first request
@@ -102,8 +145,13 @@ class EngineCore:
             if config.quantization is not None:
                 self.model_config = with_online_quantization(self.model_config, config.quantization)
             self.ops = select_ops(self.device, config.kernel_backend)
-            self.model = load_model(path, self.ops, self.dtype, self.device, self.model_config,
-                                    quantize_online=config.quantization is not None)
+            if config.load_format == "dummy":
+                self.model = random_model(self.model_config, self.ops, self.dtype, self.device, self.tp,
+                                          config.enable_expert_parallel)
+            else:
+                self.model = load_model(path, self.ops, self.dtype, self.device, self.model_config,
+                                        quantize_online=config.quantization is not None, tp=self.tp,
+                                        expert_parallel=config.enable_expert_parallel)
         else:
             self.model, self.model_config, self.ops = model, model.config, model.ops
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
@@ -123,13 +171,15 @@ class EngineCore:
                             config.max_num_seqs, self._max_blocks_per_row)
         penalties = Penalties(config.max_num_seqs, self.model_config.vocab_size, self.device)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
-        sampler, checkpoint_io = Sampler(self.ops, self.device, penalties), CheckpointIO(self.states, self.kv)
+        sampler, checkpoint_io = Sampler(self.ops, self.device, penalties, self.tp), CheckpointIO(self.states, self.kv)
         speculator = Speculator(self.model, self.states, self.kv, decode, sampler, checkpoint_io, edit_drafts,
                                 forced_acceptance) if self.num_draft_tokens else None
         graphs = self._decode_graphs(decode)
         spec_graphs = self._spec_graphs(decode, speculator, split=edit_drafts is not None) if speculator else None
         self.runner = Runner(self.model, self.states, self.kv, sampler, checkpoint_io, config.block_size, self.device,
                              decode, graphs=graphs, speculator=speculator, spec_graphs=spec_graphs)
+        if self.workers is not None:
+            self.runner = ParallelRunner(self.runner, self.workers)
         policy = None
         if self.num_draft_tokens:
             costs = self._step_costs(graphs, spec_graphs)
@@ -144,7 +194,7 @@ class EngineCore:
         self._overlap = config.async_scheduling and edit_drafts is None
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
-        if config.warm_up and self._graphs_enabled and edit_drafts is None:
+        if config.warm_up and self._graphs_enabled and edit_drafts is None and (self.tp is None or self.tp.rank == 0):
             logger.info("warmed up the eager steps' kernels in %.1f s", warm_up(self))
 
     # Requests -----------------------------------------------------------------------------
@@ -235,7 +285,7 @@ class EngineCore:
         """Drop every cached checkpoint nobody pins, on the GPU and the host (between steps);
         reset_stats: and zero the cache's counters."""
         self.cache.clear(reset_stats)
-        self.runner.checkpoint_io.before_forward(self.cache.take_ops())
+        self.runner.apply_cache_ops(self.cache.take_ops())
 
     @property
     def has_work(self) -> bool:
@@ -405,7 +455,7 @@ class EngineCore:
     # Memory -------------------------------------------------------------------------------
 
     def _allocate_pools(self) -> tuple[StatePool, KVPool]:
-        c, config = self.model_config, self.config
+        c, config = self.model.config, self.config  # this rank's heads under tensor parallelism
         layout = dict(max_pending=self.num_draft_tokens, dtype=self.dtype, keep_mtp_hidden=bool(self.num_draft_tokens),
                       keep_last_hidden=True)
         budget = self._memory_budget()
@@ -448,10 +498,16 @@ class EngineCore:
         return min(256, max(config.max_num_seqs, int(CHECKPOINT_MEMORY_SHARE * budget) // max(bytes_per_slot, 1)))
 
     def _memory_budget(self) -> int:
+        """Bytes for the pools; under tensor parallelism the smallest rank's (every rank's
+        pools have the same slots and blocks)."""
+        budget = self._device_memory_budget()
+        return self.tp.min_over_ranks(budget) if self.tp is not None else budget
+
+    def _device_memory_budget(self) -> int:
         if self.device.type != "cuda":
             return self.config.cpu_memory_bytes
         free, _ = torch.cuda.mem_get_info(self.device)
-        c = self.model_config
+        c = self.model.config
         # Activations of the largest step: a few hidden-sized and MLP-sized buffers per token,
         # plus float32 logits of every sampled row.
         width = 6 * c.hidden_size + 3 * max(c.intermediate_size, c.conv_dim + c.linear_value_dim,
@@ -463,3 +519,11 @@ class EngineCore:
         activations = (tokens * width * torch.finfo(self.dtype).bits // 8
                        + rows * c.vocab_size * (4 + torch.finfo(self.dtype).bits // 8) * 2)
         return int(free * self.config.gpu_memory_utilization) - activations
+
+
+def _release(workers: Workers | None, group: list) -> None:
+    """Stop the workers (rank 0), then leave the process group (every rank)."""
+    if workers is not None:
+        workers.close()
+    if group[0] is not None:
+        group[0].leave()

@@ -8,6 +8,7 @@ from pathlib import Path
 from ..kernels.gdn_chunked import CHUNK_SIZE
 
 DTYPES = ("float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,9 @@ class EngineConfig:
     warm_up: bool = True                    # CUDA: compile and autotune the eager steps' kernels at start-up
     generation_config: str = "auto"         # unset sampling fields from generation_config.json ("none": off)
     quantization: str | None = None         # "fp8": quantize an unquantized checkpoint to block FP8 at load
+    tensor_parallel_size: int = 1           # ranks the model is sharded over (one process and device each)
+    enable_expert_parallel: bool = False    # MoE: whole experts per rank (experts / tp each) instead of split
+    load_format: str = "auto"               # "dummy": random weights of the config's shapes (benchmarks)
 
     def __post_init__(self) -> None:
         problems = []
@@ -68,5 +72,14 @@ class EngineConfig:
             problems.append(f"generation_config must be 'auto' or 'none', got {self.generation_config!r}")
         if self.quantization not in (None, "fp8"):
             problems.append(f"quantization must be 'fp8' (online block FP8) or None, got {self.quantization!r}")
+        if self.tensor_parallel_size < 1:
+            problems.append("tensor_parallel_size must be >= 1")
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            problems.append("enable_expert_parallel needs tensor_parallel_size > 1")
+        if self.tensor_parallel_size > 1 and self.draft_vocab_size:
+            problems.append("draft_vocab_size is not supported with tensor_parallel_size > 1 (drafts score the "
+                            "full vocabulary)")
+        if self.load_format not in LOAD_FORMATS:
+            problems.append(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if problems:
             raise ValueError("invalid EngineConfig: " + "; ".join(problems))

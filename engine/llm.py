@@ -12,20 +12,29 @@ from typing import Sequence as Seq
 
 import torch
 
-from .batch import ForwardBatch, Row
 from .core import EngineCore
 from .engine_config import EngineConfig
 from .errors import NonFiniteLogitsError
 from .prefix_cache import CheckpointHandle
 from .request import RequestOutput
 from .sampling_params import SamplingParams
-from .state_pool import KVPool, StatePool
 
 
 class LLM:
     def __init__(self, model_path: str | Path, device: str = "cpu", dtype: str = "float32", **engine_options) -> None:
         """engine_options: any other EngineConfig field (max_model_len, max_num_seqs, ...)."""
         self.core = EngineCore(EngineConfig(model=model_path, device=device, dtype=dtype, **engine_options))
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (also done when the LLM is collected or the
+        interpreter exits); nothing to do on one device."""
+        self.core.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def tokenizer(self):
@@ -91,24 +100,12 @@ class LLM:
         """Logits at every position of one sequence: [T, vocab] float32 on the CPU."""
         return self.score_batch([token_ids])[0]
 
-    @torch.inference_mode()
     def score_batch(self, sequences: Seq[Seq[int]]) -> list[torch.Tensor]:
         """`score` for several sequences, run together as one varlen prefill in scratch pools of
         their own (the engine's pools and running requests are not touched)."""
-        core, config = self.core, self.core.model_config
+        vocab_size = self.core.model_config.vocab_size
         sequences = [list(ids) for ids in sequences]
         for ids in sequences:
-            if not ids or any(not 0 <= t < config.vocab_size for t in ids):
+            if not ids or any(not 0 <= t < vocab_size for t in ids):
                 raise ValueError("score needs non-empty token ids inside the vocabulary")
-        block_size = core.config.block_size
-        block_counts = [-(-len(ids) // block_size) for ids in sequences]
-        states = StatePool(config, len(sequences) + 1, 0, core.dtype, core.device)
-        kv = KVPool(core.model.num_kv_layers, sum(block_counts) + 1, block_size, config.num_key_value_heads,
-                    config.head_dim, core.dtype, core.device)
-        rows, next_block = [], 1
-        for slot, (ids, count) in enumerate(zip(sequences, block_counts), start=1):
-            rows.append(Row(ids, 0, slot, list(range(next_block, next_block + count)), num_logits=len(ids)))
-            next_block += count
-        batch = ForwardBatch.build([], rows, block_size, core.device)
-        logits = core.model.compute_logits(core.model(batch, states, kv)[batch.logits_indices]).cpu()
-        return list(logits.split([len(ids) for ids in sequences]))
+        return self.core.runner.score(sequences)

@@ -74,6 +74,10 @@ class ModelConfig:
     bos_token_id: int | None = None
     # Block-FP8 checkpoint (its quantization_config), None for unquantized weights.
     quantization: Fp8Config | None = None
+    # Expert parallelism (engine/sharding.py): this rank's experts start at first_local_expert
+    # (num_local_experts of them; 0: every expert). The router still scores all num_experts.
+    first_local_expert: int = 0
+    num_local_experts: int = 0
 
     def __post_init__(self) -> None:
         problems = []
@@ -143,6 +147,11 @@ class ModelConfig:
         """Qwen3-Next/Qwen3.5-MoE rule: MoE unless listed dense or off the sparse step."""
         return (self.num_experts > 0 and layer_id not in self.mlp_only_layers
                 and (layer_id + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def local_experts(self) -> range:
+        """The expert ids whose weights this model holds (all but under expert parallelism)."""
+        return range(self.first_local_expert, self.first_local_expert + (self.num_local_experts or self.num_experts))
 
     @property
     def mtp_is_moe(self) -> bool:

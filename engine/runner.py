@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import torch
 
-from .batch import ForwardBatch, device_tensor
+from .batch import ForwardBatch, Row, device_tensor
 from .checkpoint_io import CheckpointIO
 from .cuda_graphs import DecodeGraphs, SpecGraphs
 from .decode_step import DecodeStep, read_with_flags
 from .models import HybridLM
+from .prefix_cache import CacheOps
 from .sampler import Sampler
 from .speculation import Speculator
 from .state_pool import KVPool, StatePool
@@ -77,6 +78,10 @@ class Runner:
                                torch.empty_like(decode.nonfinite, device="cpu", pin_memory=True))
                               for _ in range(2)] if device.type == "cuda" else []
         self._launches = 0
+
+    def apply_cache_ops(self, ops: CacheOps) -> None:
+        """The prefix cache's device work outside a step (clearing it: host drops)."""
+        self.checkpoint_io.before_forward(ops)
 
     def can_launch(self, plan: StepPlan) -> bool:
         """Whether `launch` takes the plan: decode rows only."""
@@ -199,3 +204,20 @@ class Runner:
         emitted = [[t] for t in tokens]
         logprobs = self.sampler.logprobs(logits, rows, [[i] for i in range(len(rows))], emitted)
         return StepOutput(emitted, logprobs=logprobs, num_pending=[0] * len(rows), nonfinite=flagged(nonfinite))
+
+    @torch.inference_mode()
+    def score(self, sequences: list[list[int]]) -> list[torch.Tensor]:
+        """Float32 logits [T, V] on the CPU at every position of each sequence, run as one
+        varlen prefill in scratch pools of their own (the engine's pools are not touched)."""
+        config, dtype = self.model.config, self.model.norm.dtype
+        block_counts = [-(-len(ids) // self.block_size) for ids in sequences]
+        states = StatePool(config, len(sequences) + 1, 0, dtype, self.device)
+        kv = KVPool(self.model.num_kv_layers, sum(block_counts) + 1, self.block_size, config.num_key_value_heads,
+                    config.head_dim, dtype, self.device)
+        rows, next_block = [], 1
+        for slot, (ids, count) in enumerate(zip(sequences, block_counts), start=1):
+            rows.append(Row(ids, 0, slot, list(range(next_block, next_block + count)), num_logits=len(ids)))
+            next_block += count
+        batch = ForwardBatch.build([], rows, self.block_size, self.device)
+        logits = self.model.compute_logits(self.model(batch, states, kv)[batch.logits_indices]).cpu()
+        return list(logits.split([len(ids) for ids in sequences]))

@@ -23,12 +23,14 @@ from .request import TokenLogprobs
 from .sampling_params import SamplingParams
 from .structured import Grammars
 from .step import ScheduledRow
+from .tensor_parallel import TensorParallel
 
 
 class Sampler:
-    def __init__(self, ops: Ops, device: torch.device, penalties: Penalties) -> None:
-        """penalties: the per-slot statistics of penalized requests, which `sample` applies."""
-        self.ops, self.device, self.penalties = ops, device, penalties
+    def __init__(self, ops: Ops, device: torch.device, penalties: Penalties, tp: TensorParallel | None = None) -> None:
+        """penalties: the per-slot statistics of penalized requests, which `sample` applies; tp:
+        the tensor-parallel group (grammar masks come from rank 0)."""
+        self.ops, self.device, self.penalties, self.tp = ops, device, penalties, tp
 
     def sample(self, logits: torch.Tensor, rows: Sequence[ScheduledRow], positions: torch.Tensor | None = None,
                drafts: torch.Tensor | None = None) -> torch.Tensor:
@@ -39,7 +41,7 @@ class Sampler:
         drafts); by default from the rows. A seeded draw depends on nothing else. Penalized
         rows' logits are adjusted first (penalties.py), greedy rows' too, and constrained rows'
         tokens outside their grammar masked (structured.py)."""
-        logits = Grammars.mask(self.penalties.adjust(logits, rows, drafts), rows, drafts)
+        logits = Grammars.mask(self.penalties.adjust(logits, rows, drafts), rows, drafts, self.tp)
         params = [r.request.params for r in rows]
         if all(p.greedy for p in params):  # greedy fast path: no filtering, no noise
             return logits.argmax(dim=-1)

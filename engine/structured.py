@@ -29,6 +29,7 @@ import torch
 
 if TYPE_CHECKING:  # step.py imports this module (through request.py and sampling_params.py)
     from .step import ScheduledRow
+    from .tensor_parallel import TensorParallel
     from .tokenizer import Tokenizer
 
 KINDS = ("json_schema", "json_object", "regex", "choice")
@@ -131,18 +132,26 @@ class Grammars:
         return Matcher(matcher, self._vocab_size)
 
     @staticmethod
-    def mask(logits: torch.Tensor, rows: Sequence[ScheduledRow], drafts: torch.Tensor | None = None) -> torch.Tensor:
+    def mask(logits: torch.Tensor, rows: Sequence[ScheduledRow], drafts: torch.Tensor | None = None,
+             tp: TensorParallel | None = None) -> torch.Tensor:
         """logits [N * W, V] as Penalties.adjust takes them. Returns them with each constrained
         row's disallowed tokens at -inf (a new tensor; the input itself when no row is
-        constrained). Reads a verify step's drafts on the host (a sync)."""
-        constrained = [i for i, r in enumerate(rows) if r.request.grammar is not None]
+        constrained). Reads a verify step's drafts on the host (a sync). Under tensor
+        parallelism only rank 0 holds the matchers: it computes the mask and broadcasts it, and
+        every rank masks alike."""
+        constrained = [i for i, r in enumerate(rows) if r.request.params.structured is not None]
         if not constrained:
             return logits
-        width = logits.shape[0] // len(rows)
-        host_drafts = drafts.tolist() if drafts is not None and width > 1 else None
-        allowed = np.ones((logits.shape[0], logits.shape[1]), dtype=bool)
-        for i in constrained:
-            row_drafts = host_drafts[i][:width - 1] if host_drafts is not None else ()
-            allowed[i * width:(i + 1) * width] = rows[i].request.grammar.allowed(row_drafts)
-        allowed = torch.from_numpy(allowed).to(logits.device, non_blocking=True)
-        return logits.float().masked_fill(~allowed, float("-inf"))
+        if tp is not None and tp.rank > 0:
+            allowed = torch.empty(logits.shape, dtype=torch.uint8, device=logits.device)
+        else:
+            width = logits.shape[0] // len(rows)
+            host_drafts = drafts.tolist() if drafts is not None and width > 1 else None
+            host = np.ones((logits.shape[0], logits.shape[1]), dtype=np.uint8)
+            for i in constrained:
+                row_drafts = host_drafts[i][:width - 1] if host_drafts is not None else ()
+                host[i * width:(i + 1) * width] = rows[i].request.grammar.allowed(row_drafts)
+            allowed = torch.from_numpy(host).to(logits.device, non_blocking=True)
+        if tp is not None:
+            tp.broadcast(allowed)
+        return logits.float().masked_fill(allowed == 0, float("-inf"))

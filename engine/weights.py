@@ -30,6 +30,8 @@ from . import online_quantization
 from .model_config import ModelConfig
 from .models import HybridLM
 from .quantization import canonical_module
+from .sharding import NotThisRank, Sharding, shard_config
+from .tensor_parallel import TensorParallel
 
 _VISION_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.")
 _PROGRESS_BAR_BYTES = 256 << 20
@@ -133,29 +135,62 @@ def _checkpoint_names(files: list[Path]) -> dict[str, Path]:
 
 
 def load_model(path: str | Path, ops: Ops, dtype: torch.dtype, device: torch.device | str,
-               config: ModelConfig | None = None, quantize_online: bool = False) -> HybridLM:
-    """Build the model for the checkpoint at `path` and fill every parameter from it.
+               config: ModelConfig | None = None, quantize_online: bool = False, tp: TensorParallel | None = None,
+               expert_parallel: bool = False) -> HybridLM:
+    """Build the model for the checkpoint at `path` and fill every parameter from it. Under
+    tensor parallelism (tp) this rank's shard, reading only its slices of each tensor.
     quantize_online: the checkpoint is unquantized and `config` says block FP8
-    (quantization.with_online_quantization): its projections are quantized as they are read."""
+    (quantization.with_online_quantization): its projections (this rank's slices) are quantized
+    as they are read."""
     path = Path(path)
     config = config or ModelConfig.from_file(path)
     files = checkpoint_files(path)
     names = _checkpoint_names(files)
+    sharding = Sharding(config, tp.rank, tp.size, expert_parallel) if tp is not None else None
+    shard = shard_config(config, tp.size, tp.rank, expert_parallel) if tp is not None else config
     total_bytes = sum(f.stat().st_size for f in files)
     with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="loading weights",
-              disable=total_bytes < _PROGRESS_BAR_BYTES) as bar:
-        return model_from_tensors(config, _read_tensors(files, bar), ops, dtype, device,
+              disable=total_bytes < _PROGRESS_BAR_BYTES or (tp is not None and tp.rank > 0)) as bar:
+        return model_from_tensors(shard, read_tensors(files, sharding, bar), ops, dtype, device,
                                   with_mtp=any((_canonical_name(n) or "").startswith("mtp.") for n in names),
-                                  quantize_online=quantize_online)
+                                  quantize_online=quantize_online, tp=tp)
+
+
+def random_model(config: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device | str,
+                 tp: TensorParallel | None = None, expert_parallel: bool = False, seed: int = 0) -> HybridLM:
+    """A model of the config's shapes (with its MTP layer) and random weights at the scales a
+    trained model has (A_log in [0, 2.7], vectors ~0.1, matrices ~1/sqrt(fan-in)): benchmarks of
+    real sizes without their checkpoints (EngineConfig.load_format "dummy"). A config with
+    block-FP8 quantization gets random e4m3 values and block scales of the same magnitude, drawn
+    in place (no bf16 copy: a 35B-A3B-shape model fits one H100)."""
+    shard = shard_config(config, tp.size, tp.rank, expert_parallel) if tp is not None else config
+    with torch.device(device):
+        model = HybridLM(shard, ops, dtype, with_mtp=True, tp=tp)
+    generator = torch.Generator(device=device).manual_seed(seed + (tp.rank if tp is not None else 0))
+    for name, p in model.named_parameters():
+        if p.dtype == FP8:                     # block FP8: e4m3 values ~N(0, 64) ...
+            for chunk in p.data.view(-1, p.shape[-1]).split(4096):
+                chunk.copy_(torch.randn(chunk.shape, device=device, generator=generator).mul_(64).clamp_(-448, 448))
+        elif name.endswith("_scale"):          # ... times 1 / (64 sqrt(fan-in)): the bf16 weights' scale
+            p.data.fill_((p.shape[-1] * 128) ** -0.5 / 64)
+        elif name.endswith("A_log"):
+            p.data.uniform_(0.0, 2.7, generator=generator)
+        elif p.dim() == 1:
+            p.data.normal_(0.0, 0.1, generator=generator)
+        else:
+            p.data.normal_(0.0, p.shape[-1] ** -0.5, generator=generator)
+    model.finish_loading()
+    return model.eval()
 
 
 def model_from_tensors(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], ops: Ops,
                        dtype: torch.dtype, device: torch.device | str, with_mtp: bool,
-                       quantize_online: bool = False) -> HybridLM:
+                       quantize_online: bool = False, tp: TensorParallel | None = None) -> HybridLM:
     """Build the model and fill it from (checkpoint name, tensor) pairs, e.g. an HF state_dict
-    (quantize_online: as load_model)."""
+    (quantize_online: as load_model). config: the model or (under tensor parallelism) this
+    rank's shard of it, and the tensors this rank's slices."""
     with torch.device(device):
-        model = HybridLM(config, ops, dtype, with_mtp=with_mtp)
+        model = HybridLM(config, ops, dtype, with_mtp=with_mtp, tp=tp)
     if quantize_online:
         tensors = online_quantization.quantize_online(tensors, config.quantization, device)
     _fill(model, tensors, config)
@@ -163,16 +198,36 @@ def model_from_tensors(config: ModelConfig, tensors: Iterable[tuple[str, torch.T
     return model.eval()
 
 
-def _read_tensors(files: list[Path], bar: tqdm) -> Iterator[tuple[str, torch.Tensor]]:
+def read_tensors(files: list[Path], sharding: Sharding | None = None,
+                 bar: tqdm | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor in the files; with a sharding, only this rank's slices
+    (safetensors reads just those bytes) and no tensor that is wholly another rank's."""
     for file in files:
         with _open(file) as f:
             for name in f.keys():
                 try:
-                    tensor = f.get_tensor(name)
+                    tensor = _read(f, name, sharding)
+                except NotThisRank:
+                    continue
+                except ValueError as e:  # a split that cuts an FP8 scale block
+                    raise WeightLoadError(str(e)) from None
                 except Exception as e:
                     raise WeightLoadError(f"cannot read tensor {name} from {file}: {e}") from None
-                bar.update(tensor.numel() * tensor.element_size())
+                if bar is not None:
+                    bar.update(tensor.numel() * tensor.element_size())
                 yield name, tensor
+
+
+def _read(f, name: str, sharding: Sharding | None) -> torch.Tensor:
+    canonical = _canonical_name(name)
+    if sharding is None or canonical is None:
+        return f.get_tensor(name)
+    tensor = f.get_slice(name)
+    pieces = sharding.pieces(canonical, tuple(tensor.get_shape()))
+    if pieces is None:
+        return f.get_tensor(name)
+    parts = [tensor[(slice(None),) * dim + (slice(start, stop),)] for dim, start, stop in pieces]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=pieces[0][0])
 
 
 def _fill(model: HybridLM, tensors: Iterable[tuple[str, torch.Tensor]], config: ModelConfig) -> None:

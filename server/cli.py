@@ -41,7 +41,9 @@ def _serve(args: argparse.Namespace) -> int:
                                  enable_prefix_cache=not args.no_prefix_cache,
                                  checkpoint_interval=args.checkpoint_interval,
                                  host_cache_bytes=int(args.host_cache_gib * 2**30),
-                                 generation_config=args.generation_config, quantization=args.quantization)
+                                 generation_config=args.generation_config, quantization=args.quantization,
+                                 tensor_parallel_size=args.tensor_parallel_size,
+                                 enable_expert_parallel=args.enable_expert_parallel, load_format=args.load_format)
     server_config = ServerConfig(model_name=args.served_model_name or model.name, host=args.host, port=args.port,
                                  api_key=args.api_key, max_waiting=args.max_waiting,
                                  max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout,
@@ -59,7 +61,9 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed)
     engine = AsyncLLM(model, device=args.device, dtype=args.dtype, num_draft_tokens=args.num_draft_tokens,
-                      generation_config=args.generation_config, quantization=args.quantization)
+                      generation_config=args.generation_config, quantization=args.quantization,
+                      tensor_parallel_size=args.tensor_parallel_size,
+                      enable_expert_parallel=args.enable_expert_parallel, load_format=args.load_format)
 
     async def stream() -> None:
         try:
@@ -81,6 +85,12 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-draft-tokens", type=int, default=None,
                         help="MTP drafts per step at most (default: 3 when the checkpoint has MTP weights, each "
                              "step's count chosen by the adaptive policy; 0: no speculation)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="shard the model over this many devices (one process each; cuda:0..N-1)")
+    parser.add_argument("--enable-expert-parallel", action="store_true",
+                        help="MoE: place whole experts on ranks (experts / tp each) instead of splitting each")
+    parser.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                        help="dummy: random weights of the config's shapes (benchmarks)")
     parser.add_argument("--generation-config", choices=("auto", "none"), default="auto",
                         help="auto: sampling fields a request leaves unset take the checkpoint's "
                              "generation_config.json values; none: the built-in neutral ones")

@@ -16,22 +16,34 @@ from ...kernels import Ops
 from ..batch import ForwardBatch
 from ..model_config import ModelConfig
 from ..state_pool import KVPool, StatePool
+from ..tensor_parallel import TensorParallel
 from .layers import ALL, CheckpointMap, DecoderLayer, Linear, _param
 from .mtp import MTP
 
 
 class HybridLM(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Ops, dtype: torch.dtype, with_mtp: bool) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops, dtype: torch.dtype, with_mtp: bool,
+                 tp: TensorParallel | None = None) -> None:
+        """config: this rank's shard of the model (engine/sharding.py: heads and widths divided
+        by the tensor-parallel size; the vocabulary is whole) or the whole model; tp: the
+        tensor-parallel group (None: one device). Under tensor parallelism the embedding and
+        lm_head hold this rank's rows of the vocabulary, and the mixers' and MLPs' outputs
+        (row-parallel partial sums) are all-reduced by forward hooks: the layers stay as they are."""
         super().__init__()
-        self.config, self.ops = config, ops
+        self.config, self.ops, self.tp = config, ops, tp
         c = config
-        self.embed_tokens = _param(c.vocab_size, c.hidden_size, dtype=dtype)
+        vocab_rows = c.vocab_size // (tp.size if tp is not None else 1)
+        self.embed_tokens = _param(vocab_rows, c.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
             DecoderLayer(c, f"model.layers.{i}", is_gdn=t == "linear_attention", is_moe=c.is_moe_layer(i), dtype=dtype)
             for i, t in enumerate(c.layer_types))
         self.norm = _param(c.hidden_size, dtype=dtype)
-        self.lm_head = None if c.tie_word_embeddings else _param(c.vocab_size, c.hidden_size, dtype=dtype)
+        self.lm_head = None if c.tie_word_embeddings else _param(vocab_rows, c.hidden_size, dtype=dtype)
         self.mtp = MTP(c, dtype) if with_mtp else None
+        if tp is not None:
+            for layer in [*self.layers, *(self.mtp.layers if self.mtp is not None else ())]:
+                for block in (layer.mixer, layer.mlp):
+                    block.register_forward_hook(lambda module, args, out: tp.all_reduce(out))
         # Reduced draft vocabulary (optional): the MTP head scores only these token ids.
         self.draft_token_ids: torch.Tensor | None = None
         self.draft_head: torch.Tensor | None = None
@@ -66,7 +78,7 @@ class HybridLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, states: StatePool, kv: KVPool) -> torch.Tensor:
         """Returns the final (post-norm) hidden state of every token: [T, H]."""
-        x, residual = F.embedding(batch.input_ids, self.embed_tokens), None
+        x, residual = self.embed(batch.input_ids), None
         gdn_states, kv_layers = iter(states.layers), iter(kv.layers)
         for layer, kind in zip(self.layers, self.config.layer_types):
             mixer_state = next(gdn_states) if kind == "linear_attention" else next(kv_layers)
@@ -74,13 +86,23 @@ class HybridLM(nn.Module):
         x, _ = self.ops.rms_norm(x, self.norm, self.config.rms_norm_eps, residual)
         return x
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [T] -> embeddings [T, H] (vocabulary-parallel under tensor parallelism)."""
+        if self.tp is not None:
+            return self.tp.embed(ids, self.embed_tokens)
+        return F.embedding(ids, self.embed_tokens)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, V]."""
         return self.logits(hidden).float()
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] in the model's dtype (greedy argmax needs no float32
-        copy), into `out` when given (a CUDA graph's static buffer)."""
+        copy), into `out` when given (a CUDA graph's static buffer). Under tensor parallelism
+        every rank computes its vocabulary rows and gathers everyone's: all ranks hold the
+        same full logits and sample the same tokens."""
+        if self.tp is not None:
+            return self.tp.gather_logits(F.linear(hidden, self.lm_head_weight), out)
         if out is None:
             return F.linear(hidden, self.lm_head_weight)
         return torch.mm(hidden, self.lm_head_weight.t(), out=out)
@@ -92,6 +114,8 @@ class HybridLM(nn.Module):
         if token_ids is None:
             self.draft_token_ids = self.draft_head = None
             return
+        if self.tp is not None:
+            raise ValueError("a reduced draft vocabulary is not supported under tensor parallelism")
         ids = token_ids.to(self.embed_tokens.device, torch.int64)
         if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
             raise ValueError(f"draft vocabulary ids must be in [0, {self.config.vocab_size})")
@@ -110,4 +134,4 @@ class HybridLM(nn.Module):
         if self.mtp is None:
             raise RuntimeError("this checkpoint has no MTP weights")
         kv_layer = kv.layers[len(self.config.attention_layer_ids) + mtp_layer]
-        return self.mtp(input_ids, hidden, self.embed_tokens, batch, kv_layer, self.ops, mtp_layer)
+        return self.mtp(input_ids, hidden, self.embed, batch, kv_layer, self.ops, mtp_layer)

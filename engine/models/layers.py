@@ -237,8 +237,12 @@ class MoEMLP(nn.Module):
     def __init__(self, c: ModelConfig, src: str, dtype: torch.dtype) -> None:
         super().__init__()
         self.c, self.src = c, src
-        e, i, h = c.num_experts, c.moe_intermediate_size, c.hidden_size
-        self.router = Linear(c, {f"{src}.gate": e}, h, dtype)
+        i, h = c.moe_intermediate_size, c.hidden_size
+        # Under expert parallelism this rank holds experts c.local_experts only; the router
+        # scores every expert.
+        e = len(c.local_experts)
+        self.expert_parallel = e != c.num_experts
+        self.router = Linear(c, {f"{src}.gate": c.num_experts}, h, dtype)
         expert_modules = [f"{src}.experts.{n}.{p}_proj" for n in range(e) for p in ("gate", "up", "down")]
         if _is_fp8(c, expert_modules):
             # FP8 experts (stored per expert) with their block scales repeated over rows.
@@ -265,8 +269,9 @@ class MoEMLP(nn.Module):
             f"{src}.experts.down_proj": (f"{dst}.w_down", ALL),
             **self.shared.checkpoint_map(f"{dst}.shared"),
         }
-        for e in range(self.c.num_experts):
-            rows = {"gate": (e, slice(0, i)), "up": (e, slice(i, 2 * i)), "down": (e,)}
+        first = self.c.first_local_expert
+        for e in self.c.local_experts:
+            rows = {"gate": (e - first, slice(0, i)), "up": (e - first, slice(i, 2 * i)), "down": (e - first,)}
             for projection, index in rows.items():
                 target = "w_down" if projection == "down" else "w_gate_up"
                 mapping[f"{src}.experts.{e}.{projection}_proj.weight"] = (f"{dst}.{target}", index)
@@ -276,12 +281,22 @@ class MoEMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         weights, experts = ops.moe_route(self.router(x, ops), self.c.num_experts_per_tok, self.c.norm_topk_prob)
+        if self.expert_parallel:
+            weights, experts = self._local_pairs(weights, experts)
         if self.w_down_scale is None:
             routed = ops.moe_experts(x, weights, experts, self.w_gate_up, self.w_down)
         else:
             routed = ops.fp8_moe_experts(x, weights, experts, self.w_gate_up, self.w_gate_up_scale, self.w_down,
                                          self.w_down_scale, self.group_size)
         return routed + torch.sigmoid(self.shared_gate(x, ops)) * self.shared(x, ops)
+
+    def _local_pairs(self, weights: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert parallelism: the routed (token, expert) pairs [T, k] in this rank's expert
+        numbering, the pairs of other ranks' experts weighted 0 (every rank has every token; the
+        all-reduce after the MLP adds the ranks' contributions)."""
+        local = experts - self.c.first_local_expert
+        inside = (local >= 0) & (local < len(self.c.local_experts))
+        return weights * inside.to(weights.dtype), torch.where(inside, local, 0)
 
 
 class DecoderLayer(nn.Module):

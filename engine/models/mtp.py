@@ -10,8 +10,9 @@ lm_head are the target's. Knows nothing about acceptance or scheduling.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import Ops
@@ -40,11 +41,12 @@ class MTP(nn.Module):
             mapping.update(layer.checkpoint_map(f"{dst}.layers.{j}"))
         return mapping
 
-    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, embed_tokens: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, embed: Callable[[torch.Tensor], torch.Tensor],
                 batch: ForwardBatch, kv: KVLayer, ops: Ops, layer: int = 0) -> torch.Tensor:
         """input_ids [T] (x_{t+1}), hidden [T, H] (h_t) -> post-norm MTP hidden [T, H].
-        batch carries positions t and the MTP layer's KV metadata."""
-        embedded, _ = ops.rms_norm(F.embedding(input_ids, embed_tokens), self.pre_fc_norm_embedding, self.eps)
+        embed: the target's token embedding. batch carries positions t and the MTP layer's KV
+        metadata."""
+        embedded, _ = ops.rms_norm(embed(input_ids), self.pre_fc_norm_embedding, self.eps)
         hidden, _ = ops.rms_norm(hidden, self.pre_fc_norm_hidden, self.eps)
         x = self.fc(torch.cat([embedded, hidden], dim=-1), ops)
         x, residual = self.layers[layer](x, None, batch, kv, ops)

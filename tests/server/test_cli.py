@@ -100,3 +100,24 @@ def test_the_shipped_model_is_the_default(capsys):
     assert cli.main(["generate", "def fibonacci(n):", "--max-tokens", "24", "--seed", "0"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("def fibonacci(n):") and len(out) > len("def fibonacci(n):") + 20
+
+
+def test_tensor_parallel_size_that_does_not_divide_the_model_is_named(checkpoint, capsys):
+    assert cli.main(["generate", "hi", "--model", str(checkpoint("qwen3_5")), "--tensor-parallel-size", "3"]) == 2
+    assert "tensor_parallel_size=3 must divide" in capsys.readouterr().err
+
+
+async def test_serve_tensor_parallel_streams_with_speculation_and_exits_0(checkpoint):
+    """Two ranks (gloo) behind the server: a streamed request equals the one-device output."""
+    path = checkpoint("qwen3_5")
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    expected = LLM(path).generate("Hello", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].text
+    async with serve_process(path, "--tensor-parallel-size", "2") as (process, port, stderr), \
+            aiohttp.ClientSession() as http:
+        async with http.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as response:
+            events = sse_events((await response.content.read()).decode())
+        text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1] if json.loads(e)["choices"])
+        assert text == expected
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(process.wait(), 30) == 0

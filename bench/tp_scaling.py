@@ -1,0 +1,193 @@
+"""Tensor-parallel scaling on the GPU: decode tokens/s at TP 1, 2 (and 4) on the same shapes and
+batches, the collectives' share of a decode step, and MTP speculation's speedup with the shipped
+model's acceptance profile, side by side in one run.
+
+Shapes: random-weight Qwen3.5-9B and Qwen3.5-35B-A3B (bf16, with their MTP layer: the shapes of
+bench/spec_e2e.py), loaded by every rank with `load_format="dummy"` from a config.json. For each
+shape and TP size one engine (CUDA graphs on, warm-up off: decode steps are timed, never eager
+prefills) runs, per batch, plain decoding (K = 0) and speculation (adaptive, up to 3 drafts) with
+each verify row's accepted count drawn from the shipped profile (spec/profile.py, as spec_e2e
+forces it; every rank draws the same counts). tokens/s: generated tokens over the decode steps'
+wall time (prefill off the clock). Collectives' share: rank 0's NCCL kernel time over its CUDA
+time across a few plain decode steps at each batch (torch.profiler; the time a rank waits in an
+all-reduce for a slower peer counts as collective time). NVLink multicast is off
+(NCCL_NVLS_ENABLE=0, the device notes' advice).
+
+    python bench/tp_scaling.py [--shapes 9b,35b-a3b] [--tp 1,2] [--batches 1,16,64] [--expert-parallel]
+
+Writes bench/results/tp_scaling-<gpu>-<shapes>[-ep].json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from fixtures import make_tokenizer  # noqa: E402
+
+from common import commit_id, device_tag  # noqa: E402
+from deltaspec.engine import EngineConfig, SamplingParams  # noqa: E402
+from deltaspec.engine.core import EngineCore  # noqa: E402
+from deltaspec.spec import AcceptanceProfile, DraftPolicy  # noqa: E402
+from spec_e2e import COMMON, PROFILES, PROMPT_LEN, SHAPES, run, synchronize  # noqa: E402
+
+MAX_DRAFTS = 3
+PROFILED_STEPS = 8
+
+
+def checkpoint_dir(shape: str, root: Path) -> Path:
+    """A config.json (and a tokenizer) of the shape: what load_format "dummy" needs."""
+    directory = root / shape
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({**COMMON, **SHAPES[shape]}))
+    make_tokenizer(directory)
+    return directory
+
+
+def engine(directory: Path, device: str, tp: int, max_batch: int, expert_parallel: bool) -> EngineCore:
+    config = EngineConfig(model=directory, device=device, dtype="bfloat16" if device == "cuda" else "float32",
+                          tensor_parallel_size=tp,
+                          enable_expert_parallel=expert_parallel and tp > 1, load_format="dummy",
+                          max_num_seqs=max_batch, max_num_batched_tokens=max(2048, max_batch * (PROMPT_LEN // 4)),
+                          max_model_len=1024, num_draft_tokens=MAX_DRAFTS, enable_prefix_cache=False,
+                          gpu_memory_utilization=0.5, warm_up=False)
+    return EngineCore(config, forced_acceptance=AcceptanceProfile(PROFILES["shipped"]))
+
+
+def use_drafts(core: EngineCore, costs, max_drafts: int) -> None:
+    """Plain decoding (0) or adaptive speculation up to max_drafts on the same engine (its pools
+    and graphs cover both)."""
+    core.scheduler.draft_policy = DraftPolicy(max_drafts, costs, adaptive=True) if max_drafts else None
+
+
+def collective_share(core: EngineCore, batch: int) -> dict:
+    """Rank 0's NCCL kernel time / its CUDA time over PROFILED_STEPS plain decode steps."""
+    params = SamplingParams(max_tokens=PROFILED_STEPS + 12, temperature=0.0, ignore_eos=True)
+    generator = torch.Generator().manual_seed(7)
+    requests = [core.add_request(torch.randint(0, core.model_config.vocab_size, (PROMPT_LEN,),
+                                               generator=generator).tolist(), params) for _ in range(batch)]
+    while any(len(r.output_token_ids) < 4 for r in requests):
+        core.step()
+    synchronize()
+    with profile(activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU]) as prof:
+        for _ in range(PROFILED_STEPS):
+            core.step()
+        synchronize()
+    while core.has_work:
+        core.step()
+    # Kernels only (self device time; torch < 2.4 names it self_cuda_time_total).
+    times = [(e.key, getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0))
+             for e in prof.key_averages()]
+    total = sum(t for _, t in times)
+    nccl = sum(t for key, t in times if "nccl" in key.lower())  # on the CPU (smoke runs) nothing is
+    return {"nccl_us_per_step": nccl / PROFILED_STEPS, "cuda_us_per_step": total / PROFILED_STEPS,
+            "share": nccl / total if total else None}
+
+
+def measure(core: EngineCore, batches: list[int], tokens: int) -> dict:
+    results, costs = {}, core.scheduler.draft_policy.costs
+    for batch in batches:
+        steps = max(tokens, min(256, 2048 // batch))
+        row = {}
+        for name, max_drafts in (("plain", 0), ("speculative", MAX_DRAFTS)):
+            use_drafts(core, costs, max_drafts)
+            run(core, batch, 8, 0.0, seed=0)  # untimed
+            row[f"{name}_tokens_per_s"] = run(core, batch, steps, 0.0, seed=1)
+        row["speculation_speedup"] = row["speculative_tokens_per_s"] / row["plain_tokens_per_s"]
+        if core.config.tensor_parallel_size > 1:
+            use_drafts(core, costs, 0)
+            row["collectives"] = collective_share(core, batch)
+        results[batch] = row
+        print(f"  batch {batch}: {json.dumps(row)}", flush=True)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default="9b,35b-a3b")
+    parser.add_argument("--tp", default="1,2")
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--tokens", type=int, default=48, help="decode tokens per request at least")
+    parser.add_argument("--expert-parallel", action="store_true", help="MoE shapes: whole experts per rank")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (--shapes tiny; gloo)")
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    sizes = [int(t) for t in args.tp.split(",")]
+    num_devices = torch.cuda.device_count() if args.device == "cuda" else max(sizes)
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    report = {"device": device_tag(name), "num_gpus": torch.cuda.device_count(),
+              "date": datetime.date.today().isoformat(),
+              "commit": commit_id(), "command": " ".join(["python", *sys.argv]), "profile": PROFILES["shipped"],
+              "expert_parallel": args.expert_parallel, "shapes": {}}
+    with tempfile.TemporaryDirectory() as root:
+        for shape in args.shapes.split(","):
+            directory = checkpoint_dir(shape, Path(root))
+            report["shapes"][shape] = {}
+            for tp in sizes:
+                if tp > num_devices:
+                    print(f"{shape} tp={tp}: skipped, {num_devices} GPUs")
+                    continue
+                print(f"{shape} tp={tp}", flush=True)
+                started = time.perf_counter()
+                core = engine(directory, args.device, tp, max(batches), args.expert_parallel)
+                start_s = time.perf_counter() - started
+                results = measure(core, batches, args.tokens)
+                report["shapes"][shape][f"tp{tp}"] = {"start_s": start_s, "batches": results}
+                core.close()
+                del core
+                gc.collect()
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
+            plain = report["shapes"][shape]
+            if "tp1" in plain:
+                for key, value in plain.items():
+                    for batch, row in value["batches"].items():
+                        row["plain_scaling_over_tp1"] = (row["plain_tokens_per_s"]
+                                                         / plain["tp1"]["batches"][batch]["plain_tokens_per_s"])
+    # One file per device, shapes and expert placement: the runs of one GPU session do not overwrite each other.
+    suffix = args.shapes.replace(",", "_") + ("-ep" if args.expert_parallel else "")
+    out = Path(__file__).resolve().parent / "results" / f"tp_scaling-{report['device']}-{suffix}"
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    plot(report, batches, sizes, out.with_suffix(".png"))
+    print(f"wrote {out}.json and .png")
+
+
+def plot(report: dict, batches: list[int], sizes: list[int], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(report["shapes"])
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 3.8), squeeze=False)
+    for axis, shape in zip(axes[0], shapes):
+        for key, value in report["shapes"][shape].items():
+            rows = value["batches"]
+            for name, style in (("plain", "-"), ("speculative", "--")):
+                axis.plot(batches, [rows[b][f"{name}_tokens_per_s"] for b in batches], marker="o", linestyle=style,
+                          label=f"{key} {name}")
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_title(f"{shape} ({report['device']})", fontsize=9)
+        axis.set_xlabel("batch")
+        axis.set_ylabel("decode tokens/s")
+        axis.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""Tensor and expert parallelism on the CPU (gloo, worker processes): the same greedy tokens as one
+device, lossless speculation, the prefix cache; each rank reads only its slices of the
+checkpoint; a dead worker ends the engine with an error naming it, and nothing is left running.
+The GPU variants (NCCL, CUDA graphs) need two CUDA devices."""
+
+import gc
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from deltaspec.engine import LLM, EngineConfig, ModelConfig, SamplingParams, WeightLoadError
+from deltaspec.engine.executor import TensorParallelError, WorkerDiedError
+from deltaspec.engine.structured import Structured
+from deltaspec.engine.sharding import NotThisRank, Sharding, check_divisible
+from deltaspec.engine.tensor_parallel import TensorParallel
+from deltaspec.engine.weights import checkpoint_files, load_model, read_tensors
+from deltaspec.kernels import REFERENCE_OPS
+from harness import check_isolation
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+# Small pools: every rank allocates its own.
+POOLS = dict(max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=64, num_checkpoint_slots=8,
+             max_model_len=256, checkpoint_interval=64)
+# The shared dense engine also moves checkpoints to a host tier (2 checkpoint slots on the device).
+DENSE = {**POOLS, "num_checkpoint_slots": 2, "host_cache_bytes": 1 << 24}
+
+
+def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 512, (length + 5 * i,), generator=g).tolist() for i in range(n)]
+
+
+def reference(path, prompt_list, **options) -> list[list[int]]:
+    with LLM(path, num_draft_tokens=0, **POOLS, **options) as llm:
+        return [o.token_ids for o in llm.generate(prompt_list, GREEDY)]
+
+
+def no_workers_left(llm: LLM) -> bool:
+    return not any(p.is_alive() for p in llm.core.workers.processes)
+
+
+@pytest.fixture(scope="module")
+def dense(checkpoint):
+    """A TP=2 engine speculating with the MTP layer (module-wide: each start spawns a process)."""
+    llm = LLM(checkpoint("qwen3_5"), tensor_parallel_size=2, num_draft_tokens=2, **DENSE)
+    yield llm
+    llm.close()
+
+
+def test_logits_greedy_sampled_constrained_and_cached_equal_one_device(dense, checkpoint):
+    path = checkpoint("qwen3_5")
+    first = prompts(3, 20, seed=1)
+    # The second round repeats a prompt (restored from the prefix cache whole) and extends one
+    # past a checkpoint at 64 tokens (restored, then the rest prefilled).
+    second = [first[0], first[2] + prompts(1, 50, seed=2)[0]]
+    # Then a seeded sampled request (rejection sampling decides alike on every rank) beside a
+    # constrained one (rank 0's grammar masks, broadcast).
+    third = [SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True),
+             SamplingParams(max_tokens=12, temperature=0, structured=Structured("regex", "[a-f ]{4,30}"))]
+    # Last, a session: a finished request's state saved, then continued.
+    with LLM(path, num_draft_tokens=0, **DENSE) as one:
+        expected = [o.token_ids for o in one.generate(first + second, GREEDY)]
+        expected += [o.token_ids for o in one.generate(first[:2], third)]
+        expected += continue_session(one, first[1])
+        logits = one.score_batch(first)
+    # Logits too (float32; the all-reduce sums partial products in another order).
+    for got_logits, want in zip(dense.score_batch(first), logits):
+        torch.testing.assert_close(got_logits, want, rtol=1e-4, atol=1e-4)
+    got = [o.token_ids for o in dense.generate(first, GREEDY)]
+    got += [o.token_ids for o in dense.generate(second, GREEDY)]
+    got += [o.token_ids for o in dense.generate(first[:2], third)]
+    assert re.fullmatch("[a-f ]+", dense.tokenizer.decode(got[-1]))
+    got += continue_session(dense, first[1])
+    assert got == expected
+    stats = dense.core.stats()
+    assert stats["prefix_cache"]["reused_tokens"] > 0 and stats["prefix_cache"]["offloads"] > 0
+    assert stats["spec"]["num_verify_steps"] > 0
+
+
+def continue_session(llm: LLM, prompt: list[int]) -> list[list[int]]:
+    handle = llm.save_checkpoint(llm.generate([prompt], GREEDY)[0].request_id)
+    continued = llm.generate([[7, 8, 9]], GREEDY, resume_from=handle)[0].token_ids
+    llm.release_checkpoint(handle)
+    return [continued]
+
+
+def test_killed_worker_ends_the_engine_naming_its_rank(dense):
+    """After the other test of the shared engine: it kills its worker. One tensor-parallel
+    engine runs per process, so the next tests start theirs after this one's close."""
+    core = dense.core
+    core.add_request(prompts(1, 10, seed=5)[0], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    core.step()
+    worker = core.workers.processes[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="rank 1"):
+        while True:
+            core.step()
+    assert time.monotonic() - started < 30
+    dense.close()
+    assert no_workers_left(dense)
+
+
+@pytest.mark.slow
+def test_isolation_harness_with_speculation(checkpoint):
+    """Staggered greedy and seeded sampled requests with aborts, each equal to its output alone
+    (sampled speculation decides on every rank alike), after the killed engine's group is gone.
+    Then a failure on rank 0 alone."""
+    core = check_isolation(checkpoint("qwen3_5"), n=4, seed=7, tensor_parallel_size=2, num_draft_tokens=2,
+                           max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=128, num_checkpoint_slots=8)
+    assert core.scheduler.spec_stats.num_verify_steps > 0
+    # A step that fails on rank 0 alone leaves the ranks out of step: the engine stops.
+    def fail(plan):
+        raise RuntimeError("injected")
+
+    core.runner.runner.run = core.runner.runner.launch = fail
+    core.add_request([1, 2, 3], GREEDY)
+    with pytest.raises(TensorParallelError, match="rank 0 failed .*injected.*out of step"):
+        core.step()
+    assert not any(p.is_alive() for p in core.workers.processes)
+    with pytest.raises(TensorParallelError, match="workers were stopped"):
+        core.step()
+    core.close()
+
+
+@pytest.mark.parametrize("family, expert_parallel", [("qwen3_5_moe", False), ("qwen3_next", True)])
+def test_moe_greedy_equals_one_device(checkpoint, family, expert_parallel):
+    path = checkpoint(family)
+    batch = prompts(3, 12, seed=3)
+    llm = LLM(path, tensor_parallel_size=2, enable_expert_parallel=expert_parallel, num_draft_tokens=0, **POOLS)
+    got = [o.token_ids for o in llm.generate(batch, GREEDY)]
+    processes = llm.core.workers.processes
+    del llm  # no close: collecting the engine stops its workers
+    gc.collect()
+    assert not any(p.is_alive() for p in processes)
+    assert got == reference(path, batch)
+
+
+@pytest.mark.slow
+def test_four_ranks_with_replicated_kv_heads(checkpoint):
+    """tp=4 with 2 KV heads: each KV head on two ranks."""
+    path = checkpoint("qwen3_5", linear_num_key_heads=4, linear_num_value_heads=8)
+    batch = prompts(2, 10, seed=4)
+    with LLM(path, tensor_parallel_size=4, num_draft_tokens=0, **POOLS) as llm:
+        got = [o.token_ids for o in llm.generate(batch, GREEDY)]
+    assert got == reference(path, batch)
+
+
+# Configuration and weight loading: no processes ------------------------------------------------
+
+def test_sizes_tp_does_not_divide_are_named(checkpoint):
+    config = ModelConfig.from_file(checkpoint("qwen3_5_moe"))
+    with pytest.raises(ValueError, match="num_attention_heads=4.*linear_num_key_heads=2.*"
+                                         "shared_expert_intermediate_size=40"):
+        check_divisible(config, 3, expert_parallel=False)
+    with pytest.raises(ValueError, match="num_experts=8"):
+        check_divisible(config, 16, expert_parallel=True)
+    check_divisible(config, 2, expert_parallel=True)
+    with pytest.raises(ValueError, match="enable_expert_parallel needs tensor_parallel_size > 1"):
+        EngineConfig(model="x", enable_expert_parallel=True)
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide"):
+        LLM(checkpoint("qwen3_5"), tensor_parallel_size=3)
+
+
+def rank_tensors(path, rank: int, size: int = 2, expert_parallel: bool = False) -> dict[str, torch.Tensor]:
+    sharding = Sharding(ModelConfig.from_file(path), rank, size, expert_parallel)
+    return dict(read_tensors(checkpoint_files(path), sharding))
+
+
+def full_tensors(path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in checkpoint_files(path):
+        with safe_open(str(file), "pt") as f:
+            tensors.update({name: f.get_tensor(name) for name in f.keys()})
+    return tensors
+
+
+@pytest.mark.parametrize("family, layout", [("qwen3_5", "per_expert"), ("qwen3_5_moe", "fused")])
+def test_rank_slices_concatenate_to_the_tensor(checkpoint, family, layout):
+    path = checkpoint(family, **({"moe_layout": layout} if layout == "fused" else {}))
+    c = ModelConfig.from_file(path)
+    full, ranks = full_tensors(path), [rank_tensors(path, r) for r in range(2)]
+    key, value = c.linear_key_dim, c.linear_value_dim
+    for name, tensor in full.items():
+        parts = [r[name] for r in ranks]
+        if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+            # Each rank: its half of q, of k and of v.
+            blocks = tensor.split([key, key, value])
+            for rank, part in enumerate(parts):
+                assert torch.equal(part, torch.cat([b.chunk(2)[rank] for b in blocks]))
+        elif name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight")) and tensor.dim() == 2:
+            assert torch.equal(torch.cat(parts, dim=1), tensor)
+        elif name.endswith("experts.gate_up_proj"):  # [E, gate | up, H]
+            gate, up = tensor.chunk(2, dim=1)
+            for rank, part in enumerate(parts):
+                assert torch.equal(part, torch.cat([gate.chunk(2, dim=1)[rank], up.chunk(2, dim=1)[rank]], dim=1))
+        elif name.endswith("experts.down_proj"):
+            assert torch.equal(torch.cat(parts, dim=2), tensor)
+        elif name.endswith(("norm.weight", "norm_embedding.weight", "norm_hidden.weight", "mlp.gate.weight",
+                            "shared_expert_gate.weight", "mtp.fc.weight")):
+            assert all(torch.equal(p, tensor) for p in parts)
+        else:  # heads, widths and the vocabulary by rows
+            assert parts[0].shape[0] * 2 == tensor.shape[0], name
+            assert torch.equal(torch.cat(parts), tensor), name
+
+
+def test_expert_parallel_ranks_read_their_experts_only(checkpoint):
+    path = checkpoint("qwen3_5_moe")
+    ranks = [rank_tensors(path, r, expert_parallel=True) for r in range(2)]
+    experts = [{int(n.split(".experts.")[1].split(".")[0]) for n in r if ".experts." in n} for r in ranks]
+    assert experts == [{0, 1, 2, 3}, {4, 5, 6, 7}]
+    with pytest.raises(NotThisRank):
+        sharding = Sharding(ModelConfig.from_file(path), 0, 2, expert_parallel=True)
+        sharding.pieces("model.layers.0.mlp.experts.5.up_proj.weight", (24, 72))
+
+
+def test_fp8_scales_are_sliced_by_block_and_a_cut_block_is_refused(checkpoint):
+    path = checkpoint("qwen3_5", fp8=True, fp8_block_size=(16, 16))
+    full, ranks = full_tensors(path), [rank_tensors(path, r) for r in range(2)]
+    name = "model.layers.0.mlp.gate_proj"
+    for leaf in ("weight", "weight_scale_inv"):  # 96 rows: 48 = 3 blocks of 16 per rank
+        assert torch.equal(torch.cat([r[f"{name}.{leaf}"] for r in ranks]).float(), full[f"{name}.{leaf}"].float())
+    down = "model.layers.0.mlp.down_proj.weight_scale_inv"
+    assert torch.equal(torch.cat([r[down] for r in ranks], dim=1), full[down])
+    # With 128-blocks rank 1's half of q (rows 16..32) starts inside a block.
+    coarse = checkpoint("qwen3_5", fp8=True)
+    with pytest.raises(WeightLoadError, match="cuts an FP8 128x128 scale block"):
+        load_model(coarse, REFERENCE_OPS, torch.float32, "cpu", tp=TensorParallel(1, 2, torch.device("cpu")))
+
+
+# GPU: NCCL and CUDA graphs ---------------------------------------------------------------------
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+
+
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.parametrize("family, expert_parallel", [("qwen3_5", False), ("qwen3_5_moe", False),
+                                                     ("qwen3_5_moe", True)])
+def test_gpu_greedy_and_speculation_equal_one_gpu(checkpoint, family, expert_parallel):
+    """float32 (token equality across a different reduction order needs it on random tiny
+    models); CUDA graphs with the collectives captured in them."""
+    path = checkpoint(family)
+    batch = prompts(8, 24, seed=6)
+    options = dict(device="cuda", max_num_seqs=8, max_model_len=512)
+    with LLM(path, num_draft_tokens=0, **options) as llm:
+        expected = [o.token_ids for o in llm.generate(batch, GREEDY)]
+    for k in (0, 3):
+        with LLM(path, tensor_parallel_size=2, enable_expert_parallel=expert_parallel, num_draft_tokens=k,
+                 **options) as llm:
+            assert llm.core.runner.runner.graphs is not None
+            assert [o.token_ids for o in llm.generate(batch, GREEDY)] == expected
+        assert no_workers_left(llm)
