@@ -119,7 +119,8 @@ class EngineCore:
                             config.max_num_seqs, self._max_blocks_per_row)
         penalties = Penalties(config.max_num_seqs, self.model_config.vocab_size, self.device)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
-        sampler, checkpoint_io = Sampler(self.ops, self.device, penalties), CheckpointIO(self.states, self.kv)
+        sampler = Sampler(self.ops, self.device, penalties, self.grammars)
+        checkpoint_io = CheckpointIO(self.states, self.kv)
         speculator = Speculator(self.model, self.states, self.kv, decode, sampler, checkpoint_io, edit_drafts,
                                 forced_acceptance) if self.num_draft_tokens else None
         graphs = self._decode_graphs(decode)
@@ -264,6 +265,9 @@ class EngineCore:
 
         def wait() -> StepResult:
             launched = current if current is not None else self.runner.launch(plan)
+            # Its constrained rows now (the step before is committed), before the next step that
+            # is fed from them is launched.
+            launched.decide()
             ahead = self.runner.launch(follow) if follow is not None else None
             return StepResult(launched.result(), ahead)
 

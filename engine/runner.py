@@ -9,23 +9,25 @@ restored checkpoint's hidden state.
 Around the forward it executes the prefix cache's device work (checkpoint_io.py): restores
 before, and after it the hidden states of the checkpoints the forward wrote.
 
-One host sync per step (the emitted tokens). A plain decode-only step can also be `launch`ed:
-its tokens go to the host by an asynchronous copy and the returned `InFlight` waits for them
-only when asked, so the engine can launch the next step first (its rows fed from the device,
-ScheduledRow.fed_from). Returns StepOutputs (step.py) and reads nothing of the scheduler beyond
+One host sync per step (the emitted tokens). A decode-only step can also be `launch`ed: its
+tokens go to the host by an asynchronous copy and the returned `InFlight` waits for them only
+when asked, so the engine can launch the next step first (its rows fed from the device,
+ScheduledRow.fed_from). Constrained rows of a launched step are decided later, by
+`InFlight.decide`, once the tokens their grammar masks follow are committed. Returns StepOutputs (step.py) and reads nothing of the scheduler beyond
 the plan it is handed. Knows nothing about queues or stop conditions.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 
 from .batch import ForwardBatch, device_tensor
 from .checkpoint_io import CheckpointIO
 from .cuda_graphs import DecodeGraphs, SpecGraphs
-from .decode_step import DecodeStep
+from .decode_step import DecodeRows, DecodeStep
 from .models import HybridLM
 from .sampler import Sampler
 from .speculation import Speculator
@@ -34,27 +36,26 @@ from .step import ScheduledRow, StepOutput, StepPlan
 
 
 class InFlight:
-    """A launched decode-only step: `result()` waits for its outputs (on the host by then, or
-    on their way in pinned buffers) and returns its StepOutput."""
+    """A launched decode-only step. `decide()` decides its constrained rows' tokens and hands
+    its outputs to the host: it must run after the step before it is committed (the grammar
+    masks follow the committed tokens) and before the next step is launched (that one is fed
+    from these tokens). `result()` waits for the outputs and returns the StepOutput (deciding
+    first if nobody did)."""
 
-    def __init__(self, plan: StepPlan, output: StepOutput | None = None, emitted: torch.Tensor | None = None,
-                 accepted: torch.Tensor | None = None, done: torch.cuda.Event | None = None) -> None:
-        """output: the finished result; or emitted [W, B] (and accepted [B] when the step
-        speculated) pinned tensors the outputs are being copied into, and done: the event after
-        those copies."""
-        self.plan, self._output = plan, output
-        self._emitted, self._accepted, self._done = emitted, accepted, done
+    def __init__(self, plan: StepPlan, decide: Callable[[], Callable[[], StepOutput]]) -> None:
+        """decide: queues the rest of the step on the device; returns what reads its outputs."""
+        self.plan, self._decide = plan, decide
+        self._read: Callable[[], StepOutput] | None = None
+        self._output: StepOutput | None = None
+
+    def decide(self) -> None:
+        if self._read is None:
+            self._read = self._decide()
 
     def result(self) -> StepOutput:
         if self._output is None:
-            self._done.synchronize()
-            emitted = self._emitted.tolist()
-            if self._accepted is None:
-                self._output = StepOutput([[t] for t in emitted[0]])
-            else:
-                accepted = self._accepted.tolist()
-                self._output = StepOutput([[emitted[d][r] for d in range(a + 1)] for r, a in enumerate(accepted)],
-                                          num_pending=accepted)
+            self.decide()
+            self._output = self._read()
         return self._output
 
 
@@ -84,23 +85,44 @@ class Runner:
     def launch(self, plan: StepPlan) -> InFlight:
         """Launch a decode-only step (`can_launch`) without waiting for its outputs: a plain step
         when no row drafts, else a speculative one. Its rows may be fed (ScheduledRow.fed_from)
-        from the step launched before it. A step whose rows ask for log-probabilities is waited
-        for here (they need the logits before the next step overwrites them), as is every step
-        off the GPU (nothing runs asynchronously there)."""
+        from the step launched before it. Constrained rows are decided by `InFlight.decide`,
+        which the engine calls once the step before is committed: their masks are computed on
+        the host while this step's forward runs (structured.py), and no other row waits for
+        them. A step whose rows ask for log-probabilities is read at `decide` (they need the
+        logits before the next step overwrites them), as is every step off the GPU (nothing
+        runs asynchronously there)."""
         self.checkpoint_io.before_forward(plan.cache_ops)
         rows = plan.decode_rows
-        speculative = any(r.num_draft_tokens for r in rows)
-        if speculative:
-            drafted = self.speculator.launch(rows, self.spec_graphs)
+        constrained = [i for i, r in enumerate(rows) if r.request.grammar is not None]
+        if any(r.num_draft_tokens for r in rows):
+            drafted = self.speculator.launch(rows, self.spec_graphs, deferred=constrained)
             logits, width = drafted.logits, drafted.drafts.shape[1] + 1
+            decide = lambda: self.speculator.resample(rows, drafted, constrained)  # noqa: E731
         else:
-            logits, width = self._launch_plain(rows), 1
+            device_rows, logits, tokens = self._launch_plain(rows)
+            now = [i for i, r in enumerate(rows) if r.request.params.redecided and r.request.grammar is None]
+            self._redecide_plain(rows, device_rows, logits, tokens, now)
+            width = 1
+            decide = lambda: self._redecide_plain(rows, device_rows, logits, tokens, constrained)  # noqa: E731
         self.checkpoint_io.after_forward(plan.cache_ops)
+
+        def decide_and_hand_over() -> Callable[[], StepOutput]:
+            if constrained:
+                decide()
+            return self._hand_over(rows, logits, width)
+
+        return InFlight(plan, decide_and_hand_over)
+
+    def _hand_over(self, rows: tuple[ScheduledRow, ...], logits: torch.Tensor, width: int) -> Callable[[], StepOutput]:
+        """Start the copy of a launched step's outputs to the host; returns what waits for them.
+        Rows asking for log-probabilities, and steps off the GPU, are read at once."""
+        speculative = width > 1
         if self.device.type != "cuda" or any(r.request.params.logprobs is not None for r in rows):
             emitted, logit_rows, num_pending = self.speculator.read(len(rows), width) if speculative else \
                 ([[t] for t in self.decode.emitted[0, :len(rows)].tolist()], [[i] for i in range(len(rows))], None)
-            return InFlight(plan, StepOutput(emitted, logprobs=self.sampler.logprobs(logits, rows, logit_rows, emitted),
-                                             num_pending=num_pending))
+            output = StepOutput(emitted, logprobs=self.sampler.logprobs(logits, rows, logit_rows, emitted),
+                                num_pending=num_pending)
+            return lambda: output
         host_emitted, host_accepted = self._host_outputs[self._launches % 2]
         self._launches += 1
         # A contiguous destination: a strided one makes the copy wait for the device.
@@ -111,26 +133,39 @@ class Runner:
             host_accepted.copy_(self.decode.accepted[:len(rows)], non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return InFlight(plan, emitted=host_emitted, accepted=host_accepted if speculative else None, done=done)
 
-    def _launch_plain(self, rows: tuple[ScheduledRow, ...]) -> torch.Tensor:
-        """Queue a plain decode step: greedy tokens land in DecodeStep.emitted[0], where
-        sampled, penalized and constrained rows' tokens then go too (their seeded draws use the
-        positions on the device: a fed row's is known there only), decided after the graph from
-        its logits. Returns the raw logits [B, V]."""
+        def read() -> StepOutput:
+            done.synchronize()
+            emitted = host_emitted.tolist()
+            if not speculative:
+                return StepOutput([[t] for t in emitted[0]])
+            accepted = host_accepted.tolist()
+            return StepOutput([[emitted[d][r] for d in range(a + 1)] for r, a in enumerate(accepted)],
+                              num_pending=accepted)
+
+        return read
+
+    def _launch_plain(self, rows: tuple[ScheduledRow, ...]) -> tuple[DecodeRows, torch.Tensor, torch.Tensor]:
+        """Queue a plain decode step. Returns its rows on the device, the raw logits [B, V] and
+        the greedy tokens [B] (a view of DecodeStep.emitted[0], where the next step's fed rows
+        read them and where `_redecide_plain` writes the other rows' tokens)."""
         decode_rows = [r.decode_row() for r in rows]
         if self.graphs is not None and self.graphs.fits(decode_rows):
-            device_rows, logits, tokens = self.graphs.run(decode_rows)
-        else:
-            device_rows = self.decode.row_tensors(decode_rows, self.device)
-            logits, tokens = self.decode.plain(device_rows)
-        sampling = [i for i, r in enumerate(rows) if r.request.params.redecided]
-        if sampling:
-            index = device_tensor(sampling, torch.int64, self.device)
-            chosen = [rows[i] for i in sampling]
-            tokens[index] = self.sampler.sample(logits[index], chosen, device_rows.positions[index] + 1)
-            self.sampler.penalties.record(chosen, tokens[index, None])
-        return logits
+            return self.graphs.run(decode_rows)
+        device_rows = self.decode.row_tensors(decode_rows, self.device)
+        return device_rows, *self.decode.plain(device_rows)
+
+    def _redecide_plain(self, rows: tuple[ScheduledRow, ...], device_rows: DecodeRows, logits: torch.Tensor,
+                        tokens: torch.Tensor, chosen: list[int]) -> None:
+        """Decide again, after the graph, the tokens of the chosen rows (sampled, penalized or
+        constrained: their seeded draws use the positions on the device, where only a fed row's
+        is known)."""
+        if not chosen:
+            return
+        index = device_tensor(chosen, torch.int64, self.device)
+        chosen_rows = [rows[i] for i in chosen]
+        tokens[index] = self.sampler.sample(logits[index], chosen_rows, device_rows.positions[index] + 1)
+        self.sampler.penalties.record(chosen_rows, tokens[index, None])
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepOutput:

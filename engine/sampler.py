@@ -5,7 +5,8 @@ the seeded draw of the sampling kernel (temperature, top-k, top-p, min-p), which
 (seed, position), so a request's samples do not depend on the rest of its batch (and rejection
 sampling of drafts can be coupled with it: spec/accept.py). `logprobs` scores emitted tokens
 under the raw distribution. Penalized rows' logits are adjusted before either (penalties.py),
-constrained rows' masked to their grammar (structured.py).
+constrained rows' masked to their grammar: packed masks from llguidance (structured.py), copied
+to the device without a wait and applied there (kernels/token_bitmask.py).
 Knows nothing about steps or speculation: a row is a ScheduledRow's request parameters, slot
 and position.
 """
@@ -26,9 +27,10 @@ from .step import ScheduledRow
 
 
 class Sampler:
-    def __init__(self, ops: Ops, device: torch.device, penalties: Penalties) -> None:
-        """penalties: the per-slot statistics of penalized requests, which `sample` applies."""
-        self.ops, self.device, self.penalties = ops, device, penalties
+    def __init__(self, ops: Ops, device: torch.device, penalties: Penalties, grammars: Grammars) -> None:
+        """penalties: the per-slot statistics of penalized requests, which `sample` applies;
+        grammars: what masks constrained rows."""
+        self.ops, self.device, self.penalties, self.grammars = ops, device, penalties, grammars
 
     def sample(self, logits: torch.Tensor, rows: Sequence[ScheduledRow], positions: torch.Tensor | None = None,
                drafts: torch.Tensor | None = None) -> torch.Tensor:
@@ -38,8 +40,8 @@ class Sampler:
         positions [N * W]: where the sampled tokens go, when only the device knows (fed rows,
         drafts); by default from the rows. A seeded draw depends on nothing else. Penalized
         rows' logits are adjusted first (penalties.py), greedy rows' too, and constrained rows'
-        tokens outside their grammar masked (structured.py)."""
-        logits = Grammars.mask(self.penalties.adjust(logits, rows, drafts), rows, drafts)
+        tokens outside their grammar masked (`constrain`)."""
+        logits = self.constrain(self.penalties.adjust(logits, rows, drafts), rows, drafts)
         params = [r.request.params for r in rows]
         if all(p.greedy for p in params):  # greedy fast path: no filtering, no noise
             return logits.argmax(dim=-1)
@@ -49,6 +51,20 @@ class Sampler:
         tokens, _ = self.ops.sample(logits, *self.filter_columns(params, width),
                                     self.tensor([r.request.seed for r in rows for _ in range(width)]), positions)
         return tokens
+
+    def constrain(self, logits: torch.Tensor, rows: Sequence[ScheduledRow],
+                  drafts: torch.Tensor | None = None) -> torch.Tensor:
+        """logits [N * W, V] as `sample` takes them, with each constrained row's tokens outside
+        its grammar at -inf (float32; the input itself when no row is constrained). The masks
+        are computed on the host now, from the matchers' state, while the device works through
+        what is queued; a verify step's masks need its drafts on the host (a wait for them)."""
+        if all(r.request.grammar is None for r in rows):
+            return logits
+        width = logits.shape[0] // len(rows)
+        host_drafts = drafts.tolist() if drafts is not None and width > 1 else ()
+        on_gpu = self.device.type == "cuda"
+        masks = self.grammars.bitmask(rows, width, host_drafts, pin=on_gpu)
+        return self.ops.apply_token_bitmask(logits, masks.to(self.device, non_blocking=on_gpu))
 
     def filter_columns(self, params: Sequence[SamplingParams], width: int = 1) -> tuple[torch.Tensor, ...]:
         """Per-row (temperature, top_k, top_p, min_p) tensors of the sampling ops, each row's

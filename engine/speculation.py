@@ -138,10 +138,12 @@ class Speculator:
 
     # One step -------------------------------------------------------------------------------
 
-    def launch(self, rows: Sequence[ScheduledRow], graphs: SpecGraphs | None) -> Drafted:
+    def launch(self, rows: Sequence[ScheduledRow], graphs: SpecGraphs | None, deferred: Sequence[int] = ()) -> Drafted:
         """A decode-only speculative step, queued on the device with no host sync: draft,
         verify, accept, roll back. Its outputs stay in DecodeStep's buffers (`accepted`,
-        `emitted`), where the next step's fed rows read them and `read` takes them to the host."""
+        `emitted`), where the next step's fed rows read them and `read` takes them to the host.
+        deferred: rows whose acceptance the caller redoes later (`resample`; constrained rows,
+        whose grammar masks wait for the step before to be committed)."""
         num_drafts = max(r.num_draft_tokens for r in rows)
         decode_rows = [r.decode_row() for r in rows]
         if graphs is not None and graphs.can_run(decode_rows, num_drafts):
@@ -151,7 +153,8 @@ class Speculator:
             drafts = self.draft(device_rows, num_drafts)
             self._edit(rows, drafts)
             drafted = Drafted(device_rows, drafts, self.verify(device_rows, drafts))
-        self.resample(rows, drafted)
+        now = [i for i, r in enumerate(rows) if r.request.params.redecided and i not in deferred]
+        self.resample(rows, drafted, now)
         return drafted
 
     def run(self, plan: StepPlan, graphs: SpecGraphs | None) -> StepOutput:
@@ -175,7 +178,8 @@ class Speculator:
         emitted, logit_rows, num_pending = [], [], []
         if decode_rows:
             drafted = drafted._replace(logits=logits[:len(decode_rows) * (drafted.drafts.shape[1] + 1)])
-            self.resample(decode_rows, drafted)
+            self.resample(decode_rows, drafted,
+                          [i for i, r in enumerate(decode_rows) if r.request.params.redecided])
             emitted, logit_rows, num_pending = self.read(len(decode_rows), drafted.drafts.shape[1] + 1)
         sampling = [r for r in prefill_rows if r.sample]
         first = len(logits) - len(sampling)  # the prefill rows' logits follow the decode rows'
@@ -191,16 +195,17 @@ class Speculator:
         return StepOutput(emitted, logprobs=self.sampler.logprobs(logits, plan.rows, logit_rows, emitted),
                           num_pending=num_pending)
 
-    def resample(self, rows: Sequence[ScheduledRow], drafted: Drafted) -> None:
-        """Redo the acceptance of sampled, penalized and constrained rows, on the device: at
+    def resample(self, rows: Sequence[ScheduledRow], drafted: Drafted, sampled: Sequence[int]) -> None:
+        """Redo the acceptance of the rows `sampled` indexes (sampled, penalized and constrained
+        ones), on the device: at
         each verified position the token plain decoding would choose there (same seed, same
         position; the penalties counting the drafts before it as generated: penalties.py; the
         grammar after the drafts before it: structured.py), the drafts
         accepted while they match — rejection sampling for sampled rows (spec/accept.py),
         greedy acceptance of the penalized argmax for greedy ones. Overwrites those rows'
         accepted counts, emitted tokens and pending counts (greedy acceptance of the raw
-        logits ran for all), and adds penalized rows' emitted tokens to their statistics."""
-        sampled = [i for i, r in enumerate(rows) if r.request.params.redecided]
+        logits ran for all), and adds penalized rows' emitted tokens to their statistics. A
+        constrained row's masks need the drafts on the host: a wait for the step's drafts."""
         if not sampled:
             return
         device_rows, drafts = drafted.rows, drafted.drafts
