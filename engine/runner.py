@@ -13,8 +13,9 @@ One host sync per step (the emitted tokens). A decode-only step can also be `lau
 tokens go to the host by an asynchronous copy and the returned `InFlight` waits for them only
 when asked, so the engine can launch the next step first (its rows fed from the device,
 ScheduledRow.fed_from). Constrained rows of a launched step are decided later, by
-`InFlight.decide`, once the tokens their grammar masks follow are committed. Returns StepOutputs (step.py) and reads nothing of the scheduler beyond
-the plan it is handed. Knows nothing about queues or stop conditions.
+`InFlight.decide`, once the tokens their grammar masks follow are committed. Returns
+StepOutputs (step.py) and reads nothing of the scheduler beyond the plan it is handed. Knows
+nothing about queues or stop conditions.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ class Runner:
             decide = lambda: self._redecide_plain(rows, device_rows, logits, tokens, constrained)  # noqa: E731
         self.checkpoint_io.after_forward(plan.cache_ops)
 
+        @torch.inference_mode()
         def decide_and_hand_over() -> Callable[[], StepOutput]:
             if constrained:
                 decide()
