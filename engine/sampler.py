@@ -31,6 +31,7 @@ class Sampler:
         """penalties: the per-slot statistics of penalized requests, which `sample` applies;
         grammars: what masks constrained rows."""
         self.ops, self.device, self.penalties, self.grammars = ops, device, penalties, grammars
+        self._masks = _MaskStaging(device)
 
     def sample(self, logits: torch.Tensor, rows: Sequence[ScheduledRow], positions: torch.Tensor | None = None,
                drafts: torch.Tensor | None = None) -> torch.Tensor:
@@ -62,9 +63,9 @@ class Sampler:
             return logits
         width = logits.shape[0] // len(rows)
         host_drafts = drafts.tolist() if drafts is not None and width > 1 else ()
-        on_gpu = self.device.type == "cuda"
-        masks = self.grammars.bitmask(rows, width, host_drafts, pin=on_gpu)
-        return self.ops.apply_token_bitmask(logits, masks.to(self.device, non_blocking=on_gpu))
+        masks = self._masks.host(logits.shape[0], self.grammars.num_words)
+        self.grammars.bitmask(rows, masks, host_drafts)
+        return self.ops.apply_token_bitmask(logits, self._masks.to_device(masks))
 
     def filter_columns(self, params: Sequence[SamplingParams], width: int = 1) -> tuple[torch.Tensor, ...]:
         """Per-row (temperature, top_k, top_p, min_p) tensors of the sampling ops, each row's
@@ -104,3 +105,38 @@ class Sampler:
     def tensor(self, values: Sequence[int]) -> torch.Tensor:
         """int64 values on the device, without stalling its stream."""
         return device_tensor(values, torch.int64, self.device)
+
+
+class _MaskStaging:
+    """Two host buffers the grammar masks are written into and copied to the device from, used
+    in turn (pinned on the GPU, so the copy is queued like a kernel). Reused, never reallocated
+    per step: a fresh multi-megabyte buffer costs page faults and pinning. A buffer is written
+    again only after its last copy has run (at most two steps are in flight, so that wait is
+    already over). Filled with all-ones masks when made, so it only ever holds masks."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+
+    def host(self, num_rows: int, num_words: int) -> torch.Tensor:
+        """A contiguous int32 [num_rows, num_words] host buffer to write masks into."""
+        buffer, copied = self._buffers[self._turn], self._copied[self._turn]
+        if buffer is None or buffer.shape[0] < num_rows or buffer.shape[1] != num_words:
+            buffer = torch.full((num_rows, num_words), -1, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+            self._buffers[self._turn] = buffer  # the caching host allocator keeps the old one until its copy ran
+        elif copied is not None:
+            copied.synchronize()
+        return buffer[:num_rows]
+
+    def to_device(self, masks: torch.Tensor) -> torch.Tensor:
+        """The masks on the device (the buffer itself off the GPU); the next `host` call gets the
+        other buffer."""
+        if self.device.type != "cuda":
+            return masks
+        on_device = masks.to(self.device, non_blocking=True)
+        self._copied[self._turn] = torch.cuda.Event()
+        self._copied[self._turn].record()
+        self._turn ^= 1
+        return on_device

@@ -121,23 +121,27 @@ class Grammars:
             raise ValueError(f"invalid {structured.kind} constraint: {matcher.get_error()}")
         return Matcher(matcher)
 
-    def bitmask(self, rows: Sequence[ScheduledRow], width: int = 1, drafts: Sequence[Sequence[int]] = (),
-                pin: bool = False) -> torch.Tensor:
-        """The packed masks (kernels/token_bitmask.py) of W = width consecutive positions of each
-        row: int32 [N * W, num_words] on the host (pinned memory with `pin`, so that the copy to
-        the device does not wait), all bits set for unconstrained rows. Position j of a verify
-        row is the grammar after drafts[i][:j] (the module docstring); positions after a draft
-        the grammar refuses stay all ones (they are never accepted). Computed by llguidance's
-        thread pool, all rows and positions at once, without holding the GIL."""
-        masks = torch.full((len(rows) * width, self.num_words), -1, dtype=torch.int32, pin_memory=pin)
-        constrained = [i for i, r in enumerate(rows) if r.request.grammar is not None]
+    def bitmask(self, rows: Sequence[ScheduledRow], out: torch.Tensor, drafts: Sequence[Sequence[int]] = ()) -> None:
+        """Write the packed masks (kernels/token_bitmask.py) of W consecutive positions of each
+        row into out, int32 [N * W, num_words] (contiguous host memory): all bits set for
+        unconstrained rows; position j of a verify row is the grammar after drafts[i][:j] (the
+        module docstring). Positions after a draft the grammar refuses are left as they were
+        (they are never accepted: a buffer that only ever holds masks keeps them harmless).
+        Computed by llguidance's thread pool, all rows and positions at once, without the GIL."""
+        width = out.shape[0] // len(rows)
+        constrained = []
+        for i, r in enumerate(rows):
+            if r.request.grammar is None:
+                out[i * width:(i + 1) * width] = -1
+            else:
+                constrained.append(i)
         if not constrained:
-            return masks
+            return
+        assert out.is_contiguous() and out.dtype == torch.int32 and out.shape[1] == self.num_words
         one_row = self.num_words * 4
         if width == 1:
             self._executor.unsafe_compute_mask_ptr([(rows[i].request.grammar.llmatcher, i) for i in constrained],
-                                                   masks.data_ptr(), one_row, len(masks))
+                                                   out.data_ptr(), one_row, len(out))
         else:
             entries = [(rows[i].request.grammar.llmatcher, i * width, list(drafts[i][:width - 1])) for i in constrained]
-            self._executor.unsafe_compute_mask_ptr_with_draft_token(entries, masks.data_ptr(), one_row, len(masks))
-        return masks
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(entries, out.data_ptr(), one_row, len(out))
