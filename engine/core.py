@@ -117,7 +117,7 @@ class EngineCore:
                                  checkpoint_bytes=lambda n: slot_bytes + n * block_bytes)
         decode = DecodeStep(self.model, self.states, self.kv, config.block_size, bool(self.num_draft_tokens),
                             config.max_num_seqs, self._max_blocks_per_row)
-        penalties = Penalties(config.max_num_seqs, self.model_config.vocab_size, self.device)
+        penalties = Penalties(config.max_num_seqs, self.model_config.vocab_size, self.device, self.ops)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         sampler = Sampler(self.ops, self.device, penalties, self.grammars)
         checkpoint_io = CheckpointIO(self.states, self.kv)
