@@ -21,7 +21,7 @@ nothing about queues or stop conditions.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -34,6 +34,15 @@ from .sampler import Sampler
 from .speculation import Speculator
 from .state_pool import KVPool, StatePool
 from .step import ScheduledRow, StepOutput, StepPlan
+
+
+class _Redecision(NamedTuple):
+    """Rows of a plain step whose tokens are decided after its graph (Runner._prepare_plain)."""
+
+    index: torch.Tensor                 # [R] the rows' places in the step
+    rows: list[ScheduledRow]
+    logits: torch.Tensor                # [R, V] adjusted by the penalties
+    positions: torch.Tensor             # [R] where the drawn tokens go
 
 
 class InFlight:
@@ -87,9 +96,9 @@ class Runner:
         """Launch a decode-only step (`can_launch`) without waiting for its outputs: a plain step
         when no row drafts, else a speculative one. Its rows may be fed (ScheduledRow.fed_from)
         from the step launched before it. Constrained rows are decided by `InFlight.decide`,
-        which the engine calls once the step before is committed: their masks are computed on
-        the host while this step's forward runs (structured.py), and no other row waits for
-        them. A step whose rows ask for log-probabilities is read at `decide` (they need the
+        which the engine calls once the step before is committed: their penalties are applied
+        now, their masks computed on the host then, while this step's forward runs
+        (structured.py), and no other row waits for them. A step whose rows ask for log-probabilities is read at `decide` (they need the
         logits before the next step overwrites them), as is every step off the GPU (nothing
         runs asynchronously there)."""
         self.checkpoint_io.before_forward(plan.cache_ops)
@@ -98,13 +107,15 @@ class Runner:
         if any(r.num_draft_tokens for r in rows):
             drafted = self.speculator.launch(rows, self.spec_graphs, deferred=constrained)
             logits, width = drafted.logits, drafted.drafts.shape[1] + 1
-            decide = lambda: self.speculator.resample(rows, drafted, constrained)  # noqa: E731
+            later = self.speculator.prepare(rows, drafted, constrained)
+            decide = lambda: self.speculator.decide(later)  # noqa: E731
         else:
             device_rows, logits, tokens = self._launch_plain(rows)
             now = [i for i, r in enumerate(rows) if r.request.params.redecided and r.request.grammar is None]
-            self._redecide_plain(rows, device_rows, logits, tokens, now)
+            self._decide_plain(tokens, self._prepare_plain(rows, device_rows, logits, now))
+            later = self._prepare_plain(rows, device_rows, logits, constrained)
             width = 1
-            decide = lambda: self._redecide_plain(rows, device_rows, logits, tokens, constrained)  # noqa: E731
+            decide = lambda: self._decide_plain(tokens, later)  # noqa: E731
         self.checkpoint_io.after_forward(plan.cache_ops)
 
         @torch.inference_mode()
@@ -157,17 +168,26 @@ class Runner:
         device_rows = self.decode.row_tensors(decode_rows, self.device)
         return device_rows, *self.decode.plain(device_rows)
 
-    def _redecide_plain(self, rows: tuple[ScheduledRow, ...], device_rows: DecodeRows, logits: torch.Tensor,
-                        tokens: torch.Tensor, chosen: list[int]) -> None:
-        """Decide again, after the graph, the tokens of the chosen rows (sampled, penalized or
-        constrained: their seeded draws use the positions on the device, where only a fed row's
-        is known)."""
+    def _prepare_plain(self, rows: tuple[ScheduledRow, ...], device_rows: DecodeRows, logits: torch.Tensor,
+                       chosen: list[int]) -> _Redecision | None:
+        """The chosen rows (sampled, penalized or constrained) to decide again after the graph:
+        their logits gathered and adjusted by the penalties, and the positions of their seeded
+        draws (on the device, where only a fed row's is known), read from the graph's buffers
+        now, before the next step is loaded into them."""
         if not chosen:
-            return
+            return None
         index = device_tensor(chosen, torch.int64, self.device)
         chosen_rows = [rows[i] for i in chosen]
-        tokens[index] = self.sampler.sample(logits[index], chosen_rows, device_rows.positions[index] + 1)
-        self.sampler.penalties.record(chosen_rows, tokens[index, None])
+        adjusted = self.sampler.penalties.adjust(logits[index], chosen_rows)
+        return _Redecision(index, chosen_rows, adjusted, device_rows.positions[index] + 1)
+
+    def _decide_plain(self, tokens: torch.Tensor, redecision: _Redecision | None) -> None:
+        """Draw the prepared rows' tokens (their grammar masks now) into the step's tokens."""
+        if redecision is None:
+            return
+        index, rows = redecision.index, redecision.rows
+        tokens[index] = self.sampler.draw(redecision.logits, rows, redecision.positions)
+        self.sampler.penalties.record(rows, tokens[index, None])
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepOutput:

@@ -40,9 +40,16 @@ class Sampler:
         are the tokens the positions after a row's first were fed (penalties count them).
         positions [N * W]: where the sampled tokens go, when only the device knows (fed rows,
         drafts); by default from the rows. A seeded draw depends on nothing else. Penalized
-        rows' logits are adjusted first (penalties.py), greedy rows' too, and constrained rows'
-        tokens outside their grammar masked (`constrain`)."""
-        logits = self.constrain(self.penalties.adjust(logits, rows, drafts), rows, drafts)
+        rows' logits are adjusted first (penalties.py), greedy rows' too, then `draw`."""
+        return self.draw(self.penalties.adjust(logits, rows, drafts), rows, positions, drafts)
+
+    def draw(self, logits: torch.Tensor, rows: Sequence[ScheduledRow], positions: torch.Tensor | None = None,
+             drafts: torch.Tensor | None = None) -> torch.Tensor:
+        """`sample` of logits the penalties have already adjusted: constrained rows' tokens
+        outside their grammar masked (`constrain`), then the argmax or the seeded draw. Split off
+        so that a step can adjust its rows as it is launched and draw once their masks can be
+        computed (runner.py)."""
+        logits = self.constrain(logits, rows, drafts)
         params = [r.request.params for r in rows]
         if all(p.greedy for p in params):  # greedy fast path: no filtering, no noise
             return logits.argmax(dim=-1)
