@@ -285,8 +285,13 @@ class EngineCore:
         self._last_commit = now
         self._in_flight = result.launched
         ahead = result.launched.plan if result.launched is not None else None
+        committed = self.scheduler.commit(plan, result.output, ahead)
+        if result.launched is not None:
+            # Its constrained rows' masks follow the tokens just committed: computed in a worker
+            # while this thread hands out deltas and plans the step after it.
+            result.launched.prefetch()
         deltas = []
-        for request in self.scheduler.commit(plan, result.output, ahead) + self.scheduler.take_aborted():
+        for request in committed + self.scheduler.take_aborted():
             deltas.append(request.take_delta())
             if request.finish_reason is not None:
                 self.requests.pop(request.request_id, None)

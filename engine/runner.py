@@ -21,6 +21,7 @@ nothing about queues or stop conditions.
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import Future
 from typing import Callable, NamedTuple
 
 import torch
@@ -52,15 +53,24 @@ class InFlight:
     from these tokens). `result()` waits for the outputs and returns the StepOutput (deciding
     first if nobody did)."""
 
-    def __init__(self, plan: StepPlan, decide: Callable[[], Callable[[], StepOutput]]) -> None:
-        """decide: queues the rest of the step on the device; returns what reads its outputs."""
-        self.plan, self._decide = plan, decide
+    def __init__(self, plan: StepPlan, decide: Callable[[Future | None], Callable[[], StepOutput]],
+                 prefetch: Callable[[], Future] | None = None) -> None:
+        """decide(masks): queues the rest of the step on the device; returns what reads its
+        outputs. prefetch: starts computing its constrained rows' masks (None: none)."""
+        self.plan, self._decide, self._prefetch = plan, decide, prefetch
+        self._masks: Future | None = None
         self._read: Callable[[], StepOutput] | None = None
         self._output: StepOutput | None = None
 
+    def prefetch(self) -> None:
+        """Start computing the constrained rows' masks in a worker thread (the engine calls it
+        once the step before is committed, then goes on planning the next step)."""
+        if self._prefetch is not None and self._masks is None and self._read is None:
+            self._masks = self._prefetch()
+
     def decide(self) -> None:
         if self._read is None:
-            self._read = self._decide()
+            self._read = self._decide(self._masks)
 
     def result(self) -> StepOutput:
         if self._output is None:
@@ -108,23 +118,25 @@ class Runner:
             drafted = self.speculator.launch(rows, self.spec_graphs, deferred=constrained)
             logits, width = drafted.logits, drafted.drafts.shape[1] + 1
             later = self.speculator.prepare(rows, drafted, constrained)
-            decide = lambda: self.speculator.decide(later)  # noqa: E731
+            decide = lambda masks: self.speculator.decide(later, masks)  # noqa: E731
+            prefetch = (lambda: self.sampler.prefetch_masks(later.rows, width, later.drafts)) if later else None
         else:
             device_rows, logits, tokens = self._launch_plain(rows)
             now = [i for i, r in enumerate(rows) if r.request.params.redecided and r.request.grammar is None]
             self._decide_plain(tokens, self._prepare_plain(rows, device_rows, logits, now))
             later = self._prepare_plain(rows, device_rows, logits, constrained)
             width = 1
-            decide = lambda: self._decide_plain(tokens, later)  # noqa: E731
+            decide = lambda masks: self._decide_plain(tokens, later, masks)  # noqa: E731
+            prefetch = (lambda: self.sampler.prefetch_masks(later.rows)) if later else None
         self.checkpoint_io.after_forward(plan.cache_ops)
 
         @torch.inference_mode()
-        def decide_and_hand_over() -> Callable[[], StepOutput]:
+        def decide_and_hand_over(masks: Future | None) -> Callable[[], StepOutput]:
             if constrained:
-                decide()
+                decide(masks)
             return self._hand_over(rows, logits, width)
 
-        return InFlight(plan, decide_and_hand_over)
+        return InFlight(plan, decide_and_hand_over, prefetch)
 
     def _hand_over(self, rows: tuple[ScheduledRow, ...], logits: torch.Tensor, width: int) -> Callable[[], StepOutput]:
         """Start the copy of a launched step's outputs to the host; returns what waits for them.
@@ -181,12 +193,13 @@ class Runner:
         adjusted = self.sampler.penalties.adjust(logits[index], chosen_rows)
         return _Redecision(index, chosen_rows, adjusted, device_rows.positions[index] + 1)
 
-    def _decide_plain(self, tokens: torch.Tensor, redecision: _Redecision | None) -> None:
-        """Draw the prepared rows' tokens (their grammar masks now) into the step's tokens."""
+    def _decide_plain(self, tokens: torch.Tensor, redecision: _Redecision | None, masks: Future | None = None) -> None:
+        """Draw the prepared rows' tokens (masks: their prefetched grammar masks; else they are
+        computed now) into the step's tokens."""
         if redecision is None:
             return
         index, rows = redecision.index, redecision.rows
-        tokens[index] = self.sampler.draw(redecision.logits, rows, redecision.positions)
+        tokens[index] = self.sampler.draw(redecision.logits, rows, redecision.positions, masks=masks)
         self.sampler.penalties.record(rows, tokens[index, None])
 
     @torch.inference_mode()

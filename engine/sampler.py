@@ -13,6 +13,7 @@ and position.
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
 import torch
@@ -32,6 +33,9 @@ class Sampler:
         grammars: what masks constrained rows."""
         self.ops, self.device, self.penalties, self.grammars = ops, device, penalties, grammars
         self._masks = _MaskStaging(device)
+        # Computes a launched step's grammar masks while the engine commits the step before it
+        # and plans the next (llguidance releases the GIL): `prefetch_masks`.
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaspec-grammar")
 
     def sample(self, logits: torch.Tensor, rows: Sequence[ScheduledRow], positions: torch.Tensor | None = None,
                drafts: torch.Tensor | None = None) -> torch.Tensor:
@@ -44,12 +48,12 @@ class Sampler:
         return self.draw(self.penalties.adjust(logits, rows, drafts), rows, positions, drafts)
 
     def draw(self, logits: torch.Tensor, rows: Sequence[ScheduledRow], positions: torch.Tensor | None = None,
-             drafts: torch.Tensor | None = None) -> torch.Tensor:
+             drafts: torch.Tensor | None = None, masks: Future | None = None) -> torch.Tensor:
         """`sample` of logits the penalties have already adjusted: constrained rows' tokens
-        outside their grammar masked (`constrain`), then the argmax or the seeded draw. Split off
-        so that a step can adjust its rows as it is launched and draw once their masks can be
-        computed (runner.py)."""
-        logits = self.constrain(logits, rows, drafts)
+        outside their grammar masked (`constrain`; masks: their `prefetch_masks`), then the
+        argmax or the seeded draw. Split off so that a step can adjust its rows as it is
+        launched and draw once their masks can be computed (runner.py)."""
+        logits = self.constrain(logits, rows, drafts, masks)
         params = [r.request.params for r in rows]
         if all(p.greedy for p in params):  # greedy fast path: no filtering, no noise
             return logits.argmax(dim=-1)
@@ -60,19 +64,29 @@ class Sampler:
                                     self.tensor([r.request.seed for r in rows for _ in range(width)]), positions)
         return tokens
 
-    def constrain(self, logits: torch.Tensor, rows: Sequence[ScheduledRow],
-                  drafts: torch.Tensor | None = None) -> torch.Tensor:
+    def constrain(self, logits: torch.Tensor, rows: Sequence[ScheduledRow], drafts: torch.Tensor | None = None,
+                  masks: Future | None = None) -> torch.Tensor:
         """logits [N * W, V] as `sample` takes them, with each constrained row's tokens outside
         its grammar at -inf (float32; the input itself when no row is constrained). The masks
-        are computed on the host now, from the matchers' state, while the device works through
-        what is queued; a verify step's masks need its drafts on the host (a wait for them)."""
+        come from `prefetch_masks` when given, else are computed now, from the matchers' state,
+        while the device works through what is queued; a verify step's masks need its drafts
+        on the host (a wait for them)."""
         if all(r.request.grammar is None for r in rows):
             return logits
-        width = logits.shape[0] // len(rows)
+        host = masks.result() if masks is not None else self._compute_masks(rows, logits.shape[0] // len(rows), drafts)
+        return self.ops.apply_token_bitmask(logits, self._masks.to_device(host))
+
+    def prefetch_masks(self, rows: Sequence[ScheduledRow], width: int = 1, drafts: torch.Tensor | None = None) -> Future:
+        """Start computing the masks `constrain` will apply to these rows (W = width positions
+        each; drafts [N, W - 1] on the device, read in the worker) in a worker thread, from the
+        matchers' state now: they must not change until `constrain` has taken the result."""
+        return self._worker.submit(self._compute_masks, rows, width, drafts)
+
+    def _compute_masks(self, rows: Sequence[ScheduledRow], width: int, drafts: torch.Tensor | None) -> torch.Tensor:
         host_drafts = drafts.tolist() if drafts is not None and width > 1 else ()
-        masks = self._masks.host(logits.shape[0], self.grammars.num_words)
+        masks = self._masks.host(len(rows) * width, self.grammars.num_words)
         self.grammars.bitmask(rows, masks, host_drafts)
-        return self.ops.apply_token_bitmask(logits, self._masks.to_device(masks))
+        return masks
 
     def filter_columns(self, params: Sequence[SamplingParams], width: int = 1) -> tuple[torch.Tensor, ...]:
         """Per-row (temperature, top_k, top_p, min_p) tensors of the sampling ops, each row's
@@ -119,7 +133,9 @@ class _MaskStaging:
     in turn (pinned on the GPU, so the copy is queued like a kernel). Reused, never reallocated
     per step: a fresh multi-megabyte buffer costs page faults and pinning. A buffer is written
     again only after its last copy has run (at most two steps are in flight, so that wait is
-    already over). Filled with all-ones masks when made, so it only ever holds masks."""
+    already over). Filled with all-ones masks when made, so it only ever holds masks. One
+    `host` call, then its `to_device`, at a time (a prefetch's `host` runs in the worker while
+    the engine's thread waits for nothing else from here)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

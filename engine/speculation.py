@@ -36,6 +36,7 @@ draft length: the plan says how many drafts each row gets.
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import torch
@@ -234,14 +235,15 @@ class Speculator:
         return _Resampling(index, chosen, adjusted, positions, drafts, device_rows.num_drafts[index],
                            device_rows.slots[index])
 
-    def decide(self, resampling: _Resampling | None) -> None:
-        """Draw the prepared rows' targets (a constrained row's masks need its drafts on the
-        host: a wait for the step's drafts), accept, roll back (`resample`)."""
+    def decide(self, resampling: _Resampling | None, masks: Future | None = None) -> None:
+        """Draw the prepared rows' targets (masks: their prefetched grammar masks, else computed
+        now: a constrained row's masks need its drafts on the host, a wait for the step's
+        drafts), accept, roll back (`resample`)."""
         if resampling is None:
             return
         index, rows, drafts, num_drafts = resampling.index, resampling.rows, resampling.drafts, resampling.num_drafts
         width = drafts.shape[1] + 1
-        targets = self.sampler.draw(resampling.logits, rows, resampling.positions, drafts).view(len(rows), width)
+        targets = self.sampler.draw(resampling.logits, rows, resampling.positions, drafts, masks).view(len(rows), width)
         accepted, emitted = self._forced(*sampled_accept(targets, drafts, num_drafts), num_drafts)
         self.decode.accepted[index] = accepted
         self.decode.emitted[:width, index] = emitted.T
