@@ -124,8 +124,9 @@ class Penalties:
             extra = ((drafts[:, None, :] == tokens[:, :, None])
                      & (torch.arange(drafts.shape[1], device=self.device) < later[:, None])).sum(-1)
             slot_stats = stats[:, None].expand_as(tokens)
-            fixed = penalize(before, self.output_counts[slot_stats, tokens] + extra, self.prompt_mask[slot_stats, tokens],
-                             repetition[:, None], frequency[:, None], presence[:, None])
+            fixed = penalize(before, self.output_counts[slot_stats, tokens] + extra,
+                             self.prompt_mask[slot_stats, tokens], repetition[:, None], frequency[:, None],
+                             presence[:, None])
             x[row, later[None].expand_as(tokens), tokens] = fixed  # duplicates write equal values
         if every_row:
             return x.view(-1, vocab)

@@ -105,12 +105,12 @@ class Runner:
     def launch(self, plan: StepPlan) -> InFlight:
         """Launch a decode-only step (`can_launch`) without waiting for its outputs: a plain step
         when no row drafts, else a speculative one. Its rows may be fed (ScheduledRow.fed_from)
-        from the step launched before it. Constrained rows are decided by `InFlight.decide`,
-        which the engine calls once the step before is committed: their penalties are applied
-        now, their masks computed on the host then, while this step's forward runs
-        (structured.py), and no other row waits for them. A step whose rows ask for log-probabilities is read at `decide` (they need the
-        logits before the next step overwrites them), as is every step off the GPU (nothing
-        runs asynchronously there)."""
+        from the step launched before it. Constrained rows are left to the InFlight: their
+        penalties are applied now; once the step before is committed the engine has their masks
+        computed in a worker (`InFlight.prefetch`, while this step's forward runs), and
+        `InFlight.decide` draws them. No other row waits for them. A step whose rows ask for
+        log-probabilities is read at `decide` (they need the logits before the next step
+        overwrites them), as is every step off the GPU (nothing runs asynchronously there)."""
         self.checkpoint_io.before_forward(plan.cache_ops)
         rows = plan.decode_rows
         constrained = [i for i, r in enumerate(rows) if r.request.grammar is not None]

@@ -76,7 +76,8 @@ class Sampler:
         host = masks.result() if masks is not None else self._compute_masks(rows, logits.shape[0] // len(rows), drafts)
         return self.ops.apply_token_bitmask(logits, self._masks.to_device(host))
 
-    def prefetch_masks(self, rows: Sequence[ScheduledRow], width: int = 1, drafts: torch.Tensor | None = None) -> Future:
+    def prefetch_masks(self, rows: Sequence[ScheduledRow], width: int = 1,
+                       drafts: torch.Tensor | None = None) -> Future:
         """Start computing the masks `constrain` will apply to these rows (W = width positions
         each; drafts [N, W - 1] on the device, read in the worker) in a worker thread, from the
         matchers' state now: they must not change until `constrain` has taken the result."""
