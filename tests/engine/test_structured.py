@@ -81,7 +81,6 @@ def check_outputs(outputs) -> None:
         validate(json.loads(output.text), SCHEMA)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("speculative", [False, True])
 def test_sampled_json_schema_outputs_validate(checkpoint, speculative):
     """200 sampled requests, run concurrently in one engine, parse and validate, plain and with
