@@ -169,9 +169,10 @@ class EngineCore:
                                  checkpoint_bytes=lambda n: slot_bytes + n * block_bytes)
         decode = DecodeStep(self.model, self.states, self.kv, config.block_size, bool(self.num_draft_tokens),
                             config.max_num_seqs, self._max_blocks_per_row)
-        penalties = Penalties(config.max_num_seqs, self.model_config.vocab_size, self.device)
+        penalties = Penalties(config.max_num_seqs, self.model_config.vocab_size, self.device, self.ops)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
-        sampler, checkpoint_io = Sampler(self.ops, self.device, penalties, self.tp), CheckpointIO(self.states, self.kv)
+        sampler = Sampler(self.ops, self.device, penalties, self.grammars, self.tp)
+        checkpoint_io = CheckpointIO(self.states, self.kv)
         speculator = Speculator(self.model, self.states, self.kv, decode, sampler, checkpoint_io, edit_drafts,
                                 forced_acceptance) if self.num_draft_tokens else None
         graphs = self._decode_graphs(decode)
@@ -318,6 +319,9 @@ class EngineCore:
 
         def wait() -> StepResult:
             launched = current if current is not None else self.runner.launch(plan)
+            # Its constrained rows now (the step before is committed), before the next step that
+            # is fed from them is launched.
+            launched.decide()
             ahead = self.runner.launch(follow) if follow is not None else None
             return StepResult(launched.result(), ahead)
 
@@ -335,8 +339,13 @@ class EngineCore:
         self._last_commit = now
         self._in_flight = result.launched
         ahead = result.launched.plan if result.launched is not None else None
+        committed = self.scheduler.commit(plan, result.output, ahead)
+        if result.launched is not None:
+            # Its constrained rows' masks follow the tokens just committed: computed in a worker
+            # while this thread hands out deltas and plans the step after it.
+            result.launched.prefetch()
         deltas = []
-        for request in self.scheduler.commit(plan, result.output, ahead) + self.scheduler.take_aborted():
+        for request in committed + self.scheduler.take_aborted():
             deltas.append(request.take_delta())
             if request.finish_reason is not None:
                 self.requests.pop(request.request_id, None)

@@ -280,7 +280,11 @@ def _worker_main(config, rank: int, store_port: int, pipe, forced_acceptance, lo
                 break  # rank 0 is gone
             if method == "close":
                 break
-            getattr(core.runner, method)(*args)
+            result = getattr(core.runner, method)(*args)
+            if method == "launch":
+                # Rank 0 decides a launched step's constrained rows before it launches the next
+                # one (EngineCore.dispatch); here the same, at once (their masks come from rank 0).
+                result.decide()
         tp.leave()
     except BaseException:  # noqa: BLE001 - rank 0 learns of it from the process's end
         traceback.print_exc()

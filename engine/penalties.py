@@ -20,8 +20,9 @@ seen in prompt or output: x / r if x > 0 else x * r (repetition r), then x - f *
 A verify row scores W positions; position j is adjusted as if the drafts before it,
 drafts[:j], were generated already (counts, min_tokens length and bad-word context), so every
 accepted token was chosen from exactly the distribution plain decoding would have used.
-That costs one dense pass with the slot's counts, then a sparse fix of the at most W(W-1)/2
-(position, earlier draft) entries. Rows without penalties are not touched, and a step without
+That costs one dense pass with the slot's counts (kernels/penalties.py: one read of each logit,
+count and prompt flag), then a sparse fix of the at most W(W-1)/2 (position, earlier draft)
+entries. Rows without penalties are not touched, and a step without
 penalized rows does nothing at all.
 """
 
@@ -32,6 +33,8 @@ from typing import Sequence
 
 import torch
 
+from ..kernels import Ops
+from ..kernels.penalties import penalize
 from .batch import device_tensor
 from .sampling_params import MAX_BAD_WORD_TOKENS
 from .step import ScheduledRow
@@ -39,20 +42,10 @@ from .step import ScheduledRow
 _RECENT = MAX_BAD_WORD_TOKENS - 1  # a bad word's prefix is at most this long
 
 
-def penalize(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor, repetition: torch.Tensor,
-             frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
-    """The penalties of broadcastable tensors: logits (float32), output counts, prompt mask and
-    the per-row penalties. vLLM's definitions (the module docstring)."""
-    generated = counts > 0
-    scale = torch.where(in_prompt | generated, repetition, 1.0)
-    logits = torch.where(logits > 0, logits / scale, logits * scale)
-    return logits - frequency * counts - presence * generated
-
-
 class Penalties:
-    def __init__(self, num_rows: int, vocab_size: int, device: torch.device) -> None:
-        """num_rows: penalized requests running at once at most."""
-        self.num_rows, self.vocab_size, self.device = num_rows, vocab_size, device
+    def __init__(self, num_rows: int, vocab_size: int, device: torch.device, ops: Ops) -> None:
+        """num_rows: penalized requests running at once at most; ops: the dense pass's kernel."""
+        self.num_rows, self.vocab_size, self.device, self.ops = num_rows, vocab_size, device, ops
         self.output_counts: torch.Tensor | None = None  # allocated by the first `start`
         self._row_of: OrderedDict[int, int] = OrderedDict()  # slot -> its statistics row, least recently used first
 
@@ -100,10 +93,14 @@ class Penalties:
             return logits
         num_rows, vocab = len(penalized), logits.shape[1]
         width = logits.shape[0] // len(rows)
+        every_row = num_rows == len(rows)
         index = self._tensor(penalized)
         flat = (index[:, None] * width + torch.arange(width, device=self.device)).reshape(-1)
-        logits = logits.float().clone()
-        x = logits[flat].view(num_rows, width, vocab)
+        if every_row:  # the common case: no gather, no scatter back
+            x = logits.to(torch.float32, copy=True).view(num_rows, width, vocab)
+        else:
+            logits = logits.float().clone()
+            x = logits[flat].view(num_rows, width, vocab)
         rows = [rows[i] for i in penalized]
         params = [r.request.params for r in rows]
         stats = self._rows(rows)
@@ -112,24 +109,27 @@ class Penalties:
         self._ban_bad_words(x, rows, stats, drafts)
         self._add_bias(x, params)
         self._ban_stops_before_min_tokens(x, rows, stats, positions)
-        column = lambda name: device_tensor([getattr(p, name) for p in params], torch.float32, self.device)
-        repetition, frequency, presence = (column(n)[:, None, None] for n in
-                                           ("repetition_penalty", "frequency_penalty", "presence_penalty"))
-        counts, in_prompt = self.output_counts[stats], self.prompt_mask[stats]          # [P, V]
+        penalties = device_tensor([(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params],
+                                  torch.float32, self.device)                          # [P, 3]
+        repetition, frequency, presence = penalties.T.contiguous()
         # Entries (row, position j, earlier draft i < j) whose count the drafts raise; their
         # values before the penalties, read before the dense pass below overwrites them.
         later, earlier = torch.tril_indices(width, width - 1, -1, device=self.device)  # j > i
         tokens = drafts[:, earlier]                                                    # [P, E]
         row = torch.arange(num_rows, device=self.device)[:, None].expand_as(tokens)
         before = x[row, later[None].expand_as(tokens), tokens]
-        x = penalize(x, counts[:, None], in_prompt[:, None], repetition, frequency, presence)
+        x = self.ops.penalize_rows(x, self.output_counts, self.prompt_mask, stats, repetition, frequency, presence)
         if tokens.numel():
             # count at position j of token t: the slot's count + the drafts before j equal to t
             extra = ((drafts[:, None, :] == tokens[:, :, None])
                      & (torch.arange(drafts.shape[1], device=self.device) < later[:, None])).sum(-1)
-            fixed = penalize(before, counts.gather(1, tokens) + extra, in_prompt.gather(1, tokens),
-                             repetition[:, :, 0], frequency[:, :, 0], presence[:, :, 0])
+            slot_stats = stats[:, None].expand_as(tokens)
+            fixed = penalize(before, self.output_counts[slot_stats, tokens] + extra,
+                             self.prompt_mask[slot_stats, tokens], repetition[:, None], frequency[:, None],
+                             presence[:, None])
             x[row, later[None].expand_as(tokens), tokens] = fixed  # duplicates write equal values
+        if every_row:
+            return x.view(-1, vocab)
         logits[flat] = x.view(-1, vocab)
         return logits
 

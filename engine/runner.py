@@ -13,19 +13,23 @@ before, and after them the hidden states of the checkpoints the forward wrote.
 One host sync per step (the emitted tokens, with each row's flag for non-finite logits). A
 decode-only step can also be `launch`ed: its tokens go to the host by an asynchronous copy and
 the returned `InFlight` waits for them only when asked, so the engine can launch the next step
-first (its rows fed from the device, ScheduledRow.fed_from). Returns StepOutputs (step.py) and
-reads nothing of the scheduler beyond the plan it is handed. Knows nothing about queues or stop
-conditions.
+first (its rows fed from the device, ScheduledRow.fed_from). Constrained rows of a launched step
+are decided later, by `InFlight.decide`, once the tokens their grammar masks follow are
+committed. Returns StepOutputs (step.py) and reads nothing of the scheduler beyond the plan it
+is handed. Knows nothing about queues or stop conditions.
 """
 
 from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Callable, NamedTuple
 
 import torch
 
 from .batch import ForwardBatch, Row, device_tensor
 from .checkpoint_io import CheckpointIO
 from .cuda_graphs import DecodeGraphs, SpecGraphs
-from .decode_step import DecodeStep, read_with_flags
+from .decode_step import DecodeRows, DecodeStep, read_with_flags
 from .models import HybridLM
 from .prefix_cache import CacheOps
 from .sampler import Sampler
@@ -34,29 +38,45 @@ from .state_pool import KVPool, StatePool
 from .step import ScheduledRow, StepOutput, StepPlan, flagged
 
 
-class InFlight:
-    """A launched decode-only step: `result()` waits for its outputs (on the host by then, or
-    on their way in pinned buffers) and returns its StepOutput."""
+class _Redecision(NamedTuple):
+    """Rows of a plain step whose tokens are decided after its graph (Runner._prepare_plain)."""
 
-    def __init__(self, plan: StepPlan, output: StepOutput | None = None, emitted: torch.Tensor | None = None,
-                 accepted: torch.Tensor | None = None, nonfinite: torch.Tensor | None = None,
-                 done: torch.cuda.Event | None = None) -> None:
-        """output: the finished result; or emitted [W, B], nonfinite [B] (and accepted [B]
-        when the step speculated) pinned tensors the outputs are being copied into, and done:
-        the event after those copies."""
-        self.plan, self._output = plan, output
-        self._emitted, self._accepted, self._nonfinite, self._done = emitted, accepted, nonfinite, done
+    index: torch.Tensor                 # [R] the rows' places in the step
+    rows: list[ScheduledRow]
+    logits: torch.Tensor                # [R, V] adjusted by the penalties
+    positions: torch.Tensor             # [R] where the drawn tokens go
+
+
+class InFlight:
+    """A launched decode-only step. `decide()` decides its constrained rows' tokens and hands
+    its outputs to the host: it must run after the step before it is committed (the grammar
+    masks follow the committed tokens) and before the next step is launched (that one is fed
+    from these tokens). `result()` waits for the outputs and returns the StepOutput (deciding
+    first if nobody did)."""
+
+    def __init__(self, plan: StepPlan, decide: Callable[[Future | None], Callable[[], StepOutput]],
+                 prefetch: Callable[[], Future] | None = None) -> None:
+        """decide(masks): queues the rest of the step on the device; returns what reads its
+        outputs. prefetch: starts computing its constrained rows' masks (None: none)."""
+        self.plan, self._decide, self._prefetch = plan, decide, prefetch
+        self._masks: Future | None = None
+        self._read: Callable[[], StepOutput] | None = None
+        self._output: StepOutput | None = None
+
+    def prefetch(self) -> None:
+        """Start computing the constrained rows' masks in a worker thread (the engine calls it
+        once the step before is committed, then goes on planning the next step)."""
+        if self._prefetch is not None and self._masks is None and self._read is None:
+            self._masks = self._prefetch()
+
+    def decide(self) -> None:
+        if self._read is None:
+            self._read = self._decide(self._masks)
 
     def result(self) -> StepOutput:
         if self._output is None:
-            self._done.synchronize()
-            emitted, nonfinite = self._emitted.tolist(), flagged(self._nonfinite.tolist())
-            if self._accepted is None:
-                self._output = StepOutput([[t] for t in emitted[0]], nonfinite=nonfinite)
-            else:
-                accepted = self._accepted.tolist()
-                self._output = StepOutput([[emitted[d][r] for d in range(a + 1)] for r, a in enumerate(accepted)],
-                                          num_pending=accepted, nonfinite=nonfinite)
+            self.decide()
+            self._output = self._read()
         return self._output
 
 
@@ -91,9 +111,12 @@ class Runner:
     def launch(self, plan: StepPlan) -> InFlight:
         """Launch a decode-only step (`can_launch`) without waiting for its outputs: a plain step
         when no row drafts, else a speculative one. Its rows may be fed (ScheduledRow.fed_from)
-        from the step launched before it. A step whose rows ask for log-probabilities is waited
-        for here (they need the logits before the next step overwrites them), as is every step
-        off the GPU (nothing runs asynchronously there)."""
+        from the step launched before it. Constrained rows are left to the InFlight: their
+        penalties are applied now; once the step before is committed the engine has their masks
+        computed in a worker (`InFlight.prefetch`, while this step's forward runs), and
+        `InFlight.decide` draws them. No other row waits for them. A step whose rows ask for
+        log-probabilities is read at `decide` (they need the logits before the next step
+        overwrites them), as is every step off the GPU (nothing runs asynchronously there)."""
         self.checkpoint_io.before_forward(plan.cache_ops)
         launched = self._launch_decode(plan, plan.decode_rows)
         self.checkpoint_io.after_forward(plan.cache_ops)
@@ -101,18 +124,43 @@ class Runner:
 
     def _launch_decode(self, plan: StepPlan, rows: tuple[ScheduledRow, ...]) -> InFlight:
         """`launch` without the prefix cache's device work."""
-        speculative = any(r.num_draft_tokens for r in rows)
-        if speculative:
-            drafted = self.speculator.launch(rows, self.spec_graphs)
+        # Constrained by its parameters, not its matcher: a tensor-parallel worker's rows carry none.
+        constrained = [i for i, r in enumerate(rows) if r.request.params.structured is not None]
+        if any(r.num_draft_tokens for r in rows):
+            drafted = self.speculator.launch(rows, self.spec_graphs, deferred=constrained)
             logits, width = drafted.logits, drafted.drafts.shape[1] + 1
+            later = self.speculator.prepare(rows, drafted, constrained)
+            decide = lambda masks: self.speculator.decide(later, masks)  # noqa: E731
+            prefetch = (lambda: self.sampler.prefetch_masks(later.rows, width, later.drafts)) if later else None
         else:
-            logits, width = self._launch_plain(rows), 1
+            device_rows, logits, tokens = self._launch_plain(rows)
+            now = [i for i, r in enumerate(rows) if r.request.params.redecided and r.request.params.structured is None]
+            self._decide_plain(tokens, self._prepare_plain(rows, device_rows, logits, now))
+            later = self._prepare_plain(rows, device_rows, logits, constrained)
+            width = 1
+            decide = lambda masks: self._decide_plain(tokens, later, masks)  # noqa: E731
+            prefetch = (lambda: self.sampler.prefetch_masks(later.rows)) if later else None
+
+        @torch.inference_mode()
+        def decide_and_hand_over(masks: Future | None) -> Callable[[], StepOutput]:
+            if constrained:
+                decide(masks)
+            return self._hand_over(rows, logits, width)
+
+        return InFlight(plan, decide_and_hand_over, prefetch)
+
+    def _hand_over(self, rows: tuple[ScheduledRow, ...], logits: torch.Tensor, width: int) -> Callable[[], StepOutput]:
+        """Start the copy of a launched step's outputs (tokens, accepted counts, non-finite flags)
+        to the host; returns what waits for them. Rows asking for log-probabilities, and steps
+        off the GPU, are read at once."""
+        speculative = width > 1
         if self.device.type != "cuda" or any(r.request.params.logprobs is not None for r in rows):
             emitted, logit_rows, num_pending, nonfinite = self.speculator.read(len(rows), width) if speculative else \
                 ([[t] for t in self.decode.emitted[0, :len(rows)].tolist()], [[i] for i in range(len(rows))], None,
                  self.decode.nonfinite[:len(rows)].tolist())
-            return InFlight(plan, StepOutput(emitted, logprobs=self.sampler.logprobs(logits, rows, logit_rows, emitted),
-                                             num_pending=num_pending, nonfinite=flagged(nonfinite)))
+            output = StepOutput(emitted, logprobs=self.sampler.logprobs(logits, rows, logit_rows, emitted),
+                                num_pending=num_pending, nonfinite=flagged(nonfinite))
+            return lambda: output
         host_emitted, host_accepted, host_nonfinite = self._host_outputs[self._launches % 2]
         self._launches += 1
         # A contiguous destination: a strided one makes the copy wait for the device.
@@ -125,27 +173,49 @@ class Runner:
             host_accepted.copy_(self.decode.accepted[:len(rows)], non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return InFlight(plan, emitted=host_emitted, accepted=host_accepted if speculative else None,
-                        nonfinite=host_nonfinite, done=done)
 
-    def _launch_plain(self, rows: tuple[ScheduledRow, ...]) -> torch.Tensor:
-        """Queue a plain decode step: greedy tokens land in DecodeStep.emitted[0], where
-        sampled, penalized and constrained rows' tokens then go too (their seeded draws use the
-        positions on the device: a fed row's is known there only), decided after the graph from
-        its logits. Returns the raw logits [B, V]."""
+        def read() -> StepOutput:
+            done.synchronize()
+            emitted, nonfinite = host_emitted.tolist(), flagged(host_nonfinite.tolist())
+            if not speculative:
+                return StepOutput([[t] for t in emitted[0]], nonfinite=nonfinite)
+            accepted = host_accepted.tolist()
+            return StepOutput([[emitted[d][r] for d in range(a + 1)] for r, a in enumerate(accepted)],
+                              num_pending=accepted, nonfinite=nonfinite)
+
+        return read
+
+    def _launch_plain(self, rows: tuple[ScheduledRow, ...]) -> tuple[DecodeRows, torch.Tensor, torch.Tensor]:
+        """Queue a plain decode step. Returns its rows on the device, the raw logits [B, V] and
+        the greedy tokens [B] (a view of DecodeStep.emitted[0], where the next step's fed rows
+        read them and where `_redecide_plain` writes the other rows' tokens)."""
         decode_rows = [r.decode_row() for r in rows]
         if self.graphs is not None and self.graphs.fits(decode_rows):
-            device_rows, logits, tokens = self.graphs.run(decode_rows)
-        else:
-            device_rows = self.decode.row_tensors(decode_rows, self.device)
-            logits, tokens = self.decode.plain(device_rows)
-        sampling = [i for i, r in enumerate(rows) if r.request.params.redecided]
-        if sampling:
-            index = device_tensor(sampling, torch.int64, self.device)
-            chosen = [rows[i] for i in sampling]
-            tokens[index] = self.sampler.sample(logits[index], chosen, device_rows.positions[index] + 1)
-            self.sampler.penalties.record(chosen, tokens[index, None])
-        return logits
+            return self.graphs.run(decode_rows)
+        device_rows = self.decode.row_tensors(decode_rows, self.device)
+        return device_rows, *self.decode.plain(device_rows)
+
+    def _prepare_plain(self, rows: tuple[ScheduledRow, ...], device_rows: DecodeRows, logits: torch.Tensor,
+                       chosen: list[int]) -> _Redecision | None:
+        """The chosen rows (sampled, penalized or constrained) to decide again after the graph:
+        their logits gathered and adjusted by the penalties, and the positions of their seeded
+        draws (on the device, where only a fed row's is known), read from the graph's buffers
+        now, before the next step is loaded into them."""
+        if not chosen:
+            return None
+        index = device_tensor(chosen, torch.int64, self.device)
+        chosen_rows = [rows[i] for i in chosen]
+        adjusted = self.sampler.penalties.adjust(logits[index], chosen_rows)
+        return _Redecision(index, chosen_rows, adjusted, device_rows.positions[index] + 1)
+
+    def _decide_plain(self, tokens: torch.Tensor, redecision: _Redecision | None, masks: Future | None = None) -> None:
+        """Draw the prepared rows' tokens (masks: their prefetched grammar masks; else they are
+        computed now) into the step's tokens."""
+        if redecision is None:
+            return
+        index, rows = redecision.index, redecision.rows
+        tokens[index] = self.sampler.draw(redecision.logits, rows, redecision.positions, masks=masks)
+        self.sampler.penalties.record(rows, tokens[index, None])
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepOutput:

@@ -5,13 +5,15 @@ the seeded draw of the sampling kernel (temperature, top-k, top-p, min-p), which
 (seed, position), so a request's samples do not depend on the rest of its batch (and rejection
 sampling of drafts can be coupled with it: spec/accept.py). `logprobs` scores emitted tokens
 under the raw distribution. Penalized rows' logits are adjusted before either (penalties.py),
-constrained rows' masked to their grammar (structured.py).
+constrained rows' masked to their grammar: packed masks from llguidance (structured.py), copied
+to the device without a wait and applied there (kernels/token_bitmask.py).
 Knows nothing about steps or speculation: a row is a ScheduledRow's request parameters, slot
 and position.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
 import torch
@@ -27,10 +29,16 @@ from .tensor_parallel import TensorParallel
 
 
 class Sampler:
-    def __init__(self, ops: Ops, device: torch.device, penalties: Penalties, tp: TensorParallel | None = None) -> None:
-        """penalties: the per-slot statistics of penalized requests, which `sample` applies; tp:
-        the tensor-parallel group (grammar masks come from rank 0)."""
-        self.ops, self.device, self.penalties, self.tp = ops, device, penalties, tp
+    def __init__(self, ops: Ops, device: torch.device, penalties: Penalties, grammars: Grammars,
+                 tp: TensorParallel | None = None) -> None:
+        """penalties: the per-slot statistics of penalized requests, which `sample` applies;
+        grammars: what masks constrained rows; tp: the tensor-parallel group (only rank 0 holds
+        the grammar matchers: it computes the masks and broadcasts them)."""
+        self.ops, self.device, self.penalties, self.grammars, self.tp = ops, device, penalties, grammars, tp
+        self._masks = _MaskStaging(device)
+        # Computes a launched step's grammar masks while the engine commits the step before it
+        # and plans the next (llguidance releases the GIL): `prefetch_masks`.
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaspec-grammar")
 
     def sample(self, logits: torch.Tensor, rows: Sequence[ScheduledRow], positions: torch.Tensor | None = None,
                drafts: torch.Tensor | None = None) -> torch.Tensor:
@@ -39,9 +47,16 @@ class Sampler:
         are the tokens the positions after a row's first were fed (penalties count them).
         positions [N * W]: where the sampled tokens go, when only the device knows (fed rows,
         drafts); by default from the rows. A seeded draw depends on nothing else. Penalized
-        rows' logits are adjusted first (penalties.py), greedy rows' too, and constrained rows'
-        tokens outside their grammar masked (structured.py)."""
-        logits = Grammars.mask(self.penalties.adjust(logits, rows, drafts), rows, drafts, self.tp)
+        rows' logits are adjusted first (penalties.py), greedy rows' too, then `draw`."""
+        return self.draw(self.penalties.adjust(logits, rows, drafts), rows, positions, drafts)
+
+    def draw(self, logits: torch.Tensor, rows: Sequence[ScheduledRow], positions: torch.Tensor | None = None,
+             drafts: torch.Tensor | None = None, masks: Future | None = None) -> torch.Tensor:
+        """`sample` of logits the penalties have already adjusted: constrained rows' tokens
+        outside their grammar masked (`constrain`; masks: their `prefetch_masks`), then the
+        argmax or the seeded draw. Split off so that a step can adjust its rows as it is
+        launched and draw once their masks can be computed (runner.py)."""
+        logits = self.constrain(logits, rows, drafts, masks)
         params = [r.request.params for r in rows]
         if all(p.greedy for p in params):  # greedy fast path: no filtering, no noise
             return logits.argmax(dim=-1)
@@ -51,6 +66,39 @@ class Sampler:
         tokens, _ = self.ops.sample(logits, *self.filter_columns(params, width),
                                     self.tensor([r.request.seed for r in rows for _ in range(width)]), positions)
         return tokens
+
+    def constrain(self, logits: torch.Tensor, rows: Sequence[ScheduledRow], drafts: torch.Tensor | None = None,
+                  masks: Future | None = None) -> torch.Tensor:
+        """logits [N * W, V] as `sample` takes them, with each constrained row's tokens outside
+        its grammar at -inf (float32; the input itself when no row is constrained). The masks
+        come from `prefetch_masks` when given, else are computed now, from the matchers' state,
+        while the device works through what is queued; a verify step's masks need its drafts
+        on the host (a wait for them). Under tensor parallelism rank 0 computes them and every
+        rank applies rank 0's (the same call on every rank: a broadcast)."""
+        if all(r.request.params.structured is None for r in rows):
+            return logits
+        if self.tp is not None and self.tp.rank > 0:
+            on_device = torch.empty(logits.shape[0], self.grammars.num_words, dtype=torch.int32, device=self.device)
+        else:
+            host = masks.result() if masks is not None else \
+                self._compute_masks(rows, logits.shape[0] // len(rows), drafts)
+            on_device = self._masks.to_device(host)
+        if self.tp is not None:
+            self.tp.broadcast(on_device)
+        return self.ops.apply_token_bitmask(logits, on_device)
+
+    def prefetch_masks(self, rows: Sequence[ScheduledRow], width: int = 1,
+                       drafts: torch.Tensor | None = None) -> Future:
+        """Start computing the masks `constrain` will apply to these rows (W = width positions
+        each; drafts [N, W - 1] on the device, read in the worker) in a worker thread, from the
+        matchers' state now: they must not change until `constrain` has taken the result."""
+        return self._worker.submit(self._compute_masks, rows, width, drafts)
+
+    def _compute_masks(self, rows: Sequence[ScheduledRow], width: int, drafts: torch.Tensor | None) -> torch.Tensor:
+        host_drafts = drafts.tolist() if drafts is not None and width > 1 else ()
+        masks = self._masks.host(len(rows) * width, self.grammars.num_words)
+        self.grammars.bitmask(rows, masks, host_drafts)
+        return masks
 
     def filter_columns(self, params: Sequence[SamplingParams], width: int = 1) -> tuple[torch.Tensor, ...]:
         """Per-row (temperature, top_k, top_p, min_p) tensors of the sampling ops, each row's
@@ -90,3 +138,40 @@ class Sampler:
     def tensor(self, values: Sequence[int]) -> torch.Tensor:
         """int64 values on the device, without stalling its stream."""
         return device_tensor(values, torch.int64, self.device)
+
+
+class _MaskStaging:
+    """Two host buffers the grammar masks are written into and copied to the device from, used
+    in turn (pinned on the GPU, so the copy is queued like a kernel). Reused, never reallocated
+    per step: a fresh multi-megabyte buffer costs page faults and pinning. A buffer is written
+    again only after its last copy has run (at most two steps are in flight, so that wait is
+    already over). Filled with all-ones masks when made, so it only ever holds masks. One
+    `host` call, then its `to_device`, at a time (a prefetch's `host` runs in the worker while
+    the engine's thread waits for nothing else from here)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+
+    def host(self, num_rows: int, num_words: int) -> torch.Tensor:
+        """A contiguous int32 [num_rows, num_words] host buffer to write masks into."""
+        buffer, copied = self._buffers[self._turn], self._copied[self._turn]
+        if buffer is None or buffer.shape[0] < num_rows or buffer.shape[1] != num_words:
+            buffer = torch.full((num_rows, num_words), -1, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+            self._buffers[self._turn] = buffer  # the caching host allocator keeps the old one until its copy ran
+        elif copied is not None:
+            copied.synchronize()
+        return buffer[:num_rows]
+
+    def to_device(self, masks: torch.Tensor) -> torch.Tensor:
+        """The masks on the device (the buffer itself off the GPU); the next `host` call gets the
+        other buffer."""
+        if self.device.type != "cuda":
+            return masks
+        on_device = masks.to(self.device, non_blocking=True)
+        self._copied[self._turn] = torch.cuda.Event()
+        self._copied[self._turn].record()
+        self._turn ^= 1
+        return on_device

@@ -190,10 +190,8 @@ class Scheduler:
         `plan`: `plan` feeds the newest token, at position num_tokens - 1, and emits 1 .. k + 1
         tokens, so the fed row's newest token sits between num_tokens and num_tokens + k (the
         device knows where: DecodeStep.feed); its start_position is that furthest place."""
-        # A constrained request's next mask needs its grammar advanced by `plan`'s tokens.
         if (self._abort_requested or plan.prefill_rows or plan.cached_rows
-                or (self.waiting and len(self.running) < self.config.max_num_seqs)
-                or any(r.request.grammar is not None for r in plan.decode_rows)):
+                or (self.waiting and len(self.running) < self.config.max_num_seqs)):
             return None
         running = RequestStatus.RUNNING
         capacity = self.blocks.block_size

@@ -35,6 +35,7 @@ draft length: the plan says how many drafts each row gets.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import torch
@@ -62,6 +63,18 @@ class Drafted(NamedTuple):
     rows: DecodeRows
     drafts: torch.Tensor        # [B, K]
     logits: torch.Tensor | None  # [B * (K + 1), V] verify logits (None until verified)
+
+
+class _Resampling(NamedTuple):
+    """Verify rows whose acceptance is redone after the step (Speculator.prepare)."""
+
+    index: torch.Tensor        # [R] the rows' places in the step
+    rows: list[ScheduledRow]
+    logits: torch.Tensor       # [R * W, V] verify logits adjusted by the penalties
+    positions: torch.Tensor    # [R * W] where each position's token goes
+    drafts: torch.Tensor       # [R, K]
+    num_drafts: torch.Tensor   # [R]
+    slots: torch.Tensor        # [R]
 
 
 class Speculator:
@@ -138,10 +151,12 @@ class Speculator:
 
     # One step -------------------------------------------------------------------------------
 
-    def launch(self, rows: Sequence[ScheduledRow], graphs: SpecGraphs | None) -> Drafted:
+    def launch(self, rows: Sequence[ScheduledRow], graphs: SpecGraphs | None, deferred: Sequence[int] = ()) -> Drafted:
         """A decode-only speculative step, queued on the device with no host sync: draft,
         verify, accept, roll back. Its outputs stay in DecodeStep's buffers (`accepted`,
-        `emitted`), where the next step's fed rows read them and `read` takes them to the host."""
+        `emitted`), where the next step's fed rows read them and `read` takes them to the host.
+        deferred: rows whose acceptance the caller redoes later (`resample`; constrained rows,
+        whose grammar masks wait for the step before to be committed)."""
         num_drafts = max(r.num_draft_tokens for r in rows)
         decode_rows = [r.decode_row() for r in rows]
         if graphs is not None and graphs.can_run(decode_rows, num_drafts):
@@ -151,36 +166,51 @@ class Speculator:
             drafts = self.draft(device_rows, num_drafts)
             self._edit(rows, drafts)
             drafted = Drafted(device_rows, drafts, self.verify(device_rows, drafts))
-        self.resample(rows, drafted)
+        now = [i for i, r in enumerate(rows) if r.request.params.redecided and i not in deferred]
+        self.resample(rows, drafted, now)
         return drafted
 
-    def resample(self, rows: Sequence[ScheduledRow], drafted: Drafted) -> None:
-        """Redo the acceptance of sampled, penalized and constrained rows, on the device: at
-        each verified position the token plain decoding would choose there (same seed, same
-        position; the penalties counting the drafts before it as generated: penalties.py; the
-        grammar after the drafts before it: structured.py), the drafts
-        accepted while they match — rejection sampling for sampled rows (spec/accept.py),
-        greedy acceptance of the penalized argmax for greedy ones. Overwrites those rows'
-        accepted counts, emitted tokens and pending counts (greedy acceptance of the raw
-        logits ran for all), and adds penalized rows' emitted tokens to their statistics."""
-        sampled = [i for i, r in enumerate(rows) if r.request.params.redecided]
+    def resample(self, rows: Sequence[ScheduledRow], drafted: Drafted, sampled: Sequence[int]) -> None:
+        """Redo the acceptance of the rows `sampled` indexes (sampled, penalized and constrained
+        ones), on the device: at each verified position the token plain decoding would choose
+        there (same seed, same position; the penalties counting the drafts before it as
+        generated: penalties.py; the grammar after the drafts before it: structured.py), the
+        drafts accepted while they match — rejection sampling for sampled rows
+        (spec/accept.py), greedy acceptance of the penalized argmax for greedy ones. Overwrites
+        those rows' accepted counts, emitted tokens and pending counts (greedy acceptance of
+        the raw logits ran for all), and adds penalized rows' emitted tokens to their
+        statistics. `prepare` then `decide`: a caller may decide later (constrained rows)."""
+        self.decide(self.prepare(rows, drafted, sampled))
+
+    def prepare(self, rows: Sequence[ScheduledRow], drafted: Drafted, sampled: Sequence[int]) -> _Resampling | None:
+        """What `decide` needs, read from the step's buffers now (before the next step is
+        loaded into them), the penalties applied to the rows' verify logits."""
         if not sampled:
-            return
-        device_rows, drafts = drafted.rows, drafted.drafts
-        width = drafts.shape[1] + 1
+            return None
+        device_rows, width = drafted.rows, drafted.drafts.shape[1] + 1
         index = self._indices(sampled)
         flat = (index[:, None] * width + self.decode.arange(width)).reshape(-1)
         # Position i of a row's verify predicts the token at its newest position + 1 + i.
         positions = (device_rows.positions[index][:, None] + 1 + self.decode.arange(width)).reshape(-1)
-        chosen = [rows[i] for i in sampled]
-        targets = self.sampler.sample(drafted.logits[flat].float(), chosen, positions,
-                                      drafts[index]).view(len(sampled), width)
-        accepted, emitted = self._forced(*sampled_accept(targets, drafts[index], device_rows.num_drafts[index]),
-                                         device_rows.num_drafts[index])
+        chosen, drafts = [rows[i] for i in sampled], drafted.drafts[index]
+        adjusted = self.sampler.penalties.adjust(drafted.logits[flat].float(), chosen, drafts)
+        return _Resampling(index, chosen, adjusted, positions, drafts, device_rows.num_drafts[index],
+                           device_rows.slots[index])
+
+    def decide(self, resampling: _Resampling | None, masks: Future | None = None) -> None:
+        """Draw the prepared rows' targets (masks: their prefetched grammar masks, else computed
+        now: a constrained row's masks need its drafts on the host, a wait for the step's
+        drafts), accept, roll back (`resample`)."""
+        if resampling is None:
+            return
+        index, rows, drafts, num_drafts = resampling.index, resampling.rows, resampling.drafts, resampling.num_drafts
+        width = drafts.shape[1] + 1
+        targets = self.sampler.draw(resampling.logits, rows, resampling.positions, drafts, masks).view(len(rows), width)
+        accepted, emitted = self._forced(*sampled_accept(targets, drafts, num_drafts), num_drafts)
         self.decode.accepted[index] = accepted
         self.decode.emitted[:width, index] = emitted.T
-        self._set_pending(device_rows.slots[index], accepted)
-        self.sampler.penalties.record(chosen, emitted, accepted + 1)
+        self._set_pending(resampling.slots, accepted)
+        self.sampler.penalties.record(rows, emitted, accepted + 1)
 
     def read(self, num_rows: int, width: int) -> tuple[list[list[int]], list[list[int]], list[int], list[bool]]:
         """The step's outputs on the host (a sync): each row's emitted tokens, the logits rows

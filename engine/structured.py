@@ -8,12 +8,14 @@ second for a large vocabulary), and makes each request's `Matcher` at add_reques
 
 A Matcher follows the request's committed output: `advance` consumes each token as the request
 records it (Request.extend), and reports when the grammar is complete (the request then stops).
-`allowed` gives the tokens the grammar permits at each position of a row: after the output,
-and for a verify row after each prefix drafts[:j] of its drafts (consumed tentatively, then
-rolled back), so every position is decided as plain decoding would decide it. A draft the
+`Grammars.bitmask` packs the tokens the grammar permits at each position of a step's rows into
+int32 words (llguidance's layout, kernels/token_bitmask.py applies it on the device): after the
+output, and for a verify row after each prefix drafts[:j] of its drafts (consumed tentatively,
+then rolled back), so every position is decided as plain decoding would decide it. A draft the
 grammar refuses ends the prefixes: the positions after it cannot be accepted anyway. EOS is
-allowed only where the grammar accepts. `mask` sets the logits outside those tokens to -inf on
-the device, before penalties' output reaches the sampler's draw or argmax.
+allowed only where the grammar accepts. The masks are computed by llguidance's own thread pool
+with the GIL released; when they are computed (while the device runs the step's forward) is the
+runner's business (runner.py).
 """
 
 from __future__ import annotations
@@ -24,12 +26,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import llguidance
-import numpy as np
 import torch
 
 if TYPE_CHECKING:  # step.py imports this module (through request.py and sampling_params.py)
     from .step import ScheduledRow
-    from .tensor_parallel import TensorParallel
     from .tokenizer import Tokenizer
 
 KINDS = ("json_schema", "json_object", "regex", "choice")
@@ -89,31 +89,14 @@ class Structured:
 class Matcher:
     """One request's grammar state, at the end of its committed output."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
-        self._matcher, self._vocab_size = matcher, vocab_size
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.llmatcher = matcher
 
     def advance(self, token_id: int) -> bool:
         """Consume a committed token; True when the grammar is complete (or, by a bug, the
         token was refused: the request stops rather than run unconstrained)."""
-        self._matcher.consume_token(token_id)
-        return self._matcher.is_stopped()
-
-    def allowed(self, drafts: Sequence[int] = ()) -> np.ndarray:
-        """bool [len(drafts) + 1, V]: the tokens allowed at each position (the module docstring)."""
-        result = np.ones((len(drafts) + 1, self._vocab_size), dtype=bool)
-        # Consuming a refused token would leave the matcher in its error state for good:
-        # only the drafts' valid prefix is consumed.
-        valid = self._matcher.validate_tokens(list(drafts)) if drafts else 0
-        for j in range(valid + 1):
-            result[j] = self._mask()
-            if j < valid:
-                self._matcher.consume_token(drafts[j])
-        self._matcher.rollback(valid)
-        return result
-
-    def _mask(self) -> np.ndarray:
-        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
-        return np.unpackbits(bits, bitorder="little")[:self._vocab_size].astype(bool)
+        self.llmatcher.consume_token(token_id)
+        return self.llmatcher.is_stopped()
 
 
 class Grammars:
@@ -121,37 +104,44 @@ class Grammars:
         """vocab_size: the model's (ids past the tokenizer's are never allowed)."""
         self._tokenizer, self._vocab_size = tokenizer, vocab_size
         self._lltokenizer: llguidance.LLTokenizer | None = None
+        self._executor: llguidance.LLExecutor | None = None  # llguidance's thread pool, made with the tokenizer
+
+    @property
+    def num_words(self) -> int:
+        """int32 words of one packed mask row."""
+        return -(-self._vocab_size // 32)
 
     def matcher(self, structured: Structured) -> Matcher:
         if self._lltokenizer is None:
             self._lltokenizer = llguidance.LLTokenizer(self._tokenizer.to_json(), n_vocab=self._vocab_size,
                                                        eos_token=list(self._tokenizer.eos_token_ids))
+            self._executor = llguidance.LLExecutor()
         matcher = llguidance.LLMatcher(self._lltokenizer, structured.grammar(), log_level=0)
         if matcher.is_error():
             raise ValueError(f"invalid {structured.kind} constraint: {matcher.get_error()}")
-        return Matcher(matcher, self._vocab_size)
+        return Matcher(matcher)
 
-    @staticmethod
-    def mask(logits: torch.Tensor, rows: Sequence[ScheduledRow], drafts: torch.Tensor | None = None,
-             tp: TensorParallel | None = None) -> torch.Tensor:
-        """logits [N * W, V] as Penalties.adjust takes them. Returns them with each constrained
-        row's disallowed tokens at -inf (a new tensor; the input itself when no row is
-        constrained). Reads a verify step's drafts on the host (a sync). Under tensor
-        parallelism only rank 0 holds the matchers: it computes the mask and broadcasts it, and
-        every rank masks alike."""
-        constrained = [i for i, r in enumerate(rows) if r.request.params.structured is not None]
+    def bitmask(self, rows: Sequence[ScheduledRow], out: torch.Tensor, drafts: Sequence[Sequence[int]] = ()) -> None:
+        """Write the packed masks (kernels/token_bitmask.py) of W consecutive positions of each
+        row into out, int32 [N * W, num_words] (contiguous host memory): all bits set for
+        unconstrained rows; position j of a verify row is the grammar after drafts[i][:j] (the
+        module docstring). Positions after a draft the grammar refuses are left as they were
+        (they are never accepted: a buffer that only ever holds masks keeps them harmless).
+        Computed by llguidance's thread pool, all rows and positions at once, without the GIL."""
+        width = out.shape[0] // len(rows)
+        constrained = []
+        for i, r in enumerate(rows):
+            if r.request.grammar is None:
+                out[i * width:(i + 1) * width] = -1
+            else:
+                constrained.append(i)
         if not constrained:
-            return logits
-        if tp is not None and tp.rank > 0:
-            allowed = torch.empty(logits.shape, dtype=torch.uint8, device=logits.device)
+            return
+        assert out.is_contiguous() and out.dtype == torch.int32 and out.shape[1] == self.num_words
+        one_row = self.num_words * 4
+        if width == 1:
+            self._executor.unsafe_compute_mask_ptr([(rows[i].request.grammar.llmatcher, i) for i in constrained],
+                                                   out.data_ptr(), one_row, len(out))
         else:
-            width = logits.shape[0] // len(rows)
-            host_drafts = drafts.tolist() if drafts is not None and width > 1 else None
-            host = np.ones((logits.shape[0], logits.shape[1]), dtype=np.uint8)
-            for i in constrained:
-                row_drafts = host_drafts[i][:width - 1] if host_drafts is not None else ()
-                host[i * width:(i + 1) * width] = rows[i].request.grammar.allowed(row_drafts)
-            allowed = torch.from_numpy(host).to(logits.device, non_blocking=True)
-        if tp is not None:
-            tp.broadcast(allowed)
-        return logits.float().masked_fill(allowed == 0, float("-inf"))
+            entries = [(rows[i].request.grammar.llmatcher, i * width, list(drafts[i][:width - 1])) for i in constrained]
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(entries, out.data_ptr(), one_row, len(out))

@@ -25,6 +25,8 @@ from .moe import moe_experts_reference, route_reference
 from .norms import gated_rms_norm_reference, rms_norm_reference
 from .rope import qk_norm_rope_reference
 from .sampling import sample_reference
+from .penalties import penalize_rows_reference
+from .token_bitmask import apply_token_bitmask_reference
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,8 @@ class Ops:
     moe_experts: Callable
     fp8_moe_experts: Callable
     sample: Callable
+    apply_token_bitmask: Callable
+    penalize_rows: Callable
 
 
 REFERENCE_OPS = Ops(
@@ -66,6 +70,8 @@ REFERENCE_OPS = Ops(
     moe_experts=moe_experts_reference,
     fp8_moe_experts=fp8_moe_experts_reference,
     sample=sample_reference,
+    apply_token_bitmask=apply_token_bitmask_reference,
+    penalize_rows=penalize_rows_reference,
 )
 
 
@@ -73,7 +79,8 @@ REFERENCE_OPS = Ops(
 def triton_ops() -> Ops:
     """The GPU table: Triton kernels where they exist; the remaining entries are the (batched,
     device-agnostic) torch references, listed here so the mix is visible in one place."""
-    from . import activation, attention, conv1d, fp8, gdn_chunked, gdn_decode, linear, moe, norms, rope, sampling
+    from . import activation, attention, conv1d, fp8, gdn_chunked, gdn_decode, linear, moe, norms, penalties, rope, sampling, \
+        token_bitmask
 
     return replace(
         REFERENCE_OPS,
@@ -94,6 +101,8 @@ def triton_ops() -> Ops:
         moe_experts=moe.moe_experts,
         fp8_moe_experts=fp8.fp8_moe_experts,
         sample=sampling.sample,
+        apply_token_bitmask=token_bitmask.apply_token_bitmask,
+        penalize_rows=penalties.penalize_rows,
     )
 
 

@@ -5,7 +5,8 @@ test_async_scheduling.py, test_gpu_engine.py): random jobs with staggered arriva
 each request's output in a batch checked against its output alone, and the check that an idle
 engine holds no slots, blocks or requests. The speculation helpers (test_speculation.py,
 test_gpu_engine.py): prompts, generate, and ScriptedDrafter, a draft editor that forces every
-acceptance count."""
+acceptance count. LaunchCounter (test_async_scheduling.py, test_structured.py) counts the steps
+launched ahead of the one before them."""
 
 import random
 from dataclasses import dataclass
@@ -63,6 +64,21 @@ def run_staggered(core: EngineCore, jobs: list[Job]) -> dict[int, object]:
         core.step()
         step += 1
     return requests
+
+
+class LaunchCounter:
+    """Counts the steps the runner launched with fed rows (continuations: launched before the
+    step they follow was read)."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.fed_steps = 0
+        launch = core.runner.launch
+
+        def counting(plan):
+            self.fed_steps += any(row.fed_from is not None for row in plan.decode_rows)
+            return launch(plan)
+
+        core.runner.launch = counting
 
 
 def assert_all_free(core: EngineCore) -> None:

@@ -12,7 +12,7 @@ import pytest
 from deltaspec.engine import EngineConfig, SamplingParams
 from deltaspec.engine.core import EngineCore
 from fixtures import assert_idle
-from harness import Job, run_staggered
+from harness import Job, LaunchCounter, run_staggered
 
 VOCAB = 512
 OPTIONS = dict(max_num_batched_tokens=256, max_num_seqs=8, checkpoint_interval=64)
@@ -32,20 +32,6 @@ def stopping_jobs(n: int, seed: int) -> list[Job]:
         prompt = [rng.randrange(VOCAB) for _ in range(rng.choice([1, rng.randint(2, 30), rng.randint(31, 200)]))]
         jobs.append(Job(prompt, params, rng.randint(0, 2 * n), abort_after))
     return jobs
-
-
-class LaunchCounter:
-    """Counts the steps the runner launched with fed rows (continuations)."""
-
-    def __init__(self, core: EngineCore) -> None:
-        self.fed_steps = 0
-        launch = core.runner.launch
-
-        def counting(plan):
-            self.fed_steps += any(row.fed_from is not None for row in plan.decode_rows)
-            return launch(plan)
-
-        core.runner.launch = counting
 
 
 @pytest.mark.parametrize("n", [2, 12])

@@ -3,6 +3,7 @@ prompt-end checkpoint) and each equals its single-request twin (choice i: seed +
 speculation on and off, and with the prefix cache off (then every choice prefills)."""
 
 import random
+import re
 
 import pytest
 
@@ -63,3 +64,27 @@ def test_unseeded_choices_differ_and_fork_of_needs_the_same_prompt(checkpoint):
     while llm.core.has_work:
         llm.core.step()
     assert_idle(llm.core.stats())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [0, 3])
+def test_choices_through_the_cuda_graphs(checkpoint, k):
+    """On the GPU (float32, CUDA graphs, overlapped steps): n = 4 sampled choices, one of them
+    constrained to a regex in another batch, each equal to its single-request twin, and the
+    prompt computed once."""
+    path = checkpoint("qwen3_5", mtp_copy_of_last_layer=True, linear_key_head_dim=64, linear_value_head_dim=64)
+    options = dict(OPTIONS, device="cuda", dtype="float32", num_draft_tokens=k)
+    batch = prompts(2)
+    constrained = SamplingParams(max_tokens=16, temperature=0.9, seed=5, structured=("regex", r"[a-f]{3,12}\.?"))
+    for params in (choice_params(sampled=True), constrained):
+        llm = LLM(path, **options)
+        outputs = llm.generate(batch, params, n=N)
+        twins = LLM(path, **dict(options, enable_prefix_cache=False))
+        for p, prompt in enumerate(batch):
+            for i, choice in enumerate(params.for_choices(N)):
+                assert outputs[p * N + i].token_ids == twins.generate(prompt, choice)[0].token_ids, (p, i)
+        if params.structured is not None:
+            assert all(o.finish_reason == "stop" and re.fullmatch(r"[a-f]{3,12}\.?", o.text) for o in outputs)
+        stats = llm.core.stats()
+        assert stats["prefix_cache"]["reused_tokens"] == 2 * (N - 1) * 150
+        assert_idle(stats)

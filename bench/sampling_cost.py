@@ -1,0 +1,148 @@
+"""What sampling as users configure it costs a decode step, through the engine.
+
+A batch of B decode rows (64 by default) on a random-weight checkpoint of the Qwen3.5-0.8B shape
+(bf16, with its MTP layer), every row sampled (T = 0.7, top_p = 0.95), in five mixes run side by
+side in one engine:
+
+    plain             nothing else
+    penalties         presence 1.5 + frequency 0.5 + repetition 1.1 penalties and a logit_bias
+    schema            a json_schema (an array of objects: integer, enum, short string, boolean,
+                      required fields), too long to complete in the run: every step is masked
+    penalties+schema  both on every row (the issue's bar: <= 1.15x a plain step)
+    plain_greedy      temperature 0, for reference
+
+each without speculation and with k fixed drafts (a random MTP accepts almost nothing: the
+step's cost is what is compared, drafting and verification included; the grammar masks each
+verify position). The tokenizer is tests/fixtures.py's byte-level BPE (384 ids: the grammar's
+vocabulary; the model's other ids are never allowed). Each mix: prompts prefilled and a warm-up
+of decode steps off the clock, then the wall time of each decode step with every row running
+(dispatch -> wait -> commit, the overlapped pipeline as served), median. Writes
+bench/results/sampling_cost-<device>.json (device, date, commit, command, every number and each
+mix's ratio to plain).
+
+    python bench/sampling_cost.py [--batch 64] [--draft-tokens 3] [--steps 48]
+    python bench/sampling_cost.py --device cpu --shape tiny --batch 4 --steps 3   # smoke (numbers mean nothing)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from fixtures import make_tokenizer  # noqa: E402
+
+import common  # noqa: E402
+from common import commit_id, device_tag  # noqa: E402
+from deltaspec.engine import EngineConfig, ModelConfig, SamplingParams, Structured  # noqa: E402
+from deltaspec.engine.core import EngineCore  # noqa: E402
+from deltaspec.engine.tokenizer import Tokenizer  # noqa: E402
+
+COMMON = dict(model_type="qwen3_5_text", vocab_size=248320, head_dim=256, linear_key_head_dim=128,
+              linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=65536, rms_norm_eps=1e-6,
+              mtp_num_hidden_layers=1)
+SHAPES = {
+    "0.8b": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
+                 linear_num_key_heads=16, linear_num_value_heads=16, intermediate_size=3584, tie_word_embeddings=True),
+    "tiny": dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=32, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=64,
+                 linear_value_head_dim=64, intermediate_size=128, tie_word_embeddings=True),
+}
+SCHEMA = {
+    "type": "array", "minItems": 64,
+    "items": {"type": "object",
+              "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999},
+                             "kind": {"enum": ["alpha", "beta", "gamma"]},
+                             "note": {"type": "string", "maxLength": 6},
+                             "ok": {"type": "boolean"}},
+              "required": ["id", "kind", "ok"], "additionalProperties": False},
+}
+PROMPT_LEN, WARM_UP_STEPS = 64, 8
+MIXES = ("plain", "penalties", "schema", "penalties+schema", "plain_greedy")
+
+
+def params(mix: str, seed: int, max_tokens: int, vocab_size: int) -> SamplingParams:
+    penalized = "penalties" in mix
+    return SamplingParams(
+        max_tokens=max_tokens, ignore_eos=True, seed=seed,
+        temperature=0.0 if mix == "plain_greedy" else 0.7, top_p=1.0 if mix == "plain_greedy" else 0.95,
+        presence_penalty=1.5 if penalized else 0.0, frequency_penalty=0.5 if penalized else 0.0,
+        repetition_penalty=1.1 if penalized else 1.0,
+        logit_bias={(seed * 7 + j) % vocab_size: (-1.0) ** j * 2.0 for j in range(8)} if penalized else (),
+        structured=Structured("json_schema", SCHEMA) if "schema" in mix else None)
+
+
+def measure(core: EngineCore, mix: str, batch: int, steps: int) -> dict:
+    """Median wall time of a decode step with all `batch` rows of `mix` running."""
+    vocab = core.model_config.vocab_size
+    generator = torch.Generator().manual_seed(batch)
+    max_tokens = 1 + WARM_UP_STEPS + steps + 4
+    requests = [core.add_request(torch.randint(0, vocab, (PROMPT_LEN,), generator=generator).tolist(),
+                                 params(mix, i, max_tokens, vocab)) for i in range(batch)]
+    while any(not r.output_token_ids for r in requests):  # prefills off the clock
+        core.step()
+    step_times = []
+    while core.has_work:
+        begin = time.perf_counter()
+        step = core.dispatch()
+        core.commit(step.plan, step.wait())
+        if len(step.plan.decode_rows) == batch and not step.plan.prefill_rows:
+            step_times.append(time.perf_counter() - begin)
+    assert all(r.finish_reason == "length" for r in requests), [r.finish_reason for r in requests]
+    timed = step_times[WARM_UP_STEPS:WARM_UP_STEPS + steps]
+    return {"step_ms": statistics.median(timed) * 1e3, "steps_measured": len(timed),
+            "tokens_per_step": sum(len(r.output_token_ids) for r in requests) / batch / max(len(step_times), 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--shape", default="0.8b", choices=sorted(SHAPES))
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--draft-tokens", type=int, default=3, help="drafts a speculative step (fixed)")
+    parser.add_argument("--steps", type=int, default=48, help="timed decode steps per mix")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    cuda = args.device == "cuda"
+    model_config = ModelConfig.from_dict({**COMMON, **SHAPES[args.shape]})
+    model = common.random_model(model_config, args.device, torch.bfloat16 if cuda else torch.float32)
+    directory = make_tokenizer(Path(tempfile.mkdtemp()))
+    tokenizer = Tokenizer.from_dir(directory)
+    device_name = torch.cuda.get_device_name() if cuda else "cpu"
+    result = {"benchmark": "sampling_cost", "device": device_name,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "commit": commit_id(), "command": " ".join(["python"] + sys.argv), "shape": args.shape,
+              "batch": args.batch, "bar": "penalties+schema step_ms <= 1.15x plain", "runs": {}}
+    for num_drafts in (0, args.draft_tokens):
+        config = EngineConfig(model=directory, device=args.device, dtype="bfloat16" if cuda else "float32",
+                              max_num_seqs=args.batch, max_num_batched_tokens=max(2048, args.batch * PROMPT_LEN),
+                              max_model_len=1024, num_draft_tokens=num_drafts, adaptive_draft_length=False,
+                              enable_prefix_cache=False, gpu_memory_utilization=0.5,
+                              warm_up=False)  # decode steps are timed, never the eager prefills
+        core = EngineCore(config, model, tokenizer)
+        measure(core, "penalties+schema", args.batch, 2)  # compiles the masking and penalty kernels untimed
+        run = {mix: measure(core, mix, args.batch, args.steps) for mix in MIXES}
+        for mix in MIXES:
+            run[mix]["ratio_to_plain"] = run[mix]["step_ms"] / run["plain"]["step_ms"]
+        result["runs"][f"k={num_drafts}"] = run
+        print(f"k={num_drafts}: " + ", ".join(f"{m} {r['step_ms']:.2f} ms ({r['ratio_to_plain']:.2f}x)"
+                                               for m, r in run.items()), flush=True)
+        del core
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"sampling_cost-{device_tag(device_name) if cuda else 'cpu'}.json"
+    path.write_text(json.dumps(result, indent=2))
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
