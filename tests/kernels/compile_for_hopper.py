@@ -9,7 +9,8 @@ an sm_90 target, every launch becomes a warm-up (compile, no launch) and each au
 is compiled once. The engine then runs tiny checkpoints of every family through its GPU kernel
 table — prefill chunks, decode, draft and verify steps — plus the sampling kernels and the
 split GDN prefill, with real launch geometry (an H100's 132 SMs). Outputs are garbage (nothing
-ran), which the engine never inspects beyond shapes on these greedy paths.
+ran): the engine inspects them only for shapes on these greedy paths, and for non-finite logits,
+which fail the requests (NonFiniteLogitsError, expected here).
 
 This catches what the interpreter cannot: code that does not compile for the GPU (types, layouts,
 register limits at ptxas). Run by tests/kernels/test_compile.py in a subprocess, because the
@@ -88,29 +89,40 @@ def run_engine() -> None:
     from fixtures import make_checkpoint
 
     from deltaspec.engine import LLM, SamplingParams
+    from deltaspec.engine.errors import NonFiniteLogitsError
 
     gpu_shape = dict(linear_key_head_dim=64, linear_value_head_dim=64)  # the GPU kernels' minimum
     prompts = [[1 + i for i in range(n)] for n in (3, 70, 130)]
     runs = (("qwen3_5", 0, {}), ("qwen3_5", 3, {}), ("qwen3_next", 0, {}), ("qwen3_5_moe", 2, {}),
-            ("qwen3_5", 2, {"fp8": True}))   # FP8: the group quantizer and the block-scaled GEMM
+            ("qwen3_5", 2, {"fp8": True}),   # FP8: the group quantizer and the block-scaled GEMM
+            ("qwen3_5_moe", 0, {"fp8": True}))   # FP8 experts
     for family, num_draft_tokens, options in runs:
         path = make_checkpoint(Path(tempfile.mkdtemp()), family, **gpu_shape, **options)
         llm = LLM(path, device="cpu", dtype="bfloat16", kernel_backend="triton", enable_cuda_graphs=False,
                   num_draft_tokens=num_draft_tokens, max_num_seqs=4)
-        llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        try:
+            llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        except NonFiniteLogitsError:
+            pass  # uninitialized outputs: the kernels compiled, which is what this checks
 
 
 def run_kernels() -> None:
-    """Kernels the greedy engine runs above do not reach: sampling, MoE's per-token path, and the
-    split GDN prefill (few long rows on a real GPU; the tiny engine batches here look like CPU
-    tensors, which take the fused path)."""
-    from deltaspec.kernels import gdn_chunked, moe, sampling
+    """Kernels the greedy engine runs above do not reach: sampling, penalties, grammar masks,
+    MoE's per-token path, and the split GDN prefill (few long rows on a real GPU; the tiny engine
+    batches here look like CPU tensors, which take the fused path)."""
+    from deltaspec.kernels import gdn_chunked, moe, penalties, sampling, token_bitmask
 
     vocab, rows = 1000, 4
     column = lambda value, dtype: torch.full((rows,), value, dtype=dtype)  # noqa: E731
     sampling.sample(torch.randn(rows, vocab), column(0.8, torch.float32), column(20, torch.int64),
                     column(0.9, torch.float32), column(0.05, torch.float32), column(1, torch.int64),
                     column(5, torch.int64))
+    slots, width = 3, 2
+    penalties.penalize_rows(torch.randn(rows, width, vocab), torch.zeros(slots, vocab, dtype=torch.int32),
+                            torch.zeros(slots, vocab, dtype=torch.bool), torch.zeros(rows, dtype=torch.int64),
+                            column(1.1, torch.float32), column(0.2, torch.float32), column(0.3, torch.float32))
+    token_bitmask.apply_token_bitmask(torch.randn(rows, vocab), torch.full((rows, (vocab + 31) // 32), -1,
+                                                                            dtype=torch.int32))
     experts, top_k, hidden, inner = 8, 2, 128, 64
     x = torch.randn(1, hidden, dtype=torch.bfloat16)
     weights, ids = torch.rand(1, top_k), torch.tensor([[1, 5]])
