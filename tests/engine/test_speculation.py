@@ -194,6 +194,33 @@ def test_seeded_sampling_with_speculation_equals_plain_sampling(checkpoint, k):
     assert run(EngineCore(EngineConfig(model=path, num_draft_tokens=k))) == plain
 
 
+def test_decode_rows_draft_in_a_step_that_prefills(checkpoint):
+    """A step that prefills runs its decode rows through the decode stages, drafting as in any
+    step (runner.py): a request arriving mid-decode shares a step with the others' drafts, and
+    every output equals plain decoding."""
+    path = checkpoint("qwen3_5", mtp_copy_of_last_layer=True)
+    batch = prompts(3, seed=41)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for k in (0, 2):
+        core = EngineCore(EngineConfig(model=path, num_draft_tokens=k, adaptive_draft_length=False))
+        running = [core.add_request(batch[0], params), core.add_request(batch[1], params)]
+        for _ in range(3):
+            core.step()
+        running.append(core.add_request(batch[2], params))
+        prefilled = []
+        while core.has_work:
+            step = core.dispatch()
+            if step.plan.prefill_rows:
+                prefilled.append(step.plan)
+            core.commit(step.plan, step.wait())
+        assert [bool(plan.decode_rows) for plan in prefilled] == [True]
+        assert all(r.num_draft_tokens == k for r in prefilled[0].decode_rows)
+        outputs[k] = [r.output_token_ids for r in running]
+        assert_all_free(core)
+    assert outputs[2] == outputs[0]
+
+
 def test_draft_policy_can_change_between_steps(checkpoint):
     """Benchmarks compare settings on one engine: a policy of fewer drafts than the pools are
     sized for takes over between steps (greedy output unchanged); one of more is refused."""
