@@ -22,7 +22,7 @@ is handed. Knows nothing about queues or stop conditions.
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -247,26 +247,26 @@ class Runner:
         sampling = [r for r in rows if r.sample]
         if not sampling:
             return StepOutput([[] for _ in rows])
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
-        self.sampler.penalties.start(sampling)
-        sampled = self.sampler.sample(logits, sampling)
-        self.sampler.penalties.record(sampling, sampled[:, None])
         # Sampling rows' logits are in row order: logits row j belongs to the j-th sampling row.
-        outputs = zip(*read_with_flags(sampled, logits), range(len(sampling)))
-        emitted, wanted, nonfinite = [], [], []
-        for row in rows:
-            token, flag, logit_row = next(outputs) if row.sample else (None, False, None)
-            emitted.append([token] if row.sample else [])
-            wanted.append([logit_row] if row.sample else [])
-            nonfinite.append(flag)
-        return StepOutput(emitted, logprobs=self.sampler.logprobs(logits, rows, wanted, emitted),
-                          nonfinite=flagged(nonfinite))
+        first = self._first_tokens(self.model.compute_logits(hidden[batch.logits_indices]), sampling)
+        picked = iter(range(len(sampling)))
+        index = [next(picked) if r.sample else None for r in rows]
+
+        def spread(values: list | None, empty) -> list | None:
+            return None if values is None else [values[i] if i is not None else empty for i in index]
+
+        return StepOutput(spread(first.emitted, []), spread(first.logprobs, None),
+                          nonfinite=spread(first.nonfinite, False))
 
     def _run_cached(self, rows: tuple[ScheduledRow, ...]) -> StepOutput:
         """Fully cached prompts: the first token's logits from the hidden state the checkpoint
         kept for its last position (restored into the row's slot before the forward)."""
         slots = device_tensor([r.slot for r in rows], torch.int64, self.device)
-        logits = self.model.compute_logits(self.states.last_hidden[slots])
+        return self._first_tokens(self.model.compute_logits(self.states.last_hidden[slots]), rows)
+
+    def _first_tokens(self, logits: torch.Tensor, rows: Sequence[ScheduledRow]) -> StepOutput:
+        """The first token of rows whose prompt is now computed, from logits [N, V] (row i's in
+        row i): their penalty statistics built, the draw, log-probabilities and non-finite flags."""
         self.sampler.penalties.start(rows)
         tokens = self.sampler.sample(logits, rows)
         self.sampler.penalties.record(rows, tokens[:, None])
