@@ -39,7 +39,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -48,6 +47,7 @@ from fixtures import CORPUS, make_checkpoint  # noqa: E402
 from common import commit_id  # noqa: E402
 from deltaspec.engine import EngineConfig, SamplingParams  # noqa: E402
 from deltaspec.engine.core import EngineCore  # noqa: E402
+from deltaspec.engine.runner import InFlight  # noqa: E402
 from deltaspec.engine.step import ScheduledRow, StepOutput, StepPlan  # noqa: E402
 
 VOCAB_SIZE = 248320
@@ -68,8 +68,9 @@ class FakeRunner:
     def can_launch(self, plan: StepPlan) -> bool:
         return bool(plan.decode_rows) and not plan.prefill_rows and not plan.cached_rows
 
-    def launch(self, plan: StepPlan) -> "Launched":
-        return Launched(plan, self.run(plan))
+    def launch(self, plan: StepPlan) -> InFlight:
+        output = self.run(plan)
+        return InFlight(plan, lambda masks: lambda: output)
 
     def run(self, plan: StepPlan) -> StepOutput:
         emitted, num_pending = [], []
@@ -88,14 +89,6 @@ class FakeRunner:
         """The request's next n output tokens: the corpus from an offset of its own."""
         start = 37 * row.request.arrival + len(row.request.output_token_ids)
         return [self.text_ids[(start + i) % len(self.text_ids)] for i in range(n)]
-
-
-class Launched(NamedTuple):
-    plan: StepPlan
-    output: StepOutput
-
-    def result(self) -> StepOutput:
-        return self.output
 
 
 def build_core(checkpoint: Path, num_draft_tokens: int, max_num_seqs: int, async_scheduling: bool) -> EngineCore:

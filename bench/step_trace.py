@@ -174,6 +174,8 @@ def summarize(steps: list[dict]) -> dict:
 
 async def run_setting(args: argparse.Namespace, setting: str, prompts: list[str]) -> dict:
     options = dict(device=args.device, dtype=args.dtype, max_num_seqs=args.streams)
+    if args.max_num_batched_tokens is not None:
+        options["max_num_batched_tokens"] = args.max_num_batched_tokens
     if setting != "default":
         options["num_draft_tokens"] = int(setting)
     engine = AsyncLLM(args.model, **options)
@@ -263,6 +265,7 @@ def main() -> None:
     parser.add_argument("--max-prompt-chars", type=int, default=2000)
     parser.add_argument("--settings", default="default,0")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's")
     parser.add_argument("--profile-mixed", type=int, default=0,
                         help="profiles of this many steps with prefill rows (last setting)")
     parser.add_argument("--profiler", choices=("cprofile", "torch"), default="cprofile")

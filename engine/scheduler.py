@@ -45,8 +45,8 @@ from .step import ScheduledRow, StepOutput, StepPlan
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64             # running requests at most
-    max_num_batched_tokens: int = 2048  # tokens per step (decode tokens + prefill chunks)
+    max_num_seqs: int                  # running requests at most
+    max_num_batched_tokens: int        # tokens per step (decode tokens + prefill chunks)
     max_model_len: int = 1 << 30
     # Positions past its newest token a decode row may write (its drafts, the MTP catch-up's
     # padding): the pools' k, whatever the draft policy drafts.

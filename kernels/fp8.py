@@ -225,17 +225,20 @@ def _check_fp8_linear_args(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
     assert x.device == weight.device == weight_scale.device, "x, weight, weight_scale: one device"
 
 
-def quantize_groups(x: torch.Tensor, group_size: int,
-                    scale_column_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_groups(x: torch.Tensor, group_size: int, scale_column_major: bool = False,
+                    row_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton quantize_groups_reference (bit-equal); x_fp8 comes back contiguous, x_scale [M, KB]
-    row-major, or column-major (strides (1, M): what cuBLAS's blockwise scaled GEMM reads)."""
+    row-major, or column-major (strides (1, M): what cuBLAS's blockwise scaled GEMM reads).
+    row_multiple: both come back with M rounded up to a multiple of it, the rows past x's
+    unwritten (a row's product depends on that row alone: slice them off the result)."""
     num_rows, num_columns = x.shape
     num_groups = triton.cdiv(num_columns, group_size)
-    x_fp8 = torch.empty(num_rows, num_columns, dtype=FP8, device=x.device)
+    padded_rows = triton.cdiv(num_rows, row_multiple) * row_multiple
+    x_fp8 = torch.empty(padded_rows, num_columns, dtype=FP8, device=x.device)
     if scale_column_major:
-        x_scale = torch.empty(num_groups, num_rows, dtype=torch.float32, device=x.device).t()
+        x_scale = torch.empty(num_groups, padded_rows, dtype=torch.float32, device=x.device).t()
     else:
-        x_scale = torch.empty(num_rows, num_groups, dtype=torch.float32, device=x.device)
+        x_scale = torch.empty(padded_rows, num_groups, dtype=torch.float32, device=x.device)
     if num_rows:
         block_m = 1 if INTERPRETED else 4
         _quantize_groups_kernel[(triton.cdiv(num_rows, block_m), num_groups)](
@@ -334,8 +337,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if (block_scale is not None and num_rows > SKINNY_MAX_ROWS and group_size == 128 and x.dtype == torch.bfloat16
             and num_columns % 128 == 0 and num_features % 16 == 0 and _cublas_blockwise(x.device)
             and not torch.cuda.is_current_stream_capturing()):
-        x_fp8, x_scale = quantize_groups(x, group_size, scale_column_major=True)
-        return torch._scaled_mm(x_fp8, weight.t(), x_scale, block_scale.t(), out_dtype=x.dtype)
+        # cuBLAS rejects a column-major scale whose leading dimension (M) is not a multiple of
+        # 4 (16 bytes; CUBLAS_STATUS_NOT_SUPPORTED at M = 65): pad M, slice the padding off.
+        x_fp8, x_scale = quantize_groups(x, group_size, scale_column_major=True, row_multiple=4)
+        return torch._scaled_mm(x_fp8, weight.t(), x_scale, block_scale.t(), out_dtype=x.dtype)[:num_rows]
     x_fp8, x_scale = quantize_groups(x, group_size)
     return fp8_gemm(x_fp8, x_scale, weight, weight_scale, group_size, x.dtype)
 

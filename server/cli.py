@@ -20,6 +20,7 @@ from ..engine import AsyncLLM, EngineConfig, SamplingParams
 from ..engine.async_llm import run
 from . import acceptance_benchmark, serve_benchmark
 from .config import ServerConfig
+from .engine_args import add_engine_options, engine_options
 from .reasoning import REASONING_PARSERS
 from .tool_parsers import TOOL_CALL_PARSERS
 from .serve import serve
@@ -36,14 +37,10 @@ def _check_model(path: Path) -> None:
 def _serve(args: argparse.Namespace) -> int:
     model = Path(args.model_path)
     _check_model(model)
-    engine_config = EngineConfig(model=model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                                 max_num_seqs=args.max_running, num_draft_tokens=args.num_draft_tokens,
+    engine_config = EngineConfig(model=model, max_model_len=args.max_model_len, max_num_seqs=args.max_running,
                                  enable_prefix_cache=not args.no_prefix_cache,
                                  checkpoint_interval=args.checkpoint_interval,
-                                 host_cache_bytes=int(args.host_cache_gib * 2**30),
-                                 generation_config=args.generation_config, quantization=args.quantization,
-                                 tensor_parallel_size=args.tensor_parallel_size,
-                                 enable_expert_parallel=args.enable_expert_parallel, load_format=args.load_format)
+                                 host_cache_bytes=int(args.host_cache_gib * 2**30), **engine_options(args))
     server_config = ServerConfig(model_name=args.served_model_name or model.name, host=args.host, port=args.port,
                                  api_key=args.api_key, max_waiting=args.max_waiting,
                                  max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout,
@@ -60,10 +57,7 @@ def _generate(args: argparse.Namespace) -> int:
     _check_model(model)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed)
-    engine = AsyncLLM(model, device=args.device, dtype=args.dtype, num_draft_tokens=args.num_draft_tokens,
-                      generation_config=args.generation_config, quantization=args.quantization,
-                      tensor_parallel_size=args.tensor_parallel_size,
-                      enable_expert_parallel=args.enable_expert_parallel, load_format=args.load_format)
+    engine = AsyncLLM(model, **engine_options(args))
 
     async def stream() -> None:
         try:
@@ -79,26 +73,6 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_engine_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
-    parser.add_argument("--num-draft-tokens", type=int, default=None,
-                        help="MTP drafts per step at most (default: 3 when the checkpoint has MTP weights, each "
-                             "step's count chosen by the adaptive policy; 0: no speculation)")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                        help="shard the model over this many devices (one process each; cuda:0..N-1)")
-    parser.add_argument("--enable-expert-parallel", action="store_true",
-                        help="MoE: place whole experts on ranks (experts / tp each) instead of splitting each")
-    parser.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
-                        help="dummy: random weights of the config's shapes (benchmarks)")
-    parser.add_argument("--generation-config", choices=("auto", "none"), default="auto",
-                        help="auto: sampling fields a request leaves unset take the checkpoint's "
-                             "generation_config.json values; none: the built-in neutral ones")
-    parser.add_argument("--quantization", choices=("fp8",), default=None,
-                        help="fp8: quantize an unquantized checkpoint to block FP8 (128x128 weight blocks, as the "
-                             "official FP8 checkpoints) while loading; FP8 checkpoints need no option")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deltaspec")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -107,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     serve_parser.add_argument("model_path", nargs="?", default=str(DEFAULT_MODEL), metavar="MODEL_PATH")
     serve_parser.add_argument("--host", default="127.0.0.1")
     serve_parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    _add_engine_options(serve_parser)
+    add_engine_options(serve_parser)
     serve_parser.add_argument("--max-model-len", type=int, default=None,
                               help="context length (default: the model's max_position_embeddings)")
     serve_parser.add_argument("--max-running", type=int, default=64, help="requests decoding at once")
@@ -144,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     generate = commands.add_parser("generate", help="stream a completion of PROMPT to stdout")
     generate.add_argument("prompt")
     generate.add_argument("--model", default=str(DEFAULT_MODEL))
-    _add_engine_options(generate)
+    add_engine_options(generate)
     generate.add_argument("--max-tokens", type=int, default=64)
     # Sampling by default: the small shipped model loops on short prompts when decoding greedily.
     generate.add_argument("--temperature", type=float, default=None,
@@ -159,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     acceptance_parser.set_defaults(run=lambda args: acceptance_benchmark.main(args, sys.argv[3:] if argv is None else argv[2:]))
     serve_bench_parser = bench.add_parser("serve", help="served vs in-process latency and throughput under "
                                                         "closed-loop streams (and --abuse)")
-    serve_benchmark.add_arguments(serve_bench_parser, DEFAULT_MODEL, _add_engine_options)
+    serve_benchmark.add_arguments(serve_bench_parser, DEFAULT_MODEL)
     serve_bench_parser.set_defaults(run=lambda args: serve_benchmark.main(args, sys.argv[3:] if argv is None else argv[2:]))
 
     args = parser.parse_args(argv)

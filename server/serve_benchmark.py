@@ -47,6 +47,7 @@ import numpy as np
 from ..engine import AsyncLLM, EngineConfig, SamplingParams
 from ..engine.async_llm import run
 from .acceptance_benchmark import device_name, device_tag, load_prompts
+from .engine_args import add_engine_options, engine_flags, engine_options
 
 _MODEL_NAME = "bench"
 _CLIENT_BOUND = 0.9  # client CPU seconds per wall second above which the client may be the limit
@@ -205,22 +206,15 @@ async def server_process(args: argparse.Namespace):
 
 
 def _engine_flags(args: argparse.Namespace) -> list[str]:
-    flags = ["--device", args.device, "--dtype", args.dtype, "--generation-config", args.generation_config,
-             "--max-running", str(args.max_running)]
-    if args.num_draft_tokens is not None:
-        flags += ["--num-draft-tokens", str(args.num_draft_tokens)]
+    flags = engine_flags(args) + ["--max-running", str(args.max_running)]
     if args.max_model_len is not None:
         flags += ["--max-model-len", str(args.max_model_len)]
-    if args.quantization is not None:
-        flags += ["--quantization", args.quantization]
     return flags
 
 
 def _engine(args: argparse.Namespace) -> AsyncLLM:
-    return AsyncLLM(config=EngineConfig(model=Path(args.model), device=args.device, dtype=args.dtype,
-                                        max_model_len=args.max_model_len, max_num_seqs=args.max_running,
-                                        num_draft_tokens=args.num_draft_tokens,
-                                        generation_config=args.generation_config, quantization=args.quantization))
+    return AsyncLLM(config=EngineConfig(model=Path(args.model), max_model_len=args.max_model_len,
+                                        max_num_seqs=args.max_running, **engine_options(args)))
 
 
 # Runs -------------------------------------------------------------------------------------------
@@ -346,7 +340,7 @@ def plot(report: dict, path: Path) -> None:
     plt.close(figure)
 
 
-def add_arguments(parser: argparse.ArgumentParser, default_model: Path, add_engine_options) -> None:
+def add_arguments(parser: argparse.ArgumentParser, default_model: Path) -> None:
     parser.add_argument("--model", default=str(default_model))
     parser.add_argument("--url", default=None, help="benchmark this server instead of starting one")
     add_engine_options(parser)

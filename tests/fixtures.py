@@ -99,6 +99,10 @@ COMMON_DEFAULTS = dict(
     intermediate_size=96,
 )
 
+# What a checkpoint needs on the GPU on top of COMMON_DEFAULTS: the GDN kernels' value tiles are at
+# least 64 wide there (kernels/gdn_chunked.py), so its heads are too.
+GPU_SHAPE = dict(linear_key_head_dim=64, linear_value_head_dim=64)
+
 # The key real checkpoints use to announce their MTP layers.
 MTP_CONFIG_KEY = {"qwen3_5": "mtp_num_hidden_layers", "qwen3_5_moe": "mtp_num_hidden_layers",
                   "qwen3_next": "num_nextn_predict_layers"}

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from deltaspec.engine import LLM, SamplingParams
-from fixtures import assert_idle
+from fixtures import GPU_SHAPE, assert_idle
 
 # Prompts longer than one step's token budget: the parent prefills over several steps while
 # its forks wait.
@@ -72,7 +72,7 @@ def test_choices_through_the_cuda_graphs(checkpoint, k):
     """On the GPU (float32, CUDA graphs, overlapped steps): n = 4 sampled choices, one of them
     constrained to a regex in another batch, each equal to its single-request twin, and the
     prompt computed once."""
-    path = checkpoint("qwen3_5", mtp_copy_of_last_layer=True, linear_key_head_dim=64, linear_value_head_dim=64)
+    path = checkpoint("qwen3_5", mtp_copy_of_last_layer=True, **GPU_SHAPE)
     options = dict(OPTIONS, device="cuda", dtype="float32", num_draft_tokens=k)
     batch = prompts(2)
     constrained = SamplingParams(max_tokens=16, temperature=0.9, seed=5, structured=("regex", r"[a-f]{3,12}\.?"))

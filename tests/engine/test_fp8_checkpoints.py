@@ -15,7 +15,7 @@ from deltaspec.engine.core import EngineCore
 from deltaspec.engine.quantization import Fp8Config
 from deltaspec.kernels.fp8 import FP8, dequantize_reference
 
-from fixtures import dequantize_checkpoint
+from fixtures import GPU_SHAPE, dequantize_checkpoint
 from harness import generate, prompts
 
 
@@ -179,7 +179,7 @@ def test_fp8_moe_runs_under_cuda_graphs_and_speculates_losslessly(checkpoint, fa
     """The Triton FP8 experts are graph-safe: plain decoding through the captured graphs equals
     eager decoding, and greedy speculation through the speculative graphs equals both (float32
     activations, so that the comparison is not about bf16 rounding of different batch shapes)."""
-    path = checkpoint(family, fp8=True, mtp_copy_of_last_layer=True, linear_key_head_dim=64, linear_value_head_dim=64)
+    path = checkpoint(family, fp8=True, mtp_copy_of_last_layer=True, **GPU_SHAPE)
     batch = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 50, 200)]
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     options = dict(device="cuda", dtype="float32")

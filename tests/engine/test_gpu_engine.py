@@ -9,12 +9,11 @@ from deltaspec.engine import LLM, EngineConfig, SamplingParams
 from deltaspec.engine.core import EngineCore
 
 from harness import ScriptedDrafter, assert_all_free, check_isolation, generate, make_jobs, prompts, run_staggered
+from fixtures import GPU_SHAPE
 
 pytestmark = pytest.mark.gpu
 
 TOKENS = torch.randint(0, 512, (150,), generator=torch.Generator().manual_seed(0)).tolist()
-# The chunked GDN kernel needs V >= 64 on the GPU (smaller V tiles hit a Triton sm_90 bug).
-GPU_SHAPE = dict(linear_key_head_dim=64, linear_value_head_dim=64)
 
 
 @pytest.fixture

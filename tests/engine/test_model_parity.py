@@ -15,6 +15,7 @@ from deltaspec.engine import LLM, SamplingParams
 from deltaspec.engine.allocators import BlockAllocator, SlotAllocator
 from deltaspec.engine.batch import ForwardBatch, Row
 from deltaspec.engine.state_pool import KVPool, StatePool
+from fixtures import GPU_SHAPE
 
 TOLERANCE = 1e-4  # max abs error relative to the logits' scale
 
@@ -153,8 +154,7 @@ def test_triton_table_matches_hf(checkpoint, kernel_device):
     """Dense Qwen3.5 through the Triton table: a prefill; a decode row beside a prefill row in one
     step (the GDN kernels read the row groups' strided conv inputs and write their rows of one
     buffer each); then two decode rows together, then one."""
-    # The chunked GDN kernel needs V >= 64 on the GPU (see test_gpu_engine.py).
-    gpu_shape = dict(linear_key_head_dim=64, linear_value_head_dim=64) if kernel_device == "cuda" else {}
+    gpu_shape = GPU_SHAPE if kernel_device == "cuda" else {}
     path = checkpoint("qwen3_5", **TRITON_TABLE_SHAPE, **gpu_shape)
     hf, _ = _models(path)
     llm = LLM(path, device=kernel_device, block_size=16, kernel_backend="triton", enable_cuda_graphs=False)

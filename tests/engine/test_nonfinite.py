@@ -17,7 +17,7 @@ import pytest
 
 from deltaspec.engine import LLM, AsyncLLM, NonFiniteLogitsError, SamplingParams
 from deltaspec.engine.request import NONFINITE_LOGITS
-from fixtures import assert_idle
+from fixtures import GPU_SHAPE, assert_idle
 
 
 def poison(engine, victim_prompt: list[int], after_tokens: int) -> list:
@@ -138,8 +138,8 @@ def test_a_nan_state_fails_its_request_alone(checkpoint, num_draft_tokens):
 def test_a_nan_state_fails_its_request_alone_through_the_graphs(checkpoint, num_draft_tokens):
     """On the GPU: decode steps replay CUDA graphs and run overlapped; the flag is computed
     inside the graphs and copied to the host with the tokens."""
-    llm = LLM(checkpoint("qwen3_5"), device="cuda", dtype="bfloat16", num_draft_tokens=num_draft_tokens,
-              adaptive_draft_length=False)
+    llm = LLM(checkpoint("qwen3_5", **GPU_SHAPE), device="cuda", dtype="bfloat16",
+              num_draft_tokens=num_draft_tokens, adaptive_draft_length=False)
     runner = llm.core.runner
     assert (runner.spec_graphs if num_draft_tokens else runner.graphs) is not None
     check_fails_alone(llm, poison_state, 3, num_draft_tokens)

@@ -16,6 +16,7 @@ from deltaspec.engine.request import bad_word_token_ids
 from deltaspec.kernels.sampling import sample_reference
 
 from harness import assert_all_free, check_scripted_speculation
+from fixtures import GPU_SHAPE
 
 VOCAB = 512
 
@@ -213,7 +214,7 @@ def test_penalized_rows_through_the_cuda_graphs(checkpoint):
     """On the GPU (float32, CUDA graphs, overlapped steps): a batch mixing penalized, biased and
     plain rows gives the same tokens with speculation (real MTP drafts, graphs per (bucket, K))
     as without, and the same as each request alone."""
-    path = checkpoint("qwen3_5", mtp_copy_of_last_layer=True, linear_key_head_dim=64, linear_value_head_dim=64)
+    path = checkpoint("qwen3_5", mtp_copy_of_last_layer=True, **GPU_SHAPE)
     rng = random.Random(5)
     prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 60))] for _ in range(8)]
     params = [random_params(rng, greedy=i % 2 == 0, max_tokens=24) if i < 6 else

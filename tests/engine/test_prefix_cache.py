@@ -14,7 +14,7 @@ from deltaspec.engine import AsyncLLM, EngineConfig, SamplingParams
 from deltaspec.engine.allocators import BlockAllocator, SlotAllocator
 from deltaspec.engine.core import EngineCore
 from deltaspec.engine.prefix_cache import PrefixCache
-from fixtures import assert_idle
+from fixtures import GPU_SHAPE, assert_idle
 from harness import check_isolation
 
 VOCAB = 512
@@ -279,7 +279,7 @@ def test_a_hash_collision_cannot_restore_the_wrong_prefix(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("k", [0, 3])
 def test_prefix_cache_is_exact_on_gpu(checkpoint, k):
-    path = checkpoint("qwen3_5", linear_key_head_dim=64, linear_value_head_dim=64)
+    path = checkpoint("qwen3_5", **GPU_SHAPE)
     common = dict(OPTIONS, device="cuda", dtype="float32", num_draft_tokens=k)
     off = EngineCore(EngineConfig(model=path, enable_prefix_cache=False, **common))
     on = EngineCore(EngineConfig(model=path, host_cache_bytes=1 << 30, **common))

@@ -16,6 +16,7 @@ from deltaspec.engine import LLM, EngineConfig, SamplingParams, Structured
 from deltaspec.engine.core import EngineCore
 
 from harness import LaunchCounter, assert_all_free, check_scripted_speculation
+from fixtures import GPU_SHAPE
 
 VOCAB = 512
 
@@ -189,7 +190,7 @@ def test_constrained_rows_through_the_cuda_graphs(checkpoint):
     """On the GPU (float32, CUDA graphs, overlapped steps, the Triton mask kernel): constrained
     outputs parse and validate; each request's tokens are the same with speculation (real MTP
     drafts, graphs per (bucket, K)) as without, and the plain rows' are those they get alone."""
-    path = checkpoint("qwen3_5", mtp_copy_of_last_layer=True, linear_key_head_dim=64, linear_value_head_dim=64)
+    path = checkpoint("qwen3_5", mtp_copy_of_last_layer=True, **GPU_SHAPE)
     prompts, params = mixed_batch(random.Random(7))
     options = dict(device="cuda", dtype="float32", max_num_seqs=8)
     outputs = {}

@@ -10,6 +10,7 @@ from deltaspec.engine.core import EngineCore
 from deltaspec.engine.warm_up import warm_up
 
 from harness import assert_all_free, generate, make_jobs, prompts, run_staggered
+from fixtures import GPU_SHAPE
 
 SAMPLED = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
 
@@ -48,7 +49,7 @@ def test_no_compile_or_tuning_while_serving_after_warm_up(checkpoint, num_draft_
     from triton import knobs
     from triton.runtime.autotuner import Autotuner
 
-    path = checkpoint("qwen3_5", mtp_copy_of_last_layer=True, linear_key_head_dim=64, linear_value_head_dim=64)
+    path = checkpoint("qwen3_5", mtp_copy_of_last_layer=True, **GPU_SHAPE)
     core = EngineCore(EngineConfig(model=path, device="cuda", dtype="bfloat16", max_num_seqs=16,
                                    num_draft_tokens=num_draft_tokens, checkpoint_interval=64))
     compiled = []
