@@ -170,13 +170,15 @@ class DecodeStep:
         # token; the runner writes sampled rows' tokens here too) with its newest token at
         # last_positions[r]. W = C rows: a row accepts at most k drafts. A plain engine keeps
         # only emitted[0] (its positions are known to the host, its accepted counts are 0).
+        # nonfinite[r]: 1 where row r's logits held a NaN or an infinity (a numerical fault of
+        # the model). All three are rows of one buffer, `outputs` [C + 2, max_rows], so that the
+        # host reads a step's outputs in one copy (runner.py: a second copy costs each overlapped
+        # step a few microseconds of stream time, 1-2% of a small model's batch-1 step).
         device = states.pending_counts.device
-        self.emitted = torch.zeros(max(self.catch_up, 1), max_rows, dtype=torch.int64, device=device)
-        self.accepted = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        width = max(self.catch_up, 1)
+        self.outputs = torch.zeros(width + 2, max_rows, dtype=torch.int64, device=device)
+        self.emitted, self.accepted, self.nonfinite = self.outputs[:width], self.outputs[width], self.outputs[width + 1]
         self.last_positions = torch.zeros(max_rows, dtype=torch.int64, device=device)
-        # Per row of the latest decode step: its logits held a NaN or an infinity (a numerical
-        # fault of the model). Set beside the tokens, read by the host with them.
-        self.nonfinite = torch.zeros(max_rows, dtype=torch.bool, device=device)
         # Block tables by slot, zero (scratch block 0) where nothing was written: slot 0 (padding
         # rows) stays all zeros. Entries past a row's own blocks may be stale: no position of the
         # row reaches them. _sent[slot]: the table last written there (compared by identity:

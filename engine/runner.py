@@ -91,11 +91,9 @@ class Runner:
         self.block_size, self.device, self.graphs = block_size, device, graphs
         self.decode, self.speculator, self.spec_graphs = decode, speculator, spec_graphs
         self.checkpoint_io = checkpoint_io
-        # Pinned buffers of launched steps' outputs (emitted, accepted), used in turn: at most
-        # two steps are in flight (the one being waited for and the one launched after it).
-        self._host_outputs = [(torch.empty_like(decode.emitted, device="cpu", pin_memory=True),
-                               torch.empty_like(decode.accepted, device="cpu", pin_memory=True),
-                               torch.empty_like(decode.nonfinite, device="cpu", pin_memory=True))
+        # Pinned copies of DecodeStep.outputs, used in turn: at most two steps are in flight
+        # (the one being waited for and the one launched after it).
+        self._host_outputs = [torch.empty_like(decode.outputs, device="cpu", pin_memory=True)
                               for _ in range(2)] if device.type == "cuda" else []
         self._launches = 0
 
@@ -161,25 +159,21 @@ class Runner:
             output = StepOutput(emitted, logprobs=self.sampler.logprobs(logits, rows, logit_rows, emitted),
                                 num_pending=num_pending, nonfinite=flagged(nonfinite))
             return lambda: output
-        host_emitted, host_accepted, host_nonfinite = self._host_outputs[self._launches % 2]
+        host = self._host_outputs[self._launches % 2]
         self._launches += 1
-        # A contiguous destination: a strided one makes the copy wait for the device.
-        host_emitted = host_emitted.view(-1)[:width * len(rows)].view(width, len(rows))
-        host_emitted.copy_(self.decode.emitted[:width, :len(rows)], non_blocking=True)
-        host_nonfinite = host_nonfinite[:len(rows)]
-        host_nonfinite.copy_(self.decode.nonfinite[:len(rows)], non_blocking=True)
-        if speculative:
-            host_accepted = host_accepted[:len(rows)]
-            host_accepted.copy_(self.decode.accepted[:len(rows)], non_blocking=True)
+        # The whole buffer (a few KB, contiguous both sides): one copy, no gather kernel.
+        host.copy_(self.decode.outputs, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
+        num_rows, catch_up = len(rows), self.decode.emitted.shape[0]
 
         def read() -> StepOutput:
             done.synchronize()
-            emitted, nonfinite = host_emitted.tolist(), flagged(host_nonfinite.tolist())
+            emitted = host[:width, :num_rows].tolist()
+            nonfinite = flagged(host[catch_up + 1, :num_rows].tolist())
             if not speculative:
                 return StepOutput([[t] for t in emitted[0]], nonfinite=nonfinite)
-            accepted = host_accepted.tolist()
+            accepted = host[catch_up, :num_rows].tolist()
             return StepOutput([[emitted[d][r] for d in range(a + 1)] for r, a in enumerate(accepted)],
                               num_pending=accepted, nonfinite=nonfinite)
 

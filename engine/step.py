@@ -123,6 +123,7 @@ class StepOutput:
                           nonfinite)
 
 
-def flagged(nonfinite: list[bool]) -> list[bool] | None:
-    """Per-row non-finite flags as StepOutput keeps them: None when no row is flagged."""
-    return nonfinite if any(nonfinite) else None
+def flagged(nonfinite: list[bool] | list[int]) -> list[bool] | None:
+    """Per-row non-finite flags (bools, or 0/1 as the device keeps them) as StepOutput keeps
+    them: None when no row is flagged."""
+    return [bool(flag) for flag in nonfinite] if any(nonfinite) else None
