@@ -28,8 +28,11 @@ steps turn out slower than they promised is dropped after a few steps. A K not y
 a bucket costs its start-up figure scaled by what the observed ones there cost over their own
 start-up figures, so both are in the same units (seconds of wall time; the start-up figures
 of an eager engine are only relative). Plain steps are observed too: one as soon as a K > 0
-has been in a bucket. And a K not chosen for 16 probe intervals runs once more, so that an
-estimate taken during a hiccup (or before contexts grew) does not decide for good.
+has been in a bucket. A hiccup (a collector pause, a burst of admissions) only ever makes a
+step slower, so a K's estimate starts as the faster of its first two sights, and a K seen once
+runs again after one probe interval for its second; after that a K not chosen for 16 probe
+intervals runs once more, so that an estimate taken before contexts grew does not decide for
+good. (Served at 16 streams, single first sights 2-2.5x the K's later cost priced K = 2 out.)
 
 With `adaptive` off every step drafts max_draft_tokens (a fixed K, as benchmarks compare).
 Knows nothing about tensors or the scheduler.
@@ -121,8 +124,10 @@ class DraftPolicy:
     # The step at which each (bucket, K) was last chosen (stale estimates are probed again).
     last_chosen: dict[tuple[int, int], int] = field(default_factory=dict)
     observed_at: dict[tuple[int, int], int] = field(default_factory=dict)  # the step of each last sight
-    # Observed wall seconds of a step by (bucket, K), sampled rows' draws included.
+    # Observed wall seconds of a step by (bucket, K), sampled rows' draws included, and the
+    # sights behind each estimate (1 or 2: the first two are treated apart).
     observed: dict[tuple[int, int], float] = field(default_factory=dict)
+    sights: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_draft_tokens < 1:
@@ -132,21 +137,27 @@ class DraftPolicy:
             raise ValueError("smoothing in (0, 1], initial_acceptance in [0, 1], probe_interval >= 1, min_gain >= 0")
 
     def observe(self, num_rows: int, num_drafts: int, seconds: float) -> None:
-        """The wall time of a step run back to back with the one before it. Once a K has an
-        estimate, a step that took more than twice it (a collector pause, a host hiccup) counts
-        as twice it: one outlier must not price a K out. The first sight, and the first after
-        16 probe intervals without one (a stale estimate's probe), are taken as they are: the
-        first puts the start-up figures, maybe in other units, on the wall-time scale."""
+        """The wall time of a step run back to back with the one before it. The first sight,
+        and the first after 16 probe intervals without one (a stale estimate's probe), are
+        taken as they are (the first puts the start-up figures, maybe in other units, on the
+        wall-time scale); the second replaces the first if faster. After that a moving average,
+        in which a step that took more than twice the estimate (a collector pause, a host
+        hiccup) counts as twice it: one outlier must not price a K out."""
         key = self.costs.bucket(num_rows), num_drafts
         previous = self.observed.get(key)
         stale = self.steps - self.observed_at.get(key, self.steps) >= 16 * self.probe_interval
-        self.observed[key] = seconds if previous is None or stale else \
-            previous + self.smoothing * (min(seconds, 2 * previous) - previous)
+        if previous is None or stale:
+            self.observed[key], self.sights[key] = seconds, 1
+        elif self.sights[key] == 1:
+            self.observed[key], self.sights[key] = min(previous, seconds), 2
+        else:
+            self.observed[key] = previous + self.smoothing * (min(seconds, 2 * previous) - previous)
         self.observed_at[key] = self.steps
 
     def fresh(self) -> DraftPolicy:
         """The same policy with nothing observed (after the start-up warm-up)."""
-        return dataclasses.replace(self, steps_at_zero=0, steps=0, last_chosen={}, observed={}, observed_at={})
+        return dataclasses.replace(self, steps_at_zero=0, steps=0, last_chosen={}, observed={}, observed_at={},
+                                   sights={})
 
     def cost(self, num_rows: int, num_drafts: int, num_sampled: int) -> float:
         bucket = self.costs.bucket(num_rows)
@@ -199,15 +210,17 @@ class DraftPolicy:
     def _stale_probe(self, num_rows: int, best: int, top: int) -> int:
         """The K to run instead of `best` to refresh what the policy knows of its cost: K = 0
         once a K > 0 has been observed in the bucket and K = 0 has not (the start-up figures may
-        be in other units), and any K not chosen for 16 probe intervals whose estimate is
-        therefore stale (a first sight taken during a hiccup would otherwise price it out for
-        good, since a K not chosen is not observed again). Else `best`."""
+        be in other units), a K seen once and not chosen for a probe interval (its second
+        sight), and any K not chosen for 16 probe intervals, whose estimate is therefore stale
+        (a K not chosen is not observed again). Else `best`."""
         bucket = self.costs.bucket(num_rows)
         if (bucket, 0) not in self.observed:
             return 0 if any(b == bucket for b, _ in self.observed) else best
-        horizon = 16 * self.probe_interval
         for k in range(top + 1):
-            if k != best and (bucket, k) in self.observed \
-                    and self.steps - self.last_chosen.get((bucket, k), 0) >= horizon:
+            key = bucket, k
+            if k == best or key not in self.observed:
+                continue
+            horizon = self.probe_interval if self.sights[key] == 1 else 16 * self.probe_interval
+            if self.steps - self.last_chosen.get(key, 0) >= horizon:
                 return k
         return best

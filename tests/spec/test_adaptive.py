@@ -109,17 +109,30 @@ def test_unobserved_costs_are_scaled_to_the_observed_ones():
     assert policy.choose(poor, [3] * 4, limit=100) == 0
 
 
+COSTS = {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}  # wall seconds of a step by K (4 rows)
+
+
+def run_policy(policy: DraftPolicy, rows: list, steps: int) -> list[int]:
+    """The Ks a policy chooses over `steps` steps that each cost COSTS[K], observed as the
+    engine observes them."""
+    chosen = []
+    for _ in range(steps):
+        k = policy.choose(rows, [3] * len(rows), limit=100)
+        chosen.append(k)
+        policy.observe(len(rows), k, COSTS[k])
+    return chosen
+
+
 def test_plain_steps_are_observed_too():
     """Once a K > 0 has been observed in a bucket, the next step is a plain one (its wall time
-    unknown), and later one whenever K = 0 has not run for 16 probe intervals."""
+    unknown), again one probe interval later (its second sight), and later whenever K = 0 has
+    not run for 16 probe intervals."""
     policy = DraftPolicy(3, StepCosts.relative(3, cost_per_draft=0.1), probe_interval=2)
     rows = [AcceptanceEstimate([0.9] * 3)] * 4
-    assert policy.choose(rows, [3] * 4, limit=100) == 3
-    policy.observe(4, 3, 1.3)
-    assert policy.choose(rows, [3] * 4, limit=100) == 0      # K = 0 never seen here: probe it
-    policy.observe(4, 0, 1.0)
-    chosen = [policy.choose(rows, [3] * 4, limit=100) for _ in range(40)]
-    assert chosen == ([3] * 32 + [0]) + [3] * 7               # 32 steps after the last plain one
+    assert run_policy(policy, rows, 2) == [3, 0]              # K = 0 never seen here: probe it
+    chosen = run_policy(policy, rows, 40)
+    assert chosen[:3] == [3, 3, 0]                            # its second sight
+    assert chosen[3:35] == [3] * 32 and chosen[35] == 0       # 32 steps after the last plain one
 
 
 def test_a_k_priced_out_by_one_bad_sight_is_tried_again():
@@ -129,19 +142,32 @@ def test_a_k_priced_out_by_one_bad_sight_is_tried_again():
     rows = [AcceptanceEstimate([0.9] * 3)] * 4
     for k, seconds in ((0, 1.0), (3, 20.0), (2, 20.0), (1, 1.1)):
         policy.observe(4, k, seconds)
-    chosen = []
-    for _ in range(40):
-        k = policy.choose(rows, [3] * 4, limit=100)
-        chosen.append(k)
-        policy.observe(4, k, {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}[k])
-    assert chosen[0] == 1 and 3 in chosen
-    assert chosen[-5:] == [3] * 5
+    chosen = run_policy(policy, rows, 40)
+    # K = 1 wins on the first sights; K = 3, seen once, runs again after one probe interval,
+    # at its real cost, and wins from then on (until the stale probes, 16 intervals later).
+    assert chosen[0] == 1 and chosen.index(3) <= 2 * policy.probe_interval
+    assert chosen[6:30] == [3] * 24
+
+
+def test_a_slow_first_sight_does_not_price_a_k_out():
+    """A first sight during a hiccup (2.5x the real cost) is replaced by the second, which the
+    policy takes after one probe interval (K = 0, also seen once, is checked first): K = 3 wins
+    from then on."""
+    policy = DraftPolicy(3, StepCosts.relative(3, cost_per_draft=0.1), probe_interval=4)
+    rows = [AcceptanceEstimate([0.9] * 3)] * 4
+    policy.observe(4, 0, COSTS[0])
+    policy.observe(4, 3, 2.5 * COSTS[3])
+    chosen = run_policy(policy, rows, 30)
+    first = chosen.index(3)
+    assert 0 < first <= policy.probe_interval + 1 and chosen[first:] == [3] * (30 - first)
 
 
 def test_one_slow_step_does_not_price_a_k_out():
     """An observed step more than twice the estimate (a collector pause) counts as twice it."""
     policy = DraftPolicy(3, StepCosts.relative(3, cost_per_draft=0.1), probe_interval=10**9)
     policy.observe(4, 3, 1.0)
+    policy.observe(4, 3, 50.0)                 # a second sight only lowers the first
+    assert policy.cost(4, 3, 0) == pytest.approx(1.0)
     policy.observe(4, 3, 50.0)
     assert policy.cost(4, 3, 0) == pytest.approx(1.0 + policy.smoothing * (2.0 - 1.0))
     policy.observe(4, 3, 0.5)
