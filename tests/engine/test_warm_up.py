@@ -40,11 +40,7 @@ def test_warm_up_leaves_the_engine_as_new(checkpoint):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_draft_tokens", [
-    pytest.param(0, marks=pytest.mark.xfail(reason="one paged-attention tile (16-key steps, 2 warps: a few decode-like "
-                                                   "rows at long block tables) is not yet reached by the plain "
-                                                   "engine's warm-up (H200, d6ab74c)", strict=False)),
-    None])
+@pytest.mark.parametrize("num_draft_tokens", [0, None])
 def test_no_compile_or_tuning_while_serving_after_warm_up(checkpoint, num_draft_tokens):
     from triton import knobs
     from triton.runtime.autotuner import Autotuner
