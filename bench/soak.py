@@ -85,7 +85,8 @@ async def one_request(http: aiohttp.ClientSession, url: str, rng: random.Random,
     else:
         body["prompt"] = rng.choice(PROMPTS)
     if not reference and rng.random() < 0.05:
-        body["n"] = num_choices = 2
+        body["n"] = 2
+        num_choices *= 2  # n choices of each prompt
     path = "/v1/chat/completions" if chat else "/v1/completions"
     drop_after = rng.randint(0, 8) if stream and rng.random() < ARGS.disconnect_rate else None
     what = f"{path} {json.dumps(body)[:200]}"
