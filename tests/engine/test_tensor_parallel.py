@@ -151,6 +151,21 @@ def test_four_ranks_with_replicated_kv_heads(checkpoint):
     assert got == reference(path, batch)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_four_ranks_moe_greedy_and_speculation_equal_one_device(checkpoint, expert_parallel):
+    """tp=4 (2 KV heads: each on two ranks), experts split or two whole experts per rank, with
+    MTP speculation: the greedy tokens of one device without speculation."""
+    path = checkpoint("qwen3_5_moe", linear_num_key_heads=4, linear_num_value_heads=8)
+    batch = prompts(3, 12, seed=8)
+    with LLM(path, tensor_parallel_size=4, enable_expert_parallel=expert_parallel, num_draft_tokens=2,
+             **POOLS) as llm:
+        got = [o.token_ids for o in llm.generate(batch, GREEDY)]
+        assert llm.core.stats()["spec"]["num_verify_steps"] > 0
+    assert no_workers_left(llm)
+    assert got == reference(path, batch)
+
+
 # Configuration and weight loading: no processes ------------------------------------------------
 
 def test_sizes_tp_does_not_divide_are_named(checkpoint):
