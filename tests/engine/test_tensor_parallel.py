@@ -18,7 +18,7 @@ from deltaspec.engine.executor import TensorParallelError, WorkerDiedError
 from deltaspec.engine.structured import Structured
 from deltaspec.engine.sharding import NotThisRank, Sharding, check_divisible
 from deltaspec.engine.tensor_parallel import TensorParallel
-from deltaspec.engine.weights import checkpoint_files, load_model, read_tensors
+from deltaspec.engine.weights import checkpoint_files, load_model, random_model, read_tensors
 from deltaspec.kernels import REFERENCE_OPS
 from harness import check_isolation
 
@@ -246,6 +246,43 @@ def test_fp8_scales_are_sliced_by_block_and_a_cut_block_is_refused(checkpoint):
     coarse = checkpoint("qwen3_5", fp8=True)
     with pytest.raises(WeightLoadError, match="cuts an FP8 128x128 scale block"):
         load_model(coarse, REFERENCE_OPS, torch.float32, "cpu", tp=TensorParallel(1, 2, torch.device("cpu")))
+
+
+# A scaled-down Qwen3.5-122B-A10B (its head and expert ratios; 2 KV heads, fewer than 4 ranks).
+SMALL_122B = dict(model_type="qwen3_5_moe_text", vocab_size=512, hidden_size=48, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=16, linear_num_key_heads=4,
+                  linear_num_value_heads=16, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                  intermediate_size=0, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=16,
+                  shared_expert_intermediate_size=16, mtp_num_hidden_layers=1, tie_word_embeddings=False)
+# Parameters every rank holds whole: norms, the router, the shared expert's gate, the MTP fc.
+REPLICATED = re.compile(r"(norm|norm_weight|norm_embedding|norm_hidden|router\.weight|shared_gate\.weight|fc\.weight)$")
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_dummy_weights_draw_only_this_ranks_shard(expert_parallel):
+    """load_format "dummy" at tp=4: each rank builds and draws its shard alone (no rank ever
+    holds a whole sharded tensor): every parameter is the whole model's with one dimension
+    divided by 4, or replicated; the experts of the four ranks add up to the model's."""
+    config = ModelConfig.from_dict(SMALL_122B)
+    full = {n: p.shape for n, p in random_model(config, REFERENCE_OPS, torch.float32, "cpu").named_parameters()}
+    expert_numel = 0
+    for rank in range(4):
+        tp = TensorParallel(rank, 4, torch.device("cpu"))
+        model = random_model(config, REFERENCE_OPS, torch.float32, "cpu", tp, expert_parallel, seed=3)
+        for name, p in model.named_parameters():
+            whole = full[name]
+            assert torch.isfinite(p).all() and p.std() > 0, name
+            if REPLICATED.search(name):
+                assert p.shape == whole, name
+            elif name.endswith("qkv_proj.weight"):  # 8 query heads (with gates) / 4, one of the 2 KV heads
+                assert p.shape == (2 * 2 * 16 + 2 * 16, 48), name
+            else:
+                split = [d for d, (a, b) in enumerate(zip(p.shape, whole)) if a != b]
+                assert len(split) == 1 and whole[split[0]] == 4 * p.shape[split[0]], (name, p.shape, whole)
+                if name.endswith(("w_gate_up", "w_down")):
+                    assert split == ([0] if expert_parallel else [1 if name.endswith("w_gate_up") else 2]), name
+                    expert_numel += p.numel()
+    assert expert_numel == sum(torch.Size(s).numel() for n, s in full.items() if n.endswith(("w_gate_up", "w_down")))
 
 
 # GPU: NCCL and CUDA graphs ---------------------------------------------------------------------
