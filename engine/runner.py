@@ -79,6 +79,21 @@ class InFlight:
             self._output = self._read()
         return self._output
 
+    def checked(self, check: Callable[[], None]) -> "InFlight":
+        """This step with `check` called once its outputs are read, before they are returned
+        (it raises instead when they cannot be trusted: tensor parallelism's dead worker)."""
+        decide = self._decide
+
+        def decide_then_check(masks: Future | None) -> Callable[[], StepOutput]:
+            read = decide(masks)
+
+            def read_then_check() -> StepOutput:
+                output = read()
+                check()
+                return output
+            return read_then_check
+        return InFlight(self.plan, decide_then_check, self._prefetch)
+
 
 class Runner:
     def __init__(self, model: HybridLM, states: StatePool, kv: KVPool, sampler: Sampler, checkpoint_io: CheckpointIO,

@@ -14,7 +14,9 @@ import torch
 from safetensors import safe_open
 
 from deltaspec.engine import LLM, EngineConfig, ModelConfig, SamplingParams, WeightLoadError
-from deltaspec.engine.executor import TensorParallelError, WorkerDiedError
+from deltaspec.engine.executor import ParallelRunner, TensorParallelError, WorkerDiedError
+from deltaspec.engine.runner import InFlight
+from deltaspec.engine.step import StepOutput, StepPlan
 from deltaspec.engine.structured import Structured
 from deltaspec.engine.sharding import NotThisRank, Sharding, check_divisible
 from deltaspec.engine.tensor_parallel import TensorParallel
@@ -104,6 +106,41 @@ def test_killed_worker_ends_the_engine_naming_its_rank(dense):
     assert time.monotonic() - started < 30
     dense.close()
     assert no_workers_left(dense)
+
+
+def test_outputs_read_after_a_worker_died_are_not_returned():
+    """On GPUs a collective whose peer died hangs until the process group is aborted and then
+    leaves garbage in its buffers: a step's outputs read after a worker died raise instead."""
+    class Workers:
+        def __init__(self):
+            self.dead, self.sent = False, []
+
+        def send(self, method, *args):
+            self.sent.append(method)
+
+        def check(self, grace=0.0):
+            if self.dead:
+                raise WorkerDiedError("tensor-parallel worker rank 1 died")
+
+    class Runner:
+        def launch(self, plan):
+            return InFlight(plan, lambda masks: lambda: StepOutput([[7]]))
+
+        def run(self, plan):
+            return StepOutput([[8]])
+
+    workers = Workers()
+    runner = ParallelRunner(Runner(), workers)
+    plan = StepPlan((), ())
+    assert runner.launch(plan).result().emitted == [[7]] and runner.run(plan).emitted == [[8]]
+    launched = runner.launch(plan)
+    launched.decide()
+    workers.dead = True  # between the launch and the read
+    with pytest.raises(WorkerDiedError, match="rank 1"):
+        launched.result()
+    with pytest.raises(WorkerDiedError, match="rank 1"):
+        runner.run(plan)
+    assert workers.sent == ["launch", "run", "launch", "run"]
 
 
 @pytest.mark.slow
@@ -287,24 +324,57 @@ def test_dummy_weights_draw_only_this_ranks_shard(expert_parallel):
 
 # GPU: NCCL and CUDA graphs ---------------------------------------------------------------------
 
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def gpus(n: int):
+    return pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} CUDA devices")
 
 
 @pytest.mark.gpu
-@two_gpus
-@pytest.mark.parametrize("family, expert_parallel", [("qwen3_5", False), ("qwen3_5_moe", False),
-                                                     ("qwen3_5_moe", True)])
-def test_gpu_greedy_and_speculation_equal_one_gpu(checkpoint, family, expert_parallel):
+@pytest.mark.parametrize("family, expert_parallel, tp", [
+    pytest.param("qwen3_5", False, 2, marks=gpus(2)), pytest.param("qwen3_5_moe", False, 2, marks=gpus(2)),
+    pytest.param("qwen3_5_moe", True, 2, marks=gpus(2)),
+    pytest.param("qwen3_5", False, 4, marks=gpus(4)), pytest.param("qwen3_5_moe", True, 4, marks=gpus(4))])
+def test_gpu_greedy_and_speculation_equal_one_gpu(checkpoint, family, expert_parallel, tp):
     """float32 (token equality across a different reduction order needs it on random tiny
-    models); CUDA graphs with the collectives captured in them."""
-    path = checkpoint(family)
+    models); CUDA graphs with the collectives captured in them, on every rank in the same
+    order; 4 GDN key heads so that tp=4 divides them (2 KV heads: replicated at tp=4)."""
+    path = checkpoint(family, linear_num_key_heads=4, linear_num_value_heads=8)
     batch = prompts(8, 24, seed=6)
     options = dict(device="cuda", max_num_seqs=8, max_model_len=512)
     with LLM(path, num_draft_tokens=0, **options) as llm:
         expected = [o.token_ids for o in llm.generate(batch, GREEDY)]
     for k in (0, 3):
-        with LLM(path, tensor_parallel_size=2, enable_expert_parallel=expert_parallel, num_draft_tokens=k,
+        with LLM(path, tensor_parallel_size=tp, enable_expert_parallel=expert_parallel, num_draft_tokens=k,
                  **options) as llm:
             assert llm.core.runner.runner.graphs is not None
             assert [o.token_ids for o in llm.generate(batch, GREEDY)] == expected
         assert no_workers_left(llm)
+
+
+@pytest.mark.gpu
+@gpus(2)
+def test_gpu_killed_worker_ends_the_engine_naming_its_rank(checkpoint):
+    """NCCL: a collective whose peer is gone hangs (inside a graph replay too) until the monitor
+    aborts the process group; the engine then raises WorkerDiedError naming the rank, reads no
+    outputs of the broken step, and closes without leaving a process."""
+    path, prompt = checkpoint("qwen3_5"), prompts(1, 10, seed=5)[0]
+    params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    options = dict(device="cuda", max_num_seqs=4, max_model_len=512)
+    with LLM(path, num_draft_tokens=0, **options) as one:
+        expected = one.generate([prompt], params)[0].token_ids
+    llm = LLM(path, tensor_parallel_size=2, num_draft_tokens=2, **options)
+    core = llm.core
+    request = core.add_request(prompt, params)
+    for _ in range(3):
+        core.step()
+    os.kill(core.workers.processes[0].pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="rank 1"):
+        while True:
+            core.step()
+    assert time.monotonic() - started < 30
+    # What was handed out is the model's output: no tokens of a step whose collectives broke.
+    got = request.output_token_ids
+    assert 0 < len(got) < 400 and got == expected[:len(got)]
+    started = time.monotonic()
+    llm.close()
+    assert no_workers_left(llm) and time.monotonic() - started < 15
