@@ -3,6 +3,8 @@
 is allocated). Every weight is some rank's, and a rank's share fits one H100 (~79 GiB) with room
 for the pools."""
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -38,3 +40,15 @@ def test_122b_shape_and_its_four_rank_shards(expert_parallel):
     assert sum(shares) >= total  # replicated norms, routers and the MTP fc count on every rank
     for share in shares:
         assert share * 2 / 2**30 < 60  # bf16 GiB: about a quarter, ~20 GiB of an H100 left for the pools
+
+
+@pytest.mark.slow
+def test_serve_smoke_on_the_cpu(tmp_path):
+    """bench/tools/serve_smoke.py at tp=2 on the CPU (gloo): the server starts, streams a
+    completion, stops on SIGINT and leaves no process; the GPU run uses the same script."""
+    script = Path(__file__).resolve().parents[2] / "bench" / "tools" / "serve_smoke.py"
+    subprocess.run([sys.executable, str(script), "--device", "cpu", "--shape", "tiny", "--tp", "2",
+                    "--out", str(tmp_path)], check=True, timeout=600, capture_output=True)
+    report = json.loads((tmp_path / "serve_smoke-cpu-tiny-tp2.json").read_text())
+    assert report["ok"] and not report["processes_left"] and report["exit_code"] == 0
+    assert report["completion"]["chunks"] > 0 and report["completion"]["text"]
