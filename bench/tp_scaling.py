@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
@@ -101,8 +102,9 @@ def collective_share(core: EngineCore, batch: int) -> dict:
             "share": nccl / total if total else None}
 
 
-def measure(core: EngineCore, batches: list[int], tokens: int) -> dict:
-    results, costs = {}, core.scheduler.draft_policy.costs
+def measure(core: EngineCore, batches: list[int], tokens: int, results: dict, save: Callable[[], None]) -> None:
+    """Each batch's row into results, saved as soon as it is measured."""
+    costs = core.scheduler.draft_policy.costs
     for batch in batches:
         steps = max(tokens, min(256, 2048 // batch))
         row = {}
@@ -115,8 +117,8 @@ def measure(core: EngineCore, batches: list[int], tokens: int) -> dict:
             use_drafts(core, costs, 0)
             row["collectives"] = collective_share(core, batch)
         results[batch] = row
+        save()
         print(f"  batch {batch}: {json.dumps(row)}", flush=True)
-    return results
 
 
 def main() -> None:
@@ -142,6 +144,12 @@ def main() -> None:
     suffix = args.shapes.replace(",", "_") + ("-ep" if args.expert_parallel else "")
     out = Path(args.out) / f"tp_scaling-{report['device']}-{suffix}"
     out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        """After every batch: a run cut short by its time limit keeps what it measured."""
+        out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+        plot(report, batches, out.with_suffix(".png"))
+
     with tempfile.TemporaryDirectory() as root:
         for shape in args.shapes.split(","):
             directory = checkpoint_dir(shape, Path(root))
@@ -151,30 +159,31 @@ def main() -> None:
                     print(f"{shape} tp={tp}: skipped, {num_devices} GPUs")
                     continue
                 print(f"{shape} tp={tp}", flush=True)
-                runs[f"tp{tp}"] = run_engine(directory, args, tp, batches)
+                record = runs[f"tp{tp}"] = {}
+                run_engine(directory, args, tp, batches, record, save)
                 scale_over_tp1(runs)
-                # After every engine: a run cut short by its time limit keeps what it measured.
-                out.with_suffix(".json").write_text(json.dumps(report, indent=2))
-    plot(report, batches, out.with_suffix(".png"))
+                save()
     print(f"wrote {out}.json and .png")
 
 
-def run_engine(directory: Path, args: argparse.Namespace, tp: int, batches: list[int]) -> dict:
-    """One engine's start-up seconds and measurements; an engine that fails (it does not fit,
-    a collective breaks) is recorded with its error and the run goes on to the next."""
+def run_engine(directory: Path, args: argparse.Namespace, tp: int, batches: list[int], record: dict,
+               save: Callable[[], None]) -> None:
+    """One engine's start-up seconds and measurements into record; an engine that fails (it
+    does not fit, a collective breaks) is recorded with its error and the run goes on."""
     started = time.perf_counter()
     try:
         core = engine(directory, args.device, tp, max(batches), args.expert_parallel)
     except Exception as error:  # noqa: BLE001 - recorded in the JSON, the other engines still run
         print(f"  failed to start: {error!r}", flush=True)
-        return {"error": repr(error)}
-    start_s = time.perf_counter() - started
-    print(f"  started in {start_s:.1f} s", flush=True)
+        record["error"] = repr(error)
+        return
+    record["start_s"] = time.perf_counter() - started
+    print(f"  started in {record['start_s']:.1f} s", flush=True)
     try:
-        return {"start_s": start_s, "batches": measure(core, batches, args.tokens)}
+        measure(core, batches, args.tokens, record.setdefault("batches", {}), save)
     except Exception as error:  # noqa: BLE001
         print(f"  failed: {error!r}", flush=True)
-        return {"start_s": start_s, "error": repr(error)}
+        record["error"] = repr(error)
     finally:
         core.close()
         del core
@@ -185,11 +194,11 @@ def run_engine(directory: Path, args: argparse.Namespace, tp: int, batches: list
 
 def scale_over_tp1(runs: dict) -> None:
     """Each measured engine's plain tokens/s over tp=1's at the same batch."""
-    if "batches" not in runs.get("tp1", {}):
-        return
-    for run in runs.values():
-        for batch, row in run.get("batches", {}).items():
-            row["plain_scaling_over_tp1"] = row["plain_tokens_per_s"] / runs["tp1"]["batches"][batch]["plain_tokens_per_s"]
+    base = runs.get("tp1", {}).get("batches", {})
+    for record in runs.values():
+        for batch, row in record.get("batches", {}).items():
+            if batch in base:
+                row["plain_scaling_over_tp1"] = row["plain_tokens_per_s"] / base[batch]["plain_tokens_per_s"]
 
 
 def plot(report: dict, batches: list[int], path: Path) -> None:
@@ -201,9 +210,9 @@ def plot(report: dict, batches: list[int], path: Path) -> None:
     fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 3.8), squeeze=False)
     for axis, shape in zip(axes[0], shapes):
         for key, value in report["shapes"][shape].items():
-            if "batches" not in value:
+            rows = value.get("batches", {})
+            if any(b not in rows for b in batches):
                 continue
-            rows = value["batches"]
             for name, style in (("plain", "-"), ("speculative", "--")):
                 axis.plot(batches, [rows[b][f"{name}_tokens_per_s"] for b in batches], marker="o", linestyle=style,
                           label=f"{key} {name}")
@@ -212,9 +221,11 @@ def plot(report: dict, batches: list[int], path: Path) -> None:
         axis.set_title(f"{shape} ({report['device']})", fontsize=9)
         axis.set_xlabel("batch")
         axis.set_ylabel("decode tokens/s")
-        axis.legend(fontsize=7)
+        if axis.lines:
+            axis.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
