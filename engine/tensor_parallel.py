@@ -31,6 +31,10 @@ class TensorParallel:
         if device.type == "cuda":
             torch.cuda.set_device(device)
             os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (see bench/tp_scaling.py)
+            # Rank 0's monitor owns failures: it aborts the group when a worker dies (executor.py),
+            # and torch asks for its watchdog's own error handling off with that abort (else the
+            # watchdog may tear the process down first: the server would die instead of raising).
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT,
                                 **({"device_id": device} if device.type == "cuda" else {}))
