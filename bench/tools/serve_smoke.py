@@ -90,6 +90,8 @@ def main() -> int:
     parser.add_argument("--start-timeout", type=float, default=240.0)
     parser.add_argument("--out", default=str(BENCH / "results"))
     args = parser.parse_args()
+    # A time limit's SIGTERM unwinds main, whose finally stops the server's process group.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(1))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"serve_smoke-{args.device}-{args.shape}-tp{args.tp}" + ("-ep" if args.expert_parallel else "")

@@ -219,6 +219,13 @@ def test_sizes_tp_does_not_divide_are_named(checkpoint):
         LLM(checkpoint("qwen3_5"), tensor_parallel_size=3)
 
 
+def test_ranks_past_the_visible_devices_are_refused_before_any_process_starts(checkpoint):
+    """Rank r runs on cuda:(i + r): cuda:7 with tp=2 needs nine visible devices."""
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 on cuda:7 needs cuda:7\.\.cuda:8; \d+ CUDA devices"):
+        LLM(checkpoint("qwen3_5"), device="cuda:7", tensor_parallel_size=2)
+    assert not torch.distributed.is_initialized()
+
+
 def rank_tensors(path, rank: int, size: int = 2, expert_parallel: bool = False) -> dict[str, torch.Tensor]:
     sharding = Sharding(ModelConfig.from_file(path), rank, size, expert_parallel)
     return dict(read_tensors(checkpoint_files(path), sharding))
