@@ -22,6 +22,7 @@ from deltaspec.engine.sharding import NotThisRank, Sharding, check_divisible
 from deltaspec.engine.tensor_parallel import TensorParallel
 from deltaspec.engine.weights import checkpoint_files, load_model, random_model, read_tensors
 from deltaspec.kernels import REFERENCE_OPS
+from fixtures import GPU_SHAPE
 from harness import check_isolation
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -343,8 +344,9 @@ def gpus(n: int):
 def test_gpu_greedy_and_speculation_equal_one_gpu(checkpoint, family, expert_parallel, tp):
     """float32 (token equality across a different reduction order needs it on random tiny
     models); CUDA graphs with the collectives captured in them, on every rank in the same
-    order; 4 GDN key heads so that tp=4 divides them (2 KV heads: replicated at tp=4)."""
-    path = checkpoint(family, linear_num_key_heads=4, linear_num_value_heads=8)
+    order; 4 GDN key heads so that tp=4 divides them (2 KV heads: replicated at tp=4); GDN heads
+    of 64 (fixtures.GPU_SHAPE)."""
+    path = checkpoint(family, linear_num_key_heads=4, linear_num_value_heads=8, **GPU_SHAPE)
     batch = prompts(8, 24, seed=6)
     options = dict(device="cuda", max_num_seqs=8, max_model_len=512)
     with LLM(path, num_draft_tokens=0, **options) as llm:
@@ -363,7 +365,7 @@ def test_gpu_killed_worker_ends_the_engine_naming_its_rank(checkpoint):
     """NCCL: a collective whose peer is gone hangs (inside a graph replay too) until the monitor
     aborts the process group; the engine then raises WorkerDiedError naming the rank, reads no
     outputs of the broken step, and closes without leaving a process."""
-    path, prompt = checkpoint("qwen3_5"), prompts(1, 10, seed=5)[0]
+    path, prompt = checkpoint("qwen3_5", **GPU_SHAPE), prompts(1, 10, seed=5)[0]
     params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
     options = dict(device="cuda", max_num_seqs=4, max_model_len=512)
     with LLM(path, num_draft_tokens=0, **options) as one:
