@@ -32,7 +32,7 @@ if (( num_gpus >= 4 )); then
     declare -A weight=([tests]=80 [122b]=190 [scaling]=160 [serve]=90)
 else
     sizes=$(seq -s, 1 "$num_gpus"); tp=$num_gpus; serve_shape=35b-a3b
-    declare -A weight=([tests]=140 [122b]=0 [scaling]=280 [serve]=100)
+    declare -A weight=([tests]=170 [122b]=0 [scaling]=260 [serve]=90)
 fi
 parts="${1:-tests,122b,scaling,serve}"
 total=0

@@ -337,29 +337,6 @@ def gpus(n: int):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family, expert_parallel, tp", [
-    pytest.param("qwen3_5", False, 2, marks=gpus(2)), pytest.param("qwen3_5_moe", False, 2, marks=gpus(2)),
-    pytest.param("qwen3_5_moe", True, 2, marks=gpus(2)),
-    pytest.param("qwen3_5", False, 4, marks=gpus(4)), pytest.param("qwen3_5_moe", True, 4, marks=gpus(4))])
-def test_gpu_greedy_and_speculation_equal_one_gpu(checkpoint, family, expert_parallel, tp):
-    """float32 (token equality across a different reduction order needs it on random tiny
-    models); CUDA graphs with the collectives captured in them, on every rank in the same
-    order; 4 GDN key heads so that tp=4 divides them (2 KV heads: replicated at tp=4); GDN heads
-    of 64 (fixtures.GPU_SHAPE)."""
-    path = checkpoint(family, linear_num_key_heads=4, linear_num_value_heads=8, **GPU_SHAPE)
-    batch = prompts(8, 24, seed=6)
-    options = dict(device="cuda", max_num_seqs=8, max_model_len=512)
-    with LLM(path, num_draft_tokens=0, **options) as llm:
-        expected = [o.token_ids for o in llm.generate(batch, GREEDY)]
-    for k in (0, 3):
-        with LLM(path, tensor_parallel_size=tp, enable_expert_parallel=expert_parallel, num_draft_tokens=k,
-                 **options) as llm:
-            assert llm.core.runner.runner.graphs is not None
-            assert [o.token_ids for o in llm.generate(batch, GREEDY)] == expected
-        assert no_workers_left(llm)
-
-
-@pytest.mark.gpu
 @gpus(2)
 def test_gpu_killed_worker_ends_the_engine_naming_its_rank(checkpoint):
     """NCCL: a collective whose peer is gone hangs (inside a graph replay too) until the monitor
@@ -387,3 +364,26 @@ def test_gpu_killed_worker_ends_the_engine_naming_its_rank(checkpoint):
     started = time.monotonic()
     llm.close()
     assert no_workers_left(llm) and time.monotonic() - started < 15
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family, expert_parallel, tp", [
+    pytest.param("qwen3_5", False, 2, marks=gpus(2)), pytest.param("qwen3_5_moe", False, 2, marks=gpus(2)),
+    pytest.param("qwen3_5_moe", True, 2, marks=gpus(2)),
+    pytest.param("qwen3_5", False, 4, marks=gpus(4)), pytest.param("qwen3_5_moe", True, 4, marks=gpus(4))])
+def test_gpu_greedy_and_speculation_equal_one_gpu(checkpoint, family, expert_parallel, tp):
+    """float32 (token equality across a different reduction order needs it on random tiny
+    models); CUDA graphs with the collectives captured in them, on every rank in the same
+    order; 4 GDN key heads so that tp=4 divides them (2 KV heads: replicated at tp=4); GDN heads
+    of 64 (fixtures.GPU_SHAPE)."""
+    path = checkpoint(family, linear_num_key_heads=4, linear_num_value_heads=8, **GPU_SHAPE)
+    batch = prompts(8, 24, seed=6)
+    options = dict(device="cuda", max_num_seqs=8, max_model_len=512)
+    with LLM(path, num_draft_tokens=0, **options) as llm:
+        expected = [o.token_ids for o in llm.generate(batch, GREEDY)]
+    for k in (0, 3):
+        with LLM(path, tensor_parallel_size=tp, enable_expert_parallel=expert_parallel, num_draft_tokens=k,
+                 **options) as llm:
+            assert llm.core.runner.runner.graphs is not None
+            assert [o.token_ids for o in llm.generate(batch, GREEDY)] == expected
+        assert no_workers_left(llm)
