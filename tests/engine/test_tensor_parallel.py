@@ -124,8 +124,14 @@ def test_outputs_read_after_a_worker_died_are_not_returned():
                 raise WorkerDiedError("tensor-parallel worker rank 1 died")
 
     class Runner:
+        fail = False
+
         def launch(self, plan):
-            return InFlight(plan, lambda masks: lambda: StepOutput([[7]]))
+            def read():
+                if self.fail:  # a CUDA error after the group was aborted
+                    raise RuntimeError("CUDA error")
+                return StepOutput([[7]])
+            return InFlight(plan, lambda masks: read)
 
         def run(self, plan):
             return StepOutput([[8]])
@@ -141,7 +147,13 @@ def test_outputs_read_after_a_worker_died_are_not_returned():
         launched.result()
     with pytest.raises(WorkerDiedError, match="rank 1"):
         runner.run(plan)
-    assert workers.sent == ["launch", "run", "launch", "run"]
+    runner.runner.fail, workers.dead = True, False
+    with pytest.raises(RuntimeError, match="CUDA error"):  # no worker died: the error as it is
+        runner.launch(plan).result()
+    workers.dead = True
+    with pytest.raises(WorkerDiedError, match="rank 1"):  # one did: that explains it
+        runner.launch(plan).result()
+    assert workers.sent == ["launch", "run", "launch", "run", "launch", "launch"]
 
 
 @pytest.mark.slow
