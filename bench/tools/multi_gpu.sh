@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The tensor-parallel run of an N-GPU machine in one device call (N from nvidia-smi: a 2-GPU
 # machine rehearses what a 4-GPU one runs). Run from the repo root (carry .whl); every part runs
-# under its own time limit (together under 9 minutes), its log and results land in $OUT:
+# under its own time limit (together 495 s: under 9 minutes with the set-up), and its log and
+# results land in $OUT:
 #
 #   tests    pytest -m gpu tests/engine/test_tensor_parallel.py: a killed worker under NCCL,
 #            greedy output at tp 2 (and 4) equal to one GPU with and without speculation, graphs
@@ -16,7 +17,7 @@
 #
 #   DELTASPEC_COMMIT=<sha> bash bench/tools/multi_gpu.sh [PART,PART,...]     (default: every part)
 #
-# A subset of the parts shares the same 9 minutes (one part alone gets them all). tp_scaling
+# A subset of the parts shares the same 495 s (one part alone gets them all). tp_scaling
 # writes its JSON and PNG after every batch, so a part its limit cuts keeps what it measured.
 set -uo pipefail
 source bench/tools/device_setup.sh
@@ -38,7 +39,7 @@ fi
 parts="${1:-tests,122b,scaling,serve}"
 total=0
 for p in ${parts//,/ }; do total=$((total + ${weight[$p]:-0})); done
-limit() { echo $(( 520 * ${weight[$1]} / (total > 0 ? total : 1) )); }
+limit() { echo $(( 495 * ${weight[$1]} / (total > 0 ? total : 1) )); }
 
 wait_for_free_gpus() {  # a part its limit killed: its workers exit within a second of rank 0
     for _ in $(seq 30); do
