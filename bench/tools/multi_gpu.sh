@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The tensor-parallel run of an N-GPU machine in one device call (N from nvidia-smi: a 2-GPU
 # machine rehearses what a 4-GPU one runs). Run from the repo root (carry .whl); every part runs
-# under its own time limit (together 495 s: under 9 minutes with the set-up), and its log and
+# under its own time limit (together 440 s: under 8 minutes with the set-up), and its log and
 # results land in $OUT:
 #
 #   tests    pytest -m gpu tests/engine/test_tensor_parallel.py: a killed worker under NCCL,
@@ -17,7 +17,7 @@
 #
 #   DELTASPEC_COMMIT=<sha> bash bench/tools/multi_gpu.sh [PART,PART,...]     (default: every part)
 #
-# A subset of the parts shares the same 495 s (one part alone gets them all). tp_scaling
+# A subset of the parts shares the same 440 s (one part alone gets them all). tp_scaling
 # writes its JSON and PNG after every batch, so a part its limit cuts keeps what it measured.
 set -uo pipefail
 source bench/tools/device_setup.sh
@@ -31,15 +31,15 @@ echo "commit $DELTASPEC_COMMIT, $num_gpus GPUs"
 
 if (( num_gpus >= 4 )); then
     sizes=1,2,4; tp=4; serve_shape=122b-a10b
-    declare -A weight=([tests]=80 [122b]=190 [scaling]=160 [serve]=90)
+    declare -A weight=([tests]=70 [122b]=170 [scaling]=130 [serve]=70)
 else
     sizes=$(seq -s, 1 "$num_gpus"); tp=$num_gpus; serve_shape=35b-a3b
-    declare -A weight=([tests]=170 [122b]=0 [scaling]=260 [serve]=90)
+    declare -A weight=([tests]=150 [122b]=0 [scaling]=200 [serve]=90)
 fi
 parts="${1:-tests,122b,scaling,serve}"
 total=0
 for p in ${parts//,/ }; do total=$((total + ${weight[$p]:-0})); done
-limit() { echo $(( 495 * ${weight[$1]} / (total > 0 ? total : 1) )); }
+limit() { echo $(( 440 * ${weight[$1]} / (total > 0 ? total : 1) )); }
 
 wait_for_free_gpus() {  # a part its limit killed: its workers exit within a second of rank 0
     for _ in $(seq 30); do
