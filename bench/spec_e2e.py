@@ -67,6 +67,20 @@ SHAPES = {
                     num_key_value_heads=2, linear_num_key_heads=16, linear_num_value_heads=32, intermediate_size=0,
                     num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
                     shared_expert_intermediate_size=512, tie_word_embeddings=False),
+    # Qwen/Qwen3.5-122B-A10B (~233 GiB in bf16 with its MTP layer: four H100s or two H200s;
+    # bench/tp_scaling.py runs it sharded). Its config.json's text_config, as published configs
+    # restate it: hidden 3072, 48 layers (full attention every 4th), 32 query / 2 KV heads of 256
+    # (partial RoPE 0.25, theta 1e7), 256 experts, 8 active, expert and shared-expert widths 1024,
+    # vocabulary 248320, untied lm_head (slime's scripts/models/qwen3.5-122B-A10B.sh, e.g.
+    # Osmosis-AI/slime-rl); GDN 16 key / 64 value heads of 128, conv width 4 (a public NPU test
+    # script's run_qwen3_5_moe_122B config, the same numbers as the 397B's GDN). The MoE MTP layer
+    # comes with mtp_num_hidden_layers=1 (COMMON). 48 x 256 x 3 x 3072 x 1024 expert weights plus
+    # the rest: 122.1B parameters, 124.6B with the MTP layer.
+    "122b-a10b": dict(model_type="qwen3_5_moe_text", hidden_size=3072, num_hidden_layers=48, num_attention_heads=32,
+                      num_key_value_heads=2, linear_num_key_heads=16, linear_num_value_heads=64, intermediate_size=0,
+                      num_experts=256, num_experts_per_tok=8, moe_intermediate_size=1024,
+                      shared_expert_intermediate_size=1024, rope_theta=10000000, partial_rotary_factor=0.25,
+                      tie_word_embeddings=False),
     # A smoke test of the script on the CPU (its numbers mean nothing).
     "tiny": dict(model_type="qwen3_5_text", vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=2,

@@ -2,8 +2,10 @@
 batches, the collectives' share of a decode step, and MTP speculation's speedup with the shipped
 model's acceptance profile, side by side in one run.
 
-Shapes: random-weight Qwen3.5-9B and Qwen3.5-35B-A3B (bf16, with their MTP layer: the shapes of
-bench/spec_e2e.py), loaded by every rank with `load_format="dummy"` from a config.json. For each
+Shapes: random-weight Qwen3.5-9B, Qwen3.5-35B-A3B and Qwen3.5-122B-A10B (bf16, with their MTP
+layer: the shapes of bench/spec_e2e.py; the 122B needs tp >= 4 on H100s), drawn by every rank on
+its own GPU with `load_format="dummy"` from a config.json (each rank builds only its shard; the
+JSON records each engine's start-up seconds). For each
 shape and TP size one engine (CUDA graphs on, warm-up off: decode steps are timed, never eager
 prefills) runs, per batch, plain decoding (K = 0) and speculation (adaptive, up to 3 drafts) with
 each verify row's accepted count drawn from the shipped profile (spec/profile.py, as spec_e2e
@@ -14,8 +16,9 @@ all-reduce for a slower peer counts as collective time). NVLink multicast is off
 (NCCL_NVLS_ENABLE=0, the device notes' advice).
 
     python bench/tp_scaling.py [--shapes 9b,35b-a3b] [--tp 1,2] [--batches 1,16,64] [--expert-parallel]
+                               [--out DIR]
 
-Writes bench/results/tp_scaling-<gpu>-<shapes>[-ep].json and .png.
+Writes DIR (default bench/results)/tp_scaling-<gpu>-<shapes>[-ep].json and .png.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
@@ -98,8 +102,9 @@ def collective_share(core: EngineCore, batch: int) -> dict:
             "share": nccl / total if total else None}
 
 
-def measure(core: EngineCore, batches: list[int], tokens: int) -> dict:
-    results, costs = {}, core.scheduler.draft_policy.costs
+def measure(core: EngineCore, batches: list[int], tokens: int, results: dict, save: Callable[[], None]) -> None:
+    """Each batch's row into results, saved as soon as it is measured."""
+    costs = core.scheduler.draft_policy.costs
     for batch in batches:
         steps = max(tokens, min(256, 2048 // batch))
         row = {}
@@ -112,8 +117,8 @@ def measure(core: EngineCore, batches: list[int], tokens: int) -> dict:
             use_drafts(core, costs, 0)
             row["collectives"] = collective_share(core, batch)
         results[batch] = row
+        save()
         print(f"  batch {batch}: {json.dumps(row)}", flush=True)
-    return results
 
 
 def main() -> None:
@@ -124,6 +129,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48, help="decode tokens per request at least")
     parser.add_argument("--expert-parallel", action="store_true", help="MoE shapes: whole experts per rank")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (--shapes tiny; gloo)")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"),
+                        help="directory of the JSON and PNG")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     sizes = [int(t) for t in args.tp.split(",")]
@@ -133,40 +140,68 @@ def main() -> None:
               "date": datetime.date.today().isoformat(),
               "commit": commit_id(), "command": " ".join(["python", *sys.argv]), "profile": PROFILES["shipped"],
               "expert_parallel": args.expert_parallel, "shapes": {}}
+    # One file per device, shapes and expert placement: the runs of one GPU session do not overwrite each other.
+    suffix = args.shapes.replace(",", "_") + ("-ep" if args.expert_parallel else "")
+    out = Path(args.out) / f"tp_scaling-{report['device']}-{suffix}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        """After every batch: a run cut short by its time limit keeps what it measured."""
+        out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+        plot(report, batches, out.with_suffix(".png"))
+
     with tempfile.TemporaryDirectory() as root:
         for shape in args.shapes.split(","):
             directory = checkpoint_dir(shape, Path(root))
-            report["shapes"][shape] = {}
+            runs = report["shapes"][shape] = {}
             for tp in sizes:
                 if tp > num_devices:
                     print(f"{shape} tp={tp}: skipped, {num_devices} GPUs")
                     continue
                 print(f"{shape} tp={tp}", flush=True)
-                started = time.perf_counter()
-                core = engine(directory, args.device, tp, max(batches), args.expert_parallel)
-                start_s = time.perf_counter() - started
-                results = measure(core, batches, args.tokens)
-                report["shapes"][shape][f"tp{tp}"] = {"start_s": start_s, "batches": results}
-                core.close()
-                del core
-                gc.collect()
-                if args.device == "cuda":
-                    torch.cuda.empty_cache()
-            plain = report["shapes"][shape]
-            if "tp1" in plain:
-                for key, value in plain.items():
-                    for batch, row in value["batches"].items():
-                        row["plain_scaling_over_tp1"] = (row["plain_tokens_per_s"]
-                                                         / plain["tp1"]["batches"][batch]["plain_tokens_per_s"])
-    # One file per device, shapes and expert placement: the runs of one GPU session do not overwrite each other.
-    suffix = args.shapes.replace(",", "_") + ("-ep" if args.expert_parallel else "")
-    out = Path(__file__).resolve().parent / "results" / f"tp_scaling-{report['device']}-{suffix}"
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2))
-    plot(report, batches, sizes, out.with_suffix(".png"))
+                record = runs[f"tp{tp}"] = {}
+                run_engine(directory, args, tp, batches, record, save)
+                scale_over_tp1(runs)
+                save()
     print(f"wrote {out}.json and .png")
 
 
-def plot(report: dict, batches: list[int], sizes: list[int], path: Path) -> None:
+def run_engine(directory: Path, args: argparse.Namespace, tp: int, batches: list[int], record: dict,
+               save: Callable[[], None]) -> None:
+    """One engine's start-up seconds and measurements into record; an engine that fails (it
+    does not fit, a collective breaks) is recorded with its error and the run goes on."""
+    started = time.perf_counter()
+    try:
+        core = engine(directory, args.device, tp, max(batches), args.expert_parallel)
+    except Exception as error:  # noqa: BLE001 - recorded in the JSON, the other engines still run
+        print(f"  failed to start: {error!r}", flush=True)
+        record["error"] = repr(error)
+        return
+    record["start_s"] = time.perf_counter() - started
+    print(f"  started in {record['start_s']:.1f} s", flush=True)
+    try:
+        measure(core, batches, args.tokens, record.setdefault("batches", {}), save)
+    except Exception as error:  # noqa: BLE001
+        print(f"  failed: {error!r}", flush=True)
+        record["error"] = repr(error)
+    finally:
+        core.close()
+        del core
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def scale_over_tp1(runs: dict) -> None:
+    """Each measured engine's plain tokens/s over tp=1's at the same batch."""
+    base = runs.get("tp1", {}).get("batches", {})
+    for record in runs.values():
+        for batch, row in record.get("batches", {}).items():
+            if batch in base:
+                row["plain_scaling_over_tp1"] = row["plain_tokens_per_s"] / base[batch]["plain_tokens_per_s"]
+
+
+def plot(report: dict, batches: list[int], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -175,7 +210,9 @@ def plot(report: dict, batches: list[int], sizes: list[int], path: Path) -> None
     fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 3.8), squeeze=False)
     for axis, shape in zip(axes[0], shapes):
         for key, value in report["shapes"][shape].items():
-            rows = value["batches"]
+            rows = value.get("batches", {})
+            if any(b not in rows for b in batches):
+                continue
             for name, style in (("plain", "-"), ("speculative", "--")):
                 axis.plot(batches, [rows[b][f"{name}_tokens_per_s"] for b in batches], marker="o", linestyle=style,
                           label=f"{key} {name}")
@@ -184,9 +221,11 @@ def plot(report: dict, batches: list[int], sizes: list[int], path: Path) -> None
         axis.set_title(f"{shape} ({report['device']})", fontsize=9)
         axis.set_xlabel("batch")
         axis.set_ylabel("decode tokens/s")
-        axis.legend(fontsize=7)
+        if axis.lines:
+            axis.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

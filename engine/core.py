@@ -123,7 +123,13 @@ class EngineCore:
                 torch.manual_seed(0)  # device draws (forced acceptance) alike on every rank
             self._build(config, model, tokenizer, edit_drafts, forced_acceptance)
         except BaseException:
-            self.close()
+            try:
+                if self.workers is not None:
+                    # A worker that died during start-up (out of memory on its GPU): a collective
+                    # of rank 0's failed or was aborted; name the rank instead.
+                    self.workers.check(grace=2.0)
+            finally:
+                self.close()
             raise
 
     def close(self) -> None:

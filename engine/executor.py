@@ -38,6 +38,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from .runner import InFlight
 from .sampling_params import SamplingParams
 from .step import ScheduledRow, StepPlan
 from .tensor_parallel import COLLECTIVE_TIMEOUT, TensorParallel
@@ -118,9 +119,11 @@ class Workers:
         """Spawn ranks 1..tp-1 for `config` (an EngineConfig); rank 0 joins the group next
         (`join`), which returns when every worker has joined."""
         size = config.tensor_parallel_size
-        if torch.device(config.device).type == "cuda" and torch.cuda.device_count() < size:
-            raise ValueError(f"tensor_parallel_size={size} needs {size} CUDA devices, "
-                             f"{torch.cuda.device_count()} are visible")
+        device = torch.device(config.device)
+        if device.type == "cuda" and torch.cuda.device_count() < (device.index or 0) + size:
+            raise ValueError(f"tensor_parallel_size={size} on {config.device} needs cuda:{device.index or 0}.."
+                             f"cuda:{(device.index or 0) + size - 1}; {torch.cuda.device_count()} CUDA devices are "
+                             f"visible (CUDA_VISIBLE_DEVICES picks them)")
         self.size, self.closing = size, False
         # Why no step can run any more: (the error to raise, its message); None while all is well.
         self.dead: tuple[type[TensorParallelError], str] | None = None
@@ -226,7 +229,9 @@ class Workers:
 class ParallelRunner:
     """Rank 0's runner under tensor parallelism: every device call goes to the workers first
     (they run it on their shards, in the same order), then runs here. A failure while a worker
-    is dead is reported as WorkerDiedError naming it."""
+    is dead is reported as WorkerDiedError naming it, and so are outputs read after a worker
+    died: on GPUs a collective whose peer is gone does not fail but hangs until the monitor
+    aborts the process group, and then returns whatever its buffers held."""
 
     def __init__(self, runner, workers: Workers) -> None:
         self.runner, self.workers = runner, workers
@@ -234,17 +239,21 @@ class ParallelRunner:
     def can_launch(self, plan: StepPlan) -> bool:
         return self.runner.can_launch(plan)
 
-    def launch(self, plan: StepPlan):
-        return self._call("launch", plan)
+    def launch(self, plan: StepPlan) -> InFlight:
+        return self._call("launch", plan).checked(self.workers.check)
 
     def run(self, plan: StepPlan):
-        return self._call("run", plan)
+        output = self._call("run", plan)
+        self.workers.check()
+        return output
 
     def apply_cache_ops(self, ops):
         return self._call("apply_cache_ops", ops)
 
     def score(self, sequences: list[list[int]]):
-        return self._call("score", sequences)
+        logits = self._call("score", sequences)
+        self.workers.check()
+        return logits
 
     def _call(self, method: str, arg):
         self.workers.send(method, plan_for_workers(arg) if isinstance(arg, StepPlan) else arg)

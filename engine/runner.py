@@ -79,6 +79,26 @@ class InFlight:
             self._output = self._read()
         return self._output
 
+    def checked(self, check: Callable[[], None]) -> "InFlight":
+        """This step with `check` called once its outputs are read, before they are returned,
+        and when reading them fails: it raises instead when they cannot be trusted, or explains
+        the failure (tensor parallelism's dead worker)."""
+        decide = self._decide
+
+        def decide_then_check(masks: Future | None) -> Callable[[], StepOutput]:
+            read = decide(masks)
+
+            def read_then_check() -> StepOutput:
+                try:
+                    output = read()
+                except BaseException:
+                    check()
+                    raise
+                check()
+                return output
+            return read_then_check
+        return InFlight(self.plan, decide_then_check, self._prefetch)
+
 
 class Runner:
     def __init__(self, model: HybridLM, states: StatePool, kv: KVPool, sampler: Sampler, checkpoint_io: CheckpointIO,

@@ -31,10 +31,29 @@ class TensorParallel:
         if device.type == "cuda":
             torch.cuda.set_device(device)
             os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (see bench/tp_scaling.py)
+            # Rank 0's monitor owns failures: it aborts the group when a worker dies (executor.py),
+            # and torch asks for its watchdog's own error handling off with that abort (else the
+            # watchdog may tear the process down first: the server would die instead of raising).
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT,
                                 **({"device_id": device} if device.type == "cuda" else {}))
-        return cls(rank, size, device)
+        group = cls(rank, size, device)
+        if device.type == "cuda":
+            group.connect()
+        return group
+
+    def connect(self) -> None:
+        """Run the model's collectives once at small, medium and large sizes. NCCL connects its
+        peers lazily, per algorithm and protocol (LL for small messages, LL128, Simple for
+        large), on a collective's first call, and allocates those connections' buffers then:
+        now, before the pools are sized from the free memory, and before any CUDA graph is
+        captured (a capture must not be the first call of anything)."""
+        for numel in (1 << 4, 1 << 14, 1 << 22):  # 32 B, 32 KiB and 8 MiB of bf16
+            x = torch.ones(numel, dtype=torch.bfloat16, device=self.device)
+            self.all_reduce(x)
+            _all_gather(x.new_empty(self.size * numel), x)
+        torch.cuda.synchronize(self.device)
 
     def leave(self) -> None:
         if dist.is_initialized():

@@ -494,5 +494,5 @@ def fp8_moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
         act_fp8, act_scale, pairs.counts, pairs.sorted_pairs, weights, w_down, down_scale, out_pairs, hidden, inter,
         num_experts, pairs.num_m_blocks, num_i_groups, E_PAD=pairs.e_pad, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, GROUP=group_size, **config.launch_options())
-    sum_slots(out_pairs, out, top_k)
+    sum_slots(out_pairs, experts, num_experts, out)
     return out

@@ -20,6 +20,10 @@ one of two paths, chosen from the batch shape alone (no host sync, CUDA-graph sa
   gate_up with SiLU*up fused, then down with the routing weight applied, written per pair; a
   last kernel sums each token's k rows in slot order (deterministic, no float atomics).
 
+A pair whose expert id is outside [0, E) belongs to another rank (expert parallelism, where a
+rank holds E of the model's experts): it contributes nothing and costs nothing — the per-token
+kernels skip it, the grouped path neither counts nor sorts it, and the slot sum leaves it out.
+
 The per-token path runs while pairs = tokens * k <= E / 4 (12 tokens of a Qwen3-Next layer):
 up to 8 tokens the two paths are within noise of each other, from 16 tokens on the grouped path
 wins (measured at 512 experts, top-10, H 2048, I 512, bf16:
@@ -52,12 +56,14 @@ def route_reference(router_logits: torch.Tensor, top_k: int, renormalize: bool) 
 def by_expert_reference(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, num_experts: int,
                         mlp: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """sum over each token's k experts e of weight * mlp(e, its row of x): x [T, H]; weights,
-    experts [T, k] -> [T, H]. Tokens are grouped by expert so each expert's mlp runs once, over
-    all of its tokens (the references of the bf16 and the FP8 experts share this)."""
+    experts [T, k] -> [T, H]; pairs of experts outside [0, num_experts) (another rank's) are left
+    out. Tokens are grouped by expert so each expert's mlp runs once, over all of its tokens (the
+    references of the bf16 and the FP8 experts share this)."""
     out = torch.zeros_like(x)
     flat_experts = experts.reshape(-1)
-    order = torch.argsort(flat_experts, stable=True)
-    counts = torch.bincount(flat_experts, minlength=num_experts).tolist()
+    mine = torch.nonzero((flat_experts >= 0) & (flat_experts < num_experts)).flatten()
+    order = mine[torch.argsort(flat_experts[mine], stable=True)]
+    counts = torch.bincount(flat_experts[mine], minlength=num_experts).tolist()
     token_of = order // experts.shape[1]
     weight_of = weights.reshape(-1)[order]
     start = 0
@@ -132,16 +138,20 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
 
 @triton.jit
-def _gate_up_per_pair_kernel(x, experts, w_gate_up, act, H, I, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+def _gate_up_per_pair_kernel(x, experts, w_gate_up, act, H, I, E, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """Program (pair, tile of I), pair = token * TOP_K + slot: act[pair, n] = silu(g_n) * u_n with
-    g = W_gate[e] x[token], u = W_up[e] x[token] (rows n and I + n of w_gate_up[e]), fp32 sums."""
+    g = W_gate[e] x[token], u = W_up[e] x[token] (rows n and I + n of w_gate_up[e]), fp32 sums;
+    nothing for another rank's pair (its act row is never read)."""
     dependent_prologue(DEPENDENT_LAUNCH)
     pair = tl.program_id(0).to(tl.int64)
+    e = tl.load(experts + pair).to(tl.int64)
+    if (e < 0) | (e >= E):
+        return
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
     token = pair // TOP_K
-    w = w_gate_up + tl.load(experts + pair).to(tl.int64) * (2 * I * H)
+    w = w_gate_up + e * (2 * I * H)
     gate = tl.zeros([BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -155,10 +165,10 @@ def _gate_up_per_pair_kernel(x, experts, w_gate_up, act, H, I, TOP_K: tl.constex
 
 
 @triton.jit
-def _down_per_token_kernel(act, weights, experts, w_down, out, H, I, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+def _down_per_token_kernel(act, weights, experts, w_down, out, H, I, E, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """Program (token, tile of H): out[token, n] = sum over slots j (in order) of
-    w[token, j] * (W_down[e_j] act[token * TOP_K + j])_n, fp32 sums."""
+    w[token, j] * (W_down[e_j] act[token * TOP_K + j])_n, fp32 sums, over this rank's pairs."""
     dependent_prologue(DEPENDENT_LAUNCH)
     token = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -166,25 +176,28 @@ def _down_per_token_kernel(act, weights, experts, w_down, out, H, I, TOP_K: tl.c
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     for slot in range(TOP_K):
         pair = token * TOP_K + slot
-        w = w_down + tl.load(experts + pair).to(tl.int64) * (H * I)
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < I
-            a = tl.load(act + pair * I + k, mask=k_ok, other=0.0).to(tl.float32)
-            tile = tl.load(w + n[:, None] * I + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += tl.sum(tile.to(tl.float32) * a[None, :], 1)
-        total += tl.load(weights + pair).to(tl.float32) * acc
+        e = tl.load(experts + pair).to(tl.int64)
+        if (e >= 0) & (e < E):
+            w = w_down + e * (H * I)
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = k < I
+                a = tl.load(act + pair * I + k, mask=k_ok, other=0.0).to(tl.float32)
+                tile = tl.load(w + n[:, None] * I + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                acc += tl.sum(tile.to(tl.float32) * a[None, :], 1)
+            total += tl.load(weights + pair).to(tl.float32) * acc
     tl.store(out + token * H + n, total.to(out.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit(do_not_specialize=["N"])
-def _count_pairs_kernel(experts, counts, ranks, N, BLOCK: tl.constexpr):
+def _count_pairs_kernel(experts, counts, ranks, N, E, BLOCK: tl.constexpr):
     """ranks[pair] = the pair's position among its expert's pairs (arrival order of the atomics:
-    any order works, each GEMM row only depends on its own pair); counts[e] += pairs of e."""
+    any order works, each GEMM row only depends on its own pair); counts[e] += pairs of e.
+    Another rank's pairs are not counted (nor ranked)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < N
-    e = tl.load(experts + offs, mask=ok, other=0).to(tl.int32)
+    e = tl.load(experts + offs, mask=offs < N, other=-1).to(tl.int32)
+    ok = (offs < N) & (e >= 0) & (e < E)
     tl.store(ranks + offs, tl.atomic_add(counts + e, 1, mask=ok), mask=ok)
 
 
@@ -199,11 +212,11 @@ def _expert_layout(counts, E, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
 
 @triton.jit(do_not_specialize=["N"])
 def _scatter_pairs_kernel(experts, counts, ranks, sorted_pairs, N, E, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
-    """sorted_pairs[start[e] + rank] = pair: pairs grouped by expert, experts in order."""
+    """sorted_pairs[start[e] + rank] = pair: this rank's pairs grouped by expert, experts in order."""
     lanes, _, start, _, _ = _expert_layout(counts, E, E_PAD, 1)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < N
-    e = tl.load(experts + offs, mask=ok, other=0).to(tl.int32)
+    e = tl.load(experts + offs, mask=offs < N, other=-1).to(tl.int32)
+    ok = (offs < N) & (e >= 0) & (e < E)
     first = tl.sum(tl.where(e[:, None] == lanes[None, :], start[None, :], 0), 1)
     tl.store(sorted_pairs + first + tl.load(ranks + offs, mask=ok, other=0), offs, mask=ok)
 
@@ -278,14 +291,18 @@ def _down_grouped_kernel(act, counts, sorted_pairs, weights, w_down, out_pairs, 
 
 
 @triton.jit
-def _sum_slots_kernel(out_pairs, out, H, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out[token, n] = sum over slots in order of out_pairs[token * TOP_K + slot, n] (fp32)."""
+def _sum_slots_kernel(out_pairs, experts, out, H, E, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[token, n] = sum over slots in order of out_pairs[token * TOP_K + slot, n] (fp32), over
+    this rank's pairs (another rank's out_pairs row is never written)."""
     token = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < H
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     for slot in range(TOP_K):
-        total += tl.load(out_pairs + (token * TOP_K + slot) * H + n, mask=n_ok, other=0.0).to(tl.float32)
+        pair = token * TOP_K + slot
+        e = tl.load(experts + pair) + tl.zeros([BLOCK_N], dtype=tl.int64)  # a block: masks are blocks
+        mine = n_ok & (e >= 0) & (e < E)
+        total += tl.load(out_pairs + pair * H + n, mask=mine, other=0.0).to(tl.float32)
     tl.store(out + token * H + n, total.to(out.dtype.element_ty), mask=n_ok)
 
 
@@ -330,7 +347,8 @@ class SortedPairs(NamedTuple):
 
 
 def sort_pairs(experts: torch.Tensor, num_experts: int, block_m: int) -> SortedPairs:
-    """Count and scatter the pairs of `experts` [T, k] by expert on the device (no host sync: the
+    """Count and scatter the pairs of `experts` [T, k] by expert (those of experts in [0,
+    num_experts)) on the device (no host sync: the
     launch sizes depend on shapes only, so CUDA graphs replay them). Shared by the bf16 and the
     FP8 grouped experts."""
     num_pairs, device = experts.numel(), experts.device
@@ -338,7 +356,7 @@ def sort_pairs(experts: torch.Tensor, num_experts: int, block_m: int) -> SortedP
     ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
     sorted_pairs = torch.empty(num_pairs, dtype=torch.int32, device=device)
     e_pad = triton.next_power_of_2(num_experts)
-    _count_pairs_kernel[(triton.cdiv(num_pairs, 1024),)](experts, counts, ranks, num_pairs, BLOCK=1024)
+    _count_pairs_kernel[(triton.cdiv(num_pairs, 1024),)](experts, counts, ranks, num_pairs, num_experts, BLOCK=1024)
     _scatter_pairs_kernel[(triton.cdiv(num_pairs, 32),)](experts, counts, ranks, sorted_pairs, num_pairs,
                                                           num_experts, E_PAD=e_pad, BLOCK=32)
     # sum over experts of ceil(count / block_m) <= (pairs + (block_m - 1) * nonempty experts) / block_m
@@ -346,12 +364,13 @@ def sort_pairs(experts: torch.Tensor, num_experts: int, block_m: int) -> SortedP
     return SortedPairs(counts, sorted_pairs, num_m_blocks, e_pad)
 
 
-def sum_slots(out_pairs: torch.Tensor, out: torch.Tensor, top_k: int) -> None:
-    """out [T, H] = each token's k rows of out_pairs [T * k, H] summed in slot order."""
+def sum_slots(out_pairs: torch.Tensor, experts: torch.Tensor, num_experts: int, out: torch.Tensor) -> None:
+    """out [T, H] = each token's k rows of out_pairs [T * k, H] summed in slot order, the rows of
+    pairs whose expert (experts [T, k]) is outside [0, num_experts) left out."""
     num_tokens, hidden = out.shape
     block = min(1024, triton.next_power_of_2(hidden))
-    _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, block))](out_pairs, out, hidden, TOP_K=top_k, BLOCK_N=block,
-                                                                 num_warps=4)
+    _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, block))](out_pairs, experts, out, hidden, num_experts,
+                                                                 TOP_K=experts.shape[1], BLOCK_N=block, num_warps=4)
 
 
 def _check_moe_experts_args(x, weights, experts, w_gate_up, w_down) -> None:
@@ -381,10 +400,10 @@ def moe_experts_per_token(x, weights, experts, w_gate_up, w_down, gate_up_config
     if num_tokens == 0:
         return out
     _gate_up_per_pair_kernel[(num_tokens * top_k, triton.cdiv(inter, gate_up_config.block_n))](
-        x, experts, w_gate_up, act, hidden, inter, TOP_K=top_k, BLOCK_N=gate_up_config.block_n,
+        x, experts, w_gate_up, act, hidden, inter, w_gate_up.shape[0], TOP_K=top_k, BLOCK_N=gate_up_config.block_n,
         BLOCK_K=gate_up_config.block_k, **gate_up_config.launch_options(), **pdl(x.device))
     _down_per_token_kernel[(num_tokens, triton.cdiv(hidden, down_config.block_n))](
-        act, weights, experts, w_down, out, hidden, inter, TOP_K=top_k, BLOCK_N=down_config.block_n,
+        act, weights, experts, w_down, out, hidden, inter, w_down.shape[0], TOP_K=top_k, BLOCK_N=down_config.block_n,
         BLOCK_K=min(down_config.block_k, triton.next_power_of_2(inter)), **down_config.launch_options(),
         **pdl(x.device))
     return out
@@ -411,7 +430,7 @@ def moe_experts_grouped(x, weights, experts, w_gate_up, w_down, config: TileConf
     _down_grouped_kernel[(pairs.num_m_blocks * triton.cdiv(hidden, config.block_n),)](
         act, pairs.counts, pairs.sorted_pairs, weights, w_down, out_pairs, hidden, inter, num_experts,
         pairs.num_m_blocks, **tiles)
-    sum_slots(out_pairs, out, top_k)
+    sum_slots(out_pairs, experts, num_experts, out)
     return out
 
 

@@ -292,11 +292,12 @@ class MoEMLP(nn.Module):
 
     def _local_pairs(self, weights: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert parallelism: the routed (token, expert) pairs [T, k] in this rank's expert
-        numbering, the pairs of other ranks' experts weighted 0 (every rank has every token; the
-        all-reduce after the MLP adds the ranks' contributions)."""
+        numbering; the pairs of other ranks' experts get the id num_local_experts, outside the
+        rank's experts, which the expert ops skip (kernels/moe.py: no compute, no weight read).
+        Every rank has every token; the all-reduce after the MLP adds the ranks' contributions."""
+        num_local = len(self.c.local_experts)
         local = experts - self.c.first_local_expert
-        inside = (local >= 0) & (local < len(self.c.local_experts))
-        return weights * inside.to(weights.dtype), torch.where(inside, local, 0)
+        return weights, torch.where((local >= 0) & (local < num_local), local, num_local)
 
 
 class DecoderLayer(nn.Module):

@@ -14,12 +14,15 @@ import torch
 from safetensors import safe_open
 
 from deltaspec.engine import LLM, EngineConfig, ModelConfig, SamplingParams, WeightLoadError
-from deltaspec.engine.executor import TensorParallelError, WorkerDiedError
+from deltaspec.engine.executor import ParallelRunner, TensorParallelError, WorkerDiedError
+from deltaspec.engine.runner import InFlight
+from deltaspec.engine.step import StepOutput, StepPlan
 from deltaspec.engine.structured import Structured
 from deltaspec.engine.sharding import NotThisRank, Sharding, check_divisible
 from deltaspec.engine.tensor_parallel import TensorParallel
-from deltaspec.engine.weights import checkpoint_files, load_model, read_tensors
+from deltaspec.engine.weights import checkpoint_files, load_model, random_model, read_tensors
 from deltaspec.kernels import REFERENCE_OPS
+from fixtures import GPU_SHAPE
 from harness import check_isolation
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -106,6 +109,53 @@ def test_killed_worker_ends_the_engine_naming_its_rank(dense):
     assert no_workers_left(dense)
 
 
+def test_outputs_read_after_a_worker_died_are_not_returned():
+    """On GPUs a collective whose peer died hangs until the process group is aborted and then
+    leaves garbage in its buffers: a step's outputs read after a worker died raise instead."""
+    class Workers:
+        def __init__(self):
+            self.dead, self.sent = False, []
+
+        def send(self, method, *args):
+            self.sent.append(method)
+
+        def check(self, grace=0.0):
+            if self.dead:
+                raise WorkerDiedError("tensor-parallel worker rank 1 died")
+
+    class Runner:
+        fail = False
+
+        def launch(self, plan):
+            def read():
+                if self.fail:  # a CUDA error after the group was aborted
+                    raise RuntimeError("CUDA error")
+                return StepOutput([[7]])
+            return InFlight(plan, lambda masks: read)
+
+        def run(self, plan):
+            return StepOutput([[8]])
+
+    workers = Workers()
+    runner = ParallelRunner(Runner(), workers)
+    plan = StepPlan((), ())
+    assert runner.launch(plan).result().emitted == [[7]] and runner.run(plan).emitted == [[8]]
+    launched = runner.launch(plan)
+    launched.decide()
+    workers.dead = True  # between the launch and the read
+    with pytest.raises(WorkerDiedError, match="rank 1"):
+        launched.result()
+    with pytest.raises(WorkerDiedError, match="rank 1"):
+        runner.run(plan)
+    runner.runner.fail, workers.dead = True, False
+    with pytest.raises(RuntimeError, match="CUDA error"):  # no worker died: the error as it is
+        runner.launch(plan).result()
+    workers.dead = True
+    with pytest.raises(WorkerDiedError, match="rank 1"):  # one did: that explains it
+        runner.launch(plan).result()
+    assert workers.sent == ["launch", "run", "launch", "run", "launch", "launch"]
+
+
 @pytest.mark.slow
 def test_isolation_harness_with_speculation(checkpoint):
     """Staggered greedy and seeded sampled requests with aborts, each equal to its output alone
@@ -151,6 +201,21 @@ def test_four_ranks_with_replicated_kv_heads(checkpoint):
     assert got == reference(path, batch)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_four_ranks_moe_greedy_and_speculation_equal_one_device(checkpoint, expert_parallel):
+    """tp=4 (2 KV heads: each on two ranks), experts split or two whole experts per rank, with
+    MTP speculation: the greedy tokens of one device without speculation."""
+    path = checkpoint("qwen3_5_moe", linear_num_key_heads=4, linear_num_value_heads=8)
+    batch = prompts(3, 12, seed=8)
+    with LLM(path, tensor_parallel_size=4, enable_expert_parallel=expert_parallel, num_draft_tokens=2,
+             **POOLS) as llm:
+        got = [o.token_ids for o in llm.generate(batch, GREEDY)]
+        assert llm.core.stats()["spec"]["num_verify_steps"] > 0
+    assert no_workers_left(llm)
+    assert got == reference(path, batch)
+
+
 # Configuration and weight loading: no processes ------------------------------------------------
 
 def test_sizes_tp_does_not_divide_are_named(checkpoint):
@@ -165,6 +230,13 @@ def test_sizes_tp_does_not_divide_are_named(checkpoint):
         EngineConfig(model="x", enable_expert_parallel=True)
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide"):
         LLM(checkpoint("qwen3_5"), tensor_parallel_size=3)
+
+
+def test_ranks_past_the_visible_devices_are_refused_before_any_process_starts(checkpoint):
+    """Rank r runs on cuda:(i + r): cuda:7 with tp=2 needs nine visible devices."""
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 on cuda:7 needs cuda:7\.\.cuda:8; \d+ CUDA devices"):
+        LLM(checkpoint("qwen3_5"), device="cuda:7", tensor_parallel_size=2)
+    assert not torch.distributed.is_initialized()
 
 
 def rank_tensors(path, rank: int, size: int = 2, expert_parallel: bool = False) -> dict[str, torch.Tensor]:
@@ -233,25 +305,96 @@ def test_fp8_scales_are_sliced_by_block_and_a_cut_block_is_refused(checkpoint):
         load_model(coarse, REFERENCE_OPS, torch.float32, "cpu", tp=TensorParallel(1, 2, torch.device("cpu")))
 
 
+# A scaled-down Qwen3.5-122B-A10B (its head and expert ratios; 2 KV heads, fewer than 4 ranks).
+SMALL_122B = dict(model_type="qwen3_5_moe_text", vocab_size=512, hidden_size=48, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=16, linear_num_key_heads=4,
+                  linear_num_value_heads=16, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                  intermediate_size=0, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=16,
+                  shared_expert_intermediate_size=16, mtp_num_hidden_layers=1, tie_word_embeddings=False)
+# Parameters every rank holds whole: norms, the router, the shared expert's gate, the MTP fc.
+REPLICATED = re.compile(r"(norm|norm_weight|norm_embedding|norm_hidden|router\.weight|shared_gate\.weight|fc\.weight)$")
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_dummy_weights_draw_only_this_ranks_shard(expert_parallel):
+    """load_format "dummy" at tp=4: each rank builds and draws its shard alone (no rank ever
+    holds a whole sharded tensor): every parameter is the whole model's with one dimension
+    divided by 4, or replicated; the experts of the four ranks add up to the model's."""
+    config = ModelConfig.from_dict(SMALL_122B)
+    full = {n: p.shape for n, p in random_model(config, REFERENCE_OPS, torch.float32, "cpu").named_parameters()}
+    expert_numel = 0
+    for rank in range(4):
+        tp = TensorParallel(rank, 4, torch.device("cpu"))
+        model = random_model(config, REFERENCE_OPS, torch.float32, "cpu", tp, expert_parallel, seed=3)
+        for name, p in model.named_parameters():
+            whole = full[name]
+            assert torch.isfinite(p).all() and p.std() > 0, name
+            if REPLICATED.search(name):
+                assert p.shape == whole, name
+            elif name.endswith("qkv_proj.weight"):  # 8 query heads (with gates) / 4, one of the 2 KV heads
+                assert p.shape == (2 * 2 * 16 + 2 * 16, 48), name
+            else:
+                split = [d for d, (a, b) in enumerate(zip(p.shape, whole)) if a != b]
+                assert len(split) == 1 and whole[split[0]] == 4 * p.shape[split[0]], (name, p.shape, whole)
+                if name.endswith(("w_gate_up", "w_down")):
+                    assert split == ([0] if expert_parallel else [1 if name.endswith("w_gate_up") else 2]), name
+                    expert_numel += p.numel()
+    assert expert_numel == sum(torch.Size(s).numel() for n, s in full.items() if n.endswith(("w_gate_up", "w_down")))
+
+
 # GPU: NCCL and CUDA graphs ---------------------------------------------------------------------
 
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def gpus(n: int):
+    return pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} CUDA devices")
 
 
 @pytest.mark.gpu
-@two_gpus
-@pytest.mark.parametrize("family, expert_parallel", [("qwen3_5", False), ("qwen3_5_moe", False),
-                                                     ("qwen3_5_moe", True)])
-def test_gpu_greedy_and_speculation_equal_one_gpu(checkpoint, family, expert_parallel):
+@gpus(2)
+def test_gpu_killed_worker_ends_the_engine_naming_its_rank(checkpoint):
+    """NCCL: a collective whose peer is gone hangs (inside a graph replay too) until the monitor
+    aborts the process group; the engine then raises WorkerDiedError naming the rank, reads no
+    outputs of the broken step, and closes without leaving a process."""
+    path, prompt = checkpoint("qwen3_5", **GPU_SHAPE), prompts(1, 10, seed=5)[0]
+    params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    options = dict(device="cuda", max_num_seqs=4, max_model_len=512)
+    with LLM(path, num_draft_tokens=0, **options) as one:
+        expected = one.generate([prompt], params)[0].token_ids
+    llm = LLM(path, tensor_parallel_size=2, num_draft_tokens=2, **options)
+    core = llm.core
+    request = core.add_request(prompt, params)
+    for _ in range(3):
+        core.step()
+    os.kill(core.workers.processes[0].pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="rank 1"):
+        while True:
+            core.step()
+    assert time.monotonic() - started < 30
+    # What was handed out is the model's output: no tokens of a step whose collectives broke.
+    got = request.output_token_ids
+    assert 0 < len(got) < 400 and got == expected[:len(got)]
+    started = time.monotonic()
+    llm.close()
+    assert no_workers_left(llm) and time.monotonic() - started < 15
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family, expert_parallel, tp", [
+    pytest.param("qwen3_5", False, 2, marks=gpus(2)), pytest.param("qwen3_5_moe", False, 2, marks=gpus(2)),
+    pytest.param("qwen3_5_moe", True, 2, marks=gpus(2)),
+    pytest.param("qwen3_5", False, 4, marks=gpus(4)), pytest.param("qwen3_5_moe", True, 4, marks=gpus(4))])
+def test_gpu_greedy_and_speculation_equal_one_gpu(checkpoint, family, expert_parallel, tp):
     """float32 (token equality across a different reduction order needs it on random tiny
-    models); CUDA graphs with the collectives captured in them."""
-    path = checkpoint(family)
+    models); CUDA graphs with the collectives captured in them, on every rank in the same
+    order; 4 GDN key heads so that tp=4 divides them (2 KV heads: replicated at tp=4); GDN heads
+    of 64 (fixtures.GPU_SHAPE)."""
+    path = checkpoint(family, linear_num_key_heads=4, linear_num_value_heads=8, **GPU_SHAPE)
     batch = prompts(8, 24, seed=6)
     options = dict(device="cuda", max_num_seqs=8, max_model_len=512)
     with LLM(path, num_draft_tokens=0, **options) as llm:
         expected = [o.token_ids for o in llm.generate(batch, GREEDY)]
     for k in (0, 3):
-        with LLM(path, tensor_parallel_size=2, enable_expert_parallel=expert_parallel, num_draft_tokens=k,
+        with LLM(path, tensor_parallel_size=tp, enable_expert_parallel=expert_parallel, num_draft_tokens=k,
                  **options) as llm:
             assert llm.core.runner.runner.graphs is not None
             assert [o.token_ids for o in llm.generate(batch, GREEDY)] == expected

@@ -244,6 +244,21 @@ def test_fp8_moe_experts_match_reference(kernel_device, poisoned_empty, dtype, t
     assert_close(out.cpu(), expected, MOE_TOLERANCE[dtype], f"{tokens} tokens")
 
 
+def test_fp8_moe_experts_skip_other_ranks_pairs(kernel_device, poisoned_empty):
+    """Expert parallelism: pairs of experts outside [0, E) contribute nothing (moe.py); the
+    reference against itself on this rank's pairs alone, the kernel against the reference."""
+    x, weights, experts, *w = fp8_moe_case(21, 80, 48, 6, 2, 32, torch.float32, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    outside = torch.rand(experts.shape, generator=gen) < 0.5
+    ranked = torch.where(outside, 6, experts)
+    expected = fp8_moe_experts_reference(x, weights, ranked, *w, 32)
+    # The same pairs, this rank's only: weight 0 on an expert of its own contributes 0 too.
+    assert_close(expected, fp8_moe_experts_reference(x, torch.where(outside, 0.0, weights), experts, *w, 32), 1e-6,
+                 "reference")
+    out = poisoned_empty(fp8_moe_experts, *[t.to(kernel_device) for t in (x, weights, ranked, *w)], 32)
+    assert_close(out.cpu(), expected, MOE_TOLERANCE[torch.float32], "kernel")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 8, 64, 700])
 def test_fp8_moe_experts_qwen_like_shapes(tokens):

@@ -78,6 +78,38 @@ def test_moe_route_and_experts_match_per_token_loop(renormalize):
         assert_close_elementwise(out[t], expected, 1e-5, f"token {t}")
 
 
+def other_ranks(experts: torch.Tensor, num_experts: int, seed: int) -> torch.Tensor:
+    """experts with about half of the pairs given an id outside [0, num_experts), as expert
+    parallelism marks the pairs of other ranks' experts (num_experts itself, or -1)."""
+    gen = torch.Generator().manual_seed(seed)
+    outside = torch.rand(experts.shape, generator=gen) < 0.5
+    outside[0] = True  # a token with no pair of this rank at all
+    marks = torch.where(torch.rand(experts.shape, generator=gen) < 0.5, num_experts, -1)
+    return torch.where(outside.to(experts.device), marks.to(experts.device, experts.dtype), experts)
+
+
+def test_pairs_of_other_ranks_experts_contribute_nothing():
+    """The reference against a float64 loop over this rank's pairs only."""
+    gen = torch.Generator().manual_seed(8)
+    tokens, hidden, inter, num_experts, top_k = 9, 16, 8, 4, 3
+    x = torch.randn(tokens, hidden, generator=gen)
+    weights = torch.rand(tokens, top_k, generator=gen)
+    experts = other_ranks(torch.randint(0, num_experts, (tokens, top_k), generator=gen), num_experts, seed=9)
+    w_gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / 4
+    w_down = torch.randn(num_experts, hidden, inter, generator=gen) / 3
+    out = ops.moe_experts(x, weights, experts, w_gate_up, w_down)
+    assert torch.equal(out[0], torch.zeros(hidden))
+    xd, gu, dn = x.double(), w_gate_up.double(), w_down.double()
+    for t in range(tokens):
+        expected = torch.zeros(hidden, dtype=torch.float64)
+        for j in range(top_k):
+            e = int(experts[t, j])
+            if 0 <= e < num_experts:
+                gate, up = gu[e, :inter] @ xd[t], gu[e, inter:] @ xd[t]
+                expected += float(weights[t, j]) * (dn[e] @ (gate * torch.sigmoid(gate) * up))
+        assert_close_elementwise(out[t], expected, 1e-5, f"token {t}")
+
+
 # ----------------------------------------------------------------------------------------------
 # Triton kernels vs the torch references
 # ----------------------------------------------------------------------------------------------
@@ -132,6 +164,19 @@ def test_moe_experts_match_reference(kernel_device, poisoned_empty, path, tokens
     weights, experts = route_reference(router_logits, 2, True)
     out = poisoned_empty(PATHS[path], x, weights, experts, w_gate_up, w_down)
     assert out.dtype == x.dtype
+    assert_close(out, moe_experts_reference(x, weights, experts, w_gate_up, w_down), 1e-5, path)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_moe_experts_skip_other_ranks_pairs(kernel_device, poisoned_empty, path):
+    """Expert parallelism: pairs of experts outside [0, E) are neither computed nor summed (their
+    rows of the poisoned workspaces are never read); token 0 has none of this rank's."""
+    gen = torch.Generator().manual_seed(30)
+    x, router_logits, w_gate_up, w_down = moe_case(gen, 13, 48, 24, 6, 2, torch.float32, kernel_device)
+    weights, experts = route_reference(router_logits, 2, True)
+    experts = other_ranks(experts, 6, seed=31)
+    out = poisoned_empty(PATHS[path], x, weights, experts, w_gate_up, w_down)
+    assert torch.equal(out[0].cpu(), torch.zeros(48))
     assert_close(out, moe_experts_reference(x, weights, experts, w_gate_up, w_down), 1e-5, path)
 
 

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The tensor-parallel run of an N-GPU machine in one device call (N from nvidia-smi: a 2-GPU
+# machine rehearses what a 4-GPU one runs). Run from the repo root (carry .whl); every part runs
+# under its own time limit (together 440 s: under 8 minutes with the set-up), and its log and
+# results land in $OUT:
+#
+#   tests    pytest -m gpu tests/engine/test_tensor_parallel.py: a killed worker under NCCL,
+#            greedy output at tp 2 (and 4) equal to one GPU with and without speculation, graphs
+#            with their collectives; then tests/kernels/test_moe.py (bf16 experts, which skip
+#            another rank's pairs under expert parallelism)
+#   122b     N >= 4: bench/tp_scaling.py on the Qwen3.5-122B-A10B shape at tp 4, experts split,
+#            then with --enable-expert-parallel (batches 1, 16, 64)
+#   scaling  bench/tp_scaling.py on the 9B and 35B-A3B shapes at tp 1, 2 (, 4): tokens/s at
+#            batches 1, 16, 64, the collectives' share, speculation's speedup (shipped profile)
+#   serve    bench/tools/serve_smoke.py: deltaspec serve -tp N --load-format dummy (the 35B-A3B
+#            shape; the 122B at N >= 4), one streamed completion over HTTP, SIGINT, no process left
+#
+#   DELTASPEC_COMMIT=<sha> bash bench/tools/multi_gpu.sh [PART,PART,...]     (default: every part)
+#
+# A subset of the parts shares the same 440 s (one part alone gets them all). tp_scaling
+# writes its JSON and PNG after every batch, so a part its limit cuts keeps what it measured.
+set -uo pipefail
+source bench/tools/device_setup.sh
+export NCCL_NVLS_ENABLE=0  # NVLink multicast off (the device notes)
+export DELTASPEC_COMMIT="${DELTASPEC_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+out="${OUT:-bench/results}"
+mkdir -p "$out"
+num_gpus=$(nvidia-smi -L | wc -l)
+nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
+echo "commit $DELTASPEC_COMMIT, $num_gpus GPUs"
+
+if (( num_gpus >= 4 )); then
+    sizes=1,2,4; tp=4; serve_shape=122b-a10b
+    declare -A weight=([tests]=70 [122b]=170 [scaling]=130 [serve]=70)
+else
+    sizes=$(seq -s, 1 "$num_gpus"); tp=$num_gpus; serve_shape=35b-a3b
+    declare -A weight=([tests]=150 [122b]=0 [scaling]=200 [serve]=90)
+fi
+parts="${1:-tests,122b,scaling,serve}"
+total=0
+for p in ${parts//,/ }; do total=$((total + ${weight[$p]:-0})); done
+limit() { echo $(( 440 * ${weight[$1]} / (total > 0 ? total : 1) )); }
+
+wait_for_free_gpus() {  # a part its limit killed: its workers exit within a second of rank 0
+    for _ in $(seq 30); do
+        [[ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader)" ]] && return
+        sleep 1
+    done
+    echo "   GPU processes still running:"; nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader
+}
+
+run_part() {  # name seconds command...
+    local name=$1 seconds=$2 start=$SECONDS
+    shift 2
+    echo "== $name (limit ${seconds} s): $*"
+    timeout -k 10 "$seconds" "$@" > "$out/multi_gpu-$name.log" 2>&1
+    echo "   exit $? after $((SECONDS - start)) s"
+    grep -E "PASSED|FAILED|ERROR|passed|failed|batch|started|skipped|\"ok\"|Error" "$out/multi_gpu-$name.log" | tail -n 25
+    wait_for_free_gpus
+}
+
+for part in ${parts//,/ }; do
+    case "$part" in
+    tests)
+        run_part tests "$(limit tests)" python -m pytest -v -m gpu -p no:cacheprovider -rs \
+            tests/engine/test_tensor_parallel.py tests/kernels/test_moe.py ;;
+    122b)
+        if (( num_gpus < 4 )); then echo "== 122b: skipped, $num_gpus GPUs (needs 4 H100s)"; continue; fi
+        half=$(( $(limit 122b) / 2 ))
+        run_part 122b-tp "$half" python bench/tp_scaling.py --shapes 122b-a10b --tp 4 --out "$out"
+        run_part 122b-ep "$half" python bench/tp_scaling.py --shapes 122b-a10b --tp 4 --expert-parallel --out "$out" ;;
+    scaling)
+        run_part scaling "$(limit scaling)" python bench/tp_scaling.py --shapes 9b,35b-a3b --tp "$sizes" --out "$out" ;;
+    serve)
+        seconds=$(limit serve)
+        run_part serve "$seconds" python bench/tools/serve_smoke.py --shape "$serve_shape" --tp "$tp" \
+            --start-timeout $((seconds - 30)) --out "$out" ;;
+    *)
+        echo "unknown part $part (tests, 122b, scaling, serve)"; exit 2 ;;
+    esac
+done
+ls -l "$out"
