@@ -19,6 +19,10 @@
 #
 # A subset of the parts shares the same 440 s (one part alone gets them all). tp_scaling
 # writes its JSON and PNG after every batch, so a part its limit cuts keeps what it measured.
+# A fresh machine compiles every Triton kernel first (minutes): on one, all four parts in one
+# call do not finish (4 H200s, 55f2a49: bench/results/multi_gpu/summary-h200x4.json); run
+# `tests`, `122b,serve` and `scaling` as three calls. Everything lands in $OUT/multi_gpu.tgz
+# too (the device returns a handful of files a call).
 set -uo pipefail
 source bench/tools/device_setup.sh
 export NCCL_NVLS_ENABLE=0  # NVLink multicast off (the device notes)
@@ -80,3 +84,4 @@ for part in ${parts//,/ }; do
     esac
 done
 ls -l "$out"
+tar czf "$out/multi_gpu.tgz" -C "$out" --exclude multi_gpu.tgz .
