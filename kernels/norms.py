@@ -97,6 +97,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out, new_residual
 
 
+@triton.jit
+def gated_rms_normalize(h, z, w, eps, D: tl.constexpr):
+    """Rows of one value head each: h / sqrt(mean(h^2) + eps) * w * silu(z), float32 (h, z
+    [R, BD] float32, zero past D; w [BD] float32). The one formula of the kernel below and of
+    the skinny GEMM's gated-norm prologue (linear.py), so both round the same value."""
+    rstd = tl.rsqrt(tl.sum(h * h, axis=1) / D + eps)
+    return h * rstd[:, None] * w[None, :] * (z * tl.sigmoid(z))
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _gated_rms_norm_kernel(x, gate, weight, out, num_rows, inner, stride_x_outer, stride_x_inner,
                            stride_gate_outer, stride_gate_inner, eps,
@@ -113,8 +122,7 @@ def _gated_rms_norm_kernel(x, gate, weight, out, num_rows, inner, stride_x_outer
     z = tl.load(gate + (outer * stride_gate_outer + within * stride_gate_inner)[:, None] + offs[None, :],
                 mask=mask, other=0.0).to(tl.float32)
     w = tl.load(weight + offs, mask=offs < D, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(h * h, axis=1) / D + eps)
-    y = h * rstd[:, None] * w[None, :] * (z * tl.sigmoid(z))
+    y = gated_rms_normalize(h, z, w, eps, D)
     tl.store(out + rows[:, None] * D + offs[None, :], y.to(out.dtype.element_ty), mask=mask)
 
 

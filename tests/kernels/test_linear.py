@@ -11,6 +11,11 @@ summed in a fixed order, whichever program arrives last).
 CPU: the interpreter, fp32 and fp16 (it computes bf16 dots wrongly), small shapes.
 GPU (`gpu` marker): bf16 on the Qwen3.5-0.8B and -9B projection shapes through `linear` (the
 kernel or its cuBLAS fallback), explicit configs, and replay in a CUDA graph.
+
+The fused prologues (SwiGLU before the down projection, the GDN gated norm before out_proj)
+against an oracle written here: the activation in float64, rounded once to the input dtype
+(what the unfused kernels store), then the GEMM in float64; their entry points against the
+unfused composition (identical where they fall back to it).
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ import pytest
 import torch
 
 from deltaspec.kernels.arrivals import arrival_counters
-from deltaspec.kernels.linear import KERNEL_MAX_ROWS, MAX_ROWS, launch_linear, linear, linear_config, linear_reference
+from deltaspec.kernels.linear import KERNEL_MAX_ROWS, MAX_ROWS, gated_rms_norm_linear, \
+    gated_rms_norm_linear_reference, launch_gated_rms_norm_linear, launch_linear, launch_silu_and_mul_linear, linear, \
+    linear_config, linear_reference, silu_and_mul_linear, silu_and_mul_linear_reference
 from deltaspec.kernels.tiles import TileConfig
 from kernel_helpers import assert_close
 
@@ -104,6 +111,103 @@ def test_linear_rejects_bad_arguments(kernel_device):
                       torch.zeros(MAX_ROWS + 1, 32, device=kernel_device), weight, config)
 
 
+# ---- fused prologues ----------------------------------------------------------------------------
+
+def swiglu_oracle(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in float64, rounded to gate_up's dtype, @ weight^T in float64."""
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    a = (gate / (1 + torch.exp(-gate)) * up).to(gate_up.dtype)
+    return a.double() @ weight.double().T
+
+
+def gated_norm_oracle(x, gate, norm_weight, eps, weight) -> torch.Tensor:
+    """Per head: x / sqrt(mean(x^2) + eps) * w * silu(gate) in float64, rounded to x's dtype,
+    flattened, @ weight^T in float64."""
+    h, z = x.double(), gate.double()
+    a = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.double() * (z / (1 + torch.exp(-z)))
+    return a.to(x.dtype).flatten(1).double() @ weight.double().T
+
+
+def swiglu_inputs(num_rows: int, n: int, inner: int, dtype: torch.dtype, device: str, seed: int):
+    """gate_up [M, 2I] as a row-strided view (a wider buffer), W [N, I]."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    buffer = torch.randn(num_rows, 2 * inner + 5, generator=gen, device=device).mul(2).to(dtype)
+    weight = (torch.randn(n, inner, generator=gen, device=device) * inner ** -0.5).to(dtype)
+    return buffer[:, 3:3 + 2 * inner], weight
+
+
+def gated_inputs(num_rows: int, n: int, heads: int, dim: int, dtype: torch.dtype, device: str, seed: int):
+    """x [M, H, D] contiguous; gate [M, H, D] a view into a wider projection output (as z is);
+    norm weight [D] around 1; W [N, H * D]."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = (torch.randn(num_rows, heads, dim, generator=gen, device=device) * 3).to(dtype)
+    projection = torch.randn(num_rows, heads * dim + 7, generator=gen, device=device).to(dtype)
+    gate = projection[:, 7:].unflatten(1, (heads, dim))
+    norm_weight = (1 + 0.3 * torch.randn(dim, generator=gen, device=device)).to(dtype)
+    weight = (torch.randn(n, heads * dim, generator=gen, device=device) * (heads * dim) ** -0.5).to(dtype)
+    return x, gate, norm_weight, weight
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", [
+    (1, 40, 100, TileConfig(block_n=16, block_k=32, num_splits=2, num_warps=1, num_stages=1)),   # I % 32 != 0
+    (5, 33, 64, TileConfig(block_n=16, block_k=32, num_splits=1, num_warps=1, num_stages=1)),
+    (16, 20, 96, TileConfig(block_n=16, block_k=16, num_splits=4, num_warps=1, num_stages=1)),
+], ids=lambda c: f"M{c[0]}-N{c[1]}-I{c[2]}-s{c[3].num_splits}")
+def test_silu_and_mul_linear_kernel(case, dtype, kernel_device):
+    num_rows, n, inner, config = case
+    gate_up, weight = swiglu_inputs(num_rows, n, inner, dtype, kernel_device, seed=num_rows + inner)
+    y = torch.full((num_rows, n), float("nan"), dtype=dtype, device=kernel_device)
+    launch_silu_and_mul_linear(y, gate_up, weight, config)
+    assert_close(y, swiglu_oracle(gate_up, weight), TOLERANCE[dtype], f"{config}")
+    assert int(arrival_counters(y.device, 1).abs().sum()) == 0, "arrival counters not reset"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", [
+    (1, 40, 4, 16, 1), (3, 24, 3, 32, 2), (16, 17, 6, 16, 4),   # (M, N, heads, D, splits)
+], ids=lambda c: f"M{c[0]}-N{c[1]}-H{c[2]}-D{c[3]}-s{c[4]}")
+def test_gated_rms_norm_linear_kernel(case, dtype, kernel_device):
+    num_rows, n, heads, dim, splits = case
+    x, gate, norm_weight, weight = gated_inputs(num_rows, n, heads, dim, dtype, kernel_device, seed=num_rows * heads)
+    config = TileConfig(block_n=16, block_k=dim, num_splits=splits, num_warps=1, num_stages=1)
+    y = torch.full((num_rows, n), float("nan"), dtype=dtype, device=kernel_device)
+    launch_gated_rms_norm_linear(y, x, gate, norm_weight, 1e-6, weight, config)
+    assert_close(y, gated_norm_oracle(x, gate, norm_weight, 1e-6, weight), TOLERANCE[dtype], f"{config}")
+    assert int(arrival_counters(y.device, 1).abs().sum()) == 0, "arrival counters not reset"
+
+
+def test_fused_entry_points(kernel_device):
+    """The fused entry points against their references where they fuse (a decode batch), and
+    bit-identical to the unfused composition where they fall back to it (a prefill batch)."""
+    for num_rows in (2, KERNEL_MAX_ROWS + 3):
+        fuses = num_rows <= KERNEL_MAX_ROWS
+        gate_up, weight = swiglu_inputs(num_rows, 24, 64, torch.float32, kernel_device, seed=num_rows)
+        y = silu_and_mul_linear(gate_up, weight)
+        assert_close(y, silu_and_mul_linear_reference(gate_up, weight), TOLERANCE[torch.float32], f"M={num_rows}")
+        unfused = silu_and_mul_linear(gate_up, weight, fused=False)
+        assert fuses or torch.equal(y, unfused)
+        x, gate, norm_weight, weight = gated_inputs(num_rows, 24, 2, 32, torch.float32, kernel_device, seed=num_rows)
+        y = gated_rms_norm_linear(x, gate, norm_weight, 1e-6, weight)
+        expected = gated_rms_norm_linear_reference(x, gate, norm_weight, 1e-6, weight)
+        assert_close(y, expected, TOLERANCE[torch.float32], f"M={num_rows}")
+        assert fuses or torch.equal(y, gated_rms_norm_linear(x, gate, norm_weight, 1e-6, weight, fused=False))
+
+
+def test_fused_prologues_reject_bad_arguments(kernel_device):
+    config = TileConfig(block_n=16, block_k=32, num_splits=1, num_warps=1, num_stages=1)
+    gate_up, weight = swiglu_inputs(2, 16, 32, torch.float32, kernel_device, seed=0)
+    with pytest.raises(AssertionError, match="chain"):
+        launch_silu_and_mul_linear(torch.empty(2, 16, device=kernel_device), gate_up[:, :48], weight, config)
+    x, gate, norm_weight, weight = gated_inputs(2, 16, 2, 16, torch.float32, kernel_device, seed=0)
+    y = torch.empty(2, 16, device=kernel_device)
+    with pytest.raises(AssertionError, match="head dim"):
+        launch_gated_rms_norm_linear(y, x, gate, norm_weight, 1e-6, weight, config)
+    with pytest.raises(AssertionError, match="adjacent heads"):
+        launch_gated_rms_norm_linear(y, x.transpose(0, 1).contiguous().transpose(0, 1), gate, norm_weight, 1e-6,
+                                     weight, TileConfig(block_n=16, block_k=16, num_warps=1, num_stages=1))
+
+
 # ---- GPU --------------------------------------------------------------------------------------
 
 # (N, K) of the Qwen3.5-0.8B and -9B projections (bench/kernels_linear.py derives them).
@@ -154,3 +258,26 @@ def test_linear_gpu_cuda_graph():
         torch.cuda.synchronize()
         assert torch.equal(y, linear(x, weight))
     assert int(arrival_counters(x.device, 1).abs().sum()) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1024, 3584), (4096, 12288)], ids=lambda s: f"N{s[0]}-I{s[1]}")
+def test_silu_and_mul_linear_gpu_shapes(shape):
+    """The 0.8B and 9B down projections, bf16, through the entry point (kernel up to 16 rows)."""
+    n, inner = shape
+    for num_rows in (1, 4, 16, 64):
+        gate_up, weight = swiglu_inputs(num_rows, n, inner, torch.bfloat16, "cuda", seed=num_rows)
+        y = silu_and_mul_linear(gate_up, weight)
+        assert_close(y, swiglu_oracle(gate_up, weight), TOLERANCE[torch.bfloat16], f"M={num_rows}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1024, 16, 128), (4096, 32, 128)], ids=lambda s: f"N{s[0]}-H{s[1]}-D{s[2]}")
+def test_gated_rms_norm_linear_gpu_shapes(shape):
+    """The 0.8B and 9B GDN out_proj, bf16, through the entry point (kernel up to 16 rows)."""
+    n, heads, dim = shape
+    for num_rows in (1, 4, 16, 64):
+        x, gate, norm_weight, weight = gated_inputs(num_rows, n, heads, dim, torch.bfloat16, "cuda", seed=num_rows)
+        y = gated_rms_norm_linear(x, gate, norm_weight, 1e-6, weight)
+        assert_close(y, gated_norm_oracle(x, gate, norm_weight, 1e-6, weight), TOLERANCE[torch.bfloat16],
+                     f"M={num_rows}")
