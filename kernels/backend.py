@@ -2,14 +2,16 @@
 
 `Ops` is a frozen table of functions. `REFERENCE_OPS` holds the torch references: the CPU
 backend and the oracle of every kernel test. `triton_ops()` is the GPU table with the same
-signatures; `select_ops` is the only place that decides which table a model gets. Knows nothing
+signatures; `unfused_triton_ops()` the same with every fused entry (an op folded into the GEMM
+after it) run as its separate parts, the launches before fusion (A/B of a decode step's launch
+count and time); `select_ops` is the only place that decides which table a model gets. Knows nothing
 about what the ops compute, only which implementation fills each entry.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import cache
+from functools import cache, partial
 from typing import Callable
 
 import torch
@@ -20,7 +22,7 @@ from .conv1d import causal_conv1d_decode_reference, causal_conv1d_prefill_refere
 from .fp8 import fp8_linear_reference, fp8_moe_experts_reference
 from .gdn_chunked import gdn_chunked_reference
 from .gdn_decode import gdn_decode_reference
-from .linear import linear_reference
+from .linear import gated_rms_norm_linear_reference, linear_reference, silu_and_mul_linear_reference
 from .moe import moe_experts_reference, route_reference
 from .norms import gated_rms_norm_reference, rms_norm_reference
 from .rope import qk_norm_rope_reference
@@ -38,6 +40,8 @@ class Ops:
     gated_rms_norm: Callable
     qk_norm_rope: Callable
     silu_and_mul: Callable
+    silu_and_mul_linear: Callable
+    gated_rms_norm_linear: Callable
     causal_conv1d_prefill: Callable
     causal_conv1d_decode: Callable
     gdn_chunked: Callable
@@ -60,6 +64,8 @@ REFERENCE_OPS = Ops(
     gated_rms_norm=gated_rms_norm_reference,
     qk_norm_rope=qk_norm_rope_reference,
     silu_and_mul=silu_and_mul_reference,
+    silu_and_mul_linear=silu_and_mul_linear_reference,
+    gated_rms_norm_linear=gated_rms_norm_linear_reference,
     causal_conv1d_prefill=causal_conv1d_prefill_reference,
     causal_conv1d_decode=causal_conv1d_decode_reference,
     gdn_chunked=gdn_chunked_reference,
@@ -91,6 +97,8 @@ def triton_ops() -> Ops:
         gated_rms_norm=norms.gated_rms_norm,
         qk_norm_rope=rope.qk_norm_rope,
         silu_and_mul=activation.silu_and_mul,
+        silu_and_mul_linear=linear.silu_and_mul_linear,
+        gated_rms_norm_linear=linear.gated_rms_norm_linear,
         causal_conv1d_prefill=conv1d.causal_conv1d_prefill,
         causal_conv1d_decode=conv1d.causal_conv1d_decode,
         gdn_chunked=gdn_chunked.gdn_chunked,
@@ -106,7 +114,17 @@ def triton_ops() -> Ops:
     )
 
 
-BACKEND_NAMES = ("torch", "triton")
+@cache
+def unfused_triton_ops() -> Ops:
+    """The GPU table with each fused entry as its parts (two launches where it has one)."""
+    from . import linear
+
+    return replace(triton_ops(), name="triton-unfused",
+                   silu_and_mul_linear=partial(linear.silu_and_mul_linear, fused=False),
+                   gated_rms_norm_linear=partial(linear.gated_rms_norm_linear, fused=False))
+
+
+BACKEND_NAMES = ("torch", "triton", "triton-unfused")
 
 
 def select_ops(device: torch.device | str, backend: str = "auto") -> Ops:
@@ -116,4 +134,6 @@ def select_ops(device: torch.device | str, backend: str = "auto") -> Ops:
         backend = "triton" if torch.device(device).type == "cuda" else "torch"
     if backend not in BACKEND_NAMES:
         raise ValueError(f"unknown kernel backend {backend!r}; available: auto, {', '.join(BACKEND_NAMES)}")
-    return REFERENCE_OPS if backend == "torch" else triton_ops()
+    if backend == "torch":
+        return REFERENCE_OPS
+    return triton_ops() if backend == "triton" else unfused_triton_ops()

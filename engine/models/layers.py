@@ -92,6 +92,22 @@ class Linear(nn.Module):
             return ops.linear(x, self.weight)
         return ops.fp8_linear(x, self.weight, self.weight_scale, self.group_size, self.block_scale)
 
+    # The ops before a projection that the GPU table folds into its GEMM (one launch where it
+    # takes the skinny kernel: decode, draft and verify batches). FP8 projections run them apart.
+
+    def after_silu_and_mul(self, gate_up: torch.Tensor, ops: Ops) -> torch.Tensor:
+        """silu_and_mul(gate_up) x W^T."""
+        if self.weight_scale is None:
+            return ops.silu_and_mul_linear(gate_up, self.weight)
+        return self(ops.silu_and_mul(gate_up), ops)
+
+    def after_gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                             ops: Ops) -> torch.Tensor:
+        """gated_rms_norm(x, gate) [T, H, D] flattened to [T, H * D], x W^T."""
+        if self.weight_scale is None:
+            return ops.gated_rms_norm_linear(x, gate, norm_weight, eps, self.weight)
+        return self(ops.gated_rms_norm(x, gate, norm_weight, eps).flatten(1), ops)
+
 
 class GatedDeltaNet(nn.Module):
     def __init__(self, c: ModelConfig, src: str, dtype: torch.dtype) -> None:
@@ -177,8 +193,7 @@ class GatedDeltaNet(nn.Module):
                 state.recurrent[written.slots] = saved
                 state.conv[written.slots] = checkpoint_conv_windows(mixed[span], written, state.conv)
         gate = z.reshape(num_tokens, c.linear_num_value_heads, c.linear_value_head_dim)
-        core = ops.gated_rms_norm(core, gate, self.norm_weight, c.rms_norm_eps)
-        return self.out_proj(core.reshape(num_tokens, -1), ops)
+        return self.out_proj.after_gated_rms_norm(core, gate, self.norm_weight, c.rms_norm_eps, ops)
 
 
 class GatedAttention(nn.Module):
@@ -228,7 +243,7 @@ class DenseMLP(nn.Module):
         return {**self.gate_up.checkpoint_map(f"{dst}.gate_up"), **self.down.checkpoint_map(f"{dst}.down")}
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        return self.down(ops.silu_and_mul(self.gate_up(x, ops)), ops)
+        return self.down.after_silu_and_mul(self.gate_up(x, ops), ops)
 
 
 class MoEMLP(nn.Module):

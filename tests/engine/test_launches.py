@@ -1,0 +1,49 @@
+"""Launches per decode step, counted on the CPU (tests/launch_count.py) through the GPU kernel
+table in the interpreter: the fused table saves exactly the launches its fused entries fold
+away (one per MLP: SwiGLU into the down projection; one per GDN layer: the gated norm into
+out_proj), and what a step launches is pinned per kernel, so a change that adds launches to the
+decode path shows here before it shows in bench/profile_step.py on a GPU."""
+
+import torch
+
+from deltaspec.engine import LLM
+from deltaspec.engine.decode_step import DecodeRow, DecodeStep
+from deltaspec.kernels.backend import triton_ops, unfused_triton_ops
+from launch_count import count_launches
+
+
+def step_launches(core, ops, num_rows: int):
+    """The launches of one plain decode step of num_rows rows (slots 1.., positions mid-block),
+    after one uncounted step (made once: the step's constants and the RoPE tables)."""
+    step = DecodeStep(core.model, core.states, core.kv, 16, False, num_rows, 4)
+    rows = [DecodeRow(1 + r, 7 + r, 20 + r, (1 + 2 * r, 2 + 2 * r)) for r in range(num_rows)]
+    device_rows = step.row_tensors(rows, torch.device("cpu"))
+    core.model.ops = ops
+    with torch.inference_mode():
+        step.plain(device_rows)
+        with count_launches() as launches:
+            step.plain(device_rows)
+    return launches
+
+
+def test_fused_decode_step_saves_its_launches(checkpoint):
+    core = LLM(checkpoint("qwen3_5"), num_draft_tokens=0, kernel_backend="triton", max_num_seqs=4).core
+    config = core.model.config
+    num_layers = config.num_hidden_layers
+    num_gdn = config.layer_types.count("linear_attention")
+    num_attention = num_layers - num_gdn
+    for num_rows in (1, 3):
+        fused = step_launches(core, triton_ops(), num_rows)
+        unfused = step_launches(core, unfused_triton_ops(), num_rows)
+        assert fused.torch_ops == unfused.torch_ops
+        assert unfused.total - fused.total == num_layers + num_gdn
+        assert "_silu_and_mul_kernel" not in fused.kernels and "_gated_rms_norm_kernel" not in fused.kernels
+        assert unfused.kernels["_silu_and_mul_kernel"] == num_layers
+        assert unfused.kernels["_gated_rms_norm_kernel"] == num_gdn
+        # Per layer: the input and post-mixer norms, four projections (in_proj or qkv, out_proj or
+        # o_proj, gate_up, down); GDN: conv, recurrence; attention: q/k norm + RoPE, KV write,
+        # attention (split over the key range or not). Plus the final norm.
+        assert fused.kernels["_linear_kernel"] == 4 * num_layers
+        assert fused.kernels["_rms_norm_kernel"] == 2 * num_layers + 1
+        assert fused.kernels["_conv_decode_kernel"] == fused.kernels["_gdn_decode_kernel"] == num_gdn
+        assert sum(fused.kernels.values()) == 6 * num_layers + 1 + 2 * num_gdn + 3 * num_attention
