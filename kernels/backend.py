@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from .activation import silu_and_mul_reference
-from .attention import paged_attention_reference, write_kv_reference
+from .attention import paged_attention_reference
 from .conv1d import causal_conv1d_decode_reference, causal_conv1d_prefill_reference
 from .fp8 import fp8_linear_reference, fp8_moe_experts_reference
 from .gdn_chunked import gdn_chunked_reference
@@ -25,7 +25,7 @@ from .gdn_decode import gdn_decode_reference
 from .linear import gated_rms_norm_linear_reference, linear_reference, silu_and_mul_linear_reference
 from .moe import moe_experts_reference, route_reference
 from .norms import gated_rms_norm_reference, rms_norm_reference
-from .rope import qk_norm_rope_reference
+from .rope import qk_norm_rope_write_kv_reference
 from .sampling import sample_reference
 from .penalties import penalize_rows_reference
 from .token_bitmask import apply_token_bitmask_reference
@@ -38,7 +38,7 @@ class Ops:
     fp8_linear: Callable
     rms_norm: Callable
     gated_rms_norm: Callable
-    qk_norm_rope: Callable
+    qk_norm_rope_write_kv: Callable
     silu_and_mul: Callable
     silu_and_mul_linear: Callable
     gated_rms_norm_linear: Callable
@@ -46,7 +46,6 @@ class Ops:
     causal_conv1d_decode: Callable
     gdn_chunked: Callable
     gdn_decode: Callable
-    write_kv: Callable
     paged_attention: Callable
     moe_route: Callable
     moe_experts: Callable
@@ -62,7 +61,7 @@ REFERENCE_OPS = Ops(
     fp8_linear=fp8_linear_reference,
     rms_norm=rms_norm_reference,
     gated_rms_norm=gated_rms_norm_reference,
-    qk_norm_rope=qk_norm_rope_reference,
+    qk_norm_rope_write_kv=qk_norm_rope_write_kv_reference,
     silu_and_mul=silu_and_mul_reference,
     silu_and_mul_linear=silu_and_mul_linear_reference,
     gated_rms_norm_linear=gated_rms_norm_linear_reference,
@@ -70,7 +69,6 @@ REFERENCE_OPS = Ops(
     causal_conv1d_decode=causal_conv1d_decode_reference,
     gdn_chunked=gdn_chunked_reference,
     gdn_decode=gdn_decode_reference,
-    write_kv=write_kv_reference,
     paged_attention=paged_attention_reference,
     moe_route=route_reference,
     moe_experts=moe_experts_reference,
@@ -95,7 +93,7 @@ def triton_ops() -> Ops:
         fp8_linear=fp8.fp8_linear,
         rms_norm=norms.rms_norm,
         gated_rms_norm=norms.gated_rms_norm,
-        qk_norm_rope=rope.qk_norm_rope,
+        qk_norm_rope_write_kv=rope.qk_norm_rope_write_kv,
         silu_and_mul=activation.silu_and_mul,
         silu_and_mul_linear=linear.silu_and_mul_linear,
         gated_rms_norm_linear=linear.gated_rms_norm_linear,
@@ -103,7 +101,6 @@ def triton_ops() -> Ops:
         causal_conv1d_decode=conv1d.causal_conv1d_decode,
         gdn_chunked=gdn_chunked.gdn_chunked,
         gdn_decode=gdn_decode.gdn_decode,
-        write_kv=attention.write_kv,
         paged_attention=attention.paged_attention,
         moe_route=moe.route,
         moe_experts=moe.moe_experts,
@@ -117,11 +114,12 @@ def triton_ops() -> Ops:
 @cache
 def unfused_triton_ops() -> Ops:
     """The GPU table with each fused entry as its parts (two launches where it has one)."""
-    from . import linear
+    from . import linear, rope
 
     return replace(triton_ops(), name="triton-unfused",
                    silu_and_mul_linear=partial(linear.silu_and_mul_linear, fused=False),
-                   gated_rms_norm_linear=partial(linear.gated_rms_norm_linear, fused=False))
+                   gated_rms_norm_linear=partial(linear.gated_rms_norm_linear, fused=False),
+                   qk_norm_rope_write_kv=partial(rope.qk_norm_rope_write_kv, fused=False))
 
 
 BACKEND_NAMES = ("torch", "triton", "triton-unfused")

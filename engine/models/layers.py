@@ -223,9 +223,10 @@ class GatedAttention(nn.Module):
         q_gate, k, v = self.qkv_proj(x, ops).split(self.splits, dim=-1)
         q_gate = q_gate.view(num_tokens, hq, 2 * d)
         q, gate = q_gate[..., :d], q_gate[..., d:]
-        q, k = ops.qk_norm_rope(q, k.view(num_tokens, hkv, d), self.q_norm, self.k_norm, batch.positions,
-                                c.rotary_dim, c.rope_theta, c.rms_norm_eps, c.yarn)
-        ops.write_kv(k, v.view(num_tokens, hkv, d), kv.k_cache, kv.v_cache, batch.slot_mapping)
+        # q, k normalised and rotated; k and v stored to the pool (one launch on the GPU table)
+        q = ops.qk_norm_rope_write_kv(q, k.view(num_tokens, hkv, d), v.view(num_tokens, hkv, d), self.q_norm,
+                                      self.k_norm, batch.positions, c.rotary_dim, c.rope_theta, c.rms_norm_eps,
+                                      c.yarn, kv.k_cache, kv.v_cache, batch.slot_mapping)
         # attention * sigmoid(gate), the gate applied by the kernel that stores the output
         out = ops.paged_attention(q, kv.k_cache, kv.v_cache, batch.block_tables, batch.cu_seqlens, batch.context_lens,
                                   d ** -0.5, gate)

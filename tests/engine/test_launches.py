@@ -1,7 +1,8 @@
 """Launches per decode step, counted on the CPU (tests/launch_count.py) through the GPU kernel
 table in the interpreter: the fused table saves exactly the launches its fused entries fold
 away (one per MLP: SwiGLU into the down projection; one per GDN layer: the gated norm into
-out_proj), and what a step launches is pinned per kernel, so a change that adds launches to the
+out_proj; one per attention layer: the KV write into q/k norm + RoPE), and what a step launches
+is pinned per kernel, so a change that adds launches to the
 decode path shows here before it shows in bench/profile_step.py on a GPU."""
 
 import torch
@@ -32,18 +33,17 @@ def test_fused_decode_step_saves_its_launches(checkpoint):
     num_layers = config.num_hidden_layers
     num_gdn = config.layer_types.count("linear_attention")
     num_attention = num_layers - num_gdn
-    for num_rows in (1, 3):
-        fused = step_launches(core, triton_ops(), num_rows)
-        unfused = step_launches(core, unfused_triton_ops(), num_rows)
-        assert fused.torch_ops == unfused.torch_ops
-        assert unfused.total - fused.total == num_layers + num_gdn
-        assert "_silu_and_mul_kernel" not in fused.kernels and "_gated_rms_norm_kernel" not in fused.kernels
-        assert unfused.kernels["_silu_and_mul_kernel"] == num_layers
-        assert unfused.kernels["_gated_rms_norm_kernel"] == num_gdn
-        # Per layer: the input and post-mixer norms, four projections (in_proj or qkv, out_proj or
-        # o_proj, gate_up, down); GDN: conv, recurrence; attention: q/k norm + RoPE, KV write,
-        # attention (split over the key range or not). Plus the final norm.
-        assert fused.kernels["_linear_kernel"] == 4 * num_layers
-        assert fused.kernels["_rms_norm_kernel"] == 2 * num_layers + 1
-        assert fused.kernels["_conv_decode_kernel"] == fused.kernels["_gdn_decode_kernel"] == num_gdn
-        assert sum(fused.kernels.values()) == 6 * num_layers + 1 + 2 * num_gdn + 3 * num_attention
+    fused = step_launches(core, triton_ops(), 2)
+    unfused = step_launches(core, unfused_triton_ops(), 2)
+    assert fused.torch_ops == unfused.torch_ops
+    assert unfused.total - fused.total == num_layers + num_gdn + num_attention
+    for kernel, count in (("_silu_and_mul_kernel", num_layers), ("_gated_rms_norm_kernel", num_gdn),
+                          ("_write_kv_kernel", num_attention)):
+        assert kernel not in fused.kernels and unfused.kernels[kernel] == count, kernel
+    # Per layer: the input and post-mixer norms, four projections (in_proj or qkv, out_proj or
+    # o_proj, gate_up, down); GDN: conv, recurrence; attention: q/k norm + RoPE + KV write,
+    # attention (short contexts: not split over the key range). Plus the final norm.
+    assert fused.kernels["_linear_kernel"] == 4 * num_layers
+    assert fused.kernels["_rms_norm_kernel"] == 2 * num_layers + 1
+    assert fused.kernels["_conv_decode_kernel"] == fused.kernels["_gdn_decode_kernel"] == num_gdn
+    assert sum(fused.kernels.values()) == 6 * num_layers + 1 + 2 * num_gdn + 2 * num_attention
