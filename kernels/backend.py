@@ -2,10 +2,10 @@
 
 `Ops` is a frozen table of functions. `REFERENCE_OPS` holds the torch references: the CPU
 backend and the oracle of every kernel test. `triton_ops()` is the GPU table with the same
-signatures; `unfused_triton_ops()` the same with every fused entry (an op folded into the GEMM
-after it) run as its separate parts, the launches before fusion (A/B of a decode step's launch
-count and time); `select_ops` is the only place that decides which table a model gets. Knows nothing
-about what the ops compute, only which implementation fills each entry.
+signatures; `unfused_triton_ops()` the same with every fused entry (an op folded into the
+launch that consumes it) run as its parts: the launches before fusion, for the A/B of a decode
+step's launch count and time. `select_ops` is the only place that decides which table a model
+gets. Knows nothing about what the ops compute, only which implementation fills each entry.
 """
 
 from __future__ import annotations

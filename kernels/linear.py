@@ -18,8 +18,14 @@ trips (H100 breakdown in commit 8b76c27).
 `linear` is the entry point (the `Ops.linear` of the GPU table): the kernel where `use_kernel`
 says it beats cuBLAS, F.linear elsewhere (prefill, wide N, more than 16 rows at larger N).
 `launch_linear` runs the kernel with an explicit config (tests, the tuning sweep of
-bench/kernels_linear.py); `linear_reference` is the torch oracle. Knows nothing about which
-projection it computes.
+bench/kernels_linear.py); `linear_reference` is the torch oracle.
+
+The kernel can also form its input from the op before it, in its prologue, saving that op's
+launch on the decode path: `silu_and_mul_linear` (SwiGLU, then the down projection) and
+`gated_rms_norm_linear` (the GDN output norm, then out_proj), each with its `launch_*`
+(explicit config) and `*_reference` (the composition of the parts' references). Where the
+kernel is not picked they run the parts (silu_and_mul or gated_rms_norm, then `linear`), so a
+prefill's numerics are the unfused path's. Knows nothing about which projection it computes.
 """
 
 from __future__ import annotations
@@ -189,7 +195,7 @@ def linear_config(num_rows: int, out_features: int, in_features: int, device: to
 @cache
 def _launch_plan(x_shape: torch.Size, weight_shape: torch.Size, y_shape: torch.Size, dtype: torch.dtype,
                  weight_dtype: torch.dtype, y_dtype: torch.dtype, config: TileConfig,
-                 prologue: int) -> tuple[tuple[int, int], int, dict]:
+                 prologue: tl.constexpr) -> tuple[tuple[int, int], int, dict]:
     """Shape and dtype checks, then (grid, K per split, compile-time arguments): once per shape,
     so that a call pays only for its stride checks, its scratch and the launch (an eager step is
     bound by the host's launches). x_shape: the kernel's x, [M, 2K] for SILU_AND_MUL."""
@@ -216,7 +222,7 @@ def _check_linear_args(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -
     assert weight.device == x.device == y.device, "linear: x, weight and y on one device"
 
 
-def _launch(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config: TileConfig, prologue: int,
+def _launch(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config: TileConfig, prologue: tl.constexpr,
             gate: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> None:
     grid, k_per_split, meta = _launch_plan(x.shape, weight.shape, y.shape, x.dtype, weight.dtype, y.dtype, config,
                                            prologue)
