@@ -117,6 +117,7 @@ def unfused_triton_ops() -> Ops:
     from . import linear, rope
 
     return replace(triton_ops(), name="triton-unfused",
+                   linear=partial(linear.linear, fused=False),
                    silu_and_mul_linear=partial(linear.silu_and_mul_linear, fused=False),
                    gated_rms_norm_linear=partial(linear.gated_rms_norm_linear, fused=False),
                    qk_norm_rope_write_kv=partial(rope.qk_norm_rope_write_kv, fused=False))

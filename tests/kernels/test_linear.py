@@ -15,7 +15,10 @@ kernel or its cuBLAS fallback), explicit configs, and replay in a CUDA graph.
 The fused prologues (SwiGLU before the down projection, the GDN gated norm before out_proj)
 against an oracle written here: the activation in float64, rounded once to the input dtype
 (what the unfused kernels store), then the GEMM in float64; their entry points against the
-unfused composition (identical where they fall back to it).
+unfused composition (identical where they fall back to it). The residual add + RMSNorm
+epilogue, after each prologue, split-K or not: (normed, new residual) against the same float64
+oracle of y rounded to the dtype, then the add (rounded) and the (1 + w) norm; the arrival
+counters (the epilogue's included) back at zero.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import pytest
 import torch
 
 from deltaspec.kernels.arrivals import arrival_counters
-from deltaspec.kernels.linear import KERNEL_MAX_ROWS, MAX_ROWS, gated_rms_norm_linear, \
+from deltaspec.kernels.norms import AddRMSNorm
+from deltaspec.kernels.linear import EPILOGUE_MAX_ROWS, KERNEL_MAX_ROWS, MAX_ROWS, gated_rms_norm_linear, \
     gated_rms_norm_linear_reference, launch_gated_rms_norm_linear, launch_linear, launch_silu_and_mul_linear, linear, \
     linear_config, linear_reference, silu_and_mul_linear, silu_and_mul_linear_reference
 from deltaspec.kernels.tiles import TileConfig
@@ -206,6 +210,69 @@ def test_fused_prologues_reject_bad_arguments(kernel_device):
     with pytest.raises(AssertionError, match="adjacent heads"):
         launch_gated_rms_norm_linear(y, x.transpose(0, 1).contiguous().transpose(0, 1), gate, norm_weight, 1e-6,
                                      weight, TileConfig(block_n=16, block_k=16, num_warps=1, num_stages=1))
+
+
+def add_norm_oracle(y: torch.Tensor, then: AddRMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """y (float64 GEMM output) rounded to the residual's dtype, + residual rounded, then
+    s / sqrt(mean(s^2) + eps) * (1 + w) in float64."""
+    dtype = then.residual.dtype
+    s = (y.to(dtype).double() + then.residual.double()).to(dtype)
+    h = s.double()
+    return h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + then.eps) * (1 + then.weight.double()), s
+
+
+def add_norm(num_rows: int, n: int, dtype: torch.dtype, device: str, seed: int) -> AddRMSNorm:
+    """A residual [M, N] as a row-strided view, a norm weight near 0 ((1 + w) scaling)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    residual = torch.randn(num_rows, n + 3, generator=gen, device=device).to(dtype)[:, 1:n + 1]
+    return AddRMSNorm(residual, (0.2 * torch.randn(n, generator=gen, device=device)).to(dtype), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("prologue", ["plain", "silu_and_mul", "gated_rms_norm"])
+def test_add_rms_norm_epilogue(prologue, splits, dtype, kernel_device):
+    for num_rows, n in ((1, 40), (EPILOGUE_MAX_ROWS, 33)):
+        seed = num_rows * 7 + splits
+        then = add_norm(num_rows, n, dtype, kernel_device, seed)
+        y = torch.full((num_rows, n), float("nan"), dtype=dtype, device=kernel_device)
+        config = TileConfig(block_n=16, block_k=16, num_splits=splits, num_warps=1, num_stages=1)
+        if prologue == "plain":
+            x, weight = inputs(num_rows, n, 96, dtype, kernel_device, seed)
+            normed, residual = launch_linear(y, x, weight, config, then)
+            expected = x.double() @ weight.double().T
+        elif prologue == "silu_and_mul":
+            gate_up, weight = swiglu_inputs(num_rows, n, 80, dtype, kernel_device, seed)
+            normed, residual = launch_silu_and_mul_linear(y, gate_up, weight, config, then)
+            expected = swiglu_oracle(gate_up, weight)
+        else:
+            x, gate, norm_weight, weight = gated_inputs(num_rows, n, 5, 16, dtype, kernel_device, seed)
+            normed, residual = launch_gated_rms_norm_linear(y, x, gate, norm_weight, 1e-6, weight, config, then)
+            expected = gated_norm_oracle(x, gate, norm_weight, 1e-6, weight)
+        expected_normed, expected_residual = add_norm_oracle(expected, then)
+        assert_close(residual, expected_residual, TOLERANCE[dtype], f"{prologue} M={num_rows}: residual")
+        assert_close(normed, expected_normed, TOLERANCE[dtype], f"{prologue} M={num_rows}: normed")
+        assert int(arrival_counters(y.device, 1).abs().sum()) == 0, "arrival counters not reset"
+
+
+def test_epilogue_entry_points(kernel_device):
+    """`then` through the entry points: in the epilogue up to EPILOGUE_MAX_ROWS rows, apart above
+    (then identical to rms_norm after the unfused projection), and equal to the references."""
+    from deltaspec.kernels.norms import rms_norm
+    for num_rows in (2, EPILOGUE_MAX_ROWS + 1):
+        x, weight = inputs(num_rows, 24, 64, torch.float32, kernel_device, seed=num_rows)
+        then = add_norm(num_rows, 24, torch.float32, kernel_device, seed=num_rows)
+        normed, residual = linear(x, weight, then)
+        expected_normed, expected_residual = linear_reference(x, weight, then)
+        assert_close(normed, expected_normed, TOLERANCE[torch.float32], f"M={num_rows}")
+        assert_close(residual, expected_residual, TOLERANCE[torch.float32], f"M={num_rows}")
+        apart = rms_norm(linear(x, weight), then.weight, then.eps, then.residual)
+        if num_rows > EPILOGUE_MAX_ROWS:
+            assert torch.equal(normed, apart[0]) and torch.equal(residual, apart[1])
+        gate_up, weight = swiglu_inputs(num_rows, 24, 64, torch.float32, kernel_device, seed=num_rows)
+        for actual, expected in zip(silu_and_mul_linear(gate_up, weight, then),
+                                    silu_and_mul_linear_reference(gate_up, weight, then)):
+            assert_close(actual, expected, TOLERANCE[torch.float32], f"M={num_rows}")
 
 
 # ---- GPU --------------------------------------------------------------------------------------
