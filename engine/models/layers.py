@@ -1,6 +1,9 @@
 """Building blocks of the hybrid family: GDN mixer, gated attention, dense and MoE MLPs, and
 the decoder layer that wraps them. Every heavy op goes through the `Ops` table, dense
-projections too (`ops.linear`: a skinny-GEMM kernel for decode batches, cuBLAS otherwise).
+projections too (`ops.linear`: a skinny-GEMM kernel for decode batches, cuBLAS otherwise). The
+SwiGLU or GDN gated norm that forms a projection's input and the residual add + RMSNorm that
+follows it are handed to the projection's entry (`Linear.after_*`, `then`), which the GPU table
+runs in the same launch on the decode path (kernels/linear.py).
 
 Projections are `Linear`s stored fused for one GEMM each (GDN q|k|v|z|b|a, attention
 q+gate|k|v, MLP gate|up); `checkpoint_map` says which checkpoint tensor fills which region, so

@@ -71,10 +71,11 @@ def perturbed_inputs_ops(ops, relative: float, seed: int):
     def noisy(x):
         return x * (1 + relative * (2 * torch.rand(x.shape, generator=generator) - 1))
 
-    return replace(ops, linear=lambda x, w: ops.linear(noisy(x), w),
-                   silu_and_mul_linear=lambda gate_up, w: ops.linear(noisy(ops.silu_and_mul(gate_up)), w),
-                   gated_rms_norm_linear=lambda x, gate, norm_weight, eps, w: ops.linear(
-                       noisy(ops.gated_rms_norm(x, gate, norm_weight, eps).flatten(1)), w),
+    return replace(ops, linear=lambda x, w, then=None: ops.linear(noisy(x), w, then),
+                   silu_and_mul_linear=lambda gate_up, w, then=None: ops.linear(
+                       noisy(ops.silu_and_mul(gate_up)), w, then),
+                   gated_rms_norm_linear=lambda x, gate, norm_weight, eps, w, then=None: ops.linear(
+                       noisy(ops.gated_rms_norm(x, gate, norm_weight, eps).flatten(1)), w, then),
                    moe_experts=lambda x, *args: ops.moe_experts(noisy(x), *args))
 
 
