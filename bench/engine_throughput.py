@@ -283,7 +283,7 @@ def main() -> None:
     parser.add_argument("--quantization", choices=("fp8",), default=None,
                         help="fp8: bf16 and online-FP8 engines side by side (engine_fp8-<gpu>.json)")
     parser.add_argument("--kernel-backend", default="triton",
-                        help="the bf16 engines' kernel table (kernels/backend.py): triton-unfused for the A/B of fusion")
+                        help="the bf16 engines' kernel table (kernels/backend.py); triton-unfused: the A/B of fusion")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     shapes = (args.shapes or ("9b,35b-a3b" if args.quantization else "0.8b,9b")).split(",")

@@ -326,7 +326,8 @@ def launch_gated_rms_norm_linear(y: torch.Tensor, x: torch.Tensor, gate: torch.T
     assert gate.shape == x.shape and gate.dtype == x.dtype, "gated_rms_norm_linear: gate must match x"
     assert norm_weight.shape == (head_dim,) and norm_weight.is_contiguous(), \
         "gated_rms_norm_linear: norm_weight contiguous [D]"
-    assert config.block_k == head_dim, f"gated_rms_norm_linear: block_k {config.block_k} must be the head dim {head_dim}"
+    assert config.block_k == head_dim, \
+        f"gated_rms_norm_linear: block_k {config.block_k} must be the head dim {head_dim}"
     return _launch(y, _flat_heads(x), weight, config, GATED_RMS_NORM, _flat_heads(gate), norm_weight, eps, then)
 
 

@@ -4,9 +4,9 @@ A CUDA step's launches are its Triton kernels plus the torch ops that run a devi
 their own (elementwise ops, reductions, copies, fills, cuBLAS GEMMs). On the CPU the Triton table
 runs in the interpreter, so `count_launches` counts (a) every interpreted Triton launch, by
 kernel name, and (b) every aten op dispatched outside a Triton launch, less those that launch
-nothing on a GPU (allocations, views, no-op conversions: `launches_a_kernel`). A cuBLAS GEMM counts as one (cuBLAS may add a
-split-K reduce kernel on the GPU: bench/profile_step.py counts the real launches there). Knows
-nothing about models; the tests decide what a step is.
+nothing on a GPU (allocations, views, no-op conversions: `launches_a_kernel`). A cuBLAS GEMM
+counts as one (cuBLAS may add a split-K reduce kernel on the GPU: bench/profile_step.py counts
+the real launches there). Knows nothing about models; the tests decide what a step is.
 """
 
 from __future__ import annotations

@@ -368,7 +368,8 @@ class DecoderLayer(nn.Module):
         """h: this layer's normalised input [T, H]; residual: the stream it was normalised from.
         Returns (next_norm applied to the new stream, the new stream)."""
         if self.fuse_norms:
-            h, residual = self.mixer(h, batch, mixer_state, ops, AddRMSNorm(residual, self.post_attention_norm, self.eps))
+            post_norm = AddRMSNorm(residual, self.post_attention_norm, self.eps)
+            h, residual = self.mixer(h, batch, mixer_state, ops, post_norm)
             return self.mlp(h, ops, AddRMSNorm(residual, next_norm, self.eps))
         h, residual = ops.rms_norm(self.mixer(h, batch, mixer_state, ops), self.post_attention_norm, self.eps, residual)
         return ops.rms_norm(self.mlp(h, ops), next_norm, self.eps, residual)

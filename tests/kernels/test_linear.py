@@ -348,3 +348,41 @@ def test_gated_rms_norm_linear_gpu_shapes(shape):
         y = gated_rms_norm_linear(x, gate, norm_weight, 1e-6, weight)
         assert_close(y, gated_norm_oracle(x, gate, norm_weight, 1e-6, weight), TOLERANCE[torch.bfloat16],
                      f"M={num_rows}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1024, 3584), (4096, 12288)], ids=lambda s: f"N{s[0]}-I{s[1]}")
+def test_add_rms_norm_epilogue_gpu_shapes(shape):
+    """The 0.8B and 9B down projections with the next layer's input norm, bf16: in the epilogue
+    up to EPILOGUE_MAX_ROWS rows, apart above."""
+    n, inner = shape
+    for num_rows in (1, 2, EPILOGUE_MAX_ROWS, 8):
+        gate_up, weight = swiglu_inputs(num_rows, n, inner, torch.bfloat16, "cuda", seed=num_rows)
+        then = add_norm(num_rows, n, torch.bfloat16, "cuda", seed=num_rows)
+        normed, residual = silu_and_mul_linear(gate_up, weight, then)
+        expected_normed, expected_residual = add_norm_oracle(swiglu_oracle(gate_up, weight), then)
+        assert_close(residual, expected_residual, TOLERANCE[torch.bfloat16], f"M={num_rows}: residual")
+        assert_close(normed, expected_normed, TOLERANCE[torch.bfloat16], f"M={num_rows}: normed")
+    assert int(arrival_counters(weight.device, 1).abs().sum()) == 0
+
+
+@pytest.mark.gpu
+def test_add_rms_norm_epilogue_gpu_cuda_graph():
+    """The gated-norm out_proj with the post-mixer norm, captured once and replayed on new
+    inputs: the same as eager (counters reset inside the launch, outputs from the graph's pool)."""
+    x, gate, norm_weight, weight = gated_inputs(1, 1024, 16, 128, torch.bfloat16, "cuda", seed=1)
+    then = add_norm(1, 1024, torch.bfloat16, "cuda", seed=1)
+    gated_rms_norm_linear(x, gate, norm_weight, 1e-6, weight, then)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        normed, residual = gated_rms_norm_linear(x, gate, norm_weight, 1e-6, weight, then)
+    for seed in range(3):
+        fresh = gated_inputs(1, 1024, 16, 128, torch.bfloat16, "cuda", seed=seed + 10)
+        x.copy_(fresh[0])
+        gate.copy_(fresh[1])
+        then.residual.copy_(add_norm(1, 1024, torch.bfloat16, "cuda", seed=seed + 10).residual)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = gated_rms_norm_linear(x, gate, norm_weight, 1e-6, weight, then)
+        assert torch.equal(normed, eager[0]) and torch.equal(residual, eager[1])
+    assert int(arrival_counters(x.device, 1).abs().sum()) == 0
