@@ -2,12 +2,14 @@
 table in the interpreter: the fused table saves exactly the launches its fused entries fold
 away (per layer: SwiGLU into the down projection; the gated norm into out_proj (GDN) or the KV
 write into q/k norm + RoPE (attention); both residual add + RMSNorms into the epilogues of the
-projections before them), and what a step launches is pinned per kernel, so a change that adds launches to the
-decode path shows here before it shows in bench/profile_step.py on a GPU."""
+projections before them), and what a step launches is pinned per kernel, so a change that
+adds launches to the decode path shows here before it shows in bench/profile_step.py on a GPU.
+And the fused table, drafting and verifying, keeps greedy output lossless."""
 
+import pytest
 import torch
 
-from deltaspec.engine import LLM
+from deltaspec.engine import LLM, SamplingParams
 from deltaspec.engine.decode_step import DecodeRow, DecodeStep
 from deltaspec.kernels.backend import triton_ops, unfused_triton_ops
 from launch_count import count_launches
@@ -49,3 +51,14 @@ def test_fused_decode_step_saves_its_launches(checkpoint):
     assert fused.kernels["_rms_norm_kernel"] == 1
     assert fused.kernels["_conv_decode_kernel"] == fused.kernels["_gdn_decode_kernel"] == num_gdn
     assert sum(fused.kernels.values()) == 4 * num_layers + 1 + 2 * num_gdn + 2 * num_attention
+
+
+@pytest.mark.slow
+def test_fused_table_speculates_losslessly(checkpoint):
+    """Greedy output through the fused Triton table with MTP drafts (draft and verify batches
+    take the fused prologues and the norm epilogue) equals the reference table's plain output."""
+    path, prompts = checkpoint("qwen3_5"), [[1 + i for i in range(n)] for n in (5, 9)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    plain = LLM(path, num_draft_tokens=0, max_num_seqs=4).generate(prompts, params)
+    fused = LLM(path, kernel_backend="triton", num_draft_tokens=2, max_num_seqs=4).generate(prompts, params)
+    assert [o.token_ids for o in fused] == [o.token_ids for o in plain]
