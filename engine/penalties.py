@@ -12,7 +12,11 @@ token lists when the request's first token is sampled (after admission, a restor
 preemption: the host knows every token then); `record` adds the tokens a step emitted, on the
 device, so a step launched before the host has read the step before it (fed rows) sees them.
 The tensors are allocated on the first penalized request (a plain engine pays nothing:
-N x V x 5 bytes, 0.3 GiB at N = 256 and V = 248,320).
+N x V x 5 bytes, 0.3 GiB at N = 256 and V = 248,320). `start` also writes the row's parameters:
+its (repetition, frequency, presence) coefficients and its logit_bias as (token, bias) pairs
+padded with (0, 0.0) to the widest bias started so far (adding 0.0 changes no logit), so a step
+reads every parameter of its penalized rows on the device: `select` finds their statistics rows
+once per step, for `adjust` and `record`, and nothing else goes from host lists to the device.
 
 `adjust` rewrites the logits of penalized rows before sampling (vLLM's order): bad words and
 min_tokens set banned tokens to -inf, logit_bias adds, then for a token with output count c,
@@ -133,10 +137,7 @@ class Penalties:
             flat = (index[:, None] * width + torch.arange(width, device=self.device)).reshape(-1)
             logits = logits.float().clone()
             x = logits[flat].view(num_rows, width, vocab)
-        if width > 1:
-            drafts = drafts if index is None else drafts[index]
-        else:
-            drafts = x.new_zeros(num_rows, 0, dtype=torch.int64)
+        drafts = None if width == 1 else drafts if index is None else drafts[index]       # [P, W - 1]
         params = [r.request.params for r in rows]
         self._ban_bad_words(x, rows, stats, drafts)
         if any(p.logit_bias for p in params):
@@ -190,22 +191,24 @@ class Penalties:
             count = (num_emitted if index is None else num_emitted[index]).long()
             valid = (torch.arange(width, device=self.device) < count[:, None]).int()
         # Integer atomics: exact in any order. Row s's token t is flat entry s * V + t.
-        self.output_counts.view(-1).scatter_add_(0, (stats[:, None] * self.vocab_size + tokens).view(-1),
-                                                 valid.view(-1))
+        self.output_counts.view(-1).scatter_add_(0, (stats[:, None] * self.vocab_size + tokens).reshape(-1),
+                                                 valid.reshape(-1))
         self.num_output.index_add_(0, stats, count)
         # recent: the last R of (recent, the valid emitted tokens)
         joined = torch.cat([self.recent[stats], tokens], dim=1)                        # [P, R + W]
         self.recent[stats] = joined.gather(1, count[:, None] + torch.arange(_RECENT, device=self.device))
 
     def _ban_bad_words(self, x: torch.Tensor, rows: Sequence[ScheduledRow], stats: torch.Tensor,
-                       drafts: torch.Tensor) -> None:
+                       drafts: torch.Tensor | None) -> None:
         """A bad word's last token is banned at position j when the R tokens before j (generated
-        ones, then drafts[:j]) end with the word's other tokens (none: always)."""
+        ones, then drafts[:j]; drafts None: W = 1) end with the word's other tokens (none: always)."""
         words = [(p, w) for p, r in enumerate(rows) for w in r.request.bad_words_token_ids]
         if not words:
             return
         width = x.shape[1]
-        context = torch.cat([self.recent[stats], drafts], dim=1).unfold(1, _RECENT, 1)  # [P, W, R]: before j
+        generated = self.recent[stats]
+        context = (generated if drafts is None else torch.cat([generated, drafts], dim=1)).unfold(1, _RECENT, 1)
+        # context [P, W, R]: the R tokens before position j
         prefixes = self._tensor([[-1] * (_RECENT - len(w) + 1) + list(w[:-1]) for _, w in words]).view(len(words), -1)
         used = self._tensor([[0] * (_RECENT - len(w) + 1) + [1] * (len(w) - 1) for _, w in words]).view(
             len(words), -1).bool()

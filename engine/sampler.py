@@ -15,8 +15,9 @@ and position.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -110,14 +111,32 @@ class Sampler:
         """Start computing the masks `constrain` will apply to these rows (W = width positions
         each; drafts [N, W - 1] on the device, read in the worker) and their copy to the device
         in a worker thread, from the matchers' state now: they must not change until
-        `constrain` has taken the result."""
-        return self._worker.submit(self._compute_masks, rows, width, drafts)
+        `constrain` has taken the result. Returns once the worker computes without the GIL (or
+        waits for the drafts): it needs the GIL to start, and this thread holds it through the
+        pure-Python work that follows (commit, planning), so without this hand-over the masks
+        would start only when this thread next blocks, at `constrain`, and not overlap anything."""
+        started = threading.Event()
 
-    def _compute_masks(self, rows: Sequence[ScheduledRow], width: int,
-                       drafts: torch.Tensor | None) -> _CopiedMasks:
-        host_drafts = drafts.tolist() if drafts is not None and width > 1 else ()
+        def compute() -> _CopiedMasks:
+            try:
+                return self._compute_masks(rows, width, drafts, started.set)
+            finally:
+                started.set()
+
+        masks = self._worker.submit(compute)
+        started.wait()
+        return masks
+
+    def _compute_masks(self, rows: Sequence[ScheduledRow], width: int, drafts: torch.Tensor | None,
+                       started: Callable[[], None] | None = None) -> _CopiedMasks:
+        """started: called once the rest runs without the GIL or waits for the device."""
+        host_drafts = ()
+        if drafts is not None and width > 1:
+            if started is not None:
+                started()  # reading the drafts waits for the step's graph
+            host_drafts = drafts.tolist()
         masks = self._masks.host(len(rows) * width, self.grammars.num_words)
-        self.grammars.bitmask(rows, masks, host_drafts)
+        self.grammars.bitmask(rows, masks, host_drafts, started)
         return self._masks.to_device(masks)
 
     def logprobs(self, logits: torch.Tensor, rows: Sequence[ScheduledRow], logit_rows: list[list[int]],
