@@ -47,8 +47,8 @@ from .prefix_cache import CheckpointHandle, PrefixCache
 from .request import NONFINITE_LOGITS, Request, RequestDelta
 from .runner import InFlight, Runner
 from .sampler import Sampler
-from .sampling_table import SamplingTable
 from .sampling_params import SamplingParams
+from .sampling_table import SamplingTable
 from .scheduler import Scheduler, SchedulerConfig
 from .sharding import check_divisible
 from .speculation import DraftEditor, Speculator

@@ -287,7 +287,8 @@ class Runner:
 
     def _first_tokens(self, logits: torch.Tensor, rows: Sequence[ScheduledRow]) -> StepOutput:
         """The first token of rows whose prompt is now computed, from logits [N, V] (row i's in
-        row i): their penalty statistics built, the draw, log-probabilities and non-finite flags."""
+        row i): their slots' sampling parameters and penalty statistics written (`Sampler.start`), the
+        draw, log-probabilities and non-finite flags."""
         self.sampler.start(rows)
         tokens = self.sampler.sample(logits, rows)
         tokens, nonfinite = read_with_flags(tokens, logits)

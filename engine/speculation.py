@@ -189,16 +189,17 @@ class Speculator:
         loaded into them), the penalties applied to the rows' verify logits."""
         if not sampled:
             return None
-        device_rows, width = drafted.rows, drafted.drafts.shape[1] + 1
+        width = drafted.drafts.shape[1] + 1
         index = self._indices(sampled)
         flat = (index[:, None] * width + self.decode.arange(width)).reshape(-1)
+        device_rows = DecodeRows(drafted.rows.packed[index])  # the chosen rows, one gather
         # Position i of a row's verify predicts the token at its newest position + 1 + i.
-        positions = (device_rows.positions[index][:, None] + 1 + self.decode.arange(width)).reshape(-1)
+        positions = (device_rows.positions[:, None] + 1 + self.decode.arange(width)).reshape(-1)
         chosen, drafts = [rows[i] for i in sampled], drafted.drafts[index]
         penalized = self.sampler.penalties.select(chosen)
         adjusted = self.sampler.penalties.adjust(drafted.logits[flat].float(), penalized, drafts)
-        return _Resampling(index, chosen, adjusted, positions, drafts, device_rows.num_drafts[index],
-                           device_rows.slots[index], penalized)
+        return _Resampling(index, chosen, adjusted, positions, drafts, device_rows.num_drafts, device_rows.slots,
+                           penalized)
 
     def decide(self, resampling: _Resampling | None, masks: Future | None = None) -> None:
         """Draw the prepared rows' targets (masks: their prefetched grammar masks, else computed
