@@ -48,7 +48,6 @@ from fixtures import make_tokenizer  # noqa: E402
 import common  # noqa: E402
 from common import commit_id  # noqa: E402
 from sampling_cost import COMMON, MIXES, PROMPT_LEN, SHAPES, WARM_UP_STEPS, params  # noqa: E402
-import deltaspec.engine  # noqa: E402
 from deltaspec.engine import EngineConfig, ModelConfig  # noqa: E402
 from deltaspec.engine.core import EngineCore  # noqa: E402
 from deltaspec.engine.runner import Runner  # noqa: E402
