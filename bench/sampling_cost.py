@@ -16,7 +16,11 @@ step's cost is what is compared, drafting and verification included; the grammar
 verify position). The tokenizer is tests/fixtures.py's byte-level BPE (384 ids: the grammar's
 vocabulary; the model's other ids are never allowed). Each mix: prompts prefilled and a warm-up
 of decode steps off the clock, then the wall time of each decode step with every row running
-(dispatch -> wait -> commit, the overlapped pipeline as served), median. Writes
+(dispatch -> wait -> commit, the overlapped pipeline as served), median. Beside it, where the
+engine's thread spends a step (`phases`, medians in ms): `dispatch` (planning the next step),
+`decide` (a launched step's constrained rows drawn, `mask_wait` of it waiting for their grammar
+masks), `launch` (the step launched ahead, its rows' sampling work included), `result` (waiting
+for the step's outputs: device time the host could not hide) and `commit`. Writes
 bench/results/sampling_cost-<device>.json (device, date, commit, command, every number and each
 mix's ratio to plain).
 
@@ -28,11 +32,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -45,6 +51,7 @@ import common  # noqa: E402
 from common import commit_id, device_tag  # noqa: E402
 from deltaspec.engine import EngineConfig, ModelConfig, SamplingParams, Structured  # noqa: E402
 from deltaspec.engine.core import EngineCore  # noqa: E402
+from deltaspec.engine.runner import InFlight  # noqa: E402
 from deltaspec.engine.tokenizer import Tokenizer  # noqa: E402
 
 COMMON = dict(model_type="qwen3_5_text", vocab_size=248320, head_dim=256, linear_key_head_dim=128,
@@ -81,8 +88,54 @@ def params(mix: str, seed: int, max_tokens: int, vocab_size: int) -> SamplingPar
         structured=Structured("json_schema", SCHEMA) if "schema" in mix else None)
 
 
+class Phases:
+    """Wall time of the engine thread's phases of a step (the module docstring), by wrapping
+    the methods that run them; `take` returns and clears each phase's seconds."""
+
+    NAMES = ("dispatch", "decide", "mask_wait", "launch", "result", "commit")
+
+    def __init__(self, core: EngineCore) -> None:
+        self.seconds = dict.fromkeys(self.NAMES, 0.0)
+        self._undo = []
+        runner = core.runner
+        self._wrap(core, "dispatch", "dispatch")
+        self._wrap(core, "commit", "commit")
+        self._wrap(runner, "launch", "launch")
+        self._wrap(InFlight, "decide", "decide")
+        self._wrap(InFlight, "result", "result")
+        self._wrap(Future, "result", "mask_wait")
+
+    def _wrap(self, owner, name: str, phase: str) -> None:
+        function = getattr(owner, name)
+        seconds = self.seconds
+
+        @functools.wraps(function)
+        def timed(*args, **kwargs):
+            begin = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                seconds[phase] += time.perf_counter() - begin
+
+        self._undo.append((owner, name, owner.__dict__.get(name) if isinstance(owner, type) else None))
+        setattr(owner, name, timed)
+
+    def undo(self) -> None:
+        for owner, name, value in reversed(self._undo):
+            if value is None:
+                delattr(owner, name)  # the instance attribute goes: the class's method shows again
+            else:
+                setattr(owner, name, value)
+
+    def take(self) -> dict[str, float]:
+        taken = dict(self.seconds)  # decide includes mask_wait
+        self.seconds.update(dict.fromkeys(self.NAMES, 0.0))
+        return taken
+
+
 def measure(core: EngineCore, mix: str, batch: int, steps: int) -> dict:
-    """Median wall time of a decode step with all `batch` rows of `mix` running."""
+    """Median wall time of a decode step with all `batch` rows of `mix` running, and of each of
+    the engine thread's phases of it."""
     vocab = core.model_config.vocab_size
     generator = torch.Generator().manual_seed(batch)
     max_tokens = 1 + WARM_UP_STEPS + steps + 4
@@ -90,17 +143,25 @@ def measure(core: EngineCore, mix: str, batch: int, steps: int) -> dict:
                                  params(mix, i, max_tokens, vocab)) for i in range(batch)]
     while any(not r.output_token_ids for r in requests):  # prefills off the clock
         core.step()
-    step_times = []
-    while core.has_work:
-        begin = time.perf_counter()
-        step = core.dispatch()
-        core.commit(step.plan, step.wait())
-        if len(step.plan.decode_rows) == batch and not step.plan.prefill_rows:
-            step_times.append(time.perf_counter() - begin)
+    step_times, phase_times = [], []
+    phases = Phases(core)
+    try:
+        while core.has_work:
+            phases.take()
+            begin = time.perf_counter()
+            step = core.dispatch()
+            core.commit(step.plan, step.wait())
+            if len(step.plan.decode_rows) == batch and not step.plan.prefill_rows:
+                step_times.append(time.perf_counter() - begin)
+                phase_times.append(phases.take())
+    finally:
+        phases.undo()
     assert all(r.finish_reason == "length" for r in requests), [r.finish_reason for r in requests]
     timed = step_times[WARM_UP_STEPS:WARM_UP_STEPS + steps]
+    timed_phases = phase_times[WARM_UP_STEPS:WARM_UP_STEPS + steps]
     return {"step_ms": statistics.median(timed) * 1e3, "steps_measured": len(timed),
-            "tokens_per_step": sum(len(r.output_token_ids) for r in requests) / batch / max(len(step_times), 1)}
+            "tokens_per_step": sum(len(r.output_token_ids) for r in requests) / batch / max(len(step_times), 1),
+            "phases": {name: statistics.median(p[name] for p in timed_phases) * 1e3 for name in Phases.NAMES}}
 
 
 def main() -> None:
@@ -136,6 +197,8 @@ def main() -> None:
         result["runs"][f"k={num_drafts}"] = run
         print(f"k={num_drafts}: " + ", ".join(f"{m} {r['step_ms']:.2f} ms ({r['ratio_to_plain']:.2f}x)"
                                                for m, r in run.items()), flush=True)
+        for mix, r in run.items():
+            print(f"  {mix} phases (ms): " + ", ".join(f"{n} {v:.2f}" for n, v in r["phases"].items()), flush=True)
         del core
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -48,6 +48,7 @@ from .request import NONFINITE_LOGITS, Request, RequestDelta
 from .runner import InFlight, Runner
 from .sampler import Sampler
 from .sampling_params import SamplingParams
+from .sampling_table import SamplingTable
 from .scheduler import Scheduler, SchedulerConfig
 from .sharding import check_divisible
 from .speculation import DraftEditor, Speculator
@@ -177,7 +178,8 @@ class EngineCore:
                             config.max_num_seqs, self._max_blocks_per_row)
         penalties = Penalties(config.max_num_seqs, self.model_config.vocab_size, self.device, self.ops)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
-        sampler = Sampler(self.ops, self.device, penalties, self.grammars, self.tp)
+        sampler = Sampler(self.ops, self.device, SamplingTable(self.states.num_slots, self.device), penalties,
+                          self.grammars, self.tp)
         checkpoint_io = CheckpointIO(self.states, self.kv)
         speculator = Speculator(self.model, self.states, self.kv, decode, sampler, checkpoint_io, edit_drafts,
                                 forced_acceptance) if self.num_draft_tokens else None

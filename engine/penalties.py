@@ -12,7 +12,11 @@ token lists when the request's first token is sampled (after admission, a restor
 preemption: the host knows every token then); `record` adds the tokens a step emitted, on the
 device, so a step launched before the host has read the step before it (fed rows) sees them.
 The tensors are allocated on the first penalized request (a plain engine pays nothing:
-N x V x 5 bytes, 0.3 GiB at N = 256 and V = 248,320).
+N x V x 5 bytes, 0.3 GiB at N = 256 and V = 248,320). `start` also writes the row's parameters:
+its (repetition, frequency, presence) coefficients and its logit_bias as (token, bias) pairs
+padded with (0, 0.0) to the widest bias started so far (adding 0.0 changes no logit), so a step
+reads every parameter of its penalized rows on the device: `select` finds their statistics rows
+once per step, for `adjust` and `record`, and nothing else goes from host lists to the device.
 
 `adjust` rewrites the logits of penalized rows before sampling (vLLM's order): bad words and
 min_tokens set banned tokens to -inf, logit_bias adds, then for a token with output count c,
@@ -29,7 +33,7 @@ penalized rows does nothing at all.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -42,6 +46,15 @@ from .step import ScheduledRow
 _RECENT = MAX_BAD_WORD_TOKENS - 1  # a bad word's prefix is at most this long
 
 
+class PenalizedRows(NamedTuple):
+    """The penalized rows among a step's N rows (`Penalties.select`), for `adjust` and `record`."""
+
+    rows: list[ScheduledRow]          # the P penalized rows
+    index: torch.Tensor | None        # [P] their places among the N rows; None: every row (P = N)
+    stats: torch.Tensor               # [P] their statistics rows
+    num_rows: int                     # N
+
+
 class Penalties:
     def __init__(self, num_rows: int, vocab_size: int, device: torch.device, ops: Ops) -> None:
         """num_rows: penalized requests running at once at most; ops: the dense pass's kernel."""
@@ -49,15 +62,20 @@ class Penalties:
         self.output_counts: torch.Tensor | None = None  # allocated by the first `start`
         self._row_of: OrderedDict[int, int] = OrderedDict()  # slot -> its statistics row, least recently used first
 
-    @staticmethod
-    def penalized(rows: Sequence[ScheduledRow]) -> list[int]:
-        """Indices of the rows whose request is penalized."""
-        return [i for i, r in enumerate(rows) if r.request.params.penalized]
+    def select(self, rows: Sequence[ScheduledRow]) -> PenalizedRows | None:
+        """The penalized rows among `rows` (None: none), their statistics rows now the most
+        recently used."""
+        penalized = [i for i, r in enumerate(rows) if r.request.params.penalized]
+        if not penalized:
+            return None
+        chosen = [rows[i] for i in penalized]
+        index = None if len(penalized) == len(rows) else self._tensor(penalized)
+        return PenalizedRows(chosen, index, self._rows(chosen), len(rows))
 
     def start(self, rows: Sequence[ScheduledRow]) -> None:
-        """Rebuild the statistics of the penalized rows among `rows` (prefill or cached rows;
-        those that sample their request's next token) from the request's prompt and output so
-        far."""
+        """Rebuild the statistics and coefficients of the penalized rows among `rows` (prefill or
+        cached rows; those that sample their request's next token) from the request's params,
+        prompt and output so far."""
         rows = [r for r in rows if r.sample and r.request.params.penalized]
         if not rows:
             return
@@ -67,11 +85,17 @@ class Penalties:
             self.prompt_mask = torch.zeros(s, v, dtype=torch.bool, device=self.device)
             self.num_output = torch.zeros(s, dtype=torch.int64, device=self.device)
             self.recent = torch.full((s, _RECENT), -1, dtype=torch.int64, device=self.device)
+            # Per statistics row: (repetition, frequency, presence), and its logit_bias as
+            # (token, bias) pairs padded with (0, 0.0) to the widest bias started so far.
+            self.coefficients = torch.ones(s, 3, dtype=torch.float32, device=self.device)
+            self.bias_tokens = torch.zeros(s, 0, dtype=torch.int64, device=self.device)
+            self.bias_values = torch.zeros(s, 0, dtype=torch.float32, device=self.device)
         for r in rows:
             if r.slot not in self._row_of:
                 self._row_of[r.slot] = self._row_of.popitem(last=False)[1] if len(self._row_of) == self.num_rows \
                     else len(self._row_of)
         stats = self._rows(rows)
+        params = [r.request.params for r in rows]
         prompts = [r.request.prompt_token_ids for r in rows]
         outputs = [r.request.output_token_ids for r in rows]
         self.output_counts[stats] = 0
@@ -82,36 +106,50 @@ class Penalties:
         self.num_output[stats] = self._tensor([len(o) for o in outputs])
         tails = [o[-_RECENT:] if o else [] for o in outputs]
         self.recent[stats] = self._tensor([[-1] * (_RECENT - len(t)) + t for t in tails]).view(len(rows), -1)
+        self.coefficients[stats] = device_tensor(
+            [(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params], torch.float32,
+            self.device).view(len(rows), 3)
+        width = max(len(p.logit_bias) for p in params)
+        if width > self.bias_tokens.shape[1]:
+            grow = width - self.bias_tokens.shape[1]
+            self.bias_tokens = torch.cat([self.bias_tokens, self.bias_tokens.new_zeros(self.num_rows, grow)], dim=1)
+            self.bias_values = torch.cat([self.bias_values, self.bias_values.new_zeros(self.num_rows, grow)], dim=1)
+        width = self.bias_tokens.shape[1]
+        if width:
+            padded = [list(p.logit_bias) + [(0, 0.0)] * (width - len(p.logit_bias)) for p in params]
+            self.bias_tokens[stats] = self._tensor([[t for t, _ in entries] for entries in padded]).view(len(rows), -1)
+            self.bias_values[stats] = device_tensor([b for entries in padded for _, b in entries], torch.float32,
+                                                    self.device).view(len(rows), -1)
 
-    def adjust(self, logits: torch.Tensor, rows: Sequence[ScheduledRow],
+    def adjust(self, logits: torch.Tensor, penalized: PenalizedRows | None,
                drafts: torch.Tensor | None = None) -> torch.Tensor:
         """logits [N * W, V]: W consecutive positions of each of the N rows (W = 1, or a verify
         row's newest token and its W - 1 drafts [N, W - 1]). Returns float32 logits with the
-        penalized rows adjusted (the input itself when there are none)."""
-        penalized = self.penalized(rows)
-        if not penalized:
+        penalized rows (`select`) adjusted (the input itself when there are none)."""
+        if penalized is None:
             return logits
-        num_rows, vocab = len(penalized), logits.shape[1]
-        width = logits.shape[0] // len(rows)
-        every_row = num_rows == len(rows)
-        index = self._tensor(penalized)
-        flat = (index[:, None] * width + torch.arange(width, device=self.device)).reshape(-1)
-        if every_row:  # the common case: no gather, no scatter back
+        rows, index, stats = penalized.rows, penalized.index, penalized.stats
+        num_rows, vocab = len(rows), logits.shape[1]
+        width = logits.shape[0] // penalized.num_rows
+        if index is None:  # the common case: every row penalized, no gather, no scatter back
             x = logits.to(torch.float32, copy=True).view(num_rows, width, vocab)
         else:
+            flat = (index[:, None] * width + torch.arange(width, device=self.device)).reshape(-1)
             logits = logits.float().clone()
             x = logits[flat].view(num_rows, width, vocab)
-        rows = [rows[i] for i in penalized]
+        drafts = None if width == 1 else drafts if index is None else drafts[index]       # [P, W - 1]
         params = [r.request.params for r in rows]
-        stats = self._rows(rows)
-        drafts = drafts[index] if drafts is not None and width > 1 else x.new_zeros(num_rows, 0, dtype=torch.int64)
-        positions = torch.arange(width, device=self.device)
         self._ban_bad_words(x, rows, stats, drafts)
-        self._add_bias(x, params)
-        self._ban_stops_before_min_tokens(x, rows, stats, positions)
-        penalties = device_tensor([(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params],
-                                  torch.float32, self.device)                          # [P, 3]
-        repetition, frequency, presence = penalties.T.contiguous()
+        if any(p.logit_bias for p in params):
+            # Rows pad their bias with (token 0, 0.0): adding 0.0 changes no logit.
+            bias_shape = (num_rows, width, self.bias_tokens.shape[1])
+            x.scatter_add_(2, self.bias_tokens[stats][:, None].expand(bias_shape),
+                           self.bias_values[stats][:, None].expand(bias_shape))
+        self._ban_stops_before_min_tokens(x, rows, stats)
+        repetition, frequency, presence = self.coefficients[stats].T.contiguous()          # [P] each
+        if width == 1:
+            return self._finish(self.ops.penalize_rows(x, self.output_counts, self.prompt_mask, stats, repetition,
+                                                       frequency, presence), logits, index)
         # Entries (row, position j, earlier draft i < j) whose count the drafts raise; their
         # values before the penalties, read before the dense pass below overwrites them.
         later, earlier = torch.tril_indices(width, width - 1, -1, device=self.device)  # j > i
@@ -119,48 +157,58 @@ class Penalties:
         row = torch.arange(num_rows, device=self.device)[:, None].expand_as(tokens)
         before = x[row, later[None].expand_as(tokens), tokens]
         x = self.ops.penalize_rows(x, self.output_counts, self.prompt_mask, stats, repetition, frequency, presence)
-        if tokens.numel():
-            # count at position j of token t: the slot's count + the drafts before j equal to t
-            extra = ((drafts[:, None, :] == tokens[:, :, None])
-                     & (torch.arange(drafts.shape[1], device=self.device) < later[:, None])).sum(-1)
-            slot_stats = stats[:, None].expand_as(tokens)
-            fixed = penalize(before, self.output_counts[slot_stats, tokens] + extra,
-                             self.prompt_mask[slot_stats, tokens], repetition[:, None], frequency[:, None],
-                             presence[:, None])
-            x[row, later[None].expand_as(tokens), tokens] = fixed  # duplicates write equal values
-        if every_row:
+        # count at position j of token t: the slot's count + the drafts before j equal to t
+        extra = ((drafts[:, None, :] == tokens[:, :, None])
+                 & (torch.arange(drafts.shape[1], device=self.device) < later[:, None])).sum(-1)
+        slot_stats = stats[:, None].expand_as(tokens)
+        fixed = penalize(before, self.output_counts[slot_stats, tokens] + extra, self.prompt_mask[slot_stats, tokens],
+                         repetition[:, None], frequency[:, None], presence[:, None])
+        x[row, later[None].expand_as(tokens), tokens] = fixed  # duplicates write equal values
+        return self._finish(x, logits, index)
+
+    def _finish(self, x: torch.Tensor, logits: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+        """The adjusted rows x [P, W, V] as `adjust` returns them: x itself when every row is
+        penalized, else scattered back into the float32 copy of all rows' logits."""
+        vocab = x.shape[2]
+        if index is None:
             return x.view(-1, vocab)
-        logits[flat] = x.view(-1, vocab)
+        width = x.shape[1]
+        logits[(index[:, None] * width + torch.arange(width, device=self.device)).reshape(-1)] = x.view(-1, vocab)
         return logits
 
-    def record(self, rows: Sequence[ScheduledRow], emitted: torch.Tensor,
+    def record(self, penalized: PenalizedRows | None, emitted: torch.Tensor,
                num_emitted: torch.Tensor | None = None) -> None:
-        """Add the tokens the rows emitted, emitted [N, W] (row r's first num_emitted[r], all W
-        when None), to the penalized rows' slot statistics."""
-        penalized = self.penalized(rows)
-        if not penalized:
+        """Add the tokens the step's N rows emitted, emitted [N, W] (row r's first num_emitted[r],
+        all W when None), to the penalized rows' (`select`) slot statistics."""
+        if penalized is None:
             return
-        index = self._tensor(penalized)
-        stats = self._rows([rows[i] for i in penalized])
-        tokens = emitted[index]                                                        # [P, W]
+        index, stats = penalized.index, penalized.stats
+        tokens = emitted if index is None else emitted[index]                          # [P, W]
         width = tokens.shape[1]
-        count = num_emitted[index] if num_emitted is not None else torch.full_like(stats, width)
-        valid = torch.arange(width, device=self.device) < count[:, None]
-        self.output_counts.index_put_((stats[:, None].expand_as(tokens), tokens), valid.int(), accumulate=True)
-        self.num_output[stats] += count
+        if num_emitted is None:
+            count, valid = torch.full_like(stats, width), torch.ones_like(tokens, dtype=torch.int32)
+        else:
+            count = (num_emitted if index is None else num_emitted[index]).long()
+            valid = (torch.arange(width, device=self.device) < count[:, None]).int()
+        # Integer atomics: exact in any order. Row s's token t is flat entry s * V + t.
+        self.output_counts.view(-1).scatter_add_(0, (stats[:, None] * self.vocab_size + tokens).reshape(-1),
+                                                 valid.reshape(-1))
+        self.num_output.index_add_(0, stats, count)
         # recent: the last R of (recent, the valid emitted tokens)
         joined = torch.cat([self.recent[stats], tokens], dim=1)                        # [P, R + W]
         self.recent[stats] = joined.gather(1, count[:, None] + torch.arange(_RECENT, device=self.device))
 
     def _ban_bad_words(self, x: torch.Tensor, rows: Sequence[ScheduledRow], stats: torch.Tensor,
-                       drafts: torch.Tensor) -> None:
+                       drafts: torch.Tensor | None) -> None:
         """A bad word's last token is banned at position j when the R tokens before j (generated
-        ones, then drafts[:j]) end with the word's other tokens (none: always)."""
+        ones, then drafts[:j]; drafts None: W = 1) end with the word's other tokens (none: always)."""
         words = [(p, w) for p, r in enumerate(rows) for w in r.request.bad_words_token_ids]
         if not words:
             return
         width = x.shape[1]
-        context = torch.cat([self.recent[stats], drafts], dim=1).unfold(1, _RECENT, 1)  # [P, W, R]: before j
+        generated = self.recent[stats]
+        context = (generated if drafts is None else torch.cat([generated, drafts], dim=1)).unfold(1, _RECENT, 1)
+        # context [P, W, R]: the R tokens before position j
         prefixes = self._tensor([[-1] * (_RECENT - len(w) + 1) + list(w[:-1]) for _, w in words]).view(len(words), -1)
         used = self._tensor([[0] * (_RECENT - len(w) + 1) + [1] * (len(w) - 1) for _, w in words]).view(
             len(words), -1).bool()
@@ -171,20 +219,14 @@ class Penalties:
         x.index_put_((row[:, None].expand(-1, width), torch.arange(width, device=self.device).expand_as(ban),
                       last[:, None].expand(-1, width)), ban, accumulate=True)
 
-    def _add_bias(self, x: torch.Tensor, params) -> None:
-        entries = [(p, t, b) for p, params_p in enumerate(params) for t, b in params_p.logit_bias]
-        if entries:
-            row, token, bias = zip(*entries)
-            x[self._tensor(row), :, self._tensor(token)] += device_tensor(bias, torch.float32, self.device)[:, None]
-
-    def _ban_stops_before_min_tokens(self, x: torch.Tensor, rows: Sequence[ScheduledRow], stats: torch.Tensor,
-                                     positions: torch.Tensor) -> None:
+    def _ban_stops_before_min_tokens(self, x: torch.Tensor, rows: Sequence[ScheduledRow], stats: torch.Tensor) -> None:
         """Position j of a row has generated num_output + j tokens before it."""
         entries = [(p, t) for p, r in enumerate(rows) if r.request.params.min_tokens
                    for t in sorted(r.request.stop_token_ids)]
         if not entries:
             return
         minimum = self._tensor([r.request.params.min_tokens for r in rows])
+        positions = torch.arange(x.shape[1], device=self.device)
         early = self.num_output[stats][:, None] + positions < minimum[:, None]       # [P, W]
         row, token = (self._tensor(column) for column in zip(*entries))
         banned = x[row, :, token]                                                      # [E, W]

@@ -31,6 +31,7 @@ from .checkpoint_io import CheckpointIO
 from .cuda_graphs import DecodeGraphs, SpecGraphs
 from .decode_step import DecodeRows, DecodeStep, read_with_flags
 from .models import HybridLM
+from .penalties import PenalizedRows
 from .prefix_cache import CacheOps
 from .sampler import Sampler
 from .speculation import Speculator
@@ -45,6 +46,8 @@ class _Redecision(NamedTuple):
     rows: list[ScheduledRow]
     logits: torch.Tensor                # [R, V] adjusted by the penalties
     positions: torch.Tensor             # [R] where the drawn tokens go
+    slots: torch.Tensor                 # [R]
+    penalized: PenalizedRows | None     # the penalized ones among them
 
 
 class InFlight:
@@ -219,17 +222,21 @@ class Runner:
             return None
         index = device_tensor(chosen, torch.int64, self.device)
         chosen_rows = [rows[i] for i in chosen]
-        adjusted = self.sampler.penalties.adjust(logits[index], chosen_rows)
-        return _Redecision(index, chosen_rows, adjusted, device_rows.positions[index] + 1)
+        penalized = self.sampler.penalties.select(chosen_rows)
+        adjusted = self.sampler.penalties.adjust(logits[index], penalized)
+        chosen_device_rows = DecodeRows(device_rows.packed[index])
+        return _Redecision(index, chosen_rows, adjusted, chosen_device_rows.positions + 1, chosen_device_rows.slots,
+                           penalized)
 
     def _decide_plain(self, tokens: torch.Tensor, redecision: _Redecision | None, masks: Future | None = None) -> None:
         """Draw the prepared rows' tokens (masks: their prefetched grammar masks; else they are
         computed now) into the step's tokens."""
         if redecision is None:
             return
-        index, rows = redecision.index, redecision.rows
-        tokens[index] = self.sampler.draw(redecision.logits, rows, redecision.positions, masks=masks)
-        self.sampler.penalties.record(rows, tokens[index, None])
+        drawn = self.sampler.draw(redecision.logits, redecision.rows, redecision.positions, masks=masks,
+                                  slots=redecision.slots)
+        tokens[redecision.index] = drawn
+        self.sampler.penalties.record(redecision.penalized, drawn[:, None])
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepOutput:
@@ -280,10 +287,10 @@ class Runner:
 
     def _first_tokens(self, logits: torch.Tensor, rows: Sequence[ScheduledRow]) -> StepOutput:
         """The first token of rows whose prompt is now computed, from logits [N, V] (row i's in
-        row i): their penalty statistics built, the draw, log-probabilities and non-finite flags."""
-        self.sampler.penalties.start(rows)
+        row i): their slots' sampling parameters and penalty statistics written (`Sampler.start`), the
+        draw, log-probabilities and non-finite flags."""
+        self.sampler.start(rows)
         tokens = self.sampler.sample(logits, rows)
-        self.sampler.penalties.record(rows, tokens[:, None])
         tokens, nonfinite = read_with_flags(tokens, logits)
         emitted = [[t] for t in tokens]
         logprobs = self.sampler.logprobs(logits, rows, [[i] for i in range(len(rows))], emitted)

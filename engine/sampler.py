@@ -1,20 +1,23 @@
 """Next tokens from logits on the device, and the log-probabilities requests ask for.
 
 `sample` draws each row's token without a host sync: greedy rows take the argmax, sampled rows
-the seeded draw of the sampling kernel (temperature, top-k, top-p, min-p), which depends only on
+the seeded draw of the sampling kernel (temperature, top-k, top-p, min-p and the seed of each
+slot, kept on the device from the request's start: sampling_table.py), which depends only on
 (seed, position), so a request's samples do not depend on the rest of its batch (and rejection
 sampling of drafts can be coupled with it: spec/accept.py). `logprobs` scores emitted tokens
 under the raw distribution. Penalized rows' logits are adjusted before either (penalties.py),
 constrained rows' masked to their grammar: packed masks from llguidance (structured.py), copied
-to the device without a wait and applied there (kernels/token_bitmask.py).
+to the device on a stream of their own by the thread that computed them, and applied there
+(kernels/token_bitmask.py) once the copy has run, a wait on the device only.
 Knows nothing about steps or speculation: a row is a ScheduledRow's request parameters, slot
 and position.
 """
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -22,54 +25,70 @@ from ..kernels import Ops
 from .batch import device_tensor
 from .penalties import Penalties
 from .request import TokenLogprobs
-from .sampling_params import SamplingParams
+from .sampling_table import SamplingTable
 from .structured import Grammars
 from .step import ScheduledRow
 from .tensor_parallel import TensorParallel
 
 
 class Sampler:
-    def __init__(self, ops: Ops, device: torch.device, penalties: Penalties, grammars: Grammars,
-                 tp: TensorParallel | None = None) -> None:
-        """penalties: the per-slot statistics of penalized requests, which `sample` applies;
-        grammars: what masks constrained rows; tp: the tensor-parallel group (only rank 0 holds
-        the grammar matchers: it computes the masks and broadcasts them)."""
-        self.ops, self.device, self.penalties, self.grammars, self.tp = ops, device, penalties, grammars, tp
+    def __init__(self, ops: Ops, device: torch.device, table: SamplingTable, penalties: Penalties,
+                 grammars: Grammars, tp: TensorParallel | None = None) -> None:
+        """table: each slot's sampling parameters; penalties: the per-slot statistics of
+        penalized requests, which `sample` applies; grammars: what masks constrained rows; tp:
+        the tensor-parallel group (only rank 0 holds the grammar matchers: it computes the masks
+        and broadcasts them)."""
+        self.ops, self.device, self.table, self.penalties = ops, device, table, penalties
+        self.grammars, self.tp = grammars, tp
         self._masks = _MaskStaging(device)
-        # Computes a launched step's grammar masks while the engine commits the step before it
-        # and plans the next (llguidance releases the GIL): `prefetch_masks`.
+        # Computes a launched step's grammar masks, and queues their copy to the device, while
+        # the engine commits the step before it and plans the next (llguidance releases the
+        # GIL): `prefetch_masks`.
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaspec-grammar")
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[ScheduledRow], positions: torch.Tensor | None = None,
-               drafts: torch.Tensor | None = None) -> torch.Tensor:
-        """The next token at each of W consecutive positions of each row [N * W] int64, on the
-        device: logits [N * W, V], rows [N]; W = 1 but in verification, where drafts [N, W - 1]
-        are the tokens the positions after a row's first were fed (penalties count them).
-        positions [N * W]: where the sampled tokens go, when only the device knows (fed rows,
-        drafts); by default from the rows. A seeded draw depends on nothing else. Penalized
-        rows' logits are adjusted first (penalties.py), greedy rows' too, then `draw`."""
-        return self.draw(self.penalties.adjust(logits, rows, drafts), rows, positions, drafts)
+    def start(self, rows: Sequence[ScheduledRow]) -> None:
+        """Rows about to sample their request's first token (after admission, a restore or a
+        preemption): their slots' sampling parameters and penalty statistics are written."""
+        self.table.start(rows)
+        self.penalties.start(rows)
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[ScheduledRow]) -> torch.Tensor:
+        """The next token of each row [N] int64, on the device, from logits [N, V], added to the
+        penalty statistics: penalized rows' logits adjusted first (penalties.py), greedy rows'
+        too, then `draw`. A seeded draw depends only on (seed, position)."""
+        penalized = self.penalties.select(rows)
+        tokens = self.draw(self.penalties.adjust(logits, penalized), rows)
+        self.penalties.record(penalized, tokens[:, None])
+        return tokens
 
     def draw(self, logits: torch.Tensor, rows: Sequence[ScheduledRow], positions: torch.Tensor | None = None,
-             drafts: torch.Tensor | None = None, masks: Future | None = None) -> torch.Tensor:
-        """`sample` of logits the penalties have already adjusted: constrained rows' tokens
-        outside their grammar masked (`constrain`; masks: their `prefetch_masks`), then the
-        argmax or the seeded draw. Split off so that a step can adjust its rows as it is
-        launched and draw once their masks can be computed (runner.py)."""
-        logits = self.constrain(logits, rows, drafts, masks)
+             drafts: torch.Tensor | None = None, masks: Future | None = None,
+             slots: torch.Tensor | None = None) -> torch.Tensor:
+        """The token at each of W consecutive positions of each row [N * W] int64, on the
+        device, from logits [N * W, V] the penalties have already adjusted: constrained rows'
+        tokens outside their grammar masked (`constrain`; masks: their `prefetch_masks`), then
+        the argmax or the seeded draw. W = 1 but in verification, where drafts [N, W - 1] are the
+        tokens the positions after a row's first were fed. positions [N * W]: where the drawn
+        tokens go, when only the device knows (fed rows, drafts); slots [N]: the rows' slots on
+        the device; both by default from the rows. Split off `sample` so that a step can adjust
+        its rows as it is launched and draw once their masks can be computed (runner.py)."""
         params = [r.request.params for r in rows]
-        if all(p.greedy for p in params):  # greedy fast path: no filtering, no noise
+        greedy = all(p.greedy for p in params)
+        if not greedy:  # queued before the wait for masks
+            if positions is None:
+                positions = self.tensor([r.start_position + r.num_tokens for r in rows])
+            if slots is None:
+                slots = self.tensor([r.slot for r in rows])
+            columns = self.table.columns(slots, logits.shape[0] // len(rows))
+        logits = self.constrain(logits, rows, drafts, masks)
+        if greedy:  # greedy fast path: no filtering, no noise
             return logits.argmax(dim=-1)
-        if positions is None:
-            positions = self.tensor([r.start_position + r.num_tokens for r in rows])
-        width = logits.shape[0] // len(rows)
-        tokens, _ = self.ops.sample(logits, *self.filter_columns(params, width),
-                                    self.tensor([r.request.seed for r in rows for _ in range(width)]), positions)
+        tokens, _ = self.ops.sample(logits, *columns, positions)
         return tokens
 
     def constrain(self, logits: torch.Tensor, rows: Sequence[ScheduledRow], drafts: torch.Tensor | None = None,
                   masks: Future | None = None) -> torch.Tensor:
-        """logits [N * W, V] as `sample` takes them, with each constrained row's tokens outside
+        """logits [N * W, V] as `draw` takes them, with each constrained row's tokens outside
         its grammar at -inf (float32; the input itself when no row is constrained). The masks
         come from `prefetch_masks` when given, else are computed now, from the matchers' state,
         while the device works through what is queued; a verify step's masks need its drafts
@@ -80,9 +99,9 @@ class Sampler:
         if self.tp is not None and self.tp.rank > 0:
             on_device = torch.empty(logits.shape[0], self.grammars.num_words, dtype=torch.int32, device=self.device)
         else:
-            host = masks.result() if masks is not None else \
+            copied = masks.result() if masks is not None else \
                 self._compute_masks(rows, logits.shape[0] // len(rows), drafts)
-            on_device = self._masks.to_device(host)
+            on_device = self._masks.take(copied)
         if self.tp is not None:
             self.tp.broadcast(on_device)
         return self.ops.apply_token_bitmask(logits, on_device)
@@ -90,24 +109,35 @@ class Sampler:
     def prefetch_masks(self, rows: Sequence[ScheduledRow], width: int = 1,
                        drafts: torch.Tensor | None = None) -> Future:
         """Start computing the masks `constrain` will apply to these rows (W = width positions
-        each; drafts [N, W - 1] on the device, read in the worker) in a worker thread, from the
-        matchers' state now: they must not change until `constrain` has taken the result."""
-        return self._worker.submit(self._compute_masks, rows, width, drafts)
+        each; drafts [N, W - 1] on the device, read in the worker) and their copy to the device
+        in a worker thread, from the matchers' state now: they must not change until
+        `constrain` has taken the result. Returns once the worker computes without the GIL (or
+        waits for the drafts): it needs the GIL to start, and this thread holds it through the
+        pure-Python work that follows (commit, planning), so without this hand-over the masks
+        would start only when this thread next blocks, at `constrain`, and not overlap anything."""
+        started = threading.Event()
 
-    def _compute_masks(self, rows: Sequence[ScheduledRow], width: int, drafts: torch.Tensor | None) -> torch.Tensor:
-        host_drafts = drafts.tolist() if drafts is not None and width > 1 else ()
-        masks = self._masks.host(len(rows) * width, self.grammars.num_words)
-        self.grammars.bitmask(rows, masks, host_drafts)
+        def compute() -> _CopiedMasks:
+            try:
+                return self._compute_masks(rows, width, drafts, started.set)
+            finally:
+                started.set()
+
+        masks = self._worker.submit(compute)
+        started.wait()
         return masks
 
-    def filter_columns(self, params: Sequence[SamplingParams], width: int = 1) -> tuple[torch.Tensor, ...]:
-        """Per-row (temperature, top_k, top_p, min_p) tensors of the sampling ops, each row's
-        repeated for its W positions."""
-        def column(values, dtype):
-            return device_tensor([v for v in values for _ in range(width)], dtype, self.device)
-
-        return (column([p.temperature for p in params], torch.float32), column([p.top_k for p in params], torch.int64),
-                column([p.top_p for p in params], torch.float32), column([p.min_p for p in params], torch.float32))
+    def _compute_masks(self, rows: Sequence[ScheduledRow], width: int, drafts: torch.Tensor | None,
+                       started: Callable[[], None] | None = None) -> _CopiedMasks:
+        """started: called once the rest runs without the GIL or waits for the device."""
+        host_drafts = ()
+        if drafts is not None and width > 1:
+            if started is not None:
+                started()  # reading the drafts waits for the step's graph
+            host_drafts = drafts.tolist()
+        masks = self._masks.host(len(rows) * width, self.grammars.num_words)
+        self.grammars.bitmask(rows, masks, host_drafts, started)
+        return self._masks.to_device(masks)
 
     def logprobs(self, logits: torch.Tensor, rows: Sequence[ScheduledRow], logit_rows: list[list[int]],
                  emitted: list[list[int]]) -> list[list[TokenLogprobs] | None] | None:
@@ -140,20 +170,33 @@ class Sampler:
         return device_tensor(values, torch.int64, self.device)
 
 
+class _CopiedMasks(NamedTuple):
+    """Packed masks queued for the device (`_MaskStaging.to_device`)."""
+
+    on_device: torch.Tensor         # [rows, num_words] int32
+    ready: torch.cuda.Event | None  # recorded after the copy (None off the GPU: nothing to wait for)
+
+
 class _MaskStaging:
     """Two host buffers the grammar masks are written into and copied to the device from, used
     in turn (pinned on the GPU, so the copy is queued like a kernel). Reused, never reallocated
     per step: a fresh multi-megabyte buffer costs page faults and pinning. A buffer is written
     again only after its last copy has run (at most two steps are in flight, so that wait is
     already over). Filled with all-ones masks when made, so it only ever holds masks. One
-    `host` call, then its `to_device`, at a time (a prefetch's `host` runs in the worker while
-    the engine's thread waits for nothing else from here)."""
+    `host` call, then its `to_device`, at a time (a prefetch runs both in the worker while the
+    engine's thread waits for nothing else from here).
+
+    On the GPU the copy runs on a stream of its own, queued by whichever thread computed the
+    masks (the worker, for a prefetch), so the engine's thread never issues it and it overlaps
+    the forward queued before it; `take` makes the engine's stream wait for it (a device-side
+    wait, not a host one)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def host(self, num_rows: int, num_words: int) -> torch.Tensor:
         """A contiguous int32 [num_rows, num_words] host buffer to write masks into."""
@@ -165,13 +208,24 @@ class _MaskStaging:
             copied.synchronize()
         return buffer[:num_rows]
 
-    def to_device(self, masks: torch.Tensor) -> torch.Tensor:
-        """The masks on the device (the buffer itself off the GPU); the next `host` call gets the
-        other buffer."""
+    def to_device(self, masks: torch.Tensor) -> _CopiedMasks:
+        """Queue the masks' copy to the device (the buffer itself off the GPU); the next `host`
+        call gets the other buffer."""
         if self.device.type != "cuda":
-            return masks
-        on_device = masks.to(self.device, non_blocking=True)
-        self._copied[self._turn] = torch.cuda.Event()
-        self._copied[self._turn].record()
+            return _CopiedMasks(masks, None)
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            on_device = masks.to(self.device, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+        self._copied[self._turn] = ready
         self._turn ^= 1
-        return on_device
+        return _CopiedMasks(on_device, ready)
+
+    def take(self, copied: _CopiedMasks) -> torch.Tensor:
+        """The masks for use on the current stream, once their copy has run there."""
+        if copied.ready is not None:
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(copied.ready)
+            # Allocated on the copy stream, used on this one: not reused before this use ran.
+            copied.on_device.record_stream(stream)
+        return copied.on_device

@@ -45,6 +45,7 @@ from .batch import ForwardBatch, Row, device_tensor
 from .checkpoint_io import CheckpointIO
 from .decode_step import DecodeRows, DecodeStep, nonfinite_rows
 from .models import HybridLM
+from .penalties import PenalizedRows
 from .sampler import Sampler
 from .state_pool import KVPool, StatePool
 from .step import ScheduledRow
@@ -75,6 +76,7 @@ class _Resampling(NamedTuple):
     drafts: torch.Tensor       # [R, K]
     num_drafts: torch.Tensor   # [R]
     slots: torch.Tensor        # [R]
+    penalized: PenalizedRows | None  # the penalized ones among them
 
 
 class Speculator:
@@ -187,15 +189,17 @@ class Speculator:
         loaded into them), the penalties applied to the rows' verify logits."""
         if not sampled:
             return None
-        device_rows, width = drafted.rows, drafted.drafts.shape[1] + 1
+        width = drafted.drafts.shape[1] + 1
         index = self._indices(sampled)
         flat = (index[:, None] * width + self.decode.arange(width)).reshape(-1)
+        device_rows = DecodeRows(drafted.rows.packed[index])  # the chosen rows, one gather
         # Position i of a row's verify predicts the token at its newest position + 1 + i.
-        positions = (device_rows.positions[index][:, None] + 1 + self.decode.arange(width)).reshape(-1)
+        positions = (device_rows.positions[:, None] + 1 + self.decode.arange(width)).reshape(-1)
         chosen, drafts = [rows[i] for i in sampled], drafted.drafts[index]
-        adjusted = self.sampler.penalties.adjust(drafted.logits[flat].float(), chosen, drafts)
-        return _Resampling(index, chosen, adjusted, positions, drafts, device_rows.num_drafts[index],
-                           device_rows.slots[index])
+        penalized = self.sampler.penalties.select(chosen)
+        adjusted = self.sampler.penalties.adjust(drafted.logits[flat].float(), penalized, drafts)
+        return _Resampling(index, chosen, adjusted, positions, drafts, device_rows.num_drafts, device_rows.slots,
+                           penalized)
 
     def decide(self, resampling: _Resampling | None, masks: Future | None = None) -> None:
         """Draw the prepared rows' targets (masks: their prefetched grammar masks, else computed
@@ -205,12 +209,13 @@ class Speculator:
             return
         index, rows, drafts, num_drafts = resampling.index, resampling.rows, resampling.drafts, resampling.num_drafts
         width = drafts.shape[1] + 1
-        targets = self.sampler.draw(resampling.logits, rows, resampling.positions, drafts, masks).view(len(rows), width)
+        targets = self.sampler.draw(resampling.logits, rows, resampling.positions, drafts, masks,
+                                    resampling.slots).view(len(rows), width)
         accepted, emitted = self._forced(*sampled_accept(targets, drafts, num_drafts), num_drafts)
         self.decode.accepted[index] = accepted
         self.decode.emitted[:width, index] = emitted.T
         self._set_pending(resampling.slots, accepted)
-        self.sampler.penalties.record(rows, emitted, accepted + 1)
+        self.sampler.penalties.record(resampling.penalized, emitted, accepted + 1)
 
     def read(self, num_rows: int, width: int) -> tuple[list[list[int]], list[list[int]], list[int], list[bool]]:
         """The step's outputs on the host (a sync): each row's emitted tokens, the logits rows

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import llguidance
 import torch
@@ -121,13 +121,15 @@ class Grammars:
             raise ValueError(f"invalid {structured.kind} constraint: {matcher.get_error()}")
         return Matcher(matcher)
 
-    def bitmask(self, rows: Sequence[ScheduledRow], out: torch.Tensor, drafts: Sequence[Sequence[int]] = ()) -> None:
+    def bitmask(self, rows: Sequence[ScheduledRow], out: torch.Tensor, drafts: Sequence[Sequence[int]] = (),
+                computing: Callable[[], None] | None = None) -> None:
         """Write the packed masks (kernels/token_bitmask.py) of W consecutive positions of each
         row into out, int32 [N * W, num_words] (contiguous host memory): all bits set for
         unconstrained rows; position j of a verify row is the grammar after drafts[i][:j] (the
         module docstring). Positions after a draft the grammar refuses are left as they were
         (they are never accepted: a buffer that only ever holds masks keeps them harmless).
-        Computed by llguidance's thread pool, all rows and positions at once, without the GIL."""
+        Computed by llguidance's thread pool, all rows and positions at once, without the GIL
+        (`computing` is called just before)."""
         width = out.shape[0] // len(rows)
         constrained = []
         for i, r in enumerate(rows):
@@ -140,8 +142,11 @@ class Grammars:
         assert out.is_contiguous() and out.dtype == torch.int32 and out.shape[1] == self.num_words
         one_row = self.num_words * 4
         if width == 1:
-            self._executor.unsafe_compute_mask_ptr([(rows[i].request.grammar.llmatcher, i) for i in constrained],
-                                                   out.data_ptr(), one_row, len(out))
+            entries = [(rows[i].request.grammar.llmatcher, i) for i in constrained]
+            compute = self._executor.unsafe_compute_mask_ptr
         else:
             entries = [(rows[i].request.grammar.llmatcher, i * width, list(drafts[i][:width - 1])) for i in constrained]
-            self._executor.unsafe_compute_mask_ptr_with_draft_token(entries, out.data_ptr(), one_row, len(out))
+            compute = self._executor.unsafe_compute_mask_ptr_with_draft_token
+        if computing is not None:
+            computing()
+        compute(entries, out.data_ptr(), one_row, len(out))

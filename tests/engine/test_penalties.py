@@ -15,7 +15,7 @@ from deltaspec.engine.core import EngineCore
 from deltaspec.engine.request import bad_word_token_ids
 from deltaspec.kernels.sampling import sample_reference
 
-from harness import assert_all_free, check_scripted_speculation
+from harness import Job, assert_all_free, check_scripted_speculation, run_alone, run_staggered
 from fixtures import GPU_SHAPE
 
 VOCAB = 512
@@ -151,6 +151,43 @@ def test_a_mixed_batch_gives_each_request_its_solo_output(path):
     alone = [llm.generate(p, q)[0].token_ids for p, q in zip(prompts, params)]
     together = [o.token_ids for o in llm.generate(prompts, params)]
     assert together == alone
+
+
+def test_each_slot_samples_with_the_request_running_in_it(path):
+    """Sampling parameters, penalty coefficients and logit bias are kept per slot on the device,
+    written when a request starts: staggered requests (one arriving with a wider logit_bias than
+    any so far while another runs; later ones waiting for a running one's place) each give their
+    solo output, and each sampled one draws the reference's race over its own filters."""
+    rng = random.Random(31)
+    bias = lambda n: {rng.randrange(VOCAB): rng.uniform(-8, 8) for _ in range(n)}  # noqa: E731
+    params = [
+        SamplingParams(max_tokens=8, temperature=0.9, seed=1, presence_penalty=1.0, logit_bias=bias(1),
+                       ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=0.5, top_p=0.9, seed=2, frequency_penalty=1.5, logit_bias=bias(4),
+                       ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=1.2, top_k=20, seed=3, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=1.5, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=0.7, min_p=0.05, seed=4, logit_bias=bias(2), ignore_eos=True),
+    ]
+    jobs = [Job([rng.randrange(VOCAB) for _ in range(rng.randint(2, 20))], p, arrival, None)
+            for p, arrival in zip(params, [0, 2, 3, 3, 5])]
+    options = dict(model=path, num_draft_tokens=0, max_num_seqs=2, enable_prefix_cache=False)
+    together = run_staggered(EngineCore(EngineConfig(**options)), jobs)
+    alone = EngineCore(EngineConfig(**options))
+    assert [together[i].output_token_ids for i in range(len(jobs))] == [run_alone(alone, job) for job in jobs]
+    for job, request in zip(jobs, together.values()):
+        p, output = request.params, request.output_token_ids
+        if p.greedy:
+            continue
+        logits = alone.runner.score([job.prompt + output[:-1]])[0][len(job.prompt) - 1:]
+        column = lambda value, dtype: torch.tensor([value], dtype=dtype)  # noqa: E731
+        for step, token in enumerate(output):
+            x = reference_adjust(logits[step], job.prompt, output[:step], p, set(), [])
+            expected, _ = sample_reference(x[None], column(p.temperature, torch.float32), column(p.top_k, torch.int64),
+                                           column(p.top_p, torch.float32), column(p.min_p, torch.float32),
+                                           column(request.seed, torch.int64),
+                                           column(len(job.prompt) + step, torch.int64))
+            assert token == int(expected), f"{p}: step {step}"
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])

@@ -1,0 +1,57 @@
+"""Each slot's sampling parameters on the device, written once when its request starts.
+
+The sampling kernel takes per-row columns: temperature, top_k, top_p, min_p and the seed.
+`SamplingTable` keeps them per slot: `start` writes a slot's row when its request's first
+token is sampled after admission (also after a restore or a preemption: the same moment
+penalties.py builds its statistics), and a step gathers its rows' columns by slot on the device
+(`columns`), so a decode step's sampled rows cost one gather each for the float and the integer
+columns, not a host list and a host-to-device copy per column per step. A slot's row is written
+again only by the next request that starts in it. Knows nothing about steps or requests beyond
+a row's slot, parameters and seed.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+
+from .batch import device_tensor
+from .step import ScheduledRow
+
+
+class SamplingColumns(NamedTuple):
+    """Per-row parameters of the sampling kernel, each contiguous [N]."""
+
+    temperature: torch.Tensor  # float32
+    top_k: torch.Tensor        # int64
+    top_p: torch.Tensor        # float32
+    min_p: torch.Tensor        # float32
+    seeds: torch.Tensor        # int64
+
+
+class SamplingTable:
+    def __init__(self, num_slots: int, device: torch.device) -> None:
+        self.device = device
+        self._floats = torch.zeros(num_slots, 3, dtype=torch.float32, device=device)  # temperature, top_p, min_p
+        self._ints = torch.zeros(num_slots, 2, dtype=torch.int64, device=device)      # top_k, seed
+
+    def start(self, rows: Sequence[ScheduledRow]) -> None:
+        """Write the slots of rows about to sample their request's first token (after admission,
+        a restore or a preemption)."""
+        if not rows:
+            return
+        slots = device_tensor([r.slot for r in rows], torch.int64, self.device)
+        params = [r.request.params for r in rows]
+        self._floats[slots] = device_tensor([(p.temperature, p.top_p, p.min_p) for p in params], torch.float32,
+                                            self.device)
+        self._ints[slots] = device_tensor([(p.top_k, r.request.seed) for p, r in zip(params, rows)], torch.int64,
+                                          self.device)
+
+    def columns(self, slots: torch.Tensor, width: int = 1) -> SamplingColumns:
+        """The columns of the rows in `slots` [N] (int64, on the device), each row's repeated for
+        its W = width consecutive positions: [N * W] each."""
+        if width > 1:
+            slots = slots[:, None].expand(-1, width).reshape(-1)
+        floats, ints = self._floats[slots].T.contiguous(), self._ints[slots].T.contiguous()
+        return SamplingColumns(floats[0], ints[0], floats[1], floats[2], ints[1])
