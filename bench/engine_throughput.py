@@ -6,7 +6,7 @@ Shapes (random weights, bf16): Qwen3.5-0.8B-like and Qwen3.5-9B-like (see SHAPES
 Roofline of a decode step = bytes that must move (all weights once, each sequence's recurrent
 and conv state read + written, its KV read, the new KV written) / measured copy bandwidth.
 
-    python bench/engine_throughput.py [--shapes 0.8b,9b] [--batches 1,16,64,256] [--kernel-backend triton-unfused]
+    python bench/engine_throughput.py [--shapes 0.8b,9b] [--batches 1,16,64,256]
     python bench/engine_throughput.py --quantization fp8 [--shapes 9b,35b-a3b] [--out DIR]
 
 --quantization fp8 (writes engine_fp8-<gpu>.json): each dense shape's bf16 model and its FP8
@@ -282,8 +282,6 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64,256")
     parser.add_argument("--quantization", choices=("fp8",), default=None,
                         help="fp8: bf16 and online-FP8 engines side by side (engine_fp8-<gpu>.json)")
-    parser.add_argument("--kernel-backend", default="triton",
-                        help="the bf16 engines' kernel table (kernels/backend.py); triton-unfused: the A/B of fusion")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     shapes = (args.shapes or ("9b,35b-a3b" if args.quantization else "0.8b,9b")).split(",")
@@ -295,7 +293,7 @@ def main() -> None:
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "commit": commit_id(),
               "command": " ".join(["python"] + sys.argv), "copy_bandwidth_bytes_per_s": bandwidth,
-              "torch": torch.__version__, "kernel_backend": args.kernel_backend, "shapes": {}}
+              "torch": torch.__version__, "shapes": {}}
     for shape in tqdm(shapes, desc="shapes"):
         if args.quantization and shape == "35b-a3b":
             entry = measure_moe_fp8(tokenizer, [b for b in batches if b <= 16] or [1])
@@ -304,7 +302,6 @@ def main() -> None:
             print(f"{shape}: FP8 / bf16 decode {entry['decode_speedup']}, prefill {entry['prefill_speedup']:.2f}x")
         else:
             hf, model, config = build(shape)
-            model.ops = select_ops("cuda", args.kernel_backend)
             entry = measure_engine(engine(model, tokenizer, batches), model, config, batches, bandwidth)
             entry["hf_generate"] = [measure_hf(hf, batch) for batch in (1, 16)]
             for ours in entry["decode"]:

@@ -402,8 +402,8 @@ class EngineCore:
 
     @property
     def _graphs_enabled(self) -> bool:
-        """Graphs need CUDA and kernels free of host syncs (the Triton tables, fused or not)."""
-        return self.config.enable_cuda_graphs and self.device.type == "cuda" and self.ops.name != "torch"
+        """Graphs need CUDA and kernels free of host syncs (the Triton table)."""
+        return self.config.enable_cuda_graphs and self.device.type == "cuda" and self.ops.name == "triton"
 
     @property
     def _max_blocks_per_row(self) -> int:

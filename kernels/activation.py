@@ -22,14 +22,6 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def silu_mul(gate, up):
-    """silu(gate) * up in float32 (the inputs upcast): the one formula of this kernel and of the
-    skinny GEMM's SwiGLU prologue (linear.py), so both round the same value."""
-    gate = gate.to(tl.float32)
-    return gate * tl.sigmoid(gate) * up.to(tl.float32)
-
-
-@triton.jit
 def _silu_and_mul_kernel(gate_up, out, stride_gate_up, I: tl.constexpr, BLOCK: tl.constexpr,
                          DEPENDENT_LAUNCH: tl.constexpr):
     """Program (token, column tile): out[t, n] = silu(g) * u with g = gate_up[t, n], u = gate_up[t, I + n]."""
@@ -38,9 +30,9 @@ def _silu_and_mul_kernel(gate_up, out, stride_gate_up, I: tl.constexpr, BLOCK: t
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
     row = gate_up + token * stride_gate_up
-    g = tl.load(row + cols, mask=mask, other=0.0)
-    u = tl.load(row + I + cols, mask=mask, other=0.0)
-    tl.store(out + token * I + cols, silu_mul(g, u).to(out.dtype.element_ty), mask=mask)
+    g = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(row + I + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out + token * I + cols, (g * tl.sigmoid(g) * u).to(out.dtype.element_ty), mask=mask)
 
 
 def _check_silu_and_mul_args(gate_up: torch.Tensor) -> None:

@@ -2,30 +2,28 @@
 
 `Ops` is a frozen table of functions. `REFERENCE_OPS` holds the torch references: the CPU
 backend and the oracle of every kernel test. `triton_ops()` is the GPU table with the same
-signatures; `unfused_triton_ops()` the same with every fused entry (an op folded into the
-launch that consumes it) run as its parts: the launches before fusion, for the A/B of a decode
-step's launch count and time. `select_ops` is the only place that decides which table a model
-gets. Knows nothing about what the ops compute, only which implementation fills each entry.
+signatures; `select_ops` is the only place that decides which table a model gets. Knows nothing
+about what the ops compute, only which implementation fills each entry.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import cache, partial
+from functools import cache
 from typing import Callable
 
 import torch
 
 from .activation import silu_and_mul_reference
-from .attention import paged_attention_reference
+from .attention import paged_attention_reference, write_kv_reference
 from .conv1d import causal_conv1d_decode_reference, causal_conv1d_prefill_reference
 from .fp8 import fp8_linear_reference, fp8_moe_experts_reference
 from .gdn_chunked import gdn_chunked_reference
 from .gdn_decode import gdn_decode_reference
-from .linear import gated_rms_norm_linear_reference, linear_reference, silu_and_mul_linear_reference
+from .linear import linear_reference
 from .moe import moe_experts_reference, route_reference
 from .norms import gated_rms_norm_reference, rms_norm_reference
-from .rope import qk_norm_rope_write_kv_reference
+from .rope import qk_norm_rope_reference
 from .sampling import sample_reference
 from .penalties import penalize_rows_reference
 from .token_bitmask import apply_token_bitmask_reference
@@ -38,14 +36,13 @@ class Ops:
     fp8_linear: Callable
     rms_norm: Callable
     gated_rms_norm: Callable
-    qk_norm_rope_write_kv: Callable
+    qk_norm_rope: Callable
     silu_and_mul: Callable
-    silu_and_mul_linear: Callable
-    gated_rms_norm_linear: Callable
     causal_conv1d_prefill: Callable
     causal_conv1d_decode: Callable
     gdn_chunked: Callable
     gdn_decode: Callable
+    write_kv: Callable
     paged_attention: Callable
     moe_route: Callable
     moe_experts: Callable
@@ -61,14 +58,13 @@ REFERENCE_OPS = Ops(
     fp8_linear=fp8_linear_reference,
     rms_norm=rms_norm_reference,
     gated_rms_norm=gated_rms_norm_reference,
-    qk_norm_rope_write_kv=qk_norm_rope_write_kv_reference,
+    qk_norm_rope=qk_norm_rope_reference,
     silu_and_mul=silu_and_mul_reference,
-    silu_and_mul_linear=silu_and_mul_linear_reference,
-    gated_rms_norm_linear=gated_rms_norm_linear_reference,
     causal_conv1d_prefill=causal_conv1d_prefill_reference,
     causal_conv1d_decode=causal_conv1d_decode_reference,
     gdn_chunked=gdn_chunked_reference,
     gdn_decode=gdn_decode_reference,
+    write_kv=write_kv_reference,
     paged_attention=paged_attention_reference,
     moe_route=route_reference,
     moe_experts=moe_experts_reference,
@@ -93,14 +89,13 @@ def triton_ops() -> Ops:
         fp8_linear=fp8.fp8_linear,
         rms_norm=norms.rms_norm,
         gated_rms_norm=norms.gated_rms_norm,
-        qk_norm_rope_write_kv=rope.qk_norm_rope_write_kv,
+        qk_norm_rope=rope.qk_norm_rope,
         silu_and_mul=activation.silu_and_mul,
-        silu_and_mul_linear=linear.silu_and_mul_linear,
-        gated_rms_norm_linear=linear.gated_rms_norm_linear,
         causal_conv1d_prefill=conv1d.causal_conv1d_prefill,
         causal_conv1d_decode=conv1d.causal_conv1d_decode,
         gdn_chunked=gdn_chunked.gdn_chunked,
         gdn_decode=gdn_decode.gdn_decode,
+        write_kv=attention.write_kv,
         paged_attention=attention.paged_attention,
         moe_route=moe.route,
         moe_experts=moe.moe_experts,
@@ -111,19 +106,7 @@ def triton_ops() -> Ops:
     )
 
 
-@cache
-def unfused_triton_ops() -> Ops:
-    """The GPU table with each fused entry as its parts (two launches where it has one)."""
-    from . import linear, rope
-
-    return replace(triton_ops(), name="triton-unfused",
-                   linear=partial(linear.linear, fused=False),
-                   silu_and_mul_linear=partial(linear.silu_and_mul_linear, fused=False),
-                   gated_rms_norm_linear=partial(linear.gated_rms_norm_linear, fused=False),
-                   qk_norm_rope_write_kv=partial(rope.qk_norm_rope_write_kv, fused=False))
-
-
-BACKEND_NAMES = ("torch", "triton", "triton-unfused")
+BACKEND_NAMES = ("torch", "triton")
 
 
 def select_ops(device: torch.device | str, backend: str = "auto") -> Ops:
@@ -133,6 +116,4 @@ def select_ops(device: torch.device | str, backend: str = "auto") -> Ops:
         backend = "triton" if torch.device(device).type == "cuda" else "torch"
     if backend not in BACKEND_NAMES:
         raise ValueError(f"unknown kernel backend {backend!r}; available: auto, {', '.join(BACKEND_NAMES)}")
-    if backend == "torch":
-        return REFERENCE_OPS
-    return triton_ops() if backend == "triton" else unfused_triton_ops()
+    return REFERENCE_OPS if backend == "torch" else triton_ops()

@@ -4,8 +4,6 @@
   with the residual add that precedes it (`x + residual` is normalised and also returned as
   the new residual stream).
 - `gated_rms_norm`: the GDN output norm, `x / rms(x) * w * silu(z)` per value head (plain `w`).
-- `AddRMSNorm`: an `rms_norm` with a residual handed to the projection before it, which applies
-  it to its output (kernels/linear.py: in the skinny GEMM's epilogue; `add_rms_norm_after`: apart).
 
 Math is done in float32 and rounded once at the end, as HF transformers does. `rms_norm` and
 `gated_rms_norm` are the Triton kernels (one program per row / per block of rows), the
@@ -13,8 +11,6 @@ Math is done in float32 and rounded once at the end, as HF transformers does. `r
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -37,19 +33,6 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return normed.to(x.dtype), x
 
 
-@dataclass(frozen=True)
-class AddRMSNorm:
-    """rms_norm(y, weight, eps, residual) of a projection's output y: (normed, y + residual)."""
-    residual: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-
-
-def add_rms_norm_after_reference(y: torch.Tensor, then: AddRMSNorm | None):
-    """y itself, or (normed, new residual) of the residual add + RMSNorm `then` on y."""
-    return y if then is None else rms_norm_reference(y, then.weight, then.eps, then.residual)
-
-
 def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
                              eps: float) -> torch.Tensor:
     """x, gate: [..., D] (one value head per row); weight: [D]. Returns x's dtype.
@@ -67,32 +50,23 @@ def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def add_rms_norm_row(x, residual, weight, out, residual_out, eps, H, BH: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """One row of H at these row pointers: s = x (+ residual, rounded to residual_out's dtype and
-    stored there: the new residual stream); out = s / sqrt(mean(s^2) + eps) * (1 + w), in
-    float32, rounded once. x is read from L2 (.cg): the skinny GEMM's epilogue (linear.py) reads
-    rows other programs just stored. The one formula of both kernels."""
+def _rms_norm_kernel(x, residual, weight, out, residual_out, stride_x, stride_residual, eps,
+                     H: tl.constexpr, BH: tl.constexpr, HAS_RESIDUAL: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
+    """One row: s = x (+ residual, rounded to x's dtype: the new residual stream);
+    out = s / sqrt(mean(s^2) + eps) * (1 + w), in float32, rounded once."""
+    dependent_prologue(DEPENDENT_LAUNCH)
+    row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BH)
     mask = offs < H
-    h = tl.load(x + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    h = tl.load(x + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        h = (h.to(tl.float32) + tl.load(residual + offs, mask=mask, other=0.0).to(tl.float32))
+        h = (h.to(tl.float32) + tl.load(residual + row * stride_residual + offs, mask=mask, other=0.0).to(tl.float32))
         h = h.to(residual_out.dtype.element_ty)
-        tl.store(residual_out + offs, h, mask=mask)
+        tl.store(residual_out + row * H + offs, h, mask=mask)
     h = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(h * h) / H + eps)
     w = tl.load(weight + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out + offs, (h * rstd * (1.0 + w)).to(out.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _rms_norm_kernel(x, residual, weight, out, residual_out, stride_x, stride_residual, eps,
-                     H: tl.constexpr, BH: tl.constexpr, HAS_RESIDUAL: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
-    """One row (add_rms_norm_row)."""
-    dependent_prologue(DEPENDENT_LAUNCH)
-    row = tl.program_id(0).to(tl.int64)
-    add_rms_norm_row(x + row * stride_x, residual + row * stride_residual, weight, out + row * H,
-                     residual_out + row * H, eps, H, BH, HAS_RESIDUAL)
+    tl.store(out + row * H + offs, (h * rstd * (1.0 + w)).to(out.dtype.element_ty), mask=mask)
 
 
 def _check_rms_norm_args(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
@@ -123,20 +97,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out, new_residual
 
 
-def add_rms_norm_after(y: torch.Tensor, then: AddRMSNorm | None):
-    """Triton add_rms_norm_after_reference: y itself, or rms_norm(y, ..., then.residual)."""
-    return y if then is None else rms_norm(y, then.weight, then.eps, then.residual)
-
-
-@triton.jit
-def gated_rms_normalize(h, z, w, eps, D: tl.constexpr):
-    """Rows of one value head each: h / sqrt(mean(h^2) + eps) * w * silu(z), float32 (h, z
-    [R, BD] float32, zero past D; w [BD] float32). The one formula of the kernel below and of
-    the skinny GEMM's gated-norm prologue (linear.py), so both round the same value."""
-    rstd = tl.rsqrt(tl.sum(h * h, axis=1) / D + eps)
-    return h * rstd[:, None] * w[None, :] * (z * tl.sigmoid(z))
-
-
 @triton.jit(do_not_specialize=["num_rows"])
 def _gated_rms_norm_kernel(x, gate, weight, out, num_rows, inner, stride_x_outer, stride_x_inner,
                            stride_gate_outer, stride_gate_inner, eps,
@@ -153,7 +113,8 @@ def _gated_rms_norm_kernel(x, gate, weight, out, num_rows, inner, stride_x_outer
     z = tl.load(gate + (outer * stride_gate_outer + within * stride_gate_inner)[:, None] + offs[None, :],
                 mask=mask, other=0.0).to(tl.float32)
     w = tl.load(weight + offs, mask=offs < D, other=0.0).to(tl.float32)
-    y = gated_rms_normalize(h, z, w, eps, D)
+    rstd = tl.rsqrt(tl.sum(h * h, axis=1) / D + eps)
+    y = h * rstd[:, None] * w[None, :] * (z * tl.sigmoid(z))
     tl.store(out + rows[:, None] * D + offs[None, :], y.to(out.dtype.element_ty), mask=mask)
 
 

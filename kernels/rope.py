@@ -5,10 +5,8 @@ rotates only the first `rotary_dim` channels (partial RoPE, Qwen3.5: 0.25 of hea
 the rotate-half convention: pairs are (i, i + rotary_dim/2). Frequencies are RoPE's
 theta^(-2i / rotary_dim), or YaRN's blend of those and their interpolation (`Yarn`, with its
 cos/sin scale, as HF's `_compute_yarn_parameters`). `qk_norm_rope` is the Triton
-kernel (one launch for q and k), `qk_norm_rope_reference` its torch oracle.
-`qk_norm_rope_write_kv` is the same kernel storing the rotated k, and v, straight into the paged
-KV pool instead (attention.py's write_kv folded in: one launch fewer per attention layer), its
-oracle `qk_norm_rope_write_kv_reference`. Knows the pool's layout, not what reads it.
+kernel (one launch for q and k), `qk_norm_rope_reference` its torch oracle. Knows nothing about
+the KV cache.
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import _check_write_kv_args, write_kv, write_kv_reference
 from .launch import dependent_prologue, pdl
 
 
@@ -98,28 +95,16 @@ def qk_norm_rope_reference(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Ten
     return _norm_rope(q, q_weight, cos, sin, eps), _norm_rope(k, k_weight, cos, sin, eps)
 
 
-def qk_norm_rope_write_kv_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
-                                    k_weight: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float,
-                                    eps: float, yarn: Yarn | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                    slot_mapping: torch.Tensor) -> torch.Tensor:
-    """qk_norm_rope_reference, then the rotated k and v [T, Hk, D] written to the pool at
-    slot_mapping (write_kv_reference). Returns the normalised, rotated q."""
-    q, k = qk_norm_rope_reference(q, k, q_weight, k_weight, positions, rotary_dim, theta, eps, yarn)
-    write_kv_reference(k, v, k_cache, v_cache, slot_mapping)
-    return q
-
-
 # ----------------------------------------------------------------------------------------------
 # Triton kernel
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _norm_rope_heads(x, weight, out, stride_out_h, t, cos, sin, partner, sign, stride_t, stride_h, eps,
+def _norm_rope_heads(x, weight, out, t, cos, sin, partner, sign, stride_t, stride_h, eps,
                      H: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):
     """All H heads of token t: n = round(x / rms(x) * (1 + w)); out = n cos + sign n[partner] sin
-    on the rotary channels (cos = 1, sin = 0 elsewhere), rounded to x's dtype, then stored (cast
-    to out's dtype) at out + head * stride_out_h. The partner half is re-loaded and normalised
-    with the same per-head rms rather than permuted in registers."""
+    on the rotary channels (cos = 1, sin = 0 elsewhere). The partner half is re-loaded and
+    normalised with the same per-head rms rather than permuted in registers."""
     heads = tl.arange(0, BH)
     offs = tl.arange(0, BD)
     mask = (heads < H)[:, None] & (offs < D)[None, :]
@@ -129,25 +114,21 @@ def _norm_rope_heads(x, weight, out, stride_out_h, t, cos, sin, partner, sign, s
     rstd = tl.rsqrt(tl.sum(h * h, axis=1) / D + eps)[:, None]
     w = tl.load(weight + offs, mask=offs < D, other=0.0).to(tl.float32)
     w_partner = tl.load(weight + partner, mask=offs < D, other=0.0).to(tl.float32)
-    n = (h * rstd * (1.0 + w[None, :])).to(x.dtype.element_ty).to(tl.float32)
-    n_partner = (h_partner * rstd * (1.0 + w_partner[None, :])).to(x.dtype.element_ty).to(tl.float32)
-    rotated = (n * cos[None, :] + (sign * sin)[None, :] * n_partner).to(x.dtype.element_ty)
-    tl.store(out + heads[:, None] * stride_out_h + offs[None, :], rotated.to(out.dtype.element_ty), mask=mask)
+    n = (h * rstd * (1.0 + w[None, :])).to(out.dtype.element_ty).to(tl.float32)
+    n_partner = (h_partner * rstd * (1.0 + w_partner[None, :])).to(out.dtype.element_ty).to(tl.float32)
+    rotated = n * cos[None, :] + (sign * sin)[None, :] * n_partner
+    tl.store(out + (t * H + heads[:, None]) * D + offs[None, :], rotated.to(out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _qk_norm_rope_kernel(q, k, q_weight, k_weight, q_out, k_out, positions, inv_freq, v, k_cache, v_cache,
-                         slot_mapping, stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
-                         stride_kc_block, stride_kc_offset, stride_kc_head, stride_vc_block, stride_vc_offset,
-                         stride_vc_head, eps, attention_factor,
+def _qk_norm_rope_kernel(q, k, q_weight, k_weight, q_out, k_out, positions, inv_freq,
+                         stride_q_t, stride_q_h, stride_k_t, stride_k_h, eps, attention_factor,
                          HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-                         BHQ: tl.constexpr, BHK: tl.constexpr, BD: tl.constexpr, WRITE_KV: tl.constexpr,
-                         BLOCK_SIZE: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
+                         BHQ: tl.constexpr, BHK: tl.constexpr, BD: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """One token: every q and k head. Channel i < R/2 pairs with i + R/2 (out = x1 c - x2 s),
     R/2 <= i < R with i - R/2 (out = x2 c + x1 s); angle = position * inv_freq[i mod R/2] in
     float32, as the reference; the rotary channels' cos and sin scaled by attention_factor
-    (YaRN; 1.0 otherwise). WRITE_KV: k goes to the pool's position slot_mapping[t] (block
-    slot // BLOCK_SIZE, offset slot % BLOCK_SIZE) instead of k_out, and v [t] beside it."""
+    (YaRN; 1.0 otherwise)."""
     dependent_prologue(DEPENDENT_LAUNCH)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BD)
@@ -160,21 +141,8 @@ def _qk_norm_rope_kernel(q, k, q_weight, k_weight, q_out, k_out, positions, inv_
     angle = tl.load(positions + t).to(tl.float32) * freq
     cos = tl.where(rotary, tl.cos(angle) * attention_factor, 1.0)
     sin = tl.where(rotary, tl.sin(angle) * attention_factor, 0.0)
-    _norm_rope_heads(q, q_weight, q_out + t * HQ * D, D, t, cos, sin, partner, sign, stride_q_t, stride_q_h, eps,
-                     HQ, D, BHQ, BD)
-    if WRITE_KV:
-        slot = tl.load(slot_mapping + t).to(tl.int64)
-        block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
-        _norm_rope_heads(k, k_weight, k_cache + block * stride_kc_block + offset * stride_kc_offset, stride_kc_head,
-                         t, cos, sin, partner, sign, stride_k_t, stride_k_h, eps, HK, D, BHK, BD)
-        heads = tl.arange(0, BHK)[:, None]
-        mask = (heads < HK) & (offs < D)[None, :]
-        value = tl.load(v + t * stride_v_t + heads * stride_v_h + offs[None, :], mask=mask)
-        tl.store(v_cache + block * stride_vc_block + offset * stride_vc_offset + heads * stride_vc_head + offs[None, :],
-                 value.to(v_cache.dtype.element_ty), mask=mask)
-    else:
-        _norm_rope_heads(k, k_weight, k_out + t * HK * D, D, t, cos, sin, partner, sign, stride_k_t, stride_k_h, eps,
-                         HK, D, BHK, BD)
+    _norm_rope_heads(q, q_weight, q_out, t, cos, sin, partner, sign, stride_q_t, stride_q_h, eps, HQ, D, BHQ, BD)
+    _norm_rope_heads(k, k_weight, k_out, t, cos, sin, partner, sign, stride_k_t, stride_k_h, eps, HK, D, BHK, BD)
 
 
 @cache
@@ -194,33 +162,6 @@ def _check_qk_norm_rope_args(q, k, q_weight, k_weight, positions, rotary_dim) ->
     assert rotary_dim % 2 == 0 and 0 < rotary_dim <= head_dim, f"rotary_dim {rotary_dim}: even, in (0, D]"
 
 
-def _launch(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-            positions: torch.Tensor, rotary_dim: int, theta: float, eps: float, yarn: Yarn | None,
-            k_out: torch.Tensor | None, kv: tuple | None) -> torch.Tensor:
-    """The kernel over every token: q's output returned; k to k_out, or with kv = (v, k_cache,
-    v_cache, slot_mapping) k and v to the pool."""
-    _check_qk_norm_rope_args(q, k, q_weight, k_weight, positions, rotary_dim)
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_k_heads = k.shape[1]
-    q_out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
-    if not num_tokens:
-        return q_out
-    v, k_cache, v_cache, slot_mapping = kv if kv is not None else (k, k, k, positions)   # unread without kv
-    pool_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3]) if kv is not None else (0,) * 6
-    block_d = triton.next_power_of_2(head_dim)
-    block_q = triton.next_power_of_2(num_q_heads)
-    _qk_norm_rope_kernel[(num_tokens,)](
-        q, k, q_weight, k_weight, q_out, k_out if k_out is not None else q_out, positions,
-        _inv_freq_table(rotary_dim, theta, q.device, yarn), v, k_cache, v_cache, slot_mapping,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *pool_strides,
-        eps, 1.0 if yarn is None else yarn.attention_factor,
-        HQ=num_q_heads, HK=num_k_heads, D=head_dim, R=rotary_dim, BHQ=block_q,
-        BHK=triton.next_power_of_2(num_k_heads), BD=block_d, WRITE_KV=kv is not None,
-        BLOCK_SIZE=k_cache.shape[1] if kv is not None else 1,
-        num_warps=min(8, max(1, block_q * block_d // 1024)), **pdl(q.device))
-    return q_out
-
-
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                  positions: torch.Tensor, rotary_dim: int, theta: float, eps: float,
                  yarn: Yarn | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,21 +169,18 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     stride along D (q is sliced from [q | gate] per head); positions [T] int. Returns contiguous
     (q, k). The first call per (rotary_dim, theta, device) builds the frequency table: do it
     before CUDA-graph capture."""
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    return _launch(q, k, q_weight, k_weight, positions, rotary_dim, theta, eps, yarn, k_out, None), k_out
-
-
-def qk_norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
-                          k_weight: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float, eps: float,
-                          yarn: Yarn | None, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                          fused: bool = True) -> torch.Tensor:
-    """Triton qk_norm_rope_write_kv_reference in one launch; q, k as qk_norm_rope, v [T, Hk, D]
-    (unit stride along D), the pool and slot_mapping as write_kv. Returns contiguous q.
-    fused=False: qk_norm_rope, then write_kv (A/B of the fusion, backend.py)."""
-    if not fused:
-        q, k = qk_norm_rope(q, k, q_weight, k_weight, positions, rotary_dim, theta, eps, yarn)
-        write_kv(k, v, k_cache, v_cache, slot_mapping)
-        return q
-    _check_write_kv_args(k, v, k_cache, v_cache, slot_mapping)
-    return _launch(q, k, q_weight, k_weight, positions, rotary_dim, theta, eps, yarn, None,
-                   (v, k_cache, v_cache, slot_mapping))
+    _check_qk_norm_rope_args(q, k, q_weight, k_weight, positions, rotary_dim)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
+    q_out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((num_tokens, num_k_heads, head_dim), dtype=k.dtype, device=k.device)
+    if num_tokens:
+        block_d = triton.next_power_of_2(head_dim)
+        block_q = triton.next_power_of_2(num_q_heads)
+        _qk_norm_rope_kernel[(num_tokens,)](
+            q, k, q_weight, k_weight, q_out, k_out, positions, _inv_freq_table(rotary_dim, theta, q.device, yarn),
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), eps, 1.0 if yarn is None else yarn.attention_factor,
+            HQ=num_q_heads, HK=num_k_heads, D=head_dim, R=rotary_dim, BHQ=block_q,
+            BHK=triton.next_power_of_2(num_k_heads), BD=block_d,
+            num_warps=min(8, max(1, block_q * block_d // 1024)), **pdl(q.device))
+    return q_out, k_out

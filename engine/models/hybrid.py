@@ -34,16 +34,12 @@ class HybridLM(nn.Module):
         c = config
         vocab_rows = c.vocab_size // (tp.size if tp is not None else 1)
         self.embed_tokens = _param(vocab_rows, c.hidden_size, dtype=dtype)
-        # Under tensor parallelism a layer's residual add + RMSNorm follows the all-reduce hooks
-        # below, so it cannot ride in the projection's epilogue (DecoderLayer).
-        fuse_norms = tp is None
         self.layers = nn.ModuleList(
-            DecoderLayer(c, f"model.layers.{i}", is_gdn=t == "linear_attention", is_moe=c.is_moe_layer(i), dtype=dtype,
-                         fuse_norms=fuse_norms)
+            DecoderLayer(c, f"model.layers.{i}", is_gdn=t == "linear_attention", is_moe=c.is_moe_layer(i), dtype=dtype)
             for i, t in enumerate(c.layer_types))
         self.norm = _param(c.hidden_size, dtype=dtype)
         self.lm_head = None if c.tie_word_embeddings else _param(vocab_rows, c.hidden_size, dtype=dtype)
-        self.mtp = MTP(c, dtype, fuse_norms) if with_mtp else None
+        self.mtp = MTP(c, dtype) if with_mtp else None
         if tp is not None:
             for layer in [*self.layers, *(self.mtp.layers if self.mtp is not None else ())]:
                 for block in (layer.mixer, layer.mlp):
@@ -82,14 +78,13 @@ class HybridLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, states: StatePool, kv: KVPool) -> torch.Tensor:
         """Returns the final (post-norm) hidden state of every token: [T, H]."""
-        h, residual = self.ops.rms_norm(self.embed(batch.input_ids), self.layers[0].input_norm,
-                                        self.config.rms_norm_eps)
+        x, residual = self.embed(batch.input_ids), None
         gdn_states, kv_layers = iter(states.layers), iter(kv.layers)
-        next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
-        for layer, kind, next_norm in zip(self.layers, self.config.layer_types, next_norms):
+        for layer, kind in zip(self.layers, self.config.layer_types):
             mixer_state = next(gdn_states) if kind == "linear_attention" else next(kv_layers)
-            h, residual = layer(h, residual, batch, mixer_state, self.ops, next_norm)
-        return h
+            x, residual = layer(x, residual, batch, mixer_state, self.ops)
+        x, _ = self.ops.rms_norm(x, self.norm, self.config.rms_norm_eps, residual)
+        return x
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids [T] -> embeddings [T, H] (vocabulary-parallel under tensor parallelism)."""

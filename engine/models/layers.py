@@ -1,9 +1,6 @@
 """Building blocks of the hybrid family: GDN mixer, gated attention, dense and MoE MLPs, and
 the decoder layer that wraps them. Every heavy op goes through the `Ops` table, dense
-projections too (`ops.linear`: a skinny-GEMM kernel for decode batches, cuBLAS otherwise). The
-SwiGLU or GDN gated norm that forms a projection's input and the residual add + RMSNorm that
-follows it are handed to the projection's entry (`Linear.after_*`, `then`), which the GPU table
-runs in the same launch on the decode path (kernels/linear.py).
+projections too (`ops.linear`: a skinny-GEMM kernel for decode batches, cuBLAS otherwise).
 
 Projections are `Linear`s stored fused for one GEMM each (GDN q|k|v|z|b|a, attention
 q+gate|k|v, MLP gate|up); `checkpoint_map` says which checkpoint tensor fills which region, so
@@ -20,7 +17,6 @@ from torch import nn
 
 from ...kernels import Ops
 from ...kernels.fp8 import FP8, block_scales
-from ...kernels.norms import AddRMSNorm
 from ..batch import ForwardBatch, PrefillCheckpoints
 from ..model_config import ModelConfig
 from ..state_pool import GDNLayerState, KVLayer
@@ -52,11 +48,6 @@ def _rows(start: int, size: int) -> tuple:
 
 def _is_fp8(c: ModelConfig, modules) -> bool:
     return c.quantization is not None and c.quantization.quantizes_all(modules)
-
-
-def _then(y: torch.Tensor, then: AddRMSNorm | None, ops: Ops):
-    """y, or the residual add + RMSNorm `then` on y as its own op: (normed, new residual)."""
-    return y if then is None else ops.rms_norm(y, then.weight, then.eps, then.residual)
 
 
 class Linear(nn.Module):
@@ -96,28 +87,10 @@ class Linear(nn.Module):
             start += num_rows
         return mapping
 
-    # The ops around a projection that the GPU table folds into its GEMM (one launch where it
-    # takes the skinny kernel: decode, draft and verify batches): the SwiGLU or gated norm that
-    # forms its input, the residual add + RMSNorm `then` of its output. Each returns x W^T, or
-    # with `then` its (normed, new residual). FP8 projections run them apart.
-
-    def forward(self, x: torch.Tensor, ops: Ops, then: AddRMSNorm | None = None):
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         if self.weight_scale is None:
-            return ops.linear(x, self.weight, then)
-        return _then(ops.fp8_linear(x, self.weight, self.weight_scale, self.group_size, self.block_scale), then, ops)
-
-    def after_silu_and_mul(self, gate_up: torch.Tensor, ops: Ops, then: AddRMSNorm | None = None):
-        """silu_and_mul(gate_up) x W^T."""
-        if self.weight_scale is None:
-            return ops.silu_and_mul_linear(gate_up, self.weight, then)
-        return self(ops.silu_and_mul(gate_up), ops, then)
-
-    def after_gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                             ops: Ops, then: AddRMSNorm | None = None):
-        """gated_rms_norm(x, gate) [T, H, D] flattened to [T, H * D], x W^T."""
-        if self.weight_scale is None:
-            return ops.gated_rms_norm_linear(x, gate, norm_weight, eps, self.weight, then)
-        return self(ops.gated_rms_norm(x, gate, norm_weight, eps).flatten(1), ops, then)
+            return ops.linear(x, self.weight)
+        return ops.fp8_linear(x, self.weight, self.weight_scale, self.group_size, self.block_scale)
 
 
 class GatedDeltaNet(nn.Module):
@@ -161,9 +134,7 @@ class GatedDeltaNet(nn.Module):
                 k.unflatten(-1, (c.linear_num_key_heads, c.linear_key_head_dim)),
                 v.unflatten(-1, (c.linear_num_value_heads, c.linear_value_head_dim)))
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, state: GDNLayerState, ops: Ops,
-                then: AddRMSNorm | None = None):
-        """x [T, H] -> out_proj's output [T, H], or with `then` its (normed, new residual)."""
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, state: GDNLayerState, ops: Ops) -> torch.Tensor:
         c, num_tokens = self.c, x.shape[0]
         if self.in_proj_ba is None:
             mixed, z, b, a = self.in_proj(x, ops).split(self.splits, dim=-1)
@@ -206,7 +177,8 @@ class GatedDeltaNet(nn.Module):
                 state.recurrent[written.slots] = saved
                 state.conv[written.slots] = checkpoint_conv_windows(mixed[span], written, state.conv)
         gate = z.reshape(num_tokens, c.linear_num_value_heads, c.linear_value_head_dim)
-        return self.out_proj.after_gated_rms_norm(core, gate, self.norm_weight, c.rms_norm_eps, ops, then)
+        core = ops.gated_rms_norm(core, gate, self.norm_weight, c.rms_norm_eps)
+        return self.out_proj(core.reshape(num_tokens, -1), ops)
 
 
 class GatedAttention(nn.Module):
@@ -230,22 +202,19 @@ class GatedAttention(nn.Module):
             **self.o_proj.checkpoint_map(f"{dst}.o_proj"),
         }
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVLayer, ops: Ops,
-                then: AddRMSNorm | None = None):
-        """x [T, H] -> o_proj's output [T, H], or with `then` its (normed, new residual)."""
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVLayer, ops: Ops) -> torch.Tensor:
         c, num_tokens = self.c, x.shape[0]
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         q_gate, k, v = self.qkv_proj(x, ops).split(self.splits, dim=-1)
         q_gate = q_gate.view(num_tokens, hq, 2 * d)
         q, gate = q_gate[..., :d], q_gate[..., d:]
-        # q, k normalised and rotated; k and v stored to the pool (one launch on the GPU table)
-        q = ops.qk_norm_rope_write_kv(q, k.view(num_tokens, hkv, d), v.view(num_tokens, hkv, d), self.q_norm,
-                                      self.k_norm, batch.positions, c.rotary_dim, c.rope_theta, c.rms_norm_eps,
-                                      c.yarn, kv.k_cache, kv.v_cache, batch.slot_mapping)
+        q, k = ops.qk_norm_rope(q, k.view(num_tokens, hkv, d), self.q_norm, self.k_norm, batch.positions,
+                                c.rotary_dim, c.rope_theta, c.rms_norm_eps, c.yarn)
+        ops.write_kv(k, v.view(num_tokens, hkv, d), kv.k_cache, kv.v_cache, batch.slot_mapping)
         # attention * sigmoid(gate), the gate applied by the kernel that stores the output
         out = ops.paged_attention(q, kv.k_cache, kv.v_cache, batch.block_tables, batch.cu_seqlens, batch.context_lens,
                                   d ** -0.5, gate)
-        return self.o_proj(out.reshape(num_tokens, hq * d), ops, then)
+        return self.o_proj(out.reshape(num_tokens, hq * d), ops)
 
 
 class DenseMLP(nn.Module):
@@ -258,9 +227,8 @@ class DenseMLP(nn.Module):
     def checkpoint_map(self, dst: str) -> CheckpointMap:
         return {**self.gate_up.checkpoint_map(f"{dst}.gate_up"), **self.down.checkpoint_map(f"{dst}.down")}
 
-    def forward(self, x: torch.Tensor, ops: Ops, then: AddRMSNorm | None = None):
-        """x [T, H] -> down's output [T, H], or with `then` its (normed, new residual)."""
-        return self.down.after_silu_and_mul(self.gate_up(x, ops), ops, then)
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        return self.down(ops.silu_and_mul(self.gate_up(x, ops)), ops)
 
 
 class MoEMLP(nn.Module):
@@ -311,8 +279,7 @@ class MoEMLP(nn.Module):
                     mapping[f"{src}.experts.{e}.{projection}_proj.weight_scale_inv"] = (f"{dst}.{target}_scale", index)
         return mapping
 
-    def forward(self, x: torch.Tensor, ops: Ops, then: AddRMSNorm | None = None):
-        """As DenseMLP.forward; `then` runs apart (the output is a sum, not one projection's)."""
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         weights, experts = ops.moe_route(self.router(x, ops), self.c.num_experts_per_tok, self.c.norm_topk_prob)
         if self.expert_parallel:
             weights, experts = self._local_pairs(weights, experts)
@@ -321,7 +288,7 @@ class MoEMLP(nn.Module):
         else:
             routed = ops.fp8_moe_experts(x, weights, experts, self.w_gate_up, self.w_gate_up_scale, self.w_down,
                                          self.w_down_scale, self.group_size)
-        return _then(routed + torch.sigmoid(self.shared_gate(x, ops)) * self.shared(x, ops), then, ops)
+        return routed + torch.sigmoid(self.shared_gate(x, ops)) * self.shared(x, ops)
 
     def _local_pairs(self, weights: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert parallelism: the routed (token, expert) pairs [T, k] in this rank's expert
@@ -336,18 +303,12 @@ class MoEMLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: residual += mixer(norm(x)); residual += mlp(norm(residual)).
 
-    A layer takes its input normalised (input_norm applied by whoever produced it) with the
-    residual stream before it, and returns the next input normalised by `next_norm` (the next
-    layer's input norm, or the final norm) with the stream: each residual add + RMSNorm is
-    handed to the projection that ends the mixer or the MLP (`then`), whose GEMM applies it in
-    its epilogue on the GPU table. With `fuse_norms` off (tensor parallelism: the projection's
-    output is a partial sum, all-reduced by a hook on the mixer and the MLP before the add)
-    the norms run after them instead."""
+    The residual add is fused into the next RMSNorm, so a layer returns (mlp_out, residual) and
+    the stream is materialised only inside the fused norm."""
 
-    def __init__(self, c: ModelConfig, src: str, is_gdn: bool, is_moe: bool, dtype: torch.dtype,
-                 fuse_norms: bool = True) -> None:
+    def __init__(self, c: ModelConfig, src: str, is_gdn: bool, is_moe: bool, dtype: torch.dtype) -> None:
         super().__init__()
-        self.eps, self.src, self.fuse_norms = c.rms_norm_eps, src, fuse_norms
+        self.eps, self.src = c.rms_norm_eps, src
         self.input_norm = _param(c.hidden_size, dtype=dtype)
         self.post_attention_norm = _param(c.hidden_size, dtype=dtype)
         self.mixer = GatedDeltaNet(c, f"{src}.linear_attn", dtype) if is_gdn else \
@@ -363,14 +324,9 @@ class DecoderLayer(nn.Module):
             **self.mlp.checkpoint_map(f"{dst}.mlp"),
         }
 
-    def forward(self, h: torch.Tensor, residual: torch.Tensor, batch: ForwardBatch,
-                mixer_state: GDNLayerState | KVLayer, ops: Ops,
-                next_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """h: this layer's normalised input [T, H]; residual: the stream it was normalised from.
-        Returns (next_norm applied to the new stream, the new stream)."""
-        if self.fuse_norms:
-            post_norm = AddRMSNorm(residual, self.post_attention_norm, self.eps)
-            h, residual = self.mixer(h, batch, mixer_state, ops, post_norm)
-            return self.mlp(h, ops, AddRMSNorm(residual, next_norm, self.eps))
-        h, residual = ops.rms_norm(self.mixer(h, batch, mixer_state, ops), self.post_attention_norm, self.eps, residual)
-        return ops.rms_norm(self.mlp(h, ops), next_norm, self.eps, residual)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
+                mixer_state: GDNLayerState | KVLayer, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = ops.rms_norm(x, self.input_norm, self.eps, residual)
+        x = self.mixer(x, batch, mixer_state, ops)
+        x, residual = ops.rms_norm(x, self.post_attention_norm, self.eps, residual)
+        return self.mlp(x, ops), residual

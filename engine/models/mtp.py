@@ -23,14 +23,13 @@ from .layers import ALL, CheckpointMap, DecoderLayer, Linear, _param
 
 
 class MTP(nn.Module):
-    def __init__(self, c: ModelConfig, dtype: torch.dtype, fuse_norms: bool = True) -> None:
+    def __init__(self, c: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = c.rms_norm_eps
         self.fc = Linear(c, {"mtp.fc": c.hidden_size}, 2 * c.hidden_size, dtype)
         self.pre_fc_norm_embedding = _param(c.hidden_size, dtype=dtype)
         self.pre_fc_norm_hidden = _param(c.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(c, f"mtp.layers.{j}", is_gdn=False, is_moe=c.mtp_is_moe, dtype=dtype,
-                                                 fuse_norms=fuse_norms)
+        self.layers = nn.ModuleList(DecoderLayer(c, f"mtp.layers.{j}", is_gdn=False, is_moe=c.mtp_is_moe, dtype=dtype)
                                     for j in range(max(c.num_mtp_layers, 1)))
         self.norm = _param(c.hidden_size, dtype=dtype)
 
@@ -50,7 +49,6 @@ class MTP(nn.Module):
         embedded, _ = ops.rms_norm(embed(input_ids), self.pre_fc_norm_embedding, self.eps)
         hidden, _ = ops.rms_norm(hidden, self.pre_fc_norm_hidden, self.eps)
         x = self.fc(torch.cat([embedded, hidden], dim=-1), ops)
-        decoder = self.layers[layer]
-        h, residual = ops.rms_norm(x, decoder.input_norm, self.eps)
-        out, _ = decoder(h, residual, batch, kv, ops, self.norm)
+        x, residual = self.layers[layer](x, None, batch, kv, ops)
+        out, _ = ops.rms_norm(x, self.norm, self.eps, residual)
         return out

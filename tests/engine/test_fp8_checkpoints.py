@@ -62,20 +62,15 @@ def relative_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def perturbed_inputs_ops(ops, relative: float, seed: int):
-    """`ops` with every projection input (dense GEMMs, those after a fused SwiGLU or gated norm,
-    expert GEMMs) multiplied by an independent 1 + u, |u| <= relative: a noise model of
-    rounding each activation once."""
+    """`ops` with every projection input (dense and expert GEMMs) multiplied by an independent
+    1 + u, |u| <= relative: a noise model of rounding each activation once."""
     from dataclasses import replace
     generator = torch.Generator().manual_seed(seed)
 
     def noisy(x):
         return x * (1 + relative * (2 * torch.rand(x.shape, generator=generator) - 1))
 
-    return replace(ops, linear=lambda x, w, then=None: ops.linear(noisy(x), w, then),
-                   silu_and_mul_linear=lambda gate_up, w, then=None: ops.linear(
-                       noisy(ops.silu_and_mul(gate_up)), w, then),
-                   gated_rms_norm_linear=lambda x, gate, norm_weight, eps, w, then=None: ops.linear(
-                       noisy(ops.gated_rms_norm(x, gate, norm_weight, eps).flatten(1)), w, then),
+    return replace(ops, linear=lambda x, w: ops.linear(noisy(x), w),
                    moe_experts=lambda x, *args: ops.moe_experts(noisy(x), *args))
 
 

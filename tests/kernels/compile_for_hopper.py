@@ -108,10 +108,9 @@ def run_engine() -> None:
 
 def run_kernels() -> None:
     """Kernels the greedy engine runs above do not reach: sampling, penalties, grammar masks,
-    MoE's per-token path, the split GDN prefill (few long rows on a real GPU; the tiny engine
-    batches here look like CPU tensors, which take the fused path), and the unfused q/k norm +
-    RoPE and KV write (the triton-unfused table's, backend.py)."""
-    from deltaspec.kernels import attention, gdn_chunked, moe, penalties, rope, sampling, token_bitmask
+    MoE's per-token path, and the split GDN prefill (few long rows on a real GPU; the tiny engine
+    batches here look like CPU tensors, which take the fused path)."""
+    from deltaspec.kernels import gdn_chunked, moe, penalties, sampling, token_bitmask
 
     vocab, rows = 1000, 4
     column = lambda value, dtype: torch.full((rows,), value, dtype=dtype)  # noqa: E731
@@ -129,11 +128,6 @@ def run_kernels() -> None:
     weights, ids = torch.rand(1, top_k), torch.tensor([[1, 5]])
     moe.moe_experts_per_token(x, weights, ids, torch.randn(experts, 2 * inner, hidden, dtype=torch.bfloat16),
                               torch.randn(experts, hidden, inner, dtype=torch.bfloat16))
-    q, k = torch.randn(2, 3, 4, 64, dtype=torch.bfloat16)
-    rope.qk_norm_rope(q[:, :2], k, torch.ones(64, dtype=torch.bfloat16), torch.ones(64, dtype=torch.bfloat16),
-                      torch.arange(3), 16, 10_000.0, 1e-6)
-    pool = torch.zeros(2, 4, 16, 4, 64, dtype=torch.bfloat16)
-    attention.write_kv(k, k, *pool, torch.arange(3))
     tokens, heads, dim = 130, 2, 64
     qkv = torch.randn(3, tokens, heads, dim, dtype=torch.bfloat16)
     gates = torch.randn(2, tokens, heads, dtype=torch.bfloat16)

@@ -32,13 +32,14 @@ import pytest
 import torch
 
 from deltaspec.kernels import REFERENCE_OPS, attention
-from deltaspec.kernels.attention import launch_paged_attention, paged_attention, write_kv, write_kv_reference
+from deltaspec.kernels.attention import launch_paged_attention, paged_attention, write_kv
 from deltaspec.kernels.tiles import TileConfig
 from kernel_helpers import assert_close_elementwise
 
 
 # Through the backend table, so the tests follow the references wherever they live.
 paged_attention_reference = REFERENCE_OPS.paged_attention
+write_kv_reference = REFERENCE_OPS.write_kv
 
 # (q_len, cached prefix length): decode/verify rows first, prefill chunks after, as the runner
 # orders them. Prefixes: 0, 1, not a multiple of any block size, and long (many blocks).

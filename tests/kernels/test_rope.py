@@ -7,10 +7,7 @@ order, far apart); channels past rotary_dim are only normalised; GQA heads.
 
 Triton kernel, with the reference as the oracle: q sliced from [q | gate] per head and k from a
 fused qkv row, as the model passes them. CPU: the interpreter, fp32, rotary_dim 8 and 32.
-(bf16 at attention widths on the GPU: test_norms_and_rope_gpu_bf16 in test_norms.py.) The same
-kernel writing k and v into the paged pool (qk_norm_rope_write_kv) against its reference
-(qk_norm_rope_reference, then write_kv_reference): the pool compared whole, so an entry written
-where it should not be fails too.
+(bf16 at attention widths on the GPU: test_norms_and_rope_gpu_bf16 in test_norms.py.)
 """
 
 from __future__ import annotations
@@ -20,9 +17,12 @@ import math
 import pytest
 import torch
 
-from deltaspec.kernels.rope import Yarn, qk_norm_rope, qk_norm_rope_reference, qk_norm_rope_write_kv, \
-    qk_norm_rope_write_kv_reference
+from deltaspec.kernels import REFERENCE_OPS
+from deltaspec.kernels.rope import Yarn, qk_norm_rope, qk_norm_rope_reference
 from kernel_helpers import TOLERANCE, assert_close, assert_close_elementwise, naive_rms, rope_case
+
+
+ops = REFERENCE_OPS
 
 
 # ----------------------------------------------------------------------------------------------
@@ -60,7 +60,7 @@ def test_qk_norm_partial_rope():
     q = torch.randn(len(positions), heads_q, dim, generator=gen)
     k = torch.randn(len(positions), heads_k, dim, generator=gen)
     q_weight, k_weight = 0.1 * torch.randn(dim, generator=gen), 0.1 * torch.randn(dim, generator=gen)
-    q_out, k_out = qk_norm_rope_reference(q, k, q_weight, k_weight, torch.tensor(positions), rotary_dim, theta, eps)
+    q_out, k_out = ops.qk_norm_rope(q, k, q_weight, k_weight, torch.tensor(positions), rotary_dim, theta, eps)
     # fp32 angles at position ~2000 carry ~1e-4 rad of rounding (as HF's), hence 5e-4.
     assert_close_elementwise(q_out, naive_norm_rope(q, q_weight, positions, rotary_dim, theta, eps), 5e-4, "q")
     assert_close_elementwise(k_out, naive_norm_rope(k, k_weight, positions, rotary_dim, theta, eps), 5e-4, "k")
@@ -93,27 +93,3 @@ def test_qk_norm_rope_yarn(kernel_device):
     plain = qk_norm_rope_reference(*args, 16, 10_000.0, 1e-6)
     assert not torch.allclose(expected[0][..., :16], plain[0][..., :16])
     assert torch.equal(expected[0][..., 16:], plain[0][..., 16:])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_qk_norm_rope_write_kv(kernel_device, dtype):
-    tokens, hq, hk, dim, block_size, num_blocks = 6, 4, 2, 32, 4, 5
-    q, k, q_weight, k_weight, positions = rope_case(kernel_device, dtype, tokens, hq, hk, dim, 5000, seed=97)
-    gen = torch.Generator().manual_seed(98)
-    v = torch.randn(tokens, hk, 2 * dim, generator=gen).to(dtype).to(kernel_device)[..., :dim]   # strided
-    slot_mapping = torch.randperm(num_blocks * block_size, generator=gen)[:tokens].to(kernel_device)
-    k_cache, v_cache = (torch.randn(num_blocks, block_size, hk, dim, generator=gen).to(dtype).to(kernel_device)
-                        for _ in range(2))
-    expected_k, expected_v = k_cache.clone(), v_cache.clone()
-    pool_args = (16, 10_000.0, 1e-6, None)
-    expected_q = qk_norm_rope_write_kv_reference(q, k, v, q_weight, k_weight, positions, *pool_args, expected_k,
-                                                 expected_v, slot_mapping)
-    actual_q = qk_norm_rope_write_kv(q, k, v, q_weight, k_weight, positions, *pool_args, k_cache, v_cache, slot_mapping)
-    tolerance = {torch.float32: TOLERANCE[torch.float32], torch.float16: 2e-3}[dtype]
-    assert_close(actual_q, expected_q, tolerance, "q")
-    assert_close(k_cache, expected_k, tolerance, "k pool")
-    assert torch.equal(v_cache, expected_v), "v pool: a copy, exact"
-    written = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=kernel_device)
-    written[slot_mapping] = True
-    untouched = ~written.view(num_blocks, block_size)
-    assert torch.equal(k_cache[untouched], expected_k[untouched]), "k pool: an entry off slot_mapping written"
