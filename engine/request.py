@@ -107,6 +107,10 @@ class Request:
     block_table: tuple[int, ...] = ()
     num_computed_tokens: int = 0  # tokens already folded into the slot's state and KV blocks
     num_pending: int = 0  # of those, tokens whose state is still pending in the slot (speculation)
+    # No token sampled since the request was admitted (or readmitted after a preemption): its
+    # next sampling row is a prefill or cached row, whose first-token path starts the slot's
+    # sampling parameters and penalty statistics (runner._first_tokens), never a decode row.
+    starting: bool = True
     resume_from: Checkpoint | None = None  # a saved session to restore instead of a prefix lookup
     # Another choice of the same prompt (n > 1): this request is admitted only once that one's
     # prompt is computed, so it restores the prompt from that prefill's checkpoint instead of

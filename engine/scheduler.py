@@ -266,6 +266,7 @@ class Scheduler:
             elif row.mtp_end > request.mtp_position:
                 request.mtp_position = row.mtp_end
             if row.sample:
+                request.starting = False
                 num_known = request.num_tokens
                 request.extend(tokens, logprobs[index] if logprobs else None)
                 updated.append(request)
@@ -288,9 +289,11 @@ class Scheduler:
     @staticmethod
     def _in_prefill(request: Request) -> bool:
         """More than the newest token is still to be computed, or nothing is yet (a fresh or
-        recomputing request starts from a zero state through the chunked path)."""
+        recomputing request starts from a zero state through the chunked path), or its first
+        token is still to be sampled (Request.starting: a prompt whose last chunk is one token,
+        a session resumed with no new tokens)."""
         remaining = request.num_tokens - request.num_computed_tokens
-        return remaining > 1 or request.num_computed_tokens == 0
+        return remaining > 1 or request.num_computed_tokens == 0 or request.starting
 
     @staticmethod
     def _prompt_computed(request: Request) -> bool:
@@ -412,6 +415,7 @@ class Scheduler:
         self._release(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = request.mtp_position = request.num_pending = 0
+        request.starting = True
         request.num_preemptions += 1
         self.num_preempted += 1
         # Back to the queue in arrival order, ahead of anything that arrived later.

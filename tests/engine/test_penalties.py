@@ -273,3 +273,19 @@ def test_penalized_rows_through_the_cuda_graphs(checkpoint):
         while alone.has_work:
             alone.step()
         assert request.output_token_ids == together
+
+
+@pytest.mark.parametrize("num_draft_tokens", [0, 2])
+def test_a_one_token_last_chunk_starts_the_request(path, num_draft_tokens):
+    """A prompt whose last prefill chunk is a single token (129 tokens, 128 a step) still takes
+    its first token through the first-token path, which starts the slot's sampling parameters
+    and penalty statistics: sampled and penalized output equals the one-chunk run's."""
+    rng = random.Random(3)
+    prompt = [rng.randrange(512) for _ in range(129)]
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=5, presence_penalty=1.5,
+                            repetition_penalty=1.3, logit_bias={7: 3.0}, ignore_eos=True)
+    outputs = []
+    for budget in (128, 256):
+        llm = _llm(path, num_draft_tokens=num_draft_tokens, max_num_batched_tokens=budget)
+        outputs.append(llm.generate([prompt], params)[0].token_ids)
+    assert outputs[0] == outputs[1]
