@@ -51,11 +51,11 @@ def nonfinite_rows(logits: torch.Tensor, num_rows: int) -> torch.Tensor:
     return ~torch.isfinite(logits.reshape(num_rows, -1).sum(dim=-1, dtype=torch.float32))
 
 
-def read_with_flags(tokens: torch.Tensor, logits: torch.Tensor) -> tuple[list[int], list[bool]]:
-    """Tokens [N] sampled from logits [N, V] and whether each row's logits were not finite, read
-    to the host in one copy."""
+def read_with_flags(tokens: torch.Tensor, logits: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Tokens [N] sampled from logits [N, V] and whether each row's logits were not finite (1)
+    or were (0), read to the host in one copy (step.flagged makes StepOutput's flags of them)."""
     tokens, flags = torch.stack([tokens, nonfinite_rows(logits, len(tokens)).long()]).tolist()
-    return tokens, [bool(flag) for flag in flags]
+    return tokens, flags
 
 
 class DecodeRow(msgspec.Struct, frozen=True, gc=False):

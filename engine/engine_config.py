@@ -20,8 +20,8 @@ class EngineConfig:
     max_model_len: int | None = None        # default: the model's max_position_embeddings
     max_num_seqs: int = 64                  # running requests at most
     # Tokens a step computes at most; long prompts are chunked to fit. A step that prefills runs
-    # eagerly, at a host cost nearly independent of its tokens (~17 ms for the shipped model's
-    # 2048): admitting more prompts per such step means fewer of them (vLLM and SGLang: 8192).
+    # eagerly, at a host cost nearly independent of its tokens: admitting more prompts per such
+    # step means fewer of them (vLLM and SGLang: 8192; bench/results/step_trace_batched_tokens).
     max_num_batched_tokens: int = 8192
     block_size: int = 16                    # tokens per KV block
     gpu_memory_utilization: float = 0.9     # share of free GPU memory after weights for the pools

@@ -217,10 +217,10 @@ class Speculator:
         self._set_pending(resampling.slots, accepted)
         self.sampler.penalties.record(resampling.penalized, emitted, accepted + 1)
 
-    def read(self, num_rows: int, width: int) -> tuple[list[list[int]], list[list[int]], list[int], list[bool]]:
+    def read(self, num_rows: int, width: int) -> tuple[list[list[int]], list[list[int]], list[int], list[int]]:
         """The step's outputs on the host (a sync): each row's emitted tokens, the logits rows
         that scored them (row-major by (row, depth)), its pending count and whether its logits
-        were not finite."""
+        were not finite (1) or were (0)."""
         accepted = self.decode.accepted[:num_rows].tolist()
         emitted = self.decode.emitted[:width, :num_rows].T.tolist()
         tokens = [emitted[i][:accepted[i] + 1] for i in range(num_rows)]

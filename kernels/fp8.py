@@ -41,7 +41,7 @@ from .arrivals import arrival_counters, last_to_arrive, reset_arrivals
 from .device import INTERPRETED, num_sms
 from .launch import dependent_prologue, pdl
 from .linear import split_k_for
-from .moe import block_rows, by_expert_reference, grouped_config, sort_pairs, sum_slots
+from .moe import block_rows, by_expert_reference, grouped_config, sort_pairs, store_weighted_pairs, sum_slots
 from .tiles import TileConfig
 
 FP8 = torch.float8_e4m3fn
@@ -422,9 +422,7 @@ def _fp8_down_grouped_kernel(act_fp8, act_scale, counts, sorted_pairs, weights, 
         b = tl.load(w + n[None, :] * I + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         b_scale = tl.load(w_scale + n * num_i_groups + g, mask=n_ok, other=0.0)[None, :]
         acc += tl.dot(a, b) * a_scale * b_scale
-    acc *= tl.load(weights + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_pairs + pair[:, None].to(tl.int64) * H + n[None, :], acc.to(out_pairs.dtype.element_ty),
-             mask=valid[:, None] & n_ok[None, :])
+    store_weighted_pairs(out_pairs, acc, weights, pair, valid, n, n_ok, H)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}

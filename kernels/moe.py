@@ -234,6 +234,15 @@ def block_rows(counts, sorted_pairs, m_block, E, E_PAD: tl.constexpr, BLOCK_M: t
     return expert, position, valid, tl.load(sorted_pairs + position, mask=valid, other=0)
 
 
+@triton.jit
+def store_weighted_pairs(out_pairs, acc, weights, pair, valid, n, n_ok, H):
+    """The down GEMMs' epilogue: out_pairs[pair, n] = routing weight[pair] * acc[row, n] (fp32
+    acc [BLOCK_M, BLOCK_N]) for the block's valid rows and the tile's columns n < H."""
+    acc *= tl.load(weights + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_pairs + pair[:, None].to(tl.int64) * H + n[None, :], acc.to(out_pairs.dtype.element_ty),
+             mask=valid[:, None] & n_ok[None, :])
+
+
 @triton.jit(do_not_specialize=["num_m_blocks"])
 def _gate_up_grouped_kernel(x, counts, sorted_pairs, w_gate_up, act, H, I, E, num_m_blocks, TOP_K: tl.constexpr,
                             E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -285,9 +294,7 @@ def _down_grouped_kernel(act, counts, sorted_pairs, weights, w_down, out_pairs, 
                     other=0.0)
         b = tl.load(w + n[None, :] * I + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    acc *= tl.load(weights + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_pairs + pair[:, None].to(tl.int64) * H + n[None, :], acc.to(out_pairs.dtype.element_ty),
-             mask=valid[:, None] & n_ok[None, :])
+    store_weighted_pairs(out_pairs, acc, weights, pair, valid, n, n_ok, H)
 
 
 @triton.jit

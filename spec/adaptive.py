@@ -32,7 +32,7 @@ has been in a bucket. A hiccup (a collector pause, a burst of admissions) only e
 step slower, so a K's estimate starts as the faster of its first two sights, and a K seen once
 runs again after one probe interval for its second; after that a K not chosen for 16 probe
 intervals runs once more, so that an estimate taken before contexts grew does not decide for
-good. (Served at 16 streams, single first sights 2-2.5x the K's later cost priced K = 2 out.)
+good.
 
 With `adaptive` off every step drafts max_draft_tokens (a fixed K, as benchmarks compare).
 Knows nothing about tensors or the scheduler.
