@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from ..kernels.gdn_chunked import CHUNK_SIZE
@@ -22,6 +23,41 @@ def device_tensor(values: Sequence, dtype: torch.dtype, device: torch.device | s
     if torch.device(device).type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def device_arrays(arrays: dict[str, np.ndarray], device: torch.device | str) -> dict[str, torch.Tensor]:
+    """Host arrays on `device` by one copy: packed into one pinned buffer (each at an 8-byte
+    aligned offset), copied as device_tensor copies, then viewed back in their dtypes and shapes.
+    A step's metadata is a dozen small arrays; a copy each costs a dozen allocations and launches."""
+    arrays = {name: np.ascontiguousarray(a) for name, a in arrays.items()}
+    if torch.device(device).type != "cuda":
+        return {name: torch.from_numpy(a.copy()).to(device) for name, a in arrays.items()}
+    offsets, total = {}, 0
+    for name, a in arrays.items():
+        offsets[name] = total
+        total += -(-a.nbytes // 8) * 8
+    staging = torch.empty(max(total, 8), dtype=torch.uint8, pin_memory=True)
+    host = staging.numpy()
+    for name, a in arrays.items():
+        host[offsets[name]:offsets[name] + a.nbytes] = a.reshape(-1).view(np.uint8)
+    packed = staging.to(device, non_blocking=True)
+    return {name: packed[offsets[name]:offsets[name] + a.nbytes].view(_TORCH_DTYPE[a.dtype]).view(a.shape)
+            for name, a in arrays.items()}
+
+
+_TORCH_DTYPE = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32, np.dtype(np.bool_): torch.bool,
+                np.dtype(np.float32): torch.float32}
+
+
+def spans(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The ranges [starts[i], starts[i] + counts[i]) one after another, as one int64 array."""
+    starts, counts = np.asarray(starts, dtype=np.int64), np.asarray(counts, dtype=np.int64)
+    total = int(counts.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    # each element: its range's start + its index within the range
+    first = np.cumsum(counts) - counts
+    return np.repeat(starts - first, counts) + np.arange(total, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -102,62 +138,76 @@ class ForwardBatch:
     @classmethod
     def build(cls, decode_rows: Sequence[Row], prefill_rows: Sequence[Row], block_size: int,
               device: torch.device | str, commit: bool = True) -> "ForwardBatch":
+        """The batch of these rows on `device`: per-token arrays computed with numpy from each
+        row's start, length and block table (no Python loop over tokens), one host-to-device copy."""
         rows = [*decode_rows, *prefill_rows]
         if not rows:
             raise ValueError("empty batch")
-        lengths = [len(r.token_ids) for r in rows]
-        offsets = [0]
-        for n in lengths:
-            offsets.append(offsets[-1] + n)
-        input_ids, positions, slot_mapping, logits_indices = [], [], [], []
-        max_blocks = max(len(r.block_table) for r in rows)
-        for r, start in zip(rows, offsets):
-            end_position = r.start_position + len(r.token_ids)
-            if len(r.block_table) * block_size < end_position:
-                raise ValueError(f"block table of slot {r.slot} covers {len(r.block_table) * block_size} "
-                                 f"tokens, row needs {end_position}")
-            input_ids.extend(r.token_ids)
-            span = range(r.start_position, end_position)
-            positions.extend(span)
-            slot_mapping.extend(r.block_table[p // block_size] * block_size + p % block_size for p in span)
-            logits_indices.extend(range(start + len(r.token_ids) - r.num_logits, start + len(r.token_ids)))
+        num_rows, num_decode = len(rows), len(decode_rows)
+        lengths = np.array([len(r.token_ids) for r in rows], dtype=np.int64)
+        offsets = np.zeros(num_rows + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        starts = np.array([r.start_position for r in rows], dtype=np.int64)
+        ends = starts + lengths
+        table_lengths = np.array([len(r.block_table) for r in rows], dtype=np.int64)
+        short = np.flatnonzero(table_lengths * block_size < ends)
+        if short.size:
+            i = int(short[0])
+            raise ValueError(f"block table of slot {rows[i].slot} covers {table_lengths[i] * block_size} "
+                             f"tokens, row needs {ends[i]}")
+        block_tables = np.zeros((num_rows, int(table_lengths.max())), dtype=np.int32)  # padded with scratch block 0
+        for i, r in enumerate(rows):
+            block_tables[i, :len(r.block_table)] = r.block_table
+        positions = spans(starts, lengths)
+        row_of_token = np.repeat(np.arange(num_rows), lengths)
+        slot_mapping = (block_tables[row_of_token, positions // block_size].astype(np.int64) * block_size
+                        + positions % block_size)
+        num_logits = np.array([r.num_logits for r in rows], dtype=np.int64)
+        arrays = dict(
+            input_ids=np.concatenate([np.asarray(r.token_ids, dtype=np.int64) for r in rows]),
+            positions=positions,
+            cu_seqlens=offsets.astype(np.int32),
+            context_lens=ends.astype(np.int32),
+            block_tables=block_tables,
+            slot_mapping=slot_mapping,
+            logits_indices=spans(offsets[1:] - num_logits, num_logits),
+            slot_ids=np.array([r.slot for r in rows], dtype=np.int32),
+            has_initial_state=starts > 0,
+            decode_cu=offsets[:num_decode + 1].astype(np.int32),
+            prefill_cu=(offsets[num_decode:] - offsets[num_decode]).astype(np.int32))
+        owners = [(i, n, slot) for i, r in enumerate(prefill_rows) for n, slot in r.checkpoints]
+        if owners:
+            index, length, slot = (np.array(column, dtype=np.int64) for column in zip(*owners))
+            row_start = offsets[num_decode + index] - offsets[num_decode]
+            arrays.update(
+                checkpoint_cu=np.concatenate(([0], np.cumsum([len(r.checkpoints) for r in prefill_rows]))).astype(
+                    np.int32),
+                checkpoint_lengths=length.astype(np.int32),
+                checkpoint_slots=slot,
+                checkpoint_last_token=row_start + length - 1,
+                checkpoint_row_start=row_start,
+                checkpoint_row_slot=arrays["slot_ids"][num_decode + index].astype(np.int64))
+        t = device_arrays(arrays, device)
+        offset = offsets.tolist()
 
-        def tensor(values, dtype):
-            return device_tensor(values, dtype, device)
+        def group(first: int, last: int, cu: torch.Tensor) -> RowGroup:
+            return RowGroup(token_start=offset[first], token_end=offset[last], cu_seqlens=cu,
+                            slot_ids=t["slot_ids"][first:last], has_initial_state=t["has_initial_state"][first:last])
 
-        def group(first: int, last: int) -> RowGroup:
-            base = offsets[first]
-            return RowGroup(token_start=base, token_end=offsets[last],
-                            cu_seqlens=tensor([o - base for o in offsets[first:last + 1]], torch.int32),
-                            slot_ids=tensor([r.slot for r in rows[first:last]], torch.int32),
-                            has_initial_state=tensor([r.start_position > 0 for r in rows[first:last]], torch.bool))
-
-        num_decode = len(decode_rows)
-        checkpoints = None
-        if any(r.checkpoints for r in prefill_rows):
-            base = offsets[num_decode]
-            owners = [(i, n, slot) for i, r in enumerate(prefill_rows) for n, slot in r.checkpoints]
-            cu = [0]
-            for r in prefill_rows:
-                cu.append(cu[-1] + len(r.checkpoints))
-            checkpoints = PrefillCheckpoints(
-                cu=tensor(cu, torch.int32),
-                lengths=tensor([n for _, n, _ in owners], torch.int32),
-                slots=tensor([slot for _, _, slot in owners], torch.int64),
-                last_token=tensor([offsets[num_decode + i] - base + n - 1 for i, n, _ in owners], torch.int64),
-                row_start=tensor([offsets[num_decode + i] - base for i, _, _ in owners], torch.int64),
-                row_slot=tensor([prefill_rows[i].slot for i, _, _ in owners], torch.int64))
+        checkpoints = None if not owners else PrefillCheckpoints(
+            cu=t["checkpoint_cu"], lengths=t["checkpoint_lengths"], slots=t["checkpoint_slots"],
+            last_token=t["checkpoint_last_token"], row_start=t["checkpoint_row_start"],
+            row_slot=t["checkpoint_row_slot"])
         return cls(
-            input_ids=tensor(input_ids, torch.int64),
-            positions=tensor(positions, torch.int64),
-            cu_seqlens=tensor(offsets, torch.int32),
-            context_lens=tensor([r.start_position + len(r.token_ids) for r in rows], torch.int32),
-            block_tables=tensor([list(r.block_table) + [0] * (max_blocks - len(r.block_table)) for r in rows],
-                                torch.int32),
-            slot_mapping=tensor(slot_mapping, torch.int64),
-            logits_indices=tensor(logits_indices, torch.int64),
-            decode=group(0, num_decode),
-            prefill=group(num_decode, len(rows)),
+            input_ids=t["input_ids"],
+            positions=t["positions"],
+            cu_seqlens=t["cu_seqlens"],
+            context_lens=t["context_lens"],
+            block_tables=t["block_tables"],
+            slot_mapping=t["slot_mapping"],
+            logits_indices=t["logits_indices"],
+            decode=group(0, num_decode, t["decode_cu"]),
+            prefill=group(num_decode, num_rows, t["prefill_cu"]),
             commit=commit,
             checkpoints=checkpoints,
         )

@@ -38,10 +38,11 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from ..spec import AcceptanceProfile, greedy_accept, sampled_accept
-from .batch import ForwardBatch, Row, device_tensor
+from .batch import ForwardBatch, Row, device_arrays, device_tensor, spans
 from .checkpoint_io import CheckpointIO
 from .decode_step import DecodeRows, DecodeStep, nonfinite_rows
 from .models import HybridLM
@@ -264,45 +265,38 @@ class Speculator:
         ones for the position before the chunk (a restored checkpoint whose MTP was one behind)
         — so the MTP's KV cache stays complete; a chunk that ends the prompt keeps its last
         hidden state for the first catch-up."""
-        self._set_pending(self._indices([r.slot for r in rows]), None)
         decode_tokens = batch.prefill.token_start
-        offsets = _offsets([len(r.token_ids) for r in rows])
-        mtp_rows, fresh_index, fresh_place, kept_slots, kept_depths, kept_place = [], [], [], [], [], []
-        keep_slots, keep_index = [], []
-        place = 0  # index of the position in the MTP batch
-        for r, offset in zip(rows, offsets):
-            if r.mtp_end > r.mtp_start:
-                # Positions [mtp_start, split) precede the chunk (kept hidden states, depth
-                # position - mtp_start); [split, mtp_end) are the chunk's own.
-                split = min(max(r.start_position, r.mtp_start), r.mtp_end)
-                num_kept, num_positions = split - r.mtp_start, r.mtp_end - r.mtp_start
-                kept_slots.extend([r.slot] * num_kept)
-                kept_depths.extend(range(num_kept))
-                kept_place.extend(range(place, place + num_kept))
-                fresh_place.extend(range(place + num_kept, place + num_positions))
-                first = decode_tokens + offset + split - r.start_position
-                fresh_index.extend(range(first, first + r.mtp_end - split))
-                place += num_positions
-                mtp_rows.append(Row(r.mtp_token_ids, r.mtp_start, r.slot, r.block_table, num_logits=0))
-            if r.sample:
-                keep_slots.append(r.slot)
-                keep_index.append(decode_tokens + offset + len(r.token_ids) - 1)
-        tensor = self._indices
+        lengths = np.array([len(r.token_ids) for r in rows], dtype=np.int64)
+        row_offsets = decode_tokens + np.cumsum(lengths) - lengths       # each row's first token in hidden
+        starts, mtp_starts, mtp_ends = (np.array(column, dtype=np.int64).reshape(-1) for column in
+                                        zip(*((r.start_position, r.mtp_start, r.mtp_end) for r in rows)))
+        # A row's MTP positions [mtp_start, mtp_end) are laid out one row after another: those
+        # before `split` precede the chunk (the slot's kept hidden states, depth position -
+        # mtp_start), those from `split` on are the chunk's own (this forward's hidden states).
+        runs = mtp_ends > mtp_starts
+        split = np.minimum(np.maximum(starts, mtp_starts), mtp_ends)
+        num_kept, num_positions = (split - mtp_starts) * runs, (mtp_ends - mtp_starts) * runs
+        place = np.cumsum(num_positions) - num_positions
+        slots = np.array([r.slot for r in rows], dtype=np.int64)
+        sampled = np.array([r.sample for r in rows], dtype=bool)
+        t = device_arrays(dict(
+            slots=slots,
+            fresh_place=spans(place + num_kept, num_positions - num_kept),
+            fresh_index=spans(row_offsets + split - starts, num_positions - num_kept),
+            kept_place=spans(place, num_kept),
+            kept_slots=np.repeat(slots, num_kept),
+            kept_depths=spans(np.zeros_like(num_kept), num_kept),
+            keep_slots=slots[sampled],
+            keep_index=(row_offsets + lengths - 1)[sampled]), self.device)
+        self._set_pending(t["slots"], None)
+        mtp_rows = [Row(r.mtp_token_ids, r.mtp_start, r.slot, r.block_table, num_logits=0) for r in rows
+                    if r.mtp_end > r.mtp_start]
         if mtp_rows:
-            inputs = hidden.new_empty(len(fresh_place) + len(kept_place), hidden.shape[1])
-            inputs[tensor(fresh_place)] = hidden[tensor(fresh_index)]
-            if kept_place:
-                inputs[tensor(kept_place)] = self.states.mtp_hidden[tensor(kept_slots), tensor(kept_depths)]
+            inputs = hidden.new_empty(int(num_positions.sum()), hidden.shape[1])
+            inputs[t["fresh_place"]] = hidden[t["fresh_index"]]
+            if num_kept.any():
+                inputs[t["kept_place"]] = self.states.mtp_hidden[t["kept_slots"], t["kept_depths"]]
             mtp_batch = ForwardBatch.build([], mtp_rows, self.decode.block_size, self.device, commit=True)
             self.model.draft_hidden(mtp_batch.input_ids, inputs, mtp_batch, self.kv)
-        if keep_slots:
-            self.states.mtp_hidden[tensor(keep_slots), 0] = hidden[tensor(keep_index)]
-
-
-def _offsets(lengths: list[int]) -> list[int]:
-    """Start index of each row in a flattened batch."""
-    starts, total = [], 0
-    for n in lengths:
-        starts.append(total)
-        total += n
-    return starts
+        if sampled.any():
+            self.states.mtp_hidden[t["keep_slots"], 0] = hidden[t["keep_index"]]
