@@ -26,17 +26,20 @@ def device_tensor(values: Sequence, dtype: torch.dtype, device: torch.device | s
 
 
 def device_arrays(arrays: dict[str, np.ndarray], device: torch.device | str) -> dict[str, torch.Tensor]:
-    """Host arrays on `device` by one copy: packed into one pinned buffer (each at an 8-byte
-    aligned offset), copied as device_tensor copies, then viewed back in their dtypes and shapes.
-    A step's metadata is a dozen small arrays; a copy each costs a dozen allocations and launches."""
+    """Host arrays on `device` by one copy: packed into one pinned buffer, copied as
+    device_tensor copies, then viewed back in their dtypes and shapes. A step's metadata is a
+    dozen small arrays; a copy each costs a dozen allocations and launches. Each array starts at
+    a multiple of 16 bytes, as a fresh allocation does: Triton specializes a kernel on whether
+    each pointer is 16-byte aligned, so a view at another offset would compile a new variant
+    mid-serving, one the warm-up never built."""
     arrays = {name: np.ascontiguousarray(a) for name, a in arrays.items()}
     if torch.device(device).type != "cuda":
         return {name: torch.from_numpy(a.copy()).to(device) for name, a in arrays.items()}
     offsets, total = {}, 0
     for name, a in arrays.items():
         offsets[name] = total
-        total += -(-a.nbytes // 8) * 8
-    staging = torch.empty(max(total, 8), dtype=torch.uint8, pin_memory=True)
+        total += -(-a.nbytes // _ALIGN) * _ALIGN
+    staging = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=True)
     host = staging.numpy()
     for name, a in arrays.items():
         host[offsets[name]:offsets[name] + a.nbytes] = a.reshape(-1).view(np.uint8)
@@ -45,6 +48,7 @@ def device_arrays(arrays: dict[str, np.ndarray], device: torch.device | str) -> 
             for name, a in arrays.items()}
 
 
+_ALIGN = 16
 _TORCH_DTYPE = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32, np.dtype(np.bool_): torch.bool,
                 np.dtype(np.float32): torch.float32}
 
