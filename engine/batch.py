@@ -25,27 +25,42 @@ def device_tensor(values: Sequence, dtype: torch.dtype, device: torch.device | s
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
-def device_arrays(arrays: dict[str, np.ndarray], device: torch.device | str) -> dict[str, torch.Tensor]:
+def device_arrays(arrays: dict[str, np.ndarray], device: torch.device | str,
+                  into: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Host arrays on `device` by one copy: packed into one pinned buffer, copied as
     device_tensor copies, then viewed back in their dtypes and shapes. A step's metadata is a
     dozen small arrays; a copy each costs a dozen allocations and launches. Each array starts at
     a multiple of 16 bytes, as a fresh allocation does: Triton specializes a kernel on whether
     each pointer is 16-byte aligned, so a view at another offset would compile a new variant
-    mid-serving, one the warm-up never built."""
+    mid-serving, one the warm-up never built. into: a uint8 device buffer of packed_size(arrays)
+    bytes to copy into (a CUDA graph's static inputs) instead of a new one."""
     arrays = {name: np.ascontiguousarray(a) for name, a in arrays.items()}
     if torch.device(device).type != "cuda":
         return {name: torch.from_numpy(a.copy()).to(device) for name, a in arrays.items()}
-    offsets, total = {}, 0
-    for name, a in arrays.items():
-        offsets[name] = total
-        total += -(-a.nbytes // _ALIGN) * _ALIGN
+    offsets, total = _packing(arrays)
     staging = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=True)
     host = staging.numpy()
     for name, a in arrays.items():
         host[offsets[name]:offsets[name] + a.nbytes] = a.reshape(-1).view(np.uint8)
-    packed = staging.to(device, non_blocking=True)
+    if into is None:
+        packed = staging.to(device, non_blocking=True)
+    else:
+        packed = into.copy_(staging[:into.numel()], non_blocking=True)
     return {name: packed[offsets[name]:offsets[name] + a.nbytes].view(_TORCH_DTYPE[a.dtype]).view(a.shape)
             for name, a in arrays.items()}
+
+
+def packed_size(arrays: dict[str, np.ndarray]) -> int:
+    """Bytes of device_arrays' packed buffer for arrays of these dtypes and shapes."""
+    return max(_packing(arrays)[1], _ALIGN)
+
+
+def _packing(arrays: dict[str, np.ndarray]) -> tuple[dict[str, int], int]:
+    offsets, total = {}, 0
+    for name, a in arrays.items():
+        offsets[name] = total
+        total += -(-a.nbytes // _ALIGN) * _ALIGN
+    return offsets, total
 
 
 _ALIGN = 16
@@ -142,67 +157,130 @@ class ForwardBatch:
     @classmethod
     def build(cls, decode_rows: Sequence[Row], prefill_rows: Sequence[Row], block_size: int,
               device: torch.device | str, commit: bool = True) -> "ForwardBatch":
-        """The batch of these rows on `device`: per-token arrays computed with numpy from each
-        row's start, length and block table (no Python loop over tokens), one host-to-device copy."""
+        """The batch of these rows on `device` (one host-to-device copy)."""
+        layout = BatchLayout.of(decode_rows, prefill_rows, block_size)
+        return layout.batch(device_arrays(layout.arrays, device), commit)
+
+
+@dataclass(frozen=True)
+class Padding:
+    """Rows that bring a prefill batch to a fixed shape (a CUDA graph's, prefill_graphs.py):
+    num_tokens tokens in num_rows rows, num_checkpoints checkpoint entries, block tables
+    table_width wide. Padding rows run from zero state in scratch slot 0 over scratch KV block
+    0 (never a sequence's), each at least one token long (no kernel sees an empty row); the
+    padding checkpoint entries have length 0, which no chunk boundary matches, so the kernels
+    write none of them and the copies after the forward go to the scratch slot."""
+
+    num_tokens: int
+    num_rows: int
+    num_checkpoints: int
+    table_width: int
+
+    def fits(self, num_tokens: int, num_rows: int, num_checkpoints: int, table_width: int) -> bool:
+        return (num_rows < self.num_rows and self.num_tokens - num_tokens >= self.num_rows - num_rows
+                and num_checkpoints <= self.num_checkpoints and table_width <= self.table_width)
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """A batch's arrays on the host (numpy, no Python loop over tokens) and where its row
+    groups start, before they go to the device."""
+
+    arrays: dict[str, np.ndarray]
+    offsets: list[int]      # [rows + 1] token offsets of the rows
+    num_decode: int
+    num_rows: int           # real and padding rows
+
+    @classmethod
+    def of(cls, decode_rows: Sequence[Row], prefill_rows: Sequence[Row], block_size: int,
+           padding: Padding | None = None) -> "BatchLayout":
+        """Padding (prefill rows only) appends padding rows after the real ones."""
         rows = [*decode_rows, *prefill_rows]
-        if not rows:
+        if not rows and padding is None:
             raise ValueError("empty batch")
-        num_rows, num_decode = len(rows), len(decode_rows)
-        lengths = np.array([len(r.token_ids) for r in rows], dtype=np.int64)
+        if padding is not None and decode_rows:
+            raise ValueError("a padded batch holds prefill rows only")
+        num_decode = len(decode_rows)
+        lengths = [len(r.token_ids) for r in rows]
+        starts = [r.start_position for r in rows]
+        slots = [r.slot for r in rows]
+        num_logits = [r.num_logits for r in rows]
+        tables = [r.block_table for r in rows]
+        owners = [(i, n, slot) for i, r in enumerate(prefill_rows) for n, slot in r.checkpoints]
+        counts = [len(r.checkpoints) for r in prefill_rows]
+        token_ids = [np.asarray(r.token_ids, dtype=np.int64) for r in rows]
+        width = max((len(t) for t in tables), default=0)
+        if padding is not None:
+            num_tokens = sum(lengths)
+            if not padding.fits(num_tokens, len(rows), len(owners), width):
+                raise ValueError(f"{num_tokens} tokens in {len(rows)} rows, {len(owners)} checkpoints, tables "
+                                 f"{width} wide do not fit {padding}")
+            extra_rows = padding.num_rows - len(rows)
+            extra = [padding.num_tokens - num_tokens - (extra_rows - 1)] + [1] * (extra_rows - 1)
+            lengths += extra
+            starts += [0] * extra_rows
+            slots += [0] * extra_rows
+            num_logits += [0] * extra_rows
+            token_ids.append(np.zeros(sum(extra), dtype=np.int64))
+            # The padding checkpoint entries belong to the first padding row.
+            owners += [(len(prefill_rows), 0, 0)] * (padding.num_checkpoints - len(owners))
+            counts += [padding.num_checkpoints - sum(counts)] + [0] * (extra_rows - 1)
+            width = padding.table_width
+        num_rows = len(lengths)
+        lengths, starts = np.array(lengths, dtype=np.int64), np.array(starts, dtype=np.int64)
         offsets = np.zeros(num_rows + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        starts = np.array([r.start_position for r in rows], dtype=np.int64)
         ends = starts + lengths
-        table_lengths = np.array([len(r.block_table) for r in rows], dtype=np.int64)
-        short = np.flatnonzero(table_lengths * block_size < ends)
+        block_tables = np.zeros((num_rows, width), dtype=np.int32)  # padded with scratch block 0
+        for i, table in enumerate(tables):
+            block_tables[i, :len(table)] = table
+        short = np.flatnonzero(np.array([len(t) for t in tables], dtype=np.int64) * block_size < ends[:len(rows)])
         if short.size:
             i = int(short[0])
-            raise ValueError(f"block table of slot {rows[i].slot} covers {table_lengths[i] * block_size} "
+            raise ValueError(f"block table of slot {rows[i].slot} covers {len(tables[i]) * block_size} "
                              f"tokens, row needs {ends[i]}")
-        block_tables = np.zeros((num_rows, int(table_lengths.max())), dtype=np.int32)  # padded with scratch block 0
-        for i, r in enumerate(rows):
-            block_tables[i, :len(r.block_table)] = r.block_table
         positions = spans(starts, lengths)
         row_of_token = np.repeat(np.arange(num_rows), lengths)
         slot_mapping = (block_tables[row_of_token, positions // block_size].astype(np.int64) * block_size
                         + positions % block_size)
-        num_logits = np.array([r.num_logits for r in rows], dtype=np.int64)
+        num_logits = np.array(num_logits, dtype=np.int64)
         arrays = dict(
-            input_ids=np.concatenate([np.asarray(r.token_ids, dtype=np.int64) for r in rows]),
+            input_ids=np.concatenate(token_ids),
             positions=positions,
             cu_seqlens=offsets.astype(np.int32),
             context_lens=ends.astype(np.int32),
             block_tables=block_tables,
             slot_mapping=slot_mapping,
             logits_indices=spans(offsets[1:] - num_logits, num_logits),
-            slot_ids=np.array([r.slot for r in rows], dtype=np.int32),
+            slot_ids=np.array(slots, dtype=np.int32),
             has_initial_state=starts > 0,
             decode_cu=offsets[:num_decode + 1].astype(np.int32),
             prefill_cu=(offsets[num_decode:] - offsets[num_decode]).astype(np.int32))
-        owners = [(i, n, slot) for i, r in enumerate(prefill_rows) for n, slot in r.checkpoints]
         if owners:
             index, length, slot = (np.array(column, dtype=np.int64) for column in zip(*owners))
             row_start = offsets[num_decode + index] - offsets[num_decode]
             arrays.update(
-                checkpoint_cu=np.concatenate(([0], np.cumsum([len(r.checkpoints) for r in prefill_rows]))).astype(
-                    np.int32),
+                checkpoint_cu=np.concatenate(([0], np.cumsum(counts))).astype(np.int32),
                 checkpoint_lengths=length.astype(np.int32),
                 checkpoint_slots=slot,
-                checkpoint_last_token=row_start + length - 1,
+                checkpoint_last_token=np.maximum(row_start + length - 1, 0),
                 checkpoint_row_start=row_start,
                 checkpoint_row_slot=arrays["slot_ids"][num_decode + index].astype(np.int64))
-        t = device_arrays(arrays, device)
-        offset = offsets.tolist()
+        return cls(arrays, offsets.tolist(), num_decode, num_rows)
+
+    def batch(self, t: dict[str, torch.Tensor], commit: bool) -> ForwardBatch:
+        """The ForwardBatch over `t`, this layout's arrays on the device."""
+        offset, num_decode = self.offsets, self.num_decode
 
         def group(first: int, last: int, cu: torch.Tensor) -> RowGroup:
             return RowGroup(token_start=offset[first], token_end=offset[last], cu_seqlens=cu,
                             slot_ids=t["slot_ids"][first:last], has_initial_state=t["has_initial_state"][first:last])
 
-        checkpoints = None if not owners else PrefillCheckpoints(
+        checkpoints = None if "checkpoint_cu" not in t else PrefillCheckpoints(
             cu=t["checkpoint_cu"], lengths=t["checkpoint_lengths"], slots=t["checkpoint_slots"],
             last_token=t["checkpoint_last_token"], row_start=t["checkpoint_row_start"],
             row_slot=t["checkpoint_row_slot"])
-        return cls(
+        return ForwardBatch(
             input_ids=t["input_ids"],
             positions=t["positions"],
             cu_seqlens=t["cu_seqlens"],
@@ -211,7 +289,7 @@ class ForwardBatch:
             slot_mapping=t["slot_mapping"],
             logits_indices=t["logits_indices"],
             decode=group(0, num_decode, t["decode_cu"]),
-            prefill=group(num_decode, num_rows, t["prefill_cu"]),
+            prefill=group(num_decode, self.num_rows, t["prefill_cu"]),
             commit=commit,
             checkpoints=checkpoints,
         )

@@ -43,6 +43,7 @@ from .executor import ParallelRunner, Workers, rank_device
 from .model_config import ModelConfig
 from .models import HybridLM
 from .penalties import Penalties
+from .prefill_graphs import PrefillGraphs
 from .prefix_cache import CheckpointHandle, PrefixCache
 from .request import NONFINITE_LOGITS, Request, RequestDelta
 from .runner import InFlight, Runner
@@ -186,7 +187,8 @@ class EngineCore:
         graphs = self._decode_graphs(decode)
         spec_graphs = self._spec_graphs(decode, speculator, split=edit_drafts is not None) if speculator else None
         self.runner = Runner(self.model, self.states, self.kv, sampler, checkpoint_io, config.block_size, self.device,
-                             decode, graphs=graphs, speculator=speculator, spec_graphs=spec_graphs)
+                             decode, graphs=graphs, speculator=speculator, spec_graphs=spec_graphs,
+                             prefill_graphs=self._prefill_graphs(commit=speculator is None))
         if self.workers is not None:
             self.runner = ParallelRunner(self.runner, self.workers)
         policy = None
@@ -425,6 +427,19 @@ class EngineCore:
         graphs.capture()
         logger.info("captured CUDA graphs for speculative steps: batch sizes %s x drafts 1..%d", graphs.buckets,
                     self.num_draft_tokens)
+        return graphs
+
+    def _prefill_graphs(self, commit: bool) -> PrefillGraphs | None:
+        """Graphs of the prefill forwards where they pay (prefill_graphs.py); not under tensor
+        parallelism (not yet measured with its collectives) nor with prefill graphs turned off."""
+        if not (self._graphs_enabled and self.config.enable_prefill_graphs) or self.tp is not None:
+            return None
+        config = self.config
+        graphs = PrefillGraphs(self.model, self.states, self.kv, config.block_size, self._max_blocks_per_row,
+                               config.max_num_batched_tokens, config.max_num_seqs, config.checkpoint_interval,
+                               commit, self.device)
+        graphs.capture()
+        logger.info("captured CUDA graphs for prefill steps: %s", graphs.describe())
         return graphs
 
     def _step_costs(self, graphs: DecodeGraphs | None, spec_graphs: SpecGraphs | None) -> StepCosts:

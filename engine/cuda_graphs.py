@@ -38,7 +38,7 @@ def default_buckets(max_batch: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def _no_garbage_collection():
+def no_garbage_collection():
     """Python's collector must not run during a capture: objects it frees (tensors of earlier
     engines, pinned host buffers) release device or host memory through CUDA calls that are
     illegal while a stream captures, which invalidates the capture."""
@@ -50,7 +50,7 @@ def _no_garbage_collection():
         gc.enable()
 
 
-def _warm_up(run, times: int) -> None:
+def warm_up_on_side_stream(run, times: int) -> None:
     """Run eagerly on a side stream before a capture: compiles every kernel, sizes workspaces."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -111,12 +111,12 @@ class DecodeGraphs(_StaticRows):
         self.graphs: dict[int, _Graph] = {}
 
     @torch.inference_mode()
-    @_no_garbage_collection()
+    @no_garbage_collection()
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         for bucket in sorted(self.buckets, reverse=True):  # largest first: the pool fits the rest
             rows = self.rows.head(bucket)
-            _warm_up(lambda: self.step.plain(rows), 2)
+            warm_up_on_side_stream(lambda: self.step.plain(rows), 2)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 logits, tokens = self.step.plain(rows)
@@ -155,7 +155,7 @@ class SpecGraphs(_StaticRows):
         self.graphs: dict[tuple[int, int], _SpecGraph] = {}
 
     @torch.inference_mode()
-    @_no_garbage_collection()
+    @no_garbage_collection()
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         speculator = self.speculator
@@ -163,7 +163,7 @@ class SpecGraphs(_StaticRows):
             rows = self.rows.head(bucket)
             for num_drafts in range(self.max_drafts, 0, -1):  # no row drafting: a plain step
                 logits = self.logits[:bucket * (num_drafts + 1)]
-                _warm_up(lambda: speculator.step(rows, num_drafts, logits), 1)
+                warm_up_on_side_stream(lambda: speculator.step(rows, num_drafts, logits), 1)
                 graph, verify = torch.cuda.CUDAGraph(), None
                 if self.split:
                     with torch.cuda.graph(graph, pool=pool):

@@ -28,6 +28,7 @@ class EngineConfig:
     cpu_memory_bytes: int = 1 << 30         # pool budget on the CPU
     num_kv_blocks: int | None = None        # override the KV pool size (tests, preemption)
     enable_cuda_graphs: bool = True         # decode steps replay captured graphs (CUDA + Triton only)
+    enable_prefill_graphs: bool = True      # so do prefill forwards where that pays (needs enable_cuda_graphs)
     async_scheduling: bool = True           # plain decoding launches step n+1 before step n's tokens arrive
     num_draft_tokens: int | None = None     # MTP drafts a step at most (0: off; None: 3 with MTP weights)
     adaptive_draft_length: bool = True      # each step's drafts from measured step costs and acceptance

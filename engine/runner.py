@@ -32,6 +32,7 @@ from .cuda_graphs import DecodeGraphs, SpecGraphs
 from .decode_step import DecodeRows, DecodeStep, read_with_flags
 from .models import HybridLM
 from .penalties import PenalizedRows
+from .prefill_graphs import PrefillGraphs
 from .prefix_cache import CacheOps
 from .sampler import Sampler
 from .speculation import Speculator
@@ -106,13 +107,15 @@ class InFlight:
 class Runner:
     def __init__(self, model: HybridLM, states: StatePool, kv: KVPool, sampler: Sampler, checkpoint_io: CheckpointIO,
                  block_size: int, device: torch.device, decode: DecodeStep, graphs: DecodeGraphs | None = None,
-                 speculator: Speculator | None = None, spec_graphs: SpecGraphs | None = None) -> None:
+                 speculator: Speculator | None = None, spec_graphs: SpecGraphs | None = None,
+                 prefill_graphs: PrefillGraphs | None = None) -> None:
         """decode: the fixed-shape decode stages; graphs: their captured plain graphs (None:
         eager). speculator: the speculative stages (None: no speculation) and spec_graphs their
-        captured graphs."""
+        captured graphs. prefill_graphs: captured prefill forwards (None: eager)."""
         self.model, self.states, self.kv, self.sampler = model, states, kv, sampler
         self.block_size, self.device, self.graphs = block_size, device, graphs
         self.decode, self.speculator, self.spec_graphs = decode, speculator, spec_graphs
+        self.prefill_graphs = prefill_graphs
         self.checkpoint_io = checkpoint_io
         # Pinned copies of DecodeStep.outputs, used in turn: at most two steps are in flight
         # (the one being waited for and the one launched after it).
@@ -257,11 +260,15 @@ class Runner:
         return output.then(self._run_cached(plan.cached_rows)) if plan.cached_rows else output
 
     def _prefill(self, rows: tuple[ScheduledRow, ...]) -> StepOutput:
-        """One eager forward over prefill chunks; the rows that end their prompt sample their
-        first token. With speculation the MTP runs over the chunks too (Speculator.prefill_mtp)."""
-        batch = ForwardBatch.build([], [r.forward_row() for r in rows], self.block_size, self.device,
-                                   commit=self.speculator is None)
-        hidden = self.model(batch, self.states, self.kv)
+        """One forward over prefill chunks (a graph replay where one fits, else eager); the rows
+        that end their prompt sample their first token. With speculation the MTP runs over the chunks too (Speculator.prefill_mtp)."""
+        forward_rows = [r.forward_row() for r in rows]
+        replayed = self.prefill_graphs.run(forward_rows) if self.prefill_graphs is not None else None
+        if replayed is not None:
+            batch, hidden = replayed
+        else:
+            batch = ForwardBatch.build([], forward_rows, self.block_size, self.device, commit=self.speculator is None)
+            hidden = self.model(batch, self.states, self.kv)
         self.checkpoint_io.keep_hidden(batch, hidden)
         if self.speculator is not None:
             self.speculator.prefill_mtp(hidden, batch, rows)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from deltaspec.engine.batch import ForwardBatch, Row, device_arrays, spans
+from deltaspec.engine.batch import BatchLayout, ForwardBatch, Padding, Row, device_arrays, spans
 from deltaspec.kernels.gdn_chunked import CHUNK_SIZE
 
 BLOCK = 16
@@ -115,3 +115,64 @@ def test_device_arrays_round_trip(device):
         assert t.device.type == device and tuple(t.shape) == a.shape
         assert np.array_equal(t.cpu().numpy(), a), name
         assert a.size == 0 or t.data_ptr() % 16 == 0, f"{name}: kernels are specialized on 16-byte alignment"
+
+
+PADDED_SHAPE = dict(num_hidden_layers=2, full_attention_interval=2, linear_num_key_heads=1, linear_num_value_heads=2)
+
+
+@pytest.mark.slow
+def test_a_padded_prefill_forward_changes_nothing_real(checkpoint, kernel_device):
+    """The forward over prefill rows padded to a bucket (Padding: the CUDA graphs' batches)
+    gives the real tokens' hidden states, the real slots' states and KV, and the checkpoint
+    states of the same forward unpadded, through the Triton table (interpreted on the CPU); the
+    padding writes only scratch slot 0 and scratch block 0."""
+    from deltaspec.engine import LLM
+    from deltaspec.engine.state_pool import KVPool, StatePool
+    from fixtures import GPU_SHAPE
+
+    path = checkpoint("qwen3_5", **PADDED_SHAPE, **(GPU_SHAPE if kernel_device == "cuda" else {}))
+    llm = LLM(path, device=kernel_device, block_size=BLOCK, kernel_backend="triton", enable_cuda_graphs=False)
+    model, config, device = llm.model, llm.config, llm.core.device
+    rng = random.Random(3)
+    tokens = {name: [rng.randrange(0, 500) for _ in range(n)] for name, n in (("a", 70), ("b", 21))}
+    tables = {"a": [3, 5, 7, 9, 11], "b": [2, 4]}
+    # b has 16 tokens folded in already; a writes checkpoints after 64 and 70 tokens, b after 21.
+    first = Row(tokens["b"][:16], 0, 2, tables["b"])
+    rows = [Row(tokens["a"], 0, 1, tables["a"], checkpoints=((64, 4), (70, 5))),
+            Row(tokens["b"][16:], 16, 2, tables["b"], checkpoints=((5, 6),))]
+
+    @torch.inference_mode()
+    def run(padding):
+        states = StatePool(config, 8, 0, llm.core.dtype, device)
+        kv = KVPool(model.num_kv_layers, 16, BLOCK, config.num_key_value_heads, config.head_dim, llm.core.dtype,
+                    device)
+        model(ForwardBatch.build([], [first], BLOCK, device), states, kv)
+        layout = BatchLayout.of([], rows, BLOCK, padding)
+        batch = layout.batch(device_arrays(layout.arrays, device), commit=True)
+        hidden = model(batch, states, kv)
+        return hidden, states, kv, batch
+
+    hidden, states, kv, batch = run(None)
+    padded_hidden, padded_states, padded_kv, padded_batch = run(Padding(128, 4, 6, 12))
+    assert padded_hidden.shape[0] == 128 and padded_batch.block_tables.shape == (4, 12)
+    assert torch.equal(padded_batch.logits_indices, batch.logits_indices)
+    torch.testing.assert_close(padded_hidden[:75], hidden, rtol=0, atol=0)
+    real_slots = [1, 2, 4, 5, 6]
+    for layer, padded_layer in zip(states.layers, padded_states.layers):
+        torch.testing.assert_close(padded_layer.recurrent[real_slots], layer.recurrent[real_slots], rtol=0, atol=0)
+        torch.testing.assert_close(padded_layer.conv[real_slots], layer.conv[real_slots], rtol=0, atol=0)
+        assert layer.recurrent[real_slots].abs().sum() > 0
+    for layer, padded_layer in zip(kv.layers, padded_kv.layers):
+        torch.testing.assert_close(padded_layer.k_cache[1:], layer.k_cache[1:], rtol=0, atol=0)
+        torch.testing.assert_close(padded_layer.v_cache[1:], layer.v_cache[1:], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("padding", [Padding(64, 2, 2, 8),      # no token left for the padding row
+                                     Padding(128, 1, 2, 8),     # no padding row
+                                     Padding(128, 2, 0, 8),     # the row's checkpoint has no entry
+                                     Padding(128, 2, 2, 3)])    # its table is 4 blocks wide
+def test_padding_refuses_what_does_not_fit(padding):
+    rows = [Row([1] * 64, 0, 1, [1, 2, 3, 4], checkpoints=((64, 9),))]
+    BatchLayout.of([], rows, BLOCK, Padding(128, 2, 1, 4))
+    with pytest.raises(ValueError, match="do not fit"):
+        BatchLayout.of([], rows, BLOCK, padding)

@@ -1,0 +1,147 @@
+"""CUDA graphs of prefill forwards, captured at start-up per (tokens, rows) bucket.
+
+A small model's prefill step is host-bound: its eager forward is ~120 kernel launches and ~150
+torch ops whatever its tokens, 10-20 ms of host time against 1-3 ms of kernels for the shipped
+model on an H200 (bench/step_trace.py), and every running stream waits for it. A step whose
+prefill chunks fit a bucket copies its metadata, padded to the bucket (batch.Padding: padding
+rows in scratch slot 0 over scratch KV block 0), into the bucket's static inputs with one copy
+and replays the forward. The prefix cache's checkpoint writes are part of the forward; the MTP
+prefill, the first tokens' sampling and the checkpoints' hidden states stay eager (runner.py).
+
+Buckets: tokens 64, 128, .. max_num_batched_tokens (powers of two, and the budget itself) x rows
+2, 4, .. (powers of two up to the first >= max_num_seqs + 1: one padding row at least); a bucket's
+graph runs tokens + rows tokens (room for the padding rows' tokens, at least one each) and has
+room for rows + tokens / checkpoint_interval checkpoints (a step needing more runs eagerly).
+Captured smallest token bucket first; at each, the start-up times the eager forward of its
+largest row bucket against the replay and stops capturing where the replay saves less than a
+third: a GPU-bound forward (a large model's long prefill) gains nothing from a graph and would
+pay for its padding. Requires what the decode graphs require (cuda_graphs.py). Knows nothing
+about requests: it is handed `Row`s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .batch import BatchLayout, ForwardBatch, Padding, Row, device_arrays, packed_size
+from .cuda_graphs import no_garbage_collection, warm_up_on_side_stream
+from .models import HybridLM
+from .state_pool import KVPool, StatePool
+
+logger = logging.getLogger("deltaspec")
+
+MIN_TOKENS = 64
+# A bucket is captured while its replay takes at most this share of the eager forward's time.
+HOST_BOUND_SHARE = 2 / 3
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """64, 128, .. up to max_tokens, and max_tokens itself."""
+    buckets, tokens = [], MIN_TOKENS
+    while tokens < max_tokens:
+        buckets.append(tokens)
+        tokens *= 2
+    return buckets + [max_tokens]
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """2, 4, .. up to the first power of two >= max_rows + 1 (a bucket has a padding row)."""
+    buckets = [2]
+    while buckets[-1] < max_rows + 1:
+        buckets.append(2 * buckets[-1])
+    return buckets
+
+
+@dataclass
+class _PrefillGraph:
+    padding: Padding
+    graph: torch.cuda.CUDAGraph
+    packed: torch.Tensor       # the static inputs (device_arrays' packed buffer)
+    batch: ForwardBatch        # views of `packed`, logits_indices empty
+    hidden: torch.Tensor       # [padding.num_tokens, H] written by a replay
+
+
+class PrefillGraphs:
+    def __init__(self, model: HybridLM, states: StatePool, kv: KVPool, block_size: int, table_width: int,
+                 max_tokens: int, max_rows: int, checkpoint_interval: int, commit: bool,
+                 device: torch.device) -> None:
+        """table_width: blocks of the longest sequence (every bucket's block tables are that
+        wide); commit: as the eager prefill batches' (ForwardBatch.commit)."""
+        self.model, self.states, self.kv = model, states, kv
+        self.block_size, self.table_width, self.commit, self.device = block_size, table_width, commit, device
+        self.interval = checkpoint_interval
+        self.token_buckets = [t for t in token_buckets(max_tokens) if t >= MIN_TOKENS]
+        self.row_buckets = row_buckets(max_rows)
+        self.graphs: list[_PrefillGraph] = []    # by tokens, then rows: the first that fits is the smallest
+        self.timings: dict[int, tuple[float, float]] = {}  # token bucket -> (eager s, replay s)
+
+    @torch.inference_mode()
+    @no_garbage_collection()
+    def capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        for tokens in self.token_buckets:
+            rows = [r for r in self.row_buckets if r <= tokens]
+            # The largest row bucket first: it decides whether this token bucket pays.
+            # Room for `tokens` real tokens beside r - 1 rows and the padding rows' tokens.
+            entries = [self._capture(Padding(tokens + r, r, r + tokens // self.interval, self.table_width), pool)
+                       for r in reversed(rows)]
+            eager, replay = self._eager_seconds(entries[0]), _seconds(entries[0].graph.replay)
+            self.timings[tokens] = (eager, replay)
+            if replay > HOST_BOUND_SHARE * eager:
+                break
+            self.graphs += reversed(entries)
+        torch.cuda.synchronize()
+
+    def _capture(self, padding: Padding, pool) -> _PrefillGraph:
+        layout = BatchLayout.of([], [], self.block_size, padding)
+        arrays = dict(layout.arrays, logits_indices=layout.arrays["logits_indices"][:0])
+        packed = torch.empty(packed_size(arrays), dtype=torch.uint8, device=self.device)
+        batch = layout.batch(device_arrays(arrays, self.device, into=packed), self.commit)
+        warm_up_on_side_stream(lambda: self.model(batch, self.states, self.kv), 2)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            hidden = self.model(batch, self.states, self.kv)
+        return _PrefillGraph(padding, graph, packed, batch, hidden)
+
+    def _eager_seconds(self, entry: _PrefillGraph) -> float:
+        return _seconds(lambda: self.model(entry.batch, self.states, self.kv))
+
+    def run(self, rows: Sequence[Row]) -> tuple[ForwardBatch, torch.Tensor] | None:
+        """(the batch, hidden [tokens, H]) of the prefill forward over `rows` by a graph replay:
+        the rows' tokens come first, in order, then the padding's. None: no bucket fits."""
+        num_tokens = sum(len(r.token_ids) for r in rows)
+        num_checkpoints = sum(len(r.checkpoints) for r in rows)
+        width = max(len(r.block_table) for r in rows)
+        entry = next((g for g in self.graphs if g.padding.fits(num_tokens, len(rows), num_checkpoints, width)), None)
+        if entry is None:
+            return None
+        layout = BatchLayout.of([], rows, self.block_size, entry.padding)
+        logits_indices = layout.arrays["logits_indices"]   # the one array whose shape varies: copied apart
+        device_arrays(dict(layout.arrays, logits_indices=logits_indices[:0]), self.device, into=entry.packed)
+        entry.graph.replay()
+        indices = device_arrays({"logits_indices": logits_indices}, self.device)["logits_indices"]
+        return dataclasses.replace(entry.batch, logits_indices=indices), entry.hidden
+
+    def describe(self) -> str:
+        kept = sorted({g.padding.num_tokens - g.padding.num_rows for g in self.graphs})
+        timings = ", ".join(f"{t}: {1e3 * e:.2f} -> {1e3 * r:.2f} ms" for t, (e, r) in self.timings.items())
+        return f"token buckets {kept} x row buckets {self.row_buckets} (eager -> replay: {timings})"
+
+
+def _seconds(run, times: int = 3) -> float:
+    """Median wall seconds of run(), synchronized (after one untimed)."""
+    run()
+    samples = []
+    for _ in range(times):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        samples.append(time.perf_counter() - started)
+    return sorted(samples)[len(samples) // 2]

@@ -1,0 +1,51 @@
+"""Prefill forwards replayed from CUDA graphs (engine/prefill_graphs.py): the buckets, and on the
+GPU the engine's output with them equal to the engine's without them (replays counted), plain
+and speculative, with prefix-cache checkpoints and restores. The padded forward itself is
+checked against the unpadded one on the CPU in test_batch.py."""
+
+import pytest
+import torch
+
+from deltaspec.engine import LLM, SamplingParams
+from deltaspec.engine.prefill_graphs import row_buckets, token_buckets
+
+from fixtures import GPU_SHAPE
+
+
+def test_buckets():
+    assert token_buckets(8192) == [64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    assert token_buckets(3000) == [64, 128, 256, 512, 1024, 2048, 3000]
+    assert token_buckets(64) == [64]
+    assert row_buckets(1) == [2]
+    assert row_buckets(64) == [2, 4, 8, 16, 32, 64, 128]
+    assert row_buckets(63) == [2, 4, 8, 16, 32, 64]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("num_draft_tokens", [0, 3])
+def test_prefill_graphs_change_no_token(checkpoint, family, num_draft_tokens):
+    path = checkpoint(family, **GPU_SHAPE)
+    generator = torch.Generator().manual_seed(num_draft_tokens)
+    shared = torch.randint(0, 512, (700,), generator=generator).tolist()
+    # Lengths across token buckets; the last two share a 700-token prefix (a checkpoint is
+    # written at 512 and at the prompt's end, then restored).
+    prompts = [torch.randint(0, 512, (n,), generator=generator).tolist() for n in (1, 5, 63, 64, 65, 200, 1500)]
+    prompts += [shared + [1, 2, 3], shared + [4, 5]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    options = dict(device="cuda", dtype="float32", num_draft_tokens=num_draft_tokens, max_num_seqs=8,
+                   max_num_batched_tokens=2048, checkpoint_interval=512)
+    eager = LLM(path, enable_prefill_graphs=False, **options)
+    assert eager.core.runner.prefill_graphs is None
+    want = [o.token_ids for o in eager.generate(prompts, params)]
+    del eager
+    graphed = LLM(path, **options)
+    graphs = graphed.core.runner.prefill_graphs
+    assert graphs is not None and graphs.graphs, graphs and graphs.describe()
+    replays = []
+    for entry in graphs.graphs:
+        replay = entry.graph.replay
+        entry.graph.replay = lambda replay=replay: replays.append(1) or replay()
+    got = [o.token_ids for o in graphed.generate(prompts, params)]
+    assert replays, f"no prefill step replayed a graph: {graphs.describe()}"
+    assert got == want
