@@ -167,7 +167,8 @@ class Padding:
     """Rows that bring a prefill batch to a fixed shape (a CUDA graph's, prefill_graphs.py):
     num_tokens tokens in num_rows rows, num_checkpoints checkpoint entries, block tables
     table_width wide. Padding rows run from zero state in scratch slot 0 over scratch KV block
-    0 (never a sequence's), each at least one token long (no kernel sees an empty row); the
+    0 (never a sequence's), the padding tokens spread evenly over them, each row at least one token
+    long (no kernel sees an empty row); the
     padding checkpoint entries have length 0, which no chunk boundary matches, so the kernels
     write none of them and the copies after the forward go to the scratch slot."""
 
@@ -179,6 +180,10 @@ class Padding:
     def fits(self, num_tokens: int, num_rows: int, num_checkpoints: int, table_width: int) -> bool:
         return (num_rows < self.num_rows and self.num_tokens - num_tokens >= self.num_rows - num_rows
                 and num_checkpoints <= self.num_checkpoints and table_width <= self.table_width)
+
+    def max_row_tokens(self, num_tokens: int, num_rows: int) -> int:
+        """Tokens of the longest padding row beside num_tokens real tokens in num_rows rows."""
+        return -(-(self.num_tokens - num_tokens) // (self.num_rows - num_rows))
 
 
 @dataclass(frozen=True)
@@ -215,8 +220,13 @@ class BatchLayout:
             if not padding.fits(num_tokens, len(rows), len(owners), width):
                 raise ValueError(f"{num_tokens} tokens in {len(rows)} rows, {len(owners)} checkpoints, tables "
                                  f"{width} wide do not fit {padding}")
+            # The padding tokens spread evenly over the padding rows: no row longer than needed
+            # (a row's positions stay inside its table and the model's positions).
             extra_rows = padding.num_rows - len(rows)
-            extra = [padding.num_tokens - num_tokens - (extra_rows - 1)] + [1] * (extra_rows - 1)
+            share, rest = divmod(padding.num_tokens - num_tokens, extra_rows)
+            extra = [share + 1] * rest + [share] * (extra_rows - rest)
+            if extra[0] > padding.table_width * block_size:
+                raise ValueError(f"padding rows of {extra[0]} tokens overrun tables of {padding.table_width} blocks")
             lengths += extra
             starts += [0] * extra_rows
             slots += [0] * extra_rows

@@ -118,7 +118,9 @@ class PrefillGraphs:
         num_tokens = sum(len(r.token_ids) for r in rows)
         num_checkpoints = sum(len(r.checkpoints) for r in rows)
         width = max(len(r.block_table) for r in rows)
-        entry = next((g for g in self.graphs if g.padding.fits(num_tokens, len(rows), num_checkpoints, width)), None)
+        capacity = self.table_width * self.block_size
+        entry = next((g for g in self.graphs if g.padding.fits(num_tokens, len(rows), num_checkpoints, width)
+                      and g.padding.max_row_tokens(num_tokens, len(rows)) <= capacity), None)
         if entry is None:
             return None
         layout = BatchLayout.of([], rows, self.block_size, entry.padding)
