@@ -85,8 +85,13 @@ class PrefillGraphs:
     @no_garbage_collection()
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
+        capacity = self.table_width * self.block_size
         for tokens in self.token_buckets:
-            rows = [r for r in self.row_buckets if r <= tokens]
+            # A bucket's padding rows share its tokens and must stay inside their block tables
+            # (an engine whose context is shorter than its step budget has few long buckets).
+            rows = [r for r in self.row_buckets if r <= tokens and -(-(tokens + r) // r) <= capacity]
+            if not rows:
+                break
             # The largest row bucket first: it decides whether this token bucket pays.
             # Room for `tokens` real tokens beside r - 1 rows and the padding rows' tokens.
             entries = [self._capture(Padding(tokens + r, r, r + tokens // self.interval, self.table_width), pool)
