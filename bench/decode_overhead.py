@@ -14,7 +14,10 @@ baseline; instead this compares, in one run on the same random Qwen3.5-0.8B-like
 engine / bare - 1 bounds what everything in the engine (speculation support included) adds.
 Also records the same engine's step with speculation on (k=3, graphs) for scale.
 
-    python bench/decode_overhead.py [--steps 200]
+    python bench/decode_overhead.py [--steps 200] [--profile]
+
+--profile first prints the device kernels of 20 steps of each side (torch.profiler): what the
+engine's step runs beyond the bare forward.
 
 Writes bench/results/decode_overhead-<gpu>.json.
 """
@@ -47,12 +50,16 @@ from deltaspec.engine.tokenizer import Tokenizer  # noqa: E402
 PROMPT_LEN = 128
 
 
-def engine_step_ms(model, tokenizer, steps: int, num_draft_tokens: int, async_scheduling: bool = True) -> dict:
-    core = EngineCore(EngineConfig(model=".", device="cuda", dtype="bfloat16", max_num_seqs=1,
+def engine(model, tokenizer, steps: int, num_draft_tokens: int, async_scheduling: bool = True) -> EngineCore:
+    return EngineCore(EngineConfig(model=".", device="cuda", dtype="bfloat16", max_num_seqs=1,
                                    max_model_len=PROMPT_LEN + steps + 64, gpu_memory_utilization=0.3,
                                    num_draft_tokens=num_draft_tokens, adaptive_draft_length=False,
                                    enable_prefix_cache=False, async_scheduling=async_scheduling, warm_up=False),
                       model=model, tokenizer=tokenizer)
+
+
+def engine_step_ms(model, tokenizer, steps: int, num_draft_tokens: int, async_scheduling: bool = True) -> dict:
+    core = engine(model, tokenizer, steps, num_draft_tokens, async_scheduling)
     prompt = torch.randint(0, model.config.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(0))
     request = core.add_request(prompt.tolist(), SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))
     times, tokens = [], []
@@ -69,7 +76,27 @@ def engine_step_ms(model, tokenizer, steps: int, num_draft_tokens: int, async_sc
             "steps": len(steady)}
 
 
-def bare_step_ms(model, steps: int) -> float:
+def kernels_of(step, label: str, repeats: int = 20) -> None:
+    """Prints the device kernels of `repeats` calls of step(), by device time."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            step()
+        torch.cuda.synchronize()
+    print(f"== {label}: {repeats} calls")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40))
+
+
+def engine_kernels(model, tokenizer) -> None:
+    core = engine(model, tokenizer, 64, 0)
+    core.add_request([1] * PROMPT_LEN, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    for _ in range(20):
+        core.step()
+    kernels_of(core.step, "engine step")
+    del core
+
+
+def bare_step_ms(model, steps: int, profile: bool = False) -> float:
     config = model.config
     blocks = (PROMPT_LEN + steps + 1) // BLOCK + 2
     states = StatePool(config, 2, 0, torch.bfloat16, "cuda")
@@ -101,6 +128,8 @@ def bare_step_ms(model, steps: int) -> float:
             graph.replay()
             batch.input_ids.item()  # the host reads each token, as any generation loop must
             times.append(time.perf_counter() - begin)
+        if profile:
+            kernels_of(lambda: (graph.replay(), batch.input_ids.item()), "bare step")
     return statistics.median(times[8:]) * 1e3
 
 
@@ -108,9 +137,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--profile", action="store_true", help="print the kernels of each side's steps first")
     args = parser.parse_args()
     model = random_model("0.8b", "cuda", torch.bfloat16)
     tokenizer = Tokenizer.from_dir(make_tokenizer(Path(tempfile.mkdtemp())))
+    if args.profile:
+        bare_step_ms(model, 40, profile=True)
+        engine_kernels(model, tokenizer)
     rounds = []
     for _ in range(3):  # interleaved, so drift of the machine hits both sides alike
         rounds.append({"bare_ms": bare_step_ms(model, args.steps),
