@@ -92,15 +92,17 @@ class PrefillGraphs:
             rows = [r for r in self.row_buckets if r <= tokens and -(-(tokens + r) // r) <= capacity]
             if not rows:
                 break
-            # The largest row bucket first: it decides whether this token bucket pays.
             # Room for `tokens` real tokens beside r - 1 rows and the padding rows' tokens.
-            entries = [self._capture(Padding(tokens + r, r, r + tokens // self.interval, self.table_width), pool)
-                       for r in reversed(rows)]
-            eager, replay = self._eager_seconds(entries[0]), _seconds(entries[0].graph.replay)
+            def padding(r: int) -> Padding:
+                return Padding(tokens + r, r, r + tokens // self.interval, self.table_width)
+
+            # The largest row bucket first: it decides whether this token bucket pays.
+            largest = self._capture(padding(rows[-1]), pool)
+            eager, replay = self._eager_seconds(largest), _seconds(largest.graph.replay)
             self.timings[tokens] = (eager, replay)
             if replay > HOST_BOUND_SHARE * eager:
                 break
-            self.graphs += reversed(entries)
+            self.graphs += [self._capture(padding(r), pool) for r in rows[:-1]] + [largest]
         torch.cuda.synchronize()
 
     def _capture(self, padding: Padding, pool) -> _PrefillGraph:
