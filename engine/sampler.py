@@ -134,12 +134,12 @@ class Sampler:
     def _compute_masks(self, rows: Sequence[ScheduledRow], width: int, drafts: ReadDrafts | None,
                        started: Callable[[], None] | None = None) -> _CopiedMasks:
         """started: called once the rest runs without the GIL or waits for the device."""
+        masks = self._masks.host(len(rows) * width, self.grammars.num_words)
         host_drafts = ()
         if drafts is not None and width > 1:
             if started is not None:
                 started()  # reading the drafts waits for the step's draft stage
             host_drafts = drafts()
-        masks = self._masks.host(len(rows) * width, self.grammars.num_words)
         self.grammars.bitmask(rows, masks, host_drafts, started)
         return self._masks.to_device(masks)
 

@@ -102,8 +102,11 @@ class HostDrafts:
         self._values = torch.zeros(max_rows * max_drafts, dtype=torch.int64, pin_memory=cuda)
         self._stream = torch.cuda.Stream(device) if cuda else None
         # external: recorded inside a graph, the event is a record node the host can wait on
-        # (an internal one would only order streams within the graph).
+        # (an internal one would only order streams within the graph). Recorded once here so
+        # that it exists before any capture.
         self._ready = torch.cuda.Event(external=True) if cuda else None
+        if self._ready is not None:
+            self._ready.record(torch.cuda.current_stream(device))
 
     def copy(self, drafts: torch.Tensor) -> None:
         """Queue the copy of a step's drafts [B, K] (contiguous), between its draft and verify
