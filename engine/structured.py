@@ -93,14 +93,14 @@ class Matcher:
     def __init__(self, matcher: llguidance.LLMatcher) -> None:
         self.llmatcher = matcher
 
-    def advance(self, token_ids: Sequence[int]) -> int | None:
+    def advance(self, token_ids: list[int]) -> int | None:
         """Consume a step's committed tokens in order. Returns how many were taken when one
         completed the grammar (or, by a bug, was refused: the request stops rather than run
         unconstrained), that token included; None when the grammar goes on. One llguidance
         call (and a check) while it goes on; only the step that completes it, once a request,
         is rolled back and walked token by token to find where."""
         matcher = self.llmatcher
-        consumed = matcher.try_consume_tokens(list(token_ids))
+        consumed = matcher.try_consume_tokens(token_ids)
         if consumed == len(token_ids) and not matcher.is_stopped():
             return None
         matcher.rollback(consumed)
