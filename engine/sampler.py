@@ -19,10 +19,6 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, NamedTuple, Sequence
 
-# Reads a verify step's drafts of the rows being decided on the host ([N][W - 1]), waiting for
-# the device to have made them (speculation.HostDrafts.reader).
-ReadDrafts = Callable[[], Sequence[Sequence[int]]]
-
 import torch
 
 from ..kernels import Ops
@@ -33,6 +29,10 @@ from .sampling_table import SamplingTable
 from .structured import Grammars
 from .step import ScheduledRow
 from .tensor_parallel import TensorParallel
+
+# Reads a verify step's drafts of the rows being decided on the host ([N][W - 1]), waiting for
+# the device to have made them (speculation.HostDrafts.reader).
+ReadDrafts = Callable[[], Sequence[Sequence[int]]]
 
 
 class Sampler:
@@ -72,10 +72,11 @@ class Sampler:
         device, from logits [N * W, V] the penalties have already adjusted: constrained rows'
         tokens outside their grammar masked (`constrain`; masks: their `prefetch_masks`), then
         the argmax or the seeded draw. W = 1 but in verification, where drafts reads the tokens
-        the positions after a row's first were fed (needed on the host by constrained rows' masks). positions [N * W]: where the drawn
-        tokens go, when only the device knows (fed rows, drafts); slots [N]: the rows' slots on
-        the device; both by default from the rows. Split off `sample` so that a step can adjust
-        its rows as it is launched and draw once their masks can be computed (runner.py)."""
+        the positions after a row's first were fed (constrained rows' masks need them on the
+        host). positions [N * W]: where the drawn tokens go, when only the device knows (fed
+        rows, drafts); slots [N]: the rows' slots on the device; both by default from the rows.
+        Split off `sample` so that a step can adjust its rows as it is launched and draw once
+        their masks can be computed (runner.py)."""
         params = [r.request.params for r in rows]
         greedy = all(p.greedy for p in params)
         if not greedy:  # queued before the wait for masks
