@@ -316,13 +316,14 @@ def test_host_drafts_are_read_before_a_captured_graph_ends():
     num_rows, num_drafts = 16, 3
     host = HostDrafts(num_rows, num_drafts, device)
     source = torch.zeros(num_rows, num_drafts, dtype=torch.int64, device=device)
-    weights = torch.randn(4096, 4096, device=device)
+    weights = torch.randn(2048, 2048, device=device)
+    product = torch.empty_like(weights)
 
     def step() -> None:
         drafts = source + 1  # the draft stage
         host.copy(drafts)
-        for _ in range(20):  # the verify: tens of milliseconds
-            torch.mm(weights, weights)
+        for _ in range(40):  # the verify: over ten milliseconds
+            torch.mm(weights, weights, out=product)
         host.join()
 
     side = torch.cuda.Stream()
