@@ -17,6 +17,12 @@ counts, per decode step of the five mixes of sampling_cost.py (same params, same
                   Ops table, i.e. a Triton kernel there, counts one)
     copies_in     host-to-device tensors it makes (`device_tensor`: a pinned buffer and an
                   asynchronous copy each on a GPU)
+    advance_ms    the engine thread's CPU time advancing the grammars by the committed tokens
+                  (`Matcher.advance`, in the commit)
+    mask_ms       wall time of computing a step's grammar masks (`Grammars.bitmask`, in the
+                  worker; median over the calls of the timed steps): on a GPU with speculation it
+                  runs while the device verifies the step, so it delays the next launch only
+                  when it outlasts the verify
 
 The CPU runs every operator at once and the tiny vocabulary keeps them cheap, so `host_ms` is
 dominated by Python and dispatch, as on a GPU host; the counts do not depend on the machine.
@@ -52,6 +58,7 @@ from deltaspec.engine import EngineConfig, ModelConfig  # noqa: E402
 from deltaspec.engine.core import EngineCore  # noqa: E402
 from deltaspec.engine.runner import Runner  # noqa: E402
 from deltaspec.engine.speculation import Speculator  # noqa: E402
+from deltaspec.engine.structured import Grammars, Matcher  # noqa: E402
 from deltaspec.engine.tokenizer import Tokenizer  # noqa: E402
 
 # The runner's sampling work for redecided rows, on the engine's thread.
@@ -97,6 +104,8 @@ class Probe:
     def __init__(self, core: EngineCore) -> None:
         self.counter = Counter()
         self.seconds = self.wait_seconds = 0.0
+        self.advance_seconds = 0.0
+        self.mask_calls: list[float] = []  # the worker's: not attributed to a step
         self._depth = 0
         self._undo = []
         sampler = core.runner.sampler
@@ -108,6 +117,8 @@ class Probe:
             if hasattr(owner, name):
                 self._patch(owner, name, self._timed(getattr(owner, name)))
         self._patch(Future, "result", self._waited(Future.result))
+        self._patch(Matcher, "advance", self._advancing(Matcher.advance))
+        self._patch(Grammars, "bitmask", self._masking(Grammars.bitmask))
         for module in list(sys.modules.values()):
             if getattr(module, "__name__", "").startswith("deltaspec.engine") and hasattr(module, "device_tensor"):
                 self._patch(module, "device_tensor", self._copy_in(module.device_tensor))
@@ -148,6 +159,26 @@ class Probe:
                     self.wait_seconds += time.perf_counter() - begin
         return waited
 
+    def _advancing(self, function):
+        @functools.wraps(function)
+        def advancing(*args, **kwargs):
+            begin = time.thread_time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.advance_seconds += time.thread_time() - begin
+        return advancing
+
+    def _masking(self, function):
+        @functools.wraps(function)
+        def masking(*args, **kwargs):
+            begin = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.mask_calls.append(time.perf_counter() - begin)
+        return masking
+
     def _copy_in(self, function):
         @functools.wraps(function)
         def counted(*args, **kwargs):
@@ -156,13 +187,13 @@ class Probe:
             return function(*args, **kwargs)
         return counted
 
-    def take(self) -> tuple[float, float, int, int]:
+    def take(self) -> tuple[float, float, int, int, float]:
         """(host CPU seconds outside the kernels, seconds waiting for grammar masks, operator
-        calls, host-to-device tensors) since the last take."""
+        calls, host-to-device tensors, CPU seconds advancing grammars) since the last take."""
         counter = self.counter
         taken = (self.seconds - counter.kernel_seconds, self.wait_seconds, counter.ops,
-                 counter.copies_in)
-        self.seconds = self.wait_seconds = counter.kernel_seconds = 0.0
+                 counter.copies_in, self.advance_seconds)
+        self.seconds = self.wait_seconds = counter.kernel_seconds = self.advance_seconds = 0.0
         counter.ops = counter.copies_in = 0
         return taken
 
@@ -188,7 +219,9 @@ def measure(core: EngineCore, mix: str, batch: int, steps: int) -> dict:
         probe.undo()
     timed = samples[WARM_UP_STEPS:WARM_UP_STEPS + steps]
     column = lambda i: statistics.median(sample[i] for sample in timed)  # noqa: E731
+    mask_calls = probe.mask_calls[WARM_UP_STEPS:WARM_UP_STEPS + steps]
     return {"host_ms": column(0) * 1e3, "mask_wait_ms": column(1) * 1e3, "ops": column(2), "copies_in": column(3),
+            "advance_ms": column(4) * 1e3, "mask_ms": statistics.median(mask_calls) * 1e3 if mask_calls else 0.0,
             "steps_measured": len(timed)}
 
 
@@ -216,8 +249,9 @@ def main() -> None:
         run = {mix: measure(core, mix, args.batch, args.steps) for mix in MIXES}
         runs[f"k={num_drafts}"] = run
         print(f"k={num_drafts}: " + "; ".join(f"{m} {r['host_ms']:.2f} ms (+{r['mask_wait_ms']:.2f} waiting), "
-                                               f"{r['ops']:.0f} ops, "
-                                               f"{r['copies_in']:.0f} copies in" for m, r in run.items()), flush=True)
+                                               f"{r['ops']:.0f} ops, {r['copies_in']:.0f} copies in, "
+                                               f"grammar advance {r['advance_ms']:.2f} ms, masks {r['mask_ms']:.2f} ms"
+                                               for m, r in run.items()), flush=True)
         del core
     out = Path(args.out)
     recorded = json.loads(out.read_text()) if out.exists() else {"benchmark": "sampling_host", "runs": {}}

@@ -8,9 +8,10 @@ state.
 
 `DecodeGraphs`: plain decode steps (no row drafts), one graph per bucket.
 `SpecGraphs`: speculative decode steps, one graph per (bucket, K drafts per row) holding the
-whole step: fed rows, MTP catch-up and chain, verify, greedy acceptance and rollback. With a
-draft editor (tests, speculation.py) each is captured as two graphs, draft then verify, so the
-drafts can be edited in place between the replays.
+whole step: fed rows, MTP catch-up and chain, the drafts' copy to the host (a branch beside the
+verify: speculation.HostDrafts), verify, greedy acceptance and rollback. With a draft editor
+(tests, speculation.py) each is captured as two graphs, draft then verify, so the drafts can be
+edited in place between the replays (and are copied to the host after the edit).
 
 `measure` times every captured graph at start-up (replays on padding rows); the draft-length
 policy chooses each step's K from those costs (spec/adaptive.py).
@@ -193,7 +194,10 @@ class SpecGraphs(_StaticRows):
         if entry.verify is not None:
             if edit is not None:
                 edit(entry.drafts[:num_rows])
+            host_drafts = self.speculator.host_drafts
+            host_drafts.copy(entry.drafts[:num_rows])
             entry.verify.replay()
+            host_drafts.join()
         return Drafted(self.rows.head(num_rows), entry.drafts[:num_rows], entry.logits[:num_rows * (num_drafts + 1)])
 
     def step_costs(self) -> dict[tuple[int, int], float]:

@@ -160,12 +160,15 @@ class Request:
         stop strings their text follows in `update_texts`, for all of a step's requests at once."""
         if self.finish_reason is not None:
             return
+        # The grammar takes the step's tokens at once (it is never used again if the request
+        # stops before the last): grammar_end is how many of them complete it, if any do.
+        grammar_end = self.grammar.advance(token_ids) if self.grammar is not None and token_ids else None
         if self.params.stop:
             # A stop string can end in any token: the text is searched after each one.
             for i, token_id in enumerate(token_ids):
                 if logprobs is not None:
                     self.output_logprobs.append(logprobs[i])
-                self._append_searching_stops(token_id)
+                self._append_searching_stops(token_id, i + 1 == grammar_end)
                 if self.finish_reason is not None:
                     return
             return
@@ -175,7 +178,7 @@ class Request:
             self.output_token_ids.append(token_id)
             self.num_tokens += 1
             taken += 1
-            self.finish_reason = self._stop_reason(token_id)
+            self.finish_reason = self._stop_reason(token_id, taken == grammar_end)
             if self.finish_reason is not None:
                 break
         if logprobs is not None:
@@ -198,7 +201,7 @@ class Request:
             if request.finish_reason is not None:
                 request.text += request.detokenizer.flush()
 
-    def _append_searching_stops(self, token_id: int) -> None:
+    def _append_searching_stops(self, token_id: int, completes_grammar: bool) -> None:
         """Record one token of a request with stop strings; the text ends right before a stop
         string the token completes."""
         self.output_token_ids.append(token_id)
@@ -213,16 +216,17 @@ class Request:
             self.text = self.text[:cut]
             self.finish_reason = "stop"
             return
-        self.finish_reason = self._stop_reason(token_id)
+        self.finish_reason = self._stop_reason(token_id, completes_grammar)
         if self.finish_reason is not None:
             self.text += self.detokenizer.flush()
 
-    def _stop_reason(self, token_id: int) -> str | None:
-        """Why the request ends after token_id, its newest output token (stop strings aside)."""
+    def _stop_reason(self, token_id: int, completes_grammar: bool) -> str | None:
+        """Why the request ends after token_id, its newest output token (stop strings aside);
+        completes_grammar: the token completes its structured output's grammar (Matcher.advance)."""
         if token_id in self.stop_token_ids:
             return "stop"
-        if self.grammar is not None and self.grammar.advance(token_id):
-            return "stop"  # the grammar is complete: nothing but EOS could follow
+        if completes_grammar:
+            return "stop"  # nothing but EOS could follow
         if self.num_tokens >= self.max_num_tokens:
             return "length"
         return None

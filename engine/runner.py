@@ -155,7 +155,7 @@ class Runner:
             logits, width = drafted.logits, drafted.drafts.shape[1] + 1
             later = self.speculator.prepare(rows, drafted, constrained)
             decide = lambda masks: self.speculator.decide(later, masks)  # noqa: E731
-            prefetch = (lambda: self.sampler.prefetch_masks(later.rows, width, later.drafts)) if later else None
+            prefetch = (lambda: self.sampler.prefetch_masks(later.rows, width, later.read_drafts)) if later else None
         else:
             device_rows, logits, tokens = self._launch_plain(rows)
             now = [i for i, r in enumerate(rows) if r.request.params.redecided and r.request.params.structured is None]

@@ -30,6 +30,10 @@ from .structured import Grammars
 from .step import ScheduledRow
 from .tensor_parallel import TensorParallel
 
+# Reads a verify step's drafts of the rows being decided on the host ([N][W - 1]), waiting for
+# the device to have made them (speculation.HostDrafts.reader).
+ReadDrafts = Callable[[], Sequence[Sequence[int]]]
+
 
 class Sampler:
     def __init__(self, ops: Ops, device: torch.device, table: SamplingTable, penalties: Penalties,
@@ -62,16 +66,17 @@ class Sampler:
         return tokens
 
     def draw(self, logits: torch.Tensor, rows: Sequence[ScheduledRow], positions: torch.Tensor | None = None,
-             drafts: torch.Tensor | None = None, masks: Future | None = None,
+             drafts: ReadDrafts | None = None, masks: Future | None = None,
              slots: torch.Tensor | None = None) -> torch.Tensor:
         """The token at each of W consecutive positions of each row [N * W] int64, on the
         device, from logits [N * W, V] the penalties have already adjusted: constrained rows'
         tokens outside their grammar masked (`constrain`; masks: their `prefetch_masks`), then
-        the argmax or the seeded draw. W = 1 but in verification, where drafts [N, W - 1] are the
-        tokens the positions after a row's first were fed. positions [N * W]: where the drawn
-        tokens go, when only the device knows (fed rows, drafts); slots [N]: the rows' slots on
-        the device; both by default from the rows. Split off `sample` so that a step can adjust
-        its rows as it is launched and draw once their masks can be computed (runner.py)."""
+        the argmax or the seeded draw. W = 1 but in verification, where drafts reads the tokens
+        the positions after a row's first were fed (constrained rows' masks need them on the
+        host). positions [N * W]: where the drawn tokens go, when only the device knows (fed
+        rows, drafts); slots [N]: the rows' slots on the device; both by default from the rows.
+        Split off `sample` so that a step can adjust its rows as it is launched and draw once
+        their masks can be computed (runner.py)."""
         params = [r.request.params for r in rows]
         greedy = all(p.greedy for p in params)
         if not greedy:  # queued before the wait for masks
@@ -86,7 +91,7 @@ class Sampler:
         tokens, _ = self.ops.sample(logits, *columns, positions)
         return tokens
 
-    def constrain(self, logits: torch.Tensor, rows: Sequence[ScheduledRow], drafts: torch.Tensor | None = None,
+    def constrain(self, logits: torch.Tensor, rows: Sequence[ScheduledRow], drafts: ReadDrafts | None = None,
                   masks: Future | None = None) -> torch.Tensor:
         """logits [N * W, V] as `draw` takes them, with each constrained row's tokens outside
         its grammar at -inf (float32; the input itself when no row is constrained). The masks
@@ -107,9 +112,9 @@ class Sampler:
         return self.ops.apply_token_bitmask(logits, on_device)
 
     def prefetch_masks(self, rows: Sequence[ScheduledRow], width: int = 1,
-                       drafts: torch.Tensor | None = None) -> Future:
+                       drafts: ReadDrafts | None = None) -> Future:
         """Start computing the masks `constrain` will apply to these rows (W = width positions
-        each; drafts [N, W - 1] on the device, read in the worker) and their copy to the device
+        each; drafts: the verify step's drafts, read in the worker) and their copy to the device
         in a worker thread, from the matchers' state now: they must not change until
         `constrain` has taken the result. Returns once the worker computes without the GIL (or
         waits for the drafts): it needs the GIL to start, and this thread holds it through the
@@ -127,15 +132,15 @@ class Sampler:
         started.wait()
         return masks
 
-    def _compute_masks(self, rows: Sequence[ScheduledRow], width: int, drafts: torch.Tensor | None,
+    def _compute_masks(self, rows: Sequence[ScheduledRow], width: int, drafts: ReadDrafts | None,
                        started: Callable[[], None] | None = None) -> _CopiedMasks:
         """started: called once the rest runs without the GIL or waits for the device."""
+        masks = self._masks.host(len(rows) * width, self.grammars.num_words)
         host_drafts = ()
         if drafts is not None and width > 1:
             if started is not None:
-                started()  # reading the drafts waits for the step's graph
-            host_drafts = drafts.tolist()
-        masks = self._masks.host(len(rows) * width, self.grammars.num_words)
+                started()  # reading the drafts waits for the step's draft stage
+            host_drafts = drafts()
         self.grammars.bitmask(rows, masks, host_drafts, started)
         return self._masks.to_device(masks)
 

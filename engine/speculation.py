@@ -20,6 +20,10 @@ A speculative step (`launch`) is:
              hidden states are kept at the slot for the next step's catch-up, and prefill chunks
              run the MTP over their own positions so the MTP's KV cache stays complete.
 
+As soon as the drafts are made, before the verify forward, they are copied to the host
+(`HostDrafts`): constrained rows' grammar masks follow the drafts, and are computed from them
+while the device verifies.
+
 `draft` and `verify` run at fixed shapes (decode_step.py), so a decode-only step replays one
 CUDA graph per (batch bucket, K) (cuda_graphs.SpecGraphs) and can be launched before the step
 before it is read: its outputs stay on the device (`launch`), sampled rows' acceptance too
@@ -47,7 +51,7 @@ from .checkpoint_io import CheckpointIO
 from .decode_step import DecodeRows, DecodeStep, nonfinite_rows
 from .models import HybridLM
 from .penalties import PenalizedRows
-from .sampler import Sampler
+from .sampler import ReadDrafts, Sampler
 from .state_pool import KVPool, StatePool
 from .step import ScheduledRow
 
@@ -75,9 +79,61 @@ class _Resampling(NamedTuple):
     logits: torch.Tensor       # [R * W, V] verify logits adjusted by the penalties
     positions: torch.Tensor    # [R * W] where each position's token goes
     drafts: torch.Tensor       # [R, K]
+    read_drafts: ReadDrafts    # the same drafts on the host (HostDrafts.reader)
     num_drafts: torch.Tensor   # [R]
     slots: torch.Tensor        # [R]
     penalized: PenalizedRows | None  # the penalized ones among them
+
+
+class HostDrafts:
+    """The drafts [B, K] of the latest speculative step, on the host as soon as the MTP has made
+    them: a constrained row's grammar masks follow its drafts (structured.py), and with the
+    drafts here before the verify forward they are computed while the device verifies rather
+    than after the whole step. On the GPU the copy into one pinned buffer is queued on a stream
+    of its own, forked from the step's stream after the drafts are made (`copy`) and joined back
+    after the verify (`join`): inside a captured graph that is a memcpy node beside the verify,
+    not in front of it, and an external event record node the host waits on (`reader`). Off the
+    GPU the buffer is written at once. The buffer holds one step's drafts: they are read before
+    the next speculative step is launched (the engine decides a step's constrained rows, the
+    only readers, before it launches the next: core.py)."""
+
+    def __init__(self, max_rows: int, max_drafts: int, device: torch.device) -> None:
+        cuda = device.type == "cuda"
+        self._values = torch.zeros(max_rows * max_drafts, dtype=torch.int64, pin_memory=cuda)
+        self._stream = torch.cuda.Stream(device) if cuda else None
+        # external: recorded inside a graph, the event is a record node the host can wait on
+        # (an internal one would only order streams within the graph). Recorded once here so
+        # that it exists before any capture.
+        self._ready = torch.cuda.Event(external=True) if cuda else None
+        if self._ready is not None:
+            self._ready.record(torch.cuda.current_stream(device))
+
+    def copy(self, drafts: torch.Tensor) -> None:
+        """Queue the copy of a step's drafts [B, K] (contiguous), between its draft and verify
+        stages; `join` once the verify is queued."""
+        values = self._values[:drafts.numel()].view(drafts.shape)
+        if self._stream is None:
+            values.copy_(drafts)
+            return
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            values.copy_(drafts, non_blocking=True)
+            self._ready.record(self._stream)
+
+    def join(self) -> None:
+        """The step's stream waits for the copy (a graph's capture must end on its own stream)."""
+        if self._stream is not None:
+            torch.cuda.current_stream().wait_stream(self._stream)
+
+    def reader(self, chosen: Sequence[int], num_drafts: int) -> ReadDrafts:
+        """What reads the latest step's drafts of its rows `chosen` (in that order), K =
+        num_drafts each, waiting (without the GIL) for the copy."""
+        def read() -> list[list[int]]:
+            if self._ready is not None:
+                self._ready.synchronize()
+            every = self._values[:(max(chosen) + 1) * num_drafts].view(-1, num_drafts).tolist()
+            return [every[i] for i in chosen]
+        return read
 
 
 class Speculator:
@@ -91,6 +147,7 @@ class Speculator:
         self.sampler, self.checkpoint_io, self.edit_drafts = sampler, checkpoint_io, edit_drafts
         self.forced_acceptance = forced_acceptance
         self.device = states.pending_counts.device
+        self.host_drafts = HostDrafts(decode.outputs.shape[1], decode.catch_up - 1, self.device)
 
     # Fixed-shape stages (captured in CUDA graphs) ------------------------------------------
 
@@ -133,10 +190,13 @@ class Speculator:
 
     def step(self, rows: DecodeRows, num_drafts: int,
              logits_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """draft then verify: a whole speculative decode step on the device (one CUDA graph).
-        Returns (drafts, logits)."""
+        """draft, the drafts' copy to the host, then verify: a whole speculative decode step on
+        the device (one CUDA graph). Returns (drafts, logits)."""
         drafts = self.draft(rows, num_drafts)
-        return drafts, self.verify(rows, drafts, logits_out)
+        self.host_drafts.copy(drafts)
+        logits = self.verify(rows, drafts, logits_out)
+        self.host_drafts.join()
+        return drafts, logits
 
     def accept(self, hidden: torch.Tensor, logits: torch.Tensor, rows: DecodeRows, drafts: torch.Tensor) -> None:
         """Greedy acceptance of every row from hidden [B*(K+1), H] and logits [B*(K+1), V] of
@@ -168,7 +228,9 @@ class Speculator:
             device_rows = self.decode.row_tensors(decode_rows, self.device)
             drafts = self.draft(device_rows, num_drafts)
             self._edit(rows, drafts)
+            self.host_drafts.copy(drafts)
             drafted = Drafted(device_rows, drafts, self.verify(device_rows, drafts))
+            self.host_drafts.join()
         now = [i for i, r in enumerate(rows) if r.request.params.redecided and i not in deferred]
         self.resample(rows, drafted, now)
         return drafted
@@ -199,18 +261,18 @@ class Speculator:
         chosen, drafts = [rows[i] for i in sampled], drafted.drafts[index]
         penalized = self.sampler.penalties.select(chosen)
         adjusted = self.sampler.penalties.adjust(drafted.logits[flat].float(), penalized, drafts)
-        return _Resampling(index, chosen, adjusted, positions, drafts, device_rows.num_drafts, device_rows.slots,
-                           penalized)
+        return _Resampling(index, chosen, adjusted, positions, drafts, self.host_drafts.reader(sampled, width - 1),
+                           device_rows.num_drafts, device_rows.slots, penalized)
 
     def decide(self, resampling: _Resampling | None, masks: Future | None = None) -> None:
         """Draw the prepared rows' targets (masks: their prefetched grammar masks, else computed
-        now: a constrained row's masks need its drafts on the host, a wait for the step's
-        drafts), accept, roll back (`resample`)."""
+        now: a constrained row's masks need its drafts on the host, a wait for the step's draft
+        stage), accept, roll back (`resample`)."""
         if resampling is None:
             return
         index, rows, drafts, num_drafts = resampling.index, resampling.rows, resampling.drafts, resampling.num_drafts
         width = drafts.shape[1] + 1
-        targets = self.sampler.draw(resampling.logits, rows, resampling.positions, drafts, masks,
+        targets = self.sampler.draw(resampling.logits, rows, resampling.positions, resampling.read_drafts, masks,
                                     resampling.slots).view(len(rows), width)
         accepted, emitted = self._forced(*sampled_accept(targets, drafts, num_drafts), num_drafts)
         self.decode.accepted[index] = accepted

@@ -6,8 +6,9 @@ when the params are built (a bad schema or regex is a ValueError). `Grammars` (o
 owns the tokenizer llguidance matches against, built on the first constrained request (about a
 second for a large vocabulary), and makes each request's `Matcher` at add_request.
 
-A Matcher follows the request's committed output: `advance` consumes each token as the request
-records it (Request.extend), and reports when the grammar is complete (the request then stops).
+A Matcher follows the request's committed output: `advance` consumes a step's tokens as the
+request records them (Request.extend), in one call while the grammar goes on, and reports the
+token that completes it (the request then stops there).
 `Grammars.bitmask` packs the tokens the grammar permits at each position of a step's rows into
 int32 words (llguidance's layout, kernels/token_bitmask.py applies it on the device): after the
 output, and for a verify row after each prefix drafts[:j] of its drafts (consumed tentatively,
@@ -92,11 +93,22 @@ class Matcher:
     def __init__(self, matcher: llguidance.LLMatcher) -> None:
         self.llmatcher = matcher
 
-    def advance(self, token_id: int) -> bool:
-        """Consume a committed token; True when the grammar is complete (or, by a bug, the
-        token was refused: the request stops rather than run unconstrained)."""
-        self.llmatcher.consume_token(token_id)
-        return self.llmatcher.is_stopped()
+    def advance(self, token_ids: list[int]) -> int | None:
+        """Consume a step's committed tokens in order. Returns how many were taken when one
+        completed the grammar (or, by a bug, was refused: the request stops rather than run
+        unconstrained), that token included; None when the grammar goes on. One llguidance
+        call (and a check) while it goes on; only the step that completes it, once a request,
+        is rolled back and walked token by token to find where."""
+        matcher = self.llmatcher
+        consumed = matcher.try_consume_tokens(token_ids)
+        if consumed == len(token_ids) and not matcher.is_stopped():
+            return None
+        matcher.rollback(consumed)
+        for taken, token_id in enumerate(token_ids, start=1):
+            matcher.consume_token(token_id)
+            if matcher.is_stopped():  # by the first refused token at the latest
+                break
+        return taken
 
 
 class Grammars:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from deltaspec.engine import EngineConfig, ModelConfig, SamplingParams
 from deltaspec.engine.core import EngineCore
 from deltaspec.engine.scheduler import Scheduler
+from deltaspec.engine.speculation import HostDrafts
 from deltaspec.engine.state_pool import StatePool
 from deltaspec.kernels.gdn import expand_heads, l2norm, recurrent_steps
 from deltaspec.spec import DraftPolicy
@@ -287,3 +288,59 @@ def test_final_outputs_carry_per_request_acceptance(checkpoint):
     assert sum(c["num_verify_steps"] for c in counters) == total["num_verify_steps"]
     assert [sum(c["accepted_by_position"][d] for c in counters) for d in range(2)] == total["accepted_by_position"]
     assert all(o.spec_stats is None for o in LLM(path, num_draft_tokens=0).generate(prompts(2, seed=4), params))
+
+
+def host_drafts_match(host: HostDrafts, make_drafts, num_rows: int, num_drafts: int, device: str) -> None:
+    """Each step's drafts, copied by `make_drafts` from a fresh random source, are what the
+    host reads for a random subset of rows, in its order."""
+    generator = torch.Generator().manual_seed(num_rows)
+    for _ in range(3):
+        values = torch.randint(0, 1 << 40, (num_rows, num_drafts), generator=generator)
+        make_drafts(values.to(device))
+        chosen = torch.randperm(num_rows, generator=generator)[:num_rows // 2 + 1].tolist()
+        assert host.reader(chosen, num_drafts)() == [values[i].tolist() for i in chosen]
+
+
+def test_host_drafts_reads_the_chosen_rows():
+    host = HostDrafts(8, 3, torch.device("cpu"))
+    for num_rows, num_drafts in ((8, 3), (5, 2), (1, 1)):
+        host_drafts_match(host, host.copy, num_rows, num_drafts, "cpu")
+
+
+@pytest.mark.gpu
+def test_host_drafts_are_read_before_a_captured_graph_ends():
+    """HostDrafts inside a CUDA graph, as SpecGraphs captures a step: the host reads each replay's
+    drafts once the draft stage has run, while the long "verify" after it is still running (the
+    external event is a node mid-graph, not the graph's end), and the copy is not stale."""
+    device = torch.device("cuda")
+    num_rows, num_drafts = 16, 3
+    host = HostDrafts(num_rows, num_drafts, device)
+    source = torch.zeros(num_rows, num_drafts, dtype=torch.int64, device=device)
+    weights = torch.randn(2048, 2048, device=device)
+    product = torch.empty_like(weights)
+
+    def step() -> None:
+        drafts = source + 1  # the draft stage
+        host.copy(drafts)
+        for _ in range(40):  # the verify: over ten milliseconds
+            torch.mm(weights, weights, out=product)
+        host.join()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+
+    def replay(values: torch.Tensor) -> None:
+        source.copy_(values - 1)
+        graph.replay()
+
+    host_drafts_match(host, replay, num_rows, num_drafts, "cuda")
+    replay(torch.ones(num_rows, num_drafts, dtype=torch.int64, device=device))
+    host.reader([0], num_drafts)()
+    assert not torch.cuda.current_stream().query()  # read while the verify runs
+    torch.cuda.synchronize()

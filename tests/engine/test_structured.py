@@ -14,9 +14,11 @@ import pytest
 
 from deltaspec.engine import LLM, EngineConfig, SamplingParams, Structured
 from deltaspec.engine.core import EngineCore
+from deltaspec.engine.structured import Grammars
+from deltaspec.engine.tokenizer import Tokenizer
 
 from harness import LaunchCounter, assert_all_free, check_scripted_speculation
-from fixtures import GPU_SHAPE
+from fixtures import GPU_SHAPE, make_tokenizer
 
 VOCAB = 512
 
@@ -171,6 +173,40 @@ def test_grammar_rolls_back_with_rejected_drafts(checkpoint, k):
     params = [schema_params(rng, greedy=i < 2) for i in range(4)]
     base = check_scripted_speculation(path, prompts, params, k)
     check_outputs([r.output() for r in base])
+
+
+def test_matcher_advance_takes_a_steps_tokens_at_once(tmp_path):
+    """Matcher.advance over a step's tokens reports the token after which consuming them one by
+    one first stops the grammar (it completes, takes EOS, or refuses a token), and leaves the
+    matcher where that walk leaves it while the grammar goes on."""
+    grammars = Grammars(Tokenizer.from_dir(make_tokenizer(tmp_path)), VOCAB)
+    rng = random.Random(8)
+    constraints = (Structured("choice", ("yes", "yesno", "no")), Structured("regex", r"[a-c]{1,3}-\d{1,2}"),
+                   Structured("json_schema", SCHEMA))
+    for structured in constraints:
+        for _ in range(15):
+            matcher = grammars.matcher(structured)
+            walker = grammars.matcher(structured).llmatcher  # draws the tokens
+            reference = grammars.matcher(structured).llmatcher
+            stopped_at = None
+            while stopped_at is None:
+                step = []
+                for _ in range(rng.randint(1, 4)):
+                    mask = walker.compute_bitmask()
+                    allowed = [t for t in range(VOCAB) if mask[t // 8] >> (t % 8) & 1]
+                    token = rng.choice(allowed) if allowed and rng.random() < 0.9 else rng.randrange(VOCAB)
+                    step.append(token)
+                    if not walker.consume_token(token) or walker.is_stopped():
+                        break
+                step += [rng.randrange(VOCAB) for _ in range(rng.randint(0, 1))] if walker.is_stopped() else []
+                for taken, token in enumerate(step, start=1):
+                    reference.consume_token(token)
+                    if reference.is_stopped():
+                        stopped_at = taken
+                        break
+                assert matcher.advance(step) == stopped_at, (structured.kind, step)
+                if stopped_at is None:
+                    assert matcher.llmatcher.compute_bitmask() == reference.compute_bitmask()
 
 
 def test_bad_constraints_are_value_errors():
