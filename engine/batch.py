@@ -167,10 +167,10 @@ class Padding:
     """Rows that bring a prefill batch to a fixed shape (a CUDA graph's, prefill_graphs.py):
     num_tokens tokens in num_rows rows, num_checkpoints checkpoint entries, block tables
     table_width wide. Padding rows run from zero state in scratch slot 0 over scratch KV block
-    0 (never a sequence's), the padding tokens spread evenly over them, each row at least one token
-    long (no kernel sees an empty row); the
-    padding checkpoint entries have length 0, which no chunk boundary matches, so the kernels
-    write none of them and the copies after the forward go to the scratch slot."""
+    0 (never a sequence's), the padding tokens spread evenly over them, each row at least one
+    token long (no kernel sees an empty row); the padding checkpoint entries have length 0,
+    which no chunk boundary matches, so the kernels write none of them and the copies after the
+    forward go to the scratch slot."""
 
     num_tokens: int
     num_rows: int
@@ -222,11 +222,12 @@ class BatchLayout:
                                  f"{width} wide do not fit {padding}")
             # The padding tokens spread evenly over the padding rows: no row longer than needed
             # (a row's positions stay inside its table and the model's positions).
+            longest = padding.max_row_tokens(num_tokens, len(rows))
+            if longest > padding.table_width * block_size:
+                raise ValueError(f"padding rows of {longest} tokens overrun tables of {padding.table_width} blocks")
             extra_rows = padding.num_rows - len(rows)
             share, rest = divmod(padding.num_tokens - num_tokens, extra_rows)
             extra = [share + 1] * rest + [share] * (extra_rows - rest)
-            if extra[0] > padding.table_width * block_size:
-                raise ValueError(f"padding rows of {extra[0]} tokens overrun tables of {padding.table_width} blocks")
             lengths += extra
             starts += [0] * extra_rows
             slots += [0] * extra_rows

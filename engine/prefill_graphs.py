@@ -22,7 +22,6 @@ about requests: it is handed `Row`s.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -33,8 +32,6 @@ from .batch import BatchLayout, ForwardBatch, Padding, Row, device_arrays, packe
 from .cuda_graphs import no_garbage_collection, warm_up_on_side_stream
 from .models import HybridLM
 from .state_pool import KVPool, StatePool
-
-logger = logging.getLogger("deltaspec")
 
 MIN_TOKENS = 64
 # A bucket is captured while its replay takes at most this share of the eager forward's time.
@@ -89,13 +86,13 @@ class PrefillGraphs:
         for tokens in self.token_buckets:
             # A bucket's padding rows share its tokens and must stay inside their block tables
             # (an engine whose context is shorter than its step budget has few long buckets).
-            rows = [r for r in self.row_buckets if r <= tokens and -(-(tokens + r) // r) <= capacity]
-            if not rows:
-                break
             # Room for `tokens` real tokens beside r - 1 rows and the padding rows' tokens.
             def padding(r: int) -> Padding:
                 return Padding(tokens + r, r, r + tokens // self.interval, self.table_width)
 
+            rows = [r for r in self.row_buckets if r <= tokens and padding(r).max_row_tokens(0, 0) <= capacity]
+            if not rows:
+                break
             # The largest row bucket first: it decides whether this token bucket pays.
             largest = self._capture(padding(rows[-1]), pool)
             eager, replay = self._eager_seconds(largest), _seconds(largest.graph.replay)

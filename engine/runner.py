@@ -261,7 +261,8 @@ class Runner:
 
     def _prefill(self, rows: tuple[ScheduledRow, ...]) -> StepOutput:
         """One forward over prefill chunks (a graph replay where one fits, else eager); the rows
-        that end their prompt sample their first token. With speculation the MTP runs over the chunks too (Speculator.prefill_mtp)."""
+        that end their prompt sample their first token. With speculation the MTP runs over the
+        chunks too (Speculator.prefill_mtp)."""
         forward_rows = [r.forward_row() for r in rows]
         replayed = self.prefill_graphs.run(forward_rows) if self.prefill_graphs is not None else None
         if replayed is not None:
