@@ -81,6 +81,16 @@ SHAPES = {
                       num_experts=256, num_experts_per_tok=8, moe_intermediate_size=1024,
                       shared_expert_intermediate_size=1024, rope_theta=10000000, partial_rotary_factor=0.25,
                       tie_word_embeddings=False),
+    # Qwen/Qwen3-Next-80B-A3B-Instruct's config.json (~152 GiB in bf16 with its MTP layer: two
+    # H200s, or its FP8 form on two H100s): hidden 2048, 48 layers (full attention every 4th),
+    # 16 query / 2 KV heads of 256 (partial RoPE 0.25, theta 1e7), GDN 16 key / 32 value heads of
+    # 128, 512 experts, 10 active, expert and shared-expert widths 512, vocabulary 151936.
+    "80b-a3b": dict(model_type="qwen3_next", vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
+                    num_attention_heads=16, num_key_value_heads=2, linear_num_key_heads=16,
+                    linear_num_value_heads=32, intermediate_size=5120, num_experts=512, num_experts_per_tok=10,
+                    moe_intermediate_size=512, shared_expert_intermediate_size=512, decoder_sparse_step=1,
+                    norm_topk_prob=True, rope_theta=10000000, partial_rotary_factor=0.25,
+                    tie_word_embeddings=False),
     # A smoke test of the script on the CPU (its numbers mean nothing).
     "tiny": dict(model_type="qwen3_5_text", vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=2,

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The tensor-parallel run of an N-GPU machine in one device call (N from nvidia-smi: a 2-GPU
 # machine rehearses what a 4-GPU one runs). Run from the repo root (carry .whl); every part runs
-# under its own time limit (together 440 s: under 8 minutes with the set-up), and its log and
-# results land in $OUT:
+# under its own time limit (together $MULTI_GPU_SECONDS, 440 s unless set: under 8 minutes with
+# the set-up), and its log and results land in $OUT:
 #
 #   tests    pytest -m gpu tests/engine/test_tensor_parallel.py: a killed worker under NCCL,
 #            greedy output at tp 2 (and 4) equal to one GPU with and without speculation, graphs
@@ -14,10 +14,12 @@
 #            batches 1, 16, 64, the collectives' share, speculation's speedup (shipped profile)
 #   serve    bench/tools/serve_smoke.py: deltaspec serve -tp N --load-format dummy (the 35B-A3B
 #            shape; the 122B at N >= 4), one streamed completion over HTTP, SIGINT, no process left
+#   next80b  the same smoke on the Qwen3-Next-80B-A3B shape at tp 2 (bf16 on cards of >= 100 GiB,
+#            its block-FP8 form on H100s, where 152 GiB of bf16 weights do not fit two cards)
 #
 #   DELTASPEC_COMMIT=<sha> bash bench/tools/multi_gpu.sh [PART,PART,...]     (default: every part)
 #
-# A subset of the parts shares the same 440 s (one part alone gets them all). tp_scaling
+# A subset of the parts shares the same seconds (one part alone gets them all). tp_scaling
 # writes its JSON and PNG after every batch, so a part its limit cuts keeps what it measured.
 # A fresh machine compiles every Triton kernel first (minutes): on one, all four parts in one
 # call do not finish (4 H200s, 55f2a49: bench/results/multi_gpu/summary-h200x4.json); run
@@ -35,15 +37,16 @@ echo "commit $DELTASPEC_COMMIT, $num_gpus GPUs"
 
 if (( num_gpus >= 4 )); then
     sizes=1,2,4; tp=4; serve_shape=122b-a10b
-    declare -A weight=([tests]=70 [122b]=170 [scaling]=130 [serve]=70)
+    declare -A weight=([tests]=70 [122b]=170 [scaling]=130 [serve]=70 [next80b]=70)
 else
     sizes=$(seq -s, 1 "$num_gpus"); tp=$num_gpus; serve_shape=35b-a3b
-    declare -A weight=([tests]=150 [122b]=0 [scaling]=200 [serve]=90)
+    declare -A weight=([tests]=150 [122b]=0 [scaling]=200 [serve]=90 [next80b]=90)
 fi
-parts="${1:-tests,122b,scaling,serve}"
+parts="${1:-tests,122b,scaling,serve,next80b}"
+seconds_total="${MULTI_GPU_SECONDS:-440}"
 total=0
 for p in ${parts//,/ }; do total=$((total + ${weight[$p]:-0})); done
-limit() { echo $(( 440 * ${weight[$1]} / (total > 0 ? total : 1) )); }
+limit() { echo $(( seconds_total * ${weight[$1]} / (total > 0 ? total : 1) )); }
 
 wait_for_free_gpus() {  # a part its limit killed: its workers exit within a second of rank 0
     for _ in $(seq 30); do
@@ -79,8 +82,14 @@ for part in ${parts//,/ }; do
         seconds=$(limit serve)
         run_part serve "$seconds" python bench/tools/serve_smoke.py --shape "$serve_shape" --tp "$tp" \
             --start-timeout $((seconds - 30)) --out "$out" ;;
+    next80b)
+        seconds=$(limit next80b)
+        mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+        fp8=(); (( mib < 100 * 1024 )) && fp8=(--quantization fp8)
+        run_part next80b "$seconds" python bench/tools/serve_smoke.py --shape 80b-a3b --tp 2 "${fp8[@]}" \
+            --start-timeout $((seconds - 30)) --out "$out" ;;
     *)
-        echo "unknown part $part (tests, 122b, scaling, serve)"; exit 2 ;;
+        echo "unknown part $part (tests, 122b, scaling, serve, next80b)"; exit 2 ;;
     esac
 done
 ls -l "$out"

@@ -3,10 +3,10 @@ on a random-weight checkpoint of a bench shape (bench/spec_e2e.py SHAPES, MTP sp
 stream one completion over HTTP, shut it down with SIGINT, and check that no process of its
 group is left. Times each stage.
 
-    python bench/tools/serve_smoke.py --shape 35b-a3b --tp 2 [--expert-parallel] [--out DIR]
+    python bench/tools/serve_smoke.py --shape 35b-a3b --tp 2 [--expert-parallel] [--quantization fp8] [--out DIR]
     python bench/tools/serve_smoke.py --device cpu --shape tiny --tp 2       (a CPU run, gloo)
 
-Writes DIR/serve_smoke-<device>-<shape>-tp<N>[-ep].json (and the server's log beside it); exits
+Writes DIR/serve_smoke-<device>-<shape>-tp<N>[-ep][-fp8].json (and the server's log beside it); exits
 1 when a stage fails, naming it.
 """
 
@@ -86,6 +86,8 @@ def main() -> int:
     parser.add_argument("--shape", default="35b-a3b")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--expert-parallel", action="store_true")
+    parser.add_argument("--quantization", choices=("fp8",), default=None,
+                        help="serve the shape's block-FP8 form (random e4m3 weights and block scales)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--start-timeout", type=float, default=240.0)
     parser.add_argument("--out", default=str(BENCH / "results"))
@@ -94,8 +96,10 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(1))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"serve_smoke-{args.device}-{args.shape}-tp{args.tp}" + ("-ep" if args.expert_parallel else "")
-    report = {"shape": args.shape, "tp": args.tp, "expert_parallel": args.expert_parallel, "device": args.device,
+    name = (f"serve_smoke-{args.device}-{args.shape}-tp{args.tp}" + ("-ep" if args.expert_parallel else "")
+            + (f"-{args.quantization}" if args.quantization else ""))
+    report = {"shape": args.shape, "tp": args.tp, "expert_parallel": args.expert_parallel,
+              "quantization": args.quantization, "device": args.device,
               "commit": os.environ.get("DELTASPEC_COMMIT"), "command": " ".join(["python", *sys.argv])}
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -105,7 +109,8 @@ def main() -> int:
                    "--device", args.device, "--dtype", "bfloat16" if args.device == "cuda" else "float32",
                    "--tensor-parallel-size", str(args.tp), "--load-format", "dummy", "--max-model-len", "1024",
                    "--max-running", "8", "--shutdown-timeout", "5",
-                   *(["--enable-expert-parallel"] if args.expert_parallel else [])]
+                   *(["--enable-expert-parallel"] if args.expert_parallel else []),
+                   *(["--quantization", args.quantization] if args.quantization else [])]
         report["server_command"] = " ".join(command)
         started = time.monotonic()
         # A session of its own: its process group holds the server and its workers, and no more.
