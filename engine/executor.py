@@ -17,7 +17,9 @@ by itself), and every call after it raises WorkerDiedError naming the rank; a ca
 on rank 0 alone stops the workers too (TensorParallelError: the ranks' collectives no longer
 pair up). Workers ignore
 Ctrl-C (rank 0 shuts them down) and exit when rank 0's end of their pipe closes or rank 0's
-process is gone. Knows nothing about scheduling or models.
+process is gone. Shutdown: rank 0 tells the workers to close, each leaves the group on its own
+(TensorParallel.leave: no rank waits for another), and rank 0 leaves last, after the monitor.
+Knows nothing about scheduling or models.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from .tensor_parallel import COLLECTIVE_TIMEOUT, TensorParallel
 logger = logging.getLogger("deltaspec")
 
 JOIN_TIMEOUT_S = 10.0  # a closing worker gets this long before it is killed
+ABORT_TIMEOUT_S = 30.0  # the monitor's abort of the group, which close waits for
 _JOINED = "deltaspec/workers_joined"  # store counter: workers that reached rank 0's store
 
 
@@ -224,6 +227,15 @@ class Workers:
                 process.join()
         for pipe in self.pipes:
             pipe.close()
+        # Every worker has ended, so the monitor has woken: it returns at once (closing), or it
+        # is aborting the group because a worker died first. Leaving the group while that abort
+        # runs races it on the same communicators (the killed-worker test hung there): wait.
+        self._monitor.join(ABORT_TIMEOUT_S)
+
+    @property
+    def aborting(self) -> bool:
+        """The monitor's abort of the group has not returned (the group cannot be left)."""
+        return self._monitor.is_alive()
 
 
 class ParallelRunner:

@@ -56,7 +56,16 @@ class TensorParallel:
         torch.cuda.synchronize(self.device)
 
     def leave(self) -> None:
-        if dist.is_initialized():
+        """Leave the group (idempotent: a group the monitor aborted is already gone). NCCL:
+        abort this rank's communicators. destroy_process_group would finalize them, and a
+        finalize waits until every peer has finalized too: a peer that is gone, or that rank 0
+        stops only after it has left, hangs it for good (4 H200s, f2c4306: both the killed-worker
+        test and a plain shutdown). An abort is local. gloo: destroy, which is local there."""
+        if not dist.is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.distributed_c10d._abort_process_group()
+        else:
             dist.destroy_process_group()
 
     def split(self, total: int) -> tuple[int, int]:

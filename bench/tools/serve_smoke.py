@@ -54,11 +54,15 @@ def wait_healthy(server: subprocess.Popen, url: str, deadline: float) -> None:
 
 
 def stream_completion(url: str) -> dict:
-    """One streamed greedy completion: seconds to the first chunk and in all, the text."""
+    """One streamed greedy completion of MAX_TOKENS tokens: seconds to the first chunk and in
+    all, the text, the finish reason and the usage (random weights' tokens past the test
+    tokenizer's vocabulary decode to nothing, so the text may be short or empty: the token
+    count is what is checked)."""
     body = json.dumps({"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-                       "stream": True}).encode()
+                       "stream": True, "stream_options": {"include_usage": True}}).encode()
     request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
     started, first, chunks, text = time.monotonic(), None, 0, ""
+    finish_reason, usage = None, None
     with urllib.request.urlopen(request, timeout=120) as response:
         for line in response:
             line = line.decode().strip()
@@ -67,10 +71,18 @@ def stream_completion(url: str) -> dict:
             event = json.loads(line[len("data: "):])
             if "error" in event:
                 raise RuntimeError(f"the stream failed: {event['error']}")
+            usage = event.get("usage") or usage
+            if not event.get("choices"):
+                continue
             first = first if first is not None else time.monotonic() - started
             chunks += 1
             text += event["choices"][0]["text"]
-    return {"first_chunk_s": first, "total_s": time.monotonic() - started, "chunks": chunks, "text": text}
+            finish_reason = event["choices"][0].get("finish_reason") or finish_reason
+    completion = {"first_chunk_s": first, "total_s": time.monotonic() - started, "chunks": chunks, "text": text,
+                  "finish_reason": finish_reason, "usage": usage}
+    if finish_reason != "length" or not usage or usage.get("completion_tokens") != MAX_TOKENS:
+        raise RuntimeError(f"expected {MAX_TOKENS} tokens ending in 'length': {completion}")
+    return completion
 
 
 def group_alive(pgid: int) -> bool:
