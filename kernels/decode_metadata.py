@@ -42,6 +42,9 @@ import triton.language as tl
 # Columns of the packed rows: those the host always knows, then those a fed row derives on the
 # device (NEWEST onwards), then C catch-up ids.
 SLOT, IS_FED, FED_FROM, NUM_DRAFTS, NEWEST, POSITION, MTP_START, NUM_CATCH_UP, CATCH_UP_IDS = range(9)
+# The kernel's copies (a Triton kernel reads only constexpr globals).
+_SLOT, _IS_FED, _FED_FROM, _NEWEST, _POSITION, _MTP_START, _NUM_CATCH_UP, _CATCH_UP_IDS = (
+    tl.constexpr(c) for c in (SLOT, IS_FED, FED_FROM, NEWEST, POSITION, MTP_START, NUM_CATCH_UP, CATCH_UP_IDS))
 
 
 class RowTokens(enum.IntEnum):
@@ -113,16 +116,16 @@ def _decode_metadata_kernel(packed, emitted, accepted, last_positions, slot_tabl
     derived (a store then a load of the same address within a program is not ordered)."""
     row = tl.program_id(0).to(tl.int64)
     own = packed + row * stride_packed
-    slot = tl.load(own + SLOT)
-    newest = tl.load(own + NEWEST)
-    position = tl.load(own + POSITION)
-    mtp_start = tl.load(own + MTP_START)
+    slot = tl.load(own + _SLOT)
+    newest = tl.load(own + _NEWEST)
+    position = tl.load(own + _POSITION)
+    mtp_start = tl.load(own + _MTP_START)
     j = tl.arange(0, BLOCK_Q)
     in_catch_up = j < CATCH_UP
-    catch_up_ids = tl.load(own + CATCH_UP_IDS + j, mask=in_catch_up, other=0)
+    catch_up_ids = tl.load(own + _CATCH_UP_IDS + j, mask=in_catch_up, other=0)
     if FEED:
-        fed = tl.load(own + IS_FED) != 0
-        source = tl.load(own + FED_FROM)  # 0 on rows not fed: every load below stays in bounds
+        fed = tl.load(own + _IS_FED) != 0
+        source = tl.load(own + _FED_FROM)  # 0 on rows not fed: every load below stays in bounds
         if CATCH_UP == 0:
             newest = tl.where(fed, tl.load(emitted + source), newest)
         else:
@@ -131,14 +134,14 @@ def _decode_metadata_kernel(packed, emitted, accepted, last_positions, slot_tabl
             newest = tl.where(fed, tl.load(emitted + taken * stride_emitted + source), newest)
             position = tl.where(fed, previous + taken + 1, position)
             mtp_start = tl.where(fed, previous, mtp_start)
-            num_catch_up = tl.where(fed, taken + 1, tl.load(own + NUM_CATCH_UP))
+            num_catch_up = tl.where(fed, taken + 1, tl.load(own + _NUM_CATCH_UP))
             catch_up_ids = tl.where(fed, tl.load(emitted + j * stride_emitted + source, mask=in_catch_up, other=0),
                                     catch_up_ids)
-            tl.store(own + POSITION, position)
-            tl.store(own + MTP_START, mtp_start)
-            tl.store(own + NUM_CATCH_UP, num_catch_up)
-            tl.store(own + CATCH_UP_IDS + j, catch_up_ids, mask=in_catch_up)
-        tl.store(own + NEWEST, newest)
+            tl.store(own + _POSITION, position)
+            tl.store(own + _MTP_START, mtp_start)
+            tl.store(own + _NUM_CATCH_UP, num_catch_up)
+            tl.store(own + _CATCH_UP_IDS + j, catch_up_ids, mask=in_catch_up)
+        tl.store(own + _NEWEST, newest)
     inside = j < num_positions
     if TOKENS == 1:  # CATCH_UP (q = C)
         start = mtp_start + offset
@@ -212,6 +215,6 @@ def decode_metadata(packed: torch.Tensor, slot_tables: torch.Tensor, emitted: to
     _decode_metadata_kernel[(num_rows,)](
         packed, emitted, accepted, last_positions, slot_tables, extra, *meta, packed.stride(0), emitted.stride(0),
         slot_tables.stride(0), extra.stride(0), num_positions, table_width, block_size, offset,
-        TOKENS=int(tokens), FEED=feed, CATCH_UP=catch_up, BLOCK_Q=triton.next_power_of_2(max(num_positions, catch_up, 2)),
-        BLOCK_W=min(1024, triton.next_power_of_2(max(table_width, 2))), num_warps=1)
+        TOKENS=int(tokens), FEED=feed, CATCH_UP=catch_up,
+        BLOCK_Q=triton.next_power_of_2(max(num_positions, catch_up, 2)), BLOCK_W=min(1024, triton.next_power_of_2(max(table_width, 2))), num_warps=1)
     return meta

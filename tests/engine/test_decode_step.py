@@ -9,7 +9,7 @@ import torch
 
 from deltaspec.engine import LLM, EngineConfig
 from deltaspec.engine.core import EngineCore
-from deltaspec.engine.decode_step import DecodeRow, DecodeRows, DecodeStep, pack_rows
+from deltaspec.engine.decode_step import DecodeRow, DecodeRows, DecodeStep, RowTokens, pack_rows
 
 
 def test_slot_tables_follow_growth_and_reuse(checkpoint):
@@ -34,7 +34,7 @@ def test_slot_tables_follow_growth_and_reuse(checkpoint):
         sent.append(step.sync_tables(rows))
         assert sent[-1] <= changed  # growth sends the new entry only
         packed = pack_rows(rows, step.catch_up, step.block_size, len(rows) + 1, pin_memory=False)
-        gathered = step.tables(DecodeRows(packed)).tolist()
+        gathered = step.batch(DecodeRows(packed), RowTokens.NEWEST, 1).block_tables.tolist()
         for row, table in zip(rows, gathered):
             assert table[:len(row.block_table)] == list(row.block_table)
         assert not any(gathered[-1])  # the padding row: slot 0, scratch block 0
@@ -73,7 +73,7 @@ def test_fed_rows_continue_the_latest_step(checkpoint, speculative):
             DecodeRow(3, 0, 70, table, 0, fed_from=0)]
     packed = DecodeRows(pack_rows(rows, step.catch_up, 16, 3, pin_memory=False))
     before = packed.packed.clone()
-    step.feed(packed)
+    step.batch(packed, RowTokens.NEWEST, 1, feed=True)
     assert torch.equal(packed.packed[1], before[1])  # not fed: untouched
     for i, source in ((0, 3), (2, 0)):
         a = accepted[source]

@@ -59,7 +59,8 @@ def by_hand(case: dict, num_positions: int, tokens: RowTokens, extra: list | Non
     """What each row runs, read from the packed layout one row at a time."""
     catch_up = case["packed"].shape[1] - CATCH_UP_IDS
     emitted, accepted = case["emitted"].tolist(), case["accepted"].tolist()
-    last_positions, tables, block_size = case["last_positions"].tolist(), case["slot_tables"].tolist(), case["block_size"]
+    last_positions, tables = case["last_positions"].tolist(), case["slot_tables"].tolist()
+    block_size = case["block_size"]
     packed, out = [], {name: [] for name in ("input_ids", "positions", "slot_mapping", "context_lens", "slot_ids",
                                               "block_tables")}
     for r, (slot, fed, source, drafts, newest, position, mtp_start, num_catch_up, *ids) in \
