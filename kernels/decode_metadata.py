@@ -16,6 +16,10 @@ From those, per row r and position j (p = start_r + j, table = slot_tables[slot_
     slot_mapping[r q + j] table[p // bs] * bs + p % bs context_lens[r]        start_r + q (int32)
     slot_ids[r]           slot_r (int32)               block_tables[r]        table (int32 [W])
 
+with a row's table entries past its context (ceil(context_lens[r] / bs) blocks) zero, scratch
+block 0: no kernel reads them, and the kernel loads none of them (a long max_model_len's table
+is thousands of entries a row, of which a short sequence uses a few).
+
 `feed` first completes the fed rows (fed flag set) in place from the latest step's outputs:
 emitted [E, R] (row e: each row's e-th emitted token), accepted [R], last_positions [R]. Without
 catch-up columns (C = 0, a plain engine) a fed row's newest token is emitted[0, source]; with
@@ -63,7 +67,7 @@ class DecodeMetadata(NamedTuple):
     slot_mapping: torch.Tensor  # [B q] int64: KV cache flat index of each position
     context_lens: torch.Tensor  # [B] int32: keys of each row after its q positions
     slot_ids: torch.Tensor      # [B] int32
-    block_tables: torch.Tensor  # [B, W] int32: each row's slot's table
+    block_tables: torch.Tensor  # [B, W] int32: each row's slot's table, zero past its context
 
 
 def feed_reference(packed: torch.Tensor, emitted: torch.Tensor, accepted: torch.Tensor,
@@ -99,11 +103,13 @@ def decode_metadata_reference(packed: torch.Tensor, slot_tables: torch.Tensor, e
         input_ids = packed[:, CATCH_UP_IDS:CATCH_UP_IDS + q]
     else:
         input_ids = extra[:, :q]
+    context_lens = positions[:, -1] + 1
     tables = slot_tables[slots]
     blocks = tables.gather(1, positions // block_size).long()
+    used = torch.arange(tables.shape[1], device=packed.device) < (context_lens[:, None] + block_size - 1) // block_size
     return DecodeMetadata(input_ids.reshape(-1), positions.reshape(-1),
-                          (blocks * block_size + positions % block_size).reshape(-1),
-                          (positions[:, -1] + 1).to(torch.int32), slots.to(torch.int32), tables)
+                          (blocks * block_size + positions % block_size).reshape(-1), context_lens.to(torch.int32),
+                          slots.to(torch.int32), tables.masked_fill(~used, 0))
 
 
 @triton.jit(do_not_specialize=["offset"])
@@ -161,11 +167,14 @@ def _decode_metadata_kernel(packed, emitted, accepted, last_positions, slot_tabl
     index = p // block_size
     block = tl.load(table + index, mask=inside & (index < table_width), other=0).to(tl.int64)
     tl.store(slot_mapping + out, block * block_size + p % block_size, mask=inside)
-    tl.store(context_lens + row, (start + num_positions).to(tl.int32))
+    context = start + num_positions
+    tl.store(context_lens + row, context.to(tl.int32))
     tl.store(slot_ids + row, slot.to(tl.int32))
+    used = (context + block_size - 1) // block_size
     for first in range(0, table_width, BLOCK_W):
         w = first + tl.arange(0, BLOCK_W)
-        tl.store(block_tables + row * table_width + w, tl.load(table + w, mask=w < table_width), mask=w < table_width)
+        entries = tl.load(table + w, mask=(w < used) & (w < table_width), other=0)
+        tl.store(block_tables + row * table_width + w, entries, mask=w < table_width)
 
 
 def _check_decode_metadata_args(packed, slot_tables, emitted, accepted, last_positions, block_size, num_positions,
@@ -216,5 +225,6 @@ def decode_metadata(packed: torch.Tensor, slot_tables: torch.Tensor, emitted: to
         packed, emitted, accepted, last_positions, slot_tables, extra, *meta, packed.stride(0), emitted.stride(0),
         slot_tables.stride(0), extra.stride(0), num_positions, table_width, block_size, offset,
         TOKENS=int(tokens), FEED=feed, CATCH_UP=catch_up,
-        BLOCK_Q=triton.next_power_of_2(max(num_positions, catch_up, 2)), BLOCK_W=min(1024, triton.next_power_of_2(max(table_width, 2))), num_warps=1)
+        BLOCK_Q=triton.next_power_of_2(max(num_positions, catch_up, 2)),
+        BLOCK_W=min(1024, triton.next_power_of_2(max(table_width, 2))), num_warps=4)
     return meta

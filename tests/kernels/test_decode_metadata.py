@@ -3,7 +3,8 @@ reading of the packed layout, then the Triton kernel against the reference.
 
 Rows are random: slots (padding rows on slot 0 among them), fed and unfed rows continuing random
 rows of a random latest step, positions and catch-up starts just before and after block
-boundaries, block sizes 4 and 16, tables of random block ids; a plain layout (C = 0) and a
+boundaries, block sizes 4 and 16, tables of random block ids (a row's gathered table zero past
+its context); a plain layout (C = 0) and a
 speculative one (C = 4); every RowTokens kind, with an offset. The kernel gets a copy of the same
 packed rows and must complete the fed ones alike. CPU: the interpreter. GPU (`gpu` marker): 256
 rows.
@@ -17,20 +18,21 @@ import pytest
 import torch
 
 from deltaspec.kernels import REFERENCE_OPS
-from deltaspec.kernels.decode_metadata import CATCH_UP_IDS, RowTokens, decode_metadata
+from deltaspec.kernels.decode_metadata import CATCH_UP_IDS, POSITION, SLOT, RowTokens, decode_metadata
 
 NUM_SLOTS, TABLE_WIDTH, NUM_SOURCES = 9, 6, 5
 
 
-def random_case(num_rows: int, catch_up: int, block_size: int, seed: int, device: str = "cpu") -> dict:
+def random_case(num_rows: int, catch_up: int, block_size: int, seed: int, device: str = "cpu",
+                table_width: int = TABLE_WIDTH) -> dict:
     """Packed rows, slot tables and a latest step's outputs whose every position stays inside
     its table (at most q = max(C, 3) positions from any start, after a fed row's derivation)."""
     rng = random.Random(seed)
     span = max(catch_up, 3)
-    limit = TABLE_WIDTH * block_size - span - 1  # the furthest start a row may have
+    limit = table_width * block_size - span - 1  # the furthest start a row may have
 
     def near_boundary() -> int:
-        return min(limit, max(catch_up + 1, rng.randrange(1, TABLE_WIDTH) * block_size + rng.randint(-2, 1)))
+        return min(limit, max(catch_up + 1, rng.randrange(1, table_width) * block_size + rng.randint(-2, 1)))
 
     width = max(catch_up, 1)
     emitted = [[rng.randrange(1000) for _ in range(NUM_SOURCES)] for _ in range(width)]
@@ -47,8 +49,8 @@ def random_case(num_rows: int, catch_up: int, block_size: int, seed: int, device
         rows.append([rng.randrange(1, NUM_SLOTS), int(fed), rng.randrange(NUM_SOURCES) if fed else 0,
                      rng.randint(0, 3), rng.randrange(1000), position, position - num_catch_up, num_catch_up,
                      *[rng.randrange(1000) for _ in range(catch_up)]])
-    tables = [[rng.randrange(1, 500) for _ in range(TABLE_WIDTH)] for _ in range(NUM_SLOTS)]
-    tables[0] = [0] * TABLE_WIDTH  # scratch slot 0: scratch block 0
+    tables = [[rng.randrange(1, 500) for _ in range(table_width)] for _ in range(NUM_SLOTS)]
+    tables[0] = [0] * table_width  # scratch slot 0: scratch block 0
     as_tensor = lambda values, dtype=torch.int64: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
     return dict(packed=as_tensor(rows).reshape(num_rows, CATCH_UP_IDS + catch_up),
                 slot_tables=as_tensor(tables, torch.int32), emitted=as_tensor(emitted), accepted=as_tensor(accepted),
@@ -87,7 +89,8 @@ def by_hand(case: dict, num_positions: int, tokens: RowTokens, extra: list | Non
             out["slot_mapping"].append(tables[slot][p // block_size] * block_size + p % block_size)
         out["context_lens"].append(start + num_positions)
         out["slot_ids"].append(slot)
-        out["block_tables"].append(tables[slot])
+        used = -(-(start + num_positions) // block_size)  # blocks holding the row's context; zero after
+        out["block_tables"].append(tables[slot][:used] + [0] * (len(tables[slot]) - used))
     return packed, out
 
 
@@ -131,6 +134,15 @@ def test_triton_equals_reference(kernel_device, poisoned_empty, num_rows, block_
         assert torch.equal(ours["packed"], theirs["packed"])
         for name, values in reference._asdict().items():
             assert torch.equal(getattr(meta, name), values), name
+
+
+def test_triton_gathers_tables_wider_than_a_tile(kernel_device, poisoned_empty):
+    """Tables of 1,100 entries: the kernel copies a row's table in tiles of 1,024."""
+    case = random_case(6, 0, 1, seed=9, device=kernel_device, table_width=1100)
+    case["packed"][0, SLOT], case["packed"][0, POSITION] = 3, 1090  # a row past the first tile
+    meta = poisoned_empty(decode_metadata, **case, num_positions=1, tokens=RowTokens.NEWEST)
+    reference = REFERENCE_OPS.decode_metadata(**case, num_positions=1, tokens=RowTokens.NEWEST)
+    assert all(torch.equal(getattr(meta, name), values) for name, values in reference._asdict().items())
 
 
 def test_bad_arguments_are_refused():
