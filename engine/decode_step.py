@@ -52,9 +52,9 @@ class DecodeRow(msgspec.Struct, frozen=True, gc=False):
     position: where the newest token sits (its state is not folded in yet). With speculation the
     MTP catches up positions [mtp_start, position) whose next tokens are catch_up_ids. A fed row
     continues the row `fed_from` of the latest decode step, whose outputs are still on the
-    device (`DecodeStep.batch`, feed): its newest token is the last that row emitted; in a speculative
-    engine its position and MTP catch-up follow from that row's accepted count too, and
-    `position` is only the furthest it can be (what its blocks must cover)."""
+    device (`DecodeStep.batch` with feed): its newest token is the last that row emitted; in a
+    speculative engine its position and MTP catch-up follow from that row's accepted count too,
+    and `position` is only the furthest it can be (what its blocks must cover)."""
 
     slot: int
     newest: int
@@ -139,7 +139,7 @@ def pack_rows(rows: Sequence[DecodeRow], catch_up: int, block_size: int, num_row
             raise ValueError(f"slot {r.slot}: {len(r.block_table)} KV blocks do not cover positions up to {last}")
         fed = r.fed_from is not None
         packed_rows[i, :CATCH_UP_IDS + num_catch_up] = (r.slot, fed, r.fed_from if fed else 0, r.num_drafts, r.newest,
-                                                         r.position, r.mtp_start, num_catch_up, *r.catch_up_ids)
+                                                        r.position, r.mtp_start, num_catch_up, *r.catch_up_ids)
     return packed
 
 

@@ -153,8 +153,8 @@ class Speculator:
 
     def draft(self, rows: DecodeRows, num_drafts: int) -> torch.Tensor:
         """MTP catch-up + chain -> drafts [B, num_drafts] int64, its first batch filling in the
-        fed rows (DecodeStep.batch). The catch-up runs even for num_drafts = 0: it keeps the MTP's KV cache
-        complete for later drafting."""
+        fed rows (DecodeStep.batch). The catch-up runs even for num_drafts = 0: it keeps the
+        MTP's KV cache complete for later drafting."""
         decode, num_rows, catch_up = self.decode, rows.num_rows, self.decode.catch_up
         # Positions [mtp_start, mtp_start + C), inputs the catch-up ids: the step's first stage,
         # which completes the fed rows.
