@@ -59,6 +59,9 @@ class RowTokens(enum.IntEnum):
     EXTRA = 2
 
 
+_TOKENS_NEWEST, _TOKENS_CATCH_UP = tl.constexpr(RowTokens.NEWEST.value), tl.constexpr(RowTokens.CATCH_UP.value)
+
+
 class DecodeMetadata(NamedTuple):
     """What the forward reads of a decode batch (B rows of q positions)."""
 
@@ -149,10 +152,10 @@ def _decode_metadata_kernel(packed, emitted, accepted, last_positions, slot_tabl
             tl.store(own + _CATCH_UP_IDS + j, catch_up_ids, mask=in_catch_up)
         tl.store(own + _NEWEST, newest)
     inside = j < num_positions
-    if TOKENS == 1:  # CATCH_UP (q = C)
+    if TOKENS == _TOKENS_CATCH_UP:  # (q = C)
         start = mtp_start + offset
         ids = catch_up_ids
-    elif TOKENS == 0:  # NEWEST, then extra[:, :q - 1]
+    elif TOKENS == _TOKENS_NEWEST:  # then extra[:, :q - 1]
         start = position + offset
         ids = tl.load(extra + row * stride_extra + j - 1, mask=inside & (j > 0), other=0)
         ids = tl.where(j == 0, newest, ids)
