@@ -20,10 +20,13 @@ per slot (`slot_tables`): a step sends only the entries that changed since a slo
 last sent (a new block every block_size tokens, a whole table when a slot gets a new request),
 and each stage gathers its rows' tables there. A row may also be *fed* (`DecodeRow.fed_from`):
 it continues a row of the latest decode step, whose outputs that step left on the device
-(`emitted`, `accepted`, `last_positions`), and `feed` derives its newest token (and with
-speculation its position and MTP catch-up) there, so a step can be launched before the host
-has seen the outputs of the step before it (async scheduling, core.py). Knows nothing about
-requests or scheduling beyond the rows it is handed.
+(`emitted`, `accepted`, `last_positions`), and the step's first stage derives its newest token
+(and with speculation its position and MTP catch-up) there, so a step can be launched before the
+host has seen the outputs of the step before it (async scheduling, core.py). A stage's whole
+batch metadata, fed rows included, is one kernel (`batch`: kernels/decode_metadata.py), and a
+step's greedy tokens and non-finite flags one more (kernels/greedy.py): a plain step's graph
+runs nothing beyond the model's forward but those two launches. Knows nothing about requests or
+scheduling beyond the rows it is handed.
 """
 
 from __future__ import annotations
@@ -34,28 +37,12 @@ import msgspec
 import numpy as np
 import torch
 
+# The packed rows' columns (the kernel's layout, kernels/decode_metadata.py).
+from ..kernels.decode_metadata import (CATCH_UP_IDS, FED_FROM, IS_FED, MTP_START, NEWEST, NUM_CATCH_UP, NUM_DRAFTS,
+                                       POSITION, SLOT, RowTokens)
 from .batch import ForwardBatch, RowGroup
 from .models import HybridLM
 from .state_pool import KVPool, StatePool
-
-# Columns of DecodeRows.packed before the catch-up token ids: those the host always knows, then
-# those a fed row derives on the device (_DERIVED onwards, DecodeStep.feed).
-_SLOT, _IS_FED, _FED_FROM, _NUM_DRAFTS, _NEWEST, _POSITION, _MTP_START, _NUM_CATCH_UP, _CATCH_UP_IDS = range(9)
-_DERIVED = _NEWEST
-
-
-def nonfinite_rows(logits: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Whether each of num_rows rows of logits [num_rows * W, V] (W positions a row) holds a
-    NaN or an infinity: bool [num_rows], on the device, no sync. One reduction: a sum is finite
-    iff every term is (logits are far below float32's range, so a finite row cannot overflow it)."""
-    return ~torch.isfinite(logits.reshape(num_rows, -1).sum(dim=-1, dtype=torch.float32))
-
-
-def read_with_flags(tokens: torch.Tensor, logits: torch.Tensor) -> tuple[list[int], list[int]]:
-    """Tokens [N] sampled from logits [N, V] and whether each row's logits were not finite (1)
-    or were (0), read to the host in one copy (step.flagged makes StepOutput's flags of them)."""
-    tokens, flags = torch.stack([tokens, nonfinite_rows(logits, len(tokens)).long()]).tolist()
-    return tokens, flags
 
 
 class DecodeRow(msgspec.Struct, frozen=True, gc=False):
@@ -65,9 +52,9 @@ class DecodeRow(msgspec.Struct, frozen=True, gc=False):
     position: where the newest token sits (its state is not folded in yet). With speculation the
     MTP catches up positions [mtp_start, position) whose next tokens are catch_up_ids. A fed row
     continues the row `fed_from` of the latest decode step, whose outputs are still on the
-    device (`DecodeStep.feed`): its newest token is the last that row emitted; in a speculative
-    engine its position and MTP catch-up follow from that row's accepted count too, and
-    `position` is only the furthest it can be (what its blocks must cover)."""
+    device (`DecodeStep.batch` with feed): its newest token is the last that row emitted; in a
+    speculative engine its position and MTP catch-up follow from that row's accepted count too,
+    and `position` is only the furthest it can be (what its blocks must cover)."""
 
     slot: int
     newest: int
@@ -91,39 +78,39 @@ class DecodeRows(NamedTuple):
 
     @property
     def slots(self) -> torch.Tensor:
-        return self.packed[:, _SLOT]
+        return self.packed[:, SLOT]
 
     @property
     def newest(self) -> torch.Tensor:
-        return self.packed[:, _NEWEST]
+        return self.packed[:, NEWEST]
 
     @property
     def is_fed(self) -> torch.Tensor:
-        return self.packed[:, _IS_FED]
+        return self.packed[:, IS_FED]
 
     @property
     def fed_from(self) -> torch.Tensor:
-        return self.packed[:, _FED_FROM]
+        return self.packed[:, FED_FROM]
 
     @property
     def positions(self) -> torch.Tensor:
-        return self.packed[:, _POSITION]
+        return self.packed[:, POSITION]
 
     @property
     def num_drafts(self) -> torch.Tensor:
-        return self.packed[:, _NUM_DRAFTS]
+        return self.packed[:, NUM_DRAFTS]
 
     @property
     def mtp_start(self) -> torch.Tensor:
-        return self.packed[:, _MTP_START]
+        return self.packed[:, MTP_START]
 
     @property
     def num_catch_up(self) -> torch.Tensor:
-        return self.packed[:, _NUM_CATCH_UP]
+        return self.packed[:, NUM_CATCH_UP]
 
     @property
     def catch_up_ids(self) -> torch.Tensor:
-        return self.packed[:, _CATCH_UP_IDS:]
+        return self.packed[:, CATCH_UP_IDS:]
 
     def head(self, num_rows: int) -> "DecodeRows":
         """The first num_rows rows (a bucket of static buffers)."""
@@ -132,7 +119,7 @@ class DecodeRows(NamedTuple):
     @classmethod
     def zeros(cls, num_rows: int, catch_up: int, device: torch.device) -> "DecodeRows":
         """Static buffers holding padding rows."""
-        return cls(torch.zeros(num_rows, _CATCH_UP_IDS + catch_up, dtype=torch.int64, device=device))
+        return cls(torch.zeros(num_rows, CATCH_UP_IDS + catch_up, dtype=torch.int64, device=device))
 
 
 def pack_rows(rows: Sequence[DecodeRow], catch_up: int, block_size: int, num_rows: int,
@@ -140,7 +127,7 @@ def pack_rows(rows: Sequence[DecodeRow], catch_up: int, block_size: int, num_row
     """The host tensor packed [num_rows, 8 + C] of `rows` followed by padding rows (all zeros:
     slot 0, nothing to draft or catch up). Every position a row may write, up to
     position + max(C, 1) - 1, must be in its own blocks."""
-    packed = torch.zeros(num_rows, _CATCH_UP_IDS + catch_up, dtype=torch.int64, pin_memory=pin_memory)
+    packed = torch.zeros(num_rows, CATCH_UP_IDS + catch_up, dtype=torch.int64, pin_memory=pin_memory)
     packed_rows = packed.numpy()  # a row is one slice assignment (torch.tensor of lists is ~5x slower)
     for i, r in enumerate(rows):
         num_catch_up = len(r.catch_up_ids)
@@ -151,8 +138,8 @@ def pack_rows(rows: Sequence[DecodeRow], catch_up: int, block_size: int, num_row
         if last >= len(r.block_table) * block_size:
             raise ValueError(f"slot {r.slot}: {len(r.block_table)} KV blocks do not cover positions up to {last}")
         fed = r.fed_from is not None
-        packed_rows[i, :_CATCH_UP_IDS + num_catch_up] = (r.slot, fed, r.fed_from if fed else 0, r.num_drafts, r.newest,
-                                                         r.position, r.mtp_start, num_catch_up, *r.catch_up_ids)
+        packed_rows[i, :CATCH_UP_IDS + num_catch_up] = (r.slot, fed, r.fed_from if fed else 0, r.num_drafts, r.newest,
+                                                        r.position, r.mtp_start, num_catch_up, *r.catch_up_ids)
     return packed
 
 
@@ -165,7 +152,7 @@ class DecodeStep:
         self.speculative = speculative
         # C: MTP positions caught up per step at most, those verified and accepted last step.
         self.catch_up = states.max_pending + 1 if speculative else 0
-        # The latest decode step's outputs by row, which the next step's fed rows read (`feed`):
+        # The latest decode step's outputs by row, which the next step's fed rows read (`batch`):
         # row r emitted emitted[:accepted[r] + 1, r] (drafts it accepted, then the target's
         # token; the runner writes sampled rows' tokens here too) with its newest token at
         # last_positions[r]. W = C rows: a row accepts at most k drafts. A plain engine keeps
@@ -223,23 +210,6 @@ class DecodeStep:
         self.slot_tables[updates[0], updates[1]] = updates[2].to(torch.int32)
         return len(blocks)
 
-    def feed(self, rows: DecodeRows) -> None:
-        """Fill in the fed rows (in place, on the device) from the latest decode step's outputs:
-        the newest token is the last one row j = fed_from emitted; with speculation the position
-        moves past the a_j tokens it accepted, and the MTP catches up the positions that row
-        verified and accepted, [last_position_j, last_position_j + a_j], whose next tokens are
-        the ones it emitted (their hidden states are kept at the slot)."""
-        fed, source = rows.is_fed.bool(), rows.fed_from
-        packed = rows.packed
-        if not self.speculative:  # a plain row's position is known to the host: one past its source's
-            packed[:, _NEWEST] = torch.where(fed, self.emitted[0, source], rows.newest)
-            return
-        accepted, previous = self.accepted[source], self.last_positions[source]
-        derived = torch.cat([torch.stack([self.emitted[accepted, source], previous + accepted + 1, previous,
-                                          accepted + 1], dim=1),
-                             self.emitted[:, source].T], dim=1)                      # [B, 4 + C]
-        packed[:, _DERIVED:] = torch.where(fed[:, None], derived, packed[:, _DERIVED:])
-
     def record(self, rows: DecodeRows, accepted: torch.Tensor | None, emitted: torch.Tensor | None = None) -> None:
         """Keep a speculative step's outputs for the next step's fed rows: accepted [B] and
         emitted [B, K + 1] (None, None: a plain step, whose argmax is in emitted[0] already)."""
@@ -252,44 +222,44 @@ class DecodeStep:
         self.last_positions[:num_rows] = rows.positions
 
     def plain(self, rows: DecodeRows) -> tuple[torch.Tensor, torch.Tensor]:
-        """A plain decode step: each row's newest token, committed at once. Returns (float32
-        logits [B, V], their argmax [B]: a view of `emitted[0]`, where the runner writes sampled
-        rows' tokens). In a speculative engine (a step where no row drafts) it also folds the
-        slots' pending drafts (its kernels commit everything: nothing stays pending) and keeps
-        the hidden state for the next step's MTP catch-up; the MTP itself does not run, so
-        its KV cache misses this position: drafts attend to a stale entry there, which costs
-        acceptance, never correctness."""
-        self.feed(rows)
-        batch = self.batch(rows, self.tables(rows), rows.positions[:, None].contiguous(), rows.newest, commit=True)
+        """A plain decode step: each row's newest token (fed rows' from the latest step),
+        committed at once. Returns (float32 logits [B, V], their argmax [B]: a view of
+        `emitted[0]`, where the runner writes sampled rows' tokens; `nonfinite` flags the rows
+        whose logits are not finite). Beyond the model: one launch before (the metadata), one
+        after (greedy tokens and flags). In a speculative engine (a step where no row drafts) it
+        also folds the slots' pending drafts (its kernels commit everything: nothing stays
+        pending) and keeps the hidden state for the next step's MTP catch-up; the MTP itself
+        does not run, so its KV cache misses this position: drafts attend to a stale entry
+        there, which costs acceptance, never correctness."""
+        num_rows = rows.num_rows
+        batch = self.batch(rows, RowTokens.NEWEST, 1, feed=True)
         hidden = self.model(batch, self.states, self.kv)
         logits = self.model.compute_logits(hidden)
-        greedy = self.emitted[0, :rows.num_rows]
-        torch.argmax(logits, dim=-1, out=greedy)
-        self.nonfinite[:rows.num_rows] = nonfinite_rows(logits, rows.num_rows)
+        greedy, _ = self.model.ops.greedy_argmax(logits, 1, tokens=self.emitted[0, :num_rows],
+                                                 nonfinite=self.nonfinite[:num_rows])
         if self.speculative:
             self.states.pending_counts.index_fill_(0, rows.slots, 0)  # (no host scalar: graph-safe)
             self.states.mtp_hidden[rows.slots, 0] = hidden
             self.record(rows, None)
         return logits, greedy
 
-    def tables(self, rows: DecodeRows) -> torch.Tensor:
-        """The rows' block tables [B, max_blocks_per_row] int32, gathered from `slot_tables`."""
-        return self.slot_tables.index_select(0, rows.slots)
-
-    def batch(self, rows: DecodeRows, tables: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor,
-               commit: bool) -> ForwardBatch:
-        """A batch of rows with q = positions.shape[1] consecutive new positions each."""
-        num_rows, q = positions.shape
-        block = tables.gather(1, positions // self.block_size).long()
-        slot_mapping = (block * self.block_size + positions % self.block_size).reshape(-1)
-        cu_seqlens = self.arange(num_rows + 1, q, torch.int32)
-        num_tokens = num_rows * q
-        group = RowGroup(0, num_tokens, cu_seqlens, rows.slots.to(torch.int32), self.ones(num_rows))
+    def batch(self, rows: DecodeRows, tokens: RowTokens, num_positions: int, extra: torch.Tensor | None = None,
+              offset: int = 0, feed: bool = False, commit: bool = True) -> ForwardBatch:
+        """A batch of the rows with q = num_positions consecutive positions each, their token ids
+        by `tokens` (extra [B, ...]: the drafts the ids take after or instead of the row's own;
+        offset: added to each row's start), built by one kernel (kernels/decode_metadata.py).
+        feed: first complete the fed rows in place from the latest step's outputs (`emitted`,
+        `accepted`, `last_positions`): the first stage of every step does."""
+        meta = self.model.ops.decode_metadata(rows.packed, self.slot_tables, self.emitted, self.accepted,
+                                              self.last_positions, self.block_size, num_positions, tokens,
+                                              extra=extra, offset=offset, feed=feed)
+        num_rows, num_tokens = rows.num_rows, rows.num_rows * num_positions
+        cu_seqlens = self.arange(num_rows + 1, num_positions, torch.int32)
         empty = self.arange(1, 0, torch.int32)
         return ForwardBatch(
-            input_ids=input_ids, positions=positions.reshape(-1), cu_seqlens=cu_seqlens,
-            context_lens=(positions[:, -1] + 1).to(torch.int32), block_tables=tables, slot_mapping=slot_mapping,
-            logits_indices=self.arange(num_tokens), decode=group,
+            input_ids=meta.input_ids, positions=meta.positions, cu_seqlens=cu_seqlens, context_lens=meta.context_lens,
+            block_tables=meta.block_tables, slot_mapping=meta.slot_mapping, logits_indices=self.arange(num_tokens),
+            decode=RowGroup(0, num_tokens, cu_seqlens, meta.slot_ids, self.ones(num_rows)),
             prefill=RowGroup(num_tokens, num_tokens, empty, empty[:0], self.ones(0)), commit=commit)
 
     def arange(self, n: int, step: int = 1, dtype: torch.dtype = torch.int64) -> torch.Tensor:

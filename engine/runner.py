@@ -29,7 +29,7 @@ import torch
 from .batch import ForwardBatch, Row, device_tensor
 from .checkpoint_io import CheckpointIO
 from .cuda_graphs import DecodeGraphs, SpecGraphs
-from .decode_step import DecodeRows, DecodeStep, read_with_flags
+from .decode_step import DecodeRows, DecodeStep
 from .models import HybridLM
 from .penalties import PenalizedRows
 from .prefill_graphs import PrefillGraphs
@@ -299,7 +299,8 @@ class Runner:
         draw, log-probabilities and non-finite flags."""
         self.sampler.start(rows)
         tokens = self.sampler.sample(logits, rows)
-        tokens, nonfinite = read_with_flags(tokens, logits)
+        _, nonfinite = self.model.ops.greedy_argmax(logits, 1)  # the flags (its argmax unused)
+        tokens, nonfinite = torch.stack([tokens, nonfinite]).tolist()  # one copy to the host
         emitted = [[t] for t in tokens]
         logprobs = self.sampler.logprobs(logits, rows, [[i] for i in range(len(rows))], emitted)
         return StepOutput(emitted, logprobs=logprobs, num_pending=[0] * len(rows), nonfinite=flagged(nonfinite))

@@ -48,7 +48,7 @@ import torch
 from ..spec import AcceptanceProfile, greedy_accept, sampled_accept
 from .batch import ForwardBatch, Row, device_arrays, device_tensor, spans
 from .checkpoint_io import CheckpointIO
-from .decode_step import DecodeRows, DecodeStep, nonfinite_rows
+from .decode_step import DecodeRows, DecodeStep, RowTokens
 from .models import HybridLM
 from .penalties import PenalizedRows
 from .sampler import ReadDrafts, Sampler
@@ -152,14 +152,13 @@ class Speculator:
     # Fixed-shape stages (captured in CUDA graphs) ------------------------------------------
 
     def draft(self, rows: DecodeRows, num_drafts: int) -> torch.Tensor:
-        """MTP catch-up + chain -> drafts [B, num_drafts] int64, after filling in fed rows
-        (DecodeStep.feed). The catch-up runs even for num_drafts = 0: it keeps the MTP's KV cache
-        complete for later drafting."""
+        """MTP catch-up + chain -> drafts [B, num_drafts] int64, its first batch filling in the
+        fed rows (DecodeStep.batch). The catch-up runs even for num_drafts = 0: it keeps the
+        MTP's KV cache complete for later drafting."""
         decode, num_rows, catch_up = self.decode, rows.num_rows, self.decode.catch_up
-        decode.feed(rows)
-        tables = decode.tables(rows)
-        positions = rows.mtp_start[:, None] + decode.arange(catch_up)                       # [B, C]
-        batch = decode.batch(rows, tables, positions, rows.catch_up_ids.reshape(-1), commit=True)
+        # Positions [mtp_start, mtp_start + C), inputs the catch-up ids: the step's first stage,
+        # which completes the fed rows.
+        batch = decode.batch(rows, RowTokens.CATCH_UP, catch_up, feed=True)
         kept = self.states.mtp_hidden[rows.slots].flatten(0, 1)                             # [B*C, H]
         out = self.model.draft_hidden(batch.input_ids, kept, batch, self.kv).view(num_rows, catch_up, -1)
         if num_drafts == 0:
@@ -169,9 +168,8 @@ class Speculator:
         drafts = [self.model.draft_tokens(hidden)]
         for depth in range(1, num_drafts):
             # MTP position (newest - 1 + depth): input the previous draft and the MTP's own output.
-            positions = (rows.positions + (depth - 1))[:, None]
-            batch = decode.batch(rows, tables, positions, drafts[-1], commit=True)
-            hidden = self.model.draft_hidden(drafts[-1], hidden, batch, self.kv)
+            batch = decode.batch(rows, RowTokens.EXTRA, 1, extra=drafts[-1][:, None], offset=depth - 1)
+            hidden = self.model.draft_hidden(batch.input_ids, hidden, batch, self.kv)
             drafts.append(self.model.draft_tokens(hidden))
         return torch.stack(drafts, dim=1)
 
@@ -179,10 +177,7 @@ class Speculator:
         """The target over [newest, drafts] of every row, then `accept`; returns the logits
         [B * (K + 1), V], row-major by (row, depth): `logits_out` (a graph's static buffer) when
         given."""
-        decode, num_drafts = self.decode, drafts.shape[1]
-        positions = rows.positions[:, None] + decode.arange(num_drafts + 1)                # [B, K+1]
-        input_ids = torch.cat([rows.newest[:, None], drafts], dim=1).reshape(-1)
-        batch = decode.batch(rows, decode.tables(rows), positions, input_ids, commit=False)
+        batch = self.decode.batch(rows, RowTokens.NEWEST, drafts.shape[1] + 1, extra=drafts, commit=False)
         hidden = self.model(batch, self.states, self.kv)
         logits = self.model.logits(hidden, out=logits_out)
         self.accept(hidden, logits, rows, drafts)
@@ -206,11 +201,12 @@ class Speculator:
         their float32 copies (the widening is exact)."""
         num_rows, width = drafts.shape[0], drafts.shape[1] + 1
         self.states.mtp_hidden[rows.slots, :width] = hidden.view(num_rows, width, -1)
-        target = logits.argmax(dim=-1).view(num_rows, width)
-        accepted, emitted = self._forced(*greedy_accept(target, drafts, rows.num_drafts), rows.num_drafts)
+        # The target's tokens and each row's non-finite flag (over its W positions), one launch.
+        target, _ = self.model.ops.greedy_argmax(logits, width, nonfinite=self.decode.nonfinite[:num_rows])
+        accepted, emitted = self._forced(*greedy_accept(target.view(num_rows, width), drafts, rows.num_drafts),
+                                         rows.num_drafts)
         self._set_pending(rows.slots, accepted)
         self.decode.record(rows, accepted, emitted)
-        self.decode.nonfinite[:num_rows] = nonfinite_rows(logits, num_rows)
 
     # One step -------------------------------------------------------------------------------
 

@@ -17,9 +17,11 @@ import torch
 from .activation import silu_and_mul_reference
 from .attention import paged_attention_reference, write_kv_reference
 from .conv1d import causal_conv1d_decode_reference, causal_conv1d_prefill_reference
+from .decode_metadata import decode_metadata_reference
 from .fp8 import fp8_linear_reference, fp8_moe_experts_reference
 from .gdn_chunked import gdn_chunked_reference
 from .gdn_decode import gdn_decode_reference
+from .greedy import greedy_argmax_reference
 from .linear import linear_reference
 from .moe import moe_experts_reference, route_reference
 from .norms import gated_rms_norm_reference, rms_norm_reference
@@ -48,8 +50,10 @@ class Ops:
     moe_experts: Callable
     fp8_moe_experts: Callable
     sample: Callable
+    greedy_argmax: Callable
     apply_token_bitmask: Callable
     penalize_rows: Callable
+    decode_metadata: Callable
 
 
 REFERENCE_OPS = Ops(
@@ -70,8 +74,10 @@ REFERENCE_OPS = Ops(
     moe_experts=moe_experts_reference,
     fp8_moe_experts=fp8_moe_experts_reference,
     sample=sample_reference,
+    greedy_argmax=greedy_argmax_reference,
     apply_token_bitmask=apply_token_bitmask_reference,
     penalize_rows=penalize_rows_reference,
+    decode_metadata=decode_metadata_reference,
 )
 
 
@@ -79,8 +85,8 @@ REFERENCE_OPS = Ops(
 def triton_ops() -> Ops:
     """The GPU table: Triton kernels where they exist; the remaining entries are the (batched,
     device-agnostic) torch references, listed here so the mix is visible in one place."""
-    from . import activation, attention, conv1d, fp8, gdn_chunked, gdn_decode, linear, moe, norms, penalties, rope, sampling, \
-        token_bitmask
+    from . import activation, attention, conv1d, decode_metadata, fp8, gdn_chunked, gdn_decode, greedy, linear, moe, norms, \
+        penalties, rope, sampling, token_bitmask
 
     return replace(
         REFERENCE_OPS,
@@ -101,8 +107,10 @@ def triton_ops() -> Ops:
         moe_experts=moe.moe_experts,
         fp8_moe_experts=fp8.fp8_moe_experts,
         sample=sampling.sample,
+        greedy_argmax=greedy.greedy_argmax,
         apply_token_bitmask=token_bitmask.apply_token_bitmask,
         penalize_rows=penalties.penalize_rows,
+        decode_metadata=decode_metadata.decode_metadata,
     )
 
 

@@ -1,15 +1,18 @@
 """DecodeStep: the device-side block tables (a step sends only what changed, and the tables the
 stages gather always equal the rows' own: growth, a slot handed to a new request, row order),
-the packed row layout, and fed rows derived on the device from the latest step's outputs."""
+the packed row layout, fed rows derived on the device from the latest step's outputs, the decode
+stages through the Triton table (the interpreter on the CPU), and on the GPU the captured steps
+against the eager ones."""
 
 import random
 
 import pytest
 import torch
 
-from deltaspec.engine import LLM, EngineConfig
+from deltaspec.engine import LLM, EngineConfig, SamplingParams
 from deltaspec.engine.core import EngineCore
-from deltaspec.engine.decode_step import DecodeRow, DecodeRows, DecodeStep, pack_rows
+from deltaspec.engine.decode_step import DecodeRow, DecodeRows, DecodeStep, RowTokens, pack_rows
+from fixtures import GPU_SHAPE
 
 
 def test_slot_tables_follow_growth_and_reuse(checkpoint):
@@ -34,7 +37,7 @@ def test_slot_tables_follow_growth_and_reuse(checkpoint):
         sent.append(step.sync_tables(rows))
         assert sent[-1] <= changed  # growth sends the new entry only
         packed = pack_rows(rows, step.catch_up, step.block_size, len(rows) + 1, pin_memory=False)
-        gathered = step.tables(DecodeRows(packed)).tolist()
+        gathered = step.batch(DecodeRows(packed), RowTokens.NEWEST, 1).block_tables.tolist()
         for row, table in zip(rows, gathered):
             assert table[:len(row.block_table)] == list(row.block_table)
         assert not any(gathered[-1])  # the padding row: slot 0, scratch block 0
@@ -73,7 +76,7 @@ def test_fed_rows_continue_the_latest_step(checkpoint, speculative):
             DecodeRow(3, 0, 70, table, 0, fed_from=0)]
     packed = DecodeRows(pack_rows(rows, step.catch_up, 16, 3, pin_memory=False))
     before = packed.packed.clone()
-    step.feed(packed)
+    step.batch(packed, RowTokens.NEWEST, 1, feed=True)
     assert torch.equal(packed.packed[1], before[1])  # not fed: untouched
     for i, source in ((0, 3), (2, 0)):
         a = accepted[source]
@@ -85,3 +88,44 @@ def test_fed_rows_continue_the_latest_step(checkpoint, speculative):
             assert packed.catch_up_ids[i, :a + 1].tolist() == [emitted[d][source] for d in range(a + 1)]
         else:
             assert packed.positions[i] == 70  # the host knows a plain row's position
+
+
+# One GDN layer of two value heads and one attention layer: the interpreter runs every kernel.
+TRITON_TABLE_SHAPE = dict(num_hidden_layers=2, full_attention_interval=2, linear_num_key_heads=1,
+                          linear_num_value_heads=2)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the gpu-marked tests run the Triton table")
+@pytest.mark.parametrize("num_draft_tokens", [0, 2])
+def test_decode_steps_through_the_triton_table(checkpoint, num_draft_tokens):
+    """The decode stages through the engine's Triton table (interpreted): its metadata kernel
+    (fed rows of steps launched ahead, the catch-up, chain and verify batches) and greedy kernel
+    (writing the step's output buffers) give the torch table's tokens, plain and speculative."""
+    path = checkpoint("qwen3_5", mtp_copy_of_last_layer=True, **TRITON_TABLE_SHAPE)
+    prompts = [[random.Random(n).randrange(500) for _ in range(n)] for n in (3, 20)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(path, kernel_backend=backend, num_draft_tokens=num_draft_tokens, adaptive_draft_length=False)
+        assert llm.core.ops.name == backend
+        outputs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outputs["triton"] == outputs["torch"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_draft_tokens", [0, 3])
+def test_batch_one_graph_steps_equal_eager_steps_bit_for_bit(checkpoint, num_draft_tokens):
+    """bf16 at batch 1 (graph bucket 1: the eager step's very shapes): the captured decode steps
+    (plain, or speculative) give the eager steps' tokens and log-probabilities exactly."""
+    path = checkpoint("qwen3_5", mtp_copy_of_last_layer=True, **GPU_SHAPE)
+    prompt = [random.Random(1).randrange(500) for _ in range(40)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
+    outputs = []
+    for graphs in (True, False):
+        llm = LLM(path, device="cuda", dtype="bfloat16", max_num_seqs=4, num_draft_tokens=num_draft_tokens,
+                  adaptive_draft_length=False, enable_cuda_graphs=graphs)
+        assert (llm.core.runner.graphs is not None) == graphs
+        [output] = llm.generate([prompt], params)
+        outputs.append((output.token_ids, output.logprobs))
+    assert outputs[0] == outputs[1]
