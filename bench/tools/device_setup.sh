@@ -10,3 +10,13 @@ touch /tmp/shim/deltaspec/__init__.py
 for d in engine spec kernels server; do ln -sfn "$PWD/$d" "/tmp/shim/deltaspec/$d"; done
 export PYTHONPATH=/tmp/shim:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
+# Triton's compile cache travels between calls (a fresh machine otherwise spends minutes of the
+# device budget compiling every kernel again): the call that compiled kernels ends with
+# bench/tools/save_triton_cache.sh, whose parts the next calls carry in .triton-cache/ (ignored
+# by git). Entries name their files by absolute path, so the cache sits where it was written.
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$HOME/.triton/cache}"
+mkdir -p "$TRITON_CACHE_DIR"
+if compgen -G ".triton-cache/triton-cache.tgz.*" > /dev/null; then
+    cat .triton-cache/triton-cache.tgz.* | tar xzf - -C "$TRITON_CACHE_DIR" --skip-old-files
+    echo "Triton cache: $(ls "$TRITON_CACHE_DIR" | wc -l) entries after seeding from .triton-cache/"
+fi
