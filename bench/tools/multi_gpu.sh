@@ -27,7 +27,8 @@
 # too (the device returns a handful of files a call).
 set -uo pipefail
 source bench/tools/device_setup.sh
-export NCCL_NVLS_ENABLE=0  # NVLink multicast off (the device notes)
+export NCCL_NVLS_ENABLE=0  # NVLink multicast off (the device notes), NCCL's and symmetric memory's
+export TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export DELTASPEC_COMMIT="${DELTASPEC_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 out="${OUT:-bench/results}"
 mkdir -p "$out"
@@ -77,7 +78,7 @@ for part in ${parts//,/ }; do
         run_part 122b-tp "$half" python bench/tp_scaling.py --shapes 122b-a10b --tp 4 --out "$out"
         run_part 122b-ep "$half" python bench/tp_scaling.py --shapes 122b-a10b --tp 4 --expert-parallel --out "$out" ;;
     scaling)
-        run_part scaling "$(limit scaling)" python bench/tp_scaling.py --shapes 9b,35b-a3b --tp "$sizes" --out "$out" ;;
+        run_part scaling "$(limit scaling)" python bench/tp_scaling.py --shapes 9b,35b-a3b --tp "$sizes" --all-reduce nccl,auto --out "$out" ;;
     serve)
         seconds=$(limit serve)
         run_part serve "$seconds" python bench/tools/serve_smoke.py --shape "$serve_shape" --tp "$tp" \
