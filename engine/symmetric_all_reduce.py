@@ -105,11 +105,14 @@ class SymmetricAllReduce:
                group_name: str) -> "SymmetricAllReduce":
         """Allocate and rendezvous this rank's buffer (collective: every rank of the group, in
         the same order). Raises what torch raises when the memory cannot be shared."""
+        from torch._C._distributed_c10d import _SymmetricMemory
         from torch.distributed import _symmetric_memory as symm_mem
 
         buffer = symm_mem.empty(capacity, dtype=dtype, device=device)
         _KEEP_ALIVE.append(buffer)
-        handle = symm_mem.rendezvous(buffer, group_name)
+        # torch's own rendezvous, not the Python wrapper: some versions' wrapper registers the
+        # name as a process group's, which this group's name (register_group) is not.
+        handle = _SymmetricMemory.rendezvous(buffer, group_name)
         return cls(algorithm, buffer, handle, group_name)
 
     def fits(self, x: torch.Tensor) -> bool:
