@@ -196,7 +196,8 @@ def run_engine(directory: Path, args: argparse.Namespace, tp: int, all_reduce: s
     record["start_s"] = time.perf_counter() - started
     if core.tp is not None:
         record["all_reduce"] = {"setting": all_reduce, "small_messages": core.tp.all_reduce_kind}
-    print(f"  started in {record['start_s']:.1f} s; all-reduce {record.get('all_reduce')}", flush=True)
+    print(f"  started in {record['start_s']:.1f} s" + (f"; small all-reduces: {core.tp.all_reduce_kind}"
+                                                      if core.tp is not None else ""), flush=True)
     try:
         measure(core, batches, args.tokens, record.setdefault("batches", {}), save)
     except Exception as error:  # noqa: BLE001

@@ -48,16 +48,20 @@ _KEEP_ALIVE: list[torch.Tensor] = []
 
 
 def register_group(store: dist.Store, rank: int, size: int) -> str:
-    """Name the ranks meeting at `store` for symmetric memory (collective: every rank). torch
-    keeps a name's store for the life of the process and refuses a second one, while the
-    default process group's name ("0") repeats for every engine a process starts: so a name of
-    this group only, drawn by rank 0 and read by the others from the store."""
-    from torch._C._distributed_c10d import _SymmetricMemory
+    """Name the default process group's ranks, meeting at `store`, for symmetric memory
+    (collective: every rank). Not by the group's own name: that ("0") repeats for every engine
+    a process starts, and torch versions that keep a store per name (set_group_info) keep the
+    first for the life of the process and refuse a second. So a name of this group only, drawn
+    by rank 0 and read by the others from the store, given this group's store (those versions)
+    and registered as an alias of the process group (versions that resolve the name to it)."""
+    from torch._C._distributed_c10d import _register_process_group, _SymmetricMemory
 
     if rank == 0:
         store.set(_GROUP_NAME_KEY, f"deltaspec-{uuid.uuid4().hex}")
     name = store.get(_GROUP_NAME_KEY).decode()
-    _SymmetricMemory.set_group_info(name, rank, size, dist.PrefixStore(name + "/", store))
+    if hasattr(_SymmetricMemory, "set_group_info"):
+        _SymmetricMemory.set_group_info(name, rank, size, dist.PrefixStore(name + "/", store))
+    _register_process_group(name, dist.group.WORLD)
     return name
 
 

@@ -158,6 +158,23 @@ def test_nccl_setting_and_the_cpu_set_nothing_up(set_up):
     assert cpu.symmetric is None
 
 
+def test_each_engine_names_its_group_afresh():
+    """The default group's name repeats for every engine a process starts; symmetric memory's
+    name for it does not, and resolves to the group of the moment."""
+    from torch._C._distributed_c10d import _resolve_process_group
+
+    names = []
+    for _ in range(2):
+        store = dist.HashStore()
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            names.append(sar.register_group(store, 0, 1))
+            assert _resolve_process_group(names[-1]).group_name == dist.group.WORLD.group_name
+        finally:
+            dist.destroy_process_group()
+    assert names[0] != names[1] and all(n.startswith("deltaspec-") for n in names)
+
+
 # GPU: two ranks, torch's kernels against NCCL -----------------------------------------------------
 
 SIZES = (2, 4096, 3 * 4096 + 6, 64 * 4 * 512)  # elements: a word, one row, rows + a tail, the capacity
