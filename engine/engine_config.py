@@ -92,6 +92,6 @@ class EngineConfig:
         if self.all_reduce not in ALL_REDUCES:
             problems.append(f"all_reduce must be one of {', '.join(ALL_REDUCES)}, got {self.all_reduce!r}")
         elif self.all_reduce != "auto" and self.tensor_parallel_size == 1:
-            problems.append(f"all_reduce={self.all_reduce!r} needs tensor_parallel_size > 1 (one device reduces nothing)")
+            problems.append(f"all_reduce={self.all_reduce!r} needs tensor_parallel_size > 1")
         if problems:
             raise ValueError("invalid EngineConfig: " + "; ".join(problems))

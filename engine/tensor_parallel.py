@@ -125,11 +125,13 @@ class TensorParallel:
         """A peer died: end this rank's collectives in flight (their results are garbage; the
         engine is ending). NCCL: abort the communicators. Symmetric memory: its kernels spin for
         the dead peer with no timeout, so stand in for the peers until the device is idle."""
-        if dist.is_initialized() and dist.get_backend() == "nccl":
-            dist.distributed_c10d._abort_process_group()
-        if self.symmetric is not None and not self.symmetric.stand_in_for_peers():
-            logger.error("the symmetric-memory all-reduce still waits for a dead peer after %.0f s; this process's "
-                         "GPU work ends when it exits", symmetric_all_reduce.STAND_IN_TIMEOUT_S)
+        try:
+            if dist.is_initialized() and dist.get_backend() == "nccl":
+                dist.distributed_c10d._abort_process_group()
+        finally:
+            if self.symmetric is not None and not self.symmetric.stand_in_for_peers():
+                logger.error("the symmetric-memory all-reduce still waits for a dead peer after %.0f s; this process's "
+                             "GPU work ends when it exits", symmetric_all_reduce.STAND_IN_TIMEOUT_S)
 
     def leave(self) -> None:
         """Leave the group (idempotent: a group the monitor aborted is already gone). NCCL:
