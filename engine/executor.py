@@ -12,8 +12,9 @@ from the device), speculation's draft, verify, accept and rollback need no furth
 and only rank 0's outputs are read.
 
 Failure: a worker that raises exits; a monitor thread sees a worker's process end and aborts
-the process group, so rank 0's collective in flight fails at once (gloo fails on a closed peer
-by itself), and every call after it raises WorkerDiedError naming the rank; a call that fails
+the process group (TensorParallel.abort: NCCL's communicators, and a stand-in for the dead peer
+at the symmetric-memory all-reduce's barriers), so rank 0's collective in flight ends at once
+(gloo fails on a closed peer by itself), and every call after it raises WorkerDiedError naming the rank; a call that fails
 on rank 0 alone stops the workers too (TensorParallelError: the ranks' collectives no longer
 pair up). Workers ignore
 Ctrl-C (rank 0 shuts them down) and exit when rank 0's end of their pipe closes or rank 0's
