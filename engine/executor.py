@@ -314,6 +314,10 @@ def _worker_main(config, rank: int, store_port: int, pipe, forced_acceptance, lo
     except BaseException:  # noqa: BLE001 - rank 0 learns of it from the process's end
         traceback.print_exc()
         os._exit(1)  # no teardown: a collective may still hold this process's CUDA and NCCL state
+    # No interpreter teardown either: it would free the symmetric-memory buffer, which
+    # synchronizes the device, and a kernel of a step rank 0 stopped partway through still
+    # waits there for rank 0's half of an all-reduce (the process's exit ends it).
+    os._exit(0)
 
 
 def _exit_with_parent(parent_pid: int) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import threading
 
 import torch
 import torch.distributed as dist
@@ -124,14 +125,26 @@ class TensorParallel:
     def abort(self) -> None:
         """A peer died: end this rank's collectives in flight (their results are garbage; the
         engine is ending). NCCL: abort the communicators. Symmetric memory: its kernels spin for
-        the dead peer with no timeout, so stand in for the peers until the device is idle."""
+        the dead peer with no timeout, so stand in for the peers until the device is idle. Both
+        at once: a collective of either kind may wait on the stream behind one of the other."""
+        stand_in = threading.Thread(target=self._stand_in_for_peers, name="deltaspec-symm-stand-in", daemon=True)
+        if self.symmetric is not None:
+            stand_in.start()
         try:
             if dist.is_initialized() and dist.get_backend() == "nccl":
                 dist.distributed_c10d._abort_process_group()
         finally:
-            if self.symmetric is not None and not self.symmetric.stand_in_for_peers():
-                logger.error("the symmetric-memory all-reduce still waits for a dead peer after %.0f s; this process's "
-                             "GPU work ends when it exits", symmetric_all_reduce.STAND_IN_TIMEOUT_S)
+            if stand_in.is_alive():
+                stand_in.join()
+
+    def _stand_in_for_peers(self) -> None:
+        try:
+            if self.symmetric.stand_in_for_peers():
+                return
+            logger.error("the symmetric-memory all-reduce still waits for a dead peer after %.0f s; this process's "
+                         "GPU work ends when it exits", symmetric_all_reduce.STAND_IN_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - best effort, in a thread of its own: say why
+            logger.exception("could not stand in for the dead peer at the symmetric-memory barriers")
 
     def leave(self) -> None:
         """Leave the group (idempotent: a group the monitor aborted is already gone). NCCL:
