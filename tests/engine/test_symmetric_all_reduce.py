@@ -158,6 +158,19 @@ def test_nccl_setting_and_the_cpu_set_nothing_up(set_up):
     assert cpu.symmetric is None
 
 
+@pytest.mark.parametrize("released", [True, False])
+def test_abort_stands_in_for_the_dead_peers(caplog, released):
+    """A peer died: the symmetric-memory barriers get their stand-in (no process group needed
+    for it), and one that cannot drain the device in time is logged."""
+    group = TensorParallel(0, 2, torch.device("cpu"))
+    calls = []
+    group.symmetric = types.SimpleNamespace(stand_in_for_peers=lambda: calls.append(1) or released)
+    with caplog.at_level(logging.ERROR, logger="deltaspec"):
+        group.abort()
+    assert calls == [1]
+    assert ("still waits for a dead peer" in caplog.text) is not released
+
+
 def test_each_engine_names_its_group_afresh():
     """The default group's name repeats for every engine a process starts; symmetric memory's
     name for it does not, and resolves to the group of the moment."""
