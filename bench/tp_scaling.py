@@ -10,10 +10,10 @@ shape and TP size one engine (CUDA graphs on, warm-up off: decode steps are time
 prefills) runs, per batch, plain decoding (K = 0) and speculation (adaptive, up to 3 drafts) with
 each verify row's accepted count drawn from the shipped profile (spec/profile.py, as spec_e2e
 forces it; every rank draws the same counts). tokens/s: generated tokens over the decode steps'
-wall time (prefill off the clock). Collectives' share: rank 0's NCCL kernel time over its CUDA
-time across a few plain decode steps at each batch (torch.profiler; NCCL's kernels and the
-symmetric-memory all-reduce kernels; the time a rank waits in an all-reduce for a slower peer
-counts as collective time). `--all-reduce nccl,auto` runs each tp >= 2 engine once per setting
+wall time (prefill off the clock). Collectives' share: rank 0's collective kernel time (NCCL's
+kernels and the symmetric-memory all-reduce kernels) over its CUDA time across a few plain
+decode steps at each batch (torch.profiler; the time a rank waits in an all-reduce for a slower
+peer counts as collective time). `--all-reduce nccl,auto` runs each tp >= 2 engine once per setting
 (EngineConfig.all_reduce; records tp2-nccl, tp2-auto, ... side by side, each with the path its
 small all-reduces took). NVLink multicast is off (NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1: the device notes' rule).
