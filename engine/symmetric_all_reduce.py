@@ -1,16 +1,20 @@
 """All-reduce of small messages through symmetric memory: NVLink peer loads instead of NCCL.
 
 Each rank allocates one buffer with torch's symmetric memory (`torch.distributed.
-_symmetric_memory`), mapped into every peer's address space. An all-reduce of x sums the
-ranks' buffers with torch's kernels, which read the peers' buffers directly:
+_symmetric_memory`), mapped into every peer's address space. An all-reduce of x copies x into
+this rank's buffer, then torch's kernel, reading the peers' buffers directly, sums into x:
 
-- one_shot (`symm_mem::one_shot_all_reduce_copy_out`): one kernel copies x into this rank's
-  buffer, meets every peer at a barrier, then sums all tp buffers into x. Each rank reads the
-  whole message from every peer: the least latency (one barrier before the sum), the most
-  traffic; what small decode messages want.
-- two_shot (a copy into the buffer, then `symm_mem::two_shot_all_reduce_out`): each rank sums
-  its 1/tp of the message from every peer into its own buffer (reduce-scatter), a barrier, then
-  gathers every rank's sums into x: 2 (tp - 1) / tp of the message moved per rank, two rounds.
+- one_shot (`symm_mem::one_shot_all_reduce_out`): meets every peer at a barrier, then sums all
+  tp buffers. Each rank reads the whole message from every peer: the least latency (one barrier
+  before the sum), the most traffic; what small decode messages want.
+- two_shot (`symm_mem::two_shot_all_reduce_out`): each rank sums its 1/tp of the message from
+  every peer into its own buffer (reduce-scatter), a barrier, then gathers every rank's sums:
+  2 (tp - 1) / tp of the message moved per rank, two rounds (the same traffic at tp = 2).
+
+The copy is a kernel of its own, not `one_shot_all_reduce_copy_out`'s fused copy: that kernel
+signals its peers from a block's first threads right after their own copies, with no
+__syncthreads before (torch's own comments on sync_remote_blocks ask for one), so a peer may
+read elements the block's other warps have not stored yet. A kernel boundary orders them all.
 
 Reusing the buffer at once is safe: both kernels also end at a barrier, so a rank leaves an
 all-reduce only when every peer has finished reading its buffer, and the next all-reduce (the
@@ -37,7 +41,7 @@ import torch.distributed as dist
 
 ALGORITHMS = ("one_shot", "two_shot")
 DTYPES = (torch.bfloat16, torch.float32)  # what torch's kernels sum
-_OPS = {"one_shot": "one_shot_all_reduce_copy_out", "two_shot": "two_shot_all_reduce_out"}
+_OPS = {"one_shot": "one_shot_all_reduce_out", "two_shot": "two_shot_all_reduce_out"}  # (input, op, group, out)
 STAND_IN_TIMEOUT_S = 20.0  # below executor.ABORT_TIMEOUT_S, which the engine's close waits for
 _GROUP_NAME_KEY = "deltaspec/symmetric_memory_group"
 # Every buffer lives as long as the process: freeing one synchronizes the device (torch's
@@ -133,13 +137,8 @@ class SymmetricAllReduce:
         """Sum x over the ranks, in place (x must fit); returns x."""
         flat = x.view(-1)
         staged = self.buffer[:flat.numel()]
-        if self.algorithm == "one_shot":
-            # out aliases the local input: each thread copies its elements in before the
-            # barrier and writes the same elements' sums after it.
-            self._op(staged, flat, "sum", self.group_name, flat)
-        else:
-            staged.copy_(flat)
-            self._op(staged, "sum", self.group_name, flat)
+        staged.copy_(flat)
+        self._op(staged, "sum", self.group_name, flat)  # peers read `staged`, never x
         return x
 
     def stand_in_for_peers(self, timeout_s: float = STAND_IN_TIMEOUT_S) -> bool:
