@@ -91,13 +91,14 @@ class TensorParallel:
             except Exception as error:  # noqa: BLE001 - any failure keeps NCCL, named in the log
                 reason = f"setting it up failed ({type(error).__name__}: {error})"
             if not self.min_over_ranks(int(symmetric is not None)):
-                symmetric, reason = None, reason or "setting it up failed on another rank"
+                symmetric = None
             elif not self.min_over_ranks(int(self._sums_like_nccl(symmetric))):
                 symmetric, reason = None, "its check all-reduce differed from NCCL's on some rank"
-        else:
-            reason = reason or "another rank cannot use it"
         if symmetric is None:
-            logger.warning("all-reduce: NCCL only, not %s through symmetric memory: %s", algorithm, reason)
+            # Once from rank 0 (the server's log), and from any other rank that found the reason.
+            if reason is not None or self.rank == 0:
+                logger.warning("all-reduce: NCCL only, not %s through symmetric memory: %s", algorithm,
+                               reason or "another rank cannot use it (its log says why)")
             return
         self.symmetric = symmetric
         logger.info("all-reduce: %s through symmetric memory up to %d KiB of %s, NCCL above", algorithm,

@@ -118,7 +118,7 @@ def set_up(monkeypatch):
     (dict(reason="its kernels sum bfloat16 and float32, not torch.float16"), "not torch.float16", 1),
     (dict(others={"available": False}), "another rank cannot use it", 1),
     (dict(error=RuntimeError("CUDA driver error: invalid argument")), "RuntimeError: CUDA driver error", 2),
-    (dict(others={"created": False}), "setting it up failed on another rank", 2),
+    (dict(others={"created": False}), "another rank cannot use it", 2),
     (dict(wrong=True), "its check all-reduce differed from NCCL's", 3),
     (dict(others={"checked": False}), "its check all-reduce differed from NCCL's", 3),
 ])
