@@ -233,7 +233,7 @@ def _check_against_nccl(symmetric, dtype, generator, device, label: str) -> None
     with torch.cuda.graph(graph):
         for x in inputs:
             symmetric(x)
-    for replay in range(4):
+    for replay in range(16):
         for x in inputs:
             x.copy_(fresh(x.numel()))
         expected = [nccl_sum(x) for x in inputs]
