@@ -10,13 +10,16 @@ shape and TP size one engine (CUDA graphs on, warm-up off: decode steps are time
 prefills) runs, per batch, plain decoding (K = 0) and speculation (adaptive, up to 3 drafts) with
 each verify row's accepted count drawn from the shipped profile (spec/profile.py, as spec_e2e
 forces it; every rank draws the same counts). tokens/s: generated tokens over the decode steps'
-wall time (prefill off the clock). Collectives' share: rank 0's NCCL kernel time over its CUDA
-time across a few plain decode steps at each batch (torch.profiler; the time a rank waits in an
-all-reduce for a slower peer counts as collective time). NVLink multicast is off
-(NCCL_NVLS_ENABLE=0, the device notes' advice).
+wall time (prefill off the clock). Collectives' share: rank 0's collective kernel time (NCCL's
+kernels and the symmetric-memory all-reduce kernels) over its CUDA time across a few plain
+decode steps at each batch (torch.profiler; the time a rank waits in an all-reduce for a slower
+peer counts as collective time). `--all-reduce nccl,auto` runs each tp >= 2 engine once per setting
+(EngineConfig.all_reduce; records tp2-nccl, tp2-auto, ... side by side, each with the path its
+small all-reduces took). NVLink multicast is off (NCCL_NVLS_ENABLE=0,
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1: the device notes' rule).
 
     python bench/tp_scaling.py [--shapes 9b,35b-a3b] [--tp 1,2] [--batches 1,16,64] [--expert-parallel]
-                               [--out DIR]
+                               [--all-reduce nccl,auto] [--out DIR]
 
 Writes DIR (default bench/results)/tp_scaling-<gpu>-<shapes>[-ep].json and .png.
 """
@@ -35,6 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
@@ -51,6 +55,9 @@ from spec_e2e import COMMON, PROFILES, PROMPT_LEN, SHAPES, run, synchronize  # n
 
 MAX_DRAFTS = 3
 PROFILED_STEPS = 8
+# Kernel names of the collectives: NCCL's, and torch's symmetric-memory all-reduces
+# (one_shot_all_reduce_kernel, two_shot_all_reduce_kernel).
+COLLECTIVE_KERNELS = ("nccl", "all_reduce_kernel")
 
 
 def checkpoint_dir(shape: str, root: Path) -> Path:
@@ -62,9 +69,10 @@ def checkpoint_dir(shape: str, root: Path) -> Path:
     return directory
 
 
-def engine(directory: Path, device: str, tp: int, max_batch: int, expert_parallel: bool) -> EngineCore:
+def engine(directory: Path, device: str, tp: int, max_batch: int, expert_parallel: bool,
+           all_reduce: str) -> EngineCore:
     config = EngineConfig(model=directory, device=device, dtype="bfloat16" if device == "cuda" else "float32",
-                          tensor_parallel_size=tp,
+                          tensor_parallel_size=tp, all_reduce=all_reduce,
                           enable_expert_parallel=expert_parallel and tp > 1, load_format="dummy",
                           max_num_seqs=max_batch, max_num_batched_tokens=max(2048, max_batch * (PROMPT_LEN // 4)),
                           max_model_len=1024, num_draft_tokens=MAX_DRAFTS, enable_prefix_cache=False,
@@ -79,7 +87,7 @@ def use_drafts(core: EngineCore, costs, max_drafts: int) -> None:
 
 
 def collective_share(core: EngineCore, batch: int) -> dict:
-    """Rank 0's NCCL kernel time / its CUDA time over PROFILED_STEPS plain decode steps."""
+    """Rank 0's collective kernel time / its CUDA time over PROFILED_STEPS plain decode steps."""
     params = SamplingParams(max_tokens=PROFILED_STEPS + 12, temperature=0.0, ignore_eos=True)
     generator = torch.Generator().manual_seed(7)
     requests = [core.add_request(torch.randint(0, core.model_config.vocab_size, (PROMPT_LEN,),
@@ -97,9 +105,10 @@ def collective_share(core: EngineCore, batch: int) -> dict:
     times = [(e.key, getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0))
              for e in prof.key_averages()]
     total = sum(t for _, t in times)
-    nccl = sum(t for key, t in times if "nccl" in key.lower())  # on the CPU (smoke runs) nothing is
-    return {"nccl_us_per_step": nccl / PROFILED_STEPS, "cuda_us_per_step": total / PROFILED_STEPS,
-            "share": nccl / total if total else None}
+    # On the CPU (smoke runs) nothing is.
+    collective = sum(t for key, t in times if any(name in key.lower() for name in COLLECTIVE_KERNELS))
+    return {"collective_us_per_step": collective / PROFILED_STEPS, "cuda_us_per_step": total / PROFILED_STEPS,
+            "share": collective / total if total else None}
 
 
 def measure(core: EngineCore, batches: list[int], tokens: int, results: dict, save: Callable[[], None]) -> None:
@@ -128,12 +137,16 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--tokens", type=int, default=48, help="decode tokens per request at least")
     parser.add_argument("--expert-parallel", action="store_true", help="MoE shapes: whole experts per rank")
+    parser.add_argument("--all-reduce", default="auto",
+                        help="EngineConfig.all_reduce settings each tp >= 2 engine runs with, comma-separated "
+                             "(auto, nccl, one_shot, two_shot)")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (--shapes tiny; gloo)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"),
                         help="directory of the JSON and PNG")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     sizes = [int(t) for t in args.tp.split(",")]
+    all_reduces = args.all_reduce.split(",")
     num_devices = torch.cuda.device_count() if args.device == "cuda" else max(sizes)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     report = {"device": device_tag(name), "num_gpus": torch.cuda.device_count(),
@@ -158,27 +171,33 @@ def main() -> None:
                 if tp > num_devices:
                     print(f"{shape} tp={tp}: skipped, {num_devices} GPUs")
                     continue
-                print(f"{shape} tp={tp}", flush=True)
-                record = runs[f"tp{tp}"] = {}
-                run_engine(directory, args, tp, batches, record, save)
-                scale_over_tp1(runs)
-                save()
+                for all_reduce in all_reduces if tp > 1 else ["auto"]:
+                    key = f"tp{tp}" + (f"-{all_reduce}" if tp > 1 and len(all_reduces) > 1 else "")
+                    print(f"{shape} {key}", flush=True)
+                    record = runs[key] = {}
+                    run_engine(directory, args, tp, all_reduce, batches, record, save)
+                    scale_over_tp1(runs)
+                    save()
     print(f"wrote {out}.json and .png")
 
 
-def run_engine(directory: Path, args: argparse.Namespace, tp: int, batches: list[int], record: dict,
-               save: Callable[[], None]) -> None:
-    """One engine's start-up seconds and measurements into record; an engine that fails (it
-    does not fit, a collective breaks) is recorded with its error and the run goes on."""
+def run_engine(directory: Path, args: argparse.Namespace, tp: int, all_reduce: str, batches: list[int],
+               record: dict, save: Callable[[], None]) -> None:
+    """One engine's start-up seconds, the path its small all-reduces took and its measurements
+    into record; an engine that fails (it does not fit, a collective breaks) is recorded with
+    its error and the run goes on."""
     started = time.perf_counter()
     try:
-        core = engine(directory, args.device, tp, max(batches), args.expert_parallel)
+        core = engine(directory, args.device, tp, max(batches), args.expert_parallel, all_reduce)
     except Exception as error:  # noqa: BLE001 - recorded in the JSON, the other engines still run
         print(f"  failed to start: {error!r}", flush=True)
         record["error"] = repr(error)
         return
     record["start_s"] = time.perf_counter() - started
-    print(f"  started in {record['start_s']:.1f} s", flush=True)
+    if core.tp is not None:
+        record["all_reduce"] = {"setting": all_reduce, "small_messages": core.tp.all_reduce_kind}
+    print(f"  started in {record['start_s']:.1f} s" + (f"; small all-reduces: {core.tp.all_reduce_kind}"
+                                                      if core.tp is not None else ""), flush=True)
     try:
         measure(core, batches, args.tokens, record.setdefault("batches", {}), save)
     except Exception as error:  # noqa: BLE001

@@ -9,6 +9,7 @@ from ..kernels.gdn_chunked import CHUNK_SIZE
 
 DTYPES = ("float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
+ALL_REDUCES = ("auto", "nccl", "one_shot", "two_shot")  # tensor_parallel.TensorParallel.use_symmetric_memory
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1           # ranks the model is sharded over (one process and device each)
     enable_expert_parallel: bool = False    # MoE: whole experts per rank (experts / tp each) instead of split
     load_format: str = "auto"               # "dummy": random weights of the config's shapes (benchmarks)
+    # Small all-reduces (decode steps): "auto" through symmetric memory (one_shot) where it works
+    # on CUDA, else NCCL; "nccl": always NCCL; "one_shot" / "two_shot": that symmetric-memory kernel.
+    all_reduce: str = "auto"
 
     def __post_init__(self) -> None:
         problems = []
@@ -85,5 +89,9 @@ class EngineConfig:
                             "full vocabulary)")
         if self.load_format not in LOAD_FORMATS:
             problems.append(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if self.all_reduce not in ALL_REDUCES:
+            problems.append(f"all_reduce must be one of {', '.join(ALL_REDUCES)}, got {self.all_reduce!r}")
+        elif self.all_reduce != "auto" and self.tensor_parallel_size == 1:
+            problems.append(f"all_reduce={self.all_reduce!r} needs tensor_parallel_size > 1")
         if problems:
             raise ValueError("invalid EngineConfig: " + "; ".join(problems))

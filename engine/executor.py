@@ -12,12 +12,12 @@ from the device), speculation's draft, verify, accept and rollback need no furth
 and only rank 0's outputs are read.
 
 Failure: a worker that raises exits; a monitor thread sees a worker's process end and aborts
-the process group, so rank 0's collective in flight fails at once (gloo fails on a closed peer
-by itself), and every call after it raises WorkerDiedError naming the rank; a call that fails
-on rank 0 alone stops the workers too (TensorParallelError: the ranks' collectives no longer
-pair up). Workers ignore
-Ctrl-C (rank 0 shuts them down) and exit when rank 0's end of their pipe closes or rank 0's
-process is gone. Shutdown: rank 0 tells the workers to close, each leaves the group on its own
+the process group (TensorParallel.abort: NCCL's communicators, and a stand-in for the dead peer
+at the symmetric-memory all-reduce's barriers), so rank 0's collective in flight ends at once
+(gloo fails on a closed peer by itself), and every call after it raises WorkerDiedError naming
+the rank; a call that fails on rank 0 alone stops the workers too (TensorParallelError: the
+ranks' collectives no longer pair up). Workers ignore Ctrl-C (rank 0 shuts them down) and exit
+when rank 0's end of their pipe closes or rank 0's process is gone. Shutdown: rank 0 tells the workers to close, each leaves the group on its own
 (TensorParallel.leave: no rank waits for another), and rank 0 leaves last, after the monitor.
 Knows nothing about scheduling or models.
 """
@@ -128,6 +128,7 @@ class Workers:
                              f"cuda:{(device.index or 0) + size - 1}; {torch.cuda.device_count()} CUDA devices are "
                              f"visible (CUDA_VISIBLE_DEVICES picks them)")
         self.size, self.closing = size, False
+        self.group: TensorParallel | None = None  # rank 0's, once it has joined
         # Why no step can run any more: (the error to raise, its message); None while all is well.
         self.dead: tuple[type[TensorParallelError], str] | None = None
         self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
@@ -154,7 +155,8 @@ class Workers:
         while self.store.add(_JOINED, 0) < self.size - 1:
             self.check()
             time.sleep(0.05)
-        return TensorParallel.join(0, self.size, device, self.store)
+        self.group = TensorParallel.join(0, self.size, device, self.store)
+        return self.group
 
     def send(self, method: str, *args) -> None:
         """Have every worker run `method(*args)` of its runner (in the order sent)."""
@@ -189,18 +191,20 @@ class Workers:
 
     def _watch(self) -> None:
         """Wait for any worker's process to end; unless closing, mark the engine dead and abort
-        the process group so a collective rank 0 is blocked in fails instead of hanging."""
+        the process group so a collective rank 0 is blocked in ends instead of hanging."""
         sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes, start=1)}
         ready = multiprocessing.connection.wait(list(sentinels))
         if self.closing:
             return
         self._died(sentinels[ready[0]])
         logger.error("%s", self.dead[1])
-        if dist.is_initialized() and dist.get_backend() == "nccl":
-            try:
+        try:
+            if self.group is not None:
+                self.group.abort()
+            elif dist.is_initialized() and dist.get_backend() == "nccl":  # rank 0 is still joining
                 dist.distributed_c10d._abort_process_group()
-            except Exception:  # noqa: BLE001 - best effort: the timeout still ends the collective
-                logger.exception("could not abort the process group")
+        except Exception:  # noqa: BLE001 - best effort: the timeout still ends an NCCL collective
+            logger.exception("could not abort the process group")
 
     def close(self) -> None:
         """Stop every worker (a close message, then terminate, then kill); idempotent."""
@@ -310,6 +314,10 @@ def _worker_main(config, rank: int, store_port: int, pipe, forced_acceptance, lo
     except BaseException:  # noqa: BLE001 - rank 0 learns of it from the process's end
         traceback.print_exc()
         os._exit(1)  # no teardown: a collective may still hold this process's CUDA and NCCL state
+    # No interpreter teardown either: it would free the symmetric-memory buffer, which
+    # synchronizes the device, and a kernel of a step rank 0 stopped partway through still
+    # waits there for rank 0's half of an all-reduce (the process's exit ends it).
+    os._exit(0)
 
 
 def _exit_with_parent(parent_pid: int) -> None:

@@ -4,25 +4,36 @@ Every rank holds a shard of each layer (engine/sharding.py) and runs the same st
 (replicated) tokens. Row-parallel outputs are partial sums, `all_reduce`d in place; the
 vocabulary-parallel logits are `gather_logits`ed so every rank holds the full [N, V] logits and
 samples the same tokens with the same seeds: no rank ever waits for another's sampled tokens.
-Both are plain torch.distributed collectives (NCCL on CUDA, capturable in CUDA graphs; gloo on
-the CPU). Knows nothing about models, processes or steps.
+Both are torch.distributed collectives (NCCL on CUDA, capturable in CUDA graphs; gloo on the
+CPU), except all-reduces of messages up to the decode steps' largest, which go through
+symmetric memory on GPUs where it works (symmetric_all_reduce.py: `use_symmetric_memory`).
+Knows nothing about models, processes or steps.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import threading
 
 import torch
 import torch.distributed as dist
+
+from . import symmetric_all_reduce
+from .symmetric_all_reduce import SymmetricAllReduce
+
+logger = logging.getLogger("deltaspec")
 
 # A collective waits at most this long for a peer: a rank that never comes is an error, not a hang.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("DELTASPEC_COLLECTIVE_TIMEOUT_S", "120")))
 
 
 class TensorParallel:
-    def __init__(self, rank: int, size: int, device: torch.device) -> None:
-        self.rank, self.size, self.device = rank, size, device
+    def __init__(self, rank: int, size: int, device: torch.device, store: dist.Store | None = None) -> None:
+        self.rank, self.size, self.device, self.store = rank, size, device, store
+        # The all-reduce of small messages through symmetric memory (None: every one through NCCL / gloo).
+        self.symmetric: SymmetricAllReduce | None = None
 
     @classmethod
     def join(cls, rank: int, size: int, device: torch.device, store: dist.Store) -> "TensorParallel":
@@ -30,7 +41,10 @@ class TensorParallel:
         other ranks at `store` (rank 0's TCPStore)."""
         if device.type == "cuda":
             torch.cuda.set_device(device)
-            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (see bench/tp_scaling.py)
+            # NVLink multicast off, NCCL's and symmetric memory's (before any is created): the
+            # lent GPU hosts forbid it, and nothing here uses it.
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+            os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
             # Rank 0's monitor owns failures: it aborts the group when a worker dies (executor.py),
             # and torch asks for its watchdog's own error handling off with that abort (else the
             # watchdog may tear the process down first: the server would die instead of raising).
@@ -38,7 +52,7 @@ class TensorParallel:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT,
                                 **({"device_id": device} if device.type == "cuda" else {}))
-        group = cls(rank, size, device)
+        group = cls(rank, size, device, store)
         if device.type == "cuda":
             group.connect()
         return group
@@ -55,12 +69,91 @@ class TensorParallel:
             _all_gather(x.new_empty(self.size * numel), x)
         torch.cuda.synchronize(self.device)
 
+    def use_symmetric_memory(self, choice: str, dtype: torch.dtype, max_numel: int) -> None:
+        """All-reduce messages of `dtype` up to `max_numel` elements through symmetric memory
+        (collective: every rank, in the same order, before any CUDA graph is captured). choice
+        (EngineConfig.all_reduce): "nccl" keeps NCCL; "auto" is one_shot. On the CPU nothing
+        changes. Where it cannot be used on some rank (no peer access, a dtype its kernels do not
+        sum, torch without it, a failed rendezvous, a check all-reduce whose sum differs from
+        NCCL's) every rank logs why and keeps NCCL: start-up never fails for it. Every rank
+        decides alike: the ranks agree (a minimum over ranks) before each collective step."""
+        if choice == "nccl" or self.device.type != "cuda":
+            return
+        algorithm = "one_shot" if choice == "auto" else choice
+        # Rank r runs on cuda:(i + r) (executor.rank_device).
+        peers = [self.device.index + p - self.rank for p in range(self.size) if p != self.rank]
+        reason = symmetric_all_reduce.unavailable(algorithm, dtype, self.size, self.device, peers)
+        symmetric = None
+        if self.min_over_ranks(int(reason is None)):
+            try:
+                group_name = symmetric_all_reduce.register_group(self.store, self.rank, self.size)
+                symmetric = SymmetricAllReduce.create(algorithm, dtype, max_numel, self.device, group_name)
+            except Exception as error:  # noqa: BLE001 - any failure keeps NCCL, named in the log
+                reason = f"setting it up failed ({type(error).__name__}: {error})"
+            if not self.min_over_ranks(int(symmetric is not None)):
+                symmetric = None
+            elif not self.min_over_ranks(int(self._sums_like_nccl(symmetric))):
+                symmetric, reason = None, "its check all-reduce differed from NCCL's on some rank"
+        if symmetric is None:
+            # Once from rank 0 (the server's log), and from any other rank that found the reason.
+            if reason is not None or self.rank == 0:
+                logger.warning("all-reduce: NCCL only, not %s through symmetric memory: %s", algorithm,
+                               reason or "another rank cannot use it (its log says why)")
+            return
+        self.symmetric = symmetric
+        logger.info("all-reduce: %s through symmetric memory up to %d KiB of %s, NCCL above", algorithm,
+                    max_numel * symmetric.buffer.element_size() >> 10, str(dtype).removeprefix("torch."))
+
+    def _sums_like_nccl(self, symmetric: SymmetricAllReduce) -> bool:
+        """The symmetric all-reduce of random integers (exact sums in any order) equals NCCL's,
+        at the buffer's full size and a small one."""
+        device = symmetric.buffer.device
+        generator = torch.Generator(device=device).manual_seed(1234 + self.rank)
+        for numel in sorted({symmetric.capacity, min(symmetric.capacity, 1024)}):
+            x = torch.randint(-8, 9, (numel,), generator=generator, device=device).to(symmetric.dtype)
+            expected = x.clone()
+            dist.all_reduce(expected)
+            if not torch.equal(symmetric(x), expected):
+                return False
+        return True
+
+    @property
+    def all_reduce_kind(self) -> str:
+        """The path small all-reduces take: "one_shot" or "two_shot" (symmetric memory), else the
+        process group's backend ("nccl", "gloo")."""
+        return self.symmetric.algorithm if self.symmetric is not None else dist.get_backend()
+
+    def abort(self) -> None:
+        """A peer died: end this rank's collectives in flight (their results are garbage; the
+        engine is ending). NCCL: abort the communicators. Symmetric memory: its kernels spin for
+        the dead peer with no timeout, so stand in for the peers until the device is idle. Both
+        at once: a collective of either kind may wait on the stream behind one of the other."""
+        stand_in = threading.Thread(target=self._stand_in_for_peers, name="deltaspec-symm-stand-in", daemon=True)
+        if self.symmetric is not None:
+            stand_in.start()
+        try:
+            if dist.is_initialized() and dist.get_backend() == "nccl":
+                dist.distributed_c10d._abort_process_group()
+        finally:
+            if stand_in.is_alive():
+                stand_in.join()
+
+    def _stand_in_for_peers(self) -> None:
+        try:
+            if self.symmetric.stand_in_for_peers():
+                return
+            logger.error("the symmetric-memory all-reduce still waits for a dead peer after %.0f s; this process's "
+                         "GPU work ends when it exits", symmetric_all_reduce.STAND_IN_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - best effort, in a thread of its own: say why
+            logger.exception("could not stand in for the dead peer at the symmetric-memory barriers")
+
     def leave(self) -> None:
         """Leave the group (idempotent: a group the monitor aborted is already gone). NCCL:
         abort this rank's communicators. destroy_process_group would finalize them, and a
         finalize waits until every peer has finalized too: a peer that is gone, or that rank 0
         stops only after it has left, hangs it for good (4 H200s, f2c4306: both the killed-worker
-        test and a plain shutdown). An abort is local. gloo: destroy, which is local there."""
+        test and a plain shutdown). An abort is local. gloo: destroy, which is local there.
+        Symmetric memory: nothing (its buffer stays mapped until the process exits)."""
         if not dist.is_initialized():
             return
         if dist.get_backend() == "nccl":
@@ -74,7 +167,10 @@ class TensorParallel:
         return self.rank * share, share
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum x over the ranks, in place; returns x."""
+        """Sum x over the ranks, in place; returns x. Through symmetric memory when it fits
+        there (the decode and speculative steps' messages), else NCCL (prefill chunks) or gloo."""
+        if self.symmetric is not None and self.symmetric.fits(x):
+            return self.symmetric(x)
         dist.all_reduce(x)
         return x
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..engine.engine_config import ALL_REDUCES
+
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
@@ -22,6 +24,10 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                         help="shard the model over this many devices (one process each; cuda:0..N-1)")
     parser.add_argument("--enable-expert-parallel", action="store_true", default=None,
                         help="MoE: place whole experts on ranks (experts / tp each) instead of splitting each")
+    parser.add_argument("--all-reduce", choices=ALL_REDUCES, default=None,
+                        help="tensor parallelism's all-reduces of decode steps: auto (default) through symmetric "
+                             "memory over NVLink (one_shot) where it works, else NCCL; nccl: always NCCL; one_shot "
+                             "or two_shot: that symmetric-memory kernel")
     parser.add_argument("--load-format", choices=("auto", "dummy"), default=None,
                         help="dummy: random weights of the config's shapes (benchmarks)")
     parser.add_argument("--generation-config", choices=("auto", "none"), default=None,
@@ -34,7 +40,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
 
 # The fields add_engine_options sets; a flag left out (None) keeps EngineConfig's default.
 _FIELDS = ("device", "dtype", "num_draft_tokens", "max_num_batched_tokens", "tensor_parallel_size",
-           "enable_expert_parallel", "load_format", "generation_config", "quantization")
+           "enable_expert_parallel", "all_reduce", "load_format", "generation_config", "quantization")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

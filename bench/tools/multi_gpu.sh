@@ -27,7 +27,8 @@
 # too (the device returns a handful of files a call).
 set -uo pipefail
 source bench/tools/device_setup.sh
-export NCCL_NVLS_ENABLE=0  # NVLink multicast off (the device notes)
+export NCCL_NVLS_ENABLE=0  # NVLink multicast off (the device notes), NCCL's and symmetric memory's
+export TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export DELTASPEC_COMMIT="${DELTASPEC_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 out="${OUT:-bench/results}"
 mkdir -p "$out"

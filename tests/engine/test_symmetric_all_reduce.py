@@ -1,0 +1,263 @@
+"""The all-reduce through symmetric memory (engine/symmetric_all_reduce.py) and how TensorParallel
+picks it: on the CPU, which messages fit its kernels, the settings, and the fallback to NCCL at
+every step of its set-up (the ranks' agreement simulated); on two GPUs, its sums against NCCL's
+on random tensors of several sizes, eagerly and inside a CUDA graph replayed with new inputs."""
+
+import argparse
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import socket
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from deltaspec.engine import EngineConfig
+from deltaspec.engine import symmetric_all_reduce as sar
+from deltaspec.engine.symmetric_all_reduce import SymmetricAllReduce
+from deltaspec.engine.tensor_parallel import TensorParallel
+from deltaspec.server.engine_args import add_engine_options, engine_flags, engine_options
+
+
+def host_symmetric(algorithm: str, dtype: torch.dtype, capacity: int) -> SymmetricAllReduce:
+    """A SymmetricAllReduce over a plain CPU buffer: enough to ask what fits (no kernel runs)."""
+    handle = types.SimpleNamespace(rank=0, world_size=2)
+    return SymmetricAllReduce(algorithm, torch.zeros(capacity, dtype=dtype), handle, "test")
+
+
+@pytest.mark.parametrize("algorithm", sar.ALGORITHMS)
+def test_what_fits_the_kernels(algorithm):
+    symmetric = host_symmetric(algorithm, torch.bfloat16, 4096)
+    whole = torch.zeros(8192, dtype=torch.bfloat16)
+    assert symmetric.fits(whole[:4096].view(64, 64))                  # up to the capacity
+    assert not symmetric.fits(whole[:4098])                           # past it
+    assert not symmetric.fits(whole[:4096].float())                   # another dtype
+    assert not symmetric.fits(whole[:4096].half())
+    assert not symmetric.fits(whole[:0])                              # nothing to sum
+    assert not symmetric.fits(whole[:4096].view(64, 64).t())          # not contiguous
+    assert not symmetric.fits(whole[:3])                              # 6 bytes: not whole 4-byte words
+    # The kernels' vectors: an offset must be at least as aligned as the size (16 bytes here).
+    assert symmetric.fits(whole[8:8 + 64])                            # 16-byte offset, 128 bytes
+    assert not symmetric.fits(whole[2:2 + 64])                        # 4-byte offset, 128 bytes
+    assert symmetric.fits(whole[2:2 + 6])                             # 4-byte offset, 12 bytes (4-aligned)
+    assert not symmetric.fits(whole[1:1 + 2])                         # 2-byte offset
+    fp32 = host_symmetric(algorithm, torch.float32, 1024)
+    assert fp32.fits(torch.zeros(2048)[4:4 + 1024]) and not fp32.fits(torch.zeros(2048)[1:1 + 1024])
+    assert fp32.fits(torch.zeros(3))                                  # 12 bytes at offset 0
+
+
+def test_all_reduce_setting_is_validated_and_a_flag():
+    assert EngineConfig(model="x").all_reduce == "auto"
+    assert EngineConfig(model="x", tensor_parallel_size=2, all_reduce="two_shot").all_reduce == "two_shot"
+    with pytest.raises(ValueError, match="all_reduce must be one of auto, nccl, one_shot, two_shot, got 'nvls'"):
+        EngineConfig(model="x", tensor_parallel_size=2, all_reduce="nvls")
+    with pytest.raises(ValueError, match="all_reduce='nccl' needs tensor_parallel_size > 1"):
+        EngineConfig(model="x", all_reduce="nccl")
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    args = parser.parse_args(["-tp", "2", "--all-reduce", "nccl"])
+    assert engine_options(args)["all_reduce"] == "nccl" and "--all-reduce" in engine_flags(args)
+    assert "all_reduce" not in engine_options(parser.parse_args([]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--all-reduce", "multimem"])
+
+
+class FakeSymmetric:
+    """What SymmetricAllReduce.create returns in the selection tests: sums by doubling (two
+    ranks holding the same x) or, `wrong`, by tripling."""
+
+    def __init__(self, algorithm: str, dtype: torch.dtype, capacity: int, wrong: bool = False) -> None:
+        self.algorithm, self.dtype, self.capacity, self.wrong = algorithm, dtype, capacity, wrong
+        self.buffer = torch.zeros(capacity, dtype=dtype)
+        self.calls = 0
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.numel() <= self.capacity
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x.mul_(3 if self.wrong else 2)
+
+
+class SimulatedRanks(TensorParallel):
+    """Rank 0 of two on a CUDA device (never touched), with rank 1's answers to the agreements
+    given; NCCL's all-reduce is a doubling (both ranks hold the same x)."""
+
+    def __init__(self, others: dict[str, bool]) -> None:
+        super().__init__(0, 2, torch.device("cuda:0"), store=None)
+        self.others, self.agreements = others, []
+
+    def min_over_ranks(self, value: int) -> int:
+        step = ("available", "created", "checked")[len(self.agreements)]
+        self.agreements.append(step)
+        return min(value, int(self.others.get(step, True)))
+
+
+@pytest.fixture
+def set_up(monkeypatch):
+    """SimulatedRanks whose set-up steps succeed or fail as asked; returns (group, log records)."""
+    monkeypatch.setattr(dist, "all_reduce", lambda x, op=None: x.mul_(2))
+
+    def make(others=None, reason=None, error=None, wrong=False):
+        monkeypatch.setattr(sar, "unavailable", lambda *args: reason)
+        monkeypatch.setattr(sar, "register_group", lambda store, rank, size: "group")
+
+        def create(algorithm, dtype, capacity, device, group_name):
+            if error is not None:
+                raise error
+            return FakeSymmetric(algorithm, dtype, capacity, wrong)  # its buffer (and the check) on the CPU
+        monkeypatch.setattr(SymmetricAllReduce, "create", staticmethod(create))
+        return SimulatedRanks(others or {})
+    return make
+
+
+@pytest.mark.parametrize("case, expected, agreements", [
+    (dict(reason="its kernels sum bfloat16 and float32, not torch.float16"), "not torch.float16", 1),
+    (dict(others={"available": False}), "another rank cannot use it", 1),
+    (dict(error=RuntimeError("CUDA driver error: invalid argument")), "RuntimeError: CUDA driver error", 2),
+    (dict(others={"created": False}), "another rank cannot use it", 2),
+    (dict(wrong=True), "its check all-reduce differed from NCCL's", 3),
+    (dict(others={"checked": False}), "its check all-reduce differed from NCCL's", 3),
+])
+def test_a_failed_set_up_step_keeps_nccl_and_says_why(set_up, caplog, case, expected, agreements):
+    group = set_up(**case)
+    with caplog.at_level(logging.WARNING, logger="deltaspec"):
+        group.use_symmetric_memory("auto", torch.bfloat16, 4096)
+    assert group.symmetric is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "NCCL only, not one_shot" in warnings[0] and expected in warnings[0]
+    # Every rank takes part in the same agreements up to the step that failed, none after it.
+    assert group.agreements == ["available", "created", "checked"][:agreements]
+    x = torch.ones(8, dtype=torch.bfloat16)
+    assert group.all_reduce(x) is x and x.tolist() == [2.0] * 8  # NCCL's
+
+
+@pytest.mark.parametrize("choice, algorithm", [("auto", "one_shot"), ("two_shot", "two_shot")])
+def test_small_messages_take_the_symmetric_path_once_checked(set_up, choice, algorithm):
+    group = set_up()
+    group.use_symmetric_memory(choice, torch.bfloat16, 4096)
+    assert group.agreements == ["available", "created", "checked"]
+    assert group.symmetric is not None and group.symmetric.algorithm == algorithm
+    assert group.all_reduce_kind == algorithm
+    calls = group.symmetric.calls
+    small, large = torch.ones(4096, dtype=torch.bfloat16), torch.ones(4097, dtype=torch.bfloat16)
+    assert group.all_reduce(small) is small and group.symmetric.calls == calls + 1
+    assert group.all_reduce(large) is large and group.symmetric.calls == calls + 1  # NCCL's
+    assert small.sum() == large[:4096].sum() == 2 * 4096
+
+
+def test_nccl_setting_and_the_cpu_set_nothing_up(set_up):
+    group = set_up()
+    group.use_symmetric_memory("nccl", torch.bfloat16, 4096)
+    assert group.symmetric is None and group.agreements == []
+    cpu = TensorParallel(0, 2, torch.device("cpu"))
+    cpu.use_symmetric_memory("auto", torch.float32, 4096)  # gloo: NCCL-equivalent as before
+    assert cpu.symmetric is None
+
+
+@pytest.mark.parametrize("released", [True, False])
+def test_abort_stands_in_for_the_dead_peers(caplog, released):
+    """A peer died: the symmetric-memory barriers get their stand-in (no process group needed
+    for it), and one that cannot drain the device in time is logged."""
+    group = TensorParallel(0, 2, torch.device("cpu"))
+    calls = []
+    group.symmetric = types.SimpleNamespace(stand_in_for_peers=lambda: calls.append(1) or released)
+    with caplog.at_level(logging.ERROR, logger="deltaspec"):
+        group.abort()
+    assert calls == [1]
+    assert ("still waits for a dead peer" in caplog.text) is not released
+
+
+def test_each_engine_names_its_group_afresh():
+    """The default group's name repeats for every engine a process starts; symmetric memory's
+    name for it does not, and resolves to the group of the moment."""
+    from torch._C._distributed_c10d import _resolve_process_group
+
+    names = []
+    for _ in range(2):
+        store = dist.HashStore()
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            names.append(sar.register_group(store, 0, 1))
+            assert _resolve_process_group(names[-1]).group_name == dist.group.WORLD.group_name
+        finally:
+            dist.destroy_process_group()
+    assert names[0] != names[1] and all(n.startswith("deltaspec-") for n in names)
+
+
+# GPU: two ranks, torch's kernels against NCCL -----------------------------------------------------
+
+SIZES = (2, 4096, 3 * 4096 + 6, 64 * 4 * 512)  # elements: a word, one row, rows + a tail, the capacity
+
+
+def _rank_main(rank: int, port: int, failures) -> None:
+    try:
+        device = torch.device(f"cuda:{rank}")
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=datetime.timedelta(seconds=120))
+        tp = TensorParallel.join(rank, 2, device, store)
+        assert os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+        group_name = sar.register_group(store, rank, 2)
+        generator = torch.Generator(device=device).manual_seed(rank)
+        for algorithm in sar.ALGORITHMS:
+            for dtype in sar.DTYPES:
+                symmetric = SymmetricAllReduce.create(algorithm, dtype, SIZES[-1], device, group_name)
+                _check_against_nccl(symmetric, dtype, generator, device, f"{algorithm} {dtype}")
+        tp.leave()
+    except BaseException as error:  # noqa: BLE001 - the parent reports it
+        failures.put(f"rank {rank}: {type(error).__name__}: {error}")
+        raise
+
+
+def _check_against_nccl(symmetric, dtype, generator, device, label: str) -> None:
+    """Eager sums of random tensors, then one graph of all four sizes back to back (the buffer
+    reused at once) replayed with new inputs: each equal to NCCL's sum of the same inputs (two
+    ranks: one correctly rounded addition either way)."""
+    def fresh(numel):
+        return torch.randn(numel, generator=generator, device=device).to(dtype)
+
+    def nccl_sum(x):
+        expected = x.clone()
+        dist.all_reduce(expected)
+        return expected
+
+    for numel in SIZES:
+        x = fresh(numel)
+        expected = nccl_sum(x)
+        assert symmetric.fits(x), (label, numel)
+        assert torch.equal(symmetric(x), expected), (label, numel, "eager")
+    inputs = [fresh(numel) for numel in SIZES]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for x in inputs:
+            symmetric(x)
+    for replay in range(16):
+        for x in inputs:
+            x.copy_(fresh(x.numel()))
+        expected = [nccl_sum(x) for x in inputs]
+        graph.replay()
+        for x, e, numel in zip(inputs, expected, SIZES):
+            assert torch.equal(x, e), (label, numel, "replay", replay)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_gpu_symmetric_all_reduce_equals_nccl_eager_and_in_graphs():
+    context = mp.get_context("spawn")
+    failures = context.Queue()
+    with socket.socket() as probe:  # a free port for the ranks' store
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    processes = [context.Process(target=_rank_main, args=(rank, port, failures)) for rank in range(2)]
+    for p in processes:
+        p.start()
+    for p in processes:
+        p.join(300)
+    for p in processes:
+        if p.is_alive():
+            p.kill()
+    errors = [failures.get() for _ in range(failures.qsize())] if not failures.empty() else []
+    assert all(p.exitcode == 0 for p in processes) and not errors, errors
