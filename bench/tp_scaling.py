@@ -137,7 +137,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--tokens", type=int, default=48, help="decode tokens per request at least")
     parser.add_argument("--expert-parallel", action="store_true", help="MoE shapes: whole experts per rank")
-    parser.add_argument("--all-reduce", default="auto",
+    parser.add_argument("--all-reduce", default="nccl",
                         help="EngineConfig.all_reduce settings each tp >= 2 engine runs with, comma-separated "
                              "(auto, nccl, one_shot, two_shot)")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (--shapes tiny; gloo)")
@@ -171,7 +171,7 @@ def main() -> None:
                 if tp > num_devices:
                     print(f"{shape} tp={tp}: skipped, {num_devices} GPUs")
                     continue
-                for all_reduce in all_reduces if tp > 1 else ["auto"]:
+                for all_reduce in all_reduces if tp > 1 else ["nccl"]:
                     key = f"tp{tp}" + (f"-{all_reduce}" if tp > 1 and len(all_reduces) > 1 else "")
                     print(f"{shape} {key}", flush=True)
                     record = runs[key] = {}

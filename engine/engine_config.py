@@ -44,9 +44,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1           # ranks the model is sharded over (one process and device each)
     enable_expert_parallel: bool = False    # MoE: whole experts per rank (experts / tp each) instead of split
     load_format: str = "auto"               # "dummy": random weights of the config's shapes (benchmarks)
-    # Small all-reduces (decode steps): "auto" through symmetric memory (one_shot) where it works
-    # on CUDA, else NCCL; "nccl": always NCCL; "one_shot" / "two_shot": that symmetric-memory kernel.
-    all_reduce: str = "auto"
+    # Small all-reduces (decode steps): "nccl" always NCCL (the default until the symmetric path
+    # has run on GPUs); "auto" through symmetric memory (one_shot) where it works on CUDA, else
+    # NCCL; "one_shot" / "two_shot": that symmetric-memory kernel.
+    all_reduce: str = "nccl"
 
     def __post_init__(self) -> None:
         problems = []
@@ -91,7 +92,7 @@ class EngineConfig:
             problems.append(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.all_reduce not in ALL_REDUCES:
             problems.append(f"all_reduce must be one of {', '.join(ALL_REDUCES)}, got {self.all_reduce!r}")
-        elif self.all_reduce != "auto" and self.tensor_parallel_size == 1:
+        elif self.all_reduce != "nccl" and self.tensor_parallel_size == 1:
             problems.append(f"all_reduce={self.all_reduce!r} needs tensor_parallel_size > 1")
         if problems:
             raise ValueError("invalid EngineConfig: " + "; ".join(problems))

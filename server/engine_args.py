@@ -25,8 +25,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-expert-parallel", action="store_true", default=None,
                         help="MoE: place whole experts on ranks (experts / tp each) instead of splitting each")
     parser.add_argument("--all-reduce", choices=ALL_REDUCES, default=None,
-                        help="tensor parallelism's all-reduces of decode steps: auto (default) through symmetric "
-                             "memory over NVLink (one_shot) where it works, else NCCL; nccl: always NCCL; one_shot "
+                        help="tensor parallelism's all-reduces of decode steps: nccl (default): always NCCL; auto: "
+                             "through symmetric memory over NVLink (one_shot) where it works, else NCCL; one_shot "
                              "or two_shot: that symmetric-memory kernel")
     parser.add_argument("--load-format", choices=("auto", "dummy"), default=None,
                         help="dummy: random weights of the config's shapes (benchmarks)")

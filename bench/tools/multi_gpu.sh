@@ -78,7 +78,8 @@ for part in ${parts//,/ }; do
         run_part 122b-tp "$half" python bench/tp_scaling.py --shapes 122b-a10b --tp 4 --out "$out"
         run_part 122b-ep "$half" python bench/tp_scaling.py --shapes 122b-a10b --tp 4 --expert-parallel --out "$out" ;;
     scaling)
-        run_part scaling "$(limit scaling)" python bench/tp_scaling.py --shapes 9b,35b-a3b --tp "$sizes" --out "$out" ;;
+        run_part scaling "$(limit scaling)" python bench/tp_scaling.py --shapes 9b,35b-a3b --tp "$sizes" \
+            --all-reduce nccl,auto --out "$out" ;;
     serve)
         seconds=$(limit serve)
         run_part serve "$seconds" python bench/tools/serve_smoke.py --shape "$serve_shape" --tp "$tp" \

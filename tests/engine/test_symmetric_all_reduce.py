@@ -50,12 +50,12 @@ def test_what_fits_the_kernels(algorithm):
 
 
 def test_all_reduce_setting_is_validated_and_a_flag():
-    assert EngineConfig(model="x").all_reduce == "auto"
+    assert EngineConfig(model="x").all_reduce == "nccl"
     assert EngineConfig(model="x", tensor_parallel_size=2, all_reduce="two_shot").all_reduce == "two_shot"
     with pytest.raises(ValueError, match="all_reduce must be one of auto, nccl, one_shot, two_shot, got 'nvls'"):
         EngineConfig(model="x", tensor_parallel_size=2, all_reduce="nvls")
-    with pytest.raises(ValueError, match="all_reduce='nccl' needs tensor_parallel_size > 1"):
-        EngineConfig(model="x", all_reduce="nccl")
+    with pytest.raises(ValueError, match="all_reduce='auto' needs tensor_parallel_size > 1"):
+        EngineConfig(model="x", all_reduce="auto")
     parser = argparse.ArgumentParser()
     add_engine_options(parser)
     args = parser.parse_args(["-tp", "2", "--all-reduce", "nccl"])
