@@ -5,6 +5,7 @@
 #   DELTASPEC_COMMIT=<sha> bash bench/gpu_session.sh [tests|engine|all]     (default: all)
 #
 # The device's copy of the tree has no .git: pass the commit the results are recorded under.
+# SAVE_TRITON_CACHE=1 also leaves the compile cache in $OUT for the next call (device_setup.sh).
 # tests : pytest -m gpu (kernels in bf16, graphs, isolation, speculation, prefix cache)
 # engine: decode_overhead (engine vs a bare graph at batch 1, async scheduling on and off),
 #         profile_step (per-kernel time of a 0.8B-like step), engine_throughput (0.8B-like shape)
@@ -29,3 +30,4 @@ if [[ "$what" == engine || "$what" == all ]]; then
     timeout 120 python bench/profile_step.py --batches 1,64 --verify-drafts 0 --out "$out" 2>&1 | tail -3
     timeout 240 python bench/engine_throughput.py --shapes 0.8b --out "$out" 2>&1 | tail -8
 fi
+if [[ "${SAVE_TRITON_CACHE:-0}" == 1 ]]; then OUT="$out" bash bench/tools/save_triton_cache.sh; fi

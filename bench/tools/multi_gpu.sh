@@ -24,15 +24,17 @@
 # writes its JSON and PNG after every batch, so a part its limit cuts keeps what it measured.
 # A fresh machine compiles every Triton kernel first (minutes): on one, all four parts in one
 # call do not finish (4 H200s, 55f2a49: bench/results/multi_gpu/summary-h200x4.json); run
-# `tests`, `122b,serve` and `scaling` as three calls. Everything lands in $OUT/multi_gpu.tgz
-# too (the device returns a handful of files a call).
+# `tests`, `122b,serve` and `scaling` as three calls, carrying .triton-cache/ (the first with
+# SAVE_TRITON_CACHE=1: bench/tools/save_triton_cache.sh).
 set -uo pipefail
 source bench/tools/device_setup.sh
 export NCCL_NVLS_ENABLE=0  # NVLink multicast off (the device notes), NCCL's and symmetric memory's
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export DELTASPEC_COMMIT="${DELTASPEC_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
-out="${OUT:-bench/results}"
-mkdir -p "$out"
+# The parts write under $out; $OUT gets them as one multi_gpu.tgz (the device returns at most 8
+# files a call) and, with SAVE_TRITON_CACHE=1, the compile cache's parts for the next call.
+final="${OUT:-bench/results}"
+out="$(mktemp -d /tmp/multi_gpu.XXXX)"
 num_gpus=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
 echo "commit $DELTASPEC_COMMIT, $num_gpus GPUs"
@@ -96,4 +98,6 @@ for part in ${parts//,/ }; do
     esac
 done
 ls -l "$out"
-tar czf "$out/multi_gpu.tgz" -C "$out" --exclude multi_gpu.tgz .
+mkdir -p "$final"
+tar czf "$final/multi_gpu.tgz" -C "$out" .
+if [[ "${SAVE_TRITON_CACHE:-0}" == 1 ]]; then OUT="$final" bash bench/tools/save_triton_cache.sh; fi
