@@ -24,6 +24,7 @@ projection it computes.
 
 from __future__ import annotations
 
+import os
 from functools import cache
 
 import torch
@@ -137,6 +138,14 @@ def kernel_config(num_rows: int, out_features: int, in_features: int, sms: int) 
     return TileConfig(block_n=block_n, block_k=block_k, num_splits=split_k, num_warps=4, num_stages=num_stages)
 
 
+@cache
+def kernel_everywhere() -> bool:
+    """DELTASPEC_LINEAR_KERNEL=always: the kernel for every shape up to KERNEL_MAX_ROWS rows, cuBLAS
+    for none (A/B timing of whole steps, where the kernel's PDL launch and weight prefetch overlap
+    its predecessor and a cuBLAS GEMM does not; use_kernel's rule was measured one call at a time)."""
+    return os.environ.get("DELTASPEC_LINEAR_KERNEL") == "always"
+
+
 def use_kernel(num_rows: int, out_features: int, sms: int) -> bool:
     """The rule between this kernel and cuBLAS (measured: bench/results/kernels_linear-h100.json):
       - N >= 32 per SM (the 0.8B in_proj, qkv, gate_up; every 9B one but out/o_proj and down):
@@ -145,7 +154,11 @@ def use_kernel(num_rows: int, out_features: int, sms: int) -> bool:
       - 17..32 rows: the kernel up to 16 features per SM; at N = 4096 cuBLAS switches to a
         faster kernel there;
       - more than 32 rows: cuBLAS (x's re-reads from L2 and the fp32 partials grow with M)."""
-    if not 0 < num_rows <= KERNEL_MAX_ROWS or out_features >= 32 * sms:
+    if not 0 < num_rows <= KERNEL_MAX_ROWS:
+        return False
+    if kernel_everywhere():
+        return True
+    if out_features >= 32 * sms:
         return False
     return num_rows <= 16 or out_features <= 16 * sms
 
