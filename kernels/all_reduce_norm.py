@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .device import num_sms
 from .launch import dependent_prologue, pdl
 from .norms import rms_norm_reference
 
@@ -156,19 +157,20 @@ def _check_args(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | 
 
 def all_reduce_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
                         buffers: torch.Tensor, signal_pads: torch.Tensor | None, rank: int, capacity: int,
-                        max_programs: int) -> tuple[torch.Tensor, torch.Tensor]:
+                        num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
     """rms_norm(sum of every rank's x, weight, eps, residual) -> (normed, new_residual), as
     all_reduce_rms_norm_reference; collective: every rank calls it with its x of the same shape.
     buffers: int64 [tp], the address of every rank's buffer of `capacity` elements of x's dtype
     in this process; signal_pads: int64 [tp], every rank's signal pad (None: no barrier, one rank
-    alone, its peers' rows already in their buffers); max_programs: at most this many programs
-    (each meets its peers on its own pad slots, and all must be resident at once)."""
+    alone, its peers' rows already in their buffers); num_slots: the pads' slots per rank. One
+    program per row, at most one per pad slot (each meets its peers on its own) and per SM (all
+    must be resident at once: a program spinning at the barrier holds its SM)."""
     _check_args(x, weight, residual, buffers, signal_pads, rank, capacity)
     num_rows, hidden = x.shape
     out = torch.empty((num_rows, hidden), dtype=x.dtype, device=x.device)
     new_residual = torch.empty_like(out)
     block = triton.next_power_of_2(hidden)
-    _all_reduce_rms_norm_kernel[(min(num_rows, max_programs),)](
+    _all_reduce_rms_norm_kernel[(min(num_rows, num_slots, num_sms(x.device)),)](
         x, residual if residual is not None else x, weight, out, new_residual, buffers,
         signal_pads if signal_pads is not None else buffers, num_rows, x.stride(0),
         residual.stride(0) if residual is not None else 0, eps, H=hidden, BH=block, RANK=rank,

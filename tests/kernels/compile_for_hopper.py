@@ -152,7 +152,7 @@ def run_kernels() -> None:
     all_reduce_norm.all_reduce_rms_norm(torch.randn(rows, hidden, dtype=torch.bfloat16),
                                         torch.randn(hidden, dtype=torch.bfloat16), 1e-6,
                                         torch.randn(rows, hidden, dtype=torch.bfloat16), addresses, addresses, 1,
-                                        rows * hidden, SMS)
+                                        rows * hidden, num_slots=1024)
 
 
 def main() -> None:

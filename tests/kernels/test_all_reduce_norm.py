@@ -5,7 +5,8 @@ Reference: against a sum written here (float32, in rank order, rounded once to t
 float64 norm. Kernel: against the reference on fresh random inputs (fp32 and fp16; bf16 on the
 GPU only, as the interpreter truncates to bf16), strided rows, more rows than programs, widths
 that are not powers of two, 2 and 4 ranks: each rank copies its x into its own buffer, the new
-residual equals the reference's bit for bit, and every rank computes the same bits. The barrier (inline PTX) is compiled by tests/kernels/test_compile.py and runs in
+residual equals the reference's bit for bit, and every rank computes the same bits. The barrier
+(inline PTX) is compiled by tests/kernels/test_compile.py and runs in
 tests/engine/test_symmetric_all_reduce.py on two GPUs.
 """
 
@@ -46,13 +47,13 @@ def test_reference_sums_in_rank_order_then_norms(dtype, with_residual):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("world_size, tokens, hidden, max_programs", [
+@pytest.mark.parametrize("world_size, tokens, hidden, num_slots", [
     (2, 1, 64, 8),     # a decode row
-    (2, 5, 40, 2),     # more rows than programs; a width that is not a power of two
+    (2, 5, 40, 2),     # more rows than programs (pad slots); a width that is not a power of two
     (4, 3, 96, 3),     # four ranks: the rank order of the float32 sum matters
 ])
 @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
-def test_every_rank_gets_the_reference(kernel_device, dtype, world_size, tokens, hidden, max_programs,
+def test_every_rank_gets_the_reference(kernel_device, dtype, world_size, tokens, hidden, num_slots,
                                        with_residual):
     if dtype == torch.bfloat16 and kernel_device == "cpu":
         pytest.skip("the interpreter rounds float32 to bfloat16 by truncation")
@@ -69,7 +70,7 @@ def test_every_rank_gets_the_reference(kernel_device, dtype, world_size, tokens,
                 buffers[peer, :tokens * hidden] = partials[peer].reshape(-1)
         addresses = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=kernel_device)
         normed, new_residual = all_reduce_rms_norm(partials[rank], weight, 1e-6, residual, addresses, None, rank,
-                                                   capacity, max_programs)
+                                                   capacity, num_slots)
         assert torch.equal(buffers[rank, :tokens * hidden].view(tokens, hidden), partials[rank]), \
             f"rank {rank} copies its x into its own buffer"
         assert torch.equal(new_residual, expected_residual), f"rank {rank}: the sum (+ residual) in x's dtype"
