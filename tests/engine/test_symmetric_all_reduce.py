@@ -247,9 +247,15 @@ def test_each_engine_names_its_group_afresh():
     assert names[0] != names[1] and all(n.startswith("deltaspec-") for n in names)
 
 
-# GPU: two ranks, torch's kernels against NCCL -----------------------------------------------------
+# GPU: two ranks, torch's kernels and the fused kernel against NCCL --------------------------------
 
 SIZES = (2, 4096, 3 * 4096 + 6, 64 * 4 * 512)  # elements: a word, one row, rows + a tail, the capacity
+# [rows, hidden] of the fused kernel: a decode row, a verify of 3 drafts, a width that is not a
+# power of two, the capacity (more rows than an H100 has SMs: programs loop over rows)
+FUSED_SHAPES = ((1, 4096), (4, 4096), (7, 1040), (256, 512))
+# The fused kernel's normed rows against rms_norm's after NCCL: one rounding of the same float32
+# value apart at most (bf16: 2^-8 relative; the new residual is equal bit for bit).
+NORM_RTOL = {torch.bfloat16: 2 ** -7, torch.float32: 1e-6}
 
 
 def _rank_main(rank: int, port: int, failures) -> None:
@@ -264,6 +270,8 @@ def _rank_main(rank: int, port: int, failures) -> None:
             for dtype in sar.DTYPES:
                 symmetric = SymmetricAllReduce.create(algorithm, dtype, SIZES[-1], device, group_name)
                 _check_against_nccl(symmetric, dtype, generator, device, f"{algorithm} {dtype}")
+                if algorithm == "one_shot":
+                    _check_fused_against_nccl(symmetric, dtype, generator, device, f"fused {dtype}")
         tp.leave()
     except BaseException as error:  # noqa: BLE001 - the parent reports it
         failures.put(f"rank {rank}: {type(error).__name__}: {error}")
@@ -304,7 +312,7 @@ def _check_against_nccl(symmetric, dtype, generator, device, label: str) -> None
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-def test_gpu_symmetric_all_reduce_equals_nccl_eager_and_in_graphs():
+def test_gpu_symmetric_all_reduce_and_fused_norm_equal_nccl_eager_and_in_graphs():
     context = mp.get_context("spawn")
     failures = context.Queue()
     with socket.socket() as probe:  # a free port for the ranks' store
@@ -320,3 +328,44 @@ def test_gpu_symmetric_all_reduce_equals_nccl_eager_and_in_graphs():
             p.kill()
     errors = [failures.get() for _ in range(failures.qsize())] if not failures.empty() else []
     assert all(p.exitcode == 0 for p in processes) and not errors, errors
+
+
+def _check_fused_against_nccl(symmetric, dtype, generator, device, label: str) -> None:
+    """all_reduce_rms_norm of random rows against NCCL's all-reduce then the rms_norm kernel:
+    eagerly, then one graph holding every shape back to back, each followed by torch's one_shot
+    of another message (the buffer and the signal pads reused at once by both kernels), replayed
+    with new inputs."""
+    from deltaspec.kernels.norms import rms_norm
+
+    def fresh(rows, hidden, scale=2.0):
+        return (scale * torch.randn(rows, hidden, generator=generator, device=device)).to(dtype)
+
+    def check(got, x, weight, residual, what):
+        summed = x.clone()
+        dist.all_reduce(summed)
+        expected, expected_residual = rms_norm(summed, weight, 1e-6, residual)
+        assert torch.equal(got[1], expected_residual), (label, what, "new residual")
+        torch.testing.assert_close(got[0], expected, rtol=NORM_RTOL[dtype], atol=NORM_RTOL[dtype],
+                                   msg=f"{label} {what} normed")
+
+    cases = [(fresh(r, h), fresh(h, 1, 0.1).view(h), fresh(r, h)) for r, h in FUSED_SHAPES]
+    for x, weight, residual in cases:
+        check(symmetric.all_reduce_rms_norm(x, weight, 1e-6, residual), x, weight, residual, ("eager", x.shape))
+        check(symmetric.all_reduce_rms_norm(x, weight, 1e-6, None), x, weight, None, ("no residual", x.shape))
+    plain = [fresh(1, 4096).view(-1) for _ in cases]
+    graph, outputs = torch.cuda.CUDAGraph(), []
+    with torch.cuda.graph(graph):
+        for (x, weight, residual), y in zip(cases, plain):
+            outputs.append(symmetric.all_reduce_rms_norm(x, weight, 1e-6, residual))
+            symmetric(y)
+    for replay in range(16):
+        for (x, weight, residual), y in zip(cases, plain):
+            for t in (x, weight, residual, y):
+                t.copy_(fresh(t.numel(), 1).view(t.shape))
+        before = [y.clone() for y in plain]
+        graph.replay()
+        for (x, weight, residual), got, y, y0 in zip(cases, outputs, plain, before):
+            check(got, x, weight, residual, ("replay", replay, x.shape))
+            dist.all_reduce(y0)
+            assert torch.equal(y, y0), (label, "one_shot after the fused kernel", replay)
+    torch.cuda.synchronize()
