@@ -81,7 +81,8 @@ class TensorParallel:
         norm follows fused with it (`all_reduce_rms_norm`); "one_shot" / "two_shot": torch's
         kernel, the norm apart. On the CPU nothing changes. Where it cannot be used on some rank
         (no peer access, a dtype its kernels do not sum, torch without it, a failed rendezvous, a
-        check all-reduce whose sum differs from NCCL's) every rank logs why and keeps NCCL:
+        check all-reduce that fails or whose sum differs from NCCL's) every rank logs why and
+        keeps NCCL:
         start-up never fails for it. Every rank decides alike: the ranks agree (a minimum over
         ranks) before each collective step."""
         if choice == "nccl" or self.device.type != "cuda":
@@ -101,8 +102,13 @@ class TensorParallel:
                 reason = f"setting it up failed ({type(error).__name__}: {error})"
             if not self.min_over_ranks(int(symmetric is not None)):
                 symmetric = None
-            elif not self.min_over_ranks(int(self._sums_like_nccl(symmetric, hidden_size if fuse_norm else 0))):
-                symmetric, reason = None, "its check all-reduce differed from NCCL's on some rank"
+            else:
+                try:  # a kernel that fails (the fused one's compile) fails alike on every rank
+                    same = self._sums_like_nccl(symmetric, hidden_size if fuse_norm else 0)
+                except Exception as error:  # noqa: BLE001 - keeps NCCL, named in the log
+                    same, reason = False, f"its check all-reduce failed ({type(error).__name__}: {error})"
+                if not self.min_over_ranks(int(same)):
+                    symmetric, reason = None, reason or "its check all-reduce differed from NCCL's on some rank"
         if symmetric is None:
             # Once from rank 0 (the server's log), and from any other rank that found the reason.
             if reason is not None or self.rank == 0:

@@ -88,8 +88,10 @@ class FakeSymmetric:
     ranks holding the same x) or, `wrong`, by tripling; the fused kernel likewise, then the
     reference norm."""
 
-    def __init__(self, algorithm: str, dtype: torch.dtype, capacity: int, wrong: bool = False) -> None:
+    def __init__(self, algorithm: str, dtype: torch.dtype, capacity: int, wrong: bool = False,
+                 fused_error: Exception | None = None) -> None:
         self.algorithm, self.dtype, self.capacity, self.wrong = algorithm, dtype, capacity, wrong
+        self.fused_error = fused_error
         self.buffer = torch.zeros(capacity, dtype=dtype)
         self.calls = self.fused_calls = 0
 
@@ -104,6 +106,8 @@ class FakeSymmetric:
         return x.mul_(3 if self.wrong else 2)
 
     def all_reduce_rms_norm(self, x, weight, eps, residual):
+        if self.fused_error is not None:
+            raise self.fused_error
         self.fused_calls += 1
         return REFERENCE_OPS.rms_norm(x * (3 if self.wrong else 2), weight, eps, residual)
 
@@ -127,14 +131,14 @@ def set_up(monkeypatch):
     """SimulatedRanks whose set-up steps succeed or fail as asked; returns (group, log records)."""
     monkeypatch.setattr(dist, "all_reduce", lambda x, op=None: x.mul_(2))
 
-    def make(others=None, reason=None, error=None, wrong=False):
+    def make(others=None, reason=None, error=None, wrong=False, fused_error=None):
         monkeypatch.setattr(sar, "unavailable", lambda *args: reason)
         monkeypatch.setattr(sar, "register_group", lambda store, rank, size: "group")
 
         def create(algorithm, dtype, capacity, device, group_name):
             if error is not None:
                 raise error
-            return FakeSymmetric(algorithm, dtype, capacity, wrong)  # its buffer (and the check) on the CPU
+            return FakeSymmetric(algorithm, dtype, capacity, wrong, fused_error)  # buffer, check: CPU
         monkeypatch.setattr(SymmetricAllReduce, "create", staticmethod(create))
         return SimulatedRanks(others or {})
     return make
@@ -147,6 +151,7 @@ def set_up(monkeypatch):
     (dict(others={"created": False}), "another rank cannot use it", 2),
     (dict(wrong=True), "its check all-reduce differed from NCCL's", 3),
     (dict(others={"checked": False}), "its check all-reduce differed from NCCL's", 3),
+    (dict(fused_error=RuntimeError("PTX .version")), "check all-reduce failed (RuntimeError: PTX .version)", 3),
 ])
 def test_a_failed_set_up_step_keeps_nccl_and_says_why(set_up, caplog, case, expected, agreements):
     group = set_up(**case)
