@@ -153,6 +153,8 @@ def _check_args(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | 
         "buffers: int64 [tp] addresses, rank < tp"
     assert signal_pads is None or (signal_pads.dtype == torch.int64 and signal_pads.shape == buffers.shape), \
         "signal_pads: int64 [tp] addresses, or None"
+    assert buffers.device == x.device and (signal_pads is None or signal_pads.device == x.device), \
+        "buffers, signal_pads: address tables on x's device"
 
 
 def all_reduce_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,

@@ -90,3 +90,5 @@ def test_arguments_are_checked():
         all_reduce_rms_norm(x, weight, 1e-6, torch.zeros(2, 8, dtype=torch.float64), addresses, None, 0, 64, 4)
     with pytest.raises(AssertionError, match="rank"):
         all_reduce_rms_norm(x, weight, 1e-6, None, addresses, None, 2, 64, 4)
+    with pytest.raises(AssertionError, match="signal_pads"):
+        all_reduce_rms_norm(x, weight, 1e-6, None, addresses, torch.zeros(3, dtype=torch.int64), 0, 64, 4)
