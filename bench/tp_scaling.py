@@ -13,13 +13,13 @@ forces it; every rank draws the same counts). tokens/s: generated tokens over th
 wall time (prefill off the clock). Collectives' share: rank 0's collective kernel time (NCCL's
 kernels and the symmetric-memory all-reduce kernels) over its CUDA time across a few plain
 decode steps at each batch (torch.profiler; the time a rank waits in an all-reduce for a slower
-peer counts as collective time). `--all-reduce nccl,auto` runs each tp >= 2 engine once per setting
-(EngineConfig.all_reduce; records tp2-nccl, tp2-auto, ... side by side, each with the path its
-small all-reduces took). NVLink multicast is off (NCCL_NVLS_ENABLE=0,
+peer counts as collective time). `--all-reduce nccl,one_shot,auto` runs each tp >= 2 engine once
+per setting (EngineConfig.all_reduce; records tp2-nccl, tp2-one_shot, tp2-auto, ... side by side,
+each with the path its small all-reduces took: one_shot then the norm, or auto's fused kernel). NVLink multicast is off (NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1: the device notes' rule).
 
     python bench/tp_scaling.py [--shapes 9b,35b-a3b] [--tp 1,2] [--batches 1,16,64] [--expert-parallel]
-                               [--all-reduce nccl,auto] [--out DIR]
+                               [--all-reduce nccl,one_shot,auto] [--out DIR]
 
 Writes DIR (default bench/results)/tp_scaling-<gpu>-<shapes>[-ep].json and .png.
 """
@@ -55,9 +55,10 @@ from spec_e2e import COMMON, PROFILES, PROMPT_LEN, SHAPES, run, synchronize  # n
 
 MAX_DRAFTS = 3
 PROFILED_STEPS = 8
-# Kernel names of the collectives: NCCL's, and torch's symmetric-memory all-reduces
-# (one_shot_all_reduce_kernel, two_shot_all_reduce_kernel).
-COLLECTIVE_KERNELS = ("nccl", "all_reduce_kernel")
+# Kernel names of the collectives: NCCL's, torch's symmetric-memory all-reduces
+# (one_shot_all_reduce_kernel, two_shot_all_reduce_kernel) and the fused all-reduce + RMSNorm
+# (_all_reduce_rms_norm_kernel: its norm counted with it).
+COLLECTIVE_KERNELS = ("nccl", "all_reduce_kernel", "all_reduce_rms_norm_kernel")
 
 
 def checkpoint_dir(shape: str, root: Path) -> Path:

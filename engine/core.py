@@ -168,8 +168,9 @@ class EngineCore:
             # The largest message a decode or speculative graph all-reduces: [max_num_seqs x
             # (k + 1) tokens, hidden] (verify, the MTP catch-up); prefill chunks past it keep
             # NCCL. Before the pools take the free memory and before any capture.
-            self.tp.use_symmetric_memory(config.all_reduce, self.dtype, config.max_num_seqs
-                                         * (self.num_draft_tokens + 1) * self.model_config.hidden_size)
+            self.tp.use_symmetric_memory(config.all_reduce, self.dtype,
+                                         config.max_num_seqs * (self.num_draft_tokens + 1),
+                                         self.model_config.hidden_size)
         if self.num_draft_tokens and config.draft_vocab_size:
             self.model.use_draft_vocab(load_draft_vocab(path, config.draft_vocab_size))
         self.states, self.kv = self._allocate_pools()

@@ -45,8 +45,9 @@ class EngineConfig:
     enable_expert_parallel: bool = False    # MoE: whole experts per rank (experts / tp each) instead of split
     load_format: str = "auto"               # "dummy": random weights of the config's shapes (benchmarks)
     # Small all-reduces (decode steps): "nccl" always NCCL (the default until the symmetric path
-    # has run on GPUs); "auto" through symmetric memory (one_shot) where it works on CUDA, else
-    # NCCL; "one_shot" / "two_shot": that symmetric-memory kernel.
+    # has run on GPUs); "auto" through symmetric memory where it works on CUDA, else NCCL, each
+    # block output's all-reduce fused with the residual add + RMSNorm after it (one kernel);
+    # "one_shot" / "two_shot": that symmetric-memory kernel of torch's, the norm apart.
     all_reduce: str = "nccl"
 
     def __post_init__(self) -> None:

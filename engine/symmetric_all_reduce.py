@@ -11,6 +11,10 @@ this rank's buffer, then torch's kernel, reading the peers' buffers directly, su
   every peer into its own buffer (reduce-scatter), a barrier, then gathers every rank's sums:
   2 (tp - 1) / tp of the message moved per rank, two rounds (the same traffic at tp = 2).
 
+- all_reduce_rms_norm (kernels/all_reduce_norm.py): copy + one_shot + residual add + RMSNorm in
+  one Triton kernel, for the all-reduces a norm follows (every mixer's and MLP's output): one
+  launch instead of three, the buffers and signal pads addressed through the handle.
+
 The copy is a kernel of its own, not `one_shot_all_reduce_copy_out`'s fused copy: that kernel
 signals its peers from a block's first threads right after their own copies, with no
 __syncthreads before (torch's own comments on sync_remote_blocks ask for one), so a peer may
@@ -21,7 +25,9 @@ all-reduce only when every peer has finished reading its buffer, and the next al
 next layer's, or the next replay of a CUDA graph) may overwrite it. The barriers are flags in
 the peers' signal pads, set by one rank and cleared by the other, so they pair up across any
 number of replays with no host work (capturable). The bfloat16 sum is in bfloat16, in rank
-order: at tp = 2 it is NCCL's sum bit for bit (one correctly rounded addition).
+order: at tp = 2 it is NCCL's sum bit for bit (one correctly rounded addition). The fused
+kernel sums in float32 in rank order and rounds once: the same at tp = 2, and the same bits on
+every rank at any tp.
 
 The barriers spin with no timeout: a peer that died leaves this rank's kernel spinning, which
 aborting NCCL does not end. `stand_in_for_peers` ends it by writing the dead peers' flags.
@@ -38,6 +44,8 @@ import uuid
 
 import torch
 import torch.distributed as dist
+
+from ..kernels.all_reduce_norm import all_reduce_rms_norm
 
 ALGORITHMS = ("one_shot", "two_shot")
 DTYPES = (torch.bfloat16, torch.float32)  # what torch's kernels sum
@@ -107,6 +115,14 @@ class SymmetricAllReduce:
         self.dtype, self.capacity = buffer.dtype, buffer.numel()
         self.rank, self.size = handle.rank, handle.world_size
         self._op = getattr(torch.ops.symm_mem, _OPS[algorithm])
+        # For the fused kernel: every rank's buffer and signal pad as this process maps them (the
+        # handle's pointers are the allocations' starts; the buffer sits at the same offset in
+        # each), and the pads' slots per rank (int32 flags [slot, rank]).
+        offset = buffer.data_ptr() - handle.buffer_ptrs[self.rank]
+        self.peer_buffers = torch.tensor([p + offset for p in handle.buffer_ptrs], dtype=torch.int64,
+                                         device=buffer.device)
+        self.peer_signal_pads = torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=buffer.device)
+        self.num_slots = handle.signal_pad_size // 4 // self.size
 
     @classmethod
     def create(cls, algorithm: str, dtype: torch.dtype, capacity: int, device: torch.device,
@@ -132,6 +148,20 @@ class SymmetricAllReduce:
         return (x.dtype == self.dtype and 0 < x.numel() <= self.capacity and x.is_contiguous()
                 and _alignment(num_bytes) >= 4
                 and _alignment(x.storage_offset() * x.element_size()) >= _alignment(num_bytes))
+
+    def fits_rows(self, x: torch.Tensor) -> bool:
+        """Whether x [T, H] can take the fused all-reduce + RMSNorm: its dtype, at most `capacity`
+        elements, unit stride along H, rows of whole 16-byte words (the kernel's vectors; the
+        buffer starts 16-byte aligned). Every rank decides alike."""
+        return (x.dim() == 2 and x.dtype == self.dtype and 0 < x.numel() <= self.capacity and x.stride(1) == 1
+                and x.shape[1] * x.element_size() % 16 == 0)
+
+    def all_reduce_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                            residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(sum of x over the ranks + residual), the new residual) in one kernel
+        (kernels/all_reduce_norm.py; x must fit_rows). x itself is left as it was."""
+        return all_reduce_rms_norm(x, weight, eps, residual, self.peer_buffers, self.peer_signal_pads, self.rank,
+                                   self.capacity, self.num_slots)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks, in place (x must fit); returns x."""

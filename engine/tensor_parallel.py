@@ -7,6 +7,8 @@ samples the same tokens with the same seeds: no rank ever waits for another's sa
 Both are torch.distributed collectives (NCCL on CUDA, capturable in CUDA graphs; gloo on the
 CPU), except all-reduces of messages up to the decode steps' largest, which go through
 symmetric memory on GPUs where it works (symmetric_all_reduce.py: `use_symmetric_memory`).
+A block output the model norms next goes through `all_reduce_rms_norm`: one fused kernel where
+the message fits the symmetric buffer (all_reduce "auto"), else the all-reduce, then the norm.
 Knows nothing about models, processes or steps.
 """
 
@@ -16,6 +18,7 @@ import datetime
 import logging
 import os
 import threading
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -34,6 +37,8 @@ class TensorParallel:
         self.rank, self.size, self.device, self.store = rank, size, device, store
         # The all-reduce of small messages through symmetric memory (None: every one through NCCL / gloo).
         self.symmetric: SymmetricAllReduce | None = None
+        # Whether all_reduce_rms_norm fuses the messages that fit the symmetric buffer into one kernel.
+        self.fuse_norm = False
 
     @classmethod
     def join(cls, rank: int, size: int, device: torch.device, store: dist.Store) -> "TensorParallel":
@@ -69,17 +74,21 @@ class TensorParallel:
             _all_gather(x.new_empty(self.size * numel), x)
         torch.cuda.synchronize(self.device)
 
-    def use_symmetric_memory(self, choice: str, dtype: torch.dtype, max_numel: int) -> None:
-        """All-reduce messages of `dtype` up to `max_numel` elements through symmetric memory
+    def use_symmetric_memory(self, choice: str, dtype: torch.dtype, max_tokens: int, hidden_size: int) -> None:
+        """All-reduce messages of `dtype` up to [max_tokens, hidden_size] through symmetric memory
         (collective: every rank, in the same order, before any CUDA graph is captured). choice
-        (EngineConfig.all_reduce): "nccl" keeps NCCL; "auto" is one_shot. On the CPU nothing
-        changes. Where it cannot be used on some rank (no peer access, a dtype its kernels do not
-        sum, torch without it, a failed rendezvous, a check all-reduce whose sum differs from
-        NCCL's) every rank logs why and keeps NCCL: start-up never fails for it. Every rank
-        decides alike: the ranks agree (a minimum over ranks) before each collective step."""
+        (EngineConfig.all_reduce): "nccl" keeps NCCL; "auto" is one_shot, with the all-reduces a
+        norm follows fused with it (`all_reduce_rms_norm`); "one_shot" / "two_shot": torch's
+        kernel, the norm apart. On the CPU nothing changes. Where it cannot be used on some rank
+        (no peer access, a dtype its kernels do not sum, torch without it, a failed rendezvous, a
+        check all-reduce that fails or whose sum differs from NCCL's) every rank logs why and
+        keeps NCCL:
+        start-up never fails for it. Every rank decides alike: the ranks agree (a minimum over
+        ranks) before each collective step."""
         if choice == "nccl" or self.device.type != "cuda":
             return
         algorithm = "one_shot" if choice == "auto" else choice
+        fuse_norm = choice == "auto"
         # Rank r runs on cuda:(i + r) (executor.rank_device).
         peers = [self.device.index + p - self.rank for p in range(self.size) if p != self.rank]
         reason = symmetric_all_reduce.unavailable(algorithm, dtype, self.size, self.device, peers)
@@ -87,41 +96,66 @@ class TensorParallel:
         if self.min_over_ranks(int(reason is None)):
             try:
                 group_name = symmetric_all_reduce.register_group(self.store, self.rank, self.size)
-                symmetric = SymmetricAllReduce.create(algorithm, dtype, max_numel, self.device, group_name)
+                symmetric = SymmetricAllReduce.create(algorithm, dtype, max_tokens * hidden_size, self.device,
+                                                      group_name)
             except Exception as error:  # noqa: BLE001 - any failure keeps NCCL, named in the log
                 reason = f"setting it up failed ({type(error).__name__}: {error})"
             if not self.min_over_ranks(int(symmetric is not None)):
                 symmetric = None
-            elif not self.min_over_ranks(int(self._sums_like_nccl(symmetric))):
-                symmetric, reason = None, "its check all-reduce differed from NCCL's on some rank"
+            else:
+                try:  # a kernel that fails (the fused one's compile) fails alike on every rank
+                    same = self._sums_like_nccl(symmetric, hidden_size if fuse_norm else 0)
+                except Exception as error:  # noqa: BLE001 - keeps NCCL, named in the log
+                    same, reason = False, f"its check all-reduce failed ({type(error).__name__}: {error})"
+                if not self.min_over_ranks(int(same)):
+                    symmetric, reason = None, reason or "its check all-reduce differed from NCCL's on some rank"
         if symmetric is None:
             # Once from rank 0 (the server's log), and from any other rank that found the reason.
             if reason is not None or self.rank == 0:
                 logger.warning("all-reduce: NCCL only, not %s through symmetric memory: %s", algorithm,
                                reason or "another rank cannot use it (its log says why)")
             return
-        self.symmetric = symmetric
-        logger.info("all-reduce: %s through symmetric memory up to %d KiB of %s, NCCL above", algorithm,
-                    max_numel * symmetric.buffer.element_size() >> 10, str(dtype).removeprefix("torch."))
+        self.symmetric, self.fuse_norm = symmetric, fuse_norm
+        logger.info("all-reduce: %s through symmetric memory up to %d KiB of %s%s, NCCL above", algorithm,
+                    symmetric.capacity * symmetric.buffer.element_size() >> 10, str(dtype).removeprefix("torch."),
+                    " (fused with the residual add + RMSNorm after it)" if fuse_norm else "")
 
-    def _sums_like_nccl(self, symmetric: SymmetricAllReduce) -> bool:
+    def _sums_like_nccl(self, symmetric: SymmetricAllReduce, hidden_size: int) -> bool:
         """The symmetric all-reduce of random integers (exact sums in any order) equals NCCL's,
-        at the buffer's full size and a small one."""
+        at the buffer's full size and a small one; with hidden_size, the fused kernel's new
+        residual too (sum + residual) at its full and one-row sizes."""
         device = symmetric.buffer.device
         generator = torch.Generator(device=device).manual_seed(1234 + self.rank)
-        for numel in sorted({symmetric.capacity, min(symmetric.capacity, 1024)}):
-            x = torch.randint(-8, 9, (numel,), generator=generator, device=device).to(symmetric.dtype)
+
+        def integers(*shape: int) -> torch.Tensor:
+            return torch.randint(-8, 9, shape, generator=generator, device=device).to(symmetric.dtype)
+
+        def nccl_sum(x: torch.Tensor) -> torch.Tensor:
             expected = x.clone()
             dist.all_reduce(expected)
-            if not torch.equal(symmetric(x), expected):
+            return expected
+
+        for numel in sorted({symmetric.capacity, min(symmetric.capacity, 1024)}):
+            x = integers(numel)
+            if not torch.equal(symmetric(x.clone()), nccl_sum(x)):
                 return False
+        if hidden_size:
+            weight = torch.zeros(hidden_size, dtype=symmetric.dtype, device=device)
+            for rows in sorted({1, symmetric.capacity // hidden_size}):
+                x, residual = integers(rows, hidden_size), integers(rows, hidden_size)
+                _, new_residual = symmetric.all_reduce_rms_norm(x, weight, 1e-6, residual)
+                if not torch.equal(new_residual, nccl_sum(x) + residual):
+                    return False
         return True
 
     @property
     def all_reduce_kind(self) -> str:
-        """The path small all-reduces take: "one_shot" or "two_shot" (symmetric memory), else the
-        process group's backend ("nccl", "gloo")."""
-        return self.symmetric.algorithm if self.symmetric is not None else dist.get_backend()
+        """The path small all-reduces take: "one_shot" or "two_shot" (symmetric memory; with
+        "+rms_norm" where those a norm follows are fused with it), else the process group's
+        backend ("nccl", "gloo")."""
+        if self.symmetric is None:
+            return dist.get_backend()
+        return self.symmetric.algorithm + ("+rms_norm" if self.fuse_norm else "")
 
     def abort(self) -> None:
         """A peer died: end this rank's collectives in flight (their results are garbage; the
@@ -173,6 +207,17 @@ class TensorParallel:
             return self.symmetric(x)
         dist.all_reduce(x)
         return x
+
+    def all_reduce_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+                            rms_norm: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+        """rms_norm(x summed over the ranks, weight, eps, residual) -> (normed, new residual): a
+        row-parallel block's output and the residual add + RMSNorm after it. One kernel through
+        symmetric memory where the message fits there and the setting fuses ("auto": decode and
+        speculative steps); else `all_reduce` (x summed in place) then rms_norm (Ops.rms_norm),
+        as two steps. Every rank takes the same path: the same step has the same shapes."""
+        if self.fuse_norm and self.symmetric.fits_rows(x):
+            return self.symmetric.all_reduce_rms_norm(x, weight, eps, residual)
+        return rms_norm(self.all_reduce(x), weight, eps, residual)
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's x on every rank, in place (the grammar masks only rank 0 can compute)."""

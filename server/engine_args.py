@@ -26,8 +26,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                         help="MoE: place whole experts on ranks (experts / tp each) instead of splitting each")
     parser.add_argument("--all-reduce", choices=ALL_REDUCES, default=None,
                         help="tensor parallelism's all-reduces of decode steps: nccl (default): always NCCL; auto: "
-                             "through symmetric memory over NVLink (one_shot) where it works, else NCCL; one_shot "
-                             "or two_shot: that symmetric-memory kernel")
+                             "through symmetric memory over NVLink where it works, else NCCL, fused with the "
+                             "residual add + RMSNorm after it; one_shot or two_shot: that symmetric-memory kernel, "
+                             "the norm apart")
     parser.add_argument("--load-format", choices=("auto", "dummy"), default=None,
                         help="dummy: random weights of the config's shapes (benchmarks)")
     parser.add_argument("--generation-config", choices=("auto", "none"), default=None,

@@ -7,7 +7,8 @@
 #   tests    pytest -m gpu tests/engine/test_tensor_parallel.py: a killed worker under NCCL,
 #            greedy output at tp 2 (and 4) equal to one GPU with and without speculation, graphs
 #            with their collectives, with NCCL and the symmetric-memory all-reduce; then
-#            test_symmetric_all_reduce.py (its kernels against NCCL's, in graphs) and
+#            test_symmetric_all_reduce.py (its kernels and the fused all-reduce + RMSNorm against
+#            NCCL's, in graphs) and
 #            tests/kernels/test_moe.py (bf16 experts, which skip another rank's pairs under EP)
 #   122b     N >= 4: bench/tp_scaling.py on the Qwen3.5-122B-A10B shape at tp 4, experts split,
 #            then with --enable-expert-parallel (batches 1, 16, 64)

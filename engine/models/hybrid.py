@@ -8,6 +8,8 @@ files, tokenizers or scheduling.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,7 +30,9 @@ class HybridLM(nn.Module):
         by the tensor-parallel size; the vocabulary is whole) or the whole model; tp: the
         tensor-parallel group (None: one device). Under tensor parallelism the embedding and
         lm_head hold this rank's rows of the vocabulary, and the mixers' and MLPs' outputs
-        (row-parallel partial sums) are all-reduced by forward hooks: the layers stay as they are."""
+        (row-parallel partial sums) are summed over the ranks by the norm after each:
+        `reduce_norm`, the all-reduce and the residual add + RMSNorm (one kernel where the
+        message fits the symmetric buffer: TensorParallel.all_reduce_rms_norm)."""
         super().__init__()
         self.config, self.ops, self.tp = config, ops, tp
         c = config
@@ -40,10 +44,8 @@ class HybridLM(nn.Module):
         self.norm = _param(c.hidden_size, dtype=dtype)
         self.lm_head = None if c.tie_word_embeddings else _param(vocab_rows, c.hidden_size, dtype=dtype)
         self.mtp = MTP(c, dtype) if with_mtp else None
-        if tp is not None:
-            for layer in [*self.layers, *(self.mtp.layers if self.mtp is not None else ())]:
-                for block in (layer.mixer, layer.mlp):
-                    block.register_forward_hook(lambda module, args, out: tp.all_reduce(out))
+        # The norm after a block's output (layers.ReduceNorm): on one device ops.rms_norm itself.
+        self.reduce_norm = ops.rms_norm if tp is None else partial(tp.all_reduce_rms_norm, rms_norm=ops.rms_norm)
         # Reduced draft vocabulary (optional): the MTP head scores only these token ids.
         self.draft_token_ids: torch.Tensor | None = None
         self.draft_head: torch.Tensor | None = None
@@ -82,8 +84,8 @@ class HybridLM(nn.Module):
         gdn_states, kv_layers = iter(states.layers), iter(kv.layers)
         for layer, kind in zip(self.layers, self.config.layer_types):
             mixer_state = next(gdn_states) if kind == "linear_attention" else next(kv_layers)
-            x, residual = layer(x, residual, batch, mixer_state, self.ops)
-        x, _ = self.ops.rms_norm(x, self.norm, self.config.rms_norm_eps, residual)
+            x, residual = layer(x, residual, batch, mixer_state, self.ops, self.reduce_norm)
+        x, _ = self.reduce_norm(x, self.norm, self.config.rms_norm_eps, residual)
         return x
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -134,4 +136,4 @@ class HybridLM(nn.Module):
         if self.mtp is None:
             raise RuntimeError("this checkpoint has no MTP weights")
         kv_layer = kv.layers[len(self.config.attention_layer_ids) + mtp_layer]
-        return self.mtp(input_ids, hidden, self.embed, batch, kv_layer, self.ops, mtp_layer)
+        return self.mtp(input_ids, hidden, self.embed, batch, kv_layer, self.ops, self.reduce_norm, mtp_layer)

@@ -11,6 +11,8 @@ scales (engine/quantization.py). Knows nothing about checkpoint files or schedul
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import triton
 from torch import nn
@@ -23,6 +25,9 @@ from ..state_pool import GDNLayerState, KVLayer
 
 # checkpoint name -> (parameter name, index into that parameter)
 CheckpointMap = dict[str, tuple[str, tuple]]
+# (x, weight, eps, residual) -> (normed, new residual): ops.rms_norm of x summed over the
+# tensor-parallel ranks (HybridLM.reduce_norm)
+ReduceNorm = Callable[[torch.Tensor, torch.Tensor, float, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
 
 ALL = (slice(None),)
 
@@ -304,7 +309,9 @@ class DecoderLayer(nn.Module):
     """Pre-norm block: residual += mixer(norm(x)); residual += mlp(norm(residual)).
 
     The residual add is fused into the next RMSNorm, so a layer returns (mlp_out, residual) and
-    the stream is materialised only inside the fused norm."""
+    the stream is materialised only inside the fused norm. Under tensor parallelism the mixer's
+    and the MLP's outputs are partial sums (row-parallel), summed over the ranks by the norm
+    after each: `reduce_norm` (HybridLM.reduce_norm), ops.rms_norm itself on one device."""
 
     def __init__(self, c: ModelConfig, src: str, is_gdn: bool, is_moe: bool, dtype: torch.dtype) -> None:
         super().__init__()
@@ -325,8 +332,12 @@ class DecoderLayer(nn.Module):
         }
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
-                mixer_state: GDNLayerState | KVLayer, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = ops.rms_norm(x, self.input_norm, self.eps, residual)
+                mixer_state: GDNLayerState | KVLayer, ops: Ops,
+                reduce_norm: ReduceNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the layer before's MLP output (a partial sum under tensor parallelism) with the
+        residual stream, or, without a residual, the stack's input (embeddings, the MTP's fc
+        output: whole on every rank). Returns (this MLP's output, unreduced, and the residual)."""
+        x, residual = (ops.rms_norm if residual is None else reduce_norm)(x, self.input_norm, self.eps, residual)
         x = self.mixer(x, batch, mixer_state, ops)
-        x, residual = ops.rms_norm(x, self.post_attention_norm, self.eps, residual)
+        x, residual = reduce_norm(x, self.post_attention_norm, self.eps, residual)
         return self.mlp(x, ops), residual

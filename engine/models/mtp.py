@@ -19,7 +19,7 @@ from ...kernels import Ops
 from ..batch import ForwardBatch
 from ..model_config import ModelConfig
 from ..state_pool import KVLayer
-from .layers import ALL, CheckpointMap, DecoderLayer, Linear, _param
+from .layers import ALL, CheckpointMap, DecoderLayer, Linear, ReduceNorm, _param
 
 
 class MTP(nn.Module):
@@ -42,13 +42,13 @@ class MTP(nn.Module):
         return mapping
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, embed: Callable[[torch.Tensor], torch.Tensor],
-                batch: ForwardBatch, kv: KVLayer, ops: Ops, layer: int = 0) -> torch.Tensor:
+                batch: ForwardBatch, kv: KVLayer, ops: Ops, reduce_norm: ReduceNorm, layer: int = 0) -> torch.Tensor:
         """input_ids [T] (x_{t+1}), hidden [T, H] (h_t) -> post-norm MTP hidden [T, H].
-        embed: the target's token embedding. batch carries positions t and the MTP layer's KV
-        metadata."""
+        embed: the target's token embedding; reduce_norm: the target's (layers.DecoderLayer).
+        batch carries positions t and the MTP layer's KV metadata."""
         embedded, _ = ops.rms_norm(embed(input_ids), self.pre_fc_norm_embedding, self.eps)
         hidden, _ = ops.rms_norm(hidden, self.pre_fc_norm_hidden, self.eps)
         x = self.fc(torch.cat([embedded, hidden], dim=-1), ops)
-        x, residual = self.layers[layer](x, None, batch, kv, ops)
-        out, _ = ops.rms_norm(x, self.norm, self.eps, residual)
+        x, residual = self.layers[layer](x, None, batch, kv, ops, reduce_norm)
+        out, _ = reduce_norm(x, self.norm, self.eps, residual)
         return out

@@ -363,7 +363,7 @@ def test_gpu_killed_worker_ends_the_engine_naming_its_rank(checkpoint, all_reduc
         expected = one.generate([prompt], params)[0].token_ids
     llm = LLM(path, tensor_parallel_size=2, num_draft_tokens=2, all_reduce=all_reduce, **options)
     core = llm.core
-    assert core.tp.all_reduce_kind == ("one_shot" if all_reduce == "auto" else "nccl")
+    assert core.tp.all_reduce_kind == ("one_shot+rms_norm" if all_reduce == "auto" else "nccl")
     request = core.add_request(prompt, params)
     for _ in range(3):
         core.step()
@@ -407,18 +407,20 @@ def test_gpu_greedy_and_speculation_equal_one_gpu(checkpoint, family, expert_par
 @pytest.mark.gpu
 @gpus(2)
 def test_gpu_symmetric_all_reduce_greedy_equals_nccl_and_one_gpu(checkpoint):
-    """Decode and speculative steps' all-reduces through symmetric memory (one_shot, and
-    two_shot), captured in the CUDA graphs and replayed every step: the same greedy tokens as
-    NCCL's all-reduce and as one GPU (float32; at tp = 2 both sums are one addition)."""
+    """Decode and speculative steps' all-reduces through symmetric memory (auto: fused with the
+    residual add + RMSNorm after them; one_shot and two_shot: torch's kernels, then the norm),
+    captured in the CUDA graphs and replayed every step: the same greedy tokens as NCCL's
+    all-reduce and as one GPU (float32; at tp = 2 every sum is one addition)."""
     path = checkpoint("qwen3_5", linear_num_key_heads=4, linear_num_value_heads=8, **GPU_SHAPE)
     batch = prompts(8, 24, seed=7)
     options = dict(device="cuda", max_num_seqs=8, max_model_len=512)
     with LLM(path, num_draft_tokens=0, **options) as llm:
         expected = [o.token_ids for o in llm.generate(batch, GREEDY)]
-    # Without and with speculation; two_shot with it (its graphs hold every kind of step).
-    for k, all_reduce in [(0, "nccl"), (0, "auto"), (3, "nccl"), (3, "auto"), (3, "two_shot")]:
+    # Without and with speculation; one_shot and two_shot with it (its graphs hold every kind of step).
+    kinds = {"nccl": "nccl", "auto": "one_shot+rms_norm", "one_shot": "one_shot", "two_shot": "two_shot"}
+    for k, all_reduce in [(0, "nccl"), (0, "auto"), (3, "nccl"), (3, "auto"), (3, "one_shot"), (3, "two_shot")]:
         with LLM(path, tensor_parallel_size=2, num_draft_tokens=k, all_reduce=all_reduce, **options) as llm:
             assert llm.core.runner.runner.graphs is not None
-            assert llm.core.tp.all_reduce_kind == {"nccl": "nccl", "auto": "one_shot"}.get(all_reduce, all_reduce)
+            assert llm.core.tp.all_reduce_kind == kinds[all_reduce]
             assert [o.token_ids for o in llm.generate(batch, GREEDY)] == expected, (k, all_reduce)
         assert no_workers_left(llm)

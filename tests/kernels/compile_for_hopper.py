@@ -121,9 +121,10 @@ def run_engine() -> None:
 
 def run_kernels() -> None:
     """Kernels the greedy engine runs above do not reach: sampling, penalties, grammar masks,
-    MoE's per-token path, and the split GDN prefill (few long rows on a real GPU; the tiny engine
-    batches here look like CPU tensors, which take the fused path)."""
-    from deltaspec.kernels import gdn_chunked, moe, penalties, sampling, token_bitmask
+    MoE's per-token path, the split GDN prefill (few long rows on a real GPU; the tiny engine
+    batches here look like CPU tensors, which take the fused path), and the tensor-parallel
+    all-reduce + RMSNorm with its barrier (signal pads given)."""
+    from deltaspec.kernels import all_reduce_norm, gdn_chunked, moe, penalties, sampling, token_bitmask
 
     vocab, rows = 1000, 4
     column = lambda value, dtype: torch.full((rows,), value, dtype=dtype)  # noqa: E731
@@ -147,6 +148,11 @@ def run_kernels() -> None:
     gdn_chunked.gdn_chunked(*qkv, *gates, torch.randn(heads), torch.randn(heads),
                             torch.tensor([0, tokens], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
                             torch.tensor([True]), torch.randn(2, heads, dim, dim), split=True)
+    addresses = torch.zeros(2, dtype=torch.int64)
+    all_reduce_norm.all_reduce_rms_norm(torch.randn(rows, hidden, dtype=torch.bfloat16),
+                                        torch.randn(hidden, dtype=torch.bfloat16), 1e-6,
+                                        torch.randn(rows, hidden, dtype=torch.bfloat16), addresses, addresses, 1,
+                                        rows * hidden, num_slots=1024)
 
 
 def main() -> None:
