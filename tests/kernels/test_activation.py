@@ -5,8 +5,9 @@ Reference: the gate is the first half of the columns: silu(gate) * up.
 
 Triton kernel, with the reference as the oracle: gate_up as F.linear returns it or as a strided
 row view, the output allocated NaN (`torch.empty` poisoned), so an unwritten element fails.
-CPU: the interpreter, fp32 and fp16, no rows, one row, several, two column tiles. GPU (`gpu`
-marker): bf16 at dense and MoE widths.
+CPU: the interpreter, fp32 and fp16, no rows, one row, several, two column tiles; with
+`quantize_group` the same values, bit for bit, and their FP8 group quantization, equal to
+quantize_groups_reference of them. GPU (`gpu` marker): bf16 at dense and MoE widths.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from deltaspec.kernels import REFERENCE_OPS
 from deltaspec.kernels.activation import silu_and_mul, silu_and_mul_reference
-from kernel_helpers import assert_close, assert_close_elementwise, silu
+from kernel_helpers import assert_close, assert_close_elementwise, assert_quantized, silu
 
 
 ops = REFERENCE_OPS
@@ -62,6 +63,17 @@ def test_silu_and_mul(kernel_device, monkeypatch, num_tokens, intermediate, dtyp
     """fp16 rounds once (fp32 math), as the reference: they may differ by one fp16 ulp."""
     rtol = {torch.float32: 2e-5, torch.float16: 1e-3}[dtype]
     check_silu_and_mul(num_tokens, intermediate, dtype, kernel_device, rtol, monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_tokens,intermediate,group", [(1, 40, 16), (6, 1100, 128), (64, 24, 32)],
+                         ids=["decode", "two-column-tiles", "narrower-than-a-group"])
+def test_silu_and_mul_quantizes_its_output(kernel_device, poisoned_empty, num_tokens, intermediate, group, dtype):
+    gen = torch.Generator().manual_seed(num_tokens + intermediate)
+    gate_up = (2 * torch.randn(num_tokens, 2 * intermediate + 3, generator=gen)).to(dtype).to(kernel_device)[:, 3:]
+    quantized = poisoned_empty(silu_and_mul, gate_up, quantize_group=group)
+    assert torch.equal(quantized.values, silu_and_mul(gate_up))
+    assert_quantized(quantized, group, f"silu_and_mul T={num_tokens} I={intermediate}")
 
 
 @pytest.mark.gpu
