@@ -84,3 +84,16 @@ def test_silu_and_mul_gpu_bf16(monkeypatch, num_tokens):
     once from fp32 too, so they agree to a bf16 ulp."""
     for intermediate in (3584, 12288, 512, 1000):
         check_silu_and_mul(num_tokens, intermediate, torch.bfloat16, "cuda", 1e-2, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 16, 64])
+def test_silu_and_mul_quantizes_its_output_gpu_bf16(num_tokens):
+    """bf16 with the published group of 128 at the 9B dense width (12288), the expert width (512)
+    and one that is no multiple of the group (1000)."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    for intermediate in (12288, 512, 1000):
+        gate_up = (2 * torch.randn(num_tokens, 2 * intermediate, generator=gen)).to(torch.bfloat16).cuda()
+        quantized = silu_and_mul(gate_up, quantize_group=128)
+        assert torch.equal(quantized.values, silu_and_mul(gate_up))
+        assert_quantized(quantized, 128, f"silu_and_mul I={intermediate}")

@@ -155,6 +155,25 @@ def test_gated_rms_norm_quantizes_its_output(kernel_device, poisoned_empty, dtyp
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 16, 64])
+def test_norms_quantize_their_output_gpu_bf16(tokens):
+    """bf16 at model widths with the published group of 128: hidden 4096 / 5120 (with the
+    residual), GDN output heads 32 x 128."""
+    for hidden in (4096, 5120):
+        x, residual, weight = norm_cases("cuda", torch.bfloat16, hidden, tokens=tokens, seed=tokens)
+        quantized, _ = rms_norm(x, weight, 1e-6, residual, quantize_group=128)
+        assert torch.equal(quantized.values, rms_norm(x, weight, 1e-6, residual)[0])
+        assert_quantized(quantized, 128, f"rms_norm {hidden}")
+    gen = torch.Generator().manual_seed(tokens)
+    core = torch.randn(tokens, 32, 128, generator=gen).to(torch.bfloat16).cuda()
+    z = torch.randn(tokens, 32 * 128 + 64, generator=gen).to(torch.bfloat16).cuda()[:, 64:].view(tokens, 32, 128)
+    weight = torch.randn(128, generator=gen).to(torch.bfloat16).cuda()
+    quantized = gated_rms_norm(core, z, weight, 1e-6, quantize_group=128)
+    assert torch.equal(quantized.values, gated_rms_norm(core, z, weight, 1e-6).view(tokens, -1))
+    assert_quantized(quantized, 128, "gated_rms_norm")
+
+
+@pytest.mark.gpu
 def test_norms_and_rope_gpu_bf16():
     """Model widths in bf16: hidden 2048 / 5120, GDN output heads 32 x 128, attention heads
     16 q / 2 kv of 256 with rotary 64 at positions up to 256k."""
