@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ..kernels.quantize import Activation
 from . import symmetric_all_reduce
 from .symmetric_all_reduce import SymmetricAllReduce
 
@@ -209,15 +210,17 @@ class TensorParallel:
         return x
 
     def all_reduce_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
-                            rms_norm: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+                            rms_norm: Callable, quantize_group: int = 0) -> tuple[Activation, torch.Tensor]:
         """rms_norm(x summed over the ranks, weight, eps, residual) -> (normed, new residual): a
         row-parallel block's output and the residual add + RMSNorm after it. One kernel through
         symmetric memory where the message fits there and the setting fuses ("auto": decode and
         speculative steps); else `all_reduce` (x summed in place) then rms_norm (Ops.rms_norm),
-        as two steps. Every rank takes the same path: the same step has the same shapes."""
+        as two steps. Every rank takes the same path: the same step has the same shapes.
+        quantize_group goes to rms_norm; the one kernel does not quantize (its normed comes plain
+        and the FP8 projections after it quantize it themselves)."""
         if self.fuse_norm and self.symmetric.fits_rows(x):
             return self.symmetric.all_reduce_rms_norm(x, weight, eps, residual)
-        return rms_norm(self.all_reduce(x), weight, eps, residual)
+        return rms_norm(self.all_reduce(x), weight, eps, residual, quantize_group=quantize_group)
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's x on every rank, in place (the grammar masks only rank 0 can compute)."""

@@ -8,24 +8,28 @@ columns, KB = ceil(K / G)):
     weight_scale  [N, KB] float32: the checkpoint's `weight_scale_inv` [ceil(N / bn), KB]
                   repeated over each block's bn rows, so fused projections whose parts are not
                   multiples of bn rows concatenate row by row (4 bytes per G weights, 3% at 128)
-    x_fp8         [M, K]  float8_e4m3fn, x_scale [M, KB] float32 (scale = group amax / 448)
+    x_fp8         [M, K]  float8_e4m3fn, x_scale [M, KB] float32 (scale = group amax / 448;
+                  quantize.py)
 The real weight is weight * weight_scale and the real x is x_fp8 * x_scale, elementwise over
 their groups; the product sums them exactly in fp32 up to summation order.
 
 `fp8_linear_reference` (the CPU table, and the oracle) dequantizes both and runs one fp32 GEMM;
-`fp8_linear` (the GPU table) runs `_quantize_groups_kernel` then `_fp8_gemm_kernel`, a tiled GEMM
+`fp8_linear` (the GPU table) runs the group quantizer then `_fp8_gemm_kernel`, a tiled GEMM
 with one tl.dot on fp8 tiles per group (needs sm_89+) scaled by both groups' scales. For decode,
 verify and draft batches (<= 64 rows) the same kernel splits K over the SMs (the weight's bytes
 are the time: half of bf16's) and its last program per tile sums the partials (arrivals.py).
 Prefill batches of a weight whose scales are whole 128 x 128 blocks (`block_scales`) run cuBLAS's
-block-scaled FP8 GEMM on sm_90 instead (1.6x bf16 there; the Triton GEMM is 0.7x).
+block-scaled FP8 GEMM on sm_90 instead (1.6x bf16 there; the Triton GEMM is 0.7x). Both ops
+take x plain or as a QuantizedActivation (quantize.py): an op before the projection that fused the
+quantizer (the norms, silu_and_mul at decode batches), whose x_fp8 and x_scale the GEMM reads
+instead of quantizing x again.
 
 `fp8_moe_experts_reference` is the MoE expert op on FP8 expert weights; `fp8_moe_experts` its
 Triton twin, over moe.py's expert-sorted row blocks (one way of routing pairs to experts for the
 bf16 and the FP8 experts), with the down GEMM's activation quantizer fused into the gate/up GEMM.
-Every launch is sized from shapes: graph-safe. Quantizing kernels round on the e4m3 grid in
-float32 before the cast (`_round_to_e4m3`), so they are bit-equal to the reference under the
-interpreter too. Knows nothing about checkpoints: scales arrive already repeated over rows.
+Every launch is sized from shapes: graph-safe. Quantizing kernels round as quantize.py's
+(`quantize_tile`), bit-equal to the reference under the interpreter too. Knows nothing about
+checkpoints: scales arrive already repeated over rows.
 """
 
 from __future__ import annotations
@@ -39,33 +43,16 @@ import triton.language as tl
 from .activation import silu_and_mul_reference
 from .arrivals import arrival_counters, last_to_arrive, reset_arrivals
 from .device import INTERPRETED, num_sms
-from .launch import dependent_prologue, pdl, pdl_prefetch, prefetch_l2
+from .launch import dependent_prologue, pdl_prefetch, prefetch_l2
 from .linear import split_k_for
 from .moe import block_rows, by_expert_reference, grouped_config, sort_pairs, store_weighted_pairs, sum_slots
+from .quantize import (FP8, FP8_MAX, SCALE_FLOOR, Activation, activation_values, quantize_groups,
+                       quantize_groups_reference, quantize_tile, quantized_groups)
 from .tiles import TileConfig
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0           # largest finite e4m3fn
-SCALE_FLOOR = 1e-10       # an all-zero group gets this amax (vLLM's eps), never a 0 scale
-
 
 def expand_groups(scale: torch.Tensor, group_size: int, num_columns: int) -> torch.Tensor:
     """[..., KB] per-group scales -> [..., K] per-column scales."""
     return scale.repeat_interleave(group_size, dim=-1)[..., :num_columns]
-
-
-def quantize_groups_reference(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (x_fp8 [M, K], x_scale [M, KB] float32): each row's groups of group_size
-    columns scaled so their absolute maximum maps to 448, then rounded to e4m3 (round to nearest:
-    relative error <= 2^-4 per element above the subnormals)."""
-    num_rows, num_columns = x.shape
-    num_groups = triton.cdiv(num_columns, group_size)
-    padded = x.float().new_zeros(num_rows, num_groups * group_size)
-    padded[:, :num_columns] = x.float()
-    groups = padded.view(num_rows, num_groups, group_size)
-    scale = groups.abs().amax(dim=-1).clamp(min=SCALE_FLOOR) / FP8_MAX
-    x_fp8 = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return x_fp8.view(num_rows, -1)[:, :num_columns].contiguous(), scale
 
 
 def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,70 +76,34 @@ def dequantize_reference(values: torch.Tensor, scale: torch.Tensor, group_size: 
     return values.float() * expand_groups(scale, group_size, values.shape[-1])
 
 
-def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_linear_reference(x: Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
                          group_size: int, block_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (float) @ dequantized weight [N, K]^T -> [M, N] in x's dtype, with x quantized
-    per token group first, as the kernel does. block_scale (the same scales per block of rows,
-    for fp8_linear's cuBLAS path) changes nothing here."""
-    x_fp8, x_scale = quantize_groups_reference(x, group_size)
+    per token group first, as the kernel does (or as it comes: a QuantizedActivation). block_scale
+    (the same scales per block of rows, for fp8_linear's cuBLAS path) changes nothing here."""
+    x_fp8, x_scale = quantized_groups(x, group_size, quantize_groups_reference)
     product = dequantize_reference(x_fp8, x_scale, group_size) @ dequantize_reference(weight, weight_scale, group_size).T
-    return product.to(x.dtype)
+    return product.to(activation_values(x).dtype)
 
 
-def fp8_moe_experts_reference(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+def fp8_moe_experts_reference(x: Activation, weights: torch.Tensor, experts: torch.Tensor,
                               w_gate_up: torch.Tensor, gate_up_scale: torch.Tensor, w_down: torch.Tensor,
                               down_scale: torch.Tensor, group_size: int) -> torch.Tensor:
     """moe_experts_reference with FP8 experts: w_gate_up [E, 2I, H] fp8 + gate_up_scale
     [E, 2I, ceil(H/G)], w_down [E, H, I] fp8 + down_scale [E, H, ceil(I/G)]; both GEMM inputs
-    (x and the SwiGLU output) quantized per token group. x: [T, H]; weights, experts: [T, k]."""
+    (x and the SwiGLU output) quantized per token group. x: [T, H]; weights, experts: [T, k].
+    A QuantizedActivation x is read as its values: each expert requantizes its rows, which gives
+    the same groups (the quantization is row by row)."""
     def mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
         gate_up = fp8_linear_reference(rows, w_gate_up[expert], gate_up_scale[expert], group_size)
         return fp8_linear_reference(silu_and_mul_reference(gate_up), w_down[expert], down_scale[expert], group_size)
 
-    return by_expert_reference(x, weights, experts, w_gate_up.shape[0], mlp)
+    return by_expert_reference(activation_values(x), weights, experts, w_gate_up.shape[0], mlp)
 
 
 # ----------------------------------------------------------------------------------------------
 # Triton kernels
 # ----------------------------------------------------------------------------------------------
-
-@triton.jit
-def _round_to_e4m3(v):
-    """v (float32, |v| <= 448) rounded to nearest even on the e4m3 grid, still float32, so the
-    cast to fp8 that follows is exact: spacing 2^(e-3) in the binade [2^e, 2^(e+1)), 2^-9 below
-    2^-6 (subnormals). Adding and subtracting 1.5 * 2^(e+20) rounds v to that spacing in one
-    IEEE fp32 addition (the sum's ulp is 2^(e-3)). Equal to a direct rounding cast on the GPU;
-    the interpreter's own cast loses the carry of a mantissa rounded up to 2.0 (124.3 -> 64)."""
-    exponent = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
-    magic = (((exponent + 20 + 127) << 23) | 0x400000).to(tl.float32, bitcast=True)
-    return (v + magic) - magic
-
-
-@triton.jit
-def _quantize_tile(values):
-    """values [R, GROUP] float32, one group per row -> (e4m3 values rounded, still float32;
-    scale [R]) as quantize_groups_reference. IEEE-rounded divisions (div_rn): Triton's `/` on
-    float32 is the approximate PTX division, whose last bit differs from torch's."""
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(values), axis=1), 1e-10), 448.0)
-    quantized = tl.clamp(tl.math.div_rn(values, scale[:, None]), -448.0, 448.0)
-    return _round_to_e4m3(quantized), scale
-
-
-@triton.jit
-def _quantize_groups_kernel(x, x_fp8, x_scale, M, K, stride_xm, stride_sm, stride_sg, BLOCK_M: tl.constexpr,
-                            GROUP: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
-    """Program (block of rows, group g): quantize_groups_reference for one group of BLOCK_M rows."""
-    dependent_prologue(DEPENDENT_LAUNCH)
-    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    g = tl.program_id(1)
-    k = g * GROUP + tl.arange(0, GROUP)
-    rows = m.to(tl.int64)
-    ok = (m < M)[:, None] & (k < K)[None, :]
-    values = tl.load(x + rows[:, None] * stride_xm + k[None, :], mask=ok, other=0.0).to(tl.float32)
-    quantized, scale = _quantize_tile(values)
-    tl.store(x_fp8 + rows[:, None] * K + k[None, :], quantized.to(x_fp8.dtype.element_ty), mask=ok)
-    tl.store(x_scale + rows * stride_sm + g * stride_sg, scale, mask=m < M)
-
 
 @triton.jit(do_not_specialize=["M", "groups_per_split"])
 def _fp8_gemm_kernel(x_fp8, x_scale, w, w_scale, y, partials, arrivals, M, N, K, num_groups, groups_per_split,
@@ -230,28 +181,6 @@ def _check_fp8_linear_args(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
     assert x.stride(1) == 1 and x.dtype in (torch.float32, torch.bfloat16, torch.float16), \
         "x: float rows with unit column stride"
     assert x.device == weight.device == weight_scale.device, "x, weight, weight_scale: one device"
-
-
-def quantize_groups(x: torch.Tensor, group_size: int, scale_column_major: bool = False,
-                    row_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton quantize_groups_reference (bit-equal); x_fp8 comes back contiguous, x_scale [M, KB]
-    row-major, or column-major (strides (1, M): what cuBLAS's blockwise scaled GEMM reads).
-    row_multiple: both come back with M rounded up to a multiple of it, the rows past x's
-    unwritten (a row's product depends on that row alone: slice them off the result)."""
-    num_rows, num_columns = x.shape
-    num_groups = triton.cdiv(num_columns, group_size)
-    padded_rows = triton.cdiv(num_rows, row_multiple) * row_multiple
-    x_fp8 = torch.empty(padded_rows, num_columns, dtype=FP8, device=x.device)
-    if scale_column_major:
-        x_scale = torch.empty(num_groups, padded_rows, dtype=torch.float32, device=x.device).t()
-    else:
-        x_scale = torch.empty(padded_rows, num_groups, dtype=torch.float32, device=x.device)
-    if num_rows:
-        block_m = 1 if INTERPRETED else 4
-        _quantize_groups_kernel[(triton.cdiv(num_rows, block_m), num_groups)](
-            x, x_fp8, x_scale, num_rows, num_columns, x.stride(0), x_scale.stride(0), x_scale.stride(1),
-            BLOCK_M=block_m, GROUP=group_size, num_warps=4, **pdl(x.device))
-    return x_fp8, x_scale
 
 
 def block_scales(weight_scale: torch.Tensor, block_rows: int) -> torch.Tensor | None:
@@ -334,12 +263,14 @@ def _cublas_blockwise(device: torch.device) -> bool:
     return device.type == "cuda" and not INTERPRETED and torch.cuda.get_device_capability(device) == (9, 0)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int,
+def fp8_linear(x: Activation, weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int,
                block_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Triton fp8_linear_reference (same arguments and result up to fp32 summation order): the
-    group quantizer, then the GEMM. Batches past SKINNY_MAX_ROWS in bf16 with the weight's block
-    scales (`block_scales`, 128 x 128) go to cuBLAS's block-scaled GEMM on sm_90 instead (the
-    same W8A8 product; graph-capturable)."""
+    group quantizer (skipped when x comes quantized), then the GEMM. Batches past SKINNY_MAX_ROWS
+    in bf16 with the weight's block scales (`block_scales`, 128 x 128) go to cuBLAS's block-scaled
+    GEMM on sm_90 instead (the same W8A8 product; graph-capturable), which reads column-major
+    scales: there x is quantized again from its values (layers.py fuses at skinny batches only)."""
+    activation, x = x, activation_values(x)
     _check_fp8_linear_args(x, weight, weight_scale, group_size)
     (num_rows, num_columns), num_features = x.shape, weight.shape[0]
     # Not while a CUDA graph is captured (verify steps past 64 rows): that path is unmeasured there.
@@ -350,7 +281,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         # 4 (16 bytes; CUBLAS_STATUS_NOT_SUPPORTED at M = 65): pad M, slice the padding off.
         x_fp8, x_scale = quantize_groups(x, group_size, scale_column_major=True, row_multiple=4)
         return torch._scaled_mm(x_fp8, weight.t(), x_scale, block_scale.t(), out_dtype=x.dtype)[:num_rows]
-    x_fp8, x_scale = quantize_groups(x, group_size)
+    x_fp8, x_scale = quantized_groups(activation, group_size, quantize_groups)
     return fp8_gemm(x_fp8, x_scale, weight, weight_scale, group_size, x.dtype)
 
 
@@ -398,7 +329,7 @@ def _fp8_gate_up_grouped_kernel(x_fp8, x_scale, counts, sorted_pairs, w, w_scale
     gate = gate.to(ACT_DTYPE).to(tl.float32)
     up = up.to(ACT_DTYPE).to(tl.float32)
     act = (gate * tl.sigmoid(gate) * up).to(ACT_DTYPE).to(tl.float32)   # 0 past I (gate 0 there)
-    quantized, scale = _quantize_tile(act)
+    quantized, scale = quantize_tile(act)
     rows = position.to(tl.int64)
     tl.store(act_fp8 + rows[:, None] * I + n[None, :], quantized.to(act_fp8.dtype.element_ty),
              mask=valid[:, None] & n_ok[None, :])
@@ -471,14 +402,16 @@ def _check_fp8_moe_args(x, weights, experts, w_gate_up, gate_up_scale, w_down, d
         assert t.device == x.device, f"{name} on {t.device}, x on {x.device}"
 
 
-def fp8_moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
+def fp8_moe_experts(x: Activation, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
                     gate_up_scale: torch.Tensor, w_down: torch.Tensor, down_scale: torch.Tensor, group_size: int,
                     config: TileConfig | None = None) -> torch.Tensor:
     """Triton fp8_moe_experts_reference (same arguments; result up to fp32 summation order and
     the rare activation that rounds to the neighbouring e4m3 value because of it): x quantized
     per token group, the pairs sorted by expert (moe.sort_pairs), the gate/up GEMM with SiLU*up
     and the down GEMM's activation quantizer fused, the down GEMM with the routing weight, the
-    slots summed. Launch sizes depend on shapes only: CUDA-graph safe at every batch."""
+    slots summed (x's quantizer skipped when it comes quantized). Launch sizes depend on shapes
+    only: CUDA-graph safe at every batch."""
+    activation, x = x, activation_values(x)
     _check_fp8_moe_args(x, weights, experts, w_gate_up, gate_up_scale, w_down, down_scale, group_size)
     num_tokens, hidden = x.shape
     num_experts, top_k, inter = w_gate_up.shape[0], experts.shape[1], w_down.shape[2]
@@ -488,7 +421,7 @@ def fp8_moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
         return out
     config = config or fp8_moe_config(num_pairs, num_experts)
     num_h_groups, num_i_groups = triton.cdiv(hidden, group_size), triton.cdiv(inter, group_size)
-    x_fp8, x_scale = quantize_groups(x, group_size)
+    x_fp8, x_scale = quantized_groups(activation, group_size, quantize_groups)
     pairs = sort_pairs(experts, num_experts, config.block_m)
     act_fp8 = torch.empty(num_pairs, inter, dtype=FP8, device=x.device)                 # rows in expert order
     act_scale = torch.empty(num_pairs, num_i_groups, dtype=torch.float32, device=x.device)

@@ -7,7 +7,13 @@
 
 Math is done in float32 and rounded once at the end, as HF transformers does. `rms_norm` and
 `gated_rms_norm` are the Triton kernels (one program per row / per block of rows), the
-`_reference` functions their torch oracles. Knows nothing about layers or models.
+`_reference` functions their torch oracles.
+
+`quantize_group` > 0 (the group size of the FP8 projections the output feeds): both also return
+the output's per-token-group FP8 quantization, as a QuantizedActivation (quantize.py), exactly
+quantize_groups_reference of the output they return. The kernels quantize the rounded output
+while they hold it, saving the projection's quantizer its launch and its pass over the output.
+Knows nothing about layers or models.
 """
 
 from __future__ import annotations
@@ -18,31 +24,37 @@ import triton
 import triton.language as tl
 
 from .launch import dependent_prologue, pdl
+from .quantize import (Activation, QuantizedActivation, check_group_size, quantize_activation,
+                       quantize_activation_reference, quantized_outputs, store_groups)
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                       residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                       quantize_group: int = 0) -> tuple[Activation, torch.Tensor]:
     """x, residual: [T, H]; weight: [H]. Returns (normed, new_residual).
 
-    new_residual = x + residual (or x when residual is None), kept in x's dtype.
+    new_residual = x + residual (or x when residual is None), kept in x's dtype; normed is a
+    QuantizedActivation when quantize_group > 0.
     """
     if residual is not None:
         x = x + residual
     h = x.float()
-    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())
-    return normed.to(x.dtype), x
+    normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
+    return (quantize_activation_reference(normed, quantize_group) if quantize_group else normed), x
 
 
-def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
-                             eps: float) -> torch.Tensor:
-    """x, gate: [..., D] (one value head per row); weight: [D]. Returns x's dtype.
+def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                             quantize_group: int = 0) -> Activation:
+    """x, gate: [T, ..., D] (one value head per row); weight: [D]. Returns x's dtype; with
+    quantize_group > 0 a QuantizedActivation of the output as [T, ...*D] rows (what the
+    projection after it reads).
 
     HF rounds the normalised value to the input dtype before multiplying by `w`; we keep fp32
     throughout, which differs only below the input dtype's precision.
     """
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (h * weight.float() * F.silu(gate.float())).to(x.dtype)
+    out = (h * weight.float() * F.silu(gate.float())).to(x.dtype)
+    return quantize_activation_reference(out.reshape(x.shape[0], -1), quantize_group) if quantize_group else out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -50,10 +62,13 @@ def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _rms_norm_kernel(x, residual, weight, out, residual_out, stride_x, stride_residual, eps,
-                     H: tl.constexpr, BH: tl.constexpr, HAS_RESIDUAL: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
+def _rms_norm_kernel(x, residual, weight, out, residual_out, out_fp8, out_scale, stride_x, stride_residual, eps,
+                     H: tl.constexpr, BH: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GROUP: tl.constexpr,
+                     DEPENDENT_LAUNCH: tl.constexpr):
     """One row: s = x (+ residual, rounded to x's dtype: the new residual stream);
-    out = s / sqrt(mean(s^2) + eps) * (1 + w), in float32, rounded once."""
+    out = s / sqrt(mean(s^2) + eps) * (1 + w), in float32, rounded once. GROUP > 0: out (as
+    rounded) also quantized in groups of GROUP columns into out_fp8 [T, H] and out_scale
+    [T, ceil(H / GROUP)] (BH >= GROUP; the columns past H are 0 here, as the reference pads)."""
     dependent_prologue(DEPENDENT_LAUNCH)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BH)
@@ -66,45 +81,64 @@ def _rms_norm_kernel(x, residual, weight, out, residual_out, stride_x, stride_re
     h = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(h * h) / H + eps)
     w = tl.load(weight + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out + row * H + offs, (h * rstd * (1.0 + w)).to(out.dtype.element_ty), mask=mask)
+    normed = (h * rstd * (1.0 + w)).to(out.dtype.element_ty)
+    tl.store(out + row * H + offs, normed, mask=mask)
+    if GROUP > 0:
+        store_groups(normed.to(tl.float32), out_fp8 + row * H, out_scale + row * tl.cdiv(H, GROUP), 0, H,
+                     N=BH, GROUP=GROUP)
 
 
-def _check_rms_norm_args(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
+def _check_rms_norm_args(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
+                         quantize_group: int) -> None:
     assert x.dim() == 2 and x.stride(1) == 1, "x: [T, H], unit stride along H"
+    check_group_size(quantize_group)
     assert weight.shape == (x.shape[1],) and weight.is_contiguous(), "weight: contiguous [H]"
     if residual is not None:
         assert residual.shape == x.shape and residual.stride(1) == 1 and residual.dtype == x.dtype, \
             "residual: x's shape and dtype, unit stride along H"
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             quantize_group: int = 0) -> tuple[Activation, torch.Tensor]:
     """Triton rms_norm_reference. x, residual [T, H] with unit stride along H; outputs contiguous.
-    Without a residual the returned residual is x itself (no copy), as the reference."""
-    _check_rms_norm_args(x, weight, residual)
+    Without a residual the returned residual is x itself (no copy), as the reference. With
+    quantize_group the one kernel also writes the quantized output."""
+    _check_rms_norm_args(x, weight, residual, quantize_group)
     num_tokens, hidden = x.shape
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     if residual is not None:
         new_residual = torch.empty_like(out)
     else:
         new_residual = x
+    out_fp8, out_scale = quantized_outputs(num_tokens, hidden, quantize_group, x.device) if quantize_group else (out, out)
     if num_tokens:
-        block = triton.next_power_of_2(hidden)
+        # A row's groups are reshaped out of its tile: at least one whole group wide.
+        block = max(triton.next_power_of_2(hidden), quantize_group)
         _rms_norm_kernel[(num_tokens,)](x, residual if residual is not None else x, weight, out, new_residual,
-                                        x.stride(0), residual.stride(0) if residual is not None else 0, eps,
-                                        H=hidden, BH=block, HAS_RESIDUAL=residual is not None,
+                                        out_fp8, out_scale, x.stride(0),
+                                        residual.stride(0) if residual is not None else 0, eps, H=hidden, BH=block,
+                                        HAS_RESIDUAL=residual is not None, GROUP=quantize_group,
                                         num_warps=min(16, max(1, block // 512)), **pdl(x.device))
+    if quantize_group:
+        return QuantizedActivation(out, out_fp8, out_scale, quantize_group), new_residual
     return out, new_residual
 
 
 @triton.jit(do_not_specialize=["num_rows"])
-def _gated_rms_norm_kernel(x, gate, weight, out, num_rows, inner, stride_x_outer, stride_x_inner,
-                           stride_gate_outer, stride_gate_inner, eps,
-                           D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
+def _gated_rms_norm_kernel(x, gate, weight, out, out_fp8, out_scale, num_rows, inner, stride_x_outer, stride_x_inner,
+                           stride_gate_outer, stride_gate_inner, eps, D: tl.constexpr, BD: tl.constexpr,
+                           BR: tl.constexpr, GROUP: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """BR rows of D: out = x / sqrt(mean(x^2) + eps) * w * silu(gate), float32, rounded once.
-    Row r is (r // inner, r % inner) of the [outer, inner, D] views."""
+    Row r is (r // inner, r % inner) of the [outer, inner, D] views.
+
+    GROUP > 0 (D == BD, a multiple of GROUP): out (as rounded) also quantized in groups of GROUP
+    columns of its [outer, inner * D] rows. The program's rows are one contiguous span of out
+    (BR * D values from row pid * BR on) and no group straddles two rows of D, so the span's
+    groups are groups of the quantized rows: group j of the span is group pid * BR * D / GROUP + j
+    of the flat [outer * inner * D / GROUP] scales."""
     dependent_prologue(DEPENDENT_LAUNCH)
-    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    first_row = tl.program_id(0).to(tl.int64) * BR
+    rows = first_row + tl.arange(0, BR)
     offs = tl.arange(0, BD)
     mask = (rows < num_rows)[:, None] & (offs < D)[None, :]
     outer, within = rows // inner, rows % inner
@@ -114,8 +148,12 @@ def _gated_rms_norm_kernel(x, gate, weight, out, num_rows, inner, stride_x_outer
                 mask=mask, other=0.0).to(tl.float32)
     w = tl.load(weight + offs, mask=offs < D, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(h * h, axis=1) / D + eps)
-    y = h * rstd[:, None] * w[None, :] * (z * tl.sigmoid(z))
-    tl.store(out + rows[:, None] * D + offs[None, :], y.to(out.dtype.element_ty), mask=mask)
+    y = (h * rstd[:, None] * w[None, :] * (z * tl.sigmoid(z))).to(out.dtype.element_ty)
+    tl.store(out + rows[:, None] * D + offs[None, :], y, mask=mask)
+    if GROUP > 0:
+        start = first_row * D
+        store_groups(tl.reshape(y.to(tl.float32), [BR * D]), out_fp8 + start, out_scale + start // GROUP, 0,
+                     num_rows * D - start, N=BR * D, GROUP=GROUP)
 
 
 def _as_3d(t: torch.Tensor) -> torch.Tensor:
@@ -126,24 +164,36 @@ def _as_3d(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1, *t.shape[-2:]) if t.dim() > 3 else t
 
 
-def _check_gated_rms_norm_args(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor) -> None:
+def _check_gated_rms_norm_args(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                               quantize_group: int) -> None:
     assert x.shape == gate.shape and x.dim() >= 2 and x.stride(-1) == 1 and gate.stride(-1) == 1, \
         "x, gate: [..., D] of one shape, unit stride along D"
     assert weight.shape == (x.shape[-1],) and weight.is_contiguous(), "weight: contiguous [D]"
+    check_group_size(quantize_group)
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   quantize_group: int = 0) -> Activation:
     """Triton gated_rms_norm_reference. x, gate [..., D] with unit stride along D (gate may be a
-    strided view, e.g. z of the GDN projection as [T, HV, V]). Returns a contiguous x.dtype tensor."""
-    _check_gated_rms_norm_args(x, gate, weight)
+    strided view, e.g. z of the GDN projection as [T, HV, V]). Returns a contiguous x.dtype tensor,
+    or with quantize_group its QuantizedActivation as [T, ...*D] rows: quantized by the same
+    kernel where a head is whole groups (D a power of two and a multiple of the group: Qwen's
+    128 value columns per head, 128 per group), else by the standalone quantizer after it."""
+    _check_gated_rms_norm_args(x, gate, weight, quantize_group)
     dim = x.shape[-1]
     x3, gate3 = _as_3d(x), _as_3d(gate)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     num_rows = x3.shape[0] * x3.shape[1]
+    block_d = triton.next_power_of_2(dim)
+    fused = quantize_group > 0 and block_d == dim and dim % quantize_group == 0
+    rows_out = out.view(x.shape[0], -1)
+    out_fp8, out_scale = quantized_outputs(*rows_out.shape, quantize_group, x.device) if fused else (out, out)
     if num_rows:
-        block_d = triton.next_power_of_2(dim)
         block_rows = max(1, min(16, 4096 // block_d))
         _gated_rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
-            x3, gate3, weight, out, num_rows, x3.shape[1], x3.stride(0), x3.stride(1), gate3.stride(0),
-            gate3.stride(1), eps, D=dim, BD=block_d, BR=block_rows, num_warps=4, **pdl(x.device))
-    return out
+            x3, gate3, weight, out, out_fp8, out_scale, num_rows, x3.shape[1], x3.stride(0), x3.stride(1),
+            gate3.stride(0), gate3.stride(1), eps, D=dim, BD=block_d, BR=block_rows,
+            GROUP=quantize_group if fused else 0, num_warps=4, **pdl(x.device))
+    if fused:
+        return QuantizedActivation(rows_out, out_fp8, out_scale, quantize_group)
+    return quantize_activation(rows_out, quantize_group) if quantize_group else out

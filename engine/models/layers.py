@@ -7,27 +7,43 @@ q+gate|k|v, MLP gate|up); `checkpoint_map` says which checkpoint tensor fills wh
 the loader needs no knowledge of the modules. Each module is built with its checkpoint name
 (`src`), which decides, for an FP8 checkpoint, whether a projection is stored in FP8 with block
 scales (engine/quantization.py). Knows nothing about checkpoint files or scheduling.
+
+FP8 activations: at decode, verify and draft batches (<= SKINNY_MAX_ROWS rows, the Triton FP8
+GEMM's) the op before an FP8 projection quantizes its own output (`quantize_group`: the norms,
+the GDN's gated norm, silu_and_mul) and hands on a QuantizedActivation, whose fp8 values and
+scales the GEMM reads instead of launching its quantizer; bf16 consumers of the same output (the
+GDN's b|a, the MoE router) read its values. Prefill batches keep the GEMM's own quantizer (cuBLAS
+reads column-major scales). DELTASPEC_FUSE_FP8_QUANT=0, read as a model is built, turns the
+fusion off (A/B timing).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import os
+from typing import Protocol
 
 import torch
 import triton
 from torch import nn
 
 from ...kernels import Ops
-from ...kernels.fp8 import FP8, block_scales
+from ...kernels.fp8 import FP8, SKINNY_MAX_ROWS, block_scales
+from ...kernels.quantize import Activation, activation_values
 from ..batch import ForwardBatch, PrefillCheckpoints
 from ..model_config import ModelConfig
 from ..state_pool import GDNLayerState, KVLayer
 
 # checkpoint name -> (parameter name, index into that parameter)
 CheckpointMap = dict[str, tuple[str, tuple]]
-# (x, weight, eps, residual) -> (normed, new residual): ops.rms_norm of x summed over the
-# tensor-parallel ranks (HybridLM.reduce_norm)
-ReduceNorm = Callable[[torch.Tensor, torch.Tensor, float, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
+
+
+class ReduceNorm(Protocol):
+    """ops.rms_norm of x summed over the tensor-parallel ranks (HybridLM.reduce_norm): (normed,
+    new residual). normed is a QuantizedActivation when quantize_group > 0, except from the
+    symmetric-memory all-reduce kernel, which does not quantize (TensorParallel)."""
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+                 quantize_group: int = 0) -> tuple[Activation, torch.Tensor]: ...
 
 ALL = (slice(None),)
 
@@ -53,6 +69,18 @@ def _rows(start: int, size: int) -> tuple:
 
 def _is_fp8(c: ModelConfig, modules) -> bool:
     return c.quantization is not None and c.quantization.quantizes_all(modules)
+
+
+def _fused_group(group_size: int) -> int:
+    """The group the op before FP8 projections of group_size (0: bf16 ones) quantizes its output
+    with at skinny batches: theirs, or 0 under DELTASPEC_FUSE_FP8_QUANT=0."""
+    return group_size if os.environ.get("DELTASPEC_FUSE_FP8_QUANT", "1") != "0" else 0
+
+
+def _at_skinny(group_size: int, num_rows: int) -> int:
+    """quantize_group for an op of num_rows output rows: the fused group at decode, verify and
+    draft batches, where the Triton FP8 GEMM reads the row-major scales the op writes; 0 above."""
+    return group_size if num_rows <= SKINNY_MAX_ROWS else 0
 
 
 class Linear(nn.Module):
@@ -92,9 +120,10 @@ class Linear(nn.Module):
             start += num_rows
         return mapping
 
-    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+    def forward(self, x: Activation, ops: Ops) -> torch.Tensor:
+        """x plain, or quantized by the op before (read as values by a bf16 projection)."""
         if self.weight_scale is None:
-            return ops.linear(x, self.weight)
+            return ops.linear(activation_values(x), self.weight)
         return ops.fp8_linear(x, self.weight, self.weight_scale, self.group_size, self.block_scale)
 
 
@@ -118,6 +147,8 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = _param(hv, dtype=torch.float32)
         self.norm_weight = _param(c.linear_value_head_dim, dtype=dtype)
         self.out_proj = Linear(c, {f"{src}.out_proj": c.hidden_size}, c.linear_value_dim, dtype)
+        self.input_group_size = self.in_proj.group_size     # of the FP8 projection of x (0: none)
+        self.out_quantize_group = _fused_group(self.out_proj.group_size)
 
     def checkpoint_map(self, dst: str) -> CheckpointMap:
         src = self.src
@@ -139,8 +170,8 @@ class GatedDeltaNet(nn.Module):
                 k.unflatten(-1, (c.linear_num_key_heads, c.linear_key_head_dim)),
                 v.unflatten(-1, (c.linear_num_value_heads, c.linear_value_head_dim)))
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, state: GDNLayerState, ops: Ops) -> torch.Tensor:
-        c, num_tokens = self.c, x.shape[0]
+    def forward(self, x: Activation, batch: ForwardBatch, state: GDNLayerState, ops: Ops) -> torch.Tensor:
+        c, num_tokens = self.c, activation_values(x).shape[0]
         if self.in_proj_ba is None:
             mixed, z, b, a = self.in_proj(x, ops).split(self.splits, dim=-1)
         else:
@@ -148,8 +179,8 @@ class GatedDeltaNet(nn.Module):
             b, a = self.in_proj_ba(x, ops).split(self.splits[2:], dim=-1)
         # No copies: the conv kernels read mixed (the q|k|v columns of the projection, a strided
         # view) where it lies, and every kernel writes its row group's rows of the step buffers.
-        conv_out = x.new_empty(num_tokens, c.conv_dim)
-        core = x.new_empty(num_tokens, c.linear_num_value_heads, c.linear_value_head_dim)
+        conv_out = mixed.new_empty(num_tokens, c.conv_dim)
+        core = mixed.new_empty(num_tokens, c.linear_num_value_heads, c.linear_value_head_dim)
         dec, pre = batch.decode, batch.prefill
         if dec.num_rows:
             span = slice(dec.token_start, dec.token_end)
@@ -182,8 +213,9 @@ class GatedDeltaNet(nn.Module):
                 state.recurrent[written.slots] = saved
                 state.conv[written.slots] = checkpoint_conv_windows(mixed[span], written, state.conv)
         gate = z.reshape(num_tokens, c.linear_num_value_heads, c.linear_value_head_dim)
-        core = ops.gated_rms_norm(core, gate, self.norm_weight, c.rms_norm_eps)
-        return self.out_proj(core.reshape(num_tokens, -1), ops)
+        quantize_group = _at_skinny(self.out_quantize_group, num_tokens)
+        core = ops.gated_rms_norm(core, gate, self.norm_weight, c.rms_norm_eps, quantize_group=quantize_group)
+        return self.out_proj(core if quantize_group else core.reshape(num_tokens, -1), ops)
 
 
 class GatedAttention(nn.Module):
@@ -198,6 +230,7 @@ class GatedAttention(nn.Module):
         self.q_norm = _param(d, dtype=dtype)
         self.k_norm = _param(d, dtype=dtype)
         self.o_proj = Linear(c, {f"{src}.o_proj": c.hidden_size}, hq * d, dtype)
+        self.input_group_size = self.qkv_proj.group_size
 
     def checkpoint_map(self, dst: str) -> CheckpointMap:
         return {
@@ -207,8 +240,8 @@ class GatedAttention(nn.Module):
             **self.o_proj.checkpoint_map(f"{dst}.o_proj"),
         }
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVLayer, ops: Ops) -> torch.Tensor:
-        c, num_tokens = self.c, x.shape[0]
+    def forward(self, x: Activation, batch: ForwardBatch, kv: KVLayer, ops: Ops) -> torch.Tensor:
+        c, num_tokens = self.c, activation_values(x).shape[0]
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         q_gate, k, v = self.qkv_proj(x, ops).split(self.splits, dim=-1)
         q_gate = q_gate.view(num_tokens, hq, 2 * d)
@@ -228,12 +261,15 @@ class DenseMLP(nn.Module):
         i = intermediate_size
         self.gate_up = Linear(c, {f"{src}.gate_proj": i, f"{src}.up_proj": i}, c.hidden_size, dtype)
         self.down = Linear(c, {f"{src}.down_proj": c.hidden_size}, i, dtype)
+        self.input_group_size = self.gate_up.group_size
+        self.down_quantize_group = _fused_group(self.down.group_size)
 
     def checkpoint_map(self, dst: str) -> CheckpointMap:
         return {**self.gate_up.checkpoint_map(f"{dst}.gate_up"), **self.down.checkpoint_map(f"{dst}.down")}
 
-    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        return self.down(ops.silu_and_mul(self.gate_up(x, ops)), ops)
+    def forward(self, x: Activation, ops: Ops) -> torch.Tensor:
+        gate_up = self.gate_up(x, ops)
+        return self.down(ops.silu_and_mul(gate_up, _at_skinny(self.down_quantize_group, gate_up.shape[0])), ops)
 
 
 class MoEMLP(nn.Module):
@@ -263,6 +299,8 @@ class MoEMLP(nn.Module):
             self.w_gate_up_scale = self.w_down_scale = None
         self.shared = DenseMLP(c, f"{src}.shared_expert", c.shared_expert_intermediate_size, dtype)
         self.shared_gate = Linear(c, {f"{src}.shared_expert_gate": 1}, h, dtype)
+        # The FP8 experts and shared expert read x in the one group size of the checkpoint.
+        self.input_group_size = self.group_size or self.shared.input_group_size
 
     def checkpoint_map(self, dst: str) -> CheckpointMap:
         src, i = self.src, self.c.moe_intermediate_size
@@ -284,12 +322,12 @@ class MoEMLP(nn.Module):
                     mapping[f"{src}.experts.{e}.{projection}_proj.weight_scale_inv"] = (f"{dst}.{target}_scale", index)
         return mapping
 
-    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+    def forward(self, x: Activation, ops: Ops) -> torch.Tensor:
         weights, experts = ops.moe_route(self.router(x, ops), self.c.num_experts_per_tok, self.c.norm_topk_prob)
         if self.expert_parallel:
             weights, experts = self._local_pairs(weights, experts)
         if self.w_down_scale is None:
-            routed = ops.moe_experts(x, weights, experts, self.w_gate_up, self.w_down)
+            routed = ops.moe_experts(activation_values(x), weights, experts, self.w_gate_up, self.w_down)
         else:
             routed = ops.fp8_moe_experts(x, weights, experts, self.w_gate_up, self.w_gate_up_scale, self.w_down,
                                          self.w_down_scale, self.group_size)
@@ -322,6 +360,8 @@ class DecoderLayer(nn.Module):
             GatedAttention(c, f"{src}.self_attn", dtype)
         self.mlp = MoEMLP(c, f"{src}.mlp", dtype) if is_moe else \
             DenseMLP(c, f"{src}.mlp", c.intermediate_size, dtype)
+        self.mixer_quantize_group = _fused_group(self.mixer.input_group_size)
+        self.mlp_quantize_group = _fused_group(self.mlp.input_group_size)
 
     def checkpoint_map(self, dst: str) -> CheckpointMap:
         return {
@@ -336,8 +376,12 @@ class DecoderLayer(nn.Module):
                 reduce_norm: ReduceNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the layer before's MLP output (a partial sum under tensor parallelism) with the
         residual stream, or, without a residual, the stack's input (embeddings, the MTP's fc
-        output: whole on every rank). Returns (this MLP's output, unreduced, and the residual)."""
-        x, residual = (ops.rms_norm if residual is None else reduce_norm)(x, self.input_norm, self.eps, residual)
+        output: whole on every rank). Returns (this MLP's output, unreduced, and the residual).
+        At skinny batches the norms also quantize their output for the FP8 projections after them."""
+        num_rows = x.shape[0]
+        x, residual = (ops.rms_norm if residual is None else reduce_norm)(
+            x, self.input_norm, self.eps, residual, quantize_group=_at_skinny(self.mixer_quantize_group, num_rows))
         x = self.mixer(x, batch, mixer_state, ops)
-        x, residual = reduce_norm(x, self.post_attention_norm, self.eps, residual)
+        x, residual = reduce_norm(x, self.post_attention_norm, self.eps, residual,
+                                  quantize_group=_at_skinny(self.mlp_quantize_group, num_rows))
         return self.mlp(x, ops), residual

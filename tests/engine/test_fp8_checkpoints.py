@@ -1,7 +1,8 @@
 """Official block-FP8 checkpoints: tiny checkpoints of every family in the published layout
 (tests/fixtures.py, `fp8=True`) load as stored (fp8 weights + block scales, the kept modules in
 bf16), run on the CPU reference within what FP8 activation quantization explains, speculate
-losslessly with their MTP layer; quantization methods deltaspec does not run fail at once."""
+losslessly with their MTP layer; quantization methods deltaspec does not run fail at once. The
+activation quantizer fused into the ops before the projections changes no logit (both tables)."""
 
 import json
 import shutil
@@ -171,6 +172,66 @@ def test_which_modules_are_fp8():
 _TINY = {"model_type": "qwen3_5_text", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 4,
          "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "linear_num_key_heads": 1,
          "linear_num_value_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 8, "intermediate_size": 64}
+
+
+# One GDN and one attention layer (test_model_parity's Triton-table shape) in FP8 blocks of 16 x 16:
+# the GDN heads' 16 value columns are whole groups, so every fused kernel runs (gated norm included).
+FUSED_SHAPE = dict(num_hidden_layers=2, full_attention_interval=2, linear_num_key_heads=1, linear_num_value_heads=2)
+
+
+def fused_and_unfused(path, monkeypatch, quantizer: str, tokens: list[int], max_tokens: int,
+                      **options) -> list[tuple]:
+    """(logits of `tokens`, max_tokens greedy speculative tokens after its first 7, the input
+    widths of the standalone quantizer's calls) with the fused activation quantizer on, then off."""
+    import deltaspec.kernels.fp8 as fp8
+    results = []
+    for fuse in ("1", "0"):
+        monkeypatch.setenv("DELTASPEC_FUSE_FP8_QUANT", fuse)
+        llm = LLM(path, num_draft_tokens=2, adaptive_draft_length=False, **options)
+        widths = []
+        standalone = getattr(fp8, quantizer)
+        with monkeypatch.context() as patch:
+            patch.setattr(fp8, quantizer, lambda x, *args, **kwargs: widths.append(x.shape[1]) or
+                          standalone(x, *args, **kwargs))
+            logits = llm.score(tokens)
+            params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+            generated = llm.generate([tokens[:7]], params)[0].token_ids
+        assert llm.core.stats()["spec"]["num_verify_steps"] > 0
+        results.append((logits, generated, set(widths)))
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fused_activation_quantizer_changes_no_logit(checkpoint, monkeypatch, kernel_device, backend):
+    """At decode-sized batches (a 24-token prefill is one too) the norms, the gated norm and
+    silu_and_mul quantize their outputs for the FP8 projections after them (layers.py): logits and
+    greedy speculative tokens equal the unfused model's bit for bit, and the projections'
+    own quantizer runs only for o_proj (its input, attention's output, comes plain). The torch
+    table runs the references' fusion, the Triton table the kernels (interpreted on the CPU)."""
+    if kernel_device == "cuda" and backend == "triton":
+        pytest.skip("test_fused_activation_quantizer_on_gpu")
+    path = checkpoint("qwen3_5", fp8=True, fp8_block_size=(16, 16), mtp_copy_of_last_layer=True, **FUSED_SHAPE)
+    tokens = torch.randint(0, 512, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    quantizer = "quantize_groups" if backend == "triton" else "quantize_groups_reference"
+    (logits, generated, widths), (expected_logits, expected, all_widths) = fused_and_unfused(
+        path, monkeypatch, quantizer, tokens, 3, device=kernel_device, kernel_backend=backend, enable_cuda_graphs=False)
+    assert torch.equal(logits, expected_logits) and generated == expected
+    o_proj_width = 4 * 32    # num_attention_heads x head_dim
+    assert widths == {o_proj_width} and all_widths == {72, 32, 96, o_proj_width}   # hidden, GDN values, MLP
+
+
+@pytest.mark.gpu
+def test_fused_activation_quantizer_on_gpu(checkpoint, monkeypatch):
+    """The GPU kernels at the published group (128) with 128-column GDN heads, in bf16 with the
+    CUDA graphs: logits and greedy speculative tokens of the fused model equal the unfused one's
+    bit for bit."""
+    path = checkpoint("qwen3_5", fp8=True, mtp_copy_of_last_layer=True, **{**GPU_SHAPE, "linear_value_head_dim": 128})
+    tokens = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    (logits, generated, widths), (expected_logits, expected, _) = fused_and_unfused(
+        path, monkeypatch, "quantize_groups", tokens, 32, device="cuda", dtype="bfloat16")
+    assert torch.equal(logits, expected_logits) and generated == expected
+    assert widths == {4 * 32}
 
 
 @pytest.mark.gpu

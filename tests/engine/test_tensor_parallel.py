@@ -305,6 +305,20 @@ def test_fp8_scales_are_sliced_by_block_and_a_cut_block_is_refused(checkpoint):
         load_model(coarse, REFERENCE_OPS, torch.float32, "cpu", tp=TensorParallel(1, 2, torch.device("cpu")))
 
 
+def test_fp8_fused_activation_quantizer_changes_no_token_under_tp(checkpoint, monkeypatch):
+    """tp=2: decode batches' norms quantize their outputs on every rank (the gloo path: rms_norm
+    after the all-reduce), and greedy output equals that of ranks whose projections quantize
+    their own inputs (DELTASPEC_FUSE_FP8_QUANT=0, inherited by the workers)."""
+    path = checkpoint("qwen3_5", fp8=True, fp8_block_size=(16, 16))
+    batch = prompts(2, 10, seed=6)
+    outputs = []
+    for fuse in ("1", "0"):
+        monkeypatch.setenv("DELTASPEC_FUSE_FP8_QUANT", fuse)
+        with LLM(path, tensor_parallel_size=2, num_draft_tokens=0, **POOLS) as llm:
+            outputs.append([o.token_ids for o in llm.generate(batch, GREEDY)])
+    assert outputs[0] == outputs[1]
+
+
 # A scaled-down Qwen3.5-122B-A10B (its head and expert ratios; 2 KV heads, fewer than 4 ranks).
 SMALL_122B = dict(model_type="qwen3_5_moe_text", vocab_size=512, hidden_size=48, num_hidden_layers=4,
                   num_attention_heads=8, num_key_value_heads=2, head_dim=16, linear_num_key_heads=4,

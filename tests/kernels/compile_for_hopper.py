@@ -107,10 +107,12 @@ def run_engine() -> None:
     gpu_shape = dict(linear_key_head_dim=64, linear_value_head_dim=64)  # the GPU kernels' minimum
     prompts = [[1 + i for i in range(n)] for n in (3, 70, 130)]
     runs = (("qwen3_5", 0, {}), ("qwen3_5", 3, {}), ("qwen3_next", 0, {}), ("qwen3_5_moe", 2, {}),
-            ("qwen3_5", 2, {"fp8": True}),   # FP8: the group quantizer and the block-scaled GEMM
+            # FP8: the group quantizer and the block-scaled GEMM; decode batches quantize in the ops
+            # before the projections, the GDN's gated norm too with heads of 128 value columns
+            ("qwen3_5", 2, {"fp8": True, "linear_value_head_dim": 128}),
             ("qwen3_5_moe", 0, {"fp8": True}))   # FP8 experts
     for family, num_draft_tokens, options in runs:
-        path = make_checkpoint(Path(tempfile.mkdtemp()), family, **gpu_shape, **options)
+        path = make_checkpoint(Path(tempfile.mkdtemp()), family, **{**gpu_shape, **options})
         llm = LLM(path, device="cpu", dtype="bfloat16", kernel_backend="triton", enable_cuda_graphs=False,
                   num_draft_tokens=num_draft_tokens, max_num_seqs=4)
         try:

@@ -3,7 +3,8 @@
 Checks: `assert_close` (a Triton kernel against its torch reference: max error relative to the
 largest reference magnitude, NaN never passes), `assert_close_elementwise` (a torch reference
 against float64 math written in the tests: per element, relative with an absolute floor at the
-tensor's scale) and bit-identity of the pool slots a batch does not own. Float64 oracles of the
+tensor's scale), bit-identity of the pool slots a batch does not own, and a fused quantizer's
+output against quantize_groups_reference of its own values (`assert_quantized`). Float64 oracles of the
 GDN recurrence and the causal conv (test_gdn_chunked.py, test_conv1d.py, test_gdn_decode.py) and
 of RMSNorm and SiLU (test_norms.py, test_rope.py, test_activation.py); the recurrent pools and
 ragged batches of the conv and GDN decode tests; q/k inputs for RoPE; constants of the sampling,
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from deltaspec.kernels.conv1d import causal_conv1d_decode, causal_conv1d_decode_reference
+from deltaspec.kernels.quantize import quantize_groups_reference
 
 
 # ----------------------------------------------------------------------------------------------
@@ -52,6 +54,17 @@ def assert_close_elementwise(actual: torch.Tensor, expected: torch.Tensor, rtol:
     bound = rtol * (expected.abs() + scale)
     worst = float((error - bound).max()) if error.numel() else 0.0
     assert worst <= 0, f"{what}: max abs error {float(error.max()):.3e} (scale {scale:.3e}, rtol {rtol:.0e})"
+
+
+def assert_quantized(activation, group_size: int, what: str = "") -> None:
+    """A QuantizedActivation (kernels/quantize.py) from a kernel that fused the quantizer: its fp8
+    codes (bit for bit, the sign of zero included) and scales are quantize_groups_reference of
+    the values it returns beside them."""
+    expected_fp8, expected_scale = quantize_groups_reference(activation.values.cpu(), group_size)
+    assert activation.group_size == group_size, what
+    assert activation.fp8.is_contiguous() and activation.scale.is_contiguous(), f"{what}: layout the GEMM reads"
+    assert torch.equal(activation.fp8.cpu().view(torch.uint8), expected_fp8.view(torch.uint8)), f"{what}: fp8 codes"
+    assert torch.equal(activation.scale.cpu(), expected_scale), f"{what}: scales"
 
 
 def bits(x: torch.Tensor) -> torch.Tensor:

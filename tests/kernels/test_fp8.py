@@ -1,7 +1,8 @@
 """Block-FP8 linear and experts: the torch references against exact error bounds of e4m3
 rounding, then the Triton kernels against them on fresh random inputs — the group quantizer
 bit-equal (CPU interpreter and GPU), the GEMM on both of its paths (one pass; split-K with the
-last-arriver sum) on the reference's quantized inputs, fp8_linear end to end, and the grouped
+last-arriver sum) on the reference's quantized inputs, fp8_linear end to end (and given an input
+that comes quantized: no quantizer, the same bits), and the grouped
 FP8 experts (fp32 / fp16 on the CPU, bf16 at Qwen-like shapes on the GPU, and under a CUDA
 graph whose routing changes between replays). Buffers the launchers allocate start as garbage
 (`poisoned_empty`)."""
@@ -12,6 +13,7 @@ import torch
 from deltaspec.kernels.fp8 import (FP8, block_scales, dequantize_reference, fp8_gemm, fp8_linear, fp8_linear_reference,
                                    fp8_moe_experts, fp8_moe_experts_reference, launch_fp8_gemm, quantize_blocks,
                                    quantize_groups, quantize_groups_reference)
+from deltaspec.kernels.quantize import quantize_activation, quantize_activation_reference
 from fixtures import quantize_block_fp8
 from deltaspec.kernels.moe import route_reference
 from deltaspec.kernels.tiles import TileConfig
@@ -84,9 +86,10 @@ def test_quantize_groups_is_bit_equal_to_reference(kernel_device, poisoned_empty
     x = random_case(*shape, group, seed=shape[0] + group)[0]
     x[0, :16] = 0.0                                    # a zero run; a whole zero group for 16-wide rows
     x[-1, -1] = 124.3 * x[-1].abs().max() / 448       # rounds up into the next binade (128 after scaling)
+    x[-1, 0] = -1e-7 * x[-1].abs().max()               # rounds to -0
     x_fp8, x_scale = poisoned_empty(quantize_groups, x.to(kernel_device), group)
     ref_fp8, ref_scale = quantize_groups_reference(x, group)
-    assert torch.equal(x_fp8.cpu().float(), ref_fp8.float()) and torch.equal(x_scale.cpu(), ref_scale)
+    assert torch.equal(x_fp8.cpu().view(torch.uint8), ref_fp8.view(torch.uint8)) and torch.equal(x_scale.cpu(), ref_scale)
 
 
 def test_quantize_groups_column_major_scales(kernel_device):
@@ -146,6 +149,26 @@ def test_fp8_linear_matches_reference(kernel_device, dtype):
         assert actual.dtype == dtype
         tolerance = max(gemm_tolerance(kernel_device), 1e-3 if dtype == torch.float16 else 0)
         assert_close(actual.cpu(), expected, tolerance, str(shape))
+
+
+def test_a_quantized_activation_skips_the_quantizer(kernel_device, monkeypatch):
+    """fp8_linear and fp8_moe_experts given x with its quantization (a QuantizedActivation, as
+    a norm that fused the quantizer returns) launch no quantizer of their own and return bit for
+    bit what they return for x; the references too. A projection of another group size refuses it."""
+    import deltaspec.kernels.fp8 as fp8
+    x, weight, weight_scale = (t.to(kernel_device) for t in random_case(5, 200, 48, 32, seed=8))
+    moe_case = [t.to(kernel_device) for t in fp8_moe_case(3, 80, 48, 6, 2, 32, torch.float32, seed=9)]
+    plain = fp8_linear(x, weight, weight_scale, 32), fp8_moe_experts(*moe_case, 32)
+    quantized = quantize_activation(x, 32), quantize_activation(moe_case[0], 32)
+    with monkeypatch.context() as patch:
+        patch.setattr(fp8, "quantize_groups", None)      # a call would raise
+        assert torch.equal(fp8_linear(quantized[0], weight, weight_scale, 32), plain[0])
+        assert torch.equal(fp8_moe_experts(quantized[1], *moe_case[1:], 32), plain[1])
+    cpu = [t.cpu() for t in (x, weight, weight_scale)]
+    assert torch.equal(fp8_linear_reference(quantize_activation_reference(cpu[0], 32), *cpu[1:], 32),
+                       fp8_linear_reference(*cpu, 32))
+    with pytest.raises(AssertionError, match="groups of 32"):
+        fp8_linear(quantized[0], weight, torch.ones(48, 4, device=kernel_device), 64)
 
 
 @pytest.mark.gpu

@@ -7,6 +7,10 @@ gated_rms_norm is norm(x) * w * silu(z) with plain w.
 
 Triton kernels, with the references as the oracle: x and the gate are strided row views, with
 and without the residual, widths that are not a power of two. CPU: the interpreter, fp32.
+With `quantize_group` both kernels also return their output's FP8 group quantization: the
+values are the unquantized call's, bit for bit, and the fp8 codes and scales are
+quantize_groups_reference of those values (decode batches of 1 to 64 rows; partial last groups,
+rows narrower than a group, a group spanning heads: the gated norm's unfused fallback), fp32 and fp16.
 GPU (`gpu` marker): bf16 at model widths (hidden 2048 / 5120, GDN output heads 32 x 128), with
 q/k norm + partial RoPE (kernels/rope.py) at attention widths in the same test.
 """
@@ -19,7 +23,8 @@ import torch
 from deltaspec.kernels import REFERENCE_OPS
 from deltaspec.kernels.norms import gated_rms_norm, gated_rms_norm_reference, rms_norm, rms_norm_reference
 from deltaspec.kernels.rope import qk_norm_rope, qk_norm_rope_reference
-from kernel_helpers import TOLERANCE, assert_close, assert_close_elementwise, naive_rms, rope_case, silu
+from kernel_helpers import TOLERANCE, assert_close, assert_close_elementwise, assert_quantized, naive_rms, rope_case, \
+    silu
 
 
 ops = REFERENCE_OPS
@@ -111,6 +116,61 @@ def test_gated_rms_norm(kernel_device, leading):
     weight = torch.randn(dim, generator=gen).to(kernel_device)
     assert_close(gated_rms_norm(x, gate, weight, 1e-6), gated_rms_norm_reference(x, gate, weight, 1e-6),
                  TOLERANCE[torch.float32], "gated norm")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("tokens,hidden,group", [(1, 72, 16), (3, 48, 128), (7, 300, 128), (64, 96, 32)])
+def test_rms_norm_quantizes_its_output(kernel_device, poisoned_empty, dtype, with_residual, tokens, hidden, group):
+    """48 < 128: the row is narrower than one group; 72, 300: a partial last group; the first
+    row's first group all zeros (the scale's floor); the last row's first value a tiny negative
+    one, which rounds to -0."""
+    x, residual, weight = norm_cases(kernel_device, dtype, hidden, tokens, seed=tokens * hidden)
+    x[0, :group] = 0.0
+    residual[0, :group] = 0.0
+    x[-1, 0], residual[-1, 0] = -1e-7, 0.0
+    residual = residual if with_residual else None
+    plain, plain_residual = rms_norm(x, weight, 1e-6, residual)
+    quantized, new_residual = poisoned_empty(rms_norm, x, weight, 1e-6, residual, quantize_group=group)
+    assert torch.equal(quantized.values, plain) and torch.equal(new_residual, plain_residual)
+    assert_quantized(quantized, group, f"rms_norm T={tokens} H={hidden}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens,heads,dim,group", [(1, 4, 16, 16), (5, 3, 64, 32), (64, 2, 32, 32), (3, 3, 16, 32),
+                                                    (2, 3, 24, 8)],
+                         ids=["head-one-group", "head-two-groups", "64-rows", "group-spans-heads", "dim-not-pow2"])
+def test_gated_rms_norm_quantizes_its_output(kernel_device, poisoned_empty, dtype, tokens, heads, dim, group):
+    """Quantized as [T, heads * D] rows (what out_proj reads): in the kernel where a head is whole
+    groups, by the standalone quantizer after it otherwise (the last two cases)."""
+    gen = torch.Generator().manual_seed(tokens * heads + dim)
+    x = torch.randn(tokens, heads, dim, generator=gen).to(dtype).to(kernel_device)
+    wide = (2 * torch.randn(tokens, heads * dim + 5, generator=gen)).to(dtype).to(kernel_device)
+    gate = wide[:, 5:].view(tokens, heads, dim)
+    weight = torch.randn(dim, generator=gen).to(dtype).to(kernel_device)
+    plain = gated_rms_norm(x, gate, weight, 1e-6)
+    quantized = poisoned_empty(gated_rms_norm, x, gate, weight, 1e-6, quantize_group=group)
+    assert torch.equal(quantized.values, plain.view(tokens, heads * dim))
+    assert_quantized(quantized, group, f"gated_rms_norm T={tokens} {heads}x{dim}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 16, 64])
+def test_norms_quantize_their_output_gpu_bf16(tokens):
+    """bf16 at model widths with the published group of 128: hidden 4096 / 5120 (with the
+    residual), GDN output heads 32 x 128."""
+    for hidden in (4096, 5120):
+        x, residual, weight = norm_cases("cuda", torch.bfloat16, hidden, tokens=tokens, seed=tokens)
+        quantized, _ = rms_norm(x, weight, 1e-6, residual, quantize_group=128)
+        assert torch.equal(quantized.values, rms_norm(x, weight, 1e-6, residual)[0])
+        assert_quantized(quantized, 128, f"rms_norm {hidden}")
+    gen = torch.Generator().manual_seed(tokens)
+    core = torch.randn(tokens, 32, 128, generator=gen).to(torch.bfloat16).cuda()
+    z = torch.randn(tokens, 32 * 128 + 64, generator=gen).to(torch.bfloat16).cuda()[:, 64:].view(tokens, 32, 128)
+    weight = torch.randn(128, generator=gen).to(torch.bfloat16).cuda()
+    quantized = gated_rms_norm(core, z, weight, 1e-6, quantize_group=128)
+    assert torch.equal(quantized.values, gated_rms_norm(core, z, weight, 1e-6).view(tokens, -1))
+    assert_quantized(quantized, 128, "gated_rms_norm")
 
 
 @pytest.mark.gpu
