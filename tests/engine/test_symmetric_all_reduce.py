@@ -203,9 +203,9 @@ def test_what_fits_goes_fused_and_the_rest_reduces_then_norms(set_up, choice, wi
     symmetric = group.symmetric or FakeSymmetric(choice, torch.float32, 0)  # "nccl": none
     norms = []
 
-    def rms_norm(x, weight, eps, residual):
+    def rms_norm(x, weight, eps, residual, quantize_group=0):
         norms.append(x.shape[0])
-        return REFERENCE_OPS.rms_norm(x, weight, eps, residual)
+        return REFERENCE_OPS.rms_norm(x, weight, eps, residual, quantize_group=quantize_group)
 
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(16, generator=gen)
