@@ -103,9 +103,12 @@ class Probe:
 
     def __init__(self, core: EngineCore) -> None:
         self.counter = Counter()
-        self.seconds = self.wait_seconds = 0.0
-        self.advance_seconds = 0.0
-        self.mask_calls: list[float] = []  # the worker's: not attributed to a step
+        self.seconds = 0.0
+        # Durations of each call (seconds): mask waits inside the timed methods, grammar
+        # advances (CPU time), mask computations (the worker's: not attributed to a step).
+        self.waits: list[float] = []
+        self.advances: list[float] = []
+        self.mask_calls: list[float] = []
         self._depth = 0
         self._undo = []
         sampler = core.runner.sampler
@@ -116,9 +119,9 @@ class Probe:
         for owner, name in TIMED:
             if hasattr(owner, name):
                 self._patch(owner, name, self._timed(getattr(owner, name)))
-        self._patch(Future, "result", self._waited(Future.result))
-        self._patch(Matcher, "advance", self._advancing(Matcher.advance))
-        self._patch(Grammars, "bitmask", self._masking(Grammars.bitmask))
+        self._patch(Future, "result", self._clocked(Future.result, time.perf_counter, self.waits, in_timed=True))
+        self._patch(Matcher, "advance", self._clocked(Matcher.advance, time.thread_time, self.advances))
+        self._patch(Grammars, "bitmask", self._clocked(Grammars.bitmask, time.perf_counter, self.mask_calls))
         for module in list(sys.modules.values()):
             if getattr(module, "__name__", "").startswith("deltaspec.engine") and hasattr(module, "device_tensor"):
                 self._patch(module, "device_tensor", self._copy_in(module.device_tensor))
@@ -148,36 +151,18 @@ class Probe:
                 probe._depth -= 1
         return timed
 
-    def _waited(self, function):
+    def _clocked(self, function, clock, durations: list[float], in_timed: bool = False):
+        """function, appending each call's duration by `clock` to durations (in_timed: only
+        calls made inside a TIMED method)."""
         @functools.wraps(function)
-        def waited(*args, **kwargs):
-            begin = time.perf_counter()
+        def clocked(*args, **kwargs):
+            begin = clock()
             try:
                 return function(*args, **kwargs)
             finally:
-                if self._depth:
-                    self.wait_seconds += time.perf_counter() - begin
-        return waited
-
-    def _advancing(self, function):
-        @functools.wraps(function)
-        def advancing(*args, **kwargs):
-            begin = time.thread_time()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                self.advance_seconds += time.thread_time() - begin
-        return advancing
-
-    def _masking(self, function):
-        @functools.wraps(function)
-        def masking(*args, **kwargs):
-            begin = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                self.mask_calls.append(time.perf_counter() - begin)
-        return masking
+                if self._depth or not in_timed:
+                    durations.append(clock() - begin)
+        return clocked
 
     def _copy_in(self, function):
         @functools.wraps(function)
@@ -191,9 +176,11 @@ class Probe:
         """(host CPU seconds outside the kernels, seconds waiting for grammar masks, operator
         calls, host-to-device tensors, CPU seconds advancing grammars) since the last take."""
         counter = self.counter
-        taken = (self.seconds - counter.kernel_seconds, self.wait_seconds, counter.ops,
-                 counter.copies_in, self.advance_seconds)
-        self.seconds = self.wait_seconds = counter.kernel_seconds = self.advance_seconds = 0.0
+        taken = (self.seconds - counter.kernel_seconds, sum(self.waits), counter.ops, counter.copies_in,
+                 sum(self.advances))
+        self.seconds = counter.kernel_seconds = 0.0
+        self.waits.clear()
+        self.advances.clear()
         counter.ops = counter.copies_in = 0
         return taken
 
