@@ -43,7 +43,7 @@ import torch.distributed as dist
 from .runner import InFlight
 from .sampling_params import SamplingParams
 from .step import ScheduledRow, StepPlan
-from .tensor_parallel import COLLECTIVE_TIMEOUT, TensorParallel
+from .tensor_parallel import COLLECTIVE_TIMEOUT, TensorParallel, abort_nccl
 
 logger = logging.getLogger("deltaspec")
 
@@ -201,8 +201,8 @@ class Workers:
         try:
             if self.group is not None:
                 self.group.abort()
-            elif dist.is_initialized() and dist.get_backend() == "nccl":  # rank 0 is still joining
-                dist.distributed_c10d._abort_process_group()
+            else:  # rank 0 is still joining
+                abort_nccl()
         except Exception:  # noqa: BLE001 - best effort: the timeout still ends an NCCL collective
             logger.exception("could not abort the process group")
 

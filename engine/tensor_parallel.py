@@ -163,14 +163,14 @@ class TensorParallel:
         engine is ending). NCCL: abort the communicators. Symmetric memory: its kernels spin for
         the dead peer with no timeout, so stand in for the peers until the device is idle. Both
         at once: a collective of either kind may wait on the stream behind one of the other."""
-        stand_in = threading.Thread(target=self._stand_in_for_peers, name="deltaspec-symm-stand-in", daemon=True)
+        stand_in = None
         if self.symmetric is not None:
+            stand_in = threading.Thread(target=self._stand_in_for_peers, name="deltaspec-symm-stand-in", daemon=True)
             stand_in.start()
         try:
-            if dist.is_initialized() and dist.get_backend() == "nccl":
-                dist.distributed_c10d._abort_process_group()
+            abort_nccl()
         finally:
-            if stand_in.is_alive():
+            if stand_in is not None:
                 stand_in.join()
 
     def _stand_in_for_peers(self) -> None:
@@ -189,11 +189,7 @@ class TensorParallel:
         stops only after it has left, hangs it for good (4 H200s, f2c4306: both the killed-worker
         test and a plain shutdown). An abort is local. gloo: destroy, which is local there.
         Symmetric memory: nothing (its buffer stays mapped until the process exits)."""
-        if not dist.is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.distributed_c10d._abort_process_group()
-        else:
+        if not abort_nccl() and dist.is_initialized():
             dist.destroy_process_group()
 
     def split(self, total: int) -> tuple[int, int]:
@@ -251,6 +247,15 @@ class TensorParallel:
         inside = (local >= 0) & (local < shard.shape[0])
         x = torch.nn.functional.embedding(torch.where(inside, local, 0), shard)
         return self.all_reduce(x * inside[:, None].to(x.dtype))
+
+
+def abort_nccl() -> bool:
+    """Abort this process's NCCL communicators, if it has an NCCL group (which the abort also
+    unregisters); returns whether it had one. Local: no peer takes part, so none can hang it."""
+    if not (dist.is_initialized() and dist.get_backend() == "nccl"):
+        return False
+    dist.distributed_c10d._abort_process_group()
+    return True
 
 
 # torch >= 2.10 names the flat all-gather all_gather_single (the old name warns).

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from .device import num_sms
 from .launch import dependent_prologue, pdl
-from .norms import rms_norm_reference
+from .norms import add_rms_normalize, check_rms_norm_args, rms_norm_reference
 
 
 def all_reduce_rms_norm_reference(partials: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -128,27 +128,20 @@ def _all_reduce_rms_norm_kernel(x, residual, weight, out, residual_out, buffers,
                 part = tl.load(peer_buffer + row * H + offs, mask=mask, other=0.0)
             h += part.to(tl.float32)
         h = h.to(out.dtype.element_ty)  # the all-reduced message, as an all-reduce hands it over
-        if HAS_RESIDUAL:
-            h = h.to(tl.float32) + tl.load(residual + row * stride_residual + offs, mask=mask, other=0.0).to(
-                tl.float32)
-            h = h.to(residual_out.dtype.element_ty)
-        tl.store(residual_out + row * H + offs, h, mask=mask)  # the new residual stream: s (+ residual)
-        h = h.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(h * h) / H + eps)
-        tl.store(out + row * H + offs, (h * rstd * (1.0 + w)).to(out.dtype.element_ty), mask=mask)
+        if not HAS_RESIDUAL:  # the new residual stream is the sum itself (with one, s + residual)
+            tl.store(residual_out + row * H + offs, h, mask=mask)
+        normed = add_rms_normalize(h, residual + row * stride_residual, residual_out + row * H, w, offs, mask, eps, H,
+                                   HAS_RESIDUAL)
+        tl.store(out + row * H + offs, normed.to(out.dtype.element_ty), mask=mask)
     if MEET:
         _meet_peers(signal_pads, pid, RANK, WORLD_SIZE)
 
 
 def _check_args(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, buffers: torch.Tensor,
                 signal_pads: torch.Tensor | None, rank: int, capacity: int) -> None:
-    assert x.dim() == 2 and x.stride(1) == 1, "x: [T, H], unit stride along H"
+    check_rms_norm_args(x, weight, residual, 0)
     assert 0 < x.numel() <= capacity, f"x: 1 to {capacity} elements (the buffers' size), got {x.numel()}"
     assert x.shape[1] * x.element_size() % 16 == 0, "x: rows of whole 16-byte words (vector access to the buffers)"
-    assert weight.shape == (x.shape[1],) and weight.is_contiguous(), "weight: contiguous [H]"
-    if residual is not None:
-        assert residual.shape == x.shape and residual.stride(1) == 1 and residual.dtype == x.dtype, \
-            "residual: x's shape and dtype, unit stride along H"
     assert buffers.dtype == torch.int64 and buffers.dim() == 1 and 0 <= rank < buffers.numel(), \
         "buffers: int64 [tp] addresses, rank < tp"
     assert signal_pads is None or (signal_pads.dtype == torch.int64 and signal_pads.shape == buffers.shape), \

@@ -62,6 +62,21 @@ def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
+def add_rms_normalize(h, residual_row, residual_out_row, w, offs, mask, eps, H: tl.constexpr,
+                      HAS_RESIDUAL: tl.constexpr):
+    """One row h [BH] (x's dtype, 0 past H) of the stream: s = h (+ the residual at residual_row,
+    rounded to the stream's dtype and stored at residual_out_row: the new residual stream);
+    returns s / sqrt(mean(s^2) + eps) * (1 + w) in float32 (w: the weight in float32)."""
+    if HAS_RESIDUAL:
+        h = h.to(tl.float32) + tl.load(residual_row + offs, mask=mask, other=0.0).to(tl.float32)
+        h = h.to(residual_out_row.dtype.element_ty)
+        tl.store(residual_out_row + offs, h, mask=mask)
+    h = h.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(h * h) / H + eps)
+    return h * rstd * (1.0 + w)
+
+
+@triton.jit
 def _rms_norm_kernel(x, residual, weight, out, residual_out, out_fp8, out_scale, stride_x, stride_residual, eps,
                      H: tl.constexpr, BH: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GROUP: tl.constexpr,
                      DEPENDENT_LAUNCH: tl.constexpr):
@@ -74,21 +89,16 @@ def _rms_norm_kernel(x, residual, weight, out, residual_out, out_fp8, out_scale,
     offs = tl.arange(0, BH)
     mask = offs < H
     h = tl.load(x + row * stride_x + offs, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        h = (h.to(tl.float32) + tl.load(residual + row * stride_residual + offs, mask=mask, other=0.0).to(tl.float32))
-        h = h.to(residual_out.dtype.element_ty)
-        tl.store(residual_out + row * H + offs, h, mask=mask)
-    h = h.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(h * h) / H + eps)
     w = tl.load(weight + offs, mask=mask, other=0.0).to(tl.float32)
-    normed = (h * rstd * (1.0 + w)).to(out.dtype.element_ty)
+    normed = add_rms_normalize(h, residual + row * stride_residual, residual_out + row * H, w, offs, mask, eps, H,
+                               HAS_RESIDUAL).to(out.dtype.element_ty)
     tl.store(out + row * H + offs, normed, mask=mask)
     if GROUP > 0:
         store_groups(normed.to(tl.float32), out_fp8 + row * H, out_scale + row * tl.cdiv(H, GROUP), 0, H,
                      N=BH, GROUP=GROUP)
 
 
-def _check_rms_norm_args(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
+def check_rms_norm_args(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
                          quantize_group: int) -> None:
     assert x.dim() == 2 and x.stride(1) == 1, "x: [T, H], unit stride along H"
     check_group_size(quantize_group)
@@ -103,7 +113,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     """Triton rms_norm_reference. x, residual [T, H] with unit stride along H; outputs contiguous.
     Without a residual the returned residual is x itself (no copy), as the reference. With
     quantize_group the one kernel also writes the quantized output."""
-    _check_rms_norm_args(x, weight, residual, quantize_group)
+    check_rms_norm_args(x, weight, residual, quantize_group)
     num_tokens, hidden = x.shape
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     if residual is not None:
