@@ -177,10 +177,10 @@ class SymmetricAllReduce:
         a barrier: its flag in this rank's signal pad set (slot [block, peer]) and this rank's
         flag in its pad cleared (slot [block, rank]: consumed). The kernels then run to their
         end on whatever the buffers hold. Returns whether the device became idle in time."""
-        num_slots = self.handle.signal_pad_size // 4 // self.size * self.size
-        own = self.handle.get_signal_pad(self.rank, [num_slots], dtype=torch.int32).view(-1, self.size)
+        flags = [self.num_slots * self.size]
+        own = self.handle.get_signal_pad(self.rank, flags, dtype=torch.int32).view(-1, self.size)
         peers = [p for p in range(self.size) if p != self.rank]
-        theirs = [self.handle.get_signal_pad(p, [num_slots], dtype=torch.int32).view(-1, self.size)[:, self.rank]
+        theirs = [self.handle.get_signal_pad(p, flags, dtype=torch.int32).view(-1, self.size)[:, self.rank]
                   for p in peers]
         idle = threading.Event()
 
