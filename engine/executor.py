@@ -24,6 +24,7 @@ Knows nothing about scheduling or models.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import multiprocessing as mp
@@ -31,6 +32,7 @@ import multiprocessing.connection
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -48,7 +50,7 @@ from .tensor_parallel import COLLECTIVE_TIMEOUT, TensorParallel, abort_nccl
 logger = logging.getLogger("deltaspec")
 
 JOIN_TIMEOUT_S = 10.0  # a closing worker gets this long before it is killed
-ABORT_TIMEOUT_S = 30.0  # the monitor's abort of the group, which close waits for
+ABORT_TIMEOUT_S = 10.0  # the monitor's abort of the group, which close waits for
 _JOINED = "deltaspec/workers_joined"  # store counter: workers that reached rank 0's store
 
 
@@ -146,8 +148,10 @@ class Workers:
             child.close()
             self.processes.append(process)
             self.pipes.append(parent)
+        self._abort_started = False
         self._monitor = threading.Thread(target=self._watch, name="deltaspec-tp-monitor", daemon=True)
         self._monitor.start()
+        atexit.register(self._exit_if_abort_stuck)
 
     def join(self, device: torch.device) -> TensorParallel:
         """Join the group once every worker has reached the store (a worker that dies first
@@ -198,6 +202,7 @@ class Workers:
             return
         self._died(sentinels[ready[0]])
         logger.error("%s", self.dead[1])
+        self._abort_started = True
         try:
             if self.group is not None:
                 self.group.abort()
@@ -235,11 +240,26 @@ class Workers:
         # is aborting the group because a worker died first. Leaving the group while that abort
         # runs races it on the same communicators (the killed-worker test hung there): wait.
         self._monitor.join(ABORT_TIMEOUT_S)
+        if not self.aborting:
+            atexit.unregister(self._exit_if_abort_stuck)
 
     @property
     def aborting(self) -> bool:
         """The monitor's abort of the group has not returned (the group cannot be left)."""
-        return self._monitor.is_alive()
+        return self._abort_started and self._monitor.is_alive()
+
+    def _exit_if_abort_stuck(self) -> None:
+        """At interpreter exit, while the monitor's abort has not returned: NCCL's abort can
+        wait for good on a kernel of this process that waits for the dead peer (2 H100s,
+        6869226), and the C++ teardown at exit then ends the process with std::terminate
+        (SIGABRT). End it here instead, with status 1 (a worker died) and the logs flushed."""
+        if not self.aborting:
+            return
+        logger.error("the process group's abort has not returned; ending the process (exit status 1)")
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(1)
 
 
 class ParallelRunner:

@@ -50,7 +50,7 @@ from ..kernels.all_reduce_norm import all_reduce_rms_norm
 ALGORITHMS = ("one_shot", "two_shot")
 DTYPES = (torch.bfloat16, torch.float32)  # what torch's kernels sum
 _OPS = {"one_shot": "one_shot_all_reduce_out", "two_shot": "two_shot_all_reduce_out"}  # (input, op, group, out)
-STAND_IN_TIMEOUT_S = 20.0  # below executor.ABORT_TIMEOUT_S, which the engine's close waits for
+STAND_IN_TIMEOUT_S = 8.0  # below executor.ABORT_TIMEOUT_S, which the engine's close waits for
 _GROUP_NAME_KEY = "deltaspec/symmetric_memory_group"
 # Every buffer lives as long as the process: freeing one synchronizes the device (torch's
 # allocator), which would hang on a kernel still spinning for a dead peer and is illegal while
