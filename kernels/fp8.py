@@ -43,7 +43,7 @@ import triton.language as tl
 from .activation import silu_and_mul_reference
 from .arrivals import arrival_counters, last_to_arrive, reset_arrivals
 from .device import INTERPRETED, num_sms
-from .launch import dependent_prologue, pdl_prefetch, prefetch_l2
+from .launch import dependent_prologue, pdl
 from .linear import split_k_for
 from .moe import block_rows, by_expert_reference, grouped_config, sort_pairs, store_weighted_pairs, sum_slots
 from .quantize import (FP8, FP8_MAX, SCALE_FLOOR, Activation, activation_values, quantize_groups,
@@ -108,8 +108,7 @@ def fp8_moe_experts_reference(x: Activation, weights: torch.Tensor, experts: tor
 @triton.jit(do_not_specialize=["M", "groups_per_split"])
 def _fp8_gemm_kernel(x_fp8, x_scale, w, w_scale, y, partials, arrivals, M, N, K, num_groups, groups_per_split,
                      stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-                     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr,
-                     PREFETCH: tl.constexpr):
+                     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """Program (m tile, n tile, K split): y = sum over groups g of (x_fp8[:, g] @ w[:, g]^T) *
     x_scale[:, g] (per row) * w_scale[:, g] (per output feature), fp32 accumulation. One K step
     is one group, so each partial product has exactly one scale per row and per column.
@@ -122,27 +121,21 @@ def _fp8_gemm_kernel(x_fp8, x_scale, w, w_scale, y, partials, arrivals, M, N, K,
 
     Tiles run in groups of GROUP_M m tiles down each n tile (the matmul tutorial's order), so
     the programs in flight share x's rows and W's rows in L2 instead of streaming x once per n
-    tile.
-
-    PREFETCH: the program's W slice (BLOCK_N rows x its groups) is asked into L2 before the PDL
-    wait, so its stream overlaps the predecessor (the activation quantizer; launch.prefetch_l2)."""
+    tile."""
+    dependent_prologue(DEPENDENT_LAUNCH)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     num_m_tiles, num_n_tiles = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     first_m = (pid // (GROUP_M * num_n_tiles)) * GROUP_M
     group_rows = tl.minimum(num_m_tiles - first_m, GROUP_M)
     pid_m = first_m + (pid % (GROUP_M * num_n_tiles)) % group_rows
     pid_n = (pid % (GROUP_M * num_n_tiles)) // group_rows
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    first = pid_k * groups_per_split
-    last = tl.minimum(first + groups_per_split, num_groups)
-    slice_bytes = tl.minimum(last * GROUP, K) - first * GROUP  # fp8: a byte a weight
-    prefetch_l2(w + tl.minimum(offs_n, N - 1).to(tl.int64) * K + first * GROUP,
-                tl.full([BLOCK_N], slice_bytes // 16 * 16, tl.int32), PREFETCH)
-    dependent_prologue(DEPENDENT_LAUNCH)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, GROUP)
     m_ok, n_ok = offs_m < M, offs_n < N
     rows_x, rows_w = offs_m.to(tl.int64), offs_n.to(tl.int64)
+    first = pid_k * groups_per_split
+    last = tl.minimum(first + groups_per_split, num_groups)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for g in range(first, last):
         k = g * GROUP + offs_k
@@ -235,12 +228,10 @@ def launch_fp8_gemm(y: torch.Tensor, x_fp8: torch.Tensor, x_scale: torch.Tensor,
         arrivals = arrival_counters(y.device, grid[0])
     else:  # never touched
         partials = arrivals = y
-    launch = pdl_prefetch(y.device, weight)
-    launch["PREFETCH"] &= num_rows <= config.block_m  # one m tile: each W slice is read once
     _fp8_gemm_kernel[grid](x_fp8, x_scale, weight, weight_scale, y, partials, arrivals, num_rows, num_features,
                            num_columns, num_groups, groups_per_split, y.stride(0), BLOCK_M=config.block_m,
                            BLOCK_N=config.block_n, GROUP=group_size, SPLIT_K=config.num_splits, GROUP_M=8,
-                           **config.launch_options(), **launch)
+                           **config.launch_options(), **pdl(y.device))
 
 
 def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

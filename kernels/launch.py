@@ -8,8 +8,7 @@ kernel's end and the next one's start is a real share of it. A kernel launched w
 `dependent_prologue`, which waits on-chip (griddepcontrol.wait) until the predecessor grid has
 finished and its stores are visible, and then lets its own successor launch. The wait comes
 before any memory access, so a dependent kernel orders exactly like a plain one (reads after the
-predecessor's writes, writes after its reads); only the launch latency overlaps, and the weight
-reads that `prefetch_l2` issues before the wait (weights are constant through a step). A predecessor
+predecessor's writes, writes after its reads); only the launch latency overlaps. A predecessor
 that never signals (a cuBLAS GEMM, the interpreter) simply completes first. Knows nothing about
 what the kernels compute.
 """
@@ -37,36 +36,6 @@ def pdl(device: torch.device) -> dict:
     """Launch options of a kernel that starts with dependent_prologue(DEPENDENT_LAUNCH)."""
     dependent = dependent_launch(device)
     return {"DEPENDENT_LAUNCH": dependent, "launch_pdl": dependent}
-
-
-@cache
-def prefetch_weights() -> bool:
-    """Whether PDL kernels pull their weights into L2 before waiting for their predecessor
-    (`prefetch_l2`); DELTASPEC_PREFETCH_WEIGHTS=0 turns it off (A/B timing)."""
-    return os.environ.get("DELTASPEC_PREFETCH_WEIGHTS", "1") != "0"
-
-
-def pdl_prefetch(device: torch.device, weight: torch.Tensor) -> dict:
-    """pdl(device) plus PREFETCH for a kernel that calls prefetch_l2 on rows of `weight` before
-    dependent_prologue: on where PDL is and the rows start 16-byte aligned (the instruction's
-    requirement; the kernel's row slices start at multiples of 16 bytes within a row)."""
-    options = pdl(device)
-    aligned = weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0
-    return {**options, "PREFETCH": options["DEPENDENT_LAUNCH"] and prefetch_weights() and aligned}
-
-
-@triton.jit
-def prefetch_l2(rows, num_bytes, PREFETCH: tl.constexpr):
-    """Ask L2 for num_bytes (int32, a multiple of 16) from each 16-byte-aligned address of the
-    pointer tensor `rows` (cp.async.bulk.prefetch.L2, sm_90: one instruction per row, fire and
-    forget). Called before dependent_prologue on data no kernel of the step writes (a
-    projection's weight): a PDL kernel sits launched while its predecessor finishes, and its
-    weight stream starts then instead of after the wait, the way a fused "megakernel" overlaps
-    one layer's weight loads with the work before them. A hint: the loads after the wait read
-    the same bytes, from L2 where the prefetch got there first."""
-    if PREFETCH:
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                                  [rows.to(tl.int64), num_bytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from .arrivals import arrival_counters, last_to_arrive, reset_arrivals
 from .device import INTERPRETED, num_sms
-from .launch import dependent_prologue, dot_precision, pdl_prefetch, prefetch_l2
+from .launch import dependent_prologue, dot_precision, pdl
 from .tiles import TileConfig
 
 MAX_ROWS = 64               # the kernel's limit (x is padded to a power of two >= 16 rows)
@@ -50,8 +50,7 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(x, w, y, partials, arrivals, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                   EVEN_K: tl.constexpr, PRECISION: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr,
-                   PREFETCH: tl.constexpr):
+                   EVEN_K: tl.constexpr, PRECISION: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """Program (N tile pid_n, K split pid_k): acc[BLOCK_N, BLOCK_M] = W[n tile, k split] @ x[:, k split]^T,
     i.e. y^T, so that the wide side (W's rows) is the MMA's M and the padded batch (>= 16 rows
     for tl.dot) its N. K splits are k_per_split long (a multiple of BLOCK_K); the last may be
@@ -62,21 +61,16 @@ def _linear_kernel(x, w, y, partials, arrivals, M, N, K, k_per_split, stride_xm,
     SPLIT_K > 1: partials [SPLIT_K, M, N] fp32 (scratch); arrivals[pid_n] counts the tile's
     programs in. The last one sums the partials in split order and writes y. The sum is
     unrolled so that its SPLIT_K loads are in flight together: that tail is one L2 round trip,
-    not SPLIT_K of them (a loop was slower; H100 A/B in commit 8b76c27).
-
-    PREFETCH: the program's W slice (BLOCK_N rows x its K split) is asked into L2 before the
-    PDL wait, so its stream overlaps the predecessor's tail (launch.prefetch_l2)."""
+    not SPLIT_K of them (a loop was slower; H100 A/B in commit 8b76c27)."""
+    dependent_prologue(DEPENDENT_LAUNCH)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
     rows_w = tl.minimum(offs_n, N - 1).to(tl.int64)
+    rows_x = tl.minimum(offs_m, M - 1).to(tl.int64)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    slice_bytes = (k_end - k_start) * (w.dtype.element_ty.primitive_bitwidth // 8)
-    prefetch_l2(w + rows_w * stride_wn + k_start, tl.full([BLOCK_N], slice_bytes // 16 * 16, tl.int32), PREFETCH)
-    dependent_prologue(DEPENDENT_LAUNCH)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    rows_x = tl.minimum(offs_m, M - 1).to(tl.int64)
     w_ptrs = w + rows_w[:, None] * stride_wn + (k_start + offs_k)[None, :]     # [BLOCK_N, BLOCK_K]
     x_ptrs = x + rows_x[:, None] * stride_xm + (k_start + offs_k)[None, :]     # [BLOCK_M, BLOCK_K]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -141,8 +135,8 @@ def kernel_config(num_rows: int, out_features: int, in_features: int, sms: int) 
 @cache
 def kernel_everywhere() -> bool:
     """DELTASPEC_LINEAR_KERNEL=always: the kernel for every shape up to KERNEL_MAX_ROWS rows, cuBLAS
-    for none (A/B timing of whole steps, where the kernel's PDL launch and weight prefetch overlap
-    its predecessor and a cuBLAS GEMM does not; use_kernel's rule was measured one call at a time)."""
+    for none (A/B timing of whole steps, where the kernel's PDL launch overlaps its predecessor and
+    a cuBLAS GEMM's does not; use_kernel's rule was measured one call at a time)."""
     return os.environ.get("DELTASPEC_LINEAR_KERNEL") == "always"
 
 
@@ -221,7 +215,7 @@ def launch_linear(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config
     else:  # never touched
         partials = arrivals = y
     _linear_kernel[grid](x, weight, y, partials, arrivals, num_rows, out_features, in_features, k_per_split,
-                         x.stride(0), weight.stride(0), y.stride(0), **meta, **pdl_prefetch(device, weight))
+                         x.stride(0), weight.stride(0), y.stride(0), **meta, **pdl(x.device))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
