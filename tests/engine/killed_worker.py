@@ -8,6 +8,7 @@ The line holds what the test checks: the error (its type and message) and how lo
 come, the tokens handed out and one GPU's tokens for the same request, how long close took and
 whether any worker process was left."""
 
+import faulthandler
 import json
 import os
 import signal
@@ -49,4 +50,6 @@ def main(path: str, all_reduce: str) -> dict:
 
 
 if __name__ == "__main__":
+    # A hang shows where: every thread's stack on stderr, then exit, before the test's timeout.
+    faulthandler.dump_traceback_later(180, exit=True)
     print(json.dumps(main(sys.argv[1], sys.argv[2])), flush=True)
