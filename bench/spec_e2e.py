@@ -13,8 +13,11 @@ For each shape, batch (1, 4, 16, 64, 256), temperature (0, 0.7) and profile, sid
 one run: plain decoding (an engine with num_draft_tokens=0), fixed k = 1..4 and the adaptive
 default (up to 3 drafts, each step's K from the measured step costs). tokens/s counts generated
 tokens over the wall time of the decode steps (prefill excluded: every request's prompt is
-prefilled before the clock starts); small batches generate more tokens per request (at least
-2048 in all, at most 256 each) so that every run spans many steps. The dense shapes also run
+prefilled before the clock starts); every request generates --tokens (128) or more, small
+batches more (at least 2048 in all, at most 256 each), so that every run spans many steps: with
+48 tokens a request, a speculative run at batch 256 was ~20 steps, its tail (the last rows
+finishing at different steps) a large share, and the same cell read 0.91x and 1.07x in two runs
+(H100, d402836). The dense shapes also run
 with the reduced draft vocabulary (the 32768 most frequent ids; on a random model which ids does
 not change the cost).
 
@@ -22,7 +25,7 @@ Also recorded per shape and batch: the measured step costs (the policy's table: 
 speculative step at each K) and the bound they give, mean accepted length / (cost(K) / cost(0))
 in plain steps, for the shipped profile at K = 3.
 
-    python bench/spec_e2e.py [--shapes 0.8b,9b,35b-a3b] [--batches 1,4,16,64,256] [--tokens 48]
+    python bench/spec_e2e.py [--shapes 0.8b,9b,35b-a3b] [--batches 1,4,16,64,256] [--tokens 128]
 
 Writes bench/results/spec_e2e-<gpu>.json and .png (speedup over plain decoding by batch, one
 line per shape and setting).
@@ -168,7 +171,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="0.8b,9b,35b-a3b")
     parser.add_argument("--batches", default="1,4,16,64,256")
     parser.add_argument("--temperatures", default="0,0.7")
-    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
