@@ -147,15 +147,22 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def measure(core: EngineCore, batches: list[int], tokens: int, temperatures: list[float], bar: tqdm) -> dict:
-    """tokens/s by (temperature, batch), after an untimed run per batch and temperature."""
+def measure(core: EngineCore, batches: list[int], tokens: int, temperatures: list[float], bar: tqdm,
+            draft_counts: dict | None = None) -> dict:
+    """tokens/s by (temperature, batch), after an untimed run per batch and temperature.
+    draft_counts: filled with the steps the adaptive policy ran at each K in each timed run."""
     results = {}
     for batch in batches:
         for temperature in temperatures:  # greedy and sampled steps compile different kernels
             run(core, batch, 8, temperature, seed=0)
         for temperature in temperatures:
+            policy = core.scheduler.draft_policy
+            before = dict(policy.chosen) if policy is not None else {}
             results[f"T={temperature}", batch] = run(core, batch, max(tokens, min(256, 2048 // batch)), temperature,
                                                      seed=1)
+            if draft_counts is not None:
+                draft_counts[f"T={temperature}, batch {batch}"] = {
+                    f"K={k}": n - before.get(k, 0) for k, n in sorted(policy.chosen.items()) if n > before.get(k, 0)}
             bar.update()
     return results
 
@@ -214,7 +221,8 @@ def main() -> None:
                         set_policy(core, k, adaptive=False)
                         settings[f"k={k}"] = measure(core, batches, args.tokens, temperatures, bar)
                     set_policy(core, ADAPTIVE_MAX, adaptive=True)
-                    settings["adaptive"] = measure(core, batches, args.tokens, temperatures, bar)
+                    draft_counts: dict = {}
+                    settings["adaptive"] = measure(core, batches, args.tokens, temperatures, bar, draft_counts)
                     costs = core.scheduler.draft_policy.costs
                     per_variant[profile_name] = {
                         "tokens_per_s": {name: {f"{t}, batch {b}": v for (t, b), v in values.items()}
@@ -222,6 +230,8 @@ def main() -> None:
                         "speedup": {name: {f"{t}, batch {b}": v / plain_tps[t, b] for (t, b), v in values.items()}
                                     for name, values in settings.items()},
                         "step_costs": costs.as_dict(),
+                        # The adaptive policy's steps at each K in each timed run (probes included).
+                        "adaptive_draft_counts": draft_counts,
                         # mean accepted length / (cost(K) / cost(0)) in plain steps, at K = 3
                         "bound_k3": {b: (1 + sum(by_position[:3])) / (costs(b, 3) / costs(b, 0)) for b in batches},
                     }

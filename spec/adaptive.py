@@ -128,6 +128,7 @@ class DraftPolicy:
     # sights behind each estimate (1 or 2: the first two are treated apart).
     observed: dict[tuple[int, int], float] = field(default_factory=dict)
     sights: dict[tuple[int, int], int] = field(default_factory=dict)
+    chosen: dict[int, int] = field(default_factory=dict)  # steps run at each K, probes included (stats)
 
     def __post_init__(self) -> None:
         if self.max_draft_tokens < 1:
@@ -157,7 +158,7 @@ class DraftPolicy:
     def fresh(self) -> DraftPolicy:
         """The same policy with nothing observed (after the start-up warm-up)."""
         return dataclasses.replace(self, steps_at_zero=0, steps=0, last_chosen={}, observed={}, observed_at={},
-                                   sights={})
+                                   sights={}, chosen={})
 
     def cost(self, num_rows: int, num_drafts: int, num_sampled: int) -> float:
         bucket = self.costs.bucket(num_rows)
@@ -205,6 +206,7 @@ class DraftPolicy:
             self.steps_at_zero = 0
         self.steps += 1
         self.last_chosen[self.costs.bucket(num_rows), best] = self.steps
+        self.chosen[best] = self.chosen.get(best, 0) + 1
         return best
 
     def _stale_probe(self, num_rows: int, best: int, top: int) -> int:

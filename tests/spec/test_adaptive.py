@@ -67,6 +67,7 @@ def test_draft_policy_turns_off_probes_and_grows_back():
     assert policy.choose([good], [4], limit=100) == 4
     chosen = [policy.choose([bad], [4], limit=100) for _ in range(12)]
     assert chosen == [0] * 5 + [1] + [0] * 5 + [1]      # a probe after every 5 steps at K = 0
+    assert policy.chosen == {4: 1, 0: 10, 1: 2} and policy.fresh().chosen == {}
     cheap = DraftPolicy(4, StepCosts.relative(4, cost_per_draft=0.05))
     assert cheap.choose([good, good], [4, 2], limit=100) == 4  # rooms cap rows, not the step
     assert cheap.choose([good], [4], limit=2) == 2             # the token budget caps the step
