@@ -127,16 +127,13 @@ def measure_floor(reads: Sequence[Read], device: torch.device) -> dict:
     sweep = [{**dataclasses.asdict(config), "us": step_us(ReadChain(words, spans["step"], config, False))}
              for config in SWEEP]
     best = ReadConfig(**{key: value for key, value in min(sweep, key=lambda entry: entry["us"]).items() if key != "us"})
-    rows = [row("roofline", None, None, roofline_us, num_bytes, roofline_us)]
-    pdl = supports_dependent_launch(device)
-    for granularity in GRANULARITIES:
-        for dependent in (False, True) if pdl and granularity != "step" else (False,):
+    whole = ReadChain(words, spans["step"], best, dependent=False)  # one launch a step: no PDL to overlap within it
+    rows = [row("roofline", None, None, roofline_us, num_bytes, roofline_us),
+            row("read, 1 launch", 1, None, step_us(whole), num_bytes, roofline_us)]
+    for granularity in ("layer", "kernel"):
+        for dependent in (False, True) if supports_dependent_launch(device) else (False,):
             chain = ReadChain(words, spans[granularity], best, dependent)
-            if granularity == "step":  # one launch a step: nothing for PDL to overlap within it
-                rows.append(row("read, 1 launch", 1, None, step_us(chain), num_bytes, roofline_us))
-            else:
-                rows.append(row(f"read, per {granularity}", len(chain), dependent, step_us(chain), num_bytes,
-                                roofline_us))
+            rows.append(row(f"read, per {granularity}", len(chain), dependent, step_us(chain), num_bytes, roofline_us))
     return {"bytes_streamed": words.numel() * 4, "copy_us": copy_us, "copy_bandwidth_bytes_per_s": bandwidth,
             "roofline_us": roofline_us, "read_config": dataclasses.asdict(best), "read_config_sweep": sweep,
             "rows": rows}

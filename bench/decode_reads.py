@@ -78,12 +78,10 @@ class _Recorder:
 
     def watch(self, model: HybridLM, states: StatePool, kv: KVPool) -> None:
         self.names = {id(p): name for name, p in model.named_parameters()}
-        for i, layer in enumerate(states.layers):
-            for field, t in zip(layer._fields, layer):
-                self.names[id(t)] = f"states.layers.{i}.{field}" if field != "pending_counts" else "states.pending_counts"
-        for i, layer in enumerate(kv.layers):
-            for field, t in zip(layer._fields, layer):
-                self.names[id(t)] = f"kv.layers.{i}.{field}"
+        for pool, layers in (("states", states.layers), ("kv", kv.layers)):
+            for i, layer in enumerate(layers):
+                self.names.update({id(t): f"{pool}.layers.{i}.{field}" for field, t in zip(layer._fields, layer)})
+        self.names[id(states.pending_counts)] = "states.pending_counts"   # one tensor shared by every layer
         self.pools = {id(t) for layer in (*states.layers, *kv.layers) for t in layer}
         # The layer a launch belongs to: set as each decoder layer starts; after one ends, the next stage.
         for i, layer in enumerate(model.layers):
@@ -149,7 +147,7 @@ def decode_reads(config: ModelConfig, batch: int = 1, context: int = CONTEXT,
     embedding = Read("embedding", 0, batch * hidden_row, 0, _nbytes(step.input_ids), ("embed_tokens",))
     with torch.inference_mode():
         model(step, states, kv)
-    head = model.config.num_hidden_layers
+    head = config.num_hidden_layers
     lm_head = "embed_tokens" if model.lm_head is None else "lm_head"
     logits = batch * config.vocab_size
     # model.compute_logits(hidden).argmax(dim=-1): the GEMM, the float copy, the argmax.
