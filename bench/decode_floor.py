@@ -201,8 +201,10 @@ def main() -> None:
           f"{report['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s, read config {report['read_config']}")
     for r in report["rows"]:
         pdl = "" if r["dependent_launch"] is None else " PDL" if r["dependent_launch"] else " no PDL"
-        print(f"  {r['name'] + pdl:28s} {r['launches'] or '':>5} launches {r['us_per_step']:8.1f} us "
-              f"{r['gb_per_s']:7.0f} GB/s {r['share_of_roofline']:6.1%}")
+        launches = f"{r['launches']:4d} launches" if r["launches"] else ""
+        print(f"  {r['name'] + pdl:26s} {launches:13s} {r['us_per_step']:8.1f} us {r['gb_per_s']:6.0f} GB/s "
+              f"{r['share_of_roofline']:6.1%}")
+    print(f"  engine: kernels {engine['kernel_sum_us']:.0f} us, graph overhead {engine['graph_overhead_us']:.0f} us")
     print("wrote", path)
 
 

@@ -1,7 +1,8 @@
-"""bench/decode_floor.py's parts on the CPU: the read kernel (bench/stream_read.py) against its
-torch reference under the interpreter; the decode step's launch list (bench/decode_reads.py)
-against the 0.8B shape's parameter and state bytes counted here by hand; the launches of each
-granularity covering one arena, read whole by their chain."""
+"""bench/decode_floor.py's parts: the read kernel (bench/stream_read.py) against its torch
+reference (CPU: the interpreter; GPU: with PDL where it has it); the decode step's launch list
+(bench/decode_reads.py) against the 0.8B shape's parameter and state bytes counted here by
+hand; the launches of each granularity covering one arena, read whole by their chain (GPU: also
+from a CUDA graph replay)."""
 
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from stream_read import ReadConfig, stream_read, stream_read_reference  # noqa: 
 
 from deltaspec.engine.models import HybridLM  # noqa: E402
 from deltaspec.kernels import REFERENCE_OPS  # noqa: E402
+from deltaspec.kernels.device import supports_dependent_launch  # noqa: E402
 
 GDN_LAYER = ["rms_norm", "linear", "causal_conv1d_decode", "gdn_decode", "gated_rms_norm", "linear",
              "rms_norm", "linear", "silu_and_mul", "linear"]
@@ -31,16 +33,16 @@ def random_words(num_words: int, seed: int) -> torch.Tensor:
 
 
 def wrapped_sum(words: torch.Tensor) -> int:
-    return int(words.long().sum()) % 2**32
+    return int(words.long().sum().cpu()) % 2**32
 
 
 # (words, programs, block): one word; a ragged last tile; more programs than tiles (the extra
 # programs store 0); several tiles per program.
 @pytest.mark.parametrize("num_words,num_programs,block", [(1, 1, 16), (1000, 3, 64), (320, 8, 64), (4099, 2, 1024)])
-def test_stream_read_matches_reference(num_words, num_programs, block):
-    words = random_words(num_words, seed=num_words)
-    partials = torch.full((num_programs,), 12345, dtype=torch.int32)
-    stream_read(words, partials, ReadConfig(block=block), dependent_launch=False)
+def test_stream_read_matches_reference(num_words, num_programs, block, kernel_device):
+    words = random_words(num_words, seed=num_words).to(kernel_device)
+    partials = torch.full((num_programs,), 12345, dtype=torch.int32, device=kernel_device)
+    stream_read(words, partials, ReadConfig(block=block), supports_dependent_launch(words.device))
     assert torch.equal(partials, stream_read_reference(words, num_programs, block))
     assert wrapped_sum(partials) == wrapped_sum(words)
 
@@ -109,4 +111,20 @@ def test_launch_spans_cover_one_arena_and_chains_read_it_whole(kernel_device):
         chain = ReadChain(words, spans[granularity], ReadConfig(block=256, programs_per_sm=2), dependent=False)
         chain()
         assert len(chain) == len(spans[granularity])
-        assert wrapped_sum(chain.partials.cpu()) == wrapped_sum(words.cpu())
+        assert wrapped_sum(chain.partials) == wrapped_sum(words)
+
+
+@pytest.mark.gpu
+def test_a_dependent_launch_chain_replayed_from_a_cuda_graph_reads_the_arena_whole():
+    """As decode_floor times it: the tiny shape's per-kernel chain, PDL where the GPU has it."""
+    spans = launch_spans(decode_reads(shape_config("tiny")), "kernel")
+    words = random_words(spans[-1].start + spans[-1].num_words, seed=3).cuda()
+    chain = ReadChain(words, spans, ReadConfig(), dependent=supports_dependent_launch(words.device))
+    chain()  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    chain.partials.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert wrapped_sum(chain.partials) == wrapped_sum(words)
