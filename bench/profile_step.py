@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from common import commit_id, device_tag, graph_time_us  # noqa: E402
-from spec_step import BLOCK, CONTEXT, random_model  # noqa: E402
+from spec_step import BLOCK, CONTEXT, GRAPH_CALLS, random_model  # noqa: E402
 from deltaspec.engine.batch import ForwardBatch, Row  # noqa: E402
 from deltaspec.engine.state_pool import KVPool, StatePool  # noqa: E402
 
@@ -66,7 +66,7 @@ def measure(model, batch: int, num_drafts: int) -> dict:
 
         for _ in range(3):
             step()
-        graph_us = graph_time_us(lambda _: step(), 4)
+        graph_us = graph_time_us(lambda _: step(), GRAPH_CALLS)
         kernels, launches = kernel_table(step, PROFILED_STEPS)
     kernel_us = sum(k["us_per_step"] for k in kernels)
     return {"batch": batch, "tokens_per_row": tokens, "graph_replay_us": graph_us, "kernel_sum_us": kernel_us,

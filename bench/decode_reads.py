@@ -1,0 +1,162 @@
+"""What a plain decode step reads, launch by launch: the model's own forward traced on the CPU.
+
+`decode_reads(config, batch, context)` builds the HybridLM of `config` with uninitialised
+weights (shapes are all that matter; untouched pages cost no memory) and runs one decode step
+of `batch` rows, each with `context` tokens already in its KV cache and a state in its slot,
+through an Ops table that records every call before running the torch reference. Each Ops call
+is one launch of the GPU step, in the step's order; what it reads is classified by identity:
+
+    weight      a parameter of the model, read whole
+    state       a pool tensor (StatePool, KVPool), read as the op reads it (POOL_READS): the rows
+                of the batch's slots, or the keys and values of the rows' context
+    activation  anything else it is handed (the step's activations and metadata); `out` is written
+
+The forward's torch ops outside the Ops table are added by hand, as bench/profile_step.py's step
+runs them: the embedding gather before the layers, and after the final norm the logits (the
+lm_head GEMM, their float copy) and the argmax. Ops whose GPU kernel is two launches (split-KV
+attention and its combine) count as one, so the list has a few launches fewer than the GPU
+step; as a floor it errs low. bf16 / fp16 / fp32 models only (FP8 activations are not counted).
+Knows nothing about timing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from spec_step import BLOCK, CONTEXT, SHAPES
+from deltaspec.engine import ModelConfig
+from deltaspec.engine.batch import ForwardBatch, Row
+from deltaspec.engine.models import HybridLM
+from deltaspec.engine.state_pool import KVPool, StatePool
+from deltaspec.kernels import REFERENCE_OPS, Ops
+
+# How an op of the decode step reads the pool tensors it is handed: the rows of the batch's
+# slots (state pools, slot first), the keys or values of each row's context (KV caches), or
+# nothing (write_kv only stores the new tokens' keys and values).
+POOL_READS = {"causal_conv1d_decode": "slots", "gdn_decode": "slots", "paged_attention": "context",
+              "write_kv": "none"}
+
+
+@dataclass(frozen=True)
+class Read:
+    """One launch of a decode step and the bytes it reads. layer: the launch's stage, decoder
+    layer 0..L-1 (the embedding gather counts with layer 0, whose input it is) or L for the
+    final norm and the head. tensors: the weights and state it reads, by name."""
+
+    op: str
+    layer: int
+    weight_bytes: int
+    state_bytes: int
+    activation_bytes: int
+    tensors: tuple[str, ...]
+
+    @property
+    def num_bytes(self) -> int:
+        return self.weight_bytes + self.state_bytes + self.activation_bytes
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _Recorder:
+    """An Ops table whose every entry records its call as a Read, then runs the reference."""
+
+    def __init__(self) -> None:
+        self.reads: list[Read] = []
+        self.layer = 0
+        self.names: dict[int, str] = {}   # id(tensor) -> name, of weights and pool tensors
+        self.pools: set[int] = set()
+        self.ops = dataclasses.replace(REFERENCE_OPS, name="recording", **{
+            f.name: self._recording(f.name, getattr(REFERENCE_OPS, f.name))
+            for f in dataclasses.fields(Ops) if f.name != "name"})
+
+    def watch(self, model: HybridLM, states: StatePool, kv: KVPool) -> None:
+        self.names = {id(p): name for name, p in model.named_parameters()}
+        for pool, layers in (("states", states.layers), ("kv", kv.layers)):
+            for i, layer in enumerate(layers):
+                self.names.update({id(t): f"{pool}.layers.{i}.{field}" for field, t in zip(layer._fields, layer)})
+        self.names[id(states.pending_counts)] = "states.pending_counts"   # one tensor shared by every layer
+        self.pools = {id(t) for layer in (*states.layers, *kv.layers) for t in layer}
+        # The layer a launch belongs to: set as each decoder layer starts; after one ends, the next stage.
+        for i, layer in enumerate(model.layers):
+            layer.register_forward_pre_hook(lambda *_, i=i: setattr(self, "layer", i))
+            layer.register_forward_hook(lambda *_, i=i: setattr(self, "layer", i + 1))
+
+    def _recording(self, op: str, fn: Callable) -> Callable:
+        signature = inspect.signature(fn)
+
+        def call(*args, **kwargs):
+            self.reads.append(self._read(op, signature.bind(*args, **kwargs).arguments))
+            return fn(*args, **kwargs)
+
+        return call
+
+    def _read(self, op: str, arguments: dict) -> Read:
+        weight = state = activation = 0
+        tensors = []
+        for name, value in arguments.items():
+            if name == "out" or not isinstance(value, torch.Tensor):
+                continue
+            if id(value) in self.pools:
+                num_bytes = self._pool_bytes(op, value, arguments)
+                state += num_bytes
+                if num_bytes:  # not the empty pending buffers of a pool without speculation
+                    tensors.append(self.names[id(value)])
+            elif id(value) in self.names:
+                weight += _nbytes(value)
+                tensors.append(self.names[id(value)])
+            else:
+                activation += _nbytes(value)
+        return Read(op, self.layer, weight, state, activation, tuple(tensors))
+
+    @staticmethod
+    def _pool_bytes(op: str, pool: torch.Tensor, arguments: dict) -> int:
+        if op not in POOL_READS:
+            raise ValueError(f"{op} is handed a pool tensor; how it reads it is not in POOL_READS")
+        how = POOL_READS[op]
+        if how == "slots":
+            return arguments["slot_ids"].numel() * _nbytes(pool[0])
+        if how == "context":
+            return int(arguments["context_lens"].sum()) * _nbytes(pool[0, 0])
+        return 0
+
+
+def decode_reads(config: ModelConfig, batch: int = 1, context: int = CONTEXT,
+                 dtype: torch.dtype = torch.bfloat16) -> tuple[Read, ...]:
+    """The launches of a plain decode step (one token per row, committed) of `batch` rows at
+    `context` tokens each, in order, with what each reads (see the module docstring)."""
+    if config.quantization is not None:
+        raise ValueError("decode_reads counts unquantized models only")
+    recorder = _Recorder()
+    model = HybridLM(config, recorder.ops, dtype, with_mtp=False)
+    blocks_per_row = (context + 1) // BLOCK + 1
+    states = StatePool(config, batch + 1, 0, dtype, "cpu")   # slot 0 is the engine's scratch
+    kv = KVPool(model.num_kv_layers, batch * blocks_per_row + 1, BLOCK, config.num_key_value_heads, config.head_dim,
+                dtype, "cpu")
+    recorder.watch(model, states, kv)
+    rows = [Row([0], context, r + 1, list(range(1 + r * blocks_per_row, 1 + (r + 1) * blocks_per_row)))
+            for r in range(batch)]
+    step = ForwardBatch.build(rows, [], BLOCK, "cpu", commit=True)
+    hidden_row = config.hidden_size * torch.finfo(dtype).bits // 8
+    embedding = Read("embedding", 0, batch * hidden_row, 0, _nbytes(step.input_ids), ("embed_tokens",))
+    with torch.inference_mode():
+        model(step, states, kv)
+    head = config.num_hidden_layers
+    lm_head = "embed_tokens" if model.lm_head is None else "lm_head"
+    logits = batch * config.vocab_size
+    # model.compute_logits(hidden).argmax(dim=-1): the GEMM, the float copy, the argmax.
+    tail = (Read("lm_head", head, _nbytes(model.lm_head_weight), 0, batch * hidden_row, (lm_head,)),
+            Read("logits_float", head, 0, 0, logits * torch.finfo(dtype).bits // 8, ()),
+            Read("argmax", head, 0, 0, logits * 4, ()))
+    return (embedding, *recorder.reads, *tail)
+
+
+def shape_config(shape: str) -> ModelConfig:
+    """The ModelConfig of a bench shape (spec_step.SHAPES, what profile_step times)."""
+    return ModelConfig.from_dict({"model_type": "qwen3_5_text", **SHAPES[shape]})
