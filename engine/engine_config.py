@@ -86,9 +86,6 @@ class EngineConfig:
             problems.append("tensor_parallel_size must be >= 1")
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
             problems.append("enable_expert_parallel needs tensor_parallel_size > 1")
-        if self.tensor_parallel_size > 1 and self.draft_vocab_size:
-            problems.append("draft_vocab_size is not supported with tensor_parallel_size > 1 (drafts score the "
-                            "full vocabulary)")
         if self.load_format not in LOAD_FORMATS:
             problems.append(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.all_reduce not in ALL_REDUCES:

@@ -49,6 +49,7 @@ class HybridLM(nn.Module):
         # Reduced draft vocabulary (optional): the MTP head scores only these token ids.
         self.draft_token_ids: torch.Tensor | None = None
         self.draft_head: torch.Tensor | None = None
+        self.draft_padding: torch.Tensor | None = None  # under tensor parallelism: -inf on padded rows
 
     @property
     def num_kv_layers(self) -> int:
@@ -112,23 +113,44 @@ class HybridLM(nn.Module):
     def use_draft_vocab(self, token_ids: torch.Tensor | None) -> None:
         """Let drafts come from `token_ids` only (None: the full vocabulary). The rows of the
         lm_head for those ids are copied once, so a draft step reads N x H weights, not V x H;
-        exactness is unaffected because the target verifies every draft."""
+        exactness is unaffected because the target verifies every draft.
+
+        Under tensor parallelism each rank holds the rows of the ids in its vocabulary shard,
+        padded to the most any rank holds (equal shards for the all-gather); the gathered
+        scores [N, tp x rows] take -inf where a rank's rows are padding, and `draft_token_ids`
+        maps each gathered column to its id. Ties between equal scores may resolve to another
+        id than on one device (a draft, which the target verifies either way)."""
+        self.draft_token_ids = self.draft_head = self.draft_padding = None
         if token_ids is None:
-            self.draft_token_ids = self.draft_head = None
             return
-        if self.tp is not None:
-            raise ValueError("a reduced draft vocabulary is not supported under tensor parallelism")
         ids = token_ids.to(self.embed_tokens.device, torch.int64)
         if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
             raise ValueError(f"draft vocabulary ids must be in [0, {self.config.vocab_size})")
-        self.draft_token_ids = ids
-        self.draft_head = self.lm_head_weight.detach()[ids].contiguous()
+        if self.tp is None:
+            self.draft_token_ids = ids
+            self.draft_head = self.lm_head_weight.detach()[ids].contiguous()
+            return
+        shard = self.lm_head_weight.shape[0]  # vocabulary rows per rank
+        by_rank = [ids[ids // shard == rank] for rank in range(self.tp.size)]
+        rows = max(len(r) for r in by_rank)
+        mine = by_rank[self.tp.rank]
+        self.draft_head = self.lm_head_weight.new_zeros(rows, self.lm_head_weight.shape[1])
+        self.draft_head[:len(mine)] = self.lm_head_weight.detach()[mine - self.tp.rank * shard]
+        self.draft_token_ids = torch.zeros(self.tp.size * rows, dtype=torch.int64, device=ids.device)
+        self.draft_padding = torch.full((self.tp.size * rows,), float("-inf"), dtype=self.lm_head_weight.dtype,
+                                        device=ids.device)
+        for rank, rank_ids in enumerate(by_rank):
+            self.draft_token_ids[rank * rows:rank * rows + len(rank_ids)] = rank_ids
+            self.draft_padding[rank * rows:rank * rows + len(rank_ids)] = 0
 
     def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """MTP output [N, H] -> greedy draft token ids [N], from the draft vocabulary if set."""
         if self.draft_head is None:
             return self.compute_logits(hidden).argmax(dim=-1)
-        return self.draft_token_ids[F.linear(hidden, self.draft_head).argmax(dim=-1)]
+        scores = F.linear(hidden, self.draft_head)
+        if self.tp is not None:
+            scores = self.tp.gather_logits(scores) + self.draft_padding
+        return self.draft_token_ids[scores.argmax(dim=-1)]
 
     def draft_hidden(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
                      kv: KVPool, mtp_layer: int = 0) -> torch.Tensor:

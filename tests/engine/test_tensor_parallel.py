@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -180,6 +181,55 @@ def test_isolation_harness_with_speculation(checkpoint):
     with pytest.raises(TensorParallelError, match="workers were stopped"):
         core.step()
     core.close()
+
+
+def test_reduced_draft_vocabulary_under_tp_equals_one_device(checkpoint, tmp_path):
+    """draft_vocab_size at tp 2 through the engine (each rank's share of the ids, the gathered
+    argmax in the speculative steps): the same greedy tokens and the same draft statistics as
+    one device. The drafts themselves: test_draft_vocabulary_split_over_ranks_drafts_as_one_device."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(checkpoint("qwen3_5"), path)
+    batch = prompts(3, 12, seed=8)
+    expected = reference(path, batch)
+    vocab = sorted({t for row in expected for t in row} | set(range(0, 200, 3)))  # more ids in rank 0's half
+    (path / "draft_vocab.json").write_text(json.dumps({"token_ids": vocab}))
+    options = dict(num_draft_tokens=3, adaptive_draft_length=False, draft_vocab_size=len(vocab), **POOLS)
+    runs = []
+    for tp in (1, 2):
+        with LLM(path, tensor_parallel_size=tp, **options) as llm:
+            runs.append(([o.token_ids for o in llm.generate(batch, GREEDY)], llm.core.stats()["spec"]))
+    (one, one_spec), (two, two_spec) = runs
+    assert two == one == expected
+    assert one_spec["num_verify_steps"] > 0 and two_spec == one_spec
+
+
+def test_draft_vocabulary_split_over_ranks_drafts_as_one_device():
+    """Each rank keeps the draft ids of its vocabulary shard (padded to the most any rank
+    holds; here 3 : 1) and the gathered scores, padding at -inf, give one device's drafts.
+    The all-gather is played by the test: every rank's scores, in rank order."""
+    config = ModelConfig.from_dict(SMALL_122B)
+    full = random_model(config, REFERENCE_OPS, torch.float32, "cpu", seed=5)
+    generator = torch.Generator().manual_seed(9)
+    ids = torch.cat([torch.randperm(256, generator=generator)[:60], 256 + torch.randperm(256, generator=generator)[:20]])
+    ids = ids[torch.randperm(len(ids), generator=generator)]
+    full.use_draft_vocab(ids)
+    hidden = torch.randn(7, config.hidden_size, generator=generator)
+
+    class Gathered(TensorParallel):
+        def gather_logits(self, local, out=None):
+            return torch.cat([torch.nn.functional.linear(hidden, m.draft_head) for m in ranks], dim=1)
+
+    ranks = []
+    for rank in range(2):
+        model = random_model(config, REFERENCE_OPS, torch.float32, "cpu", Gathered(rank, 2, torch.device("cpu")))
+        model.lm_head.data.copy_(full.lm_head[rank * 256:(rank + 1) * 256])
+        model.use_draft_vocab(ids)
+        ranks.append(model)
+    assert [m.draft_head.shape[0] for m in ranks] == [60, 60]  # rank 1's 20 rows padded
+    expected = full.draft_tokens(hidden)
+    assert bool(torch.isin(expected, ids).all())
+    for model in ranks:
+        assert torch.equal(model.draft_tokens(hidden), expected)
 
 
 @pytest.mark.parametrize("family, expert_parallel", [("qwen3_5_moe", False), ("qwen3_next", True)])
