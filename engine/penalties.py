@@ -10,7 +10,8 @@ every step (a request not scheduled in a step is preempted, and starts again), s
 of running requests are the most recently used. `start` builds a slot's from the host's
 token lists when the request's first token is sampled (after admission, a restore or a
 preemption: the host knows every token then); `record` adds the tokens a step emitted, on the
-device, so a step launched before the host has read the step before it (fed rows) sees them.
+device (one kernel: kernels/penalties.py), so a step launched before the host has read the step
+before it (fed rows) sees them.
 The tensors are allocated on the first penalized request (a plain engine pays nothing:
 N x V x 5 bytes, 0.3 GiB at N = 256 and V = 248,320). `start` also writes the row's parameters:
 its (repetition, frequency, presence) coefficients and its logit_bias as (token, bias) pairs
@@ -57,7 +58,8 @@ class PenalizedRows(NamedTuple):
 
 class Penalties:
     def __init__(self, num_rows: int, vocab_size: int, device: torch.device, ops: Ops) -> None:
-        """num_rows: penalized requests running at once at most; ops: the dense pass's kernel."""
+        """num_rows: penalized requests running at once at most; ops: the dense pass's and the
+        statistics update's kernels."""
         self.num_rows, self.vocab_size, self.device, self.ops = num_rows, vocab_size, device, ops
         self.output_counts: torch.Tensor | None = None  # allocated by the first `start`
         self._row_of: OrderedDict[int, int] = OrderedDict()  # slot -> its statistics row, least recently used first
@@ -182,21 +184,10 @@ class Penalties:
         all W when None), to the penalized rows' (`select`) slot statistics."""
         if penalized is None:
             return
-        index, stats = penalized.index, penalized.stats
-        tokens = emitted if index is None else emitted[index]                          # [P, W]
-        width = tokens.shape[1]
-        if num_emitted is None:
-            count, valid = torch.full_like(stats, width), torch.ones_like(tokens, dtype=torch.int32)
-        else:
-            count = (num_emitted if index is None else num_emitted[index]).long()
-            valid = (torch.arange(width, device=self.device) < count[:, None]).int()
-        # Integer atomics: exact in any order. Row s's token t is flat entry s * V + t.
-        self.output_counts.view(-1).scatter_add_(0, (stats[:, None] * self.vocab_size + tokens).reshape(-1),
-                                                 valid.reshape(-1))
-        self.num_output.index_add_(0, stats, count)
-        # recent: the last R of (recent, the valid emitted tokens)
-        joined = torch.cat([self.recent[stats], tokens], dim=1)                        # [P, R + W]
-        self.recent[stats] = joined.gather(1, count[:, None] + torch.arange(_RECENT, device=self.device))
+        index = penalized.index
+        self.ops.record_tokens(self.output_counts, self.num_output, self.recent, penalized.stats,
+                               emitted if index is None else emitted[index],
+                               num_emitted if num_emitted is None or index is None else num_emitted[index])
 
     def _ban_bad_words(self, x: torch.Tensor, rows: Sequence[ScheduledRow], stats: torch.Tensor,
                        drafts: torch.Tensor | None) -> None:

@@ -11,6 +11,11 @@ count c = counts[s, v] and prompt flag q = prompt_mask[s, v] (vLLM's definitions
 broadcast version is a dozen full passes over [P, V] (gathers of the statistics rows, a
 temporary per operator). Knows nothing about requests or drafts (engine/penalties.py adds the
 drafts' counts afterwards, at the few entries they touch).
+
+`record_tokens` (Triton) folds a step's emitted tokens into the same statistics rows: output
+counts, output lengths and the last R tokens, one program per row, one launch where torch takes
+a dozen operators (on the engine's thread once per step: it sets the pace of host-bound steps);
+`record_tokens_reference` is its oracle.
 """
 
 from __future__ import annotations
@@ -86,3 +91,77 @@ def penalize_rows(logits: torch.Tensor, counts: torch.Tensor, prompt_mask: torch
     _penalize_rows_kernel[(num_rows * width, triton.cdiv(vocab, block))](
         logits, counts, prompt_mask, stats, repetition, frequency, presence, width, vocab, BLOCK=block, num_warps=4)
     return logits
+
+
+def record_tokens_reference(counts: torch.Tensor, num_output: torch.Tensor, recent: torch.Tensor, stats: torch.Tensor,
+                            tokens: torch.Tensor, num_emitted: torch.Tensor | None = None) -> None:
+    """In place: row p's first num_emitted[p] tokens of tokens [P, W] (all W when None) added to
+    statistics row s = stats[p]: counts[s] [S, V] int32 (+1 per token), num_output[s] [S] int64
+    (+ their number) and recent[s] [S, R] int64 (the last R of recent[s] then those tokens).
+    Statistics rows are distinct."""
+    width, num_recent = tokens.shape[1], recent.shape[1]
+    if num_emitted is None:
+        count, valid = torch.full_like(stats, width), torch.ones_like(tokens, dtype=torch.int32)
+    else:
+        count = num_emitted.long()
+        valid = (torch.arange(width, device=tokens.device) < count[:, None]).int()
+    # Integer atomics: exact in any order. Row s's token t is flat entry s * V + t.
+    counts.view(-1).scatter_add_(0, (stats[:, None] * counts.shape[1] + tokens).reshape(-1), valid.reshape(-1))
+    num_output.index_add_(0, stats, count)
+    joined = torch.cat([recent[stats], tokens], dim=1)                                   # [P, R + W]
+    recent[stats] = joined.gather(1, count[:, None] + torch.arange(num_recent, device=tokens.device))
+
+
+@triton.jit
+def _record_tokens_kernel(counts, num_output, recent, stats, tokens, num_emitted, stride_row, stride_column, V, W,
+                          R: tl.constexpr, R_PAD: tl.constexpr, HAS_NUM_EMITTED: tl.constexpr):
+    """Program p: record_tokens_reference's update of statistics row stats[p]."""
+    p = tl.program_id(0).to(tl.int64)
+    stat = tl.load(stats + p)
+    if HAS_NUM_EMITTED:
+        count = tl.load(num_emitted + p).to(tl.int64)
+    else:
+        count = tl.full((), W, tl.int64)
+    row_tokens = tokens + p * stride_row
+    for j in range(0, W):  # a token may repeat within the row: one atomic each
+        token = tl.load(row_tokens + j * stride_column)
+        tl.atomic_add(counts + stat * V + token, 1, mask=j < count)
+    tl.store(num_output + stat, tl.load(num_output + stat) + count)
+    # recent[i] <- joined[count + i], joined = (recent row, the W tokens): read all, then write.
+    i = tl.arange(0, R_PAD)
+    source = count + i
+    inside = i < R
+    kept = source < R
+    old = tl.load(recent + stat * R + source, mask=inside & kept, other=0)
+    new = tl.load(row_tokens + (source - R) * stride_column, mask=inside & ~kept, other=0)
+    tl.store(recent + stat * R + i, tl.where(kept, old, new), mask=inside)
+
+
+def _check_record_tokens_args(counts, num_output, recent, stats, tokens, num_emitted) -> None:
+    assert counts.dtype == torch.int32 and counts.dim() == 2 and counts.is_contiguous(), "counts: contiguous int32 [S, V]"
+    num_stats = counts.shape[0]
+    assert num_output.dtype == torch.int64 and num_output.shape == (num_stats,) and num_output.is_contiguous(), \
+        "num_output: contiguous int64 [S]"
+    assert recent.dtype == torch.int64 and recent.dim() == 2 and recent.shape[0] == num_stats and \
+        recent.is_contiguous(), "recent: contiguous int64 [S, R]"
+    assert stats.dtype == torch.int64 and stats.dim() == 1 and stats.is_contiguous(), "stats: contiguous int64 [P]"
+    assert tokens.dtype == torch.int64 and tokens.dim() == 2 and tokens.shape[0] == stats.shape[0], "tokens: int64 [P, W]"
+    assert num_emitted is None or (num_emitted.dtype in (torch.int32, torch.int64) and
+                                   num_emitted.shape == stats.shape and num_emitted.is_contiguous()), \
+        "num_emitted: contiguous int32 or int64 [P]"
+    assert all(t.device == counts.device for t in (num_output, recent, stats, tokens)) and \
+        (num_emitted is None or num_emitted.device == counts.device)
+
+
+def record_tokens(counts: torch.Tensor, num_output: torch.Tensor, recent: torch.Tensor, stats: torch.Tensor,
+                  tokens: torch.Tensor, num_emitted: torch.Tensor | None = None) -> None:
+    """Triton record_tokens_reference (in place). Grid (P,): shapes only, CUDA-graph safe."""
+    _check_record_tokens_args(counts, num_output, recent, stats, tokens, num_emitted)
+    num_rows, width = tokens.shape
+    if num_rows == 0:
+        return
+    num_recent = recent.shape[1]
+    _record_tokens_kernel[(num_rows,)](
+        counts, num_output, recent, stats, tokens, num_emitted if num_emitted is not None else stats,
+        tokens.stride(0), tokens.stride(1), counts.shape[1], width, R=num_recent,
+        R_PAD=triton.next_power_of_2(max(num_recent, 1)), HAS_NUM_EMITTED=num_emitted is not None, num_warps=1)
