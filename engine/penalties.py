@@ -25,9 +25,8 @@ seen in prompt or output: x / r if x > 0 else x * r (repetition r), then x - f *
 A verify row scores W positions; position j is adjusted as if the drafts before it,
 drafts[:j], were generated already (counts, min_tokens length and bad-word context), so every
 accepted token was chosen from exactly the distribution plain decoding would have used.
-That costs one dense pass with the slot's counts (kernels/penalties.py: one read of each logit,
-count and prompt flag), then a sparse fix of the at most W(W-1)/2 (position, earlier draft)
-entries. Rows without penalties are not touched, and a step without
+That costs one pass (kernels/penalties.py: one read of each logit, count and prompt flag, the
+drafts' counts added in registers). Rows without penalties are not touched, and a step without
 penalized rows does nothing at all.
 """
 
@@ -39,7 +38,6 @@ from typing import NamedTuple, Sequence
 import torch
 
 from ..kernels import Ops
-from ..kernels.penalties import penalize
 from .batch import device_tensor
 from .sampling_params import MAX_BAD_WORD_TOKENS
 from .step import ScheduledRow
@@ -149,24 +147,8 @@ class Penalties:
                            self.bias_values[stats][:, None].expand(bias_shape))
         self._ban_stops_before_min_tokens(x, rows, stats)
         repetition, frequency, presence = self.coefficients[stats].T.contiguous()          # [P] each
-        if width == 1:
-            return self._finish(self.ops.penalize_rows(x, self.output_counts, self.prompt_mask, stats, repetition,
-                                                       frequency, presence), logits, index)
-        # Entries (row, position j, earlier draft i < j) whose count the drafts raise; their
-        # values before the penalties, read before the dense pass below overwrites them.
-        later, earlier = torch.tril_indices(width, width - 1, -1, device=self.device)  # j > i
-        tokens = drafts[:, earlier]                                                    # [P, E]
-        row = torch.arange(num_rows, device=self.device)[:, None].expand_as(tokens)
-        before = x[row, later[None].expand_as(tokens), tokens]
-        x = self.ops.penalize_rows(x, self.output_counts, self.prompt_mask, stats, repetition, frequency, presence)
-        # count at position j of token t: the slot's count + the drafts before j equal to t
-        extra = ((drafts[:, None, :] == tokens[:, :, None])
-                 & (torch.arange(drafts.shape[1], device=self.device) < later[:, None])).sum(-1)
-        slot_stats = stats[:, None].expand_as(tokens)
-        fixed = penalize(before, self.output_counts[slot_stats, tokens] + extra, self.prompt_mask[slot_stats, tokens],
-                         repetition[:, None], frequency[:, None], presence[:, None])
-        x[row, later[None].expand_as(tokens), tokens] = fixed  # duplicates write equal values
-        return self._finish(x, logits, index)
+        return self._finish(self.ops.penalize_rows(x, self.output_counts, self.prompt_mask, stats, repetition,
+                                                   frequency, presence, drafts), logits, index)
 
     def _finish(self, x: torch.Tensor, logits: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
         """The adjusted rows x [P, W, V] as `adjust` returns them: x itself when every row is

@@ -6,11 +6,16 @@ count c = counts[s, v] and prompt flag q = prompt_mask[s, v] (vLLM's definitions
     x <- x / r if x > 0 else x * r     where (q or c > 0), r = repetition[p]
     x <- x - f * c - a * [c > 0]       f = frequency[p], a = presence[p]
 
-`penalize_rows` (Triton) reads each logit, count and flag once and writes the logit in place;
-`penalize_rows_reference` is its torch oracle (out of place, also the CPU path). Torch's
-broadcast version is a dozen full passes over [P, V] (gathers of the statistics rows, a
-temporary per operator). Knows nothing about requests or drafts (engine/penalties.py adds the
-drafts' counts afterwards, at the few entries they touch).
+In a verify row position j also counts the drafts before it as generated: c = counts[s, v] +
+#{i < j : drafts[p, i] = v}, so every verified position is penalized as plain decoding would
+penalize it once those drafts were accepted.
+
+`penalize_rows` (Triton) reads each logit, count and flag once and writes the logit in place,
+adding the drafts' counts in registers (a compare per earlier draft); `penalize_rows_reference`
+is its torch oracle (out of place, also the CPU path): a dense pass with the slots' counts,
+then a sparse fix of the at most W(W-1)/2 (position, earlier draft) entries. Torch's broadcast
+version is a dozen full passes over [P, V] (gathers of the statistics rows, a temporary per
+operator). Knows nothing about requests.
 
 `record_tokens` (Triton) folds a step's emitted tokens into the same statistics rows: output
 counts, output lengths and the last R tokens, one program per row, one launch where torch takes
@@ -36,17 +41,35 @@ def penalize(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor
 
 
 def penalize_rows_reference(logits: torch.Tensor, counts: torch.Tensor, prompt_mask: torch.Tensor, stats: torch.Tensor,
-                            repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+                            repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
+                            drafts: torch.Tensor | None = None) -> torch.Tensor:
     """logits [P, W, V] float32; counts [S, V] int32 and prompt_mask [S, V] bool, row stats[p]
-    of them for row p; repetition, frequency, presence [P] float32. Returns the penalized [P, W, V]."""
+    of them for row p; repetition, frequency, presence [P] float32; drafts [P, W - 1] int64 (W >
+    1: position j counts drafts[p, :j] too). Returns the penalized [P, W, V]."""
     column = lambda values: values[:, None, None]  # noqa: E731
-    return penalize(logits, counts[stats][:, None], prompt_mask[stats][:, None], column(repetition),
-                    column(frequency), column(presence))
+    out = penalize(logits, counts[stats][:, None], prompt_mask[stats][:, None], column(repetition),
+                   column(frequency), column(presence))
+    width = logits.shape[1]
+    if drafts is None or width == 1:
+        return out
+    # Entries (row, position j, earlier draft i < j) whose count the drafts raise.
+    later, earlier = torch.tril_indices(width, width - 1, -1, device=logits.device)  # j > i
+    tokens = drafts[:, earlier]                                                      # [P, E]
+    row = torch.arange(logits.shape[0], device=logits.device)[:, None].expand_as(tokens)
+    position = later[None].expand_as(tokens)
+    # count at position j of token t: the slot's count + the drafts before j equal to t
+    extra = ((drafts[:, None, :] == tokens[:, :, None])
+             & (torch.arange(width - 1, device=logits.device) < later[:, None])).sum(-1)
+    slot_stats = stats[:, None].expand_as(tokens)
+    out[row, position, tokens] = penalize(logits[row, position, tokens], counts[slot_stats, tokens] + extra,
+                                          prompt_mask[slot_stats, tokens], repetition[:, None], frequency[:, None],
+                                          presence[:, None])  # duplicates write equal values
+    return out
 
 
 @triton.jit
-def _penalize_rows_kernel(logits, counts, prompt_mask, stats, repetition, frequency, presence, W, V,
-                          BLOCK: tl.constexpr):
+def _penalize_rows_kernel(logits, counts, prompt_mask, stats, repetition, frequency, presence, drafts, W, V,
+                          BLOCK: tl.constexpr, HAS_DRAFTS: tl.constexpr):
     """Program (row p * W + position, column tile): the module docstring's formulas, in place."""
     flat_row = tl.program_id(0).to(tl.int64)
     row = flat_row // W
@@ -55,6 +78,9 @@ def _penalize_rows_kernel(logits, counts, prompt_mask, stats, repetition, freque
     stat = tl.load(stats + row)
     x = tl.load(logits + flat_row * V + columns, mask=inside, other=0.0)
     count = tl.load(counts + stat * V + columns, mask=inside, other=0)
+    if HAS_DRAFTS:
+        for i in range(0, flat_row - row * W):  # the drafts before this position
+            count += (columns == tl.load(drafts + row * (W - 1) + i)).to(tl.int32)
     seen = tl.load(prompt_mask + stat * V + columns, mask=inside, other=0) != 0
     generated = count > 0
     r = tl.load(repetition + row)
@@ -65,10 +91,10 @@ def _penalize_rows_kernel(logits, counts, prompt_mask, stats, repetition, freque
     tl.store(logits + flat_row * V + columns, x, mask=inside)
 
 
-def _check_penalize_rows_args(logits, counts, prompt_mask, stats, repetition, frequency, presence) -> None:
+def _check_penalize_rows_args(logits, counts, prompt_mask, stats, repetition, frequency, presence, drafts) -> None:
     assert logits.dim() == 3 and logits.dtype == torch.float32 and logits.is_contiguous(), \
         "logits: contiguous float32 [P, W, V]"
-    num_rows, vocab = logits.shape[0], logits.shape[2]
+    num_rows, width, vocab = logits.shape
     assert counts.dtype == torch.int32 and counts.dim() == 2 and counts.shape[1] == vocab and counts.is_contiguous(), \
         "counts: contiguous int32 [S, V]"
     assert prompt_mask.dtype == torch.bool and prompt_mask.shape == counts.shape and prompt_mask.is_contiguous(), \
@@ -76,20 +102,26 @@ def _check_penalize_rows_args(logits, counts, prompt_mask, stats, repetition, fr
     assert stats.dtype == torch.int64 and stats.shape == (num_rows,), "stats: int64 [P]"
     for name, values in (("repetition", repetition), ("frequency", frequency), ("presence", presence)):
         assert values.dtype == torch.float32 and values.shape == (num_rows,), f"{name}: float32 [P]"
-    assert all(t.device == logits.device for t in (counts, prompt_mask, stats, repetition, frequency, presence))
+    assert drafts is None or (drafts.dtype == torch.int64 and drafts.shape == (num_rows, width - 1) and
+                              drafts.is_contiguous()), "drafts: contiguous int64 [P, W - 1]"
+    assert all(t.device == logits.device for t in (counts, prompt_mask, stats, repetition, frequency, presence)) and \
+        (drafts is None or drafts.device == logits.device)
 
 
 def penalize_rows(logits: torch.Tensor, counts: torch.Tensor, prompt_mask: torch.Tensor, stats: torch.Tensor,
-                  repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+                  repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
+                  drafts: torch.Tensor | None = None) -> torch.Tensor:
     """Triton penalize_rows_reference, in place on logits (returned). Grid (P * W,
     cdiv(V, BLOCK)): shapes only, CUDA-graph safe."""
-    _check_penalize_rows_args(logits, counts, prompt_mask, stats, repetition, frequency, presence)
+    _check_penalize_rows_args(logits, counts, prompt_mask, stats, repetition, frequency, presence, drafts)
     num_rows, width, vocab = logits.shape
     if num_rows * width == 0 or vocab == 0:
         return logits
     block = min(2048, triton.next_power_of_2(vocab))
+    has_drafts = drafts is not None and width > 1
     _penalize_rows_kernel[(num_rows * width, triton.cdiv(vocab, block))](
-        logits, counts, prompt_mask, stats, repetition, frequency, presence, width, vocab, BLOCK=block, num_warps=4)
+        logits, counts, prompt_mask, stats, repetition, frequency, presence, drafts if has_drafts else stats, width,
+        vocab, BLOCK=block, HAS_DRAFTS=has_drafts, num_warps=4)
     return logits
 
 

@@ -134,9 +134,11 @@ def run_kernels() -> None:
                     column(0.9, torch.float32), column(0.05, torch.float32), column(1, torch.int64),
                     column(5, torch.int64))
     slots, width = 3, 2
-    penalties.penalize_rows(torch.randn(rows, width, vocab), torch.zeros(slots, vocab, dtype=torch.int32),
-                            torch.zeros(slots, vocab, dtype=torch.bool), torch.zeros(rows, dtype=torch.int64),
-                            column(1.1, torch.float32), column(0.2, torch.float32), column(0.3, torch.float32))
+    for drafts in (None, torch.zeros(rows, width - 1, dtype=torch.int64)):  # a verify step's drafts counted
+        penalties.penalize_rows(torch.randn(rows, width, vocab), torch.zeros(slots, vocab, dtype=torch.int32),
+                                torch.zeros(slots, vocab, dtype=torch.bool), torch.zeros(rows, dtype=torch.int64),
+                                column(1.1, torch.float32), column(0.2, torch.float32), column(0.3, torch.float32),
+                                drafts)
     for num_emitted in (None, column(1, torch.int64)):  # plain steps' tokens, then verify rows'
         penalties.record_tokens(torch.zeros(slots, vocab, dtype=torch.int32), torch.zeros(slots, dtype=torch.int64),
                                 torch.zeros(slots, 15, dtype=torch.int64), torch.arange(rows) % slots,
