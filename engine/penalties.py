@@ -85,9 +85,10 @@ class Penalties:
             self.prompt_mask = torch.zeros(s, v, dtype=torch.bool, device=self.device)
             self.num_output = torch.zeros(s, dtype=torch.int64, device=self.device)
             self.recent = torch.full((s, _RECENT), -1, dtype=torch.int64, device=self.device)
-            # Per statistics row: (repetition, frequency, presence), and its logit_bias as
-            # (token, bias) pairs padded with (0, 0.0) to the widest bias started so far.
-            self.coefficients = torch.ones(s, 3, dtype=torch.float32, device=self.device)
+            # Per statistics row: (repetition, frequency, presence) (a column each: one gather
+            # gives a step's rows each coefficient contiguously), and its logit_bias as (token,
+            # bias) pairs padded with (0, 0.0) to the widest bias started so far.
+            self.coefficients = torch.ones(3, s, dtype=torch.float32, device=self.device)
             self.bias_tokens = torch.zeros(s, 0, dtype=torch.int64, device=self.device)
             self.bias_values = torch.zeros(s, 0, dtype=torch.float32, device=self.device)
         for r in rows:
@@ -106,9 +107,9 @@ class Penalties:
         self.num_output[stats] = self._tensor([len(o) for o in outputs])
         tails = [o[-_RECENT:] if o else [] for o in outputs]
         self.recent[stats] = self._tensor([[-1] * (_RECENT - len(t)) + t for t in tails]).view(len(rows), -1)
-        self.coefficients[stats] = device_tensor(
+        self.coefficients[:, stats] = device_tensor(
             [(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params], torch.float32,
-            self.device).view(len(rows), 3)
+            self.device).view(len(rows), 3).T
         width = max(len(p.logit_bias) for p in params)
         if width > self.bias_tokens.shape[1]:
             grow = width - self.bias_tokens.shape[1]
@@ -146,7 +147,7 @@ class Penalties:
             x.scatter_add_(2, self.bias_tokens[stats][:, None].expand(bias_shape),
                            self.bias_values[stats][:, None].expand(bias_shape))
         self._ban_stops_before_min_tokens(x, rows, stats)
-        repetition, frequency, presence = self.coefficients[stats].T.contiguous()          # [P] each
+        repetition, frequency, presence = self.coefficients.index_select(1, stats)          # [P] each
         return self._finish(self.ops.penalize_rows(x, self.output_counts, self.prompt_mask, stats, repetition,
                                                    frequency, presence, drafts), logits, index)
 

@@ -170,14 +170,16 @@ def _record_tokens_kernel(counts, num_output, recent, stats, tokens, num_emitted
 
 
 def _check_record_tokens_args(counts, num_output, recent, stats, tokens, num_emitted) -> None:
-    assert counts.dtype == torch.int32 and counts.dim() == 2 and counts.is_contiguous(), "counts: contiguous int32 [S, V]"
+    assert counts.dtype == torch.int32 and counts.dim() == 2 and counts.is_contiguous(), \
+        "counts: contiguous int32 [S, V]"
     num_stats = counts.shape[0]
     assert num_output.dtype == torch.int64 and num_output.shape == (num_stats,) and num_output.is_contiguous(), \
         "num_output: contiguous int64 [S]"
     assert recent.dtype == torch.int64 and recent.dim() == 2 and recent.shape[0] == num_stats and \
         recent.is_contiguous(), "recent: contiguous int64 [S, R]"
     assert stats.dtype == torch.int64 and stats.dim() == 1 and stats.is_contiguous(), "stats: contiguous int64 [P]"
-    assert tokens.dtype == torch.int64 and tokens.dim() == 2 and tokens.shape[0] == stats.shape[0], "tokens: int64 [P, W]"
+    assert tokens.dtype == torch.int64 and tokens.dim() == 2 and tokens.shape[0] == stats.shape[0], \
+        "tokens: int64 [P, W]"
     assert num_emitted is None or (num_emitted.dtype in (torch.int32, torch.int64) and
                                    num_emitted.shape == stats.shape and num_emitted.is_contiguous()), \
         "num_emitted: contiguous int32 or int64 [P]"
