@@ -136,7 +136,7 @@ class Penalties:
             x = logits.to(torch.float32, copy=True).view(num_rows, width, vocab)
         else:
             flat = (index[:, None] * width + torch.arange(width, device=self.device)).reshape(-1)
-            logits = logits.float().clone()
+            logits = logits.to(torch.float32, copy=True)
             x = logits[flat].view(num_rows, width, vocab)
         drafts = None if width == 1 else drafts if index is None else drafts[index]       # [P, W - 1]
         params = [r.request.params for r in rows]

@@ -258,7 +258,8 @@ class Speculator:
         positions = (device_rows.positions[:, None] + 1 + self.decode.arange(width)).reshape(-1)
         chosen, drafts = [rows[i] for i in sampled], drafted.drafts[index]
         penalized = self.sampler.penalties.select(chosen)
-        adjusted = self.sampler.penalties.adjust(drafted.logits[flat].float(), penalized, drafts)
+        # In the model's dtype: the penalties, the grammar masks and the draws widen it exactly.
+        adjusted = self.sampler.penalties.adjust(drafted.logits[flat], penalized, drafts)
         return _Resampling(index, chosen, adjusted, positions, drafts, self.host_drafts.reader(sampled, width - 1),
                            device_rows.num_drafts, device_rows.slots, penalized)
 
