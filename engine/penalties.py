@@ -61,6 +61,9 @@ class Penalties:
         self.num_rows, self.vocab_size, self.device, self.ops = num_rows, vocab_size, device, ops
         self.output_counts: torch.Tensor | None = None  # allocated by the first `start`
         self._row_of: OrderedDict[int, int] = OrderedDict()  # slot -> its statistics row, least recently used first
+        # The last `_rows` result and what it holds: consecutive steps of a steady batch (a step
+        # launched ahead runs the rows of the one before) index the same statistics rows.
+        self._last_rows: tuple[tuple[int, ...], torch.Tensor | None] = ((), None)
 
     def select(self, rows: Sequence[ScheduledRow]) -> PenalizedRows | None:
         """The penalized rows among `rows` (None: none), their statistics rows now the most
@@ -212,7 +215,10 @@ class Penalties:
             if r.slot not in self._row_of:
                 raise RuntimeError(f"slot {r.slot}: penalized, but its request never started (Penalties.start)")
             self._row_of.move_to_end(r.slot)
-        return self._tensor([self._row_of[r.slot] for r in rows])
+        stats = tuple(self._row_of[r.slot] for r in rows)
+        if stats != self._last_rows[0]:  # else no copy in: the same rows as the step before
+            self._last_rows = stats, self._tensor(stats)
+        return self._last_rows[1]
 
     def _scatter_index(self, rows: Sequence[ScheduledRow], lists: list[list[int]]) -> tuple[torch.Tensor, ...]:
         stats_rows = [self._row_of[r.slot] for r, tokens in zip(rows, lists) for _ in tokens]
