@@ -63,7 +63,7 @@ from deltaspec.engine.tokenizer import Tokenizer  # noqa: E402
 
 # The runner's sampling work for redecided rows, on the engine's thread.
 # The Ops-table kernels the sampling work calls (each one launch on a GPU).
-KERNELS = ("sample", "penalize_rows", "apply_token_bitmask")
+KERNELS = ("sample", "penalize_rows", "record_tokens", "apply_token_bitmask")
 TIMED = ((Runner, "_prepare_plain"), (Runner, "_decide_plain"), (Speculator, "prepare"), (Speculator, "decide"))
 
 

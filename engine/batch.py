@@ -25,6 +25,16 @@ def device_tensor(values: Sequence, dtype: torch.dtype, device: torch.device | s
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
+def row_index(chosen: Sequence[int], num_rows: int, device: torch.device | str) -> slice | torch.Tensor:
+    """Where the chosen rows (distinct, ascending) of a step's num_rows rows sit, to index its
+    per-row tensors with: the slice of the first len(chosen) rows when every row is chosen (views,
+    no copy in and no gather: a batch whose rows all need the same treatment), else their
+    indices on the device."""
+    if len(chosen) == num_rows:
+        return slice(0, num_rows)
+    return device_tensor(chosen, torch.int64, device)
+
+
 def device_arrays(arrays: dict[str, np.ndarray], device: torch.device | str,
                   into: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Host arrays on `device` by one copy: packed into one pinned buffer, copied as

@@ -10,7 +10,8 @@ every step (a request not scheduled in a step is preempted, and starts again), s
 of running requests are the most recently used. `start` builds a slot's from the host's
 token lists when the request's first token is sampled (after admission, a restore or a
 preemption: the host knows every token then); `record` adds the tokens a step emitted, on the
-device, so a step launched before the host has read the step before it (fed rows) sees them.
+device (one kernel: kernels/penalties.py), so a step launched before the host has read the step
+before it (fed rows) sees them.
 The tensors are allocated on the first penalized request (a plain engine pays nothing:
 N x V x 5 bytes, 0.3 GiB at N = 256 and V = 248,320). `start` also writes the row's parameters:
 its (repetition, frequency, presence) coefficients and its logit_bias as (token, bias) pairs
@@ -24,9 +25,8 @@ seen in prompt or output: x / r if x > 0 else x * r (repetition r), then x - f *
 A verify row scores W positions; position j is adjusted as if the drafts before it,
 drafts[:j], were generated already (counts, min_tokens length and bad-word context), so every
 accepted token was chosen from exactly the distribution plain decoding would have used.
-That costs one dense pass with the slot's counts (kernels/penalties.py: one read of each logit,
-count and prompt flag), then a sparse fix of the at most W(W-1)/2 (position, earlier draft)
-entries. Rows without penalties are not touched, and a step without
+That costs one pass (kernels/penalties.py: one read of each logit, count and prompt flag, the
+drafts' counts added in registers). Rows without penalties are not touched, and a step without
 penalized rows does nothing at all.
 """
 
@@ -38,7 +38,6 @@ from typing import NamedTuple, Sequence
 import torch
 
 from ..kernels import Ops
-from ..kernels.penalties import penalize
 from .batch import device_tensor
 from .sampling_params import MAX_BAD_WORD_TOKENS
 from .step import ScheduledRow
@@ -57,10 +56,14 @@ class PenalizedRows(NamedTuple):
 
 class Penalties:
     def __init__(self, num_rows: int, vocab_size: int, device: torch.device, ops: Ops) -> None:
-        """num_rows: penalized requests running at once at most; ops: the dense pass's kernel."""
+        """num_rows: penalized requests running at once at most; ops: the dense pass's and the
+        statistics update's kernels."""
         self.num_rows, self.vocab_size, self.device, self.ops = num_rows, vocab_size, device, ops
         self.output_counts: torch.Tensor | None = None  # allocated by the first `start`
         self._row_of: OrderedDict[int, int] = OrderedDict()  # slot -> its statistics row, least recently used first
+        # The last `_rows` result and what it holds: consecutive steps of a steady batch (a step
+        # launched ahead runs the rows of the one before) index the same statistics rows.
+        self._last_rows: tuple[tuple[int, ...], torch.Tensor | None] = ((), None)
 
     def select(self, rows: Sequence[ScheduledRow]) -> PenalizedRows | None:
         """The penalized rows among `rows` (None: none), their statistics rows now the most
@@ -85,9 +88,10 @@ class Penalties:
             self.prompt_mask = torch.zeros(s, v, dtype=torch.bool, device=self.device)
             self.num_output = torch.zeros(s, dtype=torch.int64, device=self.device)
             self.recent = torch.full((s, _RECENT), -1, dtype=torch.int64, device=self.device)
-            # Per statistics row: (repetition, frequency, presence), and its logit_bias as
-            # (token, bias) pairs padded with (0, 0.0) to the widest bias started so far.
-            self.coefficients = torch.ones(s, 3, dtype=torch.float32, device=self.device)
+            # Per statistics row: (repetition, frequency, presence) (a column each: one gather
+            # gives a step's rows each coefficient contiguously), and its logit_bias as (token,
+            # bias) pairs padded with (0, 0.0) to the widest bias started so far.
+            self.coefficients = torch.ones(3, s, dtype=torch.float32, device=self.device)
             self.bias_tokens = torch.zeros(s, 0, dtype=torch.int64, device=self.device)
             self.bias_values = torch.zeros(s, 0, dtype=torch.float32, device=self.device)
         for r in rows:
@@ -106,9 +110,9 @@ class Penalties:
         self.num_output[stats] = self._tensor([len(o) for o in outputs])
         tails = [o[-_RECENT:] if o else [] for o in outputs]
         self.recent[stats] = self._tensor([[-1] * (_RECENT - len(t)) + t for t in tails]).view(len(rows), -1)
-        self.coefficients[stats] = device_tensor(
+        self.coefficients[:, stats] = device_tensor(
             [(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params], torch.float32,
-            self.device).view(len(rows), 3)
+            self.device).view(len(rows), 3).T
         width = max(len(p.logit_bias) for p in params)
         if width > self.bias_tokens.shape[1]:
             grow = width - self.bias_tokens.shape[1]
@@ -135,7 +139,7 @@ class Penalties:
             x = logits.to(torch.float32, copy=True).view(num_rows, width, vocab)
         else:
             flat = (index[:, None] * width + torch.arange(width, device=self.device)).reshape(-1)
-            logits = logits.float().clone()
+            logits = logits.to(torch.float32, copy=True)
             x = logits[flat].view(num_rows, width, vocab)
         drafts = None if width == 1 else drafts if index is None else drafts[index]       # [P, W - 1]
         params = [r.request.params for r in rows]
@@ -146,25 +150,9 @@ class Penalties:
             x.scatter_add_(2, self.bias_tokens[stats][:, None].expand(bias_shape),
                            self.bias_values[stats][:, None].expand(bias_shape))
         self._ban_stops_before_min_tokens(x, rows, stats)
-        repetition, frequency, presence = self.coefficients[stats].T.contiguous()          # [P] each
-        if width == 1:
-            return self._finish(self.ops.penalize_rows(x, self.output_counts, self.prompt_mask, stats, repetition,
-                                                       frequency, presence), logits, index)
-        # Entries (row, position j, earlier draft i < j) whose count the drafts raise; their
-        # values before the penalties, read before the dense pass below overwrites them.
-        later, earlier = torch.tril_indices(width, width - 1, -1, device=self.device)  # j > i
-        tokens = drafts[:, earlier]                                                    # [P, E]
-        row = torch.arange(num_rows, device=self.device)[:, None].expand_as(tokens)
-        before = x[row, later[None].expand_as(tokens), tokens]
-        x = self.ops.penalize_rows(x, self.output_counts, self.prompt_mask, stats, repetition, frequency, presence)
-        # count at position j of token t: the slot's count + the drafts before j equal to t
-        extra = ((drafts[:, None, :] == tokens[:, :, None])
-                 & (torch.arange(drafts.shape[1], device=self.device) < later[:, None])).sum(-1)
-        slot_stats = stats[:, None].expand_as(tokens)
-        fixed = penalize(before, self.output_counts[slot_stats, tokens] + extra, self.prompt_mask[slot_stats, tokens],
-                         repetition[:, None], frequency[:, None], presence[:, None])
-        x[row, later[None].expand_as(tokens), tokens] = fixed  # duplicates write equal values
-        return self._finish(x, logits, index)
+        repetition, frequency, presence = self.coefficients.index_select(1, stats)          # [P] each
+        return self._finish(self.ops.penalize_rows(x, self.output_counts, self.prompt_mask, stats, repetition,
+                                                   frequency, presence, drafts), logits, index)
 
     def _finish(self, x: torch.Tensor, logits: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
         """The adjusted rows x [P, W, V] as `adjust` returns them: x itself when every row is
@@ -182,21 +170,10 @@ class Penalties:
         all W when None), to the penalized rows' (`select`) slot statistics."""
         if penalized is None:
             return
-        index, stats = penalized.index, penalized.stats
-        tokens = emitted if index is None else emitted[index]                          # [P, W]
-        width = tokens.shape[1]
-        if num_emitted is None:
-            count, valid = torch.full_like(stats, width), torch.ones_like(tokens, dtype=torch.int32)
-        else:
-            count = (num_emitted if index is None else num_emitted[index]).long()
-            valid = (torch.arange(width, device=self.device) < count[:, None]).int()
-        # Integer atomics: exact in any order. Row s's token t is flat entry s * V + t.
-        self.output_counts.view(-1).scatter_add_(0, (stats[:, None] * self.vocab_size + tokens).reshape(-1),
-                                                 valid.reshape(-1))
-        self.num_output.index_add_(0, stats, count)
-        # recent: the last R of (recent, the valid emitted tokens)
-        joined = torch.cat([self.recent[stats], tokens], dim=1)                        # [P, R + W]
-        self.recent[stats] = joined.gather(1, count[:, None] + torch.arange(_RECENT, device=self.device))
+        index = penalized.index
+        self.ops.record_tokens(self.output_counts, self.num_output, self.recent, penalized.stats,
+                               emitted if index is None else emitted[index],
+                               num_emitted if num_emitted is None or index is None else num_emitted[index])
 
     def _ban_bad_words(self, x: torch.Tensor, rows: Sequence[ScheduledRow], stats: torch.Tensor,
                        drafts: torch.Tensor | None) -> None:
@@ -238,7 +215,10 @@ class Penalties:
             if r.slot not in self._row_of:
                 raise RuntimeError(f"slot {r.slot}: penalized, but its request never started (Penalties.start)")
             self._row_of.move_to_end(r.slot)
-        return self._tensor([self._row_of[r.slot] for r in rows])
+        stats = tuple(self._row_of[r.slot] for r in rows)
+        if stats != self._last_rows[0]:  # else no copy in: the same rows as the step before
+            self._last_rows = stats, self._tensor(stats)
+        return self._last_rows[1]
 
     def _scatter_index(self, rows: Sequence[ScheduledRow], lists: list[list[int]]) -> tuple[torch.Tensor, ...]:
         stats_rows = [self._row_of[r.slot] for r, tokens in zip(rows, lists) for _ in tokens]

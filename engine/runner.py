@@ -26,7 +26,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-from .batch import ForwardBatch, Row, device_tensor
+from .batch import ForwardBatch, Row, device_tensor, row_index
 from .checkpoint_io import CheckpointIO
 from .cuda_graphs import DecodeGraphs, SpecGraphs
 from .decode_step import DecodeRows, DecodeStep
@@ -43,7 +43,7 @@ from .step import ScheduledRow, StepOutput, StepPlan, flagged
 class _Redecision(NamedTuple):
     """Rows of a plain step whose tokens are decided after its graph (Runner._prepare_plain)."""
 
-    index: torch.Tensor                 # [R] the rows' places in the step
+    index: slice | torch.Tensor         # [R] the rows' places in the step (batch.row_index)
     rows: list[ScheduledRow]
     logits: torch.Tensor                # [R, V] adjusted by the penalties
     positions: torch.Tensor             # [R] where the drawn tokens go
@@ -218,12 +218,13 @@ class Runner:
     def _prepare_plain(self, rows: tuple[ScheduledRow, ...], device_rows: DecodeRows, logits: torch.Tensor,
                        chosen: list[int]) -> _Redecision | None:
         """The chosen rows (sampled, penalized or constrained) to decide again after the graph:
-        their logits gathered and adjusted by the penalties, and the positions of their seeded
-        draws (on the device, where only a fed row's is known), read from the graph's buffers
-        now, before the next step is loaded into them."""
+        their logits adjusted by the penalties, and the positions of their seeded draws (on the
+        device, where only a fed row's is known). Gathered from the graph's buffers now, or,
+        when every row is chosen, views of them: `_decide_plain` reads those before the next
+        step is loaded into the buffers (it runs before the next launch: InFlight)."""
         if not chosen:
             return None
-        index = device_tensor(chosen, torch.int64, self.device)
+        index = row_index(chosen, len(rows), self.device)
         chosen_rows = [rows[i] for i in chosen]
         penalized = self.sampler.penalties.select(chosen_rows)
         adjusted = self.sampler.penalties.adjust(logits[index], penalized)

@@ -33,8 +33,9 @@ class SamplingColumns(NamedTuple):
 class SamplingTable:
     def __init__(self, num_slots: int, device: torch.device) -> None:
         self.device = device
-        self._floats = torch.zeros(num_slots, 3, dtype=torch.float32, device=device)  # temperature, top_p, min_p
-        self._ints = torch.zeros(num_slots, 2, dtype=torch.int64, device=device)      # top_k, seed
+        # A column per slot: one gather gives a step's rows every column contiguously.
+        self._floats = torch.zeros(3, num_slots, dtype=torch.float32, device=device)  # temperature, top_p, min_p
+        self._ints = torch.zeros(2, num_slots, dtype=torch.int64, device=device)      # top_k, seed
 
     def start(self, rows: Sequence[ScheduledRow]) -> None:
         """Write the slots of rows about to sample their request's first token (after admission,
@@ -43,15 +44,16 @@ class SamplingTable:
             return
         slots = device_tensor([r.slot for r in rows], torch.int64, self.device)
         params = [r.request.params for r in rows]
-        self._floats[slots] = device_tensor([(p.temperature, p.top_p, p.min_p) for p in params], torch.float32,
-                                            self.device)
-        self._ints[slots] = device_tensor([(p.top_k, r.request.seed) for p, r in zip(params, rows)], torch.int64,
-                                          self.device)
+        self._floats[:, slots] = device_tensor([(p.temperature, p.top_p, p.min_p) for p in params], torch.float32,
+                                               self.device).view(len(rows), 3).T
+        self._ints[:, slots] = device_tensor([(p.top_k, r.request.seed) for p, r in zip(params, rows)], torch.int64,
+                                             self.device).view(len(rows), 2).T
 
     def columns(self, slots: torch.Tensor, width: int = 1) -> SamplingColumns:
         """The columns of the rows in `slots` [N] (int64, on the device), each row's repeated for
         its W = width consecutive positions: [N * W] each."""
         if width > 1:
             slots = slots[:, None].expand(-1, width).reshape(-1)
-        floats, ints = self._floats[slots].T.contiguous(), self._ints[slots].T.contiguous()
-        return SamplingColumns(floats[0], ints[0], floats[1], floats[2], ints[1])
+        temperature, top_p, min_p = self._floats.index_select(1, slots)
+        top_k, seeds = self._ints.index_select(1, slots)
+        return SamplingColumns(temperature, top_k, top_p, min_p, seeds)

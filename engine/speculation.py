@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from ..spec import AcceptanceProfile, greedy_accept, sampled_accept
-from .batch import ForwardBatch, Row, device_arrays, device_tensor, spans
+from .batch import ForwardBatch, Row, device_arrays, row_index, spans
 from .checkpoint_io import CheckpointIO
 from .decode_step import DecodeRows, DecodeStep, RowTokens
 from .models import HybridLM
@@ -74,7 +74,7 @@ class Drafted(NamedTuple):
 class _Resampling(NamedTuple):
     """Verify rows whose acceptance is redone after the step (Speculator.prepare)."""
 
-    index: torch.Tensor        # [R] the rows' places in the step
+    index: slice | torch.Tensor  # [R] the rows' places in the step (batch.row_index)
     rows: list[ScheduledRow]
     logits: torch.Tensor       # [R * W, V] verify logits adjusted by the penalties
     positions: torch.Tensor    # [R * W] where each position's token goes
@@ -244,19 +244,22 @@ class Speculator:
         self.decide(self.prepare(rows, drafted, sampled))
 
     def prepare(self, rows: Sequence[ScheduledRow], drafted: Drafted, sampled: Sequence[int]) -> _Resampling | None:
-        """What `decide` needs, read from the step's buffers now (before the next step is
-        loaded into them), the penalties applied to the rows' verify logits."""
+        """What `decide` needs, the penalties applied to the rows' verify logits, read from the
+        step's buffers before the next step is loaded into them: gathered now, or, when every
+        row is sampled, views of them that `decide` reads before the next launch."""
         if not sampled:
             return None
         width = drafted.drafts.shape[1] + 1
-        index = self._indices(sampled)
-        flat = (index[:, None] * width + self.decode.arange(width)).reshape(-1)
-        device_rows = DecodeRows(drafted.rows.packed[index])  # the chosen rows, one gather
+        index = row_index(sampled, len(rows), self.device)
+        flat = slice(0, len(rows) * width) if isinstance(index, slice) else \
+            (index[:, None] * width + self.decode.arange(width)).reshape(-1)
+        device_rows = DecodeRows(drafted.rows.packed[index])  # the chosen rows, one gather (or a view)
         # Position i of a row's verify predicts the token at its newest position + 1 + i.
         positions = (device_rows.positions[:, None] + 1 + self.decode.arange(width)).reshape(-1)
         chosen, drafts = [rows[i] for i in sampled], drafted.drafts[index]
         penalized = self.sampler.penalties.select(chosen)
-        adjusted = self.sampler.penalties.adjust(drafted.logits[flat].float(), penalized, drafts)
+        # In the model's dtype: the penalties, the grammar masks and the draws widen it exactly.
+        adjusted = self.sampler.penalties.adjust(drafted.logits[flat], penalized, drafts)
         return _Resampling(index, chosen, adjusted, positions, drafts, self.host_drafts.reader(sampled, width - 1),
                            device_rows.num_drafts, device_rows.slots, penalized)
 
@@ -292,10 +295,6 @@ class Speculator:
         if self.forced_acceptance is None:
             return accepted, emitted
         return self.forced_acceptance.draw(num_drafts, emitted.shape[1] - 1), emitted
-
-    def _indices(self, values: Sequence[int]) -> torch.Tensor:
-        """Row or slot indices on the device, without stalling its stream."""
-        return device_tensor(values, torch.int64, self.device)
 
     def _edit(self, rows: Sequence[ScheduledRow], drafts: torch.Tensor) -> None:
         if self.edit_drafts is not None:

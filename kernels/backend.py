@@ -27,7 +27,7 @@ from .moe import moe_experts_reference, route_reference
 from .norms import gated_rms_norm_reference, rms_norm_reference
 from .rope import qk_norm_rope_reference
 from .sampling import sample_reference
-from .penalties import penalize_rows_reference
+from .penalties import penalize_rows_reference, record_tokens_reference
 from .token_bitmask import apply_token_bitmask_reference
 
 
@@ -53,6 +53,7 @@ class Ops:
     greedy_argmax: Callable
     apply_token_bitmask: Callable
     penalize_rows: Callable
+    record_tokens: Callable
     decode_metadata: Callable
 
 
@@ -77,6 +78,7 @@ REFERENCE_OPS = Ops(
     greedy_argmax=greedy_argmax_reference,
     apply_token_bitmask=apply_token_bitmask_reference,
     penalize_rows=penalize_rows_reference,
+    record_tokens=record_tokens_reference,
     decode_metadata=decode_metadata_reference,
 )
 
@@ -110,6 +112,7 @@ def triton_ops() -> Ops:
         greedy_argmax=greedy.greedy_argmax,
         apply_token_bitmask=token_bitmask.apply_token_bitmask,
         penalize_rows=penalties.penalize_rows,
+        record_tokens=penalties.record_tokens,
         decode_metadata=decode_metadata.decode_metadata,
     )
 

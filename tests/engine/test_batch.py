@@ -1,5 +1,6 @@
 """ForwardBatch.build against a per-token loop written here from its field definitions, on
-random rows (decode and prefill, cached prefixes, checkpoints), and the one-copy packer."""
+random rows (decode and prefill, cached prefixes, checkpoints), the one-copy packer and the
+chosen rows' index."""
 
 import random
 
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from deltaspec.engine.batch import BatchLayout, ForwardBatch, Padding, Row, device_arrays, spans
+from deltaspec.engine.batch import BatchLayout, ForwardBatch, Padding, Row, device_arrays, row_index, spans
 from deltaspec.kernels.gdn_chunked import CHUNK_SIZE
 
 BLOCK = 16
@@ -100,6 +101,18 @@ def test_spans():
     want = [s + j for s, c in zip(starts, counts) for j in range(c)]
     assert spans(starts, counts).tolist() == want
     assert spans([], []).tolist() == []
+
+
+def test_row_index_selects_the_chosen_rows():
+    """Every row chosen: a slice, so indexing gives views of the step's buffers (no gather);
+    some rows: their indices. Either selects the same rows of a buffer with padding rows after."""
+    rng = random.Random(7)
+    buffer = torch.randn(12, 5)  # 9 rows of a step, 3 padding rows
+    for chosen in (list(range(9)), sorted(rng.sample(range(9), 4)), [8]):
+        index = row_index(chosen, 9, "cpu")
+        assert isinstance(index, slice) == (len(chosen) == 9)
+        assert torch.equal(buffer[index], buffer[torch.tensor(chosen)])
+    assert buffer[row_index(list(range(9)), 9, "cpu")].data_ptr() == buffer.data_ptr()
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -122,7 +122,7 @@ def run_engine() -> None:
 
 
 def run_kernels() -> None:
-    """Kernels the greedy engine runs above do not reach: sampling, penalties, grammar masks,
+    """Kernels the greedy engine runs above do not reach: sampling, penalties and their statistics, grammar masks,
     MoE's per-token path, the split GDN prefill (few long rows on a real GPU; the tiny engine
     batches here look like CPU tensors, which take the fused path), and the tensor-parallel
     all-reduce + RMSNorm with its barrier (signal pads given)."""
@@ -134,9 +134,15 @@ def run_kernels() -> None:
                     column(0.9, torch.float32), column(0.05, torch.float32), column(1, torch.int64),
                     column(5, torch.int64))
     slots, width = 3, 2
-    penalties.penalize_rows(torch.randn(rows, width, vocab), torch.zeros(slots, vocab, dtype=torch.int32),
-                            torch.zeros(slots, vocab, dtype=torch.bool), torch.zeros(rows, dtype=torch.int64),
-                            column(1.1, torch.float32), column(0.2, torch.float32), column(0.3, torch.float32))
+    for drafts in (None, torch.zeros(rows, width - 1, dtype=torch.int64)):  # a verify step's drafts counted
+        penalties.penalize_rows(torch.randn(rows, width, vocab), torch.zeros(slots, vocab, dtype=torch.int32),
+                                torch.zeros(slots, vocab, dtype=torch.bool), torch.zeros(rows, dtype=torch.int64),
+                                column(1.1, torch.float32), column(0.2, torch.float32), column(0.3, torch.float32),
+                                drafts)
+    for num_emitted in (None, column(1, torch.int64)):  # plain steps' tokens, then verify rows'
+        penalties.record_tokens(torch.zeros(slots, vocab, dtype=torch.int32), torch.zeros(slots, dtype=torch.int64),
+                                torch.zeros(slots, 15, dtype=torch.int64), torch.arange(rows) % slots,
+                                torch.zeros(rows, width, dtype=torch.int64), num_emitted)
     token_bitmask.apply_token_bitmask(torch.randn(rows, vocab), torch.full((rows, (vocab + 31) // 32), -1,
                                                                             dtype=torch.int32))
     experts, top_k, hidden, inner = 8, 2, 128, 64

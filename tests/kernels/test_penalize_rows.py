@@ -2,7 +2,9 @@
 element by element here (vLLM's definitions), then the Triton kernel against the reference.
 
 Fresh random logits of both signs, counts (mostly zero, some large), prompt flags, statistics
-rows in any order (a row's statistics need not be its index), several positions per row.
+rows in any order (a row's statistics need not be its index), several positions per row, and
+verify rows' drafts (repeating, some in the prompt or already generated) counted at the
+positions after them.
 CPU: the interpreter, small vocabularies, several column tiles. GPU (`gpu` marker): 64 rows of
 a 248,320 vocabulary.
 """
@@ -43,11 +45,36 @@ def test_reference_follows_the_definitions():
                 assert float(out[p, j, v]) == pytest.approx(x, rel=1e-5, abs=1e-5)
 
 
-@pytest.mark.parametrize("num_rows,width,vocab", [(0, 1, 40), (1, 1, 33), (3, 4, 2048 + 77)])
-def test_triton_equals_reference(kernel_device, num_rows, width, vocab):
+def random_drafts(num_rows: int, width: int, vocab: int, seed: int, device: str = "cpu") -> torch.Tensor:
+    """[P, W - 1] drafts drawn from a few ids, so that they repeat within a row."""
+    gen = torch.Generator().manual_seed(seed)
+    few = torch.randint(0, vocab, (3,), generator=gen)
+    return few[torch.randint(0, 3, (num_rows, width - 1), generator=gen)].to(device)
+
+
+def test_reference_counts_the_drafts_before_each_position():
+    logits, counts, prompt_mask, stats, repetition, frequency, presence = random_case(3, 4, 30, seed=3)
+    drafts = random_drafts(3, 4, 30, seed=4)
+    out = REFERENCE_OPS.penalize_rows(logits, counts, prompt_mask, stats, repetition, frequency, presence, drafts)
+    for p in range(3):
+        s = int(stats[p])
+        for j in range(4):
+            for v in range(30):
+                x, c = float(logits[p, j, v]), int(counts[s, v]) + drafts[p, :j].tolist().count(v)
+                if c > 0 or prompt_mask[s, v]:
+                    x = x / float(repetition[p]) if x > 0 else x * float(repetition[p])
+                x -= float(frequency[p]) * c + float(presence[p]) * (c > 0)
+                assert float(out[p, j, v]) == pytest.approx(x, rel=1e-5, abs=1e-5)
+
+
+@pytest.mark.parametrize("num_rows,width,vocab,drafted", [(0, 1, 40, False), (1, 1, 33, False),
+                                                          (3, 4, 2048 + 77, False), (3, 4, 2048 + 77, True),
+                                                          (2, 1, 50, True)])
+def test_triton_equals_reference(kernel_device, num_rows, width, vocab, drafted):
     case = random_case(num_rows, width, vocab, seed=num_rows * 5 + vocab, device=kernel_device)
-    expected = REFERENCE_OPS.penalize_rows(*case)
-    out = penalize_rows(case[0].clone(), *case[1:])
+    drafts = random_drafts(num_rows, width, vocab, seed=vocab, device=kernel_device) if drafted else None
+    expected = REFERENCE_OPS.penalize_rows(*case, drafts)
+    out = penalize_rows(case[0].clone(), *case[1:], drafts)
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
 
 
@@ -59,6 +86,8 @@ def test_bad_arguments_are_refused():
         penalize_rows(logits, counts.long(), prompt_mask, stats, repetition, frequency, presence)
     with pytest.raises(AssertionError):
         penalize_rows(logits, counts, prompt_mask, stats[:1], repetition, frequency, presence)
+    with pytest.raises(AssertionError):  # one draft too many for W = 1
+        penalize_rows(logits, counts, prompt_mask, stats, repetition, frequency, presence, random_drafts(2, 2, 64, 1))
 
 
 @pytest.mark.gpu
@@ -66,3 +95,7 @@ def test_triton_at_full_vocabulary():
     case = random_case(64, 1, 248_320, seed=5, device="cuda")
     expected = REFERENCE_OPS.penalize_rows(*case)
     torch.testing.assert_close(penalize_rows(case[0].clone(), *case[1:]), expected, rtol=1e-6, atol=1e-6)
+    case = random_case(64, 4, 248_320, seed=6, device="cuda")
+    drafts = random_drafts(64, 4, 248_320, seed=7, device="cuda")
+    expected = REFERENCE_OPS.penalize_rows(*case, drafts)
+    torch.testing.assert_close(penalize_rows(case[0].clone(), *case[1:], drafts), expected, rtol=1e-6, atol=1e-6)
