@@ -2,20 +2,34 @@
 # One device call that checks and measures the tree: the GPU tests, then the engine benches.
 # Run from the repo root on the GPU machine (carry .whl); results land in $OUT.
 #
-#   DELTASPEC_COMMIT=<sha> bash bench/gpu_session.sh [tests|engine|all]     (default: all)
+#   DELTASPEC_COMMIT=<sha> bash bench/gpu_session.sh [PART,PART,...|all]     (default: all)
 #
 # The device's copy of the tree has no .git: pass the commit the results are recorded under.
 # SAVE_TRITON_CACHE=1 also leaves the compile cache in $OUT for the next call (device_setup.sh).
-# tests : pytest -m gpu (kernels in bf16, graphs, isolation, speculation, prefix cache)
-# engine: decode_overhead (engine vs a bare graph at batch 1, async scheduling on and off),
-#         profile_step (per-kernel time of a 0.8B-like step), engine_throughput (0.8B-like shape)
+# `all` is tests then engine (under 10 minutes); the other parts are a call each.
+# tests   : pytest -m gpu (kernels in bf16, graphs, isolation, speculation, prefix cache)
+# engine  : decode_overhead (engine vs a bare graph at batch 1, async scheduling on and off),
+#           profile_step (per-kernel time of a 0.8B-like step), engine_throughput (0.8B-like shape)
+# floor   : decode_floor (#32: the 0.8B step's bytes read in one launch, per layer, per kernel)
+# spec    : spec_e2e on the 0.8B and 9B shapes (#27; 35B-A3B: `spec35b`, which needs ~80 GB free)
+# spec35b : spec_e2e on the 35B-A3B shape at batches 1 4 16 64 (256 on cards of >= 100 GiB)
+# serve   : serve_spec through `deltaspec serve`, shipped model (#27's server bars)
+# sampling: sampling_cost three times, each its own process (#29's 1.15x bar)
+# fp8     : kernels_fp8 and engine_throughput --quantization fp8 with the fused activation
+#           quantizer and without it (#30's bars)
+# abuse   : `deltaspec bench serve --abuse` at 16 and 64 streams (#33)
+# sanitize: bench/tools/sanitize.sh, compute-sanitizer over the kernels and one engine run (#33)
 set -uo pipefail
 source bench/tools/device_setup.sh
 export DELTASPEC_COMMIT="${DELTASPEC_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
-what="${1:-all}"
+parts="${1:-all}"
+[[ "$parts" == all ]] && parts=tests,engine
 out="${OUT:-bench/results}"
-nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
-if [[ "$what" == tests || "$what" == all ]]; then
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+for part in ${parts//,/ }; do
+  echo "== $part"
+  case "$part" in
+  tests)
     # One pytest process per file that has GPU tests, all at once: the run is dominated by
     # Triton's JIT compiles, which are CPU-bound and use one core per process.
     mkdir -p /tmp/gpu_tests
@@ -23,11 +37,46 @@ if [[ "$what" == tests || "$what" == all ]]; then
         'timeout 420 python -m pytest -q -m gpu -p no:cacheprovider {} > /tmp/gpu_tests/$(basename {}).log 2>&1'
     for log in /tmp/gpu_tests/*.log; do echo "== $log"; grep -E "passed|failed|error" "$log" | tail -1; done
     grep -h -E "^(FAILED|ERROR)" /tmp/gpu_tests/*.log
-    cat /tmp/gpu_tests/*.log > "$out/gpu_tests.log"
-fi
-if [[ "$what" == engine || "$what" == all ]]; then
+    cat /tmp/gpu_tests/*.log > "$out/gpu_tests.log" ;;
+  engine)
     timeout 150 python bench/decode_overhead.py --steps 200 --out "$out" 2>&1 | tail -3
     timeout 120 python bench/profile_step.py --batches 1,64 --verify-drafts 0 --out "$out" 2>&1 | tail -3
-    timeout 240 python bench/engine_throughput.py --shapes 0.8b --out "$out" 2>&1 | tail -8
-fi
+    timeout 240 python bench/engine_throughput.py --shapes 0.8b --out "$out" 2>&1 | tail -8 ;;
+  floor)
+    timeout 300 python bench/decode_floor.py --out "$out" 2>&1 | tail -12 ;;
+  spec)
+    mkdir -p "$out/spec_0.8b" "$out/spec_9b"
+    timeout 260 python bench/spec_e2e.py --shapes 0.8b --batches 1,16,64,256 --out "$out/spec_0.8b" 2>&1 \
+        | grep -E "k=3|adaptive" | tail -8
+    timeout 300 python bench/spec_e2e.py --shapes 9b --batches 1,16,64 --out "$out/spec_9b" 2>&1 \
+        | grep -E "k=3|adaptive" | tail -8 ;;
+  spec35b)
+    mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+    batches=1,4,16,64; (( mib >= 100 * 1024 )) && batches=$batches,256
+    timeout 560 python bench/spec_e2e.py --shapes 35b-a3b --batches "$batches" --out "$out" 2>&1 \
+        | grep -E "k=3|adaptive" | tail -8 ;;
+  serve)
+    timeout 560 python bench/serve_spec.py --device cuda --dtype bfloat16 --streams 1 16 64 --temperatures 0 0.7 \
+        --max-tokens 256 --requests-per-stream 3 --out "$out" 2>&1 | tail -12 ;;
+  sampling)
+    for run in 1 2 3; do
+        mkdir -p "$out/sampling_$run"
+        timeout 150 python bench/sampling_cost.py --steps 96 --out "$out/sampling_$run" 2>&1 | grep "^k="
+    done ;;
+  fp8)
+    timeout 150 python bench/kernels_fp8.py --rows 1,16,64,8192 --out "$out" 2>&1 | tail -10
+    mkdir -p "$out/fp8_fused" "$out/fp8_unfused"
+    timeout 180 python bench/engine_throughput.py --quantization fp8 --shapes 9b --batches 1,16 \
+        --out "$out/fp8_fused" 2>&1 | tail -4
+    DELTASPEC_FUSE_FP8_QUANT=0 timeout 180 python bench/engine_throughput.py --quantization fp8 --shapes 9b \
+        --batches 1,16 --out "$out/fp8_unfused" 2>&1 | tail -4 ;;
+  abuse)
+    timeout 480 python -m deltaspec.server.cli bench serve --device cuda --dtype bfloat16 --streams 16 64 \
+        --duration 30 --max-tokens 256 --abuse --out "$out" 2>&1 | tail -15 ;;
+  sanitize)
+    OUT="$out" timeout 540 bash bench/tools/sanitize.sh 2>&1 | tail -12 ;;
+  *)
+    echo "unknown part $part (tests, engine, floor, spec, spec35b, serve, sampling, fp8, abuse, sanitize)"; exit 2 ;;
+  esac
+done
 if [[ "${SAVE_TRITON_CACHE:-0}" == 1 ]]; then OUT="$out" bash bench/tools/save_triton_cache.sh; fi
