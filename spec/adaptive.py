@@ -10,7 +10,9 @@ expected tokens per second:
 
 with c_ri request r's conditional acceptance at depth i (the chance that draft i is accepted
 when draft i - 1 was), an exponential moving average of what its verify steps saw (weight
-`smoothing` for the newest), room_r the drafts its token limit leaves, and cost(B, K) the
+`smoothing` for the newest: 0.15, as steady as ~7 steps' mean; at 0.3 a single request's estimate
+swung enough to pick a short K often, and batch 1 kept ~10% less of fixed K = 3's gain in
+bench/tools/policy_sim.py, with no gain where acceptance switches), room_r the drafts its token limit leaves, and cost(B, K) the
 seconds of a step (`StepCosts`, measured at start-up on the captured graphs; K = 0 is the plain
 decode step, which runs no MTP at all), plus the sampling of every verified position of the
 step's sampled rows (S (K + 1) draws instead of S). A K > 0 must beat K = 0 by `min_gain`: the
@@ -115,7 +117,7 @@ class DraftPolicy:
     max_draft_tokens: int
     costs: StepCosts
     adaptive: bool = True
-    smoothing: float = 0.3
+    smoothing: float = 0.15
     initial_acceptance: float = 0.7  # every depth's conditional acceptance before any is seen
     probe_interval: int = 16
     min_gain: float = 0.03  # the least relative gain in tokens/s a K > 0 must promise over K = 0
