@@ -7,8 +7,11 @@ and .png and prints a table.
 
 GEMMs: the dense projections of the Qwen3.5-9B and 35B-A3B shapes (bench/kernels_linear.py's
 `projections`; 35B-A3B's MLP is its shared expert), y[M, N] = x[M, K] @ W[N, K]^T at each M:
-  fp8   kernels.fp8.fp8_linear as the engine calls it (group quantizer + Triton GEMM, split-K up
-        to 64 rows; past 64 rows cuBLAS's block-scaled GEMM on sm_90)
+  fp8   kernels.fp8.fp8_linear on bf16 x (group quantizer + Triton GEMM, split-K up to 64 rows;
+        past 64 rows cuBLAS's block-scaled GEMM on sm_90)
+  fp8 GEMM  up to 64 rows, the GEMM alone on x quantized beforehand (a QuantizedActivation): how
+        the engine's decode, verify and draft batches call it, the op before having quantized x
+        (the bar's figure: `fp8_gemm_share_of_copy`)
   bf16  kernels.linear.linear (the engine's bf16 op: the skinny kernel where its rule picks it,
         else F.linear) and torch.matmul (cuBLAS) in bf16
 Time, two ways: `*_us` a CUDA graph of R calls over R weight copies (R x W >= 256 MiB, so no call
@@ -36,8 +39,9 @@ import triton
 
 from common import commit_id, copy_bandwidth, device_tag, graph_time_us  # noqa: E402
 from kernels_linear import projections  # noqa: E402
-from deltaspec.kernels.fp8 import FP8, block_scales, fp8_linear, fp8_moe_experts
+from deltaspec.kernels.fp8 import FP8, SKINNY_MAX_ROWS, block_scales, fp8_linear, fp8_moe_experts
 from deltaspec.kernels.linear import linear
+from deltaspec.kernels.quantize import QuantizedActivation, quantize_groups
 from deltaspec.kernels.moe import moe_experts, route
 
 MODELS = {
@@ -77,6 +81,10 @@ def gemm_row(model: str, name: str, n: int, k: int, m: int, bandwidth: float) ->
     times = {"fp8": times_us(lambda r: fp8_linear(x, *w8[r % copies][:2], GROUP, w8[r % copies][2]), copies),
              "bf16_linear": times_us(lambda r: linear(x, w[r % copies]), copies),
              "bf16_matmul": times_us(lambda r: torch.matmul(x, w[r % copies].T), copies)}
+    if m <= SKINNY_MAX_ROWS:
+        quantized = QuantizedActivation(x, *quantize_groups(x, GROUP), GROUP)
+        times["fp8_gemm"] = times_us(lambda r: fp8_linear(quantized, *w8[r % copies][:2], GROUP, w8[r % copies][2]),
+                                     copies)
     activations = m * k * 2 + m * n * 2
     fp8_bytes = n * k + w8[0][1].numel() * 4 + activations
     bf16_bytes = n * k * 2 + activations
@@ -88,6 +96,10 @@ def gemm_row(model: str, name: str, n: int, k: int, m: int, bandwidth: float) ->
            "bf16_linear_share_of_copy": bf16_bytes / (graph["bf16_linear"] * 1e-6) / bandwidth,
            "speedup_vs_bf16_linear": graph["bf16_linear"] / graph["fp8"],
            "speedup_vs_bf16_matmul": graph["bf16_matmul"] / graph["fp8"]}
+    if "fp8_gemm" in graph:  # fp8 x and its scales in, bf16 y out
+        gemm_bytes = n * k + w8[0][1].numel() * 4 + m * k + quantized.scale.numel() * 4 + m * n * 2
+        row.update(fp8_gemm_share_of_copy=gemm_bytes / (graph["fp8_gemm"] * 1e-6) / bandwidth,
+                   fp8_gemm_speedup_vs_bf16_linear=graph["bf16_linear"] / graph["fp8_gemm"])
     if m >= 256:
         flops = 2 * m * n * k
         row.update(fp8_tflops=flops / graph["fp8"] / 1e6, bf16_matmul_tflops=flops / graph["bf16_matmul"] / 1e6)
@@ -146,7 +158,7 @@ def main() -> None:
               "triton": triton.__version__, "copy_bandwidth_bytes_per_s": bandwidth, "gemm": [], "moe": []}
     print(f"{gpu}: copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     print(f"{'model':8} {'projection':14} {'N':>6} {'K':>6} {'M':>5} {'fp8 us':>8} {'bf16 us':>8} {'mm us':>8} "
-          f"{'x bf16':>7} {'fp8 %bw':>8} {'fp8 TF':>7} {'mm TF':>7}")
+          f"{'x bf16':>7} {'fp8 %bw':>8} {'fp8 TF':>7} {'mm TF':>7} {'gemm us':>8} {'gemm %bw':>9}")
     for model, shape in MODELS.items():
         for name, n, k, _ in projections(**shape):
             for m in rows:
@@ -155,7 +167,8 @@ def main() -> None:
                 print(f"{model:8} {name:14} {n:6} {k:6} {m:5} {row['fp8_us']:8.1f} {row['bf16_linear_us']:8.1f} "
                       f"{row['bf16_matmul_us']:8.1f} {row['speedup_vs_bf16_linear']:7.2f} "
                       f"{100 * row['fp8_share_of_copy']:7.1f}% {row.get('fp8_tflops', 0):7.0f} "
-                      f"{row.get('bf16_matmul_tflops', 0):7.0f}")
+                      f"{row.get('bf16_matmul_tflops', 0):7.0f} {row.get('fp8_gemm_us', 0):8.1f} "
+                      f"{100 * row.get('fp8_gemm_share_of_copy', 0):8.1f}%")
     for m in rows:
         row = moe_row(m)
         result["moe"].append(row)
