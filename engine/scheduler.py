@@ -279,7 +279,7 @@ class Scheduler:
     def _record_verify(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         """The one place a decode row's speculation outcome is counted: the request's acceptance
         estimate (for the draft-length policy), its counters and the engine's."""
-        request.acceptance.record(num_drafted, num_accepted, self.draft_policy.smoothing)
+        self.draft_policy.record(request.acceptance, num_drafted, num_accepted)
         if num_drafted:
             request.spec_stats.record(num_drafted, num_accepted)
             self.spec_stats.record(num_drafted, num_accepted)

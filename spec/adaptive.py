@@ -12,7 +12,8 @@ with c_ri request r's conditional acceptance at depth i (the chance that draft i
 when draft i - 1 was), an exponential moving average of what its verify steps saw (weight
 `smoothing` for the newest: 0.15, as steady as ~7 steps' mean; at 0.3 a single request's estimate
 swung enough to pick a short K often, and batch 1 kept ~10% less of fixed K = 3's gain in
-bench/tools/policy_sim.py, with no gain where acceptance switches), room_r the drafts its token limit leaves, and cost(B, K) the
+bench/tools/policy_sim.py, with no gain where acceptance switches), starting from the engine's
+`prior` (every verify step's outcome, smoothed slowly: what this model's drafts usually do), room_r the drafts its token limit leaves, and cost(B, K) the
 seconds of a step (`StepCosts`, measured at start-up on the captured graphs; K = 0 is the plain
 decode step, which runs no MTP at all), plus the sampling of every verified position of the
 step's sampled rows (S (K + 1) draws instead of S). A K > 0 must beat K = 0 by `min_gain`: the
@@ -119,6 +120,11 @@ class DraftPolicy:
     adaptive: bool = True
     smoothing: float = 0.15
     initial_acceptance: float = 0.7  # every depth's conditional acceptance before any is seen
+    # The engine-wide acceptance a new request starts from (`new_estimate`): every verify step's
+    # outcome, smoothed slowly (`prior_smoothing`), so a model whose drafts rarely land does not
+    # make each new request speculate its way down from initial_acceptance again.
+    prior_smoothing: float = 0.02
+    prior: AcceptanceEstimate | None = None  # set in __post_init__ (initial_acceptance at every depth)
     probe_interval: int = 16
     min_gain: float = 0.03  # the least relative gain in tokens/s a K > 0 must promise over K = 0
     steps_at_zero: int = 0  # steps in a row at K = 0 (a probe follows `probe_interval` of them)
@@ -135,9 +141,12 @@ class DraftPolicy:
     def __post_init__(self) -> None:
         if self.max_draft_tokens < 1:
             raise ValueError("a draft policy needs max_draft_tokens >= 1 (0: no speculation, no policy)")
-        if not 0 < self.smoothing <= 1 or not 0 <= self.initial_acceptance <= 1 or self.probe_interval < 1 \
-                or self.min_gain < 0:
-            raise ValueError("smoothing in (0, 1], initial_acceptance in [0, 1], probe_interval >= 1, min_gain >= 0")
+        if not 0 < self.smoothing <= 1 or not 0 < self.prior_smoothing <= 1 or not 0 <= self.initial_acceptance <= 1 \
+                or self.probe_interval < 1 or self.min_gain < 0:
+            raise ValueError("smoothing and prior_smoothing in (0, 1], initial_acceptance in [0, 1], "
+                             "probe_interval >= 1, min_gain >= 0")
+        if self.prior is None:
+            self.prior = AcceptanceEstimate([self.initial_acceptance] * self.max_draft_tokens)
 
     def observe(self, num_rows: int, num_drafts: int, seconds: float) -> None:
         """The wall time of a step run back to back with the one before it. The first sight,
@@ -158,9 +167,10 @@ class DraftPolicy:
         self.observed_at[key] = self.steps
 
     def fresh(self) -> DraftPolicy:
-        """The same policy with nothing observed (after the start-up warm-up)."""
+        """The same policy with nothing observed (after the start-up warm-up): no step costs,
+        and the prior back at initial_acceptance."""
         return dataclasses.replace(self, steps_at_zero=0, steps=0, last_chosen={}, observed={}, observed_at={},
-                                   sights={}, chosen={})
+                                   sights={}, chosen={}, prior=None)
 
     def cost(self, num_rows: int, num_drafts: int, num_sampled: int) -> float:
         bucket = self.costs.bucket(num_rows)
@@ -174,7 +184,13 @@ class DraftPolicy:
         return self.costs(num_rows, num_drafts, num_sampled) * scale
 
     def new_estimate(self) -> AcceptanceEstimate:
-        return AcceptanceEstimate([self.initial_acceptance] * self.max_draft_tokens)
+        """A new request's acceptance estimate: the engine-wide prior as it stands."""
+        return AcceptanceEstimate(list(self.prior.conditional))
+
+    def record(self, estimate: AcceptanceEstimate, num_drafted: int, num_accepted: int) -> None:
+        """A verify step's outcome: into its request's estimate and the prior."""
+        estimate.record(num_drafted, num_accepted, self.smoothing)
+        self.prior.record(num_drafted, num_accepted, self.prior_smoothing)
 
     def choose(self, estimates: Sequence[AcceptanceEstimate], rooms: Sequence[int], limit: int,
                num_sampled: int = 0) -> int:

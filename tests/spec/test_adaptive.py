@@ -173,3 +173,21 @@ def test_one_slow_step_does_not_price_a_k_out():
     assert policy.cost(4, 3, 0) == pytest.approx(1.0 + policy.smoothing * (2.0 - 1.0))
     policy.observe(4, 3, 0.5)
     assert policy.cost(4, 3, 0) < 1.3
+
+
+def test_new_requests_start_from_what_the_engine_saw():
+    """The prior: every verify outcome, smoothed slowly. A model whose drafts rarely land makes
+    new requests start low (no speculating their way down again); fresh() forgets it."""
+    costs = StepCosts.relative(3, cost_per_draft=0.15)
+    policy = DraftPolicy(3, costs, prior_smoothing=0.1)
+    assert policy.new_estimate().conditional == [0.7] * 3
+    first = policy.new_estimate()
+    assert policy.choose([first], [3], limit=100) == 3
+    for _ in range(40):
+        policy.record(first, 3, 0)  # every first draft rejected
+    assert first.conditional[0] < 0.01 and 0.005 < policy.prior.conditional[0] < 0.02
+    assert policy.prior.conditional[1:] == [0.7, 0.7]  # depths never reached keep the initial value
+    assert policy.choose([policy.new_estimate()], [3], limit=100) == 0
+    assert policy.fresh().new_estimate().conditional == [0.7] * 3
+    with pytest.raises(ValueError, match="prior_smoothing"):
+        DraftPolicy(3, costs, prior_smoothing=0)
