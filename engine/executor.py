@@ -17,8 +17,9 @@ at the symmetric-memory all-reduce's barriers), so rank 0's collective in flight
 (gloo fails on a closed peer by itself), and every call after it raises WorkerDiedError naming
 the rank; a call that fails on rank 0 alone stops the workers too (TensorParallelError: the
 ranks' collectives no longer pair up). Workers ignore Ctrl-C (rank 0 shuts them down) and exit
-when rank 0's end of their pipe closes or rank 0's process is gone. Shutdown: rank 0 tells the workers to close, each leaves the group on its own
-(TensorParallel.leave: no rank waits for another), and rank 0 leaves last, after the monitor.
+when rank 0's end of their pipe closes or rank 0's process is gone. Shutdown: rank 0 tells the
+workers to close, each leaves the group on its own (TensorParallel.leave: no rank waits for
+another), and rank 0 leaves last, after the monitor (whose abort close waits for 10 s at most).
 Knows nothing about scheduling or models.
 """
 

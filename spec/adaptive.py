@@ -10,12 +10,11 @@ expected tokens per second:
 
 with c_ri request r's conditional acceptance at depth i (the chance that draft i is accepted
 when draft i - 1 was), an exponential moving average of what its verify steps saw (weight
-`smoothing` for the newest: 0.15, as steady as ~7 steps' mean; at 0.3 a single request's estimate
-swung enough to pick a short K often, and batch 1 kept ~10% less of fixed K = 3's gain in
-bench/tools/policy_sim.py, with no gain where acceptance switches), starting from the engine's
-`prior` (every verify step's outcome, smoothed slowly: what this model's drafts usually do), room_r the drafts its token limit leaves, and cost(B, K) the
-seconds of a step (`StepCosts`, measured at start-up on the captured graphs; K = 0 is the plain
-decode step, which runs no MTP at all), plus the sampling of every verified position of the
+`smoothing` for the newest: steady enough that one request's estimate does not swing to a short
+K after a single rejection, bench/tools/policy_sim.py) starting from the engine's `prior` (every
+verify step's outcome, smoothed slowly: what this model's drafts usually do), room_r the drafts
+its token limit leaves, and cost(B, K) the seconds of a step (`StepCosts`, measured at start-up
+on the captured graphs; K = 0 is the plain decode step, which runs no MTP at all), plus the sampling of every verified position of the
 step's sampled rows (S (K + 1) draws instead of S). A K > 0 must beat K = 0 by `min_gain`: the
 costs are measured on short contexts, where a verify's extra positions cost least, and a step
 that only breaks even is a loss once that is wrong. So K = 0 wherever drafting does not pay:

@@ -1,8 +1,9 @@
 """The adaptive draft policy (spec/adaptive.py) simulated at batch 1: requests one after another
-(each starting from the policy's prior) whose verify steps accept as a per-position profile says, step costs from a measured table with 3% one-sided
-noise, and the policy's real `choose` / `observe` / `AcceptanceEstimate.record`, for several
-smoothing weights. No engine and no GPU: it shows how much of the fixed K's speedup the
-policy's own estimates give away (the GPU figure is bench/spec_e2e.py's).
+(each starting from the policy's prior) whose verify steps accept as a per-position profile
+says, step costs from a measured table with 3% one-sided noise, and the policy's real
+`choose` / `observe` / `record`, for several smoothing weights. No engine and no GPU: it shows
+how much of the fixed K's speedup the policy's own estimates give away (the GPU figure is
+bench/spec_e2e.py's).
 
     python bench/tools/policy_sim.py [--smoothing 0.3,0.2,0.15,0.1] [--runs 40] [--tokens 1024]
                                      [--request-tokens 256]
@@ -91,7 +92,8 @@ def main() -> None:
     report = {"benchmark": "policy_sim", "device": "cpu (simulation)", "commit": commit_id(),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["python", *sys.argv]), "step_seconds": STEP_SECONDS, "profiles": PROFILES,
-              "tokens": args.tokens, "request_tokens": args.request_tokens, "runs": args.runs, "speedup_over_plain": results}
+              "tokens": args.tokens, "request_tokens": args.request_tokens, "runs": args.runs,
+              "speedup_over_plain": results}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "policy_sim-cpu.json").write_text(json.dumps(report, indent=1))
 

@@ -130,12 +130,12 @@ class HybridLM(nn.Module):
             self.draft_token_ids = ids
             self.draft_head = self.lm_head_weight.detach()[ids].contiguous()
             return
-        shard = self.lm_head_weight.shape[0]  # vocabulary rows per rank
+        start, shard = self.tp.split(self.config.vocab_size)  # this rank's vocabulary rows
         by_rank = [ids[ids // shard == rank] for rank in range(self.tp.size)]
         rows = max(len(r) for r in by_rank)
         mine = by_rank[self.tp.rank]
         self.draft_head = self.lm_head_weight.new_zeros(rows, self.lm_head_weight.shape[1])
-        self.draft_head[:len(mine)] = self.lm_head_weight.detach()[mine - self.tp.rank * shard]
+        self.draft_head[:len(mine)] = self.lm_head_weight.detach()[mine - start]
         self.draft_token_ids = torch.zeros(self.tp.size * rows, dtype=torch.int64, device=ids.device)
         self.draft_padding = torch.full((self.tp.size * rows,), float("-inf"), dtype=self.lm_head_weight.dtype,
                                         device=ids.device)
