@@ -26,7 +26,6 @@ import datetime
 import json
 import multiprocessing as mp
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -38,7 +37,7 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import commit_id, device_tag, graph_time_us  # noqa: E402
+from common import commit_id, device_tag, free_port, graph_time_us  # noqa: E402
 from deltaspec.engine import symmetric_all_reduce  # noqa: E402
 from deltaspec.engine.symmetric_all_reduce import SymmetricAllReduce  # noqa: E402
 from deltaspec.engine.tensor_parallel import TensorParallel  # noqa: E402
@@ -103,9 +102,7 @@ def main() -> None:
         sys.exit(f"--sizes-kib {','.join(partial_rows)}: not whole rows of --hidden {args.hidden} {args.dtype}")
     if torch.cuda.device_count() < args.tp:
         sys.exit(f"--tp {args.tp} needs {args.tp} CUDA devices, {torch.cuda.device_count()} visible")
-    with socket.socket() as probe:  # a free port for the ranks' store
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()  # the ranks' store
     context = mp.get_context("spawn")
     results = context.Queue()
     processes = [context.Process(target=rank_main, args=(rank, args, port, results), daemon=True)

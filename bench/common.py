@@ -4,12 +4,20 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 
 import torch
 import triton
 
 from deltaspec.server.acceptance_benchmark import device_tag  # noqa: F401  (the results' device naming)
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (a store's or a server's)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def random_model(config, device: str, dtype: torch.dtype):

@@ -60,10 +60,6 @@ class Read:
         return self.weight_bytes + self.state_bytes + self.activation_bytes
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 class _Recorder:
     """An Ops table whose every entry records its call as a Read, then runs the reference."""
 
@@ -109,10 +105,10 @@ class _Recorder:
                 if num_bytes:  # not the empty pending buffers of a pool without speculation
                     tensors.append(self.names[id(value)])
             elif id(value) in self.names:
-                weight += _nbytes(value)
+                weight += value.nbytes
                 tensors.append(self.names[id(value)])
             else:
-                activation += _nbytes(value)
+                activation += value.nbytes
         return Read(op, self.layer, weight, state, activation, tuple(tensors))
 
     @staticmethod
@@ -121,9 +117,9 @@ class _Recorder:
             raise ValueError(f"{op} is handed a pool tensor; how it reads it is not in POOL_READS")
         how = POOL_READS[op]
         if how == "slots":
-            return arguments["slot_ids"].numel() * _nbytes(pool[0])
+            return arguments["slot_ids"].numel() * pool[0].nbytes
         if how == "context":
-            return int(arguments["context_lens"].sum()) * _nbytes(pool[0, 0])
+            return int(arguments["context_lens"].sum()) * pool[0, 0].nbytes
         return 0
 
 
@@ -143,16 +139,16 @@ def decode_reads(config: ModelConfig, batch: int = 1, context: int = CONTEXT,
     rows = [Row([0], context, r + 1, list(range(1 + r * blocks_per_row, 1 + (r + 1) * blocks_per_row)))
             for r in range(batch)]
     step = ForwardBatch.build(rows, [], BLOCK, "cpu", commit=True)
-    hidden_row = config.hidden_size * torch.finfo(dtype).bits // 8
-    embedding = Read("embedding", 0, batch * hidden_row, 0, _nbytes(step.input_ids), ("embed_tokens",))
+    hidden_row = config.hidden_size * dtype.itemsize
+    embedding = Read("embedding", 0, batch * hidden_row, 0, step.input_ids.nbytes, ("embed_tokens",))
     with torch.inference_mode():
         model(step, states, kv)
     head = config.num_hidden_layers
     lm_head = "embed_tokens" if model.lm_head is None else "lm_head"
     logits = batch * config.vocab_size
     # model.compute_logits(hidden).argmax(dim=-1): the GEMM, the float copy, the argmax.
-    tail = (Read("lm_head", head, _nbytes(model.lm_head_weight), 0, batch * hidden_row, (lm_head,)),
-            Read("logits_float", head, 0, 0, logits * torch.finfo(dtype).bits // 8, ()),
+    tail = (Read("lm_head", head, model.lm_head_weight.nbytes, 0, batch * hidden_row, (lm_head,)),
+            Read("logits_float", head, 0, 0, logits * dtype.itemsize, ()),
             Read("argmax", head, 0, 0, logits * 4, ()))
     return (embedding, *recorder.reads, *tail)
 

@@ -41,7 +41,7 @@ from common import commit_id, copy_bandwidth, device_tag, graph_time_us  # noqa:
 from kernels_linear import projections  # noqa: E402
 from deltaspec.kernels.fp8 import FP8, SKINNY_MAX_ROWS, block_scales, fp8_linear, fp8_moe_experts
 from deltaspec.kernels.linear import linear
-from deltaspec.kernels.quantize import QuantizedActivation, quantize_groups
+from deltaspec.kernels.quantize import quantize_activation
 from deltaspec.kernels.moe import moe_experts, route
 
 MODELS = {
@@ -82,7 +82,7 @@ def gemm_row(model: str, name: str, n: int, k: int, m: int, bandwidth: float) ->
              "bf16_linear": times_us(lambda r: linear(x, w[r % copies]), copies),
              "bf16_matmul": times_us(lambda r: torch.matmul(x, w[r % copies].T), copies)}
     if m <= SKINNY_MAX_ROWS:
-        quantized = QuantizedActivation(x, *quantize_groups(x, GROUP), GROUP)
+        quantized = quantize_activation(x, GROUP)
         times["fp8_gemm"] = times_us(lambda r: fp8_linear(quantized, *w8[r % copies][:2], GROUP, w8[r % copies][2]),
                                      copies)
     activations = m * k * 2 + m * n * 2

@@ -40,6 +40,7 @@ import json
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -156,13 +157,12 @@ def measure(core: EngineCore, batches: list[int], tokens: int, temperatures: lis
         for temperature in temperatures:  # greedy and sampled steps compile different kernels
             run(core, batch, 8, temperature, seed=0)
         for temperature in temperatures:
-            policy = core.scheduler.draft_policy
-            before = dict(policy.chosen) if policy is not None else {}
+            before = Counter(core.scheduler.draft_policy.chosen) if draft_counts is not None else None
             results[f"T={temperature}", batch] = run(core, batch, max(tokens, min(256, 2048 // batch)), temperature,
                                                      seed=1)
             if draft_counts is not None:
-                draft_counts[f"T={temperature}, batch {batch}"] = {
-                    f"K={k}": n - before.get(k, 0) for k, n in sorted(policy.chosen.items()) if n > before.get(k, 0)}
+                after = Counter(core.scheduler.draft_policy.chosen)
+                draft_counts[f"T={temperature}, batch {batch}"] = {f"K={k}": n for k, n in sorted((after - before).items())}
             bar.update()
     return results
 

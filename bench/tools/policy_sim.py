@@ -43,6 +43,7 @@ def conditional(by_position: list[float]) -> list[float]:
 
 
 PROFILES = {"shipped": [0.92, 0.75, 0.64], "published": [0.76, 0.62, 0.51], "bad": [0.3, 0.1, 0.03]}
+CONDITIONAL = {name: conditional(by_position) for name, by_position in PROFILES.items()}
 CASES = {"shipped": (["shipped"], 0), "published": (["published"], 0), "bad": (["bad"], 0),
          "shipped/bad every 32": (["shipped", "bad"], 32), "shipped/bad every 128": (["shipped", "bad"], 128),
          "published/bad every 64": (["published", "bad"], 64)}
@@ -59,7 +60,7 @@ def simulate(seed: int, smoothing: float | None, profiles: list[str], every: int
     while made < tokens:
         estimate, room = policy.new_estimate(), request_tokens
         while room > 0:
-            accept = conditional(PROFILES[profiles[(made // every) % len(profiles)] if every else profiles[0]])
+            accept = CONDITIONAL[profiles[(made // every) % len(profiles)] if every else profiles[0]]
             k = policy.choose([estimate], [min(3, room - 1)], limit=tokens)
             accepted = 0
             while accepted < k and rng.random() < accept[accepted]:

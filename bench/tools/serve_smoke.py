@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,16 +26,11 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCH))
 
+from common import free_port  # noqa: E402
 from tp_scaling import checkpoint_dir  # noqa: E402
 
 PROMPT = "def fibonacci(n):"
 MAX_TOKENS = 32
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(server: subprocess.Popen, url: str, deadline: float) -> None:
