@@ -38,8 +38,7 @@ import numpy as np
 import torch
 
 # The packed rows' columns (the kernel's layout, kernels/decode_metadata.py).
-from ..kernels.decode_metadata import (CATCH_UP_IDS, FED_FROM, IS_FED, MTP_START, NEWEST, NUM_CATCH_UP, NUM_DRAFTS,
-                                       POSITION, SLOT, RowTokens)
+from ..kernels.decode_metadata import CATCH_UP_IDS, MTP_START, NEWEST, NUM_CATCH_UP, NUM_DRAFTS, POSITION, SLOT, RowTokens
 from .batch import ForwardBatch, RowGroup
 from .models import HybridLM
 from .state_pool import KVPool, StatePool
@@ -83,14 +82,6 @@ class DecodeRows(NamedTuple):
     @property
     def newest(self) -> torch.Tensor:
         return self.packed[:, NEWEST]
-
-    @property
-    def is_fed(self) -> torch.Tensor:
-        return self.packed[:, IS_FED]
-
-    @property
-    def fed_from(self) -> torch.Tensor:
-        return self.packed[:, FED_FROM]
 
     @property
     def positions(self) -> torch.Tensor:

@@ -24,6 +24,7 @@ import triton.language as tl
 from .arrivals import arrival_counters, last_to_arrive, reset_arrivals
 from .device import INTERPRETED, num_sms
 from .launch import dependent_prologue, pdl
+from .sampling import order_key
 from .tiles import TileConfig
 
 _COLUMN_BITS = 31
@@ -48,8 +49,7 @@ def _argmax_key(x, columns):
     """float32 values and their columns -> int64 keys whose maximum is the first maximum under
     torch.argmax's order (NaN largest; -0.0 equal to +0.0). Every key is > 0."""
     x = tl.where(x == 0.0, 0.0, x)
-    bits = tl.where(x != x, 0x7FFFFFFF, x.to(tl.int32, bitcast=True))
-    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648   # [0, 2^32), NaN the top
+    ordered = tl.where(x != x, 4294967295, order_key(x))  # [0, 2^32), NaN (of either sign) the top
     return (ordered << 31) | (2147483647 - columns).to(tl.int64)
 
 

@@ -99,7 +99,7 @@ _BOUND_SLACK = tl.constexpr(1e-4)    # relative widening of the per-bin mass bou
 
 
 @triton.jit
-def _order_key(s):
+def order_key(s):
     """float32 -> int64 in [0, 2^32) with the same order (ties aside: -0.0 < +0.0)."""
     bits = s.to(tl.int32, bitcast=True)
     return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648
@@ -390,7 +390,7 @@ def _window_reduce(threshold, lower, key, e, valid, row_ptr, V, t, top, d_lo, sc
             ok = offs < V
             s = tl.load(row_ptr + offs, mask=ok, other=float("-inf")).to(tl.float32) / t
             _, window = _classify(top - s, ok, d_lo, scale, d_hi, lo, hi, NUM_BINS)
-            acc += _reduce_keys(threshold, lower, _order_key(s), tl.exp(s - top), window, MODE)
+            acc += _reduce_keys(threshold, lower, order_key(s), tl.exp(s - top), window, MODE)
         return acc
     else:
         return _reduce_keys(threshold, lower, key, e, valid, MODE)
@@ -427,7 +427,7 @@ def _window_select(key, e, s, token, valid, row_ptr, V, t, top, total, d_lo, sca
             mass = mass_prefix + _window_reduce(candidate, key_k, key, e, valid, row_ptr, V, t, top, d_lo, scale,
                                                 d_hi, lo, hi, 2, FROM_ROW, BLOCK, NUM_BINS)
             key_p = tl.where(mass >= target, candidate, key_p)
-        key_p = tl.minimum(key_p, _order_key(top) - 1)
+        key_p = tl.minimum(key_p, order_key(top) - 1)
     if FROM_ROW:
         best = float("-inf")
         best_token = 0
@@ -436,7 +436,7 @@ def _window_select(key, e, s, token, valid, row_ptr, V, t, top, total, d_lo, sca
             ok = offs < V
             s_block = tl.load(row_ptr + offs, mask=ok, other=float("-inf")).to(tl.float32) / t
             _, window = _classify(top - s_block, ok, d_lo, scale, d_hi, lo, hi, NUM_BINS)
-            key_block = _order_key(s_block)
+            key_block = order_key(s_block)
             kept = window & (key_block >= key_k) & (key_block > key_p) & (tl.exp(s_block - top) >= floor_p)
             value, winner = race_block(s_block, offs, kept, top, row_hash)
             best_token = tl.where(value > best, winner, best_token)
@@ -485,7 +485,7 @@ def _sample_select_kernel(logits, stride_row, temperature, top_k, top_p, min_p, 
             valid = slot < tl.where(status == WINDOW, tl.load(plan_i + row * 8 + _NUM_WINDOW), 0)
             s = tl.load(window_value + row.to(tl.int64) * capacity + slot, mask=valid, other=float("-inf"))
             window_tokens = tl.load(window_token + row.to(tl.int64) * capacity + slot, mask=valid, other=0)
-            key = _order_key(s)
+            key = order_key(s)
             e = tl.exp(s - top)
             if status == WINDOW:
                 value, winner = _window_select(key, e, s, window_tokens, valid, row_ptr, V, t, top, total, d_lo,

@@ -102,6 +102,9 @@ COMMON_DEFAULTS = dict(
 # What a checkpoint needs on the GPU on top of COMMON_DEFAULTS: the GDN kernels' value tiles are at
 # least 64 wide there (kernels/gdn_chunked.py), so its heads are too.
 GPU_SHAPE = dict(linear_key_head_dim=64, linear_value_head_dim=64)
+# A model small enough for the Triton table under the interpreter: one GDN and one attention layer.
+TRITON_TABLE_SHAPE = dict(num_hidden_layers=2, full_attention_interval=2, linear_num_key_heads=1,
+                          linear_num_value_heads=2)
 
 # The key real checkpoints use to announce their MTP layers.
 MTP_CONFIG_KEY = {"qwen3_5": "mtp_num_hidden_layers", "qwen3_5_moe": "mtp_num_hidden_layers",

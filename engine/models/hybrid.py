@@ -49,7 +49,7 @@ class HybridLM(nn.Module):
         # Reduced draft vocabulary (optional): the MTP head scores only these token ids.
         self.draft_token_ids: torch.Tensor | None = None
         self.draft_head: torch.Tensor | None = None
-        self.draft_padding: torch.Tensor | None = None  # under tensor parallelism: -inf on padded rows
+        self.draft_bias: torch.Tensor | None = None  # under tensor parallelism: -inf on padded rows
 
     @property
     def num_kv_layers(self) -> int:
@@ -116,11 +116,10 @@ class HybridLM(nn.Module):
         exactness is unaffected because the target verifies every draft.
 
         Under tensor parallelism each rank holds the rows of the ids in its vocabulary shard,
-        padded to the most any rank holds (equal shards for the all-gather); the gathered
-        scores [N, tp x rows] take -inf where a rank's rows are padding, and `draft_token_ids`
-        maps each gathered column to its id. Ties between equal scores may resolve to another
+        padded to the most any rank holds (equal shards for the all-gather) and scored -inf on
+        padding (the draft GEMM's bias); `draft_token_ids` maps each gathered column to its id. Ties between equal scores may resolve to another
         id than on one device (a draft, which the target verifies either way)."""
-        self.draft_token_ids = self.draft_head = self.draft_padding = None
+        self.draft_token_ids = self.draft_head = self.draft_bias = None
         if token_ids is None:
             return
         ids = token_ids.to(self.embed_tokens.device, torch.int64)
@@ -136,20 +135,17 @@ class HybridLM(nn.Module):
         mine = by_rank[self.tp.rank]
         self.draft_head = self.lm_head_weight.new_zeros(rows, self.lm_head_weight.shape[1])
         self.draft_head[:len(mine)] = self.lm_head_weight.detach()[mine - start]
-        self.draft_token_ids = torch.zeros(self.tp.size * rows, dtype=torch.int64, device=ids.device)
-        self.draft_padding = torch.full((self.tp.size * rows,), float("-inf"), dtype=self.lm_head_weight.dtype,
-                                        device=ids.device)
-        for rank, rank_ids in enumerate(by_rank):
-            self.draft_token_ids[rank * rows:rank * rows + len(rank_ids)] = rank_ids
-            self.draft_padding[rank * rows:rank * rows + len(rank_ids)] = 0
+        self.draft_bias = self.lm_head_weight.new_full((rows,), float("-inf"))
+        self.draft_bias[:len(mine)] = 0
+        self.draft_token_ids = torch.cat([F.pad(rank_ids, (0, rows - len(rank_ids))) for rank_ids in by_rank])
 
     def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """MTP output [N, H] -> greedy draft token ids [N], from the draft vocabulary if set."""
         if self.draft_head is None:
             return self.compute_logits(hidden).argmax(dim=-1)
-        scores = F.linear(hidden, self.draft_head)
+        scores = F.linear(hidden, self.draft_head, self.draft_bias)
         if self.tp is not None:
-            scores = self.tp.gather_logits(scores) + self.draft_padding
+            scores = self.tp.gather_logits(scores)
         return self.draft_token_ids[scores.argmax(dim=-1)]
 
     def draft_hidden(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,

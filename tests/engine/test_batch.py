@@ -130,9 +130,6 @@ def test_device_arrays_round_trip(device):
         assert a.size == 0 or t.data_ptr() % 16 == 0, f"{name}: kernels are specialized on 16-byte alignment"
 
 
-PADDED_SHAPE = dict(num_hidden_layers=2, full_attention_interval=2, linear_num_key_heads=1, linear_num_value_heads=2)
-
-
 @pytest.mark.slow
 def test_a_padded_prefill_forward_changes_nothing_real(checkpoint, kernel_device):
     """The forward over prefill rows padded to a bucket (Padding: the CUDA graphs' batches)
@@ -141,9 +138,9 @@ def test_a_padded_prefill_forward_changes_nothing_real(checkpoint, kernel_device
     padding writes only scratch slot 0 and scratch block 0."""
     from deltaspec.engine import LLM
     from deltaspec.engine.state_pool import KVPool, StatePool
-    from fixtures import GPU_SHAPE
+    from fixtures import GPU_SHAPE, TRITON_TABLE_SHAPE
 
-    path = checkpoint("qwen3_5", **PADDED_SHAPE, **(GPU_SHAPE if kernel_device == "cuda" else {}))
+    path = checkpoint("qwen3_5", **TRITON_TABLE_SHAPE, **(GPU_SHAPE if kernel_device == "cuda" else {}))
     llm = LLM(path, device=kernel_device, block_size=BLOCK, kernel_backend="triton", enable_cuda_graphs=False)
     model, config, device = llm.model, llm.config, llm.core.device
     rng = random.Random(3)

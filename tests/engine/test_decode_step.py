@@ -12,7 +12,7 @@ import torch
 from deltaspec.engine import LLM, EngineConfig, SamplingParams
 from deltaspec.engine.core import EngineCore
 from deltaspec.engine.decode_step import DecodeRow, DecodeRows, DecodeStep, RowTokens, pack_rows
-from fixtures import GPU_SHAPE
+from fixtures import GPU_SHAPE, TRITON_TABLE_SHAPE
 
 
 def test_slot_tables_follow_growth_and_reuse(checkpoint):
@@ -91,8 +91,6 @@ def test_fed_rows_continue_the_latest_step(checkpoint, speculative):
 
 
 # One GDN layer of two value heads and one attention layer: the interpreter runs every kernel.
-TRITON_TABLE_SHAPE = dict(num_hidden_layers=2, full_attention_interval=2, linear_num_key_heads=1,
-                          linear_num_value_heads=2)
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from deltaspec.engine.core import EngineCore
 from deltaspec.engine.quantization import Fp8Config
 from deltaspec.kernels.fp8 import FP8, dequantize_reference
 
-from fixtures import GPU_SHAPE, dequantize_checkpoint
+from fixtures import GPU_SHAPE, TRITON_TABLE_SHAPE, dequantize_checkpoint
 from harness import generate, prompts
 
 
@@ -176,7 +176,6 @@ _TINY = {"model_type": "qwen3_5_text", "vocab_size": 64, "hidden_size": 32, "num
 
 # One GDN and one attention layer (test_model_parity's Triton-table shape) in FP8 blocks of 16 x 16:
 # the GDN heads' 16 value columns are whole groups, so every fused kernel runs (gated norm included).
-FUSED_SHAPE = dict(num_hidden_layers=2, full_attention_interval=2, linear_num_key_heads=1, linear_num_value_heads=2)
 
 
 def fused_and_unfused(path, monkeypatch, quantizer: str, tokens: list[int], max_tokens: int,
@@ -211,7 +210,7 @@ def test_fused_activation_quantizer_changes_no_logit(checkpoint, monkeypatch, ke
     table runs the references' fusion, the Triton table the kernels (interpreted on the CPU)."""
     if kernel_device == "cuda" and backend == "triton":
         pytest.skip("test_fused_activation_quantizer_on_gpu")
-    path = checkpoint("qwen3_5", fp8=True, fp8_block_size=(16, 16), mtp_copy_of_last_layer=True, **FUSED_SHAPE)
+    path = checkpoint("qwen3_5", fp8=True, fp8_block_size=(16, 16), mtp_copy_of_last_layer=True, **TRITON_TABLE_SHAPE)
     tokens = torch.randint(0, 512, (24,), generator=torch.Generator().manual_seed(1)).tolist()
     quantizer = "quantize_groups" if backend == "triton" else "quantize_groups_reference"
     (logits, generated, widths), (expected_logits, expected, all_widths) = fused_and_unfused(

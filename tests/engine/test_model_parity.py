@@ -15,7 +15,7 @@ from deltaspec.engine import LLM, SamplingParams
 from deltaspec.engine.allocators import BlockAllocator, SlotAllocator
 from deltaspec.engine.batch import ForwardBatch, Row
 from deltaspec.engine.state_pool import KVPool, StatePool
-from fixtures import GPU_SHAPE
+from fixtures import GPU_SHAPE, TRITON_TABLE_SHAPE
 
 TOLERANCE = 1e-4  # max abs error relative to the logits' scale
 
@@ -145,8 +145,6 @@ def test_greedy_generate_matches_hf(models):
 
 # One GDN layer of two value heads (one key head) and one attention layer: under the interpreter a
 # prefill costs ~2 s per (chunk, value head) of each GDN layer.
-TRITON_TABLE_SHAPE = dict(num_hidden_layers=2, full_attention_interval=2, linear_num_key_heads=1,
-                          linear_num_value_heads=2)
 
 
 @pytest.mark.slow
