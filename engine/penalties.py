@@ -138,9 +138,8 @@ class Penalties:
         if index is None:  # the common case: every row penalized, no gather, no scatter back
             x = logits.to(torch.float32, copy=True).view(num_rows, width, vocab)
         else:
-            flat = (index[:, None] * width + torch.arange(width, device=self.device)).reshape(-1)
             logits = logits.to(torch.float32, copy=True)
-            x = logits[flat].view(num_rows, width, vocab)
+            x = logits.view(-1, width, vocab)[index]
         drafts = None if width == 1 else drafts if index is None else drafts[index]       # [P, W - 1]
         params = [r.request.params for r in rows]
         self._ban_bad_words(x, rows, stats, drafts)
@@ -157,11 +156,9 @@ class Penalties:
     def _finish(self, x: torch.Tensor, logits: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
         """The adjusted rows x [P, W, V] as `adjust` returns them: x itself when every row is
         penalized, else scattered back into the float32 copy of all rows' logits."""
-        vocab = x.shape[2]
         if index is None:
-            return x.view(-1, vocab)
-        width = x.shape[1]
-        logits[(index[:, None] * width + torch.arange(width, device=self.device)).reshape(-1)] = x.view(-1, vocab)
+            return x.view(-1, x.shape[2])
+        logits.view(-1, *x.shape[1:])[index] = x
         return logits
 
     def record(self, penalized: PenalizedRows | None, emitted: torch.Tensor,

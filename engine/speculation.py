@@ -251,15 +251,14 @@ class Speculator:
             return None
         width = drafted.drafts.shape[1] + 1
         index = row_index(sampled, len(rows), self.device)
-        flat = slice(0, len(rows) * width) if isinstance(index, slice) else \
-            (index[:, None] * width + self.decode.arange(width)).reshape(-1)
         device_rows = DecodeRows(drafted.rows.packed[index])  # the chosen rows, one gather (or a view)
         # Position i of a row's verify predicts the token at its newest position + 1 + i.
         positions = (device_rows.positions[:, None] + 1 + self.decode.arange(width)).reshape(-1)
         chosen, drafts = [rows[i] for i in sampled], drafted.drafts[index]
         penalized = self.sampler.penalties.select(chosen)
         # In the model's dtype: the penalties, the grammar masks and the draws widen it exactly.
-        adjusted = self.sampler.penalties.adjust(drafted.logits[flat], penalized, drafts)
+        logits = drafted.logits.view(-1, width, drafted.logits.shape[1])[index].flatten(0, 1)  # [R * W, V]
+        adjusted = self.sampler.penalties.adjust(logits, penalized, drafts)
         return _Resampling(index, chosen, adjusted, positions, drafts, self.host_drafts.reader(sampled, width - 1),
                            device_rows.num_drafts, device_rows.slots, penalized)
 
