@@ -16,7 +16,7 @@ export PYTHONUNBUFFERED=1
 # by git). Entries name their files by absolute path, so the cache sits where it was written.
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$HOME/.triton/cache}"
 mkdir -p "$TRITON_CACHE_DIR"
-if compgen -G ".triton-cache/triton-cache.tgz.*" > /dev/null; then
-    cat .triton-cache/triton-cache.tgz.* | tar xzf - -C "$TRITON_CACHE_DIR" --skip-old-files
+if compgen -G ".triton-cache/triton-cache.txz.*" > /dev/null; then
+    cat .triton-cache/triton-cache.txz.* | xz -dc | tar xf - -C "$TRITON_CACHE_DIR" --skip-old-files
     echo "Triton cache: $(ls "$TRITON_CACHE_DIR" | wc -l) entries after seeding from .triton-cache/"
 fi
