@@ -6,7 +6,7 @@ checked against the unpadded one on the CPU in test_batch.py."""
 import pytest
 import torch
 
-from deltaspec.engine import LLM, SamplingParams
+from deltaspec.engine import LLM, SamplingParams, prefill_graphs
 from deltaspec.engine.prefill_graphs import row_buckets, token_buckets
 
 from fixtures import GPU_SHAPE
@@ -24,7 +24,10 @@ def test_buckets():
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
 @pytest.mark.parametrize("num_draft_tokens", [0, 3])
-def test_prefill_graphs_change_no_token(checkpoint, family, num_draft_tokens):
+def test_prefill_graphs_change_no_token(checkpoint, monkeypatch, family, num_draft_tokens):
+    # Every bucket captured, whether or not its replay pays: that is a timing on a GPU shared with
+    # other test processes (qwen3_next's 64-token bucket once read 7.00 ms eager, 6.74 replayed).
+    monkeypatch.setattr(prefill_graphs, "HOST_BOUND_SHARE", float("inf"))
     path = checkpoint(family, **GPU_SHAPE)
     generator = torch.Generator().manual_seed(num_draft_tokens)
     shared = torch.randint(0, 512, (700,), generator=generator).tolist()
@@ -50,7 +53,7 @@ def test_prefill_graphs_change_no_token(checkpoint, family, num_draft_tokens):
         entry.graph.replay = lambda replay=replay: replays.append(1) or replay()
     got = [o.token_ids for o in graphed.generate(prompts, params)]
     assert got == want
-    # A step of a few short prompts fits the smallest bucket, which pays on any GPU.
+    # A step of a few short prompts fits the smallest bucket.
     replays.clear()
     assert [o.token_ids for o in graphed.generate(short, params)] == want_short
     assert replays, f"no prefill step replayed a graph: {graphs.describe()}"

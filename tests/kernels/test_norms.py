@@ -169,7 +169,11 @@ def test_norms_quantize_their_output_gpu_bf16(tokens):
     z = torch.randn(tokens, 32 * 128 + 64, generator=gen).to(torch.bfloat16).cuda()[:, 64:].view(tokens, 32, 128)
     weight = torch.randn(128, generator=gen).to(torch.bfloat16).cuda()
     quantized = gated_rms_norm(core, z, weight, 1e-6, quantize_group=128)
-    assert torch.equal(quantized.values, gated_rms_norm(core, z, weight, 1e-6).view(tokens, -1))
+    # Within one bf16 ulp, not bit-equal: the quantizing variant's reshape can give the compiled
+    # kernel another register layout, hence another order of the row's sum of squares (1 float32
+    # ulp in rstd, which moves a value across a bf16 rounding boundary now and then; H100, 64 rows).
+    torch.testing.assert_close(quantized.values, gated_rms_norm(core, z, weight, 1e-6).view(tokens, -1),
+                               rtol=2**-7, atol=0)
     assert_quantized(quantized, 128, "gated_rms_norm")
 
 
