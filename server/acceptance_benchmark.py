@@ -167,7 +167,7 @@ def benchmark(args: argparse.Namespace) -> dict:
 
 def device_name(device: str) -> str:
     if device.startswith("cuda"):
-        return torch.cuda.getdevice_name()
+        return torch.cuda.get_device_name()
     return "cpu"
 
 

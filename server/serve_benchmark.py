@@ -371,8 +371,8 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
         args.requests_per_stream = 4
     if args.requests_per_stream is not None and args.duration is not None:
         raise ValueError("pass --requests-per-stream or --duration, not both")
+    device = device_name(args.device)  # before the run: a mistake here costs nothing yet
     measured = run(benchmark(args))
-    device = device_name(args.device)
     report = {"benchmark": "serve", "model": str(args.model), "device": device,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "commit": os.environ.get("DELTASPEC_COMMIT") or subprocess.run(

@@ -63,3 +63,12 @@ def test_warm_up_is_neither_timed_nor_counted(checkpoint, monkeypatch):
     assert measured["num_verify_steps"] == expected["num_verify_steps"]
     assert measured["acceptance_by_position"] == expected["acceptance_by_position"]
     assert measured["mean_accepted_length"] == expected["mean_accepted_length"]
+
+
+def test_device_names(monkeypatch):
+    """The GPU's name and its short tag in results files (a typo here once crashed the GPU runs
+    only, after their measurements)."""
+    monkeypatch.setattr(acceptance_benchmark.torch.cuda, "get_device_name", lambda *args: "NVIDIA H100 80GB HBM3")
+    assert acceptance_benchmark.device_name("cuda") == "NVIDIA H100 80GB HBM3"
+    assert acceptance_benchmark.device_tag(acceptance_benchmark.device_name("cuda:0")) == "h100"
+    assert acceptance_benchmark.device_name("cpu") == "cpu"
