@@ -39,7 +39,7 @@ from .checkpoint_io import CheckpointIO
 from .cuda_graphs import DecodeGraphs, SpecGraphs
 from .decode_step import DecodeStep
 from .engine_config import EngineConfig
-from .executor import ABORT_TIMEOUT_S, ParallelRunner, Workers, rank_device
+from .executor import ParallelRunner, Workers, rank_device
 from .model_config import ModelConfig
 from .models import HybridLM
 from .penalties import Penalties
@@ -561,12 +561,9 @@ class EngineCore:
 
 
 def _release(workers: Workers | None, group: list) -> None:
-    """Stop the workers (rank 0), then leave the process group (every rank)."""
+    """Leave the process group: rank 0 with its workers as it stops them (Workers.close), a
+    worker by itself."""
     if workers is not None:
         workers.close()
-        if workers.aborting:
-            logger.error("the process group's abort has not returned in %.0f s; its communicators stay until this "
-                         "process exits", ABORT_TIMEOUT_S)
-            return
-    if group[0] is not None:
+    elif group[0] is not None:
         group[0].leave()

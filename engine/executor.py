@@ -18,9 +18,9 @@ at the symmetric-memory all-reduce's barriers), so rank 0's collective in flight
 the rank; a call that fails on rank 0 alone stops the workers too (TensorParallelError: the
 ranks' collectives no longer pair up). Workers ignore Ctrl-C (rank 0 shuts them down) and exit
 when rank 0's end of their pipe closes or rank 0's process is gone. Shutdown: rank 0 tells the
-workers to close, each leaves the group on its own (TensorParallel.leave: no rank waits for
-another), and rank 0 leaves last, after the monitor (whose abort close waits for 10 s at most).
-Knows nothing about scheduling or models.
+workers to close and every rank leaves the group at once (TensorParallel.leave: an NCCL abort,
+which on one host synchronizes with the peers' aborts), unless the monitor is already aborting
+it (close waits 10 s at most for that abort). Knows nothing about scheduling or models.
 """
 
 from __future__ import annotations
@@ -150,6 +150,7 @@ class Workers:
             self.processes.append(process)
             self.pipes.append(parent)
         self._abort_started = False
+        self._closing_lock = threading.Lock()  # `closing` and `_abort_started`: one of them is set first
         self._monitor = threading.Thread(target=self._watch, name="deltaspec-tp-monitor", daemon=True)
         self._monitor.start()
         atexit.register(self._exit_if_abort_stuck)
@@ -199,11 +200,12 @@ class Workers:
         the process group so a collective rank 0 is blocked in ends instead of hanging."""
         sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes, start=1)}
         ready = multiprocessing.connection.wait(list(sentinels))
-        if self.closing:
-            return
+        with self._closing_lock:
+            if self.closing:
+                return
+            self._abort_started = True
         self._died(sentinels[ready[0]])
         logger.error("%s", self.dead[1])
-        self._abort_started = True
         try:
             if self.group is not None:
                 self.group.abort()
@@ -213,10 +215,18 @@ class Workers:
             logger.exception("could not abort the process group")
 
     def close(self) -> None:
-        """Stop every worker (a close message, then terminate, then kill); idempotent."""
-        if self.closing:
-            return
-        self.closing = True
+        """Stop every worker (a close message, then terminate, then kill) and leave the group
+        with them; idempotent. The workers leave as they close, rank 0 meanwhile: NCCL's abort
+        of a communicator between GPUs of one host synchronizes with its peers' (NCCL's
+        maintainers: every rank of a node must abort), and rank 0 aborting alone after its
+        workers had left and exited waited 120 s in NCCL (2 H100s, f57ba67). While the monitor
+        aborts the group because a worker died, leaving beside it races that abort on the same
+        communicators (the killed-worker test hung there): close waits for it first,
+        ABORT_TIMEOUT_S at most."""
+        with self._closing_lock:
+            if self.closing:
+                return
+            self.closing = True
         if self.dead is None:
             self.dead = (TensorParallelError, "the tensor-parallel workers were stopped (the engine was closed or "
                                               "failed)")
@@ -225,6 +235,13 @@ class Workers:
                 pipe.send_bytes(pickle.dumps(("close", ())))
             except OSError:
                 pass
+        if self._abort_started:
+            self._monitor.join(ABORT_TIMEOUT_S)
+        if self.aborting:
+            logger.error("the process group's abort has not returned in %.0f s; its communicators stay until this "
+                         "process exits", ABORT_TIMEOUT_S)
+        elif self.group is not None:
+            self.group.leave()  # after the monitor's abort: what the abort left (gloo's group)
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         for process in self.processes:
             process.join(max(0.0, deadline - time.monotonic()))
@@ -237,10 +254,6 @@ class Workers:
                 process.join()
         for pipe in self.pipes:
             pipe.close()
-        # Every worker has ended, so the monitor has woken: it returns at once (closing), or it
-        # is aborting the group because a worker died first. Leaving the group while that abort
-        # runs races it on the same communicators (the killed-worker test hung there): wait.
-        self._monitor.join(ABORT_TIMEOUT_S)
         if not self.aborting:
             atexit.unregister(self._exit_if_abort_stuck)
 
