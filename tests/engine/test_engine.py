@@ -175,15 +175,17 @@ async def test_async_abort_and_disconnect_free_resources(checkpoint):
 
 
 def _fail_steps(engine: AsyncLLM, error: Exception, when) -> list:
-    """Make the runner raise `error` on each step whose plan `when` accepts (run, or launch for
-    decode steps, which may run one ahead); returns those plans."""
+    """Make the runner raise a copy of `error` on each step whose plan `when` accepts (run, or
+    launch for decode steps, which may run one ahead); returns those plans. A copy: a raised
+    exception keeps its traceback, and with it the engine's frames, for as long as it lives (the
+    parametrized errors live as long as the test session)."""
     failed, runner = [], engine.core.runner
 
     def faulty(method):
         def call(plan):
             if when(plan):
                 failed.append(plan)
-                raise error
+                raise type(error)(*error.args)
             return method(plan)
         return call
 
