@@ -45,6 +45,17 @@ def checkpoint(tmp_path_factory):
     return build
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _module_caches(request):
+    """What a test module caches with functools.lru_cache (LLMs, each with 1 GiB of CPU pools; HF
+    models; dequantized checkpoints) is released when its tests are done: caches that lived for
+    the session held a dozen engines, 13 GB, by the suite's end."""
+    yield
+    for value in vars(request.module).values():
+        if callable(getattr(value, "cache_clear", None)) and getattr(value, "__module__", None) == request.module.__name__:
+            value.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def kernel_device() -> str:
     """Where Triton kernel tests run: the GPU when there is one, else the interpreter on CPU."""
