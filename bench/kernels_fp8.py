@@ -17,8 +17,9 @@ GEMMs: the dense projections of the Qwen3.5-9B and 35B-A3B shapes (bench/kernels
 Time, two ways: `*_us` a CUDA graph of R calls over R weight copies (R x W >= 256 MiB, so no call
 finds its weight in L2), per call — the kernels' time, as the engine's graphed decode steps see
 it; `*_eager_us` triton.testing.do_bench's median after a warm-up (L2 flushed before every
-call) — with the host's launch cost where it exceeds the kernels' (short calls). Bytes = weight (+ fp8 block scales) + x + y; `share_of_copy` =
-bytes / time / copy bandwidth measured in the same run (bench/common.py); TFLOP/s = 2MNK / time.
+call) — with the host's launch cost where it exceeds the kernels' (short calls). Bytes = weight
+(+ fp8 block scales) + x + y; `share_of_copy` = bytes / time / copy bandwidth measured in the
+same run (bench/common.py); TFLOP/s = 2MNK / time.
 The issue's bars: the skinny FP8 GEMM >= 80% of copy bandwidth on the 9B projections at M = 1,
 FP8 >= 1.3x torch.matmul bf16 at 8K rows.
 

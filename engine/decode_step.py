@@ -38,7 +38,8 @@ import numpy as np
 import torch
 
 # The packed rows' columns (the kernel's layout, kernels/decode_metadata.py).
-from ..kernels.decode_metadata import CATCH_UP_IDS, MTP_START, NEWEST, NUM_CATCH_UP, NUM_DRAFTS, POSITION, SLOT, RowTokens
+from ..kernels.decode_metadata import (CATCH_UP_IDS, MTP_START, NEWEST, NUM_CATCH_UP, NUM_DRAFTS, POSITION, SLOT,
+                                       RowTokens)
 from .batch import ForwardBatch, RowGroup
 from .models import HybridLM
 from .state_pool import KVPool, StatePool

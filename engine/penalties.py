@@ -38,7 +38,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from ..kernels import Ops
-from .batch import device_tensor
+from .batch import device_tensor, row_index
 from .sampling_params import MAX_BAD_WORD_TOKENS
 from .step import ScheduledRow
 
@@ -49,7 +49,7 @@ class PenalizedRows(NamedTuple):
     """The penalized rows among a step's N rows (`Penalties.select`), for `adjust` and `record`."""
 
     rows: list[ScheduledRow]          # the P penalized rows
-    index: torch.Tensor | None        # [P] their places among the N rows; None: every row (P = N)
+    index: slice | torch.Tensor       # [P] their places among the N rows (batch.row_index: a slice when P = N)
     stats: torch.Tensor               # [P] their statistics rows
     num_rows: int                     # N
 
@@ -72,8 +72,7 @@ class Penalties:
         if not penalized:
             return None
         chosen = [rows[i] for i in penalized]
-        index = None if len(penalized) == len(rows) else self._tensor(penalized)
-        return PenalizedRows(chosen, index, self._rows(chosen), len(rows))
+        return PenalizedRows(chosen, row_index(penalized, len(rows), self.device), self._rows(chosen), len(rows))
 
     def start(self, rows: Sequence[ScheduledRow]) -> None:
         """Rebuild the statistics and coefficients of the penalized rows among `rows` (prefill or
@@ -135,12 +134,10 @@ class Penalties:
         rows, index, stats = penalized.rows, penalized.index, penalized.stats
         num_rows, vocab = len(rows), logits.shape[1]
         width = logits.shape[0] // penalized.num_rows
-        if index is None:  # the common case: every row penalized, no gather, no scatter back
-            x = logits.to(torch.float32, copy=True).view(num_rows, width, vocab)
-        else:
-            logits = logits.to(torch.float32, copy=True)
-            x = logits.view(-1, width, vocab)[index]
-        drafts = None if width == 1 else drafts if index is None else drafts[index]       # [P, W - 1]
+        # Every row penalized (the common case): x is a view of the copy, nothing to scatter back.
+        logits = logits.to(torch.float32, copy=True)
+        x = logits.view(-1, width, vocab)[index]                                           # [P, W, V]
+        drafts = None if width == 1 else drafts[index]                                     # [P, W - 1]
         params = [r.request.params for r in rows]
         self._ban_bad_words(x, rows, stats, drafts)
         if any(p.logit_bias for p in params):
@@ -150,15 +147,11 @@ class Penalties:
                            self.bias_values[stats][:, None].expand(bias_shape))
         self._ban_stops_before_min_tokens(x, rows, stats)
         repetition, frequency, presence = self.coefficients.index_select(1, stats)          # [P] each
-        return self._finish(self.ops.penalize_rows(x, self.output_counts, self.prompt_mask, stats, repetition,
-                                                   frequency, presence, drafts), logits, index)
-
-    def _finish(self, x: torch.Tensor, logits: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
-        """The adjusted rows x [P, W, V] as `adjust` returns them: x itself when every row is
-        penalized, else scattered back into the float32 copy of all rows' logits."""
-        if index is None:
-            return x.view(-1, x.shape[2])
-        logits.view(-1, *x.shape[1:])[index] = x
+        x = self.ops.penalize_rows(x, self.output_counts, self.prompt_mask, stats, repetition, frequency, presence,
+                                   drafts)
+        if isinstance(index, slice):
+            return x.view(-1, vocab)
+        logits.view(-1, width, vocab)[index] = x
         return logits
 
     def record(self, penalized: PenalizedRows | None, emitted: torch.Tensor,
@@ -168,9 +161,8 @@ class Penalties:
         if penalized is None:
             return
         index = penalized.index
-        self.ops.record_tokens(self.output_counts, self.num_output, self.recent, penalized.stats,
-                               emitted if index is None else emitted[index],
-                               num_emitted if num_emitted is None or index is None else num_emitted[index])
+        self.ops.record_tokens(self.output_counts, self.num_output, self.recent, penalized.stats, emitted[index],
+                               None if num_emitted is None else num_emitted[index])
 
     def _ban_bad_words(self, x: torch.Tensor, rows: Sequence[ScheduledRow], stats: torch.Tensor,
                        drafts: torch.Tensor | None) -> None:

@@ -83,8 +83,8 @@ class TensorParallel:
         kernel, the norm apart. On the CPU nothing changes. Where it cannot be used on some rank
         (no peer access, a dtype its kernels do not sum, torch without it, a failed rendezvous, a
         check all-reduce that fails or whose sum differs from NCCL's) every rank logs why and
-        keeps NCCL: start-up never fails for it. Every rank decides alike: the ranks agree (a minimum over
-        ranks) before each collective step."""
+        keeps NCCL: start-up never fails for it. Every rank decides alike: the ranks agree (a
+        minimum over ranks) before each collective step."""
         if choice == "nccl" or self.device.type != "cuda":
             return
         algorithm = "one_shot" if choice == "auto" else choice

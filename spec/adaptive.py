@@ -14,8 +14,8 @@ when draft i - 1 was), an exponential moving average of what its verify steps sa
 K after a single rejection, bench/tools/policy_sim.py) starting from the engine's `prior` (every
 verify step's outcome, smoothed slowly: what this model's drafts usually do), room_r the drafts
 its token limit leaves, and cost(B, K) the seconds of a step (`StepCosts`, measured at start-up
-on the captured graphs; K = 0 is the plain decode step, which runs no MTP at all), plus the sampling of every verified position of the
-step's sampled rows (S (K + 1) draws instead of S). A K > 0 must beat K = 0 by `min_gain`: the
+on the captured graphs; K = 0 is the plain decode step, which runs no MTP at all), plus the
+sampling of every verified position of the step's sampled rows (S (K + 1) draws instead of S). A K > 0 must beat K = 0 by `min_gain`: the
 costs are measured on short contexts, where a verify's extra positions cost least, and a step
 that only breaks even is a loss once that is wrong. So K = 0 wherever drafting does not pay:
 large batches, low acceptance, cheap steps. A step at K = 0 observes no acceptance, so after

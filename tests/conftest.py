@@ -52,7 +52,8 @@ def _module_caches(request):
     the session held a dozen engines, 13 GB, by the suite's end."""
     yield
     for value in vars(request.module).values():
-        if callable(getattr(value, "cache_clear", None)) and getattr(value, "__module__", None) == request.module.__name__:
+        cached_here = getattr(value, "__module__", None) == request.module.__name__
+        if cached_here and callable(getattr(value, "cache_clear", None)):
             value.cache_clear()
 
 

@@ -117,8 +117,9 @@ class HybridLM(nn.Module):
 
         Under tensor parallelism each rank holds the rows of the ids in its vocabulary shard,
         padded to the most any rank holds (equal shards for the all-gather) and scored -inf on
-        padding (the draft GEMM's bias); `draft_token_ids` maps each gathered column to its id. Ties between equal scores may resolve to another
-        id than on one device (a draft, which the target verifies either way)."""
+        padding (the draft GEMM's bias); `draft_token_ids` maps each gathered column to its id.
+        Ties between equal scores may resolve to another id than on one device (a draft, which
+        the target verifies either way)."""
         self.draft_token_ids = self.draft_head = self.draft_bias = None
         if token_ids is None:
             return
