@@ -13,9 +13,11 @@
 #   122b     N >= 4: bench/tp_scaling.py on the Qwen3.5-122B-A10B shape at tp 4, experts split,
 #            then with --enable-expert-parallel (batches 1, 16, 64)
 #   scaling  bench/tp_scaling.py on the 9B and 35B-A3B shapes at tp 1, 2 (, 4): tokens/s at
-#            batches 1, 16, 64, the collectives' share, speculation's speedup (shipped profile)
+#            batches 1, 16, 64, the collectives' share, speculation's speedup (shipped profile);
+#            the 9B with NCCL's and the symmetric-memory all-reduce
 #   serve    bench/tools/serve_smoke.py: deltaspec serve -tp N --load-format dummy (the 35B-A3B
-#            shape; the 122B at N >= 4), one streamed completion over HTTP, SIGINT, no process left
+#            shape; the 122B at N >= 4, experts split and expert-parallel), one streamed
+#            completion over HTTP, SIGINT, no process left
 #   next80b  the same smoke on the Qwen3-Next-80B-A3B shape at tp 2 (bf16 on cards of >= 100 GiB,
 #            its block-FP8 form on H100s, where 152 GiB of bf16 weights do not fit two cards)
 #
@@ -92,12 +94,22 @@ for part in ${parts//,/ }; do
         run_part 122b-tp "$half" python bench/tp_scaling.py --shapes 122b-a10b --tp 4 --out "$out"
         run_part 122b-ep "$half" python bench/tp_scaling.py --shapes 122b-a10b --tp 4 --expert-parallel --out "$out" ;;
     scaling)
-        run_part scaling "$(limit scaling)" python bench/tp_scaling.py --shapes 9b,35b-a3b --tp "$sizes" \
-            --all-reduce nccl,one_shot,auto --out "$out" ;;
+        # The 9B with NCCL's all-reduce and the symmetric-memory one (auto) side by side; the
+        # 35B-A3B with NCCL's only (its all-reduces are the same sizes; a third of the engines).
+        seconds=$(limit scaling)
+        run_part scaling-9b $((seconds / 2)) python bench/tp_scaling.py --shapes 9b --tp "$sizes" \
+            --all-reduce nccl,auto --out "$out"
+        run_part scaling-35b $((seconds / 2)) python bench/tp_scaling.py --shapes 35b-a3b --tp "$sizes" \
+            --out "$out" ;;
     serve)
+        # At N >= 4 the 122B twice: experts split over the ranks, then whole experts per rank.
         seconds=$(limit serve)
-        run_part serve "$seconds" python bench/tools/serve_smoke.py --shape "$serve_shape" --tp "$tp" \
-            --start-timeout $((seconds - 30)) --out "$out" ;;
+        modes=("")
+        (( num_gpus >= 4 )) && { modes=("" --expert-parallel); seconds=$((seconds / 2)); }
+        for mode in "${modes[@]}"; do
+            run_part "serve${mode:+-ep}" "$seconds" python bench/tools/serve_smoke.py --shape "$serve_shape" \
+                --tp "$tp" $mode --start-timeout $((seconds - 30)) --out "$out"
+        done ;;
     next80b)
         seconds=$(limit next80b)
         mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
