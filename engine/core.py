@@ -116,7 +116,8 @@ class EngineCore:
         # Every rank's resources go together: a failed start-up, close() or the engine's
         # collection stops the workers and leaves the process group.
         group = [tp]  # filled in once rank 0 has joined
-        self._finalizer = weakref.finalize(self, _release, self.workers, group)
+        self._runners: list[Runner] = []  # this rank's runner, once built: its graphs go first
+        self._finalizer = weakref.finalize(self, _release, self.workers, group, self._runners)
         try:
             if self.workers is not None:
                 tp = group[0] = self.workers.join(torch.device(rank_device(config.device, 0)))
@@ -196,6 +197,7 @@ class EngineCore:
         self.runner = Runner(self.model, self.states, self.kv, sampler, checkpoint_io, config.block_size, self.device,
                              decode, graphs=graphs, speculator=speculator, spec_graphs=spec_graphs,
                              prefill_graphs=self._prefill_graphs(commit=speculator is None))
+        self._runners.append(self.runner)
         if self.workers is not None:
             self.runner = ParallelRunner(self.runner, self.workers)
         policy = None
@@ -560,9 +562,16 @@ class EngineCore:
         return int(free * self.config.gpu_memory_utilization) - activations
 
 
-def _release(workers: Workers | None, group: list) -> None:
-    """Leave the process group: rank 0 with its workers as it stops them (Workers.close), a
-    worker by itself."""
+def _release(workers: Workers | None, group: list, runners: list[Runner]) -> None:
+    """Destroy this rank's CUDA graphs (Runner.release_graphs: an NCCL group is left only after
+    them), then leave the process group: rank 0 with its workers as it stops them
+    (Workers.close), a worker by itself. Not after a worker died: a collective of rank 0's may
+    still wait for it on the device, and the release waits for the device (the monitor's abort
+    and Workers.close's time limits handle that case)."""
+    if workers is None or workers.dead is None:
+        for runner in runners:
+            runner.release_graphs()
+    runners.clear()
     if workers is not None:
         workers.close()
     elif group[0] is not None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import gc
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -59,6 +59,13 @@ def warm_up_on_side_stream(run, times: int) -> None:
         for _ in range(times):
             run()
     torch.cuda.current_stream().wait_stream(stream)
+
+
+def release(graphs: Iterable[torch.cuda.CUDAGraph | None]) -> None:
+    """Destroy captured graphs now rather than when their last reference goes."""
+    for graph in graphs:
+        if graph is not None:
+            graph.reset()
 
 
 class _StaticRows:
@@ -135,6 +142,11 @@ class DecodeGraphs(_StaticRows):
         """Seconds of a plain step by bucket."""
         return {bucket: self.measure(entry.graph) for bucket, entry in self.graphs.items()}
 
+    def release(self) -> None:
+        """Destroy the graphs (Runner.release_graphs)."""
+        release(entry.graph for entry in self.graphs.values())
+        self.graphs.clear()
+
 
 @dataclass
 class _SpecGraph:
@@ -204,3 +216,8 @@ class SpecGraphs(_StaticRows):
         """Seconds of a speculative step by (bucket, K) (both halves when split)."""
         return {key: self.measure(entry.graph) + (self.measure(entry.verify) if entry.verify is not None else 0.0)
                 for key, entry in self.graphs.items()}
+
+    def release(self) -> None:
+        """Destroy the graphs (Runner.release_graphs)."""
+        release(graph for entry in self.graphs.values() for graph in (entry.graph, entry.verify))
+        self.graphs.clear()

@@ -216,10 +216,10 @@ class Workers:
 
     def close(self) -> None:
         """Stop every worker (a close message, then terminate, then kill) and leave the group
-        with them; idempotent. The workers leave as they close, rank 0 meanwhile: NCCL's abort
-        of a communicator between GPUs of one host synchronizes with its peers' (NCCL's
-        maintainers: every rank of a node must abort), and rank 0 aborting alone after its
-        workers had left and exited waited 120 s in NCCL (2 H100s, f57ba67). While the monitor
+        with them; idempotent. The workers leave as they close, rank 0 meanwhile, each after
+        destroying its CUDA graphs (core._release): while graphs that captured the group's
+        collectives existed, NCCL's abort waited 120 s (torch's limit) on 2 H100s (f57ba67)
+        and on every rank of 4 H200s (76de151). While the monitor
         aborts the group because a worker died, leaving beside it races that abort on the same
         communicators (the killed-worker test hung there): close waits for it first,
         ABORT_TIMEOUT_S at most."""
@@ -344,7 +344,7 @@ def _worker_main(config, rank: int, store_port: int, pipe, forced_acceptance, lo
                 # Rank 0 decides a launched step's constrained rows before it launches the next
                 # one (EngineCore.dispatch); here the same, at once (their masks come from rank 0).
                 result.decide()
-        tp.leave()
+        core.close()  # its graphs, then the group
     except BaseException:  # noqa: BLE001 - rank 0 learns of it from the process's end
         traceback.print_exc()
         os._exit(1)  # no teardown: a collective may still hold this process's CUDA and NCCL state

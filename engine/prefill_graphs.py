@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 
 from .batch import BatchLayout, ForwardBatch, Padding, Row, device_arrays, packed_size
-from .cuda_graphs import no_garbage_collection, warm_up_on_side_stream
+from .cuda_graphs import no_garbage_collection, release, warm_up_on_side_stream
 from .models import HybridLM
 from .state_pool import KVPool, StatePool
 
@@ -112,6 +112,11 @@ class PrefillGraphs:
         with torch.cuda.graph(graph, pool=pool):
             hidden = self.model(batch, self.states, self.kv)
         return _PrefillGraph(padding, graph, packed, batch, hidden)
+
+    def release(self) -> None:
+        """Destroy the graphs (Runner.release_graphs)."""
+        release(entry.graph for entry in self.graphs)
+        self.graphs.clear()
 
     def _eager_seconds(self, entry: _PrefillGraph) -> float:
         return _seconds(lambda: self.model(entry.batch, self.states, self.kv))

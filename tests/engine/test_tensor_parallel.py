@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from deltaspec.engine import LLM, EngineConfig, ModelConfig, SamplingParams, WeightLoadError
 from deltaspec.engine.executor import ParallelRunner, TensorParallelError, WorkerDiedError
-from deltaspec.engine.runner import InFlight
+from deltaspec.engine.runner import InFlight, Runner
 from deltaspec.engine.step import StepOutput, StepPlan
 from deltaspec.engine.structured import Structured
 from deltaspec.engine.sharding import NotThisRank, Sharding, check_divisible
@@ -112,6 +112,22 @@ def test_killed_worker_ends_the_engine_naming_its_rank(dense):
     assert time.monotonic() - started < 30
     dense.close()
     assert no_workers_left(dense)
+
+
+def test_graphs_are_destroyed_before_the_group_is_left(checkpoint, monkeypatch):
+    """NCCL cannot leave a group while CUDA graphs that captured its collectives exist (every
+    rank hung in the abort on 4 H200s): close destroys rank 0's graphs, then leaves."""
+    order = []
+    release, leave = Runner.release_graphs, TensorParallel.leave
+    monkeypatch.setattr(Runner, "release_graphs", lambda self: (order.append("graphs"), release(self))[1])
+    monkeypatch.setattr(TensorParallel, "leave", lambda self: (order.append("leave"), leave(self))[1])
+    llm = LLM(checkpoint("qwen3_5"), tensor_parallel_size=2, num_draft_tokens=0, **POOLS)
+    assert [len(o.token_ids) for o in llm.generate(prompts(2, 6, seed=3), GREEDY)] == [8, 8]
+    llm.close()
+    assert order == ["graphs", "leave"]
+    assert no_workers_left(llm)
+    llm.close()
+    assert order == ["graphs", "leave"]
 
 
 def test_outputs_read_after_a_worker_died_are_not_returned():
@@ -463,10 +479,17 @@ def test_gpu_greedy_and_speculation_equal_one_gpu(checkpoint, family, expert_par
     with LLM(path, num_draft_tokens=0, **options) as llm:
         expected = [o.token_ids for o in llm.generate(batch, GREEDY)]
     for k in (0, 3):
-        with LLM(path, tensor_parallel_size=tp, enable_expert_parallel=expert_parallel, num_draft_tokens=k,
-                 **options) as llm:
+        llm = LLM(path, tensor_parallel_size=tp, enable_expert_parallel=expert_parallel, num_draft_tokens=k,
+                  **options)
+        try:
             assert llm.core.runner.runner.graphs is not None
             assert [o.token_ids for o in llm.generate(batch, GREEDY)] == expected
+        finally:
+            closing = time.monotonic()
+            llm.close()
+        # NCCL's abort waited for good (120 s, torch's limit) while graphs that captured its
+        # collectives existed (4 H200s, 76de151).
+        assert time.monotonic() - closing < 10
         assert no_workers_left(llm)
 
 
