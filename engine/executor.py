@@ -219,10 +219,9 @@ class Workers:
         with them; idempotent. The workers leave as they close, rank 0 meanwhile, each after
         destroying its CUDA graphs (core._release): while graphs that captured the group's
         collectives existed, NCCL's abort waited 120 s (torch's limit) on 2 H100s (f57ba67)
-        and on every rank of 4 H200s (76de151). While the monitor
-        aborts the group because a worker died, leaving beside it races that abort on the same
-        communicators (the killed-worker test hung there): close waits for it first,
-        ABORT_TIMEOUT_S at most."""
+        and on every rank of 4 H200s (76de151). While the monitor aborts the group because a
+        worker died, leaving beside it races that abort on the same communicators (the
+        killed-worker test hung there): close waits for it first, ABORT_TIMEOUT_S at most."""
         with self._closing_lock:
             if self.closing:
                 return
