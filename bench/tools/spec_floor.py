@@ -56,9 +56,13 @@ def draft_bytes(config: ModelConfig, context: int, draft_vocab: int | None,
     return {"mtp": mtp, "kv": kv, "lm_head": rows * config.hidden_size * dtype.itemsize}
 
 
+def read_rate(report: dict) -> float:
+    """Bytes/s of the report's read-only stream in one launch."""
+    return next(r for r in report["rows"] if r["name"] == "read, 1 launch")["gb_per_s"] * 1e9
+
+
 def spec_floor(report: dict, drafts: int, draft_vocab: int | None) -> dict:
-    read = next(r for r in report["rows"] if r["name"] == "read, 1 launch")
-    rate = read["gb_per_s"] * 1e9  # bytes/s
+    rate = read_rate(report)
     parts = draft_bytes(shape_config(report["shape"]), report["context"], draft_vocab)
     draft_us = sum(parts.values()) / rate * 1e6
     plain = {"floor": report["bytes_read_per_step"] / rate * 1e6,
@@ -80,7 +84,7 @@ def main() -> None:
     out = {"benchmark": "spec_floor", "source": str(args.report), "device": report["device"],
            "report_commit": report["commit"], "commit": commit_id(), "shape": report["shape"], "batch": report["batch"],
            "context": report["context"], "drafts": args.drafts, "bar": BAR, "decode_target": DECODE_TARGET,
-           "read_rate_gb_per_s": next(r for r in report["rows"] if r["name"] == "read, 1 launch")["gb_per_s"],
+           "read_rate_gb_per_s": read_rate(report) / 1e9,
            "command": " ".join(["python", *sys.argv]), "cases": cases}
     for case in cases:
         ratios = ", ".join(f"{name} {ratio:.3f}" for name, ratio in case["ratio"].items())
