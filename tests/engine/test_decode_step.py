@@ -17,7 +17,7 @@ from fixtures import GPU_SHAPE, TRITON_TABLE_SHAPE
 
 def test_slot_tables_follow_growth_and_reuse(checkpoint):
     core = LLM(checkpoint("qwen3_5"), num_draft_tokens=0).core
-    step = DecodeStep(core.model, core.states, core.kv, 16, False, 4, 12)
+    step = DecodeStep(core.model, core.states, core.kv, 16, False, 4, 12, core.runner.sampler.table)
     rng = random.Random(0)
     tables = {slot: tuple(rng.sample(range(1, 100), 2)) for slot in (1, 2, 3)}
     first = [DecodeRow(slot, 7, 16 * len(table) - 1, table) for slot, table in tables.items()]
@@ -62,7 +62,7 @@ def test_fed_rows_continue_the_latest_step(checkpoint, speculative):
     verified and accepted, with the tokens it emitted (an independent reading of the buffers)."""
     core = EngineCore(EngineConfig(model=checkpoint("qwen3_5"), max_num_seqs=4,
                                    num_draft_tokens=3 if speculative else 0))
-    step = DecodeStep(core.model, core.states, core.kv, 16, speculative, 4, 12)
+    step = DecodeStep(core.model, core.states, core.kv, 16, speculative, 4, 12, core.runner.sampler.table)
     width = step.emitted.shape[0]
     rng = random.Random(int(speculative))
     emitted = [[rng.randrange(1, 500) for _ in range(4)] for _ in range(width)]   # [W, rows]
