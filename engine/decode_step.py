@@ -227,11 +227,11 @@ class DecodeStep:
         writes redecided rows' tokens; `nonfinite` flags the rows whose logits are not finite).
         The tokens are the argmax, and with `sampled` each sampling slot's seeded draw
         (`draw`). Beyond the model: one launch before (the metadata), one after (greedy tokens
-        and flags), and a sampled step's draw. In a speculative engine (a step where no row drafts) it
-        also folds the slots' pending drafts (its kernels commit everything: nothing stays
-        pending) and keeps the hidden state for the next step's MTP catch-up; the MTP itself
-        does not run, so its KV cache misses this position: drafts attend to a stale entry
-        there, which costs acceptance, never correctness."""
+        and flags), and a sampled step's draw. In a speculative engine (a step where no row
+        drafts) it also folds the slots' pending drafts (its kernels commit everything: nothing
+        stays pending) and keeps the hidden state for the next step's MTP catch-up; the MTP
+        itself does not run, so its KV cache misses this position: drafts attend to a stale
+        entry there, which costs acceptance, never correctness."""
         num_rows = rows.num_rows
         batch = self.batch(rows, RowTokens.NEWEST, 1, feed=True)
         hidden = self.model(batch, self.states, self.kv)

@@ -3,11 +3,11 @@
 A step's decode rows run through the fixed-shape decode stages (decode_step.py): without
 speculation one forward in which they commit their token at once, with it the Speculator's
 draft, verify, accept and roll back (speculation.py); either replays a CUDA graph per batch
-bucket (and K) when one fits (cuda_graphs.py). A step with plainly sampled rows runs the stages'
-sampled variant, which draws those rows itself (in the graph); penalized and constrained rows
-are decided again after the stages (`_Redecision`, Speculator.resample). Prefill chunks run in their own eager forward,
-queued after the decode rows; cached rows (a fully cached prompt) take their logits from the
-restored checkpoint's hidden state.
+bucket (and K) when one fits (cuda_graphs.py). A step with plainly sampled rows runs the
+stages' sampled variant, which draws those rows itself (in the graph); penalized and
+constrained rows are decided again after the stages (`_Redecision`, Speculator.resample).
+Prefill chunks run in their own eager forward, queued after the decode rows; cached rows (a
+fully cached prompt) take their logits from the restored checkpoint's hidden state.
 
 Around the forwards it executes the prefix cache's device work (checkpoint_io.py): restores
 before, and after them the hidden states of the checkpoints the forward wrote.
