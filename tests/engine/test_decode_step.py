@@ -98,11 +98,13 @@ def test_fed_rows_continue_the_latest_step(checkpoint, speculative):
 @pytest.mark.parametrize("num_draft_tokens", [0, 2])
 def test_decode_steps_through_the_triton_table(checkpoint, num_draft_tokens):
     """The decode stages through the engine's Triton table (interpreted): its metadata kernel
-    (fed rows of steps launched ahead, the catch-up, chain and verify batches) and greedy kernel
-    (writing the step's output buffers) give the torch table's tokens, plain and speculative."""
+    (fed rows of steps launched ahead, the catch-up, chain and verify batches), greedy kernel
+    (writing the step's output buffers) and, in the sampled steps a sampled row makes, sampling
+    kernel (DecodeStep.draw) give the torch table's tokens, plain and speculative."""
     path = checkpoint("qwen3_5", mtp_copy_of_last_layer=True, **TRITON_TABLE_SHAPE)
     prompts = [[random.Random(n).randrange(500) for _ in range(n)] for n in (3, 20)]
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, top_k=20, seed=3, ignore_eos=True)]
     outputs = {}
     for backend in ("torch", "triton"):
         llm = LLM(path, kernel_backend=backend, num_draft_tokens=num_draft_tokens, adaptive_draft_length=False)
