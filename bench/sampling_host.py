@@ -5,7 +5,8 @@ and sampled rows cost the engine's thread, measured on the CPU.
 rows are host-bound: the engine's thread, not the device, sets their pace. This benchmark
 isolates that thread's sampling work (what the runner does for rows whose tokens are decided
 after the forward: `Runner._prepare_plain` / `_decide_plain` without speculation,
-`Speculator.prepare` / `decide` with it; the grammar masks' worker thread is not counted) and
+`Speculator.prepare` / `decide` with it; the grammar masks' worker thread is not counted; plainly
+sampled rows are drawn inside the step and cost none of it) and
 counts, per decode step of the five mixes of sampling_cost.py (same params, same schema, batch
 64 by default, through `EngineCore` on the CPU with the tiny shape):
 

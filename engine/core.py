@@ -183,12 +183,12 @@ class EngineCore:
         self.cache = PrefixCache(self.slots, self.blocks, config.checkpoint_interval, config.enable_prefix_cache,
                                  mtp=bool(self.num_draft_tokens), host_capacity_bytes=config.host_cache_bytes,
                                  checkpoint_bytes=lambda n: slot_bytes + n * block_bytes)
+        table = SamplingTable(self.states.num_slots, self.device)
         decode = DecodeStep(self.model, self.states, self.kv, config.block_size, bool(self.num_draft_tokens),
-                            config.max_num_seqs, self._max_blocks_per_row)
+                            config.max_num_seqs, self._max_blocks_per_row, table)
         penalties = Penalties(config.max_num_seqs, self.model_config.vocab_size, self.device, self.ops)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
-        sampler = Sampler(self.ops, self.device, SamplingTable(self.states.num_slots, self.device), penalties,
-                          self.grammars, self.tp)
+        sampler = Sampler(self.ops, self.device, table, penalties, self.grammars, self.tp)
         checkpoint_io = CheckpointIO(self.states, self.kv)
         speculator = Speculator(self.model, self.states, self.kv, decode, sampler, checkpoint_io, edit_drafts,
                                 forced_acceptance) if self.num_draft_tokens else None

@@ -6,15 +6,27 @@ copies its packed rows into the first B entries and pads the rest of the bucket 
 point at scratch slot 0 and scratch KV block 0, so a padding row never touches a real sequence's
 state.
 
-`DecodeGraphs`: plain decode steps (no row drafts), one graph per bucket.
-`SpecGraphs`: speculative decode steps, one graph per (bucket, K drafts per row) holding the
-whole step: fed rows, MTP catch-up and chain, the drafts' copy to the host (a branch beside the
-verify: speculation.HostDrafts), verify, greedy acceptance and rollback. With a draft editor
+`DecodeGraphs`: plain decode steps (no row drafts), one graph per (bucket, sampled).
+`SpecGraphs`: speculative decode steps, one graph per (bucket, K drafts per row, sampled)
+holding the whole step: fed rows, MTP catch-up and chain, the drafts' copy to the host (a branch
+beside the verify: speculation.HostDrafts), verify, acceptance and rollback. With a draft editor
 (tests, speculation.py) each is captured as two graphs, draft then verify, so the drafts can be
 edited in place between the replays (and are copied to the host after the edit).
 
-`measure` times every captured graph at start-up (replays on padding rows); the draft-length
-policy chooses each step's K from those costs (spec/adaptive.py).
+Every graph comes in two variants. The greedy one (sampled = False) takes each row's argmax
+(greedy acceptance). The sampled one also draws every row whose slot samples, from its
+parameters in the sampling table with the seeded noise of (seed, position) (DecodeStep.draw:
+the kernel the runner's eager draw uses, so the same tokens), and in a speculative step accepts
+those rows by rejection sampling (spec/accept.py), the rollback following. The runner replays
+the sampled variant when a step has plainly sampled rows (SamplingParams.drawn_in_step), else
+the greedy one, whose work is what it was before the variants existed; penalized and
+constrained rows are redecided after either (runner.py, speculation.py). Both variants are
+captured at start-up into one memory pool, and every graph of a kind writes its logits into one
+static buffer, so the variants add capture time but no logits memory.
+
+`measure` times every captured greedy graph at start-up (replays on padding rows); the
+draft-length policy chooses each step's K from those costs and its own per-row sampling cost
+(spec/adaptive.py).
 
 Requires kernels with no host synchronisation and launch parameters that depend only on tensor
 shapes (the Triton table). Knows nothing about requests: it is handed `DecodeRow`s.
@@ -106,44 +118,53 @@ class _StaticRows:
         return bucket
 
 
+# Warm-up runs before a capture: the greedy variant's compile the model's kernels and size its
+# workspaces, after which the sampled variant's one run has only the sampling kernels to compile.
+_WARM_UPS = {False: 2, True: 1}
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor  # [bucket, vocab] float32, written by replay
-    tokens: torch.Tensor  # [bucket] their argmax
+    tokens: torch.Tensor  # [bucket] the step's tokens (DecodeStep.emitted[0])
 
 
 class DecodeGraphs(_StaticRows):
     def __init__(self, step: DecodeStep, max_batch: int, device: torch.device) -> None:
         super().__init__(step, max_batch, device)
-        self.graphs: dict[int, _Graph] = {}
+        # The logits of every graph (float32 [max_batch, V]): a step's are read before the next
+        # step replays any graph (runner.py).
+        self.logits = torch.empty(max_batch, step.model.config.vocab_size, dtype=torch.float32, device=device)
+        self.graphs: dict[tuple[int, bool], _Graph] = {}
 
     @torch.inference_mode()
     @no_garbage_collection()
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         for bucket in sorted(self.buckets, reverse=True):  # largest first: the pool fits the rest
-            rows = self.rows.head(bucket)
-            warm_up_on_side_stream(lambda: self.step.plain(rows), 2)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits, tokens = self.step.plain(rows)
-            self.graphs[bucket] = _Graph(graph, logits, tokens)
+            rows, logits = self.rows.head(bucket), self.logits[:bucket]
+            for sampled in (False, True):
+                warm_up_on_side_stream(lambda: self.step.plain(rows, sampled, logits), _WARM_UPS[sampled])
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    _, tokens = self.step.plain(rows, sampled, logits)
+                self.graphs[bucket, sampled] = _Graph(graph, tokens)
         torch.cuda.synchronize()
 
-    def run(self, rows: list[DecodeRow]) -> tuple[DecodeRows, torch.Tensor, torch.Tensor]:
-        """(the B rows on the device, float32 logits [B, V], greedy tokens [B]) of one decode
-        step of the B rows."""
-        entry = self.graphs[self.load(rows)]
+    def run(self, rows: list[DecodeRow], sampled: bool) -> tuple[DecodeRows, torch.Tensor, torch.Tensor]:
+        """(the B rows on the device, float32 logits [B, V], the step's tokens [B]) of one decode
+        step of the B rows; sampled: replay the variant that draws sampling rows."""
+        bucket = self.load(rows)
+        entry = self.graphs[bucket, sampled]
         entry.graph.replay()
-        return self.rows.head(len(rows)), entry.logits[:len(rows)], entry.tokens[:len(rows)]
+        return self.rows.head(len(rows)), self.logits[:len(rows)], entry.tokens[:len(rows)]
 
     def step_costs(self) -> dict[int, float]:
-        """Seconds of a plain step by bucket."""
-        return {bucket: self.measure(entry.graph) for bucket, entry in self.graphs.items()}
+        """Seconds of a plain (greedy) step by bucket."""
+        return {bucket: self.measure(entry.graph) for (bucket, sampled), entry in self.graphs.items() if not sampled}
 
     def release(self) -> None:
-        """Destroy the graphs (Runner.release_graphs)."""
+        """Destroy the graphs, both variants (Runner.release_graphs)."""
         release(entry.graph for entry in self.graphs.values())
         self.graphs.clear()
 
@@ -165,7 +186,7 @@ class SpecGraphs(_StaticRows):
         # The verify logits of every graph.
         self.logits = torch.empty(max_batch * (max_drafts + 1), step.model.config.vocab_size,
                                   dtype=step.model.embed_tokens.dtype, device=device)
-        self.graphs: dict[tuple[int, int], _SpecGraph] = {}
+        self.graphs: dict[tuple[int, int, bool], _SpecGraph] = {}
 
     @torch.inference_mode()
     @no_garbage_collection()
@@ -176,18 +197,19 @@ class SpecGraphs(_StaticRows):
             rows = self.rows.head(bucket)
             for num_drafts in range(self.max_drafts, 0, -1):  # no row drafting: a plain step
                 logits = self.logits[:bucket * (num_drafts + 1)]
-                warm_up_on_side_stream(lambda: speculator.step(rows, num_drafts, logits), 1)
-                graph, verify = torch.cuda.CUDAGraph(), None
-                if self.split:
-                    with torch.cuda.graph(graph, pool=pool):
-                        drafts = speculator.draft(rows, num_drafts)
-                    verify = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(verify, pool=pool):
-                        speculator.verify(rows, drafts, logits)
-                else:
-                    with torch.cuda.graph(graph, pool=pool):
-                        drafts, _ = speculator.step(rows, num_drafts, logits)
-                self.graphs[bucket, num_drafts] = _SpecGraph(graph, verify, drafts, logits)
+                for sampled in (False, True):
+                    warm_up_on_side_stream(lambda: speculator.step(rows, num_drafts, logits, sampled), 1)
+                    graph, verify = torch.cuda.CUDAGraph(), None
+                    if self.split:
+                        with torch.cuda.graph(graph, pool=pool):
+                            drafts = speculator.draft(rows, num_drafts)
+                        verify = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(verify, pool=pool):
+                            speculator.verify(rows, drafts, logits, sampled)
+                    else:
+                        with torch.cuda.graph(graph, pool=pool):
+                            drafts, _ = speculator.step(rows, num_drafts, logits, sampled)
+                    self.graphs[bucket, num_drafts, sampled] = _SpecGraph(graph, verify, drafts, logits)
         torch.cuda.synchronize()
 
     def can_run(self, rows: list[DecodeRow], num_drafts: int) -> bool:
@@ -195,13 +217,14 @@ class SpecGraphs(_StaticRows):
         with cached rows; that rare step runs eagerly."""
         return 0 < num_drafts <= self.max_drafts and self.fits(rows)
 
-    def run(self, rows: list[DecodeRow], num_drafts: int,
+    def run(self, rows: list[DecodeRow], num_drafts: int, sampled: bool,
             edit: Callable[[torch.Tensor], None] | None = None) -> Drafted:
-        """Load the rows and replay the step's graph(s); edit: called with the rows' drafts
-        [B, K] between the draft and verify halves (split graphs only). Outputs are views of
-        the static buffers, the first B rows of the bucket."""
+        """Load the rows and replay the step's graph(s) (sampled: the variant that draws and
+        accepts sampling rows by rejection sampling); edit: called with the rows' drafts [B, K]
+        between the draft and verify halves (split graphs only). Outputs are views of the
+        static buffers, the first B rows of the bucket."""
         num_rows = len(rows)
-        entry = self.graphs[self.load(rows), num_drafts]
+        entry = self.graphs[self.load(rows), num_drafts, sampled]
         entry.graph.replay()
         if entry.verify is not None:
             if edit is not None:
@@ -213,11 +236,12 @@ class SpecGraphs(_StaticRows):
         return Drafted(self.rows.head(num_rows), entry.drafts[:num_rows], entry.logits[:num_rows * (num_drafts + 1)])
 
     def step_costs(self) -> dict[tuple[int, int], float]:
-        """Seconds of a speculative step by (bucket, K) (both halves when split)."""
-        return {key: self.measure(entry.graph) + (self.measure(entry.verify) if entry.verify is not None else 0.0)
-                for key, entry in self.graphs.items()}
+        """Seconds of a speculative (greedy) step by (bucket, K) (both halves when split)."""
+        return {(bucket, num_drafts): self.measure(entry.graph) +
+                (self.measure(entry.verify) if entry.verify is not None else 0.0)
+                for (bucket, num_drafts, sampled), entry in self.graphs.items() if not sampled}
 
     def release(self) -> None:
-        """Destroy the graphs (Runner.release_graphs)."""
+        """Destroy the graphs, both variants (Runner.release_graphs)."""
         release(graph for entry in self.graphs.values() for graph in (entry.graph, entry.verify))
         self.graphs.clear()

@@ -25,13 +25,15 @@ it continues a row of the latest decode step, whose outputs that step left on th
 host has seen the outputs of the step before it (async scheduling, core.py). A stage's whole
 batch metadata, fed rows included, is one kernel (`batch`: kernels/decode_metadata.py), and a
 step's greedy tokens and non-finite flags one more (kernels/greedy.py): a plain step's graph
-runs nothing beyond the model's forward but those two launches. Knows nothing about requests or
-scheduling beyond the rows it is handed.
+runs nothing beyond the model's forward but those two launches. A *sampled* step also draws
+every row whose slot samples (`draw`: the sampling kernel over the slots' parameters in the
+sampling table, sampling_table.py), so plainly sampled rows need nothing after the step either.
+Knows nothing about requests or scheduling beyond the rows it is handed.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import msgspec
 import numpy as np
@@ -43,6 +45,9 @@ from ..kernels.decode_metadata import (CATCH_UP_IDS, MTP_START, NEWEST, NUM_CATC
 from .batch import ForwardBatch, RowGroup
 from .models import HybridLM
 from .state_pool import KVPool, StatePool
+
+if TYPE_CHECKING:  # sampling_table.py imports step.py, which imports this module
+    from .sampling_table import SamplingTable
 
 
 class DecodeRow(msgspec.Struct, frozen=True, gc=False):
@@ -137,10 +142,11 @@ def pack_rows(rows: Sequence[DecodeRow], catch_up: int, block_size: int, num_row
 
 class DecodeStep:
     def __init__(self, model: HybridLM, states: StatePool, kv: KVPool, block_size: int, speculative: bool,
-                 max_rows: int, max_blocks_per_row: int) -> None:
+                 max_rows: int, max_blocks_per_row: int, table: SamplingTable) -> None:
         """max_rows: decode rows per step at most (padding rows included); max_blocks_per_row: a
-        row's block table at most."""
+        row's block table at most; table: each slot's sampling parameters (sampled steps' draws)."""
         self.model, self.states, self.kv, self.block_size = model, states, kv, block_size
+        self.table = table
         self.speculative = speculative
         # C: MTP positions caught up per step at most, those verified and accepted last step.
         self.catch_up = states.max_pending + 1 if speculative else 0
@@ -213,27 +219,48 @@ class DecodeStep:
             self.emitted[:emitted.shape[1], :num_rows] = emitted.T
         self.last_positions[:num_rows] = rows.positions
 
-    def plain(self, rows: DecodeRows) -> tuple[torch.Tensor, torch.Tensor]:
+    def plain(self, rows: DecodeRows, sampled: bool = False,
+              logits_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A plain decode step: each row's newest token (fed rows' from the latest step),
-        committed at once. Returns (float32 logits [B, V], their argmax [B]: a view of
-        `emitted[0]`, where the runner writes sampled rows' tokens; `nonfinite` flags the rows
-        whose logits are not finite). Beyond the model: one launch before (the metadata), one
-        after (greedy tokens and flags). In a speculative engine (a step where no row drafts) it
-        also folds the slots' pending drafts (its kernels commit everything: nothing stays
-        pending) and keeps the hidden state for the next step's MTP catch-up; the MTP itself
-        does not run, so its KV cache misses this position: drafts attend to a stale entry
-        there, which costs acceptance, never correctness."""
+        committed at once. Returns (float32 logits [B, V], into `logits_out` when given (a
+        graph's static buffer); the step's tokens [B]: a view of `emitted[0]`, where the runner
+        writes redecided rows' tokens; `nonfinite` flags the rows whose logits are not finite).
+        The tokens are the argmax, and with `sampled` each sampling slot's seeded draw
+        (`draw`). Beyond the model: one launch before (the metadata), one after (greedy tokens
+        and flags), and a sampled step's draw. In a speculative engine (a step where no row
+        drafts) it also folds the slots' pending drafts (its kernels commit everything: nothing
+        stays pending) and keeps the hidden state for the next step's MTP catch-up; the MTP
+        itself does not run, so its KV cache misses this position: drafts attend to a stale
+        entry there, which costs acceptance, never correctness."""
         num_rows = rows.num_rows
         batch = self.batch(rows, RowTokens.NEWEST, 1, feed=True)
         hidden = self.model(batch, self.states, self.kv)
-        logits = self.model.compute_logits(hidden)
-        greedy, _ = self.model.ops.greedy_argmax(logits, 1, tokens=self.emitted[0, :num_rows],
+        logits = self.model.compute_logits(hidden, out=logits_out)
+        tokens, _ = self.model.ops.greedy_argmax(logits, 1, tokens=self.emitted[0, :num_rows],
                                                  nonfinite=self.nonfinite[:num_rows])
+        if sampled:
+            tokens.copy_(self.draw(logits, rows, tokens))
         if self.speculative:
             self.states.pending_counts.index_fill_(0, rows.slots, 0)  # (no host scalar: graph-safe)
             self.states.mtp_hidden[rows.slots, 0] = hidden
             self.record(rows, None)
-        return logits, greedy
+        return logits, tokens
+
+    def draw(self, logits: torch.Tensor, rows: DecodeRows, greedy: torch.Tensor) -> torch.Tensor:
+        """The tokens [B * W] of the rows at W = logits rows / B consecutive positions each
+        (logits [B * W, V], row-major by (row, position); the token at position i of a row goes
+        to its newest position + 1 + i): where the row's slot samples (temperature > 0), the
+        seeded draw of the sampling kernel from the slot's parameters (sampling_table.py),
+        else `greedy` [B * W]. The same kernel, columns and (seed, position) noise as
+        Sampler.draw, so a row drawn here gets the token the runner would draw for it after
+        the step. No host sync, fixed shapes: it runs inside the step's CUDA graph. Padding
+        rows' scratch slot 0 is never started: temperature 0, they keep `greedy`."""
+        num_rows = rows.num_rows
+        width = logits.shape[0] // num_rows
+        positions = (rows.positions[:, None] + 1 + self.arange(width)).reshape(-1)
+        columns = self.table.columns(rows.slots, width)
+        drawn, _ = self.model.ops.sample(logits, *columns, positions)
+        return torch.where(columns.temperature > 0, drawn, greedy)
 
     def batch(self, rows: DecodeRows, tokens: RowTokens, num_positions: int, extra: torch.Tensor | None = None,
               offset: int = 0, feed: bool = False, commit: bool = True) -> ForwardBatch:

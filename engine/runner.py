@@ -3,9 +3,11 @@
 A step's decode rows run through the fixed-shape decode stages (decode_step.py): without
 speculation one forward in which they commit their token at once, with it the Speculator's
 draft, verify, accept and roll back (speculation.py); either replays a CUDA graph per batch
-bucket (and K) when one fits (cuda_graphs.py). Prefill chunks run in their own eager forward,
-queued after the decode rows; cached rows (a fully cached prompt) take their logits from the
-restored checkpoint's hidden state.
+bucket (and K) when one fits (cuda_graphs.py). A step with plainly sampled rows runs the
+stages' sampled variant, which draws those rows itself (in the graph); penalized and
+constrained rows are decided again after the stages (`_Redecision`, Speculator.resample).
+Prefill chunks run in their own eager forward, queued after the decode rows; cached rows (a
+fully cached prompt) take their logits from the restored checkpoint's hidden state.
 
 Around the forwards it executes the prefix cache's device work (checkpoint_io.py): restores
 before, and after them the hidden states of the checkpoints the forward wrote.
@@ -41,7 +43,8 @@ from .step import ScheduledRow, StepOutput, StepPlan, flagged
 
 
 class _Redecision(NamedTuple):
-    """Rows of a plain step whose tokens are decided after its graph (Runner._prepare_plain)."""
+    """Rows of a plain step whose tokens are decided after its graph (Runner._prepare_plain):
+    penalized and constrained ones (SamplingParams.redecided)."""
 
     index: slice | torch.Tensor         # [R] the rows' places in the step (batch.row_index)
     rows: list[ScheduledRow]
@@ -219,18 +222,20 @@ class Runner:
         return read
 
     def _launch_plain(self, rows: tuple[ScheduledRow, ...]) -> tuple[DecodeRows, torch.Tensor, torch.Tensor]:
-        """Queue a plain decode step. Returns its rows on the device, the raw logits [B, V] and
-        the greedy tokens [B] (a view of DecodeStep.emitted[0], where the next step's fed rows
-        read them and where `_redecide_plain` writes the other rows' tokens)."""
+        """Queue a plain decode step, a sampled one when a row is plainly sampled. Returns its
+        rows on the device, the raw logits [B, V] and the step's tokens [B]: greedy and plainly
+        sampled rows' (a view of DecodeStep.emitted[0], where the next step's fed rows read
+        them and where `_decide_plain` writes the redecided rows' tokens)."""
         decode_rows = [r.decode_row() for r in rows]
+        sampled = any(r.request.params.drawn_in_step for r in rows)
         if self.graphs is not None and self.graphs.fits(decode_rows):
-            return self.graphs.run(decode_rows)
+            return self.graphs.run(decode_rows, sampled)
         device_rows = self.decode.row_tensors(decode_rows, self.device)
-        return device_rows, *self.decode.plain(device_rows)
+        return device_rows, *self.decode.plain(device_rows, sampled)
 
     def _prepare_plain(self, rows: tuple[ScheduledRow, ...], device_rows: DecodeRows, logits: torch.Tensor,
                        chosen: list[int]) -> _Redecision | None:
-        """The chosen rows (sampled, penalized or constrained) to decide again after the graph:
+        """The chosen rows (penalized or constrained) to decide again after the graph:
         their logits adjusted by the penalties, and the positions of their seeded draws (on the
         device, where only a fed row's is known). Gathered from the graph's buffers now, or,
         when every row is chosen, views of them: `_decide_plain` reads those before the next

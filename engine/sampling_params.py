@@ -154,6 +154,12 @@ class SamplingParams:
 
     @property
     def redecided(self) -> bool:
-        """Whether a step's raw greedy choice is not this request's: it samples, or penalties
-        or a grammar change its logits (the runner decides its tokens again after the step)."""
-        return not self.greedy or self.penalized or self.structured is not None
+        """Whether a decode step's own choice is not this request's: penalties or a grammar
+        change its logits (the runner decides its tokens again after the step)."""
+        return self.penalized or self.structured is not None
+
+    @property
+    def drawn_in_step(self) -> bool:
+        """Whether a decode step draws this request's tokens itself: it samples from its raw
+        logits (DecodeStep.draw, inside the step's CUDA graph)."""
+        return not self.greedy and not self.redecided

@@ -13,7 +13,9 @@ A speculative step (`launch`) is:
              committed state; the drafts are left pending).
   3. accept: greedy rows take the longest prefix matching the target's argmax, sampled rows
              are decided by rejection sampling coupled with plain sampling (spec/accept.py):
-             they emit exactly the tokens plain sampling would, whatever the drafts.
+             they emit exactly the tokens plain sampling would, whatever the drafts. A step
+             with plainly sampled rows (SamplingParams.drawn_in_step) is a *sampled* step: it
+             draws their targets itself (DecodeStep.draw), inside its graph.
   4. roll back: each slot's pending count becomes its accepted drafts (`_set_pending`, the one
              place it is written): the rejected drafts' inputs stay in the pending buffer
              unread, so rollback is a counter, not a copy or a re-run. The fed positions'
@@ -25,9 +27,9 @@ As soon as the drafts are made, before the verify forward, they are copied to th
 while the device verifies.
 
 `draft` and `verify` run at fixed shapes (decode_step.py), so a decode-only step replays one
-CUDA graph per (batch bucket, K) (cuda_graphs.SpecGraphs) and can be launched before the step
-before it is read: its outputs stay on the device (`launch`), sampled rows' acceptance too
-(`resample`), and the host reads them one step late (`read`). A step with prefill chunks runs
+CUDA graph per (batch bucket, K, sampled) (cuda_graphs.SpecGraphs) and can be launched before
+the step before it is read: its outputs stay on the device (`launch`), penalized and constrained
+rows' acceptance too (`resample`), and the host reads them one step late (`read`). A step with prefill chunks runs
 its decode rows the same way and its chunks in an eager forward after them (runner.py), where
 `prefill_mtp` runs the MTP over the chunks' positions. A test may pass `edit_drafts`,
 called between draft and verify with the rows and the drafts [B, K], to rewrite the drafts in
@@ -173,37 +175,44 @@ class Speculator:
             drafts.append(self.model.draft_tokens(hidden))
         return torch.stack(drafts, dim=1)
 
-    def verify(self, rows: DecodeRows, drafts: torch.Tensor, logits_out: torch.Tensor | None = None) -> torch.Tensor:
+    def verify(self, rows: DecodeRows, drafts: torch.Tensor, logits_out: torch.Tensor | None = None,
+               sampled: bool = False) -> torch.Tensor:
         """The target over [newest, drafts] of every row, then `accept`; returns the logits
         [B * (K + 1), V], row-major by (row, depth): `logits_out` (a graph's static buffer) when
         given."""
         batch = self.decode.batch(rows, RowTokens.NEWEST, drafts.shape[1] + 1, extra=drafts, commit=False)
         hidden = self.model(batch, self.states, self.kv)
         logits = self.model.logits(hidden, out=logits_out)
-        self.accept(hidden, logits, rows, drafts)
+        self.accept(hidden, logits, rows, drafts, sampled)
         return logits
 
-    def step(self, rows: DecodeRows, num_drafts: int,
-             logits_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, rows: DecodeRows, num_drafts: int, logits_out: torch.Tensor | None = None,
+             sampled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """draft, the drafts' copy to the host, then verify: a whole speculative decode step on
         the device (one CUDA graph). Returns (drafts, logits)."""
         drafts = self.draft(rows, num_drafts)
         self.host_drafts.copy(drafts)
-        logits = self.verify(rows, drafts, logits_out)
+        logits = self.verify(rows, drafts, logits_out, sampled)
         self.host_drafts.join()
         return drafts, logits
 
-    def accept(self, hidden: torch.Tensor, logits: torch.Tensor, rows: DecodeRows, drafts: torch.Tensor) -> None:
-        """Greedy acceptance of every row from hidden [B*(K+1), H] and logits [B*(K+1), V] of
-        the fed tokens: rolls each slot back to its accepted drafts, keeps the hidden states for
-        the next catch-up and the accepted counts and emitted tokens for the host and the next
+    def accept(self, hidden: torch.Tensor, logits: torch.Tensor, rows: DecodeRows, drafts: torch.Tensor,
+               sampled: bool = False) -> None:
+        """Acceptance of every row from hidden [B*(K+1), H] and logits [B*(K+1), V] of the fed
+        tokens: greedy, or with `sampled` rejection sampling (spec/accept.py) for the rows whose
+        slot samples (DecodeStep.draw: their targets are plain sampling's draws at each
+        position). Rolls each slot back to its accepted drafts, keeps the hidden states for the
+        next catch-up and the accepted counts and emitted tokens for the host and the next
         step's fed rows (DecodeStep.record). Argmax of the model-dtype logits equals argmax of
-        their float32 copies (the widening is exact)."""
+        their float32 copies (the widening is exact), and so do the draws."""
         num_rows, width = drafts.shape[0], drafts.shape[1] + 1
         self.states.mtp_hidden[rows.slots, :width] = hidden.view(num_rows, width, -1)
         # The target's tokens and each row's non-finite flag (over its W positions), one launch.
         target, _ = self.model.ops.greedy_argmax(logits, width, nonfinite=self.decode.nonfinite[:num_rows])
-        accepted, emitted = self._forced(*greedy_accept(target.view(num_rows, width), drafts, rows.num_drafts),
+        acceptance = greedy_accept
+        if sampled:
+            target, acceptance = self.decode.draw(logits, rows, target), sampled_accept
+        accepted, emitted = self._forced(*acceptance(target.view(num_rows, width), drafts, rows.num_drafts),
                                          rows.num_drafts)
         self._set_pending(rows.slots, accepted)
         self.decode.record(rows, accepted, emitted)
@@ -214,26 +223,29 @@ class Speculator:
         """A decode-only speculative step, queued on the device with no host sync: draft,
         verify, accept, roll back. Its outputs stay in DecodeStep's buffers (`accepted`,
         `emitted`), where the next step's fed rows read them and `read` takes them to the host.
-        deferred: rows whose acceptance the caller redoes later (`resample`; constrained rows,
-        whose grammar masks wait for the step before to be committed)."""
+        A step with plainly sampled rows is a sampled step (`accept`); penalized and
+        constrained rows are redecided (`resample`). deferred: rows whose acceptance the caller
+        redoes later (constrained rows, whose grammar masks wait for the step before to be
+        committed)."""
         num_drafts = max(r.num_draft_tokens for r in rows)
+        sampled = any(r.request.params.drawn_in_step for r in rows)
         decode_rows = [r.decode_row() for r in rows]
         if graphs is not None and graphs.can_run(decode_rows, num_drafts):
-            drafted = graphs.run(decode_rows, num_drafts, self._edit_in_place(rows))
+            drafted = graphs.run(decode_rows, num_drafts, sampled, self._edit_in_place(rows))
         else:
             device_rows = self.decode.row_tensors(decode_rows, self.device)
             drafts = self.draft(device_rows, num_drafts)
             self._edit(rows, drafts)
             self.host_drafts.copy(drafts)
-            drafted = Drafted(device_rows, drafts, self.verify(device_rows, drafts))
+            drafted = Drafted(device_rows, drafts, self.verify(device_rows, drafts, sampled=sampled))
             self.host_drafts.join()
         now = [i for i, r in enumerate(rows) if r.request.params.redecided and i not in deferred]
         self.resample(rows, drafted, now)
         return drafted
 
     def resample(self, rows: Sequence[ScheduledRow], drafted: Drafted, sampled: Sequence[int]) -> None:
-        """Redo the acceptance of the rows `sampled` indexes (sampled, penalized and constrained
-        ones), on the device: at each verified position the token plain decoding would choose
+        """Redo the acceptance of the rows `sampled` indexes (penalized and constrained ones:
+        SamplingParams.redecided), on the device: at each verified position the token plain decoding would choose
         there (same seed, same position; the penalties counting the drafts before it as
         generated: penalties.py; the grammar after the drafts before it: structured.py), the
         drafts accepted while they match — rejection sampling for sampled rows

@@ -95,9 +95,14 @@ class HybridLM(nn.Module):
             return self.tp.embed(ids, self.embed_tokens)
         return F.embedding(ids, self.embed_tokens)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> float32 logits [N, V]."""
-        return self.logits(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [N, H] -> float32 logits [N, V], into `out` (float32) when given (a CUDA
+        graph's static buffer): the widening copy writes it (a float32 model's GEMM itself)."""
+        if out is None:
+            return self.logits(hidden).float()
+        if hidden.dtype == torch.float32:
+            return self.logits(hidden, out)
+        return out.copy_(self.logits(hidden))
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] in the model's dtype (greedy argmax needs no float32

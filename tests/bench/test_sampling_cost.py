@@ -35,8 +35,9 @@ def test_sampling_host_counts_the_sampling_work(tmp_path):
     assert {"date", "commit", "command"} <= result.keys()
     for run in result["results"].values():
         assert all(mix["steps_measured"] == 2 for mix in run.values())
-        # greedy plain rows are decided inside the graph: no sampling work at all
-        assert run["plain_greedy"]["ops"] == 0 and run["plain_greedy"]["copies_in"] == 0
-        # penalties add work to a sampled row; none of it is a copy from host lists per row
-        assert run["penalties+schema"]["ops"] > run["plain"]["ops"] > 0
+        # greedy and plainly sampled rows are decided inside the step (its graph): no sampling work at all
+        for mix in ("plain_greedy", "plain"):
+            assert run[mix]["ops"] == 0 and run[mix]["copies_in"] == 0
+        # penalties and a grammar add work to a sampled row; none of it is a copy from host lists per row
+        assert run["penalties+schema"]["ops"] > 0
         assert run["penalties+schema"]["copies_in"] <= 2

@@ -6,8 +6,11 @@ each request's output in a batch checked against its output alone, and the check
 engine holds no slots, blocks or requests. The speculation helpers (test_speculation.py,
 test_gpu_engine.py): prompts, generate, and ScriptedDrafter, a draft editor that forces every
 acceptance count. LaunchCounter (test_async_scheduling.py, test_structured.py) counts the steps
-launched ahead of the one before them."""
+launched ahead of the one before them. Sampled steps (test_sampled_steps.py, test_gpu_engine.py):
+a mix of greedy and sampled rows, the same rows sent through the eager redecision, and a run
+that counts the step's own draws and the redecisions after it."""
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -161,3 +164,61 @@ def check_scripted_speculation(path, prompts: list[list[int]], params: list[Samp
     assert set(drafter.forced) == set(range(k + 1))
     assert_all_free(core)
     return base
+
+
+# Sampled steps ---------------------------------------------------------------------------------
+
+SAMPLED_MIX = [
+    SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=14, temperature=0.8, top_p=0.9, top_k=40, seed=11, ignore_eos=True),
+    SamplingParams(max_tokens=14, temperature=1.0, seed=12, ignore_eos=True, logprobs=2),
+    SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, logprobs=1),
+    SamplingParams(max_tokens=14, temperature=0.7, min_p=0.05, seed=13, ignore_eos=True),
+    SamplingParams(max_tokens=14, temperature=1.2, top_k=5, seed=14, ignore_eos=True),
+]
+
+
+def redecided(params: SamplingParams) -> SamplingParams:
+    """The same distribution through the eager redecision: a bias of 0.0 changes no logit but
+    makes the row penalized."""
+    return dataclasses.replace(params, logit_bias={0: 0.0})
+
+
+def mixes() -> dict[str, list[SamplingParams]]:
+    """SAMPLED_MIX with every sampled row drawn in the step; every one redecided (the path
+    before sampled steps: no step draws); half and half (the step draws, then the redecided
+    rows are decided again over its result)."""
+    sampled = [i for i, p in enumerate(SAMPLED_MIX) if not p.greedy]
+    return {"in_step": SAMPLED_MIX,
+            "redecided": [redecided(p) if i in sampled else p for i, p in enumerate(SAMPLED_MIX)],
+            "both": [redecided(p) if i in sampled[::2] else p for i, p in enumerate(SAMPLED_MIX)]}
+
+
+def count_calls(owner, name: str, counted) -> list:
+    """Counts the calls of owner.name (an instance's method, replaced by a counting wrapper)
+    whose positional arguments satisfy `counted`."""
+    calls, method = [], getattr(owner, name)
+
+    def counting(*args, **kwargs):
+        if counted(*args):
+            calls.append(1)
+        return method(*args, **kwargs)
+
+    setattr(owner, name, counting)
+    return calls
+
+
+def run_counted(core: EngineCore, batch: list[list[int]], params: list[SamplingParams]) -> tuple[list, dict]:
+    """Each request's (tokens, log-probabilities), and how many eager calls of the step's draw
+    (DecodeStep.draw; a graph replay makes none) and how many redecisions after a step
+    (plain: Runner._decide_plain, speculative: Speculator.decide, of some rows) the run made."""
+    runner = core.runner
+    draws = count_calls(runner.decode, "draw", lambda *args: True)
+    redecisions = [count_calls(runner, "_decide_plain", lambda tokens, redecision, *rest: redecision is not None)]
+    if runner.speculator is not None:
+        redecisions.append(count_calls(runner.speculator, "decide", lambda resampling, *rest: resampling is not None))
+    requests = [core.add_request(p, q) for p, q in zip(batch, params)]
+    while core.has_work:
+        core.step()
+    outputs = [(r.output_token_ids, r.output_logprobs) for r in requests]
+    return outputs, {"draws": len(draws), "redecisions": sum(map(len, redecisions))}

@@ -17,7 +17,7 @@ from fixtures import GPU_SHAPE, TRITON_TABLE_SHAPE
 
 def test_slot_tables_follow_growth_and_reuse(checkpoint):
     core = LLM(checkpoint("qwen3_5"), num_draft_tokens=0).core
-    step = DecodeStep(core.model, core.states, core.kv, 16, False, 4, 12)
+    step = DecodeStep(core.model, core.states, core.kv, 16, False, 4, 12, core.runner.sampler.table)
     rng = random.Random(0)
     tables = {slot: tuple(rng.sample(range(1, 100), 2)) for slot in (1, 2, 3)}
     first = [DecodeRow(slot, 7, 16 * len(table) - 1, table) for slot, table in tables.items()]
@@ -62,7 +62,7 @@ def test_fed_rows_continue_the_latest_step(checkpoint, speculative):
     verified and accepted, with the tokens it emitted (an independent reading of the buffers)."""
     core = EngineCore(EngineConfig(model=checkpoint("qwen3_5"), max_num_seqs=4,
                                    num_draft_tokens=3 if speculative else 0))
-    step = DecodeStep(core.model, core.states, core.kv, 16, speculative, 4, 12)
+    step = DecodeStep(core.model, core.states, core.kv, 16, speculative, 4, 12, core.runner.sampler.table)
     width = step.emitted.shape[0]
     rng = random.Random(int(speculative))
     emitted = [[rng.randrange(1, 500) for _ in range(4)] for _ in range(width)]   # [W, rows]
@@ -98,11 +98,13 @@ def test_fed_rows_continue_the_latest_step(checkpoint, speculative):
 @pytest.mark.parametrize("num_draft_tokens", [0, 2])
 def test_decode_steps_through_the_triton_table(checkpoint, num_draft_tokens):
     """The decode stages through the engine's Triton table (interpreted): its metadata kernel
-    (fed rows of steps launched ahead, the catch-up, chain and verify batches) and greedy kernel
-    (writing the step's output buffers) give the torch table's tokens, plain and speculative."""
+    (fed rows of steps launched ahead, the catch-up, chain and verify batches), greedy kernel
+    (writing the step's output buffers) and, in the sampled steps a sampled row makes, sampling
+    kernel (DecodeStep.draw) give the torch table's tokens, plain and speculative."""
     path = checkpoint("qwen3_5", mtp_copy_of_last_layer=True, **TRITON_TABLE_SHAPE)
     prompts = [[random.Random(n).randrange(500) for _ in range(n)] for n in (3, 20)]
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, top_k=20, seed=3, ignore_eos=True)]
     outputs = {}
     for backend in ("torch", "triton"):
         llm = LLM(path, kernel_backend=backend, num_draft_tokens=num_draft_tokens, adaptive_draft_length=False)

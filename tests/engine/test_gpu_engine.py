@@ -1,6 +1,7 @@
 """The whole engine on the GPU with the Triton table (marked `gpu`, skipped without CUDA):
 bf16 logits against the CPU float32 reference, the isolation harness up to N = 256 with CUDA
-graphs (replays counted), and lossless speculation through the captured speculative graphs."""
+graphs (replays counted), lossless speculation through the captured speculative graphs, sampled
+rows drawn inside the graphs' sampled variants, and the graphs' release."""
 
 import pytest
 import torch
@@ -8,7 +9,8 @@ import torch
 from deltaspec.engine import LLM, EngineConfig, SamplingParams
 from deltaspec.engine.core import EngineCore
 
-from harness import ScriptedDrafter, assert_all_free, check_isolation, generate, make_jobs, prompts, run_staggered
+from harness import (SAMPLED_MIX, ScriptedDrafter, assert_all_free, check_isolation, generate, make_jobs, prompts,
+                     redecided, run_counted, run_staggered)
 from fixtures import GPU_SHAPE
 
 pytestmark = pytest.mark.gpu
@@ -45,11 +47,13 @@ def test_isolation_on_gpu_256(gpu_checkpoint):
                     max_num_batched_tokens=2048, num_draft_tokens=0)
 
 
-def count_replays(graphs) -> list[int]:
+def count_replays(graphs, sampled: bool | None = None) -> list[int]:
     """Counts the replays of every captured graph of a DecodeGraphs or SpecGraphs (so a test
-    sees that graphs ran, not only that they were captured)."""
+    sees that graphs ran, not only that they were captured); sampled: of that variant only."""
     replays = []
-    for entry in graphs.graphs.values():
+    for key, entry in graphs.graphs.items():
+        if sampled is not None and key[-1] != sampled:  # keys (bucket, [K,] sampled)
+            continue
         for graph in (entry.graph, getattr(entry, "verify", None)):
             if graph is not None:
                 replay = graph.replay
@@ -121,3 +125,86 @@ def test_isolation_with_speculation_on_gpu(gpu_checkpoint):
     speculation through the graphs, N = 64."""
     check_isolation(gpu_checkpoint("qwen3_next", mtp_copy_of_last_layer=True), 64, seed=64, device="cuda",
                     dtype="float32", max_num_seqs=32, max_num_batched_tokens=1024, num_draft_tokens=3)
+
+
+def graph_sets(core: EngineCore) -> list:
+    """The engine's decode graphs: plain, and speculative when it speculates."""
+    runner = core.runner
+    return [graphs for graphs in (runner.graphs, runner.spec_graphs) if graphs is not None]
+
+
+@pytest.mark.parametrize("k, forced", [(0, False), (3, False), (3, True)])
+def test_sampled_graphs_match_eager_and_redecision(gpu_checkpoint, k, forced):
+    """Plainly sampled rows drawn inside the sampled graph variants (with k = 3, accepted by
+    rejection sampling there; forced: a draft editor forces every acceptance count 0..k,
+    through split draft/verify graphs) give the tokens of the same engine without graphs and
+    of plain sampling, and the tokens and log-probabilities of the eager redecision (the rows
+    made penalized by a zero bias: greedy variants, then the rows decided again). Each decode
+    step of the sampled run is one replay (two halves when split), some of the sampled
+    variant, with no eager draw and no redecision."""
+    path = gpu_checkpoint("qwen3_5", mtp_copy_of_last_layer=True)
+    batch = prompts(len(SAMPLED_MIX), seed=60 + k)
+    options = dict(model=path, device="cuda", dtype="float32", max_num_seqs=8, adaptive_draft_length=False)
+    plain = run_counted(EngineCore(EngineConfig(**options, num_draft_tokens=0, enable_cuda_graphs=False)), batch,
+                        SAMPLED_MIX)[0]
+    truth = {str(i): tokens for i, (tokens, _) in enumerate(plain)}
+
+    def engine(**extra) -> EngineCore:
+        drafter = ScriptedDrafter(truth, seed=k) if forced else None
+        return EngineCore(EngineConfig(**options, num_draft_tokens=k, **extra), edit_drafts=drafter)
+
+    core = engine()
+    replays = [count_replays(graphs) for graphs in graph_sets(core)]
+    sampled_replays = [count_replays(graphs, sampled=True) for graphs in graph_sets(core)]
+    per_step = []
+    launch = core.runner._launch_decode
+
+    def launch_counted(plan, rows):
+        before = sum(map(len, replays))
+        launched = launch(plan, rows)
+        per_step.append(sum(map(len, replays)) - before)
+        return launched
+
+    core.runner._launch_decode = launch_counted
+    in_graphs, counts = run_counted(core, batch, SAMPLED_MIX)
+    assert counts == {"draws": 0, "redecisions": 0}
+    assert len(per_step) > 10 and set(per_step) <= {1, 2 if forced else 1}
+    assert sum(map(len, sampled_replays)) > 0
+    eager, eager_counts = run_counted(engine(enable_cuda_graphs=False), batch, SAMPLED_MIX)
+    assert eager_counts["draws"] > 0
+    old, old_counts = run_counted(engine(), batch, [redecided(p) for p in SAMPLED_MIX])
+    assert old_counts["redecisions"] > 0
+    tokens = lambda outputs: [t for t, _ in outputs]  # noqa: E731
+    assert tokens(in_graphs) == tokens(eager) == tokens(plain)
+    assert in_graphs == old
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_release_destroys_both_graph_variants(gpu_checkpoint, k):
+    """Runner.release_graphs destroys every captured graph, greedy and sampled variants alike
+    (and both halves of split graphs); the engine then decodes eagerly, sampled rows included,
+    as it did on the graphs."""
+    path = gpu_checkpoint("qwen3_5", mtp_copy_of_last_layer=True)
+    batch = prompts(len(SAMPLED_MIX), seed=70 + k)
+    core = EngineCore(EngineConfig(model=path, device="cuda", dtype="float32", max_num_seqs=4, num_draft_tokens=k,
+                                   adaptive_draft_length=False))
+    before = run_counted(core, batch, SAMPLED_MIX)[0]
+    sets = graph_sets(core)
+    assert len(sets) == (2 if k else 1)
+    captured, reset = [], []
+    for graphs in sets:
+        assert {key[-1] for key in graphs.graphs} == {False, True}
+        for entry in graphs.graphs.values():
+            for graph in (entry.graph, getattr(entry, "verify", None)):
+                if graph is not None:
+                    captured.append(graph)
+                    destroy = graph.reset
+                    graph.reset = lambda graph=graph, destroy=destroy: reset.append(graph) or destroy()
+    core.runner.release_graphs()
+    assert len(reset) == len(captured) and {id(g) for g in reset} == {id(g) for g in captured}
+    assert all(not graphs.graphs for graphs in sets)
+    assert core.runner.graphs is None and core.runner.spec_graphs is None
+    after, counts = run_counted(core, batch, SAMPLED_MIX)
+    assert counts["draws"] > 0
+    assert [t for t, _ in after] == [t for t, _ in before]
+    assert_all_free(core)
