@@ -168,7 +168,9 @@ def test_sampled_graphs_match_eager_and_redecision(gpu_checkpoint, k, forced):
     core.runner._launch_decode = launch_counted
     in_graphs, counts = run_counted(core, batch, SAMPLED_MIX)
     assert counts == {"draws": 0, "redecisions": 0}
-    assert len(per_step) > 10 and set(per_step) <= {1, 2 if forced else 1}
+    # Forced acceptance ends the mix in a few steps of up to k + 1 tokens each (6 on an H100,
+    # 7cf1f05): several steps, each one replay or two halves.
+    assert len(per_step) >= 4 and set(per_step) <= {1, 2 if forced else 1}
     assert sum(map(len, sampled_replays)) > 0
     eager, eager_counts = run_counted(engine(enable_cuda_graphs=False), batch, SAMPLED_MIX)
     assert eager_counts["draws"] > 0
