@@ -255,12 +255,15 @@ class DecodeStep:
         Sampler.draw, so a row drawn here gets the token the runner would draw for it after
         the step. No host sync, fixed shapes: it runs inside the step's CUDA graph. Padding
         rows' scratch slot 0 is never started: temperature 0, they keep `greedy`."""
-        num_rows = rows.num_rows
-        width = logits.shape[0] // num_rows
-        positions = (rows.positions[:, None] + 1 + self.arange(width)).reshape(-1)
+        width = logits.shape[0] // rows.num_rows
         columns = self.table.columns(rows.slots, width)
-        drawn, _ = self.model.ops.sample(logits, *columns, positions)
+        drawn, _ = self.model.ops.sample(logits, *columns, self.draw_positions(rows, width))
         return torch.where(columns.temperature > 0, drawn, greedy)
+
+    def draw_positions(self, rows: DecodeRows, width: int) -> torch.Tensor:
+        """Where the tokens drawn at W = width consecutive positions of each row go [B * W],
+        row-major by (row, position): position i of a row predicts its newest position + 1 + i."""
+        return (rows.positions[:, None] + 1 + self.arange(width)).reshape(-1)
 
     def batch(self, rows: DecodeRows, tokens: RowTokens, num_positions: int, extra: torch.Tensor | None = None,
               offset: int = 0, feed: bool = False, commit: bool = True) -> ForwardBatch:

@@ -264,8 +264,7 @@ class Speculator:
         width = drafted.drafts.shape[1] + 1
         index = row_index(sampled, len(rows), self.device)
         device_rows = DecodeRows(drafted.rows.packed[index])  # the chosen rows, one gather (or a view)
-        # Position i of a row's verify predicts the token at its newest position + 1 + i.
-        positions = (device_rows.positions[:, None] + 1 + self.decode.arange(width)).reshape(-1)
+        positions = self.decode.draw_positions(device_rows, width)
         chosen, drafts = [rows[i] for i in sampled], drafted.drafts[index]
         penalized = self.sampler.penalties.select(chosen)
         # In the model's dtype: the penalties, the grammar masks and the draws widen it exactly.
