@@ -79,11 +79,13 @@ def add_rms_normalize(h, residual_row, residual_out_row, w, offs, mask, eps, H: 
 @triton.jit
 def _rms_norm_kernel(x, residual, weight, out, residual_out, out_fp8, out_scale, stride_x, stride_residual, eps,
                      H: tl.constexpr, BH: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GROUP: tl.constexpr,
-                     DEPENDENT_LAUNCH: tl.constexpr):
+                     GROUP_TILE: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """One row: s = x (+ residual, rounded to x's dtype: the new residual stream);
     out = s / sqrt(mean(s^2) + eps) * (1 + w), in float32, rounded once. GROUP > 0: out (as
     rounded) also quantized in groups of GROUP columns into out_fp8 [T, H] and out_scale
-    [T, ceil(H / GROUP)] (BH >= GROUP; the columns past H are 0 here, as the reference pads)."""
+    [T, ceil(H / GROUP)] (the columns past H are 0 here, as the reference pads). BH is
+    next_pow2(H) with or without GROUP, so the sum of squares, and with it out, is the same
+    reduction either way; a row narrower than a group is its one group: GROUP_TILE = min(BH, GROUP)."""
     dependent_prologue(DEPENDENT_LAUNCH)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BH)
@@ -95,7 +97,7 @@ def _rms_norm_kernel(x, residual, weight, out, residual_out, out_fp8, out_scale,
     tl.store(out + row * H + offs, normed, mask=mask)
     if GROUP > 0:
         store_groups(normed.to(tl.float32), out_fp8 + row * H, out_scale + row * tl.cdiv(H, GROUP), 0, H,
-                     N=BH, GROUP=GROUP)
+                     N=BH, GROUP=GROUP_TILE)
 
 
 def check_rms_norm_args(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
@@ -122,12 +124,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         new_residual = x
     out_fp8, out_scale = quantized_outputs(num_tokens, hidden, quantize_group, x.device) if quantize_group else (out, out)
     if num_tokens:
-        # A row's groups are reshaped out of its tile: at least one whole group wide.
-        block = max(triton.next_power_of_2(hidden), quantize_group)
+        block = triton.next_power_of_2(hidden)
         _rms_norm_kernel[(num_tokens,)](x, residual if residual is not None else x, weight, out, new_residual,
                                         out_fp8, out_scale, x.stride(0),
                                         residual.stride(0) if residual is not None else 0, eps, H=hidden, BH=block,
                                         HAS_RESIDUAL=residual is not None, GROUP=quantize_group,
+                                        GROUP_TILE=min(block, quantize_group),
                                         num_warps=min(16, max(1, block // 512)), **pdl(x.device))
     if quantize_group:
         return QuantizedActivation(out, out_fp8, out_scale, quantize_group), new_residual
