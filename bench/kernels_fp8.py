@@ -14,6 +14,11 @@ GEMMs: the dense projections of the Qwen3.5-9B and 35B-A3B shapes (bench/kernels
         (the bar's figure: `fp8_gemm_share_of_copy`)
   bf16  kernels.linear.linear (the engine's bf16 op: the skinny kernel where its rule picks it,
         else F.linear) and torch.matmul (cuBLAS) in bf16
+read floor  up to 64 rows, a kernel that only reads the fp8 weight once (num_SMs x 4 programs,
+        contiguous slices summed into one word each), timed the same way: no GEMM that reads
+        those bytes can be faster, so `fp8_gemm_over_read_floor` says how far the GEMM is from
+        the physics of the shape (launch, ramp-up and tail included), not just from the copy
+        bandwidth of a large buffer
 Time, two ways: `*_us` a CUDA graph of R calls over R weight copies (R x W >= 256 MiB, so no call
 finds its weight in L2), per call — the kernels' time, as the engine's graphed decode steps see
 it; `*_eager_us` triton.testing.do_bench's median after a warm-up (L2 flushed before every
@@ -21,7 +26,9 @@ call) — with the host's launch cost where it exceeds the kernels' (short calls
 (+ fp8 block scales) + x + y; `share_of_copy` = bytes / time / copy bandwidth measured in the
 same run (bench/common.py); TFLOP/s = 2MNK / time.
 The issue's bars: the skinny FP8 GEMM >= 80% of copy bandwidth on the 9B projections at M = 1,
-FP8 >= 1.3x torch.matmul bf16 at 8K rows.
+FP8 >= 1.3x torch.matmul bf16 at 8K rows. Prefill batches run eagerly in the engine (cuBLAS's
+block-scaled GEMM is not used under graph capture), so at M >= 256 `prefill_speedup` is the eager
+figure: torch.matmul's do_bench median over fp8_linear's.
 
 MoE: kernels.fp8.fp8_moe_experts vs kernels.moe.moe_experts (bf16) at the 35B-A3B expert shape
 (256 experts, top-8, H 2048, I 512), random routing, at each M tokens.
@@ -37,6 +44,7 @@ import sys
 
 import torch
 import triton
+import triton.language as tl
 
 from common import commit_id, copy_bandwidth, device_tag, graph_time_us  # noqa: E402
 from kernels_linear import projections  # noqa: E402
@@ -52,6 +60,26 @@ MODELS = {
 MOE = dict(num_experts=256, top_k=8, hidden=2048, inter=512)
 GROUP = 128
 L2_DEFEAT_BYTES = 256 << 20
+
+
+@triton.jit
+def _read_kernel(src, out, num_words, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """Program p sums words [p * ITERS * BLOCK, (p + 1) * ITERS * BLOCK) of src into out[p]."""
+    first = tl.program_id(0).to(tl.int64) * ITERS * BLOCK
+    acc = tl.zeros([BLOCK], tl.int32)
+    for i in range(ITERS):
+        offs = first + i * BLOCK + tl.arange(0, BLOCK)
+        acc += tl.load(src + offs, mask=offs < num_words, other=0)
+    tl.store(out + tl.program_id(0), tl.sum(acc))
+
+
+def read_once(weight: torch.Tensor, out: torch.Tensor) -> None:
+    """Read every byte of weight once (as int32 words) with num_SMs x 4 programs."""
+    words = weight.view(torch.int32).reshape(-1)
+    block = 2048
+    iters = triton.cdiv(words.numel(), block * out.numel())
+    grid = triton.cdiv(words.numel(), block * iters)
+    _read_kernel[(grid,)](words, out, words.numel(), BLOCK=block, ITERS=iters, num_warps=8)
 
 
 def times_us(call, num_copies: int) -> tuple[float, float]:
@@ -86,6 +114,9 @@ def gemm_row(model: str, name: str, n: int, k: int, m: int, bandwidth: float) ->
         quantized = quantize_activation(x, GROUP)
         times["fp8_gemm"] = times_us(lambda r: fp8_linear(quantized, *w8[r % copies][:2], GROUP, w8[r % copies][2]),
                                      copies)
+        sums = torch.empty(4 * torch.cuda.get_device_properties(0).multi_processor_count, dtype=torch.int32,
+                           device="cuda")
+        times["read_floor"] = times_us(lambda r: read_once(w8[r % copies][0], sums), copies)
     activations = m * k * 2 + m * n * 2
     fp8_bytes = n * k + w8[0][1].numel() * 4 + activations
     bf16_bytes = n * k * 2 + activations
@@ -100,10 +131,14 @@ def gemm_row(model: str, name: str, n: int, k: int, m: int, bandwidth: float) ->
     if "fp8_gemm" in graph:  # fp8 x and its scales in, bf16 y out
         gemm_bytes = n * k + w8[0][1].numel() * 4 + m * k + quantized.scale.numel() * 4 + m * n * 2
         row.update(fp8_gemm_share_of_copy=gemm_bytes / (graph["fp8_gemm"] * 1e-6) / bandwidth,
-                   fp8_gemm_speedup_vs_bf16_linear=graph["bf16_linear"] / graph["fp8_gemm"])
+                   fp8_gemm_speedup_vs_bf16_linear=graph["bf16_linear"] / graph["fp8_gemm"],
+                   read_floor_share_of_copy=n * k / (graph["read_floor"] * 1e-6) / bandwidth,
+                   fp8_gemm_over_read_floor=graph["fp8_gemm"] / graph["read_floor"])
     if m >= 256:
         flops = 2 * m * n * k
-        row.update(fp8_tflops=flops / graph["fp8"] / 1e6, bf16_matmul_tflops=flops / graph["bf16_matmul"] / 1e6)
+        eager = {key: value[1] for key, value in times.items()}
+        row.update(fp8_tflops=flops / graph["fp8"] / 1e6, bf16_matmul_tflops=flops / graph["bf16_matmul"] / 1e6,
+                   prefill_speedup=eager["bf16_matmul"] / eager["fp8"])
     return row
 
 
@@ -159,7 +194,8 @@ def main() -> None:
               "triton": triton.__version__, "copy_bandwidth_bytes_per_s": bandwidth, "gemm": [], "moe": []}
     print(f"{gpu}: copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     print(f"{'model':8} {'projection':14} {'N':>6} {'K':>6} {'M':>5} {'fp8 us':>8} {'bf16 us':>8} {'mm us':>8} "
-          f"{'x bf16':>7} {'fp8 %bw':>8} {'fp8 TF':>7} {'mm TF':>7} {'gemm us':>8} {'gemm %bw':>9}")
+          f"{'x bf16':>7} {'fp8 %bw':>8} {'fp8 TF':>7} {'mm TF':>7} {'gemm us':>8} {'gemm %bw':>9} {'floor us':>9} "
+          f"{'eager x mm':>10}")
     for model, shape in MODELS.items():
         for name, n, k, _ in projections(**shape):
             for m in rows:
@@ -169,7 +205,8 @@ def main() -> None:
                       f"{row['bf16_matmul_us']:8.1f} {row['speedup_vs_bf16_linear']:7.2f} "
                       f"{100 * row['fp8_share_of_copy']:7.1f}% {row.get('fp8_tflops', 0):7.0f} "
                       f"{row.get('bf16_matmul_tflops', 0):7.0f} {row.get('fp8_gemm_us', 0):8.1f} "
-                      f"{100 * row.get('fp8_gemm_share_of_copy', 0):8.1f}%")
+                      f"{100 * row.get('fp8_gemm_share_of_copy', 0):8.1f}% {row.get('read_floor_us', 0):9.1f} "
+                      f"{row.get('prefill_speedup', 0):10.2f}")
     for m in rows:
         row = moe_row(m)
         result["moe"].append(row)
