@@ -11,6 +11,7 @@ Knows nothing about routes (`app`) or argument parsing (`cli`).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 from dataclasses import dataclass
@@ -51,8 +52,19 @@ async def start(engine: AsyncLLM, config: ServerConfig) -> RunningServer:
     return RunningServer(server, runner, runner.addresses[0][1])
 
 
+def freeze_startup_heap() -> None:
+    """Move every object alive now (the engine, torch, the tokenizer: ~200k of them) out of the
+    garbage collector's reach. A full collection walks them all (82 ms for the shipped model's
+    process on a 2-core CPU), and a server allocating per token triggers one every few seconds:
+    a stall of every stream at once, the tail of time to first token. What is frozen lives for
+    the process anyway; objects made later are collected as before."""
+    gc.collect()
+    gc.freeze()
+
+
 async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     engine = AsyncLLM(config=engine_config)
+    freeze_startup_heap()
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     aborting: set[asyncio.Task] = set()  # strong references until the tasks finish
