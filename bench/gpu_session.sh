@@ -8,6 +8,8 @@
 # SAVE_TRITON_CACHE=1 also leaves the compile cache in $OUT for the next call (device_setup.sh).
 # `all` is tests then engine (under 10 minutes); the other parts are a call each.
 # tests   : pytest -m gpu (kernels in bf16, graphs, isolation, speculation, prefix cache)
+# kernels : every kernel test, marked gpu or not, on the GPU (the unmarked ones run their Triton
+#           kernels there instead of the interpreter: GPU numerics at the CPU suite's shapes)
 # engine  : decode_overhead (engine vs a bare graph at batch 1, async scheduling on and off),
 #           profile_step (per-kernel time of a 0.8B-like step), engine_throughput (0.8B-like shape)
 # floor   : decode_floor (#32: the 0.8B step's bytes read in one launch, per layer, per kernel)
@@ -39,6 +41,13 @@ for part in ${parts//,/ }; do
     for log in /tmp/gpu_tests/*.log; do echo "== $log"; grep -E "passed|failed|error" "$log" | tail -1; done
     grep -h -E "^(FAILED|ERROR)" /tmp/gpu_tests/*.log
     cat /tmp/gpu_tests/*.log > "$out/gpu_tests.log" ;;
+  kernels)
+    mkdir -p /tmp/kernel_tests
+    ls tests/kernels/test_*.py | xargs -P 8 -I{} sh -c \
+        'timeout 420 python -m pytest -q -p no:cacheprovider {} > /tmp/kernel_tests/$(basename {}).log 2>&1'
+    for log in /tmp/kernel_tests/*.log; do echo "== $log"; grep -E "passed|failed|error" "$log" | tail -1; done
+    grep -h -E "^(FAILED|ERROR)" /tmp/kernel_tests/*.log
+    cat /tmp/kernel_tests/*.log > "$out/kernel_tests.log" ;;
   engine)
     timeout 150 python bench/decode_overhead.py --steps 200 --out "$out" 2>&1 | tail -3
     timeout 120 python bench/profile_step.py --batches 1,64 --verify-drafts 0 --out "$out" 2>&1 | tail -3
@@ -77,7 +86,7 @@ for part in ${parts//,/ }; do
   sanitize)
     OUT="$out" timeout 540 bash bench/tools/sanitize.sh 2>&1 | tail -12 ;;
   *)
-    echo "unknown part $part (tests, engine, floor, spec, spec9b, spec35b, serve, sampling, fp8, abuse, sanitize)"; exit 2 ;;
+    echo "unknown part $part (tests, kernels, engine, floor, spec, spec9b, spec35b, serve, sampling, fp8, abuse, sanitize)"; exit 2 ;;
   esac
 done
 if [[ "${SAVE_TRITON_CACHE:-0}" == 1 ]]; then OUT="$out" bash bench/tools/save_triton_cache.sh; fi
