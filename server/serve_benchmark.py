@@ -157,7 +157,11 @@ def summary(load: Load, seconds: float) -> dict:
             "output_tokens": tokens, "output_tokens_per_s": tokens / seconds, "requests_per_s": len(samples) / seconds,
             "ttft_s": _percentiles([s.ttft for s in samples]), "itl_s": _percentiles(itls),
             "e2e_s": _percentiles([s.e2e for s in samples]),
-            "ttft_cdf": sorted(s.ttft for s in samples), "itl_cdf": _thinned(sorted(itls))}
+            "ttft_cdf": sorted(s.ttft for s in samples), "itl_cdf": _thinned(sorted(itls)),
+            # When the slowest first tokens happened (start of the request, seconds into the run):
+            # at the start (compiles), in waves (arrivals queued behind each other), or spread out.
+            "ttft_slowest": [(round(s.start, 4), round(s.ttft, 4))
+                             for s in sorted(samples, key=lambda s: s.ttft)[-max(1, len(samples) // 100):]]}
 
 
 def _percentiles(values: list[float]) -> dict:
