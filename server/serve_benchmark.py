@@ -5,8 +5,13 @@ For each stream count N, N streams send streamed /v1/completions back to back (t
 as soon as the last one ends: closed loop) from a prompt set (the held-out code prompts of the
 acceptance benchmark), for `--requests-per-stream` requests each or `--duration` seconds. Every
 request records its time to first token (TTFT), the gaps between the chunks that carry tokens
-(inter-token latency, ITL), its end-to-end latency and its output tokens (usage). Each stream
-count runs one untimed warm-up pass first (one request a stream). Then the same prompts,
+(inter-token latency, ITL), its end-to-end latency and its output tokens (usage). Each stream's
+first request is its warm-up, and the measured window opens when the last of them has ended:
+the streams, which all started at once, have spread out by then, as real clients are; only
+requests that start in the window count (the start's burst of N simultaneous prompts, queued
+behind each other's prefill, is not the steady state's TTFT). Tokens/s = the counted requests'
+output tokens / (the last one's end - the window's start): requests under way when the window
+opens are not counted, which understates it by up to one request a stream, both ways alike. Then the same prompts,
 streams and sampling go through `AsyncLLM.generate` with no HTTP, so the report holds the
 served / in-process ratio of output tokens/s. The server is started as its own process
 (`deltaspec serve` with the same engine flags: it never shares a CPU core's loop with the
@@ -81,9 +86,10 @@ class Load:
 
     prompts: list[str]
     num_streams: int
-    requests_per_stream: int | None
-    duration: float | None
-    samples: list[Sample] = field(default_factory=list)
+    requests_per_stream: int | None  # counted requests a stream (after its warm-up)
+    duration: float | None  # seconds of the window in which counted requests start
+    samples: list[Sample] = field(default_factory=list)  # the counted requests
+    window_start: float = 0.0  # seconds after the run's start: every stream's warm-up has ended
 
 
 # Clients ---------------------------------------------------------------------------------------
@@ -129,24 +135,35 @@ def _sample(start: float, times: list[float], num_tokens: int, origin: float) ->
 
 
 async def closed_loop(load: Load, send) -> float:
-    """Run load.num_streams streams, each sending `send(prompt, origin)` back to back; fills
-    load.samples and returns the wall seconds."""
+    """Run load.num_streams streams, each sending `send(prompt, origin)` back to back: its warm-up
+    request, then until its count or the window's end. Fills load.samples with the requests that
+    started in the window and returns the window's seconds (to the last such request's end)."""
     origin = time.perf_counter()
-    deadline = origin + load.duration if load.duration else None
+    num_warm = 0
+    warm = asyncio.Event()
 
     async def stream(index: int) -> None:
+        nonlocal num_warm
         sent = 0
+        await send(load.prompts[index % len(load.prompts)], origin)
+        num_warm += 1
+        if num_warm == load.num_streams:
+            load.window_start = time.perf_counter() - origin
+            warm.set()
         while True:
             if load.requests_per_stream is not None and sent >= load.requests_per_stream:
                 return
-            if deadline is not None and time.perf_counter() >= deadline:
+            if load.duration is not None and warm.is_set() and \
+                    time.perf_counter() - origin >= load.window_start + load.duration:
                 return
-            prompt = load.prompts[(index + sent * load.num_streams) % len(load.prompts)]
-            load.samples.append(await send(prompt, origin))
-            sent += 1
+            prompt = load.prompts[(index + (sent + 1) * load.num_streams) % len(load.prompts)]
+            sample = await send(prompt, origin)
+            if warm.is_set() and sample.start >= load.window_start:
+                load.samples.append(sample)
+                sent += 1
 
     await asyncio.gather(*(stream(i) for i in range(load.num_streams)))
-    return time.perf_counter() - origin
+    return max((s.start + s.e2e for s in load.samples), default=load.window_start) - load.window_start
 
 
 def summary(load: Load, seconds: float) -> dict:
@@ -154,6 +171,7 @@ def summary(load: Load, seconds: float) -> dict:
     itls = [x for s in samples for x in s.itls]
     tokens = sum(s.output_tokens for s in samples)
     return {"streams": load.num_streams, "num_requests": len(samples), "seconds": seconds,
+            "window_start_s": load.window_start,
             "output_tokens": tokens, "output_tokens_per_s": tokens / seconds, "requests_per_s": len(samples) / seconds,
             "ttft_s": _percentiles([s.ttft for s in samples]), "itl_s": _percentiles(itls),
             "e2e_s": _percentiles([s.e2e for s in samples]),
@@ -225,16 +243,16 @@ def _engine(args: argparse.Namespace) -> AsyncLLM:
 # Runs -------------------------------------------------------------------------------------------
 
 async def measure(args: argparse.Namespace, prompts: list[str], send, served: bool) -> list[dict]:
-    """One closed-loop run per stream count, each after a warm-up pass of one request a stream.
+    """One closed-loop run per stream count (each stream's first request its warm-up).
     served: the server is another process, so this process's CPU time is the client's."""
     results = []
     for num_streams in args.streams:
-        await closed_loop(Load(prompts, num_streams, 1, None), send)
         load = Load(prompts, num_streams, args.requests_per_stream, args.duration)
-        cpu = time.process_time()
+        cpu, wall = time.process_time(), time.perf_counter()
         seconds = await closed_loop(load, send)
         result = summary(load, seconds)
-        result["client_cpu_fraction"] = (time.process_time() - cpu) / seconds if served else None
+        wall = time.perf_counter() - wall
+        result["client_cpu_fraction"] = (time.process_time() - cpu) / wall if served else None
         result["client_bound"] = served and result["client_cpu_fraction"] > _CLIENT_BOUND
         results.append(result)
     return results
@@ -387,8 +405,9 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
               "command": "deltaspec bench serve " + " ".join(argv), "url": args.url,
               "max_tokens": args.max_tokens, "temperature": args.temperature,
               "requests_per_stream": args.requests_per_stream, "duration_s": args.duration,
-              "timing": "closed loop: each stream sends its next request when the last ends; one untimed request "
-                        "a stream first", **measured}
+              "timing": "closed loop: each stream sends its next request when the last ends; its first request "
+                        "is its warm-up; counted: the requests that start once every warm-up has ended",
+              **measured}
     args.out.mkdir(parents=True, exist_ok=True)
     name = "serve-" + device_tag(device)
     (args.out / f"{name}.json").write_text(json.dumps(report, indent=2))

@@ -36,3 +36,28 @@ def test_bench_serve_writes_its_report(tmp_path):
     assert abuse["itl_p99_without_s"] > 0 and abuse["itl_p99_with_s"] > 0 and abuse["itl_p99_ratio"] > 0
     assert abuse["health_s"]["count"] > 10 and abuse["health_s"]["max"] > 0  # polled through the run
     assert (out / "serve-cpu.png").stat().st_size > 1000
+
+
+def test_closed_loop_counts_requests_that_start_after_every_warm_up():
+    """Stream 0's requests take 10 ms, stream 1's 60 ms: stream 0 sends several requests while
+    stream 1 warms up; none of them may count, and every counted one starts in the window."""
+    import asyncio
+    import time
+
+    from deltaspec.server.serve_benchmark import Load, Sample, closed_loop
+
+    sent: list[tuple[str, float]] = []
+
+    async def send(prompt: str, origin: float) -> Sample:
+        start = time.perf_counter() - origin
+        sent.append((prompt, start))
+        await asyncio.sleep(0.01 if prompt.startswith("fast") else 0.06)
+        return Sample(start, 0.001, [], [], time.perf_counter() - origin - start, 4)
+
+    load = Load(["fast", "slow"], 2, 3, None)
+    seconds = asyncio.run(closed_loop(load, send))
+    assert 0.06 <= load.window_start < 0.1
+    assert len(load.samples) == 6 and all(s.start >= load.window_start for s in load.samples)
+    early = [start for prompt, start in sent if prompt == "fast" and 0 < start < load.window_start]
+    assert len(early) >= 3  # stream 0's requests during the warm-up: sent, not counted
+    assert seconds == max(s.start + s.e2e for s in load.samples) - load.window_start
