@@ -46,10 +46,12 @@ MAX_CONSECUTIVE_FAILED_STEPS = 3
 
 class AsyncLLM:
     def __init__(self, model_path: str | Path | None = None, *, config: EngineConfig | None = None,
-                 **engine_options) -> None:
-        if config is None:
-            config = EngineConfig(model=model_path, **engine_options)
-        self.core = EngineCore(config)
+                 core: EngineCore | None = None, **engine_options) -> None:
+        """core: an engine core built already, in place of one from the config (the server's
+        overhead benchmark drives the front end over a stub core: bench/tools/serve_overhead.py)."""
+        if core is None:
+            core = EngineCore(config or EngineConfig(model=model_path, **engine_options))
+        self.core = core
         self._queues: dict[str, asyncio.Queue] = {}
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
