@@ -73,7 +73,7 @@ class StubCore:
         self._tokens = [(token_id, tokenizer.decode_token(token_id)) for token_id in tokenizer.encode(TEXT)]
         self._aborted: list[str] = []
         self._arrivals = itertools.count()
-        self._wait = (lambda: time.sleep(step_seconds)) if step_seconds > 0 else (lambda: None)
+        self._step_seconds = step_seconds
 
     def add_request(self, prompt, params, request_id, resume_from=None, fork_of=None):
         request_id = request_id or str(next(self._arrivals))  # AsyncLLM's own requests have none
@@ -105,7 +105,15 @@ class StubCore:
 
     def dispatch(self):
         plan = [r for r in self.requests.values() if not r.paused]
-        return self._dispatched(plan, lambda: self._result(self._wait()))
+        return self._dispatched(plan, self._wait)
+
+    def _wait(self, on_device=None):
+        """The step's device time, in the runner thread (Dispatched.wait)."""
+        if on_device is not None:
+            on_device()
+        if self._step_seconds > 0:
+            time.sleep(self._step_seconds)
+        return self._result(None)
 
     def commit(self, plan, result) -> list:
         deltas = []
