@@ -8,19 +8,23 @@ measured window: the server process's CPU time (time.process_time: every thread)
 streamed, and tokens/s. Then the same stub engine driven in-process (N coroutines iterating
 `AsyncLLM.generate`, as `deltaspec bench serve` does), so served - in-process is what the HTTP
 layer costs per token and served / in-process the ratio issue #33's bar is about. `--profile`:
-a cProfile of the server's event-loop thread over one 64-stream window, top 30 by own time.
+a cProfile of the server's event-loop thread over one window at the largest --streams, top 30
+by own time (the profiler slows the loop: its tokens/s and CPU per token are not comparable).
 
 What it does not measure: no model and no device. The stub core gives every running request one
 token per step (real token ids and texts of models/default's tokenizer, so the chunks look like
-the real ones) after sleeping `--step-ms` in the runner thread, as a device step's wait would;
-the engine's own scheduling and commit cost is not in it (bench/host_overhead.py measures that).
-`--step-ms 0` makes every number CPU-bound: this CPU's speed, not an H100 host's.
+the real ones); its wait, in the runner thread, says the step is on the device and sleeps
+`--step-ms`, as a device step would (with a step time, served / in-process shows how much of the
+server's work the device's time hides). The engine's own scheduling and commit cost is not in
+it (bench/host_overhead.py measures that). `--step-ms 0` makes every number CPU-bound: this
+CPU's speed, not an H100 host's; the client shares the machine's cores.
 
-    python bench/tools/serve_overhead.py --streams 16 64 --duration 10 --label before
-    python bench/tools/serve_overhead.py --streams 64 --profile
+    python bench/tools/serve_overhead.py --streams 16 64 --duration 8 --step-ms 0 --label after-step0ms
+    python bench/tools/serve_overhead.py --streams 64 --profile --label after-step0ms
 
-Writes (unless --profile) bench/results/serve_overhead-cpu.json: per --label, the date, commit,
-command, CPU and each stream count's numbers (the median of --repeats runs, and every run).
+Writes bench/results/serve_overhead-cpu.json: per --label, the date, commit, command, CPU and
+each stream count's numbers (the median of --repeats runs, and every run), or with --profile
+the profile's top 30 lines.
 """
 
 from __future__ import annotations
@@ -255,7 +259,7 @@ def median_run(runs: list[dict]) -> dict:
     return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
 
 
-def record(args: argparse.Namespace, results: list[dict]) -> None:
+def record(args: argparse.Namespace, numbers: dict) -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     from common import commit_id
     from host_overhead import cpu_name
@@ -263,10 +267,11 @@ def record(args: argparse.Namespace, results: list[dict]) -> None:
     out = Path(args.out)
     recorded = json.loads(out.read_text()) if out.exists() else {"benchmark": "serve_overhead", "device": "cpu",
                                                                   "runs": {}}
-    recorded["runs"][args.label] = {
+    run = recorded["runs"].setdefault(args.label, {})
+    run["profile" if args.profile else "measured"] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": commit_id(), "command": " ".join(["python"] + sys.argv), "cpu": cpu_name(),
-        "python": platform.python_version(), "results": results}
+        "python": platform.python_version(), **numbers}
     out.write_text(json.dumps(recorded, indent=2) + "\n")
 
 
@@ -274,8 +279,10 @@ async def benchmark(args: argparse.Namespace) -> None:
     if args.profile:
         profiler = cProfile.Profile()
         result = await served(args, max(args.streams), profiler)
+        top = profile_top(profiler)
         print(json.dumps(result))
-        print("\n".join(profile_top(profiler)))
+        print("\n".join(top))
+        record(args, {"streams": max(args.streams), "step_ms": args.step_ms, "served": result, "top30": top})
         return
     results = []
     for num_streams in args.streams:
@@ -289,7 +296,7 @@ async def benchmark(args: argparse.Namespace) -> None:
                                            - result["in_process"]["cpu_us_per_token"])
         print(json.dumps({k: v for k, v in result.items() if not k.endswith("_runs")}), flush=True)
         results.append(result)
-    record(args, results)
+    record(args, {"results": results})
 
 
 def main() -> None:
@@ -301,7 +308,7 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=0.0, help="the stub step's wait (a device step)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--label", default="after")
-    parser.add_argument("--profile", action="store_true", help="print the server's profile at the largest --streams")
+    parser.add_argument("--profile", action="store_true", help="profile the server at the largest --streams")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve_overhead-cpu.json"))
     parser.add_argument("--client", type=int, metavar="PORT", help=argparse.SUPPRESS)  # the client process
     args = parser.parse_args()
