@@ -1,14 +1,19 @@
 """AsyncLLM's hand-off of deltas: when a step's deltas reach their consumers (once the next step
 is on the device) and how a consumer that fell behind gets them (merged). Over a scripted
-engine core (no model): each step gives every request one token and waits where the test says."""
+engine core (no model): each step gives every request one token and waits where the test says;
+on the GPU (marked `gpu`), over the real engine with CUDA graphs and steps launched ahead."""
 
 import asyncio
+import random
 import threading
 from types import SimpleNamespace
 
-from deltaspec.engine import AsyncLLM, RequestDelta, SamplingParams, TokenLogprobs
+import pytest
+
+from deltaspec.engine import LLM, AsyncLLM, RequestDelta, SamplingParams, TokenLogprobs
 from deltaspec.engine.async_llm import _coalesced
 from deltaspec.engine.core import Dispatched, StepResult
+from fixtures import GPU_SHAPE, assert_idle
 
 
 class ScriptedCore:
@@ -104,3 +109,31 @@ def test_coalesced_keeps_ends_and_errors_apart():
     assert _coalesced([delta(1), delta(2), abort]) == [RequestDelta("a", [1, 2], "12", None), abort]
     assert _coalesced([delta(1), error, delta(2)]) == [delta(1), error, delta(2)]
     assert _coalesced([delta(1), delta(2, "error")]) == [delta(1), delta(2, "error")]
+
+
+@pytest.mark.gpu
+async def test_streams_on_the_gpu_give_the_sync_engines_tokens(checkpoint):
+    """The device path (graphs, MTP, steps launched ahead, on_device from the runner thread while
+    consumers run): 16 concurrent greedy streams, every fourth consumer slow enough to fall
+    behind (its deltas merge), get exactly the sync engine's tokens (float32: batches composed
+    differently round alike)."""
+    path = checkpoint("qwen3_5", **GPU_SHAPE)
+    options = dict(device="cuda", dtype="float32", num_draft_tokens=2, adaptive_draft_length=False)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(512) for _ in range(rng.randint(2, 120))] for _ in range(16)]
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    expected = [output.token_ids for output in LLM(path, **options).generate(prompts, params)]
+    engine = AsyncLLM(path, **options)
+
+    async def consume(index: int, prompt: list[int]) -> list[int]:
+        await asyncio.sleep(0.001 * index)
+        tokens = []
+        async for delta in engine.generate(prompt, params):
+            tokens += delta.token_ids
+            if index % 4 == 0:
+                await asyncio.sleep(0.005)  # the engine steps on meanwhile: its deltas pile up
+        return tokens
+
+    assert await asyncio.gather(*(consume(i, prompt) for i, prompt in enumerate(prompts))) == expected
+    assert_idle(engine.stats())
+    await engine.shutdown()
