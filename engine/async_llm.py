@@ -98,7 +98,9 @@ class AsyncLLM:
         finished = False
         try:
             while not finished:
-                for delta in await outbox.take():
+                while not outbox.items:
+                    await outbox.arrival()
+                for delta in outbox.take():
                     if isinstance(delta, StepFailedError):
                         finished = True  # the engine dropped it already
                         raise delta
@@ -238,26 +240,28 @@ class AsyncLLM:
 class _Outbox:
     """One request's deltas (or the error that ends it) on their way to its consumer: a list
     and the consumer's waiter, lighter than an asyncio.Queue (every running request gets one
-    put per step)."""
+    put per step, and its consumer awaits a bare future, no coroutine)."""
 
-    __slots__ = ("_items", "_waiter")
+    __slots__ = ("items", "_waiter")
 
     def __init__(self) -> None:
-        self._items: list[RequestDelta | BaseException] = []
+        self.items: list[RequestDelta | BaseException] = []
         self._waiter: asyncio.Future | None = None
 
     def put(self, item: RequestDelta | BaseException) -> None:
-        self._items.append(item)
+        self.items.append(item)
         waiter, self._waiter = self._waiter, None
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def take(self) -> list[RequestDelta | BaseException]:
-        """Everything put since the last take (waiting for the first), runs of deltas merged."""
-        while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
-        items, self._items = self._items, []
+    def arrival(self) -> asyncio.Future:
+        """Done once something is put."""
+        self._waiter = asyncio.get_running_loop().create_future()
+        return self._waiter
+
+    def take(self) -> list[RequestDelta | BaseException]:
+        """Everything put since the last take, runs of deltas merged."""
+        items, self.items = self.items, []
         return items if len(items) == 1 else _coalesced(items)
 
 
