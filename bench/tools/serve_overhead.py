@@ -240,7 +240,8 @@ async def client(port: int, num_streams: int, warm_up: float, duration: float, m
     print("go", flush=True)
     requests, cpu, wall = finished[0], time.process_time(), time.perf_counter()
     await asyncio.sleep(duration)
-    report = {"requests": finished[0] - requests, "cpu_share": (time.process_time() - cpu) / (time.perf_counter() - wall)}
+    report = {"requests": finished[0] - requests,
+              "cpu_share": (time.process_time() - cpu) / (time.perf_counter() - wall)}
     for task in tasks:
         if task.done():
             task.result()  # a failed stream fails the run
