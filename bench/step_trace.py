@@ -90,7 +90,7 @@ class Recorder:
     def _profiled(self, wait, plan):
         """wait() under cProfile (the host's time by function: a mixed step runs eagerly) or
         torch.profiler (ops and kernels)."""
-        def profiled_wait():
+        def profiled_wait(on_device=None):
             import cProfile
             import io
             import pstats
@@ -103,7 +103,7 @@ class Recorder:
 
                 cuda = torch.cuda.is_available()
                 with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
-                    result = wait()
+                    result = wait(on_device)
                     if cuda:
                         torch.cuda.synchronize()
                 seconds = time.perf_counter() - started
@@ -112,7 +112,7 @@ class Recorder:
             else:
                 profiler = cProfile.Profile()
                 profiler.enable()
-                result = wait()
+                result = wait(on_device)
                 profiler.disable()
                 seconds = time.perf_counter() - started
                 stats = pstats.Stats(profiler, stream=text)

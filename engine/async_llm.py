@@ -7,9 +7,12 @@
 
 The engine task dispatches and commits steps on the event loop (pure Python, fast) and waits
 for the device in one worker thread, so the loop keeps serving other coroutines while the
-device works; the next step's CPU work (streaming deltas out, admitting requests) overlaps the
-current step's device work, and in steady plain decoding the next step is already launched
-before the current one is waited for (EngineCore.dispatch). Results reach per-request queues with put_nowait: never blocking. A consumer that
+device works. A step's deltas are handed to their consumers once the next step is on the
+device (`Dispatched.wait` says when), so streaming them out (the server's per-token work)
+overlaps the device's work instead of delaying the next launch; in steady plain decoding the
+step after is launched even before the current one is waited for (EngineCore.dispatch).
+Deltas reach per-request outboxes without ever blocking; a consumer that fell behind takes
+every delta waiting at once, merged into one (`_coalesced`). A consumer that
 stops iterating (client disconnect) aborts its request; one that cannot keep up pauses it
 (`pause`/`resume`). A step that raises fails its requests only (StepFailedError), a row with
 non-finite logits its own request only (NonFiniteLogitsError); several failed steps in a row end
@@ -21,12 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Mapping, Sequence as Seq
 
-from .core import EngineCore
+from .core import EngineCore, StepResult
 from .engine_config import EngineConfig
 from .errors import EngineDeadError, NonFiniteLogitsError, StepFailedError
 from .executor import TensorParallelError
@@ -46,11 +49,13 @@ MAX_CONSECUTIVE_FAILED_STEPS = 3
 
 class AsyncLLM:
     def __init__(self, model_path: str | Path | None = None, *, config: EngineConfig | None = None,
-                 **engine_options) -> None:
-        if config is None:
-            config = EngineConfig(model=model_path, **engine_options)
-        self.core = EngineCore(config)
-        self._queues: dict[str, asyncio.Queue] = {}
+                 core: EngineCore | None = None, **engine_options) -> None:
+        """core: an engine core built already, in place of one from the config (the server's
+        overhead benchmark drives the front end over a stub core: bench/tools/serve_overhead.py)."""
+        if core is None:
+            core = EngineCore(config or EngineConfig(model=model_path, **engine_options))
+        self.core = core
+        self._outboxes: dict[str, _Outbox] = {}
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaspec-runner")
@@ -87,24 +92,28 @@ class AsyncLLM:
         one reuses (EngineCore.add_request)."""
         self._ensure_running()
         request = self.core.add_request(prompt, params or SamplingParams(), request_id, resume_from, fork_of)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request.request_id] = queue
+        outbox = _Outbox()
+        self._outboxes[request.request_id] = outbox
         self._wakeup.set()
         finished = False
         try:
             while not finished:
-                delta = await queue.get()
-                if isinstance(delta, StepFailedError):
-                    finished = True  # the engine dropped it already
-                    raise delta
-                if isinstance(delta, BaseException):
-                    raise EngineDeadError("the engine failed") from delta
-                finished = delta.finish_reason is not None
-                if delta.finish_reason == "error":
-                    raise NonFiniteLogitsError([request.request_id])
-                yield delta
+                while not outbox.items:
+                    await outbox.arrival()
+                for delta in outbox.take():
+                    if isinstance(delta, StepFailedError):
+                        finished = True  # the engine dropped it already
+                        raise delta
+                    if isinstance(delta, BaseException):
+                        raise EngineDeadError("the engine failed") from delta
+                    finished = delta.finish_reason is not None
+                    if delta.finish_reason == "error":
+                        raise NonFiniteLogitsError([request.request_id])
+                    yield delta
+                    if finished:
+                        break
         finally:
-            self._queues.pop(request.request_id, None)
+            self._outboxes.pop(request.request_id, None)
             if not finished:  # the consumer went away (disconnect, cancellation)
                 self.core.abort(request.request_id)
                 self._wakeup.set()
@@ -163,9 +172,11 @@ class AsyncLLM:
     async def _engine_loop(self) -> None:
         loop = asyncio.get_running_loop()
         num_failed = 0  # steps failed in a row
+        committed: list[RequestDelta] = []  # the last step's deltas, handed out once the next is launched
         try:
             while True:
                 if not self.core.has_work:
+                    committed = self._hand_out(committed)
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
@@ -173,9 +184,17 @@ class AsyncLLM:
                 try:
                     step = self.core.dispatch()
                     plan = step.plan
-                    result = await loop.run_in_executor(self._executor, step.wait)
-                    deltas = self.core.commit(step.plan, result)
+                    if committed:
+                        on_device = _OnDevice(loop)
+                        result = loop.run_in_executor(self._executor, on_device.wait, step.wait)
+                        await on_device.future
+                        # Their consumers run while the device works (and the runner waits).
+                        committed = self._hand_out(committed)
+                    else:
+                        result = loop.run_in_executor(self._executor, step.wait)
+                    deltas = self.core.commit(step.plan, await result)
                 except Exception as error:  # noqa: BLE001 - one step's fault fails its requests only
+                    committed = self._hand_out(committed)  # (they came before the failure)
                     num_failed += 1
                     if isinstance(error, TensorParallelError):
                         logger.error("%s", error)
@@ -187,18 +206,23 @@ class AsyncLLM:
                     self._fail_step(plan, error)
                     continue
                 num_failed = 0
-                for delta in deltas:
-                    queue = self._queues.get(delta.request_id)
-                    if queue is not None:
-                        queue.put_nowait(delta)
-                await asyncio.sleep(0)  # let consumers run between steps
+                committed = deltas
         except asyncio.CancelledError:
             raise
         except BaseException as error:  # noqa: BLE001 - every waiting request must hear about it
             self._error = error
-            for queue in self._queues.values():
-                queue.put_nowait(error)
+            for outbox in self._outboxes.values():
+                outbox.put(error)
             raise
+
+    def _hand_out(self, deltas: list[RequestDelta]) -> list[RequestDelta]:
+        """Put each delta in its request's outbox; returns the empty list that replaces them."""
+        outboxes = self._outboxes
+        for delta in deltas:
+            outbox = outboxes.get(delta.request_id)
+            if outbox is not None:
+                outbox.put(delta)
+        return []
 
     def _fail_step(self, plan: StepPlan | None, error: Exception) -> None:
         failed = self.core.fail(plan)
@@ -207,10 +231,84 @@ class AsyncLLM:
                      type(error).__name__, error, len(failed), named)
         logger.debug("the failed step's traceback", exc_info=error)
         for request_id in failed:
-            queue = self._queues.get(request_id)
-            if queue is not None:
-                queue.put_nowait(StepFailedError(f"the engine step running this request failed: "
-                                                 f"{type(error).__name__}: {error}"))
+            outbox = self._outboxes.get(request_id)
+            if outbox is not None:
+                outbox.put(StepFailedError(f"the engine step running this request failed: "
+                                           f"{type(error).__name__}: {error}"))
+
+
+class _Outbox:
+    """One request's deltas (or the error that ends it) on their way to its consumer: a list
+    and the consumer's waiter, lighter than an asyncio.Queue (every running request gets one
+    put per step, and its consumer awaits a bare future, no coroutine)."""
+
+    __slots__ = ("items", "_waiter")
+
+    def __init__(self) -> None:
+        self.items: list[RequestDelta | BaseException] = []
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, item: RequestDelta | BaseException) -> None:
+        self.items.append(item)
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def arrival(self) -> asyncio.Future:
+        """Done once something is put."""
+        self._waiter = asyncio.get_running_loop().create_future()
+        return self._waiter
+
+    def take(self) -> list[RequestDelta | BaseException]:
+        """Everything put since the last take, runs of deltas merged."""
+        items, self.items = self.items, []
+        return items if len(items) == 1 else _coalesced(items)
+
+
+def _coalesced(items: list[RequestDelta | BaseException]) -> list[RequestDelta | BaseException]:
+    """Consecutive deltas of one request as one: what it produced since the consumer last
+    looked (token ids, text and log-probabilities concatenated, the last finish reason). An
+    abort or error delta and an exception stay on their own: they end the stream, and what
+    came before them is output the consumer must see first."""
+    merged: list[RequestDelta | BaseException] = []
+    for item in items:
+        last = merged[-1] if merged else None
+        if (isinstance(item, RequestDelta) and item.finish_reason not in ("abort", "error")
+                and isinstance(last, RequestDelta) and last.finish_reason is None):
+            merged[-1] = RequestDelta(last.request_id, last.token_ids + item.token_ids, last.text + item.text,
+                                      item.finish_reason,
+                                      None if last.logprobs is None else last.logprobs + item.logprobs)
+        else:
+            merged.append(item)
+    return merged
+
+
+class _OnDevice:
+    """Tells the engine task, from the runner thread, that a step is on the device: once,
+    at the latest when its wait ends (also by raising)."""
+
+    __slots__ = ("future", "_loop", "_told")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.future = loop.create_future()
+        self._loop = loop
+        self._told = False
+
+    def wait(self, wait: Callable[..., StepResult]) -> StepResult:
+        """Runs in the runner thread: wait(self.tell)."""
+        try:
+            return wait(self.tell)
+        finally:
+            self.tell()
+
+    def tell(self) -> None:
+        if not self._told:
+            self._told = True
+            self._loop.call_soon_threadsafe(self._resolve)
+
+    def _resolve(self) -> None:
+        if not self.future.done():
+            self.future.set_result(None)
 
 
 def run(main) -> object:

@@ -2,6 +2,7 @@
 
     step   = core.dispatch()          schedule (or take the step launched ahead); launch what needs no waiting
     result = step.wait()              device work (may run in a worker thread) -> StepResult
+                                      (wait(on_device): on_device() once the step is launched)
     deltas = core.commit(step.plan, result)
 
 `step()` is the three in a row. Both front ends (the sync `LLM` and `AsyncLLM`) drive this one
@@ -73,10 +74,13 @@ class StepResult(NamedTuple):
 
 
 class Dispatched(NamedTuple):
-    """A step on its way: `wait()` returns its StepResult (blocking; safe in a worker thread)."""
+    """A step on its way: `wait(on_device=None)` returns its StepResult (blocking; safe in a
+    worker thread), calling on_device() once the device has the step and the one launched
+    ahead of it, before it blocks on the device (AsyncLLM hands the last step's deltas out
+    then, so their consumers run while the device works)."""
 
     plan: StepPlan
-    wait: Callable[[], StepResult]
+    wait: Callable[..., StepResult]
 
 
 MAX_DRAFT_TOKENS = 3  # drafts a step at most by default (EngineConfig.num_draft_tokens None)
@@ -333,15 +337,22 @@ class EngineCore:
         self._back_to_back = current is not None  # launched before the step before it was read
         plan = current.plan if current is not None else self.scheduler.schedule()
         if current is None and not (self._overlap and self.runner.can_launch(plan)):
-            return Dispatched(plan, lambda: self.run(plan))
+            def run(on_device: Callable[[], None] | None = None) -> StepResult:
+                if on_device is not None:
+                    on_device()  # it launches and waits in one call: nothing to launch first
+                return self.run(plan)
+
+            return Dispatched(plan, run)
         follow = self.scheduler.continuation(plan) if self._overlap else None
 
-        def wait() -> StepResult:
+        def wait(on_device: Callable[[], None] | None = None) -> StepResult:
             launched = current if current is not None else self.runner.launch(plan)
             # Its constrained rows now (the step before is committed), before the next step that
             # is fed from them is launched.
             launched.decide()
             ahead = self.runner.launch(follow) if follow is not None else None
+            if on_device is not None:
+                on_device()
             return StepResult(launched.result(), ahead)
 
         return Dispatched(plan, wait)

@@ -27,7 +27,7 @@ import hmac
 import logging
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -69,6 +69,9 @@ class OpenAIServer:
         self.config = config
         self.metrics = ServerMetrics()
         self.in_flight: set[str] = set()  # engine request ids of the generation handlers running now
+        # Streams' writes under way, by id(request): the loop time each began and its request
+        # (`_drop_stalled` reads it).
+        self._writing: dict[int, tuple[float, web.Request]] = {}
         # Generation requests admitted and not yet answered (being tokenized, waiting or running):
         # at most the engine's running requests plus config.max_waiting.
         self.num_admitted = 0
@@ -94,6 +97,7 @@ class OpenAIServer:
         # here, off the event loop that streams every response and answers /health.
         self._executor = ThreadPoolExecutor(max_workers=_NUM_REQUEST_WORKERS, thread_name_prefix="deltaspec-request")
         self.app.on_cleanup.append(self._shut_down_executor)
+        self.app.cleanup_ctx.append(self._drop_stalled)
 
     async def abort_in_flight(self) -> None:
         """Abort every running generation; their handlers end at the next step boundary."""
@@ -186,104 +190,134 @@ class OpenAIServer:
                 except ValueError as error:
                     raise APIError(400, str(error)) from error
                 num_prompt_tokens = [len(e.prompt_token_ids) if e.fork_of is None else 0 for e in inputs]
-                progress = [_Progress(self.metrics.timer(num, arrival), num, engine_input.params.logprobs is not None)
-                            for engine_input, num in zip(inputs, num_prompt_tokens)]
+                progress = {renderer.request_id: _Progress(renderer, self.metrics.timer(num, arrival), num,
+                                                           engine_input.params.logprobs is not None)
+                            for engine_input, renderer, num in zip(inputs, renderers, num_prompt_tokens)}
                 try:
-                    deltas_in_order = _chain(started, deltas)
                     if body.stream:
                         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                        return await self._stream(request, renderers, deltas_in_order, progress, include_usage)
-                    return await self._respond(renderers, deltas_in_order, progress)
+                        return await self._stream(request, started, deltas, progress, include_usage)
+                    return await self._respond(started, deltas, progress)
                 except StepFailedError:
-                    for each in progress:
+                    for each in progress.values():
                         each.fail()
                     raise
                 finally:
-                    for each in progress:
+                    for each in progress.values():
                         each.timer.finish(each.finish_reason or "abort")
         except StepFailedError as error:
             raise _step_failed(error) from error
         finally:
             self.in_flight.difference_update(request_ids)
 
-    async def _respond(self, renderers: list[Renderer], deltas: AsyncIterator[tuple[int, RequestDelta]],
-                       progress: list[_Progress]) -> web.Response:
-        parts = [[] for _ in renderers]
-        async for index, delta in deltas:
-            progress[index].record(delta)
-            parts[index].append(delta)
-        if any(each.finish_reason == "abort" for each in progress):
+    async def _respond(self, started: list[RequestDelta], deltas: AsyncIterator[RequestDelta],
+                       progress: dict[str, _Progress]) -> web.Response:
+        parts = {request_id: [] for request_id in progress}
+        for delta in [*started, *[delta async for delta in deltas]]:
+            progress[delta.request_id].record(delta)
+            parts[delta.request_id].append(delta)
+        if any(each.finish_reason == "abort" for each in progress.values()):
             raise APIError(503, "the request was aborted: the server is shutting down", code="aborted")
         responses = []
-        for renderer, each, index_parts in zip(renderers, progress, parts):
+        for each, index_parts in zip(progress.values(), parts.values()):
             token_ids = [t for delta in index_parts for t in delta.token_ids]
             logprobs = [entry for delta in index_parts for entry in delta.logprobs or []] if each.logprobs else None
-            responses.append(renderer.response("".join(delta.text for delta in index_parts), each.finish_reason,
-                                               each.usage(), token_ids, logprobs))
+            responses.append(each.renderer.response("".join(delta.text for delta in index_parts), each.finish_reason,
+                                                    each.usage(), token_ids, logprobs))
         if len(responses) == 1:
             return _json(responses[0])
         # A batch of prompts or n > 1: one response, a choice each, the usage summed.
         return _json(msgspec.structs.replace(responses[0], choices=[r.choices[0] for r in responses],
-                                             usage=_total_usage(progress)))
+                                             usage=_total_usage(progress.values())))
 
-    async def _stream(self, request: web.Request, renderers: list[Renderer],
-                      deltas: AsyncIterator[tuple[int, RequestDelta]], progress: list[_Progress],
-                      include_usage: bool) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, started: list[RequestDelta], deltas: AsyncIterator[RequestDelta],
+                      progress: dict[str, _Progress], include_usage: bool) -> web.StreamResponse:
+        """One write per engine delta (its chunks together), the last chunks with the end of
+        the response: a write is a system call, the largest cost the server adds per token."""
         response = web.StreamResponse(headers=_SSE_HEADERS)
         await response.prepare(request)
-        stall_timeout = self.config.stream_stall_timeout
-        request_ids = [renderer.request_id for renderer in renderers]
+        protocol = request.protocol
+        request_ids = list(progress)
+        writing, key, loop = self._writing, id(request), asyncio.get_running_loop()
 
-        async def send(data: bytes) -> None:
-            """A write waits while the client reads nothing (the transport's buffer past its
-            high-water mark); meanwhile its requests are paused, so the engine stops producing
-            what nobody reads. Past the stall timeout the connection is dropped, which ends the
-            stream as a disconnect does."""
-            transport = request.transport
-            stalled = transport is not None and \
-                transport.get_write_buffer_size() > transport.get_write_buffer_limits()[1]
-            if stalled:
+        async def send(data: bytes, last: bool = False) -> None:
+            """A write waits while the client reads nothing (aiohttp paused writing: the
+            transport's buffer went past its high-water mark); meanwhile its requests are
+            paused, so the engine stops producing what nobody reads. A write that waits past the
+            stall timeout has its connection dropped by `_drop_stalled`, which ends the stream
+            as a disconnect does. last: the response's end goes with the data."""
+            paused = protocol.writing_paused
+            if paused:
                 for request_id in request_ids:
                     self.engine.pause(request_id)
+            writing[key] = (loop.time(), request)
             try:
-                async with asyncio.timeout(stall_timeout):
-                    await response.write(data)
-            except TimeoutError:
-                logger.warning("%s %s: the client read nothing for %gs; aborting its request", request.method,
-                               request.path, stall_timeout)
-                if request.transport is not None:
-                    request.transport.abort()  # close() would wait to flush what the client does not read
-                raise ConnectionResetError("the client stopped reading") from None
-            if stalled:  # (not when the write failed: the requests are aborted then)
+                await (response.write_eof(data) if last else response.write(data))
+            finally:
+                writing.pop(key, None)
+            if paused:  # (not when the write failed: the requests are aborted then)
                 for request_id in request_ids:
                     self.engine.resume(request_id)
 
+        async def stream_delta(delta: RequestDelta) -> bool:
+            """Send one delta's chunks; False once the stream is over (an aborted request)."""
+            each = progress[delta.request_id]
+            each.record(delta)
+            if delta.finish_reason == "abort":
+                # Headers are out: the error travels as an event (the openai client raises it).
+                error = APIError(503, "the request was aborted: the server is shutting down", code="aborted")
+                await send(_event(error.body()), last=True)  # (no [DONE]: the stream failed)
+                return False
+            chunks = each.renderer.chunks(delta.text, delta.finish_reason, delta.token_ids, delta.logprobs)
+            if chunks:
+                await send(b"".join(map(_event, chunks)))
+            return True
+
         try:
             try:
-                for renderer in renderers:
-                    for chunk in renderer.opening():
-                        await send(_event(chunk))
-                async for index, delta in deltas:
-                    progress[index].record(delta)
-                    if delta.finish_reason == "abort":
-                        # Headers are out: the error travels as an event (the openai client raises it).
-                        error = APIError(503, "the request was aborted: the server is shutting down", code="aborted")
-                        await send(_event(error.body()))
+                opening = b"".join(_event(chunk) for each in progress.values() for chunk in each.renderer.opening())
+                if opening:
+                    await send(opening)
+                for delta in started:
+                    if not await stream_delta(delta):
                         return response
-                    for chunk in renderers[index].chunks(delta.text, delta.finish_reason, delta.token_ids,
-                                                         delta.logprobs):
-                        await send(_event(chunk))
-                if include_usage:
-                    await send(_event(renderers[0].usage_chunk(_total_usage(progress))))
+                async for delta in deltas:
+                    if not await stream_delta(delta):
+                        return response
+                end = _event(progress[request_ids[0]].renderer.usage_chunk(_total_usage(progress.values()))) \
+                    if include_usage else b""
             except StepFailedError as error:
-                for each in progress:
+                for each in progress.values():
                     each.fail()
-                await send(_event(_step_failed(error).body()))  # and the stream ends as usual
-            await send(b"data: [DONE]\n\n")
-            await response.write_eof()
+                end = _event(_step_failed(error).body())  # and the stream ends as usual
+            await send(end + _DONE, last=True)
         except ConnectionResetError:
             pass  # the client went away; leaving `_generate`'s aclosing block aborts the requests
         return response
+
+    async def _drop_stalled(self, app: web.Application) -> AsyncIterator[None]:
+        """While the app runs: every quarter of the stall timeout, drop the connections whose
+        write has waited longer than the stall timeout (their client reads nothing). One record
+        per write (`_writing`) instead of a timer per write."""
+        timeout = self.config.stream_stall_timeout
+        loop = asyncio.get_running_loop()
+
+        async def sweep() -> None:
+            while True:
+                await asyncio.sleep(timeout / 4)
+                now = loop.time()
+                for key, (since, request) in list(self._writing.items()):
+                    if now - since >= timeout:
+                        del self._writing[key]
+                        logger.warning("%s %s: the client read nothing for %gs; aborting its request",
+                                       request.method, request.path, timeout)
+                        if request.transport is not None:
+                            request.transport.abort()  # close() would wait to flush what the client does not read
+
+        task = loop.create_task(sweep(), name="deltaspec-stall-sweep")
+        yield
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
     # Middleware and helpers ---------------------------------------------------------------
 
@@ -391,9 +425,11 @@ class OpenAIServer:
 
 
 class _Progress:
-    """What one engine request has produced so far: token counts for `usage`, timings, finish reason."""
+    """What one engine request has produced so far: token counts for `usage`, timings, finish
+    reason; and the renderer of its choice."""
 
-    def __init__(self, timer: RequestTimer, num_prompt_tokens: int, logprobs: bool) -> None:
+    def __init__(self, renderer: Renderer, timer: RequestTimer, num_prompt_tokens: int, logprobs: bool) -> None:
+        self.renderer = renderer
         self.timer = timer
         self.num_prompt_tokens = num_prompt_tokens
         self.logprobs = logprobs  # whether the request asked for log-probabilities
@@ -401,8 +437,9 @@ class _Progress:
         self.finish_reason: str | None = None
 
     def record(self, delta: RequestDelta) -> None:
-        self.num_completion_tokens += len(delta.token_ids)
-        self.timer.on_tokens(len(delta.token_ids))
+        num_tokens = len(delta.token_ids)
+        self.num_completion_tokens += num_tokens
+        self.timer.on_tokens(num_tokens)
         self.finish_reason = delta.finish_reason
 
     def fail(self) -> None:
@@ -415,62 +452,54 @@ class _Progress:
                      self.num_prompt_tokens + self.num_completion_tokens)
 
 
-def _total_usage(progress: list[_Progress]) -> Usage:
+def _total_usage(progress: Iterable[_Progress]) -> Usage:
     usages = [each.usage() for each in progress]
     return Usage(*(sum(values) for values in zip(*((u.prompt_tokens, u.completion_tokens, u.total_tokens)
                                                    for u in usages))))
 
 
-async def _merged(streams: list[AsyncIterator[RequestDelta]]) -> AsyncIterator[tuple[int, RequestDelta]]:
-    """(index, delta) from every stream as they come, until each has finished; closing this
-    closes them all (which aborts their unfinished requests)."""
-    if len(streams) == 1:  # the common case, without a task per stream
-        async with contextlib.aclosing(streams[0]) as stream:
-            async for delta in stream:
-                yield 0, delta
-        return
+def _merged(streams: list[AsyncGenerator[RequestDelta, None]]) -> AsyncGenerator[RequestDelta, None]:
+    """The deltas of every stream as they come (each names its request), until each has
+    finished; closing this closes them all (which aborts their unfinished requests). One stream
+    is its own merge: no layer in between for the common case."""
+    return streams[0] if len(streams) == 1 else _pumped(streams)
+
+
+async def _pumped(streams: list[AsyncGenerator[RequestDelta, None]]) -> AsyncGenerator[RequestDelta, None]:
+    """`_merged` for several streams: a task per stream feeds one queue."""
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(index: int, stream: AsyncIterator[RequestDelta]) -> None:
+    async def pump(stream: AsyncGenerator[RequestDelta, None]) -> None:
         async with contextlib.aclosing(stream):
             try:
                 async for delta in stream:
-                    queue.put_nowait((index, delta))
+                    queue.put_nowait(delta)
             except Exception as error:  # noqa: BLE001 - raised to the consumer
-                queue.put_nowait((index, error))
+                queue.put_nowait(error)
 
-    pumps = [asyncio.create_task(pump(index, stream)) for index, stream in enumerate(streams)]
+    pumps = [asyncio.create_task(pump(stream)) for stream in streams]
     try:
         num_open = len(streams)
         while num_open:
-            index, delta = await queue.get()
+            delta = await queue.get()
             if isinstance(delta, Exception):
                 raise delta
             num_open -= delta.finish_reason is not None
-            yield index, delta
+            yield delta
     finally:
         for task in pumps:
             task.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)
 
 
-async def _until_each_started(deltas: AsyncIterator[tuple[int, RequestDelta]],
-                              num_streams: int) -> list[tuple[int, RequestDelta]]:
+async def _until_each_started(deltas: AsyncIterator[RequestDelta], num_streams: int) -> list[RequestDelta]:
     """The deltas that came until every stream produced its first one (each was submitted)."""
     started, seen = [], set()
     while len(seen) < num_streams:
-        index, delta = await anext(deltas)
-        started.append((index, delta))
-        seen.add(index)
+        delta = await anext(deltas)
+        started.append(delta)
+        seen.add(delta.request_id)
     return started
-
-
-async def _chain(first: list[tuple[int, RequestDelta]],
-                 rest: AsyncIterator[tuple[int, RequestDelta]]) -> AsyncIterator[tuple[int, RequestDelta]]:
-    for item in first:
-        yield item
-    async for item in rest:
-        yield item
 
 
 def _step_failed(error: StepFailedError) -> APIError:
@@ -479,6 +508,9 @@ def _step_failed(error: StepFailedError) -> APIError:
 
 def _event(chunk: msgspec.Struct) -> bytes:
     return b"data: " + _encoder.encode(chunk) + b"\n\n"
+
+
+_DONE = b"data: [DONE]\n\n"  # a stream's last event
 
 
 def _json(body: msgspec.Struct, status: int = 200) -> web.Response:

@@ -55,7 +55,8 @@ class Counter:
             self.values[()] = 0.0  # an unlabelled counter is exported from the start
 
     def inc(self, amount: float = 1, **labels: str) -> None:
-        self.values[tuple(str(labels[name]) for name in self.label_names)] += amount
+        # (An unlabelled counter moves once per streamed delta: no key to build.)
+        self.values[tuple(str(labels[name]) for name in self.label_names) if self.label_names else ()] += amount
 
     def render(self) -> list[str]:
         lines = _header(self.name, "counter", self.help_text)

@@ -111,3 +111,37 @@ def test_a_request_stopped_in_flight_keeps_every_token(checkpoint):
         conversation = previous + [rng.randrange(VOCAB) for _ in range(rng.randint(3, 20))]
     assert stopped >= 3 and counter.fed_steps > 0
     assert_idle(cached.stats())
+
+
+def test_wait_tells_once_the_step_and_the_one_ahead_are_launched(checkpoint):
+    """Dispatched.wait(on_device) calls on_device once, before it reads the step's tokens and
+    after launching the step launched ahead (AsyncLLM hands the last step's deltas out then);
+    a step that launches and waits in one call (a prefill) tells first."""
+    core = EngineCore(EngineConfig(model=checkpoint("qwen3_5"), **OPTIONS))
+    events, launch = [], core.runner.launch
+
+    def launching(plan):
+        events.append("launch")
+        launched = launch(plan)
+        read = launched.result
+
+        def reading():
+            events.append("read")
+            return read()
+
+        launched.result = reading
+        return launched
+
+    core.runner.launch = launching
+    core.add_request(list(range(1, 40)), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    kinds = []
+    while core.has_work:
+        events.clear()
+        step = core.dispatch()
+        core.commit(step.plan, step.wait(lambda: events.append("told")))
+        kinds.append(tuple(events))
+    assert kinds[0] == ("told",)  # the prefill launches and waits in one call: it tells first
+    # Every decode step tells after its launches, before it reads; the first also launches the
+    # step after it, and later ones were launched by the step before (only the next is launched).
+    assert all(kind[-2:] == ("told", "read") for kind in kinds[1:])
+    assert ("launch", "launch", "told", "read") in kinds and ("launch", "told", "read") in kinds

@@ -268,7 +268,7 @@ async def test_steps_failing_in_a_row_stop_the_engine(checkpoint, monkeypatch):
 
 
 async def test_a_paused_request_is_not_scheduled_until_resumed(checkpoint):
-    """Backpressure: a paused request gets no steps (beyond one already launched) while others
+    """Backpressure: a paused request gets no steps (beyond those already launched) while others
     run to the end, the engine idles rather than spins, and resumed it finishes with its output
     alone."""
     engine = AsyncLLM(checkpoint("qwen3_5"), max_num_seqs=8)
@@ -281,7 +281,9 @@ async def test_a_paused_request_is_not_scheduled_until_resumed(checkpoint):
     assert [t async for delta in engine.generate([4, 5, 6], params) for t in delta.token_ids] == expected[1]
     await asyncio.sleep(0.05)
     held = len(engine.core.requests["a"].output_token_ids)
-    assert held <= at_pause + 1 + engine.core.num_draft_tokens < 16  # at most the step launched ahead
+    # At most the steps on the device before its consumer saw the delta (AsyncLLM hands a step's
+    # deltas out once the next step is launched): that one and the one launched ahead of it.
+    assert held <= at_pause + 2 * (1 + engine.core.num_draft_tokens) < 16
     assert not engine.core.has_work  # idle, not spinning on empty steps
     assert engine.resume("a")
     tokens += [t async for delta in paused for t in delta.token_ids]
