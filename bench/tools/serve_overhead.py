@@ -63,7 +63,7 @@ class StubCore:
     of them its next token, finishing it with "length" at max_tokens, and an abort delta to each
     request aborted since the last commit (as EngineCore's scheduler does)."""
 
-    def __init__(self, tokenizer, step_seconds: float, max_num_seqs: int) -> None:
+    def __init__(self, tokenizer, step_seconds: float, max_num_seqs: int, launch_seconds: float = 0.0) -> None:
         from deltaspec.engine.core import Dispatched, StepResult
         from deltaspec.engine.request import RequestDelta
 
@@ -78,6 +78,7 @@ class StubCore:
         self._aborted: list[str] = []
         self._arrivals = itertools.count()
         self._step_seconds = step_seconds
+        self._launch_seconds = launch_seconds
 
     def add_request(self, prompt, params, request_id, resume_from=None, fork_of=None):
         request_id = request_id or str(next(self._arrivals))  # AsyncLLM's own requests have none
@@ -112,7 +113,11 @@ class StubCore:
         return self._dispatched(plan, self._wait)
 
     def _wait(self, on_device=None):
-        """The step's device time, in the runner thread (Dispatched.wait)."""
+        """The step's launches (Python holding the GIL, as the runner's are), then its device
+        time, in the runner thread (Dispatched.wait)."""
+        end = time.perf_counter() + self._launch_seconds
+        while time.perf_counter() < end:
+            pass
         if on_device is not None:
             on_device()
         if self._step_seconds > 0:
@@ -143,7 +148,7 @@ def stub_engine(args: argparse.Namespace, num_streams: int):
     from deltaspec.engine import AsyncLLM
     from deltaspec.engine.tokenizer import Tokenizer
 
-    core = StubCore(Tokenizer.from_dir(MODEL), args.step_ms / 1e3, max(num_streams, 1))
+    core = StubCore(Tokenizer.from_dir(MODEL), args.step_ms / 1e3, max(num_streams, 1), args.launch_ms / 1e3)
     return core, AsyncLLM(core=core)
 
 
@@ -289,7 +294,8 @@ async def benchmark(args: argparse.Namespace) -> None:
     for num_streams in args.streams:
         runs_served = [await served(args, num_streams, None) for _ in range(args.repeats)]
         runs_in_process = [await in_process(args, num_streams) for _ in range(args.repeats)]
-        result = {"streams": num_streams, "step_ms": args.step_ms, "max_tokens": args.max_tokens,
+        result = {"streams": num_streams, "step_ms": args.step_ms, "launch_ms": args.launch_ms,
+                  "max_tokens": args.max_tokens,
                   "served": median_run(runs_served), "in_process": median_run(runs_in_process),
                   "served_runs": runs_served, "in_process_runs": runs_in_process}
         result["served_over_in_process"] = result["served"]["tokens_per_s"] / result["in_process"]["tokens_per_s"]
@@ -307,6 +313,8 @@ def main() -> None:
     parser.add_argument("--warm-up", type=float, default=2.0, help="seconds of load before each measured window")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--step-ms", type=float, default=0.0, help="the stub step's wait (a device step)")
+    parser.add_argument("--launch-ms", type=float, default=0.0,
+                        help="the stub step's launches before it: Python work in the runner thread, holding the GIL")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--label", default="after")
     parser.add_argument("--profile", action="store_true", help="profile the server at the largest --streams")
