@@ -13,9 +13,11 @@ by own time (the profiler slows the loop: its tokens/s and CPU per token are not
 
 What it does not measure: no model and no device. The stub core gives every running request one
 token per step (real token ids and texts of models/default's tokenizer, so the chunks look like
-the real ones); its wait, in the runner thread, says the step is on the device and sleeps
-`--step-ms`, as a device step would (with a step time, served / in-process shows how much of the
-server's work the device's time hides). The engine's own scheduling and commit cost is not in
+the real ones); its wait, in the runner thread, spins `--launch-ms` holding the GIL (the
+launches), says the step is on the device and sleeps until the step before it is done on a
+device that runs steps of `--step-ms` one after another: the engine's steady decoding, each wait
+launching the step after the one it reads (with a step time, served / in-process shows how much
+of the server's work the device's time hides). The engine's own scheduling and commit cost is not in
 it (bench/host_overhead.py measures that). `--step-ms 0` makes every number CPU-bound: this
 CPU's speed, not an H100 host's; the client shares the machine's cores.
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import cProfile
 import datetime
 import io
@@ -59,7 +62,7 @@ END = b"data: [DONE]\n\n\r\n0\r\n\r\n"
 
 class StubCore:
     """What AsyncLLM and the server use of EngineCore. A step is every running request that is
-    not paused; its wait sleeps step_seconds (in AsyncLLM's runner thread); its commit gives each
+    not paused; its wait models launches and a device (`_wait`); its commit gives each
     of them its next token, finishing it with "length" at max_tokens, and an abort delta to each
     request aborted since the last commit (as EngineCore's scheduler does)."""
 
@@ -79,6 +82,8 @@ class StubCore:
         self._arrivals = itertools.count()
         self._step_seconds = step_seconds
         self._launch_seconds = launch_seconds
+        self._device_queue: collections.deque[float] = collections.deque()  # launched steps' end times
+        self._device_free_at = 0.0
 
     def add_request(self, prompt, params, request_id, resume_from=None, fork_of=None):
         request_id = request_id or str(next(self._arrivals))  # AsyncLLM's own requests have none
@@ -113,15 +118,21 @@ class StubCore:
         return self._dispatched(plan, self._wait)
 
     def _wait(self, on_device=None):
-        """The step's launches (Python holding the GIL, as the runner's are), then its device
-        time, in the runner thread (Dispatched.wait)."""
-        end = time.perf_counter() + self._launch_seconds
-        while time.perf_counter() < end:
-            pass
+        """In AsyncLLM's runner thread (Dispatched.wait): launch a step (Python holding the GIL
+        for launch_seconds, as the runner's launches do; two after an idle device, the step and
+        the one after it), then sleep until the oldest launched step is done on a device that
+        runs them one after another, step_seconds each: the engine's steady decoding, where
+        each wait launches the step after the one it reads (EngineCore.dispatch)."""
+        for _ in range(1 if self._device_queue else 2):
+            end = time.perf_counter() + self._launch_seconds
+            while time.perf_counter() < end:
+                pass
+            self._device_free_at = max(time.perf_counter(), self._device_free_at) + self._step_seconds
+            self._device_queue.append(self._device_free_at)
         if on_device is not None:
             on_device()
-        if self._step_seconds > 0:
-            time.sleep(self._step_seconds)
+        done = self._device_queue.popleft()
+        time.sleep(max(0.0, done - time.perf_counter()))
         return self._result(None)
 
     def commit(self, plan, result) -> list:
