@@ -6,10 +6,11 @@ as soon as the last one ends: closed loop) from a prompt set (the held-out code 
 acceptance benchmark), for `--requests-per-stream` requests each or `--duration` seconds. Every
 request records its time to first token (TTFT), the gaps between the chunks that carry tokens
 (inter-token latency, ITL), its end-to-end latency and its output tokens (usage). Each stream's
-first request is its warm-up, and the measured window opens when the last of them has ended:
-the streams, which all started at once, have spread out by then, as real clients are; only
-requests that start in the window count (the start's burst of N simultaneous prompts, queued
-behind each other's prefill, is not the steady state's TTFT). Tokens/s = the counted requests'
+first request is its warm-up, stream i's asking for (i + 1) / N of the output, and the measured
+window opens when the last of them has ended: the streams, which all started at once, are then
+spread over a request's life, as a closed loop's clients are in its steady state; only requests
+that start in the window count (N identical requests sent at once would stay in step, arriving
+together again each time, their prompts queued behind each other's prefill). Tokens/s = the counted requests'
 output tokens / (the last one's end - the window's start): requests under way when the window
 opens are not counted, which understates it by up to one request a stream, both ways alike. Then the same prompts,
 streams and sampling go through `AsyncLLM.generate` with no HTTP, so the report holds the
@@ -86,6 +87,7 @@ class Load:
 
     prompts: list[str]
     num_streams: int
+    max_tokens: int  # each counted request's output
     requests_per_stream: int | None  # counted requests a stream (after its warm-up)
     duration: float | None  # seconds of the window in which counted requests start
     samples: list[Sample] = field(default_factory=list)  # the counted requests
@@ -95,8 +97,8 @@ class Load:
 # Clients ---------------------------------------------------------------------------------------
 
 async def _served_request(http: aiohttp.ClientSession, url: str, sampling: Sampling, prompt: str,
-                          origin: float) -> Sample:
-    body = {"model": _MODEL_NAME, "prompt": prompt, "max_tokens": sampling.max_tokens,
+                          origin: float, max_tokens: int | None = None) -> Sample:
+    body = {"model": _MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens or sampling.max_tokens,
             "temperature": sampling.temperature,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
@@ -117,8 +119,10 @@ async def _served_request(http: aiohttp.ClientSession, url: str, sampling: Sampl
     return _sample(start, times, num_tokens, origin)
 
 
-async def _in_process_request(engine: AsyncLLM, sampling: Sampling, prompt: str, origin: float) -> Sample:
-    params = SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature, ignore_eos=True)
+async def _in_process_request(engine: AsyncLLM, sampling: Sampling, prompt: str, origin: float,
+                              max_tokens: int | None = None) -> Sample:
+    params = SamplingParams(max_tokens=max_tokens or sampling.max_tokens, temperature=sampling.temperature,
+                            ignore_eos=True)
     start = time.perf_counter()
     times, num_tokens = [], 0
     async for delta in engine.generate(prompt, params):
@@ -145,7 +149,11 @@ async def closed_loop(load: Load, send) -> float:
     async def stream(index: int) -> None:
         nonlocal num_warm
         sent = 0
-        await send(load.prompts[index % len(load.prompts)], origin)
+        # Warm-ups of 1/N, 2/N, .. N/N of the output: the streams leave them spread over a
+        # request's life, as a closed loop's steady state has them (N identical requests sent at
+        # once would stay in step: they finish and return together, a burst each time).
+        warm_up_tokens = -(-load.max_tokens * (index + 1) // load.num_streams)
+        await send(load.prompts[index % len(load.prompts)], origin, warm_up_tokens)
         num_warm += 1
         if num_warm == load.num_streams:
             load.window_start = time.perf_counter() - origin
@@ -247,7 +255,7 @@ async def measure(args: argparse.Namespace, prompts: list[str], send, served: bo
     served: the server is another process, so this process's CPU time is the client's."""
     results = []
     for num_streams in args.streams:
-        load = Load(prompts, num_streams, args.requests_per_stream, args.duration)
+        load = Load(prompts, num_streams, args.max_tokens, args.requests_per_stream, args.duration)
         cpu, wall = time.process_time(), time.perf_counter()
         seconds = await closed_loop(load, send)
         result = summary(load, seconds)
@@ -262,10 +270,10 @@ async def abuse(args: argparse.Namespace, url: str, http: aiohttp.ClientSession,
     """ITL p99 of the streams without and with big prompts arriving, and /health latency then."""
     num_streams = args.streams[0]
     duration = max(args.duration or 0.0, 4.0)
-    load = Load(prompts, num_streams, None, duration)
+    load = Load(prompts, num_streams, args.max_tokens, None, duration)
     await closed_loop(load, send)
     calm = _percentiles([x for s in load.samples for x in s.itls])
-    load = Load(prompts, num_streams, None, duration)
+    load = Load(prompts, num_streams, args.max_tokens, None, duration)
     line = "# " + "x" * 70 + "\n"  # code-like text; the body (JSON escapes each newline) just under the limit
     big = line * ((args.abuse_bytes - 100) // (len(json.dumps(line)) - 2))
     health: list[float] = []
@@ -406,7 +414,8 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
               "max_tokens": args.max_tokens, "temperature": args.temperature,
               "requests_per_stream": args.requests_per_stream, "duration_s": args.duration,
               "timing": "closed loop: each stream sends its next request when the last ends; its first request "
-                        "is its warm-up; counted: the requests that start once every warm-up has ended",
+                        "is its warm-up, stream i's of (i + 1) / N of the output; counted: the requests that "
+                        "start once every warm-up has ended",
               **measured}
     args.out.mkdir(parents=True, exist_ok=True)
     name = "serve-" + device_tag(device)

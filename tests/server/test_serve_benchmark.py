@@ -40,24 +40,27 @@ def test_bench_serve_writes_its_report(tmp_path):
 
 def test_closed_loop_counts_requests_that_start_after_every_warm_up():
     """Stream 0's requests take 10 ms, stream 1's 60 ms: stream 0 sends several requests while
-    stream 1 warms up; none of them may count, and every counted one starts in the window."""
+    stream 1 warms up; none of them may count, and every counted one starts in the window. The
+    warm-ups ask for 1/2 and 2/2 of the output (spreading the streams); the rest for all of it."""
     import asyncio
     import time
 
     from deltaspec.server.serve_benchmark import Load, Sample, closed_loop
 
-    sent: list[tuple[str, float]] = []
+    sent: list[tuple[str, float, int | None]] = []
 
-    async def send(prompt: str, origin: float) -> Sample:
+    async def send(prompt: str, origin: float, max_tokens: int | None = None) -> Sample:
         start = time.perf_counter() - origin
-        sent.append((prompt, start))
+        sent.append((prompt, start, max_tokens))
         await asyncio.sleep(0.01 if prompt.startswith("fast") else 0.06)
         return Sample(start, 0.001, [], [], time.perf_counter() - origin - start, 4)
 
-    load = Load(["fast", "slow"], 2, 3, None)
+    load = Load(["fast", "slow"], 2, 7, 3, None)
     seconds = asyncio.run(closed_loop(load, send))
+    assert [(prompt, tokens) for prompt, _, tokens in sent[:2]] == [("fast", 4), ("slow", 7)]
+    assert all(tokens is None for _, _, tokens in sent[2:])
     assert 0.06 <= load.window_start < 0.1
     assert len(load.samples) == 6 and all(s.start >= load.window_start for s in load.samples)
-    early = [start for prompt, start in sent if prompt == "fast" and 0 < start < load.window_start]
+    early = [start for prompt, start, _ in sent[2:] if prompt == "fast" and start < load.window_start]
     assert len(early) >= 3  # stream 0's requests during the warm-up: sent, not counted
     assert seconds == max(s.start + s.e2e for s in load.samples) - load.window_start
