@@ -59,7 +59,7 @@ from .structured import Grammars
 from .step import StepOutput, StepPlan
 from .tokenizer import Tokenizer
 from .tensor_parallel import TensorParallel
-from .warm_up import warm_up
+from .warm_up import num_compiles_after_warm_up, warm_up
 from .quantization import with_online_quantization
 from .weights import load_model, random_model
 
@@ -420,6 +420,7 @@ class EngineCore:
             "num_draft_tokens": self.num_draft_tokens,
             "spec": self.scheduler.spec_stats.as_dict(),
             "step_costs": policy.costs.as_dict() if (policy := self.scheduler.draft_policy) is not None else None,
+            "num_compiles_after_warm_up": num_compiles_after_warm_up(),
         }
 
     @property

@@ -16,23 +16,75 @@ small steps of a few short prompts beside a few decode rows. An engine with a dr
 (tests) is not warmed up: the editor sees every request.
 
 Afterwards the engine is as new: the prefix cache is cleared, counters and the draft policy's
-observations are reset. Knows nothing about kernels: it only submits requests and steps.
+observations are reset. What it missed shows while serving: a Triton compile after a warm-up
+(no warm-up under way) is logged as a warning naming the kernel, and counted
+(`num_compiles_after_warm_up`, one process-wide hook on Triton's JIT cache misses). Knows
+nothing about kernels: it only submits requests and steps.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 
 from .sampling_params import SamplingParams
+
+logger = logging.getLogger("deltaspec")
 
 SMALL_STEPS = 48
 SMALL_PROMPT = 600  # small steps' prompts are log-uniform in 1 .. this: contexts short and long
 LONG_PROMPT = 2048  # the long-context phase's prompts reach this (the attention splits keys by context)
 
 
+class _Compiles:
+    """Triton compiles in this process, seen through the JIT's cache-miss hook (installed once,
+    chained to any hook set before it)."""
+
+    installed = False
+    warm_ups_running = 0
+    warmed_up = False  # a warm-up has ended: compiles from now on are late
+    after_warm_up = 0
+
+
+def _install_compile_hook() -> None:
+    if _Compiles.installed:
+        return
+    _Compiles.installed = True
+    try:
+        from triton import knobs
+    except ImportError:  # a Triton without knobs: nothing is watched
+        return
+    previous = knobs.runtime.jit_cache_hook
+
+    def on_compile(*args, **kwargs) -> bool:
+        if _Compiles.warmed_up and not _Compiles.warm_ups_running:
+            _Compiles.after_warm_up += 1
+            logger.warning("Triton compiled %s after the warm-up: every running request waited for it (a "
+                           "shape class the warm-up does not cover)", kwargs["fn"].name if "fn" in kwargs else "?")
+        return previous(*args, **kwargs) if previous is not None else False
+
+    knobs.runtime.jit_cache_hook = on_compile
+
+
+def num_compiles_after_warm_up() -> int:
+    """Triton compiles (or loads from its disk cache) in this process while no warm-up ran,
+    after the first warm-up ended."""
+    return _Compiles.after_warm_up
+
+
 def warm_up(core) -> float:
     """Run the warm-up on `core` (an EngineCore with no requests). Returns its seconds."""
+    _install_compile_hook()
+    _Compiles.warm_ups_running += 1
+    try:
+        return _run(core)
+    finally:
+        _Compiles.warm_ups_running -= 1
+        _Compiles.warmed_up = True
+
+
+def _run(core) -> float:
     started = time.perf_counter()
     config, scheduler = core.config, core.scheduler
     rng = random.Random(0)

@@ -119,6 +119,9 @@ class ServerMetrics:
             lines += _header(name, "gauge", help_text) + [_sample(name, {}, stats[key])]
         lines += _header("deltaspec_preemptions_total", "counter", "Requests preempted for lack of KV blocks.")
         lines.append(_sample("deltaspec_preemptions_total", {}, stats["num_preempted"]))
+        lines += _header("deltaspec_compiles_after_warm_up_total", "counter",
+                         "Triton kernels compiled while serving (each stalled every running request).")
+        lines.append(_sample("deltaspec_compiles_after_warm_up_total", {}, stats["num_compiles_after_warm_up"]))
         lines += self._render_spec(stats["spec"])
         lines += self._render_prefix_cache(stats["prefix_cache"])
         return "\n".join(lines) + "\n"

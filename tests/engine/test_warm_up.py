@@ -65,3 +65,32 @@ def test_no_compile_or_tuning_while_serving_after_warm_up(checkpoint, num_draft_
     torch.cuda.synchronize()
     assert compiled == [], "compiled or tuned while serving:\n" + "\n".join(sorted(set(compiled)))
     assert_all_free(core)
+
+
+def test_compiles_after_a_warm_up_are_counted_and_logged(monkeypatch, caplog):
+    """The JIT hook counts and names a compile only once a warm-up has ended and none runs,
+    and passes every call on to the hook that was there before it."""
+    import logging
+    from types import SimpleNamespace
+
+    from triton import knobs
+
+    from deltaspec.engine import warm_up as module
+
+    earlier = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda *args, **kwargs: earlier.append(kwargs) or False)
+    for name, value in {"installed": False, "warm_ups_running": 0, "warmed_up": False, "after_warm_up": 0}.items():
+        monkeypatch.setattr(module._Compiles, name, value)
+    module._install_compile_hook()
+    hook = knobs.runtime.jit_cache_hook
+    kernel = SimpleNamespace(name="_late_kernel")
+    with caplog.at_level(logging.WARNING, logger="deltaspec"):
+        assert hook(fn=kernel) is False  # before any warm-up: start-up compiles
+        monkeypatch.setattr(module._Compiles, "warmed_up", True)
+        monkeypatch.setattr(module._Compiles, "warm_ups_running", 1)
+        hook(fn=kernel)  # another engine's warm-up
+        assert module.num_compiles_after_warm_up() == 0 and "_late_kernel" not in caplog.text
+        monkeypatch.setattr(module._Compiles, "warm_ups_running", 0)
+        hook(fn=kernel)
+    assert module.num_compiles_after_warm_up() == 1 and "Triton compiled _late_kernel after the warm-up" in caplog.text
+    assert len(earlier) == 3

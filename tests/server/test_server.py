@@ -656,6 +656,7 @@ async def test_metrics_parse_and_move_with_requests(http, base_url, client, engi
     assert after[("deltaspec_num_requests_running", ())] == after[("deltaspec_num_requests_waiting", ())] == 0
     assert after[("deltaspec_num_draft_tokens", ())] == 2
     assert after[("deltaspec_prefix_cache_hit_rate", ())] == stats["prefix_cache"]["hit_rate"]
+    assert after[("deltaspec_compiles_after_warm_up_total", ())] == stats["num_compiles_after_warm_up"]
     spec = stats["spec"]
     assert moved("deltaspec_spec_verify_steps_total") > 0
     for position, proposed in enumerate(spec["proposed_by_position"], start=1):
