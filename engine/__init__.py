@@ -10,8 +10,9 @@ from .prefix_cache import CheckpointHandle
 from .request import RequestDelta, RequestOutput, TokenLogprobs
 from .sampling_params import SamplingParams
 from .structured import Structured
+from .tokenizer import TooManyTokensError
 from .weights import WeightLoadError
 
 __all__ = ["AsyncLLM", "CheckpointHandle", "ConfigError", "EngineConfig", "EngineDeadError", "LLM", "ModelConfig",
            "NonFiniteLogitsError", "RequestDelta", "RequestOutput", "SamplingParams", "StepFailedError",
-           "Structured", "TokenLogprobs", "WeightLoadError"]
+           "Structured", "TokenLogprobs", "TooManyTokensError", "WeightLoadError"]

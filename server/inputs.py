@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from ..engine import SamplingParams, Structured
+from ..engine import SamplingParams, Structured, TooManyTokensError
 from .chat_output import OutputSettings
 from .errors import APIError
 from .messages import check_tools, render_prompt
@@ -35,7 +35,7 @@ class PromptTokenizer(Protocol):
 
     chat_template: str | None
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, max_length: int | None = None) -> list[int]: ...
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str: ...
@@ -83,7 +83,8 @@ def completion_inputs(request: CompletionRequest, tokenizer: PromptTokenizer,
     ])
     inputs = []
     for prompt in prompts(request):
-        token_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        token_ids = _encode(tokenizer, prompt, max_model_len, request.max_tokens, "prompt", "max_tokens") \
+            if isinstance(prompt, str) else list(prompt)
         room = max_model_len - len(token_ids)
         max_tokens = request.max_tokens or max(1, min(DEFAULT_COMPLETION_MAX_TOKENS, room))
         _check_context(len(token_ids), max_tokens, max_model_len, "prompt", "max_tokens")
@@ -156,10 +157,11 @@ def chat_input(request: ChatCompletionRequest, tokenizer: PromptTokenizer, max_m
                               tool_calls=tool_calls, max_tool_calls=1 if single_call else None,
                               forced_text=forced_text)
 
-    token_ids = tokenizer.encode(prompt + forced_text)
+    max_tokens_field = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
+    token_ids = _encode(tokenizer, prompt + forced_text, max_model_len,
+                        request.max_completion_tokens or request.max_tokens, "messages", max_tokens_field)
     max_tokens = request.max_completion_tokens or request.max_tokens or max(1, max_model_len - len(token_ids))
-    _check_context(len(token_ids), max_tokens, max_model_len, "messages",
-                   "max_completion_tokens" if request.max_completion_tokens else "max_tokens")
+    _check_context(len(token_ids), max_tokens, max_model_len, "messages", max_tokens_field)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     params = _sampling_params(request, max_tokens, logprobs)
     if name_constraint is not None:
@@ -167,17 +169,34 @@ def chat_input(request: ChatCompletionRequest, tokenizer: PromptTokenizer, max_m
     return EngineInput(token_ids, params), settings
 
 
+def _encode(tokenizer: PromptTokenizer, text: str, max_model_len: int, max_tokens: int | None, prompt_field: str,
+            max_tokens_field: str) -> list[int]:
+    """The prompt's ids. One longer than the context is refused by its count alone, its ids'
+    list never built (Tokenizer.encode's max_length: a megabyte prompt's list would hold the GIL
+    for tens of milliseconds, stalling every stream)."""
+    try:
+        return tokenizer.encode(text, max_length=max_model_len)
+    except TooManyTokensError as error:
+        raise _context_error(error.num_tokens, max_tokens or 1, max_model_len, prompt_field,
+                             max_tokens_field) from None
+
+
 def _check_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int, prompt_field: str,
                    max_tokens_field: str) -> None:
     """The prompt and the tokens asked for must fit the context: a request is refused up front
     rather than cut short (vLLM's check and message)."""
     if num_prompt_tokens + max_tokens > max_model_len:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
-                            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
-                            f"{prompt_field}, {max_tokens} in the completion). Please reduce the length of the "
-                            f"{prompt_field} or completion.",
-                       param=max_tokens_field if num_prompt_tokens < max_model_len else prompt_field,
-                       code="context_length_exceeded")
+        raise _context_error(num_prompt_tokens, max_tokens, max_model_len, prompt_field, max_tokens_field)
+
+
+def _context_error(num_prompt_tokens: int, max_tokens: int, max_model_len: int, prompt_field: str,
+                   max_tokens_field: str) -> APIError:
+    return APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                         f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+                         f"{prompt_field}, {max_tokens} in the completion). Please reduce the length of the "
+                         f"{prompt_field} or completion.",
+                    param=max_tokens_field if num_prompt_tokens < max_model_len else prompt_field,
+                    code="context_length_exceeded")
 
 
 def _reject_unsupported(request: SamplingFields, specific: list[tuple[str, bool, str]]) -> None:

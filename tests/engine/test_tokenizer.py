@@ -10,7 +10,7 @@ import pytest
 import torch
 from fixtures import EOS_TOKEN, make_checkpoint, make_tokenizer
 
-from deltaspec.engine.tokenizer import ByteLevelDetokenizer, IncrementalDetokenizer, Tokenizer
+from deltaspec.engine.tokenizer import ByteLevelDetokenizer, IncrementalDetokenizer, Tokenizer, TooManyTokensError
 
 TEXTS = [
     "Hello, world! How are you today?",
@@ -44,6 +44,15 @@ def test_round_trip(tokenizer: Tokenizer, text: str) -> None:
     ids = tokenizer.encode(text)
     assert all(0 <= i < tokenizer.vocab_size for i in ids)
     assert tokenizer.decode(ids) == text
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_past_max_length_raises_with_the_count(tokenizer: Tokenizer, text: str) -> None:
+    ids = tokenizer.encode(text)
+    assert tokenizer.encode(text, max_length=len(ids)) == ids
+    with pytest.raises(TooManyTokensError) as raised:
+        tokenizer.encode(text, max_length=len(ids) - 1)
+    assert raised.value.num_tokens == len(ids)
 
 
 def test_multibyte_characters_span_tokens(tokenizer: Tokenizer) -> None:
