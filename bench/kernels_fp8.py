@@ -14,8 +14,8 @@ GEMMs: the dense projections of the Qwen3.5-9B and 35B-A3B shapes (bench/kernels
         (the bar's figure: `fp8_gemm_share_of_copy`)
   bf16  kernels.linear.linear (the engine's bf16 op: the skinny kernel where its rule picks it,
         else F.linear) and torch.matmul (cuBLAS) in bf16
-read floor  up to 64 rows, a kernel that only reads the fp8 weight once (num_SMs x 4 programs,
-        contiguous slices summed into one word each), timed the same way: no GEMM that reads
+read floor  up to 64 rows, a kernel that only reads the fp8 weight once (bench/stream_read.py,
+        decode_floor.py's read kernel), timed the same way: no GEMM that reads
         those bytes can be faster, so `fp8_gemm_over_read_floor` says how far the GEMM is from
         the physics of the shape (launch, ramp-up and tail included), not just from the copy
         bandwidth of a large buffer
@@ -44,10 +44,10 @@ import sys
 
 import torch
 import triton
-import triton.language as tl
 
 from common import commit_id, copy_bandwidth, device_tag, graph_time_us  # noqa: E402
 from kernels_linear import projections  # noqa: E402
+from stream_read import ReadConfig, stream_read  # noqa: E402
 from deltaspec.kernels.fp8 import FP8, SKINNY_MAX_ROWS, block_scales, fp8_linear, fp8_moe_experts
 from deltaspec.kernels.linear import linear
 from deltaspec.kernels.quantize import quantize_activation
@@ -60,26 +60,7 @@ MODELS = {
 MOE = dict(num_experts=256, top_k=8, hidden=2048, inter=512)
 GROUP = 128
 L2_DEFEAT_BYTES = 256 << 20
-
-
-@triton.jit
-def _read_kernel(src, out, num_words, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-    """Program p sums words [p * ITERS * BLOCK, (p + 1) * ITERS * BLOCK) of src into out[p]."""
-    first = tl.program_id(0).to(tl.int64) * ITERS * BLOCK
-    acc = tl.zeros([BLOCK], tl.int32)
-    for i in range(ITERS):
-        offs = first + i * BLOCK + tl.arange(0, BLOCK)
-        acc += tl.load(src + offs, mask=offs < num_words, other=0)
-    tl.store(out + tl.program_id(0), tl.sum(acc))
-
-
-def read_once(weight: torch.Tensor, out: torch.Tensor) -> None:
-    """Read every byte of weight once (as int32 words) with num_SMs x 4 programs."""
-    words = weight.view(torch.int32).reshape(-1)
-    block = 2048
-    iters = triton.cdiv(words.numel(), block * out.numel())
-    grid = triton.cdiv(words.numel(), block * iters)
-    _read_kernel[(grid,)](words, out, words.numel(), BLOCK=block, ITERS=iters, num_warps=8)
+READ = ReadConfig()  # the read floor's launch: 2048-word tiles, 4 programs per SM
 
 
 def times_us(call, num_copies: int) -> tuple[float, float]:
@@ -114,9 +95,10 @@ def gemm_row(model: str, name: str, n: int, k: int, m: int, bandwidth: float) ->
         quantized = quantize_activation(x, GROUP)
         times["fp8_gemm"] = times_us(lambda r: fp8_linear(quantized, *w8[r % copies][:2], GROUP, w8[r % copies][2]),
                                      copies)
-        sums = torch.empty(4 * torch.cuda.get_device_properties(0).multi_processor_count, dtype=torch.int32,
-                           device="cuda")
-        times["read_floor"] = times_us(lambda r: read_once(w8[r % copies][0], sums), copies)
+        words = [w8[r][0].view(torch.int32).reshape(-1) for r in range(copies)]
+        num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+        sums = torch.empty(READ.num_programs(words[0].numel(), num_sms), dtype=torch.int32, device="cuda")
+        times["read_floor"] = times_us(lambda r: stream_read(words[r % copies], sums, READ, False), copies)
     activations = m * k * 2 + m * n * 2
     fp8_bytes = n * k + w8[0][1].numel() * 4 + activations
     bf16_bytes = n * k * 2 + activations

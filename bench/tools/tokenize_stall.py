@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import subprocess
 import sys
 import threading
 import time
@@ -23,6 +22,8 @@ from pathlib import Path
 from deltaspec.engine.tokenizer import Tokenizer, TooManyTokensError
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+from common import commit_id  # noqa: E402
 LINE = "# " + "x" * 70 + "\n"  # code-like text, as `deltaspec bench serve --abuse` sends
 
 
@@ -60,10 +61,9 @@ def main() -> None:
     text = LINE * ((1 << 20) // len(LINE))
     num_ids = len(tokenizer.encode(text))
     runs = [largest_gap_ms(tokenizer, text, limit) for limit in (None, 4096)]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
     report = {"benchmark": "tokenize_stall", "device": "cpu",
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "commit": commit.strip(), "command": " ".join(["python"] + sys.argv), "prompt_chars": len(text),
+              "commit": commit_id(), "command": " ".join(["python"] + sys.argv), "prompt_chars": len(text),
               "prompt_ids": num_ids, "runs": runs}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tokenize_stall-cpu.json").write_text(json.dumps(report, indent=2))
