@@ -5,19 +5,19 @@
     await engine.abort(request_id)
     engine.stats()
 
-The engine task dispatches and commits steps on the event loop (pure Python, fast) and waits
-for the device in one worker thread, so the loop keeps serving other coroutines while the
-device works. A step's deltas are handed to their consumers once the next step is on the
-device (`Dispatched.wait` says when), so streaming them out (the server's per-token work)
-overlaps the device's work instead of delaying the next launch; in steady plain decoding the
-step after is launched even before the current one is waited for (EngineCore.dispatch).
-Deltas reach per-request outboxes without ever blocking; a consumer that fell behind takes
-every delta waiting at once, merged into one (`_coalesced`). A consumer that
-stops iterating (client disconnect) aborts its request; one that cannot keep up pauses it
-(`pause`/`resume`). A step that raises fails its requests only (StepFailedError), a row with
-non-finite logits its own request only (NonFiniteLogitsError); several failed steps in a row end
-the engine (EngineDeadError), as does a tensor-parallel worker's death at once. Runs on uvloop when the caller's loop
-is uvloop (see `run`). Knows nothing about HTTP.
+The engine task dispatches and commits steps on the event loop (pure Python, fast) and waits for
+the device in one worker thread, so the loop keeps serving other coroutines while the device
+works. A step's deltas are handed to their consumers once the next step is on the device
+(`Dispatched.wait` says when), so streaming them out (the server's per-token work) overlaps the
+device's work instead of delaying the next launch; in steady plain decoding the step after is
+launched even before the current one is waited for (EngineCore.dispatch). Deltas reach
+per-request outboxes without ever blocking; a consumer that fell behind takes every delta
+waiting at once, merged into one (`_coalesced`). A consumer that stops iterating (client
+disconnect) aborts its request; one that cannot keep up pauses it (`pause`/`resume`). A step
+that raises fails its requests only (StepFailedError), a row with non-finite logits its own
+request only (NonFiniteLogitsError); several failed steps in a row end the engine
+(EngineDeadError), as does a tensor-parallel worker's death at once. Runs on uvloop when the
+caller's loop is uvloop (see `run`). Knows nothing about HTTP.
 """
 
 from __future__ import annotations

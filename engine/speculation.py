@@ -29,9 +29,9 @@ while the device verifies.
 `draft` and `verify` run at fixed shapes (decode_step.py), so a decode-only step replays one
 CUDA graph per (batch bucket, K, sampled) (cuda_graphs.SpecGraphs) and can be launched before
 the step before it is read: its outputs stay on the device (`launch`), penalized and constrained
-rows' acceptance too (`resample`), and the host reads them one step late (`read`). A step with prefill chunks runs
-its decode rows the same way and its chunks in an eager forward after them (runner.py), where
-`prefill_mtp` runs the MTP over the chunks' positions. A test may pass `edit_drafts`,
+rows' acceptance too (`resample`), and the host reads them one step late (`read`). A step with
+prefill chunks runs its decode rows the same way and its chunks in an eager forward after them
+(runner.py), where `prefill_mtp` runs the MTP over the chunks' positions. A test may pass `edit_drafts`,
 called between draft and verify with the rows and the drafts [B, K], to rewrite the drafts in
 place (forcing acceptance counts); a benchmark may pass `forced_acceptance` (spec/profile.py),
 which replaces each row's accepted count with a draw from a per-position profile, every other
@@ -245,8 +245,8 @@ class Speculator:
 
     def resample(self, rows: Sequence[ScheduledRow], drafted: Drafted, sampled: Sequence[int]) -> None:
         """Redo the acceptance of the rows `sampled` indexes (penalized and constrained ones:
-        SamplingParams.redecided), on the device: at each verified position the token plain decoding would choose
-        there (same seed, same position; the penalties counting the drafts before it as
+        SamplingParams.redecided), on the device: at each verified position the token plain
+        decoding would choose there (same seed, same position; the penalties counting the drafts before it as
         generated: penalties.py; the grammar after the drafts before it: structured.py), the
         drafts accepted while they match — rejection sampling for sampled rows
         (spec/accept.py), greedy acceptance of the penalized argmax for greedy ones. Overwrites

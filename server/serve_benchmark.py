@@ -10,15 +10,15 @@ first request is its warm-up, stream i's asking for (i + 1) / N of the output, a
 window opens when the last of them has ended: the streams, which all started at once, are then
 spread over a request's life, as a closed loop's clients are in its steady state; only requests
 that start in the window count (N identical requests sent at once would stay in step, arriving
-together again each time, their prompts queued behind each other's prefill). Tokens/s = the counted requests'
-output tokens / (the last one's end - the window's start): requests under way when the window
-opens are not counted, which understates it by up to one request a stream, both ways alike. Then the same prompts,
-streams and sampling go through `AsyncLLM.generate` with no HTTP, so the report holds the
-served / in-process ratio of output tokens/s. The server is started as its own process
-(`deltaspec serve` with the same engine flags: it never shares a CPU core's loop with the
-client) and stopped before the in-process engine is built, or is the one at `--url`. The
-client's own CPU time is reported for the server it started: above 90% of the wall time the
-client, not the server, may be the limit, and the report says so.
+together again each time, their prompts queued behind each other's prefill). Tokens/s = the
+counted requests' output tokens / (the last one's end - the window's start): requests under way
+when the window opens are not counted, which understates it by up to one request a stream, both
+ways alike. Then the same prompts, streams and sampling go through `AsyncLLM.generate` with no
+HTTP, so the report holds the served / in-process ratio of output tokens/s. The server is
+started as its own process (`deltaspec serve` with the same engine flags: it never shares a CPU
+core's loop with the client) and stopped before the in-process engine is built, or is the one at
+`--url`. The client's own CPU time is reported for the server it started: above 90% of the wall
+time the client, not the server, may be the limit, and the report says so.
 
 `--abuse`: the issue's bar under abuse. The streams run twice for `--duration` seconds (at
 least 4): without, then with `--abuse-prompts` prompts of `--abuse-bytes` (about 1 MiB: under
