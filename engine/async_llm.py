@@ -17,17 +17,23 @@ disconnect) aborts its request; one that cannot keep up pauses it (`pause`/`resu
 that raises fails its requests only (StepFailedError), a row with non-finite logits its own
 request only (NonFiniteLogitsError); several failed steps in a row end the engine
 (EngineDeadError), as does a tensor-parallel worker's death at once. Runs on uvloop when the
-caller's loop is uvloop (see `run`). Knows nothing about HTTP.
+caller's loop is uvloop (see `run`).
+
+What the engine task produces goes to a `DeltaSink`: the per-request outboxes `generate` reads,
+or, in an engine process of its own (engine_process.py), one message per step to the front end
+there, whose requests come in through `submit`. Knows nothing about HTTP.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import gc
 import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Mapping, Sequence as Seq
+from typing import Mapping, Protocol, Sequence as Seq
 
 from .core import EngineCore, StepResult
 from .engine_config import EngineConfig
@@ -47,15 +53,31 @@ logger = logging.getLogger("deltaspec")
 MAX_CONSECUTIVE_FAILED_STEPS = 3
 
 
+class DeltaSink(Protocol):
+    """Where the engine task's output goes, on the event loop, in step order."""
+
+    def deltas(self, deltas: list[RequestDelta]) -> None:
+        """A step's deltas (one per request it advanced)."""
+
+    def failed(self, request_ids: list[str], error: StepFailedError) -> None:
+        """These requests' step raised; the engine dropped them."""
+
+    def dead(self, error: BaseException) -> None:
+        """The engine task ended with `error`: no request will make progress."""
+
+
 class AsyncLLM:
     def __init__(self, model_path: str | Path | None = None, *, config: EngineConfig | None = None,
-                 core: EngineCore | None = None, **engine_options) -> None:
+                 core: EngineCore | None = None, sink: DeltaSink | None = None, **engine_options) -> None:
         """core: an engine core built already, in place of one from the config (the server's
-        overhead benchmark drives the front end over a stub core: bench/tools/serve_overhead.py)."""
+        overhead benchmark drives the front end over a stub core: bench/tools/serve_overhead.py).
+        sink: where the engine's output goes instead of `generate`'s streams (requests then come
+        through `submit`; engine_process.py)."""
         if core is None:
             core = EngineCore(config or EngineConfig(model=model_path, **engine_options))
         self.core = core
-        self._outboxes: dict[str, _Outbox] = {}
+        self._outboxes = Outboxes()
+        self._sink: DeltaSink = self._outboxes if sink is None else sink
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaspec-runner")
@@ -82,41 +104,48 @@ class AsyncLLM:
 
     # Public API ---------------------------------------------------------------------------
 
-    async def generate(self, prompt: str | Seq[int], params: SamplingParams | None = None,
-                       request_id: str | None = None,
-                       resume_from: CheckpointHandle | None = None,
-                       fork_of: str | None = None) -> AsyncIterator[RequestDelta]:
-        """Submit a request and stream its deltas. Bad input raises ValueError before anything
-        is queued. resume_from: a session saved by `save_checkpoint`; the prompt continues it.
+    def generate(self, prompt: str | Seq[int], params: SamplingParams | None = None,
+                 request_id: str | None = None,
+                 resume_from: CheckpointHandle | None = None,
+                 fork_of: str | None = None) -> AsyncIterator[RequestDelta]:
+        """Submit a request and stream its deltas. The request is submitted at the first
+        iteration; bad input raises ValueError there, before anything is queued. resume_from: a session saved by `save_checkpoint`; the prompt continues it.
         fork_of: the id of another choice of the same prompt, submitted first, whose prefill this
         one reuses (EngineCore.add_request)."""
+        if self._sink is not self._outboxes:
+            raise RuntimeError("this AsyncLLM delivers its output to a sink: submit requests with submit()")
+
+        def open_stream() -> tuple[str, Outbox]:
+            submitted = self.submit(prompt, params, request_id, resume_from, fork_of)
+            outbox = self._outboxes[submitted] = Outbox()
+            return submitted, outbox
+
+        def close(submitted: str, finished: bool) -> None:
+            self._outboxes.pop(submitted, None)
+            if not finished:  # the consumer went away (disconnect, cancellation)
+                self.core.abort(submitted)
+                self._wakeup.set()
+
+        return drain(open_stream, close)
+
+    def submit(self, prompt: str | Seq[int], params: SamplingParams | None = None, request_id: str | None = None,
+               resume_from: CheckpointHandle | None = None, fork_of: str | None = None) -> str:
+        """Queue a request (arguments as `generate`); returns its id. Its deltas go to the sink.
+        Bad input raises ValueError, queueing nothing."""
         self._ensure_running()
         request = self.core.add_request(prompt, params or SamplingParams(), request_id, resume_from, fork_of)
-        outbox = _Outbox()
-        self._outboxes[request.request_id] = outbox
         self._wakeup.set()
-        finished = False
-        try:
-            while not finished:
-                while not outbox.items:
-                    await outbox.arrival()
-                for delta in outbox.take():
-                    if isinstance(delta, StepFailedError):
-                        finished = True  # the engine dropped it already
-                        raise delta
-                    if isinstance(delta, BaseException):
-                        raise EngineDeadError("the engine failed") from delta
-                    finished = delta.finish_reason is not None
-                    if delta.finish_reason == "error":
-                        raise NonFiniteLogitsError([request.request_id])
-                    yield delta
-                    if finished:
-                        break
-        finally:
-            self._outboxes.pop(request.request_id, None)
-            if not finished:  # the consumer went away (disconnect, cancellation)
-                self.core.abort(request.request_id)
-                self._wakeup.set()
+        return request.request_id
+
+    async def fetch_stats(self) -> dict:
+        """`stats`, as an engine in its own process answers it (EngineProcess.fetch_stats): the
+        server reads either through this."""
+        return self.stats()
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine stopped, once it has (every request then fails); None while it runs."""
+        return self._error
 
     async def abort(self, request_id: str) -> bool:
         aborted = self.core.abort(request_id)
@@ -211,17 +240,13 @@ class AsyncLLM:
             raise
         except BaseException as error:  # noqa: BLE001 - every waiting request must hear about it
             self._error = error
-            for outbox in self._outboxes.values():
-                outbox.put(error)
+            self._sink.dead(error)
             raise
 
     def _hand_out(self, deltas: list[RequestDelta]) -> list[RequestDelta]:
-        """Put each delta in its request's outbox; returns the empty list that replaces them."""
-        outboxes = self._outboxes
-        for delta in deltas:
-            outbox = outboxes.get(delta.request_id)
-            if outbox is not None:
-                outbox.put(delta)
+        """Deliver a step's deltas; returns the empty list that replaces them."""
+        if deltas:
+            self._sink.deltas(deltas)
         return []
 
     def _fail_step(self, plan: StepPlan | None, error: Exception) -> None:
@@ -230,14 +255,67 @@ class AsyncLLM:
         logger.error("a step failed with %s: %s; failing its %d requests (%s), serving the rest",
                      type(error).__name__, error, len(failed), named)
         logger.debug("the failed step's traceback", exc_info=error)
-        for request_id in failed:
-            outbox = self._outboxes.get(request_id)
+        self._sink.failed(failed, StepFailedError(f"the engine step running this request failed: "
+                                                  f"{type(error).__name__}: {error}"))
+
+
+def drain(open_stream: Callable[[], tuple[str, Outbox]],
+          close: Callable[[str, bool], None]) -> AsyncIterator[RequestDelta]:
+    """A request's stream: open_stream() submits it at the first iteration (so bad input raises
+    ValueError there, queueing nothing, and a stream never iterated submits nothing) and returns
+    its id and outbox; then its deltas until the one with a finish reason. An error put in the
+    outbox is raised: StepFailedError and ValueError (the engine dropped or refused the request)
+    as they are, EngineDeadError as it is or for anything else. close(request_id, finished) runs
+    when the stream ends, however it ends (finished: the engine holds nothing of the request)."""
+
+    async def deltas() -> AsyncIterator[RequestDelta]:
+        request_id, outbox = open_stream()
+        finished = False
+        try:
+            while not finished:
+                while not outbox.items:
+                    await outbox.arrival()
+                for delta in outbox.take():
+                    if isinstance(delta, (StepFailedError, ValueError)):
+                        finished = True  # the engine dropped it already
+                        raise delta
+                    if isinstance(delta, EngineDeadError):
+                        raise delta
+                    if isinstance(delta, BaseException):
+                        raise EngineDeadError("the engine failed") from delta
+                    finished = delta.finish_reason is not None
+                    if delta.finish_reason == "error":
+                        raise NonFiniteLogitsError([request_id])
+                    yield delta
+                    if finished:
+                        break
+        finally:
+            close(request_id, finished)
+
+    return deltas()
+
+
+class Outboxes(dict):
+    """request id -> Outbox of `generate`'s streams: the default DeltaSink."""
+
+    def deltas(self, deltas: list[RequestDelta]) -> None:
+        for delta in deltas:
+            outbox = self.get(delta.request_id)
             if outbox is not None:
-                outbox.put(StepFailedError(f"the engine step running this request failed: "
-                                           f"{type(error).__name__}: {error}"))
+                outbox.put(delta)
+
+    def failed(self, request_ids: list[str], error: StepFailedError) -> None:
+        for request_id in request_ids:
+            outbox = self.get(request_id)
+            if outbox is not None:
+                outbox.put(error)
+
+    def dead(self, error: BaseException) -> None:
+        for outbox in self.values():
+            outbox.put(error)
 
 
-class _Outbox:
+class Outbox:
     """One request's deltas (or the error that ends it) on their way to its consumer: a list
     and the consumer's waiter, lighter than an asyncio.Queue (every running request gets one
     put per step, and its consumer awaits a bare future, no coroutine)."""
@@ -309,6 +387,19 @@ class _OnDevice:
     def _resolve(self) -> None:
         if not self.future.done():
             self.future.set_result(None)
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive now (the engine, torch, the tokenizer: ~200k of them) out of the
+    garbage collector's reach. A full collection walks them all (82 ms for the shipped model's
+    process on a 2-core CPU), and a server allocating per token triggers one every few seconds:
+    a stall of every stream at once, the tail of time to first token. What is frozen lives for
+    the process anyway; objects made later are collected as before. They are handed back to
+    the collector at exit, where extension modules check that their objects were freed (Triton's
+    nanobind bindings print hundreds of "leaked" lines otherwise)."""
+    gc.collect()
+    gc.freeze()
+    atexit.register(gc.unfreeze)
 
 
 def run(main) -> object:

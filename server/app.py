@@ -1,4 +1,4 @@
-"""The aiohttp application: OpenAI routes over one AsyncLLM, SSE streaming, JSON errors, auth, metrics.
+"""The aiohttp application: OpenAI routes over one engine, SSE streaming, JSON errors, auth, metrics.
 
     POST /v1/completions        POST /v1/chat/completions      (stream: true -> SSE)
     GET  /v1/models             GET  /v1/models/{id}           GET  /health
@@ -11,10 +11,11 @@ Every failure is an OpenAI error body (`errors.APIError`), aiohttp's own include
 handler exits: normally, on an error, on a write to a client that went away, or on cancellation
 (the runner in `serve` cancels the handler of a client that disconnects); closing it aborts the
 request, so a vanished client never holds a slot. A request whose engine step failed
-(StepFailedError) gets a 500: a JSON body before the headers are out, an error event and
-[DONE] after.
+(StepFailedError) gets a 500, one whose engine has stopped (EngineDeadError) a 503: a JSON body
+before the headers are out, an error event and [DONE] after.
 
-Knows the engine only through AsyncLLM's public API; knows nothing about processes or signals.
+Knows the engine only through the API AsyncLLM and EngineProcess (an engine in its own process)
+share; knows nothing about processes or signals.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from typing import TypeVar
 import msgspec
 from aiohttp import web
 
-from ..engine import AsyncLLM, RequestDelta, StepFailedError
+from ..engine import AsyncLLM, EngineDeadError, RequestDelta, StepFailedError
+from ..engine.engine_process import EngineProcess
 from .chat_output import ChatOutput
 from .config import ServerConfig
 from .errors import APIError, decode_error
@@ -51,6 +53,8 @@ from .tool_parsers import tool_call_parser_name
 
 logger = logging.getLogger("deltaspec.server")
 
+Engine = AsyncLLM | EngineProcess  # what the server runs on: in this process or in its own
+
 _encoder = msgspec.json.Encoder()
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _NUM_REQUEST_WORKERS = 2  # threads tokenizing request bodies (the tokenizer releases the GIL)
@@ -64,7 +68,7 @@ _HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_
 
 
 class OpenAIServer:
-    def __init__(self, engine: AsyncLLM, config: ServerConfig) -> None:
+    def __init__(self, engine: Engine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
         self.metrics = ServerMetrics()
@@ -159,10 +163,16 @@ class OpenAIServer:
         return _json(self._model())
 
     async def health(self, request: web.Request) -> web.Response:
+        self._check_engine()
         return _json(Health())
 
     async def prometheus(self, request: web.Request) -> web.Response:
-        text = self.metrics.render(self.engine.stats())
+        self._check_engine()
+        try:
+            stats = await self.engine.fetch_stats()
+        except EngineDeadError as error:
+            raise _engine_dead(error) from error
+        text = self.metrics.render(stats)
         return web.Response(body=text.encode(), headers={"Content-Type": _PROMETHEUS_CONTENT_TYPE})
 
     # Generation ---------------------------------------------------------------------------
@@ -198,15 +208,15 @@ class OpenAIServer:
                         include_usage = bool(body.stream_options and body.stream_options.include_usage)
                         return await self._stream(request, started, deltas, progress, include_usage)
                     return await self._respond(started, deltas, progress)
-                except StepFailedError:
+                except _ENGINE_FAILURES:
                     for each in progress.values():
                         each.fail()
                     raise
                 finally:
                     for each in progress.values():
                         each.timer.finish(each.finish_reason or "abort")
-        except StepFailedError as error:
-            raise _step_failed(error) from error
+        except _ENGINE_FAILURES as error:
+            raise _engine_failure(error) from error
         finally:
             self.in_flight.difference_update(request_ids)
 
@@ -286,10 +296,10 @@ class OpenAIServer:
                         return response
                 end = _event(progress[request_ids[0]].renderer.usage_chunk(_total_usage(progress.values()))) \
                     if include_usage else b""
-            except StepFailedError as error:
+            except _ENGINE_FAILURES as error:
                 for each in progress.values():
                     each.fail()
-                end = _event(_step_failed(error).body())  # and the stream ends as usual
+                end = _event(_engine_failure(error).body())  # and the stream ends as usual
             await send(end + _DONE, last=True)
         except ConnectionResetError:
             pass  # the client went away; leaving `_generate`'s aclosing block aborts the requests
@@ -418,6 +428,12 @@ class OpenAIServer:
         return Model(self.config.model_name, self._created, self.engine.max_model_len,
                      dict(self.engine.generation_defaults))
 
+    def _check_engine(self) -> None:
+        """503 once the engine has stopped (its process died, or steps kept failing): every
+        request would fail, so a health probe must see it and restart the server."""
+        if self.engine.error is not None:
+            raise _engine_dead(self.engine.error)
+
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.model_name:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.config.model_name!r}",
@@ -502,8 +518,17 @@ async def _until_each_started(deltas: AsyncIterator[RequestDelta], num_streams: 
     return started
 
 
-def _step_failed(error: StepFailedError) -> APIError:
+_ENGINE_FAILURES = (StepFailedError, EngineDeadError)
+
+
+def _engine_failure(error: StepFailedError | EngineDeadError) -> APIError:
+    if isinstance(error, EngineDeadError):
+        return _engine_dead(error)
     return APIError(500, str(error), code="internal_error")
+
+
+def _engine_dead(error: BaseException) -> APIError:
+    return APIError(503, f"the engine has stopped: {error}", code="engine_dead")
 
 
 def _event(chunk: msgspec.Struct) -> bytes:

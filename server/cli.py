@@ -48,7 +48,7 @@ def _serve(args: argparse.Namespace) -> int:
                                  stream_stall_timeout=args.stream_stall_timeout,
                                  tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    run(serve(engine_config, server_config))
+    run(serve(engine_config, server_config, single_process=args.single_process))
     return 0
 
 
@@ -107,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     serve_parser.add_argument("--stream-stall-timeout", type=float, default=60.0,
                               help="seconds a streaming client may read nothing before its request is aborted and "
                                    "the connection closed")
+    serve_parser.add_argument("--single-process", action="store_true",
+                              help="run the engine on the server's own event loop instead of a process of its own "
+                                   "(the server's per-token work then delays the engine's steps)")
     serve_parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                               help="the tool-call format (default: the one the chat template shows; Qwen3.5's "
                                    "qwen3_coder when it shows none)")

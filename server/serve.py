@@ -1,5 +1,8 @@
 """Runs the OpenAI server on a TCP port until SIGINT/SIGTERM, then shuts down gracefully.
 
+The port is bound first (a busy port fails at once, before the model loads), then the engine
+starts in a process of its own (engine/engine_process.py: the server's per-token work runs on
+this process's core, never on the engine's), or, with `single_process`, on this event loop.
 Shutdown order: stop listening; give in-flight requests up to `shutdown_timeout` seconds to
 finish (a second signal aborts them at once); cancel the handlers still running, which aborts
 their requests; stop the engine. `start` is the in-process half (tests use it inside their own
@@ -11,15 +14,17 @@ Knows nothing about routes (`app`) or argument parsing (`cli`).
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import signal
+import socket
 from dataclasses import dataclass
 
 from aiohttp import web
 
 from ..engine import AsyncLLM, EngineConfig
-from .app import OpenAIServer
+from ..engine.async_llm import freeze_startup_heap
+from ..engine.engine_process import EngineProcess
+from .app import Engine, OpenAIServer
 from .config import ServerConfig
 
 logger = logging.getLogger("deltaspec.server")
@@ -36,7 +41,8 @@ class RunningServer:
         await self.runner.cleanup()
 
 
-async def start(engine: AsyncLLM, config: ServerConfig) -> RunningServer:
+async def start(engine: Engine, config: ServerConfig, listener: socket.socket | None = None) -> RunningServer:
+    """Serve `engine` on `listener` (a bound socket: `listen`), or on config.host and config.port."""
     server = OpenAIServer(engine, config)
     # handler_cancellation: a client that disconnects gets its handler cancelled, which closes its
     # engine stream and aborts the request even while nothing is being written to it.
@@ -48,23 +54,37 @@ async def start(engine: AsyncLLM, config: ServerConfig) -> RunningServer:
                            shutdown_timeout=config.shutdown_timeout, auto_decompress=False,
                            keepalive_timeout=config.idle_timeout)
     await runner.setup()
-    await web.TCPSite(runner, config.host, config.port).start()
+    site = web.SockSite(runner, listener) if listener is not None else web.TCPSite(runner, config.host, config.port)
+    await site.start()
     return RunningServer(server, runner, runner.addresses[0][1])
 
 
-def freeze_startup_heap() -> None:
-    """Move every object alive now (the engine, torch, the tokenizer: ~200k of them) out of the
-    garbage collector's reach. A full collection walks them all (82 ms for the shipped model's
-    process on a 2-core CPU), and a server allocating per token triggers one every few seconds:
-    a stall of every stream at once, the tail of time to first token. What is frozen lives for
-    the process anyway; objects made later are collected as before."""
-    gc.collect()
-    gc.freeze()
+def listen(config: ServerConfig) -> socket.socket:
+    """The server's socket, bound to config.host and config.port; ValueError (one line) when it
+    cannot be (a port in use, an address not on this machine)."""
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    try:
+        return socket.create_server((config.host, config.port), family=family, backlog=1024)
+    except OSError as error:
+        raise ValueError(f"cannot listen on {config.host}:{config.port}: {error.strerror or error}") from None
 
 
-async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
-    engine = AsyncLLM(config=engine_config)
+async def serve(engine_config: EngineConfig, config: ServerConfig, single_process: bool = False) -> None:
+    listener = listen(config)
+    try:
+        engine = AsyncLLM(config=engine_config) if single_process else await EngineProcess.start(engine_config)
+    except BaseException:
+        listener.close()
+        raise
     freeze_startup_heap()
+    try:
+        await _serve(engine, config, listener, engine_config)
+    finally:
+        await engine.shutdown()
+    logger.info("stopped")
+
+
+async def _serve(engine: Engine, config: ServerConfig, listener: socket.socket, engine_config: EngineConfig) -> None:
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     aborting: set[asyncio.Task] = set()  # strong references until the tasks finish
@@ -77,11 +97,12 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
             task.add_done_callback(aborting.discard)
         stopping.set()
 
-    running = await start(engine, config)
+    running = await start(engine, config, listener)
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, on_signal, signum)
+    stats = await engine.fetch_stats()
     logger.info("serving %s on http://%s:%d/v1 (engine: %s, %s, %d drafts per step)", config.model_name, config.host,
-                running.port, engine_config.device, engine_config.dtype, engine.stats()["num_draft_tokens"])
+                running.port, engine_config.device, engine_config.dtype, stats["num_draft_tokens"])
     try:
         await stopping.wait()
         logger.info("shutting down: waiting up to %gs for %d in-flight requests (signal again to abort them)",
@@ -90,5 +111,3 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
-        await engine.shutdown()
-    logger.info("stopped")

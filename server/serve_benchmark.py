@@ -15,9 +15,9 @@ counted requests' output tokens / (the last one's end - the window's start): req
 when the window opens are not counted, which understates it by up to one request a stream, both
 ways alike. Then the same prompts, streams and sampling go through `AsyncLLM.generate` with no
 HTTP, so the report holds the served / in-process ratio of output tokens/s. The server is
-started as its own process (`deltaspec serve` with the same engine flags: it never shares a CPU
-core's loop with the client) and stopped before the in-process engine is built, or is the one at
-`--url`. The client's own CPU time is reported for the server it started: above 90% of the wall
+started as its own process (`deltaspec serve` with the same engine flags, its engine in a process
+of its own, or on the server's loop with `--single-process`: it never shares a CPU core's loop
+with the client) and stopped before the in-process engine is built, or is the one at `--url`. The client's own CPU time is reported for the server it started: above 90% of the wall
 time the client, not the server, may be the limit, and the report says so.
 
 `--abuse`: the issue's bar under abuse. The streams run twice for `--duration` seconds (at
@@ -54,7 +54,7 @@ from ..engine import AsyncLLM, EngineConfig, SamplingParams
 from ..engine.async_llm import run
 from .acceptance_benchmark import device_name, device_tag, load_prompts
 from .engine_args import add_engine_options, engine_flags, engine_options
-from .serve import freeze_startup_heap
+from ..engine.async_llm import freeze_startup_heap
 
 _MODEL_NAME = "bench"
 _CLIENT_BOUND = 0.9  # client CPU seconds per wall second above which the client may be the limit
@@ -208,16 +208,19 @@ def _thinned(values: list[float], size: int = 2000) -> list[float]:
 
 @contextlib.asynccontextmanager
 async def server_process(args: argparse.Namespace):
-    """`deltaspec serve` with the benchmark's engine flags on a free port; yields its URL."""
+    """`deltaspec serve` with the benchmark's engine flags on a free port; yields its URL. Its log
+    goes to server.log under --out."""
     command = [sys.executable, "-m", "deltaspec.server.cli", "serve", str(args.model), "--port", "0",
                "--served-model-name", _MODEL_NAME, "--max-waiting", str(max(args.streams) * 2 + args.abuse_prompts),
-               *_engine_flags(args)]
+               *_engine_flags(args), *(["--single-process"] if args.single_process else [])]
     process = await asyncio.create_subprocess_exec(*command, stderr=asyncio.subprocess.PIPE)
     drain = None
+    log: list[bytes] = []  # the start-up lines
     try:
         port = None
         while port is None:
-            line = (await asyncio.wait_for(process.stderr.readline(), args.start_timeout)).decode()
+            log.append(await asyncio.wait_for(process.stderr.readline(), args.start_timeout))
+            line = log[-1].decode()
             if not line:
                 raise RuntimeError(f"the server exited before listening: {' '.join(command)}")
             if match := re.search(r"serving .* on http://[^:]+:(\d+)/v1", line):
@@ -232,8 +235,9 @@ async def server_process(args: argparse.Namespace):
             if process.returncode is None:
                 process.kill()
                 await process.wait()
-        if drain is not None:
-            await drain
+        if drain is not None:  # the server's log (late compiles, warnings) beside the report
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "server.log").write_bytes(b"".join(log) + await drain)
 
 
 def _engine_flags(args: argparse.Namespace) -> list[str]:
@@ -390,6 +394,9 @@ def add_arguments(parser: argparse.ArgumentParser, default_model: Path) -> None:
     parser.add_argument("--max-prompt-chars", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-in-process", action="store_true", help="skip the in-process AsyncLLM run")
+    parser.add_argument("--single-process", action="store_true",
+                        help="start the server with its engine on its own event loop (`deltaspec serve "
+                             "--single-process`) instead of in a process of its own")
     parser.add_argument("--abuse", action="store_true",
                         help="also: ITL p99 and /health latency with big prompts arriving mid-run")
     parser.add_argument("--abuse-prompts", type=int, default=8)
@@ -411,6 +418,7 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
               "commit": os.environ.get("DELTASPEC_COMMIT") or subprocess.run(
                   ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
               "command": "deltaspec bench serve " + " ".join(argv), "url": args.url,
+              "server": None if args.url else "single process" if args.single_process else "engine process",
               "max_tokens": args.max_tokens, "temperature": args.temperature,
               "requests_per_stream": args.requests_per_stream, "duration_s": args.duration,
               "timing": "closed loop: each stream sends its next request when the last ends; its first request "

@@ -1,14 +1,19 @@
-"""The `deltaspec` command line: `serve` as a real process (signals, graceful shutdown, exit code)
-and `generate` in-process (streamed text equals the engine's greedy completion)."""
+"""The `deltaspec` command line: `serve` as a real process (signals, graceful shutdown, exit code,
+a busy port, its engine's process dying) and `generate` in-process (streamed text equals the
+engine's greedy completion)."""
 
 import asyncio
 import contextlib
 import json
+import os
 import re
 import signal
+import socket
 import sys
+from pathlib import Path
 
 import aiohttp
+import pytest
 
 from deltaspec.engine import LLM, SamplingParams
 from deltaspec.server import cli
@@ -41,10 +46,12 @@ def sse_events(text: str) -> list[str]:
     return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
 
 
-async def test_serve_drains_in_flight_requests_on_sigterm_and_exits_0(checkpoint):
+@pytest.mark.parametrize("options", [(), ("--single-process",)], ids=["engine-process", "single-process"])
+async def test_serve_drains_in_flight_requests_on_sigterm_and_exits_0(checkpoint, options):
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 64, "temperature": 0, "ignore_eos": True,
             "stream": True}
-    async with serve_process(checkpoint("qwen3_5")) as (process, port, stderr), aiohttp.ClientSession() as http:
+    async with serve_process(checkpoint("qwen3_5"), *options) as (process, port, stderr), \
+            aiohttp.ClientSession() as http:
         async with http.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as response:
             first = await response.content.readline()
             process.send_signal(signal.SIGTERM)  # mid-stream: the request finishes, then the server exits
@@ -69,6 +76,49 @@ async def test_second_sigint_aborts_in_flight_requests(checkpoint):
         assert json.loads(events[-1])["error"]["code"] == "aborted"
         assert await asyncio.wait_for(process.wait(), 30) == 0
         assert "aborting in-flight requests" in (await stderr).decode()
+
+
+async def test_a_busy_port_fails_at_once_in_one_line(checkpoint):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "deltaspec.server.cli", "serve", str(checkpoint("qwen3_5")), "--port", str(port),
+            stderr=asyncio.subprocess.PIPE)
+        _, stderr = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode == 2
+    lines = stderr.decode().strip().splitlines()
+    assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0], lines
+
+
+def _children(pid: int) -> list[int]:
+    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
+            for child in (task / "children").read_text().split()]
+
+
+async def test_when_the_engine_process_dies_health_says_so(checkpoint):
+    """Every request would fail: /health and the routes answer 503 (a probe restarts the server)."""
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
+    async with serve_process(checkpoint("qwen3_5")) as (process, port, stderr), aiohttp.ClientSession() as http:
+        url = f"http://127.0.0.1:{port}"
+        async with http.get(f"{url}/health") as response:
+            assert response.status == 200
+        # The engine's process is the server's spawned child (not multiprocessing's resource tracker).
+        engines = [child for child in _children(process.pid)
+                   if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()]
+        assert len(engines) == 1
+        os.kill(engines[0], signal.SIGKILL)
+        for _ in range(100):
+            async with http.get(f"{url}/health") as response:
+                status, health = response.status, await response.json()
+            if status == 503:
+                break
+            await asyncio.sleep(0.05)
+        assert status == 503 and health["error"]["code"] == "engine_dead"
+        async with http.post(f"{url}/v1/completions", json=body) as response:
+            assert response.status == 503
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(process.wait(), 30) == 0
+        assert "the engine process exited unexpectedly" in (await stderr).decode()
 
 
 def test_generate_streams_the_greedy_completion(checkpoint, capsys, tmp_path):
