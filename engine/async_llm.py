@@ -9,7 +9,8 @@ The engine task dispatches and commits steps on the event loop (pure Python, fas
 the device in one worker thread, so the loop keeps serving other coroutines while the device
 works. A step's deltas are handed to their consumers once the next step is on the device
 (`Dispatched.wait` says when), so streaming them out (the server's per-token work) overlaps the
-device's work instead of delaying the next launch; in steady plain decoding the step after is
+device's work instead of delaying the next launch, or at once to a sink that only sends them on
+(`DeltaSink.immediate`: the engine process's); in steady plain decoding the step after is
 launched even before the current one is waited for (EngineCore.dispatch). Deltas reach
 per-request outboxes without ever blocking; a consumer that fell behind takes every delta
 waiting at once, merged into one (`_coalesced`). A consumer that stops iterating (client
@@ -54,7 +55,15 @@ MAX_CONSECUTIVE_FAILED_STEPS = 3
 
 
 class DeltaSink(Protocol):
-    """Where the engine task's output goes, on the event loop, in step order."""
+    """Where the engine task's output goes, on the event loop, in step order.
+
+    immediate: a step's deltas are delivered as soon as it is committed. Otherwise they wait
+    until the next step is on the device: the outboxes' consumers are coroutines on this loop,
+    whose work (a server's, per token) would otherwise run while the next step is launched and
+    delay it. A sink that only sends the deltas on (to another process) costs the launch little
+    and saves every token the launch's latency."""
+
+    immediate: bool
 
     def deltas(self, deltas: list[RequestDelta]) -> None:
         """A step's deltas (one per request it advanced)."""
@@ -235,7 +244,7 @@ class AsyncLLM:
                     self._fail_step(plan, error)
                     continue
                 num_failed = 0
-                committed = deltas
+                committed = self._hand_out(deltas) if self._sink.immediate else deltas
         except asyncio.CancelledError:
             raise
         except BaseException as error:  # noqa: BLE001 - every waiting request must hear about it
@@ -297,6 +306,8 @@ def drain(open_stream: Callable[[], tuple[str, Outbox]],
 
 class Outboxes(dict):
     """request id -> Outbox of `generate`'s streams: the default DeltaSink."""
+
+    immediate = False
 
     def deltas(self, deltas: list[RequestDelta]) -> None:
         for delta in deltas:

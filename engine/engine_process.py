@@ -172,7 +172,10 @@ async def _open_wire(sock: socket.socket, incoming: type) -> _Wire:
 # The engine's process ---------------------------------------------------------------------------
 
 class _Sender:
-    """The engine process's DeltaSink: each step's output as one message to the caller."""
+    """The engine process's DeltaSink: each step's output as one message to the caller, sent
+    at its commit (the caller's work on it runs in the caller's process)."""
+
+    immediate = True
 
     def __init__(self) -> None:
         self.wire: _Wire | None = None  # attached once the loop runs (the engine is built before)

@@ -1,0 +1,222 @@
+"""Where time to first token goes: `deltaspec bench serve`'s closed-loop load through AsyncLLM
+in-process, with every engine step and every request's milestones timestamped.
+
+Per request: sent (the consumer calls generate), submitted (AsyncLLM.submit ran: the prompt is
+tokenized and queued), scheduled (the first dispatched step holding it as a prefill or cached
+row), computed (that step's commit began: its first token exists on the host) and delivered (the
+consumer got its first delta). TTFT is split into queue (sent -> scheduled), step (scheduled ->
+computed, the steps that prefilled it: a long prompt may take several) and hand-out (computed ->
+delivered). Reported for all requests and for the slowest 1%, with what the steps in their
+queue and step spans were (prefill rows and tokens, decode rows, launched ahead or not).
+
+    python bench/tools/ttft_trace.py --device cuda --dtype bfloat16 [--streams 16 64] [--duration 10]
+        [--out DIR]   -> DIR/ttft_trace-<gpu>.json
+
+Knows the engine only through AsyncLLM, EngineCore.dispatch and EngineCore.commit (wrapped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common import commit_id  # noqa: E402
+from deltaspec.engine import AsyncLLM, EngineConfig, SamplingParams  # noqa: E402
+from deltaspec.engine.async_llm import freeze_startup_heap, run  # noqa: E402
+from deltaspec.server.acceptance_benchmark import device_name, device_tag, load_prompts  # noqa: E402
+from deltaspec.server.serve_benchmark import Load, closed_loop  # noqa: E402
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "default"
+
+
+class Trace:
+    """Step events and request milestones, in perf_counter seconds."""
+
+    def __init__(self, engine: AsyncLLM) -> None:
+        self.steps: list[dict] = []
+        self.requests: dict[str, dict] = {}
+        core = engine.core
+        dispatch, commit, submit = core.dispatch, core.commit, engine.submit
+
+        def traced_dispatch():
+            start = time.perf_counter()
+            launched_ahead = core._in_flight is not None
+            dispatched = dispatch()
+            plan = dispatched.plan
+            new = [r.request.request_id for r in plan.prefill_rows + plan.cached_rows]
+            step = {"dispatch": start, "dispatched": time.perf_counter(), "ahead": launched_ahead,
+                    "decode_rows": len(plan.decode_rows), "prefill_rows": len(plan.prefill_rows),
+                    "cached_rows": len(plan.cached_rows),
+                    "prefill_tokens": sum(r.num_tokens for r in plan.prefill_rows),
+                    "drafts": max((r.num_draft_tokens for r in plan.decode_rows), default=0)}
+            self.steps.append(step)
+            for request_id in new:
+                self.requests.setdefault(request_id, {}).setdefault("scheduled", start)
+            return dispatched
+
+        def traced_commit(plan, result):
+            start = time.perf_counter()
+            deltas = commit(plan, result)
+            for row in plan.prefill_rows + plan.cached_rows:
+                if row.sample:
+                    self.requests.setdefault(row.request.request_id, {}).setdefault("computed", start)
+            step = next((s for s in reversed(self.steps) if "commit" not in s), None)
+            if step is not None:
+                step["commit"], step["committed"] = start, time.perf_counter()
+            return deltas
+
+        def traced_submit(*args, **kwargs):
+            request_id = submit(*args, **kwargs)
+            self.requests.setdefault(request_id, {})["submitted"] = time.perf_counter()
+            return request_id
+
+        core.dispatch, core.commit, engine.submit = traced_dispatch, traced_commit, traced_submit
+        # Host time of the parts of a step (in whichever thread runs them), added to the step
+        # dispatched last: steps run one at a time, a launched-ahead one's launch counted in the
+        # step that launched it.
+        runner = core.runner
+        parts = [(core.scheduler, "schedule"), (core.scheduler, "commit"), (runner, "run"), (runner, "launch"),
+                 (runner, "_launch_decode"), (runner, "_prefill"), (runner, "_first_tokens"),
+                 (runner, "_run_cached"), (runner.checkpoint_io, "before_forward"),
+                 (runner.checkpoint_io, "after_forward"), (runner.checkpoint_io, "keep_hidden")]
+        if runner.prefill_graphs is not None:
+            parts.append((runner.prefill_graphs, "run"))
+        if runner.speculator is not None:
+            parts.append((runner.speculator, "prefill_mtp"))
+        for owner, name in parts:
+            self._time(owner, name, f"{type(owner).__name__}.{name}")
+
+    def _time(self, owner, name: str, label: str) -> None:
+        function = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                if self.steps:
+                    host = self.steps[-1].setdefault("host_ms", {})
+                    host[label] = host.get(label, 0.0) + (time.perf_counter() - start) * 1e3
+
+        setattr(owner, name, timed)
+
+
+def sender(engine: AsyncLLM, trace: Trace, max_tokens: int):
+    counter = iter(range(10**9))
+
+    async def send(prompt: str, origin: float, tokens: int | None = None):
+        from deltaspec.server.serve_benchmark import _sample
+        request_id = f"t{next(counter)}"
+        params = SamplingParams(max_tokens=tokens or max_tokens, temperature=0.0, ignore_eos=True)
+        sent = time.perf_counter()
+        trace.requests.setdefault(request_id, {})["sent"] = sent
+        times, num_tokens = [], 0
+        async for delta in engine.generate(prompt, params, request_id):
+            num_tokens += len(delta.token_ids)
+            if not times:
+                trace.requests[request_id]["delivered"] = time.perf_counter()
+            if delta.text:
+                times.append(time.perf_counter())
+        return _sample(sent, times, num_tokens, origin)
+
+    return send
+
+
+def _pct(values: list[float]) -> dict:
+    if not values:
+        return {}
+    return {f"p{q}": round(float(np.percentile(values, q)) * 1e3, 3) for q in (50, 90, 99)} | \
+        {"mean": round(float(np.mean(values)) * 1e3, 3)}
+
+
+def analyse(trace: Trace, window: tuple[float, float]) -> dict:
+    done = [(rid, r) for rid, r in trace.requests.items()
+            if {"sent", "scheduled", "computed", "delivered"} <= r.keys() and window[0] <= r["sent"] <= window[1]]
+    ttft = {rid: r["delivered"] - r["sent"] for rid, r in done}
+    parts = {rid: {"submit": r.get("submitted", r["sent"]) - r["sent"],
+                   "queue": r["scheduled"] - r["sent"], "step": r["computed"] - r["scheduled"],
+                   "hand_out": r["delivered"] - r["computed"]} for rid, r in done}
+    slowest = sorted(ttft, key=ttft.get)[-max(1, len(ttft) // 100):]
+
+    def split(ids):
+        return {name: _pct([parts[i][name] for i in ids]) for name in ("submit", "queue", "step", "hand_out")} | \
+            {"ttft": _pct([ttft[i] for i in ids])}
+
+    def steps_between(a: float, b: float) -> list[dict]:
+        return [{k: (round((v - a) * 1e3, 3) if k in ("dispatch", "dispatched", "commit", "committed") else v)
+                 for k, v in s.items()} for s in trace.steps if s["dispatch"] <= b and s.get("committed", b) >= a]
+
+    examples = [{"ttft_ms": round(ttft[i] * 1e3, 3), **{k: round(v * 1e3, 3) for k, v in parts[i].items()},
+                 "steps": steps_between(trace.requests[i]["sent"], trace.requests[i]["delivered"])}
+                for i in slowest[-5:]]
+    in_window = [s for s in trace.steps if window[0] <= s["dispatch"] <= window[1] and "committed" in s]
+    durations = {kind: _pct([s["committed"] - s["dispatch"] for s in in_window if pick(s)])
+                 for kind, pick in (("prefill", lambda s: s["prefill_rows"] + s["cached_rows"] > 0),
+                                    ("decode_ahead", lambda s: not s["prefill_rows"] + s["cached_rows"] and s["ahead"]),
+                                    ("decode_not_ahead",
+                                     lambda s: not s["prefill_rows"] + s["cached_rows"] and not s["ahead"]))}
+    host_by_kind = {}
+    for kind, pick in (("with_new_rows", lambda s: s["prefill_rows"] + s["cached_rows"] > 0),
+                       ("decode_only", lambda s: not s["prefill_rows"] + s["cached_rows"])):
+        chosen = [s for s in in_window if pick(s)]
+        labels = {label for s in chosen for label in s.get("host_ms", {})}
+        host_by_kind[kind] = {label: round(float(np.mean([s.get("host_ms", {}).get(label, 0.0) for s in chosen])), 3)
+                              for label in sorted(labels)}
+    return {"num_requests": len(done), "all": split(list(ttft)), "slowest_1pct": split(slowest),
+            "mean_host_ms_per_step": host_by_kind,
+            "num_steps": len(in_window),
+            "steps_with_new_rows": sum(1 for s in in_window if s["prefill_rows"] + s["cached_rows"]),
+            "step_dispatch_to_commit_end_ms": durations, "slowest_examples": examples}
+
+
+async def main(args: argparse.Namespace) -> dict:
+    engine = AsyncLLM(config=EngineConfig(model=Path(args.model), device=args.device, dtype=args.dtype,
+                                          max_num_seqs=args.max_running))
+    freeze_startup_heap()
+    trace = Trace(engine)
+    prompts = load_prompts(Path(args.model), [], 128, 2000, 0)
+    report = {}
+    try:
+        for streams in args.streams:
+            trace.steps.clear()
+            trace.requests.clear()
+            load = Load(prompts, streams, args.max_tokens, None, args.duration)
+            origin = time.perf_counter()
+            await closed_loop(load, sender(engine, trace, args.max_tokens))
+            start = origin + load.window_start
+            report[str(streams)] = analyse(trace, (start, start + args.duration))
+            print(streams, json.dumps({k: v for k, v in report[str(streams)].items() if k != "slowest_examples"}))
+    finally:
+        await engine.shutdown()
+    return report
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=str(DEFAULT_MODEL))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--max-running", type=int, default=64)
+    parser.add_argument("--streams", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args()
+    results = run(main(args))
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = device_name(args.device)
+    path = args.out / f"ttft_trace-{device_tag(device)}.json"
+    path.write_text(json.dumps({"benchmark": "ttft_trace", "device": device, "commit": commit_id(),
+                                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                                "command": "python bench/tools/ttft_trace.py " + " ".join(sys.argv[1:]),
+                                "results": results}, indent=1))
+    print("wrote", path)
