@@ -165,11 +165,13 @@ async def drive(load: Load, share: tuple[int, ...], prompts: PromptSet, window: 
     """Run this share of the load from `origin` (a time.perf_counter() instant); returns the
     counted requests (closed loop: those started in the window)."""
     if not load.closed:
-        async def arrive(index: int) -> Sample:
+        # One task a request, made at its arrival (the share is in arrival order): a long run
+        # keeps only the requests in flight, not every future arrival, on the loop.
+        requests = []
+        for index in share:
             await asyncio.sleep(origin + load.arrivals[index] - time.perf_counter())
-            return await send(prompts.prompt(load.run, index), origin)
-
-        return list(await asyncio.gather(*(arrive(index) for index in share)))
+            requests.append(asyncio.create_task(send(prompts.prompt(load.run, index), origin)))
+        return list(await asyncio.gather(*requests))
 
     samples: list[Sample] = []
     num_streams = load.num_streams

@@ -1,34 +1,50 @@
-"""`deltaspec bench serve`: closed-loop load on the OpenAI server, and the same load on AsyncLLM
-in-process, in one run.
+"""`deltaspec bench serve`: load on the OpenAI server from client processes of its own, and the
+same load on AsyncLLM in-process, in one run.
 
-For each stream count N, N streams send streamed /v1/completions back to back (the next request
-as soon as the last one ends: closed loop) from a prompt set (the held-out code prompts of the
-acceptance benchmark), for `--requests-per-stream` requests each or `--duration` seconds. Every
-request records its time to first token (TTFT), the gaps between the chunks that carry tokens
-(inter-token latency, ITL), its end-to-end latency and its output tokens (usage). Each stream's
-first request is its warm-up, stream i's asking for (i + 1) / N of the output, and the measured
-window opens when the last of them has ended: the streams, which all started at once, are then
-spread over a request's life, as a closed loop's clients are in its steady state; only requests
-that start in the window count (N identical requests sent at once would stay in step, arriving
-together again each time, their prompts queued behind each other's prefill). Tokens/s = the
-counted requests' output tokens / (the last one's end - the window's start): requests under way
-when the window opens are not counted, which understates it by up to one request a stream, both
-ways alike. Then the same prompts, streams and sampling go through `AsyncLLM.generate` with no
-HTTP, so the report holds the served / in-process ratio of output tokens/s. The server is
-started as its own process (`deltaspec serve` with the same engine flags, its engine in a process
-of its own, or on the server's loop with `--single-process`: it never shares a CPU core's loop
-with the client) and stopped before the in-process engine is built, or is the one at `--url`. The client's own CPU time is reported for the server it started: above 90% of the wall
-time the client, not the server, may be the limit, and the report says so.
+Runs: one closed loop per `--streams` count N (N streams send streamed /v1/completions back to
+back: the next request as soon as the last one ends), for `--requests-per-stream` requests each
+or `--duration` seconds; then one open loop per `--request-rate` R (requests sent at their arrival
+times whatever the answers: Poisson at R/s, gamma gaps with `--burstiness`, or `--constant-rate`),
+`--num-requests` of them or as many as arrive in `--duration` seconds. Every request records its
+time to first token (TTFT), the gaps between the chunks that carry tokens (inter-token latency,
+ITL), its end-to-end latency, and its prompt and output tokens (usage).
 
-`--abuse`: the issue's bar under abuse. The streams run twice for `--duration` seconds (at
-least 4): without, then with `--abuse-prompts` prompts of `--abuse-bytes` (about 1 MiB: under
-the body limit, far over the context) fired at a quarter of the run, while /health is polled
-every 20 ms; reports ITL p99 of each run (the abused one over the gaps after the prompts were
-sent) and /health's latency.
+Closed-loop timing: each stream's first request is its warm-up, stream i's asking for (i + 1) / N
+of the output, and the measured window opens when the last of them, in any client process, has
+ended: the streams, which all started at once, are then spread over a request's life, as a closed
+loop's clients are in its steady state; only requests that start in the window count (N identical
+requests sent at once would stay in step, arriving together again each time, their prompts queued
+behind each other's prefill). Tokens/s = the counted requests' output tokens / (the last one's
+end - the window's start): requests under way when the window opens are not counted, which
+understates it by up to one request a stream, both ways alike. An open loop counts every request,
+its window opening at the first arrival.
 
-Writes serve-<device>.json and .png (latency CDFs, tokens/s by stream count) under --out with
-device, date, commit and command. Knows the server only through HTTP and the engine only through
-AsyncLLM.
+The client (load_generator.py): `--client-processes` processes (default one per 32 streams or
+requests/s), each with its own event loop and HTTP session running its share of the streams or
+arrivals; each reports its CPU seconds per wall second, and a run where any is above 90% says
+`client_bound` (the client, not the server, may be the limit). This process starts the server
+(`deltaspec serve` with the same engine flags, its engine in a process of its own, or on the
+server's loop with `--single-process`) or targets the one at `--url`, scrapes its /metrics before
+and after each run (the counters' deltas, the gauges after), and stops it before the in-process
+engine is built. Then the same runs, prompts and sampling go through `AsyncLLM.generate` on this
+process's loop with no HTTP, so the report holds the served / in-process ratio of output tokens/s.
+
+Prompts (`prompt_set` in the report): the held-out code prompts of the acceptance benchmark, code
+files or a JSONL (cycled: repeated prompts hit the prefix cache; `--unique-prompts` gives each
+request a distinct first line, so its prefill is measured cold); or `--input-len` random token ids
+a request (`--input-len-range` spreads the lengths), sent as token-id lists, none sharing a prefix.
+`--goodput ttft:MS itl:MS e2e:MS` (any subset) adds each run's rate of requests that met every
+target (itl: the request's mean time per output token after the first).
+
+`--abuse`: the issue's bar under abuse. The first stream count's streams run twice for
+`--duration` seconds (at least 4): without, then with `--abuse-prompts` prompts of `--abuse-bytes`
+(about 1 MiB: under the body limit, far over the context) fired from this process at a quarter of
+the run, while /health is polled every 20 ms; reports ITL p99 of each run (the abused one over the
+gaps after the prompts were sent) and /health's latency.
+
+Writes serve-<device>.json and .png (latency CDFs, tokens/s by run, goodput when asked) under
+--out with device, date, commit and command. Knows the server only through HTTP and the engine
+only through AsyncLLM.
 """
 
 from __future__ import annotations
@@ -431,8 +447,8 @@ def plot(report: dict, path: Path) -> None:
     rate.set(title="output tokens/s", xlabel="run", ylabel="tokens/s")
     if with_goodput:
         targets = report["served"][0]["goodput"]["targets_ms"]
-        axes[3].set(title="goodput (" + ", ".join(f"{k} <= {v:g} ms" for k, v in targets.items()) + ")",
-                    xlabel="run", ylabel="requests/s")
+        axes[3].set(xlabel="run", ylabel="requests/s")
+        axes[3].set_title("goodput: " + ", ".join(f"{k} <= {v:g} ms" for k, v in targets.items()), fontsize=9)
     for axis in axes:
         axis.legend(fontsize=7)
     figure.suptitle(f"deltaspec bench serve — {report['device']}, {report['commit'][:10]}")
