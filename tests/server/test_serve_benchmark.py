@@ -153,6 +153,29 @@ async def test_open_loop_sends_at_the_asked_rate_from_several_processes():
     assert all(abs(start - arrival) < 0.05 for start, arrival in zip(starts, arrivals))
 
 
+async def test_a_failing_request_fails_the_run_with_its_client_s_traceback():
+    runner, url = await _fake_server({}, [])  # every prompt unknown: 500
+    clients = ClientProcesses(1, url, 10.0, Sampling(4, 0.0), PromptSet("test", ("p",)))
+    try:
+        with pytest.raises(RuntimeError, match="the server answered 500"):
+            await clients.run(Load("run", 4, num_streams=1, requests_per_stream=1))
+    finally:
+        clients.close()
+        await runner.cleanup()
+
+
+def test_window_opens_at_the_latest_warm_up_end():
+    """The last stream to take the lock may have read the clock before another did."""
+    window = Window(multiprocessing.get_context("spawn"))
+    window.warmed(3, 1.0)
+    window.warmed(3, 1.2)
+    assert window.start is None
+    window.warmed(3, 1.1)
+    assert window.start == 1.2
+    window.reset()
+    assert window.start is None
+
+
 def test_closed_loop_warm_ups_spread_the_streams():
     """In one process: the warm-ups ask for 1/2 and 2/2 of the output, the rest for all of it;
     each stream cycles its own prompts."""
