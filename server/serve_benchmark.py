@@ -216,6 +216,7 @@ async def scrape(http: aiohttp.ClientSession, url: str) -> dict[str, tuple[str, 
     from prometheus_client.parser import text_string_to_metric_families
 
     async with http.get(f"{url}/metrics") as response:
+        response.raise_for_status()
         text = await response.text()
     return {_sample_name(s.name, s.labels): (family.type, s.value)
             for family in text_string_to_metric_families(text) for s in family.samples}
