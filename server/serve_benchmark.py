@@ -1,34 +1,50 @@
-"""`deltaspec bench serve`: closed-loop load on the OpenAI server, and the same load on AsyncLLM
-in-process, in one run.
+"""`deltaspec bench serve`: load on the OpenAI server from client processes of its own, and the
+same load on AsyncLLM in-process, in one run.
 
-For each stream count N, N streams send streamed /v1/completions back to back (the next request
-as soon as the last one ends: closed loop) from a prompt set (the held-out code prompts of the
-acceptance benchmark), for `--requests-per-stream` requests each or `--duration` seconds. Every
-request records its time to first token (TTFT), the gaps between the chunks that carry tokens
-(inter-token latency, ITL), its end-to-end latency and its output tokens (usage). Each stream's
-first request is its warm-up, stream i's asking for (i + 1) / N of the output, and the measured
-window opens when the last of them has ended: the streams, which all started at once, are then
-spread over a request's life, as a closed loop's clients are in its steady state; only requests
-that start in the window count (N identical requests sent at once would stay in step, arriving
-together again each time, their prompts queued behind each other's prefill). Tokens/s = the
-counted requests' output tokens / (the last one's end - the window's start): requests under way
-when the window opens are not counted, which understates it by up to one request a stream, both
-ways alike. Then the same prompts, streams and sampling go through `AsyncLLM.generate` with no
-HTTP, so the report holds the served / in-process ratio of output tokens/s. The server is
-started as its own process (`deltaspec serve` with the same engine flags, its engine in a process
-of its own, or on the server's loop with `--single-process`: it never shares a CPU core's loop
-with the client) and stopped before the in-process engine is built, or is the one at `--url`. The client's own CPU time is reported for the server it started: above 90% of the wall
-time the client, not the server, may be the limit, and the report says so.
+Runs: one closed loop per `--streams` count N (N streams send streamed /v1/completions back to
+back: the next request as soon as the last one ends), for `--requests-per-stream` requests each
+or `--duration` seconds; then one open loop per `--request-rate` R (requests sent at their arrival
+times whatever the answers: Poisson at R/s, gamma gaps with `--burstiness`, or `--constant-rate`),
+`--num-requests` of them or as many as arrive in `--duration` seconds. Every request records its
+time to first token (TTFT), the gaps between the chunks that carry tokens (inter-token latency,
+ITL), its end-to-end latency, and its prompt and output tokens (usage).
 
-`--abuse`: the issue's bar under abuse. The streams run twice for `--duration` seconds (at
-least 4): without, then with `--abuse-prompts` prompts of `--abuse-bytes` (about 1 MiB: under
-the body limit, far over the context) fired at a quarter of the run, while /health is polled
-every 20 ms; reports ITL p99 of each run (the abused one over the gaps after the prompts were
-sent) and /health's latency.
+Closed-loop timing: each stream's first request is its warm-up, stream i's asking for (i + 1) / N
+of the output, and the measured window opens when the last of them, in any client process, has
+ended: the streams, which all started at once, are then spread over a request's life, as a closed
+loop's clients are in its steady state; only requests that start in the window count (N identical
+requests sent at once would stay in step, arriving together again each time, their prompts queued
+behind each other's prefill). Tokens/s = the counted requests' output tokens / (the last one's
+end - the window's start): requests under way when the window opens are not counted, which
+understates it by up to one request a stream, both ways alike. An open loop counts every request,
+its window opening at the first arrival.
 
-Writes serve-<device>.json and .png (latency CDFs, tokens/s by stream count) under --out with
-device, date, commit and command. Knows the server only through HTTP and the engine only through
-AsyncLLM.
+The client (load_generator.py): `--client-processes` processes (default one per 32 streams or
+requests/s), each with its own event loop and HTTP session running its share of the streams or
+arrivals; each reports its CPU seconds per wall second, and a run where any is above 90% says
+`client_bound` (the client, not the server, may be the limit). This process starts the server
+(`deltaspec serve` with the same engine flags, its engine in a process of its own, or on the
+server's loop with `--single-process`) or targets the one at `--url`, scrapes its /metrics before
+and after each run (the counters' deltas, the gauges after), and stops it before the in-process
+engine is built. Then the same runs, prompts and sampling go through `AsyncLLM.generate` on this
+process's loop with no HTTP, so the report holds the served / in-process ratio of output tokens/s.
+
+Prompts (`prompt_set` in the report): the held-out code prompts of the acceptance benchmark, code
+files or a JSONL (cycled: repeated prompts hit the prefix cache; `--unique-prompts` gives each
+request a distinct first line, so its prefill is measured cold); or `--input-len` random token ids
+a request (`--input-len-range` spreads the lengths), sent as token-id lists, none sharing a prefix.
+`--goodput ttft:MS itl:MS e2e:MS` (any subset) adds each run's rate of requests that met every
+target (itl: the request's mean time per output token after the first).
+
+`--abuse`: the issue's bar under abuse. The first stream count's streams run twice for
+`--duration` seconds (at least 4): without, then with `--abuse-prompts` prompts of `--abuse-bytes`
+(about 1 MiB: under the body limit, far over the context) fired from this process at a quarter of
+the run, while /health is polled every 20 ms; reports ITL p99 of each run (the abused one over the
+gaps after the prompts were sent) and /health's latency.
+
+Writes serve-<device>.json and .png (latency CDFs, tokens/s by run, goodput when asked) under
+--out with device, date, commit and command. Knows the server only through HTTP and the engine
+only through AsyncLLM.
 """
 
 from __future__ import annotations
@@ -39,87 +55,33 @@ import contextlib
 import datetime
 import functools
 import json
+import math
+import multiprocessing
 import os
 import re
+import secrets
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 import numpy as np
 
 from ..engine import AsyncLLM, EngineConfig, SamplingParams
-from ..engine.async_llm import run
+from ..engine.async_llm import freeze_startup_heap, run
 from .acceptance_benchmark import device_name, device_tag, load_prompts
 from .engine_args import add_engine_options, engine_flags, engine_options
-from ..engine.async_llm import freeze_startup_heap
+from .load_generator import (MODEL_NAME, ClientProcesses, Load, Measured, Prompt, PromptSet, Sample, Sampling,
+                             Window, arrival_times, drive, http_session, sample)
 
-_MODEL_NAME = "bench"
 _CLIENT_BOUND = 0.9  # client CPU seconds per wall second above which the client may be the limit
+_STREAMS_PER_CLIENT = 32  # default client processes: one per 32 streams (or requests/s)
 _HEALTH_PERIOD = 0.02
+GOODPUT_METRICS = ("ttft", "itl", "e2e")
 
 
-@dataclass
-class Sample:
-    """One request as its client saw it (seconds since the run's start, or durations)."""
-
-    start: float
-    ttft: float
-    itls: list[float]  # between chunks that carried tokens
-    token_times: list[float]  # when each such chunk arrived (for the abuse window)
-    e2e: float
-    output_tokens: int
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """What every request of a run asks for (ignore_eos: each runs to max_tokens)."""
-
-    max_tokens: int
-    temperature: float
-
-
-@dataclass
-class Load:
-    """One closed-loop run: its streams, how long they send, what they measured."""
-
-    prompts: list[str]
-    num_streams: int
-    max_tokens: int  # each counted request's output
-    requests_per_stream: int | None  # counted requests a stream (after its warm-up)
-    duration: float | None  # seconds of the window in which counted requests start
-    samples: list[Sample] = field(default_factory=list)  # the counted requests
-    window_start: float = 0.0  # seconds after the run's start: every stream's warm-up has ended
-
-
-# Clients ---------------------------------------------------------------------------------------
-
-async def _served_request(http: aiohttp.ClientSession, url: str, sampling: Sampling, prompt: str,
-                          origin: float, max_tokens: int | None = None) -> Sample:
-    body = {"model": _MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens or sampling.max_tokens,
-            "temperature": sampling.temperature,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    times, num_tokens = [], 0
-    async with http.post(f"{url}/v1/completions", json=body) as response:
-        if response.status != 200:
-            raise RuntimeError(f"the server answered {response.status}: {await response.text()}")
-        async for line in response.content:
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"the stream failed: {chunk['error']}")
-            if chunk.get("usage"):
-                num_tokens = chunk["usage"]["completion_tokens"]
-            if any(choice.get("text") for choice in chunk.get("choices", ())):
-                times.append(time.perf_counter())
-    return _sample(start, times, num_tokens, origin)
-
-
-async def _in_process_request(engine: AsyncLLM, sampling: Sampling, prompt: str, origin: float,
+async def _in_process_request(engine: AsyncLLM, sampling: Sampling, prompt: Prompt, origin: float,
                               max_tokens: int | None = None) -> Sample:
     params = SamplingParams(max_tokens=max_tokens or sampling.max_tokens, temperature=sampling.temperature,
                             ignore_eos=True)
@@ -129,65 +91,108 @@ async def _in_process_request(engine: AsyncLLM, sampling: Sampling, prompt: str,
         num_tokens += len(delta.token_ids)
         if delta.text:
             times.append(time.perf_counter())
-    return _sample(start, times, num_tokens, origin)
+    return sample(start, times, num_tokens, origin, len(prompt) if isinstance(prompt, list) else None)
 
 
-def _sample(start: float, times: list[float], num_tokens: int, origin: float) -> Sample:
-    end = times[-1] if times else time.perf_counter()
-    return Sample(start - origin, (times[0] if times else end) - start, list(np.diff(times)),
-                  [t - origin for t in times], end - start, num_tokens)
+# Loads and prompts ------------------------------------------------------------------------------
+
+def loads(args: argparse.Namespace) -> list[Load]:
+    """The runs: one closed loop per stream count, then one open loop per request rate."""
+    closed = [Load(f"streams{n}", args.max_tokens, num_streams=n, requests_per_stream=args.requests_per_stream,
+                   duration=args.duration) for n in args.streams]
+    opened = [Load(f"rate{rate:g}", args.max_tokens, request_rate=rate,
+                   arrivals=arrival_times(rate, args.num_requests, args.duration, args.burstiness,
+                                          args.constant_rate, args.seed + i))
+              for i, rate in enumerate(args.request_rate)]
+    return closed + opened
 
 
-async def closed_loop(load: Load, send) -> float:
-    """Run load.num_streams streams, each sending `send(prompt, origin)` back to back: its warm-up
-    request, then until its count or the window's end. Fills load.samples with the requests that
-    started in the window and returns the window's seconds (to the last such request's end)."""
-    origin = time.perf_counter()
-    num_warm = 0
-    warm = asyncio.Event()
+def prompt_set(args: argparse.Namespace) -> PromptSet:
+    """Random token ids with --input-len, else the code prompts (files, a JSONL, or the model's
+    held-out code). The nonce keys unique prompts: none hits a cache entry of this benchmark's
+    other requests, nor of an earlier benchmark on the same server."""
+    nonce = secrets.token_hex(4)
+    if args.input_len is not None:
+        from tokenizers import Tokenizer
 
-    async def stream(index: int) -> None:
-        nonlocal num_warm
-        sent = 0
-        # Warm-ups of 1/N, 2/N, .. N/N of the output: the streams leave them spread over a
-        # request's life, as a closed loop's steady state has them (N identical requests sent at
-        # once would stay in step: they finish and return together, a burst each time).
-        warm_up_tokens = -(-load.max_tokens * (index + 1) // load.num_streams)
-        await send(load.prompts[index % len(load.prompts)], origin, warm_up_tokens)
-        num_warm += 1
-        if num_warm == load.num_streams:
-            load.window_start = time.perf_counter() - origin
-            warm.set()
-        while True:
-            if load.requests_per_stream is not None and sent >= load.requests_per_stream:
-                return
-            if load.duration is not None and warm.is_set() and \
-                    time.perf_counter() - origin >= load.window_start + load.duration:
-                return
-            prompt = load.prompts[(index + (sent + 1) * load.num_streams) % len(load.prompts)]
-            sample = await send(prompt, origin)
-            if warm.is_set() and sample.start >= load.window_start:
-                load.samples.append(sample)
-                sent += 1
-
-    await asyncio.gather(*(stream(i) for i in range(load.num_streams)))
-    return max((s.start + s.e2e for s in load.samples), default=load.window_start) - load.window_start
+        # Ordinary tokens only: the added ones are the model's specials (chat markers, EOS).
+        vocab_size = Tokenizer.from_file(str(Path(args.model) / "tokenizer.json")).get_vocab_size(
+            with_added_tokens=False)
+        return PromptSet("synthetic", input_len=args.input_len, input_len_range=args.input_len_range,
+                         vocab_size=vocab_size, nonce=nonce)
+    texts = load_prompts(Path(args.model), args.prompts, args.num_prompts, args.max_prompt_chars, args.seed)
+    name = "held-out code" if not args.prompts else \
+        "jsonl" if all(s.endswith(".jsonl") for s in args.prompts) else "code files"
+    return PromptSet(name, tuple(texts), unique=args.unique_prompts, nonce=nonce)
 
 
-def summary(load: Load, seconds: float) -> dict:
-    samples = load.samples
+# Results ----------------------------------------------------------------------------------------
+
+def summary(load: Load, measured: Measured, goodput_targets: dict[str, float]) -> dict:
+    """Throughput over the window (its opening to the last counted request's end), latency
+    percentiles and CDFs, goodput under the targets (when any)."""
+    samples = measured.samples
+    end = max((s.start + s.e2e for s in samples), default=measured.window_start)
+    seconds = end - measured.window_start
     itls = [x for s in samples for x in s.itls]
     tokens = sum(s.output_tokens for s in samples)
-    return {"streams": load.num_streams, "num_requests": len(samples), "seconds": seconds,
-            "window_start_s": load.window_start,
-            "output_tokens": tokens, "output_tokens_per_s": tokens / seconds, "requests_per_s": len(samples) / seconds,
-            "ttft_s": _percentiles([s.ttft for s in samples]), "itl_s": _percentiles(itls),
-            "e2e_s": _percentiles([s.e2e for s in samples]),
-            "ttft_cdf": sorted(s.ttft for s in samples), "itl_cdf": _thinned(sorted(itls)),
-            # When the slowest first tokens happened (start of the request, seconds into the run):
-            # at the start (compiles), in waves (arrivals queued behind each other), or spread out.
-            "ttft_slowest": [(round(s.start, 4), round(s.ttft, 4))
-                             for s in sorted(samples, key=lambda s: s.ttft)[-max(1, len(samples) // 100):]]}
+    prompt_tokens = [s.prompt_tokens for s in samples]
+    starts = [s.start for s in samples]
+    result = {
+        "streams": load.num_streams, "request_rate": load.request_rate,
+        "num_requests": len(samples), "seconds": seconds, "window_start_s": measured.window_start,
+        "output_tokens": tokens, "prompt_tokens": None if None in prompt_tokens else sum(prompt_tokens),
+        "output_tokens_per_s": _per(tokens, seconds), "requests_per_s": _per(len(samples), seconds),
+        # Open loop: the rate the requests were sent at (their count - 1 over the first to last send).
+        "achieved_request_rate": None if load.closed or len(samples) < 2 else
+        (len(samples) - 1) / (max(starts) - min(starts)),
+        "ttft_s": _percentiles([s.ttft for s in samples]), "itl_s": _percentiles(itls),
+        "e2e_s": _percentiles([s.e2e for s in samples]),
+        "ttft_cdf": sorted(s.ttft for s in samples), "itl_cdf": _thinned(sorted(itls)),
+        # When the slowest first tokens happened (start of the request, seconds into the run):
+        # at the start (compiles), in waves (arrivals queued behind each other), or spread out.
+        "ttft_slowest": [(round(s.start, 4), round(s.ttft, 4))
+                         for s in sorted(samples, key=lambda s: s.ttft)[-max(1, len(samples) // 100):]]}
+    if goodput_targets:
+        result["goodput"] = goodput(samples, seconds, goodput_targets)
+    return result
+
+
+def goodput(samples: list[Sample], seconds: float, targets: dict[str, float]) -> dict:
+    """Requests/s and output tokens/s of the requests that met every target (seconds) — vLLM's
+    goodput. ttft: time to first token; itl: the request's mean time per output token after the
+    first, (e2e - ttft) / (output tokens - 1) (vLLM's TPOT; one chunk may carry several
+    speculated tokens, so a single gap is not a token's latency); e2e: end-to-end latency."""
+    good = [s for s in samples if all(_latency(s, metric) <= target for metric, target in targets.items())]
+    return {"targets_ms": {metric: target * 1e3 for metric, target in targets.items()},
+            "num_requests": len(good), "fraction": len(good) / len(samples) if samples else None,
+            "requests_per_s": _per(len(good), seconds),
+            "output_tokens_per_s": _per(sum(s.output_tokens for s in good), seconds)}
+
+
+def _latency(s: Sample, metric: str) -> float:
+    if metric == "ttft":
+        return s.ttft
+    if metric == "e2e":
+        return s.e2e
+    return (s.e2e - s.ttft) / (s.output_tokens - 1) if s.output_tokens > 1 else 0.0
+
+
+def parse_goodput_target(text: str) -> tuple[str, float]:
+    """`ttft:200` -> ("ttft", 0.2): a metric and its target in milliseconds."""
+    metric, _, value = text.partition(":")
+    try:
+        milliseconds = float(value)
+    except ValueError:
+        milliseconds = -1.0
+    if metric not in GOODPUT_METRICS or not milliseconds > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected METRIC:MS with METRIC one of "
+                                         f"{', '.join(GOODPUT_METRICS)} and MS > 0")
+    return metric, milliseconds / 1e3
+
+
+def _per(count: float, seconds: float) -> float:
+    return count / seconds if seconds > 0 else 0.0
 
 
 def _percentiles(values: list[float]) -> dict:
@@ -204,14 +209,44 @@ def _thinned(values: list[float], size: int = 2000) -> list[float]:
     return [values[i] for i in np.linspace(0, len(values) - 1, size).astype(int)]
 
 
+# The server's own metrics -----------------------------------------------------------------------
+
+async def scrape(http: aiohttp.ClientSession, url: str) -> dict[str, tuple[str, float]]:
+    """/metrics as {sample: (its family's type, value)}, a sample named with its labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with http.get(f"{url}/metrics") as response:
+        response.raise_for_status()
+        text = await response.text()
+    return {_sample_name(s.name, s.labels): (family.type, s.value)
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _sample_name(name: str, labels: dict[str, str]) -> str:
+    return name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
+
+
+def metrics_delta(before: dict[str, tuple[str, float]], after: dict[str, tuple[str, float]]) -> dict:
+    """What the server counted over a run (warm-ups included): the change of every counter and of
+    the histograms' sums and counts; the gauges as the run left them; the drafts accepted over
+    the run (accepted / proposed, every position)."""
+    counters = {name: value - before.get(name, ("", 0.0))[1] for name, (kind, value) in after.items()
+                if kind == "counter" or kind == "histogram" and name.endswith(("_sum", "_count"))}
+    drafts = [sum(v for name, v in counters.items() if name.startswith(prefix))
+              for prefix in ("deltaspec_spec_accepted_tokens_total", "deltaspec_spec_draft_tokens_total")]
+    return {"counters": counters,
+            "gauges": {name: value for name, (kind, value) in after.items() if kind == "gauge"},
+            "spec_acceptance_rate": drafts[0] / drafts[1] if drafts[1] else None}
+
+
 # The server under test --------------------------------------------------------------------------
 
 @contextlib.asynccontextmanager
-async def server_process(args: argparse.Namespace):
+async def server_process(args: argparse.Namespace, max_waiting: int):
     """`deltaspec serve` with the benchmark's engine flags on a free port; yields its URL. Its log
     goes to server.log under --out."""
     command = [sys.executable, "-m", "deltaspec.server.cli", "serve", str(args.model), "--port", "0",
-               "--served-model-name", _MODEL_NAME, "--max-waiting", str(max(args.streams) * 2 + args.abuse_prompts),
+               "--served-model-name", MODEL_NAME, "--max-waiting", str(max_waiting),
                *_engine_flags(args), *(["--single-process"] if args.single_process else [])]
     process = await asyncio.create_subprocess_exec(*command, stderr=asyncio.subprocess.PIPE)
     drain = None
@@ -240,6 +275,12 @@ async def server_process(args: argparse.Namespace):
             (args.out / "server.log").write_bytes(b"".join(log) + await drain)
 
 
+def _max_waiting(args: argparse.Namespace, runs: list[Load]) -> int:
+    """Room for every request a run can have queued: twice the streams (a closed loop), every
+    request of an open loop (it does not wait for answers), and the abuse prompts."""
+    return max(2 * load.num_streams if load.closed else len(load.arrivals) for load in runs) + args.abuse_prompts
+
+
 def _engine_flags(args: argparse.Namespace) -> list[str]:
     flags = engine_flags(args) + ["--max-running", str(args.max_running)]
     if args.max_model_len is not None:
@@ -252,44 +293,68 @@ def _engine(args: argparse.Namespace) -> AsyncLLM:
                                         max_num_seqs=args.max_running, **engine_options(args)))
 
 
+def _client_processes(args: argparse.Namespace) -> int:
+    if args.client_processes is not None:
+        return args.client_processes
+    return max(1, math.ceil(max([*args.streams, *args.request_rate]) / _STREAMS_PER_CLIENT))
+
+
 # Runs -------------------------------------------------------------------------------------------
 
-async def measure(args: argparse.Namespace, prompts: list[str], send, served: bool) -> list[dict]:
-    """One closed-loop run per stream count (each stream's first request its warm-up).
-    served: the server is another process, so this process's CPU time is the client's."""
+async def measure_served(runs: list[Load], clients: ClientProcesses, http: aiohttp.ClientSession, url: str,
+                         goodput_targets: dict[str, float]) -> list[dict]:
+    """Each run from the client processes, the server's /metrics scraped before and after it."""
     results = []
-    for num_streams in args.streams:
-        load = Load(prompts, num_streams, args.max_tokens, args.requests_per_stream, args.duration)
-        cpu, wall = time.process_time(), time.perf_counter()
-        seconds = await closed_loop(load, send)
-        result = summary(load, seconds)
-        wall = time.perf_counter() - wall
-        result["client_cpu_fraction"] = (time.process_time() - cpu) / wall if served else None
-        result["client_bound"] = served and result["client_cpu_fraction"] > _CLIENT_BOUND
+    for load in runs:
+        before = await scrape(http, url)
+        measured = await clients.run(load)
+        after = await scrape(http, url)
+        result = summary(load, measured, goodput_targets)
+        result["client_processes"] = len(clients)
+        result["client_cpu_fractions"] = measured.client_cpu_fractions
+        result["client_cpu_fraction"] = max(measured.client_cpu_fractions)
+        result["client_bound"] = result["client_cpu_fraction"] > _CLIENT_BOUND
+        result["server_metrics"] = metrics_delta(before, after)
         results.append(result)
     return results
 
 
-async def abuse(args: argparse.Namespace, url: str, http: aiohttp.ClientSession, prompts: list[str], send) -> dict:
-    """ITL p99 of the streams without and with big prompts arriving, and /health latency then."""
+async def measure_in_process(runs: list[Load], engine: AsyncLLM, prompts: PromptSet, sampling: Sampling,
+                             goodput_targets: dict[str, float]) -> list[dict]:
+    """Each run on this process's loop, through AsyncLLM.generate (no HTTP, no client process)."""
+    window = Window(multiprocessing.get_context("spawn"))
+    send = functools.partial(_in_process_request, engine, sampling)
+    results = []
+    for load in runs:
+        window.reset()
+        samples = await drive(load, load.share(0, 1), prompts, window, send, time.perf_counter())
+        measured = Measured(sorted(samples, key=lambda s: s.start), window.start if load.closed else 0.0)
+        results.append({**summary(load, measured, goodput_targets), "client_processes": None,
+                        "client_cpu_fraction": None, "client_bound": False})
+    return results
+
+
+async def abuse(args: argparse.Namespace, url: str, http: aiohttp.ClientSession, clients: ClientProcesses) -> dict:
+    """ITL p99 of the streams (from the client processes) without and with big prompts arriving
+    (from this process, which also polls /health), and /health's latency meanwhile."""
     num_streams = args.streams[0]
     duration = max(args.duration or 0.0, 4.0)
-    load = Load(prompts, num_streams, args.max_tokens, None, duration)
-    await closed_loop(load, send)
-    calm = _percentiles([x for s in load.samples for x in s.itls])
-    load = Load(prompts, num_streams, args.max_tokens, None, duration)
+    calm = await clients.run(Load("abuse-calm", args.max_tokens, num_streams=num_streams, duration=duration))
+    calm_itl = _percentiles([x for s in calm.samples for x in s.itls])
     line = "# " + "x" * 70 + "\n"  # code-like text; the body (JSON escapes each newline) just under the limit
     big = line * ((args.abuse_bytes - 100) // (len(json.dumps(line)) - 2))
     health: list[float] = []
     statuses: list[int] = []
     fired: list[float] = []
+    started = asyncio.get_running_loop().create_future()  # the run's origin
 
-    async def fire(origin: float) -> None:
-        await asyncio.sleep(duration / 4)
+    async def fire() -> None:
+        origin = await started
+        await asyncio.sleep(origin + duration / 4 - time.perf_counter())
         fired.append(time.perf_counter() - origin)
 
         async def one() -> None:
-            body = {"model": _MODEL_NAME, "prompt": big, "max_tokens": 4}
+            body = {"model": MODEL_NAME, "prompt": big, "max_tokens": 4}
             async with http.post(f"{url}/v1/completions", json=body) as response:
                 statuses.append(response.status)
                 await response.read()
@@ -299,77 +364,93 @@ async def abuse(args: argparse.Namespace, url: str, http: aiohttp.ClientSession,
 
     async def poll() -> None:
         while True:
-            started = time.perf_counter()
+            begun = time.perf_counter()
             async with http.get(f"{url}/health") as response:
                 await response.read()
-            health.append(time.perf_counter() - started)
+            health.append(time.perf_counter() - begun)
             await asyncio.sleep(_HEALTH_PERIOD)
 
-    origin = time.perf_counter()
     polling = asyncio.create_task(poll())  # through the whole run
-    await asyncio.gather(fire(origin), closed_loop(load, send))
+    abused_load = Load("abuse", args.max_tokens, num_streams=num_streams, duration=duration)
+    _, abused = await asyncio.gather(fire(), clients.run(abused_load, on_start=started.set_result))
     polling.cancel()
     # The gaps that ended while the big prompts were in flight (sent until answered), and 1 s after.
     start, end = fired[0], fired[-1] + 1.0
-    window = [gap for s in load.samples for gap, t in zip(s.itls, s.token_times[1:]) if start <= t <= end]
-    abused = _percentiles(window)
+    window = [gap for s in abused.samples for gap, t in zip(s.itls, s.token_times[1:]) if start <= t <= end]
+    abused_itl = _percentiles(window)
     return {"streams": num_streams, "duration_s": duration, "abuse_prompts": args.abuse_prompts,
             "abuse_bytes": len(big), "abuse_statuses": sorted(statuses), "abuse_window_s": [start, end],
-            "itl_p99_without_s": calm["p99"], "itl_p99_with_s": abused["p99"],
-            "itl_p99_ratio": abused["p99"] / calm["p99"] if abused["p99"] and calm["p99"] else None,
+            "itl_p99_without_s": calm_itl["p99"], "itl_p99_with_s": abused_itl["p99"],
+            "itl_p99_ratio": abused_itl["p99"] / calm_itl["p99"] if abused_itl["p99"] and calm_itl["p99"] else None,
             "health_s": {**_percentiles(health), "max": max(health) if health else None, "count": len(health)}}
 
 
 async def benchmark(args: argparse.Namespace) -> dict:
-    prompts = load_prompts(Path(args.model), args.prompts, args.num_prompts, args.max_prompt_chars, args.seed)
-    report: dict = {}
+    prompts = prompt_set(args)
+    runs = loads(args)
+    report: dict = {"prompt_set": prompts.describe()}
     sampling = Sampling(args.max_tokens, args.temperature)
-    timeout = aiohttp.ClientTimeout(total=None, sock_read=args.request_timeout)
-    connector = aiohttp.TCPConnector(limit=0)
-    freeze_startup_heap()  # the client's own collections would show as latency spikes
+    goodput_targets = dict(args.goodput)
+    freeze_startup_heap()  # the coordinator's own collections would delay /health polls and arrivals
     async with contextlib.AsyncExitStack() as stack:
-        url = args.url or await stack.enter_async_context(server_process(args))
-        http = await stack.enter_async_context(aiohttp.ClientSession(timeout=timeout, connector=connector))
-        send = functools.partial(_served_request, http, url, sampling)
-        report["served"] = await measure(args, prompts, send, served=args.url is None)
+        url = args.url or await stack.enter_async_context(server_process(args, _max_waiting(args, runs)))
+        http = await stack.enter_async_context(http_session(args.request_timeout))
+        clients = ClientProcesses(_client_processes(args), url, args.request_timeout, sampling, prompts)
+        stack.callback(clients.close)
+        report["served"] = await measure_served(runs, clients, http, url, goodput_targets)
         if args.abuse:
-            report["abuse"] = await abuse(args, url, http, prompts, send)
+            report["abuse"] = await abuse(args, url, http, clients)
     if not args.no_in_process:
         engine = _engine(args)
         freeze_startup_heap()  # as `deltaspec serve` does after building its engine
         try:
-            report["in_process"] = await measure(args, prompts, functools.partial(_in_process_request, engine,
-                                                                                  sampling), served=False)
+            report["in_process"] = await measure_in_process(runs, engine, prompts, sampling, goodput_targets)
         finally:
             await engine.shutdown()
         report["served_over_in_process"] = [
-            {"streams": s["streams"], "output_tokens_per_s": s["output_tokens_per_s"] / i["output_tokens_per_s"]}
+            {"streams": s["streams"], "request_rate": s["request_rate"],
+             "output_tokens_per_s": _per(s["output_tokens_per_s"], i["output_tokens_per_s"])}
             for s, i in zip(report["served"], report["in_process"])]
     return report
 
 
 # Output -----------------------------------------------------------------------------------------
 
+def _run_name(result: dict) -> str:
+    return f"{result['streams']} streams" if result["streams"] is not None else f"{result['request_rate']:g} req/s"
+
+
 def plot(report: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (ttft, itl, rate) = plt.subplots(1, 3, figsize=(15, 4))
+    with_goodput = any("goodput" in r for r in report.get("served", []))
+    figure, axes = plt.subplots(1, 4 if with_goodput else 3, figsize=(20 if with_goodput else 15, 4))
+    ttft, itl, rate = axes[:3]
     for mode in ("served", "in_process"):
-        for result in report.get(mode, []):
-            label = f"{mode} {result['streams']} streams"
+        results = report.get(mode, [])
+        for result in results:
+            label = f"{mode} {_run_name(result)}"
             for axis, key in ((ttft, "ttft_cdf"), (itl, "itl_cdf")):
                 values = np.asarray(result[key]) * 1e3
                 if len(values):
                     axis.step(values, np.arange(1, len(values) + 1) / len(values), where="post", label=label)
-        results = report.get(mode, [])
-        rate.plot([r["streams"] for r in results], [r["output_tokens_per_s"] for r in results], marker="o",
-                  label=mode)
+        names = [_run_name(r) for r in results]
+        rate.plot(names, [r["output_tokens_per_s"] for r in results], marker="o", label=mode)
+        if with_goodput:
+            axes[3].plot(names, [r["goodput"]["requests_per_s"] for r in results], marker="o",
+                         label=f"{mode} goodput")
+            axes[3].plot(names, [r["requests_per_s"] for r in results], marker="x", linestyle=":",
+                         label=f"{mode} all requests")
     ttft.set(title="time to first token", xlabel="ms", ylabel="fraction of requests")
     itl.set(title="inter-token latency", xlabel="ms", ylabel="fraction of gaps", xscale="log")
-    rate.set(title="output tokens/s", xlabel="concurrent streams", ylabel="tokens/s", xscale="log")
-    for axis in (ttft, itl, rate):
+    rate.set(title="output tokens/s", xlabel="run", ylabel="tokens/s")
+    if with_goodput:
+        targets = report["served"][0]["goodput"]["targets_ms"]
+        axes[3].set(xlabel="run", ylabel="requests/s")
+        axes[3].set_title("goodput: " + ", ".join(f"{k} <= {v:g} ms" for k, v in targets.items()), fontsize=9)
+    for axis in axes:
         axis.legend(fontsize=7)
     figure.suptitle(f"deltaspec bench serve — {report['device']}, {report['commit'][:10]}")
     figure.tight_layout()
@@ -383,22 +464,42 @@ def add_arguments(parser: argparse.ArgumentParser, default_model: Path) -> None:
     add_engine_options(parser)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-running", type=int, default=64, help="requests decoding at once (the server's)")
-    parser.add_argument("--streams", type=int, nargs="+", default=[16, 64], help="concurrent streams, one run each")
+    parser.add_argument("--streams", type=int, nargs="+", default=None,
+                        help="closed loop: concurrent streams, one run each (default 16 64 without --request-rate)")
     parser.add_argument("--requests-per-stream", type=int, default=None)
-    parser.add_argument("--duration", type=float, default=None, help="seconds each run lasts (default: 4 requests "
-                                                                      "a stream)")
+    parser.add_argument("--request-rate", type=float, nargs="+", default=[],
+                        help="open loop: requests/s, one run each (after the closed-loop runs)")
+    parser.add_argument("--burstiness", type=float, default=1.0,
+                        help="open loop: the gamma shape of the gaps between arrivals (1: Poisson; below: burstier)")
+    parser.add_argument("--constant-rate", action="store_true", help="open loop: a gap of exactly 1 / rate")
+    parser.add_argument("--num-requests", type=int, default=None, help="open loop: requests a run")
+    parser.add_argument("--duration", type=float, default=None,
+                        help="seconds each run lasts (closed loop default: 4 requests a stream)")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--prompts", nargs="*", default=[], help="code files or a JSONL of {\"prompt\": ...}")
     parser.add_argument("--num-prompts", type=int, default=128)
     parser.add_argument("--max-prompt-chars", type=int, default=2000)
+    parser.add_argument("--unique-prompts", action="store_true",
+                        help="code prompts: a distinct first line per request (its prefill measured cold)")
+    parser.add_argument("--input-len", type=int, default=None,
+                        help="synthetic prompts: random token ids, this many (each request its own)")
+    parser.add_argument("--input-len-range", type=float, default=0.0,
+                        help="synthetic prompts: lengths uniform in input-len * (1 +- this)")
+    parser.add_argument("--goodput", type=parse_goodput_target, nargs="+", default=[], metavar="METRIC:MS",
+                        help="latency targets (ttft, itl: mean per output token, e2e): also report the rate of "
+                             "requests that met them all")
+    parser.add_argument("--client-processes", type=int, default=None,
+                        help=f"load generator processes (default: one per {_STREAMS_PER_CLIENT} streams or "
+                             "requests/s, at least 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-in-process", action="store_true", help="skip the in-process AsyncLLM run")
     parser.add_argument("--single-process", action="store_true",
                         help="start the server with its engine on its own event loop (`deltaspec serve "
                              "--single-process`) instead of in a process of its own")
     parser.add_argument("--abuse", action="store_true",
-                        help="also: ITL p99 and /health latency with big prompts arriving mid-run")
+                        help="also: ITL p99 and /health latency with big prompts arriving mid-run (at the first "
+                             "--streams count)")
     parser.add_argument("--abuse-prompts", type=int, default=8)
     parser.add_argument("--abuse-bytes", type=int, default=(1 << 20) - 4096, help="each big prompt's size")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds without a byte from a stream")
@@ -406,11 +507,28 @@ def add_arguments(parser: argparse.ArgumentParser, default_model: Path) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
 
 
-def main(args: argparse.Namespace, argv: list[str]) -> int:
-    if args.requests_per_stream is None and args.duration is None:
+def _check(args: argparse.Namespace) -> None:
+    """Fill the defaults that depend on other flags; refuse combinations that mean nothing."""
+    if args.streams is None:
+        args.streams = [] if args.request_rate else [16, 64]
+    if args.streams and args.requests_per_stream is None and args.duration is None:
         args.requests_per_stream = 4
     if args.requests_per_stream is not None and args.duration is not None:
         raise ValueError("pass --requests-per-stream or --duration, not both")
+    if args.request_rate and (args.num_requests is None) == (args.duration is None):
+        raise ValueError("--request-rate needs --num-requests or --duration (one of them)")
+    if args.abuse and not args.streams:
+        raise ValueError("--abuse runs closed-loop streams: pass --streams")
+    if args.input_len is not None and args.prompts:
+        raise ValueError("pass --input-len (synthetic prompts) or --prompts, not both")
+    if not 0 <= args.input_len_range < 1:
+        raise ValueError("--input-len-range must be in [0, 1)")
+    if args.client_processes is not None and args.client_processes < 1:
+        raise ValueError("--client-processes must be >= 1")
+
+
+def main(args: argparse.Namespace, argv: list[str]) -> int:
+    _check(args)
     device = device_name(args.device)  # before the run: a mistake here costs nothing yet
     measured = run(benchmark(args))
     report = {"benchmark": "serve", "model": str(args.model), "device": device,
@@ -421,9 +539,13 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
               "server": None if args.url else "single process" if args.single_process else "engine process",
               "max_tokens": args.max_tokens, "temperature": args.temperature,
               "requests_per_stream": args.requests_per_stream, "duration_s": args.duration,
+              "num_requests": args.num_requests,
+              "arrivals": None if not args.request_rate else "constant" if args.constant_rate else
+              "poisson" if args.burstiness == 1 else f"gamma (burstiness {args.burstiness:g})",
               "timing": "closed loop: each stream sends its next request when the last ends; its first request "
                         "is its warm-up, stream i's of (i + 1) / N of the output; counted: the requests that "
-                        "start once every warm-up has ended",
+                        "start once every warm-up (in every client process) has ended. Open loop: every request "
+                        "sent at its arrival time, all counted, the window from the first arrival",
               **measured}
     args.out.mkdir(parents=True, exist_ok=True)
     name = "serve-" + device_tag(device)
@@ -431,12 +553,13 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     plot(report, args.out / f"{name}.png")
     for mode in ("served", "in_process"):
         for r in report.get(mode, []):
-            print(f"{mode:10s} {r['streams']:4d} streams: {r['output_tokens_per_s']:9.1f} tok/s "
+            print(f"{mode:10s} {_run_name(r):>12s}: {r['output_tokens_per_s']:9.1f} tok/s "
                   f"{r['requests_per_s']:6.2f} req/s  TTFT p50/p99 {_ms(r['ttft_s']['p50'])}/{_ms(r['ttft_s']['p99'])}"
                   f"  ITL p50/p99 {_ms(r['itl_s']['p50'])}/{_ms(r['itl_s']['p99'])} ms"
+                  + (f"  goodput {r['goodput']['requests_per_s']:.2f} req/s" if "goodput" in r else "")
                   + ("  (client-bound)" if r["client_bound"] else ""))
     for ratio in report.get("served_over_in_process", []):
-        print(f"served / in-process at {ratio['streams']} streams: {ratio['output_tokens_per_s']:.2f}")
+        print(f"served / in-process at {_run_name(ratio)}: {ratio['output_tokens_per_s']:.2f}")
     if "abuse" in report:
         a = report["abuse"]
         print(f"abuse: ITL p99 {_ms(a['itl_p99_without_s'])} -> {_ms(a['itl_p99_with_s'])} ms, "

@@ -1,12 +1,25 @@
-"""`deltaspec bench serve` on the CPU with the shipped model, briefly: it starts its own server
-process, runs closed-loop streams over HTTP and the same load in-process, fires the abuse
-prompts, and writes JSON with every field the report promises (tiny numbers) and a PNG."""
+"""`deltaspec bench serve` and its load generator.
 
+Two CLI runs on the CPU (slow): the shipped model with held-out code prompts, closed loop and the
+abuse prompts; a tiny checkpoint with synthetic prompts, closed and open loop from two client
+processes, goodput and the server's metrics. The load generator's timing (the closed loop's
+window across processes, the open loop's rate) is tested against a fake server that answers
+after a fixed delay, so its numbers are exact up to scheduling; goodput and the arrival
+processes against hand computations."""
+
+import asyncio
 import json
+import multiprocessing
+import statistics
+import time
 
 import pytest
+from aiohttp import web
 
 from deltaspec.server.cli import main
+from deltaspec.server.load_generator import (ClientProcesses, Load, PromptSet, Sample, Sampling, Window,
+                                             arrival_times, drive)
+from deltaspec.server.serve_benchmark import goodput, metrics_delta, parse_goodput_target
 
 
 @pytest.mark.slow
@@ -19,6 +32,7 @@ def test_bench_serve_writes_its_report(tmp_path):
     report = json.loads((out / "serve-cpu.json").read_text())
     assert report["device"] == "cpu" and report["command"] == "deltaspec bench serve " + " ".join(argv[2:])
     assert report["date"] and report["commit"] and report["max_tokens"] == 4
+    assert report["prompt_set"] == {"name": "held-out code", "num_prompts": 4, "unique": False}
     for mode in ("served", "in_process"):
         assert [r["streams"] for r in report[mode]] == [1, 2]
         for r in report[mode]:
@@ -28,6 +42,7 @@ def test_bench_serve_writes_its_report(tmp_path):
                 assert 0 < r[key]["p50"] <= r[key]["p90"] <= r[key]["p99"]
             assert len(r["ttft_cdf"]) == r["num_requests"] and isinstance(r["client_bound"], bool)
             assert (r["client_cpu_fraction"] is None) == (mode == "in_process")
+    assert all(r["client_processes"] == 1 and len(r["client_cpu_fractions"]) == 1 for r in report["served"])
     assert [r["streams"] for r in report["served_over_in_process"]] == [1, 2]
     assert all(r["output_tokens_per_s"] > 0 for r in report["served_over_in_process"])
     abuse = report["abuse"]
@@ -38,29 +53,200 @@ def test_bench_serve_writes_its_report(tmp_path):
     assert (out / "serve-cpu.png").stat().st_size > 1000
 
 
-def test_closed_loop_counts_requests_that_start_after_every_warm_up():
-    """Stream 0's requests take 10 ms, stream 1's 60 ms: stream 0 sends several requests while
-    stream 1 warms up; none of them may count, and every counted one starts in the window. The
-    warm-ups ask for 1/2 and 2/2 of the output (spreading the streams); the rest for all of it."""
-    import asyncio
-    import time
+@pytest.mark.slow
+def test_bench_serve_synthetic_prompts_open_loop_goodput_and_metrics(checkpoint, tmp_path):
+    """Closed loop (3 streams over 2 client processes), then 10 requests at a constant 10/s; each
+    prompt 24 random token ids, which the server counts as 24 prompt tokens (usage and
+    /metrics). Targets nobody misses: goodput equals throughput."""
+    out = tmp_path / "out"
+    argv = ["bench", "serve", "--model", str(checkpoint("qwen3_5")), "--streams", "3", "--requests-per-stream", "2",
+            "--request-rate", "10", "--num-requests", "10", "--constant-rate", "--input-len", "24",
+            "--client-processes", "2", "--goodput", "ttft:600000", "itl:600000", "e2e:600000", "--max-tokens", "3",
+            "--max-model-len", "128", "--max-running", "4", "--out", str(out)]
+    assert main(argv) == 0
+    report = json.loads((out / "serve-cpu.json").read_text())
+    assert report["prompt_set"] == {"name": "synthetic", "input_len": 24, "input_len_range": 0.0, "unique": True}
+    assert report["arrivals"] == "constant"
+    for mode in ("served", "in_process"):
+        closed, opened = report[mode]
+        assert (closed["streams"], closed["request_rate"], closed["num_requests"]) == (3, None, 6)
+        assert (opened["streams"], opened["request_rate"], opened["num_requests"]) == (None, 10, 10)
+        assert opened["achieved_request_rate"] == pytest.approx(10, rel=0.25)
+        for r in (closed, opened):
+            assert r["prompt_tokens"] == 24 * r["num_requests"] and r["output_tokens"] == 3 * r["num_requests"]
+            assert r["goodput"]["num_requests"] == r["num_requests"] and r["goodput"]["fraction"] == 1
+            assert r["goodput"]["requests_per_s"] == r["requests_per_s"]
+            assert r["goodput"]["targets_ms"] == {"ttft": 600000, "itl": 600000, "e2e": 600000}
+    for r in report["served"]:
+        assert r["client_processes"] == 2 and len(r["client_cpu_fractions"]) == 2
+        counters, gauges = r["server_metrics"]["counters"], r["server_metrics"]["gauges"]
+        assert gauges["deltaspec_num_requests_running"] == 0 and gauges["deltaspec_slots"] > 0
+        assert counters['deltaspec_requests_total{route="/v1/completions",status="200"}'] >= r["num_requests"]
+    counters = report["served"][1]["server_metrics"]["counters"]  # the open loop: every request counted
+    assert counters["deltaspec_prompt_tokens_total"] == 24 * 10
+    assert counters["deltaspec_generation_tokens_total"] == 3 * 10
+    assert counters['deltaspec_requests_finished_total{finish_reason="length"}'] == 10
+    assert [r["request_rate"] for r in report["served_over_in_process"]] == [None, 10]
+    assert (out / "serve-cpu.png").stat().st_size > 1000
 
-    from deltaspec.server.serve_benchmark import Load, Sample, closed_loop
 
-    sent: list[tuple[str, float, int | None]] = []
+# The load generator against a fake server -------------------------------------------------------
+
+async def _fake_server(delays: dict[str, float], log: list[tuple[str, float]]):
+    """/v1/completions answering `delays[prompt]` seconds later with one token of text and usage
+    (prompt tokens: the prompt's length); `log` gets (prompt, arrival time) of each request."""
+    async def complete(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        log.append((body["prompt"], time.perf_counter()))
+        await asyncio.sleep(delays[body["prompt"]])
+        response = web.StreamResponse()
+        await response.prepare(request)
+        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": 1, "total_tokens": 1}
+        for chunk in ({"choices": [{"text": "x"}]}, {"choices": [], "usage": usage}):
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", complete)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+async def test_closed_loop_window_opens_when_every_process_has_warmed_up():
+    """Stream 0 (process 0) takes 10 ms a request, stream 1 (process 1) 80 ms: stream 0 sends
+    several requests while stream 1 warms up; none of them may count, every counted one starts
+    once the slow warm-up has ended, and each stream counts exactly its 3."""
+    log: list[tuple[str, float]] = []
+    runner, url = await _fake_server({"fast": 0.01, "slow": 0.08}, log)
+    clients = ClientProcesses(2, url, 10.0, Sampling(4, 0.0), PromptSet("test", ("fast", "slow")))
+    try:
+        measured = await clients.run(Load("run", 4, num_streams=2, requests_per_stream=3))
+    finally:
+        clients.close()
+        await runner.cleanup()
+    assert 0.08 <= measured.window_start < 0.3
+    assert len(measured.samples) == 6 and all(s.start >= measured.window_start for s in measured.samples)
+    assert sorted(s.prompt_tokens for s in measured.samples) == [4, 4, 4, 4, 4, 4]  # len("fast"), len("slow")
+    first = min(t for _, t in log)
+    early = [t for prompt, t in log if prompt == "fast" and t - first < measured.window_start]
+    assert len(early) >= 4  # stream 0's warm-up and requests during stream 1's: sent, not counted
+    assert len(measured.client_cpu_fractions) == 2
+
+
+async def test_open_loop_sends_at_the_asked_rate_from_several_processes():
+    log: list[tuple[str, float]] = []
+    runner, url = await _fake_server({"p": 0.05}, log)
+    clients = ClientProcesses(2, url, 10.0, Sampling(4, 0.0), PromptSet("test", ("p",)))
+    arrivals = arrival_times(50, 20, None, 1.0, True, 0)
+    try:
+        measured = await clients.run(Load("run", 4, arrivals=arrivals, request_rate=50))
+    finally:
+        clients.close()
+        await runner.cleanup()
+    starts = [s.start for s in measured.samples]
+    assert len(starts) == 20 and measured.window_start == 0.0
+    assert (len(starts) - 1) / (max(starts) - min(starts)) == pytest.approx(50, rel=0.15)
+    assert all(abs(start - arrival) < 0.05 for start, arrival in zip(starts, arrivals))
+
+
+async def test_a_failing_request_fails_the_run_with_its_client_s_traceback():
+    runner, url = await _fake_server({}, [])  # every prompt unknown: 500
+    clients = ClientProcesses(1, url, 10.0, Sampling(4, 0.0), PromptSet("test", ("p",)))
+    try:
+        with pytest.raises(RuntimeError, match="the server answered 500"):
+            await clients.run(Load("run", 4, num_streams=1, requests_per_stream=1))
+    finally:
+        clients.close()
+        await runner.cleanup()
+
+
+def test_window_opens_at_the_latest_warm_up_end():
+    """The last stream to take the lock may have read the clock before another did."""
+    window = Window(multiprocessing.get_context("spawn"))
+    window.warmed(3, 1.0)
+    window.warmed(3, 1.2)
+    assert window.start is None
+    window.warmed(3, 1.1)
+    assert window.start == 1.2
+    window.reset()
+    assert window.start is None
+
+
+def test_closed_loop_warm_ups_spread_the_streams():
+    """In one process: the warm-ups ask for 1/2 and 2/2 of the output, the rest for all of it;
+    each stream cycles its own prompts."""
+    sent: list[tuple[str, int | None]] = []
 
     async def send(prompt: str, origin: float, max_tokens: int | None = None) -> Sample:
         start = time.perf_counter() - origin
-        sent.append((prompt, start, max_tokens))
-        await asyncio.sleep(0.01 if prompt.startswith("fast") else 0.06)
+        sent.append((prompt, max_tokens))
+        await asyncio.sleep(0.01 if prompt == "a" else 0.03)
         return Sample(start, 0.001, [], [], time.perf_counter() - origin - start, 4)
 
-    load = Load(["fast", "slow"], 2, 7, 3, None)
-    seconds = asyncio.run(closed_loop(load, send))
-    assert [(prompt, tokens) for prompt, _, tokens in sent[:2]] == [("fast", 4), ("slow", 7)]
-    assert all(tokens is None for _, _, tokens in sent[2:])
-    assert 0.06 <= load.window_start < 0.1
-    assert len(load.samples) == 6 and all(s.start >= load.window_start for s in load.samples)
-    early = [start for prompt, start, _ in sent[2:] if prompt == "fast" and start < load.window_start]
-    assert len(early) >= 3  # stream 0's requests during the warm-up: sent, not counted
-    assert seconds == max(s.start + s.e2e for s in load.samples) - load.window_start
+    load = Load("run", 7, num_streams=2, requests_per_stream=2)
+    window = Window(multiprocessing.get_context("spawn"))
+    samples = asyncio.run(drive(load, load.share(0, 1), PromptSet("test", ("a", "b")), window, send,
+                                time.perf_counter()))
+    assert sent[:2] == [("a", 4), ("b", 7)] and all(tokens is None for _, tokens in sent[2:])
+    assert len(samples) == 4 and all(s.start >= window.start for s in samples)
+
+
+def test_prompt_sets_unique_and_synthetic():
+    code = PromptSet("code", ("x = 1\n", "y = 2\n"), unique=True, nonce="n")
+    assert code.prompt("r", 0) != code.prompt("r", 2) and code.prompt("r", 2).endswith("x = 1\n")
+    assert code.prompt("r", 0).splitlines()[0] != code.prompt("s", 0).splitlines()[0]  # runs differ too
+    synthetic = PromptSet("synthetic", input_len=100, input_len_range=0.2, vocab_size=50, nonce="n")
+    prompts = [synthetic.prompt("r", k) for k in range(50)]
+    assert all(80 <= len(p) <= 120 and all(0 <= t < 50 for t in p) for p in prompts)
+    assert len({tuple(p[:8]) for p in prompts}) == 50  # no two share a first block
+    assert synthetic.prompt("r", 3) == prompts[3]  # the served and in-process runs send the same
+
+
+def test_arrival_times():
+    assert arrival_times(4, 5, None, 1.0, True, 0) == pytest.approx((0, 0.25, 0.5, 0.75, 1.0))
+    assert arrival_times(4, None, 1.0, 1.0, True, 0) == pytest.approx((0, 0.25, 0.5, 0.75))
+    for burstiness, cv in ((1.0, 1.0), (4.0, 0.5)):  # gamma gaps: coefficient of variation 1 / sqrt(shape)
+        times = arrival_times(10, 4000, None, burstiness, False, 1)
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        assert statistics.mean(gaps) == pytest.approx(0.1, rel=0.05)
+        assert statistics.stdev(gaps) / statistics.mean(gaps) == pytest.approx(cv, rel=0.08)
+
+
+def test_goodput_counts_the_requests_that_met_every_target():
+    def request(ttft: float, e2e: float, tokens: int) -> Sample:
+        return Sample(0.0, ttft, [], [], e2e, tokens)
+
+    samples = [request(0.05, 0.45, 5),   # mean ITL (0.45 - 0.05) / 4 = 0.1: meets all
+               request(0.30, 0.70, 5),   # TTFT over
+               request(0.05, 0.85, 5),   # mean ITL 0.2 over
+               request(0.10, 0.50, 3),   # mean ITL 0.2 over
+               request(0.10, 0.10, 1),   # one token: no ITL; meets all
+               request(0.01, 1.50, 20)]  # mean ITL 0.078; e2e over
+    targets = dict(map(parse_goodput_target, ["ttft:200", "itl:150", "e2e:1000"]))
+    result = goodput(samples, 2.0, targets)
+    assert result["targets_ms"] == {"ttft": 200, "itl": 150, "e2e": 1000}
+    assert result["num_requests"] == 2 and result["fraction"] == 2 / 6
+    assert result["requests_per_s"] == 1.0 and result["output_tokens_per_s"] == (5 + 1) / 2.0
+    assert goodput(samples, 2.0, {"ttft": 0.2})["num_requests"] == 5
+    with pytest.raises(Exception):
+        parse_goodput_target("tpot:10")
+
+
+def test_metrics_delta():
+    before = {"a_total": ("counter", 2.0), "lat_seconds_count": ("histogram", 1.0),
+              'lat_seconds_bucket{le="1.0"}': ("histogram", 1.0), "free": ("gauge", 3.0),
+              'deltaspec_spec_accepted_tokens_total{position="1"}': ("counter", 1.0),
+              'deltaspec_spec_draft_tokens_total{position="1"}': ("counter", 2.0)}
+    after = {**before, "a_total": ("counter", 5.0), "lat_seconds_count": ("histogram", 4.0), "free": ("gauge", 1.0),
+             'deltaspec_spec_accepted_tokens_total{position="1"}': ("counter", 4.0),
+             'deltaspec_spec_draft_tokens_total{position="1"}': ("counter", 6.0),
+             "new_total": ("counter", 7.0)}
+    delta = metrics_delta(before, after)
+    assert delta["counters"] == {"a_total": 3.0, "lat_seconds_count": 3.0, "new_total": 7.0,
+                                 'deltaspec_spec_accepted_tokens_total{position="1"}': 3.0,
+                                 'deltaspec_spec_draft_tokens_total{position="1"}': 4.0}
+    assert delta["gauges"] == {"free": 1.0} and delta["spec_acceptance_rate"] == 3 / 4
