@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import multiprocessing
 import sys
 import time
 from pathlib import Path
@@ -33,7 +34,7 @@ from common import commit_id  # noqa: E402
 from deltaspec.engine import AsyncLLM, EngineConfig, SamplingParams  # noqa: E402
 from deltaspec.engine.async_llm import freeze_startup_heap, run  # noqa: E402
 from deltaspec.server.acceptance_benchmark import device_name, device_tag, load_prompts  # noqa: E402
-from deltaspec.server.serve_benchmark import Load, closed_loop  # noqa: E402
+from deltaspec.server.load_generator import Load, PromptSet, Window, drive, sample  # noqa: E402
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "default"
 
@@ -114,7 +115,6 @@ def sender(engine: AsyncLLM, trace: Trace, max_tokens: int):
     counter = iter(range(10**9))
 
     async def send(prompt: str, origin: float, tokens: int | None = None):
-        from deltaspec.server.serve_benchmark import _sample
         request_id = f"t{next(counter)}"
         params = SamplingParams(max_tokens=tokens or max_tokens, temperature=0.0, ignore_eos=True)
         sent = time.perf_counter()
@@ -126,7 +126,7 @@ def sender(engine: AsyncLLM, trace: Trace, max_tokens: int):
                 trace.requests[request_id]["delivered"] = time.perf_counter()
             if delta.text:
                 times.append(time.perf_counter())
-        return _sample(sent, times, num_tokens, origin)
+        return sample(sent, times, num_tokens, origin)
 
     return send
 
@@ -183,16 +183,18 @@ async def main(args: argparse.Namespace) -> dict:
                                           max_num_seqs=args.max_running))
     freeze_startup_heap()
     trace = Trace(engine)
-    prompts = load_prompts(Path(args.model), [], 128, 2000, 0)
+    prompts = PromptSet("held-out code", tuple(load_prompts(Path(args.model), [], 128, 2000, 0)))
+    window = Window(multiprocessing.get_context("spawn"))
     report = {}
     try:
         for streams in args.streams:
             trace.steps.clear()
             trace.requests.clear()
-            load = Load(prompts, streams, args.max_tokens, None, args.duration)
+            load = Load(f"streams{streams}", args.max_tokens, num_streams=streams, duration=args.duration)
+            window.reset()
             origin = time.perf_counter()
-            await closed_loop(load, sender(engine, trace, args.max_tokens))
-            start = origin + load.window_start
+            await drive(load, load.share(0, 1), prompts, window, sender(engine, trace, args.max_tokens), origin)
+            start = origin + window.start
             report[str(streams)] = analyse(trace, (start, start + args.duration))
             print(streams, json.dumps({k: v for k, v in report[str(streams)].items() if k != "slowest_examples"}))
     finally:
