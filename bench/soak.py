@@ -5,13 +5,14 @@ streamed or not, greedy or sampled, random lengths (ignore_eos, so each must ret
 max_tokens), a list of prompts or n > 1 now and then; a `--disconnect-rate` share of streamed
 requests is dropped by the client after a random number of chunks, and every 10th request is the
 greedy reference prompt, whose text must never change. The server runs in this process (`start`)
-so its engine's gauges can be read directly.
+over its engine in a process of its own, as `deltaspec serve` runs it (`--single-process`: on
+this process's loop), and reads the engine's gauges with `fetch_stats`.
 
 Lost: a request not dropped by its client that got anything but a whole answer (a 5xx, an error
 event, a stream without [DONE], fewer tokens than asked), or a reference text that changed.
 Leaked: once the clients stop, a request still running or waiting, a slot or KV block neither free
-nor held by the prefix cache, a pinned cache entry, or the process's RSS grown past
-`--max-rss-growth-mib` since the warm-up. Writes soak-<device>.json; exits 1 on any of them.
+nor held by the prefix cache, a pinned cache entry, or the processes' RSS (the server's and the
+engine's) grown past `--max-rss-growth-mib` since the warm-up. Writes soak-<device>.json; exits 1 on any of them.
 
     python bench/soak.py --device cuda --dtype bfloat16 --duration 600 --streams 64
 """
@@ -33,7 +34,8 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import commit_id  # noqa: E402
 
-from deltaspec.engine import AsyncLLM  # noqa: E402
+from deltaspec.engine import AsyncLLM, EngineConfig  # noqa: E402
+from deltaspec.engine.engine_process import EngineProcess  # noqa: E402
 from deltaspec.server.acceptance_benchmark import device_name, device_tag  # noqa: E402
 from deltaspec.server.config import ServerConfig  # noqa: E402
 from deltaspec.server.serve import start  # noqa: E402
@@ -44,10 +46,10 @@ PROMPTS = ["def fibonacci(n):", "import os\n\ndef walk(path):", "class Cache:\n 
            "for i in range(10):", "# parse the arguments\nparser = argparse.ArgumentParser(", "Hello"]
 
 
-def _rss_mib() -> float:
-    """The process's resident memory now (Linux), else its peak."""
+def _rss_mib(pid: int | str = "self") -> float:
+    """A process's resident memory now (Linux), else this process's peak."""
     try:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize() / 2**20
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * resource.getpagesize() / 2**20
     except OSError:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -133,7 +135,14 @@ async def one_request(http: aiohttp.ClientSession, url: str, rng: random.Random,
 
 
 async def soak() -> dict:
-    engine = AsyncLLM(MODEL, device=ARGS.device, dtype=ARGS.dtype, max_model_len=1024, max_num_seqs=ARGS.max_running)
+    config = EngineConfig(model=MODEL, device=ARGS.device, dtype=ARGS.dtype, max_model_len=1024,
+                          max_num_seqs=ARGS.max_running)
+    engine = AsyncLLM(config=config) if ARGS.single_process else await EngineProcess.start(config)
+    pids = ["self"] if ARGS.single_process else ["self", engine.pid]
+
+    def rss_mib() -> float:
+        return sum(_rss_mib(pid) for pid in pids)
+
     running = await start(engine, ServerConfig(model_name="default", port=0, max_waiting=ARGS.streams * 3))
     url = f"http://127.0.0.1:{running.port}"
     tally, warm = Tally(), Tally()
@@ -141,7 +150,7 @@ async def soak() -> dict:
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
             await asyncio.gather(*(one_request(http, url, rng, warm, i) for i in range(ARGS.streams)))
-            rss_before = _rss_mib()
+            rss_before = rss_mib()
             deadline = time.monotonic() + ARGS.duration
             counter = iter(range(10**9))
 
@@ -151,9 +160,10 @@ async def soak() -> dict:
 
             await asyncio.gather(*(client() for _ in range(ARGS.streams)))
         idle_by = time.monotonic() + 30
-        while (engine.stats()["num_running"] or engine.stats()["num_waiting"]) and time.monotonic() < idle_by:
+        while ((stats := await engine.fetch_stats())["num_running"] or stats["num_waiting"]) and \
+                time.monotonic() < idle_by:
             await asyncio.sleep(0.05)
-        stats = engine.stats()
+        rss_growth = rss_mib() - rss_before
     finally:
         await running.stop()
         await engine.shutdown()
@@ -168,7 +178,6 @@ async def soak() -> dict:
                      f"!= {stats['num_kv_blocks']}")
     if stats["prefix_cache"]["pinned"]:
         leaks.append(f"{stats['prefix_cache']['pinned']} cache entries still pinned")
-    rss_growth = _rss_mib() - rss_before
     if rss_growth > ARGS.max_rss_growth_mib:
         leaks.append(f"RSS grew {rss_growth:.0f} MiB (limit {ARGS.max_rss_growth_mib})")
     return {"counts": tally.counts, "lost": tally.lost, "leaks": leaks, "rss_growth_mib": rss_growth,
@@ -179,6 +188,7 @@ def main() -> int:
     result = asyncio.run(soak())
     device = device_name(ARGS.device)
     report = {"benchmark": "soak", "device": device, "commit": commit_id(),
+              "server": "single process" if ARGS.single_process else "engine process",
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": "python bench/soak.py " + " ".join(sys.argv[1:]), **result}
     ARGS.out.mkdir(parents=True, exist_ok=True)
@@ -200,6 +210,7 @@ if __name__ == "__main__":
     parser.add_argument("--disconnect-rate", type=float, default=0.2)
     parser.add_argument("--max-rss-growth-mib", type=float, default=512.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--single-process", action="store_true", help="the engine on the server's loop")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     ARGS = parser.parse_args()
     sys.exit(main())

@@ -323,6 +323,11 @@ class EngineProcess:
                            f"(its log above says why)")
 
     @property
+    def pid(self) -> int:
+        """The engine process's id."""
+        return self._process.pid
+
+    @property
     def error(self) -> EngineDeadError | None:
         """Why the engine stopped, once it has (every request then fails); None while it runs."""
         return self._error
