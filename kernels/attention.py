@@ -349,9 +349,13 @@ def _combine_splits_kernel(partial_acc_ptr, partial_stats_ptr, gate_ptr, out_ptr
 # bench/results/kernels_attn-h100.json), and each split adds [Hq, D] fp32 of partials.
 MAX_SPLITS = 128
 # The merge of a decode row is a latency chain: one chunk holds every split (its stats and partials
-# load at once), and narrow D blocks spread a row over more programs.
+# load at once), and narrow D blocks spread a row over more programs. One warp a program: the sums
+# over splits stay within the warp (shuffles), never through shared memory, where the copies of one
+# sum that several warps hold were all written to one word (racecheck's write-after-write hazard,
+# triton-lang/triton#7264; copies may differ in the last bit).
 COMBINE_SPLIT_CHUNK = MAX_SPLITS
 COMBINE_BLOCK_D = 32
+COMBINE_WARPS = 1
 
 
 def attention_config(num_tokens: int, num_rows: int, num_kv_heads: int, group: int, max_context: int,
@@ -465,7 +469,7 @@ def launch_paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Te
         _combine_splits_kernel[(num_tokens, num_heads, head_dim // block_d)](
             partial_acc, partial_stats, gate, out, splits, *gate_strides, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, SPLIT_CHUNK=min(COMBINE_SPLIT_CHUNK, triton.next_power_of_2(splits)),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_GATE=has_gate, num_warps=4, **pdl(q.device))
+            HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_GATE=has_gate, num_warps=COMBINE_WARPS, **pdl(q.device))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

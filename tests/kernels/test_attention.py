@@ -427,6 +427,24 @@ def test_paged_attention_output_gate_bf16_gpu(rows, config):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("splits", [3, 16, 128])
+def test_split_merge_sums_without_shared_memory(splits):
+    """The merge's sums over splits stay in registers and warp shuffles: its compiled code stores
+    nothing to shared memory, where copies of one sum held by several warps all wrote one word
+    (racecheck's write-after-write hazard; the copies may differ in the last bit)."""
+    heads, head_dim = 4, 256
+    partial_acc = torch.randn(heads * splits, head_dim, device="cuda")
+    partial_stats = torch.randn(heads * splits, 2, device="cuda").abs()
+    out = torch.empty(1, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    block_d = min(attention.COMBINE_BLOCK_D, head_dim)
+    kernel = attention._combine_splits_kernel[(1, heads, head_dim // block_d)](
+        partial_acc, partial_stats, out, out, splits, 0, 0, out.stride(0), out.stride(1), NUM_HEADS=heads,
+        SPLIT_CHUNK=min(attention.COMBINE_SPLIT_CHUNK, 1 << (splits - 1).bit_length()), HEAD_DIM=head_dim,
+        BLOCK_D=block_d, HAS_GATE=False, DEPENDENT_LAUNCH=False, num_warps=attention.COMBINE_WARPS)
+    assert "st.shared" not in kernel.asm["ptx"]
+
+
+@pytest.mark.gpu
 def test_paged_attention_and_write_kv_in_cuda_graph():
     """Launch geometry depends on shapes only: a captured decode step (write this token's K/V,
     attend with the output gate, as the model does) replays correctly after lengths, slots,
