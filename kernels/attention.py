@@ -308,35 +308,36 @@ def _paged_attention_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(partial_acc_ptr, partial_stats_ptr, gate_ptr, out_ptr, num_splits, stride_gate_token,
                            stride_gate_head, stride_out_token, stride_out_head, NUM_HEADS: tl.constexpr,
-                           MAX_SPLITS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                           SPLIT_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                            HAS_GATE: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """One program per (token, query head, BLOCK_D columns): out = sum_s 2^(m_s - M) acc_s /
-    sum_s 2^(m_s - M) l_s, M = max_s m_s, times sigmoid(gate) with HAS_GATE. The loops over
-    splits are unrolled (MAX_SPLITS_POW2 >= num_splits: their loads, unmasked, go out together)
-    and each thread owns its columns: the sums over splits are a thread's own adds, no reduction
-    across threads. (A [splits, BLOCK_D] tile summed with tl.sum left
-    copies of each sum in several threads, which Triton's layout conversion before the store all
-    wrote to one shared-memory word: racecheck's write-after-write hazard, triton-lang/triton#7264,
-    with copies that may differ in the last bit.) Splits that saw no key (m = -inf, l = 0, acc =
-    0) weigh 0."""
+    sum_s 2^(m_s - M) l_s, M = max_s m_s, times sigmoid(gate) with HAS_GATE. The splits stream
+    through in chunks of SPLIT_CHUNK (any split count, bounded registers), each chunk's stats and
+    [SPLIT_CHUNK, BLOCK_D] partials loaded together and folded in with a running max (as the
+    attention kernel folds key steps), so a row of <= SPLIT_CHUNK splits costs one memory round
+    trip. Splits that saw no key (m = -inf, l = 0, acc = 0) weigh 0."""
     dependent_prologue(DEPENDENT_LAUNCH)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     base = (token * NUM_HEADS + head) * num_splits
-    # Split s past num_splits reads the last split's values (no masked scalar loads) at weight 0.
-    m_max = tl.full([], float("-inf"), tl.float32)
-    for s in tl.static_range(MAX_SPLITS_POW2):
-        m_max = tl.maximum(m_max, tl.load(partial_stats_ptr + (base + tl.minimum(s, num_splits - 1)) * 2))
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)   # no split saw a key
+    m_run = tl.full([], float("-inf"), tl.float32)
     denominator = tl.zeros([], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for s in tl.static_range(MAX_SPLITS_POW2):
-        split = base + tl.minimum(s, num_splits - 1)
-        m = tl.load(partial_stats_ptr + split * 2)
-        weight = tl.where(s < num_splits, tl.exp2(m - m_safe), 0.0)
-        denominator += weight * tl.load(partial_stats_ptr + split * 2 + 1)
-        acc += weight * tl.load(partial_acc_ptr + split * HEAD_DIM + d)
+    for start in range(0, num_splits, SPLIT_CHUNK):
+        chunk = start + tl.arange(0, SPLIT_CHUNK)
+        in_range = chunk < num_splits
+        m = tl.load(partial_stats_ptr + (base + chunk) * 2, mask=in_range, other=float("-inf"))
+        l = tl.load(partial_stats_ptr + (base + chunk) * 2 + 1, mask=in_range, other=0.0)
+        partial = tl.load(partial_acc_ptr + (base + chunk)[:, None] * HEAD_DIM + d[None, :], mask=in_range[:, None],
+                          other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # no split so far saw a key
+        alpha = tl.exp2(m_run - m_safe)
+        weight = tl.exp2(m - m_safe)
+        denominator = denominator * alpha + tl.sum(l * weight, 0)
+        acc = acc * alpha + tl.sum(partial * weight[:, None], 0)
+        m_run = m_new
     out = acc / denominator
     if HAS_GATE:
         gate = tl.load(gate_ptr + token * stride_gate_token + head * stride_gate_head + d).to(tl.float32)
@@ -344,13 +345,13 @@ def _combine_splits_kernel(partial_acc_ptr, partial_stats_ptr, gate_ptr, out_ptr
     tl.store(out_ptr + token * stride_out_token + head * stride_out_head + d, out.to(out_ptr.dtype.element_ty))
 
 
-# More than 128 splits never ran faster (measured: bench/results/kernels_attn-h100.json), and each
-# split adds [Hq, D] fp32 of partials.
+# The merge streams any number of splits; more than 128 never ran faster (measured:
+# bench/results/kernels_attn-h100.json), and each split adds [Hq, D] fp32 of partials.
 MAX_SPLITS = 128
-# The merge of a decode row is a latency chain: narrow D blocks spread a row over more programs,
-# one warp each, a column a thread (_combine_splits_kernel: no sums across threads).
+# The merge of a decode row is a latency chain: one chunk holds every split (its stats and partials
+# load at once), and narrow D blocks spread a row over more programs.
+COMBINE_SPLIT_CHUNK = MAX_SPLITS
 COMBINE_BLOCK_D = 32
-COMBINE_WARPS = COMBINE_BLOCK_D // 32
 
 
 def attention_config(num_tokens: int, num_rows: int, num_kv_heads: int, group: int, max_context: int,
@@ -463,8 +464,8 @@ def launch_paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Te
         block_d = min(COMBINE_BLOCK_D, head_dim)
         _combine_splits_kernel[(num_tokens, num_heads, head_dim // block_d)](
             partial_acc, partial_stats, gate, out, splits, *gate_strides, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, MAX_SPLITS_POW2=triton.next_power_of_2(splits),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_GATE=has_gate, num_warps=COMBINE_WARPS, **pdl(q.device))
+            NUM_HEADS=num_heads, SPLIT_CHUNK=min(COMBINE_SPLIT_CHUNK, triton.next_power_of_2(splits)),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_GATE=has_gate, num_warps=4, **pdl(q.device))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
