@@ -256,6 +256,9 @@ async def _handle(message: ToEngine, llm: AsyncLLM, wire: _Wire) -> None:
             wire.send(Rejected(message.request_id, str(error)))
         except EngineDeadError as error:
             wire.send(Dead(str(error)))
+        except Exception as error:  # noqa: BLE001 - a fault adding one request fails that request only
+            logger.exception("adding request %r failed", message.request_id)
+            wire.send(Failed([message.request_id], f"adding the request failed: {type(error).__name__}: {error}"))
     elif isinstance(message, Abort):
         await llm.abort(message.request_id)
     elif isinstance(message, Pause):
