@@ -312,10 +312,14 @@ def _combine_splits_kernel(partial_acc_ptr, partial_stats_ptr, gate_ptr, out_ptr
                            HAS_GATE: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """One program per (token, query head, BLOCK_D columns): out = sum_s 2^(m_s - M) acc_s /
     sum_s 2^(m_s - M) l_s, M = max_s m_s, times sigmoid(gate) with HAS_GATE. The splits stream
-    through in chunks of SPLIT_CHUNK (any split count, bounded registers), each chunk's stats and
-    [SPLIT_CHUNK, BLOCK_D] partials loaded together and folded in with a running max (as the
-    attention kernel folds key steps), so a row of <= SPLIT_CHUNK splits costs one memory round
-    trip. Splits that saw no key (m = -inf, l = 0, acc = 0) weigh 0."""
+    through in chunks of SPLIT_CHUNK (any split count, bounded registers), folded in with a running
+    max (as the attention kernel folds key steps); a chunk's loop is unrolled, its loads going out
+    together, so a row of <= SPLIT_CHUNK splits costs one memory round trip. Each thread owns its
+    columns: the sums over splits are its own adds, no reduction across threads. (A [splits,
+    BLOCK_D] tile summed with tl.sum left copies of a sum in several threads, which Triton's
+    layout conversion before the store all wrote to one shared-memory word: racecheck's
+    write-after-write hazard, triton-lang/triton#7264, with copies that may differ in the last
+    bit.) Splits that saw no key (m = -inf, l = 0, acc = 0) weigh 0."""
     dependent_prologue(DEPENDENT_LAUNCH)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -324,19 +328,22 @@ def _combine_splits_kernel(partial_acc_ptr, partial_stats_ptr, gate_ptr, out_ptr
     m_run = tl.full([], float("-inf"), tl.float32)
     denominator = tl.zeros([], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
+    # Split i past num_splits reads the last split's values (no masked scalar loads) at weight 0.
     for start in range(0, num_splits, SPLIT_CHUNK):
-        chunk = start + tl.arange(0, SPLIT_CHUNK)
-        in_range = chunk < num_splits
-        m = tl.load(partial_stats_ptr + (base + chunk) * 2, mask=in_range, other=float("-inf"))
-        l = tl.load(partial_stats_ptr + (base + chunk) * 2 + 1, mask=in_range, other=0.0)
-        partial = tl.load(partial_acc_ptr + (base + chunk)[:, None] * HEAD_DIM + d[None, :], mask=in_range[:, None],
-                          other=0.0)
-        m_new = tl.maximum(m_run, tl.max(m, 0))
+        m_chunk = tl.full([], float("-inf"), tl.float32)
+        for s in tl.static_range(SPLIT_CHUNK):
+            split = base + tl.minimum(start + s, num_splits - 1)
+            m_chunk = tl.maximum(m_chunk, tl.load(partial_stats_ptr + split * 2))
+        m_new = tl.maximum(m_run, m_chunk)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # no split so far saw a key
         alpha = tl.exp2(m_run - m_safe)
-        weight = tl.exp2(m - m_safe)
-        denominator = denominator * alpha + tl.sum(l * weight, 0)
-        acc = acc * alpha + tl.sum(partial * weight[:, None], 0)
+        denominator = denominator * alpha
+        acc = acc * alpha
+        for s in tl.static_range(SPLIT_CHUNK):
+            split = base + tl.minimum(start + s, num_splits - 1)
+            weight = tl.where(start + s < num_splits, tl.exp2(tl.load(partial_stats_ptr + split * 2) - m_safe), 0.0)
+            denominator += weight * tl.load(partial_stats_ptr + split * 2 + 1)
+            acc += weight * tl.load(partial_acc_ptr + split * HEAD_DIM + d)
         m_run = m_new
     out = acc / denominator
     if HAS_GATE:
@@ -348,10 +355,13 @@ def _combine_splits_kernel(partial_acc_ptr, partial_stats_ptr, gate_ptr, out_ptr
 # The merge streams any number of splits; more than 128 never ran faster (measured:
 # bench/results/kernels_attn-h100.json), and each split adds [Hq, D] fp32 of partials.
 MAX_SPLITS = 128
-# The merge of a decode row is a latency chain: one chunk holds every split (its stats and partials
-# load at once), and narrow D blocks spread a row over more programs.
-COMBINE_SPLIT_CHUNK = MAX_SPLITS
+# The merge of a decode row is a latency chain: a chunk's loads go out together, and narrow D
+# blocks spread a row over more programs, one warp each, a column a thread (no sums across threads).
+# 32 splits a chunk: a 128-split chunk's unrolled loads spilled registers (2x slower at 128 splits:
+# bench/results/attempts/combine_per_thread/).
+COMBINE_SPLIT_CHUNK = 32
 COMBINE_BLOCK_D = 32
+COMBINE_WARPS = COMBINE_BLOCK_D // 32
 
 
 def attention_config(num_tokens: int, num_rows: int, num_kv_heads: int, group: int, max_context: int,
@@ -465,7 +475,7 @@ def launch_paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Te
         _combine_splits_kernel[(num_tokens, num_heads, head_dim // block_d)](
             partial_acc, partial_stats, gate, out, splits, *gate_strides, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, SPLIT_CHUNK=min(COMBINE_SPLIT_CHUNK, triton.next_power_of_2(splits)),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_GATE=has_gate, num_warps=4, **pdl(q.device))
+            HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_GATE=has_gate, num_warps=COMBINE_WARPS, **pdl(q.device))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

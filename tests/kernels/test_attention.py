@@ -347,11 +347,10 @@ def test_paged_attention_launcher_choice(kernel_device):
     check_attention(decode, None, "long decode")
 
 
-def test_paged_attention_split_merge_chunks(kernel_device, monkeypatch):
-    """40 splits merged in chunks of 32 (a full chunk and a ragged one; the launcher's chunk holds
-    MAX_SPLITS), over D blocks of COMBINE_BLOCK_D; splits past a short row's keys see none (weight 0)."""
-    monkeypatch.setattr(attention, "COMBINE_SPLIT_CHUNK", 32)
-    assert 128 // attention.COMBINE_BLOCK_D >= 2
+def test_paged_attention_split_merge_chunks(kernel_device):
+    """40 splits merged in chunks of COMBINE_SPLIT_CHUNK (32: a full chunk and a ragged one), over D
+    blocks of COMBINE_BLOCK_D; splits past a short row's keys see none (weight 0)."""
+    assert attention.COMBINE_SPLIT_CHUNK == 32 and 128 // attention.COMBINE_BLOCK_D >= 2
     case = make_case(7, [(1, 600), (2, 45)], 16, 8, 2, 128, torch.float32, kernel_device)
     check_attention(case, TileConfig(block_m=16, block_n=16, num_splits=40, num_warps=4, num_stages=1), "40 splits",
                     gated=True)
@@ -424,6 +423,24 @@ def test_paged_attention_long_contexts_gpu(rows):
 def test_paged_attention_output_gate_bf16_gpu(rows, config):
     case = make_case(11, rows, 16, 8, 2, 256, torch.bfloat16, "cuda")
     check_attention(case, config, f"gated {config}", gated=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [3, 40, 128])
+def test_split_merge_sums_without_shared_memory(splits):
+    """The merge's sums over splits are each thread's own: its compiled code stores nothing to
+    shared memory, where the copies of one sum that several threads held all wrote one word
+    (racecheck's write-after-write hazard; the copies may differ in the last bit)."""
+    heads, head_dim = 4, 256
+    partial_acc = torch.randn(heads * splits, head_dim, device="cuda")
+    partial_stats = torch.randn(heads * splits, 2, device="cuda").abs()
+    out = torch.empty(1, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    block_d = min(attention.COMBINE_BLOCK_D, head_dim)
+    kernel = attention._combine_splits_kernel[(1, heads, head_dim // block_d)](
+        partial_acc, partial_stats, out, out, splits, 0, 0, out.stride(0), out.stride(1), NUM_HEADS=heads,
+        SPLIT_CHUNK=min(attention.COMBINE_SPLIT_CHUNK, 1 << (splits - 1).bit_length()), HEAD_DIM=head_dim,
+        BLOCK_D=block_d, HAS_GATE=False, DEPENDENT_LAUNCH=False, num_warps=attention.COMBINE_WARPS)
+    assert "st.shared" not in kernel.asm["ptx"]
 
 
 @pytest.mark.gpu
