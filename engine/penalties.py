@@ -18,6 +18,9 @@ its (repetition, frequency, presence) coefficients and its logit_bias as (token,
 padded with (0, 0.0) to the widest bias started so far (adding 0.0 changes no logit), so a step
 reads every parameter of its penalized rows on the device: `select` finds their statistics rows
 once per step, for `adjust` and `record`, and nothing else goes from host lists to the device.
+While a steady batch keeps its statistics rows (the same index tensor, step after step) the
+parameters gathered for them are reused, not gathered again: a step's adjustment is then the
+float32 copy, the bias and the penalty pass.
 
 `adjust` rewrites the logits of penalized rows before sampling (vLLM's order): bad words and
 min_tokens set banned tokens to -inf, logit_bias adds, then for a token with output count c,
@@ -54,6 +57,16 @@ class PenalizedRows(NamedTuple):
     num_rows: int                     # N
 
 
+class _Parameters(NamedTuple):
+    """The parameters of P statistics rows, gathered once for as long as they stay a step's rows."""
+
+    repetition: torch.Tensor          # [P] float32
+    frequency: torch.Tensor           # [P] float32
+    presence: torch.Tensor            # [P] float32
+    bias_tokens: torch.Tensor         # [P, B] int64, padded with token 0
+    bias_values: torch.Tensor         # [P, B] float32, padded with 0.0
+
+
 class Penalties:
     def __init__(self, num_rows: int, vocab_size: int, device: torch.device, ops: Ops) -> None:
         """num_rows: penalized requests running at once at most; ops: the dense pass's and the
@@ -64,6 +77,9 @@ class Penalties:
         # The last `_rows` result and what it holds: consecutive steps of a steady batch (a step
         # launched ahead runs the rows of the one before) index the same statistics rows.
         self._last_rows: tuple[tuple[int, ...], torch.Tensor | None] = ((), None)
+        # The parameters `adjust` gathered for a statistics-row index (`_parameters`), reused
+        # while `_rows` hands out that same index and no `start` has rewritten any row.
+        self._gathered: tuple[torch.Tensor | None, _Parameters | None] = (None, None)
 
     def select(self, rows: Sequence[ScheduledRow]) -> PenalizedRows | None:
         """The penalized rows among `rows` (None: none), their statistics rows now the most
@@ -123,6 +139,7 @@ class Penalties:
             self.bias_tokens[stats] = self._tensor([[t for t, _ in entries] for entries in padded]).view(len(rows), -1)
             self.bias_values[stats] = device_tensor([b for entries in padded for _, b in entries], torch.float32,
                                                     self.device).view(len(rows), -1)
+        self._gathered = (None, None)  # rows' parameters rewritten
 
     def adjust(self, logits: torch.Tensor, penalized: PenalizedRows | None,
                drafts: torch.Tensor | None = None) -> torch.Tensor:
@@ -140,15 +157,15 @@ class Penalties:
         drafts = None if width == 1 else drafts[index]                                     # [P, W - 1]
         params = [r.request.params for r in rows]
         self._ban_bad_words(x, rows, stats, drafts)
+        gathered = self._parameters(stats)
         if any(p.logit_bias for p in params):
             # Rows pad their bias with (token 0, 0.0): adding 0.0 changes no logit.
-            bias_shape = (num_rows, width, self.bias_tokens.shape[1])
-            x.scatter_add_(2, self.bias_tokens[stats][:, None].expand(bias_shape),
-                           self.bias_values[stats][:, None].expand(bias_shape))
+            bias_shape = (num_rows, width, gathered.bias_tokens.shape[1])
+            x.scatter_add_(2, gathered.bias_tokens[:, None].expand(bias_shape),
+                           gathered.bias_values[:, None].expand(bias_shape))
         self._ban_stops_before_min_tokens(x, rows, stats)
-        repetition, frequency, presence = self.coefficients.index_select(1, stats)          # [P] each
-        x = self.ops.penalize_rows(x, self.output_counts, self.prompt_mask, stats, repetition, frequency, presence,
-                                   drafts)
+        x = self.ops.penalize_rows(x, self.output_counts, self.prompt_mask, stats, gathered.repetition,
+                                   gathered.frequency, gathered.presence, drafts)
         if isinstance(index, slice):
             return x.view(-1, vocab)
         logits.view(-1, width, vocab)[index] = x
@@ -208,6 +225,16 @@ class Penalties:
         if stats != self._last_rows[0]:  # else no copy in: the same rows as the step before
             self._last_rows = stats, self._tensor(stats)
         return self._last_rows[1]
+
+    def _parameters(self, stats: torch.Tensor) -> _Parameters:
+        """The parameters of statistics rows `stats` (a `_rows` result): gathered on the device
+        the first time, then the same tensors while a steady batch keeps its rows (no kernel)."""
+        index, gathered = self._gathered
+        if index is not stats:
+            gathered = _Parameters(*self.coefficients.index_select(1, stats), self.bias_tokens[stats],
+                                   self.bias_values[stats])
+            self._gathered = (stats, gathered)
+        return gathered
 
     def _scatter_index(self, rows: Sequence[ScheduledRow], lists: list[list[int]]) -> tuple[torch.Tensor, ...]:
         stats_rows = [self._row_of[r.slot] for r, tokens in zip(rows, lists) for _ in tokens]

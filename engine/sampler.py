@@ -82,9 +82,7 @@ class Sampler:
         if not greedy:  # queued before the wait for masks
             if positions is None:
                 positions = self.tensor([r.start_position + r.num_tokens for r in rows])
-            if slots is None:
-                slots = self.tensor([r.slot for r in rows])
-            columns = self.table.columns(slots, logits.shape[0] // len(rows))
+            columns = self.table.step_columns(rows, slots, logits.shape[0] // len(rows))
         logits = self.constrain(logits, rows, drafts, masks)
         if greedy:  # greedy fast path: no filtering, no noise
             return logits.argmax(dim=-1)
