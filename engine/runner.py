@@ -256,7 +256,7 @@ class Runner:
         if redecision is None:
             return
         drawn = self.sampler.draw(redecision.logits, redecision.rows, redecision.positions, masks=masks,
-                                  slots=redecision.slots)
+                                  slots=redecision.slots, owned=redecision.penalized is not None)
         tokens[redecision.index] = drawn
         self.sampler.penalties.record(redecision.penalized, drawn[:, None])
 
