@@ -29,7 +29,15 @@ Writes
 bench/results/sampling_cost-<device>.json (device, date, commit, command, every number and each
 mix's ratio to plain).
 
-    python bench/sampling_cost.py [--batch 64] [--draft-tokens 3] [--steps 48]
+With `--trace N`, N more decode steps of penalties+schema at each k run under torch.profiler
+(host and device, Python frames included) after the timed mixes: a Chrome trace per k
+(sampling_trace-k<K>.json beside the results, for Perfetto: the engine's thread is the one
+that launches the kernels) and, in the results, the host's operators, Python functions and CUDA
+runtime calls by self time per step, every thread's together (`trace`: kernel launches,
+synchronizing calls, allocations; the mask worker's idle waits show too), to see what the
+engine's thread does in `decide`.
+
+    python bench/sampling_cost.py [--batch 64] [--draft-tokens 3] [--steps 48] [--trace 8]
     python bench/sampling_cost.py --device cpu --shape tiny --batch 4 --steps 3   # smoke (numbers mean nothing)
 """
 
@@ -191,6 +199,30 @@ def _allocator_counts(device: torch.device) -> dict[str, int]:
     return {name: stats.get(name, 0) for name in ALLOCATOR_COUNTS}
 
 
+def trace(core: EngineCore, mix: str, batch: int, steps: int, path: Path) -> list[dict]:
+    """`steps` decode steps of `mix` with every row running, under torch.profiler (the
+    prefills and WARM_UP_STEPS off it); writes the Chrome trace to path and returns the top 25
+    host-side entries by self CPU time (microseconds per step, all threads)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = core.model_config.vocab_size
+    generator = torch.Generator().manual_seed(batch + 1)
+    requests = [core.add_request(torch.randint(0, vocab, (PROMPT_LEN,), generator=generator).tolist(),
+                                 params(mix, i, 1 + WARM_UP_STEPS + steps + 4, vocab)) for i in range(batch)]
+    while any(len(r.output_token_ids) <= WARM_UP_STEPS for r in requests):
+        core.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if core.device.type == "cuda" else [])
+    with profile(activities=activities, with_stack=True) as profiler:
+        for _ in range(steps):
+            core.step()
+    while core.has_work:
+        core.step()
+    profiler.export_chrome_trace(str(path))
+    entries = sorted(profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:25]
+    return [{"name": e.key, "calls_per_step": e.count / steps, "self_cpu_us_per_step": e.self_cpu_time_total / steps}
+            for e in entries]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -199,6 +231,8 @@ def main() -> None:
     parser.add_argument("--draft-tokens", type=int, default=3, help="drafts a speculative step (fixed)")
     parser.add_argument("--steps", type=int, default=48, help="timed decode steps per mix")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--trace", type=int, default=0, metavar="STEPS",
+                        help="then profile this many penalties+schema steps at each k (0: none)")
     args = parser.parse_args()
     cuda = args.device == "cuda"
     model_config = ModelConfig.from_dict({**COMMON, **SHAPES[args.shape]})
@@ -227,6 +261,12 @@ def main() -> None:
         for mix, r in run.items():
             print(f"  {mix} phases (ms): " + ", ".join(f"{n} {v:.2f}" for n, v in r["phases"].items())
                   + f"; allocator {r['allocator']}", flush=True)
+        if args.trace:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            run["trace"] = trace(core, "penalties+schema", args.batch, args.trace,
+                                 Path(args.out) / f"sampling_trace-k{num_drafts}.json")
+            print("  penalties+schema host time per step (us): " + ", ".join(
+                f"{e['name']} {e['self_cpu_us_per_step']:.0f}" for e in run["trace"][:12]), flush=True)
         del core
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
