@@ -19,17 +19,19 @@ padded with (0, 0.0) to the widest bias started so far (adding 0.0 changes no lo
 reads every parameter of its penalized rows on the device: `select` finds their statistics rows
 once per step, for `adjust` and `record`, and nothing else goes from host lists to the device.
 While a steady batch keeps its statistics rows (the same index tensor, step after step) the
-parameters gathered for them are reused, not gathered again: a step's adjustment is then the
-float32 copy, the bias and the penalty pass.
+parameters gathered for them are reused, not gathered again: a step's adjustment is then one
+pass (when every row is penalized; a copy of the others first when some are not).
 
 `adjust` rewrites the logits of penalized rows before sampling (vLLM's order): bad words and
 min_tokens set banned tokens to -inf, logit_bias adds, then for a token with output count c,
 seen in prompt or output: x / r if x > 0 else x * r (repetition r), then x - f * c - p * [c > 0].
+The pass does the bias and the penalties while it widens the logits to the float32 working copy;
+the bans follow it (-inf stays -inf through both: the same logits as banning first).
 A verify row scores W positions; position j is adjusted as if the drafts before it,
 drafts[:j], were generated already (counts, min_tokens length and bad-word context), so every
 accepted token was chosen from exactly the distribution plain decoding would have used.
 That costs one pass (kernels/penalties.py: one read of each logit, count and prompt flag, the
-drafts' counts added in registers). Rows without penalties are not touched, and a step without
+bias and the drafts' counts added in registers). Rows without penalties are not touched, and a step without
 penalized rows does nothing at all.
 """
 
@@ -149,27 +151,29 @@ class Penalties:
         if penalized is None:
             return logits
         rows, index, stats = penalized.rows, penalized.index, penalized.stats
-        num_rows, vocab = len(rows), logits.shape[1]
+        vocab = logits.shape[1]
         width = logits.shape[0] // penalized.num_rows
-        # Every row penalized (the common case): x is a view of the copy, nothing to scatter back.
-        logits = logits.to(torch.float32, copy=True)
-        x = logits.view(-1, width, vocab)[index]                                           # [P, W, V]
+        steps = logits.view(-1, width, vocab)                                              # [N, W, V]
         drafts = None if width == 1 else drafts[index]                                     # [P, W - 1]
-        params = [r.request.params for r in rows]
-        self._ban_bad_words(x, rows, stats, drafts)
         gathered = self._parameters(stats)
-        if any(p.logit_bias for p in params):
-            # Rows pad their bias with (token 0, 0.0): adding 0.0 changes no logit.
-            bias_shape = (num_rows, width, gathered.bias_tokens.shape[1])
-            x.scatter_add_(2, gathered.bias_tokens[:, None].expand(bias_shape),
-                           gathered.bias_values[:, None].expand(bias_shape))
-        self._ban_stops_before_min_tokens(x, rows, stats)
-        x = self.ops.penalize_rows(x, self.output_counts, self.prompt_mask, stats, gathered.repetition,
-                                   gathered.frequency, gathered.presence, drafts)
+        bias = (gathered.bias_tokens, gathered.bias_values) if any(r.request.params.logit_bias for r in rows) \
+            else (None, None)
         if isinstance(index, slice):
-            return x.view(-1, vocab)
-        logits.view(-1, width, vocab)[index] = x
-        return logits
+            # Every row penalized (the common case): the pass writes each of them, widened, into
+            # the float32 working copy; no copy before it.
+            out, penalized_rows = torch.empty(steps.shape, dtype=torch.float32, device=logits.device), None
+        else:
+            out, penalized_rows = torch.empty(steps.shape, dtype=torch.float32, device=logits.device).copy_(steps), index
+        out = self.ops.penalize_rows(steps, self.output_counts, self.prompt_mask, stats, gathered.repetition,
+                                     gathered.frequency, gathered.presence, drafts, penalized_rows, *bias, out=out)
+        # Bans after the pass: -inf stays -inf through the bias and the penalties (repetition > 0),
+        # so banning first, as vLLM orders it, gives the same logits.
+        x = out[index]                                                                     # [P, W, V]
+        banned = self._ban_bad_words(x, rows, stats, drafts)
+        banned = self._ban_stops_before_min_tokens(x, rows, stats) or banned
+        if banned and not isinstance(index, slice):  # x is a gathered copy then
+            out[index] = x
+        return out.view(-1, vocab)
 
     def record(self, penalized: PenalizedRows | None, emitted: torch.Tensor,
                num_emitted: torch.Tensor | None = None) -> None:
@@ -182,12 +186,13 @@ class Penalties:
                                None if num_emitted is None else num_emitted[index])
 
     def _ban_bad_words(self, x: torch.Tensor, rows: Sequence[ScheduledRow], stats: torch.Tensor,
-                       drafts: torch.Tensor | None) -> None:
+                       drafts: torch.Tensor | None) -> bool:
         """A bad word's last token is banned at position j when the R tokens before j (generated
-        ones, then drafts[:j]; drafts None: W = 1) end with the word's other tokens (none: always)."""
+        ones, then drafts[:j]; drafts None: W = 1) end with the word's other tokens (none: always).
+        Whether a row has bad words (x was written)."""
         words = [(p, w) for p, r in enumerate(rows) for w in r.request.bad_words_token_ids]
         if not words:
-            return
+            return False
         width = x.shape[1]
         generated = self.recent[stats]
         context = (generated if drafts is None else torch.cat([generated, drafts], dim=1)).unfold(1, _RECENT, 1)
@@ -201,19 +206,22 @@ class Penalties:
         last = self._tensor([w[-1] for _, w in words])
         x.index_put_((row[:, None].expand(-1, width), torch.arange(width, device=self.device).expand_as(ban),
                       last[:, None].expand(-1, width)), ban, accumulate=True)
+        return True
 
-    def _ban_stops_before_min_tokens(self, x: torch.Tensor, rows: Sequence[ScheduledRow], stats: torch.Tensor) -> None:
-        """Position j of a row has generated num_output + j tokens before it."""
+    def _ban_stops_before_min_tokens(self, x: torch.Tensor, rows: Sequence[ScheduledRow], stats: torch.Tensor) -> bool:
+        """Position j of a row has generated num_output + j tokens before it. Whether a row has
+        min_tokens (x was written)."""
         entries = [(p, t) for p, r in enumerate(rows) if r.request.params.min_tokens
                    for t in sorted(r.request.stop_token_ids)]
         if not entries:
-            return
+            return False
         minimum = self._tensor([r.request.params.min_tokens for r in rows])
         positions = torch.arange(x.shape[1], device=self.device)
         early = self.num_output[stats][:, None] + positions < minimum[:, None]       # [P, W]
         row, token = (self._tensor(column) for column in zip(*entries))
         banned = x[row, :, token]                                                      # [E, W]
         x[row, :, token] = torch.where(early[row], float("-inf"), banned)
+        return True
 
     def _rows(self, rows: Sequence[ScheduledRow]) -> torch.Tensor:
         """The statistics rows of the rows' slots, on the device (now the most recently used)."""
