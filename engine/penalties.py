@@ -166,13 +166,14 @@ class Penalties:
             out, penalized_rows = torch.empty(steps.shape, dtype=torch.float32, device=logits.device).copy_(steps), index
         out = self.ops.penalize_rows(steps, self.output_counts, self.prompt_mask, stats, gathered.repetition,
                                      gathered.frequency, gathered.presence, drafts, penalized_rows, *bias, out=out)
-        # Bans after the pass: -inf stays -inf through the bias and the penalties (repetition > 0),
-        # so banning first, as vLLM orders it, gives the same logits.
-        x = out[index]                                                                     # [P, W, V]
-        banned = self._ban_bad_words(x, rows, stats, drafts)
-        banned = self._ban_stops_before_min_tokens(x, rows, stats) or banned
-        if banned and not isinstance(index, slice):  # x is a gathered copy then
-            out[index] = x
+        if any(r.request.bad_words_token_ids or r.request.params.min_tokens for r in rows):
+            # Bans after the pass: -inf stays -inf through the bias and the penalties (repetition
+            # > 0), so banning first, as vLLM orders it, gives the same logits.
+            x = out[index]                                                                 # [P, W, V]
+            self._ban_bad_words(x, rows, stats, drafts)
+            self._ban_stops_before_min_tokens(x, rows, stats)
+            if not isinstance(index, slice):  # x is a gathered copy then
+                out[index] = x
         return out.view(-1, vocab)
 
     def record(self, penalized: PenalizedRows | None, emitted: torch.Tensor,
@@ -186,13 +187,12 @@ class Penalties:
                                None if num_emitted is None else num_emitted[index])
 
     def _ban_bad_words(self, x: torch.Tensor, rows: Sequence[ScheduledRow], stats: torch.Tensor,
-                       drafts: torch.Tensor | None) -> bool:
+                       drafts: torch.Tensor | None) -> None:
         """A bad word's last token is banned at position j when the R tokens before j (generated
-        ones, then drafts[:j]; drafts None: W = 1) end with the word's other tokens (none: always).
-        Whether a row has bad words (x was written)."""
+        ones, then drafts[:j]; drafts None: W = 1) end with the word's other tokens (none: always)."""
         words = [(p, w) for p, r in enumerate(rows) for w in r.request.bad_words_token_ids]
         if not words:
-            return False
+            return
         width = x.shape[1]
         generated = self.recent[stats]
         context = (generated if drafts is None else torch.cat([generated, drafts], dim=1)).unfold(1, _RECENT, 1)
@@ -206,22 +206,19 @@ class Penalties:
         last = self._tensor([w[-1] for _, w in words])
         x.index_put_((row[:, None].expand(-1, width), torch.arange(width, device=self.device).expand_as(ban),
                       last[:, None].expand(-1, width)), ban, accumulate=True)
-        return True
 
-    def _ban_stops_before_min_tokens(self, x: torch.Tensor, rows: Sequence[ScheduledRow], stats: torch.Tensor) -> bool:
-        """Position j of a row has generated num_output + j tokens before it. Whether a row has
-        min_tokens (x was written)."""
+    def _ban_stops_before_min_tokens(self, x: torch.Tensor, rows: Sequence[ScheduledRow], stats: torch.Tensor) -> None:
+        """Position j of a row has generated num_output + j tokens before it."""
         entries = [(p, t) for p, r in enumerate(rows) if r.request.params.min_tokens
                    for t in sorted(r.request.stop_token_ids)]
         if not entries:
-            return False
+            return
         minimum = self._tensor([r.request.params.min_tokens for r in rows])
         positions = torch.arange(x.shape[1], device=self.device)
         early = self.num_output[stats][:, None] + positions < minimum[:, None]       # [P, W]
         row, token = (self._tensor(column) for column in zip(*entries))
         banned = x[row, :, token]                                                      # [E, W]
         x[row, :, token] = torch.where(early[row], float("-inf"), banned)
-        return True
 
     def _rows(self, rows: Sequence[ScheduledRow]) -> torch.Tensor:
         """The statistics rows of the rows' slots, on the device (now the most recently used)."""
