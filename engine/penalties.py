@@ -31,8 +31,8 @@ A verify row scores W positions; position j is adjusted as if the drafts before 
 drafts[:j], were generated already (counts, min_tokens length and bad-word context), so every
 accepted token was chosen from exactly the distribution plain decoding would have used.
 That costs one pass (kernels/penalties.py: one read of each logit, count and prompt flag, the
-bias and the drafts' counts added in registers). Rows without penalties are not touched, and a step without
-penalized rows does nothing at all.
+bias and the drafts' counts added in registers). Rows without penalties are not touched, and a
+step without penalized rows does nothing at all.
 """
 
 from __future__ import annotations
@@ -163,7 +163,9 @@ class Penalties:
             # the float32 working copy; no copy before it.
             out, penalized_rows = torch.empty(steps.shape, dtype=torch.float32, device=logits.device), None
         else:
-            out, penalized_rows = torch.empty(steps.shape, dtype=torch.float32, device=logits.device).copy_(steps), index
+            # The others widened as they are, then the pass rewrites the penalized ones in place.
+            out = torch.empty(steps.shape, dtype=torch.float32, device=logits.device).copy_(steps)
+            penalized_rows = index
         out = self.ops.penalize_rows(steps, self.output_counts, self.prompt_mask, stats, gathered.repetition,
                                      gathered.frequency, gathered.presence, drafts, penalized_rows, *bias, out=out)
         if any(r.request.bad_words_token_ids or r.request.params.min_tokens for r in rows):

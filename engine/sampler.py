@@ -76,8 +76,9 @@ class Sampler:
         host). positions [N * W]: where the drawn tokens go, when only the device knows (fed
         rows, drafts); slots [N]: the rows' slots on the device; both by default from the rows.
         owned: logits is the penalties' float32 working copy (`Penalties.adjust` made it), which
-        the masks may overwrite instead of being copied again. Split off `sample` so that a step can adjust its rows as it is launched and draw once
-        their masks can be computed (runner.py)."""
+        the masks may overwrite instead of being copied again. Split off `sample` so that a step
+        can adjust its rows as it is launched and draw once their masks can be computed
+        (runner.py)."""
         params = [r.request.params for r in rows]
         greedy = all(p.greedy for p in params)
         if not greedy:  # queued before the wait for masks
@@ -94,10 +95,10 @@ class Sampler:
                   masks: Future | None = None, owned: bool = False) -> torch.Tensor:
         """logits [N * W, V] as `draw` takes them, with each constrained row's tokens outside
         its grammar at -inf (float32; the input itself when no row is constrained, masked in
-        place when `owned`: the penalties' working copy). The masks
-        come from `prefetch_masks` when given, else are computed now, from the matchers' state,
-        while the device works through what is queued; a verify step's masks need its drafts
-        on the host (a wait for them). Under tensor parallelism rank 0 computes them and every
+        place when `owned`: the penalties' working copy). The masks come from `prefetch_masks`
+        when given, else are computed now, from the matchers' state, while the device works
+        through what is queued; a verify step's masks need its drafts on the host (a wait for
+        them). Under tensor parallelism rank 0 computes them and every
         rank applies rank 0's (the same call on every rank: a broadcast)."""
         if all(r.request.params.structured is None for r in rows):
             return logits

@@ -6,8 +6,8 @@ token is sampled after admission (also after a restore or a preemption: the same
 penalties.py builds its statistics), and a step gathers its rows' columns by slot on the device
 (`columns`), so a decode step's sampled rows cost one gather each for the float and the integer
 columns, not a host list and a host-to-device copy per column per step (rows decided after the
-step's graph, `step_columns`, reuse their last gather while their slots stay). A slot's row is written
-again only by the next request that starts in it. Knows nothing about steps or requests beyond
+step's graph, `step_columns`, reuse their last gather while their slots stay). A slot's row is
+written again only by the next request that starts in it. Knows nothing about steps or requests beyond
 a row's slot, parameters and seed.
 """
 
