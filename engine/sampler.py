@@ -67,7 +67,8 @@ class Sampler:
 
     def draw(self, logits: torch.Tensor, rows: Sequence[ScheduledRow], positions: torch.Tensor | None = None,
              drafts: ReadDrafts | None = None, masks: Future | None = None,
-             slots: torch.Tensor | None = None, owned: bool = False) -> torch.Tensor:
+             slots: torch.Tensor | None = None, owned: bool = False,
+             out: torch.Tensor | None = None) -> torch.Tensor:
         """The token at each of W consecutive positions of each row [N * W] int64, on the
         device, from logits [N * W, V] the penalties have already adjusted: constrained rows'
         tokens outside their grammar masked (`constrain`; masks: their `prefetch_masks`), then
@@ -76,8 +77,9 @@ class Sampler:
         host). positions [N * W]: where the drawn tokens go, when only the device knows (fed
         rows, drafts); slots [N]: the rows' slots on the device; both by default from the rows.
         owned: logits is the penalties' float32 working copy (`Penalties.adjust` made it), which
-        the masks may overwrite instead of being copied again. Split off `sample` so that a step
-        can adjust its rows as it is launched and draw once their masks can be computed
+        the masks may overwrite instead of being copied again. out: where the tokens go (int64
+        [N * W]: the step's own token buffer), else a new tensor. Split off `sample` so that a
+        step can adjust its rows as it is launched and draw once their masks can be computed
         (runner.py)."""
         params = [r.request.params for r in rows]
         greedy = all(p.greedy for p in params)
@@ -87,8 +89,8 @@ class Sampler:
             columns = self.table.step_columns(rows, slots, logits.shape[0] // len(rows))
         logits = self.constrain(logits, rows, drafts, masks, owned)
         if greedy:  # greedy fast path: no filtering, no noise
-            return logits.argmax(dim=-1)
-        tokens, _ = self.ops.sample(logits, *columns, positions)
+            return logits.argmax(dim=-1) if out is None else torch.argmax(logits, dim=-1, out=out)
+        tokens, _ = self.ops.sample(logits, *columns, positions, out=out)
         return tokens
 
     def constrain(self, logits: torch.Tensor, rows: Sequence[ScheduledRow], drafts: ReadDrafts | None = None,
