@@ -20,17 +20,31 @@ of decode steps off the clock, then the wall time of each decode step with every
 engine's thread spends a step (`phases`, medians in ms): `dispatch` (planning the next step),
 `decide` (a launched step's constrained rows drawn, `mask_wait` of it waiting for their grammar
 masks), `launch` (the step launched ahead, its rows' sampling work included), `result` (waiting
-for the step's outputs: device time the host could not hide) and `commit`. Writes
+for the step's outputs: device time the host could not hide) and `commit`; inside those, `draw`
+(every `Sampler.draw`: redecided rows' masks applied and tokens drawn, mask_wait included),
+`sample` (the sampling kernels' launches inside it) and `hand_over` (queuing the outputs' copy).
+`allocator` counts what the CUDA caching allocator did over a mix's timed steps (retries and
+whole-device frees synchronize the host with the device; new device blocks cost a cudaMalloc).
+Writes
 bench/results/sampling_cost-<device>.json (device, date, commit, command, every number and each
 mix's ratio to plain).
 
-    python bench/sampling_cost.py [--batch 64] [--draft-tokens 3] [--steps 48]
+With `--trace N`, N more decode steps of penalties+schema at each k run under torch.profiler
+(host and device, Python frames included) after the timed mixes: a Chrome trace per k
+(sampling_trace-k<K>.json beside the results, for Perfetto: the engine's thread is the one
+that launches the kernels) and, in the results, the host's operators, Python functions and CUDA
+runtime calls by self time per step, every thread's together (`trace`: kernel launches,
+synchronizing calls, allocations; the mask worker's idle waits show too), to see what the
+engine's thread does in `decide`.
+
+    python bench/sampling_cost.py [--batch 64] [--draft-tokens 3] [--steps 48] [--trace 8]
     python bench/sampling_cost.py --device cpu --shape tiny --batch 4 --steps 3   # smoke (numbers mean nothing)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -51,7 +65,8 @@ import common  # noqa: E402
 from common import commit_id, device_tag  # noqa: E402
 from deltaspec.engine import EngineConfig, ModelConfig, SamplingParams, Structured  # noqa: E402
 from deltaspec.engine.core import EngineCore  # noqa: E402
-from deltaspec.engine.runner import InFlight  # noqa: E402
+from deltaspec.engine.runner import InFlight, Runner  # noqa: E402
+from deltaspec.engine.sampler import Sampler  # noqa: E402
 from deltaspec.engine.tokenizer import Tokenizer  # noqa: E402
 
 COMMON = dict(model_type="qwen3_5_text", vocab_size=248320, head_dim=256, linear_key_head_dim=128,
@@ -92,7 +107,7 @@ class Phases:
     """Wall time of the engine thread's phases of a step (the module docstring), by wrapping
     the methods that run them; `take` returns and clears each phase's seconds."""
 
-    NAMES = ("dispatch", "decide", "mask_wait", "launch", "result", "commit")
+    NAMES = ("dispatch", "decide", "mask_wait", "launch", "result", "commit", "draw", "sample", "hand_over")
 
     def __init__(self, core: EngineCore) -> None:
         self.seconds = dict.fromkeys(self.NAMES, 0.0)
@@ -104,9 +119,13 @@ class Phases:
         self._wrap(InFlight, "decide", "decide")
         self._wrap(InFlight, "result", "result")
         self._wrap(Future, "result", "mask_wait")
+        self._wrap(Sampler, "draw", "draw")
+        self._wrap(Runner, "_hand_over", "hand_over")
+        sampler = runner.sampler
+        self._undo.append((sampler, "ops", sampler.ops))
+        sampler.ops = dataclasses.replace(sampler.ops, sample=self._timed(sampler.ops.sample, "sample"))
 
-    def _wrap(self, owner, name: str, phase: str) -> None:
-        function = getattr(owner, name)
+    def _timed(self, function, phase: str):
         seconds = self.seconds
 
         @functools.wraps(function)
@@ -116,9 +135,11 @@ class Phases:
                 return function(*args, **kwargs)
             finally:
                 seconds[phase] += time.perf_counter() - begin
+        return timed
 
+    def _wrap(self, owner, name: str, phase: str) -> None:
         self._undo.append((owner, name, owner.__dict__.get(name) if isinstance(owner, type) else None))
-        setattr(owner, name, timed)
+        setattr(owner, name, self._timed(getattr(owner, name), phase))
 
     def undo(self) -> None:
         for owner, name, value in reversed(self._undo):
@@ -145,6 +166,7 @@ def measure(core: EngineCore, mix: str, batch: int, steps: int) -> dict:
         core.step()
     step_times, phase_times = [], []
     phases = Phases(core)
+    allocator_before = _allocator_counts(core.device)
     try:
         while core.has_work:
             phases.take()
@@ -156,12 +178,49 @@ def measure(core: EngineCore, mix: str, batch: int, steps: int) -> dict:
                 phase_times.append(phases.take())
     finally:
         phases.undo()
+    allocator = {name: count - allocator_before[name] for name, count in _allocator_counts(core.device).items()}
     assert all(r.finish_reason == "length" for r in requests), [r.finish_reason for r in requests]
     timed = step_times[WARM_UP_STEPS:WARM_UP_STEPS + steps]
     timed_phases = phase_times[WARM_UP_STEPS:WARM_UP_STEPS + steps]
     return {"step_ms": statistics.median(timed) * 1e3, "steps_measured": len(timed),
             "tokens_per_step": sum(len(r.output_token_ids) for r in requests) / batch / max(len(step_times), 1),
-            "phases": {name: statistics.median(p[name] for p in timed_phases) * 1e3 for name in Phases.NAMES}}
+            "phases": {name: statistics.median(p[name] for p in timed_phases) * 1e3 for name in Phases.NAMES},
+            "allocator": allocator}
+
+
+ALLOCATOR_COUNTS = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free")
+
+
+def _allocator_counts(device: torch.device) -> dict[str, int]:
+    """The CUDA caching allocator's counters that mean a host stall or a cudaMalloc (none off the GPU)."""
+    if device.type != "cuda":
+        return dict.fromkeys(ALLOCATOR_COUNTS, 0)
+    stats = torch.cuda.memory_stats(device)
+    return {name: stats.get(name, 0) for name in ALLOCATOR_COUNTS}
+
+
+def trace(core: EngineCore, mix: str, batch: int, steps: int, path: Path) -> list[dict]:
+    """`steps` decode steps of `mix` with every row running, under torch.profiler (the
+    prefills and WARM_UP_STEPS off it); writes the Chrome trace to path and returns the top 25
+    host-side entries by self CPU time (microseconds per step, all threads)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = core.model_config.vocab_size
+    generator = torch.Generator().manual_seed(batch + 1)
+    requests = [core.add_request(torch.randint(0, vocab, (PROMPT_LEN,), generator=generator).tolist(),
+                                 params(mix, i, 1 + WARM_UP_STEPS + steps + 4, vocab)) for i in range(batch)]
+    while any(len(r.output_token_ids) <= WARM_UP_STEPS for r in requests):
+        core.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if core.device.type == "cuda" else [])
+    with profile(activities=activities, with_stack=True) as profiler:
+        for _ in range(steps):
+            core.step()
+    while core.has_work:
+        core.step()
+    profiler.export_chrome_trace(str(path))
+    entries = sorted(profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:25]
+    return [{"name": e.key, "calls_per_step": e.count / steps, "self_cpu_us_per_step": e.self_cpu_time_total / steps}
+            for e in entries]
 
 
 def main() -> None:
@@ -172,6 +231,8 @@ def main() -> None:
     parser.add_argument("--draft-tokens", type=int, default=3, help="drafts a speculative step (fixed)")
     parser.add_argument("--steps", type=int, default=48, help="timed decode steps per mix")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--trace", type=int, default=0, metavar="STEPS",
+                        help="then profile this many penalties+schema steps at each k (0: none)")
     args = parser.parse_args()
     cuda = args.device == "cuda"
     model_config = ModelConfig.from_dict({**COMMON, **SHAPES[args.shape]})
@@ -198,7 +259,14 @@ def main() -> None:
         print(f"k={num_drafts}: " + ", ".join(f"{m} {r['step_ms']:.2f} ms ({r['ratio_to_plain']:.2f}x)"
                                                for m, r in run.items()), flush=True)
         for mix, r in run.items():
-            print(f"  {mix} phases (ms): " + ", ".join(f"{n} {v:.2f}" for n, v in r["phases"].items()), flush=True)
+            print(f"  {mix} phases (ms): " + ", ".join(f"{n} {v:.2f}" for n, v in r["phases"].items())
+                  + f"; allocator {r['allocator']}", flush=True)
+        if args.trace:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            run["trace"] = trace(core, "penalties+schema", args.batch, args.trace,
+                                 Path(args.out) / f"sampling_trace-k{num_drafts}.json")
+            print("  penalties+schema host time per step (us): " + ", ".join(
+                f"{e['name']} {e['self_cpu_us_per_step']:.0f}" for e in run["trace"][:12]), flush=True)
         del core
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,10 @@ counts, per decode step of the five mixes of sampling_cost.py (same params, same
                   worker; median over the calls of the timed steps): on a GPU with speculation it
                   runs while the device verifies the step, so it delays the next launch only
                   when it outlasts the verify
+    mask_lead_ms  wall time from the masks' start (`InFlight.prefetch` returns) to the engine
+                  thread asking for them in `decide`: the engine-thread work the worker's mask
+                  computation overlaps (on a 2-core machine shared with other work the two
+                  threads also share the cores, so mask_wait_ms need not fall as it grows)
 
 The CPU runs every operator at once and the tiny vocabulary keeps them cheap, so `host_ms` is
 dominated by Python and dispatch, as on a GPU host; the counts do not depend on the machine.
@@ -57,7 +61,7 @@ from common import commit_id  # noqa: E402
 from sampling_cost import COMMON, MIXES, PROMPT_LEN, SHAPES, WARM_UP_STEPS, params  # noqa: E402
 from deltaspec.engine import EngineConfig, ModelConfig  # noqa: E402
 from deltaspec.engine.core import EngineCore  # noqa: E402
-from deltaspec.engine.runner import Runner  # noqa: E402
+from deltaspec.engine.runner import InFlight, Runner  # noqa: E402
 from deltaspec.engine.speculation import Speculator  # noqa: E402
 from deltaspec.engine.structured import Grammars, Matcher  # noqa: E402
 from deltaspec.engine.tokenizer import Tokenizer  # noqa: E402
@@ -110,6 +114,8 @@ class Probe:
         self.waits: list[float] = []
         self.advances: list[float] = []
         self.mask_calls: list[float] = []
+        self.leads: list[float] = []
+        self._prefetched: float | None = None  # when the last InFlight.prefetch returned
         self._depth = 0
         self._undo = []
         sampler = core.runner.sampler
@@ -120,7 +126,9 @@ class Probe:
         for owner, name in TIMED:
             if hasattr(owner, name):
                 self._patch(owner, name, self._timed(getattr(owner, name)))
-        self._patch(Future, "result", self._clocked(Future.result, time.perf_counter, self.waits, in_timed=True))
+        self._patch(Future, "result", self._clocked(self._lead(Future.result), time.perf_counter, self.waits,
+                                                    in_timed=True))
+        self._patch(InFlight, "prefetch", self._marks_prefetch(InFlight.prefetch))
         self._patch(Matcher, "advance", self._clocked(Matcher.advance, time.thread_time, self.advances))
         self._patch(Grammars, "bitmask", self._clocked(Grammars.bitmask, time.perf_counter, self.mask_calls))
         for module in list(sys.modules.values()):
@@ -165,6 +173,26 @@ class Probe:
                     durations.append(clock() - begin)
         return clocked
 
+    def _marks_prefetch(self, function):
+        @functools.wraps(function)
+        def prefetch(*args, **kwargs):
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self._prefetched = time.perf_counter()
+        return prefetch
+
+    def _lead(self, function):
+        """function (Future.result), appending the time since the last prefetch to leads when
+        a TIMED method asks for masks prefetched before it."""
+        @functools.wraps(function)
+        def result(*args, **kwargs):
+            if self._depth and self._prefetched is not None:
+                self.leads.append(time.perf_counter() - self._prefetched)
+                self._prefetched = None
+            return function(*args, **kwargs)
+        return result
+
     def _copy_in(self, function):
         @functools.wraps(function)
         def counted(*args, **kwargs):
@@ -173,15 +201,17 @@ class Probe:
             return function(*args, **kwargs)
         return counted
 
-    def take(self) -> tuple[float, float, int, int, float]:
+    def take(self) -> tuple[float, float, int, int, float, float]:
         """(host CPU seconds outside the kernels, seconds waiting for grammar masks, operator
-        calls, host-to-device tensors, CPU seconds advancing grammars) since the last take."""
+        calls, host-to-device tensors, CPU seconds advancing grammars, seconds from the masks'
+        start to that wait) since the last take."""
         counter = self.counter
         taken = (self.seconds - counter.kernel_seconds, sum(self.waits), counter.ops, counter.copies_in,
-                 sum(self.advances))
+                 sum(self.advances), sum(self.leads))
         self.seconds = counter.kernel_seconds = 0.0
         self.waits.clear()
         self.advances.clear()
+        self.leads.clear()
         counter.ops = counter.copies_in = 0
         return taken
 
@@ -210,6 +240,7 @@ def measure(core: EngineCore, mix: str, batch: int, steps: int) -> dict:
     mask_calls = probe.mask_calls[WARM_UP_STEPS:WARM_UP_STEPS + steps]
     return {"host_ms": column(0) * 1e3, "mask_wait_ms": column(1) * 1e3, "ops": column(2), "copies_in": column(3),
             "advance_ms": column(4) * 1e3, "mask_ms": statistics.median(mask_calls) * 1e3 if mask_calls else 0.0,
+            "mask_lead_ms": column(5) * 1e3,
             "steps_measured": len(timed)}
 
 
@@ -238,7 +269,8 @@ def main() -> None:
         runs[f"k={num_drafts}"] = run
         print(f"k={num_drafts}: " + "; ".join(f"{m} {r['host_ms']:.2f} ms (+{r['mask_wait_ms']:.2f} waiting), "
                                                f"{r['ops']:.0f} ops, {r['copies_in']:.0f} copies in, "
-                                               f"grammar advance {r['advance_ms']:.2f} ms, masks {r['mask_ms']:.2f} ms"
+                                               f"grammar advance {r['advance_ms']:.2f} ms, masks {r['mask_ms']:.2f} ms "
+                                               f"started {r['mask_lead_ms']:.2f} ms ahead"
                                                for m, r in run.items()), flush=True)
         del core
     out = Path(args.out)

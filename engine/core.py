@@ -369,11 +369,11 @@ class EngineCore:
         self._last_commit = now
         self._in_flight = result.launched
         ahead = result.launched.plan if result.launched is not None else None
-        committed = self.scheduler.commit(plan, result.output, ahead)
-        if result.launched is not None:
-            # Its constrained rows' masks follow the tokens just committed: computed in a worker
-            # while this thread hands out deltas and plans the step after it.
-            result.launched.prefetch()
+        # The launched step's constrained rows' masks follow this step's tokens: computed in a
+        # worker from the moment the grammars have taken them, while this thread commits the
+        # rest, hands out deltas and plans the step after it.
+        committed = self.scheduler.commit(plan, result.output, ahead,
+                                          result.launched.prefetch if result.launched is not None else None)
         deltas = []
         for request in committed + self.scheduler.take_aborted():
             deltas.append(request.take_delta())

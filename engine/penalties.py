@@ -18,16 +18,21 @@ its (repetition, frequency, presence) coefficients and its logit_bias as (token,
 padded with (0, 0.0) to the widest bias started so far (adding 0.0 changes no logit), so a step
 reads every parameter of its penalized rows on the device: `select` finds their statistics rows
 once per step, for `adjust` and `record`, and nothing else goes from host lists to the device.
+While a steady batch keeps its statistics rows (the same index tensor, step after step) the
+parameters gathered for them are reused, not gathered again: a step's adjustment is then one
+pass (when every row is penalized; a copy of the others first when some are not).
 
 `adjust` rewrites the logits of penalized rows before sampling (vLLM's order): bad words and
 min_tokens set banned tokens to -inf, logit_bias adds, then for a token with output count c,
 seen in prompt or output: x / r if x > 0 else x * r (repetition r), then x - f * c - p * [c > 0].
+The pass does the bias and the penalties while it widens the logits to the float32 working copy;
+the bans follow it (-inf stays -inf through both: the same logits as banning first).
 A verify row scores W positions; position j is adjusted as if the drafts before it,
 drafts[:j], were generated already (counts, min_tokens length and bad-word context), so every
 accepted token was chosen from exactly the distribution plain decoding would have used.
 That costs one pass (kernels/penalties.py: one read of each logit, count and prompt flag, the
-drafts' counts added in registers). Rows without penalties are not touched, and a step without
-penalized rows does nothing at all.
+bias and the drafts' counts added in registers). Rows without penalties are not touched, and a
+step without penalized rows does nothing at all.
 """
 
 from __future__ import annotations
@@ -54,6 +59,16 @@ class PenalizedRows(NamedTuple):
     num_rows: int                     # N
 
 
+class _Parameters(NamedTuple):
+    """The parameters of P statistics rows, gathered once for as long as they stay a step's rows."""
+
+    repetition: torch.Tensor          # [P] float32
+    frequency: torch.Tensor           # [P] float32
+    presence: torch.Tensor            # [P] float32
+    bias_tokens: torch.Tensor         # [P, B] int64, padded with token 0
+    bias_values: torch.Tensor         # [P, B] float32, padded with 0.0
+
+
 class Penalties:
     def __init__(self, num_rows: int, vocab_size: int, device: torch.device, ops: Ops) -> None:
         """num_rows: penalized requests running at once at most; ops: the dense pass's and the
@@ -64,6 +79,9 @@ class Penalties:
         # The last `_rows` result and what it holds: consecutive steps of a steady batch (a step
         # launched ahead runs the rows of the one before) index the same statistics rows.
         self._last_rows: tuple[tuple[int, ...], torch.Tensor | None] = ((), None)
+        # The parameters `adjust` gathered for a statistics-row index (`_parameters`), reused
+        # while `_rows` hands out that same index and no `start` has rewritten any row.
+        self._gathered: tuple[torch.Tensor | None, _Parameters | None] = (None, None)
 
     def select(self, rows: Sequence[ScheduledRow]) -> PenalizedRows | None:
         """The penalized rows among `rows` (None: none), their statistics rows now the most
@@ -123,6 +141,7 @@ class Penalties:
             self.bias_tokens[stats] = self._tensor([[t for t, _ in entries] for entries in padded]).view(len(rows), -1)
             self.bias_values[stats] = device_tensor([b for entries in padded for _, b in entries], torch.float32,
                                                     self.device).view(len(rows), -1)
+        self._gathered = (None, None)  # rows' parameters rewritten
 
     def adjust(self, logits: torch.Tensor, penalized: PenalizedRows | None,
                drafts: torch.Tensor | None = None) -> torch.Tensor:
@@ -132,27 +151,32 @@ class Penalties:
         if penalized is None:
             return logits
         rows, index, stats = penalized.rows, penalized.index, penalized.stats
-        num_rows, vocab = len(rows), logits.shape[1]
+        vocab = logits.shape[1]
         width = logits.shape[0] // penalized.num_rows
-        # Every row penalized (the common case): x is a view of the copy, nothing to scatter back.
-        logits = logits.to(torch.float32, copy=True)
-        x = logits.view(-1, width, vocab)[index]                                           # [P, W, V]
+        steps = logits.view(-1, width, vocab)                                              # [N, W, V]
         drafts = None if width == 1 else drafts[index]                                     # [P, W - 1]
-        params = [r.request.params for r in rows]
-        self._ban_bad_words(x, rows, stats, drafts)
-        if any(p.logit_bias for p in params):
-            # Rows pad their bias with (token 0, 0.0): adding 0.0 changes no logit.
-            bias_shape = (num_rows, width, self.bias_tokens.shape[1])
-            x.scatter_add_(2, self.bias_tokens[stats][:, None].expand(bias_shape),
-                           self.bias_values[stats][:, None].expand(bias_shape))
-        self._ban_stops_before_min_tokens(x, rows, stats)
-        repetition, frequency, presence = self.coefficients.index_select(1, stats)          # [P] each
-        x = self.ops.penalize_rows(x, self.output_counts, self.prompt_mask, stats, repetition, frequency, presence,
-                                   drafts)
+        gathered = self._parameters(stats)
+        bias = (gathered.bias_tokens, gathered.bias_values) if any(r.request.params.logit_bias for r in rows) \
+            else (None, None)
         if isinstance(index, slice):
-            return x.view(-1, vocab)
-        logits.view(-1, width, vocab)[index] = x
-        return logits
+            # Every row penalized (the common case): the pass writes each of them, widened, into
+            # the float32 working copy; no copy before it.
+            out, penalized_rows = torch.empty(steps.shape, dtype=torch.float32, device=logits.device), None
+        else:
+            # The others widened as they are, then the pass rewrites the penalized ones in place.
+            out = torch.empty(steps.shape, dtype=torch.float32, device=logits.device).copy_(steps)
+            penalized_rows = index
+        out = self.ops.penalize_rows(steps, self.output_counts, self.prompt_mask, stats, gathered.repetition,
+                                     gathered.frequency, gathered.presence, drafts, penalized_rows, *bias, out=out)
+        if any(r.request.bad_words_token_ids or r.request.params.min_tokens for r in rows):
+            # Bans after the pass: -inf stays -inf through the bias and the penalties (repetition
+            # > 0), so banning first, as vLLM orders it, gives the same logits.
+            x = out[index]                                                                 # [P, W, V]
+            self._ban_bad_words(x, rows, stats, drafts)
+            self._ban_stops_before_min_tokens(x, rows, stats)
+            if not isinstance(index, slice):  # x is a gathered copy then
+                out[index] = x
+        return out.view(-1, vocab)
 
     def record(self, penalized: PenalizedRows | None, emitted: torch.Tensor,
                num_emitted: torch.Tensor | None = None) -> None:
@@ -208,6 +232,16 @@ class Penalties:
         if stats != self._last_rows[0]:  # else no copy in: the same rows as the step before
             self._last_rows = stats, self._tensor(stats)
         return self._last_rows[1]
+
+    def _parameters(self, stats: torch.Tensor) -> _Parameters:
+        """The parameters of statistics rows `stats` (a `_rows` result): gathered on the device
+        the first time, then the same tensors while a steady batch keeps its rows (no kernel)."""
+        index, gathered = self._gathered
+        if index is not stats:
+            gathered = _Parameters(*self.coefficients.index_select(1, stats), self.bias_tokens[stats],
+                                   self.bias_values[stats])
+            self._gathered = (stats, gathered)
+        return gathered
 
     def _scatter_index(self, rows: Sequence[ScheduledRow], lists: list[list[int]]) -> tuple[torch.Tensor, ...]:
         stats_rows = [self._row_of[r.slot] for r, tokens in zip(rows, lists) for _ in tokens]

@@ -155,14 +155,21 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def extend(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None = None) -> None:
-        """Record the tokens of one step in order, stopping at the first that finishes. Without
-        stop strings their text follows in `update_texts`, for all of a step's requests at once."""
+    def advance_grammar(self, token_ids: list[int]) -> int | None:
+        """Its grammar takes a step's tokens at once, before `extend` records them (it is never
+        used again if the request stops before the last): how many of them complete it, if any
+        do (Matcher.advance); None without a grammar or once finished."""
+        if self.grammar is None or not token_ids or self.finish_reason is not None:
+            return None
+        return self.grammar.advance(token_ids)
+
+    def extend(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None = None,
+               grammar_end: int | None = None) -> None:
+        """Record the tokens of one step in order, stopping at the first that finishes (the
+        grammar_end-th completes the grammar: `advance_grammar`). Without stop strings their
+        text follows in `update_texts`, for all of a step's requests at once."""
         if self.finish_reason is not None:
             return
-        # The grammar takes the step's tokens at once (it is never used again if the request
-        # stops before the last): grammar_end is how many of them complete it, if any do.
-        grammar_end = self.grammar.advance(token_ids) if self.grammar is not None and token_ids else None
         if self.params.stop:
             # A stop string can end in any token: the text is searched after each one.
             for i, token_id in enumerate(token_ids):

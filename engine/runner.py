@@ -255,9 +255,13 @@ class Runner:
         computed now) into the step's tokens."""
         if redecision is None:
             return
+        index = redecision.index
+        # Every row redecided: drawn straight into the step's tokens (a view), else copied there.
+        into = tokens[index] if isinstance(index, slice) else None
         drawn = self.sampler.draw(redecision.logits, redecision.rows, redecision.positions, masks=masks,
-                                  slots=redecision.slots)
-        tokens[redecision.index] = drawn
+                                  slots=redecision.slots, owned=redecision.penalized is not None, out=into)
+        if into is None:
+            tokens[index] = drawn
         self.sampler.penalties.record(redecision.penalized, drawn[:, None])
 
     @torch.inference_mode()

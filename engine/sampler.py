@@ -61,13 +61,14 @@ class Sampler:
         penalty statistics: penalized rows' logits adjusted first (penalties.py), greedy rows'
         too, then `draw`. A seeded draw depends only on (seed, position)."""
         penalized = self.penalties.select(rows)
-        tokens = self.draw(self.penalties.adjust(logits, penalized), rows)
+        tokens = self.draw(self.penalties.adjust(logits, penalized), rows, owned=penalized is not None)
         self.penalties.record(penalized, tokens[:, None])
         return tokens
 
     def draw(self, logits: torch.Tensor, rows: Sequence[ScheduledRow], positions: torch.Tensor | None = None,
              drafts: ReadDrafts | None = None, masks: Future | None = None,
-             slots: torch.Tensor | None = None) -> torch.Tensor:
+             slots: torch.Tensor | None = None, owned: bool = False,
+             out: torch.Tensor | None = None) -> torch.Tensor:
         """The token at each of W consecutive positions of each row [N * W] int64, on the
         device, from logits [N * W, V] the penalties have already adjusted: constrained rows'
         tokens outside their grammar masked (`constrain`; masks: their `prefetch_masks`), then
@@ -75,29 +76,31 @@ class Sampler:
         the positions after a row's first were fed (constrained rows' masks need them on the
         host). positions [N * W]: where the drawn tokens go, when only the device knows (fed
         rows, drafts); slots [N]: the rows' slots on the device; both by default from the rows.
-        Split off `sample` so that a step can adjust its rows as it is launched and draw once
-        their masks can be computed (runner.py)."""
+        owned: logits is the penalties' float32 working copy (`Penalties.adjust` made it), which
+        the masks may overwrite instead of being copied again. out: where the tokens go (int64
+        [N * W]: the step's own token buffer), else a new tensor. Split off `sample` so that a
+        step can adjust its rows as it is launched and draw once their masks can be computed
+        (runner.py)."""
         params = [r.request.params for r in rows]
         greedy = all(p.greedy for p in params)
         if not greedy:  # queued before the wait for masks
             if positions is None:
                 positions = self.tensor([r.start_position + r.num_tokens for r in rows])
-            if slots is None:
-                slots = self.tensor([r.slot for r in rows])
-            columns = self.table.columns(slots, logits.shape[0] // len(rows))
-        logits = self.constrain(logits, rows, drafts, masks)
+            columns = self.table.step_columns(rows, slots, logits.shape[0] // len(rows))
+        logits = self.constrain(logits, rows, drafts, masks, owned)
         if greedy:  # greedy fast path: no filtering, no noise
-            return logits.argmax(dim=-1)
-        tokens, _ = self.ops.sample(logits, *columns, positions)
+            return logits.argmax(dim=-1) if out is None else torch.argmax(logits, dim=-1, out=out)
+        tokens, _ = self.ops.sample(logits, *columns, positions, out=out)
         return tokens
 
     def constrain(self, logits: torch.Tensor, rows: Sequence[ScheduledRow], drafts: ReadDrafts | None = None,
-                  masks: Future | None = None) -> torch.Tensor:
+                  masks: Future | None = None, owned: bool = False) -> torch.Tensor:
         """logits [N * W, V] as `draw` takes them, with each constrained row's tokens outside
-        its grammar at -inf (float32; the input itself when no row is constrained). The masks
-        come from `prefetch_masks` when given, else are computed now, from the matchers' state,
-        while the device works through what is queued; a verify step's masks need its drafts
-        on the host (a wait for them). Under tensor parallelism rank 0 computes them and every
+        its grammar at -inf (float32; the input itself when no row is constrained, masked in
+        place when `owned`: the penalties' working copy). The masks come from `prefetch_masks`
+        when given, else are computed now, from the matchers' state, while the device works
+        through what is queued; a verify step's masks need its drafts on the host (a wait for
+        them). Under tensor parallelism rank 0 computes them and every
         rank applies rank 0's (the same call on every rank: a broadcast)."""
         if all(r.request.params.structured is None for r in rows):
             return logits
@@ -109,7 +112,7 @@ class Sampler:
             on_device = self._masks.take(copied)
         if self.tp is not None:
             self.tp.broadcast(on_device)
-        return self.ops.apply_token_bitmask(logits, on_device)
+        return self.ops.apply_token_bitmask(logits, on_device, out=logits if owned else None)
 
     def prefetch_masks(self, rows: Sequence[ScheduledRow], width: int = 1,
                        drafts: ReadDrafts | None = None) -> Future:

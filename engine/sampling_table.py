@@ -5,8 +5,9 @@ The sampling kernel takes per-row columns: temperature, top_k, top_p, min_p and 
 token is sampled after admission (also after a restore or a preemption: the same moment
 penalties.py builds its statistics), and a step gathers its rows' columns by slot on the device
 (`columns`), so a decode step's sampled rows cost one gather each for the float and the integer
-columns, not a host list and a host-to-device copy per column per step. A slot's row is written
-again only by the next request that starts in it. Knows nothing about steps or requests beyond
+columns, not a host list and a host-to-device copy per column per step (rows decided after the
+step's graph, `step_columns`, reuse their last gather while their slots stay). A slot's row is
+written again only by the next request that starts in it. Knows nothing about steps or requests beyond
 a row's slot, parameters and seed.
 """
 
@@ -36,6 +37,9 @@ class SamplingTable:
         # A column per slot: one gather gives a step's rows every column contiguously.
         self._floats = torch.zeros(3, num_slots, dtype=torch.float32, device=device)  # temperature, top_p, min_p
         self._ints = torch.zeros(2, num_slots, dtype=torch.int64, device=device)      # top_k, seed
+        # The last `step_columns` result and its (slots, width): a steady batch's redecided rows
+        # keep their slots step after step; any `start` may rewrite a slot's row.
+        self._last: tuple[tuple[tuple[int, ...], int] | None, SamplingColumns | None] = (None, None)
 
     def start(self, rows: Sequence[ScheduledRow]) -> None:
         """Write the slots of rows about to sample their request's first token (after admission,
@@ -48,6 +52,20 @@ class SamplingTable:
                                                self.device).view(len(rows), 3).T
         self._ints[:, slots] = device_tensor([(p.top_k, r.request.seed) for p, r in zip(params, rows)], torch.int64,
                                              self.device).view(len(rows), 2).T
+        self._last = (None, None)
+
+    def step_columns(self, rows: Sequence[ScheduledRow], slots: torch.Tensor | None = None,
+                     width: int = 1) -> SamplingColumns:
+        """`columns` of the rows' slots (slots: those on the device, else copied in), reused
+        without a gather while the rows' slots and width stay those of the last call and no
+        slot has started since (the tensors are only ever read). Not inside a graph capture:
+        a replay would not redo the gather."""
+        key = (tuple(r.slot for r in rows), width)
+        if key != self._last[0]:
+            if slots is None:
+                slots = device_tensor(key[0], torch.int64, self.device)
+            self._last = key, self.columns(slots, width)
+        return self._last[1]
 
     def columns(self, slots: torch.Tensor, width: int = 1) -> SamplingColumns:
         """The columns of the rows in `slots` [N] (int64, on the device), each row's repeated for

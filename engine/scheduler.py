@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from ..kernels.gdn_chunked import CHUNK_SIZE
 from ..spec import DraftPolicy, SpecStats
@@ -224,10 +225,14 @@ class Scheduler:
                      for (index, request, furthest, _), room in zip(fed, rooms))
         return StepPlan(rows, (), (), self.cache.take_ops())
 
-    def commit(self, plan: StepPlan, output: StepOutput, ahead: StepPlan | None = None) -> list[Request]:
+    def commit(self, plan: StepPlan, output: StepOutput, ahead: StepPlan | None = None,
+               advanced: Callable[[], None] | None = None) -> list[Request]:
         """Fold the step's output in (StepOutput: per plan row, the emitted tokens, their
         log-probabilities, the fed tokens left pending in the slot). ahead: the step launched
         after this one (`continuation`), which already fed its rows their newest token.
+        advanced: called once the constrained rows' grammars have taken the step's tokens,
+        first, before the rest of the commit (the engine starts the next step's grammar masks
+        then, so that they are computed while this thread commits and plans).
         Returns the requests that got tokens or finished. A row whose logits were not finite
         (`output.nonfinite`) fails its request alone: no tokens, slot and blocks freed, and none
         of the step's checkpoints kept (a prefill row's would hold the broken state)."""
@@ -245,6 +250,13 @@ class Scheduler:
         updated = []
         num_decode_rows = len(plan.decode_rows)
         running = RequestStatus.RUNNING  # looked up once: on Python 3.11 an Enum member costs a call
+        # The grammars take the step's tokens first, for the rows that record them below.
+        grammar_ends = {index: row.request.advance_grammar(tokens)
+                        for index, (row, tokens) in enumerate(zip(plan.rows, output.emitted))
+                        if row.request.grammar is not None and row.sample and row.request.status is running
+                        and not (nonfinite is not None and nonfinite[index])}
+        if advanced is not None:
+            advanced()
         for index, (row, tokens) in enumerate(zip(plan.rows, output.emitted)):
             request = row.request
             if request.status is not running:
@@ -268,7 +280,7 @@ class Scheduler:
             if row.sample:
                 request.starting = False
                 num_known = request.num_tokens
-                request.extend(tokens, logprobs[index] if logprobs else None)
+                request.extend(tokens, logprobs[index] if logprobs else None, grammar_ends.get(index))
                 updated.append(request)
                 if request.finish_reason is not None:
                     fed_ahead = ahead is not None and any(r.request is request for r in ahead.decode_rows)

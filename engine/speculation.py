@@ -282,7 +282,7 @@ class Speculator:
         index, rows, drafts, num_drafts = resampling.index, resampling.rows, resampling.drafts, resampling.num_drafts
         width = drafts.shape[1] + 1
         targets = self.sampler.draw(resampling.logits, rows, resampling.positions, resampling.read_drafts, masks,
-                                    resampling.slots).view(len(rows), width)
+                                    resampling.slots, owned=resampling.penalized is not None).view(len(rows), width)
         accepted, emitted = self._forced(*sampled_accept(targets, drafts, num_drafts), num_drafts)
         self.decode.accepted[index] = accepted
         self.decode.emitted[:width, index] = emitted.T

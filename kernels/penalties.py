@@ -10,10 +10,15 @@ In a verify row position j also counts the drafts before it as generated: c = co
 #{i < j : drafts[p, i] = v}, so every verified position is penalized as plain decoding would
 penalize it once those drafts were accepted.
 
-`penalize_rows` (Triton) reads each logit, count and flag once and writes the logit in place,
-adding the drafts' counts in registers (a compare per earlier draft); `penalize_rows_reference`
-is its torch oracle (out of place, also the CPU path): a dense pass with the slots' counts,
-then a sparse fix of the at most W(W-1)/2 (position, earlier draft) entries. Torch's broadcast
+Each row's logit_bias is added first (vLLM's order: bias, then penalties).
+
+`penalize_rows` (Triton) reads each logit (any float dtype), count and flag once and writes the
+float32 result, in place or to a separate output (so the penalized rows need no widened copy
+first), adding the bias entries that fall in its tile and the drafts' counts in registers (a
+compare per earlier draft); a step's penalized rows may be a subset of its rows (`rows`), each
+written in its place. `penalize_rows_reference` is its torch oracle (also the CPU path): a
+scatter of the bias, a dense pass with the slots' counts, then a sparse fix of the at most
+W(W-1)/2 (position, earlier draft) entries. Torch's broadcast
 version is a dozen full passes over [P, V] (gathers of the statistics rows, a temporary per
 operator). Knows nothing about requests.
 
@@ -42,10 +47,36 @@ def penalize(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor
 
 def penalize_rows_reference(logits: torch.Tensor, counts: torch.Tensor, prompt_mask: torch.Tensor, stats: torch.Tensor,
                             repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
-                            drafts: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [P, W, V] float32; counts [S, V] int32 and prompt_mask [S, V] bool, row stats[p]
-    of them for row p; repetition, frequency, presence [P] float32; drafts [P, W - 1] int64 (W >
-    1: position j counts drafts[p, :j] too). Returns the penalized [P, W, V]."""
+                            drafts: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                            bias_tokens: torch.Tensor | None = None, bias_values: torch.Tensor | None = None,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [N, W, V] (any float dtype) of N rows, P of them penalized: rows [P] int64 (None:
+    all, P = N), the p-th with statistics row stats[p] of counts [S, V] int32 and prompt_mask
+    [S, V] bool; repetition, frequency, presence [P] float32; drafts [P, W - 1] int64 (W > 1:
+    position j counts drafts[p, :j] too); bias_tokens [P, B] int64 and bias_values [P, B] float32:
+    each row's logit_bias, added before the penalties (padding (0, 0.0) adds nothing). Writes the
+    penalized rows, float32, into out (contiguous float32 [N, W, V], which may be logits itself;
+    its other rows are left as they are) and returns it; without out, returns a new float32
+    [N, W, V] (the other rows widened)."""
+    x = logits.float() if rows is None else logits[rows].float()                      # [P, W, V]
+    if bias_tokens is not None:
+        shape = (*x.shape[:2], bias_tokens.shape[1])
+        x = x.scatter_add(2, bias_tokens[:, None].expand(shape), bias_values[:, None].expand(shape))
+    x = _penalized(x, counts, prompt_mask, stats, repetition, frequency, presence, drafts)   # a new tensor
+    if out is None and rows is None:
+        return x
+    target = logits.to(torch.float32, copy=True) if out is None else out
+    if rows is None:
+        return target.copy_(x)
+    target[rows] = x
+    return target
+
+
+def _penalized(logits: torch.Tensor, counts: torch.Tensor, prompt_mask: torch.Tensor, stats: torch.Tensor,
+               repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
+               drafts: torch.Tensor | None) -> torch.Tensor:
+    """The penalties of float32 logits [P, W, V], row p's from statistics row stats[p] (drafts:
+    penalize_rows_reference's); a new tensor."""
     column = lambda values: values[:, None, None]  # noqa: E731
     out = penalize(logits, counts[stats][:, None], prompt_mask[stats][:, None], column(repetition),
                    column(frequency), column(presence))
@@ -68,61 +99,98 @@ def penalize_rows_reference(logits: torch.Tensor, counts: torch.Tensor, prompt_m
 
 
 @triton.jit
-def _penalize_rows_kernel(logits, counts, prompt_mask, stats, repetition, frequency, presence, drafts, W, V,
-                          BLOCK: tl.constexpr, HAS_DRAFTS: tl.constexpr):
-    """Program (row p * W + position, column tile): the module docstring's formulas, in place."""
-    flat_row = tl.program_id(0).to(tl.int64)
-    row = flat_row // W
-    columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+def _penalize_rows_kernel(logits, stride_row, stride_position, out, rows, counts, prompt_mask, stats, repetition,
+                          frequency, presence, drafts, bias_tokens, bias_values, W, V, B, BLOCK: tl.constexpr,
+                          HAS_DRAFTS: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Program (penalized row p * W + position j, column tile): the module docstring's formulas
+    after the row's logit bias, from logits row rows[p] (p without rows) to the same row of out."""
+    flat = tl.program_id(0).to(tl.int64)
+    p = flat // W
+    j = flat - p * W
+    if HAS_ROWS:
+        n = tl.load(rows + p)
+    else:
+        n = p
+    start = tl.program_id(1) * BLOCK
+    columns = start + tl.arange(0, BLOCK)
     inside = columns < V
-    stat = tl.load(stats + row)
-    x = tl.load(logits + flat_row * V + columns, mask=inside, other=0.0)
+    stat = tl.load(stats + p)
+    x = tl.load(logits + n * stride_row + j * stride_position + columns, mask=inside, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        for i in range(0, B):  # a scalar test per entry: only its tile adds it
+            token = tl.load(bias_tokens + p * B + i)
+            if (token >= start) & (token < start + BLOCK):
+                x += tl.where(columns == token, tl.load(bias_values + p * B + i), 0.0)
     count = tl.load(counts + stat * V + columns, mask=inside, other=0)
     if HAS_DRAFTS:
-        for i in range(0, flat_row - row * W):  # the drafts before this position
-            count += (columns == tl.load(drafts + row * (W - 1) + i)).to(tl.int32)
+        for i in range(0, j):  # the drafts before this position
+            count += (columns == tl.load(drafts + p * (W - 1) + i)).to(tl.int32)
     seen = tl.load(prompt_mask + stat * V + columns, mask=inside, other=0) != 0
     generated = count > 0
-    r = tl.load(repetition + row)
+    r = tl.load(repetition + p)
     scale = tl.where(seen | generated, r, 1.0)
     # IEEE division, as torch's x / scale (the interpreter and the reference agree bit for bit).
     x = tl.where(x > 0, tl.math.div_rn(x, scale), x * scale)
-    x = x - tl.load(frequency + row) * count.to(tl.float32) - tl.load(presence + row) * generated.to(tl.float32)
-    tl.store(logits + flat_row * V + columns, x, mask=inside)
+    x = x - tl.load(frequency + p) * count.to(tl.float32) - tl.load(presence + p) * generated.to(tl.float32)
+    tl.store(out + (n * W + j) * V + columns, x, mask=inside)
 
 
-def _check_penalize_rows_args(logits, counts, prompt_mask, stats, repetition, frequency, presence, drafts) -> None:
-    assert logits.dim() == 3 and logits.dtype == torch.float32 and logits.is_contiguous(), \
-        "logits: contiguous float32 [P, W, V]"
+def _check_penalize_rows_args(logits, counts, prompt_mask, stats, repetition, frequency, presence, drafts, rows,
+                              bias_tokens, bias_values, out) -> None:
+    assert logits.dim() == 3 and logits.stride(2) == 1 and logits.dtype in (torch.float32, torch.bfloat16,
+                                                                              torch.float16), \
+        "logits: float [N, W, V] with unit column stride"
     num_rows, width, vocab = logits.shape
+    target = logits if out is None else out
+    assert target.shape == logits.shape and target.dtype == torch.float32 and target.is_contiguous(), \
+        "out (logits when None): contiguous float32 [N, W, V]"
     assert counts.dtype == torch.int32 and counts.dim() == 2 and counts.shape[1] == vocab and counts.is_contiguous(), \
         "counts: contiguous int32 [S, V]"
     assert prompt_mask.dtype == torch.bool and prompt_mask.shape == counts.shape and prompt_mask.is_contiguous(), \
         "prompt_mask: contiguous bool [S, V]"
-    assert stats.dtype == torch.int64 and stats.shape == (num_rows,), "stats: int64 [P]"
+    penalized = num_rows if rows is None else rows.shape[0]
+    assert rows is None or (rows.dtype == torch.int64 and rows.dim() == 1 and rows.is_contiguous()), \
+        "rows: contiguous int64 [P]"
+    assert stats.dtype == torch.int64 and stats.shape == (penalized,) and stats.is_contiguous(), "stats: int64 [P]"
     for name, values in (("repetition", repetition), ("frequency", frequency), ("presence", presence)):
-        assert values.dtype == torch.float32 and values.shape == (num_rows,), f"{name}: float32 [P]"
-    assert drafts is None or (drafts.dtype == torch.int64 and drafts.shape == (num_rows, width - 1) and
+        assert values.dtype == torch.float32 and values.shape == (penalized,) and values.is_contiguous(), \
+            f"{name}: contiguous float32 [P]"
+    assert drafts is None or (drafts.dtype == torch.int64 and drafts.shape == (penalized, width - 1) and
                               drafts.is_contiguous()), "drafts: contiguous int64 [P, W - 1]"
-    assert all(t.device == logits.device for t in (counts, prompt_mask, stats, repetition, frequency, presence)) and \
-        (drafts is None or drafts.device == logits.device)
+    assert (bias_tokens is None) == (bias_values is None), "bias_tokens and bias_values: both or neither"
+    assert bias_tokens is None or (
+        bias_tokens.dtype == torch.int64 and bias_values.dtype == torch.float32 and bias_tokens.dim() == 2
+        and bias_tokens.shape == bias_values.shape and bias_tokens.shape[0] == penalized
+        and bias_tokens.is_contiguous() and bias_values.is_contiguous()), \
+        "bias_tokens, bias_values: contiguous int64 and float32 [P, B]"
+    assert all(t is None or t.device == logits.device for t in (counts, prompt_mask, stats, repetition, frequency,
+                                                               presence, drafts, rows, bias_tokens, bias_values,
+                                                               out))
 
 
 def penalize_rows(logits: torch.Tensor, counts: torch.Tensor, prompt_mask: torch.Tensor, stats: torch.Tensor,
                   repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
-                  drafts: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton penalize_rows_reference, in place on logits (returned). Grid (P * W,
-    cdiv(V, BLOCK)): shapes only, CUDA-graph safe."""
-    _check_penalize_rows_args(logits, counts, prompt_mask, stats, repetition, frequency, presence, drafts)
-    num_rows, width, vocab = logits.shape
-    if num_rows * width == 0 or vocab == 0:
-        return logits
+                  drafts: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                  bias_tokens: torch.Tensor | None = None, bias_values: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton penalize_rows_reference, into out (returned), else in place on logits (float32
+    then). Each element is read before it is written, by the same program, so out may be
+    logits. Grid (P * W, cdiv(V, BLOCK)): shapes only, CUDA-graph safe."""
+    _check_penalize_rows_args(logits, counts, prompt_mask, stats, repetition, frequency, presence, drafts, rows,
+                              bias_tokens, bias_values, out)
+    out = logits if out is None else out
+    width, vocab = logits.shape[1], logits.shape[2]
+    penalized = stats.shape[0]
+    if penalized * width == 0 or vocab == 0:
+        return out
     block = min(2048, triton.next_power_of_2(vocab))
-    has_drafts = drafts is not None and width > 1
-    _penalize_rows_kernel[(num_rows * width, triton.cdiv(vocab, block))](
-        logits, counts, prompt_mask, stats, repetition, frequency, presence, drafts if has_drafts else stats, width,
-        vocab, BLOCK=block, HAS_DRAFTS=has_drafts, num_warps=4)
-    return logits
+    has_drafts, has_rows, has_bias = drafts is not None and width > 1, rows is not None, bias_tokens is not None
+    _penalize_rows_kernel[(penalized * width, triton.cdiv(vocab, block))](
+        logits, logits.stride(0), logits.stride(1), out, rows if has_rows else stats, counts, prompt_mask, stats,
+        repetition, frequency, presence, drafts if has_drafts else stats, bias_tokens if has_bias else stats,
+        bias_values if has_bias else repetition, width, vocab, bias_tokens.shape[1] if has_bias else 0, BLOCK=block,
+        HAS_DRAFTS=has_drafts, HAS_ROWS=has_rows, HAS_BIAS=has_bias, num_warps=4)
+    return out
 
 
 def record_tokens_reference(counts: torch.Tensor, num_output: torch.Tensor, recent: torch.Tensor, stats: torch.Tensor,

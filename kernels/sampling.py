@@ -68,15 +68,16 @@ def filter_probs_reference(logits: torch.Tensor, temperature: torch.Tensor, top_
 
 def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                      top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor,
-                     offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     offsets: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V]; per-row params [B]; temperature 0 = greedy.
-    Returns (tokens [B] int64, log-probabilities of those tokens under the raw logits [B])."""
+    Returns (tokens [B] int64: out when given, log-probabilities of those tokens under the raw
+    logits [B])."""
     greedy = logits.argmax(dim=-1)
     probs = filter_probs_reference(logits, temperature, top_k, top_p, min_p)
     race = probs.log() - (-uniform_noise(seeds, offsets, logits.shape[1]).log()).log()
     tokens = torch.where(temperature > 0, race.argmax(dim=-1), greedy)
     logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, tokens[:, None]).squeeze(1)
-    return tokens, logprobs
+    return (tokens if out is None else out.copy_(tokens)), logprobs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -525,13 +526,15 @@ def _check_sample_args(logits, temperature, top_k, top_p, min_p, seeds, offsets,
 def launch_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                   min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor, *, chunk: int = _SAMPLE_CHUNK,
                   block: int = _SAMPLE_BLOCK, num_bins: int = _SAMPLE_BINS,
-                  capacity: int = _SAMPLE_CAPACITY,
-                  statuses: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  capacity: int = _SAMPLE_CAPACITY, statuses: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample` with its tiling exposed (tests shrink it to reach every path on small rows);
     `statuses` ([B] int32), when given, receives each row's path (GREEDY .. LAST_RESORT)."""
     _check_sample_args(logits, temperature, top_k, top_p, min_p, seeds, offsets, chunk, block, num_bins, capacity)
     batch, vocab = logits.shape
-    tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    assert out is None or (out.shape == (batch,) and out.dtype == torch.int64 and out.is_contiguous()
+                           and out.device == logits.device), "out: contiguous int64 [B] on the logits' device"
+    tokens = torch.empty(batch, dtype=torch.int64, device=logits.device) if out is None else out
     logprobs = torch.empty(batch, dtype=torch.float32, device=logits.device)
     if batch == 0:
         return tokens, logprobs
@@ -569,6 +572,8 @@ def launch_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton `sample_reference`: same arguments, same tokens (ties aside), same log-probs."""
-    return launch_sample(logits, temperature, top_k, top_p, min_p, seeds, offsets)
+           min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor,
+           out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton `sample_reference`: same arguments, same tokens (ties aside), same log-probs; the
+    tokens written into out when given (a step's token buffer: no copy after the draw)."""
+    return launch_sample(logits, temperature, top_k, top_p, min_p, seeds, offsets, out=out)

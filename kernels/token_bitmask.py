@@ -4,7 +4,8 @@ The mask is llguidance's packed layout: bitmask [N, ceil(V / 32)] int32, token v
 iff bit (v % 32) of word bitmask[n, v // 32] is set (two's complement: word -1 allows all 32).
 Packed, a row of a 248K vocabulary is 31 KB to copy to the device instead of 248 KB of bools.
 `apply_token_bitmask` (Triton) reads each logit and its word once and writes the float32 row (the
-sampler's working copy, so the raw logits stay intact for log-probabilities);
+sampler's working copy, so the raw logits stay intact for log-probabilities; or in place, where
+the working copy exists already: the penalties made it);
 `apply_token_bitmask_reference` is its torch oracle. Knows nothing about grammars or requests.
 """
 
@@ -15,13 +16,16 @@ import triton
 import triton.language as tl
 
 
-def apply_token_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """logits [N, V] (any float dtype), bitmask [N, ceil(V / 32)] int32 -> float32 [N, V]."""
+def apply_token_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor,
+                                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [N, V] (any float dtype), bitmask [N, ceil(V / 32)] int32 -> float32 [N, V]: a new
+    tensor, or out (contiguous float32 [N, V], which may be logits itself: masked in place)."""
     vocab = logits.shape[1]
     columns = torch.arange(vocab, device=logits.device)
     words = bitmask.index_select(1, columns // 32)                                   # [N, V]
     allowed = (words >> (columns % 32).to(torch.int32)) & 1
-    return logits.float().masked_fill(allowed == 0, float("-inf"))
+    masked = logits.float().masked_fill(allowed == 0, float("-inf"))
+    return masked if out is None else out.copy_(masked)
 
 
 @triton.jit
@@ -46,12 +50,16 @@ def _check_apply_token_bitmask_args(logits: torch.Tensor, bitmask: torch.Tensor)
     assert bitmask.device == logits.device, "bitmask: on the logits' device"
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Triton apply_token_bitmask_reference: a new contiguous float32 [N, V]. Grid (N,
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton apply_token_bitmask_reference: a new contiguous float32 [N, V], or out (each
+    element is read before it is written, by the same program: out may be logits). Grid (N,
     cdiv(V, BLOCK)): shapes only, CUDA-graph safe."""
     _check_apply_token_bitmask_args(logits, bitmask)
     num_rows, vocab = logits.shape
-    out = torch.empty(num_rows, vocab, dtype=torch.float32, device=logits.device)
+    if out is None:
+        out = torch.empty(num_rows, vocab, dtype=torch.float32, device=logits.device)
+    assert out.shape == logits.shape and out.dtype == torch.float32 and out.is_contiguous() and \
+        out.device == logits.device, "out: contiguous float32 [N, V] on the logits' device"
     if num_rows == 0 or vocab == 0:
         return out
     block = min(2048, triton.next_power_of_2(vocab))

@@ -153,6 +153,29 @@ def test_a_mixed_batch_gives_each_request_its_solo_output(path):
     assert together == alone
 
 
+@pytest.mark.parametrize("k", [0, 2])
+def test_bans_beside_unpenalized_rows_give_each_request_its_solo_output(checkpoint, k):
+    """Bad words and min_tokens rows among plain ones and other penalized ones (the bans follow
+    the penalty pass on the step's penalized subset, gathered and written back), without
+    speculation and verified with 2 MTP drafts: each request's output is its solo output."""
+    llm = _llm(checkpoint("qwen3_5", mtp_copy_of_last_layer=True), num_draft_tokens=k, adaptive_draft_length=False)
+    rng = random.Random(40 + k)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))] for _ in range(6)]
+    plain = llm.generate(prompts[0], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids
+    # Request 0 bans the tokens its plain output starts with: its first token already differs (a
+    # prefill step samples every row's first token, here 4 penalized rows of 6).
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, min_tokens=6, stop_token_ids=plain[:3]),
+              SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True, bad_words=["ab c", "x"],
+                             presence_penalty=1.0),
+              SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+              random_params(rng, greedy=False, max_tokens=12),
+              SamplingParams(max_tokens=12, temperature=0.9, seed=4, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, bad_words=["q", "ab c"])]
+    alone = [llm.generate(p, q)[0].token_ids for p, q in zip(prompts, params)]
+    together = [o.token_ids for o in llm.generate(prompts, params)]
+    assert together == alone
+
+
 def test_each_slot_samples_with_the_request_running_in_it(path):
     """Sampling parameters, penalty coefficients and logit bias are kept per slot on the device,
     written when a request starts: staggered requests (one arriving with a wider logit_bias than

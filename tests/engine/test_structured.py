@@ -2,8 +2,9 @@
 grammar does all the work — every constrained output must parse and validate, sampled and
 greedy, with speculation and without, and the grammar must roll back with rejected drafts
 (ScriptedDrafter forces every acceptance count). Constrained rows ride the overlapped pipeline
-(their masks computed after the step before commits, InFlight.decide): the output equals the
-step-by-step engine's, and plain rows beside them are unchanged. GPU (`gpu` marker): the same
+(their masks computed from the moment the step before's commit has advanced the grammars,
+InFlight.prefetch / decide): the output equals the step-by-step engine's, and plain rows beside
+them are unchanged. GPU (`gpu` marker): the same
 through the CUDA graphs."""
 
 import json
@@ -14,7 +15,10 @@ import pytest
 
 from deltaspec.engine import LLM, EngineConfig, SamplingParams, Structured
 from deltaspec.engine.core import EngineCore
-from deltaspec.engine.structured import Grammars
+from deltaspec.engine.request import Request
+from deltaspec.engine.runner import InFlight
+from deltaspec.engine.scheduler import Scheduler
+from deltaspec.engine.structured import Grammars, Matcher
 from deltaspec.engine.tokenizer import Tokenizer
 
 from harness import LaunchCounter, assert_all_free, check_scripted_speculation
@@ -132,6 +136,38 @@ def test_constrained_rows_keep_the_overlapped_pipeline(checkpoint, k):
     assert fed_steps > 0
     assert [o.token_ids for o in overlapped] == [o.token_ids for o in step_by_step]
     check_outputs(overlapped[:4])
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_masks_start_once_the_grammars_took_the_tokens(checkpoint, monkeypatch, k):
+    """A commit advances every constrained row's grammar first, then starts the launched step's
+    masks (InFlight.prefetch), then records the tokens (Request.extend): the masks are computed
+    while the rest of the commit runs, from grammars that hold the step's tokens."""
+    path = checkpoint("qwen3_5", mtp_copy_of_last_layer=True)
+    log = []
+
+    def logged(owner, name, entry):
+        function = getattr(owner, name)
+
+        def call(self, *args, **kwargs):
+            log.append(entry(self))
+            return function(self, *args, **kwargs)
+        monkeypatch.setattr(owner, name, call)
+
+    logged(Scheduler, "commit", lambda _: "commit")
+    logged(Matcher, "advance", lambda _: "advance")
+    logged(InFlight, "prefetch", lambda _: "prefetch")
+    logged(Request, "extend", lambda request: "extend" if request.grammar is not None else "extend plain")
+    prompts, params = mixed_batch(random.Random(30 + k))
+    outputs, fed_steps = run_mix(path, prompts, params, k, async_scheduling=True)
+    check_outputs(outputs[:4])
+    commits = " ".join(log).split("commit")[1:]
+    overlapped = [c.split() for c in commits if "prefetch" in c and "advance" in c]
+    assert fed_steps > 0 and overlapped
+    for entries in overlapped:
+        prefetch = entries.index("prefetch")
+        assert entries.count("prefetch") == 1 and "extend" not in entries[:prefetch], entries
+        assert "advance" not in entries[prefetch:], entries
 
 
 def test_json_object_regex_and_choice(checkpoint):

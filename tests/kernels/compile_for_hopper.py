@@ -139,6 +139,13 @@ def run_kernels() -> None:
                                 torch.zeros(slots, vocab, dtype=torch.bool), torch.zeros(rows, dtype=torch.int64),
                                 column(1.1, torch.float32), column(0.2, torch.float32), column(0.3, torch.float32),
                                 drafts)
+    # The engine's pass: bf16 logits into a float32 output, a subset of the rows, their logit bias.
+    penalties.penalize_rows(torch.randn(rows, 1, vocab, dtype=torch.bfloat16),
+                            torch.zeros(slots, vocab, dtype=torch.int32), torch.zeros(slots, vocab, dtype=torch.bool),
+                            torch.zeros(2, dtype=torch.int64), torch.full((2,), 1.1), torch.full((2,), 0.2),
+                            torch.full((2,), 0.3), None,
+                            torch.tensor([3, 1]), torch.zeros(2, 4, dtype=torch.int64), torch.zeros(2, 4),
+                            out=torch.empty(rows, 1, vocab))
     for num_emitted in (None, column(1, torch.int64)):  # plain steps' tokens, then verify rows'
         penalties.record_tokens(torch.zeros(slots, vocab, dtype=torch.int32), torch.zeros(slots, dtype=torch.int64),
                                 torch.zeros(slots, 15, dtype=torch.int64), torch.arange(rows) % slots,

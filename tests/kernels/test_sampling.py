@@ -244,6 +244,20 @@ def test_sample_matches_reference(kernel_device, poisoned_empty, tiling):
     assert (WINDOW.value in seen) and (tiling < 2 or LAST_RESORT.value in seen), seen
 
 
+@pytest.mark.parametrize("drawing", ["reference", "triton"])
+def test_sample_into_a_token_buffer(kernel_device, drawing):
+    """out: the tokens written into a view of a wider buffer (a step's token row), its other
+    entries untouched; the same tokens as a fresh output."""
+    gen = torch.Generator().manual_seed(55)
+    args = on(kernel_device, sampling_rows(gen, 6, 200))
+    draw = sample_reference if drawing == "reference" else sample
+    expected, _ = draw(*args)
+    buffer = torch.full((10,), -5, dtype=torch.int64, device=kernel_device)
+    tokens, _ = draw(*args, out=buffer[:6])
+    assert tokens.data_ptr() == buffer.data_ptr() and torch.equal(buffer[:6], expected)
+    assert (buffer[6:] == -5).all()
+
+
 def test_sample_flat_rows_refine_and_low_precision_logits(kernel_device):
     """Flat logits (wide top-p windows, re-binned) in fp16 and bf16: the reference's tokens."""
     gen = torch.Generator().manual_seed(60)

@@ -57,11 +57,26 @@ def test_triton_takes_a_strided_row_view(kernel_device, poisoned_empty):
     assert torch.equal(out, REFERENCE_OPS.apply_token_bitmask(logits, bitmask))
 
 
+@pytest.mark.parametrize("masking", ["reference", "triton"])
+def test_in_place_on_a_float32_copy_equals_a_new_output(kernel_device, masking):
+    """out = logits (the penalties' float32 working copy): masked in place, the same values as a
+    new output; the returned tensor is that copy."""
+    logits, bitmask = random_case(3, 2048 + 77, torch.float32, seed=13, device=kernel_device)
+    apply = REFERENCE_OPS.apply_token_bitmask if masking == "reference" else apply_token_bitmask
+    expected = REFERENCE_OPS.apply_token_bitmask(logits, bitmask)
+    working = logits.clone()
+    out = apply(working, bitmask, out=working)
+    assert out.data_ptr() == working.data_ptr() and torch.equal(out, expected)
+
+
 def test_bad_arguments_are_refused():
     logits, bitmask = random_case(2, 64, torch.float32, seed=1)
     for bad in (bitmask[:, :1], bitmask.to(torch.int64), bitmask[:1]):
         with pytest.raises(AssertionError):
             apply_token_bitmask(logits, bad)
+    for bad_out in (torch.empty(2, 64, dtype=torch.float16), torch.empty(2, 65)[:, :64], torch.empty(1, 64)):
+        with pytest.raises(AssertionError):
+            apply_token_bitmask(logits, bitmask, out=bad_out)
 
 
 @pytest.mark.gpu
