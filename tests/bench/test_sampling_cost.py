@@ -23,7 +23,9 @@ def test_cpu_smoke_mode_writes_every_mix(tmp_path):
         assert all(mix["step_ms"] > 0 and mix["steps_measured"] == 2 for mix in run.values())
         assert run["plain"]["ratio_to_plain"] == 1.0
         for mix in run.values():
-            assert set(mix["phases"]) == {"dispatch", "decide", "mask_wait", "launch", "result", "commit"}
+            assert set(mix["phases"]) == {"dispatch", "decide", "mask_wait", "launch", "result", "commit", "draw",
+                                          "sample", "hand_over"}
+            assert {"num_alloc_retries", "num_sync_all_streams"} <= mix["allocator"].keys()
             assert all(ms >= 0 for ms in mix["phases"].values())
 
 
