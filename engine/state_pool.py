@@ -16,6 +16,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from ..kernels.gdn import pending_replicas
+from .batch import device_tensor
 from .model_config import ModelConfig
 
 
@@ -114,23 +115,25 @@ class KVPool:
         self.block_bytes = self.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """block dst := block src in every layer, for each (src, dst)."""
+        """block dst := block src in every layer, for each (src, dst). The block ids reach the
+        device by a queued copy (`device_tensor`): a pageable one would wait for the step in
+        flight before the prefill step that restores a checkpoint could launch."""
         if not pairs:
             return
-        device = self.layers[0].k_cache.device
-        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=device)
-        dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=device)
+        index = device_tensor([block for pair in pairs for block in pair], torch.int64,
+                              self.layers[0].k_cache.device).view(-1, 2)
+        src, dst = index[:, 0], index[:, 1]
         for layer in self.layers:
             for cache in layer:
                 cache[dst] = cache[src]
 
     def save_blocks(self, blocks: Sequence[int]) -> list[torch.Tensor]:
         """Host copies of the blocks, [k, v] of every layer."""
-        index = torch.tensor(blocks, dtype=torch.int64, device=self.layers[0].k_cache.device)
+        index = device_tensor(blocks, torch.int64, self.layers[0].k_cache.device)
         return [_to_host(cache[index]) for layer in self.layers for cache in layer]
 
     def load_blocks(self, blocks: Sequence[int], saved: list[torch.Tensor]) -> None:
-        index = torch.tensor(blocks, dtype=torch.int64, device=self.layers[0].k_cache.device)
+        index = device_tensor(blocks, torch.int64, self.layers[0].k_cache.device)
         caches = [cache for layer in self.layers for cache in layer]
         for cache, host in zip(caches, saved, strict=True):
             cache[index] = host.to(cache.device, non_blocking=True)

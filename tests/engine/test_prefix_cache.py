@@ -14,6 +14,7 @@ from deltaspec.engine import AsyncLLM, EngineConfig, SamplingParams
 from deltaspec.engine.allocators import BlockAllocator, SlotAllocator
 from deltaspec.engine.core import EngineCore
 from deltaspec.engine.prefix_cache import PrefixCache
+from deltaspec.engine.state_pool import KVPool
 from fixtures import GPU_SHAPE, assert_idle
 from harness import check_isolation
 
@@ -286,3 +287,31 @@ def test_prefix_cache_is_exact_on_gpu(checkpoint, k):
     assert run_batches(on, scenario(11, True)) == run_batches(off, scenario(11, True))
     assert chat(on, 12, False) == chat(off, 12, False)
     assert_idle(on.stats())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_block_copies_never_wait_for_the_device():
+    """A restore's block copies queue behind the step in flight instead of waiting for it: the
+    block ids reach the device from pinned memory (a pageable copy synchronizes the stream)."""
+    pool = KVPool(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16,
+                  device="cuda")
+    for layer in pool.layers:
+        for cache in layer:
+            cache.copy_(torch.randn(cache.shape, device="cuda"))
+    expected = [[cache.clone() for cache in layer] for layer in pool.layers]
+    for layer in expected:
+        for cache in layer:
+            cache[[5, 6]] = cache[[1, 3]]
+    saved = pool.save_blocks([2])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pool.copy_blocks([(1, 5), (3, 6)])
+        pool.load_blocks([7], saved)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for layer, want in zip(pool.layers, expected):
+        for cache, wanted in zip(layer, want):
+            wanted[7] = wanted[2]
+            assert torch.equal(cache, wanted)
