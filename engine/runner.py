@@ -271,21 +271,26 @@ class Runner:
         prefill chunks follow in their own eager forward, cached rows last. Decode rows and
         prefill chunks are different sequences, so two forwards compute what one mixed forward
         would; the decode rows skip the eager path's kernel launches, which for a small model cost
-        far more host time than the graph's second pass over the weights costs the GPU."""
+        far more host time than the graph's second pass over the weights costs the GPU. All of
+        it is queued before anything is read back, so the host waits for the device once (each
+        part's reader copies its outputs to the host after that)."""
         if self.can_launch(plan):
             return self.launch(plan).result()
         self.checkpoint_io.before_forward(plan.cache_ops)
         decoded = self._launch_decode(plan, plan.decode_rows) if plan.decode_rows else None
-        output = self._prefill(plan.prefill_rows) if plan.prefill_rows else StepOutput([])
+        prefilled = self._prefill(plan.prefill_rows) if plan.prefill_rows else None
         self.checkpoint_io.after_forward(plan.cache_ops)
-        if decoded is not None:
-            output = decoded.result().then(output)
-        return output.then(self._run_cached(plan.cached_rows)) if plan.cached_rows else output
+        cached = self._run_cached(plan.cached_rows) if plan.cached_rows else None
+        output = decoded.result() if decoded is not None else StepOutput([])
+        for read in (prefilled, cached):
+            if read is not None:
+                output = output.then(read())
+        return output
 
-    def _prefill(self, rows: tuple[ScheduledRow, ...]) -> StepOutput:
+    def _prefill(self, rows: tuple[ScheduledRow, ...]) -> Callable[[], StepOutput]:
         """One forward over prefill chunks (a graph replay where one fits, else eager); the rows
         that end their prompt sample their first token. With speculation the MTP runs over the
-        chunks too (Speculator.prefill_mtp)."""
+        chunks too (Speculator.prefill_mtp). Queues it all; returns what reads the outputs."""
         forward_rows = [r.forward_row() for r in rows]
         replayed = self.prefill_graphs.run(forward_rows) if self.prefill_graphs is not None else None
         if replayed is not None:
@@ -298,35 +303,48 @@ class Runner:
             self.speculator.prefill_mtp(hidden, batch, rows)
         sampling = [r for r in rows if r.sample]
         if not sampling:
-            return StepOutput([[] for _ in rows])
+            return lambda: StepOutput([[] for _ in rows])
         # Sampling rows' logits are in row order: logits row j belongs to the j-th sampling row.
-        first = self._first_tokens(self.model.compute_logits(hidden[batch.logits_indices]), sampling)
+        read_first = self._first_tokens(self.model.compute_logits(hidden[batch.logits_indices]), sampling)
         picked = iter(range(len(sampling)))
         index = [next(picked) if r.sample else None for r in rows]
 
-        def spread(values: list | None, empty) -> list | None:
-            return None if values is None else [values[i] if i is not None else empty for i in index]
+        def read() -> StepOutput:
+            first = read_first()
 
-        return StepOutput(spread(first.emitted, []), spread(first.logprobs, None),
-                          nonfinite=spread(first.nonfinite, False))
+            def spread(values: list | None, empty) -> list | None:
+                return None if values is None else [values[i] if i is not None else empty for i in index]
 
-    def _run_cached(self, rows: tuple[ScheduledRow, ...]) -> StepOutput:
+            return StepOutput(spread(first.emitted, []), spread(first.logprobs, None),
+                              nonfinite=spread(first.nonfinite, False))
+
+        return read
+
+    def _run_cached(self, rows: tuple[ScheduledRow, ...]) -> Callable[[], StepOutput]:
         """Fully cached prompts: the first token's logits from the hidden state the checkpoint
-        kept for its last position (restored into the row's slot before the forward)."""
+        kept for its last position (restored into the row's slot before the forward). Queues
+        the draw; returns what reads it."""
         slots = device_tensor([r.slot for r in rows], torch.int64, self.device)
         return self._first_tokens(self.model.compute_logits(self.states.last_hidden[slots]), rows)
 
-    def _first_tokens(self, logits: torch.Tensor, rows: Sequence[ScheduledRow]) -> StepOutput:
+    def _first_tokens(self, logits: torch.Tensor, rows: Sequence[ScheduledRow]) -> Callable[[], StepOutput]:
         """The first token of rows whose prompt is now computed, from logits [N, V] (row i's in
-        row i): their slots' sampling parameters and penalty statistics written (`Sampler.start`), the
-        draw, log-probabilities and non-finite flags."""
+        row i): their slots' sampling parameters and penalty statistics written (`Sampler.start`)
+        and the draw and non-finite flags queued now; the returned reader copies them to the
+        host (one copy) and adds the log-probabilities."""
         self.sampler.start(rows)
         tokens = self.sampler.sample(logits, rows)
         _, nonfinite = self.model.ops.greedy_argmax(logits, 1)  # the flags (its argmax unused)
-        tokens, nonfinite = torch.stack([tokens, nonfinite]).tolist()  # one copy to the host
-        emitted = [[t] for t in tokens]
-        logprobs = self.sampler.logprobs(logits, rows, [[i] for i in range(len(rows))], emitted)
-        return StepOutput(emitted, logprobs=logprobs, num_pending=[0] * len(rows), nonfinite=flagged(nonfinite))
+        drawn = torch.stack([tokens, nonfinite])
+
+        def read() -> StepOutput:
+            host_tokens, host_nonfinite = drawn.tolist()  # one copy to the host
+            emitted = [[t] for t in host_tokens]
+            logprobs = self.sampler.logprobs(logits, rows, [[i] for i in range(len(rows))], emitted)
+            return StepOutput(emitted, logprobs=logprobs, num_pending=[0] * len(rows),
+                              nonfinite=flagged(host_nonfinite))
+
+        return read
 
     @torch.inference_mode()
     def score(self, sequences: list[list[int]]) -> list[torch.Tensor]:
