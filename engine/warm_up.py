@@ -11,8 +11,10 @@ sampled row) stalled every running stream for up to a second (bench/step_trace.p
 arguments that vary with the step and need no specialization are marked do_not_specialize
 (kernels/); this covers the rest by running, before the first request, steps of every kind:
 prefill rows in each bucket 1, 2, 4, .. max_num_seqs, beside an odd and an even number of decode
-rows, short and checkpoint-crossing prompts, greedy and sampled rows, a cached prompt, and
-small steps of a few short prompts beside a few decode rows. An engine with a draft editor
+rows, short and checkpoint-crossing prompts, greedy and sampled rows, a cached prompt, small
+steps of a few short prompts beside a few decode rows, and rows sampled as users configure them
+(penalties, logit bias, bad words, min_tokens, a JSON grammar, log-probabilities), beside plain
+rows and as whole batches. An engine with a draft editor
 (tests) is not warmed up: the editor sees every request.
 
 Afterwards the engine is as new: the prefix cache is cleared, counters and the draft policy's
@@ -24,11 +26,13 @@ nothing about kernels: it only submits requests and steps.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
 
 from .sampling_params import SamplingParams
+from .structured import Structured
 
 logger = logging.getLogger("deltaspec")
 
@@ -84,6 +88,16 @@ def warm_up(core) -> float:
         _Compiles.warmed_up = True
 
 
+def _configured(greedy: SamplingParams, sampled: SamplingParams, vocab: int) -> list[SamplingParams]:
+    """Greedy and sampled variants of penalized (with bias, bans and min_tokens), constrained,
+    both, and log-probability rows."""
+    penalties = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.1,
+                     logit_bias={vocab // 2: 2.0, vocab // 3: -2.0}, bad_words=("the",), min_tokens=2)
+    structured = Structured("json_object")
+    variants = [penalties, dict(structured=structured), dict(penalties, structured=structured), dict(logprobs=2)]
+    return [dataclasses.replace(base, **variant) for base in (greedy, sampled) for variant in variants]
+
+
 def _run(core) -> float:
     started = time.perf_counter()
     config, scheduler = core.config, core.scheduler
@@ -132,6 +146,17 @@ def _run(core) -> float:
             if core.has_work:
                 core.step()
             core.add_request(prompt(rng.randint(1, 4)), greedy)
+    # Rows sampled as users configure them, the kernels their steps add (penalty pass, bans,
+    # grammar masks, log-probabilities) in each variant: a few such rows beside plain ones, then
+    # a batch of nothing else (every row redecided), greedy and sampled.
+    for params in _configured(greedy, sampled, vocab):
+        for together in (False, True):
+            for _ in range(3):
+                core.add_request(prompt(rng.randint(1, 64)), params)
+            if not together:
+                core.add_request(prompt(rng.randint(1, 64)), greedy)
+            while core.has_work:
+                core.step()
     while core.has_work:
         core.step()
     core.clear_prefix_cache(reset_stats=True)

@@ -1,11 +1,14 @@
 """The start-up warm-up (engine/warm_up.py): it leaves the engine as new (same outputs, ids from
 "0", zeroed counters, an empty prefix cache, a policy that has observed nothing), and on the GPU
-serving a staggered mix of requests afterwards compiles no Triton kernel and tunes nothing."""
+serving a staggered mix of requests afterwards (plain, and sampled as users configure it)
+compiles no Triton kernel and tunes nothing."""
+
+import dataclasses
 
 import pytest
 import torch
 
-from deltaspec.engine import EngineConfig, SamplingParams
+from deltaspec.engine import EngineConfig, SamplingParams, Structured
 from deltaspec.engine.core import EngineCore
 from deltaspec.engine.warm_up import warm_up
 
@@ -57,8 +60,16 @@ def test_no_compile_or_tuning_while_serving_after_warm_up(checkpoint, num_draft_
 
     knobs.runtime.jit_cache_hook = lambda *args, **kwargs: compiled.append(kwargs["repr"])
     Autotuner._bench = tuned
+    # Plain jobs, then the same with every third one sampled as users configure it (penalties,
+    # bias, bans, a JSON grammar, log-probabilities: each its variant of the redecided steps).
+    configured = [dict(presence_penalty=1.2, logit_bias={7: 3.0}), dict(structured=Structured("json_object")),
+                  dict(frequency_penalty=0.4, repetition_penalty=1.2, structured=Structured("json_object")),
+                  dict(bad_words=("ab",), min_tokens=3), dict(logprobs=1)]
+    jobs = make_jobs(40, seed=3, max_prompt=300)
+    jobs += [dataclasses.replace(job, params=dataclasses.replace(job.params, **configured[i % len(configured)]))
+             if i % 3 == 0 else job for i, job in enumerate(make_jobs(40, seed=4, max_prompt=300))]
     try:
-        run_staggered(core, make_jobs(40, seed=3, max_prompt=300))
+        run_staggered(core, jobs)
     finally:
         knobs.runtime.jit_cache_hook = None
         Autotuner._bench = bench
