@@ -118,9 +118,10 @@ class AsyncLLM:
                  resume_from: CheckpointHandle | None = None,
                  fork_of: str | None = None) -> AsyncIterator[RequestDelta]:
         """Submit a request and stream its deltas. The request is submitted at the first
-        iteration; bad input raises ValueError there, before anything is queued. resume_from: a session saved by `save_checkpoint`; the prompt continues it.
-        fork_of: the id of another choice of the same prompt, submitted first, whose prefill this
-        one reuses (EngineCore.add_request)."""
+        iteration; bad input raises ValueError there, before anything is queued. resume_from: a
+        session saved by `save_checkpoint`; the prompt continues it. fork_of: the id of another
+        choice of the same prompt, submitted first, whose prefill this one reuses
+        (EngineCore.add_request)."""
         if self._sink is not self._outboxes:
             raise RuntimeError("this AsyncLLM delivers its output to a sink: submit requests with submit()")
 
