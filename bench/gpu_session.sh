@@ -21,6 +21,8 @@
 # fp8     : kernels_fp8 and engine_throughput --quantization fp8 with the fused activation
 #           quantizer and without it (#30's bars)
 # abuse   : `deltaspec bench serve --abuse` at 16 and 64 streams (#33)
+# ttft    : bench/tools/ttft_trace.py (first-token time by part, in-process) and `deltaspec bench
+#           serve --unique-prompts --no-in-process` (every prefill cold) at 16 and 64 streams (#33)
 # sanitize: bench/tools/sanitize.sh, compute-sanitizer over the kernels and one engine run (#33)
 set -uo pipefail
 source bench/tools/device_setup.sh
@@ -83,10 +85,15 @@ for part in ${parts//,/ }; do
   abuse)
     timeout 480 python -m deltaspec.server.cli bench serve --device cuda --dtype bfloat16 --streams 16 64 \
         --duration 30 --max-tokens 256 --abuse --out "$out" 2>&1 | tail -15 ;;
+  ttft)
+    timeout 200 python bench/tools/ttft_trace.py --device cuda --dtype bfloat16 --streams 16 64 --duration 10 \
+        --out "$out" 2>&1 | tail -3 | cut -c1-400
+    timeout 200 python -m deltaspec.server.cli bench serve --device cuda --dtype bfloat16 --streams 16 64 \
+        --duration 10 --max-tokens 256 --unique-prompts --no-in-process --out "$out/unique" 2>&1 | tail -4 ;;
   sanitize)
     OUT="$out" timeout 540 bash bench/tools/sanitize.sh 2>&1 | tail -12 ;;
   *)
-    echo "unknown part $part (tests, kernels, engine, floor, spec, spec9b, spec35b, serve, sampling, fp8, abuse, sanitize)"; exit 2 ;;
+    echo "unknown part $part (tests, kernels, engine, floor, spec, spec9b, spec35b, serve, sampling, fp8, abuse, ttft, sanitize)"; exit 2 ;;
   esac
 done
 if [[ "${SAVE_TRITON_CACHE:-0}" == 1 ]]; then OUT="$out" bash bench/tools/save_triton_cache.sh; fi
