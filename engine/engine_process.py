@@ -138,6 +138,14 @@ FromEngine = Ready | StartFailed | Outputs | Failed | Rejected | Dead | Stats | 
 _START_ERRORS: dict[str, type[Exception]] = {"value": ValueError, "file": FileNotFoundError}
 
 
+def _framed(encoder: msgspec.msgpack.Encoder, message: msgspec.Struct) -> bytearray:
+    """The message as sent: its length, then its msgpack bytes."""
+    buffer = bytearray(_LENGTH.size)
+    encoder.encode_into(message, buffer, _LENGTH.size)
+    _LENGTH.pack_into(buffer, 0, len(buffer) - _LENGTH.size)
+    return buffer
+
+
 class _Wire:
     """One end of the socket: length-prefixed msgpack messages, written without waiting (the
     other end reads as fast as it can; a write never blocks the loop)."""
@@ -150,10 +158,7 @@ class _Wire:
     def send(self, message: msgspec.Struct) -> None:
         if self.writer.is_closing():
             return  # the other end is gone; the reading side finds out and ends
-        buffer = bytearray(_LENGTH.size)
-        self._encoder.encode_into(message, buffer, _LENGTH.size)
-        _LENGTH.pack_into(buffer, 0, len(buffer) - _LENGTH.size)
-        self.writer.write(buffer)
+        self.writer.write(_framed(self._encoder, message))
 
     async def receive(self):
         """The next message; asyncio.IncompleteReadError once the other end is gone."""
@@ -200,12 +205,11 @@ def _engine_main(sock: socket.socket, config: EngineConfig, log_level: int) -> N
     try:
         llm = AsyncLLM(config=config, sink=sender)
     except Exception as error:  # noqa: BLE001 - the caller reports it
-        kind = "file" if isinstance(error, FileNotFoundError) else "value" if isinstance(error, ValueError) else "other"
+        kind = next((kind for kind, category in _START_ERRORS.items() if isinstance(error, category)), "other")
         if kind == "other":
             logger.exception("the engine failed to start")
         with sock:
-            message = msgspec.msgpack.encode(StartFailed(kind, str(error) or type(error).__name__))
-            sock.sendall(_LENGTH.pack(len(message)) + message)
+            sock.sendall(_framed(msgspec.msgpack.Encoder(), StartFailed(kind, str(error) or type(error).__name__)))
         return
     freeze_startup_heap()
     run(_serve_wire(sock, llm, sender))
