@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import gc
 import json
 import multiprocessing
 import sys
@@ -55,6 +56,7 @@ class Trace:
             plan = dispatched.plan
             new = [r.request.request_id for r in plan.prefill_rows + plan.cached_rows]
             step = {"dispatch": start, "dispatched": time.perf_counter(), "ahead": launched_ahead,
+                    "waiting": len(core.scheduler.waiting),
                     "decode_rows": len(plan.decode_rows), "prefill_rows": len(plan.prefill_rows),
                     "cached_rows": len(plan.cached_rows),
                     "prefill_tokens": sum(r.num_tokens for r in plan.prefill_rows),
@@ -62,6 +64,8 @@ class Trace:
             self.steps.append(step)
             for request_id in new:
                 self.requests.setdefault(request_id, {}).setdefault("scheduled", start)
+            for row in plan.prefill_rows:
+                self.requests.setdefault(row.request.request_id, {})["prefilled"] = True
             return dispatched
 
         def traced_commit(plan, result):
@@ -81,6 +85,17 @@ class Trace:
             return request_id
 
         core.dispatch, core.commit, engine.submit = traced_dispatch, traced_commit, traced_submit
+        # Python's cyclic collections (a full one can stall the loop for tens of ms).
+        self.collections: list[tuple[float, float, int]] = []  # (start, end, generation)
+        started = []
+
+        def on_collection(phase: str, info: dict) -> None:
+            if phase == "start":
+                started.append(time.perf_counter())
+            elif started:
+                self.collections.append((started.pop(), time.perf_counter(), info["generation"]))
+
+        gc.callbacks.append(on_collection)
         # Host time of the parts of a step (in whichever thread runs them), added to the step
         # dispatched last: steps run one at a time, a launched-ahead one's launch counted in the
         # step that launched it.
@@ -151,13 +166,36 @@ def analyse(trace: Trace, window: tuple[float, float]) -> dict:
         return {name: _pct([parts[i][name] for i in ids]) for name in ("submit", "queue", "step", "hand_out")} | \
             {"ttft": _pct([ttft[i] for i in ids])}
 
-    def steps_between(a: float, b: float) -> list[dict]:
+    def steps_between(a: float, b: float, raw: tuple[float, float] | None = None) -> list[dict]:
+        if raw is not None:
+            return [s for s in trace.steps if s["dispatch"] <= raw[1] and s.get("committed", raw[1]) >= raw[0]]
         return [{k: (round((v - a) * 1e3, 3) if k in ("dispatch", "dispatched", "commit", "committed") else v)
                  for k, v in s.items()} for s in trace.steps if s["dispatch"] <= b and s.get("committed", b) >= a]
 
     examples = [{"ttft_ms": round(ttft[i] * 1e3, 3), **{k: round(v * 1e3, 3) for k, v in parts[i].items()},
                  "steps": steps_between(trace.requests[i]["sent"], trace.requests[i]["delivered"])}
                 for i in slowest[-5:]]
+    # The slowest requests come in bursts (closed-loop streams that finished in the same step
+    # arrive together): each burst of the slowest 1% (sent within 20 ms of each other) with the
+    # steps and collections from its first send to its last first token.
+    bursts: list[list[str]] = []
+    for i in sorted(slowest, key=lambda i: trace.requests[i]["sent"]):
+        if bursts and trace.requests[i]["sent"] - trace.requests[bursts[-1][-1]]["sent"] < 0.02:
+            bursts[-1].append(i)
+        else:
+            bursts.append([i])
+
+    def burst_report(ids: list[str]) -> dict:
+        a = min(trace.requests[i]["sent"] for i in ids)
+        b = max(trace.requests[i]["delivered"] for i in ids)
+        return {"requests": len(ids), "ttft_ms": [round(ttft[i] * 1e3, 1) for i in ids],
+                "prefilled": sum(1 for i in ids if trace.requests[i].get("prefilled")),
+                "collections": [(round((s - a) * 1e3, 2), round((e - s) * 1e3, 2), g)
+                                for s, e, g in trace.collections if a <= e and s <= b],
+                "steps": [[round((s["dispatch"] - a) * 1e3, 1), round((s.get("committed", b) - a) * 1e3, 1),
+                           s["decode_rows"], s["prefill_rows"], s["prefill_tokens"], s["cached_rows"],
+                           s["waiting"], s["ahead"]] for s in steps_between(0, 0, raw=(a, b))]}
+
     in_window = [s for s in trace.steps if window[0] <= s["dispatch"] <= window[1] and "committed" in s]
     durations = {kind: _pct([s["committed"] - s["dispatch"] for s in in_window if pick(s)])
                  for kind, pick in (("prefill", lambda s: s["prefill_rows"] + s["cached_rows"] > 0),
@@ -175,7 +213,12 @@ def analyse(trace: Trace, window: tuple[float, float]) -> dict:
             "mean_host_ms_per_step": host_by_kind,
             "num_steps": len(in_window),
             "steps_with_new_rows": sum(1 for s in in_window if s["prefill_rows"] + s["cached_rows"]),
-            "step_dispatch_to_commit_end_ms": durations, "slowest_examples": examples}
+            "step_dispatch_to_commit_end_ms": durations, "slowest_examples": examples,
+            "collections_in_window": [(round((e - s) * 1e3, 2), g) for s, e, g in trace.collections
+                                      if window[0] <= s <= window[1]],
+            "slowest_bursts_steps_columns": ["dispatch_ms", "committed_ms", "decode_rows", "prefill_rows",
+                                             "prefill_tokens", "cached_rows", "waiting", "ahead"],
+            "slowest_bursts": [burst_report(ids) for ids in bursts]}
 
 
 async def main(args: argparse.Namespace) -> dict:
@@ -190,13 +233,14 @@ async def main(args: argparse.Namespace) -> dict:
         for streams in args.streams:
             trace.steps.clear()
             trace.requests.clear()
+            trace.collections.clear()
             load = Load(f"streams{streams}", args.max_tokens, num_streams=streams, duration=args.duration)
             window.reset()
             origin = time.perf_counter()
             await drive(load, load.share(0, 1), prompts, window, sender(engine, trace, args.max_tokens), origin)
             start = origin + window.start
             report[str(streams)] = analyse(trace, (start, start + args.duration))
-            print(streams, json.dumps({k: v for k, v in report[str(streams)].items() if k != "slowest_examples"}))
+            print(streams, json.dumps({k: v for k, v in report[str(streams)].items() if k not in ("slowest_examples", "slowest_bursts")}))
     finally:
         await engine.shutdown()
     return report
