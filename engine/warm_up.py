@@ -89,12 +89,14 @@ def warm_up(core) -> float:
 
 
 def _configured(greedy: SamplingParams, sampled: SamplingParams, vocab: int) -> list[SamplingParams]:
-    """Greedy and sampled variants of penalized (with bias, bans and min_tokens), constrained,
-    both, and log-probability rows."""
-    penalties = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.1,
-                     logit_bias={vocab // 2: 2.0, vocab // 3: -2.0}, bad_words=("the",), min_tokens=2)
+    """Greedy and sampled variants of penalized (alone, and with bias, bans and min_tokens),
+    constrained, both, and log-probability rows."""
+    penalties = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.1)
+    biased = dict(penalties, logit_bias={vocab // 2: 2.0, vocab // 3: -2.0}, bad_words=("the",), min_tokens=2)
     structured = Structured("json_object")
-    variants = [penalties, dict(structured=structured), dict(penalties, structured=structured), dict(logprobs=2)]
+    # The penalty pass has a variant with logit bias and one without.
+    variants = [penalties, biased, dict(structured=structured), dict(biased, structured=structured),
+                dict(logprobs=2)]
     return [dataclasses.replace(base, **variant) for base in (greedy, sampled) for variant in variants]
 
 

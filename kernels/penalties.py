@@ -98,7 +98,9 @@ def _penalized(logits: torch.Tensor, counts: torch.Tensor, prompt_mask: torch.Te
     return out
 
 
-@triton.jit
+# W (1 + drafts) and B (the widest logit_bias so far) change with what requests ask for: not
+# specialized (Triton would compile again for 1 and multiples of 16), so a warmed-up server does not.
+@triton.jit(do_not_specialize=["W", "B"])
 def _penalize_rows_kernel(logits, stride_row, stride_position, out, rows, counts, prompt_mask, stats, repetition,
                           frequency, presence, drafts, bias_tokens, bias_values, W, V, B, BLOCK: tl.constexpr,
                           HAS_DRAFTS: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr):
