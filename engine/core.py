@@ -85,6 +85,9 @@ class Dispatched(NamedTuple):
 
 MAX_DRAFT_TOKENS = 3  # drafts a step at most by default (EngineConfig.num_draft_tokens None)
 CHECKPOINT_MEMORY_SHARE = 0.1  # of the pool budget, for prefix-cache checkpoint slots by default
+# At most this many checkpoint slots by default. A real model's slot is MBs (~20 MB for Qwen3.5-0.8B)
+# and the share bounds them; a toy model's is KBs, and this bounds the pool's start-up instead.
+MAX_CHECKPOINT_SLOTS = 4096
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -542,13 +545,14 @@ class EngineCore:
 
     def _checkpoint_slots(self, bytes_per_slot: int, budget: int) -> int:
         """Slots for prefix-cache checkpoints: as configured, or a share of the memory budget
-        (at least one per running sequence, at most 256)."""
+        (at least one per running sequence, at most MAX_CHECKPOINT_SLOTS)."""
         config = self.config
         if config.num_checkpoint_slots is not None:
             return config.num_checkpoint_slots
         if not config.enable_prefix_cache:
             return 0
-        return min(256, max(config.max_num_seqs, int(CHECKPOINT_MEMORY_SHARE * budget) // max(bytes_per_slot, 1)))
+        share = int(CHECKPOINT_MEMORY_SHARE * budget) // max(bytes_per_slot, 1)
+        return min(MAX_CHECKPOINT_SLOTS, max(config.max_num_seqs, share))
 
     def _memory_budget(self) -> int:
         """Bytes for the pools; under tensor parallelism the smallest rank's (every rank's

@@ -54,7 +54,6 @@ class Checkpoint:
     pins: int = 0               # steps and waiting requests restoring it + session handles
     sessions: int = 0           # session handles on it (it may move to the host, never be dropped)
     request_ids: list[str] = field(default_factory=list)  # finished requests it is the end of
-    last_used: int = 0
 
     @property
     def position(self) -> int:
@@ -110,8 +109,9 @@ class Offload:
 
 @dataclass(frozen=True)
 class CacheOps:
-    """Device work of one step, in this order: offloads, host drops, restores (all before the
-    forward); tail copies after it (the partial last block of a prompt-end checkpoint)."""
+    """Device work of one step, in this order: offloads and host drops (before anything of the
+    step), restores (before the forward that reads them), tail copies after it (the partial last
+    block of a prompt-end checkpoint). checkpoint_io.py executes them."""
 
     offloads: tuple[Offload, ...] = ()
     host_drops: tuple[int, ...] = ()
@@ -146,7 +146,7 @@ class PrefixCache:
         self.host_capacity_bytes, self._checkpoint_bytes = host_capacity_bytes, checkpoint_bytes
         self.host_bytes = 0
         self.stats = CacheStats()
-        self._entries: dict[int, Checkpoint] = {}          # by id
+        self._entries: dict[int, Checkpoint] = {}          # by id, least recently used first (`_touch`)
         self._aligned: dict[int, Checkpoint] = {}          # chain hash of its full blocks -> checkpoint
         self._tails: dict[int, list[Checkpoint]] = {}      # chain hash of the last full block -> unaligned ones
         # Finished requests: (their checkpoint, all their tokens), for `save`.
@@ -154,7 +154,6 @@ class PrefixCache:
         self._sessions: dict[int, Checkpoint] = {}         # handle id -> checkpoint
         self._pending: list[Checkpoint] = []               # written by the step in flight
         self._ids = itertools.count(1)
-        self._clock = itertools.count(1)
         self._ops = _OpsBuilder()
 
     # Lookup ---------------------------------------------------------------------------------
@@ -177,7 +176,7 @@ class PrefixCache:
                 usable = c.position < len(token_ids) or c.has_hidden
                 if usable and tuple(token_ids[start:c.position]) == c.token_ids[start:] \
                         and tuple(token_ids[:start]) == c.token_ids[:start]:
-                    c.last_used = next(self._clock)
+                    self._touch(c)
                     return c
         return None
 
@@ -280,7 +279,7 @@ class PrefixCache:
             self._ops.restores.append(Restore(dst_slot, checkpoint.slot, None,
                                               tuple(zip(checkpoint.blocks[shared:], fresh)), (), hidden_to_mtp))
             table = checkpoint.blocks[:shared] + fresh
-        checkpoint.last_used = next(self._clock)
+        self._touch(checkpoint)
         return table, mtp_position
 
     def count_admission(self, num_tokens: int, reused: int) -> None:
@@ -390,8 +389,11 @@ class PrefixCache:
             return found if found is not None and found.token_ids == key else None
         return next((c for c in self._tails.get(hashes[full], ()) if c.token_ids == key), None)
 
+    def _touch(self, checkpoint: Checkpoint) -> None:
+        """Make it the most recently used: the last of `_entries`."""
+        self._entries[checkpoint.id] = self._entries.pop(checkpoint.id)
+
     def _insert(self, checkpoint: Checkpoint) -> None:
-        checkpoint.last_used = next(self._clock)
         self._entries[checkpoint.id] = checkpoint
         hashes = self._chain(checkpoint.token_ids)
         full = checkpoint.position // self.block_size
@@ -403,9 +405,8 @@ class PrefixCache:
     def _victim(self, kept: set[int]) -> Checkpoint | None:
         """The least recently used GPU checkpoint that may leave the GPU: unpinned, or a
         session (pinned by its handles alone) when the host tier could take it."""
-        candidates = [c for c in self._entries.values() if not c.on_host and c.id not in kept
-                      and (c.pins == 0 or (c.pins == c.sessions and self._host_fits(c)))]
-        return min(candidates, key=lambda c: c.last_used, default=None)
+        return next((c for c in self._entries.values() if not c.on_host and c.id not in kept
+                     and (c.pins == 0 or (c.pins == c.sessions and self._host_fits(c)))), None)
 
     def _host_fits(self, checkpoint: Checkpoint) -> bool:
         return self._checkpoint_bytes(checkpoint.num_blocks) <= self.host_capacity_bytes
@@ -416,8 +417,7 @@ class PrefixCache:
         size = self._checkpoint_bytes(checkpoint.num_blocks)
         if self._host_fits(checkpoint):
             while self.host_bytes + size > self.host_capacity_bytes:
-                oldest = min((c for c in self._entries.values() if c.on_host and c.pins == 0),
-                             key=lambda c: c.last_used, default=None)
+                oldest = next((c for c in self._entries.values() if c.on_host and c.pins == 0), None)
                 if oldest is None:
                     break
                 self._remove(oldest)

@@ -9,8 +9,9 @@ constrained rows are decided again after the stages (`_Redecision`, Speculator.r
 Prefill chunks run in their own eager forward, queued after the decode rows; cached rows (a
 fully cached prompt) take their logits from the restored checkpoint's hidden state.
 
-Around the forwards it executes the prefix cache's device work (checkpoint_io.py): restores
-before, and after them the hidden states of the checkpoints the forward wrote.
+Around the forwards it executes the prefix cache's device work (checkpoint_io.py): offloads
+first, restores once the decode rows are queued, and after the forwards the checkpoints' tail
+blocks and the hidden states of the checkpoints the forward wrote.
 
 One host sync per step (the emitted tokens, with each row's flag for non-finite logits). A
 decode-only step can also be `launch`ed: its tokens go to the host by an asynchronous copy and
@@ -273,11 +274,15 @@ class Runner:
         would; the decode rows skip the eager path's kernel launches, which for a small model cost
         far more host time than the graph's second pass over the weights costs the GPU. All of
         it is queued before anything is read back, so the host waits for the device once (each
-        part's reader copies its outputs to the host after that)."""
+        part's reader copies its outputs to the host after that). The prefix cache's restores
+        are queued after the decode rows, before the prefill chunks that continue from them."""
         if self.can_launch(plan):
             return self.launch(plan).result()
-        self.checkpoint_io.before_forward(plan.cache_ops)
+        self.checkpoint_io.release(plan.cache_ops)
         decoded = self._launch_decode(plan, plan.decode_rows) if plan.decode_rows else None
+        # The restores only write the new rows' slots and blocks: queued after the decode rows,
+        # the device runs those while the host works the restores out.
+        self.checkpoint_io.restore(plan.cache_ops)
         prefilled = self._prefill(plan.prefill_rows) if plan.prefill_rows else None
         self.checkpoint_io.after_forward(plan.cache_ops)
         cached = self._run_cached(plan.cached_rows) if plan.cached_rows else None

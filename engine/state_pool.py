@@ -53,90 +53,102 @@ class StatePool:
         replicas = pending_replicas(dv)
 
         self.pending_counts = torch.zeros(num_slots, dtype=torch.int32, device=device)
-
-        def layer() -> GDNLayerState:
-            return GDNLayerState(
-                recurrent=torch.zeros(s, hv, dk, dv, dtype=state_dtype, device=device),
-                conv=torch.zeros(s, c.linear_conv_kernel_dim - 1, c.conv_dim, dtype=dtype, device=device),
-                pending_conv=torch.zeros(s, p, c.conv_dim, dtype=dtype, device=device),
-                pending_g=torch.zeros(s, p, hv, replicas, dtype=torch.float32, device=device),
-                pending_beta=torch.zeros(s, p, hv, replicas, dtype=torch.float32, device=device),
-                pending_counts=self.pending_counts,
-            )
-
-        self.layers = [layer() for _ in config.gdn_layer_ids]
+        # Each kind of per-slot tensor is one allocation over the GDN layers, [L, S, ...], and a
+        # layer's tensor is its contiguous view [l]: copying slots (a prefix-cache restore) costs
+        # one gather and one scatter per kind for every slot copied, not a copy per layer and slot.
+        n = len(config.gdn_layer_ids)
+        recurrent = torch.zeros(n, s, hv, dk, dv, dtype=state_dtype, device=device)
+        conv = torch.zeros(n, s, c.linear_conv_kernel_dim - 1, c.conv_dim, dtype=dtype, device=device)
+        pending_conv = torch.zeros(n, s, p, c.conv_dim, dtype=dtype, device=device)
+        pending_g = torch.zeros(n, s, p, hv, replicas, dtype=torch.float32, device=device)
+        pending_beta = torch.zeros(n, s, p, hv, replicas, dtype=torch.float32, device=device)
+        self.layers = [GDNLayerState(recurrent[i], conv[i], pending_conv[i], pending_g[i], pending_beta[i],
+                                     self.pending_counts) for i in range(n)]
         self.mtp_hidden = (torch.zeros(s, p + 1, c.hidden_size, dtype=dtype, device=device) if keep_mtp_hidden
                            else None)
         self.last_hidden = (torch.zeros(s, c.hidden_size, dtype=dtype, device=device) if keep_last_hidden
                             else None)
+        # What a checkpoint of a slot holds (every per-slot tensor but the pending counts), each
+        # with the slot as dim 1; and those of them that only speculation needs.
+        hidden = [t.unsqueeze(0) for t in (self.mtp_hidden, self.last_hidden) if t is not None]
+        self._slot_tensors = [recurrent, conv, pending_conv, pending_g, pending_beta, *hidden]
+        self._speculative = [pending_conv, pending_g, pending_beta] + \
+            ([self.mtp_hidden.unsqueeze(0)] if self.mtp_hidden is not None else [])
 
-    def slot_tensors(self) -> list[torch.Tensor]:
-        """Every per-slot tensor (slot is dim 0) except the pending counts: what a checkpoint of
-        a slot holds."""
-        per_layer = [t for layer in self.layers for t in layer if t is not self.pending_counts]
-        return per_layer + [t for t in (self.mtp_hidden, self.last_hidden) if t is not None]
-
-    def copy_slot(self, src: int, dst: int) -> None:
-        """dst := src, with nothing pending (checkpoints never hold pending tokens)."""
-        tensors = self.slot_tensors()
-        torch._foreach_copy_([t[dst] for t in tensors], [t[src] for t in tensors])  # one launch, not one per tensor
+    def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """slot dst := slot src for each (src, dst) (distinct dst, none of them a src), with
+        nothing pending (checkpoints never hold pending tokens)."""
+        if not pairs:
+            return
+        index = device_tensor([slot for pair in pairs for slot in pair], torch.int64,
+                              self.pending_counts.device).view(-1, 2)
+        src, dst = index[:, 0], index[:, 1]
+        for t in self._slot_tensors:
+            t[:, dst] = t[:, src]
         self.pending_counts[dst] = 0
 
     def save_slot(self, slot: int) -> list[torch.Tensor]:
         """Host copies of a slot's tensors (pinned when the pool is on CUDA)."""
-        return [_to_host(t[slot]) for t in self.slot_tensors()]
+        return [_to_host(t[:, slot]) for t in self._slot_tensors]
 
     def load_slot(self, slot: int, saved: list[torch.Tensor]) -> None:
-        for t, host in zip(self.slot_tensors(), saved, strict=True):
-            t[slot].copy_(host, non_blocking=True)
+        for t, host in zip(self._slot_tensors, saved, strict=True):
+            t[:, slot].copy_(host, non_blocking=True)
         self.pending_counts[slot] = 0
+
+    def hidden_to_mtp(self, slots: Sequence[int]) -> None:
+        """mtp_hidden[slot, 0] := last_hidden[slot] for each slot: a fully cached prompt's MTP
+        re-runs the position before its checkpoint with the token sampled from it, so its
+        catch-up input is that position's hidden state."""
+        if slots:
+            index = device_tensor(slots, torch.int64, self.pending_counts.device)
+            self.mtp_hidden[index, 0] = self.last_hidden[index]
 
     @property
     def bytes_per_slot(self) -> int:
         """Committed state + conv window + pending buffers (+ kept hidden states) of one slot."""
-        return sum(t[0].numel() * t.element_size() for t in self.slot_tensors()) + self.pending_counts.element_size()
+        return _slot_bytes(self._slot_tensors) + self.pending_counts.element_size()
 
     @property
     def bytes_per_slot_without_speculation(self) -> int:
         """bytes_per_slot of this pool with k = 0: less the pending buffers and the MTP inputs."""
-        speculative = [t for layer in self.layers for t in (layer.pending_conv, layer.pending_g, layer.pending_beta)]
-        if self.mtp_hidden is not None:
-            speculative.append(self.mtp_hidden)
-        return self.bytes_per_slot - sum(t[0].numel() * t.element_size() for t in speculative)
+        return self.bytes_per_slot - _slot_bytes(self._speculative)
+
+
+def _slot_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of one slot of tensors whose slot is dim 1."""
+    return sum(t[:, 0].numel() * t.element_size() for t in tensors)
 
 
 class KVPool:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.layers = [KVLayer(torch.zeros(shape, dtype=dtype, device=device),
-                               torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+        # One allocation [layer, k/v, block, ...]; each layer's caches are contiguous views of it,
+        # so copying blocks is one gather and one scatter however many layers and blocks.
+        self._caches = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
+                                   device=device)
+        self.layers = [KVLayer(self._caches[i, 0], self._caches[i, 1]) for i in range(num_layers)]
         self.block_bytes = self.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """block dst := block src in every layer, for each (src, dst). The block ids reach the
-        device by a queued copy (`device_tensor`): a pageable one would wait for the step in
-        flight before the prefill step that restores a checkpoint could launch."""
+        """block dst := block src in every layer, for each (src, dst) (distinct dst, none of
+        them a src). The block ids reach the device by a queued copy (`device_tensor`): a
+        pageable one would wait for the step in flight before the prefill step that restores a
+        checkpoint could launch."""
         if not pairs:
             return
         index = device_tensor([block for pair in pairs for block in pair], torch.int64,
-                              self.layers[0].k_cache.device).view(-1, 2)
-        src, dst = index[:, 0], index[:, 1]
-        for layer in self.layers:
-            for cache in layer:
-                cache[dst] = cache[src]
+                              self._caches.device).view(-1, 2)
+        self._caches[:, :, index[:, 1]] = self._caches[:, :, index[:, 0]]
 
-    def save_blocks(self, blocks: Sequence[int]) -> list[torch.Tensor]:
-        """Host copies of the blocks, [k, v] of every layer."""
-        index = device_tensor(blocks, torch.int64, self.layers[0].k_cache.device)
-        return [_to_host(cache[index]) for layer in self.layers for cache in layer]
+    def save_blocks(self, blocks: Sequence[int]) -> torch.Tensor:
+        """A host copy of the blocks, [layer, k/v, block, ...]."""
+        return _to_host(self._caches[:, :, device_tensor(blocks, torch.int64, self._caches.device)])
 
-    def load_blocks(self, blocks: Sequence[int], saved: list[torch.Tensor]) -> None:
-        index = device_tensor(blocks, torch.int64, self.layers[0].k_cache.device)
-        caches = [cache for layer in self.layers for cache in layer]
-        for cache, host in zip(caches, saved, strict=True):
-            cache[index] = host.to(cache.device, non_blocking=True)
+    def load_blocks(self, blocks: Sequence[int], saved: torch.Tensor) -> None:
+        index = device_tensor(blocks, torch.int64, self._caches.device)
+        self._caches[:, :, index] = saved.to(self._caches.device, non_blocking=True)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
