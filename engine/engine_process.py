@@ -49,6 +49,7 @@ from typing import Mapping, Sequence as Seq
 import msgspec
 
 from .async_llm import AsyncLLM, Outbox, Outboxes, drain, freeze_startup_heap, run
+from . import gc_pauses
 from .engine_config import EngineConfig
 from .errors import EngineDeadError, StepFailedError
 from .request import RequestDelta
@@ -212,6 +213,7 @@ def _engine_main(sock: socket.socket, config: EngineConfig, log_level: int) -> N
             sock.sendall(_framed(msgspec.msgpack.Encoder(), StartFailed(kind, str(error) or type(error).__name__)))
         return
     freeze_startup_heap()
+    gc_pauses.install()
     run(_serve_wire(sock, llm, sender))
 
 
@@ -270,7 +272,8 @@ async def _handle(message: ToEngine, llm: AsyncLLM, wire: _Wire) -> None:
     elif isinstance(message, Resume):
         llm.resume(message.request_id)
     elif isinstance(message, StatsRequest):
-        wire.send(Stats(message.ticket, llm.stats()))
+        # The server's process has a collector of its own: this one's pauses come with the stats.
+        wire.send(Stats(message.ticket, {**llm.stats(), "gc_pauses": gc_pauses.installed().snapshot()}))
 
 
 # The caller's process ---------------------------------------------------------------------------

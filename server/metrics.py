@@ -2,7 +2,9 @@
 
 The server owns counters and latency histograms that move as requests run (`ServerMetrics`,
 one `RequestTimer` per generation request); the engine's gauges (slots, KV blocks, queue depths,
-speculation acceptance) are read from `AsyncLLM.stats()` at scrape time, so they are never stale.
+speculation acceptance) are read from `AsyncLLM.stats()` at scrape time, so they are never stale;
+so are the garbage collector's pauses, the server process's own and the engine process's
+(engine/gc_pauses.py).
 
 Knows nothing about HTTP; knows the engine only through its stats dict.
 """
@@ -12,6 +14,8 @@ from __future__ import annotations
 import bisect
 import time
 from collections import defaultdict
+
+from ..engine import gc_pauses
 
 # Seconds. TTFT includes queueing and prefill; inter-token latency is one decode step shared by
 # the tokens it emitted (a verify step emits several).
@@ -124,7 +128,33 @@ class ServerMetrics:
         lines.append(_sample("deltaspec_compiles_after_warm_up_total", {}, stats["num_compiles_after_warm_up"]))
         lines += self._render_spec(stats["spec"])
         lines += self._render_prefix_cache(stats["prefix_cache"])
+        lines += self._render_gc_pauses(stats)
         return "\n".join(lines) + "\n"
+
+    @staticmethod
+    def _render_gc_pauses(stats: dict) -> list[str]:
+        """This process's collections, and the engine's when it runs in a process of its own
+        (its stats carry them); none where nothing times them (`gc_pauses.install`)."""
+        by_process = {}
+        if (pauses := gc_pauses.installed()) is not None:
+            by_process["server"] = pauses.snapshot()
+        if "gc_pauses" in stats:
+            by_process["engine"] = stats["gc_pauses"]
+        if not by_process:
+            return []
+        name = "deltaspec_gc_pause_seconds"
+        lines = _header(name, "histogram", "Pauses of Python's garbage collector, by process and generation "
+                                           "(every stream of that process waits for them).")
+        for process, generations in by_process.items():
+            for generation, pause in generations.items():
+                labels = {"process": process, "generation": generation}
+                cumulative = 0
+                for bound, count in zip((*map(repr, gc_pauses.BUCKETS), "+Inf"), pause["bucket_counts"]):
+                    cumulative += count
+                    lines.append(_sample(f"{name}_bucket", {**labels, "le": bound}, cumulative))
+                lines.append(_sample(f"{name}_sum", labels, pause["seconds"]))
+                lines.append(_sample(f"{name}_count", labels, cumulative))
+        return lines
 
     @staticmethod
     def _render_prefix_cache(cache: dict) -> list[str]:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from ..engine import AsyncLLM, EngineConfig
+from ..engine import gc_pauses
 from ..engine.async_llm import freeze_startup_heap
 from ..engine.engine_process import EngineProcess
 from .app import Engine, OpenAIServer
@@ -77,6 +78,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig, single_proces
         listener.close()
         raise
     freeze_startup_heap()
+    gc_pauses.install()
     try:
         await _serve(engine, config, listener, engine_config)
     finally:

@@ -228,10 +228,11 @@ def _sample_name(name: str, labels: dict[str, str]) -> str:
 
 def metrics_delta(before: dict[str, tuple[str, float]], after: dict[str, tuple[str, float]]) -> dict:
     """What the server counted over a run (warm-ups included): the change of every counter and of
-    the histograms' sums and counts; the gauges as the run left them; the drafts accepted over
-    the run (accepted / proposed, every position)."""
+    every histogram sample (buckets, sum, count: e.g. how many garbage collections paused a
+    process past 20 ms); the gauges as the run left them; the drafts accepted over the run
+    (accepted / proposed, every position)."""
     counters = {name: value - before.get(name, ("", 0.0))[1] for name, (kind, value) in after.items()
-                if kind == "counter" or kind == "histogram" and name.endswith(("_sum", "_count"))}
+                if kind in ("counter", "histogram")}
     drafts = [sum(v for name, v in counters.items() if name.startswith(prefix))
               for prefix in ("deltaspec_spec_accepted_tokens_total", "deltaspec_spec_draft_tokens_total")]
     return {"counters": counters,

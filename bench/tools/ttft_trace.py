@@ -240,7 +240,8 @@ async def main(args: argparse.Namespace) -> dict:
             await drive(load, load.share(0, 1), prompts, window, sender(engine, trace, args.max_tokens), origin)
             start = origin + window.start
             report[str(streams)] = analyse(trace, (start, start + args.duration))
-            print(streams, json.dumps({k: v for k, v in report[str(streams)].items() if k not in ("slowest_examples", "slowest_bursts")}))
+            brief = {k: v for k, v in report[str(streams)].items() if k not in ("slowest_examples", "slowest_bursts")}
+            print(streams, json.dumps(brief))
     finally:
         await engine.shutdown()
     return report

@@ -5,6 +5,7 @@ restoring one checkpoint at once, eviction to the host tier and back, memory pre
 sessions; nothing leaks. Plus the pure-Python cache's own rules."""
 
 import asyncio
+import gc
 import random
 
 import pytest
@@ -14,8 +15,9 @@ from deltaspec.engine import AsyncLLM, EngineConfig, SamplingParams
 from deltaspec.engine.allocators import BlockAllocator, SlotAllocator
 from deltaspec.engine.core import EngineCore
 from deltaspec.engine.prefix_cache import PrefixCache
-from deltaspec.engine.state_pool import KVPool
-from fixtures import GPU_SHAPE, assert_idle
+from deltaspec.engine.model_config import ModelConfig
+from deltaspec.engine.state_pool import KVPool, StatePool
+from fixtures import COMMON_DEFAULTS, GPU_SHAPE, assert_idle
 from harness import check_isolation
 
 VOCAB = 512
@@ -315,3 +317,42 @@ def test_block_copies_never_wait_for_the_device():
         for cache, wanted in zip(layer, want):
             wanted[7] = wanted[2]
             assert torch.equal(cache, wanted)
+
+
+def test_a_steps_slot_copies_and_block_copies_move_every_layers_state():
+    """copy_slots / copy_blocks copy every pair of a step at once: each destination equals its
+    source in every per-slot tensor of every layer (and the kept hidden states), its pending count
+    is zero, and nothing else changes."""
+    config = ModelConfig.from_dict({"model_type": "qwen3_5_text", **COMMON_DEFAULTS})
+    states = StatePool(config, 8, 2, torch.float32, "cpu", keep_mtp_hidden=True, keep_last_hidden=True)
+    kv = KVPool(num_layers=2, num_blocks=10, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32,
+                device="cpu")
+    per_slot = [t for layer in states.layers for t in layer[:5]] + [states.mtp_hidden, states.last_hidden]
+    caches = [cache for layer in kv.layers for cache in layer]
+    for t in per_slot + caches:
+        t.copy_(torch.randn(t.shape))
+    states.pending_counts.copy_(torch.randint(1, 3, (8,), dtype=torch.int32))
+    want_slots, want_caches = [t.clone() for t in per_slot], [c.clone() for c in caches]
+    want_counts = states.pending_counts.clone()
+    for t in want_slots:
+        t[[5, 6, 7]] = t[[1, 3, 1]]
+    for c in want_caches:
+        c[[7, 8]] = c[[2, 4]]
+    want_counts[[5, 6, 7]] = 0
+    states.copy_slots([(1, 5), (3, 6), (1, 7)])
+    kv.copy_blocks([(2, 7), (4, 8)])
+    assert all(torch.equal(t, want) for t, want in zip(per_slot, want_slots))
+    assert all(torch.equal(c, want) for c, want in zip(caches, want_caches))
+    assert torch.equal(states.pending_counts, want_counts)
+
+
+def test_the_garbage_collector_walks_no_token_of_the_cache():
+    slots, blocks = SlotAllocator(8), BlockAllocator(32, 4)
+    cache = PrefixCache(slots, blocks, checkpoint_interval=8)
+    slot, table = slots.allocate(1)[0], blocks.allocate(3)
+    tokens = list(range(100, 111))
+    assert cache.adopt("r0", tokens[:10], tokens, 10, slot, table)
+    hit = cache.lookup(tokens[:10] + [7])
+    assert hit is not None and hit.position == 10
+    assert len(gc.get_referents(hit.token_ids)) <= 1  # what a collection walks: its type at most, no ints
+    assert cache.save("r0").token_ids == tuple(tokens)

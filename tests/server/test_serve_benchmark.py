@@ -246,7 +246,8 @@ def test_metrics_delta():
              'deltaspec_spec_draft_tokens_total{position="1"}': ("counter", 6.0),
              "new_total": ("counter", 7.0)}
     delta = metrics_delta(before, after)
-    assert delta["counters"] == {"a_total": 3.0, "lat_seconds_count": 3.0, "new_total": 7.0,
+    assert delta["counters"] == {"a_total": 3.0, "lat_seconds_count": 3.0, 'lat_seconds_bucket{le="1.0"}': 0.0,
+                                 "new_total": 7.0,
                                  'deltaspec_spec_accepted_tokens_total{position="1"}': 3.0,
                                  'deltaspec_spec_draft_tokens_total{position="1"}': 4.0}
     assert delta["gauges"] == {"free": 1.0} and delta["spec_acceptance_rate"] == 3 / 4
