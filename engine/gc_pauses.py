@@ -12,6 +12,7 @@ Knows nothing about the engine or HTTP.
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import gc
 import logging
@@ -60,6 +61,8 @@ def install() -> GCPauses:
     if _installed is None:
         _installed = GCPauses()
         gc.callbacks.append(_installed.on_collection)
+        # Not the collections of the exit (the start-up heap handed back: async_llm.freeze_startup_heap).
+        atexit.register(gc.callbacks.remove, _installed.on_collection)
     return _installed
 
 

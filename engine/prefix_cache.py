@@ -163,6 +163,8 @@ class PrefixCache:
         self._by_request: dict[str, tuple[Checkpoint, array]] = {}
         self._sessions: dict[int, Checkpoint] = {}         # handle id -> checkpoint
         self._pending: list[Checkpoint] = []               # written by the step in flight
+        self._num_held_slots = 0
+        self._block_holds: dict[int, int] = {}             # GPU block -> checkpoints holding it
         self._ids = itertools.count(1)
         self._ops = _OpsBuilder()
 
@@ -220,7 +222,9 @@ class PrefixCache:
             blocks += self.blocks.allocate(1)
             self._ops.tail_copies.append((block_table[full], blocks[-1]))
         mtp_position = position - int(self.mtp and ends_tokens)
-        self._pending.append(Checkpoint(next(self._ids), key, mtp_position, True, slot, blocks, len(blocks)))
+        checkpoint = Checkpoint(next(self._ids), key, mtp_position, True, slot, blocks, len(blocks))
+        self._hold(checkpoint)
+        self._pending.append(checkpoint)
         return CheckpointWrite(position, slot, ends_tokens)
 
     def register_writes(self) -> None:
@@ -250,6 +254,7 @@ class PrefixCache:
         checkpoint = existing or Checkpoint(next(self._ids), key, mtp_position, False, slot, list(blocks),
                                             len(blocks))
         if existing is None:
+            self._hold(checkpoint)
             self._insert(checkpoint)
         checkpoint.request_ids.append(request_id)
         self._by_request[request_id] = (checkpoint, _tokens(all_token_ids))
@@ -366,11 +371,16 @@ class PrefixCache:
     def num_host_checkpoints(self) -> int:
         return sum(c.on_host for c in self._entries.values())
 
-    def held_slots(self) -> set[int]:
-        return {c.slot for c in [*self._entries.values(), *self._pending] if c.slot is not None}
+    @property
+    def num_held_slots(self) -> int:
+        """Slots the checkpoints on the GPU hold (pending writes included)."""
+        return self._num_held_slots
 
-    def held_blocks(self) -> set[int]:
-        return {b for c in [*self._entries.values(), *self._pending] for b in c.blocks}
+    @property
+    def num_held_blocks(self) -> int:
+        """Distinct KV blocks they hold: counted as they come and go, not gathered (a scrape of
+        the metrics asks, and thousands of checkpoints hold hundreds of thousands of blocks)."""
+        return len(self._block_holds)
 
     def stats_dict(self) -> dict:
         s = self.stats
@@ -444,9 +454,21 @@ class PrefixCache:
         self.stats.evictions += 1
         return True
 
+    def _hold(self, checkpoint: Checkpoint) -> None:
+        """Count the slot and blocks of a checkpoint on the GPU (`num_held_slots`, `num_held_blocks`)."""
+        self._num_held_slots += 1
+        for block in checkpoint.blocks:
+            self._block_holds[block] = self._block_holds.get(block, 0) + 1
+
     def _release_gpu(self, checkpoint: Checkpoint) -> None:
         self.slots.free([checkpoint.slot])
         self.blocks.free(checkpoint.blocks)
+        self._num_held_slots -= 1
+        for block in checkpoint.blocks:
+            if self._block_holds[block] == 1:
+                del self._block_holds[block]
+            else:
+                self._block_holds[block] -= 1
         checkpoint.slot, checkpoint.blocks = None, []
 
     def _remove(self, checkpoint: Checkpoint) -> None:
