@@ -5,9 +5,10 @@ there (their slot and blocks may be reused by this very step) and dropped host c
 Then (`restore`, which may follow the step's decode rows on the stream: it writes only the new
 rows' own slots and blocks) restores copy a checkpoint's slot and KV blocks into the restoring
 sequence's own (copy-on-restore: the cached checkpoint is never written by the sequence that uses
-it), every restore of the step in one gather and scatter per pool tensor. After the forward: the
-partial last block of each prompt-end checkpoint is copied from the sequence that wrote it, and
-the checkpoints the chunked kernel wrote during the forward keep their last hidden state.
+it), every restore of the step at once (StatePool.copy_slots, KVPool.copy_blocks). After the
+forward: the partial last block of each prompt-end checkpoint is copied from the sequence that
+wrote it, and the checkpoints the chunked kernel wrote during the forward keep their last hidden
+state.
 
 Knows nothing about which checkpoint is worth keeping: that is prefix_cache.py's business.
 """

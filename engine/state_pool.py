@@ -54,8 +54,8 @@ class StatePool:
 
         self.pending_counts = torch.zeros(num_slots, dtype=torch.int32, device=device)
         # Each kind of per-slot tensor is one allocation over the GDN layers, [L, S, ...], and a
-        # layer's tensor is its contiguous view [l]: copying slots (a prefix-cache restore) costs
-        # one gather and one scatter per kind for every slot copied, not a copy per layer and slot.
+        # layer's tensor is its contiguous view [l]: copying a slot (a prefix-cache restore) takes
+        # a view per kind, not one per layer and kind.
         n = len(config.gdn_layer_ids)
         recurrent = torch.zeros(n, s, hv, dk, dv, dtype=state_dtype, device=device)
         conv = torch.zeros(n, s, c.linear_conv_kernel_dim - 1, c.conv_dim, dtype=dtype, device=device)
@@ -80,12 +80,12 @@ class StatePool:
         nothing pending (checkpoints never hold pending tokens)."""
         if not pairs:
             return
-        index = device_tensor([slot for pair in pairs for slot in pair], torch.int64,
-                              self.pending_counts.device).view(-1, 2)
-        src, dst = index[:, 0], index[:, 1]
-        for t in self._slot_tensors:
-            t[:, dst] = t[:, src]
-        self.pending_counts[dst] = 0
+        # One launch for every tensor and pair, from views: a gather would stage copies of the
+        # source slots (tens of MB each at real sizes, n of them for n choices of one prompt).
+        torch._foreach_copy_([t[:, dst] for _, dst in pairs for t in self._slot_tensors],
+                             [t[:, src] for src, _ in pairs for t in self._slot_tensors])
+        self.pending_counts.index_fill_(0, device_tensor([dst for _, dst in pairs], torch.int64,
+                                                         self.pending_counts.device), 0)
 
     def save_slot(self, slot: int) -> list[torch.Tensor]:
         """Host copies of a slot's tensors (pinned when the pool is on CUDA)."""
