@@ -30,6 +30,7 @@ import queue
 import random
 import time
 import traceback
+from array import array
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Union
 
@@ -49,8 +50,12 @@ class Sample:
 
     start: float
     ttft: float
-    itls: list[float]  # between chunks that carried tokens
-    token_times: list[float]  # when each such chunk arrived (for the abuse window)
+    # Float arrays, not lists: the garbage collector walks a list of floats element by element, and
+    # a run's samples (a time per token of every request, ~350k per client process at 16 streams
+    # over 20 s) made full collections of 25-110 ms in the client processes (H100 runs, a
+    # gc.callbacks probe), in which a client reads no chunk: measured as the server's latency.
+    itls: array  # between chunks that carried tokens
+    token_times: array  # when each such chunk arrived (for the abuse window)
     e2e: float
     output_tokens: int
     prompt_tokens: int | None = None  # as the server counted them (usage); None where unknown
@@ -240,8 +245,8 @@ def sample(start: float, times: list[float], num_tokens: int, origin: float,
            num_prompt_tokens: int | None = None) -> Sample:
     """A request's Sample from its start and the arrival times of its token-carrying chunks."""
     end = times[-1] if times else time.perf_counter()
-    itls = [b - a for a, b in zip(times, times[1:])]
-    return Sample(start - origin, (times[0] if times else end) - start, itls, [t - origin for t in times],
+    itls = array("d", [b - a for a, b in zip(times, times[1:])])
+    return Sample(start - origin, (times[0] if times else end) - start, itls, array("d", [t - origin for t in times]),
                   end - start, num_tokens, num_prompt_tokens)
 
 
@@ -353,17 +358,8 @@ async def _client(url: str, timeout: float, sampling: Sampling, prompts: PromptS
                 origin = inbox.get()
                 await asyncio.sleep(origin - time.perf_counter())
                 cpu, wall = time.process_time(), time.perf_counter()
-                # No collection during a run: a full one walks the run's samples (a time per token
-                # of every request, ~350k per client at 16 streams over 20 s), 25-110 ms in which
-                # this client reads no chunk (H100 runs, a gc.callbacks probe), measured as the
-                # server's latency. The run's garbage is collected after it.
-                gc.disable()
-                try:
-                    samples = await drive(load, share, prompts, window, send, origin)
-                finally:
-                    gc.enable()
+                samples = await drive(load, share, prompts, window, send, origin)
                 outbox.put(("samples", samples, (time.process_time() - cpu) / max(time.perf_counter() - wall, 1e-9)))
-                gc.collect()
             except Exception:  # noqa: BLE001 (reported to the coordinator, which raises)
                 outbox.put(("failed", traceback.format_exc()))
                 return

@@ -8,6 +8,7 @@ after a fixed delay, so its numbers are exact up to scheduling; goodput and the 
 processes against hand computations."""
 
 import asyncio
+import gc
 import json
 import multiprocessing
 import statistics
@@ -18,7 +19,7 @@ from aiohttp import web
 
 from deltaspec.server.cli import main
 from deltaspec.server.load_generator import (ClientProcesses, Load, PromptSet, Sample, Sampling, Window,
-                                             arrival_times, drive)
+                                             arrival_times, drive, sample)
 from deltaspec.server.serve_benchmark import goodput, metrics_delta, parse_goodput_target
 
 
@@ -251,3 +252,13 @@ def test_metrics_delta():
                                  'deltaspec_spec_accepted_tokens_total{position="1"}': 3.0,
                                  'deltaspec_spec_draft_tokens_total{position="1"}': 4.0}
     assert delta["gauges"] == {"free": 1.0} and delta["spec_acceptance_rate"] == 3 / 4
+
+
+def test_a_sample_s_token_times_cost_the_garbage_collector_nothing_per_token():
+    """A client keeps every request's times: as lists, a full collection walked them all (tens of
+    ms in which the client read nothing, measured as the server's latency)."""
+    times = [10.0 + 0.001 * i for i in range(300)]
+    s = sample(9.99, times, 300, origin=9.0)
+    assert list(s.itls) == pytest.approx([0.001] * 299) and s.token_times[0] == pytest.approx(1.0)
+    assert s.ttft == pytest.approx(0.01) and s.e2e == pytest.approx(0.309)
+    assert len(gc.get_referents(s.itls)) <= 1 and len(gc.get_referents(s.token_times)) <= 1
