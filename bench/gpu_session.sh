@@ -21,6 +21,8 @@
 # fp8     : kernels_fp8 and engine_throughput --quantization fp8 with the fused activation
 #           quantizer and without it (#30's bars)
 # abuse   : `deltaspec bench serve --abuse` at 16 and 64 streams (#33)
+# ttftbar : `deltaspec bench serve` at 16 and 64 streams twice (#33's TTFT p99 <= 3x p50 bar, which
+#           moves from run to run), its GC-pause metrics printed after each
 # ttft    : bench/tools/ttft_trace.py (first-token time by part, in-process) and `deltaspec bench
 #           serve --unique-prompts --no-in-process` (every prefill cold) at 16 and 64 streams (#33)
 # sanitize: bench/tools/sanitize.sh, compute-sanitizer over the kernels and one engine run (#33)
@@ -85,6 +87,18 @@ for part in ${parts//,/ }; do
   abuse)
     timeout 480 python -m deltaspec.server.cli bench serve --device cuda --dtype bfloat16 --streams 16 64 \
         --duration 30 --max-tokens 256 --abuse --out "$out" 2>&1 | tail -15 ;;
+  ttftbar)
+    for run in 1 2; do
+        timeout 230 python -m deltaspec.server.cli bench serve --device cuda --dtype bfloat16 --streams 16 64 \
+            --duration 20 --max-tokens 256 --out "$out/ttftbar_$run" 2>&1 | grep -E "served|in-process" | tail -4
+        python - "$out/ttftbar_$run"/serve-*.json <<'PY'
+import json, sys
+for run in json.load(open(sys.argv[1]))["served"]:
+    pauses = {k: v for k, v in run["server_metrics"]["counters"].items()
+              if k.startswith("deltaspec_gc_pause_seconds_bucket") and 'le="0.02"' in k or "gc_pause_seconds_count" in k}
+    print(run["streams"], "streams, GC pauses (count; count <= 20 ms):", pauses)
+PY
+    done ;;
   ttft)
     timeout 200 python bench/tools/ttft_trace.py --device cuda --dtype bfloat16 --streams 16 64 --duration 10 \
         --out "$out" 2>&1 | tail -3 | cut -c1-400
@@ -93,7 +107,7 @@ for part in ${parts//,/ }; do
   sanitize)
     OUT="$out" timeout 540 bash bench/tools/sanitize.sh 2>&1 | tail -12 ;;
   *)
-    echo "unknown part $part (tests, kernels, engine, floor, spec, spec9b, spec35b, serve, sampling, fp8, abuse, ttft, sanitize)"; exit 2 ;;
+    echo "unknown part $part (tests, kernels, engine, floor, spec, spec9b, spec35b, serve, sampling, fp8, abuse, ttftbar, ttft, sanitize)"; exit 2 ;;
   esac
 done
 if [[ "${SAVE_TRITON_CACHE:-0}" == 1 ]]; then OUT="$out" bash bench/tools/save_triton_cache.sh; fi
