@@ -100,7 +100,12 @@ def _penalized(logits: torch.Tensor, counts: torch.Tensor, prompt_mask: torch.Te
 
 # W (1 + drafts) and B (the widest logit_bias so far) change with what requests ask for: not
 # specialized (Triton would compile again for 1 and multiples of 16), so a warmed-up server does not.
-@triton.jit(do_not_specialize=["W", "B"])
+# Nor is the alignment of the per-row vectors: the coefficients are rows of one [3, P] gather, at
+# offsets 4P and 8P bytes, 16-byte aligned or not as P is (a compile while serving, found by the
+# GPU no-compile test); each program loads one scalar of each.
+@triton.jit(do_not_specialize=["W", "B"],
+            do_not_specialize_on_alignment=["rows", "stats", "repetition", "frequency", "presence", "drafts",
+                                            "bias_tokens", "bias_values"])
 def _penalize_rows_kernel(logits, stride_row, stride_position, out, rows, counts, prompt_mask, stats, repetition,
                           frequency, presence, drafts, bias_tokens, bias_values, W, V, B, BLOCK: tl.constexpr,
                           HAS_DRAFTS: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr):

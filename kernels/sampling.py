@@ -151,7 +151,11 @@ def _row_stats(stats, argmax, row, num_splits, S_PAD: tl.constexpr):
     return top, total, raw_safe + tl.log(raw_total), s_min, greedy
 
 
-@triton.jit
+# The per-row parameters (temperature, top_k, top_p, min_p, seeds, offsets) are rows of one gather
+# from the sampling table (engine/sampling_table.py: [3, N] floats, [2, N] ints, at offsets 4N or 8N
+# bytes), 16-byte aligned or not as N is: the kernels do not specialize on their alignment, so a
+# new count of redecided rows compiles nothing while serving. A program loads one value of each.
+@triton.jit(do_not_specialize_on_alignment=["temperature", "top_k", "top_p"])
 def _sample_stats_kernel(logits, stride_row, temperature, top_k, top_p, stats, argmax, plan_i, plan_f, V,
                          num_splits, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """Program (row, split) over logits[row, split*CHUNK : (split+1)*CHUNK]:
@@ -194,7 +198,7 @@ def _sample_stats_kernel(logits, stride_row, temperature, top_k, top_p, stats, a
         tl.store(plan_f + row * 4 + _D_HI, float("inf"))
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["temperature"])
 def _sample_hist_kernel(logits, stride_row, temperature, stats, argmax, plan_i, plan_f, hist, prefix_count,
                         prefix_mass, V, num_splits, S_PAD: tl.constexpr, CHUNK: tl.constexpr,
                         BLOCK: tl.constexpr, NUM_BINS: tl.constexpr):
@@ -229,7 +233,7 @@ def _sample_hist_kernel(logits, stride_row, temperature, stats, argmax, plan_i, 
     tl.store(prefix_mass + row * num_splits + split, mass)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["top_k", "top_p"])
 def _sample_plan_kernel(stats, argmax, top_k, top_p, plan_i, plan_f, hist, prefix_count, prefix_mass,
                         window_offsets, V, num_splits, capacity, LAST_ROUND: tl.constexpr,
                         S_PAD: tl.constexpr, NUM_BINS: tl.constexpr):
@@ -308,7 +312,7 @@ def _sample_plan_kernel(stats, argmax, top_k, top_p, plan_i, plan_f, hist, prefi
     tl.store(plan_i + row * 8 + _NUM_WINDOW, num_window)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["temperature", "min_p", "seeds", "offsets"])
 def _sample_compact_kernel(logits, stride_row, temperature, min_p, seeds, offsets, stats, argmax, plan_i, plan_f,
                            window_offsets, window_value, window_token, race_value, race_token, prefix_mass, V,
                            num_splits, capacity, S_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
@@ -448,7 +452,7 @@ def _window_select(key, e, s, token, valid, row_ptr, V, t, top, total, d_lo, sca
         return race_block(s, token, kept, top, row_hash)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["temperature", "top_k", "top_p", "min_p", "seeds", "offsets"])
 def _sample_select_kernel(logits, stride_row, temperature, top_k, top_p, min_p, seeds, offsets, stats, argmax,
                           plan_i, plan_f, window_value, window_token, race_value, race_token, prefix_mass,
                           tokens, logprobs, V, num_splits, capacity, S_PAD: tl.constexpr, CAPACITY: tl.constexpr,
