@@ -39,6 +39,7 @@ from . import generation_defaults
 from .checkpoint_io import CheckpointIO
 from .cuda_graphs import DecodeGraphs, SpecGraphs
 from .decode_step import DecodeStep
+from .durations import Durations
 from .engine_config import EngineConfig
 from .executor import ParallelRunner, Workers, rank_device
 from .model_config import ModelConfig
@@ -88,6 +89,8 @@ CHECKPOINT_MEMORY_SHARE = 0.1  # of the pool budget, for prefix-cache checkpoint
 # At most this many checkpoint slots by default. A real model's slot is MBs (~20 MB for Qwen3.5-0.8B)
 # and the share bounds them; a toy model's is KBs, and this bounds the pool's start-up instead.
 MAX_CHECKPOINT_SLOTS = 4096
+# Bounds (seconds) of the step-time histogram (`stats()["step_seconds"]`).
+STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -218,6 +221,8 @@ class EngineCore:
         self._in_flight: InFlight | None = None  # launched by the last step's wait, next to dispatch
         self._back_to_back = False  # the step being dispatched was launched ahead
         self._last_commit: float | None = None
+        self.step_times = _step_times()
+        self._dispatched_at = 0.0
         self._overlap = config.async_scheduling and edit_drafts is None
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -318,6 +323,12 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work or self._in_flight is not None
 
+    def reset_counters(self) -> None:
+        """Speculation, preemption and step-time counters back to zero (after the warm-up, or
+        before the steps a benchmark times)."""
+        self.scheduler.reset_counters()
+        self.step_times = _step_times()
+
     def reset_arrivals(self) -> None:
         """Request ids start again at "0" (after the start-up warm-up; no request may be live)."""
         assert not self.requests and not self.has_work
@@ -336,6 +347,7 @@ class EngineCore:
         a freshly scheduled step. Scheduling happens here; launches and the wait happen in
         `wait()`, which launches the continuation of a plain decode step before waiting for it
         and returns it in the StepResult."""
+        self._dispatched_at = time.perf_counter()
         current = self._in_flight
         self._back_to_back = current is not None  # launched before the step before it was read
         plan = current.plan if current is not None else self.scheduler.schedule()
@@ -384,6 +396,8 @@ class EngineCore:
                 self.requests.pop(request.request_id, None)
                 if request.finish_reason == "error":
                     logger.error("request %s failed: %s; serving the rest", request.request_id, NONFINITE_LOGITS)
+        self.step_times.observe("admit" if plan.prefill_rows or plan.cached_rows else "decode",
+                                time.perf_counter() - self._dispatched_at)
         return deltas
 
     def fail(self, plan: StepPlan | None) -> list[str]:
@@ -424,6 +438,7 @@ class EngineCore:
             "spec": self.scheduler.spec_stats.as_dict(),
             "step_costs": policy.costs.as_dict() if (policy := self.scheduler.draft_policy) is not None else None,
             "num_compiles_after_warm_up": num_compiles_after_warm_up(),
+            "step_seconds": self.step_times.snapshot(),
         }
 
     @property
@@ -576,6 +591,13 @@ class EngineCore:
         activations = (tokens * width * torch.finfo(self.dtype).bits // 8
                        + rows * c.vocab_size * (4 + torch.finfo(self.dtype).bits // 8) * 2)
         return int(free * self.config.gpu_memory_utilization) - activations
+
+
+def _step_times() -> Durations:
+    """Each step's wall time from its dispatch to the end of its commit, by kind: "admit" when it
+    has new rows (prefill chunks, cached prompts), else "decode". A launched-ahead step is
+    dispatched after the one before it is committed, so the spans do not overlap."""
+    return Durations(STEP_BUCKETS, labels=("decode", "admit"))
 
 
 def _release(workers: Workers | None, group: list, runners: list[Runner]) -> None:

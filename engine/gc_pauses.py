@@ -13,10 +13,11 @@ Knows nothing about the engine or HTTP.
 from __future__ import annotations
 
 import atexit
-import bisect
 import gc
 import logging
 import time
+
+from .durations import Durations
 
 logger = logging.getLogger("deltaspec")
 
@@ -26,9 +27,7 @@ WARN_SECONDS = 0.05  # a pause this long is logged
 
 class GCPauses:
     def __init__(self) -> None:
-        # Per generation: counts per bucket (the last past every bound), and the seconds in all.
-        self.bucket_counts = [[0] * (len(BUCKETS) + 1) for _ in range(3)]
-        self.seconds = [0.0] * 3
+        self.pauses = Durations(BUCKETS, labels=("0", "1", "2"))  # by generation
         self._started: float | None = None
 
     def on_collection(self, phase: str, info: dict) -> None:
@@ -38,18 +37,14 @@ class GCPauses:
         if self._started is None:
             return  # installed during a collection
         seconds, self._started = time.perf_counter() - self._started, None
-        generation = info["generation"]
-        self.bucket_counts[generation][bisect.bisect_left(BUCKETS, seconds)] += 1
-        self.seconds[generation] += seconds
+        self.pauses.observe(str(info["generation"]), seconds)
         if seconds >= WARN_SECONDS:
             logger.warning("a garbage collection (generation %d, %d objects freed) paused this process for %.0f ms",
-                           generation, info["collected"], seconds * 1e3)
+                           info["generation"], info["collected"], seconds * 1e3)
 
     def snapshot(self) -> dict:
-        """{generation: {"bucket_counts": [...], "seconds": s}} (generations as strings: it
-        crosses the engine process's wire as msgpack)."""
-        return {str(g): {"bucket_counts": list(counts), "seconds": seconds}
-                for g, (counts, seconds) in enumerate(zip(self.bucket_counts, self.seconds))}
+        """Durations.snapshot, by generation."""
+        return self.pauses.snapshot()
 
 
 _installed: GCPauses | None = None

@@ -162,7 +162,7 @@ def _run(core) -> float:
     while core.has_work:
         core.step()
     core.clear_prefix_cache(reset_stats=True)
-    scheduler.reset_counters()
+    core.reset_counters()
     if scheduler.draft_policy is not None:
         scheduler.draft_policy = scheduler.draft_policy.fresh()
     core.reset_arrivals()

@@ -74,7 +74,7 @@ def run_config(core: EngineCore, prompts: list[str], params: SamplingParams, bat
     """Generate for every prompt, `batch` requests in flight at a time; returns speed + counters
     of the timed run only (the warm-up group before it is neither timed nor counted)."""
     warmup_seconds = _timed(core, lambda: warm_up(core, prompts[:batch], params))
-    core.scheduler.reset_counters()  # count the timed steps only
+    core.reset_counters()  # count the timed steps only
     generated = 0
 
     def generate() -> None:

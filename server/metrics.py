@@ -2,9 +2,9 @@
 
 The server owns counters and latency histograms that move as requests run (`ServerMetrics`,
 one `RequestTimer` per generation request); the engine's gauges (slots, KV blocks, queue depths,
-speculation acceptance) are read from `AsyncLLM.stats()` at scrape time, so they are never stale;
-so are the garbage collector's pauses, the server process's own and the engine process's
-(engine/gc_pauses.py).
+speculation acceptance, step times) are read from `AsyncLLM.stats()` at scrape time, so they are
+never stale; so are the garbage collector's pauses, the server process's own and the engine
+process's (engine/gc_pauses.py).
 
 Knows nothing about HTTP; knows the engine only through its stats dict.
 """
@@ -128,32 +128,23 @@ class ServerMetrics:
         lines.append(_sample("deltaspec_compiles_after_warm_up_total", {}, stats["num_compiles_after_warm_up"]))
         lines += self._render_spec(stats["spec"])
         lines += self._render_prefix_cache(stats["prefix_cache"])
-        lines += self._render_gc_pauses(stats)
+        lines += self._render_timings(stats)
         return "\n".join(lines) + "\n"
 
     @staticmethod
-    def _render_gc_pauses(stats: dict) -> list[str]:
-        """This process's collections, and the engine's when it runs in a process of its own
-        (its stats carry them); none where nothing times them (`gc_pauses.install`)."""
-        by_process = {}
-        if (pauses := gc_pauses.installed()) is not None:
-            by_process["server"] = pauses.snapshot()
+    def _render_timings(stats: dict) -> list[str]:
+        """The engine's step times, and the garbage collector's pauses: this process's, and the
+        engine process's when it runs in one (its stats carry them); none where nothing times
+        them (`gc_pauses.install`)."""
+        lines = _render_durations("deltaspec_step_seconds", "Engine steps' wall time, dispatch to commit, by kind "
+                                  "(admit: the step has new rows, prefill chunks or cached prompts).", "kind",
+                                  [({}, stats["step_seconds"])])
+        pauses = [({"process": "server"}, server.snapshot())] if (server := gc_pauses.installed()) is not None else []
         if "gc_pauses" in stats:
-            by_process["engine"] = stats["gc_pauses"]
-        if not by_process:
-            return []
-        name = "deltaspec_gc_pause_seconds"
-        lines = _header(name, "histogram", "Pauses of Python's garbage collector, by process and generation "
-                                           "(every stream of that process waits for them).")
-        for process, generations in by_process.items():
-            for generation, pause in generations.items():
-                labels = {"process": process, "generation": generation}
-                cumulative = 0
-                for bound, count in zip((*map(repr, gc_pauses.BUCKETS), "+Inf"), pause["bucket_counts"]):
-                    cumulative += count
-                    lines.append(_sample(f"{name}_bucket", {**labels, "le": bound}, cumulative))
-                lines.append(_sample(f"{name}_sum", labels, pause["seconds"]))
-                lines.append(_sample(f"{name}_count", labels, cumulative))
+            pauses.append(({"process": "engine"}, stats["gc_pauses"]))
+        if pauses:
+            lines += _render_durations("deltaspec_gc_pause_seconds", "Pauses of Python's garbage collector, by "
+                                       "process and generation (the process's streams wait).", "generation", pauses)
         return lines
 
     @staticmethod
@@ -193,6 +184,24 @@ class ServerMetrics:
         lines += _header("deltaspec_spec_verify_steps_total", "counter", "Verify steps (one per request per step).")
         lines.append(_sample("deltaspec_spec_verify_steps_total", {}, spec["num_verify_steps"]))
         return lines
+
+
+def _render_durations(name: str, help_text: str, label_name: str, snapshots: list[tuple[dict[str, str], dict]]) \
+        -> list[str]:
+    """A histogram family from engine.durations.Durations snapshots, each with its own labels;
+    a series per snapshot and label (`label_name`)."""
+    lines = _header(name, "histogram", help_text)
+    for labels, snapshot in snapshots:
+        bounds = (*map(repr, snapshot["buckets"]), "+Inf")
+        for label, series in snapshot["series"].items():
+            series_labels = {**labels, label_name: label}
+            cumulative = 0
+            for bound, count in zip(bounds, series["bucket_counts"]):
+                cumulative += count
+                lines.append(_sample(f"{name}_bucket", {**series_labels, "le": bound}, cumulative))
+            lines.append(_sample(f"{name}_sum", series_labels, series["seconds"]))
+            lines.append(_sample(f"{name}_count", series_labels, cumulative))
+    return lines
 
 
 class RequestTimer:
