@@ -22,7 +22,7 @@
 #           quantizer and without it (#30's bars)
 # abuse   : `deltaspec bench serve --abuse` at 16 and 64 streams (#33)
 # ttftbar : `deltaspec bench serve` at 16 and 64 streams twice (#33's TTFT p99 <= 3x p50 bar, which
-#           moves from run to run), its GC-pause metrics printed after each
+#           moves from run to run), each run's step times and GC pauses (all, and those <= 20 ms)
 # ttft    : bench/tools/ttft_trace.py (first-token time by part, in-process) and `deltaspec bench
 #           serve --unique-prompts --no-in-process` (every prefill cold) at 16 and 64 streams (#33)
 # sanitize: bench/tools/sanitize.sh, compute-sanitizer over the kernels and one engine run (#33)
@@ -92,11 +92,15 @@ for part in ${parts//,/ }; do
         timeout 230 python -m deltaspec.server.cli bench serve --device cuda --dtype bfloat16 --streams 16 64 \
             --duration 20 --max-tokens 256 --out "$out/ttftbar_$run" 2>&1 | grep -E "served|in-process" | tail -4
         python - "$out/ttftbar_$run"/serve-*.json <<'PY'
-import json, sys
+import json, re, sys
 for run in json.load(open(sys.argv[1]))["served"]:
-    pauses = {k: v for k, v in run["server_metrics"]["counters"].items()
-              if k.startswith("deltaspec_gc_pause_seconds_bucket") and 'le="0.02"' in k or "gc_pause_seconds_count" in k}
-    print(run["streams"], "streams, GC pauses (count; count <= 20 ms):", pauses)
+    summary = {}
+    for name, value in run["server_metrics"]["counters"].items():
+        m = re.match(r'deltaspec_(step|gc_pause)_seconds_(bucket|count)[{](.*)[}]', name)
+        if m and (m[2] == "count" or 'le="0.02"' in m[3]):
+            labels = re.sub(r',?le="[^"]*"', "", m[3])
+            summary[" ".join((m[1], labels, "<=20ms" if m[2] == "bucket" else "all"))] = value
+    print(run["streams"], "streams:", json.dumps(summary))
 PY
     done ;;
   ttft)
