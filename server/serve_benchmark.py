@@ -240,6 +240,32 @@ def metrics_delta(before: dict[str, tuple[str, float]], after: dict[str, tuple[s
             "spec_acceptance_rate": drafts[0] / drafts[1] if drafts[1] else None}
 
 
+STEP_WITHIN = 0.005  # a step this long or shorter is counted as quick
+PAUSE_PAST = 0.02    # a collection longer than this is counted as a stall
+
+
+def server_timings(counters: dict[str, float]) -> dict:
+    """From a run's metric deltas (`metrics_delta`): the engine's steps by kind (how many, their
+    mean, the share within STEP_WITHIN) and the garbage collector's pauses past PAUSE_PAST by
+    process; empty parts where the server exports none (an older server, `--url`)."""
+    steps = {}
+    for kind in ("decode", "admit"):
+        count = counters.get(f'deltaspec_step_seconds_count{{kind="{kind}"}}')
+        if count:
+            quick = counters.get(f'deltaspec_step_seconds_bucket{{kind="{kind}",le="{STEP_WITHIN!r}"}}', 0.0)
+            steps[kind] = {"count": count, "mean_s": counters[f'deltaspec_step_seconds_sum{{kind="{kind}"}}'] / count,
+                           "share_within": quick / count}
+    stalls: dict[str, float] = {}
+    for name, value in counters.items():
+        match = re.fullmatch(r'deltaspec_gc_pause_seconds_count\{generation="(\d)",process="(\w+)"\}', name)
+        if match:
+            generation, process = match.groups()
+            within = counters.get(f'deltaspec_gc_pause_seconds_bucket{{generation="{generation}",'
+                                  f'le="{PAUSE_PAST!r}",process="{process}"}}', 0.0)
+            stalls[process] = stalls.get(process, 0.0) + value - within
+    return {"steps": steps, "step_within_s": STEP_WITHIN, "gc_pauses_past": stalls, "gc_pause_past_s": PAUSE_PAST}
+
+
 # The server under test --------------------------------------------------------------------------
 
 @contextlib.asynccontextmanager
@@ -316,6 +342,7 @@ async def measure_served(runs: list[Load], clients: ClientProcesses, http: aioht
         result["client_cpu_fraction"] = max(measured.client_cpu_fractions)
         result["client_bound"] = result["client_cpu_fraction"] > _CLIENT_BOUND
         result["server_metrics"] = metrics_delta(before, after)
+        result["server_timings"] = server_timings(result["server_metrics"]["counters"])
         results.append(result)
     return results
 
@@ -559,6 +586,14 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
                   f"  ITL p50/p99 {_ms(r['itl_s']['p50'])}/{_ms(r['itl_s']['p99'])} ms"
                   + (f"  goodput {r['goodput']['requests_per_s']:.2f} req/s" if "goodput" in r else "")
                   + ("  (client-bound)" if r["client_bound"] else ""))
+    for r in report.get("served", []):
+        timings = r.get("server_timings") or {}
+        if timings.get("steps") or timings.get("gc_pauses_past"):
+            steps = ", ".join(f"{kind} {t['count']:.0f} (mean {t['mean_s'] * 1e3:.2f} ms, "
+                              f"{t['share_within']:.0%} <= {STEP_WITHIN * 1e3:g} ms)"
+                              for kind, t in timings["steps"].items())
+            pauses = ", ".join(f"{process} {n:.0f}" for process, n in timings["gc_pauses_past"].items())
+            print(f"server {_run_name(r):>12s}: steps {steps}; GC pauses > {PAUSE_PAST * 1e3:g} ms: {pauses}")
     for ratio in report.get("served_over_in_process", []):
         print(f"served / in-process at {_run_name(ratio)}: {ratio['output_tokens_per_s']:.2f}")
     if "abuse" in report:

@@ -20,7 +20,7 @@ from aiohttp import web
 from deltaspec.server.cli import main
 from deltaspec.server.load_generator import (ClientProcesses, Load, PromptSet, Sample, Sampling, Window,
                                              arrival_times, drive, sample)
-from deltaspec.server.serve_benchmark import goodput, metrics_delta, parse_goodput_target
+from deltaspec.server.serve_benchmark import goodput, metrics_delta, parse_goodput_target, server_timings
 
 
 @pytest.mark.slow
@@ -262,3 +262,20 @@ def test_a_sample_s_token_times_cost_the_garbage_collector_nothing_per_token():
     assert list(s.itls) == pytest.approx([0.001] * 299) and s.token_times[0] == pytest.approx(1.0)
     assert s.ttft == pytest.approx(0.01) and s.e2e == pytest.approx(0.309)
     assert len(gc.get_referents(s.itls)) <= 1 and len(gc.get_referents(s.token_times)) <= 1
+
+
+def test_server_timings_from_a_run_s_metric_deltas():
+    counters = {'deltaspec_step_seconds_count{kind="decode"}': 10.0,
+                'deltaspec_step_seconds_sum{kind="decode"}': 0.02,
+                'deltaspec_step_seconds_bucket{kind="decode",le="0.005"}': 9.0,
+                'deltaspec_step_seconds_count{kind="admit"}': 0.0,
+                'deltaspec_gc_pause_seconds_count{generation="0",process="engine"}': 7.0,
+                'deltaspec_gc_pause_seconds_bucket{generation="0",le="0.02",process="engine"}': 6.0,
+                'deltaspec_gc_pause_seconds_count{generation="2",process="engine"}': 2.0,
+                'deltaspec_gc_pause_seconds_bucket{generation="2",le="0.02",process="engine"}': 0.0,
+                'deltaspec_gc_pause_seconds_count{generation="2",process="server"}': 1.0,
+                'deltaspec_gc_pause_seconds_bucket{generation="2",le="0.02",process="server"}': 1.0}
+    timings = server_timings(counters)
+    assert timings["steps"] == {"decode": {"count": 10.0, "mean_s": pytest.approx(0.002), "share_within": 0.9}}
+    assert timings["gc_pauses_past"] == {"engine": 3.0, "server": 0.0}  # past 20 ms: 1 young, 2 full; none
+    assert server_timings({}) == {"steps": {}, "step_within_s": 0.005, "gc_pauses_past": {}, "gc_pause_past_s": 0.02}
