@@ -365,11 +365,12 @@ class PrefixCache:
 
     @property
     def num_gpu_checkpoints(self) -> int:
-        return sum(not c.on_host for c in self._entries.values())
+        """Registered checkpoints on the GPU: each holds a slot, as each pending write does."""
+        return self._num_held_slots - len(self._pending)
 
     @property
     def num_host_checkpoints(self) -> int:
-        return sum(c.on_host for c in self._entries.values())
+        return len(self._entries) - self.num_gpu_checkpoints
 
     @property
     def num_held_slots(self) -> int:
