@@ -83,14 +83,21 @@ class Histogram:
         self.sum += value * count
 
     def render(self) -> list[str]:
-        lines = _header(self.name, "histogram", self.help_text)
-        cumulative = 0
-        for bound, count in zip((*map(repr, self.buckets), "+Inf"), self.bucket_counts):
-            cumulative += count
-            lines.append(_sample(f"{self.name}_bucket", {"le": bound}, cumulative))
-        lines.append(_sample(f"{self.name}_sum", {}, self.sum))
-        lines.append(_sample(f"{self.name}_count", {}, self.count))
-        return lines
+        return _header(self.name, "histogram", self.help_text) + \
+            _histogram_series(self.name, {}, self.buckets, self.bucket_counts, self.sum)
+
+
+def _histogram_series(name: str, labels: dict[str, str], buckets: tuple[float, ...] | list[float],
+                      bucket_counts: list[int], total: float) -> list[str]:
+    """One labelled series of a histogram: cumulative buckets (bucket_counts' last past every
+    bound: +Inf), sum and count."""
+    lines, cumulative = [], 0
+    for bound, count in zip((*map(repr, buckets), "+Inf"), bucket_counts):
+        cumulative += count
+        lines.append(_sample(f"{name}_bucket", {**labels, "le": bound}, cumulative))
+    lines.append(_sample(f"{name}_sum", labels, total))
+    lines.append(_sample(f"{name}_count", labels, cumulative))
+    return lines
 
 
 class ServerMetrics:
@@ -192,15 +199,9 @@ def _render_durations(name: str, help_text: str, label_name: str, snapshots: lis
     a series per snapshot and label (`label_name`)."""
     lines = _header(name, "histogram", help_text)
     for labels, snapshot in snapshots:
-        bounds = (*map(repr, snapshot["buckets"]), "+Inf")
         for label, series in snapshot["series"].items():
-            series_labels = {**labels, label_name: label}
-            cumulative = 0
-            for bound, count in zip(bounds, series["bucket_counts"]):
-                cumulative += count
-                lines.append(_sample(f"{name}_bucket", {**series_labels, "le": bound}, cumulative))
-            lines.append(_sample(f"{name}_sum", series_labels, series["seconds"]))
-            lines.append(_sample(f"{name}_count", series_labels, cumulative))
+            lines += _histogram_series(name, {**labels, label_name: label}, snapshot["buckets"],
+                                       series["bucket_counts"], series["seconds"])
     return lines
 
 
