@@ -146,8 +146,8 @@ def summary(load: Load, measured: Measured, goodput_targets: dict[str, float]) -
         # Open loop: the rate the requests were sent at (their count - 1 over the first to last send).
         "achieved_request_rate": None if load.closed or len(samples) < 2 else
         (len(samples) - 1) / (max(starts) - min(starts)),
-        "ttft_s": _percentiles([s.ttft for s in samples]), "itl_s": _percentiles(itls),
-        "e2e_s": _percentiles([s.e2e for s in samples]),
+        "ttft_s": percentiles([s.ttft for s in samples]), "itl_s": percentiles(itls),
+        "e2e_s": percentiles([s.e2e for s in samples]),
         "ttft_cdf": sorted(s.ttft for s in samples), "itl_cdf": _thinned(sorted(itls)),
         # When the slowest first tokens happened (start of the request, seconds into the run):
         # at the start (compiles), in waves (arrivals queued behind each other), or spread out.
@@ -195,7 +195,7 @@ def _per(count: float, seconds: float) -> float:
     return count / seconds if seconds > 0 else 0.0
 
 
-def _percentiles(values: list[float]) -> dict:
+def percentiles(values: list[float]) -> dict:
     if not values:
         return {"p50": None, "p90": None, "p99": None, "mean": None}
     p50, p90, p99 = np.percentile(values, [50, 90, 99]).tolist()
@@ -368,7 +368,7 @@ async def abuse(args: argparse.Namespace, url: str, http: aiohttp.ClientSession,
     num_streams = args.streams[0]
     duration = max(args.duration or 0.0, 4.0)
     calm = await clients.run(Load("abuse-calm", args.max_tokens, num_streams=num_streams, duration=duration))
-    calm_itl = _percentiles([x for s in calm.samples for x in s.itls])
+    calm_itl = percentiles([x for s in calm.samples for x in s.itls])
     line = "# " + "x" * 70 + "\n"  # code-like text; the body (JSON escapes each newline) just under the limit
     big = line * ((args.abuse_bytes - 100) // (len(json.dumps(line)) - 2))
     health: list[float] = []
@@ -405,12 +405,12 @@ async def abuse(args: argparse.Namespace, url: str, http: aiohttp.ClientSession,
     # The gaps that ended while the big prompts were in flight (sent until answered), and 1 s after.
     start, end = fired[0], fired[-1] + 1.0
     window = [gap for s in abused.samples for gap, t in zip(s.itls, s.token_times[1:]) if start <= t <= end]
-    abused_itl = _percentiles(window)
+    abused_itl = percentiles(window)
     return {"streams": num_streams, "duration_s": duration, "abuse_prompts": args.abuse_prompts,
             "abuse_bytes": len(big), "abuse_statuses": sorted(statuses), "abuse_window_s": [start, end],
             "itl_p99_without_s": calm_itl["p99"], "itl_p99_with_s": abused_itl["p99"],
             "itl_p99_ratio": abused_itl["p99"] / calm_itl["p99"] if abused_itl["p99"] and calm_itl["p99"] else None,
-            "health_s": {**_percentiles(health), "max": max(health) if health else None, "count": len(health)}}
+            "health_s": {**percentiles(health), "max": max(health) if health else None, "count": len(health)}}
 
 
 async def benchmark(args: argparse.Namespace) -> dict:

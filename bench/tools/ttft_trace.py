@@ -36,6 +36,7 @@ from deltaspec.engine import AsyncLLM, EngineConfig, SamplingParams  # noqa: E40
 from deltaspec.engine.async_llm import freeze_startup_heap, run  # noqa: E402
 from deltaspec.server.acceptance_benchmark import device_name, device_tag, load_prompts  # noqa: E402
 from deltaspec.server.load_generator import Load, PromptSet, Window, drive, sample  # noqa: E402
+from deltaspec.server.serve_benchmark import percentiles  # noqa: E402
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "default"
 
@@ -147,10 +148,8 @@ def sender(engine: AsyncLLM, trace: Trace, max_tokens: int):
 
 
 def _pct(values: list[float]) -> dict:
-    if not values:
-        return {}
-    return {f"p{q}": round(float(np.percentile(values, q)) * 1e3, 3) for q in (50, 90, 99)} | \
-        {"mean": round(float(np.mean(values)) * 1e3, 3)}
+    """serve_benchmark's percentiles and mean, in ms."""
+    return {name: round(value * 1e3, 3) for name, value in percentiles(values).items()} if values else {}
 
 
 def analyse(trace: Trace, window: tuple[float, float]) -> dict:
@@ -166,11 +165,14 @@ def analyse(trace: Trace, window: tuple[float, float]) -> dict:
         return {name: _pct([parts[i][name] for i in ids]) for name in ("submit", "queue", "step", "hand_out")} | \
             {"ttft": _pct([ttft[i] for i in ids])}
 
-    def steps_between(a: float, b: float, raw: tuple[float, float] | None = None) -> list[dict]:
-        if raw is not None:
-            return [s for s in trace.steps if s["dispatch"] <= raw[1] and s.get("committed", raw[1]) >= raw[0]]
+    def overlapping(a: float, b: float) -> list[dict]:
+        """The steps that ran at some point of [a, b]."""
+        return [s for s in trace.steps if s["dispatch"] <= b and s.get("committed", b) >= a]
+
+    def steps_between(a: float, b: float) -> list[dict]:
+        """overlapping(a, b), their times in ms after a."""
         return [{k: (round((v - a) * 1e3, 3) if k in ("dispatch", "dispatched", "commit", "committed") else v)
-                 for k, v in s.items()} for s in trace.steps if s["dispatch"] <= b and s.get("committed", b) >= a]
+                 for k, v in s.items()} for s in overlapping(a, b)]
 
     examples = [{"ttft_ms": round(ttft[i] * 1e3, 3), **{k: round(v * 1e3, 3) for k, v in parts[i].items()},
                  "steps": steps_between(trace.requests[i]["sent"], trace.requests[i]["delivered"])}
@@ -194,7 +196,7 @@ def analyse(trace: Trace, window: tuple[float, float]) -> dict:
                                 for s, e, g in trace.collections if a <= e and s <= b],
                 "steps": [[round((s["dispatch"] - a) * 1e3, 1), round((s.get("committed", b) - a) * 1e3, 1),
                            s["decode_rows"], s["prefill_rows"], s["prefill_tokens"], s["cached_rows"],
-                           s["waiting"], s["ahead"]] for s in steps_between(0, 0, raw=(a, b))]}
+                           s["waiting"], s["ahead"]] for s in overlapping(a, b)]}
 
     in_window = [s for s in trace.steps if window[0] <= s["dispatch"] <= window[1] and "committed" in s]
     durations = {kind: _pct([s["committed"] - s["dispatch"] for s in in_window if pick(s)])
