@@ -11,7 +11,7 @@ sampled row) stalled every running stream for up to a second (bench/step_trace.p
 arguments that vary with the step and need no specialization are marked do_not_specialize
 (kernels/); this covers the rest by running, before the first request, steps of every kind:
 prefill rows in each bucket 1, 2, 4, .. max_num_seqs, beside an odd and an even number of decode
-rows, short and checkpoint-crossing prompts, greedy and sampled rows, a cached prompt, small
+rows, 1, 2 and 4 prompts alone filling a step, short and checkpoint-crossing prompts, greedy and sampled rows, a cached prompt, small
 steps of a few short prompts beside a few decode rows, and rows sampled as users configure them
 (penalties, logit bias, bad words, min_tokens, a JSON grammar, log-probabilities), beside plain
 rows and as whole batches. An engine with a draft editor
@@ -129,6 +129,18 @@ def _run(core) -> float:
         for _ in range(2):
             if core.has_work:
                 core.step()
+    # Prompts alone in their step, 1, 2 and 4 of them filling its budget: steps of few long rows,
+    # past the prefill graphs' buckets (where capturing stopped paying), run eagerly with no
+    # padding row beside them, a shape class no graphed step and none of the waves above reach.
+    while core.has_work:
+        core.step()
+    for rows in (1, 2, 4):
+        if rows > config.max_num_seqs:
+            break
+        for _ in range(rows):
+            core.add_request(prompt(min(budget // rows, core.max_model_len - greedy.max_tokens - 1)), greedy)
+        while core.has_work:
+            core.step()
     # Small steps: a few prompts, mostly short, beside a few decode rows of various contexts (a
     # step of a few dozen tokens takes other GEMM and attention tiles than a full chunk does).
     for _ in range(SMALL_STEPS):

@@ -3,7 +3,9 @@
 serving a staggered mix of requests afterwards (plain, and sampled as users configure it)
 compiles no Triton kernel and tunes nothing."""
 
+import contextlib
 import dataclasses
+import random
 
 import pytest
 import torch
@@ -42,15 +44,12 @@ def test_warm_up_leaves_the_engine_as_new(checkpoint):
     assert (generate(core, batch), generate(core, batch, SAMPLED)) == expected
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_draft_tokens", [0, None])
-def test_no_compile_or_tuning_while_serving_after_warm_up(checkpoint, num_draft_tokens):
+@contextlib.contextmanager
+def compiles_and_tunings():
+    """Every Triton compile (its specialization) and autotuning run inside the block."""
     from triton import knobs
     from triton.runtime.autotuner import Autotuner
 
-    path = checkpoint("qwen3_5", mtp_copy_of_last_layer=True, **GPU_SHAPE)
-    core = EngineCore(EngineConfig(model=path, device="cuda", dtype="bfloat16", max_num_seqs=16,
-                                   num_draft_tokens=num_draft_tokens, checkpoint_interval=64))
     compiled = []
     bench = Autotuner._bench
 
@@ -60,6 +59,20 @@ def test_no_compile_or_tuning_while_serving_after_warm_up(checkpoint, num_draft_
 
     knobs.runtime.jit_cache_hook = lambda *args, **kwargs: compiled.append(kwargs["repr"])
     Autotuner._bench = tuned
+    try:
+        yield compiled
+    finally:
+        knobs.runtime.jit_cache_hook = None
+        Autotuner._bench = bench
+        torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_draft_tokens", [0, None])
+def test_no_compile_or_tuning_while_serving_after_warm_up(checkpoint, num_draft_tokens):
+    path = checkpoint("qwen3_5", mtp_copy_of_last_layer=True, **GPU_SHAPE)
+    core = EngineCore(EngineConfig(model=path, device="cuda", dtype="bfloat16", max_num_seqs=16,
+                                   num_draft_tokens=num_draft_tokens, checkpoint_interval=64))
     # Plain jobs, then the same with every third one sampled as users configure it (penalties,
     # bias, bans, a JSON grammar, log-probabilities: each its variant of the redecided steps).
     configured = [dict(presence_penalty=1.2, logit_bias={7: 3.0}), dict(structured=Structured("json_object")),
@@ -68,12 +81,28 @@ def test_no_compile_or_tuning_while_serving_after_warm_up(checkpoint, num_draft_
     jobs = make_jobs(40, seed=3, max_prompt=300)
     jobs += [dataclasses.replace(job, params=dataclasses.replace(job.params, **configured[i % len(configured)]))
              if i % 3 == 0 else job for i, job in enumerate(make_jobs(40, seed=4, max_prompt=300))]
-    try:
+    with compiles_and_tunings() as compiled:
         run_staggered(core, jobs)
-    finally:
-        knobs.runtime.jit_cache_hook = None
-        Autotuner._bench = bench
-    torch.cuda.synchronize()
+    assert compiled == [], "compiled or tuned while serving:\n" + "\n".join(sorted(set(compiled)))
+    assert_all_free(core)
+
+
+@pytest.mark.gpu
+def test_no_compile_for_long_prompts_alone_after_warm_up(checkpoint, monkeypatch):
+    """A prompt alone in its step, longer than every captured prefill graph, runs eagerly as one
+    row with no padding row beside it (as a long prompt sent to an idle server does): the
+    warm-up must have run that step. Graphs captured up to 512 tokens, as where capturing stops
+    paying for a larger model."""
+    from deltaspec.engine import prefill_graphs
+
+    monkeypatch.setattr(prefill_graphs, "token_buckets", lambda max_tokens: [64, 128, 256, 512])
+    path = checkpoint("qwen3_5", mtp_copy_of_last_layer=True, **GPU_SHAPE)
+    core = EngineCore(EngineConfig(model=path, device="cuda", dtype="bfloat16", max_num_seqs=8,
+                                   max_num_batched_tokens=4096, max_model_len=8192, checkpoint_interval=64))
+    rng = random.Random(11)
+    with compiles_and_tunings() as compiled:
+        for length in (4096, 2900, 7000):  # a full step, a part of one, two chunks and a remainder
+            generate(core, [[rng.randrange(512) for _ in range(length)]])
     assert compiled == [], "compiled or tuned while serving:\n" + "\n".join(sorted(set(compiled)))
     assert_all_free(core)
 
