@@ -16,7 +16,8 @@ partial stores made visible, the counter atomic and the partial loads, three dep
 trips (H100 breakdown in commit 8b76c27).
 
 `linear` is the entry point (the `Ops.linear` of the GPU table): the kernel where `use_kernel`
-says it beats cuBLAS, F.linear elsewhere (prefill, wide N, more than 16 rows at larger N).
+says it beats cuBLAS, cuBLAS elsewhere (prefill, wide N, more than 16 rows at larger N; rows padded
+to a bucket outside graph capture, `cublas_linear`).
 `launch_linear` runs the kernel with an explicit config (tests, the tuning sweep of
 bench/kernels_linear.py); `linear_reference` is the torch oracle. Knows nothing about which
 projection it computes.
@@ -219,13 +220,44 @@ def launch_linear(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """linear_reference through the kernel where linear_config picks it, else through F.linear."""
+    """linear_reference through the kernel where linear_config picks it, else through cuBLAS
+    (`cublas_linear`)."""
     if x.dim() != 2:
         return F.linear(x, weight)
     (num_rows, in_features), out_features, device = x.shape, weight.shape[0], x.device
     config = linear_config(num_rows, out_features, in_features, device)
     if config is None:
-        return F.linear(x, weight)
+        return cublas_linear(x, weight)
     y = torch.empty((num_rows, out_features), dtype=x.dtype, device=device)
     launch_linear(y, x, weight, config)
     return y
+
+
+# cuBLAS chooses its kernel per GEMM shape on the host and caches the choice: a row count M it
+# has not seen costs ~135-155 us of host time against ~17-25 us for one it has (H100,
+# bench/tools/cublas_shapes.py), and eager steps bring a new M each time (the MTP's prefill of
+# every prompt, prefills past the captured graphs), on the critical path of a host-bound step.
+# Rows padded to a multiple of CUBLAS_ROWS bound the shapes it ever sees.
+CUBLAS_ROWS = 128
+
+
+def cublas_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear, on CUDA outside graph capture (where a shape's choice is paid once) over x's
+    rows padded to a multiple of CUBLAS_ROWS."""
+    if x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return F.linear(x, weight)
+    return padded_linear(x, weight, CUBLAS_ROWS)
+
+
+def padded_linear(x: torch.Tensor, weight: torch.Tensor, multiple: int) -> torch.Tensor:
+    """F.linear(x, weight) computed over x's rows staged into a buffer of a multiple of `multiple`
+    rows (one copy of x). The padding rows are left as allocated: each output row depends on its
+    own input row alone, and theirs are dropped (the result is the leading rows, contiguous)."""
+    num_rows = x.shape[0]
+    padded = -(-num_rows // multiple) * multiple
+    if padded == num_rows:
+        return F.linear(x, weight)
+    staged = x.new_empty(padded, x.shape[1])
+    staged[:num_rows] = x
+    return F.linear(staged, weight)[:num_rows]
+

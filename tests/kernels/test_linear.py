@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from deltaspec.kernels.arrivals import arrival_counters
-from deltaspec.kernels.linear import KERNEL_MAX_ROWS, MAX_ROWS, launch_linear, linear, linear_config, linear_reference
+from deltaspec.kernels.linear import (CUBLAS_ROWS, KERNEL_MAX_ROWS, MAX_ROWS, launch_linear, linear, linear_config,
+                                     linear_reference, padded_linear)
 from deltaspec.kernels.tiles import TileConfig
 from kernel_helpers import assert_close
 
@@ -107,6 +108,17 @@ def test_linear_rejects_bad_arguments(kernel_device):
 # ---- GPU --------------------------------------------------------------------------------------
 
 # (N, K) of the Qwen3.5-0.8B and -9B projections (bench/kernels_linear.py derives them).
+@pytest.mark.parametrize("multiple", [7, 128])
+def test_padded_linear(multiple):
+    """Rows staged into a buffer of a multiple of `multiple` rows: the leading rows of the padded
+    product, contiguous, equal to F.linear over x's rows alone (x a strided view too)."""
+    for num_rows in (1, 6, 7, 8, 127, 128, 129, 300):
+        x, weight = inputs(num_rows, 48, 40, torch.float32, "cpu", seed=num_rows, row_stride=44, offset=3)
+        y = padded_linear(x, weight, multiple)
+        assert y.shape == (num_rows, 48) and y.is_contiguous()
+        assert_close(y, linear_reference(x, weight), TOLERANCE[torch.float32], f"M={num_rows}")
+
+
 GPU_SHAPES = [(1024, 2048), (1024, 3584), (8224, 1024), (7168, 1024), (5120, 1024),
               (4096, 4096), (4096, 12288), (12352, 4096), (10240, 4096)]
 
@@ -154,3 +166,24 @@ def test_linear_gpu_cuda_graph():
         torch.cuda.synchronize()
         assert torch.equal(y, linear(x, weight))
     assert int(arrival_counters(x.device, 1).abs().sum()) == 0
+
+
+@pytest.mark.gpu
+def test_linear_gpu_cublas_rows_padded():
+    """Past the kernel's rows `linear` takes cuBLAS over rows padded to CUBLAS_ROWS (eager: the
+    result is the leading rows), and the exact rows under graph capture: both equal the
+    reference, and the replay equals eager."""
+    n, k = 4096, 4096
+    for num_rows in (65, CUBLAS_ROWS + 1, 200, 1000):
+        assert linear_config(num_rows, n, k, torch.device("cuda")) is None
+        x, weight = inputs(num_rows, n, k, torch.bfloat16, "cuda", seed=num_rows, row_stride=k + 8)
+        y = linear(x, weight)
+        assert y.shape == (num_rows, n) and y.is_contiguous()
+        assert_close(y, linear_reference(x.float(), weight.float()), TOLERANCE[torch.bfloat16], f"M={num_rows}")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = linear(x, weight)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(captured, y, TOLERANCE[torch.bfloat16], f"M={num_rows}, captured")
+
