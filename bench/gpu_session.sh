@@ -17,6 +17,9 @@
 #           fit 80 GB)
 # spec35b : spec_e2e on the 35B-A3B shape at batches 1 4 16 64 (256 on cards of >= 100 GiB)
 # serve   : serve_spec through `deltaspec serve`, shipped model (#27's server bars)
+# specserve: `deltaspec bench serve --unique-prompts` (every prompt new: admissions on the critical
+#           path) with speculation and with --num-draft-tokens 0, at T = 0 and 0.7, 16 and 64
+#           streams: served tok/s and the engine's step times by kind (RESULTS, "Through the server")
 # sampling: sampling_cost three times, each its own process (#29's 1.15x bar)
 # fp8     : kernels_fp8 and engine_throughput --quantization fp8 with the fused activation
 #           quantizer and without it (#30's bars)
@@ -72,6 +75,16 @@ for part in ${parts//,/ }; do
   serve)
     timeout 560 python bench/serve_spec.py --device cuda --dtype bfloat16 --streams 1 16 64 --temperatures 0 0.7 \
         --max-tokens 256 --requests-per-stream 3 --out "$out" 2>&1 | tail -12 ;;
+  specserve)
+    for temperature in 0 0.7; do
+        for drafts in default 0; do
+            echo "-- T = $temperature, drafts $drafts"
+            timeout 140 python -m deltaspec.server.cli bench serve --device cuda --dtype bfloat16 --streams 16 64 \
+                --duration 8 --max-tokens 256 --unique-prompts --no-in-process --temperature "$temperature" \
+                $([[ $drafts == 0 ]] && echo --num-draft-tokens 0) --out "$out/specserve_T${temperature}_$drafts" \
+                2>&1 | grep -E "^(served|server)"
+        done
+    done ;;
   sampling)
     for run in 1 2 3; do
         mkdir -p "$out/sampling_$run"
@@ -100,7 +113,7 @@ for part in ${parts//,/ }; do
   sanitize)
     OUT="$out" timeout 540 bash bench/tools/sanitize.sh 2>&1 | tail -12 ;;
   *)
-    echo "unknown part $part (tests, kernels, engine, floor, spec, spec9b, spec35b, serve, sampling, fp8, abuse, ttftbar, ttft, sanitize)"; exit 2 ;;
+    echo "unknown part $part (tests, kernels, engine, floor, spec, spec9b, spec35b, serve, specserve, sampling, fp8, abuse, ttftbar, ttft, sanitize)"; exit 2 ;;
   esac
 done
 if [[ "${SAVE_TRITON_CACHE:-0}" == 1 ]]; then OUT="$out" bash bench/tools/save_triton_cache.sh; fi
