@@ -234,7 +234,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 # cuBLAS chooses its kernel per GEMM shape on the host and caches the choice: a row count M it
-# has not seen costs ~135-155 us of host time against ~17-25 us for one it has (H100,
+# has not seen costs ~135-290 us of host time against ~17-30 us for one it has (two H100s,
 # bench/tools/cublas_shapes.py), and eager steps bring a new M each time (the MTP's prefill of
 # every prompt, prefills past the captured graphs), on the critical path of a host-bound step.
 # Rows padded to a multiple of CUBLAS_ROWS bound the shapes it ever sees.
@@ -260,4 +260,3 @@ def padded_linear(x: torch.Tensor, weight: torch.Tensor, multiple: int) -> torch
     staged = x.new_empty(padded, x.shape[1])
     staged[:num_rows] = x
     return F.linear(staged, weight)[:num_rows]
-
