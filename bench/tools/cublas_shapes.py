@@ -1,8 +1,9 @@
 """Host time of an eager bf16 GEMM through cuBLAS (F.linear) by whether its row count M was seen
 before: cuBLAS chooses its kernel per shape on the host and caches the choice, so a step whose
 eager GEMMs bring new M (the MTP's prefill of each prompt, prefills past the captured graphs)
-pays the choice every time. Also the same new M padded to a multiple of 128 rows (a staging copy
-first, as kernels/linear.py does). 300 calls per case, the device synchronised around each.
+pays the choice every time. Also the same new M through kernels/linear.py's `padded_linear`
+(rows staged into a multiple of CUBLAS_ROWS). 300 calls per case, the device synchronised
+around each.
 
     python bench/tools/cublas_shapes.py [--out DIR]     -> DIR/cublas_shapes-<gpu>.json
 """
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import commit_id, device_tag  # noqa: E402
+from deltaspec.kernels.linear import CUBLAS_ROWS, padded_linear  # noqa: E402
 
 SHAPES = [(384, 1024), (1024, 3584), (4096, 12288)]  # (K, N): shipped model, 0.8B, 9B MLP
 
@@ -30,9 +32,7 @@ def host_us(x: torch.Tensor, w: torch.Tensor, rows: list[int], padded: bool) -> 
         torch.cuda.synchronize()
         begin = time.perf_counter()
         if padded:
-            staged = x.new_empty(-(-m // 128) * 128, x.shape[1])
-            staged[:m] = x[:m]
-            F.linear(staged, w)[:m]
+            padded_linear(x[:m], w, CUBLAS_ROWS)
         else:
             F.linear(x[:m], w)
         times.append(time.perf_counter() - begin)

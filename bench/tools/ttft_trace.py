@@ -103,7 +103,7 @@ class Trace:
         runner = core.runner
         parts = [(core.scheduler, "schedule"), (core.scheduler, "commit"), (runner, "run"), (runner, "launch"),
                  (runner, "_launch_decode"), (runner, "_prefill"), (runner, "_first_tokens"),
-                 (runner, "_run_cached"), (runner.checkpoint_io, "before_forward"),
+                 (runner, "_run_cached"), (runner.checkpoint_io, "release"), (runner.checkpoint_io, "restore"),
                  (runner.checkpoint_io, "after_forward"), (runner.checkpoint_io, "keep_hidden")]
         if runner.prefill_graphs is not None:
             parts.append((runner.prefill_graphs, "run"))
