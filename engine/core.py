@@ -45,7 +45,7 @@ from .executor import ParallelRunner, Workers, rank_device
 from .model_config import ModelConfig
 from .models import HybridLM
 from .penalties import Penalties
-from .prefill_graphs import PrefillGraphs
+from .prefill_graphs import Forward, PrefillGraphs
 from .prefix_cache import CheckpointHandle, PrefixCache
 from .request import NONFINITE_LOGITS, Request, RequestDelta
 from .runner import InFlight, Runner
@@ -204,9 +204,16 @@ class EngineCore:
                                 forced_acceptance) if self.num_draft_tokens else None
         graphs = self._decode_graphs(decode)
         spec_graphs = self._spec_graphs(decode, speculator, split=edit_drafts is not None) if speculator else None
+        # The forwards close over the model and pools, not self (an engine -> runner -> engine cycle).
+        model, states, kv = self.model, self.states, self.kv
+        prefill_graphs = self._prefill_graphs("target", lambda batch, _: model(batch, states, kv),
+                                              config.checkpoint_interval, commit=speculator is None)
+        mtp_prefill_graphs = self._prefill_graphs(
+            "MTP", lambda batch, inputs: model.draft_hidden(batch.input_ids, inputs, batch, kv), None, commit=True,
+            inputs=(self.model_config.hidden_size, self.dtype)) if speculator else None
         self.runner = Runner(self.model, self.states, self.kv, sampler, checkpoint_io, config.block_size, self.device,
                              decode, graphs=graphs, speculator=speculator, spec_graphs=spec_graphs,
-                             prefill_graphs=self._prefill_graphs(commit=speculator is None))
+                             prefill_graphs=prefill_graphs, mtp_prefill_graphs=mtp_prefill_graphs)
         self._runners.append(self.runner)
         if self.workers is not None:
             self.runner = ParallelRunner(self.runner, self.workers)
@@ -468,17 +475,17 @@ class EngineCore:
                     self.num_draft_tokens)
         return graphs
 
-    def _prefill_graphs(self, commit: bool) -> PrefillGraphs | None:
-        """Graphs of the prefill forwards where they pay (prefill_graphs.py); not under tensor
+    def _prefill_graphs(self, name: str, forward: Forward, checkpoint_interval: int | None, commit: bool,
+                        inputs: tuple[int, torch.dtype] | None = None) -> PrefillGraphs | None:
+        """Graphs of a prefill forward where they pay (prefill_graphs.py); not under tensor
         parallelism (not yet measured with its collectives) nor with prefill graphs turned off."""
         if not (self._graphs_enabled and self.config.enable_prefill_graphs) or self.tp is not None:
             return None
         config = self.config
-        graphs = PrefillGraphs(self.model, self.states, self.kv, config.block_size, self._max_blocks_per_row,
-                               config.max_num_batched_tokens, config.max_num_seqs, config.checkpoint_interval,
-                               commit, self.device)
+        graphs = PrefillGraphs(forward, config.block_size, self._max_blocks_per_row, config.max_num_batched_tokens,
+                               config.max_num_seqs, checkpoint_interval, commit, self.device, inputs)
         graphs.capture()
-        logger.info("captured CUDA graphs for prefill steps: %s", graphs.describe())
+        logger.info("captured CUDA graphs for the %s's prefill forwards: %s", name, graphs.describe())
         return graphs
 
     def _step_costs(self, graphs: DecodeGraphs | None, spec_graphs: SpecGraphs | None) -> StepCosts:

@@ -6,7 +6,8 @@ draft, verify, accept and roll back (speculation.py); either replays a CUDA grap
 bucket (and K) when one fits (cuda_graphs.py). A step with plainly sampled rows runs the
 stages' sampled variant, which draws those rows itself (in the graph); penalized and
 constrained rows are decided again after the stages (`_Redecision`, Speculator.resample).
-Prefill chunks run in their own eager forward, queued after the decode rows; cached rows (a
+Prefill chunks run in their own forward (a graph replay where one fits, with speculation the
+MTP's forward over them too: prefill_graphs.py), queued after the decode rows; cached rows (a
 fully cached prompt) take their logits from the restored checkpoint's hidden state.
 
 Around the forwards it executes the prefix cache's device work (checkpoint_io.py): offloads
@@ -112,14 +113,15 @@ class Runner:
     def __init__(self, model: HybridLM, states: StatePool, kv: KVPool, sampler: Sampler, checkpoint_io: CheckpointIO,
                  block_size: int, device: torch.device, decode: DecodeStep, graphs: DecodeGraphs | None = None,
                  speculator: Speculator | None = None, spec_graphs: SpecGraphs | None = None,
-                 prefill_graphs: PrefillGraphs | None = None) -> None:
+                 prefill_graphs: PrefillGraphs | None = None, mtp_prefill_graphs: PrefillGraphs | None = None) -> None:
         """decode: the fixed-shape decode stages; graphs: their captured plain graphs (None:
         eager). speculator: the speculative stages (None: no speculation) and spec_graphs their
-        captured graphs. prefill_graphs: captured prefill forwards (None: eager)."""
+        captured graphs. prefill_graphs, mtp_prefill_graphs: the target's and the MTP's
+        captured prefill forwards (None: eager)."""
         self.model, self.states, self.kv, self.sampler = model, states, kv, sampler
         self.block_size, self.device, self.graphs = block_size, device, graphs
         self.decode, self.speculator, self.spec_graphs = decode, speculator, spec_graphs
-        self.prefill_graphs = prefill_graphs
+        self.prefill_graphs, self.mtp_prefill_graphs = prefill_graphs, mtp_prefill_graphs
         self.checkpoint_io = checkpoint_io
         # Pinned copies of DecodeStep.outputs, used in turn: at most two steps are in flight
         # (the one being waited for and the one launched after it).
@@ -133,10 +135,10 @@ class Runner:
         collectives exists: the communicators' abort and destroy wait for the graphs'
         release, on every rank alike (4 H200s, 76de151: every rank hung in the abort;
         with the graphs destroyed first, the ranks left in under 0.6 s)."""
-        for graphs in (self.graphs, self.spec_graphs, self.prefill_graphs):
+        for graphs in (self.graphs, self.spec_graphs, self.prefill_graphs, self.mtp_prefill_graphs):
             if graphs is not None:
                 graphs.release()
-        self.graphs = self.spec_graphs = self.prefill_graphs = None
+        self.graphs = self.spec_graphs = self.prefill_graphs = self.mtp_prefill_graphs = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -305,7 +307,7 @@ class Runner:
             hidden = self.model(batch, self.states, self.kv)
         self.checkpoint_io.keep_hidden(batch, hidden)
         if self.speculator is not None:
-            self.speculator.prefill_mtp(hidden, batch, rows)
+            self.speculator.prefill_mtp(hidden, batch, rows, self.mtp_prefill_graphs)
         sampling = [r for r in rows if r.sample]
         if not sampling:
             return lambda: StepOutput([[] for _ in rows])

@@ -31,7 +31,8 @@ CUDA graph per (batch bucket, K, sampled) (cuda_graphs.SpecGraphs) and can be la
 the step before it is read: its outputs stay on the device (`launch`), penalized and constrained
 rows' acceptance too (`resample`), and the host reads them one step late (`read`). A step with
 prefill chunks runs its decode rows the same way and its chunks in an eager forward after them
-(runner.py), where `prefill_mtp` runs the MTP over the chunks' positions. A test may pass `edit_drafts`,
+(runner.py), where `prefill_mtp` runs the MTP over the chunks' positions (a graph replay
+where one fits: prefill_graphs.py). A test may pass `edit_drafts`,
 called between draft and verify with the rows and the drafts [B, K], to rewrite the drafts in
 place (forcing acceptance counts); a benchmark may pass `forced_acceptance` (spec/profile.py),
 which replaces each row's accepted count with a draw from a per-position profile, every other
@@ -59,6 +60,7 @@ from .step import ScheduledRow
 
 if TYPE_CHECKING:
     from .cuda_graphs import SpecGraphs
+    from .prefill_graphs import PrefillGraphs
 
 # Called between draft and verify with the step's decode rows and their drafts [B, K] (B >= the
 # number of rows: a graph bucket's padding rows follow); may rewrite the drafts in place.
@@ -325,13 +327,15 @@ class Speculator:
         else:
             self.states.pending_counts[slots] = num_accepted.to(torch.int32)
 
-    def prefill_mtp(self, hidden: torch.Tensor, batch: ForwardBatch, rows: Sequence[ScheduledRow]) -> None:
+    def prefill_mtp(self, hidden: torch.Tensor, batch: ForwardBatch, rows: Sequence[ScheduledRow],
+                    graphs: PrefillGraphs | None = None) -> None:
         """After the target's forward over prefill chunks (hidden [T, H]): a fresh prefill leaves
         nothing pending, and the MTP runs over each chunk's positions [mtp_start, mtp_end) with
         the target hidden states — this step's for the chunk's own positions, the slot's kept
         ones for the position before the chunk (a restored checkpoint whose MTP was one behind)
         — so the MTP's KV cache stays complete; a chunk that ends the prompt keeps its last
-        hidden state for the first catch-up."""
+        hidden state for the first catch-up. graphs: the MTP forward's captured graphs (the
+        inputs are gathered into their static buffer), else it runs eagerly."""
         decode_tokens = batch.prefill.token_start
         lengths = np.array([len(r.token_ids) for r in rows], dtype=np.int64)
         row_offsets = decode_tokens + np.cumsum(lengths) - lengths       # each row's first token in hidden
@@ -359,11 +363,15 @@ class Speculator:
         mtp_rows = [Row(r.mtp_token_ids, r.mtp_start, r.slot, r.block_table, num_logits=0) for r in rows
                     if r.mtp_end > r.mtp_start]
         if mtp_rows:
-            inputs = hidden.new_empty(int(num_positions.sum()), hidden.shape[1])
-            inputs[t["fresh_place"]] = hidden[t["fresh_index"]]
-            if num_kept.any():
-                inputs[t["kept_place"]] = self.states.mtp_hidden[t["kept_slots"], t["kept_depths"]]
-            mtp_batch = ForwardBatch.build([], mtp_rows, self.decode.block_size, self.device, commit=True)
-            self.model.draft_hidden(mtp_batch.input_ids, inputs, mtp_batch, self.kv)
+            def fill(inputs: torch.Tensor) -> None:
+                inputs[t["fresh_place"]] = hidden[t["fresh_index"]]
+                if num_kept.any():
+                    inputs[t["kept_place"]] = self.states.mtp_hidden[t["kept_slots"], t["kept_depths"]]
+
+            if graphs is None or graphs.run(mtp_rows, fill) is None:
+                inputs = hidden.new_empty(int(num_positions.sum()), hidden.shape[1])
+                fill(inputs)
+                mtp_batch = ForwardBatch.build([], mtp_rows, self.decode.block_size, self.device, commit=True)
+                self.model.draft_hidden(mtp_batch.input_ids, inputs, mtp_batch, self.kv)
         if sampled.any():
             self.states.mtp_hidden[t["keep_slots"], 0] = hidden[t["keep_index"]]
