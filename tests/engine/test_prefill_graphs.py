@@ -64,11 +64,11 @@ def test_prefill_graphs_change_no_token(checkpoint, monkeypatch, family, num_dra
 @pytest.mark.gpu
 def test_mtp_prefill_graphs_write_the_kv_eager_writes(checkpoint, monkeypatch):
     """The MTP's prefill forward replayed from a graph writes the MTP KV cache the eager forward
-    writes, so drafts and acceptance are the same. An MTP that copies the target's last layer
-    accepts often enough for a wrong KV cache to show; fixed draft counts (no timing-dependent
-    policy) keep both engines' schedules, blocks and slots the same."""
+    writes (so the drafts, which attend over it, are the same). A random tiny MTP accepts
+    nothing, so the KV cache itself is compared: fixed draft counts (no timing-dependent policy)
+    keep both engines' schedules, blocks and slots the same."""
     monkeypatch.setattr(prefill_graphs, "HOST_BOUND_SHARE", float("inf"))
-    path = checkpoint("qwen3_5", mtp_copy_of_last_layer=True, **GPU_SHAPE)
+    path = checkpoint("qwen3_5", **GPU_SHAPE)
     generator = torch.Generator().manual_seed(5)
     shared = torch.randint(0, 512, (600,), generator=generator).tolist()
     # Across token buckets, several rows per step, and a restored checkpoint (the shared prefix).
@@ -78,16 +78,15 @@ def test_mtp_prefill_graphs_write_the_kv_eager_writes(checkpoint, monkeypatch):
     options = dict(device="cuda", dtype="float32", num_draft_tokens=3, adaptive_draft_length=False, max_num_seqs=8,
                    max_num_batched_tokens=2048, checkpoint_interval=512)
 
-    def run(llm: LLM) -> tuple[list, dict, torch.Tensor]:
+    def run(llm: LLM) -> tuple[list, torch.Tensor]:
         core = llm.core
         tokens = [o.token_ids for o in llm.generate(prompts, params)]
         mtp_layer = core.kv.layers[len(core.model_config.attention_layer_ids)]
         # Block 0 is the scratch block that padding rows write.
-        kv = torch.stack([mtp_layer.k_cache[1:], mtp_layer.v_cache[1:]]).cpu()
-        return tokens, dict(core.scheduler.spec_stats.rows), kv
+        return tokens, torch.stack([mtp_layer.k_cache[1:], mtp_layer.v_cache[1:]]).cpu()
 
     eager = LLM(path, enable_prefill_graphs=False, **options)
-    want_tokens, want_stats, want_kv = run(eager)
+    want_tokens, want_kv = run(eager)
     del eager
     graphed = LLM(path, **options)
     graphs = graphed.core.runner.mtp_prefill_graphs
@@ -96,10 +95,8 @@ def test_mtp_prefill_graphs_write_the_kv_eager_writes(checkpoint, monkeypatch):
     for entry in graphs.graphs:
         replay = entry.graph.replay
         entry.graph.replay = lambda replay=replay: replays.append(1) or replay()
-    tokens, stats, kv = run(graphed)
+    tokens, kv = run(graphed)
     assert replays, f"no MTP prefill replayed a graph: {graphs.describe()}"
     assert tokens == want_tokens
     assert want_kv.abs().amax() > 0
     torch.testing.assert_close(kv, want_kv, rtol=1e-4, atol=1e-4)
-    assert sum(n * accepted for (_, accepted), n in want_stats.items()) > 0, want_stats
-    assert stats == want_stats
