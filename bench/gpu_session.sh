@@ -20,6 +20,8 @@
 # specserve: `deltaspec bench serve --unique-prompts` (every prompt new: admissions on the critical
 #           path) with speculation and with --num-draft-tokens 0, at T = 0 and 0.7, 16 and 64
 #           streams: served tok/s and the engine's step times by kind (RESULTS, "Through the server")
+# stephost: bench/tools/ttft_trace.py at T = 0.7, 16 and 64 streams, plain and speculative: each
+#           step's host time by part (where a speculative decode step's extra time goes)
 # sampling: sampling_cost three times, each its own process (#29's 1.15x bar)
 # fp8     : kernels_fp8 and engine_throughput --quantization fp8 with the fused activation
 #           quantizer and without it (#30's bars)
@@ -85,6 +87,13 @@ for part in ${parts//,/ }; do
                 2>&1 | grep -E "^(served|server)"
         done
     done ;;
+  stephost)
+    for drafts in 0 default; do
+        mkdir -p "$out/stephost_$drafts"
+        timeout 200 python bench/tools/ttft_trace.py --device cuda --dtype bfloat16 --streams 16 64 --duration 8 \
+            --temperature 0.7 $([[ $drafts == 0 ]] && echo --num-draft-tokens 0) --out "$out/stephost_$drafts" \
+            2>&1 | tail -3 | cut -c1-300
+    done ;;
   sampling)
     for run in 1 2 3; do
         mkdir -p "$out/sampling_$run"
@@ -113,7 +122,7 @@ for part in ${parts//,/ }; do
   sanitize)
     OUT="$out" timeout 540 bash bench/tools/sanitize.sh 2>&1 | tail -12 ;;
   *)
-    echo "unknown part $part (tests, kernels, engine, floor, spec, spec9b, spec35b, serve, specserve, sampling, fp8, abuse, ttftbar, ttft, sanitize)"; exit 2 ;;
+    echo "unknown part $part (tests, kernels, engine, floor, spec, spec9b, spec35b, serve, specserve, stephost, sampling, fp8, abuse, ttftbar, ttft, sanitize)"; exit 2 ;;
   esac
 done
 if [[ "${SAVE_TRITON_CACHE:-0}" == 1 ]]; then OUT="$out" bash bench/tools/save_triton_cache.sh; fi

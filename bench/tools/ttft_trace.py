@@ -10,7 +10,12 @@ delivered). Reported for all requests and for the slowest 1%, with what the step
 queue and step spans were (prefill rows and tokens, decode rows, launched ahead or not).
 
     python bench/tools/ttft_trace.py --device cuda --dtype bfloat16 [--streams 16 64] [--duration 10]
-        [--out DIR]   -> DIR/ttft_trace-<gpu>.json
+        [--temperature 0] [--num-draft-tokens N] [--out DIR]   -> DIR/ttft_trace-<gpu>.json
+
+Each step's host time by part (`mean_host_ms_per_step`, steps with new rows and decode-only ones
+apart) also says where a decode step's time goes, plain (--num-draft-tokens 0) against
+speculative: `InFlight.result` includes the wait for the device, `AsyncLLM._hand_out` is the
+event loop handing the step before's tokens out while the runner thread works.
 
 Knows the engine only through AsyncLLM, EngineCore.dispatch and EngineCore.commit (wrapped).
 """
@@ -34,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import commit_id  # noqa: E402
 from deltaspec.engine import AsyncLLM, EngineConfig, SamplingParams  # noqa: E402
 from deltaspec.engine.async_llm import freeze_startup_heap, run  # noqa: E402
+from deltaspec.engine.runner import InFlight  # noqa: E402
 from deltaspec.server.acceptance_benchmark import device_name, device_tag, load_prompts  # noqa: E402
 from deltaspec.server.load_generator import Load, PromptSet, Window, drive, sample  # noqa: E402
 from deltaspec.server.serve_benchmark import percentiles  # noqa: E402
@@ -101,16 +107,23 @@ class Trace:
         # dispatched last: steps run one at a time, a launched-ahead one's launch counted in the
         # step that launched it.
         runner = core.runner
-        parts = [(core.scheduler, "schedule"), (core.scheduler, "commit"), (runner, "run"), (runner, "launch"),
-                 (runner, "_launch_decode"), (runner, "_prefill"), (runner, "_first_tokens"),
-                 (runner, "_run_cached"), (runner.checkpoint_io, "release"), (runner.checkpoint_io, "restore"),
-                 (runner.checkpoint_io, "after_forward"), (runner.checkpoint_io, "keep_hidden")]
+        parts = [(core.scheduler, "schedule"), (core.scheduler, "continuation"), (core.scheduler, "commit"),
+                 (runner, "run"), (runner, "launch"), (runner, "_launch_decode"), (runner, "_prefill"),
+                 (runner, "_first_tokens"), (runner, "_run_cached"), (runner.checkpoint_io, "release"),
+                 (runner.checkpoint_io, "restore"), (runner.checkpoint_io, "after_forward"),
+                 (runner.checkpoint_io, "keep_hidden"), (engine, "_hand_out")]
+        labelled = [(owner, name, f"{type(owner).__name__}.{name}") for owner, name in parts]
+        # The class's method: every launched step's (its reader waits for the device).
+        labelled.append((InFlight, "result", "InFlight.result"))
         if runner.prefill_graphs is not None:
-            parts.append((runner.prefill_graphs, "run"))
+            labelled.append((runner.prefill_graphs, "run", "PrefillGraphs.run (target)"))
         if runner.speculator is not None:
-            parts.append((runner.speculator, "prefill_mtp"))
-        for owner, name in parts:
-            self._time(owner, name, f"{type(owner).__name__}.{name}")
+            labelled += [(runner.speculator, "prefill_mtp", "Speculator.prefill_mtp"),
+                         (runner.speculator, "launch", "Speculator.launch")]
+        if runner.mtp_prefill_graphs is not None:
+            labelled.append((runner.mtp_prefill_graphs, "run", "PrefillGraphs.run (MTP)"))
+        for owner, name, label in labelled:
+            self._time(owner, name, label)
 
     def _time(self, owner, name: str, label: str) -> None:
         function = getattr(owner, name)
@@ -127,12 +140,12 @@ class Trace:
         setattr(owner, name, timed)
 
 
-def sender(engine: AsyncLLM, trace: Trace, max_tokens: int):
+def sender(engine: AsyncLLM, trace: Trace, max_tokens: int, temperature: float):
     counter = iter(range(10**9))
 
     async def send(prompt: str, origin: float, tokens: int | None = None):
         request_id = f"t{next(counter)}"
-        params = SamplingParams(max_tokens=tokens or max_tokens, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=tokens or max_tokens, temperature=temperature, ignore_eos=True)
         sent = time.perf_counter()
         trace.requests.setdefault(request_id, {})["sent"] = sent
         times, num_tokens = [], 0
@@ -225,7 +238,7 @@ def analyse(trace: Trace, window: tuple[float, float]) -> dict:
 
 async def main(args: argparse.Namespace) -> dict:
     engine = AsyncLLM(config=EngineConfig(model=Path(args.model), device=args.device, dtype=args.dtype,
-                                          max_num_seqs=args.max_running))
+                                          max_num_seqs=args.max_running, num_draft_tokens=args.num_draft_tokens))
     freeze_startup_heap()
     trace = Trace(engine)
     prompts = PromptSet("held-out code", tuple(load_prompts(Path(args.model), [], 128, 2000, 0)))
@@ -239,7 +252,7 @@ async def main(args: argparse.Namespace) -> dict:
             load = Load(f"streams{streams}", args.max_tokens, num_streams=streams, duration=args.duration)
             window.reset()
             origin = time.perf_counter()
-            await drive(load, load.share(0, 1), prompts, window, sender(engine, trace, args.max_tokens), origin)
+            await drive(load, load.share(0, 1), prompts, window, sender(engine, trace, args.max_tokens, args.temperature), origin)
             start = origin + window.start
             report[str(streams)] = analyse(trace, (start, start + args.duration))
             brief = {k: v for k, v in report[str(streams)].items() if k not in ("slowest_examples", "slowest_bursts")}
@@ -258,6 +271,8 @@ if __name__ == "__main__":
     parser.add_argument("--streams", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--num-draft-tokens", type=int, default=None, help="default: the engine's (0: no MTP)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
     results = run(main(args))
