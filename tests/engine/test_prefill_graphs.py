@@ -23,6 +23,16 @@ def test_buckets():
     assert row_buckets(63) == [2, 4, 8, 16, 32, 64]
 
 
+def counted_replays(graphs) -> list:
+    """A list that gets an entry at every replay of one of the captured graphs (asserted some)."""
+    assert graphs is not None and graphs.graphs, graphs and graphs.describe()
+    replays = []
+    for entry in graphs.graphs:
+        replay = entry.graph.replay
+        entry.graph.replay = lambda replay=replay: replays.append(1) or replay()
+    return replays
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
 @pytest.mark.parametrize("num_draft_tokens", [0, 3])
@@ -48,11 +58,7 @@ def test_prefill_graphs_change_no_token(checkpoint, monkeypatch, family, num_dra
     del eager
     graphed = LLM(path, **options)
     graphs = graphed.core.runner.prefill_graphs
-    assert graphs is not None and graphs.graphs, graphs and graphs.describe()
-    replays = []
-    for entry in graphs.graphs:
-        replay = entry.graph.replay
-        entry.graph.replay = lambda replay=replay: replays.append(1) or replay()
+    replays = counted_replays(graphs)
     got = [o.token_ids for o in graphed.generate(prompts, params)]
     assert got == want
     # A step of a few short prompts fits the smallest bucket.
@@ -90,11 +96,7 @@ def test_mtp_prefill_graphs_write_the_kv_eager_writes(checkpoint, monkeypatch):
     del eager
     graphed = LLM(path, **options)
     graphs = graphed.core.runner.mtp_prefill_graphs
-    assert graphs is not None and graphs.graphs, graphs and graphs.describe()
-    replays = []
-    for entry in graphs.graphs:
-        replay = entry.graph.replay
-        entry.graph.replay = lambda replay=replay: replays.append(1) or replay()
+    replays = counted_replays(graphs)
     tokens, kv = run(graphed)
     assert replays, f"no MTP prefill replayed a graph: {graphs.describe()}"
     assert tokens == want_tokens
