@@ -240,12 +240,17 @@ def generate_tokens_per_s(core: EngineCore, batch: int, tokens: int) -> float:
     return (sum(len(r.output_token_ids) for r in requests) - before) / (time.perf_counter() - begin)
 
 
+def moe_fp8_config() -> ModelConfig:
+    """The 35B-A3B shape with its MTP layer in the published block-FP8 format."""
+    return ModelConfig.from_dict({**COMMON, **MOE_SHAPE, "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}})
+
+
 def measure_moe_fp8(tokenizer, batches: list[int]) -> dict:
     """The 35B-A3B shape in FP8 with its MTP layer: memory against one H100, then plain and
     speculative greedy decoding (random weights: the drafts are rarely accepted; this shows
     it runs under the graphs, not what speculation gains)."""
-    config = ModelConfig.from_dict({**COMMON, **MOE_SHAPE, "quantization_config": {
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}})
+    config = moe_fp8_config()
     torch.cuda.reset_peak_memory_stats()
     model = common.random_model(config, "cuda", torch.bfloat16)
     entry = {"weight_bytes": weight_bytes(model), "mtp_weight_bytes": weight_bytes(model.mtp), "decode": {}}

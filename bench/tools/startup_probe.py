@@ -23,17 +23,16 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests")]
 
 import common  # noqa: E402
-from engine_throughput import COMMON, MOE_SHAPE  # noqa: E402
+from engine_throughput import moe_fp8_config  # noqa: E402
 from fixtures import make_tokenizer  # noqa: E402
-from deltaspec.engine import EngineConfig, ModelConfig, SamplingParams  # noqa: E402
+from deltaspec.engine import EngineConfig, SamplingParams  # noqa: E402
 from deltaspec.engine.core import EngineCore  # noqa: E402
 from deltaspec.engine.tokenizer import Tokenizer  # noqa: E402
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    config = ModelConfig.from_dict({**COMMON, **MOE_SHAPE, "quantization_config": {
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}})
+    config = moe_fp8_config()
     model = common.random_model(config, "cuda", torch.bfloat16)
     tokenizer = Tokenizer.from_dir(make_tokenizer(Path(tempfile.mkdtemp())))
     print(f"weights allocated {torch.cuda.memory_allocated() / 1e9:.1f} GB", flush=True)
