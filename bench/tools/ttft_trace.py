@@ -10,12 +10,19 @@ delivered). Reported for all requests and for the slowest 1%, with what the step
 queue and step spans were (prefill rows and tokens, decode rows, launched ahead or not).
 
     python bench/tools/ttft_trace.py --device cuda --dtype bfloat16 [--streams 16 64] [--duration 10]
-        [--temperature 0] [--num-draft-tokens N] [--out DIR]   -> DIR/ttft_trace-<gpu>.json
+        [--temperature 0] [--num-draft-tokens N] [--unique-prompts] [--sync-audit] [--out DIR]
+        -> DIR/ttft_trace-<gpu>.json
 
 Each step's host time by part (`mean_host_ms_per_step`, steps with new rows and decode-only ones
 apart) also says where a decode step's time goes, plain (--num-draft-tokens 0) against
 speculative: `InFlight.result` includes the wait for the device, `AsyncLLM._hand_out` is the
 event loop handing the step before's tokens out while the runner thread works.
+
+--unique-prompts gives every request a prompt of its own (no prefix-cache hits: every prompt is
+prefilled, as in `deltaspec bench serve --unique-prompts`). --sync-audit turns on torch's
+synchronisation debug mode during the measured runs and counts each call site (its innermost
+deltaspec frames) that made the host wait for the device, by step kind: a site outside a step's
+one read of its outputs stalls the host while the device drains.
 
 Knows the engine only through AsyncLLM, EngineCore.dispatch and EngineCore.commit (wrapped).
 """
@@ -24,15 +31,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import gc
 import json
 import multiprocessing
 import sys
 import time
+import traceback
+import warnings
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -44,7 +56,8 @@ from deltaspec.server.acceptance_benchmark import device_name, device_tag, load_
 from deltaspec.server.load_generator import Load, PromptSet, Window, drive, sample  # noqa: E402
 from deltaspec.server.serve_benchmark import percentiles  # noqa: E402
 
-DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "default"
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL = ROOT / "models" / "default"
 
 
 class Trace:
@@ -111,7 +124,8 @@ class Trace:
                  (runner, "run"), (runner, "launch"), (runner, "_launch_decode"), (runner, "_prefill"),
                  (runner, "_first_tokens"), (runner, "_run_cached"), (runner.checkpoint_io, "release"),
                  (runner.checkpoint_io, "restore"), (runner.checkpoint_io, "after_forward"),
-                 (runner.checkpoint_io, "keep_hidden"), (engine, "_hand_out")]
+                 (runner.checkpoint_io, "keep_hidden"), (runner.sampler, "start"), (runner.sampler, "sample"),
+                 (runner.model, "compute_logits"), (engine, "_hand_out")]
         labelled = [(owner, name, f"{type(owner).__name__}.{name}") for owner, name in parts]
         # The class's method: every launched step's (its reader waits for the device).
         labelled.append((InFlight, "result", "InFlight.result"))
@@ -138,6 +152,51 @@ class Trace:
                     host[label] = host.get(label, 0.0) + (time.perf_counter() - start) * 1e3
 
         setattr(owner, name, timed)
+
+
+class SyncAudit:
+    """Counts the call sites that made the host wait for the device (torch's synchronisation
+    debug mode warns at each), by the kind of step dispatched last."""
+
+    _PACKAGES = tuple(str(ROOT / package) + "/" for package in ("engine", "spec", "kernels", "server"))
+
+    def __init__(self, trace: Trace) -> None:
+        self.trace = trace
+        self.sites: Counter[tuple[str, str]] = Counter()
+
+    def __enter__(self) -> "SyncAudit":
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.simplefilter("always")
+        show = warnings.showwarning
+
+        def record(message, category, filename, lineno, file=None, line=None):
+            if "synchroniz" not in str(message):
+                return show(message, category, filename, lineno, file, line)
+            frames = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(self._PACKAGES)]
+            site = " < ".join(f"{Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno} {f.name}"
+                              for f in reversed(frames[-3:])) or f"{filename}:{lineno}"
+            step = self.trace.steps[-1] if self.trace.steps else None
+            kind = "none" if step is None else \
+                "with_new_rows" if step["prefill_rows"] + step["cached_rows"] else "decode_only"
+            self.sites[kind, site] += 1
+
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+        self._warnings.__exit__(*exc)
+
+    def report(self) -> dict:
+        """Per step kind: the sites, each with its waits per step of that kind."""
+        steps = Counter("with_new_rows" if s["prefill_rows"] + s["cached_rows"] else "decode_only"
+                        for s in self.trace.steps)
+        report: dict[str, dict[str, float]] = {}
+        for (kind, site), count in self.sites.most_common():
+            report.setdefault(kind, {})[site] = round(count / max(steps[kind], 1), 3)
+        return {"steps": dict(steps), "waits_per_step": report}
 
 
 def sender(engine: AsyncLLM, trace: Trace, max_tokens: int, temperature: float):
@@ -241,7 +300,8 @@ async def main(args: argparse.Namespace) -> dict:
                                           max_num_seqs=args.max_running, num_draft_tokens=args.num_draft_tokens))
     freeze_startup_heap()
     trace = Trace(engine)
-    prompts = PromptSet("held-out code", tuple(load_prompts(Path(args.model), [], 128, 2000, 0)))
+    prompts = PromptSet("held-out code", tuple(load_prompts(Path(args.model), [], 128, 2000, 0)),
+                        unique=args.unique_prompts, nonce=f"{time.time_ns():x}")
     window = Window(multiprocessing.get_context("spawn"))
     report = {}
     try:
@@ -252,9 +312,13 @@ async def main(args: argparse.Namespace) -> dict:
             load = Load(f"streams{streams}", args.max_tokens, num_streams=streams, duration=args.duration)
             window.reset()
             origin = time.perf_counter()
-            await drive(load, load.share(0, 1), prompts, window, sender(engine, trace, args.max_tokens, args.temperature), origin)
+            with SyncAudit(trace) if args.sync_audit else contextlib.nullcontext() as audit:
+                await drive(load, load.share(0, 1), prompts, window,
+                            sender(engine, trace, args.max_tokens, args.temperature), origin)
             start = origin + window.start
             report[str(streams)] = analyse(trace, (start, start + args.duration))
+            if audit is not None:
+                report[str(streams)]["sync_audit"] = audit.report()
             brief = {k: v for k, v in report[str(streams)].items() if k not in ("slowest_examples", "slowest_bursts")}
             print(streams, json.dumps(brief))
     finally:
@@ -273,6 +337,9 @@ if __name__ == "__main__":
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--num-draft-tokens", type=int, default=None, help="default: the engine's (0: no MTP)")
+    parser.add_argument("--unique-prompts", action="store_true", help="no prompt hits the prefix cache")
+    parser.add_argument("--sync-audit", action="store_true",
+                        help="count the call sites that make the host wait for the device")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
     results = run(main(args))
