@@ -10,7 +10,8 @@ delivered). Reported for all requests and for the slowest 1%, with what the step
 queue and step spans were (prefill rows and tokens, decode rows, launched ahead or not).
 
     python bench/tools/ttft_trace.py --device cuda --dtype bfloat16 [--streams 16 64] [--duration 10]
-        [--temperature 0] [--num-draft-tokens N] [--unique-prompts] [--sync-audit] [--out DIR]
+        [--temperature 0] [--num-draft-tokens N] [--unique-prompts] [--sync-audit] [--device-times]
+        [--wait-in-loop] [--out DIR]
         -> DIR/ttft_trace-<gpu>.json
 
 Each step's host time by part (`mean_host_ms_per_step`, steps with new rows and decode-only ones
@@ -22,7 +23,8 @@ event loop handing the step before's tokens out while the runner thread works.
 prefilled, as in `deltaspec bench serve --unique-prompts`). --sync-audit turns on torch's
 synchronisation debug mode during the measured runs and counts each call site (its innermost
 deltaspec frames) that made the host wait for the device, by step kind: a site outside a step's
-one read of its outputs stalls the host while the device drains.
+one read of its outputs stalls the host while the device drains. --device-times reports each
+launched decode step's device time and the device's idle time before it, by draft count.
 
 Knows the engine only through AsyncLLM, EngineCore.dispatch and EngineCore.commit (wrapped).
 """
@@ -158,7 +160,7 @@ class SyncAudit:
     """Counts the call sites that made the host wait for the device (torch's synchronisation
     debug mode warns at each), by the kind of step dispatched last."""
 
-    _PACKAGES = tuple(str(ROOT / package) + "/" for package in ("engine", "spec", "kernels", "server"))
+    _PACKAGES = tuple(f"/{package}/" for package in ("engine", "spec", "kernels", "server"))
 
     def __init__(self, trace: Trace) -> None:
         self.trace = trace
@@ -173,7 +175,7 @@ class SyncAudit:
         def record(message, category, filename, lineno, file=None, line=None):
             if "synchroniz" not in str(message):
                 return show(message, category, filename, lineno, file, line)
-            frames = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(self._PACKAGES)]
+            frames = [f for f in traceback.extract_stack()[:-1] if any(p in f.filename for p in self._PACKAGES)]
             site = " < ".join(f"{Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno} {f.name}"
                               for f in reversed(frames[-3:])) or f"{filename}:{lineno}"
             step = self.trace.steps[-1] if self.trace.steps else None
@@ -197,6 +199,39 @@ class SyncAudit:
         for (kind, site), count in self.sites.most_common():
             report.setdefault(kind, {})[site] = round(count / max(steps[kind], 1), 3)
         return {"steps": dict(steps), "waits_per_step": report}
+
+
+class DeviceTimes:
+    """Each launched decode step's device time: CUDA events recorded before and after its launch
+    (Runner.launch), read after the run, so nothing waits for them while it runs. busy: the
+    device from reaching the step to finishing it; idle: the device's wait for the host before
+    it (the end of the step launched before to this one's start)."""
+
+    def __init__(self, runner) -> None:
+        self.steps: list[tuple[int, int, torch.cuda.Event, torch.cuda.Event]] = []
+        launch = runner.launch
+
+        def timed(plan):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            launched = launch(plan)
+            end.record()
+            self.steps.append((len(plan.decode_rows), max(r.num_draft_tokens for r in plan.decode_rows), start, end))
+            return launched
+
+        runner.launch = timed
+
+    def report(self) -> dict:
+        """By drafts per row: steps, mean busy and idle ms, and the mean rows."""
+        torch.cuda.synchronize()
+        by_drafts: dict[int, list[tuple[int, float, float]]] = {}
+        for (_, _, _, before), (rows, drafts, start, end) in zip(self.steps, self.steps[1:]):
+            by_drafts.setdefault(drafts, []).append((rows, start.elapsed_time(end), max(before.elapsed_time(start), 0.0)))
+        self.steps.clear()
+        return {f"K={k}": {"steps": len(v), "rows": round(float(np.mean([r for r, _, _ in v])), 1),
+                           "busy_ms": round(float(np.mean([b for _, b, _ in v])), 3),
+                           "idle_ms": round(float(np.mean([i for _, _, i in v])), 3)}
+                for k, v in sorted(by_drafts.items())}
 
 
 def sender(engine: AsyncLLM, trace: Trace, max_tokens: int, temperature: float):
@@ -297,9 +332,11 @@ def analyse(trace: Trace, window: tuple[float, float]) -> dict:
 
 async def main(args: argparse.Namespace) -> dict:
     engine = AsyncLLM(config=EngineConfig(model=Path(args.model), device=args.device, dtype=args.dtype,
-                                          max_num_seqs=args.max_running, num_draft_tokens=args.num_draft_tokens))
+                                          max_num_seqs=args.max_running, num_draft_tokens=args.num_draft_tokens),
+                      wait_in_loop=args.wait_in_loop)
     freeze_startup_heap()
     trace = Trace(engine)
+    device_times = DeviceTimes(engine.core.runner) if args.device_times else None
     prompts = PromptSet("held-out code", tuple(load_prompts(Path(args.model), [], 128, 2000, 0)),
                         unique=args.unique_prompts, nonce=f"{time.time_ns():x}")
     window = Window(multiprocessing.get_context("spawn"))
@@ -319,6 +356,8 @@ async def main(args: argparse.Namespace) -> dict:
             report[str(streams)] = analyse(trace, (start, start + args.duration))
             if audit is not None:
                 report[str(streams)]["sync_audit"] = audit.report()
+            if device_times is not None:
+                report[str(streams)]["device_times"] = device_times.report()
             brief = {k: v for k, v in report[str(streams)].items() if k not in ("slowest_examples", "slowest_bursts")}
             print(streams, json.dumps(brief))
     finally:
@@ -340,6 +379,10 @@ if __name__ == "__main__":
     parser.add_argument("--unique-prompts", action="store_true", help="no prompt hits the prefix cache")
     parser.add_argument("--sync-audit", action="store_true",
                         help="count the call sites that make the host wait for the device")
+    parser.add_argument("--device-times", action="store_true",
+                        help="each launched decode step's device time (busy) and the device's wait before it (idle)")
+    parser.add_argument("--wait-in-loop", action="store_true",
+                        help="steps wait for the device in the event loop's thread (as in the engine's own process)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
     results = run(main(args))
