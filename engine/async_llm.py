@@ -77,11 +77,15 @@ class DeltaSink(Protocol):
 
 class AsyncLLM:
     def __init__(self, model_path: str | Path | None = None, *, config: EngineConfig | None = None,
-                 core: EngineCore | None = None, sink: DeltaSink | None = None, **engine_options) -> None:
+                 core: EngineCore | None = None, sink: DeltaSink | None = None, wait_in_loop: bool = False,
+                 **engine_options) -> None:
         """core: an engine core built already, in place of one from the config (the server's
         overhead benchmark drives the front end over a stub core: bench/tools/serve_overhead.py).
         sink: where the engine's output goes instead of `generate`'s streams (requests then come
-        through `submit`; engine_process.py)."""
+        through `submit`; engine_process.py). wait_in_loop: each step waits for the device in
+        the event loop's thread, not a runner thread, for a process whose loop does nothing but
+        the engine (engine_process.py): no thread hop per step, while the loop's other work
+        (reading new requests) waits for the step."""
         if core is None:
             core = EngineCore(config or EngineConfig(model=model_path, **engine_options))
         self.core = core
@@ -90,6 +94,7 @@ class AsyncLLM:
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaspec-runner")
+        self._wait_in_loop = wait_in_loop
         self._error: BaseException | None = None
 
     @property
@@ -223,15 +228,20 @@ class AsyncLLM:
                 try:
                     step = self.core.dispatch()
                     plan = step.plan
-                    if committed:
+                    if self._wait_in_loop:
+                        committed = self._hand_out(committed)
+                        result = step.wait()
+                        await asyncio.sleep(0)  # the loop's I/O between steps: requests, aborts
+                    elif committed:
                         on_device = _OnDevice(loop)
-                        result = loop.run_in_executor(self._executor, on_device.wait, step.wait)
+                        waited = loop.run_in_executor(self._executor, on_device.wait, step.wait)
                         await on_device.future
                         # Their consumers run while the device works (and the runner waits).
                         committed = self._hand_out(committed)
+                        result = await waited
                     else:
-                        result = loop.run_in_executor(self._executor, step.wait)
-                    deltas = self.core.commit(step.plan, await result)
+                        result = await loop.run_in_executor(self._executor, step.wait)
+                    deltas = self.core.commit(step.plan, result)
                 except Exception as error:  # noqa: BLE001 - one step's fault fails its requests only
                     committed = self._hand_out(committed)  # (they came before the failure)
                     num_failed += 1

@@ -6,6 +6,9 @@ detokenize) take turns on one GIL. For a small model the engine's host work is t
 critical path, so every microsecond the server spends on a token lengthens every step. Here the
 engine's process does nothing else: its event loop reads requests and writes one message per
 step, and the caller's process (the HTTP server) streams the deltas out on a core of its own.
+Its steps wait for the device in the loop's own thread (AsyncLLM wait_in_loop): nothing else
+needs the loop while a step runs, and a hop to a runner thread and back costs each step more
+than the whole host work of a small model's plain step.
 
     engine = await EngineProcess.start(EngineConfig(model=path))    # returns once it is ready
     async for delta in engine.generate(prompt_token_ids, params, request_id):
@@ -204,7 +207,7 @@ def _engine_main(sock: socket.socket, config: EngineConfig, log_level: int) -> N
     _exit_with_parent()
     sender = _Sender()
     try:
-        llm = AsyncLLM(config=config, sink=sender)
+        llm = AsyncLLM(config=config, sink=sender, wait_in_loop=True)
     except Exception as error:  # noqa: BLE001 - the caller reports it
         kind = next((kind for kind, category in _START_ERRORS.items() if isinstance(error, category)), "other")
         if kind == "other":

@@ -11,7 +11,7 @@ queue and step spans were (prefill rows and tokens, decode rows, launched ahead 
 
     python bench/tools/ttft_trace.py --device cuda --dtype bfloat16 [--streams 16 64] [--duration 10]
         [--temperature 0] [--num-draft-tokens N] [--unique-prompts] [--sync-audit] [--device-times]
-        [--wait-in-loop] [--out DIR]
+        [--wait-in-loop] [--profile] [--out DIR]
         -> DIR/ttft_trace-<gpu>.json
 
 Each step's host time by part (`mean_host_ms_per_step`, steps with new rows and decode-only ones
@@ -34,10 +34,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import cProfile
 import datetime
 import gc
 import json
 import multiprocessing
+import pstats
 import sys
 import time
 import traceback
@@ -349,9 +351,15 @@ async def main(args: argparse.Namespace) -> dict:
             load = Load(f"streams{streams}", args.max_tokens, num_streams=streams, duration=args.duration)
             window.reset()
             origin = time.perf_counter()
-            with SyncAudit(trace) if args.sync_audit else contextlib.nullcontext() as audit:
+            profile = cProfile.Profile() if args.profile else None
+            with SyncAudit(trace) if args.sync_audit else contextlib.nullcontext() as audit, \
+                    profile if profile is not None else contextlib.nullcontext():
                 await drive(load, load.share(0, 1), prompts, window,
                             sender(engine, trace, args.max_tokens, args.temperature), origin)
+            if profile is not None:
+                args.out.mkdir(parents=True, exist_ok=True)
+                with open(args.out / f"profile-{streams}.txt", "w") as text:
+                    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(60)
             start = origin + window.start
             report[str(streams)] = analyse(trace, (start, start + args.duration))
             if audit is not None:
@@ -383,6 +391,8 @@ if __name__ == "__main__":
                         help="each launched decode step's device time (busy) and the device's wait before it (idle)")
     parser.add_argument("--wait-in-loop", action="store_true",
                         help="steps wait for the device in the event loop's thread (as in the engine's own process)")
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile the event loop's thread over each run: DIR/profile-<streams>.txt")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
     results = run(main(args))

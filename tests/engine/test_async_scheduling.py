@@ -6,11 +6,15 @@ finishes, staggered arrivals, aborts, seeded sampling and log-probabilities. A r
 stops while its next step is in flight keeps a checkpoint of every token it has."""
 
 import random
+import statistics
+import time
 
 import pytest
 
 from deltaspec.engine import EngineConfig, SamplingParams
 from deltaspec.engine.core import EngineCore
+from deltaspec.engine.runner import InFlight
+from deltaspec.engine.step import StepOutput
 from fixtures import assert_idle
 from harness import Job, LaunchCounter, run_staggered
 
@@ -145,3 +149,53 @@ def test_wait_tells_once_the_step_and_the_one_ahead_are_launched(checkpoint):
     # step after it, and later ones were launched by the step before (only the next is launched).
     assert all(kind[-2:] == ("told", "read") for kind in kinds[1:])
     assert ("launch", "launch", "told", "read") in kinds and ("launch", "told", "read") in kinds
+
+
+class _TimedRunner:
+    """Stands in for the Runner: each step's tokens at once, its launch taking LAUNCH_SECONDS
+    of host time by K (the speculative launch dearer, as on the GPU)."""
+
+    LAUNCH_SECONDS = {0: 0.002, 1: 0.012}
+
+    def __init__(self) -> None:
+        self.random = random.Random(0)
+
+    def can_launch(self, plan) -> bool:
+        return bool(plan.decode_rows) and not plan.prefill_rows and not plan.cached_rows
+
+    def launch(self, plan) -> InFlight:
+        time.sleep(self.LAUNCH_SECONDS[max(r.num_draft_tokens for r in plan.decode_rows)])
+        output = self.run(plan)
+        return InFlight(plan, lambda masks: lambda: output)
+
+    def run(self, plan) -> StepOutput:
+        emitted = [[self.random.randrange(VOCAB) for _ in range(r.num_draft_tokens + 1)] for r in plan.decode_rows]
+        emitted += [[self.random.randrange(VOCAB)] if r.sample else [] for r in plan.prefill_rows + plan.cached_rows]
+        pending = [r.num_draft_tokens for r in plan.decode_rows] + [0] * len(plan.prefill_rows + plan.cached_rows)
+        return StepOutput(emitted, num_pending=pending)
+
+
+def test_a_lone_step_of_another_k_is_priced_at_its_own_host_work(checkpoint):
+    """The draft policy prices each K by the wall time of its steps run back to back. A launched
+    step's wait launches the step after it, so that time holds its neighbour's launch: a plain
+    probe among speculative steps would be priced at a speculative launch, and the policy
+    would keep drafting where plain steps are faster. Each observed step must cost its own
+    launch: about 2 ms at K = 0 and 12 ms at K = 1 here, whatever runs around it."""
+    core = EngineCore(EngineConfig(model=checkpoint("qwen3_5"), device="cpu", num_draft_tokens=1,
+                                   enable_prefix_cache=False, **OPTIONS))
+    core.runner = _TimedRunner()
+    policy = core.scheduler.draft_policy
+    script = iter([1] * 6 + [0] + [1] * 6 + [0, 0, 0] + [1] * 40)
+    policy.choose = lambda *args, **kwargs: next(script)
+    observed: list[tuple[int, float]] = []
+    policy.observe = lambda num_rows, num_drafts, seconds: observed.append((num_drafts, seconds))
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    for i in range(4):
+        core.add_request([1 + i, 2, 3], params)
+    while core.has_work:
+        core.step()
+    by_k = {k: [s for kk, s in observed if kk == k] for k in (0, 1)}
+    assert len(by_k[0]) >= 2 and len(by_k[1]) >= 8
+    # Medians: a loaded machine may stretch a step or two (the neighbour's launch adds 10 ms).
+    assert 0.002 <= statistics.median(by_k[0]) < 0.008, by_k[0]
+    assert 0.012 <= statistics.median(by_k[1]) < 0.018, by_k[1]
