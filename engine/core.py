@@ -466,6 +466,7 @@ class EngineCore:
             "num_draft_tokens": self.num_draft_tokens,
             "spec": self.scheduler.spec_stats.as_dict(),
             "step_costs": policy.costs.as_dict() if (policy := self.scheduler.draft_policy) is not None else None,
+            "draft_policy": policy.snapshot() if policy is not None else None,
             "num_compiles_after_warm_up": num_compiles_after_warm_up(),
             "step_seconds": self.step_times.snapshot(),
         }

@@ -7,8 +7,8 @@ critical path, so every microsecond the server spends on a token lengthens every
 engine's process does nothing else: its event loop reads requests and writes one message per
 step, and the caller's process (the HTTP server) streams the deltas out on a core of its own.
 Its steps wait for the device in the loop's own thread (AsyncLLM wait_in_loop): nothing else
-needs the loop while a step runs, and a hop to a runner thread and back costs each step more
-than the whole host work of a small model's plain step.
+needs the loop while a step runs, and the hop to a runner thread and back cost the shipped
+model's plain served step 0.67 -> 0.39 ms (H100, bench/results/serve_wait_in_loop_ab-h100).
 
     engine = await EngineProcess.start(EngineConfig(model=path))    # returns once it is ready
     async for delta in engine.generate(prompt_token_ids, params, request_id):

@@ -134,6 +134,8 @@ class ServerMetrics:
                          "Triton kernels compiled while serving (each stalled every running request).")
         lines.append(_sample("deltaspec_compiles_after_warm_up_total", {}, stats["num_compiles_after_warm_up"]))
         lines += self._render_spec(stats["spec"])
+        if stats.get("draft_policy") is not None:
+            lines += self._render_draft_policy(stats["draft_policy"])
         lines += self._render_prefix_cache(stats["prefix_cache"])
         lines += self._render_timings(stats)
         return "\n".join(lines) + "\n"
@@ -169,6 +171,18 @@ class ServerMetrics:
                           _sample(name, {"tier": "host"}, cache["host_checkpoints"])]
             else:
                 lines.append(_sample(name, {}, value))
+        return lines
+
+    @staticmethod
+    def _render_draft_policy(policy: dict) -> list[str]:
+        """The adaptive draft length's choices and the step costs it decides on (spec/adaptive.py)."""
+        lines = _header("deltaspec_spec_steps_total", "counter", "Decode steps the draft policy ran at each "
+                        "draft count (0: a plain step), its probes included.")
+        lines += [_sample("deltaspec_spec_steps_total", {"drafts": str(k)}, n) for k, n in policy["steps"].items()]
+        lines += _header("deltaspec_spec_step_cost_seconds", "gauge", "What the draft policy prices a decode step "
+                         "at, by batch bucket and draft count: its observed wall time.")
+        lines += [_sample("deltaspec_spec_step_cost_seconds", {"bucket": str(b), "drafts": str(k)}, seconds)
+                  for (b, k), seconds in policy["step_seconds"].items()]
         return lines
 
     @staticmethod

@@ -165,6 +165,11 @@ class DraftPolicy:
             self.observed[key] = previous + self.smoothing * (min(seconds, 2 * previous) - previous)
         self.observed_at[key] = self.steps
 
+    def snapshot(self) -> dict:
+        """What the policy knows and did, for stats and metrics: {"steps": {K: steps chosen},
+        "step_seconds": {(bucket, K): the cost it prices a step at}} over the observed (bucket, K)."""
+        return {"steps": dict(sorted(self.chosen.items())), "step_seconds": dict(sorted(self.observed.items()))}
+
     def fresh(self) -> DraftPolicy:
         """The same policy with nothing observed (after the start-up warm-up): no step costs,
         and the prior back at initial_acceptance."""
@@ -199,6 +204,7 @@ class DraftPolicy:
         if top <= 0:
             return 0
         if not self.adaptive:
+            self.chosen[top] = self.chosen.get(top, 0) + 1
             return top
         # gains[i]: expected tokens that depth i + 1 adds over the batch.
         gains = [0.0] * top

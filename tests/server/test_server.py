@@ -666,6 +666,13 @@ async def test_metrics_parse_and_move_with_requests(http, base_url, client, engi
         assert after[("deltaspec_spec_draft_tokens_total", (("position", str(position)),))] == proposed
         assert 0 <= after[("deltaspec_spec_acceptance_rate", (("position", str(position)),))] <= 1
     assert after[("deltaspec_spec_mean_accepted_length", ())] == pytest.approx(spec["mean_accepted_length"])
+    policy = stats["draft_policy"]
+    assert sum(policy["steps"].values()) > 0
+    for k, steps in policy["steps"].items():
+        assert after[("deltaspec_spec_steps_total", (("drafts", str(k)),))] == steps
+    for (bucket, k), seconds in policy["step_seconds"].items():
+        assert after[("deltaspec_spec_step_cost_seconds", (("bucket", str(bucket)), ("drafts", str(k))))] \
+            == pytest.approx(seconds)
 
 
 # Servers with other settings --------------------------------------------------------------------
