@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import socket
 import subprocess
+import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -70,6 +74,19 @@ def commit_id() -> str:
     """The checkout's commit; the GPU machine's copy has no .git, so callers pass DELTASPEC_COMMIT."""
     return os.environ.get("DELTASPEC_COMMIT") or subprocess.run(
         ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+
+
+def write_result(out: Path, benchmark: str, device: str, results: dict) -> Path:
+    """out/<benchmark>-<device tag>.json: the device, date, commit, the command line that ran
+    (this script and its arguments) and the results."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{benchmark}-{device_tag(device)}.json"
+    path.write_text(json.dumps({"benchmark": benchmark, "device": device, "commit": commit_id(),
+                                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                                "command": "python " + " ".join([os.path.relpath(sys.argv[0]), *sys.argv[1:]]),
+                                "results": results}, indent=1))
+    print("wrote", path)
+    return path
 
 
 def eager_time_us(launch, repeats: int, rounds: int = 9) -> float:

@@ -22,6 +22,8 @@
 #           streams: served tok/s and the engine's step times by kind (RESULTS, "Through the server")
 # stephost: bench/tools/ttft_trace.py at T = 0.7, 16 and 64 streams, plain and speculative: each
 #           step's host time by part (where a speculative decode step's extra time goes)
+# hostsplit: bench/tools/step_host_split.py (a decode step's host time by part in the engine's own
+#           loop, speculative vs plain, and graph replays' host cost)
 # sampling: sampling_cost three times, each its own process (#29's 1.15x bar)
 # fp8     : kernels_fp8 and engine_throughput --quantization fp8 with the fused activation
 #           quantizer and without it (#30's bars)
@@ -94,6 +96,8 @@ for part in ${parts//,/ }; do
             --temperature 0.7 $([[ $drafts == 0 ]] && echo --num-draft-tokens 0) --out "$out/stephost_$drafts" \
             2>&1 | tail -3 | cut -c1-300
     done ;;
+  hostsplit)
+    timeout 200 python bench/tools/step_host_split.py --out "$out" 2>&1 | tail -2 | cut -c1-300 ;;
   sampling)
     for run in 1 2 3; do
         mkdir -p "$out/sampling_$run"

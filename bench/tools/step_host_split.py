@@ -15,7 +15,6 @@ device time. Knows the engine through the methods it wraps.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import sys
@@ -27,10 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import commit_id  # noqa: E402
+from common import write_result  # noqa: E402
 from deltaspec.engine import LLM, SamplingParams, core, cuda_graphs, decode_step, runner, scheduler  # noqa: E402
 from deltaspec.engine import speculation  # noqa: E402
-from deltaspec.server.acceptance_benchmark import device_name, device_tag  # noqa: E402
+from deltaspec.server.acceptance_benchmark import device_name  # noqa: E402
 from deltaspec.spec import adaptive  # noqa: E402
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "default"
@@ -137,11 +136,4 @@ if __name__ == "__main__":
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
     results = main(args)
-    device = device_name("cuda")
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"step_host_split-{device_tag(device)}.json"
-    path.write_text(json.dumps({"benchmark": "step_host_split", "device": device, "commit": commit_id(),
-                                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                                "command": "python bench/tools/step_host_split.py " + " ".join(sys.argv[1:]),
-                                "results": results}, indent=1))
-    print("wrote", path)
+    write_result(args.out, "step_host_split", device_name("cuda"), results)

@@ -32,10 +32,8 @@ Knows the engine only through AsyncLLM, EngineCore.dispatch and EngineCore.commi
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import cProfile
-import datetime
 import gc
 import json
 import multiprocessing
@@ -52,11 +50,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import commit_id  # noqa: E402
+from common import write_result  # noqa: E402
 from deltaspec.engine import AsyncLLM, EngineConfig, SamplingParams  # noqa: E402
 from deltaspec.engine.async_llm import freeze_startup_heap, run  # noqa: E402
 from deltaspec.engine.runner import InFlight  # noqa: E402
-from deltaspec.server.acceptance_benchmark import device_name, device_tag, load_prompts  # noqa: E402
+from deltaspec.server.acceptance_benchmark import device_name, load_prompts  # noqa: E402
 from deltaspec.server.load_generator import Load, PromptSet, Window, drive, sample  # noqa: E402
 from deltaspec.server.serve_benchmark import percentiles  # noqa: E402
 
@@ -396,11 +394,4 @@ if __name__ == "__main__":
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
     results = run(main(args))
-    args.out.mkdir(parents=True, exist_ok=True)
-    device = device_name(args.device)
-    path = args.out / f"ttft_trace-{device_tag(device)}.json"
-    path.write_text(json.dumps({"benchmark": "ttft_trace", "device": device, "commit": commit_id(),
-                                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                                "command": "python bench/tools/ttft_trace.py " + " ".join(sys.argv[1:]),
-                                "results": results}, indent=1))
-    print("wrote", path)
+    write_result(args.out, "ttft_trace", device_name(args.device), results)
