@@ -58,8 +58,12 @@ from deltaspec.server.acceptance_benchmark import device_name, load_prompts  # n
 from deltaspec.server.load_generator import Load, PromptSet, Window, drive, sample  # noqa: E402
 from deltaspec.server.serve_benchmark import percentiles  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_MODEL = ROOT / "models" / "default"
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "default"
+
+
+def step_kind(step: dict) -> str:
+    """A traced step's kind in the reports: with new rows (prefill chunks, cached prompts) or not."""
+    return "with_new_rows" if step["prefill_rows"] + step["cached_rows"] else "decode_only"
 
 
 class Trace:
@@ -178,10 +182,7 @@ class SyncAudit:
             frames = [f for f in traceback.extract_stack()[:-1] if any(p in f.filename for p in self._PACKAGES)]
             site = " < ".join(f"{Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno} {f.name}"
                               for f in reversed(frames[-3:])) or f"{filename}:{lineno}"
-            step = self.trace.steps[-1] if self.trace.steps else None
-            kind = "none" if step is None else \
-                "with_new_rows" if step["prefill_rows"] + step["cached_rows"] else "decode_only"
-            self.sites[kind, site] += 1
+            self.sites[step_kind(self.trace.steps[-1]) if self.trace.steps else "none", site] += 1
 
         warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
@@ -193,8 +194,7 @@ class SyncAudit:
 
     def report(self) -> dict:
         """Per step kind: the sites, each with its waits per step of that kind."""
-        steps = Counter("with_new_rows" if s["prefill_rows"] + s["cached_rows"] else "decode_only"
-                        for s in self.trace.steps)
+        steps = Counter(step_kind(s) for s in self.trace.steps)
         report: dict[str, dict[str, float]] = {}
         for (kind, site), count in self.sites.most_common():
             report.setdefault(kind, {})[site] = round(count / max(steps[kind], 1), 3)
@@ -312,9 +312,8 @@ def analyse(trace: Trace, window: tuple[float, float]) -> dict:
                                     ("decode_not_ahead",
                                      lambda s: not s["prefill_rows"] + s["cached_rows"] and not s["ahead"]))}
     host_by_kind = {}
-    for kind, pick in (("with_new_rows", lambda s: s["prefill_rows"] + s["cached_rows"] > 0),
-                       ("decode_only", lambda s: not s["prefill_rows"] + s["cached_rows"])):
-        chosen = [s for s in in_window if pick(s)]
+    for kind in ("with_new_rows", "decode_only"):
+        chosen = [s for s in in_window if step_kind(s) == kind]
         labels = {label for s in chosen for label in s.get("host_ms", {})}
         host_by_kind[kind] = {label: round(float(np.mean([s.get("host_ms", {}).get(label, 0.0) for s in chosen])), 3)
                               for label in sorted(labels)}
