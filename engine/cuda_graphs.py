@@ -109,12 +109,12 @@ class _StaticRows:
 
     def load(self, rows: list[DecodeRow]) -> int:
         """Copy rows (and padding rows up to their bucket) into the static buffer (one pinned
-        copy) and bring their block tables up to date on the device (DecodeStep.sync_tables).
-        Returns the bucket."""
+        copy), their block tables' changes with them (DecodeStep.sync_tables). Returns the
+        bucket."""
         bucket = self.bucket(len(rows))
-        packed = pack_rows(rows, self.step.catch_up, self.step.block_size, bucket, pin_memory=True)
+        packed = pack_rows(rows, self.step.catch_up, self.step.block_size, bucket, pin_memory=True,
+                           appends=self.step.sync_tables(rows))
         self.rows.packed[:bucket].copy_(packed, non_blocking=True)
-        self.step.sync_tables(rows)
         return bucket
 
 

@@ -17,8 +17,11 @@ scratch slot 0 and scratch block 0.
 Positions, slot mappings and context lengths are derived on the device from a few integers per
 row, so a step copies one small packed tensor to the device. Block tables live on the device
 per slot (`slot_tables`): a step sends only the entries that changed since a slot's table was
-last sent (a new block every block_size tokens, a whole table when a slot gets a new request),
-and each stage gathers its rows' tables there. A row may also be *fed* (`DecodeRow.fed_from`):
+last sent, and each stage gathers its rows' tables there. The usual change, a row's table grown
+by one block (every block_size tokens; with speculation the rows reach their block boundaries on
+different steps, so most steps have one), rides in the row's packed columns and the step's
+first stage writes it; any other (a slot's new request, growth by several blocks) is one small
+copy and one scatter before the step. A row may also be *fed* (`DecodeRow.fed_from`):
 it continues a row of the latest decode step, whose outputs that step left on the device
 (`emitted`, `accepted`, `last_positions`), and the step's first stage derives its newest token
 (and with speculation its position and MTP catch-up) there, so a step can be launched before the
@@ -42,6 +45,8 @@ import torch
 # The packed rows' columns (the kernel's layout, kernels/decode_metadata.py).
 from ..kernels.decode_metadata import (CATCH_UP_IDS, MTP_START, NEWEST, NUM_CATCH_UP, NUM_DRAFTS, POSITION, SLOT,
                                        RowTokens)
+
+NO_APPEND = (0, 0)  # a packed row's (table column + 1, block) when its table needs no entry written
 from .batch import ForwardBatch, RowGroup
 from .models import HybridLM
 from .state_pool import KVPool, StatePool
@@ -74,8 +79,8 @@ class DecodeRow(msgspec.Struct, frozen=True, gc=False):
 class DecodeRows(NamedTuple):
     """The decode rows of a step on the device, padding rows included ([B] leading dim)."""
 
-    packed: torch.Tensor  # [B, 8 + C] int64: slot, is_fed, fed_from, k_r, newest, position, mtp_start, n_r,
-    #                                    catch-up ids
+    packed: torch.Tensor  # [B, 10 + C] int64: slot, is_fed, fed_from, k_r, table column + 1, table block,
+    #                                     newest, position, mtp_start, n_r, catch-up ids
 
     @property
     def num_rows(self) -> int:
@@ -120,9 +125,10 @@ class DecodeRows(NamedTuple):
 
 
 def pack_rows(rows: Sequence[DecodeRow], catch_up: int, block_size: int, num_rows: int,
-              pin_memory: bool) -> torch.Tensor:
-    """The host tensor packed [num_rows, 8 + C] of `rows` followed by padding rows (all zeros:
-    slot 0, nothing to draft or catch up). Every position a row may write, up to
+              pin_memory: bool, appends: Sequence[tuple[int, int]] | None = None) -> torch.Tensor:
+    """The host tensor packed [num_rows, 10 + C] of `rows` followed by padding rows (all zeros:
+    slot 0, nothing to draft or catch up); appends: each row's table entry to write
+    (DecodeStep.sync_tables), none by default. Every position a row may write, up to
     position + max(C, 1) - 1, must be in its own blocks."""
     packed = torch.zeros(num_rows, CATCH_UP_IDS + catch_up, dtype=torch.int64, pin_memory=pin_memory)
     packed_rows = packed.numpy()  # a row is one slice assignment (torch.tensor of lists is ~5x slower)
@@ -135,7 +141,8 @@ def pack_rows(rows: Sequence[DecodeRow], catch_up: int, block_size: int, num_row
         if last >= len(r.block_table) * block_size:
             raise ValueError(f"slot {r.slot}: {len(r.block_table)} KV blocks do not cover positions up to {last}")
         fed = r.fed_from is not None
-        packed_rows[i, :CATCH_UP_IDS + num_catch_up] = (r.slot, fed, r.fed_from if fed else 0, r.num_drafts, r.newest,
+        packed_rows[i, :CATCH_UP_IDS + num_catch_up] = (r.slot, fed, r.fed_from if fed else 0, r.num_drafts,
+                                                        *(appends[i] if appends else NO_APPEND), r.newest,
                                                         r.position, r.mtp_start, num_catch_up, *r.catch_up_ids)
     return packed
 
@@ -176,37 +183,45 @@ class DecodeStep:
     def row_tensors(self, rows: Sequence[DecodeRow], device: torch.device) -> DecodeRows:
         """DecodeRows on the device for an eager step (graphs copy into static buffers instead)."""
         cuda = device.type == "cuda"
-        packed = pack_rows(rows, self.catch_up, self.block_size, len(rows), pin_memory=cuda)
-        self.sync_tables(rows)
+        packed = pack_rows(rows, self.catch_up, self.block_size, len(rows), pin_memory=cuda,
+                           appends=self.sync_tables(rows))
         return DecodeRows(packed.to(device, non_blocking=cuda))
 
-    def sync_tables(self, rows: Sequence[DecodeRow]) -> int:
-        """Write the rows' block tables into `slot_tables` where they changed since last sent:
-        the appended entries when the table extends the one sent, else the whole table. One
-        small copy and one scatter for the step, none when nothing changed. Returns the number
-        of entries written."""
+    def sync_tables(self, rows: Sequence[DecodeRow]) -> list[tuple[int, int]]:
+        """Bring the rows' block tables in `slot_tables` up to date with what changed since last
+        sent: returns each row's packed (table column + 1, block), the one entry by which its
+        table extends the one sent (written by the step's first stage: `batch` with feed), else
+        NO_APPEND; any other change (a table that grew by more, a slot's new table) is written
+        here, one small copy and one scatter for the step, none when there is none. The step
+        these rows are packed into must run: what they carry counts as sent."""
+        appends = []
         slots: list[int] = []
         columns: list[int] = []
         blocks: list[int] = []
         for r in rows:
             table, sent = r.block_table, self._sent.get(r.slot)
             if table is sent:
+                appends.append(NO_APPEND)
                 continue
             if len(table) > self.max_blocks_per_row:
                 raise ValueError(f"slot {r.slot}: {len(table)} KV blocks, at most {self.max_blocks_per_row}")
             start = len(sent) if sent is not None and table[:len(sent)] == sent else 0
+            self._sent[r.slot] = table
+            if len(table) == start + 1:
+                appends.append((len(table), table[start]))
+                continue
+            appends.append(NO_APPEND)
             slots += [r.slot] * (len(table) - start)
             columns += range(start, len(table))
             blocks += table[start:]
-            self._sent[r.slot] = table
         if not blocks:
-            return 0
+            return appends
         cuda = self.slot_tables.device.type == "cuda"
         updates = torch.from_numpy(np.array((slots, columns, blocks), dtype=np.int64))
         if cuda:
             updates = updates.pin_memory().to(self.slot_tables.device, non_blocking=True)
         self.slot_tables[updates[0], updates[1]] = updates[2].to(torch.int32)
-        return len(blocks)
+        return appends
 
     def record(self, rows: DecodeRows, accepted: torch.Tensor | None, emitted: torch.Tensor | None = None) -> None:
         """Keep a speculative step's outputs for the next step's fed rows: accepted [B] and

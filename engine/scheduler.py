@@ -257,6 +257,7 @@ class Scheduler:
                         and not (nonfinite is not None and nonfinite[index])}
         if advanced is not None:
             advanced()
+        verified: list[tuple[Request, int, int]] = []  # decode rows' (request, drafted, accepted)
         for index, (row, tokens) in enumerate(zip(plan.rows, output.emitted)):
             request = row.request
             if request.status is not running:
@@ -274,7 +275,7 @@ class Scheduler:
                 # The next catch-up starts at this step's newest position: the MTP caught up to
                 # it (a plain step kept its hidden state instead).
                 request.mtp_position = request.num_tokens - 1
-                self._record_verify(request, row.num_draft_tokens, accepted_drafts)
+                verified.append((request, row.num_draft_tokens, accepted_drafts))
             elif row.mtp_end > request.mtp_position:
                 request.mtp_position = row.mtp_end
             if row.sample:
@@ -285,16 +286,20 @@ class Scheduler:
                 if request.finish_reason is not None:
                     fed_ahead = ahead is not None and any(r.request is request for r in ahead.decode_rows)
                     self._finish(request, fed_ahead, request.num_tokens - num_known == len(tokens))
+        if verified:
+            self._record_verify(verified)
         Request.update_texts(updated)
         return updated
 
-    def _record_verify(self, request: Request, num_drafted: int, num_accepted: int) -> None:
-        """The one place a decode row's speculation outcome is counted: the request's acceptance
-        estimate (for the draft-length policy), its counters and the engine's."""
-        self.draft_policy.record(request.acceptance, num_drafted, num_accepted)
-        if num_drafted:
-            request.spec_stats.record(num_drafted, num_accepted)
-            self.spec_stats.record(num_drafted, num_accepted)
+    def _record_verify(self, verified: list[tuple[Request, int, int]]) -> None:
+        """The one place decode rows' speculation outcomes are counted, a step's at once (each
+        row's request, drafts and accepted drafts): the requests' acceptance estimates and the
+        prior (for the draft-length policy), their counters and the engine's."""
+        self.draft_policy.record([(request.acceptance, drafted, accepted) for request, drafted, accepted in verified])
+        self.spec_stats.record((drafted, accepted) for _, drafted, accepted in verified if drafted)
+        for request, drafted, accepted in verified:
+            if drafted:
+                request.spec_stats.record(((drafted, accepted),))
 
     # Helpers ------------------------------------------------------------------------------
 

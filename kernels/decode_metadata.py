@@ -1,9 +1,9 @@
 """A fixed-shape decode batch's metadata, built on the device in one launch from its packed rows.
 
-A decode step's rows arrive as one packed int64 tensor [B, 8 + C] (columns below: slot, fed
-flag and source row, draft count, newest token, position, MTP start, catch-up count, C catch-up
-ids); block tables live on the device per slot (`slot_tables` [S, W] int32). Each row runs q
-consecutive positions from a start, with token ids by `RowTokens`:
+A decode step's rows arrive as one packed int64 tensor [B, 10 + C] (columns below: slot, fed
+flag and source row, draft count, a table entry to append, newest token, position, MTP start,
+catch-up count, C catch-up ids); block tables live on the device per slot (`slot_tables` [S, W]
+int32). Each row runs q consecutive positions from a start, with token ids by `RowTokens`:
 
     NEWEST    its newest token at `position`, then extra[r, :q - 1] (plain decode: q = 1; verify:
               the drafts, q = K + 1)
@@ -19,6 +19,12 @@ From those, per row r and position j (p = start_r + j, table = slot_tables[slot_
 with a row's table entries past its context (ceil(context_lens[r] / bs) blocks) zero, scratch
 block 0: no kernel reads them, and the kernel loads none of them (a long max_model_len's table
 is thousands of entries a row, of which a short sequence uses a few).
+
+A row may carry one table entry of its slot (TABLE_COLUMN = c + 1, TABLE_BLOCK = b; 0: none):
+every call reads the row's table with entry c = b, and `feed` writes it into `slot_tables` for
+good. A table growing by a block per step (every decode row, every block_size tokens) thus
+needs no copy and no scatter of its own: the step's one packed copy carries it, and its first
+stage (the one with `feed`) writes it.
 
 `feed` first completes the fed rows (fed flag set) in place from the latest step's outputs:
 emitted [E, R] (row e: each row's e-th emitted token), accepted [R], last_positions [R]. Without
@@ -45,10 +51,12 @@ import triton.language as tl
 
 # Columns of the packed rows: those the host always knows, then those a fed row derives on the
 # device (NEWEST onwards), then C catch-up ids.
-SLOT, IS_FED, FED_FROM, NUM_DRAFTS, NEWEST, POSITION, MTP_START, NUM_CATCH_UP, CATCH_UP_IDS = range(9)
+(SLOT, IS_FED, FED_FROM, NUM_DRAFTS, TABLE_COLUMN, TABLE_BLOCK, NEWEST, POSITION, MTP_START, NUM_CATCH_UP,
+ CATCH_UP_IDS) = range(11)
 # The kernel's copies (a Triton kernel reads only constexpr globals).
-_SLOT, _IS_FED, _FED_FROM, _NEWEST, _POSITION, _MTP_START, _NUM_CATCH_UP, _CATCH_UP_IDS = (
-    tl.constexpr(c) for c in (SLOT, IS_FED, FED_FROM, NEWEST, POSITION, MTP_START, NUM_CATCH_UP, CATCH_UP_IDS))
+_SLOT, _IS_FED, _FED_FROM, _TABLE_COLUMN, _TABLE_BLOCK, _NEWEST, _POSITION, _MTP_START, _NUM_CATCH_UP, \
+    _CATCH_UP_IDS = (tl.constexpr(c) for c in (SLOT, IS_FED, FED_FROM, TABLE_COLUMN, TABLE_BLOCK, NEWEST, POSITION,
+                                               MTP_START, NUM_CATCH_UP, CATCH_UP_IDS))
 
 
 class RowTokens(enum.IntEnum):
@@ -91,11 +99,14 @@ def decode_metadata_reference(packed: torch.Tensor, slot_tables: torch.Tensor, e
                               accepted: torch.Tensor, last_positions: torch.Tensor, block_size: int,
                               num_positions: int, tokens: RowTokens, extra: torch.Tensor | None = None,
                               offset: int = 0, feed: bool = False) -> DecodeMetadata:
-    """packed [B, 8 + C] int64 (fed rows completed in place when feed); slot_tables [S, W]
-    int32; emitted [E, R], accepted [R], last_positions [R] int64: the latest step's outputs;
-    extra [B, >= q - 1 or q] int64 (NEWEST, EXTRA). Returns the rows' DecodeMetadata."""
+    """packed [B, 10 + C] int64 (fed rows completed and rows' table entries written into
+    slot_tables in place when feed); slot_tables [S, W] int32; emitted [E, R], accepted [R],
+    last_positions [R] int64: the latest step's outputs; extra [B, >= q - 1 or q] int64 (NEWEST,
+    EXTRA). Returns the rows' DecodeMetadata."""
+    appended, column = packed[:, TABLE_COLUMN] > 0, packed[:, TABLE_COLUMN] - 1
     if feed:
         feed_reference(packed, emitted, accepted, last_positions)
+        slot_tables[packed[appended, SLOT], column[appended]] = packed[appended, TABLE_BLOCK].to(slot_tables.dtype)
     q = num_positions
     slots = packed[:, SLOT]
     start = packed[:, MTP_START if tokens == RowTokens.CATCH_UP else POSITION] + offset
@@ -108,6 +119,8 @@ def decode_metadata_reference(packed: torch.Tensor, slot_tables: torch.Tensor, e
         input_ids = extra[:, :q]
     context_lens = positions[:, -1] + 1
     tables = slot_tables[slots]
+    own = appended[:, None] & (torch.arange(tables.shape[1], device=packed.device) == column[:, None])
+    tables = torch.where(own, packed[:, TABLE_BLOCK, None].to(tables.dtype), tables)
     blocks = tables.gather(1, positions // block_size).long()
     used = torch.arange(tables.shape[1], device=packed.device) < (context_lens[:, None] + block_size - 1) // block_size
     return DecodeMetadata(input_ids.reshape(-1), positions.reshape(-1),
@@ -121,11 +134,15 @@ def _decode_metadata_kernel(packed, emitted, accepted, last_positions, slot_tabl
                             stride_packed, stride_emitted, stride_tables, stride_extra, num_positions, table_width,
                             block_size, offset, TOKENS: tl.constexpr, FEED: tl.constexpr, CATCH_UP: tl.constexpr,
                             BLOCK_Q: tl.constexpr, BLOCK_W: tl.constexpr):
-    """Program r: row r's metadata (the module docstring). Fed values stay in registers once
-    derived (a store then a load of the same address within a program is not ordered)."""
+    """Program r: row r's metadata (the module docstring). Fed values and the appended table
+    entry stay in registers once derived (a store then a load of the same address within a
+    program is not ordered)."""
     row = tl.program_id(0).to(tl.int64)
     own = packed + row * stride_packed
     slot = tl.load(own + _SLOT)
+    table = slot_tables + slot * stride_tables
+    appended = tl.load(own + _TABLE_COLUMN) - 1  # -1: none
+    appended_block = tl.load(own + _TABLE_BLOCK).to(tl.int32)
     newest = tl.load(own + _NEWEST)
     position = tl.load(own + _POSITION)
     mtp_start = tl.load(own + _MTP_START)
@@ -151,6 +168,7 @@ def _decode_metadata_kernel(packed, emitted, accepted, last_positions, slot_tabl
             tl.store(own + _NUM_CATCH_UP, num_catch_up)
             tl.store(own + _CATCH_UP_IDS + j, catch_up_ids, mask=in_catch_up)
         tl.store(own + _NEWEST, newest)
+        tl.store(table + tl.maximum(appended, 0), appended_block, mask=appended >= 0)
     inside = j < num_positions
     if TOKENS == _TOKENS_CATCH_UP:  # (q = C)
         start = mtp_start + offset
@@ -166,9 +184,9 @@ def _decode_metadata_kernel(packed, emitted, accepted, last_positions, slot_tabl
     out = row * num_positions + j
     tl.store(input_ids + out, ids, mask=inside)
     tl.store(positions + out, p, mask=inside)
-    table = slot_tables + slot * stride_tables
     index = p // block_size
-    block = tl.load(table + index, mask=inside & (index < table_width), other=0).to(tl.int64)
+    block = tl.load(table + index, mask=inside & (index < table_width), other=0)
+    block = tl.where(index == appended, appended_block, block).to(tl.int64)
     tl.store(slot_mapping + out, block * block_size + p % block_size, mask=inside)
     context = start + num_positions
     tl.store(context_lens + row, context.to(tl.int32))
@@ -177,13 +195,14 @@ def _decode_metadata_kernel(packed, emitted, accepted, last_positions, slot_tabl
     for first in range(0, table_width, BLOCK_W):
         w = first + tl.arange(0, BLOCK_W)
         entries = tl.load(table + w, mask=(w < used) & (w < table_width), other=0)
+        entries = tl.where((w == appended) & (w < used), appended_block, entries)
         tl.store(block_tables + row * table_width + w, entries, mask=w < table_width)
 
 
 def _check_decode_metadata_args(packed, slot_tables, emitted, accepted, last_positions, block_size, num_positions,
                                 tokens, extra) -> None:
     assert packed.dtype == torch.int64 and packed.dim() == 2 and packed.stride(1) == 1 \
-        and packed.shape[1] >= CATCH_UP_IDS, "packed: int64 [B, 8 + C] with unit column stride"
+        and packed.shape[1] >= CATCH_UP_IDS, "packed: int64 [B, 10 + C] with unit column stride"
     catch_up = packed.shape[1] - CATCH_UP_IDS
     assert slot_tables.dtype == torch.int32 and slot_tables.dim() == 2 and slot_tables.stride(1) == 1, \
         "slot_tables: int32 [S, W] with unit column stride"

@@ -45,7 +45,9 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from itertools import accumulate
+from operator import mul
+from typing import Iterable, Mapping, Sequence
 
 
 @dataclass(frozen=True)
@@ -93,23 +95,20 @@ class AcceptanceEstimate:
     reach: list[float] = field(init=False)
 
     def __post_init__(self) -> None:
-        self._update_reach()
+        self.update_reach()
 
-    def record(self, num_drafted: int, num_accepted: int, smoothing: float) -> None:
+    def record(self, num_drafted: int, num_accepted: int, smoothing: float, update_reach: bool = True) -> None:
         """A verify step drafted k and accepted a: depths 1..min(a + 1, k) were reached; each
-        of them but a rejected one at depth a + 1 was accepted."""
+        of them but a rejected one at depth a + 1 was accepted. update_reach False leaves
+        `reach` stale until `update_reach` (many records in a row: the prior's over a step)."""
+        conditional = self.conditional
         for depth in range(min(num_accepted + 1, num_drafted)):
-            seen = 1.0 if depth < num_accepted else 0.0
-            self.conditional[depth] += smoothing * (seen - self.conditional[depth])
-        if num_drafted:
-            self._update_reach()
+            conditional[depth] += smoothing * ((depth < num_accepted) - conditional[depth])
+        if num_drafted and update_reach:
+            self.update_reach()
 
-    def _update_reach(self) -> None:
-        reach, product = [], 1.0
-        for c in self.conditional:
-            product *= c
-            reach.append(product)
-        self.reach = reach
+    def update_reach(self) -> None:
+        self.reach = list(accumulate(self.conditional, mul))
 
 
 @dataclass
@@ -191,10 +190,15 @@ class DraftPolicy:
         """A new request's acceptance estimate: the engine-wide prior as it stands."""
         return AcceptanceEstimate(list(self.prior.conditional))
 
-    def record(self, estimate: AcceptanceEstimate, num_drafted: int, num_accepted: int) -> None:
-        """A verify step's outcome: into its request's estimate and the prior."""
-        estimate.record(num_drafted, num_accepted, self.smoothing)
-        self.prior.record(num_drafted, num_accepted, self.prior_smoothing)
+    def record(self, outcomes: Iterable[tuple[AcceptanceEstimate, int, int]]) -> None:
+        """A step's verify outcomes (each row's request estimate, drafts, accepted drafts), in
+        row order: into each request's estimate and the prior (whose reach is brought up to
+        date once, after the step's rows: it is read only when a request starts)."""
+        smoothing, prior, prior_smoothing = self.smoothing, self.prior, self.prior_smoothing
+        for estimate, num_drafted, num_accepted in outcomes:
+            estimate.record(num_drafted, num_accepted, smoothing)
+            prior.record(num_drafted, num_accepted, prior_smoothing, update_reach=False)
+        prior.update_reach()
 
     def choose(self, estimates: Sequence[AcceptanceEstimate], rooms: Sequence[int], limit: int,
                num_sampled: int = 0) -> int:

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Iterable
 
 
 @dataclass
 class SpecStats:
     rows: Counter[tuple[int, int]] = field(default_factory=Counter)  # (drafted, accepted) -> verify rows
 
-    def record(self, num_drafted: int, num_accepted: int) -> None:
-        self.rows[num_drafted, num_accepted] += 1
+    def record(self, outcomes: Iterable[tuple[int, int]]) -> None:
+        """Verify rows' (drafted, accepted) pairs: a step's at once for the engine, one for a request."""
+        self.rows.update(outcomes)
 
     @property
     def proposed(self) -> list[int]:

@@ -19,6 +19,10 @@ apart) also says where a decode step's time goes, plain (--num-draft-tokens 0) a
 speculative: `InFlight.result` includes the wait for the device, `AsyncLLM._hand_out` is the
 event loop handing the step before's tokens out while the runner thread works.
 
+`time_budget` splits the window's wall time by step: admitting steps, and decode steps by draft
+count and by whether they were launched ahead or scheduled afresh (after an admission); with
+speculation, `draft_policy` is what the policy priced each (bucket, K) at and how often it ran each K.
+
 --unique-prompts gives every request a prompt of its own (no prefix-cache hits: every prompt is
 prefilled, as in `deltaspec bench serve --unique-prompts`). --sync-audit turns on torch's
 synchronisation debug mode during the measured runs and counts each call site (its innermost
@@ -311,6 +315,21 @@ def analyse(trace: Trace, window: tuple[float, float]) -> dict:
                                     ("decode_ahead", lambda s: not s["prefill_rows"] + s["cached_rows"] and s["ahead"]),
                                     ("decode_not_ahead",
                                      lambda s: not s["prefill_rows"] + s["cached_rows"] and not s["ahead"]))}
+    # Where the window's wall time went: each step's share is from the end of the commit before
+    # it to the end of its own (so the shares add up to the window), by kind, draft count and
+    # whether it was launched ahead (back to back with the step before) or scheduled afresh.
+    budget: dict[str, dict] = {}
+    for before, step in zip(in_window, in_window[1:]):
+        kind = "admit" if step["prefill_rows"] + step["cached_rows"] else \
+            f"decode K={step['drafts']} {'ahead' if step['ahead'] else 'afresh'}"
+        entry = budget.setdefault(kind, {"steps": 0, "ms": 0.0, "rows": 0})
+        entry["steps"] += 1
+        entry["ms"] += (step["committed"] - before["committed"]) * 1e3
+        entry["rows"] += step["decode_rows"]
+    for entry in budget.values():
+        entry["mean_ms"], entry["mean_rows"] = round(entry["ms"] / entry["steps"], 3), round(entry["rows"] / entry["steps"], 1)
+        entry["ms"] = round(entry["ms"], 1)
+        del entry["rows"]
     host_by_kind = {}
     for kind in ("with_new_rows", "decode_only"):
         chosen = [s for s in in_window if step_kind(s) == kind]
@@ -321,7 +340,7 @@ def analyse(trace: Trace, window: tuple[float, float]) -> dict:
             "mean_host_ms_per_step": host_by_kind,
             "num_steps": len(in_window),
             "steps_with_new_rows": sum(1 for s in in_window if s["prefill_rows"] + s["cached_rows"]),
-            "step_dispatch_to_commit_end_ms": durations, "slowest_examples": examples,
+            "step_dispatch_to_commit_end_ms": durations, "time_budget": dict(sorted(budget.items())), "slowest_examples": examples,
             "collections_in_window": [(round((e - s) * 1e3, 2), g) for s, e, g in trace.collections
                                       if window[0] <= s <= window[1]],
             "slowest_bursts_steps_columns": ["dispatch_ms", "committed_ms", "decode_rows", "prefill_rows",
@@ -356,9 +375,15 @@ async def main(args: argparse.Namespace) -> dict:
             if profile is not None:
                 args.out.mkdir(parents=True, exist_ok=True)
                 with open(args.out / f"profile-{streams}.txt", "w") as text:
-                    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(60)
+                    for order in ("tottime", "cumulative"):
+                        pstats.Stats(profile, stream=text).sort_stats(order).print_stats(60)
             start = origin + window.start
             report[str(streams)] = analyse(trace, (start, start + args.duration))
+            if (policy := engine.core.scheduler.draft_policy) is not None:
+                snapshot = policy.snapshot()
+                report[str(streams)]["draft_policy"] = {
+                    "steps": snapshot["steps"],
+                    "step_ms": {f"{b} rows K={k}": round(s * 1e3, 3) for (b, k), s in snapshot["step_seconds"].items()}}
             if audit is not None:
                 report[str(streams)]["sync_audit"] = audit.report()
             if device_times is not None:

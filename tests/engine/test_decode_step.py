@@ -11,48 +11,60 @@ import torch
 
 from deltaspec.engine import LLM, EngineConfig, SamplingParams
 from deltaspec.engine.core import EngineCore
-from deltaspec.engine.decode_step import DecodeRow, DecodeRows, DecodeStep, RowTokens, pack_rows
+from deltaspec.engine.decode_step import NO_APPEND, DecodeRow, DecodeRows, DecodeStep, RowTokens, pack_rows
 from fixtures import GPU_SHAPE, TRITON_TABLE_SHAPE
 
 
 def test_slot_tables_follow_growth_and_reuse(checkpoint):
+    """Growth by one block rides in the row's packed columns and the first stage (feed) writes it;
+    growth by more and a slot's new table are written before the step; every stage then gathers
+    the rows' own tables."""
     core = LLM(checkpoint("qwen3_5"), num_draft_tokens=0).core
     step = DecodeStep(core.model, core.states, core.kv, 16, False, 4, 12, core.runner.sampler.table)
     rng = random.Random(0)
     tables = {slot: tuple(rng.sample(range(1, 100), 2)) for slot in (1, 2, 3)}
     first = [DecodeRow(slot, 7, 16 * len(table) - 1, table) for slot, table in tables.items()]
-    assert step.sync_tables(first) == 6  # new slots: their whole tables
-    sent = []
+    assert step.sync_tables(first) == [NO_APPEND] * 3  # new slots: their whole tables, written at once
+    appended = 0
     for _ in range(40):
-        changed = 0
+        grew = set()  # slots with one entry to send: grown by a block, or a new one-block table
         for slot in tables:
             if rng.random() < 0.3 and len(tables[slot]) < 12:  # grows by a block
                 tables[slot] = tables[slot] + (rng.randrange(1, 100),)
-                changed += 1
+                grew.add(slot)
             elif rng.random() < 0.1:  # a new request in the slot: another table altogether
                 tables[slot] = tuple(rng.sample(range(1, 100), rng.randint(1, 5)))
-                changed += len(tables[slot])
+                if len(tables[slot]) == 1:
+                    grew.add(slot)
+            elif rng.random() < 0.1 and len(tables[slot]) < 11:  # grows by two blocks
+                tables[slot] = tables[slot] + tuple(rng.sample(range(1, 100), 2))
         rows = [DecodeRow(slot, 7, 16 * len(table) - 1, table) for slot, table in tables.items()]
         rng.shuffle(rows)  # row order changes between steps
-        sent.append(step.sync_tables(rows))
-        assert sent[-1] <= changed  # growth sends the new entry only
-        packed = pack_rows(rows, step.catch_up, step.block_size, len(rows) + 1, pin_memory=False)
-        gathered = step.batch(DecodeRows(packed), RowTokens.NEWEST, 1).block_tables.tolist()
-        for row, table in zip(rows, gathered):
-            assert table[:len(row.block_table)] == list(row.block_table)
-        assert not any(gathered[-1])  # the padding row: slot 0, scratch block 0
-        assert step.sync_tables(rows) == 0  # nothing changed since: nothing is sent
-    assert 0 < sum(sent) < 40 * 3
+        appends = step.sync_tables(rows)
+        assert [a != NO_APPEND for a in appends] == [r.slot in grew for r in rows]
+        assert all(a == (len(r.block_table), r.block_table[-1]) for a, r in zip(appends, rows) if a != NO_APPEND)
+        assert all(a == NO_APPEND for a in step.sync_tables(rows))  # what a step carries counts as sent
+        appended += len(grew)
+        packed = DecodeRows(pack_rows(rows, step.catch_up, step.block_size, len(rows) + 1, pin_memory=False,
+                                      appends=appends))
+        for feed in (True, False):  # the step's first stage writes the appended entries; the next reads them
+            gathered = step.batch(packed, RowTokens.NEWEST, 1, feed=feed).block_tables.tolist()
+            for row, table in zip(rows, gathered):
+                assert table[:len(row.block_table)] == list(row.block_table)
+            assert not any(gathered[-1])  # the padding row: slot 0, scratch block 0
+        assert step.sync_tables(rows) == [NO_APPEND] * 3  # nothing changed since: nothing is sent
+    assert appended > 10
 
 
 def test_pack_rows_matches_the_rows():
-    """Columns: slot, is_fed, fed_from, k_r, newest, position, mtp_start, n_r, catch-up ids; a fed
-    row names the previous step's row it continues; padding rows are all zeros."""
+    """Columns: slot, is_fed, fed_from, k_r, table column + 1 and block to append, newest,
+    position, mtp_start, n_r, catch-up ids; a fed row names the previous step's row it continues;
+    padding rows are all zeros."""
     rows = [DecodeRow(3, 11, 40, (1, 2, 3), 2, 37, (5, 6, 7)), DecodeRow(5, 12, 20, (4, 9), 0, 19, (8,)),
             DecodeRow(6, 0, 21, (10, 11), 3, fed_from=1)]
-    packed = pack_rows(rows, 4, 16, 4, pin_memory=False)
-    assert packed.tolist() == [[3, 0, 0, 2, 11, 40, 37, 3, 5, 6, 7, 0], [5, 0, 0, 0, 12, 20, 19, 1, 8, 0, 0, 0],
-                               [6, 1, 1, 3, 0, 21, 0, 0, 0, 0, 0, 0], [0] * 12]
+    packed = pack_rows(rows, 4, 16, 4, pin_memory=False, appends=[NO_APPEND, (2, 9), NO_APPEND])
+    assert packed.tolist() == [[3, 0, 0, 2, 0, 0, 11, 40, 37, 3, 5, 6, 7, 0], [5, 0, 0, 0, 2, 9, 12, 20, 19, 1, 8, 0, 0, 0],
+                               [6, 1, 1, 3, 0, 0, 0, 21, 0, 0, 0, 0, 0, 0], [0] * 14]
 
 
 @pytest.mark.parametrize("speculative", [False, True])

@@ -4,7 +4,8 @@ reading of the packed layout, then the Triton kernel against the reference.
 Rows are random: slots (padding rows on slot 0 among them), fed and unfed rows continuing random
 rows of a random latest step, positions and catch-up starts just before and after block
 boundaries, block sizes 4 and 16, tables of random block ids (a row's gathered table zero past
-its context); a plain layout (C = 0) and a
+its context), rows carrying a table entry to append (read by every call, written with feed); a
+plain layout (C = 0) and a
 speculative one (C = 4); every RowTokens kind, with an offset. The kernel gets a copy of the same
 packed rows and must complete the fed ones alike. CPU: the interpreter. GPU (`gpu` marker): 256
 rows.
@@ -13,12 +14,14 @@ rows.
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 import torch
 
 from deltaspec.kernels import REFERENCE_OPS
-from deltaspec.kernels.decode_metadata import CATCH_UP_IDS, POSITION, SLOT, RowTokens, decode_metadata
+from deltaspec.kernels.decode_metadata import (CATCH_UP_IDS, POSITION, SLOT, TABLE_BLOCK, TABLE_COLUMN, RowTokens,
+                                               decode_metadata)
 
 NUM_SLOTS, TABLE_WIDTH, NUM_SOURCES = 9, 6, 5
 
@@ -47,8 +50,14 @@ def random_case(num_rows: int, catch_up: int, block_size: int, seed: int, device
         num_catch_up = rng.randint(0, catch_up)
         fed = rng.random() < 0.5
         rows.append([rng.randrange(1, NUM_SLOTS), int(fed), rng.randrange(NUM_SOURCES) if fed else 0,
-                     rng.randint(0, 3), rng.randrange(1000), position, position - num_catch_up, num_catch_up,
+                     rng.randint(0, 3), 0, 0, rng.randrange(1000), position, position - num_catch_up, num_catch_up,
                      *[rng.randrange(1000) for _ in range(catch_up)]])
+    # Table entries to append, on rows whose slot no other row has (a step's rows are one request
+    # each, in slots of their own; padding rows all share slot 0 and append nothing).
+    slots = Counter(row[SLOT] for row in rows)
+    for row in rows:
+        if row[SLOT] and slots[row[SLOT]] == 1 and rng.random() < 0.5:
+            row[TABLE_COLUMN], row[TABLE_BLOCK] = rng.randrange(1, table_width + 1), rng.randrange(500, 600)
     tables = [[rng.randrange(1, 500) for _ in range(table_width)] for _ in range(NUM_SLOTS)]
     tables[0] = [0] * table_width  # scratch slot 0: scratch block 0
     as_tensor = lambda values, dtype=torch.int64: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
@@ -58,15 +67,25 @@ def random_case(num_rows: int, catch_up: int, block_size: int, seed: int, device
 
 
 def by_hand(case: dict, num_positions: int, tokens: RowTokens, extra: list | None, offset: int, feed: bool):
-    """What each row runs, read from the packed layout one row at a time."""
+    """What each row runs, read from the packed layout one row at a time, and the slot tables
+    after the call."""
     catch_up = case["packed"].shape[1] - CATCH_UP_IDS
     emitted, accepted = case["emitted"].tolist(), case["accepted"].tolist()
     last_positions, tables = case["last_positions"].tolist(), case["slot_tables"].tolist()
     block_size = case["block_size"]
     packed, out = [], {name: [] for name in ("input_ids", "positions", "slot_mapping", "context_lens", "slot_ids",
                                               "block_tables")}
-    for r, (slot, fed, source, drafts, newest, position, mtp_start, num_catch_up, *ids) in \
-            enumerate(case["packed"].tolist()):
+    rows = case["packed"].tolist()
+    own_tables = []  # each row's table as the call reads it: with the entry it carries
+    for slot, _, _, _, column, block, *_ in rows:
+        own_tables.append(list(tables[slot]))
+        if column:
+            own_tables[-1][column - 1] = block
+            if feed:
+                tables[slot][column - 1] = block
+    for r, (slot, fed, source, drafts, column, block, newest, position, mtp_start, num_catch_up, *ids) in \
+            enumerate(rows):
+        table = own_tables[r]
         if feed and fed:
             if catch_up:
                 taken = accepted[source]
@@ -75,7 +94,7 @@ def by_hand(case: dict, num_positions: int, tokens: RowTokens, extra: list | Non
                 num_catch_up, ids = taken + 1, [emitted[d][source] for d in range(catch_up)]
             else:
                 newest = emitted[0][source]
-        packed.append([slot, fed, source, drafts, newest, position, mtp_start, num_catch_up, *ids])
+        packed.append([slot, fed, source, drafts, column, block, newest, position, mtp_start, num_catch_up, *ids])
         if tokens == RowTokens.CATCH_UP:
             start, row_ids = mtp_start + offset, ids[:num_positions]
         elif tokens == RowTokens.NEWEST:
@@ -86,12 +105,12 @@ def by_hand(case: dict, num_positions: int, tokens: RowTokens, extra: list | Non
             p = start + j
             out["input_ids"].append(row_ids[j])
             out["positions"].append(p)
-            out["slot_mapping"].append(tables[slot][p // block_size] * block_size + p % block_size)
+            out["slot_mapping"].append(table[p // block_size] * block_size + p % block_size)
         out["context_lens"].append(start + num_positions)
         out["slot_ids"].append(slot)
         used = -(-(start + num_positions) // block_size)  # blocks holding the row's context; zero after
-        out["block_tables"].append(tables[slot][:used] + [0] * (len(tables[slot]) - used))
-    return packed, out
+        out["block_tables"].append(table[:used] + [0] * (len(table) - used))
+    return packed, out, tables
 
 
 CALLS = [  # (C, tokens, q, offset): plain decode; catch-up, chain, verify of a speculative step
@@ -108,10 +127,11 @@ def extra_ids(num_rows: int, seed: int, device: str) -> torch.Tensor:
 def test_reference_reads_the_packed_rows(catch_up, tokens, num_positions, offset, feed):
     case = random_case(7, catch_up, 4, seed=catch_up * 10 + num_positions + feed)
     extra = extra_ids(7, 0, "cpu")
-    packed, wanted = by_hand(case, num_positions, tokens, extra.tolist(), offset, feed)
+    packed, wanted, tables = by_hand(case, num_positions, tokens, extra.tolist(), offset, feed)
     meta = REFERENCE_OPS.decode_metadata(**case, num_positions=num_positions, tokens=tokens, extra=extra,
                                          offset=offset, feed=feed)
     assert case["packed"].tolist() == packed
+    assert case["slot_tables"].tolist() == tables
     assert {name: getattr(meta, name).tolist() for name in wanted} == wanted
     assert meta.context_lens.dtype == meta.slot_ids.dtype == meta.block_tables.dtype == torch.int32
 
@@ -125,13 +145,14 @@ def test_triton_equals_reference(kernel_device, poisoned_empty, num_rows, block_
     case = random_case(num_rows, catch_up, block_size, seed, kernel_device)
     extra = extra_ids(num_rows, seed, kernel_device)
     for feed in (False, True):
-        ours = dict(case, packed=case["packed"].clone())
+        ours = dict(case, packed=case["packed"].clone(), slot_tables=case["slot_tables"].clone())
         meta = poisoned_empty(decode_metadata, **ours, num_positions=num_positions, tokens=tokens, extra=extra,
                               offset=offset, feed=feed)
-        theirs = dict(case, packed=case["packed"].clone())
+        theirs = dict(case, packed=case["packed"].clone(), slot_tables=case["slot_tables"].clone())
         reference = REFERENCE_OPS.decode_metadata(**theirs, num_positions=num_positions, tokens=tokens, extra=extra,
                                                   offset=offset, feed=feed)
         assert torch.equal(ours["packed"], theirs["packed"])
+        assert torch.equal(ours["slot_tables"], theirs["slot_tables"])
         for name, values in reference._asdict().items():
             assert torch.equal(getattr(meta, name), values), name
 
@@ -160,8 +181,9 @@ def test_bad_arguments_are_refused():
 def test_triton_at_serving_batch():
     case = random_case(256, 4, 16, seed=3, device="cuda")
     extra = extra_ids(256, 3, "cuda")
-    ours = dict(case, packed=case["packed"].clone())
+    ours = dict(case, packed=case["packed"].clone(), slot_tables=case["slot_tables"].clone())
     meta = decode_metadata(**ours, num_positions=4, tokens=RowTokens.NEWEST, extra=extra, feed=True)
     reference = REFERENCE_OPS.decode_metadata(**case, num_positions=4, tokens=RowTokens.NEWEST, extra=extra, feed=True)
     assert torch.equal(ours["packed"], case["packed"])
+    assert torch.equal(ours["slot_tables"], case["slot_tables"])
     assert all(torch.equal(getattr(meta, name), values) for name, values in reference._asdict().items())

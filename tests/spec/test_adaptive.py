@@ -183,8 +183,8 @@ def test_new_requests_start_from_what_the_engine_saw():
     assert policy.new_estimate().conditional == [0.7] * 3
     first = policy.new_estimate()
     assert policy.choose([first], [3], limit=100) == 3
-    for _ in range(40):
-        policy.record(first, 3, 0)  # every first draft rejected
+    for _ in range(20):
+        policy.record([(first, 3, 0), (first, 3, 0)])  # every first draft rejected, two rows a step
     assert first.conditional[0] < 0.01 and 0.005 < policy.prior.conditional[0] < 0.02
     assert policy.prior.conditional[1:] == [0.7, 0.7]  # depths never reached keep the initial value
     assert policy.choose([policy.new_estimate()], [3], limit=100) == 0
