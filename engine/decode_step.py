@@ -45,14 +45,14 @@ import torch
 # The packed rows' columns (the kernel's layout, kernels/decode_metadata.py).
 from ..kernels.decode_metadata import (CATCH_UP_IDS, MTP_START, NEWEST, NUM_CATCH_UP, NUM_DRAFTS, POSITION, SLOT,
                                        RowTokens)
-
-NO_APPEND = (0, 0)  # a packed row's (table column + 1, block) when its table needs no entry written
 from .batch import ForwardBatch, RowGroup
 from .models import HybridLM
 from .state_pool import KVPool, StatePool
 
 if TYPE_CHECKING:  # sampling_table.py imports step.py, which imports this module
     from .sampling_table import SamplingTable
+
+NO_APPEND = (0, 0)  # a packed row's (table column + 1, block) when its table needs no entry written
 
 
 class DecodeRow(msgspec.Struct, frozen=True, gc=False):
