@@ -9,12 +9,27 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import triton
 
 from deltaspec.server.acceptance_benchmark import device_tag  # noqa: F401  (the results' device naming)
+
+
+def timed(function: Callable, record: Callable[[float], None]) -> Callable:
+    """`function` wrapped to hand its wall seconds to `record` after each call (raised or not):
+    the host-time splits wrap engine methods with it (setattr on their class or module)."""
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            record(time.perf_counter() - start)
+
+    return wrapper
 
 
 def free_port() -> int:

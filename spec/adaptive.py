@@ -88,27 +88,22 @@ class StepCosts:
 
 @dataclass
 class AcceptanceEstimate:
-    """One request's recent acceptance: reach[i] = c_1 .. c_(i+1), the chance that its first
-    i + 1 drafts are all accepted (so E(k) = 1 + reach[0] + .. + reach[k - 1])."""
+    """One request's recent acceptance: conditional[i] = c_(i+1), and reach[i] = c_1 .. c_(i+1),
+    the chance that its first i + 1 drafts are all accepted (so E(k) = 1 + reach[0] + .. +
+    reach[k - 1])."""
 
     conditional: list[float]
-    reach: list[float] = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.update_reach()
+    @property
+    def reach(self) -> list[float]:
+        return list(accumulate(self.conditional, mul))
 
-    def record(self, num_drafted: int, num_accepted: int, smoothing: float, update_reach: bool = True) -> None:
+    def record(self, num_drafted: int, num_accepted: int, smoothing: float) -> None:
         """A verify step drafted k and accepted a: depths 1..min(a + 1, k) were reached; each
-        of them but a rejected one at depth a + 1 was accepted. update_reach False leaves
-        `reach` stale until `update_reach` (many records in a row: the prior's over a step)."""
+        of them but a rejected one at depth a + 1 was accepted."""
         conditional = self.conditional
         for depth in range(min(num_accepted + 1, num_drafted)):
             conditional[depth] += smoothing * ((depth < num_accepted) - conditional[depth])
-        if num_drafted and update_reach:
-            self.update_reach()
-
-    def update_reach(self) -> None:
-        self.reach = list(accumulate(self.conditional, mul))
 
 
 @dataclass
@@ -192,13 +187,11 @@ class DraftPolicy:
 
     def record(self, outcomes: Iterable[tuple[AcceptanceEstimate, int, int]]) -> None:
         """A step's verify outcomes (each row's request estimate, drafts, accepted drafts), in
-        row order: into each request's estimate and the prior (whose reach is brought up to
-        date once, after the step's rows: it is read only when a request starts)."""
+        row order: into each request's estimate and the prior."""
         smoothing, prior, prior_smoothing = self.smoothing, self.prior, self.prior_smoothing
         for estimate, num_drafted, num_accepted in outcomes:
             estimate.record(num_drafted, num_accepted, smoothing)
-            prior.record(num_drafted, num_accepted, prior_smoothing, update_reach=False)
-        prior.update_reach()
+            prior.record(num_drafted, num_accepted, prior_smoothing)
 
     def choose(self, estimates: Sequence[AcceptanceEstimate], rooms: Sequence[int], limit: int,
                num_sampled: int = 0) -> int:
@@ -213,7 +206,7 @@ class DraftPolicy:
         # gains[i]: expected tokens that depth i + 1 adds over the batch.
         gains = [0.0] * top
         for estimate, room in zip(estimates, rooms):
-            for i, reach in enumerate(estimate.reach[:min(room, top)]):
+            for i, reach in enumerate(accumulate(estimate.conditional[:min(room, top)], mul)):
                 gains[i] += reach
         num_rows = len(estimates)
         plain = num_rows / self.cost(num_rows, 0, num_sampled)

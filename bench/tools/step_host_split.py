@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import write_result  # noqa: E402
+from common import timed, write_result  # noqa: E402
 from deltaspec.engine import LLM, SamplingParams, core, cuda_graphs, decode_step, runner, scheduler  # noqa: E402
 from deltaspec.engine import speculation  # noqa: E402
 from deltaspec.server.acceptance_benchmark import device_name  # noqa: E402
@@ -54,14 +54,11 @@ class Timers:
         cuda_graphs.pack_rows = self._timed(cuda_graphs.pack_rows, "pack_rows")
 
     def _timed(self, function, label: str):
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                self.seconds[label] += time.perf_counter() - start
-                self.calls[label] += 1
-        return timed
+        def record(seconds: float) -> None:
+            self.seconds[label] += seconds
+            self.calls[label] += 1
+
+        return timed(function, record)
 
     def clear(self) -> None:
         self.seconds.clear()

@@ -54,7 +54,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import write_result  # noqa: E402
+from common import timed, write_result  # noqa: E402
 from deltaspec.engine import AsyncLLM, EngineConfig, SamplingParams  # noqa: E402
 from deltaspec.engine.async_llm import freeze_startup_heap, run  # noqa: E402
 from deltaspec.engine.runner import InFlight  # noqa: E402
@@ -150,18 +150,12 @@ class Trace:
             self._time(owner, name, label)
 
     def _time(self, owner, name: str, label: str) -> None:
-        function = getattr(owner, name)
+        def record(seconds: float) -> None:
+            if self.steps:
+                host = self.steps[-1].setdefault("host_ms", {})
+                host[label] = host.get(label, 0.0) + seconds * 1e3
 
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                if self.steps:
-                    host = self.steps[-1].setdefault("host_ms", {})
-                    host[label] = host.get(label, 0.0) + (time.perf_counter() - start) * 1e3
-
-        setattr(owner, name, timed)
+        setattr(owner, name, timed(getattr(owner, name), record))
 
 
 class SyncAudit:
