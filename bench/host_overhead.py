@@ -65,9 +65,6 @@ class FakeRunner:
         self.text_ids, self.speculative = text_ids, speculative
         self.random = random.Random(seed)
 
-    def can_launch(self, plan: StepPlan) -> bool:
-        return bool(plan.decode_rows) and not plan.prefill_rows and not plan.cached_rows
-
     def launch(self, plan: StepPlan) -> InFlight:
         output = self.run(plan)
         return InFlight(plan, lambda masks: lambda: output)

@@ -8,15 +8,16 @@
 `step()` is the three in a row. Both front ends (the sync `LLM` and `AsyncLLM`) drive this one
 object; `schedule()` and `run(plan)` remain for callers that drive plans themselves.
 
-Async scheduling (EngineConfig.async_scheduling): in steady decoding, `wait` launches
-step n+1 (Scheduler.continuation: its rows fed step n's tokens on the device) before it waits
-for step n's tokens, and returns that launched step in its StepResult; `commit`, on the
-caller's thread, keeps it as the next step to dispatch. So the host's scheduling, launching
-and committing hide behind the device's work instead of adding to it, speculative steps too
-(their outputs, acceptance included, stay on the device until read one step late). Whatever
-else a step needs (admissions, prefill chunks, aborts, log-probabilities) drains the pipeline:
-that step is scheduled after the one before it is committed. Pools are sized once at start-up from the
-memory budget. Knows nothing about asyncio or HTTP.
+Async scheduling (EngineConfig.async_scheduling): `wait` launches step n+1
+(Scheduler.continuation: its rows fed step n's tokens on the device, and the waiting requests
+admitted beside them) before it waits for step n's tokens, and returns that launched step in its
+StepResult; `commit`, on the caller's thread, keeps it as the next step to dispatch. So the
+host's scheduling, launching and committing hide behind the device's work instead of adding to
+it, speculative steps and admissions too (their outputs, acceptance and first tokens included,
+stay on the device until read one step late). What the continuation cannot plan (aborts,
+preemption, a prompt's next chunk) drains the pipeline: that step is scheduled after the one
+before it is committed, and launched with its own continuation. Pools are sized once at
+start-up from the memory budget. Knows nothing about asyncio or HTTP.
 """
 
 from __future__ import annotations
@@ -226,6 +227,7 @@ class EngineCore:
                                                    self.max_model_len, self.num_draft_tokens),
                                    self.slots, self.blocks, self.cache, policy)
         self._in_flight: InFlight | None = None  # launched by the last step's wait, next to dispatch
+        self._ahead: StepPlan | None = None  # planned by the dispatched step, to be launched by its wait
         self._back_to_back = False  # the step being dispatched was launched ahead
         self._last_commit: float | None = None  # when the last commit began
         self._last_commit_seconds = 0.0         # and how long it took
@@ -356,13 +358,13 @@ class EngineCore:
     def dispatch(self) -> Dispatched:
         """The next step: the one launched ahead by the last step's wait when there is one, else
         a freshly scheduled step. Scheduling happens here; launches and the wait happen in
-        `wait()`, which launches the continuation of a plain decode step before waiting for it
-        and returns it in the StepResult."""
+        `wait()`, which launches the step's continuation before waiting for it and returns it
+        in the StepResult."""
         self._dispatched_at = time.perf_counter()
         current = self._in_flight
         self._back_to_back = current is not None  # launched before the step before it was read
         plan = current.plan if current is not None else self.scheduler.schedule()
-        if current is None and not (self._overlap and self.runner.can_launch(plan)):
+        if current is None and not (self._overlap and plan.rows):
             def run(on_device: Callable[[], None] | None = None) -> StepResult:
                 if on_device is not None:
                     on_device()  # it launches and waits in one call: nothing to launch first
@@ -370,7 +372,7 @@ class EngineCore:
 
             return Dispatched(plan, run)
         planned = time.perf_counter()
-        follow = self.scheduler.continuation(plan) if self._overlap else None
+        follow = self._ahead = self.scheduler.continuation(plan) if self._overlap else None
         planned = time.perf_counter() - planned
 
         def wait(on_device: Callable[[], None] | None = None) -> StepResult:
@@ -392,7 +394,7 @@ class EngineCore:
         decode step that ran back to back with the one before reports what it cost to the
         draft policy (`_observe_cost`)."""
         start = time.perf_counter()
-        self._in_flight = result.launched
+        self._in_flight, self._ahead = result.launched, None
         ahead = result.launched.plan if result.launched is not None else None
         # The launched step's constrained rows' masks follow this step's tokens: computed in a
         # worker from the moment the grammars have taken them, while this thread commits the
@@ -419,10 +421,12 @@ class EngineCore:
         now, and its planning and launch, done one step earlier). With every step alike that
         changes nothing; a lone step of another K (a probe) is priced at its own host work, not
         at its neighbours' (on the shipped model a plain probe among speculative steps read about
-        40% dearer than plain steps run back to back, so the policy kept drafting)."""
+        40% dearer than plain steps run back to back, so the policy kept drafting). A step that
+        admits (prefill chunks, cached rows) is not a decode step's price."""
         end = time.perf_counter()
         policy = self.scheduler.draft_policy
-        if policy is not None and self._back_to_back and self._last_commit is not None:
+        if (policy is not None and self._back_to_back and self._last_commit is not None and plan.decode_rows
+                and not plan.prefill_rows and not plan.cached_rows):
             seconds = (start - self._last_commit - self._last_commit_seconds - self._ahead_host
                        + self._own_host + end - start)
             policy.observe(len(plan.decode_rows), max(r.num_draft_tokens for r in plan.decode_rows), seconds)
@@ -433,13 +437,16 @@ class EngineCore:
         """A step raised between dispatch and the end of its commit: its requests (the plan's
         rows not yet handed out as finished; every running request when scheduling itself
         raised, `plan` None) are finished without its tokens and their slots and blocks freed
-        (Scheduler.fail). The step launched ahead has the same rows and is forgotten. Returns
-        the failed requests' ids; the rest of the engine goes on."""
-        self._in_flight = None
+        (Scheduler.fail). The step planned ahead of it is forgotten, and its requests (those it
+        admitted too) fail with it. Returns the failed requests' ids; the rest of the engine
+        goes on."""
+        in_flight = self._in_flight.plan if self._in_flight is not None else None
+        plans = list({id(p): p for p in (plan, in_flight, self._ahead) if p is not None}.values())
+        self._in_flight = self._ahead = None
         self._last_commit = None  # the next step's wall time would include the failure
-        rows = [row.request for row in plan.rows] if plan is not None else list(self.scheduler.running)
+        rows = [row.request for p in plans for row in p.rows] if plan is not None else list(self.scheduler.running)
         failed = [r for r in dict.fromkeys(rows) if self.requests.get(r.request_id) is r]
-        self.scheduler.fail(plan, [r for r in failed if not r.finished])
+        self.scheduler.fail(plans, [r for r in failed if not r.finished])
         for request in failed:
             del self.requests[request.request_id]
         return [request.request_id for request in failed]

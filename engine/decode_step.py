@@ -22,8 +22,9 @@ by one block (every block_size tokens; with speculation the rows reach their blo
 different steps, so most steps have one), rides in the row's packed columns and the step's
 first stage writes it; any other (a slot's new request, growth by several blocks) is one small
 copy and one scatter before the step. A row may also be *fed* (`DecodeRow.fed_from`):
-it continues a row of the latest decode step, whose outputs that step left on the device
-(`emitted`, `accepted`, `last_positions`), and the step's first stage derives its newest token
+it continues a row of the latest step, whose outputs that step left on the device (`emitted`,
+`accepted`, `last_positions`: its decode rows', then the first tokens its prefill chunks and
+cached prompts drew, `record_first`), and the step's first stage derives its newest token
 (and with speculation its position and MTP catch-up) there, so a step can be launched before the
 host has seen the outputs of the step before it (async scheduling, core.py). A stage's whole
 batch metadata, fed rows included, is one kernel (`batch`: kernels/decode_metadata.py), and a
@@ -157,10 +158,11 @@ class DecodeStep:
         self.speculative = speculative
         # C: MTP positions caught up per step at most, those verified and accepted last step.
         self.catch_up = states.max_pending + 1 if speculative else 0
-        # The latest decode step's outputs by row, which the next step's fed rows read (`batch`):
-        # row r emitted emitted[:accepted[r] + 1, r] (drafts it accepted, then the target's
-        # token; the runner writes sampled rows' tokens here too) with its newest token at
-        # last_positions[r]. W = C rows: a row accepts at most k drafts. A plain engine keeps
+        # The latest step's outputs by row, which the next step's fed rows read (`batch`): its
+        # decode rows, then the rows that drew their first token (`record_first`). Row r emitted
+        # emitted[:accepted[r] + 1, r] (drafts it accepted, then the target's token; the runner
+        # writes sampled rows' tokens here too) with its newest token at last_positions[r].
+        # W = C rows: a row accepts at most k drafts. A plain engine keeps
         # only emitted[0] (its positions are known to the host, its accepted counts are 0).
         # nonfinite[r]: 1 where row r's logits held a NaN or an infinity (a numerical fault of
         # the model). All three are rows of one buffer, `outputs` [C + 2, max_rows], so that the
@@ -233,6 +235,17 @@ class DecodeStep:
             self.accepted[:num_rows] = accepted
             self.emitted[:emitted.shape[1], :num_rows] = emitted.T
         self.last_positions[:num_rows] = rows.positions
+
+    def record_first(self, start: int, tokens: torch.Tensor, logits: torch.Tensor, positions: torch.Tensor) -> None:
+        """Keep the first tokens [N] that rows of a step drew from logits [N, V] (prefill chunks
+        ending their prompt, cached prompts; at `positions` [N]) at output rows start..start + N,
+        after the step's decode rows, as rows that accepted nothing (the next step's fed rows
+        read them: `batch` with feed), with their non-finite flags."""
+        rows = slice(start, start + tokens.shape[0])
+        self.model.ops.greedy_argmax(logits, 1, nonfinite=self.nonfinite[rows])  # the flags (its argmax unused)
+        self.emitted[0, rows] = tokens
+        self.accepted[rows] = 0
+        self.last_positions[rows] = positions - 1
 
     def plain(self, rows: DecodeRows, sampled: bool = False,
               logits_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -109,7 +109,7 @@ def plan_for_workers(plan: StepPlan) -> StepPlan:
         return tuple(msgspec.structs.replace(r, request=RowRequest.of(r)) for r in scheduled)
 
     return dataclasses.replace(plan, decode_rows=rows(plan.decode_rows), prefill_rows=rows(plan.prefill_rows),
-                               cached_rows=rows(plan.cached_rows), pinned=())
+                               cached_rows=rows(plan.cached_rows), pinned=(), writes=())
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -284,9 +284,6 @@ class ParallelRunner:
 
     def __init__(self, runner, workers: Workers) -> None:
         self.runner, self.workers = runner, workers
-
-    def can_launch(self, plan: StepPlan) -> bool:
-        return self.runner.can_launch(plan)
 
     def launch(self, plan: StepPlan) -> InFlight:
         return self._call("launch", plan).checked(self.workers.check)

@@ -162,7 +162,8 @@ class PrefixCache:
         # Finished requests: (their checkpoint, all their tokens), for `save`.
         self._by_request: dict[str, tuple[Checkpoint, array]] = {}
         self._sessions: dict[int, Checkpoint] = {}         # handle id -> checkpoint
-        self._pending: list[Checkpoint] = []               # written by the step in flight
+        self._pending: list[Checkpoint] = []               # reserved, written by a step not yet committed
+        self._reserved: list[Checkpoint] = []              # reserved since the last `take_writes`
         self._num_held_slots = 0
         self._block_holds: dict[int, int] = {}             # GPU block -> checkpoints holding it
         self._ids = itertools.count(1)
@@ -225,22 +226,35 @@ class PrefixCache:
         checkpoint = Checkpoint(next(self._ids), key, mtp_position, True, slot, blocks, len(blocks))
         self._hold(checkpoint)
         self._pending.append(checkpoint)
+        self._reserved.append(checkpoint)
         return CheckpointWrite(position, slot, ends_tokens)
 
-    def register_writes(self) -> None:
-        """The step that wrote the reserved checkpoints ran: make them findable."""
-        for checkpoint in self._pending:
+    def take_writes(self) -> tuple[Checkpoint, ...]:
+        """The writes reserved since the last call: the step being planned writes them (its
+        StepPlan keeps them, and its commit registers or discards them; with async scheduling
+        the next step is planned, and reserves its own, before this one is committed)."""
+        writes, self._reserved = tuple(self._reserved), []
+        return writes
+
+    @property
+    def pending_writes(self) -> tuple[Checkpoint, ...]:
+        """Every write reserved and not yet registered or discarded."""
+        return tuple(self._pending)
+
+    def register_writes(self, writes: Sequence[Checkpoint]) -> None:
+        """The step that wrote these reserved checkpoints ran: make them findable."""
+        for checkpoint in writes:
+            self._pending.remove(checkpoint)
             if self._find(checkpoint.token_ids) is not None:
                 self._drop(checkpoint)  # two rows of one step wrote the same prefix
             else:
                 self._insert(checkpoint)
-        self._pending.clear()
 
-    def discard_writes(self) -> None:
-        """The step that was to write the reserved checkpoints failed: free what they hold."""
-        for checkpoint in self._pending:
+    def discard_writes(self, writes: Sequence[Checkpoint]) -> None:
+        """The step that was to write these reserved checkpoints failed: free what they hold."""
+        for checkpoint in writes:
+            self._pending.remove(checkpoint)
             self._drop(checkpoint)
-        self._pending.clear()
 
     def adopt(self, request_id: str, token_ids: Sequence[int], all_token_ids: Sequence[int], mtp_position: int,
               slot: int, blocks: Sequence[int]) -> bool:

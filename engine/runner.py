@@ -14,13 +14,14 @@ Around the forwards it executes the prefix cache's device work (checkpoint_io.py
 first, restores once the decode rows are queued, and after the forwards the checkpoints' tail
 blocks and the hidden states of the checkpoints the forward wrote.
 
-One host sync per step (the emitted tokens, with each row's flag for non-finite logits). A
-decode-only step can also be `launch`ed: its tokens go to the host by an asynchronous copy and
-the returned `InFlight` waits for them only when asked, so the engine can launch the next step
-first (its rows fed from the device, ScheduledRow.fed_from). Constrained rows of a launched step
-are decided later, by `InFlight.decide`, once the tokens their grammar masks follow are
-committed. Returns StepOutputs (step.py) and reads nothing of the scheduler beyond the plan it
-is handed. Knows nothing about queues or stop conditions.
+One host sync per step (the emitted tokens, with each row's flag for non-finite logits). A step
+is `launch`ed: its tokens (decode rows' and the first tokens of rows that end their prompt, side
+by side in DecodeStep.outputs) go to the host by one asynchronous copy and the returned
+`InFlight` waits for them only when asked, so the engine can launch the next step first (its
+rows fed from the device, ScheduledRow.fed_from). Constrained decode rows of a launched step are
+decided later, by `InFlight.decide`, once the tokens their grammar masks follow are committed.
+Returns StepOutputs (step.py) and reads nothing of the scheduler beyond the plan it is handed.
+Knows nothing about queues or stop conditions.
 """
 
 from __future__ import annotations
@@ -54,6 +55,23 @@ class _Redecision(NamedTuple):
     positions: torch.Tensor             # [R] where the drawn tokens go
     slots: torch.Tensor                 # [R]
     penalized: PenalizedRows | None     # the penalized ones among them
+
+
+class _Decoded(NamedTuple):
+    """A launched step's decode rows (Runner._launch_decode)."""
+
+    rows: tuple[ScheduledRow, ...]
+    logits: torch.Tensor                                # [B * width, V]
+    width: int                                          # positions a row: K + 1 (1: a plain step)
+    decide: Callable[[Future | None], None] | None      # draws the constrained rows (None: none)
+    prefetch: Callable[[], Future] | None               # starts computing their grammar masks
+
+
+class _First(NamedTuple):
+    """A launched step's rows drawing their request's first token (Runner._first_tokens)."""
+
+    rows: list[ScheduledRow]
+    logits: torch.Tensor  # [N, V]
 
 
 class InFlight:
@@ -146,27 +164,57 @@ class Runner:
         """The prefix cache's device work outside a step (clearing it: host drops)."""
         self.checkpoint_io.before_forward(ops)
 
-    def can_launch(self, plan: StepPlan) -> bool:
-        """Whether `launch` takes the plan: decode rows only."""
-        return bool(plan.decode_rows) and not plan.prefill_rows and not plan.cached_rows
-
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> InFlight:
-        """Launch a decode-only step (`can_launch`) without waiting for its outputs: a plain step
-        when no row drafts, else a speculative one. Its rows may be fed (ScheduledRow.fed_from)
-        from the step launched before it. Constrained rows are left to the InFlight: their
-        penalties are applied now; once the step before is committed the engine has their masks
-        computed in a worker (`InFlight.prefetch`, while this step's forward runs), and
-        `InFlight.decide` draws them. No other row waits for them. A step whose rows ask for
-        log-probabilities is read at `decide` (they need the logits before the next step
-        overwrites them), as is every step off the GPU (nothing runs asynchronously there)."""
-        self.checkpoint_io.before_forward(plan.cache_ops)
-        launched = self._launch_decode(plan, plan.decode_rows)
-        self.checkpoint_io.after_forward(plan.cache_ops)
-        return launched
+        """Queue a step on the device without waiting for its outputs. Its decode rows first,
+        through the decode stages (a CUDA graph when one fits): a plain step when no row
+        drafts, else a speculative one; a row may be fed (ScheduledRow.fed_from) from the step
+        launched before it. Its prefill chunks follow in their own forward (`_prefill`), cached
+        rows last; the rows that end their prompt draw their first token (`_first_tokens`),
+        kept beside the decode rows' outputs where the next step's fed rows read them. Decode
+        rows and prefill chunks are different sequences, so two forwards compute what one mixed
+        forward would; the decode rows skip the eager path's kernel launches, which for a small
+        model cost far more host time than the graph's second pass over the weights costs the
+        GPU. The prefix cache's offloads go first, its restores once the decode rows are queued
+        (they only write the new rows' slots and blocks: the device runs the decode rows while
+        the host works them out), before the prefill chunks that continue from them.
 
-    def _launch_decode(self, plan: StepPlan, rows: tuple[ScheduledRow, ...]) -> InFlight:
-        """`launch` without the prefix cache's device work."""
+        Constrained decode rows are left to the InFlight: their penalties are applied now; once
+        the step before is committed the engine has their masks computed in a worker
+        (`InFlight.prefetch`, while this step's forward runs), and `InFlight.decide` draws them.
+        No other row waits for them. A step whose rows ask for log-probabilities is read at
+        `decide` (they need the logits before the next step overwrites them), as is every step
+        off the GPU (nothing runs asynchronously there)."""
+        ops = plan.cache_ops
+        self.checkpoint_io.release(ops)
+        decoded = self._launch_decode(plan.decode_rows) if plan.decode_rows else None
+        self.checkpoint_io.restore(ops)
+        hidden = self._prefill(plan.prefill_rows) if plan.prefill_rows else None
+        self.checkpoint_io.after_forward(ops)
+        first = None
+        if plan.cached_rows:
+            # A fully cached prompt's first token comes from the hidden state its checkpoint kept
+            # for its last position (restored into the row's slot above).
+            kept = self.states.last_hidden[device_tensor([r.slot for r in plan.cached_rows], torch.int64, self.device)]
+            hidden = kept if hidden is None else torch.cat([hidden, kept])
+        if hidden is not None:
+            first = self._first_tokens(hidden, [r for r in plan.prefill_rows + plan.cached_rows if r.sample],
+                                       len(plan.decode_rows))
+
+        @torch.inference_mode()
+        def decide_and_hand_over(masks: Future | None) -> Callable[[], StepOutput]:
+            if decoded is not None and decoded.decide is not None:
+                decoded.decide(masks)
+            return self._hand_over(plan, decoded, first)
+
+        return InFlight(plan, decide_and_hand_over, decoded.prefetch if decoded is not None else None)
+
+    def run(self, plan: StepPlan) -> StepOutput:
+        """A step, waited for (`launch`, then its outputs)."""
+        return self.launch(plan).result()
+
+    def _launch_decode(self, rows: tuple[ScheduledRow, ...]) -> _Decoded:
+        """Queue the decode rows' step (`launch`); what decides its constrained rows is returned."""
         # Constrained by its parameters, not its matcher: a tensor-parallel worker's rows carry none.
         constrained = [i for i, r in enumerate(rows) if r.request.params.structured is not None]
         if any(r.num_draft_tokens for r in rows):
@@ -183,26 +231,15 @@ class Runner:
             width = 1
             decide = lambda masks: self._decide_plain(tokens, later, masks)  # noqa: E731
             prefetch = (lambda: self.sampler.prefetch_masks(later.rows)) if later else None
+        return _Decoded(rows, logits, width, decide if constrained else None, prefetch)
 
-        @torch.inference_mode()
-        def decide_and_hand_over(masks: Future | None) -> Callable[[], StepOutput]:
-            if constrained:
-                decide(masks)
-            return self._hand_over(rows, logits, width)
-
-        return InFlight(plan, decide_and_hand_over, prefetch)
-
-    def _hand_over(self, rows: tuple[ScheduledRow, ...], logits: torch.Tensor, width: int) -> Callable[[], StepOutput]:
-        """Start the copy of a launched step's outputs (tokens, accepted counts, non-finite flags)
-        to the host; returns what waits for them. Rows asking for log-probabilities, and steps
-        off the GPU, are read at once."""
-        speculative = width > 1
-        if self.device.type != "cuda" or any(r.request.params.logprobs is not None for r in rows):
-            emitted, logit_rows, num_pending, nonfinite = self.speculator.read(len(rows), width) if speculative else \
-                ([[t] for t in self.decode.emitted[0, :len(rows)].tolist()], [[i] for i in range(len(rows))], None,
-                 self.decode.nonfinite[:len(rows)].tolist())
-            output = StepOutput(emitted, logprobs=self.sampler.logprobs(logits, rows, logit_rows, emitted),
-                                num_pending=num_pending, nonfinite=flagged(nonfinite))
+    def _hand_over(self, plan: StepPlan, decoded: _Decoded | None, first: _First | None) -> Callable[[], StepOutput]:
+        """Start the copy of a launched step's outputs (decode rows' tokens, accepted counts and
+        non-finite flags, then the first tokens, all in DecodeStep.outputs) to the host; returns
+        what waits for them. Steps whose rows ask for log-probabilities, and steps off the GPU,
+        are read at once."""
+        if self.device.type != "cuda" or any(r.request.params.logprobs is not None for r in plan.rows):
+            output = self._read(plan, decoded, first, self.decode.outputs)
             return lambda: output
         host = self._host_outputs[self._launches % 2]
         self._launches += 1
@@ -210,19 +247,50 @@ class Runner:
         host.copy_(self.decode.outputs, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        num_rows, catch_up = len(rows), self.decode.emitted.shape[0]
 
         def read() -> StepOutput:
             done.synchronize()
-            emitted = host[:width, :num_rows].tolist()
-            nonfinite = flagged(host[catch_up + 1, :num_rows].tolist())
-            if not speculative:
-                return StepOutput([[t] for t in emitted[0]], nonfinite=nonfinite)
-            accepted = host[catch_up, :num_rows].tolist()
-            return StepOutput([[emitted[d][r] for d in range(a + 1)] for r, a in enumerate(accepted)],
-                              num_pending=accepted, nonfinite=nonfinite)
+            return self._read(plan, decoded, first, host)
 
         return read
+
+    def _read(self, plan: StepPlan, decoded: _Decoded | None, first: _First | None,
+              outputs: torch.Tensor) -> StepOutput:
+        """The step's StepOutput from `outputs` (DecodeStep.outputs or its host copy: W rows of
+        emitted tokens, the accepted counts, the non-finite flags; decode rows first, then the
+        rows that drew a first token), with the log-probabilities asked for."""
+        num_decode, width = len(plan.decode_rows), self.decode.emitted.shape[0]
+        num_first = len(first.rows) if first is not None else 0
+        table = outputs[:, :num_decode + num_first].tolist()  # one read
+        tokens, accepted, nonfinite = table[:width], table[width], table[width + 1]
+        speculative = decoded is not None and decoded.width > 1
+        if speculative:
+            emitted = [[tokens[d][r] for d in range(accepted[r] + 1)] for r in range(num_decode)]
+            logit_rows = [list(range(r * decoded.width, r * decoded.width + len(t))) for r, t in enumerate(emitted)]
+        else:
+            emitted = [[t] for t in tokens[0][:num_decode]]
+            logit_rows = [[r] for r in range(num_decode)]
+        drawn = [[t] for t in tokens[0][num_decode:num_decode + num_first]]
+        decode_logprobs = self.sampler.logprobs(decoded.logits, decoded.rows, logit_rows, emitted) if decoded else None
+        first_logprobs = self.sampler.logprobs(first.logits, first.rows, [[i] for i in range(num_first)], drawn) \
+            if first else None
+        # The first tokens spread over the prefill and cached rows, to those that drew one.
+        rest = plan.prefill_rows + plan.cached_rows
+        order = iter(range(num_first))
+        index = [next(order) if r.sample else None for r in rest]
+
+        def spread(values: list, empty) -> list:
+            return [values[i] if i is not None else empty for i in index]
+
+        logprobs = None
+        if decode_logprobs is not None or first_logprobs is not None:
+            logprobs = (decode_logprobs or [None] * num_decode) + \
+                (spread(first_logprobs, None) if first_logprobs is not None else [None] * len(rest))
+        num_pending = None
+        if speculative or rest:
+            num_pending = (accepted[:num_decode] if speculative else [0] * num_decode) + [0] * len(rest)
+        return StepOutput(emitted + spread(drawn, []), logprobs, num_pending,
+                          flagged(nonfinite[:num_decode] + spread(nonfinite[num_decode:num_decode + num_first], 0)))
 
     def _launch_plain(self, rows: tuple[ScheduledRow, ...]) -> tuple[DecodeRows, torch.Tensor, torch.Tensor]:
         """Queue a plain decode step, a sampled one when a row is plainly sampled. Returns its
@@ -267,37 +335,11 @@ class Runner:
             tokens[index] = drawn
         self.sampler.penalties.record(redecision.penalized, drawn[:, None])
 
-    @torch.inference_mode()
-    def run(self, plan: StepPlan) -> StepOutput:
-        """A step, waited for. Its decode rows are queued first through the decode stages, as a
-        launched step's (a CUDA graph when one fits; they draft as in any decode step), its
-        prefill chunks follow in their own eager forward, cached rows last. Decode rows and
-        prefill chunks are different sequences, so two forwards compute what one mixed forward
-        would; the decode rows skip the eager path's kernel launches, which for a small model cost
-        far more host time than the graph's second pass over the weights costs the GPU. All of
-        it is queued before anything is read back, so the host waits for the device once (each
-        part's reader copies its outputs to the host after that). The prefix cache's restores
-        are queued after the decode rows, before the prefill chunks that continue from them."""
-        if self.can_launch(plan):
-            return self.launch(plan).result()
-        self.checkpoint_io.release(plan.cache_ops)
-        decoded = self._launch_decode(plan, plan.decode_rows) if plan.decode_rows else None
-        # The restores only write the new rows' slots and blocks: queued after the decode rows,
-        # the device runs those while the host works the restores out.
-        self.checkpoint_io.restore(plan.cache_ops)
-        prefilled = self._prefill(plan.prefill_rows) if plan.prefill_rows else None
-        self.checkpoint_io.after_forward(plan.cache_ops)
-        cached = self._run_cached(plan.cached_rows) if plan.cached_rows else None
-        output = decoded.result() if decoded is not None else StepOutput([])
-        for read in (prefilled, cached):
-            if read is not None:
-                output = output.then(read())
-        return output
-
-    def _prefill(self, rows: tuple[ScheduledRow, ...]) -> Callable[[], StepOutput]:
-        """One forward over prefill chunks (a graph replay where one fits, else eager); the rows
-        that end their prompt sample their first token. With speculation the MTP runs over the
-        chunks too (Speculator.prefill_mtp). Queues it all; returns what reads the outputs."""
+    def _prefill(self, rows: tuple[ScheduledRow, ...]) -> torch.Tensor | None:
+        """One forward over prefill chunks (a graph replay where one fits, else eager); with
+        speculation the MTP runs over the chunks too (Speculator.prefill_mtp). Queues it all;
+        returns the hidden states of the rows that end their prompt [S, H] (in row order),
+        whose logits give their first token, or None when none does."""
         forward_rows = [r.forward_row() for r in rows]
         replayed = self.prefill_graphs.run(forward_rows) if self.prefill_graphs is not None else None
         if replayed is not None:
@@ -308,50 +350,19 @@ class Runner:
         self.checkpoint_io.keep_hidden(batch, hidden)
         if self.speculator is not None:
             self.speculator.prefill_mtp(hidden, batch, rows, self.mtp_prefill_graphs)
-        sampling = [r for r in rows if r.sample]
-        if not sampling:
-            return lambda: StepOutput([[] for _ in rows])
-        # Sampling rows' logits are in row order: logits row j belongs to the j-th sampling row.
-        read_first = self._first_tokens(self.model.compute_logits(hidden[batch.logits_indices]), sampling)
-        picked = iter(range(len(sampling)))
-        index = [next(picked) if r.sample else None for r in rows]
+        return hidden[batch.logits_indices] if any(r.sample for r in rows) else None
 
-        def read() -> StepOutput:
-            first = read_first()
-
-            def spread(values: list | None, empty) -> list | None:
-                return None if values is None else [values[i] if i is not None else empty for i in index]
-
-            return StepOutput(spread(first.emitted, []), spread(first.logprobs, None),
-                              nonfinite=spread(first.nonfinite, False))
-
-        return read
-
-    def _run_cached(self, rows: tuple[ScheduledRow, ...]) -> Callable[[], StepOutput]:
-        """Fully cached prompts: the first token's logits from the hidden state the checkpoint
-        kept for its last position (restored into the row's slot before the forward). Queues
-        the draw; returns what reads it."""
-        slots = device_tensor([r.slot for r in rows], torch.int64, self.device)
-        return self._first_tokens(self.model.compute_logits(self.states.last_hidden[slots]), rows)
-
-    def _first_tokens(self, logits: torch.Tensor, rows: Sequence[ScheduledRow]) -> Callable[[], StepOutput]:
-        """The first token of rows whose prompt is now computed, from logits [N, V] (row i's in
-        row i): their slots' sampling parameters and penalty statistics written (`Sampler.start`)
-        and the draw and non-finite flags queued now; the returned reader copies them to the
-        host (one copy) and adds the log-probabilities."""
+    def _first_tokens(self, hidden: torch.Tensor, rows: Sequence[ScheduledRow], start: int) -> _First:
+        """The first token of rows whose prompt is now computed, from their last hidden states
+        [N, H] (row i's in row i): their slots' sampling parameters and penalty statistics
+        written (`Sampler.start`), the draw queued and kept with the non-finite flags at the
+        step's output rows start.. (DecodeStep.record_first), where the next step's fed rows
+        and the host read them."""
+        logits = self.model.compute_logits(hidden)
         self.sampler.start(rows)
-        tokens = self.sampler.sample(logits, rows)
-        _, nonfinite = self.model.ops.greedy_argmax(logits, 1)  # the flags (its argmax unused)
-        drawn = torch.stack([tokens, nonfinite])
-
-        def read() -> StepOutput:
-            host_tokens, host_nonfinite = drawn.tolist()  # one copy to the host
-            emitted = [[t] for t in host_tokens]
-            logprobs = self.sampler.logprobs(logits, rows, [[i] for i in range(len(rows))], emitted)
-            return StepOutput(emitted, logprobs=logprobs, num_pending=[0] * len(rows),
-                              nonfinite=flagged(host_nonfinite))
-
-        return read
+        positions = device_tensor([r.start_position + r.num_tokens for r in rows], torch.int64, self.device)
+        self.decode.record_first(start, self.sampler.sample(logits, rows, positions), logits, positions)
+        return _First(rows, logits)
 
     @torch.inference_mode()
     def score(self, sequences: list[list[int]]) -> list[torch.Tensor]:

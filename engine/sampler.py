@@ -56,12 +56,14 @@ class Sampler:
         self.table.start(rows)
         self.penalties.start(rows)
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[ScheduledRow]) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, rows: Sequence[ScheduledRow],
+               positions: torch.Tensor | None = None) -> torch.Tensor:
         """The next token of each row [N] int64, on the device, from logits [N, V], added to the
         penalty statistics: penalized rows' logits adjusted first (penalties.py), greedy rows'
-        too, then `draw`. A seeded draw depends only on (seed, position)."""
+        too, then `draw` (positions: as `draw` takes them). A seeded draw depends only on
+        (seed, position)."""
         penalized = self.penalties.select(rows)
-        tokens = self.draw(self.penalties.adjust(logits, penalized), rows, owned=penalized is not None)
+        tokens = self.draw(self.penalties.adjust(logits, penalized), rows, positions, owned=penalized is not None)
         self.penalties.record(penalized, tokens[:, None])
         return tokens
 

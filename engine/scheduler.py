@@ -19,14 +19,18 @@ draft policy chooses from measured step costs and the rows' acceptance (spec/ada
 `commit` folds the step's tokens back in, counts speculation, and finishes requests; a finished
 request's slot and blocks become the checkpoint of its committed state.
 
-`continuation` plans the step after a decode step whose tokens are not known yet (async
-scheduling): the same requests, each fed from its row of that step on the device (its newest
-token, and with speculation its position and MTP catch-up, follow from what that row emits).
-Only when nothing else is to be done: no request to admit or prefill, no abort, no preemption.
-A request that the step in flight may finish with "length" is left out (that is known in
-advance); one it finishes with "stop" has been fed its last token when the step is committed,
-so its kept checkpoint covers every token it has (or, when the step emitted tokens past the
-stop, nothing is kept: its state went past them).
+`continuation` plans the step after a step whose tokens are not known yet (async scheduling):
+the same requests, each fed from its row of that step on the device (its newest token, and with
+speculation its position and MTP catch-up, follow from what that row emits: the tokens a decode
+row emits, or the first token of a prefill row that ends its prompt), and the waiting requests
+admitted after them as `schedule` admits them. Only when the rest can wait a step: no abort, no
+preemption, no prompt mid-way (its next chunk starts where the step in flight ends), no cached
+row in the step in flight (its MTP may be a position behind). A request that the step in flight
+may finish with "length" is left out (that is known in advance); one it finishes with "stop" has
+been fed its last token when the step is committed, so its kept checkpoint covers every token it
+has (or, when the step emitted tokens past the stop, nothing is kept: its state went past them).
+The checkpoints a step's prefill chunks write are its own (StepPlan.writes): the step planned
+ahead reserves its writes before the one in flight registers its own.
 When slots or KV blocks run short, cached checkpoints are evicted before anything is preempted.
 """
 
@@ -34,7 +38,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from ..kernels.gdn_chunked import CHUNK_SIZE
 from ..spec import DraftPolicy, SpecStats
@@ -164,6 +168,11 @@ class Scheduler:
             prefill_rows.append(self._prefill_row(request, chunk))
             scheduled.add(id(request))
             budget -= chunk
+        return self._plan(decode_rows, prefill_rows, budget)
+
+    def _plan(self, decode_rows: list[ScheduledRow], prefill_rows: list[ScheduledRow], budget: int) -> StepPlan:
+        """The step of these rows, with the waiting requests admitted FIFO after them while a
+        slot, max_num_seqs, the token budget left and KV blocks allow (never by preempting)."""
         cached_rows: list[ScheduledRow] = []
         pinned: list[Checkpoint] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -176,36 +185,42 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.add(id(request))
             if chunk == 0:
                 cached_rows.append(self._row(request, 0))
             else:
                 prefill_rows.append(self._prefill_row(request, chunk))
                 budget -= chunk
         return StepPlan(tuple(decode_rows), tuple(prefill_rows), tuple(cached_rows), self.cache.take_ops(),
-                        tuple(pinned))
+                        tuple(pinned), self.cache.take_writes())
 
     def continuation(self, plan: StepPlan) -> StepPlan | None:
-        """The next step of `plan`, a decode step still in flight, or None when the next step
-        needs `schedule` (see the module docstring). Each row is fed from the request's row of
-        `plan`: `plan` feeds the newest token, at position num_tokens - 1, and emits 1 .. k + 1
-        tokens, so the fed row's newest token sits between num_tokens and num_tokens + k (the
-        device knows where: DecodeStep.feed); its start_position is that furthest place."""
-        if (self._abort_requested or plan.prefill_rows or plan.cached_rows
-                or (self.waiting and len(self.running) < self.config.max_num_seqs)):
+        """The next step of `plan`, a step still in flight, or None when the next step needs
+        `schedule` (see the module docstring). Each of its requests is fed from its row of
+        `plan`: a decode row feeds the newest token, at position num_tokens - 1, and emits 1 ..
+        k + 1 tokens, so the fed row's newest token sits between num_tokens and num_tokens + k
+        (the device knows where: DecodeStep.feed); a prefill row ending its prompt emits the
+        first token, at num_tokens. The fed row's start_position is that furthest place. Waiting
+        requests are admitted after them as `schedule` admits them (`_plan`)."""
+        if self._abort_requested or plan.cached_rows:
             return None
         running = RequestStatus.RUNNING
         capacity = self.blocks.block_size
         in_plan = 0
         fed = []
-        for index, row in enumerate(plan.decode_rows):
+        # Output rows: a prefill row that samples emits its first token at the step's output row
+        # len(decode_rows) + its place among them (runner.py).
+        sources = [(index, row, row.num_draft_tokens + 1) for index, row in enumerate(plan.decode_rows)]
+        sources += [(len(plan.decode_rows) + j, row, 1) for j, row in enumerate(plan.prefill_rows)]
+        for index, row, most in sources:
             request = row.request
             if request.paused:
                 return None  # paused since `plan` was scheduled
             if request.status is not running:
                 continue  # finished by the step before `plan`: its row there is discarded
+            if not row.sample:
+                return None  # a prompt mid-way: its next chunk starts where `plan` leaves it
             in_plan += 1
-            furthest = request.num_tokens + row.num_draft_tokens
+            furthest = request.num_tokens + most - 1
             if furthest + 1 >= request.max_num_tokens:
                 continue  # `plan` may give it its last token
             # Blocks for the furthest newest position and the K positions after it. (Most rows
@@ -213,17 +228,17 @@ class Scheduler:
             needed = furthest + 1 + self.config.max_draft_tokens
             if needed > len(request.block_table) * capacity and not self._reserve_blocks(request, needed, scheduled=None):
                 return None  # preemption is `schedule`'s business
-            fed.append((index, request, furthest, row.num_draft_tokens))
+            fed.append((index, request, furthest, most))
         if not fed or in_plan != len(self.running):
             return None  # nothing left to decode, or a running request needs a prefill chunk
         # Room as if `plan` emitted its most tokens (the least room it can leave).
-        rooms = [self._draft_room_of(request, ahead=k + 1) for _, request, _, k in fed]
-        num_drafts = self._choose_drafts([request for _, request, _, _ in fed], rooms,
-                                         self.config.max_num_batched_tokens // len(fed) - 1)
-        rows = tuple(ScheduledRow(request, [], furthest, request.slot, request.block_table, True,
-                                  min(num_drafts, room), fed_from=index)
-                     for (index, request, furthest, _), room in zip(fed, rooms))
-        return StepPlan(rows, (), (), self.cache.take_ops())
+        rooms = [self._draft_room_of(request, ahead=most) for _, request, _, most in fed]
+        budget = self.config.max_num_batched_tokens
+        num_drafts = self._choose_drafts([request for _, request, _, _ in fed], rooms, budget // len(fed) - 1)
+        rows = [ScheduledRow(request, [], furthest, request.slot, request.block_table, True, min(num_drafts, room),
+                             fed_from=index)
+                for (index, request, furthest, _), room in zip(fed, rooms)]
+        return self._plan(rows, [], budget - len(rows) * (1 + num_drafts))
 
     def commit(self, plan: StepPlan, output: StepOutput, ahead: StepPlan | None = None,
                advanced: Callable[[], None] | None = None) -> list[Request]:
@@ -238,9 +253,9 @@ class Scheduler:
         of the step's checkpoints kept (a prefill row's would hold the broken state)."""
         nonfinite = output.nonfinite
         if nonfinite is None:
-            self.cache.register_writes()
+            self.cache.register_writes(plan.writes)
         else:
-            self.cache.discard_writes()
+            self.cache.discard_writes(plan.writes)
         # Aborts take effect here too: a request aborted while this step ran gets none of its
         # tokens, as if it had been released before the step (the next step may be in flight).
         self._release_aborted()
@@ -475,15 +490,16 @@ class Scheduler:
             self.blocks.free(request.block_table[keep:])
             request.slot, request.block_table = None, ()
 
-    def fail(self, plan: StepPlan | None, requests: list[Request]) -> None:
-        """A step raised: `requests` (its rows) finish without its tokens and free their slots
-        and blocks, and its pins are released. The step may have written part of any state it
-        touched, so the checkpoints it was writing are dropped and so is every unpinned cached
-        one (a request finished one step ahead handed over a slot the failed step was feeding)."""
-        if plan is not None:
+    def fail(self, plans: Sequence[StepPlan], requests: list[Request]) -> None:
+        """A step raised: `requests` (the rows of `plans`: the step and the one launched after
+        it, which is forgotten) finish without its tokens and free their slots and blocks, and
+        the plans' pins are released. The step may have written part of any state it touched,
+        so every checkpoint being written is dropped and so is every unpinned cached one (a
+        request finished one step ahead handed over a slot the failed step was feeding)."""
+        for plan in plans:
             for checkpoint in plan.pinned:
                 self.cache.unpin(checkpoint)
-        self.cache.discard_writes()
+        self.cache.discard_writes(self.cache.pending_writes)
         for request in requests:
             self._drop(request)
         self.cache.clear()

@@ -84,6 +84,7 @@ class StepPlan:
     cached_rows: tuple[ScheduledRow, ...] = ()
     cache_ops: CacheOps = CacheOps()
     pinned: tuple[Checkpoint, ...] = ()  # checkpoints this step restores (unpinned at commit)
+    writes: tuple[Checkpoint, ...] = ()  # checkpoints its prefill chunks write (registered at commit)
 
     @property
     def rows(self) -> tuple[ScheduledRow, ...]:

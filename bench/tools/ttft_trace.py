@@ -132,7 +132,7 @@ class Trace:
         runner = core.runner
         parts = [(core.scheduler, "schedule"), (core.scheduler, "continuation"), (core.scheduler, "commit"),
                  (runner, "run"), (runner, "launch"), (runner, "_launch_decode"), (runner, "_prefill"),
-                 (runner, "_first_tokens"), (runner, "_run_cached"), (runner.checkpoint_io, "release"),
+                 (runner, "_first_tokens"), (runner, "_read"), (runner.checkpoint_io, "release"),
                  (runner.checkpoint_io, "restore"), (runner.checkpoint_io, "after_forward"),
                  (runner.checkpoint_io, "keep_hidden"), (runner.sampler, "start"), (runner.sampler, "sample"),
                  (runner.model, "compute_logits"), (engine, "_hand_out")]

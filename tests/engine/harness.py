@@ -71,14 +71,22 @@ def run_staggered(core: EngineCore, jobs: list[Job]) -> dict[int, object]:
 
 class LaunchCounter:
     """Counts the steps the runner launched with fed rows (continuations: launched before the
-    step they follow was read)."""
+    step they follow was read), those of them that admit requests too (prefill chunks or
+    cached rows beside the fed rows), and the fed rows whose token is the first token a prefill
+    row of the step before drew."""
 
     def __init__(self, core: EngineCore) -> None:
-        self.fed_steps = 0
+        self.fed_steps = self.admitting_fed_steps = self.fed_first_tokens = 0
         launch = core.runner.launch
+        before = []
 
         def counting(plan):
-            self.fed_steps += any(row.fed_from is not None for row in plan.decode_rows)
+            fed = [row.fed_from for row in plan.decode_rows if row.fed_from is not None]
+            self.fed_steps += bool(fed)
+            self.admitting_fed_steps += bool(fed) and bool(plan.prefill_rows or plan.cached_rows)
+            if fed and before:
+                self.fed_first_tokens += sum(source >= len(before[-1].decode_rows) for source in fed)
+            before[:] = [plan]
             return launch(plan)
 
         core.runner.launch = counting

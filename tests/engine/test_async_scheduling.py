@@ -1,9 +1,11 @@
-"""Async scheduling (EngineCore.dispatch + Scheduler.continuation): in steady plain decoding,
-step n+1 is launched before step n's tokens reach the host, its rows fed those tokens on the
-device. Output must be exactly what the step-by-step engine produces: with requests that stop
-on stop tokens (an unpredictable finish while the next step is already in flight), max_tokens
-finishes, staggered arrivals, aborts, seeded sampling and log-probabilities. A request that
-stops while its next step is in flight keeps a checkpoint of every token it has."""
+"""Async scheduling (EngineCore.dispatch + Scheduler.continuation): step n+1 is launched before
+step n's tokens reach the host, its rows fed those tokens on the device (a decode row's, or the
+first token of a prompt step n finished), with the requests waiting admitted beside them.
+Output must be exactly what the step-by-step engine produces: with requests that stop on stop
+tokens (an unpredictable finish while the next step is already in flight), max_tokens
+finishes, staggered arrivals, aborts, seeded sampling, log-probabilities and prefix-cache
+restores. A request that stops while its next step is in flight keeps a checkpoint of every
+token it has."""
 
 import random
 import statistics
@@ -54,6 +56,10 @@ def test_async_scheduling_matches_step_by_step(family, checkpoint, n):
         assert counter.fed_steps == 0 or async_scheduling
         if async_scheduling and max(len(r.output_token_ids) for r in results[True].values()) > 8:
             assert counter.fed_steps > 0
+        if async_scheduling and n > 2:
+            # Requests arriving while others decode are admitted by a step launched ahead, and
+            # the step after it is fed their first tokens.
+            assert counter.admitting_fed_steps > 0 and counter.fed_first_tokens > 0
     for i in range(n):
         ours, reference = results[True][i], results[False][i]
         assert (ours.output_token_ids, ours.finish_reason, ours.text) == \
@@ -117,10 +123,52 @@ def test_a_request_stopped_in_flight_keeps_every_token(checkpoint):
     assert_idle(cached.stats())
 
 
+def test_admissions_launched_ahead_restore_cached_prefixes(checkpoint):
+    """Chat turns that arrive while another request decodes are admitted by a step launched
+    ahead of the one in flight, restoring the previous turn's checkpoint (kept when that turn
+    finished), and the step after it is fed their first token: the answers, greedy and seeded
+    samples, equal an engine's without a cache or async scheduling."""
+    path = checkpoint("qwen3_5")
+    rng = random.Random(7)
+    cached = EngineCore(EngineConfig(model=path, **OPTIONS))
+    plain = EngineCore(EngineConfig(model=path, enable_prefix_cache=False, async_scheduling=False, **OPTIONS))
+    counter = LaunchCounter(cached)
+    background = [rng.randrange(VOCAB) for _ in range(40)]
+    for core in (cached, plain):
+        core.add_request(background, SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+        core.step()
+    conversation = [rng.randrange(VOCAB) for _ in range(70)]
+    for turn in range(4):
+        params = SamplingParams(max_tokens=rng.randint(2, 12), temperature=0.7 * (turn % 2), seed=turn,
+                                ignore_eos=True)
+        answers = []
+        for core in (cached, plain):
+            reused_before = core.stats()["prefix_cache"]["reused_tokens"]
+            request = core.add_request(conversation, params)
+            while not request.finished:
+                core.step()
+            answers.append(request.output_token_ids)
+            if core is cached and turn:
+                # At least the previous turn's prompt (its finished answer's last token was
+                # never fed: a "length" finish keeps the state before it).
+                assert core.stats()["prefix_cache"]["reused_tokens"] - reused_before >= len(previous)
+        assert answers[0] == answers[1]
+        previous = conversation
+        conversation = previous + answers[0] + [rng.randrange(VOCAB) for _ in range(rng.randint(3, 20))]
+    assert counter.admitting_fed_steps >= 4 and counter.fed_first_tokens >= 4
+    for core in (cached, plain):
+        assert core.has_work  # the background request was decoding throughout
+        for request_id in list(core.requests):
+            core.abort(request_id)
+        while core.has_work:
+            core.step()
+        assert_idle(core.stats())
+
+
 def test_wait_tells_once_the_step_and_the_one_ahead_are_launched(checkpoint):
     """Dispatched.wait(on_device) calls on_device once, before it reads the step's tokens and
-    after launching the step launched ahead (AsyncLLM hands the last step's deltas out then);
-    a step that launches and waits in one call (a prefill) tells first."""
+    after launching the step launched ahead (AsyncLLM hands the last step's deltas out then),
+    the prefill too: it launches the first decode step, fed its first token, before it reads."""
     core = EngineCore(EngineConfig(model=checkpoint("qwen3_5"), **OPTIONS))
     events, launch = [], core.runner.launch
 
@@ -144,10 +192,10 @@ def test_wait_tells_once_the_step_and_the_one_ahead_are_launched(checkpoint):
         step = core.dispatch()
         core.commit(step.plan, step.wait(lambda: events.append("told")))
         kinds.append(tuple(events))
-    assert kinds[0] == ("told",)  # the prefill launches and waits in one call: it tells first
-    # Every decode step tells after its launches, before it reads; the first also launches the
-    # step after it, and later ones were launched by the step before (only the next is launched).
-    assert all(kind[-2:] == ("told", "read") for kind in kinds[1:])
+    assert kinds[0] == ("launch", "launch", "told", "read")  # the prefill and the step after it
+    # Every step tells after its launches, before it reads; later ones were launched by the step
+    # before (only the next is launched).
+    assert all(kind[-2:] == ("told", "read") for kind in kinds)
     assert ("launch", "launch", "told", "read") in kinds and ("launch", "told", "read") in kinds
 
 
@@ -160,11 +208,8 @@ class _TimedRunner:
     def __init__(self) -> None:
         self.random = random.Random(0)
 
-    def can_launch(self, plan) -> bool:
-        return bool(plan.decode_rows) and not plan.prefill_rows and not plan.cached_rows
-
     def launch(self, plan) -> InFlight:
-        time.sleep(self.LAUNCH_SECONDS[max(r.num_draft_tokens for r in plan.decode_rows)])
+        time.sleep(self.LAUNCH_SECONDS[max((r.num_draft_tokens for r in plan.decode_rows), default=0)])
         output = self.run(plan)
         return InFlight(plan, lambda masks: lambda: output)
 

@@ -159,9 +159,9 @@ def test_sampled_graphs_match_eager_and_redecision(gpu_checkpoint, k, forced):
     per_step = []
     launch = core.runner._launch_decode
 
-    def launch_counted(plan, rows):
+    def launch_counted(rows):
         before = sum(map(len, replays))
-        launched = launch(plan, rows)
+        launched = launch(rows)
         per_step.append(sum(map(len, replays)) - before)
         return launched
 
