@@ -250,47 +250,55 @@ class Runner:
 
         def read() -> StepOutput:
             done.synchronize()
-            return self._read(plan, decoded, first, host)
+            return self._read(plan, decoded, first, host, logprobs=False)
 
         return read
 
-    def _read(self, plan: StepPlan, decoded: _Decoded | None, first: _First | None,
-              outputs: torch.Tensor) -> StepOutput:
+    def _read(self, plan: StepPlan, decoded: _Decoded | None, first: _First | None, outputs: torch.Tensor,
+              logprobs: bool = True) -> StepOutput:
         """The step's StepOutput from `outputs` (DecodeStep.outputs or its host copy: W rows of
         emitted tokens, the accepted counts, the non-finite flags; decode rows first, then the
-        rows that drew a first token), with the log-probabilities asked for."""
+        rows that drew a first token); logprobs: with the log-probabilities rows ask for."""
         num_decode, width = len(plan.decode_rows), self.decode.emitted.shape[0]
         num_first = len(first.rows) if first is not None else 0
         table = outputs[:, :num_decode + num_first].tolist()  # one read
-        tokens, accepted, nonfinite = table[:width], table[width], table[width + 1]
+        tokens, accepted, nonfinite = table[0], table[width], table[width + 1]
         speculative = decoded is not None and decoded.width > 1
         if speculative:
-            emitted = [[tokens[d][r] for d in range(accepted[r] + 1)] for r in range(num_decode)]
-            logit_rows = [list(range(r * decoded.width, r * decoded.width + len(t))) for r, t in enumerate(emitted)]
+            emitted = [[table[d][r] for d in range(accepted[r] + 1)] for r in range(num_decode)]
+            num_pending = accepted[:num_decode]
         else:
-            emitted = [[t] for t in tokens[0][:num_decode]]
-            logit_rows = [[r] for r in range(num_decode)]
-        drawn = [[t] for t in tokens[0][num_decode:num_decode + num_first]]
-        decode_logprobs = self.sampler.logprobs(decoded.logits, decoded.rows, logit_rows, emitted) if decoded else None
-        first_logprobs = self.sampler.logprobs(first.logits, first.rows, [[i] for i in range(num_first)], drawn) \
-            if first else None
-        # The first tokens spread over the prefill and cached rows, to those that drew one.
+            emitted, num_pending = [[t] for t in tokens[:num_decode]], None
+        flags = nonfinite[:num_decode]
         rest = plan.prefill_rows + plan.cached_rows
-        order = iter(range(num_first))
-        index = [next(order) if r.sample else None for r in rest]
+        if rest:
+            # Output rows num_decode.. hold the first tokens of the rows that drew one, in order.
+            drawn = iter(range(num_decode, num_decode + num_first))
+            places = [next(drawn) if r.sample else None for r in rest]
+            emitted += [[tokens[i]] if i is not None else [] for i in places]
+            flags += [nonfinite[i] if i is not None else 0 for i in places]
+            num_pending = (num_pending or [0] * num_decode) + [0] * len(rest)
+        return StepOutput(emitted, self._logprobs(plan, decoded, first, emitted) if logprobs else None,
+                          num_pending, flagged(flags))
 
-        def spread(values: list, empty) -> list:
-            return [values[i] if i is not None else empty for i in index]
-
-        logprobs = None
-        if decode_logprobs is not None or first_logprobs is not None:
-            logprobs = (decode_logprobs or [None] * num_decode) + \
-                (spread(first_logprobs, None) if first_logprobs is not None else [None] * len(rest))
-        num_pending = None
-        if speculative or rest:
-            num_pending = (accepted[:num_decode] if speculative else [0] * num_decode) + [0] * len(rest)
-        return StepOutput(emitted + spread(drawn, []), logprobs, num_pending,
-                          flagged(nonfinite[:num_decode] + spread(nonfinite[num_decode:num_decode + num_first], 0)))
+    def _logprobs(self, plan: StepPlan, decoded: _Decoded | None, first: _First | None,
+                  emitted: list[list[int]]) -> list | None:
+        """Per plan row, the log-probabilities of its emitted tokens where its request asks for
+        them (decode rows scored by their verify logits, first tokens by theirs); None: none."""
+        num_decode = len(plan.decode_rows)
+        result: list = [None] * len(emitted)
+        if decoded is not None:
+            w = decoded.width
+            logit_rows = [list(range(r * w, r * w + len(t))) for r, t in enumerate(emitted[:num_decode])]
+            result[:num_decode] = self.sampler.logprobs(decoded.logits, decoded.rows, logit_rows,
+                                                        emitted[:num_decode]) or [None] * num_decode
+        if first is not None:
+            places = [i for i, r in enumerate(plan.prefill_rows + plan.cached_rows, num_decode) if r.sample]
+            scored = self.sampler.logprobs(first.logits, first.rows, [[j] for j in range(len(places))],
+                                           [emitted[i] for i in places])
+            for i, entry in zip(places, scored or ()):
+                result[i] = entry
+        return result if any(entry is not None for entry in result) else None
 
     def _launch_plain(self, rows: tuple[ScheduledRow, ...]) -> tuple[DecodeRows, torch.Tensor, torch.Tensor]:
         """Queue a plain decode step, a sampled one when a row is plainly sampled. Returns its

@@ -207,11 +207,9 @@ class Scheduler:
         capacity = self.blocks.block_size
         in_plan = 0
         fed = []
-        # Output rows: a prefill row that samples emits its first token at the step's output row
-        # len(decode_rows) + its place among them (runner.py).
-        sources = [(index, row, row.num_draft_tokens + 1) for index, row in enumerate(plan.decode_rows)]
-        sources += [(len(plan.decode_rows) + j, row, 1) for j, row in enumerate(plan.prefill_rows)]
-        for index, row, most in sources:
+        # A row's index in `plan` is its output row there (runner.py: a prefill row ending its
+        # prompt keeps its first token after the decode rows, every prefill row here does).
+        for index, row in enumerate(plan.decode_rows + plan.prefill_rows):
             request = row.request
             if request.paused:
                 return None  # paused since `plan` was scheduled
@@ -220,6 +218,7 @@ class Scheduler:
             if not row.sample:
                 return None  # a prompt mid-way: its next chunk starts where `plan` leaves it
             in_plan += 1
+            most = row.num_draft_tokens + 1  # tokens `plan` may emit for it (a prefill row: its first)
             furthest = request.num_tokens + most - 1
             if furthest + 1 >= request.max_num_tokens:
                 continue  # `plan` may give it its last token

@@ -147,7 +147,8 @@ class Trace:
         if runner.mtp_prefill_graphs is not None:
             labelled.append((runner.mtp_prefill_graphs, "run", "PrefillGraphs.run (MTP)"))
         for owner, name, label in labelled:
-            self._time(owner, name, label)
+            if hasattr(owner, name):  # an older tree (an A/B baseline) may lack a part
+                self._time(owner, name, label)
 
     def _time(self, owner, name: str, label: str) -> None:
         def record(seconds: float) -> None:
@@ -342,6 +343,12 @@ def analyse(trace: Trace, window: tuple[float, float]) -> dict:
             "slowest_bursts": [burst_report(ids) for ids in bursts]}
 
 
+def _host_memory_stats() -> dict:
+    """torch's caching host allocator counters (flattened), {} where torch has none."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    return dict(stats()) if stats is not None and torch.cuda.is_available() else {}
+
+
 async def main(args: argparse.Namespace) -> dict:
     engine = AsyncLLM(config=EngineConfig(model=Path(args.model), device=args.device, dtype=args.dtype,
                                           max_num_seqs=args.max_running, num_draft_tokens=args.num_draft_tokens),
@@ -362,6 +369,7 @@ async def main(args: argparse.Namespace) -> dict:
             window.reset()
             origin = time.perf_counter()
             profile = cProfile.Profile() if args.profile else None
+            pinned_before = _host_memory_stats()
             with SyncAudit(trace) if args.sync_audit else contextlib.nullcontext() as audit, \
                     profile if profile is not None else contextlib.nullcontext():
                 await drive(load, load.share(0, 1), prompts, window,
@@ -373,6 +381,12 @@ async def main(args: argparse.Namespace) -> dict:
                         pstats.Stats(profile, stream=text).sort_stats(order).print_stats(60)
             start = origin + window.start
             report[str(streams)] = analyse(trace, (start, start + args.duration))
+            # Pinned host memory: fresh cudaHostAlloc calls (the caching host allocator found no
+            # block to reuse) and their time, over the run.
+            pinned_after = _host_memory_stats()
+            report[str(streams)]["pinned_host_memory"] = {
+                key: value - pinned_before.get(key, 0) for key, value in pinned_after.items()
+                if isinstance(value, (int, float)) and value != pinned_before.get(key, 0)}
             if (policy := engine.core.scheduler.draft_policy) is not None:
                 snapshot = policy.snapshot()
                 report[str(streams)]["draft_policy"] = {
