@@ -201,36 +201,44 @@ class SyncAudit:
 
 
 class DeviceTimes:
-    """Each launched decode step's device time: CUDA events recorded before and after its launch
-    (Runner.launch), read after the run, so nothing waits for them while it runs. busy: the
-    device from reaching the step to finishing it; idle: the device's wait for the host before
-    it (the end of the step launched before to this one's start)."""
+    """Each step's device time: CUDA events recorded before and after its launch
+    (Runner.launch, and Runner.run where an older tree runs admitting steps there), read after
+    the run, so nothing waits for them while it runs. busy: the device from reaching the step to
+    finishing it; idle: the device's wait for the host before it (the end of the step launched
+    before to this one's start). By kind: "admit" (prefill chunks or cached rows), else the
+    decode rows' draft count."""
 
     def __init__(self, runner) -> None:
-        self.steps: list[tuple[int, int, torch.cuda.Event, torch.cuda.Event]] = []
-        launch = runner.launch
+        self.steps: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] = []
+        for name in ("launch", "run"):
+            setattr(runner, name, self._timed(getattr(runner, name)))
 
+    def _timed(self, method):
         def timed(plan):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            launched = launch(plan)
+            result = method(plan)
             end.record()
-            self.steps.append((len(plan.decode_rows), max(r.num_draft_tokens for r in plan.decode_rows), start, end))
-            return launched
-
-        runner.launch = timed
+            kind = "admit" if plan.prefill_rows or plan.cached_rows else \
+                f"K={max((r.num_draft_tokens for r in plan.decode_rows), default=0)}"
+            self.steps.append((kind, len(plan.rows), start, end))
+            return result
+        return timed
 
     def report(self) -> dict:
-        """By drafts per row: steps, mean busy and idle ms, and the mean rows."""
+        """By kind: steps, mean busy and idle ms, and the mean rows; and the totals."""
         torch.cuda.synchronize()
-        by_drafts: dict[int, list[tuple[int, float, float]]] = {}
-        for (_, _, _, before), (rows, drafts, start, end) in zip(self.steps, self.steps[1:]):
-            by_drafts.setdefault(drafts, []).append((rows, start.elapsed_time(end), max(before.elapsed_time(start), 0.0)))
+        by_kind: dict[str, list[tuple[int, float, float]]] = {}
+        for (_, _, _, before), (kind, rows, start, end) in zip(self.steps, self.steps[1:]):
+            by_kind.setdefault(kind, []).append((rows, start.elapsed_time(end), max(before.elapsed_time(start), 0.0)))
         self.steps.clear()
-        return {f"K={k}": {"steps": len(v), "rows": round(float(np.mean([r for r, _, _ in v])), 1),
-                           "busy_ms": round(float(np.mean([b for _, b, _ in v])), 3),
-                           "idle_ms": round(float(np.mean([i for _, _, i in v])), 3)}
-                for k, v in sorted(by_drafts.items())}
+        report = {k: {"steps": len(v), "rows": round(float(np.mean([r for r, _, _ in v])), 1),
+                      "busy_ms": round(float(np.mean([b for _, b, _ in v])), 3),
+                      "idle_ms": round(float(np.mean([i for _, _, i in v])), 3)}
+                  for k, v in sorted(by_kind.items())}
+        every = [entry for v in by_kind.values() for entry in v]
+        report["total"] = {"busy_ms": round(sum(b for _, b, _ in every), 1), "idle_ms": round(sum(i for _, _, i in every), 1)}
+        return report
 
 
 def sender(engine: AsyncLLM, trace: Trace, max_tokens: int, temperature: float):
