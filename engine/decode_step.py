@@ -244,6 +244,10 @@ class DecodeStep:
         rows = slice(start, start + tokens.shape[0])
         self.model.ops.greedy_argmax(logits, 1, nonfinite=self.nonfinite[rows])  # the flags (its argmax unused)
         self.emitted[0, rows] = tokens
+        # The rest are the padding ids of the MTP catch-up of the rows fed from these (one real
+        # position): zeros, as a packed row's, not whatever an earlier step left in the columns
+        # (a graph bucket's padding rows, whose tokens are made of scratch).
+        self.emitted[1:, rows] = 0
         self.accepted[rows] = 0
         self.last_positions[rows] = positions - 1
 

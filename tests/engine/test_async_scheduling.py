@@ -12,6 +12,7 @@ import statistics
 import time
 
 import pytest
+import torch
 
 from deltaspec.engine import EngineConfig, SamplingParams
 from deltaspec.engine.core import EngineCore
@@ -163,6 +164,38 @@ def test_admissions_launched_ahead_restore_cached_prefixes(checkpoint):
         while core.has_work:
             core.step()
         assert_idle(core.stats())
+
+
+def test_rows_fed_a_first_token_catch_up_over_clean_padding(checkpoint):
+    """A row fed its request's first token catches the MTP up over one real position; the
+    catch-up's padding positions take zeros as ids, as a packed row's, not whatever earlier
+    steps left in the outputs' columns: an engine whose outputs start poisoned writes the same
+    MTP KV cache (short answers keep the padding positions' entries to the end)."""
+    path = checkpoint("qwen3_5")
+    rng = random.Random(11)
+    background = [rng.randrange(VOCAB) for _ in range(30)]
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(5, 60))] for _ in range(6)]
+
+    def run(poisoned: bool) -> tuple[list, torch.Tensor]:
+        core = EngineCore(EngineConfig(model=path, num_draft_tokens=3, adaptive_draft_length=False, **OPTIONS))
+        if poisoned:
+            core.runner.decode.outputs.random_(1, VOCAB)
+        counter = LaunchCounter(core)
+        core.add_request(background, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+        requests = []
+        for prompt in prompts:
+            core.step()
+            requests.append(core.add_request(prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)))
+        while core.has_work:
+            core.step()
+        assert counter.fed_first_tokens >= 3
+        mtp = core.kv.layers[len(core.model_config.attention_layer_ids)]
+        return [r.output_token_ids for r in requests], torch.stack([mtp.k_cache[1:], mtp.v_cache[1:]])
+
+    tokens, kv = run(poisoned=False)
+    poisoned_tokens, poisoned_kv = run(poisoned=True)
+    assert tokens == poisoned_tokens
+    torch.testing.assert_close(poisoned_kv, kv, rtol=0, atol=0)
 
 
 def test_wait_tells_once_the_step_and_the_one_ahead_are_launched(checkpoint):
