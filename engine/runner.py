@@ -75,7 +75,7 @@ class _First(NamedTuple):
 
 
 class InFlight:
-    """A launched decode-only step. `decide()` decides its constrained rows' tokens and hands
+    """A launched step. `decide()` decides its constrained decode rows' tokens and hands
     its outputs to the host: it must run after the step before it is committed (the grammar
     masks follow the committed tokens) and before the next step is launched (that one is fed
     from these tokens). `result()` waits for the outputs and returns the StepOutput (deciding

@@ -1,6 +1,6 @@
 """The step contract between the scheduler and the runner: what one step runs and what it gave.
 
-    Scheduler.schedule() -> StepPlan ──► Runner.run(plan) -> StepOutput ──► Scheduler.commit(plan, output)
+    Scheduler.schedule() -> StepPlan ──► Runner.launch(plan) -> InFlight -> StepOutput ──► Scheduler.commit(plan, output)
 
 A StepPlan lists the step's rows in the order the runner relies on: decode rows first (one token
 each, plus the drafts the runner makes for them when speculating), then prefill chunks, then
@@ -10,8 +10,8 @@ the runner reads nothing of the scheduler beyond the plan, the scheduler nothing
 
 A decode row's token may be *fed*: when the step is planned before the step in flight has been
 read (async scheduling), the row names the row of that step whose emitted token it takes
-(`fed_from`), and the runner reads the token on the device. Knows nothing about how rows are
-chosen or run.
+(`fed_from`: a decode row's, or the first token of a prefill row that ended its prompt), and the
+runner reads the token on the device. Knows nothing about how rows are chosen or run.
 """
 
 from __future__ import annotations

@@ -89,15 +89,21 @@ def test_an_abort_takes_effect_at_the_next_step(checkpoint):
     assert_idle(core.stats())
 
 
+def cached_and_plain(path) -> tuple[EngineCore, EngineCore, LaunchCounter]:
+    """An engine with the prefix cache and async scheduling (its launches counted), and the
+    reference: one with neither."""
+    cached = EngineCore(EngineConfig(model=path, **OPTIONS))
+    plain = EngineCore(EngineConfig(model=path, enable_prefix_cache=False, async_scheduling=False, **OPTIONS))
+    return cached, plain, LaunchCounter(cached)
+
+
 def test_a_request_stopped_in_flight_keeps_every_token(checkpoint):
     """A chat whose turns end on a stop token while the next step is in flight: the kept
     checkpoint covers the whole turn (the stop token included), and the next turn restores it
     and answers exactly as an engine without a cache."""
     path = checkpoint("qwen3_5")
     rng = random.Random(5)
-    cached = EngineCore(EngineConfig(model=path, **OPTIONS))
-    plain = EngineCore(EngineConfig(model=path, enable_prefix_cache=False, async_scheduling=False, **OPTIONS))
-    counter = LaunchCounter(cached)
+    cached, plain, counter = cached_and_plain(path)
     conversation = [rng.randrange(VOCAB) for _ in range(70)]
     stopped = 0
     for turn in range(5):
@@ -131,9 +137,7 @@ def test_admissions_launched_ahead_restore_cached_prefixes(checkpoint):
     samples, equal an engine's without a cache or async scheduling."""
     path = checkpoint("qwen3_5")
     rng = random.Random(7)
-    cached = EngineCore(EngineConfig(model=path, **OPTIONS))
-    plain = EngineCore(EngineConfig(model=path, enable_prefix_cache=False, async_scheduling=False, **OPTIONS))
-    counter = LaunchCounter(cached)
+    cached, plain, counter = cached_and_plain(path)
     background = [rng.randrange(VOCAB) for _ in range(40)]
     for core in (cached, plain):
         core.add_request(background, SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
