@@ -226,17 +226,25 @@ class DeviceTimes:
         return timed
 
     def report(self) -> dict:
-        """By kind: steps, mean busy and idle ms, and the mean rows; and the totals."""
+        """By kind: steps, mean busy and idle ms, and the mean rows; the decode steps again by
+        their distance from the last admitting step ("admit+1" .. "admit+4", then "admit+5.."),
+        which says whether a change's device idle sits beside admissions or in every step; and
+        the totals."""
         torch.cuda.synchronize()
         by_kind: dict[str, list[tuple[int, float, float]]] = {}
+        since = None  # steps since the last admitting one
         for (_, _, _, before), (kind, rows, start, end) in zip(self.steps, self.steps[1:]):
-            by_kind.setdefault(kind, []).append((rows, start.elapsed_time(end), max(before.elapsed_time(start), 0.0)))
+            entry = (rows, start.elapsed_time(end), max(before.elapsed_time(start), 0.0))
+            by_kind.setdefault(kind, []).append(entry)
+            since = 0 if kind == "admit" else None if since is None else since + 1
+            if since:
+                by_kind.setdefault(f"admit+{since}" if since < 5 else "admit+5..", []).append(entry)
         self.steps.clear()
         report = {k: {"steps": len(v), "rows": round(float(np.mean([r for r, _, _ in v])), 1),
                       "busy_ms": round(float(np.mean([b for _, b, _ in v])), 3),
                       "idle_ms": round(float(np.mean([i for _, _, i in v])), 3)}
                   for k, v in sorted(by_kind.items())}
-        every = [entry for v in by_kind.values() for entry in v]
+        every = [entry for k, v in by_kind.items() if not k.startswith("admit+") for entry in v]
         report["total"] = {"busy_ms": round(sum(b for _, b, _ in every), 1), "idle_ms": round(sum(i for _, _, i in every), 1)}
         return report
 
