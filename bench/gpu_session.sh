@@ -22,6 +22,12 @@
 #           streams: served tok/s and the engine's step times by kind (RESULTS, "Through the server")
 # stephost: bench/tools/ttft_trace.py at T = 0.7, 16 and 64 streams, plain and speculative: each
 #           step's host time by part (where a speculative decode step's extra time goes)
+# servedab: `deltaspec bench serve --unique-prompts` at T = 0.7 for this tree and the baseline tree
+#           AB_BASE (git archive <commit> | tar -x -C _ab/base; carried), alternating new, base per
+#           draft setting (AB_SETTINGS, default "default 0"; AB_STREAMS, default "16 64"), then
+#           ttft_trace --wait-in-loop --device-times (the engine process's own loop) at 16 plain
+#           streams for both: each step kind's device busy and idle, decode steps by their
+#           distance from the last admission
 # hostsplit: bench/tools/step_host_split.py (a decode step's host time by part in the engine's own
 #           loop, speculative vs plain, and graph replays' host cost)
 # sampling: sampling_cost three times, each its own process (#29's 1.15x bar)
@@ -96,6 +102,28 @@ for part in ${parts//,/ }; do
             --temperature 0.7 $([[ $drafts == 0 ]] && echo --num-draft-tokens 0) --out "$out/stephost_$drafts" \
             2>&1 | tail -3 | cut -c1-300
     done ;;
+  servedab)
+    base="${AB_BASE:?AB_BASE: the baseline tree}"
+    [[ -e "$base/models" ]] || ln -sfn "$(pwd)/models" "$base/models"
+    for drafts in ${AB_SETTINGS:-default 0}; do
+        for tree in new base; do
+            echo "-- $tree, drafts $drafts"
+            command=(python -m deltaspec.server.cli bench serve --device cuda --dtype bfloat16 --streams ${AB_STREAMS:-16 64}
+                     --duration 7 --max-tokens 256 --unique-prompts --no-in-process --temperature 0.7
+                     $([[ $drafts == 0 ]] && echo --num-draft-tokens 0) --out "$out/servedab/${tree}_$drafts")
+            [[ $tree == base ]] && command=(bash bench/tools/ab.sh "$base" "${command[@]}")
+            timeout 150 "${command[@]}" 2>&1 | grep -E "^(served|server)"
+        done
+    done
+    for tree in new base; do
+        command=(python bench/tools/ttft_trace.py --device cuda --dtype bfloat16 --streams 16 --duration 6
+                 --temperature 0.7 --num-draft-tokens 0 --unique-prompts --wait-in-loop --device-times
+                 --out "$out/servedab/trace_$tree")
+        # The base tree runs this tree's trace (its parts a base lacks are skipped).
+        [[ $tree == base ]] && { mkdir -p "$base/bench/tools"; cp bench/tools/ttft_trace.py "$base/bench/tools/";
+                                 cp bench/common.py "$base/bench/"; command=(bash bench/tools/ab.sh "$base" "${command[@]}"); }
+        timeout 150 "${command[@]}" 2>&1 | tail -1 | cut -c1-200
+    done ;;
   hostsplit)
     timeout 200 python bench/tools/step_host_split.py --out "$out" 2>&1 | tail -2 | cut -c1-300 ;;
   sampling)
@@ -126,7 +154,7 @@ for part in ${parts//,/ }; do
   sanitize)
     OUT="$out" timeout 540 bash bench/tools/sanitize.sh 2>&1 | tail -12 ;;
   *)
-    echo "unknown part $part (tests, kernels, engine, floor, spec, spec9b, spec35b, serve, specserve, stephost, sampling, fp8, abuse, ttftbar, ttft, sanitize)"; exit 2 ;;
+    echo "unknown part $part (tests, kernels, engine, floor, spec, spec9b, spec35b, serve, specserve, stephost, servedab, hostsplit, sampling, fp8, abuse, ttftbar, ttft, sanitize)"; exit 2 ;;
   esac
 done
 if [[ "${SAVE_TRITON_CACHE:-0}" == 1 ]]; then OUT="$out" bash bench/tools/save_triton_cache.sh; fi
