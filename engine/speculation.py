@@ -29,7 +29,7 @@ while the device verifies.
 `draft` and `verify` run at fixed shapes (decode_step.py), so a decode-only step replays one
 CUDA graph per (batch bucket, K, sampled) (cuda_graphs.SpecGraphs) and can be launched before
 the step before it is read: its outputs stay on the device (`launch`), penalized and constrained
-rows' acceptance too (`resample`), and the host reads them one step late (`read`). A step with
+rows' acceptance too (`resample`), and the host reads them one step late (runner.py). A step with
 prefill chunks runs its decode rows the same way and its chunks in an eager forward after them
 (runner.py), where `prefill_mtp` runs the MTP over the chunks' positions (a graph replay
 where one fits: prefill_graphs.py). A test may pass `edit_drafts`,
@@ -224,7 +224,7 @@ class Speculator:
     def launch(self, rows: Sequence[ScheduledRow], graphs: SpecGraphs | None, deferred: Sequence[int] = ()) -> Drafted:
         """A decode-only speculative step, queued on the device with no host sync: draft,
         verify, accept, roll back. Its outputs stay in DecodeStep's buffers (`accepted`,
-        `emitted`), where the next step's fed rows read them and `read` takes them to the host.
+        `emitted`), where the next step's fed rows read them and the runner copies them to the host.
         A step with plainly sampled rows is a sampled step (`accept`); penalized and
         constrained rows are redecided (`resample`). deferred: rows whose acceptance the caller
         redoes later (constrained rows, whose grammar masks wait for the step before to be
@@ -290,16 +290,6 @@ class Speculator:
         self.decode.emitted[:width, index] = emitted.T
         self._set_pending(resampling.slots, accepted)
         self.sampler.penalties.record(resampling.penalized, emitted, accepted + 1)
-
-    def read(self, num_rows: int, width: int) -> tuple[list[list[int]], list[list[int]], list[int], list[int]]:
-        """The step's outputs on the host (a sync): each row's emitted tokens, the logits rows
-        that scored them (row-major by (row, depth)), its pending count and whether its logits
-        were not finite (1) or were (0)."""
-        accepted = self.decode.accepted[:num_rows].tolist()
-        emitted = self.decode.emitted[:width, :num_rows].T.tolist()
-        tokens = [emitted[i][:accepted[i] + 1] for i in range(num_rows)]
-        logit_rows = [list(range(i * width, i * width + len(t))) for i, t in enumerate(tokens)]
-        return tokens, logit_rows, accepted, self.decode.nonfinite[:num_rows].tolist()
 
     def _forced(self, accepted: torch.Tensor, emitted: torch.Tensor,
                 num_drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

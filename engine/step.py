@@ -108,21 +108,6 @@ class StepOutput:
     # checked); such a row's tokens are garbage and its request fails (Scheduler.commit).
     nonfinite: list[bool] | None = None
 
-    def then(self, other: "StepOutput") -> "StepOutput":
-        """This step's rows followed by other's."""
-        def joined(mine, theirs, size_mine, size_theirs):
-            if mine is None and theirs is None:
-                return None
-            return (mine or [None] * size_mine) + (theirs or [None] * size_theirs)
-
-        n, m = len(self.emitted), len(other.emitted)
-        pending = None if self.num_pending is None and other.num_pending is None else \
-            (self.num_pending or [0] * n) + (other.num_pending or [0] * m)
-        nonfinite = None if self.nonfinite is None and other.nonfinite is None else \
-            (self.nonfinite or [False] * n) + (other.nonfinite or [False] * m)
-        return StepOutput(self.emitted + other.emitted, joined(self.logprobs, other.logprobs, n, m), pending,
-                          nonfinite)
-
 
 def flagged(nonfinite: list[bool] | list[int]) -> list[bool] | None:
     """Per-row non-finite flags (bools, or 0/1 as the device keeps them) as StepOutput keeps
