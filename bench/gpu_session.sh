@@ -45,6 +45,7 @@ export DELTASPEC_COMMIT="${DELTASPEC_COMMIT:-$(git rev-parse --short HEAD 2>/dev
 parts="${1:-all}"
 [[ "$parts" == all ]] && parts=tests,engine
 out="${OUT:-bench/results}"
+mkdir -p "$out" && out="$(cd "$out" && pwd)"  # absolute: some parts run in another tree (ab.sh)
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 for part in ${parts//,/ }; do
   echo "== $part"
