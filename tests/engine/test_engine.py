@@ -220,6 +220,42 @@ async def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(checkpo
     await engine.shutdown()
 
 
+async def test_a_failed_admission_ahead_fails_the_requests_it_admitted(checkpoint):
+    """The launch of a step planned ahead, which admits "b" beside "a"'s fed row, raises: "a"
+    (whose step in flight is never read) and "b" (admitted by the forgotten step) both fail,
+    everything they held is freed, and the engine serves on."""
+    engine = AsyncLLM(checkpoint("qwen3_5"), max_num_seqs=8)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    expected = run_alone(engine.core, Job([7, 8, 9], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                                          0, None))
+    failed = _fail_steps(engine, RuntimeError("injected"), lambda plan: any(
+        row.request.request_id == "b" for row in plan.prefill_rows) and any(
+        row.fed_from is not None for row in plan.decode_rows))
+    a_decoding = asyncio.Event()
+
+    async def consume(prompt, request_id):
+        tokens = []
+        async for delta in engine.generate(prompt, params, request_id=request_id):
+            tokens += delta.token_ids
+            if len(tokens) >= 3:
+                a_decoding.set()
+        return tokens
+
+    async def consume_b():
+        await a_decoding.wait()
+        return await consume([4, 5, 6], "b")
+
+    a, b = await asyncio.gather(consume([1, 2, 3], "a"), consume_b(), return_exceptions=True)
+    assert len(failed) == 1  # the admitting step launched ahead of "a"'s step in flight
+    assert isinstance(a, StepFailedError) and isinstance(b, StepFailedError)
+    assert_idle(engine.stats())
+    c = [t async for delta in engine.generate([7, 8, 9], SamplingParams(max_tokens=8, temperature=0,
+                                                                         ignore_eos=True), request_id="c")
+         for t in delta.token_ids]
+    assert c == expected
+    await engine.shutdown()
+
+
 async def test_a_failure_to_schedule_fails_the_running_requests(checkpoint):
     """Scheduling itself raises (no plan to name the step's rows): the running requests fail,
     a waiting one does not, and the engine serves on."""
