@@ -133,6 +133,38 @@ def test_a_nan_state_fails_its_request_alone(checkpoint, num_draft_tokens):
     check_fails_alone(llm, poison_state, 3, num_draft_tokens)
 
 
+def test_a_failed_prefill_admitted_ahead_keeps_no_checkpoint(checkpoint):
+    """A prompt admitted by a step launched ahead (while another request decodes) whose logits
+    are not finite: its request fails, and the prompt-end checkpoint its forward was writing is
+    dropped with it (the write belongs to that step, not to the one committed before it), so the
+    same prompt sent again is prefilled afresh and answered as by a healthy engine."""
+    path = checkpoint("qwen3_5")
+    options = dict(num_draft_tokens=2, adaptive_draft_length=False)
+    rng = random.Random(3)
+    victim = rng.choices(range(3, 500), k=40)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    expected = LLM(path, **options).generate([victim], params)[0].token_ids
+    core = LLM(path, **options).core
+    core.add_request(rng.choices(range(3, 500), k=20), SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+    core.step()
+    core.step()
+    launched, launch = [], core.runner.launch
+    core.runner.launch = lambda plan: launched.append(plan) or launch(plan)
+    poisoned = poison(core, victim, 0)
+    request = core.add_request(victim, params)
+    while not request.finished:
+        core.step()
+    assert poisoned == ["prefill"] and request.finish_reason == "error"
+    admitting = [plan for plan in launched if any(row.request is request for row in plan.prefill_rows)]
+    assert admitting and any(row.fed_from is not None for row in admitting[0].decode_rows)  # planned ahead
+    reused = core.stats()["prefix_cache"]["reused_tokens"]
+    again = core.add_request(victim, params)
+    while not again.finished:
+        core.step()
+    assert core.stats()["prefix_cache"]["reused_tokens"] == reused
+    assert again.output_token_ids == expected
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_draft_tokens", [0, 2])
 def test_a_nan_state_fails_its_request_alone_through_the_graphs(checkpoint, num_draft_tokens):
