@@ -7,8 +7,8 @@ each kind of step costs the host.
 
 Each of --streams streams sends a request (200 random prompt tokens, 32-96 output tokens,
 ignore_eos) and its next one as soon as the last finishes, as `deltaspec bench serve`'s closed
-loop does; the runner is host_overhead.FakeRunner (a step's outputs at once), so only the
-engine's own host work runs. On a GPU every admitting step costs a few milliseconds of host work
+loop does; the engine is host_overhead's (build_core: prefix cache off) with its FakeRunner (a
+step's outputs at once), so only the engine's own host work runs. On a GPU every admitting step costs a few milliseconds of host work
 whatever its rows (the prefill's launch, the first tokens' draw), so how requests that finish
 on neighbouring steps share admitting steps matters as much as what one costs: with async
 scheduling that depends on where the engine admits (the step planned ahead, or a step
@@ -34,9 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from fixtures import CORPUS, make_checkpoint  # noqa: E402
 
 from common import write_result  # noqa: E402
-from deltaspec.engine import EngineConfig, SamplingParams  # noqa: E402
-from deltaspec.engine.core import EngineCore  # noqa: E402
-from host_overhead import FakeRunner  # noqa: E402
+from deltaspec.engine import SamplingParams  # noqa: E402
+from host_overhead import FakeRunner, build_core  # noqa: E402
 
 PROMPT_TOKENS = 200
 OUTPUT_TOKENS = (32, 96)
@@ -44,9 +43,7 @@ OUTPUT_TOKENS = (32, 96)
 
 def run(streams: int, steps: int, drafts: int, seed: int) -> dict:
     with tempfile.TemporaryDirectory() as directory:
-        path = make_checkpoint(Path(directory), "qwen3_5")
-        core = EngineCore(EngineConfig(model=path, device="cpu", max_num_seqs=max(64, streams),
-                                       max_num_batched_tokens=8192, max_model_len=8192, num_draft_tokens=drafts))
+        core = build_core(make_checkpoint(Path(directory), "qwen3_5"), drafts, max(64, streams), async_scheduling=True)
     core.runner = FakeRunner(core.tokenizer.encode("".join(CORPUS)), bool(drafts), seed)
     generator = random.Random(seed)
     vocab = core.model_config.vocab_size
