@@ -7,7 +7,7 @@
 # The device's copy of the tree has no .git: pass the commit the results are recorded under.
 # SAVE_TRITON_CACHE=1 also leaves the compile cache in $OUT for the next call (device_setup.sh).
 # `all` is tests then engine (under 10 minutes); the other parts are a call each.
-# tests   : pytest -m gpu (kernels in bf16, graphs, isolation, speculation, prefix cache)
+# tests   : pytest -m gpu (kernels in bf16, graphs, isolation, speculation, prefix cache), 8 shards
 # kernels : every kernel test, marked gpu or not, on the GPU (the unmarked ones run their Triton
 #           kernels there instead of the interpreter: GPU numerics at the CPU suite's shapes)
 # engine  : decode_overhead (engine vs a bare graph at batch 1, async scheduling on and off),
@@ -51,11 +51,14 @@ for part in ${parts//,/ }; do
   echo "== $part"
   case "$part" in
   tests)
-    # One pytest process per file that has GPU tests, all at once: the run is dominated by
-    # Triton's JIT compiles, which are CPU-bound and use one core per process.
-    mkdir -p /tmp/gpu_tests
-    grep -rl --include='test_*.py' "mark.gpu" tests | sort | xargs -P 8 -I{} sh -c \
-        'timeout 420 python -m pytest -q -m gpu -p no:cacheprovider {} > /tmp/gpu_tests/$(basename {}).log 2>&1'
+    # The GPU tests dealt round-robin into 8 pytest processes, all at once: the run is dominated
+    # by engine builds, graph captures and Triton's JIT compiles, which are CPU-bound and use one
+    # core per process, and one file alone (test_gpu_engine.py) takes longer than a call allows.
+    rm -rf /tmp/gpu_tests && mkdir -p /tmp/gpu_tests
+    python -m pytest -q -m gpu -p no:cacheprovider --collect-only tests | grep "::" \
+        | split -n r/8 - /tmp/gpu_tests/shard.
+    ls /tmp/gpu_tests/shard.* | xargs -P 8 -I{} sh -c \
+        'timeout ${TESTS_TIMEOUT:-480} python -m pytest -q -m gpu -p no:cacheprovider $(cat {}) > {}.log 2>&1'
     for log in /tmp/gpu_tests/*.log; do echo "== $log"; grep -E "passed|failed|error" "$log" | tail -1; done
     grep -h -E "^(FAILED|ERROR)" /tmp/gpu_tests/*.log
     cat /tmp/gpu_tests/*.log > "$out/gpu_tests.log" ;;
