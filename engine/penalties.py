@@ -238,7 +238,8 @@ class Penalties:
         the first time, then the same tensors while a steady batch keeps its rows (no kernel)."""
         index, gathered = self._gathered
         if index is not stats:
-            gathered = _Parameters(*self.coefficients.index_select(1, stats), self.bias_tokens[stats],
+            # Indexing, not index_select (serial over <= 16 indices on CUDA: sampling_table.py).
+            gathered = _Parameters(*self.coefficients[:, stats], self.bias_tokens[stats],
                                    self.bias_values[stats])
             self._gathered = (stats, gathered)
         return gathered

@@ -72,6 +72,9 @@ class SamplingTable:
         its W = width consecutive positions: [N * W] each."""
         if width > 1:
             slots = slots[:, None].expand(-1, width).reshape(-1)
-        temperature, top_p, min_p = self._floats.index_select(1, slots)
-        top_k, seeds = self._ints.index_select(1, slots)
+        # Advanced indexing, not index_select: for up to 16 indices CUDA's index_select runs
+        # one thread loop over them, a dependent load after another (~15 us at 16 rows on an
+        # H100, a tenth of a 16-row step of the shipped model); indexing reads them in parallel.
+        temperature, top_p, min_p = self._floats[:, slots]
+        top_k, seeds = self._ints[:, slots]
         return SamplingColumns(temperature, top_k, top_p, min_p, seeds)

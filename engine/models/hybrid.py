@@ -93,7 +93,9 @@ class HybridLM(nn.Module):
         """Token ids [T] -> embeddings [T, H] (vocabulary-parallel under tensor parallelism)."""
         if self.tp is not None:
             return self.tp.embed(ids, self.embed_tokens)
-        return F.embedding(ids, self.embed_tokens)
+        # Indexing, not F.embedding: for up to 16 ids (a decode step) that runs CUDA's
+        # index_select, one thread loop over the ids (sampling_table.py); same rows either way.
+        return self.embed_tokens[ids]
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, V], into `out` (float32) when given (a CUDA
