@@ -34,6 +34,8 @@ from .device import INTERPRETED
 from .launch import dependent_prologue, pdl
 from .varlen import into, pad_rows, row_layout
 
+MAX_SPLITS = 64  # programs along a prefill row's tokens (causal_conv1d_prefill)
+
 
 def _depthwise(window: torch.Tensor, weight: torch.Tensor, num_out: int) -> torch.Tensor:
     """window [B, W-1+L, C], weight [C, W] -> silu(conv) [B, num_out, C] in float32.
@@ -105,10 +107,11 @@ def causal_conv1d_decode_reference(x: torch.Tensor, weight: torch.Tensor, cu_seq
 
 
 # ----------------------------------------------------------------------------------------------
-# Triton kernels: one program per (channel tile, row); a program owns its channels of its row's
-# slot (window, pending columns), so the only ordering it needs is its own: every read of the
-# slot's window / pending columns happens before the CTA barrier, every write after it. Rows own
-# distinct slots, except pad rows, which all point at scratch slot 0.
+# Triton kernels: one program per (channel tile, row) touches a row's slot (prefill: its split
+# 0; the other splits read only x); it owns its channels of the slot (window, pending columns), so
+# the only ordering it needs is its own: every read of the slot's window / pending columns
+# happens before the CTA barrier, every write after it. Rows own distinct slots, except pad
+# rows, which all point at scratch slot 0.
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
@@ -131,22 +134,24 @@ def _prefill_sequence_at(m, x, conv_state, bos, length, slot, initial_end, offs_
     return tl.where(from_x[:, None], x_val, state_val.to(x_val.dtype))
 
 
-@triton.jit
+# num_splits follows the step's token count: not compile-time (one binary serves every count).
+@triton.jit(do_not_specialize=["num_splits"])
 def _conv_prefill_kernel(x, weight, out, cu_seqlens, slot_ids, has_initial_state, conv_state,
-                         stride_x, stride_out,
+                         stride_x, stride_out, num_splits,
                          C: tl.constexpr, WIDTH: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr,
                          BC: tl.constexpr):
-    """Program (channel tile, row): loops over the row's tokens in blocks of BT; out[t] =
-    silu(sum_j w[:, j] * seq[t + j]) over seq = initial(W-1) ++ row. Then the last W-1 entries of
-    seq become the slot's window (the initial window is read before it is overwritten)."""
-    i_c, row = tl.program_id(0), tl.program_id(1)
+    """Program (channel tile, row, split s): the row's token blocks s, s + num_splits, .. of BT
+    tokens; out[t] = silu(sum_j w[:, j] * seq[t + j]) over seq = initial(W-1) ++ row. Only block
+    0 reads the slot's window (its tokens < W-1), so split 0 alone then writes the last W-1
+    entries of seq as the new window, after its own reads."""
+    i_c, row, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(cu_seqlens + row).to(tl.int64)
     length = tl.load(cu_seqlens + row + 1).to(tl.int64) - bos
     slot = tl.load(slot_ids + row).to(tl.int64)
     initial_end = (WIDTH - 1) * tl.load(has_initial_state + row).to(tl.int32)
     offs_c = i_c * BC + tl.arange(0, BC)
     mask_c = offs_c < C
-    for start in range(0, length, BT):
+    for start in range(split * BT, length, num_splits * BT):
         offs_t = start + tl.arange(0, BT)
         acc = tl.zeros([BT, BC], dtype=tl.float32)
         for j in tl.static_range(WIDTH):
@@ -156,18 +161,29 @@ def _conv_prefill_kernel(x, weight, out, cu_seqlens, slot_ids, has_initial_state
             acc += seq.to(tl.float32) * w_j[None, :]
         tl.store(out + (bos + offs_t)[:, None] * stride_out + offs_c[None, :], _silu(acc).to(out.dtype.element_ty),
                  mask=(offs_t < length)[:, None] & mask_c[None, :])
-    offs_w = tl.arange(0, BW)
-    window = _prefill_sequence_at(length + offs_w, x, conv_state, bos, length, slot, initial_end, offs_c, mask_c,
-                                  stride_x, C, WIDTH)
-    tl.debug_barrier()
-    tl.store(conv_state + (slot * (WIDTH - 1) + offs_w)[:, None] * C + offs_c[None, :],
-             window.to(conv_state.dtype.element_ty), mask=(offs_w < WIDTH - 1)[:, None] & mask_c[None, :])
+    if split == 0:
+        offs_w = tl.arange(0, BW)
+        window = _prefill_sequence_at(length + offs_w, x, conv_state, bos, length, slot, initial_end, offs_c,
+                                      mask_c, stride_x, C, WIDTH)
+        tl.debug_barrier()
+        tl.store(conv_state + (slot * (WIDTH - 1) + offs_w)[:, None] * C + offs_c[None, :],
+                 window.to(conv_state.dtype.element_ty), mask=(offs_w < WIDTH - 1)[:, None] & mask_c[None, :])
 
 
 def _check_causal_conv1d_prefill_args(x, weight, cu_seqlens, slot_ids, has_initial_state, conv_state) -> None:
     _check_conv_args(x, weight, cu_seqlens, slot_ids, conv_state)
     assert has_initial_state.shape == (slot_ids.numel(),) and has_initial_state.dtype == torch.bool, \
         "has_initial_state: [B] bool"
+
+
+def prefill_splits(num_tokens: int, num_rows: int, block_t: int) -> int:
+    """Programs along each row's tokens: its blocks of block_t tokens in parallel, not one program
+    looping over the row, whose few channel tiles would keep a handful of SMs busy (the shipped
+    model's 768 channels: 6 programs, ~30 us whatever the prompt; H100 in
+    bench/results/conv_prefill_ab-h100.json). As many as an average row has blocks (at most
+    MAX_SPLITS): a longer row's splits loop, a shorter row's extra ones exit at once, and a batch
+    of short rows keeps one program per row, as many as there is work for."""
+    return max(1, min(triton.cdiv(num_tokens, num_rows * block_t), MAX_SPLITS))
 
 
 def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor,
@@ -184,11 +200,12 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: tor
     if num_rows == 0:
         return out
     block_c = min(128, triton.next_power_of_2(channels))
-    grid = (triton.cdiv(channels, block_c), num_rows)
+    block_t = 16 if INTERPRETED else 64
+    splits = prefill_splits(x.shape[0], num_rows, block_t)
+    grid = (triton.cdiv(channels, block_c), num_rows, splits)
     _conv_prefill_kernel[grid](x, weight, out, cu_seqlens, slot_ids, has_initial_state.view(torch.uint8), conv_state,
-                               x.stride(0), out.stride(0), C=channels, WIDTH=width,
-                               BW=triton.next_power_of_2(width - 1), BT=16 if INTERPRETED else 64,
-                               BC=block_c, num_warps=4)
+                               x.stride(0), out.stride(0), splits, C=channels, WIDTH=width,
+                               BW=triton.next_power_of_2(width - 1), BT=block_t, BC=block_c, num_warps=4)
     return out
 
 

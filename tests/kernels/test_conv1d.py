@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from deltaspec.kernels import REFERENCE_OPS
+from deltaspec.kernels import conv1d
 from deltaspec.kernels.conv1d import causal_conv1d_decode, causal_conv1d_prefill
 from kernel_helpers import (PAD_SLOT, RAGGED, TOLERANCE, assert_close, assert_close_elementwise,
                             assert_slots_untouched, bits, clone, conv_pool, cu_seqlens_of, naive_conv,
@@ -97,10 +98,14 @@ def conv_inputs(gen: torch.Generator, num_tokens: int, channels: int, dtype, dev
     return wide[:, 2:2 + channels]
 
 
+@pytest.mark.parametrize("splits", [1, 2, 5])
 @pytest.mark.parametrize("channels", [24, 160])
-def test_conv1d_prefill(kernel_device, channels):
+def test_conv1d_prefill(kernel_device, channels, splits, monkeypatch):
     """Rows shorter than, equal to and longer than W-1 and than a token block (16 under the
-    interpreter), with and without an initial window (the stale window of a fresh row is NaN)."""
+    interpreter), with and without an initial window (the stale window of a fresh row is NaN);
+    programs along a row's tokens: one looping over its blocks, two, or more than the longest
+    row has blocks (3)."""
+    monkeypatch.setattr(conv1d, "prefill_splits", lambda num_tokens, num_rows, block_t: splits)
     gen = torch.Generator().manual_seed(channels)
     width, num_slots = 4, 9
     lengths = [1, 2, 3, 5, 40, 1, 17]
