@@ -139,11 +139,14 @@ def _prefill_sequence_at(m, x, conv_state, bos, length, slot, initial_end, offs_
 def _conv_prefill_kernel(x, weight, out, cu_seqlens, slot_ids, has_initial_state, conv_state,
                          stride_x, stride_out, num_splits,
                          C: tl.constexpr, WIDTH: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr,
-                         BC: tl.constexpr):
+                         BC: tl.constexpr, SPLIT_ROWS: tl.constexpr):
     """Program (channel tile, row, split s): the row's token blocks s, s + num_splits, .. of BT
     tokens; out[t] = silu(sum_j w[:, j] * seq[t + j]) over seq = initial(W-1) ++ row. Only block
     0 reads the slot's window (its tokens < W-1), so split 0 alone then writes the last W-1
-    entries of seq as the new window, after its own reads."""
+    entries of seq as the new window, after its own reads. Without SPLIT_ROWS (num_splits = 1)
+    the loop is the unsplit kernel's, with a compile-time step: on the split loop, one program a
+    row ran 1.3-1.6x slower than that kernel on the same grid (H100,
+    bench/results/conv_prefill_ab-h100.json; the cause not isolated)."""
     i_c, row, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(cu_seqlens + row).to(tl.int64)
     length = tl.load(cu_seqlens + row + 1).to(tl.int64) - bos
@@ -151,7 +154,11 @@ def _conv_prefill_kernel(x, weight, out, cu_seqlens, slot_ids, has_initial_state
     initial_end = (WIDTH - 1) * tl.load(has_initial_state + row).to(tl.int32)
     offs_c = i_c * BC + tl.arange(0, BC)
     mask_c = offs_c < C
-    for start in range(split * BT, length, num_splits * BT):
+    if SPLIT_ROWS:
+        first, step = split * BT, num_splits * BT
+    else:
+        first, step = 0, BT
+    for start in range(first, length, step):
         offs_t = start + tl.arange(0, BT)
         acc = tl.zeros([BT, BC], dtype=tl.float32)
         for j in tl.static_range(WIDTH):
@@ -205,7 +212,8 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: tor
     grid = (triton.cdiv(channels, block_c), num_rows, splits)
     _conv_prefill_kernel[grid](x, weight, out, cu_seqlens, slot_ids, has_initial_state.view(torch.uint8), conv_state,
                                x.stride(0), out.stride(0), splits, C=channels, WIDTH=width,
-                               BW=triton.next_power_of_2(width - 1), BT=block_t, BC=block_c, num_warps=4)
+                               BW=triton.next_power_of_2(width - 1), BT=block_t, BC=block_c, SPLIT_ROWS=splits > 1,
+                               num_warps=4)
     return out
 
 
