@@ -39,6 +39,9 @@
 # ttft    : bench/tools/ttft_trace.py (first-token time by part, in-process) and `deltaspec bench
 #           serve --unique-prompts --no-in-process` (every prefill cold) at 16 and 64 streams (#33)
 # sanitize: bench/tools/sanitize.sh, compute-sanitizer over the kernels and one engine run (#33)
+# kprof   : bench/tools/kernel_profile.py plain and speculative (the CUDA kernels of a served-like
+#           closed loop at 16 streams, T = 0.7, by kernel), bench/kernels_conv.py and
+#           bench/tools/gather_micro.py
 set -uo pipefail
 source bench/tools/device_setup.sh
 export DELTASPEC_COMMIT="${DELTASPEC_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
@@ -73,6 +76,12 @@ for part in ${parts//,/ }; do
     timeout 150 python bench/decode_overhead.py --steps 200 --out "$out" 2>&1 | tail -3
     timeout 120 python bench/profile_step.py --batches 1,64 --verify-drafts 0 --out "$out" 2>&1 | tail -3
     timeout 240 python bench/engine_throughput.py --shapes 0.8b --out "$out" 2>&1 | tail -8 ;;
+  kprof)
+    for drafts in 0 default; do
+        timeout 240 python bench/tools/kernel_profile.py --drafts $drafts --top 25 --out "$out" 2>&1 | grep -v Warn | tail -27
+    done
+    timeout 120 python bench/kernels_conv.py --out "$out" 2>&1 | tail -9
+    timeout 120 python bench/tools/gather_micro.py --out "$out" 2>&1 | tail -6 ;;
   floor)
     timeout 300 python bench/decode_floor.py --out "$out" 2>&1 | tail -12 ;;
   spec)
