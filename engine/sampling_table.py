@@ -73,8 +73,8 @@ class SamplingTable:
         if width > 1:
             slots = slots[:, None].expand(-1, width).reshape(-1)
         # Advanced indexing, not index_select: for up to 16 indices CUDA's index_select runs
-        # one thread loop over them, a dependent load after another (~15 us at 16 rows on an
-        # H100, a tenth of a 16-row step of the shipped model); indexing reads them in parallel.
+        # one thread loop over them, a dependent load after another (7.4 against 1.7 us at 16
+        # rows on an H100: bench/results/step_gathers-h100.json); indexing reads them in parallel.
         temperature, top_p, min_p = self._floats[:, slots]
         top_k, seeds = self._ints[:, slots]
         return SamplingColumns(temperature, top_k, top_p, min_p, seeds)

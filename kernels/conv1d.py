@@ -134,7 +134,7 @@ def _prefill_sequence_at(m, x, conv_state, bos, length, slot, initial_end, offs_
     return tl.where(from_x[:, None], x_val, state_val.to(x_val.dtype))
 
 
-# num_splits follows the step's token count: not compile-time (one binary serves every count).
+# num_splits follows the step's token count: not compile-time (one binary serves every count > 1).
 @triton.jit(do_not_specialize=["num_splits"])
 def _conv_prefill_kernel(x, weight, out, cu_seqlens, slot_ids, has_initial_state, conv_state,
                          stride_x, stride_out, num_splits,
