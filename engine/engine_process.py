@@ -45,6 +45,7 @@ import signal
 import socket
 import struct
 import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Mapping, Sequence as Seq
@@ -275,8 +276,10 @@ async def _handle(message: ToEngine, llm: AsyncLLM, wire: _Wire) -> None:
     elif isinstance(message, Resume):
         llm.resume(message.request_id)
     elif isinstance(message, StatsRequest):
-        # The server's process has a collector of its own: this one's pauses come with the stats.
-        wire.send(Stats(message.ticket, {**llm.stats(), "gc_pauses": gc_pauses.installed().snapshot()}))
+        # The server's process has a collector and a CPU clock of its own: this one's pauses and
+        # CPU seconds come with the stats.
+        wire.send(Stats(message.ticket, {**llm.stats(), "gc_pauses": gc_pauses.installed().snapshot(),
+                                         "process_cpu_seconds": time.process_time()}))
 
 
 # The caller's process ---------------------------------------------------------------------------

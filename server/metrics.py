@@ -3,8 +3,8 @@
 The server owns counters and latency histograms that move as requests run (`ServerMetrics`,
 one `RequestTimer` per generation request); the engine's gauges (slots, KV blocks, queue depths,
 speculation acceptance, step times) are read from `AsyncLLM.stats()` at scrape time, so they are
-never stale; so are the garbage collector's pauses, the server process's own and the engine
-process's (engine/gc_pauses.py).
+never stale; so are the garbage collector's pauses and the CPU time, the server process's own
+and the engine process's (engine/gc_pauses.py).
 
 Knows nothing about HTTP; knows the engine only through its stats dict.
 """
@@ -148,6 +148,14 @@ class ServerMetrics:
         lines = _render_durations("deltaspec_step_seconds", "Engine steps' wall time, dispatch to commit, by kind "
                                   "(admit: the step has new rows, prefill chunks or cached prompts).", "kind",
                                   [({}, stats["step_seconds"])])
+        # CPU seconds of each process (user + system): with the step times, whether a slow run's
+        # engine loop was busy (the host is its limit) or waiting.
+        lines += _header("deltaspec_process_cpu_seconds_total", "counter", "CPU time (user + system) of the "
+                         "server's process and, when the engine runs in its own, the engine's.")
+        lines.append(_sample("deltaspec_process_cpu_seconds_total", {"process": "server"}, time.process_time()))
+        if "process_cpu_seconds" in stats:
+            lines.append(_sample("deltaspec_process_cpu_seconds_total", {"process": "engine"},
+                                 stats["process_cpu_seconds"]))
         pauses = [({"process": "server"}, server.snapshot())] if (server := gc_pauses.installed()) is not None else []
         if "gc_pauses" in stats:
             pauses.append(({"process": "engine"}, stats["gc_pauses"]))

@@ -25,7 +25,9 @@ arrivals; each reports its CPU seconds per wall second, and a run where any is a
 `client_bound` (the client, not the server, may be the limit). This process starts the server
 (`deltaspec serve` with the same engine flags, its engine in a process of its own, or on the
 server's loop with `--single-process`) or targets the one at `--url`, scrapes its /metrics before
-and after each run (the counters' deltas, the gauges after), and stops it before the in-process
+and after each run (the counters' deltas, the gauges after; `server_timings`: steps by kind, GC
+pauses, each server process's CPU share; `host_load`: this host's busy CPUs and steal over the
+run, whether other work shared the machine), and stops it before the in-process
 engine is built. Then the same runs, prompts and sampling go through `AsyncLLM.generate` on this
 process's loop with no HTTP, so the report holds the served / in-process ratio of output tokens/s.
 
@@ -244,10 +246,12 @@ STEP_WITHIN = 0.005  # a step this long or shorter is counted as quick
 PAUSE_PAST = 0.02    # a collection longer than this is counted as a stall
 
 
-def server_timings(counters: dict[str, float]) -> dict:
-    """From a run's metric deltas (`metrics_delta`): the engine's steps by kind (how many, their
-    mean, the share within STEP_WITHIN) and the garbage collector's pauses past PAUSE_PAST by
-    process; empty parts where the server exports none (an older server, `--url`)."""
+def server_timings(counters: dict[str, float], seconds: float) -> dict:
+    """From a run's metric deltas (`metrics_delta`) over `seconds` of wall time between its two
+    scrapes: the engine's steps by kind (how many, their mean, the share within STEP_WITHIN),
+    the garbage collector's pauses past PAUSE_PAST by process and each process's CPU time over
+    the wall time (1.0: a process busy throughout, its loop the limit); empty parts where the
+    server exports none (an older server, `--url`)."""
     steps = {}
     for kind in ("decode", "admit"):
         count = counters.get(f'deltaspec_step_seconds_count{{kind="{kind}"}}')
@@ -263,7 +267,38 @@ def server_timings(counters: dict[str, float]) -> dict:
             within = counters.get(f'deltaspec_gc_pause_seconds_bucket{{generation="{generation}",'
                                   f'le="{PAUSE_PAST!r}",process="{process}"}}', 0.0)
             stalls[process] = stalls.get(process, 0.0) + value - within
-    return {"steps": steps, "step_within_s": STEP_WITHIN, "gc_pauses_past": stalls, "gc_pause_past_s": PAUSE_PAST}
+    cpu = {}
+    for name, value in counters.items():
+        match = re.fullmatch(r'deltaspec_process_cpu_seconds_total\{process="(\w+)"\}', name)
+        if match:
+            cpu[match.group(1)] = value / seconds
+    return {"steps": steps, "step_within_s": STEP_WITHIN, "gc_pauses_past": stalls, "gc_pause_past_s": PAUSE_PAST,
+            "cpu_fraction": cpu}
+
+
+def host_cpu_times() -> tuple[float, ...] | None:
+    """This host's CPU times from /proc/stat (user, nice, system, idle, iowait, irq, softirq,
+    steal, in clock ticks, all CPUs together), or None where there is none (not Linux)."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = stat.readline().split()
+    except OSError:
+        return None
+    return tuple(float(v) for v in fields[1:9]) if fields and fields[0] == "cpu" else None
+
+
+def host_load(before: tuple[float, ...] | None, after: tuple[float, ...] | None, seconds: float) -> dict | None:
+    """Between two host_cpu_times: the CPUs kept busy on average (all but idle, iowait and steal
+    time; the benchmark's own processes included) and the share of CPU time a hypervisor gave to
+    others (steal): whether a slow run shared its host with other work."""
+    if before is None or after is None:
+        return None
+    delta = [a - b for a, b in zip(after, before)]
+    total = sum(delta)
+    if total <= 0:
+        return None
+    busy = total - delta[3] - delta[4] - delta[7]
+    return {"busy_cpus": busy / os.sysconf("SC_CLK_TCK") / seconds, "steal_share": delta[7] / total}
 
 
 # The server under test --------------------------------------------------------------------------
@@ -333,16 +368,19 @@ async def measure_served(runs: list[Load], clients: ClientProcesses, http: aioht
     """Each run from the client processes, the server's /metrics scraped before and after it."""
     results = []
     for load in runs:
-        before = await scrape(http, url)
+        host_before, before = host_cpu_times(), await scrape(http, url)
+        start = time.perf_counter()
         measured = await clients.run(load)
         after = await scrape(http, url)
+        seconds, host_after = time.perf_counter() - start, host_cpu_times()
         result = summary(load, measured, goodput_targets)
         result["client_processes"] = len(clients)
         result["client_cpu_fractions"] = measured.client_cpu_fractions
         result["client_cpu_fraction"] = max(measured.client_cpu_fractions)
         result["client_bound"] = result["client_cpu_fraction"] > _CLIENT_BOUND
         result["server_metrics"] = metrics_delta(before, after)
-        result["server_timings"] = server_timings(result["server_metrics"]["counters"])
+        result["server_timings"] = server_timings(result["server_metrics"]["counters"], seconds)
+        result["host_load"] = host_load(host_before, host_after, seconds)
         results.append(result)
     return results
 
@@ -593,7 +631,11 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
                               f"{t['share_within']:.0%} <= {STEP_WITHIN * 1e3:g} ms)"
                               for kind, t in timings["steps"].items())
             pauses = ", ".join(f"{process} {n:.0f}" for process, n in timings["gc_pauses_past"].items())
-            print(f"server {_run_name(r):>12s}: steps {steps}; GC pauses > {PAUSE_PAST * 1e3:g} ms: {pauses}")
+            cpu = ", ".join(f"{process} {share:.0%}" for process, share in timings.get("cpu_fraction", {}).items())
+            host = r.get("host_load")
+            print(f"server {_run_name(r):>12s}: steps {steps}; GC pauses > {PAUSE_PAST * 1e3:g} ms: {pauses}"
+                  + (f"; CPU {cpu}" if cpu else "")
+                  + (f"; host {host['busy_cpus']:.1f} CPUs busy, steal {host['steal_share']:.1%}" if host else ""))
     for ratio in report.get("served_over_in_process", []):
         print(f"served / in-process at {_run_name(ratio)}: {ratio['output_tokens_per_s']:.2f}")
     if "abuse" in report:

@@ -1,8 +1,9 @@
-"""Timings a server exports: engine steps by kind, and the garbage collector's pauses by process
-and generation."""
+"""Timings a server exports: engine steps by kind, the garbage collector's pauses by process
+and generation, and each process's CPU time."""
 
 import gc
 import logging
+import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -67,7 +68,8 @@ def test_the_server_exports_step_times_and_both_processes_pauses(monkeypatch):
     engine = Durations(gc_pauses.BUCKETS, labels=("0", "1", "2"))
     engine.observe("2", 2.5)
     text = "\n".join(ServerMetrics._render_timings({"step_seconds": steps.snapshot(),
-                                                     "gc_pauses": engine.snapshot()})) + "\n"
+                                                     "gc_pauses": engine.snapshot(),
+                                                     "process_cpu_seconds": 12.5})) + "\n"
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(text) for s in family.samples}
     assert samples[("deltaspec_step_seconds_bucket", (("kind", "admit"), ("le", "0.01")))] == 1
@@ -79,3 +81,6 @@ def test_the_server_exports_step_times_and_both_processes_pauses(monkeypatch):
     assert samples[(f"{name}_bucket", (("generation", "2"), ("le", "1.0"), ("process", "engine")))] == 0
     assert samples[(f"{name}_bucket", (("generation", "2"), ("le", "0.05"), ("process", "server")))] == 1
     assert samples[(f"{name}_bucket", (("generation", "2"), ("le", "0.02"), ("process", "server")))] == 0
+    cpu = "deltaspec_process_cpu_seconds_total"
+    assert samples[(cpu, (("process", "engine"),))] == 12.5
+    assert 0 < samples[(cpu, (("process", "server"),))] <= time.process_time()

@@ -11,6 +11,7 @@ import asyncio
 import gc
 import json
 import multiprocessing
+import os
 import statistics
 import time
 
@@ -20,7 +21,8 @@ from aiohttp import web
 from deltaspec.server.cli import main
 from deltaspec.server.load_generator import (ClientProcesses, Load, PromptSet, Sample, Sampling, Window,
                                              arrival_times, drive, sample)
-from deltaspec.server.serve_benchmark import goodput, metrics_delta, parse_goodput_target, server_timings
+from deltaspec.server.serve_benchmark import (goodput, host_cpu_times, host_load, metrics_delta,
+                                              parse_goodput_target, server_timings)
 
 
 @pytest.mark.slow
@@ -274,8 +276,26 @@ def test_server_timings_from_a_run_s_metric_deltas():
                 'deltaspec_gc_pause_seconds_count{generation="2",process="engine"}': 2.0,
                 'deltaspec_gc_pause_seconds_bucket{generation="2",le="0.02",process="engine"}': 0.0,
                 'deltaspec_gc_pause_seconds_count{generation="2",process="server"}': 1.0,
-                'deltaspec_gc_pause_seconds_bucket{generation="2",le="0.02",process="server"}': 1.0}
-    timings = server_timings(counters)
+                'deltaspec_gc_pause_seconds_bucket{generation="2",le="0.02",process="server"}': 1.0,
+                'deltaspec_process_cpu_seconds_total{process="engine"}': 3.0,
+                'deltaspec_process_cpu_seconds_total{process="server"}': 1.5}
+    timings = server_timings(counters, 4.0)
     assert timings["steps"] == {"decode": {"count": 10.0, "mean_s": pytest.approx(0.002), "share_within": 0.9}}
     assert timings["gc_pauses_past"] == {"engine": 3.0, "server": 0.0}  # past 20 ms: 1 young, 2 full; none
-    assert server_timings({}) == {"steps": {}, "step_within_s": 0.005, "gc_pauses_past": {}, "gc_pause_past_s": 0.02}
+    assert timings["cpu_fraction"] == {"engine": 0.75, "server": 0.375}
+    assert server_timings({}, 1.0) == {"steps": {}, "step_within_s": 0.005, "gc_pauses_past": {},
+                                       "gc_pause_past_s": 0.02, "cpu_fraction": {}}
+
+
+def test_host_load_between_two_readings():
+    """busy CPUs: every tick but idle, iowait and steal, per second; steal over all ticks."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    before = (100.0, 0.0, 50.0, 1000.0, 10.0, 0.0, 0.0, 0.0)
+    # Over 2 s: 3 CPUs' worth of user + system, 1 of idle, 0.5 of iowait, 0.5 of steal.
+    after = (before[0] + 4 * ticks, 0.0, before[2] + 2 * ticks, before[3] + 2 * ticks, before[4] + ticks, 0.0, 0.0,
+             1.0 * ticks)
+    load = host_load(before, after, 2.0)
+    assert load["busy_cpus"] == pytest.approx(3.0)  # user + system: 6 CPU-seconds over 2 s
+    assert load["steal_share"] == pytest.approx(1 / 10)
+    assert host_load(None, after, 2.0) is None
+    assert host_cpu_times() is None or len(host_cpu_times()) == 8
