@@ -110,16 +110,30 @@ class Load:
     opened. Open loop: request k sent `arrivals[k]` seconds after the origin, every one counted."""
 
     run: str  # the run's name in the prompts' keys
-    max_tokens: int  # each counted request's output
+    max_tokens: int  # each counted request's output (the mean of them with max_tokens_range)
     num_streams: int | None = None
     requests_per_stream: int | None = None
     duration: float | None = None
     arrivals: tuple[float, ...] | None = None
     request_rate: float | None = None  # the open loop's asked rate (what `arrivals` were drawn for)
+    # Each counted request's output uniform in max_tokens * (1 +- this), keyed by the run and
+    # index as its prompt is. 0: every request the same; then a closed loop's streams that once
+    # finish on the same step stay in step (plain decoding emits a token a row each step), so
+    # their successors keep sharing admissions, as real traffic's varied lengths would not.
+    max_tokens_range: float = 0.0
 
     @property
     def closed(self) -> bool:
         return self.arrivals is None
+
+    def output_tokens(self, index: int) -> int | None:
+        """Request `index`'s max_tokens, or None (the sampling's) when every request has the same."""
+        if not self.max_tokens_range:
+            return None
+        key = hashlib.sha256(f"{self.run}/{index}".encode()).digest()
+        low = max(1, round(self.max_tokens * (1 - self.max_tokens_range)))
+        high = max(low, round(self.max_tokens * (1 + self.max_tokens_range)))
+        return low + int.from_bytes(key[:8], "little") % (high - low + 1)
 
     def share(self, part: int, parts: int) -> tuple[int, ...]:
         """What client process `part` of `parts` runs: its streams (closed) or requests (open)."""
@@ -182,7 +196,8 @@ async def drive(load: Load, share: tuple[int, ...], prompts: PromptSet, window: 
         requests = []
         for index in share:
             await asyncio.sleep(origin + load.arrivals[index] - time.perf_counter())
-            requests.append(asyncio.create_task(send(prompts.prompt(load.run, index), origin)))
+            requests.append(asyncio.create_task(send(prompts.prompt(load.run, index), origin,
+                                                     load.output_tokens(index))))
         return list(await asyncio.gather(*requests))
 
     samples: list[Sample] = []
@@ -203,7 +218,8 @@ async def drive(load: Load, share: tuple[int, ...], prompts: PromptSet, window: 
             if load.duration is not None and start is not None and \
                     time.perf_counter() - origin >= start + load.duration:
                 return
-            sample = await send(prompts.prompt(load.run, index + sent * num_streams), origin)
+            request = index + sent * num_streams
+            sample = await send(prompts.prompt(load.run, request), origin, load.output_tokens(request))
             sent += 1
             start = window.start
             if start is not None and sample.start >= start:

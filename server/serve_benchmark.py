@@ -35,6 +35,7 @@ Prompts (`prompt_set` in the report): the held-out code prompts of the acceptanc
 files or a JSONL (cycled: repeated prompts hit the prefix cache; `--unique-prompts` gives each
 request a distinct first line, so its prefill is measured cold); or `--input-len` random token ids
 a request (`--input-len-range` spreads the lengths), sent as token-id lists, none sharing a prefix.
+`--max-tokens-range` spreads the output lengths likewise (each request runs to its own max_tokens).
 `--goodput ttft:MS itl:MS e2e:MS` (any subset) adds each run's rate of requests that met every
 target (itl: the request's mean time per output token after the first).
 
@@ -101,10 +102,10 @@ async def _in_process_request(engine: AsyncLLM, sampling: Sampling, prompt: Prom
 def loads(args: argparse.Namespace) -> list[Load]:
     """The runs: one closed loop per stream count, then one open loop per request rate."""
     closed = [Load(f"streams{n}", args.max_tokens, num_streams=n, requests_per_stream=args.requests_per_stream,
-                   duration=args.duration) for n in args.streams]
+                   duration=args.duration, max_tokens_range=args.max_tokens_range) for n in args.streams]
     opened = [Load(f"rate{rate:g}", args.max_tokens, request_rate=rate,
                    arrivals=arrival_times(rate, args.num_requests, args.duration, args.burstiness,
-                                          args.constant_rate, args.seed + i))
+                                          args.constant_rate, args.seed + i), max_tokens_range=args.max_tokens_range)
               for i, rate in enumerate(args.request_rate)]
     return closed + opened
 
@@ -552,6 +553,9 @@ def add_arguments(parser: argparse.ArgumentParser, default_model: Path) -> None:
                         help="synthetic prompts: random token ids, this many (each request its own)")
     parser.add_argument("--input-len-range", type=float, default=0.0,
                         help="synthetic prompts: lengths uniform in input-len * (1 +- this)")
+    parser.add_argument("--max-tokens-range", type=float, default=0.0,
+                        help="each request's max_tokens uniform in max-tokens * (1 +- this): varied output "
+                             "lengths, as real traffic has (0: all equal, closed-loop streams then finish in step)")
     parser.add_argument("--goodput", type=parse_goodput_target, nargs="+", default=[], metavar="METRIC:MS",
                         help="latency targets (ttft, itl: mean per output token, e2e): also report the rate of "
                              "requests that met them all")
@@ -589,6 +593,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("pass --input-len (synthetic prompts) or --prompts, not both")
     if not 0 <= args.input_len_range < 1:
         raise ValueError("--input-len-range must be in [0, 1)")
+    if not 0 <= args.max_tokens_range < 1:
+        raise ValueError("--max-tokens-range must be in [0, 1)")
     if args.client_processes is not None and args.client_processes < 1:
         raise ValueError("--client-processes must be >= 1")
 
@@ -603,7 +609,8 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
                   ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
               "command": "deltaspec bench serve " + " ".join(argv), "url": args.url,
               "server": None if args.url else "single process" if args.single_process else "engine process",
-              "max_tokens": args.max_tokens, "temperature": args.temperature,
+              "max_tokens": args.max_tokens, "max_tokens_range": args.max_tokens_range,
+              "temperature": args.temperature,
               "requests_per_stream": args.requests_per_stream, "duration_s": args.duration,
               "num_requests": args.num_requests,
               "arrivals": None if not args.request_rate else "constant" if args.constant_rate else

@@ -209,6 +209,31 @@ def test_prompt_sets_unique_and_synthetic():
     assert synthetic.prompt("r", 3) == prompts[3]  # the served and in-process runs send the same
 
 
+def test_output_lengths_spread_per_request():
+    """--max-tokens-range: each counted request its own max_tokens, uniform in M (1 +- R), the
+    same for a request index in every run of that name (served and in-process send the same);
+    the warm-ups keep theirs; with R = 0 every request leaves max_tokens to the sampling."""
+    load = Load("run", 100, num_streams=2, requests_per_stream=40, max_tokens_range=0.5)
+    lengths = [load.output_tokens(k) for k in range(400)]
+    assert all(50 <= n <= 150 for n in lengths) and min(lengths) < 60 and max(lengths) > 140
+    assert abs(sum(lengths) / len(lengths) - 100) < 6
+    assert lengths == [load.output_tokens(k) for k in range(400)]
+    assert Load("run", 100).output_tokens(3) is None
+    sent: list[tuple[str, int | None]] = []
+
+    async def send(prompt: str, origin: float, max_tokens: int | None = None) -> Sample:
+        sent.append((prompt, max_tokens))
+        await asyncio.sleep(0.001)
+        return Sample(time.perf_counter() - origin, 0.001, [], [], 0.001, max_tokens or 0)
+
+    window = Window(multiprocessing.get_context("spawn"))
+    prompts = PromptSet("test", ("a",), unique=True, nonce="n")  # first line: "# request n-run-<index>"
+    asyncio.run(drive(load, load.share(0, 1), prompts, window, send, time.perf_counter()))
+    assert [n for _, n in sent[:2]] == [50, 100]  # the warm-ups: 1/2 and 2/2 of max_tokens
+    counted = {int(prompt.splitlines()[0].rsplit("-", 1)[1]): n for prompt, n in sent[2:]}
+    assert len(counted) >= 80 and all(n == load.output_tokens(k) for k, n in counted.items())
+
+
 def test_arrival_times():
     assert arrival_times(4, 5, None, 1.0, True, 0) == pytest.approx((0, 0.25, 0.5, 0.75, 1.0))
     assert arrival_times(4, None, 1.0, 1.0, True, 0) == pytest.approx((0, 0.25, 0.5, 0.75))
