@@ -5,16 +5,18 @@ each kind of step costs the host.
     python bench/tools/admission_loop.py [--streams 16] [--steps 4000] [--drafts 0] [--out DIR]
         -> DIR/admission_loop-cpu.json
 
-Each of --streams streams sends a request (200 random prompt tokens, 32-96 output tokens,
-ignore_eos) and its next one as soon as the last finishes, as `deltaspec bench serve`'s closed
-loop does; the engine is host_overhead's (build_core: prefix cache off) with its FakeRunner (a
-step's outputs at once), so only the engine's own host work runs. On a GPU every admitting step costs a few milliseconds of host work
-whatever its rows (the prefill's launch, the first tokens' draw), so how requests that finish
-on neighbouring steps share admitting steps matters as much as what one costs: with async
-scheduling that depends on where the engine admits (the step planned ahead, or a step
-scheduled after the pipeline drained). To compare two trees, copy this file and
-bench/host_overhead.py into the other tree's bench/ and run it there with that tree's package
-on the path (bench/tools/ab.sh does the latter).
+Each of --streams streams sends a request (200 random prompt tokens, --output-tokens LOW HIGH
+output tokens, uniform, default 32-96, ignore_eos) and its next one as soon as the last
+finishes, as `deltaspec bench serve`'s closed loop does; the engine is host_overhead's
+(build_core: prefix cache off) with its FakeRunner (a step's outputs at once), so only the
+engine's own host work runs. On a GPU every admitting step costs a few milliseconds of host
+work whatever its rows (the prefill's launch, the first tokens' draw), so how requests that
+finish on neighbouring steps share admitting steps matters as much as what one costs: with
+async scheduling that depends on where the engine admits (the step planned ahead, or a step
+scheduled after the pipeline drained), and on the output lengths (all equal, plain streams
+that finish on one step stay in step and share every admission after). To compare two trees,
+copy this file and bench/host_overhead.py into the other tree's bench/ and run it there with
+that tree's package on the path (bench/tools/ab.sh does the latter).
 """
 
 from __future__ import annotations
@@ -38,10 +40,10 @@ from deltaspec.engine import SamplingParams  # noqa: E402
 from host_overhead import FakeRunner, build_core  # noqa: E402
 
 PROMPT_TOKENS = 200
-OUTPUT_TOKENS = (32, 96)
+OUTPUT_TOKENS = (32, 96)  # the default range of a request's output tokens
 
 
-def run(streams: int, steps: int, drafts: int, seed: int) -> dict:
+def run(streams: int, steps: int, drafts: int, seed: int, output_tokens: tuple[int, int] = OUTPUT_TOKENS) -> dict:
     with tempfile.TemporaryDirectory() as directory:
         core = build_core(make_checkpoint(Path(directory), "qwen3_5"), drafts, max(64, streams), async_scheduling=True)
     core.runner = FakeRunner(core.tokenizer.encode("".join(CORPUS)), bool(drafts), seed)
@@ -50,7 +52,7 @@ def run(streams: int, steps: int, drafts: int, seed: int) -> dict:
 
     def send() -> None:
         core.add_request([generator.randrange(vocab) for _ in range(PROMPT_TOKENS)],
-                         SamplingParams(max_tokens=generator.randint(*OUTPUT_TOKENS), temperature=0.0,
+                         SamplingParams(max_tokens=generator.randint(*output_tokens), temperature=0.0,
                                         ignore_eos=True))
 
     for _ in range(streams):
@@ -70,7 +72,8 @@ def run(streams: int, steps: int, drafts: int, seed: int) -> dict:
             if delta.finish_reason is not None:
                 requests += 1
                 send()
-    return {"streams": streams, "steps": steps, "drafts": drafts, "finished_requests": requests,
+    return {"streams": streams, "steps": steps, "drafts": drafts, "output_tokens": list(output_tokens),
+            "finished_requests": requests,
             "admitting_steps": len(seconds["admit"]),
             "admitting_steps_per_request": round(len(seconds["admit"]) / max(requests, 1), 3),
             "decode_steps_by_drafts": dict(sorted(by_drafts.items())),
@@ -85,10 +88,12 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--steps", type=int, default=4000)
     parser.add_argument("--drafts", type=int, default=0, help="num_draft_tokens (0: no speculation)")
+    parser.add_argument("--output-tokens", type=int, nargs=2, default=OUTPUT_TOKENS, metavar=("LOW", "HIGH"),
+                        help="each request's output tokens, uniform in [LOW, HIGH] (LOW = HIGH: all equal)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")
     args = parser.parse_args()
-    result = run(args.streams, args.steps, args.drafts, args.seed)
+    result = run(args.streams, args.steps, args.drafts, args.seed, tuple(args.output_tokens))
     print(result)
     write_result(args.out, "admission_loop", "cpu", result)
 
