@@ -24,7 +24,8 @@
 #           step's host time by part (where a speculative decode step's extra time goes)
 # servedab: `deltaspec bench serve --unique-prompts` at T = 0.7 for this tree and the baseline tree
 #           AB_BASE (git archive <commit> | tar -x -C _ab/base; carried), alternating new, base per
-#           draft setting (AB_SETTINGS, default "default 0"; AB_STREAMS, default "16 64"), then
+#           draft setting (AB_SETTINGS, default "default 0"; AB_STREAMS, default "16 64"; AB_FLAGS, more
+#           bench serve flags, e.g. "--max-tokens-range 0.5"), then
 #           ttft_trace --wait-in-loop --device-times (the engine process's own loop) at 16 plain
 #           streams for both: each step kind's device busy and idle, decode steps by their
 #           distance from the last admission
@@ -123,7 +124,7 @@ for part in ${parts//,/ }; do
             echo "-- $tree, drafts $drafts"
             command=(python -m deltaspec.server.cli bench serve --device cuda --dtype bfloat16 --streams ${AB_STREAMS:-16 64}
                      --duration 7 --max-tokens 256 --unique-prompts --no-in-process --temperature 0.7
-                     $([[ $drafts == 0 ]] && echo --num-draft-tokens 0) --out "$out/servedab/${tree}_$drafts")
+                     $([[ $drafts == 0 ]] && echo --num-draft-tokens 0) ${AB_FLAGS:-} --out "$out/servedab/${tree}_$drafts")
             [[ $tree == base ]] && command=(bash bench/tools/ab.sh "$base" "${command[@]}")
             timeout 150 "${command[@]}" 2>&1 | grep -E "^(served|server)"
         done
