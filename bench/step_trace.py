@@ -60,7 +60,7 @@ class Recorder:
             self.compiles.clear()
             if self.enabled:
                 plan = step.plan
-                if (plan.prefill_rows or plan.cached_rows) and len(self.profiles) < self.profile_mixed:
+                if plan.admits and len(self.profiles) < self.profile_mixed:
                     step = step._replace(wait=self._profiled(step.wait, plan))
                 self.steps.append({
                     "dispatch_s": started - self.origin, "scheduled_s": time.perf_counter() - started,

@@ -408,7 +408,7 @@ class EngineCore:
                 self.requests.pop(request.request_id, None)
                 if request.finish_reason == "error":
                     logger.error("request %s failed: %s; serving the rest", request.request_id, NONFINITE_LOGITS)
-        self.step_times.observe("admit" if plan.prefill_rows or plan.cached_rows else "decode",
+        self.step_times.observe("admit" if plan.admits else "decode",
                                 time.perf_counter() - self._dispatched_at)
         self._observe_cost(plan, start)
         return deltas
@@ -425,8 +425,8 @@ class EngineCore:
         admits (prefill chunks, cached rows) is not a decode step's price."""
         end = time.perf_counter()
         policy = self.scheduler.draft_policy
-        if (policy is not None and self._back_to_back and self._last_commit is not None and plan.decode_rows
-                and not plan.prefill_rows and not plan.cached_rows):
+        if policy is not None and self._back_to_back and self._last_commit is not None and plan.decode_rows \
+                and not plan.admits:
             seconds = (start - self._last_commit - self._last_commit_seconds - self._ahead_host
                        + self._own_host + end - start)
             policy.observe(len(plan.decode_rows), max(r.num_draft_tokens for r in plan.decode_rows), seconds)

@@ -94,6 +94,12 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(r.num_tokens for r in self.rows)
 
+    @property
+    def admits(self) -> bool:
+        """Whether the step has new rows (prefill chunks or cached prompts): an admitting step,
+        not a decode step (its time is not a decode step's price, nor counted as one)."""
+        return bool(self.prefill_rows or self.cached_rows)
+
 
 @dataclass(frozen=True)
 class StepOutput:

@@ -83,7 +83,7 @@ class LaunchCounter:
         def counting(plan):
             fed = [row.fed_from for row in plan.decode_rows if row.fed_from is not None]
             self.fed_steps += bool(fed)
-            self.admitting_fed_steps += bool(fed) and bool(plan.prefill_rows or plan.cached_rows)
+            self.admitting_fed_steps += bool(fed) and plan.admits
             if fed and before:
                 self.fed_first_tokens += sum(source >= len(before[-1].decode_rows) for source in fed)
             before[:] = [plan]
