@@ -210,15 +210,23 @@ class DeviceTimes:
 
     def __init__(self, runner) -> None:
         self.steps: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] = []
+        self._depth = 0  # a `run` that calls `launch` is one step: only the outer call records
         for name in ("launch", "run"):
             setattr(runner, name, self._timed(getattr(runner, name)))
 
     def _timed(self, method):
         def timed(plan):
+            if self._depth:
+                return method(plan)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            result = method(plan)
+            self._depth += 1
+            try:
+                result = method(plan)
+            finally:
+                self._depth -= 1
             end.record()
+            # Not StepPlan.admits: the trace also runs in baseline trees older than it.
             kind = "admit" if plan.prefill_rows or plan.cached_rows else \
                 f"K={max((r.num_draft_tokens for r in plan.decode_rows), default=0)}"
             self.steps.append((kind, len(plan.rows), start, end))
