@@ -32,6 +32,22 @@ def timed(function: Callable, record: Callable[[float], None]) -> Callable:
     return wrapper
 
 
+def closed_loop(core, send: Callable[[], None], steps: int):
+    """`steps` steps of an EngineCore (dispatch, wait, commit), each request that finishes
+    replaced at once by `send()`, as a closed-loop client does (`deltaspec bench serve`'s
+    streams). Yields each step's plan, its host seconds (dispatch to the end of its commit) and
+    the requests it finished."""
+    for _ in range(steps):
+        start = time.perf_counter()
+        step = core.dispatch()
+        deltas = core.commit(step.plan, step.wait())
+        seconds = time.perf_counter() - start
+        finished = sum(delta.finish_reason is not None for delta in deltas)
+        for _ in range(finished):
+            send()
+        yield step.plan, seconds, finished
+
+
 def free_port() -> int:
     """A TCP port free on this host now (a store's or a server's)."""
     with socket.socket() as probe:

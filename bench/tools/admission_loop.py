@@ -15,8 +15,8 @@ finish on neighbouring steps share admitting steps matters as much as what one c
 async scheduling that depends on where the engine admits (the step planned ahead, or a step
 scheduled after the pipeline drained), and on the output lengths (all equal, plain streams
 that finish on one step stay in step and share every admission after). To compare two trees,
-copy this file and bench/host_overhead.py into the other tree's bench/ and run it there with
-that tree's package on the path (bench/tools/ab.sh does the latter).
+copy this file, bench/host_overhead.py and bench/common.py into the other tree's bench/ and run
+it there with that tree's package on the path (bench/tools/ab.sh does the latter).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -35,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 from fixtures import CORPUS, make_checkpoint  # noqa: E402
 
-from common import write_result  # noqa: E402
+from common import closed_loop, write_result  # noqa: E402
 from deltaspec.engine import SamplingParams  # noqa: E402
 from host_overhead import FakeRunner, build_core  # noqa: E402
 
@@ -60,18 +59,12 @@ def run(streams: int, steps: int, drafts: int, seed: int, output_tokens: tuple[i
     seconds: dict[str, list[float]] = {"decode": [], "admit": []}
     by_drafts: Counter[int] = Counter()  # decode steps by their draft count K
     requests = 0
-    for _ in range(steps):
-        start = time.perf_counter()
-        step = core.dispatch()
-        deltas = core.commit(step.plan, step.wait())
-        kind = "admit" if step.plan.prefill_rows or step.plan.cached_rows else "decode"
-        seconds[kind].append(time.perf_counter() - start)
+    for plan, host_seconds, finished in closed_loop(core, send, steps):
+        kind = "admit" if plan.prefill_rows or plan.cached_rows else "decode"  # runs in older trees too
+        seconds[kind].append(host_seconds)
         if kind == "decode":
-            by_drafts[max(r.num_draft_tokens for r in step.plan.decode_rows)] += 1
-        for delta in deltas:
-            if delta.finish_reason is not None:
-                requests += 1
-                send()
+            by_drafts[max(r.num_draft_tokens for r in plan.decode_rows)] += 1
+        requests += finished
     return {"streams": streams, "steps": steps, "drafts": drafts, "output_tokens": list(output_tokens),
             "finished_requests": requests,
             "admitting_steps": len(seconds["admit"]),

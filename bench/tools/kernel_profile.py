@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import write_result  # noqa: E402
+from common import closed_loop, write_result  # noqa: E402
 from deltaspec.engine import EngineConfig, SamplingParams  # noqa: E402
 from deltaspec.engine.core import EngineCore  # noqa: E402
 from deltaspec.server.acceptance_benchmark import device_name, load_prompts  # noqa: E402
@@ -35,8 +35,9 @@ from deltaspec.server.acceptance_benchmark import device_name, load_prompts  # n
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def closed_loop(core: EngineCore, texts: list[str], streams: int, params: SamplingParams):
-    """A function running n steps of the loop and counting them into a Counter."""
+def stepper(core: EngineCore, texts: list[str], streams: int, params: SamplingParams):
+    """--streams requests of unique prompts sent; returns run(steps, counts), which steps the
+    closed loop and counts its steps by kind, rows and finished requests into `counts`."""
     sent = [0]
 
     def send() -> None:
@@ -48,18 +49,13 @@ def closed_loop(core: EngineCore, texts: list[str], streams: int, params: Sampli
         send()
 
     def run(steps: int, counts: Counter) -> None:
-        for _ in range(steps):
-            step = core.dispatch()
-            plan = step.plan
-            deltas = core.commit(plan, step.wait())
+        for plan, _, finished in closed_loop(core, send, steps):
+            # Not StepPlan.admits: this runs in baseline trees older than it (bench/tools/ab.sh).
             counts["admit" if plan.prefill_rows or plan.cached_rows else "decode"] += 1
             counts["prefill_rows"] += len(plan.prefill_rows)
             counts["prefill_tokens"] += sum(r.num_tokens for r in plan.prefill_rows)
             counts["decode_rows"] += len(plan.decode_rows)
-            for delta in deltas:
-                if delta.finish_reason is not None:
-                    counts["finished"] += 1
-                    send()
+            counts["finished"] += finished
 
     return run
 
@@ -80,7 +76,7 @@ def main() -> None:
     drafts = {} if args.drafts == "default" else {"num_draft_tokens": int(args.drafts)}
     core = EngineCore(EngineConfig(model=args.model, device="cuda", dtype=args.dtype, **drafts))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True)
-    run = closed_loop(core, load_prompts(args.model, [], 128, 2000, 0), args.streams, params)
+    run = stepper(core, load_prompts(args.model, [], 128, 2000, 0), args.streams, params)
     run(args.warm_up, Counter())
     counts: Counter = Counter()
     torch.cuda.synchronize()
