@@ -260,8 +260,10 @@ class Runner:
         emitted tokens, the accepted counts, the non-finite flags; decode rows first, then the
         rows that drew a first token); logprobs: with the log-probabilities rows ask for."""
         num_decode, width = len(plan.decode_rows), self.decode.emitted.shape[0]
-        num_first = len(first.rows) if first is not None else 0
-        table = outputs[:, :num_decode + num_first].tolist()  # one read
+        rest = plan.prefill_rows + plan.cached_rows
+        # The plan rows that drew a first token; output rows num_decode.. hold theirs, in order.
+        firsts = [i for i, r in enumerate(rest, num_decode) if r.sample]
+        table = outputs[:, :num_decode + len(firsts)].tolist()  # one read
         tokens, accepted, nonfinite = table[0], table[width], table[width + 1]
         speculative = decoded is not None and decoded.width > 1
         if speculative:
@@ -270,21 +272,20 @@ class Runner:
         else:
             emitted, num_pending = [[t] for t in tokens[:num_decode]], None
         flags = nonfinite[:num_decode]
-        rest = plan.prefill_rows + plan.cached_rows
         if rest:
-            # Output rows num_decode.. hold the first tokens of the rows that drew one, in order.
-            drawn = iter(range(num_decode, num_decode + num_first))
-            places = [next(drawn) if r.sample else None for r in rest]
-            emitted += [[tokens[i]] if i is not None else [] for i in places]
-            flags += [nonfinite[i] if i is not None else 0 for i in places]
+            emitted += [[] for _ in rest]
+            flags += [0] * len(rest)
+            for out, i in enumerate(firsts, num_decode):
+                emitted[i], flags[i] = [tokens[out]], nonfinite[out]
             num_pending = (num_pending or [0] * num_decode) + [0] * len(rest)
-        return StepOutput(emitted, self._logprobs(plan, decoded, first, emitted) if logprobs else None,
+        return StepOutput(emitted, self._logprobs(plan, decoded, first, emitted, firsts) if logprobs else None,
                           num_pending, flagged(flags))
 
     def _logprobs(self, plan: StepPlan, decoded: _Decoded | None, first: _First | None,
-                  emitted: list[list[int]]) -> list | None:
+                  emitted: list[list[int]], firsts: list[int]) -> list | None:
         """Per plan row, the log-probabilities of its emitted tokens where its request asks for
-        them (decode rows scored by their verify logits, first tokens by theirs); None: none."""
+        them (decode rows scored by their verify logits, first tokens, at plan rows `firsts`, by
+        theirs); None: none."""
         num_decode = len(plan.decode_rows)
         result: list = [None] * len(emitted)
         if decoded is not None:
@@ -293,10 +294,9 @@ class Runner:
             result[:num_decode] = self.sampler.logprobs(decoded.logits, decoded.rows, logit_rows,
                                                         emitted[:num_decode]) or [None] * num_decode
         if first is not None:
-            places = [i for i, r in enumerate(plan.prefill_rows + plan.cached_rows, num_decode) if r.sample]
-            scored = self.sampler.logprobs(first.logits, first.rows, [[j] for j in range(len(places))],
-                                           [emitted[i] for i in places])
-            for i, entry in zip(places, scored or ()):
+            scored = self.sampler.logprobs(first.logits, first.rows, [[j] for j in range(len(firsts))],
+                                           [emitted[i] for i in firsts])
+            for i, entry in zip(firsts, scored or ()):
                 result[i] = entry
         return result if any(entry is not None for entry in result) else None
 
