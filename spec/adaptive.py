@@ -206,7 +206,7 @@ class DraftPolicy:
         # gains[i]: expected tokens that depth i + 1 adds over the batch.
         gains = [0.0] * top
         for estimate, room in zip(estimates, rooms):
-            for i, reach in enumerate(accumulate(estimate.conditional[:min(room, top)], mul)):
+            for i, reach in enumerate(estimate.reach[:min(room, top)]):
                 gains[i] += reach
         num_rows = len(estimates)
         plain = num_rows / self.cost(num_rows, 0, num_sampled)
