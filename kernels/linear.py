@@ -1,4 +1,5 @@
-"""Skinny GEMM for decode and verify batches: y[M, N] = x[M, K] @ W[N, K]^T with M <= 64.
+"""Skinny GEMM for decode and verify batches: y[M, N] = x[M, K] @ W[N, K]^T with M <= 64, and the
+block ops around a projection fused into its epilogue.
 
 At such M a projection only streams its weight, so its time is W's bytes over the memory
 bandwidth plus fixed latency. cuBLAS tiles along N only for these shapes (H100: a 64x8 tile),
@@ -15,9 +16,23 @@ bench/results/kernels_linear-h100.json). What it pays beyond streaming W is the 
 partial stores made visible, the counter atomic and the partial loads, three dependent L2 round
 trips (H100 breakdown in commit 8b76c27).
 
+Fusions (keyword options of `linear`, each a constexpr of the kernel), for a decoder block whose
+residual stream is materialised (engine/models/layers.py, DecoderLayer.forward_stream):
+  norm_eps   x is the residual stream and the projection reads it RMS-normalised: the norm's
+             weight is folded into W's columns at load time, so the main loop streams W and the
+             raw x as ever, also summing x^2 per row; the epilogue scales row m by
+             rsqrt(mean(x_m^2) + eps) (per split, then summed by the last arriver).
+  glu        W is [gate; up] (2I rows): a program's tile takes BLOCK_N / 2 rows of each for the
+             same output columns and stores silu(gate) * up [M, I].
+  residual   y = residual + x W^T, stored into the residual stream itself.
+Each changes what the last store does (and what the loop adds to a register), never how W
+streams: fusing into the loop's x operand (a computed tile) halved the weight stream's rate
+(bench/results/attempts/fused_block_ops).
+
 `linear` is the entry point (the `Ops.linear` of the GPU table): the kernel where `use_kernel`
-says it beats cuBLAS, cuBLAS elsewhere (prefill, wide N, more than 16 rows at larger N; rows padded
-to a bucket outside graph capture, `cublas_linear`).
+says it beats cuBLAS, or ties it and saves launches by fusing; elsewhere cuBLAS (prefill, wide N,
+more than 16 rows at larger N; rows padded to a bucket outside graph capture, `cublas_linear`)
+with the fusions as the separate kernels they replace.
 `launch_linear` runs the kernel with an explicit config (tests, the tuning sweep of
 bench/kernels_linear.py); `linear_reference` is the torch oracle. Knows nothing about which
 projection it computes.
@@ -33,48 +48,68 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .activation import silu_and_mul, silu_and_mul_reference
 from .arrivals import arrival_counters, last_to_arrive, reset_arrivals
 from .device import INTERPRETED, num_sms
 from .launch import dependent_prologue, dot_precision, pdl
+from .norms import rms_norm, rms_norm_reference
 from .tiles import TileConfig
 
 MAX_ROWS = 64               # the kernel's limit (x is padded to a power of two >= 16 rows)
 KERNEL_MAX_ROWS = 32        # use_kernel never picks the kernel for more rows
 
 
-def linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype."""
-    return F.linear(x, weight)
+def linear_reference(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = None, glu: bool = False,
+                     residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype, with the block ops the kernel fuses, as
+    the separate ops they replace: norm_eps: x RMS-normalised first (unit weight: the norm's
+    weight is folded into W); glu: W = [gate; up] and the result silu(gate) * up [M, N / 2];
+    residual: the result added into `residual` [M, N] (in place), which is returned."""
+    if norm_eps is not None:
+        x, _ = rms_norm_reference(x, None, norm_eps)
+    y = F.linear(x, weight)
+    if glu:
+        y = silu_and_mul_reference(y)
+    return y if residual is None else residual.add_(y)
 
 
 # M varies with the batch: not compile-time (one binary serves a BLOCK_M).
-@triton.jit(do_not_specialize=["M"])
-def _linear_kernel(x, w, y, partials, arrivals, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
+@triton.jit(do_not_specialize=["M", "eps"])
+def _linear_kernel(x, w, y, residual, partials, row_sq, arrivals, M, N, K, k_per_split, eps,
+                   stride_xm, stride_wn, stride_ym, stride_rm,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                   EVEN_K: tl.constexpr, PRECISION: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
-    """Program (N tile pid_n, K split pid_k): acc[BLOCK_N, BLOCK_M] = W[n tile, k split] @ x[:, k split]^T,
+                   EVEN_K: tl.constexpr, PRECISION: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr,
+                   RESIDUAL: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
+    """Program (N tile pid_n, K split pid_k): acc[BLOCK_N, BLOCK_M] = W[tile rows, k split] @ x[:, k split]^T,
     i.e. y^T, so that the wide side (W's rows) is the MMA's M and the padded batch (>= 16 rows
     for tl.dot) its N. K splits are k_per_split long (a multiple of BLOCK_K); the last may be
     short or empty. Rows of W past N and of x past M are clamped to the last row instead of
     masked, so the loads along K stay unpredicated 16-byte vectors; their products land in
-    columns that are never stored.
+    columns that are never stored. N is y's width: with GLU, W has 2N rows and tile pid_n reads
+    rows pid_n * BLOCK_N / 2 + [0, BLOCK_N / 2) of the gate half and the same of the up half.
 
-    SPLIT_K > 1: partials [SPLIT_K, M, N] fp32 (scratch); arrivals[pid_n] counts the tile's
-    programs in. The last one sums the partials in split order and writes y. The sum is
-    unrolled so that its SPLIT_K loads are in flight together: that tail is one L2 round trip,
-    not SPLIT_K of them (a loop was slower; H100 A/B in commit 8b76c27)."""
+    SPLIT_K > 1: partials [SPLIT_K, M, grid_n * BLOCK_N] fp32 (scratch, by tile row), row_sq
+    [grid_n, SPLIT_K, BLOCK_M] fp32 (NORM: each split's sum of x^2); arrivals[pid_n] counts the
+    tile's programs in. The last one sums the partials in split order and finishes the tile
+    (_finish_tile). The sum is unrolled so that its SPLIT_K loads are in flight together: that
+    tail is one L2 round trip, not SPLIT_K of them (a loop was slower; H100 A/B in commit 8b76c27)."""
     dependent_prologue(DEPENDENT_LAUNCH)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    rows_w = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_N)  # the tile's rows of W
+    if GLU:  # the first half of the tile's rows from the gate half of W, the second from the up half
+        rows_w = tl.minimum(pid_n * (BLOCK_N // 2) + offs_r % (BLOCK_N // 2), N - 1) + tl.where(offs_r < BLOCK_N // 2, 0, N)
+    else:
+        rows_w = tl.minimum(pid_n * BLOCK_N + offs_r, N - 1)
+    rows_w = rows_w.to(tl.int64)
     rows_x = tl.minimum(offs_m, M - 1).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     w_ptrs = w + rows_w[:, None] * stride_wn + (k_start + offs_k)[None, :]     # [BLOCK_N, BLOCK_K]
     x_ptrs = x + rows_x[:, None] * stride_xm + (k_start + offs_k)[None, :]     # [BLOCK_M, BLOCK_K]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_M,), dtype=tl.float32)  # NORM: sum of x^2 over the split, per row
     for k in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             w_tile = tl.load(w_ptrs)
@@ -84,23 +119,59 @@ def _linear_kernel(x, w, y, partials, arrivals, M, N, K, k_per_split, stride_xm,
             w_tile = tl.load(w_ptrs, mask=in_k[None, :], other=0.0)
             x_tile = tl.load(x_ptrs, mask=in_k[None, :], other=0.0)
         acc = tl.dot(w_tile, tl.trans(x_tile), acc, input_precision=PRECISION)
+        if NORM:
+            x_values = x_tile.to(tl.float32)
+            sq += tl.sum(x_values * x_values, axis=1)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
 
-    out = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-    y_ptrs = y + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
     if SPLIT_K == 1:
-        tl.store(y_ptrs, acc.to(y.dtype.element_ty), mask=out)
+        _finish_tile(acc, sq, y, residual, pid_n, offs_m, offs_r, M, N, K, eps, stride_ym, stride_rm,
+                     BLOCK_M, BLOCK_N, NORM, GLU, RESIDUAL)
     else:
-        tile = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]                # within one [M, N] partial
-        tl.store(partials + pid_k.to(tl.int64) * M * N + tile, acc, mask=out)
+        width = tl.num_programs(0) * BLOCK_N
+        tile = offs_m[None, :].to(tl.int64) * width + (pid_n * BLOCK_N + offs_r)[:, None]  # within one partial
+        real_rows = (offs_m < M)[None, :]
+        tl.store(partials + pid_k.to(tl.int64) * M * width + tile, acc, mask=real_rows)
+        sq_ptrs = row_sq + pid_n * SPLIT_K * BLOCK_M + offs_m
+        if NORM:
+            tl.store(sq_ptrs + pid_k * BLOCK_M, sq)
         if last_to_arrive(arrivals + pid_n, SPLIT_K):
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            total_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):
                 # .cg: from L2, where the other SMs' stores are, never a stale L1 line
-                total += tl.load(partials + s * M * N + tile, mask=out, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptrs, total.to(y.dtype.element_ty), mask=out)
+                total += tl.load(partials + s * M * width + tile, mask=real_rows, other=0.0, cache_modifier=".cg")
+                if NORM:
+                    total_sq += tl.load(sq_ptrs + s * BLOCK_M, cache_modifier=".cg")
+            _finish_tile(total, total_sq, y, residual, pid_n, offs_m, offs_r, M, N, K, eps, stride_ym, stride_rm,
+                         BLOCK_M, BLOCK_N, NORM, GLU, RESIDUAL)
             reset_arrivals(arrivals + pid_n)
+
+
+@triton.jit
+def _finish_tile(acc, sq, y, residual, pid_n, offs_m, offs_r, M, N, K, eps, stride_ym, stride_rm,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr):
+    """Store a tile's sums acc [BLOCK_N, BLOCK_M] (y^T) with the fused ops, in the order the
+    separate ops would run: the norm's 1 / rms of each x row (sq: its sum of squares over K),
+    the projection's output rounded to y's dtype, silu(gate) * up rounded again, the residual
+    added in fp32 and rounded once."""
+    if NORM:
+        acc = acc * tl.rsqrt(sq / K + eps)[None, :]
+    out = acc.to(y.dtype.element_ty)
+    if GLU:
+        half = tl.permute(tl.reshape(out.to(tl.float32), (2, BLOCK_N // 2, BLOCK_M)), (1, 2, 0))
+        gate, up = tl.split(half)                                    # [BLOCK_N / 2, BLOCK_M] each
+        out = (gate * tl.sigmoid(gate) * up).to(y.dtype.element_ty)
+        cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    else:
+        cols = pid_n * BLOCK_N + offs_r
+    mask = (cols < N)[:, None] & (offs_m < M)[None, :]
+    rows = offs_m[None, :].to(tl.int64)
+    if RESIDUAL:
+        stream = tl.load(residual + rows * stride_rm + cols[:, None], mask=mask, other=0.0)
+        out = (out.to(tl.float32) + stream.to(tl.float32)).to(y.dtype.element_ty)
+    tl.store(y + rows * stride_ym + cols[:, None], out, mask=mask)
 
 
 def block_m(num_rows: int) -> int:
@@ -124,10 +195,15 @@ def kernel_config(num_rows: int, out_features: int, in_features: int, sms: int) 
     BLOCK_K = 128 (a warp reads 256-byte stretches of W's rows in 16-byte vectors), 4 warps, 4
     stages; BLOCK_N 64 up to 8 rows, 32 above; split-K for at most one program per SM and at
     least num_stages K blocks per split (shorter splits pay the pipeline's prologue and the
-    split-K tail for fewer bytes). Within a few percent of the fastest swept config for every
-    shape use_kernel gives the kernel (measured: bench/results/kernels_linear-h100.json)."""
-    block_n = 64 if num_rows <= 8 else 32
+    split-K tail for fewer bytes). Where 64-row N tiles alone fill the SMs (the wide projections
+    the fusions bring here: the 0.8B in_proj, qkv, gate_up) no split, 64-row tiles, and K steps
+    of 256 up to 8 rows: the sweep's best there, tying cuBLAS. Within a few percent of the
+    fastest swept config for every shape (measured: bench/results/kernels_linear-h100.json)."""
     block_k, num_stages = 128, 4
+    if triton.cdiv(out_features, 64) >= sms:
+        return TileConfig(block_n=64, block_k=256 if num_rows <= 8 else 128, num_splits=1, num_warps=4,
+                          num_stages=num_stages)
+    block_n = 64 if num_rows <= 8 else 32
     num_tiles, num_k_blocks = triton.cdiv(out_features, block_n), triton.cdiv(in_features, block_k)
     split_k = split_k_for(num_k_blocks, min(triton.cdiv(sms, num_tiles), max(1, num_k_blocks // num_stages)))
     return TileConfig(block_n=block_n, block_k=block_k, num_splits=split_k, num_warps=4, num_stages=num_stages)
@@ -141,17 +217,21 @@ def kernel_everywhere() -> bool:
     return os.environ.get("DELTASPEC_LINEAR_KERNEL") == "always"
 
 
-def use_kernel(num_rows: int, out_features: int, sms: int) -> bool:
+FUSED_MAX_ROWS = 16         # fused projections take the kernel up to here, whatever N
+
+
+def use_kernel(num_rows: int, out_features: int, sms: int, fused: bool = False) -> bool:
     """The rule between this kernel and cuBLAS (measured: bench/results/kernels_linear-h100.json):
       - N >= 32 per SM (the 0.8B in_proj, qkv, gate_up; every 9B one but out/o_proj and down):
-        cuBLAS's own N tiles fill the GPU; it ties or wins;
+        cuBLAS's own N tiles fill the GPU; it ties (with kernel_config's wide tiles) or wins,
+        so the kernel takes these only where it fuses ops (`fused`) up to FUSED_MAX_ROWS rows;
       - up to 16 rows otherwise: the kernel;
       - 17..32 rows: the kernel up to 16 features per SM; at N = 4096 cuBLAS switches to a
         faster kernel there;
       - more than 32 rows: cuBLAS (x's re-reads from L2 and the fp32 partials grow with M)."""
     if not 0 < num_rows <= KERNEL_MAX_ROWS:
         return False
-    if kernel_everywhere():
+    if kernel_everywhere() or (fused and num_rows <= FUSED_MAX_ROWS):
         return True
     if out_features >= 32 * sms:
         return False
@@ -159,77 +239,104 @@ def use_kernel(num_rows: int, out_features: int, sms: int) -> bool:
 
 
 @cache
-def linear_config(num_rows: int, out_features: int, in_features: int, device: torch.device) -> TileConfig | None:
-    """The config `linear` launches for these shapes on `device`, or None for cuBLAS. Shapes and
-    the SM count only: CUDA graphs replay the choice. The interpreter gets one small config."""
+def linear_config(num_rows: int, out_features: int, in_features: int, device: torch.device,
+                  fused: bool = False) -> TileConfig | None:
+    """The config `linear` launches for these shapes on `device` (out_features: W's rows), or
+    None for cuBLAS. Shapes, whether the call fuses ops, and the SM count only: CUDA graphs
+    replay the choice. The interpreter gets one small config."""
     if INTERPRETED:
         if not 0 < num_rows <= KERNEL_MAX_ROWS:
             return None
         return TileConfig(block_n=16, block_k=32, num_splits=split_k_for(triton.cdiv(in_features, 32), 2),
                           num_warps=1, num_stages=1)
     sms = num_sms(device)
-    if not use_kernel(num_rows, out_features, sms):
+    if not use_kernel(num_rows, out_features, sms, fused):
         return None
     return kernel_config(num_rows, out_features, in_features, sms)
 
 
 @cache
 def _launch_plan(x_shape: torch.Size, weight_shape: torch.Size, y_shape: torch.Size, dtype: torch.dtype,
-                 weight_dtype: torch.dtype, y_dtype: torch.dtype,
-                 config: TileConfig) -> tuple[tuple[int, int], int, dict]:
+                 weight_dtype: torch.dtype, y_dtype: torch.dtype, config: TileConfig, norm: bool, glu: bool,
+                 residual: bool) -> tuple[tuple[int, int], int, dict]:
     """Shape and dtype checks, then (grid, K per split, compile-time arguments): once per shape,
     so that a call pays only for its stride checks, its scratch and the launch (an eager step is
     bound by the host's launches)."""
     assert len(x_shape) == 2 and len(weight_shape) == 2 and weight_shape[1] == x_shape[1], \
         f"linear: x {tuple(x_shape)} and weight {tuple(weight_shape)} do not chain"
-    (num_rows, in_features), out_features = x_shape, weight_shape[0]
+    (num_rows, in_features), weight_rows = x_shape, weight_shape[0]
     assert dtype == weight_dtype == y_dtype and dtype in (torch.bfloat16, torch.float16, torch.float32), \
         f"linear: x {dtype}, weight {weight_dtype}, y {y_dtype}"
+    assert not glu or weight_rows % 2 == 0, f"linear: glu needs [gate; up], an even number of rows, got {weight_rows}"
+    assert not glu or config.block_n >= 2, "linear: glu needs block_n >= 2"
+    out_features = weight_rows // 2 if glu else weight_rows
     assert y_shape == (num_rows, out_features), f"linear: y {tuple(y_shape)}"
     assert 0 < num_rows <= MAX_ROWS, f"linear kernel takes 1..{MAX_ROWS} rows, got {num_rows}"
     k_per_split = triton.cdiv(triton.cdiv(in_features, config.num_splits), config.block_k) * config.block_k
     meta = dict(BLOCK_M=block_m(num_rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.num_splits,
                 EVEN_K=in_features % config.block_k == 0,
-                PRECISION=dot_precision(dtype),
+                PRECISION=dot_precision(dtype), NORM=norm, GLU=glu, RESIDUAL=residual,
                 **config.launch_options())
-    return (triton.cdiv(out_features, config.block_n), config.num_splits), k_per_split, meta
+    tile_rows = config.block_n // 2 if glu else config.block_n
+    return (triton.cdiv(out_features, tile_rows), config.num_splits), k_per_split, meta
 
 
-def _check_linear_args(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+def _check_linear_args(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
     """What a call must check itself (_launch_plan checks shapes and dtypes once per shape)."""
     assert x.stride(1) == 1 and weight.stride(1) == 1, "linear: x and weight need unit stride along K"
     assert y.is_contiguous(), "linear: y must be contiguous"
     assert weight.device == x.device == y.device, "linear: x, weight and y on one device"
+    if residual is not None:
+        assert residual.shape == y.shape and residual.dtype == y.dtype and residual.stride(1) == 1, \
+            "linear: residual of y's shape and dtype, unit stride along N"
 
 
-def launch_linear(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config: TileConfig) -> None:
-    """y [M, N] = x [M, K] @ weight [N, K]^T with an explicit config. x and weight: same dtype
-    (bf16, fp16 or fp32), unit stride along K (x may be a row-strided view); y contiguous, same
-    dtype. Accumulates in fp32; fp32 inputs multiply in full fp32 (no tf32)."""
-    grid, k_per_split, meta = _launch_plan(x.shape, weight.shape, y.shape, x.dtype, weight.dtype, y.dtype, config)
-    _check_linear_args(y, x, weight)
+def launch_linear(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config: TileConfig, *,
+                  norm_eps: float | None = None, glu: bool = False, residual: torch.Tensor | None = None) -> None:
+    """y [M, N] = x [M, K] @ weight [N, K]^T with an explicit config and the fusions of
+    linear_reference (with glu, weight is [2N, K]; residual may be y itself). x and weight:
+    same dtype (bf16, fp16 or fp32), unit stride along K (x may be a row-strided view); y
+    contiguous, same dtype. Accumulates in fp32; fp32 inputs multiply in full fp32 (no tf32)."""
+    grid, k_per_split, meta = _launch_plan(x.shape, weight.shape, y.shape, x.dtype, weight.dtype, y.dtype, config,
+                                           norm_eps is not None, glu, residual is not None)
+    _check_linear_args(y, x, weight, residual)
     device = x.device
-    (num_rows, in_features), out_features = x.shape, weight.shape[0]
+    (num_rows, in_features), out_features = x.shape, y.shape[1]
     if config.num_splits > 1:
-        partials = torch.empty((config.num_splits, num_rows, out_features), dtype=torch.float32, device=device)
+        partials = torch.empty((config.num_splits, num_rows, grid[0] * config.block_n), dtype=torch.float32,
+                               device=device)
+        row_sq = torch.empty((grid[0], config.num_splits, meta["BLOCK_M"]), dtype=torch.float32, device=device) \
+            if norm_eps is not None else partials
         arrivals = arrival_counters(device, grid[0])
     else:  # never touched
-        partials = arrivals = y
-    _linear_kernel[grid](x, weight, y, partials, arrivals, num_rows, out_features, in_features, k_per_split,
-                         x.stride(0), weight.stride(0), y.stride(0), **meta, **pdl(x.device))
+        partials = row_sq = arrivals = y
+    stream = y if residual is None else residual
+    _linear_kernel[grid](x, weight, y, stream, partials, row_sq, arrivals, num_rows, out_features, in_features,
+                         k_per_split, 0.0 if norm_eps is None else norm_eps,
+                         x.stride(0), weight.stride(0), y.stride(0), stream.stride(0), **meta, **pdl(x.device))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """linear_reference through the kernel where linear_config picks it, else through cuBLAS
-    (`cublas_linear`)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = None, glu: bool = False,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """linear_reference through the kernel where linear_config picks it (with the fusions in its
+    epilogue; the result written into `residual` when given), else through cuBLAS
+    (`cublas_linear`) and the separate kernels of the fused ops."""
+    fused = norm_eps is not None or glu or residual is not None
     if x.dim() != 2:
+        assert not fused, "linear: fused ops take [M, K] activations"
         return F.linear(x, weight)
-    (num_rows, in_features), out_features, device = x.shape, weight.shape[0], x.device
-    config = linear_config(num_rows, out_features, in_features, device)
+    (num_rows, in_features), weight_rows, device = x.shape, weight.shape[0], x.device
+    config = linear_config(num_rows, weight_rows, in_features, device, fused)
     if config is None:
-        return cublas_linear(x, weight)
-    y = torch.empty((num_rows, out_features), dtype=x.dtype, device=device)
-    launch_linear(y, x, weight, config)
+        if norm_eps is not None:
+            x, _ = rms_norm(x, None, norm_eps)
+        y = cublas_linear(x, weight)
+        if glu:
+            y = silu_and_mul(y)
+        return y if residual is None else residual.add_(y)
+    y = residual if residual is not None else \
+        torch.empty((num_rows, weight_rows // 2 if glu else weight_rows), dtype=x.dtype, device=device)
+    launch_linear(y, x, weight, config, norm_eps=norm_eps, glu=glu, residual=residual)
     return y
 
 

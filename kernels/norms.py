@@ -2,7 +2,8 @@
 
 - `rms_norm`: layer norm with a zero-centred weight, `x / rms(x) * (1 + w)`, optionally fused
   with the residual add that precedes it (`x + residual` is normalised and also returned as
-  the new residual stream).
+  the new residual stream). No weight (None): `x / rms(x)`, the norm whose weight the
+  projection after it holds (linear.py, norm_eps).
 - `gated_rms_norm`: the GDN output norm, `x / rms(x) * w * silu(z)` per value head (plain `w`).
 
 Math is done in float32 and rounded once at the end, as HF transformers does. `rms_norm` and
@@ -28,9 +29,9 @@ from .quantize import (Activation, QuantizedActivation, check_group_size, quanti
                        quantize_activation_reference, quantized_outputs, store_groups)
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None,
                        quantize_group: int = 0) -> tuple[Activation, torch.Tensor]:
-    """x, residual: [T, H]; weight: [H]. Returns (normed, new_residual).
+    """x, residual: [T, H]; weight: [H] or None (unit). Returns (normed, new_residual).
 
     new_residual = x + residual (or x when residual is None), kept in x's dtype; normed is a
     QuantizedActivation when quantize_group > 0.
@@ -38,7 +39,8 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residu
     if residual is not None:
         x = x + residual
     h = x.float()
-    normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    normed = (normed if weight is None else normed * (1.0 + weight.float())).to(x.dtype)
     return (quantize_activation_reference(normed, quantize_group) if quantize_group else normed), x
 
 
@@ -78,10 +80,11 @@ def add_rms_normalize(h, residual_row, residual_out_row, w, offs, mask, eps, H: 
 
 @triton.jit
 def _rms_norm_kernel(x, residual, weight, out, residual_out, out_fp8, out_scale, stride_x, stride_residual, eps,
-                     H: tl.constexpr, BH: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GROUP: tl.constexpr,
+                     H: tl.constexpr, BH: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     GROUP: tl.constexpr,
                      GROUP_TILE: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """One row: s = x (+ residual, rounded to x's dtype: the new residual stream);
-    out = s / sqrt(mean(s^2) + eps) * (1 + w), in float32, rounded once. GROUP > 0: out (as
+    out = s / sqrt(mean(s^2) + eps) * (1 + w) (w = 0 without HAS_WEIGHT), in float32, rounded once. GROUP > 0: out (as
     rounded) also quantized in groups of GROUP columns into out_fp8 [T, H] and out_scale
     [T, ceil(H / GROUP)] (the columns past H are 0 here, as the reference pads). BH is
     next_pow2(H) with or without GROUP, so the sum of squares, and with it out, is the same
@@ -91,7 +94,10 @@ def _rms_norm_kernel(x, residual, weight, out, residual_out, out_fp8, out_scale,
     offs = tl.arange(0, BH)
     mask = offs < H
     h = tl.load(x + row * stride_x + offs, mask=mask, other=0.0)
-    w = tl.load(weight + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_WEIGHT:
+        w = tl.load(weight + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        w = tl.zeros((BH,), dtype=tl.float32)
     normed = add_rms_normalize(h, residual + row * stride_residual, residual_out + row * H, w, offs, mask, eps, H,
                                HAS_RESIDUAL).to(out.dtype.element_ty)
     tl.store(out + row * H + offs, normed, mask=mask)
@@ -100,17 +106,17 @@ def _rms_norm_kernel(x, residual, weight, out, residual_out, out_fp8, out_scale,
                      N=BH, GROUP=GROUP_TILE)
 
 
-def check_rms_norm_args(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
+def check_rms_norm_args(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None,
                          quantize_group: int) -> None:
     assert x.dim() == 2 and x.stride(1) == 1, "x: [T, H], unit stride along H"
     check_group_size(quantize_group)
-    assert weight.shape == (x.shape[1],) and weight.is_contiguous(), "weight: contiguous [H]"
+    assert weight is None or (weight.shape == (x.shape[1],) and weight.is_contiguous()), "weight: contiguous [H]"
     if residual is not None:
         assert residual.shape == x.shape and residual.stride(1) == 1 and residual.dtype == x.dtype, \
             "residual: x's shape and dtype, unit stride along H"
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None,
              quantize_group: int = 0) -> tuple[Activation, torch.Tensor]:
     """Triton rms_norm_reference. x, residual [T, H] with unit stride along H; outputs contiguous.
     Without a residual the returned residual is x itself (no copy), as the reference. With
@@ -125,10 +131,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     out_fp8, out_scale = quantized_outputs(num_tokens, hidden, quantize_group, x.device) if quantize_group else (out, out)
     if num_tokens:
         block = triton.next_power_of_2(hidden)
-        _rms_norm_kernel[(num_tokens,)](x, residual if residual is not None else x, weight, out, new_residual,
-                                        out_fp8, out_scale, x.stride(0),
+        _rms_norm_kernel[(num_tokens,)](x, residual if residual is not None else x, x if weight is None else weight,
+                                        out, new_residual, out_fp8, out_scale, x.stride(0),
                                         residual.stride(0) if residual is not None else 0, eps, H=hidden, BH=block,
-                                        HAS_RESIDUAL=residual is not None, GROUP=quantize_group,
+                                        HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None, GROUP=quantize_group,
                                         GROUP_TILE=min(block, quantize_group),
                                         num_warps=min(16, max(1, block // 512)), **pdl(x.device))
     if quantize_group:

@@ -6,7 +6,10 @@ them. Cases cover M = 1, 3, 16, 33 (x is padded to >= 16 rows for the MMA, so M 
 splits), split-K = 1 and > 1 (the in-launch reduction by the last arriver), and x as a
 row-strided view with an unaligned start. After each launch the arrival
 counters are back at zero, and a second launch gives bit-identical output (the partials are
-summed in a fixed order, whichever program arrives last).
+summed in a fixed order, whichever program arrives last). The fused block ops (the input's
+RMSNorm, SwiGLU over [gate; up], the residual add into the stream) alone and together, on the
+same cases, against the separate ops of the reference; and their cuBLAS fallback through
+`linear` against the same.
 
 CPU: the interpreter, fp32 and fp16 (it computes bf16 dots wrongly), small shapes.
 GPU (`gpu` marker): bf16 on the Qwen3.5-0.8B and -9B projection shapes through `linear` (the
@@ -52,6 +55,39 @@ def check(x: torch.Tensor, weight: torch.Tensor, config: TileConfig) -> None:
     assert torch.equal(y, again), "second launch differs"
 
 
+FUSIONS = {"norm": dict(norm_eps=1e-6), "glu": dict(glu=True), "residual": dict(residual=True),
+           "all": dict(norm_eps=1e-6, glu=True, residual=True)}
+
+
+def fused_reference(x: torch.Tensor, weight: torch.Tensor, stream: torch.Tensor | None, options: dict) -> torch.Tensor:
+    """The separate ops in float32: x / rms(x) (its weight is W's), the GEMM, silu(gate) * up,
+    stream + result."""
+    x = x.float()
+    if options.get("norm_eps") is not None:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + options["norm_eps"])
+    y = x @ weight.float().t()
+    if options.get("glu"):
+        gate, up = y.chunk(2, dim=-1)
+        y = gate * torch.sigmoid(gate) * up
+    return y if stream is None else stream.float() + y
+
+
+def check_fused(x: torch.Tensor, weight: torch.Tensor, config: TileConfig, options: dict, seed: int) -> None:
+    """The fused launch into a poisoned y, or into the residual stream itself, against
+    fused_reference; x scaled far from unit rms, so a missing norm cannot pass."""
+    x = x * 7.0
+    num_rows, width = x.shape[0], weight.shape[0] // (2 if options.get("glu") else 1)
+    gen = torch.Generator(device=x.device).manual_seed(seed)
+    stream = torch.randn(num_rows, width, generator=gen, device=x.device).to(x.dtype) \
+        if options.get("residual") else None
+    expected = fused_reference(x, weight, stream, options)
+    kwargs = dict(options, residual=stream)
+    y = stream if stream is not None else torch.full((num_rows, width), float("nan"), dtype=x.dtype, device=x.device)
+    launch_linear(y, x, weight, config, **kwargs)
+    assert_close(y, expected, TOLERANCE[x.dtype], f"{config} {options}")
+    assert int(arrival_counters(x.device, 1).abs().sum()) == 0, "arrival counters not reset"
+
+
 # (M, N, K, config): BLOCK_N 16 and BLOCK_K 32 or 16 keep the interpreter's grids small.
 CASES = [
     (1, 40, 100, TileConfig(block_n=16, block_k=32, num_splits=2, num_warps=1, num_stages=1)),   # K % 64 != 0
@@ -69,6 +105,34 @@ def test_linear_kernel(case, dtype, kernel_device):
     num_rows, n, k, config = case
     x, weight = inputs(num_rows, n, k, dtype, kernel_device, seed=num_rows * 100 + n)
     check(x, weight, config)
+
+
+@pytest.mark.parametrize("fusion", FUSIONS, ids=str)
+@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: f"M{c[0]}-N{c[1]}-K{c[2]}-s{c[3].num_splits}")
+def test_linear_kernel_fused(case, fusion, kernel_device):
+    num_rows, n, k, config = case
+    options = FUSIONS[fusion]
+    x, weight = inputs(num_rows, 2 * n if options.get("glu") else n, k, torch.float32, kernel_device,
+                       seed=num_rows * 100 + n)
+    check_fused(x, weight, config, options, seed=n)
+
+
+def test_linear_fused_entry_point(kernel_device):
+    """`linear` with the fusions: the kernel's epilogue up to its rows, cuBLAS and the separate
+    ops above (rms_norm without a weight, silu_and_mul, the add), both against the reference;
+    with a residual, the stream itself is the result."""
+    options = FUSIONS["all"]
+    for num_rows in (2, KERNEL_MAX_ROWS + 3):
+        x, weight = inputs(num_rows, 48, 64, torch.float32, kernel_device, seed=num_rows)
+        x = x * 5.0
+        stream = torch.randn(num_rows, 24, device=kernel_device)
+        expected = fused_reference(x, weight, stream, options)
+        y = linear(x, weight, norm_eps=options["norm_eps"], glu=True, residual=stream)
+        assert y is stream
+        assert_close(y, expected, TOLERANCE[torch.float32], f"M={num_rows}")
+        reference = linear_reference(x, weight, norm_eps=options["norm_eps"], glu=True,
+                                     residual=torch.zeros(num_rows, 24, device=kernel_device))
+        assert_close(reference, fused_reference(x, weight, None, options), TOLERANCE[torch.float32], "reference")
 
 
 def test_linear_strided_x(kernel_device):

@@ -52,6 +52,17 @@ def test_rms_norm_one_plus_w_with_residual(with_residual):
         assert_close_elementwise(normed[t], expected, 1e-5, f"token {t}")
 
 
+def test_rms_norm_without_weight_is_unit_weight():
+    """weight None (the norm whose weight a projection holds): x / rms(x), as a zero weight."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 40, generator=gen) * 3
+    normed, _ = ops.rms_norm(x, None, 1e-6)
+    for t in range(5):
+        row = x[t].double().tolist()
+        r = naive_rms(row, 1e-6)
+        assert_close_elementwise(normed[t], torch.tensor([v * r for v in row], dtype=torch.float64), 1e-5, f"token {t}")
+
+
 def test_rms_norm_bf16_rounds_once():
     """bf16 in, bf16 out: within one bf16 rounding of the float64 value."""
     gen = torch.Generator().manual_seed(2)
@@ -95,10 +106,12 @@ def norm_cases(device: str, dtype: torch.dtype, hidden: int, tokens: int = 5, se
     return x, residual, weight
 
 
+@pytest.mark.parametrize("with_weight", [True, False], ids=["weight", "unit"])
 @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
 @pytest.mark.parametrize("hidden", [48, 100])
-def test_rms_norm(kernel_device, hidden, with_residual):
+def test_rms_norm(kernel_device, hidden, with_residual, with_weight):
     x, residual, weight = norm_cases(kernel_device, torch.float32, hidden)
+    weight = weight if with_weight else None
     expected, expected_residual = rms_norm_reference(x, weight, 1e-6, residual if with_residual else None)
     actual, actual_residual = rms_norm(x, weight, 1e-6, residual if with_residual else None)
     assert_close(actual, expected, TOLERANCE[torch.float32], "normed")
