@@ -33,6 +33,9 @@ from .token_bitmask import apply_token_bitmask_reference
 
 @dataclass(frozen=True)
 class Ops:
+    """fused_block_ops: `linear` fuses a block's ops into the projection's kernel (the input
+    RMSNorm, SwiGLU, the residual add: linear.py), so models fold their norms and run the
+    residual-stream form (engine/models/layers.py); the references only compose them."""
     name: str
     linear: Callable
     fp8_linear: Callable
@@ -55,6 +58,7 @@ class Ops:
     penalize_rows: Callable
     record_tokens: Callable
     decode_metadata: Callable
+    fused_block_ops: bool = False
 
 
 REFERENCE_OPS = Ops(
@@ -114,6 +118,7 @@ def triton_ops() -> Ops:
         penalize_rows=penalties.penalize_rows,
         record_tokens=penalties.record_tokens,
         decode_metadata=decode_metadata.decode_metadata,
+        fused_block_ops=True,
     )
 
 

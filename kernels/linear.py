@@ -195,12 +195,12 @@ def kernel_config(num_rows: int, out_features: int, in_features: int, sms: int) 
     BLOCK_K = 128 (a warp reads 256-byte stretches of W's rows in 16-byte vectors), 4 warps, 4
     stages; BLOCK_N 64 up to 8 rows, 32 above; split-K for at most one program per SM and at
     least num_stages K blocks per split (shorter splits pay the pipeline's prologue and the
-    split-K tail for fewer bytes). Where 64-row N tiles alone fill the SMs (the wide projections
-    the fusions bring here: the 0.8B in_proj, qkv, gate_up) no split, 64-row tiles, and K steps
-    of 256 up to 8 rows: the sweep's best there, tying cuBLAS. Within a few percent of the
+    split-K tail for fewer bytes). For N >= 32 per SM (the wide projections the fusions bring
+    here: the 0.8B in_proj, qkv, gate_up) no split, 64-row tiles, and K steps of 256 up to 8
+    rows: the sweep's best there, tying cuBLAS. Within a few percent of the
     fastest swept config for every shape (measured: bench/results/kernels_linear-h100.json)."""
     block_k, num_stages = 128, 4
-    if triton.cdiv(out_features, 64) >= sms:
+    if out_features >= 32 * sms:
         return TileConfig(block_n=64, block_k=256 if num_rows <= 8 else 128, num_splits=1, num_warps=4,
                           num_stages=num_stages)
     block_n = 64 if num_rows <= 8 else 32

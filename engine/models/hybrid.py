@@ -50,6 +50,7 @@ class HybridLM(nn.Module):
         self.draft_token_ids: torch.Tensor | None = None
         self.draft_head: torch.Tensor | None = None
         self.draft_bias: torch.Tensor | None = None  # under tensor parallelism: -inf on padded rows
+        self.streamed = False  # the residual-stream form, norms folded (finish_loading)
 
     @property
     def num_kv_layers(self) -> int:
@@ -61,10 +62,17 @@ class HybridLM(nn.Module):
         return self.embed_tokens if self.lm_head is None else self.lm_head
 
     def finish_loading(self) -> None:
-        """Once every parameter is filled: derived per-projection data (FP8 block scales)."""
+        """Once every parameter is filled: derived per-projection data (FP8 block scales), and,
+        where the ops fuse block ops and every layer (the MTP's too) allows it on one device,
+        the norms folded into the projections for the residual-stream form (layers.py)."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.finish_loading()
+        layers = [*self.layers, *(self.mtp.layers if self.mtp is not None else [])]
+        if self.ops.fused_block_ops and self.tp is None and all(layer.foldable for layer in layers):
+            for layer in layers:
+                layer.fold_norms()
+            self.streamed = True
 
     def checkpoint_map(self) -> CheckpointMap:
         mapping = {
@@ -85,7 +93,10 @@ class HybridLM(nn.Module):
         gdn_states, kv_layers = iter(states.layers), iter(kv.layers)
         for layer, kind in zip(self.layers, self.config.layer_types):
             mixer_state = next(gdn_states) if kind == "linear_attention" else next(kv_layers)
-            x, residual = layer(x, residual, batch, mixer_state, self.ops, self.reduce_norm)
+            if self.streamed:  # x: the stream (a fresh tensor from the embedding gather)
+                layer.forward_stream(x, batch, mixer_state, self.ops)
+            else:
+                x, residual = layer(x, residual, batch, mixer_state, self.ops, self.reduce_norm)
         x, _ = self.reduce_norm(x, self.norm, self.config.rms_norm_eps, residual)
         return x
 
@@ -162,4 +173,5 @@ class HybridLM(nn.Module):
         if self.mtp is None:
             raise RuntimeError("this checkpoint has no MTP weights")
         kv_layer = kv.layers[len(self.config.attention_layer_ids) + mtp_layer]
-        return self.mtp(input_ids, hidden, self.embed, batch, kv_layer, self.ops, self.reduce_norm, mtp_layer)
+        return self.mtp(input_ids, hidden, self.embed, batch, kv_layer, self.ops, self.reduce_norm, mtp_layer,
+                        streamed=self.streamed)

@@ -8,6 +8,14 @@ the loader needs no knowledge of the modules. Each module is built with its chec
 (`src`), which decides, for an FP8 checkpoint, whether a projection is stored in FP8 with block
 scales (engine/quantization.py). Knows nothing about checkpoint files or scheduling.
 
+The residual-stream form (`DecoderLayer.forward_stream`, where the Ops table's linear fuses the
+block ops: kernels/linear.py): each block's RMSNorm weights are folded into the projections
+after them at load time (`fold_norms`; the norms keep a zero weight, so the other form computes
+the same), the stream is one tensor the blocks update in place, a projection after a norm reads
+it as a `Stream` (normalising its rows in its own kernel), the block's last projection adds its
+output into it, and the MLP's gate_up applies SwiGLU itself. One device, bf16 projections and
+dense MLPs only; otherwise `forward`, where the norm kernels fuse the residual add.
+
 FP8 activations: at decode, verify and draft batches (<= SKINNY_MAX_ROWS rows, the Triton FP8
 GEMM's) the op before an FP8 projection quantizes its own output (`quantize_group`: the norms,
 the GDN's gated norm, silu_and_mul) and hands on a QuantizedActivation, whose fp8 values and
@@ -20,6 +28,7 @@ fusion off (A/B timing).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -46,6 +55,18 @@ class ReduceNorm(Protocol):
                  quantize_group: int = 0) -> tuple[Activation, torch.Tensor]: ...
 
 ALL = (slice(None),)
+
+
+@dataclass(frozen=True)
+class Stream:
+    """The residual stream [T, H] as a projection's input: the projection RMS-normalises its rows
+    (Linear.forward: ops.linear's norm_eps) with the norm's weight folded into its own."""
+    values: torch.Tensor
+    eps: float
+
+
+def _num_tokens(x: Activation | Stream) -> int:
+    return (x.values if isinstance(x, Stream) else activation_values(x)).shape[0]
 
 
 def checkpoint_conv_windows(x: torch.Tensor, written: PrefillCheckpoints, conv_state: torch.Tensor) -> torch.Tensor:
@@ -120,10 +141,27 @@ class Linear(nn.Module):
             start += num_rows
         return mapping
 
-    def forward(self, x: Activation, ops: Ops) -> torch.Tensor:
-        """x plain, or quantized by the op before (read as values by a bf16 projection)."""
-        if self.weight_scale is None:
-            return ops.linear(activation_values(x), self.weight)
+    @property
+    def is_fp8(self) -> bool:
+        return self.weight_scale is not None
+
+    def fold_norm(self, norm_weight: torch.Tensor) -> None:
+        """W <- W diag(1 + w): the zero-centred RMSNorm weight of the norm before this projection
+        (layers' forward_stream), in float32, rounded once. bf16 / fp32 weights only."""
+        assert not self.is_fp8, "fold_norm: FP8 weights keep their block scales"
+        self.weight.data.copy_(self.weight.data.float() * (1.0 + norm_weight.float()))
+
+    def forward(self, x: Activation | Stream, ops: Ops, *, glu: bool = False,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x plain, quantized by the op before (read as values by a bf16 projection), or the
+        residual stream to normalise; glu: silu(gate) * up of a [gate; up] projection; residual:
+        the output added into it (in place; returned). The last three: bf16 projections only."""
+        values, norm_eps = (x.values, x.eps) if isinstance(x, Stream) else (activation_values(x), None)
+        if norm_eps is not None or glu or residual is not None:
+            assert not self.is_fp8, "FP8 projections take no fused ops"
+            return ops.linear(values, self.weight, norm_eps=norm_eps, glu=glu, residual=residual)
+        if not self.is_fp8:
+            return ops.linear(values, self.weight)
         return ops.fp8_linear(x, self.weight, self.weight_scale, self.group_size, self.block_scale)
 
 
@@ -170,8 +208,16 @@ class GatedDeltaNet(nn.Module):
                 k.unflatten(-1, (c.linear_num_key_heads, c.linear_key_head_dim)),
                 v.unflatten(-1, (c.linear_num_value_heads, c.linear_value_head_dim)))
 
-    def forward(self, x: Activation, batch: ForwardBatch, state: GDNLayerState, ops: Ops) -> torch.Tensor:
-        c, num_tokens = self.c, activation_values(x).shape[0]
+    @property
+    def input_projection(self) -> Linear | None:
+        """The one projection of the block's normed input, where there is one (FP8 checkpoints
+        split b|a off)."""
+        return self.in_proj if self.in_proj_ba is None else None
+
+    def forward(self, x: Activation | Stream, batch: ForwardBatch, state: GDNLayerState, ops: Ops,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual: the stream out_proj adds its output into (forward_stream)."""
+        c, num_tokens = self.c, _num_tokens(x)
         if self.in_proj_ba is None:
             mixed, z, b, a = self.in_proj(x, ops).split(self.splits, dim=-1)
         else:
@@ -215,7 +261,7 @@ class GatedDeltaNet(nn.Module):
         gate = z.reshape(num_tokens, c.linear_num_value_heads, c.linear_value_head_dim)
         quantize_group = _at_skinny(self.out_quantize_group, num_tokens)
         core = ops.gated_rms_norm(core, gate, self.norm_weight, c.rms_norm_eps, quantize_group=quantize_group)
-        return self.out_proj(core if quantize_group else core.reshape(num_tokens, -1), ops)
+        return self.out_proj(core if quantize_group else core.reshape(num_tokens, -1), ops, residual=residual)
 
 
 class GatedAttention(nn.Module):
@@ -240,8 +286,14 @@ class GatedAttention(nn.Module):
             **self.o_proj.checkpoint_map(f"{dst}.o_proj"),
         }
 
-    def forward(self, x: Activation, batch: ForwardBatch, kv: KVLayer, ops: Ops) -> torch.Tensor:
-        c, num_tokens = self.c, activation_values(x).shape[0]
+    @property
+    def input_projection(self) -> Linear:
+        return self.qkv_proj
+
+    def forward(self, x: Activation | Stream, batch: ForwardBatch, kv: KVLayer, ops: Ops,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual: the stream o_proj adds its output into (forward_stream)."""
+        c, num_tokens = self.c, _num_tokens(x)
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         q_gate, k, v = self.qkv_proj(x, ops).split(self.splits, dim=-1)
         q_gate = q_gate.view(num_tokens, hq, 2 * d)
@@ -252,7 +304,7 @@ class GatedAttention(nn.Module):
         # attention * sigmoid(gate), the gate applied by the kernel that stores the output
         out = ops.paged_attention(q, kv.k_cache, kv.v_cache, batch.block_tables, batch.cu_seqlens, batch.context_lens,
                                   d ** -0.5, gate)
-        return self.o_proj(out.reshape(num_tokens, hq * d), ops)
+        return self.o_proj(out.reshape(num_tokens, hq * d), ops, residual=residual)
 
 
 class DenseMLP(nn.Module):
@@ -267,7 +319,12 @@ class DenseMLP(nn.Module):
     def checkpoint_map(self, dst: str) -> CheckpointMap:
         return {**self.gate_up.checkpoint_map(f"{dst}.gate_up"), **self.down.checkpoint_map(f"{dst}.down")}
 
-    def forward(self, x: Activation, ops: Ops) -> torch.Tensor:
+    def forward(self, x: Activation | Stream, ops: Ops, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual: the stream down adds its output into (forward_stream), where SwiGLU runs
+        inside gate_up's op (ops.linear's glu); otherwise silu_and_mul, which quantizes for an
+        FP8 down projection."""
+        if residual is not None:
+            return self.down(self.gate_up(x, ops, glu=True), ops, residual=residual)
         gate_up = self.gate_up(x, ops)
         return self.down(ops.silu_and_mul(gate_up, _at_skinny(self.down_quantize_group, gate_up.shape[0])), ops)
 
@@ -385,3 +442,27 @@ class DecoderLayer(nn.Module):
         x, residual = reduce_norm(x, self.post_attention_norm, self.eps, residual,
                                   quantize_group=_at_skinny(self.mlp_quantize_group, num_rows))
         return self.mlp(x, ops), residual
+
+    @property
+    def foldable(self) -> bool:
+        """Whether fold_norms and forward_stream apply: bf16 projections, a single one after each
+        norm, a dense MLP."""
+        return self.mixer.input_projection is not None and isinstance(self.mlp, DenseMLP) \
+            and not any(m.is_fp8 for m in self.modules() if isinstance(m, Linear))
+
+    def fold_norms(self) -> None:
+        """The two norms' weights into the projections after them; the norms keep zero weights
+        (x / rms(x) * (1 + 0)), so `forward` computes what it did, `forward_stream` too."""
+        assert self.foldable, "fold_norms: a layer with FP8 or split input projections or an MoE MLP"
+        for norm, projection in ((self.input_norm, self.mixer.input_projection),
+                                 (self.post_attention_norm, self.mlp.gate_up)):
+            projection.fold_norm(norm.data)
+            norm.data.zero_()
+
+    def forward_stream(self, stream: torch.Tensor, batch: ForwardBatch, mixer_state: GDNLayerState | KVLayer,
+                       ops: Ops) -> torch.Tensor:
+        """The residual-stream form (after fold_norms, on one device): stream [T, H] is updated in
+        place, stream += mixer(norm(stream)), then stream += mlp(norm(stream)), each norm inside
+        the projection that reads it and each add inside the block's last projection."""
+        self.mixer(Stream(stream, self.eps), batch, mixer_state, ops, residual=stream)
+        return self.mlp(Stream(stream, self.eps), ops, residual=stream)

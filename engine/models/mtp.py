@@ -42,13 +42,18 @@ class MTP(nn.Module):
         return mapping
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, embed: Callable[[torch.Tensor], torch.Tensor],
-                batch: ForwardBatch, kv: KVLayer, ops: Ops, reduce_norm: ReduceNorm, layer: int = 0) -> torch.Tensor:
+                batch: ForwardBatch, kv: KVLayer, ops: Ops, reduce_norm: ReduceNorm, layer: int = 0,
+                streamed: bool = False) -> torch.Tensor:
         """input_ids [T] (x_{t+1}), hidden [T, H] (h_t) -> post-norm MTP hidden [T, H].
-        embed: the target's token embedding; reduce_norm: the target's (layers.DecoderLayer).
+        embed: the target's token embedding; reduce_norm: the target's (layers.DecoderLayer);
+        streamed: the layer in the residual-stream form, as the target's (HybridLM.streamed).
         batch carries positions t and the MTP layer's KV metadata."""
         embedded, _ = ops.rms_norm(embed(input_ids), self.pre_fc_norm_embedding, self.eps)
         hidden, _ = ops.rms_norm(hidden, self.pre_fc_norm_hidden, self.eps)
-        x = self.fc(torch.cat([embedded, hidden], dim=-1), ops)
-        x, residual = self.layers[layer](x, None, batch, kv, ops, reduce_norm)
+        x, residual = self.fc(torch.cat([embedded, hidden], dim=-1), ops), None
+        if streamed:  # x: the stream (the fc's fresh output)
+            self.layers[layer].forward_stream(x, batch, kv, ops)
+        else:
+            x, residual = self.layers[layer](x, None, batch, kv, ops, reduce_norm)
         out, _ = reduce_norm(x, self.norm, self.eps, residual)
         return out

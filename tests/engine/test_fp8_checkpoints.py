@@ -71,7 +71,7 @@ def perturbed_inputs_ops(ops, relative: float, seed: int):
     def noisy(x):
         return x * (1 + relative * (2 * torch.rand(x.shape, generator=generator) - 1))
 
-    return replace(ops, linear=lambda x, w: ops.linear(noisy(x), w),
+    return replace(ops, linear=lambda x, w, **fused: ops.linear(noisy(x), w, **fused),
                    moe_experts=lambda x, *args: ops.moe_experts(noisy(x), *args))
 
 

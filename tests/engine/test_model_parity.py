@@ -1,10 +1,13 @@
 """Parity with HF transformers (the oracle) on random tiny checkpoints of every family, float32
 on the CPU reference backend: single sequences of many lengths, ragged batches, a sequence fed
 in pieces (prefill, decode steps, a later chunk), mixed decode+prefill batches, and greedy
-generation. One test runs the model through the Triton table instead (the interpreter on CPU),
-so the way the layers wire the kernels (output views, strided inputs, fused epilogues) is
-checked end to end without a GPU."""
+generation. The residual-stream form (norms folded into the projections, the stream updated in
+place: engine/models/layers.py, what the GPU runs) against HF too, through the references with
+`fused_block_ops` on. One test runs the model through the Triton table instead (the interpreter
+on CPU), so the way the layers wire the kernels (output views, strided inputs, fused epilogues)
+is checked end to end without a GPU."""
 
+from dataclasses import replace
 from functools import lru_cache
 
 import pytest
@@ -143,6 +146,32 @@ def test_greedy_generate_matches_hf(models):
         assert output.finish_reason == "length"
 
 
+def test_residual_stream_form_matches_hf(family, checkpoint):
+    """A fresh load refolded for ops that fuse block ops: dense families run the stream form (an
+    MoE MLP keeps the norm kernels), and match HF on a whole sequence, one fed in pieces and a
+    mixed decode + prefill step."""
+    path = checkpoint(family)
+    hf, _ = _models(path)
+    llm = LLM(path, block_size=16)
+    model = llm.model
+    assert not model.streamed
+    model.ops = replace(model.ops, fused_block_ops=True)
+    model.finish_loading()
+    assert model.streamed == (family == "qwen3_5")
+    assert all(not bool(layer.input_norm.any()) for layer in model.layers) == model.streamed
+    tokens = random_tokens(70, seed=5)
+    assert_close(llm.score(tokens), hf_logits(hf, tokens))
+    stepper = ManualStepper(llm, 2, 80)
+    stepper.new_sequence("a", 80)
+    stepper.new_sequence("b", 80)
+    pieces = [stepper.step([], [("a", tokens[:40], 0)])[0]]
+    for position in range(40, 44):
+        logits = stepper.step([("a", tokens[position:position + 1], position)],
+                              [("b", tokens[:20], 0)] if position == 41 else [])
+        pieces.append(logits[0])
+    assert_close(torch.cat(pieces), hf_logits(hf, tokens[:44]))
+
+
 # One GDN layer of two value heads (one key head) and one attention layer: under the interpreter a
 # prefill costs ~2 s per (chunk, value head) of each GDN layer.
 
@@ -156,7 +185,7 @@ def test_triton_table_matches_hf(checkpoint, kernel_device):
     path = checkpoint("qwen3_5", **TRITON_TABLE_SHAPE, **gpu_shape)
     hf, _ = _models(path)
     llm = LLM(path, device=kernel_device, block_size=16, kernel_backend="triton", enable_cuda_graphs=False)
-    assert llm.core.ops.name == "triton"
+    assert llm.core.ops.name == "triton" and llm.model.streamed
     a, b = random_tokens(12, seed=11), random_tokens(13, seed=12)
     stepper = ManualStepper(llm, 2, 16)
     stepper.new_sequence("a", 16)
