@@ -33,9 +33,10 @@ from .token_bitmask import apply_token_bitmask_reference
 
 @dataclass(frozen=True)
 class Ops:
-    """fused_block_ops: `linear` fuses a block's ops into the projection's kernel (the input
-    RMSNorm, SwiGLU, the residual add: linear.py), so models fold their norms and run the
-    residual-stream form (engine/models/layers.py); the references only compose them."""
+    """fused_block_rows: up to how many rows `linear` fuses a block's ops into the projection's
+    kernel (the input RMSNorm, SwiGLU, the residual add: linear.py), so that models fold their
+    norms and run such batches in the residual-stream form (engine/models/layers.py); 0: never
+    (the references only compose them)."""
     name: str
     linear: Callable
     fp8_linear: Callable
@@ -58,7 +59,7 @@ class Ops:
     penalize_rows: Callable
     record_tokens: Callable
     decode_metadata: Callable
-    fused_block_ops: bool = False
+    fused_block_rows: int = 0
 
 
 REFERENCE_OPS = Ops(
@@ -118,7 +119,7 @@ def triton_ops() -> Ops:
         penalize_rows=penalties.penalize_rows,
         record_tokens=penalties.record_tokens,
         decode_metadata=decode_metadata.decode_metadata,
-        fused_block_ops=True,
+        fused_block_rows=linear.FUSED_MAX_ROWS,
     )
 
 

@@ -50,7 +50,7 @@ class HybridLM(nn.Module):
         self.draft_token_ids: torch.Tensor | None = None
         self.draft_head: torch.Tensor | None = None
         self.draft_bias: torch.Tensor | None = None  # under tensor parallelism: -inf on padded rows
-        self.streamed = False  # the residual-stream form, norms folded (finish_loading)
+        self.streamed = False  # norms folded for the residual-stream form (finish_loading, stream_form)
 
     @property
     def num_kv_layers(self) -> int:
@@ -69,10 +69,17 @@ class HybridLM(nn.Module):
             if isinstance(module, Linear):
                 module.finish_loading()
         layers = [*self.layers, *(self.mtp.layers if self.mtp is not None else [])]
-        if self.ops.fused_block_ops and self.tp is None and all(layer.foldable for layer in layers):
+        if self.ops.fused_block_rows and self.tp is None and all(layer.foldable for layer in layers):
             for layer in layers:
                 layer.fold_norms()
             self.streamed = True
+
+    def stream_form(self, num_tokens: int) -> bool:
+        """Whether a forward of num_tokens rows runs the residual-stream form: after the fold, up
+        to the rows the ops fuse block ops at (decode, verify and draft batches). Wider batches
+        run `DecoderLayer.forward`, whose norm kernels fuse the residual add (and whose zero norm
+        weights after the fold leave the folded projections' products as they were)."""
+        return self.streamed and num_tokens <= self.ops.fused_block_rows
 
     def checkpoint_map(self) -> CheckpointMap:
         mapping = {
@@ -90,10 +97,11 @@ class HybridLM(nn.Module):
     def forward(self, batch: ForwardBatch, states: StatePool, kv: KVPool) -> torch.Tensor:
         """Returns the final (post-norm) hidden state of every token: [T, H]."""
         x, residual = self.embed(batch.input_ids), None
+        stream_form = self.stream_form(x.shape[0])
         gdn_states, kv_layers = iter(states.layers), iter(kv.layers)
         for layer, kind in zip(self.layers, self.config.layer_types):
             mixer_state = next(gdn_states) if kind == "linear_attention" else next(kv_layers)
-            if self.streamed:  # x: the stream (a fresh tensor from the embedding gather)
+            if stream_form:  # x: the stream (a fresh tensor from the embedding gather)
                 layer.forward_stream(x, batch, mixer_state, self.ops)
             else:
                 x, residual = layer(x, residual, batch, mixer_state, self.ops, self.reduce_norm)
@@ -174,4 +182,4 @@ class HybridLM(nn.Module):
             raise RuntimeError("this checkpoint has no MTP weights")
         kv_layer = kv.layers[len(self.config.attention_layer_ids) + mtp_layer]
         return self.mtp(input_ids, hidden, self.embed, batch, kv_layer, self.ops, self.reduce_norm, mtp_layer,
-                        streamed=self.streamed)
+                        stream_form=self.stream_form(input_ids.shape[0]))

@@ -43,15 +43,15 @@ class MTP(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, embed: Callable[[torch.Tensor], torch.Tensor],
                 batch: ForwardBatch, kv: KVLayer, ops: Ops, reduce_norm: ReduceNorm, layer: int = 0,
-                streamed: bool = False) -> torch.Tensor:
+                stream_form: bool = False) -> torch.Tensor:
         """input_ids [T] (x_{t+1}), hidden [T, H] (h_t) -> post-norm MTP hidden [T, H].
         embed: the target's token embedding; reduce_norm: the target's (layers.DecoderLayer);
-        streamed: the layer in the residual-stream form, as the target's (HybridLM.streamed).
+        stream_form: the layer in the residual-stream form (HybridLM.stream_form).
         batch carries positions t and the MTP layer's KV metadata."""
         embedded, _ = ops.rms_norm(embed(input_ids), self.pre_fc_norm_embedding, self.eps)
         hidden, _ = ops.rms_norm(hidden, self.pre_fc_norm_hidden, self.eps)
         x, residual = self.fc(torch.cat([embedded, hidden], dim=-1), ops), None
-        if streamed:  # x: the stream (the fc's fresh output)
+        if stream_form:  # x: the stream (the fc's fresh output)
             self.layers[layer].forward_stream(x, batch, kv, ops)
         else:
             x, residual = self.layers[layer](x, None, batch, kv, ops, reduce_norm)

@@ -3,7 +3,7 @@ on the CPU reference backend: single sequences of many lengths, ragged batches, 
 in pieces (prefill, decode steps, a later chunk), mixed decode+prefill batches, and greedy
 generation. The residual-stream form (norms folded into the projections, the stream updated in
 place: engine/models/layers.py, what the GPU runs) against HF too, through the references with
-`fused_block_ops` on. One test runs the model through the Triton table instead (the interpreter
+`fused_block_rows` set. One test runs the model through the Triton table instead (the interpreter
 on CPU), so the way the layers wire the kernels (output views, strided inputs, fused epilogues)
 is checked end to end without a GPU."""
 
@@ -147,29 +147,32 @@ def test_greedy_generate_matches_hf(models):
 
 
 def test_residual_stream_form_matches_hf(family, checkpoint):
-    """A fresh load refolded for ops that fuse block ops: dense families run the stream form (an
-    MoE MLP keeps the norm kernels), and match HF on a whole sequence, one fed in pieces and a
-    mixed decode + prefill step."""
+    """A fresh load refolded for ops that fuse block ops up to 8 rows: dense families run the
+    stream form there (an MoE MLP keeps the norm kernels) and the other form, with the norms
+    folded, above; both match HF on a whole sequence, one fed in pieces (8-token chunks and
+    decode steps) and a mixed decode + prefill step."""
     path = checkpoint(family)
     hf, _ = _models(path)
     llm = LLM(path, block_size=16)
     model = llm.model
     assert not model.streamed
-    model.ops = replace(model.ops, fused_block_ops=True)
+    model.ops = replace(model.ops, fused_block_rows=8)
     model.finish_loading()
     assert model.streamed == (family == "qwen3_5")
     assert all(not bool(layer.input_norm.any()) for layer in model.layers) == model.streamed
+    assert model.stream_form(8) == model.streamed and not model.stream_form(9)
     tokens = random_tokens(70, seed=5)
     assert_close(llm.score(tokens), hf_logits(hf, tokens))
     stepper = ManualStepper(llm, 2, 80)
     stepper.new_sequence("a", 80)
     stepper.new_sequence("b", 80)
-    pieces = [stepper.step([], [("a", tokens[:40], 0)])[0]]
-    for position in range(40, 44):
+    pieces = [stepper.step([], [("a", tokens[:32], 0)])[0]]
+    pieces += [stepper.step([], [("a", tokens[start:start + 8], start)])[0] for start in (32, 40)]
+    for position in range(48, 52):
         logits = stepper.step([("a", tokens[position:position + 1], position)],
-                              [("b", tokens[:20], 0)] if position == 41 else [])
+                              [("b", tokens[:6], 0)] if position == 49 else [])
         pieces.append(logits[0])
-    assert_close(torch.cat(pieces), hf_logits(hf, tokens[:44]))
+    assert_close(torch.cat(pieces), hf_logits(hf, tokens[:52]))
 
 
 # One GDN layer of two value heads (one key head) and one attention layer: under the interpreter a
