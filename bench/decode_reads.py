@@ -70,7 +70,7 @@ class _Recorder:
         self.pools: set[int] = set()
         self.ops = dataclasses.replace(REFERENCE_OPS, name="recording", **{
             f.name: self._recording(f.name, getattr(REFERENCE_OPS, f.name))
-            for f in dataclasses.fields(Ops) if f.name != "name"})
+            for f in dataclasses.fields(Ops) if callable(getattr(REFERENCE_OPS, f.name))})
 
     def watch(self, model: HybridLM, states: StatePool, kv: KVPool) -> None:
         self.names = {id(p): name for name, p in model.named_parameters()}
