@@ -12,7 +12,14 @@ Per layer (3 GDN layers to 1 attention layer), the mixer itself left out:
             -> down(residual = stream)
 Each form is one CUDA graph over every layer of the model (their weights are distinct, so no
 projection finds its weight in L2), timed per step (median replay); launches counted from the
-graph's kernels under torch.profiler. Writes kernels_block_fusion-<gpu>.json.
+graph's kernels under torch.profiler.
+
+Then per projection (--projections), each a CUDA graph over R copies of its weight (as
+kernels_linear.py): cuBLAS, the kernel plain at the config the fused call takes, and the kernel
+with each fusion that projection gets in a block (in_proj / qkv: norm; gate_up: norm, glu, both;
+out_proj / o_proj / down: residual), so that a fusion's cost is its time over the plain kernel's.
+--fused-max-rows N times the fused form up to N rows (kernels/linear.py FUSED_MAX_ROWS, at most
+KERNEL_MAX_ROWS): the data for that limit. Writes kernels_block_fusion-<gpu>.json.
 """
 
 from __future__ import annotations
@@ -22,10 +29,13 @@ import pathlib
 
 import torch
 
+import torch.nn.functional as F
+
 from common import graph_time_us, write_result  # noqa: E402
-from kernels_linear import MODELS, projections  # noqa: E402
+from kernels_linear import MODELS, Setup, config_name, projections  # noqa: E402
 from deltaspec.kernels.activation import silu_and_mul
-from deltaspec.kernels.linear import linear
+from deltaspec.kernels import linear as linear_module
+from deltaspec.kernels.linear import launch_linear, linear, linear_config
 from deltaspec.kernels.norms import rms_norm
 
 EPS = 1e-6
@@ -85,13 +95,44 @@ def launches(step) -> int:
     return sum(1 for event in profiler.events() if event.device_type == torch.autograd.DeviceType.CUDA)
 
 
+VARIANTS = {"gdn.in_proj": {"norm": dict(norm_eps=EPS)}, "attn.qkv_proj": {"norm": dict(norm_eps=EPS)},
+            "mlp.gate_up": {"norm": dict(norm_eps=EPS), "glu": dict(glu=True), "norm+glu": dict(norm_eps=EPS, glu=True)},
+            "gdn.out_proj": {"residual": dict(residual=True)}, "attn.o_proj": {"residual": dict(residual=True)},
+            "mlp.down": {"residual": dict(residual=True)}}
+
+
+def projection_rows(model: str, num_rows: int) -> list[dict]:
+    """cuBLAS, the plain kernel and each fusion at the fused call's config, per projection."""
+    rows = []
+    for name, n, k, _ in projections(**MODELS[model]):
+        setup = Setup(num_rows, n, k)
+        config = linear_config(num_rows, n, k, setup.x.device, True)
+        row = dict(model=model, projection=name, N=n, K=k, rows=num_rows, config=config_name(config),
+                   cublas_us=graph_time_us(lambda r: F.linear(setup.x, setup.weights[r]), setup.copies),
+                   kernel_us=setup.time_config(config))
+        for variant, options in VARIANTS[name].items():
+            width = n // 2 if options.get("glu") else n
+            y = torch.zeros(num_rows, width, dtype=torch.bfloat16, device="cuda")
+            kwargs = dict(options, residual=y if options.get("residual") else None)
+            row[f"{variant}_us"] = graph_time_us(
+                lambda r: launch_linear(y, setup.x, setup.weights[r], config, **kwargs), setup.copies)
+        rows.append(row)
+        print(" ".join(f"{key}={value:.2f}" if isinstance(value, float) else f"{key}={value}"
+                       for key, value in row.items() if key not in ("model", "N", "K")), flush=True)
+        del setup
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
     parser.add_argument("--models", default="0.8b,9b")
     parser.add_argument("--rows", default="1,4,8,16")
+    parser.add_argument("--projections", action="store_true", help="also time each projection's variants")
+    parser.add_argument("--fused-max-rows", type=int, default=linear_module.FUSED_MAX_ROWS)
     args = parser.parse_args()
-    rows = []
+    linear_module.FUSED_MAX_ROWS = min(args.fused_max_rows, linear_module.KERNEL_MAX_ROWS)
+    rows, projection_table = [], []
     for model in args.models.split(","):
         for num_rows in map(int, args.rows.split(",")):
             layers, mixed, x = build(model, num_rows)
@@ -108,7 +149,10 @@ def main() -> None:
                   f"fused {row['fused_us']:.1f} us ({row['fused_launches']}): {row['fused_over_separate']:.3f}x",
                   flush=True)
             del layers
-    write_result(pathlib.Path(args.out), "kernels_block_fusion", torch.cuda.get_device_name(), {"rows": rows})
+            if args.projections:
+                projection_table += projection_rows(model, num_rows)
+    write_result(pathlib.Path(args.out), "kernels_block_fusion", torch.cuda.get_device_name(),
+                 {"rows": rows, "projections": projection_table})
 
 
 if __name__ == "__main__":

@@ -217,7 +217,10 @@ def kernel_everywhere() -> bool:
     return os.environ.get("DELTASPEC_LINEAR_KERNEL") == "always"
 
 
-FUSED_MAX_ROWS = 16         # fused projections take the kernel up to here, whatever N
+# Fused projections take the kernel up to here, whatever N: a 0.8B step's projections with the
+# block ops fused read 0.83-0.94x their separate time (cuBLAS for the wide ones) at 1-32 rows, the
+# 9B's 0.97-0.99x (bench/kernels_block_fusion.py: results/block_fusion-h100/).
+FUSED_MAX_ROWS = KERNEL_MAX_ROWS
 
 
 def use_kernel(num_rows: int, out_features: int, sms: int, fused: bool = False) -> bool:

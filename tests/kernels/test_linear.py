@@ -215,6 +215,23 @@ def test_linear_gpu_configs(config):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES[:5], ids=lambda s: f"N{s[0]}-K{s[1]}")
+def test_linear_gpu_fused_shapes(shape):
+    """The fused block ops through `linear` at the 0.8B projections' shapes, bf16, every row
+    count the kernel fuses at and one above (cuBLAS and the separate kernels)."""
+    n, k = shape
+    for fusion, options in FUSIONS.items():
+        for num_rows in (1, 4, 16, 32, 33):
+            x, weight = inputs(num_rows, 2 * n if options.get("glu") else n, k, torch.bfloat16, "cuda", seed=num_rows)
+            x = x * 7.0
+            stream = torch.randn(num_rows, n, device="cuda").bfloat16() if options.get("residual") else None
+            expected = fused_reference(x, weight, stream, options)
+            y = linear(x, weight, norm_eps=options.get("norm_eps"), glu=bool(options.get("glu")), residual=stream)
+            assert_close(y, expected, TOLERANCE[torch.bfloat16], f"{fusion} M={num_rows}")
+    assert int(arrival_counters(x.device, 1).abs().sum()) == 0
+
+
+@pytest.mark.gpu
 def test_linear_gpu_cuda_graph():
     """Captured once, replayed on new x: the same as eager (scratch from the graph's pool,
     counters reset inside the launch)."""
