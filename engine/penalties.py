@@ -111,6 +111,11 @@ class Penalties:
             self.coefficients = torch.ones(3, s, dtype=torch.float32, device=self.device)
             self.bias_tokens = torch.zeros(s, 0, dtype=torch.int64, device=self.device)
             self.bias_values = torch.zeros(s, 0, dtype=torch.float32, device=self.device)
+        # The rows' slots that hold a statistics row already (a slot reused) become the most
+        # recently used first: a new slot evicts the least recently used, never one of these.
+        for r in rows:
+            if r.slot in self._row_of:
+                self._row_of.move_to_end(r.slot)
         for r in rows:
             if r.slot not in self._row_of:
                 self._row_of[r.slot] = self._row_of.popitem(last=False)[1] if len(self._row_of) == self.num_rows \

@@ -7,14 +7,15 @@ on an H200 a compile costs ~0.1-0.3 s and an autotuning run ~0.5 s. Decode-only 
 CUDA graphs captured at start-up, but steps with prefill chunks run eagerly with shapes set by
 the traffic: the first step of each new kind (a prefill row count in a new power-of-two bucket,
 the prefill group starting at an odd token offset, a row past the checkpoint interval, a
-sampled row) stalled every running stream for up to a second (bench/step_trace.py). Kernel
+sampled row, a draft count) stalled every running stream for up to a second (bench/step_trace.py). Kernel
 arguments that vary with the step and need no specialization are marked do_not_specialize
 (kernels/); this covers the rest by running, before the first request, steps of every kind:
 prefill rows in each bucket 1, 2, 4, .. max_num_seqs, beside an odd and an even number of decode
 rows, 1, 2 and 4 prompts alone filling a step, short and checkpoint-crossing prompts, greedy and
 sampled rows, a cached prompt, small steps of a few short prompts beside a few decode rows, and
 rows sampled as users configure them (penalties, logit bias, bad words, min_tokens, a JSON
-grammar, log-probabilities), beside plain rows and as whole batches. An engine with a draft
+grammar, log-probabilities), beside plain rows and as whole batches, at every draft count (the
+policy pinned to each in turn). An engine with a draft
 editor (tests) is not warmed up: the editor sees every request.
 
 Afterwards the engine is as new: the prefix cache is cleared, counters and the draft policy's
@@ -162,17 +163,26 @@ def _run(core) -> float:
             core.add_request(prompt(rng.randint(1, 4)), greedy)
     # Rows sampled as users configure them, the kernels their steps add (penalty pass, bans,
     # grammar masks, log-probabilities) in each variant: a few such rows beside plain ones, then
-    # a batch of nothing else (every row redecided), greedy and sampled.
-    for params in _configured(greedy, sampled, vocab):
-        for together in (False, True):
-            for _ in range(3):
-                core.add_request(prompt(rng.randint(1, 64)), params)
-            if not together:
-                core.add_request(prompt(rng.randint(1, 64)), greedy)
-            while core.has_work:
-                core.step()
+    # a batch of nothing else (every row redecided), greedy and sampled. Once at every draft
+    # count: those kernels read the step's logits as [rows, K + 1, V], whose strides (and so the
+    # kernels' specializations) change with K, which an adaptive policy picks from the costs it
+    # measures (another machine or another build, another K).
     while core.has_work:
         core.step()
+    policy = scheduler.draft_policy
+    pinned = [None] if policy is None else [policy.pin(k) for k in range(policy.max_draft_tokens + 1)]
+    for pinned_policy in pinned:  # swapped between phases, with no request in flight
+        if pinned_policy is not None:
+            scheduler.draft_policy = pinned_policy
+        for params in _configured(greedy, sampled, vocab):
+            for together in (False, True):
+                for _ in range(3):
+                    core.add_request(prompt(rng.randint(1, 64)), params)
+                if not together:
+                    core.add_request(prompt(rng.randint(1, 64)), greedy)
+                while core.has_work:
+                    core.step()
+    scheduler.draft_policy = policy
     core.clear_prefix_cache(reset_stats=True)
     core.reset_counters()
     if scheduler.draft_policy is not None:

@@ -130,6 +130,7 @@ class DraftPolicy:
     observed: dict[tuple[int, int], float] = field(default_factory=dict)
     sights: dict[tuple[int, int], int] = field(default_factory=dict)
     chosen: dict[int, int] = field(default_factory=dict)  # steps run at each K, probes included (stats)
+    pinned: int | None = None  # every step runs this K where it fits (`pin`), whatever it costs
 
     def __post_init__(self) -> None:
         if self.max_draft_tokens < 1:
@@ -170,6 +171,13 @@ class DraftPolicy:
         return dataclasses.replace(self, steps_at_zero=0, steps=0, last_chosen={}, observed={}, observed_at={},
                                    sights={}, chosen={}, prior=None)
 
+    def pin(self, num_drafts: int) -> DraftPolicy:
+        """A fresh copy that runs num_drafts (0..max_draft_tokens) on every step where the rows'
+        room and the step's budget allow: the start-up warm-up's way to each draft count."""
+        if not 0 <= num_drafts <= self.max_draft_tokens:
+            raise ValueError(f"pin: 0..{self.max_draft_tokens} drafts, got {num_drafts}")
+        return dataclasses.replace(self.fresh(), pinned=num_drafts)
+
     def cost(self, num_rows: int, num_drafts: int, num_sampled: int) -> float:
         bucket = self.costs.bucket(num_rows)
         observed = self.observed.get((bucket, num_drafts))
@@ -197,10 +205,10 @@ class DraftPolicy:
                num_sampled: int = 0) -> int:
         """K for a step of these rows (their estimates, and the drafts room_r each may take);
         limit: the most K the step's token budget allows; num_sampled: rows that sample."""
-        top = min(self.max_draft_tokens, limit, max(rooms, default=0))
+        top = min(self.max_draft_tokens if self.pinned is None else self.pinned, limit, max(rooms, default=0))
         if top <= 0:
             return 0
-        if not self.adaptive:
+        if not self.adaptive or self.pinned is not None:
             self.chosen[top] = self.chosen.get(top, 0) + 1
             return top
         # gains[i]: expected tokens that depth i + 1 adds over the batch.

@@ -11,8 +11,12 @@ import pytest
 import torch
 
 from deltaspec.engine import LLM, EngineConfig, SamplingParams
+from types import SimpleNamespace
+
 from deltaspec.engine.core import EngineCore
+from deltaspec.engine.penalties import Penalties
 from deltaspec.engine.request import bad_word_token_ids
+from deltaspec.kernels import REFERENCE_OPS
 from deltaspec.kernels.sampling import sample_reference
 
 from harness import Job, assert_all_free, check_scripted_speculation, run_alone, run_staggered
@@ -211,6 +215,25 @@ def test_each_slot_samples_with_the_request_running_in_it(path):
                                            column(request.seed, torch.int64),
                                            column(len(job.prompt) + step, torch.int64))
             assert token == int(expected), f"{p}: step {step}"
+
+
+def test_a_reused_slot_keeps_its_statistics_row_when_new_slots_start_beside_it():
+    """The statistics table is full (its 4 rows, least recently used first: slots 1, 2, 3, 4);
+    a request starts in slot 1 again beside two in new slots: those evict 2 and 3, never slot 1,
+    whose row then holds its new request's coefficients."""
+    table = Penalties(4, VOCAB, torch.device("cpu"), REFERENCE_OPS)
+
+    def rows(slots_and_penalties):
+        return [SimpleNamespace(slot=slot, sample=True, request=SimpleNamespace(
+            params=SamplingParams(presence_penalty=penalty).resolve(), prompt_token_ids=[1, 2], output_token_ids=[3]))
+            for slot, penalty in slots_and_penalties]
+
+    table.start(rows([(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4)]))
+    started = rows([(1, 1.5), (5, 0.5), (6, 0.6)])
+    table.start(started)
+    stats = table._rows(started).tolist()
+    assert len(set(stats)) == 3 and set(table._row_of) == {1, 4, 5, 6}
+    assert table.coefficients[2, stats].tolist() == pytest.approx([1.5, 0.5, 0.6])
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])

@@ -60,6 +60,22 @@ def test_draft_policy_picks_the_most_tokens_per_second(seed):
         assert policy.choose(estimates, rooms, limit, num_sampled) == expected
 
 
+def test_a_pinned_policy_runs_its_k_wherever_it_fits():
+    """pin(k): every step runs k drafts, less only where the rows' room or the step's budget
+    stop it, whatever the costs and acceptance say (0: never drafts); out of range refused."""
+    costs = StepCosts((1, 4), {(b, k): 1.0 + k for b in (1, 4) for k in range(4)}, 0.0)
+    policy = DraftPolicy(3, costs)
+    low = [AcceptanceEstimate([0.01] * 3)] * 2  # an adaptive policy would not draft at all
+    for k in range(4):
+        pinned = policy.pin(k)
+        assert pinned.observed == {} and pinned.adaptive
+        assert [pinned.choose(low, [3, 3], 3) for _ in range(40)] == [k] * 40
+        assert pinned.choose(low, [1, 0], 3) == min(k, 1) and pinned.choose(low, [3, 3], 2) == min(k, 2)
+    assert policy.choose(low, [3, 3], 3) == 0
+    with pytest.raises(ValueError, match="0..3"):
+        policy.pin(4)
+
+
 def test_draft_policy_turns_off_probes_and_grows_back():
     costs = StepCosts.relative(4, cost_per_draft=0.3)
     policy = DraftPolicy(4, costs, probe_interval=5)
