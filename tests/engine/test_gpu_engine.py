@@ -63,7 +63,9 @@ def count_replays(graphs, sampled: bool | None = None) -> list[int]:
 
 @pytest.mark.parametrize("num_draft_tokens", [0, 3])
 def test_cuda_graphs_replay_and_match_eager(gpu_checkpoint, num_draft_tokens):
-    """Plain decoding, and speculation (plain and speculative graphs), on graphs and eagerly."""
+    """Plain decoding, and speculation (plain and speculative graphs), on graphs and eagerly.
+    A speculative engine runs the jobs with its policy pinned to no drafts, then to 3 (the
+    adaptive policy's choice follows measured step costs: either graph kind might go unused)."""
     path = gpu_checkpoint("qwen3_5", mtp_copy_of_last_layer=True)
     jobs = [j for j in make_jobs(24, seed=5) if j.abort_after is None]
     options = dict(model=path, device="cuda", dtype="float32", max_num_seqs=32, num_draft_tokens=num_draft_tokens)
@@ -72,11 +74,15 @@ def test_cuda_graphs_replay_and_match_eager(gpu_checkpoint, num_draft_tokens):
     if num_draft_tokens:
         replays.append(count_replays(graphs.runner.spec_graphs))
     eager = EngineCore(EngineConfig(**options, enable_cuda_graphs=False))
-    with_graphs = run_staggered(graphs, jobs)
-    without = run_staggered(eager, jobs)
-    assert [with_graphs[i].output_token_ids for i in range(len(jobs))] == \
-        [without[i].output_token_ids for i in range(len(jobs))]
-    assert all(len(r) > 10 for r in replays)
+    for drafts in ([0, num_draft_tokens] if num_draft_tokens else [None]):
+        for core in (graphs, eager):
+            if drafts is not None:
+                core.scheduler.draft_policy = core.scheduler.draft_policy.pin(drafts)
+        with_graphs = run_staggered(graphs, jobs)
+        without = run_staggered(eager, jobs)
+        assert [with_graphs[i].output_token_ids for i in range(len(jobs))] == \
+            [without[i].output_token_ids for i in range(len(jobs))], f"drafts {drafts}"
+    assert all(len(r) > 10 for r in replays), f"replays of each graph kind: {[len(r) for r in replays]}"
 
 
 def count_graph_steps(core: EngineCore) -> list[int]:
