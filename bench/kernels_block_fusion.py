@@ -96,7 +96,8 @@ def launches(step) -> int:
 
 
 VARIANTS = {"gdn.in_proj": {"norm": dict(norm_eps=EPS)}, "attn.qkv_proj": {"norm": dict(norm_eps=EPS)},
-            "mlp.gate_up": {"norm": dict(norm_eps=EPS), "glu": dict(glu=True), "norm+glu": dict(norm_eps=EPS, glu=True)},
+            "mlp.gate_up": {"norm": dict(norm_eps=EPS), "glu": dict(glu=True),
+                            "norm+glu": dict(norm_eps=EPS, glu=True)},
             "gdn.out_proj": {"residual": dict(residual=True)}, "attn.o_proj": {"residual": dict(residual=True)},
             "mlp.down": {"residual": dict(residual=True)}}
 

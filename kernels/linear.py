@@ -98,7 +98,8 @@ def _linear_kernel(x, w, y, residual, partials, row_sq, arrivals, M, N, K, k_per
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_N)  # the tile's rows of W
     if GLU:  # the first half of the tile's rows from the gate half of W, the second from the up half
-        rows_w = tl.minimum(pid_n * (BLOCK_N // 2) + offs_r % (BLOCK_N // 2), N - 1) + tl.where(offs_r < BLOCK_N // 2, 0, N)
+        half = BLOCK_N // 2
+        rows_w = tl.minimum(pid_n * half + offs_r % half, N - 1) + tl.where(offs_r < half, 0, N)
     else:
         rows_w = tl.minimum(pid_n * BLOCK_N + offs_r, N - 1)
     rows_w = rows_w.to(tl.int64)
@@ -151,7 +152,8 @@ def _linear_kernel(x, w, y, residual, partials, row_sq, arrivals, M, N, K, k_per
 
 @triton.jit
 def _finish_tile(acc, sq, y, residual, pid_n, offs_m, offs_r, M, N, K, eps, stride_ym, stride_rm,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr,
+                 RESIDUAL: tl.constexpr):
     """Store a tile's sums acc [BLOCK_N, BLOCK_M] (y^T) with the fused ops, in the order the
     separate ops would run: the norm's 1 / rms of each x row (sq: its sum of squares over K),
     the projection's output rounded to y's dtype, silu(gate) * up rounded again, the residual

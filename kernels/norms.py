@@ -134,7 +134,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual:
         _rms_norm_kernel[(num_tokens,)](x, residual if residual is not None else x, x if weight is None else weight,
                                         out, new_residual, out_fp8, out_scale, x.stride(0),
                                         residual.stride(0) if residual is not None else 0, eps, H=hidden, BH=block,
-                                        HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None, GROUP=quantize_group,
+                                        HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None,
+                                        GROUP=quantize_group,
                                         GROUP_TILE=min(block, quantize_group),
                                         num_warps=min(16, max(1, block // 512)), **pdl(x.device))
     if quantize_group:
