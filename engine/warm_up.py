@@ -7,16 +7,16 @@ on an H200 a compile costs ~0.1-0.3 s and an autotuning run ~0.5 s. Decode-only 
 CUDA graphs captured at start-up, but steps with prefill chunks run eagerly with shapes set by
 the traffic: the first step of each new kind (a prefill row count in a new power-of-two bucket,
 the prefill group starting at an odd token offset, a row past the checkpoint interval, a
-sampled row, a draft count) stalled every running stream for up to a second (bench/step_trace.py). Kernel
-arguments that vary with the step and need no specialization are marked do_not_specialize
-(kernels/); this covers the rest by running, before the first request, steps of every kind:
-prefill rows in each bucket 1, 2, 4, .. max_num_seqs, beside an odd and an even number of decode
-rows, 1, 2 and 4 prompts alone filling a step, short and checkpoint-crossing prompts, greedy and
-sampled rows, a cached prompt, small steps of a few short prompts beside a few decode rows, and
-rows sampled as users configure them (penalties, logit bias, bad words, min_tokens, a JSON
-grammar, log-probabilities), beside plain rows and as whole batches, at every draft count (the
-policy pinned to each in turn). An engine with a draft
-editor (tests) is not warmed up: the editor sees every request.
+sampled row, a draft count) stalled every running stream for up to a second
+(bench/step_trace.py). Kernel arguments that vary with the step and need no specialization are
+marked do_not_specialize (kernels/); this covers the rest by running, before the first request,
+steps of every kind: prefill rows in each bucket 1, 2, 4, .. max_num_seqs, beside an odd and an
+even number of decode rows, 1, 2 and 4 prompts alone filling a step, short and
+checkpoint-crossing prompts, greedy and sampled rows, a cached prompt, small steps of a few short
+prompts beside a few decode rows, and rows sampled as users configure them (penalties, logit
+bias, bad words, min_tokens, a JSON grammar, log-probabilities), beside plain rows and as whole
+batches, at every draft count (the policy pinned to each in turn). An engine with a draft editor
+(tests) is not warmed up: the editor sees every request.
 
 Afterwards the engine is as new: the prefix cache is cleared, counters and the draft policy's
 observations are reset. What it missed shows while serving: a Triton compile after a warm-up
