@@ -188,7 +188,7 @@ def split_k_for(num_k_blocks: int, wanted: int) -> int:
     return triton.cdiv(num_k_blocks, per_split)
 
 
-def kernel_config(num_rows: int, out_features: int, in_features: int, sms: int) -> TileConfig:
+def kernel_config(num_rows: int, out_features: int, in_features: int, sms: int, element_size: int = 2) -> TileConfig:
     """Tiles for x [num_rows, in_features] @ W[out_features, in_features]^T on a GPU of `sms` SMs:
     block_n rows of W (columns of y) per program, block_k the K step of its loop, num_splits
     programs per N tile (each over a run of whole K blocks), num_stages the pipelining depth of
@@ -199,12 +199,13 @@ def kernel_config(num_rows: int, out_features: int, in_features: int, sms: int) 
     least num_stages K blocks per split (shorter splits pay the pipeline's prologue and the
     split-K tail for fewer bytes). For N >= 32 per SM (the wide projections the fusions bring
     here: the 0.8B in_proj, qkv, gate_up) no split, 64-row tiles, and K steps of 256 up to 8
-    rows: the sweep's best there, tying cuBLAS. Within a few percent of the
+    rows of 2-byte inputs: the sweep's best there, tying cuBLAS (4 stages of fp32 tiles that
+    wide would need 320 KB of shared memory, past an H100's 227 KB; element_size: x's bytes). Within a few percent of the
     fastest swept config for every shape (measured: bench/results/kernels_linear-h100.json)."""
     block_k, num_stages = 128, 4
     if out_features >= 32 * sms:
-        return TileConfig(block_n=64, block_k=256 if num_rows <= 8 else 128, num_splits=1, num_warps=4,
-                          num_stages=num_stages)
+        wide_k = num_rows <= 8 and element_size <= 2
+        return TileConfig(block_n=64, block_k=256 if wide_k else 128, num_splits=1, num_warps=4, num_stages=num_stages)
     block_n = 64 if num_rows <= 8 else 32
     num_tiles, num_k_blocks = triton.cdiv(out_features, block_n), triton.cdiv(in_features, block_k)
     split_k = split_k_for(num_k_blocks, min(triton.cdiv(sms, num_tiles), max(1, num_k_blocks // num_stages)))
@@ -245,10 +246,10 @@ def use_kernel(num_rows: int, out_features: int, sms: int, fused: bool = False) 
 
 @cache
 def linear_config(num_rows: int, out_features: int, in_features: int, device: torch.device,
-                  fused: bool = False) -> TileConfig | None:
+                  fused: bool = False, element_size: int = 2) -> TileConfig | None:
     """The config `linear` launches for these shapes on `device` (out_features: W's rows), or
-    None for cuBLAS. Shapes, whether the call fuses ops, and the SM count only: CUDA graphs
-    replay the choice. The interpreter gets one small config."""
+    None for cuBLAS. Shapes, the inputs' element size, whether the call fuses ops, and the SM
+    count only: CUDA graphs replay the choice. The interpreter gets one small config."""
     if INTERPRETED:
         if not 0 < num_rows <= KERNEL_MAX_ROWS:
             return None
@@ -257,7 +258,7 @@ def linear_config(num_rows: int, out_features: int, in_features: int, device: to
     sms = num_sms(device)
     if not use_kernel(num_rows, out_features, sms, fused):
         return None
-    return kernel_config(num_rows, out_features, in_features, sms)
+    return kernel_config(num_rows, out_features, in_features, sms, element_size)
 
 
 @cache
@@ -331,7 +332,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = No
         assert not fused, "linear: fused ops take [M, K] activations"
         return F.linear(x, weight)
     (num_rows, in_features), weight_rows, device = x.shape, weight.shape[0], x.device
-    config = linear_config(num_rows, weight_rows, in_features, device, fused)
+    config = linear_config(num_rows, weight_rows, in_features, device, fused, x.element_size())
     if config is None:
         if norm_eps is not None:
             x, _ = rms_norm(x, None, norm_eps)

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from deltaspec.kernels.arrivals import arrival_counters
-from deltaspec.kernels.linear import (CUBLAS_ROWS, KERNEL_MAX_ROWS, MAX_ROWS, launch_linear, linear, linear_config,
-                                     linear_reference, padded_linear)
+from deltaspec.kernels.linear import (CUBLAS_ROWS, KERNEL_MAX_ROWS, MAX_ROWS, block_m, kernel_config, launch_linear,
+                                     linear, linear_config, linear_reference, padded_linear)
 from deltaspec.kernels.tiles import TileConfig
 from kernel_helpers import assert_close
 
@@ -152,6 +152,18 @@ def test_linear_entry_point(kernel_device):
         x, weight = inputs(num_rows, 24, 64, torch.float32, kernel_device, seed=num_rows)
         assert linear_config(num_rows, 24, 64, x.device) is None
         assert torch.equal(linear(x, weight), linear_reference(x, weight))
+
+
+@pytest.mark.parametrize("element_size", [2, 4])
+def test_kernel_configs_fit_shared_memory(element_size):
+    """Every tile kernel_config picks for up to KERNEL_MAX_ROWS rows, on the Qwen3.5 projection
+    shapes and the wide ones fused projections bring (lm_head-like N too), pipelines its W and x
+    tiles within an H100's 227 KB of shared memory, fp32 inputs included."""
+    for num_rows in range(1, KERNEL_MAX_ROWS + 1):
+        for n, k in [*GPU_SHAPES, (248320, 1024), (2 * 17408, 5120)]:
+            config = kernel_config(num_rows, n, k, 132, element_size)
+            stages = config.num_stages * (config.block_n + block_m(num_rows)) * config.block_k * element_size
+            assert stages <= 227 * 1024, f"M={num_rows} N={n} K={k}: {config} needs {stages} bytes"
 
 
 def test_linear_rejects_bad_arguments(kernel_device):
