@@ -40,6 +40,9 @@
 # ttft    : bench/tools/ttft_trace.py (first-token time by part, in-process) and `deltaspec bench
 #           serve --unique-prompts --no-in-process` (every prefill cold) at 16 and 64 streams (#33)
 # sanitize: bench/tools/sanitize.sh, compute-sanitizer over the kernels and one engine run (#33)
+# fusion  : bench/kernels_block_fusion.py (a step's projections and block ops, separate against
+#           fused into the skinny GEMM's epilogue, and each fusion's cost per projection), then
+#           profile_step at batches 1, 8, 32 with k = 3 verifies (#32)
 # kprof   : bench/tools/kernel_profile.py plain and speculative (the CUDA kernels of a served-like
 #           closed loop at 16 streams, T = 0.7, by kernel), bench/kernels_conv.py and
 #           bench/tools/gather_micro.py
@@ -85,6 +88,10 @@ for part in ${parts//,/ }; do
     timeout 120 python bench/tools/gather_micro.py --out "$out" 2>&1 | tail -6 ;;
   floor)
     timeout 300 python bench/decode_floor.py --out "$out" 2>&1 | tail -12 ;;
+  fusion)
+    timeout 240 python bench/kernels_block_fusion.py --rows 1,4,16,32 --projections --out "$out" 2>&1 \
+        | grep -E "^(0.8b|9b) M=" | tail -8
+    timeout 150 python bench/profile_step.py --batches 1,8,32 --verify-drafts 3 --out "$out" 2>&1 | tail -3 ;;
   spec)
     timeout 540 python bench/spec_e2e.py --shapes 0.8b --batches 1,16,64,256 --out "$out" 2>&1 \
         | grep -E "k=3|adaptive" | tail -8 ;;
@@ -168,7 +175,7 @@ for part in ${parts//,/ }; do
   sanitize)
     OUT="$out" timeout 540 bash bench/tools/sanitize.sh 2>&1 | tail -12 ;;
   *)
-    echo "unknown part $part (tests, kernels, engine, floor, spec, spec9b, spec35b, serve, specserve, stephost, servedab, hostsplit, sampling, fp8, abuse, ttftbar, ttft, sanitize)"; exit 2 ;;
+    echo "unknown part $part (tests, kernels, engine, floor, fusion, spec, spec9b, spec35b, serve, specserve, stephost, servedab, hostsplit, sampling, fp8, abuse, ttftbar, ttft, sanitize)"; exit 2 ;;
   esac
 done
 if [[ "${SAVE_TRITON_CACHE:-0}" == 1 ]]; then OUT="$out" bash bench/tools/save_triton_cache.sh; fi
