@@ -73,8 +73,9 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * src.element_size() / (ms * 1e-3)
 
 
-def graph_time_us(launch, repeats: int, replays: int = 20) -> float:
-    """Median replay time of a CUDA graph of `repeats` calls of launch(r), per call, in µs."""
+def capture_graph(launch, repeats: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `repeats` calls of launch(r), captured after up to two warm-up calls on a
+    side stream."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -86,6 +87,12 @@ def graph_time_us(launch, repeats: int, replays: int = 20) -> float:
     with torch.cuda.graph(graph):
         for r in range(repeats):
             launch(r)
+    return graph
+
+
+def graph_time_us(launch, repeats: int, replays: int = 20) -> float:
+    """Median replay time of a CUDA graph of `repeats` calls of launch(r), per call, in µs."""
+    graph = capture_graph(launch, repeats)
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()

@@ -11,8 +11,8 @@ Per layer (3 GDN layers to 1 attention layer), the mixer itself left out:
   fused     in_proj(stream, norm) -> out_proj(residual = stream) -> gate_up(stream, norm, glu)
             -> down(residual = stream)
 Each form is one CUDA graph over every layer of the model (their weights are distinct, so no
-projection finds its weight in L2), timed per step (median replay); launches counted from the
-graph's kernels under torch.profiler.
+projection finds its weight in L2), timed per step (median replay); launches counted in a replay
+under torch.profiler.
 
 Then per projection (--projections), each a CUDA graph over R copies of its weight (as
 kernels_linear.py): cuBLAS, the kernel plain at the config the fused call takes, and the kernel
@@ -31,7 +31,7 @@ import torch
 
 import torch.nn.functional as F
 
-from common import graph_time_us, write_result  # noqa: E402
+from common import capture_graph, graph_time_us, write_result  # noqa: E402
 from kernels_linear import MODELS, Setup, config_name, projections  # noqa: E402
 from deltaspec.kernels.activation import silu_and_mul
 from deltaspec.kernels import linear as linear_module
@@ -86,11 +86,13 @@ def fused_step(layers: list[Layer], mixed: torch.Tensor, stream: torch.Tensor) -
 
 
 def launches(step) -> int:
-    """Kernels one call of step() launches (torch.profiler's CUDA kernel events)."""
-    step()
+    """Kernels a replay of step's CUDA graph runs (torch.profiler's CUDA kernel events; eagerly,
+    cuBLAS GEMMs would also stage their rows: kernels/linear.py cublas_linear)."""
+    graph = capture_graph(lambda _: step())
+    graph.replay()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
-        step()
+        graph.replay()
         torch.cuda.synchronize()
     return sum(1 for event in profiler.events() if event.device_type == torch.autograd.DeviceType.CUDA)
 

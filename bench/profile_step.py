@@ -1,6 +1,9 @@
 """Where a model step's GPU time goes: per-kernel device time of one decode (or verify) step of a
-random checkpoint, grouped by kernel, beside the step's CUDA-graph replay time. The gap between
-the replay and the sum of kernel times is what the graph's node launches cost.
+random checkpoint, grouped by kernel, beside the step's CUDA-graph replay time. The kernels are
+profiled in replays of the step's graph, so they and their count are the graph's (an eager step
+also stages the rows of its cuBLAS GEMMs: kernels/linear.py cublas_linear). The gap between the
+replay and the sum of kernel times is what the graph's node launches cost (negative where
+programmatic dependent launch overlaps kernels).
 
     python bench/profile_step.py [--shape 0.8b] [--batches 1,64] [--verify-drafts 3]
 
@@ -19,7 +22,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from common import commit_id, device_tag, graph_time_us  # noqa: E402
+from common import capture_graph, commit_id, device_tag, graph_time_us  # noqa: E402
 from spec_step import BLOCK, CONTEXT, GRAPH_CALLS, random_model  # noqa: E402
 from deltaspec.engine.batch import ForwardBatch, Row  # noqa: E402
 from deltaspec.engine.state_pool import KVPool, StatePool  # noqa: E402
@@ -28,10 +31,14 @@ PROFILED_STEPS = 5
 
 
 def kernel_table(step, steps: int) -> tuple[list[dict], int]:
-    """(kernels grouped by name with device µs per step, kernel launches per step)."""
+    """(kernels grouped by name with device µs per step, kernel launches per step) of `steps`
+    replays of step's CUDA graph."""
+    graph = capture_graph(lambda _: step())
+    graph.replay()
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            step()
+            graph.replay()
         torch.cuda.synchronize()
     totals: dict[str, float] = collections.defaultdict(float)
     counts: dict[str, int] = collections.Counter()
