@@ -12,7 +12,7 @@ Per layer (3 GDN layers to 1 attention layer), the mixer itself left out:
             -> down(residual = stream)
 Each form is one CUDA graph over every layer of the model (their weights are distinct, so no
 projection finds its weight in L2), timed per step (median replay); launches counted in a replay
-under torch.profiler.
+(profile_step.kernel_table).
 
 Then per projection (--projections), each a CUDA graph over R copies of its weight (as
 kernels_linear.py): cuBLAS, the kernel plain at the config the fused call takes, and the kernel
@@ -31,8 +31,9 @@ import torch
 
 import torch.nn.functional as F
 
-from common import capture_graph, graph_time_us, write_result  # noqa: E402
+from common import graph_time_us, write_result  # noqa: E402
 from kernels_linear import MODELS, Setup, config_name, projections  # noqa: E402
+from profile_step import kernel_table  # noqa: E402
 from deltaspec.kernels.activation import silu_and_mul
 from deltaspec.kernels import linear as linear_module
 from deltaspec.kernels.linear import launch_linear, linear, linear_config
@@ -85,18 +86,6 @@ def fused_step(layers: list[Layer], mixed: torch.Tensor, stream: torch.Tensor) -
         linear(linear(stream, layer.w_gate_up, norm_eps=EPS, glu=True), layer.w_down, residual=stream)
 
 
-def launches(step) -> int:
-    """Kernels a replay of step's CUDA graph runs (torch.profiler's CUDA kernel events; eagerly,
-    cuBLAS GEMMs would also stage their rows: kernels/linear.py cublas_linear)."""
-    graph = capture_graph(lambda _: step())
-    graph.replay()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
-        graph.replay()
-        torch.cuda.synchronize()
-    return sum(1 for event in profiler.events() if event.device_type == torch.autograd.DeviceType.CUDA)
-
-
 VARIANTS = {"gdn.in_proj": {"norm": dict(norm_eps=EPS)}, "attn.qkv_proj": {"norm": dict(norm_eps=EPS)},
             "mlp.gate_up": {"norm": dict(norm_eps=EPS), "glu": dict(glu=True),
                             "norm+glu": dict(norm_eps=EPS, glu=True)},
@@ -144,7 +133,7 @@ def main() -> None:
                      "fused": lambda: fused_step(layers, mixed, stream)}
             row = dict(model=model, rows=num_rows)
             for name, step in forms.items():
-                row[f"{name}_launches"] = launches(step)
+                row[f"{name}_launches"] = kernel_table(step, 1)[1]
                 row[f"{name}_us"] = graph_time_us(lambda _: step(), 1)
             row["fused_over_separate"] = row["fused_us"] / row["separate_us"]
             rows.append(row)

@@ -172,8 +172,7 @@ def _run(core) -> float:
     policy = scheduler.draft_policy
     pinned = [None] if policy is None else [policy.pin(k) for k in range(policy.max_draft_tokens + 1)]
     for pinned_policy in pinned:  # swapped between phases, with no request in flight
-        if pinned_policy is not None:
-            scheduler.draft_policy = pinned_policy
+        scheduler.draft_policy = pinned_policy
         for params in _configured(greedy, sampled, vocab):
             for together in (False, True):
                 for _ in range(3):

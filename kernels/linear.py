@@ -200,8 +200,9 @@ def kernel_config(num_rows: int, out_features: int, in_features: int, sms: int, 
     split-K tail for fewer bytes). For N >= 32 per SM (the wide projections the fusions bring
     here: the 0.8B in_proj, qkv, gate_up) no split, 64-row tiles, and K steps of 256 up to 8
     rows of 2-byte inputs: the sweep's best there, tying cuBLAS (4 stages of fp32 tiles that
-    wide would need 320 KB of shared memory, past an H100's 227 KB; element_size: x's bytes). Within a few percent of the
-    fastest swept config for every shape (measured: bench/results/kernels_linear-h100.json)."""
+    wide would need 320 KB of shared memory, past an H100's 227 KB; element_size: x's bytes).
+    Within a few percent of the fastest swept config for every shape (measured:
+    bench/results/kernels_linear-h100.json)."""
     block_k, num_stages = 128, 4
     if out_features >= 32 * sms:
         wide_k = num_rows <= 8 and element_size <= 2

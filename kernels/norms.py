@@ -81,14 +81,14 @@ def add_rms_normalize(h, residual_row, residual_out_row, w, offs, mask, eps, H: 
 @triton.jit
 def _rms_norm_kernel(x, residual, weight, out, residual_out, out_fp8, out_scale, stride_x, stride_residual, eps,
                      H: tl.constexpr, BH: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     GROUP: tl.constexpr,
-                     GROUP_TILE: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
+                     GROUP: tl.constexpr, GROUP_TILE: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """One row: s = x (+ residual, rounded to x's dtype: the new residual stream);
-    out = s / sqrt(mean(s^2) + eps) * (1 + w) (w = 0 without HAS_WEIGHT), in float32, rounded once. GROUP > 0: out (as
-    rounded) also quantized in groups of GROUP columns into out_fp8 [T, H] and out_scale
-    [T, ceil(H / GROUP)] (the columns past H are 0 here, as the reference pads). BH is
-    next_pow2(H) with or without GROUP, so the sum of squares, and with it out, is the same
-    reduction either way; a row narrower than a group is its one group: GROUP_TILE = min(BH, GROUP)."""
+    out = s / sqrt(mean(s^2) + eps) * (1 + w) (w = 0 without HAS_WEIGHT), in float32, rounded
+    once. GROUP > 0: out (as rounded) also quantized in groups of GROUP columns into out_fp8
+    [T, H] and out_scale [T, ceil(H / GROUP)] (the columns past H are 0 here, as the reference
+    pads). BH is next_pow2(H) with or without GROUP, so the sum of squares, and with it out, is
+    the same reduction either way; a row narrower than a group is its one group:
+    GROUP_TILE = min(BH, GROUP)."""
     dependent_prologue(DEPENDENT_LAUNCH)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BH)
@@ -135,8 +135,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual:
                                         out, new_residual, out_fp8, out_scale, x.stride(0),
                                         residual.stride(0) if residual is not None else 0, eps, H=hidden, BH=block,
                                         HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None,
-                                        GROUP=quantize_group,
-                                        GROUP_TILE=min(block, quantize_group),
+                                        GROUP=quantize_group, GROUP_TILE=min(block, quantize_group),
                                         num_warps=min(16, max(1, block // 512)), **pdl(x.device))
     if quantize_group:
         return QuantizedActivation(out, out_fp8, out_scale, quantize_group), new_residual
