@@ -7,8 +7,11 @@ kernel's end and the next one's start is a real share of it. A kernel launched w
 `**pdl(device)` may be scheduled while its predecessor still runs: its programs start with
 `dependent_prologue`, which waits on-chip (griddepcontrol.wait) until the predecessor grid has
 finished and its stores are visible, and then lets its own successor launch. The wait comes
-before any memory access, so a dependent kernel orders exactly like a plain one (reads after the
-predecessor's writes, writes after its reads); only the launch latency overlaps. A predecessor
+before any memory access to what a step writes, so a dependent kernel orders exactly like a plain
+one (reads after the predecessor's writes, writes after its reads). What a kernel may touch before
+the wait is memory no kernel of a step ever writes, the weights: `prefetch_l2` pulls them into L2
+while the predecessor still runs (the skinny GEMMs, kernels/linear.py), so that a step streams
+weights across kernel boundaries instead of starting each kernel's stream cold. A predecessor
 that never signals (a cuBLAS GEMM, the interpreter) simply completes first. Knows nothing about
 what the kernels compute.
 """
@@ -45,6 +48,15 @@ def dependent_prologue(DEPENDENT_LAUNCH: tl.constexpr):
     if DEPENDENT_LAUNCH:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte lines holding `ptrs` (any shape; one prefetch per element), without
+    waiting for them or holding registers: on the GPU only (inline PTX; callers guard it with
+    DEPENDENT_LAUNCH, which the interpreter never sets)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -51,7 +51,7 @@ import triton.language as tl
 from .activation import silu_and_mul, silu_and_mul_reference
 from .arrivals import arrival_counters, last_to_arrive, reset_arrivals
 from .device import INTERPRETED, num_sms
-from .launch import dependent_prologue, dot_precision, pdl
+from .launch import dependent_prologue, dot_precision, pdl, prefetch_l2
 from .norms import rms_norm, rms_norm_reference
 from .tiles import TileConfig
 
@@ -79,7 +79,7 @@ def _linear_kernel(x, w, y, residual, partials, row_sq, arrivals, M, N, K, k_per
                    stride_xm, stride_wn, stride_ym, stride_rm,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr,
-                   RESIDUAL: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
+                   RESIDUAL: tl.constexpr, LINE: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """Program (N tile pid_n, K split pid_k): acc[BLOCK_N, BLOCK_M] = W[tile rows, k split] @ x[:, k split]^T,
     i.e. y^T, so that the wide side (W's rows) is the MMA's M and the padded batch (>= 16 rows
     for tl.dot) its N. K splits are k_per_split long (a multiple of BLOCK_K); the last may be
@@ -92,8 +92,8 @@ def _linear_kernel(x, w, y, residual, partials, row_sq, arrivals, M, N, K, k_per
     [grid_n, SPLIT_K, BLOCK_M] fp32 (NORM: each split's sum of x^2); arrivals[pid_n] counts the
     tile's programs in. The last one sums the partials in split order and finishes the tile
     (_finish_tile). The sum is unrolled so that its SPLIT_K loads are in flight together: that
-    tail is one L2 round trip, not SPLIT_K of them (a loop was slower; H100 A/B in commit 8b76c27)."""
-    dependent_prologue(DEPENDENT_LAUNCH)
+    tail is one L2 round trip, not SPLIT_K of them (a loop was slower; H100 A/B in commit 8b76c27).
+    LINE: W's elements per 128-byte line (at most BLOCK_K), the stride of the L2 prefetch."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_N)  # the tile's rows of W
@@ -107,6 +107,14 @@ def _linear_kernel(x, w, y, residual, partials, row_sq, arrivals, M, N, K, k_per
     offs_k = tl.arange(0, BLOCK_K)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    if DEPENDENT_LAUNCH:
+        # W is never written by a step: stream the program's [BLOCK_N, k split] share of it into
+        # L2 while the predecessor kernel still runs (launch.py), one prefetch per 128-byte line.
+        # Past K (a ragged last step) the offsets clamp to W's last column: never a line outside W.
+        line_starts = tl.arange(0, BLOCK_K // LINE) * LINE
+        for k in range(k_start, k_end, BLOCK_K):
+            prefetch_l2(w + rows_w[:, None] * stride_wn + tl.minimum(k + line_starts, K - 1)[None, :])
+    dependent_prologue(DEPENDENT_LAUNCH)
     w_ptrs = w + rows_w[:, None] * stride_wn + (k_start + offs_k)[None, :]     # [BLOCK_N, BLOCK_K]
     x_ptrs = x + rows_x[:, None] * stride_xm + (k_start + offs_k)[None, :]     # [BLOCK_M, BLOCK_K]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -283,7 +291,7 @@ def _launch_plan(x_shape: torch.Size, weight_shape: torch.Size, y_shape: torch.S
     meta = dict(BLOCK_M=block_m(num_rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.num_splits,
                 EVEN_K=in_features % config.block_k == 0,
                 PRECISION=dot_precision(dtype), NORM=norm, GLU=glu, RESIDUAL=residual,
-                **config.launch_options())
+                LINE=min(128 // weight_dtype.itemsize, config.block_k), **config.launch_options())
     tile_rows = config.block_n // 2 if glu else config.block_n
     return (triton.cdiv(out_features, tile_rows), config.num_splits), k_per_split, meta
 
