@@ -19,11 +19,15 @@ decode) every new input is folded at once and nothing is recorded.
 fused); the `_reference` functions are their torch oracles. Both take x as a row view of the
 projection output (unit channel stride, any row stride: no copy of the q|k|v columns) and write
 the outputs of the new tokens into `out` when the caller passes one (a row slice of the step's
-conv-output buffer, so nothing is copied afterwards). Knows nothing about models or the
-scheduler: rows are described by cu_seqlens and slot ids.
+conv-output buffer, so nothing is copied afterwards). The decode conv of a channel tile,
+`conv_decode_tile`, is also the epilogue of the projection that produces x (kernels/linear.py,
+`ConvDecode`: one launch fewer per GDN layer). Knows nothing about models or the scheduler: rows
+are described by cu_seqlens and slot ids.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -71,13 +75,13 @@ def causal_conv1d_prefill_reference(x: torch.Tensor, weight: torch.Tensor, cu_se
 def causal_conv1d_decode_reference(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
                                    slot_ids: torch.Tensor, conv_state: torch.Tensor,
                                    pending_conv: torch.Tensor, pending_counts: torch.Tensor,
-                                   commit: bool,
-                                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                   commit: bool, out: torch.Tensor | None = None,
+                                   pending_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode/verify with deferred commit. x: [T, C] new tokens (1..P+1 per row).
 
-    Returns (out [T, C], pending_out [B, P, C]): silu(conv) of the new tokens (into `out` when
-    given: varlen.into), and of row b's p_b pending tokens in pending_out[b, :p_b] (entries past
-    p_b are unspecified)."""
+    Returns (out [T, C], pending_out [B, P, C]): silu(conv) of the new tokens, and of row b's p_b
+    pending tokens in pending_out[b, :p_b] (entries past p_b are unspecified); each into the
+    caller's tensor when given (varlen.into)."""
     num_rows = slot_ids.numel()
     width = weight.shape[1]
     max_pending = pending_conv.shape[1]
@@ -103,7 +107,7 @@ def causal_conv1d_decode_reference(x: torch.Tensor, weight: torch.Tensor, cu_seq
     if not commit:
         later = index_in_row > 0  # new tokens 1..n-1 (the drafts) become pending columns 0..n-2
         pending_conv[slots[row[later]], index_in_row[later] - 1] = x[later].to(pending_conv.dtype)
-    return into(out, new_out.to(x.dtype)), conv[:, :max_pending].to(x.dtype)
+    return into(out, new_out.to(x.dtype)), into(pending_out, conv[:, :max_pending].to(x.dtype))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -237,24 +241,20 @@ def _decode_sequence_at(m, x, conv_state, pending_conv, bos, num_new, slot, num_
 
 
 @triton.jit
-def _conv_decode_kernel(x, weight, out, pending_out, cu_seqlens, slot_ids, conv_state, pending_conv, pending_counts,
-                        stride_x, stride_out,
-                        C: tl.constexpr, WIDTH: tl.constexpr, P: tl.constexpr, BW: tl.constexpr,
-                        BT: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, COMMIT: tl.constexpr,
-                        DEPENDENT_LAUNCH: tl.constexpr):
-    """Program (channel tile, row). Token t of pending(p) ++ new(n) (t < p + n <= 2P + 1 <= BT)
-    sees seq[t .. t + W-1]; pending tokens' outputs go to pending_out[row, t], new tokens' to out.
-    The window becomes seq[f .. f + W-1) with f = p + 1 (verify: new token 0 is committed) or
-    p + n (commit); in verify the inputs of new tokens 1..n-1 become pending columns [0, n-1).
-    All reads of the slot precede the barrier, all writes follow it."""
-    dependent_prologue(DEPENDENT_LAUNCH)
-    i_c, row = tl.program_id(0), tl.program_id(1)
+def conv_decode_tile(x, weight, out, pending_out, cu_seqlens, slot_ids, conv_state, pending_conv, pending_counts,
+                     stride_x, stride_out, row, offs_c, mask_c,
+                     C: tl.constexpr, WIDTH: tl.constexpr, P: tl.constexpr, BW: tl.constexpr,
+                     BT: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, COMMIT: tl.constexpr):
+    """Row `row`'s conv at channels offs_c [BC] (mask_c: those < C). Token t of pending(p) ++ new(n)
+    (t < p + n <= 2P + 1 <= BT) sees seq[t .. t + W-1]; pending tokens' outputs go to
+    pending_out[row, t], new tokens' to out. The window becomes seq[f .. f + W-1) with f = p + 1
+    (verify: new token 0 is committed) or p + n (commit); in verify the inputs of new tokens
+    1..n-1 become pending columns [0, n-1). All reads of the slot precede the barrier, all writes
+    follow it."""
     bos = tl.load(cu_seqlens + row).to(tl.int64)
     num_new = tl.load(cu_seqlens + row + 1).to(tl.int64) - bos
     slot = tl.load(slot_ids + row).to(tl.int64)
     num_pending = tl.minimum(tl.load(pending_counts + slot), P).to(tl.int64)
-    offs_c = i_c * BC + tl.arange(0, BC)
-    mask_c = offs_c < C
     offs_t = tl.arange(0, BT)
     acc = tl.zeros([BT, BC], dtype=tl.float32)
     for j in tl.static_range(WIDTH):
@@ -288,6 +288,20 @@ def _conv_decode_kernel(x, weight, out, pending_out, cu_seqlens, slot_ids, conv_
                  drafts.to(pending_conv.dtype.element_ty), mask=mask_drafts)
 
 
+@triton.jit
+def _conv_decode_kernel(x, weight, out, pending_out, cu_seqlens, slot_ids, conv_state, pending_conv, pending_counts,
+                        stride_x, stride_out,
+                        C: tl.constexpr, WIDTH: tl.constexpr, P: tl.constexpr, BW: tl.constexpr,
+                        BT: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, COMMIT: tl.constexpr,
+                        DEPENDENT_LAUNCH: tl.constexpr):
+    """Program (channel tile, row): conv_decode_tile."""
+    dependent_prologue(DEPENDENT_LAUNCH)
+    i_c, row = tl.program_id(0), tl.program_id(1)
+    offs_c = i_c * BC + tl.arange(0, BC)
+    conv_decode_tile(x, weight, out, pending_out, cu_seqlens, slot_ids, conv_state, pending_conv, pending_counts,
+                     stride_x, stride_out, row, offs_c, offs_c < C, C, WIDTH, P, BW, BT, BN, BC, COMMIT)
+
+
 def _check_causal_conv1d_decode_args(x, weight, cu_seqlens, slot_ids, conv_state, pending_conv,
                                      pending_counts) -> None:
     _check_conv_args(x, weight, cu_seqlens, slot_ids, conv_state)
@@ -299,27 +313,67 @@ def _check_causal_conv1d_decode_args(x, weight, cu_seqlens, slot_ids, conv_state
 
 def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, slot_ids: torch.Tensor,
                          conv_state: torch.Tensor, pending_conv: torch.Tensor, pending_counts: torch.Tensor,
-                         commit: bool, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         commit: bool, out: torch.Tensor | None = None,
+                         pending_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton causal_conv1d_decode_reference. x [T, C] (1..P+1 tokens per row) and out
     (optional) [T, C] with unit channel stride, any row stride; pending_conv [S, P, C] (P may be
-    0) and pending_counts [S] int32 contiguous."""
+    0) and pending_counts [S] int32 contiguous; pending_out (optional) contiguous [B, P, C]."""
     _check_causal_conv1d_decode_args(x, weight, cu_seqlens, slot_ids, conv_state, pending_conv, pending_counts)
     channels = x.shape[1]
-    width = weight.shape[1]
     num_rows = slot_ids.numel()
-    max_pending = pending_conv.shape[1]
     out = _conv_output(x, out)
-    pending_out = torch.empty((num_rows, max_pending, channels), dtype=x.dtype, device=x.device)
+    pending_out = _pending_output(x, slot_ids, pending_conv, pending_out)
     if num_rows == 0:
         return out, pending_out
     block_c = min(256, triton.next_power_of_2(channels))
     grid = (triton.cdiv(channels, block_c), num_rows)
     _conv_decode_kernel[grid](x, weight, out, pending_out, cu_seqlens, slot_ids, conv_state, pending_conv,
-                              pending_counts, x.stride(0), out.stride(0), C=channels, WIDTH=width, P=max_pending,
-                              BW=triton.next_power_of_2(width - 1), BT=triton.next_power_of_2(2 * max_pending + 1),
-                              BN=triton.next_power_of_2(max(max_pending, 1)), BC=block_c, COMMIT=commit,
-                              num_warps=4, **pdl(x.device))
+                              pending_counts, x.stride(0), out.stride(0), BC=block_c,
+                              **decode_tile_constants(*weight.shape, pending_conv.shape[1], commit), num_warps=4, **pdl(x.device))
     return out, pending_out
+
+
+def decode_tile_constants(channels: int, width: int, max_pending: int, commit: bool) -> dict:
+    """conv_decode_tile's compile-time arguments: C channels, a conv of `width` taps, P pending
+    columns."""
+    return dict(C=channels, WIDTH=width, P=max_pending, BW=triton.next_power_of_2(width - 1),
+                BT=triton.next_power_of_2(2 * max_pending + 1), BN=triton.next_power_of_2(max(max_pending, 1)),
+                COMMIT=commit)
+
+
+def check_conv_decode_args(x: torch.Tensor, conv: ConvDecode) -> None:
+    """causal_conv1d_decode's checks of its arguments and outputs, for a launch that runs the
+    conv in another kernel's epilogue (x: the columns it reads)."""
+    _check_causal_conv1d_decode_args(x, conv.weight, conv.cu_seqlens, conv.slot_ids, conv.conv_state,
+                                     conv.pending_conv, conv.pending_counts)
+    _conv_output(x, conv.out)
+    _pending_output(x, conv.slot_ids, conv.pending_conv, conv.pending_out)
+
+
+class ConvDecode(NamedTuple):
+    """causal_conv1d_decode of the first C = weight.shape[0] columns of a projection's output, run
+    by the projection itself (kernels/linear.py): the arguments after x, with both outputs the
+    caller's (out [T, C] unit channel stride, pending_out contiguous [B, P, C])."""
+    weight: torch.Tensor
+    cu_seqlens: torch.Tensor
+    slot_ids: torch.Tensor
+    conv_state: torch.Tensor
+    pending_conv: torch.Tensor
+    pending_counts: torch.Tensor
+    commit: bool
+    out: torch.Tensor
+    pending_out: torch.Tensor
+
+
+def _pending_output(x: torch.Tensor, slot_ids: torch.Tensor, pending_conv: torch.Tensor,
+                    pending_out: torch.Tensor | None) -> torch.Tensor:
+    """The decode launcher's pending-token outputs: a fresh [B, P, C], or the caller's."""
+    shape = (slot_ids.numel(), pending_conv.shape[1], x.shape[1])
+    if pending_out is None:
+        return torch.empty(shape, dtype=x.dtype, device=x.device)
+    assert pending_out.shape == shape and pending_out.dtype == x.dtype and pending_out.is_contiguous(), \
+        f"pending_out: contiguous {shape} in x's dtype"
+    return pending_out
 
 
 def _conv_output(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

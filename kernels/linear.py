@@ -25,6 +25,10 @@ residual stream is materialised (engine/models/layers.py, DecoderLayer.forward_s
   glu        W is [gate; up] (2I rows): a program's tile takes BLOCK_N / 2 rows of each for the
              same output columns and stores silu(gate) * up [M, I].
   residual   y = residual + x W^T, stored into the residual stream itself.
+  conv       (a ConvDecode, conv1d.py) the GDN's decode conv of y's first C columns (its q|k|v
+             channels): the program of an N tile holding conv channels, having stored y, runs
+             conv1d.py's conv_decode_tile over the batch's rows for its columns (the conv is
+             depthwise, so a tile's channels need no other tile's), in place of the conv launch.
 Each changes what the last store does (and what the loop adds to a register), never how W
 streams: fusing into the loop's x operand (a computed tile) halved the weight stream's rate
 (bench/results/attempts/fused_block_ops).
@@ -50,6 +54,8 @@ import triton.language as tl
 
 from .activation import silu_and_mul, silu_and_mul_reference
 from .arrivals import arrival_counters, last_to_arrive, reset_arrivals
+from .conv1d import (ConvDecode, causal_conv1d_decode, causal_conv1d_decode_reference, check_conv_decode_args,
+                     conv_decode_tile, decode_tile_constants)
 from .device import INTERPRETED, num_sms
 from .launch import dependent_prologue, dot_precision, pdl, prefetch_l2
 from .norms import rms_norm, rms_norm_reference
@@ -60,26 +66,34 @@ KERNEL_MAX_ROWS = 32        # use_kernel never picks the kernel for more rows
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = None, glu: bool = False,
-                     residual: torch.Tensor | None = None) -> torch.Tensor:
+                     residual: torch.Tensor | None = None, conv: ConvDecode | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype, with the block ops the kernel fuses, as
     the separate ops they replace: norm_eps: x RMS-normalised first (unit weight: the norm's
     weight is folded into W); glu: W = [gate; up] and the result silu(gate) * up [M, N / 2];
-    residual: the result added into `residual` [M, N] (in place), which is returned."""
+    residual: the result added into `residual` [M, N] (in place), which is returned; conv: the
+    decode conv of the result's first conv.weight.shape[0] columns, into conv.out and
+    conv.pending_out (neither glu nor residual with it)."""
     if norm_eps is not None:
         x, _ = rms_norm_reference(x, None, norm_eps)
     y = F.linear(x, weight)
     if glu:
         y = silu_and_mul_reference(y)
+    if conv is not None:
+        causal_conv1d_decode_reference(y[:, :conv.weight.shape[0]], *conv)
     return y if residual is None else residual.add_(y)
 
 
-# M varies with the batch: not compile-time (one binary serves a BLOCK_M).
-@triton.jit(do_not_specialize=["M", "eps"])
+# M (and the conv's rows) vary with the batch: not compile-time (one binary serves a BLOCK_M).
+@triton.jit(do_not_specialize=["M", "eps", "conv_rows"])
 def _linear_kernel(x, w, y, residual, partials, row_sq, arrivals, M, N, K, k_per_split, eps,
                    stride_xm, stride_wn, stride_ym, stride_rm,
+                   conv_weight, conv_out, conv_pending_out, cu_seqlens, slot_ids, conv_state, pending_conv,
+                   pending_counts, conv_rows, stride_conv_out,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr,
-                   RESIDUAL: tl.constexpr, LINE: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
+                   RESIDUAL: tl.constexpr, LINE: tl.constexpr, CONV: tl.constexpr,
+                   C: tl.constexpr, WIDTH: tl.constexpr, P: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr,
+                   BN: tl.constexpr, COMMIT: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """Program (N tile pid_n, K split pid_k): acc[BLOCK_N, BLOCK_M] = W[tile rows, k split] @ x[:, k split]^T,
     i.e. y^T, so that the wide side (W's rows) is the MMA's M and the padded batch (>= 16 rows
     for tl.dot) its N. K splits are k_per_split long (a multiple of BLOCK_K); the last may be
@@ -93,7 +107,9 @@ def _linear_kernel(x, w, y, residual, partials, row_sq, arrivals, M, N, K, k_per
     tile's programs in. The last one sums the partials in split order and finishes the tile
     (_finish_tile). The sum is unrolled so that its SPLIT_K loads are in flight together: that
     tail is one L2 round trip, not SPLIT_K of them (a loop was slower; H100 A/B in commit 8b76c27).
-    LINE: W's elements per 128-byte line (at most BLOCK_K), the stride of the L2 prefetch."""
+    LINE: W's elements per 128-byte line (at most BLOCK_K), the stride of the L2 prefetch.
+    CONV: the program that stores a tile then runs the conv of its columns (_conv_epilogue; the
+    conv_* arguments, conv_rows rows, and C .. COMMIT are conv1d.py's conv_decode_tile's)."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_N)  # the tile's rows of W
@@ -137,6 +153,10 @@ def _linear_kernel(x, w, y, residual, partials, row_sq, arrivals, M, N, K, k_per
     if SPLIT_K == 1:
         _finish_tile(acc, sq, y, residual, pid_n, offs_m, offs_r, M, N, K, eps, stride_ym, stride_rm,
                      BLOCK_M, BLOCK_N, NORM, GLU, RESIDUAL)
+        if CONV:
+            _conv_epilogue(y, stride_ym, pid_n * BLOCK_N, conv_weight, conv_out, conv_pending_out,
+                           cu_seqlens, slot_ids, conv_state, pending_conv, pending_counts, conv_rows, stride_conv_out,
+                           C, WIDTH, P, BW, BT, BN, BLOCK_N, COMMIT)
     else:
         width = tl.num_programs(0) * BLOCK_N
         tile = offs_m[None, :].to(tl.int64) * width + (pid_n * BLOCK_N + offs_r)[:, None]  # within one partial
@@ -156,6 +176,27 @@ def _linear_kernel(x, w, y, residual, partials, row_sq, arrivals, M, N, K, k_per
             _finish_tile(total, total_sq, y, residual, pid_n, offs_m, offs_r, M, N, K, eps, stride_ym, stride_rm,
                          BLOCK_M, BLOCK_N, NORM, GLU, RESIDUAL)
             reset_arrivals(arrivals + pid_n)
+            if CONV:
+                _conv_epilogue(y, stride_ym, pid_n * BLOCK_N, conv_weight, conv_out, conv_pending_out,
+                               cu_seqlens, slot_ids, conv_state, pending_conv, pending_counts, conv_rows,
+                               stride_conv_out, C, WIDTH, P, BW, BT, BN, BLOCK_N, COMMIT)
+
+
+@triton.jit
+def _conv_epilogue(y, stride_ym, first_col, conv_weight, conv_out, conv_pending_out, cu_seqlens, slot_ids,
+                   conv_state, pending_conv, pending_counts, conv_rows, stride_conv_out,
+                   C: tl.constexpr, WIDTH: tl.constexpr, P: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr,
+                   BN: tl.constexpr, BLOCK_N: tl.constexpr, COMMIT: tl.constexpr):
+    """The decode conv of y's columns first_col + [0, BLOCK_N) that are conv channels (< C), row
+    by row, reading the y tile this program has just stored (every row of it: the batch is one
+    tile)."""
+    cols = first_col + tl.arange(0, BLOCK_N)
+    if first_col < C:
+        tl.debug_barrier()  # every thread's y stores before any thread's conv reads (bar.sync orders them)
+        for row in range(conv_rows):
+            conv_decode_tile(y, conv_weight, conv_out, conv_pending_out, cu_seqlens, slot_ids, conv_state, pending_conv,
+                             pending_counts, stride_ym, stride_conv_out, row, cols, cols < C,
+                             C, WIDTH, P, BW, BT, BN, BLOCK_N, COMMIT)
 
 
 @triton.jit
@@ -273,10 +314,10 @@ def linear_config(num_rows: int, out_features: int, in_features: int, device: to
 @cache
 def _launch_plan(x_shape: torch.Size, weight_shape: torch.Size, y_shape: torch.Size, dtype: torch.dtype,
                  weight_dtype: torch.dtype, y_dtype: torch.dtype, config: TileConfig, norm: bool, glu: bool,
-                 residual: bool) -> tuple[tuple[int, int], int, dict]:
+                 residual: bool, conv: tuple | None) -> tuple[tuple[int, int], int, dict]:
     """Shape and dtype checks, then (grid, K per split, compile-time arguments): once per shape,
     so that a call pays only for its stride checks, its scratch and the launch (an eager step is
-    bound by the host's launches)."""
+    bound by the host's launches). conv: (channels, taps, pending columns P, commit) or None."""
     assert len(x_shape) == 2 and len(weight_shape) == 2 and weight_shape[1] == x_shape[1], \
         f"linear: x {tuple(x_shape)} and weight {tuple(weight_shape)} do not chain"
     (num_rows, in_features), weight_rows = x_shape, weight_shape[0]
@@ -287,11 +328,15 @@ def _launch_plan(x_shape: torch.Size, weight_shape: torch.Size, y_shape: torch.S
     out_features = weight_rows // 2 if glu else weight_rows
     assert y_shape == (num_rows, out_features), f"linear: y {tuple(y_shape)}"
     assert 0 < num_rows <= MAX_ROWS, f"linear kernel takes 1..{MAX_ROWS} rows, got {num_rows}"
+    assert conv is None or not (glu or residual), "linear: conv fuses with neither glu nor residual"
+    assert conv is None or conv[0] <= out_features, "linear: conv channels past y's columns"
     k_per_split = triton.cdiv(triton.cdiv(in_features, config.num_splits), config.block_k) * config.block_k
+    conv_meta = decode_tile_constants(*(conv or (1, 2, 0, True)))  # without CONV: placeholders
     meta = dict(BLOCK_M=block_m(num_rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.num_splits,
                 EVEN_K=in_features % config.block_k == 0,
                 PRECISION=dot_precision(dtype), NORM=norm, GLU=glu, RESIDUAL=residual,
-                LINE=min(128 // weight_dtype.itemsize, config.block_k), **config.launch_options())
+                LINE=min(128 // weight_dtype.itemsize, config.block_k), CONV=conv is not None, **conv_meta,
+                **config.launch_options())
     tile_rows = config.block_n // 2 if glu else config.block_n
     return (triton.cdiv(out_features, tile_rows), config.num_splits), k_per_split, meta
 
@@ -307,14 +352,18 @@ def _check_linear_args(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
 
 
 def launch_linear(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config: TileConfig, *,
-                  norm_eps: float | None = None, glu: bool = False, residual: torch.Tensor | None = None) -> None:
+                  norm_eps: float | None = None, glu: bool = False, residual: torch.Tensor | None = None,
+                  conv: ConvDecode | None = None) -> None:
     """y [M, N] = x [M, K] @ weight [N, K]^T with an explicit config and the fusions of
     linear_reference (with glu, weight is [2N, K]; residual may be y itself). x and weight:
     same dtype (bf16, fp16 or fp32), unit stride along K (x may be a row-strided view); y
     contiguous, same dtype. Accumulates in fp32; fp32 inputs multiply in full fp32 (no tf32)."""
+    conv_shape = None if conv is None else (*conv.weight.shape, conv.pending_conv.shape[1], conv.commit)
     grid, k_per_split, meta = _launch_plan(x.shape, weight.shape, y.shape, x.dtype, weight.dtype, y.dtype, config,
-                                           norm_eps is not None, glu, residual is not None)
+                                           norm_eps is not None, glu, residual is not None, conv_shape)
     _check_linear_args(y, x, weight, residual)
+    if conv is not None:  # the conv launcher's checks, on the columns it reads
+        check_conv_decode_args(y[:, :conv_shape[0]], conv)
     device = x.device
     (num_rows, in_features), out_features = x.shape, y.shape[1]
     if config.num_splits > 1:
@@ -326,17 +375,23 @@ def launch_linear(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config
     else:  # never touched
         partials = row_sq = arrivals = y
     stream = y if residual is None else residual
+    conv_args = (y,) * 8 + (0, 0) if conv is None else \
+        (*conv[:6], conv.out, conv.pending_out, conv.slot_ids.numel(), conv.out.stride(0))
+    (conv_weight, cu_seqlens, slot_ids, conv_state, pending_conv, pending_counts, conv_out, pending_out, conv_rows,
+     stride_conv_out) = conv_args
     _linear_kernel[grid](x, weight, y, stream, partials, row_sq, arrivals, num_rows, out_features, in_features,
                          k_per_split, 0.0 if norm_eps is None else norm_eps,
-                         x.stride(0), weight.stride(0), y.stride(0), stream.stride(0), **meta, **pdl(x.device))
+                         x.stride(0), weight.stride(0), y.stride(0), stream.stride(0),
+                         conv_weight, conv_out, pending_out, cu_seqlens, slot_ids, conv_state, pending_conv,
+                         pending_counts, conv_rows, stride_conv_out, **meta, **pdl(x.device))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = None, glu: bool = False,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
+           residual: torch.Tensor | None = None, conv: ConvDecode | None = None) -> torch.Tensor:
     """linear_reference through the kernel where linear_config picks it (with the fusions in its
     epilogue; the result written into `residual` when given), else through cuBLAS
     (`cublas_linear`) and the separate kernels of the fused ops."""
-    fused = norm_eps is not None or glu or residual is not None
+    fused = norm_eps is not None or glu or residual is not None or conv is not None
     if x.dim() != 2:
         assert not fused, "linear: fused ops take [M, K] activations"
         return F.linear(x, weight)
@@ -348,10 +403,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = No
         y = cublas_linear(x, weight)
         if glu:
             y = silu_and_mul(y)
+        if conv is not None:
+            causal_conv1d_decode(y[:, :conv.weight.shape[0]], *conv)
         return y if residual is None else residual.add_(y)
     y = residual if residual is not None else \
         torch.empty((num_rows, weight_rows // 2 if glu else weight_rows), dtype=x.dtype, device=device)
-    launch_linear(y, x, weight, config, norm_eps=norm_eps, glu=glu, residual=residual)
+    launch_linear(y, x, weight, config, norm_eps=norm_eps, glu=glu, residual=residual, conv=conv)
     return y
 
 

@@ -36,6 +36,7 @@ import triton
 from torch import nn
 
 from ...kernels import Ops
+from ...kernels.conv1d import ConvDecode
 from ...kernels.fp8 import FP8, SKINNY_MAX_ROWS, block_scales
 from ...kernels.quantize import Activation, activation_values
 from ..batch import ForwardBatch, PrefillCheckpoints
@@ -152,14 +153,15 @@ class Linear(nn.Module):
         self.weight.data.copy_(self.weight.data.float() * (1.0 + norm_weight.float()))
 
     def forward(self, x: Activation | Stream, ops: Ops, *, glu: bool = False,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, conv: ConvDecode | None = None) -> torch.Tensor:
         """x plain, quantized by the op before (read as values by a bf16 projection), or the
         residual stream to normalise; glu: silu(gate) * up of a [gate; up] projection; residual:
-        the output added into it (in place; returned). The last three: bf16 projections only."""
+        the output added into it (in place; returned); conv: the GDN's decode conv of the output's
+        first columns (kernels/linear.py). The last four: bf16 projections only."""
         values, norm_eps = (x.values, x.eps) if isinstance(x, Stream) else (activation_values(x), None)
-        if norm_eps is not None or glu or residual is not None:
+        if norm_eps is not None or glu or residual is not None or conv is not None:
             assert not self.is_fp8, "FP8 projections take no fused ops"
-            return ops.linear(values, self.weight, norm_eps=norm_eps, glu=glu, residual=residual)
+            return ops.linear(values, self.weight, norm_eps=norm_eps, glu=glu, residual=residual, conv=conv)
         if not self.is_fp8:
             return ops.linear(values, self.weight)
         return ops.fp8_linear(x, self.weight, self.weight_scale, self.group_size, self.block_scale)
@@ -218,19 +220,27 @@ class GatedDeltaNet(nn.Module):
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """residual: the stream out_proj adds its output into (forward_stream)."""
         c, num_tokens = self.c, _num_tokens(x)
+        dec, pre = batch.decode, batch.prefill
+        # No copies: the conv kernels read mixed (the q|k|v columns of the projection, a strided
+        # view) where it lies, and every kernel writes its row group's rows of the step buffers.
+        # A decode-only batch through a single bf16 in_proj: the projection runs the conv itself.
+        conv = None
+        if dec.num_rows and not pre.num_rows and self.in_proj_ba is None and not self.in_proj.is_fp8:
+            conv_out = self.in_proj.weight.new_empty(num_tokens, c.conv_dim)
+            # pending_conv_out [rows, P, conv_dim]: the conv outputs of each row's pending drafts
+            pending_conv_out = self.in_proj.weight.new_empty(dec.num_rows, state.pending_conv.shape[1], c.conv_dim)
+            conv = ConvDecode(self.conv_weight, dec.cu_seqlens, dec.slot_ids, state.conv, state.pending_conv,
+                              state.pending_counts, batch.commit, conv_out, pending_conv_out)
         if self.in_proj_ba is None:
-            mixed, z, b, a = self.in_proj(x, ops).split(self.splits, dim=-1)
+            mixed, z, b, a = self.in_proj(x, ops, conv=conv).split(self.splits, dim=-1)
         else:
             mixed, z = self.in_proj(x, ops).split(self.splits[:2], dim=-1)
             b, a = self.in_proj_ba(x, ops).split(self.splits[2:], dim=-1)
-        # No copies: the conv kernels read mixed (the q|k|v columns of the projection, a strided
-        # view) where it lies, and every kernel writes its row group's rows of the step buffers.
-        conv_out = mixed.new_empty(num_tokens, c.conv_dim)
+        if conv is None:
+            conv_out = mixed.new_empty(num_tokens, c.conv_dim)
         core = mixed.new_empty(num_tokens, c.linear_num_value_heads, c.linear_value_head_dim)
-        dec, pre = batch.decode, batch.prefill
-        if dec.num_rows:
+        if dec.num_rows and conv is None:
             span = slice(dec.token_start, dec.token_end)
-            # pending_conv_out [rows, P, conv_dim]: the conv outputs of each row's pending drafts
             _, pending_conv_out = ops.causal_conv1d_decode(
                 mixed[span], self.conv_weight, dec.cu_seqlens, dec.slot_ids, state.conv, state.pending_conv,
                 state.pending_counts, batch.commit, out=conv_out[span])

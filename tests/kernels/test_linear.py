@@ -9,7 +9,8 @@ counters are back at zero, and a second launch gives bit-identical output (the p
 summed in a fixed order, whichever program arrives last). The fused block ops (the input's
 RMSNorm, SwiGLU over [gate; up], the residual add into the stream) alone and together, on the
 same cases, against the separate ops of the reference; and their cuBLAS fallback through
-`linear` against the same.
+`linear` against the same. The GDN's decode conv run by the projection (ConvDecode) over ragged
+verify and decode rows, against the conv reference applied to the reference GEMM's output.
 
 CPU: the interpreter, fp32 and fp16 (it computes bf16 dots wrongly), small shapes.
 GPU (`gpu` marker): bf16 on the Qwen3.5-0.8B and -9B projection shapes through `linear` (the
@@ -22,10 +23,12 @@ import pytest
 import torch
 
 from deltaspec.kernels.arrivals import arrival_counters
+from deltaspec.kernels.conv1d import ConvDecode, causal_conv1d_decode_reference
 from deltaspec.kernels.linear import (CUBLAS_ROWS, KERNEL_MAX_ROWS, MAX_ROWS, block_m, kernel_config, launch_linear,
                                      linear, linear_config, linear_reference, padded_linear)
 from deltaspec.kernels.tiles import TileConfig
-from kernel_helpers import assert_close
+from kernel_helpers import (PAD_SLOT, RAGGED, assert_close, assert_slots_untouched, clone, conv_pool,
+                            cu_seqlens_of)
 
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -133,6 +136,57 @@ def test_linear_fused_entry_point(kernel_device):
         reference = linear_reference(x, weight, norm_eps=options["norm_eps"], glu=True,
                                      residual=torch.zeros(num_rows, 24, device=kernel_device))
         assert_close(reference, fused_reference(x, weight, None, options), TOLERANCE[torch.float32], "reference")
+
+
+@pytest.mark.parametrize("commit", [True, False], ids=["commit", "verify"])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("entry", ["launch", "linear", "reference"])
+def test_linear_conv_epilogue(kernel_device, entry, splits, commit):
+    """conv=ConvDecode: the projection's first C = 40 of N = 56 columns (a 16-column tile straddles
+    C) go through the decode conv of ragged rows (pending drafts, verify rows of up to 5 tokens,
+    pad rows on scratch slot 0): y, the new tokens' conv outputs, the pending tokens' and every
+    real slot's window and pending columns against causal_conv1d_decode_reference run on the
+    reference GEMM's output; slots outside the batch untouched."""
+    channels, n, k, max_pending = 40, 56, 48, 4
+    lengths, slots = [length for length, _, _ in RAGGED], [slot for _, slot, _ in RAGGED]
+    num_tokens = sum(lengths)
+    gen = torch.Generator().manual_seed(11 + splits)
+    x, weight = inputs(num_tokens, n, k, torch.float32, kernel_device, seed=5 + splits)
+    conv_weight = (0.5 * torch.randn(channels, 4, generator=gen)).to(kernel_device)
+    pool = conv_pool(gen, 10, max_pending, channels, 4, kernel_device)
+    for _, slot, count in RAGGED:
+        if count is not None:
+            pool["pending_counts"][slot] = count
+    cu, slot_ids = cu_seqlens_of(lengths, kernel_device), torch.tensor(slots, dtype=torch.int32, device=kernel_device)
+    expected_pool, actual_pool = clone(pool), clone(pool)
+    y_expected = x @ weight.t()
+    out_expected, pending_expected = causal_conv1d_decode_reference(
+        y_expected[:, :channels], conv_weight, cu, slot_ids, expected_pool["conv"], expected_pool["pending_conv"],
+        expected_pool["pending_counts"], commit)
+    nan = float("nan")
+    conv = ConvDecode(conv_weight, cu, slot_ids, actual_pool["conv"], actual_pool["pending_conv"],
+                      actual_pool["pending_counts"], commit, torch.full((num_tokens, channels), nan, device=kernel_device),
+                      torch.full((len(slots), max_pending, channels), nan, device=kernel_device))
+    if entry == "launch":
+        y = torch.full((num_tokens, n), nan, device=kernel_device)
+        launch_linear(y, x, weight, TileConfig(block_n=16, block_k=16, num_splits=splits, num_warps=1, num_stages=1),
+                      conv=conv)
+    else:
+        y = (linear if entry == "linear" else linear_reference)(x, weight, conv=conv)
+    assert_close(y, y_expected, TOLERANCE[torch.float32], "y")
+    start = 0
+    for row, (length, slot) in enumerate(zip(lengths, slots)):
+        if slot != PAD_SLOT:  # pad rows share scratch slot 0: their outputs are garbage
+            span = slice(start, start + length)
+            assert_close(conv.out[span], out_expected[span], TOLERANCE[torch.float32], f"conv out of slot {slot}")
+            count = int(pool["pending_counts"][slot])
+            assert_close(conv.pending_out[row, :count], pending_expected[row, :count], TOLERANCE[torch.float32],
+                         f"pending conv out of slot {slot}")
+            for name in ("conv", "pending_conv"):
+                assert_close(actual_pool[name][slot], expected_pool[name][slot], TOLERANCE[torch.float32], name)
+        start += length
+    assert_slots_untouched(actual_pool, pool, owned=set(slots))
+    assert int(arrival_counters(x.device, 1).abs().sum()) == 0, "arrival counters not reset"
 
 
 def test_linear_strided_x(kernel_device):
