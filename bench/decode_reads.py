@@ -9,7 +9,10 @@ is one launch of the GPU step, in the step's order; what it reads is classified 
     weight      a parameter of the model, read whole
     state       a pool tensor (StatePool, KVPool), read as the op reads it (POOL_READS): the rows
                 of the batch's slots, or the keys and values of the rows' context
-    activation  anything else it is handed (the step's activations and metadata); `out` is written
+    activation  anything else it is handed (the step's activations and metadata); `out` and
+                `pending_out` are written
+An op handed a NamedTuple of fused work (linear's ConvDecode: the GDN conv in the in_proj's
+epilogue) reads what its fields hold, as the fused op would.
 
 The forward's torch ops outside the Ops table are added by hand, as bench/profile_step.py's step
 runs them: the embedding gather before the layers, and after the final norm the logits (the
@@ -39,7 +42,20 @@ from deltaspec.kernels import REFERENCE_OPS, Ops
 # slots (state pools, slot first), the keys or values of each row's context (KV caches), or
 # nothing (write_kv only stores the new tokens' keys and values).
 POOL_READS = {"causal_conv1d_decode": "slots", "gdn_decode": "slots", "paged_attention": "context",
-              "write_kv": "none"}
+              "write_kv": "none", "linear": "slots"}
+WRITTEN = {"out", "pending_out"}
+
+
+def _flat_arguments(arguments: dict) -> dict:
+    """An op's bound arguments with the fields of a NamedTuple argument (its fused work) spliced
+    in as `argument.field`."""
+    flat = {}
+    for name, value in arguments.items():
+        if isinstance(value, tuple) and hasattr(value, "_fields"):
+            flat.update({f"{name}.{field}": item for field, item in _flat_arguments(value._asdict()).items()})
+        else:
+            flat[name] = value
+    return flat
 
 
 @dataclass(frozen=True)
@@ -96,8 +112,9 @@ class _Recorder:
     def _read(self, op: str, arguments: dict) -> Read:
         weight = state = activation = 0
         tensors = []
+        arguments = _flat_arguments(arguments)
         for name, value in arguments.items():
-            if name == "out" or not isinstance(value, torch.Tensor):
+            if name.rsplit(".", 1)[-1] in WRITTEN or not isinstance(value, torch.Tensor):
                 continue
             if id(value) in self.pools:
                 num_bytes = self._pool_bytes(op, value, arguments)
@@ -117,7 +134,8 @@ class _Recorder:
             raise ValueError(f"{op} is handed a pool tensor; how it reads it is not in POOL_READS")
         how = POOL_READS[op]
         if how == "slots":
-            return arguments["slot_ids"].numel() * pool[0].nbytes
+            slot_ids = next(value for name, value in arguments.items() if name.rsplit(".", 1)[-1] == "slot_ids")
+            return slot_ids.numel() * pool[0].nbytes
         if how == "context":
             return int(arguments["context_lens"].sum()) * pool[0, 0].nbytes
         return 0

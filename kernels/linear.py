@@ -29,6 +29,8 @@ residual stream is materialised (engine/models/layers.py, DecoderLayer.forward_s
              channels): the program of an N tile holding conv channels, having stored y, runs
              conv1d.py's conv_decode_tile over the batch's rows for its columns (the conv is
              depthwise, so a tile's channels need no other tile's), in place of the conv launch.
+             Its rows run one after another, so `linear` fuses it up to CONV_EPILOGUE_MAX_ROWS
+             rows and launches the conv kernel after the GEMM above.
 Each changes what the last store does (and what the loop adds to a register), never how W
 streams: fusing into the loop's x operand (a computed tile) halved the weight stream's rate
 (bench/results/attempts/fused_block_ops).
@@ -63,6 +65,10 @@ from .tiles import TileConfig
 
 MAX_ROWS = 64               # the kernel's limit (x is padded to a power of two >= 16 rows)
 KERNEL_MAX_ROWS = 32        # use_kernel never picks the kernel for more rows
+# The conv epilogue's rows are serial in each tile's program: a 0.8B step at 1 row (1 or 4 tokens)
+# read 0.98 / 0.99x with it, at 8 rows 1.05 / 1.08x, at 32 rows 1.19x (H100, d7c891a against
+# 03dacec: bench/results/conv_epilogue-h100.json).
+CONV_EPILOGUE_MAX_ROWS = 1
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = None, glu: bool = False,
@@ -390,7 +396,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = No
            residual: torch.Tensor | None = None, conv: ConvDecode | None = None) -> torch.Tensor:
     """linear_reference through the kernel where linear_config picks it (with the fusions in its
     epilogue; the result written into `residual` when given), else through cuBLAS
-    (`cublas_linear`) and the separate kernels of the fused ops."""
+    (`cublas_linear`) and the separate kernels of the fused ops; the conv of more than
+    CONV_EPILOGUE_MAX_ROWS rows by its own kernel after the projection."""
+    if conv is not None and conv.slot_ids.numel() > CONV_EPILOGUE_MAX_ROWS:
+        y = linear(x, weight, norm_eps=norm_eps, glu=glu, residual=residual)
+        causal_conv1d_decode(y[:, :conv.weight.shape[0]], *conv)
+        return y
     fused = norm_eps is not None or glu or residual is not None or conv is not None
     if x.dim() != 2:
         assert not fused, "linear: fused ops take [M, K] activations"

@@ -23,9 +23,11 @@ import pytest
 import torch
 
 from deltaspec.kernels.arrivals import arrival_counters
-from deltaspec.kernels.conv1d import ConvDecode, causal_conv1d_decode_reference
-from deltaspec.kernels.linear import (CUBLAS_ROWS, KERNEL_MAX_ROWS, MAX_ROWS, block_m, kernel_config, launch_linear,
-                                     linear, linear_config, linear_reference, padded_linear)
+import deltaspec.kernels.linear as linear_module
+from deltaspec.kernels.conv1d import ConvDecode, causal_conv1d_decode, causal_conv1d_decode_reference
+from deltaspec.kernels.linear import (CONV_EPILOGUE_MAX_ROWS, CUBLAS_ROWS, KERNEL_MAX_ROWS, MAX_ROWS, block_m,
+                                     kernel_config, launch_linear, linear, linear_config, linear_reference,
+                                     padded_linear)
 from deltaspec.kernels.tiles import TileConfig
 from kernel_helpers import (PAD_SLOT, RAGGED, assert_close, assert_slots_untouched, clone, conv_pool,
                             cu_seqlens_of)
@@ -138,23 +140,32 @@ def test_linear_fused_entry_point(kernel_device):
         assert_close(reference, fused_reference(x, weight, None, options), TOLERANCE[torch.float32], "reference")
 
 
+ONE_ROW = [(4, 7, 3)]  # (new tokens, slot, pending count), as RAGGED
+
+
 @pytest.mark.parametrize("commit", [True, False], ids=["commit", "verify"])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("entry", ["launch", "linear", "reference"])
-def test_linear_conv_epilogue(kernel_device, entry, splits, commit):
+@pytest.mark.parametrize("rows", [RAGGED, ONE_ROW], ids=["ragged", "one-row"])
+def test_linear_conv_epilogue(kernel_device, monkeypatch, rows, entry, splits, commit):
     """conv=ConvDecode: the projection's first C = 40 of N = 56 columns (a 16-column tile straddles
     C) go through the decode conv of ragged rows (pending drafts, verify rows of up to 5 tokens,
-    pad rows on scratch slot 0): y, the new tokens' conv outputs, the pending tokens' and every
-    real slot's window and pending columns against causal_conv1d_decode_reference run on the
-    reference GEMM's output; slots outside the batch untouched."""
+    pad rows on scratch slot 0) or of one row: y, the new tokens' conv outputs, the pending
+    tokens' and every real slot's window and pending columns against
+    causal_conv1d_decode_reference run on the reference GEMM's output; slots outside the batch
+    untouched. `linear` runs the conv in the epilogue up to CONV_EPILOGUE_MAX_ROWS rows and by the
+    conv kernel above."""
     channels, n, k, max_pending = 40, 56, 48, 4
-    lengths, slots = [length for length, _, _ in RAGGED], [slot for _, slot, _ in RAGGED]
+    lengths, slots = [length for length, _, _ in rows], [slot for _, slot, _ in rows]
+    conv_launches = []
+    monkeypatch.setattr(linear_module, "causal_conv1d_decode",
+                        lambda *args: conv_launches.append(1) or causal_conv1d_decode(*args))
     num_tokens = sum(lengths)
     gen = torch.Generator().manual_seed(11 + splits)
     x, weight = inputs(num_tokens, n, k, torch.float32, kernel_device, seed=5 + splits)
     conv_weight = (0.5 * torch.randn(channels, 4, generator=gen)).to(kernel_device)
     pool = conv_pool(gen, 10, max_pending, channels, 4, kernel_device)
-    for _, slot, count in RAGGED:
+    for _, slot, count in rows:
         if count is not None:
             pool["pending_counts"][slot] = count
     cu, slot_ids = cu_seqlens_of(lengths, kernel_device), torch.tensor(slots, dtype=torch.int32, device=kernel_device)
@@ -173,6 +184,7 @@ def test_linear_conv_epilogue(kernel_device, entry, splits, commit):
                       conv=conv)
     else:
         y = (linear if entry == "linear" else linear_reference)(x, weight, conv=conv)
+    assert len(conv_launches) == (entry == "linear" and len(rows) > CONV_EPILOGUE_MAX_ROWS)
     assert_close(y, y_expected, TOLERANCE[torch.float32], "y")
     start = 0
     for row, (length, slot) in enumerate(zip(lengths, slots)):
