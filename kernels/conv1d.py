@@ -329,7 +329,8 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torc
     grid = (triton.cdiv(channels, block_c), num_rows)
     _conv_decode_kernel[grid](x, weight, out, pending_out, cu_seqlens, slot_ids, conv_state, pending_conv,
                               pending_counts, x.stride(0), out.stride(0), BC=block_c,
-                              **decode_tile_constants(*weight.shape, pending_conv.shape[1], commit), num_warps=4, **pdl(x.device))
+                              **decode_tile_constants(*weight.shape, pending_conv.shape[1], commit), num_warps=4,
+                              **pdl(x.device))
     return out, pending_out
 
 

@@ -176,7 +176,8 @@ def test_linear_conv_epilogue(kernel_device, monkeypatch, rows, entry, splits, c
         expected_pool["pending_counts"], commit)
     nan = float("nan")
     conv = ConvDecode(conv_weight, cu, slot_ids, actual_pool["conv"], actual_pool["pending_conv"],
-                      actual_pool["pending_counts"], commit, torch.full((num_tokens, channels), nan, device=kernel_device),
+                      actual_pool["pending_counts"], commit,
+                      torch.full((num_tokens, channels), nan, device=kernel_device),
                       torch.full((len(slots), max_pending, channels), nan, device=kernel_device))
     if entry == "launch":
         y = torch.full((num_tokens, n), nan, device=kernel_device)
