@@ -222,13 +222,13 @@ class GatedDeltaNet(nn.Module):
         c, num_tokens = self.c, _num_tokens(x)
         dec, pre = batch.decode, batch.prefill
         # No copies: the conv kernels read mixed (the q|k|v columns of the projection, a strided
-        # view) where it lies, and every kernel writes its row group's rows of the step buffers.
+        # view) where it lies, and every kernel writes its row group's rows of the step buffers
+        # (in the model dtype, the conv weight's, as the projection's output).
+        conv_out, conv = self.conv_weight.new_empty(num_tokens, c.conv_dim), None
         # A decode-only batch through a single bf16 in_proj: the projection runs the conv itself.
-        conv = None
         if dec.num_rows and not pre.num_rows and self.in_proj_ba is None and not self.in_proj.is_fp8:
-            conv_out = self.in_proj.weight.new_empty(num_tokens, c.conv_dim)
             # pending_conv_out [rows, P, conv_dim]: the conv outputs of each row's pending drafts
-            pending_conv_out = self.in_proj.weight.new_empty(dec.num_rows, state.pending_conv.shape[1], c.conv_dim)
+            pending_conv_out = self.conv_weight.new_empty(dec.num_rows, state.pending_conv.shape[1], c.conv_dim)
             conv = ConvDecode(self.conv_weight, dec.cu_seqlens, dec.slot_ids, state.conv, state.pending_conv,
                               state.pending_counts, batch.commit, conv_out, pending_conv_out)
         if self.in_proj_ba is None:
@@ -236,8 +236,6 @@ class GatedDeltaNet(nn.Module):
         else:
             mixed, z = self.in_proj(x, ops).split(self.splits[:2], dim=-1)
             b, a = self.in_proj_ba(x, ops).split(self.splits[2:], dim=-1)
-        if conv is None:
-            conv_out = mixed.new_empty(num_tokens, c.conv_dim)
         core = mixed.new_empty(num_tokens, c.linear_num_value_heads, c.linear_value_head_dim)
         if dec.num_rows and conv is None:
             span = slice(dec.token_start, dec.token_end)
