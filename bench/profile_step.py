@@ -3,7 +3,10 @@ random checkpoint, grouped by kernel, beside the step's CUDA-graph replay time. 
 profiled in replays of the step's graph, so they and their count are the graph's (an eager step
 also stages the rows of its cuBLAS GEMMs: kernels/linear.py cublas_linear). The gap between the
 replay and the sum of kernel times is what the graph's node launches cost (negative where
-programmatic dependent launch overlaps kernels).
+programmatic dependent launch overlaps kernels). Under PDL a kernel's own time includes its wait
+for the one before it, so each kernel also gets its share of the critical path (the device
+timeline, each launch from the end of the ones before it) and the step its idle device time:
+those say what removing a kernel would save.
 
     python bench/profile_step.py [--shape 0.8b] [--batches 1,64] [--verify-drafts 3]
 
@@ -30,9 +33,13 @@ from deltaspec.engine.state_pool import KVPool, StatePool  # noqa: E402
 PROFILED_STEPS = 5
 
 
-def kernel_table(step, steps: int) -> tuple[list[dict], int]:
-    """(kernels grouped by name with device µs per step, kernel launches per step) of `steps`
-    replays of step's CUDA graph."""
+def kernel_table(step, steps: int) -> tuple[list[dict], int, float]:
+    """(kernels grouped by name, kernel launches per step, idle device µs per step) of `steps`
+    replays of step's CUDA graph. Per kernel: its device µs per step (`us_per_step`: a PDL
+    kernel's includes the wait for its predecessor that overlaps it) and its share of the
+    step's critical path (`critical_us_per_step`: in device order, each launch counts from the
+    later of its start and the end of the kernels before it to its end, so the column sums,
+    with the idle gaps, to the span of the replays)."""
     graph = capture_graph(lambda _: step())
     graph.replay()
     torch.cuda.synchronize()
@@ -41,14 +48,24 @@ def kernel_table(step, steps: int) -> tuple[list[dict], int]:
             graph.replay()
         torch.cuda.synchronize()
     totals: dict[str, float] = collections.defaultdict(float)
+    critical: dict[str, float] = collections.defaultdict(float)
     counts: dict[str, int] = collections.Counter()
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[event.name] += event.device_time
-            counts[event.name] += 1
-    rows = [{"kernel": name[:120], "us_per_step": t / steps, "launches_per_step": counts[name] / steps}
-            for name, t in sorted(totals.items(), key=lambda kv: -kv[1])]
-    return rows, sum(counts.values()) // steps
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    busy_until, idle = None, 0.0
+    for event in events:
+        start, end = event.time_range.start, event.time_range.end
+        totals[event.name] += event.device_time
+        counts[event.name] += 1
+        if busy_until is not None:
+            idle += max(0.0, start - busy_until)
+            start = max(start, busy_until)
+        critical[event.name] += max(0.0, end - start)
+        busy_until = end if busy_until is None else max(busy_until, end)
+    rows = [{"kernel": name[:120], "us_per_step": t / steps, "critical_us_per_step": critical[name] / steps,
+             "launches_per_step": counts[name] / steps}
+            for name, t in sorted(totals.items(), key=lambda kv: -critical[kv[0]])]
+    return rows, sum(counts.values()) // steps, idle / steps
 
 
 def measure(model, batch: int, num_drafts: int) -> dict:
@@ -74,9 +91,10 @@ def measure(model, batch: int, num_drafts: int) -> dict:
         for _ in range(3):
             step()
         graph_us = graph_time_us(lambda _: step(), GRAPH_CALLS)
-        kernels, launches = kernel_table(step, PROFILED_STEPS)
+        kernels, launches, idle_us = kernel_table(step, PROFILED_STEPS)
     kernel_us = sum(k["us_per_step"] for k in kernels)
     return {"batch": batch, "tokens_per_row": tokens, "graph_replay_us": graph_us, "kernel_sum_us": kernel_us,
+            "critical_sum_us": sum(k["critical_us_per_step"] for k in kernels), "idle_us": idle_us,
             "launches_per_step": launches, "graph_overhead_us": graph_us - kernel_us, "kernels": kernels[:40]}
 
 
@@ -102,9 +120,11 @@ def main() -> None:
     path.write_text(json.dumps(report, indent=2))
     for r in results:
         print(f"\nB={r['batch']} tokens/row={r['tokens_per_row']}: graph {r['graph_replay_us']:.0f} us, kernels "
-              f"{r['kernel_sum_us']:.0f} us in {r['launches_per_step']} launches")
+              f"{r['kernel_sum_us']:.0f} us in {r['launches_per_step']} launches; critical path "
+              f"{r['critical_sum_us']:.0f} us of kernels, {r['idle_us']:.0f} us idle")
         for k in r["kernels"][:14]:
-            print(f"  {k['us_per_step']:8.1f} us  x{k['launches_per_step']:5.1f}  {k['kernel'][:90]}")
+            print(f"  {k['critical_us_per_step']:8.1f} us critical {k['us_per_step']:8.1f} us own  "
+                  f"x{k['launches_per_step']:5.1f}  {k['kernel'][:80]}")
     print("wrote", path)
 
 

@@ -69,6 +69,12 @@ KERNEL_MAX_ROWS = 32        # use_kernel never picks the kernel for more rows
 # read 0.98 / 0.99x with it, at 8 rows 1.05 / 1.08x, at 32 rows 1.19x (H100, d7c891a against
 # 03dacec: bench/results/conv_epilogue-h100.json).
 CONV_EPILOGUE_MAX_ROWS = 1
+# The one-row form (_gemv_kernel): W bytes a program holds in registers, and its warps. 16 KB
+# programs of 4 warps (32 registers of W a thread) read a chain of the 0.8B's 96 projections at
+# 1 row in 447 us against the MMA form's 627 us; 32 and 64 KB, and 8 warps, were slower
+# (H100: bench/results/gemv-h100.json).
+GEMV_PROGRAM_BYTES = 16 << 10
+GEMV_WARPS = 4
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = None, glu: bool = False,
@@ -119,12 +125,7 @@ def _linear_kernel(x, w, y, residual, partials, row_sq, arrivals, M, N, K, k_per
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_N)  # the tile's rows of W
-    if GLU:  # the first half of the tile's rows from the gate half of W, the second from the up half
-        half = BLOCK_N // 2
-        rows_w = tl.minimum(pid_n * half + offs_r % half, N - 1) + tl.where(offs_r < half, 0, N)
-    else:
-        rows_w = tl.minimum(pid_n * BLOCK_N + offs_r, N - 1)
-    rows_w = rows_w.to(tl.int64)
+    rows_w = _tile_rows(pid_n, offs_r, N, BLOCK_N, GLU)
     rows_x = tl.minimum(offs_m, M - 1).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     k_start = pid_k * k_per_split
@@ -186,6 +187,52 @@ def _linear_kernel(x, w, y, residual, partials, row_sq, arrivals, M, N, K, k_per
                 _conv_epilogue(y, stride_ym, pid_n * BLOCK_N, conv_weight, conv_out, conv_pending_out,
                                cu_seqlens, slot_ids, conv_state, pending_conv, pending_counts, conv_rows,
                                stride_conv_out, C, WIDTH, P, BW, BT, BN, BLOCK_N, COMMIT)
+
+
+@triton.jit
+def _tile_rows(pid_n, offs_r, N, BLOCK_N: tl.constexpr, GLU: tl.constexpr):
+    """W's rows [BLOCK_N] (int64) of N tile pid_n, clamped to the last row: with GLU the first
+    half of the tile's rows from the gate half of W, the second from the up half (same columns)."""
+    if GLU:
+        half = BLOCK_N // 2
+        rows_w = tl.minimum(pid_n * half + offs_r % half, N - 1) + tl.where(offs_r < half, 0, N)
+    else:
+        rows_w = tl.minimum(pid_n * BLOCK_N + offs_r, N - 1)
+    return rows_w.to(tl.int64)
+
+
+@triton.jit(do_not_specialize=["eps"])
+def _gemv_kernel(x, w, y, residual, N, K, eps, stride_wn, stride_ym, stride_rm,
+                 conv_weight, conv_out, conv_pending_out, cu_seqlens, slot_ids, conv_state, pending_conv,
+                 pending_counts, stride_conv_out,
+                 BLOCK_N: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr,
+                 RESIDUAL: tl.constexpr, CONV: tl.constexpr,
+                 C: tl.constexpr, WIDTH: tl.constexpr, P: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr,
+                 BN: tl.constexpr, COMMIT: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
+    """The one-row form: program pid_n computes y[0, tile] = W[tile rows, :] . x[0, :] with the
+    whole of its [BLOCK_N, K] share of W in registers (K padded to KP, a power of two), loaded
+    before the PDL wait: W is never written by a step, so the program's weight read overlaps the
+    predecessor kernel and, after the wait, only x (K elements, from L2), the products' sums
+    and the epilogue remain. No split-K, hence no partials and no arrival tail: BLOCK_N is small
+    enough (gemv_config) that the N tiles alone fill the SMs. The epilogue (_finish_tile, then
+    the conv) is the MMA form's, on a one-row tile."""
+    pid_n = tl.program_id(0)
+    offs_r = tl.arange(0, BLOCK_N)
+    rows_w = _tile_rows(pid_n, offs_r, N, BLOCK_N, GLU)
+    offs_k = tl.arange(0, KP)
+    in_k = (offs_k < K)[None, :]
+    w_tile = tl.load(w + rows_w[:, None] * stride_wn + offs_k[None, :], mask=in_k, other=0.0)  # [BLOCK_N, KP]
+    dependent_prologue(DEPENDENT_LAUNCH)
+    offs_m = tl.arange(0, 1)
+    x_row = tl.load(x + offs_k[None, :], mask=in_k, other=0.0).to(tl.float32)                       # [1, KP]
+    acc = tl.sum(w_tile.to(tl.float32) * x_row, axis=1)[:, None]                                     # [BLOCK_N, 1]
+    sq = tl.sum(x_row * x_row, axis=1)                                                                # [1]
+    _finish_tile(acc, sq, y, residual, pid_n, offs_m, offs_r, 1, N, K, eps, stride_ym, stride_rm,
+                 1, BLOCK_N, NORM, GLU, RESIDUAL)
+    if CONV:
+        _conv_epilogue(y, stride_ym, pid_n * BLOCK_N, conv_weight, conv_out, conv_pending_out, cu_seqlens, slot_ids,
+                       conv_state, pending_conv, pending_counts, 1, stride_conv_out,
+                       C, WIDTH, P, BW, BT, BN, BLOCK_N, COMMIT)
 
 
 @triton.jit
@@ -317,16 +364,14 @@ def linear_config(num_rows: int, out_features: int, in_features: int, device: to
     return kernel_config(num_rows, out_features, in_features, sms, element_size)
 
 
-@cache
-def _launch_plan(x_shape: torch.Size, weight_shape: torch.Size, y_shape: torch.Size, dtype: torch.dtype,
-                 weight_dtype: torch.dtype, y_dtype: torch.dtype, config: TileConfig, norm: bool, glu: bool,
-                 residual: bool, conv: tuple | None) -> tuple[tuple[int, int], int, dict]:
-    """Shape and dtype checks, then (grid, K per split, compile-time arguments): once per shape,
-    so that a call pays only for its stride checks, its scratch and the launch (an eager step is
-    bound by the host's launches). conv: (channels, taps, pending columns P, commit) or None."""
+def _check_plan(x_shape: torch.Size, weight_shape: torch.Size, y_shape: torch.Size, dtype: torch.dtype,
+                weight_dtype: torch.dtype, y_dtype: torch.dtype, config: TileConfig, glu: bool, residual: bool,
+                conv: tuple | None) -> dict:
+    """Both forms' shape and dtype checks; returns the epilogue's compile-time arguments. conv:
+    (channels, taps, pending columns P, commit) or None."""
     assert len(x_shape) == 2 and len(weight_shape) == 2 and weight_shape[1] == x_shape[1], \
         f"linear: x {tuple(x_shape)} and weight {tuple(weight_shape)} do not chain"
-    (num_rows, in_features), weight_rows = x_shape, weight_shape[0]
+    num_rows, weight_rows = x_shape[0], weight_shape[0]
     assert dtype == weight_dtype == y_dtype and dtype in (torch.bfloat16, torch.float16, torch.float32), \
         f"linear: x {dtype}, weight {weight_dtype}, y {y_dtype}"
     assert not glu or weight_rows % 2 == 0, f"linear: glu needs [gate; up], an even number of rows, got {weight_rows}"
@@ -336,15 +381,43 @@ def _launch_plan(x_shape: torch.Size, weight_shape: torch.Size, y_shape: torch.S
     assert 0 < num_rows <= MAX_ROWS, f"linear kernel takes 1..{MAX_ROWS} rows, got {num_rows}"
     assert conv is None or not (glu or residual), "linear: conv fuses with neither glu nor residual"
     assert conv is None or conv[0] <= out_features, "linear: conv channels past y's columns"
-    k_per_split = triton.cdiv(triton.cdiv(in_features, config.num_splits), config.block_k) * config.block_k
     conv_meta = decode_tile_constants(*(conv or (1, 2, 0, True)))  # without CONV: placeholders
+    return dict(GLU=glu, RESIDUAL=residual, CONV=conv is not None, **conv_meta)
+
+
+def _grid_n(out_features: int, config: TileConfig, glu: bool) -> int:
+    """N tiles of y's out_features columns (a GLU tile's block_n rows of W give half as many)."""
+    return triton.cdiv(out_features, config.block_n // 2 if glu else config.block_n)
+
+
+@cache
+def _launch_plan(x_shape: torch.Size, weight_shape: torch.Size, y_shape: torch.Size, dtype: torch.dtype,
+                 weight_dtype: torch.dtype, y_dtype: torch.dtype, config: TileConfig, norm: bool, glu: bool,
+                 residual: bool, conv: tuple | None) -> tuple[tuple[int, int], int, dict]:
+    """Shape and dtype checks, then (grid, K per split, compile-time arguments): once per shape,
+    so that a call pays only for its stride checks, its scratch and the launch (an eager step is
+    bound by the host's launches)."""
+    epilogue = _check_plan(x_shape, weight_shape, y_shape, dtype, weight_dtype, y_dtype, config, glu, residual, conv)
+    (num_rows, in_features), out_features = x_shape, y_shape[1]
+    k_per_split = triton.cdiv(triton.cdiv(in_features, config.num_splits), config.block_k) * config.block_k
     meta = dict(BLOCK_M=block_m(num_rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.num_splits,
-                EVEN_K=in_features % config.block_k == 0,
-                PRECISION=dot_precision(dtype), NORM=norm, GLU=glu, RESIDUAL=residual,
-                LINE=min(128 // weight_dtype.itemsize, config.block_k), CONV=conv is not None, **conv_meta,
-                **config.launch_options())
-    tile_rows = config.block_n // 2 if glu else config.block_n
-    return (triton.cdiv(out_features, tile_rows), config.num_splits), k_per_split, meta
+                EVEN_K=in_features % config.block_k == 0, PRECISION=dot_precision(dtype), NORM=norm,
+                LINE=min(128 // weight_dtype.itemsize, config.block_k), **epilogue, **config.launch_options())
+    return (_grid_n(out_features, config, glu), config.num_splits), k_per_split, meta
+
+
+@cache
+def _gemv_plan(x_shape: torch.Size, weight_shape: torch.Size, y_shape: torch.Size, dtype: torch.dtype,
+               weight_dtype: torch.dtype, y_dtype: torch.dtype, config: TileConfig, norm: bool, glu: bool,
+               residual: bool, conv: tuple | None) -> tuple[tuple[int], dict]:
+    """_launch_plan for the one-row form: (grid, compile-time arguments)."""
+    epilogue = _check_plan(x_shape, weight_shape, y_shape, dtype, weight_dtype, y_dtype, config, glu, residual, conv)
+    num_rows, in_features = x_shape
+    assert num_rows == 1, f"linear: the one-row form takes 1 row, got {num_rows}"
+    assert config.block_k >= in_features and config.block_k == triton.next_power_of_2(config.block_k), \
+        f"linear: the one-row form's block_k must be a power of two >= K = {in_features}, got {config.block_k}"
+    meta = dict(BLOCK_N=config.block_n, KP=config.block_k, NORM=norm, **epilogue, num_warps=config.num_warps)
+    return (_grid_n(y_shape[1], config, glu),), meta
 
 
 def _check_linear_args(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
@@ -364,12 +437,11 @@ def launch_linear(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config
     linear_reference (with glu, weight is [2N, K]; residual may be y itself). x and weight:
     same dtype (bf16, fp16 or fp32), unit stride along K (x may be a row-strided view); y
     contiguous, same dtype. Accumulates in fp32; fp32 inputs multiply in full fp32 (no tf32)."""
-    conv_shape = None if conv is None else (*conv.weight.shape, conv.pending_conv.shape[1], conv.commit)
     grid, k_per_split, meta = _launch_plan(x.shape, weight.shape, y.shape, x.dtype, weight.dtype, y.dtype, config,
-                                           norm_eps is not None, glu, residual is not None, conv_shape)
+                                           norm_eps is not None, glu, residual is not None, _conv_shape(conv))
     _check_linear_args(y, x, weight, residual)
     if conv is not None:  # the conv launcher's checks, on the columns it reads
-        check_conv_decode_args(y[:, :conv_shape[0]], conv)
+        check_conv_decode_args(y[:, :conv.weight.shape[0]], conv)
     device = x.device
     (num_rows, in_features), out_features = x.shape, y.shape[1]
     if config.num_splits > 1:
@@ -381,15 +453,67 @@ def launch_linear(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config
     else:  # never touched
         partials = row_sq = arrivals = y
     stream = y if residual is None else residual
-    conv_args = (y,) * 8 + (0, 0) if conv is None else \
-        (*conv[:6], conv.out, conv.pending_out, conv.slot_ids.numel(), conv.out.stride(0))
     (conv_weight, cu_seqlens, slot_ids, conv_state, pending_conv, pending_counts, conv_out, pending_out, conv_rows,
-     stride_conv_out) = conv_args
+     stride_conv_out) = _conv_arguments(y, conv)
     _linear_kernel[grid](x, weight, y, stream, partials, row_sq, arrivals, num_rows, out_features, in_features,
                          k_per_split, 0.0 if norm_eps is None else norm_eps,
                          x.stride(0), weight.stride(0), y.stride(0), stream.stride(0),
                          conv_weight, conv_out, pending_out, cu_seqlens, slot_ids, conv_state, pending_conv,
                          pending_counts, conv_rows, stride_conv_out, **meta, **pdl(x.device))
+
+
+def _conv_arguments(y: torch.Tensor, conv: ConvDecode | None) -> tuple:
+    """The kernels' conv_* arguments in their order (conv weight, cu_seqlens, slot_ids, state,
+    pending columns, pending counts, out, pending out, rows, out's row stride); without a conv,
+    placeholders the kernel never touches."""
+    if conv is None:
+        return (y,) * 8 + (0, 0)
+    return (*conv[:6], conv.out, conv.pending_out, conv.slot_ids.numel(), conv.out.stride(0))
+
+
+def _conv_shape(conv: ConvDecode | None) -> tuple | None:
+    """What a launch plan keys on of a conv: (channels, taps, pending columns P, commit)."""
+    return None if conv is None else (*conv.weight.shape, conv.pending_conv.shape[1], conv.commit)
+
+
+@cache
+def gemv_config(out_features: int, in_features: int, device: torch.device, glu: bool = False,
+                element_size: int = 2) -> TileConfig | None:
+    """The one-row form's tile (_gemv_kernel) for W [out_features, in_features] of element_size
+    bytes, or None where a program's row of W would not fit GEMV_PROGRAM_BYTES: block_k is K
+    padded to a power of two, block_n the most rows of W whose padded share fits, halved (down to
+    one row, two with glu) until the N tiles give every SM a program. Shapes only (graphs replay
+    the choice)."""
+    k_padded = triton.next_power_of_2(in_features)
+    fitting = GEMV_PROGRAM_BYTES // (k_padded * element_size)
+    least = 2 if glu else 1
+    if fitting < least:
+        return None
+    block_n = 1 << (fitting.bit_length() - 1)
+    sms = 1 if INTERPRETED else num_sms(device)
+    while block_n > least and triton.cdiv(out_features, block_n) < sms:
+        block_n //= 2
+    return TileConfig(block_n=block_n, block_k=k_padded, num_warps=GEMV_WARPS)
+
+
+def launch_gemv(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config: TileConfig, *,
+                norm_eps: float | None = None, glu: bool = False, residual: torch.Tensor | None = None,
+                conv: ConvDecode | None = None) -> None:
+    """launch_linear's contract for one row of x, through the one-row form (_gemv_kernel) with
+    an explicit config (gemv_config's: block_n rows of W a program, block_k >= K a power of
+    two)."""
+    grid, meta = _gemv_plan(x.shape, weight.shape, y.shape, x.dtype, weight.dtype, y.dtype, config,
+                            norm_eps is not None, glu, residual is not None, _conv_shape(conv))
+    _check_linear_args(y, x, weight, residual)
+    if conv is not None:
+        check_conv_decode_args(y[:, :conv.weight.shape[0]], conv)
+    stream = y if residual is None else residual
+    (conv_weight, cu_seqlens, slot_ids, conv_state, pending_conv, pending_counts, conv_out, pending_out, _,
+     stride_conv_out) = _conv_arguments(y, conv)
+    _gemv_kernel[grid](x, weight, y, stream, y.shape[1], x.shape[1], 0.0 if norm_eps is None else norm_eps,
+                       weight.stride(0), y.stride(0), stream.stride(0),
+                       conv_weight, conv_out, pending_out, cu_seqlens, slot_ids, conv_state, pending_conv,
+                       pending_counts, stride_conv_out, **meta, **pdl(x.device))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = None, glu: bool = False,
@@ -407,6 +531,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = No
         assert not fused, "linear: fused ops take [M, K] activations"
         return F.linear(x, weight)
     (num_rows, in_features), weight_rows, device = x.shape, weight.shape[0], x.device
+    if num_rows == 1:
+        config = gemv_config(weight_rows, in_features, device, glu, x.element_size())
+        if config is not None:
+            y = residual if residual is not None else \
+                torch.empty((1, weight_rows // 2 if glu else weight_rows), dtype=x.dtype, device=device)
+            launch_gemv(y, x, weight, config, norm_eps=norm_eps, glu=glu, residual=residual, conv=conv)
+            return y
     config = linear_config(num_rows, weight_rows, in_features, device, fused, x.element_size())
     if config is None:
         if norm_eps is not None:

@@ -25,9 +25,9 @@ import torch
 from deltaspec.kernels.arrivals import arrival_counters
 import deltaspec.kernels.linear as linear_module
 from deltaspec.kernels.conv1d import ConvDecode, causal_conv1d_decode, causal_conv1d_decode_reference
-from deltaspec.kernels.linear import (CONV_EPILOGUE_MAX_ROWS, CUBLAS_ROWS, KERNEL_MAX_ROWS, MAX_ROWS, block_m,
-                                     kernel_config, launch_linear, linear, linear_config, linear_reference,
-                                     padded_linear)
+from deltaspec.kernels.linear import (CONV_EPILOGUE_MAX_ROWS, CUBLAS_ROWS, GEMV_PROGRAM_BYTES, KERNEL_MAX_ROWS,
+                                     MAX_ROWS, block_m, gemv_config, kernel_config, launch_gemv, launch_linear,
+                                     linear, linear_config, linear_reference, padded_linear)
 from deltaspec.kernels.tiles import TileConfig
 from kernel_helpers import (PAD_SLOT, RAGGED, assert_close, assert_slots_untouched, clone, conv_pool,
                             cu_seqlens_of)
@@ -48,15 +48,15 @@ def inputs(num_rows: int, n: int, k: int, dtype: torch.dtype, device: str, seed:
     return x, weight
 
 
-def check(x: torch.Tensor, weight: torch.Tensor, config: TileConfig) -> None:
+def check(x: torch.Tensor, weight: torch.Tensor, config: TileConfig, launch=launch_linear) -> None:
     """Poisoned output vs reference; counters at zero; a second launch bit-identical."""
     y = torch.full((x.shape[0], weight.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
-    launch_linear(y, x, weight, config)
+    launch(y, x, weight, config)
     expected = linear_reference(x.float(), weight.float())
     assert_close(y, expected, TOLERANCE[x.dtype], f"{config}")
     assert int(arrival_counters(x.device, 1).abs().sum()) == 0, "arrival counters not reset"
     again = torch.full_like(y, float("nan"))
-    launch_linear(again, x, weight, config)
+    launch(again, x, weight, config)
     assert torch.equal(y, again), "second launch differs"
 
 
@@ -77,7 +77,8 @@ def fused_reference(x: torch.Tensor, weight: torch.Tensor, stream: torch.Tensor 
     return y if stream is None else stream.float() + y
 
 
-def check_fused(x: torch.Tensor, weight: torch.Tensor, config: TileConfig, options: dict, seed: int) -> None:
+def check_fused(x: torch.Tensor, weight: torch.Tensor, config: TileConfig, options: dict, seed: int,
+                launch=launch_linear) -> None:
     """The fused launch into a poisoned y, or into the residual stream itself, against
     fused_reference; x scaled far from unit rms, so a missing norm cannot pass."""
     x = x * 7.0
@@ -88,7 +89,7 @@ def check_fused(x: torch.Tensor, weight: torch.Tensor, config: TileConfig, optio
     expected = fused_reference(x, weight, stream, options)
     kwargs = dict(options, residual=stream)
     y = stream if stream is not None else torch.full((num_rows, width), float("nan"), dtype=x.dtype, device=x.device)
-    launch_linear(y, x, weight, config, **kwargs)
+    launch(y, x, weight, config, **kwargs)
     assert_close(y, expected, TOLERANCE[x.dtype], f"{config} {options}")
     assert int(arrival_counters(x.device, 1).abs().sum()) == 0, "arrival counters not reset"
 
@@ -122,6 +123,56 @@ def test_linear_kernel_fused(case, fusion, kernel_device):
     check_fused(x, weight, config, options, seed=n)
 
 
+# (N, K, block_n, block_k) of the one-row form: N not a multiple of the tile, K not a power of
+# two (the masked tail of the padded row), one and several rows of W a program, block_k past K.
+GEMV_CASES = [(40, 100, 8, 128), (17, 48, 1, 64), (33, 64, 4, 64), (24, 72, 16, 256)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", GEMV_CASES, ids=lambda c: f"N{c[0]}-K{c[1]}-bn{c[2]}-bk{c[3]}")
+def test_gemv_kernel(case, dtype, kernel_device):
+    """The one-row form against the reference, x a row of a strided buffer off a 16-byte boundary."""
+    n, k, block_n, block_k = case
+    x, weight = inputs(1, n, k, dtype, kernel_device, seed=n + k, row_stride=k + 5, offset=3)
+    check(x, weight, TileConfig(block_n=block_n, block_k=block_k, num_warps=1), launch_gemv)
+
+
+@pytest.mark.parametrize("fusion", FUSIONS, ids=str)
+@pytest.mark.parametrize("case", GEMV_CASES[:3], ids=lambda c: f"N{c[0]}-K{c[1]}-bn{c[2]}-bk{c[3]}")
+def test_gemv_kernel_fused(case, fusion, kernel_device):
+    n, k, block_n, block_k = case
+    options = FUSIONS[fusion]
+    block_n = max(block_n, 2) if options.get("glu") else block_n
+    x, weight = inputs(1, 2 * n if options.get("glu") else n, k, torch.float32, kernel_device, seed=n)
+    check_fused(x, weight, TileConfig(block_n=block_n, block_k=block_k, num_warps=1), options, seed=k, launch=launch_gemv)
+
+
+def test_gemv_config():
+    """gemv_config on an H100 (132 SMs, bf16): a program's padded share of W within
+    GEMV_PROGRAM_BYTES, a power of two of rows (two at least with glu), N tiles for every SM
+    where the rows allow; None where one row of W does not fit (the 9B's down projection)."""
+    device = torch.device("cpu")
+    for n, k in GPU_SHAPES:
+        for glu in (False, True):
+            config = gemv_config(2 * n if glu else n, k, device, glu)
+            if triton_next_power_of_2(k) * 2 * (2 if glu else 1) > GEMV_PROGRAM_BYTES:
+                assert config is None, (n, k, glu)
+                continue
+            assert config.block_k == triton_next_power_of_2(k) and config.block_n & (config.block_n - 1) == 0
+            assert config.block_n * config.block_k * 2 <= GEMV_PROGRAM_BYTES
+            assert config.block_n >= (2 if glu else 1)
+    with pytest.raises(AssertionError, match="power of two"):
+        x, weight = inputs(1, 16, 48, torch.float32, "cpu", seed=0)
+        launch_gemv(torch.empty(1, 16), x, weight, TileConfig(block_n=4, block_k=32))
+    with pytest.raises(AssertionError, match="1 row"):
+        x, weight = inputs(2, 16, 32, torch.float32, "cpu", seed=0)
+        launch_gemv(torch.empty(2, 16), x, weight, TileConfig(block_n=4, block_k=32))
+
+
+def triton_next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
 def test_linear_fused_entry_point(kernel_device):
     """`linear` with the fusions: the kernel's epilogue up to its rows, cuBLAS and the separate
     ops above (rms_norm without a weight, silu_and_mul, the add), both against the reference;
@@ -141,12 +192,13 @@ def test_linear_fused_entry_point(kernel_device):
 
 
 ONE_ROW = [(4, 7, 3)]  # (new tokens, slot, pending count), as RAGGED
+ONE_TOKEN = [(1, 7, 3)]  # a decode row: `linear` runs the one-row form
 
 
 @pytest.mark.parametrize("commit", [True, False], ids=["commit", "verify"])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("entry", ["launch", "linear", "reference"])
-@pytest.mark.parametrize("rows", [RAGGED, ONE_ROW], ids=["ragged", "one-row"])
+@pytest.mark.parametrize("rows", [RAGGED, ONE_ROW, ONE_TOKEN], ids=["ragged", "one-row", "one-token"])
 def test_linear_conv_epilogue(kernel_device, monkeypatch, rows, entry, splits, commit):
     """conv=ConvDecode: the projection's first C = 40 of N = 56 columns (a 16-column tile straddles
     C) go through the decode conv of ragged rows (pending drafts, verify rows of up to 5 tokens,
@@ -154,7 +206,8 @@ def test_linear_conv_epilogue(kernel_device, monkeypatch, rows, entry, splits, c
     tokens' and every real slot's window and pending columns against
     causal_conv1d_decode_reference run on the reference GEMM's output; slots outside the batch
     untouched. `linear` runs the conv in the epilogue up to CONV_EPILOGUE_MAX_ROWS rows and by the
-    conv kernel above."""
+    conv kernel above; for one token, in the one-row form's epilogue (splits 1: launch_gemv
+    with 16-row tiles, 3: with 2-row tiles)."""
     channels, n, k, max_pending = 40, 56, 48, 4
     lengths, slots = [length for length, _, _ in rows], [slot for _, slot, _ in rows]
     conv_launches = []
@@ -179,7 +232,10 @@ def test_linear_conv_epilogue(kernel_device, monkeypatch, rows, entry, splits, c
                       actual_pool["pending_counts"], commit,
                       torch.full((num_tokens, channels), nan, device=kernel_device),
                       torch.full((len(slots), max_pending, channels), nan, device=kernel_device))
-    if entry == "launch":
+    if entry == "launch" and num_tokens == 1:
+        y = torch.full((num_tokens, n), nan, device=kernel_device)
+        launch_gemv(y, x, weight, TileConfig(block_n=16 if splits == 1 else 2, block_k=64, num_warps=1), conv=conv)
+    elif entry == "launch":
         y = torch.full((num_tokens, n), nan, device=kernel_device)
         launch_linear(y, x, weight, TileConfig(block_n=16, block_k=16, num_splits=splits, num_warps=1, num_stages=1),
                       conv=conv)
@@ -209,8 +265,13 @@ def test_linear_strided_x(kernel_device):
     check(x, weight, TileConfig(block_n=16, block_k=32, num_splits=2, num_warps=1, num_stages=1))
 
 
-def test_linear_entry_point(kernel_device):
-    """`linear` takes the kernel up to KERNEL_MAX_ROWS rows and F.linear above (and for no rows)."""
+def test_linear_entry_point(kernel_device, monkeypatch):
+    """`linear` takes the one-row form for 1 row, the kernel up to KERNEL_MAX_ROWS rows and
+    F.linear above (and for no rows)."""
+    forms = []
+    monkeypatch.setattr(linear_module, "launch_gemv", lambda *a, **kw: forms.append("gemv") or launch_gemv(*a, **kw))
+    monkeypatch.setattr(linear_module, "launch_linear",
+                        lambda *a, **kw: forms.append("mma") or launch_linear(*a, **kw))
     for num_rows in (1, 7, KERNEL_MAX_ROWS):
         x, weight = inputs(num_rows, 24, 64, torch.float32, kernel_device, seed=num_rows)
         assert linear_config(num_rows, 24, 64, x.device) is not None
@@ -219,6 +280,7 @@ def test_linear_entry_point(kernel_device):
         x, weight = inputs(num_rows, 24, 64, torch.float32, kernel_device, seed=num_rows)
         assert linear_config(num_rows, 24, 64, x.device) is None
         assert torch.equal(linear(x, weight), linear_reference(x, weight))
+    assert forms == ["gemv", "mma", "mma"]
 
 
 @pytest.mark.parametrize("element_size", [2, 4])
@@ -311,20 +373,23 @@ def test_linear_gpu_fused_shapes(shape):
 
 
 @pytest.mark.gpu
-def test_linear_gpu_cuda_graph():
+@pytest.mark.parametrize("num_rows", [1, 4])
+def test_linear_gpu_cuda_graph(num_rows):
     """Captured once, replayed on new x: the same as eager (scratch from the graph's pool,
-    counters reset inside the launch)."""
-    x, weight = inputs(4, 1024, 3584, torch.bfloat16, "cuda", seed=1)
-    assert linear_config(4, 1024, 3584, x.device).num_splits > 1
+    counters reset inside the launch; for 1 row, the one-row form)."""
+    x, weight = inputs(num_rows, 1024, 3584, torch.bfloat16, "cuda", seed=1)
+    if num_rows > 1:
+        assert linear_config(num_rows, 1024, 3584, x.device).num_splits > 1
     linear(x, weight)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = linear(x, weight)
     for seed in range(3):
-        x.copy_(inputs(4, 1024, 3584, torch.bfloat16, "cuda", seed=seed + 10)[0])
+        x.copy_(inputs(num_rows, 1024, 3584, torch.bfloat16, "cuda", seed=seed + 10)[0])
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(y, linear(x, weight))
+        assert_close(y, linear_reference(x.float(), weight.float()), TOLERANCE[torch.bfloat16], f"seed {seed}")
     assert int(arrival_counters(x.device, 1).abs().sum()) == 0
 
 
