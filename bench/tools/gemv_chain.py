@@ -1,0 +1,93 @@
+"""The one-row form of the skinny GEMM against the MMA form on a chain of a model's projections:
+the 0.8B shape's 96 decode projections at one row (in_proj, out_proj, gate_up, down of 24
+layers, each its own weights, each reading the one before's output), graph-replayed with PDL as
+a decode step runs them. The MMA form with kernel_config's tiles (split-K), the one-row form
+(kernels/linear.py launch_gemv) with gemv_config's tiles and with other program sizes and warps
+(what GEMV_PROGRAM_BYTES and GEMV_WARPS were picked from).
+
+    python bench/tools/gemv_chain.py [--out bench/results]  -> gemv-<gpu>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common import commit_id, device_tag, graph_time_us  # noqa: E402
+from deltaspec.kernels.device import num_sms  # noqa: E402
+from deltaspec.kernels.linear import gemv_config, kernel_config, launch_gemv, launch_linear  # noqa: E402
+from deltaspec.kernels.tiles import TileConfig  # noqa: E402
+
+# (N, K) of a 0.8B GDN layer's projections in step order: in_proj, out_proj, gate_up, down.
+SHAPES = [(8224, 1024), (1024, 2048), (7168, 1024), (1024, 3584)]
+LAYERS = 24
+
+
+def tiles(program_bytes: int, warps: int, sms: int) -> list[TileConfig]:
+    """gemv_config's rule at another program size and warp count."""
+    configs = []
+    for n, k in SHAPES:
+        k_padded = triton.next_power_of_2(k)
+        block_n = 1 << ((program_bytes // (2 * k_padded)).bit_length() - 1)
+        while block_n > 1 and triton.cdiv(n, block_n) < sms:
+            block_n //= 2
+        configs.append(TileConfig(block_n=block_n, block_k=k_padded, num_warps=warps))
+    return configs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    sms = num_sms(device)
+    torch.manual_seed(0)
+    weights = [[torch.randn(n, k, device=device, dtype=torch.bfloat16) * k ** -0.5 for n, k in SHAPES]
+               for _ in range(LAYERS)]
+    outputs = [[torch.empty(1, n, device=device, dtype=torch.bfloat16) for n, _ in SHAPES] for _ in range(LAYERS)]
+    x0 = torch.randn(1, SHAPES[0][1], device=device, dtype=torch.bfloat16)
+    weight_bytes = sum(w.numel() * w.element_size() for layer in weights for w in layer)
+
+    def chain(launch, configs):
+        x = x0
+        for layer_weights, layer_outputs in zip(weights, outputs):
+            for (_, k), w, y, config in zip(SHAPES, layer_weights, layer_outputs, configs):
+                launch(y, x[:, :k], w, config)
+                x = y
+        return x
+
+    mma = [kernel_config(1, n, k, sms) for n, k in SHAPES]
+    reference = chain(launch_linear, mma).float().clone()
+    variants = [("mma (kernel_config)", launch_linear, mma),
+                ("gemv (gemv_config)", launch_gemv, [gemv_config(n, k, device) for n, k in SHAPES])]
+    variants += [(f"gemv {b >> 10} KB, {w} warps", launch_gemv, tiles(b, w, sms))
+                 for b in (8 << 10, 16 << 10, 32 << 10, 64 << 10) for w in (4, 8)]
+    rows = []
+    for name, launch, configs in variants:
+        out = chain(launch, configs).float()
+        us = graph_time_us(lambda _: chain(launch, configs), 4)
+        rows.append({"variant": name, "block_n": [c.block_n for c in configs], "num_warps": configs[0].num_warps,
+                     "us": us, "gb_per_s": weight_bytes / us / 1e3,
+                     "max_diff_vs_mma": (out - reference).abs().max().item()})
+        print(f"{name:26s} block_n {rows[-1]['block_n']}: {us:7.1f} us  {rows[-1]['gb_per_s']:5.0f} GB/s")
+    name = torch.cuda.get_device_name()
+    report = {"benchmark": "gemv_chain", "device": name,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "commit": commit_id(), "command": " ".join(["python"] + sys.argv), "shapes": SHAPES, "layers": LAYERS,
+              "weight_bytes": weight_bytes, "results": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"gemv-{device_tag(name)}.json"
+    path.write_text(json.dumps(report, indent=2))
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
