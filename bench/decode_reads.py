@@ -11,8 +11,9 @@ is one launch of the GPU step, in the step's order; what it reads is classified 
                 of the batch's slots, or the keys and values of the rows' context
     activation  anything else it is handed (the step's activations and metadata); `out` and
                 `pending_out` are written
-An op handed a NamedTuple of fused work (linear's ConvDecode: the GDN conv in the in_proj's
-epilogue) reads what its fields hold, as the fused op would.
+An op handed a NamedTuple of fused work (linear's ConvDecode and GatedNorm: the GDN conv in the
+in_proj's epilogue, the gated norm in the out_proj's one-row form) reads what its fields hold, as
+the fused op would; above one row the GPU runs some of that work as launches of its own.
 
 The forward's torch ops outside the Ops table are added by hand, as bench/profile_step.py's step
 runs them: the embedding gather before the layers, and after the final norm the logits (the

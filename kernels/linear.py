@@ -1,5 +1,6 @@
 """Skinny GEMM for decode and verify batches: y[M, N] = x[M, K] @ W[N, K]^T with M <= 64, and the
-block ops around a projection fused into its epilogue.
+block ops around a projection fused into its epilogue. Two forms: the MMA form (below) for 2-64
+rows, and the one-row form (_gemv_kernel) for a single row.
 
 At such M a projection only streams its weight, so its time is W's bytes over the memory
 bandwidth plus fixed latency. cuBLAS tiles along N only for these shapes (H100: a 64x8 tile),
@@ -35,12 +36,20 @@ Each changes what the last store does (and what the loop adds to a register), ne
 streams: fusing into the loop's x operand (a computed tile) halved the weight stream's rate
 (bench/results/attempts/fused_block_ops).
 
-`linear` is the entry point (the `Ops.linear` of the GPU table): the kernel where `use_kernel`
-says it beats cuBLAS, or ties it and saves launches by fusing; elsewhere cuBLAS (prefill, wide N,
-more than 16 rows at larger N; rows padded to a bucket outside graph capture, `cublas_linear`)
-with the fusions as the separate kernels they replace.
-`launch_linear` runs the kernel with an explicit config (tests, the tuning sweep of
-bench/kernels_linear.py); `linear_reference` is the torch oracle. Knows nothing about which
+The one-row form (a decode step of one sequence, a draft of one): each program holds its whole
+share of W, a few rows by all of K, in registers, loaded before its PDL wait, so a projection's
+weight read overlaps the kernel before it; after the wait it reads x, sums the products and runs
+the same epilogue. Tiles are small enough that N alone fills the SMs: no split-K and no tail. x
+is one row, so computing it in the kernel is cheap here: the GDN's gated norm (gated_norm, a
+norms.GatedNorm) runs in every program of its out_proj in place of its own launch.
+
+`linear` is the entry point (the `Ops.linear` of the GPU table): the one-row form for one row
+where gemv_config fits a row of W; the MMA form where `use_kernel` says it beats cuBLAS, or ties
+it and saves launches by fusing; elsewhere cuBLAS (prefill, wide N, more than 16 rows at larger
+N; rows padded to a bucket outside graph capture, `cublas_linear`) with the fusions as the
+separate kernels they replace.
+`launch_linear` and `launch_gemv` run the forms with an explicit config (tests, the tuning sweep
+of bench/kernels_linear.py); `linear_reference` is the torch oracle. Knows nothing about which
 projection it computes.
 """
 
@@ -60,7 +69,7 @@ from .conv1d import (ConvDecode, causal_conv1d_decode, causal_conv1d_decode_refe
                      conv_decode_tile, decode_tile_constants)
 from .device import INTERPRETED, num_sms
 from .launch import dependent_prologue, dot_precision, pdl, prefetch_l2
-from .norms import rms_norm, rms_norm_reference
+from .norms import GatedNorm, gated_rms_norm, gated_rms_norm_reference, rms_norm, rms_norm_reference
 from .tiles import TileConfig
 
 MAX_ROWS = 64               # the kernel's limit (x is padded to a power of two >= 16 rows)
@@ -69,22 +78,25 @@ KERNEL_MAX_ROWS = 32        # use_kernel never picks the kernel for more rows
 # read 0.98 / 0.99x with it, at 8 rows 1.05 / 1.08x, at 32 rows 1.19x (H100, d7c891a against
 # 03dacec: bench/results/conv_epilogue-h100.json).
 CONV_EPILOGUE_MAX_ROWS = 1
-# The one-row form (_gemv_kernel): W bytes a program holds in registers, and its warps. 16 KB
-# programs of 4 warps (32 registers of W a thread) read a chain of the 0.8B's 96 projections at
-# 1 row in 447 us against the MMA form's 627 us; 32 and 64 KB, and 8 warps, were slower
-# (H100: bench/results/gemv-h100.json).
+# The one-row form (_gemv_kernel): W bytes a program holds in registers (padded K included), and
+# its warps. A chain of the 0.8B's 96 projections at 1 row: 8-32 KB programs of 4 or 8 warps
+# 467-514 us, 64 KB ones 530-558 us, the MMA form 613 us (H100: bench/results/gemv-h100.json).
 GEMV_PROGRAM_BYTES = 16 << 10
 GEMV_WARPS = 4
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = None, glu: bool = False,
-                     residual: torch.Tensor | None = None, conv: ConvDecode | None = None) -> torch.Tensor:
+                     residual: torch.Tensor | None = None, conv: ConvDecode | None = None,
+                     gated_norm: GatedNorm | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype, with the block ops the kernel fuses, as
     the separate ops they replace: norm_eps: x RMS-normalised first (unit weight: the norm's
-    weight is folded into W); glu: W = [gate; up] and the result silu(gate) * up [M, N / 2];
-    residual: the result added into `residual` [M, N] (in place), which is returned; conv: the
-    decode conv of the result's first conv.weight.shape[0] columns, into conv.out and
-    conv.pending_out (neither glu nor residual with it)."""
+    weight is folded into W); gated_norm: x gated-RMS-normalised by heads first (not with
+    norm_eps); glu: W = [gate; up] and the result silu(gate) * up [M, N / 2]; residual: the
+    result added into `residual` [M, N] (in place), which is returned; conv: the decode conv of
+    the result's first conv.weight.shape[0] columns, into conv.out and conv.pending_out (neither
+    glu nor residual with it)."""
+    if gated_norm is not None:
+        x = _by_heads(gated_rms_norm_reference, x, gated_norm)
     if norm_eps is not None:
         x, _ = rms_norm_reference(x, None, norm_eps)
     y = F.linear(x, weight)
@@ -93,6 +105,13 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float |
     if conv is not None:
         causal_conv1d_decode_reference(y[:, :conv.weight.shape[0]], *conv)
     return y if residual is None else residual.add_(y)
+
+
+def _by_heads(norm, x: torch.Tensor, gated_norm: GatedNorm) -> torch.Tensor:
+    """norm (gated_rms_norm or its reference) of x [M, H * D] by heads, as [M, H * D]."""
+    gate, weight, eps = gated_norm
+    heads = (x.shape[0], -1, weight.shape[0])
+    return norm(x.view(heads), gate.view(heads), weight, eps).reshape(x.shape)
 
 
 # M (and the conv's rows) vary with the batch: not compile-time (one binary serves a BLOCK_M).
@@ -202,10 +221,10 @@ def _tile_rows(pid_n, offs_r, N, BLOCK_N: tl.constexpr, GLU: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["eps"])
-def _gemv_kernel(x, w, y, residual, N, K, eps, stride_wn, stride_ym, stride_rm,
+def _gemv_kernel(x, w, y, residual, gate, norm_weight, N, K, eps, stride_wn, stride_ym, stride_rm,
                  conv_weight, conv_out, conv_pending_out, cu_seqlens, slot_ids, conv_state, pending_conv,
                  pending_counts, stride_conv_out,
-                 BLOCK_N: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr,
+                 BLOCK_N: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, HEAD: tl.constexpr, GLU: tl.constexpr,
                  RESIDUAL: tl.constexpr, CONV: tl.constexpr,
                  C: tl.constexpr, WIDTH: tl.constexpr, P: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr,
                  BN: tl.constexpr, COMMIT: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
@@ -215,7 +234,11 @@ def _gemv_kernel(x, w, y, residual, N, K, eps, stride_wn, stride_ym, stride_rm,
     predecessor kernel and, after the wait, only x (K elements, from L2), the products' sums
     and the epilogue remain. No split-K, hence no partials and no arrival tail: BLOCK_N is small
     enough (gemv_config) that the N tiles alone fill the SMs. The epilogue (_finish_tile, then
-    the conv) is the MMA form's, on a one-row tile."""
+    the conv) is the MMA form's, on a one-row tile.
+    HEAD > 0: x is gated-RMS-normalised by heads of HEAD columns first (norms.py
+    gated_rms_norm: gate's row and the norm's weight norm_weight [HEAD], eps), rounded to x's
+    dtype as that kernel stores it: every program normalises the whole row (K values) itself, in
+    place of the norm's launch."""
     pid_n = tl.program_id(0)
     offs_r = tl.arange(0, BLOCK_N)
     rows_w = _tile_rows(pid_n, offs_r, N, BLOCK_N, GLU)
@@ -225,6 +248,13 @@ def _gemv_kernel(x, w, y, residual, N, K, eps, stride_wn, stride_ym, stride_rm,
     dependent_prologue(DEPENDENT_LAUNCH)
     offs_m = tl.arange(0, 1)
     x_row = tl.load(x + offs_k[None, :], mask=in_k, other=0.0).to(tl.float32)                       # [1, KP]
+    if HEAD > 0:
+        heads = tl.reshape(x_row, (KP // HEAD, HEAD))
+        rstd = tl.rsqrt(tl.sum(heads * heads, axis=1) / HEAD + eps)   # padded heads: 0 * rsqrt(eps)
+        z = tl.load(gate + offs_k[None, :], mask=in_k, other=0.0).to(tl.float32)
+        scale = tl.load(norm_weight + offs_k % HEAD).to(tl.float32)[None, :]
+        x_row = tl.reshape(heads * rstd[:, None], (1, KP)) * scale * (z * tl.sigmoid(z))
+        x_row = x_row.to(x.dtype.element_ty).to(tl.float32)
     acc = tl.sum(w_tile.to(tl.float32) * x_row, axis=1)[:, None]                                     # [BLOCK_N, 1]
     sq = tl.sum(x_row * x_row, axis=1)                                                                # [1]
     _finish_tile(acc, sq, y, residual, pid_n, offs_m, offs_r, 1, N, K, eps, stride_ym, stride_rm,
@@ -408,15 +438,20 @@ def _launch_plan(x_shape: torch.Size, weight_shape: torch.Size, y_shape: torch.S
 
 @cache
 def _gemv_plan(x_shape: torch.Size, weight_shape: torch.Size, y_shape: torch.Size, dtype: torch.dtype,
-               weight_dtype: torch.dtype, y_dtype: torch.dtype, config: TileConfig, norm: bool, glu: bool,
+               weight_dtype: torch.dtype, y_dtype: torch.dtype, config: TileConfig, norm: bool, head: int, glu: bool,
                residual: bool, conv: tuple | None) -> tuple[tuple[int], dict]:
-    """_launch_plan for the one-row form: (grid, compile-time arguments)."""
+    """_launch_plan for the one-row form: (grid, compile-time arguments). head: the gated norm's
+    head width, 0 without it."""
     epilogue = _check_plan(x_shape, weight_shape, y_shape, dtype, weight_dtype, y_dtype, config, glu, residual, conv)
     num_rows, in_features = x_shape
     assert num_rows == 1, f"linear: the one-row form takes 1 row, got {num_rows}"
     assert config.block_k >= in_features and config.block_k == triton.next_power_of_2(config.block_k), \
         f"linear: the one-row form's block_k must be a power of two >= K = {in_features}, got {config.block_k}"
-    meta = dict(BLOCK_N=config.block_n, KP=config.block_k, NORM=norm, **epilogue, num_warps=config.num_warps)
+    assert not (head and norm), "linear: the gated norm and the RMS norm of x are exclusive"
+    assert not head or (in_features % head == 0 and head == triton.next_power_of_2(head)), \
+        f"linear: gated norm heads of {head} columns must be a power of two dividing K = {in_features}"
+    meta = dict(BLOCK_N=config.block_n, KP=config.block_k, NORM=norm, HEAD=head, **epilogue,
+                num_warps=config.num_warps)
     return (_grid_n(y_shape[1], config, glu),), meta
 
 
@@ -498,35 +533,38 @@ def gemv_config(out_features: int, in_features: int, device: torch.device, glu: 
 
 def launch_gemv(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config: TileConfig, *,
                 norm_eps: float | None = None, glu: bool = False, residual: torch.Tensor | None = None,
-                conv: ConvDecode | None = None) -> None:
+                conv: ConvDecode | None = None, gated_norm: GatedNorm | None = None) -> None:
     """launch_linear's contract for one row of x, through the one-row form (_gemv_kernel) with
     an explicit config (gemv_config's: block_n rows of W a program, block_k >= K a power of
-    two)."""
+    two), and gated_norm (linear_reference's) fused too."""
+    head = 0 if gated_norm is None else gated_norm.weight.shape[0]
     grid, meta = _gemv_plan(x.shape, weight.shape, y.shape, x.dtype, weight.dtype, y.dtype, config,
-                            norm_eps is not None, glu, residual is not None, _conv_shape(conv))
+                            norm_eps is not None, head, glu, residual is not None, _conv_shape(conv))
     _check_linear_args(y, x, weight, residual)
     if conv is not None:
         check_conv_decode_args(y[:, :conv.weight.shape[0]], conv)
+    gate, norm_weight, eps = (x, x, norm_eps or 0.0) if gated_norm is None else gated_norm
+    if gated_norm is not None:
+        assert gate.shape == x.shape and gate.stride(1) == 1 and gate.dtype == x.dtype and norm_weight.dim() == 1, \
+            f"linear: gated norm's gate {tuple(gate.shape)} ({gate.dtype}) as x {tuple(x.shape)}, unit stride"
     stream = y if residual is None else residual
     (conv_weight, cu_seqlens, slot_ids, conv_state, pending_conv, pending_counts, conv_out, pending_out, _,
      stride_conv_out) = _conv_arguments(y, conv)
-    _gemv_kernel[grid](x, weight, y, stream, y.shape[1], x.shape[1], 0.0 if norm_eps is None else norm_eps,
+    _gemv_kernel[grid](x, weight, y, stream, gate, norm_weight, y.shape[1], x.shape[1], eps,
                        weight.stride(0), y.stride(0), stream.stride(0),
                        conv_weight, conv_out, pending_out, cu_seqlens, slot_ids, conv_state, pending_conv,
                        pending_counts, stride_conv_out, **meta, **pdl(x.device))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = None, glu: bool = False,
-           residual: torch.Tensor | None = None, conv: ConvDecode | None = None) -> torch.Tensor:
-    """linear_reference through the kernel where linear_config picks it (with the fusions in its
-    epilogue; the result written into `residual` when given), else through cuBLAS
-    (`cublas_linear`) and the separate kernels of the fused ops; the conv of more than
-    CONV_EPILOGUE_MAX_ROWS rows by its own kernel after the projection."""
-    if conv is not None and conv.slot_ids.numel() > CONV_EPILOGUE_MAX_ROWS:
-        y = linear(x, weight, norm_eps=norm_eps, glu=glu, residual=residual)
-        causal_conv1d_decode(y[:, :conv.weight.shape[0]], *conv)
-        return y
-    fused = norm_eps is not None or glu or residual is not None or conv is not None
+           residual: torch.Tensor | None = None, conv: ConvDecode | None = None,
+           gated_norm: GatedNorm | None = None) -> torch.Tensor:
+    """linear_reference through the one-row form for one row (every fusion in it), the kernel
+    where linear_config picks it (with the fusions in its epilogue; the result written into
+    `residual` when given), else through cuBLAS (`cublas_linear`) and the separate kernels of
+    the fused ops; the conv of more than CONV_EPILOGUE_MAX_ROWS rows by its own kernel after the
+    projection, the gated norm outside the one-row form by its own kernel before it."""
+    fused = norm_eps is not None or glu or residual is not None or conv is not None or gated_norm is not None
     if x.dim() != 2:
         assert not fused, "linear: fused ops take [M, K] activations"
         return F.linear(x, weight)
@@ -536,8 +574,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = No
         if config is not None:
             y = residual if residual is not None else \
                 torch.empty((1, weight_rows // 2 if glu else weight_rows), dtype=x.dtype, device=device)
-            launch_gemv(y, x, weight, config, norm_eps=norm_eps, glu=glu, residual=residual, conv=conv)
+            launch_gemv(y, x, weight, config, norm_eps=norm_eps, glu=glu, residual=residual, conv=conv,
+                        gated_norm=gated_norm)
             return y
+    if gated_norm is not None:
+        return linear(_by_heads(gated_rms_norm, x, gated_norm), weight, norm_eps=norm_eps, glu=glu, residual=residual,
+                      conv=conv)
+    if conv is not None and conv.slot_ids.numel() > CONV_EPILOGUE_MAX_ROWS:
+        y = linear(x, weight, norm_eps=norm_eps, glu=glu, residual=residual)
+        causal_conv1d_decode(y[:, :conv.weight.shape[0]], *conv)
+        return y
     config = linear_config(num_rows, weight_rows, in_features, device, fused, x.element_size())
     if config is None:
         if norm_eps is not None:

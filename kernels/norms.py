@@ -19,6 +19,8 @@ Knows nothing about layers or models.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -42,6 +44,15 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     normed = (normed if weight is None else normed * (1.0 + weight.float())).to(x.dtype)
     return (quantize_activation_reference(normed, quantize_group) if quantize_group else normed), x
+
+
+class GatedNorm(NamedTuple):
+    """gated_rms_norm of a projection's input x [T, H * D] by heads of D = weight.shape[0], run by
+    the projection (kernels/linear.py): gate [T, H * D] (unit stride along it; a row-strided view,
+    e.g. z of the GDN's in_proj), the norm's weight [D] and eps."""
+    gate: torch.Tensor
+    weight: torch.Tensor
+    eps: float
 
 
 def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -38,6 +38,7 @@ from torch import nn
 from ...kernels import Ops
 from ...kernels.conv1d import ConvDecode
 from ...kernels.fp8 import FP8, SKINNY_MAX_ROWS, block_scales
+from ...kernels.norms import GatedNorm
 from ...kernels.quantize import Activation, activation_values
 from ..batch import ForwardBatch, PrefillCheckpoints
 from ..model_config import ModelConfig
@@ -153,15 +154,18 @@ class Linear(nn.Module):
         self.weight.data.copy_(self.weight.data.float() * (1.0 + norm_weight.float()))
 
     def forward(self, x: Activation | Stream, ops: Ops, *, glu: bool = False,
-                residual: torch.Tensor | None = None, conv: ConvDecode | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, conv: ConvDecode | None = None,
+                gated_norm: GatedNorm | None = None) -> torch.Tensor:
         """x plain, quantized by the op before (read as values by a bf16 projection), or the
         residual stream to normalise; glu: silu(gate) * up of a [gate; up] projection; residual:
         the output added into it (in place; returned); conv: the GDN's decode conv of the output's
-        first columns (kernels/linear.py). The last four: bf16 projections only."""
+        first columns; gated_norm: the GDN's gated norm of x by heads (kernels/linear.py). The
+        last five: bf16 projections only."""
         values, norm_eps = (x.values, x.eps) if isinstance(x, Stream) else (activation_values(x), None)
-        if norm_eps is not None or glu or residual is not None or conv is not None:
+        if norm_eps is not None or glu or residual is not None or conv is not None or gated_norm is not None:
             assert not self.is_fp8, "FP8 projections take no fused ops"
-            return ops.linear(values, self.weight, norm_eps=norm_eps, glu=glu, residual=residual, conv=conv)
+            return ops.linear(values, self.weight, norm_eps=norm_eps, glu=glu, residual=residual, conv=conv,
+                              gated_norm=gated_norm)
         if not self.is_fp8:
             return ops.linear(values, self.weight)
         return ops.fp8_linear(x, self.weight, self.weight_scale, self.group_size, self.block_scale)
@@ -266,6 +270,9 @@ class GatedDeltaNet(nn.Module):
             if written is not None:
                 state.recurrent[written.slots] = saved
                 state.conv[written.slots] = checkpoint_conv_windows(mixed[span], written, state.conv)
+        if not self.out_proj.is_fp8:  # the projection runs the gated norm (in the one-row form, itself)
+            return self.out_proj(core.reshape(num_tokens, -1), ops, residual=residual,
+                                 gated_norm=GatedNorm(z, self.norm_weight, c.rms_norm_eps))
         gate = z.reshape(num_tokens, c.linear_num_value_heads, c.linear_value_head_dim)
         quantize_group = _at_skinny(self.out_quantize_group, num_tokens)
         core = ops.gated_rms_norm(core, gate, self.norm_weight, c.rms_norm_eps, quantize_group=quantize_group)

@@ -10,7 +10,9 @@ summed in a fixed order, whichever program arrives last). The fused block ops (t
 RMSNorm, SwiGLU over [gate; up], the residual add into the stream) alone and together, on the
 same cases, against the separate ops of the reference; and their cuBLAS fallback through
 `linear` against the same. The GDN's decode conv run by the projection (ConvDecode) over ragged
-verify and decode rows, against the conv reference applied to the reference GEMM's output.
+verify and decode rows, against the conv reference applied to the reference GEMM's output. The
+one-row form (launch_gemv: W in registers, no split-K) on its own cases, with the same fusions
+and the conv, and the GDN's gated norm it runs on its input (GatedNorm), against the reference.
 
 CPU: the interpreter, fp32 and fp16 (it computes bf16 dots wrongly), small shapes.
 GPU (`gpu` marker): bf16 on the Qwen3.5-0.8B and -9B projection shapes through `linear` (the
@@ -28,6 +30,7 @@ from deltaspec.kernels.conv1d import ConvDecode, causal_conv1d_decode, causal_co
 from deltaspec.kernels.linear import (CONV_EPILOGUE_MAX_ROWS, CUBLAS_ROWS, GEMV_PROGRAM_BYTES, KERNEL_MAX_ROWS,
                                      MAX_ROWS, block_m, gemv_config, kernel_config, launch_gemv, launch_linear,
                                      linear, linear_config, linear_reference, padded_linear)
+from deltaspec.kernels.norms import GatedNorm, gated_rms_norm, gated_rms_norm_reference
 from deltaspec.kernels.tiles import TileConfig
 from kernel_helpers import (PAD_SLOT, RAGGED, assert_close, assert_slots_untouched, clone, conv_pool,
                             cu_seqlens_of)
@@ -145,6 +148,43 @@ def test_gemv_kernel_fused(case, fusion, kernel_device):
     block_n = max(block_n, 2) if options.get("glu") else block_n
     x, weight = inputs(1, 2 * n if options.get("glu") else n, k, torch.float32, kernel_device, seed=n)
     check_fused(x, weight, TileConfig(block_n=block_n, block_k=block_k, num_warps=1), options, seed=k, launch=launch_gemv)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads", [3, 4], ids=["3-heads-padded", "4-heads"])
+@pytest.mark.parametrize("entry", ["launch", "linear-1", "linear-3"])
+def test_linear_gated_norm(entry, heads, dtype, kernel_device, monkeypatch):
+    """gated_norm=GatedNorm: x [M, H * 16] gated-RMS-normalised by heads (gate a row-strided view,
+    as z of the GDN's in_proj output) before the projection, with the residual add the GDN's
+    out_proj runs with; three heads leave a padded fourth in the one-row form's K. `linear` runs
+    it in the one-row form for 1 row and by the gated norm's kernel before the projection above,
+    against gated_rms_norm_reference and the reference GEMM. x far from unit rms per head, so a
+    missing norm cannot pass."""
+    head, n = 16, 24
+    num_rows = 3 if entry == "linear-3" else 1
+    k = heads * head
+    x, weight = inputs(num_rows, n, k, dtype, kernel_device, seed=heads * 10 + num_rows)
+    gen = torch.Generator(device=kernel_device).manual_seed(heads)
+    x = x * torch.arange(1, k + 1, device=kernel_device).to(dtype) / 8
+    wide = torch.randn(num_rows, 2 * k + 5, generator=gen, device=kernel_device).to(dtype)
+    gate = wide[:, k:2 * k]
+    norm_weight = (1 + 0.5 * torch.randn(head, generator=gen, device=kernel_device)).to(dtype)
+    stream = torch.randn(num_rows, n, generator=gen, device=kernel_device).to(dtype)
+    normed = gated_rms_norm_reference(x.view(num_rows, heads, head), gate.reshape(num_rows, heads, head), norm_weight,
+                                      1e-6).reshape(num_rows, k)
+    expected = stream.float() + linear_reference(normed.float(), weight.float())
+    norms = []
+    monkeypatch.setattr(linear_module, "gated_rms_norm", lambda *a: norms.append(1) or gated_rms_norm(*a))
+    gated = GatedNorm(gate, norm_weight, 1e-6)
+    if entry == "launch":
+        y = stream.clone()
+        launch_gemv(y, x, weight, TileConfig(block_n=4, block_k=64, num_warps=1), residual=y, gated_norm=gated)
+    else:
+        y = linear(x, weight, residual=stream.clone(), gated_norm=gated)
+    assert len(norms) == (entry == "linear-3")
+    assert_close(y, expected, TOLERANCE[dtype], entry)
+    reference = linear_reference(x, weight, residual=stream.clone(), gated_norm=gated)
+    assert_close(reference, expected, TOLERANCE[dtype], "reference")
 
 
 def test_gemv_config():
