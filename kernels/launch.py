@@ -10,8 +10,9 @@ finished and its stores are visible, and then lets its own successor launch. The
 before any memory access to what a step writes, so a dependent kernel orders exactly like a plain
 one (reads after the predecessor's writes, writes after its reads). What a kernel may touch before
 the wait is memory no kernel of a step ever writes, the weights: `prefetch_l2` pulls them into L2
-while the predecessor still runs (the skinny GEMMs, kernels/linear.py), so that a step streams
-weights across kernel boundaries instead of starting each kernel's stream cold. A predecessor
+while the predecessor still runs (the skinny GEMMs, kernels/linear.py; its one-row form loads
+its share into registers there), so that a step streams weights across kernel boundaries
+instead of starting each kernel's stream cold. A predecessor
 that never signals (a cuBLAS GEMM, the interpreter) simply completes first. Knows nothing about
 what the kernels compute.
 """
