@@ -569,7 +569,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = No
         assert not fused, "linear: fused ops take [M, K] activations"
         return F.linear(x, weight)
     (num_rows, in_features), weight_rows, device = x.shape, weight.shape[0], x.device
-    if num_rows == 1:
+    head = 0 if gated_norm is None else gated_norm.weight.shape[0]
+    if num_rows == 1 and head == triton.next_power_of_2(head):  # the kernel's heads: powers of two
         config = gemv_config(weight_rows, in_features, device, glu, x.element_size())
         if config is not None:
             y = residual if residual is not None else \

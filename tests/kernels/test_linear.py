@@ -187,6 +187,20 @@ def test_linear_gated_norm(entry, heads, dtype, kernel_device, monkeypatch):
     assert_close(reference, expected, TOLERANCE[dtype], "reference")
 
 
+def test_linear_gated_norm_odd_heads(kernel_device, monkeypatch):
+    """Heads of a width that is not a power of two: `linear` runs the gated norm's kernel before
+    the projection even for one row (the one-row form reshapes x into power-of-two heads)."""
+    x, weight = inputs(1, 20, 24, torch.float32, kernel_device, seed=4)
+    gen = torch.Generator(device=kernel_device).manual_seed(4)
+    gated = GatedNorm(torch.randn(1, 24, generator=gen, device=kernel_device),
+                      torch.randn(12, generator=gen, device=kernel_device), 1e-6)
+    norms = []
+    monkeypatch.setattr(linear_module, "gated_rms_norm", lambda *a: norms.append(1) or gated_rms_norm(*a))
+    y = linear(x * 3.0, weight, gated_norm=gated)
+    assert norms == [1]
+    assert_close(y, linear_reference(x * 3.0, weight, gated_norm=gated), TOLERANCE[torch.float32], "odd heads")
+
+
 def test_gemv_config():
     """gemv_config on an H100 (132 SMs, bf16): a program's padded share of W within
     GEMV_PROGRAM_BYTES, a power of two of rows (two at least with glu), N tiles for every SM
