@@ -52,16 +52,14 @@ def kernel_table(step, steps: int) -> tuple[list[dict], int, float]:
     counts: dict[str, int] = collections.Counter()
     events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                     key=lambda e: e.time_range.start)
-    busy_until, idle = None, 0.0
+    busy_until, idle = (events[0].time_range.start if events else 0.0), 0.0
     for event in events:
         start, end = event.time_range.start, event.time_range.end
         totals[event.name] += event.device_time
         counts[event.name] += 1
-        if busy_until is not None:
-            idle += max(0.0, start - busy_until)
-            start = max(start, busy_until)
-        critical[event.name] += max(0.0, end - start)
-        busy_until = end if busy_until is None else max(busy_until, end)
+        idle += max(0.0, start - busy_until)
+        critical[event.name] += max(0.0, end - max(start, busy_until))
+        busy_until = max(busy_until, end)
     rows = [{"kernel": name[:120], "us_per_step": t / steps, "critical_us_per_step": critical[name] / steps,
              "launches_per_step": counts[name] / steps}
             for name, t in sorted(totals.items(), key=lambda kv: -critical[kv[0]])]

@@ -513,14 +513,15 @@ def _conv_shape(conv: ConvDecode | None) -> tuple | None:
 
 @cache
 def gemv_config(out_features: int, in_features: int, device: torch.device, glu: bool = False,
-                element_size: int = 2) -> TileConfig | None:
+                element_size: int = 2, program_bytes: int = GEMV_PROGRAM_BYTES,
+                num_warps: int = GEMV_WARPS) -> TileConfig | None:
     """The one-row form's tile (_gemv_kernel) for W [out_features, in_features] of element_size
-    bytes, or None where a program's row of W would not fit GEMV_PROGRAM_BYTES: block_k is K
-    padded to a power of two, block_n the most rows of W whose padded share fits, halved (down to
-    one row, two with glu) until the N tiles give every SM a program. Shapes only (graphs replay
-    the choice)."""
+    bytes, or None where a program's row of W would not fit program_bytes: block_k is K padded to
+    a power of two, block_n the most rows of W whose padded share fits, halved (down to one row,
+    two with glu) until the N tiles give every SM a program. Shapes only (graphs replay the
+    choice); program_bytes and num_warps other than the defaults: bench/tools/gemv_chain.py."""
     k_padded = triton.next_power_of_2(in_features)
-    fitting = GEMV_PROGRAM_BYTES // (k_padded * element_size)
+    fitting = program_bytes // (k_padded * element_size)
     least = 2 if glu else 1
     if fitting < least:
         return None
@@ -528,7 +529,7 @@ def gemv_config(out_features: int, in_features: int, device: torch.device, glu: 
     sms = 1 if INTERPRETED else num_sms(device)
     while block_n > least and triton.cdiv(out_features, block_n) < sms:
         block_n //= 2
-    return TileConfig(block_n=block_n, block_k=k_padded, num_warps=GEMV_WARPS)
+    return TileConfig(block_n=block_n, block_k=k_padded, num_warps=num_warps)
 
 
 def launch_gemv(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config: TileConfig, *,

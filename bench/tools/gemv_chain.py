@@ -17,30 +17,16 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import commit_id, device_tag, graph_time_us  # noqa: E402
 from deltaspec.kernels.device import num_sms  # noqa: E402
 from deltaspec.kernels.linear import gemv_config, kernel_config, launch_gemv, launch_linear  # noqa: E402
-from deltaspec.kernels.tiles import TileConfig  # noqa: E402
 
 # (N, K) of a 0.8B GDN layer's projections in step order: in_proj, out_proj, gate_up, down.
 SHAPES = [(8224, 1024), (1024, 2048), (7168, 1024), (1024, 3584)]
 LAYERS = 24
-
-
-def tiles(program_bytes: int, warps: int, sms: int) -> list[TileConfig]:
-    """gemv_config's rule at another program size and warp count."""
-    configs = []
-    for n, k in SHAPES:
-        k_padded = triton.next_power_of_2(k)
-        block_n = 1 << ((program_bytes // (2 * k_padded)).bit_length() - 1)
-        while block_n > 1 and triton.cdiv(n, block_n) < sms:
-            block_n //= 2
-        configs.append(TileConfig(block_n=block_n, block_k=k_padded, num_warps=warps))
-    return configs
 
 
 def main() -> None:
@@ -68,7 +54,8 @@ def main() -> None:
     reference = chain(launch_linear, mma).float().clone()
     variants = [("mma (kernel_config)", launch_linear, mma),
                 ("gemv (gemv_config)", launch_gemv, [gemv_config(n, k, device) for n, k in SHAPES])]
-    variants += [(f"gemv {b >> 10} KB, {w} warps", launch_gemv, tiles(b, w, sms))
+    variants += [(f"gemv {b >> 10} KB, {w} warps", launch_gemv,
+                  [gemv_config(n, k, device, program_bytes=b, num_warps=w) for n, k in SHAPES])
                  for b in (8 << 10, 16 << 10, 32 << 10, 64 << 10) for w in (4, 8)]
     rows = []
     for name, launch, configs in variants:

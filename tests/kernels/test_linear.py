@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 from deltaspec.kernels.arrivals import arrival_counters
 import deltaspec.kernels.linear as linear_module
@@ -209,10 +210,10 @@ def test_gemv_config():
     for n, k in GPU_SHAPES:
         for glu in (False, True):
             config = gemv_config(2 * n if glu else n, k, device, glu)
-            if triton_next_power_of_2(k) * 2 * (2 if glu else 1) > GEMV_PROGRAM_BYTES:
+            if triton.next_power_of_2(k) * 2 * (2 if glu else 1) > GEMV_PROGRAM_BYTES:
                 assert config is None, (n, k, glu)
                 continue
-            assert config.block_k == triton_next_power_of_2(k) and config.block_n & (config.block_n - 1) == 0
+            assert config.block_k == triton.next_power_of_2(k) and config.block_n & (config.block_n - 1) == 0
             assert config.block_n * config.block_k * 2 <= GEMV_PROGRAM_BYTES
             assert config.block_n >= (2 if glu else 1)
     with pytest.raises(AssertionError, match="power of two"):
@@ -221,10 +222,6 @@ def test_gemv_config():
     with pytest.raises(AssertionError, match="1 row"):
         x, weight = inputs(2, 16, 32, torch.float32, "cpu", seed=0)
         launch_gemv(torch.empty(2, 16), x, weight, TileConfig(block_n=4, block_k=32))
-
-
-def triton_next_power_of_2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def test_linear_fused_entry_point(kernel_device):
