@@ -39,11 +39,12 @@ from deltaspec.engine.models import HybridLM
 from deltaspec.engine.state_pool import KVPool, StatePool
 from deltaspec.kernels import REFERENCE_OPS, Ops
 
-# How an op of the decode step reads the pool tensors it is handed: the rows of the batch's
-# slots (state pools, slot first), the keys or values of each row's context (KV caches), or
-# nothing (write_kv only stores the new tokens' keys and values).
+# How an op of the decode step reads the pool tensors it is handed (by op, or by "op.argument"
+# for those of one argument): the rows of the batch's slots (state pools, slot first), the keys or
+# values of each row's context (KV caches), or nothing (the KV write of the q/k norm, run by the
+# qkv projection or after it, only stores the new tokens' keys and values).
 POOL_READS = {"causal_conv1d_decode": "slots", "gdn_decode": "slots", "paged_attention": "context",
-              "write_kv": "none", "linear": "slots"}
+              "qk_norm_rope_kv": "none", "linear": "slots", "linear.rope_kv": "none"}
 WRITTEN = {"out", "pending_out"}
 
 
@@ -75,6 +76,14 @@ class Read:
     @property
     def num_bytes(self) -> int:
         return self.weight_bytes + self.state_bytes + self.activation_bytes
+
+
+def _pool_read(op: str, argument: str) -> str:
+    """POOL_READS's entry for a pool tensor handed to op as `argument` (a flattened name)."""
+    how = POOL_READS.get(f"{op}.{argument.split('.')[0]}", POOL_READS.get(op))
+    if how is None:
+        raise ValueError(f"{op} is handed a pool tensor ({argument}); how it reads it is not in POOL_READS")
+    return how
 
 
 class _Recorder:
@@ -118,7 +127,7 @@ class _Recorder:
             if name.rsplit(".", 1)[-1] in WRITTEN or not isinstance(value, torch.Tensor):
                 continue
             if id(value) in self.pools:
-                num_bytes = self._pool_bytes(op, value, arguments)
+                num_bytes = self._pool_bytes(_pool_read(op, name), value, arguments)
                 state += num_bytes
                 if num_bytes:  # not the empty pending buffers of a pool without speculation
                     tensors.append(self.names[id(value)])
@@ -130,10 +139,7 @@ class _Recorder:
         return Read(op, self.layer, weight, state, activation, tuple(tensors))
 
     @staticmethod
-    def _pool_bytes(op: str, pool: torch.Tensor, arguments: dict) -> int:
-        if op not in POOL_READS:
-            raise ValueError(f"{op} is handed a pool tensor; how it reads it is not in POOL_READS")
-        how = POOL_READS[op]
+    def _pool_bytes(how: str, pool: torch.Tensor, arguments: dict) -> int:
         if how == "slots":
             slot_ids = next(value for name, value in arguments.items() if name.rsplit(".", 1)[-1] == "slot_ids")
             return slot_ids.numel() * pool[0].nbytes

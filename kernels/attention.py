@@ -9,13 +9,14 @@ output is attention * sigmoid(gate), gate a [T, Hq, D] view of the q projection)
 float32 before the output's single rounding. Knows nothing about sequences beyond block tables
 and lengths.
 
-Triton kernels: `write_kv` scatters this step's K/V into the pool by slot_mapping;
-`paged_attention` is one flash-attention kernel for every row kind. A program owns one query
+`write_kv_reference` puts this step's K/V into the pool by slot_mapping (the Triton form runs
+with the q/k norm and RoPE: rope.py qk_norm_rope_kv). `paged_attention` is one Triton
+flash-attention kernel for every row kind. A program owns one query
 tile of one row and one KV head: the tile packs TOKENS consecutive query tokens x the GROUP
 query heads of that KV head into its BLOCK_M rows (m -> token m // GROUP, head m % GROUP), so
 K/V are read once per KV head for all its query heads, and a decode or verify row (q_len <= 8)
 is one tile. Optionally the key range of a tile is split over num_splits programs (long contexts,
-few rows); a second small kernel merges their partial (max, sum, acc). All three are programmatic
+few rows); a second small kernel merges their partial (max, sum, acc). Both are programmatic
 dependent launches on sm_90+ (launch.py). The gate is multiplied in by whichever kernel stores
 the output (the attention kernel's epilogue, or the merge), so it costs no launch of its own.
 Launch geometry depends only on tensor shapes, never on tensor values, so both launchers run
@@ -74,64 +75,12 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return out.to(q.dtype)
 
 
-# ---------------------------------------------------------------------------------------------
-# write_kv
-
-
-@triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-                     stride_k_token, stride_k_head, stride_v_token, stride_v_head,
-                     stride_kc_block, stride_kc_offset, stride_kc_head,
-                     stride_vc_block, stride_vc_offset, stride_vc_head,
-                     NUM_KV_HEADS: tl.constexpr, HEADS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_SIZE: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
-    """One program per token: k[t], v[t] ([Hkv, D]) -> pool position slot_mapping[t]."""
-    dependent_prologue(DEPENDENT_LAUNCH)
-    token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
-    head = tl.arange(0, HEADS_POW2)[:, None]
-    d = tl.arange(0, HEAD_DIM)[None, :]
-    mask = head < NUM_KV_HEADS
-    k = tl.load(k_ptr + token * stride_k_token + head * stride_k_head + d, mask=mask)
-    v = tl.load(v_ptr + token * stride_v_token + head * stride_v_head + d, mask=mask)
-    tl.store(k_cache_ptr + block * stride_kc_block + offset * stride_kc_offset + head * stride_kc_head + d,
-             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + block * stride_vc_block + offset * stride_vc_offset + head * stride_vc_head + d,
-             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
-
-
 def _check_pool(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, "k_cache, v_cache: [num_blocks, block_size, Hkv, D]"
     assert k_cache.dtype == v_cache.dtype and k_cache.device == v_cache.device, "k_cache, v_cache: one dtype and device"
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "pool head_dim must be contiguous"
     head_dim = k_cache.shape[3]
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim} must be a power of 2 >= 16"
-
-
-def _check_write_kv_args(k, v, k_cache, v_cache, slot_mapping) -> None:
-    _check_pool(k_cache, v_cache)
-    num_tokens, num_kv_heads, head_dim = k.shape
-    assert v.shape == k.shape and k_cache.shape[2:] == (num_kv_heads, head_dim), "k, v: [T, Hkv, D] matching the pool"
-    assert k.stride(-1) == 1 and v.stride(-1) == 1, "k, v: head_dim must be contiguous"
-    assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype in (torch.int32, torch.int64), \
-        "slot_mapping: [T] int32 or int64"
-    assert k.device == v.device == k_cache.device == slot_mapping.device, "k, v, slot_mapping on the pool's device"
-
-
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Triton write_kv_reference: k, v [T, Hkv, D] (any token/head strides, D contiguous);
-    slot_mapping [T] int32/int64 flat pool index; casts to the pool dtype."""
-    _check_write_kv_args(k, v, k_cache, v_cache, slot_mapping)
-    num_tokens, num_kv_heads, head_dim = k.shape
-    if num_tokens == 0:
-        return
-    _write_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEADS_POW2=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
-        BLOCK_SIZE=k_cache.shape[1], num_warps=4, **pdl(k.device))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from .activation import silu_and_mul_reference
-from .attention import paged_attention_reference, write_kv_reference
+from .attention import paged_attention_reference
 from .conv1d import causal_conv1d_decode_reference, causal_conv1d_prefill_reference
 from .decode_metadata import decode_metadata_reference
 from .fp8 import fp8_linear_reference, fp8_moe_experts_reference
@@ -25,7 +25,7 @@ from .greedy import greedy_argmax_reference
 from .linear import linear_reference
 from .moe import moe_experts_reference, route_reference
 from .norms import gated_rms_norm_reference, rms_norm_reference
-from .rope import qk_norm_rope_reference
+from .rope import qk_norm_rope_kv_reference
 from .sampling import sample_reference
 from .penalties import penalize_rows_reference, record_tokens_reference
 from .token_bitmask import apply_token_bitmask_reference
@@ -42,13 +42,12 @@ class Ops:
     fp8_linear: Callable
     rms_norm: Callable
     gated_rms_norm: Callable
-    qk_norm_rope: Callable
+    qk_norm_rope_kv: Callable
     silu_and_mul: Callable
     causal_conv1d_prefill: Callable
     causal_conv1d_decode: Callable
     gdn_chunked: Callable
     gdn_decode: Callable
-    write_kv: Callable
     paged_attention: Callable
     moe_route: Callable
     moe_experts: Callable
@@ -68,13 +67,12 @@ REFERENCE_OPS = Ops(
     fp8_linear=fp8_linear_reference,
     rms_norm=rms_norm_reference,
     gated_rms_norm=gated_rms_norm_reference,
-    qk_norm_rope=qk_norm_rope_reference,
+    qk_norm_rope_kv=qk_norm_rope_kv_reference,
     silu_and_mul=silu_and_mul_reference,
     causal_conv1d_prefill=causal_conv1d_prefill_reference,
     causal_conv1d_decode=causal_conv1d_decode_reference,
     gdn_chunked=gdn_chunked_reference,
     gdn_decode=gdn_decode_reference,
-    write_kv=write_kv_reference,
     paged_attention=paged_attention_reference,
     moe_route=route_reference,
     moe_experts=moe_experts_reference,
@@ -102,13 +100,12 @@ def triton_ops() -> Ops:
         fp8_linear=fp8.fp8_linear,
         rms_norm=norms.rms_norm,
         gated_rms_norm=norms.gated_rms_norm,
-        qk_norm_rope=rope.qk_norm_rope,
+        qk_norm_rope_kv=rope.qk_norm_rope_kv,
         silu_and_mul=activation.silu_and_mul,
         causal_conv1d_prefill=conv1d.causal_conv1d_prefill,
         causal_conv1d_decode=conv1d.causal_conv1d_decode,
         gdn_chunked=gdn_chunked.gdn_chunked,
         gdn_decode=gdn_decode.gdn_decode,
-        write_kv=attention.write_kv,
         paged_attention=attention.paged_attention,
         moe_route=moe.route,
         moe_experts=moe.moe_experts,

@@ -32,6 +32,10 @@ residual stream is materialised (engine/models/layers.py, DecoderLayer.forward_s
              depthwise, so a tile's channels need no other tile's), in place of the conv launch.
              Its rows run one after another, so `linear` fuses it up to CONV_EPILOGUE_MAX_ROWS
              rows and launches the conv kernel after the GEMM above.
+  rope_kv    (one-row form; a rope.QKNormRopeKV) the gated attention's q/k norm, RoPE and KV
+             write of y: the last program of a query or key head to arrive (arrivals.py)
+             normalises and rotates the head, a value tile's program copies it into the pool,
+             in place of qk_norm_rope_kv's launch after the projection.
 Each changes what the last store does (and what the loop adds to a register), never how W
 streams: fusing into the loop's x operand (a computed tile) halved the weight stream's rate
 (bench/results/attempts/fused_block_ops).
@@ -70,6 +74,8 @@ from .conv1d import (ConvDecode, causal_conv1d_decode, causal_conv1d_decode_refe
 from .device import INTERPRETED, num_sms
 from .launch import dependent_prologue, dot_precision, pdl, prefetch_l2
 from .norms import GatedNorm, gated_rms_norm, gated_rms_norm_reference, rms_norm, rms_norm_reference
+from .rope import (QKNormRopeKV, check_qk_norm_rope_kv_args, inv_freq_table, norm_rope_head, pool_offset, qk_norm_rope_kv,
+                   qk_norm_rope_kv_reference, rope_factors)
 from .tiles import TileConfig
 
 MAX_ROWS = 64               # the kernel's limit (x is padded to a power of two >= 16 rows)
@@ -87,14 +93,15 @@ GEMV_WARPS = 4
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = None, glu: bool = False,
                      residual: torch.Tensor | None = None, conv: ConvDecode | None = None,
-                     gated_norm: GatedNorm | None = None) -> torch.Tensor:
+                     gated_norm: GatedNorm | None = None, rope_kv: QKNormRopeKV | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype, with the block ops the kernel fuses, as
     the separate ops they replace: norm_eps: x RMS-normalised first (unit weight: the norm's
     weight is folded into W); gated_norm: x gated-RMS-normalised by heads first (not with
     norm_eps); glu: W = [gate; up] and the result silu(gate) * up [M, N / 2]; residual: the
     result added into `residual` [M, N] (in place), which is returned; conv: the decode conv of
     the result's first conv.weight.shape[0] columns, into conv.out and conv.pending_out (neither
-    glu nor residual with it)."""
+    glu nor residual with it); rope_kv: the gated attention's q/k norm, RoPE and KV write of the
+    result (rope.py QKNormRopeKV; none of glu, residual and conv with it)."""
     if gated_norm is not None:
         x = _by_heads(gated_rms_norm_reference, x, gated_norm)
     if norm_eps is not None:
@@ -104,6 +111,8 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float |
         y = silu_and_mul_reference(y)
     if conv is not None:
         causal_conv1d_decode_reference(y[:, :conv.weight.shape[0]], *conv)
+    if rope_kv is not None:
+        qk_norm_rope_kv_reference(y, rope_kv)
     return y if residual is None else residual.add_(y)
 
 
@@ -224,10 +233,13 @@ def _tile_rows(pid_n, offs_r, N, BLOCK_N: tl.constexpr, GLU: tl.constexpr):
 def _gemv_kernel(x, w, y, residual, gate, norm_weight, N, K, eps, stride_wn, stride_ym, stride_rm,
                  conv_weight, conv_out, conv_pending_out, cu_seqlens, slot_ids, conv_state, pending_conv,
                  pending_counts, stride_conv_out,
+                 arrivals, q_weight, k_weight, q_out, positions, inv_freq, k_cache, v_cache, slot_mapping,
+                 stride_block, stride_offset, stride_head, rope_eps, attention_factor,
                  BLOCK_N: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, HEAD: tl.constexpr, GLU: tl.constexpr,
                  RESIDUAL: tl.constexpr, CONV: tl.constexpr,
                  C: tl.constexpr, WIDTH: tl.constexpr, P: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr,
-                 BN: tl.constexpr, COMMIT: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
+                 BN: tl.constexpr, COMMIT: tl.constexpr, ROPE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+                 D: tl.constexpr, R: tl.constexpr, BLOCK_SIZE: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """The one-row form: program pid_n computes y[0, tile] = W[tile rows, :] . x[0, :] with the
     whole of its [BLOCK_N, K] share of W in registers (K padded to KP, a power of two), loaded
     before the PDL wait: W is never written by a step, so the program's weight read overlaps the
@@ -238,7 +250,10 @@ def _gemv_kernel(x, w, y, residual, gate, norm_weight, N, K, eps, stride_wn, str
     HEAD > 0: x is gated-RMS-normalised by heads of HEAD columns first (norms.py
     gated_rms_norm: gate's row and the norm's weight norm_weight [HEAD], eps), rounded to x's
     dtype as that kernel stores it: every program normalises the whole row (K values) itself, in
-    place of the norm's launch."""
+    place of the norm's launch.
+    ROPE: the gated attention's QKNormRopeKV of y (rope.py; the arrivals .. attention_factor
+    arguments, HQ query and HKV KV heads of D, R rotary channels, pool blocks of BLOCK_SIZE) in
+    place of its launch (_rope_kv_epilogue)."""
     pid_n = tl.program_id(0)
     offs_r = tl.arange(0, BLOCK_N)
     rows_w = _tile_rows(pid_n, offs_r, N, BLOCK_N, GLU)
@@ -263,6 +278,44 @@ def _gemv_kernel(x, w, y, residual, gate, norm_weight, N, K, eps, stride_wn, str
         _conv_epilogue(y, stride_ym, pid_n * BLOCK_N, conv_weight, conv_out, conv_pending_out, cu_seqlens, slot_ids,
                        conv_state, pending_conv, pending_counts, 1, stride_conv_out,
                        C, WIDTH, P, BW, BT, BN, BLOCK_N, COMMIT)
+    if ROPE:
+        _rope_kv_epilogue(y, pid_n * BLOCK_N, arrivals, q_weight, k_weight, q_out, positions, inv_freq, k_cache,
+                          v_cache, slot_mapping, stride_block, stride_offset, stride_head, rope_eps, attention_factor,
+                          HQ, HKV, D, R, BLOCK_SIZE, BLOCK_N)
+
+
+@triton.jit
+def _rope_kv_epilogue(y, first_col, arrivals, q_weight, k_weight, q_out, positions, inv_freq, k_cache, v_cache,
+                      slot_mapping, stride_block, stride_offset, stride_head, eps, attention_factor,
+                      HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+                      BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """QKNormRopeKV (rope.py) of y's one row, by the program that stored its columns first_col +
+    [0, BLOCK_N), which lie in one head (BLOCK_N divides D). A query or key head spans D / BLOCK_N
+    programs: each counts in at arrivals[head], and the last to arrive, seeing the others' stores,
+    normalises and rotates the head from y into q_out or the key pool. A value tile's program
+    copies its own columns into the value pool. Gate columns need nothing."""
+    QUERIES: tl.constexpr = 2 * HQ * D
+    if first_col < QUERIES:
+        head = first_col // (2 * D)
+        if first_col % (2 * D) < D:
+            if last_to_arrive(arrivals + head, D // BLOCK_N):
+                partner, cos, sin = rope_factors(positions, 0, inv_freq, attention_factor, R, D)
+                norm_rope_head(y + head * 2 * D, q_weight, q_out + head * D, partner, cos, sin, eps, D, D)
+                reset_arrivals(arrivals + head)
+    elif first_col < QUERIES + HKV * D:
+        kv_head = (first_col - QUERIES) // D
+        if last_to_arrive(arrivals + HQ + kv_head, D // BLOCK_N):
+            partner, cos, sin = rope_factors(positions, 0, inv_freq, attention_factor, R, D)
+            at = pool_offset(slot_mapping, 0, kv_head, stride_block, stride_offset, stride_head, BLOCK_SIZE)
+            norm_rope_head(y + QUERIES + kv_head * D, k_weight, k_cache + at, partner, cos, sin, eps, D, D)
+            reset_arrivals(arrivals + HQ + kv_head)
+    else:
+        column = first_col - QUERIES - HKV * D
+        at = pool_offset(slot_mapping, 0, column // D, stride_block, stride_offset, stride_head, BLOCK_SIZE)
+        cols = tl.arange(0, BLOCK_N)
+        tl.debug_barrier()  # every thread's y stores before any thread reads them back (bar.sync orders them)
+        value = tl.load(y + first_col + cols)
+        tl.store(v_cache + at + column % D + cols, value.to(v_cache.dtype.element_ty))
 
 
 @triton.jit
@@ -439,9 +492,9 @@ def _launch_plan(x_shape: torch.Size, weight_shape: torch.Size, y_shape: torch.S
 @cache
 def _gemv_plan(x_shape: torch.Size, weight_shape: torch.Size, y_shape: torch.Size, dtype: torch.dtype,
                weight_dtype: torch.dtype, y_dtype: torch.dtype, config: TileConfig, norm: bool, head: int, glu: bool,
-               residual: bool, conv: tuple | None) -> tuple[tuple[int], dict]:
+               residual: bool, conv: tuple | None, rope: tuple | None) -> tuple[tuple[int], dict]:
     """_launch_plan for the one-row form: (grid, compile-time arguments). head: the gated norm's
-    head width, 0 without it."""
+    head width, 0 without it; rope: QKNormRopeKV's (Hq, Hkv, D, rotary_dim, block_size) or None."""
     epilogue = _check_plan(x_shape, weight_shape, y_shape, dtype, weight_dtype, y_dtype, config, glu, residual, conv)
     num_rows, in_features = x_shape
     assert num_rows == 1, f"linear: the one-row form takes 1 row, got {num_rows}"
@@ -450,7 +503,12 @@ def _gemv_plan(x_shape: torch.Size, weight_shape: torch.Size, y_shape: torch.Siz
     assert not (head and norm), "linear: the gated norm and the RMS norm of x are exclusive"
     assert not head or (in_features % head == 0 and head == triton.next_power_of_2(head)), \
         f"linear: gated norm heads of {head} columns must be a power of two dividing K = {in_features}"
-    meta = dict(BLOCK_N=config.block_n, KP=config.block_k, NORM=norm, HEAD=head, **epilogue,
+    num_q_heads, num_kv_heads, head_dim, rotary_dim, block_size = rope or (0, 0, 0, 0, 0)
+    assert rope is None or not (glu or residual or conv), "linear: rope_kv fuses with neither glu, residual nor conv"
+    assert rope is None or head_dim % config.block_n == 0, \
+        f"linear: rope_kv needs block_n ({config.block_n}) to divide the head width {head_dim}"
+    meta = dict(BLOCK_N=config.block_n, KP=config.block_k, NORM=norm, HEAD=head, **epilogue, ROPE=rope is not None,
+                HQ=num_q_heads, HKV=num_kv_heads, D=head_dim, R=rotary_dim, BLOCK_SIZE=block_size,
                 num_warps=config.num_warps)
     return (_grid_n(y_shape[1], config, glu),), meta
 
@@ -534,13 +592,19 @@ def gemv_config(out_features: int, in_features: int, device: torch.device, glu: 
 
 def launch_gemv(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config: TileConfig, *,
                 norm_eps: float | None = None, glu: bool = False, residual: torch.Tensor | None = None,
-                conv: ConvDecode | None = None, gated_norm: GatedNorm | None = None) -> None:
+                conv: ConvDecode | None = None, gated_norm: GatedNorm | None = None,
+                rope_kv: QKNormRopeKV | None = None) -> None:
     """launch_linear's contract for one row of x, through the one-row form (_gemv_kernel) with
     an explicit config (gemv_config's: block_n rows of W a program, block_k >= K a power of
-    two), and gated_norm (linear_reference's) fused too."""
+    two), and gated_norm and rope_kv (linear_reference's) fused too (rope_kv: block_n dividing
+    the head width)."""
     head = 0 if gated_norm is None else gated_norm.weight.shape[0]
+    rope = None
+    if rope_kv is not None:
+        rope = (*check_qk_norm_rope_kv_args(y, rope_kv), rope_kv.rotary_dim, rope_kv.k_cache.shape[1])
+        assert rope[2] == triton.next_power_of_2(rope[2]), f"linear: rope_kv's head width {rope[2]}: a power of two"
     grid, meta = _gemv_plan(x.shape, weight.shape, y.shape, x.dtype, weight.dtype, y.dtype, config,
-                            norm_eps is not None, head, glu, residual is not None, _conv_shape(conv))
+                            norm_eps is not None, head, glu, residual is not None, _conv_shape(conv), rope)
     _check_linear_args(y, x, weight, residual)
     if conv is not None:
         check_conv_decode_args(y[:, :conv.weight.shape[0]], conv)
@@ -554,18 +618,34 @@ def launch_gemv(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config: 
     _gemv_kernel[grid](x, weight, y, stream, gate, norm_weight, y.shape[1], x.shape[1], eps,
                        weight.stride(0), y.stride(0), stream.stride(0),
                        conv_weight, conv_out, pending_out, cu_seqlens, slot_ids, conv_state, pending_conv,
-                       pending_counts, stride_conv_out, **meta, **pdl(x.device))
+                       pending_counts, stride_conv_out, *_rope_arguments(y, rope_kv, meta["HQ"] + meta["HKV"]),
+                       **meta, **pdl(x.device))
+
+
+def _rope_arguments(y: torch.Tensor, rope_kv: QKNormRopeKV | None, num_heads: int) -> tuple:
+    """The one-row form's arrivals .. attention_factor arguments in their order (arrival counters
+    for num_heads heads, then rope_kv's tensors and scalars); without rope_kv, placeholders the
+    kernel never touches."""
+    if rope_kv is None:
+        return (y,) * 9 + (0, 0, 0, 0.0, 1.0)
+    k_cache = rope_kv.k_cache
+    return (arrival_counters(y.device, num_heads), rope_kv.q_weight, rope_kv.k_weight, rope_kv.q_out,
+            rope_kv.positions, inv_freq_table(rope_kv.rotary_dim, rope_kv.theta, y.device, rope_kv.yarn), k_cache,
+            rope_kv.v_cache, rope_kv.slot_mapping, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), rope_kv.eps,
+            1.0 if rope_kv.yarn is None else rope_kv.yarn.attention_factor)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = None, glu: bool = False,
            residual: torch.Tensor | None = None, conv: ConvDecode | None = None,
-           gated_norm: GatedNorm | None = None) -> torch.Tensor:
+           gated_norm: GatedNorm | None = None, rope_kv: QKNormRopeKV | None = None) -> torch.Tensor:
     """linear_reference through the one-row form for one row (every fusion in it), the kernel
     where linear_config picks it (with the fusions in its epilogue; the result written into
     `residual` when given), else through cuBLAS (`cublas_linear`) and the separate kernels of
     the fused ops; the conv of more than CONV_EPILOGUE_MAX_ROWS rows by its own kernel after the
-    projection, the gated norm outside the one-row form by its own kernel before it."""
-    fused = norm_eps is not None or glu or residual is not None or conv is not None or gated_norm is not None
+    projection, the gated norm outside the one-row form by its own kernel before it, rope_kv
+    outside it by its own kernel after it."""
+    fused = norm_eps is not None or glu or residual is not None or conv is not None or gated_norm is not None \
+        or rope_kv is not None
     if x.dim() != 2:
         assert not fused, "linear: fused ops take [M, K] activations"
         return F.linear(x, weight)
@@ -573,12 +653,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = No
     head = 0 if gated_norm is None else gated_norm.weight.shape[0]
     if num_rows == 1 and head == triton.next_power_of_2(head):  # the kernel's heads: powers of two
         config = gemv_config(weight_rows, in_features, device, glu, x.element_size())
-        if config is not None:
+        if config is not None and (rope_kv is None or _rope_fits(rope_kv.q_weight.shape[0], config)):
             y = residual if residual is not None else \
                 torch.empty((1, weight_rows // 2 if glu else weight_rows), dtype=x.dtype, device=device)
             launch_gemv(y, x, weight, config, norm_eps=norm_eps, glu=glu, residual=residual, conv=conv,
-                        gated_norm=gated_norm)
+                        gated_norm=gated_norm, rope_kv=rope_kv)
             return y
+    if rope_kv is not None:
+        y = linear(x, weight, norm_eps=norm_eps, glu=glu, residual=residual, conv=conv, gated_norm=gated_norm)
+        qk_norm_rope_kv(y, rope_kv)
+        return y
     if gated_norm is not None:
         return linear(_by_heads(gated_rms_norm, x, gated_norm), weight, norm_eps=norm_eps, glu=glu, residual=residual,
                       conv=conv)
@@ -600,6 +684,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = No
         torch.empty((num_rows, weight_rows // 2 if glu else weight_rows), dtype=x.dtype, device=device)
     launch_linear(y, x, weight, config, norm_eps=norm_eps, glu=glu, residual=residual, conv=conv)
     return y
+
+
+def _rope_fits(head_dim: int, config: TileConfig) -> bool:
+    """Whether the one-row form with this config runs rope_kv in its epilogue: heads of a power of
+    two columns, each a whole number of its tiles."""
+    return head_dim == triton.next_power_of_2(head_dim) and head_dim % config.block_n == 0
 
 
 # cuBLAS chooses its kernel per GEMM shape on the host and caches the choice: a row count M it

@@ -1,12 +1,16 @@
-"""Per-head q/k RMSNorm fused with partial rotary position embedding.
+"""Per-head q/k RMSNorm fused with partial rotary position embedding, and the KV write after it.
 
 Gated attention normalises every query and key head with its own `(1 + w)` RMSNorm and then
 rotates only the first `rotary_dim` channels (partial RoPE, Qwen3.5: 0.25 of head_dim) with
 the rotate-half convention: pairs are (i, i + rotary_dim/2). Frequencies are RoPE's
 theta^(-2i / rotary_dim), or YaRN's blend of those and their interpolation (`Yarn`, with its
-cos/sin scale, as HF's `_compute_yarn_parameters`). `qk_norm_rope` is the Triton
-kernel (one launch for q and k), `qk_norm_rope_reference` its torch oracle. Knows nothing about
-the KV cache.
+cos/sin scale, as HF's `_compute_yarn_parameters`). `qk_norm_rope_reference` is the torch
+oracle of the norm and rotation. `QKNormRopeKV` is all the attention does between its qkv
+projection and attending: q normalised and rotated, k normalised, rotated and stored with v into
+the KV pool by slot. `qk_norm_rope_kv` runs it as one Triton launch, a program per (token, head);
+its device functions (`rope_factors`, `norm_rope_head`, `pool_offset`) also serve the one-row
+projection that runs it in its epilogue (linear.py). Knows the KV pool only as a slot-addressed
+array; nothing of block tables or attention.
 """
 
 from __future__ import annotations
@@ -14,11 +18,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cache
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from .attention import write_kv_reference
 from .launch import dependent_prologue, pdl
 
 
@@ -95,92 +101,158 @@ def qk_norm_rope_reference(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Ten
     return _norm_rope(q, q_weight, cos, sin, eps), _norm_rope(k, k_weight, cos, sin, eps)
 
 
+class QKNormRopeKV(NamedTuple):
+    """What the gated attention does to its qkv projection's output before attending, on
+    qkv [T, Hq * 2D + 2 * Hkv * D] ([q_h | gate_h] per query head, as q_proj stores them, then
+    k, then v): each query head RMS-normalised with q_weight and rotated into q_out [T, Hq, D];
+    each key head normalised with k_weight, rotated and stored, with its value head, into the KV
+    pool (k_cache, v_cache [blocks, block_size, Hkv, D]) at slot_mapping [T] (flat block *
+    block_size + offset). qkv itself is left as it was. Run after the projection
+    (qk_norm_rope_kv) or by it (kernels/linear.py, one row); q_out is the caller's."""
+    q_out: torch.Tensor
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    positions: torch.Tensor
+    rotary_dim: int
+    theta: float
+    eps: float
+    yarn: Yarn | None
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+
+    def heads(self, width: int) -> tuple[int, int, int]:
+        """(Hq, Hkv, D) of a qkv row `width` columns wide."""
+        head_dim, num_kv_heads = self.q_weight.shape[0], self.k_cache.shape[2]
+        num_q_heads, ragged = divmod(width - 2 * num_kv_heads * head_dim, 2 * head_dim)
+        assert num_q_heads > 0 and not ragged, f"qkv rows of {width} are not [q | gate]_h | k | v of D = {head_dim}"
+        return num_q_heads, num_kv_heads, head_dim
+
+
+def qk_norm_rope_kv_reference(qkv: torch.Tensor, spec: QKNormRopeKV) -> None:
+    """QKNormRopeKV's contract by qk_norm_rope_reference and write_kv_reference."""
+    num_tokens = qkv.shape[0]
+    hq, hkv, d = spec.heads(qkv.shape[1])
+    q = qkv[:, :2 * hq * d].view(num_tokens, hq, 2 * d)[..., :d]
+    k, v = qkv[:, 2 * hq * d:].view(num_tokens, 2, hkv, d).unbind(1)
+    q, k = qk_norm_rope_reference(q, k, spec.q_weight, spec.k_weight, spec.positions, spec.rotary_dim, spec.theta,
+                                  spec.eps, spec.yarn)
+    spec.q_out.copy_(q)
+    write_kv_reference(k, v, spec.k_cache, spec.v_cache, spec.slot_mapping)
+
+
 # ----------------------------------------------------------------------------------------------
 # Triton kernel
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _norm_rope_heads(x, weight, out, t, cos, sin, partner, sign, stride_t, stride_h, eps,
-                     H: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):
-    """All H heads of token t: n = round(x / rms(x) * (1 + w)); out = n cos + sign n[partner] sin
-    on the rotary channels (cos = 1, sin = 0 elsewhere). The partner half is re-loaded and
-    normalised with the same per-head rms rather than permuted in registers."""
-    heads = tl.arange(0, BH)
-    offs = tl.arange(0, BD)
-    mask = (heads < H)[:, None] & (offs < D)[None, :]
-    base = x + t * stride_t + heads[:, None] * stride_h
-    h = tl.load(base + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-    h_partner = tl.load(base + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(h * h, axis=1) / D + eps)[:, None]
-    w = tl.load(weight + offs, mask=offs < D, other=0.0).to(tl.float32)
-    w_partner = tl.load(weight + partner, mask=offs < D, other=0.0).to(tl.float32)
-    n = (h * rstd * (1.0 + w[None, :])).to(out.dtype.element_ty).to(tl.float32)
-    n_partner = (h_partner * rstd * (1.0 + w_partner[None, :])).to(out.dtype.element_ty).to(tl.float32)
-    rotated = n * cos[None, :] + (sign * sin)[None, :] * n_partner
-    tl.store(out + (t * H + heads[:, None]) * D + offs[None, :], rotated.to(out.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _qk_norm_rope_kernel(q, k, q_weight, k_weight, q_out, k_out, positions, inv_freq,
-                         stride_q_t, stride_q_h, stride_k_t, stride_k_h, eps, attention_factor,
-                         HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-                         BHQ: tl.constexpr, BHK: tl.constexpr, BD: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
-    """One token: every q and k head. Channel i < R/2 pairs with i + R/2 (out = x1 c - x2 s),
-    R/2 <= i < R with i - R/2 (out = x2 c + x1 s); angle = position * inv_freq[i mod R/2] in
-    float32, as the reference; the rotary channels' cos and sin scaled by attention_factor
-    (YaRN; 1.0 otherwise)."""
-    dependent_prologue(DEPENDENT_LAUNCH)
-    t = tl.program_id(0).to(tl.int64)
+def rope_factors(positions, t, inv_freq, attention_factor, R: tl.constexpr, BD: tl.constexpr):
+    """(partner, cos, sin) [BD] of token t: channel i < R/2 pairs with i + R/2 (out = x1 c - x2 s),
+    R/2 <= i < R with i - R/2 (out = x2 c + x1 s), so sin carries the sign; angle = position *
+    inv_freq[i mod R/2] in float32, as the reference; the rotary channels' cos and sin scaled by
+    attention_factor (YaRN; 1.0 otherwise); channels >= R: cos 1, sin 0."""
     offs = tl.arange(0, BD)
     half = R // 2
     rotary = offs < R
     first = offs < half
     partner = tl.where(rotary, tl.where(first, offs + half, offs - half), offs)
-    sign = tl.where(first, -1.0, 1.0)
     freq = tl.load(inv_freq + tl.where(first, offs, offs - half), mask=rotary, other=0.0)
     angle = tl.load(positions + t).to(tl.float32) * freq
     cos = tl.where(rotary, tl.cos(angle) * attention_factor, 1.0)
-    sin = tl.where(rotary, tl.sin(angle) * attention_factor, 0.0)
-    _norm_rope_heads(q, q_weight, q_out, t, cos, sin, partner, sign, stride_q_t, stride_q_h, eps, HQ, D, BHQ, BD)
-    _norm_rope_heads(k, k_weight, k_out, t, cos, sin, partner, sign, stride_k_t, stride_k_h, eps, HK, D, BHK, BD)
+    sin = tl.where(rotary, tl.where(first, -1.0, 1.0) * tl.sin(angle) * attention_factor, 0.0)
+    return partner, cos, sin
+
+
+@triton.jit
+def norm_rope_head(src, weight, dst, partner, cos, sin, eps, D: tl.constexpr, BD: tl.constexpr):
+    """One head of D values at src -> dst (never the same memory): n = round(x / rms(x) * (1 + w));
+    out = n cos + n[partner] sin (rope_factors). The partner half is re-loaded and normalised
+    with the same rms rather than permuted in registers. Loads go to L2 (.cg): src may hold
+    other SMs' stores of this launch (linear.py's one-row form)."""
+    offs = tl.arange(0, BD)
+    mask = offs < D
+    h = tl.load(src + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    h_partner = tl.load(src + partner, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / D + eps)
+    w = tl.load(weight + offs, mask=mask, other=0.0).to(tl.float32)
+    w_partner = tl.load(weight + partner, mask=mask, other=0.0).to(tl.float32)
+    n = (h * rstd * (1.0 + w)).to(dst.dtype.element_ty).to(tl.float32)
+    n_partner = (h_partner * rstd * (1.0 + w_partner)).to(dst.dtype.element_ty).to(tl.float32)
+    tl.store(dst + offs, (n * cos + sin * n_partner).to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def pool_offset(slot_mapping, t, kv_head, stride_block, stride_offset, stride_head, BLOCK_SIZE: tl.constexpr):
+    """Element offset (int64) of token t's KV head kv_head in a pool [blocks, BLOCK_SIZE, Hkv, D]."""
+    slot = tl.load(slot_mapping + t).to(tl.int64)
+    return (slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_offset + kv_head * stride_head
+
+
+@triton.jit
+def _qk_norm_rope_kv_kernel(qkv, q_weight, k_weight, q_out, positions, inv_freq, k_cache, v_cache, slot_mapping,
+                            stride_t, stride_q_t, stride_block, stride_offset, stride_head, eps, attention_factor,
+                            HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+                            BD: tl.constexpr, BLOCK_SIZE: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
+    """Program (token t, head h): h < HQ the query head h into q_out; else KV head h - HQ, its
+    key normalised and rotated and its value copied into the pool. A head a program: a decode
+    token's heads run side by side, not one after another."""
+    dependent_prologue(DEPENDENT_LAUNCH)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    partner, cos, sin = rope_factors(positions, t, inv_freq, attention_factor, R, BD)
+    row = qkv + t * stride_t
+    if h < HQ:
+        norm_rope_head(row + h * 2 * D, q_weight, q_out + t * stride_q_t + h * D, partner, cos, sin, eps, D, BD)
+    else:
+        kv_head = h - HQ
+        at = pool_offset(slot_mapping, t, kv_head, stride_block, stride_offset, stride_head, BLOCK_SIZE)
+        norm_rope_head(row + 2 * HQ * D + kv_head * D, k_weight, k_cache + at, partner, cos, sin, eps, D, BD)
+        offs = tl.arange(0, BD)
+        value = tl.load(row + (2 * HQ + HKV) * D + kv_head * D + offs, mask=offs < D)
+        tl.store(v_cache + at + offs, value.to(v_cache.dtype.element_ty), mask=offs < D)
 
 
 @cache
-def _inv_freq_table(rotary_dim: int, theta: float, device: torch.device, yarn: Yarn | None) -> torch.Tensor:
-    """rope_inv_freq, computed once per (rotary_dim, theta, device, yarn) by the reference's own formula."""
+def inv_freq_table(rotary_dim: int, theta: float, device: torch.device, yarn: Yarn | None) -> torch.Tensor:
+    """rope_inv_freq, computed once per (rotary_dim, theta, device, yarn) by the reference's own
+    formula: the first call must come before CUDA-graph capture."""
     return rope_inv_freq(rotary_dim, theta, device, yarn)
 
 
-def _check_qk_norm_rope_args(q, k, q_weight, k_weight, positions, rotary_dim) -> None:
-    num_tokens, _, head_dim = q.shape
-    assert k.shape == (num_tokens, k.shape[1], head_dim) and q.stride(2) == 1 and k.stride(2) == 1, \
-        "q [T, Hq, D], k [T, Hk, D], unit stride along D"
-    assert q_weight.shape == (head_dim,) and k_weight.shape == (head_dim,), "q_weight, k_weight: [D]"
-    assert q_weight.is_contiguous() and k_weight.is_contiguous(), "q_weight, k_weight: contiguous"
-    assert positions.shape == (num_tokens,) and positions.is_contiguous() and not positions.is_floating_point(), \
-        "positions: contiguous [T] integers"
-    assert rotary_dim % 2 == 0 and 0 < rotary_dim <= head_dim, f"rotary_dim {rotary_dim}: even, in (0, D]"
+def check_qk_norm_rope_kv_args(qkv: torch.Tensor, spec: QKNormRopeKV) -> tuple[int, int, int]:
+    """The kernels' contract on qkv and spec; returns (Hq, Hkv, D)."""
+    hq, hkv, d = spec.heads(qkv.shape[1])
+    num_tokens = qkv.shape[0]
+    assert qkv.dim() == 2 and qkv.stride(1) == 1, "qkv: [T, width], unit stride along the width"
+    assert spec.q_weight.shape == spec.k_weight.shape == (d,) and spec.q_weight.is_contiguous() \
+        and spec.k_weight.is_contiguous(), "q_weight, k_weight: contiguous [D]"
+    assert spec.q_out.shape == (num_tokens, hq, d) and spec.q_out.dtype == qkv.dtype \
+        and spec.q_out.stride(2) == 1 and spec.q_out.stride(1) == d, "q_out: [T, Hq, D] in qkv's dtype, heads packed"
+    assert spec.positions.shape == (num_tokens,) and spec.positions.is_contiguous() \
+        and not spec.positions.is_floating_point(), "positions: contiguous [T] integers"
+    assert spec.rotary_dim % 2 == 0 and 0 < spec.rotary_dim <= d, f"rotary_dim {spec.rotary_dim}: even, in (0, D]"
+    k_cache, v_cache = spec.k_cache, spec.v_cache
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape and k_cache.shape[3] == d \
+        and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, \
+        "k_cache, v_cache: one layout [blocks, block_size, Hkv, D], D contiguous"
+    assert spec.slot_mapping.shape == (num_tokens,) and spec.slot_mapping.dtype in (torch.int32, torch.int64), \
+        "slot_mapping: [T] int32 or int64"
+    assert len({t.device for t in (qkv, spec.q_out, k_cache, v_cache, spec.positions, spec.slot_mapping)}) == 1, \
+        "qkv, q_out, the pool, positions and slot_mapping on one device"
+    return hq, hkv, d
 
 
-def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                 positions: torch.Tensor, rotary_dim: int, theta: float, eps: float,
-                 yarn: Yarn | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton qk_norm_rope_reference. q [T, Hq, D], k [T, Hk, D] may be strided views with unit
-    stride along D (q is sliced from [q | gate] per head); positions [T] int. Returns contiguous
-    (q, k). The first call per (rotary_dim, theta, device) builds the frequency table: do it
-    before CUDA-graph capture."""
-    _check_qk_norm_rope_args(q, k, q_weight, k_weight, positions, rotary_dim)
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_k_heads = k.shape[1]
-    q_out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
-    k_out = torch.empty((num_tokens, num_k_heads, head_dim), dtype=k.dtype, device=k.device)
-    if num_tokens:
-        block_d = triton.next_power_of_2(head_dim)
-        block_q = triton.next_power_of_2(num_q_heads)
-        _qk_norm_rope_kernel[(num_tokens,)](
-            q, k, q_weight, k_weight, q_out, k_out, positions, _inv_freq_table(rotary_dim, theta, q.device, yarn),
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), eps, 1.0 if yarn is None else yarn.attention_factor,
-            HQ=num_q_heads, HK=num_k_heads, D=head_dim, R=rotary_dim, BHQ=block_q,
-            BHK=triton.next_power_of_2(num_k_heads), BD=block_d,
-            num_warps=min(8, max(1, block_q * block_d // 1024)), **pdl(q.device))
-    return q_out, k_out
+def qk_norm_rope_kv(qkv: torch.Tensor, spec: QKNormRopeKV) -> None:
+    """Triton qk_norm_rope_kv_reference: one launch, a program per (token, query or KV head)."""
+    hq, hkv, d = check_qk_norm_rope_kv_args(qkv, spec)
+    num_tokens = qkv.shape[0]
+    if num_tokens == 0:
+        return
+    k_cache = spec.k_cache
+    _qk_norm_rope_kv_kernel[(num_tokens, hq + hkv)](
+        qkv, spec.q_weight, spec.k_weight, spec.q_out, spec.positions,
+        inv_freq_table(spec.rotary_dim, spec.theta, qkv.device, spec.yarn), k_cache, spec.v_cache, spec.slot_mapping,
+        qkv.stride(0), spec.q_out.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), spec.eps,
+        1.0 if spec.yarn is None else spec.yarn.attention_factor,
+        HQ=hq, HKV=hkv, D=d, R=spec.rotary_dim, BD=triton.next_power_of_2(d), BLOCK_SIZE=k_cache.shape[1],
+        num_warps=max(1, min(4, d // 64)), **pdl(qkv.device))

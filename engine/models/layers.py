@@ -39,6 +39,7 @@ from ...kernels import Ops
 from ...kernels.conv1d import ConvDecode
 from ...kernels.fp8 import FP8, SKINNY_MAX_ROWS, block_scales
 from ...kernels.norms import GatedNorm
+from ...kernels.rope import QKNormRopeKV
 from ...kernels.quantize import Activation, activation_values
 from ..batch import ForwardBatch, PrefillCheckpoints
 from ..model_config import ModelConfig
@@ -155,20 +156,23 @@ class Linear(nn.Module):
 
     def forward(self, x: Activation | Stream, ops: Ops, *, glu: bool = False,
                 residual: torch.Tensor | None = None, conv: ConvDecode | None = None,
-                gated_norm: GatedNorm | None = None) -> torch.Tensor:
+                gated_norm: GatedNorm | None = None, rope_kv: QKNormRopeKV | None = None) -> torch.Tensor:
         """x plain, quantized by the op before (read as values by a bf16 projection), or the
         residual stream to normalise; glu: silu(gate) * up of a [gate; up] projection; residual:
         the output added into it (in place; returned); conv: the GDN's decode conv of the output's
-        first columns; gated_norm: the GDN's gated norm of x by heads (kernels/linear.py). The
-        last five: bf16 projections only."""
+        first columns; gated_norm: the GDN's gated norm of x by heads (kernels/linear.py); rope_kv:
+        the gated attention's q/k norm, RoPE and KV write of the output (kernels/rope.py). The
+        fused ops but rope_kv: bf16 projections only (an FP8 one runs rope_kv after it)."""
         values, norm_eps = (x.values, x.eps) if isinstance(x, Stream) else (activation_values(x), None)
-        if norm_eps is not None or glu or residual is not None or conv is not None or gated_norm is not None:
-            assert not self.is_fp8, "FP8 projections take no fused ops"
-            return ops.linear(values, self.weight, norm_eps=norm_eps, glu=glu, residual=residual, conv=conv,
-                              gated_norm=gated_norm)
-        if not self.is_fp8:
-            return ops.linear(values, self.weight)
-        return ops.fp8_linear(x, self.weight, self.weight_scale, self.group_size, self.block_scale)
+        if self.is_fp8:
+            assert norm_eps is None and not glu and residual is None and conv is None and gated_norm is None, \
+                "FP8 projections take no fused ops"
+            y = ops.fp8_linear(x, self.weight, self.weight_scale, self.group_size, self.block_scale)
+            if rope_kv is not None:
+                ops.qk_norm_rope_kv(y, rope_kv)
+            return y
+        return ops.linear(values, self.weight, norm_eps=norm_eps, glu=glu, residual=residual, conv=conv,
+                          gated_norm=gated_norm, rope_kv=rope_kv)
 
 
 class GatedDeltaNet(nn.Module):
@@ -309,13 +313,12 @@ class GatedAttention(nn.Module):
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """residual: the stream o_proj adds its output into (forward_stream)."""
         c, num_tokens = self.c, _num_tokens(x)
-        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        q_gate, k, v = self.qkv_proj(x, ops).split(self.splits, dim=-1)
-        q_gate = q_gate.view(num_tokens, hq, 2 * d)
-        q, gate = q_gate[..., :d], q_gate[..., d:]
-        q, k = ops.qk_norm_rope(q, k.view(num_tokens, hkv, d), self.q_norm, self.k_norm, batch.positions,
-                                c.rotary_dim, c.rope_theta, c.rms_norm_eps, c.yarn)
-        ops.write_kv(k, v.view(num_tokens, hkv, d), kv.k_cache, kv.v_cache, batch.slot_mapping)
+        hq, d = c.num_attention_heads, c.head_dim
+        q = torch.empty(num_tokens, hq, d, dtype=kv.k_cache.dtype, device=kv.k_cache.device)
+        rope_kv = QKNormRopeKV(q, self.q_norm, self.k_norm, batch.positions, c.rotary_dim, c.rope_theta,
+                               c.rms_norm_eps, c.yarn, kv.k_cache, kv.v_cache, batch.slot_mapping)
+        qkv = self.qkv_proj(x, ops, rope_kv=rope_kv)     # q normalised and rotated, k and v in the pool
+        gate = qkv[:, :self.splits[0]].view(num_tokens, hq, 2 * d)[..., d:]
         # attention * sigmoid(gate), the gate applied by the kernel that stores the output
         out = ops.paged_attention(q, kv.k_cache, kv.v_cache, batch.block_tables, batch.cu_seqlens, batch.context_lens,
                                   d ** -0.5, gate)

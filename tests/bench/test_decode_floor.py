@@ -23,8 +23,8 @@ from deltaspec.kernels.device import supports_dependent_launch  # noqa: E402
 # The GDN's decode conv is fused into its in_proj (linear's ConvDecode) and its gated norm into its
 # out_proj (linear's GatedNorm), whose reads count theirs.
 GDN_LAYER = ["rms_norm", "linear", "gdn_decode", "linear", "rms_norm", "linear", "silu_and_mul", "linear"]
-ATTENTION_LAYER = ["rms_norm", "linear", "qk_norm_rope", "write_kv", "paged_attention", "linear",
-                   "rms_norm", "linear", "silu_and_mul", "linear"]
+# The q/k norm, RoPE and KV write are fused into the qkv projection (linear's QKNormRopeKV).
+ATTENTION_LAYER = ["rms_norm", "linear", "paged_attention", "linear", "rms_norm", "linear", "silu_and_mul", "linear"]
 
 
 def random_words(num_words: int, seed: int) -> torch.Tensor:
@@ -81,13 +81,13 @@ def test_decode_reads_of_the_0_8b_shape(batch):
     state = 18 * (recurrent + conv + 2 * 4) + 6 * kv
     assert sum(r.state_bytes for r in reads) == batch * state
 
-    # Activations: the logits' bf16 and fp32 copies read after the GEMM, then ~1.6 MB a row over 209 launches.
+    # Activations: the logits' bf16 and fp32 copies read after the GEMM, then ~1.6 MB a row over 197 launches.
     logits = batch * config.vocab_size * (2 + 4)
     assert logits < sum(r.activation_bytes for r in reads) < logits + batch * 2 * 2**20
 
     # The step's launches in order: the embedding, 18 GDN layers of 8 and 6 attention layers of
-    # 10, the final norm, the head.
-    assert len(reads) == 1 + 18 * 8 + 6 * 10 + 1 + 3
+    # 8, the final norm, the head.
+    assert len(reads) == 1 + 18 * 8 + 6 * 8 + 1 + 3
     assert [r.layer for r in reads] == sorted(r.layer for r in reads)
     assert {r.layer for r in reads} == set(range(25))
     for layer in range(24):

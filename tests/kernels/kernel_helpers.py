@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from deltaspec.kernels.conv1d import causal_conv1d_decode, causal_conv1d_decode_reference
 from deltaspec.kernels.quantize import quantize_groups_reference
+from deltaspec.kernels.rope import QKNormRopeKV
 
 
 # ----------------------------------------------------------------------------------------------
@@ -31,7 +32,7 @@ from deltaspec.kernels.quantize import quantize_groups_reference
 RTOL = 1e-4  # fp32 kernels vs float64 oracles
 
 # Kernels vs references, by dtype (conv1d, GDN decode, norms, RoPE)
-TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what: str = "") -> None:
@@ -182,17 +183,32 @@ def run_conv_decode(kernel: bool, x, weight, lengths, slots, pool, commit):
 # Inputs of q/k norm + RoPE (test_rope.py, and the GPU test of test_norms.py)
 # ----------------------------------------------------------------------------------------------
 
-def rope_case(device: str, dtype: torch.dtype, tokens: int, hq: int, hk: int, head_dim: int, max_position: int,
-              seed: int):
-    """q sliced from [q | gate] per head and k from a fused qkv row, as GatedAttention does."""
+def rope_kv_case(device: str, dtype: torch.dtype, tokens: int, hq: int, hkv: int, head_dim: int, max_position: int,
+                 seed: int, rotary_dim: int, theta: float = 10_000.0, yarn=None, block_size: int = 4,
+                 qkv_stride: int = 0) -> tuple[torch.Tensor, QKNormRopeKV]:
+    """A qkv projection's output [T, Hq * 2D + 2 * Hkv * D] ([q | gate] per head, k, v; rows
+    qkv_stride columns apart when given, as a wider buffer's view) and its QKNormRopeKV: random
+    norm weights and positions, distinct random slots of a pool of random (stale) entries with
+    room for every token twice, q_out filled with NaN (whatever is not written fails)."""
     gen = torch.Generator().manual_seed(seed)
-    q_gate = torch.randn(tokens, hq, 2 * head_dim, generator=gen).to(dtype).to(device)
-    kv = torch.randn(tokens, 2 * hk * head_dim, generator=gen).to(dtype).to(device)
-    q, k = q_gate[..., :head_dim], kv[:, :hk * head_dim].view(tokens, hk, head_dim)
-    q_weight = (0.1 * torch.randn(head_dim, generator=gen)).to(dtype).to(device)
-    k_weight = (0.1 * torch.randn(head_dim, generator=gen)).to(dtype).to(device)
+    width = (2 * hq + 2 * hkv) * head_dim
+    qkv = torch.randn(tokens, max(qkv_stride, width), generator=gen)[:, :width].to(dtype).to(device)
+    q_weight, k_weight = ((0.1 * torch.randn(head_dim, generator=gen)).to(dtype).to(device) for _ in range(2))
     positions = torch.randint(0, max_position, (tokens,), generator=gen).to(device)
-    return q, k, q_weight, k_weight, positions
+    num_blocks = 2 * tokens // block_size + 1
+    k_cache, v_cache = (torch.randn(num_blocks, block_size, hkv, head_dim, generator=gen).to(dtype).to(device)
+                        for _ in range(2))
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens].to(device)
+    q_out = torch.full((tokens, hq, head_dim), float("nan"), dtype=dtype, device=device)
+    return qkv, QKNormRopeKV(q_out, q_weight, k_weight, positions, rotary_dim, theta, 1e-6, yarn, k_cache, v_cache,
+                             slots)
+
+
+def run_rope_kv(function, qkv: torch.Tensor, spec: QKNormRopeKV) -> QKNormRopeKV:
+    """function(qkv, spec) on copies of spec's outputs (q_out, the pools); returns those copies."""
+    outputs = spec._replace(q_out=spec.q_out.clone(), k_cache=spec.k_cache.clone(), v_cache=spec.v_cache.clone())
+    function(qkv, outputs)
+    return outputs
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ shuffled, non-contiguous block ids (block 0 is the null block, never a real row'
 4 and 16, GQA ratios 1 and 4, equals per-row causal softmax attention; head h reads kv head
 h // (Hq/Hkv); with an output gate, that times sigmoid(gate).
 
-Triton write_kv / paged_attention, with the references as the oracle. Inputs are fresh seeded
+Triton paged_attention, with the reference as the oracle (the Triton KV write runs with the
+q/k norm: test_rope.py; here it feeds the graph test). Inputs are fresh seeded
 random draws (no zeros), outputs are poisoned with NaN before the kernel runs, and pool positions
 a batch does not own hold finite garbage (or NaN) and must stay bit-identical. Rows mix decode
 (q_len 1), verify (q_len <= 8) and prefill chunks over cached prefixes of length 0, 1, not a
@@ -32,14 +33,14 @@ import pytest
 import torch
 
 from deltaspec.kernels import REFERENCE_OPS, attention
-from deltaspec.kernels.attention import launch_paged_attention, paged_attention, write_kv
+from deltaspec.kernels.attention import launch_paged_attention, paged_attention, write_kv_reference
+from deltaspec.kernels.rope import QKNormRopeKV, qk_norm_rope_kv, qk_norm_rope_kv_reference
 from deltaspec.kernels.tiles import TileConfig
 from kernel_helpers import assert_close_elementwise
 
 
 # Through the backend table, so the tests follow the references wherever they live.
 paged_attention_reference = REFERENCE_OPS.paged_attention
-write_kv_reference = REFERENCE_OPS.write_kv
 
 # (q_len, cached prefix length): decode/verify rows first, prefill chunks after, as the runner
 # orders them. Prefixes: 0, 1, not a multiple of any block size, and long (many blocks).
@@ -295,23 +296,6 @@ def check_attention(case: SimpleNamespace, config: TileConfig | None, what: str,
 
 # --------------------------------------------------------------------------- CPU (interpreter) and GPU
 
-@pytest.mark.parametrize("block_size,dtype,slot_dtype", [(4, torch.float32, torch.int64), (16, torch.float16, torch.int32)])
-def test_write_kv_matches_reference_and_touches_nothing_else(kernel_device, block_size, dtype, slot_dtype):
-    gen = torch.Generator().manual_seed(block_size)
-    num_blocks, num_kv_heads, head_dim, num_tokens = 7, 2, 32, 11
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(dtype=dtype, device=kernel_device)
-    v_cache = torch.randn(shape, generator=gen).to(dtype=dtype, device=kernel_device)
-    # k, v as the model slices them from one projection: token stride wider than Hkv * D.
-    kv = torch.randn(num_tokens, num_kv_heads, 3 * head_dim, generator=gen).to(dtype=dtype, device=kernel_device)
-    k, v = kv[..., :head_dim], kv[..., 2 * head_dim:]
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].to(slot_dtype).to(kernel_device)
-    expected_k, expected_v = k_cache.clone(), v_cache.clone()
-    write_kv_reference(k, v, expected_k, expected_v, slots)
-    write_kv(k, v, k_cache, v_cache, slots)
-    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
-
-
 # (block_size, Hq, Hkv, D, dtype, config): decode tiles (16 rows), prefill tiles (several tokens
 # x heads), split key ranges, GQA 1 / 3 (not a power of two) / 4 / 8; key steps that cover whole
 # blocks, lie inside one block (32 / 16) or straddle blocks (6 / 16).
@@ -444,18 +428,21 @@ def test_split_merge_sums_without_shared_memory(splits):
 
 
 @pytest.mark.gpu
-def test_paged_attention_and_write_kv_in_cuda_graph():
+def test_paged_attention_and_kv_write_in_cuda_graph():
     """Launch geometry depends on shapes only: a captured decode step (write this token's K/V,
     attend with the output gate, as the model does) replays correctly after lengths, slots,
-    queries, gates and K/V change in place."""
+    queries, gates and K/V change in place. The K/V write is rope.py's qk_norm_rope_kv, whose
+    key is normalised and rotated: the reference writes what it wrote (its own test checks that)."""
     rows = [(1, 700), (1, 30), (1, 2000), (1, 0)]
     case = make_case(9, rows, 16, 8, 2, 256, torch.bfloat16, "cuda")
-    new_k = torch.randn(len(rows), 2, 256, device="cuda", dtype=torch.bfloat16)
-    new_v = torch.randn_like(new_k)
+    qkv = torch.randn(len(rows), (2 * 8 + 2 * 2) * 256, device="cuda", dtype=torch.bfloat16)
     slots = torch.zeros(len(rows), dtype=torch.int64, device="cuda")
+    weights = torch.zeros(256, device="cuda", dtype=torch.bfloat16)
+    spec = QKNormRopeKV(torch.empty(len(rows), 8, 256, device="cuda", dtype=torch.bfloat16), weights, weights,
+                        case.context_lens.long() - 1, 64, 10_000.0, 1e-6, None, case.k_cache, case.v_cache, slots)
 
     def step() -> torch.Tensor:
-        write_kv(new_k, new_v, case.k_cache, case.v_cache, slots)
+        qk_norm_rope_kv(qkv, spec)
         return paged_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.cu_seqlens,
                                case.context_lens, case.scale, case.gate)
 
@@ -474,12 +461,13 @@ def test_paged_attention_and_write_kv_in_cuda_graph():
         slots.copy_(case.block_tables.long().gather(1, (position // 16)[:, None])[:, 0] * 16 + position % 16)
         case.q.copy_(torch.randn(case.q.shape, generator=gen))
         case.gate.copy_(torch.randn(case.gate.shape, generator=gen))
-        new_k.copy_(torch.randn(new_k.shape, generator=gen))
-        new_v.copy_(torch.randn(new_v.shape, generator=gen))
+        spec.positions.copy_(position)
+        qkv.copy_(torch.randn(qkv.shape, generator=gen))
         expected_k, expected_v = case.k_cache.clone(), case.v_cache.clone()
-        write_kv_reference(new_k, new_v, expected_k, expected_v, slots)
+        qk_norm_rope_kv_reference(qkv, spec._replace(q_out=spec.q_out.clone(), k_cache=expected_k, v_cache=expected_v))
         graph.replay()
-        assert torch.equal(case.k_cache, expected_k) and torch.equal(case.v_cache, expected_v)
+        assert torch.equal(case.v_cache, expected_v)
+        assert_close(case.k_cache, expected_k, TOLERANCE[torch.bfloat16], "keys written in the replay")
         assert_close(out, reference(case, case.gate), TOLERANCE[torch.bfloat16], f"graph replay, contexts {contexts}")
 
 

@@ -1,13 +1,17 @@
-"""q/k norm + partial RoPE (kernels/rope.py): the torch reference against a naive float64 loop
-written here, then the Triton kernel against the reference.
+"""q/k norm + partial RoPE and the KV write after it (kernels/rope.py): the torch reference
+against a naive float64 loop written here, then the Triton kernel and the one-row projection
+that runs it in its epilogue (kernels/linear.py) against the reference.
 
 Reference. Contracts checked: a (1 + w) RMSNorm per token and head, then only the first
 rotary_dim channels rotate, pairs (i, i + rotary_dim/2), at each token's own position (out of
 order, far apart); channels past rotary_dim are only normalised; GQA heads.
 
-Triton kernel, with the reference as the oracle: q sliced from [q | gate] per head and k from a
-fused qkv row, as the model passes them. CPU: the interpreter, fp32, rotary_dim 8 and 32.
-(bf16 at attention widths on the GPU: test_norms_and_rope_gpu_bf16 in test_norms.py.)
+Triton, with the reference as the oracle: q read from [q | gate] per head and k, v from the same
+qkv row, as the model's projection lays them out; q_out poisoned; the tokens' keys and values
+land in their slots of a pool of stale entries and nothing else changes; YaRN only moves the
+rotary channels; the one-row form (a program a quarter of a head, the last arriver finishing
+it) twice over the same arrival counters. CPU: the interpreter, fp32 / fp16, small widths; GPU:
+bf16 at the 0.8B's widths.
 """
 
 from __future__ import annotations
@@ -17,12 +21,11 @@ import math
 import pytest
 import torch
 
-from deltaspec.kernels import REFERENCE_OPS
-from deltaspec.kernels.rope import Yarn, qk_norm_rope, qk_norm_rope_reference
-from kernel_helpers import TOLERANCE, assert_close, assert_close_elementwise, naive_rms, rope_case
+from deltaspec.kernels.linear import launch_gemv, linear, linear_reference
+from deltaspec.kernels.rope import QKNormRopeKV, Yarn, qk_norm_rope_kv, qk_norm_rope_kv_reference, qk_norm_rope_reference
+from deltaspec.kernels.tiles import TileConfig
+from kernel_helpers import TOLERANCE, assert_close, assert_close_elementwise, naive_rms, rope_kv_case, run_rope_kv
 
-
-ops = REFERENCE_OPS
 
 
 # ----------------------------------------------------------------------------------------------
@@ -60,7 +63,7 @@ def test_qk_norm_partial_rope():
     q = torch.randn(len(positions), heads_q, dim, generator=gen)
     k = torch.randn(len(positions), heads_k, dim, generator=gen)
     q_weight, k_weight = 0.1 * torch.randn(dim, generator=gen), 0.1 * torch.randn(dim, generator=gen)
-    q_out, k_out = ops.qk_norm_rope(q, k, q_weight, k_weight, torch.tensor(positions), rotary_dim, theta, eps)
+    q_out, k_out = qk_norm_rope_reference(q, k, q_weight, k_weight, torch.tensor(positions), rotary_dim, theta, eps)
     # fp32 angles at position ~2000 carry ~1e-4 rad of rounding (as HF's), hence 5e-4.
     assert_close_elementwise(q_out, naive_norm_rope(q, q_weight, positions, rotary_dim, theta, eps), 5e-4, "q")
     assert_close_elementwise(k_out, naive_norm_rope(k, k_weight, positions, rotary_dim, theta, eps), 5e-4, "k")
@@ -70,26 +73,90 @@ def test_qk_norm_partial_rope():
 
 
 # ----------------------------------------------------------------------------------------------
-# Triton kernel vs the torch reference
+# Triton: qk_norm_rope_kv and the one-row projection that runs it, vs the torch reference
 # ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("rotary_dim", [8, 32])
-def test_qk_norm_rope(kernel_device, rotary_dim):
-    args = rope_case(kernel_device, torch.float32, 6, 4, 2, 32, 5000, seed=92)
-    expected = qk_norm_rope_reference(*args, rotary_dim, 10_000.0, 1e-6)
-    actual = qk_norm_rope(*args, rotary_dim, 10_000.0, 1e-6)
-    for a, e, name in zip(actual, expected, "qk"):
-        assert_close(a, e, TOLERANCE[torch.float32], name)
+def assert_rope_kv_close(actual: QKNormRopeKV, expected: QKNormRopeKV, slots: torch.Tensor, what: str,
+                         values_exact: bool = True) -> None:
+    """q_out and the tokens' keys within tolerance, their values exact (copies of the same qkv;
+    within tolerance where each side computed its own projection), every other pool entry
+    bit-identical (a kernel writes the tokens' slots and nothing else)."""
+    tolerance = TOLERANCE[expected.q_out.dtype]
+    assert_close(actual.q_out, expected.q_out, tolerance, f"{what}: q")
+    flat = lambda pool: pool.view(-1, *pool.shape[2:])                                    # noqa: E731
+    assert_close(flat(actual.k_cache)[slots], flat(expected.k_cache)[slots], tolerance, f"{what}: k")
+    if values_exact:
+        assert torch.equal(flat(actual.v_cache)[slots], flat(expected.v_cache)[slots]), f"{what}: v"
+    else:
+        assert_close(flat(actual.v_cache)[slots], flat(expected.v_cache)[slots], tolerance, f"{what}: v")
+    others = torch.ones(flat(expected.k_cache).shape[0], dtype=torch.bool, device=slots.device)
+    others[slots] = False
+    for pool in ("k_cache", "v_cache"):
+        assert torch.equal(flat(getattr(actual, pool))[others], flat(getattr(expected, pool))[others]), \
+            f"{what}: {pool} written outside the tokens' slots"
 
 
-def test_qk_norm_rope_yarn(kernel_device):
+@pytest.mark.parametrize("rotary_dim,dtype,slot_dtype", [(8, torch.float32, torch.int64), (32, torch.float16, torch.int32)])
+def test_qk_norm_rope_kv(kernel_device, rotary_dim, dtype, slot_dtype):
+    """GQA heads, qkv a row-strided view, q_out poisoned, a pool of stale entries."""
+    qkv, spec = rope_kv_case(kernel_device, dtype, 6, 4, 2, 32, 5000, seed=92, rotary_dim=rotary_dim,
+                             qkv_stride=(2 * 4 + 2 * 2) * 32 + 24)
+    spec = spec._replace(slot_mapping=spec.slot_mapping.to(slot_dtype))
+    expected = run_rope_kv(qk_norm_rope_kv_reference, qkv, spec)
+    actual = run_rope_kv(qk_norm_rope_kv, qkv, spec)
+    assert_rope_kv_close(actual, expected, spec.slot_mapping.long(), "qk_norm_rope_kv")
+
+
+def test_qk_norm_rope_kv_yarn(kernel_device):
     """YaRN: blended frequencies and the cos/sin attention factor, on the rotary channels only."""
-    args = rope_case(kernel_device, torch.float32, 6, 4, 2, 32, 5000, seed=95)
     yarn = Yarn(factor=8.0, original_max_position_embeddings=64, beta_fast=16, beta_slow=1, attention_factor=1.2)
-    expected = qk_norm_rope_reference(*args, 16, 10_000.0, 1e-6, yarn)
-    actual = qk_norm_rope(*args, 16, 10_000.0, 1e-6, yarn)
-    for a, e, name in zip(actual, expected, "qk"):
-        assert_close(a, e, TOLERANCE[torch.float32], name)
-    plain = qk_norm_rope_reference(*args, 16, 10_000.0, 1e-6)
-    assert not torch.allclose(expected[0][..., :16], plain[0][..., :16])
-    assert torch.equal(expected[0][..., 16:], plain[0][..., 16:])
+    qkv, spec = rope_kv_case(kernel_device, torch.float32, 6, 4, 2, 32, 5000, seed=95, rotary_dim=16, yarn=yarn)
+    expected = run_rope_kv(qk_norm_rope_kv_reference, qkv, spec)
+    assert_rope_kv_close(run_rope_kv(qk_norm_rope_kv, qkv, spec), expected, spec.slot_mapping, "yarn")
+    plain = run_rope_kv(qk_norm_rope_kv_reference, qkv, spec._replace(yarn=None))
+    assert not torch.allclose(expected.q_out[..., :16], plain.q_out[..., :16])
+    assert torch.equal(expected.q_out[..., 16:], plain.q_out[..., 16:])
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_one_row_projection_runs_rope_kv(kernel_device, norm):
+    """The one-row form with rope_kv in its epilogue (4 programs a head: each query and key head
+    finished by the last of its programs to arrive) against the projection, then the reference.
+    Twice over the same arrival counters, at other positions and slots: the last arrivers
+    leave them at zero."""
+    hq, hkv, d, hidden = 4, 2, 32, 64
+    gen = torch.Generator().manual_seed(96 + norm)
+    width = (2 * hq + 2 * hkv) * d
+    weight = (torch.randn(width, hidden, generator=gen) / hidden ** 0.5).to(kernel_device)
+    config = TileConfig(block_n=8, block_k=hidden, num_warps=1)
+    for seed in (97, 98):
+        _, spec = rope_kv_case(kernel_device, torch.float32, 1, hq, hkv, d, 5000, seed=seed, rotary_dim=8)
+        x = torch.randn(1, hidden, generator=gen).to(kernel_device)
+        norm_eps = 1e-6 if norm else None
+        expected = run_rope_kv(lambda _, outputs: linear_reference(x, weight, norm_eps=norm_eps, rope_kv=outputs),
+                               None, spec)
+        y = torch.full((1, width), float("nan"), device=kernel_device)
+        actual = run_rope_kv(lambda _, outputs: launch_gemv(y, x, weight, config, norm_eps=norm_eps, rope_kv=outputs),
+                             None, spec)
+        assert_close(y, linear_reference(x, weight, norm_eps=norm_eps), TOLERANCE[torch.float32], "y")
+        assert_rope_kv_close(actual, expected, spec.slot_mapping, f"one-row form, seed {seed}", values_exact=False)
+
+
+@pytest.mark.gpu
+def test_qk_norm_rope_kv_gpu_model_shapes():
+    """bf16 at the 0.8B's attention widths (8 q / 2 kv heads of 256, rotary 64) at positions up
+    to 256K: the kernel for 300 tokens, and `linear` at one row, whose one-row form runs it."""
+    qkv, spec = rope_kv_case("cuda", torch.bfloat16, 300, 8, 2, 256, 262_144, seed=94, rotary_dim=64,
+                             theta=10_000_000.0, block_size=16)
+    assert_rope_kv_close(run_rope_kv(qk_norm_rope_kv, qkv, spec), run_rope_kv(qk_norm_rope_kv_reference, qkv, spec),
+                         spec.slot_mapping, "300 tokens")
+    gen = torch.Generator().manual_seed(99)
+    weight = (torch.randn(qkv.shape[1], 1024, generator=gen) / 32).to(torch.bfloat16).cuda()
+    x = torch.randn(1, 1024, generator=gen).to(torch.bfloat16).cuda()
+    _, spec = rope_kv_case("cuda", torch.bfloat16, 1, 8, 2, 256, 262_144, seed=95, rotary_dim=64,
+                           theta=10_000_000.0, block_size=16)
+    for _ in range(2):                                  # the arrival counters are zero again after a launch
+        expected = run_rope_kv(lambda _, outputs: linear_reference(x, weight, norm_eps=1e-6, rope_kv=outputs), None,
+                               spec)
+        actual = run_rope_kv(lambda _, outputs: linear(x, weight, norm_eps=1e-6, rope_kv=outputs), None, spec)
+        assert_rope_kv_close(actual, expected, spec.slot_mapping, "linear, one row", values_exact=False)
