@@ -3,7 +3,9 @@ the 0.8B shape's 96 decode projections at one row (in_proj, out_proj, gate_up, d
 layers, each its own weights, each reading the one before's output), graph-replayed with PDL as
 a decode step runs them. The MMA form with kernel_config's tiles (split-K), the one-row form
 (kernels/linear.py launch_gemv) with gemv_config's tiles and with other program sizes and warps
-(what GEMV_PROGRAM_BYTES and GEMV_WARPS were picked from).
+(what GEMV_PROGRAM_BYTES and GEMV_WARPS were picked from). Then the lm_head of the 0.8B and the
+9B shapes (248320 rows of 1024 / 4096) at one row: cuBLAS (F.linear, as the model's head runs)
+against the one-row form, one call a replay of 2 (W is far larger than L2).
 
     python bench/tools/gemv_chain.py [--out bench/results]  -> gemv-<gpu>.json
 """
@@ -65,15 +67,38 @@ def main() -> None:
                      "us": us, "gb_per_s": weight_bytes / us / 1e3,
                      "max_diff_vs_mma": (out - reference).abs().max().item()})
         print(f"{name:26s} block_n {rows[-1]['block_n']}: {us:7.1f} us  {rows[-1]['gb_per_s']:5.0f} GB/s")
+    heads = [lm_head_row(device, k) for k in (1024, 4096)]
     name = torch.cuda.get_device_name()
     report = {"benchmark": "gemv_chain", "device": name,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "commit": commit_id(), "command": " ".join(["python"] + sys.argv), "shapes": SHAPES, "layers": LAYERS,
-              "weight_bytes": weight_bytes, "results": rows}
+              "weight_bytes": weight_bytes, "results": rows,
+              "lm_head": heads}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"gemv-{device_tag(name)}.json"
     path.write_text(json.dumps(report, indent=2))
     print("wrote", path)
+
+
+def lm_head_row(device: torch.device, hidden: int, vocab: int = 248320) -> dict:
+    """One row through a [vocab, hidden] head: cuBLAS and the one-row form's variants."""
+    weight = torch.randn(vocab, hidden, device=device, dtype=torch.bfloat16) * hidden ** -0.5
+    x = torch.randn(1, hidden, device=device, dtype=torch.bfloat16)
+    y = torch.empty(1, vocab, device=device, dtype=torch.bfloat16)
+    reference = torch.nn.functional.linear(x, weight).float()
+    times = {"cublas": graph_time_us(lambda _: torch.nn.functional.linear(x, weight), 2)}
+    diffs = {}
+    for program_bytes in (16 << 10, 32 << 10, 64 << 10):
+        for warps in (4, 8):
+            config = gemv_config(vocab, hidden, device, program_bytes=program_bytes, num_warps=warps)
+            name = f"gemv {program_bytes >> 10} KB, {warps} warps"
+            launch_gemv(y, x, weight, config)
+            diffs[name] = (y.float() - reference).abs().max().item()
+            times[name] = graph_time_us(lambda _: launch_gemv(y, x, weight, config), 2)
+    weight_bytes = weight.numel() * weight.element_size()
+    for name, us in times.items():
+        print(f"lm_head {vocab}x{hidden} {name:22s}: {us:7.1f} us  {weight_bytes / us / 1e3:5.0f} GB/s")
+    return {"vocab": vocab, "hidden": hidden, "weight_bytes": weight_bytes, "us": times, "max_diff_vs_cublas": diffs}
 
 
 if __name__ == "__main__":
