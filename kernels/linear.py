@@ -87,7 +87,6 @@ CONV_EPILOGUE_MAX_ROWS = 1
 # The one-row form (_gemv_kernel): W bytes a program holds in registers (padded K included), and
 # its warps. A chain of the 0.8B's 96 projections at 1 row: 8-32 KB programs of 4 or 8 warps
 # 467-514 us, 64 KB ones 530-558 us, the MMA form 613 us (H100: bench/results/gemv-h100.json).
-GEMV_MAX_ROWS = 4
 GEMV_PROGRAM_BYTES = 16 << 10
 GEMV_WARPS = 4
 
@@ -230,31 +229,28 @@ def _tile_rows(pid_n, offs_r, N, BLOCK_N: tl.constexpr, GLU: tl.constexpr):
     return rows_w.to(tl.int64)
 
 
-@triton.jit(do_not_specialize=["M", "eps", "conv_rows"])
-def _gemv_kernel(x, w, y, residual, gate, norm_weight, M, N, K, eps, stride_xm, stride_wn, stride_ym, stride_rm,
-                 stride_gate,
+@triton.jit(do_not_specialize=["eps"])
+def _gemv_kernel(x, w, y, residual, gate, norm_weight, N, K, eps, stride_wn, stride_ym, stride_rm,
                  conv_weight, conv_out, conv_pending_out, cu_seqlens, slot_ids, conv_state, pending_conv,
-                 pending_counts, conv_rows, stride_conv_out,
+                 pending_counts, stride_conv_out,
                  arrivals, q_weight, k_weight, q_out, positions, inv_freq, k_cache, v_cache, slot_mapping,
-                 stride_q_out, stride_block, stride_offset, stride_head, rope_eps, attention_factor,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
-                 HEAD: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr, CONV: tl.constexpr,
+                 stride_block, stride_offset, stride_head, rope_eps, attention_factor,
+                 BLOCK_N: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, HEAD: tl.constexpr, GLU: tl.constexpr,
+                 RESIDUAL: tl.constexpr, CONV: tl.constexpr,
                  C: tl.constexpr, WIDTH: tl.constexpr, P: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr,
                  BN: tl.constexpr, COMMIT: tl.constexpr, ROPE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
                  D: tl.constexpr, R: tl.constexpr, BLOCK_SIZE: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
-    """The few-row form: program pid_n computes y[:M, tile] = x[:M, :] . W[tile rows, :]^T, M <=
-    BLOCK_M (a power of two <= GEMV_MAX_ROWS), with the whole of its [BLOCK_N, K] share of W in
-    registers (K padded to KP, a power of two), loaded before the PDL wait: W is never written by
-    a step, so the program's weight read overlaps the predecessor kernel and, after the wait,
-    only x (M rows of K, from L2; the row loop is unrolled, so they are in flight together), the
-    products' sums and the epilogue remain. No split-K, hence no partials and no arrival tail:
-    BLOCK_N is small enough (gemv_config) that the N tiles alone fill the SMs. The epilogue
-    (_finish_tile, then the conv of conv_rows sequences) is the MMA form's, on a [BLOCK_N,
-    BLOCK_M] tile.
+    """The one-row form: program pid_n computes y[0, tile] = W[tile rows, :] . x[0, :] with the
+    whole of its [BLOCK_N, K] share of W in registers (K padded to KP, a power of two), loaded
+    before the PDL wait: W is never written by a step, so the program's weight read overlaps the
+    predecessor kernel and, after the wait, only x (K elements, from L2), the products' sums
+    and the epilogue remain. No split-K, hence no partials and no arrival tail: BLOCK_N is small
+    enough (gemv_config) that the N tiles alone fill the SMs. The epilogue (_finish_tile, then
+    the conv) is the MMA form's, on a one-row tile.
     HEAD > 0: x is gated-RMS-normalised by heads of HEAD columns first (norms.py
-    gated_rms_norm: gate's rows, stride_gate apart, and the norm's weight norm_weight [HEAD],
-    eps), rounded to x's dtype as that kernel stores it: every program normalises the rows (K
-    values each) itself, in place of the norm's launch.
+    gated_rms_norm: gate's row and the norm's weight norm_weight [HEAD], eps), rounded to x's
+    dtype as that kernel stores it: every program normalises the whole row (K values) itself, in
+    place of the norm's launch.
     ROPE: the gated attention's QKNormRopeKV of y (rope.py; the arrivals .. attention_factor
     arguments, HQ query and HKV KV heads of D, R rotary channels, pool blocks of BLOCK_SIZE) in
     place of its launch (_rope_kv_epilogue)."""
@@ -265,71 +261,61 @@ def _gemv_kernel(x, w, y, residual, gate, norm_weight, M, N, K, eps, stride_xm, 
     in_k = (offs_k < K)[None, :]
     w_tile = tl.load(w + rows_w[:, None] * stride_wn + offs_k[None, :], mask=in_k, other=0.0)  # [BLOCK_N, KP]
     dependent_prologue(DEPENDENT_LAUNCH)
-    offs_m = tl.arange(0, BLOCK_M)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for m in tl.static_range(BLOCK_M):
-        in_row = in_k & (offs_k[None, :] * 0 + m < M)            # a tensor: the interpreter masks with no scalar
-        x_row = tl.load(x + m * stride_xm + offs_k[None, :], mask=in_row, other=0.0).to(tl.float32)  # [1, KP]
-        if HEAD > 0:
-            heads = tl.reshape(x_row, (KP // HEAD, HEAD))
-            rstd = tl.rsqrt(tl.sum(heads * heads, axis=1) / HEAD + eps)   # padded heads: 0 * rsqrt(eps)
-            z = tl.load(gate + m * stride_gate + offs_k[None, :], mask=in_row, other=0.0).to(tl.float32)
-            scale = tl.load(norm_weight + offs_k % HEAD).to(tl.float32)[None, :]
-            x_row = tl.reshape(heads * rstd[:, None], (1, KP)) * scale * (z * tl.sigmoid(z))
-            x_row = x_row.to(x.dtype.element_ty).to(tl.float32)
-        acc = tl.where(offs_m[None, :] == m, tl.sum(w_tile.to(tl.float32) * x_row, axis=1)[:, None], acc)
-        sq = tl.where(offs_m == m, tl.sum(x_row * x_row), sq)
-    _finish_tile(acc, sq, y, residual, pid_n, offs_m, offs_r, M, N, K, eps, stride_ym, stride_rm,
-                 BLOCK_M, BLOCK_N, NORM, GLU, RESIDUAL)
+    offs_m = tl.arange(0, 1)
+    x_row = tl.load(x + offs_k[None, :], mask=in_k, other=0.0).to(tl.float32)                       # [1, KP]
+    if HEAD > 0:
+        heads = tl.reshape(x_row, (KP // HEAD, HEAD))
+        rstd = tl.rsqrt(tl.sum(heads * heads, axis=1) / HEAD + eps)   # padded heads: 0 * rsqrt(eps)
+        z = tl.load(gate + offs_k[None, :], mask=in_k, other=0.0).to(tl.float32)
+        scale = tl.load(norm_weight + offs_k % HEAD).to(tl.float32)[None, :]
+        x_row = tl.reshape(heads * rstd[:, None], (1, KP)) * scale * (z * tl.sigmoid(z))
+        x_row = x_row.to(x.dtype.element_ty).to(tl.float32)
+    acc = tl.sum(w_tile.to(tl.float32) * x_row, axis=1)[:, None]                                     # [BLOCK_N, 1]
+    sq = tl.sum(x_row * x_row, axis=1)                                                                # [1]
+    _finish_tile(acc, sq, y, residual, pid_n, offs_m, offs_r, 1, N, K, eps, stride_ym, stride_rm,
+                 1, BLOCK_N, NORM, GLU, RESIDUAL)
     if CONV:
         _conv_epilogue(y, stride_ym, pid_n * BLOCK_N, conv_weight, conv_out, conv_pending_out, cu_seqlens, slot_ids,
-                       conv_state, pending_conv, pending_counts, conv_rows, stride_conv_out,
+                       conv_state, pending_conv, pending_counts, 1, stride_conv_out,
                        C, WIDTH, P, BW, BT, BN, BLOCK_N, COMMIT)
     if ROPE:
-        _rope_kv_epilogue(y, stride_ym, M, pid_n * BLOCK_N, arrivals, q_weight, k_weight, q_out, stride_q_out,
-                          positions, inv_freq, k_cache, v_cache, slot_mapping, stride_block, stride_offset,
-                          stride_head, rope_eps, attention_factor, HQ, HKV, D, R, BLOCK_SIZE, BLOCK_M, BLOCK_N)
+        _rope_kv_epilogue(y, pid_n * BLOCK_N, arrivals, q_weight, k_weight, q_out, positions, inv_freq, k_cache,
+                          v_cache, slot_mapping, stride_block, stride_offset, stride_head, rope_eps, attention_factor,
+                          HQ, HKV, D, R, BLOCK_SIZE, BLOCK_N)
 
 
 @triton.jit
-def _rope_kv_epilogue(y, stride_ym, M, first_col, arrivals, q_weight, k_weight, q_out, stride_q_out, positions,
-                      inv_freq, k_cache, v_cache, slot_mapping, stride_block, stride_offset, stride_head, eps,
-                      attention_factor, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-                      BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """QKNormRopeKV (rope.py) of y's M rows (tokens), by the program that stored their columns
-    first_col + [0, BLOCK_N), which lie in one head (BLOCK_N divides D). A query or key head
-    spans D / BLOCK_N programs: each counts in at arrivals[head], and the last to arrive, seeing
-    the others' stores, normalises and rotates the head of every row from y into q_out or the
-    key pool. A value tile's program copies its own columns into the value pool. Gate columns
-    need nothing."""
+def _rope_kv_epilogue(y, first_col, arrivals, q_weight, k_weight, q_out, positions, inv_freq, k_cache, v_cache,
+                      slot_mapping, stride_block, stride_offset, stride_head, eps, attention_factor,
+                      HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+                      BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """QKNormRopeKV (rope.py) of y's one row, by the program that stored its columns first_col +
+    [0, BLOCK_N), which lie in one head (BLOCK_N divides D). A query or key head spans D / BLOCK_N
+    programs: each counts in at arrivals[head], and the last to arrive, seeing the others' stores,
+    normalises and rotates the head from y into q_out or the key pool. A value tile's program
+    copies its own columns into the value pool. Gate columns need nothing."""
     QUERIES: tl.constexpr = 2 * HQ * D
-    tokens = tl.arange(0, BLOCK_M)
-    valid = tokens < M
-    rows = y + tokens.to(tl.int64) * stride_ym
     if first_col < QUERIES:
         head = first_col // (2 * D)
         if first_col % (2 * D) < D:
             if last_to_arrive(arrivals + head, D // BLOCK_N):
-                partner, cos, sin = rope_factors(positions, tokens, valid, inv_freq, attention_factor, R, D)
-                norm_rope_head(rows + head * 2 * D, q_out + tokens.to(tl.int64) * stride_q_out + head * D, valid,
-                               q_weight, partner, cos, sin, eps, D, D)
+                partner, cos, sin = rope_factors(positions, 0, inv_freq, attention_factor, R, D)
+                norm_rope_head(y + head * 2 * D, q_weight, q_out + head * D, partner, cos, sin, eps, D, D)
                 reset_arrivals(arrivals + head)
     elif first_col < QUERIES + HKV * D:
         kv_head = (first_col - QUERIES) // D
         if last_to_arrive(arrivals + HQ + kv_head, D // BLOCK_N):
-            partner, cos, sin = rope_factors(positions, tokens, valid, inv_freq, attention_factor, R, D)
-            at = pool_offset(slot_mapping, tokens, valid, kv_head, stride_block, stride_offset, stride_head,
-                             BLOCK_SIZE)
-            norm_rope_head(rows + QUERIES + kv_head * D, k_cache + at, valid, k_weight, partner, cos, sin, eps, D, D)
+            partner, cos, sin = rope_factors(positions, 0, inv_freq, attention_factor, R, D)
+            at = pool_offset(slot_mapping, 0, kv_head, stride_block, stride_offset, stride_head, BLOCK_SIZE)
+            norm_rope_head(y + QUERIES + kv_head * D, k_weight, k_cache + at, partner, cos, sin, eps, D, D)
             reset_arrivals(arrivals + HQ + kv_head)
     else:
         column = first_col - QUERIES - HKV * D
-        at = pool_offset(slot_mapping, tokens, valid, column // D, stride_block, stride_offset, stride_head, BLOCK_SIZE)
-        cols = tl.arange(0, BLOCK_N)[None, :]
+        at = pool_offset(slot_mapping, 0, column // D, stride_block, stride_offset, stride_head, BLOCK_SIZE)
+        cols = tl.arange(0, BLOCK_N)
         tl.debug_barrier()  # every thread's y stores before any thread reads them back (bar.sync orders them)
-        value = tl.load(rows[:, None] + first_col + cols, mask=valid[:, None])
-        tl.store(v_cache + at[:, None] + column % D + cols, value.to(v_cache.dtype.element_ty), mask=valid[:, None])
+        value = tl.load(y + first_col + cols)
+        tl.store(v_cache + at + column % D + cols, value.to(v_cache.dtype.element_ty))
 
 
 @triton.jit
@@ -507,13 +493,13 @@ def _launch_plan(x_shape: torch.Size, weight_shape: torch.Size, y_shape: torch.S
 def _gemv_plan(x_shape: torch.Size, weight_shape: torch.Size, y_shape: torch.Size, dtype: torch.dtype,
                weight_dtype: torch.dtype, y_dtype: torch.dtype, config: TileConfig, norm: bool, head: int, glu: bool,
                residual: bool, conv: tuple | None, rope: tuple | None) -> tuple[tuple[int], dict]:
-    """_launch_plan for the few-row form: (grid, compile-time arguments). head: the gated norm's
+    """_launch_plan for the one-row form: (grid, compile-time arguments). head: the gated norm's
     head width, 0 without it; rope: QKNormRopeKV's (Hq, Hkv, D, rotary_dim, block_size) or None."""
     epilogue = _check_plan(x_shape, weight_shape, y_shape, dtype, weight_dtype, y_dtype, config, glu, residual, conv)
     num_rows, in_features = x_shape
-    assert num_rows <= GEMV_MAX_ROWS, f"linear: the few-row form takes 1..{GEMV_MAX_ROWS} rows, got {num_rows}"
+    assert num_rows == 1, f"linear: the one-row form takes 1 row, got {num_rows}"
     assert config.block_k >= in_features and config.block_k == triton.next_power_of_2(config.block_k), \
-        f"linear: the few-row form's block_k must be a power of two >= K = {in_features}, got {config.block_k}"
+        f"linear: the one-row form's block_k must be a power of two >= K = {in_features}, got {config.block_k}"
     assert not (head and norm), "linear: the gated norm and the RMS norm of x are exclusive"
     assert not head or (in_features % head == 0 and head == triton.next_power_of_2(head)), \
         f"linear: gated norm heads of {head} columns must be a power of two dividing K = {in_features}"
@@ -521,8 +507,7 @@ def _gemv_plan(x_shape: torch.Size, weight_shape: torch.Size, y_shape: torch.Siz
     assert rope is None or not (glu or residual or conv), "linear: rope_kv fuses with neither glu, residual nor conv"
     assert rope is None or head_dim % config.block_n == 0, \
         f"linear: rope_kv needs block_n ({config.block_n}) to divide the head width {head_dim}"
-    meta = dict(BLOCK_M=triton.next_power_of_2(num_rows), BLOCK_N=config.block_n, KP=config.block_k, NORM=norm,
-                HEAD=head, **epilogue, ROPE=rope is not None,
+    meta = dict(BLOCK_N=config.block_n, KP=config.block_k, NORM=norm, HEAD=head, **epilogue, ROPE=rope is not None,
                 HQ=num_q_heads, HKV=num_kv_heads, D=head_dim, R=rotary_dim, BLOCK_SIZE=block_size,
                 num_warps=config.num_warps)
     return (_grid_n(y_shape[1], config, glu),), meta
@@ -609,10 +594,10 @@ def launch_gemv(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config: 
                 norm_eps: float | None = None, glu: bool = False, residual: torch.Tensor | None = None,
                 conv: ConvDecode | None = None, gated_norm: GatedNorm | None = None,
                 rope_kv: QKNormRopeKV | None = None) -> None:
-    """launch_linear's contract for up to GEMV_MAX_ROWS rows of x, through the few-row form
-    (_gemv_kernel) with an explicit config (gemv_config's: block_n rows of W a program, block_k
-    >= K a power of two), and gated_norm and rope_kv (linear_reference's) fused too (rope_kv:
-    block_n dividing the head width)."""
+    """launch_linear's contract for one row of x, through the one-row form (_gemv_kernel) with
+    an explicit config (gemv_config's: block_n rows of W a program, block_k >= K a power of
+    two), and gated_norm and rope_kv (linear_reference's) fused too (rope_kv: block_n dividing
+    the head width)."""
     head = 0 if gated_norm is None else gated_norm.weight.shape[0]
     rope = None
     if rope_kv is not None:
@@ -628,13 +613,13 @@ def launch_gemv(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config: 
         assert gate.shape == x.shape and gate.stride(1) == 1 and gate.dtype == x.dtype and norm_weight.dim() == 1, \
             f"linear: gated norm's gate {tuple(gate.shape)} ({gate.dtype}) as x {tuple(x.shape)}, unit stride"
     stream = y if residual is None else residual
-    (conv_weight, cu_seqlens, slot_ids, conv_state, pending_conv, pending_counts, conv_out, pending_out, conv_rows,
+    (conv_weight, cu_seqlens, slot_ids, conv_state, pending_conv, pending_counts, conv_out, pending_out, _,
      stride_conv_out) = _conv_arguments(y, conv)
-    _gemv_kernel[grid](x, weight, y, stream, gate, norm_weight, x.shape[0], y.shape[1], x.shape[1], eps,
-                       x.stride(0), weight.stride(0), y.stride(0), stream.stride(0), gate.stride(0),
+    _gemv_kernel[grid](x, weight, y, stream, gate, norm_weight, y.shape[1], x.shape[1], eps,
+                       weight.stride(0), y.stride(0), stream.stride(0),
                        conv_weight, conv_out, pending_out, cu_seqlens, slot_ids, conv_state, pending_conv,
-                       pending_counts, conv_rows, stride_conv_out,
-                       *_rope_arguments(y, rope_kv, meta["HQ"] + meta["HKV"]), **meta, **pdl(x.device))
+                       pending_counts, stride_conv_out, *_rope_arguments(y, rope_kv, meta["HQ"] + meta["HKV"]),
+                       **meta, **pdl(x.device))
 
 
 def _rope_arguments(y: torch.Tensor, rope_kv: QKNormRopeKV | None, num_heads: int) -> tuple:
@@ -642,23 +627,23 @@ def _rope_arguments(y: torch.Tensor, rope_kv: QKNormRopeKV | None, num_heads: in
     for num_heads heads, then rope_kv's tensors and scalars); without rope_kv, placeholders the
     kernel never touches."""
     if rope_kv is None:
-        return (y,) * 9 + (0, 0, 0, 0, 0.0, 1.0)
+        return (y,) * 9 + (0, 0, 0, 0.0, 1.0)
     k_cache = rope_kv.k_cache
     return (arrival_counters(y.device, num_heads), rope_kv.q_weight, rope_kv.k_weight, rope_kv.q_out,
             rope_kv.positions, inv_freq_table(rope_kv.rotary_dim, rope_kv.theta, y.device, rope_kv.yarn), k_cache,
-            rope_kv.v_cache, rope_kv.slot_mapping, rope_kv.q_out.stride(0), k_cache.stride(0), k_cache.stride(1),
-            k_cache.stride(2), rope_kv.eps, 1.0 if rope_kv.yarn is None else rope_kv.yarn.attention_factor)
+            rope_kv.v_cache, rope_kv.slot_mapping, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), rope_kv.eps,
+            1.0 if rope_kv.yarn is None else rope_kv.yarn.attention_factor)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = None, glu: bool = False,
            residual: torch.Tensor | None = None, conv: ConvDecode | None = None,
            gated_norm: GatedNorm | None = None, rope_kv: QKNormRopeKV | None = None) -> torch.Tensor:
-    """linear_reference through the few-row form up to GEMV_MAX_ROWS rows (every fusion in it),
-    the MMA form where linear_config picks it (with the fusions in its epilogue; the result
-    written into `residual` when given), else through cuBLAS (`cublas_linear`) and the separate
-    kernels of the fused ops; the conv of more than CONV_EPILOGUE_MAX_ROWS sequences by its own
-    kernel after the projection, the gated norm outside the few-row form by its own kernel
-    before it, rope_kv outside it by its own kernel after it."""
+    """linear_reference through the one-row form for one row (every fusion in it), the kernel
+    where linear_config picks it (with the fusions in its epilogue; the result written into
+    `residual` when given), else through cuBLAS (`cublas_linear`) and the separate kernels of
+    the fused ops; the conv of more than CONV_EPILOGUE_MAX_ROWS rows by its own kernel after the
+    projection, the gated norm outside the one-row form by its own kernel before it, rope_kv
+    outside it by its own kernel after it."""
     fused = norm_eps is not None or glu or residual is not None or conv is not None or gated_norm is not None \
         or rope_kv is not None
     if x.dim() != 2:
@@ -666,12 +651,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = No
         return F.linear(x, weight)
     (num_rows, in_features), weight_rows, device = x.shape, weight.shape[0], x.device
     head = 0 if gated_norm is None else gated_norm.weight.shape[0]
-    few_sequences = conv is None or conv.slot_ids.numel() <= CONV_EPILOGUE_MAX_ROWS
-    if 0 < num_rows <= GEMV_MAX_ROWS and few_sequences and head == triton.next_power_of_2(head):  # heads: powers of 2
+    if num_rows == 1 and head == triton.next_power_of_2(head):  # the kernel's heads: powers of two
         config = gemv_config(weight_rows, in_features, device, glu, x.element_size())
         if config is not None and (rope_kv is None or _rope_fits(rope_kv.q_weight.shape[0], config)):
             y = residual if residual is not None else \
-                torch.empty((num_rows, weight_rows // 2 if glu else weight_rows), dtype=x.dtype, device=device)
+                torch.empty((1, weight_rows // 2 if glu else weight_rows), dtype=x.dtype, device=device)
             launch_gemv(y, x, weight, config, norm_eps=norm_eps, glu=glu, residual=residual, conv=conv,
                         gated_norm=gated_norm, rope_kv=rope_kv)
             return y

@@ -146,50 +146,45 @@ def qk_norm_rope_kv_reference(qkv: torch.Tensor, spec: QKNormRopeKV) -> None:
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def rope_factors(positions, tokens, valid, inv_freq, attention_factor, R: tl.constexpr, BD: tl.constexpr):
-    """(partner [BD], cos, sin [BT, BD]) of the tokens [BT] (rows of positions; valid [BT] masks
-    the padding ones): channel i < R/2 pairs with i + R/2 (out = x1 c - x2 s), R/2 <= i < R with
-    i - R/2 (out = x2 c + x1 s), so sin carries the sign; angle = position * inv_freq[i mod R/2]
-    in float32, as the reference; the rotary channels' cos and sin scaled by attention_factor
-    (YaRN; 1.0 otherwise); channels >= R: cos 1, sin 0."""
+def rope_factors(positions, t, inv_freq, attention_factor, R: tl.constexpr, BD: tl.constexpr):
+    """(partner, cos, sin) [BD] of token t: channel i < R/2 pairs with i + R/2 (out = x1 c - x2 s),
+    R/2 <= i < R with i - R/2 (out = x2 c + x1 s), so sin carries the sign; angle = position *
+    inv_freq[i mod R/2] in float32, as the reference; the rotary channels' cos and sin scaled by
+    attention_factor (YaRN; 1.0 otherwise); channels >= R: cos 1, sin 0."""
     offs = tl.arange(0, BD)
     half = R // 2
     rotary = offs < R
     first = offs < half
     partner = tl.where(rotary, tl.where(first, offs + half, offs - half), offs)
     freq = tl.load(inv_freq + tl.where(first, offs, offs - half), mask=rotary, other=0.0)
-    position = tl.load(positions + tokens, mask=valid, other=0).to(tl.float32)
-    angle = position[:, None] * freq[None, :]
-    cos = tl.where(rotary[None, :], tl.cos(angle) * attention_factor, 1.0)
-    sin = tl.where(rotary[None, :], tl.where(first, -1.0, 1.0)[None, :] * tl.sin(angle) * attention_factor, 0.0)
+    angle = tl.load(positions + t).to(tl.float32) * freq
+    cos = tl.where(rotary, tl.cos(angle) * attention_factor, 1.0)
+    sin = tl.where(rotary, tl.where(first, -1.0, 1.0) * tl.sin(angle) * attention_factor, 0.0)
     return partner, cos, sin
 
 
 @triton.jit
-def norm_rope_head(src, dst, valid, weight, partner, cos, sin, eps, D: tl.constexpr, BD: tl.constexpr):
-    """One head of D values in each of BT token rows: src, dst [BT] row pointers (never the same
-    memory), valid [BT]. n = round(x / rms(x) * (1 + w)); out = n cos + n[partner] sin
-    (rope_factors). The partner half is re-loaded and normalised with the same rms rather than
-    permuted in registers. Loads go to L2 (.cg): src may hold other SMs' stores of this launch
-    (linear.py's one-row form)."""
+def norm_rope_head(src, weight, dst, partner, cos, sin, eps, D: tl.constexpr, BD: tl.constexpr):
+    """One head of D values at src -> dst (never the same memory): n = round(x / rms(x) * (1 + w));
+    out = n cos + n[partner] sin (rope_factors). The partner half is re-loaded and normalised
+    with the same rms rather than permuted in registers. Loads go to L2 (.cg): src may hold
+    other SMs' stores of this launch (linear.py's one-row form)."""
     offs = tl.arange(0, BD)
-    mask = valid[:, None] & (offs < D)[None, :]
-    h = tl.load(src[:, None] + offs[None, :], mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-    h_partner = tl.load(src[:, None] + partner[None, :], mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(h * h, axis=1) / D + eps)[:, None]
-    w = tl.load(weight + offs, mask=offs < D, other=0.0).to(tl.float32)[None, :]
-    w_partner = tl.load(weight + partner, mask=offs < D, other=0.0).to(tl.float32)[None, :]
+    mask = offs < D
+    h = tl.load(src + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    h_partner = tl.load(src + partner, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / D + eps)
+    w = tl.load(weight + offs, mask=mask, other=0.0).to(tl.float32)
+    w_partner = tl.load(weight + partner, mask=mask, other=0.0).to(tl.float32)
     n = (h * rstd * (1.0 + w)).to(dst.dtype.element_ty).to(tl.float32)
     n_partner = (h_partner * rstd * (1.0 + w_partner)).to(dst.dtype.element_ty).to(tl.float32)
-    tl.store(dst[:, None] + offs[None, :], (n * cos + sin * n_partner).to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + offs, (n * cos + sin * n_partner).to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def pool_offset(slot_mapping, tokens, valid, kv_head, stride_block, stride_offset, stride_head,
-                BLOCK_SIZE: tl.constexpr):
-    """Element offsets [BT] (int64) of the tokens' KV head kv_head in a pool [blocks, BLOCK_SIZE,
-    Hkv, D]."""
-    slot = tl.load(slot_mapping + tokens, mask=valid, other=0).to(tl.int64)
+def pool_offset(slot_mapping, t, kv_head, stride_block, stride_offset, stride_head, BLOCK_SIZE: tl.constexpr):
+    """Element offset (int64) of token t's KV head kv_head in a pool [blocks, BLOCK_SIZE, Hkv, D]."""
+    slot = tl.load(slot_mapping + t).to(tl.int64)
     return (slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_offset + kv_head * stride_head
 
 
@@ -202,21 +197,19 @@ def _qk_norm_rope_kv_kernel(qkv, q_weight, k_weight, q_out, positions, inv_freq,
     key normalised and rotated and its value copied into the pool. A head a program: a decode
     token's heads run side by side, not one after another."""
     dependent_prologue(DEPENDENT_LAUNCH)
-    token = tl.program_id(0) + tl.arange(0, 1)            # [1]: the device functions take token tiles
-    valid = token >= 0
+    t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    partner, cos, sin = rope_factors(positions, token, valid, inv_freq, attention_factor, R, BD)
-    row = qkv + token.to(tl.int64) * stride_t
+    partner, cos, sin = rope_factors(positions, t, inv_freq, attention_factor, R, BD)
+    row = qkv + t * stride_t
     if h < HQ:
-        norm_rope_head(row + h * 2 * D, q_out + token.to(tl.int64) * stride_q_t + h * D, valid, q_weight, partner,
-                       cos, sin, eps, D, BD)
+        norm_rope_head(row + h * 2 * D, q_weight, q_out + t * stride_q_t + h * D, partner, cos, sin, eps, D, BD)
     else:
         kv_head = h - HQ
-        at = pool_offset(slot_mapping, token, valid, kv_head, stride_block, stride_offset, stride_head, BLOCK_SIZE)
-        norm_rope_head(row + 2 * HQ * D + kv_head * D, k_cache + at, valid, k_weight, partner, cos, sin, eps, D, BD)
-        offs = tl.arange(0, BD)[None, :]
-        value = tl.load(row[:, None] + (2 * HQ + HKV) * D + kv_head * D + offs, mask=offs < D)
-        tl.store(v_cache + at[:, None] + offs, value.to(v_cache.dtype.element_ty), mask=offs < D)
+        at = pool_offset(slot_mapping, t, kv_head, stride_block, stride_offset, stride_head, BLOCK_SIZE)
+        norm_rope_head(row + 2 * HQ * D + kv_head * D, k_weight, k_cache + at, partner, cos, sin, eps, D, BD)
+        offs = tl.arange(0, BD)
+        value = tl.load(row + (2 * HQ + HKV) * D + kv_head * D + offs, mask=offs < D)
+        tl.store(v_cache + at + offs, value.to(v_cache.dtype.element_ty), mask=offs < D)
 
 
 @cache

@@ -11,9 +11,8 @@ RMSNorm, SwiGLU over [gate; up], the residual add into the stream) alone and tog
 same cases, against the separate ops of the reference; and their cuBLAS fallback through
 `linear` against the same. The GDN's decode conv run by the projection (ConvDecode) over ragged
 verify and decode rows, against the conv reference applied to the reference GEMM's output. The
-few-row form (launch_gemv: up to GEMV_MAX_ROWS rows, W in registers, no split-K) on its own
-cases, with the same fusions and the conv, and the GDN's gated norm it runs on its input
-(GatedNorm), against the reference.
+one-row form (launch_gemv: W in registers, no split-K) on its own cases, with the same fusions
+and the conv, and the GDN's gated norm it runs on its input (GatedNorm), against the reference.
 
 CPU: the interpreter, fp32 and fp16 (it computes bf16 dots wrongly), small shapes.
 GPU (`gpu` marker): bf16 on the Qwen3.5-0.8B and -9B projection shapes through `linear` (the
@@ -29,7 +28,7 @@ import triton
 from deltaspec.kernels.arrivals import arrival_counters
 import deltaspec.kernels.linear as linear_module
 from deltaspec.kernels.conv1d import ConvDecode, causal_conv1d_decode, causal_conv1d_decode_reference
-from deltaspec.kernels.linear import (CONV_EPILOGUE_MAX_ROWS, CUBLAS_ROWS, GEMV_MAX_ROWS, GEMV_PROGRAM_BYTES, KERNEL_MAX_ROWS,
+from deltaspec.kernels.linear import (CONV_EPILOGUE_MAX_ROWS, CUBLAS_ROWS, GEMV_PROGRAM_BYTES, KERNEL_MAX_ROWS,
                                      MAX_ROWS, block_m, gemv_config, kernel_config, launch_gemv, launch_linear,
                                      linear, linear_config, linear_reference, padded_linear)
 from deltaspec.kernels.norms import GatedNorm, gated_rms_norm, gated_rms_norm_reference
@@ -128,43 +127,42 @@ def test_linear_kernel_fused(case, fusion, kernel_device):
     check_fused(x, weight, config, options, seed=n)
 
 
-# (M, N, K, block_n, block_k) of the few-row form: 1 to GEMV_MAX_ROWS rows (3: a padded row of
-# the tile), N not a multiple of the tile, K not a power of two (the masked tail of the padded
-# row), one and several rows of W a program, block_k past K.
-GEMV_CASES = [(1, 40, 100, 8, 128), (3, 17, 48, 1, 64), (GEMV_MAX_ROWS, 33, 64, 4, 64), (2, 24, 72, 16, 256)]
+# (N, K, block_n, block_k) of the one-row form: N not a multiple of the tile, K not a power of
+# two (the masked tail of the padded row), one and several rows of W a program, block_k past K.
+GEMV_CASES = [(40, 100, 8, 128), (17, 48, 1, 64), (33, 64, 4, 64), (24, 72, 16, 256)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("case", GEMV_CASES, ids=lambda c: f"M{c[0]}-N{c[1]}-K{c[2]}-bn{c[3]}-bk{c[4]}")
+@pytest.mark.parametrize("case", GEMV_CASES, ids=lambda c: f"N{c[0]}-K{c[1]}-bn{c[2]}-bk{c[3]}")
 def test_gemv_kernel(case, dtype, kernel_device):
-    """The few-row form against the reference, x rows of a strided buffer off a 16-byte boundary."""
-    num_rows, n, k, block_n, block_k = case
-    x, weight = inputs(num_rows, n, k, dtype, kernel_device, seed=n + k, row_stride=k + 5, offset=3)
+    """The one-row form against the reference, x a row of a strided buffer off a 16-byte boundary."""
+    n, k, block_n, block_k = case
+    x, weight = inputs(1, n, k, dtype, kernel_device, seed=n + k, row_stride=k + 5, offset=3)
     check(x, weight, TileConfig(block_n=block_n, block_k=block_k, num_warps=1), launch_gemv)
 
 
 @pytest.mark.parametrize("fusion", FUSIONS, ids=str)
-@pytest.mark.parametrize("case", GEMV_CASES[:3], ids=lambda c: f"M{c[0]}-N{c[1]}-K{c[2]}-bn{c[3]}-bk{c[4]}")
+@pytest.mark.parametrize("case", GEMV_CASES[:3], ids=lambda c: f"N{c[0]}-K{c[1]}-bn{c[2]}-bk{c[3]}")
 def test_gemv_kernel_fused(case, fusion, kernel_device):
-    num_rows, n, k, block_n, block_k = case
+    n, k, block_n, block_k = case
     options = FUSIONS[fusion]
     block_n = max(block_n, 2) if options.get("glu") else block_n
-    x, weight = inputs(num_rows, 2 * n if options.get("glu") else n, k, torch.float32, kernel_device, seed=n)
+    x, weight = inputs(1, 2 * n if options.get("glu") else n, k, torch.float32, kernel_device, seed=n)
     check_fused(x, weight, TileConfig(block_n=block_n, block_k=block_k, num_warps=1), options, seed=k, launch=launch_gemv)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads", [3, 4], ids=["3-heads-padded", "4-heads"])
-@pytest.mark.parametrize("entry", ["launch", "launch-3", "linear-1", "linear-3", "linear-many"])
+@pytest.mark.parametrize("entry", ["launch", "linear-1", "linear-3"])
 def test_linear_gated_norm(entry, heads, dtype, kernel_device, monkeypatch):
     """gated_norm=GatedNorm: x [M, H * 16] gated-RMS-normalised by heads (gate a row-strided view,
     as z of the GDN's in_proj output) before the projection, with the residual add the GDN's
-    out_proj runs with; three heads leave a padded fourth in the few-row form's K. `linear` runs
-    it in the few-row form up to GEMV_MAX_ROWS rows and by the gated norm's kernel before the
-    projection above, against gated_rms_norm_reference and the reference GEMM. x far from unit
-    rms per head, so a missing norm cannot pass."""
+    out_proj runs with; three heads leave a padded fourth in the one-row form's K. `linear` runs
+    it in the one-row form for 1 row and by the gated norm's kernel before the projection above,
+    against gated_rms_norm_reference and the reference GEMM. x far from unit rms per head, so a
+    missing norm cannot pass."""
     head, n = 16, 24
-    num_rows = {"launch-3": 3, "linear-3": 3, "linear-many": GEMV_MAX_ROWS + 2}.get(entry, 1)
+    num_rows = 3 if entry == "linear-3" else 1
     k = heads * head
     x, weight = inputs(num_rows, n, k, dtype, kernel_device, seed=heads * 10 + num_rows)
     gen = torch.Generator(device=kernel_device).manual_seed(heads)
@@ -179,12 +177,12 @@ def test_linear_gated_norm(entry, heads, dtype, kernel_device, monkeypatch):
     norms = []
     monkeypatch.setattr(linear_module, "gated_rms_norm", lambda *a: norms.append(1) or gated_rms_norm(*a))
     gated = GatedNorm(gate, norm_weight, 1e-6)
-    if entry.startswith("launch"):
+    if entry == "launch":
         y = stream.clone()
         launch_gemv(y, x, weight, TileConfig(block_n=4, block_k=64, num_warps=1), residual=y, gated_norm=gated)
     else:
         y = linear(x, weight, residual=stream.clone(), gated_norm=gated)
-    assert len(norms) == (entry == "linear-many")
+    assert len(norms) == (entry == "linear-3")
     assert_close(y, expected, TOLERANCE[dtype], entry)
     reference = linear_reference(x, weight, residual=stream.clone(), gated_norm=gated)
     assert_close(reference, expected, TOLERANCE[dtype], "reference")
@@ -221,10 +219,9 @@ def test_gemv_config():
     with pytest.raises(AssertionError, match="power of two"):
         x, weight = inputs(1, 16, 48, torch.float32, "cpu", seed=0)
         launch_gemv(torch.empty(1, 16), x, weight, TileConfig(block_n=4, block_k=32))
-    with pytest.raises(AssertionError, match=f"1..{GEMV_MAX_ROWS} rows"):
-        rows = GEMV_MAX_ROWS + 1
-        x, weight = inputs(rows, 16, 32, torch.float32, "cpu", seed=0)
-        launch_gemv(torch.empty(rows, 16), x, weight, TileConfig(block_n=4, block_k=32))
+    with pytest.raises(AssertionError, match="1 row"):
+        x, weight = inputs(2, 16, 32, torch.float32, "cpu", seed=0)
+        launch_gemv(torch.empty(2, 16), x, weight, TileConfig(block_n=4, block_k=32))
 
 
 def test_linear_fused_entry_point(kernel_device):

@@ -1,5 +1,5 @@
 """q/k norm + partial RoPE and the KV write after it (kernels/rope.py): the torch reference
-against a naive float64 loop written here, then the Triton kernel and the few-row projection
+against a naive float64 loop written here, then the Triton kernel and the one-row projection
 that runs it in its epilogue (kernels/linear.py) against the reference.
 
 Reference. Contracts checked: a (1 + w) RMSNorm per token and head, then only the first
@@ -9,8 +9,8 @@ order, far apart); channels past rotary_dim are only normalised; GQA heads.
 Triton, with the reference as the oracle: q read from [q | gate] per head and k, v from the same
 qkv row, as the model's projection lays them out; q_out poisoned; the tokens' keys and values
 land in their slots of a pool of stale entries and nothing else changes; YaRN only moves the
-rotary channels; the few-row form (a program a quarter of a head, the last arriver finishing
-it, 1 and 3 rows) twice over the same arrival counters. CPU: the interpreter, fp32 / fp16, small widths; GPU:
+rotary channels; the one-row form (a program a quarter of a head, the last arriver finishing
+it) twice over the same arrival counters. CPU: the interpreter, fp32 / fp16, small widths; GPU:
 bf16 at the 0.8B's widths.
 """
 
@@ -73,7 +73,7 @@ def test_qk_norm_partial_rope():
 
 
 # ----------------------------------------------------------------------------------------------
-# Triton: qk_norm_rope_kv and the few-row projection that runs it, vs the torch reference
+# Triton: qk_norm_rope_kv and the one-row projection that runs it, vs the torch reference
 # ----------------------------------------------------------------------------------------------
 
 def assert_rope_kv_close(actual: QKNormRopeKV, expected: QKNormRopeKV, slots: torch.Tensor, what: str,
@@ -118,45 +118,45 @@ def test_qk_norm_rope_kv_yarn(kernel_device):
     assert torch.equal(expected.q_out[..., 16:], plain.q_out[..., 16:])
 
 
-@pytest.mark.parametrize("num_rows,norm", [(1, False), (1, True), (3, True)])
-def test_few_row_projection_runs_rope_kv(kernel_device, num_rows, norm):
-    """The few-row form with rope_kv in its epilogue (4 programs a head: each query and key head
-    of every row finished by the last of its programs to arrive) against the projection, then
-    the reference. Twice over the same arrival counters, at other positions and slots: the last
-    arrivers leave them at zero."""
+@pytest.mark.parametrize("norm", [False, True])
+def test_one_row_projection_runs_rope_kv(kernel_device, norm):
+    """The one-row form with rope_kv in its epilogue (4 programs a head: each query and key head
+    finished by the last of its programs to arrive) against the projection, then the reference.
+    Twice over the same arrival counters, at other positions and slots: the last arrivers
+    leave them at zero."""
     hq, hkv, d, hidden = 4, 2, 32, 64
     gen = torch.Generator().manual_seed(96 + norm)
     width = (2 * hq + 2 * hkv) * d
     weight = (torch.randn(width, hidden, generator=gen) / hidden ** 0.5).to(kernel_device)
     config = TileConfig(block_n=8, block_k=hidden, num_warps=1)
     for seed in (97, 98):
-        _, spec = rope_kv_case(kernel_device, torch.float32, num_rows, hq, hkv, d, 5000, seed=seed, rotary_dim=8)
-        x = torch.randn(num_rows, hidden, generator=gen).to(kernel_device)
+        _, spec = rope_kv_case(kernel_device, torch.float32, 1, hq, hkv, d, 5000, seed=seed, rotary_dim=8)
+        x = torch.randn(1, hidden, generator=gen).to(kernel_device)
         norm_eps = 1e-6 if norm else None
         expected = run_rope_kv(lambda _, outputs: linear_reference(x, weight, norm_eps=norm_eps, rope_kv=outputs),
                                None, spec)
-        y = torch.full((num_rows, width), float("nan"), device=kernel_device)
+        y = torch.full((1, width), float("nan"), device=kernel_device)
         actual = run_rope_kv(lambda _, outputs: launch_gemv(y, x, weight, config, norm_eps=norm_eps, rope_kv=outputs),
                              None, spec)
         assert_close(y, linear_reference(x, weight, norm_eps=norm_eps), TOLERANCE[torch.float32], "y")
-        assert_rope_kv_close(actual, expected, spec.slot_mapping, f"{num_rows} rows, seed {seed}", values_exact=False)
+        assert_rope_kv_close(actual, expected, spec.slot_mapping, f"one-row form, seed {seed}", values_exact=False)
 
 
 @pytest.mark.gpu
 def test_qk_norm_rope_kv_gpu_model_shapes():
     """bf16 at the 0.8B's attention widths (8 q / 2 kv heads of 256, rotary 64) at positions up
-    to 256K: the kernel for 300 tokens, and `linear` at 1 and 4 rows, whose few-row form runs it."""
+    to 256K: the kernel for 300 tokens, and `linear` at one row, whose one-row form runs it."""
     qkv, spec = rope_kv_case("cuda", torch.bfloat16, 300, 8, 2, 256, 262_144, seed=94, rotary_dim=64,
                              theta=10_000_000.0, block_size=16)
     assert_rope_kv_close(run_rope_kv(qk_norm_rope_kv, qkv, spec), run_rope_kv(qk_norm_rope_kv_reference, qkv, spec),
                          spec.slot_mapping, "300 tokens")
     gen = torch.Generator().manual_seed(99)
     weight = (torch.randn(qkv.shape[1], 1024, generator=gen) / 32).to(torch.bfloat16).cuda()
-    for num_rows in (1, 4, 1):                          # the arrival counters are zero again after a launch
-        x = torch.randn(num_rows, 1024, generator=gen).to(torch.bfloat16).cuda()
-        _, spec = rope_kv_case("cuda", torch.bfloat16, num_rows, 8, 2, 256, 262_144, seed=95 + num_rows,
-                               rotary_dim=64, theta=10_000_000.0, block_size=16)
+    x = torch.randn(1, 1024, generator=gen).to(torch.bfloat16).cuda()
+    _, spec = rope_kv_case("cuda", torch.bfloat16, 1, 8, 2, 256, 262_144, seed=95, rotary_dim=64,
+                           theta=10_000_000.0, block_size=16)
+    for _ in range(2):                                  # the arrival counters are zero again after a launch
         expected = run_rope_kv(lambda _, outputs: linear_reference(x, weight, norm_eps=1e-6, rope_kv=outputs), None,
                                spec)
         actual = run_rope_kv(lambda _, outputs: linear(x, weight, norm_eps=1e-6, rope_kv=outputs), None, spec)
-        assert_rope_kv_close(actual, expected, spec.slot_mapping, f"linear, {num_rows} rows", values_exact=False)
+        assert_rope_kv_close(actual, expected, spec.slot_mapping, "linear, one row", values_exact=False)
