@@ -74,8 +74,8 @@ from .conv1d import (ConvDecode, causal_conv1d_decode, causal_conv1d_decode_refe
 from .device import INTERPRETED, num_sms
 from .launch import dependent_prologue, dot_precision, pdl, prefetch_l2
 from .norms import GatedNorm, gated_rms_norm, gated_rms_norm_reference, rms_norm, rms_norm_reference
-from .rope import (QKNormRopeKV, check_qk_norm_rope_kv_args, inv_freq_table, norm_rope_head, pool_offset, qk_norm_rope_kv,
-                   qk_norm_rope_kv_reference, rope_factors)
+from .rope import (QKNormRopeKV, check_qk_norm_rope_kv_args, inv_freq_table, norm_rope_head, pool_offset,
+                   qk_norm_rope_kv, qk_norm_rope_kv_reference, rope_factors)
 from .tiles import TileConfig
 
 MAX_ROWS = 64               # the kernel's limit (x is padded to a power of two >= 16 rows)

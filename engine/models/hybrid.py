@@ -139,7 +139,7 @@ class HybridLM(nn.Module):
     def head(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [N, H] @ weight [V, H]^T (+ bias): one row through ops.linear, whose one-row form
         streams a head faster than cuBLAS (the 0.8B's 167 against 183 µs, the 9B's 645 against
-        713 µs: H100, bench/results/gemv-h100.json), more rows through cuBLAS as they come."""
+        713 µs: H100, bench/results/gemv_lm_head-h100.json), more rows through cuBLAS as they come."""
         if hidden.shape[0] == 1 and bias is None:
             return self.ops.linear(hidden, weight)
         return F.linear(hidden, weight, bias)

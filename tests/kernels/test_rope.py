@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from deltaspec.kernels.linear import launch_gemv, linear, linear_reference
-from deltaspec.kernels.rope import QKNormRopeKV, Yarn, qk_norm_rope_kv, qk_norm_rope_kv_reference, qk_norm_rope_reference
+from deltaspec.kernels.rope import (QKNormRopeKV, Yarn, qk_norm_rope_kv, qk_norm_rope_kv_reference,
+                                   qk_norm_rope_reference)
 from deltaspec.kernels.tiles import TileConfig
 from kernel_helpers import TOLERANCE, assert_close, assert_close_elementwise, naive_rms, rope_kv_case, run_rope_kv
 
@@ -96,7 +97,8 @@ def assert_rope_kv_close(actual: QKNormRopeKV, expected: QKNormRopeKV, slots: to
             f"{what}: {pool} written outside the tokens' slots"
 
 
-@pytest.mark.parametrize("rotary_dim,dtype,slot_dtype", [(8, torch.float32, torch.int64), (32, torch.float16, torch.int32)])
+@pytest.mark.parametrize("rotary_dim,dtype,slot_dtype",
+                         [(8, torch.float32, torch.int64), (32, torch.float16, torch.int32)])
 def test_qk_norm_rope_kv(kernel_device, rotary_dim, dtype, slot_dtype):
     """GQA heads, qkv a row-strided view, q_out poisoned, a pool of stale entries."""
     qkv, spec = rope_kv_case(kernel_device, dtype, 6, 4, 2, 32, 5000, seed=92, rotary_dim=rotary_dim,
