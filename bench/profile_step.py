@@ -6,9 +6,11 @@ replay and the sum of kernel times is what the graph's node launches cost (negat
 programmatic dependent launch overlaps kernels). Under PDL a kernel's own time includes its wait
 for the one before it, so each kernel also gets its share of the critical path (the device
 timeline, each launch from the end of the ones before it) and the step its idle device time:
-those say what removing a kernel would save.
+those say what removing a kernel would save. With --draft-vocab N, also the MTP draft step of
+each batch (the MTP layer, the head over N token ids and the argmax: what the runner runs per
+draft depth, as spec_step.py times it; N = the vocabulary size scores all of it).
 
-    python bench/profile_step.py [--shape 0.8b] [--batches 1,64] [--verify-drafts 3]
+    python bench/profile_step.py [--shape 0.8b] [--batches 1,64] [--verify-drafts 3] [--draft-vocab 32768]
 
 Writes bench/results/profile-<gpu>.json and prints the top kernels per step.
 """
@@ -66,6 +68,17 @@ def kernel_table(step, steps: int) -> tuple[list[dict], int, float]:
     return rows, sum(counts.values()) // steps, idle / steps
 
 
+def profiled(step, batch: int, tokens: int, kind: str) -> dict:
+    """The graph replay time and kernel table of step(), already warmed up."""
+    graph_us = graph_time_us(lambda _: step(), GRAPH_CALLS)
+    kernels, launches, idle_us = kernel_table(step, PROFILED_STEPS)
+    kernel_us = sum(k["us_per_step"] for k in kernels)
+    return {"step": kind, "batch": batch, "tokens_per_row": tokens, "graph_replay_us": graph_us,
+            "kernel_sum_us": kernel_us, "critical_sum_us": sum(k["critical_us_per_step"] for k in kernels),
+            "idle_us": idle_us, "launches_per_step": launches, "graph_overhead_us": graph_us - kernel_us,
+            "kernels": kernels[:40]}
+
+
 def measure(model, batch: int, num_drafts: int) -> dict:
     config, dtype, device = model.config, torch.bfloat16, "cuda"
     blocks_per_row = (CONTEXT + num_drafts + 1) // BLOCK + 1
@@ -88,12 +101,32 @@ def measure(model, batch: int, num_drafts: int) -> dict:
 
         for _ in range(3):
             step()
-        graph_us = graph_time_us(lambda _: step(), GRAPH_CALLS)
-        kernels, launches, idle_us = kernel_table(step, PROFILED_STEPS)
-    kernel_us = sum(k["us_per_step"] for k in kernels)
-    return {"batch": batch, "tokens_per_row": tokens, "graph_replay_us": graph_us, "kernel_sum_us": kernel_us,
-            "critical_sum_us": sum(k["critical_us_per_step"] for k in kernels), "idle_us": idle_us,
-            "launches_per_step": launches, "graph_overhead_us": graph_us - kernel_us, "kernels": kernels[:40]}
+        return profiled(step, batch, tokens, "verify" if num_drafts else "decode")
+
+
+def measure_draft(model, batch: int, draft_vocab: int) -> dict:
+    """One MTP draft step of `batch` rows over a 512-token context, scoring draft_vocab ids."""
+    config, dtype, device = model.config, torch.bfloat16, "cuda"
+    blocks_per_row = (CONTEXT + 1) // BLOCK + 1
+    kv = KVPool(model.num_kv_layers, batch * blocks_per_row + 1, BLOCK, config.num_key_value_heads, config.head_dim,
+                dtype, device)
+    tables = [list(range(1 + r * blocks_per_row, 1 + (r + 1) * blocks_per_row)) for r in range(batch)]
+    generator = torch.Generator().manual_seed(batch)
+    tokens = torch.randint(0, config.vocab_size, (batch,), generator=generator).tolist()
+    model.use_draft_vocab(None if draft_vocab >= config.vocab_size else torch.arange(draft_vocab))
+    with torch.inference_mode():
+        hidden = torch.randn(batch, config.hidden_size, generator=generator).to(dtype).to(device)
+        draft = ForwardBatch.build([], [Row([tokens[r]], CONTEXT, r + 1, tables[r]) for r in range(batch)], BLOCK,
+                                   device)
+
+        def step():
+            return model.draft_tokens(model.draft_hidden(draft.input_ids, hidden, draft, kv))
+
+        for _ in range(3):
+            step()
+        result = profiled(step, batch, 1, f"draft ({draft_vocab} ids)")
+    model.use_draft_vocab(None)
+    return result
 
 
 def main() -> None:
@@ -101,6 +134,8 @@ def main() -> None:
     parser.add_argument("--shape", default="0.8b")
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--verify-drafts", type=int, default=3, help="also profile verify with this many drafts (0: no)")
+    parser.add_argument("--draft-vocab", type=int, default=0,
+                        help="also profile the MTP draft step scoring this many token ids (0: no)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     model = random_model(args.shape, "cuda", torch.bfloat16)
@@ -109,6 +144,8 @@ def main() -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         for drafts in sorted({0, args.verify_drafts}):
             results.append(measure(model, batch, drafts))
+        if args.draft_vocab:
+            results.append(measure_draft(model, batch, args.draft_vocab))
     report = {"benchmark": "profile_step", "device": name, "shape": args.shape, "dtype": "bfloat16",
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "commit": commit_id(), "command": " ".join(["python"] + sys.argv), "context": CONTEXT,
@@ -117,7 +154,7 @@ def main() -> None:
     path = args.out / f"profile-{device_tag(name)}.json"
     path.write_text(json.dumps(report, indent=2))
     for r in results:
-        print(f"\nB={r['batch']} tokens/row={r['tokens_per_row']}: graph {r['graph_replay_us']:.0f} us, kernels "
+        print(f"\n{r['step']} B={r['batch']} tokens/row={r['tokens_per_row']}: graph {r['graph_replay_us']:.0f} us, kernels "
               f"{r['kernel_sum_us']:.0f} us in {r['launches_per_step']} launches; critical path "
               f"{r['critical_sum_us']:.0f} us of kernels, {r['idle_us']:.0f} us idle")
         for k in r["kernels"][:14]:
