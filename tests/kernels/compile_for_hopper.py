@@ -115,10 +115,13 @@ def run_engine() -> None:
         path = make_checkpoint(Path(tempfile.mkdtemp()), family, **{**gpu_shape, **options})
         llm = LLM(path, device="cpu", dtype="bfloat16", kernel_backend="triton", enable_cuda_graphs=False,
                   num_draft_tokens=num_draft_tokens, max_num_seqs=4)
-        try:
-            llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
-        except NonFiniteLogitsError:
-            pass  # uninitialized outputs: the kernels compiled, which is what this checks
+        # The prompts together, then one alone: its every step is one row (the one-row forms),
+        # which a batch of three reaches only when the scheduler happens to split it.
+        for batch in (prompts, prompts[1:2]):
+            try:
+                llm.generate(batch, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+            except NonFiniteLogitsError:
+                pass  # uninitialized outputs: the kernels compiled, which is what this checks
 
 
 def run_kernels() -> None:
