@@ -505,8 +505,8 @@ def _gemv_plan(x_shape: torch.Size, weight_shape: torch.Size, y_shape: torch.Siz
         f"linear: gated norm heads of {head} columns must be a power of two dividing K = {in_features}"
     num_q_heads, num_kv_heads, head_dim, rotary_dim, block_size = rope or (0, 0, 0, 0, 0)
     assert rope is None or not (glu or residual or conv), "linear: rope_kv fuses with neither glu, residual nor conv"
-    assert rope is None or head_dim % config.block_n == 0, \
-        f"linear: rope_kv needs block_n ({config.block_n}) to divide the head width {head_dim}"
+    assert rope is None or _rope_fits(head_dim, config), \
+        f"linear: rope_kv needs heads of a power of two columns, each whole tiles of {config.block_n}; got {head_dim}"
     meta = dict(BLOCK_N=config.block_n, KP=config.block_k, NORM=norm, HEAD=head, **epilogue, ROPE=rope is not None,
                 HQ=num_q_heads, HKV=num_kv_heads, D=head_dim, R=rotary_dim, BLOCK_SIZE=block_size,
                 num_warps=config.num_warps)
@@ -599,10 +599,8 @@ def launch_gemv(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config: 
     two), and gated_norm and rope_kv (linear_reference's) fused too (rope_kv: block_n dividing
     the head width)."""
     head = 0 if gated_norm is None else gated_norm.weight.shape[0]
-    rope = None
-    if rope_kv is not None:
-        rope = (*check_qk_norm_rope_kv_args(y, rope_kv), rope_kv.rotary_dim, rope_kv.k_cache.shape[1])
-        assert rope[2] == triton.next_power_of_2(rope[2]), f"linear: rope_kv's head width {rope[2]}: a power of two"
+    rope = None if rope_kv is None else \
+        (*check_qk_norm_rope_kv_args(y, rope_kv), rope_kv.rotary_dim, rope_kv.k_cache.shape[1])
     grid, meta = _gemv_plan(x.shape, weight.shape, y.shape, x.dtype, weight.dtype, y.dtype, config,
                             norm_eps is not None, head, glu, residual is not None, _conv_shape(conv), rope)
     _check_linear_args(y, x, weight, residual)
