@@ -43,9 +43,11 @@
 # fusion  : bench/kernels_block_fusion.py (a step's projections and block ops, separate against
 #           fused into the skinny GEMM's epilogue, and each fusion's cost per projection), then
 #           profile_step at batches 1, 8, 32 with k = 3 verifies (#32)
-# stepab  : profile_step (batches AB_PROFILE_BATCHES, default 1,8,32,64, k = 3 verifies) and
-#           engine_throughput (0.8B at AB_ENGINE_BATCHES, default 1,16,64; 9B at 1 unless AB_9B=0)
-#           for this tree and the baseline tree AB_BASE, alternating new, base (#32's A/B). All of it
+# stepab  : profile_step (batches AB_PROFILE_BATCHES, default 1,8,32,64, k = 3 verifies, and the MTP
+#           draft step over a 32K draft vocabulary), spec_step at batch 1 (the k = 3 step's parts
+#           over a decode step) and engine_throughput (0.8B at AB_ENGINE_BATCHES, default 1,16,64;
+#           9B at 1 unless AB_9B=0) for this tree and the baseline tree AB_BASE, alternating new,
+#           base (#32's A/B). All of it
 #           passes 10 minutes on a fresh machine (its compiles): narrow it, e.g. AB_PROFILE_BATCHES=1
 #           AB_ENGINE_BATCHES=1 (about 4 minutes with the 9B)
 # kprof   : bench/tools/kernel_profile.py plain and speculative (the CUDA kernels of a served-like
@@ -103,7 +105,9 @@ for part in ${parts//,/ }; do
         prefix=(); [[ $tree == base ]] && prefix=(bash bench/tools/ab.sh "$base")
         mkdir -p "$out/$tree/9b"
         timeout 150 "${prefix[@]}" python "$(pwd)/bench/profile_step.py" --batches "${AB_PROFILE_BATCHES:-1,8,32,64}" \
-            --verify-drafts 3 --out "$out/$tree" 2>&1 | grep -E "graph" | sed "s/^/$tree /"
+            --verify-drafts 3 --draft-vocab 32768 --out "$out/$tree" 2>&1 | grep -E "graph" | sed "s/^/$tree /"
+        timeout 150 "${prefix[@]}" python "$(pwd)/bench/spec_step.py" --batches 1 --max-draft 3 --out "$out/$tree" 2>&1 \
+            | tail -4 | sed "s/^/$tree /"
     done
     for tree in new base; do
         prefix=(); [[ $tree == base ]] && prefix=(bash bench/tools/ab.sh "$base")

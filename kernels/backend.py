@@ -24,7 +24,7 @@ from .gdn_decode import gdn_decode_reference
 from .greedy import greedy_argmax_reference
 from .linear import linear_reference
 from .moe import moe_experts_reference, route_reference
-from .norms import gated_rms_norm_reference, rms_norm_reference
+from .norms import gated_rms_norm_reference, mtp_input_reference, rms_norm_reference
 from .rope import qk_norm_rope_kv_reference
 from .sampling import sample_reference
 from .penalties import penalize_rows_reference, record_tokens_reference
@@ -42,6 +42,7 @@ class Ops:
     fp8_linear: Callable
     rms_norm: Callable
     gated_rms_norm: Callable
+    mtp_input: Callable
     qk_norm_rope_kv: Callable
     silu_and_mul: Callable
     causal_conv1d_prefill: Callable
@@ -67,6 +68,7 @@ REFERENCE_OPS = Ops(
     fp8_linear=fp8_linear_reference,
     rms_norm=rms_norm_reference,
     gated_rms_norm=gated_rms_norm_reference,
+    mtp_input=mtp_input_reference,
     qk_norm_rope_kv=qk_norm_rope_kv_reference,
     silu_and_mul=silu_and_mul_reference,
     causal_conv1d_prefill=causal_conv1d_prefill_reference,
@@ -100,6 +102,7 @@ def triton_ops() -> Ops:
         fp8_linear=fp8.fp8_linear,
         rms_norm=norms.rms_norm,
         gated_rms_norm=norms.gated_rms_norm,
+        mtp_input=norms.mtp_input,
         qk_norm_rope_kv=rope.qk_norm_rope_kv,
         silu_and_mul=activation.silu_and_mul,
         causal_conv1d_prefill=conv1d.causal_conv1d_prefill,

@@ -3,7 +3,9 @@
 logits [N, V] hold G = N / W groups of W consecutive rows (a decode row's W positions: 1 in a
 plain step, K + 1 in a verify). `greedy_argmax` returns
 
-    tokens[n]     argmax of row n, as torch.argmax: the first maximum, NaN above everything
+    tokens[n]     argmax of row n, as torch.argmax: the first maximum, NaN above everything;
+                  with token_ids [V], token_ids of it (a reduced draft vocabulary's columns
+                  are token ids: HybridLM.draft_tokens)
     nonfinite[g]  1 where a row of group g holds a NaN or an infinity (a numerical fault of the
                   model: the engine fails that request alone), else 0
 
@@ -32,10 +34,14 @@ _COLUMN_MASK = (1 << _COLUMN_BITS) - 1
 
 
 def greedy_argmax_reference(logits: torch.Tensor, width: int, tokens: torch.Tensor | None = None,
-                            nonfinite: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            nonfinite: torch.Tensor | None = None,
+                            token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [N, V] (any float dtype), N a multiple of width -> (tokens [N] int64, nonfinite
-    [N / width] int64), written into `tokens` / `nonfinite` when given (contiguous int64)."""
+    [N / width] int64), written into `tokens` / `nonfinite` when given (contiguous int64);
+    token_ids [V] (int64, optional): the id of each column, which tokens then hold."""
     argmax = logits.argmax(dim=-1)
+    if token_ids is not None:
+        argmax = token_ids[argmax]
     flags = (~torch.isfinite(logits)).reshape(-1, width * logits.shape[1]).any(dim=-1).long()
     if tokens is not None:
         argmax = tokens.copy_(argmax)
@@ -54,12 +60,13 @@ def _argmax_key(x, columns):
 
 
 @triton.jit(do_not_specialize=["num_rows", "width", "num_splits", "blocks_per_split"])
-def _greedy_argmax_kernel(logits, tokens, nonfinite, partials, arrivals, stride_logits, num_rows, V, width,
-                          num_splits, blocks_per_split, BLOCK: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
-                          DEPENDENT_LAUNCH: tl.constexpr):
+def _greedy_argmax_kernel(logits, tokens, nonfinite, token_ids, partials, arrivals, stride_logits, num_rows, V,
+                          width, num_splits, blocks_per_split, BLOCK: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+                          HAS_TOKEN_IDS: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """Program (row n, split s): the largest key and the non-finite flag of columns
     [s * blocks_per_split * BLOCK, +blocks_per_split * BLOCK) of row n into partials [2, N,
-    splits]; the last program of group n // width to arrive writes the group's tokens and flag."""
+    splits]; the last program of group n // width to arrive writes the group's tokens (the
+    argmax columns, or their token_ids with HAS_TOKEN_IDS) and flag."""
     dependent_prologue(DEPENDENT_LAUNCH)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -87,7 +94,10 @@ def _greedy_argmax_kernel(logits, tokens, nonfinite, partials, arrivals, stride_
             keys = tl.load(partials + member * num_splits + splits, mask=present, other=0, cache_modifier=".cg")
             flag = tl.maximum(flag, tl.load(partials + (num_rows + member) * num_splits + splits, mask=present,
                                             other=0, cache_modifier=".cg"))
-            tl.store(tokens + member, 2147483647 - (tl.max(keys, 0) & 2147483647))
+            column = 2147483647 - (tl.max(keys, 0) & 2147483647)
+            if HAS_TOKEN_IDS:
+                column = tl.load(token_ids + column)
+            tl.store(tokens + member, column)
         tl.store(nonfinite + group, tl.max(flag, 0))
         reset_arrivals(counter)
 
@@ -113,7 +123,7 @@ def _max_splits(vocab: int, sms: int) -> int:
 
 
 def _check_greedy_argmax_args(logits: torch.Tensor, width: int, tokens: torch.Tensor | None,
-                              nonfinite: torch.Tensor | None) -> None:
+                              nonfinite: torch.Tensor | None, token_ids: torch.Tensor | None) -> None:
     assert logits.dim() == 2 and logits.stride(1) == 1, "logits: [N, V] with unit column stride"
     assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16), f"logits: dtype {logits.dtype}"
     num_rows, vocab = logits.shape
@@ -122,13 +132,17 @@ def _check_greedy_argmax_args(logits: torch.Tensor, width: int, tokens: torch.Te
     for name, out, size in (("tokens", tokens, num_rows), ("nonfinite", nonfinite, num_rows // width)):
         assert out is None or (out.dtype == torch.int64 and out.shape == (size,) and out.is_contiguous()
                                and out.device == logits.device), f"{name}: contiguous int64 [{size}]"
+    assert token_ids is None or (token_ids.dtype == torch.int64 and token_ids.shape == (vocab,)
+                                 and token_ids.is_contiguous() and token_ids.device == logits.device), \
+        f"token_ids: contiguous int64 [{vocab}] on the logits' device"
 
 
 def greedy_argmax(logits: torch.Tensor, width: int, tokens: torch.Tensor | None = None,
-                  nonfinite: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  nonfinite: torch.Tensor | None = None,
+                  token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton greedy_argmax_reference. Grid (N, splits), splits from shapes and the SM count
     only; scratch is torch.empty and the shared arrival counters: CUDA-graph safe."""
-    _check_greedy_argmax_args(logits, width, tokens, nonfinite)
+    _check_greedy_argmax_args(logits, width, tokens, nonfinite, token_ids)
     num_rows, vocab = logits.shape
     device = logits.device
     tokens = torch.empty(num_rows, dtype=torch.int64, device=device) if tokens is None else tokens
@@ -141,7 +155,8 @@ def greedy_argmax(logits: torch.Tensor, width: int, tokens: torch.Tensor | None 
     partials = torch.empty(2, num_rows, num_splits, dtype=torch.int64, device=device)
     arrivals = arrival_counters(device, num_rows // width)
     _greedy_argmax_kernel[(num_rows, num_splits)](
-        logits, tokens, nonfinite, partials, arrivals, logits.stride(0), num_rows, vocab, width, num_splits,
-        triton.cdiv(triton.cdiv(vocab, config.block_n), num_splits), BLOCK=config.block_n,
-        BLOCK_SPLITS=_max_splits(vocab, sms), **config.launch_options(), **pdl(device))
+        logits, tokens, nonfinite, tokens if token_ids is None else token_ids, partials, arrivals, logits.stride(0),
+        num_rows, vocab, width, num_splits, triton.cdiv(triton.cdiv(vocab, config.block_n), num_splits),
+        BLOCK=config.block_n, BLOCK_SPLITS=_max_splits(vocab, sms), HAS_TOKEN_IDS=token_ids is not None,
+        **config.launch_options(), **pdl(device))
     return tokens, nonfinite

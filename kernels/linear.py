@@ -93,7 +93,8 @@ GEMV_WARPS = 4
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = None, glu: bool = False,
                      residual: torch.Tensor | None = None, conv: ConvDecode | None = None,
-                     gated_norm: GatedNorm | None = None, rope_kv: QKNormRopeKV | None = None) -> torch.Tensor:
+                     gated_norm: GatedNorm | None = None, rope_kv: QKNormRopeKV | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype, with the block ops the kernel fuses, as
     the separate ops they replace: norm_eps: x RMS-normalised first (unit weight: the norm's
     weight is folded into W); gated_norm: x gated-RMS-normalised by heads first (not with
@@ -101,7 +102,13 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float |
     result added into `residual` [M, N] (in place), which is returned; conv: the decode conv of
     the result's first conv.weight.shape[0] columns, into conv.out and conv.pending_out (neither
     glu nor residual with it); rope_kv: the gated attention's q/k norm, RoPE and KV write of the
-    result (rope.py QKNormRopeKV; none of glu, residual and conv with it)."""
+    result (rope.py QKNormRopeKV; none of glu, residual and conv with it); out (no fusion): the
+    result written into out [M, N] of x's dtype or float32 (rounded to x's dtype, then widened:
+    y.float()), which is returned."""
+    if out is not None:
+        assert not (norm_eps is not None or glu or residual is not None or conv or gated_norm or rope_kv), \
+            "linear: out takes no fused ops"
+        return out.copy_(F.linear(x, weight))
     if gated_norm is not None:
         x = _by_heads(gated_rms_norm_reference, x, gated_norm)
     if norm_eps is not None:
@@ -187,7 +194,7 @@ def _linear_kernel(x, w, y, residual, partials, row_sq, arrivals, M, N, K, k_per
 
     if SPLIT_K == 1:
         _finish_tile(acc, sq, y, residual, pid_n, offs_m, offs_r, M, N, K, eps, stride_ym, stride_rm,
-                     BLOCK_M, BLOCK_N, NORM, GLU, RESIDUAL)
+                     x.dtype.element_ty, BLOCK_M, BLOCK_N, NORM, GLU, RESIDUAL)
         if CONV:
             _conv_epilogue(y, stride_ym, pid_n * BLOCK_N, conv_weight, conv_out, conv_pending_out,
                            cu_seqlens, slot_ids, conv_state, pending_conv, pending_counts, conv_rows, stride_conv_out,
@@ -209,7 +216,7 @@ def _linear_kernel(x, w, y, residual, partials, row_sq, arrivals, M, N, K, k_per
                 if NORM:
                     total_sq += tl.load(sq_ptrs + s * BLOCK_M, cache_modifier=".cg")
             _finish_tile(total, total_sq, y, residual, pid_n, offs_m, offs_r, M, N, K, eps, stride_ym, stride_rm,
-                         BLOCK_M, BLOCK_N, NORM, GLU, RESIDUAL)
+                         x.dtype.element_ty, BLOCK_M, BLOCK_N, NORM, GLU, RESIDUAL)
             reset_arrivals(arrivals + pid_n)
             if CONV:
                 _conv_epilogue(y, stride_ym, pid_n * BLOCK_N, conv_weight, conv_out, conv_pending_out,
@@ -273,7 +280,7 @@ def _gemv_kernel(x, w, y, residual, gate, norm_weight, N, K, eps, stride_wn, str
     acc = tl.sum(w_tile.to(tl.float32) * x_row, axis=1)[:, None]                                     # [BLOCK_N, 1]
     sq = tl.sum(x_row * x_row, axis=1)                                                                # [1]
     _finish_tile(acc, sq, y, residual, pid_n, offs_m, offs_r, 1, N, K, eps, stride_ym, stride_rm,
-                 1, BLOCK_N, NORM, GLU, RESIDUAL)
+                 x.dtype.element_ty, 1, BLOCK_N, NORM, GLU, RESIDUAL)
     if CONV:
         _conv_epilogue(y, stride_ym, pid_n * BLOCK_N, conv_weight, conv_out, conv_pending_out, cu_seqlens, slot_ids,
                        conv_state, pending_conv, pending_counts, 1, stride_conv_out,
@@ -337,19 +344,20 @@ def _conv_epilogue(y, stride_ym, first_col, conv_weight, conv_out, conv_pending_
 
 @triton.jit
 def _finish_tile(acc, sq, y, residual, pid_n, offs_m, offs_r, M, N, K, eps, stride_ym, stride_rm,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr,
-                 RESIDUAL: tl.constexpr):
+                 value_ty: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NORM: tl.constexpr,
+                 GLU: tl.constexpr, RESIDUAL: tl.constexpr):
     """Store a tile's sums acc [BLOCK_N, BLOCK_M] (y^T) with the fused ops, in the order the
     separate ops would run: the norm's 1 / rms of each x row (sq: its sum of squares over K),
-    the projection's output rounded to y's dtype, silu(gate) * up rounded again, the residual
-    added in fp32 and rounded once."""
+    the projection's output rounded to value_ty (x's dtype), silu(gate) * up rounded again, the
+    residual added in fp32 and rounded once; stored as y's dtype (wider than value_ty only
+    without fusions: a float32 copy of the rounded product, the logits a sampler reads)."""
     if NORM:
         acc = acc * tl.rsqrt(sq / K + eps)[None, :]
-    out = acc.to(y.dtype.element_ty)
+    out = acc.to(value_ty)
     if GLU:
         half = tl.permute(tl.reshape(out.to(tl.float32), (2, BLOCK_N // 2, BLOCK_M)), (1, 2, 0))
         gate, up = tl.split(half)                                    # [BLOCK_N / 2, BLOCK_M] each
-        out = (gate * tl.sigmoid(gate) * up).to(y.dtype.element_ty)
+        out = (gate * tl.sigmoid(gate) * up).to(value_ty)
         cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     else:
         cols = pid_n * BLOCK_N + offs_r
@@ -357,8 +365,8 @@ def _finish_tile(acc, sq, y, residual, pid_n, offs_m, offs_r, M, N, K, eps, stri
     rows = offs_m[None, :].to(tl.int64)
     if RESIDUAL:
         stream = tl.load(residual + rows * stride_rm + cols[:, None], mask=mask, other=0.0)
-        out = (out.to(tl.float32) + stream.to(tl.float32)).to(y.dtype.element_ty)
-    tl.store(y + rows * stride_ym + cols[:, None], out, mask=mask)
+        out = (out.to(tl.float32) + stream.to(tl.float32)).to(value_ty)
+    tl.store(y + rows * stride_ym + cols[:, None], out.to(y.dtype.element_ty), mask=mask)
 
 
 def block_m(num_rows: int) -> int:
@@ -455,8 +463,10 @@ def _check_plan(x_shape: torch.Size, weight_shape: torch.Size, y_shape: torch.Si
     assert len(x_shape) == 2 and len(weight_shape) == 2 and weight_shape[1] == x_shape[1], \
         f"linear: x {tuple(x_shape)} and weight {tuple(weight_shape)} do not chain"
     num_rows, weight_rows = x_shape[0], weight_shape[0]
-    assert dtype == weight_dtype == y_dtype and dtype in (torch.bfloat16, torch.float16, torch.float32), \
-        f"linear: x {dtype}, weight {weight_dtype}, y {y_dtype}"
+    assert dtype == weight_dtype and dtype in (torch.bfloat16, torch.float16, torch.float32), \
+        f"linear: x {dtype}, weight {weight_dtype}"
+    assert y_dtype == dtype or (y_dtype == torch.float32 and not (glu or residual or conv)), \
+        f"linear: y {y_dtype} for x {dtype}: x's dtype, or float32 without glu, residual and conv"
     assert not glu or weight_rows % 2 == 0, f"linear: glu needs [gate; up], an even number of rows, got {weight_rows}"
     assert not glu or config.block_n >= 2, "linear: glu needs block_n >= 2"
     out_features = weight_rows // 2 if glu else weight_rows
@@ -505,6 +515,7 @@ def _gemv_plan(x_shape: torch.Size, weight_shape: torch.Size, y_shape: torch.Siz
         f"linear: gated norm heads of {head} columns must be a power of two dividing K = {in_features}"
     num_q_heads, num_kv_heads, head_dim, rotary_dim, block_size = rope or (0, 0, 0, 0, 0)
     assert rope is None or not (glu or residual or conv), "linear: rope_kv fuses with neither glu, residual nor conv"
+    assert rope is None or y_dtype == dtype, "linear: rope_kv reads y back in x's dtype"
     assert rope is None or _rope_fits(head_dim, config), \
         f"linear: rope_kv needs heads of a power of two columns, each whole tiles of {config.block_n}; got {head_dim}"
     meta = dict(BLOCK_N=config.block_n, KP=config.block_k, NORM=norm, HEAD=head, **epilogue, ROPE=rope is not None,
@@ -529,7 +540,8 @@ def launch_linear(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config
     """y [M, N] = x [M, K] @ weight [N, K]^T with an explicit config and the fusions of
     linear_reference (with glu, weight is [2N, K]; residual may be y itself). x and weight:
     same dtype (bf16, fp16 or fp32), unit stride along K (x may be a row-strided view); y
-    contiguous, same dtype. Accumulates in fp32; fp32 inputs multiply in full fp32 (no tf32)."""
+    contiguous, same dtype, or float32 without fusions (the product rounded to x's dtype, then
+    widened). Accumulates in fp32; fp32 inputs multiply in full fp32 (no tf32)."""
     grid, k_per_split, meta = _launch_plan(x.shape, weight.shape, y.shape, x.dtype, weight.dtype, y.dtype, config,
                                            norm_eps is not None, glu, residual is not None, _conv_shape(conv))
     _check_linear_args(y, x, weight, residual)
@@ -635,28 +647,33 @@ def _rope_arguments(y: torch.Tensor, rope_kv: QKNormRopeKV | None, num_heads: in
 
 def linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = None, glu: bool = False,
            residual: torch.Tensor | None = None, conv: ConvDecode | None = None,
-           gated_norm: GatedNorm | None = None, rope_kv: QKNormRopeKV | None = None) -> torch.Tensor:
+           gated_norm: GatedNorm | None = None, rope_kv: QKNormRopeKV | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """linear_reference through the one-row form for one row (every fusion in it), the kernel
     where linear_config picks it (with the fusions in its epilogue; the result written into
     `residual` when given), else through cuBLAS (`cublas_linear`) and the separate kernels of
     the fused ops; the conv of more than CONV_EPILOGUE_MAX_ROWS rows by its own kernel after the
     projection, the gated norm outside the one-row form by its own kernel before it, rope_kv
-    outside it by its own kernel after it."""
+    outside it by its own kernel after it. `out` (float32 for a model's head: the logits) is
+    written by the one-row form itself, elsewhere by a copy of the result."""
     fused = norm_eps is not None or glu or residual is not None or conv is not None or gated_norm is not None \
         or rope_kv is not None
+    assert out is None or not fused, "linear: out takes no fused ops"
     if x.dim() != 2:
         assert not fused, "linear: fused ops take [M, K] activations"
-        return F.linear(x, weight)
+        return F.linear(x, weight) if out is None else out.copy_(F.linear(x, weight))
     (num_rows, in_features), weight_rows, device = x.shape, weight.shape[0], x.device
     head = 0 if gated_norm is None else gated_norm.weight.shape[0]
     if num_rows == 1 and head == triton.next_power_of_2(head):  # the kernel's heads: powers of two
         config = gemv_config(weight_rows, in_features, device, glu, x.element_size())
         if config is not None and (rope_kv is None or _rope_fits(rope_kv.q_weight.shape[0], config)):
-            y = residual if residual is not None else \
+            y = residual if residual is not None else out if out is not None else \
                 torch.empty((1, weight_rows // 2 if glu else weight_rows), dtype=x.dtype, device=device)
             launch_gemv(y, x, weight, config, norm_eps=norm_eps, glu=glu, residual=residual, conv=conv,
                         gated_norm=gated_norm, rope_kv=rope_kv)
             return y
+    if out is not None:
+        return out.copy_(linear(x, weight))
     if rope_kv is not None:
         y = linear(x, weight, norm_eps=norm_eps, glu=glu, residual=residual, conv=conv, gated_norm=gated_norm)
         qk_norm_rope_kv(y, rope_kv)

@@ -5,16 +5,19 @@
   the new residual stream). No weight (None): `x / rms(x)`, the norm whose weight the
   projection after it holds (linear.py, norm_eps).
 - `gated_rms_norm`: the GDN output norm, `x / rms(x) * w * silu(z)` per value head (plain `w`).
+- `mtp_input`: the MTP's fc input, `cat[rms_norm(embedding of the ids), rms_norm(hidden)]` (both
+  zero-centred weights): the token embedding gathered by id, the two norms and the cat of a draft
+  step in one launch.
 
-Math is done in float32 and rounded once at the end, as HF transformers does. `rms_norm` and
-`gated_rms_norm` are the Triton kernels (one program per row / per block of rows), the
-`_reference` functions their torch oracles.
+Math is done in float32 and rounded once at the end, as HF transformers does. `rms_norm`,
+`gated_rms_norm` and `mtp_input` are the Triton kernels (one program per row / per block of
+rows / per token), the `_reference` functions their torch oracles.
 
-`quantize_group` > 0 (the group size of the FP8 projections the output feeds): both also return
-the output's per-token-group FP8 quantization, as a QuantizedActivation (quantize.py), exactly
-quantize_groups_reference of the output they return. The kernels quantize the rounded output
-while they hold it, saving the projection's quantizer its launch and its pass over the output.
-Knows nothing about layers or models.
+`quantize_group` > 0 (the group size of the FP8 projections the output feeds): `rms_norm` and
+`gated_rms_norm` also return the output's per-token-group FP8 quantization, as a
+QuantizedActivation (quantize.py), exactly quantize_groups_reference of the output they return.
+The kernels quantize the rounded output while they hold it, saving the projection's quantizer
+its launch and its pass over the output. Knows nothing about layers or models.
 """
 
 from __future__ import annotations
@@ -44,6 +47,15 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     normed = (normed if weight is None else normed * (1.0 + weight.float())).to(x.dtype)
     return (quantize_activation_reference(normed, quantize_group) if quantize_group else normed), x
+
+
+def mtp_input_reference(input_ids: torch.Tensor, embed_weight: torch.Tensor, hidden: torch.Tensor,
+                        embed_norm_weight: torch.Tensor, hidden_norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """input_ids [T]; embed_weight [V, H]; hidden [T, H] -> x [T, 2H]: x[:, :H] the rms_norm of the
+    ids' embedding rows (weight embed_norm_weight), x[:, H:] hidden's (weight hidden_norm_weight)."""
+    embedded, _ = rms_norm_reference(embed_weight[input_ids], embed_norm_weight, eps)
+    normed, _ = rms_norm_reference(hidden, hidden_norm_weight, eps)
+    return torch.cat([embedded, normed], dim=-1)
 
 
 class GatedNorm(NamedTuple):
@@ -151,6 +163,58 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual:
     if quantize_group:
         return QuantizedActivation(out, out_fp8, out_scale, quantize_group), new_residual
     return out, new_residual
+
+
+@triton.jit
+def _mtp_input_kernel(input_ids, embed_weight, hidden, embed_norm_weight, hidden_norm_weight, out, stride_ids,
+                      stride_hidden, eps, H: tl.constexpr, BH: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
+    """One token: out[:H] = e / sqrt(mean(e^2) + eps) * (1 + w_e) with e its id's embedding row,
+    out[H:] the same of its hidden row with w_h; each half in float32, rounded once, as
+    _rms_norm_kernel's rows (the same reduction: BH = next_pow2(H)). The id is widened before
+    it scales: V * H may pass 2^31."""
+    dependent_prologue(DEPENDENT_LAUNCH)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BH)
+    mask = offs < H
+    token = tl.load(input_ids + row * stride_ids).to(tl.int64)
+    embedded = tl.load(embed_weight + token * H + offs, mask=mask, other=0.0)
+    h = tl.load(hidden + row * stride_hidden + offs, mask=mask, other=0.0)
+    w_e = tl.load(embed_norm_weight + offs, mask=mask, other=0.0).to(tl.float32)
+    w_h = tl.load(hidden_norm_weight + offs, mask=mask, other=0.0).to(tl.float32)
+    # No residual: its row pointers are never read.
+    embedded = add_rms_normalize(embedded, out, out, w_e, offs, mask, eps, H, False)
+    h = add_rms_normalize(h, out, out, w_h, offs, mask, eps, H, False)
+    tl.store(out + row * 2 * H + offs, embedded.to(out.dtype.element_ty), mask=mask)
+    tl.store(out + row * 2 * H + H + offs, h.to(out.dtype.element_ty), mask=mask)
+
+
+def _check_mtp_input_args(input_ids: torch.Tensor, embed_weight: torch.Tensor, hidden: torch.Tensor,
+                          embed_norm_weight: torch.Tensor, hidden_norm_weight: torch.Tensor) -> None:
+    assert hidden.dim() == 2 and hidden.stride(1) == 1, "hidden: [T, H], unit stride along H"
+    num_tokens, width = hidden.shape
+    assert input_ids.shape == (num_tokens,) and input_ids.dtype in (torch.int32, torch.int64), \
+        "input_ids: [T] int32 or int64"
+    assert embed_weight.dim() == 2 and embed_weight.shape[1] == width and embed_weight.is_contiguous(), \
+        "embed_weight: contiguous [V, H]"
+    assert embed_weight.dtype == hidden.dtype, "embed_weight: hidden's dtype"
+    for weight in (embed_norm_weight, hidden_norm_weight):
+        assert weight.shape == (width,) and weight.is_contiguous(), "norm weights: contiguous [H]"
+
+
+def mtp_input(input_ids: torch.Tensor, embed_weight: torch.Tensor, hidden: torch.Tensor,
+              embed_norm_weight: torch.Tensor, hidden_norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Triton mtp_input_reference, one launch: a contiguous [T, 2H] in hidden's dtype. hidden may
+    be a row-strided view, input_ids any 1-D view; ids must lie in [0, V) (not checked: that
+    would need the host to read them)."""
+    _check_mtp_input_args(input_ids, embed_weight, hidden, embed_norm_weight, hidden_norm_weight)
+    num_tokens, width = hidden.shape
+    out = torch.empty((num_tokens, 2 * width), dtype=hidden.dtype, device=hidden.device)
+    if num_tokens:
+        block = triton.next_power_of_2(width)
+        _mtp_input_kernel[(num_tokens,)](input_ids, embed_weight, hidden, embed_norm_weight, hidden_norm_weight, out,
+                                         input_ids.stride(0), hidden.stride(0), eps, H=width, BH=block,
+                                         num_warps=min(16, max(1, block // 512)), **pdl(hidden.device))
+    return out
 
 
 @triton.jit(do_not_specialize=["num_rows"])

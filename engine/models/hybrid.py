@@ -117,13 +117,16 @@ class HybridLM(nn.Module):
         return self.embed_tokens[ids]
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden [N, H] -> float32 logits [N, V], into `out` (float32) when given (a CUDA
-        graph's static buffer): the widening copy writes it (a float32 model's GEMM itself)."""
-        if out is None:
-            return self.logits(hidden).float()
-        if hidden.dtype == torch.float32:
+        """hidden [N, H] -> float32 logits [N, V] (the model-dtype logits widened), into `out`
+        (float32) when given (a CUDA graph's static buffer). The head writes them itself where
+        it can (a float32 model's GEMM; one row on one device: the one-row form, `head`), else
+        a widening copy does."""
+        if hidden.dtype == torch.float32 or (hidden.shape[0] == 1 and self.tp is None):
+            if out is None:
+                out = hidden.new_empty((hidden.shape[0], self.lm_head_weight.shape[0]), dtype=torch.float32)
             return self.logits(hidden, out)
-        return out.copy_(self.logits(hidden))
+        logits = self.logits(hidden)
+        return logits.float() if out is None else out.copy_(logits)
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] in the model's dtype (greedy argmax needs no float32
@@ -132,17 +135,22 @@ class HybridLM(nn.Module):
         same full logits and sample the same tokens."""
         if self.tp is not None:
             return self.tp.gather_logits(F.linear(hidden, self.lm_head_weight), out)
-        if out is None:
-            return self.head(hidden, self.lm_head_weight)
-        return torch.mm(hidden, self.lm_head_weight.t(), out=out)
+        return self.head(hidden, self.lm_head_weight, out=out)
 
-    def head(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden [N, H] @ weight [V, H]^T (+ bias): one row through ops.linear, whose one-row form
-        streams a head faster than cuBLAS (the 0.8B's 167 against 183 µs, the 9B's 645 against
-        713 µs: H100, bench/results/gemv_lm_head-h100.json), more rows through cuBLAS as they come."""
+    def head(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [N, H] @ weight [V, H]^T (+ bias), into `out` when given (hidden's dtype; float32
+        at one row: the one-row form widens its own stores). One row goes through ops.linear, whose
+        one-row form streams a head faster than cuBLAS (the 0.8B's 167 against 183 µs, the 9B's
+        645 against 713 µs: H100, bench/results/gemv_lm_head-h100.json), more rows through cuBLAS
+        as they come."""
         if hidden.shape[0] == 1 and bias is None:
-            return self.ops.linear(hidden, weight)
-        return F.linear(hidden, weight, bias)
+            return self.ops.linear(hidden, weight, out=out)
+        if out is None:
+            return F.linear(hidden, weight, bias)
+        if bias is None:
+            return torch.mm(hidden, weight.t(), out=out)
+        return torch.addmm(bias, hidden, weight.t(), out=out)
 
     def use_draft_vocab(self, token_ids: torch.Tensor | None) -> None:
         """Let drafts come from `token_ids` only (None: the full vocabulary). The rows of the
@@ -175,13 +183,15 @@ class HybridLM(nn.Module):
         self.draft_token_ids = torch.cat([F.pad(rank_ids, (0, rows - len(rank_ids))) for rank_ids in by_rank])
 
     def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        """MTP output [N, H] -> greedy draft token ids [N], from the draft vocabulary if set."""
+        """MTP output [N, H] -> greedy draft token ids [N], from the draft vocabulary if set: the
+        argmax of the model-dtype scores (ops.greedy_argmax, which maps a reduced vocabulary's
+        columns to their ids in the same launch; no float32 copy: the widening is exact)."""
         if self.draft_head is None:
-            return self.compute_logits(hidden).argmax(dim=-1)
+            return self.ops.greedy_argmax(self.logits(hidden), 1)[0]
         scores = self.head(hidden, self.draft_head, self.draft_bias)
         if self.tp is not None:
             scores = self.tp.gather_logits(scores)
-        return self.draft_token_ids[scores.argmax(dim=-1)]
+        return self.ops.greedy_argmax(scores, 1, token_ids=self.draft_token_ids)[0]
 
     def draft_hidden(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
                      kv: KVPool, mtp_layer: int = 0) -> torch.Tensor:
@@ -190,4 +200,5 @@ class HybridLM(nn.Module):
             raise RuntimeError("this checkpoint has no MTP weights")
         kv_layer = kv.layers[len(self.config.attention_layer_ids) + mtp_layer]
         return self.mtp(input_ids, hidden, self.embed, batch, kv_layer, self.ops, self.reduce_norm, mtp_layer,
-                        stream_form=self.stream_form(input_ids.shape[0]))
+                        stream_form=self.stream_form(input_ids.shape[0]),
+                        embed_weight=self.embed_tokens if self.tp is None else None)

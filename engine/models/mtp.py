@@ -43,14 +43,21 @@ class MTP(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, embed: Callable[[torch.Tensor], torch.Tensor],
                 batch: ForwardBatch, kv: KVLayer, ops: Ops, reduce_norm: ReduceNorm, layer: int = 0,
-                stream_form: bool = False) -> torch.Tensor:
+                stream_form: bool = False, embed_weight: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [T] (x_{t+1}), hidden [T, H] (h_t) -> post-norm MTP hidden [T, H].
-        embed: the target's token embedding; reduce_norm: the target's (layers.DecoderLayer);
-        stream_form: the layer in the residual-stream form (HybridLM.stream_form).
+        embed: the target's token embedding; embed_weight: its table [V, H] where embed is that
+        table's plain row gather (one device), None where it is not (vocabulary-parallel);
+        reduce_norm: the target's (layers.DecoderLayer); stream_form: the layer in the
+        residual-stream form (HybridLM.stream_form).
         batch carries positions t and the MTP layer's KV metadata."""
-        embedded, _ = ops.rms_norm(embed(input_ids), self.pre_fc_norm_embedding, self.eps)
-        hidden, _ = ops.rms_norm(hidden, self.pre_fc_norm_hidden, self.eps)
-        x, residual = self.fc(torch.cat([embedded, hidden], dim=-1), ops), None
+        if embed_weight is not None:  # the gather, both norms and the cat in one launch
+            x = ops.mtp_input(input_ids, embed_weight, hidden, self.pre_fc_norm_embedding, self.pre_fc_norm_hidden,
+                              self.eps)
+        else:
+            embedded, _ = ops.rms_norm(embed(input_ids), self.pre_fc_norm_embedding, self.eps)
+            normed, _ = ops.rms_norm(hidden, self.pre_fc_norm_hidden, self.eps)
+            x = torch.cat([embedded, normed], dim=-1)
+        x, residual = self.fc(x, ops), None
         if stream_form:  # x: the stream (the fc's fresh output)
             self.layers[layer].forward_stream(x, batch, kv, ops)
         else:

@@ -76,6 +76,19 @@ def test_triton_writes_given_buffers(kernel_device):
     assert outputs[1].tolist() == [-5] * 8 and outputs[0, 6:].tolist() == [-5] * 2
 
 
+@pytest.mark.parametrize("num_rows,vocab", [(1, 200), (5, 333)])
+def test_triton_maps_columns_to_token_ids(kernel_device, poisoned_empty, num_rows, vocab):
+    """A reduced draft vocabulary: column c of the scores is token token_ids[c], a random
+    sparse subset of a larger vocabulary."""
+    logits = random_logits(num_rows, vocab, torch.float32, seed=vocab, device=kernel_device)
+    token_ids = torch.randperm(50_000)[:vocab].to(kernel_device)
+    tokens, flags = poisoned_empty(greedy_argmax, logits, 1, token_ids=token_ids)
+    columns, expected_flags = expected(logits, 1)
+    assert tokens.tolist() == token_ids[columns].tolist() and flags.tolist() == expected_flags
+    reference = REFERENCE_OPS.greedy_argmax(logits, 1, token_ids=token_ids)
+    assert torch.equal(tokens, reference[0]) and torch.equal(flags, reference[1])
+
+
 def test_bad_arguments_are_refused():
     logits = random_logits(4, 20, torch.float32, seed=0)
     with pytest.raises(AssertionError):
@@ -84,6 +97,8 @@ def test_bad_arguments_are_refused():
         greedy_argmax(logits.long(), 1)
     with pytest.raises(AssertionError):
         greedy_argmax(logits, 1, tokens=torch.empty(4, dtype=torch.int32))
+    with pytest.raises(AssertionError):
+        greedy_argmax(logits, 1, token_ids=torch.arange(19))  # one id per column
 
 
 @pytest.mark.gpu

@@ -334,6 +334,21 @@ def test_linear_entry_point(kernel_device, monkeypatch):
     assert forms == ["gemv", "mma", "mma"]
 
 
+@pytest.mark.parametrize("num_rows", [1, 3, KERNEL_MAX_ROWS + 1])
+def test_linear_widened_out(kernel_device, num_rows):
+    """out=: a float32 buffer (a model head's logits) holds the product rounded to x's dtype, then
+    widened, bit for bit the float() of the same launch's fp16 result: the one-row form writes it
+    itself, the other paths copy. A fused op with out is refused."""
+    x, weight = inputs(num_rows, 40, 100, torch.float16, kernel_device, seed=num_rows + 11)
+    out = torch.full((num_rows, 40), float("nan"), dtype=torch.float32, device=kernel_device)
+    assert linear(x, weight, out=out) is out
+    assert torch.equal(out, linear(x, weight).float())
+    assert_close(out, linear_reference(x.float(), weight.float()), TOLERANCE[torch.float16], f"M={num_rows}")
+    assert torch.equal(linear_reference(x, weight, out=torch.empty_like(out)), linear_reference(x, weight).float())
+    with pytest.raises(AssertionError, match="out takes no fused ops"):
+        linear(x, weight, residual=torch.zeros(num_rows, 40, dtype=x.dtype, device=kernel_device), out=out)
+
+
 @pytest.mark.parametrize("element_size", [2, 4])
 def test_kernel_configs_fit_shared_memory(element_size):
     """Every tile kernel_config picks for up to KERNEL_MAX_ROWS rows, on the Qwen3.5 projection

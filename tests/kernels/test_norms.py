@@ -1,9 +1,10 @@
-"""rms_norm and gated_rms_norm (kernels/norms.py): the torch references against naive float64
-per-row formulas written here, then the Triton kernels against the references.
+"""rms_norm, gated_rms_norm and mtp_input (kernels/norms.py): the torch references against naive
+float64 per-row formulas written here, then the Triton kernels against the references.
 
 References. Contracts checked: rms_norm multiplies by (1 + w) and fuses the residual add
 (returning the sum as the new residual), in bf16 within one rounding of the float64 value;
-gated_rms_norm is norm(x) * w * silu(z) with plain w.
+gated_rms_norm is norm(x) * w * silu(z) with plain w; mtp_input is, bit for bit, the MTP's
+composed ops (the gathered embedding rows and hidden each through rms_norm, then cat).
 
 Triton kernels, with the references as the oracle: x and the gate are strided row views, with
 and without the residual, widths that are not a power of two. CPU: the interpreter, fp32.
@@ -11,7 +12,10 @@ With `quantize_group` both kernels also return their output's FP8 group quantiza
 values are the unquantized call's, bit for bit, and the fp8 codes and scales are
 quantize_groups_reference of those values (decode batches of 1 to 64 rows; partial last groups,
 rows narrower than a group, a group spanning heads: the gated norm's unfused fallback), fp32 and fp16.
-GPU (`gpu` marker): bf16 at model widths (hidden 2048 / 5120, GDN output heads 32 x 128); the
+mtp_input: int32 and int64 ids (strided) hitting the first and last vocabulary rows, a strided
+hidden, widths that are not a power of two, fp32 and fp16, into a NaN-poisoned output.
+GPU (`gpu` marker): bf16 at model widths (hidden 2048 / 5120, GDN output heads 32 x 128; the
+MTP input at the 0.8B's hidden 1024 and vocabulary 248320, and a table past 2^31 values); the
 q/k norm's at attention widths: test_rope.py.
 """
 
@@ -21,7 +25,8 @@ import pytest
 import torch
 
 from deltaspec.kernels import REFERENCE_OPS
-from deltaspec.kernels.norms import gated_rms_norm, gated_rms_norm_reference, rms_norm, rms_norm_reference
+from deltaspec.kernels.norms import gated_rms_norm, gated_rms_norm_reference, mtp_input, mtp_input_reference, \
+    rms_norm, rms_norm_reference
 from kernel_helpers import TOLERANCE, assert_close, assert_close_elementwise, assert_quantized, naive_rms, \
     silu
 
@@ -92,9 +97,33 @@ def test_gated_rms_norm_plain_w_times_silu_gate():
             assert_close_elementwise(out[t, h], expected, 1e-5, f"token {t} head {h}")
 
 
+def test_mtp_input_is_the_composed_norms():
+    """What MTP.forward computed before the fused op: gather, each half's rms_norm, cat."""
+    ids, table, hidden, w_e, w_h = mtp_input_case("cpu", torch.bfloat16, 48, tokens=6, vocab=30, seed=5)
+    x = ops.mtp_input(ids, table, hidden, w_e, w_h, 1e-6)
+    embedded, _ = ops.rms_norm(table[ids], w_e, 1e-6)
+    normed, _ = ops.rms_norm(hidden, w_h, 1e-6)
+    assert x.dtype == torch.bfloat16 and torch.equal(x, torch.cat([embedded, normed], dim=-1))
+
+
 # ----------------------------------------------------------------------------------------------
 # Triton kernels vs the torch references
 # ----------------------------------------------------------------------------------------------
+
+def mtp_input_case(device: str, dtype: torch.dtype, hidden: int, tokens: int, vocab: int, seed: int,
+                   ids_dtype: torch.dtype = torch.int64):
+    """(ids, embedding table, hidden, w_e, w_h): ids a strided [T] view (a column of [T, 2])
+    whose first and last entries are the vocabulary's first and last rows; hidden a row-strided
+    view."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (tokens, 2), generator=gen)
+    ids[0, 0], ids[-1, 0] = 0, vocab - 1
+    table = (2 * torch.randn(vocab, hidden, generator=gen)).to(dtype)
+    wide = (3 * torch.randn(tokens, hidden + 5, generator=gen)).to(dtype)
+    w_e, w_h = ((0.1 * torch.randn(hidden, generator=gen)).to(dtype) for _ in range(2))
+    return (ids.to(ids_dtype).to(device)[:, 0], table.to(device), wide.to(device)[:, 5:], w_e.to(device),
+            w_h.to(device))
+
 
 def norm_cases(device: str, dtype: torch.dtype, hidden: int, tokens: int = 5, seed: int = 90):
     gen = torch.Generator().manual_seed(seed)
@@ -128,6 +157,17 @@ def test_gated_rms_norm(kernel_device, leading):
     weight = torch.randn(dim, generator=gen).to(kernel_device)
     assert_close(gated_rms_norm(x, gate, weight, 1e-6), gated_rms_norm_reference(x, gate, weight, 1e-6),
                  TOLERANCE[torch.float32], "gated norm")
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens,hidden", [(1, 64), (7, 96)])
+def test_mtp_input(kernel_device, poisoned_empty, tokens, hidden, dtype, ids_dtype):
+    ids, table, x, w_e, w_h = mtp_input_case(kernel_device, dtype, hidden, tokens, vocab=37, seed=tokens * hidden,
+                                             ids_dtype=ids_dtype)
+    actual = poisoned_empty(mtp_input, ids, table, x, w_e, w_h, 1e-6)
+    assert actual.dtype == dtype
+    assert_close(actual, mtp_input_reference(ids, table, x, w_e, w_h, 1e-6), TOLERANCE[dtype], "mtp_input")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -205,3 +245,17 @@ def test_norms_gpu_bf16():
     weight = torch.randn(128, generator=gen).to(torch.bfloat16).cuda()
     assert_close(gated_rms_norm(core, z, weight, 1e-6), gated_rms_norm_reference(core, z, weight, 1e-6),
                  TOLERANCE[torch.bfloat16], "gated_rms_norm")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 4, 64])
+def test_mtp_input_gpu_bf16(tokens):
+    """The 0.8B's shape (hidden 1024, vocabulary 248320), and a 27B-wide table whose last row
+    starts past 2^31 values (the gather's offsets are int64); ids hit the first and last rows."""
+    gen = torch.Generator("cuda").manual_seed(tokens)
+    for hidden, vocab in ((1024, 248320), (5120, 2 ** 31 // 5120 + 2)):
+        randn = lambda *shape: torch.randn(*shape, generator=gen, device="cuda").bfloat16()  # noqa: E731
+        ids = torch.randint(0, vocab, (tokens,), generator=gen, device="cuda")
+        ids[0], ids[-1] = 0, vocab - 1
+        args = (ids, randn(vocab, hidden), 3 * randn(tokens, hidden), 0.1 * randn(hidden), 0.1 * randn(hidden), 1e-6)
+        assert_close(mtp_input(*args), mtp_input_reference(*args), TOLERANCE[torch.bfloat16], f"mtp_input {hidden}")
