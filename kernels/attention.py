@@ -16,11 +16,9 @@ tile of one row and one KV head: the tile packs TOKENS consecutive query tokens 
 query heads of that KV head into its BLOCK_M rows (m -> token m // GROUP, head m % GROUP), so
 K/V are read once per KV head for all its query heads, and a decode or verify row (q_len <= 8)
 is one tile. Optionally the key range of a tile is split over num_splits programs (long contexts,
-few rows), whose partial (max, sum, acc) are merged by the last of them to arrive (arrivals.py)
-for decode batches, in the same launch, or by a second small kernel for wider tiles
-(merges_in_kernel). Both are programmatic dependent launches on sm_90+ (launch.py). The gate is
-multiplied in by whoever stores the output (the attention kernel's epilogue, or the merge), so
-it costs no launch of its own.
+few rows); a second small kernel merges their partial (max, sum, acc). Both are programmatic
+dependent launches on sm_90+ (launch.py). The gate is multiplied in by whichever kernel stores
+the output (the attention kernel's epilogue, or the merge), so it costs no launch of its own.
 Launch geometry depends only on tensor shapes, never on tensor values, so both launchers run
 inside CUDA graphs.
 """
@@ -31,7 +29,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .arrivals import arrival_counters, last_to_arrive, reset_arrivals
 from .device import num_sms
 from .launch import dependent_prologue, dot_precision, pdl
 from .tiles import TileConfig
@@ -177,13 +174,12 @@ def _attend_block(acc, m_i, l_i, block, q, start, hi, query_pos, table, k_cache_
 @triton.jit(do_not_specialize=["num_rows", "num_tile_slots", "num_splits", "stride_table_row"])
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, gate_ptr,
-        out_ptr, partial_acc_ptr, partial_stats_ptr, arrivals, qk_scale, num_rows, num_tile_slots, num_splits,
+        out_ptr, partial_acc_ptr, partial_stats_ptr, qk_scale, num_rows, num_tile_slots, num_splits,
         stride_q_token, stride_q_head, stride_kv_block, stride_kv_offset, stride_kv_head, stride_table_row,
         stride_gate_token, stride_gate_head, stride_out_token, stride_out_head,
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, MERGE: tl.constexpr,
-        GROUP_P2: tl.constexpr, MERGE_CHUNK: tl.constexpr, HAS_GATE: tl.constexpr, PRECISION: tl.constexpr,
-        DEPENDENT_LAUNCH: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_GATE: tl.constexpr,
+        PRECISION: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """Grid (tile slot, KV head, split). Tile rows m < TOKENS * GROUP hold query token
     first + m // GROUP of the row, query head kv_head * GROUP + m % GROUP.
 
@@ -191,11 +187,8 @@ def _paged_attention_kernel(
     and sees keys [0, prefix + i]. The tile therefore needs keys [0, end), end = min(context,
     prefix + first + TOKENS); keys [0, prefix + first + 1) are visible to all of its queries and
     skip the causal mask. With SPLIT, split s of num_splits takes the BLOCK_N-aligned s-th chunk of
-    [0, end) and writes unnormalised (acc, m, l) for the merge, which then applies the gate:
-    _combine_splits_kernel, or with MERGE the last of the tile's splits to arrive (arrivals.py,
-    a counter per (tile slot, KV head): _merge_splits); else the tile stores acc / l, times
-    sigmoid(gate) with HAS_GATE. A tile slot past its row's tokens returns with all its splits,
-    so a counter's group is whole or absent."""
+    [0, end) and writes unnormalised (acc, m, l) for _combine_splits_kernel (which then applies
+    the gate); else the tile stores acc / l, times sigmoid(gate) with HAS_GATE."""
     TOKENS: tl.constexpr = BLOCK_M // GROUP
     dependent_prologue(DEPENDENT_LAUNCH)
     tile = num_tile_slots - 1 - tl.program_id(0)          # a row's last (longest) tiles start first
@@ -251,18 +244,6 @@ def _paged_attention_kernel(
         tl.store(partial_acc_ptr + partial[:, None] * HEAD_DIM + d, acc, mask=valid[:, None])
         tl.store(partial_stats_ptr + partial * 2, m_i, mask=valid)
         tl.store(partial_stats_ptr + partial * 2 + 1, l_i, mask=valid)
-        if MERGE:
-            counter = arrivals + tl.program_id(0) * tl.num_programs(1) + kv_head
-            if last_to_arrive(counter, num_splits):
-                # Splits past the first cdiv(end, chunk) saw no key: weight 0, never read.
-                seen = tl.cdiv(end, chunk)
-                first_token = (q_start + first).to(tl.int64)
-                for i in range(0, tl.minimum(TOKENS, q_len - first)):
-                    _merge_splits(partial_acc_ptr, partial_stats_ptr, gate_ptr, out_ptr, first_token + i,
-                                  kv_head * GROUP, seen, num_splits, stride_gate_token, stride_gate_head,
-                                  stride_out_token, stride_out_head, NUM_HEADS, GROUP, GROUP_P2, HEAD_DIM,
-                                  MERGE_CHUNK, HAS_GATE)
-                reset_arrivals(counter)
     else:
         out = acc / l_i[:, None]
         if HAS_GATE:
@@ -271,53 +252,6 @@ def _paged_attention_kernel(
             out = out * tl.sigmoid(gate)
         tl.store(out_ptr + (q_row * stride_out_token + head * stride_out_head)[:, None] + d,
                  out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
-
-
-@triton.jit
-def _merge_splits(partial_acc_ptr, partial_stats_ptr, gate_ptr, out_ptr, token, first_head, seen, num_splits,
-                  stride_gate_token, stride_gate_head, stride_out_token, stride_out_head, NUM_HEADS: tl.constexpr,
-                  GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
-                  HAS_GATE: tl.constexpr):
-    """The split merge of one query token's GROUP heads from first_head, by the last split to
-    arrive: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the first `seen` splits
-    (M = max_s m_s), times sigmoid(gate) with HAS_GATE. The splits stream through in chunks of
-    CHUNK whose loads go out together (unrolled), folded in with a running max as
-    _combine_splits_kernel does; loads are .cg: the other programs' stores are in L2, never in
-    this SM's L1."""
-    heads = first_head + tl.arange(0, GROUP_P2)                                     # GROUP of them real
-    real = heads < first_head + GROUP
-    d = tl.arange(0, HEAD_DIM)[None, :]
-    base = (token * NUM_HEADS + heads) * num_splits
-    m_run = tl.full([GROUP_P2], float("-inf"), tl.float32)
-    denominator = tl.zeros([GROUP_P2], tl.float32)
-    acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
-    for start in range(0, seen, CHUNK):
-        m_chunk = tl.full([GROUP_P2], float("-inf"), tl.float32)
-        for s in tl.static_range(CHUNK):
-            split = base + tl.minimum(start + s, seen - 1)
-            m_chunk = tl.maximum(m_chunk, tl.load(partial_stats_ptr + split * 2, mask=real, other=0.0,
-                                                  cache_modifier=".cg"))
-        m_new = tl.maximum(m_run, m_chunk)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_run - m_safe)
-        denominator = denominator * alpha
-        acc = acc * alpha[:, None]
-        for s in tl.static_range(CHUNK):
-            split = base + tl.minimum(start + s, seen - 1)
-            m_s = tl.load(partial_stats_ptr + split * 2, mask=real, other=0.0, cache_modifier=".cg")
-            weight = tl.where(start + s < seen, tl.exp2(m_s - m_safe), 0.0)
-            denominator += weight * tl.load(partial_stats_ptr + split * 2 + 1, mask=real, other=0.0,
-                                            cache_modifier=".cg")
-            acc += weight[:, None] * tl.load(partial_acc_ptr + split[:, None] * HEAD_DIM + d, mask=real[:, None],
-                                             other=0.0, cache_modifier=".cg")
-        m_run = m_new
-    out = acc / denominator[:, None]
-    if HAS_GATE:
-        gate = tl.load(gate_ptr + (token * stride_gate_token + heads * stride_gate_head)[:, None] + d,
-                       mask=real[:, None], other=0.0).to(tl.float32)
-        out = out * tl.sigmoid(gate)
-    tl.store(out_ptr + (token * stride_out_token + heads * stride_out_head)[:, None] + d,
-             out.to(out_ptr.dtype.element_ty), mask=real[:, None])
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -367,9 +301,6 @@ def _combine_splits_kernel(partial_acc_ptr, partial_stats_ptr, gate_ptr, out_ptr
     tl.store(out_ptr + token * stride_out_token + head * stride_out_head + d, out.to(out_ptr.dtype.element_ty))
 
 
-# The merge by the last split (decode rows): a chunk's [splits, GROUP, D] fp32 loads in flight
-# together, at most MERGE_ELEMENTS of them.
-MERGE_ELEMENTS = 8192
 # The merge streams any number of splits; more than 128 never ran faster (measured:
 # bench/results/kernels_attn-h100.json), and each split adds [Hq, D] fp32 of partials.
 MAX_SPLITS = 128
@@ -458,20 +389,10 @@ def _check_paged_attention_args(out, q, k_cache, v_cache, block_tables, cu_seqle
         f"config: block_m >= max(16, GROUP = {group}), num_splits >= 1"
 
 
-def merges_in_kernel(num_tokens: int, num_rows: int) -> bool:
-    """Whether a split key range is merged by the attention kernel's last split (one launch) or by
-    _combine_splits_kernel after it: decode batches (a token a row) in the kernel, where the last
-    arriver merges one token's heads; wider tiles (verify) keep the merge kernel, whose programs
-    share the merge of a tile's tokens x heads that one program would run in turn."""
-    return num_tokens == num_rows
-
-
 def launch_paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, cu_seqlens: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float, config: TileConfig, gate: torch.Tensor | None = None,
-                           merge_in_kernel: bool | None = None) -> None:
-    """paged_attention with an explicit config, writing into out [T, Hq, D] (tests, benchmarks);
-    merge_in_kernel: where a split key range is merged (None: merges_in_kernel's rule)."""
+                           scale: float, config: TileConfig, gate: torch.Tensor | None = None) -> None:
+    """paged_attention with an explicit config, writing into out [T, Hq, D] (tests, benchmarks)."""
     _check_paged_attention_args(out, q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, gate, config)
     num_tokens, num_heads, head_dim = q.shape
     num_rows, num_kv_heads = block_tables.shape[0], k_cache.shape[2]
@@ -485,24 +406,20 @@ def launch_paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Te
     has_gate = gate is not None
     gate_strides = (gate.stride(0), gate.stride(1)) if has_gate else (0, 0)
     gate = gate if has_gate else q                         # never read without HAS_GATE
-    merge = splits > 1 and (merges_in_kernel(num_tokens, num_rows) if merge_in_kernel is None else merge_in_kernel)
-    arrivals = arrival_counters(q.device, num_tile_slots * num_kv_heads) if merge else out  # else never touched
     if splits > 1:
         partial_acc = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         partial_stats = torch.empty(num_tokens, num_heads, splits, 2, dtype=torch.float32, device=q.device)
-    group_p2 = triton.next_power_of_2(group)
     _paged_attention_kernel[(num_tile_slots, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, gate, out, partial_acc, partial_stats, arrivals,
+        q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, gate, out, partial_acc, partial_stats,
         scale * 1.4426950408889634, num_rows, num_tile_slots, splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         *gate_strides,
         out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPLIT=splits > 1, MERGE=merge, GROUP_P2=group_p2,
-        MERGE_CHUNK=max(1, min(triton.next_power_of_2(splits), MERGE_ELEMENTS // (group_p2 * head_dim))), HAS_GATE=has_gate,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPLIT=splits > 1, HAS_GATE=has_gate,
         PRECISION=dot_precision(q.dtype),
         **config.launch_options(), **pdl(q.device))
-    if splits > 1 and not merge:
+    if splits > 1:
         block_d = min(COMBINE_BLOCK_D, head_dim)
         _combine_splits_kernel[(num_tokens, num_heads, head_dim // block_d)](
             partial_acc, partial_stats, gate, out, splits, *gate_strides, out.stride(0), out.stride(1),

@@ -33,7 +33,6 @@ import pytest
 import torch
 
 from deltaspec.kernels import REFERENCE_OPS, attention
-from deltaspec.kernels.arrivals import arrival_counters
 from deltaspec.kernels.attention import launch_paged_attention, paged_attention, write_kv_reference
 from deltaspec.kernels.rope import QKNormRopeKV, qk_norm_rope_kv, qk_norm_rope_kv_reference
 from deltaspec.kernels.tiles import TileConfig
@@ -339,26 +338,6 @@ def test_paged_attention_split_merge_chunks(kernel_device):
     case = make_case(7, [(1, 600), (2, 45)], 16, 8, 2, 128, torch.float32, kernel_device)
     check_attention(case, TileConfig(block_m=16, block_n=16, num_splits=40, num_warps=4, num_stages=1), "40 splits",
                     gated=True)
-
-
-@pytest.mark.parametrize("num_heads,num_kv_heads,rows", [
-    (8, 2, [(1, 300), (1, 45), (1, 1)]),        # decode rows: the launcher's default merges in the kernel
-    (6, 2, [(1, 200), (3, 70), (2, 33)]),       # GQA 3, tiles of several tokens, merged in turn
-], ids=["decode-gqa4", "ragged-gqa3"])
-def test_paged_attention_split_merged_by_last_split(kernel_device, num_heads, num_kv_heads, rows):
-    """The split key range merged by the tile's last split to arrive (one launch): the gate
-    applied, splits past a short row's keys never read, every token of a tile merged, and the
-    arrival counters back at zero for the next launch."""
-    case = make_case(num_heads + len(rows), rows, 16, num_heads, num_kv_heads, 32, torch.float32, kernel_device)
-    config = TileConfig(block_m=16, block_n=16, num_splits=5, num_warps=4, num_stages=1)
-    merged = launch(case, config, case.gate) if rows[1][0] == 1 else None
-    forced = torch.full(case.q.shape, float("nan"), dtype=case.q.dtype, device=case.q.device)
-    launch_paged_attention(forced, case.q, case.k_cache, case.v_cache, case.block_tables, case.cu_seqlens,
-                           case.context_lens, case.scale, config, case.gate, merge_in_kernel=True)
-    expected = reference(case, case.gate)
-    for out in (forced,) if merged is None else (forced, merged):
-        assert_close(out, expected, TOLERANCE[case.q.dtype], "merged by the last split")
-    assert not arrival_counters(case.q.device, 64).any(), "arrival counters left non-zero"
 
 
 @pytest.mark.parametrize("config,dtype", [
