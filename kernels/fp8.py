@@ -17,7 +17,10 @@ their groups; the product sums them exactly in fp32 up to summation order.
 `fp8_linear` (the GPU table) runs the group quantizer then `_fp8_gemm_kernel`, a tiled GEMM
 with one tl.dot on fp8 tiles per group (needs sm_89+) scaled by both groups' scales. For decode,
 verify and draft batches (<= 64 rows) the same kernel splits K over the SMs (the weight's bytes
-are the time: half of bf16's) and its last program per tile sums the partials (arrivals.py).
+are the time: half of bf16's) and its last program per tile sums the partials (arrivals.py);
+one row (a decode step of one sequence, a draft) takes the one-row form (`_fp8_gemv_kernel`,
+linear.py's for FP8 weights), whose programs hold their share of W in registers, loaded before
+the PDL wait, and quantize x themselves where it comes plain.
 Prefill batches of a weight whose scales are whole 128 x 128 blocks (`block_scales`) run cuBLAS's
 block-scaled FP8 GEMM on sm_90 instead (1.6x bf16 there; the Triton GEMM is 0.7x). Both ops
 take x plain or as a QuantizedActivation (quantize.py): an op before the projection that fused the
@@ -44,10 +47,10 @@ from .activation import silu_and_mul_reference
 from .arrivals import arrival_counters, last_to_arrive, reset_arrivals
 from .device import INTERPRETED, num_sms
 from .launch import dependent_prologue, pdl
-from .linear import split_k_for
+from .linear import gemv_config, split_k_for
 from .moe import block_rows, by_expert_reference, grouped_config, sort_pairs, store_weighted_pairs, sum_slots
-from .quantize import (FP8, FP8_MAX, SCALE_FLOOR, Activation, activation_values, quantize_groups,
-                       quantize_groups_reference, quantize_tile, quantized_groups)
+from .quantize import (FP8, FP8_MAX, SCALE_FLOOR, Activation, QuantizedActivation, activation_values,
+                       quantize_groups, quantize_groups_reference, quantize_tile, quantized_groups)
 from .tiles import TileConfig
 
 def expand_groups(scale: torch.Tensor, group_size: int, num_columns: int) -> torch.Tensor:
@@ -162,6 +165,39 @@ def _fp8_gemm_kernel(x_fp8, x_scale, w, w_scale, y, partials, arrivals, M, N, K,
             reset_arrivals(counter)
 
 
+@triton.jit
+def _fp8_gemv_kernel(x, x_fp8, x_scale, w, w_scale, y, N, K, num_groups, BLOCK_N: tl.constexpr,
+                     GROUPS: tl.constexpr, GROUP: tl.constexpr, QUANTIZE: tl.constexpr,
+                     DEPENDENT_LAUNCH: tl.constexpr):
+    """The one-row form (linear.py's _gemv_kernel, for block-FP8 weights): program pid computes
+    y[0, tile] for BLOCK_N rows of W, holding its whole [BLOCK_N, K] share of W (as [BLOCK_N,
+    GROUPS, GROUP] fp8, K padded to GROUPS whole groups) and their scales [BLOCK_N, GROUPS] in
+    registers, loaded before the PDL wait (no step writes a weight), so the weight read overlaps
+    the kernel before. After the wait it reads x's one row: quantized by the op before (x_fp8,
+    x_scale), or with QUANTIZE the row x itself, which every program quantizes as quantize.py's
+    kernels do (the same fp8 values and scales: K values, cheaper than a launch). Then
+    y = sum_g (sum_{k in g} w * x_fp8) * w_scale[:, g] * x_scale[g] in fp32. No split-K: N alone
+    fills the SMs (gemv_config)."""
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(cols, N - 1).to(tl.int64)
+    groups = tl.arange(0, GROUPS)
+    k = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]                            # [GROUPS, GROUP]
+    in_k = k < K
+    w_tile = tl.load(w + rows[:, None, None] * K + k[None, :, :], mask=in_k[None, :, :], other=0.0)
+    w_scales = tl.load(w_scale + rows[:, None] * num_groups + groups[None, :], mask=(groups < num_groups)[None, :],
+                       other=0.0)                                                           # [BLOCK_N, GROUPS]
+    dependent_prologue(DEPENDENT_LAUNCH)
+    if QUANTIZE:
+        values, scales = quantize_tile(tl.load(x + k, mask=in_k, other=0.0).to(tl.float32))
+    else:
+        values = tl.load(x_fp8 + k, mask=in_k, other=0.0).to(tl.float32)
+        scales = tl.load(x_scale + groups, mask=groups < num_groups, other=0.0)
+    sums = tl.sum(w_tile.to(tl.float32) * values[None, :, :], axis=2)                      # [BLOCK_N, GROUPS]
+    acc = tl.sum(sums * w_scales * scales[None, :], axis=1)
+    tl.store(y + cols, acc.to(y.dtype.element_ty), mask=cols < N)
+
+
 def _check_fp8_linear_args(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int) -> None:
     num_features, num_columns = weight.shape
     assert x.dim() == 2 and x.shape[1] == num_columns, f"x {tuple(x.shape)} vs weight {tuple(weight.shape)}"
@@ -234,6 +270,39 @@ def launch_fp8_gemm(y: torch.Tensor, x_fp8: torch.Tensor, x_scale: torch.Tensor,
                            **config.launch_options(), **pdl(y.device))
 
 
+def fp8_gemv_config(num_features: int, num_columns: int, group_size: int, device: torch.device) -> TileConfig | None:
+    """The one-row form's tile (_fp8_gemv_kernel) for an FP8 weight [N, K]: linear.py's
+    gemv_config at a byte an element (16 KB of W a program: 4 rows of the 9B's K = 4096, 1 of
+    its down projection's 12288), block_k K padded to whole groups; None where a row does not fit."""
+    config = gemv_config(num_features, num_columns, device, element_size=1)
+    if config is None:
+        return None
+    return TileConfig(block_n=config.block_n, block_k=max(config.block_k, group_size), num_warps=config.num_warps)
+
+
+def launch_fp8_gemv(y: torch.Tensor, x: Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    group_size: int, config: TileConfig) -> None:
+    """y [1, N] = x [1, K] @ weight [N, K]^T (weight_scale [N, KB]) through the one-row form with
+    an explicit config (fp8_gemv_config's: block_n rows of W a program, block_k >= K whole
+    groups); x plain (quantized in the kernel) or a QuantizedActivation (its fp8 and scales read)."""
+    values = activation_values(x)
+    _check_fp8_linear_args(values, weight, weight_scale, group_size)
+    num_features, num_columns = weight.shape
+    assert values.shape[0] == 1 and y.shape == (1, num_features) and y.is_contiguous(), \
+        f"the one-row form: x [1, K], y contiguous [1, N]; got x {tuple(values.shape)}, y {tuple(y.shape)}"
+    assert config.block_k % group_size == 0 and config.block_k >= num_columns, \
+        f"config: block_k whole groups of {group_size} covering K = {num_columns}, got {config.block_k}"
+    quantize = not isinstance(x, QuantizedActivation)
+    if quantize:
+        x_fp8 = x_scale = values
+    else:
+        x_fp8, x_scale = quantized_groups(x, group_size, quantize_groups)
+    _fp8_gemv_kernel[(triton.cdiv(num_features, config.block_n),)](
+        values, x_fp8, x_scale, weight, weight_scale, y, num_features, num_columns, weight_scale.shape[1],
+        BLOCK_N=config.block_n, GROUPS=config.block_k // group_size, GROUP=group_size, QUANTIZE=quantize,
+        num_warps=config.num_warps, **pdl(y.device))
+
+
 def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
              group_size: int, out_dtype: torch.dtype) -> torch.Tensor:
     """x_fp8 [M, K] (x_scale [M, KB]) @ weight [N, K]^T (weight_scale [N, KB]) -> [M, N] out_dtype,
@@ -257,7 +326,8 @@ def _cublas_blockwise(device: torch.device) -> bool:
 def fp8_linear(x: Activation, weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int,
                block_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Triton fp8_linear_reference (same arguments and result up to fp32 summation order): the
-    group quantizer (skipped when x comes quantized), then the GEMM. Batches past SKINNY_MAX_ROWS
+    group quantizer (skipped when x comes quantized), then the GEMM; one row through the one-row
+    form (its quantizer in the kernel) where a row of W fits it. Batches past SKINNY_MAX_ROWS
     in bf16 with the weight's block scales (`block_scales`, 128 x 128) go to cuBLAS's block-scaled
     GEMM on sm_90 instead (the same W8A8 product; graph-capturable), which reads column-major
     scales: there x is quantized again from its values (layers.py fuses at skinny batches only)."""
@@ -272,6 +342,12 @@ def fp8_linear(x: Activation, weight: torch.Tensor, weight_scale: torch.Tensor, 
         # 4 (16 bytes; CUBLAS_STATUS_NOT_SUPPORTED at M = 65): pad M, slice the padding off.
         x_fp8, x_scale = quantize_groups(x, group_size, scale_column_major=True, row_multiple=4)
         return torch._scaled_mm(x_fp8, weight.t(), x_scale, block_scale.t(), out_dtype=x.dtype)[:num_rows]
+    if num_rows == 1:
+        config = fp8_gemv_config(num_features, num_columns, group_size, x.device)
+        if config is not None:
+            y = torch.empty(1, num_features, dtype=x.dtype, device=x.device)
+            launch_fp8_gemv(y, activation, weight, weight_scale, group_size, config)
+            return y
     x_fp8, x_scale = quantized_groups(activation, group_size, quantize_groups)
     return fp8_gemm(x_fp8, x_scale, weight, weight_scale, group_size, x.dtype)
 

@@ -151,6 +151,32 @@ def test_fp8_linear_matches_reference(kernel_device, dtype):
         assert_close(actual.cpu(), expected, tolerance, str(shape))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 256, 48), (1, 300, 37), (1, 20, 9)], ids=["even", "partial-group", "k-below-group"])
+def test_fp8_one_row_form_matches_reference(kernel_device, poisoned_empty, monkeypatch, dtype, shape):
+    """One row through the one-row form (fp8_linear takes it; the GEMM would raise): x plain,
+    quantized in the kernel, and x quantized by the op before, bit for bit the same; a partial
+    last group, N not a multiple of the tile, K below one group."""
+    import deltaspec.kernels.fp8 as fp8
+    x, weight, weight_scale = random_case(*shape, 32, seed=shape[2])
+    x = x.to(dtype)
+    expected = fp8_linear_reference(x, weight, weight_scale, 32)
+    device_case = [t.to(kernel_device) for t in (x, weight, weight_scale)]
+    config = fp8.fp8_gemv_config(shape[2], shape[1], 32, torch.device(kernel_device))
+    assert config is not None
+    with monkeypatch.context() as patch:
+        patch.setattr(fp8, "fp8_gemm", None)            # a call would raise
+        actual = poisoned_empty(fp8_linear, *device_case, 32)
+        quantized = fp8_linear(quantize_activation(device_case[0], 32), *device_case[1:], 32)
+    tolerance = max(gemm_tolerance(kernel_device), 1e-3 if dtype == torch.float16 else 0)
+    assert actual.dtype == dtype and torch.equal(actual, quantized)
+    assert_close(actual.cpu(), expected, tolerance, str(shape))
+    small = TileConfig(block_n=4, block_k=max(32, 1 << (shape[1] - 1).bit_length()), num_warps=1)
+    y = torch.full((1, shape[2]), float("nan"), dtype=dtype, device=kernel_device)
+    fp8.launch_fp8_gemv(y, *device_case, 32, small)  # 4 rows a program: a ragged last tile
+    assert torch.equal(y, actual)
+
+
 def test_a_quantized_activation_skips_the_quantizer(kernel_device, monkeypatch):
     """fp8_linear and fp8_moe_experts given x with its quantization (a QuantizedActivation, as
     a norm that fused the quantizer returns) launch no quantizer of their own and return bit for
@@ -173,7 +199,8 @@ def test_a_quantized_activation_skips_the_quantizer(kernel_device, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("shape", [(1, 2048, 512), (16, 4096, 4096), (77, 1000, 300), (512, 4096, 1024)])
+@pytest.mark.parametrize("shape", [(1, 2048, 512), (1, 4096, 12352), (1, 12288, 4096), (16, 4096, 4096),
+                                   (77, 1000, 300), (512, 4096, 1024)])
 def test_fp8_linear_matches_reference_on_gpu(shape, dtype):
     num_rows, num_columns, num_features = shape
     x, weight, weight_scale = random_case(*shape, 128, seed=num_rows)
