@@ -1,5 +1,5 @@
 """A PNG of decode-step A/B runs: per pair of profile_step reports measured in one device call
-(a change and its baseline), the graph replay time of each batch shape both report, side by
+(a change and its baseline), the graph replay time of each batch shape (and MTP draft step) both report, side by
 side, with the change's ratio and launch counts. Pairs from different calls sit in their own
 panels: machines differ more than changes do, so only bars within a panel compare.
 
@@ -36,13 +36,23 @@ def load_rows(spec: str) -> dict[str, dict]:
 
 
 def shape_label(row: dict) -> str:
+    """"8" (decode), "8x4" (verify), "8 draft" (an MTP draft step: profile_step --draft-vocab)."""
     tokens = row["tokens_per_row"]
-    return f"{row['batch']}" if tokens == 1 else f"{row['batch']}x{tokens}"
+    label = f"{row['batch']}" if tokens == 1 else f"{row['batch']}x{tokens}"
+    return f"{label} draft" if row.get("step", "").startswith("draft") else label
 
 
-def shape_key(label: str) -> tuple[int, int]:
-    batch, _, tokens = label.partition("x")
-    return int(batch), int(tokens or 1)
+def shape_key(label: str) -> tuple[int, int, str]:
+    shape, _, kind = label.partition(" ")
+    batch, _, tokens = shape.partition("x")
+    return int(batch), int(tokens or 1), kind
+
+
+def tick(label: str) -> str:
+    batch, _, kind = label.partition(" ")
+    if kind:
+        return f"{kind}, {batch} row{'s' * (batch != '1')}"
+    return f"{label} (verify)" if "x" in label else f"{label} row{'s' * (label != '1')}"
 
 
 def plot(pairs: list[tuple[str, dict, dict]], out: Path) -> None:
@@ -60,13 +70,12 @@ def plot(pairs: list[tuple[str, dict, dict]], out: Path) -> None:
             launches = f"{base[s]['launches_per_step']}->{new[s]['launches_per_step']}"
             ax.annotate(f"{ratio:.2f}x\n{launches}", (x, max(new[s]["graph_replay_us"], base[s]["graph_replay_us"])),
                         ha="center", va="bottom", fontsize=7)
-        ax.set_xticks(list(xs), [f"{s} (verify)" if "x" in s else f"{s} row{'s' * (s != '1')}" for s in shapes],
-                      fontsize=8)
+        ax.set_xticks(list(xs), [tick(s) for s in shapes], fontsize=8)
         ax.set_ylabel("graph replay, µs")
         ax.set_title(title, fontsize=9)
         ax.margins(y=0.25)
         ax.legend(fontsize=7, loc="upper left")
-    fig.suptitle("0.8B-like decode / verify step, change vs baseline in one call (ratio, launches)", fontsize=10)
+    fig.suptitle("0.8B-like decode / verify / draft step, change vs baseline in one call (ratio, launches)", fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
 
