@@ -14,8 +14,8 @@ steps of every kind: prefill rows in each bucket 1, 2, 4, .. max_num_seqs, besid
 even number of decode rows, 1, 2 and 4 prompts alone filling a step, short and
 checkpoint-crossing prompts, greedy and sampled rows, a cached prompt, small steps of a few short
 prompts beside a few decode rows, and rows sampled as users configure them (penalties, logit
-bias, bad words, min_tokens, a JSON grammar, log-probabilities), beside plain rows and as whole
-batches, at every draft count (the policy pinned to each in turn). An engine with a draft editor
+bias, bad words, min_tokens, a JSON grammar, log-probabilities), beside plain rows, as whole
+batches and mixed in one batch, at every draft count (the policy pinned to each in turn). An engine with a draft editor
 (tests) is not warmed up: the editor sees every request.
 
 Afterwards the engine is as new: the prefix cache is cleared, counters and the draft policy's
@@ -91,13 +91,13 @@ def warm_up(core) -> float:
 
 def _configured(greedy: SamplingParams, sampled: SamplingParams, vocab: int) -> list[SamplingParams]:
     """Greedy and sampled variants of penalized (alone, and with bias, bans and min_tokens),
-    constrained, both, and log-probability rows."""
+    constrained, both (with a bias and without), and log-probability rows."""
     penalties = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.1)
     biased = dict(penalties, logit_bias={vocab // 2: 2.0, vocab // 3: -2.0}, bad_words=("the",), min_tokens=2)
     structured = Structured("json_object")
     # The penalty pass has a variant with logit bias and one without.
-    variants = [penalties, biased, dict(structured=structured), dict(biased, structured=structured),
-                dict(logprobs=2)]
+    variants = [penalties, biased, dict(structured=structured), dict(penalties, structured=structured),
+                dict(biased, structured=structured), dict(logprobs=2)]
     return [dataclasses.replace(base, **variant) for base in (greedy, sampled) for variant in variants]
 
 
@@ -173,7 +173,8 @@ def _run(core) -> float:
     pinned = [None] if policy is None else [policy.pin(k) for k in range(policy.max_draft_tokens + 1)]
     for pinned_policy in pinned:  # swapped between phases, with no request in flight
         scheduler.draft_policy = pinned_policy
-        for params in _configured(greedy, sampled, vocab):
+        configured = _configured(greedy, sampled, vocab)
+        for params in configured:
             for together in (False, True):
                 for _ in range(3):
                     core.add_request(prompt(rng.randint(1, 64)), params)
@@ -181,6 +182,15 @@ def _run(core) -> float:
                     core.add_request(prompt(rng.randint(1, 64)), greedy)
                 while core.has_work:
                     core.step()
+        # Every variant in one batch, then those without a logit bias: a speculative step decides
+        # its constrained rows together (Speculator.launch's deferred rows), so the penalty pass
+        # then runs over those of them that are penalized (its variant with a row index, and
+        # drafts), biased or not.
+        for batch in (configured, [params for params in configured if not params.logit_bias]):
+            for params in batch:
+                core.add_request(prompt(rng.randint(1, 64)), params)
+            while core.has_work:
+                core.step()
     scheduler.draft_policy = policy
     core.clear_prefix_cache(reset_stats=True)
     core.reset_counters()

@@ -106,7 +106,7 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float |
     result written into out [M, N] of x's dtype or float32 (rounded to x's dtype, then widened:
     y.float()), which is returned."""
     if out is not None:
-        assert not (norm_eps is not None or glu or residual is not None or conv or gated_norm or rope_kv), \
+        assert norm_eps is None and not glu and all(op is None for op in (residual, conv, gated_norm, rope_kv)), \
             "linear: out takes no fused ops"
         return out.copy_(F.linear(x, weight))
     if gated_norm is not None:

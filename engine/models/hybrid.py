@@ -123,7 +123,7 @@ class HybridLM(nn.Module):
         a widening copy does."""
         if hidden.dtype == torch.float32 or (hidden.shape[0] == 1 and self.tp is None):
             if out is None:
-                out = hidden.new_empty((hidden.shape[0], self.lm_head_weight.shape[0]), dtype=torch.float32)
+                out = hidden.new_empty((hidden.shape[0], self.config.vocab_size), dtype=torch.float32)
             return self.logits(hidden, out)
         logits = self.logits(hidden)
         return logits.float() if out is None else out.copy_(logits)
@@ -148,9 +148,8 @@ class HybridLM(nn.Module):
             return self.ops.linear(hidden, weight, out=out)
         if out is None:
             return F.linear(hidden, weight, bias)
-        if bias is None:
-            return torch.mm(hidden, weight.t(), out=out)
-        return torch.addmm(bias, hidden, weight.t(), out=out)
+        assert bias is None, "head: out is for the model's own head, which has no bias"
+        return torch.mm(hidden, weight.t(), out=out)
 
     def use_draft_vocab(self, token_ids: torch.Tensor | None) -> None:
         """Let drafts come from `token_ids` only (None: the full vocabulary). The rows of the

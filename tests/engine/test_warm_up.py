@@ -44,6 +44,30 @@ def test_warm_up_leaves_the_engine_as_new(checkpoint):
     assert (generate(core, batch), generate(core, batch, SAMPLED)) == expected
 
 
+@pytest.mark.slow
+def test_warm_up_reaches_every_variant_of_the_penalty_pass(checkpoint):
+    """The penalty pass (kernels/penalties.py) compiles a variant per (drafts, a row index, a
+    logit bias): a speculative engine's warm-up runs all eight, whatever the traffic later brings
+    (a constrained row beside a constrained and penalized one decides with drafts over a subset
+    of rows: once only served traffic reached that, and the GPU compiled mid-serving)."""
+    path = checkpoint("qwen3_5", mtp_copy_of_last_layer=True)
+    core = EngineCore(EngineConfig(model=path, max_num_seqs=8, num_draft_tokens=2, checkpoint_interval=64,
+                                   warm_up=False))
+    penalties = core.runner.sampler.penalties
+    penalize_rows, reached = penalties.ops.penalize_rows, set()
+
+    def recording(logits, counts, prompt_mask, stats, repetition, frequency, presence, drafts=None, rows=None,
+                  bias_tokens=None, bias_values=None, out=None):
+        reached.add((drafts is not None and logits.shape[1] > 1, rows is not None, bias_tokens is not None))
+        return penalize_rows(logits, counts, prompt_mask, stats, repetition, frequency, presence, drafts, rows,
+                             bias_tokens, bias_values, out)
+
+    penalties.ops = dataclasses.replace(penalties.ops, penalize_rows=recording)
+    warm_up(core)
+    assert reached == {(drafts, rows, bias) for drafts in (False, True) for rows in (False, True)
+                       for bias in (False, True)}
+
+
 @contextlib.contextmanager
 def compiles_and_tunings():
     """Every Triton compile (its specialization) and autotuning run inside the block."""
