@@ -345,6 +345,12 @@ def test_linear_widened_out(kernel_device, num_rows):
     assert torch.equal(out, linear(x, weight).float())
     assert_close(out, linear_reference(x.float(), weight.float()), TOLERANCE[torch.float16], f"M={num_rows}")
     assert torch.equal(linear_reference(x, weight, out=torch.empty_like(out)), linear_reference(x, weight).float())
+    if num_rows <= KERNEL_MAX_ROWS:  # the MMA form widens its stores too
+        config = TileConfig(block_n=16, block_k=32, num_splits=2, num_warps=1, num_stages=1)
+        narrow, wide = torch.empty(num_rows, 40, dtype=x.dtype, device=kernel_device), torch.full_like(out, float("nan"))
+        launch_linear(narrow, x, weight, config)
+        launch_linear(wide, x, weight, config)
+        assert torch.equal(wide, narrow.float())
     with pytest.raises(AssertionError, match="out takes no fused ops"):
         linear(x, weight, residual=torch.zeros(num_rows, 40, dtype=x.dtype, device=kernel_device), out=out)
 
