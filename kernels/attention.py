@@ -75,8 +75,10 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return out.to(q.dtype)
 
 
-def _check_pool(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def check_pool(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """The KV pool's contract for the kernels that read or write it (here, and rope.py's KV write)."""
     assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, "k_cache, v_cache: [num_blocks, block_size, Hkv, D]"
+    assert k_cache.stride() == v_cache.stride(), "k_cache and v_cache must share one layout (one offset serves both)"
     assert k_cache.dtype == v_cache.dtype and k_cache.device == v_cache.device, "k_cache, v_cache: one dtype and device"
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "pool head_dim must be contiguous"
     head_dim = k_cache.shape[3]
@@ -364,14 +366,13 @@ def attention_config(num_tokens: int, num_rows: int, num_kv_heads: int, group: i
 
 def _check_paged_attention_args(out, q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, gate,
                                 config) -> None:
-    _check_pool(k_cache, v_cache)
+    check_pool(k_cache, v_cache)
     num_rows = block_tables.shape[0]
     assert q.dim() == 3 and q.shape[2] == k_cache.shape[3], "q: [T, Hq, D] with the pool's D"
     assert q.shape[1] % k_cache.shape[2] == 0, "query heads must be a multiple of KV heads"
     assert q.stride(-1) == 1 and q.dtype == k_cache.dtype, "q: D contiguous, the pool's dtype"
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1, \
         "out: q's shape and dtype, D contiguous"
-    assert k_cache.stride() == v_cache.stride(), "k_cache and v_cache must share one layout (one offset serves both)"
     if gate is not None:
         assert gate.shape == q.shape and gate.dtype == q.dtype and gate.stride(-1) == 1, \
             "gate: [T, Hq, D] in q's dtype, D contiguous (any token/head strides)"

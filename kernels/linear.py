@@ -74,8 +74,8 @@ from .conv1d import (ConvDecode, causal_conv1d_decode, causal_conv1d_decode_refe
 from .device import INTERPRETED, num_sms
 from .launch import dependent_prologue, dot_precision, pdl, prefetch_l2
 from .norms import GatedNorm, gated_rms_norm, gated_rms_norm_reference, rms_norm, rms_norm_reference
-from .rope import (QKNormRopeKV, check_qk_norm_rope_kv_args, inv_freq_table, norm_rope_head, pool_offset,
-                   qk_norm_rope_kv, qk_norm_rope_kv_reference, rope_factors)
+from .rope import (QKNormRopeKV, check_qk_norm_rope_kv_args, norm_rope_head, pool_offset, qk_norm_rope_kv,
+                   qk_norm_rope_kv_reference, rope_factors)
 from .tiles import TileConfig
 
 MAX_ROWS = 64               # the kernel's limit (x is padded to a power of two >= 16 rows)
@@ -640,9 +640,8 @@ def _rope_arguments(y: torch.Tensor, rope_kv: QKNormRopeKV | None, num_heads: in
         return (y,) * 9 + (0, 0, 0, 0.0, 1.0)
     k_cache = rope_kv.k_cache
     return (arrival_counters(y.device, num_heads), rope_kv.q_weight, rope_kv.k_weight, rope_kv.q_out,
-            rope_kv.positions, inv_freq_table(rope_kv.rotary_dim, rope_kv.theta, y.device, rope_kv.yarn), k_cache,
-            rope_kv.v_cache, rope_kv.slot_mapping, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), rope_kv.eps,
-            1.0 if rope_kv.yarn is None else rope_kv.yarn.attention_factor)
+            rope_kv.positions, rope_kv.inv_freq(y.device), k_cache, rope_kv.v_cache, rope_kv.slot_mapping,
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), rope_kv.eps, rope_kv.attention_factor)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = None, glu: bool = False,

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import write_kv_reference
+from .attention import check_pool, write_kv_reference
 from .launch import dependent_prologue, pdl
 
 
@@ -121,6 +121,15 @@ class QKNormRopeKV(NamedTuple):
     v_cache: torch.Tensor
     slot_mapping: torch.Tensor
 
+    @property
+    def attention_factor(self) -> float:
+        """The rotary channels' cos/sin scale: YaRN's, else 1."""
+        return 1.0 if self.yarn is None else self.yarn.attention_factor
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """The rotary frequencies on `device` (_inv_freq_table: cached; first call before capture)."""
+        return _inv_freq_table(self.rotary_dim, self.theta, device, self.yarn)
+
     def heads(self, width: int) -> tuple[int, int, int]:
         """(Hq, Hkv, D) of a qkv row `width` columns wide."""
         head_dim, num_kv_heads = self.q_weight.shape[0], self.k_cache.shape[2]
@@ -213,7 +222,7 @@ def _qk_norm_rope_kv_kernel(qkv, q_weight, k_weight, q_out, positions, inv_freq,
 
 
 @cache
-def inv_freq_table(rotary_dim: int, theta: float, device: torch.device, yarn: Yarn | None) -> torch.Tensor:
+def _inv_freq_table(rotary_dim: int, theta: float, device: torch.device, yarn: Yarn | None) -> torch.Tensor:
     """rope_inv_freq, computed once per (rotary_dim, theta, device, yarn) by the reference's own
     formula: the first call must come before CUDA-graph capture."""
     return rope_inv_freq(rotary_dim, theta, device, yarn)
@@ -232,9 +241,8 @@ def check_qk_norm_rope_kv_args(qkv: torch.Tensor, spec: QKNormRopeKV) -> tuple[i
         and not spec.positions.is_floating_point(), "positions: contiguous [T] integers"
     assert spec.rotary_dim % 2 == 0 and 0 < spec.rotary_dim <= d, f"rotary_dim {spec.rotary_dim}: even, in (0, D]"
     k_cache, v_cache = spec.k_cache, spec.v_cache
-    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape and k_cache.shape[3] == d \
-        and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, \
-        "k_cache, v_cache: one layout [blocks, block_size, Hkv, D], D contiguous"
+    check_pool(k_cache, v_cache)
+    assert k_cache.shape[3] == d, f"pool head_dim {k_cache.shape[3]}, qkv heads of {d}"
     assert spec.slot_mapping.shape == (num_tokens,) and spec.slot_mapping.dtype in (torch.int32, torch.int64), \
         "slot_mapping: [T] int32 or int64"
     assert len({t.device for t in (qkv, spec.q_out, k_cache, v_cache, spec.positions, spec.slot_mapping)}) == 1, \
@@ -250,9 +258,8 @@ def qk_norm_rope_kv(qkv: torch.Tensor, spec: QKNormRopeKV) -> None:
         return
     k_cache = spec.k_cache
     _qk_norm_rope_kv_kernel[(num_tokens, hq + hkv)](
-        qkv, spec.q_weight, spec.k_weight, spec.q_out, spec.positions,
-        inv_freq_table(spec.rotary_dim, spec.theta, qkv.device, spec.yarn), k_cache, spec.v_cache, spec.slot_mapping,
-        qkv.stride(0), spec.q_out.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), spec.eps,
-        1.0 if spec.yarn is None else spec.yarn.attention_factor,
+        qkv, spec.q_weight, spec.k_weight, spec.q_out, spec.positions, spec.inv_freq(qkv.device), k_cache,
+        spec.v_cache, spec.slot_mapping, qkv.stride(0), spec.q_out.stride(0), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), spec.eps, spec.attention_factor,
         HQ=hq, HKV=hkv, D=d, R=spec.rotary_dim, BD=triton.next_power_of_2(d), BLOCK_SIZE=k_cache.shape[1],
         num_warps=max(1, min(4, d // 64)), **pdl(qkv.device))
