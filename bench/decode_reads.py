@@ -17,7 +17,7 @@ the fused op would; above one row the GPU runs some of that work as launches of 
 
 The forward's torch ops outside the Ops table are added by hand, as bench/profile_step.py's step
 runs them: the embedding gather before the layers, and after the final norm the logits (the
-lm_head GEMM, their float copy) and the argmax. Ops whose GPU kernel is two launches (split-KV
+lm_head GEMM, in the model's dtype) and the argmax. Ops whose GPU kernel is two launches (split-KV
 attention and its combine) count as one, so the list has a few launches fewer than the GPU
 step; as a floor it errs low. bf16 / fp16 / fp32 models only (FP8 activations are not counted).
 Knows nothing about timing.
@@ -171,10 +171,9 @@ def decode_reads(config: ModelConfig, batch: int = 1, context: int = CONTEXT,
     head = config.num_hidden_layers
     lm_head = "embed_tokens" if model.lm_head is None else "lm_head"
     logits = batch * config.vocab_size
-    # model.compute_logits(hidden).argmax(dim=-1): the GEMM, the float copy, the argmax.
+    # greedy_argmax(model.logits(hidden)): the GEMM, then the argmax over the model-dtype logits.
     tail = (Read("lm_head", head, model.lm_head_weight.nbytes, 0, batch * hidden_row, (lm_head,)),
-            Read("logits_float", head, 0, 0, logits * dtype.itemsize, ()),
-            Read("argmax", head, 0, 0, logits * 4, ()))
+            Read("argmax", head, 0, 0, logits * dtype.itemsize, ()))
     return (embedding, *recorder.reads, *tail)
 
 

@@ -96,8 +96,8 @@ def measure(model, batch: int, num_drafts: int) -> dict:
                     tables[r], num_logits=tokens) for r in range(batch)]
         step_batch = ForwardBatch.build(rows, [], BLOCK, device, commit=num_drafts == 0)
 
-        def step():  # the engine's step past the model: float32 logits, then its greedy tokens and flags
-            return model.ops.greedy_argmax(model.compute_logits(model(step_batch, states, kv)), tokens)[0]
+        def step():  # the engine's step past the model: model-dtype logits, then its greedy tokens and flags
+            return model.ops.greedy_argmax(model.logits(model(step_batch, states, kv)), tokens)[0]
 
         for _ in range(3):
             step()

@@ -11,8 +11,8 @@ the device cost of the step, not the engine's host work:
     decode        : 1 token per row, commit (a state pool without pending buffers, as the engine
                     has without speculation)
     verify(k)     : k + 1 tokens per row, k pending drafts folded first, the first new token
-                    committed, the k drafts left pending (commit=False); its logits in the
-                    model dtype, as the engine's speculative graphs keep them (no float32 copy)
+                    committed, the k drafts left pending (commit=False)
+Both keep their logits in the model dtype, as the engine's graphs do (no float32 copy).
     draft step    : one MTP layer step per row + the lm_head + argmax (what the runner runs per
                     draft depth), scoring the full vocabulary, and scoring N token ids only
                     (`use_draft_vocab`; ids 0..N-1: on a random model which N ids does not change
@@ -114,7 +114,8 @@ def measure(model: HybridLM, batch: int, max_draft: int, draft_vocab_size: int, 
 
         # Each batch below is built once: its device tensors are the graph's static inputs.
         decode = ForwardBatch.build(rows(1), [], BLOCK, device, commit=True)
-        times["decode"] = time_step(lambda: model.compute_logits(model(decode, plain, kv)), device)
+        # Logits in the model dtype, as the engine's plain and speculative graphs keep them (cuda_graphs.py).
+        times["decode"] = time_step(lambda: model.logits(model(decode, plain, kv)), device)
 
         hidden = torch.randn(batch, config.hidden_size, dtype=dtype, device=device)
         draft = ForwardBatch.build([], rows(1), BLOCK, device)
@@ -132,7 +133,6 @@ def measure(model: HybridLM, batch: int, max_draft: int, draft_vocab_size: int, 
             # k pending drafts per slot, as after a fully accepted step: the fold runs every time
             # (the pending counts are a graph input; the forward never changes them).
             speculative.pending_counts[1:batch + 1] = k
-            # Logits in the model dtype: the engine's speculative graphs keep them so (cuda_graphs.py).
             times[f"verify_{k}"] = time_step(lambda: model.logits(model(verify, speculative, kv)), device)
             speculative.pending_counts.zero_()
 

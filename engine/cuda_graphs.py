@@ -132,9 +132,10 @@ class _Graph:
 class DecodeGraphs(_StaticRows):
     def __init__(self, step: DecodeStep, max_batch: int, device: torch.device) -> None:
         super().__init__(step, max_batch, device)
-        # The logits of every graph (float32 [max_batch, V]): a step's are read before the next
-        # step replays any graph (runner.py).
-        self.logits = torch.empty(max_batch, step.model.config.vocab_size, dtype=torch.float32, device=device)
+        # The logits of every graph ([max_batch, V], the model's dtype): a step's are read before
+        # the next step replays any graph (runner.py).
+        self.logits = torch.empty(max_batch, step.model.config.vocab_size, dtype=step.model.embed_tokens.dtype,
+                                  device=device)
         self.graphs: dict[tuple[int, bool], _Graph] = {}
 
     @torch.inference_mode()
@@ -152,7 +153,7 @@ class DecodeGraphs(_StaticRows):
         torch.cuda.synchronize()
 
     def run(self, rows: list[DecodeRow], sampled: bool) -> tuple[DecodeRows, torch.Tensor, torch.Tensor]:
-        """(the B rows on the device, float32 logits [B, V], the step's tokens [B]) of one decode
+        """(the B rows on the device, logits [B, V] in the model's dtype, the step's tokens [B]) of one decode
         step of the B rows; sampled: replay the variant that draws sampling rows."""
         bucket = self.load(rows)
         entry = self.graphs[bucket, sampled]

@@ -254,8 +254,9 @@ class DecodeStep:
     def plain(self, rows: DecodeRows, sampled: bool = False,
               logits_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A plain decode step: each row's newest token (fed rows' from the latest step),
-        committed at once. Returns (float32 logits [B, V], into `logits_out` when given (a
-        graph's static buffer); the step's tokens [B]: a view of `emitted[0]`, where the runner
+        committed at once. Returns (logits [B, V] in the model's dtype, into `logits_out` when
+        given (a graph's static buffer): every reader widens them, exactly, as the verify
+        logits; the step's tokens [B]: a view of `emitted[0]`, where the runner
         writes redecided rows' tokens; `nonfinite` flags the rows whose logits are not finite).
         The tokens are the argmax, and with `sampled` each sampling slot's seeded draw
         (`draw`). Beyond the model: one launch before (the metadata), one after (greedy tokens
@@ -267,7 +268,7 @@ class DecodeStep:
         num_rows = rows.num_rows
         batch = self.batch(rows, RowTokens.NEWEST, 1, feed=True)
         hidden = self.model(batch, self.states, self.kv)
-        logits = self.model.compute_logits(hidden, out=logits_out)
+        logits = self.model.logits(hidden, out=logits_out)
         tokens, _ = self.model.ops.greedy_argmax(logits, 1, tokens=self.emitted[0, :num_rows],
                                                  nonfinite=self.nonfinite[:num_rows])
         if sampled:

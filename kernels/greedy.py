@@ -102,12 +102,19 @@ def _greedy_argmax_kernel(logits, tokens, nonfinite, token_ids, partials, arriva
         reset_arrivals(counter)
 
 
+# Programs per SM the rows are split into. The loop's loads are not pipelined: each program has
+# one block's loads in flight, so the SM's share of the bytes in flight (Little's law: bandwidth x
+# latency, ~25 KB an H100 SM) takes several programs.
+PROGRAMS_PER_SM = 8
+
+
 def greedy_config(num_rows: int, vocab: int, sms: int) -> TileConfig:
     """Tiles of `_greedy_argmax_kernel`: block_n columns a loop step, each row split over
-    num_splits programs, about two programs per SM in all (a batch-1 row over the whole GPU)."""
+    num_splits programs, about PROGRAMS_PER_SM programs per SM in all (a batch-1 row over the
+    whole GPU)."""
     block = _block()
     num_blocks = triton.cdiv(vocab, block)
-    wanted = min(num_blocks, max(1, triton.cdiv(2 * sms, num_rows)))
+    wanted = min(num_blocks, max(1, triton.cdiv(PROGRAMS_PER_SM * sms, num_rows)))
     num_splits = triton.cdiv(num_blocks, triton.cdiv(num_blocks, wanted))  # no empty split
     return TileConfig(block_n=block, num_splits=num_splits, num_warps=4)
 
@@ -119,7 +126,7 @@ def _block() -> int:
 def _max_splits(vocab: int, sms: int) -> int:
     """The most splits greedy_config gives any batch of this vocabulary: the combine's vector
     is that wide whatever the batch, so batch sizes compile no variants of their own."""
-    return triton.next_power_of_2(min(triton.cdiv(vocab, _block()), 2 * sms))
+    return triton.next_power_of_2(min(triton.cdiv(vocab, _block()), PROGRAMS_PER_SM * sms))
 
 
 def _check_greedy_argmax_args(logits: torch.Tensor, width: int, tokens: torch.Tensor | None,

@@ -87,14 +87,14 @@ def test_decode_reads_of_the_0_8b_shape(batch):
 
     # The step's launches in order: the embedding, 18 GDN layers of 8 and 6 attention layers of
     # 8, the final norm, the head.
-    assert len(reads) == 1 + 18 * 8 + 6 * 8 + 1 + 3
+    assert len(reads) == 1 + 18 * 8 + 6 * 8 + 1 + 2
     assert [r.layer for r in reads] == sorted(r.layer for r in reads)
     assert {r.layer for r in reads} == set(range(25))
     for layer in range(24):
         expected = ATTENTION_LAYER if layer % 4 == 3 else GDN_LAYER
         assert [r.op for r in reads if r.layer == layer and r.op != "embedding"] == expected
     assert reads[0].op == "embedding"
-    assert [r.op for r in reads if r.layer == 24] == ["rms_norm", "lm_head", "logits_float", "argmax"]
+    assert [r.op for r in reads if r.layer == 24] == ["rms_norm", "lm_head", "argmax"]
 
 
 def test_launch_spans_cover_one_arena_and_chains_read_it_whole(kernel_device):
