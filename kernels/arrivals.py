@@ -43,11 +43,14 @@ def wait_for_group(counter, group_size):
     """Count this program in at `counter` and spin until all group_size members have: then every
     member's prior stores are visible to this program's later loads from L2 (.cg). The CTA
     barriers order the threads' stores before the release and their later loads after the
-    acquire (CUTLASS's semaphore: __syncthreads around one thread's atomics)."""
+    acquire (CUTLASS's semaphore: __syncthreads around one thread's atomics). The spin reads the
+    counter with volatile loads, which L2 serves side by side; atomics on one address queue one
+    behind another, so spinning by atomics would delay the members still counting in."""
     tl.debug_barrier()
     arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") + 1
     while arrived < group_size:
-        arrived = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+        arrived = tl.load(counter, volatile=True)
+    tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
 
 
