@@ -16,12 +16,9 @@ tile of one row and one KV head: the tile packs TOKENS consecutive query tokens 
 query heads of that KV head into its BLOCK_M rows (m -> token m // GROUP, head m % GROUP), so
 K/V are read once per KV head for all its query heads, and a decode or verify row (q_len <= 8)
 is one tile. Optionally the key range of a tile is split over num_splits programs (long contexts,
-few rows), whose partial (max, sum, acc) are merged in the same launch where the whole grid is
-resident at once (the splits of a tile wait for each other, arrivals.py wait_for_group, then each
-merges its share of the head dimension: `merges_in_kernel`), else by a second small kernel. Both
-are programmatic dependent launches on sm_90+ (launch.py). The gate is multiplied in by whoever
-stores the output (the attention kernel's epilogue, or the merge), so it costs no launch of its
-own.
+few rows); a second small kernel merges their partial (max, sum, acc). Both are programmatic
+dependent launches on sm_90+ (launch.py). The gate is multiplied in by whichever kernel stores
+the output (the attention kernel's epilogue, or the merge), so it costs no launch of its own.
 Launch geometry depends only on tensor shapes, never on tensor values, so both launchers run
 inside CUDA graphs.
 """
@@ -32,8 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .arrivals import arrival_counters, leave_group, wait_for_group
-from .device import INTERPRETED, num_sms, resident_programs
+from .device import num_sms
 from .launch import dependent_prologue, dot_precision, pdl
 from .tiles import TileConfig
 from .varlen import pad_rows, row_layout
@@ -180,13 +176,12 @@ def _attend_block(acc, m_i, l_i, block, q, start, hi, query_pos, table, k_cache_
 @triton.jit(do_not_specialize=["num_rows", "num_tile_slots", "num_splits", "stride_table_row"])
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, gate_ptr,
-        out_ptr, partial_acc_ptr, partial_stats_ptr, arrivals, qk_scale, num_rows, num_tile_slots, num_splits,
+        out_ptr, partial_acc_ptr, partial_stats_ptr, qk_scale, num_rows, num_tile_slots, num_splits,
         stride_q_token, stride_q_head, stride_kv_block, stride_kv_offset, stride_kv_head, stride_table_row,
         stride_gate_token, stride_gate_head, stride_out_token, stride_out_head,
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, MERGE_COLUMNS: tl.constexpr,
-        MERGE_CHUNK: tl.constexpr, HAS_GATE: tl.constexpr, PRECISION: tl.constexpr,
-        DEPENDENT_LAUNCH: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_GATE: tl.constexpr,
+        PRECISION: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """Grid (tile slot, KV head, split). Tile rows m < TOKENS * GROUP hold query token
     first + m // GROUP of the row, query head kv_head * GROUP + m % GROUP.
 
@@ -194,12 +189,8 @@ def _paged_attention_kernel(
     and sees keys [0, prefix + i]. The tile therefore needs keys [0, end), end = min(context,
     prefix + first + TOKENS); keys [0, prefix + first + 1) are visible to all of its queries and
     skip the causal mask. With SPLIT, split s of num_splits takes the BLOCK_N-aligned s-th chunk of
-    [0, end) and writes unnormalised (acc, m, l) for the merge, which then applies the gate:
-    _combine_splits_kernel, or with MERGE_COLUMNS > 0 the tile's splits themselves: they wait for
-    each other (a counter per (tile slot, KV head) in `arrivals`), then split s merges head
-    columns [s, s + 1) * MERGE_COLUMNS of the tile (_merge_columns). Else the tile stores acc / l,
-    times sigmoid(gate) with HAS_GATE. A tile slot past its row's tokens returns with all its
-    splits, so a counter's group is whole or absent."""
+    [0, end) and writes unnormalised (acc, m, l) for _combine_splits_kernel (which then applies
+    the gate); else the tile stores acc / l, times sigmoid(gate) with HAS_GATE."""
     TOKENS: tl.constexpr = BLOCK_M // GROUP
     dependent_prologue(DEPENDENT_LAUNCH)
     tile = num_tile_slots - 1 - tl.program_id(0)          # a row's last (longest) tiles start first
@@ -255,13 +246,6 @@ def _paged_attention_kernel(
         tl.store(partial_acc_ptr + partial[:, None] * HEAD_DIM + d, acc, mask=valid[:, None])
         tl.store(partial_stats_ptr + partial * 2, m_i, mask=valid)
         tl.store(partial_stats_ptr + partial * 2 + 1, l_i, mask=valid)
-        if MERGE_COLUMNS > 0:
-            counter = arrivals + tl.program_id(0) * tl.num_programs(1) + kv_head
-            wait_for_group(counter, num_splits)
-            _merge_columns(partial_acc_ptr, partial_stats_ptr, gate_ptr, out_ptr, q_row, head, valid,
-                           split * MERGE_COLUMNS, num_splits, stride_gate_token, stride_gate_head, stride_out_token,
-                           stride_out_head, NUM_HEADS, HEAD_DIM, BLOCK_M, MERGE_COLUMNS, MERGE_CHUNK, HAS_GATE)
-            leave_group(counter, num_splits)
     else:
         out = acc / l_i[:, None]
         if HAS_GATE:
@@ -270,50 +254,6 @@ def _paged_attention_kernel(
             out = out * tl.sigmoid(gate)
         tl.store(out_ptr + (q_row * stride_out_token + head * stride_out_head)[:, None] + d,
                  out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
-
-
-@triton.jit
-def _merge_columns(partial_acc_ptr, partial_stats_ptr, gate_ptr, out_ptr, q_row, head, valid, first_column,
-                   num_splits, stride_gate_token, stride_gate_head, stride_out_token, stride_out_head,
-                   NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, COLUMNS: tl.constexpr,
-                   CHUNK: tl.constexpr, HAS_GATE: tl.constexpr):
-    """_combine_splits_kernel's merge of a tile's BLOCK_M rows (q_row, head; the valid ones) at
-    head columns first_column + [0, COLUMNS), by one of the tile's splits once all have stored
-    their partials: the splits stream through in chunks of CHUNK whose loads go out together,
-    folded in with a running max; loads are .cg (the other programs' stores are in L2, never in
-    this SM's L1). Splits that saw no key weigh 0."""
-    d = first_column + tl.arange(0, COLUMNS)[None, :]
-    base = (q_row * NUM_HEADS + head) * num_splits                                          # [BLOCK_M]
-    m_run = tl.where(valid, float("-inf"), 0.0)
-    denominator = tl.where(valid, 0.0, 1.0)      # rows past the tile's tokens: 1, never stored
-    acc = tl.zeros([BLOCK_M, COLUMNS], tl.float32)
-    for start in range(0, num_splits, CHUNK):
-        m_chunk = tl.full(m_run.shape, float("-inf"), tl.float32)
-        for s in tl.static_range(CHUNK):
-            split = base + tl.minimum(start + s, num_splits - 1)
-            m_chunk = tl.maximum(m_chunk, tl.load(partial_stats_ptr + split * 2, mask=valid, other=0.0,
-                                                  cache_modifier=".cg"))
-        m_new = tl.maximum(m_run, m_chunk)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # no split so far saw a key
-        alpha = tl.exp2(m_run - m_safe)
-        denominator = denominator * alpha
-        acc = acc * alpha[:, None]
-        for s in tl.static_range(CHUNK):
-            split = base + tl.minimum(start + s, num_splits - 1)
-            m_s = tl.load(partial_stats_ptr + split * 2, mask=valid, other=0.0, cache_modifier=".cg")
-            weight = tl.where(start + s < num_splits, tl.exp2(m_s - m_safe), 0.0)
-            denominator += weight * tl.load(partial_stats_ptr + split * 2 + 1, mask=valid, other=0.0,
-                                            cache_modifier=".cg")
-            acc += weight[:, None] * tl.load(partial_acc_ptr + split[:, None] * HEAD_DIM + d, mask=valid[:, None],
-                                             other=0.0, cache_modifier=".cg")
-        m_run = m_new
-    out = acc / denominator[:, None]
-    if HAS_GATE:
-        gate = tl.load(gate_ptr + (q_row * stride_gate_token + head * stride_gate_head)[:, None] + d,
-                       mask=valid[:, None], other=0.0).to(tl.float32)
-        out = out * tl.sigmoid(gate)
-    tl.store(out_ptr + (q_row * stride_out_token + head * stride_out_head)[:, None] + d,
-             out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -363,9 +303,6 @@ def _combine_splits_kernel(partial_acc_ptr, partial_stats_ptr, gate_ptr, out_ptr
     tl.store(out_ptr + token * stride_out_token + head * stride_out_head + d, out.to(out_ptr.dtype.element_ty))
 
 
-# The in-kernel merge (_merge_columns): a chunk's [BLOCK_M, columns] fp32 loads in flight together,
-# at most MERGE_ELEMENTS of them.
-MERGE_ELEMENTS = 8192
 # The merge streams any number of splits; more than 128 never ran faster (measured:
 # bench/results/kernels_attn-h100.json), and each split adds [Hq, D] fp32 of partials.
 MAX_SPLITS = 128
@@ -470,56 +407,25 @@ def launch_paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Te
     has_gate = gate is not None
     gate_strides = (gate.stride(0), gate.stride(1)) if has_gate else (0, 0)
     gate = gate if has_gate else q                         # never read without HAS_GATE
-    arrivals = out                                         # unused unless merged in the kernel
     if splits > 1:
         partial_acc = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         partial_stats = torch.empty(num_tokens, num_heads, splits, 2, dtype=torch.float32, device=q.device)
-        arrivals = arrival_counters(q.device, num_tile_slots * num_kv_heads)
-    grid = (num_tile_slots, num_kv_heads, splits)
-    args = (q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, gate, out, partial_acc, partial_stats,
-            arrivals, scale * 1.4426950408889634, num_rows, num_tile_slots, splits,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            *gate_strides, out.stride(0), out.stride(1))
-    meta = dict(NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-                BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPLIT=splits > 1, MERGE_COLUMNS=0, MERGE_CHUNK=1,
-                HAS_GATE=has_gate, PRECISION=dot_precision(q.dtype), **config.launch_options(), **pdl(q.device))
-    merged = splits > 1 and merges_in_kernel(grid, args, meta, q.device)
-    if merged:
-        meta.update(_merge_meta(splits, head_dim, config.block_m))
-    _paged_attention_kernel[grid](*args, **meta)
-    if splits > 1 and not merged:
+    _paged_attention_kernel[(num_tile_slots, num_kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, gate, out, partial_acc, partial_stats,
+        scale * 1.4426950408889634, num_rows, num_tile_slots, splits,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        *gate_strides,
+        out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, SPLIT=splits > 1, HAS_GATE=has_gate,
+        PRECISION=dot_precision(q.dtype),
+        **config.launch_options(), **pdl(q.device))
+    if splits > 1:
         block_d = min(COMBINE_BLOCK_D, head_dim)
         _combine_splits_kernel[(num_tokens, num_heads, head_dim // block_d)](
             partial_acc, partial_stats, gate, out, splits, *gate_strides, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, SPLIT_CHUNK=min(COMBINE_SPLIT_CHUNK, triton.next_power_of_2(splits)),
             HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_GATE=has_gate, num_warps=COMBINE_WARPS, **pdl(q.device))
-
-
-def _merge_meta(splits: int, head_dim: int, block_m: int) -> dict:
-    """The in-kernel merge's compile-time arguments: head_dim / splits columns a split (both powers
-    of two), loaded in chunks of at most MERGE_ELEMENTS."""
-    columns = head_dim // splits
-    chunk = min(COMBINE_SPLIT_CHUNK, splits, max(1, MERGE_ELEMENTS // (block_m * columns)))
-    return dict(MERGE_COLUMNS=columns, MERGE_CHUNK=chunk)
-
-
-_RESIDENT: dict[tuple, int] = {}
-
-
-def merges_in_kernel(grid: tuple[int, int, int], args: tuple, meta: dict, device: torch.device) -> bool:
-    """Whether the splits of this launch merge in the attention kernel (the launch's arguments and
-    compile-time arguments without the merge): on a GPU, head columns for every split, and every program of the grid resident at
-    once (the splits of a tile spin until all have stored their partials: a split that never got
-    an SM would hang the launch). Residency is the merging kernel's, compiled for these
-    arguments (its registers and shared memory), once per compile-time variant and device."""
-    splits, head_dim = grid[2], meta["HEAD_DIM"]
-    if INTERPRETED or head_dim % splits or head_dim & (head_dim - 1):
-        return False   # the interpreter runs programs one after another: a spinning one never returns
-    merging = {**meta, **_merge_meta(splits, head_dim, meta["BLOCK_M"])}
-    key = (device, tuple(sorted(merging.items())))
-    if key not in _RESIDENT:
-        _RESIDENT[key] = resident_programs(_paged_attention_kernel.warmup(*args, grid=grid, **merging), device)
-    return grid[0] * grid[1] * grid[2] <= _RESIDENT[key] * num_sms(device)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -33,19 +33,3 @@ def supports_dependent_launch(device: torch.device) -> bool:
     """Grid dependency control (griddepcontrol: sm_90 and newer), which programmatic dependent
     launch needs; never under the interpreter."""
     return device.type == "cuda" and not INTERPRETED and torch.cuda.get_device_capability(device) >= (9, 0)
-
-
-def resident_programs(kernel, device: torch.device) -> int:
-    """How many programs of a compiled Triton kernel (what `warmup` returns) one SM of `device`
-    holds at once: the least of what its threads, registers (allocated per warp in units of 256)
-    and shared memory (plus the 1 KB the driver reserves per block) allow, and 32 blocks."""
-    if getattr(kernel, "n_regs", None) is None:
-        kernel._init_handles()   # a warmed-up kernel learns its registers when loaded
-    properties = torch.cuda.get_device_properties(device)
-    warps = kernel.metadata.num_warps
-    registers_per_warp = -(-kernel.n_regs * 32 // 256) * 256
-    shared = kernel.metadata.shared + 1024
-    return min(properties.max_threads_per_multi_processor // (32 * warps),
-               properties.regs_per_multiprocessor // max(1, registers_per_warp * warps),
-               properties.shared_memory_per_multiprocessor // shared,
-               32)

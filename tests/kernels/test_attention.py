@@ -428,33 +428,6 @@ def test_split_merge_sums_without_shared_memory(splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows,head_dim,config", [
-    ([(1, 500)], 256, TileConfig(block_m=16, block_n=32, num_splits=16, num_warps=4, num_stages=1)),
-    ([(1, 9000)], 256, TileConfig(block_m=16, block_n=16, num_splits=128, num_warps=2, num_stages=3)),
-    ([(1, 5), (1, 0)], 256, TileConfig(block_m=16, block_n=16, num_splits=32, num_warps=2, num_stages=3)),
-    ([(4, 700), (1, 0), (4, 33)], 128, TileConfig(block_m=16, block_n=32, num_splits=4, num_warps=4, num_stages=3)),
-    ([(1, 40)], 256, TileConfig(block_m=16, block_n=16, num_splits=2, num_warps=4, num_stages=3)),
-    ([(1, 4000)] * 3 + [(1, 17)], 256, None)],
-    ids=["decode-16-splits", "decode-128-splits", "short-rows-empty-splits", "verify-d128-4-splits", "2-splits",
-         "launcher"])
-def test_split_merge_in_the_attention_kernel_gpu(monkeypatch, rows, head_dim, config):
-    """The splits of a resident grid merge in the attention kernel (no merge launch: the merge
-    kernel is replaced by one that fails), each split its share of the head columns once all have
-    stored their partials; twice in a row (the kernel leaves its counters at zero), gated."""
-    monkeypatch.setattr(attention, "_combine_splits_kernel", _Unlaunchable())
-    for seed in (31, 32):
-        case = make_case(seed, rows, 16, 8, 2, head_dim, torch.bfloat16, "cuda")
-        check_attention(case, config, f"merged in the kernel, rows {rows[:2]}", gated=True)
-
-
-class _Unlaunchable:
-    """Stands in for a kernel that must not launch: any launch fails."""
-
-    def __getitem__(self, grid):
-        raise AssertionError(f"the split merge ran as its own launch (grid {grid})")
-
-
-@pytest.mark.gpu
 def test_paged_attention_and_kv_write_in_cuda_graph():
     """Launch geometry depends on shapes only: a captured decode step (write this token's K/V,
     attend with the output gate, as the model does) replays correctly after lengths, slots,
