@@ -203,6 +203,7 @@ class ModelConfig:
     @classmethod
     def _from_text_config(cls, model_type: str, family: str, c: dict,
                           quantization: "Fp8Config | None") -> "ModelConfig":
+        _check_fixed_choices(c)
         num_layers = int(c["num_hidden_layers"])
         layer_types = c.get("layer_types")
         if layer_types is None:
@@ -257,6 +258,26 @@ class ModelConfig:
             bos_token_id=c.get("bos_token_id"),
             quantization=quantization,
         )
+
+
+# Fields whose other values would change the model's math, each with the values the engine
+# implements (the published Qwen3.5 / Qwen3-Next configs' own; absent means the family's
+# default). The recurrent state is always kept in float32, as those configs ask
+# (`mamba_ssm_dtype`); a lower precision asked for is not taken, so it is not an error.
+FIXED_CHOICES = {
+    "hidden_act": ("silu", "swish"),          # the MLP's SwiGLU
+    "output_gate_type": ("swish", "silu"),    # the GDN's gated RMSNorm: norm(x) * silu(z)
+    "attn_output_gate": (True,),              # the gated attention's sigmoid(gate) on its output
+    "attention_bias": (False,),
+    "mamba_ssm_dtype": ("float32", "bfloat16", "float16", "auto"),
+}
+
+
+def _check_fixed_choices(c: dict) -> None:
+    for key, allowed in FIXED_CHOICES.items():
+        if key in c and c[key] is not None and c[key] not in allowed:
+            raise ConfigError(f"{key} = {c[key]!r} is not supported (deltaspec implements "
+                              f"{' / '.join(repr(a) for a in allowed)})")
 
 
 def _yarn(rope: dict, max_position_embeddings: int) -> Yarn:

@@ -211,3 +211,17 @@ def test_config_is_frozen_and_validated():
         ModelConfig.from_dict({"model_type": "qwen3_5_text", **BASE, "linear_num_value_heads": 3})
     with pytest.raises(ConfigError, match="lacks required field 'hidden_size'"):
         ModelConfig.from_dict({"model_type": "qwen3_5_text", **{k: v for k, v in BASE.items() if k != "hidden_size"}})
+
+
+@pytest.mark.parametrize("key,value", [("hidden_act", "gelu"), ("output_gate_type", "sigmoid"),
+                                       ("attn_output_gate", False), ("attention_bias", True),
+                                       ("mamba_ssm_dtype", "float8_e4m3fn")])
+def test_config_values_the_engine_does_not_implement_are_refused(key, value):
+    """A value that would change the model's math is one clear error, never served as the
+    published configs' choice; those choices themselves load (one at a time, then all)."""
+    with pytest.raises(ConfigError, match=f"{key} = {value!r} is not supported"):
+        ModelConfig.from_dict({"model_type": "qwen3_5_text", **BASE, key: value})
+    published = dict(hidden_act="silu", output_gate_type="swish", attn_output_gate=True, attention_bias=False,
+                     mamba_ssm_dtype="float32")
+    ModelConfig.from_dict({"model_type": "qwen3_5_text", **BASE, key: published[key]})
+    ModelConfig.from_dict({"model_type": "qwen3_next", "text_config": {**BASE, **published}})
