@@ -171,9 +171,13 @@ def _run(core) -> float:
         core.step()
     policy = scheduler.draft_policy
     pinned = [None] if policy is None else [policy.pin(k) for k in range(policy.max_draft_tokens + 1)]
+    configured = _configured(greedy, sampled, vocab)
+    # Every variant in one batch, then those without a logit bias: a speculative step decides its
+    # constrained rows together (Speculator.launch's deferred rows), so the penalty pass then runs
+    # over those of them that are penalized (its variant with a row index, and drafts), biased or not.
+    mixed = (configured, [params for params in configured if not params.logit_bias])
     for pinned_policy in pinned:  # swapped between phases, with no request in flight
         scheduler.draft_policy = pinned_policy
-        configured = _configured(greedy, sampled, vocab)
         for params in configured:
             for together in (False, True):
                 for _ in range(3):
@@ -182,11 +186,7 @@ def _run(core) -> float:
                     core.add_request(prompt(rng.randint(1, 64)), greedy)
                 while core.has_work:
                     core.step()
-        # Every variant in one batch, then those without a logit bias: a speculative step decides
-        # its constrained rows together (Speculator.launch's deferred rows), so the penalty pass
-        # then runs over those of them that are penalized (its variant with a row index, and
-        # drafts), biased or not.
-        for batch in (configured, [params for params in configured if not params.logit_bias]):
+        for batch in mixed:
             for params in batch:
                 core.add_request(prompt(rng.randint(1, 64)), params)
             while core.has_work:

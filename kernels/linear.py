@@ -653,8 +653,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = No
     `residual` when given), else through cuBLAS (`cublas_linear`) and the separate kernels of
     the fused ops; the conv of more than CONV_EPILOGUE_MAX_ROWS rows by its own kernel after the
     projection, the gated norm outside the one-row form by its own kernel before it, rope_kv
-    outside it by its own kernel after it. `out` (float32 for a model's head: the logits) is
-    written by the one-row form itself, elsewhere by a copy of the result."""
+    outside it by its own kernel after it. `out` (a model's head: its logits, in x's dtype or
+    float32) is written by the one-row form itself, elsewhere by a copy of the result."""
     fused = norm_eps is not None or glu or residual is not None or conv is not None or gated_norm is not None \
         or rope_kv is not None
     assert out is None or not fused, "linear: out takes no fused ops"
