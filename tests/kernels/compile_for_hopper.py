@@ -127,9 +127,10 @@ def run_engine() -> None:
 def run_kernels() -> None:
     """Kernels the greedy engine runs above do not reach: sampling, penalties and their statistics, grammar masks,
     MoE's per-token path, the split GDN prefill (few long rows on a real GPU; the tiny engine
-    batches here look like CPU tensors, which take the fused path), and the tensor-parallel
-    all-reduce + RMSNorm with its barrier (signal pads given)."""
-    from deltaspec.kernels import all_reduce_norm, gdn_chunked, moe, penalties, sampling, token_bitmask
+    batches here look like CPU tensors, which take the fused path), the tensor-parallel
+    all-reduce + RMSNorm with its barrier (signal pads given), and the FP8 one-row form (the
+    engine reaches it only when a lone request's garbage logits happen to be finite)."""
+    from deltaspec.kernels import all_reduce_norm, fp8, gdn_chunked, moe, penalties, sampling, token_bitmask
 
     vocab, rows = 1000, 4
     column = lambda value, dtype: torch.full((rows,), value, dtype=dtype)  # noqa: E731
@@ -166,6 +167,8 @@ def run_kernels() -> None:
     gdn_chunked.gdn_chunked(*qkv, *gates, torch.randn(heads), torch.randn(heads),
                             torch.tensor([0, tokens], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
                             torch.tensor([True]), torch.randn(2, heads, dim, dim), split=True)
+    fp8.fp8_linear(torch.randn(1, 256, dtype=torch.bfloat16), torch.zeros(64, 256, dtype=torch.float8_e4m3fn),
+                   torch.ones(64, 2), 128)
     addresses = torch.zeros(2, dtype=torch.int64)
     all_reduce_norm.all_reduce_rms_norm(torch.randn(rows, hidden, dtype=torch.bfloat16),
                                         torch.randn(hidden, dtype=torch.bfloat16), 1e-6,
