@@ -11,8 +11,9 @@ plain step, K + 1 in a verify). `greedy_argmax` returns
 
 `greedy_argmax_reference` is its torch oracle (also the CPU path). The Triton kernel splits
 each row over programs (a batch-1 row alone would leave all but one SM idle): each reduces its
-slice to one int64 key, the float's order-preserving 32 bits above 31 bits of (2^31 - 1 -
-column), so the largest key is the first maximum, and whether the slice is finite; the last
+slice to one int64 key (each lane keeps its first maximum as a float and a column; the lanes'
+are then keyed: the float's order-preserving 32 bits above 31 bits of (2^31 - 1 - column), so
+the largest key is the first maximum) and whether the slice is finite; the last
 program of a group to arrive (arrivals.py) combines the group's keys and flags. The flag thus
 costs no launch and no read of its own. Knows nothing about sampling or requests.
 """
@@ -70,17 +71,27 @@ def _greedy_argmax_kernel(logits, tokens, nonfinite, token_ids, partials, arriva
     dependent_prologue(DEPENDENT_LAUNCH)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    offsets = tl.arange(0, BLOCK)
-    best = tl.zeros([BLOCK], dtype=tl.int64)  # below every key
-    bad = tl.zeros([BLOCK], dtype=tl.int32)
-    first = split * blocks_per_split * BLOCK
+    first = split * blocks_per_split * BLOCK + tl.arange(0, BLOCK)
+    # Each lane keeps the first maximum of its columns (they come in increasing order) as a
+    # float32 value and a column: a few 32-bit operations an element. (Building the int64 key of
+    # every element, as the combine below does once a lane, made the kernel compute-bound: 64
+    # rows of 248,320 bf16 logits took as long as fp32 ones.) A lane starts at its first column
+    # with value -inf, so a row of -inf keeps its first column; NaN is taken over any number and
+    # kept (NaN < inf is false, so `finite` clears at NaN as at +-inf).
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_column = first
+    finite = tl.full([BLOCK], 1, tl.int1)
     for b in range(blocks_per_split):
-        columns = first + b * BLOCK + offsets
+        columns = first + b * BLOCK
         inside = columns < V
         x = tl.load(logits + row * stride_logits + columns, mask=inside, other=0.0).to(tl.float32)
-        bad = tl.maximum(bad, ((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32))
-        best = tl.maximum(best, tl.where(inside, _argmax_key(x, columns), 0))
-    tl.store(partials + row * num_splits + split, tl.max(best, 0))
+        finite = finite & (tl.abs(x) < float("inf"))
+        take = inside & ((x > best) | ((x != x) & (best == best)))
+        best = tl.where(take, x, best)
+        best_column = tl.where(take, columns, best_column)
+    lane_keys = tl.where(best_column < V, _argmax_key(best, best_column), 0)  # a lane wholly past V: no column
+    bad = (~finite).to(tl.int32)
+    tl.store(partials + row * num_splits + split, tl.max(lane_keys, 0))
     tl.store(partials + (num_rows + row) * num_splits + split, tl.max(bad, 0).to(tl.int64))
     group = row // width
     counter = arrivals + group
@@ -102,32 +113,36 @@ def _greedy_argmax_kernel(logits, tokens, nonfinite, token_ids, partials, arriva
         reset_arrivals(counter)
 
 
-# Programs per SM the rows are split into. The loop's loads are not pipelined: each program has
-# one block's loads in flight, so the SM's share of the bytes in flight (Little's law: bandwidth x
-# latency, ~25 KB an H100 SM) takes several programs. 8 against 2: 64 rows of 248,320 bf16 logits
-# in 32.1 against 39.4 µs (H100: bench/results/plain_logits-h100.json), still ~1 TB/s.
+# Programs per SM the rows are split into, the bytes of logits a program's loop step loads, and
+# its warps. The loop's loads are not pipelined: each program has one step's loads in flight, so
+# the SM's share of the bytes in flight (Little's law) takes several programs. The sweep of
+# bench/kernels_greedy.py (H100: bench/results/kernels_greedy-h100.json): 64 rows of 248,320
+# bf16 logits in 19.2 µs at 2 KB, 8 warps, 8 programs an SM (22-33 µs at 4-16 KB steps, torch.argmax
+# 32.3 µs); one row in 3.7 µs, about one memory round trip.
 PROGRAMS_PER_SM = 8
+STEP_BYTES = 2 << 10
+WARPS = 8
 
 
-def greedy_config(num_rows: int, vocab: int, sms: int) -> TileConfig:
-    """Tiles of `_greedy_argmax_kernel`: block_n columns a loop step, each row split over
-    num_splits programs, about PROGRAMS_PER_SM programs per SM in all (a batch-1 row over the
-    whole GPU)."""
-    block = _block()
+def greedy_config(num_rows: int, vocab: int, sms: int, element_size: int) -> TileConfig:
+    """Tiles of `_greedy_argmax_kernel`: block_n columns a loop step (STEP_BYTES of logits of
+    element_size bytes), each row split over num_splits programs, about PROGRAMS_PER_SM programs
+    per SM in all (a batch-1 row over the whole GPU)."""
+    block = _block(element_size)
     num_blocks = triton.cdiv(vocab, block)
     wanted = min(num_blocks, max(1, triton.cdiv(PROGRAMS_PER_SM * sms, num_rows)))
     num_splits = triton.cdiv(num_blocks, triton.cdiv(num_blocks, wanted))  # no empty split
-    return TileConfig(block_n=block, num_splits=num_splits, num_warps=4)
+    return TileConfig(block_n=block, num_splits=num_splits, num_warps=WARPS)
 
 
-def _block() -> int:
-    return 64 if INTERPRETED else 1024
+def _block(element_size: int) -> int:
+    return 64 if INTERPRETED else STEP_BYTES // element_size
 
 
-def _max_splits(vocab: int, sms: int) -> int:
+def _max_splits(vocab: int, sms: int, element_size: int) -> int:
     """The most splits greedy_config gives any batch of this vocabulary: the combine's vector
     is that wide whatever the batch, so batch sizes compile no variants of their own."""
-    return triton.next_power_of_2(min(triton.cdiv(vocab, _block()), PROGRAMS_PER_SM * sms))
+    return triton.next_power_of_2(min(triton.cdiv(vocab, _block(element_size)), PROGRAMS_PER_SM * sms))
 
 
 def _check_greedy_argmax_args(logits: torch.Tensor, width: int, tokens: torch.Tensor | None,
@@ -158,13 +173,13 @@ def greedy_argmax(logits: torch.Tensor, width: int, tokens: torch.Tensor | None 
     if num_rows == 0:
         return tokens, nonfinite
     sms = num_sms(device)
-    config = greedy_config(num_rows, vocab, sms)
+    config = greedy_config(num_rows, vocab, sms, logits.element_size())
     num_splits = config.num_splits
     partials = torch.empty(2, num_rows, num_splits, dtype=torch.int64, device=device)
     arrivals = arrival_counters(device, num_rows // width)
     _greedy_argmax_kernel[(num_rows, num_splits)](
         logits, tokens, nonfinite, tokens if token_ids is None else token_ids, partials, arrivals, logits.stride(0),
         num_rows, vocab, width, num_splits, triton.cdiv(triton.cdiv(vocab, config.block_n), num_splits),
-        BLOCK=config.block_n, BLOCK_SPLITS=_max_splits(vocab, sms), HAS_TOKEN_IDS=token_ids is not None,
+        BLOCK=config.block_n, BLOCK_SPLITS=_max_splits(vocab, sms, logits.element_size()), HAS_TOKEN_IDS=token_ids is not None,
         **config.launch_options(), **pdl(device))
     return tokens, nonfinite

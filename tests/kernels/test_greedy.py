@@ -18,6 +18,7 @@ import torch
 
 from deltaspec.kernels import REFERENCE_OPS
 from deltaspec.kernels.arrivals import arrival_counters
+from deltaspec.kernels import greedy
 from deltaspec.kernels.greedy import greedy_argmax
 
 
@@ -25,7 +26,7 @@ def random_logits(num_rows: int, vocab: int, dtype: torch.dtype, seed: int, devi
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(num_rows, vocab, generator=gen) * 4
     for row in range(num_rows):
-        kind = int(torch.randint(0, 6, (1,), generator=gen))
+        kind = int(torch.randint(0, 8, (1,), generator=gen))
         columns = torch.randperm(vocab, generator=gen)[:2].sort().values.tolist()
         if kind == 0 and vocab > 1:   # a tie: the first maximum wins
             logits[row, columns] = logits[row].max() + 1
@@ -38,6 +39,10 @@ def random_logits(num_rows: int, vocab: int, dtype: torch.dtype, seed: int, devi
         elif kind == 4 and vocab > 1:  # -0.0 then +0.0 as the maximum: equal, the first wins
             logits[row] = -logits[row].abs() - 1
             logits[row, columns[0]], logits[row, columns[-1]] = -0.0, 0.0
+        elif kind == 5:               # nothing above -inf: the first column
+            logits[row] = float("-inf")
+        elif kind == 6:               # two NaNs: the first
+            logits[row, columns] = float("nan")
     return logits.to(dtype).to(device)
 
 
@@ -63,6 +68,20 @@ def test_triton_equals_reference(kernel_device, poisoned_empty, dtype, num_rows,
     reference = REFERENCE_OPS.greedy_argmax(logits, width)
     assert torch.equal(tokens, reference[0]) and torch.equal(flags, reference[1])
     assert not arrival_counters(logits.device, num_rows).any()  # left at zero for the next launch
+
+
+def test_triton_keeps_a_maximum_found_before_the_vocabulary_ends(kernel_device, poisoned_empty):
+    """Every logit negative, each row's maximum in a column whose program lane next reads past
+    the vocabulary (eight blocks of columns, the last partial; on the interpreter's 4 SMs two a
+    program): those masked reads must not displace it."""
+    block = greedy._block(4)
+    vocab, num_rows = 7 * block + block // 2 + 3, 8
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, (1,))))
+    logits = -(torch.randn(num_rows, vocab, generator=gen).abs() + 1)
+    columns = torch.randint(6 * block + block // 2 + 3, 7 * block, (num_rows,), generator=gen)
+    logits[torch.arange(num_rows), columns] = -0.5
+    tokens, flags = poisoned_empty(greedy_argmax, logits.to(kernel_device), 1)
+    assert tokens.tolist() == columns.tolist() and not flags.any()
 
 
 def test_triton_writes_given_buffers(kernel_device):
