@@ -170,14 +170,8 @@ def _gdn_decode_kernel(
     the same values. The step buffer (pending k, v) and the new tokens are never written here.
     Invariant: rows in a launch own distinct slots, except pad rows, which all point at scratch
     slot 0, whose contents are never read as real state.
-
-    The slot's state, its pending count and pending g / beta (and the row metadata they are
-    found through) are read before the PDL wait, so the state's stream overlaps the kernel
-    before this one (launch.py: what a kernel reads before its wait no predecessor still
-    running writes). They are written only by this layer's decode launches (of earlier steps),
-    between steps, and by the step's metadata launch, never by the GDN's in_proj or conv that
-    precede this kernel; everything those write (q, k, v, a, b, the step buffer) is read after it.
     """
+    dependent_prologue(DEPENDENT_LAUNCH)
     i_v, i_h, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_kh = i_h // (HV // HK)
     slot = tl.load(slot_ids + row).to(tl.int64)
@@ -198,20 +192,18 @@ def _gdn_decode_kernel(
     h_scale = tl.full([], 1.0, tl.float32)  # the state is h_scale * h (_delta_rule_step)
 
     # Every load the steps start from is issued here, before any arithmetic on them.
-    # Every pending g / beta and step-buffer row of the buffer: all P entries, not the first
+    # Step-buffer rows of entry 0 and every pending g / beta: all P entries, not the first
     # num_pending, so the loads wait for the slot id alone, not for the count read through it.
     # Entries past the count may be stale or NaN; no step reads them (_entry selects).
-    in_buffer = offs_p < P
-    first_owned = _first_owned_replica(slot, offs_p, i_h, i_v, HV, P, R, BV, V)
-    pg = tl.load(pending_g + first_owned, mask=in_buffer, other=0.0)
-    pbeta = tl.load(pending_beta + first_owned, mask=in_buffer, other=0.0)
-    A_log_h, dt_bias_h = tl.load(A_log + i_h).to(tl.float32), tl.load(dt_bias + i_h).to(tl.float32)
-    dependent_prologue(DEPENDENT_LAUNCH)
     pk_ptrs = pending_k + row * stride_pk_r + i_kh * stride_pk_h + offs_k
     pv_ptrs = pending_v + row * stride_pv_r + i_h * stride_pv_h + offs_v
     if P > 0:
         k_j, v_j = tl.load(pk_ptrs), tl.load(pv_ptrs)
+    in_buffer = offs_p < P
     pk_block = tl.load(pk_ptrs[None, :] + offs_p[:, None] * stride_pk_p, mask=in_buffer[:, None], other=0.0)
+    first_owned = _first_owned_replica(slot, offs_p, i_h, i_v, HV, P, R, BV, V)
+    pg = tl.load(pending_g + first_owned, mask=in_buffer, other=0.0)
+    pbeta = tl.load(pending_beta + first_owned, mask=in_buffer, other=0.0)
 
     # The new tokens' q and k rows as whole [T_BLOCK, K] blocks, for their norms (off the steps'
     # chain; the loads also bring the rows the steps read into L1), and new token 0 (a row may
@@ -239,6 +231,7 @@ def _gdn_decode_kernel(
         v_i = tl.load(v_ptrs + bos * stride_v_t, mask=offs_v < tl.where(num_new > 0, V, 0), other=0.0)
         a_i = tl.load(a + bos * stride_a_t + i_h, mask=num_new > 0, other=0.0).to(tl.float32)
         b_i = tl.load(b + bos * stride_b_t + i_h, mask=num_new > 0, other=0.0).to(tl.float32)
+    A_log_h, dt_bias_h = tl.load(A_log + i_h).to(tl.float32), tl.load(dt_bias + i_h).to(tl.float32)
 
     pk_norms = _inverse_norms(pk_block)
     q_scales = _inverse_norms(q_block) * scale
