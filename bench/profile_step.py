@@ -10,9 +10,11 @@ those say what removing a kernel would save. With --draft-vocab N, also the MTP 
 each batch (the MTP layer, the head over N token ids and the argmax: what the runner runs per
 draft depth, as spec_step.py times it; N = the vocabulary size scores all of it).
 
-    python bench/profile_step.py [--shape 0.8b] [--batches 1,64] [--verify-drafts 3] [--draft-vocab 32768]
+    python bench/profile_step.py [--shape 0.8b|9b] [--quantization fp8] [--batches 1,64] [--verify-drafts 3]
+                                 [--draft-vocab 32768]
 
-Writes bench/results/profile-<gpu>.json and prints the top kernels per step.
+Writes bench/results/profile[_<shape>][_fp8]-<gpu>.json (no suffix for the 0.8b shape in bf16) and prints
+the top kernels per step.
 """
 
 from __future__ import annotations
@@ -136,9 +138,11 @@ def main() -> None:
     parser.add_argument("--verify-drafts", type=int, default=3, help="also profile verify with this many drafts (0: no)")
     parser.add_argument("--draft-vocab", type=int, default=0,
                         help="also profile the MTP draft step scoring this many token ids (0: no)")
+    parser.add_argument("--quantization", choices=["fp8"], default=None,
+                        help="the shape's block-FP8 twin (weights drawn in place)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
-    model = random_model(args.shape, "cuda", torch.bfloat16)
+    model = random_model(args.shape, "cuda", torch.bfloat16, args.quantization)
     name = torch.cuda.get_device_name()
     results = []
     for batch in (int(b) for b in args.batches.split(",")):
@@ -147,11 +151,13 @@ def main() -> None:
         if args.draft_vocab:
             results.append(measure_draft(model, batch, args.draft_vocab))
     report = {"benchmark": "profile_step", "device": name, "shape": args.shape, "dtype": "bfloat16",
+              "quantization": args.quantization,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "commit": commit_id(), "command": " ".join(["python"] + sys.argv), "context": CONTEXT,
               "results": results}
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"profile-{device_tag(name)}.json"
+    variant = "".join(f"_{part}" for part in (None if args.shape == "0.8b" else args.shape, args.quantization) if part)
+    path = args.out / f"profile{variant}-{device_tag(name)}.json"
     path.write_text(json.dumps(report, indent=2))
     for r in results:
         print(f"\n{r['step']} B={r['batch']} tokens/row={r['tokens_per_row']}: graph {r['graph_replay_us']:.0f} us, kernels "

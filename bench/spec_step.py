@@ -47,6 +47,7 @@ from common import commit_id, device_tag, eager_time_us, graph_time_us  # noqa: 
 from deltaspec.engine import ModelConfig  # noqa: E402
 from deltaspec.engine.batch import ForwardBatch, Row  # noqa: E402
 from deltaspec.engine.models import HybridLM  # noqa: E402
+from deltaspec.engine.quantization import with_online_quantization  # noqa: E402
 from deltaspec.engine.state_pool import KVPool, StatePool  # noqa: E402
 
 SHAPES = {
@@ -54,6 +55,9 @@ SHAPES = {
                  num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
                  linear_key_head_dim=128, linear_value_head_dim=128, intermediate_size=3584,
                  tie_word_embeddings=True, mtp_num_hidden_layers=1),
+    "9b": dict(vocab_size=248320, hidden_size=4096, num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4,
+               head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+               linear_value_head_dim=128, intermediate_size=12288, tie_word_embeddings=False, mtp_num_hidden_layers=1),
     "tiny": dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=32, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=64,
                  linear_value_head_dim=64, intermediate_size=128, tie_word_embeddings=True, mtp_num_hidden_layers=1),
@@ -64,8 +68,13 @@ EAGER_CALLS = 10   # back-to-back eager steps per timed round (CUDA)
 CPU_ROUNDS = 30
 
 
-def random_model(shape: str, device: str, dtype: torch.dtype) -> HybridLM:
-    return common.random_model(ModelConfig.from_dict({"model_type": "qwen3_5_text", **SHAPES[shape]}), device, dtype)
+def random_model(shape: str, device: str, dtype: torch.dtype, quantization: str | None = None) -> HybridLM:
+    """A random checkpoint of a SHAPES shape; quantization "fp8": its block-FP8 twin (the online
+    path's format, weights drawn in place)."""
+    config = ModelConfig.from_dict({"model_type": "qwen3_5_text", **SHAPES[shape]})
+    if quantization is not None:
+        config = with_online_quantization(config, quantization)
+    return common.random_model(config, device, dtype)
 
 
 def time_step(step: Callable[[], object], device: str) -> dict[str, float]:
