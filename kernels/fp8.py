@@ -43,16 +43,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .activation import silu_and_mul, silu_and_mul_reference
+from .activation import silu_and_mul_reference
 from .arrivals import arrival_counters, last_to_arrive, reset_arrivals
 from .device import INTERPRETED, num_sms
 from .launch import dependent_prologue, pdl
-from .linear import finish_tile, tile_rows, by_heads, gemv_config, split_k_for
+from .linear import by_heads, gemv_config, split_k_for
 from .moe import block_rows, by_expert_reference, grouped_config, sort_pairs, store_weighted_pairs, sum_slots
 from .norms import GatedNorm, gated_norm_tile, gated_rms_norm, gated_rms_norm_reference
 from .quantize import (FP8, FP8_MAX, SCALE_FLOOR, Activation, QuantizedActivation, activation_values,
-                       quantize_groups, quantize_groups_reference, quantize_tile, quantized_groups, quantized_outputs,
-                       store_groups)
+                       quantize_groups, quantize_groups_reference, quantize_tile, quantized_groups)
 from .tiles import TileConfig
 
 def expand_groups(scale: torch.Tensor, group_size: int, num_columns: int) -> torch.Tensor:
@@ -83,20 +82,18 @@ def dequantize_reference(values: torch.Tensor, scale: torch.Tensor, group_size: 
 
 def fp8_linear_reference(x: Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
                          group_size: int, block_scale: torch.Tensor | None = None,
-                         gated_norm: GatedNorm | None = None, glu: bool = False, quantize_group: int = 0) -> Activation:
+                         gated_norm: GatedNorm | None = None) -> torch.Tensor:
     """x [M, K] (float) @ dequantized weight [N, K]^T -> [M, N] in x's dtype, with x quantized
     per token group first, as the kernel does (or as it comes: a QuantizedActivation); with
     gated_norm (x plain), x gated-RMS-normalised by heads (rounded to its dtype) and quantized
-    by the norm; with glu, weight is [gate; up] and the result silu_and_mul's [M, N / 2] of the
-    rounded product (a QuantizedActivation with quantize_group, glu only). block_scale (the same
-    scales per block of rows, for fp8_linear's cuBLAS path) changes nothing here."""
-    assert not quantize_group or glu, "fp8_linear: quantize_group quantizes glu's output"
+    by the norm.
+    block_scale (the same scales per block of rows, for fp8_linear's cuBLAS path) changes nothing
+    here."""
     if gated_norm is not None:  # the norm quantizes its output, as the kernels' fused forms
         x = by_heads(gated_rms_norm_reference, x, gated_norm, group_size)
     x_fp8, x_scale = quantized_groups(x, group_size, quantize_groups_reference)
     product = dequantize_reference(x_fp8, x_scale, group_size) @ dequantize_reference(weight, weight_scale, group_size).T
-    product = product.to(activation_values(x).dtype)
-    return silu_and_mul_reference(product, quantize_group) if glu else product
+    return product.to(activation_values(x).dtype)
 
 
 def fp8_moe_experts_reference(x: Activation, weights: torch.Tensor, experts: torch.Tensor,
@@ -176,10 +173,9 @@ def _fp8_gemm_kernel(x_fp8, x_scale, w, w_scale, y, partials, arrivals, M, N, K,
 
 
 @triton.jit(do_not_specialize=["eps"])
-def _fp8_gemv_kernel(x, x_fp8, x_scale, gate, norm_weight, w, w_scale, y, y_fp8, y_scale, arrivals, N, K, num_groups,
-                     eps, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr, QUANTIZE: tl.constexpr,
-                     HEAD: tl.constexpr, GLU: tl.constexpr, OUT_GROUP: tl.constexpr, SPAN: tl.constexpr,
-                     DEPENDENT_LAUNCH: tl.constexpr):
+def _fp8_gemv_kernel(x, x_fp8, x_scale, gate, norm_weight, w, w_scale, y, N, K, num_groups, eps,
+                     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr, QUANTIZE: tl.constexpr,
+                     HEAD: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """The one-row form (linear.py's _gemv_kernel, for block-FP8 weights): program pid computes
     y[0, tile] for BLOCK_N rows of W, holding its whole [BLOCK_N, K] share of W (as [BLOCK_N,
     GROUPS, GROUP] fp8, K padded to GROUPS whole groups) and their scales [BLOCK_N, GROUPS] in
@@ -191,18 +187,10 @@ def _fp8_gemv_kernel(x, x_fp8, x_scale, gate, norm_weight, w, w_scale, y, y_fp8,
     gate's row, the norm's weight norm_weight [HEAD], eps) and rounded to x's dtype, as that
     kernel stores it before quantizing: every program normalises the row itself, in place of the
     norm's launch. Then y = sum_g (sum_{k in g} w * x_fp8) * w_scale[:, g] * x_scale[g] in fp32.
-    No split-K: N alone fills the SMs (gemv_config). N is y's width.
-
-    GLU: W is [gate; up] (2N rows) and y = silu(gate) * up (linear.py's tile_rows and
-    finish_tile: the same tiles and roundings as the bf16 form), a program's BLOCK_N / 2 columns.
-    OUT_GROUP > 0 (with GLU): y, as rounded, is also quantized in groups of OUT_GROUP columns into
-    y_fp8 [1, N] and y_scale [1, N / OUT_GROUP] for the FP8 projection after it, in place of the
-    quantizer silu_and_mul runs: the programs of each SPAN columns (SPAN = max(BLOCK_N / 2,
-    OUT_GROUP), dividing N) count in at arrivals[span], and the last to arrive quantizes the
-    span's groups from y."""
+    No split-K: N alone fills the SMs (gemv_config)."""
     pid = tl.program_id(0)
-    offs_r = tl.arange(0, BLOCK_N)
-    rows = tile_rows(pid, offs_r, N, BLOCK_N, GLU)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(cols, N - 1).to(tl.int64)
     groups = tl.arange(0, GROUPS)
     k = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]                            # [GROUPS, GROUP]
     in_k = k < K
@@ -221,23 +209,8 @@ def _fp8_gemv_kernel(x, x_fp8, x_scale, gate, norm_weight, w, w_scale, y, y_fp8,
         values = tl.load(x_fp8 + k, mask=in_k, other=0.0).to(tl.float32)
         scales = tl.load(x_scale + groups, mask=groups < num_groups, other=0.0)
     sums = tl.sum(w_tile.to(tl.float32) * values[None, :, :], axis=2)                      # [BLOCK_N, GROUPS]
-    acc = tl.sum(sums * w_scales * scales[None, :], axis=1)[:, None]                        # [BLOCK_N, 1]
-    offs_m = tl.arange(0, 1)
-    finish_tile(acc, tl.zeros([1], tl.float32), y, y, pid, offs_m, offs_r, 1, N, K, 0.0, 0, 0, y.dtype.element_ty,
-                 1, BLOCK_N, False, GLU, False)
-    if OUT_GROUP > 0:
-        first = pid * (BLOCK_N // 2)
-        span = first // SPAN
-        columns = span * SPAN + tl.arange(0, SPAN)
-        if SPAN == BLOCK_N // 2:  # the program's columns are whole groups: its own to quantize
-            tl.debug_barrier()    # every thread's y stores before any thread reads them back
-            store_groups(tl.load(y + columns).to(tl.float32), y_fp8 + span * SPAN, y_scale + span * (SPAN // OUT_GROUP),
-                         0, N - span * SPAN, N=SPAN, GROUP=OUT_GROUP)
-        elif last_to_arrive(arrivals + span, SPAN // (BLOCK_N // 2)):
-            # .cg: from L2, where the other SMs' stores are, never a stale L1 line
-            store_groups(tl.load(y + columns, cache_modifier=".cg").to(tl.float32), y_fp8 + span * SPAN,
-                         y_scale + span * (SPAN // OUT_GROUP), 0, N - span * SPAN, N=SPAN, GROUP=OUT_GROUP)
-            reset_arrivals(arrivals + span)
+    acc = tl.sum(sums * w_scales * scales[None, :], axis=1)
+    tl.store(y + cols, acc.to(y.dtype.element_ty), mask=cols < N)
 
 
 def _check_fp8_linear_args(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int) -> None:
@@ -312,39 +285,29 @@ def launch_fp8_gemm(y: torch.Tensor, x_fp8: torch.Tensor, x_scale: torch.Tensor,
                            **config.launch_options(), **pdl(y.device))
 
 
-def fp8_gemv_config(num_features: int, num_columns: int, group_size: int, device: torch.device,
-                    glu: bool = False) -> TileConfig | None:
+def fp8_gemv_config(num_features: int, num_columns: int, group_size: int, device: torch.device) -> TileConfig | None:
     """The one-row form's tile (_fp8_gemv_kernel) for an FP8 weight [N, K]: linear.py's
     gemv_config at a byte an element (16 KB of W a program: 4 rows of the 9B's K = 4096, 1 of
-    its down projection's 12288; with glu at least 2), block_k K padded to whole groups; None
-    where a row (two with glu) does not fit."""
-    config = gemv_config(num_features, num_columns, device, glu, element_size=1)
+    its down projection's 12288), block_k K padded to whole groups; None where a row does not fit."""
+    config = gemv_config(num_features, num_columns, device, element_size=1)
     if config is None:
         return None
     return TileConfig(block_n=config.block_n, block_k=max(config.block_k, group_size), num_warps=config.num_warps)
 
 
 def launch_fp8_gemv(y: torch.Tensor, x: Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
-                    group_size: int, config: TileConfig, gated_norm: GatedNorm | None = None, glu: bool = False,
-                    quantize_group: int = 0) -> Activation:
+                    group_size: int, config: TileConfig, gated_norm: GatedNorm | None = None) -> None:
     """y [1, N] = x [1, K] @ weight [N, K]^T (weight_scale [N, KB]) through the one-row form with
     an explicit config (fp8_gemv_config's: block_n rows of W a program, block_k >= K whole
     groups); x plain (quantized in the kernel) or a QuantizedActivation (its fp8 and scales read);
-    gated_norm (x plain): x gated-RMS-normalised by heads first, in the kernel (fusable_gated_norm);
-    glu: weight is [gate; up] (2N rows) and y = silu(gate) * up [1, N]; quantize_group (with glu,
-    fusable_output_quantization): y also quantized in these groups by the kernel. Returns y, or
-    with quantize_group its QuantizedActivation."""
+    gated_norm (x plain): x gated-RMS-normalised by heads first, in the kernel (fusable_gated_norm)."""
     values = activation_values(x)
     _check_fp8_linear_args(values, weight, weight_scale, group_size)
     num_features, num_columns = weight.shape
-    width = num_features // 2 if glu else num_features
-    assert values.shape[0] == 1 and y.shape == (1, width) and y.is_contiguous(), \
-        f"the one-row form: x [1, K], y contiguous [1, {width}]; got x {tuple(values.shape)}, y {tuple(y.shape)}"
+    assert values.shape[0] == 1 and y.shape == (1, num_features) and y.is_contiguous(), \
+        f"the one-row form: x [1, K], y contiguous [1, N]; got x {tuple(values.shape)}, y {tuple(y.shape)}"
     assert config.block_k % group_size == 0 and config.block_k >= num_columns, \
         f"config: block_k whole groups of {group_size} covering K = {num_columns}, got {config.block_k}"
-    assert not glu or (num_features % 2 == 0 and config.block_n >= 2), "glu: [gate; up] weights, block_n >= 2"
-    assert not quantize_group or (glu and fusable_output_quantization(width, config.block_n // 2, quantize_group)), \
-        f"the one-row form quantizes its output with glu only, in groups of a power of two dividing {width}"
     quantize = not isinstance(x, QuantizedActivation)
     if quantize:
         x_fp8 = x_scale = values
@@ -359,23 +322,10 @@ def launch_fp8_gemv(y: torch.Tensor, x: Activation, weight: torch.Tensor, weight
             f"the one-row form's gated norm: x plain, heads of a power of two dividing K = {num_columns}, got {head}"
         assert gate.shape == values.shape and gate.stride(1) == 1 and gate.dtype == values.dtype, \
             f"gated norm's gate {tuple(gate.shape)} ({gate.dtype}) as x {tuple(values.shape)}, unit stride"
-    span = max(config.block_n // 2, quantize_group)
-    y_fp8, y_scale = quantized_outputs(1, width, quantize_group, y.device) if quantize_group else (y, y)
-    arrivals = arrival_counters(y.device, width // span) if quantize_group else y
     _fp8_gemv_kernel[(triton.cdiv(num_features, config.block_n),)](
-        values, x_fp8, x_scale, gate, norm_weight, weight, weight_scale, y, y_fp8, y_scale, arrivals, width,
-        num_columns, weight_scale.shape[1], eps, BLOCK_N=config.block_n, GROUPS=config.block_k // group_size,
-        GROUP=group_size, QUANTIZE=quantize, HEAD=head, GLU=glu, OUT_GROUP=quantize_group, SPAN=span,
-        num_warps=config.num_warps, **pdl(y.device))
-    return QuantizedActivation(y, y_fp8, y_scale, quantize_group) if quantize_group else y
-
-
-def fusable_output_quantization(num_columns: int, columns_per_program: int, group_size: int) -> bool:
-    """Whether the one-row form quantizes its num_columns outputs in groups of group_size itself:
-    groups of a power of two columns, and spans of max(a program's columns, a group) that divide
-    the row (each span's programs all exist to count in)."""
-    span = max(columns_per_program, group_size)
-    return group_size == triton.next_power_of_2(group_size) and num_columns % span == 0
+        values, x_fp8, x_scale, gate, norm_weight, weight, weight_scale, y, num_features, num_columns,
+        weight_scale.shape[1], eps, BLOCK_N=config.block_n, GROUPS=config.block_k // group_size, GROUP=group_size,
+        QUANTIZE=quantize, HEAD=head, num_warps=config.num_warps, **pdl(y.device))
 
 
 def fusable_gated_norm(num_columns: int, head: int) -> bool:
@@ -405,30 +355,17 @@ def _cublas_blockwise(device: torch.device) -> bool:
 
 
 def fp8_linear(x: Activation, weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int,
-               block_scale: torch.Tensor | None = None, gated_norm: GatedNorm | None = None, glu: bool = False,
-               quantize_group: int = 0) -> Activation:
+               block_scale: torch.Tensor | None = None, gated_norm: GatedNorm | None = None) -> torch.Tensor:
     """Triton fp8_linear_reference (same arguments and result up to fp32 summation order): the
     group quantizer (skipped when x comes quantized), then the GEMM; one row through the one-row
-    form (its quantizer, gated_norm's norm, SwiGLU and its output's quantizer in the kernel) where
-    a row of W fits it; elsewhere gated_norm's norm quantizes its output for the GEMM (by_heads)
-    and silu_and_mul follows it. Batches past SKINNY_MAX_ROWS
+    form (its quantizer, and gated_norm's norm, in the kernel) where a row of W fits it; elsewhere
+    gated_norm's norm quantizes its output for the GEMM (by_heads). Batches past SKINNY_MAX_ROWS
     in bf16 with the weight's block scales (`block_scales`, 128 x 128) go to cuBLAS's block-scaled
     GEMM on sm_90 instead (the same W8A8 product; graph-capturable), which reads column-major
     scales: there x is quantized again from its values (layers.py fuses at skinny batches only)."""
     activation, x = x, activation_values(x)
     _check_fp8_linear_args(x, weight, weight_scale, group_size)
     (num_rows, num_columns), num_features = x.shape, weight.shape[0]
-    assert not quantize_group or glu, "fp8_linear: quantize_group quantizes glu's output"
-    if glu:
-        config = fp8_gemv_config(num_features, num_columns, group_size, x.device, glu=True) if num_rows == 1 else None
-        if config is not None and gated_norm is None and \
-                (not quantize_group or fusable_output_quantization(num_features // 2, config.block_n // 2,
-                                                                   quantize_group)):
-            y = torch.empty(1, num_features // 2, dtype=x.dtype, device=x.device)
-            return launch_fp8_gemv(y, activation, weight, weight_scale, group_size, config, glu=True,
-                                   quantize_group=quantize_group)
-        return silu_and_mul(fp8_linear(activation, weight, weight_scale, group_size, block_scale, gated_norm),
-                            quantize_group)
     if gated_norm is not None:
         assert activation is x, "fp8_linear: gated_norm normalises a plain x"
         config = fp8_gemv_config(num_features, num_columns, group_size, x.device) if num_rows == 1 else None

@@ -156,7 +156,7 @@ def _linear_kernel(x, w, y, residual, partials, row_sq, arrivals, M, N, K, k_per
     SPLIT_K > 1: partials [SPLIT_K, M, grid_n * BLOCK_N] fp32 (scratch, by tile row), row_sq
     [grid_n, SPLIT_K, BLOCK_M] fp32 (NORM: each split's sum of x^2); arrivals[pid_n] counts the
     tile's programs in. The last one sums the partials in split order and finishes the tile
-    (finish_tile). The sum is unrolled so that its SPLIT_K loads are in flight together: that
+    (_finish_tile). The sum is unrolled so that its SPLIT_K loads are in flight together: that
     tail is one L2 round trip, not SPLIT_K of them (a loop was slower; H100 A/B in commit 8b76c27).
     LINE: W's elements per 128-byte line (at most BLOCK_K), the stride of the L2 prefetch.
     CONV: the program that stores a tile then runs the conv of its columns (_conv_epilogue; the
@@ -164,7 +164,7 @@ def _linear_kernel(x, w, y, residual, partials, row_sq, arrivals, M, N, K, k_per
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_N)  # the tile's rows of W
-    rows_w = tile_rows(pid_n, offs_r, N, BLOCK_N, GLU)
+    rows_w = _tile_rows(pid_n, offs_r, N, BLOCK_N, GLU)
     rows_x = tl.minimum(offs_m, M - 1).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     k_start = pid_k * k_per_split
@@ -197,7 +197,7 @@ def _linear_kernel(x, w, y, residual, partials, row_sq, arrivals, M, N, K, k_per
         x_ptrs += BLOCK_K
 
     if SPLIT_K == 1:
-        finish_tile(acc, sq, y, residual, pid_n, offs_m, offs_r, M, N, K, eps, stride_ym, stride_rm,
+        _finish_tile(acc, sq, y, residual, pid_n, offs_m, offs_r, M, N, K, eps, stride_ym, stride_rm,
                      x.dtype.element_ty, BLOCK_M, BLOCK_N, NORM, GLU, RESIDUAL)
         if CONV:
             _conv_epilogue(y, stride_ym, pid_n * BLOCK_N, conv_weight, conv_out, conv_pending_out,
@@ -219,7 +219,7 @@ def _linear_kernel(x, w, y, residual, partials, row_sq, arrivals, M, N, K, k_per
                 total += tl.load(partials + s * M * width + tile, mask=real_rows, other=0.0, cache_modifier=".cg")
                 if NORM:
                     total_sq += tl.load(sq_ptrs + s * BLOCK_M, cache_modifier=".cg")
-            finish_tile(total, total_sq, y, residual, pid_n, offs_m, offs_r, M, N, K, eps, stride_ym, stride_rm,
+            _finish_tile(total, total_sq, y, residual, pid_n, offs_m, offs_r, M, N, K, eps, stride_ym, stride_rm,
                          x.dtype.element_ty, BLOCK_M, BLOCK_N, NORM, GLU, RESIDUAL)
             reset_arrivals(arrivals + pid_n)
             if CONV:
@@ -229,7 +229,7 @@ def _linear_kernel(x, w, y, residual, partials, row_sq, arrivals, M, N, K, k_per
 
 
 @triton.jit
-def tile_rows(pid_n, offs_r, N, BLOCK_N: tl.constexpr, GLU: tl.constexpr):
+def _tile_rows(pid_n, offs_r, N, BLOCK_N: tl.constexpr, GLU: tl.constexpr):
     """W's rows [BLOCK_N] (int64) of N tile pid_n, clamped to the last row: with GLU the first
     half of the tile's rows from the gate half of W, the second from the up half (same columns)."""
     if GLU:
@@ -256,7 +256,7 @@ def _gemv_kernel(x, w, y, residual, gate, norm_weight, N, K, eps, stride_wn, str
     before the PDL wait: W is never written by a step, so the program's weight read overlaps the
     predecessor kernel and, after the wait, only x (K elements, from L2), the products' sums
     and the epilogue remain. No split-K, hence no partials and no arrival tail: BLOCK_N is small
-    enough (gemv_config) that the N tiles alone fill the SMs. The epilogue (finish_tile, then
+    enough (gemv_config) that the N tiles alone fill the SMs. The epilogue (_finish_tile, then
     the conv) is the MMA form's, on a one-row tile.
     HEAD > 0: x is gated-RMS-normalised by heads of HEAD columns first (norms.py
     gated_rms_norm: gate's row and the norm's weight norm_weight [HEAD], eps), rounded to x's
@@ -267,7 +267,7 @@ def _gemv_kernel(x, w, y, residual, gate, norm_weight, N, K, eps, stride_wn, str
     place of its launch (_rope_kv_epilogue)."""
     pid_n = tl.program_id(0)
     offs_r = tl.arange(0, BLOCK_N)
-    rows_w = tile_rows(pid_n, offs_r, N, BLOCK_N, GLU)
+    rows_w = _tile_rows(pid_n, offs_r, N, BLOCK_N, GLU)
     offs_k = tl.arange(0, KP)
     in_k = (offs_k < K)[None, :]
     w_tile = tl.load(w + rows_w[:, None] * stride_wn + offs_k[None, :], mask=in_k, other=0.0)  # [BLOCK_N, KP]
@@ -280,7 +280,7 @@ def _gemv_kernel(x, w, y, residual, gate, norm_weight, N, K, eps, stride_wn, str
         x_row = gated_norm_tile(x_row, z, scale, eps, 1, KP, HEAD).to(x.dtype.element_ty).to(tl.float32)
     acc = tl.sum(w_tile.to(tl.float32) * x_row, axis=1)[:, None]                                     # [BLOCK_N, 1]
     sq = tl.sum(x_row * x_row, axis=1)                                                                # [1]
-    finish_tile(acc, sq, y, residual, pid_n, offs_m, offs_r, 1, N, K, eps, stride_ym, stride_rm,
+    _finish_tile(acc, sq, y, residual, pid_n, offs_m, offs_r, 1, N, K, eps, stride_ym, stride_rm,
                  x.dtype.element_ty, 1, BLOCK_N, NORM, GLU, RESIDUAL)
     if CONV:
         _conv_epilogue(y, stride_ym, pid_n * BLOCK_N, conv_weight, conv_out, conv_pending_out, cu_seqlens, slot_ids,
@@ -344,7 +344,7 @@ def _conv_epilogue(y, stride_ym, first_col, conv_weight, conv_out, conv_pending_
 
 
 @triton.jit
-def finish_tile(acc, sq, y, residual, pid_n, offs_m, offs_r, M, N, K, eps, stride_ym, stride_rm,
+def _finish_tile(acc, sq, y, residual, pid_n, offs_m, offs_r, M, N, K, eps, stride_ym, stride_rm,
                  value_ty: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NORM: tl.constexpr,
                  GLU: tl.constexpr, RESIDUAL: tl.constexpr):
     """Store a tile's sums acc [BLOCK_N, BLOCK_M] (y^T) with the fused ops, in the order the

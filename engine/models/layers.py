@@ -156,26 +156,23 @@ class Linear(nn.Module):
 
     def forward(self, x: Activation | Stream, ops: Ops, *, glu: bool = False,
                 residual: torch.Tensor | None = None, conv: ConvDecode | None = None,
-                gated_norm: GatedNorm | None = None, rope_kv: QKNormRopeKV | None = None,
-                quantize_group: int = 0) -> Activation:
+                gated_norm: GatedNorm | None = None, rope_kv: QKNormRopeKV | None = None) -> torch.Tensor:
         """x plain, quantized by the op before (read as values by a bf16 projection), or the
         residual stream to normalise; glu: silu(gate) * up of a [gate; up] projection; residual:
         the output added into it (in place; returned); conv: the GDN's decode conv of the output's
         first columns; gated_norm: the GDN's gated norm of x by heads (kernels/linear.py); rope_kv:
-        the gated attention's q/k norm, RoPE and KV write of the output (kernels/rope.py);
-        quantize_group (FP8, with glu): the output quantized for the FP8 projection after it (a
-        QuantizedActivation). An FP8 projection fuses glu and gated_norm (kernels/fp8.py) and runs
-        rope_kv after it; the others are bf16 projections' only."""
+        the gated attention's q/k norm, RoPE and KV write of the output (kernels/rope.py). The
+        fused ops but rope_kv and gated_norm: bf16 projections only (an FP8 one runs rope_kv after
+        it)."""
         values, norm_eps = (x.values, x.eps) if isinstance(x, Stream) else (activation_values(x), None)
         if self.is_fp8:
-            assert norm_eps is None and residual is None and conv is None, \
-                "FP8 projections fuse glu and the gated norm only (and run rope_kv after them)"
+            assert norm_eps is None and not glu and residual is None and conv is None, \
+                "FP8 projections fuse only the gated norm (and run rope_kv after them)"
             y = ops.fp8_linear(x, self.weight, self.weight_scale, self.group_size, self.block_scale,
-                               gated_norm=gated_norm, glu=glu, quantize_group=quantize_group)
+                               gated_norm=gated_norm)
             if rope_kv is not None:
                 ops.qk_norm_rope_kv(y, rope_kv)
             return y
-        assert not quantize_group, "a bf16 projection's output is not quantized"
         return ops.linear(values, self.weight, norm_eps=norm_eps, glu=glu, residual=residual, conv=conv,
                           gated_norm=gated_norm, rope_kv=rope_kv)
 
@@ -346,15 +343,12 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: Activation | Stream, ops: Ops, residual: torch.Tensor | None = None) -> torch.Tensor:
         """residual: the stream down adds its output into (forward_stream), where SwiGLU runs
-        inside gate_up's op (ops.linear's glu), as it does in an FP8 gate_up's (ops.fp8_linear's
-        glu: at one row in its kernel); otherwise silu_and_mul. Either quantizes for an FP8 down
-        projection."""
+        inside gate_up's op (ops.linear's glu); otherwise silu_and_mul, which quantizes for an
+        FP8 down projection."""
         if residual is not None:
             return self.down(self.gate_up(x, ops, glu=True), ops, residual=residual)
-        quantize_group = _at_skinny(self.down_quantize_group, _num_tokens(x))
-        if self.gate_up.is_fp8:
-            return self.down(self.gate_up(x, ops, glu=True, quantize_group=quantize_group), ops)
-        return self.down(ops.silu_and_mul(self.gate_up(x, ops), quantize_group), ops)
+        gate_up = self.gate_up(x, ops)
+        return self.down(ops.silu_and_mul(gate_up, _at_skinny(self.down_quantize_group, gate_up.shape[0])), ops)
 
 
 class MoEMLP(nn.Module):

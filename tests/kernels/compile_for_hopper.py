@@ -128,11 +128,9 @@ def run_kernels() -> None:
     """Kernels the greedy engine runs above do not reach: sampling, penalties and their statistics, grammar masks,
     MoE's per-token path, the split GDN prefill (few long rows on a real GPU; the tiny engine
     batches here look like CPU tensors, which take the fused path), the tensor-parallel
-    all-reduce + RMSNorm with its barrier (signal pads given), and the FP8 one-row form with its
-    fusions (the engine reaches it only when a lone request's garbage logits happen to be finite,
-    and its tiny shapes not at the GPU's tiles)."""
+    all-reduce + RMSNorm with its barrier (signal pads given), and the FP8 one-row form (the
+    engine reaches it only when a lone request's garbage logits happen to be finite)."""
     from deltaspec.kernels import all_reduce_norm, fp8, gdn_chunked, moe, penalties, sampling, token_bitmask
-    from deltaspec.kernels.norms import GatedNorm
 
     vocab, rows = 1000, 4
     column = lambda value, dtype: torch.full((rows,), value, dtype=dtype)  # noqa: E731
@@ -171,14 +169,6 @@ def run_kernels() -> None:
                             torch.tensor([True]), torch.randn(2, heads, dim, dim), split=True)
     fp8.fp8_linear(torch.randn(1, 256, dtype=torch.bfloat16), torch.zeros(64, 256, dtype=torch.float8_e4m3fn),
                    torch.ones(64, 2), 128)
-    # Its fused forms: the GDN's gated norm (heads of 128), and gate_up's SwiGLU with the down
-    # projection's quantization (2 columns a program at these shapes: the last-arriver groups).
-    x = torch.randn(1, 512, dtype=torch.bfloat16)
-    fp8.fp8_linear(x, torch.zeros(64, 512, dtype=torch.float8_e4m3fn), torch.ones(64, 4), 128,
-                   gated_norm=GatedNorm(torch.randn(1, 512, dtype=torch.bfloat16), torch.ones(128, dtype=torch.bfloat16),
-                                        1e-6))
-    fp8.fp8_linear(x, torch.zeros(2048, 512, dtype=torch.float8_e4m3fn), torch.ones(2048, 4), 128, glu=True,
-                   quantize_group=128)
     addresses = torch.zeros(2, dtype=torch.int64)
     all_reduce_norm.all_reduce_rms_norm(torch.randn(rows, hidden, dtype=torch.bfloat16),
                                         torch.randn(hidden, dtype=torch.bfloat16), 1e-6,

@@ -13,7 +13,6 @@ import torch
 from deltaspec.kernels.fp8 import (FP8, block_scales, dequantize_reference, fp8_gemm, fp8_linear, fp8_linear_reference,
                                    fp8_moe_experts, fp8_moe_experts_reference, launch_fp8_gemm, quantize_blocks,
                                    quantize_groups, quantize_groups_reference)
-from deltaspec.kernels.arrivals import arrival_counters
 from deltaspec.kernels.norms import GatedNorm
 from deltaspec.kernels.quantize import quantize_activation, quantize_activation_reference
 from fixtures import quantize_block_fp8
@@ -202,28 +201,6 @@ def test_fp8_linear_runs_the_gated_norm(kernel_device, poisoned_empty, monkeypat
     assert_close(actual.cpu(), expected, gemm_tolerance(kernel_device), f"{num_rows} rows")
     unnormed = fp8_linear_reference(x, weight, weight_scale, group)
     assert (unnormed - expected).abs().max() > 10 * gemm_tolerance(kernel_device) * expected.abs().max()
-
-
-@pytest.mark.parametrize("block_n", [4, 64, 128], ids=["last-arriver", "one-group", "own-groups"])
-def test_fp8_one_row_form_runs_swiglu_and_quantizes_for_down(kernel_device, poisoned_empty, block_n):
-    """gate_up at one row: silu(gate) * up in the kernel, and its quantization for the FP8 down
-    projection: by the last of a group's programs to arrive (2 columns a program, groups of 32),
-    by a program holding a whole group, or several. The quantization is exactly that of the
-    kernel's own output (quantize_activation_reference of it); the output matches the reference."""
-    import deltaspec.kernels.fp8 as fp8
-    width, columns, group = 128, 96, 32
-    x, weight, weight_scale = random_case(1, columns, 2 * width, group, seed=40 + block_n)
-    expected = fp8_linear_reference(x, weight, weight_scale, group, glu=True, quantize_group=group)
-    device_case = [t.to(kernel_device) for t in (x, weight, weight_scale)]
-    config = TileConfig(block_n=block_n, block_k=128, num_warps=4)
-    y = torch.full((1, width), float("nan"), device=kernel_device)
-    actual = fp8.launch_fp8_gemv(y, *device_case, group, config, glu=True, quantize_group=group)
-    assert_close(actual.values.cpu(), expected.values, gemm_tolerance(kernel_device), f"block_n {block_n}")
-    own = quantize_activation_reference(actual.values.cpu(), group)
-    assert torch.equal(actual.fp8.cpu().float(), own.fp8.float()) and torch.equal(actual.scale.cpu(), own.scale)
-    assert not arrival_counters(y.device, width).any()  # left at zero for the next launch
-    fused = fp8_linear(*device_case, group, glu=True, quantize_group=group)  # the op takes the same form
-    assert torch.equal(fused.values, actual.values) and torch.equal(fused.fp8.float(), actual.fp8.float())
 
 
 def test_a_quantized_activation_skips_the_quantizer(kernel_device, monkeypatch):
