@@ -47,9 +47,8 @@ from .activation import silu_and_mul_reference
 from .arrivals import arrival_counters, last_to_arrive, reset_arrivals
 from .device import INTERPRETED, num_sms
 from .launch import dependent_prologue, pdl
-from .linear import by_heads, gemv_config, split_k_for
+from .linear import gemv_config, split_k_for
 from .moe import block_rows, by_expert_reference, grouped_config, sort_pairs, store_weighted_pairs, sum_slots
-from .norms import GatedNorm, gated_norm_tile, gated_rms_norm, gated_rms_norm_reference
 from .quantize import (FP8, FP8_MAX, SCALE_FLOOR, Activation, QuantizedActivation, activation_values,
                        quantize_groups, quantize_groups_reference, quantize_tile, quantized_groups)
 from .tiles import TileConfig
@@ -81,16 +80,10 @@ def dequantize_reference(values: torch.Tensor, scale: torch.Tensor, group_size: 
 
 
 def fp8_linear_reference(x: Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
-                         group_size: int, block_scale: torch.Tensor | None = None,
-                         gated_norm: GatedNorm | None = None) -> torch.Tensor:
+                         group_size: int, block_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (float) @ dequantized weight [N, K]^T -> [M, N] in x's dtype, with x quantized
-    per token group first, as the kernel does (or as it comes: a QuantizedActivation); with
-    gated_norm (x plain), x gated-RMS-normalised by heads (rounded to its dtype) and quantized
-    by the norm.
-    block_scale (the same scales per block of rows, for fp8_linear's cuBLAS path) changes nothing
-    here."""
-    if gated_norm is not None:  # the norm quantizes its output, as the kernels' fused forms
-        x = by_heads(gated_rms_norm_reference, x, gated_norm, group_size)
+    per token group first, as the kernel does (or as it comes: a QuantizedActivation). block_scale
+    (the same scales per block of rows, for fp8_linear's cuBLAS path) changes nothing here."""
     x_fp8, x_scale = quantized_groups(x, group_size, quantize_groups_reference)
     product = dequantize_reference(x_fp8, x_scale, group_size) @ dequantize_reference(weight, weight_scale, group_size).T
     return product.to(activation_values(x).dtype)
@@ -172,22 +165,19 @@ def _fp8_gemm_kernel(x_fp8, x_scale, w, w_scale, y, partials, arrivals, M, N, K,
             reset_arrivals(counter)
 
 
-@triton.jit(do_not_specialize=["eps"])
-def _fp8_gemv_kernel(x, x_fp8, x_scale, gate, norm_weight, w, w_scale, y, N, K, num_groups, eps,
-                     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr, QUANTIZE: tl.constexpr,
-                     HEAD: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
+@triton.jit
+def _fp8_gemv_kernel(x, x_fp8, x_scale, w, w_scale, y, N, K, num_groups, BLOCK_N: tl.constexpr,
+                     GROUPS: tl.constexpr, GROUP: tl.constexpr, QUANTIZE: tl.constexpr,
+                     DEPENDENT_LAUNCH: tl.constexpr):
     """The one-row form (linear.py's _gemv_kernel, for block-FP8 weights): program pid computes
     y[0, tile] for BLOCK_N rows of W, holding its whole [BLOCK_N, K] share of W (as [BLOCK_N,
     GROUPS, GROUP] fp8, K padded to GROUPS whole groups) and their scales [BLOCK_N, GROUPS] in
     registers, loaded before the PDL wait (no step writes a weight), so the weight read overlaps
     the kernel before. After the wait it reads x's one row: quantized by the op before (x_fp8,
     x_scale), or with QUANTIZE the row x itself, which every program quantizes as quantize.py's
-    kernels do (the same fp8 values and scales: K values, cheaper than a launch). HEAD > 0 (with
-    QUANTIZE): x is first gated-RMS-normalised by heads of HEAD columns (norms.py gated_rms_norm:
-    gate's row, the norm's weight norm_weight [HEAD], eps) and rounded to x's dtype, as that
-    kernel stores it before quantizing: every program normalises the row itself, in place of the
-    norm's launch. Then y = sum_g (sum_{k in g} w * x_fp8) * w_scale[:, g] * x_scale[g] in fp32.
-    No split-K: N alone fills the SMs (gemv_config)."""
+    kernels do (the same fp8 values and scales: K values, cheaper than a launch). Then
+    y = sum_g (sum_{k in g} w * x_fp8) * w_scale[:, g] * x_scale[g] in fp32. No split-K: N alone
+    fills the SMs (gemv_config)."""
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(cols, N - 1).to(tl.int64)
@@ -199,12 +189,7 @@ def _fp8_gemv_kernel(x, x_fp8, x_scale, gate, norm_weight, w, w_scale, y, N, K, 
                        other=0.0)                                                           # [BLOCK_N, GROUPS]
     dependent_prologue(DEPENDENT_LAUNCH)
     if QUANTIZE:
-        row = tl.load(x + k, mask=in_k, other=0.0).to(tl.float32)                          # [GROUPS, GROUP]
-        if HEAD > 0:
-            z = tl.load(gate + k, mask=in_k, other=0.0).to(tl.float32)
-            scale = tl.load(norm_weight + k % HEAD).to(tl.float32)
-            row = gated_norm_tile(row, z, scale, eps, GROUPS, GROUP, HEAD).to(x.dtype.element_ty).to(tl.float32)
-        values, scales = quantize_tile(row)
+        values, scales = quantize_tile(tl.load(x + k, mask=in_k, other=0.0).to(tl.float32))
     else:
         values = tl.load(x_fp8 + k, mask=in_k, other=0.0).to(tl.float32)
         scales = tl.load(x_scale + groups, mask=groups < num_groups, other=0.0)
@@ -296,11 +281,10 @@ def fp8_gemv_config(num_features: int, num_columns: int, group_size: int, device
 
 
 def launch_fp8_gemv(y: torch.Tensor, x: Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
-                    group_size: int, config: TileConfig, gated_norm: GatedNorm | None = None) -> None:
+                    group_size: int, config: TileConfig) -> None:
     """y [1, N] = x [1, K] @ weight [N, K]^T (weight_scale [N, KB]) through the one-row form with
     an explicit config (fp8_gemv_config's: block_n rows of W a program, block_k >= K whole
-    groups); x plain (quantized in the kernel) or a QuantizedActivation (its fp8 and scales read);
-    gated_norm (x plain): x gated-RMS-normalised by heads first, in the kernel (fusable_gated_norm)."""
+    groups); x plain (quantized in the kernel) or a QuantizedActivation (its fp8 and scales read)."""
     values = activation_values(x)
     _check_fp8_linear_args(values, weight, weight_scale, group_size)
     num_features, num_columns = weight.shape
@@ -313,25 +297,10 @@ def launch_fp8_gemv(y: torch.Tensor, x: Activation, weight: torch.Tensor, weight
         x_fp8 = x_scale = values
     else:
         x_fp8, x_scale = quantized_groups(x, group_size, quantize_groups)
-    head = 0
-    gate, norm_weight, eps = values, values, 0.0
-    if gated_norm is not None:
-        gate, norm_weight, eps = gated_norm
-        head = norm_weight.shape[0]
-        assert quantize and fusable_gated_norm(num_columns, head), \
-            f"the one-row form's gated norm: x plain, heads of a power of two dividing K = {num_columns}, got {head}"
-        assert gate.shape == values.shape and gate.stride(1) == 1 and gate.dtype == values.dtype, \
-            f"gated norm's gate {tuple(gate.shape)} ({gate.dtype}) as x {tuple(values.shape)}, unit stride"
     _fp8_gemv_kernel[(triton.cdiv(num_features, config.block_n),)](
-        values, x_fp8, x_scale, gate, norm_weight, weight, weight_scale, y, num_features, num_columns,
-        weight_scale.shape[1], eps, BLOCK_N=config.block_n, GROUPS=config.block_k // group_size, GROUP=group_size,
-        QUANTIZE=quantize, HEAD=head, num_warps=config.num_warps, **pdl(y.device))
-
-
-def fusable_gated_norm(num_columns: int, head: int) -> bool:
-    """Whether the one-row form normalises x by heads of `head` columns itself: heads of a power
-    of two columns, whole within K."""
-    return head == triton.next_power_of_2(head) and num_columns % head == 0
+        values, x_fp8, x_scale, weight, weight_scale, y, num_features, num_columns, weight_scale.shape[1],
+        BLOCK_N=config.block_n, GROUPS=config.block_k // group_size, GROUP=group_size, QUANTIZE=quantize,
+        num_warps=config.num_warps, **pdl(y.device))
 
 
 def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -355,27 +324,16 @@ def _cublas_blockwise(device: torch.device) -> bool:
 
 
 def fp8_linear(x: Activation, weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int,
-               block_scale: torch.Tensor | None = None, gated_norm: GatedNorm | None = None) -> torch.Tensor:
+               block_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Triton fp8_linear_reference (same arguments and result up to fp32 summation order): the
     group quantizer (skipped when x comes quantized), then the GEMM; one row through the one-row
-    form (its quantizer, and gated_norm's norm, in the kernel) where a row of W fits it; elsewhere
-    gated_norm's norm quantizes its output for the GEMM (by_heads). Batches past SKINNY_MAX_ROWS
+    form (its quantizer in the kernel) where a row of W fits it. Batches past SKINNY_MAX_ROWS
     in bf16 with the weight's block scales (`block_scales`, 128 x 128) go to cuBLAS's block-scaled
     GEMM on sm_90 instead (the same W8A8 product; graph-capturable), which reads column-major
     scales: there x is quantized again from its values (layers.py fuses at skinny batches only)."""
     activation, x = x, activation_values(x)
     _check_fp8_linear_args(x, weight, weight_scale, group_size)
     (num_rows, num_columns), num_features = x.shape, weight.shape[0]
-    if gated_norm is not None:
-        assert activation is x, "fp8_linear: gated_norm normalises a plain x"
-        config = fp8_gemv_config(num_features, num_columns, group_size, x.device) if num_rows == 1 else None
-        if config is not None and fusable_gated_norm(num_columns, gated_norm.weight.shape[0]):
-            y = torch.empty(1, num_features, dtype=x.dtype, device=x.device)
-            launch_fp8_gemv(y, x, weight, weight_scale, group_size, config, gated_norm)
-            return y
-        quantize_group = group_size if num_rows <= SKINNY_MAX_ROWS else 0
-        return fp8_linear(by_heads(gated_rms_norm, x, gated_norm, quantize_group), weight, weight_scale, group_size,
-                          block_scale)
     # Not while a CUDA graph is captured (verify steps past 64 rows): that path is unmeasured there.
     if (block_scale is not None and num_rows > SKINNY_MAX_ROWS and group_size == 128 and x.dtype == torch.bfloat16
             and num_columns % 128 == 0 and num_features % 16 == 0 and _cublas_blockwise(x.device)

@@ -73,9 +73,7 @@ from .conv1d import (ConvDecode, causal_conv1d_decode, causal_conv1d_decode_refe
                      conv_decode_tile, decode_tile_constants)
 from .device import INTERPRETED, num_sms
 from .launch import dependent_prologue, dot_precision, pdl, prefetch_l2
-from .norms import (GatedNorm, gated_norm_tile, gated_rms_norm, gated_rms_norm_reference, rms_norm,
-                    rms_norm_reference)
-from .quantize import Activation
+from .norms import GatedNorm, gated_rms_norm, gated_rms_norm_reference, rms_norm, rms_norm_reference
 from .rope import (QKNormRopeKV, check_qk_norm_rope_kv_args, norm_rope_head, pool_offset, qk_norm_rope_kv,
                    qk_norm_rope_kv_reference, rope_factors)
 from .tiles import TileConfig
@@ -112,7 +110,7 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float |
             "linear: out takes no fused ops"
         return out.copy_(F.linear(x, weight))
     if gated_norm is not None:
-        x = by_heads(gated_rms_norm_reference, x, gated_norm)
+        x = _by_heads(gated_rms_norm_reference, x, gated_norm)
     if norm_eps is not None:
         x, _ = rms_norm_reference(x, None, norm_eps)
     y = F.linear(x, weight)
@@ -125,13 +123,11 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float |
     return y if residual is None else residual.add_(y)
 
 
-def by_heads(norm, x: torch.Tensor, gated_norm: GatedNorm, quantize_group: int = 0) -> Activation:
-    """norm (gated_rms_norm or its reference) of x [M, H * D] by heads, as [M, H * D] (with
-    quantize_group > 0, the norm's QuantizedActivation of those rows, for an FP8 projection)."""
+def _by_heads(norm, x: torch.Tensor, gated_norm: GatedNorm) -> torch.Tensor:
+    """norm (gated_rms_norm or its reference) of x [M, H * D] by heads, as [M, H * D]."""
     gate, weight, eps = gated_norm
     heads = (x.shape[0], -1, weight.shape[0])
-    out = norm(x.view(heads), gate.view(heads), weight, eps, quantize_group=quantize_group)
-    return out if quantize_group else out.reshape(x.shape)
+    return norm(x.view(heads), gate.view(heads), weight, eps).reshape(x.shape)
 
 
 # M (and the conv's rows) vary with the batch: not compile-time (one binary serves a BLOCK_M).
@@ -275,9 +271,12 @@ def _gemv_kernel(x, w, y, residual, gate, norm_weight, N, K, eps, stride_wn, str
     offs_m = tl.arange(0, 1)
     x_row = tl.load(x + offs_k[None, :], mask=in_k, other=0.0).to(tl.float32)                       # [1, KP]
     if HEAD > 0:
+        heads = tl.reshape(x_row, (KP // HEAD, HEAD))
+        rstd = tl.rsqrt(tl.sum(heads * heads, axis=1) / HEAD + eps)   # padded heads: 0 * rsqrt(eps)
         z = tl.load(gate + offs_k[None, :], mask=in_k, other=0.0).to(tl.float32)
         scale = tl.load(norm_weight + offs_k % HEAD).to(tl.float32)[None, :]
-        x_row = gated_norm_tile(x_row, z, scale, eps, 1, KP, HEAD).to(x.dtype.element_ty).to(tl.float32)
+        x_row = tl.reshape(heads * rstd[:, None], (1, KP)) * scale * (z * tl.sigmoid(z))
+        x_row = x_row.to(x.dtype.element_ty).to(tl.float32)
     acc = tl.sum(w_tile.to(tl.float32) * x_row, axis=1)[:, None]                                     # [BLOCK_N, 1]
     sq = tl.sum(x_row * x_row, axis=1)                                                                # [1]
     _finish_tile(acc, sq, y, residual, pid_n, offs_m, offs_r, 1, N, K, eps, stride_ym, stride_rm,
@@ -679,7 +678,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = No
         qk_norm_rope_kv(y, rope_kv)
         return y
     if gated_norm is not None:
-        return linear(by_heads(gated_rms_norm, x, gated_norm), weight, norm_eps=norm_eps, glu=glu, residual=residual,
+        return linear(_by_heads(gated_rms_norm, x, gated_norm), weight, norm_eps=norm_eps, glu=glu, residual=residual,
                       conv=conv)
     if conv is not None and conv.slot_ids.numel() > CONV_EPILOGUE_MAX_ROWS:
         y = linear(x, weight, norm_eps=norm_eps, glu=glu, residual=residual)

@@ -102,18 +102,6 @@ def add_rms_normalize(h, residual_row, residual_out_row, w, offs, mask, eps, H: 
 
 
 @triton.jit
-def gated_norm_tile(h, z, w, eps, ROWS: tl.constexpr, COLS: tl.constexpr, HEAD: tl.constexpr):
-    """gated_rms_norm of one row of x held as a [ROWS, COLS] float32 tile (row-major; columns past
-    the row 0, in whole heads of HEAD columns): h / sqrt(mean(h^2) + eps) * w * silu(z) per head,
-    z (the gate) and w (the norm's weight at each column) tiles of the same shape; float32, not
-    rounded. For the projections that normalise their one-row input themselves (linear.py's and
-    fp8.py's one-row forms); a padded head comes out 0."""
-    heads = tl.reshape(h, (ROWS * COLS // HEAD, HEAD))
-    rstd = tl.rsqrt(tl.sum(heads * heads, axis=1) / HEAD + eps)
-    return tl.reshape(heads * rstd[:, None], (ROWS, COLS)) * w * (z * tl.sigmoid(z))
-
-
-@triton.jit
 def _rms_norm_kernel(x, residual, weight, out, residual_out, out_fp8, out_scale, stride_x, stride_residual, eps,
                      H: tl.constexpr, BH: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                      GROUP: tl.constexpr, GROUP_TILE: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):

@@ -162,14 +162,12 @@ class Linear(nn.Module):
         the output added into it (in place; returned); conv: the GDN's decode conv of the output's
         first columns; gated_norm: the GDN's gated norm of x by heads (kernels/linear.py); rope_kv:
         the gated attention's q/k norm, RoPE and KV write of the output (kernels/rope.py). The
-        fused ops but rope_kv and gated_norm: bf16 projections only (an FP8 one runs rope_kv after
-        it)."""
+        fused ops but rope_kv: bf16 projections only (an FP8 one runs rope_kv after it)."""
         values, norm_eps = (x.values, x.eps) if isinstance(x, Stream) else (activation_values(x), None)
         if self.is_fp8:
-            assert norm_eps is None and not glu and residual is None and conv is None, \
-                "FP8 projections fuse only the gated norm (and run rope_kv after them)"
-            y = ops.fp8_linear(x, self.weight, self.weight_scale, self.group_size, self.block_scale,
-                               gated_norm=gated_norm)
+            assert norm_eps is None and not glu and residual is None and conv is None and gated_norm is None, \
+                "FP8 projections take no fused ops"
+            y = ops.fp8_linear(x, self.weight, self.weight_scale, self.group_size, self.block_scale)
             if rope_kv is not None:
                 ops.qk_norm_rope_kv(y, rope_kv)
             return y
@@ -276,9 +274,7 @@ class GatedDeltaNet(nn.Module):
             if written is not None:
                 state.recurrent[written.slots] = saved
                 state.conv[written.slots] = checkpoint_conv_windows(mixed[span], written, state.conv)
-        # The projection runs the gated norm (in the one-row forms, itself); FP8 ones at one row only,
-        # where it saves the norm's launch (more rows: the norm quantizes for the GEMM, below).
-        if not self.out_proj.is_fp8 or num_tokens == 1:
+        if not self.out_proj.is_fp8:  # the projection runs the gated norm (in the one-row form, itself)
             return self.out_proj(core.reshape(num_tokens, -1), ops, residual=residual,
                                  gated_norm=GatedNorm(z, self.norm_weight, c.rms_norm_eps))
         gate = z.reshape(num_tokens, c.linear_num_value_heads, c.linear_value_head_dim)

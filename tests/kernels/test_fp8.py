@@ -13,7 +13,6 @@ import torch
 from deltaspec.kernels.fp8 import (FP8, block_scales, dequantize_reference, fp8_gemm, fp8_linear, fp8_linear_reference,
                                    fp8_moe_experts, fp8_moe_experts_reference, launch_fp8_gemm, quantize_blocks,
                                    quantize_groups, quantize_groups_reference)
-from deltaspec.kernels.norms import GatedNorm
 from deltaspec.kernels.quantize import quantize_activation, quantize_activation_reference
 from fixtures import quantize_block_fp8
 from deltaspec.kernels.moe import route_reference
@@ -176,31 +175,6 @@ def test_fp8_one_row_form_matches_reference(kernel_device, poisoned_empty, monke
     y = torch.full((1, shape[2]), float("nan"), dtype=dtype, device=kernel_device)
     fp8.launch_fp8_gemv(y, *device_case, 32, small)  # 4 rows a program: a ragged last tile
     assert torch.equal(y, actual)
-
-
-@pytest.mark.parametrize("num_rows", [1, 3])
-def test_fp8_linear_runs_the_gated_norm(kernel_device, poisoned_empty, monkeypatch, num_rows):
-    """The GDN's out_proj: x gated-RMS-normalised by heads (gate a row-strided view, as z of the
-    in_proj), then the FP8 projection. One row: in the one-row form itself (the norm kernel would
-    raise); more: the norm kernel quantizes for the GEMM. Both against the reference."""
-    import deltaspec.kernels.fp8 as fp8
-    heads, head, group = 8, 32, 32
-    x, weight, weight_scale = random_case(num_rows, heads * head, 40, group, seed=20 + num_rows)
-    generator = torch.Generator().manual_seed(30 + num_rows)
-    projection = torch.randn(num_rows, 3 * heads * head, generator=generator)
-    gate = projection[:, heads * head:2 * heads * head]                   # row-strided, as z
-    norm_weight = torch.rand(head, generator=generator) + 0.5
-    expected = fp8_linear_reference(x, weight, weight_scale, group, gated_norm=GatedNorm(gate, norm_weight, 1e-6))
-    device_projection = projection.to(kernel_device)
-    device_norm = GatedNorm(device_projection[:, heads * head:2 * heads * head], norm_weight.to(kernel_device), 1e-6)
-    device_case = [t.to(kernel_device) for t in (x, weight, weight_scale)]
-    with monkeypatch.context() as patch:
-        if num_rows == 1:
-            patch.setattr(fp8, "gated_rms_norm", None)   # a call would raise
-        actual = poisoned_empty(fp8_linear, *device_case, group, gated_norm=device_norm)
-    assert_close(actual.cpu(), expected, gemm_tolerance(kernel_device), f"{num_rows} rows")
-    unnormed = fp8_linear_reference(x, weight, weight_scale, group)
-    assert (unnormed - expected).abs().max() > 10 * gemm_tolerance(kernel_device) * expected.abs().max()
 
 
 def test_a_quantized_activation_skips_the_quantizer(kernel_device, monkeypatch):
