@@ -156,7 +156,7 @@ def main() -> None:
               "commit": commit_id(), "command": " ".join(["python"] + sys.argv), "context": CONTEXT,
               "results": results}
     args.out.mkdir(parents=True, exist_ok=True)
-    variant = "".join(f"_{part}" for part in (None if args.shape == "0.8b" else args.shape, args.quantization) if part)
+    variant = "".join(f"_{part}" for part in (args.shape, args.quantization) if part not in (None, "0.8b"))
     path = args.out / f"profile{variant}-{device_tag(name)}.json"
     path.write_text(json.dumps(report, indent=2))
     for r in results:

@@ -172,14 +172,14 @@ def greedy_argmax(logits: torch.Tensor, width: int, tokens: torch.Tensor | None 
     nonfinite = torch.empty(num_rows // width, dtype=torch.int64, device=device) if nonfinite is None else nonfinite
     if num_rows == 0:
         return tokens, nonfinite
-    sms = num_sms(device)
-    config = greedy_config(num_rows, vocab, sms, logits.element_size())
+    sms, element_size = num_sms(device), logits.element_size()
+    config = greedy_config(num_rows, vocab, sms, element_size)
     num_splits = config.num_splits
     partials = torch.empty(2, num_rows, num_splits, dtype=torch.int64, device=device)
     arrivals = arrival_counters(device, num_rows // width)
     _greedy_argmax_kernel[(num_rows, num_splits)](
         logits, tokens, nonfinite, tokens if token_ids is None else token_ids, partials, arrivals, logits.stride(0),
         num_rows, vocab, width, num_splits, triton.cdiv(triton.cdiv(vocab, config.block_n), num_splits),
-        BLOCK=config.block_n, BLOCK_SPLITS=_max_splits(vocab, sms, logits.element_size()), HAS_TOKEN_IDS=token_ids is not None,
+        BLOCK=config.block_n, BLOCK_SPLITS=_max_splits(vocab, sms, element_size), HAS_TOKEN_IDS=token_ids is not None,
         **config.launch_options(), **pdl(device))
     return tokens, nonfinite
