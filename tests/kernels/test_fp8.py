@@ -174,7 +174,9 @@ def test_fp8_one_row_form_matches_reference(kernel_device, poisoned_empty, monke
     small = TileConfig(block_n=4, block_k=max(32, 1 << (shape[1] - 1).bit_length()), num_warps=1)
     y = torch.full((1, shape[2]), float("nan"), dtype=dtype, device=kernel_device)
     fp8.launch_fp8_gemv(y, *device_case, 32, small)  # 4 rows a program: a ragged last tile
-    assert torch.equal(y, actual)
+    # Against the reference, not bit for bit against `actual`: on a GPU another tile may sum a
+    # row's products in another order.
+    assert_close(y.cpu(), expected, tolerance, f"{shape}, 4 rows a program")
 
 
 def test_a_quantized_activation_skips_the_quantizer(kernel_device, monkeypatch):
