@@ -116,17 +116,13 @@ class HybridLM(nn.Module):
         # index_select, one thread loop over the ids (sampling_table.py); same rows either way.
         return self.embed_tokens[ids]
 
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden [N, H] -> float32 logits [N, V] (the model-dtype logits widened), into `out`
-        (float32) when given (a CUDA graph's static buffer). The head writes them itself where
-        it can (a float32 model's GEMM; one row on one device: the one-row form, `head`), else
-        a widening copy does."""
-        if hidden.dtype == torch.float32 or (hidden.shape[0] == 1 and self.tp is None):
-            if out is None:
-                out = hidden.new_empty((hidden.shape[0], self.config.vocab_size), dtype=torch.float32)
-            return self.logits(hidden, out)
-        logits = self.logits(hidden)
-        return logits.float() if out is None else out.copy_(logits)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> float32 logits [N, V] (the model-dtype logits widened). One row on one
+        device, the head's one-row form (`head`) widens its own stores; elsewhere a widening copy
+        does (none for a float32 model)."""
+        if hidden.dtype != torch.float32 and hidden.shape[0] == 1 and self.tp is None:
+            return self.logits(hidden, hidden.new_empty((1, self.config.vocab_size), dtype=torch.float32))
+        return self.logits(hidden).float()
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] in the model's dtype (greedy argmax needs no float32
