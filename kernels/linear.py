@@ -89,6 +89,11 @@ CONV_EPILOGUE_MAX_ROWS = 1
 # 467-514 us, 64 KB ones 530-558 us, the MMA form 613 us (H100: bench/results/gemv-h100.json).
 GEMV_PROGRAM_BYTES = 16 << 10
 GEMV_WARPS = 4
+# A row of W wider than GEMV_PROGRAM_BYTES (the 9B's down projection: 12288 bf16, 32 KB padded)
+# still takes the one-row form up to this width, one row a program, its warps grown with the row
+# so that a thread holds what it holds in a GEMV_PROGRAM_BYTES program; wider rows (64 KB
+# programs were slower on the 0.8B's chain, above) take the MMA form.
+GEMV_ROW_BYTES = 32 << 10
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = None, glu: bool = False,
@@ -586,15 +591,19 @@ def gemv_config(out_features: int, in_features: int, device: torch.device, glu: 
                 element_size: int = 2, program_bytes: int = GEMV_PROGRAM_BYTES,
                 num_warps: int = GEMV_WARPS) -> TileConfig | None:
     """The one-row form's tile (_gemv_kernel) for W [out_features, in_features] of element_size
-    bytes, or None where a program's row of W would not fit program_bytes: block_k is K padded to
-    a power of two, block_n the most rows of W whose padded share fits, halved (down to one row,
-    two with glu) until the N tiles give every SM a program. Shapes only (graphs replay the
+    bytes: block_k is K padded to a power of two, block_n the most rows of W whose padded share
+    fits program_bytes, halved (down to one row, two with glu) until the N tiles give every SM a
+    program. Where that least share passes program_bytes, it alone up to GEMV_ROW_BYTES, with
+    num_warps scaled by share / program_bytes; None past that. Shapes only (graphs replay the
     choice); program_bytes and num_warps other than the defaults: bench/tools/gemv_chain.py."""
     k_padded = triton.next_power_of_2(in_features)
     fitting = program_bytes // (k_padded * element_size)
     least = 2 if glu else 1
     if fitting < least:
-        return None
+        share = least * k_padded * element_size
+        if share > GEMV_ROW_BYTES:
+            return None
+        return TileConfig(block_n=least, block_k=k_padded, num_warps=num_warps * share // program_bytes)
     block_n = 1 << (fitting.bit_length() - 1)
     sms = 1 if INTERPRETED else num_sms(device)
     while block_n > least and triton.cdiv(out_features, block_n) < sms:

@@ -28,8 +28,8 @@ import triton
 from deltaspec.kernels.arrivals import arrival_counters
 import deltaspec.kernels.linear as linear_module
 from deltaspec.kernels.conv1d import ConvDecode, causal_conv1d_decode, causal_conv1d_decode_reference
-from deltaspec.kernels.linear import (CONV_EPILOGUE_MAX_ROWS, CUBLAS_ROWS, GEMV_PROGRAM_BYTES, KERNEL_MAX_ROWS,
-                                     MAX_ROWS, block_m, gemv_config, kernel_config, launch_gemv, launch_linear,
+from deltaspec.kernels.linear import (CONV_EPILOGUE_MAX_ROWS, CUBLAS_ROWS, GEMV_PROGRAM_BYTES, GEMV_ROW_BYTES,
+                                     GEMV_WARPS, KERNEL_MAX_ROWS, MAX_ROWS, block_m, gemv_config, kernel_config, launch_gemv, launch_linear,
                                      linear, linear_config, linear_reference, padded_linear)
 from deltaspec.kernels.norms import GatedNorm, gated_rms_norm, gated_rms_norm_reference
 from deltaspec.kernels.tiles import TileConfig
@@ -188,6 +188,20 @@ def test_linear_gated_norm(entry, heads, dtype, kernel_device, monkeypatch):
     assert_close(reference, expected, TOLERANCE[dtype], "reference")
 
 
+def test_linear_wide_row(kernel_device, monkeypatch):
+    """A row of W past GEMV_PROGRAM_BYTES (fp16, K = 9000: 32 KB padded, as the 9B's down
+    projection) with the residual add the down projection runs: `linear` takes the one-row form,
+    one row a program, never the MMA form, against the reference."""
+    monkeypatch.setattr(linear_module, "launch_linear", lambda *a, **k: pytest.fail("the MMA form ran"))
+    x, weight = inputs(1, 6, 9000, torch.float16, kernel_device, seed=6)
+    stream = torch.randn(1, 6, generator=torch.Generator(device=kernel_device).manual_seed(7),
+                         device=kernel_device).to(torch.float16)
+    expected = stream.float() + linear_reference(x.float(), weight.float())
+    y = linear(x, weight, residual=stream)
+    assert y is stream
+    assert_close(y, expected, TOLERANCE[torch.float16], "wide row")
+
+
 def test_linear_gated_norm_odd_heads(kernel_device, monkeypatch):
     """Heads of a width that is not a power of two: `linear` runs the gated norm's kernel before
     the projection even for one row (the one-row form reshapes x into power-of-two heads)."""
@@ -205,13 +219,19 @@ def test_linear_gated_norm_odd_heads(kernel_device, monkeypatch):
 def test_gemv_config():
     """gemv_config on an H100 (132 SMs, bf16): a program's padded share of W within
     GEMV_PROGRAM_BYTES, a power of two of rows (two at least with glu), N tiles for every SM
-    where the rows allow; None where one row of W does not fit (the 9B's down projection)."""
+    where the rows allow; a wider least share (the 9B's down projection, 32 KB a row) alone up
+    to GEMV_ROW_BYTES with warps in proportion; None past that."""
     device = torch.device("cpu")
-    for n, k in GPU_SHAPES:
+    for n, k in GPU_SHAPES + [(1024, 20000)]:
         for glu in (False, True):
             config = gemv_config(2 * n if glu else n, k, device, glu)
-            if triton.next_power_of_2(k) * 2 * (2 if glu else 1) > GEMV_PROGRAM_BYTES:
+            share = triton.next_power_of_2(k) * 2 * (2 if glu else 1)
+            if share > GEMV_ROW_BYTES:
                 assert config is None, (n, k, glu)
+                continue
+            if share > GEMV_PROGRAM_BYTES:
+                assert config.block_n == (2 if glu else 1) and config.block_k == triton.next_power_of_2(k), (n, k)
+                assert config.num_warps == GEMV_WARPS * share // GEMV_PROGRAM_BYTES
                 continue
             assert config.block_k == triton.next_power_of_2(k) and config.block_n & (config.block_n - 1) == 0
             assert config.block_n * config.block_k * 2 <= GEMV_PROGRAM_BYTES
