@@ -71,7 +71,8 @@ for part in ${parts//,/ }; do
     rm -rf /tmp/gpu_tests && mkdir -p /tmp/gpu_tests
     python -m pytest -q -m gpu -p no:cacheprovider --collect-only tests | grep "::" \
         | split -n r/8 - /tmp/gpu_tests/shard.
-    ls /tmp/gpu_tests/shard.* | xargs -P 8 -I{} sh -c \
+    # Each process's engines size their pools from an eighth of the device (tests/conftest.py).
+    ls /tmp/gpu_tests/shard.* | DELTASPEC_TEST_GPU_SHARDS=8 xargs -P 8 -I{} sh -c \
         'timeout ${TESTS_TIMEOUT:-480} python -m pytest -q -m gpu -p no:cacheprovider $(cat {}) > {}.log 2>&1'
     for log in /tmp/gpu_tests/*.log; do echo "== $log"; grep -E "passed|failed|error" "$log" | tail -1; done
     grep -h -E "^(FAILED|ERROR)" /tmp/gpu_tests/*.log

@@ -57,6 +57,28 @@ def _module_caches(request):
             value.cache_clear()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _gpu_share():
+    """bench/gpu_session.sh runs the GPU tests as DELTASPEC_TEST_GPU_SHARDS processes on one GPU.
+    An engine sizes its pools from the memory free when it starts (90% of it by default), so the
+    first shards' engines would take what the others then fail to find ("not enough memory for
+    the KV pool", out of memory). Each process here sees at most its share of the device as free:
+    total / shards less what it already holds."""
+    shards = int(os.environ.get("DELTASPEC_TEST_GPU_SHARDS", "1"))
+    if shards <= 1 or not torch.cuda.is_available():
+        yield
+        return
+    real = torch.cuda.mem_get_info
+
+    def shared(device=None):
+        free, total = real(device)
+        return max(0, min(free, total // shards - torch.cuda.memory_reserved(device))), total
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "mem_get_info", shared)
+        yield
+
+
 @pytest.fixture(scope="session")
 def kernel_device() -> str:
     """Where Triton kernel tests run: the GPU when there is one, else the interpreter on CPU."""
