@@ -48,9 +48,10 @@ from .arrivals import arrival_counters, last_to_arrive, reset_arrivals
 from .device import INTERPRETED, num_sms
 from .launch import dependent_prologue, pdl
 from .linear import gemv_config, split_k_for
+from .norms import AddNorm, check_rms_norm_args, rms_norm, rms_norm_reference, rms_norm_row
 from .moe import block_rows, by_expert_reference, grouped_config, sort_pairs, store_weighted_pairs, sum_slots
 from .quantize import (FP8, FP8_MAX, SCALE_FLOOR, Activation, QuantizedActivation, activation_values,
-                       quantize_groups, quantize_groups_reference, quantize_tile, quantized_groups)
+                       quantize_groups, quantize_groups_reference, quantize_tile, quantized_groups, quantized_outputs)
 from .tiles import TileConfig
 
 def expand_groups(scale: torch.Tensor, group_size: int, num_columns: int) -> torch.Tensor:
@@ -166,9 +167,11 @@ def _fp8_gemm_kernel(x_fp8, x_scale, w, w_scale, y, partials, arrivals, M, N, K,
 
 
 @triton.jit
-def _fp8_gemv_kernel(x, x_fp8, x_scale, w, w_scale, y, N, K, num_groups, BLOCK_N: tl.constexpr,
-                     GROUPS: tl.constexpr, GROUP: tl.constexpr, QUANTIZE: tl.constexpr,
-                     DEPENDENT_LAUNCH: tl.constexpr):
+def _fp8_gemv_kernel(x, x_fp8, x_scale, w, w_scale, y, N, K, num_groups,
+                     residual, norm_weight, normed, residual_out, normed_fp8, normed_scale, arrivals, eps,
+                     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr, QUANTIZE: tl.constexpr,
+                     NORM: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, NORM_GROUP: tl.constexpr,
+                     NORM_GROUP_TILE: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """The one-row form (linear.py's _gemv_kernel, for block-FP8 weights): program pid computes
     y[0, tile] for BLOCK_N rows of W, holding its whole [BLOCK_N, K] share of W (as [BLOCK_N,
     GROUPS, GROUP] fp8, K padded to GROUPS whole groups) and their scales [BLOCK_N, GROUPS] in
@@ -177,7 +180,13 @@ def _fp8_gemv_kernel(x, x_fp8, x_scale, w, w_scale, y, N, K, num_groups, BLOCK_N
     x_scale), or with QUANTIZE the row x itself, which every program quantizes as quantize.py's
     kernels do (the same fp8 values and scales: K values, cheaper than a launch). Then
     y = sum_g (sum_{k in g} w * x_fp8) * w_scale[:, g] * x_scale[g] in fp32. No split-K: N alone
-    fills the SMs (gemv_config)."""
+    fills the SMs (gemv_config).
+    NORM (an AddNorm, H = N): the residual add + RMSNorm after the projection in place of its
+    launch. Every program counts in at arrivals[0] once its y tile is stored; the last to arrive,
+    seeing every tile, runs norms.rms_norm_row on y: y + residual into residual_out, its norm
+    (weight norm_weight) into normed and, with NORM_GROUP, quantized into normed_fp8 and
+    normed_scale. The row is normalised once, by one program, not by every program of the
+    projection after it."""
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(cols, N - 1).to(tl.int64)
@@ -196,6 +205,11 @@ def _fp8_gemv_kernel(x, x_fp8, x_scale, w, w_scale, y, N, K, num_groups, BLOCK_N
     sums = tl.sum(w_tile.to(tl.float32) * values[None, :, :], axis=2)                      # [BLOCK_N, GROUPS]
     acc = tl.sum(sums * w_scales * scales[None, :], axis=1)
     tl.store(y + cols, acc.to(y.dtype.element_ty), mask=cols < N)
+    if NORM:
+        if last_to_arrive(arrivals, tl.num_programs(0)):
+            rms_norm_row(y, residual, norm_weight, normed, residual_out, normed_fp8, normed_scale, eps, H, BH, True,
+                         True, NORM_GROUP, NORM_GROUP_TILE)
+            reset_arrivals(arrivals)
 
 
 def _check_fp8_linear_args(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int) -> None:
@@ -281,10 +295,13 @@ def fp8_gemv_config(num_features: int, num_columns: int, group_size: int, device
 
 
 def launch_fp8_gemv(y: torch.Tensor, x: Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
-                    group_size: int, config: TileConfig) -> None:
+                    group_size: int, config: TileConfig,
+                    add_norm: AddNorm | None = None) -> tuple[Activation, torch.Tensor] | None:
     """y [1, N] = x [1, K] @ weight [N, K]^T (weight_scale [N, KB]) through the one-row form with
     an explicit config (fp8_gemv_config's: block_n rows of W a program, block_k >= K whole
-    groups); x plain (quantized in the kernel) or a QuantizedActivation (its fp8 and scales read)."""
+    groups); x plain (quantized in the kernel) or a QuantizedActivation (its fp8 and scales read).
+    add_norm: its residual add + RMSNorm of y in the same launch; returns (normed, new residual)
+    as norms.rms_norm does (y then holds the projection's output, as without it)."""
     values = activation_values(x)
     _check_fp8_linear_args(values, weight, weight_scale, group_size)
     num_features, num_columns = weight.shape
@@ -297,10 +314,26 @@ def launch_fp8_gemv(y: torch.Tensor, x: Activation, weight: torch.Tensor, weight
         x_fp8 = x_scale = values
     else:
         x_fp8, x_scale = quantized_groups(x, group_size, quantize_groups)
+    if add_norm is None:
+        norm_args, norm_meta, result = (y,) * 7 + (0.0,), dict(H=1, BH=1, NORM_GROUP=0, NORM_GROUP_TILE=1), None
+    else:
+        weight_norm, eps, residual, quantize_group = add_norm
+        check_rms_norm_args(y, weight_norm, residual, quantize_group)
+        block = triton.next_power_of_2(num_features)
+        normed, new_residual = torch.empty_like(y), torch.empty_like(y)
+        normed_fp8, normed_scale = quantized_outputs(1, num_features, quantize_group, y.device) \
+            if quantize_group else (normed, normed)
+        norm_args = (residual, weight_norm, normed, new_residual, normed_fp8, normed_scale,
+                     arrival_counters(y.device, 1), eps)
+        norm_meta = dict(H=num_features, BH=block, NORM_GROUP=quantize_group,
+                         NORM_GROUP_TILE=min(block, quantize_group) if quantize_group else 1)
+        result = (QuantizedActivation(normed, normed_fp8, normed_scale, quantize_group) if quantize_group else normed,
+                  new_residual)
     _fp8_gemv_kernel[(triton.cdiv(num_features, config.block_n),)](
         values, x_fp8, x_scale, weight, weight_scale, y, num_features, num_columns, weight_scale.shape[1],
-        BLOCK_N=config.block_n, GROUPS=config.block_k // group_size, GROUP=group_size, QUANTIZE=quantize,
-        num_warps=config.num_warps, **pdl(y.device))
+        *norm_args, BLOCK_N=config.block_n, GROUPS=config.block_k // group_size, GROUP=group_size, QUANTIZE=quantize,
+        NORM=add_norm is not None, **norm_meta, num_warps=config.num_warps, **pdl(y.device))
+    return result
 
 
 def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -350,6 +383,28 @@ def fp8_linear(x: Activation, weight: torch.Tensor, weight_scale: torch.Tensor, 
             return y
     x_fp8, x_scale = quantized_groups(activation, group_size, quantize_groups)
     return fp8_gemm(x_fp8, x_scale, weight, weight_scale, group_size, x.dtype)
+
+
+def fp8_linear_add_norm_reference(x: Activation, weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int,
+                                  block_scale: torch.Tensor | None, add_norm: AddNorm) -> tuple[Activation, torch.Tensor]:
+    """(normed, new residual) = rms_norm(fp8_linear(x), *add_norm): a projection and the residual
+    add + RMSNorm after it (a decoder block's last projection and the next block's input norm)."""
+    y = fp8_linear_reference(x, weight, weight_scale, group_size, block_scale)
+    return rms_norm_reference(y, add_norm.weight, add_norm.eps, add_norm.residual, add_norm.quantize_group)
+
+
+def fp8_linear_add_norm(x: Activation, weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int,
+                        block_scale: torch.Tensor | None, add_norm: AddNorm) -> tuple[Activation, torch.Tensor]:
+    """Triton fp8_linear_add_norm_reference: one row in one launch, the one-row form's last program
+    running the norm (_fp8_gemv_kernel, NORM); otherwise fp8_linear, then rms_norm's kernel."""
+    values = activation_values(x)
+    if values.shape[0] == 1:
+        num_features, num_columns = weight.shape
+        config = fp8_gemv_config(num_features, num_columns, group_size, values.device)
+        if config is not None:
+            y = torch.empty(1, num_features, dtype=values.dtype, device=values.device)
+            return launch_fp8_gemv(y, x, weight, weight_scale, group_size, config, add_norm)
+    return rms_norm(fp8_linear(x, weight, weight_scale, group_size, block_scale), *add_norm)
 
 
 # ----------------------------------------------------------------------------------------------
