@@ -34,6 +34,8 @@
 # sampling: sampling_cost three times, each its own process (#29's 1.15x bar)
 # fp8     : kernels_fp8 and engine_throughput --quantization fp8 with the fused activation
 #           quantizer and without it (#30's bars)
+# fp8ab   : bench/tools/fp8_gemv_chain.py, then the FP8 9B engine at batch 1 (with its bf16 twin) for
+#           this tree and AB_BASE, alternating new, base, new, and its profile_step (#30)
 # abuse   : `deltaspec bench serve --abuse` at 16 and 64 streams (#33)
 # ttftbar : `deltaspec bench serve` at 16 and 64 streams twice (#33's TTFT p99 <= 3x p50 bar, which
 #           moves from run to run), with each run's engine step times and GC pauses
@@ -185,6 +187,19 @@ for part in ${parts//,/ }; do
         --out "$out/fp8_fused" 2>&1 | tail -4
     DELTASPEC_FUSE_FP8_QUANT=0 timeout 180 python bench/engine_throughput.py --quantization fp8 --shapes 9b \
         --batches 1,16 --out "$out/fp8_unfused" 2>&1 | tail -4 ;;
+  fp8ab)
+    # #30: the FP8 one-row chain (tiles; norms as launches and in the projections), then the FP8
+    # 9B engine at batch 1 with its bf16 twin, this tree and AB_BASE alternating, and its profile.
+    base="${AB_BASE:?AB_BASE: the baseline tree}"
+    timeout 150 python bench/tools/fp8_gemv_chain.py --out "$out" 2>&1 | grep -E "fp8_gemv_config|with norms"
+    for tree in new base new; do
+        prefix=(); [[ $tree == base ]] && prefix=(bash bench/tools/ab.sh "$base")
+        mkdir -p "$out/$tree"
+        timeout 150 "${prefix[@]}" python "$(pwd)/bench/engine_throughput.py" --quantization fp8 --shapes 9b \
+            --batches 1 --out "$out/$tree" 2>&1 | grep -E 'FP8 / bf16|"step_ms"' | sed "s/^/$tree /"
+    done
+    timeout 120 python bench/profile_step.py --shape 9b --quantization fp8 --batches 1 --verify-drafts 0 \
+        --out "$out" 2>&1 | grep -E "graph|us critical" | head -10 ;;
   abuse)
     timeout 480 python -m deltaspec.server.cli bench serve --device cuda --dtype bfloat16 --streams 16 64 \
         --duration 30 --max-tokens 256 --abuse --out "$out" 2>&1 | tail -15 ;;
@@ -201,7 +216,7 @@ for part in ${parts//,/ }; do
   sanitize)
     OUT="$out" timeout 540 bash bench/tools/sanitize.sh 2>&1 | tail -12 ;;
   *)
-    echo "unknown part $part (tests, kernels, engine, floor, fusion, spec, spec9b, spec35b, serve, specserve, stephost, servedab, hostsplit, sampling, fp8, abuse, ttftbar, ttft, sanitize)"; exit 2 ;;
+    echo "unknown part $part (tests, kernels, engine, floor, fusion, spec, spec9b, spec35b, serve, specserve, stephost, servedab, hostsplit, sampling, fp8, fp8ab, abuse, ttftbar, ttft, sanitize)"; exit 2 ;;
   esac
 done
 if [[ "${SAVE_TRITON_CACHE:-0}" == 1 ]]; then OUT="$out" bash bench/tools/save_triton_cache.sh; fi
