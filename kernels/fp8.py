@@ -47,7 +47,9 @@ from .activation import silu_and_mul_reference
 from .arrivals import arrival_counters, last_to_arrive, reset_arrivals
 from .device import INTERPRETED, num_sms
 from .launch import dependent_prologue, pdl
-from .linear import gemv_config, split_k_for
+from .conv1d import (ConvDecode, causal_conv1d_decode, causal_conv1d_decode_reference, check_conv_decode_args,
+                     decode_tile_constants)
+from .linear import conv_arguments, conv_epilogue, conv_shape, gemv_config, split_k_for
 from .norms import AddNorm, check_rms_norm_args, rms_norm, rms_norm_reference, rms_norm_row
 from .moe import block_rows, by_expert_reference, grouped_config, sort_pairs, store_weighted_pairs, sum_slots
 from .quantize import (FP8, FP8_MAX, SCALE_FLOOR, Activation, QuantizedActivation, activation_values,
@@ -81,13 +83,19 @@ def dequantize_reference(values: torch.Tensor, scale: torch.Tensor, group_size: 
 
 
 def fp8_linear_reference(x: Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
-                         group_size: int, block_scale: torch.Tensor | None = None) -> torch.Tensor:
+                         group_size: int, block_scale: torch.Tensor | None = None,
+                         conv: ConvDecode | None = None) -> torch.Tensor:
     """x [M, K] (float) @ dequantized weight [N, K]^T -> [M, N] in x's dtype, with x quantized
     per token group first, as the kernel does (or as it comes: a QuantizedActivation). block_scale
-    (the same scales per block of rows, for fp8_linear's cuBLAS path) changes nothing here."""
+    (the same scales per block of rows, for fp8_linear's cuBLAS path) changes nothing here.
+    conv: the GDN's decode conv of the result's first conv.weight.shape[0] columns, into
+    conv.out and conv.pending_out (linear_reference's)."""
     x_fp8, x_scale = quantized_groups(x, group_size, quantize_groups_reference)
     product = dequantize_reference(x_fp8, x_scale, group_size) @ dequantize_reference(weight, weight_scale, group_size).T
-    return product.to(activation_values(x).dtype)
+    y = product.to(activation_values(x).dtype)
+    if conv is not None:
+        causal_conv1d_decode_reference(y[:, :conv.weight.shape[0]], *conv)
+    return y
 
 
 def fp8_moe_experts_reference(x: Activation, weights: torch.Tensor, experts: torch.Tensor,
@@ -169,9 +177,13 @@ def _fp8_gemm_kernel(x_fp8, x_scale, w, w_scale, y, partials, arrivals, M, N, K,
 @triton.jit
 def _fp8_gemv_kernel(x, x_fp8, x_scale, w, w_scale, y, N, K, num_groups,
                      residual, norm_weight, normed, residual_out, normed_fp8, normed_scale, arrivals, eps,
+                     conv_weight, cu_seqlens, slot_ids, conv_state, pending_conv, pending_counts, conv_out,
+                     conv_pending_out, conv_rows, stride_conv_out,
                      BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr, QUANTIZE: tl.constexpr,
                      NORM: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, NORM_GROUP: tl.constexpr,
-                     NORM_GROUP_TILE: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
+                     NORM_GROUP_TILE: tl.constexpr, CONV: tl.constexpr, C: tl.constexpr, WIDTH: tl.constexpr,
+                     P: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, COMMIT: tl.constexpr,
+                     DEPENDENT_LAUNCH: tl.constexpr):
     """The one-row form (linear.py's _gemv_kernel, for block-FP8 weights): program pid computes
     y[0, tile] for BLOCK_N rows of W, holding its whole [BLOCK_N, K] share of W (as [BLOCK_N,
     GROUPS, GROUP] fp8, K padded to GROUPS whole groups) and their scales [BLOCK_N, GROUPS] in
@@ -186,7 +198,10 @@ def _fp8_gemv_kernel(x, x_fp8, x_scale, w, w_scale, y, N, K, num_groups,
     seeing every tile, runs norms.rms_norm_row on y: y + residual into residual_out, its norm
     (weight norm_weight) into normed and, with NORM_GROUP, quantized into normed_fp8 and
     normed_scale. The row is normalised once, by one program, not by every program of the
-    projection after it."""
+    projection after it.
+    CONV (a conv1d.ConvDecode: the GDN's decode conv of y's first C columns, the conv_* to
+    COMMIT arguments): linear.py's conv epilogue, each program convolving the channels of its own
+    tile, in place of the conv's launch."""
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(cols, N - 1).to(tl.int64)
@@ -205,6 +220,10 @@ def _fp8_gemv_kernel(x, x_fp8, x_scale, w, w_scale, y, N, K, num_groups,
     sums = tl.sum(w_tile.to(tl.float32) * values[None, :, :], axis=2)                      # [BLOCK_N, GROUPS]
     acc = tl.sum(sums * w_scales * scales[None, :], axis=1)
     tl.store(y + cols, acc.to(y.dtype.element_ty), mask=cols < N)
+    if CONV:
+        conv_epilogue(y, N, pid * BLOCK_N, conv_weight, conv_out, conv_pending_out, cu_seqlens, slot_ids, conv_state,
+                      pending_conv, pending_counts, conv_rows, stride_conv_out, C, WIDTH, P, BW, BT, BN, BLOCK_N,
+                      COMMIT)
     if NORM:
         if last_to_arrive(arrivals, tl.num_programs(0)):
             rms_norm_row(y, residual, norm_weight, normed, residual_out, normed_fp8, normed_scale, eps, H, BH, True,
@@ -295,13 +314,14 @@ def fp8_gemv_config(num_features: int, num_columns: int, group_size: int, device
 
 
 def launch_fp8_gemv(y: torch.Tensor, x: Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
-                    group_size: int, config: TileConfig,
-                    add_norm: AddNorm | None = None) -> tuple[Activation, torch.Tensor] | None:
+                    group_size: int, config: TileConfig, add_norm: AddNorm | None = None,
+                    conv: ConvDecode | None = None) -> tuple[Activation, torch.Tensor] | None:
     """y [1, N] = x [1, K] @ weight [N, K]^T (weight_scale [N, KB]) through the one-row form with
     an explicit config (fp8_gemv_config's: block_n rows of W a program, block_k >= K whole
     groups); x plain (quantized in the kernel) or a QuantizedActivation (its fp8 and scales read).
     add_norm: its residual add + RMSNorm of y in the same launch; returns (normed, new residual)
-    as norms.rms_norm does (y then holds the projection's output, as without it)."""
+    as norms.rms_norm does (y then holds the projection's output, as without it). conv: the
+    decode conv of y's first columns in the same launch (not with add_norm)."""
     values = activation_values(x)
     _check_fp8_linear_args(values, weight, weight_scale, group_size)
     num_features, num_columns = weight.shape
@@ -329,10 +349,15 @@ def launch_fp8_gemv(y: torch.Tensor, x: Activation, weight: torch.Tensor, weight
                          NORM_GROUP_TILE=min(block, quantize_group) if quantize_group else 1)
         result = (QuantizedActivation(normed, normed_fp8, normed_scale, quantize_group) if quantize_group else normed,
                   new_residual)
+    assert conv is None or add_norm is None, "the one-row form: conv or add_norm, not both"
+    if conv is not None:
+        check_conv_decode_args(y[:, :conv.weight.shape[0]], conv)
+    conv_meta = decode_tile_constants(*(conv_shape(conv) or (1, 2, 0, True)))  # without CONV: placeholders
     _fp8_gemv_kernel[(triton.cdiv(num_features, config.block_n),)](
         values, x_fp8, x_scale, weight, weight_scale, y, num_features, num_columns, weight_scale.shape[1],
-        *norm_args, BLOCK_N=config.block_n, GROUPS=config.block_k // group_size, GROUP=group_size, QUANTIZE=quantize,
-        NORM=add_norm is not None, **norm_meta, num_warps=config.num_warps, **pdl(y.device))
+        *norm_args, *conv_arguments(y, conv), BLOCK_N=config.block_n, GROUPS=config.block_k // group_size,
+        GROUP=group_size, QUANTIZE=quantize, NORM=add_norm is not None, **norm_meta, CONV=conv is not None,
+        **conv_meta, num_warps=config.num_warps, **pdl(y.device))
     return result
 
 
@@ -357,13 +382,14 @@ def _cublas_blockwise(device: torch.device) -> bool:
 
 
 def fp8_linear(x: Activation, weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int,
-               block_scale: torch.Tensor | None = None) -> torch.Tensor:
+               block_scale: torch.Tensor | None = None, conv: ConvDecode | None = None) -> torch.Tensor:
     """Triton fp8_linear_reference (same arguments and result up to fp32 summation order): the
     group quantizer (skipped when x comes quantized), then the GEMM; one row through the one-row
     form (its quantizer in the kernel) where a row of W fits it. Batches past SKINNY_MAX_ROWS
     in bf16 with the weight's block scales (`block_scales`, 128 x 128) go to cuBLAS's block-scaled
     GEMM on sm_90 instead (the same W8A8 product; graph-capturable), which reads column-major
-    scales: there x is quantized again from its values (layers.py fuses at skinny batches only)."""
+    scales: there x is quantized again from its values (layers.py fuses at skinny batches only).
+    conv (fp8_linear_reference's): in the one-row form's launch, elsewhere its own after the GEMM."""
     activation, x = x, activation_values(x)
     _check_fp8_linear_args(x, weight, weight_scale, group_size)
     (num_rows, num_columns), num_features = x.shape, weight.shape[0]
@@ -374,15 +400,18 @@ def fp8_linear(x: Activation, weight: torch.Tensor, weight_scale: torch.Tensor, 
         # cuBLAS rejects a column-major scale whose leading dimension (M) is not a multiple of
         # 4 (16 bytes; CUBLAS_STATUS_NOT_SUPPORTED at M = 65): pad M, slice the padding off.
         x_fp8, x_scale = quantize_groups(x, group_size, scale_column_major=True, row_multiple=4)
-        return torch._scaled_mm(x_fp8, weight.t(), x_scale, block_scale.t(), out_dtype=x.dtype)[:num_rows]
-    if num_rows == 1:
-        config = fp8_gemv_config(num_features, num_columns, group_size, x.device)
+        y = torch._scaled_mm(x_fp8, weight.t(), x_scale, block_scale.t(), out_dtype=x.dtype)[:num_rows]
+    else:
+        config = fp8_gemv_config(num_features, num_columns, group_size, x.device) if num_rows == 1 else None
         if config is not None:
             y = torch.empty(1, num_features, dtype=x.dtype, device=x.device)
-            launch_fp8_gemv(y, activation, weight, weight_scale, group_size, config)
+            launch_fp8_gemv(y, activation, weight, weight_scale, group_size, config, conv=conv)
             return y
-    x_fp8, x_scale = quantized_groups(activation, group_size, quantize_groups)
-    return fp8_gemm(x_fp8, x_scale, weight, weight_scale, group_size, x.dtype)
+        x_fp8, x_scale = quantized_groups(activation, group_size, quantize_groups)
+        y = fp8_gemm(x_fp8, x_scale, weight, weight_scale, group_size, x.dtype)
+    if conv is not None:
+        causal_conv1d_decode(y[:, :conv.weight.shape[0]], *conv)
+    return y
 
 
 def fp8_linear_add_norm_reference(x: Activation, weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int,

@@ -160,7 +160,7 @@ def _linear_kernel(x, w, y, residual, partials, row_sq, arrivals, M, N, K, k_per
     (_finish_tile). The sum is unrolled so that its SPLIT_K loads are in flight together: that
     tail is one L2 round trip, not SPLIT_K of them (a loop was slower; H100 A/B in commit 8b76c27).
     LINE: W's elements per 128-byte line (at most BLOCK_K), the stride of the L2 prefetch.
-    CONV: the program that stores a tile then runs the conv of its columns (_conv_epilogue; the
+    CONV: the program that stores a tile then runs the conv of its columns (conv_epilogue; the
     conv_* arguments, conv_rows rows, and C .. COMMIT are conv1d.py's conv_decode_tile's)."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -201,9 +201,9 @@ def _linear_kernel(x, w, y, residual, partials, row_sq, arrivals, M, N, K, k_per
         _finish_tile(acc, sq, y, residual, pid_n, offs_m, offs_r, M, N, K, eps, stride_ym, stride_rm,
                      x.dtype.element_ty, BLOCK_M, BLOCK_N, NORM, GLU, RESIDUAL)
         if CONV:
-            _conv_epilogue(y, stride_ym, pid_n * BLOCK_N, conv_weight, conv_out, conv_pending_out,
-                           cu_seqlens, slot_ids, conv_state, pending_conv, pending_counts, conv_rows, stride_conv_out,
-                           C, WIDTH, P, BW, BT, BN, BLOCK_N, COMMIT)
+            conv_epilogue(y, stride_ym, pid_n * BLOCK_N, conv_weight, conv_out, conv_pending_out,
+                          cu_seqlens, slot_ids, conv_state, pending_conv, pending_counts, conv_rows, stride_conv_out,
+                          C, WIDTH, P, BW, BT, BN, BLOCK_N, COMMIT)
     else:
         width = tl.num_programs(0) * BLOCK_N
         tile = offs_m[None, :].to(tl.int64) * width + (pid_n * BLOCK_N + offs_r)[:, None]  # within one partial
@@ -224,9 +224,9 @@ def _linear_kernel(x, w, y, residual, partials, row_sq, arrivals, M, N, K, k_per
                          x.dtype.element_ty, BLOCK_M, BLOCK_N, NORM, GLU, RESIDUAL)
             reset_arrivals(arrivals + pid_n)
             if CONV:
-                _conv_epilogue(y, stride_ym, pid_n * BLOCK_N, conv_weight, conv_out, conv_pending_out,
-                               cu_seqlens, slot_ids, conv_state, pending_conv, pending_counts, conv_rows,
-                               stride_conv_out, C, WIDTH, P, BW, BT, BN, BLOCK_N, COMMIT)
+                conv_epilogue(y, stride_ym, pid_n * BLOCK_N, conv_weight, conv_out, conv_pending_out,
+                              cu_seqlens, slot_ids, conv_state, pending_conv, pending_counts, conv_rows,
+                              stride_conv_out, C, WIDTH, P, BW, BT, BN, BLOCK_N, COMMIT)
 
 
 @triton.jit
@@ -287,9 +287,9 @@ def _gemv_kernel(x, w, y, residual, gate, norm_weight, N, K, eps, stride_wn, str
     _finish_tile(acc, sq, y, residual, pid_n, offs_m, offs_r, 1, N, K, eps, stride_ym, stride_rm,
                  x.dtype.element_ty, 1, BLOCK_N, NORM, GLU, RESIDUAL)
     if CONV:
-        _conv_epilogue(y, stride_ym, pid_n * BLOCK_N, conv_weight, conv_out, conv_pending_out, cu_seqlens, slot_ids,
-                       conv_state, pending_conv, pending_counts, 1, stride_conv_out,
-                       C, WIDTH, P, BW, BT, BN, BLOCK_N, COMMIT)
+        conv_epilogue(y, stride_ym, pid_n * BLOCK_N, conv_weight, conv_out, conv_pending_out, cu_seqlens, slot_ids,
+                      conv_state, pending_conv, pending_counts, 1, stride_conv_out,
+                      C, WIDTH, P, BW, BT, BN, BLOCK_N, COMMIT)
     if ROPE:
         _rope_kv_epilogue(y, pid_n * BLOCK_N, arrivals, q_weight, k_weight, q_out, positions, inv_freq, k_cache,
                           v_cache, slot_mapping, stride_block, stride_offset, stride_head, rope_eps, attention_factor,
@@ -331,10 +331,10 @@ def _rope_kv_epilogue(y, first_col, arrivals, q_weight, k_weight, q_out, positio
 
 
 @triton.jit
-def _conv_epilogue(y, stride_ym, first_col, conv_weight, conv_out, conv_pending_out, cu_seqlens, slot_ids,
-                   conv_state, pending_conv, pending_counts, conv_rows, stride_conv_out,
-                   C: tl.constexpr, WIDTH: tl.constexpr, P: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr,
-                   BN: tl.constexpr, BLOCK_N: tl.constexpr, COMMIT: tl.constexpr):
+def conv_epilogue(y, stride_ym, first_col, conv_weight, conv_out, conv_pending_out, cu_seqlens, slot_ids,
+                  conv_state, pending_conv, pending_counts, conv_rows, stride_conv_out,
+                  C: tl.constexpr, WIDTH: tl.constexpr, P: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr,
+                  BN: tl.constexpr, BLOCK_N: tl.constexpr, COMMIT: tl.constexpr):
     """The decode conv of y's columns first_col + [0, BLOCK_N) that are conv channels (< C), row
     by row, reading the y tile this program has just stored (every row of it: the batch is one
     tile)."""
@@ -548,7 +548,7 @@ def launch_linear(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config
     contiguous, same dtype, or float32 without fusions (the product rounded to x's dtype, then
     widened). Accumulates in fp32; fp32 inputs multiply in full fp32 (no tf32)."""
     grid, k_per_split, meta = _launch_plan(x.shape, weight.shape, y.shape, x.dtype, weight.dtype, y.dtype, config,
-                                           norm_eps is not None, glu, residual is not None, _conv_shape(conv))
+                                           norm_eps is not None, glu, residual is not None, conv_shape(conv))
     _check_linear_args(y, x, weight, residual)
     if conv is not None:  # the conv launcher's checks, on the columns it reads
         check_conv_decode_args(y[:, :conv.weight.shape[0]], conv)
@@ -564,7 +564,7 @@ def launch_linear(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config
         partials = row_sq = arrivals = y
     stream = y if residual is None else residual
     (conv_weight, cu_seqlens, slot_ids, conv_state, pending_conv, pending_counts, conv_out, pending_out, conv_rows,
-     stride_conv_out) = _conv_arguments(y, conv)
+     stride_conv_out) = conv_arguments(y, conv)
     _linear_kernel[grid](x, weight, y, stream, partials, row_sq, arrivals, num_rows, out_features, in_features,
                          k_per_split, 0.0 if norm_eps is None else norm_eps,
                          x.stride(0), weight.stride(0), y.stride(0), stream.stride(0),
@@ -572,7 +572,7 @@ def launch_linear(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config
                          pending_counts, conv_rows, stride_conv_out, **meta, **pdl(x.device))
 
 
-def _conv_arguments(y: torch.Tensor, conv: ConvDecode | None) -> tuple:
+def conv_arguments(y: torch.Tensor, conv: ConvDecode | None) -> tuple:
     """The kernels' conv_* arguments in their order (conv weight, cu_seqlens, slot_ids, state,
     pending columns, pending counts, out, pending out, rows, out's row stride); without a conv,
     placeholders the kernel never touches."""
@@ -581,7 +581,7 @@ def _conv_arguments(y: torch.Tensor, conv: ConvDecode | None) -> tuple:
     return (*conv[:6], conv.out, conv.pending_out, conv.slot_ids.numel(), conv.out.stride(0))
 
 
-def _conv_shape(conv: ConvDecode | None) -> tuple | None:
+def conv_shape(conv: ConvDecode | None) -> tuple | None:
     """What a launch plan keys on of a conv: (channels, taps, pending columns P, commit)."""
     return None if conv is None else (*conv.weight.shape, conv.pending_conv.shape[1], conv.commit)
 
@@ -623,7 +623,7 @@ def launch_gemv(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config: 
     rope = None if rope_kv is None else \
         (*check_qk_norm_rope_kv_args(y, rope_kv), rope_kv.rotary_dim, rope_kv.k_cache.shape[1])
     grid, meta = _gemv_plan(x.shape, weight.shape, y.shape, x.dtype, weight.dtype, y.dtype, config,
-                            norm_eps is not None, head, glu, residual is not None, _conv_shape(conv), rope)
+                            norm_eps is not None, head, glu, residual is not None, conv_shape(conv), rope)
     _check_linear_args(y, x, weight, residual)
     if conv is not None:
         check_conv_decode_args(y[:, :conv.weight.shape[0]], conv)
@@ -633,7 +633,7 @@ def launch_gemv(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, config: 
             f"linear: gated norm's gate {tuple(gate.shape)} ({gate.dtype}) as x {tuple(x.shape)}, unit stride"
     stream = y if residual is None else residual
     (conv_weight, cu_seqlens, slot_ids, conv_state, pending_conv, pending_counts, conv_out, pending_out, _,
-     stride_conv_out) = _conv_arguments(y, conv)
+     stride_conv_out) = conv_arguments(y, conv)
     _gemv_kernel[grid](x, weight, y, stream, gate, norm_weight, y.shape[1], x.shape[1], eps,
                        weight.stride(0), y.stride(0), stream.stride(0),
                        conv_weight, conv_out, pending_out, cu_seqlens, slot_ids, conv_state, pending_conv,

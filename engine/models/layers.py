@@ -161,13 +161,13 @@ class Linear(nn.Module):
         residual stream to normalise; glu: silu(gate) * up of a [gate; up] projection; residual:
         the output added into it (in place; returned); conv: the GDN's decode conv of the output's
         first columns; gated_norm: the GDN's gated norm of x by heads (kernels/linear.py); rope_kv:
-        the gated attention's q/k norm, RoPE and KV write of the output (kernels/rope.py). The
-        fused ops but rope_kv: bf16 projections only (an FP8 one runs rope_kv after it)."""
+        the gated attention's q/k norm, RoPE and KV write of the output (kernels/rope.py). An FP8
+        projection takes rope_kv (run after it) and conv (ops.fp8_linear), none of the others."""
         values, norm_eps = (x.values, x.eps) if isinstance(x, Stream) else (activation_values(x), None)
         if self.is_fp8:
-            assert norm_eps is None and not glu and residual is None and conv is None and gated_norm is None, \
-                "FP8 projections take no fused ops"
-            y = ops.fp8_linear(x, self.weight, self.weight_scale, self.group_size, self.block_scale)
+            assert norm_eps is None and not glu and residual is None and gated_norm is None, \
+                "FP8 projections fuse no block op but the decode conv"
+            y = ops.fp8_linear(x, self.weight, self.weight_scale, self.group_size, self.block_scale, conv=conv)
             if rope_kv is not None:
                 ops.qk_norm_rope_kv(y, rope_kv)
             return y
@@ -251,8 +251,8 @@ class GatedDeltaNet(nn.Module):
         # view) where it lies, and every kernel writes its row group's rows of the step buffers
         # (in the model dtype, the conv weight's, as the projection's output).
         conv_out, conv = self.conv_weight.new_empty(num_tokens, c.conv_dim), None
-        # A decode-only batch through a single bf16 in_proj: the projection runs the conv itself.
-        if dec.num_rows and not pre.num_rows and self.in_proj_ba is None and not self.in_proj.is_fp8:
+        # A decode-only batch: the projection runs the conv (in its own launch where it fuses it).
+        if dec.num_rows and not pre.num_rows:
             # pending_conv_out [rows, P, conv_dim]: the conv outputs of each row's pending drafts
             pending_conv_out = self.conv_weight.new_empty(dec.num_rows, state.pending_conv.shape[1], c.conv_dim)
             conv = ConvDecode(self.conv_weight, dec.cu_seqlens, dec.slot_ids, state.conv, state.pending_conv,
@@ -260,7 +260,7 @@ class GatedDeltaNet(nn.Module):
         if self.in_proj_ba is None:
             mixed, z, b, a = self.in_proj(x, ops, conv=conv).split(self.splits, dim=-1)
         else:
-            mixed, z = self.in_proj(x, ops).split(self.splits[:2], dim=-1)
+            mixed, z = self.in_proj(x, ops, conv=conv).split(self.splits[:2], dim=-1)
             b, a = self.in_proj_ba(x, ops).split(self.splits[2:], dim=-1)
         core = mixed.new_empty(num_tokens, c.linear_num_value_heads, c.linear_value_head_dim)
         if dec.num_rows and conv is None:

@@ -16,10 +16,12 @@ from deltaspec.kernels.fp8 import (FP8, block_scales, dequantize_reference, fp8_
 from deltaspec.kernels.quantize import quantize_activation, quantize_activation_reference
 from fixtures import quantize_block_fp8
 from deltaspec.kernels.arrivals import arrival_counters
+from deltaspec.kernels.conv1d import ConvDecode, causal_conv1d_decode_reference
 from deltaspec.kernels.moe import route_reference
 from deltaspec.kernels.norms import AddNorm
 from deltaspec.kernels.tiles import TileConfig
-from kernel_helpers import assert_close, assert_quantized
+from kernel_helpers import (assert_close, assert_quantized, assert_slots_untouched, clone, conv_pool,
+                            cu_seqlens_of)
 
 # Round to nearest in e4m3 (3 mantissa bits): relative error <= 2^-4 for normal values; below
 # 2^-6 (in units of the group scale) the spacing is 2^-9, so the absolute error <= 2^-10.
@@ -215,6 +217,57 @@ def test_fp8_linear_add_norm(kernel_device, poisoned_empty, monkeypatch, num_row
         assert_quantized(normed, quantize_group, "normed")
     assert torch.equal(device[3].cpu(), residual), "the residual stream read, never written"
     assert int(arrival_counters(device[0].device, 1).abs().sum()) == 0, "arrival counters not reset"
+
+
+@pytest.mark.parametrize("commit", [True, False], ids=["commit", "verify"])
+@pytest.mark.parametrize("rows", [[(1, 7, 3)], [(1, 7, 3), (1, 2, 0)]], ids=["one-row", "two-rows"])
+def test_fp8_linear_conv(kernel_device, monkeypatch, rows, commit):
+    """conv=ConvDecode through fp8_linear: the GDN's decode conv of the projection's first C = 40
+    of N = 56 columns (a 4-row tile of the one-row form straddles C), for a decode row with 3
+    pending drafts in the one-row form's own launch (the conv kernel would raise), for two rows
+    by the conv kernel after the GEMM. y, the conv outputs, the pending tokens' outputs and the
+    slots' windows against causal_conv1d_decode_reference on fp8_linear_reference's output (which
+    runs the same conv: fp8_linear_reference(conv=...)); other slots untouched."""
+    import deltaspec.kernels.fp8 as fp8
+    channels, n, k, max_pending = 40, 56, 64, 4
+    lengths, slots = [length for length, _, _ in rows], [slot for _, slot, _ in rows]
+    x, weight, weight_scale = random_case(len(rows), k, n, 32, seed=len(rows) + commit)
+    gen = torch.Generator().manual_seed(17)
+    conv_weight = 0.5 * torch.randn(channels, 4, generator=gen)
+    pool = conv_pool(gen, 10, max_pending, channels, 4, "cpu")
+    for _, slot, count in rows:
+        pool["pending_counts"][slot] = count
+    cu, slot_ids = cu_seqlens_of(lengths), torch.tensor(slots, dtype=torch.int32)
+
+    def decode_conv(pool, device):
+        nan = float("nan")
+        return ConvDecode(conv_weight.to(device), cu.to(device), slot_ids.to(device), pool["conv"], pool["pending_conv"],
+                          pool["pending_counts"], commit, torch.full((len(rows), channels), nan, device=device),
+                          torch.full((len(rows), max_pending, channels), nan, device=device))
+
+    expected_pool = clone(pool)
+    expected_conv = decode_conv(expected_pool, "cpu")
+    y_expected = fp8_linear_reference(x, weight, weight_scale, 32, conv=expected_conv)
+    out_expected, pending_expected = causal_conv1d_decode_reference(
+        y_expected[:, :channels], conv_weight, cu, slot_ids, *(clone(pool)[name] for name in
+                                                              ("conv", "pending_conv", "pending_counts")), commit)
+    assert_close(expected_conv.out, out_expected, 1e-6, "the reference's conv")
+    actual_pool = {name: tensor.to(kernel_device) for name, tensor in pool.items()}
+    conv = decode_conv(actual_pool, kernel_device)
+    with monkeypatch.context() as patch:
+        if len(rows) == 1:
+            patch.setattr(fp8, "causal_conv1d_decode", None)     # a call would raise: the conv runs in the launch
+        y = fp8_linear(quantize_activation(x.to(kernel_device), 32), weight.to(kernel_device),
+                       weight_scale.to(kernel_device), 32, conv=conv)
+    tolerance = gemm_tolerance(kernel_device)
+    assert_close(y.cpu(), y_expected, tolerance, "y")
+    assert_close(conv.out.cpu(), out_expected, tolerance, "conv out")
+    for row, slot in enumerate(slots):
+        count = int(pool["pending_counts"][slot])
+        assert_close(conv.pending_out[row, :count].cpu(), pending_expected[row, :count], tolerance, f"pending of {slot}")
+        for name in ("conv", "pending_conv"):
+            assert_close(actual_pool[name][slot].cpu(), expected_pool[name][slot], tolerance, f"{name} of {slot}")
+    assert_slots_untouched({name: t.cpu() for name, t in actual_pool.items()}, pool, owned=set(slots))
 
 
 def test_a_quantized_activation_skips_the_quantizer(kernel_device, monkeypatch):
