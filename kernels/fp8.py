@@ -21,6 +21,10 @@ are the time: half of bf16's) and its last program per tile sums the partials (a
 one row (a decode step of one sequence, a draft) takes the one-row form (`_fp8_gemv_kernel`,
 linear.py's for FP8 weights), whose programs hold their share of W in registers, loaded before
 the PDL wait, and quantize x themselves where it comes plain.
+What follows the output runs in the one-row form's launch too: the GDN's decode conv of its first
+columns (`conv`, linear.py's epilogue), and the residual add + RMSNorm after a block's last
+projection (`fp8_linear_add_norm`, its reference beside it: the last program to arrive normalises
+and quantizes the row once for the block after).
 Prefill batches of a weight whose scales are whole 128 x 128 blocks (`block_scales`) run cuBLAS's
 block-scaled FP8 GEMM on sm_90 instead (1.6x bf16 there; the Triton GEMM is 0.7x). Both ops
 take x plain or as a QuantizedActivation (quantize.py): an op before the projection that fused the
@@ -45,13 +49,13 @@ import triton.language as tl
 
 from .activation import silu_and_mul_reference
 from .arrivals import arrival_counters, last_to_arrive, reset_arrivals
-from .device import INTERPRETED, num_sms
-from .launch import dependent_prologue, pdl
 from .conv1d import (ConvDecode, causal_conv1d_decode, causal_conv1d_decode_reference, check_conv_decode_args,
                      decode_tile_constants)
+from .device import INTERPRETED, num_sms
+from .launch import dependent_prologue, pdl
 from .linear import conv_arguments, conv_epilogue, conv_shape, gemv_config, split_k_for
-from .norms import AddNorm, check_rms_norm_args, rms_norm, rms_norm_reference, rms_norm_row
 from .moe import block_rows, by_expert_reference, grouped_config, sort_pairs, store_weighted_pairs, sum_slots
+from .norms import AddNorm, check_rms_norm_args, rms_norm, rms_norm_reference, rms_norm_row
 from .quantize import (FP8, FP8_MAX, SCALE_FLOOR, Activation, QuantizedActivation, activation_values,
                        quantize_groups, quantize_groups_reference, quantize_tile, quantized_groups, quantized_outputs)
 from .tiles import TileConfig
