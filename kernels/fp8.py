@@ -307,11 +307,13 @@ def launch_fp8_gemm(y: torch.Tensor, x_fp8: torch.Tensor, x_scale: torch.Tensor,
                            **config.launch_options(), **pdl(y.device))
 
 
-def fp8_gemv_config(num_features: int, num_columns: int, group_size: int, device: torch.device) -> TileConfig | None:
+def fp8_gemv_config(num_features: int, num_columns: int, group_size: int, device: torch.device,
+                    **gemv_options) -> TileConfig | None:
     """The one-row form's tile (_fp8_gemv_kernel) for an FP8 weight [N, K]: linear.py's
     gemv_config at a byte an element (16 KB of W a program: 4 rows of the 9B's K = 4096, 1 of
-    its down projection's 12288), block_k K padded to whole groups; None where a row does not fit."""
-    config = gemv_config(num_features, num_columns, device, element_size=1)
+    its down projection's 12288), block_k K padded to whole groups; None where a row does not fit.
+    gemv_options: gemv_config's program_bytes and num_warps (bench/tools/fp8_gemv_chain.py)."""
+    config = gemv_config(num_features, num_columns, device, element_size=1, **gemv_options)
     if config is None:
         return None
     return TileConfig(block_n=config.block_n, block_k=max(config.block_k, group_size), num_warps=config.num_warps)
@@ -365,6 +367,12 @@ def launch_fp8_gemv(y: torch.Tensor, x: Activation, weight: torch.Tensor, weight
     return result
 
 
+def _one_row_config(values: torch.Tensor, weight: torch.Tensor, group_size: int) -> TileConfig | None:
+    """The one-row form's tile for x's values [M, K] through weight [N, K]: M = 1 where a row of
+    W fits it, else None."""
+    return fp8_gemv_config(*weight.shape, group_size, values.device) if values.shape[0] == 1 else None
+
+
 def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
              group_size: int, out_dtype: torch.dtype) -> torch.Tensor:
     """x_fp8 [M, K] (x_scale [M, KB]) @ weight [N, K]^T (weight_scale [N, KB]) -> [M, N] out_dtype,
@@ -406,7 +414,7 @@ def fp8_linear(x: Activation, weight: torch.Tensor, weight_scale: torch.Tensor, 
         x_fp8, x_scale = quantize_groups(x, group_size, scale_column_major=True, row_multiple=4)
         y = torch._scaled_mm(x_fp8, weight.t(), x_scale, block_scale.t(), out_dtype=x.dtype)[:num_rows]
     else:
-        config = fp8_gemv_config(num_features, num_columns, group_size, x.device) if num_rows == 1 else None
+        config = _one_row_config(x, weight, group_size)
         if config is not None:
             y = torch.empty(1, num_features, dtype=x.dtype, device=x.device)
             launch_fp8_gemv(y, activation, weight, weight_scale, group_size, config, conv=conv)
@@ -431,12 +439,10 @@ def fp8_linear_add_norm(x: Activation, weight: torch.Tensor, weight_scale: torch
     """Triton fp8_linear_add_norm_reference: one row in one launch, the one-row form's last program
     running the norm (_fp8_gemv_kernel, NORM); otherwise fp8_linear, then rms_norm's kernel."""
     values = activation_values(x)
-    if values.shape[0] == 1:
-        num_features, num_columns = weight.shape
-        config = fp8_gemv_config(num_features, num_columns, group_size, values.device)
-        if config is not None:
-            y = torch.empty(1, num_features, dtype=values.dtype, device=values.device)
-            return launch_fp8_gemv(y, x, weight, weight_scale, group_size, config, add_norm)
+    config = _one_row_config(values, weight, group_size)
+    if config is not None:
+        y = torch.empty(1, weight.shape[0], dtype=values.dtype, device=values.device)
+        return launch_fp8_gemv(y, x, weight, weight_scale, group_size, config, add_norm)
     return rms_norm(fp8_linear(x, weight, weight_scale, group_size, block_scale), *add_norm)
 
 

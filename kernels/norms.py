@@ -140,14 +140,15 @@ def rms_norm_row(x_row, residual_row, weight, out_row, residual_out_row, out_fp8
 @triton.jit
 def _rms_norm_kernel(x, residual, weight, out, residual_out, out_fp8, out_scale, stride_x, stride_residual, eps,
                      H: tl.constexpr, BH: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     GROUP: tl.constexpr, GROUP_TILE: tl.constexpr, SCALES: tl.constexpr,
-                     DEPENDENT_LAUNCH: tl.constexpr):
-    """One row a program: rms_norm_row of row pid (SCALES: the scales of a quantized row)."""
+                     GROUP: tl.constexpr, GROUP_TILE: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
+    """One row a program: rms_norm_row of row pid."""
     dependent_prologue(DEPENDENT_LAUNCH)
     row = tl.program_id(0).to(tl.int64)
+    scale_row = out_scale
+    if GROUP > 0:
+        scale_row = out_scale + row * tl.cdiv(H, GROUP)
     rms_norm_row(x + row * stride_x, residual + row * stride_residual, weight, out + row * H, residual_out + row * H,
-                 out_fp8 + row * H, out_scale + row * SCALES, eps, H, BH, HAS_WEIGHT, HAS_RESIDUAL, GROUP,
-                 GROUP_TILE)
+                 out_fp8 + row * H, scale_row, eps, H, BH, HAS_WEIGHT, HAS_RESIDUAL, GROUP, GROUP_TILE)
 
 
 def check_rms_norm_args(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None,
@@ -180,7 +181,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual:
                                         residual.stride(0) if residual is not None else 0, eps, H=hidden, BH=block,
                                         HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None,
                                         GROUP=quantize_group, GROUP_TILE=min(block, quantize_group),
-                                        SCALES=triton.cdiv(hidden, quantize_group) if quantize_group else 0,
                                         num_warps=_row_warps(block), **pdl(x.device))
     if quantize_group:
         return QuantizedActivation(out, out_fp8, out_scale, quantize_group), new_residual

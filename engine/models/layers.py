@@ -174,16 +174,12 @@ class Linear(nn.Module):
         return ops.linear(values, self.weight, norm_eps=norm_eps, glu=glu, residual=residual, conv=conv,
                           gated_norm=gated_norm, rope_kv=rope_kv)
 
-    def forward_add_norm(self, x: Activation, ops: Ops, add_norm: AddNorm,
-                         gated_norm: GatedNorm | None = None) -> tuple[Activation, torch.Tensor]:
-        """The projection, then the residual add + RMSNorm after it (a block's last projection and
-        the next block's norm): (normed, new residual). FP8 weights: one op, whose one-row form
-        runs the norm in its own launch (ops.fp8_linear_add_norm); bf16 ones: the two in turn."""
-        if self.is_fp8:
-            assert gated_norm is None, "FP8 projections take no fused ops"
-            return ops.fp8_linear_add_norm(x, self.weight, self.weight_scale, self.group_size, self.block_scale,
-                                           add_norm)
-        return ops.rms_norm(self(x, ops, gated_norm=gated_norm), *add_norm)
+    def forward_add_norm(self, x: Activation, ops: Ops, add_norm: AddNorm) -> tuple[Activation, torch.Tensor]:
+        """An FP8 projection, then the residual add + RMSNorm after it (a block's last projection
+        and the next block's norm) in one op, whose one-row form runs the norm in its own launch
+        (ops.fp8_linear_add_norm): (normed, new residual)."""
+        assert self.is_fp8, "forward_add_norm: FP8 projections (DecoderLayer.chains_norms)"
+        return ops.fp8_linear_add_norm(x, self.weight, self.weight_scale, self.group_size, self.block_scale, add_norm)
 
 
 class GatedDeltaNet(nn.Module):
@@ -300,7 +296,7 @@ class GatedDeltaNet(nn.Module):
             core = ops.gated_rms_norm(core, gate, self.norm_weight, c.rms_norm_eps, quantize_group=quantize_group)
             x, gated_norm = (core if quantize_group else core.reshape(num_tokens, -1)), None
         if add_norm is not None:
-            return self.out_proj.forward_add_norm(x, ops, add_norm, gated_norm=gated_norm)
+            return self.out_proj.forward_add_norm(x, ops, add_norm)
         return self.out_proj(x, ops, residual=residual, gated_norm=gated_norm)
 
 
