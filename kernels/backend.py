@@ -18,7 +18,7 @@ from .activation import silu_and_mul_reference
 from .attention import paged_attention_reference
 from .conv1d import causal_conv1d_decode_reference, causal_conv1d_prefill_reference
 from .decode_metadata import decode_metadata_reference
-from .fp8 import fp8_linear_add_norm_reference, fp8_linear_reference, fp8_moe_experts_reference
+from .fp8 import fp8_linear_reference, fp8_moe_experts_reference
 from .gdn_chunked import gdn_chunked_reference
 from .gdn_decode import gdn_decode_reference
 from .greedy import greedy_argmax_reference
@@ -40,7 +40,6 @@ class Ops:
     name: str
     linear: Callable
     fp8_linear: Callable
-    fp8_linear_add_norm: Callable
     rms_norm: Callable
     gated_rms_norm: Callable
     mtp_input: Callable
@@ -67,7 +66,6 @@ REFERENCE_OPS = Ops(
     name="torch",
     linear=linear_reference,
     fp8_linear=fp8_linear_reference,
-    fp8_linear_add_norm=fp8_linear_add_norm_reference,
     rms_norm=rms_norm_reference,
     gated_rms_norm=gated_rms_norm_reference,
     mtp_input=mtp_input_reference,
@@ -102,7 +100,6 @@ def triton_ops() -> Ops:
         name="triton",
         linear=linear.linear,
         fp8_linear=fp8.fp8_linear,
-        fp8_linear_add_norm=fp8.fp8_linear_add_norm,
         rms_norm=norms.rms_norm,
         gated_rms_norm=norms.gated_rms_norm,
         mtp_input=norms.mtp_input,

@@ -21,10 +21,8 @@ are the time: half of bf16's) and its last program per tile sums the partials (a
 one row (a decode step of one sequence, a draft) takes the one-row form (`_fp8_gemv_kernel`,
 linear.py's for FP8 weights), whose programs hold their share of W in registers, loaded before
 the PDL wait, and quantize x themselves where it comes plain.
-What follows the output runs in the one-row form's launch too: the GDN's decode conv of its first
-columns (`conv`, linear.py's epilogue), and the residual add + RMSNorm after a block's last
-projection (`fp8_linear_add_norm`, its reference beside it: the last program to arrive normalises
-and quantizes the row once for the block after).
+The GDN's decode conv of its first columns (`conv`, linear.py's epilogue) runs in the one-row
+form's launch too.
 Prefill batches of a weight whose scales are whole 128 x 128 blocks (`block_scales`) run cuBLAS's
 block-scaled FP8 GEMM on sm_90 instead (1.6x bf16 there; the Triton GEMM is 0.7x). Both ops
 take x plain or as a QuantizedActivation (quantize.py): an op before the projection that fused the
@@ -55,9 +53,8 @@ from .device import INTERPRETED, num_sms
 from .launch import dependent_prologue, pdl
 from .linear import conv_arguments, conv_epilogue, conv_shape, gemv_config, split_k_for
 from .moe import block_rows, by_expert_reference, grouped_config, sort_pairs, store_weighted_pairs, sum_slots
-from .norms import AddNorm, check_rms_norm_args, rms_norm, rms_norm_reference, rms_norm_row
 from .quantize import (FP8, FP8_MAX, SCALE_FLOOR, Activation, QuantizedActivation, activation_values,
-                       quantize_groups, quantize_groups_reference, quantize_tile, quantized_groups, quantized_outputs)
+                       quantize_groups, quantize_groups_reference, quantize_tile, quantized_groups)
 from .tiles import TileConfig
 
 def expand_groups(scale: torch.Tensor, group_size: int, num_columns: int) -> torch.Tensor:
@@ -180,12 +177,10 @@ def _fp8_gemm_kernel(x_fp8, x_scale, w, w_scale, y, partials, arrivals, M, N, K,
 
 @triton.jit
 def _fp8_gemv_kernel(x, x_fp8, x_scale, w, w_scale, y, N, K, num_groups,
-                     residual, norm_weight, normed, residual_out, normed_fp8, normed_scale, arrivals, eps,
                      conv_weight, cu_seqlens, slot_ids, conv_state, pending_conv, pending_counts, conv_out,
                      conv_pending_out, conv_rows, stride_conv_out,
                      BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr, QUANTIZE: tl.constexpr,
-                     NORM: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, NORM_GROUP: tl.constexpr,
-                     NORM_GROUP_TILE: tl.constexpr, CONV: tl.constexpr, C: tl.constexpr, WIDTH: tl.constexpr,
+                     CONV: tl.constexpr, C: tl.constexpr, WIDTH: tl.constexpr,
                      P: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, COMMIT: tl.constexpr,
                      DEPENDENT_LAUNCH: tl.constexpr):
     """The one-row form (linear.py's _gemv_kernel, for block-FP8 weights): program pid computes
@@ -197,12 +192,6 @@ def _fp8_gemv_kernel(x, x_fp8, x_scale, w, w_scale, y, N, K, num_groups,
     kernels do (the same fp8 values and scales: K values, cheaper than a launch). Then
     y = sum_g (sum_{k in g} w * x_fp8) * w_scale[:, g] * x_scale[g] in fp32. No split-K: N alone
     fills the SMs (gemv_config).
-    NORM (an AddNorm, H = N): the residual add + RMSNorm after the projection in place of its
-    launch. Every program counts in at arrivals[0] once its y tile is stored; the last to arrive,
-    seeing every tile, runs norms.rms_norm_row on y: y + residual into residual_out, its norm
-    (weight norm_weight) into normed and, with NORM_GROUP, quantized into normed_fp8 and
-    normed_scale. The row is normalised once, by one program, not by every program of the
-    projection after it.
     CONV (a conv1d.ConvDecode: the GDN's decode conv of y's first C columns, the conv_* to
     COMMIT arguments): linear.py's conv epilogue, each program convolving the channels of its own
     tile, in place of the conv's launch."""
@@ -228,11 +217,6 @@ def _fp8_gemv_kernel(x, x_fp8, x_scale, w, w_scale, y, N, K, num_groups,
         conv_epilogue(y, N, pid * BLOCK_N, conv_weight, conv_out, conv_pending_out, cu_seqlens, slot_ids, conv_state,
                       pending_conv, pending_counts, conv_rows, stride_conv_out, C, WIDTH, P, BW, BT, BN, BLOCK_N,
                       COMMIT)
-    if NORM:
-        if last_to_arrive(arrivals, tl.num_programs(0)):
-            rms_norm_row(y, residual, norm_weight, normed, residual_out, normed_fp8, normed_scale, eps, H, BH, True,
-                         True, NORM_GROUP, NORM_GROUP_TILE)
-            reset_arrivals(arrivals)
 
 
 def _check_fp8_linear_args(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int) -> None:
@@ -320,14 +304,11 @@ def fp8_gemv_config(num_features: int, num_columns: int, group_size: int, device
 
 
 def launch_fp8_gemv(y: torch.Tensor, x: Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
-                    group_size: int, config: TileConfig, add_norm: AddNorm | None = None,
-                    conv: ConvDecode | None = None) -> tuple[Activation, torch.Tensor] | None:
+                    group_size: int, config: TileConfig, conv: ConvDecode | None = None) -> None:
     """y [1, N] = x [1, K] @ weight [N, K]^T (weight_scale [N, KB]) through the one-row form with
     an explicit config (fp8_gemv_config's: block_n rows of W a program, block_k >= K whole
     groups); x plain (quantized in the kernel) or a QuantizedActivation (its fp8 and scales read).
-    add_norm: its residual add + RMSNorm of y in the same launch; returns (normed, new residual)
-    as norms.rms_norm does (y then holds the projection's output, as without it). conv: the
-    decode conv of y's first columns in the same launch (not with add_norm)."""
+    conv: the decode conv of y's first columns in the same launch."""
     values = activation_values(x)
     _check_fp8_linear_args(values, weight, weight_scale, group_size)
     num_features, num_columns = weight.shape
@@ -340,37 +321,14 @@ def launch_fp8_gemv(y: torch.Tensor, x: Activation, weight: torch.Tensor, weight
         x_fp8 = x_scale = values
     else:
         x_fp8, x_scale = quantized_groups(x, group_size, quantize_groups)
-    if add_norm is None:
-        norm_args, norm_meta, result = (y,) * 7 + (0.0,), dict(H=1, BH=1, NORM_GROUP=0, NORM_GROUP_TILE=1), None
-    else:
-        weight_norm, eps, residual, quantize_group = add_norm
-        check_rms_norm_args(y, weight_norm, residual, quantize_group)
-        block = triton.next_power_of_2(num_features)
-        normed, new_residual = torch.empty_like(y), torch.empty_like(y)
-        normed_fp8, normed_scale = quantized_outputs(1, num_features, quantize_group, y.device) \
-            if quantize_group else (normed, normed)
-        norm_args = (residual, weight_norm, normed, new_residual, normed_fp8, normed_scale,
-                     arrival_counters(y.device, 1), eps)
-        norm_meta = dict(H=num_features, BH=block, NORM_GROUP=quantize_group,
-                         NORM_GROUP_TILE=min(block, quantize_group) if quantize_group else 1)
-        result = (QuantizedActivation(normed, normed_fp8, normed_scale, quantize_group) if quantize_group else normed,
-                  new_residual)
-    assert conv is None or add_norm is None, "the one-row form: conv or add_norm, not both"
     if conv is not None:
         check_conv_decode_args(y[:, :conv.weight.shape[0]], conv)
     conv_meta = decode_tile_constants(*(conv_shape(conv) or (1, 2, 0, True)))  # without CONV: placeholders
     _fp8_gemv_kernel[(triton.cdiv(num_features, config.block_n),)](
         values, x_fp8, x_scale, weight, weight_scale, y, num_features, num_columns, weight_scale.shape[1],
-        *norm_args, *conv_arguments(y, conv), BLOCK_N=config.block_n, GROUPS=config.block_k // group_size,
-        GROUP=group_size, QUANTIZE=quantize, NORM=add_norm is not None, **norm_meta, CONV=conv is not None,
-        **conv_meta, num_warps=config.num_warps, **pdl(y.device))
-    return result
-
-
-def _one_row_config(values: torch.Tensor, weight: torch.Tensor, group_size: int) -> TileConfig | None:
-    """The one-row form's tile for x's values [M, K] through weight [N, K]: M = 1 where a row of
-    W fits it, else None."""
-    return fp8_gemv_config(*weight.shape, group_size, values.device) if values.shape[0] == 1 else None
+        *conv_arguments(y, conv), BLOCK_N=config.block_n, GROUPS=config.block_k // group_size,
+        GROUP=group_size, QUANTIZE=quantize, CONV=conv is not None, **conv_meta, num_warps=config.num_warps,
+        **pdl(y.device))
 
 
 def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -414,7 +372,7 @@ def fp8_linear(x: Activation, weight: torch.Tensor, weight_scale: torch.Tensor, 
         x_fp8, x_scale = quantize_groups(x, group_size, scale_column_major=True, row_multiple=4)
         y = torch._scaled_mm(x_fp8, weight.t(), x_scale, block_scale.t(), out_dtype=x.dtype)[:num_rows]
     else:
-        config = _one_row_config(x, weight, group_size)
+        config = fp8_gemv_config(num_features, num_columns, group_size, x.device) if num_rows == 1 else None
         if config is not None:
             y = torch.empty(1, num_features, dtype=x.dtype, device=x.device)
             launch_fp8_gemv(y, activation, weight, weight_scale, group_size, config, conv=conv)
@@ -424,26 +382,6 @@ def fp8_linear(x: Activation, weight: torch.Tensor, weight_scale: torch.Tensor, 
     if conv is not None:
         causal_conv1d_decode(y[:, :conv.weight.shape[0]], *conv)
     return y
-
-
-def fp8_linear_add_norm_reference(x: Activation, weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int,
-                                  block_scale: torch.Tensor | None, add_norm: AddNorm) -> tuple[Activation, torch.Tensor]:
-    """(normed, new residual) = rms_norm(fp8_linear(x), *add_norm): a projection and the residual
-    add + RMSNorm after it (a decoder block's last projection and the next block's input norm)."""
-    y = fp8_linear_reference(x, weight, weight_scale, group_size, block_scale)
-    return rms_norm_reference(y, add_norm.weight, add_norm.eps, add_norm.residual, add_norm.quantize_group)
-
-
-def fp8_linear_add_norm(x: Activation, weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int,
-                        block_scale: torch.Tensor | None, add_norm: AddNorm) -> tuple[Activation, torch.Tensor]:
-    """Triton fp8_linear_add_norm_reference: one row in one launch, the one-row form's last program
-    running the norm (_fp8_gemv_kernel, NORM); otherwise fp8_linear, then rms_norm's kernel."""
-    values = activation_values(x)
-    config = _one_row_config(values, weight, group_size)
-    if config is not None:
-        y = torch.empty(1, weight.shape[0], dtype=values.dtype, device=values.device)
-        return launch_fp8_gemv(y, x, weight, weight_scale, group_size, config, add_norm)
-    return rms_norm(fp8_linear(x, weight, weight_scale, group_size, block_scale), *add_norm)
 
 
 # ----------------------------------------------------------------------------------------------

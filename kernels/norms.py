@@ -58,15 +58,6 @@ def mtp_input_reference(input_ids: torch.Tensor, embed_weight: torch.Tensor, hid
     return torch.cat([embedded, normed], dim=-1)
 
 
-class AddNorm(NamedTuple):
-    """The residual add + RMSNorm a projection's output y goes into next: rms_norm(y, weight, eps,
-    residual, quantize_group) (fp8.py's fp8_linear_add_norm runs it in the projection's launch)."""
-    weight: torch.Tensor
-    eps: float
-    residual: torch.Tensor
-    quantize_group: int = 0
-
-
 class GatedNorm(NamedTuple):
     """gated_rms_norm of a projection's input x [T, H * D] by heads of D = weight.shape[0], run by
     the projection (kernels/linear.py): gate [T, H * D] (unit stride along it; a row-strided view,
@@ -111,44 +102,31 @@ def add_rms_normalize(h, residual_row, residual_out_row, w, offs, mask, eps, H: 
 
 
 @triton.jit
-def rms_norm_row(x_row, residual_row, weight, out_row, residual_out_row, out_fp8_row, out_scale_row, eps,
-                 H: tl.constexpr, BH: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                 GROUP: tl.constexpr, GROUP_TILE: tl.constexpr):
-    """rms_norm of one row, its pointers given (the kernel's body, and the tail of fp8.py's
-    one-row form, whose last program normalises the projection's output): s = x (+ residual,
-    rounded to x's dtype: the new residual stream); out = s / sqrt(mean(s^2) + eps) * (1 + w)
-    (w = 0 without HAS_WEIGHT), in float32, rounded once. GROUP > 0: out (as rounded) also
-    quantized in groups of GROUP columns into out_fp8_row and out_scale_row (the columns past H
-    are 0 here, as the reference pads). BH is next_pow2(H) with or without GROUP, so the sum of
-    squares, and with it out, is the same reduction either way; a row narrower than a group is
-    its one group: GROUP_TILE = min(BH, GROUP). x is read from L2 (.cg): other programs of the
-    kernel may have just written it."""
+def _rms_norm_kernel(x, residual, weight, out, residual_out, out_fp8, out_scale, stride_x, stride_residual, eps,
+                     H: tl.constexpr, BH: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     GROUP: tl.constexpr, GROUP_TILE: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
+    """One row: s = x (+ residual, rounded to x's dtype: the new residual stream);
+    out = s / sqrt(mean(s^2) + eps) * (1 + w) (w = 0 without HAS_WEIGHT), in float32, rounded
+    once. GROUP > 0: out (as rounded) also quantized in groups of GROUP columns into out_fp8
+    [T, H] and out_scale [T, ceil(H / GROUP)] (the columns past H are 0 here, as the reference
+    pads). BH is next_pow2(H) with or without GROUP, so the sum of squares, and with it out, is
+    the same reduction either way; a row narrower than a group is its one group:
+    GROUP_TILE = min(BH, GROUP)."""
+    dependent_prologue(DEPENDENT_LAUNCH)
+    row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BH)
     mask = offs < H
-    h = tl.load(x_row + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    h = tl.load(x + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_WEIGHT:
         w = tl.load(weight + offs, mask=mask, other=0.0).to(tl.float32)
     else:
         w = tl.zeros((BH,), dtype=tl.float32)
-    normed = add_rms_normalize(h, residual_row, residual_out_row, w, offs, mask, eps, H,
-                               HAS_RESIDUAL).to(out_row.dtype.element_ty)
-    tl.store(out_row + offs, normed, mask=mask)
+    normed = add_rms_normalize(h, residual + row * stride_residual, residual_out + row * H, w, offs, mask, eps, H,
+                               HAS_RESIDUAL).to(out.dtype.element_ty)
+    tl.store(out + row * H + offs, normed, mask=mask)
     if GROUP > 0:
-        store_groups(normed.to(tl.float32), out_fp8_row, out_scale_row, 0, H, N=BH, GROUP=GROUP_TILE)
-
-
-@triton.jit
-def _rms_norm_kernel(x, residual, weight, out, residual_out, out_fp8, out_scale, stride_x, stride_residual, eps,
-                     H: tl.constexpr, BH: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     GROUP: tl.constexpr, GROUP_TILE: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
-    """One row a program: rms_norm_row of row pid."""
-    dependent_prologue(DEPENDENT_LAUNCH)
-    row = tl.program_id(0).to(tl.int64)
-    scale_row = out_scale
-    if GROUP > 0:
-        scale_row = out_scale + row * tl.cdiv(H, GROUP)
-    rms_norm_row(x + row * stride_x, residual + row * stride_residual, weight, out + row * H, residual_out + row * H,
-                 out_fp8 + row * H, scale_row, eps, H, BH, HAS_WEIGHT, HAS_RESIDUAL, GROUP, GROUP_TILE)
+        store_groups(normed.to(tl.float32), out_fp8 + row * H, out_scale + row * tl.cdiv(H, GROUP), 0, H,
+                     N=BH, GROUP=GROUP_TILE)
 
 
 def check_rms_norm_args(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None,

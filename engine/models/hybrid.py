@@ -51,7 +51,6 @@ class HybridLM(nn.Module):
         self.draft_head: torch.Tensor | None = None
         self.draft_bias: torch.Tensor | None = None  # under tensor parallelism: -inf on padded rows
         self.streamed = False  # norms folded for the residual-stream form (finish_loading, stream_form)
-        self.chained = False   # every layer's blocks end in an FP8 projection (finish_loading, norm_chain_form)
 
     @property
     def num_kv_layers(self) -> int:
@@ -74,7 +73,6 @@ class HybridLM(nn.Module):
             for layer in layers:
                 layer.fold_norms()
             self.streamed = True
-        self.chained = self.tp is None and all(layer.chains_norms for layer in self.layers)
 
     def stream_form(self, num_tokens: int) -> bool:
         """Whether a forward of num_tokens rows runs the residual-stream form: after the fold, up
@@ -82,12 +80,6 @@ class HybridLM(nn.Module):
         run `DecoderLayer.forward`, whose norm kernels fuse the residual add (and whose zero norm
         weights after the fold leave the folded projections' products as they were)."""
         return self.streamed and num_tokens <= self.ops.fused_block_rows
-
-    def norm_chain_form(self, num_tokens: int) -> bool:
-        """Whether a forward of num_tokens rows runs the normed-chain form (DecoderLayer.
-        forward_normed): FP8 layers on one device, at one row, where each norm runs in the launch
-        of the projection before it (kernels/fp8.py fp8_linear_add_norm) instead of its own."""
-        return self.chained and num_tokens == 1
 
     def checkpoint_map(self) -> CheckpointMap:
         mapping = {
@@ -105,24 +97,15 @@ class HybridLM(nn.Module):
     def forward(self, batch: ForwardBatch, states: StatePool, kv: KVPool) -> torch.Tensor:
         """Returns the final (post-norm) hidden state of every token: [T, H]."""
         x, residual = self.embed(batch.input_ids), None
-        eps, layers = self.config.rms_norm_eps, self.layers
         stream_form = self.stream_form(x.shape[0])
-        chained = not stream_form and self.norm_chain_form(x.shape[0])
-        if chained:
-            x, residual = self.ops.rms_norm(x, layers[0].input_norm, eps, None, layers[0].mixer_quantize_group)
         gdn_states, kv_layers = iter(states.layers), iter(kv.layers)
-        for i, (layer, kind) in enumerate(zip(layers, self.config.layer_types)):
+        for layer, kind in zip(self.layers, self.config.layer_types):
             mixer_state = next(gdn_states) if kind == "linear_attention" else next(kv_layers)
             if stream_form:  # x: the stream (a fresh tensor from the embedding gather)
                 layer.forward_stream(x, batch, mixer_state, self.ops)
-            elif chained:  # x: this layer's input norm's output; the final norm's after the last
-                after, group = (layers[i + 1].input_norm, layers[i + 1].mixer_quantize_group) if i + 1 < len(layers) \
-                    else (self.norm, 0)
-                x, residual = layer.forward_normed(x, residual, batch, mixer_state, self.ops, after, group)
             else:
                 x, residual = layer(x, residual, batch, mixer_state, self.ops, self.reduce_norm)
-        if not chained:
-            x, _ = self.reduce_norm(x, self.norm, eps, residual)
+        x, _ = self.reduce_norm(x, self.norm, self.config.rms_norm_eps, residual)
         return x
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ from torch import nn
 from ...kernels import Ops
 from ...kernels.conv1d import ConvDecode
 from ...kernels.fp8 import FP8, SKINNY_MAX_ROWS, block_scales
-from ...kernels.norms import AddNorm, GatedNorm
+from ...kernels.norms import GatedNorm
 from ...kernels.rope import QKNormRopeKV
 from ...kernels.quantize import Activation, activation_values
 from ..batch import ForwardBatch, PrefillCheckpoints
@@ -174,13 +174,6 @@ class Linear(nn.Module):
         return ops.linear(values, self.weight, norm_eps=norm_eps, glu=glu, residual=residual, conv=conv,
                           gated_norm=gated_norm, rope_kv=rope_kv)
 
-    def forward_add_norm(self, x: Activation, ops: Ops, add_norm: AddNorm) -> tuple[Activation, torch.Tensor]:
-        """An FP8 projection, then the residual add + RMSNorm after it (a block's last projection
-        and the next block's norm) in one op, whose one-row form runs the norm in its own launch
-        (ops.fp8_linear_add_norm): (normed, new residual)."""
-        assert self.is_fp8, "forward_add_norm: FP8 projections (DecoderLayer.chains_norms)"
-        return ops.fp8_linear_add_norm(x, self.weight, self.weight_scale, self.group_size, self.block_scale, add_norm)
-
 
 class GatedDeltaNet(nn.Module):
     def __init__(self, c: ModelConfig, src: str, dtype: torch.dtype) -> None:
@@ -231,16 +224,9 @@ class GatedDeltaNet(nn.Module):
         split b|a off)."""
         return self.in_proj if self.in_proj_ba is None else None
 
-    @property
-    def output_projection(self) -> Linear:
-        return self.out_proj
-
     def forward(self, x: Activation | Stream, batch: ForwardBatch, state: GDNLayerState, ops: Ops,
-                residual: torch.Tensor | None = None,
-                add_norm: AddNorm | None = None) -> torch.Tensor | tuple[Activation, torch.Tensor]:
-        """residual: the stream out_proj adds its output into (forward_stream); add_norm: the
-        residual add + RMSNorm after the block, run with out_proj (Linear.forward_add_norm),
-        whose (normed, new residual) is returned (DecoderLayer.forward_normed)."""
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual: the stream out_proj adds its output into (forward_stream)."""
         c, num_tokens = self.c, _num_tokens(x)
         dec, pre = batch.decode, batch.prefill
         # No copies: the conv kernels read mixed (the q|k|v columns of the projection, a strided
@@ -289,15 +275,12 @@ class GatedDeltaNet(nn.Module):
                 state.recurrent[written.slots] = saved
                 state.conv[written.slots] = checkpoint_conv_windows(mixed[span], written, state.conv)
         if not self.out_proj.is_fp8:  # the projection runs the gated norm (in the one-row form, itself)
-            x, gated_norm = core.reshape(num_tokens, -1), GatedNorm(z, self.norm_weight, c.rms_norm_eps)
-        else:
-            gate = z.reshape(num_tokens, c.linear_num_value_heads, c.linear_value_head_dim)
-            quantize_group = _at_skinny(self.out_quantize_group, num_tokens)
-            core = ops.gated_rms_norm(core, gate, self.norm_weight, c.rms_norm_eps, quantize_group=quantize_group)
-            x, gated_norm = (core if quantize_group else core.reshape(num_tokens, -1)), None
-        if add_norm is not None:
-            return self.out_proj.forward_add_norm(x, ops, add_norm)
-        return self.out_proj(x, ops, residual=residual, gated_norm=gated_norm)
+            return self.out_proj(core.reshape(num_tokens, -1), ops, residual=residual,
+                                 gated_norm=GatedNorm(z, self.norm_weight, c.rms_norm_eps))
+        gate = z.reshape(num_tokens, c.linear_num_value_heads, c.linear_value_head_dim)
+        quantize_group = _at_skinny(self.out_quantize_group, num_tokens)
+        core = ops.gated_rms_norm(core, gate, self.norm_weight, c.rms_norm_eps, quantize_group=quantize_group)
+        return self.out_proj(core if quantize_group else core.reshape(num_tokens, -1), ops, residual=residual)
 
 
 class GatedAttention(nn.Module):
@@ -326,15 +309,9 @@ class GatedAttention(nn.Module):
     def input_projection(self) -> Linear:
         return self.qkv_proj
 
-    @property
-    def output_projection(self) -> Linear:
-        return self.o_proj
-
     def forward(self, x: Activation | Stream, batch: ForwardBatch, kv: KVLayer, ops: Ops,
-                residual: torch.Tensor | None = None,
-                add_norm: AddNorm | None = None) -> torch.Tensor | tuple[Activation, torch.Tensor]:
-        """residual: the stream o_proj adds its output into (forward_stream); add_norm: as
-        GatedDeltaNet.forward's, run with o_proj."""
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual: the stream o_proj adds its output into (forward_stream)."""
         c, num_tokens = self.c, _num_tokens(x)
         hq, d = c.num_attention_heads, c.head_dim
         q = torch.empty(num_tokens, hq, d, dtype=kv.k_cache.dtype, device=kv.k_cache.device)
@@ -345,8 +322,6 @@ class GatedAttention(nn.Module):
         # attention * sigmoid(gate), the gate applied by the kernel that stores the output
         out = ops.paged_attention(q, kv.k_cache, kv.v_cache, batch.block_tables, batch.cu_seqlens, batch.context_lens,
                                   d ** -0.5, gate)
-        if add_norm is not None:
-            return self.o_proj.forward_add_norm(out.reshape(num_tokens, hq * d), ops, add_norm)
         return self.o_proj(out.reshape(num_tokens, hq * d), ops, residual=residual)
 
 
@@ -362,19 +337,14 @@ class DenseMLP(nn.Module):
     def checkpoint_map(self, dst: str) -> CheckpointMap:
         return {**self.gate_up.checkpoint_map(f"{dst}.gate_up"), **self.down.checkpoint_map(f"{dst}.down")}
 
-    def forward(self, x: Activation | Stream, ops: Ops, residual: torch.Tensor | None = None,
-                add_norm: AddNorm | None = None) -> torch.Tensor | tuple[Activation, torch.Tensor]:
+    def forward(self, x: Activation | Stream, ops: Ops, residual: torch.Tensor | None = None) -> torch.Tensor:
         """residual: the stream down adds its output into (forward_stream), where SwiGLU runs
         inside gate_up's op (ops.linear's glu); otherwise silu_and_mul, which quantizes for an
-        FP8 down projection. add_norm: the residual add + RMSNorm after the block, run with down
-        (Linear.forward_add_norm), whose (normed, new residual) is returned."""
+        FP8 down projection."""
         if residual is not None:
             return self.down(self.gate_up(x, ops, glu=True), ops, residual=residual)
         gate_up = self.gate_up(x, ops)
-        act = ops.silu_and_mul(gate_up, _at_skinny(self.down_quantize_group, gate_up.shape[0]))
-        if add_norm is not None:
-            return self.down.forward_add_norm(act, ops, add_norm)
-        return self.down(act, ops)
+        return self.down(ops.silu_and_mul(gate_up, _at_skinny(self.down_quantize_group, gate_up.shape[0])), ops)
 
 
 class MoEMLP(nn.Module):
@@ -514,23 +484,3 @@ class DecoderLayer(nn.Module):
         the projection that reads it and each add inside the block's last projection."""
         self.mixer(Stream(stream, self.eps), batch, mixer_state, ops, residual=stream)
         return self.mlp(Stream(stream, self.eps), ops, residual=stream)
-
-    @property
-    def chains_norms(self) -> bool:
-        """Whether forward_normed saves launches: both blocks end in an FP8 projection (whose
-        one-row form runs the norm after it) and the MLP is dense."""
-        return isinstance(self.mlp, DenseMLP) and self.mixer.output_projection.is_fp8 and self.mlp.down.is_fp8
-
-    def forward_normed(self, x: Activation, residual: torch.Tensor, batch: ForwardBatch,
-                       mixer_state: GDNLayerState | KVLayer, ops: Ops, after: torch.Tensor,
-                       after_group: int) -> tuple[Activation, torch.Tensor]:
-        """The normed-chain form (one device, FP8 blocks: HybridLM.norm_chain_form): x is this
-        layer's input norm's output, which the layer before's last projection ran; each block's
-        last projection runs the norm after it (Linear.forward_add_norm): the post-attention
-        norm after the mixer, `after` (the weight of the next layer's input norm, or the final
-        norm; its output quantized in after_group) after the MLP. Returns (after's output, the
-        residual stream): what `forward` and the norm after it compute."""
-        mlp_group = _at_skinny(self.mlp_quantize_group, _num_tokens(x))
-        x, residual = self.mixer(x, batch, mixer_state, ops,
-                                 add_norm=AddNorm(self.post_attention_norm, self.eps, residual, mlp_group))
-        return self.mlp(x, ops, add_norm=AddNorm(after, self.eps, residual, after_group))

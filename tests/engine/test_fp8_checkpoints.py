@@ -113,40 +113,6 @@ def test_fp8_greedy_speculation_equals_plain_decoding(family, checkpoint, k=2):
     assert core.stats()["spec"]["num_verify_steps"] > 0
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_normed_chain_form_changes_no_token(checkpoint, monkeypatch, kernel_device, backend):
-    """One-row decode steps of a dense FP8 model run the normed-chain form (HybridLM.norm_chain_form:
-    each norm with the projection before it, ops.fp8_linear_add_norm, the Triton table's one-row
-    form running it in its own launch); its tokens and top logprobs equal the model's run through
-    DecoderLayer.forward and its norm launches. Fresh prompts, three requests in turn."""
-    from deltaspec.engine.models.layers import DecoderLayer
-    if kernel_device == "cuda" and backend == "triton":
-        pytest.skip("the GPU table runs under test_gpu_engine's FP8 cases")
-    path = checkpoint("qwen3_5", fp8=True, fp8_block_size=(16, 16), **TRITON_TABLE_SHAPE)
-    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=4)
-    requests = [torch.randint(0, 512, (9,), generator=torch.Generator().manual_seed(seed)).tolist() for seed in (3, 4)]
-    runs = []
-    for chained in (True, False):
-        llm = LLM(path, num_draft_tokens=0, device=kernel_device, kernel_backend=backend, enable_cuda_graphs=False)
-        model = llm.core.model
-        assert model.chained
-        model.chained = chained
-        steps = []
-        forward_normed = DecoderLayer.forward_normed
-        with monkeypatch.context() as patch:
-            patch.setattr(DecoderLayer, "forward_normed", lambda *a, **k: steps.append(1) or forward_normed(*a, **k))
-            outputs = [llm.generate([tokens], params)[0] for tokens in requests]
-        # 4 decode steps a request after its prefill, 2 layers each
-        assert len(steps) == (2 * 4 * len(requests) if chained else 0)
-        runs.append([(o.token_ids, [(t.logprob, t.top) for t in o.logprobs]) for o in outputs])
-    for (tokens, logprobs), (expected_tokens, expected_logprobs) in zip(*runs):
-        assert tokens == expected_tokens
-        for (logprob, top), (expected_logprob, expected_top) in zip(logprobs, expected_logprobs):
-            assert [t for t, _ in top] == [t for t, _ in expected_top]
-            assert abs(logprob - expected_logprob) < 1e-4
-            assert max(abs(a - b) for (_, a), (_, b) in zip(top, expected_top)) < 1e-4
-
-
 def test_modules_to_not_convert_is_honoured(checkpoint):
     path = checkpoint("qwen3_5", fp8=True, fp8_not_converted=("model.layers.3.self_attn.o_proj",),
                       language_model_prefix=True)

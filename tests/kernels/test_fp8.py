@@ -10,18 +10,15 @@ graph whose routing changes between replays). Buffers the launchers allocate sta
 import pytest
 import torch
 
-from deltaspec.kernels.fp8 import (FP8, block_scales, dequantize_reference, fp8_gemm, fp8_linear, fp8_linear_add_norm,
-                                   fp8_linear_add_norm_reference, fp8_linear_reference, fp8_moe_experts, fp8_moe_experts_reference, launch_fp8_gemm, quantize_blocks,
+from deltaspec.kernels.fp8 import (FP8, block_scales, dequantize_reference, fp8_gemm, fp8_linear, fp8_linear_reference,
+                                   fp8_moe_experts, fp8_moe_experts_reference, launch_fp8_gemm, quantize_blocks,
                                    quantize_groups, quantize_groups_reference)
 from deltaspec.kernels.quantize import quantize_activation, quantize_activation_reference
 from fixtures import quantize_block_fp8
-from deltaspec.kernels.arrivals import arrival_counters
 from deltaspec.kernels.conv1d import ConvDecode, causal_conv1d_decode_reference
 from deltaspec.kernels.moe import route_reference
-from deltaspec.kernels.norms import AddNorm
 from deltaspec.kernels.tiles import TileConfig
-from kernel_helpers import (assert_close, assert_quantized, assert_slots_untouched, clone, conv_pool,
-                            cu_seqlens_of)
+from kernel_helpers import assert_close, assert_slots_untouched, clone, conv_pool, cu_seqlens_of
 
 # Round to nearest in e4m3 (3 mantissa bits): relative error <= 2^-4 for normal values; below
 # 2^-6 (in units of the group scale) the spacing is 2^-9, so the absolute error <= 2^-10.
@@ -181,42 +178,6 @@ def test_fp8_one_row_form_matches_reference(kernel_device, poisoned_empty, monke
     # Against the reference, not bit for bit against `actual`: on a GPU another tile may sum a
     # row's products in another order.
     assert_close(y.cpu(), expected, tolerance, f"{shape}, 4 rows a program")
-
-
-@pytest.mark.parametrize("quantize_group", [0, 16])
-@pytest.mark.parametrize("num_rows, shape", [(1, (256, 48)), (1, (300, 44)), (3, (96, 40))],
-                         ids=["one-row", "one-row-ragged", "three-rows"])
-def test_fp8_linear_add_norm(kernel_device, poisoned_empty, monkeypatch, num_rows, shape, quantize_group):
-    """A projection and the residual add + RMSNorm after it: one row in the one-row form's launch
-    (its last program normalising; rms_norm's kernel would raise), x quantized by the op before;
-    more rows through fp8_linear, then rms_norm. Against fp8_linear_add_norm_reference: the new
-    residual, the normed row and, with quantize_group, its fp8 codes and scales those of the
-    values returned. 44 features: a ragged last tile of 4 rows a program, a row padded to 64, a
-    partial quantization group; the counter left at zero."""
-    import deltaspec.kernels.fp8 as fp8
-    k, n = shape
-    x, weight, weight_scale = random_case(num_rows, k, n, 32, seed=k + n + quantize_group)
-    generator = torch.Generator().manual_seed(n)
-    residual = torch.randn(num_rows, n, generator=generator) * 3
-    norm_weight = torch.randn(n, generator=generator) * 0.5
-    expected, expected_residual = fp8_linear_add_norm_reference(x, weight, weight_scale, 32, None,
-                                                                AddNorm(norm_weight, 1e-6, residual, quantize_group))
-    device = [t.to(kernel_device) for t in (x, weight, weight_scale, residual, norm_weight)]
-    add_norm = AddNorm(device[4], 1e-6, device[3], quantize_group)
-    with monkeypatch.context() as patch:
-        if num_rows == 1:
-            patch.setattr(fp8, "rms_norm", None)            # a call would raise: the norm runs in the launch
-        normed, new_residual = poisoned_empty(fp8_linear_add_norm, quantize_activation(device[0], 32),
-                                              *device[1:3], 32, None, add_norm)
-    tolerance = max(gemm_tolerance(kernel_device), 2.0 ** -7 if kernel_device == "cuda" else 1e-5)
-    assert_close(new_residual.cpu(), expected_residual, tolerance, "new residual")
-    values = normed.values if quantize_group else normed
-    expected_values = expected.values if quantize_group else expected
-    assert_close(values.cpu(), expected_values, tolerance, "normed")
-    if quantize_group:
-        assert_quantized(normed, quantize_group, "normed")
-    assert torch.equal(device[3].cpu(), residual), "the residual stream read, never written"
-    assert int(arrival_counters(device[0].device, 1).abs().sum()) == 0, "arrival counters not reset"
 
 
 @pytest.mark.parametrize("commit", [True, False], ids=["commit", "verify"])
