@@ -15,7 +15,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .device import num_sms
 from .launch import dependent_prologue, pdl
 from .quantize import Activation, QuantizedActivation, check_group_size, quantize_activation_reference, \
     quantized_outputs, store_groups
@@ -66,12 +65,9 @@ def silu_and_mul(gate_up: torch.Tensor, quantize_group: int = 0) -> Activation:
     out_fp8, out_scale = quantized_outputs(num_tokens, intermediate, quantize_group, gate_up.device) \
         if quantize_group else (out, out)
     if num_tokens and intermediate:
-        # 1024 columns of 4 warps: 8 contiguous elements (16 bytes of bf16) per thread and load,
-        # narrower (down to 256) until the programs fill the SMs (a decode step's one row would
-        # leave its quantization to a few SMs); a tile is whole quantization groups.
+        # 1024 columns of 4 warps: 8 contiguous elements (16 bytes of bf16) per thread and load;
+        # a tile is whole quantization groups.
         block = max(min(1024, triton.next_power_of_2(intermediate)), quantize_group)
-        while block > max(256, quantize_group) and num_tokens * triton.cdiv(intermediate, block) < num_sms(gate_up.device):
-            block //= 2
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(intermediate, block))](
             gate_up, out, out_fp8, out_scale, gate_up.stride(0), I=intermediate, BLOCK=block, GROUP=quantize_group,
             num_warps=4, **pdl(gate_up.device))

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from .device import num_sms
 from .launch import dependent_prologue, pdl
-from .norms import check_rms_norm_args, inverse_rms, rms_norm_reference
+from .norms import add_rms_normalize, check_rms_norm_args, rms_norm_reference
 
 
 def all_reduce_rms_norm_reference(partials: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -128,12 +128,10 @@ def _all_reduce_rms_norm_kernel(x, residual, weight, out, residual_out, buffers,
                 part = tl.load(peer_buffer + row * H + offs, mask=mask, other=0.0)
             h += part.to(tl.float32)
         h = h.to(out.dtype.element_ty)  # the all-reduced message, as an all-reduce hands it over
-        if HAS_RESIDUAL:  # the new residual stream: s + residual, rounded (without one, s itself)
-            residual_row = tl.load(residual + row * stride_residual + offs, mask=mask, other=0.0)
-            h = (h.to(tl.float32) + residual_row.to(tl.float32)).to(out.dtype.element_ty)
-        tl.store(residual_out + row * H + offs, h, mask=mask)
-        h = h.to(tl.float32)
-        normed = h * inverse_rms(h, eps, H) * (1.0 + w)
+        if not HAS_RESIDUAL:  # the new residual stream is the sum itself (with one, s + residual)
+            tl.store(residual_out + row * H + offs, h, mask=mask)
+        normed = add_rms_normalize(h, residual + row * stride_residual, residual_out + row * H, w, offs, mask, eps, H,
+                                   HAS_RESIDUAL)
         tl.store(out + row * H + offs, normed.to(out.dtype.element_ty), mask=mask)
     if MEET:
         _meet_peers(signal_pads, pid, RANK, WORLD_SIZE)

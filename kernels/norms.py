@@ -29,7 +29,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .device import num_sms
 from .launch import dependent_prologue, pdl
 from .quantize import (Activation, QuantizedActivation, check_group_size, quantize_activation,
                        quantize_activation_reference, quantized_outputs, store_groups)
@@ -88,54 +87,46 @@ def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def stream_values(x_row, residual_row, offs, mask, HAS_RESIDUAL: tl.constexpr):
-    """Columns offs of one row of the stream, float32 (0 where not mask): x (+ the residual,
-    rounded to x's dtype: what the new residual stream holds)."""
-    h = tl.load(x_row + offs, mask=mask, other=0.0)
+def add_rms_normalize(h, residual_row, residual_out_row, w, offs, mask, eps, H: tl.constexpr,
+                      HAS_RESIDUAL: tl.constexpr):
+    """One row h [BH] (x's dtype, 0 past H) of the stream: s = h (+ the residual at residual_row,
+    rounded to the stream's dtype and stored at residual_out_row: the new residual stream);
+    returns s / sqrt(mean(s^2) + eps) * (1 + w) in float32 (w: the weight in float32)."""
     if HAS_RESIDUAL:
-        h = (h.to(tl.float32) + tl.load(residual_row + offs, mask=mask, other=0.0).to(tl.float32)).to(h.dtype)
-    return h.to(tl.float32)
-
-
-@triton.jit
-def inverse_rms(h, eps, H: tl.constexpr):
-    """1 / sqrt(mean(h^2) + eps) of one row h [BH] (0 past H)."""
-    return tl.rsqrt(tl.sum(h * h) / H + eps)
+        h = h.to(tl.float32) + tl.load(residual_row + offs, mask=mask, other=0.0).to(tl.float32)
+        h = h.to(residual_out_row.dtype.element_ty)
+        tl.store(residual_out_row + offs, h, mask=mask)
+    h = h.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(h * h) / H + eps)
+    return h * rstd * (1.0 + w)
 
 
 @triton.jit
 def _rms_norm_kernel(x, residual, weight, out, residual_out, out_fp8, out_scale, stride_x, stride_residual, eps,
-                     H: tl.constexpr, BH: tl.constexpr, TILE: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
-                     DEPENDENT_LAUNCH: tl.constexpr):
-    """Program (row, tile of TILE columns): s = x (+ residual, rounded to x's dtype: the new
-    residual stream); out = s / sqrt(mean(s^2) + eps) * (1 + w) (w = 0 without HAS_WEIGHT), in
-    float32, rounded once, for the tile's columns. Every tile of a row sums the squares of the
-    whole row (the same reduction: BH = next_pow2(H) wide, in every program), then reads its own
-    columns again and stores them; TILE = BH is one program a row. GROUP > 0: out (as rounded) also
-    quantized in groups of GROUP columns into out_fp8 [T, H] and out_scale [T, ceil(H / GROUP)]
-    (the columns past H are 0 here, as the reference pads); a row narrower than a group is its
-    one group: GROUP_TILE = min(TILE, GROUP), and a tile is whole groups."""
+                     H: tl.constexpr, BH: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     GROUP: tl.constexpr, GROUP_TILE: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
+    """One row: s = x (+ residual, rounded to x's dtype: the new residual stream);
+    out = s / sqrt(mean(s^2) + eps) * (1 + w) (w = 0 without HAS_WEIGHT), in float32, rounded
+    once. GROUP > 0: out (as rounded) also quantized in groups of GROUP columns into out_fp8
+    [T, H] and out_scale [T, ceil(H / GROUP)] (the columns past H are 0 here, as the reference
+    pads). BH is next_pow2(H) with or without GROUP, so the sum of squares, and with it out, is
+    the same reduction either way; a row narrower than a group is its one group:
+    GROUP_TILE = min(BH, GROUP)."""
     dependent_prologue(DEPENDENT_LAUNCH)
-    row, tile = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    x_row, residual_row = x + row * stride_x, residual + row * stride_residual
+    row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BH)
-    h = stream_values(x_row, residual_row, offs, offs < H, HAS_RESIDUAL)
-    rstd = inverse_rms(h, eps, H)
-    cols = tile * TILE + tl.arange(0, TILE)
-    mask = cols < H
-    if TILE < BH:
-        h = stream_values(x_row, residual_row, cols, mask, HAS_RESIDUAL)
-    if HAS_RESIDUAL:
-        tl.store(residual_out + row * H + cols, h.to(residual_out.dtype.element_ty), mask=mask)
-    w = tl.zeros((TILE,), dtype=tl.float32)
+    mask = offs < H
+    h = tl.load(x + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_WEIGHT:
-        w = tl.load(weight + cols, mask=mask, other=0.0).to(tl.float32)
-    normed = (h * rstd * (1.0 + w)).to(out.dtype.element_ty)
-    tl.store(out + row * H + cols, normed, mask=mask)
+        w = tl.load(weight + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        w = tl.zeros((BH,), dtype=tl.float32)
+    normed = add_rms_normalize(h, residual + row * stride_residual, residual_out + row * H, w, offs, mask, eps, H,
+                               HAS_RESIDUAL).to(out.dtype.element_ty)
+    tl.store(out + row * H + offs, normed, mask=mask)
     if GROUP > 0:
-        store_groups(normed.to(tl.float32), out_fp8 + row * H, out_scale + row * tl.cdiv(H, GROUP),
-                     tile * (TILE // GROUP_TILE), H, N=TILE, GROUP=GROUP_TILE)
+        store_groups(normed.to(tl.float32), out_fp8 + row * H, out_scale + row * tl.cdiv(H, GROUP), 0, H,
+                     N=BH, GROUP=GROUP_TILE)
 
 
 def check_rms_norm_args(x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None,
@@ -163,13 +154,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual:
     out_fp8, out_scale = quantized_outputs(num_tokens, hidden, quantize_group, x.device) if quantize_group else (out, out)
     if num_tokens:
         block = triton.next_power_of_2(hidden)
-        tile = _row_tile(num_tokens, block, quantize_group, x.device)
-        _rms_norm_kernel[(num_tokens, block // tile)](
-            x, residual if residual is not None else x, x if weight is None else weight, out, new_residual, out_fp8,
-            out_scale, x.stride(0), residual.stride(0) if residual is not None else 0, eps, H=hidden, BH=block,
-            TILE=tile, HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None, GROUP=quantize_group,
-            GROUP_TILE=min(tile, quantize_group), num_warps=_row_warps(block) if tile == block else 4,
-            **pdl(x.device))
+        _rms_norm_kernel[(num_tokens,)](x, residual if residual is not None else x, x if weight is None else weight,
+                                        out, new_residual, out_fp8, out_scale, x.stride(0),
+                                        residual.stride(0) if residual is not None else 0, eps, H=hidden, BH=block,
+                                        HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None,
+                                        GROUP=quantize_group, GROUP_TILE=min(block, quantize_group),
+                                        num_warps=_row_warps(block), **pdl(x.device))
     if quantize_group:
         return QuantizedActivation(out, out_fp8, out_scale, quantize_group), new_residual
     return out, new_residual
@@ -178,20 +168,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual:
 def _row_warps(block: int) -> int:
     """Warps of a program that normalises rows of `block` (padded) columns: one per 512."""
     return min(16, max(1, block // 512))
-
-
-# Columns a program of a split row normalises (and quantizes): a decode step's norm has one row,
-# and one program would leave its whole quantization to one SM.
-ROW_TILE = 512
-
-
-def _row_tile(num_tokens: int, block: int, quantize_group: int, device: torch.device) -> int:
-    """rms_norm's tile: the whole (padded) row where the rows alone fill the SMs, else tiles of
-    ROW_TILE columns (whole quantization groups), up to one program an SM."""
-    tile = max(ROW_TILE, quantize_group)
-    if tile >= block or num_tokens * (block // tile) > num_sms(device):
-        return block
-    return tile
 
 
 @triton.jit
@@ -206,12 +182,13 @@ def _mtp_input_kernel(input_ids, embed_weight, hidden, embed_norm_weight, hidden
     offs = tl.arange(0, BH)
     mask = offs < H
     token = tl.load(input_ids + row * stride_ids).to(tl.int64)
-    embedded = stream_values(embed_weight + token * H, embed_weight, offs, mask, False)
-    h = stream_values(hidden + row * stride_hidden, hidden, offs, mask, False)
+    embedded = tl.load(embed_weight + token * H + offs, mask=mask, other=0.0)
+    h = tl.load(hidden + row * stride_hidden + offs, mask=mask, other=0.0)
     w_e = tl.load(embed_norm_weight + offs, mask=mask, other=0.0).to(tl.float32)
     w_h = tl.load(hidden_norm_weight + offs, mask=mask, other=0.0).to(tl.float32)
-    embedded = embedded * inverse_rms(embedded, eps, H) * (1.0 + w_e)
-    h = h * inverse_rms(h, eps, H) * (1.0 + w_h)
+    # No residual: its row pointers are never read.
+    embedded = add_rms_normalize(embedded, out, out, w_e, offs, mask, eps, H, False)
+    h = add_rms_normalize(h, out, out, w_h, offs, mask, eps, H, False)
     tl.store(out + row * 2 * H + offs, embedded.to(out.dtype.element_ty), mask=mask)
     tl.store(out + row * 2 * H + H + offs, h.to(out.dtype.element_ty), mask=mask)
 
@@ -310,11 +287,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     rows_out = out.view(x.shape[0], -1)
     out_fp8, out_scale = quantized_outputs(*rows_out.shape, quantize_group, x.device) if fused else (out, out)
     if num_rows:
-        # Up to 16 rows (4096 values) a program, fewer until the programs fill the SMs: a decode
-        # step's few heads would otherwise leave the norm (and its quantization) to one or two SMs.
         block_rows = max(1, min(16, 4096 // block_d))
-        while block_rows > 1 and triton.cdiv(num_rows, block_rows) < num_sms(x.device):
-            block_rows //= 2
         _gated_rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
             x3, gate3, weight, out, out_fp8, out_scale, num_rows, x3.shape[1], x3.stride(0), x3.stride(1),
             gate3.stride(0), gate3.stride(1), eps, D=dim, BD=block_d, BR=block_rows,

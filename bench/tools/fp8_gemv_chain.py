@@ -3,11 +3,7 @@
 down; 8 attention layers: qkv with the output gate, o_proj, gate_up, down), each its own weights,
 graph-replayed with PDL as a decode step runs them, x arriving quantized (as the norms and
 silu_and_mul hand it over). fp8_gemv_config's tiles against other program sizes (bytes of W a
-program holds) and warps: what the config's defaults are picked from on FP8 weights. Then the
-same chain with the residual add + RMSNorm (quantizing) after each block's last projection
-(out_proj / o_proj, down) as a step has it, the next projection reading the norm's output: the
-norm's row split over programs of norms.ROW_TILE columns (as rms_norm runs one row), against one
-program for the row.
+program holds) and warps: what the config's defaults are picked from on FP8 weights.
 
     python bench/tools/fp8_gemv_chain.py [--out bench/results]  -> fp8_gemv_chain-<gpu>.json
 """
@@ -26,9 +22,10 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import commit_id, device_tag, graph_time_us  # noqa: E402
-from deltaspec.kernels import norms  # noqa: E402
-from deltaspec.kernels.fp8 import fp8_gemv_config, fp8_linear, launch_fp8_gemv, quantize_blocks  # noqa: E402
+from deltaspec.kernels.fp8 import fp8_gemv_config, launch_fp8_gemv, quantize_blocks  # noqa: E402
+from deltaspec.kernels.linear import gemv_config  # noqa: E402
 from deltaspec.kernels.quantize import quantize_activation  # noqa: E402
+from deltaspec.kernels.tiles import TileConfig  # noqa: E402
 
 GROUP = 128
 # (N, K) of the 9B shape's FP8 projections in step order, per layer kind.
@@ -37,11 +34,11 @@ ATTENTION = [(10240, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
 LAYERS = [ATTENTION if i % 4 == 3 else GDN for i in range(32)]
 
 
-def tile(n: int, k: int, device: torch.device, program_bytes: int, num_warps: int):
-    """fp8_gemv_config with other program sizes and warps; a row of the down projection (K = 12288,
-    16 KB padded) is the least a program holds."""
-    return fp8_gemv_config(n, k, GROUP, device, program_bytes=max(program_bytes, triton.next_power_of_2(k)),
-                           num_warps=num_warps)
+def tile(n: int, k: int, device: torch.device, program_bytes: int, num_warps: int) -> TileConfig:
+    # a row of the down projection (K = 12288, 16 KB padded) is the least a program holds
+    program_bytes = max(program_bytes, triton.next_power_of_2(k))
+    config = gemv_config(n, k, device, element_size=1, program_bytes=program_bytes, num_warps=num_warps)
+    return TileConfig(block_n=config.block_n, block_k=max(config.block_k, GROUP), num_warps=num_warps)
 
 
 def main() -> None:
@@ -73,33 +70,11 @@ def main() -> None:
                      "num_warps": next(iter(configs.values())).num_warps, "us": us,
                      "gb_per_s": weight_bytes / us / 1e3})
         print(f"{name:18s}: {us:7.1f} us  {rows[-1]['gb_per_s']:5.0f} GB/s  block_n {rows[-1]['block_n']}")
-    norm_weight = torch.randn(4096, device=device, dtype=torch.bfloat16) * 0.1
-    stream = torch.randn(1, 4096, device=device, dtype=torch.bfloat16)
-
-    def chain_with_norms():
-        x, residual = inputs[4096], stream
-        for layer_weights in weights:
-            for index, (w, s) in enumerate(layer_weights):
-                source = inputs[12288] if index == 3 else x
-                if index in (1, 3):       # a block's last projection, then the residual add + norm
-                    x, residual = norms.rms_norm(fp8_linear(source, w, s, GROUP), norm_weight, 1e-6, residual, GROUP)
-                else:
-                    fp8_linear(source, w, s, GROUP)
-
-    norm_rows = []
-    split_tile = norms.ROW_TILE
-    for name, tile in (("one program a row", 1 << 30), (f"rows split in {split_tile} columns", split_tile)):
-        norms.ROW_TILE = tile
-        us = graph_time_us(lambda _: chain_with_norms(), 2, replays=10)
-        norm_rows.append({"variant": name, "us": us, "launches": 128 + 64})
-        print(f"with norms, {name:28s}: {us:7.1f} us")
-    norms.ROW_TILE = split_tile
     name = torch.cuda.get_device_name()
     report = {"benchmark": "fp8_gemv_chain", "device": name,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "commit": commit_id(), "command": " ".join(["python"] + sys.argv), "layers": LAYERS,
-              "group": GROUP, "weight_bytes": weight_bytes, "results": rows,
-              "with_norms": norm_rows}
+              "group": GROUP, "weight_bytes": weight_bytes, "results": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"fp8_gemv_chain-{device_tag(name)}.json"
     path.write_text(json.dumps(report, indent=2))

@@ -66,8 +66,8 @@ def test_silu_and_mul(kernel_device, monkeypatch, num_tokens, intermediate, dtyp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("num_tokens,intermediate,group", [(1, 40, 16), (6, 1100, 128), (64, 24, 32), (1, 1100, 128)],
-                         ids=["decode", "two-column-tiles", "narrower-than-a-group", "decode-256-column-tiles"])
+@pytest.mark.parametrize("num_tokens,intermediate,group", [(1, 40, 16), (6, 1100, 128), (64, 24, 32)],
+                         ids=["decode", "two-column-tiles", "narrower-than-a-group"])
 def test_silu_and_mul_quantizes_its_output(kernel_device, poisoned_empty, num_tokens, intermediate, group, dtype):
     gen = torch.Generator().manual_seed(num_tokens + intermediate)
     gate_up = (2 * torch.randn(num_tokens, 2 * intermediate + 3, generator=gen)).to(dtype).to(kernel_device)[:, 3:]
