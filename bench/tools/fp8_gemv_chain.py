@@ -23,9 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import commit_id, device_tag, graph_time_us  # noqa: E402
 from deltaspec.kernels.fp8 import fp8_gemv_config, launch_fp8_gemv, quantize_blocks  # noqa: E402
-from deltaspec.kernels.linear import gemv_config  # noqa: E402
 from deltaspec.kernels.quantize import quantize_activation  # noqa: E402
-from deltaspec.kernels.tiles import TileConfig  # noqa: E402
 
 GROUP = 128
 # (N, K) of the 9B shape's FP8 projections in step order, per layer kind.
@@ -34,11 +32,11 @@ ATTENTION = [(10240, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
 LAYERS = [ATTENTION if i % 4 == 3 else GDN for i in range(32)]
 
 
-def tile(n: int, k: int, device: torch.device, program_bytes: int, num_warps: int) -> TileConfig:
-    # a row of the down projection (K = 12288, 16 KB padded) is the least a program holds
-    program_bytes = max(program_bytes, triton.next_power_of_2(k))
-    config = gemv_config(n, k, device, element_size=1, program_bytes=program_bytes, num_warps=num_warps)
-    return TileConfig(block_n=config.block_n, block_k=max(config.block_k, GROUP), num_warps=num_warps)
+def tile(n: int, k: int, device: torch.device, program_bytes: int, num_warps: int):
+    """fp8_gemv_config with other program sizes and warps; a row of the down projection (K = 12288,
+    16 KB padded) is the least a program holds."""
+    return fp8_gemv_config(n, k, GROUP, device, program_bytes=max(program_bytes, triton.next_power_of_2(k)),
+                           num_warps=num_warps)
 
 
 def main() -> None:
