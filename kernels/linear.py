@@ -386,6 +386,9 @@ def split_k_for(num_k_blocks: int, wanted: int) -> int:
     return triton.cdiv(num_k_blocks, per_split)
 
 
+LONG_K = 4096              # kernel_config's long rows of W (the 0.8B's reach 3584)
+
+
 def kernel_config(num_rows: int, out_features: int, in_features: int, sms: int, element_size: int = 2) -> TileConfig:
     """Tiles for x [num_rows, in_features] @ W[out_features, in_features]^T on a GPU of `sms` SMs:
     block_n rows of W (columns of y) per program, block_k the K step of its loop, num_splits
@@ -399,15 +402,23 @@ def kernel_config(num_rows: int, out_features: int, in_features: int, sms: int, 
     here: the 0.8B in_proj, qkv, gate_up) no split, 64-row tiles, and K steps of 256 up to 8
     rows of 2-byte inputs: the sweep's best there, tying cuBLAS (4 stages of fp32 tiles that
     wide would need 320 KB of shared memory, past an H100's 227 KB; element_size: x's bytes).
-    Within a few percent of the fastest swept config for every shape (measured:
-    bench/results/kernels_linear-h100.json)."""
+    Long K (>= LONG_K, the 9B's out_proj, o_proj and down) up to 8 rows of 2-byte inputs: K steps
+    of 256 and splits for at most one program per SM, rounded down (the 9B's N = 4096 at 4 rows:
+    2 splits, 12.7 / 35.0 µs for K = 4096 / 12288 against 15.3 / 41.2 with steps of 128 and 3
+    splits; H200: bench/results/kernels_linear_9b-h200.json). Within a few percent of the
+    fastest swept config for every shape (measured: bench/results/kernels_linear-h100.json)."""
     block_k, num_stages = 128, 4
+    short_rows = num_rows <= 8 and element_size <= 2
     if out_features >= 32 * sms:
-        wide_k = num_rows <= 8 and element_size <= 2
-        return TileConfig(block_n=64, block_k=256 if wide_k else 128, num_splits=1, num_warps=4, num_stages=num_stages)
+        return TileConfig(block_n=64, block_k=256 if short_rows else 128, num_splits=1, num_warps=4,
+                          num_stages=num_stages)
     block_n = 64 if num_rows <= 8 else 32
+    long_k = short_rows and in_features >= LONG_K
+    if long_k:
+        block_k = 256
     num_tiles, num_k_blocks = triton.cdiv(out_features, block_n), triton.cdiv(in_features, block_k)
-    split_k = split_k_for(num_k_blocks, min(triton.cdiv(sms, num_tiles), max(1, num_k_blocks // num_stages)))
+    per_sm = max(1, sms // num_tiles) if long_k else triton.cdiv(sms, num_tiles)
+    split_k = split_k_for(num_k_blocks, min(per_sm, max(1, num_k_blocks // num_stages)))
     return TileConfig(block_n=block_n, block_k=block_k, num_splits=split_k, num_warps=4, num_stages=num_stages)
 
 
@@ -423,22 +434,32 @@ def kernel_everywhere() -> bool:
 # block ops fused read 0.83-0.94x their separate time (cuBLAS for the wide ones) at 1-32 rows, the
 # 9B's 0.97-0.99x (bench/kernels_block_fusion.py: results/block_fusion-h100/).
 FUSED_MAX_ROWS = KERNEL_MAX_ROWS
+# ...but a wide W (N >= 32 per SM) of more bytes than this goes to cuBLAS, fused ops and all: at the
+# 9B's sizes (84-201 MB) cuBLAS streams it at 4 rows 25-35% faster than the wide tiles (H200:
+# gate_up 52.4 against 70.4 µs, in_proj 30.7 against 39.0, qkv 24.4 against 33.2;
+# bench/results/kernels_linear_9b-h200.json), more than the norm's and SwiGLU's launches cost
+# (~3 µs each); at the 0.8B's (10-17 MB) fusing them won.
+FUSED_WIDE_MAX_BYTES = 64 << 20
 
 
-def use_kernel(num_rows: int, out_features: int, sms: int, fused: bool = False) -> bool:
+def use_kernel(num_rows: int, out_features: int, sms: int, fused: bool = False, weight_bytes: int = 0) -> bool:
     """The rule between this kernel and cuBLAS (measured: bench/results/kernels_linear-h100.json):
       - N >= 32 per SM (the 0.8B in_proj, qkv, gate_up; every 9B one but out/o_proj and down):
         cuBLAS's own N tiles fill the GPU; it ties (with kernel_config's wide tiles) or wins,
-        so the kernel takes these only where it fuses ops (`fused`) up to FUSED_MAX_ROWS rows;
+        so the kernel takes these only where it fuses ops (`fused`) up to FUSED_MAX_ROWS rows
+        and W (weight_bytes) is at most FUSED_WIDE_MAX_BYTES;
       - up to 16 rows otherwise: the kernel;
       - 17..32 rows: the kernel up to 16 features per SM; at N = 4096 cuBLAS switches to a
         faster kernel there;
       - more than 32 rows: cuBLAS (x's re-reads from L2 and the fp32 partials grow with M)."""
     if not 0 < num_rows <= KERNEL_MAX_ROWS:
         return False
-    if kernel_everywhere() or (fused and num_rows <= FUSED_MAX_ROWS):
+    if kernel_everywhere():
         return True
-    if out_features >= 32 * sms:
+    wide = out_features >= 32 * sms
+    if fused and num_rows <= FUSED_MAX_ROWS:
+        return not wide or weight_bytes <= FUSED_WIDE_MAX_BYTES
+    if wide:
         return False
     return num_rows <= 16 or out_features <= 16 * sms
 
@@ -455,7 +476,7 @@ def linear_config(num_rows: int, out_features: int, in_features: int, device: to
         return TileConfig(block_n=16, block_k=32, num_splits=split_k_for(triton.cdiv(in_features, 32), 2),
                           num_warps=1, num_stages=1)
     sms = num_sms(device)
-    if not use_kernel(num_rows, out_features, sms, fused):
+    if not use_kernel(num_rows, out_features, sms, fused, out_features * in_features * element_size):
         return None
     return kernel_config(num_rows, out_features, in_features, sms, element_size)
 
