@@ -28,9 +28,10 @@ import triton
 from deltaspec.kernels.arrivals import arrival_counters
 import deltaspec.kernels.linear as linear_module
 from deltaspec.kernels.conv1d import ConvDecode, causal_conv1d_decode, causal_conv1d_decode_reference
-from deltaspec.kernels.linear import (CONV_EPILOGUE_MAX_ROWS, CUBLAS_ROWS, GEMV_PROGRAM_BYTES, GEMV_ROW_BYTES,
-                                     GEMV_WARPS, KERNEL_MAX_ROWS, MAX_ROWS, block_m, gemv_config, kernel_config, launch_gemv, launch_linear,
-                                     linear, linear_config, linear_reference, padded_linear)
+from deltaspec.kernels.linear import (CONV_EPILOGUE_MAX_ROWS, CUBLAS_ROWS, FUSED_WIDE_MAX_BYTES, GEMV_PROGRAM_BYTES,
+                                     GEMV_ROW_BYTES, GEMV_WARPS, KERNEL_MAX_ROWS, MAX_ROWS, block_m, gemv_config,
+                                     kernel_config, launch_gemv, launch_linear, linear, linear_config, linear_reference,
+                                     padded_linear, use_kernel)
 from deltaspec.kernels.norms import GatedNorm, gated_rms_norm, gated_rms_norm_reference
 from deltaspec.kernels.tiles import TileConfig
 from kernel_helpers import (PAD_SLOT, RAGGED, assert_close, assert_slots_untouched, clone, conv_pool,
@@ -385,6 +386,29 @@ def test_kernel_configs_fit_shared_memory(element_size):
             config = kernel_config(num_rows, n, k, 132, element_size)
             stages = config.num_stages * (config.block_n + block_m(num_rows)) * config.block_k * element_size
             assert stages <= 227 * 1024, f"M={num_rows} N={n} K={k}: {config} needs {stages} bytes"
+
+
+def test_large_wide_weights_go_to_cublas():
+    """A fused wide projection (N >= 32 per SM) takes the kernel up to FUSED_WIDE_MAX_BYTES of W
+    (the 0.8B's gate_up), cuBLAS past it (the 9B's gate_up and in_proj); a fused narrow one takes
+    the kernel whatever its size (the 9B's down)."""
+    assert use_kernel(4, 7168, 132, fused=True, weight_bytes=7168 * 1024 * 2)
+    assert not use_kernel(4, 24576, 132, fused=True, weight_bytes=24576 * 4096 * 2)
+    assert not use_kernel(4, 12352, 132, fused=True, weight_bytes=12352 * 4096 * 2)
+    assert use_kernel(4, 4096, 132, fused=True, weight_bytes=4096 * 12288 * 2)
+    assert 7168 * 1024 * 2 <= FUSED_WIDE_MAX_BYTES < 10240 * 4096 * 2
+
+
+def test_long_rows_take_wide_k_steps():
+    """Rows of W of LONG_K or more at up to 8 rows: K steps of 256 and at most one program per SM
+    (2 splits of the 9B's 64 N tiles on 132 SMs); shorter rows keep steps of 128 and round the
+    programs per SM up (the 0.8B's down: 16 tiles, 9 splits)."""
+    config = kernel_config(4, 4096, 4096, 132)
+    assert (config.block_n, config.block_k, config.num_splits) == (64, 256, 2)
+    assert kernel_config(4, 4096, 12288, 132).block_k == 256
+    assert kernel_config(16, 4096, 12288, 132).block_k == 128
+    short = kernel_config(4, 1024, 3584, 132)
+    assert (short.block_k, short.num_splits) == (128, 7)
 
 
 def test_linear_rejects_bad_arguments(kernel_device):
