@@ -39,14 +39,19 @@ def tile(n: int, k: int, device: torch.device, program_bytes: int, num_warps: in
                            num_warps=num_warps)
 
 
+def chain_weights(device: torch.device) -> list:
+    """Random block-FP8 weights (fp8, scales) of every projection of LAYERS, each its own."""
+    torch.manual_seed(0)
+    return [[quantize_blocks(torch.randn(n, k, device=device, dtype=torch.bfloat16) * k ** -0.5, (1, GROUP))
+             for n, k in layer] for layer in LAYERS]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")
     args = parser.parse_args()
     device = torch.device("cuda")
-    torch.manual_seed(0)
-    weights = [[quantize_blocks(torch.randn(n, k, device=device, dtype=torch.bfloat16) * k ** -0.5, (1, GROUP))
-                for n, k in layer] for layer in LAYERS]
+    weights = chain_weights(device)
     outputs = [[torch.empty(1, n, device=device, dtype=torch.bfloat16) for n, _ in layer] for layer in LAYERS]
     inputs = {k: quantize_activation(torch.randn(1, k, device=device, dtype=torch.bfloat16), GROUP)
               for k in {k for layer in LAYERS for _, k in layer}}

@@ -32,15 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import graph_time_us, write_result  # noqa: E402
 from deltaspec.kernels.activation import silu_and_mul  # noqa: E402
-from deltaspec.kernels.fp8 import fp8_gemv_config, launch_fp8_gemv, quantize_blocks  # noqa: E402
+from deltaspec.kernels.fp8 import fp8_gemv_config, launch_fp8_gemv  # noqa: E402
 from deltaspec.kernels.launch import dependent_prologue, pdl  # noqa: E402
 from deltaspec.kernels.norms import gated_rms_norm, rms_norm  # noqa: E402
 from deltaspec.kernels.quantize import quantize_activation, quantize_tile  # noqa: E402
+from fp8_gemv_chain import GROUP, LAYERS, chain_weights  # noqa: E402  (this folder: the same chain)
 
-GROUP, HIDDEN, HEAD = 128, 4096, 128
-GDN = [(12288, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
-ATTENTION = [(10240, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
-LAYERS = [ATTENTION if i % 4 == 3 else GDN for i in range(32)]
+HIDDEN, HEAD = 4096, 128
 PLAIN, NORM, GATED = 0, 1, 2
 
 
@@ -95,10 +93,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")
     args = parser.parse_args()
     device = torch.device("cuda")
-    torch.manual_seed(0)
     bf16 = dict(device=device, dtype=torch.bfloat16)
-    weights = [[quantize_blocks(torch.randn(n, k, **bf16) * k ** -0.5, (1, GROUP)) for n, k in layer]
-               for layer in LAYERS]
+    weights = chain_weights(device)
     configs = {shape: fp8_gemv_config(*shape, GROUP, device) for layer in LAYERS for shape in layer}
     outputs = {n: torch.empty(1, n, **bf16) for layer in LAYERS for n, _ in layer}
     rows = {k: torch.randn(1, k, **bf16) for k in (HIDDEN, 12288)}
