@@ -16,6 +16,8 @@
 # spec    : spec_e2e on the 0.8B shape (#27); spec9b: the 9B shape at batches 1 16 64 (256 does not
 #           fit 80 GB)
 # spec35b : spec_e2e on the 35B-A3B shape at batches 1 4 16 64 (256 on cards of >= 100 GiB)
+# specab  : spec_e2e (plain, k = 3 and adaptive; shipped profile; T = 0) on AB_SHAPES (default 9b) at
+#           AB_BATCHES (default 1,16) for this tree and the baseline tree AB_BASE, new then base
 # serve   : serve_spec through `deltaspec serve`, shipped model (#27's server bars)
 # specserve: `deltaspec bench serve --unique-prompts` (every prompt new: admissions on the critical
 #           path) with speculation and with --num-draft-tokens 0, at T = 0 and 0.7, 16 and 64
@@ -131,6 +133,14 @@ for part in ${parts//,/ }; do
     batches=1,4,16,64; (( mib >= 100 * 1024 )) && batches=$batches,256
     timeout 560 python bench/spec_e2e.py --shapes 35b-a3b --batches "$batches" --out "$out" 2>&1 \
         | grep -E "k=3|adaptive" | tail -8 ;;
+  specab)
+    base="${AB_BASE:?AB_BASE: the baseline tree}"
+    for tree in new base; do
+        prefix=(); [[ $tree == base ]] && prefix=(bash bench/tools/ab.sh "$base")
+        mkdir -p "$out/$tree"
+        timeout 270 "${prefix[@]}" python "$(pwd)/bench/spec_e2e.py" --shapes "${AB_SHAPES:-9b}" --batches "${AB_BATCHES:-1,16}" \
+            --fixed 3 --profiles shipped --temperatures 0 --out "$out/$tree" 2>&1 | grep -E "k=3|adaptive" | sed "s/^/$tree /"
+    done ;;
   serve)
     timeout 560 python bench/serve_spec.py --device cuda --dtype bfloat16 --streams 1 16 64 --temperatures 0 0.7 \
         --max-tokens 256 --requests-per-stream 3 --out "$out" 2>&1 | tail -12 ;;
@@ -216,7 +226,7 @@ for part in ${parts//,/ }; do
   sanitize)
     OUT="$out" timeout 540 bash bench/tools/sanitize.sh 2>&1 | tail -12 ;;
   *)
-    echo "unknown part $part (tests, kernels, engine, floor, fusion, spec, spec9b, spec35b, serve, specserve, stephost, servedab, hostsplit, sampling, fp8, fp8ab, abuse, ttftbar, ttft, sanitize)"; exit 2 ;;
+    echo "unknown part $part (tests, kernels, engine, floor, fusion, spec, spec9b, spec35b, specab, serve, specserve, stephost, servedab, hostsplit, sampling, fp8, fp8ab, abuse, ttftbar, ttft, sanitize)"; exit 2 ;;
   esac
 done
 if [[ "${SAVE_TRITON_CACHE:-0}" == 1 ]]; then OUT="$out" bash bench/tools/save_triton_cache.sh; fi

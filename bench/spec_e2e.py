@@ -26,6 +26,10 @@ speculative step at each K) and the bound they give, mean accepted length / (cos
 in plain steps, for the shipped profile at K = 3.
 
     python bench/spec_e2e.py [--shapes 0.8b,9b,35b-a3b] [--batches 1,4,16,64,256] [--tokens 128]
+                             [--fixed 1,2,3,4] [--profiles shipped,published]
+
+(--fixed 3 --profiles shipped --temperatures 0: plain, k = 3 and adaptive only, for an A/B of two
+trees in one device call; the speculative engine is built for max(fixed, 3) drafts.)
 
 Writes bench/results/spec_e2e-<gpu>.json and .png (speedup over plain decoding by batch, one
 line per shape and setting).
@@ -179,10 +183,15 @@ def main() -> None:
     parser.add_argument("--batches", default="1,4,16,64,256")
     parser.add_argument("--temperatures", default="0,0.7")
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--fixed", default=",".join(map(str, FIXED)),
+                        help="the fixed draft counts to run beside plain and adaptive (an A/B of two trees: 3)")
+    parser.add_argument("--profiles", default=",".join(PROFILES), help="acceptance profiles to run (shipped, published)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    fixed = [int(k) for k in args.fixed.split(",")]
+    profiles = {name: PROFILES[name] for name in args.profiles.split(",")}
     temperatures = [float(t) for t in args.temperatures.split(",")]
     directory = Path(tempfile.mkdtemp())
     make_tokenizer(directory)
@@ -191,7 +200,7 @@ def main() -> None:
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     report = {"benchmark": "spec_e2e", "device": device_name, "commit": commit_id(),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": " ".join(["python", *sys.argv]), "profiles": PROFILES, "tokens_per_request": args.tokens,
+              "command": " ".join(["python", *sys.argv]), "profiles": profiles, "tokens_per_request": args.tokens,
               "prompt_tokens": PROMPT_LEN, "shapes": {}}
     for shape in args.shapes.split(","):
         if args.device == "cuda":
@@ -204,7 +213,7 @@ def main() -> None:
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         variants = [("full", False)] + ([("draft_vocab_32k", True)] if shape in ("0.8b", "9b") else [])
         per_shape = {"weights_gib": weights / 2**30, "variants": {}}
-        total = len(batches) * len(temperatures) * (1 + len(variants) * len(PROFILES) * (len(FIXED) + 1))
+        total = len(batches) * len(temperatures) * (1 + len(variants) * len(profiles) * (len(fixed) + 1))
         with tqdm(total=total, desc=shape) as bar:
             plain = engine(model, tokenizer, directory, max(batches), 0, None)
             plain_tps = measure(plain, batches, args.tokens, temperatures, bar)
@@ -212,12 +221,13 @@ def main() -> None:
             gc.collect()
             for variant, draft_vocab in variants:
                 per_variant = {}
-                profile = AcceptanceProfile(PROFILES["shipped"])
-                core = engine(model, tokenizer, directory, max(batches), max(FIXED), profile, draft_vocab)
-                for profile_name, by_position in PROFILES.items():
+                profile = AcceptanceProfile(next(iter(profiles.values())))
+                core = engine(model, tokenizer, directory, max(batches), max(*fixed, ADAPTIVE_MAX), profile,
+                              draft_vocab)
+                for profile_name, by_position in profiles.items():
                     profile.set(by_position)
                     settings = {}
-                    for k in FIXED:
+                    for k in fixed:
                         set_policy(core, k, adaptive=False)
                         settings[f"k={k}"] = measure(core, batches, args.tokens, temperatures, bar)
                     set_policy(core, ADAPTIVE_MAX, adaptive=True)
