@@ -442,7 +442,7 @@ FUSED_MAX_ROWS = KERNEL_MAX_ROWS
 FUSED_WIDE_MAX_BYTES = 64 << 20
 
 
-def use_kernel(num_rows: int, out_features: int, sms: int, fused: bool = False, weight_bytes: int = 0) -> bool:
+def use_kernel(num_rows: int, out_features: int, sms: int, fused: bool = False, *, weight_bytes: int) -> bool:
     """The rule between this kernel and cuBLAS (measured: bench/results/kernels_linear-h100.json):
       - N >= 32 per SM (the 0.8B in_proj, qkv, gate_up; every 9B one but out/o_proj and down):
         cuBLAS's own N tiles fill the GPU; it ties (with kernel_config's wide tiles) or wins,
@@ -476,7 +476,7 @@ def linear_config(num_rows: int, out_features: int, in_features: int, device: to
         return TileConfig(block_n=16, block_k=32, num_splits=split_k_for(triton.cdiv(in_features, 32), 2),
                           num_warps=1, num_stages=1)
     sms = num_sms(device)
-    if not use_kernel(num_rows, out_features, sms, fused, out_features * in_features * element_size):
+    if not use_kernel(num_rows, out_features, sms, fused, weight_bytes=out_features * in_features * element_size):
         return None
     return kernel_config(num_rows, out_features, in_features, sms, element_size)
 

@@ -11,8 +11,6 @@ program holds) and warps: what the config's defaults are picked from on FP8 weig
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import sys
 from pathlib import Path
 
@@ -21,7 +19,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import commit_id, device_tag, graph_time_us  # noqa: E402
+from common import graph_time_us, write_result  # noqa: E402
 from deltaspec.kernels.fp8 import fp8_gemv_config, launch_fp8_gemv, quantize_blocks  # noqa: E402
 from deltaspec.kernels.quantize import quantize_activation  # noqa: E402
 
@@ -73,15 +71,8 @@ def main() -> None:
                      "num_warps": next(iter(configs.values())).num_warps, "us": us,
                      "gb_per_s": weight_bytes / us / 1e3})
         print(f"{name:18s}: {us:7.1f} us  {rows[-1]['gb_per_s']:5.0f} GB/s  block_n {rows[-1]['block_n']}")
-    name = torch.cuda.get_device_name()
-    report = {"benchmark": "fp8_gemv_chain", "device": name,
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "commit": commit_id(), "command": " ".join(["python"] + sys.argv), "layers": LAYERS,
-              "group": GROUP, "weight_bytes": weight_bytes, "results": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"fp8_gemv_chain-{device_tag(name)}.json"
-    path.write_text(json.dumps(report, indent=2))
-    print("wrote", path)
+    write_result(args.out, "fp8_gemv_chain", torch.cuda.get_device_name(),
+                 {"layers": LAYERS, "group": GROUP, "weight_bytes": weight_bytes, "variants": rows})
 
 
 if __name__ == "__main__":
