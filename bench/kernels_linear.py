@@ -1,5 +1,5 @@
 """Skinny GEMM (kernels/linear.py) against F.linear (cuBLAS) on the dense projections of
-Qwen3.5-0.8B and Qwen3.5-9B at decode/verify batch sizes, and both against the copy-bandwidth
+Qwen3.5-0.8B, -9B and -35B-A3B at decode/verify batch sizes, and both against the copy-bandwidth
 roofline, on one GPU. bf16, random weights.
 
     source bench/tools/device_setup.sh && python3 bench/kernels_linear.py --sweep --out $OUT
@@ -56,6 +56,9 @@ MAX_COPIES = 64
 MODELS = {
     "0.8b": dict(hidden=1024, key_heads=16, value_heads=16, heads=8, kv_heads=2, intermediate=3584, layers=24),
     "9b": dict(hidden=4096, key_heads=16, value_heads=32, heads=16, kv_heads=4, intermediate=12288, layers=32),
+    # Qwen3.5-35B-A3B's dense projections (its MLP here: the shared expert; the routed experts are
+    # kernels/moe.py's)
+    "35b-a3b": dict(hidden=2048, key_heads=16, value_heads=32, heads=16, kv_heads=2, intermediate=512, layers=40),
 }
 
 
