@@ -223,12 +223,15 @@ def test_fused_activation_quantizer_changes_no_logit(checkpoint, monkeypatch, ke
 @pytest.mark.gpu
 def test_fused_activation_quantizer_on_gpu(checkpoint, monkeypatch):
     """The GPU kernels at the published group (128) with 128-column GDN heads, in bf16 with the
-    CUDA graphs: logits and greedy speculative tokens of the fused model equal the unfused one's
-    bit for bit."""
+    decode and speculative CUDA graphs: logits and greedy speculative tokens of the fused model
+    equal the unfused one's bit for bit. Prefill graphs off: which buckets an engine captures
+    depends on its start-up timings (prefill_graphs.py), and a prefill padded to a bucket rounds
+    otherwise than the eager one (other tiles), so on a busy GPU two engines' first tokens could
+    differ for that alone (2 of 8 runs sharing one H200 with seven others)."""
     path = checkpoint("qwen3_5", fp8=True, mtp_copy_of_last_layer=True, **{**GPU_SHAPE, "linear_value_head_dim": 128})
     tokens = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     (logits, generated, widths), (expected_logits, expected, _) = fused_and_unfused(
-        path, monkeypatch, "quantize_groups", tokens, 32, device="cuda", dtype="bfloat16")
+        path, monkeypatch, "quantize_groups", tokens, 32, device="cuda", dtype="bfloat16", enable_prefill_graphs=False)
     assert torch.equal(logits, expected_logits) and generated == expected
     assert widths == {4 * 32}
 
