@@ -44,6 +44,11 @@
 # ttft    : bench/tools/ttft_trace.py (first-token time by part, in-process) and `deltaspec bench
 #           serve --unique-prompts --no-in-process` (every prefill cold) at 16 and 64 streams (#33)
 # sanitize: bench/tools/sanitize.sh, compute-sanitizer over the kernels and one engine run (#33)
+# crowded : one GPU test (CROWDED_TEST, a pytest node id) in 8 copies at once, each with an eighth
+#           of the device, for this tree and, with AB_BASE (a tree with its tests: git archive
+#           <commit> engine spec kernels server tests pyproject.toml), the baseline: a test that
+#           passes alone and fails among the shards (timing-dependent start-up choices, races)
+#           shows here
 # fusion  : bench/kernels_block_fusion.py (a step's projections and block ops, separate against
 #           fused into the skinny GEMM's epilogue, and each fusion's cost per projection), then
 #           profile_step at batches 1, 8, 32 with k = 3 verifies (#32)
@@ -225,8 +230,18 @@ for part in ${parts//,/ }; do
         --duration 10 --max-tokens 256 --unique-prompts --no-in-process --out "$out/unique" 2>&1 | tail -4 ;;
   sanitize)
     OUT="$out" timeout 540 bash bench/tools/sanitize.sh 2>&1 | tail -12 ;;
+  crowded)
+    test="${CROWDED_TEST:?CROWDED_TEST: a pytest node id}"
+    for tree in new ${AB_BASE:+base}; do
+        prefix=""; [[ $tree == base ]] && prefix="bash bench/tools/ab.sh $AB_BASE"
+        mkdir -p "$out/crowded_$tree"
+        seq 1 8 | DELTASPEC_TEST_GPU_SHARDS=8 xargs -P 8 -I{} sh -c \
+            "timeout 240 $prefix python -m pytest -q -m gpu -p no:cacheprovider $test > $out/crowded_$tree/{}.log 2>&1"
+        echo "$tree: $(grep -l ' passed' "$out/crowded_$tree"/*.log | wc -l) of 8 passed"
+        grep -h -E "^E .*(diff|assert)" "$out/crowded_$tree"/*.log | sort | uniq -c | head -5
+    done ;;
   *)
-    echo "unknown part $part (tests, kernels, engine, floor, fusion, spec, spec9b, spec35b, specab, serve, specserve, stephost, servedab, hostsplit, sampling, fp8, fp8ab, abuse, ttftbar, ttft, sanitize)"; exit 2 ;;
+    echo "unknown part $part (tests, kernels, engine, floor, fusion, spec, spec9b, spec35b, specab, serve, specserve, stephost, servedab, hostsplit, sampling, fp8, fp8ab, abuse, ttftbar, ttft, sanitize, crowded)"; exit 2 ;;
   esac
 done
 if [[ "${SAVE_TRITON_CACHE:-0}" == 1 ]]; then OUT="$out" bash bench/tools/save_triton_cache.sh; fi
