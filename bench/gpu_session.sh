@@ -70,6 +70,12 @@ parts="${1:-all}"
 out="${OUT:-bench/results}"
 mkdir -p "$out" && out="$(cd "$out" && pwd)"  # absolute: some parts run in another tree (ab.sh)
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+# in_tree TREE COMMAND...: COMMAND in this tree (new), or in the baseline tree AB_BASE (base), with
+# that tree's packages on the path (bench/tools/ab.sh); the A/B parts run each side through it.
+in_tree() {
+    local tree=$1; shift
+    if [[ $tree == base ]]; then bash bench/tools/ab.sh "${AB_BASE:?AB_BASE: the baseline tree}" "$@"; else "$@"; fi
+}
 for part in ${parts//,/ }; do
   echo "== $part"
   case "$part" in
@@ -110,21 +116,19 @@ for part in ${parts//,/ }; do
         | grep -E "^(0.8b|9b) M=" | tail -8
     timeout 150 python bench/profile_step.py --batches 1,8,32 --verify-drafts 3 --out "$out" 2>&1 | tail -3 ;;
   stepab)
-    base="${AB_BASE:?AB_BASE: the baseline tree}"
+    : "${AB_BASE:?AB_BASE: the baseline tree}"  # before the new side runs
     for tree in new base; do
-        prefix=(); [[ $tree == base ]] && prefix=(bash bench/tools/ab.sh "$base")
         mkdir -p "$out/$tree/9b"
-        timeout 150 "${prefix[@]}" python "$(pwd)/bench/profile_step.py" --batches "${AB_PROFILE_BATCHES:-1,8,32,64}" \
+        in_tree "$tree" timeout 150 python "$(pwd)/bench/profile_step.py" --batches "${AB_PROFILE_BATCHES:-1,8,32,64}" \
             --verify-drafts 3 --draft-vocab 32768 --out "$out/$tree" 2>&1 | grep -E "graph" | sed "s/^/$tree /"
-        timeout 150 "${prefix[@]}" python "$(pwd)/bench/spec_step.py" --batches 1 --max-draft 3 --out "$out/$tree" 2>&1 \
+        in_tree "$tree" timeout 150 python "$(pwd)/bench/spec_step.py" --batches 1 --max-draft 3 --out "$out/$tree" 2>&1 \
             | tail -4 | sed "s/^/$tree /"
     done
     for tree in new base; do
-        prefix=(); [[ $tree == base ]] && prefix=(bash bench/tools/ab.sh "$base")
-        timeout 150 "${prefix[@]}" python "$(pwd)/bench/engine_throughput.py" --shapes 0.8b \
+        in_tree "$tree" timeout 150 python "$(pwd)/bench/engine_throughput.py" --shapes 0.8b \
             --batches "${AB_ENGINE_BATCHES:-1,16,64}" --out "$out/$tree" 2>&1 \
             | grep -E '"(tokens_per_s|share_of_roofline)"' | sed "s/^/$tree 0.8b /"
-        [[ "${AB_9B:-1}" == 0 ]] || timeout 150 "${prefix[@]}" python "$(pwd)/bench/engine_throughput.py" --shapes 9b \
+        [[ "${AB_9B:-1}" == 0 ]] || in_tree "$tree" timeout 150 python "$(pwd)/bench/engine_throughput.py" --shapes 9b \
             --batches 1 --out "$out/$tree/9b" 2>&1 | grep -E '"(tokens_per_s|share_of_roofline)"' | sed "s/^/$tree 9b /"
     done ;;
   spec)
@@ -139,11 +143,10 @@ for part in ${parts//,/ }; do
     timeout 560 python bench/spec_e2e.py --shapes 35b-a3b --batches "$batches" --out "$out" 2>&1 \
         | grep -E "k=3|adaptive" | tail -8 ;;
   specab)
-    base="${AB_BASE:?AB_BASE: the baseline tree}"
+    : "${AB_BASE:?AB_BASE: the baseline tree}"  # before the new side runs
     for tree in new base; do
-        prefix=(); [[ $tree == base ]] && prefix=(bash bench/tools/ab.sh "$base")
         mkdir -p "$out/$tree"
-        timeout 270 "${prefix[@]}" python "$(pwd)/bench/spec_e2e.py" --shapes "${AB_SHAPES:-9b}" --batches "${AB_BATCHES:-1,16}" \
+        in_tree "$tree" timeout 270 python "$(pwd)/bench/spec_e2e.py" --shapes "${AB_SHAPES:-9b}" --batches "${AB_BATCHES:-1,16}" \
             --fixed 3 --profiles shipped --temperatures 0 --out "$out/$tree" 2>&1 | grep -E "k=3|adaptive" | sed "s/^/$tree /"
     done ;;
   serve)
@@ -205,12 +208,11 @@ for part in ${parts//,/ }; do
   fp8ab)
     # #30: the FP8 one-row chain (tiles), then the FP8 9B engine at batch 1 with its bf16 twin,
     # this tree and AB_BASE alternating, and its profile.
-    base="${AB_BASE:?AB_BASE: the baseline tree}"
+    : "${AB_BASE:?AB_BASE: the baseline tree}"  # before the new side runs
     timeout 150 python bench/tools/fp8_gemv_chain.py --out "$out" 2>&1 | grep -E "fp8_gemv_config"
     for tree in new base new; do
-        prefix=(); [[ $tree == base ]] && prefix=(bash bench/tools/ab.sh "$base")
         mkdir -p "$out/$tree"
-        timeout 150 "${prefix[@]}" python "$(pwd)/bench/engine_throughput.py" --quantization fp8 --shapes 9b \
+        in_tree "$tree" timeout 150 python "$(pwd)/bench/engine_throughput.py" --quantization fp8 --shapes 9b \
             --batches 1 --out "$out/$tree" 2>&1 | grep -E 'FP8 / bf16|"step_ms"' | sed "s/^/$tree /"
     done
     timeout 120 python bench/profile_step.py --shape 9b --quantization fp8 --batches 1 --verify-drafts 0 \

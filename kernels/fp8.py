@@ -47,11 +47,10 @@ import triton.language as tl
 
 from .activation import silu_and_mul_reference
 from .arrivals import arrival_counters, last_to_arrive, reset_arrivals
-from .conv1d import (ConvDecode, causal_conv1d_decode, causal_conv1d_decode_reference, check_conv_decode_args,
-                     decode_tile_constants)
+from .conv1d import ConvDecode, causal_conv1d_decode, causal_conv1d_decode_reference, check_conv_decode_args
 from .device import INTERPRETED, num_sms
 from .launch import dependent_prologue, pdl
-from .linear import conv_arguments, conv_epilogue, conv_shape, gemv_config, split_k_for
+from .linear import conv_arguments, conv_constants, conv_epilogue, conv_shape, gemv_config, split_k_for
 from .moe import block_rows, by_expert_reference, grouped_config, sort_pairs, store_weighted_pairs, sum_slots
 from .quantize import (FP8, FP8_MAX, SCALE_FLOOR, Activation, QuantizedActivation, activation_values,
                        quantize_groups, quantize_groups_reference, quantize_tile, quantized_groups)
@@ -323,11 +322,10 @@ def launch_fp8_gemv(y: torch.Tensor, x: Activation, weight: torch.Tensor, weight
         x_fp8, x_scale = quantized_groups(x, group_size, quantize_groups)
     if conv is not None:
         check_conv_decode_args(y[:, :conv.weight.shape[0]], conv)
-    conv_meta = decode_tile_constants(*(conv_shape(conv) or (1, 2, 0, True)))  # without CONV: placeholders
     _fp8_gemv_kernel[(triton.cdiv(num_features, config.block_n),)](
         values, x_fp8, x_scale, weight, weight_scale, y, num_features, num_columns, weight_scale.shape[1],
         *conv_arguments(y, conv), BLOCK_N=config.block_n, GROUPS=config.block_k // group_size,
-        GROUP=group_size, QUANTIZE=quantize, CONV=conv is not None, **conv_meta, num_warps=config.num_warps,
+        GROUP=group_size, QUANTIZE=quantize, **conv_constants(conv_shape(conv)), num_warps=config.num_warps,
         **pdl(y.device))
 
 

@@ -500,8 +500,7 @@ def _check_plan(x_shape: torch.Size, weight_shape: torch.Size, y_shape: torch.Si
     assert 0 < num_rows <= MAX_ROWS, f"linear kernel takes 1..{MAX_ROWS} rows, got {num_rows}"
     assert conv is None or not (glu or residual), "linear: conv fuses with neither glu nor residual"
     assert conv is None or conv[0] <= out_features, "linear: conv channels past y's columns"
-    conv_meta = decode_tile_constants(*(conv or (1, 2, 0, True)))  # without CONV: placeholders
-    return dict(GLU=glu, RESIDUAL=residual, CONV=conv is not None, **conv_meta)
+    return dict(GLU=glu, RESIDUAL=residual, **conv_constants(conv))
 
 
 def _grid_n(out_features: int, config: TileConfig, glu: bool) -> int:
@@ -605,6 +604,12 @@ def conv_arguments(y: torch.Tensor, conv: ConvDecode | None) -> tuple:
 def conv_shape(conv: ConvDecode | None) -> tuple | None:
     """What a launch plan keys on of a conv: (channels, taps, pending columns P, commit)."""
     return None if conv is None else (*conv.weight.shape, conv.pending_conv.shape[1], conv.commit)
+
+
+def conv_constants(shape: tuple | None) -> dict:
+    """The conv epilogue's compile-time arguments for a conv of this conv_shape: CONV and
+    conv_decode_tile's (placeholders without a conv, which the kernel never reads)."""
+    return dict(CONV=shape is not None, **decode_tile_constants(*(shape or (1, 2, 0, True))))
 
 
 @cache
