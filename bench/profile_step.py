@@ -11,7 +11,7 @@ each batch (the MTP layer, the head over N token ids and the argmax: what the ru
 draft depth, as spec_step.py times it; N = the vocabulary size scores all of it).
 
     python bench/profile_step.py [--shape 0.8b|9b] [--quantization fp8] [--batches 1,64] [--verify-drafts 3]
-                                 [--draft-vocab 32768]
+                                 [--draft-vocab 32768] [--timeline]
 
 Writes bench/results/profile[_<shape>][_fp8]-<gpu>.json (no suffix for the 0.8b shape in bf16) and prints
 the top kernels per step.
@@ -37,9 +37,10 @@ from deltaspec.engine.state_pool import KVPool, StatePool  # noqa: E402
 PROFILED_STEPS = 5
 
 
-def kernel_table(step, steps: int) -> tuple[list[dict], int, float]:
-    """(kernels grouped by name, kernel launches per step, idle device µs per step) of `steps`
-    replays of step's CUDA graph. Per kernel: its device µs per step (`us_per_step`: a PDL
+def kernel_table(step, steps: int) -> tuple[list[dict], int, float, list[dict]]:
+    """(kernels grouped by name, kernel launches per step, idle device µs per step, the step's
+    launches in device order with each one's critical-path µs averaged over the replays) of
+    `steps` replays of step's CUDA graph. Per kernel: its device µs per step (`us_per_step`: a PDL
     kernel's includes the wait for its predecessor that overlaps it) and its share of the
     step's critical path (`critical_us_per_step`: in device order, each launch counts from the
     later of its start and the end of the kernels before it to its end, so the column sums,
@@ -57,31 +58,39 @@ def kernel_table(step, steps: int) -> tuple[list[dict], int, float]:
     events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                     key=lambda e: e.time_range.start)
     busy_until, idle = (events[0].time_range.start if events else 0.0), 0.0
+    on_path = []  # each launch's share of the critical path, in device order
     for event in events:
         start, end = event.time_range.start, event.time_range.end
         totals[event.name] += event.device_time
         counts[event.name] += 1
         idle += max(0.0, start - busy_until)
-        critical[event.name] += max(0.0, end - max(start, busy_until))
+        on_path.append(max(0.0, end - max(start, busy_until)))
+        critical[event.name] += on_path[-1]
         busy_until = max(busy_until, end)
     rows = [{"kernel": name[:120], "us_per_step": t / steps, "critical_us_per_step": critical[name] / steps,
              "launches_per_step": counts[name] / steps}
             for name, t in sorted(totals.items(), key=lambda kv: -critical[kv[0]])]
-    return rows, sum(counts.values()) // steps, idle / steps
+    launches = len(events) // steps
+    # Every replay runs the same launches in the same order: launch i of a step is events[s * launches + i].
+    timeline = [{"kernel": events[i].name[:60],
+                 "critical_us": sum(on_path[s * launches + i] for s in range(steps)) / steps}
+                for i in range(launches)] if len(events) == launches * steps else []
+    return rows, launches, idle / steps, timeline
 
 
-def profiled(step, batch: int, tokens: int, kind: str) -> dict:
-    """The graph replay time and kernel table of step(), already warmed up."""
+def profiled(step, batch: int, tokens: int, kind: str, timeline: bool) -> dict:
+    """The graph replay time and kernel table of step(), already warmed up (with `timeline`, also
+    its launches one by one: which projection or layer a kernel's time belongs to)."""
     graph_us = graph_time_us(lambda _: step(), GRAPH_CALLS)
-    kernels, launches, idle_us = kernel_table(step, PROFILED_STEPS)
+    kernels, launches, idle_us, launch_times = kernel_table(step, PROFILED_STEPS)
     kernel_us = sum(k["us_per_step"] for k in kernels)
     return {"step": kind, "batch": batch, "tokens_per_row": tokens, "graph_replay_us": graph_us,
             "kernel_sum_us": kernel_us, "critical_sum_us": sum(k["critical_us_per_step"] for k in kernels),
             "idle_us": idle_us, "launches_per_step": launches, "graph_overhead_us": graph_us - kernel_us,
-            "kernels": kernels[:40]}
+            "kernels": kernels[:40], **({"timeline": launch_times} if timeline else {})}
 
 
-def measure(model, batch: int, num_drafts: int) -> dict:
+def measure(model, batch: int, num_drafts: int, timeline: bool = False) -> dict:
     config, dtype, device = model.config, torch.bfloat16, "cuda"
     blocks_per_row = (CONTEXT + num_drafts + 1) // BLOCK + 1
     states = StatePool(config, batch + 1, num_drafts, dtype, device, keep_mtp_hidden=num_drafts > 0)
@@ -103,10 +112,10 @@ def measure(model, batch: int, num_drafts: int) -> dict:
 
         for _ in range(3):
             step()
-        return profiled(step, batch, tokens, "verify" if num_drafts else "decode")
+        return profiled(step, batch, tokens, "verify" if num_drafts else "decode", timeline)
 
 
-def measure_draft(model, batch: int, draft_vocab: int) -> dict:
+def measure_draft(model, batch: int, draft_vocab: int, timeline: bool = False) -> dict:
     """One MTP draft step of `batch` rows over a 512-token context, scoring draft_vocab ids."""
     config, dtype, device = model.config, torch.bfloat16, "cuda"
     blocks_per_row = (CONTEXT + 1) // BLOCK + 1
@@ -126,7 +135,7 @@ def measure_draft(model, batch: int, draft_vocab: int) -> dict:
 
         for _ in range(3):
             step()
-        result = profiled(step, batch, 1, f"draft ({draft_vocab} ids)")
+        result = profiled(step, batch, 1, f"draft ({draft_vocab} ids)", timeline)
     model.use_draft_vocab(None)
     return result
 
@@ -140,6 +149,8 @@ def main() -> None:
                         help="also profile the MTP draft step scoring this many token ids (0: no)")
     parser.add_argument("--quantization", choices=["fp8"], default=None,
                         help="the shape's block-FP8 twin (weights drawn in place)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="also record each step's launches one by one, with their critical-path µs")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     model = random_model(args.shape, "cuda", torch.bfloat16, args.quantization)
@@ -147,9 +158,9 @@ def main() -> None:
     results = []
     for batch in (int(b) for b in args.batches.split(",")):
         for drafts in sorted({0, args.verify_drafts}):
-            results.append(measure(model, batch, drafts))
+            results.append(measure(model, batch, drafts, args.timeline))
         if args.draft_vocab:
-            results.append(measure_draft(model, batch, args.draft_vocab))
+            results.append(measure_draft(model, batch, args.draft_vocab, args.timeline))
     report = {"benchmark": "profile_step", "device": name, "shape": args.shape, "dtype": "bfloat16",
               "quantization": args.quantization,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
