@@ -101,8 +101,9 @@ class SamplingParams:
             problems.append(f"top_k must be an int in -1..{MAX_TOP_K} (-1 or 0: off), got {self.top_k!r}")
         if self.min_p is not None and not 0 <= self.min_p <= 1:
             problems.append(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
-            problems.append(f"seed must be an int in 0..2**63 - 1, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -2**63 <= self.seed < 2**63):
+            problems.append(f"seed must be an int in -2**63..2**63 - 1 (the sampler's int64), got {self.seed!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= self.MAX_LOGPROBS):
             problems.append(f"logprobs must be an int in 0..{self.MAX_LOGPROBS}, got {self.logprobs!r}")
@@ -140,13 +141,14 @@ class SamplingParams:
     def for_choices(self, n: int) -> list[SamplingParams]:
         """The params of choices 0..n-1 of one prompt (n > 1): choice i samples with seed + i
         (from a random base when seed is unset), as vLLM does, so each choice is reproducible as a
-        single request with that seed. Seeds wrap below 2**63 (the sampler's int64)."""
+        single request with that seed. Seeds wrap around the sampler's int64 (2**63 - 1 + 1 is
+        -2**63), as its two's-complement sum would."""
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"n must be an int >= 1, got {n!r}")
         if n == 1:
             return [self]
         base = self.seed if self.seed is not None else random.getrandbits(63)
-        return [dataclasses.replace(self, seed=(base + i) % 2**63) for i in range(n)]
+        return [dataclasses.replace(self, seed=(base + i + 2**63) % 2**64 - 2**63) for i in range(n)]
 
     @property
     def greedy(self) -> bool:

@@ -19,7 +19,8 @@ import msgspec
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 TokenId = Annotated[int, msgspec.Meta(ge=0)]
-Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+# Any int64, as vLLM and OpenAI take it (clients send -1 too): the sampler hashes all 64 bits.
+Seed = Annotated[int, msgspec.Meta(ge=-2**63, le=2**63 - 1)]
 
 
 # Requests -----------------------------------------------------------------------------------

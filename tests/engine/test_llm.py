@@ -1,5 +1,6 @@
 """The embedded API: generate() results, stop conditions, seeded sampling, input validation."""
 
+import dataclasses
 import json
 import shutil
 from functools import lru_cache
@@ -74,6 +75,17 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
     assert llm.generate("Hello, world", different_seed)[0].token_ids != alone
 
 
+def test_negative_seeds_sample_reproducibly(llm):
+    """Any int64 seed (clients send -1, as vLLM and OpenAI take it): reproducible, and not the
+    stream of its absolute value; n choices count up from it through the int64 wrap."""
+    params = SamplingParams(max_tokens=20, temperature=0.9, seed=-1, ignore_eos=True)
+    first = llm.generate("Hello, world", params)[0].token_ids
+    assert llm.generate("Hello, world", params)[0].token_ids == first
+    assert llm.generate("Hello, world", dataclasses.replace(params, seed=1))[0].token_ids != first
+    assert [p.seed for p in dataclasses.replace(params, seed=2**63 - 2).for_choices(3)] == [2**63 - 2, 2**63 - 1, -2**63]
+    assert [p.seed for p in params.for_choices(2)] == [-1, 0]
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": -3}, "max_tokens"),
@@ -82,7 +94,9 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
     ({"top_p": 1.5}, "top_p"),
     ({"top_k": -2}, "top_k"),
     ({"min_p": 2.0}, "min_p"),
-    ({"seed": -1}, "seed"),
+    ({"seed": 2**63}, "seed"),
+    ({"seed": -2**63 - 1}, "seed"),
+    ({"seed": True}, "seed"),
     ({"stop": [""]}, "stop"),
 ])
 def test_invalid_sampling_params(kwargs, message):

@@ -313,7 +313,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature", ">= 0"),
     ("/v1/completions", {"prompt": "hi", "top_p": 2}, 400, "top_p", "<= 1"),
     ("/v1/completions", {"prompt": "hi", "top_k": -2}, 400, "top_k", ">= -1"),
-    ("/v1/completions", {"prompt": "hi", "seed": -1}, 400, "seed", ">= 0"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**63}, 400, "seed", "<= 9223372036854775807"),
     ("/v1/completions", {"prompt": "hi", "stop": 3}, 400, "stop", "str"),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream", "bool"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt", "missing"),
