@@ -62,6 +62,10 @@
 # kprof   : bench/tools/kernel_profile.py plain and speculative (the CUDA kernels of a served-like
 #           closed loop at 16 streams, T = 0.7, by kernel), bench/kernels_conv.py and
 #           bench/tools/gather_micro.py
+# patchab : patches not yet timed (AB_PATCHES: space-separated paths, e.g. bench/results/attempts/x.patch),
+#           each applied to a copy of this tree: the GPU tests the patch adds or changes, then
+#           profile_step at batch 1 and engine_throughput (0.8B at batch 1; 9B unless AB_9B=0) for this
+#           tree and every patched one in turn (about 5 minutes on a fresh machine for two patches)
 set -uo pipefail
 source bench/tools/device_setup.sh
 export DELTASPEC_COMMIT="${DELTASPEC_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
@@ -242,8 +246,32 @@ for part in ${parts//,/ }; do
         echo "$tree: $(grep -l ' passed' "$out/crowded_$tree"/*.log | wc -l) of 8 passed"
         grep -h -E "^E .*(diff|assert)" "$out/crowded_$tree"/*.log | sort | uniq -c | head -5
     done ;;
+  patchab)
+    trees=()
+    for patch in ${AB_PATCHES:?AB_PATCHES: the patch files}; do
+        tree="/tmp/patched/$(basename "$patch" .patch)"
+        patch_file="$(cd "$(dirname "$patch")" && pwd)/$(basename "$patch")"
+        rm -rf "$tree" && mkdir -p "$tree" && cp -r engine spec kernels server tests docs pyproject.toml "$tree"/
+        # git apply works outside a repository; patch(1) where the image has no git
+        (cd "$tree" && { git apply -p1 "$patch_file" 2>/dev/null || patch -s -p1 < "$patch_file"; }) \
+            || { echo "$patch does not apply"; exit 1; }
+        trees+=("$tree")
+        tests=$(grep -E '^\+\+\+ b/tests/.*test_.*\.py' "$patch_file" | sed 's|^+++ b/||' | sort -u)
+        [[ -z $tests ]] || bash bench/tools/ab.sh "$tree" timeout 240 python -m pytest -q -m gpu -p no:cacheprovider \
+            $tests 2>&1 | tail -3 | sed "s|^|$(basename "$tree") tests |"
+    done
+    for tree in new "${trees[@]}"; do
+        label=$([[ $tree == new ]] && echo new || basename "$tree"); mkdir -p "$out/$label/9b"
+        prefix=(); [[ $tree == new ]] || prefix=(bash bench/tools/ab.sh "$tree")
+        "${prefix[@]}" timeout 100 python "$(pwd)/bench/profile_step.py" --batches 1 --verify-drafts 0 --timeline \
+            --out "$out/$label" 2>&1 | grep graph | sed "s/^/$label /"
+        "${prefix[@]}" timeout 100 python "$(pwd)/bench/engine_throughput.py" --shapes 0.8b --batches 1 --out "$out/$label" \
+            2>&1 | grep -E '"(tokens_per_s|share_of_roofline)"' | head -2 | sed "s/^/$label 0.8b /"
+        [[ "${AB_9B:-1}" == 0 ]] || "${prefix[@]}" timeout 120 python "$(pwd)/bench/engine_throughput.py" --shapes 9b \
+            --batches 1 --out "$out/$label/9b" 2>&1 | grep -E '"(tokens_per_s|share_of_roofline)"' | head -2 | sed "s/^/$label 9b /"
+    done ;;
   *)
-    echo "unknown part $part (tests, kernels, engine, floor, fusion, spec, spec9b, spec35b, specab, serve, specserve, stephost, servedab, hostsplit, sampling, fp8, fp8ab, abuse, ttftbar, ttft, sanitize, crowded)"; exit 2 ;;
+    echo "unknown part $part (tests, kernels, engine, floor, fusion, spec, spec9b, spec35b, specab, serve, specserve, stephost, servedab, hostsplit, sampling, fp8, fp8ab, abuse, ttftbar, ttft, sanitize, crowded, patchab)"; exit 2 ;;
   esac
 done
 if [[ "${SAVE_TRITON_CACHE:-0}" == 1 ]]; then OUT="$out" bash bench/tools/save_triton_cache.sh; fi
