@@ -65,7 +65,8 @@
 # patchab : patches not yet timed (AB_PATCHES: space-separated paths, e.g. bench/results/attempts/x.patch),
 #           each applied to a copy of this tree: the GPU tests the patch adds or changes, then
 #           profile_step at batch 1 and engine_throughput (0.8B at batch 1; 9B unless AB_9B=0) for this
-#           tree and every patched one in turn (about 5 minutes on a fresh machine for two patches)
+#           tree and every patched one in turn (about 2 minutes a tree with the 9B, 1 without, and a
+#           minute of GPU tests a patch: three patches pass one call's 10 minutes, so split them)
 set -uo pipefail
 source bench/tools/device_setup.sh
 export DELTASPEC_COMMIT="${DELTASPEC_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
