@@ -75,11 +75,16 @@ parts="${1:-all}"
 out="${OUT:-bench/results}"
 mkdir -p "$out" && out="$(cd "$out" && pwd)"  # absolute: some parts run in another tree (ab.sh)
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-# in_tree TREE COMMAND...: COMMAND in this tree (new), or in the baseline tree AB_BASE (base), with
-# that tree's packages on the path (bench/tools/ab.sh); the A/B parts run each side through it.
+# in_tree TREE COMMAND...: COMMAND in this tree (new), in the baseline tree AB_BASE (base) or in the
+# tree at the path TREE, with that tree's packages on the path (bench/tools/ab.sh); the A/B parts
+# run each side through it.
 in_tree() {
     local tree=$1; shift
-    if [[ $tree == base ]]; then bash bench/tools/ab.sh "${AB_BASE:?AB_BASE: the baseline tree}" "$@"; else "$@"; fi
+    case $tree in
+        new) "$@" ;;
+        base) bash bench/tools/ab.sh "${AB_BASE:?AB_BASE: the baseline tree}" "$@" ;;
+        *) bash bench/tools/ab.sh "$tree" "$@" ;;
+    esac
 }
 for part in ${parts//,/ }; do
   echo "== $part"
@@ -258,17 +263,16 @@ for part in ${parts//,/ }; do
             || { echo "$patch does not apply"; exit 1; }
         trees+=("$tree")
         tests=$(grep -E '^\+\+\+ b/tests/.*test_.*\.py' "$patch_file" | sed 's|^+++ b/||' | sort -u)
-        [[ -z $tests ]] || bash bench/tools/ab.sh "$tree" timeout 240 python -m pytest -q -m gpu -p no:cacheprovider \
-            $tests 2>&1 | tail -3 | sed "s|^|$(basename "$tree") tests |"
+        [[ -z $tests ]] || in_tree "$tree" timeout 240 python -m pytest -q -m gpu -p no:cacheprovider $tests 2>&1 \
+            | tail -3 | sed "s|^|$(basename "$tree") tests |"
     done
     for tree in new "${trees[@]}"; do
-        label=$([[ $tree == new ]] && echo new || basename "$tree"); mkdir -p "$out/$label/9b"
-        prefix=(); [[ $tree == new ]] || prefix=(bash bench/tools/ab.sh "$tree")
-        "${prefix[@]}" timeout 100 python "$(pwd)/bench/profile_step.py" --batches 1 --verify-drafts 0 --timeline \
+        label=$(basename "$tree"); mkdir -p "$out/$label/9b"
+        in_tree "$tree" timeout 100 python "$(pwd)/bench/profile_step.py" --batches 1 --verify-drafts 0 --timeline \
             --out "$out/$label" 2>&1 | grep graph | sed "s/^/$label /"
-        "${prefix[@]}" timeout 100 python "$(pwd)/bench/engine_throughput.py" --shapes 0.8b --batches 1 --out "$out/$label" \
+        in_tree "$tree" timeout 100 python "$(pwd)/bench/engine_throughput.py" --shapes 0.8b --batches 1 --out "$out/$label" \
             2>&1 | grep -E '"(tokens_per_s|share_of_roofline)"' | head -2 | sed "s/^/$label 0.8b /"
-        [[ "${AB_9B:-1}" == 0 ]] || "${prefix[@]}" timeout 120 python "$(pwd)/bench/engine_throughput.py" --shapes 9b \
+        [[ "${AB_9B:-1}" == 0 ]] || in_tree "$tree" timeout 120 python "$(pwd)/bench/engine_throughput.py" --shapes 9b \
             --batches 1 --out "$out/$label/9b" 2>&1 | grep -E '"(tokens_per_s|share_of_roofline)"' | head -2 | sed "s/^/$label 9b /"
     done ;;
   *)
