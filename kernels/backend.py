@@ -18,6 +18,7 @@ from .activation import silu_and_mul_reference
 from .attention import paged_attention_reference
 from .conv1d import causal_conv1d_decode_reference, causal_conv1d_prefill_reference
 from .decode_metadata import decode_metadata_reference
+from .embedding import embedding_reference
 from .fp8 import fp8_linear_reference, fp8_moe_experts_reference
 from .gdn_chunked import gdn_chunked_reference
 from .gdn_decode import gdn_decode_reference
@@ -39,6 +40,7 @@ class Ops:
     (the references only compose them)."""
     name: str
     linear: Callable
+    embedding: Callable
     fp8_linear: Callable
     rms_norm: Callable
     gated_rms_norm: Callable
@@ -65,6 +67,7 @@ class Ops:
 REFERENCE_OPS = Ops(
     name="torch",
     linear=linear_reference,
+    embedding=embedding_reference,
     fp8_linear=fp8_linear_reference,
     rms_norm=rms_norm_reference,
     gated_rms_norm=gated_rms_norm_reference,
@@ -92,13 +95,14 @@ REFERENCE_OPS = Ops(
 def triton_ops() -> Ops:
     """The GPU table: Triton kernels where they exist; the remaining entries are the (batched,
     device-agnostic) torch references, listed here so the mix is visible in one place."""
-    from . import activation, attention, conv1d, decode_metadata, fp8, gdn_chunked, gdn_decode, greedy, linear, moe, norms, \
-        penalties, rope, sampling, token_bitmask
+    from . import activation, attention, conv1d, decode_metadata, embedding, fp8, gdn_chunked, gdn_decode, greedy, linear, \
+        moe, norms, penalties, rope, sampling, token_bitmask
 
     return replace(
         REFERENCE_OPS,
         name="triton",
         linear=linear.linear,
+        embedding=embedding.embedding,
         fp8_linear=fp8.fp8_linear,
         rms_norm=norms.rms_norm,
         gated_rms_norm=norms.gated_rms_norm,

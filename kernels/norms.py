@@ -159,13 +159,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual:
                                         residual.stride(0) if residual is not None else 0, eps, H=hidden, BH=block,
                                         HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None,
                                         GROUP=quantize_group, GROUP_TILE=min(block, quantize_group),
-                                        num_warps=_row_warps(block), **pdl(x.device))
+                                        num_warps=row_warps(block), **pdl(x.device))
     if quantize_group:
         return QuantizedActivation(out, out_fp8, out_scale, quantize_group), new_residual
     return out, new_residual
 
 
-def _row_warps(block: int) -> int:
+def row_warps(block: int) -> int:
     """Warps of a program that normalises rows of `block` (padded) columns: one per 512."""
     return min(16, max(1, block // 512))
 
@@ -218,7 +218,7 @@ def mtp_input(input_ids: torch.Tensor, embed_weight: torch.Tensor, hidden: torch
         block = triton.next_power_of_2(width)
         _mtp_input_kernel[(num_tokens,)](input_ids, embed_weight, hidden, embed_norm_weight, hidden_norm_weight, out,
                                          input_ids.stride(0), hidden.stride(0), eps, H=width, BH=block,
-                                         num_warps=_row_warps(block), **pdl(hidden.device))
+                                         num_warps=row_warps(block), **pdl(hidden.device))
     return out
 
 

@@ -112,9 +112,7 @@ class HybridLM(nn.Module):
         """Token ids [T] -> embeddings [T, H] (vocabulary-parallel under tensor parallelism)."""
         if self.tp is not None:
             return self.tp.embed(ids, self.embed_tokens)
-        # Indexing, not F.embedding: for up to 16 ids (a decode step) that runs CUDA's
-        # index_select, one thread loop over the ids (sampling_table.py); same rows either way.
-        return self.embed_tokens[ids]
+        return self.ops.embedding(ids, self.embed_tokens)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, V] (the model-dtype logits widened). One row on one
