@@ -261,6 +261,8 @@ class EngineCore:
                              f"{outside[:8]}")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         checkpoint = None
+        if resume_from is not None and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs needs the whole prompt computed: not with resume_from")
         if resume_from is not None:
             checkpoint = self.cache.session(resume_from)
             token_ids = list(resume_from.token_ids) + token_ids

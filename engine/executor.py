@@ -67,7 +67,7 @@ class RowRequest(msgspec.Struct, frozen=True, gc=False):
     """What the device side reads of a row's request (Sampler, Penalties, the MTP inputs):
     its parameters and seed, and of its tokens the window [tokens_start, tokens_start +
     len(tokens)) the row's MTP catch-up reads, or all of them for a penalized request (its
-    statistics are built from them)."""
+    statistics are built from them), widened to the prompt tokens its prompt_logprob_span scores."""
 
     request_id: str
     params: SamplingParams
@@ -86,6 +86,9 @@ class RowRequest(msgspec.Struct, frozen=True, gc=False):
             start, end = 0, request.num_tokens
         else:
             start, end = row.mtp_start + 1, max(row.mtp_start + 1, row.mtp_end + 1)
+            first, last = row.prompt_logprob_span
+            if first < last:
+                start, end = min(start, first + 1), max(end, last + 1)
         return cls(request.request_id, request.params, request.seed, request.stop_token_ids,
                    request.bad_words_token_ids, len(request.prompt_token_ids), start, request.token_ids(start, end))
 

@@ -47,11 +47,17 @@ class RequestStatus(enum.Enum):
 
 
 class TokenLogprobs(NamedTuple):
-    """Log-probability of an emitted token under the model's raw distribution, and the most
-    likely tokens there (as many as the request asked for)."""
+    """Log-probability of a token (emitted, or of the prompt) under the model's raw distribution
+    at its position, the most likely tokens there (as many as the request asked for), and its
+    rank: 1 + the number of tokens more likely than it (vLLM's)."""
 
     logprob: float
     top: list[tuple[int, float]]
+    rank: int
+
+    def top_n(self, n: int) -> TokenLogprobs:
+        """This entry with its n most likely tokens."""
+        return self if len(self.top) <= n else self._replace(top=self.top[:n])
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,9 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     # Speculation counters of this request (SpecStats.as_dict without times; None: no verify step).
     spec_stats: dict | None = None
+    # One per prompt token when the request asked for them (SamplingParams.prompt_logprobs); the
+    # first is None: no token comes before it.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class RequestDelta(msgspec.Struct, frozen=True, gc=False):
@@ -79,6 +88,8 @@ class RequestDelta(msgspec.Struct, frozen=True, gc=False):
     finish_reason: str | None
     logprobs: list[TokenLogprobs] | None = None  # one per token when the request asked for them
     spec_stats: dict | None = None  # on the last delta, as RequestOutput.spec_stats
+    # As RequestOutput.prompt_logprobs, all at once, on the first delta after the prompt is computed.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(eq=False)
@@ -96,6 +107,9 @@ class Request:
     grammar: Matcher | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # The prompt's log-probabilities computed so far, when asked for (SamplingParams.prompt_logprobs):
+    # entry i scores prompt token i, given by the logits at position i - 1; entry 0 is None.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     # Prompt + output tokens: a count kept as tokens are appended (read many times per step).
     num_tokens: int = field(init=False)
     text: str = ""
@@ -128,6 +142,7 @@ class Request:
     _num_detokenized: int = 0  # output tokens the detokenizer has (their text is in `text`)
     _emitted_tokens: int = 0
     _emitted_chars: int = 0
+    _prompt_logprobs_sent: bool = False
 
     @classmethod
     def create(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
@@ -141,6 +156,29 @@ class Request:
 
     def __post_init__(self) -> None:
         self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def restorable(self) -> int:
+        """The longest prefix of its tokens a restore may skip: all of them, unless prompt
+        log-probabilities are still to be computed, whose positions must run (from
+        len(prompt_logprobs) - 1 on)."""
+        pending = self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+        return len(self.prompt_logprobs) - 1 if pending else self.num_tokens
+
+    def prompt_logprob_span(self, start: int, end: int) -> tuple[int, int]:
+        """The positions of [start, end) whose next prompt token is still to be scored (empty:
+        (0, 0))."""
+        if self.prompt_logprobs is None:
+            return 0, 0
+        first, last = max(start, len(self.prompt_logprobs) - 1), min(end, len(self.prompt_token_ids) - 1)
+        return (first, last) if first < last else (0, 0)
+
+    def add_prompt_logprobs(self, start: int, entries: list[TokenLogprobs]) -> None:
+        """The scores of the prompt tokens after positions start.. (`prompt_logprob_span`), in order."""
+        assert len(self.prompt_logprobs) == start + 1, "prompt log-probabilities are added in position order"
+        self.prompt_logprobs += entries
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output."""
@@ -253,10 +291,14 @@ class Request:
         safe_chars = len(text)
         if not finished and params.stop:
             safe_chars = max(emitted_chars, safe_chars - params.longest_stop + 1)
+        prompt_logprobs = None
+        if self.prompt_logprobs is not None and not self._prompt_logprobs_sent \
+                and len(self.prompt_logprobs) == len(self.prompt_token_ids):
+            prompt_logprobs, self._prompt_logprobs_sent = list(self.prompt_logprobs), True
         delta = RequestDelta(self.request_id, self.output_token_ids[emitted_tokens:], text[emitted_chars:safe_chars],
                              self.finish_reason,
                              self.output_logprobs[emitted_tokens:] if params.logprobs is not None else None,
-                             self.spec_summary if finished else None)
+                             self.spec_summary if finished else None, prompt_logprobs)
         self._emitted_tokens, self._emitted_chars = len(self.output_token_ids), safe_chars
         return delta
 
@@ -269,4 +311,5 @@ class Request:
         return RequestOutput(self.request_id, self.prompt_token_ids, list(self.output_token_ids), self.text,
                              self.finish_reason,
                              list(self.output_logprobs) if self.params.logprobs is not None else None,
-                             self.spec_summary)
+                             self.spec_summary,
+                             list(self.prompt_logprobs) if self.prompt_logprobs is not None else None)

@@ -39,10 +39,16 @@ from .models import HybridLM
 from .penalties import PenalizedRows
 from .prefill_graphs import PrefillGraphs
 from .prefix_cache import CacheOps
-from .sampler import Sampler
+from .request import TokenLogprobs
+from .sampler import Sampler, TokenScores
 from .speculation import Speculator
 from .state_pool import KVPool, StatePool
 from .step import ScheduledRow, StepOutput, StepPlan, flagged
+
+
+# Logits elements a piece of a prompt's scored positions computes at once (Runner._score_prompt):
+# 64 MB of float32 (~67 positions of a 248K vocabulary), beside the step's own activations.
+PROMPT_LOGITS_ELEMENTS = 1 << 24
 
 
 class _Redecision(NamedTuple):
@@ -189,7 +195,7 @@ class Runner:
         self.checkpoint_io.release(ops)
         decoded = self._launch_decode(plan.decode_rows) if plan.decode_rows else None
         self.checkpoint_io.restore(ops)
-        hidden = self._prefill(plan.prefill_rows) if plan.prefill_rows else None
+        hidden, prompt_scores = self._prefill(plan.prefill_rows) if plan.prefill_rows else (None, None)
         self.checkpoint_io.after_forward(ops)
         first = None
         if plan.cached_rows:
@@ -205,7 +211,7 @@ class Runner:
         def decide_and_hand_over(masks: Future | None) -> Callable[[], StepOutput]:
             if decoded is not None and decoded.decide is not None:
                 decoded.decide(masks)
-            return self._hand_over(plan, decoded, first)
+            return self._hand_over(plan, decoded, first, prompt_scores)
 
         return InFlight(plan, decide_and_hand_over, decoded.prefetch if decoded is not None else None)
 
@@ -233,13 +239,15 @@ class Runner:
             prefetch = (lambda: self.sampler.prefetch_masks(later.rows)) if later else None
         return _Decoded(rows, logits, width, decide if constrained else None, prefetch)
 
-    def _hand_over(self, plan: StepPlan, decoded: _Decoded | None, first: _First | None) -> Callable[[], StepOutput]:
+    def _hand_over(self, plan: StepPlan, decoded: _Decoded | None, first: _First | None,
+                   prompt_scores: TokenScores | None) -> Callable[[], StepOutput]:
         """Start the copy of a launched step's outputs (decode rows' tokens, accepted counts and
         non-finite flags, then the first tokens, all in DecodeStep.outputs) to the host; returns
-        what waits for them. Steps whose rows ask for log-probabilities, and steps off the GPU,
-        are read at once."""
-        if self.device.type != "cuda" or any(r.request.params.logprobs is not None for r in plan.rows):
-            output = self._read(plan, decoded, first, self.decode.outputs)
+        what waits for them. Steps whose rows ask for log-probabilities (of their tokens or their
+        prompt's), and steps off the GPU, are read at once."""
+        if self.device.type != "cuda" or prompt_scores is not None \
+                or any(r.request.params.logprobs is not None for r in plan.rows):
+            output = self._read(plan, decoded, first, self.decode.outputs, prompt_scores=prompt_scores)
             return lambda: output
         host = self._host_outputs[self._launches % 2]
         self._launches += 1
@@ -255,10 +263,11 @@ class Runner:
         return read
 
     def _read(self, plan: StepPlan, decoded: _Decoded | None, first: _First | None, outputs: torch.Tensor,
-              logprobs: bool = True) -> StepOutput:
+              logprobs: bool = True, prompt_scores: TokenScores | None = None) -> StepOutput:
         """The step's StepOutput from `outputs` (DecodeStep.outputs or its host copy: W rows of
         emitted tokens, the accepted counts, the non-finite flags; decode rows first, then the
-        rows that drew a first token); logprobs: with the log-probabilities rows ask for."""
+        rows that drew a first token); logprobs: with the log-probabilities rows ask for;
+        prompt_scores: its prefill rows' prompt scores (`_score_prompt`)."""
         num_decode, width = len(plan.decode_rows), self.decode.emitted.shape[0]
         rest = plan.prefill_rows + plan.cached_rows
         # The plan rows that drew a first token; output rows num_decode.. hold theirs, in order.
@@ -279,7 +288,8 @@ class Runner:
                 emitted[i], flags[i] = [tokens[out]], nonfinite[out]
             num_pending = (num_pending or [0] * num_decode) + [0] * len(rest)
         return StepOutput(emitted, self._logprobs(plan, decoded, first, emitted, firsts) if logprobs else None,
-                          num_pending, flagged(flags))
+                          num_pending, None if prompt_scores is None else self._prompt_logprobs(plan, prompt_scores),
+                          flagged(flags))
 
     def _logprobs(self, plan: StepPlan, decoded: _Decoded | None, first: _First | None,
                   emitted: list[list[int]], firsts: list[int]) -> list | None:
@@ -299,6 +309,18 @@ class Runner:
             for i, entry in zip(firsts, scored or ()):
                 result[i] = entry
         return result if any(entry is not None for entry in result) else None
+
+    @staticmethod
+    def _prompt_logprobs(plan: StepPlan, scores: TokenScores) -> list[list[TokenLogprobs] | None]:
+        """Per plan row, its prompt tokens' scores (`_score_prompt`: the prefill rows' spans in
+        order, each entry cut to the top-N its request asks for)."""
+        scored = iter(scores.read())
+        result: list[list[TokenLogprobs] | None] = [None] * len(plan.rows)
+        for i, row in enumerate(plan.prefill_rows, len(plan.decode_rows)):
+            first, last = row.prompt_logprob_span
+            if first < last:
+                result[i] = [next(scored).top_n(row.request.params.prompt_logprobs) for _ in range(first, last)]
+        return result
 
     def _launch_plain(self, rows: tuple[ScheduledRow, ...]) -> tuple[DecodeRows, torch.Tensor, torch.Tensor]:
         """Queue a plain decode step, a sampled one when a row is plainly sampled. Returns its
@@ -343,11 +365,12 @@ class Runner:
             tokens[index] = drawn
         self.sampler.penalties.record(redecision.penalized, drawn[:, None])
 
-    def _prefill(self, rows: tuple[ScheduledRow, ...]) -> torch.Tensor | None:
+    def _prefill(self, rows: tuple[ScheduledRow, ...]) -> tuple[torch.Tensor | None, TokenScores | None]:
         """One forward over prefill chunks (a graph replay where one fits, else eager); with
         speculation the MTP runs over the chunks too (Speculator.prefill_mtp). Queues it all;
         returns the hidden states of the rows that end their prompt [S, H] (in row order),
-        whose logits give their first token, or None when none does."""
+        whose logits give their first token, or None when none does; and the scores of the
+        prompt tokens the rows' spans ask for (`_score_prompt`), or None."""
         forward_rows = [r.forward_row() for r in rows]
         replayed = self.prefill_graphs.run(forward_rows) if self.prefill_graphs is not None else None
         if replayed is not None:
@@ -358,7 +381,30 @@ class Runner:
         self.checkpoint_io.keep_hidden(batch, hidden)
         if self.speculator is not None:
             self.speculator.prefill_mtp(hidden, batch, rows, self.mtp_prefill_graphs)
-        return hidden[batch.logits_indices] if any(r.sample for r in rows) else None
+        prompt_scores = self._score_prompt(hidden, rows)
+        return (hidden[batch.logits_indices] if any(r.sample for r in rows) else None), prompt_scores
+
+    def _score_prompt(self, hidden: torch.Tensor, rows: tuple[ScheduledRow, ...]) -> TokenScores | None:
+        """The next prompt token's score at each position of the rows' prompt_logprob_spans, in
+        order, from the forward's hidden states [tokens, H] (the rows' tokens first, in row
+        order). The logits go through in pieces of at most PROMPT_LOGITS_ELEMENTS, so a chunk
+        of thousands of positions never holds [positions, V] float32 at once."""
+        index, chosen, top_n = [], [], 0
+        offset = 0
+        for row in rows:
+            first, last = row.prompt_logprob_span
+            if first < last:
+                index += range(offset + first - row.start_position, offset + last - row.start_position)
+                chosen += row.request.token_ids(first + 1, last + 1)
+                top_n = max(top_n, row.request.params.prompt_logprobs)
+            offset += row.num_tokens
+        if not index:
+            return None
+        index, chosen = device_tensor(index, torch.int64, self.device), device_tensor(chosen, torch.int64, self.device)
+        piece = max(1, PROMPT_LOGITS_ELEMENTS // self.model.config.vocab_size)
+        return TokenScores.cat([TokenScores.of(self.model.compute_logits(hidden[index[i:i + piece]]),
+                                               chosen[i:i + piece], top_n)
+                                for i in range(0, len(index), piece)])
 
     def _first_tokens(self, hidden: torch.Tensor, rows: Sequence[ScheduledRow], start: int) -> _First:
         """The first token of rows whose prompt is now computed, from their last hidden states

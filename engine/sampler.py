@@ -158,26 +158,46 @@ class Sampler:
             return None
         index = [j for i in asking for j in logit_rows[i]]
         chosen = [t for i in asking for t in emitted[i]]
-        scores = torch.log_softmax(logits[self.tensor(index)].float(), dim=-1)
-        chosen_lp = scores.gather(1, self.tensor(chosen)[:, None])[:, 0].tolist()
         top_n = max(rows[i].request.params.logprobs for i in asking)
-        top_values, top_ids = scores.topk(top_n, dim=-1) if top_n else (scores[:, :0], scores[:, :0].long())
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        scored = iter(TokenScores.of(logits[self.tensor(index)], self.tensor(chosen), top_n).read())
         result: list[list[TokenLogprobs] | None] = [None] * len(rows)
-        position = 0
         for i in asking:
-            n = rows[i].request.params.logprobs
-            entries = []
-            for _ in emitted[i]:
-                entries.append(TokenLogprobs(chosen_lp[position],
-                                             list(zip(top_ids[position][:n], top_values[position][:n]))))
-                position += 1
-            result[i] = entries
+            result[i] = [next(scored).top_n(rows[i].request.params.logprobs) for _ in emitted[i]]
         return result
 
     def tensor(self, values: Sequence[int]) -> torch.Tensor:
         """int64 values on the device, without stalling its stream."""
         return device_tensor(values, torch.int64, self.device)
+
+
+class TokenScores(NamedTuple):
+    """Chosen tokens scored on the device under the raw distribution of their logits rows:
+    log p = logit - logsumexp(logits), without a log_softmax copy of the logits. `read` brings
+    them to the host (a sync)."""
+
+    logprob: torch.Tensor       # [N] float32
+    rank: torch.Tensor          # [N] int64: 1 + the tokens with a higher logit
+    top_values: torch.Tensor    # [N, top_n] float32 log-probabilities, most likely first
+    top_ids: torch.Tensor       # [N, top_n] int64
+
+    @classmethod
+    def of(cls, logits: torch.Tensor, chosen: torch.Tensor, top_n: int) -> TokenScores:
+        """logits [N, V] (any float dtype), chosen [N] token ids."""
+        logits = logits.float()
+        normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
+        chosen_logits = logits.gather(1, chosen[:, None])
+        rank = (logits > chosen_logits).sum(dim=-1) + 1
+        top_values, top_ids = logits.topk(top_n, dim=-1)
+        return cls((chosen_logits - normalizer)[:, 0], rank, top_values - normalizer, top_ids)
+
+    @classmethod
+    def cat(cls, parts: Sequence[TokenScores]) -> TokenScores:
+        return cls(*(torch.cat(field) for field in zip(*parts)))
+
+    def read(self) -> list[TokenLogprobs]:
+        """One TokenLogprobs a chosen token, with all top_n tokens (TokenLogprobs.top_n cuts them)."""
+        return [TokenLogprobs(logprob, list(zip(ids, values)), rank) for logprob, rank, values, ids
+                in zip(self.logprob.tolist(), self.rank.tolist(), self.top_values.tolist(), self.top_ids.tolist())]
 
 
 class _CopiedMasks(NamedTuple):

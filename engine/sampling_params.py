@@ -50,6 +50,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; N >= 0: the chosen token's plus the N most likely
+    # None: none; N >= 0: each prompt token's log-probability given the tokens before it, plus the N
+    # most likely tokens there (vLLM's prompt_logprobs). The prompt is then computed whole: no
+    # cached prefix is restored for it.
+    prompt_logprobs: int | None = None
     repetition_penalty: float | None = None   # > 0; 1: off
     presence_penalty: float | None = None     # [-2, 2]; 0: off
     frequency_penalty: float | None = None    # [-2, 2]; 0: off
@@ -104,9 +108,11 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not -2**63 <= self.seed < 2**63):
             problems.append(f"seed must be an int in -2**63..2**63 - 1 (the sampler's int64), got {self.seed!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= self.MAX_LOGPROBS):
-            problems.append(f"logprobs must be an int in 0..{self.MAX_LOGPROBS}, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 0 <= value <= self.MAX_LOGPROBS):
+                problems.append(f"{name} must be an int in 0..{self.MAX_LOGPROBS}, got {value!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             problems.append("stop strings must be non-empty strings")
         if self.repetition_penalty is not None and not (self.repetition_penalty > 0

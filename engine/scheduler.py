@@ -12,7 +12,9 @@ Pure Python; never touches a tensor. Each step:
      request restores the longest cached prefix of its tokens (prefix_cache.py) and prefills
      only the rest; a fully cached one samples its first token from the checkpoint (a cached
      row). Chunks that do not end the prompt end on a multiple of the GDN chunk size, so the
-     chunked kernel can write checkpoints at the block boundaries they pass.
+     chunked kernel can write checkpoints at the block boundaries they pass. A request asking
+     for prompt log-probabilities restores no prefix past the prompt positions already scored
+     (Request.restorable); its chunks say which positions the step scores.
 Rows are ordered decode first, prefill after, cached rows last (the runner relies on it). With
 speculation, every decode row of a step runs the step's draft count K (fixed shapes), which the
 draft policy chooses from measured step costs and the rows' acceptance (spec/adaptive.py).
@@ -260,7 +262,7 @@ class Scheduler:
         self._release_aborted()
         for checkpoint in plan.pinned:
             self.cache.unpin(checkpoint)
-        logprobs, num_pending = output.logprobs, output.num_pending
+        logprobs, num_pending, prompt_logprobs = output.logprobs, output.num_pending, output.prompt_logprobs
         updated = []
         num_decode_rows = len(plan.decode_rows)
         running = RequestStatus.RUNNING  # looked up once: on Python 3.11 an Enum member costs a call
@@ -281,6 +283,8 @@ class Scheduler:
                 updated.append(request)
                 continue
             request.num_pending = num_pending[index] if num_pending else 0
+            if prompt_logprobs is not None and prompt_logprobs[index] is not None:
+                request.add_prompt_logprobs(row.prompt_logprob_span[0], prompt_logprobs[index])
             accepted_drafts = len(tokens) - 1 if row.num_draft_tokens else 0
             # Fed tokens whose state is now pending or committed: the row's token(s) and the
             # drafts the target confirmed.
@@ -336,7 +340,12 @@ class Scheduler:
         """Give a waiting request a slot and the KV blocks of its first chunk, restoring the
         longest cached prefix of its tokens (or the session it resumes). Returns the chunk
         length (0: everything is cached) or None when it does not fit now."""
-        hit = request.resume_from or self.cache.lookup(request.token_ids(0, request.num_tokens))
+        fork_of = request.fork_of
+        if request.prompt_logprobs is not None and fork_of is not None and fork_of.prompt_logprobs is not None \
+                and len(fork_of.prompt_logprobs) == len(request.prompt_token_ids):
+            request.prompt_logprobs = list(fork_of.prompt_logprobs)  # the same prompt, the same scores
+        restorable = request.restorable
+        hit = request.resume_from or (self.cache.lookup(request.token_ids(0, restorable)) if restorable else None)
         start = hit.position if hit is not None else 0
         full_hit = start == request.num_tokens
         chunk = 0 if full_hit else self._chunk(request, start, budget)
@@ -390,10 +399,12 @@ class Scheduler:
                                              ends_tokens=position == request.num_tokens)
             if write is not None:
                 writes.append(write)
-        return self._row(request, num_tokens, checkpoints=tuple(reversed(writes)))
+        return self._row(request, num_tokens, checkpoints=tuple(reversed(writes)),
+                         prompt_logprob_span=request.prompt_logprob_span(start, end))
 
     def _row(self, request: Request, num_tokens: int, num_drafts: int = 0,
-             checkpoints: tuple[CheckpointWrite, ...] = ()) -> ScheduledRow:
+             checkpoints: tuple[CheckpointWrite, ...] = (), prompt_logprob_span: tuple[int, int] = (0, 0)
+             ) -> ScheduledRow:
         start, end = request.num_computed_tokens, request.num_computed_tokens + num_tokens
         num_known = request.num_tokens
         if self.draft_policy is None:
@@ -404,7 +415,7 @@ class Scheduler:
             # yet. A decode row (or a cached one) ends at the newest token: through num_known - 1.
             mtp_start, mtp_end = request.mtp_position, min(end, num_known - 1)
         return ScheduledRow(request, request.token_ids(start, end), start, request.slot, request.block_table,
-                            end == num_known, num_drafts, mtp_start, mtp_end, checkpoints)
+                            end == num_known, num_drafts, mtp_start, mtp_end, checkpoints, None, prompt_logprob_span)
 
     def _draft_room_of(self, request: Request, ahead: int = 0) -> int:
         """Drafts a decode row of the request may take, never past max_tokens or the context;

@@ -49,6 +49,9 @@ class ScheduledRow(msgspec.Struct, frozen=True, gc=False):
     mtp_end: int = 0
     checkpoints: tuple[CheckpointWrite, ...] = ()  # prefill rows: checkpoints the forward writes
     fed_from: int | None = None  # a fed decode row: the row of the step in flight giving its token
+    # Prefill rows of a request asking for prompt log-probabilities: the positions [a, b) of the
+    # row whose next prompt token the step scores (Request.prompt_logprob_span; (0, 0): none).
+    prompt_logprob_span: tuple[int, int] = (0, 0)
 
     @property
     def num_tokens(self) -> int:
@@ -110,6 +113,9 @@ class StepOutput:
     logprobs: list[list[TokenLogprobs] | None] | None = None
     # Fed tokens of each row left pending in its slot (None: none anywhere, no speculation).
     num_pending: list[int] | None = None
+    # Per plan row, the scores of the prompt tokens after its prompt_logprob_span's positions
+    # (None: none anywhere).
+    prompt_logprobs: list[list[TokenLogprobs] | None] | None = None
     # Whether each row's logits held a NaN or an infinity (None: no row's did, or none were
     # checked); such a row's tokens are garbage and its request fails (Scheduler.commit).
     nonfinite: list[bool] | None = None

@@ -118,9 +118,12 @@ class OpenAIServer:
         with self._admit(len(prompts(body)) * n):
             inputs = await self._off_loop(completion_inputs, body, self.engine.tokenizer, self.engine.max_model_len)
             inputs = with_choices(inputs, n)
-            first = CompletionRenderer(self.config.model_name, self.engine.tokenizer)
-            renderers = [first] + [CompletionRenderer(self.config.model_name, self.engine.tokenizer, index, first.id)
-                                   for index in range(1, len(inputs))]
+            renderers = []
+            for index, engine_input in enumerate(inputs):
+                renderers.append(CompletionRenderer(
+                    self.config.model_name, self.engine.tokenizer, engine_input.prompt_token_ids, index,
+                    renderers[0].id if renderers else None, echo=engine_input.echo, echo_only=engine_input.echo_only,
+                    logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs))
             return await self._generate(request, body, inputs, renderers, arrival)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -131,9 +134,13 @@ class OpenAIServer:
         with self._admit(n):
             engine_input, output = await self._off_loop(chat_input, body, self.engine.tokenizer,
                                                         self.engine.max_model_len, self.chat_parsers)
-            first = ChatRenderer(self.config.model_name, self.engine.tokenizer, ChatOutput(output))
-            renderers = [first] + [ChatRenderer(self.config.model_name, self.engine.tokenizer, ChatOutput(output),
-                                                index, first.id) for index in range(1, n)]
+            renderers = []
+            for index in range(n):
+                # prompt_logprobs go beside the choices, once: the first choice's renderer writes them.
+                renderers.append(ChatRenderer(self.config.model_name, self.engine.tokenizer, ChatOutput(output),
+                                              engine_input.prompt_token_ids, index,
+                                              renderers[0].id if renderers else None,
+                                              body.prompt_logprobs if index == 0 else None))
             return await self._generate(request, body, with_choices([engine_input], n), renderers, arrival)
 
     async def tokenize(self, request: web.Request) -> web.Response:
@@ -201,7 +208,8 @@ class OpenAIServer:
                     raise APIError(400, str(error)) from error
                 num_prompt_tokens = [len(e.prompt_token_ids) if e.fork_of is None else 0 for e in inputs]
                 progress = {renderer.request_id: _Progress(renderer, self.metrics.timer(num, arrival), num,
-                                                           engine_input.params.logprobs is not None)
+                                                           engine_input.params.logprobs is not None,
+                                                           not engine_input.echo_only)
                             for engine_input, renderer, num in zip(inputs, renderers, num_prompt_tokens)}
                 try:
                     if body.stream:
@@ -232,8 +240,10 @@ class OpenAIServer:
         for each, index_parts in zip(progress.values(), parts.values()):
             token_ids = [t for delta in index_parts for t in delta.token_ids]
             logprobs = [entry for delta in index_parts for entry in delta.logprobs or []] if each.logprobs else None
+            prompt_logprobs = next((delta.prompt_logprobs for delta in index_parts
+                                    if delta.prompt_logprobs is not None), None)
             responses.append(each.renderer.response("".join(delta.text for delta in index_parts), each.finish_reason,
-                                                    each.usage(), token_ids, logprobs))
+                                                    each.usage(), token_ids, logprobs, prompt_logprobs))
         if len(responses) == 1:
             return _json(responses[0])
         # A batch of prompts or n > 1: one response, a choice each, the usage summed.
@@ -278,7 +288,8 @@ class OpenAIServer:
                 error = APIError(503, "the request was aborted: the server is shutting down", code="aborted")
                 await send(_event(error.body()), last=True)  # (no [DONE]: the stream failed)
                 return False
-            chunks = each.renderer.chunks(delta.text, delta.finish_reason, delta.token_ids, delta.logprobs)
+            chunks = each.renderer.chunks(delta.text, delta.finish_reason, delta.token_ids, delta.logprobs,
+                                          delta.prompt_logprobs)
             if chunks:
                 await send(b"".join(map(_event, chunks)))
             return True
@@ -444,17 +455,22 @@ class _Progress:
     """What one engine request has produced so far: token counts for `usage`, timings, finish
     reason; and the renderer of its choice."""
 
-    def __init__(self, renderer: Renderer, timer: RequestTimer, num_prompt_tokens: int, logprobs: bool) -> None:
+    def __init__(self, renderer: Renderer, timer: RequestTimer, num_prompt_tokens: int, logprobs: bool,
+                 counts_output: bool) -> None:
         self.renderer = renderer
         self.timer = timer
         self.num_prompt_tokens = num_prompt_tokens
         self.logprobs = logprobs  # whether the request asked for log-probabilities
+        # False: the output is not the client's (echo with max_tokens 0), so usage counts none
+        # of it; the metrics count what the engine generated.
+        self.counts_output = counts_output
         self.num_completion_tokens = 0
         self.finish_reason: str | None = None
 
     def record(self, delta: RequestDelta) -> None:
         num_tokens = len(delta.token_ids)
-        self.num_completion_tokens += num_tokens
+        if self.counts_output:
+            self.num_completion_tokens += num_tokens
         self.timer.on_tokens(num_tokens)
         self.finish_reason = delta.finish_reason
 

@@ -37,6 +37,8 @@ class PromptTokenizer(Protocol):
 
     def encode(self, text: str, max_length: int | None = None) -> list[int]: ...
 
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str: ...
 
@@ -48,6 +50,13 @@ class EngineInput:
     # n > 1: the index of the input of the same prompt's first choice, whose prefill this one
     # reuses (AsyncLLM.generate's fork_of); None for a prompt's first choice.
     fork_of: int | None = None
+    # /v1/completions with echo: the text the choice starts with (the prompt as sent, or its
+    # token ids decoded); None: not echoed.
+    echo: str | None = None
+    # max_tokens 0 with echo (vLLM's echo without generation): the engine runs max_tokens 1 (the
+    # prompt's log-probabilities come with the first token), and the choice leaves that token
+    # out; usage does not count it.
+    echo_only: bool = False
 
 
 def num_choices(request: SamplingFields) -> int:
@@ -69,26 +78,43 @@ def with_choices(inputs: list[EngineInput], n: int) -> list[EngineInput]:
     for engine_input in inputs:
         first = len(expanded)
         for i, params in enumerate(engine_input.params.for_choices(n)):
-            expanded.append(EngineInput(engine_input.prompt_token_ids, params, first if i else None))
+            expanded.append(replace(engine_input, params=params, fork_of=first if i else None))
     return expanded
 
 
 def completion_inputs(request: CompletionRequest, tokenizer: PromptTokenizer,
                       max_model_len: int) -> list[EngineInput]:
     """One engine input per prompt: `prompt` is one prompt (a string or token ids) or a list of
-    them (a batch, as LangChain sends it; choice i answers prompt i)."""
+    them (a batch, as LangChain sends it; choice i answers prompt i).
+
+    echo (vLLM's): each choice's text starts with its prompt's, and with logprobs its logprobs
+    start with the prompt tokens' (the engine scores the prompt: SamplingParams.prompt_logprobs);
+    max_tokens 0 with echo returns the prompt alone, how clients score a text (perplexity,
+    lm-evaluation-harness's loglikelihood)."""
     _reject_unsupported(request, [
-        ("echo", bool(request.echo), "the prompt is not echoed"),
         ("suffix", bool(request.suffix), "insertion (suffix) is not supported"),
     ])
+    _check_prompt_logprobs(request)
+    echo_only = request.max_tokens == 0
+    if echo_only and not request.echo:
+        raise APIError(400, "max_tokens must be at least 1; 0 is allowed only with echo: true (the prompt alone, "
+                            "scored with logprobs)", param="max_tokens", code="invalid_value")
+    # The engine scores the prompt once, with the larger count: echo's logprobs and
+    # prompt_logprobs each take their own N most likely.
+    counts = [n for n in (request.logprobs if request.echo else None, request.prompt_logprobs) if n is not None]
+    prompt_logprobs = max(counts, default=None)
     inputs = []
     for prompt in prompts(request):
         token_ids = _encode(tokenizer, prompt, max_model_len, request.max_tokens, "prompt", "max_tokens") \
             if isinstance(prompt, str) else list(prompt)
         room = max_model_len - len(token_ids)
-        max_tokens = request.max_tokens or max(1, min(DEFAULT_COMPLETION_MAX_TOKENS, room))
+        max_tokens = 1 if echo_only else request.max_tokens or max(1, min(DEFAULT_COMPLETION_MAX_TOKENS, room))
         _check_context(len(token_ids), max_tokens, max_model_len, "prompt", "max_tokens")
-        inputs.append(EngineInput(token_ids, _sampling_params(request, max_tokens, request.logprobs)))
+        echo = None
+        if request.echo:  # a token-id prompt: its ids decoded, special tokens included
+            echo = prompt if isinstance(prompt, str) else tokenizer.decode(token_ids, skip_special_tokens=False)
+        inputs.append(EngineInput(token_ids, _sampling_params(request, max_tokens, request.logprobs, prompt_logprobs),
+                                  echo=echo, echo_only=echo_only))
     return inputs
 
 
@@ -127,6 +153,7 @@ def chat_input(request: ChatCompletionRequest, tokenizer: PromptTokenizer, max_m
         ("top_logprobs", request.top_logprobs is not None and not request.logprobs,
          "top_logprobs needs logprobs: true"),
     ])
+    _check_prompt_logprobs(request)
     schemas = check_tools(request.tools or [])
     tool_choice = request.tool_choice or ("auto" if request.tools else "none")
     named = tool_choice.function.name if isinstance(tool_choice, NamedToolChoice) else None
@@ -163,7 +190,7 @@ def chat_input(request: ChatCompletionRequest, tokenizer: PromptTokenizer, max_m
     max_tokens = request.max_completion_tokens or request.max_tokens or max(1, max_model_len - len(token_ids))
     _check_context(len(token_ids), max_tokens, max_model_len, "messages", max_tokens_field)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    params = _sampling_params(request, max_tokens, logprobs)
+    params = _sampling_params(request, max_tokens, logprobs, request.prompt_logprobs)
     if name_constraint is not None:
         params = replace(params, structured=name_constraint)
     return EngineInput(token_ids, params), settings
@@ -199,16 +226,26 @@ def _context_error(num_prompt_tokens: int, max_tokens: int, max_model_len: int, 
                     code="context_length_exceeded")
 
 
+def _check_prompt_logprobs(request: SamplingFields) -> None:
+    """prompt_logprobs go in the response body, which a stream does not have (vLLM refuses the
+    pair too)."""
+    if request.prompt_logprobs is not None and request.stream:
+        raise APIError(400, "prompt_logprobs are not available with stream: true (ask without streaming)",
+                       param="prompt_logprobs", code="unsupported_parameter")
+
+
 def _reject_unsupported(request: SamplingFields, specific: list[tuple[str, bool, str]]) -> None:
     for field, is_set, why in specific:
         if is_set:
             raise APIError(400, f"{field} is not supported: {why}", param=field, code="unsupported_parameter")
 
 
-def _sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | None,
+                     prompt_logprobs: int | None) -> SamplingParams:
     options = dict(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
                    min_p=request.min_p, seed=request.seed, stop=request.stop,
                    stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, logprobs=logprobs,
+                   prompt_logprobs=prompt_logprobs,
                    presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
                    repetition_penalty=request.repetition_penalty, logit_bias=_logit_bias(request.logit_bias),
                    min_tokens=request.min_tokens, bad_words=request.bad_words,

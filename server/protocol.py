@@ -3,7 +3,7 @@
 Request Structs carry the range checks (`msgspec.Meta`), so `msgspec.json.decode(body, type=...)`
 rejects a wrong type or an out-of-range value with a message naming the field. Every optional
 request field also accepts JSON null (some clients send null for "unset"); defaults are applied
-in `inputs`. Fields the engine cannot honour (echo, suffix, ...) are declared so that
+in `inputs`. Fields the engine cannot honour (suffix, ...) are declared so that
 `inputs` can reject them by name instead of msgspec silently dropping them. Unknown fields are
 rejected (`forbid_unknown_fields`), as the OpenAI API does: nothing in a request is dropped
 silently.
@@ -16,8 +16,10 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NumLogprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]  # SamplingParams.MAX_LOGPROBS
 TokenId = Annotated[int, msgspec.Meta(ge=0)]
 # Any int64, as vLLM and OpenAI take it (clients send -1 too): the sampler hashes all 64 bits.
 Seed = Annotated[int, msgspec.Meta(ge=-2**63, le=2**63 - 1)]
@@ -57,6 +59,9 @@ class SamplingFields(Request, kw_only=True):
     bad_words: list[str] | None = None
     response_format: ResponseFormat | None = None  # structured output (engine/structured.py)
     n: PositiveInt | None = None  # choices per prompt (`inputs.num_choices` caps it)
+    # vLLM's: each prompt token's log-probability and the N most likely tokens at its position
+    # (not with stream, as in vLLM: `inputs` rejects it).
+    prompt_logprobs: NumLogprobs | None = None
     user: str | None = None  # an end-user id for abuse monitoring: accepted, nothing to do with it
 
 
@@ -64,8 +69,11 @@ class CompletionRequest(SamplingFields, kw_only=True):
     # A string, one prompt's token ids, or a list of prompts (strings or token-id lists); `inputs`
     # rejects a list that mixes them.
     prompt: str | list[TokenId | str | list[TokenId]]
-    echo: bool | None = None
-    logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    # 0 with echo: the prompt alone, scored (vLLM's echo without generation); `inputs` rejects 0
+    # without echo.
+    max_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    echo: bool | None = None  # each choice's text (and logprobs) start with its prompt's
+    logprobs: NumLogprobs | None = None
     best_of: PositiveInt | None = None  # accepted when it equals n (`inputs.num_choices`)
     suffix: str | None = None
 
@@ -150,7 +158,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: PositiveInt | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false} (vLLM's name)
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    top_logprobs: NumLogprobs | None = None
     # The tools as sent: the template renders these dicts (key order kept, as HF renders what
     # it is given); `inputs` checks each against `Tool`.
     tools: list[dict[str, Any]] | None = None
@@ -184,12 +192,29 @@ class Usage(msgspec.Struct):
 
 
 class CompletionLogprobs(msgspec.Struct):
-    """The legacy completions format: parallel lists, one entry per generated token."""
+    """The legacy completions format: parallel lists, one entry per token of the choice's text
+    (with echo the prompt's first, the first of them null: no token comes before it). A
+    top_logprobs entry holds the token's own log-probability besides the most likely ones, so
+    it has up to logprobs + 1 (OpenAI's and vLLM's shape); text_offset counts characters from
+    the start of the choice's text."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(msgspec.Struct):
+    """One token of a prompt_logprobs entry (vLLM's Logprob)."""
+
+    logprob: float
+    rank: int  # 1 + the number of tokens more likely at that position
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: one entry per prompt token, the first null (no token comes before
+# it); each other keyed by token id (as a string): the prompt token's own and the N most likely.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionChoice(msgspec.Struct):
@@ -197,6 +222,7 @@ class CompletionChoice(msgspec.Struct):
     text: str
     finish_reason: str | None
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # sent only when the request asked for them
 
 
 class Completion(msgspec.Struct):
@@ -265,6 +291,7 @@ class ChatCompletion(msgspec.Struct):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # sent only when the request asked for them
     object: Literal["chat.completion"] = "chat.completion"
 
 

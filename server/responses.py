@@ -18,9 +18,9 @@ import msgspec
 
 from ..engine import TokenLogprobs
 from .chat_output import ChatOutput
-from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
-                       ChatDelta, ChatLogprobs, ChatTokenLogprob, Completion, CompletionChoice, CompletionLogprobs,
-                       TopLogprob, Usage)
+from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta,
+                       ChatLogprobs, ChatTokenLogprob, Completion, CompletionChoice, CompletionLogprobs, PromptLogprob,
+                       PromptLogprobs, TopLogprob, Usage)
 
 
 try:
@@ -35,6 +35,10 @@ class TokenText(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
+# A token's log-probability as the completions format writes it: finite (JSON has no -inf; vLLM's floor).
+MIN_LOGPROB = -9999.0
+
+
 class Renderer(Protocol):
     id: str          # the response's
     request_id: str  # the engine request's
@@ -42,81 +46,133 @@ class Renderer(Protocol):
     def opening(self) -> list[msgspec.Struct]:
         """Chunks sent before any text."""
 
-    def chunks(self, text: str, finish_reason: str | None, token_ids: list[int],
-               logprobs: list[TokenLogprobs] | None) -> list[msgspec.Struct]:
+    def chunks(self, text: str, finish_reason: str | None, token_ids: list[int], logprobs: list[TokenLogprobs] | None,
+               prompt_logprobs: list[TokenLogprobs | None] | None) -> list[msgspec.Struct]:
         """The chunks for one engine delta (none while the text shows nothing yet)."""
 
     def usage_chunk(self, usage: Usage) -> msgspec.Struct:
         """The last chunk of a stream with stream_options.include_usage: no choices, the usage."""
 
     def response(self, text: str, finish_reason: str, usage: Usage, token_ids: list[int],
-                 logprobs: list[TokenLogprobs] | None) -> msgspec.Struct: ...
+                 logprobs: list[TokenLogprobs] | None,
+                 prompt_logprobs: list[TokenLogprobs | None] | None) -> msgspec.Struct: ...
 
 
 class CompletionRenderer:
     """Choice `index` of a request (one per prompt of a batch, n per prompt with n > 1); the
-    renderers of a request share the response's id (given to all but the first)."""
+    renderers of a request share the response's id (given to all but the first).
 
-    def __init__(self, model: str, tokenizer: TokenText, index: int = 0, response_id: str | None = None) -> None:
+    With echo, the choice's text starts with `echo` and its logprobs with the prompt tokens'
+    (the first null: no token comes before it), both in the choice's first chunk when
+    streaming. echo_only (max_tokens 0): the engine's one generated token is left out, and the
+    choice finishes with "length" (the 0 tokens asked for). prompt_logprobs: the request's
+    count; the choice then carries vLLM's prompt_logprobs list."""
+
+    def __init__(self, model: str, tokenizer: TokenText, prompt_token_ids: list[int], index: int = 0,
+                 response_id: str | None = None, *, echo: str | None = None, echo_only: bool = False,
+                 logprobs: int | None = None, prompt_logprobs: int | None = None) -> None:
         self.id = response_id or f"cmpl-{uuid.uuid4().hex}"
         self.index = index
         self.request_id = self.id if index == 0 else f"{self.id}-{index}"
         self.created = int(time.time())
         self.model, self.tokenizer = model, tokenizer
-        self._offset = 0  # text_offset of the next token, relative to the completion's start
+        self.prompt_token_ids, self.echo, self.echo_only = prompt_token_ids, echo, echo_only
+        self.num_logprobs, self.num_prompt_logprobs = logprobs, prompt_logprobs
+        self._offset = 0  # text_offset of the next token, relative to the choice's text
 
     def opening(self) -> list[msgspec.Struct]:
         return []
 
-    def chunks(self, text: str, finish_reason: str | None, token_ids: list[int],
-               logprobs: list[TokenLogprobs] | None) -> list[Completion]:
-        if not (text or finish_reason is not None or logprobs):
+    def chunks(self, text: str, finish_reason: str | None, token_ids: list[int], logprobs: list[TokenLogprobs] | None,
+               prompt_logprobs: list[TokenLogprobs | None] | None) -> list[Completion]:
+        if self.echo is not None and not (token_ids or finish_reason is not None):
+            return []  # the echo goes out with the first token, which its log-probabilities come with
+        choice = self._choice(text, finish_reason, token_ids, logprobs, prompt_logprobs)
+        if not (choice.text or finish_reason is not None or choice.logprobs is not None and choice.logprobs.tokens):
             return []
-        return [Completion(self.id, self.created, self.model,
-                           [CompletionChoice(self.index, text, finish_reason, self._logprobs(token_ids, logprobs))],
-                           system_fingerprint=FINGERPRINT)]
+        return [Completion(self.id, self.created, self.model, [choice], system_fingerprint=FINGERPRINT)]
 
     def usage_chunk(self, usage: Usage) -> Completion:
         return Completion(self.id, self.created, self.model, [], usage, system_fingerprint=FINGERPRINT)
 
     def response(self, text: str, finish_reason: str, usage: Usage, token_ids: list[int],
-                 logprobs: list[TokenLogprobs] | None) -> Completion:
+                 logprobs: list[TokenLogprobs] | None,
+                 prompt_logprobs: list[TokenLogprobs | None] | None) -> Completion:
         return Completion(self.id, self.created, self.model,
-                          [CompletionChoice(self.index, text, finish_reason, self._logprobs(token_ids, logprobs))],
-                          usage, system_fingerprint=FINGERPRINT)
+                          [self._choice(text, finish_reason, token_ids, logprobs, prompt_logprobs)], usage,
+                          system_fingerprint=FINGERPRINT)
 
-    def _logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None) -> CompletionLogprobs | None:
-        if logprobs is None:
-            return None
-        tokens = [_token_text(self.tokenizer, t) for t in token_ids]
-        offsets = []
-        for token in tokens:
-            offsets.append(self._offset)
+    def _choice(self, text: str, finish_reason: str | None, token_ids: list[int],
+                logprobs: list[TokenLogprobs] | None,
+                prompt_logprobs: list[TokenLogprobs | None] | None) -> CompletionChoice:
+        """The choice for the whole output or one delta of it; the echo goes with the first."""
+        if self.echo_only:
+            text, token_ids, logprobs = "", [], [] if logprobs is not None else None
+            if finish_reason == "stop":  # the token the engine had to generate was a stop
+                finish_reason = "length"
+        echo, self.echo = self.echo, None
+        entries = None
+        if logprobs is not None:
+            entries = CompletionLogprobs([], [], [], [])
+            if echo is not None:
+                self._add_logprobs(entries, self.prompt_token_ids, prompt_logprobs)
+                # The generated text starts right after the echo, whatever the prompt tokens'
+                # texts add up to (a token holding part of a character shows U+FFFD).
+                self._offset = len(echo)
+            self._add_logprobs(entries, token_ids, logprobs)
+        choice = CompletionChoice(self.index, text if echo is None else echo + text, finish_reason, entries)
+        if self.num_prompt_logprobs is not None and prompt_logprobs is not None:
+            choice.prompt_logprobs = _prompt_logprobs(self.tokenizer, self.prompt_token_ids, prompt_logprobs,
+                                                      self.num_prompt_logprobs)
+        return choice
+
+    def _add_logprobs(self, logprobs: CompletionLogprobs, token_ids: list[int],
+                      entries: list[TokenLogprobs | None]) -> None:
+        """The tokens' entries, from text_offset self._offset on; an entry's top_logprobs hold
+        the token itself and the request's N most likely (up to N + 1, as OpenAI's), by text."""
+        for token_id, entry in zip(token_ids, entries, strict=True):
+            token = _token_text(self.tokenizer, token_id)
+            logprobs.tokens.append(token)
+            logprobs.text_offset.append(self._offset)
             self._offset += len(token)
-        return CompletionLogprobs(tokens, [entry.logprob for entry in logprobs],
-                                  [{_token_text(self.tokenizer, t): lp for t, lp in entry.top} for entry in logprobs],
-                                  offsets)
+            if entry is None:
+                logprobs.token_logprobs.append(None)
+                logprobs.top_logprobs.append(None)
+                continue
+            logprob = max(entry.logprob, MIN_LOGPROB)
+            # Tokens that decode alike share a key, which keeps the largest value: so
+            # max(top.values()) is the token's own logprob exactly when it is the most likely
+            # (lm-evaluation-harness's is_greedy), even where its text is another's.
+            top = {token: logprob}
+            for top_id, top_logprob in entry.top[:self.num_logprobs]:
+                key = _token_text(self.tokenizer, top_id)
+                top[key] = max(top.get(key, MIN_LOGPROB), top_logprob)
+            logprobs.token_logprobs.append(logprob)
+            logprobs.top_logprobs.append(top)
 
 
 class ChatRenderer:
     """Chat responses; the text goes through the choice's own `ChatOutput` (reasoning, tool
     calls). Choice `index` of a request (n > 1); its renderers share the response's id (given to
-    all but the first)."""
+    all but the first). prompt_logprobs: the request's count; the response then carries vLLM's
+    prompt_logprobs list (the rendered prompt's tokens), beside the choices."""
 
-    def __init__(self, model: str, tokenizer: TokenText, output: ChatOutput, index: int = 0,
-                 response_id: str | None = None) -> None:
+    def __init__(self, model: str, tokenizer: TokenText, output: ChatOutput, prompt_token_ids: list[int],
+                 index: int = 0, response_id: str | None = None, prompt_logprobs: int | None = None) -> None:
         self.id = response_id or f"chatcmpl-{uuid.uuid4().hex}"
         self.index = index
         self.request_id = self.id if index == 0 else f"{self.id}-{index}"
         self.created = int(time.time())
         self.model, self.tokenizer, self.output = model, tokenizer, output
+        self.prompt_token_ids, self.num_prompt_logprobs = prompt_token_ids, prompt_logprobs
 
     def opening(self) -> list[msgspec.Struct]:
         # OpenAI announces the role first, with empty content.
         return [self._chunk(ChatDelta(role="assistant", content=""), None, None)]
 
-    def chunks(self, text: str, finish_reason: str | None, token_ids: list[int],
-               logprobs: list[TokenLogprobs] | None) -> list[ChatCompletionChunk]:
+    def chunks(self, text: str, finish_reason: str | None, token_ids: list[int], logprobs: list[TokenLogprobs] | None,
+               prompt_logprobs: list[TokenLogprobs | None] | None) -> list[ChatCompletionChunk]:
+        # (prompt_logprobs: none asked for; a stream cannot carry them, `inputs` refuses the pair)
         delta = self.output.push(text, final=finish_reason is not None)
         chunks = []
         if delta is not None or logprobs:
@@ -130,12 +186,17 @@ class ChatRenderer:
         return ChatCompletionChunk(self.id, self.created, self.model, [], usage, system_fingerprint=FINGERPRINT)
 
     def response(self, text: str, finish_reason: str, usage: Usage, token_ids: list[int],
-                 logprobs: list[TokenLogprobs] | None) -> ChatCompletion:
+                 logprobs: list[TokenLogprobs] | None,
+                 prompt_logprobs: list[TokenLogprobs | None] | None) -> ChatCompletion:
         self.output.push(text, final=True)
-        return ChatCompletion(self.id, self.created, self.model,
-                              [ChatChoice(self.index, self.output.message(), self._finish_reason(finish_reason),
-                                          self._logprobs(token_ids, logprobs))], usage,
-                              system_fingerprint=FINGERPRINT)
+        response = ChatCompletion(self.id, self.created, self.model,
+                                  [ChatChoice(self.index, self.output.message(), self._finish_reason(finish_reason),
+                                              self._logprobs(token_ids, logprobs))], usage,
+                                  system_fingerprint=FINGERPRINT)
+        if self.num_prompt_logprobs is not None and prompt_logprobs is not None:
+            response.prompt_logprobs = _prompt_logprobs(self.tokenizer, self.prompt_token_ids, prompt_logprobs,
+                                                        self.num_prompt_logprobs)
+        return response
 
     def _finish_reason(self, finish_reason: str | None) -> str | None:
         # A turn that ends on its calls (EOS or a stop) finished to call tools; one cut by
@@ -164,6 +225,23 @@ class ChatRenderer:
             content.append(ChatTokenLogprob(token=text, logprob=entry.logprob, bytes=list(text.encode()),
                                             top_logprobs=[top(i, lp) for i, lp in entry.top]))
         return ChatLogprobs(content)
+
+
+def _prompt_logprobs(tokenizer: TokenText, prompt_token_ids: list[int], entries: list[TokenLogprobs | None],
+                     num_top: int) -> PromptLogprobs:
+    """vLLM's prompt_logprobs: per prompt token, None for the first, else its own entry and
+    those of the num_top most likely tokens at its position (ranks 1..num_top), by token id."""
+    logprobs = []
+    for token_id, entry in zip(prompt_token_ids, entries, strict=True):
+        if entry is None:
+            logprobs.append(None)
+            continue
+        tokens = {str(token_id): PromptLogprob(max(entry.logprob, MIN_LOGPROB), entry.rank,
+                                               _token_text(tokenizer, token_id))}
+        for rank, (top_id, top_logprob) in enumerate(entry.top[:num_top], 1):
+            tokens[str(top_id)] = PromptLogprob(max(top_logprob, MIN_LOGPROB), rank, _token_text(tokenizer, top_id))
+        logprobs.append(tokens)
+    return logprobs
 
 
 def _token_text(tokenizer: TokenText, token_id: int) -> str:

@@ -98,17 +98,22 @@ async def test_a_consumer_that_fell_behind_gets_one_merged_delta():
 def test_coalesced_keeps_ends_and_errors_apart():
     def delta(token_id, finish_reason=None, logprobs=False):
         return RequestDelta("a", [token_id], str(token_id), finish_reason,
-                            [TokenLogprobs(-float(token_id), [])] if logprobs else None)
+                            [TokenLogprobs(-float(token_id), [], 1)] if logprobs else None)
 
     merged = _coalesced([delta(1, logprobs=True), delta(2, logprobs=True), delta(3, "stop", logprobs=True)])
     assert merged == [RequestDelta("a", [1, 2, 3], "123", "stop",
-                                   [TokenLogprobs(-1.0, []), TokenLogprobs(-2.0, []), TokenLogprobs(-3.0, [])])]
+                                   [TokenLogprobs(-1.0, [], 1), TokenLogprobs(-2.0, [], 1), TokenLogprobs(-3.0, [], 1)])]
     # An abort or error delta, or an exception, ends the stream: what came before stays its own.
     abort = RequestDelta("a", [], "", "abort")
     error = RuntimeError("step failed")
     assert _coalesced([delta(1), delta(2), abort]) == [RequestDelta("a", [1, 2], "12", None), abort]
     assert _coalesced([delta(1), error, delta(2)]) == [delta(1), error, delta(2)]
     assert _coalesced([delta(1), delta(2, "error")]) == [delta(1), delta(2, "error")]
+    # The prompt's log-probabilities (on the first delta) and the speculation counters (on the last) stay.
+    prompt = [None, TokenLogprobs(-0.5, [], 2)]
+    first = RequestDelta("a", [1], "1", None, prompt_logprobs=prompt)
+    last = RequestDelta("a", [2], "2", "stop", spec_stats={"num_drafts": 3})
+    assert _coalesced([first, last]) == [RequestDelta("a", [1, 2], "12", "stop", None, {"num_drafts": 3}, prompt)]
 
 
 @pytest.mark.gpu

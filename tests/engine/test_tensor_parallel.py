@@ -90,6 +90,20 @@ def test_logits_greedy_sampled_constrained_and_cached_equal_one_device(dense, ch
     assert stats["spec"]["num_verify_steps"] > 0
 
 
+def test_prompt_logprobs_equal_one_device(dense, checkpoint):
+    """The workers score the prompt tokens too (the gathered logits are a collective): the
+    tokens each chunk scores reach them, and rank 0 reads the same scores as one device's."""
+    prompt = prompts(1, 70, seed=4)[0]
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    with LLM(checkpoint("qwen3_5"), num_draft_tokens=0, **DENSE) as one:
+        expected = one.generate([prompt], params)[0].prompt_logprobs
+    got = dense.generate([prompt], params)[0].prompt_logprobs
+    assert len(got) == len(expected) == len(prompt) and got[0] is expected[0] is None
+    for ours, theirs in zip(got[1:], expected[1:]):
+        assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+        assert [t for t, _ in ours.top] == [t for t, _ in theirs.top]
+
+
 def continue_session(llm: LLM, prompt: list[int]) -> list[list[int]]:
     handle = llm.save_checkpoint(llm.generate([prompt], GREEDY)[0].request_id)
     continued = llm.generate([[7, 8, 9]], GREEDY, resume_from=handle)[0].token_ids

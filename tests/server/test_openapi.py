@@ -34,7 +34,7 @@ NUM_CASES = 320  # bodies sent (valid and mutated, over every route with a body)
 # Integer fields that set how much work a valid request asks for: kept small so the fuzz stays
 # bounded (their out-of-range values are still sent by the mutations).
 SMALL_INTS = {"max_tokens": 6, "max_completion_tokens": 6, "min_tokens": 3, "n": 2, "best_of": 2,
-              "logprobs": 3, "top_logprobs": 3}
+              "logprobs": 3, "top_logprobs": 3, "prompt_logprobs": 3}
 JUNK = ["\ud800", "\udfff", "\x00", "\u202e", "\ufeff", "🙂", "\U0010ffff", "é", "中", "\\", "\"", "\n", "{", "]"]
 
 

@@ -15,9 +15,10 @@ import aiohttp
 import openai
 import pytest
 import pytest_asyncio
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from deltaspec.engine import AsyncLLM, SamplingParams
+from deltaspec.engine import LLM, AsyncLLM, SamplingParams
 from deltaspec.server.config import ServerConfig
 from deltaspec.server.serve import start
 from fixtures import assert_idle
@@ -309,7 +310,9 @@ BAD_REQUESTS = [
     ("/v1/completions", b'{"prompt": "hi", "max_tokens":', 400, None, "not valid JSON"),
     ("/v1/completions", b"[1, 2]", 400, None, "object"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens", "int"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": -5}, 400, "max_tokens", ">= 1"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -5}, 400, "max_tokens", ">= 0"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "0 is allowed only with echo"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0, "echo": False}, 400, "max_tokens", "only with echo"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature", ">= 0"),
     ("/v1/completions", {"prompt": "hi", "top_p": 2}, 400, "top_p", "<= 1"),
     ("/v1/completions", {"prompt": "hi", "top_k": -2}, 400, "top_k", ">= -1"),
@@ -322,7 +325,20 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": ONE_MESSAGE, "n": 1000}, 400, "n", "at most 64"),
     ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of", "must equal n"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs", "<= 20"),
-    ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo", "not supported"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "!"}, 400, "suffix", "not supported"),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs", "<= 20"),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": -1}, 400, "prompt_logprobs", ">= 0"),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 2, "stream": True}, 400, "prompt_logprobs",
+     "not available with stream"),
+    ("/v1/completions", {"prompt": "hi", "echo": True, "max_tokens": 0, "prompt_logprobs": 0, "stream": True}, 400,
+     "prompt_logprobs", "not available with stream"),
+    ("/v1/completions", {"prompt": "hi", "echo": "yes"}, 400, "echo", "bool"),
+    ("/v1/completions", {"prompt": [1] * 256, "echo": True, "max_tokens": 0}, 400, "prompt",
+     "256 in the prompt"),
+    ("/v1/chat/completions", {"messages": ONE_MESSAGE, "prompt_logprobs": 21}, 400, "prompt_logprobs", "<= 20"),
+    ("/v1/chat/completions", {"messages": ONE_MESSAGE, "prompt_logprobs": 0, "stream": True}, 400,
+     "prompt_logprobs", "not available with stream"),
+    ("/v1/chat/completions", {"messages": ONE_MESSAGE, "max_tokens": 0}, 400, "max_tokens", ">= 1"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty", "<= 2"),
     ("/v1/completions", {"prompt": "hi", "frequency_penalty": -3}, 400, "frequency_penalty", ">= -2"),
     ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty", "> 0"),
@@ -753,8 +769,10 @@ async def test_logprobs(client, engine):
                                                  extra_body=IGNORE_EOS)
     lp = completion.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
-    # (The legacy format keys alternatives by text: tokens that decode alike collapse into one.)
-    assert all(chosen <= 0 and 1 <= len(top) <= 2 for chosen, top in zip(lp.token_logprobs, lp.top_logprobs))
+    # The chosen token and the 2 most likely (it is one of them: greedy); the legacy format keys
+    # alternatives by text, so tokens that decode alike collapse into one.
+    assert all(chosen <= 0 and 1 <= len(top) <= 2 and token in top
+               for token, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
     assert lp.text_offset == sorted(lp.text_offset)
     chat = await client.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=3,
                                                 **GREEDY, extra_body=IGNORE_EOS)
@@ -768,3 +786,202 @@ async def test_logprobs(client, engine):
         if chunk.choices and chunk.choices[0].logprobs:
             streamed += [t.logprob for t in chunk.choices[0].logprobs.content]
     assert streamed == [t.logprob for t in content]
+
+
+# Echo and prompt log-probabilities --------------------------------------------------------------
+
+ATOL = 1e-4  # as the engine's prompt-logprob tests
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """Log-probabilities of each next token, independently of the server and its engine:
+    LLM.score's logits at every position, normalised here."""
+    llm = LLM(checkpoint("qwen3_5"), max_model_len=MAX_MODEL_LEN)
+
+    def scores(token_ids: list[int]) -> torch.Tensor:
+        return torch.log_softmax(llm.score(token_ids).double(), dim=-1)  # [T, V]: row t scores token t + 1
+
+    yield scores
+    llm.close()
+
+
+async def test_echo_text_is_the_prompt_then_the_completion(client, engine):
+    prompt = "def fibonacci(n):"
+    plain = await client.completions.create(model=MODEL, prompt=prompt, extra_body=IGNORE_EOS, **GREEDY)
+    echoed = await client.completions.create(model=MODEL, prompt=prompt, echo=True, extra_body=IGNORE_EOS, **GREEDY)
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+    assert echoed.usage == plain.usage and echoed.choices[0].finish_reason == "length"
+    # A token-id prompt echoes its ids decoded.
+    token_ids = engine.tokenizer.encode(prompt)
+    by_ids = await client.completions.create(model=MODEL, prompt=token_ids, echo=True, extra_body=IGNORE_EOS, **GREEDY)
+    assert by_ids.choices[0].text == engine.tokenizer.decode(token_ids, skip_special_tokens=False) \
+        + plain.choices[0].text == echoed.choices[0].text
+
+    # Streamed: the first chunk holds the prompt, before any generated text.
+    stream = await client.completions.create(model=MODEL, prompt=prompt, echo=True, stream=True,
+                                             extra_body=IGNORE_EOS, **GREEDY)
+    chunks = [chunk async for chunk in stream]
+    assert chunks[0].choices[0].text.startswith(prompt)
+    assert "".join(chunk.choices[0].text for chunk in chunks) == echoed.choices[0].text
+
+    # A list of prompts, n = 2 each: every choice echoes its own prompt (choice i of prompt p at
+    # p * n + i).
+    prompts = ["Hello", "The engine schedules"]
+    alone = [(await client.completions.create(model=MODEL, prompt=p, extra_body=IGNORE_EOS, **GREEDY)).choices[0].text
+             for p in prompts]
+    batch = await client.completions.create(model=MODEL, prompt=prompts, n=2, echo=True, extra_body=IGNORE_EOS,
+                                            **GREEDY)
+    assert [(c.index, c.text) for c in batch.choices] == [
+        (index, prompts[index // 2] + alone[index // 2]) for index in range(4)]
+    stream = await client.completions.create(model=MODEL, prompt=prompts, n=2, echo=True, stream=True,
+                                             extra_body=IGNORE_EOS, **GREEDY)
+    streamed, seen = [""] * 4, set()
+    async for chunk in stream:
+        for choice in chunk.choices:
+            if choice.index not in seen:  # each choice's first chunk starts with its prompt
+                assert choice.text.startswith(prompts[choice.index // 2])
+                seen.add(choice.index)
+            streamed[choice.index] += choice.text
+    assert streamed == [c.text for c in batch.choices]
+    await wait_idle(engine)
+
+
+async def test_echo_logprobs_score_the_prompt_as_the_reference_does(client, engine, reference):
+    """lm-evaluation-harness's loglikelihood request: token ids, max_tokens 1, logprobs 1, echo.
+    The prompt is a context plus its greedy continuation, so some of its tokens are the most
+    likely at their position (is_greedy holds there) and others are not."""
+    context = engine.tokenizer.encode("class Cache:\n    def get(self, key):")
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompt = context + [t async for delta in engine.generate(context, params) for t in delta.token_ids]
+    response = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=1,
+                                               echo=True, seed=1234)
+    [choice] = response.choices
+    lp = choice.logprobs
+    prompt_text = engine.tokenizer.decode(prompt, skip_special_tokens=False)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(prompt) + 1
+    assert lp.tokens[:len(prompt)] == [engine.tokenizer.decode([t], skip_special_tokens=False) for t in prompt]
+    assert choice.text.startswith(prompt_text) and response.usage.completion_tokens == 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing comes before the first
+    assert lp.text_offset[:len(prompt)] == [len("".join(lp.tokens[:i])) for i in range(len(prompt))]
+    assert lp.text_offset[-1] == len(prompt_text)  # the generated token starts after the echo
+
+    scores = reference(prompt)
+    num_greedy = num_not_greedy = 0
+    for i in range(1, len(prompt)):
+        row, top = scores[i - 1], lp.top_logprobs[i]
+        assert lp.token_logprobs[i] == pytest.approx(float(row[prompt[i]]), abs=ATOL)
+        # The token's own entry and the most likely token's (one entry when they decode alike).
+        assert lp.tokens[i] in top and 1 <= len(top) <= 2
+        assert max(top.values()) == pytest.approx(float(row.max()), abs=ATOL)
+        # lm-eval's is_greedy (the token's logprob is the largest of its top_logprobs) holds
+        # exactly where the reference's most likely token is the prompt's (away from near-ties).
+        first, second = row.topk(2).values.tolist()
+        is_argmax = int(row.argmax()) == prompt[i]
+        if (first - second if is_argmax else first - float(row[prompt[i]])) > ATOL:
+            assert (lp.token_logprobs[i] == max(top.values())) == is_argmax, i
+            num_greedy += is_argmax
+            num_not_greedy += not is_argmax
+    assert num_greedy and num_not_greedy  # both cases were checked
+    # The continuation's log-likelihood, as lm-eval sums it.
+    ctxlen = len(context)
+    expected = sum(float(scores[i - 1, prompt[i]]) for i in range(ctxlen, len(prompt)))
+    assert sum(lp.token_logprobs[ctxlen:-1]) == pytest.approx(expected, abs=len(prompt) * ATOL)
+    # The generated token (greedy) leads its own top_logprobs.
+    assert lp.tokens[-1] in lp.top_logprobs[-1] and lp.token_logprobs[-1] == max(lp.top_logprobs[-1].values())
+
+    # max_tokens 0: the prompt alone (vLLM's echo without generation), scored the same way.
+    only = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, temperature=0, logprobs=3,
+                                           echo=True)
+    [alone] = only.choices
+    assert alone.text == prompt_text and alone.finish_reason == "length"
+    assert (only.usage.prompt_tokens, only.usage.completion_tokens, only.usage.total_tokens) == (
+        len(prompt), 0, len(prompt))
+    assert alone.logprobs.tokens == lp.tokens[:-1] and alone.logprobs.text_offset == lp.text_offset[:-1]
+    assert alone.logprobs.token_logprobs[0] is None and alone.logprobs.top_logprobs[0] is None
+    assert alone.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:-1], abs=ATOL)
+    for i, top in enumerate(alone.logprobs.top_logprobs[1:], 1):
+        assert alone.logprobs.tokens[i] in top and 1 <= len(top) <= 4
+        assert max(top.values()) == pytest.approx(float(scores[i - 1].max()), abs=ATOL)
+    # Without logprobs: the text alone.
+    text_only = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True)
+    assert text_only.choices[0].text == prompt_text and text_only.choices[0].logprobs is None
+    assert text_only.usage.completion_tokens == 0
+    await wait_idle(engine)
+
+
+async def test_streamed_echo_logprobs_come_first_and_equal_the_response(client, engine):
+    prompt = "def add(a, b):"
+    num_prompt_tokens = len(engine.tokenizer.encode(prompt))
+    options = dict(model=MODEL, prompt=prompt, echo=True, logprobs=2, extra_body=IGNORE_EOS, **GREEDY)
+    whole = (await client.completions.create(**options)).choices[0]
+    stream = await client.completions.create(stream=True, **options)
+    chunks = [chunk.choices[0] async for chunk in stream]
+    first = chunks[0]
+    assert first.text.startswith(prompt) and first.logprobs.token_logprobs[0] is None
+    assert len(first.logprobs.tokens) > num_prompt_tokens  # the prompt's entries and the first token's
+    assert "".join(c.text for c in chunks) == whole.text
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for c in chunks for x in getattr(c.logprobs, field)] == getattr(whole.logprobs, field), field
+
+    # max_tokens 0: one chunk with the prompt, its log-probabilities, "length", no tokens in usage.
+    stream = await client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=2, max_tokens=0,
+                                             stream=True, stream_options={"include_usage": True})
+    *text_chunks, usage_chunk = [chunk async for chunk in stream]
+    [only] = [chunk.choices[0] for chunk in text_chunks]
+    assert only.text == prompt and only.finish_reason == "length"
+    assert only.logprobs.tokens == whole.logprobs.tokens[:num_prompt_tokens]
+    assert usage_chunk.usage.completion_tokens == 0 and usage_chunk.usage.prompt_tokens == num_prompt_tokens
+    await wait_idle(engine)
+
+
+def check_prompt_logprobs(entries: list, prompt: list[int], scores: torch.Tensor, top_n: int, tokenizer) -> None:
+    """vLLM's prompt_logprobs shape, against the reference: the first null, then per position
+    {token id: {logprob, rank, decoded_token}} for the prompt token and the top_n most likely."""
+    assert len(entries) == len(prompt) and entries[0] is None
+    for i in range(1, len(prompt)):
+        row, entry = scores[i - 1], entries[i]
+        own = entry[str(prompt[i])]
+        assert own["logprob"] == pytest.approx(float(row[prompt[i]]), abs=ATOL)
+        assert own["decoded_token"] == tokenizer.decode([prompt[i]], skip_special_tokens=False)
+        assert int((row > row[prompt[i]] + ATOL).sum()) + 1 <= own["rank"] <= int((row >= row[prompt[i]] - ATOL).sum())
+        # The top_n most likely hold ranks 1..top_n (the prompt token among them when it is).
+        top = sorted((value for value in entry.values() if value["rank"] <= top_n), key=lambda value: value["rank"])
+        assert len(entry) in (top_n, top_n + 1) and [value["rank"] for value in top] == list(range(1, top_n + 1))
+        assert [value["logprob"] for value in top] == pytest.approx(row.topk(top_n).values.tolist(), abs=ATOL)
+
+
+async def test_prompt_logprobs_in_vllm_shape_on_both_routes(http, base_url, engine, reference):
+    prompt = engine.tokenizer.encode("def fibonacci(n):\n    return")
+
+    async def post(route: str, body: dict) -> dict:
+        async with http.post(base_url + route, json=body) as response:
+            assert response.status == 200, await response.text()
+            return await response.json()
+
+    completion = await post("/v1/completions", {"prompt": prompt, "max_tokens": 2, "temperature": 0,
+                                                "prompt_logprobs": 3})
+    [choice] = completion["choices"]
+    check_prompt_logprobs(choice["prompt_logprobs"], prompt, reference(prompt), 3, engine.tokenizer)
+    assert choice["logprobs"] is None  # (logprobs were not asked for)
+    plain = await post("/v1/completions", {"prompt": prompt, "max_tokens": 2, "temperature": 0})
+    assert "prompt_logprobs" not in plain["choices"][0] and plain["choices"][0]["text"] == choice["text"]
+    # Both, and echo: the engine scores the prompt once, for the larger count; each takes its own.
+    both = await post("/v1/completions", {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1,
+                                          "prompt_logprobs": 3})
+    [choice] = both["choices"]
+    check_prompt_logprobs(choice["prompt_logprobs"], prompt, reference(prompt), 3, engine.tokenizer)
+    assert all(len(top) <= 2 for top in choice["logprobs"]["top_logprobs"][1:])
+
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    async with http.post(f"{base_url}/tokenize", json={"messages": messages}) as response:
+        chat_prompt = (await response.json())["tokens"]
+    chat = await post("/v1/chat/completions", {"messages": messages, "max_tokens": 2, "temperature": 0, "n": 2,
+                                               "prompt_logprobs": 0})
+    assert chat["usage"]["prompt_tokens"] == len(chat_prompt) and len(chat["choices"]) == 2
+    check_prompt_logprobs(chat["prompt_logprobs"], chat_prompt, reference(chat_prompt), 0, engine.tokenizer)
+    assert all(len(entry) == 1 for entry in chat["prompt_logprobs"][1:])  # the prompt token's own alone
+    assert all("prompt_logprobs" not in c for c in chat["choices"])
+    plain = await post("/v1/chat/completions", {"messages": messages, "max_tokens": 2, "temperature": 0})
+    assert "prompt_logprobs" not in plain
+    await wait_idle(engine)
