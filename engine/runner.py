@@ -46,9 +46,10 @@ from .state_pool import KVPool, StatePool
 from .step import ScheduledRow, StepOutput, StepPlan, flagged
 
 
-# Logits elements a piece of a prompt's scored positions computes at once (Runner._score_prompt):
-# 64 MB of float32 (~67 positions of a 248K vocabulary), beside the step's own activations.
-PROMPT_LOGITS_ELEMENTS = 1 << 24
+# Logits elements a piece of a prompt's scored positions computes at once (Runner._score_prompt),
+# in the model's dtype: 64 MB of bf16 (~135 positions of a 248K vocabulary), beside the step's
+# own activations.
+PROMPT_LOGITS_ELEMENTS = 1 << 25
 
 
 class _Redecision(NamedTuple):
@@ -402,8 +403,8 @@ class Runner:
             return None
         index, chosen = device_tensor(index, torch.int64, self.device), device_tensor(chosen, torch.int64, self.device)
         piece = max(1, PROMPT_LOGITS_ELEMENTS // self.model.config.vocab_size)
-        return TokenScores.cat([TokenScores.of(self.model.compute_logits(hidden[index[i:i + piece]]),
-                                               chosen[i:i + piece], top_n)
+        return TokenScores.cat([self.sampler.score(self.model.logits(hidden[index[i:i + piece]]), chosen[i:i + piece],
+                                                   top_n)
                                 for i in range(0, len(index), piece)])
 
     def _first_tokens(self, hidden: torch.Tensor, rows: Sequence[ScheduledRow], start: int) -> _First:

@@ -159,11 +159,20 @@ class Sampler:
         index = [j for i in asking for j in logit_rows[i]]
         chosen = [t for i in asking for t in emitted[i]]
         top_n = max(rows[i].request.params.logprobs for i in asking)
-        scored = iter(TokenScores.of(logits[self.tensor(index)], self.tensor(chosen), top_n).read())
+        scored = iter(self.score(logits[self.tensor(index)], self.tensor(chosen), top_n).read())
         result: list[list[TokenLogprobs] | None] = [None] * len(rows)
         for i in asking:
             result[i] = [next(scored).top_n(rows[i].request.params.logprobs) for _ in emitted[i]]
         return result
+
+    def score(self, logits: torch.Tensor, chosen: torch.Tensor, top_n: int) -> TokenScores:
+        """Chosen tokens [N] scored under their logits rows [N, V] (any float dtype: the model's
+        own, no float32 copy), with the top_n most likely tokens of each row."""
+        logprob, rank, lse = self.ops.token_logprobs(logits, chosen)
+        if not top_n:
+            return TokenScores(logprob, rank, lse.new_empty(len(lse), 0), rank.new_empty(len(rank), 0))
+        top_values, top_ids = logits.topk(top_n, dim=-1)
+        return TokenScores(logprob, rank, top_values.float() - lse[:, None], top_ids)
 
     def tensor(self, values: Sequence[int]) -> torch.Tensor:
         """int64 values on the device, without stalling its stream."""
@@ -171,24 +180,13 @@ class Sampler:
 
 
 class TokenScores(NamedTuple):
-    """Chosen tokens scored on the device under the raw distribution of their logits rows:
-    log p = logit - logsumexp(logits), without a log_softmax copy of the logits. `read` brings
-    them to the host (a sync)."""
+    """Chosen tokens scored on the device under the raw distribution of their logits rows
+    (`Sampler.score`); `read` brings them to the host (a sync)."""
 
     logprob: torch.Tensor       # [N] float32
     rank: torch.Tensor          # [N] int64: 1 + the tokens with a higher logit
     top_values: torch.Tensor    # [N, top_n] float32 log-probabilities, most likely first
     top_ids: torch.Tensor       # [N, top_n] int64
-
-    @classmethod
-    def of(cls, logits: torch.Tensor, chosen: torch.Tensor, top_n: int) -> TokenScores:
-        """logits [N, V] (any float dtype), chosen [N] token ids."""
-        logits = logits.float()
-        normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
-        chosen_logits = logits.gather(1, chosen[:, None])
-        rank = (logits > chosen_logits).sum(dim=-1) + 1
-        top_values, top_ids = logits.topk(top_n, dim=-1)
-        return cls((chosen_logits - normalizer)[:, 0], rank, top_values - normalizer, top_ids)
 
     @classmethod
     def cat(cls, parts: Sequence[TokenScores]) -> TokenScores:

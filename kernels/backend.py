@@ -24,6 +24,7 @@ from .gdn_chunked import gdn_chunked_reference
 from .gdn_decode import gdn_decode_reference
 from .greedy import greedy_argmax_reference
 from .linear import linear_reference
+from .logprobs import token_logprobs_reference
 from .moe import moe_experts_reference, route_reference
 from .norms import gated_rms_norm_reference, mtp_input_reference, rms_norm_reference
 from .rope import qk_norm_rope_kv_reference
@@ -57,6 +58,7 @@ class Ops:
     fp8_moe_experts: Callable
     sample: Callable
     greedy_argmax: Callable
+    token_logprobs: Callable
     apply_token_bitmask: Callable
     penalize_rows: Callable
     record_tokens: Callable
@@ -84,6 +86,7 @@ REFERENCE_OPS = Ops(
     fp8_moe_experts=fp8_moe_experts_reference,
     sample=sample_reference,
     greedy_argmax=greedy_argmax_reference,
+    token_logprobs=token_logprobs_reference,
     apply_token_bitmask=apply_token_bitmask_reference,
     penalize_rows=penalize_rows_reference,
     record_tokens=record_tokens_reference,
@@ -96,7 +99,7 @@ def triton_ops() -> Ops:
     """The GPU table: Triton kernels where they exist; the remaining entries are the (batched,
     device-agnostic) torch references, listed here so the mix is visible in one place."""
     from . import activation, attention, conv1d, decode_metadata, embedding, fp8, gdn_chunked, gdn_decode, greedy, linear, \
-        moe, norms, penalties, rope, sampling, token_bitmask
+        logprobs, moe, norms, penalties, rope, sampling, token_bitmask
 
     return replace(
         REFERENCE_OPS,
@@ -119,6 +122,7 @@ def triton_ops() -> Ops:
         fp8_moe_experts=fp8.fp8_moe_experts,
         sample=sampling.sample,
         greedy_argmax=greedy.greedy_argmax,
+        token_logprobs=logprobs.token_logprobs,
         apply_token_bitmask=token_bitmask.apply_token_bitmask,
         penalize_rows=penalties.penalize_rows,
         record_tokens=penalties.record_tokens,

@@ -126,11 +126,11 @@ def run_engine() -> None:
 
 def run_kernels() -> None:
     """Kernels the greedy engine runs above do not reach: sampling, penalties and their statistics, grammar masks,
-    MoE's per-token path, the split GDN prefill (few long rows on a real GPU; the tiny engine
+    log-probabilities, MoE's per-token path, the split GDN prefill (few long rows on a real GPU; the tiny engine
     batches here look like CPU tensors, which take the fused path), the tensor-parallel
     all-reduce + RMSNorm with its barrier (signal pads given), and the FP8 one-row form (the
     engine reaches it only when a lone request's garbage logits happen to be finite)."""
-    from deltaspec.kernels import all_reduce_norm, fp8, gdn_chunked, moe, penalties, sampling, token_bitmask
+    from deltaspec.kernels import all_reduce_norm, fp8, gdn_chunked, logprobs, moe, penalties, sampling, token_bitmask
 
     vocab, rows = 1000, 4
     column = lambda value, dtype: torch.full((rows,), value, dtype=dtype)  # noqa: E731
@@ -156,6 +156,7 @@ def run_kernels() -> None:
                                 torch.zeros(rows, width, dtype=torch.int64), num_emitted)
     token_bitmask.apply_token_bitmask(torch.randn(rows, vocab), torch.full((rows, (vocab + 31) // 32), -1,
                                                                             dtype=torch.int32))
+    logprobs.token_logprobs(torch.randn(rows, vocab, dtype=torch.bfloat16), torch.zeros(rows, dtype=torch.int64))
     experts, top_k, hidden, inner = 8, 2, 128, 64
     x = torch.randn(1, hidden, dtype=torch.bfloat16)
     weights, ids = torch.rand(1, top_k), torch.tensor([[1, 5]])
