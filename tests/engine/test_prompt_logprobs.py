@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from deltaspec.engine import LLM, AsyncLLM, SamplingParams
+from fixtures import GPU_SHAPE
 
 
 @pytest.fixture
@@ -130,10 +131,10 @@ def test_prompt_logprobs_refused_on_a_resumed_session(path):
 
 
 @pytest.mark.gpu
-def test_prompt_logprobs_on_gpu(path):
+def test_prompt_logprobs_on_gpu(checkpoint):
     """bf16 on the GPU with its CUDA and prefill graphs (the scores read the replayed graph's
     hidden states), against the same engine's scored logits."""
-    llm = LLM(path, device="cuda", dtype="bfloat16", max_num_batched_tokens=256)
+    llm = LLM(checkpoint("qwen3_5", **GPU_SHAPE), device="cuda", dtype="bfloat16", max_num_batched_tokens=256)
     prompts = [_prompt(20 + i, n) for i, n in enumerate((17, 300, 64))]
     outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=5))
     for prompt, out in zip(prompts, outs):
