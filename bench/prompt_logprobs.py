@@ -4,7 +4,7 @@ close the scores are to HF transformers' on the same weights.
 The 0.8B shape (random weights, bf16, engine_throughput.py's build), one engine: a batch of
 prompts prefilled with max_tokens=1, without prompt log-probabilities and with them (top 0 and
 top 5: lm-eval-harness asks for 1), alternated, each timed as the median of several runs after
-a warm-up (prefix cache off, so every run prefills). Then one prompt's scores against the log
+a warm-up and a garbage collection (prefix cache off, so every run prefills). Then one prompt's scores against the log
 softmax of HF's logits (the same bf16 weights): the largest difference, and how often the
 top-1 token agrees.
 
@@ -14,6 +14,7 @@ top-1 token agrees.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -36,6 +37,9 @@ VARIANTS = {"none": None, "top0": 0, "top5": 5}
 
 def run(core: EngineCore, prompts: list[list[int]], top_n: int | None) -> tuple[float, list]:
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, prompt_logprobs=top_n)
+    # The runs before left ~10^5 objects each (scores, their lists): collected now, so that a full
+    # collection does not land inside whichever run crosses the threshold.
+    gc.collect()
     torch.cuda.synchronize()
     begin = time.perf_counter()
     requests = [core.add_request(prompt, params) for prompt in prompts]
