@@ -171,10 +171,8 @@ class Sampler:
         logprob, rank, lse = self.ops.token_logprobs(logits, chosen)
         if not top_n:
             return TokenScores(logprob, rank, lse.new_empty(len(lse), 0), rank.new_empty(len(rank), 0))
-        # topk over float32 rows: over bf16 ones torch's topk took 3x as long a row (H200, RESULTS.md,
-        # "Prompt log-probabilities").
-        top_values, top_ids = logits.float().topk(top_n, dim=-1)
-        return TokenScores(logprob, rank, top_values - lse[:, None], top_ids)
+        top_values, top_ids = logits.topk(top_n, dim=-1)
+        return TokenScores(logprob, rank, top_values.float() - lse[:, None], top_ids)
 
     def tensor(self, values: Sequence[int]) -> torch.Tensor:
         """int64 values on the device, without stalling its stream."""
