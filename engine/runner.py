@@ -389,7 +389,7 @@ class Runner:
         """The next prompt token's score at each position of the rows' prompt_logprob_spans, in
         order, from the forward's hidden states [tokens, H] (the rows' tokens first, in row
         order). The logits go through in pieces of at most PROMPT_LOGITS_ELEMENTS, so a chunk
-        of thousands of positions never holds [positions, V] float32 at once."""
+        of thousands of positions never holds its [positions, V] logits at once."""
         index, chosen, top_n = [], [], 0
         offset = 0
         for row in rows:
