@@ -6,7 +6,8 @@ of `batch` rows, each with `context` tokens already in its KV cache and a state 
 through an Ops table that records every call before running the torch reference. Each Ops call
 is one launch of the GPU step, in the step's order; what it reads is classified by identity:
 
-    weight      a parameter of the model, read whole
+    weight      a parameter of the model, read whole, or for a gather (ROW_GATHERS: the token
+                embedding) the rows its ids pick
     state       a pool tensor (StatePool, KVPool), read as the op reads it (POOL_READS): the rows
                 of the batch's slots, or the keys and values of the rows' context
     activation  anything else it is handed (the step's activations and metadata); `out` and
@@ -16,8 +17,8 @@ in_proj's epilogue, the gated norm in the out_proj's one-row form) reads what it
 the fused op would; above one row the GPU runs some of that work as launches of its own.
 
 The forward's torch ops outside the Ops table are added by hand, as bench/profile_step.py's step
-runs them: the embedding gather before the layers, and after the final norm the logits (the
-lm_head GEMM, in the model's dtype) and the argmax. Ops whose GPU kernel is two launches (split-KV
+runs them: after the final norm the logits (the lm_head GEMM, in the model's dtype) and the
+argmax. Ops whose GPU kernel is two launches (split-KV
 attention and its combine) count as one, so the list has a few launches fewer than the GPU
 step; as a floor it errs low. bf16 / fp16 / fp32 models only (FP8 activations are not counted).
 Knows nothing about timing.
@@ -46,6 +47,8 @@ from deltaspec.kernels import REFERENCE_OPS, Ops
 POOL_READS = {"causal_conv1d_decode": "slots", "gdn_decode": "slots", "paged_attention": "context",
               "qk_norm_rope_kv": "none", "linear": "slots", "linear.rope_kv": "none"}
 WRITTEN = {"out", "pending_out"}
+# Ops that read only some rows of the weight they are handed: op -> the argument holding the ids.
+ROW_GATHERS = {"embedding": "input_ids"}
 
 
 def _flat_arguments(arguments: dict) -> dict:
@@ -132,7 +135,8 @@ class _Recorder:
                 if num_bytes:  # not the empty pending buffers of a pool without speculation
                     tensors.append(self.names[id(value)])
             elif id(value) in self.names:
-                weight += value.nbytes
+                ids = ROW_GATHERS.get(op)
+                weight += value.nbytes if ids is None else arguments[ids].numel() * value[0].nbytes
                 tensors.append(self.names[id(value)])
             else:
                 activation += value.nbytes
@@ -165,7 +169,6 @@ def decode_reads(config: ModelConfig, batch: int = 1, context: int = CONTEXT,
             for r in range(batch)]
     step = ForwardBatch.build(rows, [], BLOCK, "cpu", commit=True)
     hidden_row = config.hidden_size * dtype.itemsize
-    embedding = Read("embedding", 0, batch * hidden_row, 0, step.input_ids.nbytes, ("embed_tokens",))
     with torch.inference_mode():
         model(step, states, kv)
     head = config.num_hidden_layers
@@ -174,7 +177,7 @@ def decode_reads(config: ModelConfig, batch: int = 1, context: int = CONTEXT,
     # greedy_argmax(model.logits(hidden)): the GEMM, then the argmax over the model-dtype logits.
     tail = (Read("lm_head", head, model.lm_head_weight.nbytes, 0, batch * hidden_row, (lm_head,)),
             Read("argmax", head, 0, 0, logits * dtype.itemsize, ()))
-    return (embedding, *recorder.reads, *tail)
+    return (*recorder.reads, *tail)
 
 
 def shape_config(shape: str) -> ModelConfig:
