@@ -14,7 +14,7 @@ steps of every kind: prefill rows in each bucket 1, 2, 4, .. max_num_seqs, besid
 even number of decode rows, 1, 2 and 4 prompts alone filling a step, short and
 checkpoint-crossing prompts, greedy and sampled rows, a cached prompt, small steps of a few short
 prompts beside a few decode rows, and rows sampled as users configure them (penalties, logit
-bias, bad words, min_tokens, a JSON grammar, log-probabilities), beside plain rows, as whole
+bias, bad words, min_tokens, a JSON grammar, log-probabilities, prompt scores), beside plain rows, as whole
 batches and mixed in one batch, at every draft count (the policy pinned to each in turn). An engine with a draft editor
 (tests) is not warmed up: the editor sees every request.
 
@@ -91,13 +91,13 @@ def warm_up(core) -> float:
 
 def _configured(greedy: SamplingParams, sampled: SamplingParams, vocab: int) -> list[SamplingParams]:
     """Greedy and sampled variants of penalized (alone, and with bias, bans and min_tokens),
-    constrained, both (with a bias and without), and log-probability rows."""
+    constrained, both (with a bias and without), log-probability rows and prompt-scoring ones."""
     penalties = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.1)
     biased = dict(penalties, logit_bias={vocab // 2: 2.0, vocab // 3: -2.0}, bad_words=("the",), min_tokens=2)
     structured = Structured("json_object")
     # The penalty pass has a variant with logit bias and one without.
     variants = [penalties, biased, dict(structured=structured), dict(penalties, structured=structured),
-                dict(biased, structured=structured), dict(logprobs=2)]
+                dict(biased, structured=structured), dict(logprobs=2), dict(prompt_logprobs=1)]
     return [dataclasses.replace(base, **variant) for base in (greedy, sampled) for variant in variants]
 
 
@@ -162,8 +162,8 @@ def _run(core) -> float:
                 core.step()
             core.add_request(prompt(rng.randint(1, 4)), greedy)
     # Rows sampled as users configure them, the kernels their steps add (penalty pass, bans,
-    # grammar masks, log-probabilities) in each variant: a few such rows beside plain ones, then
-    # a batch of nothing else (every row redecided), greedy and sampled. Once at every draft
+    # grammar masks, log-probabilities of outputs and of prompts) in each variant: a few such
+    # rows beside plain ones, then a batch of nothing else (every row redecided), greedy and sampled. Once at every draft
     # count: those kernels read the step's logits as [rows, K + 1, V], whose strides (and so the
     # kernels' specializations) change with K, which an adaptive policy picks from the costs it
     # measures (another machine or another build, another K).
