@@ -160,11 +160,16 @@ class Request:
             self.prompt_logprobs = [None]
 
     @property
+    def prompt_scored(self) -> bool:
+        """Whether its prompt's log-probabilities are all computed (False: none asked for)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) == len(self.prompt_token_ids)
+
+    @property
     def restorable(self) -> int:
         """The longest prefix of its tokens a restore may skip: all of them, unless prompt
         log-probabilities are still to be computed, whose positions must run (from
         len(prompt_logprobs) - 1 on)."""
-        pending = self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+        pending = self.prompt_logprobs is not None and not self.prompt_scored
         return len(self.prompt_logprobs) - 1 if pending else self.num_tokens
 
     def prompt_logprob_span(self, start: int, end: int) -> tuple[int, int]:
@@ -292,8 +297,7 @@ class Request:
         if not finished and params.stop:
             safe_chars = max(emitted_chars, safe_chars - params.longest_stop + 1)
         prompt_logprobs = None
-        if self.prompt_logprobs is not None and not self._prompt_logprobs_sent \
-                and len(self.prompt_logprobs) == len(self.prompt_token_ids):
+        if self.prompt_scored and not self._prompt_logprobs_sent:
             prompt_logprobs, self._prompt_logprobs_sent = list(self.prompt_logprobs), True
         delta = RequestDelta(self.request_id, self.output_token_ids[emitted_tokens:], text[emitted_chars:safe_chars],
                              self.finish_reason,

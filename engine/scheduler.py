@@ -340,10 +340,8 @@ class Scheduler:
         """Give a waiting request a slot and the KV blocks of its first chunk, restoring the
         longest cached prefix of its tokens (or the session it resumes). Returns the chunk
         length (0: everything is cached) or None when it does not fit now."""
-        fork_of = request.fork_of
-        if request.prompt_logprobs is not None and fork_of is not None and fork_of.prompt_logprobs is not None \
-                and len(fork_of.prompt_logprobs) == len(request.prompt_token_ids):
-            request.prompt_logprobs = list(fork_of.prompt_logprobs)  # the same prompt, the same scores
+        if request.prompt_logprobs is not None and request.fork_of is not None and request.fork_of.prompt_scored:
+            request.prompt_logprobs = list(request.fork_of.prompt_logprobs)  # the same prompt, the same scores
         restorable = request.restorable
         hit = request.resume_from or (self.cache.lookup(request.token_ids(0, restorable)) if restorable else None)
         start = hit.position if hit is not None else 0
