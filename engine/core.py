@@ -255,10 +255,12 @@ class EngineCore:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         params = params.resolve(self.generation_defaults)
-        outside = [t for t, _ in params.logit_bias if t >= self.model_config.vocab_size]
-        if outside:
-            raise ValueError(f"logit_bias token ids outside the vocabulary [0, {self.model_config.vocab_size}): "
-                             f"{outside[:8]}")
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            outside = [t for t in ids if t >= self.model_config.vocab_size]
+            if outside:
+                raise ValueError(f"{name} token ids outside the vocabulary [0, {self.model_config.vocab_size}): "
+                                 f"{outside[:8]}")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         checkpoint = None
         if resume_from is not None and params.prompt_logprobs is not None:

@@ -1,4 +1,4 @@
-"""Penalties, logit bias, min_tokens and bad words (SamplingParams) on the device, per slot.
+"""Penalties, logit bias, min_tokens, bad words and allowed tokens (SamplingParams) on the device, per slot.
 
 Each slot running a penalized request has a row of statistics on the device: `output_counts`
 [N, V] int32 (how often each token was generated), `prompt_mask` [N, V] bool (tokens of the
@@ -22,8 +22,8 @@ While a steady batch keeps its statistics rows (the same index tensor, step afte
 parameters gathered for them are reused, not gathered again: a step's adjustment is then one
 pass (when every row is penalized; a copy of the others first when some are not).
 
-`adjust` rewrites the logits of penalized rows before sampling (vLLM's order): bad words and
-min_tokens set banned tokens to -inf, logit_bias adds, then for a token with output count c,
+`adjust` rewrites the logits of penalized rows before sampling (vLLM's order): allowed_token_ids,
+bad words and min_tokens set the tokens they exclude to -inf, logit_bias adds, then for a token with output count c,
 seen in prompt or output: x / r if x > 0 else x * r (repetition r), then x - f * c - p * [c > 0].
 The pass does the bias and the penalties while it widens the logits to the float32 working copy;
 the bans follow it (-inf stays -inf through both: the same logits as banning first).
@@ -173,12 +173,14 @@ class Penalties:
             penalized_rows = index
         out = self.ops.penalize_rows(steps, self.output_counts, self.prompt_mask, stats, gathered.repetition,
                                      gathered.frequency, gathered.presence, drafts, penalized_rows, *bias, out=out)
-        if any(r.request.bad_words_token_ids or r.request.params.min_tokens for r in rows):
+        if any(r.request.bad_words_token_ids or r.request.params.min_tokens
+               or r.request.params.allowed_token_ids is not None for r in rows):
             # Bans after the pass: -inf stays -inf through the bias and the penalties (repetition
             # > 0), so banning first, as vLLM orders it, gives the same logits.
             x = out[index]                                                                 # [P, W, V]
             self._ban_bad_words(x, rows, stats, drafts)
             self._ban_stops_before_min_tokens(x, rows, stats)
+            self._keep_allowed_tokens(x, rows)
             if not isinstance(index, slice):  # x is a gathered copy then
                 out[index] = x
         return out.view(-1, vocab)
@@ -226,6 +228,17 @@ class Penalties:
         row, token = (self._tensor(column) for column in zip(*entries))
         banned = x[row, :, token]                                                      # [E, W]
         x[row, :, token] = torch.where(early[row], float("-inf"), banned)
+
+    def _keep_allowed_tokens(self, x: torch.Tensor, rows: Sequence[ScheduledRow]) -> None:
+        """Every position of a row with allowed_token_ids: all other tokens at -inf."""
+        entries = [(p, t) for p, r in enumerate(rows) if r.request.params.allowed_token_ids is not None
+                   for t in r.request.params.allowed_token_ids]
+        if not entries:
+            return
+        row, token = (self._tensor(column) for column in zip(*entries))
+        kept = x[row, :, token]                                                        # [E, W]
+        x[self._tensor(sorted({p for p, _ in entries}))] = float("-inf")
+        x[row, :, token] = kept
 
     def _rows(self, rows: Sequence[ScheduledRow]) -> torch.Tensor:
         """The statistics rows of the rows' slots, on the device (now the most recently used)."""

@@ -4,8 +4,10 @@ Stop rules: max_tokens and the context limit finish with "length" (a constrained
 there is unfinished, and reported so); EOS (unless ignore_eos), a stop token id, a stop string,
 or a completed grammar (SamplingParams.structured) finish with "stop"; an abort finishes with "abort". A stop
 string may span token boundaries: it is searched in the new text plus the tail that could hold
-its start, and the text ends right before it. While streaming, text that could still turn into
-a stop string is held back until it cannot.
+its start, and the text ends right before it. A stop token's own text is left out too (EOS's is
+empty unless special tokens are written). SamplingParams.include_stop_str_in_output keeps both
+(the text then ends right after the stop string). While streaming, text that could still turn
+into a stop string is held back until it cannot.
 
 Knows nothing about devices or batching; the scheduler owns the scheduling fields.
 """
@@ -140,6 +142,9 @@ class Request:
     spec_stats: SpecStats = field(default_factory=SpecStats)
     # Streaming cursors.
     _num_detokenized: int = 0  # output tokens the detokenizer has (their text is in `text`)
+    # 1 when the last output token is a stop token whose text stays out of `text` (vLLM's rule,
+    # unless include_stop_str_in_output): it is never given to the detokenizer.
+    _hidden_tail: int = 0
     _emitted_tokens: int = 0
     _emitted_chars: int = 0
     _prompt_logprobs_sent: bool = False
@@ -150,7 +155,7 @@ class Request:
         """params: resolved (SamplingParams.resolve)."""
         return cls(request_id, list(prompt_token_ids), params, seed, arrival,
                    min(len(prompt_token_ids) + params.max_tokens, max_model_len),
-                   tokenizer.detokenizer(list(prompt_token_ids)),
+                   tokenizer.detokenizer(list(prompt_token_ids), params.skip_special_tokens),
                    frozenset(params.stop_token_ids).union(() if params.ignore_eos else tokenizer.eos_token_ids),
                    tuple(ids for word in params.bad_words for ids in bad_word_token_ids(word, tokenizer)))
 
@@ -230,6 +235,7 @@ class Request:
             taken += 1
             self.finish_reason = self._stop_reason(token_id, taken == grammar_end)
             if self.finish_reason is not None:
+                self._hidden_tail = int(self._hides(token_id))
                 break
         if logprobs is not None:
             self.output_logprobs += logprobs[:taken]
@@ -243,8 +249,9 @@ class Request:
         behind = [r for r in requests if r._num_detokenized < len(r.output_token_ids)]
         if not behind:
             return
-        deltas = type(behind[0].detokenizer).push_all([r.detokenizer for r in behind],
-                                                      [r.output_token_ids[r._num_detokenized:] for r in behind])
+        deltas = type(behind[0].detokenizer).push_all(
+            [r.detokenizer for r in behind],
+            [r.output_token_ids[r._num_detokenized:len(r.output_token_ids) - r._hidden_tail] for r in behind])
         for request, delta in zip(behind, deltas):
             request.text += delta
             request._num_detokenized = len(request.output_token_ids)
@@ -256,19 +263,29 @@ class Request:
         string the token completes."""
         self.output_token_ids.append(token_id)
         self.num_tokens += 1
+        if self._hides(token_id):
+            self._num_detokenized += 1
+            self.finish_reason = "stop"
+            self.text += self.detokenizer.flush()
+            return
         # A stop string completed by this token starts at most (longest stop - 1) chars before
         # the new text.
         search_from = max(0, len(self.text) - self.params.longest_stop + 1)
         self.text += self.detokenizer.push([token_id])
         self._num_detokenized += 1
-        cut = min((i for i in (self.text.find(s, search_from) for s in self.params.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            self.text = self.text[:cut]
+        found = [(i, stop) for stop in self.params.stop if (i := self.text.find(stop, search_from)) >= 0]
+        if found:
+            cut, stop = min(found, key=lambda f: f[0])  # the first to start; of those, the first listed
+            self.text = self.text[:cut + len(stop) if self.params.include_stop_str_in_output else cut]
             self.finish_reason = "stop"
             return
         self.finish_reason = self._stop_reason(token_id, completes_grammar)
         if self.finish_reason is not None:
             self.text += self.detokenizer.flush()
+
+    def _hides(self, token_id: int) -> bool:
+        """Whether token_id is a stop token whose text stays out of the output."""
+        return token_id in self.stop_token_ids and not self.params.include_stop_str_in_output
 
     def _stop_reason(self, token_id: int, completes_grammar: bool) -> str | None:
         """Why the request ends after token_id, its newest output token (stop strings aside);

@@ -38,7 +38,13 @@ class SamplingParams:
     ignore_eos, and stop_token_ids) until that many tokens were generated; repetition_penalty
     divides the positive logits and multiplies the negative ones of every token seen in the
     prompt or the output; frequency_penalty subtracts itself times the token's count in the
-    output, presence_penalty itself once for a token in the output."""
+    output, presence_penalty itself once for a token in the output. allowed_token_ids (vLLM's)
+    keeps only those tokens' logits (EOS too may then be drawn only when listed); applied with
+    the penalties, and like a grammar's mask it holds at every position a verify row scores.
+
+    include_stop_str_in_output: a stop string that ends the output stays in its text (cut after
+    it, not before). skip_special_tokens: the text leaves out special tokens (those the
+    tokenizer marks special); False writes them, as the tokenizer's decode does."""
 
     max_tokens: int = 16
     temperature: float | None = None
@@ -60,8 +66,11 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]); a mapping is taken too
     min_tokens: int = 0
     bad_words: tuple[str, ...] = ()
-    # Output constrained to a grammar (structured.py): a JSON schema, any JSON object, a regex
-    # or a choice of strings. A (kind, spec) pair or a mapping {kind: spec} is taken too.
+    allowed_token_ids: tuple[int, ...] | None = None  # None: every token; else non-empty
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # Output constrained to a grammar (structured.py): a JSON schema, any JSON object, a regex,
+    # a choice of strings or a context-free grammar. A (kind, spec) pair or a mapping {kind: spec} is taken too.
     structured: Structured | None = None
     # Derived: length of the longest stop string (1 without any), for stop-string search windows.
     longest_stop: int = field(init=False, repr=False, compare=False)
@@ -80,6 +89,15 @@ class SamplingParams:
                            else tuple(self.bad_words))
         object.__setattr__(self, "longest_stop", max(map(len, self.stop), default=1))
         problems = []
+        if self.allowed_token_ids is not None:
+            try:
+                allowed = tuple(sorted({int(t) for t in self.allowed_token_ids}))
+            except (TypeError, ValueError):
+                allowed = (-1,)
+            if not allowed or allowed[0] < 0:
+                problems.append(f"allowed_token_ids must be a non-empty list of token ids >= 0, "
+                                f"got {self.allowed_token_ids!r}")
+            object.__setattr__(self, "allowed_token_ids", allowed)
         if self.structured is not None and not isinstance(self.structured, Structured):
             value = self.structured
             pairs = list(value.items()) if isinstance(value, Mapping) else [tuple(value)] \
@@ -135,7 +153,7 @@ class SamplingParams:
             raise ValueError("invalid SamplingParams: " + "; ".join(problems))
         object.__setattr__(self, "penalized", bool(
             self.repetition_penalty not in (None, 1) or self.presence_penalty or self.frequency_penalty
-            or self.logit_bias or self.min_tokens or self.bad_words))
+            or self.logit_bias or self.min_tokens or self.bad_words or self.allowed_token_ids is not None))
 
     def resolve(self, defaults: Mapping[str, float | int] | None = None) -> SamplingParams:
         """These params with every unset distribution field taken from `defaults` (the

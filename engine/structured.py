@@ -1,8 +1,9 @@
 """Structured output: a request's output constrained to a grammar (llguidance).
 
 `Structured` names the constraint (SamplingParams.structured): a JSON schema, any JSON object,
-a regex, or one of a list of strings; it is compiled to llguidance's grammar format and checked
-when the params are built (a bad schema or regex is a ValueError). `Grammars` (one per engine)
+a regex, one of a list of strings, or a context-free grammar (Lark, llguidance's dialect, or
+llama.cpp's GBNF, which vLLM users send as EBNF); it is compiled to llguidance's grammar format
+and checked when the params are built (a bad schema, regex or grammar is a ValueError). `Grammars` (one per engine)
 owns the tokenizer llguidance matches against, built on the first constrained request (about a
 second for a large vocabulary), and makes each request's `Matcher` at add_request.
 
@@ -28,25 +29,29 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import llguidance
 import torch
+from llguidance.gbnf_to_lark import any_to_lark
 
 if TYPE_CHECKING:  # step.py imports this module (through request.py and sampling_params.py)
     from .step import ScheduledRow
     from .tokenizer import Tokenizer
 
-KINDS = ("json_schema", "json_object", "regex", "choice")
-# Compact JSON: no whitespace between tokens, so a model cannot spin in whitespace until its
-# length runs out (and a completed value ends the grammar at once).
-_JSON_OPTIONS = {"whitespace_flexible": False}
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+_JSON_KINDS = ("json_schema", "json_object")
 
 
 @dataclass(frozen=True)
 class Structured:
     """kind: one of KINDS. spec: the JSON schema (a JSON string or a dict, stored as a string:
     the params stay hashable) for json_schema, the pattern for regex, the options (a tuple of
-    strings) for choice, nothing for json_object."""
+    strings) for choice, the grammar's text for grammar (Lark or GBNF, told apart by its rules'
+    syntax: `::=` is GBNF), nothing for json_object.
+    any_whitespace (JSON kinds only): JSON may have whitespace between its tokens. Off by
+    default, compact JSON: a model cannot spin in whitespace until its length runs out, and a
+    completed value ends the grammar at once (vLLM allows any unless disable_any_whitespace)."""
 
     kind: str
     spec: str | tuple[str, ...] | None = None
+    any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -69,8 +74,13 @@ class Structured:
             if not options or any(not isinstance(o, str) or not o for o in options):
                 raise ValueError(f"choice must be non-empty strings, got {spec!r}")
             object.__setattr__(self, "spec", options)
+        elif self.kind == "grammar":
+            if not isinstance(spec, str) or not spec.strip():
+                raise ValueError(f"grammar must be a non-empty string, got {spec!r}")
         elif spec is not None:
             raise ValueError("json_object takes no spec")
+        if self.any_whitespace and self.kind not in _JSON_KINDS:
+            raise ValueError(f"any_whitespace applies to JSON constraints only, not {self.kind}")
         error = llguidance.LLMatcher.validate_grammar(self.grammar())
         if error:
             raise ValueError(f"invalid {self.kind} constraint: {error.strip()}")
@@ -78,12 +88,16 @@ class Structured:
     def grammar(self) -> str:
         """The constraint in llguidance's grammar format."""
         make = llguidance.LLMatcher
-        if self.kind == "json_schema":
-            return make.grammar_from_json_schema(self.spec, defaults=_JSON_OPTIONS)
-        if self.kind == "json_object":
-            return make.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+        if self.kind in _JSON_KINDS:
+            schema = self.spec if self.kind == "json_schema" else {"type": "object"}
+            return make.grammar_from_json_schema(schema, defaults={"whitespace_flexible": self.any_whitespace})
         if self.kind == "regex":
             return make.grammar_from_regex(self.spec)
+        if self.kind == "grammar":
+            try:
+                return make.grammar_from_lark(any_to_lark(self.spec))
+            except Exception as error:  # the GBNF converter raises its own parse errors
+                raise ValueError(f"invalid grammar constraint: {error}") from error
         return make.grammar_from_regex("|".join(re.escape(o) for o in self.spec))
 
 

@@ -194,11 +194,12 @@ class Tokenizer:
             text = self._token_texts[token_id] = self.decode([token_id])
         return text
 
-    def detokenizer(self, prompt_token_ids: list[int] | None = None) -> Detokenizer:
-        """A streaming detokenizer for one output; the prompt is context where the decoder needs it."""
+    def detokenizer(self, prompt_token_ids: list[int] | None = None, skip_special_tokens: bool = True) -> Detokenizer:
+        """A streaming detokenizer for one output; the prompt is context where the decoder needs
+        it. skip_special_tokens: as in decode."""
         if self.token_bytes is not None:
-            return ByteLevelDetokenizer(self.token_bytes)
-        return IncrementalDetokenizer(self, prompt_token_ids)
+            return ByteLevelDetokenizer(self.token_bytes if skip_special_tokens else self.special_token_bytes)
+        return IncrementalDetokenizer(self, prompt_token_ids, skip_special_tokens)
 
     @cached_property
     def token_bytes(self) -> tuple[bytes, ...] | None:
@@ -224,6 +225,19 @@ class Tokenizer:
         decoded = self._tokenizer.decode_batch([[token_id] for token_id in range(len(table))])
         if any(text != raw.decode("utf-8", "replace") for text, raw in zip(decoded, table)):
             return None
+        return tuple(table)
+
+    @cached_property
+    def special_token_bytes(self) -> tuple[bytes, ...] | None:
+        """token_bytes with each special token's own text (decode with skip_special_tokens=False:
+        a byte-level decoder writes an added token's content as it is)."""
+        table = self.token_bytes
+        if table is None:
+            return None
+        table = list(table)
+        for token_id, token in self._tokenizer.get_added_tokens_decoder().items():
+            if token.special and token_id < len(table):
+                table[token_id] = token.content.encode()
         return tuple(table)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
@@ -306,8 +320,10 @@ class IncrementalDetokenizer:
     # precedes it (SentencePiece's leading-space rule), like vLLM's initial offset.
     PROMPT_CONTEXT_TOKENS = 5
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int] | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int] | None = None,
+                 skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
         self._ids = list(prompt_token_ids or [])[-self.PROMPT_CONTEXT_TOKENS:]
         self._read_offset = len(self._ids)
 
@@ -319,7 +335,7 @@ class IncrementalDetokenizer:
         """Return the text still held back at the end of the output, even if incomplete."""
         if self._read_offset == len(self._ids):
             return ""
-        return self._advance(self._tokenizer.decode(self._ids), final=True)  # never None when final
+        return self._advance(self._decode(self._ids), final=True)  # never None when final
 
     @staticmethod
     def push_all(detokenizers: Sequence[IncrementalDetokenizer], token_ids: Sequence[list[int]]) -> list[str]:
@@ -332,7 +348,7 @@ class IncrementalDetokenizer:
         incomplete character."""
         for detokenizer, new in zip(detokenizers, token_ids):
             detokenizer._ids += new
-        texts = [detokenizer._tokenizer.decode(detokenizer._ids) for detokenizer in detokenizers]
+        texts = [detokenizer._decode(detokenizer._ids) for detokenizer in detokenizers]
         deltas = []
         for detokenizer, new, text in zip(detokenizers, token_ids, texts):
             delta = detokenizer._advance(text, final=False)
@@ -342,6 +358,9 @@ class IncrementalDetokenizer:
             deltas.append(delta or "")
         return deltas
 
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
     def _advance(self, text: str, final: bool) -> str | None:
         """Emit `text`, the decode of the window and the pending tokens, past the window's own
         text; None (nothing advances) while it ends in an incomplete character, unless final."""
@@ -350,7 +369,8 @@ class IncrementalDetokenizer:
             return ""
         if not final and text.endswith(REPLACEMENT_CHARACTER):
             return None
-        window_text = self._tokenizer.decode_token(ids[0]) if read == 1 else self._tokenizer.decode(ids[:read])
+        window_text = self._tokenizer.decode_token(ids[0]) if read == 1 and self._skip_special_tokens \
+            else self._decode(ids[:read])
         # The new tokens become the next window; everything before it is no longer needed.
         del ids[:read]
         self._read_offset = len(ids)

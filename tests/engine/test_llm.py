@@ -64,6 +64,46 @@ def test_stop_string_across_token_boundaries(llm):
     assert out.token_ids == full.token_ids[:len(out.token_ids)]
 
 
+def test_stop_texts_leave_the_output_unless_included(llm):
+    """A stop string or a stop token ends the text before it (vLLM's rule: the stop token's id is
+    in token_ids, its text is not); include_stop_str_in_output keeps either, and cuts the text
+    right after the stop string."""
+    greedy = dict(max_tokens=40, temperature=0, ignore_eos=True)
+    full = llm.generate("The quick", SamplingParams(**greedy))[0]
+    tokenizer, text, ids = llm.tokenizer, full.text, full.token_ids
+    stop = text[5:12]
+    start = text.index(stop)
+    for include, expected in ((False, text[:start]), (True, text[:start + len(stop)])):
+        params = SamplingParams(**greedy, stop=[stop, "\x00never"], include_stop_str_in_output=include)
+        out = llm.generate("The quick", params)[0]
+        assert out.finish_reason == "stop" and out.text == expected and out.token_ids == ids[:len(out.token_ids)]
+    # The 6th token as a stop token (its text is not special: it shows unless it is the stop).
+    stop_id = ids[5]
+    end = ids.index(stop_id) + 1
+    assert tokenizer.decode([stop_id])
+    for include, stop_strings in ((False, ()), (True, ()), (False, ("\x00never",)), (True, ("\x00never",))):
+        params = SamplingParams(**greedy, stop_token_ids=[stop_id], stop=stop_strings, include_stop_str_in_output=include)
+        out = llm.generate("The quick", params)[0]
+        assert out.token_ids == ids[:end] and out.finish_reason == "stop"
+        assert out.text == tokenizer.decode(ids[:end] if include else ids[:end - 1])
+
+
+def test_skip_special_tokens_false_writes_them(llm):
+    """Special tokens a request generates show in its text with skip_special_tokens=False, as
+    the tokenizer's decode writes them, and EOS (a stop token) stays out of it. Forced with
+    logit_bias: the tiny model would rarely pick them."""
+    tokenizer = llm.tokenizer
+    start, end = tokenizer.encode("<|im_start|>")[0], tokenizer.encode("<|im_end|>")[0]
+    assert end in tokenizer.eos_token_ids
+    for skip in (True, False):
+        params = SamplingParams(max_tokens=6, temperature=0, logit_bias={start: 100.0}, skip_special_tokens=skip)
+        out = llm.generate("hello", params)[0]
+        assert out.token_ids == [start] * 6 and out.text == ("" if skip else "<|im_start|>" * 6)
+        params = SamplingParams(max_tokens=6, temperature=0, logit_bias={end: 100.0}, skip_special_tokens=skip)
+        out = llm.generate("hello", params)[0]
+        assert out.token_ids == [end] and out.text == "" and out.finish_reason == "stop"
+
+
 def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
     params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
     alone = llm.generate("Hello, world", params)[0].token_ids

@@ -1,4 +1,4 @@
-"""Penalties, logit_bias, min_tokens and bad_words (engine/penalties.py) against a reference
+"""Penalties, logit_bias, min_tokens, bad_words and allowed_token_ids (engine/penalties.py) against a reference
 written here over the full logits with plain Python; in mixed batches; with speculation at
 every acceptance count; and the checkpoint's generation defaults."""
 
@@ -180,6 +180,41 @@ def test_bans_beside_unpenalized_rows_give_each_request_its_solo_output(checkpoi
     assert together == alone
 
 
+@pytest.mark.parametrize("k", [0, 2])
+def test_allowed_token_ids(checkpoint, k):
+    """allowed_token_ids (vLLM's): greedy output is the argmax of the logits restricted to the
+    list (teacher-forced against `score`), sampled output stays in it, EOS outside the list
+    never ends a request, and beside unrestricted and penalized rows each request gets its solo
+    output; without speculation and verified with 2 MTP drafts."""
+    llm = _llm(checkpoint("qwen3_5", mtp_copy_of_last_layer=True), num_draft_tokens=k, adaptive_draft_length=False)
+    rng = random.Random(70 + k)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))] for _ in range(5)]
+    plain = llm.generate(prompts[0], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids
+    # No list holds EOS; the greedy row's leaves out the tokens its plain output starts with.
+    eos = set(llm.tokenizer.eos_token_ids)
+    tokens = [t for t in range(VOCAB) if t not in eos]
+    allowed = [sorted(rng.sample([t for t in tokens if t not in plain[:2]], 20)), sorted(rng.sample(tokens, 3)),
+               [plain[3]]]
+    params = [SamplingParams(max_tokens=12, temperature=0, allowed_token_ids=allowed[0]),
+              SamplingParams(max_tokens=12, temperature=0.9, seed=3, allowed_token_ids=allowed[1],
+                             presence_penalty=1.5),
+              SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0, allowed_token_ids=allowed[2], repetition_penalty=1.3),
+              random_params(rng, greedy=False, max_tokens=12)]
+    alone = [llm.generate(p, q)[0] for p, q in zip(prompts, params)]
+    together = llm.generate(prompts, params)
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    for i, ids in ((0, allowed[0]), (1, allowed[1]), (3, allowed[2])):
+        out = together[i].token_ids
+        assert set(out) <= set(ids) and len(out) == 12 and together[i].finish_reason == "length"
+    assert together[3].token_ids == [plain[3]] * 12
+    logits = llm.score(prompts[0] + together[0].token_ids[:-1])[len(prompts[0]) - 1:]
+    for step, token in enumerate(together[0].token_ids):
+        x = torch.full_like(logits[step], float("-inf"))
+        x[allowed[0]] = logits[step][allowed[0]]
+        assert x[token] >= x.max() - 1e-4, f"step {step}: {token} is not the restricted argmax {int(x.argmax())}"
+
+
 def test_each_slot_samples_with_the_request_running_in_it(path):
     """Sampling parameters, penalty coefficients and logit bias are kept per slot on the device,
     written when a request starts: staggered requests (one arriving with a wider logit_bias than
@@ -252,7 +287,8 @@ def test_speculation_keeps_penalized_output(checkpoint, k):
 def test_sampling_params_validation():
     for bad in (dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(repetition_penalty=0),
                 dict(logit_bias={1: 101}), dict(logit_bias={-1: 1}), dict(logit_bias={"x": 1}),
-                dict(min_tokens=-1), dict(min_tokens=20, max_tokens=10), dict(bad_words=[""])):
+                dict(min_tokens=-1), dict(min_tokens=20, max_tokens=10), dict(bad_words=[""]),
+                dict(allowed_token_ids=[]), dict(allowed_token_ids=[-1, 2]), dict(allowed_token_ids=["x"])):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
 
@@ -261,6 +297,8 @@ def test_engine_rejects_bias_outside_the_vocabulary(path):
     llm = _llm(path, num_draft_tokens=0)
     with pytest.raises(ValueError, match="logit_bias"):
         llm.generate([1, 2], SamplingParams(logit_bias={VOCAB: 1.0}))
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        llm.generate([1, 2], SamplingParams(allowed_token_ids=[3, VOCAB]))
 
 
 def test_generation_config_defaults(path, tmp_path):

@@ -191,6 +191,42 @@ def test_json_object_regex_and_choice(checkpoint):
                 assert output.finish_reason == "stop" and output.text in spec
 
 
+def test_grammar_in_gbnf_and_lark(checkpoint):
+    """A context-free grammar written in llama.cpp's GBNF (vLLM users' EBNF) and the same in
+    Lark: sampled outputs of both follow it, and the two dialects give the same greedy output."""
+    llm = LLM(checkpoint("qwen3_5"), num_draft_tokens=0)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(VOCAB) for _ in range(5)] for _ in range(6)]
+    gbnf = 'root ::= item ("," item){0,2} "."\nitem ::= "cat" | "dog" | [0-9] [0-9]? | "(" word ")"\nword ::= [a-c]{1,3}'
+    lark = 'start: item ("," item)~0..2 "."\nitem: "cat" | "dog" | /[0-9]{1,2}/ | "(" WORD ")"\nWORD: /[a-c]{1,3}/'
+    pattern = r"(cat|dog|\d{1,2}|\([a-c]{1,3}\))(,(cat|dog|\d{1,2}|\([a-c]{1,3}\))){0,2}\."
+    greedy = {}
+    for name, grammar in (("gbnf", gbnf), ("lark", lark)):
+        sampled = SamplingParams(max_tokens=60, temperature=1.0, seed=rng.randrange(2**31),
+                                 structured=Structured("grammar", grammar))
+        for output in llm.generate(prompts, sampled):
+            assert output.finish_reason == "stop" and re.fullmatch(pattern, output.text), output.text
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=60, temperature=0, structured=("grammar", grammar)))
+        greedy[name] = [o.text for o in outputs]
+        assert all(re.fullmatch(pattern, text) for text in greedy[name]), greedy[name]
+    assert greedy["gbnf"] == greedy["lark"]
+
+
+def test_any_whitespace_lets_json_have_whitespace(tmp_path):
+    """Compact JSON by default: after "{" no whitespace token is allowed; any_whitespace=True
+    allows it (vLLM's default, which its users turn off with disable_any_whitespace)."""
+    tokenizer = Tokenizer.from_dir(make_tokenizer(tmp_path))
+    grammars = Grammars(tokenizer, VOCAB)
+    space = tokenizer.encode(" ")
+    assert len(space) == 1
+    for kind, spec in (("json_object", None), ("json_schema", SCHEMA)):
+        for any_whitespace in (False, True):
+            matcher = grammars.matcher(Structured(kind, spec, any_whitespace=any_whitespace)).llmatcher
+            assert matcher.consume_tokens(tokenizer.encode("{"))
+            mask = matcher.compute_bitmask()
+            assert bool(mask[space[0] // 8] >> (space[0] % 8) & 1) == any_whitespace
+
+
 def test_unfinished_output_at_max_tokens_reports_length(checkpoint):
     llm = LLM(checkpoint("qwen3_5"), num_draft_tokens=0)
     output = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0,
@@ -248,12 +284,15 @@ def test_matcher_advance_takes_a_steps_tokens_at_once(tmp_path):
 def test_bad_constraints_are_value_errors():
     for kind, spec in (("json_schema", {"type": "objectx"}), ("json_schema", "{not json"), ("json_schema", [1]),
                        ("regex", "[a-"), ("regex", ""), ("choice", ()), ("choice", ("a", "")), ("xml", None),
-                       ("json_object", "x")):
+                       ("json_object", "x"), ("grammar", ""), ("grammar", "root ::= missing"),
+                       ("grammar", "start: missing"), ("grammar", "root ::= [a-"), ("grammar", 3)):
         with pytest.raises(ValueError):
             SamplingParams(structured=(kind, spec))
     for bad in ("json_object", ("regex",), {"regex": "a", "choice": ("a",)}):
         with pytest.raises(ValueError):
             SamplingParams(structured=bad)
+    with pytest.raises(ValueError):
+        Structured("regex", "a+", any_whitespace=True)
     assert SamplingParams(structured={"regex": "a+"}).structured == Structured("regex", "a+")
 
 

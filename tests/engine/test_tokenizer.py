@@ -68,6 +68,26 @@ def test_special_tokens_encode_and_skip(tokenizer: Tokenizer) -> None:
     assert tokenizer.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>"
 
 
+@pytest.mark.parametrize("kind", list(DETOKENIZERS))
+def test_detokenizers_write_special_tokens_when_asked(tokenizer: Tokenizer, kind: str) -> None:
+    """skip_special_tokens=False streams what decode(..., skip_special_tokens=False) writes, a
+    token at a time and in random chunks; True leaves them out as decode does."""
+    rng = random.Random(5)
+    ids = tokenizer.encode("<|im_start|>user\n中文 🙂 hi<|im_end|><|endoftext|>x<|im_start|>")
+    for skip in (True, False):
+        for _ in range(5):
+            detokenizer = tokenizer.detokenizer([], skip_special_tokens=skip)
+            if kind == "generic":
+                detokenizer = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=skip)
+            assert isinstance(detokenizer, ByteLevelDetokenizer if kind == "byte_level" else IncrementalDetokenizer)
+            text, start = "", 0
+            while start < len(ids):
+                size = rng.randint(1, 3)
+                text += detokenizer.push(ids[start:start + size])
+                start += size
+            assert text + detokenizer.flush() == tokenizer.decode(ids, skip_special_tokens=skip)
+
+
 def _stream(make_detokenizer, ids: list[int], chunks: list[int], prompt: list[int] | None = None
             ) -> tuple[list[str], str]:
     detokenizer = make_detokenizer(prompt)
