@@ -587,7 +587,8 @@ class EngineCore:
             num_blocks = min(budget // max(bytes_per_block, 1), config.max_num_seqs * blocks_per_sequence + 1)
             if num_blocks < 2:
                 raise ValueError(f"not enough memory for the KV pool: budget {budget} bytes after the "
-                                 f"recurrent state, {bytes_per_block} bytes per block")
+                                 f"recurrent state, {bytes_per_block} bytes per block (raise gpu_memory_utilization "
+                                 f"or lower max_num_seqs)")
         kv = KVPool(kv_layers, num_blocks, config.block_size, c.num_key_value_heads, c.head_dim, self.dtype,
                     self.device)
         logger.info("pools: %d sequence + %d checkpoint slots x %.2f MiB recurrent state with k=%d drafts (%.2f MiB "
@@ -619,7 +620,7 @@ class EngineCore:
     def _device_memory_budget(self) -> int:
         if self.device.type != "cuda":
             return self.config.cpu_memory_bytes
-        free, _ = torch.cuda.mem_get_info(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
         c = self.model.config
         # Activations of the largest step: a few hidden-sized and MLP-sized buffers per token,
         # plus float32 logits of every sampled row.
@@ -631,7 +632,11 @@ class EngineCore:
         tokens = max(self.config.max_num_batched_tokens, rows)
         activations = (tokens * width * torch.finfo(self.dtype).bits // 8
                        + rows * c.vocab_size * (4 + torch.finfo(self.dtype).bits // 8) * 2)
-        return int(free * self.config.gpu_memory_utilization) - activations
+        # vLLM's meaning of gpu_memory_utilization: this engine's share of the device, what it
+        # holds already (the weights) included, so engines at 0.45 each share one device; never
+        # more than is free (other processes' memory).
+        allowed = int(total * self.config.gpu_memory_utilization) - torch.cuda.memory_reserved(self.device)
+        return min(allowed, free) - activations
 
 
 def _step_times() -> Durations:

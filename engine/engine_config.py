@@ -25,7 +25,7 @@ class EngineConfig:
     # step means fewer of them (vLLM and SGLang: 8192; bench/results/step_trace_batched_tokens).
     max_num_batched_tokens: int = 8192
     block_size: int = 16                    # tokens per KV block
-    gpu_memory_utilization: float = 0.9     # share of free GPU memory after weights for the pools
+    gpu_memory_utilization: float = 0.9     # share of the GPU's memory for the engine, weights included (vLLM's)
     cpu_memory_bytes: int = 1 << 30         # pool budget on the CPU
     num_kv_blocks: int | None = None        # override the KV pool size (tests, preemption)
     enable_cuda_graphs: bool = True         # decode steps replay captured graphs (CUDA + Triton only)

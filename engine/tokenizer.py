@@ -227,6 +227,15 @@ class Tokenizer:
             return None
         return tuple(table)
 
+    def set_chat_template(self, source: str) -> None:
+        """Render chats with `source` from now on (a server's --chat-template); a template that
+        does not compile is a ValueError."""
+        try:
+            compiled = _compile_chat_template(source)
+        except jinja2.TemplateError as error:
+            raise ValueError(f"chat template: {error}") from error
+        self.chat_template, self._compiled_template = source, compiled
+
     @cached_property
     def special_token_bytes(self) -> tuple[bytes, ...] | None:
         """token_bytes with each special token's own text (decode with skip_special_tokens=False:

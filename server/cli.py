@@ -46,10 +46,26 @@ def _serve(args: argparse.Namespace) -> int:
                                  max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout,
                                  idle_timeout=args.idle_timeout, body_timeout=args.body_timeout,
                                  stream_stall_timeout=args.stream_stall_timeout,
-                                 tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+                                 tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                                 chat_template=_chat_template(args.chat_template))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run(serve(engine_config, server_config, single_process=args.single_process))
     return 0
+
+
+def _chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's path, or the template itself (vLLM takes both)."""
+    if value is None:
+        return None
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:  # a template too long to be a file name
+        pass
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template: no file {value!r} (pass a Jinja template's path or its text)")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -84,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_options(serve_parser)
     serve_parser.add_argument("--max-model-len", type=int, default=None,
                               help="context length (default: the model's max_position_embeddings)")
-    serve_parser.add_argument("--max-running", type=int, default=64, help="requests decoding at once")
+    serve_parser.add_argument("--max-running", "--max-num-seqs", dest="max_running", type=int, default=64,
+                              help="requests decoding at once")
     serve_parser.add_argument("--max-waiting", type=int, default=256,
                               help="queued requests at most; more get HTTP 503")
     serve_parser.add_argument("--api-key", default=os.environ.get("DELTASPEC_API_KEY"),
@@ -92,8 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     serve_parser.add_argument("--served-model-name", default=None,
                               help="the model id clients use (default: the model directory's name)")
     serve_parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get HTTP 413")
-    serve_parser.add_argument("--no-prefix-cache", action="store_true",
-                              help="prefill every prompt in full (prefix reuse is on by default)")
+    serve_parser.add_argument("--no-prefix-cache", "--no-enable-prefix-caching", dest="no_prefix_cache",
+                              action="store_true", help="prefill every prompt in full (prefix reuse is on by default)")
+    serve_parser.add_argument("--enable-prefix-caching", dest="no_prefix_cache", action="store_false",
+                              help="reuse cached prompt prefixes (the default; vLLM's flag)")
     serve_parser.add_argument("--checkpoint-interval", type=int, default=512,
                               help="tokens between the recurrent-state checkpoints a prefill leaves")
     serve_parser.add_argument("--host-cache-gib", type=float, default=0.0,
@@ -116,6 +135,15 @@ def main(argv: list[str] | None = None) -> int:
     serve_parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                               help="split reasoning_content at </think> (default: qwen3 when the chat template "
                                    "has <think>)")
+    serve_parser.add_argument("--chat-template", default=None, metavar="PATH_OR_TEMPLATE",
+                              help="the Jinja chat template to render messages with, instead of the checkpoint's")
+    # vLLM flags whose behaviour is this server's anyway, so vLLM command lines run unchanged.
+    serve_parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                              help="accepted for vLLM command lines: requests with tools always get their calls "
+                                   "parsed (--tool-call-parser none turns that off)")
+    serve_parser.add_argument("--trust-remote-code", action="store_true",
+                              help="accepted for vLLM command lines: no checkpoint code is ever run (the engine "
+                                   "implements its model families itself)")
     serve_parser.set_defaults(run=_serve)
 
     generate = commands.add_parser("generate", help="stream a completion of PROMPT to stdout")

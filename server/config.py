@@ -20,6 +20,7 @@ class ServerConfig:
     stream_stall_timeout: float = 60.0  # seconds a stream's client may read nothing before its request is aborted
     tool_call_parser: str | None = None  # qwen3_coder, hermes or none; None: from the chat template
     reasoning_parser: str | None = None  # qwen3 or none; None: qwen3 when the chat template thinks
+    chat_template: str | None = None    # a Jinja template replacing the checkpoint's (vLLM's --chat-template)
 
     def __post_init__(self) -> None:
         problems = []

@@ -1,12 +1,15 @@
 """The engine options every command shares (`serve`, `generate`, `bench serve`): their argparse
 flags, the EngineConfig fields they set, and the same options as flags again for a server that
 `bench serve` starts in another process. Each flag is its field's name with dashes, so nothing
-a user passes is dropped on the way to the engine. Knows nothing about what a command does.
+a user passes is dropped on the way to the engine; vLLM's names for the same settings
+(`--enforce-eager`, `--speculative-config`) are taken too, so a vLLM command line runs as it is.
+Knows nothing about what a command does.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 
 from ..engine.engine_config import ALL_REDUCES
 
@@ -37,22 +40,68 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", choices=("fp8",), default=None,
                         help="fp8: quantize an unquantized checkpoint to block FP8 (128x128 weight blocks, as the "
                              "official FP8 checkpoints) while loading; FP8 checkpoints need no option")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="share of the GPU's memory this engine may use, its weights and activations included "
+                             "(vLLM's meaning: two engines at 0.45 share a GPU; default 0.9)")
+    parser.add_argument("--enforce-eager", action="store_true", default=None,
+                        help="run every step eagerly, no CUDA graphs (vLLM's flag)")
+    parser.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                        help="vLLM's form of --num-draft-tokens: '{\"method\": \"mtp\", \"num_speculative_tokens\": "
+                             "N}' (method mtp or qwen3_next_mtp: the checkpoint's MTP layer drafts)")
+
+
+# vLLM's speculative methods that name this engine's drafter (the checkpoint's MTP layer).
+_MTP_METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")
+
+
+def _speculative_config(text: str) -> int:
+    """vLLM's --speculative-config as the MTP drafts per step it asks for."""
+    try:
+        config = json.loads(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    unknown = sorted(config.keys() - {"method", "num_speculative_tokens"})
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unsupported keys {unknown}: this engine drafts with the checkpoint's MTP "
+                                         f"layer; only method and num_speculative_tokens apply")
+    method = config.get("method", "mtp")
+    if method not in _MTP_METHODS:
+        raise argparse.ArgumentTypeError(f"method {method!r} is not supported: the drafter is the checkpoint's MTP "
+                                         f"layer ({', '.join(_MTP_METHODS)})")
+    tokens = config.get("num_speculative_tokens")
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        raise argparse.ArgumentTypeError("num_speculative_tokens must be an int >= 0")
+    return tokens
 
 
 # The fields add_engine_options sets; a flag left out (None) keeps EngineConfig's default.
 _FIELDS = ("device", "dtype", "num_draft_tokens", "max_num_batched_tokens", "tensor_parallel_size",
-           "enable_expert_parallel", "all_reduce", "load_format", "generation_config", "quantization")
+           "enable_expert_parallel", "all_reduce", "load_format", "generation_config", "quantization",
+           "gpu_memory_utilization")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    """EngineConfig keyword arguments of the flags given."""
-    return {name: getattr(args, name) for name in _FIELDS if getattr(args, name) is not None}
+    """EngineConfig keyword arguments of the flags given (vLLM's names translated)."""
+    options = {name: getattr(args, name) for name in _FIELDS if getattr(args, name) is not None}
+    if args.speculative_config is not None:
+        if options.get("num_draft_tokens", args.speculative_config) != args.speculative_config:
+            raise ValueError(f"--speculative-config asks for {args.speculative_config} drafts, --num-draft-tokens "
+                             f"for {options['num_draft_tokens']}: give one")
+        options["num_draft_tokens"] = args.speculative_config
+    if args.enforce_eager:
+        options["enable_cuda_graphs"] = False
+    return options
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
     """The same options as command-line flags (for `deltaspec serve` in another process)."""
     flags = []
     for name, value in engine_options(args).items():
+        if name == "enable_cuda_graphs":
+            flags.append("--enforce-eager")
+            continue
         flag = "--" + name.replace("_", "-")
         flags += [flag] if value is True else [flag, str(value)]
     return flags

@@ -44,6 +44,10 @@ class RunningServer:
 
 async def start(engine: Engine, config: ServerConfig, listener: socket.socket | None = None) -> RunningServer:
     """Serve `engine` on `listener` (a bound socket: `listen`), or on config.host and config.port."""
+    if config.chat_template is not None:
+        # The server renders every chat prompt with the engine's tokenizer (in the server's
+        # process); the engine itself renders none.
+        engine.tokenizer.set_chat_template(config.chat_template)
     server = OpenAIServer(engine, config)
     # handler_cancellation: a client that disconnects gets its handler cancelled, which closes its
     # engine stream and aborts the request even while nothing is being written to it.

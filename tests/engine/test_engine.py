@@ -3,8 +3,10 @@ alone), abort, preemption, input validation, the scheduler's invariants, and Asy
 
 import asyncio
 import random
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from deltaspec.engine import AsyncLLM, EngineConfig, EngineDeadError, SamplingParams, StepFailedError
 from deltaspec.engine import async_llm
@@ -357,3 +359,19 @@ def test_a_dropped_engine_frees_its_pools_at_once(checkpoint):
             assert pool() is None, f"engine with {options} outlived its last reference"
     finally:
         gc.enable()
+
+
+def test_gpu_memory_utilization_is_the_share_of_the_whole_device(monkeypatch):
+    """vLLM's meaning: the engine's pools get utilization x the device's memory, less what the
+    engine holds already (its weights) and its activations; never more than is free."""
+    gib = 2**30
+    c = SimpleNamespace(hidden_size=64, intermediate_size=128, conv_dim=32, linear_value_dim=64, num_experts_per_tok=1,
+                        moe_intermediate_size=0, vocab_size=1000)
+    core = SimpleNamespace(device=torch.device("cuda", 0), model=SimpleNamespace(config=c), num_draft_tokens=0,
+                           dtype=torch.bfloat16,
+                           config=EngineConfig(model="unused", gpu_memory_utilization=0.5, max_num_seqs=4))
+    activations = 8192 * (6 * 64 + 3 * 128) * 2 + 4 * 1000 * 6 * 2
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 10 * gib)
+    for free, expected in ((70 * gib, 30 * gib), (20 * gib, 20 * gib)):  # another process holds 60 GiB in the second
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, 80 * gib))
+        assert EngineCore._device_memory_budget(core) == expected - activations

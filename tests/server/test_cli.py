@@ -23,18 +23,23 @@ MODEL = "tiny"
 
 @contextlib.asynccontextmanager
 async def serve_process(checkpoint_path, *options: str):
-    """`deltaspec serve` on a free port; yields (process, port, stderr read to the end)."""
+    """`deltaspec serve` on a free port; yields (process, port, all of stderr read to the end)."""
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "deltaspec.server.cli", "serve", str(checkpoint_path), "--port", "0",
         "--max-model-len", "256", "--served-model-name", MODEL, *options, stderr=asyncio.subprocess.PIPE)
     try:
-        port = None
+        port, head = None, b""
         while port is None:
-            line = (await asyncio.wait_for(process.stderr.readline(), 60)).decode()
+            line = await asyncio.wait_for(process.stderr.readline(), 60)
             assert line, "the server exited before listening"
-            if match := re.search(r"serving .* on http://127\.0\.0\.1:(\d+)/v1", line):
+            head += line
+            if match := re.search(r"serving .* on http://127\.0\.0\.1:(\d+)/v1", line.decode()):
                 port = int(match.group(1))
-        stderr = asyncio.create_task(process.stderr.read())  # keep the pipe from filling
+
+        async def rest() -> bytes:
+            return head + await process.stderr.read()
+
+        stderr = asyncio.create_task(rest())  # keep the pipe from filling
         yield process, port, stderr
     finally:
         if process.returncode is None:
@@ -119,6 +124,52 @@ async def test_when_the_engine_process_dies_health_says_so(checkpoint):
         process.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(process.wait(), 30) == 0
         assert "the engine process exited unexpectedly" in (await stderr).decode()
+
+
+async def test_serve_takes_a_vllm_command_line(checkpoint, tmp_path):
+    """vLLM's flags: --speculative-config sets the drafts per step, --max-num-seqs the running
+    requests, --chat-template (a file) replaces the checkpoint's template; --gpu-memory-utilization,
+    --enforce-eager and the flags whose behaviour is this server's anyway are taken."""
+    path = checkpoint("qwen3_5")
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}[assistant] {% endif %}")
+    options = ("--speculative-config", '{"method": "qwen3_next_mtp", "num_speculative_tokens": 1}',
+               "--max-num-seqs", "3", "--gpu-memory-utilization", "0.5", "--enforce-eager", "--enable-prefix-caching",
+               "--enable-auto-tool-choice", "--trust-remote-code", "--chat-template", str(template))
+    async with serve_process(path, *options) as (process, port, stderr), aiohttp.ClientSession() as http:
+        url = f"http://127.0.0.1:{port}"
+        async with http.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}) as response:
+            tokens = (await response.json())["tokens"]
+        assert tokens == LLM(path, num_draft_tokens=0).tokenizer.encode("[user] hi\n[assistant] ")
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        async with http.post(f"{url}/v1/chat/completions", json=body) as response:
+            assert response.status == 200
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(process.wait(), 30) == 0
+        log = (await stderr).decode()
+    assert "1 drafts per step" in log and "pools: 3 sequence" in log, log
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 2}'), "method 'eagle3'"),
+    (("--speculative-config", '{"num_speculative_tokens": 2, "model": "x"}'), "unsupported keys ['model']"),
+    (("--speculative-config", '{"num_speculative_tokens": -1}'), "num_speculative_tokens must be"),
+    (("--speculative-config", "{"), "not JSON"),
+])
+def test_vllm_flags_that_cannot_be_honoured_fail_at_once(checkpoint, capsys, flags, message):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["serve", str(checkpoint("qwen3_5")), "--port", "0", *flags])
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_conflicting_draft_counts_and_a_missing_chat_template_are_named(checkpoint, capsys, tmp_path):
+    path = str(checkpoint("qwen3_5"))
+    assert cli.main(["generate", "hi", "--model", path, "--num-draft-tokens", "2",
+                     "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}']) == 2
+    assert "give one" in capsys.readouterr().err
+    assert cli.main(["serve", path, "--port", "0", "--chat-template", str(tmp_path / "none.jinja")]) == 2
+    assert "--chat-template: no file" in capsys.readouterr().err
 
 
 def test_generate_streams_the_greedy_completion(checkpoint, capsys, tmp_path):
