@@ -1,4 +1,4 @@
-"""The synchronous Python API: `LLM(model_path).generate(prompts, params)` and `LLM.score`.
+"""The synchronous Python API: `LLM(model_path).generate(prompts, params)`, `LLM.chat` and `LLM.score`.
 
 A thin wrapper that drives the same EngineCore as AsyncLLM until every submitted request is
 done, so a list of prompts is continuously batched like concurrent requests. Knows nothing
@@ -7,10 +7,12 @@ about HTTP.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
-from typing import Sequence as Seq
+from typing import Any, Sequence as Seq
 
 import torch
+from tqdm import tqdm
 
 from .core import EngineCore
 from .engine_config import EngineConfig
@@ -50,7 +52,8 @@ class LLM:
 
     def generate(self, prompts: str | Seq[int] | Seq[str | Seq[int]],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 resume_from: CheckpointHandle | None = None, n: int = 1) -> list[RequestOutput]:
+                 resume_from: CheckpointHandle | None = None, n: int = 1, use_tqdm: bool = True
+                 ) -> list[RequestOutput]:
         """Prompts are strings or token-id lists (one prompt or a list); params one for all or
         one per prompt. A bad prompt raises ValueError; the ones submitted before it are withdrawn.
         resume_from: a session saved by `save_checkpoint`; every prompt continues it (so several
@@ -58,7 +61,7 @@ class LLM:
         (SamplingParams.for_choices: choice i samples with seed + i); the outputs are choices
         0..n-1 of the first prompt, then of the next. A request whose logits turn non-finite
         fails alone: the others run to the end, then NonFiniteLogitsError names it (and holds
-        every output)."""
+        every output). use_tqdm: a progress bar of finished requests on stderr."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -78,13 +81,44 @@ class LLM:
             while self.core.has_work:
                 self.core.step()
             raise
-        while self.core.has_work:
-            self.core.step()
+        self._run(requests, use_tqdm)
         outputs = [request.output() for request in requests]
         failed = [output.request_id for output in outputs if output.finish_reason == "error"]
         if failed:
             raise NonFiniteLogitsError(failed, outputs)
         return outputs
+
+    def chat(self, messages: Seq[dict[str, Any]] | Seq[Seq[dict[str, Any]]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
+             tools: list[dict[str, Any]] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False, n: int = 1,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """vLLM's LLM.chat: a conversation (a list of message dicts) or a list of them, each
+        rendered by the chat template (Tokenizer.apply_chat_template: the messages as HF
+        templates take them, tools and chat_template_kwargs such as {"enable_thinking": False}
+        as template variables), then generated as `generate` does. The outputs' text is the
+        model's raw text (reasoning and tool calls unparsed)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.tokenizer.apply_chat_template(list(conversation), add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message, tools=tools,
+                                                      **(chat_template_kwargs or {}))
+                   for conversation in conversations]
+        return self.generate(prompts, sampling_params, n=n, use_tqdm=use_tqdm)
+
+    def _run(self, requests: list, use_tqdm: bool) -> None:
+        """Step until the engine is idle; the bar counts finished requests and generated tokens/s."""
+        with tqdm(total=len(requests), desc="generating", unit="req", disable=not use_tqdm) as bar:
+            start, shown, pending = time.monotonic(), 0.0, list(requests)
+            while self.core.has_work:
+                self.core.step()
+                now = time.monotonic()
+                if now - shown > 0.5 or not self.core.has_work:
+                    finished = [r for r in pending if r.finished]
+                    pending = [r for r in pending if not r.finished]
+                    bar.update(len(finished))
+                    tokens = sum(len(r.output_token_ids) for r in requests)
+                    bar.set_postfix_str(f"{tokens / max(now - start, 1e-9):.0f} tok/s", refresh=False)
+                    shown = now
 
     def save_checkpoint(self, request_id: str) -> CheckpointHandle:
         """A handle on a finished request's state (its RequestOutput.request_id) that

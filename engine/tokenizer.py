@@ -250,9 +250,27 @@ class Tokenizer:
         return tuple(table)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
+                            continue_final_message: bool = False, **kwargs: Any) -> str:
         """Render `messages` to a prompt string; kwargs (tools, enable_thinking, ...) reach the
-        template as variables. A template's raise_exception or error surfaces as ValueError."""
+        template as variables. A template's raise_exception or error surfaces as ValueError.
+        continue_final_message (HF's and vLLM's): the last message, an assistant's, is left open
+        for the model to go on writing: the prompt is cut right after its text (its last text
+        part's), before the template closes the turn; found as it is, else stripped (templates
+        that trim content)."""
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ValueError("continue_final_message and add_generation_prompt cannot both be set: the first "
+                                 "continues the final message, the second opens a new one")
+            if not messages or messages[-1].get("role") != "assistant":
+                raise ValueError("continue_final_message needs an assistant message last")
+            content = messages[-1].get("content") or ""
+            final = content if isinstance(content, str) else (content[-1].get("text") or "") if content else ""
+            prompt = self.apply_chat_template(messages, add_generation_prompt=False, **kwargs)
+            for text in (final, final.strip()):
+                if text and (end := prompt.rfind(text)) >= 0:
+                    return prompt[:end + len(text)]
+            raise ValueError("continue_final_message: the rendered prompt does not show the final message's text, "
+                             "so there is nothing to continue")
         if self.chat_template is None:
             raise ValueError(f"tokenizer at {self._source} has no chat template "
                              "(tokenizer_config.json 'chat_template' or chat_template.jinja)")

@@ -104,6 +104,30 @@ def test_skip_special_tokens_false_writes_them(llm):
         assert out.token_ids == [end] and out.text == "" and out.finish_reason == "stop"
 
 
+def test_chat_renders_each_conversation_and_generates(llm, capsys):
+    """LLM.chat (vLLM's): each conversation rendered by the chat template (ChatML here, written
+    out by hand), then generated as generate does; continue_final_message leaves the last
+    assistant message open; the progress bar counts the requests."""
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
+    second = [{"role": "user", "content": "The quick"}, {"role": "assistant", "content": "brown fox "}]
+    expected = ["<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n",
+                "<|im_start|>user\nThe quick<|im_end|>\n<|im_start|>assistant\nbrown fox <|im_end|>\n"
+                "<|im_start|>assistant\n"]
+    outputs = llm.chat([first, second], greedy)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in llm.generate(expected, greedy, use_tqdm=False)]
+    assert "generating: 100%" in capsys.readouterr().err and len(llm.chat(first, greedy, use_tqdm=False)) == 1
+    assert capsys.readouterr().err == ""
+    # The final assistant message continued: the prompt ends with its text, the space kept.
+    continued = llm.chat(second, greedy, add_generation_prompt=False, continue_final_message=True, use_tqdm=False)
+    prompt = "<|im_start|>user\nThe quick<|im_end|>\n<|im_start|>assistant\nbrown fox "
+    assert continued[0].token_ids == llm.generate(prompt, greedy, use_tqdm=False)[0].token_ids
+    with pytest.raises(ValueError, match="cannot both be set"):
+        llm.chat(second, greedy, continue_final_message=True)
+    with pytest.raises(ValueError, match="assistant message last"):
+        llm.chat(first, greedy, add_generation_prompt=False, continue_final_message=True)
+
+
 def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
     params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
     alone = llm.generate("Hello, world", params)[0].token_ids

@@ -239,3 +239,17 @@ def test_checkpoint_loads_in_hf(tmp_path: Path, family: str) -> None:
     index = json.loads((directory / "model.safetensors.index.json").read_text())
     assert index["weight_map"]["mtp.fc.weight"] == "model-mtp.safetensors"
     assert any(name.startswith("mtp.layers.0.self_attn.") for name in index["weight_map"])
+
+
+def test_continue_final_message_with_a_template_that_trims_content(tmp_path: Path) -> None:
+    """Qwen3.5's template trims message content: the final assistant text is found stripped,
+    and the prompt ends right after it (after its last text part, for content parts)."""
+    tokenizer = Tokenizer.from_dir(make_tokenizer(tmp_path))
+    tokenizer.set_chat_template((Path(__file__).parents[1] / "server" / "qwen3_5_chat_template.jinja").read_text())
+    for content in ("  The answer is  ", [{"type": "text", "text": "  The answer is  "}]):
+        messages = [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": content}]
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+        closed = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+        assert prompt.endswith("The answer is") and closed.startswith(prompt) and len(closed) > len(prompt)
+    with pytest.raises(ValueError, match="chat template"):
+        tokenizer.set_chat_template("{% for %}")
