@@ -71,7 +71,7 @@ class OpenAIServer:
     def __init__(self, engine: Engine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(config.model_name)
         self.in_flight: set[str] = set()  # engine request ids of the generation handlers running now
         # Streams' writes under way, by id(request): the loop time each began and its request
         # (`_drop_stalled` reads it).

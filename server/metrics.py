@@ -6,6 +6,11 @@ speculation acceptance, step times) are read from `AsyncLLM.stats()` at scrape t
 never stale; so are the garbage collector's pauses and the CPU time, the server process's own
 and the engine process's (engine/gc_pauses.py).
 
+The series vLLM users watch are exported under vLLM's names too (`vllm:num_requests_waiting`,
+`vllm:time_to_first_token_seconds`, ...: `VLLM_SERIES`), labelled with the served model's name as
+vLLM labels them, so dashboards and autoscalers written for vLLM (its Grafana board, KEDA or a
+router scaling on the queue) read this server unchanged.
+
 Knows nothing about HTTP; knows the engine only through its stats dict.
 """
 
@@ -32,6 +37,22 @@ ENGINE_GAUGES = (
     ("deltaspec_free_kv_blocks", "num_free_kv_blocks", "KV cache blocks free."),
     ("deltaspec_kv_blocks", "num_kv_blocks", "KV cache blocks in the pool."),
     ("deltaspec_num_draft_tokens", "num_draft_tokens", "MTP drafts per step at most (0: speculation off)."),
+)
+
+
+# vLLM's single-series metrics this server has (name after "vllm:", kind, help).
+VLLM_SERIES = (
+    ("num_requests_running", "gauge", "Requests holding a sequence slot."),
+    ("num_requests_waiting", "gauge", "Requests queued for a sequence slot."),
+    ("kv_cache_usage_perc", "gauge", "Share of the KV cache's blocks in use (1: full)."),
+    ("num_preemptions_total", "counter", "Requests preempted for lack of KV blocks."),
+    ("prompt_tokens_total", "counter", "Prompt tokens of admitted requests."),
+    ("generation_tokens_total", "counter", "Tokens generated."),
+    ("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits_total", "counter", "Prompt tokens served from the prefix cache."),
+    ("spec_decode_num_drafts_total", "counter", "Verify steps (draft chains checked), one per request per step."),
+    ("spec_decode_num_draft_tokens_total", "counter", "Drafts proposed."),
+    ("spec_decode_num_accepted_tokens_total", "counter", "Drafts accepted."),
 )
 
 
@@ -101,7 +122,8 @@ def _histogram_series(name: str, labels: dict[str, str], buckets: tuple[float, .
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
         self.requests = Counter("deltaspec_requests_total", "HTTP requests to the /v1 routes, by route and status.",
                                 ("route", "status"))
         self.finished = Counter("deltaspec_requests_finished_total",
@@ -138,7 +160,42 @@ class ServerMetrics:
             lines += self._render_draft_policy(stats["draft_policy"])
         lines += self._render_prefix_cache(stats["prefix_cache"])
         lines += self._render_timings(stats)
+        lines += self._render_vllm(stats)
         return "\n".join(lines) + "\n"
+
+    def _render_vllm(self, stats: dict) -> list[str]:
+        """The same values under vLLM's names (module docstring); vLLM numbers draft positions
+        from 0."""
+        labels = {"model_name": self.model_name}
+        spec, cache = stats["spec"], stats["prefix_cache"]
+        values = {
+            "num_requests_running": stats["num_running"], "num_requests_waiting": stats["num_waiting"],
+            "kv_cache_usage_perc": 1 - stats["num_free_kv_blocks"] / max(stats["num_kv_blocks"], 1),
+            "num_preemptions_total": stats["num_preempted"],
+            "prompt_tokens_total": self.prompt_tokens.values[()],
+            "generation_tokens_total": self.generation_tokens.values[()],
+            "prefix_cache_queries_total": cache["prompt_tokens"], "prefix_cache_hits_total": cache["reused_tokens"],
+            "spec_decode_num_drafts_total": spec["num_verify_steps"],
+            "spec_decode_num_draft_tokens_total": sum(spec["proposed_by_position"]),
+            "spec_decode_num_accepted_tokens_total": sum(spec["accepted_by_position"]),
+        }
+        lines = []
+        for name, kind, help_text in VLLM_SERIES:
+            lines += _header(f"vllm:{name}", kind, help_text) + [_sample(f"vllm:{name}", labels, values[name])]
+        lines += _header("vllm:spec_decode_num_accepted_tokens_per_pos_total", "counter",
+                         "Drafts accepted at this position (from 0).")
+        lines += [_sample("vllm:spec_decode_num_accepted_tokens_per_pos_total", {**labels, "position": str(i)}, v)
+                  for i, v in enumerate(spec["accepted_by_position"])]
+        lines += _header("vllm:request_success_total", "counter", "Requests finished, by finish reason.")
+        lines += [_sample("vllm:request_success_total", {**labels, "finished_reason": reason}, value)
+                  for (reason,), value in sorted(self.finished.values.items())]
+        for histogram, name in ((self.time_to_first_token, "time_to_first_token_seconds"),
+                                (self.inter_token_latency, "inter_token_latency_seconds"),
+                                (self.request_latency, "e2e_request_latency_seconds")):
+            lines += _header(f"vllm:{name}", "histogram", histogram.help_text)
+            lines += _histogram_series(f"vllm:{name}", labels, histogram.buckets, histogram.bucket_counts,
+                                       histogram.sum)
+        return lines
 
     @staticmethod
     def _render_timings(stats: dict) -> list[str]:

@@ -689,6 +689,34 @@ async def test_metrics_parse_and_move_with_requests(http, base_url, client, engi
     for (bucket, k), seconds in policy["step_seconds"].items():
         assert after[("deltaspec_spec_step_cost_seconds", (("bucket", str(bucket)), ("drafts", str(k))))] \
             == pytest.approx(seconds)
+    # vLLM's names for the same series, labelled with the model's name, as dashboards written
+    # for vLLM read them.
+    model = {"model_name": MODEL}
+    for vllm, ours, labels in (("vllm:num_requests_running", "deltaspec_num_requests_running", {}),
+                               ("vllm:num_requests_waiting", "deltaspec_num_requests_waiting", {}),
+                               ("vllm:prompt_tokens_total", "deltaspec_prompt_tokens_total", {}),
+                               ("vllm:generation_tokens_total", "deltaspec_generation_tokens_total", {}),
+                               ("vllm:num_preemptions_total", "deltaspec_preemptions_total", {}),
+                               ("vllm:spec_decode_num_drafts_total", "deltaspec_spec_verify_steps_total", {}),
+                               ("vllm:request_success_total", "deltaspec_requests_finished_total",
+                                {"finished_reason": "length"}),
+                               ("vllm:time_to_first_token_seconds_count", "deltaspec_time_to_first_token_seconds_count",
+                                {}),
+                               ("vllm:inter_token_latency_seconds_bucket",
+                                "deltaspec_inter_token_latency_seconds_bucket", {"le": "0.05"}),
+                               ("vllm:e2e_request_latency_seconds_sum", "deltaspec_e2e_request_latency_seconds_sum",
+                                {})):
+        ours_labels = {("finish_reason" if k == "finished_reason" else k): v for k, v in labels.items()}
+        assert after[(vllm, tuple(sorted({**model, **labels}.items())))] == \
+            after[(ours, tuple(sorted(ours_labels.items())))], vllm
+    blocks_used = 1 - stats["num_free_kv_blocks"] / stats["num_kv_blocks"]
+    assert after[("vllm:kv_cache_usage_perc", (("model_name", MODEL),))] == pytest.approx(blocks_used)
+    assert after[("vllm:spec_decode_num_draft_tokens_total", (("model_name", MODEL),))] == \
+        sum(spec["proposed_by_position"])
+    for position, accepted in enumerate(spec["accepted_by_position"]):
+        assert after[("vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                      (("model_name", MODEL), ("position", str(position))))] == accepted
+    assert after[("vllm:prefix_cache_hits_total", (("model_name", MODEL),))] == stats["prefix_cache"]["reused_tokens"]
 
 
 # Servers with other settings --------------------------------------------------------------------
