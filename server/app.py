@@ -39,6 +39,7 @@ from ..engine import AsyncLLM, EngineDeadError, RequestDelta, StepFailedError
 from ..engine.engine_process import EngineProcess
 from .chat_output import ChatOutput
 from .config import ServerConfig
+from .cors import Cors
 from .errors import APIError, decode_error
 from .inputs import (ChatParsers, EngineInput, chat_input, completion_inputs, num_choices, prompts,
                      with_choices)
@@ -83,9 +84,11 @@ class OpenAIServer:
         chat_template = engine.tokenizer.chat_template
         self.chat_parsers = ChatParsers(tool_call_parser_name(config.tool_call_parser, chat_template),
                                         reasoning_enabled(config.reasoning_parser, chat_template))
+        cors = Cors(config.cors)  # a preflight is answered before authentication and routing
         # aiohttp reads at most client_max_size bytes of a body and then raises 413.
         self.app = web.Application(client_max_size=config.max_body_bytes,
-                                   middlewares=[self._count, self._errors, self._authenticate])
+                                   middlewares=[cors.preflight, self._count, self._errors, self._authenticate])
+        self.app.on_response_prepare.append(cors.on_prepare)
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
         self.app.router.add_get("/v1/models", self.models)
@@ -123,7 +126,8 @@ class OpenAIServer:
                 renderers.append(CompletionRenderer(
                     self.config.model_name, self.engine.tokenizer, engine_input.prompt_token_ids, index,
                     renderers[0].id if renderers else None, echo=engine_input.echo, echo_only=engine_input.echo_only,
-                    logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs))
+                    logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs,
+                    tokens_as_ids=bool(body.return_tokens_as_token_ids)))
             return await self._generate(request, body, inputs, renderers, arrival)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -140,7 +144,8 @@ class OpenAIServer:
                 renderers.append(ChatRenderer(self.config.model_name, self.engine.tokenizer, ChatOutput(output),
                                               engine_input.prompt_token_ids, index,
                                               renderers[0].id if renderers else None,
-                                              body.prompt_logprobs if index == 0 else None))
+                                              body.prompt_logprobs if index == 0 else None,
+                                              bool(body.return_tokens_as_token_ids)))
             return await self._generate(request, body, with_choices([engine_input], n), renderers, arrival)
 
     async def tokenize(self, request: web.Request) -> web.Response:

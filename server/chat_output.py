@@ -5,7 +5,8 @@ written) goes through the reasoning split (`reasoning`) and the tool-call parser
 (`tool_parsers`) whole at every delta. Both only extend what they return as the text grows, so a
 delta is the difference between two parses, and a stream assembles to exactly the non-streamed
 message: the same code path, with `final` on the last push. Tool calls get their `call_...` ids
-here, once each.
+here, once each. An echo (vLLM's) starts the message's content; a stream sends it before any
+output (`responses.ChatRenderer.opening`).
 
 Knows nothing about HTTP, the engine or the request beyond what `inputs` settles.
 """
@@ -28,6 +29,9 @@ class OutputSettings:
     tool_calls: ToolCallParser | None = None  # None: tool calls are not parsed (no tools, tool_choice none)
     max_tool_calls: int | None = None         # 1 with parallel_tool_calls false or a named function
     forced_text: str = ""                     # appended to the prompt: the start of the output
+    # vLLM's chat echo: the final assistant message of the request, which the content starts
+    # with (outside the parse: it is the client's text, not the model's).
+    echo: str = ""
 
 
 @dataclass
@@ -75,6 +79,8 @@ class ChatOutput:
                  for call_id, call in zip(self._ids, sent.tool_calls)]
         # OpenAI sends null content beside tool calls or reasoning rather than "".
         content = sent.content if sent.content or not (calls or sent.reasoning) else None
+        if self.settings.echo:
+            content = self.settings.echo + (content or "")
         return AssistantMessage(content, sent.reasoning or None, calls or None)
 
     def _parse(self, final: bool) -> _Parsed:

@@ -11,6 +11,7 @@ Both run on uvloop when it is installed. Knows nothing about models beyond the e
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -20,6 +21,7 @@ from ..engine import AsyncLLM, EngineConfig, SamplingParams
 from ..engine.async_llm import run
 from . import acceptance_benchmark, serve_benchmark
 from .config import ServerConfig
+from .cors import CorsPolicy
 from .engine_args import add_engine_options, engine_options
 from .reasoning import REASONING_PARSERS
 from .tool_parsers import TOOL_CALL_PARSERS
@@ -47,7 +49,9 @@ def _serve(args: argparse.Namespace) -> int:
                                  idle_timeout=args.idle_timeout, body_timeout=args.body_timeout,
                                  stream_stall_timeout=args.stream_stall_timeout,
                                  tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                                 chat_template=_chat_template(args.chat_template))
+                                 chat_template=_chat_template(args.chat_template),
+                                 cors=CorsPolicy(args.allowed_origins, args.allowed_methods, args.allowed_headers,
+                                                 args.allow_credentials))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run(serve(engine_config, server_config, single_process=args.single_process))
     return 0
@@ -66,6 +70,19 @@ def _chat_template(value: str | None) -> str | None:
     if "{{" in value or "{%" in value:
         return value
     raise ValueError(f"--chat-template: no file {value!r} (pass a Jinja template's path or its text)")
+
+
+def _string_list(text: str) -> tuple[str, ...]:
+    """A JSON list of strings (vLLM's form: '["http://localhost:3000"]') or comma-separated values."""
+    try:
+        values = json.loads(text)
+    except ValueError:
+        values = [v.strip() for v in text.split(",")]
+    if isinstance(values, str):
+        values = [values]
+    if not isinstance(values, list) or not all(isinstance(v, str) and v for v in values):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings or comma-separated values, got {text!r}")
+    return tuple(values)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -137,6 +154,13 @@ def main(argv: list[str] | None = None) -> int:
                                    "has <think>)")
     serve_parser.add_argument("--chat-template", default=None, metavar="PATH_OR_TEMPLATE",
                               help="the Jinja chat template to render messages with, instead of the checkpoint's")
+    cors = serve_parser.add_argument_group("cross-origin requests from browsers (vLLM's flags and defaults)")
+    cors.add_argument("--allowed-origins", type=_string_list, default=("*",), metavar="LIST",
+                      help="origins whose pages may call the API: a JSON list or comma-separated (default: any)")
+    cors.add_argument("--allowed-methods", type=_string_list, default=("*",), metavar="LIST", help="default: any")
+    cors.add_argument("--allowed-headers", type=_string_list, default=("*",), metavar="LIST", help="default: any")
+    cors.add_argument("--allow-credentials", action="store_true",
+                      help="let browsers send cookies and HTTP authentication along")
     # vLLM flags whose behaviour is this server's anyway, so vLLM command lines run unchanged.
     serve_parser.add_argument("--enable-auto-tool-choice", action="store_true",
                               help="accepted for vLLM command lines: requests with tools always get their calls "

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .cors import CorsPolicy
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -21,6 +23,7 @@ class ServerConfig:
     tool_call_parser: str | None = None  # qwen3_coder, hermes or none; None: from the chat template
     reasoning_parser: str | None = None  # qwen3 or none; None: qwen3 when the chat template thinks
     chat_template: str | None = None    # a Jinja template replacing the checkpoint's (vLLM's --chat-template)
+    cors: CorsPolicy = CorsPolicy()     # which other origins' pages may call the API (vLLM's defaults: all)
 
     def __post_init__(self) -> None:
         problems = []

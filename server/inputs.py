@@ -2,7 +2,10 @@
 
 The server tokenizes (rendering the chat template for chat requests, `messages`) so that `usage`
 counts the exact ids the engine runs, and settles how a chat request's output is read
-(`chat_output.OutputSettings`: reasoning split, tool-call parser, the text tool_choice forces). OpenAI options the engine cannot honour are rejected with a 400 that
+(`chat_output.OutputSettings`: reasoning split, tool-call parser, the text tool_choice forces).
+vLLM's extra fields that scripts written for vLLM send are honoured with vLLM's meaning
+(structured_outputs and the legacy guided_* fields, allowed_token_ids, truncate_prompt_tokens,
+continue_final_message, ...). Options the engine cannot honour are rejected with a 400 that
 names the field, never silently ignored. Range checks already happened in `protocol`; the
 engine's own checks (empty prompt, context length, vocabulary) happen when the request is
 submitted.
@@ -12,13 +15,14 @@ Knows nothing about HTTP or streaming.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from ..engine import SamplingParams, Structured, TooManyTokensError
 from .chat_output import OutputSettings
 from .errors import APIError
-from .messages import check_tools, render_prompt
+from .messages import check_tools, message_text, render_prompt
 from .protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, ResponseFormat, SamplingFields
 from .reasoning import THINK_END, ReasoningParser, prompt_opens_reasoning
 from .tool_parsers import make_tool_call_parser
@@ -35,12 +39,12 @@ class PromptTokenizer(Protocol):
 
     chat_template: str | None
 
-    def encode(self, text: str, max_length: int | None = None) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = False, max_length: int | None = None) -> list[int]: ...
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str: ...
+                            continue_final_message: bool = False, **kwargs: Any) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,12 @@ def completion_inputs(request: CompletionRequest, tokenizer: PromptTokenizer,
     echo (vLLM's): each choice's text starts with its prompt's, and with logprobs its logprobs
     start with the prompt tokens' (the engine scores the prompt: SamplingParams.prompt_logprobs);
     max_tokens 0 with echo returns the prompt alone, how clients score a text (perplexity,
-    lm-evaluation-harness's loglikelihood)."""
+    lm-evaluation-harness's loglikelihood).
+
+    truncate_prompt_tokens (vLLM's) keeps each prompt's last N tokens: usage counts those, and
+    echo shows their text (a prompt that lost tokens echoes its kept ids decoded, special tokens
+    included, as a token-id prompt does). add_special_tokens (vLLM's, default true): the
+    tokenizer's own BOS/EOS around a text prompt (Qwen's tokenizers add none)."""
     _reject_unsupported(request, [
         ("suffix", bool(request.suffix), "insertion (suffix) is not supported"),
     ])
@@ -103,18 +112,25 @@ def completion_inputs(request: CompletionRequest, tokenizer: PromptTokenizer,
     # prompt_logprobs each take their own N most likely.
     counts = [n for n in (request.logprobs if request.echo else None, request.prompt_logprobs) if n is not None]
     prompt_logprobs = max(counts, default=None)
+    keep = _num_kept(request, max_model_len, 1 if echo_only else request.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS)
+    add_special_tokens = request.add_special_tokens is not False
+    structured = _structured(request)
     inputs = []
     for prompt in prompts(request):
-        token_ids = _encode(tokenizer, prompt, max_model_len, request.max_tokens, "prompt", "max_tokens") \
-            if isinstance(prompt, str) else list(prompt)
+        token_ids = _encode(tokenizer, prompt, add_special_tokens, keep is not None, max_model_len, request.max_tokens,
+                            "prompt", "max_tokens") if isinstance(prompt, str) else list(prompt)
+        truncated = keep is not None and len(token_ids) > keep
+        if truncated:
+            token_ids = token_ids[-keep:]
         room = max_model_len - len(token_ids)
         max_tokens = 1 if echo_only else request.max_tokens or max(1, min(DEFAULT_COMPLETION_MAX_TOKENS, room))
         _check_context(len(token_ids), max_tokens, max_model_len, "prompt", "max_tokens")
         echo = None
-        if request.echo:  # a token-id prompt: its ids decoded, special tokens included
-            echo = prompt if isinstance(prompt, str) else tokenizer.decode(token_ids, skip_special_tokens=False)
-        inputs.append(EngineInput(token_ids, _sampling_params(request, max_tokens, request.logprobs, prompt_logprobs),
-                                  echo=echo, echo_only=echo_only))
+        if request.echo:
+            echo = prompt if isinstance(prompt, str) and not truncated \
+                else tokenizer.decode(token_ids, skip_special_tokens=False)
+        params = _sampling_params(request, max_tokens, request.logprobs, prompt_logprobs, structured)
+        inputs.append(EngineInput(token_ids, params, echo=echo, echo_only=echo_only))
     return inputs
 
 
@@ -148,12 +164,28 @@ def chat_input(request: ChatCompletionRequest, tokenizer: PromptTokenizer, max_m
     prompt, closing an open think block first, and the parser reads it as already written. So
     the output always parses as a call; of that function when one is named or there is one tool;
     with several, decoding is constrained (a regex grammar, engine/structured.py) to write one
-    of their names. "none" renders the tools, as vLLM does, and parses no calls."""
+    of their names. "none" renders the tools, as vLLM does, and parses no calls.
+
+    vLLM's chat extras: add_generation_prompt false renders no opening of the assistant's turn;
+    continue_final_message leaves the final message, an assistant's, open (the prompt is cut
+    right after its text: `messages.render_prompt`) so the model goes on writing it, and unless
+    add_generation_prompt is sent (then true is a 400, as in vLLM) renders none; echo starts the
+    content with the final message's when it is an assistant's (with continue_final_message:
+    the whole message); documents and reasoning_effort reach the template as variables of
+    those names, over chat_template_kwargs' (as vLLM merges them); add_special_tokens (default
+    false: the template writes them) adds the tokenizer's own around the rendered prompt;
+    truncate_prompt_tokens keeps the rendered prompt's last N tokens."""
     _reject_unsupported(request, [
         ("top_logprobs", request.top_logprobs is not None and not request.logprobs,
          "top_logprobs needs logprobs: true"),
+        ("store", bool(request.store), "responses are not stored"),
     ])
     _check_prompt_logprobs(request)
+    if request.continue_final_message and request.add_generation_prompt:
+        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true: the first "
+                            "continues the final message, the second opens a new one",
+                       param="continue_final_message", code="invalid_value")
+    structured = _structured(request)
     schemas = check_tools(request.tools or [])
     tool_choice = request.tool_choice or ("auto" if request.tools else "none")
     named = tool_choice.function.name if isinstance(tool_choice, NamedToolChoice) else None
@@ -165,7 +197,15 @@ def chat_input(request: ChatCompletionRequest, tokenizer: PromptTokenizer, max_m
     if tool_choice != "none" and parsers.tool_call_parser == "none":
         raise APIError(400, "tool calling needs a tool-call parser: this server runs with --tool-call-parser none",
                        param="tool_choice", code="unsupported_parameter")
-    prompt = render_prompt(tokenizer, request.messages, request.tools, request.chat_template_kwargs)
+    template_kwargs = {**(request.chat_template_kwargs or {}),
+                       **{name: value for name, value in (("documents", request.documents),
+                                                          ("reasoning_effort", request.reasoning_effort))
+                          if value is not None}}
+    continue_final_message = bool(request.continue_final_message)
+    add_generation_prompt = request.add_generation_prompt if request.add_generation_prompt is not None \
+        else not continue_final_message
+    prompt = render_prompt(tokenizer, request.messages, request.tools, template_kwargs, add_generation_prompt,
+                           continue_final_message)
 
     tool_calls = make_tool_call_parser(parsers.tool_call_parser, schemas) if tool_choice != "none" else None
     in_reasoning = parsers.reasoning and prompt_opens_reasoning(prompt)
@@ -175,37 +215,58 @@ def chat_input(request: ChatCompletionRequest, tokenizer: PromptTokenizer, max_m
             named = next(iter(schemas))
         forced_text = (THINK_END + "\n\n" if in_reasoning else "") + tool_calls.forced_prefix(named)
         if named is None:  # "required" with several tools: the model picks, among them only
-            if request.response_format is not None and request.response_format.type != "text":
-                raise APIError(400, "response_format cannot be combined with tool_choice \"required\"",
-                               param="response_format", code="invalid_value")
+            if structured is not None:
+                field = _constraint_fields(request)[0]
+                raise APIError(400, f"{field} cannot be combined with tool_choice \"required\"",
+                               param=field, code="invalid_value")
             name_constraint = Structured("regex", tool_calls.name_pattern(list(schemas)))
     single_call = named is not None or request.parallel_tool_calls is False
+    last = request.messages[-1]
     settings = OutputSettings(reasoning=ReasoningParser(in_reasoning) if parsers.reasoning else None,
                               tool_calls=tool_calls, max_tool_calls=1 if single_call else None,
-                              forced_text=forced_text)
+                              forced_text=forced_text,
+                              echo=message_text(last) if request.echo and last.role == "assistant" else "")
 
     max_tokens_field = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
-    token_ids = _encode(tokenizer, prompt + forced_text, max_model_len,
-                        request.max_completion_tokens or request.max_tokens, "messages", max_tokens_field)
-    max_tokens = request.max_completion_tokens or request.max_tokens or max(1, max_model_len - len(token_ids))
+    requested = request.max_completion_tokens or request.max_tokens
+    keep = _num_kept(request, max_model_len, requested or 1)
+    token_ids = _encode(tokenizer, prompt + forced_text, bool(request.add_special_tokens), keep is not None,
+                        max_model_len, requested, "messages", max_tokens_field)
+    if keep is not None:
+        token_ids = token_ids[-keep:]
+    max_tokens = requested or max(1, max_model_len - len(token_ids))
     _check_context(len(token_ids), max_tokens, max_model_len, "messages", max_tokens_field)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    params = _sampling_params(request, max_tokens, logprobs, request.prompt_logprobs)
-    if name_constraint is not None:
-        params = replace(params, structured=name_constraint)
+    params = _sampling_params(request, max_tokens, logprobs, request.prompt_logprobs, structured or name_constraint)
     return EngineInput(token_ids, params), settings
 
 
-def _encode(tokenizer: PromptTokenizer, text: str, max_model_len: int, max_tokens: int | None, prompt_field: str,
-            max_tokens_field: str) -> list[int]:
+def _encode(tokenizer: PromptTokenizer, text: str, add_special_tokens: bool, truncating: bool, max_model_len: int,
+            max_tokens: int | None, prompt_field: str, max_tokens_field: str) -> list[int]:
     """The prompt's ids. One longer than the context is refused by its count alone, its ids'
     list never built (Tokenizer.encode's max_length: a megabyte prompt's list would hold the GIL
-    for tens of milliseconds, stalling every stream)."""
+    for tens of milliseconds, stalling every stream), unless it is to be truncated
+    (truncate_prompt_tokens: its last tokens are the ones kept)."""
+    if truncating:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
     try:
-        return tokenizer.encode(text, max_length=max_model_len)
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens, max_length=max_model_len)
     except TooManyTokensError as error:
         raise _context_error(error.num_tokens, max_tokens or 1, max_model_len, prompt_field,
                              max_tokens_field) from None
+
+
+def _num_kept(request: SamplingFields, max_model_len: int, max_tokens: int) -> int | None:
+    """truncate_prompt_tokens as the number of prompt tokens kept (vLLM's): N >= 1, or -1 for
+    as many as leave room for max_tokens (the request's, else its route's least: 16 on
+    /v1/completions, OpenAI's default, and 1 on chat, whose default is the room left)."""
+    keep = request.truncate_prompt_tokens
+    if keep == 0:
+        raise APIError(400, "truncate_prompt_tokens must be at least 1, or -1 (as many tokens as leave room for "
+                            "max_tokens)", param="truncate_prompt_tokens", code="invalid_value")
+    if keep == -1:
+        return max(1, max_model_len - max_tokens)  # none left: the context check refuses the request
+    return keep
 
 
 def _check_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int, prompt_field: str,
@@ -241,15 +302,17 @@ def _reject_unsupported(request: SamplingFields, specific: list[tuple[str, bool,
 
 
 def _sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | None,
-                     prompt_logprobs: int | None) -> SamplingParams:
+                     prompt_logprobs: int | None, structured: Structured | None) -> SamplingParams:
     options = dict(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
                    min_p=request.min_p, seed=request.seed, stop=request.stop,
                    stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, logprobs=logprobs,
                    prompt_logprobs=prompt_logprobs,
                    presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
                    repetition_penalty=request.repetition_penalty, logit_bias=_logit_bias(request.logit_bias),
-                   min_tokens=request.min_tokens, bad_words=request.bad_words,
-                   structured=_structured(request.response_format))
+                   min_tokens=request.min_tokens, bad_words=request.bad_words, structured=structured,
+                   allowed_token_ids=request.allowed_token_ids,
+                   include_stop_str_in_output=request.include_stop_str_in_output,
+                   skip_special_tokens=request.skip_special_tokens)
     try:
         # Unset (None) fields keep SamplingParams' defaults: the sampling ones are resolved
         # against the checkpoint's generation defaults when the engine takes the request.
@@ -258,23 +321,141 @@ def _sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | N
         raise APIError(400, str(error)) from error
 
 
-def _structured(response_format: ResponseFormat | None) -> Structured | None:
-    """OpenAI's response_format as the engine's constraint: "text" is none, "json_object" any
-    JSON object, "json_schema" its schema (strict or not: the output always follows it)."""
-    kind = response_format.type if response_format is not None else "text"
-    if kind == "text":
+# vLLM's legacy constraint fields and the engine's kind each names.
+_GUIDED_KINDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+_JSON_KINDS = ("json_schema", "json_object")
+_WHITESPACE_PATTERN = ("JSON's whitespace is none (the default) or any (structured_outputs.disable_any_whitespace: "
+                       "false), not a pattern")
+
+
+def _structured(request: SamplingFields) -> Structured | None:
+    """The request's output constraint (engine/structured.py), from whichever field sent it:
+    OpenAI's response_format, vLLM's structured_outputs, or vLLM's legacy guided_json,
+    guided_regex, guided_choice and guided_grammar (removed in vLLM 0.12, still sent by many
+    scripts). Two at once are a 400. So are guided_whitespace_pattern and
+    guided_decoding_backend: the second picked vLLM's implementation, not the output (this
+    server has one; vLLM 0.12 says to remove it too), so accepting it would pretend to honour it."""
+    _reject_unsupported(request, [
+        ("guided_decoding_backend", request.guided_decoding_backend is not None,
+         "it picks vLLM's structured-output implementation, not the output; this server has one (vLLM 0.12 "
+         "removed the field too): remove it"),
+        ("guided_whitespace_pattern", request.guided_whitespace_pattern is not None, _WHITESPACE_PATTERN),
+    ])
+    fields = _constraint_fields(request)
+    if len(fields) > 1:
+        raise APIError(400, f"{fields[0]} and {fields[1]} both constrain the output: send one", param=fields[1],
+                       code="invalid_value")
+    if not fields:
         return None
-    if kind not in ("json_object", "json_schema"):
+    if fields[0] == "response_format":
+        return _response_format(request.response_format)
+    if fields[0] == "structured_outputs":
+        return _structured_outputs(request)
+    return _compile(fields[0], _GUIDED_KINDS[fields[0]], getattr(request, fields[0]))
+
+
+def _constraint_fields(request: SamplingFields) -> list[str]:
+    """The request's fields that constrain its output ("text" is no constraint)."""
+    response_format = request.response_format
+    return [field for field, is_set in (
+        ("response_format", response_format is not None and response_format.type != "text"),
+        ("structured_outputs", request.structured_outputs is not None),
+        *((field, getattr(request, field) is not None) for field in _GUIDED_KINDS)) if is_set]
+
+
+def _response_format(response_format: ResponseFormat) -> Structured:
+    """OpenAI's response_format: "json_object" any JSON object, "json_schema" its schema (strict
+    or not: the output always follows it)."""
+    kind = response_format.type
+    if kind not in _JSON_KINDS:
         raise APIError(400, f"response_format type must be text, json_object or json_schema, got {kind!r}",
                        param="response_format", code="invalid_value")
     if kind == "json_schema" and response_format.json_schema is None:
         raise APIError(400, "response_format json_schema needs its json_schema field", param="response_format",
                        code="invalid_value")
     schema = response_format.json_schema.schema if kind == "json_schema" else None
+    return _compile("response_format", "json_schema", schema) if schema is not None \
+        else _compile("response_format", "json_object")
+
+
+def _structured_outputs(request: SamplingFields) -> Structured:
+    """vLLM's structured_outputs: exactly one of json, regex, choice, grammar and json_object:
+    true. disable_any_whitespace, when sent, says whether JSON may hold whitespace (unset:
+    compact JSON, this server's default; vLLM's is any); disable_additional_properties closes
+    the schema's objects (`_closed_objects`); disable_fallback changes nothing here (one
+    backend: there is never a fallback). whitespace_pattern and structural_tag are refused."""
+    options = request.structured_outputs
+    _reject_unsupported(request, [
+        ("structured_outputs.whitespace_pattern", options.whitespace_pattern is not None, _WHITESPACE_PATTERN),
+        ("structured_outputs.structural_tag", options.structural_tag is not None,
+         "structural tags (grammars triggered by tags in free text) are not served"),
+    ])
+    constraints = [(name, value) for name, value in (("json", options.json), ("regex", options.regex),
+                                                     ("choice", options.choice), ("grammar", options.grammar),
+                                                     ("json_object", options.json_object or None))
+                   if value is not None]
+    if len(constraints) != 1:
+        raise APIError(400, f"structured_outputs must set exactly one of json, regex, choice, grammar and "
+                            f"json_object: true; got {', '.join(name for name, _ in constraints) or 'none'}",
+                       param="structured_outputs", code="invalid_value")
+    [(name, spec)] = constraints
+    param = f"structured_outputs.{name}"
+    kind = {"json": "json_schema", "json_object": "json_object"}.get(name, name)
+    if kind == "json_object":
+        spec = None
+    elif kind == "json_schema" and options.disable_additional_properties:
+        spec = _closed_objects(_json_schema(spec, param))
+    whitespace = {} if options.disable_any_whitespace is None or kind not in _JSON_KINDS \
+        else {"any_whitespace": not options.disable_any_whitespace}
+    return _compile(param, kind, spec, **whitespace)
+
+
+def _compile(param: str, kind: str, spec: Any = None, **options: Any) -> Structured:
+    """The engine's constraint; one that does not compile is a 400 naming the field that sent it."""
     try:
-        return Structured("json_schema", schema) if schema is not None else Structured("json_object")
+        return Structured(kind, spec, **options)
     except ValueError as error:
-        raise APIError(400, str(error), param="response_format", code="invalid_value") from error
+        raise APIError(400, str(error), param=param, code="invalid_value") from error
+
+
+def _json_schema(schema: dict[str, Any] | str, param: str) -> dict[str, Any]:
+    """A schema sent as a dict or as its JSON text, as a dict."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as error:
+            raise APIError(400, f"{param} is not valid JSON: {error}", param=param, code="invalid_value") from error
+    if not isinstance(schema, dict):
+        raise APIError(400, f"{param} must be a JSON schema (an object)", param=param, code="invalid_value")
+    return schema
+
+
+# Keywords whose value maps names to subschemas, and those whose value is data, never a schema.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_NOT_SCHEMAS = ("enum", "const", "default", "examples", "required")
+
+
+def _closed_objects(schema: Any) -> Any:
+    """vLLM's disable_additional_properties: a copy of the schema where every object schema (one
+    with properties or patternProperties) that does not say whether it allows others gets
+    "additionalProperties": false. Only subschemas are walked, not the data in enum, default,
+    ..., nor a property that happens to be named "properties"."""
+    if isinstance(schema, list):
+        return [_closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {}
+    for key, value in schema.items():
+        if key in _NOT_SCHEMAS:
+            closed[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            closed[key] = {name: _closed_objects(subschema) for name, subschema in value.items()}
+        else:
+            closed[key] = _closed_objects(value)
+    if ("properties" in schema or "patternProperties" in schema) and "additionalProperties" not in schema:
+        closed["additionalProperties"] = False
+    return closed
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -5,7 +5,8 @@ parsed from JSON text into a dict, as HF and vLLM give templates), `tool_call_id
 `reasoning_content`, and content as a string or a list of text parts. Parts stay a list for
 templates that read parts (Qwen3.5's `render_content`) and are joined for templates that
 concatenate strings (plain ChatML). What cannot be honoured (an image part, a refusal, a legacy
-`function_call`) is a 400 naming it, never dropped.
+`function_call`) is a 400 naming it, never dropped. The rendered prompt can leave a final
+assistant message open for the model to continue (`continue_final_message`).
 
 Knows nothing about HTTP or the engine beyond the tokenizer's template rendering.
 """
@@ -29,7 +30,7 @@ class ChatTemplate(Protocol):
     chat_template: str | None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str: ...
+                            continue_final_message: bool = False, **kwargs: Any) -> str: ...
 
 
 def template_messages(messages: list[ChatMessage], content_parts: bool) -> list[dict[str, Any]]:
@@ -49,11 +50,19 @@ def check_tools(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def render_prompt(tokenizer: ChatTemplate, messages: list[ChatMessage], tools: list[dict[str, Any]] | None,
-                  chat_template_kwargs: dict[str, Any] | None, add_generation_prompt: bool = True) -> str:
+                  chat_template_kwargs: dict[str, Any] | None, add_generation_prompt: bool = True,
+                  continue_final_message: bool = False) -> str:
+    """The prompt the template renders. continue_final_message (vLLM's, which is HF's): the
+    final message, an assistant's, is left open for the model to go on writing
+    (Tokenizer.apply_chat_template cuts the prompt right after its text)."""
+    if continue_final_message and messages[-1].role != "assistant":
+        raise APIError(400, f"continue_final_message needs an assistant message last, not a {messages[-1].role} "
+                            f"message", param="continue_final_message", code="invalid_value")
     content_parts = bool(_READS_CONTENT_PARTS.search(tokenizer.chat_template or ""))
     try:
         return tokenizer.apply_chat_template(template_messages(messages, content_parts),
-                                             add_generation_prompt=add_generation_prompt, tools=tools,
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, tools=tools,
                                              **(chat_template_kwargs or {}))
     except ValueError as error:  # the template's raise_exception, a template error, or no template
         raise APIError(400, str(error), param="messages") from error
@@ -62,6 +71,12 @@ def render_prompt(tokenizer: ChatTemplate, messages: list[ChatMessage], tools: l
             raise
         # A kwarg that collides with the template's own variables (messages, tools, bos_token, ...).
         raise APIError(400, f"chat_template_kwargs: {error}", param="chat_template_kwargs") from error
+
+
+def message_text(message: ChatMessage) -> str:
+    """A message's content as one string (text parts joined, as string templates get them)."""
+    content = message.content
+    return content if isinstance(content, str) else "".join(part.text or "" for part in content or [])
 
 
 def _template_message(message: ChatMessage, index: int, content_parts: bool) -> dict[str, Any]:

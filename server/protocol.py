@@ -3,7 +3,9 @@
 Request Structs carry the range checks (`msgspec.Meta`), so `msgspec.json.decode(body, type=...)`
 rejects a wrong type or an out-of-range value with a message naming the field. Every optional
 request field also accepts JSON null (some clients send null for "unset"); defaults are applied
-in `inputs`. Fields the engine cannot honour (suffix, ...) are declared so that
+in `inputs`. Beside OpenAI's fields are the extras of vLLM's server that scripts written for it
+send (structured_outputs, the legacy guided_* fields, truncate_prompt_tokens, ...), with vLLM's
+names. Fields the engine cannot honour (suffix, guided_decoding_backend, ...) are declared so that
 `inputs` can reject them by name instead of msgspec silently dropping them. Unknown fields are
 rejected (`forbid_unknown_fields`), as the OpenAI API does: nothing in a request is dropped
 silently.
@@ -57,11 +59,31 @@ class SamplingFields(Request, kw_only=True):
     logit_bias: dict[str, Annotated[float, msgspec.Meta(ge=-100, le=100)]] | None = None
     min_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
     bad_words: list[str] | None = None
-    response_format: ResponseFormat | None = None  # structured output (engine/structured.py)
+    # Structured output (engine/structured.py): one source per request (`inputs` checks it).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's current form
+    # vLLM's legacy form (removed in vLLM 0.12, still sent by many scripts): one of the four at most.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # Declared only to be rejected when set: the first shapes JSON's whitespace (this server's
+    # JSON is compact unless disable_any_whitespace is false), the second picked vLLM's
+    # implementation, not the output.
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
     n: PositiveInt | None = None  # choices per prompt (`inputs.num_choices` caps it)
     # vLLM's: each prompt token's log-probability and the N most likely tokens at its position
     # (not with stream, as in vLLM: `inputs` rejects it).
     prompt_logprobs: NumLogprobs | None = None
+    # vLLM's sampling and detokenization extras (SamplingParams fields of the same names).
+    allowed_token_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1)] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    # vLLM's: keep the last N prompt tokens (-1: as many as leave room for max_tokens); `inputs`
+    # rejects 0.
+    truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:<id>"
     user: str | None = None  # an end-user id for abuse monitoring: accepted, nothing to do with it
 
 
@@ -76,6 +98,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     logprobs: NumLogprobs | None = None
     best_of: PositiveInt | None = None  # accepted when it equals n (`inputs.num_choices`)
     suffix: str | None = None
+    add_special_tokens: bool | None = None  # vLLM's: the tokenizer's own BOS/EOS around a text prompt (default true)
 
 
 class ContentPart(Request):
@@ -153,6 +176,24 @@ class ResponseFormat(Request):
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputs(Request, kw_only=True):
+    """vLLM's structured_outputs: exactly one of json, regex, choice, grammar (EBNF/GBNF or
+    Lark) or json_object: true (`inputs` checks it). Unset options keep this server's defaults."""
+
+    json: dict[str, Any] | str | None = None  # a JSON schema, or its JSON text
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None  # JSON only; unset: compact JSON (this server's default)
+    # vLLM's: no fallback to another backend on error; this server has one backend, never a fallback.
+    disable_fallback: bool | None = None
+    disable_additional_properties: bool | None = None  # object schemas without it get "additionalProperties": false
+    # Declared only to be rejected when set (`inputs`).
+    whitespace_pattern: str | None = None
+    structural_tag: Any = None
+
+
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
@@ -164,6 +205,16 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI's; reaches the chat template as the `reasoning_effort` variable (vLLM's way). Qwen3.5's
+    # template ignores it: chat_template_kwargs {"enable_thinking": false} turns its thinking off.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    store: bool | None = None  # OpenAI's; nothing is stored (`inputs` rejects true)
+    # vLLM's chat extras (`inputs.chat_input` says what each does).
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    echo: bool | None = None
+    add_special_tokens: bool | None = None
+    documents: list[dict[str, Any]] | None = None  # reaches the chat template as `documents`
 
 
 class TokenizeRequest(Request, kw_only=True):

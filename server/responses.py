@@ -66,11 +66,14 @@ class CompletionRenderer:
     (the first null: no token comes before it), both in the choice's first chunk when
     streaming. echo_only (max_tokens 0): the engine's one generated token is left out, and the
     choice finishes with "length" (the 0 tokens asked for). prompt_logprobs: the request's
-    count; the choice then carries vLLM's prompt_logprobs list."""
+    count; the choice then carries vLLM's prompt_logprobs list. tokens_as_ids (vLLM's
+    return_tokens_as_token_ids): logprobs name each token "token_id:<id>"; text_offset still
+    counts the text's characters."""
 
     def __init__(self, model: str, tokenizer: TokenText, prompt_token_ids: list[int], index: int = 0,
                  response_id: str | None = None, *, echo: str | None = None, echo_only: bool = False,
-                 logprobs: int | None = None, prompt_logprobs: int | None = None) -> None:
+                 logprobs: int | None = None, prompt_logprobs: int | None = None,
+                 tokens_as_ids: bool = False) -> None:
         self.id = response_id or f"cmpl-{uuid.uuid4().hex}"
         self.index = index
         self.request_id = self.id if index == 0 else f"{self.id}-{index}"
@@ -78,6 +81,7 @@ class CompletionRenderer:
         self.model, self.tokenizer = model, tokenizer
         self.prompt_token_ids, self.echo, self.echo_only = prompt_token_ids, echo, echo_only
         self.num_logprobs, self.num_prompt_logprobs = logprobs, prompt_logprobs
+        self.tokens_as_ids = tokens_as_ids
         self._offset = 0  # text_offset of the next token, relative to the choice's text
 
     def opening(self) -> list[msgspec.Struct]:
@@ -131,10 +135,10 @@ class CompletionRenderer:
         """The tokens' entries, from text_offset self._offset on; an entry's top_logprobs hold
         the token itself and the request's N most likely (up to N + 1, as OpenAI's), by text."""
         for token_id, entry in zip(token_ids, entries, strict=True):
-            token = _token_text(self.tokenizer, token_id)
+            token = _logprob_token(self.tokenizer, token_id, self.tokens_as_ids)
             logprobs.tokens.append(token)
             logprobs.text_offset.append(self._offset)
-            self._offset += len(token)
+            self._offset += len(_token_text(self.tokenizer, token_id))  # of the text, whatever names the token
             if entry is None:
                 logprobs.token_logprobs.append(None)
                 logprobs.top_logprobs.append(None)
@@ -145,7 +149,7 @@ class CompletionRenderer:
             # (lm-evaluation-harness's is_greedy), even where its text is another's.
             top = {token: logprob}
             for top_id, top_logprob in entry.top[:self.num_logprobs]:
-                key = _token_text(self.tokenizer, top_id)
+                key = _logprob_token(self.tokenizer, top_id, self.tokens_as_ids)
                 top[key] = max(top.get(key, MIN_LOGPROB), top_logprob)
             logprobs.token_logprobs.append(logprob)
             logprobs.top_logprobs.append(top)
@@ -155,20 +159,26 @@ class ChatRenderer:
     """Chat responses; the text goes through the choice's own `ChatOutput` (reasoning, tool
     calls). Choice `index` of a request (n > 1); its renderers share the response's id (given to
     all but the first). prompt_logprobs: the request's count; the response then carries vLLM's
-    prompt_logprobs list (the rendered prompt's tokens), beside the choices."""
+    prompt_logprobs list (the rendered prompt's tokens), beside the choices. tokens_as_ids: as
+    CompletionRenderer's."""
 
     def __init__(self, model: str, tokenizer: TokenText, output: ChatOutput, prompt_token_ids: list[int],
-                 index: int = 0, response_id: str | None = None, prompt_logprobs: int | None = None) -> None:
+                 index: int = 0, response_id: str | None = None, prompt_logprobs: int | None = None,
+                 tokens_as_ids: bool = False) -> None:
         self.id = response_id or f"chatcmpl-{uuid.uuid4().hex}"
         self.index = index
         self.request_id = self.id if index == 0 else f"{self.id}-{index}"
         self.created = int(time.time())
         self.model, self.tokenizer, self.output = model, tokenizer, output
         self.prompt_token_ids, self.num_prompt_logprobs = prompt_token_ids, prompt_logprobs
+        self.tokens_as_ids = tokens_as_ids
 
     def opening(self) -> list[msgspec.Struct]:
-        # OpenAI announces the role first, with empty content.
-        return [self._chunk(ChatDelta(role="assistant", content=""), None, None)]
+        # OpenAI announces the role first, with empty content; an echo follows, as vLLM sends it.
+        opening = [self._chunk(ChatDelta(role="assistant", content=""), None, None)]
+        if self.output.settings.echo:
+            opening.append(self._chunk(ChatDelta(content=self.output.settings.echo), None, None))
+        return opening
 
     def chunks(self, text: str, finish_reason: str | None, token_ids: list[int], logprobs: list[TokenLogprobs] | None,
                prompt_logprobs: list[TokenLogprobs | None] | None) -> list[ChatCompletionChunk]:
@@ -215,14 +225,15 @@ class ChatRenderer:
         if logprobs is None:
             return None
 
+        # bytes are the token's text's, whatever names the token.
         def top(token_id: int, logprob: float) -> TopLogprob:
-            text = _token_text(self.tokenizer, token_id)
-            return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+            return TopLogprob(token=_logprob_token(self.tokenizer, token_id, self.tokens_as_ids), logprob=logprob,
+                              bytes=list(_token_text(self.tokenizer, token_id).encode()))
 
         content = []
         for token_id, entry in zip(token_ids, logprobs):
-            text = _token_text(self.tokenizer, token_id)
-            content.append(ChatTokenLogprob(token=text, logprob=entry.logprob, bytes=list(text.encode()),
+            chosen = top(token_id, entry.logprob)
+            content.append(ChatTokenLogprob(token=chosen.token, logprob=chosen.logprob, bytes=chosen.bytes,
                                             top_logprobs=[top(i, lp) for i, lp in entry.top]))
         return ChatLogprobs(content)
 
@@ -247,3 +258,9 @@ def _prompt_logprobs(tokenizer: TokenText, prompt_token_ids: list[int], entries:
 def _token_text(tokenizer: TokenText, token_id: int) -> str:
     """One token's text; a token holding part of a multi-byte character shows U+FFFD."""
     return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _logprob_token(tokenizer: TokenText, token_id: int, as_id: bool) -> str:
+    """How a logprobs entry names a token: its text, or with vLLM's return_tokens_as_token_ids
+    "token_id:<id>" (exact where a text is not: a part of a multi-byte character)."""
+    return f"token_id:{token_id}" if as_id else _token_text(tokenizer, token_id)

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from deltaspec.engine import LLM, AsyncLLM, SamplingParams
 from deltaspec.server.config import ServerConfig
+from deltaspec.server.cors import CorsPolicy
 from deltaspec.server.serve import start
 from fixtures import assert_idle
 
@@ -742,6 +743,52 @@ async def test_api_key_guards_the_v1_routes(engine, http):
             assert response.status == 200
     finally:
         await running.stop()
+
+
+async def test_cross_origin_requests_from_browsers(engine, http):
+    """CORS as vLLM sets it up: by default any origin, a preflight answered before the API key
+    (browsers send none on it) and the allow-origin header on every response, streams and
+    errors included; a configured policy echoes its origins (with Vary and credentials) and
+    refuses the others' preflights."""
+    servers = [await start(engine, ServerConfig(model_name=MODEL, port=0, api_key="sesame")),
+               await start(engine, ServerConfig(model_name=MODEL, port=0, cors=CorsPolicy(
+                   origins=("http://app.example",), methods=("POST",), headers=("Authorization", "Content-Type"),
+                   credentials=True)))]
+    open_url, strict_url = (f"http://127.0.0.1:{running.port}" for running in servers)
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True}
+    try:
+        async with http.options(f"{open_url}/v1/completions", headers={"Origin": "http://x.test", **preflight}) as r:
+            assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == "*"
+            assert "POST" in r.headers["Access-Control-Allow-Methods"]
+            assert r.headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+        key = {"Authorization": "Bearer sesame"}
+        async with http.post(f"{open_url}/v1/completions", json=body, headers={"Origin": "http://x.test", **key}) as r:
+            assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == "*"
+            assert (await r.text()).rstrip().endswith("data: [DONE]")
+        async with http.post(f"{open_url}/v1/completions", json=body, headers={"Origin": "http://x.test"}) as r:
+            assert r.status == 401 and r.headers["Access-Control-Allow-Origin"] == "*"
+        async with http.get(f"{open_url}/health") as r:  # no Origin: not a cross-origin request
+            assert "Access-Control-Allow-Origin" not in r.headers
+        origin = {"Origin": "http://app.example"}
+        async with http.options(f"{strict_url}/v1/completions", headers={**origin, **preflight}) as r:
+            assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == "http://app.example"
+            assert r.headers["Access-Control-Allow-Credentials"] == "true" and r.headers["Vary"] == "Origin"
+            assert r.headers["Access-Control-Allow-Methods"] == "POST"
+        async with http.post(f"{strict_url}/v1/completions", json=body, headers=origin) as r:
+            assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == "http://app.example"
+        for headers, refused in (({"Origin": "http://evil.example", **preflight}, "origin"),
+                                 ({**origin, **preflight, "Access-Control-Request-Method": "DELETE"}, "method"),
+                                 ({**origin, **preflight, "Access-Control-Request-Headers": "x-secret"}, "headers")):
+            async with http.options(f"{strict_url}/v1/completions", headers=headers) as r:
+                assert r.status == 400 and await r.text() == f"Disallowed CORS {refused}"
+                assert "Access-Control-Allow-Origin" not in r.headers or refused != "origin"
+        async with http.post(f"{strict_url}/v1/completions", json=body, headers={"Origin": "http://evil.example"}) as r:
+            assert "Access-Control-Allow-Origin" not in r.headers
+            await r.read()
+    finally:
+        for running in servers:
+            await running.stop()
 
 
 async def test_overload_gets_503_and_the_queue_recovers(checkpoint, http):

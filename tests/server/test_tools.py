@@ -220,6 +220,10 @@ BAD_CHAT_REQUESTS = [
     ({"messages": ONE_MESSAGE, "tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"messages": ONE_MESSAGE, "tools": [WEATHER, SEARCH], "tool_choice": "required",
       "response_format": {"type": "json_object"}}, "response_format", "cannot be combined"),
+    ({"messages": ONE_MESSAGE, "tools": [WEATHER, SEARCH], "tool_choice": "required",
+      "structured_outputs": {"regex": "[a-z]+"}}, "structured_outputs", "cannot be combined"),
+    ({"messages": ONE_MESSAGE, "tools": [WEATHER, SEARCH], "tool_choice": "required", "guided_choice": ["a"]},
+     "guided_choice", "cannot be combined"),
     ({"messages": ONE_MESSAGE, "tool_choice": "sometimes"}, "tool_choice", "Invalid enum value"),
 ]
 
