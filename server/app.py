@@ -1,6 +1,7 @@
 """The aiohttp application: OpenAI routes over one engine, SSE streaming, JSON errors, auth, metrics.
 
     POST /v1/completions        POST /v1/chat/completions      (stream: true -> SSE)
+    POST /v1/responses          (OpenAI's Responses API over the chat path: responses_api.py)
     GET  /v1/models             GET  /v1/models/{id}           GET  /health
     GET  /metrics (Prometheus text)
     POST /tokenize              POST /detokenize               GET  /version     (vLLM's shapes)
@@ -12,7 +13,7 @@ handler exits: normally, on an error, on a write to a client that went away, or 
 (the runner in `serve` cancels the handler of a client that disconnects); closing it aborts the
 request, so a vanished client never holds a slot. A request whose engine step failed
 (StepFailedError) gets a 500, one whose engine has stopped (EngineDeadError) a 503: a JSON body
-before the headers are out, an error event and [DONE] after.
+before the headers are out, an error event and [DONE] after (on /v1/responses: response.failed).
 
 Knows the engine only through the API AsyncLLM and EngineProcess (an engine in its own process)
 share; knows nothing about processes or signals.
@@ -30,7 +31,7 @@ import time
 import zlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -50,6 +51,8 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeReque
                        ModelList, SamplingFields, TokenizeRequest, TokenizeResponse, Usage, VersionInfo)
 from .reasoning import reasoning_enabled
 from .responses import VERSION, ChatRenderer, CompletionRenderer, Renderer
+from .responses_api import ResponsesRenderer, responses_input
+from .responses_protocol import ResponsesRequest
 from .tool_parsers import tool_call_parser_name
 
 logger = logging.getLogger("deltaspec.server")
@@ -91,6 +94,7 @@ class OpenAIServer:
         self.app.on_response_prepare.append(cors.on_prepare)
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
+        self.app.router.add_post("/v1/responses", self.responses)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/v1/models/{model:.+}", self.model)  # ids may hold a '/'
         self.app.router.add_get("/health", self.health)
@@ -148,6 +152,17 @@ class OpenAIServer:
                                               bool(body.return_tokens_as_token_ids)))
             return await self._generate(request, body, with_choices([engine_input], n), renderers, arrival)
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        arrival = time.monotonic()
+        body = await self._decode(request, ResponsesRequest)
+        self._check_model(body.model)
+        with self._admit():
+            engine_input, output = await self._off_loop(responses_input, body, self.engine.tokenizer,
+                                                        self.engine.max_model_len, self.chat_parsers)
+            renderer = ResponsesRenderer(body, self.config.model_name, self.engine.tokenizer, ChatOutput(output),
+                                         engine_input.prompt_token_ids)
+            return await self._generate(request, body, [engine_input], [renderer], arrival, events=renderer)
+
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await self._decode(request, TokenizeRequest)
         self._check_model(body.model)
@@ -190,10 +205,12 @@ class OpenAIServer:
     # Generation ---------------------------------------------------------------------------
 
     async def _generate(self, request: web.Request, body: SamplingFields, inputs: list[EngineInput],
-                        renderers: list[Renderer], arrival: float) -> web.StreamResponse:
+                        renderers: list[Renderer], arrival: float,
+                        events: EventFormat | None = None) -> web.StreamResponse:
         """One engine request per input (renderer i renders choice i), answered together. A
         fork (n > 1) is submitted after the choice it forks (the streams start in order), and its
-        prompt tokens count once, on that choice."""
+        prompt tokens count once, on that choice. events: how a stream is written (by default
+        the chunk events of /v1/completions and /v1/chat/completions)."""
         streams = [self.engine.generate(engine_input.prompt_token_ids, engine_input.params, renderer.request_id,
                                         fork_of=None if engine_input.fork_of is None
                                         else renderers[engine_input.fork_of].request_id)
@@ -218,8 +235,10 @@ class OpenAIServer:
                             for engine_input, renderer, num in zip(inputs, renderers, num_prompt_tokens)}
                 try:
                     if body.stream:
-                        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                        return await self._stream(request, started, deltas, progress, include_usage)
+                        if events is None:
+                            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                            events = _ChunkEvents(renderers[0], include_usage)
+                        return await self._stream(request, started, deltas, progress, events)
                     return await self._respond(started, deltas, progress)
                 except _ENGINE_FAILURES:
                     for each in progress.values():
@@ -256,7 +275,7 @@ class OpenAIServer:
                                              usage=_total_usage(progress.values())))
 
     async def _stream(self, request: web.Request, started: list[RequestDelta], deltas: AsyncIterator[RequestDelta],
-                      progress: dict[str, _Progress], include_usage: bool) -> web.StreamResponse:
+                      progress: dict[str, _Progress], events: EventFormat) -> web.StreamResponse:
         """One write per engine delta (its chunks together), the last chunks with the end of
         the response: a write is a system call, the largest cost the server adds per token."""
         response = web.StreamResponse(headers=_SSE_HEADERS)
@@ -291,17 +310,18 @@ class OpenAIServer:
             if delta.finish_reason == "abort":
                 # Headers are out: the error travels as an event (the openai client raises it).
                 error = APIError(503, "the request was aborted: the server is shutting down", code="aborted")
-                await send(_event(error.body()), last=True)  # (no [DONE]: the stream failed)
+                await send(events.failure(error), last=True)  # (no [DONE]: the stream failed)
                 return False
             chunks = each.renderer.chunks(delta.text, delta.finish_reason, delta.token_ids, delta.logprobs,
                                           delta.prompt_logprobs)
             if chunks:
-                await send(b"".join(map(_event, chunks)))
+                await send(b"".join(map(events.event, chunks)))
             return True
 
         try:
             try:
-                opening = b"".join(_event(chunk) for each in progress.values() for chunk in each.renderer.opening())
+                opening = b"".join(events.event(chunk) for each in progress.values()
+                                   for chunk in each.renderer.opening())
                 if opening:
                     await send(opening)
                 for delta in started:
@@ -310,13 +330,12 @@ class OpenAIServer:
                 async for delta in deltas:
                     if not await stream_delta(delta):
                         return response
-                end = _event(progress[request_ids[0]].renderer.usage_chunk(_total_usage(progress.values()))) \
-                    if include_usage else b""
+                end = events.end(_total_usage(progress.values()))
             except _ENGINE_FAILURES as error:
                 for each in progress.values():
                     each.fail()
-                end = _event(_engine_failure(error).body())  # and the stream ends as usual
-            await send(end + _DONE, last=True)
+                end = events.failure(_engine_failure(error))  # and the stream ends as usual
+            await send(end + events.done, last=True)
         except ConnectionResetError:
             pass  # the client went away; leaving `_generate`'s aclosing block aborts the requests
         return response
@@ -557,6 +576,39 @@ def _event(chunk: msgspec.Struct) -> bytes:
 
 
 _DONE = b"data: [DONE]\n\n"  # a stream's last event
+
+
+class EventFormat(Protocol):
+    """How a route's stream is written as server-sent events: each chunk a renderer makes, the
+    end after the last delta, and a failure once the headers are out (a JSON body no longer can)."""
+
+    done: bytes  # the stream's last bytes, after its end or an engine failure
+
+    def event(self, chunk: msgspec.Struct) -> bytes: ...
+
+    def end(self, usage: Usage) -> bytes: ...
+
+    def failure(self, error: APIError) -> bytes: ...
+
+
+class _ChunkEvents:
+    """/v1/completions' and /v1/chat/completions' streams: `data: <chunk JSON>` events; at the end
+    the usage chunk when stream_options.include_usage asks for it, then `data: [DONE]`; a failure
+    is an error body (the openai client raises it)."""
+
+    done = _DONE
+
+    def __init__(self, renderer: Renderer, include_usage: bool) -> None:
+        self.renderer, self.include_usage = renderer, include_usage
+
+    def event(self, chunk: msgspec.Struct) -> bytes:
+        return _event(chunk)
+
+    def end(self, usage: Usage) -> bytes:
+        return _event(self.renderer.usage_chunk(usage)) if self.include_usage else b""
+
+    def failure(self, error: APIError) -> bytes:
+        return _event(error.body())
 
 
 def _json(body: msgspec.Struct, status: int = 200) -> web.Response:

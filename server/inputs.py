@@ -172,7 +172,8 @@ def chat_input(request: ChatCompletionRequest, tokenizer: PromptTokenizer, max_m
     add_generation_prompt is sent (then true is a 400, as in vLLM) renders none; echo starts the
     content with the final message's when it is an assistant's (with continue_final_message:
     the whole message); documents and reasoning_effort reach the template as variables of
-    those names, over chat_template_kwargs' (as vLLM merges them); add_special_tokens (default
+    those names, over chat_template_kwargs' (as vLLM merges them), and reasoning_effort "none"
+    turns thinking off on a template that switches it with enable_thinking and knows no effort; add_special_tokens (default
     false: the template writes them) adds the tokenizer's own around the rendered prompt;
     truncate_prompt_tokens keeps the rendered prompt's last N tokens."""
     _reject_unsupported(request, [
@@ -201,6 +202,12 @@ def chat_input(request: ChatCompletionRequest, tokenizer: PromptTokenizer, max_m
                        **{name: value for name, value in (("documents", request.documents),
                                                           ("reasoning_effort", request.reasoning_effort))
                           if value is not None}}
+    template = tokenizer.chat_template or ""
+    if request.reasoning_effort == "none" and "enable_thinking" not in template_kwargs \
+            and "enable_thinking" in template and "reasoning_effort" not in template:
+        # A template that switches thinking with enable_thinking (Qwen3.5's) and knows no effort:
+        # "none", OpenAI's no reasoning, turns it off; other efforts leave it on.
+        template_kwargs["enable_thinking"] = False
     continue_final_message = bool(request.continue_final_message)
     add_generation_prompt = request.add_generation_prompt if request.add_generation_prompt is not None \
         else not continue_final_message

@@ -33,8 +33,17 @@ class ChatTemplate(Protocol):
                             continue_final_message: bool = False, **kwargs: Any) -> str: ...
 
 
-def template_messages(messages: list[ChatMessage], content_parts: bool) -> list[dict[str, Any]]:
-    return [_template_message(message, index, content_parts) for index, message in enumerate(messages)]
+def template_messages(messages: list[ChatMessage], template: str) -> list[dict[str, Any]]:
+    """The messages as `template` takes them. OpenAI's "developer" role (its successor to
+    "system", which OpenAI's own clients send) goes in as "system" to a template that does not
+    name it: Qwen's templates know only system, and refuse any other role."""
+    content_parts = bool(_READS_CONTENT_PARTS.search(template))
+    developer_as_system = "developer" not in template
+    rendered = [_template_message(message, index, content_parts) for index, message in enumerate(messages)]
+    for message in rendered:
+        if developer_as_system and message["role"] == "developer":
+            message["role"] = "system"
+    return rendered
 
 
 def check_tools(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -58,9 +67,8 @@ def render_prompt(tokenizer: ChatTemplate, messages: list[ChatMessage], tools: l
     if continue_final_message and messages[-1].role != "assistant":
         raise APIError(400, f"continue_final_message needs an assistant message last, not a {messages[-1].role} "
                             f"message", param="continue_final_message", code="invalid_value")
-    content_parts = bool(_READS_CONTENT_PARTS.search(tokenizer.chat_template or ""))
     try:
-        return tokenizer.apply_chat_template(template_messages(messages, content_parts),
+        return tokenizer.apply_chat_template(template_messages(messages, tokenizer.chat_template or ""),
                                              add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message, tools=tools,
                                              **(chat_template_kwargs or {}))

@@ -9,13 +9,14 @@ aiohttp or the engine.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import msgspec
 
 from .protocol import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion, CompletionRequest,
                        DetokenizeRequest, DetokenizeResponse, ErrorBody, Health, Model, ModelList, TokenizeRequest,
                        TokenizeResponse, VersionInfo)
+from .responses_protocol import Response, ResponsesRequest, StreamEvent
 
 _REF = "#/components/schemas/{name}"
 
@@ -26,7 +27,7 @@ class Route(NamedTuple):
     summary: str
     request: type | None = None     # the JSON body's Struct
     response: type | None = None    # the JSON response's Struct (200)
-    stream: type | None = None      # each SSE event's Struct when the body asks for stream: true
+    stream: Any = None              # each SSE event's Struct (or union of them) when the body asks for stream: true
     content_type: str = "application/json"  # of a response without a Struct (e.g. /metrics)
 
 
@@ -35,6 +36,8 @@ ROUTES = (
           Completion),
     Route("post", "/v1/chat/completions", "Answer a chat", ChatCompletionRequest, ChatCompletion,
           ChatCompletionChunk),
+    Route("post", "/v1/responses", "Create a model response (OpenAI's Responses API)", ResponsesRequest, Response,
+          StreamEvent),
     Route("get", "/v1/models", "The served model", response=ModelList),
     Route("get", "/v1/models/{model}", "One model by id", response=Model),
     Route("post", "/tokenize", "Token ids of a prompt or of rendered chat messages", TokenizeRequest,
@@ -63,7 +66,8 @@ def openapi_document(version: str) -> dict:
         if route.response is not None:
             ok["content"] = {"application/json": {"schema": by_type[route.response]}}
             if route.stream is not None:
-                # Server-sent events: `data: <chunk JSON>` each, then `data: [DONE]`.
+                # Server-sent events: `data: <chunk JSON>` each, then `data: [DONE]` (/v1/responses:
+                # `event: <type>` and `data: <event JSON>` each, no [DONE]).
                 ok["content"]["text/event-stream"] = {"schema": by_type[route.stream]}
         elif route.content_type != "application/json":
             ok["content"] = {route.content_type: {"schema": {"type": "string"}}}

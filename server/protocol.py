@@ -206,7 +206,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # OpenAI's; reaches the chat template as the `reasoning_effort` variable (vLLM's way). Qwen3.5's
-    # template ignores it: chat_template_kwargs {"enable_thinking": false} turns its thinking off.
+    # template knows no effort: "none" turns its thinking off (enable_thinking false), as
+    # chat_template_kwargs {"enable_thinking": false} does; the other efforts leave it on.
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     store: bool | None = None  # OpenAI's; nothing is stored (`inputs` rejects true)
     # vLLM's chat extras (`inputs.chat_input` says what each does).

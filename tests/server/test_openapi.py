@@ -6,7 +6,8 @@ fixed-seed generator written here, sends each route bodies generated from its re
 valid ones, and mutated ones: wrong types, missing required fields, out-of-range numbers, huge
 strings and arrays, unicode junk (lone surrogates, NUL, invalid UTF-8), unknown fields, other
 content types, truncated JSON, non-object bodies. Every answer must be 2xx or 4xx with an OpenAI
-error body (never a 5xx, never a dropped connection, every stream ending in [DONE]); afterwards
+error body (never a 5xx, never a dropped connection, every stream ending whole: in [DONE], or a
+Responses stream in its response.completed or response.incomplete event); afterwards
 the reference greedy completion is unchanged and the idle gauges are back where they were.
 """
 
@@ -33,8 +34,8 @@ MAX_MODEL_LEN = 512
 NUM_CASES = 320  # bodies sent (valid and mutated, over every route with a body)
 # Integer fields that set how much work a valid request asks for: kept small so the fuzz stays
 # bounded (their out-of-range values are still sent by the mutations).
-SMALL_INTS = {"max_tokens": 6, "max_completion_tokens": 6, "min_tokens": 3, "n": 2, "best_of": 2,
-              "logprobs": 3, "top_logprobs": 3, "prompt_logprobs": 3}
+SMALL_INTS = {"max_tokens": 6, "max_completion_tokens": 6, "max_output_tokens": 6, "min_tokens": 3, "n": 2,
+              "best_of": 2, "logprobs": 3, "top_logprobs": 3, "prompt_logprobs": 3}
 JUNK = ["\ud800", "\udfff", "\x00", "\u202e", "\ufeff", "🙂", "\U0010ffff", "é", "中", "\\", "\"", "\n", "{", "]"]
 
 
@@ -216,19 +217,29 @@ def _bounded(path: str, body: dict, rng: random.Random) -> dict:
         body.pop("max_completion_tokens", None)
         if body.get("min_tokens") is not None:
             body["min_tokens"] = min(body["min_tokens"], body["max_tokens"])
+    if path == "/v1/responses":  # max_tokens is chat's: refused here
+        body["max_output_tokens"] = rng.randint(1, SMALL_INTS["max_output_tokens"])
+        if body.get("stream") is None:
+            body["stream"] = rng.random() < 0.5
+        if body.get("min_tokens") is not None:
+            body["min_tokens"] = min(body["min_tokens"], body["max_output_tokens"])
     return body
 
 
 async def _check_answer(response: aiohttp.ClientResponse, what: str) -> int:
     """The status, after checking the answer is whole: a JSON error, a JSON body or a stream
-    ending in [DONE] without an error event."""
+    ending in [DONE] without an error event (a Responses stream: typed events, the last the
+    whole response, completed or incomplete)."""
     assert response.status < 500, f"{what}: {response.status} {await response.text()}"
     raw = await response.read()  # a dropped connection raises here
     if response.status >= 400:
         error = json.loads(raw)["error"]
         assert error["message"] and error["type"] == "invalid_request_error", what
         return response.status
-    if response.content_type == "text/event-stream":
+    if response.content_type == "text/event-stream" and raw.startswith(b"event: "):
+        events = [json.loads(block.partition(b"\ndata: ")[2]) for block in raw.split(b"\n\n") if block.strip()]
+        assert events[-1]["type"] in ("response.completed", "response.incomplete"), f"{what}: {events[-1]}"
+    elif response.content_type == "text/event-stream":
         events = [line.removeprefix(b"data: ") for line in raw.split(b"\n\n") if line.strip()]
         assert events and events[-1] == b"[DONE]", f"{what}: stream did not end with [DONE]"
         for event in events[:-1]:
@@ -272,8 +283,8 @@ async def test_schema_fuzz_of_every_route(served):
                  for path, operations in document["paths"].items() for method, op in operations.items()
                  if "requestBody" in op]
     without_body = [path for path, operations in document["paths"].items() if "get" in operations]
-    assert {path for path, _, _ in with_body} == {"/v1/completions", "/v1/chat/completions", "/tokenize",
-                                                  "/detokenize"}
+    assert {path for path, _, _ in with_body} == {"/v1/completions", "/v1/chat/completions", "/v1/responses",
+                                                  "/tokenize", "/detokenize"}
 
     seen: dict[tuple[str, str], set[int]] = {}  # (route, valid or mutation) -> statuses
 

@@ -248,3 +248,17 @@ async def test_the_clients_own_message_object_goes_back_into_the_history(qwen3_5
     messages += [reply, {"role": "tool", "tool_call_id": reply.tool_calls[0].id, "content": "21 C"}]
     again = await client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=2)
     assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+async def test_a_developer_message_renders_as_the_system_message(qwen3_5):
+    """OpenAI's clients send "developer" for the system role; Qwen3.5's template knows only
+    system (any other role raises): the prompt equals the system message's."""
+    engine, client = qwen3_5
+    chat = [{"role": "user", "content": "Weather in Paris?"}]
+    prompts = [(await client.post("/../tokenize", cast_to=object,
+                                  body={"messages": [{"role": role, "content": "Be brief."}, *chat]}))["tokens"]
+               for role in ("developer", "system")]
+    assert prompts[0] == prompts[1]
+    reply = await client.chat.completions.create(model=MODEL, max_tokens=2,
+                                                 messages=[{"role": "developer", "content": "Be brief."}, *chat])
+    assert reply.usage.prompt_tokens == len(prompts[1])

@@ -344,3 +344,17 @@ async def test_documents_and_reasoning_effort_reach_the_template(checkpoint):
     engine_input, _ = chat_input(request, tokenizer, MAX_MODEL_LEN, ChatParsers("none", False))
     # The request's fields win over chat_template_kwargs', as vLLM merges them.
     assert tokenizer.decode(engine_input.prompt_token_ids) == "[Doc: body]effort=high thinking=Falsehi"
+
+
+@pytest.mark.parametrize("effort, kwargs, thinking", [("none", {}, "False"), ("low", {}, ""),
+                                                      ("none", {"enable_thinking": True}, "True"), (None, {}, "")])
+async def test_reasoning_effort_none_turns_thinking_off(checkpoint, effort, kwargs, thinking):
+    """A template that switches thinking with enable_thinking and knows no effort (Qwen3.5's):
+    "none" sets enable_thinking false unless chat_template_kwargs says otherwise."""
+    tokenizer = Tokenizer.from_dir(checkpoint("qwen3_5"))
+    tokenizer.set_chat_template("thinking={{ enable_thinking }}|{% for m in messages %}{{ m.content }}{% endfor %}")
+    fields = {"reasoning_effort": effort} if effort else {}
+    request = msgspec.convert({"messages": ONE_MESSAGE, **fields, "chat_template_kwargs": kwargs},
+                              ChatCompletionRequest)
+    engine_input, _ = chat_input(request, tokenizer, MAX_MODEL_LEN, ChatParsers("none", False))
+    assert tokenizer.decode(engine_input.prompt_token_ids) == f"thinking={thinking}|hi"
