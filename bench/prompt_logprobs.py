@@ -4,7 +4,8 @@ close the scores are to HF transformers' on the same weights.
 The 0.8B shape (random weights, bf16, engine_throughput.py's build), one engine: a batch of
 prompts prefilled with max_tokens=1, without prompt log-probabilities and with them (top 0 and
 top 5: lm-eval-harness asks for 1), alternated, each timed as the median of several runs after
-a warm-up and a garbage collection (prefix cache off, so every run prefills). Then one prompt's scores against the log
+a warm-up and a garbage collection (prefix cache off, so every run prefills); the top-k of the
+scores by the kernel (kernels/logprobs.top_logits) and by torch's topk side by side. Then one prompt's scores against the log
 softmax of HF's logits (the same bf16 weights): the largest difference, and how often the
 top-1 token agrees.
 
@@ -20,6 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -31,11 +33,17 @@ from fixtures import make_tokenizer  # noqa: E402
 from deltaspec.engine import EngineConfig, SamplingParams  # noqa: E402
 from deltaspec.engine.core import EngineCore  # noqa: E402
 from deltaspec.engine.tokenizer import Tokenizer  # noqa: E402
+from deltaspec.kernels.logprobs import top_logits, top_logits_reference  # noqa: E402
 
-VARIANTS = {"none": None, "top0": 0, "top5": 5}
+# name: (prompt_logprobs, the top-k op: "kernel" (kernels/logprobs.top_logits) or "torch" (its
+# reference, torch's topk: the side-by-side baseline)).
+VARIANTS = {"none": (None, "kernel"), "top0": (0, "kernel"), "top1": (1, "kernel"), "top1_torch": (1, "torch"),
+            "top5": (5, "kernel"), "top5_torch": (5, "torch")}
 
 
-def run(core: EngineCore, prompts: list[list[int]], top_n: int | None) -> tuple[float, list]:
+def run(core: EngineCore, prompts: list[list[int]], top_n: int | None, top_op: str = "kernel") -> tuple[float, list]:
+    sampler = core.runner.sampler
+    sampler.ops = replace(sampler.ops, top_logits=top_logits if top_op == "kernel" else top_logits_reference)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, prompt_logprobs=top_n)
     # The runs before left ~10^5 objects each (scores, their lists): collected now, so that a full
     # collection does not land inside whichever run crosses the threshold.
@@ -65,11 +73,11 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, config.vocab_size, (args.prompts, args.prompt_len), generator=generator).tolist()
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    for name, top_n in VARIANTS.items():
-        run(core, prompts, top_n)  # warm-up: compiles what the variant launches
+    for name, variant in VARIANTS.items():
+        run(core, prompts, *variant)  # warm-up: compiles what the variant launches
     for _ in range(args.repeats):
-        for name, top_n in VARIANTS.items():
-            times[name].append(run(core, prompts, top_n)[0])
+        for name, variant in VARIANTS.items():
+            times[name].append(run(core, prompts, *variant)[0])
     tokens = args.prompts * args.prompt_len
     results = {name: {"seconds": statistics.median(t), "prompt_tokens_per_s": tokens / statistics.median(t)}
                for name, t in times.items()}

@@ -171,8 +171,8 @@ class Sampler:
         logprob, rank, lse = self.ops.token_logprobs(logits, chosen)
         if not top_n:
             return TokenScores(logprob, rank, lse.new_empty(len(lse), 0), rank.new_empty(len(rank), 0))
-        top_values, top_ids = logits.topk(top_n, dim=-1)
-        return TokenScores(logprob, rank, top_values.float() - lse[:, None], top_ids)
+        top_values, top_ids = self.ops.top_logits(logits, top_n)
+        return TokenScores(logprob, rank, top_values - lse[:, None], top_ids)
 
     def tensor(self, values: Sequence[int]) -> torch.Tensor:
         """int64 values on the device, without stalling its stream."""

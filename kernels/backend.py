@@ -24,7 +24,7 @@ from .gdn_chunked import gdn_chunked_reference
 from .gdn_decode import gdn_decode_reference
 from .greedy import greedy_argmax_reference
 from .linear import linear_reference
-from .logprobs import token_logprobs_reference
+from .logprobs import top_logits_reference, token_logprobs_reference
 from .moe import moe_experts_reference, route_reference
 from .norms import gated_rms_norm_reference, mtp_input_reference, rms_norm_reference
 from .rope import qk_norm_rope_kv_reference
@@ -59,6 +59,7 @@ class Ops:
     sample: Callable
     greedy_argmax: Callable
     token_logprobs: Callable
+    top_logits: Callable
     apply_token_bitmask: Callable
     penalize_rows: Callable
     record_tokens: Callable
@@ -87,6 +88,7 @@ REFERENCE_OPS = Ops(
     sample=sample_reference,
     greedy_argmax=greedy_argmax_reference,
     token_logprobs=token_logprobs_reference,
+    top_logits=top_logits_reference,
     apply_token_bitmask=apply_token_bitmask_reference,
     penalize_rows=penalize_rows_reference,
     record_tokens=record_tokens_reference,
@@ -123,6 +125,7 @@ def triton_ops() -> Ops:
         sample=sampling.sample,
         greedy_argmax=greedy.greedy_argmax,
         token_logprobs=logprobs.token_logprobs,
+        top_logits=logprobs.top_logits,
         apply_token_bitmask=token_bitmask.apply_token_bitmask,
         penalize_rows=penalties.penalize_rows,
         record_tokens=penalties.record_tokens,

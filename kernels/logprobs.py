@@ -1,4 +1,4 @@
-"""Log-probabilities and ranks of chosen tokens, in one read of the logits.
+"""Log-probabilities and ranks of chosen tokens, in one read of the logits; the top-k logits of rows.
 
 For logits [N, V] (any float dtype) and chosen token ids [N], `token_logprobs` returns
 
@@ -12,7 +12,18 @@ is thousands of rows of a 248K vocabulary. The kernel reads each row once, in it
 program a row: a running maximum and sum of exp (online softmax, in base 2) and a running count
 of larger logits. (Scoring every position of a 0.8B-shape prefill with it costs 1.95x the plain
 prefill: bench/results/prompt_logprobs-h200.json.) `token_logprobs_reference` is its torch
-oracle (also the CPU path). Knows nothing about requests or prompts.
+oracle (also the CPU path).
+
+`top_logits` returns the k largest logits of each row and their ids, largest first (k <= 20:
+the requests' top_logprobs). torch's topk over a 248K-wide row is a generic radix select; here a
+program takes one BLOCK_K-column block of a row and pulls its k largest by k max-and-mask
+passes in registers, writing k candidates a block ([N, blocks * k], one read of the logits
+spread over N x blocks programs), and a sort of those few picks the k largest. A block's
+k largest include every one of the row's k largest that lies in it, so nothing is lost.
+`top_logits_reference` (torch's topk on float32) is its oracle and the CPU path. Equal logits
+may come in another order than torch's.
+
+Knows nothing about requests or prompts.
 """
 
 from __future__ import annotations
@@ -22,6 +33,8 @@ import triton
 import triton.language as tl
 
 BLOCK_V = 4096  # columns a loop step: 16 KB of float32 a program in flight
+BLOCK_K = 2048  # columns a top_logits program takes: 121 programs a 248K row
+MAX_K = 20
 LOG2E = 1.4426950408889634
 
 
@@ -77,3 +90,48 @@ def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Te
         _token_logprobs_kernel[(rows,)](logits, chosen.contiguous(), logprob, rank, lse, vocab, logits.stride(0),
                                         BLOCK=BLOCK_V, LOG2E_=LOG2E, num_warps=8)
     return logprob, rank, lse
+
+
+def top_logits_reference(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, V] -> (values [N, k] float32, ids [N, k] int64), largest first."""
+    values, ids = logits.float().topk(k, dim=-1)
+    return values, ids
+
+
+@triton.jit
+def _block_top_kernel(logits, values_out, ids_out, V, stride_row, K, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    columns = block * BLOCK + offs
+    free = columns < V  # real columns not taken yet
+    x = tl.load(logits + row * stride_row + columns, mask=free, other=float("-inf")).to(tl.float32)
+    out = (row * tl.num_programs(1) + block) * K
+    for j in range(K):  # k a runtime bound: one compile serves every k
+        top = tl.max(tl.where(free, x, float("-inf")), 0)
+        # The first free column holding it (a tie's others come in the next passes; -inf
+        # columns are real candidates too).
+        at = tl.min(tl.where(free & (x == top), offs, BLOCK), 0)
+        tl.store(values_out + out + j, top)
+        # Only the last block can run out of columns (BLOCK_K >= MAX_K): its remaining
+        # candidates are -inf fillers naming a real column, ordered after every real one.
+        tl.store(ids_out + out + j, tl.minimum(block * BLOCK + at, V - 1).to(tl.int64))
+        free = free & (offs != at)
+
+
+def top_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton top_logits_reference: one launch over (rows, blocks), then torch's topk of the
+    [N, blocks * k] candidates. logits: [N, V] with unit column stride; 1 <= k <= MAX_K."""
+    assert logits.dim() == 2 and logits.stride(1) == 1, "logits: [N, V] with contiguous rows"
+    rows, vocab = logits.shape
+    assert 1 <= k <= min(MAX_K, vocab), f"k must be in 1..{min(MAX_K, vocab)}"
+    blocks = triton.cdiv(vocab, BLOCK_K)
+    values = torch.empty(rows, blocks * k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(rows, blocks * k, dtype=torch.int64, device=logits.device)
+    if rows:
+        _block_top_kernel[(rows, blocks)](logits, values, ids, vocab, logits.stride(0), K=k, BLOCK=BLOCK_K,
+                                          num_warps=4)
+    # A stable sort keeps candidates of equal value in block order: the last block's fillers
+    # (-inf) never displace a real -inf column.
+    best, where = values.sort(dim=-1, descending=True, stable=True)
+    return best[:, :k], ids.gather(1, where[:, :k])

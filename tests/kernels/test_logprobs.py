@@ -1,5 +1,6 @@
 """token_logprobs (kernels/logprobs.py): the torch reference against float64 log_softmax and a
-count of larger logits, then the Triton kernel against the reference.
+count of larger logits, then the Triton kernel against the reference; top_logits against
+torch's topk.
 
 Logits are random with a wide spread, planted ties with the chosen token (equal logits do not
 count against its rank), -inf columns (a masked vocabulary) and a chosen token at the first and
@@ -13,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltaspec.kernels.logprobs import token_logprobs, token_logprobs_reference
+from deltaspec.kernels.logprobs import top_logits, top_logits_reference, token_logprobs, token_logprobs_reference
 
 
 def case(rows: int, vocab: int, dtype: torch.dtype, seed: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,3 +82,29 @@ def test_kernel_full_vocabulary_bf16():
     torch.testing.assert_close(logprob, want[0], rtol=0, atol=1e-3)
     assert torch.equal(rank, want[1])
     torch.testing.assert_close(lse, want[2], rtol=0, atol=1e-3)
+    for k in (1, 5, 20):
+        check_top(logits, k, *top_logits(logits, k))
+
+
+def check_top(logits: torch.Tensor, k: int, values: torch.Tensor, ids: torch.Tensor) -> None:
+    """The k largest values in order, each id holding its value, no id twice (ties may come in
+    any order)."""
+    want, _ = top_logits_reference(logits, k)
+    torch.testing.assert_close(values, want, rtol=0, atol=0)
+    assert torch.equal(logits.float().gather(1, ids), values)
+    assert all(len(set(row)) == k for row in ids.tolist())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("vocab, k", [(20, 20), (300, 1), (2048 * 2 + 7, 5), (2048 * 3, 20)],
+                         ids=lambda v: str(v))
+def test_top_logits_kernel(dtype, vocab, k, kernel_device):
+    """Planted ties and -inf columns; every block's candidates, the last block partial."""
+    logits, _ = case(6, vocab, dtype, vocab + k, kernel_device)
+    logits[0, :k + 3] = logits[0].max() + 1  # ties at the top, across the first candidates
+    check_top(logits, k, *top_logits(logits, k))
+    view = logits[:, 1:]  # a strided row view
+    check_top(view, min(k, vocab - 1), *top_logits(view, min(k, vocab - 1)))
+    assert [t.shape for t in top_logits(logits[:0], k)] == [(0, k), (0, k)]
+    with pytest.raises(AssertionError, match="k must be"):
+        top_logits(logits, min(vocab, 20) + 1)
