@@ -10,9 +10,8 @@ torch takes a float32 copy, a logsumexp pass and a compare pass over [N, V] (vLL
 log_softmax copy besides), and a prompt scored at every position (SamplingParams.prompt_logprobs)
 is thousands of rows of a 248K vocabulary. The kernel reads each row once, in its own dtype, a
 program a row: a running maximum and sum of exp (online softmax, in base 2) and a running count
-of larger logits. (Scoring every position of a 0.8B-shape prefill with it costs 1.95x the plain
-prefill: bench/results/prompt_logprobs-h200.json.) `token_logprobs_reference` is its torch
-oracle (also the CPU path).
+of larger logits (what scoring a prompt costs: bench/RESULTS.md, "Prompt log-probabilities").
+`token_logprobs_reference` is its torch oracle (also the CPU path).
 
 `top_logits` returns the k largest logits of each row and their ids, largest first (k <= 20:
 the requests' top_logprobs). torch's topk over a 248K-wide row is a generic radix select; here a
