@@ -332,15 +332,18 @@ def test_generation_config_defaults(path, tmp_path):
 
 @pytest.mark.gpu
 def test_penalized_rows_through_the_cuda_graphs(checkpoint):
-    """On the GPU (float32, CUDA graphs, overlapped steps): a batch mixing penalized, biased and
-    plain rows gives the same tokens with speculation (real MTP drafts, graphs per (bucket, K))
-    as without, and the same as each request alone."""
+    """On the GPU (float32, CUDA graphs, overlapped steps): a batch mixing penalized, biased,
+    allowed-token and plain rows gives the same tokens with speculation (real MTP drafts, graphs
+    per (bucket, K)) as without, and the same as each request alone."""
     path = checkpoint("qwen3_5", mtp_copy_of_last_layer=True, **GPU_SHAPE)
     rng = random.Random(5)
     prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 60))] for _ in range(8)]
     params = [random_params(rng, greedy=i % 2 == 0, max_tokens=24) if i < 6 else
               SamplingParams(max_tokens=24, temperature=0.0 if i == 6 else 0.8, seed=i, ignore_eos=True)
               for i in range(8)]
+    allowed = sorted(rng.sample(range(VOCAB), 12))
+    params[1] = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, allowed_token_ids=allowed)
+    params[4] = SamplingParams(max_tokens=24, temperature=0.9, seed=4, ignore_eos=True, allowed_token_ids=allowed)
     options = dict(device="cuda", dtype="float32", max_num_seqs=8)
     outputs = []
     for drafts in (0, 3):
@@ -357,6 +360,7 @@ def test_penalized_rows_through_the_cuda_graphs(checkpoint):
         while alone.has_work:
             alone.step()
         assert request.output_token_ids == together
+    assert set(outputs[0][1]) | set(outputs[0][4]) <= set(allowed)
 
 
 @pytest.mark.parametrize("num_draft_tokens", [0, 2])
