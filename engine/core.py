@@ -224,7 +224,8 @@ class EngineCore:
             policy = DraftPolicy(self.num_draft_tokens, costs, adaptive=config.adaptive_draft_length)
             logger.info("step costs (seconds by batch bucket; K=0 is plain decoding): %s", costs.as_dict())
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   self.max_model_len, self.num_draft_tokens),
+                                                   self.max_model_len, self.num_draft_tokens,
+                                                   config.scheduling_policy),
                                    self.slots, self.blocks, self.cache, policy)
         self._in_flight: InFlight | None = None  # launched by the last step's wait, next to dispatch
         self._ahead: StepPlan | None = None  # planned by the dispatched step, to be launched by its wait
@@ -261,6 +262,9 @@ class EngineCore:
             if outside:
                 raise ValueError(f"{name} token ids outside the vocabulary [0, {self.model_config.vocab_size}): "
                                  f"{outside[:8]}")
+        if params.priority and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority {params.priority} needs scheduling_policy 'priority' (this engine schedules "
+                             f"{self.config.scheduling_policy})")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         checkpoint = None
         if resume_from is not None and params.prompt_logprobs is not None:

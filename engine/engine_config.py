@@ -10,6 +10,7 @@ from ..kernels.gdn_chunked import CHUNK_SIZE
 DTYPES = ("float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 ALL_REDUCES = ("auto", "nccl", "one_shot", "two_shot")  # tensor_parallel.TensorParallel.use_symmetric_memory
+SCHEDULING_POLICIES = ("fcfs", "priority")  # scheduler.py
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,9 @@ class EngineConfig:
     kernel_backend: str = "auto"
     max_model_len: int | None = None        # default: the model's max_position_embeddings
     max_num_seqs: int = 64                  # running requests at most
+    # "fcfs": requests in arrival order; "priority": by SamplingParams.priority (lower first), then
+    # arrival, a waiting request taking the place of running ones it outranks (vLLM's policies).
+    scheduling_policy: str = "fcfs"
     # Tokens a step computes at most; long prompts are chunked to fit. A step that prefills runs
     # eagerly, at a host cost nearly independent of its tokens: admitting more prompts per such
     # step means fewer of them (vLLM and SGLang: 8192; bench/results/step_trace_batched_tokens).
@@ -58,6 +62,9 @@ class EngineConfig:
             problems.append("max_model_len must be >= 2")
         if self.max_num_seqs < 1:
             problems.append("max_num_seqs must be >= 1")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            problems.append(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                            f"got {self.scheduling_policy!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             problems.append("max_num_batched_tokens must be >= max_num_seqs")
         if self.block_size < 1:

@@ -100,7 +100,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seed: int
-    arrival: int  # submission order; the newest running request is preempted first
+    arrival: int  # submission order
     max_num_tokens: int  # prompt + max_tokens, within the context: it finishes with "length" there
     detokenizer: Detokenizer
     stop_token_ids: frozenset[int]  # EOS (unless ignore_eos) and params.stop_token_ids
@@ -163,6 +163,12 @@ class Request:
         self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None]
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        """Scheduling order, first served first: (priority, arrival). The last-ranked running
+        request is preempted first."""
+        return self.params.priority, self.arrival
 
     @property
     def prompt_scored(self) -> bool:

@@ -69,6 +69,9 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None  # None: every token; else non-empty
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's request priority: lower is served first (then by arrival); only an engine whose
+    # scheduling_policy is "priority" takes a non-zero one (scheduler.py).
+    priority: int = 0
     # Output constrained to a grammar (structured.py): a JSON schema, any JSON object, a regex,
     # a choice of strings or a context-free grammar. A (kind, spec) pair or a mapping {kind: spec} is taken too.
     structured: Structured | None = None
@@ -147,6 +150,8 @@ class SamplingParams:
             problems.append(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
         elif isinstance(self.max_tokens, int) and self.min_tokens > self.max_tokens:
             problems.append(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            problems.append(f"priority must be an int, got {self.priority!r}")
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             problems.append("bad_words must be non-empty strings")
         if problems:

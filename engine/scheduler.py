@@ -4,11 +4,11 @@ Pure Python; never touches a tensor. Each step:
   1. aborted requests release their slot and KV blocks (at the step boundary: when a step is
      committed or the next one scheduled);
   2. decode rows: every running request whose prompt is done feeds its newest token, oldest
-     first; when KV blocks run out, the newest running request is preempted (its slot and
-     blocks are freed, it goes back to the front of the queue and later recomputes its prompt
+     first; when KV blocks run out, the last-ranked running request is preempted (its slot and
+     blocks are freed, it goes back to the queue in rank order and later recomputes its prompt
      and output so far, which reproduces its state exactly);
   3. prefill chunks under the remaining token budget: first running requests mid-prompt, then
-     waiting requests admitted FIFO while a slot, max_num_seqs and KV blocks allow. An admitted
+     waiting requests admitted in rank order while a slot, max_num_seqs and KV blocks allow. An admitted
      request restores the longest cached prefix of its tokens (prefix_cache.py) and prefills
      only the rest; a fully cached one samples its first token from the checkpoint (a cached
      row). Chunks that do not end the prompt end on a multiple of the GDN chunk size, so the
@@ -34,6 +34,13 @@ has (or, when the step emitted tokens past the stop, nothing is kept: its state 
 The checkpoints a step's prefill chunks write are its own (StepPlan.writes): the step planned
 ahead reserves its writes before the one in flight registers its own.
 When slots or KV blocks run short, cached checkpoints are evicted before anything is preempted.
+
+A request's rank (Request.rank) is its arrival under the "fcfs" policy, (priority, arrival) under
+"priority" (vLLM's policies: lower priority values first). Under "priority" a waiting request
+that outranks running ones also takes their place when it cannot be admitted (no sequence slot
+under max_num_seqs, or not the KV blocks of its first chunk): the last-ranked running requests
+are preempted for it at the start of `schedule` (vLLM's forced preemption), and `continuation`
+leaves such a step to `schedule`.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ class SchedulerConfig:
     # Positions past its newest token a decode row may write (its drafts, the MTP catch-up's
     # padding): the pools' k, whatever the draft policy drafts.
     max_draft_tokens: int = 0
+    scheduling_policy: str = "fcfs"  # or "priority" (module docstring)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -101,7 +109,16 @@ class Scheduler:
                              f"KV blocks, the pool has {self.blocks.capacity - 1}")
         if self.draft_policy is not None:
             request.acceptance = self.draft_policy.new_estimate()
-        self.waiting.append(request)
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        """Into the queue in rank order, after every request ranked before it (found from the
+        back: under fcfs a new request goes last at once, a preempted one near the front)."""
+        waiting = self.waiting
+        position = len(waiting)
+        while position and waiting[position - 1].rank > request.rank:
+            position -= 1
+        waiting.insert(position, request)
 
     def abort(self, request: Request) -> None:
         """Takes effect at the next step boundary (the request may be in the step running now)."""
@@ -134,6 +151,8 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         self._release_aborted()
+        if self.config.scheduling_policy == "priority":
+            self._make_way()
         budget = self.config.max_num_batched_tokens
         decode_rows: list[ScheduledRow] = []
         scheduled: set[int] = set()
@@ -147,7 +166,7 @@ class Scheduler:
         decoded = []
         for request in decoding:
             if request.status is not running:
-                continue  # preempted to make room for an older request
+                continue  # preempted to make room for a request ranked before it
             if self._reserve_blocks(request, request.num_tokens + self.config.max_draft_tokens, scheduled):
                 decoded.append(request)
                 scheduled.add(id(request))
@@ -163,7 +182,7 @@ class Scheduler:
             if budget == 0:
                 break
             if request.status is not running:
-                continue  # preempted to make room for an older request
+                continue  # preempted to make room for a request ranked before it
             chunk = self._chunk(request, request.num_computed_tokens, budget)
             if not self._reserve_blocks(request, request.num_computed_tokens + chunk, scheduled):
                 continue
@@ -172,15 +191,38 @@ class Scheduler:
             budget -= chunk
         return self._plan(decode_rows, prefill_rows, budget)
 
+    def _make_way(self) -> None:
+        """Priority policy: while the first waiting request outranks the last-ranked running one
+        and cannot be admitted (max_num_seqs running, or the KV blocks of its first chunk, as if
+        nothing of it were cached, not there), preempt that running request."""
+        while self.waiting and self.running:
+            head = self.waiting[0]
+            if head.fork_of is not None and not self._prompt_computed(head.fork_of):
+                return  # it waits for its parent's prompt, not for room
+            victim = self._outranked_by(head)
+            if victim is None:
+                return
+            first_chunk = min(head.num_tokens, self.config.max_num_batched_tokens)
+            if len(self.running) < self.config.max_num_seqs \
+                    and self.cache.make_room(1, self.blocks.blocks_needed(first_chunk)):
+                return
+            self._preempt(victim)
+
+    def _outranked_by(self, request: Request) -> Request | None:
+        """The last-ranked running request, when `request` ranks before it."""
+        victim = max(self.running, key=lambda r: r.rank)
+        return victim if request.rank < victim.rank else None
+
     def _plan(self, decode_rows: list[ScheduledRow], prefill_rows: list[ScheduledRow], budget: int) -> StepPlan:
-        """The step of these rows, with the waiting requests admitted FIFO after them while a
-        slot, max_num_seqs, the token budget left and KV blocks allow (never by preempting)."""
+        """The step of these rows, with the waiting requests admitted in rank order after them
+        while a slot, max_num_seqs, the token budget left and KV blocks allow (never by
+        preempting: `_make_way` did that)."""
         cached_rows: list[ScheduledRow] = []
         pinned: list[Checkpoint] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.fork_of is not None and not self._prompt_computed(request.fork_of):
-                break  # FIFO: what arrived after a waiting fork waits too (its parent prefills meanwhile)
+                break  # in order: what ranks after a waiting fork waits too (its parent prefills meanwhile)
             chunk = self._admit(request, budget, pinned)
             if chunk is None:
                 break
@@ -205,6 +247,9 @@ class Scheduler:
         requests are admitted after them as `schedule` admits them (`_plan`)."""
         if self._abort_requested or plan.cached_rows:
             return None
+        if self.config.scheduling_policy == "priority" and self.waiting and self.running \
+                and self._outranked_by(self.waiting[0]) is not None:
+            return None  # the waiting request may take a running one's place: `schedule`'s business
         running = RequestStatus.RUNNING
         capacity = self.blocks.block_size
         in_plan = 0
@@ -432,9 +477,9 @@ class Scheduler:
                                         sum(not r.params.greedy for r in requests))
 
     def _reserve_blocks(self, request: Request, num_tokens: int, scheduled: set[int] | None) -> bool:
-        """Grow the block table to hold num_tokens, preempting the newest running requests not
-        yet scheduled this step. False when `request` itself had to be preempted, or (scheduled
-        None: nothing may be preempted) when the blocks are not there."""
+        """Grow the block table to hold num_tokens, preempting the last-ranked running requests
+        not yet scheduled this step. False when `request` itself had to be preempted, or
+        (scheduled None: nothing may be preempted) when the blocks are not there."""
         if num_tokens <= len(request.block_table) * self.blocks.block_size:
             return True  # most decode steps: the last block has room
         needed = self.blocks.blocks_needed(num_tokens) - len(request.block_table)
@@ -442,9 +487,9 @@ class Scheduler:
             if scheduled is None:
                 return False
             victims = [r for r in self.running if id(r) not in scheduled and r is not request]
-            victim = max(victims, key=lambda r: r.arrival) if victims else request
-            if victim.arrival < request.arrival:
-                victim = request  # never preempt an older request to grow a newer one
+            victim = max(victims, key=lambda r: r.rank) if victims else request
+            if victim.rank < request.rank:
+                victim = request  # never preempt a request ranked first to grow a later one
             self._preempt(victim)
             if victim is request:
                 return False
@@ -458,9 +503,7 @@ class Scheduler:
         request.starting = True
         request.num_preemptions += 1
         self.num_preempted += 1
-        # Back to the queue in arrival order, ahead of anything that arrived later.
-        position = next((i for i, r in enumerate(self.waiting) if r.arrival > request.arrival), len(self.waiting))
-        self.waiting.insert(position, request)
+        self._enqueue(request)  # back to the queue, ahead of anything ranked after it
 
     def _release(self, request: Request) -> None:
         if request.slot is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..engine.engine_config import ALL_REDUCES
+from ..engine.engine_config import ALL_REDUCES, SCHEDULING_POLICIES
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +40,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", choices=("fp8",), default=None,
                         help="fp8: quantize an unquantized checkpoint to block FP8 (128x128 weight blocks, as the "
                              "official FP8 checkpoints) while loading; FP8 checkpoints need no option")
+    parser.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=None,
+                        help="fcfs (default): requests in arrival order; priority: by each request's priority "
+                             "(lower first), a request taking the place of running ones it outranks (vLLM's)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="share of the GPU's memory this engine may use, its weights and activations included "
                              "(vLLM's meaning: two engines at 0.45 share a GPU; default 0.9)")
@@ -79,7 +82,7 @@ def _speculative_config(text: str) -> int:
 # The fields add_engine_options sets; a flag left out (None) keeps EngineConfig's default.
 _FIELDS = ("device", "dtype", "num_draft_tokens", "max_num_batched_tokens", "tensor_parallel_size",
            "enable_expert_parallel", "all_reduce", "load_format", "generation_config", "quantization",
-           "gpu_memory_utilization")
+           "gpu_memory_utilization", "scheduling_policy")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

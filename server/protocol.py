@@ -84,6 +84,9 @@ class SamplingFields(Request, kw_only=True):
     # rejects 0.
     truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:<id>"
+    # vLLM's: lower is served first; a server without --scheduling-policy priority refuses any
+    # but 0 (the engine's check, a 400).
+    priority: int | None = None
     user: str | None = None  # an end-user id for abuse monitoring: accepted, nothing to do with it
 
 

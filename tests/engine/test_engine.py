@@ -40,6 +40,50 @@ def test_preemption_gives_identical_output(checkpoint):
     assert_all_free(tight)
 
 
+@pytest.mark.parametrize("num_kv_blocks", [None, 24], ids=["slots", "kv-blocks"])
+def test_priority_scheduling(checkpoint, num_kv_blocks):
+    """scheduling_policy "priority" (vLLM's): the queue is served by (priority, arrival), and a
+    request that outranks running ones takes the place of the last-ranked (no sequence slot
+    under max_num_seqs, or not the KV blocks of its first chunk), which recomputes and still
+    gives its output alone; the same engine without the option refuses a priority."""
+    path = checkpoint("qwen3_5")
+    rng = random.Random(8)
+    prompts = [rng.choices(range(512), k=70) for _ in range(5)]
+
+    def params(priority: int, seed: int) -> SamplingParams:
+        return SamplingParams(max_tokens=30, temperature=0.7 if seed % 2 else 0.0, seed=seed, ignore_eos=True,
+                              priority=priority)
+
+    # Priorities 5, 5 run first; 9, 1 and 3 arrive later: 1 and 3 take the places of the 5s (of
+    # the later one at least: three requests' blocks fit the small pool), 9 waits.
+    jobs = [Job(prompts[i], params(priority, i), step, None)
+            for i, (priority, step) in enumerate([(5, 0), (5, 0), (9, 3), (1, 3), (3, 4)])]
+    core = EngineCore(EngineConfig(model=path, max_num_seqs=2 if num_kv_blocks is None else 5,
+                                   num_kv_blocks=num_kv_blocks, scheduling_policy="priority", num_draft_tokens=0))
+    alone = [run_alone(core, job) for job in jobs]
+    core.scheduler.reset_counters()
+    firsts: dict[int, int] = {}
+    requests, step = {}, 0
+    while len(requests) < len(jobs) or core.has_work:
+        for i, job in enumerate(jobs):
+            if i not in requests and job.arrival_step <= step:
+                requests[i] = core.add_request(job.prompt, job.params)
+        core.step()
+        step += 1
+        for i, request in requests.items():
+            if request.finished:
+                firsts.setdefault(i, step)
+    assert [requests[i].output_token_ids for i in range(5)] == alone
+    assert core.stats()["num_preempted"] > 0
+    # 1 and 3 finish before the 5 that arrived last (preempted for them), 9 after everything.
+    assert max(firsts[3], firsts[4]) < firsts[1] and firsts[2] == max(firsts.values())
+    assert_all_free(core)
+    fcfs = EngineCore(EngineConfig(model=path))
+    with pytest.raises(ValueError, match="scheduling_policy 'priority'"):
+        fcfs.add_request([1, 2], SamplingParams(priority=1))
+    assert not fcfs.has_work
+
+
 def test_request_that_can_never_fit_is_refused(checkpoint):
     core = EngineCore(EngineConfig(model=checkpoint("qwen3_5"), num_kv_blocks=4))
     with pytest.raises(ValueError, match="KV blocks"):

@@ -358,3 +358,20 @@ async def test_reasoning_effort_none_turns_thinking_off(checkpoint, effort, kwar
                               ChatCompletionRequest)
     engine_input, _ = chat_input(request, tokenizer, MAX_MODEL_LEN, ChatParsers("none", False))
     assert tokenizer.decode(engine_input.prompt_token_ids) == f"thinking={thinking}|hi"
+
+
+async def test_priority_needs_the_priority_policy(client, checkpoint):
+    """vLLM's priority field: 0 is every request's; another needs --scheduling-policy priority
+    (a 400 naming why otherwise); with it, a request is served by its priority."""
+    text, _ = await complete(client, "completions", extra_body={"priority": 0}, **GREEDY)
+    with pytest.raises(openai.BadRequestError, match="scheduling_policy 'priority'"):
+        await complete(client, "chat", extra_body={"priority": -1}, **GREEDY)
+    engine = AsyncLLM(checkpoint("qwen3_5"), max_model_len=MAX_MODEL_LEN, scheduling_policy="priority")
+    running = await start(engine, ServerConfig(model_name=MODEL, port=0, shutdown_timeout=1))
+    try:
+        async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{running.port}/v1", api_key="unused",
+                                      max_retries=0) as prioritized:
+            assert (await complete(prioritized, "completions", extra_body={"priority": -1}, **GREEDY))[0] == text
+    finally:
+        await running.stop()
+        await engine.shutdown()
