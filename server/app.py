@@ -2,18 +2,21 @@
 
     POST /v1/completions        POST /v1/chat/completions      (stream: true -> SSE)
     POST /v1/responses          (OpenAI's Responses API over the chat path: responses_api.py)
+    POST /v1/messages           POST /v1/messages/count_tokens
+                                (Anthropic's Messages API over the chat path: anthropic_api.py)
     GET  /v1/models             GET  /v1/models/{id}           GET  /health
     GET  /metrics (Prometheus text)
     POST /tokenize              POST /detokenize               GET  /version     (vLLM's shapes)
     GET  /openapi.json (every route's bodies, from the protocol Structs: openapi.py)
 
 Every failure is an OpenAI error body (`errors.APIError`), aiohttp's own included (unknown route
-404, wrong method 405, body over the limit 413). A request's engine stream is closed whenever its
-handler exits: normally, on an error, on a write to a client that went away, or on cancellation
-(the runner in `serve` cancels the handler of a client that disconnects); closing it aborts the
-request, so a vanished client never holds a slot. A request whose engine step failed
-(StepFailedError) gets a 500, one whose engine has stopped (EngineDeadError) a 503: a JSON body
-before the headers are out, an error event and [DONE] after (on /v1/responses: response.failed).
+404, wrong method 405, body over the limit 413); under /v1/messages, Anthropic's error body. A
+request's engine stream is closed whenever its handler exits: normally, on an error, on a write to
+a client that went away, or on cancellation (the runner in `serve` cancels the handler of a client
+that disconnects); closing it aborts the request, so a vanished client never holds a slot. A
+request whose engine step failed (StepFailedError) gets a 500, one whose engine has stopped
+(EngineDeadError) a 503: a JSON body before the headers are out, an error event and [DONE] after
+(on /v1/responses: response.failed; on /v1/messages: an `error` event, no [DONE]).
 
 Knows the engine only through the API AsyncLLM and EngineProcess (an engine in its own process)
 share; knows nothing about processes or signals.
@@ -38,6 +41,8 @@ from aiohttp import web
 
 from ..engine import AsyncLLM, EngineDeadError, RequestDelta, StepFailedError
 from ..engine.engine_process import EngineProcess
+from .anthropic_api import MessagesRenderer, count_tokens, error_body, messages_input
+from .anthropic_protocol import CountTokensRequest, CountTokensResponse, MessagesRequest
 from .chat_output import ChatOutput
 from .config import ServerConfig
 from .cors import Cors
@@ -95,6 +100,8 @@ class OpenAIServer:
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
         self.app.router.add_post("/v1/responses", self.responses)
+        self.app.router.add_post("/v1/messages", self.messages)
+        self.app.router.add_post("/v1/messages/count_tokens", self.count_message_tokens)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/v1/models/{model:.+}", self.model)  # ids may hold a '/'
         self.app.router.add_get("/health", self.health)
@@ -162,6 +169,24 @@ class OpenAIServer:
             renderer = ResponsesRenderer(body, self.config.model_name, self.engine.tokenizer, ChatOutput(output),
                                          engine_input.prompt_token_ids)
             return await self._generate(request, body, [engine_input], [renderer], arrival, events=renderer)
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        arrival = time.monotonic()
+        body = await self._decode(request, MessagesRequest)
+        self._check_model(body.model)
+        with self._admit():
+            engine_input, output = await self._off_loop(messages_input, body, self.engine.tokenizer,
+                                                        self.engine.max_model_len, self.chat_parsers)
+            renderer = MessagesRenderer(body, self.config.model_name, self.engine.tokenizer, ChatOutput(output),
+                                        engine_input.prompt_token_ids, engine_input.params.max_tokens)
+            return await self._generate(request, body, [engine_input], [renderer], arrival, events=renderer)
+
+    async def count_message_tokens(self, request: web.Request) -> web.Response:
+        body = await self._decode(request, CountTokensRequest)
+        self._check_model(body.model)
+        num_tokens = await self._off_loop(count_tokens, body, self.engine.tokenizer, self.engine.max_model_len,
+                                          self.chat_parsers)
+        return _json(CountTokensResponse(num_tokens))
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await self._decode(request, TokenizeRequest)
@@ -385,7 +410,7 @@ class OpenAIServer:
         try:
             return await handler(request)
         except APIError as error:
-            return _error_response(error)
+            return _error_response(error, request.path)
         except web.HTTPException as error:
             if error.status < 400:
                 raise
@@ -393,21 +418,23 @@ class OpenAIServer:
                         405: f"method {request.method} is not allowed on {request.path}",
                         413: f"request body larger than {self.config.max_body_bytes} bytes"}
             message = messages.get(error.status, error.reason)
-            return _error_response(APIError(error.status, message, code=_HTTP_ERROR_CODES.get(error.status)))
+            return _error_response(APIError(error.status, message, code=_HTTP_ERROR_CODES.get(error.status)),
+                                   request.path)
         except Exception:
             logger.exception("%s %s failed", request.method, request.path)
-            return _error_response(APIError(500, "internal server error", code="internal_error"))
+            return _error_response(APIError(500, "internal server error", code="internal_error"), request.path)
 
     @web.middleware
     async def _authenticate(self, request: web.Request, handler) -> web.StreamResponse:
         # /health and /metrics stay open for probes and scrapers.
         if self.config.api_key is not None and request.path not in ("/health", "/metrics"):
             # The scheme is case-insensitive (RFC 7235): "bearer KEY" is as good as "Bearer KEY".
-            scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(),
-                                                                    self.config.api_key.encode()):
-                raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
-                               code="invalid_api_key")
+            # Anthropic's clients (Claude Code with ANTHROPIC_API_KEY) send the key as x-api-key.
+            scheme, _, bearer = request.headers.get("Authorization", "").partition(" ")
+            keys = [bearer if scheme.lower() == "bearer" else "", request.headers.get("x-api-key", "")]
+            if not any(hmac.compare_digest(key.strip().encode(), self.config.api_key.encode()) for key in keys):
+                raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>' or "
+                                    "'x-api-key: <key>')", code="invalid_api_key")
         return await handler(request)
 
     async def _decode(self, request: web.Request, request_type: type[msgspec.Struct]):
@@ -648,7 +675,9 @@ def _is_utf8(charset: str) -> bool:
         return False
 
 
-def _error_response(error: APIError) -> web.Response:
-    response = _json(error.body(), error.status)
+def _error_response(error: APIError, path: str) -> web.Response:
+    # Under /v1/messages, Anthropic's shape: the anthropic client reads no other.
+    anthropic = path == "/v1/messages" or path.startswith("/v1/messages/")
+    response = _json(error_body(error) if anthropic else error.body(), error.status)
     response.headers.update(error.headers)
     return response

@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     serve_parser.add_argument("--max-waiting", type=int, default=256,
                               help="queued requests at most; more get HTTP 503")
     serve_parser.add_argument("--api-key", default=os.environ.get("DELTASPEC_API_KEY"),
-                              help="require 'Authorization: Bearer KEY' on /v1 routes (default: $DELTASPEC_API_KEY)")
+                              help="require 'Authorization: Bearer KEY' (or Anthropic's 'x-api-key: KEY') on /v1 "
+                                   "routes (default: $DELTASPEC_API_KEY)")
     serve_parser.add_argument("--served-model-name", default=None,
                               help="the model id clients use (default: the model directory's name)")
     serve_parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get HTTP 413")

@@ -13,7 +13,7 @@ class ServerConfig:
     model_name: str                     # the one id /v1/models lists and requests may name
     host: str = "127.0.0.1"
     port: int = 8000                    # 0: any free port (the log line says which)
-    api_key: str | None = None          # when set, /v1 routes need "Authorization: Bearer <key>"
+    api_key: str | None = None          # when set, /v1 routes need "Authorization: Bearer <key>" (or "x-api-key")
     max_waiting: int = 256              # queued requests at most; past it new ones get 503
     max_body_bytes: int = 1 << 20       # larger request bodies get 413
     shutdown_timeout: float = 30.0      # seconds in-flight requests get to finish on SIGINT/SIGTERM

@@ -1,5 +1,6 @@
 """OpenAI-style errors: `APIError` carries an HTTP status and the `{"error": {message, type, param,
-code}}` body; helpers turn msgspec decode failures into one that names the offending field.
+code}}` body; helpers turn msgspec decode failures into one that names the offending field, and
+refuse by name what a request sets and the server cannot honour.
 
 Knows nothing about aiohttp or the engine.
 """
@@ -7,6 +8,8 @@ Knows nothing about aiohttp or the engine.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
+from typing import Any
 
 import msgspec
 
@@ -47,3 +50,21 @@ def decode_error(error: msgspec.DecodeError) -> APIError:
         path = f"{path}.{named.group(1)}" if path else named.group(1)
     code = "unknown_parameter" if "unknown field" in message else "invalid_value"
     return APIError(400, message, param=path or None, code=code)
+
+
+def refuse(checks: Iterable[tuple[str, bool, str]]) -> None:
+    """(field, is_set, why): a 400 naming the first field set that cannot be honoured, and why."""
+    for field, is_set, why in checks:
+        if is_set:
+            raise APIError(400, f"{field} is not supported: {why}", param=field, code="unsupported_parameter")
+
+
+def convert(value: dict[str, Any], struct: type, where: str) -> Any:
+    """value checked against struct (a part of a body that holds items of several shapes); a
+    mismatch is a 400 naming the field under `where`."""
+    try:
+        return msgspec.convert(value, struct)
+    except msgspec.ValidationError as error:
+        named = decode_error(error)
+        raise APIError(400, f"{where}: {error}", param=f"{where}.{named.param}" if named.param else where,
+                       code=named.code) from error

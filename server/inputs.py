@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from ..engine import SamplingParams, Structured, TooManyTokensError
 from .chat_output import OutputSettings
-from .errors import APIError
+from .errors import APIError, refuse
 from .messages import check_tools, message_text, render_prompt
 from .protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, ResponseFormat, SamplingFields
 from .reasoning import THINK_END, ReasoningParser, prompt_opens_reasoning
@@ -100,7 +100,7 @@ def completion_inputs(request: CompletionRequest, tokenizer: PromptTokenizer,
     echo shows their text (a prompt that lost tokens echoes its kept ids decoded, special tokens
     included, as a token-id prompt does). add_special_tokens (vLLM's, default true): the
     tokenizer's own BOS/EOS around a text prompt (Qwen's tokenizers add none)."""
-    _reject_unsupported(request, [
+    refuse([
         ("suffix", bool(request.suffix), "insertion (suffix) is not supported"),
     ])
     _check_prompt_logprobs(request)
@@ -176,7 +176,7 @@ def chat_input(request: ChatCompletionRequest, tokenizer: PromptTokenizer, max_m
     turns thinking off on a template that switches it with enable_thinking and knows no effort; add_special_tokens (default
     false: the template writes them) adds the tokenizer's own around the rendered prompt;
     truncate_prompt_tokens keeps the rendered prompt's last N tokens."""
-    _reject_unsupported(request, [
+    refuse([
         ("top_logprobs", request.top_logprobs is not None and not request.logprobs,
          "top_logprobs needs logprobs: true"),
         ("store", bool(request.store), "responses are not stored"),
@@ -302,12 +302,6 @@ def _check_prompt_logprobs(request: SamplingFields) -> None:
                        param="prompt_logprobs", code="unsupported_parameter")
 
 
-def _reject_unsupported(request: SamplingFields, specific: list[tuple[str, bool, str]]) -> None:
-    for field, is_set, why in specific:
-        if is_set:
-            raise APIError(400, f"{field} is not supported: {why}", param=field, code="unsupported_parameter")
-
-
 def _sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | None,
                      prompt_logprobs: int | None, structured: Structured | None) -> SamplingParams:
     options = dict(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
@@ -343,7 +337,7 @@ def _structured(request: SamplingFields) -> Structured | None:
     scripts). Two at once are a 400. So are guided_whitespace_pattern and
     guided_decoding_backend: the second picked vLLM's implementation, not the output (this
     server has one; vLLM 0.12 says to remove it too), so accepting it would pretend to honour it."""
-    _reject_unsupported(request, [
+    refuse([
         ("guided_decoding_backend", request.guided_decoding_backend is not None,
          "it picks vLLM's structured-output implementation, not the output; this server has one (vLLM 0.12 "
          "removed the field too): remove it"),
@@ -393,7 +387,7 @@ def _structured_outputs(request: SamplingFields) -> Structured:
     the schema's objects (`_closed_objects`); disable_fallback changes nothing here (one
     backend: there is never a fallback). whitespace_pattern and structural_tag are refused."""
     options = request.structured_outputs
-    _reject_unsupported(request, [
+    refuse([
         ("structured_outputs.whitespace_pattern", options.whitespace_pattern is not None, _WHITESPACE_PATTERN),
         ("structured_outputs.structural_tag", options.structural_tag is not None,
          "structural tags (grammars triggered by tags in free text) are not served"),

@@ -1,6 +1,7 @@
 """The OpenAPI 3.1 document of the server's routes (`GET /openapi.json`), generated from the
-msgspec Structs of protocol.py (`msgspec.json.schema_components`): the schemas are the ones
-requests are decoded with, so the document cannot drift from what the server accepts.
+msgspec Structs of protocol.py, responses_protocol.py and anthropic_protocol.py
+(`msgspec.json.schema_components`): the schemas are the ones requests are decoded with, so the
+document cannot drift from what the server accepts.
 
 `ROUTES` lists every route with its request and response bodies; the app registers its handlers
 by the same paths (a test checks that each registered route is documented). Knows nothing about
@@ -13,6 +14,9 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from .anthropic_protocol import (AnthropicErrorBody, AnthropicMessage, CountTokensRequest, CountTokensResponse,
+                                 MessagesRequest)
+from .anthropic_protocol import StreamEvent as AnthropicStreamEvent
 from .protocol import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion, CompletionRequest,
                        DetokenizeRequest, DetokenizeResponse, ErrorBody, Health, Model, ModelList, TokenizeRequest,
                        TokenizeResponse, VersionInfo)
@@ -29,6 +33,7 @@ class Route(NamedTuple):
     response: type | None = None    # the JSON response's Struct (200)
     stream: Any = None              # each SSE event's Struct (or union of them) when the body asks for stream: true
     content_type: str = "application/json"  # of a response without a Struct (e.g. /metrics)
+    error: type = ErrorBody         # the 4xx and 5xx bodies' Struct
 
 
 ROUTES = (
@@ -38,6 +43,10 @@ ROUTES = (
           ChatCompletionChunk),
     Route("post", "/v1/responses", "Create a model response (OpenAI's Responses API)", ResponsesRequest, Response,
           StreamEvent),
+    Route("post", "/v1/messages", "Create a message (Anthropic's Messages API)", MessagesRequest, AnthropicMessage,
+          AnthropicStreamEvent, error=AnthropicErrorBody),
+    Route("post", "/v1/messages/count_tokens", "Count a message's prompt tokens (Anthropic's Messages API)",
+          CountTokensRequest, CountTokensResponse, error=AnthropicErrorBody),
     Route("get", "/v1/models", "The served model", response=ModelList),
     Route("get", "/v1/models/{model}", "One model by id", response=Model),
     Route("post", "/tokenize", "Token ids of a prompt or of rendered chat messages", TokenizeRequest,
@@ -51,11 +60,11 @@ ROUTES = (
 
 
 def openapi_document(version: str) -> dict:
-    structs = [t for route in ROUTES for t in (route.request, route.response, route.stream) if t is not None]
-    types = list(dict.fromkeys(structs + [ErrorBody]))
+    structs = [t for route in ROUTES for t in (route.request, route.response, route.stream, route.error)
+               if t is not None]
+    types = list(dict.fromkeys(structs))
     schemas, components = msgspec.json.schema_components(types, ref_template=_REF)
     by_type = dict(zip(types, schemas))
-    error = {"description": "an OpenAI-style error", "content": {"application/json": {"schema": by_type[ErrorBody]}}}
     paths: dict[str, dict] = {}
     for route in ROUTES:
         operation: dict = {"summary": route.summary, "operationId": _operation_id(route)}
@@ -66,13 +75,15 @@ def openapi_document(version: str) -> dict:
         if route.response is not None:
             ok["content"] = {"application/json": {"schema": by_type[route.response]}}
             if route.stream is not None:
-                # Server-sent events: `data: <chunk JSON>` each, then `data: [DONE]` (/v1/responses:
-                # `event: <type>` and `data: <event JSON>` each, no [DONE]).
+                # Server-sent events: `data: <chunk JSON>` each, then `data: [DONE]` (/v1/responses,
+                # /v1/messages: `event: <type>` and `data: <event JSON>` each, no [DONE]).
                 ok["content"]["text/event-stream"] = {"schema": by_type[route.stream]}
         elif route.content_type != "application/json":
             ok["content"] = {route.content_type: {"schema": {"type": "string"}}}
         else:
             ok["content"] = {"application/json": {"schema": {"type": "object"}}}
+        shape = "an Anthropic-style error" if route.error is AnthropicErrorBody else "an OpenAI-style error"
+        error = {"description": shape, "content": {"application/json": {"schema": by_type[route.error]}}}
         operation["responses"] = {"200": ok, "4XX": error, "5XX": error}
         if "{model}" in route.path:
             operation["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]

@@ -39,7 +39,7 @@ import msgspec
 
 from ..engine import TokenLogprobs
 from .chat_output import ChatOutput, OutputSettings
-from .errors import APIError, decode_error
+from .errors import APIError, convert, refuse
 from .inputs import ChatParsers, EngineInput, PromptTokenizer, chat_input
 from .protocol import (AssistantMessage, ChatCompletionRequest, ChatMessage, ChatTokenLogprob, ContentPart,
                        FunctionCall, FunctionName, JsonSchemaFormat, NamedToolChoice, ResponseFormat, SamplingFields,
@@ -85,7 +85,7 @@ def chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
     """The chat request that asks for what `request` asks for (its fields checked first)."""
     include = set(request.include or ())
     summary = request.reasoning.summary if request.reasoning is not None else None
-    _refuse([
+    refuse([
         ("max_tokens", request.max_tokens is not None, "use max_output_tokens"),
         ("n", request.n is not None, "a response has one output"),
         ("response_format", request.response_format is not None, "use text.format"),
@@ -124,22 +124,6 @@ def chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
                                  chat_template_kwargs=request.chat_template_kwargs)
 
 
-def _refuse(checks: list[tuple[str, bool, str]]) -> None:
-    for field, is_set, why in checks:
-        if is_set:
-            raise APIError(400, f"{field} is not supported: {why}", param=field, code="unsupported_parameter")
-
-
-def _convert(value: dict[str, Any], struct: type, where: str):
-    """value checked against struct; a mismatch is a 400 naming the field under `where`."""
-    try:
-        return msgspec.convert(value, struct)
-    except msgspec.ValidationError as error:
-        named = decode_error(error)
-        raise APIError(400, f"{where}: {error}", param=f"{where}.{named.param}" if named.param else where,
-                       code=named.code) from error
-
-
 def _messages(request: ResponsesRequest) -> list[ChatMessage]:
     messages = [] if request.instructions is None else [ChatMessage(role="system", content=request.instructions)]
     if isinstance(request.input, str):
@@ -152,7 +136,7 @@ def _messages(request: ResponsesRequest) -> list[ChatMessage]:
             raise APIError(400, f"{where}: input items of type {kind!r} are not supported (message, function_call, "
                                 f"function_call_output and reasoning are)", param=f"{where}.type",
                            code="unsupported_parameter")
-        item = _convert(value, _INPUT_ITEMS[kind], where)
+        item = convert(value, _INPUT_ITEMS[kind], where)
         if isinstance(item, ReasoningInput):
             reasoning.append(_reasoning_text(item, where))
             continue
@@ -191,7 +175,7 @@ def _content(content: str | list[dict[str, Any]], where: str) -> str | list[Cont
         if kind not in ("input_text", "output_text"):
             raise APIError(400, f"content parts of type {kind!r} are not supported (text only): {where}[{index}]",
                            param=f"{where}[{index}].type", code="unsupported_parameter")
-        parts.append(ContentPart("text", _convert(value, InputText, f"{where}[{index}]").text))
+        parts.append(ContentPart("text", convert(value, InputText, f"{where}[{index}]").text))
     return parts
 
 
@@ -220,7 +204,7 @@ def _tool(tool: dict[str, Any], where: str) -> dict[str, Any]:
     if tool.get("type") != "function":
         raise APIError(400, f"{where}: tools of type {tool.get('type')!r} are not supported (function tools are)",
                        param=f"{where}.type", code="unsupported_parameter")
-    _convert(tool, FunctionTool, where)
+    convert(tool, FunctionTool, where)
     return {"type": "function", "function": {key: value for key, value in tool.items() if key != "type"}}
 
 

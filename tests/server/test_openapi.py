@@ -6,9 +6,10 @@ fixed-seed generator written here, sends each route bodies generated from its re
 valid ones, and mutated ones: wrong types, missing required fields, out-of-range numbers, huge
 strings and arrays, unicode junk (lone surrogates, NUL, invalid UTF-8), unknown fields, other
 content types, truncated JSON, non-object bodies. Every answer must be 2xx or 4xx with an OpenAI
-error body (never a 5xx, never a dropped connection, every stream ending whole: in [DONE], or a
-Responses stream in its response.completed or response.incomplete event); afterwards
-the reference greedy completion is unchanged and the idle gauges are back where they were.
+error body, or Anthropic's under /v1/messages (never a 5xx, never a dropped connection, every
+stream ending whole: in [DONE], a Responses stream in its response.completed or
+response.incomplete event, a Messages stream in message_stop); afterwards the reference greedy
+completion is unchanged and the idle gauges are back where they were.
 """
 
 import asyncio
@@ -36,6 +37,7 @@ NUM_CASES = 320  # bodies sent (valid and mutated, over every route with a body)
 # bounded (their out-of-range values are still sent by the mutations).
 SMALL_INTS = {"max_tokens": 6, "max_completion_tokens": 6, "max_output_tokens": 6, "min_tokens": 3, "n": 2,
               "best_of": 2, "logprobs": 3, "top_logprobs": 3, "prompt_logprobs": 3}
+ANTHROPIC_CLIENT_ERRORS = ("invalid_request_error", "not_found_error", "request_too_large")
 JUNK = ["\ud800", "\udfff", "\x00", "\u202e", "\ufeff", "🙂", "\U0010ffff", "é", "中", "\\", "\"", "\n", "{", "]"]
 
 
@@ -65,7 +67,9 @@ async def test_the_document_describes_every_route(served):
         if route.request is not None:
             ref = operation["requestBody"]["content"]["application/json"]["schema"]["$ref"]
             assert ref == f"#/components/schemas/{route.request.__name__}"
-        assert operation["responses"]["4XX"]["content"]["application/json"]["schema"]["$ref"].endswith("ErrorBody")
+        error = operation["responses"]["4XX"]["content"]["application/json"]["schema"]["$ref"]
+        assert error == f"#/components/schemas/{route.error.__name__}"  # Anthropic's under /v1/messages
+        assert error.endswith("/AnthropicErrorBody") == route.path.startswith("/v1/messages")
     # Generated from the Structs: every field a request Struct declares, with its range.
     completion = schemas["CompletionRequest"]
     assert completion["required"] == ["prompt"]
@@ -217,6 +221,10 @@ def _bounded(path: str, body: dict, rng: random.Random) -> dict:
         body.pop("max_completion_tokens", None)
         if body.get("min_tokens") is not None:
             body["min_tokens"] = min(body["min_tokens"], body["max_tokens"])
+    if path == "/v1/messages":  # max_tokens is required
+        body["max_tokens"] = rng.randint(1, SMALL_INTS["max_tokens"])
+        if body.get("stream") is None:
+            body["stream"] = rng.random() < 0.5
     if path == "/v1/responses":  # max_tokens is chat's: refused here
         body["max_output_tokens"] = rng.randint(1, SMALL_INTS["max_output_tokens"])
         if body.get("stream") is None:
@@ -229,16 +237,24 @@ def _bounded(path: str, body: dict, rng: random.Random) -> dict:
 async def _check_answer(response: aiohttp.ClientResponse, what: str) -> int:
     """The status, after checking the answer is whole: a JSON error, a JSON body or a stream
     ending in [DONE] without an error event (a Responses stream: typed events, the last the
-    whole response, completed or incomplete)."""
+    whole response, completed or incomplete; a Messages stream: typed events, the last
+    message_stop)."""
     assert response.status < 500, f"{what}: {response.status} {await response.text()}"
     raw = await response.read()  # a dropped connection raises here
     if response.status >= 400:
-        error = json.loads(raw)["error"]
-        assert error["message"] and error["type"] == "invalid_request_error", what
+        body = json.loads(raw)
+        error = body["error"]
+        anthropic = body.get("type") == "error"  # Anthropic's shape: under /v1/messages, and only there
+        assert anthropic == response.url.path.startswith("/v1/messages"), what
+        if anthropic:
+            assert error["message"] and error["type"] in ANTHROPIC_CLIENT_ERRORS, what
+        else:
+            assert error["message"] and error["type"] == "invalid_request_error", what
         return response.status
     if response.content_type == "text/event-stream" and raw.startswith(b"event: "):
         events = [json.loads(block.partition(b"\ndata: ")[2]) for block in raw.split(b"\n\n") if block.strip()]
-        assert events[-1]["type"] in ("response.completed", "response.incomplete"), f"{what}: {events[-1]}"
+        assert events[-1]["type"] in ("response.completed", "response.incomplete", "message_stop"), \
+            f"{what}: {events[-1]}"
     elif response.content_type == "text/event-stream":
         events = [line.removeprefix(b"data: ") for line in raw.split(b"\n\n") if line.strip()]
         assert events and events[-1] == b"[DONE]", f"{what}: stream did not end with [DONE]"
@@ -284,7 +300,8 @@ async def test_schema_fuzz_of_every_route(served):
                  if "requestBody" in op]
     without_body = [path for path, operations in document["paths"].items() if "get" in operations]
     assert {path for path, _, _ in with_body} == {"/v1/completions", "/v1/chat/completions", "/v1/responses",
-                                                  "/tokenize", "/detokenize"}
+                                                  "/v1/messages", "/v1/messages/count_tokens", "/tokenize",
+                                                  "/detokenize"}
 
     seen: dict[tuple[str, str], set[int]] = {}  # (route, valid or mutation) -> statuses
 

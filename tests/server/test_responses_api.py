@@ -10,8 +10,6 @@ and whatever cannot be honoured gets a 400 naming the field.
 
 import asyncio
 import json
-import shutil
-from pathlib import Path
 
 import aiohttp
 import msgspec
@@ -25,19 +23,16 @@ from openai.types.responses import ResponseStreamEvent
 
 from deltaspec.engine import AsyncLLM, TokenLogprobs
 from deltaspec.server.chat_output import ChatOutput, OutputSettings
-from deltaspec.server.config import ServerConfig
 from deltaspec.server.protocol import Usage
 from deltaspec.server.reasoning import ReasoningParser
 from deltaspec.server.responses_api import ResponsesRenderer, responses_input
 from deltaspec.server.responses_protocol import ResponsesRequest
 from deltaspec.server.tool_parsers import make_tool_call_parser
-from deltaspec.server.serve import start
 from fixtures import assert_idle
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 MODEL = "tiny"
-TEMPLATE = (Path(__file__).parent / "qwen3_5_chat_template.jinja").read_text()
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 GREEDY = {"temperature": 0, "max_output_tokens": 8}
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city.",
@@ -55,16 +50,6 @@ def chat_tool(tool: dict) -> dict:
     return {"type": "function", "function": {key: value for key, value in tool.items() if key != "type"}}
 
 
-@pytest.fixture(scope="module")
-def qwen3_5_checkpoint(checkpoint, tmp_path_factory) -> Path:
-    """The shared tiny checkpoint, copied, with Qwen3.5's chat template."""
-    directory = tmp_path_factory.mktemp("responses_api") / "model"
-    shutil.copytree(checkpoint("qwen3_5"), directory)
-    config_file = directory / "tokenizer_config.json"
-    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "chat_template": TEMPLATE}))
-    return directory
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(qwen3_5_checkpoint):
     # A fixed draft count: the verify width moves log-probabilities in their last bits, and the
@@ -72,30 +57,6 @@ async def engine(qwen3_5_checkpoint):
     engine = AsyncLLM(qwen3_5_checkpoint, max_model_len=2048, num_draft_tokens=2, adaptive_draft_length=False)
     yield engine
     await engine.shutdown()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def server(engine):
-    running = await start(engine, ServerConfig(model_name=MODEL, port=0, shutdown_timeout=1))
-    yield running
-    await running.stop()
-
-
-@pytest.fixture
-def base_url(server) -> str:
-    return f"http://127.0.0.1:{server.port}"
-
-
-@pytest_asyncio.fixture(loop_scope="module")
-async def client(base_url):
-    async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0) as client:
-        yield client
-
-
-@pytest_asyncio.fixture(loop_scope="module")
-async def http():
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 def without_ids(value):

@@ -43,30 +43,6 @@ async def engine(checkpoint):
     await engine.shutdown()
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def server(engine):
-    running = await start(engine, ServerConfig(model_name=MODEL, port=0, shutdown_timeout=1))
-    yield running
-    await running.stop()
-
-
-@pytest.fixture
-def base_url(server) -> str:
-    return f"http://127.0.0.1:{server.port}"
-
-
-@pytest_asyncio.fixture(loop_scope="module")
-async def client(base_url):
-    async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0) as client:
-        yield client
-
-
-@pytest_asyncio.fixture(loop_scope="module")
-async def http():
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
 async def wait_idle(engine: AsyncLLM, timeout: float = 10.0) -> dict:
     """Stats once no request runs or waits; fails if slots or KV blocks stay taken."""
     deadline = time.monotonic() + timeout

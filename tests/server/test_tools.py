@@ -9,7 +9,6 @@ and on the shipped model (plain ChatML template); bad messages get a 400 naming 
 
 import copy
 import json
-import shutil
 from pathlib import Path
 
 import msgspec
@@ -27,7 +26,6 @@ from deltaspec.server.serve import start
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 MODEL = "tiny"
-TEMPLATE = (Path(__file__).parent / "qwen3_5_chat_template.jinja").read_text()
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "default"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city.",
@@ -35,17 +33,6 @@ WEATHER = {"type": "function", "function": {
                    "required": ["city"]}}}
 SEARCH = {"type": "function", "function": {"name": "search", "parameters": {
     "type": "object", "properties": {"query": {"type": "string"}}}}}
-
-
-@pytest.fixture(scope="module")
-def qwen3_5_checkpoint(checkpoint, tmp_path_factory) -> Path:
-    """The shared tiny checkpoint, copied, with Qwen3.5's chat template."""
-    directory = tmp_path_factory.mktemp("qwen3_5_template") / "model"
-    shutil.copytree(checkpoint("qwen3_5"), directory)
-    config_file = directory / "tokenizer_config.json"
-    config = json.loads(config_file.read_text())
-    config_file.write_text(json.dumps({**config, "chat_template": TEMPLATE}))
-    return directory
 
 
 async def serve(path: Path):

@@ -163,7 +163,6 @@ REFUSED = [
     ("completions", {"allowed_token_ids": []}, "allowed_token_ids", "length >= 1"),
     ("chat", {"allowed_token_ids": [10**6]}, None, "outside the vocabulary"),  # the engine's check
     ("chat", {"reasoning_effort": "maximal"}, "reasoning_effort", "Invalid enum value"),
-    ("chat", {"priority": 1}, "priority", "unknown field"),
     ("completions", {"spaces_between_special_tokens": False}, "spaces_between_special_tokens", "unknown field"),
     ("completions", {"continue_final_message": True}, "continue_final_message", "unknown field"),
 ]
