@@ -11,7 +11,8 @@ table — prefill chunks, decode, draft and verify steps — plus the sampling k
 split GDN prefill, with real launch geometry (an H100's 132 SMs). Outputs are garbage (nothing
 ran): the engine inspects them only for shapes on these greedy paths, and for non-finite logits,
 which fail the requests (NonFiniteLogitsError, expected here); the launchers whose outputs it
-reads as indices (decode metadata, greedy tokens) return their torch reference's after compiling.
+reads as indices (decode metadata, greedy tokens, top-k ids) return their torch reference's after
+compiling.
 
 This catches what the interpreter cannot: code that does not compile for the GPU (types, layouts,
 register limits at ptxas). Run by tests/kernels/test_compile.py in a subprocess, because the
@@ -84,8 +85,8 @@ def compile_only() -> collections.Counter:
             module.dependent_launch = lambda device: True
     # The engine reads these launchers' outputs as indices (token ids, positions, slots): after
     # compiling, they return their torch reference's result, so the run goes on with valid ones.
-    from deltaspec.kernels import decode_metadata, greedy
-    for module, name in ((decode_metadata, "decode_metadata"), (greedy, "greedy_argmax")):
+    from deltaspec.kernels import decode_metadata, greedy, logprobs
+    for module, name in ((decode_metadata, "decode_metadata"), (greedy, "greedy_argmax"), (logprobs, "top_logits")):
         setattr(module, name, compiled_then_reference(getattr(module, name), getattr(module, f"{name}_reference")))
     return compiled
 
@@ -157,6 +158,7 @@ def run_kernels() -> None:
     token_bitmask.apply_token_bitmask(torch.randn(rows, vocab), torch.full((rows, (vocab + 31) // 32), -1,
                                                                             dtype=torch.int32))
     logprobs.token_logprobs(torch.randn(rows, vocab, dtype=torch.bfloat16), torch.zeros(rows, dtype=torch.int64))
+    logprobs.top_logits(torch.randn(rows, vocab, dtype=torch.bfloat16), 5)
     experts, top_k, hidden, inner = 8, 2, 128, 64
     x = torch.randn(1, hidden, dtype=torch.bfloat16)
     weights, ids = torch.rand(1, top_k), torch.tensor([[1, 5]])
