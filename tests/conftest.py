@@ -60,9 +60,9 @@ def _module_caches(request):
 @pytest.fixture(scope="session", autouse=True)
 def _gpu_share():
     """bench/gpu_session.sh runs the GPU tests as DELTASPEC_TEST_GPU_SHARDS processes on one GPU.
-    An engine sizes its pools from the memory free when it starts (90% of it by default), so the
-    first shards' engines would take what the others then fail to find ("not enough memory for
-    the KV pool", out of memory). Each process here sees at most its share of the device as free:
+    An engine sizes its pools from 90% of the device, less what it holds, never more than is free
+    when it starts, so the first shards' engines would take what the others then fail to find
+    ("not enough memory for the KV pool", out of memory). Each process here sees at most its share of the device as free:
     total / shards less what it already holds."""
     shards = int(os.environ.get("DELTASPEC_TEST_GPU_SHARDS", "1"))
     if shards <= 1 or not torch.cuda.is_available():
