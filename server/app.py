@@ -661,8 +661,10 @@ def _tokenize(tokenizer, body: TokenizeRequest) -> list[int]:
     """/tokenize's work: the prompt, or the messages rendered as /v1/chat/completions renders them."""
     if body.messages is not None:
         check_tools(body.tools or [])
-        text = render_prompt(tokenizer, body.messages, body.tools, body.chat_template_kwargs,
-                             body.add_generation_prompt)
+        add_generation_prompt = not body.continue_final_message if body.add_generation_prompt is None \
+            else body.add_generation_prompt
+        text = render_prompt(tokenizer, body.messages, body.tools, body.chat_template_kwargs, add_generation_prompt,
+                             body.continue_final_message)
     else:
         text = body.prompt
     return tokenizer.encode(text, add_special_tokens=body.add_special_tokens)

@@ -227,7 +227,9 @@ class TokenizeRequest(Request, kw_only=True):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
+    # As on chat: unset, the opposite of continue_final_message; both true is a 400.
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None

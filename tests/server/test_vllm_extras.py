@@ -283,6 +283,10 @@ async def test_continue_final_message_continues_it_and_echo_returns_it_whole(cli
     continued = await client.chat.completions.create(model=MODEL, messages=PARTIAL, extra_body=extras, **GREEDY)
     assert continued.usage.prompt_tokens == len(prompt_ids)
     assert continued.choices[0].message.content == alone.choices[0].text
+    # /tokenize renders it alike (vLLM's field there too).
+    tokenized = await client.post("/../tokenize", cast_to=object,
+                                  body={"messages": PARTIAL, "continue_final_message": True})
+    assert tokenized["tokens"] == prompt_ids
     # add_generation_prompt unset follows continue_final_message (vLLM refuses only both true).
     del extras["add_generation_prompt"]
     echoed = await client.chat.completions.create(model=MODEL, messages=PARTIAL, extra_body={**extras, "echo": True},
