@@ -51,3 +51,27 @@ async def client(base_url):
 async def http():
     async with aiohttp.ClientSession() as session:
         yield session
+
+
+@pytest.fixture
+def fail_a_decode_step(engine, monkeypatch):
+    """A function that makes the engine's next step decoding a request's third token or later
+    raise (an injected device error), once: its steps `run` and `launch` both checked. Returns
+    the list the failed step's plan goes into (clear it to fail one more)."""
+
+    def install() -> list:
+        runner, faults = engine.core.runner, []
+
+        def fail_once_decoding(method):
+            def call(plan):
+                if not faults and any(len(row.request.output_token_ids) >= 2 for row in plan.rows):
+                    faults.append(plan)
+                    raise RuntimeError("CUDA out of memory (injected)")
+                return method(plan)
+            return call
+
+        for name in ("run", "launch"):
+            monkeypatch.setattr(runner, name, fail_once_decoding(getattr(runner, name)))
+        return faults
+
+    return install

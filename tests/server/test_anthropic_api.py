@@ -514,19 +514,9 @@ async def test_what_cannot_be_honoured_gets_a_typed_error(claude):
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
 
 
-async def test_a_failed_engine_step_ends_the_stream_with_an_error_event(http, base_url, engine, monkeypatch):
-    runner, faults = engine.core.runner, []
-
-    def fail_once_decoding(method):
-        def call(plan):
-            if not faults and any(len(row.request.output_token_ids) >= 2 for row in plan.rows):
-                faults.append(plan)
-                raise RuntimeError("CUDA out of memory (injected)")
-            return method(plan)
-        return call
-
-    for name in ("run", "launch"):
-        monkeypatch.setattr(runner, name, fail_once_decoding(getattr(runner, name)))
+async def test_a_failed_engine_step_ends_the_stream_with_an_error_event(http, base_url, engine,
+                                                                        fail_a_decode_step):
+    faults = fail_a_decode_step()
     body = {"model": MODEL, "max_tokens": 8, "stream": True, "thinking": NO_THINKING,
             "messages": [{"role": "user", "content": "Hello"}]}
     async with http.post(f"{base_url}/v1/messages", json=body) as response:
@@ -537,7 +527,6 @@ async def test_a_failed_engine_step_ends_the_stream_with_an_error_event(http, ba
     last = json.loads(data.removeprefix("data: "))
     assert event == "event: error" and last["type"] == "error" and last["error"]["type"] == "api_error"
     assert "CUDA out of memory (injected)" in last["error"]["message"]
-    monkeypatch.undo()
     for _ in range(500):  # the failed request's slot and blocks are freed
         stats = engine.stats()
         if stats["num_running"] == stats["num_waiting"] == 0:

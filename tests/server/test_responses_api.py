@@ -426,19 +426,9 @@ async def test_what_cannot_be_honoured_gets_a_400_naming_it(client):
     assert all(item.encrypted_content is None for item in accepted.output if item.type == "reasoning")
 
 
-async def test_a_failed_engine_step_ends_the_stream_with_response_failed(http, base_url, engine, monkeypatch):
-    runner, faults = engine.core.runner, []
-
-    def fail_once_decoding(method):
-        def call(plan):
-            if not faults and any(len(row.request.output_token_ids) >= 2 for row in plan.rows):
-                faults.append(plan)
-                raise RuntimeError("CUDA out of memory (injected)")
-            return method(plan)
-        return call
-
-    for name in ("run", "launch"):
-        monkeypatch.setattr(runner, name, fail_once_decoding(getattr(runner, name)))
+async def test_a_failed_engine_step_ends_the_stream_with_response_failed(http, base_url, engine,
+                                                                         fail_a_decode_step):
+    faults = fail_a_decode_step()
     body = {"model": MODEL, "input": "Hello", "stream": True, **GREEDY, **NO_THINKING, "ignore_eos": True}
     async with http.post(f"{base_url}/v1/responses", json=body) as response:
         assert response.status == 200
@@ -448,7 +438,6 @@ async def test_a_failed_engine_step_ends_the_stream_with_response_failed(http, b
     assert last["type"] == "response.failed" and last["response"]["status"] == "failed"
     assert last["response"]["error"]["code"] == "internal_error"
     assert "CUDA out of memory (injected)" in last["response"]["error"]["message"]
-    monkeypatch.undo()
     for _ in range(500):  # the failed request's slot and blocks are freed
         stats = engine.stats()
         if stats["num_running"] == stats["num_waiting"] == 0:

@@ -475,8 +475,8 @@ async def test_client_that_disconnects_aborts_its_request(client, http, base_url
     assert ok.usage.completion_tokens >= 1
 
 
-async def test_a_failed_engine_step_gets_500s_and_the_server_serves_on(http, base_url, client, engine, monkeypatch,
-                                                                        caplog):
+async def test_a_failed_engine_step_gets_500s_and_the_server_serves_on(http, base_url, client, engine,
+                                                                        fail_a_decode_step, caplog):
     """A fault injected into one engine step (the runner raises): a streamed request in it gets
     an error event and [DONE], a non-streamed one a 500 body; both free their slot and blocks,
     and the next request gets the text it gets alone."""
@@ -488,18 +488,7 @@ async def test_a_failed_engine_step_gets_500s_and_the_server_serves_on(http, bas
                                                 **GREEDY)).choices[0].text
 
     alone = await text_alone()
-    runner, faults = engine.core.runner, []
-
-    def fail_once_decoding(method):
-        def call(plan):
-            if not faults and any(len(row.request.output_token_ids) >= 2 for row in plan.rows):
-                faults.append(plan)
-                raise RuntimeError("CUDA out of memory (injected)")
-            return method(plan)
-        return call
-
-    for name in ("run", "launch"):
-        monkeypatch.setattr(runner, name, fail_once_decoding(getattr(runner, name)))
+    faults = fail_a_decode_step()
     async with http.post(f"{base_url}/v1/completions", json={**body, "stream": True}) as response:
         assert response.status == 200
         events = [line.removeprefix(b"data: ").strip() async for line in response.content if line.strip()]
