@@ -67,7 +67,7 @@ from .anthropic_protocol import (AnthropicErrorBody, AnthropicErrorDetail, Anthr
                                  ToolUseBlock, ToolUseInput)
 from .chat_output import ChatOutput, OutputSettings
 from .errors import APIError, convert, refuse
-from .inputs import ChatParsers, EngineInput, PromptTokenizer, chat_input
+from .inputs import ChatParsers, EngineInput, PromptTokenizer, translated_chat_input
 from .protocol import (AssistantMessage, ChatCompletionRequest, ChatMessage, ContentPart, FunctionCall, FunctionName,
                        JsonSchemaFormat, NamedToolChoice, ResponseFormat, ToolCall, Usage)
 from .responses import TokenText
@@ -113,14 +113,8 @@ def count_tokens(request: CountTokensRequest, tokenizer: PromptTokenizer, max_mo
 
 def _chat_input(request: PromptFields, tokenizer: PromptTokenizer, max_model_len: int,
                 parsers: ChatParsers) -> tuple[EngineInput, OutputSettings]:
-    chat = chat_request(request)
-    try:
-        return chat_input(chat, tokenizer, max_model_len, parsers)
-    except APIError as error:
-        if error.param is not None:
-            param = error.param
-            error.param = "messages" if param.startswith("messages") else _CHAT_PARAMS.get(param, param)
-        raise
+    return translated_chat_input(chat_request(request), tokenizer, max_model_len, parsers, "messages",
+                                 _CHAT_PARAMS)
 
 
 def chat_request(request: PromptFields) -> ChatCompletionRequest:

@@ -248,6 +248,21 @@ def chat_input(request: ChatCompletionRequest, tokenizer: PromptTokenizer, max_m
     return EngineInput(token_ids, params), settings
 
 
+def translated_chat_input(chat: ChatCompletionRequest, tokenizer: PromptTokenizer, max_model_len: int,
+                          parsers: ChatParsers, messages_param: str,
+                          params: dict[str, str]) -> tuple[EngineInput, OutputSettings]:
+    """`chat_input` of a request another API shape was turned into (the Responses and Messages
+    APIs): an error names the field as that API names it, chat's messages[...] as
+    messages_param (its items are numbered otherwise) and chat's other fields by `params`."""
+    try:
+        return chat_input(chat, tokenizer, max_model_len, parsers)
+    except APIError as error:
+        if error.param is not None:
+            error.param = messages_param if error.param.startswith("messages") \
+                else params.get(error.param, error.param)
+        raise
+
+
 def _encode(tokenizer: PromptTokenizer, text: str, add_special_tokens: bool, truncating: bool, max_model_len: int,
             max_tokens: int | None, prompt_field: str, max_tokens_field: str) -> list[int]:
     """The prompt's ids. One longer than the context is refused by its count alone, its ids'

@@ -40,7 +40,7 @@ import msgspec
 from ..engine import TokenLogprobs
 from .chat_output import ChatOutput, OutputSettings
 from .errors import APIError, convert, refuse
-from .inputs import ChatParsers, EngineInput, PromptTokenizer, chat_input
+from .inputs import ChatParsers, EngineInput, PromptTokenizer, translated_chat_input
 from .protocol import (AssistantMessage, ChatCompletionRequest, ChatMessage, ChatTokenLogprob, ContentPart,
                        FunctionCall, FunctionName, JsonSchemaFormat, NamedToolChoice, ResponseFormat, SamplingFields,
                        ToolCall, Usage)
@@ -72,13 +72,7 @@ _encoder = msgspec.json.Encoder()
 def responses_input(request: ResponsesRequest, tokenizer: PromptTokenizer, max_model_len: int,
                     parsers: ChatParsers) -> tuple[EngineInput, OutputSettings]:
     """The engine input and how to read its output: those of the equivalent chat request."""
-    chat = chat_request(request)
-    try:
-        return chat_input(chat, tokenizer, max_model_len, parsers)
-    except APIError as error:
-        if error.param is not None:
-            error.param = "input" if error.param.startswith("messages") else _CHAT_PARAMS.get(error.param, error.param)
-        raise
+    return translated_chat_input(chat_request(request), tokenizer, max_model_len, parsers, "input", _CHAT_PARAMS)
 
 
 def chat_request(request: ResponsesRequest) -> ChatCompletionRequest:

@@ -39,15 +39,6 @@ async def engine(checkpoint):
     await engine.shutdown()
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def client(engine):
-    running = await start(engine, ServerConfig(model_name=MODEL, port=0, shutdown_timeout=1))
-    async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{running.port}/v1", api_key="unused",
-                                  max_retries=0) as client:
-        yield client
-    await running.stop()
-
-
 async def complete(client, route: str, **body):
     """(the text, the response) of a completion or a chat completion."""
     if route == "chat":
