@@ -44,6 +44,7 @@ from .durations import Durations
 from .engine_config import EngineConfig
 from .executor import ParallelRunner, Workers, rank_device
 from .model_config import ModelConfig
+from .model_source import local_model
 from .models import HybridLM
 from .penalties import Penalties
 from .prefill_graphs import Forward, PrefillGraphs
@@ -108,7 +109,12 @@ class EngineCore:
 
         config.tensor_parallel_size > 1: this engine is rank 0 and starts the other ranks'
         worker processes (executor.py); tp: this engine is a worker's, of that rank (the
-        workers build it themselves)."""
+        workers build it themselves).
+
+        config.model may name a Hugging Face Hub repo: it is downloaded (or found in the cache)
+        first, once, and the workers read the local copy (model_source.py)."""
+        if model is None:
+            config = local_model(config)
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = _TORCH_DTYPES[config.dtype]

@@ -48,6 +48,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1           # ranks the model is sharded over (one process and device each)
     enable_expert_parallel: bool = False    # MoE: whole experts per rank (experts / tp each) instead of split
     load_format: str = "auto"               # "dummy": random weights of the config's shapes (benchmarks)
+    # `model` a Hugging Face Hub repo id (model_source.py): the branch, tag or commit to load, and
+    # the cache directory in place of HF_HOME's.
+    revision: str | None = None
+    download_dir: str | None = None
     # Small all-reduces (decode steps): "nccl" always NCCL (the default until the symmetric path
     # has run on GPUs); "auto" through symmetric memory where it works on CUDA, else NCCL, each
     # block output's all-reduce fused with the residual add + RMSNorm after it (one kernel);

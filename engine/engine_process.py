@@ -56,6 +56,7 @@ from .async_llm import AsyncLLM, Outbox, Outboxes, drain, freeze_startup_heap, r
 from . import gc_pauses
 from .engine_config import EngineConfig
 from .errors import EngineDeadError, StepFailedError
+from .model_source import local_model
 from .request import RequestDelta
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
@@ -307,7 +308,9 @@ class EngineProcess:
         """Start the engine's process and return once its engine is built and warmed up. A
         start-up failure raises there as it would in-process: ValueError (bad options, config or
         checkpoint) and FileNotFoundError with the engine's one-line message, RuntimeError else
-        (the engine's process logged the traceback)."""
+        (the engine's process logged the traceback). A Hub repo id is resolved here, once: the
+        download's progress shows on this process's terminal, and both processes read the copy."""
+        config = await asyncio.to_thread(local_model, config)
         ours, theirs = socket.socketpair()
         process = multiprocessing.get_context("spawn").Process(
             target=_engine_main, args=(theirs, config, logging.getLogger().getEffectiveLevel()),

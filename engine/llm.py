@@ -24,7 +24,9 @@ from .sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model_path: str | Path, device: str = "cpu", dtype: str = "float32", **engine_options) -> None:
-        """engine_options: any other EngineConfig field (max_model_len, max_num_seqs, ...)."""
+        """model_path: a checkpoint directory or a Hugging Face Hub repo id ("Qwen/Qwen3.5-0.8B",
+        downloaded or found in the Hub cache; `revision` and `download_dir` pick the commit and
+        the cache). engine_options: any other EngineConfig field (max_model_len, max_num_seqs, ...)."""
         self.core = EngineCore(EngineConfig(model=model_path, device=device, dtype=dtype, **engine_options))
 
     def close(self) -> None:

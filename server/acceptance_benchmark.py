@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from ..engine import EngineConfig, SamplingParams
 from ..engine.core import EngineCore
+from ..engine.model_source import resolve_model
 
 
 def load_prompts(model: Path, sources: list[str], count: int, max_chars: int, seed: int) -> list[str]:
@@ -119,7 +120,7 @@ def _timed(core: EngineCore, work) -> float:
 
 
 def benchmark(args: argparse.Namespace) -> dict:
-    model = Path(args.model)
+    model = resolve_model(args.model)
     prompts = load_prompts(model, args.prompts, args.num_prompts, args.max_prompt_chars, args.seed)
     results = []
     configs = [(t, b) for t in args.temperatures for b in args.batch_sizes]
@@ -219,7 +220,7 @@ def plot(report: dict, path: Path) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser, default_model: Path) -> None:
-    parser.add_argument("--model", default=str(default_model))
+    parser.add_argument("--model", default=str(default_model), help="a checkpoint directory or a Hub repo id")
     parser.add_argument("--prompts", nargs="*", default=[], help="code files or a JSONL of {\"prompt\": ...}")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))

@@ -1,11 +1,12 @@
 """The `deltaspec` command line.
 
-    deltaspec serve [MODEL_PATH] [--host H] [--port P] ...   OpenAI-compatible server (see serve.py)
-    deltaspec generate "prompt" [--model PATH] ...            stream one completion to stdout
+    deltaspec serve [MODEL] [--host H] [--port P] ...        OpenAI-compatible server (see serve.py)
+    deltaspec generate "prompt" [--model MODEL] ...           stream one completion to stdout
     deltaspec bench acceptance [--model PATH] [--quick] ...   speculation acceptance benchmark
     deltaspec bench serve [--streams 16 64] [--url URL] ...   closed-loop HTTP load vs in-process AsyncLLM
 
-Both run on uvloop when it is installed. Knows nothing about models beyond the engine's public API.
+MODEL is a checkpoint directory or a Hugging Face Hub repo id (engine/model_source.py). Both run
+on uvloop when it is installed. Knows nothing about models beyond the engine's public API.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from ..engine import AsyncLLM, EngineConfig, SamplingParams
 from ..engine.async_llm import run
+from ..engine.model_source import local_model
 from . import acceptance_benchmark, serve_benchmark
 from .config import ServerConfig
 from .cors import CorsPolicy
@@ -31,19 +33,22 @@ from .serve import serve
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "default"
 
 
-def _check_model(path: Path) -> None:
-    if not (path / "config.json").exists():
-        raise ValueError(f"no model at {path}: pass the path of an HF-format checkpoint")
+def _served_name(model: str) -> str:
+    """The model id clients use by default: a directory's name, or the Hub repo id (vLLM's)."""
+    path = Path(model).expanduser()
+    return path.name if path.is_dir() else model
 
 
 def _serve(args: argparse.Namespace) -> int:
-    model = Path(args.model_path)
-    _check_model(model)
-    engine_config = EngineConfig(model=model, max_model_len=args.max_model_len, max_num_seqs=args.max_running,
-                                 enable_prefix_cache=not args.no_prefix_cache,
-                                 checkpoint_interval=args.checkpoint_interval,
-                                 host_cache_bytes=int(args.host_cache_gib * 2**30), **engine_options(args))
-    server_config = ServerConfig(model_name=args.served_model_name or model.name, host=args.host, port=args.port,
+    model = args.model_path
+    # A Hub repo is downloaded here, before anything starts: a bad id fails at once.
+    engine_config = local_model(EngineConfig(model=model, max_model_len=args.max_model_len,
+                                             max_num_seqs=args.max_running,
+                                             enable_prefix_cache=not args.no_prefix_cache,
+                                             checkpoint_interval=args.checkpoint_interval,
+                                             host_cache_bytes=int(args.host_cache_gib * 2**30),
+                                             **engine_options(args)))
+    server_config = ServerConfig(model_name=args.served_model_name or _served_name(model), host=args.host, port=args.port,
                                  api_key=args.api_key, max_waiting=args.max_waiting,
                                  max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout,
                                  idle_timeout=args.idle_timeout, body_timeout=args.body_timeout,
@@ -86,8 +91,7 @@ def _string_list(text: str) -> tuple[str, ...]:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    model = Path(args.model)
-    _check_model(model)
+    model = args.model
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed)
     engine = AsyncLLM(model, **engine_options(args))
@@ -110,8 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deltaspec")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve_parser = commands.add_parser("serve", help="serve MODEL_PATH over an OpenAI-compatible HTTP API")
-    serve_parser.add_argument("model_path", nargs="?", default=str(DEFAULT_MODEL), metavar="MODEL_PATH")
+    serve_parser = commands.add_parser("serve", help="serve MODEL over an OpenAI-compatible HTTP API")
+    serve_parser.add_argument("model_path", nargs="?", default=str(DEFAULT_MODEL), metavar="MODEL",
+                              help="a checkpoint directory or a Hugging Face Hub repo id (default: the shipped "
+                                   "model)")
     serve_parser.add_argument("--host", default="127.0.0.1")
     serve_parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     add_engine_options(serve_parser)
@@ -125,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                               help="require 'Authorization: Bearer KEY' (or Anthropic's 'x-api-key: KEY') on /v1 "
                                    "routes (default: $DELTASPEC_API_KEY)")
     serve_parser.add_argument("--served-model-name", default=None,
-                              help="the model id clients use (default: the model directory's name)")
+                              help="the model id clients use (default: the model directory's name, or the Hub repo id)")
     serve_parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get HTTP 413")
     serve_parser.add_argument("--no-prefix-cache", "--no-enable-prefix-caching", dest="no_prefix_cache",
                               action="store_true", help="prefill every prompt in full (prefix reuse is on by default)")
@@ -173,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
 
     generate = commands.add_parser("generate", help="stream a completion of PROMPT to stdout")
     generate.add_argument("prompt")
-    generate.add_argument("--model", default=str(DEFAULT_MODEL))
+    generate.add_argument("--model", default=str(DEFAULT_MODEL),
+                          help="a checkpoint directory or a Hugging Face Hub repo id")
     add_engine_options(generate)
     generate.add_argument("--max-tokens", type=int, default=64)
     # Sampling by default: the small shipped model loops on short prompts when decoding greedily.

@@ -48,6 +48,10 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                              "(vLLM's meaning: two engines at 0.45 share a GPU; default 0.9)")
     parser.add_argument("--enforce-eager", action="store_true", default=None,
                         help="run every step eagerly, no CUDA graphs (vLLM's flag)")
+    parser.add_argument("--revision", default=None,
+                        help="a Hugging Face Hub model's branch, tag or commit (default: main)")
+    parser.add_argument("--download-dir", default=None,
+                        help="the Hub cache to download a Hub model into and look it up in (default: HF_HOME's)")
     parser.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
                         help="vLLM's form of --num-draft-tokens: '{\"method\": \"mtp\", \"num_speculative_tokens\": "
                              "N}' (method mtp or qwen3_next_mtp: the checkpoint's MTP layer drafts)")
@@ -82,7 +86,7 @@ def _speculative_config(text: str) -> int:
 # The fields add_engine_options sets; a flag left out (None) keeps EngineConfig's default.
 _FIELDS = ("device", "dtype", "num_draft_tokens", "max_num_batched_tokens", "tensor_parallel_size",
            "enable_expert_parallel", "all_reduce", "load_format", "generation_config", "quantization",
-           "gpu_memory_utilization", "scheduling_policy")
+           "gpu_memory_utilization", "scheduling_policy", "revision", "download_dir")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
