@@ -113,8 +113,7 @@ class EngineCore:
 
         config.model may name a Hugging Face Hub repo: it is downloaded (or found in the cache)
         first, once, and the workers read the local copy (model_source.py)."""
-        if model is None:
-            config = local_model(config)
+        config = local_model(config) if model is None else config.concrete(None)
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = _TORCH_DTYPES[config.dtype]

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+import torch
 
 from ..kernels.gdn_chunked import CHUNK_SIZE
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 ALL_REDUCES = ("auto", "nccl", "one_shot", "two_shot")  # tensor_parallel.TensorParallel.use_symmetric_memory
 SCHEDULING_POLICIES = ("fcfs", "priority")  # scheduler.py
@@ -16,8 +19,11 @@ SCHEDULING_POLICIES = ("fcfs", "priority")  # scheduler.py
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | Path
-    device: str = "cpu"
-    dtype: str = "float32"
+    # "auto" (vLLM's default): a GPU when there is one (DELTASPEC_DEVICE overrides), else the CPU;
+    # on a GPU the checkpoint's bfloat16 / float16, a float32 checkpoint in bfloat16; float32 on
+    # the CPU. `concrete` says which.
+    device: str = "auto"
+    dtype: str = "auto"
     kernel_backend: str = "auto"
     max_model_len: int | None = None        # default: the model's max_position_embeddings
     max_num_seqs: int = 64                  # running requests at most
@@ -105,3 +111,23 @@ class EngineConfig:
             problems.append(f"all_reduce={self.all_reduce!r} needs tensor_parallel_size > 1")
         if problems:
             raise ValueError("invalid EngineConfig: " + "; ".join(problems))
+
+    def concrete(self, checkpoint_dtype: str | None) -> EngineConfig:
+        """This config with device and dtype "auto" made what they mean on this machine for a
+        checkpoint stored in checkpoint_dtype (its config.json's; None: unknown)."""
+        device = concrete_device(self.device)
+        dtype = self.dtype
+        if dtype == "auto":
+            if torch.device(device).type == "cpu":
+                dtype = "float32"
+            else:
+                dtype = checkpoint_dtype if checkpoint_dtype in ("bfloat16", "float16") else "bfloat16"
+        return replace(self, device=device, dtype=dtype)
+
+
+def concrete_device(device: str) -> str:
+    """"auto": DELTASPEC_DEVICE when set, else cuda when a GPU is visible, else cpu; any other
+    device as it is."""
+    if device != "auto":
+        return device
+    return os.environ.get("DELTASPEC_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -23,10 +23,12 @@ from .sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model_path: str | Path, device: str = "cpu", dtype: str = "float32", **engine_options) -> None:
+    def __init__(self, model_path: str | Path, device: str = "auto", dtype: str = "auto", **engine_options) -> None:
         """model_path: a checkpoint directory or a Hugging Face Hub repo id ("Qwen/Qwen3.5-0.8B",
         downloaded or found in the Hub cache; `revision` and `download_dir` pick the commit and
-        the cache). engine_options: any other EngineConfig field (max_model_len, max_num_seqs, ...)."""
+        the cache). device, dtype: "auto" is a GPU in the checkpoint's dtype when there is one, else
+        the CPU in float32 (EngineConfig). engine_options: any other EngineConfig field
+        (max_model_len, max_num_seqs, ...)."""
         self.core = EngineCore(EngineConfig(model=model_path, device=device, dtype=dtype, **engine_options))
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ what the files hold.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -75,9 +76,24 @@ def _checkpoint(path: Path) -> Path:
 
 def local_model(config: EngineConfig) -> EngineConfig:
     """config with `model` resolved to its local directory (resolve_model), so that the processes
-    an engine starts read it from disk without asking the Hub again."""
+    an engine starts read it from disk without asking the Hub again, and device and dtype "auto"
+    made concrete for the checkpoint (EngineConfig.concrete)."""
     path = resolve_model(config.model, config.revision, config.download_dir)
-    return replace(config, model=path, revision=None, download_dir=None)
+    return replace(config, model=path, revision=None, download_dir=None).concrete(_stored_dtype(path))
+
+
+def _stored_dtype(path: Path) -> str | None:
+    """The dtype config.json says the weights are stored in (transformers' `dtype`, formerly
+    `torch_dtype`; a multimodal checkpoint's in text_config)."""
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # the config's own loader reports it
+    for section in (raw, raw.get("text_config") or {}):
+        dtype = section.get("dtype") or section.get("torch_dtype")
+        if isinstance(dtype, str):
+            return dtype
+    return None
 
 
 def _looks_like_path(text: str) -> bool:

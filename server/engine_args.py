@@ -15,8 +15,11 @@ from ..engine.engine_config import ALL_REDUCES, SCHEDULING_POLICIES
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    parser.add_argument("--device", default=None,
+                        help="auto (default: a GPU when there is one, else the CPU), cpu or cuda[:N]")
+    parser.add_argument("--dtype", default=None,
+                        help="auto (default: on a GPU the checkpoint's bfloat16 / float16, bfloat16 for a float32 "
+                             "checkpoint; float32 on the CPU), float32, bfloat16 or float16")
     parser.add_argument("--num-draft-tokens", type=int, default=None,
                         help="MTP drafts per step at most (default: 3 when the checkpoint has MTP weights, each "
                              "step's count chosen by the adaptive policy; 0: no speculation)")

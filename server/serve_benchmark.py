@@ -73,6 +73,7 @@ import numpy as np
 
 from ..engine import AsyncLLM, EngineConfig, SamplingParams
 from ..engine.async_llm import freeze_startup_heap, run
+from ..engine.engine_config import concrete_device
 from ..engine.model_source import resolve_model
 from .acceptance_benchmark import device_name, device_tag, load_prompts
 from .engine_args import add_engine_options, engine_flags, engine_options
@@ -602,6 +603,7 @@ def _check(args: argparse.Namespace) -> None:
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:
     _check(args)
+    args.device = concrete_device(args.device or "auto")
     device = device_name(args.device)  # before the run: a mistake here costs nothing yet
     # A Hub repo id: downloaded once; the prompts, the server and the in-process engine read the copy.
     args.model = str(resolve_model(args.model, args.revision, args.download_dir))

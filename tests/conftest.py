@@ -1,5 +1,6 @@
 """Shared test fixtures: tiny random checkpoints of each family (built once per session), the
-device Triton kernels are tested on, and the `gpu` marker (skipped without CUDA).
+device Triton kernels are tested on, engines on the CPU unless a test names a device, and the
+`gpu` marker (skipped without CUDA).
 
 Without CUDA, Triton kernels run under the interpreter on CPU tensors: TRITON_INTERPRET must be
 set before any kernel module is imported, hence at the top of this file."""
@@ -12,6 +13,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# An engine whose device is "auto" (the default) runs on the CPU in the tests, as in CI, whatever
+# the machine has: the GPU tests name their device.
+os.environ.setdefault("DELTASPEC_DEVICE", "cpu")
 
 import pytest  # noqa: E402
 

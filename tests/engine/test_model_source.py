@@ -3,15 +3,17 @@ huggingface_hub client from a fake Hub on loopback that serves the tiny checkpoi
 (plus a README the engine never reads, a gated repo, a repo without config.json), then found
 in the cache with HF_HUB_OFFLINE set; the engine, the engine process and the CLI load the
 download and generate what the local directory generates; every wrong id, revision or path
-fails with one line."""
+fails with one line. Device and dtype "auto" follow the machine and the checkpoint."""
 
 import asyncio
 import hashlib
+import json
 import shutil
 import threading
 
 import huggingface_hub.constants
 import pytest
+import torch
 from aiohttp import web
 
 from deltaspec.engine import LLM, EngineConfig, SamplingParams
@@ -176,3 +178,35 @@ def test_wrong_ids_revisions_and_paths_fail_with_one_line(hub, repo, tmp_path):
         with pytest.raises(error, match=message) as raised:
             local_model(EngineConfig(**fields))
         assert "\n" not in str(raised.value)
+
+
+def test_device_and_dtype_auto_follow_the_machine_and_the_checkpoint(repo, tmp_path, monkeypatch):
+    """vLLM's defaults: a GPU when there is one, in the checkpoint's half precision (bfloat16 for
+    a float32 checkpoint); float32 on the CPU; explicit values and DELTASPEC_DEVICE win."""
+    monkeypatch.delenv("DELTASPEC_DEVICE")
+    for gpu in (False, True):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+        auto = EngineConfig(model="unused")
+        assert (auto.device, auto.dtype) == ("auto", "auto")
+        for stored, on_gpu in (("bfloat16", "bfloat16"), ("float16", "float16"), ("float32", "bfloat16"),
+                               (None, "bfloat16")):
+            concrete = auto.concrete(stored)
+            assert (concrete.device, concrete.dtype) == (("cuda", on_gpu) if gpu else ("cpu", "float32"))
+        assert EngineConfig(model="unused", device="cpu", dtype="bfloat16").concrete("float16").dtype == "bfloat16"
+        assert EngineConfig(model="unused", dtype="float32").concrete("bfloat16").dtype == "float32"
+    monkeypatch.setenv("DELTASPEC_DEVICE", "cpu")
+    assert EngineConfig(model="unused").concrete("bfloat16").device == "cpu"
+    # The stored dtype as config.json says it: transformers' `dtype`, the older `torch_dtype`, or
+    # a multimodal checkpoint's text_config (the device named, no GPU touched).
+    monkeypatch.setenv("DELTASPEC_DEVICE", "cuda:1")
+    raw = json.loads((repo["acme/tiny"] / "config.json").read_text())
+    raw = {k: v for k, v in raw.items() if k not in ("dtype", "torch_dtype")}
+    for name, config in (("dtype", {**raw, "dtype": "float16"}), ("torch_dtype", {**raw, "torch_dtype": "float16"}),
+                         ("text_config", {"text_config": {**raw, "dtype": "float16"}}), ("none", raw)):
+        directory = tmp_path / name
+        shutil.copytree(repo["acme/tiny"], directory)
+        (directory / "config.json").write_text(json.dumps(config))
+        resolved = local_model(EngineConfig(model=directory))
+        assert (resolved.device, resolved.dtype) == ("cuda:1", "bfloat16" if name == "none" else "float16")
+    with pytest.raises(ValueError, match="dtype must be one of auto, float32"):
+        EngineConfig(model="unused", dtype="int8")
