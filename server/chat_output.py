@@ -57,7 +57,8 @@ class ChatOutput:
         self._text += text
         parsed = self._parse(final)
         sent = self._sent
-        delta = ChatDelta(reasoning_content=parsed.reasoning[len(sent.reasoning):] or None,
+        reasoning = parsed.reasoning[len(sent.reasoning):] or None
+        delta = ChatDelta(reasoning=reasoning, reasoning_content=reasoning,
                           content=parsed.content[len(sent.content):] or None)
         calls = []
         for index, call in enumerate(parsed.tool_calls):
@@ -81,7 +82,8 @@ class ChatOutput:
         content = sent.content if sent.content or not (calls or sent.reasoning) else None
         if self.settings.echo:
             content = self.settings.echo + (content or "")
-        return AssistantMessage(content, sent.reasoning or None, calls or None)
+        return AssistantMessage(content, reasoning=sent.reasoning or None, reasoning_content=sent.reasoning or None,
+                                tool_calls=calls or None)
 
     def _parse(self, final: bool) -> _Parsed:
         text, reasoning = self._text, ""

@@ -1,8 +1,8 @@
 """OpenAI chat messages and tools, carried whole to the chat template, and the rendered prompt.
 
 Every field a template can use reaches it: `name`, `tool_calls` (with `function.arguments`
-parsed from JSON text into a dict, as HF and vLLM give templates), `tool_call_id`,
-`reasoning_content`, and content as a string or a list of text parts. Parts stay a list for
+parsed from JSON text into a dict, as HF and vLLM give templates), `tool_call_id`, a turn's
+reasoning (as `reasoning_content` and `reasoning`, from either), and content as a string or a list of text parts. Parts stay a list for
 templates that read parts (Qwen3.5's `render_content`) and are joined for templates that
 concatenate strings (plain ChatML). What cannot be honoured (an image part, a refusal, a legacy
 `function_call`) is a 400 naming it, never dropped. The rendered prompt can leave a final
@@ -106,8 +106,13 @@ def _template_message(message: ChatMessage, index: int, content_parts: bool) -> 
                                   for i, call in enumerate(message.tool_calls)]
     if message.tool_call_id is not None:
         rendered["tool_call_id"] = message.tool_call_id
-    if message.reasoning_content is not None:
-        rendered["reasoning_content"] = message.reasoning_content
+    reasoning = message.reasoning if message.reasoning is not None else message.reasoning_content
+    if message.reasoning_content is not None and message.reasoning_content != reasoning:
+        raise APIError(400, f"{where} sets reasoning and reasoning_content to different texts: give one (the same "
+                            f"field under its two names)", param=f"{where}.reasoning", code="invalid_value")
+    if reasoning is not None:
+        # Templates read either name (Qwen3.5's reasoning_content).
+        rendered["reasoning_content"] = rendered["reasoning"] = reasoning
     return rendered
 
 

@@ -137,6 +137,9 @@ class ChatMessage(Request, kw_only=True):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    # A turn's reasoning sent back: vLLM's `reasoning` (since its 0.11; OpenRouter's) or the older
+    # `reasoning_content` (DeepSeek's; the AI SDK, qwen-code): either, or both when equal.
+    reasoning: str | None = None
     reasoning_content: str | None = None
     # Declared only to be rejected when set (an assistant message echoed back by a client
     # carries them as null).
@@ -311,7 +314,10 @@ class ResponseToolCall(msgspec.Struct, omit_defaults=True):
 
 
 class AssistantMessage(msgspec.Struct):
+    # The reasoning goes out under both names clients read: vLLM's current `reasoning` and the
+    # `reasoning_content` of vLLM before 0.11 and DeepSeek (the same text).
     content: str | None
+    reasoning: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[ResponseToolCall] | None = None
     role: Literal["assistant"] = "assistant"
@@ -355,6 +361,7 @@ class ChatCompletion(msgspec.Struct):
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None            # both names, as AssistantMessage
     reasoning_content: str | None = None
     tool_calls: list[ResponseToolCall] | None = None
 

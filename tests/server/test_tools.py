@@ -60,12 +60,15 @@ async def complete(client: openai.AsyncOpenAI, stream: bool, **request) -> tuple
         message = choice.message
         calls = [{"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": c.function.arguments}}
                  for c in message.tool_calls or []]
+        # The reasoning under both names clients read (vLLM's current one, and DeepSeek's).
+        assert getattr(message, "reasoning", None) == getattr(message, "reasoning_content", None)
         return _message(message.content, getattr(message, "reasoning_content", None), calls), choice.finish_reason
     chunks = await client.chat.completions.create(model=MODEL, stream=True, **request)
     content, reasoning, calls, finish_reason = "", "", [], None
     async for chunk in chunks:
         delta = chunk.choices[0].delta
         content += delta.content or ""
+        assert getattr(delta, "reasoning", None) == getattr(delta, "reasoning_content", None)
         reasoning += getattr(delta, "reasoning_content", None) or ""
         for call in delta.tool_calls or []:
             if call.index == len(calls):
@@ -125,6 +128,32 @@ async def test_agent_loop_renders_the_prompt_hf_renders(qwen3_5, qwen3_5_checkpo
     # Turn 3: a new question, with the whole history (reasoning_content included).
     await assert_renders_as_hf(client, engine, hf, messages, tools)
     await complete(client, stream, messages=messages, tools=tools, max_tokens=4)
+
+
+async def test_a_turns_reasoning_comes_back_under_either_name(qwen3_5):
+    """vLLM's `reasoning` and the older `reasoning_content` render the same prompt (both, equal,
+    too); two different texts are a 400 naming the message."""
+    engine, client = qwen3_5
+    # Qwen3.5's template keeps the reasoning of the turns after the last user message (an agent
+    # loop's): a call, and its result.
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature_c": 21}'}]
+
+    async def rendered(**reasoning) -> list[int]:
+        messages = copy.deepcopy(history)
+        messages[1].update(reasoning)
+        body = {"messages": messages, "tools": [WEATHER]}
+        return (await client.post("/../tokenize", cast_to=object, body=body))["tokens"]
+
+    expected = await rendered(reasoning_content="Adding two and two.")
+    assert "Adding two and two." in engine.tokenizer.decode(expected)
+    assert await rendered(reasoning="Adding two and two.") == expected
+    assert await rendered(reasoning="Adding two and two.", reasoning_content="Adding two and two.") == expected
+    with pytest.raises(openai.BadRequestError, match="messages\\[1\\] sets reasoning and reasoning_content"):
+        await client.chat.completions.create(model=MODEL, max_tokens=1, tools=[WEATHER], messages=[
+            history[0], {**history[1], "reasoning": "a", "reasoning_content": "b"}, history[2]])
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
