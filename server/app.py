@@ -208,11 +208,13 @@ class OpenAIServer:
         return web.Response(body=self._openapi, content_type="application/json")
 
     async def models(self, request: web.Request) -> web.Response:
-        return _json(ModelList([self._model()]))
+        # One card per served name, as vLLM lists them.
+        return _json(ModelList([self._model(name) for name in self.config.served_model_names]))
 
     async def model(self, request: web.Request) -> web.Response:
-        self._check_model(request.match_info["model"])
-        return _json(self._model())
+        name = request.match_info["model"]
+        self._check_model(name)
+        return _json(self._model(name))
 
     async def health(self, request: web.Request) -> web.Response:
         self._check_engine()
@@ -486,9 +488,8 @@ class OpenAIServer:
     async def _shut_down_executor(self, app: web.Application) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def _model(self) -> Model:
-        return Model(self.config.model_name, self._created, self.engine.max_model_len,
-                     dict(self.engine.generation_defaults))
+    def _model(self, name: str) -> Model:
+        return Model(name, self._created, self.engine.max_model_len, dict(self.engine.generation_defaults))
 
     def _check_engine(self) -> None:
         """503 once the engine has stopped (its process died, or steps kept failing): every
@@ -497,9 +498,11 @@ class OpenAIServer:
             raise _engine_dead(self.engine.error)
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.config.model_name!r}",
-                           param="model", code="model_not_found")
+        """A request may name any served name; its response names the first (vLLM's)."""
+        names = self.config.served_model_names
+        if model is not None and model not in names:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                                f"{', '.join(map(repr, names))}", param="model", code="model_not_found")
 
 
 class _Progress:

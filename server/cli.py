@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import os
+import ssl
 import sys
 from pathlib import Path
 
@@ -32,6 +33,10 @@ from .serve import serve
 # The shipped demonstration model (models/default in a source checkout).
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "default"
 
+# vLLM's --uvicorn-log-level values as the server's log level (logging has no trace level).
+_LOG_LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR, "warning": logging.WARNING,
+               "info": logging.INFO, "debug": logging.DEBUG, "trace": logging.DEBUG}
+
 
 def _served_name(model: str) -> str:
     """The model id clients use by default: a directory's name, or the Hub repo id (vLLM's)."""
@@ -41,14 +46,9 @@ def _served_name(model: str) -> str:
 
 def _serve(args: argparse.Namespace) -> int:
     model = args.model_path
-    # A Hub repo is downloaded here, before anything starts: a bad id fails at once.
-    engine_config = local_model(EngineConfig(model=model, max_model_len=args.max_model_len,
-                                             max_num_seqs=args.max_running,
-                                             enable_prefix_cache=not args.no_prefix_cache,
-                                             checkpoint_interval=args.checkpoint_interval,
-                                             host_cache_bytes=int(args.host_cache_gib * 2**30),
-                                             **engine_options(args)))
-    server_config = ServerConfig(model_name=args.served_model_name or _served_name(model), host=args.host, port=args.port,
+    # The server's settings first: a bad one fails before a Hub repo is downloaded.
+    names = args.served_model_name or [_served_name(model)]
+    server_config = ServerConfig(model_name=names[0], model_aliases=tuple(names[1:]), host=args.host, port=args.port,
                                  api_key=args.api_key, max_waiting=args.max_waiting,
                                  max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout,
                                  idle_timeout=args.idle_timeout, body_timeout=args.body_timeout,
@@ -56,8 +56,18 @@ def _serve(args: argparse.Namespace) -> int:
                                  tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                                  chat_template=_chat_template(args.chat_template),
                                  cors=CorsPolicy(args.allowed_origins, args.allowed_methods, args.allowed_headers,
-                                                 args.allow_credentials))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                                                 args.allow_credentials),
+                                 ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
+                                 ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs)
+    # A Hub repo is downloaded here, before anything starts: a bad id fails at once.
+    engine_config = local_model(EngineConfig(model=model, max_model_len=args.max_model_len,
+                                             max_num_seqs=args.max_running,
+                                             enable_prefix_cache=not args.no_prefix_cache,
+                                             checkpoint_interval=args.checkpoint_interval,
+                                             host_cache_bytes=int(args.host_cache_gib * 2**30),
+                                             **engine_options(args)))
+    logging.basicConfig(level=_LOG_LEVELS[args.uvicorn_log_level],
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run(serve(engine_config, server_config, single_process=args.single_process))
     return 0
 
@@ -130,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     serve_parser.add_argument("--api-key", default=os.environ.get("DELTASPEC_API_KEY"),
                               help="require 'Authorization: Bearer KEY' (or Anthropic's 'x-api-key: KEY') on /v1 "
                                    "routes (default: $DELTASPEC_API_KEY)")
-    serve_parser.add_argument("--served-model-name", default=None,
-                              help="the model id clients use (default: the model directory's name, or the Hub repo id)")
+    serve_parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                              help="the model ids requests may name; responses, metrics and logs name the first "
+                                   "(default: the model directory's name, or the Hub repo id)")
     serve_parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get HTTP 413")
     serve_parser.add_argument("--no-prefix-cache", "--no-enable-prefix-caching", dest="no_prefix_cache",
                               action="store_true", help="prefill every prompt in full (prefix reuse is on by default)")
@@ -161,6 +172,17 @@ def main(argv: list[str] | None = None) -> int:
                                    "has <think>)")
     serve_parser.add_argument("--chat-template", default=None, metavar="PATH_OR_TEMPLATE",
                               help="the Jinja chat template to render messages with, instead of the checkpoint's")
+    serve_parser.add_argument("--uvicorn-log-level", choices=tuple(_LOG_LEVELS), default="info",
+                              help="the log level of the server and its engine process (vLLM's flag; trace: debug)")
+    tls = serve_parser.add_argument_group("HTTPS (vLLM's flags)")
+    tls.add_argument("--ssl-certfile", default=None, metavar="PEM",
+                     help="serve HTTPS with this certificate chain (and its private key, unless --ssl-keyfile)")
+    tls.add_argument("--ssl-keyfile", default=None, metavar="PEM", help="the certificate's private key")
+    tls.add_argument("--ssl-ca-certs", default=None, metavar="PEM",
+                     help="the CA certificates clients' certificates are checked against")
+    tls.add_argument("--ssl-cert-reqs", type=int, default=ssl.CERT_NONE, metavar="N",
+                     help="whether clients must send a certificate: 0 no (default), 1 optional, 2 required "
+                          "(Python's ssl.CERT_*)")
     cors = serve_parser.add_argument_group("cross-origin requests from browsers (vLLM's flags and defaults)")
     cors.add_argument("--allowed-origins", type=_string_list, default=("*",), metavar="LIST",
                       help="origins whose pages may call the API: a JSON list or comma-separated (default: any)")
@@ -175,6 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     serve_parser.add_argument("--trust-remote-code", action="store_true",
                               help="accepted for vLLM command lines: no checkpoint code is ever run (the engine "
                                    "implements its model families itself)")
+    serve_parser.add_argument("--disable-log-requests", action="store_true",
+                              help="accepted for vLLM command lines: requests' prompts and parameters are never "
+                                   "logged (aiohttp's access log has one line per request, as uvicorn's in vLLM)")
+    serve_parser.add_argument("--disable-log-stats", action="store_true",
+                              help="accepted for vLLM command lines: the server logs no periodic statistics "
+                                   "(/metrics has them)")
     serve_parser.set_defaults(run=_serve)
 
     generate = commands.add_parser("generate", help="stream a completion of PROMPT to stdout")

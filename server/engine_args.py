@@ -2,8 +2,10 @@
 flags, the EngineConfig fields they set, and the same options as flags again for a server that
 `bench serve` starts in another process. Each flag is its field's name with dashes, so nothing
 a user passes is dropped on the way to the engine; vLLM's names for the same settings
-(`--enforce-eager`, `--speculative-config`) are taken too, so a vLLM command line runs as it is.
-Knows nothing about what a command does.
+(`--enforce-eager`, `--speculative-config`, `--disable-custom-all-reduce`) are taken too, and its
+flags whose meaning already holds here, so a vLLM command line runs as it is; a vLLM value this
+engine cannot honour (`--kv-cache-dtype fp8`) is a one-line error. Knows nothing about what a
+command does.
 """
 
 from __future__ import annotations
@@ -58,6 +60,22 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
                         help="vLLM's form of --num-draft-tokens: '{\"method\": \"mtp\", \"num_speculative_tokens\": "
                              "N}' (method mtp or qwen3_next_mtp: the checkpoint's MTP layer drafts)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="tokens per KV-cache block (default: 16); must divide the checkpoint interval")
+    parser.add_argument("--disable-custom-all-reduce", action="store_true",
+                        help="vLLM's form of --all-reduce nccl (the default): NCCL for every all-reduce")
+    # vLLM flags whose meaning holds here anyway, so vLLM command lines run unchanged.
+    parser.add_argument("--kv-cache-dtype", default=None, metavar="auto",
+                        help="accepted for vLLM command lines, as auto only: the KV cache is kept in the model's "
+                             "dtype (FP8 KV caches are not supported)")
+    parser.add_argument("--distributed-executor-backend", choices=("mp",), default=None,
+                        help="accepted for vLLM command lines: tensor-parallel ranks are processes on this host")
+    parser.add_argument("--enable-chunked-prefill", action="store_true",
+                        help="accepted for vLLM command lines: prompts are always prefilled in chunks of at most "
+                             "--max-num-batched-tokens")
+    parser.add_argument("--language-model-only", action="store_true",
+                        help="accepted for vLLM command lines: the engine reads text only (image parts are refused "
+                             "with or without it)")
 
 
 # vLLM's speculative methods that name this engine's drafter (the checkpoint's MTP layer).
@@ -89,20 +107,30 @@ def _speculative_config(text: str) -> int:
 # The fields add_engine_options sets; a flag left out (None) keeps EngineConfig's default.
 _FIELDS = ("device", "dtype", "num_draft_tokens", "max_num_batched_tokens", "tensor_parallel_size",
            "enable_expert_parallel", "all_reduce", "load_format", "generation_config", "quantization",
-           "gpu_memory_utilization", "scheduling_policy", "revision", "download_dir")
+           "gpu_memory_utilization", "scheduling_policy", "revision", "download_dir", "block_size")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
     """EngineConfig keyword arguments of the flags given (vLLM's names translated)."""
     options = {name: getattr(args, name) for name in _FIELDS if getattr(args, name) is not None}
+    if args.kv_cache_dtype not in (None, "auto"):
+        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype}: the KV cache is kept in the model's dtype; FP8 KV "
+                         f"caches are not supported (pass auto or leave the flag out)")
     if args.speculative_config is not None:
-        if options.get("num_draft_tokens", args.speculative_config) != args.speculative_config:
-            raise ValueError(f"--speculative-config asks for {args.speculative_config} drafts, --num-draft-tokens "
-                             f"for {options['num_draft_tokens']}: give one")
-        options["num_draft_tokens"] = args.speculative_config
+        _translate(options, "--speculative-config", "num_draft_tokens", args.speculative_config)
+    if args.disable_custom_all_reduce:
+        _translate(options, "--disable-custom-all-reduce", "all_reduce", "nccl")
     if args.enforce_eager:
         options["enable_cuda_graphs"] = False
     return options
+
+
+def _translate(options: dict, vllm_flag: str, name: str, value) -> None:
+    """options[name] = value, what vLLM's flag means, unless the field's own flag asked for another."""
+    if options.get(name, value) != value:
+        flag = _flag(name)
+        raise ValueError(f"{vllm_flag} means {flag} {value}, but {flag} {options[name]} is given: give one")
+    options[name] = value
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
@@ -112,6 +140,10 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         if name == "enable_cuda_graphs":
             flags.append("--enforce-eager")
             continue
-        flag = "--" + name.replace("_", "-")
-        flags += [flag] if value is True else [flag, str(value)]
+        flags += [_flag(name)] if value is True else [_flag(name), str(value)]
     return flags
+
+
+def _flag(name: str) -> str:
+    """An EngineConfig field's flag."""
+    return "--" + name.replace("_", "-")

@@ -1,6 +1,6 @@
 """The `deltaspec` command line: `serve` as a real process (signals, graceful shutdown, exit code,
-a busy port, its engine's process dying) and `generate` in-process (streamed text equals the
-engine's greedy completion)."""
+a busy port, its engine's process dying, a vLLM command line) and `generate` in-process (streamed
+text equals the engine's greedy completion). test_vllm_flags.py checks vLLM's flags one by one."""
 
 import asyncio
 import contextlib
@@ -128,27 +128,38 @@ async def test_when_the_engine_process_dies_health_says_so(checkpoint):
 
 async def test_serve_takes_a_vllm_command_line(checkpoint, tmp_path):
     """vLLM's flags: --speculative-config sets the drafts per step, --max-num-seqs the running
-    requests, --chat-template (a file) replaces the checkpoint's template; --gpu-memory-utilization,
-    --enforce-eager and the flags whose behaviour is this server's anyway are taken."""
+    requests, --chat-template (a file) replaces the checkpoint's template, --served-model-name the
+    names requests may use (responses name the first), --block-size the KV block's tokens;
+    --gpu-memory-utilization, --enforce-eager, --disable-custom-all-reduce and the flags whose
+    behaviour is this server's anyway are taken (an image part is refused with or without
+    --language-model-only)."""
     path = checkpoint("qwen3_5")
     template = tmp_path / "chat.jinja"
     template.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
                         "{% if add_generation_prompt %}[assistant] {% endif %}")
     options = ("--speculative-config", '{"method": "qwen3_next_mtp", "num_speculative_tokens": 1}',
                "--max-num-seqs", "3", "--gpu-memory-utilization", "0.5", "--enforce-eager", "--enable-prefix-caching",
-               "--enable-auto-tool-choice", "--trust-remote-code", "--chat-template", str(template))
+               "--enable-auto-tool-choice", "--trust-remote-code", "--chat-template", str(template),
+               "--served-model-name", MODEL, "org/alias", "--block-size", "32", "--disable-custom-all-reduce",
+               "--kv-cache-dtype", "auto", "--distributed-executor-backend", "mp", "--enable-chunked-prefill",
+               "--language-model-only", "--disable-log-requests", "--disable-log-stats", "--uvicorn-log-level", "debug")
     async with serve_process(path, *options) as (process, port, stderr), aiohttp.ClientSession() as http:
         url = f"http://127.0.0.1:{port}"
         async with http.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}) as response:
             tokens = (await response.json())["tokens"]
         assert tokens == LLM(path, num_draft_tokens=0).tokenizer.encode("[user] hi\n[assistant] ")
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        body = {"model": "org/alias", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
         async with http.post(f"{url}/v1/chat/completions", json=body) as response:
-            assert response.status == 200
+            assert response.status == 200 and (await response.json())["model"] == MODEL
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+        body["messages"] = [{"role": "user", "content": [{"type": "text", "text": "what is it?"}, image]}]
+        async with http.post(f"{url}/v1/chat/completions", json=body) as response:
+            assert response.status == 400
         process.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(process.wait(), 30) == 0
         log = (await stderr).decode()
-    assert "1 drafts per step" in log and "pools: 3 sequence" in log, log
+    assert "1 drafts per step" in log and "pools: 3 sequence" in log and "KV blocks x 32 tokens" in log, log
+    assert f"serving {MODEL} on" in log, log
 
 
 @pytest.mark.parametrize("flags, message", [
