@@ -100,8 +100,9 @@ def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def engine(model, tokenizer, batches: list[int], num_draft_tokens: int = 0) -> EngineCore:
+def engine(model, tokenizer, batches: list[int], num_draft_tokens: int = 0, state_dtype: str = "auto") -> EngineCore:
     return EngineCore(EngineConfig(model=".", device="cuda", dtype="bfloat16", max_num_seqs=max(batches),
+                                   mamba_ssm_cache_dtype=state_dtype,
                                    max_num_batched_tokens=max(TTFT_PROMPT, max(batches)),
                                    max_model_len=TTFT_PROMPT + 64, gpu_memory_utilization=0.5,
                                    enable_prefix_cache=False,  # TTFT repeats one prompt: measure cold
@@ -119,10 +120,11 @@ def step_weight_bytes(model, batch: int) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters()) - untied + batch * table[0].nbytes
 
 
-def decode_step_bytes(model, config: ModelConfig, batch: int, context: int) -> int:
+def decode_step_bytes(model, config: ModelConfig, batch: int, context: int, state_bytes: int = 4) -> int:
+    """state_bytes: a recurrent-state element's (fp32 by default; 2 on a bf16 pool)."""
     weights = step_weight_bytes(model, batch)
     c = config
-    recurrent = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4   # fp32
+    recurrent = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * state_bytes
     conv = (c.linear_conv_kernel_dim - 1) * c.conv_dim * 2                                       # bf16
     state_rw = 2 * len(c.gdn_layer_ids) * (recurrent + conv) * batch
     kv_token = 2 * len(config.attention_layer_ids) * config.num_key_value_heads * config.head_dim * 2
@@ -207,7 +209,7 @@ def measure_engine(core: EngineCore, model, config: ModelConfig, batches: list[i
     for batch in tqdm(batches, desc="decode", leave=False):
         measured = measure_decode(core, batch)
         context = PROMPT_LEN + DECODE_STEPS // 2
-        roofline_step = decode_step_bytes(model, config, batch, context) / bandwidth
+        roofline_step = decode_step_bytes(model, config, batch, context, core.states.state_dtype.itemsize) / bandwidth
         measured.update(roofline_step_ms=roofline_step * 1e3,
                         roofline_tokens_per_s=batch / roofline_step,
                         share_of_roofline=roofline_step * 1e3 / measured["step_ms"])
@@ -292,14 +294,57 @@ def measure_moe_fp8(tokenizer, batches: list[int]) -> dict:
     return entry
 
 
+def compare_state_dtypes(args: argparse.Namespace) -> None:
+    """Each shape's engine decoding on each recurrent-state dtype, one model, one run; each dtype's
+    share of its own roofline and its tokens/s over the first dtype's."""
+    dtypes = args.state_dtypes.split(",")
+    batches = [int(b) for b in args.batches.split(",")]
+    bandwidth = copy_bandwidth()
+    tokenizer = Tokenizer.from_dir(make_tokenizer(Path(tempfile.mkdtemp())))
+    gpu = torch.cuda.get_device_name()
+    result = {"benchmark": "engine_state_dtype", "device": gpu,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "commit": commit_id(), "command": " ".join(["python"] + sys.argv),
+              "copy_bandwidth_bytes_per_s": bandwidth, "shapes": {}}
+    for shape in (args.shapes or "0.8b,9b").split(","):
+        _, model, config = build(shape)
+        entry = {}
+        for dtype in dtypes:
+            core = engine(model, tokenizer, batches, state_dtype=dtype)
+            measured = measure_engine(core, model, config, batches, bandwidth)
+            entry[dtype] = {"decode": measured["decode"],
+                            "state_bytes_per_sequence": core.stats()["state_bytes_per_sequence"]}
+            del core
+            gc.collect()
+            torch.cuda.empty_cache()
+        base = entry[dtypes[0]]["decode"]
+        for dtype in dtypes[1:]:
+            entry[dtype]["tokens_per_s_over_" + dtypes[0]] = {
+                b["batch"]: d["tokens_per_s"] / b["tokens_per_s"] for b, d in zip(base, entry[dtype]["decode"])}
+            print(shape, dtype, "over", dtypes[0], entry[dtype]["tokens_per_s_over_" + dtypes[0]])
+        result["shapes"][shape] = entry
+        del model
+        torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"engine_state_dtype-{device_tag(gpu)}.json"
+    path.write_text(json.dumps(result, indent=2))
+    print("wrote", path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default=None, help="default: 0.8b,9b (with --quantization fp8: 9b,35b-a3b)")
     parser.add_argument("--batches", default="1,16,64,256")
     parser.add_argument("--quantization", choices=("fp8",), default=None,
                         help="fp8: bf16 and online-FP8 engines side by side (engine_fp8-<gpu>.json)")
+    parser.add_argument("--state-dtypes", default=None,
+                        help="e.g. float32,bfloat16: each shape's engine on each recurrent-state dtype side by side "
+                             "(mamba_ssm_cache_dtype; engine_state_dtype-<gpu>.json)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
+    if args.state_dtypes:
+        return compare_state_dtypes(args)
     shapes = (args.shapes or ("9b,35b-a3b" if args.quantization else "0.8b,9b")).split(",")
     batches = [int(b) for b in args.batches.split(",")]
     bandwidth = copy_bandwidth()

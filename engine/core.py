@@ -577,8 +577,9 @@ class EngineCore:
 
     def _allocate_pools(self) -> tuple[StatePool, KVPool]:
         c, config = self.model.config, self.config  # this rank's heads under tensor parallelism
-        layout = dict(max_pending=self.num_draft_tokens, dtype=self.dtype, keep_mtp_hidden=bool(self.num_draft_tokens),
-                      keep_last_hidden=True)
+        state_dtype = torch.bfloat16 if config.mamba_ssm_cache_dtype == "bfloat16" else torch.float32
+        layout = dict(max_pending=self.num_draft_tokens, dtype=self.dtype, state_dtype=state_dtype,
+                      keep_mtp_hidden=bool(self.num_draft_tokens), keep_last_hidden=True)
         budget = self._memory_budget()
         self.num_checkpoint_slots = self._checkpoint_slots(StatePool(c, 1, device="meta", **layout).bytes_per_slot,
                                                            budget)

@@ -14,6 +14,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 ALL_REDUCES = ("auto", "nccl", "one_shot", "two_shot")  # tensor_parallel.TensorParallel.use_symmetric_memory
 SCHEDULING_POLICIES = ("fcfs", "priority")  # scheduler.py
+SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16")  # the recurrent state's (the GDN kernels take these two)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,11 @@ class EngineConfig:
     enable_prefix_cache: bool = True        # restore cached prompt prefixes (recurrent checkpoints + KV)
     checkpoint_interval: int = 512          # tokens between the prefix checkpoints a prefill leaves
     num_checkpoint_slots: int | None = None  # state slots for checkpoints (default: 10% of the pool budget)
+    # The GDN recurrent state's dtype (vLLM's --mamba-ssm-cache-dtype). "auto": float32, what the
+    # Qwen3.5 / Qwen3-Next configs ask (`mamba_ssm_dtype`). "bfloat16" (SGLang's --mamba-ssm-dtype
+    # bfloat16) halves the state's memory and what a decode step moves for it (most of a step's
+    # bytes at large batches), the math staying float32, for a rounding of the state each step.
+    mamba_ssm_cache_dtype: str = "auto"
     host_cache_bytes: int = 0               # host tier: pinned CPU memory evicted checkpoints move to
     warm_up: bool = True                    # CUDA: compile and autotune the eager steps' kernels at start-up
     generation_config: str = "auto"         # unset sampling fields from generation_config.json ("none": off)
@@ -89,6 +95,9 @@ class EngineConfig:
                 or self.checkpoint_interval % CHUNK_SIZE:
             problems.append(f"checkpoint_interval must be a positive multiple of block_size and of the GDN chunk "
                             f"size {CHUNK_SIZE}")
+        if self.mamba_ssm_cache_dtype not in SSM_CACHE_DTYPES:
+            problems.append(f"mamba_ssm_cache_dtype must be one of {', '.join(SSM_CACHE_DTYPES)}, "
+                            f"got {self.mamba_ssm_cache_dtype!r}")
         if self.num_checkpoint_slots is not None and self.num_checkpoint_slots < 0:
             problems.append("num_checkpoint_slots must be >= 0")
         if self.host_cache_bytes < 0:

@@ -422,10 +422,11 @@ class Runner:
     @torch.inference_mode()
     def score(self, sequences: list[list[int]]) -> list[torch.Tensor]:
         """Float32 logits [T, V] on the CPU at every position of each sequence, run as one
-        varlen prefill in scratch pools of their own (the engine's pools are not touched)."""
+        varlen prefill in scratch pools of their own, of the engine's dtypes (the engine's pools
+        are not touched)."""
         config, dtype = self.model.config, self.model.norm.dtype
         block_counts = [-(-len(ids) // self.block_size) for ids in sequences]
-        states = StatePool(config, len(sequences) + 1, 0, dtype, self.device)
+        states = StatePool(config, len(sequences) + 1, 0, dtype, self.device, self.states.state_dtype)
         kv = KVPool(self.model.num_kv_layers, sum(block_counts) + 1, self.block_size, config.num_key_value_heads,
                     config.head_dim, dtype, self.device)
         rows, next_block = [], 1

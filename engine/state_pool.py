@@ -46,7 +46,7 @@ class StatePool:
         position (the prefix cache computes a fully cached prompt's first logits from it)."""
         if max_pending < 0:
             raise ValueError("max_pending must be >= 0")
-        self.num_slots, self.max_pending = num_slots, max_pending
+        self.num_slots, self.max_pending, self.state_dtype = num_slots, max_pending, state_dtype
         c = config
         hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         s, p = num_slots, max_pending

@@ -55,10 +55,14 @@ def expand_heads(x: torch.Tensor, num_value_heads: int) -> torch.Tensor:
 
 
 def recurrent_steps(state: torch.Tensor, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor,
-                     g: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     g: torch.Tensor, beta: torch.Tensor,
+                     round_to: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-by-token recurrence over a padded batch. state [B, HV, K, V] fp32; k [B, L, HV, K];
     v [B, L, HV, V]; g, beta [B, L, HV]; q [B, L, HV, K] or None (fold only).
-    A padded token must carry g = 0 and beta = 0: it then leaves the state unchanged. L may be 0."""
+    A padded token must carry g = 0 and beta = 0: it then leaves the state unchanged. L may be 0.
+    round_to: the state is rounded to this dtype after each token (its output taken before), as
+    a pool of that dtype rounds it when tokens run one step each: a pool below fp32 then gives
+    every token the state it would have had one token a step."""
     out = None if q is None else v.new_empty(v.shape)  # [B, L, HV, V]
     for t in range(k.shape[1]):
         state = state * g[:, t].exp()[..., None, None]
@@ -67,4 +71,6 @@ def recurrent_steps(state: torch.Tensor, q: torch.Tensor | None, k: torch.Tensor
         state = state + k[:, t, :, :, None] * delta[:, :, None, :]
         if out is not None:
             out[:, t] = torch.einsum("bhkv,bhk->bhv", state, q[:, t])
+        if round_to is not None:
+            state = state.to(round_to).float()
     return state, out

@@ -57,15 +57,17 @@ def gdn_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: t
         """[B, P, ...] -> float, zero past each row's count."""
         return torch.where(valid.view(*valid.shape, *[1] * (values.dim() - 2)), values.float(), 0.0)
 
+    # A state pool below fp32 rounds the state after every token, as one token a step would.
+    round_to = None if state.dtype == torch.float32 else state.dtype
     folded, _ = recurrent_steps(state[slots].float(), None, pending(expand_heads(l2norm(pending_k), num_value_heads)),
                                 pending(pending_v), pending(pending_g[slots, ..., 0]),
-                                pending(pending_beta[slots, ..., 0]))
+                                pending(pending_beta[slots, ..., 0]), round_to)
     g, beta = gdn_gating_reference(a, b, A_log, dt_bias)
     qn = expand_heads(l2norm(q), num_value_heads) * q.shape[-1] ** -0.5
     new = [pad_rows(x, row, index_in_row, num_rows, max_len)
            for x in (qn, expand_heads(l2norm(k), num_value_heads), v.float(), g, beta)]
-    first, out_first = recurrent_steps(folded, *(x[:, :1] for x in new))     # new token 0: committed
-    final, out_rest = recurrent_steps(first, *(x[:, 1:] for x in new))
+    first, out_first = recurrent_steps(folded, *(x[:, :1] for x in new), round_to)     # new token 0: committed
+    final, out_rest = recurrent_steps(first, *(x[:, 1:] for x in new), round_to)
     state[slots] = (final if commit else first).to(state.dtype)
     if not commit:
         later = index_in_row > 0  # new tokens 1..n-1 (the drafts) become pending entries 0..n-2
@@ -132,6 +134,14 @@ def _entry(vector, offs, j):
 
 
 @triton.jit
+def _rounded(h, h_scale, state):
+    """The state scale * h rounded to the pool's dtype after a token (ROUND_STATE: a pool below
+    fp32), as storing it after a one-token step rounds it: every token of a verify row or a fold
+    sees the state a token a step would, so speculation stays exact on such a pool."""
+    return (h * h_scale).to(state.dtype.element_ty).to(tl.float32), tl.full([], 1.0, tl.float32)
+
+
+@triton.jit
 def _first_owned_replica(slot, entry, i_h, i_v, HV: tl.constexpr, P: tl.constexpr, R: tl.constexpr,
                          BV: tl.constexpr, V: tl.constexpr):
     """Offset in pending_g / pending_beta [S, P, HV, R] of the first replica of `entry` (any
@@ -148,7 +158,7 @@ def _gdn_decode_kernel(
     scale,
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, P: tl.constexpr, R: tl.constexpr,
     P_BLOCK: tl.constexpr, T_BLOCK: tl.constexpr, BV: tl.constexpr,
-    ONE_TOKEN: tl.constexpr, COMMIT: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr,
+    ONE_TOKEN: tl.constexpr, COMMIT: tl.constexpr, ROUND_STATE: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr,
 ):
     """Program (V tile i_v, value head i_h, row). State tile [K, BV] fp32 in registers (K, V and
     BV are powers of two, BV <= V: no masks, so state accesses vectorise).
@@ -246,6 +256,8 @@ def _gdn_decode_kernel(
             h, h_scale, _ = _delta_rule_step(h, h_scale, k_j.to(tl.float32), _entry(pk_norms, offs_p, j),
                                              v_j.to(tl.float32), _entry(pg, offs_p, j), _entry(pbeta, offs_p, j),
                                              k_j, h_scale, h_scale, OUTPUT=False)
+            if ROUND_STATE:
+                h, h_scale = _rounded(h, h_scale, state)
             k_j, v_j = k_ahead, v_ahead
     # num_new <= P + 1 (the launcher's contract); ONE_TOKEN: every row runs one (plain decode),
     # and nothing is loaded ahead.
@@ -261,6 +273,8 @@ def _gdn_decode_kernel(
         h, h_scale, o_i = _delta_rule_step(h, h_scale, k_i.to(tl.float32), _entry(k_scales, offs_t, i),
                                            v_i.to(tl.float32), g_i, beta_i, q_i.to(tl.float32),
                                            _entry(q_scales, offs_t, i), _entry(qk, offs_t, i), OUTPUT=True)
+        if ROUND_STATE and not ONE_TOKEN:  # one token: the store rounds it
+            h, h_scale = _rounded(h, h_scale, state)
         tl.store(out + ((bos + i) * HV + i_h) * V + offs_v, o_i.to(out.dtype.element_ty))
         if not COMMIT:
             if i == 0:  # the committed state ends at new token 0
@@ -374,7 +388,7 @@ def launch_gdn_decode(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         ONE_TOKEN=one_token,
         P_BLOCK=triton.next_power_of_2(max(max_pending, 1)),
         T_BLOCK=1 if one_token else triton.next_power_of_2(max_pending + 1),
-        BV=config.block_n, COMMIT=commit,
+        BV=config.block_n, COMMIT=commit, ROUND_STATE=state.dtype != torch.float32,
         **config.launch_options(), **pdl(v.device),
     )
 

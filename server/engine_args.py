@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..engine.engine_config import ALL_REDUCES, SCHEDULING_POLICIES
+from ..engine.engine_config import ALL_REDUCES, SCHEDULING_POLICIES, SSM_CACHE_DTYPES
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +60,10 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
                         help="vLLM's form of --num-draft-tokens: '{\"method\": \"mtp\", \"num_speculative_tokens\": "
                              "N}' (method mtp or qwen3_next_mtp: the checkpoint's MTP layer drafts)")
+    parser.add_argument("--mamba-ssm-cache-dtype", choices=SSM_CACHE_DTYPES, default=None,
+                        help="the GDN recurrent state's dtype (vLLM's flag): auto (default) is float32, as the "
+                             "checkpoints ask; bfloat16 halves its memory and the bytes a decode step moves for it, "
+                             "for a rounding of the state after each token")
     parser.add_argument("--block-size", type=int, default=None,
                         help="tokens per KV-cache block (default: 16); must divide the checkpoint interval")
     parser.add_argument("--disable-custom-all-reduce", action="store_true",
@@ -107,7 +111,8 @@ def _speculative_config(text: str) -> int:
 # The fields add_engine_options sets; a flag left out (None) keeps EngineConfig's default.
 _FIELDS = ("device", "dtype", "num_draft_tokens", "max_num_batched_tokens", "tensor_parallel_size",
            "enable_expert_parallel", "all_reduce", "load_format", "generation_config", "quantization",
-           "gpu_memory_utilization", "scheduling_policy", "revision", "download_dir", "block_size")
+           "gpu_memory_utilization", "scheduling_policy", "revision", "download_dir", "block_size",
+           "mamba_ssm_cache_dtype")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

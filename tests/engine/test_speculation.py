@@ -1,6 +1,6 @@
-"""MTP speculative decoding: lossless greedy output for every acceptance count, isolation with
-speculation on, rollback as a counter (the pool after partial acceptance), adaptive length in the
-engine. The spec package's pure math (acceptance, the draft policy) is tested in tests/spec/."""
+"""MTP speculative decoding: lossless greedy output for every acceptance count (on a bf16 state
+pool too), isolation with speculation on, rollback as a counter (the pool after partial
+acceptance), adaptive length in the engine. The spec package's pure math (acceptance, the draft policy) is tested in tests/spec/."""
 
 import pytest
 import torch
@@ -30,6 +30,39 @@ def test_greedy_is_lossless_for_every_acceptance_count(family, checkpoint, k):
     stats = core.stats()["spec"]
     assert stats["mean_accepted_length"] > 1.2
     assert_all_free(core)
+
+
+def test_greedy_is_lossless_on_a_bfloat16_state_pool(checkpoint):
+    """mamba_ssm_cache_dtype="bfloat16": the pool holds the recurrent state in bf16, the logits stay
+    within its rounding of the fp32 pool's, and speculation with every acceptance count still gives
+    plain decoding's tokens (a verify row rounds its state after each token, as one token a step
+    does)."""
+    path, k = checkpoint("qwen3_5"), 3
+    batch = prompts(5, seed=7)
+    fp32 = EngineCore(EngineConfig(model=path, num_draft_tokens=0))
+    plain = EngineCore(EngineConfig(model=path, num_draft_tokens=0, mamba_ssm_cache_dtype="bfloat16"))
+    assert fp32.states.layers[0].recurrent.dtype == torch.float32
+    assert plain.states.layers[0].recurrent.dtype == torch.bfloat16
+    assert plain.states.bytes_per_slot < fp32.states.bytes_per_slot
+    # Decode steps store the state each token: the emitted tokens' log-probabilities move by the
+    # rounding (while both pools choose the same tokens).
+    scored = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+    exact, rounded = (core.add_request(batch[0], scored) for core in (fp32, plain))
+    for core in (fp32, plain):
+        while core.has_work:
+            core.step()
+    same = next((i for i, (a, b) in enumerate(zip(exact.output_token_ids, rounded.output_token_ids)) if a != b), 12)
+    moved = [abs(a.logprob - b.logprob) for a, b in zip(exact.output_logprobs[:same], rounded.output_logprobs[:same])]
+    assert same >= 4 and 0 < max(moved) < 0.05, moved
+    base = generate(plain, batch)
+    drafter = ScriptedDrafter({str(i): tokens for i, tokens in enumerate(base)}, seed=k)
+    core = EngineCore(EngineConfig(model=path, num_draft_tokens=k, adaptive_draft_length=False,
+                                   mamba_ssm_cache_dtype="bfloat16"), edit_drafts=drafter)
+    assert generate(core, batch) == base
+    assert set(drafter.forced) == set(range(k + 1))
+    assert_all_free(core)
+    with pytest.raises(ValueError, match="mamba_ssm_cache_dtype must be one of auto, float32, bfloat16"):
+        EngineConfig(model=path, mamba_ssm_cache_dtype="float16")
 
 
 @pytest.mark.parametrize("k", [1, 3])

@@ -458,6 +458,29 @@ def test_gdn_decode_two_v_tiles_bf16_state(kernel_device, commit):
                    TileConfig(block_n=16, num_warps=1))
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["reference", "triton"])
+def test_bf16_state_verify_and_fold_equal_one_token_steps(kernel_device, kernel):
+    """On a bf16 pool a verify row of 4 tokens, all drafts accepted, then a step folding them with
+    a 5th token, gives the outputs and state of 5 one-token steps to fp32 precision: the state is
+    rounded after every token as a one-token step's store rounds it (without that, the two differ
+    by bf16's rounding, ~1e-3 of the state)."""
+    case = GDNCase(70, 2, 4, 32, 32, max_pending=4, num_slots=4, dtype=torch.float32,
+                   state_dtype=torch.bfloat16, device=kernel_device)
+    slot = 2
+    case.pool["pending_counts"].zero_()
+    q, k, v, a, b = case.inputs(5)
+    none = case.pending_inputs([slot], case.pool["pending_counts"])      # no pending entries
+    plain_pool, spec_pool = clone(case.pool), clone(case.pool)
+    plain = torch.cat([case.run(kernel, plain_pool, tuple(x[t:t + 1] for x in (q, k, v, a, b)), none, [1], [slot],
+                                commit=True) for t in range(5)])
+    verified = case.run(kernel, spec_pool, tuple(x[:4] for x in (q, k, v, a, b)), none, [4], [slot], commit=False)
+    spec_pool["pending_counts"][slot] = 3                                  # every draft accepted
+    pending = (torch.cat([k[1:4], torch.zeros_like(k[:1])])[None], torch.cat([v[1:4], torch.zeros_like(v[:1])])[None])
+    folded = case.run(kernel, spec_pool, tuple(x[4:5] for x in (q, k, v, a, b)), pending, [1], [slot], commit=True)
+    assert_close(torch.cat([verified, folded]), plain, 1e-5, "outputs: verify + fold vs one token a step")
+    assert_close(spec_pool["state"][slot].float(), plain_pool["state"][slot].float(), 1e-5, "state")
+
+
 @pytest.mark.slow
 def test_gdn_decode_verify_steps_across_tile_widths(kernel_device):
     """Verify steps on one pool whose tile width changes every step (16, 64, 32 of V = 64 columns,
