@@ -1,6 +1,7 @@
 """MTP speculative decoding: lossless greedy output for every acceptance count (on a bf16 state
 pool too), isolation with speculation on, rollback as a counter (the pool after partial
-acceptance), adaptive length in the engine. The spec package's pure math (acceptance, the draft policy) is tested in tests/spec/."""
+acceptance), adaptive length in the engine. The spec package's pure math (acceptance, the draft
+policy) is tested in tests/spec/."""
 
 import pytest
 import torch

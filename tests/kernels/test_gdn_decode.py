@@ -415,13 +415,15 @@ def check_gdn_step(case: GDNCase, lengths: list[int], slots: list[int], commit: 
     expected = case.run(False, expected_pool, inputs, pending, lengths, slots, commit)
     actual = case.run(True, actual_pool, inputs, pending, lengths, slots, commit, config)
     rtol = TOLERANCE[case.dtype]
+    # A bf16 state is rounded after every token: where the kernel's fp32 state and the reference's
+    # differ in their last bits, a rounding can go the other way, one bf16 step in the state and
+    # in every output after it.
+    tolerance = max(rtol, TOLERANCE[actual_pool["state"].dtype])
     start = 0
     for length, slot in zip(lengths, slots):
         if slot != PAD_SLOT:
             span = slice(start, start + length)
-            assert_close(actual[span], expected[span], rtol, f"output of slot {slot}")
-            # a bf16 state rounds each store
-            tolerance = max(rtol, TOLERANCE[actual_pool["state"].dtype])
+            assert_close(actual[span], expected[span], tolerance, f"output of slot {slot}")
             assert_close(actual_pool["state"][slot], expected_pool["state"][slot], tolerance, f"state[{slot}]")
             written = 0 if commit else length - 1  # the drafts' g, beta; entries past those stay as they were
             for name in ("pending_g", "pending_beta"):
