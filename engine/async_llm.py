@@ -38,6 +38,7 @@ from typing import Mapping, Protocol, Sequence as Seq
 
 from .core import EngineCore, StepResult
 from .engine_config import EngineConfig
+from . import vllm_options
 from .errors import EngineDeadError, NonFiniteLogitsError, StepFailedError
 from .executor import TensorParallelError
 from .prefix_cache import CheckpointHandle
@@ -87,7 +88,8 @@ class AsyncLLM:
         the engine (engine_process.py): no thread hop per step, while the loop's other work
         (reading new requests) waits for the step."""
         if core is None:
-            core = EngineCore(config or EngineConfig(model=model_path, **engine_options))
+            core = EngineCore(config or EngineConfig(model=model_path,
+                                                     **vllm_options.engine_options(model_path, engine_options)))
         self.core = core
         self._outboxes = Outboxes()
         self._sink: DeltaSink = self._outboxes if sink is None else sink

@@ -245,6 +245,7 @@ class EngineCore:
         self._overlap = config.async_scheduling and edit_drafts is None
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
+        self._seeds = random.Random(config.seed)  # what requests that set no seed draw (draw_seed)
         if config.warm_up and self._graphs_enabled and edit_drafts is None and (self.tp is None or self.tp.rank == 0):
             logger.info("warmed up the eager steps' kernels in %.1f s", warm_up(self))
 
@@ -296,7 +297,10 @@ class EngineCore:
         request_id = str(arrival) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        if params.n != 1:
+            raise ValueError(f"n = {params.n}: a request is one choice here; LLM.generate and the server's n run "
+                             f"n choices of one prompt (prefilled once)")
+        seed = params.seed if params.seed is not None else self.draw_seed()
         grammar = self.grammars.matcher(params.structured) if params.structured is not None else None
         request = Request.create(request_id, token_ids, params, seed, arrival, self.max_model_len, self.tokenizer)
         request.grammar = grammar
@@ -356,9 +360,16 @@ class EngineCore:
         self.step_times = _step_times()
 
     def reset_arrivals(self) -> None:
-        """Request ids start again at "0" (after the start-up warm-up; no request may be live)."""
+        """Request ids start again at "0", and unseeded requests' seeds at config.seed's first
+        (after the start-up warm-up; no request may be live)."""
         assert not self.requests and not self.has_work
         self._arrivals = itertools.count()
+        self._seeds = random.Random(self.config.seed)
+
+    def draw_seed(self) -> int:
+        """A seed for a request, or a prompt's choices, that set none: from config.seed's
+        sequence (vLLM's engine seed), else the OS's entropy."""
+        return self._seeds.getrandbits(63)
 
     # One step -----------------------------------------------------------------------------
 

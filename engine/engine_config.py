@@ -53,6 +53,9 @@ class EngineConfig:
     # bfloat16) halves the state's memory and what a decode step moves for it (most of a step's
     # bytes at large batches), the math staying float32, for a rounding of the state each step.
     mamba_ssm_cache_dtype: str = "auto"
+    # The seed requests that set none draw theirs from (vLLM's `seed`): the same requests in the
+    # same order then sample the same tokens run after run. None: from the OS's entropy.
+    seed: int | None = None
     host_cache_bytes: int = 0               # host tier: pinned CPU memory evicted checkpoints move to
     warm_up: bool = True                    # CUDA: compile and autotune the eager steps' kernels at start-up
     generation_config: str = "auto"         # unset sampling fields from generation_config.json ("none": off)
@@ -98,6 +101,8 @@ class EngineConfig:
         if self.mamba_ssm_cache_dtype not in SSM_CACHE_DTYPES:
             problems.append(f"mamba_ssm_cache_dtype must be one of {', '.join(SSM_CACHE_DTYPES)}, "
                             f"got {self.mamba_ssm_cache_dtype!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            problems.append(f"seed must be an int or None, got {self.seed!r}")
         if self.num_checkpoint_slots is not None and self.num_checkpoint_slots < 0:
             problems.append("num_checkpoint_slots must be >= 0")
         if self.host_cache_bytes < 0:

@@ -1,4 +1,6 @@
-"""The synchronous Python API: `LLM(model_path).generate(prompts, params)`, `LLM.chat` and `LLM.score`.
+"""The synchronous Python API: `LLM(model).generate(prompts, sampling_params)`, `LLM.chat` and
+`LLM.score`, in vLLM's shape (its keyword arguments, prompt dicts, `outputs`, `SamplingParams.n`),
+so a vLLM offline script runs as it is.
 
 A thin wrapper that drives the same EngineCore as AsyncLLM until every submitted request is
 done, so a list of prompts is continuously batched like concurrent requests. Knows nothing
@@ -7,6 +9,7 @@ about HTTP.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any, Sequence as Seq
@@ -18,18 +21,22 @@ from .core import EngineCore
 from .engine_config import EngineConfig
 from .errors import NonFiniteLogitsError
 from .prefix_cache import CheckpointHandle
-from .request import RequestOutput
+from .request import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
+from . import vllm_options
 
 
 class LLM:
-    def __init__(self, model_path: str | Path, device: str = "auto", dtype: str = "auto", **engine_options) -> None:
-        """model_path: a checkpoint directory or a Hugging Face Hub repo id ("Qwen/Qwen3.5-0.8B",
+    def __init__(self, model: str | Path, device: str = "auto", dtype: str = "auto", **engine_options) -> None:
+        """model: a checkpoint directory or a Hugging Face Hub repo id ("Qwen/Qwen3.5-0.8B",
         downloaded or found in the Hub cache; `revision` and `download_dir` pick the commit and
         the cache). device, dtype: "auto" is a GPU in the checkpoint's dtype when there is one, else
         the CPU in float32 (EngineConfig). engine_options: any other EngineConfig field
-        (max_model_len, max_num_seqs, ...)."""
-        self.core = EngineCore(EngineConfig(model=model_path, device=device, dtype=dtype, **engine_options))
+        (max_model_len, max_num_seqs, seed, ...), or vLLM's name for one (enforce_eager,
+        enable_prefix_caching, speculative_config, ...: vllm_options.py), so vLLM's
+        `LLM(model=..., ...)` runs as it is."""
+        self.core = EngineCore(EngineConfig(model=model, device=device, dtype=dtype,
+                                            **vllm_options.engine_options(model, engine_options)))
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (also done when the LLM is collected or the
@@ -54,29 +61,34 @@ class LLM:
     def model(self):
         return self.core.model
 
-    def generate(self, prompts: str | Seq[int] | Seq[str | Seq[int]],
-                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  resume_from: CheckpointHandle | None = None, n: int = 1, use_tqdm: bool = True
                  ) -> list[RequestOutput]:
-        """Prompts are strings or token-id lists (one prompt or a list); params one for all or
-        one per prompt. A bad prompt raises ValueError; the ones submitted before it are withdrawn.
+        """Prompts are strings, token-id lists or vLLM's prompt dicts ({"prompt": text} or
+        {"prompt_token_ids": ids}), one or a list; params one for all or one per prompt. A bad
+        prompt raises ValueError; the ones submitted before it are withdrawn.
         resume_from: a session saved by `save_checkpoint`; every prompt continues it (so several
-        prompts fork one conversation). n: choices per prompt, its prompt prefilled once
-        (SamplingParams.for_choices: choice i samples with seed + i); the outputs are choices
-        0..n-1 of the first prompt, then of the next. A request whose logits turn non-finite
-        fails alone: the others run to the end, then NonFiniteLogitsError names it (and holds
-        every output). use_tqdm: a progress bar of finished requests on stderr."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts fork one conversation). Choices, each prompt prefilled once and choice i sampling
+        with seed + i (SamplingParams.for_choices; an unset seed from the engine's `seed`):
+        SamplingParams.n (vLLM's) gives one output per prompt holding them in `outputs`; the n
+        argument gives them as outputs of their own, choices 0..n-1 of the first prompt, then of the
+        next. A request whose logits turn non-finite fails alone: the others run to the end, then
+        NonFiniteLogitsError names it (and holds every output). use_tqdm: a progress bar of
+        finished requests on stderr."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        texts, prompts = zip(*map(_prompt, prompts)) if prompts else ((), ())
         params = sampling_params or SamplingParams()
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        if n != 1 and any(p.n != 1 for p in params):
+            raise ValueError("choices asked for twice: give SamplingParams.n or generate's n, not both")
         requests = []
         try:
             for prompt, p in zip(prompts, params):
                 parent = None
-                for choice in p.for_choices(n):
+                for choice in p.for_choices(p.n if n == 1 else n, self.core.draw_seed()):
                     requests.append(self.core.add_request(prompt, choice, resume_from=resume_from, fork_of=parent))
                     parent = parent or requests[-1].request_id
         except ValueError:
@@ -90,7 +102,17 @@ class LLM:
         failed = [output.request_id for output in outputs if output.finish_reason == "error"]
         if failed:
             raise NonFiniteLogitsError(failed, outputs)
-        return outputs
+        results, start = [], 0
+        for text, p in zip(texts, params):
+            choices = outputs[start:start + (p.n if n == 1 else n)]
+            start += len(choices)
+            completions = [CompletionOutput(i, o.text, o.token_ids, o.finish_reason, o.logprobs)
+                           for i, o in enumerate(choices)]
+            if p.n > 1:  # vLLM's shape: one output per prompt, its choices in `outputs`
+                results.append(dataclasses.replace(choices[0], prompt=text, outputs=completions))
+            else:
+                results += [dataclasses.replace(o, prompt=text, outputs=[c]) for o, c in zip(choices, completions)]
+        return results
 
     def chat(self, messages: Seq[dict[str, Any]] | Seq[Seq[dict[str, Any]]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
@@ -147,3 +169,21 @@ class LLM:
             if not ids or any(not 0 <= t < vocab_size for t in ids):
                 raise ValueError("score needs non-empty token ids inside the vocabulary")
         return self.core.runner.score(sequences)
+
+
+Prompt = str | Seq[int] | dict[str, Any]
+
+
+def _prompt(prompt: Prompt) -> tuple[str | None, str | Seq[int]]:
+    """(its text or None, what EngineCore.add_request takes) of a prompt: text, token ids, or
+    vLLM's prompt dicts, {"prompt": text} and {"prompt_token_ids": ids}. Whatever else a dict
+    holds (multi_modal_data: images) is refused by name: this engine reads text."""
+    if not isinstance(prompt, dict):
+        return (prompt if isinstance(prompt, str) else None), prompt
+    unknown = sorted(prompt.keys() - {"prompt", "prompt_token_ids"})
+    if unknown or len(prompt) != 1:
+        raise ValueError(f"a prompt dict holds one of 'prompt' (text) and 'prompt_token_ids'; got keys "
+                         f"{sorted(prompt)}" + (" (this engine reads text only)" if "multi_modal_data" in prompt else ""))
+    if "prompt" in prompt:
+        return prompt["prompt"], prompt["prompt"]
+    return None, prompt["prompt_token_ids"]

@@ -63,8 +63,26 @@ class TokenLogprobs(NamedTuple):
 
 
 @dataclass(frozen=True)
+class CompletionOutput:
+    """One completion of a prompt, as vLLM's: `index` is its choice's number."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the chosen tokens' log-probabilities (None: they were not asked for)."""
+        return None if self.logprobs is None else sum(entry.logprob for entry in self.logprobs)
+
+
+@dataclass(frozen=True)
 class RequestOutput:
-    """The final result of a request."""
+    """The final result of a request: its completion (text, token_ids, ...), also as vLLM's
+    `outputs` list, which holds every choice when LLM.generate ran SamplingParams.n of them (the
+    fields above it are then choice 0's)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -77,6 +95,18 @@ class RequestOutput:
     # One per prompt token when the request asked for them (SamplingParams.prompt_logprobs); the
     # first is None: no token comes before it.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt: str | None = None   # the prompt's text, when it came as text (LLM.generate)
+    outputs: list[CompletionOutput] = None  # None: this request's completion alone (__post_init__)
+
+    def __post_init__(self) -> None:
+        if self.outputs is None:
+            object.__setattr__(self, "outputs", [CompletionOutput(0, self.text, self.token_ids, self.finish_reason,
+                                                                  self.logprobs)])
+
+    @property
+    def finished(self) -> bool:
+        """vLLM's: a final result always is."""
+        return True
 
 
 class RequestDelta(msgspec.Struct, frozen=True, gc=False):

@@ -46,6 +46,9 @@ class SamplingParams:
     it, not before). skip_special_tokens: the text leaves out special tokens (those the
     tokenizer marks special); False writes them, as the tokenizer's decode does."""
 
+    # Choices of the prompt (vLLM's): LLM.generate returns them in one RequestOutput's `outputs`,
+    # its prompt prefilled once; a request through the engine is one choice (n = 1).
+    n: int = 1
     max_tokens: int = 16
     temperature: float | None = None
     top_p: float | None = None
@@ -118,6 +121,8 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", ())
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             problems.append(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            problems.append(f"n must be an int >= 1, got {self.n!r}")
         if self.temperature is not None and not self.temperature >= 0:
             problems.append(f"temperature must be >= 0, got {self.temperature!r}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
@@ -167,17 +172,17 @@ class SamplingParams:
         unset = {name: defaults.get(name, value) for name, value in BUILT_IN.items() if getattr(self, name) is None}
         return dataclasses.replace(self, **unset) if unset else self
 
-    def for_choices(self, n: int) -> list[SamplingParams]:
-        """The params of choices 0..n-1 of one prompt (n > 1): choice i samples with seed + i
-        (from a random base when seed is unset), as vLLM does, so each choice is reproducible as a
-        single request with that seed. Seeds wrap around the sampler's int64 (2**63 - 1 + 1 is
-        -2**63), as its two's-complement sum would."""
+    def for_choices(self, n: int, base_seed: int | None = None) -> list[SamplingParams]:
+        """The params of choices 0..n-1 of one prompt, each one choice (n = 1): for n > 1 choice
+        i samples with seed + i (from base_seed when seed is unset, else a random base), as vLLM
+        does, so each choice is reproducible as a single request with that seed. Seeds wrap around
+        the sampler's int64 (2**63 - 1 + 1 is -2**63), as its two's-complement sum would."""
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"n must be an int >= 1, got {n!r}")
         if n == 1:
-            return [self]
-        base = self.seed if self.seed is not None else random.getrandbits(63)
-        return [dataclasses.replace(self, seed=(base + i + 2**63) % 2**64 - 2**63) for i in range(n)]
+            return [dataclasses.replace(self, n=1) if self.n != 1 else self]
+        base = self.seed if self.seed is not None else base_seed if base_seed is not None else random.getrandbits(63)
+        return [dataclasses.replace(self, n=1, seed=(base + i + 2**63) % 2**64 - 2**63) for i in range(n)]
 
     @property
     def greedy(self) -> bool:

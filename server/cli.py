@@ -63,7 +63,7 @@ def _serve(args: argparse.Namespace) -> int:
     engine_config = local_model(EngineConfig(model=model, max_model_len=args.max_model_len,
                                              max_num_seqs=args.max_running,
                                              enable_prefix_cache=not args.no_prefix_cache,
-                                             checkpoint_interval=args.checkpoint_interval,
+                                             checkpoint_interval=args.checkpoint_interval, seed=args.seed,
                                              host_cache_bytes=int(args.host_cache_gib * 2**30),
                                              **engine_options(args)))
     logging.basicConfig(level=_LOG_LEVELS[args.uvicorn_log_level],
@@ -148,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
                               action="store_true", help="prefill every prompt in full (prefix reuse is on by default)")
     serve_parser.add_argument("--enable-prefix-caching", dest="no_prefix_cache", action="store_false",
                               help="reuse cached prompt prefixes (the default; vLLM's flag)")
+    serve_parser.add_argument("--seed", type=int, default=None,
+                              help="the seed requests that set none draw theirs from (vLLM's): the same requests in "
+                                   "the same order sample the same tokens (default: fresh entropy)")
     serve_parser.add_argument("--checkpoint-interval", type=int, default=512,
                               help="tokens between the recurrent-state checkpoints a prefill leaves")
     serve_parser.add_argument("--host-cache-gib", type=float, default=0.0,

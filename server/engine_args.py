@@ -14,6 +14,7 @@ import argparse
 import json
 
 from ..engine.engine_config import ALL_REDUCES, SCHEDULING_POLICIES, SSM_CACHE_DTYPES
+from ..engine.vllm_options import check_kv_cache_dtype, draft_tokens
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -82,30 +83,16 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                              "with or without it)")
 
 
-# vLLM's speculative methods that name this engine's drafter (the checkpoint's MTP layer).
-_MTP_METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")
-
-
 def _speculative_config(text: str) -> int:
-    """vLLM's --speculative-config as the MTP drafts per step it asks for."""
+    """vLLM's --speculative-config (JSON) as the MTP drafts per step it asks for."""
     try:
         config = json.loads(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
-    if not isinstance(config, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    unknown = sorted(config.keys() - {"method", "num_speculative_tokens"})
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unsupported keys {unknown}: this engine drafts with the checkpoint's MTP "
-                                         f"layer; only method and num_speculative_tokens apply")
-    method = config.get("method", "mtp")
-    if method not in _MTP_METHODS:
-        raise argparse.ArgumentTypeError(f"method {method!r} is not supported: the drafter is the checkpoint's MTP "
-                                         f"layer ({', '.join(_MTP_METHODS)})")
-    tokens = config.get("num_speculative_tokens")
-    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
-        raise argparse.ArgumentTypeError("num_speculative_tokens must be an int >= 0")
-    return tokens
+    try:
+        return draft_tokens(config)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("speculative_config: ")) from None
 
 
 # The fields add_engine_options sets; a flag left out (None) keeps EngineConfig's default.
@@ -118,9 +105,7 @@ _FIELDS = ("device", "dtype", "num_draft_tokens", "max_num_batched_tokens", "ten
 def engine_options(args: argparse.Namespace) -> dict:
     """EngineConfig keyword arguments of the flags given (vLLM's names translated)."""
     options = {name: getattr(args, name) for name in _FIELDS if getattr(args, name) is not None}
-    if args.kv_cache_dtype not in (None, "auto"):
-        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype}: the KV cache is kept in the model's dtype; FP8 KV "
-                         f"caches are not supported (pass auto or leave the flag out)")
+    check_kv_cache_dtype(args.kv_cache_dtype)
     if args.speculative_config is not None:
         _translate(options, "--speculative-config", "num_draft_tokens", args.speculative_config)
     if args.disable_custom_all_reduce:

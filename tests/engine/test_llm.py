@@ -182,3 +182,67 @@ def test_invalid_prompts(llm, path):
 def test_generation_stops_at_the_context_limit(path):
     out = LLM(path, max_model_len=20).generate([list(range(1, 15))], SamplingParams(max_tokens=50, ignore_eos=True))
     assert len(out[0].token_ids) == 6 and out[0].finish_reason == "length"
+
+
+def test_a_vllm_offline_script_runs_as_it_is(path):
+    """vLLM's LLM(...) keyword arguments, prompt dicts, SamplingParams.n and `outputs`: the choices
+    grouped per prompt equal the same choices as separate outputs (generate's n), each prompt
+    prefilled once; the engine's seed makes unseeded sampling repeat run after run."""
+    options = dict(model=path, enforce_eager=True, trust_remote_code=True, enable_prefix_caching=False,
+                   speculative_config={"method": "mtp", "num_speculative_tokens": 2}, kv_cache_dtype="auto",
+                   tokenizer=path, max_model_len=256, seed=7)
+    llm = LLM(**options)
+    config = llm.core.config
+    assert (config.enable_cuda_graphs, config.enable_prefix_cache, config.num_draft_tokens, config.seed) == \
+        (False, False, 2, 7)
+    sampled = SamplingParams(n=3, temperature=1.0, max_tokens=8, ignore_eos=True)
+    ids = llm.tokenizer.encode("x = ")
+    grouped = llm.generate([{"prompt": "def f(x):"}, {"prompt_token_ids": ids}], sampling_params=sampled,
+                           use_tqdm=False)
+    assert [o.prompt for o in grouped] == ["def f(x):", None] and [len(o.outputs) for o in grouped] == [3, 3]
+    for output in grouped:
+        assert [c.index for c in output.outputs] == [0, 1, 2] and output.finished
+        assert (output.text, output.token_ids) == (output.outputs[0].text, output.outputs[0].token_ids)
+        assert all(len(c.token_ids) == 8 and c.text == llm.tokenizer.decode(c.token_ids) for c in output.outputs)
+        assert len({tuple(c.token_ids) for c in output.outputs}) > 1           # distinct choices
+    # Choice i samples with seed + i: with a seed, the grouped choices are generate(n=3)'s, one each.
+    seeded = dataclasses.replace(sampled, seed=11)
+    [one] = llm.generate("def f(x):", seeded, use_tqdm=False)
+    flat = llm.generate("def f(x):", dataclasses.replace(seeded, n=1), n=3, use_tqdm=False)
+    assert [c.token_ids for c in one.outputs] == [o.token_ids for o in flat]
+    assert [o.outputs[0].index for o in flat] == [0, 1, 2]
+    # Unseeded sampling repeats with the engine's seed, and differs with another.
+    unseeded = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+
+    def run(seed: int) -> list[list[int]]:
+        engine = LLM(**{**options, "seed": seed})
+        return [o.token_ids for o in engine.generate(["a", "b", "c"], unseeded, use_tqdm=False)]
+
+    assert run(7) == run(7) != run(8)
+    logprobs = llm.generate("a", SamplingParams(max_tokens=4, logprobs=0, temperature=0), use_tqdm=False)[0]
+    assert logprobs.outputs[0].cumulative_logprob == pytest.approx(sum(e.logprob for e in logprobs.logprobs))
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype 'fp8': the KV cache is kept in the model's dtype"),
+    (dict(tokenizer="Qwen/Qwen3-0.6B"), "tokenizer 'Qwen/Qwen3-0.6B': the tokenizer is the model's own"),
+    (dict(speculative_config={"method": "eagle3", "num_speculative_tokens": 2}), "method 'eagle3' is not supported"),
+    (dict(enforce_eager=True, enable_cuda_graphs=True), "enforce_eager means enable_cuda_graphs=False"),
+    (dict(seed="7"), "seed must be an int or None"),
+])
+def test_vllm_options_this_engine_cannot_honour_fail_in_one_line(path, options, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(path, **options)
+
+
+def test_prompt_dicts_and_choices_that_cannot_run_are_refused(llm):
+    with pytest.raises(ValueError, match="multi_modal_data.*this engine reads text only"):
+        llm.generate({"prompt": "a", "multi_modal_data": {"image": None}}, use_tqdm=False)
+    with pytest.raises(ValueError, match="holds one of 'prompt'"):
+        llm.generate({"prompt": "a", "prompt_token_ids": [1]}, use_tqdm=False)
+    with pytest.raises(ValueError, match="choices asked for twice"):
+        llm.generate("a", SamplingParams(n=2), n=2, use_tqdm=False)
+    with pytest.raises(ValueError, match="n = 2: a request is one choice here"):
+        llm.core.add_request("a", SamplingParams(n=2))
+    with pytest.raises(ValueError, match="n must be an int >= 1"):
+        SamplingParams(n=0)

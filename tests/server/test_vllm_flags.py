@@ -186,12 +186,12 @@ def test_serve_flags_reach_the_server_and_engine_configs(checkpoint, certificate
     assert cli.main(["serve", str(path), "--served-model-name", "a", "org/b", "--uvicorn-log-level", "trace",
                      "--ssl-certfile", cert, "--ssl-keyfile", key, "--block-size", "32",
                      "--disable-custom-all-reduce", "--disable-log-requests", "--disable-log-stats",
-                     "--mamba-ssm-cache-dtype", "bfloat16"]) == 0
+                     "--mamba-ssm-cache-dtype", "bfloat16", "--seed", "3"]) == 0
     server = served["server"]
     assert server.served_model_names == ("a", "org/b") and served["level"] == logging.DEBUG
     assert (server.ssl_certfile, server.ssl_keyfile, server.ssl_cert_reqs) == (cert, key, ssl.CERT_NONE)
     assert served["engine"].block_size == 32 and served["engine"].all_reduce == "nccl"
-    assert served["engine"].mamba_ssm_cache_dtype == "bfloat16"
+    assert served["engine"].mamba_ssm_cache_dtype == "bfloat16" and served["engine"].seed == 3
     # Without the flags: the directory's name, plain HTTP, INFO.
     assert cli.main(["serve", str(path)]) == 0
     assert served["server"].served_model_names == (path.name,) and served["server"].scheme == "http"
@@ -219,7 +219,7 @@ def _exit_code(argv: list[str]) -> int:
 
 
 @pytest.mark.parametrize("command, flags, message", [
-    ("generate", ("--kv-cache-dtype", "fp8"), "--kv-cache-dtype fp8: the KV cache is kept in the model's dtype; "
+    ("generate", ("--kv-cache-dtype", "fp8"), "kv_cache_dtype 'fp8': the KV cache is kept in the model's dtype; "
                                               "FP8 KV caches are not supported"),
     ("generate", ("-tp", "2", "--all-reduce", "auto", "--disable-custom-all-reduce"),
      "--disable-custom-all-reduce means --all-reduce nccl, but --all-reduce auto is given: give one"),

@@ -1,0 +1,69 @@
+"""vLLM's names for this engine's settings, translated in one place: the keyword arguments of
+`LLM(...)` (and `AsyncLLM(...)`) and the flags of `vllm serve` (server/engine_args.py) come here,
+so a vLLM script or command line runs as it is. A setting whose meaning already holds here is
+accepted; one this engine cannot honour is a ValueError of one line, never dropped. Knows
+nothing about argparse or HTTP.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+# vLLM's speculative methods that name this engine's drafter (the checkpoint's MTP layer).
+MTP_METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")
+
+
+def draft_tokens(speculative_config: Any) -> int:
+    """vLLM's speculative_config ({"method": "mtp", "num_speculative_tokens": N}) as the MTP
+    drafts a step it asks for."""
+    if not isinstance(speculative_config, dict):
+        raise ValueError("speculative_config must be a JSON object / dict")
+    unknown = sorted(speculative_config.keys() - {"method", "num_speculative_tokens"})
+    if unknown:
+        raise ValueError(f"speculative_config: unsupported keys {unknown}: this engine drafts with the checkpoint's "
+                         f"MTP layer; only method and num_speculative_tokens apply")
+    method = speculative_config.get("method", "mtp")
+    if method not in MTP_METHODS:
+        raise ValueError(f"speculative_config: method {method!r} is not supported: the drafter is the checkpoint's "
+                         f"MTP layer ({', '.join(MTP_METHODS)})")
+    tokens = speculative_config.get("num_speculative_tokens")
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        raise ValueError("speculative_config: num_speculative_tokens must be an int >= 0")
+    return tokens
+
+
+def check_kv_cache_dtype(value: str | None) -> None:
+    """vLLM's kv_cache_dtype: "auto" (the model's dtype) is what this engine does."""
+    if value not in (None, "auto"):
+        raise ValueError(f"kv_cache_dtype {value!r}: the KV cache is kept in the model's dtype; FP8 KV caches are "
+                         f"not supported (pass auto or leave it out)")
+
+
+def engine_options(model: str | Path, options: dict[str, Any]) -> dict[str, Any]:
+    """`LLM(model, **options)`'s keyword arguments as EngineConfig fields. vLLM's enforce_eager,
+    enable_prefix_caching and speculative_config are translated; kv_cache_dtype "auto",
+    trust_remote_code (no remote code ever runs: the model classes are the engine's) and tokenizer
+    naming the model itself are accepted; every other name must be an EngineConfig field."""
+    options = dict(options)
+    if "enforce_eager" in options:
+        _translate(options, "enforce_eager", "enable_cuda_graphs", not options.pop("enforce_eager"))
+    if "enable_prefix_caching" in options:
+        _translate(options, "enable_prefix_caching", "enable_prefix_cache", bool(options.pop("enable_prefix_caching")))
+    if options.get("speculative_config") is not None:
+        _translate(options, "speculative_config", "num_draft_tokens", draft_tokens(options.pop("speculative_config")))
+    options.pop("speculative_config", None)
+    check_kv_cache_dtype(options.pop("kv_cache_dtype", None))
+    options.pop("trust_remote_code", None)
+    tokenizer = options.pop("tokenizer", None)
+    if tokenizer is not None and str(tokenizer) != str(model):
+        raise ValueError(f"tokenizer {str(tokenizer)!r}: the tokenizer is the model's own ({str(model)!r}); another "
+                         f"one is not supported")
+    return options
+
+
+def _translate(options: dict[str, Any], vllm_name: str, name: str, value: Any) -> None:
+    """options[name] = value, what vLLM's setting means, unless the field itself asks for another."""
+    if options.get(name, value) != value:
+        raise ValueError(f"{vllm_name} means {name}={value!r}, but {name}={options[name]!r} is given: give one")
+    options[name] = value
