@@ -8,7 +8,7 @@ nothing about argparse or HTTP.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 # vLLM's speculative methods that name this engine's drafter (the checkpoint's MTP layer).
 MTP_METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")
@@ -47,11 +47,11 @@ def engine_options(model: str | Path, options: dict[str, Any]) -> dict[str, Any]
     naming the model itself are accepted; every other name must be an EngineConfig field."""
     options = dict(options)
     if "enforce_eager" in options:
-        _translate(options, "enforce_eager", "enable_cuda_graphs", not options.pop("enforce_eager"))
+        translate(options, "enforce_eager", "enable_cuda_graphs", not options.pop("enforce_eager"))
     if "enable_prefix_caching" in options:
-        _translate(options, "enable_prefix_caching", "enable_prefix_cache", bool(options.pop("enable_prefix_caching")))
+        translate(options, "enable_prefix_caching", "enable_prefix_cache", bool(options.pop("enable_prefix_caching")))
     if options.get("speculative_config") is not None:
-        _translate(options, "speculative_config", "num_draft_tokens", draft_tokens(options.pop("speculative_config")))
+        translate(options, "speculative_config", "num_draft_tokens", draft_tokens(options.pop("speculative_config")))
     options.pop("speculative_config", None)
     check_kv_cache_dtype(options.pop("kv_cache_dtype", None))
     options.pop("trust_remote_code", None)
@@ -62,8 +62,12 @@ def engine_options(model: str | Path, options: dict[str, Any]) -> dict[str, Any]
     return options
 
 
-def _translate(options: dict[str, Any], vllm_name: str, name: str, value: Any) -> None:
-    """options[name] = value, what vLLM's setting means, unless the field itself asks for another."""
+def translate(options: dict[str, Any], vllm_name: str, name: str, value: Any,
+              spell: Callable[[str, Any], str] = lambda name, value: f"{name}={value!r}") -> None:
+    """options[name] = value, what vLLM's setting vllm_name means, unless the field itself asks
+    for another: a ValueError naming both as `spell` writes a setting (a keyword argument; the
+    server's flags spell their own)."""
     if options.get(name, value) != value:
-        raise ValueError(f"{vllm_name} means {name}={value!r}, but {name}={options[name]!r} is given: give one")
+        raise ValueError(f"{vllm_name} means {spell(name, value)}, but {spell(name, options[name])} is given: "
+                         f"give one")
     options[name] = value

@@ -14,7 +14,7 @@ import argparse
 import json
 
 from ..engine.engine_config import ALL_REDUCES, SCHEDULING_POLICIES, SSM_CACHE_DTYPES
-from ..engine.vllm_options import check_kv_cache_dtype, draft_tokens
+from ..engine.vllm_options import check_kv_cache_dtype, draft_tokens, translate
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -107,20 +107,12 @@ def engine_options(args: argparse.Namespace) -> dict:
     options = {name: getattr(args, name) for name in _FIELDS if getattr(args, name) is not None}
     check_kv_cache_dtype(args.kv_cache_dtype)
     if args.speculative_config is not None:
-        _translate(options, "--speculative-config", "num_draft_tokens", args.speculative_config)
+        translate(options, "--speculative-config", "num_draft_tokens", args.speculative_config, _setting)
     if args.disable_custom_all_reduce:
-        _translate(options, "--disable-custom-all-reduce", "all_reduce", "nccl")
+        translate(options, "--disable-custom-all-reduce", "all_reduce", "nccl", _setting)
     if args.enforce_eager:
         options["enable_cuda_graphs"] = False
     return options
-
-
-def _translate(options: dict, vllm_flag: str, name: str, value) -> None:
-    """options[name] = value, what vLLM's flag means, unless the field's own flag asked for another."""
-    if options.get(name, value) != value:
-        flag = _flag(name)
-        raise ValueError(f"{vllm_flag} means {flag} {value}, but {flag} {options[name]} is given: give one")
-    options[name] = value
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
@@ -137,3 +129,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
 def _flag(name: str) -> str:
     """An EngineConfig field's flag."""
     return "--" + name.replace("_", "-")
+
+
+def _setting(name: str, value) -> str:
+    """A field's setting as its flag writes it (vllm_options.translate's messages)."""
+    return f"{_flag(name)} {value}"
