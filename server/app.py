@@ -53,7 +53,8 @@ from .messages import check_tools, render_prompt
 from .metrics import RequestTimer, ServerMetrics
 from .openapi import openapi_document
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, Health, Model,
-                       ModelList, SamplingFields, TokenizeRequest, TokenizeResponse, Usage, VersionInfo)
+                       ModelList, SamplingFields, StreamOptions, TokenizeRequest, TokenizeResponse, Usage,
+                       VersionInfo)
 from .reasoning import reasoning_enabled
 from .responses import VERSION, ChatRenderer, CompletionRenderer, Renderer
 from .responses_api import ResponsesRenderer, responses_input
@@ -262,10 +263,12 @@ class OpenAIServer:
                             for engine_input, renderer, num in zip(inputs, renderers, num_prompt_tokens)}
                 try:
                     if body.stream:
+                        chunk_usage = False
                         if events is None:
-                            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                            events = _ChunkEvents(renderers[0], include_usage)
-                        return await self._stream(request, started, deltas, progress, events)
+                            options = body.stream_options or StreamOptions()
+                            events = _ChunkEvents(renderers[0], bool(options.include_usage))
+                            chunk_usage = bool(options.include_usage and options.continuous_usage_stats)
+                        return await self._stream(request, started, deltas, progress, events, chunk_usage)
                     return await self._respond(started, deltas, progress)
                 except _ENGINE_FAILURES:
                     for each in progress.values():
@@ -302,9 +305,11 @@ class OpenAIServer:
                                              usage=_total_usage(progress.values())))
 
     async def _stream(self, request: web.Request, started: list[RequestDelta], deltas: AsyncIterator[RequestDelta],
-                      progress: dict[str, _Progress], events: EventFormat) -> web.StreamResponse:
+                      progress: dict[str, _Progress], events: EventFormat,
+                      chunk_usage: bool = False) -> web.StreamResponse:
         """One write per engine delta (its chunks together), the last chunks with the end of
-        the response: a write is a system call, the largest cost the server adds per token."""
+        the response: a write is a system call, the largest cost the server adds per token.
+        chunk_usage (vLLM's continuous_usage_stats): each chunk carries its choice's usage so far."""
         response = web.StreamResponse(headers=_SSE_HEADERS)
         await response.prepare(request)
         protocol = request.protocol
@@ -341,14 +346,17 @@ class OpenAIServer:
                 return False
             chunks = each.renderer.chunks(delta.text, delta.finish_reason, delta.token_ids, delta.logprobs,
                                           delta.prompt_logprobs)
+            if chunk_usage:
+                chunks = [msgspec.structs.replace(chunk, usage=each.usage()) for chunk in chunks]
             if chunks:
                 await send(b"".join(map(events.event, chunks)))
             return True
 
         try:
             try:
-                opening = b"".join(events.event(chunk) for each in progress.values()
-                                   for chunk in each.renderer.opening())
+                opening = b"".join(events.event(msgspec.structs.replace(chunk, usage=each.usage()) if chunk_usage
+                                                else chunk)
+                                   for each in progress.values() for chunk in each.renderer.opening())
                 if opening:
                     await send(opening)
                 for delta in started:

@@ -35,6 +35,8 @@ class Request(msgspec.Struct, forbid_unknown_fields=True):
 
 class StreamOptions(Request):
     include_usage: bool | None = None
+    # vLLM's: with include_usage, every chunk also carries its choice's usage so far.
+    continuous_usage_stats: bool | None = None
 
 
 class SamplingFields(Request, kw_only=True):

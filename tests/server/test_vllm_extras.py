@@ -369,3 +369,31 @@ async def test_priority_needs_the_priority_policy(client, checkpoint):
     finally:
         await running.stop()
         await engine.shutdown()
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+async def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(base_url, http, route):
+    """stream_options.continuous_usage_stats (vLLM's), with include_usage: every chunk carries its
+    choice's usage so far, the completion tokens never falling and ending at its total; without
+    it the chunks carry none and the usage chunk comes last alone."""
+    body = {"model": MODEL, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True}
+    body.update({"messages": MESSAGES} if route == "chat" else {"prompt": PROMPT})
+    path = f"{base_url}/v1/{'chat/completions' if route == 'chat' else 'completions'}"
+
+    async def chunks(stream_options: dict) -> list[dict]:
+        async with http.post(path, json={**body, "stream_options": stream_options}) as response:
+            assert response.status == 200, await response.text()
+            lines = [line for line in (await response.text()).splitlines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+
+    continuous = await chunks({"include_usage": True, "continuous_usage_stats": True})
+    *per_choice, last = continuous
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6
+    counts = [chunk["usage"]["completion_tokens"] for chunk in per_choice]
+    assert counts == sorted(counts) and counts[-1] == 6 and len(per_choice) > 2
+    assert {chunk["usage"]["prompt_tokens"] for chunk in continuous} == {last["usage"]["prompt_tokens"]}
+    assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
+               for c in continuous)
+    plain = await chunks({"include_usage": True})
+    assert all(chunk.get("usage") is None for chunk in plain[:-1]) and plain[-1]["usage"] == last["usage"]
