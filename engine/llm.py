@@ -49,6 +49,10 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def get_tokenizer(self):
+        """The engine's tokenizer (vLLM's name for the `tokenizer` property)."""
+        return self.tokenizer
+
     @property
     def tokenizer(self):
         return self.core.tokenizer

@@ -250,13 +250,20 @@ class Tokenizer:
         return tuple(table)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, **kwargs: Any) -> str:
-        """Render `messages` to a prompt string; kwargs (tools, enable_thinking, ...) reach the
-        template as variables. A template's raise_exception or error surfaces as ValueError.
+                            continue_final_message: bool = False, tokenize: bool = False,
+                            **kwargs: Any) -> str | list[int]:
+        """Render `messages` to a prompt string (tokenize: its token ids, as HF's tokenize=True
+        gives them); kwargs (tools, enable_thinking, ...) reach the template as variables. A
+        template's raise_exception or error surfaces as ValueError.
         continue_final_message (HF's and vLLM's): the last message, an assistant's, is left open
         for the model to go on writing: the prompt is cut right after its text (its last text
         part's), before the template closes the turn; found as it is, else stripped (templates
         that trim content)."""
+        prompt = self._render(messages, add_generation_prompt, continue_final_message, **kwargs)
+        return self.encode(prompt) if tokenize else prompt
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,
+                **kwargs: Any) -> str:
         if continue_final_message:
             if add_generation_prompt:
                 raise ValueError("continue_final_message and add_generation_prompt cannot both be set: the first "
@@ -265,7 +272,7 @@ class Tokenizer:
                 raise ValueError("continue_final_message needs an assistant message last")
             content = messages[-1].get("content") or ""
             final = content if isinstance(content, str) else (content[-1].get("text") or "") if content else ""
-            prompt = self.apply_chat_template(messages, add_generation_prompt=False, **kwargs)
+            prompt = self._render(messages, False, False, **kwargs)
             for text in (final, final.strip()):
                 if text and (end := prompt.rfind(text)) >= 0:
                     return prompt[:end + len(text)]

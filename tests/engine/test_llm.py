@@ -221,6 +221,12 @@ def test_a_vllm_offline_script_runs_as_it_is(path):
     assert run(7) == run(7) != run(8)
     logprobs = llm.generate("a", SamplingParams(max_tokens=4, logprobs=0, temperature=0), use_tqdm=False)[0]
     assert logprobs.outputs[0].cumulative_logprob == pytest.approx(sum(e.logprob for e in logprobs.logprobs))
+    # The tokenizer as vLLM scripts reach it; HF's tokenize=True gives the rendered prompt's ids.
+    messages = [{"role": "user", "content": "hi"}]
+    tokenizer = llm.get_tokenizer()
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True) == \
+        tokenizer.encode(text) and "tokenize" not in text
 
 
 @pytest.mark.parametrize("options, message", [
