@@ -34,6 +34,7 @@ import torch
 import torch.distributed
 
 from ..kernels import select_ops
+from ..kernels.attention import FP8_KV
 from ..spec import AcceptanceProfile, DraftPolicy, StepCosts, load_draft_vocab
 from .allocators import BlockAllocator, SlotAllocator
 from . import generation_defaults
@@ -41,7 +42,7 @@ from .checkpoint_io import CheckpointIO
 from .cuda_graphs import DecodeGraphs, SpecGraphs
 from .decode_step import DecodeStep
 from .durations import Durations
-from .engine_config import EngineConfig
+from .engine_config import FP8_KV_CACHE_DTYPES, EngineConfig
 from .executor import ParallelRunner, Workers, rank_device
 from .model_config import ModelConfig
 from .model_source import local_model
@@ -597,8 +598,9 @@ class EngineCore:
         # Slots: scratch slot 0, one per running sequence, and room for prefix-cache checkpoints.
         states = StatePool(c, config.max_num_seqs + 1 + self.num_checkpoint_slots, device=self.device, **layout)
         kv_layers = self.model.num_kv_layers
+        kv_dtype = FP8_KV if config.kv_cache_dtype in FP8_KV_CACHE_DTYPES else self.dtype
         bytes_per_block = KVPool.bytes_per_block(kv_layers, config.block_size, c.num_key_value_heads, c.head_dim,
-                                                 self.dtype)
+                                                 kv_dtype)
         blocks_per_sequence = self._max_blocks_per_row
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
@@ -610,7 +612,7 @@ class EngineCore:
                 raise ValueError(f"not enough memory for the KV pool: budget {budget} bytes after the "
                                  f"recurrent state, {bytes_per_block} bytes per block (raise gpu_memory_utilization "
                                  f"or lower max_num_seqs)")
-        kv = KVPool(kv_layers, num_blocks, config.block_size, c.num_key_value_heads, c.head_dim, self.dtype,
+        kv = KVPool(kv_layers, num_blocks, config.block_size, c.num_key_value_heads, c.head_dim, kv_dtype,
                     self.device)
         logger.info("pools: %d sequence + %d checkpoint slots x %.2f MiB recurrent state with k=%d drafts (%.2f MiB "
                     "without speculation); %d KV blocks x %d tokens (%.1f MiB) = %d full-context (%d-token) "

@@ -15,6 +15,8 @@ LOAD_FORMATS = ("auto", "dummy")
 ALL_REDUCES = ("auto", "nccl", "one_shot", "two_shot")  # tensor_parallel.TensorParallel.use_symmetric_memory
 SCHEDULING_POLICIES = ("fcfs", "priority")  # scheduler.py
 SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16")  # the recurrent state's (the GDN kernels take these two)
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")         # vLLM's names for an e4m3 KV pool
+KV_CACHE_DTYPES = ("auto", *FP8_KV_CACHE_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,10 @@ class EngineConfig:
     # bfloat16) halves the state's memory and what a decode step moves for it (most of a step's
     # bytes at large batches), the math staying float32, for a rounding of the state each step.
     mamba_ssm_cache_dtype: str = "auto"
+    # The KV pool's dtype (vLLM's --kv-cache-dtype). "auto": the model's. "fp8" / "fp8_e4m3": e4m3
+    # with a scale of 1, as vLLM's without calibrated scales (keys and values past 448 saturate):
+    # half a bf16 pool's bytes a token, so twice the context fits, and attention reads half.
+    kv_cache_dtype: str = "auto"
     # The seed requests that set none draw theirs from (vLLM's `seed`): the same requests in the
     # same order then sample the same tokens run after run. None: from the OS's entropy.
     seed: int | None = None
@@ -98,6 +104,8 @@ class EngineConfig:
                 or self.checkpoint_interval % CHUNK_SIZE:
             problems.append(f"checkpoint_interval must be a positive multiple of block_size and of the GDN chunk "
                             f"size {CHUNK_SIZE}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            problems.append(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.mamba_ssm_cache_dtype not in SSM_CACHE_DTYPES:
             problems.append(f"mamba_ssm_cache_dtype must be one of {', '.join(SSM_CACHE_DTYPES)}, "
                             f"got {self.mamba_ssm_cache_dtype!r}")

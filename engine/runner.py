@@ -428,7 +428,7 @@ class Runner:
         block_counts = [-(-len(ids) // self.block_size) for ids in sequences]
         states = StatePool(config, len(sequences) + 1, 0, dtype, self.device, self.states.state_dtype)
         kv = KVPool(self.model.num_kv_layers, sum(block_counts) + 1, self.block_size, config.num_key_value_heads,
-                    config.head_dim, dtype, self.device)
+                    config.head_dim, self.kv.dtype, self.device)
         rows, next_block = [], 1
         for slot, (ids, count) in enumerate(zip(sequences, block_counts), start=1):
             rows.append(Row(ids, 0, slot, list(range(next_block, next_block + count)), num_logits=len(ids)))

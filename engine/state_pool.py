@@ -123,7 +123,7 @@ def _slot_bytes(tensors: Sequence[torch.Tensor]) -> int:
 class KVPool:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         # One allocation [layer, k/v, block, ...]; each layer's caches are contiguous views of it,
         # so copying blocks is one gather and one scatter however many layers and blocks.
         self._caches = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,

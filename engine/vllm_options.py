@@ -33,18 +33,11 @@ def draft_tokens(speculative_config: Any) -> int:
     return tokens
 
 
-def check_kv_cache_dtype(value: str | None) -> None:
-    """vLLM's kv_cache_dtype: "auto" (the model's dtype) is what this engine does."""
-    if value not in (None, "auto"):
-        raise ValueError(f"kv_cache_dtype {value!r}: the KV cache is kept in the model's dtype; FP8 KV caches are "
-                         f"not supported (pass auto or leave it out)")
-
-
 def engine_options(model: str | Path, options: dict[str, Any]) -> dict[str, Any]:
     """`LLM(model, **options)`'s keyword arguments as EngineConfig fields. vLLM's enforce_eager,
-    enable_prefix_caching and speculative_config are translated; kv_cache_dtype "auto",
-    trust_remote_code (no remote code ever runs: the model classes are the engine's) and tokenizer
-    naming the model itself are accepted; every other name must be an EngineConfig field."""
+    enable_prefix_caching and speculative_config are translated; trust_remote_code (no remote
+    code ever runs: the model classes are the engine's) and tokenizer naming the model itself are
+    accepted; every other name must be an EngineConfig field (kv_cache_dtype, seed, ... are)."""
     options = dict(options)
     if "enforce_eager" in options:
         translate(options, "enforce_eager", "enable_cuda_graphs", not options.pop("enforce_eager"))
@@ -53,7 +46,6 @@ def engine_options(model: str | Path, options: dict[str, Any]) -> dict[str, Any]
     if options.get("speculative_config") is not None:
         translate(options, "speculative_config", "num_draft_tokens", draft_tokens(options.pop("speculative_config")))
     options.pop("speculative_config", None)
-    check_kv_cache_dtype(options.pop("kv_cache_dtype", None))
     options.pop("trust_remote_code", None)
     tokenizer = options.pop("tokenizer", None)
     if tokenizer is not None and str(tokenizer) != str(model):

@@ -31,14 +31,36 @@ import triton.language as tl
 
 from .device import num_sms
 from .launch import dependent_prologue, dot_precision, pdl
+from .quantize import round_to_e4m3
 from .tiles import TileConfig
 from .varlen import pad_rows, row_layout
+
+# An FP8 pool (EngineConfig.kv_cache_dtype "fp8", vLLM's) holds e4m3 with a scale of 1, as vLLM's
+# does without calibrated scales: K and V are rounded from the model dtype, saturating at 448.
+FP8_KV = torch.float8_e4m3fn
+FP8_KV_MAX = 448.0
+
+
+def to_kv_reference(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x (in the model dtype) as the pool stores it: cast, or clamped to e4m3's range and rounded."""
+    return x.clamp(-FP8_KV_MAX, FP8_KV_MAX).to(dtype) if dtype == FP8_KV else x.to(dtype)
+
 
 def write_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slot_mapping: torch.Tensor) -> None:
     """k, v: [T, Hkv, D]; slot_mapping: [T] flat index block * block_size + offset."""
-    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping.long()] = k.to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping.long()] = v.to(v_cache.dtype)
+    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping.long()] = to_kv_reference(k, k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping.long()] = to_kv_reference(v, v_cache.dtype)
+
+
+@triton.jit
+def to_kv(x, cache):
+    """x (rounded to the model dtype already) as `cache`'s pool stores it (to_kv_reference): for an
+    FP8 pool clamped and rounded on the e4m3 grid before the cast (exact on the GPU and under the
+    interpreter, whose own cast can lose a carry: quantize.round_to_e4m3)."""
+    if cache.dtype.element_ty == tl.float8e4nv:
+        return round_to_e4m3(tl.clamp(x.to(tl.float32), -448.0, 448.0)).to(tl.float8e4nv)
+    return x.to(cache.dtype.element_ty)
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -80,6 +102,8 @@ def check_pool(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, "k_cache, v_cache: [num_blocks, block_size, Hkv, D]"
     assert k_cache.stride() == v_cache.stride(), "k_cache and v_cache must share one layout (one offset serves both)"
     assert k_cache.dtype == v_cache.dtype and k_cache.device == v_cache.device, "k_cache, v_cache: one dtype and device"
+    assert k_cache.dtype in (torch.float32, torch.bfloat16, torch.float16, FP8_KV), \
+        "the pool: the model dtype or float8_e4m3fn"
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "pool head_dim must be contiguous"
     head_dim = k_cache.shape[3]
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim} must be a power of 2 >= 16"
@@ -161,6 +185,7 @@ def _attend_block(acc, m_i, l_i, block, q, start, hi, query_pos, table, k_cache_
     else:
         k = tl.load(k_cache_ptr + rows)
         v = tl.load(v_cache_ptr + rows)
+    k, v = k.to(q.dtype), v.to(q.dtype)  # an FP8 pool's keys and values widen exactly (scale 1)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale                   # [BLOCK_M, BLOCK_N]
     if MASKED:
         s = tl.where((key_pos[None, :] <= query_pos[:, None]) & in_range[None, :], s, float("-inf"))
@@ -370,7 +395,8 @@ def _check_paged_attention_args(out, q, k_cache, v_cache, block_tables, cu_seqle
     num_rows = block_tables.shape[0]
     assert q.dim() == 3 and q.shape[2] == k_cache.shape[3], "q: [T, Hq, D] with the pool's D"
     assert q.shape[1] % k_cache.shape[2] == 0, "query heads must be a multiple of KV heads"
-    assert q.stride(-1) == 1 and q.dtype == k_cache.dtype, "q: D contiguous, the pool's dtype"
+    assert q.stride(-1) == 1 and (q.dtype == k_cache.dtype or k_cache.dtype == FP8_KV), \
+        "q: D contiguous, the pool's dtype (any over an FP8 pool)"
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1, \
         "out: q's shape and dtype, D contiguous"
     if gate is not None:

@@ -69,6 +69,7 @@ import triton.language as tl
 
 from .activation import silu_and_mul, silu_and_mul_reference
 from .arrivals import arrival_counters, last_to_arrive, reset_arrivals
+from .attention import to_kv
 from .conv1d import (ConvDecode, causal_conv1d_decode, causal_conv1d_decode_reference, check_conv_decode_args,
                      conv_decode_tile, decode_tile_constants)
 from .device import INTERPRETED, num_sms
@@ -327,7 +328,7 @@ def _rope_kv_epilogue(y, first_col, arrivals, q_weight, k_weight, q_out, positio
         cols = tl.arange(0, BLOCK_N)
         tl.debug_barrier()  # every thread's y stores before any thread reads them back (bar.sync orders them)
         value = tl.load(y + first_col + cols)
-        tl.store(v_cache + at + column % D + cols, value.to(v_cache.dtype.element_ty))
+        tl.store(v_cache + at + column % D + cols, to_kv(value, v_cache))
 
 
 @triton.jit

@@ -99,7 +99,7 @@ def quantized_groups(x: Activation, group_size: int, quantize) -> tuple[torch.Te
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _round_to_e4m3(v):
+def round_to_e4m3(v):
     """v (float32, |v| <= 448) rounded to nearest even on the e4m3 grid, still float32, so the
     cast to fp8 that follows is exact: spacing 2^(e-3) in the binade [2^e, 2^(e+1)), 2^-9 below
     2^-6 (subnormals). Adding and subtracting 1.5 * 2^(e+20) rounds v to that spacing in one
@@ -121,7 +121,7 @@ def quantize_tile(values):
     float32 is the approximate PTX division, whose last bit differs from torch's."""
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(values), axis=1), 1e-10), 448.0)
     quantized = tl.clamp(tl.math.div_rn(values, scale[:, None]), -448.0, 448.0)
-    return _round_to_e4m3(quantized), scale
+    return round_to_e4m3(quantized), scale
 
 
 @triton.jit

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import check_pool, write_kv_reference
+from .attention import check_pool, to_kv, write_kv_reference
 from .launch import dependent_prologue, pdl
 
 
@@ -175,9 +175,10 @@ def rope_factors(positions, t, inv_freq, attention_factor, R: tl.constexpr, BD: 
 @triton.jit
 def norm_rope_head(src, weight, dst, partner, cos, sin, eps, D: tl.constexpr, BD: tl.constexpr):
     """One head of D values at src -> dst (never the same memory): n = round(x / rms(x) * (1 + w));
-    out = n cos + n[partner] sin (rope_factors). The partner half is re-loaded and normalised
-    with the same rms rather than permuted in registers. Loads go to L2 (.cg): src may hold
-    other SMs' stores of this launch (linear.py's one-row form)."""
+    out = round(n cos + n[partner] sin) (rope_factors), both rounded to src's dtype (the model's),
+    then stored as dst holds it (to_kv: an FP8 key pool rounds it again). The partner half is
+    re-loaded and normalised with the same rms rather than permuted in registers. Loads go to L2
+    (.cg): src may hold other SMs' stores of this launch (linear.py's one-row form)."""
     offs = tl.arange(0, BD)
     mask = offs < D
     h = tl.load(src + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
@@ -185,9 +186,9 @@ def norm_rope_head(src, weight, dst, partner, cos, sin, eps, D: tl.constexpr, BD
     rstd = tl.rsqrt(tl.sum(h * h, axis=0) / D + eps)
     w = tl.load(weight + offs, mask=mask, other=0.0).to(tl.float32)
     w_partner = tl.load(weight + partner, mask=mask, other=0.0).to(tl.float32)
-    n = (h * rstd * (1.0 + w)).to(dst.dtype.element_ty).to(tl.float32)
-    n_partner = (h_partner * rstd * (1.0 + w_partner)).to(dst.dtype.element_ty).to(tl.float32)
-    tl.store(dst + offs, (n * cos + sin * n_partner).to(dst.dtype.element_ty), mask=mask)
+    n = (h * rstd * (1.0 + w)).to(src.dtype.element_ty).to(tl.float32)
+    n_partner = (h_partner * rstd * (1.0 + w_partner)).to(src.dtype.element_ty).to(tl.float32)
+    tl.store(dst + offs, to_kv((n * cos + sin * n_partner).to(src.dtype.element_ty), dst), mask=mask)
 
 
 @triton.jit
@@ -218,7 +219,7 @@ def _qk_norm_rope_kv_kernel(qkv, q_weight, k_weight, q_out, positions, inv_freq,
         norm_rope_head(row + 2 * HQ * D + kv_head * D, k_weight, k_cache + at, partner, cos, sin, eps, D, BD)
         offs = tl.arange(0, BD)
         value = tl.load(row + (2 * HQ + HKV) * D + kv_head * D + offs, mask=offs < D)
-        tl.store(v_cache + at + offs, value.to(v_cache.dtype.element_ty), mask=offs < D)
+        tl.store(v_cache + at + offs, to_kv(value, v_cache), mask=offs < D)
 
 
 @cache

@@ -4,8 +4,8 @@ flags, the EngineConfig fields they set, and the same options as flags again for
 a user passes is dropped on the way to the engine; vLLM's names for the same settings
 (`--enforce-eager`, `--speculative-config`, `--disable-custom-all-reduce`) are taken too, and its
 flags whose meaning already holds here, so a vLLM command line runs as it is; a vLLM value this
-engine cannot honour (`--kv-cache-dtype fp8`) is a one-line error. Knows nothing about what a
-command does.
+engine cannot honour (`--kv-cache-dtype fp8_e5m2`, a `--speculative-config` method other than MTP)
+is a one-line error. Knows nothing about what a command does.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..engine.engine_config import ALL_REDUCES, SCHEDULING_POLICIES, SSM_CACHE_DTYPES
-from ..engine.vllm_options import check_kv_cache_dtype, draft_tokens, translate
+from ..engine.engine_config import ALL_REDUCES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, SSM_CACHE_DTYPES
+from ..engine.vllm_options import draft_tokens, translate
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -65,14 +65,14 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                         help="the GDN recurrent state's dtype (vLLM's flag): auto (default) is float32, as the "
                              "checkpoints ask; bfloat16 halves its memory and the bytes a decode step moves for it, "
                              "for a rounding of the state after each token")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                        help="the KV cache's dtype (vLLM's flag): auto (default) is the model's; fp8 / fp8_e4m3 keeps "
+                             "keys and values in e4m3 with a scale of 1 (half of bf16's bytes: twice the context)")
     parser.add_argument("--block-size", type=int, default=None,
                         help="tokens per KV-cache block (default: 16); must divide the checkpoint interval")
     parser.add_argument("--disable-custom-all-reduce", action="store_true",
                         help="vLLM's form of --all-reduce nccl (the default): NCCL for every all-reduce")
     # vLLM flags whose meaning holds here anyway, so vLLM command lines run unchanged.
-    parser.add_argument("--kv-cache-dtype", default=None, metavar="auto",
-                        help="accepted for vLLM command lines, as auto only: the KV cache is kept in the model's "
-                             "dtype (FP8 KV caches are not supported)")
     parser.add_argument("--distributed-executor-backend", choices=("mp",), default=None,
                         help="accepted for vLLM command lines: tensor-parallel ranks are processes on this host")
     parser.add_argument("--enable-chunked-prefill", action="store_true",
@@ -99,13 +99,12 @@ def _speculative_config(text: str) -> int:
 _FIELDS = ("device", "dtype", "num_draft_tokens", "max_num_batched_tokens", "tensor_parallel_size",
            "enable_expert_parallel", "all_reduce", "load_format", "generation_config", "quantization",
            "gpu_memory_utilization", "scheduling_policy", "revision", "download_dir", "block_size",
-           "mamba_ssm_cache_dtype")
+           "mamba_ssm_cache_dtype", "kv_cache_dtype")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
     """EngineConfig keyword arguments of the flags given (vLLM's names translated)."""
     options = {name: getattr(args, name) for name in _FIELDS if getattr(args, name) is not None}
-    check_kv_cache_dtype(args.kv_cache_dtype)
     if args.speculative_config is not None:
         translate(options, "--speculative-config", "num_draft_tokens", args.speculative_config, _setting)
     if args.disable_custom_all_reduce:

@@ -314,7 +314,7 @@ class GatedAttention(nn.Module):
         """residual: the stream o_proj adds its output into (forward_stream)."""
         c, num_tokens = self.c, _num_tokens(x)
         hq, d = c.num_attention_heads, c.head_dim
-        q = torch.empty(num_tokens, hq, d, dtype=kv.k_cache.dtype, device=kv.k_cache.device)
+        q = torch.empty(num_tokens, hq, d, dtype=self.q_norm.dtype, device=kv.k_cache.device)  # the model's dtype
         rope_kv = QKNormRopeKV(q, self.q_norm, self.k_norm, batch.positions, c.rotary_dim, c.rope_theta,
                                c.rms_norm_eps, c.yarn, kv.k_cache, kv.v_cache, batch.slot_mapping)
         qkv = self.qkv_proj(x, ops, rope_kv=rope_kv)     # q normalised and rotated, k and v in the pool

@@ -1,8 +1,8 @@
 """The whole engine on the GPU with the Triton table (marked `gpu`, skipped without CUDA):
 bf16 logits against the CPU float32 reference, the isolation harness up to N = 256 with CUDA
 graphs (replays counted), lossless speculation through the captured speculative graphs (on a
-bf16 state pool too), sampled rows drawn inside the graphs' sampled variants, and the graphs'
-release."""
+bf16-state and an FP8-KV pool too), sampled rows drawn inside the graphs' sampled variants, and the
+graphs' release."""
 
 import pytest
 import torch
@@ -127,18 +127,22 @@ def test_spec_graphs_are_lossless_for_every_acceptance_count(family, gpu_checkpo
     assert outputs[0] == base and outputs[1] == base
 
 
-def test_a_bfloat16_state_pool_is_lossless_through_the_graphs(gpu_checkpoint):
-    """mamba_ssm_cache_dtype="bfloat16" in bf16, CUDA graphs on: every acceptance count 0..k,
-    output equal to plain greedy decoding on the same pool dtype (the Triton verify and fold
-    round the state after each token, as one token a step does)."""
+@pytest.mark.parametrize("pool", [dict(mamba_ssm_cache_dtype="bfloat16"), dict(kv_cache_dtype="fp8")],
+                         ids=["bf16-state", "fp8-kv"])
+def test_lower_precision_pools_are_lossless_through_the_graphs(gpu_checkpoint, pool):
+    """A bf16 recurrent state or an e4m3 KV pool, in bf16, CUDA graphs on: every acceptance count
+    0..k, output equal to plain greedy decoding on the same pool (the Triton verify and fold round
+    the state after each token, as one token a step does; keys and values are rounded once, as
+    they are stored)."""
     path, k = gpu_checkpoint("qwen3_5"), 3
     batch = prompts(6, seed=11)
-    options = dict(device="cuda", dtype="bfloat16", mamba_ssm_cache_dtype="bfloat16")
+    options = dict(device="cuda", dtype="bfloat16", **pool)
     base = generate(EngineCore(EngineConfig(model=path, num_draft_tokens=0, **options)), batch)
     drafter = ScriptedDrafter({str(i): tokens for i, tokens in enumerate(base)}, seed=5)
     core = EngineCore(EngineConfig(model=path, num_draft_tokens=k, adaptive_draft_length=False, **options),
                       edit_drafts=drafter)
-    assert core.states.state_dtype == torch.bfloat16
+    assert core.states.state_dtype == (torch.bfloat16 if "mamba_ssm_cache_dtype" in pool else torch.float32)
+    assert core.kv.dtype == (torch.float8_e4m3fn if "kv_cache_dtype" in pool else torch.bfloat16)
     replays = count_graph_steps(core)
     assert generate(core, batch) == base
     assert set(drafter.forced) == set(range(k + 1)) and len(replays) > 10

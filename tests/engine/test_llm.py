@@ -230,7 +230,7 @@ def test_a_vllm_offline_script_runs_as_it_is(path):
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype 'fp8': the KV cache is kept in the model's dtype"),
+    (dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype must be one of auto, fp8, fp8_e4m3"),
     (dict(tokenizer="Qwen/Qwen3-0.6B"), "tokenizer 'Qwen/Qwen3-0.6B': the tokenizer is the model's own"),
     (dict(speculative_config={"method": "eagle3", "num_speculative_tokens": 2}), "method 'eagle3' is not supported"),
     (dict(enforce_eager=True, enable_cuda_graphs=True), "enforce_eager means enable_cuda_graphs=False"),

@@ -274,7 +274,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what
 
 def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-identical, NaN included."""
-    as_int = {4: torch.int32, 2: torch.int16}[a.element_size()]
+    as_int = {4: torch.int32, 2: torch.int16, 1: torch.uint8}[a.element_size()]
     return a.dtype == b.dtype and torch.equal(a.view(as_int), b.view(as_int))
 
 
@@ -320,6 +320,19 @@ def test_paged_attention_matches_reference(kernel_device, block_size, num_heads,
     case = make_case(block_size + num_heads + head_dim, ROWS, block_size, num_heads, num_kv_heads, head_dim, dtype,
                      kernel_device)
     check_attention(case, config, f"{config}")
+
+
+@pytest.mark.parametrize("dtype,config", [
+    (torch.float32, TileConfig(block_m=16, block_n=16, num_splits=2, num_warps=4, num_stages=1)),
+    (torch.float16, TileConfig(block_m=32, block_n=32, num_splits=1, num_warps=4, num_stages=1)),
+], ids=["fp32-decode-split2", "fp16-prefill-tile"])
+def test_paged_attention_reads_an_fp8_pool(kernel_device, dtype, config):
+    """Keys and values in e4m3 (EngineConfig.kv_cache_dtype "fp8"): the kernel widens them to the
+    queries' dtype exactly, so it matches the reference over the same FP8 pool, gated, split or
+    not (the pool's stale entries past each row's context stay unread)."""
+    case = make_case(77, ROWS, 16, 8, 2, 32, dtype, kernel_device)
+    case.k_cache, case.v_cache = case.k_cache.to(torch.float8_e4m3fn), case.v_cache.to(torch.float8_e4m3fn)
+    check_attention(case, config, f"fp8 pool, {config}", gated=True)
 
 
 def test_paged_attention_launcher_choice(kernel_device):

@@ -162,3 +162,31 @@ def test_qk_norm_rope_kv_gpu_model_shapes():
                                spec)
         actual = run_rope_kv(lambda _, outputs: linear(x, weight, norm_eps=1e-6, rope_kv=outputs), None, spec)
         assert_rope_kv_close(actual, expected, spec.slot_mapping, "linear, one row", values_exact=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_qk_norm_rope_kv_into_an_fp8_pool(kernel_device, dtype):
+    """An FP8 (e4m3) KV pool: the kernel stores each key and value as the reference does (the
+    model-dtype value clamped to 448 and rounded to e4m3: bit-equal codes where both sides round
+    the same model-dtype value), q_out stays in the model dtype, nothing else in the pool moves.
+    Values are 600x the usual so that some saturate."""
+    qkv, spec = rope_kv_case(kernel_device, dtype, 6, 4, 2, 32, 5000, seed=97, rotary_dim=16)
+    qkv = qkv.clone()
+    qkv[:, -2 * 2 * 32:] *= 600                                                        # k (normalised) and v
+    spec = spec._replace(k_cache=spec.k_cache.to(torch.float8_e4m3fn), v_cache=spec.v_cache.to(torch.float8_e4m3fn))
+    expected = run_rope_kv(qk_norm_rope_kv_reference, qkv, spec)
+    actual = run_rope_kv(qk_norm_rope_kv, qkv, spec)
+    flat = lambda pool: pool.view(-1, *pool.shape[2:])                                    # noqa: E731
+    slots = spec.slot_mapping
+    assert actual.q_out.dtype == dtype
+    assert_close(actual.q_out, expected.q_out, TOLERANCE[dtype], "q")
+    v_codes = flat(actual.v_cache)[slots].view(torch.uint8)
+    assert torch.equal(v_codes, flat(expected.v_cache)[slots].view(torch.uint8)), "v: e4m3 codes"
+    assert (flat(actual.v_cache)[slots].float().abs().max() == 448.0), "large values saturate at 448"
+    # Keys: one e4m3 step where the model-dtype key itself differs in its last bit.
+    assert_close(flat(actual.k_cache)[slots].float(), flat(expected.k_cache)[slots].float(), 2 ** -3, "k")
+    others = torch.ones(flat(spec.k_cache).shape[0], dtype=torch.bool, device=slots.device)
+    others[slots] = False
+    for pool in ("k_cache", "v_cache"):
+        assert torch.equal(flat(getattr(actual, pool))[others].view(torch.uint8),
+                           flat(getattr(spec, pool))[others].view(torch.uint8)), pool

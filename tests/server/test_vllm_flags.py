@@ -204,10 +204,10 @@ def test_vllm_engine_flags_reach_a_server_process_unchanged():
     parser = argparse.ArgumentParser()
     add_engine_options(parser)
     args = parser.parse_args(["-tp", "2", "--block-size", "32", "--disable-custom-all-reduce", "--kv-cache-dtype",
-                              "auto", "--distributed-executor-backend", "mp", "--enable-chunked-prefill",
+                              "fp8", "--distributed-executor-backend", "mp", "--enable-chunked-prefill",
                               "--language-model-only"])
     options = engine_options(args)
-    assert options == {"tensor_parallel_size": 2, "block_size": 32, "all_reduce": "nccl"}
+    assert options == {"tensor_parallel_size": 2, "block_size": 32, "all_reduce": "nccl", "kv_cache_dtype": "fp8"}
     assert engine_options(parser.parse_args(engine_flags(args))) == options
 
 
@@ -219,8 +219,6 @@ def _exit_code(argv: list[str]) -> int:
 
 
 @pytest.mark.parametrize("command, flags, message", [
-    ("generate", ("--kv-cache-dtype", "fp8"), "kv_cache_dtype 'fp8': the KV cache is kept in the model's dtype; "
-                                              "FP8 KV caches are not supported"),
     ("generate", ("-tp", "2", "--all-reduce", "auto", "--disable-custom-all-reduce"),
      "--disable-custom-all-reduce means --all-reduce nccl, but --all-reduce auto is given: give one"),
     ("generate", ("--block-size", "48"), "checkpoint_interval must be a positive multiple of block_size"),
@@ -239,6 +237,7 @@ def test_what_cannot_be_honoured_is_one_line_and_exit_2(checkpoint, capsys, comm
 @pytest.mark.parametrize("flags, message", [
     (("--distributed-executor-backend", "ray"), "invalid choice: 'ray'"),
     (("--uvicorn-log-level", "verbose"), "invalid choice: 'verbose'"),
+    (("--kv-cache-dtype", "fp8_e5m2"), "invalid choice: 'fp8_e5m2'"),
 ])
 def test_values_vllm_has_and_this_engine_does_not_are_argparse_errors(checkpoint, capsys, flags, message):
     assert _exit_code(["serve", str(checkpoint("qwen3_5")), "--port", "0", *flags]) == 2
