@@ -370,7 +370,8 @@ class Outbox:
 def _coalesced(items: list[RequestDelta | BaseException]) -> list[RequestDelta | BaseException]:
     """Consecutive deltas of one request as one: what it produced since the consumer last
     looked (token ids, text and log-probabilities concatenated, the last finish reason and
-    speculation counters, the prompt's log-probabilities from whichever carried them). An
+    speculation counters, the prompt's log-probabilities and cached-token count from whichever
+    carried them). An
     abort or error delta and an exception stay on their own: they end the stream, and what
     came before them is output the consumer must see first."""
     merged: list[RequestDelta | BaseException] = []
@@ -381,7 +382,9 @@ def _coalesced(items: list[RequestDelta | BaseException]) -> list[RequestDelta |
             merged[-1] = RequestDelta(last.request_id, last.token_ids + item.token_ids, last.text + item.text,
                                       item.finish_reason,
                                       None if last.logprobs is None else last.logprobs + item.logprobs,
-                                      item.spec_stats, last.prompt_logprobs or item.prompt_logprobs)
+                                      item.spec_stats, last.prompt_logprobs or item.prompt_logprobs,
+                                      item.num_cached_tokens if last.num_cached_tokens is None
+                                      else last.num_cached_tokens)
         else:
             merged.append(item)
     return merged

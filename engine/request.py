@@ -96,6 +96,9 @@ class RequestOutput:
     # first is None: no token comes before it.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     prompt: str | None = None   # the prompt's text, when it came as text (LLM.generate)
+    # Prompt tokens restored from the prefix cache (or a resumed session) instead of computed
+    # (vLLM's; the server's usage.prompt_tokens_details.cached_tokens).
+    num_cached_tokens: int = 0
     outputs: list[CompletionOutput] = None  # None: this request's completion alone (__post_init__)
 
     def __post_init__(self) -> None:
@@ -122,6 +125,8 @@ class RequestDelta(msgspec.Struct, frozen=True, gc=False):
     spec_stats: dict | None = None  # on the last delta, as RequestOutput.spec_stats
     # As RequestOutput.prompt_logprobs, all at once, on the first delta after the prompt is computed.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # As RequestOutput.num_cached_tokens, on the first delta after the request was admitted.
+    num_cached_tokens: int | None = None
 
 
 @dataclass(eq=False)
@@ -163,6 +168,9 @@ class Request:
     # prefilling it again. Dropped at admission.
     fork_of: Request | None = None
     num_preemptions: int = 0
+    # Prompt tokens its first admission restored from the prefix cache or a resumed session
+    # (vLLM's num_cached_tokens; None until admitted): tokens no step of it computed.
+    num_cached_tokens: int | None = None
     abort_requested: bool = False
     paused: bool = False  # its consumer reads nothing for now: not scheduled (Scheduler.pause)
     # Speculation: the next MTP catch-up starts at mtp_position (its KV below is written, stale
@@ -178,6 +186,7 @@ class Request:
     _emitted_tokens: int = 0
     _emitted_chars: int = 0
     _prompt_logprobs_sent: bool = False
+    _cached_sent: bool = False
 
     @classmethod
     def create(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
@@ -352,10 +361,13 @@ class Request:
         prompt_logprobs = None
         if self.prompt_scored and not self._prompt_logprobs_sent:
             prompt_logprobs, self._prompt_logprobs_sent = list(self.prompt_logprobs), True
+        num_cached_tokens = None
+        if self.num_cached_tokens is not None and not self._cached_sent:
+            num_cached_tokens, self._cached_sent = self.num_cached_tokens, True
         delta = RequestDelta(self.request_id, self.output_token_ids[emitted_tokens:], text[emitted_chars:safe_chars],
                              self.finish_reason,
                              self.output_logprobs[emitted_tokens:] if params.logprobs is not None else None,
-                             self.spec_summary if finished else None, prompt_logprobs)
+                             self.spec_summary if finished else None, prompt_logprobs, num_cached_tokens)
         self._emitted_tokens, self._emitted_chars = len(self.output_token_ids), safe_chars
         return delta
 
@@ -369,4 +381,5 @@ class Request:
                              self.finish_reason,
                              list(self.output_logprobs) if self.params.logprobs is not None else None,
                              self.spec_summary,
-                             list(self.prompt_logprobs) if self.prompt_logprobs is not None else None)
+                             list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
+                             num_cached_tokens=self.num_cached_tokens or 0)

@@ -410,6 +410,8 @@ class Scheduler:
             request.resume_from = None
             pinned.append(hit)
         request.block_table = tuple(block_table + self.blocks.allocate(num_blocks - len(block_table)))
+        if request.num_cached_tokens is None:  # its first admission (a readmission recomputes)
+            request.num_cached_tokens = min(start, len(request.prompt_token_ids))
         request.fork_of = None  # a later recompute (preemption) needs no parent
         self.cache.count_admission(request.num_tokens, start)
         return chunk

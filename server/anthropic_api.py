@@ -311,13 +311,12 @@ class MessagesRenderer:
     done = b""
 
     def __init__(self, request: MessagesRequest, model: str, tokenizer: TokenText, output: ChatOutput,
-                 prompt_token_ids: list[int], max_tokens: int) -> None:
+                 max_tokens: int) -> None:
         """max_tokens: the engine's (`messages_input`: the request's, or the room left in the context)."""
         self.id = self.request_id = f"msg_{uuid.uuid4().hex}"
         self.model, self.tokenizer, self.output = model, tokenizer, output
         self.stop_sequences = request.stop_sequences or []
         self.context_limited = max_tokens < request.max_tokens  # then a "length" finish is the context's end
-        self.num_prompt_tokens = len(prompt_token_ids)
         # The stream's state.
         self._text = ""
         self._token_ids: list[int] = []
@@ -327,8 +326,9 @@ class MessagesRenderer:
 
     # The Renderer interface (responses.Renderer) ---------------------------------------------
 
-    def opening(self) -> list[MessageStart]:
-        return [MessageStart(self._message([], None, None, MessageUsage(self.num_prompt_tokens, 0)))]
+    def opening(self, usage: Usage) -> list[MessageStart]:
+        computed, cached = _prompt_split(usage)
+        return [MessageStart(self._message([], None, None, MessageUsage(computed, 0, cached)))]
 
     def chunks(self, text: str, finish_reason: str | None, token_ids: list[int], logprobs: list[TokenLogprobs] | None,
                prompt_logprobs: list[TokenLogprobs | None] | None) -> list[msgspec.Struct]:
@@ -356,16 +356,17 @@ class MessagesRenderer:
 
     def usage_chunk(self, usage: Usage) -> MessageDelta:
         """The stream's last delta: why it stopped, and the usage."""
-        return MessageDelta(MessageDeltaFields(*self._stop),
-                            MessageDeltaUsage(usage.prompt_tokens, usage.completion_tokens))
+        computed, cached = _prompt_split(usage)
+        return MessageDelta(MessageDeltaFields(*self._stop), MessageDeltaUsage(computed, usage.completion_tokens, cached))
 
     def response(self, text: str, finish_reason: str, usage: Usage, token_ids: list[int],
                  logprobs: list[TokenLogprobs] | None,
                  prompt_logprobs: list[TokenLogprobs | None] | None) -> AnthropicMessage:
         self.output.push(text, final=True)
         stop_reason, stop_sequence = self._stop_reason(finish_reason, text, token_ids)
+        computed, cached = _prompt_split(usage)
         return self._message(_blocks(self.output.message()), stop_reason, stop_sequence,
-                             MessageUsage(usage.prompt_tokens, usage.completion_tokens))
+                             MessageUsage(computed, usage.completion_tokens, cached))
 
     # The SSE format (app.EventFormat) ----------------------------------------------------------
 
@@ -448,3 +449,10 @@ def _tool_use_id(call_id: str) -> str:
     """Anthropic's id shape for the call id chat gives (`ChatOutput`): the same for a stream and
     the whole message."""
     return "toolu_" + call_id.removeprefix("call_")
+
+
+def _prompt_split(usage: Usage) -> tuple[int, int]:
+    """(input_tokens, cache_read_input_tokens): the prompt's computed tokens and those restored
+    from the prefix cache, as Anthropic splits them."""
+    cached = usage.prompt_tokens_details.cached_tokens
+    return usage.prompt_tokens - cached, cached

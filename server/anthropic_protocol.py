@@ -193,10 +193,13 @@ StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use", "mod
 
 
 class MessageUsage(msgspec.Struct):
-    # Every prompt token: the engine does not report a request's prefix-cache hits, so there
-    # are no cache_read_input_tokens to split off.
+    # Anthropic's split of the prompt: input_tokens computed, cache_read_input_tokens restored
+    # from the prefix cache (their sum is the prompt). Nothing is written to a cache on request
+    # (the prefix cache keeps what it keeps), so cache_creation_input_tokens stays 0.
     input_tokens: int
     output_tokens: int
+    cache_read_input_tokens: int = 0
+    cache_creation_input_tokens: int = 0
 
 
 class AnthropicMessage(msgspec.Struct, kw_only=True):
@@ -267,8 +270,10 @@ class MessageDeltaFields(msgspec.Struct):
 
 
 class MessageDeltaUsage(msgspec.Struct):
-    input_tokens: int
+    input_tokens: int  # as MessageUsage
     output_tokens: int
+    cache_read_input_tokens: int = 0
+    cache_creation_input_tokens: int = 0
 
 
 class MessageDelta(msgspec.Struct, tag_field="type", tag="message_delta"):

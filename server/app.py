@@ -53,8 +53,8 @@ from .messages import check_tools, render_prompt
 from .metrics import RequestTimer, ServerMetrics
 from .openapi import openapi_document
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, Health, Model,
-                       ModelList, SamplingFields, StreamOptions, TokenizeRequest, TokenizeResponse, Usage,
-                       VersionInfo)
+                       ModelList, PromptTokensDetails, SamplingFields, StreamOptions, TokenizeRequest,
+                       TokenizeResponse, Usage, VersionInfo)
 from .reasoning import reasoning_enabled
 from .responses import VERSION, ChatRenderer, CompletionRenderer, Renderer
 from .responses_api import ResponsesRenderer, responses_input
@@ -179,7 +179,7 @@ class OpenAIServer:
             engine_input, output = await self._off_loop(messages_input, body, self.engine.tokenizer,
                                                         self.engine.max_model_len, self.chat_parsers)
             renderer = MessagesRenderer(body, self.config.model_name, self.engine.tokenizer, ChatOutput(output),
-                                        engine_input.prompt_token_ids, engine_input.params.max_tokens)
+                                        engine_input.params.max_tokens)
             return await self._generate(request, body, [engine_input], [renderer], arrival, events=renderer)
 
     async def count_message_tokens(self, request: web.Request) -> web.Response:
@@ -354,9 +354,11 @@ class OpenAIServer:
 
         try:
             try:
+                for delta in started:  # the prompt's usage is known before any output (message_start says it)
+                    progress[delta.request_id].note_cached(delta)
                 opening = b"".join(events.event(msgspec.structs.replace(chunk, usage=each.usage()) if chunk_usage
                                                 else chunk)
-                                   for each in progress.values() for chunk in each.renderer.opening())
+                                   for each in progress.values() for chunk in each.renderer.opening(each.usage()))
                 if opening:
                     await send(opening)
                 for delta in started:
@@ -527,9 +529,17 @@ class _Progress:
         # of it; the metrics count what the engine generated.
         self.counts_output = counts_output
         self.num_completion_tokens = 0
+        self.num_cached_tokens = 0
         self.finish_reason: str | None = None
 
+    def note_cached(self, delta: RequestDelta) -> None:
+        """The prompt tokens the engine restored instead of computing, from the delta that says
+        (a choice that counts no prompt tokens, a fork of the first, counts none of them)."""
+        if delta.num_cached_tokens is not None:
+            self.num_cached_tokens = min(delta.num_cached_tokens, self.num_prompt_tokens)
+
     def record(self, delta: RequestDelta) -> None:
+        self.note_cached(delta)
         num_tokens = len(delta.token_ids)
         if self.counts_output:
             self.num_completion_tokens += num_tokens
@@ -543,13 +553,14 @@ class _Progress:
 
     def usage(self) -> Usage:
         return Usage(self.num_prompt_tokens, self.num_completion_tokens,
-                     self.num_prompt_tokens + self.num_completion_tokens)
+                     self.num_prompt_tokens + self.num_completion_tokens, PromptTokensDetails(self.num_cached_tokens))
 
 
 def _total_usage(progress: Iterable[_Progress]) -> Usage:
     usages = [each.usage() for each in progress]
-    return Usage(*(sum(values) for values in zip(*((u.prompt_tokens, u.completion_tokens, u.total_tokens)
-                                                   for u in usages))))
+    return Usage(sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages),
+                 sum(u.total_tokens for u in usages),
+                 PromptTokensDetails(sum(u.prompt_tokens_details.cached_tokens for u in usages)))
 
 
 def _merged(streams: list[AsyncGenerator[RequestDelta, None]]) -> AsyncGenerator[RequestDelta, None]:

@@ -247,10 +247,15 @@ class DetokenizeRequest(Request, kw_only=True):
 
 # Responses ----------------------------------------------------------------------------------
 
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache, not computed
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = msgspec.field(default_factory=PromptTokensDetails)
 
 
 class CompletionLogprobs(msgspec.Struct):

@@ -43,8 +43,8 @@ class Renderer(Protocol):
     id: str          # the response's
     request_id: str  # the engine request's
 
-    def opening(self) -> list[msgspec.Struct]:
-        """Chunks sent before any text."""
+    def opening(self, usage: Usage) -> list[msgspec.Struct]:
+        """Chunks sent before any text; usage: the prompt's (no output yet)."""
 
     def chunks(self, text: str, finish_reason: str | None, token_ids: list[int], logprobs: list[TokenLogprobs] | None,
                prompt_logprobs: list[TokenLogprobs | None] | None) -> list[msgspec.Struct]:
@@ -84,7 +84,7 @@ class CompletionRenderer:
         self.tokens_as_ids = tokens_as_ids
         self._offset = 0  # text_offset of the next token, relative to the choice's text
 
-    def opening(self) -> list[msgspec.Struct]:
+    def opening(self, usage: Usage) -> list[msgspec.Struct]:
         return []
 
     def chunks(self, text: str, finish_reason: str | None, token_ids: list[int], logprobs: list[TokenLogprobs] | None,
@@ -173,7 +173,7 @@ class ChatRenderer:
         self.prompt_token_ids, self.num_prompt_logprobs = prompt_token_ids, prompt_logprobs
         self.tokens_as_ids = tokens_as_ids
 
-    def opening(self) -> list[msgspec.Struct]:
+    def opening(self, usage: Usage) -> list[msgspec.Struct]:
         # OpenAI announces the role first, with empty content; an echo follows, as vLLM sends it.
         opening = [self._chunk(ChatDelta(role="assistant", content=""), None, None)]
         if self.output.settings.echo:

@@ -49,7 +49,7 @@ from .responses import ChatRenderer, TokenText
 from .responses_protocol import (ContentPartAdded, ContentPartDone, Event, FunctionCallArgumentsDelta,
                                  FunctionCallArgumentsDone, FunctionCallInput, FunctionCallItem,
                                  FunctionCallOutputInput, FunctionTool, FunctionToolChoice, IncompleteDetails,
-                                 InputMessage, InputText, Output, OutputItemAdded, OutputItemDone, OutputMessage,
+                                 InputMessage, InputTokensDetails, InputText, Output, OutputItemAdded, OutputItemDone, OutputMessage,
                                  OutputText, OutputTextDelta, OutputTextDone, OutputTokensDetails, ReasoningInput,
                                  ReasoningItem, ReasoningText, ReasoningTextDelta, ReasoningTextDone, Response,
                                  ResponseCompleted, ResponseCreated, ResponseError, ResponseFailed,
@@ -251,7 +251,7 @@ class ResponsesRenderer:
 
     # The Renderer interface (responses.Renderer) ---------------------------------------------
 
-    def opening(self) -> list[Event]:
+    def opening(self, usage: Usage) -> list[Event]:
         response = self._response("in_progress", [], None)
         return [ResponseCreated(response=response), ResponseInProgress(response=response)]
 
@@ -406,7 +406,7 @@ class ResponsesRenderer:
     def _usage(self, usage: Usage, message: AssistantMessage, token_ids: list[int]) -> ResponseUsage:
         reasoning = _num_reasoning_tokens(self.tokenizer, token_ids) if message.reasoning_content else 0
         return ResponseUsage(usage.prompt_tokens, usage.completion_tokens, usage.total_tokens,
-                             OutputTokensDetails(reasoning))
+                             OutputTokensDetails(reasoning), InputTokensDetails(usage.prompt_tokens_details.cached_tokens))
 
     def _response(self, status: str, output: list[Output], usage: ResponseUsage | None,
                   error: ResponseError | None = None) -> Response:

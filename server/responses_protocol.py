@@ -187,7 +187,7 @@ Output = Union[ReasoningItem, OutputMessage, FunctionCallItem]
 
 
 class InputTokensDetails(msgspec.Struct):
-    cached_tokens: int = 0  # the engine does not report a request's prefix-cache hits
+    cached_tokens: int = 0  # input tokens restored from the prefix cache, not computed
 
 
 class OutputTokensDetails(msgspec.Struct):

@@ -252,3 +252,18 @@ def test_prompt_dicts_and_choices_that_cannot_run_are_refused(llm):
         llm.core.add_request("a", SamplingParams(n=2))
     with pytest.raises(ValueError, match="n must be an int >= 1"):
         SamplingParams(n=0)
+
+
+def test_num_cached_tokens_counts_the_prompt_restored(path):
+    """vLLM's RequestOutput.num_cached_tokens: none the first time, the whole prompt when the
+    same prompt comes again (its prompt-end checkpoint restored), a shared prefix's checkpointed
+    part for a longer prompt; none with the prefix cache off."""
+    llm = LLM(path, max_model_len=512, checkpoint_interval=64)
+    greedy = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    prompt = list(range(3, 150))
+    first, again = (llm.generate([prompt], greedy, use_tqdm=False)[0] for _ in range(2))
+    longer = llm.generate([prompt + [7, 8, 9]], greedy, use_tqdm=False)[0]
+    assert (first.num_cached_tokens, again.num_cached_tokens) == (0, len(prompt))
+    assert 0 < longer.num_cached_tokens <= len(prompt) and longer.num_cached_tokens % 64 in (0, len(prompt) % 64)
+    off = LLM(path, max_model_len=512, enable_prefix_cache=False)
+    assert [off.generate([prompt], greedy, use_tqdm=False)[0].num_cached_tokens for _ in range(2)] == [0, 0]

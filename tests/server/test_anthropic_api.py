@@ -78,8 +78,13 @@ async def count(claude: anthropic.AsyncAnthropic, **request) -> int:
 
 
 def without_ids(value):
-    """A message (as JSON data) without what differs between two runs of one request: ids."""
+    """A message (as JSON data) without what differs between two runs of one request: ids, and
+    how its prompt splits into computed and cache-read tokens (a later run finds the prompt
+    cached); the prompt's total stays."""
     if isinstance(value, dict):
+        if "cache_read_input_tokens" in value:
+            value = {**value, "input_tokens": value["input_tokens"] + value["cache_read_input_tokens"],
+                     "cache_read_input_tokens": None}
         return {key: without_ids(item) for key, item in value.items() if key != "id"}
     if isinstance(value, list):
         return [without_ids(item) for item in value]
@@ -126,9 +131,15 @@ def check_stream(events: list) -> anthropic.types.Message:
     assert block is None
     end = events[-2]
     message.stop_reason, message.stop_sequence = end.delta.stop_reason, end.delta.stop_sequence
-    assert end.usage.input_tokens == message.usage.input_tokens
+    assert (end.usage.input_tokens, end.usage.cache_read_input_tokens) == \
+        (message.usage.input_tokens, message.usage.cache_read_input_tokens)
     message.usage.output_tokens = end.usage.output_tokens
     return message
+
+
+def prompt_tokens(message) -> int:
+    """The whole prompt: Anthropic's usage splits it into computed and cache-read tokens."""
+    return message.usage.input_tokens + message.usage.cache_read_input_tokens
 
 
 async def stream_events(claude: anthropic.AsyncAnthropic, **request) -> list:
@@ -168,10 +179,14 @@ async def test_a_message_answers_as_chat_does(claude, client, http, base_url):
     text = answer.choices[0].message.content
     assert [block.type for block in message.content] == ["text"] * bool(text)
     assert (message.content[0].text if text else None) == text
-    assert message.usage.input_tokens == answer.usage.prompt_tokens
+    assert prompt_tokens(message) == answer.usage.prompt_tokens
     assert message.usage.output_tokens == answer.usage.completion_tokens
     assert message.stop_reason == ("max_tokens" if answer.choices[0].finish_reason == "length" else "end_turn")
-    assert message.stop_sequence is None and message.usage.cache_read_input_tokens is None
+    assert message.stop_sequence is None and message.usage.cache_creation_input_tokens == 0
+    # The message computed this prompt just before: the chat completion restores it whole, and
+    # the message's split into computed and cache-read tokens sums to it.
+    assert answer.usage.prompt_tokens_details.cached_tokens == answer.usage.prompt_tokens
+    assert message.usage.input_tokens > 0
     assert await count(claude, thinking=NO_THINKING, **request) == answer.usage.prompt_tokens
     scraped = await scrape(http, base_url)
     # One /v1/messages request and the chat one, each timed to its finish.
@@ -195,7 +210,7 @@ async def test_system_blocks_and_system_messages_render_one_system_message(claud
     assert await count(claude, system="You are terse.",
                        messages=[user, {"role": "assistant", "content": "Salut"}, reminder, user]) == len(folded)
     message = await claude.messages.create(model=MODEL, max_tokens=2, system=blocks, messages=[user, reminder])
-    assert message.usage.input_tokens == len(await tokenize(
+    assert prompt_tokens(message) == len(await tokenize(
         http, base_url, [{"role": "system", "content": "You are terse.\n\nAnswer in French."}, user]))
 
 
@@ -217,7 +232,7 @@ async def test_thinking_switches_the_templates_thinking(claude, client, http, ba
     reasoning = answer.choices[0].message.reasoning_content
     assert reasoning and message.content[0].type == "thinking" and message.content[0].thinking == reasoning
     assert message.content[0].signature == SIGNATURE
-    assert message.usage.input_tokens == len(thinking_on)
+    assert prompt_tokens(message) == len(thinking_on)
 
 
 @pytest.mark.parametrize("case", ["text", "thinking", "tool_use", "stop_sequence"])
@@ -281,11 +296,11 @@ async def test_thinking_text_and_calls_stream_as_the_whole_message(engine, token
     def renderer() -> MessagesRenderer:
         parser = make_tool_call_parser("qwen3_coder", {"get_weather": WEATHER["input_schema"]})
         settings = OutputSettings(reasoning=ReasoningParser(True), tool_calls=parser)
-        return MessagesRenderer(request, MODEL, tokenizer, ChatOutput(settings), [1, 2, 3, 4, 5], 100)
+        return MessagesRenderer(request, MODEL, tokenizer, ChatOutput(settings), 100)
 
     whole = renderer().response(WRITTEN, "stop", usage, token_ids, None, None)
     streaming = renderer()
-    chunks = streaming.opening()
+    chunks = streaming.opening(Usage(5, 0, 5))
     for start in range(0, len(token_ids), tokens_per_delta):
         end = min(start + tokens_per_delta, len(token_ids))
         chunks += streaming.chunks(tokenizer.decode(token_ids[start:end]), "stop" if end == len(token_ids) else None,
@@ -318,7 +333,7 @@ async def test_a_forced_tool_choice_yields_a_tool_use_block(claude, http, base_u
     assert call.name in ({"search"} if tool_choice["type"] == "tool" else {"get_weather", "search"})
     assert message.stop_reason in ("tool_use", "max_tokens")
     assert await count(claude, tools=[WEATHER, SEARCH], tool_choice=tool_choice, messages=messages) == \
-        message.usage.input_tokens
+        prompt_tokens(message)
     history = [*messages, {"role": "assistant", "content": message.content},
                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "21 C"}]}]
     again = await claude.messages.create(model=MODEL, max_tokens=4, tools=[WEATHER, SEARCH], messages=history)
@@ -374,7 +389,7 @@ async def test_a_history_of_blocks_renders_the_prompt_chat_renders(claude, clien
              "cache_control": {"type": "ephemeral"}}
     assert (await claude.beta.messages.count_tokens(**request, extra_body=edits)).input_tokens == len(expected)
     message = await claude.beta.messages.create(max_tokens=6, **request, extra_body={**edits, "temperature": 0})
-    assert message.usage.input_tokens == len(expected)
+    assert prompt_tokens(message) == len(expected)
     answer = await client.chat.completions.create(model=MODEL, messages=messages, tools=[chat_tool(WEATHER)],
                                                 temperature=0, max_tokens=6)
     reasoning = answer.choices[0].message.reasoning_content
@@ -390,7 +405,7 @@ async def test_a_final_assistant_message_is_continued(claude, client):
         model=MODEL, messages=messages, temperature=0, max_tokens=4,
         extra_body={"continue_final_message": True, "add_generation_prompt": False,
                     "chat_template_kwargs": {"enable_thinking": False}})
-    assert message.usage.input_tokens == answer.usage.prompt_tokens
+    assert prompt_tokens(message) == answer.usage.prompt_tokens
     assert "".join(block.text for block in message.content if block.type == "text") == \
         (answer.choices[0].message.content or "")
 
@@ -406,15 +421,13 @@ async def test_max_tokens_past_the_context_is_cut_to_the_room_left(engine, serve
     short = len(engine_input.prompt_token_ids) + 5
     engine_input, settings = messages_input(request, engine.tokenizer, short, parsers)
     assert engine_input.params.max_tokens == 5
-    renderer = MessagesRenderer(request, MODEL, engine.tokenizer, ChatOutput(settings),
-                                engine_input.prompt_token_ids, engine_input.params.max_tokens)
+    renderer = MessagesRenderer(request, MODEL, engine.tokenizer, ChatOutput(settings), engine_input.params.max_tokens)
     usage = Usage(len(engine_input.prompt_token_ids), 5, short)
     assert renderer.response("a b c", "length", usage, engine.tokenizer.encode("a b c"), None,
                              None).stop_reason == "model_context_window_exceeded"
     asked = MessagesRequest(model=MODEL, max_tokens=5, messages=[MessageInput("user", "Hello")])
     engine_input, settings = messages_input(asked, engine.tokenizer, 2048, parsers)
-    renderer = MessagesRenderer(asked, MODEL, engine.tokenizer, ChatOutput(settings),
-                                engine_input.prompt_token_ids, engine_input.params.max_tokens)
+    renderer = MessagesRenderer(asked, MODEL, engine.tokenizer, ChatOutput(settings), engine_input.params.max_tokens)
     assert renderer.response("a b c", "length", usage, engine.tokenizer.encode("a b c"), None,
                              None).stop_reason == "max_tokens"
 
