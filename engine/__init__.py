@@ -7,12 +7,12 @@ from .model_config import ConfigError, ModelConfig
 from .engine_config import EngineConfig
 from .llm import LLM
 from .prefix_cache import CheckpointHandle
-from .request import CompletionOutput, RequestDelta, RequestOutput, TokenLogprobs
+from .request import CompletionOutput, Logprob, RequestDelta, RequestOutput, TokenLogprobs
 from .sampling_params import SamplingParams
 from .structured import Structured
 from .tokenizer import TooManyTokensError
 from .weights import WeightLoadError
 
-__all__ = ["AsyncLLM", "CheckpointHandle", "CompletionOutput", "ConfigError", "EngineConfig", "EngineDeadError", "LLM", "ModelConfig",
-           "NonFiniteLogitsError", "RequestDelta", "RequestOutput", "SamplingParams", "StepFailedError",
-           "Structured", "TokenLogprobs", "TooManyTokensError", "WeightLoadError"]
+__all__ = ["AsyncLLM", "CheckpointHandle", "CompletionOutput", "ConfigError", "EngineConfig", "EngineDeadError", "LLM",
+           "Logprob", "ModelConfig", "NonFiniteLogitsError", "RequestDelta", "RequestOutput", "SamplingParams",
+           "StepFailedError", "Structured", "TokenLogprobs", "TooManyTokensError", "WeightLoadError"]

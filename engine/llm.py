@@ -21,7 +21,7 @@ from .core import EngineCore
 from .engine_config import EngineConfig
 from .errors import NonFiniteLogitsError
 from .prefix_cache import CheckpointHandle
-from .request import CompletionOutput, RequestOutput
+from .request import RequestOutput
 from .sampling_params import SamplingParams
 from . import vllm_options
 
@@ -66,8 +66,8 @@ class LLM:
         return self.core.model
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 resume_from: CheckpointHandle | None = None, n: int = 1, use_tqdm: bool = True
-                 ) -> list[RequestOutput]:
+                 resume_from: CheckpointHandle | None = None, n: int = 1, use_tqdm: bool = True,
+                 priority: Seq[int] | None = None) -> list[RequestOutput]:
         """Prompts are strings, token-id lists or vLLM's prompt dicts ({"prompt": text} or
         {"prompt_token_ids": ids}), one or a list; params one for all or one per prompt. A bad
         prompt raises ValueError; the ones submitted before it are withdrawn.
@@ -78,7 +78,8 @@ class LLM:
         argument gives them as outputs of their own, choices 0..n-1 of the first prompt, then of the
         next. A request whose logits turn non-finite fails alone: the others run to the end, then
         NonFiniteLogitsError names it (and holds every output). use_tqdm: a progress bar of
-        finished requests on stderr."""
+        finished requests on stderr. priority (vLLM's): one per prompt, its SamplingParams.priority
+        (the engine's scheduling_policy "priority" serves lower first)."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         texts, prompts = zip(*map(_prompt, prompts)) if prompts else ((), ())
@@ -86,6 +87,10 @@ class LLM:
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        if priority is not None:
+            if len(priority) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
+            params = [dataclasses.replace(p, priority=rank) for p, rank in zip(params, priority)]
         if n != 1 and any(p.n != 1 for p in params):
             raise ValueError("choices asked for twice: give SamplingParams.n or generate's n, not both")
         requests = []
@@ -110,8 +115,7 @@ class LLM:
         for text, p in zip(texts, params):
             choices = outputs[start:start + (p.n if n == 1 else n)]
             start += len(choices)
-            completions = [CompletionOutput(i, o.text, o.token_ids, o.finish_reason, o.logprobs)
-                           for i, o in enumerate(choices)]
+            completions = [o.completion(i, self.tokenizer.decode_token) for i, o in enumerate(choices)]
             if p.n > 1:  # vLLM's shape: one output per prompt, its choices in `outputs`
                 results.append(dataclasses.replace(choices[0], prompt=text, outputs=completions))
             else:

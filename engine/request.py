@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import msgspec
 
@@ -62,20 +62,45 @@ class TokenLogprobs(NamedTuple):
         return self if len(self.top) <= n else self._replace(top=self.top[:n])
 
 
+class Logprob(NamedTuple):
+    """vLLM's: a token's log-probability at a position, its rank (1: the most likely) and text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+def vllm_logprobs(entries: list[TokenLogprobs], token_ids: list[int],
+                  decode: Callable[[int], str] | None = None) -> list[dict[int, Logprob]]:
+    """TokenLogprobs as vLLM gives them: per position {token id: Logprob} of the chosen token and
+    the most likely ones; decode (a tokenizer's decode_token) fills decoded_token."""
+    text = decode or (lambda token_id: None)
+    positions = []
+    for entry, chosen in zip(entries, token_ids):
+        position = {chosen: Logprob(entry.logprob, entry.rank, text(chosen))}
+        for rank, (token_id, logprob) in enumerate(entry.top, start=1):
+            position.setdefault(token_id, Logprob(logprob, rank, text(token_id)))
+        positions.append(position)
+    return positions
+
+
 @dataclass(frozen=True)
 class CompletionOutput:
-    """One completion of a prompt, as vLLM's: `index` is its choice's number."""
+    """One completion of a prompt, as vLLM's: `index` is its choice's number; `logprobs` in
+    vLLM's shape (vllm_logprobs) when they were asked for."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str
-    logprobs: list[TokenLogprobs] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
 
     @property
     def cumulative_logprob(self) -> float | None:
         """The sum of the chosen tokens' log-probabilities (None: they were not asked for)."""
-        return None if self.logprobs is None else sum(entry.logprob for entry in self.logprobs)
+        if self.logprobs is None:
+            return None
+        return sum(position[token_id].logprob for position, token_id in zip(self.logprobs, self.token_ids))
 
 
 @dataclass(frozen=True)
@@ -103,8 +128,12 @@ class RequestOutput:
 
     def __post_init__(self) -> None:
         if self.outputs is None:
-            object.__setattr__(self, "outputs", [CompletionOutput(0, self.text, self.token_ids, self.finish_reason,
-                                                                  self.logprobs)])
+            object.__setattr__(self, "outputs", [self.completion(0)])
+
+    def completion(self, index: int, decode: Callable[[int], str] | None = None) -> CompletionOutput:
+        """This request's completion as choice `index` (decode: log-probabilities' token texts)."""
+        logprobs = None if self.logprobs is None else vllm_logprobs(self.logprobs, self.token_ids, decode)
+        return CompletionOutput(index, self.text, self.token_ids, self.finish_reason, logprobs)
 
     @property
     def finished(self) -> bool:

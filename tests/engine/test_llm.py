@@ -219,8 +219,15 @@ def test_a_vllm_offline_script_runs_as_it_is(path):
         return [o.token_ids for o in engine.generate(["a", "b", "c"], unseeded, use_tqdm=False)]
 
     assert run(7) == run(7) != run(8)
-    logprobs = llm.generate("a", SamplingParams(max_tokens=4, logprobs=0, temperature=0), use_tqdm=False)[0]
-    assert logprobs.outputs[0].cumulative_logprob == pytest.approx(sum(e.logprob for e in logprobs.logprobs))
+    # Log-probabilities in vLLM's shape: per position {token id: Logprob(logprob, rank, decoded_token)}.
+    scored = llm.generate("a", SamplingParams(max_tokens=4, logprobs=2, temperature=0), use_tqdm=False)[0]
+    completion = scored.outputs[0]
+    assert completion.cumulative_logprob == pytest.approx(sum(e.logprob for e in scored.logprobs))
+    for position, token_id, entry in zip(completion.logprobs, completion.token_ids, scored.logprobs):
+        assert position[token_id].rank == 1 and position[token_id].logprob == entry.logprob   # greedy
+        assert position[token_id].decoded_token == llm.tokenizer.decode_token(token_id)
+        assert {t: (lp.logprob, lp.rank) for t, lp in position.items()} == \
+            {t: (lp, rank) for rank, (t, lp) in enumerate(entry.top, start=1)}
     # The tokenizer as vLLM scripts reach it; HF's tokenize=True gives the rendered prompt's ids.
     messages = [{"role": "user", "content": "hi"}]
     tokenizer = llm.get_tokenizer()
@@ -252,18 +259,23 @@ def test_prompt_dicts_and_choices_that_cannot_run_are_refused(llm):
         llm.core.add_request("a", SamplingParams(n=2))
     with pytest.raises(ValueError, match="n must be an int >= 1"):
         SamplingParams(n=0)
+    with pytest.raises(ValueError, match="2 prompts but 1 priorities"):
+        llm.generate(["a", "b"], priority=[1], use_tqdm=False)
+    with pytest.raises(ValueError, match="priority 3 needs scheduling_policy 'priority'"):
+        llm.generate(["a"], priority=[3], use_tqdm=False)
 
 
-def test_num_cached_tokens_counts_the_prompt_restored(path):
-    """vLLM's RequestOutput.num_cached_tokens: none the first time, the whole prompt when the
-    same prompt comes again (its prompt-end checkpoint restored), a shared prefix's checkpointed
-    part for a longer prompt; none with the prefix cache off."""
-    llm = LLM(path, max_model_len=512, checkpoint_interval=64)
-    greedy = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
-    prompt = list(range(3, 150))
-    first, again = (llm.generate([prompt], greedy, use_tqdm=False)[0] for _ in range(2))
-    longer = llm.generate([prompt + [7, 8, 9]], greedy, use_tqdm=False)[0]
-    assert (first.num_cached_tokens, again.num_cached_tokens) == (0, len(prompt))
-    assert 0 < longer.num_cached_tokens <= len(prompt) and longer.num_cached_tokens % 64 in (0, len(prompt) % 64)
-    off = LLM(path, max_model_len=512, enable_prefix_cache=False)
-    assert [off.generate([prompt], greedy, use_tqdm=False)[0].num_cached_tokens for _ in range(2)] == [0, 0]
+def test_generate_priority_reaches_each_prompts_params(path):
+    """vLLM's generate(..., priority=[...]): each prompt's SamplingParams.priority (the scheduler's
+    ordering by it is test_engine.py's test_priority_scheduling)."""
+    llm = LLM(path, scheduling_policy="priority", max_num_seqs=1, max_model_len=256)
+    seen, add = [], llm.core.add_request
+
+    def add_request(prompt, params, **options):
+        seen.append(params.priority)
+        return add(prompt, params, **options)
+
+    llm.core.add_request = add_request
+    greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    outputs = llm.generate(["a", "b", "c"], greedy, priority=[2, 0, 1], use_tqdm=False)
+    assert seen == [2, 0, 1] and [o.prompt for o in outputs] == ["a", "b", "c"]
