@@ -106,6 +106,9 @@ class OpenAIServer:
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/v1/models/{model:.+}", self.model)  # ids may hold a '/'
         self.app.router.add_get("/health", self.health)
+        # vLLM's liveness alias, what SageMaker-style platforms probe (GET and POST).
+        self.app.router.add_get("/ping", self.health)
+        self.app.router.add_post("/ping", self.health)
         self.app.router.add_get("/metrics", self.prometheus)
         self.app.router.add_post("/tokenize", self.tokenize)
         self.app.router.add_post("/detokenize", self.detokenize)

@@ -53,6 +53,8 @@ ROUTES = (
           TokenizeResponse),
     Route("post", "/detokenize", "Text of token ids", DetokenizeRequest, DetokenizeResponse),
     Route("get", "/health", "Liveness", response=Health),
+    Route("get", "/ping", "Liveness (vLLM's alias of /health)", response=Health),
+    Route("post", "/ping", "Liveness (vLLM's alias of /health)", response=Health),
     Route("get", "/version", "The server's version", response=VersionInfo),
     Route("get", "/metrics", "Prometheus metrics", content_type="text/plain"),
     Route("get", "/openapi.json", "This document"),

@@ -272,6 +272,9 @@ async def test_models_and_health(client, http, base_url, engine):
     assert models.data[0].model_extra["generation_defaults"] == dict(engine.generation_defaults)
     async with http.get(f"{base_url}/health") as response:
         assert response.status == 200 and (await response.json())["status"] == "ok"
+    for method in (http.get, http.post):  # vLLM's alias
+        async with method(f"{base_url}/ping") as response:
+            assert response.status == 200 and (await response.json())["status"] == "ok"
 
 
 async def test_64_concurrent_streams_get_the_text_each_gets_alone(client, engine):
