@@ -45,7 +45,7 @@ from .durations import Durations
 from .engine_config import FP8_KV_CACHE_DTYPES, EngineConfig
 from .executor import ParallelRunner, Workers, rank_device
 from .model_config import ModelConfig
-from .model_source import local_model
+from .model_source import local_config
 from .models import HybridLM
 from .penalties import Penalties
 from .prefill_graphs import Forward, PrefillGraphs
@@ -114,7 +114,7 @@ class EngineCore:
 
         config.model may name a Hugging Face Hub repo: it is downloaded (or found in the cache)
         first, once, and the workers read the local copy (model_source.py)."""
-        config = local_model(config) if model is None else config.concrete(None)
+        config = local_config(config) if model is None else config.concrete(None)
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = _TORCH_DTYPES[config.dtype]

@@ -56,7 +56,7 @@ from .async_llm import AsyncLLM, Outbox, Outboxes, drain, freeze_startup_heap, r
 from . import gc_pauses
 from .engine_config import EngineConfig
 from .errors import EngineDeadError, StepFailedError
-from .model_source import local_model
+from .model_source import local_config
 from .request import RequestDelta
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
@@ -310,7 +310,7 @@ class EngineProcess:
         checkpoint) and FileNotFoundError with the engine's one-line message, RuntimeError else
         (the engine's process logged the traceback). A Hub repo id is resolved here, once: the
         download's progress shows on this process's terminal, and both processes read the copy."""
-        config = await asyncio.to_thread(local_model, config)
+        config = await asyncio.to_thread(local_config, config)
         ours, theirs = socket.socketpair()
         process = multiprocessing.get_context("spawn").Process(
             target=_engine_main, args=(theirs, config, logging.getLogger().getEffectiveLevel()),

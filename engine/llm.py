@@ -93,11 +93,13 @@ class LLM:
             params = [dataclasses.replace(p, priority=rank) for p, rank in zip(params, priority)]
         if n != 1 and any(p.n != 1 for p in params):
             raise ValueError("choices asked for twice: give SamplingParams.n or generate's n, not both")
+        counts = [p.n if n == 1 else n for p in params]  # each prompt's choices
         requests = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, count in zip(prompts, params, counts):
                 parent = None
-                for choice in p.for_choices(p.n if n == 1 else n, self.core.draw_seed()):
+                base_seed = self.core.draw_seed() if count > 1 and p.seed is None else None
+                for choice in p.for_choices(count, base_seed):
                     requests.append(self.core.add_request(prompt, choice, resume_from=resume_from, fork_of=parent))
                     parent = parent or requests[-1].request_id
         except ValueError:
@@ -112,9 +114,9 @@ class LLM:
         if failed:
             raise NonFiniteLogitsError(failed, outputs)
         results, start = [], 0
-        for text, p in zip(texts, params):
-            choices = outputs[start:start + (p.n if n == 1 else n)]
-            start += len(choices)
+        for text, p, count in zip(texts, params, counts):
+            choices = outputs[start:start + count]
+            start += count
             completions = [o.completion(i, self.tokenizer.decode_token) for i, o in enumerate(choices)]
             if p.n > 1:  # vLLM's shape: one output per prompt, its choices in `outputs`
                 results.append(dataclasses.replace(choices[0], prompt=text, outputs=completions))

@@ -74,7 +74,7 @@ def _checkpoint(path: Path) -> Path:
     return path
 
 
-def local_model(config: EngineConfig) -> EngineConfig:
+def local_config(config: EngineConfig) -> EngineConfig:
     """config with `model` resolved to its local directory (resolve_model), so that the processes
     an engine starts read it from disk without asking the Hub again, and device and dtype "auto"
     made concrete for the checkpoint (EngineConfig.concrete)."""

@@ -338,6 +338,12 @@ class OpenAIServer:
                 for request_id in request_ids:
                     self.engine.resume(request_id)
 
+        def encoded(each: _Progress, chunks: list[msgspec.Struct]) -> list[bytes]:
+            """The chunks' events, each carrying its choice's usage so far with chunk_usage."""
+            if chunk_usage:
+                chunks = [msgspec.structs.replace(chunk, usage=each.usage()) for chunk in chunks]
+            return [events.event(chunk) for chunk in chunks]
+
         async def stream_delta(delta: RequestDelta) -> bool:
             """Send one delta's chunks; False once the stream is over (an aborted request)."""
             each = progress[delta.request_id]
@@ -349,19 +355,16 @@ class OpenAIServer:
                 return False
             chunks = each.renderer.chunks(delta.text, delta.finish_reason, delta.token_ids, delta.logprobs,
                                           delta.prompt_logprobs)
-            if chunk_usage:
-                chunks = [msgspec.structs.replace(chunk, usage=each.usage()) for chunk in chunks]
             if chunks:
-                await send(b"".join(map(events.event, chunks)))
+                await send(b"".join(encoded(each, chunks)))
             return True
 
         try:
             try:
                 for delta in started:  # the prompt's usage is known before any output (message_start says it)
                     progress[delta.request_id].note_cached(delta)
-                opening = b"".join(events.event(msgspec.structs.replace(chunk, usage=each.usage()) if chunk_usage
-                                                else chunk)
-                                   for each in progress.values() for chunk in each.renderer.opening(each.usage()))
+                opening = b"".join(event for each in progress.values()
+                                   for event in encoded(each, each.renderer.opening(each.usage())))
                 if opening:
                     await send(opening)
                 for delta in started:

@@ -21,11 +21,11 @@ from pathlib import Path
 
 from ..engine import AsyncLLM, EngineConfig, SamplingParams
 from ..engine.async_llm import run
-from ..engine.model_source import local_model
+from ..engine.model_source import local_config
 from . import acceptance_benchmark, serve_benchmark
 from .config import ServerConfig
 from .cors import CorsPolicy
-from .engine_args import add_engine_options, engine_options
+from .engine_args import accept_vllm_flags, add_engine_options, engine_options
 from .reasoning import REASONING_PARSERS
 from .tool_parsers import TOOL_CALL_PARSERS
 from .serve import serve
@@ -60,7 +60,7 @@ def _serve(args: argparse.Namespace) -> int:
                                  ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
                                  ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs)
     # A Hub repo is downloaded here, before anything starts: a bad id fails at once.
-    engine_config = local_model(EngineConfig(model=model, max_model_len=args.max_model_len,
+    engine_config = local_config(EngineConfig(model=model, max_model_len=args.max_model_len,
                                              max_num_seqs=args.max_running,
                                              enable_prefix_cache=not args.no_prefix_cache,
                                              checkpoint_interval=args.checkpoint_interval, seed=args.seed,
@@ -194,18 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     cors.add_argument("--allow-credentials", action="store_true",
                       help="let browsers send cookies and HTTP authentication along")
     # vLLM flags whose behaviour is this server's anyway, so vLLM command lines run unchanged.
-    serve_parser.add_argument("--enable-auto-tool-choice", action="store_true",
-                              help="accepted for vLLM command lines: requests with tools always get their calls "
-                                   "parsed (--tool-call-parser none turns that off)")
-    serve_parser.add_argument("--trust-remote-code", action="store_true",
-                              help="accepted for vLLM command lines: no checkpoint code is ever run (the engine "
-                                   "implements its model families itself)")
-    serve_parser.add_argument("--disable-log-requests", action="store_true",
-                              help="accepted for vLLM command lines: requests' prompts and parameters are never "
-                                   "logged (aiohttp's access log has one line per request, as uvicorn's in vLLM)")
-    serve_parser.add_argument("--disable-log-stats", action="store_true",
-                              help="accepted for vLLM command lines: the server logs no periodic statistics "
-                                   "(/metrics has them)")
+    accept_vllm_flags(serve_parser, {
+        "--enable-auto-tool-choice": "requests with tools always get their calls parsed (--tool-call-parser none "
+                                     "turns that off)",
+        "--trust-remote-code": "no checkpoint code is ever run (the engine implements its model families itself)",
+        "--disable-log-requests": "requests' prompts and parameters are never logged (aiohttp's access log has one "
+                                  "line per request, as uvicorn's in vLLM)",
+        "--disable-log-stats": "the server logs no periodic statistics (/metrics has them)"})
     serve_parser.set_defaults(run=_serve)
 
     generate = commands.add_parser("generate", help="stream a completion of PROMPT to stdout")

@@ -75,12 +75,16 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     # vLLM flags whose meaning holds here anyway, so vLLM command lines run unchanged.
     parser.add_argument("--distributed-executor-backend", choices=("mp",), default=None,
                         help="accepted for vLLM command lines: tensor-parallel ranks are processes on this host")
-    parser.add_argument("--enable-chunked-prefill", action="store_true",
-                        help="accepted for vLLM command lines: prompts are always prefilled in chunks of at most "
-                             "--max-num-batched-tokens")
-    parser.add_argument("--language-model-only", action="store_true",
-                        help="accepted for vLLM command lines: the engine reads text only (image parts are refused "
-                             "with or without it)")
+    accept_vllm_flags(parser, {
+        "--enable-chunked-prefill": "prompts are always prefilled in chunks of at most --max-num-batched-tokens",
+        "--language-model-only": "the engine reads text only (image parts are refused with or without it)"})
+
+
+def accept_vllm_flags(parser: argparse.ArgumentParser, flags: dict[str, str]) -> None:
+    """vLLM switches whose meaning already holds here, each with why (its help): taken so that a
+    vLLM command line runs as it is, changing nothing."""
+    for flag, why in flags.items():
+        parser.add_argument(flag, action="store_true", help=f"accepted for vLLM command lines: {why}")
 
 
 def _speculative_config(text: str) -> int:

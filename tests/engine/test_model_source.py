@@ -18,7 +18,7 @@ from aiohttp import web
 
 from deltaspec.engine import LLM, EngineConfig, SamplingParams
 from deltaspec.engine.engine_process import EngineProcess
-from deltaspec.engine.model_source import local_model, resolve_model
+from deltaspec.engine.model_source import local_config, resolve_model
 from deltaspec.server import cli
 
 COMMIT = "5eed0123456789abcdef0123456789abcdef0123"
@@ -176,7 +176,7 @@ def test_wrong_ids_revisions_and_paths_fail_with_one_line(hub, repo, tmp_path):
     ]
     for fields, error, message in cases:
         with pytest.raises(error, match=message) as raised:
-            local_model(EngineConfig(**fields))
+            local_config(EngineConfig(**fields))
         assert "\n" not in str(raised.value)
 
 
@@ -206,7 +206,7 @@ def test_device_and_dtype_auto_follow_the_machine_and_the_checkpoint(repo, tmp_p
         directory = tmp_path / name
         shutil.copytree(repo["acme/tiny"], directory)
         (directory / "config.json").write_text(json.dumps(config))
-        resolved = local_model(EngineConfig(model=directory))
+        resolved = local_config(EngineConfig(model=directory))
         assert (resolved.device, resolved.dtype) == ("cuda:1", "bfloat16" if name == "none" else "float16")
     with pytest.raises(ValueError, match="dtype must be one of auto, float32"):
         EngineConfig(model="unused", dtype="int8")
