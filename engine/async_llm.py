@@ -45,6 +45,8 @@ from .prefix_cache import CheckpointHandle
 from .request import RequestDelta
 from .sampling_params import SamplingParams
 from .step import StepPlan
+from .vision.image import ImageInput
+from .vision.preprocess import ImageProcessor
 
 
 logger = logging.getLogger("deltaspec")
@@ -104,6 +106,16 @@ class AsyncLLM:
         return self.core.tokenizer
 
     @property
+    def image_processor(self) -> ImageProcessor | None:
+        """What resizes a prompt's images for this engine (None: it reads none: `images_refused`)."""
+        return self.core.image_processor
+
+    @property
+    def images_refused(self) -> str | None:
+        """Why this engine reads no images; None when it does."""
+        return self.core.images_refused
+
+    @property
     def generation_defaults(self) -> Mapping[str, float | int]:
         """What unset sampling fields become (generation_config.json; empty with "none")."""
         return self.core.generation_defaults
@@ -123,17 +135,17 @@ class AsyncLLM:
     def generate(self, prompt: str | Seq[int], params: SamplingParams | None = None,
                  request_id: str | None = None,
                  resume_from: CheckpointHandle | None = None,
-                 fork_of: str | None = None) -> AsyncIterator[RequestDelta]:
+                 fork_of: str | None = None, images: Seq[ImageInput] = ()) -> AsyncIterator[RequestDelta]:
         """Submit a request and stream its deltas. The request is submitted at the first
         iteration; bad input raises ValueError there, before anything is queued. resume_from: a
         session saved by `save_checkpoint`; the prompt continues it. fork_of: the id of another
-        choice of the same prompt, submitted first, whose prefill this one reuses
-        (EngineCore.add_request)."""
+        choice of the same prompt, submitted first, whose prefill this one reuses; images: the
+        prompt's images (EngineCore.add_request)."""
         if self._sink is not self._outboxes:
             raise RuntimeError("this AsyncLLM delivers its output to a sink: submit requests with submit()")
 
         def open_stream() -> tuple[str, Outbox]:
-            submitted = self.submit(prompt, params, request_id, resume_from, fork_of)
+            submitted = self.submit(prompt, params, request_id, resume_from, fork_of, images)
             outbox = self._outboxes[submitted] = Outbox()
             return submitted, outbox
 
@@ -146,11 +158,12 @@ class AsyncLLM:
         return drain(open_stream, close)
 
     def submit(self, prompt: str | Seq[int], params: SamplingParams | None = None, request_id: str | None = None,
-               resume_from: CheckpointHandle | None = None, fork_of: str | None = None) -> str:
+               resume_from: CheckpointHandle | None = None, fork_of: str | None = None,
+               images: Seq[ImageInput] = ()) -> str:
         """Queue a request (arguments as `generate`); returns its id. Its deltas go to the sink.
         Bad input raises ValueError, queueing nothing."""
         self._ensure_running()
-        request = self.core.add_request(prompt, params or SamplingParams(), request_id, resume_from, fork_of)
+        request = self.core.add_request(prompt, params or SamplingParams(), request_id, resume_from, fork_of, images)
         self._wakeup.set()
         return request.request_id
 

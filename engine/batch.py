@@ -97,6 +97,8 @@ class Row:
     num_logits: how many of the row's last positions need logits (1 to generate, all to score).
     checkpoints (prefill rows): (n, slot) pairs, write the state after the row's first n tokens
     into slot (n a multiple of the GDN chunk size or the row's length; kernels/gdn_chunked.py).
+    RoPE turns token i of the row by position start_position + i + rope_delta, or, where rope
+    is given ([3, tokens] int64: a run among a prompt's images), by its three positions.
     """
 
     token_ids: Sequence[int]
@@ -105,6 +107,8 @@ class Row:
     block_table: Sequence[int]
     num_logits: int = 1
     checkpoints: Sequence[tuple[int, int]] = ()
+    rope: np.ndarray | None = None
+    rope_delta: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -116,6 +120,22 @@ class Row:
                 or lengths != sorted(set(lengths)):
             raise ValueError(f"checkpoint lengths {lengths} must increase, each in (0, {len(self.token_ids)}] and a "
                              f"multiple of {CHUNK_SIZE} or the row's length")
+        if self.rope is not None and self.rope.shape != (3, len(self.token_ids)):
+            raise ValueError(f"rope positions {list(self.rope.shape)} for a row of {len(self.token_ids)} tokens")
+
+
+def _rope_positions(positions: np.ndarray, lengths: np.ndarray, ropes: Sequence[np.ndarray | None],
+                    deltas: Sequence[int], offsets: np.ndarray) -> np.ndarray:
+    """The batch's RoPE positions from its KV positions [T]: [T] (+ each row's delta) when no
+    row gives its own, else [3, T] (the others' broadcast over the three axes)."""
+    shifted = positions + np.repeat(np.asarray(deltas, dtype=np.int64), lengths) if any(deltas) else positions
+    if all(rope is None for rope in ropes):
+        return shifted
+    out = np.repeat(shifted[None, :], 3, axis=0)
+    for i, rope in enumerate(ropes):
+        if rope is not None:
+            out[:, offsets[i]:offsets[i + 1]] = rope
+    return out
 
 
 @dataclass(frozen=True)
@@ -149,7 +169,7 @@ class PrefillCheckpoints:
 @dataclass(frozen=True)
 class ForwardBatch:
     input_ids: torch.Tensor       # [T] int64
-    positions: torch.Tensor       # [T] int64
+    positions: torch.Tensor       # [T] int64 RoPE positions, or [3, T] (multimodal RoPE of image tokens)
     cu_seqlens: torch.Tensor      # [B + 1] int32, all rows
     context_lens: torch.Tensor    # [B] int32: keys per row after this step's tokens
     block_tables: torch.Tensor    # [B, max_blocks] int32 (padded with scratch block 0)
@@ -159,6 +179,9 @@ class ForwardBatch:
     prefill: RowGroup
     commit: bool                  # decode rows fold their new tokens at once (no speculation)
     checkpoints: PrefillCheckpoints | None = None
+    # Input embeddings that replace the token embeddings at some tokens (image features):
+    # (token indices [M] int64, embeddings [M, H] in the model dtype); None: none.
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -221,6 +244,8 @@ class BatchLayout:
         slots = [r.slot for r in rows]
         num_logits = [r.num_logits for r in rows]
         tables = [r.block_table for r in rows]
+        ropes = [r.rope for r in rows]
+        deltas = [r.rope_delta for r in rows]
         owners = [(i, n, slot) for i, r in enumerate(prefill_rows) for n, slot in r.checkpoints]
         counts = [len(r.checkpoints) for r in prefill_rows]
         token_ids = [np.asarray(r.token_ids, dtype=np.int64) for r in rows]
@@ -242,6 +267,7 @@ class BatchLayout:
             starts += [0] * extra_rows
             slots += [0] * extra_rows
             num_logits += [0] * extra_rows
+            deltas += [0] * extra_rows
             token_ids.append(np.zeros(sum(extra), dtype=np.int64))
             # The padding checkpoint entries belong to the first padding row.
             owners += [(len(prefill_rows), 0, 0)] * (padding.num_checkpoints - len(owners))
@@ -267,7 +293,7 @@ class BatchLayout:
         num_logits = np.array(num_logits, dtype=np.int64)
         arrays = dict(
             input_ids=np.concatenate(token_ids),
-            positions=positions,
+            positions=_rope_positions(positions, lengths, ropes, deltas, offsets),
             cu_seqlens=offsets.astype(np.int32),
             context_lens=ends.astype(np.int32),
             block_tables=block_tables,

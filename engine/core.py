@@ -65,6 +65,11 @@ from .tokenizer import Tokenizer
 from .tensor_parallel import TensorParallel
 from .warm_up import num_compiles_after_warm_up, warm_up
 from .quantization import with_online_quantization
+from .vision.encoder import load_vision_encoder
+from .vision.features import ImageFeatures
+from .vision.image import ImageInput
+from .vision.preprocess import ImageProcessor
+from .vision.prompt import PromptImages, expand_image_tokens
 from .weights import load_model, random_model
 
 logger = logging.getLogger("deltaspec")
@@ -180,6 +185,7 @@ class EngineCore:
                                         expert_parallel=config.enable_expert_parallel)
         else:
             self.model, self.model_config, self.ops = model, model.config, model.ops
+        self.image_processor, image_features = self._vision(config, path, loaded=model is None)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.num_draft_tokens = self._draft_tokens()
         if self.tp is not None:
@@ -220,7 +226,8 @@ class EngineCore:
             inputs=(self.model_config.hidden_size, self.dtype)) if speculator else None
         self.runner = Runner(self.model, self.states, self.kv, sampler, checkpoint_io, config.block_size, self.device,
                              decode, graphs=graphs, speculator=speculator, spec_graphs=spec_graphs,
-                             prefill_graphs=prefill_graphs, mtp_prefill_graphs=mtp_prefill_graphs)
+                             prefill_graphs=prefill_graphs, mtp_prefill_graphs=mtp_prefill_graphs,
+                             images=image_features)
         self._runners.append(self.runner)
         if self.workers is not None:
             self.runner = ParallelRunner(self.runner, self.workers)
@@ -250,16 +257,62 @@ class EngineCore:
         if config.warm_up and self._graphs_enabled and edit_drafts is None and (self.tp is None or self.tp.rank == 0):
             logger.info("warmed up the eager steps' kernels in %.1f s", warm_up(self))
 
+    def _vision(self, config: EngineConfig, path: Path, loaded: bool) -> tuple[ImageProcessor | None,
+                                                                             ImageFeatures | None]:
+        """The image processor front ends resize images with and the encoder outputs the runner
+        feeds image tokens, for a vision-language checkpoint loaded from `path`; (None, None)
+        otherwise, `_images_refused` then saying why a prompt's images are refused."""
+        self.images_refused = None
+        if self.model_config.vision is None:
+            self.images_refused = "this model reads no images (its config.json has no vision_config)"
+        elif config.language_model_only:
+            self.images_refused = "this engine runs the language model only (language_model_only / " \
+                                   "--language-model-only): it reads no images"
+        elif not loaded or config.load_format == "dummy":
+            self.images_refused = "this engine's model was not loaded from its checkpoint: no vision encoder"
+        elif self.tp is not None:
+            self.images_refused = "image input is not supported under tensor parallelism yet"
+        if self.images_refused is not None:
+            return None, None
+        processor = ImageProcessor.from_model_dir(path)
+        encoder = load_vision_encoder(path, self.model_config.vision, self.dtype, self.device)
+        return processor, ImageFeatures(encoder, processor)
+
+    def _place_images(self, token_ids: list[int], images: Seq[ImageInput]) -> tuple[list[int], PromptImages | None]:
+        """The prompt with each image's token repeated to its count, and where they sit; a
+        ValueError for images this engine cannot read or a prompt whose image tokens do not
+        match them."""
+        image_token_id = self.model_config.image_token_id
+        if not images:
+            if image_token_id is not None and image_token_id in token_ids:
+                raise ValueError(f"the prompt holds image tokens ({image_token_id}) but no images were given")
+            return token_ids, None
+        if self.image_processor is None:
+            raise ValueError(self.images_refused)
+        processor = self.image_processor
+        for i, image in enumerate(images):
+            if not isinstance(image, ImageInput):
+                raise ValueError(f"images[{i}] must be an ImageInput (ImageProcessor.resize), got "
+                                 f"{type(image).__name__}")
+            image.array()  # its size against its pixels
+        expanded = expand_image_tokens(token_ids, images, image_token_id, processor.num_tokens)
+        merge = self.model_config.vision.spatial_merge_size
+        return expanded, PromptImages.place(expanded, images, image_token_id,
+                                            [processor.grid_thw(image) for image in images], merge)
+
     # Requests -----------------------------------------------------------------------------
 
     def add_request(self, prompt: str | Seq[int], params: SamplingParams, request_id: str | None = None,
-                    resume_from: CheckpointHandle | None = None, fork_of: str | None = None) -> Request:
+                    resume_from: CheckpointHandle | None = None, fork_of: str | None = None,
+                    images: Seq[ImageInput] = ()) -> Request:
         """Validate and queue a request; raises ValueError and changes nothing on bad input.
         resume_from: a saved session (`save_checkpoint`); the request's tokens are the session's
         followed by the prompt (which may then be empty), and it starts from the session's
         state instead of prefilling it. fork_of: the id of a request with the same tokens (another
         choice of the prompt, n > 1); while that one is queued or running, this one waits for its
-        prompt to be computed and restores it from the prefix cache instead of prefilling it."""
+        prompt to be computed and restores it from the prefix cache instead of prefilling it.
+        images: the prompt's images in order (ImageProcessor.resize), each named in the prompt
+        by one image token (a chat template's placeholder) or already by all of its tokens."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         params = params.resolve(self.generation_defaults)
@@ -273,10 +326,15 @@ class EngineCore:
             raise ValueError(f"priority {params.priority} needs scheduling_policy 'priority' (this engine schedules "
                              f"{self.config.scheduling_policy})")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        token_ids, placed = self._place_images(token_ids, images)
+        if placed is not None and resume_from is not None:
+            raise ValueError("a session continues a text prompt: images are not supported with resume_from")
         checkpoint = None
         if resume_from is not None and params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs needs the whole prompt computed: not with resume_from")
         if resume_from is not None:
+            if any(t < 0 for t in resume_from.token_ids):
+                raise ValueError("that session's prompt held images: it cannot be resumed")
             checkpoint = self.cache.session(resume_from)
             token_ids = list(resume_from.token_ids) + token_ids
         if not token_ids:
@@ -292,7 +350,7 @@ class EngineCore:
             raise ValueError(f"prompt has {len(token_ids)} tokens; the context limit is {self.max_model_len} "
                              f"(including at least one generated token)")
         parent = self.requests.get(fork_of) if fork_of is not None else None
-        if parent is not None and parent.prompt_token_ids != token_ids:
+        if parent is not None and (parent.prompt_token_ids != token_ids or _digests(parent.images) != _digests(placed)):
             raise ValueError(f"fork_of {fork_of!r}: that request has a different prompt")
         arrival = next(self._arrivals)
         request_id = str(arrival) if request_id is None else str(request_id)
@@ -305,6 +363,7 @@ class EngineCore:
         grammar = self.grammars.matcher(params.structured) if params.structured is not None else None
         request = Request.create(request_id, token_ids, params, seed, arrival, self.max_model_len, self.tokenizer)
         request.grammar = grammar
+        request.images = placed
         request.fork_of = parent  # None: a finished (or unknown) parent's checkpoint is found by lookup
         self.scheduler.add(request)
         if checkpoint is not None:
@@ -660,6 +719,10 @@ class EngineCore:
         # more than is free (other processes' memory).
         allowed = int(total * self.config.gpu_memory_utilization) - torch.cuda.memory_reserved(self.device)
         return min(allowed, free) - activations
+
+
+def _digests(images: PromptImages | None) -> tuple[bytes, ...]:
+    return () if images is None else tuple(image.digest for image in images.images)
 
 
 def _step_times() -> Durations:

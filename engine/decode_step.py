@@ -180,6 +180,12 @@ class DecodeStep:
         self.max_blocks_per_row = max_blocks_per_row
         self.slot_tables = torch.zeros(states.num_slots, max_blocks_per_row, dtype=torch.int32, device=device)
         self._sent: dict[int, Sequence[int]] = {}
+        # Each slot's RoPE shift (its prompt's images': engine/vision/prompt.py), which the
+        # decode metadata adds to every position (a model that reads images only); _deltas
+        # mirrors the nonzero ones on the host.
+        self.rope_deltas = torch.zeros(states.num_slots, dtype=torch.int64, device=device) \
+            if model.config.vision is not None else None
+        self._deltas: dict[int, int] = {}
         self._constants: dict[tuple, torch.Tensor] = {}
 
     def row_tensors(self, rows: Sequence[DecodeRow], device: torch.device) -> DecodeRows:
@@ -224,6 +230,21 @@ class DecodeStep:
             updates = updates.pin_memory().to(self.slot_tables.device, non_blocking=True)
         self.slot_tables[updates[0], updates[1]] = updates[2].to(torch.int32)
         return appends
+
+    def set_rope_deltas(self, deltas: Sequence[tuple[int, int]]) -> None:
+        """(slot, delta) for sequences (re)starting in those slots; one small copy when any
+        changes (text prompts keep 0: none, unless the slot last held an image prompt)."""
+        changed = [(slot, delta) for slot, delta in deltas if self._deltas.get(slot, 0) != delta]
+        if not changed:
+            return
+        assert self.rope_deltas is not None, "a RoPE shift on a model that reads no images"
+        for slot, delta in changed:
+            if delta:
+                self._deltas[slot] = delta
+            else:
+                self._deltas.pop(slot, None)
+        slots, values = zip(*changed)
+        self.rope_deltas[list(slots)] = torch.tensor(values, dtype=torch.int64).to(self.rope_deltas.device)
 
     def record(self, rows: DecodeRows, accepted: torch.Tensor | None, emitted: torch.Tensor | None = None) -> None:
         """Keep a speculative step's outputs for the next step's fed rows: accepted [B] and
@@ -307,7 +328,7 @@ class DecodeStep:
         `accepted`, `last_positions`): the first stage of every step does."""
         meta = self.model.ops.decode_metadata(rows.packed, self.slot_tables, self.emitted, self.accepted,
                                               self.last_positions, self.block_size, num_positions, tokens,
-                                              extra=extra, offset=offset, feed=feed)
+                                              extra=extra, offset=offset, feed=feed, rope_deltas=self.rope_deltas)
         num_rows, num_tokens = rows.num_rows, rows.num_rows * num_positions
         cu_seqlens = self.arange(num_rows + 1, num_positions, torch.int32)
         empty = self.arange(1, 0, torch.int32)

@@ -69,6 +69,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1           # ranks the model is sharded over (one process and device each)
     enable_expert_parallel: bool = False    # MoE: whole experts per rank (experts / tp each) instead of split
     load_format: str = "auto"               # "dummy": random weights of the config's shapes (benchmarks)
+    # vLLM's --language-model-only: a vision-language checkpoint's vision encoder is not loaded
+    # (its memory goes to the pools) and prompts with images are refused.
+    language_model_only: bool = False
     # `model` a Hugging Face Hub repo id (model_source.py): the branch, tag or commit to load, and
     # the cache directory in place of HF_HOME's.
     revision: str | None = None

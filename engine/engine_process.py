@@ -60,6 +60,8 @@ from .model_source import local_config
 from .request import RequestDelta
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
+from .vision.image import ImageInput
+from .vision.preprocess import ImageProcessor
 
 logger = logging.getLogger("deltaspec")
 
@@ -77,6 +79,7 @@ class Add(msgspec.Struct, tag=True, array_like=True):
     prompt_token_ids: list[int]
     params: bytes  # pickled SamplingParams
     fork_of: str | None
+    images: list[ImageInput] = []  # resized pixels: 3 bytes a pixel over the socket
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):
@@ -105,6 +108,7 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
     max_model_len: int
     max_num_seqs: int
     generation_defaults: dict[str, float | int]
+    images_refused: str | None  # why the engine reads no images (None: it reads them)
 
 
 class StartFailed(msgspec.Struct, tag=True, array_like=True):
@@ -238,7 +242,7 @@ def _exit_with_parent() -> None:
 
 async def _serve_wire(sock: socket.socket, llm: AsyncLLM, sender: _Sender) -> None:
     wire = sender.wire = await _open_wire(sock, ToEngine)
-    wire.send(Ready(llm.max_model_len, llm.max_num_seqs, dict(llm.generation_defaults)))
+    wire.send(Ready(llm.max_model_len, llm.max_num_seqs, dict(llm.generation_defaults), llm.images_refused))
     asked_to_stop = False
     try:
         while not asked_to_stop:
@@ -262,7 +266,7 @@ async def _handle(message: ToEngine, llm: AsyncLLM, wire: _Wire) -> None:
     if isinstance(message, Add):
         try:
             llm.submit(message.prompt_token_ids, pickle.loads(message.params), message.request_id,
-                       fork_of=message.fork_of)
+                       fork_of=message.fork_of, images=message.images)
         except ValueError as error:
             wire.send(Rejected(message.request_id, str(error)))
         except EngineDeadError as error:
@@ -288,8 +292,11 @@ async def _handle(message: ToEngine, llm: AsyncLLM, wire: _Wire) -> None:
 class EngineProcess:
     """AsyncLLM's serving API over an engine in its own process (see the module docstring)."""
 
-    def __init__(self, process: multiprocessing.Process, wire: _Wire, ready: Ready, tokenizer: Tokenizer) -> None:
+    def __init__(self, process: multiprocessing.Process, wire: _Wire, ready: Ready, tokenizer: Tokenizer,
+                 image_processor: ImageProcessor | None) -> None:
         self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.images_refused = ready.images_refused
         self.max_model_len = ready.max_model_len
         self.max_num_seqs = ready.max_num_seqs
         self.generation_defaults: Mapping[str, float | int] = ready.generation_defaults
@@ -324,7 +331,10 @@ class EngineProcess:
         try:
             first = await wire.receive()
             if isinstance(first, Ready):
-                return cls(process, wire, first, await tokenizer)
+                # The front end resizes images as the engine's processor would (its own copy).
+                processor = None if first.images_refused is not None else \
+                    await asyncio.to_thread(ImageProcessor.from_model_dir, Path(config.model))
+                return cls(process, wire, first, await tokenizer, processor)
         except asyncio.IncompleteReadError:
             first = None
         except BaseException:  # (a cancellation, Ctrl-C, no tokenizer): no engine to wait for
@@ -352,7 +362,7 @@ class EngineProcess:
         return self._error
 
     def generate(self, prompt: str | Seq[int], params: SamplingParams | None = None, request_id: str | None = None,
-                 fork_of: str | None = None) -> AsyncIterator[RequestDelta]:
+                 fork_of: str | None = None, images: Seq[ImageInput] = ()) -> AsyncIterator[RequestDelta]:
         """As AsyncLLM.generate: submitted at the first iteration, where bad input raises
         ValueError (the engine's own checks answer one message later, before any delta)."""
 
@@ -363,7 +373,7 @@ class EngineProcess:
             if submitted in self._outboxes:
                 raise ValueError(f"request id {submitted!r} is already in use")
             token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            self._wire.send(Add(submitted, token_ids, pickle.dumps(params or SamplingParams()), fork_of))
+            self._wire.send(Add(submitted, token_ids, pickle.dumps(params or SamplingParams()), fork_of, list(images)))
             outbox = self._outboxes[submitted] = Outbox()
             return submitted, outbox
 

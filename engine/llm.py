@@ -24,6 +24,7 @@ from .prefix_cache import CheckpointHandle
 from .request import RequestOutput
 from .sampling_params import SamplingParams
 from . import vllm_options
+from .vision.image import ImageInput
 
 
 class LLM:
@@ -69,7 +70,9 @@ class LLM:
                  resume_from: CheckpointHandle | None = None, n: int = 1, use_tqdm: bool = True,
                  priority: Seq[int] | None = None) -> list[RequestOutput]:
         """Prompts are strings, token-id lists or vLLM's prompt dicts ({"prompt": text} or
-        {"prompt_token_ids": ids}), one or a list; params one for all or one per prompt. A bad
+        {"prompt_token_ids": ids}, with {"multi_modal_data": {"image": images}} for a model that
+        reads images: each named in the prompt by its image token, as a chat template writes
+        it), one or a list; params one for all or one per prompt. A bad
         prompt raises ValueError; the ones submitted before it are withdrawn.
         resume_from: a session saved by `save_checkpoint`; every prompt continues it (so several
         prompts fork one conversation). Choices, each prompt prefilled once and choice i sampling
@@ -82,7 +85,8 @@ class LLM:
         (the engine's scheduling_policy "priority" serves lower first)."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        texts, prompts = zip(*map(_prompt, prompts)) if prompts else ((), ())
+        texts, prompts, images = zip(*map(_prompt, prompts)) if prompts else ((), (), ())
+        images = [self._resize(given) for given in images]
         params = sampling_params or SamplingParams()
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
@@ -96,11 +100,12 @@ class LLM:
         counts = [p.n if n == 1 else n for p in params]  # each prompt's choices
         requests = []
         try:
-            for prompt, p, count in zip(prompts, params, counts):
+            for prompt, prompt_images, p, count in zip(prompts, images, params, counts):
                 parent = None
                 base_seed = self.core.draw_seed() if count > 1 and p.seed is None else None
                 for choice in p.for_choices(count, base_seed):
-                    requests.append(self.core.add_request(prompt, choice, resume_from=resume_from, fork_of=parent))
+                    requests.append(self.core.add_request(prompt, choice, resume_from=resume_from, fork_of=parent,
+                                                          images=prompt_images))
                     parent = parent or requests[-1].request_id
         except ValueError:
             for request in requests:
@@ -140,6 +145,12 @@ class LLM:
                                                       **(chat_template_kwargs or {}))
                    for conversation in conversations]
         return self.generate(prompts, sampling_params, n=n, use_tqdm=use_tqdm)
+
+    def _resize(self, images: list) -> list[ImageInput]:
+        """A prompt's images (PIL images, encoded bytes or ImageInputs) as the engine takes them."""
+        if images and self.core.image_processor is None:
+            raise ValueError(self.core.images_refused)
+        return [image if isinstance(image, ImageInput) else self.core.image_processor.resize(image) for image in images]
 
     def _run(self, requests: list, use_tqdm: bool) -> None:
         """Step until the engine is idle; the bar counts finished requests and generated tokens/s."""
@@ -184,16 +195,23 @@ class LLM:
 Prompt = str | Seq[int] | dict[str, Any]
 
 
-def _prompt(prompt: Prompt) -> tuple[str | None, str | Seq[int]]:
-    """(its text or None, what EngineCore.add_request takes) of a prompt: text, token ids, or
-    vLLM's prompt dicts, {"prompt": text} and {"prompt_token_ids": ids}. Whatever else a dict
-    holds (multi_modal_data: images) is refused by name: this engine reads text."""
+def _prompt(prompt: Prompt) -> tuple[str | None, str | Seq[int], list]:
+    """(its text or None, what EngineCore.add_request takes, its images as given) of a prompt:
+    text, token ids, or vLLM's prompt dicts, {"prompt": text} or {"prompt_token_ids": ids},
+    with {"multi_modal_data": {"image": an image or a list of them}} (PIL images or encoded
+    bytes) beside it. Any other key or modality is refused by name."""
     if not isinstance(prompt, dict):
-        return (prompt if isinstance(prompt, str) else None), prompt
-    unknown = sorted(prompt.keys() - {"prompt", "prompt_token_ids"})
-    if unknown or len(prompt) != 1:
-        raise ValueError(f"a prompt dict holds one of 'prompt' (text) and 'prompt_token_ids'; got keys "
-                         f"{sorted(prompt)}" + (" (this engine reads text only)" if "multi_modal_data" in prompt else ""))
+        return (prompt if isinstance(prompt, str) else None), prompt, []
+    unknown = sorted(prompt.keys() - {"prompt", "prompt_token_ids", "multi_modal_data"})
+    if unknown or len(prompt.keys() & {"prompt", "prompt_token_ids"}) != 1:
+        raise ValueError(f"a prompt dict holds one of 'prompt' (text) and 'prompt_token_ids', and optionally "
+                         f"'multi_modal_data'; got keys {sorted(prompt)}")
+    data = prompt.get("multi_modal_data") or {}
+    if not isinstance(data, dict) or data.keys() - {"image"}:
+        raise ValueError(f"multi_modal_data takes images only ({{'image': ...}}); got "
+                         f"{sorted(data) if isinstance(data, dict) else type(data).__name__}")
+    images = data.get("image", [])
+    images = list(images) if isinstance(images, (list, tuple)) else [images]
     if "prompt" in prompt:
-        return prompt["prompt"], prompt["prompt"]
-    return None, prompt["prompt_token_ids"]
+        return prompt["prompt"], prompt["prompt"], images
+    return None, prompt["prompt_token_ids"], images

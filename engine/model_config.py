@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,6 +16,7 @@ from ..kernels.rope import Yarn
 
 if TYPE_CHECKING:
     from .quantization import Fp8Config
+    from .vision.encoder import VisionConfig
 
 # model_type -> family. The family decides the weight-name scheme and the MLP kind.
 SUPPORTED_MODEL_TYPES = {
@@ -25,6 +26,9 @@ SUPPORTED_MODEL_TYPES = {
     "qwen3_5_moe_text": "qwen3_5_moe",
     "qwen3_next": "qwen3_next",
 }
+
+# Qwen3.5's <|image_pad|>, for a multimodal config.json that does not name it.
+_QWEN3_5_IMAGE_TOKEN_ID = 248056
 
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
@@ -78,6 +82,13 @@ class ModelConfig:
     # (num_local_experts of them; 0: every expert). The router still scores all num_experts.
     first_local_expert: int = 0
     num_local_experts: int = 0
+    # Multimodal RoPE's frequencies per axis (temporal, height, width; interleaved as Qwen3.5's),
+    # () for a model whose positions are one per token (kernels/rope.py).
+    mrope_section: tuple[int, ...] = ()
+    # The vision encoder (config.json's vision_config) and the token its outputs replace; None
+    # for a text-only checkpoint (engine/vision/).
+    vision: VisionConfig | None = None
+    image_token_id: int | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -109,6 +120,10 @@ class ModelConfig:
             problems.append("intermediate_size must be > 0 when some layer has a dense MLP")
         if self.num_experts and self.moe_intermediate_size <= 0:
             problems.append("moe_intermediate_size must be > 0 for a MoE model")
+        if self.mrope_section and (len(self.mrope_section) != 3 or min(self.mrope_section) < 0):
+            problems.append(f"mrope_section {list(self.mrope_section)} must be 3 non-negative section sizes")
+        if self.vision is not None and (self.image_token_id is None or not self.mrope_section):
+            problems.append("a vision encoder needs an image_token_id and multimodal RoPE (mrope_section)")
         if problems:
             raise ConfigError(f"invalid {self.model_type} config: " + "; ".join(problems))
 
@@ -192,7 +207,12 @@ class ModelConfig:
             if key not in text and key in raw:
                 text[key] = raw[key]
         try:
-            return cls._from_text_config(model_type, family, text, quantization)
+            config = cls._from_text_config(model_type, family, text, quantization)
+            if raw.get("vision_config") is None:
+                return config
+            from .vision.encoder import VisionConfig
+            return replace(config, vision=VisionConfig.from_dict(raw["vision_config"]),
+                           image_token_id=int(raw.get("image_token_id", _QWEN3_5_IMAGE_TOKEN_ID)))
         except KeyError as e:
             raise ConfigError(f"{model_type} config lacks required field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
@@ -222,6 +242,9 @@ class ModelConfig:
         eos = c.get("eos_token_id")
         eos_ids = () if eos is None else tuple(int(x) for x in (eos if isinstance(eos, list) else [eos]))
         num_experts = int(c.get("num_experts", 0) or 0) if family != "qwen3_5" else 0
+        # Qwen3.5's text configs rotate by three positions (HF's default sections when absent);
+        # Qwen3-Next's by one.
+        mrope_section = tuple(int(n) for n in rope.get("mrope_section", (11, 11, 10))) if family != "qwen3_next" else ()
         return cls(
             family=family,
             model_type=model_type,
@@ -257,6 +280,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=c.get("bos_token_id"),
             quantization=quantization,
+            mrope_section=mrope_section,
         )
 
 

@@ -19,12 +19,14 @@ from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Sequence
 
 import msgspec
+import numpy as np
 
 from ..spec import AcceptanceEstimate, SpecStats
 from .prefix_cache import Checkpoint
 from .sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
 from .structured import Matcher
 from .tokenizer import Detokenizer, Tokenizer
+from .vision.prompt import PromptImages
 
 
 def bad_word_token_ids(word: str, tokenizer: Tokenizer) -> list[tuple[int, ...]]:
@@ -171,6 +173,8 @@ class Request:
     bad_words_token_ids: tuple[tuple[int, ...], ...]  # params.bad_words tokenized (`bad_word_token_ids`)
     # params.structured's grammar state at the end of the output (advanced as tokens are recorded).
     grammar: Matcher | None = None
+    # The prompt's images, where they sit and the multimodal RoPE positions they give (None: text).
+    images: PromptImages | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # The prompt's log-probabilities computed so far, when asked for (SamplingParams.prompt_logprobs):
@@ -231,6 +235,28 @@ class Request:
         self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None]
+
+    @property
+    def rope_delta(self) -> int:
+        """What a generated token's RoPE position adds to its index (the prompt's images' shift)."""
+        return 0 if self.images is None else self.images.delta
+
+    def cache_key(self, end: int) -> list[int]:
+        """The prefix cache's key of tokens 0..end-1: the token ids, image tokens replaced by
+        their image's key ids (PromptImages.key_ids)."""
+        token_ids = self.token_ids(0, end)
+        return token_ids if self.images is None else self.images.key_ids(token_ids)
+
+    def rope(self, start: int, end: int) -> tuple[np.ndarray | None, int]:
+        """How tokens start..end-1 turn under RoPE, as batch.Row takes it: (None, d) when
+        their positions are their indices + d on every axis, else (positions [3, n], 0) (a run
+        among the prompt's images)."""
+        if self.images is None:
+            return None, 0
+        positions = self.images.rope_positions(start, end)
+        if self.images.spans(start, end):
+            return positions, 0
+        return None, int(positions[0, 0]) - start
 
     @property
     def rank(self) -> tuple[int, int]:

@@ -27,8 +27,10 @@ Knows nothing about queues or stop conditions.
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Callable, NamedTuple, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from .batch import ForwardBatch, Row, device_tensor, row_index
@@ -44,6 +46,9 @@ from .sampler import Sampler, TokenScores
 from .speculation import Speculator
 from .state_pool import KVPool, StatePool
 from .step import ScheduledRow, StepOutput, StepPlan, flagged
+
+if TYPE_CHECKING:
+    from .vision.features import ImageFeatures
 
 
 # Logits elements a piece of a prompt's scored positions computes at once (Runner._score_prompt),
@@ -138,16 +143,19 @@ class Runner:
     def __init__(self, model: HybridLM, states: StatePool, kv: KVPool, sampler: Sampler, checkpoint_io: CheckpointIO,
                  block_size: int, device: torch.device, decode: DecodeStep, graphs: DecodeGraphs | None = None,
                  speculator: Speculator | None = None, spec_graphs: SpecGraphs | None = None,
-                 prefill_graphs: PrefillGraphs | None = None, mtp_prefill_graphs: PrefillGraphs | None = None) -> None:
+                 prefill_graphs: PrefillGraphs | None = None, mtp_prefill_graphs: PrefillGraphs | None = None,
+                 images: ImageFeatures | None = None) -> None:
         """decode: the fixed-shape decode stages; graphs: their captured plain graphs (None:
         eager). speculator: the speculative stages (None: no speculation) and spec_graphs their
         captured graphs. prefill_graphs, mtp_prefill_graphs: the target's and the MTP's
-        captured prefill forwards (None: eager)."""
+        captured prefill forwards (None: eager). images: the vision encoder's outputs for
+        prompts' image tokens (None: a text-only model)."""
         self.model, self.states, self.kv, self.sampler = model, states, kv, sampler
         self.block_size, self.device, self.graphs = block_size, device, graphs
         self.decode, self.speculator, self.spec_graphs = decode, speculator, spec_graphs
         self.prefill_graphs, self.mtp_prefill_graphs = prefill_graphs, mtp_prefill_graphs
         self.checkpoint_io = checkpoint_io
+        self.images = images
         # Pinned copies of DecodeStep.outputs, used in turn: at most two steps are in flight
         # (the one being waited for and the one launched after it).
         self._host_outputs = [torch.empty_like(decode.outputs, device="cpu", pin_memory=True)
@@ -193,6 +201,9 @@ class Runner:
         `decide` (they need the logits before the next step overwrites them), as is every step
         off the GPU (nothing runs asynchronously there)."""
         ops = plan.cache_ops
+        # A sequence's decode steps turn its tokens by position + its prompt's image shift: set
+        # where it (re)starts, before any decode step of it.
+        self.decode.set_rope_deltas([(r.slot, r.request.rope_delta) for r in plan.prefill_rows + plan.cached_rows])
         self.checkpoint_io.release(ops)
         decoded = self._launch_decode(plan.decode_rows) if plan.decode_rows else None
         self.checkpoint_io.restore(ops)
@@ -373,17 +384,36 @@ class Runner:
         whose logits give their first token, or None when none does; and the scores of the
         prompt tokens the rows' spans ask for (`_score_prompt`), or None."""
         forward_rows = [r.forward_row() for r in rows]
-        replayed = self.prefill_graphs.run(forward_rows) if self.prefill_graphs is not None else None
+        embeds = self._image_embeds(rows, forward_rows, lambda r: (r.start_position, r.start_position + r.num_tokens))
+        # Image tokens (their embeddings and [3, T] positions) run eagerly.
+        graphed = self.prefill_graphs is not None and embeds is None and all(r.rope is None for r in forward_rows)
+        replayed = self.prefill_graphs.run(forward_rows) if graphed else None
         if replayed is not None:
             batch, hidden = replayed
         else:
             batch = ForwardBatch.build([], forward_rows, self.block_size, self.device, commit=self.speculator is None)
-            hidden = self.model(batch, self.states, self.kv)
+            hidden = self.model(replace(batch, embeds=embeds), self.states, self.kv)
         self.checkpoint_io.keep_hidden(batch, hidden)
         if self.speculator is not None:
-            self.speculator.prefill_mtp(hidden, batch, rows, self.mtp_prefill_graphs)
+            mtp_runs = [r for r in rows if r.mtp_end > r.mtp_start]
+            # The MTP at position t reads token t + 1: an image token's features where it is one.
+            mtp_embeds = self._image_embeds(mtp_runs, [r.mtp_row() for r in mtp_runs],
+                                            lambda r: (r.mtp_start + 1, r.mtp_end + 1))
+            self.speculator.prefill_mtp(hidden, batch, rows, self.mtp_prefill_graphs, mtp_embeds)
         prompt_scores = self._score_prompt(hidden, rows)
         return (hidden[batch.logits_indices] if any(r.sample for r in rows) else None), prompt_scores
+
+    def _image_embeds(self, rows: Sequence[ScheduledRow], batch_rows: Sequence[Row],
+                      window: Callable[[ScheduledRow], tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """ForwardBatch.embeds of a varlen batch of batch_rows (one for each row, in order),
+        batch row i feeding tokens window(rows[i]) of its request; None when they feed no image
+        token."""
+        if self.images is None:
+            return None
+        offsets = np.cumsum([0] + [len(r.token_ids) for r in batch_rows])
+        windows = [(int(offset), row.request.images, *window(row)) for offset, row in zip(offsets, rows)
+                   if row.request.images is not None]
+        return self.images.embeds(windows) if windows else None
 
     def _score_prompt(self, hidden: torch.Tensor, rows: tuple[ScheduledRow, ...]) -> TokenScores | None:
         """The next prompt token's score at each position of the rows' prompt_logprob_spans, in

@@ -388,7 +388,7 @@ class Scheduler:
         if request.prompt_logprobs is not None and request.fork_of is not None and request.fork_of.prompt_scored:
             request.prompt_logprobs = list(request.fork_of.prompt_logprobs)  # the same prompt, the same scores
         restorable = request.restorable
-        hit = request.resume_from or (self.cache.lookup(request.token_ids(0, restorable)) if restorable else None)
+        hit = request.resume_from or (self.cache.lookup(request.cache_key(restorable)) if restorable else None)
         start = hit.position if hit is not None else 0
         full_hit = start == request.num_tokens
         chunk = 0 if full_hit else self._chunk(request, start, budget)
@@ -440,7 +440,7 @@ class Scheduler:
             if ((position - start) % CHUNK_SIZE and position != end) \
                     or not self.cache.wants_checkpoint(position, request.num_tokens):
                 continue
-            write = self.cache.reserve_write(request.token_ids(0, position), request.block_table,
+            write = self.cache.reserve_write(request.cache_key(position), request.block_table,
                                              ends_tokens=position == request.num_tokens)
             if write is not None:
                 writes.append(write)
@@ -537,9 +537,8 @@ class Scheduler:
         if request.slot is None or committed <= 0 or mtp_position > committed:
             return
         keep = self.blocks.blocks_needed(committed)
-        if self.cache.adopt(request.request_id, request.token_ids(0, committed),
-                            request.token_ids(0, request.num_tokens), mtp_position, request.slot,
-                            request.block_table[:keep]):
+        if self.cache.adopt(request.request_id, request.cache_key(committed), request.cache_key(request.num_tokens),
+                            mtp_position, request.slot, request.block_table[:keep]):
             self.blocks.free(request.block_table[keep:])
             request.slot, request.block_table = None, ()
 

@@ -43,13 +43,14 @@ draft length: the plan says how many drafts each row gets.
 from __future__ import annotations
 
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
 from ..spec import AcceptanceProfile, greedy_accept, sampled_accept
-from .batch import ForwardBatch, Row, device_arrays, row_index, spans
+from .batch import ForwardBatch, device_arrays, row_index, spans
 from .checkpoint_io import CheckpointIO
 from .decode_step import DecodeRows, DecodeStep, RowTokens
 from .models import HybridLM
@@ -318,14 +319,17 @@ class Speculator:
             self.states.pending_counts[slots] = num_accepted.to(torch.int32)
 
     def prefill_mtp(self, hidden: torch.Tensor, batch: ForwardBatch, rows: Sequence[ScheduledRow],
-                    graphs: PrefillGraphs | None = None) -> None:
+                    graphs: PrefillGraphs | None = None,
+                    embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """After the target's forward over prefill chunks (hidden [T, H]): a fresh prefill leaves
         nothing pending, and the MTP runs over each chunk's positions [mtp_start, mtp_end) with
         the target hidden states — this step's for the chunk's own positions, the slot's kept
         ones for the position before the chunk (a restored checkpoint whose MTP was one behind)
         — so the MTP's KV cache stays complete; a chunk that ends the prompt keeps its last
         hidden state for the first catch-up. graphs: the MTP forward's captured graphs (the
-        inputs are gathered into their static buffer), else it runs eagerly."""
+        inputs are gathered into their static buffer), else it runs eagerly; so do runs that
+        read image tokens (embeds: their features, as ForwardBatch.embeds of the MTP's rows)
+        or turn by three positions."""
         decode_tokens = batch.prefill.token_start
         lengths = np.array([len(r.token_ids) for r in rows], dtype=np.int64)
         row_offsets = decode_tokens + np.cumsum(lengths) - lengths       # each row's first token in hidden
@@ -350,18 +354,19 @@ class Speculator:
             keep_slots=slots[sampled],
             keep_index=(row_offsets + lengths - 1)[sampled]), self.device)
         self._set_pending(t["slots"], None)
-        mtp_rows = [Row(r.mtp_token_ids, r.mtp_start, r.slot, r.block_table, num_logits=0) for r in rows
-                    if r.mtp_end > r.mtp_start]
+        mtp_rows = [r.mtp_row() for r in rows if r.mtp_end > r.mtp_start]
         if mtp_rows:
             def fill(inputs: torch.Tensor) -> None:
                 inputs[t["fresh_place"]] = hidden[t["fresh_index"]]
                 if num_kept.any():
                     inputs[t["kept_place"]] = self.states.mtp_hidden[t["kept_slots"], t["kept_depths"]]
 
-            if graphs is None or graphs.run(mtp_rows, fill) is None:
+            graphed = graphs is not None and embeds is None and all(r.rope is None for r in mtp_rows)
+            if not graphed or graphs.run(mtp_rows, fill) is None:
                 inputs = hidden.new_empty(int(num_positions.sum()), hidden.shape[1])
                 fill(inputs)
-                mtp_batch = ForwardBatch.build([], mtp_rows, self.decode.block_size, self.device, commit=True)
+                mtp_batch = replace(ForwardBatch.build([], mtp_rows, self.decode.block_size, self.device, commit=True),
+                                    embeds=embeds)
                 self.model.draft_hidden(mtp_batch.input_ids, inputs, mtp_batch, self.kv)
         if sampled.any():
             self.states.mtp_hidden[t["keep_slots"], 0] = hidden[t["keep_index"]]

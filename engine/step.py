@@ -75,8 +75,17 @@ class ScheduledRow(msgspec.Struct, frozen=True, gc=False):
 
     def forward_row(self) -> Row:
         """The row as the model's varlen batch takes it (known tokens only)."""
+        rope, delta = self.request.rope(self.start_position, self.start_position + len(self.token_ids))
         return Row(self.token_ids, self.start_position, self.slot, self.block_table, num_logits=int(self.sample),
-                   checkpoints=tuple((w.position - self.start_position, w.slot) for w in self.checkpoints))
+                   checkpoints=tuple((w.position - self.start_position, w.slot) for w in self.checkpoints),
+                   rope=rope, rope_delta=delta)
+
+    def mtp_row(self) -> Row:
+        """The MTP's varlen row over positions [mtp_start, mtp_end): each turned as the target
+        turns it, fed the token after it (`mtp_token_ids`)."""
+        rope, delta = self.request.rope(self.mtp_start, self.mtp_end)
+        return Row(self.mtp_token_ids, self.mtp_start, self.slot, self.block_table, num_logits=0, rope=rope,
+                   rope_delta=delta)
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,15 @@ int32). Each row runs q consecutive positions from a start, with token ids by `R
 
 From those, per row r and position j (p = start_r + j, table = slot_tables[slot_r]):
 
-    input_ids[r q + j]    the token id above           positions[r q + j]     p
+    input_ids[r q + j]    the token id above           positions[r q + j]     p + rope_deltas[slot_r]
     slot_mapping[r q + j] table[p // bs] * bs + p % bs context_lens[r]        start_r + q (int32)
     slot_ids[r]           slot_r (int32)               block_tables[r]        table (int32 [W])
 
 with a row's table entries past its context (ceil(context_lens[r] / bs) blocks) zero, scratch
 block 0: no kernel reads them, and the kernel loads none of them (a long max_model_len's table
-is thousands of entries a row, of which a short sequence uses a few).
+is thousands of entries a row, of which a short sequence uses a few). positions are RoPE's:
+rope_deltas [S] int64 (optional, else 0) shifts a slot's by its prompt's images (multimodal
+RoPE: engine/vision/prompt.py); the KV positions behind slot_mapping and context_lens are p.
 
 A row may carry one table entry of its slot (TABLE_COLUMN = c + 1, TABLE_BLOCK = b; 0: none):
 every call reads the row's table with entry c = b, and `feed` writes it into `slot_tables` for
@@ -98,7 +100,8 @@ def feed_reference(packed: torch.Tensor, emitted: torch.Tensor, accepted: torch.
 def decode_metadata_reference(packed: torch.Tensor, slot_tables: torch.Tensor, emitted: torch.Tensor,
                               accepted: torch.Tensor, last_positions: torch.Tensor, block_size: int,
                               num_positions: int, tokens: RowTokens, extra: torch.Tensor | None = None,
-                              offset: int = 0, feed: bool = False) -> DecodeMetadata:
+                              offset: int = 0, feed: bool = False,
+                              rope_deltas: torch.Tensor | None = None) -> DecodeMetadata:
     """packed [B, 10 + C] int64 (fed rows completed and rows' table entries written into
     slot_tables in place when feed); slot_tables [S, W] int32; emitted [E, R], accepted [R],
     last_positions [R] int64: the latest step's outputs; extra [B, >= q - 1 or q] int64 (NEWEST,
@@ -123,17 +126,18 @@ def decode_metadata_reference(packed: torch.Tensor, slot_tables: torch.Tensor, e
     tables = torch.where(own, packed[:, TABLE_BLOCK, None].to(tables.dtype), tables)
     blocks = tables.gather(1, positions // block_size).long()
     used = torch.arange(tables.shape[1], device=packed.device) < (context_lens[:, None] + block_size - 1) // block_size
-    return DecodeMetadata(input_ids.reshape(-1), positions.reshape(-1),
+    rope = positions if rope_deltas is None else positions + rope_deltas[slots][:, None]
+    return DecodeMetadata(input_ids.reshape(-1), rope.reshape(-1),
                           (blocks * block_size + positions % block_size).reshape(-1), context_lens.to(torch.int32),
                           slots.to(torch.int32), tables.masked_fill(~used, 0))
 
 
 @triton.jit(do_not_specialize=["offset"])
-def _decode_metadata_kernel(packed, emitted, accepted, last_positions, slot_tables, extra,
+def _decode_metadata_kernel(packed, emitted, accepted, last_positions, slot_tables, extra, rope_deltas,
                             input_ids, positions, slot_mapping, context_lens, slot_ids, block_tables,
                             stride_packed, stride_emitted, stride_tables, stride_extra, num_positions, table_width,
                             block_size, offset, TOKENS: tl.constexpr, FEED: tl.constexpr, CATCH_UP: tl.constexpr,
-                            BLOCK_Q: tl.constexpr, BLOCK_W: tl.constexpr):
+                            ROPE_DELTA: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_W: tl.constexpr):
     """Program r: row r's metadata (the module docstring). Fed values and the appended table
     entry stay in registers once derived (a store then a load of the same address within a
     program is not ordered)."""
@@ -183,7 +187,10 @@ def _decode_metadata_kernel(packed, emitted, accepted, last_positions, slot_tabl
     p = start + j
     out = row * num_positions + j
     tl.store(input_ids + out, ids, mask=inside)
-    tl.store(positions + out, p, mask=inside)
+    if ROPE_DELTA:
+        tl.store(positions + out, p + tl.load(rope_deltas + slot), mask=inside)
+    else:
+        tl.store(positions + out, p, mask=inside)
     index = p // block_size
     block = tl.load(table + index, mask=inside & (index < table_width), other=0)
     block = tl.where(index == appended, appended_block, block).to(tl.int64)
@@ -226,7 +233,8 @@ def _check_decode_metadata_args(packed, slot_tables, emitted, accepted, last_pos
 
 def decode_metadata(packed: torch.Tensor, slot_tables: torch.Tensor, emitted: torch.Tensor, accepted: torch.Tensor,
                     last_positions: torch.Tensor, block_size: int, num_positions: int, tokens: RowTokens,
-                    extra: torch.Tensor | None = None, offset: int = 0, feed: bool = False) -> DecodeMetadata:
+                    extra: torch.Tensor | None = None, offset: int = 0, feed: bool = False,
+                    rope_deltas: torch.Tensor | None = None) -> DecodeMetadata:
     """Triton decode_metadata_reference: one launch, grid (B,), shapes only (CUDA-graph safe)."""
     _check_decode_metadata_args(packed, slot_tables, emitted, accepted, last_positions, block_size, num_positions,
                                 tokens, extra)
@@ -242,11 +250,14 @@ def decode_metadata(packed: torch.Tensor, slot_tables: torch.Tensor, emitted: to
         block_tables=torch.empty(num_rows, table_width, dtype=torch.int32, device=device))
     if num_rows == 0:
         return meta
+    assert rope_deltas is None or (rope_deltas.dtype == torch.int64 and rope_deltas.shape == slot_tables.shape[:1]
+                                   and rope_deltas.device == device), "rope_deltas: int64 [S] beside slot_tables"
     extra = packed if extra is None else extra  # never read
     _decode_metadata_kernel[(num_rows,)](
-        packed, emitted, accepted, last_positions, slot_tables, extra, *meta, packed.stride(0), emitted.stride(0),
+        packed, emitted, accepted, last_positions, slot_tables, extra,
+        packed if rope_deltas is None else rope_deltas, *meta, packed.stride(0), emitted.stride(0),
         slot_tables.stride(0), extra.stride(0), num_positions, table_width, block_size, offset,
-        TOKENS=int(tokens), FEED=feed, CATCH_UP=catch_up,
+        TOKENS=int(tokens), FEED=feed, CATCH_UP=catch_up, ROPE_DELTA=rope_deltas is not None,
         BLOCK_Q=triton.next_power_of_2(max(num_positions, catch_up, 2)),
         BLOCK_W=min(1024, triton.next_power_of_2(max(table_width, 2))), num_warps=4)
     return meta

@@ -312,13 +312,13 @@ def _rope_kv_epilogue(y, first_col, arrivals, q_weight, k_weight, q_out, positio
         head = first_col // (2 * D)
         if first_col % (2 * D) < D:
             if last_to_arrive(arrivals + head, D // BLOCK_N):
-                partner, cos, sin = rope_factors(positions, 0, inv_freq, attention_factor, R, D)
+                partner, cos, sin = rope_factors(positions, 0, inv_freq, attention_factor, R, D, 0, 0, 0)
                 norm_rope_head(y + head * 2 * D, q_weight, q_out + head * D, partner, cos, sin, eps, D, D)
                 reset_arrivals(arrivals + head)
     elif first_col < QUERIES + HKV * D:
         kv_head = (first_col - QUERIES) // D
         if last_to_arrive(arrivals + HQ + kv_head, D // BLOCK_N):
-            partner, cos, sin = rope_factors(positions, 0, inv_freq, attention_factor, R, D)
+            partner, cos, sin = rope_factors(positions, 0, inv_freq, attention_factor, R, D, 0, 0, 0)
             at = pool_offset(slot_mapping, 0, kv_head, stride_block, stride_offset, stride_head, BLOCK_SIZE)
             norm_rope_head(y + QUERIES + kv_head * D, k_weight, k_cache + at, partner, cos, sin, eps, D, D)
             reset_arrivals(arrivals + HQ + kv_head)
@@ -701,7 +701,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, norm_eps: float | None = No
     head = 0 if gated_norm is None else gated_norm.weight.shape[0]
     if num_rows == 1 and head == triton.next_power_of_2(head):  # the kernel's heads: powers of two
         config = gemv_config(weight_rows, in_features, device, glu, x.element_size())
-        if config is not None and (rope_kv is None or _rope_fits(rope_kv.q_weight.shape[0], config)):
+        if config is not None and (rope_kv is None or (rope_kv.positions.dim() == 1
+                                                      and _rope_fits(rope_kv.q_weight.shape[0], config))):
             y = residual if residual is not None else out if out is not None else \
                 torch.empty((1, weight_rows // 2 if glu else weight_rows), dtype=x.dtype, device=device)
             launch_gemv(y, x, weight, config, norm_eps=norm_eps, glu=glu, residual=residual, conv=conv,

@@ -4,7 +4,10 @@ Gated attention normalises every query and key head with its own `(1 + w)` RMSNo
 rotates only the first `rotary_dim` channels (partial RoPE, Qwen3.5: 0.25 of head_dim) with
 the rotate-half convention: pairs are (i, i + rotary_dim/2). Frequencies are RoPE's
 theta^(-2i / rotary_dim), or YaRN's blend of those and their interpolation (`Yarn`, with its
-cos/sin scale, as HF's `_compute_yarn_parameters`). `qk_norm_rope_reference` is the torch
+cos/sin scale, as HF's `_compute_yarn_parameters`). Positions are one per token [T], or three
+[3, T] (multimodal RoPE of image tokens: temporal, height, width; engine/vision/prompt.py),
+frequency i then turning by the position of axis `mrope_axis(i)` (Qwen3.5's interleaved
+sections). `qk_norm_rope_reference` is the torch
 oracle of the norm and rotation. `QKNormRopeKV` is all the attention does between its qkv
 projection and attending: q normalised and rotated, k normalised, rotated and stored with v into
 the KV pool by slot. `qk_norm_rope_kv` runs it as one Triton launch, a program per (token, head);
@@ -70,10 +73,27 @@ def rope_inv_freq(rotary_dim: int, theta: float, device: torch.device | str, yar
     return inv_freq / yarn.factor * (1 - extrapolated) + inv_freq * extrapolated
 
 
-def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float,
-                 yarn: Yarn | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions: [T] -> cos, sin: [T, rotary_dim // 2] float32 (times YaRN's attention factor)."""
-    freqs = positions.float()[:, None] * rope_inv_freq(rotary_dim, theta, positions.device, yarn)[None, :]
+def mrope_axes(rotary_dim: int, mrope_section: tuple[int, ...]) -> torch.Tensor:
+    """[rotary_dim // 2] int64: the axis (0 temporal, 1 height, 2 width) whose position turns
+    frequency i under interleaved multimodal RoPE (HF Qwen3.5's `recomposition_frequencies`):
+    height at i = 1 mod 3 below 3 * section[1], width at i = 2 mod 3 below 3 * section[2], the
+    temporal axis elsewhere."""
+    i = torch.arange(rotary_dim // 2)
+    height, width = 3 * mrope_section[1], 3 * mrope_section[2]
+    return torch.where((i % 3 == 1) & (i < height), 1, torch.where((i % 3 == 2) & (i < width), 2, 0))
+
+
+def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, yarn: Yarn | None = None,
+                 mrope_section: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: [T], or [3, T] with mrope_section -> cos, sin: [T, rotary_dim // 2] float32
+    (times YaRN's attention factor)."""
+    inv_freq = rope_inv_freq(rotary_dim, theta, positions.device, yarn)[None, :]
+    if positions.dim() == 2:
+        assert positions.shape[0] == 3 and len(mrope_section) == 3, "[3, T] positions need an mrope_section"
+        axes = mrope_axes(rotary_dim, mrope_section).to(positions.device)
+        freqs = positions.float().T.gather(1, axes[None, :].expand(positions.shape[1], -1)) * inv_freq
+    else:
+        freqs = positions.float()[:, None] * inv_freq
     if yarn is None:
         return freqs.cos(), freqs.sin()
     return freqs.cos() * yarn.attention_factor, freqs.sin() * yarn.attention_factor
@@ -95,9 +115,11 @@ def _norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: to
 
 def qk_norm_rope_reference(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
                            k_weight: torch.Tensor, positions: torch.Tensor, rotary_dim: int,
-                           theta: float, eps: float, yarn: Yarn | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [T, Hq, D], k: [T, Hk, D], positions: [T]. Returns normalised, rotated (q, k)."""
-    cos, sin = rope_cos_sin(positions, rotary_dim, theta, yarn)
+                           theta: float, eps: float, yarn: Yarn | None = None,
+                           mrope_section: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, Hq, D], k: [T, Hk, D], positions: [T] (or [3, T]: rope_cos_sin). Returns
+    normalised, rotated (q, k)."""
+    cos, sin = rope_cos_sin(positions, rotary_dim, theta, yarn, mrope_section)
     return _norm_rope(q, q_weight, cos, sin, eps), _norm_rope(k, k_weight, cos, sin, eps)
 
 
@@ -108,7 +130,8 @@ class QKNormRopeKV(NamedTuple):
     each key head normalised with k_weight, rotated and stored, with its value head, into the KV
     pool (k_cache, v_cache [blocks, block_size, Hkv, D]) at slot_mapping [T] (flat block *
     block_size + offset). qkv itself is left as it was. Run after the projection
-    (qk_norm_rope_kv) or by it (kernels/linear.py, one row); q_out is the caller's."""
+    (qk_norm_rope_kv) or by it (kernels/linear.py, one row, positions [T]); q_out is the
+    caller's. positions [3, T] (image tokens' multimodal RoPE) take mrope_section."""
     q_out: torch.Tensor
     q_weight: torch.Tensor
     k_weight: torch.Tensor
@@ -120,6 +143,7 @@ class QKNormRopeKV(NamedTuple):
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     slot_mapping: torch.Tensor
+    mrope_section: tuple[int, ...] = ()
 
     @property
     def attention_factor(self) -> float:
@@ -145,7 +169,7 @@ def qk_norm_rope_kv_reference(qkv: torch.Tensor, spec: QKNormRopeKV) -> None:
     q = qkv[:, :2 * hq * d].view(num_tokens, hq, 2 * d)[..., :d]
     k, v = qkv[:, 2 * hq * d:].view(num_tokens, 2, hkv, d).unbind(1)
     q, k = qk_norm_rope_reference(q, k, spec.q_weight, spec.k_weight, spec.positions, spec.rotary_dim, spec.theta,
-                                  spec.eps, spec.yarn)
+                                  spec.eps, spec.yarn, spec.mrope_section)
     spec.q_out.copy_(q)
     write_kv_reference(k, v, spec.k_cache, spec.v_cache, spec.slot_mapping)
 
@@ -155,18 +179,26 @@ def qk_norm_rope_kv_reference(qkv: torch.Tensor, spec: QKNormRopeKV) -> None:
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def rope_factors(positions, t, inv_freq, attention_factor, R: tl.constexpr, BD: tl.constexpr):
+def rope_factors(positions, t, inv_freq, attention_factor, R: tl.constexpr, BD: tl.constexpr,
+                 axis_stride, MROPE_HEIGHT: tl.constexpr, MROPE_WIDTH: tl.constexpr):
     """(partner, cos, sin) [BD] of token t: channel i < R/2 pairs with i + R/2 (out = x1 c - x2 s),
     R/2 <= i < R with i - R/2 (out = x2 c + x1 s), so sin carries the sign; angle = position *
     inv_freq[i mod R/2] in float32, as the reference; the rotary channels' cos and sin scaled by
-    attention_factor (YaRN; 1.0 otherwise); channels >= R: cos 1, sin 0."""
+    attention_factor (YaRN; 1.0 otherwise); channels >= R: cos 1, sin 0. MROPE_HEIGHT > 0:
+    positions [3, axis_stride], frequency f turned by axis mrope_axes(f) (height at f = 1 mod 3
+    below MROPE_HEIGHT, width at f = 2 mod 3 below MROPE_WIDTH, else temporal)."""
     offs = tl.arange(0, BD)
     half = R // 2
     rotary = offs < R
     first = offs < half
     partner = tl.where(rotary, tl.where(first, offs + half, offs - half), offs)
-    freq = tl.load(inv_freq + tl.where(first, offs, offs - half), mask=rotary, other=0.0)
-    angle = tl.load(positions + t).to(tl.float32) * freq
+    f = tl.where(first, offs, offs - half)
+    freq = tl.load(inv_freq + f, mask=rotary, other=0.0)
+    if MROPE_HEIGHT > 0:
+        axis = tl.where((f % 3 == 1) & (f < MROPE_HEIGHT), 1, tl.where((f % 3 == 2) & (f < MROPE_WIDTH), 2, 0))
+        angle = tl.load(positions + axis * axis_stride + t).to(tl.float32) * freq
+    else:
+        angle = tl.load(positions + t).to(tl.float32) * freq
     cos = tl.where(rotary, tl.cos(angle) * attention_factor, 1.0)
     sin = tl.where(rotary, tl.where(first, -1.0, 1.0) * tl.sin(angle) * attention_factor, 0.0)
     return partner, cos, sin
@@ -201,15 +233,17 @@ def pool_offset(slot_mapping, t, kv_head, stride_block, stride_offset, stride_he
 @triton.jit
 def _qk_norm_rope_kv_kernel(qkv, q_weight, k_weight, q_out, positions, inv_freq, k_cache, v_cache, slot_mapping,
                             stride_t, stride_q_t, stride_block, stride_offset, stride_head, eps, attention_factor,
-                            HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-                            BD: tl.constexpr, BLOCK_SIZE: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
+                            axis_stride, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+                            BD: tl.constexpr, BLOCK_SIZE: tl.constexpr, MROPE_HEIGHT: tl.constexpr,
+                            MROPE_WIDTH: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
     """Program (token t, head h): h < HQ the query head h into q_out; else KV head h - HQ, its
     key normalised and rotated and its value copied into the pool. A head a program: a decode
     token's heads run side by side, not one after another."""
     dependent_prologue(DEPENDENT_LAUNCH)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    partner, cos, sin = rope_factors(positions, t, inv_freq, attention_factor, R, BD)
+    partner, cos, sin = rope_factors(positions, t, inv_freq, attention_factor, R, BD, axis_stride, MROPE_HEIGHT,
+                                     MROPE_WIDTH)
     row = qkv + t * stride_t
     if h < HQ:
         norm_rope_head(row + h * 2 * D, q_weight, q_out + t * stride_q_t + h * D, partner, cos, sin, eps, D, BD)
@@ -238,8 +272,10 @@ def check_qk_norm_rope_kv_args(qkv: torch.Tensor, spec: QKNormRopeKV) -> tuple[i
         and spec.k_weight.is_contiguous(), "q_weight, k_weight: contiguous [D]"
     assert spec.q_out.shape == (num_tokens, hq, d) and spec.q_out.dtype == qkv.dtype \
         and spec.q_out.stride(2) == 1 and spec.q_out.stride(1) == d, "q_out: [T, Hq, D] in qkv's dtype, heads packed"
-    assert spec.positions.shape == (num_tokens,) and spec.positions.is_contiguous() \
-        and not spec.positions.is_floating_point(), "positions: contiguous [T] integers"
+    assert spec.positions.shape[-1:] == (num_tokens,) and spec.positions.is_contiguous() \
+        and not spec.positions.is_floating_point(), "positions: contiguous [T] or [3, T] integers"
+    assert spec.positions.dim() == 1 or (spec.positions.shape[0] == 3 and len(spec.mrope_section) == 3), \
+        "positions [3, T] (multimodal RoPE) need a 3-axis mrope_section"
     assert spec.rotary_dim % 2 == 0 and 0 < spec.rotary_dim <= d, f"rotary_dim {spec.rotary_dim}: even, in (0, D]"
     k_cache, v_cache = spec.k_cache, spec.v_cache
     check_pool(k_cache, v_cache)
@@ -249,6 +285,13 @@ def check_qk_norm_rope_kv_args(qkv: torch.Tensor, spec: QKNormRopeKV) -> tuple[i
     assert len({t.device for t in (qkv, spec.q_out, k_cache, v_cache, spec.positions, spec.slot_mapping)}) == 1, \
         "qkv, q_out, the pool, positions and slot_mapping on one device"
     return hq, hkv, d
+
+
+def _mrope_bounds(spec: QKNormRopeKV) -> dict[str, int]:
+    """rope_factors' MROPE_HEIGHT / MROPE_WIDTH: 0 (one position a token) unless positions are [3, T]."""
+    if spec.positions.dim() == 1:
+        return dict(MROPE_HEIGHT=0, MROPE_WIDTH=0)
+    return dict(MROPE_HEIGHT=3 * spec.mrope_section[1], MROPE_WIDTH=3 * spec.mrope_section[2])
 
 
 def qk_norm_rope_kv(qkv: torch.Tensor, spec: QKNormRopeKV) -> None:
@@ -261,6 +304,6 @@ def qk_norm_rope_kv(qkv: torch.Tensor, spec: QKNormRopeKV) -> None:
     _qk_norm_rope_kv_kernel[(num_tokens, hq + hkv)](
         qkv, spec.q_weight, spec.k_weight, spec.q_out, spec.positions, spec.inv_freq(qkv.device), k_cache,
         spec.v_cache, spec.slot_mapping, qkv.stride(0), spec.q_out.stride(0), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), spec.eps, spec.attention_factor,
+        k_cache.stride(2), spec.eps, spec.attention_factor, num_tokens,
         HQ=hq, HKV=hkv, D=d, R=spec.rotary_dim, BD=triton.next_power_of_2(d), BLOCK_SIZE=k_cache.shape[1],
-        num_warps=max(1, min(4, d // 64)), **pdl(qkv.device))
+        **_mrope_bounds(spec), num_warps=max(1, min(4, d // 64)), **pdl(qkv.device))

@@ -53,8 +53,14 @@ CORPUS = (
 )
 
 
-def make_tokenizer(directory: Path, vocab_size: int = 384) -> Path:
-    """Train the test tokenizer into `directory` (tokenizer.json + tokenizer_config.json)."""
+# Qwen3.5's vision tokens (a vision-language checkpoint's tokenizer has them; `make_vision_checkpoint`).
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def make_tokenizer(directory: Path, vocab_size: int = 384, extra_special: tuple[str, ...] = (),
+                   chat_template: str | None = None) -> Path:
+    """Train the test tokenizer into `directory` (tokenizer.json + tokenizer_config.json);
+    extra_special: special tokens after the ChatML ones; chat_template: in place of ChatML's."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer(models.BPE())
@@ -62,7 +68,7 @@ def make_tokenizer(directory: Path, vocab_size: int = 384) -> Path:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(SPECIAL_TOKENS) + list(extra_special),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -73,7 +79,7 @@ def make_tokenizer(directory: Path, vocab_size: int = 384) -> Path:
         "bos_token": None,
         "eos_token": EOS_TOKEN,
         "pad_token": "<|endoftext|>",
-        "chat_template": CHATML_TEMPLATE,
+        "chat_template": chat_template or CHATML_TEMPLATE,
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return directory
@@ -205,10 +211,9 @@ def _fuse_experts(tensors: dict[str, tuple[str, torch.Tensor]]) -> dict[str, tup
     return result
 
 
-def _mtp_tensors(model: torch.nn.Module, hidden_size: int, copy_last_layer: bool,
+def _mtp_tensors(layers: torch.nn.ModuleList, hidden_size: int, copy_last_layer: bool,
                  generator: torch.Generator) -> dict[str, torch.Tensor]:
     """`mtp.*` weights: fc + three norms + one full-attention decoder layer (fused experts)."""
-    layers = model.model.layers
     last_full = max(i for i, layer in enumerate(layers) if hasattr(layer, "self_attn"))
     layer = copy.deepcopy(layers[last_full])
     if not copy_last_layer:
@@ -371,7 +376,7 @@ def make_checkpoint(
 
     tensors = _read_checkpoint(directory)
     if with_mtp:
-        mtp = _split_experts(_mtp_tensors(model, config.hidden_size, mtp_copy_of_last_layer, generator))
+        mtp = _split_experts(_mtp_tensors(model.model.layers, config.hidden_size, mtp_copy_of_last_layer, generator))
         tensors.update({name: (MTP_SHARD, tensor.to(dtype)) for name, tensor in mtp.items()})
     if moe_layout == "fused":
         tensors = _fuse_experts(tensors)
@@ -392,6 +397,86 @@ def make_checkpoint(
                                         "modules_to_not_convert": [prefix(m) for m in not_converted]}
     config_path.write_text(json.dumps(saved, indent=2))
     return directory
+
+
+# A chat template that places images as Qwen3.5's does (one <|vision_start|><|image_pad|>
+# <|vision_end|> per image part, in order), ChatML otherwise.
+VISION_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] in ('image', 'image_url') or 'image' in part or 'image_url' in part %}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# A tiny Qwen3.5 vision tower: the real patch (16), temporal patch (2) and merge (2) sizes, so
+# the real processor's arithmetic applies; an 8 x 8 learned position grid.
+VISION_DEFAULTS = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, in_channels=3, patch_size=16,
+                       temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=64)
+# Small images for the CPU: 32 x 32 to 128 x 128 pixels (1 to 16 tokens).
+VISION_PREPROCESSOR = {"size": {"shortest_edge": 32 * 32, "longest_edge": 128 * 128}, "patch_size": 16,
+                       "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
+                       "image_std": [0.5, 0.5, 0.5], "image_processor_type": "Qwen2VLImageProcessor"}
+
+
+def make_vision_checkpoint(directory: Path, *, seed: int = 0, with_mtp: bool = True,
+                           dtype: torch.dtype = torch.float32, mrope_section: tuple[int, int, int] = (2, 1, 1),
+                           **config_overrides) -> Path:
+    """A tiny random Qwen3.5 vision-language checkpoint (`Qwen3_5ForConditionalGeneration`: the
+    language model under `model.language_model.*`, the vision tower under `model.visual.*`),
+    saved by HF, with `mtp.*` weights beside it, a tokenizer holding the vision tokens, a chat
+    template that places images and a preprocessor_config.json for small images.
+    mrope_section: the text model's multimodal RoPE sections (frequencies per axis);
+    config_overrides go to the text config."""
+    import transformers
+
+    directory = Path(directory)
+    make_tokenizer(directory, extra_special=VISION_TOKENS, chat_template=VISION_CHAT_TEMPLATE)
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    ids = {token: tokenizer.token_to_id(token) for token in VISION_TOKENS}
+    text = {**COMMON_DEFAULTS, "eos_token_id": tokenizer.token_to_id(EOS_TOKEN), "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                "mrope_section": list(mrope_section), "mrope_interleaved": True},
+            **config_overrides}
+    vision = {**VISION_DEFAULTS, "out_hidden_size": text["hidden_size"]}
+    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision,
+                                        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                                        vision_start_token_id=ids["<|vision_start|>"],
+                                        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    model = transformers.Qwen3_5ForConditionalGeneration(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            parameter.copy_(_random_vision_parameter(name, parameter.shape, generator)
+                            if ".visual." in f".{name}" else _random_parameter(name, parameter.shape, generator))
+    model.to(dtype)
+    model.save_pretrained(directory, safe_serialization=True)
+    if with_mtp:
+        tensors = _read_checkpoint(directory)
+        mtp = _mtp_tensors(model.model.language_model.layers, text["hidden_size"], False, generator)
+        tensors.update({name: (MTP_SHARD, tensor.to(dtype)) for name, tensor in mtp.items()})
+        _write_checkpoint(directory, tensors)
+        config_path = directory / "config.json"
+        saved = json.loads(config_path.read_text())
+        saved["text_config"]["mtp_num_hidden_layers"] = 1
+        config_path.write_text(json.dumps(saved, indent=2))
+    (directory / "preprocessor_config.json").write_text(json.dumps(VISION_PREPROCESSOR, indent=2))
+    return directory
+
+
+def _random_vision_parameter(name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
+    """LayerNorms near (1, 0), biases small, the rest at 1/sqrt(fan-in): O(1) activations."""
+    normal = torch.randn(shape, generator=generator)
+    if "norm" in name:
+        return (1.0 + 0.1 * normal) if name.endswith("weight") else 0.1 * normal
+    if name.endswith("bias"):
+        return 0.1 * normal
+    if name.endswith("pos_embed.weight"):
+        return 0.5 * normal
+    fan_in = math.prod(shape[1:]) if len(shape) > 1 else shape[0]
+    return normal / math.sqrt(fan_in)
 
 
 if __name__ == "__main__":

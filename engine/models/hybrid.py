@@ -97,6 +97,8 @@ class HybridLM(nn.Module):
     def forward(self, batch: ForwardBatch, states: StatePool, kv: KVPool) -> torch.Tensor:
         """Returns the final (post-norm) hidden state of every token: [T, H]."""
         x, residual = self.embed(batch.input_ids), None
+        if batch.embeds is not None:  # image tokens take the vision encoder's outputs
+            x[batch.embeds[0]] = batch.embeds[1]
         stream_form = self.stream_form(x.shape[0])
         gdn_states, kv_layers = iter(states.layers), iter(kv.layers)
         for layer, kind in zip(self.layers, self.config.layer_types):
@@ -194,4 +196,4 @@ class HybridLM(nn.Module):
         kv_layer = kv.layers[len(self.config.attention_layer_ids) + mtp_layer]
         return self.mtp(input_ids, hidden, self.embed, batch, kv_layer, self.ops, self.reduce_norm, mtp_layer,
                         stream_form=self.stream_form(input_ids.shape[0]),
-                        embed_weight=self.embed_tokens if self.tp is None else None)
+                        embed_weight=self.embed_tokens if self.tp is None and batch.embeds is None else None)

@@ -316,7 +316,7 @@ class GatedAttention(nn.Module):
         hq, d = c.num_attention_heads, c.head_dim
         q = torch.empty(num_tokens, hq, d, dtype=self.q_norm.dtype, device=kv.k_cache.device)  # the model's dtype
         rope_kv = QKNormRopeKV(q, self.q_norm, self.k_norm, batch.positions, c.rotary_dim, c.rope_theta,
-                               c.rms_norm_eps, c.yarn, kv.k_cache, kv.v_cache, batch.slot_mapping)
+                               c.rms_norm_eps, c.yarn, kv.k_cache, kv.v_cache, batch.slot_mapping, c.mrope_section)
         qkv = self.qkv_proj(x, ops, rope_kv=rope_kv)     # q normalised and rotated, k and v in the pool
         gate = qkv[:, :self.splits[0]].view(num_tokens, hq, 2 * d)[..., d:]
         # attention * sigmoid(gate), the gate applied by the kernel that stores the output

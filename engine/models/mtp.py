@@ -46,7 +46,8 @@ class MTP(nn.Module):
                 stream_form: bool = False, embed_weight: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [T] (x_{t+1}), hidden [T, H] (h_t) -> post-norm MTP hidden [T, H].
         embed: the target's token embedding; embed_weight: its table [V, H] where embed is that
-        table's plain row gather (one device), None where it is not (vocabulary-parallel);
+        table's plain row gather (one device) and batch.embeds replace none of its rows, else
+        None;
         reduce_norm: the target's (layers.DecoderLayer); stream_form: the layer in the
         residual-stream form (HybridLM.stream_form).
         batch carries positions t and the MTP layer's KV metadata."""
@@ -54,7 +55,10 @@ class MTP(nn.Module):
             x = ops.mtp_input(input_ids, embed_weight, hidden, self.pre_fc_norm_embedding, self.pre_fc_norm_hidden,
                               self.eps)
         else:
-            embedded, _ = ops.rms_norm(embed(input_ids), self.pre_fc_norm_embedding, self.eps)
+            embedded = embed(input_ids)
+            if batch.embeds is not None:  # an image token's input is its vision encoder output
+                embedded[batch.embeds[0]] = batch.embeds[1]
+            embedded, _ = ops.rms_norm(embedded, self.pre_fc_norm_embedding, self.eps)
             normed, _ = ops.rms_norm(hidden, self.pre_fc_norm_hidden, self.eps)
             x = torch.cat([embedded, normed], dim=-1)
         x, residual = self.fc(x, ops), None

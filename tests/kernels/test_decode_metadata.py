@@ -166,6 +166,25 @@ def test_triton_gathers_tables_wider_than_a_tile(kernel_device, poisoned_empty):
     assert all(torch.equal(getattr(meta, name), values) for name, values in reference._asdict().items())
 
 
+@pytest.mark.parametrize("catch_up,tokens,num_positions,offset", CALLS[:3])
+def test_rope_deltas_shift_positions_only(kernel_device, poisoned_empty, catch_up, tokens, num_positions, offset):
+    """Each slot's RoPE shift (a prompt's images) added to its rows' positions, by the kernel as
+    by the reference; the KV metadata (slot_mapping, context_lens, tables) as without it."""
+    case = random_case(8, catch_up, 4, seed=41 + num_positions, device=kernel_device)
+    extra = extra_ids(8, 41, kernel_device)
+    deltas = torch.randint(-500, 500, (NUM_SLOTS,), generator=torch.Generator().manual_seed(42)).to(kernel_device)
+    args = dict(num_positions=num_positions, tokens=tokens, extra=extra, offset=offset)
+    shifted = poisoned_empty(decode_metadata, **case, **args, rope_deltas=deltas)
+    reference = REFERENCE_OPS.decode_metadata(**case, **args, rope_deltas=deltas)
+    plain = REFERENCE_OPS.decode_metadata(**case, **args)
+    for name, values in reference._asdict().items():
+        assert torch.equal(getattr(shifted, name), values), name
+    slots = case["packed"][:, SLOT].repeat_interleave(num_positions)
+    assert torch.equal(shifted.positions, plain.positions + deltas[slots])
+    for name in ("input_ids", "slot_mapping", "context_lens", "slot_ids", "block_tables"):
+        assert torch.equal(getattr(shifted, name), getattr(plain, name)), name
+
+
 def test_bad_arguments_are_refused():
     case = random_case(2, 4, 16, seed=1)
     with pytest.raises(AssertionError):  # the catch-up runs all C positions

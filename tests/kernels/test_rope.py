@@ -23,7 +23,7 @@ import torch
 
 from deltaspec.kernels.linear import launch_gemv, linear, linear_reference
 from deltaspec.kernels.rope import (QKNormRopeKV, Yarn, qk_norm_rope_kv, qk_norm_rope_kv_reference,
-                                   qk_norm_rope_reference)
+                                   qk_norm_rope_reference, rope_cos_sin)
 from deltaspec.kernels.tiles import TileConfig
 from kernel_helpers import TOLERANCE, assert_close, assert_close_elementwise, naive_rms, rope_kv_case, run_rope_kv
 
@@ -190,3 +190,56 @@ def test_qk_norm_rope_kv_into_an_fp8_pool(kernel_device, dtype):
     for pool in ("k_cache", "v_cache"):
         assert torch.equal(flat(getattr(actual, pool))[others].view(torch.uint8),
                            flat(getattr(spec, pool))[others].view(torch.uint8)), pool
+
+
+# ----------------------------------------------------------------------------------------------
+# Multimodal RoPE: positions [3, T] (image tokens), frequencies by interleaved axis sections
+# ----------------------------------------------------------------------------------------------
+
+def hf_interleaved_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float,
+                           section: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF Qwen3.5's Qwen3_5TextRotaryEmbedding.forward + recomposition_frequencies, restated:
+    the temporal axis' angles, overwritten at index 1::3 (< 3 section[1]) by the height axis',
+    at 2::3 (< 3 section[2]) by the width axis'."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+    freqs = positions[..., None].float() * inv_freq                                     # [3, T, R/2]
+    mixed = freqs[0].clone()
+    for axis, offset in ((1, 1), (2, 2)):
+        mixed[..., offset:section[axis] * 3:3] = freqs[axis][..., offset:section[axis] * 3:3]
+    return mixed.cos(), mixed.sin()
+
+
+@pytest.mark.parametrize("rotary_dim,section", [(64, (11, 11, 10)), (16, (11, 11, 10)), (32, (4, 6, 6))])
+def test_mrope_cos_sin_matches_hf(rotary_dim, section):
+    """rope_cos_sin over [3, T] positions (each axis different) equals HF's interleaved
+    recomposition; equal axes give plain RoPE of that position."""
+    gen = torch.Generator().manual_seed(11)
+    positions = torch.randint(0, 4000, (3, 9), generator=gen)
+    cos, sin = rope_cos_sin(positions, rotary_dim, 10_000.0, mrope_section=section)
+    hf_cos, hf_sin = hf_interleaved_cos_sin(positions, rotary_dim, 10_000.0, section)
+    assert torch.equal(cos, hf_cos) and torch.equal(sin, hf_sin)
+    same = positions[:1].expand(3, -1)
+    assert torch.equal(rope_cos_sin(same, rotary_dim, 10_000.0, mrope_section=section)[0],
+                       rope_cos_sin(positions[0], rotary_dim, 10_000.0)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_qk_norm_rope_kv_mrope(kernel_device, dtype):
+    """The kernel turning each frequency by its axis' position ([3, T] positions) against the
+    reference; the axes differ, so a kernel reading one axis for all fails."""
+    qkv, spec = rope_kv_case(kernel_device, dtype, 7, 4, 2, 64, 3000, seed=101, rotary_dim=32)
+    gen = torch.Generator().manual_seed(102)
+    positions = torch.randint(0, 3000, (3, 7), generator=gen).to(kernel_device)
+    spec = spec._replace(positions=positions, mrope_section=(5, 6, 5))
+    expected = run_rope_kv(qk_norm_rope_kv_reference, qkv, spec)
+    assert_rope_kv_close(run_rope_kv(qk_norm_rope_kv, qkv, spec), expected, spec.slot_mapping, "mrope")
+    first_axis = run_rope_kv(qk_norm_rope_kv_reference, qkv, spec._replace(positions=positions[0].contiguous()))
+    assert not torch.allclose(first_axis.q_out, expected.q_out)
+    # The projection's one-row form runs [3, T] positions' rope after it, not in its epilogue.
+    _, one = rope_kv_case(kernel_device, torch.float32, 1, 4, 2, 32, 3000, seed=103, rotary_dim=16)
+    one = one._replace(positions=torch.tensor([[5], [9], [2]], device=kernel_device), mrope_section=(3, 3, 2))
+    weight = (torch.randn((2 * 4 + 2 * 2) * 32, 64, generator=gen) / 8).to(kernel_device)
+    x = torch.randn(1, 64, generator=gen).to(kernel_device)
+    expected = run_rope_kv(lambda _, outputs: linear_reference(x, weight, rope_kv=outputs), None, one)
+    actual = run_rope_kv(lambda _, outputs: linear(x, weight, rope_kv=outputs), None, one)
+    assert_rope_kv_close(actual, expected, one.slot_mapping, "one row, [3, 1] positions", values_exact=False)

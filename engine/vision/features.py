@@ -1,0 +1,76 @@
+"""The vision encoder's outputs where a step's tokens take them, with a cache of encoded images.
+
+A prefill chunk (or the MTP's run over it) that feeds some of a prompt's image tokens takes, at
+each such token, its image's encoder output for it in place of the token's embedding
+(`ForwardBatch.embeds`). An image is encoded once, when a step first needs any of its tokens,
+and kept on the device (keyed by its digest) while later chunks of its prompt, the MTP's run
+over them, another choice of the prompt or another request with the same image need it; the
+least recently used are dropped past a byte budget. Knows nothing of scheduling: a step's
+windows say which tokens sit where.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+import torch
+
+from .encoder import VisionEncoder
+from .image import ImageInput
+from .preprocess import ImageProcessor
+from .prompt import PromptImages
+
+# Device bytes of encoder outputs kept between steps. The largest image Qwen3.5's processor
+# makes (16M pixels: 16384 tokens) is 128 MB of features at a hidden size of 4096 in bf16; an
+# image a step needs is kept whatever its size.
+CACHE_BYTES = 256 << 20
+
+# A window of a step's batch: tokens start..end-1 of a request whose prompt holds `images`
+# sit at batch tokens offset.. (offset + end - start - 1).
+Window = tuple[int, PromptImages, int, int]
+
+
+class ImageFeatures:
+    def __init__(self, encoder: VisionEncoder, processor: ImageProcessor, cache_bytes: int = CACHE_BYTES) -> None:
+        self.encoder, self.processor, self.cache_bytes = encoder, processor, cache_bytes
+        self._cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()   # digest -> [tokens, H]
+
+    def embeds(self, windows: Sequence[Window]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(batch token indices [M], embeddings [M, H]) of the image tokens in the windows, or
+        None when they hold none. Images not cached are encoded together, in one call."""
+        pieces = [(offset + images.starts[i] + first - start, images.images[i], first, last)
+                  for offset, images, start, end in windows for i, first, last in images.spans(start, end)]
+        if not pieces:
+            return None
+        needed = {image.digest: image for _, image, _, _ in pieces}
+        self._encode([image for digest, image in needed.items() if digest not in self._cache])
+        for digest in needed:
+            self._cache.move_to_end(digest)
+        device = next(iter(self._cache.values())).device
+        index = torch.cat([torch.arange(at, at + last - first) for at, _, first, last in pieces]).to(device)
+        values = torch.cat([self._cache[image.digest][first:last] for _, image, first, last in pieces])
+        self._evict(keep=needed.keys())
+        return index, values
+
+    def _encode(self, images: list[ImageInput]) -> None:
+        if not images:
+            return
+        grids = [self.processor.grid_thw(image) for image in images]
+        patches = torch.cat([self.processor.patchify(image) for image in images])
+        device = next(self.encoder.parameters()).device
+        features = self.encoder(patches.to(device, non_blocking=True), grids)
+        for image, part in zip(images, features.split([self.processor.num_tokens(i) for i in images])):
+            self._cache[image.digest] = part
+
+    def _evict(self, keep) -> None:
+        total = sum(t.numel() * t.element_size() for t in self._cache.values())
+        for digest in list(self._cache):
+            if total <= self.cache_bytes:
+                break
+            if digest not in keep:
+                total -= self._cache[digest].numel() * self._cache[digest].element_size()
+                del self._cache[digest]
+
+    def clear(self) -> None:
+        self._cache.clear()

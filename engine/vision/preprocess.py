@@ -1,0 +1,321 @@
+"""Image preprocessing for Qwen3.5's vision encoder, bit-exact with Hugging Face's PIL processor.
+
+`ImageProcessor.resize` decodes an image (encoded bytes or a PIL image), converts it to RGB,
+and resizes it with Pillow's bicubic filter to the grid `smart_resize` picks: both sides
+multiples of patch_size * merge_size, the area within [min_pixels, max_pixels]. The result is
+an `ImageInput` (uint8 RGB), what a request carries to the engine. `patchify` turns that into
+the encoder's input: float32 [patches, 3 * temporal_patch_size * patch_size**2], equal bit for
+bit to the `pixel_values` of transformers' `Qwen2VLImageProcessorPil` (rescale by 1/255 in
+float64, cast to float32, normalise in float32, one frame repeated temporal_patch_size times,
+patches ordered in merge_size x merge_size blocks). `num_tokens` and `grid_thw` say how many
+`<|image_pad|>` tokens the image takes and the grid the encoder's rotary positions follow.
+
+Knows the preprocessor's settings (from a checkpoint's config.json and preprocessor_config.json)
+and nothing else: not the encoder's weights, the prompt's layout, nor the engine's scheduling.
+EXIF orientation is not applied: HF's processor does not apply it to the images it is given.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .image import ImageInput
+
+# Pillow's own refusal threshold (2 * Image.MAX_IMAGE_PIXELS by default), fixed here so that a
+# process changing Pillow's global cannot lift it. Checked on the header's size, before
+# decoding: a bomb costs nothing. An image just under it still takes a few GB to decode and
+# convert (RGBA: 4 bytes a pixel, a copy per step of the alpha compositing).
+MAX_DECODED_PIXELS = 178_956_970
+
+# HF's smart_resize refuses images longer than this many times their width (or vice versa).
+MAX_ASPECT_RATIO = 200
+
+# Qwen3.5's `<|image_pad|>`, for config.json files that do not name it.
+QWEN3_5_IMAGE_TOKEN_ID = 248056
+
+# preprocessor_config.json keys whose only supported value is HF's default for Qwen (None: the
+# key is present but unset, which HF also reads as its default). resample 3 is PIL's BICUBIC.
+_FIXED_SETTINGS: dict[str, object] = {
+    "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
+    "rescale_factor": 1 / 255, "resample": int(Image.Resampling.BICUBIC),
+}
+
+
+@dataclass(frozen=True)
+class ImageProcessorConfig:
+    """The preprocessor's settings; the defaults are Qwen3.5's."""
+
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    min_pixels: int = 65_536
+    max_pixels: int = 16_777_216
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels"):
+            value = getattr(self, name)
+            if not _is_int(value) or value <= 0:
+                problems.append(f"{name} must be a positive integer, got {value!r}")
+        if not problems and self.min_pixels > self.max_pixels:
+            problems.append(f"min_pixels {self.min_pixels} exceeds max_pixels {self.max_pixels}")
+        for name in ("image_mean", "image_std"):
+            value = getattr(self, name)
+            if not (isinstance(value, tuple) and len(value) == 3 and all(_is_real(v) for v in value)):
+                problems.append(f"{name} must be a tuple of 3 finite numbers, got {value!r}")
+            elif name == "image_std" and min(value) <= 0:
+                problems.append(f"image_std must be > 0, got {value!r}")
+        if problems:
+            raise ValueError("invalid image processor config: " + "; ".join(problems))
+
+    @property
+    def factor(self) -> int:
+        """What the resized height and width are multiples of: one merged token's side in pixels."""
+        return self.patch_size * self.merge_size
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """HF's Qwen2-VL target size (height, width): each side rounded to a multiple of factor, then
+    scaled (aspect ratio kept) into [min_pixels, max_pixels] when the rounded area falls out of
+    it. The float expressions keep HF's operation order so the floors and ceilings agree."""
+    if height <= 0 or width <= 0:
+        raise ValueError(f"an image needs a positive size, got {width}x{height}")
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ValueError(f"image aspect ratio {max(height, width) / min(height, width):.1f} of {width}x{height} "
+                         f"exceeds {MAX_ASPECT_RATIO}")
+    # round() is Python's, half to even, as in HF.
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+@dataclass(frozen=True)
+class ImageProcessor:
+    """Qwen3.5's image preprocessing with `config`; `image_token_id` is the `<|image_pad|>` token
+    the model replaces with the image's features (num_tokens of them per image)."""
+
+    config: ImageProcessorConfig = field(default_factory=ImageProcessorConfig)
+    image_token_id: int = QWEN3_5_IMAGE_TOKEN_ID
+    # [3, 256] float32: the normalised value of each channel's 256 levels. HF's rescale and
+    # normalise are elementwise, so looking the pixels up gives its result bit for bit without
+    # the float64 temporary HF's rescale makes (8 bytes a subpixel).
+    _levels: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.config, ImageProcessorConfig):
+            raise TypeError(f"config must be an ImageProcessorConfig, got {type(self.config).__name__}")
+        if not _is_int(self.image_token_id) or self.image_token_id < 0:
+            raise ValueError(f"image_token_id must be a non-negative integer, got {self.image_token_id!r}")
+        # HF: rescale = (uint8 as float64 * (1/255)) cast to float32; normalise = (x - mean) / std
+        # with mean and std as float32 arrays, in float32.
+        rescaled = (np.arange(256, dtype=np.float64) * (1 / 255)).astype(np.float32)
+        mean = np.array(self.config.image_mean, dtype=np.float32)[:, None]
+        std = np.array(self.config.image_std, dtype=np.float32)[:, None]
+        levels = (rescaled[None, :] - mean) / std
+        levels.flags.writeable = False
+        object.__setattr__(self, "_levels", levels)
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path) -> ImageProcessor | None:
+        """The checkpoint's preprocessor, None for a text-only checkpoint (config.json without
+        vision_config). preprocessor_config.json, when present, sets the pixel bounds (`size`'s
+        shortest_edge / longest_edge, or the older min_pixels / max_pixels, which win as in HF),
+        means, stds and patch sizes; what it lacks comes from vision_config, then Qwen3.5's
+        defaults. Raises ValueError naming the file and the field for a malformed file."""
+        path = Path(path)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise ValueError(f"no config.json at {path}")
+        raw = _read_json_object(config_file)
+        vision = raw.get("vision_config")
+        if vision is None:
+            return None
+        if not isinstance(vision, dict):
+            raise ValueError(f"{config_file}: vision_config must be an object, got {vision!r}")
+        image_token_id = raw.get("image_token_id", QWEN3_5_IMAGE_TOKEN_ID)
+        if not _is_int(image_token_id) or image_token_id < 0:
+            raise ValueError(f"{config_file}: image_token_id must be a non-negative integer, got {image_token_id!r}")
+        defaults = ImageProcessorConfig()
+        # The encoder's own sizes: its patch embedding and merger are built from them.
+        encoder = {
+            "patch_size": _int_field(vision, "patch_size", defaults.patch_size, config_file, "vision_config."),
+            "temporal_patch_size": _int_field(vision, "temporal_patch_size", defaults.temporal_patch_size,
+                                              config_file, "vision_config."),
+            "merge_size": _int_field(vision, "spatial_merge_size", defaults.merge_size, config_file,
+                                     "vision_config."),
+        }
+
+        preprocessor_file = path / "preprocessor_config.json"
+        pre = _read_json_object(preprocessor_file) if preprocessor_file.is_file() else {}
+        for key, expected in _FIXED_SETTINGS.items():
+            if pre.get(key) is not None and pre[key] != expected:
+                raise ValueError(f"{preprocessor_file}: {key} = {pre[key]!r} is not supported "
+                                 f"(deltaspec preprocesses images with {key} = {expected!r})")
+        sizes = {}
+        for key, value in encoder.items():
+            sizes[key] = _int_field(pre, key, value, preprocessor_file)
+            if sizes[key] != value:
+                raise ValueError(f"{preprocessor_file}: {key} = {sizes[key]} disagrees with "
+                                 f"{config_file}'s vision_config ({value})")
+        size = {} if pre.get("size") is None else pre["size"]
+        if not isinstance(size, dict):
+            raise ValueError(f"{preprocessor_file}: size must be an object, got {size!r}")
+        min_pixels = _int_field(size, "shortest_edge", defaults.min_pixels, preprocessor_file, "size.")
+        max_pixels = _int_field(size, "longest_edge", defaults.max_pixels, preprocessor_file, "size.")
+        try:
+            config = ImageProcessorConfig(
+                **sizes,
+                min_pixels=_int_field(pre, "min_pixels", min_pixels, preprocessor_file),
+                max_pixels=_int_field(pre, "max_pixels", max_pixels, preprocessor_file),
+                image_mean=_channels_field(pre, "image_mean", defaults.image_mean, preprocessor_file),
+                image_std=_channels_field(pre, "image_std", defaults.image_std, preprocessor_file),
+            )
+        except ValueError as e:
+            raise ValueError(f"{preprocessor_file}: {e}") from None
+        return cls(config, image_token_id)
+
+    def with_pixels(self, min_pixels: int | None = None, max_pixels: int | None = None) -> ImageProcessor:
+        """This processor with other pixel bounds (vLLM's mm_processor_kwargs min/max_pixels)."""
+        config = replace(self.config,
+                         min_pixels=self.config.min_pixels if min_pixels is None else min_pixels,
+                         max_pixels=self.config.max_pixels if max_pixels is None else max_pixels)
+        return ImageProcessor(config, self.image_token_id)
+
+    def resize(self, image: bytes | Image.Image) -> ImageInput:
+        """An encoded image (PNG, JPEG, WebP, GIF's first frame, BMP... whatever Pillow reads) or
+        a PIL image, as RGB resized to the encoder's grid. Raises ValueError for bytes Pillow
+        cannot read, an image over MAX_DECODED_PIXELS, or an aspect ratio over 200."""
+        if isinstance(image, (bytes, bytearray, memoryview)):
+            try:
+                decoded = Image.open(io.BytesIO(image))
+            except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+                # The warning only arrives here raised, where warnings are made errors.
+                raise ValueError(f"image too large to decode: {_one_line(e)}") from None
+            except Exception as e:  # Pillow's readers raise many types (OSError, SyntaxError...).
+                raise ValueError(f"not an image Pillow can read: {_one_line(e)}") from None
+        elif isinstance(image, Image.Image):
+            decoded = image
+        else:
+            raise TypeError(f"an image must be bytes or a PIL.Image.Image, got {type(image).__name__}")
+        # The header's size: a bomb or an extreme aspect ratio fails before anything is decoded.
+        width, height = decoded.size
+        if width * height > MAX_DECODED_PIXELS:
+            raise ValueError(f"image of {width}x{height} has more than {MAX_DECODED_PIXELS} pixels")
+        c = self.config
+        new_height, new_width = smart_resize(height, width, c.factor, c.min_pixels, c.max_pixels)
+        try:
+            decoded.load()  # decoding happens here, lazily: a truncated or corrupt file fails now
+        except Exception as e:
+            raise ValueError(f"not an image Pillow can read: {_one_line(e)}") from None
+        try:
+            rgb = _to_rgb(decoded)
+        except ValueError as e:  # a mode Pillow cannot convert (La, ...), as in HF
+            raise ValueError(f"cannot convert a {decoded.mode} image to RGB: {_one_line(e)}") from None
+        # HF resizes the RGB uint8 pixels as a PIL image (reducing_gap None), back to uint8.
+        resized = rgb.resize((new_width, new_height), resample=Image.Resampling.BICUBIC)
+        return ImageInput.of(np.asarray(resized))
+
+    def grid_thw(self, image: ImageInput) -> tuple[int, int, int]:
+        """(temporal, height, width) in patches: temporal 1, the frame repeated
+        temporal_patch_size times fills one temporal patch."""
+        c = self.config
+        if image.height <= 0 or image.width <= 0 or image.height % c.factor or image.width % c.factor:
+            raise ValueError(f"an image of {image.width}x{image.height} is not on the encoder's grid: "
+                             f"height and width must be positive multiples of {c.factor} (resize makes them so)")
+        return 1, image.height // c.patch_size, image.width // c.patch_size
+
+    def num_tokens(self, image: ImageInput) -> int:
+        """The image's `<|image_pad|>` tokens in the prompt: one per merge_size x merge_size patches."""
+        t, h, w = self.grid_thw(image)
+        return t * h * w // self.config.merge_size ** 2
+
+    def patchify(self, image: ImageInput) -> torch.Tensor:
+        """The encoder's input for the image, HF's `pixel_values`: float32
+        [t*h*w, 3 * temporal_patch_size * patch_size**2], rows ordered by merge block (block row,
+        block column, row in block, column in block), each row (channel, frame, y, x)."""
+        _, grid_h, grid_w = self.grid_thw(image)
+        c = self.config
+        p, m = c.patch_size, c.merge_size
+        # [H, W, 3] uint8 -> float32: each subpixel's level looked up in its channel's row.
+        values = self._levels[np.arange(3), image.array()]
+        # [H, W, C] -> [block row, row in block, y, block column, column in block, x, C]
+        blocks = torch.from_numpy(values).view(grid_h // m, m, p, grid_w // m, m, p, 3)
+        # -> [block row, block column, row in block, column in block, C, y, x]
+        blocks = blocks.permute(0, 3, 1, 4, 6, 2, 5)
+        # The frame, repeated along a temporal axis after C: [..., C, T, y, x].
+        frames = blocks.unsqueeze(5).expand(*blocks.shape[:5], c.temporal_patch_size, p, p)
+        return frames.reshape(grid_h * grid_w, 3 * c.temporal_patch_size * p * p)
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    """HF's convert_to_rgb: an image with an alpha band or a transparency key (P, L, RGB with
+    info["transparency"]) is composited onto opaque white; any other mode is Pillow's convert."""
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def _one_line(error: Exception) -> str:
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _read_json_object(path: Path) -> dict:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not readable JSON: {_one_line(e)}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def _int_field(raw: dict, key: str, default: int, path: Path, prefix: str = "") -> int:
+    value = raw.get(key)
+    if value is None:
+        return default
+    if not _is_int(value) or value <= 0:
+        raise ValueError(f"{path}: {prefix}{key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _channels_field(raw: dict, key: str, default: tuple[float, float, float],
+                    path: Path) -> tuple[float, float, float]:
+    """A per-channel value: 3 numbers, or one for all channels (HF accepts both)."""
+    value = raw.get(key)
+    if value is None:
+        return default
+    if _is_real(value):
+        return (float(value),) * 3
+    if isinstance(value, list) and len(value) == 3 and all(_is_real(v) for v in value):
+        return (float(value[0]), float(value[1]), float(value[2]))
+    raise ValueError(f"{path}: {key} must be 3 finite numbers, got {value!r}")

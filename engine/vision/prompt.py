@@ -1,0 +1,140 @@
+"""Where a prompt's images sit, and the multimodal RoPE positions that follow from it.
+
+A prompt names each image with the model's image token (`<|image_pad|>`, as Qwen3.5's chat
+template writes it once per image); the model replaces one such token per merged patch group
+with the vision encoder's output, so each image's token is repeated `num_tokens` times
+(`expand_image_tokens`). An image's tokens form one run; `ImageSpans` records the runs.
+
+Multimodal RoPE (M-RoPE, Qwen2-VL onwards) rotates every token by three positions (temporal,
+height, width). A text token's three are equal: its index plus the shift the images before it
+leave (`delta`). An image of grid (t, h, w) merged to (t, h/m, w/m) gives its token (i, j, k)
+the positions (p + i, p + j, p + k), p the position of the image's first token; the text after
+it continues from p + max(h, w)/m, so the positions fall behind the token indices by
+num_tokens - max(h, w)/m each image. Generated tokens are text: index + delta, one shift for
+the whole request. Knows nothing of pixels or the encoder beyond each image's grid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .image import ImageInput
+
+
+def expand_image_tokens(token_ids: Sequence[int], images: Sequence[ImageInput], image_token_id: int,
+                        num_tokens: Callable[[ImageInput], int]) -> list[int]:
+    """The prompt with image i's token repeated num_tokens(images[i]) times. The prompt holds
+    one image token per image (as a chat template writes them), or already every token of each
+    image in order (returned as it is); any other count is a ValueError naming both."""
+    count = sum(1 for t in token_ids if t == image_token_id)
+    wanted = [num_tokens(image) for image in images]
+    if count == sum(wanted):
+        return list(token_ids)
+    if count != len(images):
+        raise ValueError(f"the prompt holds {count} image tokens ({image_token_id}) for {len(images)} images: one per "
+                         f"image (the chat template's placeholder), or {sum(wanted)} (each image's tokens)")
+    expanded, next_image = [], 0
+    for token in token_ids:
+        if token == image_token_id:
+            expanded += [token] * wanted[next_image]
+            next_image += 1
+        else:
+            expanded.append(token)
+    return expanded
+
+
+# Prefix-cache key ids of image tokens are negative (token ids never are) and derived from the
+# image's digest and the token's index within the image: equal for equal images at equal places,
+# apart for any other image. (2^62: the keys stay int64 however many tokens an image has.)
+_KEY_SPAN = 1 << 62
+
+
+@dataclass(frozen=True, eq=False)
+class PromptImages:
+    """A prompt's images in order: image i's tokens are [starts[i], starts[i] + counts[i]) of
+    the prompt, its patch grid grids[i] (t, h, w), merged merge x merge into a token. positions
+    [3, prompt length] int64: the prompt's multimodal RoPE positions; delta: a token past the
+    prompt turns by its index + delta on every axis."""
+
+    images: tuple[ImageInput, ...]
+    starts: tuple[int, ...]
+    grids: tuple[tuple[int, int, int], ...]
+    merge: int
+    positions: np.ndarray
+    delta: int
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        return tuple(t * h * w // self.merge ** 2 for t, h, w in self.grids)
+
+    @classmethod
+    def place(cls, token_ids: Sequence[int], images: Sequence[ImageInput], image_token_id: int,
+              grids: Sequence[tuple[int, int, int]], merge: int) -> "PromptImages":
+        """Where each image sits in an expanded prompt (`expand_image_tokens`): image i on the
+        next counts[i] image tokens, which must be one run. ValueError otherwise."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        at = np.flatnonzero(ids == image_token_id)
+        counts = [t * h * w // merge ** 2 for t, h, w in grids]
+        if len(at) != sum(counts):
+            raise ValueError(f"the prompt holds {len(at)} image tokens ({image_token_id}); its {len(images)} images "
+                             f"take {sum(counts)}")
+        starts, first = [], 0
+        for i, count in enumerate(counts):
+            run = at[first:first + count]
+            if run[-1] - run[0] != count - 1:
+                raise ValueError(f"image {i}'s {count} tokens are not one run in the prompt")
+            starts.append(int(run[0]))
+            first += count
+        positions, delta = _mrope_positions(len(ids), starts, grids, merge)
+        return cls(tuple(images), tuple(starts), tuple(tuple(g) for g in grids), merge, positions, delta)
+
+    def rope_positions(self, start: int, end: int) -> np.ndarray:
+        """[3, end - start] int64: the positions of tokens start..end-1 (past the prompt: index + delta)."""
+        prompt = self.positions.shape[1]
+        inside = self.positions[:, min(start, prompt):min(end, prompt)]
+        past = np.arange(max(start, prompt), max(end, prompt), dtype=np.int64) + self.delta
+        return np.concatenate([inside, np.broadcast_to(past, (3, len(past)))], axis=1)
+
+    def spans(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """The image tokens among tokens start..end-1: (image, first, last) per image touched,
+        tokens first..last-1 of image `image` (its own numbering), in prompt order."""
+        touched = []
+        for i, (first, count) in enumerate(zip(self.starts, self.counts)):
+            lo, hi = max(start, first), min(end, first + count)
+            if lo < hi:
+                touched.append((i, lo - first, hi - first))
+        return touched
+
+    def key_ids(self, token_ids: Sequence[int]) -> list[int]:
+        """token_ids (the request's first tokens) with each image token replaced by its image's
+        key id for it: the prefix cache's key, so two prompts match only over equal images."""
+        keys = np.asarray(token_ids, dtype=np.int64).copy()
+        for image, first, count in zip(self.images, self.starts, self.counts):
+            stop = min(first + count, len(keys))
+            if first < stop:
+                base = int.from_bytes(image.digest[:8], "little") % _KEY_SPAN
+                keys[first:stop] = -1 - (base + np.arange(stop - first, dtype=np.int64)) % _KEY_SPAN
+        return keys.tolist()
+
+
+def _mrope_positions(length: int, starts: Sequence[int], grids: Sequence[tuple[int, int, int]],
+                     merge: int) -> tuple[np.ndarray, int]:
+    """HF Qwen3.5's get_rope_index for one prompt: text runs count on from the position after
+    the previous run; an image's merged grid (t, h, w) takes (p + i, p + j, p + k) and moves
+    the next position to p + max(h, w) (its temporal index is i, one per frame: 0 for an
+    image). Returns (positions [3, length], delta = max position + 1 - length)."""
+    positions = np.empty((3, length), dtype=np.int64)
+    index = position = 0
+    for start, (t, h, w) in zip(starts, grids):
+        positions[:, index:start] = position + np.arange(start - index)
+        position += start - index
+        h, w = h // merge, w // merge
+        frame, row, col = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+        positions[:, start:start + t * h * w] = position + np.stack([frame.ravel(), row.ravel(), col.ravel()])
+        position += max(h, w)
+        index = start + t * h * w
+    positions[:, index:] = position + np.arange(length - index)
+    return positions, int(positions.max(initial=-1)) + 1 - length
