@@ -78,6 +78,9 @@ class RowRequest(msgspec.Struct, frozen=True, gc=False):
     tokens_start: int
     tokens: list[int]
     grammar: None = None  # the matchers stay on rank 0, which broadcasts each step's masks
+    # Text only: image input is not served under tensor parallelism (EngineCore._vision).
+    images: None = None
+    rope_delta: int = 0
 
     @classmethod
     def of(cls, row: ScheduledRow) -> "RowRequest":
@@ -91,6 +94,10 @@ class RowRequest(msgspec.Struct, frozen=True, gc=False):
                 start, end = min(start, first + 1), max(end, last + 1)
         return cls(request.request_id, request.params, request.seed, request.stop_token_ids,
                    request.bad_words_token_ids, len(request.prompt_token_ids), start, request.token_ids(start, end))
+
+    def rope(self, start: int, end: int) -> tuple[None, int]:
+        """Request.rope of a text request: positions are indices."""
+        return None, 0
 
     def token_ids(self, start: int, end: int) -> list[int]:
         if start < self.tokens_start or end - self.tokens_start > len(self.tokens):

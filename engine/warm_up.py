@@ -31,9 +31,14 @@ import dataclasses
 import logging
 import random
 import time
+from typing import Callable
+
+import numpy as np
+from PIL import Image
 
 from .sampling_params import SamplingParams
 from .structured import Structured
+from .vision.image import ImageInput
 
 logger = logging.getLogger("deltaspec")
 
@@ -101,6 +106,17 @@ def _configured(greedy: SamplingParams, sampled: SamplingParams, vocab: int) -> 
     return [dataclasses.replace(base, **variant) for base in (greedy, sampled) for variant in variants]
 
 
+def _image_prompt(core, rng: random.Random, text: Callable[[int], list[int]]) -> tuple[list[int], list[ImageInput]]:
+    """A short prompt (random text) around two random images of the processor's smallest size:
+    (token ids, one image token each; the images)."""
+    processor = core.image_processor
+    side = processor.config.factor * max(1, round(processor.config.min_pixels ** 0.5 / processor.config.factor))
+    images = [processor.resize(Image.fromarray(np.random.default_rng(rng.randrange(1 << 30)).integers(
+        0, 256, (side, side, 3), dtype=np.uint8))) for _ in range(2)]
+    pad = [processor.image_token_id]
+    return text(5) + pad + text(3) + pad + text(4), images
+
+
 def _run(core) -> float:
     started = time.perf_counter()
     config, scheduler = core.config, core.scheduler
@@ -115,8 +131,11 @@ def _run(core) -> float:
     waves = sorted({n for n in (1, 2, 3, 4, 8, 16, 32, 64, 128, 256) if n <= config.max_num_seqs}
                    | {config.max_num_seqs})
 
+    image_token_id = core.model_config.image_token_id
+
     def prompt(length: int) -> list[int]:
-        return [rng.randrange(vocab) for _ in range(max(1, length))]
+        # Random text: never the image token, which needs an image (`image_prompt`).
+        return [t if t != image_token_id else (t + 1) % vocab for t in (rng.randrange(vocab) for _ in range(max(1, length)))]
 
     shared = prompt(min(48, long_prompt))  # submitted twice: the second restores a cached prefix
     for index, rows in enumerate(waves):
@@ -130,6 +149,16 @@ def _run(core) -> float:
         for _ in range(2):
             if core.has_work:
                 core.step()
+    # A prompt with images, alone and beside decode rows: the vision encoder, the [3, T] RoPE
+    # variant and the eager prefill image tokens take (prefill_graphs skip them), plain and MTP.
+    if core.image_processor is not None:
+        for _ in range(2):
+            tokens, images = _image_prompt(core, rng, prompt)
+            core.add_request(tokens, greedy, images=images)
+            core.add_request(prompt(8), greedy)
+            for _ in range(2):
+                if core.has_work:
+                    core.step()
     # Prompts alone in their step, 1, 2 and 4 of them filling its budget: steps of few long rows,
     # past the prefill graphs' buckets (where capturing stopped paying), run eagerly with no
     # padding row beside them, a shape class no graphed step and none of the waves above reach.

@@ -8,9 +8,11 @@ What maps to what:
     system (a string or text blocks)   a system message, first (without Claude Code's
                                        x-anthropic-billing-header line: `_system_parts`)
     messages of role "system"          their text appended to that system message, after "\\n\\n"
-    user text blocks                   a user message (text parts)
+    user text, image blocks            a user message (text parts, image_url parts: a base64
+                                       source as a data: URL, a url source's url)
     tool_result blocks                 tool messages (tool_call_id = tool_use_id), one per block, in
-                                       order, before the user message of the rest of their message
+                                       order, before the user message of the rest of their message;
+                                       their content's text and image blocks as a user message's
     assistant text, tool_use blocks    an assistant message: text parts, tool_calls (arguments =
                                        the input as JSON text)
     thinking blocks                    that assistant message's reasoning_content
@@ -31,15 +33,16 @@ max_tokens, or model_context_window_exceeded when the context left less room tha
 prompt); "stop" -> stop_sequence (with the sequence that matched), tool_use when the model
 called tools, else end_turn.
 
-What cannot be honoured is refused with a 400 naming it: image and document blocks (the engine
-reads text only), server tools (web search, bash, text editor, ...: Anthropic's servers run
-them), MCP servers, containers, a tool's strict: true (inputs are parsed, not constrained), and
-thinking display "omitted" (the reasoning is always returned). Accepted with no effect, as
-documented: cache_control (the engine caches prompt prefixes on its own), context_management
-(no edits: the conversation renders as sent), thinking.budget_tokens (the reasoning is not cut
-at the budget: max_tokens bounds reasoning and answer together), tool_result's is_error (the
-template has no place for it), the signatures of thinking blocks sent back (nothing is signed
-here), and redacted_thinking blocks sent back (left out: encrypted by Anthropic).
+What cannot be honoured is refused with a 400 naming it: document blocks, an image's file source
+(no files are stored here), images outside user messages and tool results, server tools (web
+search, bash, text editor, ...: Anthropic's servers run them), MCP servers, containers, a tool's
+strict: true (inputs are parsed, not constrained), and thinking display "omitted" (the reasoning
+is always returned). Accepted with no effect, as documented: cache_control (the engine caches
+prompt prefixes on its own), context_management (no edits: the conversation renders as sent),
+thinking.budget_tokens (the reasoning is not cut at the budget: max_tokens bounds reasoning and
+answer together), tool_result's is_error (the template has no place for it), the signatures of
+thinking blocks sent back (nothing is signed here), and redacted_thinking blocks sent back (left
+out: encrypted by Anthropic).
 
 The anthropic-version and anthropic-beta headers are not read: one version of the API is served,
 and a beta's fields are served or refused as any field is.
@@ -59,17 +62,17 @@ import msgspec
 
 from ..engine import TokenLogprobs
 from .anthropic_protocol import (AnthropicErrorBody, AnthropicErrorDetail, AnthropicMessage, ContentBlock,
-                                 ContentBlockDelta, ContentBlockStart, ContentBlockStop, CountTokensRequest, CustomTool,
-                                 InputJsonDelta, MessageDelta, MessageDeltaFields, MessageDeltaUsage,
-                                 MessagesRequest, MessageStart, MessageStop, MessageUsage, OutputConfig, PromptFields,
+                                 ContentBlockDelta, ContentBlockStart, ContentBlockStop, CustomTool, FileImageSource,
+                                 ImageBlockInput, InputJsonDelta, MessageDelta, MessageDeltaFields, MessageDeltaUsage,
+                                 MessageStart, MessageStop, MessageUsage, MessagesRequest, OutputConfig, PromptFields,
                                  RedactedThinkingInput, SignatureDelta, StopReason, TextBlock, TextBlockInput,
                                  TextDelta, ThinkingBlock, ThinkingDelta, ThinkingInput, ToolChoice, ToolResultInput,
-                                 ToolUseBlock, ToolUseInput)
+                                 ToolUseBlock, ToolUseInput, URLImageSource)
 from .chat_output import ChatOutput, OutputSettings
 from .errors import APIError, convert, refuse
-from .inputs import ChatParsers, EngineInput, PromptTokenizer, translated_chat_input
+from .inputs import ChatImages, ChatParsers, EngineInput, PromptTokenizer, translated_chat_input
 from .protocol import (AssistantMessage, ChatCompletionRequest, ChatMessage, ContentPart, FunctionCall, FunctionName,
-                       JsonSchemaFormat, NamedToolChoice, ResponseFormat, ToolCall, Usage)
+                       ImageURL, JsonSchemaFormat, NamedToolChoice, ResponseFormat, ToolCall, Usage)
 from .responses import TokenText
 
 # A thinking block's signature: a marker, never checked (nothing is signed here). Not empty:
@@ -86,35 +89,37 @@ _CHAT_PARAMS = {"response_format": "output_config.format", "stop": "stop_sequenc
 _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                 413: "request_too_large", 429: "rate_limit_error"}
 # What takes which blocks (by the role of the message, or a tool_result's content).
-_SERVED_BLOCKS = {"user": "a user message takes text and tool_result blocks",
+_SERVED_BLOCKS = {"user": "a user message takes text, image and tool_result blocks",
                   "assistant": "an assistant message takes text, tool_use, thinking and redacted_thinking blocks",
-                  "system": "a system message takes text blocks", "tool_result": "a tool_result's content is text"}
+                  "system": "a system message takes text blocks",
+                  "tool_result": "a tool_result's content takes text and image blocks"}
+_TAKE_IMAGES = ("user", "tool_result")
 
 _encoder = msgspec.json.Encoder()
 
 
-def messages_input(request: MessagesRequest, tokenizer: PromptTokenizer, max_model_len: int,
-                   parsers: ChatParsers) -> tuple[EngineInput, OutputSettings]:
-    """The engine input and how to read its output: the equivalent chat request's, with
-    max_tokens cut to the room the context leaves (`MessagesRenderer` says so in stop_reason)."""
-    engine_input, settings = _chat_input(request, tokenizer, max_model_len, parsers)
+def messages_input(chat: ChatCompletionRequest, max_tokens: int, tokenizer: PromptTokenizer, max_model_len: int,
+                   parsers: ChatParsers, images: ChatImages | None = None) -> tuple[EngineInput, OutputSettings]:
+    """The engine input and how to read its output for a request's chat equivalent
+    (`chat_request`) and the images of its image parts, with the request's max_tokens cut to
+    the room the context leaves (`MessagesRenderer` says so in stop_reason)."""
+    engine_input, settings = _chat_input(chat, tokenizer, max_model_len, parsers, images)
     room = engine_input.params.max_tokens  # a chat request without max_tokens runs to the context's end
-    params = replace(engine_input.params, max_tokens=min(request.max_tokens, room))
+    params = replace(engine_input.params, max_tokens=min(max_tokens, room))
     return replace(engine_input, params=params), settings
 
 
-def count_tokens(request: CountTokensRequest, tokenizer: PromptTokenizer, max_model_len: int,
-                 parsers: ChatParsers) -> int:
-    """The number of prompt tokens a /v1/messages request with these fields runs (a forced
-    tool call's opening included: it is part of the prompt)."""
-    engine_input, _ = _chat_input(request, tokenizer, max_model_len, parsers)
+def count_tokens(chat: ChatCompletionRequest, tokenizer: PromptTokenizer, max_model_len: int,
+                 parsers: ChatParsers, images: ChatImages | None = None) -> int:
+    """The number of prompt tokens a /v1/messages request with this chat equivalent runs (its
+    images' tokens and a forced tool call's opening included: they are part of the prompt)."""
+    engine_input, _ = _chat_input(chat, tokenizer, max_model_len, parsers, images)
     return len(engine_input.prompt_token_ids)
 
 
-def _chat_input(request: PromptFields, tokenizer: PromptTokenizer, max_model_len: int,
-                parsers: ChatParsers) -> tuple[EngineInput, OutputSettings]:
-    return translated_chat_input(chat_request(request), tokenizer, max_model_len, parsers, "messages",
-                                 _CHAT_PARAMS)
+def _chat_input(chat: ChatCompletionRequest, tokenizer: PromptTokenizer, max_model_len: int,
+                parsers: ChatParsers, images: ChatImages | None) -> tuple[EngineInput, OutputSettings]:
+    return translated_chat_input(chat, tokenizer, max_model_len, parsers, "messages", _CHAT_PARAMS, images)
 
 
 def chat_request(request: PromptFields) -> ChatCompletionRequest:
@@ -206,7 +211,7 @@ def _messages(request: PromptFields) -> list[ChatMessage]:
         where = f"messages[{index}]"
         blocks = [{"type": "text", "text": message.content}] if isinstance(message.content, str) else message.content
         if message.role == "system":
-            parts = [_text_part(block, f"{where}.content[{i}]", "system") for i, block in enumerate(blocks)]
+            parts = [_part(block, f"{where}.content[{i}]", "system") for i, block in enumerate(blocks)]
             system += ([ContentPart("text", "\n\n")] if system else []) + parts
         elif message.role == "user":
             messages += _user_messages(blocks, where)
@@ -240,7 +245,7 @@ def _user_messages(blocks: list[dict[str, Any]], where: str) -> list[ChatMessage
             results.append(ChatMessage(role="tool", tool_call_id=result.tool_use_id,
                                        content=_result_content(result.content, f"{at}.content")))
         else:
-            parts.append(_text_part(block, at, "user"))
+            parts.append(_part(block, at, "user"))
     return results + ([ChatMessage(role="user", content=parts)] if parts or not results else [])
 
 
@@ -257,25 +262,38 @@ def _assistant_message(blocks: list[dict[str, Any]], where: str) -> ChatMessage:
         elif kind == "redacted_thinking":
             convert(block, RedactedThinkingInput, at)  # left out: only Anthropic's servers can read it
         else:
-            parts.append(_text_part(block, at, "assistant"))
+            parts.append(_part(block, at, "assistant"))
     return ChatMessage(role="assistant", content=parts or None, tool_calls=calls or None,
                        reasoning_content="\n".join(reasoning) if reasoning else None)
 
 
-def _text_part(block: dict[str, Any], where: str, role: str) -> ContentPart:
-    """role: whose block it is (a message's role, or "tool_result")."""
+def _part(block: dict[str, Any], where: str, role: str) -> ContentPart:
+    """A text block's part, or an image block's where role takes them. role: whose block it is
+    (a message's role, or "tool_result")."""
     kind = block.get("type")
+    if kind == "image" and role in _TAKE_IMAGES:
+        return _image_part(convert(block, ImageBlockInput, where), where)
     if kind != "text":
-        why = "the engine reads text only" if kind in ("image", "document") else _SERVED_BLOCKS[role]
+        why = "documents are not read: send their text" if kind == "document" else _SERVED_BLOCKS[role]
         raise APIError(400, f"{where}: content blocks of type {kind!r} are not supported: {why}",
                        param=f"{where}.type", code="unsupported_parameter")
     return ContentPart("text", convert(block, TextBlockInput, where).text)
 
 
+def _image_part(image: ImageBlockInput, where: str) -> ContentPart:
+    """Chat's image_url part of the same image: a base64 source as a data: URL."""
+    source = image.source
+    if isinstance(source, FileImageSource):
+        raise APIError(400, f"{where}.source: file sources are not supported: no files are stored here; send the "
+                            f"image as a base64 or url source", param=f"{where}.source", code="unsupported_parameter")
+    url = source.url if isinstance(source, URLImageSource) else f"data:{source.media_type};base64,{source.data}"
+    return ContentPart("image_url", image_url=ImageURL(url))
+
+
 def _result_content(content: str | list[dict[str, Any]], where: str) -> str | list[ContentPart]:
     if isinstance(content, str):
         return content
-    return [_text_part(block, f"{where}[{index}]", "tool_result") for index, block in enumerate(content)]
+    return [_part(block, f"{where}[{index}]", "tool_result") for index, block in enumerate(content)]
 
 
 

@@ -9,8 +9,7 @@ be refused by name in `anthropic_api` (`container`, `mcp_servers`, a tool's `str
 thinking `display: "omitted"`). A message's content blocks and the tools are decoded as JSON
 objects and checked one by one against their own Struct there (`TextBlockInput`,
 `ToolResultInput`, ..., `CustomTool`), so that a block or tool of a type the server does not
-serve (an image, a document, a server tool such as `web_search_20250305`) gets a 400 naming
-that type.
+serve (a document, a server tool such as `web_search_20250305`) gets a 400 naming that type.
 
 The message's blocks and the stream's events are tagged Structs (`type`); an error, whole or in
 a stream, is `{"type": "error", "error": {"type", "message"}}`.
@@ -44,6 +43,29 @@ class TextBlockInput(Request, kw_only=True):
     citations: list[Any] | None = None  # an assistant's text sent back with its citations: the text is rendered
 
 
+class Base64ImageSource(Request, tag_field="type", tag="base64"):
+    media_type: str  # image/jpeg, image/png, image/gif or image/webp
+    data: str
+
+
+class URLImageSource(Request, tag_field="type", tag="url"):
+    url: str
+
+
+class FileImageSource(Request, tag_field="type", tag="file"):
+    """A file uploaded to Anthropic's Files API: refused (no files are stored here)."""
+
+    file_id: str
+
+
+class ImageBlockInput(Request, kw_only=True):
+    """An image, in a user message or a tool_result's content (Claude Code sends screenshots there)."""
+
+    type: Literal["image"]
+    source: Base64ImageSource | URLImageSource | FileImageSource
+    cache_control: CacheControl | None = None
+
+
 class ToolUseInput(Request, kw_only=True):
     """A call the model made, sent back in an assistant message."""
 
@@ -59,7 +81,8 @@ class ToolResultInput(Request, kw_only=True):
 
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[dict[str, Any]] = ""  # text, or text blocks (each checked against `TextBlockInput`)
+    # text, or text and image blocks (each checked against `TextBlockInput` or `ImageBlockInput`)
+    content: str | list[dict[str, Any]] = ""
     # The chat template has no place for it: the result renders as its content alone.
     is_error: bool | None = None
     cache_control: CacheControl | None = None

@@ -18,6 +18,10 @@ request whose engine step failed (StepFailedError) gets a 500, one whose engine 
 (EngineDeadError) a 503: a JSON body before the headers are out, an error event and [DONE] after
 (on /v1/responses: response.failed; on /v1/messages: an `error` event, no [DONE]).
 
+Images (image parts of the three chat APIs) are fetched concurrently (`media.MediaConnector`,
+its HTTP session the app's) and resized off the loop by the engine's `image_processor` before the
+prompt is rendered; a model without one refuses them.
+
 Knows the engine only through the API AsyncLLM and EngineProcess (an engine in its own process)
 share; knows nothing about processes or signals.
 """
@@ -32,7 +36,7 @@ import hmac
 import logging
 import time
 import zlib
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, TypeVar
 
@@ -41,19 +45,23 @@ from aiohttp import web
 
 from ..engine import AsyncLLM, EngineDeadError, RequestDelta, StepFailedError
 from ..engine.engine_process import EngineProcess
+from ..engine.vision.image import ImageInput
+from ..engine.vision.preprocess import ImageProcessor
+from . import anthropic_api, responses_api
 from .anthropic_api import MessagesRenderer, count_tokens, error_body, messages_input
 from .anthropic_protocol import CountTokensRequest, CountTokensResponse, MessagesRequest
 from .chat_output import ChatOutput
 from .config import ServerConfig
 from .cors import Cors
 from .errors import APIError, decode_error
-from .inputs import (ChatParsers, EngineInput, chat_input, completion_inputs, num_choices, prompts,
-                     with_choices)
-from .messages import check_tools, render_prompt
+from .inputs import (ChatImages, ChatParsers, EngineInput, chat_input, completion_inputs, num_choices, prompts,
+                     with_choices, with_images)
+from .media import ImagePart, MediaConnector
+from .messages import check_tools, image_parts, render_prompt
 from .metrics import RequestTimer, ServerMetrics
 from .openapi import openapi_document
-from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, Health, Model,
-                       ModelList, PromptTokensDetails, SamplingFields, StreamOptions, TokenizeRequest,
+from .protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
+                       Health, Model, ModelList, PromptTokensDetails, SamplingFields, StreamOptions, TokenizeRequest,
                        TokenizeResponse, Usage, VersionInfo)
 from .reasoning import reasoning_enabled
 from .responses import VERSION, ChatRenderer, CompletionRenderer, Renderer
@@ -75,6 +83,10 @@ _PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _ZLIB_WBITS = {"identity": None, "gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 # aiohttp's own refusals, as OpenAI-style error codes.
 _HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+# Request bodies at most unless --max-body-bytes says otherwise: a text request's, and one
+# carrying base64 images (a phone photo is a few MB; Claude Code sends screenshots).
+TEXT_BODY_BYTES = 1 << 20
+IMAGE_BODY_BYTES = 64 << 20
 
 
 class OpenAIServer:
@@ -95,7 +107,9 @@ class OpenAIServer:
                                         reasoning_enabled(config.reasoning_parser, chat_template))
         cors = Cors(config.cors)  # a preflight is answered before authentication and routing
         # aiohttp reads at most client_max_size bytes of a body and then raises 413.
-        self.app = web.Application(client_max_size=config.max_body_bytes,
+        self.max_body_bytes = config.max_body_bytes or (
+            IMAGE_BODY_BYTES if getattr(engine, "image_processor", None) is not None else TEXT_BODY_BYTES)
+        self.app = web.Application(client_max_size=self.max_body_bytes,
                                    middlewares=[cors.preflight, self._count, self._errors, self._authenticate])
         self.app.on_response_prepare.append(cors.on_prepare)
         self.app.router.add_post("/v1/completions", self.completions)
@@ -120,6 +134,8 @@ class OpenAIServer:
         self._executor = ThreadPoolExecutor(max_workers=_NUM_REQUEST_WORKERS, thread_name_prefix="deltaspec-request")
         self.app.on_cleanup.append(self._shut_down_executor)
         self.app.cleanup_ctx.append(self._drop_stalled)
+        self.media = MediaConnector(config.media)
+        self.app.cleanup_ctx.append(self.media.session)
 
     async def abort_in_flight(self) -> None:
         """Abort every running generation; their handlers end at the next step boundary."""
@@ -151,8 +167,9 @@ class OpenAIServer:
         self._check_model(body.model)
         n = num_choices(body)
         with self._admit(n):
+            images = await self._chat_images(body.messages)
             engine_input, output = await self._off_loop(chat_input, body, self.engine.tokenizer,
-                                                        self.engine.max_model_len, self.chat_parsers)
+                                                        self.engine.max_model_len, self.chat_parsers, images)
             renderers = []
             for index in range(n):
                 # prompt_logprobs go beside the choices, once: the first choice's renderer writes them.
@@ -168,8 +185,10 @@ class OpenAIServer:
         body = await self._decode(request, ResponsesRequest)
         self._check_model(body.model)
         with self._admit():
-            engine_input, output = await self._off_loop(responses_input, body, self.engine.tokenizer,
-                                                        self.engine.max_model_len, self.chat_parsers)
+            chat = await self._off_loop(responses_api.chat_request, body)
+            images = await self._chat_images(chat.messages, "input")
+            engine_input, output = await self._off_loop(responses_input, chat, self.engine.tokenizer,
+                                                        self.engine.max_model_len, self.chat_parsers, images)
             renderer = ResponsesRenderer(body, self.config.model_name, self.engine.tokenizer, ChatOutput(output),
                                          engine_input.prompt_token_ids)
             return await self._generate(request, body, [engine_input], [renderer], arrival, events=renderer)
@@ -179,8 +198,10 @@ class OpenAIServer:
         body = await self._decode(request, MessagesRequest)
         self._check_model(body.model)
         with self._admit():
-            engine_input, output = await self._off_loop(messages_input, body, self.engine.tokenizer,
-                                                        self.engine.max_model_len, self.chat_parsers)
+            chat = await self._off_loop(anthropic_api.chat_request, body)
+            images = await self._chat_images(chat.messages, "messages")
+            engine_input, output = await self._off_loop(messages_input, chat, body.max_tokens, self.engine.tokenizer,
+                                                        self.engine.max_model_len, self.chat_parsers, images)
             renderer = MessagesRenderer(body, self.config.model_name, self.engine.tokenizer, ChatOutput(output),
                                         engine_input.params.max_tokens)
             return await self._generate(request, body, [engine_input], [renderer], arrival, events=renderer)
@@ -188,8 +209,10 @@ class OpenAIServer:
     async def count_message_tokens(self, request: web.Request) -> web.Response:
         body = await self._decode(request, CountTokensRequest)
         self._check_model(body.model)
-        num_tokens = await self._off_loop(count_tokens, body, self.engine.tokenizer, self.engine.max_model_len,
-                                          self.chat_parsers)
+        chat = await self._off_loop(anthropic_api.chat_request, body)
+        images = await self._chat_images(chat.messages, "messages")
+        num_tokens = await self._off_loop(count_tokens, chat, self.engine.tokenizer, self.engine.max_model_len,
+                                          self.chat_parsers, images)
         return _json(CountTokensResponse(num_tokens))
 
     async def tokenize(self, request: web.Request) -> web.Response:
@@ -197,7 +220,8 @@ class OpenAIServer:
         self._check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send either prompt or messages", param="prompt", code="invalid_value")
-        tokens = await self._off_loop(_tokenize, self.engine.tokenizer, body)
+        images = await self._chat_images(body.messages) if body.messages is not None else None
+        tokens = await self._off_loop(_tokenize, self.engine.tokenizer, body, images)
         return _json(TokenizeResponse(len(tokens), self.engine.max_model_len, tokens))
 
     async def detokenize(self, request: web.Request) -> web.Response:
@@ -244,7 +268,8 @@ class OpenAIServer:
         the chunk events of /v1/completions and /v1/chat/completions)."""
         streams = [self.engine.generate(engine_input.prompt_token_ids, engine_input.params, renderer.request_id,
                                         fork_of=None if engine_input.fork_of is None
-                                        else renderers[engine_input.fork_of].request_id)
+                                        else renderers[engine_input.fork_of].request_id,
+                                        images=engine_input.images)
                    for engine_input, renderer in zip(inputs, renderers)]
         request_ids = [renderer.request_id for renderer in renderers]
         self.in_flight.update(request_ids)
@@ -407,6 +432,33 @@ class OpenAIServer:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
+    # Images -------------------------------------------------------------------------------
+
+    async def _chat_images(self, messages: list[ChatMessage], param: str | None = None) -> ChatImages | None:
+        """The images of the messages' image parts, fetched concurrently and resized (None: the
+        messages have none). param: the field errors name (`messages.image_parts`)."""
+        parts = image_parts(messages, param)
+        if not parts:
+            return None
+        processor = self.engine.image_processor
+        if processor is None:  # the engine says why: a text-only checkpoint, --language-model-only, ...
+            raise APIError(400, f"image input is not supported: {self.engine.images_refused}", param=parts[0].param,
+                           code="unsupported_parameter")
+        limit = self.config.media.max_images
+        if limit is not None and len(parts) > limit:
+            raise APIError(400, f"the request holds {len(parts)} images; at most {limit} are taken per prompt "
+                                f"(--limit-mm-per-prompt)", param=parts[limit].param, code="invalid_value")
+        images = await _each(self._image(part, processor) for part in parts)
+        return ChatImages(tuple(images), processor)
+
+    async def _image(self, part: ImagePart, processor: ImageProcessor) -> ImageInput:
+        """One image part's image, fetched, then decoded and resized off the loop (CPU work)."""
+        data = await self.media.fetch(part)
+        try:
+            return await self._off_loop(processor.resize, data)
+        except ValueError as error:  # not an image, a decompression bomb, an extreme aspect ratio
+            raise part.error(str(error), code="invalid_image") from None
+
     # Middleware and helpers ---------------------------------------------------------------
 
     @web.middleware
@@ -434,7 +486,7 @@ class OpenAIServer:
                 raise
             messages = {404: f"no route {request.method} {request.path}",
                         405: f"method {request.method} is not allowed on {request.path}",
-                        413: f"request body larger than {self.config.max_body_bytes} bytes"}
+                        413: f"request body larger than {self.max_body_bytes} bytes"}
             message = messages.get(error.status, error.reason)
             return _error_response(APIError(error.status, message, code=_HTTP_ERROR_CODES.get(error.status)),
                                    request.path)
@@ -472,7 +524,7 @@ class OpenAIServer:
             raise APIError(408, f"the request body did not arrive within {self.config.body_timeout:g}s",
                            code="timeout", headers={"Connection": "close"}) from None
         if encoding != "identity":
-            body = _decompress(body, encoding, self.config.max_body_bytes)
+            body = _decompress(body, encoding, self.max_body_bytes)
         try:
             return msgspec.json.decode(body, type=request_type)
         except msgspec.DecodeError as error:
@@ -567,6 +619,17 @@ def _total_usage(progress: Iterable[_Progress]) -> Usage:
     return Usage(sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages),
                  sum(u.total_tokens for u in usages),
                  PromptTokensDetails(sum(u.prompt_tokens_details.cached_tokens for u in usages)))
+
+
+async def _each(awaitables: Iterable[Awaitable[T]]) -> list[T]:
+    """Their results, in order, run concurrently; the first failure cancels the others and is
+    raised as it is (not in an exception group)."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(awaitable) for awaitable in awaitables]
+    except BaseExceptionGroup as failures:
+        raise failures.exceptions[0] from None
+    return [task.result() for task in tasks]
 
 
 def _merged(streams: list[AsyncGenerator[RequestDelta, None]]) -> AsyncGenerator[RequestDelta, None]:
@@ -685,8 +748,9 @@ def _decompress(body: bytes, encoding: str, max_bytes: int) -> bytes:
     return text
 
 
-def _tokenize(tokenizer, body: TokenizeRequest) -> list[int]:
-    """/tokenize's work: the prompt, or the messages rendered as /v1/chat/completions renders them."""
+def _tokenize(tokenizer, body: TokenizeRequest, images: ChatImages | None) -> list[int]:
+    """/tokenize's work: the prompt, or the messages rendered as /v1/chat/completions renders them
+    (with their images' tokens)."""
     if body.messages is not None:
         check_tools(body.tools or [])
         add_generation_prompt = not body.continue_final_message if body.add_generation_prompt is None \
@@ -695,7 +759,7 @@ def _tokenize(tokenizer, body: TokenizeRequest) -> list[int]:
                              body.continue_final_message)
     else:
         text = body.prompt
-    return tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+    return with_images(tokenizer.encode(text, add_special_tokens=body.add_special_tokens), images)
 
 
 def _is_utf8(charset: str) -> bool:

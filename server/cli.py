@@ -26,6 +26,7 @@ from . import acceptance_benchmark, serve_benchmark
 from .config import ServerConfig
 from .cors import CorsPolicy
 from .engine_args import accept_vllm_flags, add_engine_options, engine_options
+from .media import MediaPolicy
 from .reasoning import REASONING_PARSERS
 from .tool_parsers import TOOL_CALL_PARSERS
 from .serve import serve
@@ -58,7 +59,9 @@ def _serve(args: argparse.Namespace) -> int:
                                  cors=CorsPolicy(args.allowed_origins, args.allowed_methods, args.allowed_headers,
                                                  args.allow_credentials),
                                  ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
-                                 ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs)
+                                 ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
+                                 media=MediaPolicy(args.allowed_media_domains, args.allowed_local_media_path,
+                                                   args.limit_mm_per_prompt))
     # A Hub repo is downloaded here, before anything starts: a bad id fails at once.
     engine_config = local_config(EngineConfig(model=model, max_model_len=args.max_model_len,
                                              max_num_seqs=args.max_running,
@@ -98,6 +101,36 @@ def _string_list(text: str) -> tuple[str, ...]:
     if not isinstance(values, list) or not all(isinstance(v, str) and v for v in values):
         raise argparse.ArgumentTypeError(f"expected a JSON list of strings or comma-separated values, got {text!r}")
     return tuple(values)
+
+
+# --limit-mm-per-prompt's modalities beside images: this server reads no video or audio (their
+# parts are refused whatever the limit), so a vLLM command line's limits for them change nothing.
+_OTHER_MODALITIES = ("video", "audio")
+
+
+def _image_limit(text: str) -> int | None:
+    """vLLM's --limit-mm-per-prompt as the images a prompt may hold (None: no limit): JSON
+    ('{"image": 4, "video": 0}', a count or {"count": N, ...} whose other keys size vLLM's
+    memory profiling, which has no counterpart here) or vLLM's older form 'image=4,video=0'."""
+    expected = f"expected a JSON object like '{{\"image\": 4}}' or image=4, got {text!r}"
+    try:
+        limits = json.loads(text)
+    except ValueError:
+        try:
+            limits = {key.strip(): int(value) for key, value in (item.split("=") for item in text.split(","))}
+        except ValueError:
+            raise argparse.ArgumentTypeError(expected) from None
+    if not isinstance(limits, dict):
+        raise argparse.ArgumentTypeError(expected)
+    unknown = sorted(limits.keys() - {"image", *_OTHER_MODALITIES})
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown modalities {unknown}: image (and video, audio) are known")
+    limit = limits.get("image")
+    if isinstance(limit, dict):
+        limit = limit.get("count")
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0):
+        raise argparse.ArgumentTypeError(f"the image limit must be a count >= 0, got {limits['image']!r}")
+    return limit
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -143,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     serve_parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                               help="the model ids requests may name; responses, metrics and logs name the first "
                                    "(default: the model directory's name, or the Hub repo id)")
-    serve_parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get HTTP 413")
+    serve_parser.add_argument("--max-body-bytes", type=int, default=None,
+                              help="larger bodies get HTTP 413 (default 1 MiB, 64 MiB for a model that reads images)")
     serve_parser.add_argument("--no-prefix-cache", "--no-enable-prefix-caching", dest="no_prefix_cache",
                               action="store_true", help="prefill every prompt in full (prefix reuse is on by default)")
     serve_parser.add_argument("--enable-prefix-caching", dest="no_prefix_cache", action="store_false",
@@ -193,6 +227,15 @@ def main(argv: list[str] | None = None) -> int:
     cors.add_argument("--allowed-headers", type=_string_list, default=("*",), metavar="LIST", help="default: any")
     cors.add_argument("--allow-credentials", action="store_true",
                       help="let browsers send cookies and HTTP authentication along")
+    media = serve_parser.add_argument_group("images in requests (vLLM's flags; VLLM_IMAGE_FETCH_TIMEOUT: seconds "
+                                            "to fetch an image, default 5)")
+    media.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                       help="the only hosts http(s) image URLs may name, redirects included (default: any)")
+    media.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                       help="let file:// image URLs read files under DIR (default: file:// URLs are refused)")
+    media.add_argument("--limit-mm-per-prompt", type=_image_limit, default=None, metavar="JSON",
+                       help="images a request may hold at most: '{\"image\": 4}' (or image=4; default: as many "
+                            "as the context has room for)")
     # vLLM flags whose behaviour is this server's anyway, so vLLM command lines run unchanged.
     accept_vllm_flags(serve_parser, {
         "--enable-auto-tool-choice": "requests with tools always get their calls parsed (--tool-call-parser none "

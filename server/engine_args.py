@@ -75,9 +75,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     # vLLM flags whose meaning holds here anyway, so vLLM command lines run unchanged.
     parser.add_argument("--distributed-executor-backend", choices=("mp",), default=None,
                         help="accepted for vLLM command lines: tensor-parallel ranks are processes on this host")
+    parser.add_argument("--language-model-only", action="store_true", default=None,
+                        help="load a vision-language checkpoint's language model alone, without its vision encoder: "
+                             "requests with images are refused (vLLM's flag)")
     accept_vllm_flags(parser, {
-        "--enable-chunked-prefill": "prompts are always prefilled in chunks of at most --max-num-batched-tokens",
-        "--language-model-only": "the engine reads text only (image parts are refused with or without it)"})
+        "--enable-chunked-prefill": "prompts are always prefilled in chunks of at most --max-num-batched-tokens"})
 
 
 def accept_vllm_flags(parser: argparse.ArgumentParser, flags: dict[str, str]) -> None:
@@ -103,7 +105,7 @@ def _speculative_config(text: str) -> int:
 _FIELDS = ("device", "dtype", "num_draft_tokens", "max_num_batched_tokens", "tensor_parallel_size",
            "enable_expert_parallel", "all_reduce", "load_format", "generation_config", "quantization",
            "gpu_memory_utilization", "scheduling_policy", "revision", "download_dir", "block_size",
-           "mamba_ssm_cache_dtype", "kv_cache_dtype")
+           "mamba_ssm_cache_dtype", "kv_cache_dtype", "language_model_only")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

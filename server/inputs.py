@@ -20,6 +20,9 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from ..engine import SamplingParams, Structured, TooManyTokensError
+from ..engine.vision.image import ImageInput
+from ..engine.vision.preprocess import ImageProcessor
+from ..engine.vision.prompt import expand_image_tokens
 from .chat_output import OutputSettings
 from .errors import APIError, refuse
 from .messages import check_tools, message_text, render_prompt
@@ -61,6 +64,18 @@ class EngineInput:
     # prompt's log-probabilities come with the first token), and the choice leaves that token
     # out; usage does not count it.
     echo_only: bool = False
+    # A chat request's images in prompt order (resized), whose tokens prompt_token_ids holds
+    # expanded (`with_images`); every choice of the request shares them.
+    images: tuple[ImageInput, ...] = ()
+
+
+@dataclass(frozen=True)
+class ChatImages:
+    """A chat request's images in the order its messages hold them (resized), and the processor
+    that names their token and counts each one's tokens."""
+
+    images: tuple[ImageInput, ...]
+    processor: ImageProcessor
 
 
 def num_choices(request: SamplingFields) -> int:
@@ -155,8 +170,9 @@ class ChatParsers:
 
 
 def chat_input(request: ChatCompletionRequest, tokenizer: PromptTokenizer, max_model_len: int,
-               parsers: ChatParsers) -> tuple[EngineInput, OutputSettings]:
-    """The engine input and how to read its output.
+               parsers: ChatParsers, images: ChatImages | None = None) -> tuple[EngineInput, OutputSettings]:
+    """The engine input and how to read its output. images: those of the messages' image parts
+    (`messages.image_parts`, fetched and resized), whose tokens the prompt holds expanded.
 
     tool_choice is enforced by forcing the start of the output: after the template renders, the
     opening of a call (`<tool_call>\n<function=NAME>\n` for a named function; for "required",
@@ -180,6 +196,8 @@ def chat_input(request: ChatCompletionRequest, tokenizer: PromptTokenizer, max_m
         ("top_logprobs", request.top_logprobs is not None and not request.logprobs,
          "top_logprobs needs logprobs: true"),
         ("store", bool(request.store), "responses are not stored"),
+        ("truncate_prompt_tokens", request.truncate_prompt_tokens is not None and images is not None,
+         "a prompt with images is not cut (the cut could split an image's tokens)"),
     ])
     _check_prompt_logprobs(request)
     if request.continue_final_message and request.add_generation_prompt:
@@ -239,23 +257,43 @@ def chat_input(request: ChatCompletionRequest, tokenizer: PromptTokenizer, max_m
     keep = _num_kept(request, max_model_len, requested or 1)
     token_ids = _encode(tokenizer, prompt + forced_text, bool(request.add_special_tokens), keep is not None,
                         max_model_len, requested, "messages", max_tokens_field)
+    token_ids = with_images(token_ids, images)  # before the context check: image tokens count
     if keep is not None:
         token_ids = token_ids[-keep:]
     max_tokens = requested or max(1, max_model_len - len(token_ids))
     _check_context(len(token_ids), max_tokens, max_model_len, "messages", max_tokens_field)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     params = _sampling_params(request, max_tokens, logprobs, request.prompt_logprobs, structured or name_constraint)
-    return EngineInput(token_ids, params), settings
+    return EngineInput(token_ids, params, images=images.images if images is not None else ()), settings
+
+
+def with_images(token_ids: list[int], images: ChatImages | None) -> list[int]:
+    """The rendered prompt with each image's token repeated to that image's count (the places
+    the encoder's output takes). The template writes one token per image part; a template that
+    reads no parts (content joined as text) writes none, and the request is refused: its images
+    would have no place in the prompt."""
+    if images is None:
+        return token_ids
+    token_id, num_images = images.processor.image_token_id, len(images.images)
+    placed = token_ids.count(token_id)
+    if placed < num_images:
+        raise APIError(400, f"the chat template places no image tokens for {num_images - placed} of the request's "
+                            f"{num_images} images: it does not render image parts", param="messages",
+                       code="unsupported_parameter")
+    try:
+        return expand_image_tokens(token_ids, images.images, token_id, images.processor.num_tokens)
+    except ValueError as error:  # more image tokens than images: the text holds some
+        raise APIError(400, str(error), param="messages", code="invalid_value") from None
 
 
 def translated_chat_input(chat: ChatCompletionRequest, tokenizer: PromptTokenizer, max_model_len: int,
-                          parsers: ChatParsers, messages_param: str,
-                          params: dict[str, str]) -> tuple[EngineInput, OutputSettings]:
+                          parsers: ChatParsers, messages_param: str, params: dict[str, str],
+                          images: ChatImages | None = None) -> tuple[EngineInput, OutputSettings]:
     """`chat_input` of a request another API shape was turned into (the Responses and Messages
     APIs): an error names the field as that API names it, chat's messages[...] as
     messages_param (its items are numbered otherwise) and chat's other fields by `params`."""
     try:
-        return chat_input(chat, tokenizer, max_model_len, parsers)
+        return chat_input(chat, tokenizer, max_model_len, parsers, images)
     except APIError as error:
         if error.param is not None:
             error.param = messages_param if error.param.startswith("messages") \

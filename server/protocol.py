@@ -106,13 +106,20 @@ class CompletionRequest(SamplingFields, kw_only=True):
     add_special_tokens: bool | None = None  # vLLM's: the tokenizer's own BOS/EOS around a text prompt (default true)
 
 
+class ImageURL(Request):
+    url: str  # data:, http(s): or file: (media.py reads them)
+    # "auto", "low" or "high": accepted, any value, with no effect (vLLM ignores it too): an
+    # image's tokens follow from its size alone.
+    detail: str | None = None
+
+
 class ContentPart(Request):
-    """One part of a message's content list; only text parts are served (`messages` rejects the
-    rest by name), but any part decodes so the error can say which type it was."""
+    """One part of a message's content list; text and image_url parts are served (`messages`
+    rejects the rest by name), but any part decodes so the error can say which type it was."""
 
     type: str
     text: str | None = None
-    image_url: Any = None
+    image_url: str | ImageURL | None = None  # an image_url part's (vLLM also takes the URL as a bare string)
     input_audio: Any = None
     file: Any = None
     refusal: str | None = None

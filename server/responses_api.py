@@ -6,10 +6,13 @@ What maps to what:
 
     instructions                 a system message, first
     input "text"                 one user message
-    message item                 a message of its role (text parts: input_text, output_text)
+    message item                 a message of its role (text parts: input_text, output_text;
+                                 input_image parts: chat's image_url parts, the image_url as
+                                 sent, detail with no effect)
     function_call items          one assistant message with those tool_calls (joining the
                                  assistant message just before them: one turn)
-    function_call_output         a tool message (tool_call_id = call_id)
+    function_call_output         a tool message (tool_call_id = call_id; its output's parts as
+                                 a message's)
     reasoning item               the next assistant message's reasoning_content
     tools (flat), tool_choice    chat's tools ({"type": "function", "function": {...}}), tool_choice
     text.format                  response_format
@@ -21,8 +24,9 @@ and back: reasoning_content -> a reasoning item (the text in `content`, `summary
 -> a message item, each tool call -> a function_call item, finish reason "length" -> status
 "incomplete". What cannot be honoured is refused with a 400 naming the field: stored responses
 (store true, previous_response_id), background runs, truncation "auto", reasoning summaries
-("concise", "detailed"), encrypted reasoning, items and tools other than text and functions,
-and chat's own fields (max_tokens, n, response_format, stream_options, prompt_logprobs).
+("concise", "detailed"), encrypted reasoning, items and tools other than text, images and
+functions, an input_image's file_id (no files are stored), and chat's own fields (max_tokens, n,
+response_format, stream_options, prompt_logprobs).
 
 Knows nothing about HTTP or the engine; the stream's SSE framing is here because it is this
 API's own (`event:` lines, sequence numbers, no [DONE]).
@@ -40,21 +44,21 @@ import msgspec
 from ..engine import TokenLogprobs
 from .chat_output import ChatOutput, OutputSettings
 from .errors import APIError, convert, refuse
-from .inputs import ChatParsers, EngineInput, PromptTokenizer, translated_chat_input
+from .inputs import ChatImages, ChatParsers, EngineInput, PromptTokenizer, translated_chat_input
 from .protocol import (AssistantMessage, ChatCompletionRequest, ChatMessage, ChatTokenLogprob, ContentPart,
-                       FunctionCall, FunctionName, JsonSchemaFormat, NamedToolChoice, ResponseFormat, SamplingFields,
-                       ToolCall, Usage)
+                       FunctionCall, FunctionName, ImageURL, JsonSchemaFormat, NamedToolChoice, ResponseFormat,
+                       SamplingFields, ToolCall, Usage)
 from .reasoning import THINK_END
 from .responses import ChatRenderer, TokenText
 from .responses_protocol import (ContentPartAdded, ContentPartDone, Event, FunctionCallArgumentsDelta,
                                  FunctionCallArgumentsDone, FunctionCallInput, FunctionCallItem,
                                  FunctionCallOutputInput, FunctionTool, FunctionToolChoice, IncompleteDetails,
-                                 InputMessage, InputTokensDetails, InputText, Output, OutputItemAdded, OutputItemDone, OutputMessage,
-                                 OutputText, OutputTextDelta, OutputTextDone, OutputTokensDetails, ReasoningInput,
-                                 ReasoningItem, ReasoningText, ReasoningTextDelta, ReasoningTextDone, Response,
-                                 ResponseCompleted, ResponseCreated, ResponseError, ResponseFailed,
-                                 ResponseIncomplete, ResponseInProgress, ResponsesRequest, ResponseUsage, TextConfig,
-                                 TextFormat)
+                                 InputImage, InputMessage, InputText, InputTokensDetails, Output, OutputItemAdded,
+                                 OutputItemDone, OutputMessage, OutputText, OutputTextDelta, OutputTextDone,
+                                 OutputTokensDetails, ReasoningInput, ReasoningItem, ReasoningText, ReasoningTextDelta,
+                                 ReasoningTextDone, Response, ResponseCompleted, ResponseCreated, ResponseError,
+                                 ResponseFailed, ResponseInProgress, ResponseIncomplete, ResponseUsage,
+                                 ResponsesRequest, TextConfig, TextFormat)
 
 _INPUT_ITEMS = {"message": InputMessage, "function_call": FunctionCallInput,
                 "function_call_output": FunctionCallOutputInput, "reasoning": ReasoningInput}
@@ -69,10 +73,11 @@ _CHAT_PARAMS = {"max_completion_tokens": "max_output_tokens", "response_format":
 _encoder = msgspec.json.Encoder()
 
 
-def responses_input(request: ResponsesRequest, tokenizer: PromptTokenizer, max_model_len: int,
-                    parsers: ChatParsers) -> tuple[EngineInput, OutputSettings]:
-    """The engine input and how to read its output: those of the equivalent chat request."""
-    return translated_chat_input(chat_request(request), tokenizer, max_model_len, parsers, "input", _CHAT_PARAMS)
+def responses_input(chat: ChatCompletionRequest, tokenizer: PromptTokenizer, max_model_len: int,
+                    parsers: ChatParsers, images: ChatImages | None = None) -> tuple[EngineInput, OutputSettings]:
+    """The engine input and how to read its output for a request's chat equivalent (`chat_request`)
+    and the images of its image parts."""
+    return translated_chat_input(chat, tokenizer, max_model_len, parsers, "input", _CHAT_PARAMS, images)
 
 
 def chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
@@ -165,12 +170,27 @@ def _content(content: str | list[dict[str, Any]], where: str) -> str | list[Cont
         return content
     parts = []
     for index, value in enumerate(content):
+        at = f"{where}[{index}]"
         kind = value.get("type")
-        if kind not in ("input_text", "output_text"):
-            raise APIError(400, f"content parts of type {kind!r} are not supported (text only): {where}[{index}]",
-                           param=f"{where}[{index}].type", code="unsupported_parameter")
-        parts.append(ContentPart("text", convert(value, InputText, f"{where}[{index}]").text))
+        if kind == "input_image":
+            parts.append(_image_part(convert(value, InputImage, at), at))
+        elif kind in ("input_text", "output_text"):
+            parts.append(ContentPart("text", convert(value, InputText, at).text))
+        else:
+            raise APIError(400, f"content parts of type {kind!r} are not supported (input_text, output_text and "
+                                f"input_image are): {at}", param=f"{at}.type", code="unsupported_parameter")
     return parts
+
+
+def _image_part(image: InputImage, where: str) -> ContentPart:
+    """Chat's image_url part of the same image."""
+    if image.file_id is not None:
+        raise APIError(400, f"{where}.file_id is not supported: no files are stored here; send the image in "
+                            f"image_url (a URL or a data: URL)", param=f"{where}.file_id", code="unsupported_parameter")
+    if image.image_url is None:
+        raise APIError(400, f"{where}.image_url is required in an input_image part", param=f"{where}.image_url",
+                       code="missing_required_parameter")
+    return ContentPart("image_url", image_url=ImageURL(image.image_url))
 
 
 def _reasoning_text(item: ReasoningInput, where: str) -> str:

@@ -7,7 +7,7 @@ unchanged; the chat-only ones among them (max_tokens, n, response_format, ...) a
 name in `responses_api`. Input items and tools are decoded as JSON objects and checked one by
 one against their own Struct there (`InputMessage`, `FunctionCallInput`, ..., `FunctionTool`):
 a message may leave out its `type`, which a tagged union cannot, and an item of a type the
-server does not serve (an image, a web search) gets a 400 naming that type.
+server does not serve (a file, a web search) gets a 400 naming that type.
 
 Output items and stream events are tagged Structs (`type`); every event has a
 `sequence_number`, set as it is written (`ResponsesRenderer.event`).
@@ -93,11 +93,23 @@ class InputText(Request, kw_only=True):
     logprobs: list[Any] | None = None
 
 
+class InputImage(Request, kw_only=True):
+    """An image part of a message's content (or of a function_call_output's output): chat's
+    image_url part."""
+
+    type: Literal["input_image"]
+    image_url: str | None = None  # a data:, http(s): or file: URL
+    file_id: str | None = None  # refused when set: no files are stored here
+    # "auto", "low" or "high": accepted, any value, with no effect (vLLM ignores it too): an
+    # image's tokens follow from its size alone.
+    detail: str | None = None
+
+
 class InputMessage(Request, kw_only=True):
     """A message item (EasyInputMessage: `type` may be left out), or an output message sent back."""
 
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[dict[str, Any]]  # text, or parts (each checked against `InputText`)
+    content: str | list[dict[str, Any]]  # text, or parts (each checked against `InputText` or `InputImage`)
     type: Literal["message"] = "message"
     id: str | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
@@ -119,7 +131,7 @@ class FunctionCallOutputInput(Request, kw_only=True):
 
     type: Literal["function_call_output"]
     call_id: str
-    output: str | list[dict[str, Any]]  # text, or input_text parts
+    output: str | list[dict[str, Any]]  # text, or input_text and input_image parts
     id: str | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 

@@ -170,3 +170,24 @@ def test_bad_image_input_is_refused(vision_checkpoint, checkpoint):
             {"prompt": f"{USER}{IMAGE}{TURN_END}", "multi_modal_data": {"image": image}})
     with pytest.raises(ValueError, match="reads no images"):
         engine(checkpoint("qwen3_5")).generate({"prompt": "look", "multi_modal_data": {"image": image}})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_images_through_the_gpu_graphs(tmp_path_factory):
+    """On the GPU (float32), with decode and speculative steps in CUDA graphs reading each slot's
+    RoPE shift: the CPU reference's tokens (which equal HF's above), plain and with MTP drafts,
+    four image prompts and a text one in one batch."""
+    from fixtures import GPU_SHAPE
+    path = make_vision_checkpoint(tmp_path_factory.mktemp("vision_gpu"), seed=7, **GPU_SHAPE)
+    rng = np.random.default_rng(8)
+    prompts = [{"prompt": f"{USER}Picture {i}: {IMAGE} and {IMAGE}.{TURN_END}",
+                "multi_modal_data": {"image": [random_image(rng, 32 + 16 * i, 96), random_image(rng, 64, 48)]}}
+               for i in range(4)] + [f"{USER}Only text.{TURN_END}"]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+    reference = engine(path).generate(prompts, params, use_tqdm=False)
+    for k in (0, 2):
+        gpu = LLM(str(path), device="cuda", dtype="float32", num_draft_tokens=k, adaptive_draft_length=False)
+        for ours, theirs in zip(gpu.generate(prompts, params, use_tqdm=False), reference):
+            assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids, (k, ours.prompt)
+        gpu.close()

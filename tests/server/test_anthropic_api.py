@@ -22,7 +22,7 @@ from anthropic.types import RawMessageStreamEvent
 from prometheus_client.parser import text_string_to_metric_families
 
 from deltaspec.engine import AsyncLLM
-from deltaspec.server.anthropic_api import SIGNATURE, MessagesRenderer, messages_input
+from deltaspec.server.anthropic_api import SIGNATURE, MessagesRenderer, chat_request, messages_input
 from deltaspec.server.anthropic_protocol import MessageInput, MessagesRequest
 from deltaspec.server.chat_output import ChatOutput, OutputSettings
 from deltaspec.server.config import ServerConfig
@@ -374,12 +374,14 @@ async def test_a_history_of_blocks_renders_the_prompt_chat_renders(claude, clien
     expected = await tokenize(http, base_url, messages, tools=[chat_tool(WEATHER)])
     parsed = msgspec.convert({"model": MODEL, "max_tokens": 6, "system": "You are a weather bot.", "tools": [WEATHER],
                               "messages": history}, MessagesRequest)
-    engine_input, _ = messages_input(parsed, engine.tokenizer, engine.max_model_len, server.server.chat_parsers)
+    engine_input, _ = messages_input(chat_request(parsed), parsed.max_tokens, engine.tokenizer, engine.max_model_len,
+                                     server.server.chat_parsers)
     assert engine_input.prompt_token_ids == expected
     # Results alone: no new question, so the template renders the turn's reasoning.
     results_only = msgspec.structs.replace(parsed, messages=[*parsed.messages[:2], msgspec.structs.replace(
         parsed.messages[2], content=parsed.messages[2].content[:2])])
-    engine_input, _ = messages_input(results_only, engine.tokenizer, engine.max_model_len, server.server.chat_parsers)
+    engine_input, _ = messages_input(chat_request(results_only), results_only.max_tokens, engine.tokenizer,
+                                     engine.max_model_len, server.server.chat_parsers)
     assert "<think>\nTwo calls.\n</think>" in engine.tokenizer.decode(engine_input.prompt_token_ids)
     # As Claude Code sends it: through the beta client (`?beta=true`, anthropic-beta), with
     # context_management (which edits nothing here).
@@ -416,17 +418,18 @@ async def test_max_tokens_past_the_context_is_cut_to_the_room_left(engine, serve
     smaller context stands in for a long prompt)."""
     request = MessagesRequest(model=MODEL, max_tokens=100_000, messages=[MessageInput("user", "Hello")])
     parsers = server.server.chat_parsers
-    engine_input, settings = messages_input(request, engine.tokenizer, 2048, parsers)
+    engine_input, settings = messages_input(chat_request(request), request.max_tokens, engine.tokenizer, 2048, parsers)
     assert engine_input.params.max_tokens == 2048 - len(engine_input.prompt_token_ids)
     short = len(engine_input.prompt_token_ids) + 5
-    engine_input, settings = messages_input(request, engine.tokenizer, short, parsers)
+    engine_input, settings = messages_input(chat_request(request), request.max_tokens, engine.tokenizer, short,
+                                            parsers)
     assert engine_input.params.max_tokens == 5
     renderer = MessagesRenderer(request, MODEL, engine.tokenizer, ChatOutput(settings), engine_input.params.max_tokens)
     usage = Usage(len(engine_input.prompt_token_ids), 5, short)
     assert renderer.response("a b c", "length", usage, engine.tokenizer.encode("a b c"), None,
                              None).stop_reason == "model_context_window_exceeded"
     asked = MessagesRequest(model=MODEL, max_tokens=5, messages=[MessageInput("user", "Hello")])
-    engine_input, settings = messages_input(asked, engine.tokenizer, 2048, parsers)
+    engine_input, settings = messages_input(chat_request(asked), asked.max_tokens, engine.tokenizer, 2048, parsers)
     renderer = MessagesRenderer(asked, MODEL, engine.tokenizer, ChatOutput(settings), engine_input.params.max_tokens)
     assert renderer.response("a b c", "length", usage, engine.tokenizer.encode("a b c"), None,
                              None).stop_reason == "max_tokens"
@@ -467,14 +470,16 @@ async def test_the_api_key_goes_as_x_api_key_or_bearer(engine, http):
 # (body fields beside model and max_tokens, a substring of the error's message)
 BAD_REQUESTS = [
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}]},
-     "messages[0].content[0]: content blocks of type 'image' are not supported: the engine reads text only"),
+     "messages: image input is not supported: this model reads no images"),
     ({"messages": [{"role": "user", "content": [{"type": "document", "source": {"type": "text", "data": "x"}}]}]},
      "'document'"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
                                                  "content": [{"type": "image", "source": {}}]}]}]},
-     "messages[0].content[0].content[0]: content blocks of type 'image'"),
+     "messages[0].content[0].content[0]: Object missing required field `type` - at `$.source`"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "image", "source": {"type": "url", "url": "x"}}]}]},
+     "content blocks of type 'image' are not supported: an assistant message takes"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},
-     "a user message takes text and tool_result blocks"),
+     "a user message takes text, image and tool_result blocks"),
     ({"messages": [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]},
      "an assistant message takes"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "Invalid enum value 'tool'"),

@@ -131,8 +131,8 @@ async def test_serve_takes_a_vllm_command_line(checkpoint, tmp_path):
     requests, --chat-template (a file) replaces the checkpoint's template, --served-model-name the
     names requests may use (responses name the first), --block-size the KV block's tokens;
     --gpu-memory-utilization, --enforce-eager, --disable-custom-all-reduce and the flags whose
-    behaviour is this server's anyway are taken (an image part is refused with or without
-    --language-model-only)."""
+    behaviour is this server's anyway are taken; --language-model-only reaches the engine (an
+    image part is refused: the checkpoint reads none either way)."""
     path = checkpoint("qwen3_5")
     template = tmp_path / "chat.jinja"
     template.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"

@@ -25,7 +25,7 @@ from deltaspec.engine import AsyncLLM, TokenLogprobs
 from deltaspec.server.chat_output import ChatOutput, OutputSettings
 from deltaspec.server.protocol import Usage
 from deltaspec.server.reasoning import ReasoningParser
-from deltaspec.server.responses_api import ResponsesRenderer, responses_input
+from deltaspec.server.responses_api import ResponsesRenderer, chat_request, responses_input
 from deltaspec.server.responses_protocol import ResponsesRequest
 from deltaspec.server.tool_parsers import make_tool_call_parser
 from fixtures import assert_idle
@@ -342,7 +342,8 @@ async def test_a_history_of_items_renders_the_prompt_chat_renders(client, engine
     async with http.post(f"{base_url}/tokenize", json={"messages": messages, "tools": [chat_tool(WEATHER)]}) as reply:
         expected = (await reply.json())["tokens"]
     parsed = ResponsesRequest(input=items, instructions="You are a weather bot.", tools=[WEATHER])
-    engine_input, _ = responses_input(parsed, engine.tokenizer, engine.max_model_len, server.server.chat_parsers)
+    engine_input, _ = responses_input(chat_request(parsed), engine.tokenizer, engine.max_model_len,
+                                      server.server.chat_parsers)
     assert engine_input.prompt_token_ids == expected
     assert "<think>\nTwo calls.\n</think>" in engine.tokenizer.decode(expected)
     response = await client.responses.create(**request)
@@ -385,7 +386,7 @@ BAD_REQUESTS = [
     ({"input": "hi", "service_tier": "priority"}, "service_tier", "Invalid enum value"),
     ({"input": []}, "input", "length >= 1"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
-     "input[0].content[0].type", "'input_image'"),
+     "input", "image input is not supported: this model reads no images"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file_1"}]}]},
      "input[0].content[0].type", "'input_file'"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "'item_reference'"),

@@ -223,7 +223,7 @@ BAD_CALL = {"role": "assistant", "content": None,
 # (body fields beside model, the param the 400 names, a substring of its message)
 BAD_CHAT_REQUESTS = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
-     "messages[0].content", "'image_url'"),
+     "messages[0].content[0]", "image input is not supported: this model reads no images"),
     ({"messages": [{"role": "user", "content": "hi", "mood": "happy"}]}, "messages[0].mood", "unknown field"),
     ({"messages": ONE_MESSAGE, "functions": [{"name": "f"}]}, "functions", "unknown field"),
     ({"messages": [{"role": "assistant", "content": "no", "refusal": "I can't"}, *ONE_MESSAGE]},

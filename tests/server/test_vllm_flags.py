@@ -200,14 +200,15 @@ def test_serve_flags_reach_the_server_and_engine_configs(checkpoint, certificate
 
 def test_vllm_engine_flags_reach_a_server_process_unchanged():
     """What `bench serve` passes its server: the same EngineConfig fields; the flags whose meaning
-    holds anyway set none."""
+    holds anyway set none (--language-model-only sets language_model_only)."""
     parser = argparse.ArgumentParser()
     add_engine_options(parser)
     args = parser.parse_args(["-tp", "2", "--block-size", "32", "--disable-custom-all-reduce", "--kv-cache-dtype",
                               "fp8", "--distributed-executor-backend", "mp", "--enable-chunked-prefill",
                               "--language-model-only"])
     options = engine_options(args)
-    assert options == {"tensor_parallel_size": 2, "block_size": 32, "all_reduce": "nccl", "kv_cache_dtype": "fp8"}
+    assert options == {"tensor_parallel_size": 2, "block_size": 32, "all_reduce": "nccl", "kv_cache_dtype": "fp8",
+                       "language_model_only": True}
     assert engine_options(parser.parse_args(engine_flags(args))) == options
 
 
