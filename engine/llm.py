@@ -9,6 +9,8 @@ about HTTP.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import time
 from pathlib import Path
@@ -138,12 +140,19 @@ class LLM:
         rendered by the chat template (Tokenizer.apply_chat_template: the messages as HF
         templates take them, tools and chat_template_kwargs such as {"enable_thinking": False}
         as template variables), then generated as `generate` does. The outputs' text is the
-        model's raw text (reasoning and tool calls unparsed)."""
+        model's raw text (reasoning and tool calls unparsed). Image parts, for a model that
+        reads images: {"type": "image_url", "image_url": {"url": a data: URL}}, {"type":
+        "image_pil", "image_pil": a PIL image} or {"type": "image", "image": a PIL image or
+        encoded bytes}; other URLs are refused (fetch them first, or serve the model: the
+        server fetches http(s) images)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer.apply_chat_template(list(conversation), add_generation_prompt=add_generation_prompt,
+        prompts = []
+        for conversation in conversations:
+            rendered, images = _chat_images(conversation)
+            text = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
                                                       continue_final_message=continue_final_message, tools=tools,
                                                       **(chat_template_kwargs or {}))
-                   for conversation in conversations]
+            prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
         return self.generate(prompts, sampling_params, n=n, use_tqdm=use_tqdm)
 
     def _resize(self, images: list) -> list[ImageInput]:
@@ -193,6 +202,52 @@ class LLM:
 
 
 Prompt = str | Seq[int] | dict[str, Any]
+
+# The content part types LLM.chat reads an image from (vLLM's offline chat takes these).
+_IMAGE_PARTS = ("image_url", "image_pil", "image")
+
+
+def _chat_images(conversation: Seq[dict[str, Any]]) -> tuple[list[dict[str, Any]], list]:
+    """The messages as the chat template takes them, each image part made {"type": "image"}
+    (where Qwen3.5's template writes the image's placeholder), and the images in order."""
+    messages, images = [], []
+    for index, message in enumerate(conversation):
+        content = message.get("content")
+        if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") in _IMAGE_PARTS
+                                                    for p in content):
+            messages.append(message)
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in _IMAGE_PARTS:
+                parts.append(part)
+                continue
+            images.append(_part_image(part, kind, f"messages[{index}]"))
+            parts.append({"type": "image"})
+        messages.append({**message, "content": parts})
+    return messages, images
+
+
+def _part_image(part: dict[str, Any], kind: str, where: str):
+    """An image part's image: a PIL image or encoded bytes (a data: URL's, decoded)."""
+    value = part.get(kind)
+    if kind != "image_url":
+        if value is None:
+            raise ValueError(f"{where}: a {kind!r} part needs its image under {kind!r}")
+        return value
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url.startswith("data:"):
+        raise ValueError(f"{where}: LLM.chat reads image_url parts as data: URLs (base64); got "
+                         f"{str(url)[:64]!r}: pass the image itself ({{'type': 'image_pil', 'image_pil': image}}), "
+                         f"or serve the model (the server fetches http(s) images)")
+    header, _, data = url.partition(",")
+    if not header.endswith(";base64"):
+        raise ValueError(f"{where}: a data: URL image must be base64 ('data:image/png;base64,...')")
+    try:
+        return base64.b64decode(data, validate=True)
+    except binascii.Error as error:
+        raise ValueError(f"{where}: the data: URL is not valid base64: {error}") from None
 
 
 def _prompt(prompt: Prompt) -> tuple[str | None, str | Seq[int], list]:

@@ -191,3 +191,28 @@ def test_images_through_the_gpu_graphs(tmp_path_factory):
         for ours, theirs in zip(gpu.generate(prompts, params, use_tqdm=False), reference):
             assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids, (k, ours.prompt)
         gpu.close()
+
+
+def test_llm_chat_reads_image_parts(vision_checkpoint):
+    """LLM.chat's image parts (a data: URL, a PIL image) render as the template's placeholder and
+    give what generate gives for the same prompt and images; an http URL is refused by name."""
+    import base64
+    import io
+    rng = np.random.default_rng(9)
+    first, second = random_image(rng, 64, 80), random_image(rng, 48, 48)
+    png = io.BytesIO()
+    first.save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    llm = engine(vision_checkpoint)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "A "},
+                                             {"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": " and "},
+                                             {"type": "image_pil", "image_pil": second}]}]
+    chat = llm.chat(messages, params, use_tqdm=False)[0]
+    direct = llm.generate({"prompt": f"{USER}A {IMAGE} and {IMAGE}<|im_end|>\n<|im_start|>assistant\n",
+                           "multi_modal_data": {"image": [first, second]}}, params, use_tqdm=False)[0]
+    assert chat.prompt_token_ids == direct.prompt_token_ids
+    assert chat.outputs[0].token_ids == direct.outputs[0].token_ids
+    with pytest.raises(ValueError, match="data: URLs"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}])
