@@ -274,7 +274,7 @@ class EngineCore:
             self.images_refused = "image input is not supported under tensor parallelism yet"
         if self.images_refused is not None:
             return None, None
-        processor = ImageProcessor.from_model_dir(path)
+        processor = engine_image_processor(config)
         encoder = load_vision_encoder(path, self.model_config.vision, self.dtype, self.device)
         return processor, ImageFeatures(encoder, processor)
 
@@ -719,6 +719,13 @@ class EngineCore:
         # more than is free (other processes' memory).
         allowed = int(total * self.config.gpu_memory_utilization) - torch.cuda.memory_reserved(self.device)
         return min(allowed, free) - activations
+
+
+def engine_image_processor(config: EngineConfig) -> ImageProcessor:
+    """The processor of config.model (a vision-language checkpoint's directory) with the
+    config's pixel bounds: the engine's, and its front ends' in another process."""
+    processor = ImageProcessor.from_model_dir(Path(config.model))
+    return processor.with_pixels(config.image_min_pixels, config.image_max_pixels)
 
 
 def _digests(images: PromptImages | None) -> tuple[bytes, ...]:

@@ -72,6 +72,10 @@ class EngineConfig:
     # vLLM's --language-model-only: a vision-language checkpoint's vision encoder is not loaded
     # (its memory goes to the pools) and prompts with images are refused.
     language_model_only: bool = False
+    # Bounds on an image's pixels after resizing, so on its tokens (vLLM's mm_processor_kwargs
+    # min_pixels / max_pixels); None: the checkpoint's preprocessor_config.json.
+    image_min_pixels: int | None = None
+    image_max_pixels: int | None = None
     # `model` a Hugging Face Hub repo id (model_source.py): the branch, tag or commit to load, and
     # the cache directory in place of HF_HOME's.
     revision: str | None = None
@@ -124,6 +128,10 @@ class EngineConfig:
             problems.append(f"generation_config must be 'auto' or 'none', got {self.generation_config!r}")
         if self.quantization not in (None, "fp8"):
             problems.append(f"quantization must be 'fp8' (online block FP8) or None, got {self.quantization!r}")
+        for name in ("image_min_pixels", "image_max_pixels"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                problems.append(f"{name} must be a positive int or None, got {value!r}")
         if self.tensor_parallel_size < 1:
             problems.append("tensor_parallel_size must be >= 1")
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:

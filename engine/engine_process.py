@@ -54,6 +54,7 @@ import msgspec
 
 from .async_llm import AsyncLLM, Outbox, Outboxes, drain, freeze_startup_heap, run
 from . import gc_pauses
+from .core import engine_image_processor
 from .engine_config import EngineConfig
 from .errors import EngineDeadError, StepFailedError
 from .model_source import local_config
@@ -333,7 +334,7 @@ class EngineProcess:
             if isinstance(first, Ready):
                 # The front end resizes images as the engine's processor would (its own copy).
                 processor = None if first.images_refused is not None else \
-                    await asyncio.to_thread(ImageProcessor.from_model_dir, Path(config.model))
+                    await asyncio.to_thread(engine_image_processor, config)
                 return cls(process, wire, first, await tokenizer, processor)
         except asyncio.IncompleteReadError:
             first = None

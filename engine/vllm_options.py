@@ -33,9 +33,32 @@ def draft_tokens(speculative_config: Any) -> int:
     return tokens
 
 
+def image_pixels(mm_processor_kwargs: Any) -> dict[str, int]:
+    """vLLM's mm_processor_kwargs for Qwen's image processor ({"min_pixels": .., "max_pixels":
+    ..}, or Qwen3-VL's {"size": {"shortest_edge": .., "longest_edge": ..}}: bounds on an image's
+    pixels after resizing, so on its tokens) as {"min_pixels": .., "max_pixels": ..} (the bounds
+    given). Another key (fps and the like: video) is a ValueError naming it."""
+    if not isinstance(mm_processor_kwargs, dict):
+        raise ValueError("mm_processor_kwargs must be a JSON object / dict")
+    kwargs = dict(mm_processor_kwargs)
+    size = kwargs.pop("size", None) or {}
+    if not isinstance(size, dict) or size.keys() - {"shortest_edge", "longest_edge"}:
+        raise ValueError(f"mm_processor_kwargs: size takes shortest_edge and longest_edge (pixels), got {size!r}")
+    unknown = sorted(kwargs.keys() - {"min_pixels", "max_pixels"})
+    if unknown:
+        raise ValueError(f"mm_processor_kwargs: unsupported keys {unknown}: the image processor takes min_pixels and "
+                         f"max_pixels (or size's shortest_edge and longest_edge)")
+    pixels = {"min_pixels": size.get("shortest_edge"), "max_pixels": size.get("longest_edge")}
+    pixels.update({name: value for name, value in kwargs.items() if value is not None})
+    for name, value in pixels.items():
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"mm_processor_kwargs: {name} must be a positive int, got {value!r}")
+    return {name: value for name, value in pixels.items() if value is not None}
+
+
 def engine_options(model: str | Path, options: dict[str, Any]) -> dict[str, Any]:
     """`LLM(model, **options)`'s keyword arguments as EngineConfig fields. vLLM's enforce_eager,
-    enable_prefix_caching and speculative_config are translated; trust_remote_code (no remote
+    enable_prefix_caching, speculative_config and mm_processor_kwargs are translated; trust_remote_code (no remote
     code ever runs: the model classes are the engine's) and tokenizer naming the model itself are
     accepted; every other name must be an EngineConfig field (kv_cache_dtype, seed, ... are)."""
     options = dict(options)
@@ -46,6 +69,10 @@ def engine_options(model: str | Path, options: dict[str, Any]) -> dict[str, Any]
     if options.get("speculative_config") is not None:
         translate(options, "speculative_config", "num_draft_tokens", draft_tokens(options.pop("speculative_config")))
     options.pop("speculative_config", None)
+    if options.get("mm_processor_kwargs") is not None:
+        for name, value in image_pixels(options.pop("mm_processor_kwargs")).items():
+            translate(options, "mm_processor_kwargs", f"image_{name}", value)
+    options.pop("mm_processor_kwargs", None)
     options.pop("trust_remote_code", None)
     tokenizer = options.pop("tokenizer", None)
     if tokenizer is not None and str(tokenizer) != str(model):

@@ -38,7 +38,7 @@ import time
 import zlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -47,6 +47,7 @@ from ..engine import AsyncLLM, EngineDeadError, RequestDelta, StepFailedError
 from ..engine.engine_process import EngineProcess
 from ..engine.vision.image import ImageInput
 from ..engine.vision.preprocess import ImageProcessor
+from ..engine.vllm_options import image_pixels
 from . import anthropic_api, responses_api
 from .anthropic_api import MessagesRenderer, count_tokens, error_body, messages_input
 from .anthropic_protocol import CountTokensRequest, CountTokensResponse, MessagesRequest
@@ -167,7 +168,7 @@ class OpenAIServer:
         self._check_model(body.model)
         n = num_choices(body)
         with self._admit(n):
-            images = await self._chat_images(body.messages)
+            images = await self._chat_images(body.messages, mm_processor_kwargs=body.mm_processor_kwargs)
             engine_input, output = await self._off_loop(chat_input, body, self.engine.tokenizer,
                                                         self.engine.max_model_len, self.chat_parsers, images)
             renderers = []
@@ -220,7 +221,8 @@ class OpenAIServer:
         self._check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send either prompt or messages", param="prompt", code="invalid_value")
-        images = await self._chat_images(body.messages) if body.messages is not None else None
+        images = await self._chat_images(body.messages, mm_processor_kwargs=body.mm_processor_kwargs) \
+            if body.messages is not None else None
         tokens = await self._off_loop(_tokenize, self.engine.tokenizer, body, images)
         return _json(TokenizeResponse(len(tokens), self.engine.max_model_len, tokens))
 
@@ -434,9 +436,11 @@ class OpenAIServer:
 
     # Images -------------------------------------------------------------------------------
 
-    async def _chat_images(self, messages: list[ChatMessage], param: str | None = None) -> ChatImages | None:
+    async def _chat_images(self, messages: list[ChatMessage], param: str | None = None,
+                           mm_processor_kwargs: dict[str, Any] | None = None) -> ChatImages | None:
         """The images of the messages' image parts, fetched concurrently and resized (None: the
-        messages have none). param: the field errors name (`messages.image_parts`)."""
+        messages have none). param: the field errors name (`messages.image_parts`);
+        mm_processor_kwargs: the request's pixel bounds (vLLM's field)."""
         parts = image_parts(messages, param)
         if not parts:
             return None
@@ -444,6 +448,11 @@ class OpenAIServer:
         if processor is None:  # the engine says why: a text-only checkpoint, --language-model-only, ...
             raise APIError(400, f"image input is not supported: {self.engine.images_refused}", param=parts[0].param,
                            code="unsupported_parameter")
+        if mm_processor_kwargs is not None:
+            try:
+                processor = processor.with_pixels(**image_pixels(mm_processor_kwargs))
+            except ValueError as error:
+                raise APIError(400, str(error), param="mm_processor_kwargs", code="invalid_value") from None
         limit = self.config.media.max_images
         if limit is not None and len(parts) > limit:
             raise APIError(400, f"the request holds {len(parts)} images; at most {limit} are taken per prompt "

@@ -14,7 +14,7 @@ import argparse
 import json
 
 from ..engine.engine_config import ALL_REDUCES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, SSM_CACHE_DTYPES
-from ..engine.vllm_options import draft_tokens, translate
+from ..engine.vllm_options import draft_tokens, image_pixels, translate
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +68,15 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
                         help="the KV cache's dtype (vLLM's flag): auto (default) is the model's; fp8 / fp8_e4m3 keeps "
                              "keys and values in e4m3 with a scale of 1 (half of bf16's bytes: twice the context)")
+    parser.add_argument("--image-min-pixels", type=int, default=None,
+                        help="an image's pixels at least after resizing (default: preprocessor_config.json's)")
+    parser.add_argument("--image-max-pixels", type=int, default=None,
+                        help="an image's pixels at most after resizing, so its tokens at most (pixels / 1024 for "
+                             "Qwen3.5; default: preprocessor_config.json's)")
+    parser.add_argument("--mm-processor-kwargs", type=_mm_processor_kwargs, default=None, metavar="JSON",
+                        help="the image processor's pixel bounds after resizing, so an image's tokens (vLLM's flag): "
+                             "'{\"max_pixels\": 1003520}' (min_pixels, max_pixels, or size's shortest_edge and "
+                             "longest_edge); a request's mm_processor_kwargs overrides it for its images")
     parser.add_argument("--block-size", type=int, default=None,
                         help="tokens per KV-cache block (default: 16); must divide the checkpoint interval")
     parser.add_argument("--disable-custom-all-reduce", action="store_true",
@@ -89,6 +98,14 @@ def accept_vllm_flags(parser: argparse.ArgumentParser, flags: dict[str, str]) ->
         parser.add_argument(flag, action="store_true", help=f"accepted for vLLM command lines: {why}")
 
 
+def _mm_processor_kwargs(text: str) -> dict[str, int]:
+    """vLLM's --mm-processor-kwargs (JSON) as the image pixel bounds it sets."""
+    try:
+        return image_pixels(json.loads(text))
+    except ValueError as error:  # (json's errors are ValueErrors too)
+        raise argparse.ArgumentTypeError(str(error).removeprefix("mm_processor_kwargs: ")) from None
+
+
 def _speculative_config(text: str) -> int:
     """vLLM's --speculative-config (JSON) as the MTP drafts per step it asks for."""
     try:
@@ -105,7 +122,8 @@ def _speculative_config(text: str) -> int:
 _FIELDS = ("device", "dtype", "num_draft_tokens", "max_num_batched_tokens", "tensor_parallel_size",
            "enable_expert_parallel", "all_reduce", "load_format", "generation_config", "quantization",
            "gpu_memory_utilization", "scheduling_policy", "revision", "download_dir", "block_size",
-           "mamba_ssm_cache_dtype", "kv_cache_dtype", "language_model_only")
+           "mamba_ssm_cache_dtype", "kv_cache_dtype", "language_model_only", "image_min_pixels",
+           "image_max_pixels")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -113,6 +131,8 @@ def engine_options(args: argparse.Namespace) -> dict:
     options = {name: getattr(args, name) for name in _FIELDS if getattr(args, name) is not None}
     if args.speculative_config is not None:
         translate(options, "--speculative-config", "num_draft_tokens", args.speculative_config, _setting)
+    for name, value in (args.mm_processor_kwargs or {}).items():
+        translate(options, "--mm-processor-kwargs", f"image_{name}", value, _setting)
     if args.disable_custom_all_reduce:
         translate(options, "--disable-custom-all-reduce", "all_reduce", "nccl", _setting)
     if args.enforce_eager:

@@ -213,6 +213,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false} (vLLM's name)
+    # vLLM's: the image processor's pixel bounds for this request's images ({"max_pixels": N}).
+    mm_processor_kwargs: dict[str, Any] | None = None
     logprobs: bool | None = None
     top_logprobs: NumLogprobs | None = None
     # The tools as sent: the template renders these dicts (key order kept, as HF renders what
@@ -244,6 +246,7 @@ class TokenizeRequest(Request, kw_only=True):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
 
 

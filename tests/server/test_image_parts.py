@@ -644,3 +644,39 @@ def test_anthropic_image_source_types_are_checked():
     with pytest.raises(APIError) as raised:
         chat_request(request)
     assert raised.value.status == 400 and raised.value.param == "messages[0].content[0].source.type"
+
+
+@in_module_loop
+async def test_mm_processor_kwargs_bound_a_requests_images(engine, processor):
+    """vLLM's request field mm_processor_kwargs: max_pixels resizes this request's image smaller
+    (fewer tokens); the next request without it gets the server's bounds; a key the processor
+    does not take is a 400 naming the field."""
+    image = random_png(128, 128)
+    messages = [{"role": "user", "content": [image_part(data_url(image))]}]
+    async with serving(engine) as base_url:
+        assert (await chat(base_url, messages, mm_processor_kwargs={"max_pixels": 64 * 64}))[0] == 200
+        assert (await chat(base_url, messages))[0] == 200
+        error = error_of(await chat(base_url, messages, mm_processor_kwargs={"fps": 1}))
+    small, default = (request["images"][0] for request in engine.requests)
+    assert small == processor.with_pixels(max_pixels=64 * 64).resize(image)
+    assert default == processor.resize(image) and small.height * small.width < default.height * default.width
+    assert error["param"] == "mm_processor_kwargs" and "fps" in error["message"]
+
+
+def test_mm_processor_kwargs_flag_sets_the_engines_pixel_bounds(checkpoint, monkeypatch, capsys):
+    served = {}
+
+    async def serve(engine_config, server_config, single_process=False):
+        served.update(engine=engine_config)
+
+    monkeypatch.setattr(cli, "serve", serve)
+    monkeypatch.setattr(cli.logging, "basicConfig", lambda **options: None)
+    assert cli.main(["serve", str(checkpoint("qwen3_5")), "--mm-processor-kwargs",
+                     '{"size": {"shortest_edge": 3136, "longest_edge": 1003520}}']) == 0
+    assert (served["engine"].image_min_pixels, served["engine"].image_max_pixels) == (3136, 1003520)
+    try:
+        code = cli.main(["serve", str(checkpoint("qwen3_5")), "--mm-processor-kwargs", '{"max_pixels": 1000}',
+                         "--image-max-pixels", "2000"])
+    except SystemExit as exited:
+        code = exited.code
+    assert code == 2 and "--mm-processor-kwargs means --image-max-pixels 1000" in capsys.readouterr().err

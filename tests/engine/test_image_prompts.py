@@ -216,3 +216,20 @@ def test_llm_chat_reads_image_parts(vision_checkpoint):
     assert chat.outputs[0].token_ids == direct.outputs[0].token_ids
     with pytest.raises(ValueError, match="data: URLs"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}])
+
+
+def test_pixel_bounds_set_an_images_tokens(vision_checkpoint):
+    """vLLM's mm_processor_kwargs (max_pixels) on LLM(...): a 128 x 128 image (16 tokens under the
+    checkpoint's bounds) is resized to at most 64 x 64 pixels (4 tokens); a key the processor does
+    not take is refused by name."""
+    image = random_image(np.random.default_rng(10), 128, 128)
+    prompt = {"prompt": f"{USER}{IMAGE}{TURN_END}", "multi_modal_data": {"image": image}}
+    params = SamplingParams(max_tokens=1)
+    llm = engine(vision_checkpoint)
+    pad = llm.core.image_processor.image_token_id
+    wide = llm.generate(prompt, params, use_tqdm=False)[0]
+    small = engine(vision_checkpoint, mm_processor_kwargs={"max_pixels": 64 * 64}).generate(
+        prompt, params, use_tqdm=False)[0]
+    assert small.prompt_token_ids.count(pad) == 4 and wide.prompt_token_ids.count(pad) == 16
+    with pytest.raises(ValueError, match=r"unsupported keys \['fps'\]"):
+        engine(vision_checkpoint, mm_processor_kwargs={"fps": 2})
