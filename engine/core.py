@@ -270,13 +270,14 @@ class EngineCore:
                                    "--language-model-only): it reads no images"
         elif not loaded or config.load_format == "dummy":
             self.images_refused = "this engine's model was not loaded from its checkpoint: no vision encoder"
-        elif self.tp is not None:
-            self.images_refused = "image input is not supported under tensor parallelism yet"
         if self.images_refused is not None:
             return None, None
+        hidden_size = self.model_config.hidden_size
+        if self.tp is not None and self.tp.rank > 0:  # rank 0 encodes; this rank receives its features
+            return None, ImageFeatures(None, None, hidden_size, self.tp)
         processor = engine_image_processor(config)
         encoder = load_vision_encoder(path, self.model_config.vision, self.dtype, self.device)
-        return processor, ImageFeatures(encoder, processor)
+        return processor, ImageFeatures(encoder, processor, hidden_size, self.tp)
 
     def _place_images(self, token_ids: list[int], images: Seq[ImageInput]) -> tuple[list[int], PromptImages | None]:
         """The prompt with each image's token repeated to its count, and where they sit; a

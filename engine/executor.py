@@ -40,6 +40,7 @@ import traceback
 from typing import Sequence
 
 import msgspec
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -47,6 +48,7 @@ from .runner import InFlight
 from .sampling_params import SamplingParams
 from .step import ScheduledRow, StepPlan
 from .tensor_parallel import COLLECTIVE_TIMEOUT, TensorParallel, abort_nccl
+from .vision.prompt import PromptImages
 
 logger = logging.getLogger("deltaspec")
 
@@ -78,12 +80,16 @@ class RowRequest(msgspec.Struct, frozen=True, gc=False):
     tokens_start: int
     tokens: list[int]
     grammar: None = None  # the matchers stay on rank 0, which broadcasts each step's masks
-    # Text only: image input is not served under tensor parallelism (EngineCore._vision).
-    images: None = None
-    rope_delta: int = 0
+    # Where the prompt's images sit, their pixels left out (rank 0 broadcasts the encoder's
+    # outputs): prefill and cached rows only, which place image tokens and set the RoPE shift.
+    images: PromptImages | None = None
+
+    @property
+    def rope_delta(self) -> int:
+        return 0 if self.images is None else self.images.delta
 
     @classmethod
-    def of(cls, row: ScheduledRow) -> "RowRequest":
+    def of(cls, row: ScheduledRow, with_images: bool = False) -> "RowRequest":
         request = row.request
         if request.params.penalized:
             start, end = 0, request.num_tokens
@@ -92,12 +98,13 @@ class RowRequest(msgspec.Struct, frozen=True, gc=False):
             first, last = row.prompt_logprob_span
             if first < last:
                 start, end = min(start, first + 1), max(end, last + 1)
+        images = request.images.without_pixels() if with_images and request.images is not None else None
         return cls(request.request_id, request.params, request.seed, request.stop_token_ids,
-                   request.bad_words_token_ids, len(request.prompt_token_ids), start, request.token_ids(start, end))
+                   request.bad_words_token_ids, len(request.prompt_token_ids), start, request.token_ids(start, end),
+                   images=images)
 
-    def rope(self, start: int, end: int) -> tuple[None, int]:
-        """Request.rope of a text request: positions are indices."""
-        return None, 0
+    def rope(self, start: int, end: int) -> tuple[np.ndarray | None, int]:
+        return (None, 0) if self.images is None else self.images.rope(start, end)
 
     def token_ids(self, start: int, end: int) -> list[int]:
         if start < self.tokens_start or end - self.tokens_start > len(self.tokens):
@@ -115,11 +122,11 @@ class RowRequest(msgspec.Struct, frozen=True, gc=False):
 
 def plan_for_workers(plan: StepPlan) -> StepPlan:
     """The plan as the workers run it: rows carry RowRequests; nothing rank 0 keeps for commit."""
-    def rows(scheduled: Sequence[ScheduledRow]) -> tuple[ScheduledRow, ...]:
-        return tuple(msgspec.structs.replace(r, request=RowRequest.of(r)) for r in scheduled)
+    def rows(scheduled: Sequence[ScheduledRow], with_images: bool = False) -> tuple[ScheduledRow, ...]:
+        return tuple(msgspec.structs.replace(r, request=RowRequest.of(r, with_images)) for r in scheduled)
 
-    return dataclasses.replace(plan, decode_rows=rows(plan.decode_rows), prefill_rows=rows(plan.prefill_rows),
-                               cached_rows=rows(plan.cached_rows), pinned=(), writes=())
+    return dataclasses.replace(plan, decode_rows=rows(plan.decode_rows), prefill_rows=rows(plan.prefill_rows, True),
+                               cached_rows=rows(plan.cached_rows, True), pinned=(), writes=())
 
 
 def rank_device(device: str, rank: int) -> str:

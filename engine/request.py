@@ -248,15 +248,9 @@ class Request:
         return token_ids if self.images is None else self.images.key_ids(token_ids)
 
     def rope(self, start: int, end: int) -> tuple[np.ndarray | None, int]:
-        """How tokens start..end-1 turn under RoPE, as batch.Row takes it: (None, d) when
-        their positions are their indices + d on every axis, else (positions [3, n], 0) (a run
-        among the prompt's images)."""
-        if self.images is None:
-            return None, 0
-        positions = self.images.rope_positions(start, end)
-        if self.images.spans(start, end):
-            return positions, 0
-        return None, int(positions[0, 0]) - start
+        """How tokens start..end-1 turn under RoPE, as batch.Row takes it (PromptImages.rope;
+        a text prompt's: their indices)."""
+        return (None, 0) if self.images is None else self.images.rope(start, end)
 
     @property
     def rank(self) -> tuple[int, int]:

@@ -413,7 +413,7 @@ class Runner:
         offsets = np.cumsum([0] + [len(r.token_ids) for r in batch_rows])
         windows = [(int(offset), row.request.images, *window(row)) for offset, row in zip(offsets, rows)
                    if row.request.images is not None]
-        return self.images.embeds(windows) if windows else None
+        return self.images.embeds(windows, self.device, self.model.norm.dtype) if windows else None
 
     def _score_prompt(self, hidden: torch.Tensor, rows: tuple[ScheduledRow, ...]) -> TokenScores | None:
         """The next prompt token's score at each position of the rows' prompt_logprob_spans, in

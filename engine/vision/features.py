@@ -5,8 +5,9 @@ each such token, its image's encoder output for it in place of the token's embed
 (`ForwardBatch.embeds`). An image is encoded once, when a step first needs any of its tokens,
 and kept on the device (keyed by its digest) while later chunks of its prompt, the MTP's run
 over them, another choice of the prompt or another request with the same image need it; the
-least recently used are dropped past a byte budget. Knows nothing of scheduling: a step's
-windows say which tokens sit where.
+least recently used are dropped past a byte budget. Under tensor parallelism rank 0 encodes and
+broadcasts a step's features to the other ranks. Knows nothing of scheduling: a step's windows
+say which tokens sit where.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Sequence
 
 import torch
 
+from ..tensor_parallel import TensorParallel
 from .encoder import VisionEncoder
 from .image import ImageInput
 from .preprocess import ImageProcessor
@@ -32,25 +34,36 @@ Window = tuple[int, PromptImages, int, int]
 
 
 class ImageFeatures:
-    def __init__(self, encoder: VisionEncoder, processor: ImageProcessor, cache_bytes: int = CACHE_BYTES) -> None:
-        self.encoder, self.processor, self.cache_bytes = encoder, processor, cache_bytes
+    def __init__(self, encoder: VisionEncoder | None, processor: ImageProcessor | None, hidden_size: int,
+                 tp: TensorParallel | None = None, cache_bytes: int = CACHE_BYTES) -> None:
+        """encoder, processor: rank 0's (one device's). Under tensor parallelism (tp) rank 0
+        encodes and broadcasts each step's features; a worker has neither (None) and receives
+        them, its windows telling it how many (its requests' images carry no pixels)."""
+        self.encoder, self.processor, self.tp, self.cache_bytes = encoder, processor, tp, cache_bytes
+        self.hidden_size = hidden_size
         self._cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()   # digest -> [tokens, H]
 
-    def embeds(self, windows: Sequence[Window]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(batch token indices [M], embeddings [M, H]) of the image tokens in the windows, or
-        None when they hold none. Images not cached are encoded together, in one call."""
+    def embeds(self, windows: Sequence[Window], device: torch.device,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(batch token indices [M], embeddings [M, H] in dtype) of the image tokens in the
+        windows, on the device, or None when they hold none. Images not cached are encoded
+        together, in one call."""
         pieces = [(offset + images.starts[i] + first - start, images.images[i], first, last)
                   for offset, images, start, end in windows for i, first, last in images.spans(start, end)]
         if not pieces:
             return None
-        needed = {image.digest: image for _, image, _, _ in pieces}
-        self._encode([image for digest, image in needed.items() if digest not in self._cache])
-        for digest in needed:
-            self._cache.move_to_end(digest)
-        device = next(iter(self._cache.values())).device
         index = torch.cat([torch.arange(at, at + last - first) for at, _, first, last in pieces]).to(device)
-        values = torch.cat([self._cache[image.digest][first:last] for _, image, first, last in pieces])
-        self._evict(keep=needed.keys())
+        if self.encoder is None:  # a worker: rank 0's features, broadcast below
+            values = torch.empty(len(index), self.hidden_size, dtype=dtype, device=device)
+        else:
+            needed = {image.digest: image for _, image, _, _ in pieces}
+            self._encode([image for digest, image in needed.items() if digest not in self._cache])
+            for digest in needed:
+                self._cache.move_to_end(digest)
+            values = torch.cat([self._cache[image.digest][first:last] for _, image, first, last in pieces])
+            self._evict(keep=needed.keys())
+        if self.tp is not None:
+            self.tp.broadcast(values)
         return index, values
 
     def _encode(self, images: list[ImageInput]) -> None:

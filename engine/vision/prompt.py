@@ -16,7 +16,7 @@ the whole request. Knows nothing of pixels or the encoder beyond each image's gr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -97,6 +97,20 @@ class PromptImages:
         inside = self.positions[:, min(start, prompt):min(end, prompt)]
         past = np.arange(max(start, prompt), max(end, prompt), dtype=np.int64) + self.delta
         return np.concatenate([inside, np.broadcast_to(past, (3, len(past)))], axis=1)
+
+    def rope(self, start: int, end: int) -> tuple[np.ndarray | None, int]:
+        """How tokens start..end-1 turn, as batch.Row takes it: (None, d) when their positions
+        are their indices + d on every axis (a text run: no image token among them), else
+        (positions [3, n], 0)."""
+        positions = self.rope_positions(start, end)
+        if self.spans(start, end):
+            return positions, 0
+        return None, int(positions[0, 0]) - start
+
+    def without_pixels(self) -> "PromptImages":
+        """This placement with its images' pixels left out (digests and sizes kept): what a
+        tensor-parallel worker needs, which receives the encoder's outputs from rank 0."""
+        return replace(self, images=tuple(ImageInput(b"", i.height, i.width, i.digest) for i in self.images))
 
     def spans(self, start: int, end: int) -> list[tuple[int, int, int]]:
         """The image tokens among tokens start..end-1: (image, first, last) per image touched,

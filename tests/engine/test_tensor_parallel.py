@@ -527,3 +527,27 @@ def test_gpu_symmetric_all_reduce_greedy_equals_nccl_and_one_gpu(checkpoint):
             assert llm.core.tp.all_reduce_kind == kinds[all_reduce]
             assert [o.token_ids for o in llm.generate(batch, GREEDY)] == expected, (k, all_reduce)
         assert no_workers_left(llm)
+
+
+def test_images_under_tp_equal_one_device(tmp_path):
+    """A vision-language checkpoint at tp 2 (rank 0 encodes, the worker receives the features):
+    prompts with images (cut over prefill chunks, with MTP drafts) give one device's tokens; a
+    repeated prompt restores its image prefix."""
+    import numpy as np
+    from PIL import Image
+    from fixtures import make_vision_checkpoint
+    path = make_vision_checkpoint(tmp_path / "vision", seed=11)
+    rng = np.random.default_rng(12)
+    image = lambda h, w: Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))  # noqa: E731
+    turn = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+    pad = "<|vision_start|><|image_pad|><|vision_end|>"
+    batch = [{"prompt": turn.format(f"see {pad} and {pad}"), "multi_modal_data": {"image": [image(96, 64), image(48, 80)]}},
+             {"prompt": turn.format(f"one {pad}"), "multi_modal_data": {"image": [image(64, 64)]}},
+             turn.format("text only")]
+    options = dict(num_draft_tokens=2, **POOLS)
+    with LLM(path, **options) as one:
+        expected = [o.outputs[0].token_ids for o in one.generate(batch, GREEDY, use_tqdm=False)]
+    with LLM(path, tensor_parallel_size=2, **options) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)] == expected
+        again = llm.generate(batch[1], GREEDY, use_tqdm=False)[0]
+        assert again.outputs[0].token_ids == expected[1] and again.num_cached_tokens > 0
