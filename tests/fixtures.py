@@ -421,31 +421,37 @@ VISION_PREPROCESSOR = {"size": {"shortest_edge": 32 * 32, "longest_edge": 128 * 
                        "image_std": [0.5, 0.5, 0.5], "image_processor_type": "Qwen2VLImageProcessor"}
 
 
-def make_vision_checkpoint(directory: Path, *, seed: int = 0, with_mtp: bool = True,
+def make_vision_checkpoint(directory: Path, *, family: str = "qwen3_5", seed: int = 0, with_mtp: bool = True,
                            dtype: torch.dtype = torch.float32, mrope_section: tuple[int, int, int] = (2, 1, 1),
                            **config_overrides) -> Path:
-    """A tiny random Qwen3.5 vision-language checkpoint (`Qwen3_5ForConditionalGeneration`: the
-    language model under `model.language_model.*`, the vision tower under `model.visual.*`),
-    saved by HF, with `mtp.*` weights beside it, a tokenizer holding the vision tokens, a chat
-    template that places images and a preprocessor_config.json for small images.
-    mrope_section: the text model's multimodal RoPE sections (frequencies per axis);
-    config_overrides go to the text config."""
+    """A tiny random Qwen3.5 (family "qwen3_5") or Qwen3.5-MoE ("qwen3_5_moe") vision-language
+    checkpoint (`Qwen3_5[Moe]ForConditionalGeneration`: the language model under
+    `model.language_model.*`, experts per expert, the vision tower under `model.visual.*`), saved
+    by HF, with `mtp.*` weights beside it, a tokenizer holding the vision tokens, a chat template
+    that places images and a preprocessor_config.json for small images. mrope_section: the text
+    model's multimodal RoPE sections (frequencies per axis); config_overrides go to the text
+    config."""
     import transformers
+
+    if family not in ("qwen3_5", "qwen3_5_moe"):
+        raise ValueError(f"vision-language checkpoints are qwen3_5 or qwen3_5_moe, not {family!r}")
+    prefix = "Qwen3_5Moe" if family == "qwen3_5_moe" else "Qwen3_5"
 
     directory = Path(directory)
     make_tokenizer(directory, extra_special=VISION_TOKENS, chat_template=VISION_CHAT_TEMPLATE)
     tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
     ids = {token: tokenizer.token_to_id(token) for token in VISION_TOKENS}
-    text = {**COMMON_DEFAULTS, "eos_token_id": tokenizer.token_to_id(EOS_TOKEN), "tie_word_embeddings": False,
+    text = {**COMMON_DEFAULTS, **FAMILY_DEFAULTS[family], "eos_token_id": tokenizer.token_to_id(EOS_TOKEN),
+            "tie_word_embeddings": False,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                                 "mrope_section": list(mrope_section), "mrope_interleaved": True},
             **config_overrides}
     vision = {**VISION_DEFAULTS, "out_hidden_size": text["hidden_size"]}
-    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision,
+    config = getattr(transformers, f"{prefix}Config")(text_config=text, vision_config=vision,
                                         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                                         vision_start_token_id=ids["<|vision_start|>"],
                                         vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
-    model = transformers.Qwen3_5ForConditionalGeneration(config)
+    model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -455,7 +461,7 @@ def make_vision_checkpoint(directory: Path, *, seed: int = 0, with_mtp: bool = T
     model.save_pretrained(directory, safe_serialization=True)
     if with_mtp:
         tensors = _read_checkpoint(directory)
-        mtp = _mtp_tensors(model.model.language_model.layers, text["hidden_size"], False, generator)
+        mtp = _split_experts(_mtp_tensors(model.model.language_model.layers, text["hidden_size"], False, generator))
         tensors.update({name: (MTP_SHARD, tensor.to(dtype)) for name, tensor in mtp.items()})
         _write_checkpoint(directory, tensors)
         config_path = directory / "config.json"

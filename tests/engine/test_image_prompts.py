@@ -29,14 +29,33 @@ IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 @pytest.fixture(scope="module")
-def vision_checkpoint(tmp_path_factory):
-    return make_vision_checkpoint(tmp_path_factory.mktemp("vision"), seed=3)
+def vision_checkpoints(tmp_path_factory):
+    """vision_checkpoints(family) -> a tiny vision-language checkpoint of that family."""
+    made = {}
+
+    def make(family: str):
+        if family not in made:
+            made[family] = make_vision_checkpoint(tmp_path_factory.mktemp(family), family=family, seed=3)
+        return made[family]
+    return make
+
+
+@pytest.fixture(scope="module")
+def vision_checkpoint(vision_checkpoints):
+    return vision_checkpoints("qwen3_5")
+
+
+def hf_vision_model(path):
+    import transformers
+    config = transformers.AutoConfig.from_pretrained(path)
+    model_class = {"qwen3_5": transformers.Qwen3_5ForConditionalGeneration,
+                   "qwen3_5_moe": transformers.Qwen3_5MoeForConditionalGeneration}[config.model_type]
+    return model_class.from_pretrained(path, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
 def hf_model(vision_checkpoint):
-    import transformers
-    return transformers.Qwen3_5ForConditionalGeneration.from_pretrained(vision_checkpoint, dtype=torch.float32).eval()
+    return hf_vision_model(vision_checkpoint)
 
 
 def random_image(rng: np.random.Generator, height: int, width: int) -> Image.Image:
@@ -83,13 +102,16 @@ def test_rope_positions_match_hf(vision_checkpoint, hf_model):
                           np.broadcast_to(np.arange(len(expanded), len(expanded) + 3) + placed.delta, (3, 3)))
 
 
-@pytest.mark.parametrize("num_draft_tokens", [0, 2], ids=["plain", "mtp"])
-def test_generation_with_images_matches_hf(vision_checkpoint, hf_model, num_draft_tokens):
+@pytest.mark.parametrize("family, num_draft_tokens", [("qwen3_5", 0), ("qwen3_5", 2), ("qwen3_5_moe", 0),
+                                                      ("qwen3_5_moe", 2)])
+def test_generation_with_images_matches_hf(vision_checkpoints, family, num_draft_tokens):
     """A batch of three prompts (two images, one image, none): each prompt's greedy tokens equal
     HF's, their log-probabilities within float32 rounding (plain); speculation emits the same
-    tokens (lossless)."""
+    tokens (lossless). Dense and MoE (35B-A3B's kind) checkpoints."""
     rng = np.random.default_rng(2)
-    llm = engine(vision_checkpoint, num_draft_tokens=num_draft_tokens)
+    path = vision_checkpoints(family)
+    hf_model = hf_vision_model(path)
+    llm = engine(path, num_draft_tokens=num_draft_tokens)
     prompts = [
         (f"{USER}Compare {IMAGE} with {IMAGE}, please.{TURN_END}", [random_image(rng, 64, 96), random_image(rng, 128, 40)]),
         (f"{USER}What is in {IMAGE}?{TURN_END}", [random_image(rng, 50, 70)]),
