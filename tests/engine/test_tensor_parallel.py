@@ -551,3 +551,28 @@ def test_images_under_tp_equal_one_device(tmp_path):
         assert [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)] == expected
         again = llm.generate(batch[1], GREEDY, use_tqdm=False)[0]
         assert again.outputs[0].token_ids == expected[1] and again.num_cached_tokens > 0
+
+
+@pytest.mark.gpu
+@gpus(2)
+def test_gpu_images_under_tp_equal_one_gpu(tmp_path):
+    """Image prompts at tp 2 on GPUs (rank 0's features broadcast over NCCL, each rank's decode
+    graphs reading its slots' RoPE shifts), plain and speculative: one GPU's tokens (float32)."""
+    import numpy as np
+    from PIL import Image
+    from fixtures import make_vision_checkpoint
+    path = make_vision_checkpoint(tmp_path / "vision", seed=13, linear_num_key_heads=4, linear_num_value_heads=8,
+                                  **GPU_SHAPE)
+    rng = np.random.default_rng(14)
+    image = lambda h, w: Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))  # noqa: E731
+    turn = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+    pad = "<|vision_start|><|image_pad|><|vision_end|>"
+    batch = [{"prompt": turn.format(f"picture {i}: {pad}"), "multi_modal_data": {"image": [image(32 + 32 * i, 64)]}}
+             for i in range(3)] + [turn.format("text only")]
+    options = dict(device="cuda", dtype="float32", max_num_seqs=8, max_model_len=512)
+    with LLM(path, num_draft_tokens=0, **options) as one:
+        expected = [o.outputs[0].token_ids for o in one.generate(batch, GREEDY, use_tqdm=False)]
+    for k in (0, 2):
+        with LLM(path, tensor_parallel_size=2, num_draft_tokens=k, **options) as llm:
+            assert [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)] == expected, k
+        assert no_workers_left(llm)
