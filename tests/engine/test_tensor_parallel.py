@@ -489,7 +489,7 @@ def test_gpu_greedy_and_speculation_equal_one_gpu(checkpoint, family, expert_par
     of 64 (fixtures.GPU_SHAPE)."""
     path = checkpoint(family, linear_num_key_heads=4, linear_num_value_heads=8, **GPU_SHAPE)
     batch = prompts(8, 24, seed=6)
-    options = dict(device="cuda", max_num_seqs=8, max_model_len=512)
+    options = dict(device="cuda", dtype="float32", max_num_seqs=8, max_model_len=512)
     with LLM(path, num_draft_tokens=0, **options) as llm:
         expected = [o.token_ids for o in llm.generate(batch, GREEDY)]
     for k in (0, 3):
@@ -516,7 +516,7 @@ def test_gpu_symmetric_all_reduce_greedy_equals_nccl_and_one_gpu(checkpoint):
     all-reduce and as one GPU (float32; at tp = 2 every sum is one addition)."""
     path = checkpoint("qwen3_5", linear_num_key_heads=4, linear_num_value_heads=8, **GPU_SHAPE)
     batch = prompts(8, 24, seed=7)
-    options = dict(device="cuda", max_num_seqs=8, max_model_len=512)
+    options = dict(device="cuda", dtype="float32", max_num_seqs=8, max_model_len=512)
     with LLM(path, num_draft_tokens=0, **options) as llm:
         expected = [o.token_ids for o in llm.generate(batch, GREEDY)]
     # Without and with speculation; one_shot and two_shot with it (its graphs hold every kind of step).
