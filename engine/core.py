@@ -276,7 +276,11 @@ class EngineCore:
         if self.tp is not None and self.tp.rank > 0:  # rank 0 encodes; this rank receives its features
             return None, ImageFeatures(None, None, hidden_size, self.tp)
         processor = engine_image_processor(config)
-        encoder = load_vision_encoder(path, self.model_config.vision, self.dtype, self.device)
+        vision, fp8 = self.model_config.vision, self.model_config.quantization
+        if fp8 is None:
+            encoder = load_vision_encoder(path, vision, self.dtype, self.device)
+        else:  # FP8 visual weights, if any, in the checkpoint's blocks
+            encoder = load_vision_encoder(path, vision, self.dtype, self.device, fp8.weight_block_size)
         return processor, ImageFeatures(encoder, processor, hidden_size, self.tp)
 
     def _place_images(self, token_ids: list[int], images: Seq[ImageInput]) -> tuple[list[int], PromptImages | None]:

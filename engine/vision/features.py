@@ -12,6 +12,7 @@ say which tokens sit where.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from typing import Sequence
 
@@ -27,6 +28,11 @@ from .prompt import PromptImages
 # makes (16M pixels: 16384 tokens) is 128 MB of features at a hidden size of 4096 in bf16; an
 # image a step needs is kept whatever its size.
 CACHE_BYTES = 256 << 20
+
+# Patches the encoder takes in one call at most: the largest image Qwen3.5's processor makes
+# (16M pixels over 16 x 16 patches). Its activations (a few GB at the published widths) are what
+# the memory the pools leave must hold.
+ENCODE_PATCHES = 65536
 
 # A window of a step's batch: tokens start..end-1 of a request whose prompt holds `images`
 # sit at batch tokens offset.. (offset + end - start - 1).
@@ -67,14 +73,25 @@ class ImageFeatures:
         return index, values
 
     def _encode(self, images: list[ImageInput]) -> None:
-        if not images:
-            return
-        grids = [self.processor.grid_thw(image) for image in images]
-        patches = torch.cat([self.processor.patchify(image) for image in images])
+        """Encode images together, in calls of at most ENCODE_PATCHES patches (an image larger
+        than that alone): the encoder's activations stay those of one large image however many
+        a step brings."""
+        calls: list[list[ImageInput]] = []
+        patches_in_call = 0
+        for image in images:
+            patches = math.prod(self.processor.grid_thw(image))
+            if not calls or patches_in_call + patches > ENCODE_PATCHES:
+                calls.append([])
+                patches_in_call = 0
+            calls[-1].append(image)
+            patches_in_call += patches
         device = next(self.encoder.parameters()).device
-        features = self.encoder(patches.to(device, non_blocking=True), grids)
-        for image, part in zip(images, features.split([self.processor.num_tokens(i) for i in images])):
-            self._cache[image.digest] = part
+        for call in calls:
+            grids = [self.processor.grid_thw(image) for image in call]
+            patches = torch.cat([self.processor.patchify(image) for image in call])
+            features = self.encoder(patches.to(device, non_blocking=True), grids)
+            for image, part in zip(call, features.split([self.processor.num_tokens(i) for i in call])):
+                self._cache[image.digest] = part
 
     def _evict(self, keep) -> None:
         total = sum(t.numel() * t.element_size() for t in self._cache.values())

@@ -255,3 +255,33 @@ def test_pixel_bounds_set_an_images_tokens(vision_checkpoint):
     assert small.prompt_token_ids.count(pad) == 4 and wide.prompt_token_ids.count(pad) == 16
     with pytest.raises(ValueError, match=r"unsupported keys \['fps'\]"):
         engine(vision_checkpoint, mm_processor_kwargs={"fps": 2})
+
+
+def test_images_encoded_in_bounded_calls(vision_checkpoint, monkeypatch):
+    """Three images whose patches pass the encoder's per-call bound (lowered to 40 patches here):
+    encoded in several calls, one image alone where it is larger than the bound, with the
+    tokens of one call."""
+    from deltaspec.engine.vision import features
+    rng = np.random.default_rng(11)
+    images = [random_image(rng, 96, 96), random_image(rng, 32, 64), random_image(rng, 64, 64)]  # 36, 8, 16 patches
+    prompt = {"prompt": f"{USER}{IMAGE} {IMAGE} {IMAGE}{TURN_END}", "multi_modal_data": {"image": images}}
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    together = engine(vision_checkpoint).generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    monkeypatch.setattr(features, "ENCODE_PATCHES", 40)
+    llm = engine(vision_checkpoint)
+    calls = []
+
+    class Counting:  # the encoder, counting the patches of each call
+        def __init__(self, encoder):
+            self.encoder = encoder
+
+        def __call__(self, patches, grids):
+            calls.append(len(patches))
+            return self.encoder(patches, grids)
+
+        def parameters(self):
+            return self.encoder.parameters()
+
+    monkeypatch.setattr(llm.core.runner.images, "encoder", Counting(llm.core.runner.images.encoder))
+    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == together
+    assert calls == [36, 24]
