@@ -88,8 +88,8 @@ class ImageFeatures:
         device = next(self.encoder.parameters()).device
         for call in calls:
             grids = [self.processor.grid_thw(image) for image in call]
-            patches = torch.cat([self.processor.patchify(image) for image in call])
-            features = self.encoder(patches.to(device, non_blocking=True), grids)
+            patches = torch.cat([self.processor.patchify(image, device) for image in call])
+            features = self.encoder(patches, grids)
             for image, part in zip(call, features.split([self.processor.num_tokens(i) for i in call])):
                 self._cache[image.digest] = part
 

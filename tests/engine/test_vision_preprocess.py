@@ -382,3 +382,13 @@ def test_malformed_files(tmp_path, config, preprocessor, file, field):
 def test_missing_config_json(tmp_path):
     with pytest.raises(ValueError, match="no config.json"):
         ImageProcessor.from_model_dir(tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_patchify_on_the_gpu_equals_the_cpus():
+    """The engine patchifies on its device (uint8 pixels copied, expanded there): the same float32
+    values as on the CPU, bit for bit."""
+    processor = ImageProcessor()
+    image = ImageInput.of(np.random.default_rng(21).integers(0, 256, (96, 160, 3), dtype=np.uint8))
+    assert torch.equal(processor.patchify(image, "cuda").cpu(), processor.patchify(image))
