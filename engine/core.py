@@ -65,7 +65,7 @@ from .tokenizer import Tokenizer
 from .tensor_parallel import TensorParallel
 from .warm_up import num_compiles_after_warm_up, warm_up
 from .quantization import with_online_quantization
-from .vision.encoder import load_vision_encoder
+from .vision.encoder import load_vision_encoder, random_vision_encoder
 from .vision.features import ImageFeatures
 from .vision.image import ImageInput
 from .vision.preprocess import ImageProcessor
@@ -260,16 +260,17 @@ class EngineCore:
     def _vision(self, config: EngineConfig, path: Path, loaded: bool) -> tuple[ImageProcessor | None,
                                                                              ImageFeatures | None]:
         """The image processor front ends resize images with and the encoder outputs the runner
-        feeds image tokens, for a vision-language checkpoint loaded from `path`; (None, None)
-        otherwise, `_images_refused` then saying why a prompt's images are refused."""
+        feeds image tokens, for a vision-language checkpoint loaded from `path` (random weights
+        for a dummy load; a tensor-parallel worker: no encoder, the features rank 0 sends);
+        (None, None) otherwise, `images_refused` then saying why a prompt's images are refused."""
         self.images_refused = None
         if self.model_config.vision is None:
             self.images_refused = "this model reads no images (its config.json has no vision_config)"
         elif config.language_model_only:
             self.images_refused = "this engine runs the language model only (language_model_only / " \
                                    "--language-model-only): it reads no images"
-        elif not loaded or config.load_format == "dummy":
-            self.images_refused = "this engine's model was not loaded from its checkpoint: no vision encoder"
+        elif not loaded:
+            self.images_refused = "this engine's model was given, not loaded from its checkpoint: no vision encoder"
         if self.images_refused is not None:
             return None, None
         hidden_size = self.model_config.hidden_size
@@ -277,7 +278,9 @@ class EngineCore:
             return None, ImageFeatures(None, None, hidden_size, self.tp)
         processor = engine_image_processor(config)
         vision, fp8 = self.model_config.vision, self.model_config.quantization
-        if fp8 is None:
+        if config.load_format == "dummy":  # random weights, as the language model's
+            encoder = random_vision_encoder(vision, self.dtype, self.device)
+        elif fp8 is None:
             encoder = load_vision_encoder(path, vision, self.dtype, self.device)
         else:  # FP8 visual weights, if any, in the checkpoint's blocks
             encoder = load_vision_encoder(path, vision, self.dtype, self.device, fp8.weight_block_size)

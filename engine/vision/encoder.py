@@ -378,3 +378,20 @@ def load_vision_encoder(path: Path, config: VisionConfig, dtype: torch.dtype, de
     if problems:
         raise WeightLoadError(f"checkpoint {path} does not match its vision_config:\n  " + "\n  ".join(problems))
     return encoder.eval()
+
+
+def random_vision_encoder(config: VisionConfig, dtype: torch.dtype, device: torch.device | str,
+                          seed: int = 0) -> VisionEncoder:
+    """An encoder of the config's shapes with random weights at a trained model's scales
+    (LayerNorm weights ~1, vectors ~0.1, matrices ~1/sqrt(fan-in)): benchmarks of real sizes
+    without their checkpoints (EngineConfig.load_format "dummy")."""
+    encoder = VisionEncoder(config, dtype, device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, p in encoder.named_parameters():
+        if p.dim() == 1:
+            layer_norm_weight = ".norm" in name and name.endswith(".weight")
+            p.data.normal_(1.0 if layer_norm_weight else 0.0, 0.1, generator=generator)
+        else:
+            p.data.normal_(0.0, p.shape[-1] ** -0.5, generator=generator)
+    return encoder.eval()
+

@@ -285,3 +285,18 @@ def test_images_encoded_in_bounded_calls(vision_checkpoint, monkeypatch):
     monkeypatch.setattr(llm.core.runner.images, "encoder", Counting(llm.core.runner.images.encoder))
     assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == together
     assert calls == [36, 24]
+
+
+def test_dummy_load_reads_images_with_a_random_encoder(vision_checkpoint):
+    """load_format "dummy" (benchmarks at real sizes without weights): the vision tower is random
+    too, so image prompts run; a model given in memory has no tower and refuses them by name."""
+    image = random_image(np.random.default_rng(12), 64, 64)
+    prompt = {"prompt": f"{USER}{IMAGE}{TURN_END}", "multi_modal_data": {"image": image}}
+    dummy = engine(vision_checkpoint, load_format="dummy")
+    assert len(dummy.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
+    from deltaspec.engine.core import EngineCore
+    from deltaspec.engine.engine_config import EngineConfig
+    given = EngineCore(EngineConfig(model=str(vision_checkpoint), device="cpu", dtype="float32", warm_up=False,
+                                    num_draft_tokens=0), model=dummy.model)
+    with pytest.raises(ValueError, match="was given, not loaded"):
+        given.add_request([1, 2], SamplingParams(max_tokens=1), images=[dummy.core.image_processor.resize(image)])
