@@ -9,8 +9,6 @@ about HTTP.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import dataclasses
 import time
 from pathlib import Path
@@ -26,7 +24,7 @@ from .prefix_cache import CheckpointHandle
 from .request import RequestOutput
 from .sampling_params import SamplingParams
 from . import vllm_options
-from .vision.image import ImageInput
+from .vision.image import ImageInput, data_url_bytes
 
 
 class LLM:
@@ -241,13 +239,10 @@ def _part_image(part: dict[str, Any], kind: str, where: str):
         raise ValueError(f"{where}: LLM.chat reads image_url parts as data: URLs (base64); got "
                          f"{str(url)[:64]!r}: pass the image itself ({{'type': 'image_pil', 'image_pil': image}}), "
                          f"or serve the model (the server fetches http(s) images)")
-    header, _, data = url.partition(",")
-    if not header.endswith(";base64"):
-        raise ValueError(f"{where}: a data: URL image must be base64 ('data:image/png;base64,...')")
     try:
-        return base64.b64decode(data, validate=True)
-    except binascii.Error as error:
-        raise ValueError(f"{where}: the data: URL is not valid base64: {error}") from None
+        return data_url_bytes(url)
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
 
 
 def _prompt(prompt: Prompt) -> tuple[str | None, str | Seq[int], list]:

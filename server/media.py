@@ -20,8 +20,6 @@ Knows nothing about the APIs' shapes or the engine.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import os
 import urllib.parse
 import urllib.request
@@ -33,6 +31,7 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
+from ..engine.vision.image import data_url_bytes
 from .errors import APIError
 
 FETCH_TIMEOUT_ENV = "VLLM_IMAGE_FETCH_TIMEOUT"  # vLLM's variable, in seconds
@@ -195,19 +194,10 @@ class MediaConnector:
 
 
 def _data_url_bytes(part: ImagePart) -> bytes:
-    """A data: URL's image, as vLLM reads one: data:<image media type>;base64,<data>."""
-    header, comma, data = part.url[len("data:"):].partition(",")
-    if not comma:
-        raise part.error("a data: URL needs a comma before its data")
-    media_type, *parameters = [p.strip() for p in header.split(";")]
-    if not parameters or parameters[-1].lower() != "base64":
-        raise part.error("only base64 data: URLs are read (data:image/png;base64,...)")
-    if not media_type.lower().startswith("image/"):
-        raise part.error(f"a data: URL of media type {media_type or 'text/plain'!r} is not an image")
     try:
-        return base64.b64decode(data, validate=True)
-    except binascii.Error as error:
-        raise part.error(f"the data is not valid base64: {error}") from None
+        return data_url_bytes(part.url)
+    except ValueError as error:
+        raise part.error(str(error)) from None
 
 
 async def _capped_body(part: ImagePart, response: aiohttp.ClientResponse) -> bytes:
