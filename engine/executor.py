@@ -40,7 +40,6 @@ import traceback
 from typing import Sequence
 
 import msgspec
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -84,10 +83,6 @@ class RowRequest(msgspec.Struct, frozen=True, gc=False):
     # outputs): prefill and cached rows only, which place image tokens and set the RoPE shift.
     images: PromptImages | None = None
 
-    @property
-    def rope_delta(self) -> int:
-        return 0 if self.images is None else self.images.delta
-
     @classmethod
     def of(cls, row: ScheduledRow, with_images: bool = False) -> "RowRequest":
         request = row.request
@@ -102,9 +97,6 @@ class RowRequest(msgspec.Struct, frozen=True, gc=False):
         return cls(request.request_id, request.params, request.seed, request.stop_token_ids,
                    request.bad_words_token_ids, len(request.prompt_token_ids), start, request.token_ids(start, end),
                    images=images)
-
-    def rope(self, start: int, end: int) -> tuple[np.ndarray | None, int]:
-        return (None, 0) if self.images is None else self.images.rope(start, end)
 
     def token_ids(self, start: int, end: int) -> list[int]:
         if start < self.tokens_start or end - self.tokens_start > len(self.tokens):

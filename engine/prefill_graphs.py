@@ -139,7 +139,10 @@ class PrefillGraphs:
         """(the batch, hidden [tokens, H]) of the prefill forward over `rows` by a graph replay:
         the rows' tokens come first, in order, then the padding's. fill: writes the rows' input
         hidden states into the view [tokens of the rows, H] of the static inputs it is handed,
-        before the replay (graphs with inputs). None: no bucket fits (nothing was filled)."""
+        before the replay (graphs with inputs). None: no bucket fits, or a row turns by three
+        positions (multimodal RoPE: the graphs' positions are [T]); nothing was filled."""
+        if any(r.rope is not None for r in rows):
+            return None
         num_tokens = sum(len(r.token_ids) for r in rows)
         num_checkpoints = sum(len(r.checkpoints) for r in rows)
         width = max(len(r.block_table) for r in rows)

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Sequence
 
 import msgspec
-import numpy as np
 
 from ..spec import AcceptanceEstimate, SpecStats
 from .prefix_cache import Checkpoint
@@ -236,21 +235,11 @@ class Request:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None]
 
-    @property
-    def rope_delta(self) -> int:
-        """What a generated token's RoPE position adds to its index (the prompt's images' shift)."""
-        return 0 if self.images is None else self.images.delta
-
     def cache_key(self, end: int) -> list[int]:
         """The prefix cache's key of tokens 0..end-1: the token ids, image tokens replaced by
         their image's key ids (PromptImages.key_ids)."""
         token_ids = self.token_ids(0, end)
         return token_ids if self.images is None else self.images.key_ids(token_ids)
-
-    def rope(self, start: int, end: int) -> tuple[np.ndarray | None, int]:
-        """How tokens start..end-1 turn under RoPE, as batch.Row takes it (PromptImages.rope;
-        a text prompt's: their indices)."""
-        return (None, 0) if self.images is None else self.images.rope(start, end)
 
     @property
     def rank(self) -> tuple[int, int]:

@@ -203,7 +203,8 @@ class Runner:
         ops = plan.cache_ops
         # A sequence's decode steps turn its tokens by position + its prompt's image shift: set
         # where it (re)starts, before any decode step of it.
-        self.decode.set_rope_deltas([(r.slot, r.request.rope_delta) for r in plan.prefill_rows + plan.cached_rows])
+        self.decode.set_rope_deltas([(r.slot, 0 if r.request.images is None else r.request.images.delta)
+                                     for r in plan.prefill_rows + plan.cached_rows])
         self.checkpoint_io.release(ops)
         decoded = self._launch_decode(plan.decode_rows) if plan.decode_rows else None
         self.checkpoint_io.restore(ops)
@@ -384,9 +385,9 @@ class Runner:
         whose logits give their first token, or None when none does; and the scores of the
         prompt tokens the rows' spans ask for (`_score_prompt`), or None."""
         forward_rows = [r.forward_row() for r in rows]
-        embeds = self._image_embeds(rows, forward_rows, lambda r: (r.start_position, r.start_position + r.num_tokens))
-        # Image tokens (their embeddings and [3, T] positions) run eagerly.
-        graphed = self.prefill_graphs is not None and embeds is None and all(r.rope is None for r in forward_rows)
+        embeds = self._image_embeds(rows, lambda r: (r.start_position, r.start_position + r.num_tokens))
+        # Image tokens' embeddings are not a graph's input: such a batch runs eagerly.
+        graphed = self.prefill_graphs is not None and embeds is None
         replayed = self.prefill_graphs.run(forward_rows) if graphed else None
         if replayed is not None:
             batch, hidden = replayed
@@ -395,22 +396,21 @@ class Runner:
             hidden = self.model(replace(batch, embeds=embeds), self.states, self.kv)
         self.checkpoint_io.keep_hidden(batch, hidden)
         if self.speculator is not None:
-            mtp_runs = [r for r in rows if r.mtp_end > r.mtp_start]
             # The MTP at position t reads token t + 1: an image token's features where it is one.
-            mtp_embeds = self._image_embeds(mtp_runs, [r.mtp_row() for r in mtp_runs],
+            mtp_embeds = self._image_embeds([r for r in rows if r.mtp_end > r.mtp_start],
                                             lambda r: (r.mtp_start + 1, r.mtp_end + 1))
             self.speculator.prefill_mtp(hidden, batch, rows, self.mtp_prefill_graphs, mtp_embeds)
         prompt_scores = self._score_prompt(hidden, rows)
         return (hidden[batch.logits_indices] if any(r.sample for r in rows) else None), prompt_scores
 
-    def _image_embeds(self, rows: Sequence[ScheduledRow], batch_rows: Sequence[Row],
+    def _image_embeds(self, rows: Sequence[ScheduledRow],
                       window: Callable[[ScheduledRow], tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """ForwardBatch.embeds of a varlen batch of batch_rows (one for each row, in order),
-        batch row i feeding tokens window(rows[i]) of its request; None when they feed no image
-        token."""
+        """ForwardBatch.embeds of a varlen batch of one row for each of `rows`, in order, row i
+        feeding tokens window(rows[i]) = [start, end) of its request; None when they feed no
+        image token."""
         if self.images is None:
             return None
-        offsets = np.cumsum([0] + [len(r.token_ids) for r in batch_rows])
+        offsets = np.cumsum([0] + [end - start for start, end in map(window, rows)])
         windows = [(int(offset), row.request.images, *window(row)) for offset, row in zip(offsets, rows)
                    if row.request.images is not None]
         return self.images.embeds(windows, self.device, self.model.norm.dtype) if windows else None

@@ -328,8 +328,7 @@ class Speculator:
         — so the MTP's KV cache stays complete; a chunk that ends the prompt keeps its last
         hidden state for the first catch-up. graphs: the MTP forward's captured graphs (the
         inputs are gathered into their static buffer), else it runs eagerly; so do runs that
-        read image tokens (embeds: their features, as ForwardBatch.embeds of the MTP's rows)
-        or turn by three positions."""
+        read image tokens (embeds: their features, as ForwardBatch.embeds of the MTP's rows)."""
         decode_tokens = batch.prefill.token_start
         lengths = np.array([len(r.token_ids) for r in rows], dtype=np.int64)
         row_offsets = decode_tokens + np.cumsum(lengths) - lengths       # each row's first token in hidden
@@ -361,8 +360,7 @@ class Speculator:
                 if num_kept.any():
                     inputs[t["kept_place"]] = self.states.mtp_hidden[t["kept_slots"], t["kept_depths"]]
 
-            graphed = graphs is not None and embeds is None and all(r.rope is None for r in mtp_rows)
-            if not graphed or graphs.run(mtp_rows, fill) is None:
+            if graphs is None or embeds is not None or graphs.run(mtp_rows, fill) is None:
                 inputs = hidden.new_empty(int(num_positions.sum()), hidden.shape[1])
                 fill(inputs)
                 mtp_batch = replace(ForwardBatch.build([], mtp_rows, self.decode.block_size, self.device, commit=True),

@@ -24,6 +24,7 @@ from .batch import Row
 from .decode_step import DecodeRow
 from .prefix_cache import CacheOps, Checkpoint, CheckpointWrite
 from .request import Request, TokenLogprobs
+from .vision.prompt import rope as prompt_rope
 
 
 class ScheduledRow(msgspec.Struct, frozen=True, gc=False):
@@ -75,7 +76,7 @@ class ScheduledRow(msgspec.Struct, frozen=True, gc=False):
 
     def forward_row(self) -> Row:
         """The row as the model's varlen batch takes it (known tokens only)."""
-        rope, delta = self.request.rope(self.start_position, self.start_position + len(self.token_ids))
+        rope, delta = prompt_rope(self.request.images, self.start_position, self.start_position + len(self.token_ids))
         return Row(self.token_ids, self.start_position, self.slot, self.block_table, num_logits=int(self.sample),
                    checkpoints=tuple((w.position - self.start_position, w.slot) for w in self.checkpoints),
                    rope=rope, rope_delta=delta)
@@ -83,7 +84,7 @@ class ScheduledRow(msgspec.Struct, frozen=True, gc=False):
     def mtp_row(self) -> Row:
         """The MTP's varlen row over positions [mtp_start, mtp_end): each turned as the target
         turns it, fed the token after it (`mtp_token_ids`)."""
-        rope, delta = self.request.rope(self.mtp_start, self.mtp_end)
+        rope, delta = prompt_rope(self.request.images, self.mtp_start, self.mtp_end)
         return Row(self.mtp_token_ids, self.mtp_start, self.slot, self.block_table, num_logits=0, rope=rope,
                    rope_delta=delta)
 

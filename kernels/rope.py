@@ -6,7 +6,7 @@ the rotate-half convention: pairs are (i, i + rotary_dim/2). Frequencies are RoP
 theta^(-2i / rotary_dim), or YaRN's blend of those and their interpolation (`Yarn`, with its
 cos/sin scale, as HF's `_compute_yarn_parameters`). Positions are one per token [T], or three
 [3, T] (multimodal RoPE of image tokens: temporal, height, width; engine/vision/prompt.py),
-frequency i then turning by the position of axis `mrope_axis(i)` (Qwen3.5's interleaved
+frequency i then turning by the position of axis `mrope_axes(...)[i]` (Qwen3.5's interleaved
 sections). `qk_norm_rope_reference` is the torch
 oracle of the norm and rotation. `QKNormRopeKV` is all the attention does between its qkv
 projection and attending: q normalised and rotated, k normalised, rotated and stored with v into

@@ -109,7 +109,7 @@ class OpenAIServer:
         cors = Cors(config.cors)  # a preflight is answered before authentication and routing
         # aiohttp reads at most client_max_size bytes of a body and then raises 413.
         self.max_body_bytes = config.max_body_bytes or (
-            IMAGE_BODY_BYTES if getattr(engine, "image_processor", None) is not None else TEXT_BODY_BYTES)
+            IMAGE_BODY_BYTES if engine.image_processor is not None else TEXT_BODY_BYTES)
         self.app = web.Application(client_max_size=self.max_body_bytes,
                                    middlewares=[cors.preflight, self._count, self._errors, self._authenticate])
         self.app.on_response_prepare.append(cors.on_prepare)

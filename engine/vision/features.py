@@ -76,21 +76,21 @@ class ImageFeatures:
         """Encode images together, in calls of at most ENCODE_PATCHES patches (an image larger
         than that alone): the encoder's activations stay those of one large image however many
         a step brings."""
-        calls: list[list[ImageInput]] = []
+        calls: list[list[tuple[ImageInput, tuple[int, int, int]]]] = []
         patches_in_call = 0
         for image in images:
-            patches = math.prod(self.processor.grid_thw(image))
-            if not calls or patches_in_call + patches > ENCODE_PATCHES:
+            grid = self.processor.grid_thw(image)
+            if not calls or patches_in_call + math.prod(grid) > ENCODE_PATCHES:
                 calls.append([])
                 patches_in_call = 0
-            calls[-1].append(image)
-            patches_in_call += patches
+            calls[-1].append((image, grid))
+            patches_in_call += math.prod(grid)
         device = next(self.encoder.parameters()).device
         for call in calls:
-            grids = [self.processor.grid_thw(image) for image in call]
-            patches = torch.cat([self.processor.patchify(image, device) for image in call])
-            features = self.encoder(patches, grids)
-            for image, part in zip(call, features.split([self.processor.num_tokens(i) for i in call])):
+            patches = torch.cat([self.processor.patchify(image, device) for image, _ in call])
+            features = self.encoder(patches, [grid for _, grid in call])
+            parts = features.split([self.processor.num_tokens(image) for image, _ in call])
+            for (image, _), part in zip(call, parts):
                 self._cache[image.digest] = part
 
     def _evict(self, keep) -> None:
@@ -101,6 +101,3 @@ class ImageFeatures:
             if digest not in keep:
                 total -= self._cache[digest].numel() * self._cache[digest].element_size()
                 del self._cache[digest]
-
-    def clear(self) -> None:
-        self._cache.clear()

@@ -118,7 +118,7 @@ class ImageProcessor:
     # [3, 256] float32: the normalised value of each channel's 256 levels. HF's rescale and
     # normalise are elementwise, so looking the pixels up gives its result bit for bit without
     # the float64 temporary HF's rescale makes (8 bytes a subpixel).
-    _levels: np.ndarray = field(init=False, repr=False, compare=False)
+    _levels: torch.Tensor = field(init=False, repr=False, compare=False)  # [3, 256] float32
 
     def __post_init__(self) -> None:
         if not isinstance(self.config, ImageProcessorConfig):
@@ -130,9 +130,7 @@ class ImageProcessor:
         rescaled = (np.arange(256, dtype=np.float64) * (1 / 255)).astype(np.float32)
         mean = np.array(self.config.image_mean, dtype=np.float32)[:, None]
         std = np.array(self.config.image_std, dtype=np.float32)[:, None]
-        levels = (rescaled[None, :] - mean) / std
-        levels.flags.writeable = False
-        object.__setattr__(self, "_levels", levels)
+        object.__setattr__(self, "_levels", torch.from_numpy((rescaled[None, :] - mean) / std))
 
     @classmethod
     def from_model_dir(cls, path: str | Path) -> ImageProcessor | None:
@@ -260,7 +258,7 @@ class ImageProcessor:
         p, m = c.patch_size, c.merge_size
         pixels = torch.tensor(image.array()).to(device, non_blocking=True)
         # [H, W, 3] uint8 -> float32: each subpixel's level looked up in its channel's row.
-        levels = torch.from_numpy(self._levels.copy()).to(device, non_blocking=True)
+        levels = self._levels.to(device, non_blocking=True)
         values = levels[torch.arange(3, device=levels.device), pixels.long()]
         # [H, W, C] -> [block row, row in block, y, block column, column in block, x, C]
         blocks = values.view(grid_h // m, m, p, grid_w // m, m, p, 3)

@@ -134,6 +134,12 @@ class PromptImages:
         return keys.tolist()
 
 
+def rope(images: PromptImages | None, start: int, end: int) -> tuple[np.ndarray | None, int]:
+    """How tokens start..end-1 of a prompt with these images (None: a text prompt, whose
+    positions are its indices) turn under RoPE, as batch.Row takes it (PromptImages.rope)."""
+    return (None, 0) if images is None else images.rope(start, end)
+
+
 def _mrope_positions(length: int, starts: Sequence[int], grids: Sequence[tuple[int, int, int]],
                      merge: int) -> tuple[np.ndarray, int]:
     """HF Qwen3.5's get_rope_index for one prompt: text runs count on from the position after
