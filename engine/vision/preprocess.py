@@ -248,25 +248,39 @@ class ImageProcessor:
 
     def patchify(self, image: ImageInput, device: torch.device | str = "cpu") -> torch.Tensor:
         """The encoder's input for the image, HF's `pixel_values`: float32
-        [t*h*w, 3 * temporal_patch_size * patch_size**2] on `device`, rows ordered by merge block
-        (block row, block column, row in block, column in block), each row (channel, frame, y,
-        x). The uint8 pixels go to the device and are expanded there (an eighth of the float
-        patches' bytes to copy, no host work beyond the copy); the levels are the same float32
-        values on any device, so the patches are too."""
-        _, grid_h, grid_w = self.grid_thw(image)
+        [t*h*w, 3 * temporal_patch_size * patch_size**2] on `device` (`patchify` below)."""
+        if image.video or image.frames != 1:
+            raise ValueError("a video's temporal patch is the video processor's to patchify (video.py)")
+        self.grid_thw(image)
         c = self.config
-        p, m = c.patch_size, c.merge_size
-        pixels = torch.tensor(image.array()).to(device, non_blocking=True)
-        # [H, W, 3] uint8 -> float32: each subpixel's level looked up in its channel's row.
-        levels = self._levels.to(device, non_blocking=True)
-        values = levels[torch.arange(3, device=levels.device), pixels.long()]
-        # [H, W, C] -> [block row, row in block, y, block column, column in block, x, C]
-        blocks = values.view(grid_h // m, m, p, grid_w // m, m, p, 3)
-        # -> [block row, block column, row in block, column in block, C, y, x]
-        blocks = blocks.permute(0, 3, 1, 4, 6, 2, 5)
-        # The frame, repeated along a temporal axis after C: [..., C, T, y, x].
-        frames = blocks.unsqueeze(5).expand(*blocks.shape[:5], c.temporal_patch_size, p, p)
-        return frames.reshape(grid_h * grid_w, 3 * c.temporal_patch_size * p * p)
+        return patchify(image, self._levels, c.patch_size, c.merge_size, c.temporal_patch_size, device)
+
+
+def patchify(item: ImageInput, levels: torch.Tensor, patch_size: int, merge_size: int, temporal_patch_size: int,
+             device: torch.device | str = "cpu") -> torch.Tensor:
+    """An image's or a video patch's encoder input, HF's `pixel_values` / `pixel_values_videos`:
+    float32 [h*w, 3 * temporal_patch_size * patch_size**2] on `device` (h, w: the grid in
+    patches), rows ordered by merge block (block row, block column, row in block, column in
+    block), each row (channel, frame, y, x). One frame (an image) is repeated over the temporal
+    patch; a video patch brings temporal_patch_size frames. levels [3, 256] float32: the
+    normalised value of each channel's 256 levels (the processor's rescale and normalise, which
+    are elementwise). The uint8 pixels go to the device and are expanded there (an eighth of the
+    float patches' bytes to copy, no host work beyond the copy); the levels are the same float32
+    values on any device, so the patches are too."""
+    p, m = patch_size, merge_size
+    grid_h, grid_w = item.height // p, item.width // p
+    if item.frames not in (1, temporal_patch_size):
+        raise ValueError(f"an item of {item.frames} frames fills no temporal patch of {temporal_patch_size}")
+    pixels = torch.tensor(item.array()).to(device, non_blocking=True)
+    # [F, H, W, 3] uint8 -> float32: each subpixel's level looked up in its channel's row.
+    levels = levels.to(device, non_blocking=True)
+    values = levels[torch.arange(3, device=levels.device), pixels.long()]
+    # [F, H, W, C] -> [F, block row, row in block, y, block column, column in block, x, C]
+    blocks = values.view(item.frames, grid_h // m, m, p, grid_w // m, m, p, 3)
+    # -> [block row, block column, row in block, column in block, C, F, y, x]
+    blocks = blocks.permute(1, 4, 2, 5, 7, 0, 3, 6)
+    frames = blocks.expand(*blocks.shape[:5], temporal_patch_size, p, p)
+    return frames.reshape(grid_h * grid_w, 3 * temporal_patch_size * p * p)
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
