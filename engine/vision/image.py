@@ -70,3 +70,20 @@ def data_url_bytes(url: str, media: str = "image") -> bytes:
     except binascii.Error as error:
         raise ValueError(f"the data is not valid base64: {error}") from None
 
+
+
+class VideoInput(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """A video as the engine takes it: its sampled frames, resized, in temporal patches
+    (`ImageInput`s with video True and temporal_patch_size frames each, the last frame repeated
+    to fill the last patch), and each patch's time in seconds (the mean of its first and last
+    frames' times), which the prompt writes before the patch's tokens as `<{t:.1f} seconds>`."""
+
+    patches: tuple[ImageInput, ...]
+    timestamps: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.patches or len(self.patches) != len(self.timestamps):
+            raise ValueError(f"a video needs one timestamp per temporal patch and at least one patch, got "
+                             f"{len(self.patches)} patches and {len(self.timestamps)} timestamps")
+        if not all(isinstance(p, ImageInput) and p.video for p in self.patches):
+            raise ValueError("a video's patches must be ImageInputs with video=True")
