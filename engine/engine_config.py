@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
+from typing import Any
 from pathlib import Path
 
 import torch
 
 from ..kernels.gdn_chunked import CHUNK_SIZE
+from .vllm_options import VIDEO_KEYS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
@@ -76,6 +78,10 @@ class EngineConfig:
     # min_pixels / max_pixels); None: the checkpoint's preprocessor_config.json.
     image_min_pixels: int | None = None
     image_max_pixels: int | None = None
+    # The video processor's options (vLLM's mm_processor_kwargs keys for videos: fps, num_frames,
+    # do_sample_frames, min_frames, max_frames, size; VideoProcessor.with_options checks their
+    # values when the engine starts); None: the checkpoint's video_preprocessor_config.json.
+    video_options: dict[str, Any] | None = None
     # `model` a Hugging Face Hub repo id (model_source.py): the branch, tag or commit to load, and
     # the cache directory in place of HF_HOME's.
     revision: str | None = None
@@ -128,6 +134,10 @@ class EngineConfig:
             problems.append(f"generation_config must be 'auto' or 'none', got {self.generation_config!r}")
         if self.quantization not in (None, "fp8"):
             problems.append(f"quantization must be 'fp8' (online block FP8) or None, got {self.quantization!r}")
+        if self.video_options is not None and (not isinstance(self.video_options, dict)
+                                               or self.video_options.keys() - {*VIDEO_KEYS, "size"}):
+            problems.append(f"video_options must be a dict of {', '.join(VIDEO_KEYS)} and size, "
+                            f"got {self.video_options!r}")
         for name in ("image_min_pixels", "image_max_pixels"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):

@@ -33,27 +33,36 @@ def draft_tokens(speculative_config: Any) -> int:
     return tokens
 
 
-def image_pixels(mm_processor_kwargs: Any) -> dict[str, int]:
-    """vLLM's mm_processor_kwargs for Qwen's image processor ({"min_pixels": .., "max_pixels":
-    ..}, or Qwen3-VL's {"size": {"shortest_edge": .., "longest_edge": ..}}: bounds on an image's
-    pixels after resizing, so on its tokens) as {"min_pixels": .., "max_pixels": ..} (the bounds
-    given). Another key (fps and the like: video) is a ValueError naming it."""
+# mm_processor_kwargs keys that concern videos alone (HF's Qwen3VLVideoProcessor's): checked by
+# VideoProcessor.with_options. `size` bounds both images' and videos' pixels, as in HF.
+VIDEO_KEYS = ("fps", "num_frames", "do_sample_frames", "min_frames", "max_frames")
+
+
+def mm_processor_options(mm_processor_kwargs: Any) -> tuple[dict[str, int], dict[str, Any]]:
+    """vLLM's mm_processor_kwargs for Qwen's processors as (the image processor's pixel bounds
+    {"min_pixels": .., "max_pixels": ..}, the given ones; the video processor's options). Image
+    bounds: {"min_pixels", "max_pixels"} or Qwen3-VL's {"size": {"shortest_edge", "longest_edge"}},
+    an image's pixels after resizing, so its tokens. Video: VIDEO_KEYS, and size (a video's pixels
+    over all its frames). Another key is a ValueError naming it."""
     if not isinstance(mm_processor_kwargs, dict):
         raise ValueError("mm_processor_kwargs must be a JSON object / dict")
     kwargs = dict(mm_processor_kwargs)
     size = kwargs.pop("size", None) or {}
     if not isinstance(size, dict) or size.keys() - {"shortest_edge", "longest_edge"}:
         raise ValueError(f"mm_processor_kwargs: size takes shortest_edge and longest_edge (pixels), got {size!r}")
-    unknown = sorted(kwargs.keys() - {"min_pixels", "max_pixels"})
+    unknown = sorted(kwargs.keys() - {"min_pixels", "max_pixels", *VIDEO_KEYS})
     if unknown:
-        raise ValueError(f"mm_processor_kwargs: unsupported keys {unknown}: the image processor takes min_pixels and "
-                         f"max_pixels (or size's shortest_edge and longest_edge)")
+        raise ValueError(f"mm_processor_kwargs: unsupported keys {unknown}: images take min_pixels and max_pixels "
+                         f"(or size's shortest_edge and longest_edge), videos {', '.join(VIDEO_KEYS)} and size")
     pixels = {"min_pixels": size.get("shortest_edge"), "max_pixels": size.get("longest_edge")}
-    pixels.update({name: value for name, value in kwargs.items() if value is not None})
+    pixels.update({name: kwargs[name] for name in ("min_pixels", "max_pixels") if kwargs.get(name) is not None})
     for name, value in pixels.items():
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"mm_processor_kwargs: {name} must be a positive int, got {value!r}")
-    return {name: value for name, value in pixels.items() if value is not None}
+    video = {name: kwargs[name] for name in VIDEO_KEYS if kwargs.get(name) is not None}
+    if size:
+        video["size"] = size
+    return {name: value for name, value in pixels.items() if value is not None}, video
 
 
 def engine_options(model: str | Path, options: dict[str, Any]) -> dict[str, Any]:
@@ -70,8 +79,11 @@ def engine_options(model: str | Path, options: dict[str, Any]) -> dict[str, Any]
         translate(options, "speculative_config", "num_draft_tokens", draft_tokens(options.pop("speculative_config")))
     options.pop("speculative_config", None)
     if options.get("mm_processor_kwargs") is not None:
-        for name, value in image_pixels(options.pop("mm_processor_kwargs")).items():
+        pixels, video = mm_processor_options(options.pop("mm_processor_kwargs"))
+        for name, value in pixels.items():
             translate(options, "mm_processor_kwargs", f"image_{name}", value)
+        if video:
+            translate(options, "mm_processor_kwargs", "video_options", video)
     options.pop("mm_processor_kwargs", None)
     options.pop("trust_remote_code", None)
     tokenizer = options.pop("tokenizer", None)

@@ -47,7 +47,7 @@ from ..engine import AsyncLLM, EngineDeadError, RequestDelta, StepFailedError
 from ..engine.engine_process import EngineProcess
 from ..engine.vision.image import ImageInput
 from ..engine.vision.preprocess import ImageProcessor
-from ..engine.vllm_options import image_pixels
+from ..engine.vllm_options import mm_processor_options
 from . import anthropic_api, responses_api
 from .anthropic_api import MessagesRenderer, count_tokens, error_body, messages_input
 from .anthropic_protocol import CountTokensRequest, CountTokensResponse, MessagesRequest
@@ -450,7 +450,7 @@ class OpenAIServer:
                            code="unsupported_parameter")
         if mm_processor_kwargs is not None:
             try:
-                processor = processor.with_pixels(**image_pixels(mm_processor_kwargs))
+                processor = processor.with_pixels(**mm_processor_options(mm_processor_kwargs)[0])
             except ValueError as error:
                 raise APIError(400, str(error), param="mm_processor_kwargs", code="invalid_value") from None
         limit = self.config.media.max_images

@@ -14,7 +14,7 @@ import argparse
 import json
 
 from ..engine.engine_config import ALL_REDUCES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, SSM_CACHE_DTYPES
-from ..engine.vllm_options import draft_tokens, image_pixels, translate
+from ..engine.vllm_options import draft_tokens, mm_processor_options, translate
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -74,9 +74,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                         help="an image's pixels at most after resizing, so its tokens at most (pixels / 1024 for "
                              "Qwen3.5; default: preprocessor_config.json's)")
     parser.add_argument("--mm-processor-kwargs", type=_mm_processor_kwargs, default=None, metavar="JSON",
-                        help="the image processor's pixel bounds after resizing, so an image's tokens (vLLM's flag): "
-                             "'{\"max_pixels\": 1003520}' (min_pixels, max_pixels, or size's shortest_edge and "
-                             "longest_edge); a request's mm_processor_kwargs overrides it for its images")
+                        help="the image and video processors' settings (vLLM's flag): an image's pixel bounds after "
+                             "resizing, so its tokens: '{\"max_pixels\": 1003520}' (min_pixels, max_pixels, or size's "
+                             "shortest_edge and longest_edge, which bound a video's pixels too); a video's frames: "
+                             "fps, num_frames, do_sample_frames, min_frames, max_frames; a request's "
+                             "mm_processor_kwargs overrides it for its images and videos")
     parser.add_argument("--block-size", type=int, default=None,
                         help="tokens per KV-cache block (default: 16); must divide the checkpoint interval")
     parser.add_argument("--disable-custom-all-reduce", action="store_true",
@@ -98,10 +100,10 @@ def accept_vllm_flags(parser: argparse.ArgumentParser, flags: dict[str, str]) ->
         parser.add_argument(flag, action="store_true", help=f"accepted for vLLM command lines: {why}")
 
 
-def _mm_processor_kwargs(text: str) -> dict[str, int]:
-    """vLLM's --mm-processor-kwargs (JSON) as the image pixel bounds it sets."""
+def _mm_processor_kwargs(text: str) -> tuple[dict[str, int], dict]:
+    """vLLM's --mm-processor-kwargs (JSON) as (the image pixel bounds, the video options) it sets."""
     try:
-        return image_pixels(json.loads(text))
+        return mm_processor_options(json.loads(text))
     except ValueError as error:  # (json's errors are ValueErrors too)
         raise argparse.ArgumentTypeError(str(error).removeprefix("mm_processor_kwargs: ")) from None
 
@@ -131,8 +133,12 @@ def engine_options(args: argparse.Namespace) -> dict:
     options = {name: getattr(args, name) for name in _FIELDS if getattr(args, name) is not None}
     if args.speculative_config is not None:
         translate(options, "--speculative-config", "num_draft_tokens", args.speculative_config, _setting)
-    for name, value in (args.mm_processor_kwargs or {}).items():
-        translate(options, "--mm-processor-kwargs", f"image_{name}", value, _setting)
+    if args.mm_processor_kwargs is not None:
+        pixels, video = args.mm_processor_kwargs
+        for name, value in pixels.items():
+            translate(options, "--mm-processor-kwargs", f"image_{name}", value, _setting)
+        if video:
+            translate(options, "--mm-processor-kwargs", "video_options", video, _setting)
     if args.disable_custom_all_reduce:
         translate(options, "--disable-custom-all-reduce", "all_reduce", "nccl", _setting)
     if args.enforce_eager:

@@ -253,8 +253,8 @@ def test_pixel_bounds_set_an_images_tokens(vision_checkpoint):
     small = engine(vision_checkpoint, mm_processor_kwargs={"max_pixels": 64 * 64}).generate(
         prompt, params, use_tqdm=False)[0]
     assert small.prompt_token_ids.count(pad) == 4 and wide.prompt_token_ids.count(pad) == 16
-    with pytest.raises(ValueError, match=r"unsupported keys \['fps'\]"):
-        engine(vision_checkpoint, mm_processor_kwargs={"fps": 2})
+    with pytest.raises(ValueError, match=r"unsupported keys \['sampling_rate'\]"):
+        engine(vision_checkpoint, mm_processor_kwargs={"sampling_rate": 16000})
 
 
 def test_images_encoded_in_bounded_calls(vision_checkpoint, monkeypatch):

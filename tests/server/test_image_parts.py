@@ -656,11 +656,11 @@ async def test_mm_processor_kwargs_bound_a_requests_images(engine, processor):
     async with serving(engine) as base_url:
         assert (await chat(base_url, messages, mm_processor_kwargs={"max_pixels": 64 * 64}))[0] == 200
         assert (await chat(base_url, messages))[0] == 200
-        error = error_of(await chat(base_url, messages, mm_processor_kwargs={"fps": 1}))
+        error = error_of(await chat(base_url, messages, mm_processor_kwargs={"sampling_rate": 1}))
     small, default = (request["images"][0] for request in engine.requests)
     assert small == processor.with_pixels(max_pixels=64 * 64).resize(image)
     assert default == processor.resize(image) and small.height * small.width < default.height * default.width
-    assert error["param"] == "mm_processor_kwargs" and "fps" in error["message"]
+    assert error["param"] == "mm_processor_kwargs" and "sampling_rate" in error["message"]
 
 
 def test_mm_processor_kwargs_flag_sets_the_engines_pixel_bounds(checkpoint, monkeypatch, capsys):
