@@ -252,7 +252,8 @@ class VideoProcessor:
         for key, value in encoder.items():
             sizes[key] = _int_field(pre, key, value, source)
             if sizes[key] != value:
-                raise ValueError(f"{source}: {key} = {sizes[key]} disagrees with {config_file}'s vision_config ({value})")
+                raise ValueError(f"{source}: {key} = {sizes[key]} disagrees with {config_file}'s vision_config "
+                                 f"({value})")
         size = {} if pre.get("size") is None else pre["size"]
         if not isinstance(size, dict):
             raise ValueError(f"{source}: size must be an object, got {size!r}")
@@ -375,14 +376,16 @@ class VideoProcessor:
             raise ValueError(f"not a video PyAV can read: {_one_line(e)}") from None
         return self._patches(np.stack(taken), indices, video_fps)
 
-    def from_frames(self, frames: np.ndarray | Sequence[np.ndarray | Image.Image], fps: float | None = None,
-                    indices: Sequence[int] | None = None) -> VideoInput:
-        """A decoded video: RGB uint8 frames [N, H, W, 3] (vLLM's video array) or a sequence of
+    def from_frames(self, frames: np.ndarray | torch.Tensor | Sequence[np.ndarray | Image.Image],
+                    fps: float | None = None, indices: Sequence[int] | None = None) -> VideoInput:
+        """A decoded video: RGB uint8 frames [N, H, W, 3] (vLLM's video array or tensor) or a sequence of
         frames ([H, W, 3] uint8 arrays or PIL images, converted to RGB as images are). fps: the
         video's frame rate (DEFAULT_VIDEO_FPS, HF's assumption, when None). indices: the frames'
         indices in the source video when they are already sampled from it (vLLM's metadata
         frames_indices): taken as they are, for the timestamps. Without indices the frames are the
         whole video, sampled as `frame_indices` says."""
+        if isinstance(frames, torch.Tensor):
+            frames = frames.numpy(force=True)
         if isinstance(frames, np.ndarray):
             if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
                 raise ValueError(f"a video's frames must be RGB uint8 [frames, height, width, 3], got "
@@ -403,9 +406,11 @@ class VideoProcessor:
             selected = [video[i] for i in indices]
         else:
             indices = list(indices)
-            if len(indices) != len(video) or not all(_is_int(i) and i >= 0 for i in indices):
+            if len(indices) != len(video) or not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool)
+                                                     and i >= 0 for i in indices):
                 raise ValueError(f"indices must be one non-negative integer per frame ({len(video)}), got "
                                  f"{len(indices)} values")
+            indices = [int(i) for i in indices]  # numpy's integers too (vLLM's frames_indices may be an array)
             selected = list(video)
         resized = self._resized(selected, len(selected))
         return self._patches(np.stack(resized), indices, fps)

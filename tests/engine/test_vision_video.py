@@ -243,6 +243,7 @@ def test_from_frames_inputs(rng):
     # Frames already sampled: taken as they are, their indices give the times.
     given = processor.from_frames(frames, fps=2.0, indices=[0, 4, 8, 12, 16, 20])
     assert given.timestamps == (1.0, 5.0, 9.0)  # seconds 0, 2 | 4, 6 | 8, 10
+    assert processor.from_frames(torch.from_numpy(frames), fps=np.float64(2), indices=np.arange(0, 24, 4)) == given
     assert np.array_equal(np.concatenate([p.array() for p in given.patches]),
                           resize_frames(frames, *smart_resize(6, 40, 70, 2, 32, 4096, 25_165_824)))
     # A list of PIL images is read as images are: RGBA composited onto white.
@@ -378,7 +379,8 @@ def test_with_options():
     assert processor.with_options(fps=None, size={"longest_edge": 9000}).config == replace_config(max_pixels=9000)
     refusals = [
         (dict(frames=3), "frames"), (dict(fps=1, num_frames=8), "fps and num_frames"), (dict(fps=0), "fps"),
-        (dict(fps="2"), "fps"), (dict(fps=float("nan")), "fps"), (dict(fps=True), "fps"), (dict(num_frames=0), "num_frames"),
+        (dict(fps="2"), "fps"), (dict(fps=float("nan")), "fps"), (dict(fps=True), "fps"),
+        (dict(num_frames=0), "num_frames"),
         (dict(num_frames=2.0), "num_frames"), (dict(num_frames=1000), "num_frames"),
         (dict(min_frames=-1), "min_frames"), (dict(max_frames=2), "min_frames 4 exceeds max_frames 2"),
         (dict(do_sample_frames=1), "do_sample_frames"), (dict(size=[1, 2]), "size"),
