@@ -45,8 +45,9 @@ from .prefix_cache import CheckpointHandle
 from .request import RequestDelta
 from .sampling_params import SamplingParams
 from .step import StepPlan
-from .vision.image import ImageInput
+from .vision.image import ImageInput, VideoInput
 from .vision.preprocess import ImageProcessor
+from .vision.video import VideoProcessor
 
 
 logger = logging.getLogger("deltaspec")
@@ -111,8 +112,14 @@ class AsyncLLM:
         return self.core.image_processor
 
     @property
+    def video_processor(self) -> VideoProcessor | None:
+        """What decodes and resizes a prompt's videos for this engine (None: it reads none:
+        `images_refused`)."""
+        return self.core.video_processor
+
+    @property
     def images_refused(self) -> str | None:
-        """Why this engine reads no images; None when it does."""
+        """Why this engine reads no images or videos; None when it does."""
         return self.core.images_refused
 
     @property
@@ -135,17 +142,18 @@ class AsyncLLM:
     def generate(self, prompt: str | Seq[int], params: SamplingParams | None = None,
                  request_id: str | None = None,
                  resume_from: CheckpointHandle | None = None,
-                 fork_of: str | None = None, images: Seq[ImageInput] = ()) -> AsyncIterator[RequestDelta]:
+                 fork_of: str | None = None, images: Seq[ImageInput] = (),
+                 videos: Seq[VideoInput] = ()) -> AsyncIterator[RequestDelta]:
         """Submit a request and stream its deltas. The request is submitted at the first
         iteration; bad input raises ValueError there, before anything is queued. resume_from: a
         session saved by `save_checkpoint`; the prompt continues it. fork_of: the id of another
-        choice of the same prompt, submitted first, whose prefill this one reuses; images: the
-        prompt's images (EngineCore.add_request)."""
+        choice of the same prompt, submitted first, whose prefill this one reuses; images,
+        videos: the prompt's (EngineCore.add_request)."""
         if self._sink is not self._outboxes:
             raise RuntimeError("this AsyncLLM delivers its output to a sink: submit requests with submit()")
 
         def open_stream() -> tuple[str, Outbox]:
-            submitted = self.submit(prompt, params, request_id, resume_from, fork_of, images)
+            submitted = self.submit(prompt, params, request_id, resume_from, fork_of, images, videos)
             outbox = self._outboxes[submitted] = Outbox()
             return submitted, outbox
 
@@ -159,11 +167,12 @@ class AsyncLLM:
 
     def submit(self, prompt: str | Seq[int], params: SamplingParams | None = None, request_id: str | None = None,
                resume_from: CheckpointHandle | None = None, fork_of: str | None = None,
-               images: Seq[ImageInput] = ()) -> str:
+               images: Seq[ImageInput] = (), videos: Seq[VideoInput] = ()) -> str:
         """Queue a request (arguments as `generate`); returns its id. Its deltas go to the sink.
         Bad input raises ValueError, queueing nothing."""
         self._ensure_running()
-        request = self.core.add_request(prompt, params or SamplingParams(), request_id, resume_from, fork_of, images)
+        request = self.core.add_request(prompt, params or SamplingParams(), request_id, resume_from, fork_of, images,
+                                        videos)
         self._wakeup.set()
         return request.request_id
 

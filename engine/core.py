@@ -67,9 +67,10 @@ from .warm_up import num_compiles_after_warm_up, warm_up
 from .quantization import with_online_quantization
 from .vision.encoder import load_vision_encoder, random_vision_encoder
 from .vision.features import ImageFeatures
-from .vision.image import ImageInput
+from .vision.image import ImageInput, VideoInput
 from .vision.preprocess import ImageProcessor
-from .vision.prompt import PromptImages, expand_image_tokens
+from .vision.prompt import PromptImages, expand_image_tokens, expand_video_tokens
+from .vision.video import VideoProcessor
 from .weights import load_model, random_model
 
 logger = logging.getLogger("deltaspec")
@@ -185,7 +186,7 @@ class EngineCore:
                                         expert_parallel=config.enable_expert_parallel)
         else:
             self.model, self.model_config, self.ops = model, model.config, model.ops
-        self.image_processor, image_features = self._vision(config, path, loaded=model is None)
+        self.image_processor, self.video_processor, image_features = self._vision(config, path, loaded=model is None)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.num_draft_tokens = self._draft_tokens()
         if self.tp is not None:
@@ -258,11 +259,13 @@ class EngineCore:
             logger.info("warmed up the eager steps' kernels in %.1f s", warm_up(self))
 
     def _vision(self, config: EngineConfig, path: Path, loaded: bool) -> tuple[ImageProcessor | None,
+                                                                             VideoProcessor | None,
                                                                              ImageFeatures | None]:
-        """The image processor front ends resize images with and the encoder outputs the runner
-        feeds image tokens, for a vision-language checkpoint loaded from `path` (random weights
-        for a dummy load; a tensor-parallel worker: no encoder, the features rank 0 sends);
-        (None, None) otherwise, `images_refused` then saying why a prompt's images are refused."""
+        """The image and video processors front ends resize with and the encoder outputs the
+        runner feeds image and video tokens, for a vision-language checkpoint loaded from `path`
+        (random weights for a dummy load; a tensor-parallel worker: no encoder, the features rank
+        0 sends); (None, None, None) otherwise, `images_refused` then saying why a prompt's images
+        and videos are refused."""
         self.images_refused = None
         if self.model_config.vision is None:
             self.images_refused = "this model reads no images (its config.json has no vision_config)"
@@ -272,11 +275,11 @@ class EngineCore:
         elif not loaded:
             self.images_refused = "this engine's model was given, not loaded from its checkpoint: no vision encoder"
         if self.images_refused is not None:
-            return None, None
+            return None, None, None
         hidden_size = self.model_config.hidden_size
         if self.tp is not None and self.tp.rank > 0:  # rank 0 encodes; this rank receives its features
-            return None, ImageFeatures(None, None, hidden_size, self.tp)
-        processor = engine_image_processor(config)
+            return None, None, ImageFeatures(None, None, None, hidden_size, self.tp)
+        processor, video_processor = engine_image_processor(config), engine_video_processor(config)
         vision, fp8 = self.model_config.vision, self.model_config.quantization
         if config.load_format == "dummy":  # random weights, as the language model's
             encoder = random_vision_encoder(vision, self.dtype, self.device)
@@ -284,35 +287,46 @@ class EngineCore:
             encoder = load_vision_encoder(path, vision, self.dtype, self.device)
         else:  # FP8 visual weights, if any, in the checkpoint's blocks
             encoder = load_vision_encoder(path, vision, self.dtype, self.device, fp8.weight_block_size)
-        return processor, ImageFeatures(encoder, processor, hidden_size, self.tp)
+        return processor, video_processor, ImageFeatures(encoder, processor, video_processor, hidden_size, self.tp)
 
-    def _place_images(self, token_ids: list[int], images: Seq[ImageInput]) -> tuple[list[int], PromptImages | None]:
-        """The prompt with each image's token repeated to its count, and where they sit; a
-        ValueError for images this engine cannot read or a prompt whose image tokens do not
-        match them."""
-        image_token_id = self.model_config.image_token_id
-        if not images:
-            if image_token_id is not None and image_token_id in token_ids:
-                raise ValueError(f"the prompt holds image tokens ({image_token_id}) but no images were given")
+    def _place_vision(self, token_ids: list[int], images: Seq[ImageInput],
+                      videos: Seq[VideoInput]) -> tuple[list[int], PromptImages | None]:
+        """The prompt with each image's token repeated to its count and each video's token
+        expanded to its patches (times and tokens), and where the images and patches sit; a
+        ValueError for media this engine cannot read or a prompt whose image or video tokens do
+        not match them."""
+        config = self.model_config
+        if not images and not videos:
+            for name, token in (("image", config.image_token_id), ("video", config.video_token_id)):
+                if token is not None and token in token_ids:
+                    raise ValueError(f"the prompt holds {name} tokens ({token}) but no {name}s were given")
             return token_ids, None
         if self.image_processor is None:
             raise ValueError(self.images_refused)
-        processor = self.image_processor
         for i, image in enumerate(images):
-            if not isinstance(image, ImageInput):
-                raise ValueError(f"images[{i}] must be an ImageInput (ImageProcessor.resize), got "
-                                 f"{type(image).__name__}")
+            if not isinstance(image, ImageInput) or image.video:
+                raise ValueError(f"images[{i}] must be an image's ImageInput (ImageProcessor.resize), got "
+                                 f"{type(image).__name__}{' of a video' if isinstance(image, ImageInput) else ''}")
             image.array()  # its size against its pixels
-        expanded = expand_image_tokens(token_ids, images, image_token_id, processor.num_tokens)
-        merge = self.model_config.vision.spatial_merge_size
-        return expanded, PromptImages.place(expanded, images, image_token_id,
-                                            [processor.grid_thw(image) for image in images], merge)
+        for i, video in enumerate(videos):
+            if not isinstance(video, VideoInput):
+                raise ValueError(f"videos[{i}] must be a VideoInput (VideoProcessor.decode), got {type(video).__name__}")
+            for patch in video.patches:
+                patch.array()
+        expanded = expand_image_tokens(token_ids, images, config.image_token_id, self.image_processor.num_tokens)
+        expanded = expand_video_tokens(expanded, videos, config.video_token_id, config.vision_start_token_id,
+                                       config.vision_end_token_id, self.video_processor.num_tokens,
+                                       self.tokenizer.encode)
+        items = [*images, *(patch for video in videos for patch in video.patches)]
+        grids = [(self.video_processor if item.video else self.image_processor).grid_thw(item) for item in items]
+        return expanded, PromptImages.place(expanded, items, grids, config.vision.spatial_merge_size,
+                                            config.image_token_id, config.video_token_id)
 
     # Requests -----------------------------------------------------------------------------
 
     def add_request(self, prompt: str | Seq[int], params: SamplingParams, request_id: str | None = None,
                     resume_from: CheckpointHandle | None = None, fork_of: str | None = None,
-                    images: Seq[ImageInput] = ()) -> Request:
+                    images: Seq[ImageInput] = (), videos: Seq[VideoInput] = ()) -> Request:
         """Validate and queue a request; raises ValueError and changes nothing on bad input.
         resume_from: a saved session (`save_checkpoint`); the request's tokens are the session's
         followed by the prompt (which may then be empty), and it starts from the session's
@@ -320,7 +334,9 @@ class EngineCore:
         choice of the prompt, n > 1); while that one is queued or running, this one waits for its
         prompt to be computed and restores it from the prefix cache instead of prefilling it.
         images: the prompt's images in order (ImageProcessor.resize), each named in the prompt
-        by one image token (a chat template's placeholder) or already by all of its tokens."""
+        by one image token (a chat template's placeholder) or already by all of its tokens;
+        videos: its videos in order (VideoProcessor.decode), each named by one video token or
+        already by its patches' times and tokens (expand_video_tokens)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         params = params.resolve(self.generation_defaults)
@@ -334,9 +350,9 @@ class EngineCore:
             raise ValueError(f"priority {params.priority} needs scheduling_policy 'priority' (this engine schedules "
                              f"{self.config.scheduling_policy})")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        token_ids, placed = self._place_images(token_ids, images)
+        token_ids, placed = self._place_vision(token_ids, images, videos)
         if placed is not None and resume_from is not None:
-            raise ValueError("a session continues a text prompt: images are not supported with resume_from")
+            raise ValueError("a session continues a text prompt: images and videos are not supported with resume_from")
         checkpoint = None
         if resume_from is not None and params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs needs the whole prompt computed: not with resume_from")
@@ -734,6 +750,12 @@ def engine_image_processor(config: EngineConfig) -> ImageProcessor:
     config's pixel bounds: the engine's, and its front ends' in another process."""
     processor = ImageProcessor.from_model_dir(Path(config.model))
     return processor.with_pixels(config.image_min_pixels, config.image_max_pixels)
+
+
+def engine_video_processor(config: EngineConfig) -> VideoProcessor:
+    """The video processor of config.model (a vision-language checkpoint's directory) with the
+    config's options (vLLM's mm_processor_kwargs for videos)."""
+    return VideoProcessor.from_model_dir(Path(config.model)).with_options(**(config.video_options or {}))
 
 
 def _digests(images: PromptImages | None) -> tuple[bytes, ...]:

@@ -54,15 +54,16 @@ import msgspec
 
 from .async_llm import AsyncLLM, Outbox, Outboxes, drain, freeze_startup_heap, run
 from . import gc_pauses
-from .core import engine_image_processor
+from .core import engine_image_processor, engine_video_processor
 from .engine_config import EngineConfig
 from .errors import EngineDeadError, StepFailedError
 from .model_source import local_config
 from .request import RequestDelta
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
-from .vision.image import ImageInput
+from .vision.image import ImageInput, VideoInput
 from .vision.preprocess import ImageProcessor
+from .vision.video import VideoProcessor
 
 logger = logging.getLogger("deltaspec")
 
@@ -81,6 +82,7 @@ class Add(msgspec.Struct, tag=True, array_like=True):
     params: bytes  # pickled SamplingParams
     fork_of: str | None
     images: list[ImageInput] = []  # resized pixels: 3 bytes a pixel over the socket
+    videos: list[VideoInput] = []
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):
@@ -109,7 +111,7 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
     max_model_len: int
     max_num_seqs: int
     generation_defaults: dict[str, float | int]
-    images_refused: str | None  # why the engine reads no images (None: it reads them)
+    images_refused: str | None  # why the engine reads no images or videos (None: it reads them)
 
 
 class StartFailed(msgspec.Struct, tag=True, array_like=True):
@@ -267,7 +269,7 @@ async def _handle(message: ToEngine, llm: AsyncLLM, wire: _Wire) -> None:
     if isinstance(message, Add):
         try:
             llm.submit(message.prompt_token_ids, pickle.loads(message.params), message.request_id,
-                       fork_of=message.fork_of, images=message.images)
+                       fork_of=message.fork_of, images=message.images, videos=message.videos)
         except ValueError as error:
             wire.send(Rejected(message.request_id, str(error)))
         except EngineDeadError as error:
@@ -294,9 +296,9 @@ class EngineProcess:
     """AsyncLLM's serving API over an engine in its own process (see the module docstring)."""
 
     def __init__(self, process: multiprocessing.Process, wire: _Wire, ready: Ready, tokenizer: Tokenizer,
-                 image_processor: ImageProcessor | None) -> None:
+                 image_processor: ImageProcessor | None, video_processor: VideoProcessor | None) -> None:
         self.tokenizer = tokenizer
-        self.image_processor = image_processor
+        self.image_processor, self.video_processor = image_processor, video_processor
         self.images_refused = ready.images_refused
         self.max_model_len = ready.max_model_len
         self.max_num_seqs = ready.max_num_seqs
@@ -332,10 +334,11 @@ class EngineProcess:
         try:
             first = await wire.receive()
             if isinstance(first, Ready):
-                # The front end resizes images as the engine's processor would (its own copy).
-                processor = None if first.images_refused is not None else \
-                    await asyncio.to_thread(engine_image_processor, config)
-                return cls(process, wire, first, await tokenizer, processor)
+                # The front end resizes images and videos as the engine's processors would (its
+                # own copies).
+                processors = (None, None) if first.images_refused is not None else await asyncio.to_thread(
+                    lambda: (engine_image_processor(config), engine_video_processor(config)))
+                return cls(process, wire, first, await tokenizer, *processors)
         except asyncio.IncompleteReadError:
             first = None
         except BaseException:  # (a cancellation, Ctrl-C, no tokenizer): no engine to wait for
@@ -363,7 +366,8 @@ class EngineProcess:
         return self._error
 
     def generate(self, prompt: str | Seq[int], params: SamplingParams | None = None, request_id: str | None = None,
-                 fork_of: str | None = None, images: Seq[ImageInput] = ()) -> AsyncIterator[RequestDelta]:
+                 fork_of: str | None = None, images: Seq[ImageInput] = (),
+                 videos: Seq[VideoInput] = ()) -> AsyncIterator[RequestDelta]:
         """As AsyncLLM.generate: submitted at the first iteration, where bad input raises
         ValueError (the engine's own checks answer one message later, before any delta)."""
 
@@ -374,7 +378,8 @@ class EngineProcess:
             if submitted in self._outboxes:
                 raise ValueError(f"request id {submitted!r} is already in use")
             token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            self._wire.send(Add(submitted, token_ids, pickle.dumps(params or SamplingParams()), fork_of, list(images)))
+            self._wire.send(Add(submitted, token_ids, pickle.dumps(params or SamplingParams()), fork_of, list(images),
+                                list(videos)))
             outbox = self._outboxes[submitted] = Outbox()
             return submitted, outbox
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence as Seq
 
 import torch
+from PIL import Image
 from tqdm import tqdm
 
 from .core import EngineCore
@@ -24,7 +25,8 @@ from .prefix_cache import CheckpointHandle
 from .request import RequestOutput
 from .sampling_params import SamplingParams
 from . import vllm_options
-from .vision.image import ImageInput, data_url_bytes
+from .vision.image import ImageInput, VideoInput, data_url_bytes
+from .vision.video import VideoProcessor
 
 
 class LLM:
@@ -70,9 +72,9 @@ class LLM:
                  resume_from: CheckpointHandle | None = None, n: int = 1, use_tqdm: bool = True,
                  priority: Seq[int] | None = None) -> list[RequestOutput]:
         """Prompts are strings, token-id lists or vLLM's prompt dicts ({"prompt": text} or
-        {"prompt_token_ids": ids}, with {"multi_modal_data": {"image": images}} for a model that
-        reads images: each named in the prompt by its image token, as a chat template writes
-        it), one or a list; params one for all or one per prompt. A bad
+        {"prompt_token_ids": ids}, with {"multi_modal_data": {"image": images, "video": videos}}
+        for a model that reads them: each named in the prompt by its image or video token, as a
+        chat template writes it), one or a list; params one for all or one per prompt. A bad
         prompt raises ValueError; the ones submitted before it are withdrawn.
         resume_from: a session saved by `save_checkpoint`; every prompt continues it (so several
         prompts fork one conversation). Choices, each prompt prefilled once and choice i sampling
@@ -85,8 +87,9 @@ class LLM:
         (the engine's scheduling_policy "priority" serves lower first)."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        texts, prompts, images = zip(*map(_prompt, prompts)) if prompts else ((), (), ())
+        texts, prompts, images, videos = zip(*map(_prompt, prompts)) if prompts else ((), (), (), ())
         images = [self._resize(given) for given in images]
+        videos = [self._decode(given) for given in videos]
         params = sampling_params or SamplingParams()
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
@@ -100,12 +103,12 @@ class LLM:
         counts = [p.n if n == 1 else n for p in params]  # each prompt's choices
         requests = []
         try:
-            for prompt, prompt_images, p, count in zip(prompts, images, params, counts):
+            for prompt, prompt_images, prompt_videos, p, count in zip(prompts, images, videos, params, counts):
                 parent = None
                 base_seed = self.core.draw_seed() if count > 1 and p.seed is None else None
                 for choice in p.for_choices(count, base_seed):
                     requests.append(self.core.add_request(prompt, choice, resume_from=resume_from, fork_of=parent,
-                                                          images=prompt_images))
+                                                          images=prompt_images, videos=prompt_videos))
                     parent = parent or requests[-1].request_id
         except ValueError:
             for request in requests:
@@ -141,16 +144,17 @@ class LLM:
         model's raw text (reasoning and tool calls unparsed). Image parts, for a model that
         reads images: {"type": "image_url", "image_url": {"url": a data: URL}}, {"type":
         "image_pil", "image_pil": a PIL image} or {"type": "image", "image": a PIL image or
-        encoded bytes}; other URLs are refused (fetch them first, or serve the model: the
-        server fetches http(s) images)."""
+        encoded bytes}; video parts: {"type": "video_url", "video_url": {"url": a data: URL}} or
+        {"type": "video", "video": what multi_modal_data's "video" takes}; other URLs are refused
+        (fetch them first, or serve the model: the server fetches http(s) media)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conversation in conversations:
-            rendered, images = _chat_images(conversation)
+            rendered, media = _chat_media(conversation)
             text = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
                                                       continue_final_message=continue_final_message, tools=tools,
                                                       **(chat_template_kwargs or {}))
-            prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
+            prompts.append({"prompt": text, "multi_modal_data": media} if media else text)
         return self.generate(prompts, sampling_params, n=n, use_tqdm=use_tqdm)
 
     def _resize(self, images: list) -> list[ImageInput]:
@@ -158,6 +162,16 @@ class LLM:
         if images and self.core.image_processor is None:
             raise ValueError(self.core.images_refused)
         return [image if isinstance(image, ImageInput) else self.core.image_processor.resize(image) for image in images]
+
+    def _decode(self, videos: list) -> list[VideoInput]:
+        """A prompt's videos as the engine takes them: encoded bytes (a video file), frames
+        (an RGB uint8 array [frames, height, width, 3] or a list of PIL images, sampled here as
+        from a decoded file at the fps its metadata says), (frames, metadata) with vLLM's
+        metadata dict ({"fps": .., "frames_indices": [..]}: frames already sampled at those
+        indices), or VideoInputs."""
+        if videos and self.core.video_processor is None:
+            raise ValueError(self.core.images_refused)
+        return [_video(video, self.core.video_processor) for video in videos]
 
     def _run(self, requests: list, use_tqdm: bool) -> None:
         """Step until the engine is idle; the bar counts finished requests and generated tokens/s."""
@@ -201,67 +215,95 @@ class LLM:
 
 Prompt = str | Seq[int] | dict[str, Any]
 
-# The content part types LLM.chat reads an image from (vLLM's offline chat takes these).
+# The content part types LLM.chat reads an image or a video from (vLLM's offline chat takes these).
 _IMAGE_PARTS = ("image_url", "image_pil", "image")
+_VIDEO_PARTS = ("video_url", "video")
 
 
-def _chat_images(conversation: Seq[dict[str, Any]]) -> tuple[list[dict[str, Any]], list]:
+def _chat_media(conversation: Seq[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, list]]:
     """The messages as the chat template takes them, each image part made {"type": "image"}
-    (where Qwen3.5's template writes the image's placeholder), and the images in order."""
-    messages, images = [], []
+    and each video part {"type": "video"} (where Qwen3.5's template writes the placeholders),
+    and multi_modal_data of the images and videos in order ({} when there are none)."""
+    messages, media = [], {}
     for index, message in enumerate(conversation):
         content = message.get("content")
-        if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") in _IMAGE_PARTS
+        if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") in _IMAGE_PARTS + _VIDEO_PARTS
                                                     for p in content):
             messages.append(message)
             continue
         parts = []
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in _IMAGE_PARTS:
+            if kind not in _IMAGE_PARTS + _VIDEO_PARTS:
                 parts.append(part)
                 continue
-            images.append(_part_image(part, kind, f"messages[{index}]"))
-            parts.append({"type": "image"})
+            modality = "video" if kind in _VIDEO_PARTS else "image"
+            media.setdefault(modality, []).append(_part_media(part, kind, modality, f"messages[{index}]"))
+            parts.append({"type": modality})
         messages.append({**message, "content": parts})
-    return messages, images
+    return messages, media
 
 
-def _part_image(part: dict[str, Any], kind: str, where: str):
-    """An image part's image: a PIL image or encoded bytes (a data: URL's, decoded)."""
+def _part_media(part: dict[str, Any], kind: str, modality: str, where: str):
+    """An image or video part's media as given (a PIL image, frames, encoded bytes: a data:
+    URL's, decoded)."""
     value = part.get(kind)
-    if kind != "image_url":
+    if not kind.endswith("_url"):
         if value is None:
-            raise ValueError(f"{where}: a {kind!r} part needs its image under {kind!r}")
+            raise ValueError(f"{where}: a {kind!r} part needs its {modality} under {kind!r}")
         return value
     url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str) or not url.startswith("data:"):
-        raise ValueError(f"{where}: LLM.chat reads image_url parts as data: URLs (base64); got "
-                         f"{str(url)[:64]!r}: pass the image itself ({{'type': 'image_pil', 'image_pil': image}}), "
-                         f"or serve the model (the server fetches http(s) images)")
+        raise ValueError(f"{where}: LLM.chat reads {kind} parts as data: URLs (base64); got "
+                         f"{str(url)[:64]!r}: pass the {modality} itself ({{'type': '{modality}', '{modality}': ...}}), "
+                         f"or serve the model (the server fetches http(s) media)")
     try:
-        return data_url_bytes(url)
+        return data_url_bytes(url, modality)
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from None
 
 
-def _prompt(prompt: Prompt) -> tuple[str | None, str | Seq[int], list]:
-    """(its text or None, what EngineCore.add_request takes, its images as given) of a prompt:
-    text, token ids, or vLLM's prompt dicts, {"prompt": text} or {"prompt_token_ids": ids},
-    with {"multi_modal_data": {"image": an image or a list of them}} (PIL images or encoded
-    bytes) beside it. Any other key or modality is refused by name."""
+def _video(video: Any, processor: VideoProcessor) -> VideoInput:
+    """One of multi_modal_data's videos (LLM._decode's forms) as the engine takes it."""
+    if isinstance(video, VideoInput):
+        return video
+    if isinstance(video, (bytes, bytearray, memoryview)):
+        return processor.decode(bytes(video))
+    if isinstance(video, tuple) and len(video) == 2 and isinstance(video[1], dict):
+        frames, metadata = video
+        unknown = sorted(metadata.keys() - {"fps", "frames_indices", "total_num_frames", "duration",
+                                            "video_backend", "width", "height", "do_sample_frames"})
+        if unknown:
+            raise ValueError(f"video metadata takes fps, frames_indices and do_sample_frames; got unknown keys "
+                             f"{unknown}")
+        # vLLM's loaders say do_sample_frames when they hand over every frame: sample them here.
+        indices = None if metadata.get("do_sample_frames") else metadata.get("frames_indices")
+        return processor.from_frames(frames, fps=metadata.get("fps"), indices=indices)
+    return processor.from_frames(video)
+
+
+def _prompt(prompt: Prompt) -> tuple[str | None, str | Seq[int], list, list]:
+    """(its text or None, what EngineCore.add_request takes, its images and its videos as given)
+    of a prompt: text, token ids, or vLLM's prompt dicts, {"prompt": text} or
+    {"prompt_token_ids": ids}, with {"multi_modal_data": {"image": an image or a list of them,
+    "video": a video or a list of them}} beside it. Any other key or modality is refused by name."""
     if not isinstance(prompt, dict):
-        return (prompt if isinstance(prompt, str) else None), prompt, []
+        return (prompt if isinstance(prompt, str) else None), prompt, [], []
     unknown = sorted(prompt.keys() - {"prompt", "prompt_token_ids", "multi_modal_data"})
     if unknown or len(prompt.keys() & {"prompt", "prompt_token_ids"}) != 1:
         raise ValueError(f"a prompt dict holds one of 'prompt' (text) and 'prompt_token_ids', and optionally "
                          f"'multi_modal_data'; got keys {sorted(prompt)}")
     data = prompt.get("multi_modal_data") or {}
-    if not isinstance(data, dict) or data.keys() - {"image"}:
-        raise ValueError(f"multi_modal_data takes images only ({{'image': ...}}); got "
+    if not isinstance(data, dict) or data.keys() - {"image", "video"}:
+        raise ValueError(f"multi_modal_data takes images and videos ({{'image': ..., 'video': ...}}); got "
                          f"{sorted(data) if isinstance(data, dict) else type(data).__name__}")
     images = data.get("image", [])
     images = list(images) if isinstance(images, (list, tuple)) else [images]
+    # One video is an array of frames, a list of PIL images (its frames, as vLLM reads such a
+    # list), a (frames, metadata) pair or bytes; any other list holds videos.
+    videos = data.get("video", [])
+    if not isinstance(videos, list) or (videos and all(isinstance(v, Image.Image) for v in videos)):
+        videos = [videos]
     if "prompt" in prompt:
-        return prompt["prompt"], prompt["prompt"], images
-    return None, prompt["prompt_token_ids"], images
+        return prompt["prompt"], prompt["prompt"], images, videos
+    return None, prompt["prompt_token_ids"], images, videos

@@ -27,8 +27,9 @@ SUPPORTED_MODEL_TYPES = {
     "qwen3_next": "qwen3_next",
 }
 
-# Qwen3.5's <|image_pad|>, for a multimodal config.json that does not name it.
-_QWEN3_5_IMAGE_TOKEN_ID = 248056
+# Qwen3.5's vision token ids, for config.json files that do not name them.
+_QWEN3_5_VISION_TOKENS = {"image_token_id": 248056, "video_token_id": 248057, "vision_start_token_id": 248053,
+                          "vision_end_token_id": 248054}
 
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
@@ -85,10 +86,14 @@ class ModelConfig:
     # Multimodal RoPE's frequencies per axis (temporal, height, width; interleaved as Qwen3.5's),
     # () for a model whose positions are one per token (kernels/rope.py).
     mrope_section: tuple[int, ...] = ()
-    # The vision encoder (config.json's vision_config) and the token its outputs replace; None
-    # for a text-only checkpoint (engine/vision/).
+    # The vision encoder (config.json's vision_config) and the tokens its outputs replace (an
+    # image's, a video's), with the tokens around a video's temporal patches; None for a
+    # text-only checkpoint (engine/vision/).
     vision: VisionConfig | None = None
     image_token_id: int | None = None
+    video_token_id: int | None = None
+    vision_start_token_id: int | None = None
+    vision_end_token_id: int | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -122,8 +127,10 @@ class ModelConfig:
             problems.append("moe_intermediate_size must be > 0 for a MoE model")
         if self.mrope_section and (len(self.mrope_section) != 3 or min(self.mrope_section) < 0):
             problems.append(f"mrope_section {list(self.mrope_section)} must be 3 non-negative section sizes")
-        if self.vision is not None and (self.image_token_id is None or not self.mrope_section):
-            problems.append("a vision encoder needs an image_token_id and multimodal RoPE (mrope_section)")
+        vision_tokens = (self.image_token_id, self.video_token_id, self.vision_start_token_id, self.vision_end_token_id)
+        if self.vision is not None and (None in vision_tokens or not self.mrope_section):
+            problems.append("a vision encoder needs image, video, vision start and end token ids and multimodal "
+                            "RoPE (mrope_section)")
         if problems:
             raise ConfigError(f"invalid {self.model_type} config: " + "; ".join(problems))
 
@@ -212,7 +219,7 @@ class ModelConfig:
                 return config
             from .vision.encoder import VisionConfig
             return replace(config, vision=VisionConfig.from_dict(raw["vision_config"]),
-                           image_token_id=int(raw.get("image_token_id", _QWEN3_5_IMAGE_TOKEN_ID)))
+                           **{name: int(raw.get(name, default)) for name, default in _QWEN3_5_VISION_TOKENS.items()})
         except KeyError as e:
             raise ConfigError(f"{model_type} config lacks required field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:

@@ -406,7 +406,9 @@ VISION_CHAT_TEMPLATE = (
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
     "{% if part['type'] == 'text' %}{{ part['text'] }}"
     "{% elif part['type'] in ('image', 'image_url') or 'image' in part or 'image_url' in part %}"
-    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] in ('video', 'video_url') or 'video' in part or 'video_url' in part %}"
+    "{{ '<|vision_start|><|video_pad|><|vision_end|>' }}{% endif %}{% endfor %}{% endif %}"
     "{{ '<|im_end|>\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
@@ -419,6 +421,12 @@ VISION_DEFAULTS = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=6
 VISION_PREPROCESSOR = {"size": {"shortest_edge": 32 * 32, "longest_edge": 128 * 128}, "patch_size": 16,
                        "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
                        "image_std": [0.5, 0.5, 0.5], "image_processor_type": "Qwen2VLImageProcessor"}
+# Small videos: 2 to 8 frames (1 to 4 temporal patches) of 32 x 32 to 64 x 64 pixels (1 to 4
+# tokens a patch); size bounds a video's pixels over all its frames, as in HF.
+VIDEO_PREPROCESSOR = {"size": {"shortest_edge": 2 * 32 * 32, "longest_edge": 8 * 64 * 64}, "patch_size": 16,
+                      "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
+                      "image_std": [0.5, 0.5, 0.5], "fps": 2, "min_frames": 2, "max_frames": 8,
+                      "video_processor_type": "Qwen3VLVideoProcessor"}
 
 
 def make_vision_checkpoint(directory: Path, *, family: str = "qwen3_5", seed: int = 0, with_mtp: bool = True,
@@ -428,7 +436,8 @@ def make_vision_checkpoint(directory: Path, *, family: str = "qwen3_5", seed: in
     checkpoint (`Qwen3_5[Moe]ForConditionalGeneration`: the language model under
     `model.language_model.*`, experts per expert, the vision tower under `model.visual.*`), saved
     by HF, with `mtp.*` weights beside it, a tokenizer holding the vision tokens, a chat template
-    that places images and a preprocessor_config.json for small images. mrope_section: the text
+    that places images and videos, and preprocessor_config.json and video_preprocessor_config.json
+    for small images and videos. mrope_section: the text
     model's multimodal RoPE sections (frequencies per axis); config_overrides go to the text
     config."""
     import transformers
@@ -469,6 +478,7 @@ def make_vision_checkpoint(directory: Path, *, family: str = "qwen3_5", seed: in
         saved["text_config"]["mtp_num_hidden_layers"] = 1
         config_path.write_text(json.dumps(saved, indent=2))
     (directory / "preprocessor_config.json").write_text(json.dumps(VISION_PREPROCESSOR, indent=2))
+    (directory / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PREPROCESSOR, indent=2))
     return directory
 
 

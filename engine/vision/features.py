@@ -1,4 +1,5 @@
-"""The vision encoder's outputs where a step's tokens take them, with a cache of encoded images.
+"""The vision encoder's outputs where a step's tokens take them, with a cache of encoded images
+(and video patches, which the encoder reads as it reads images).
 
 A prefill chunk (or the MTP's run over it) that feeds some of a prompt's image tokens takes, at
 each such token, its image's encoder output for it in place of the token's embedding
@@ -23,6 +24,7 @@ from .encoder import VisionEncoder
 from .image import ImageInput
 from .preprocess import ImageProcessor
 from .prompt import PromptImages
+from .video import VideoProcessor
 
 # Device bytes of encoder outputs kept between steps. The largest image Qwen3.5's processor
 # makes (16M pixels: 16384 tokens) is 128 MB of features at a hidden size of 4096 in bf16; an
@@ -40,12 +42,14 @@ Window = tuple[int, PromptImages, int, int]
 
 
 class ImageFeatures:
-    def __init__(self, encoder: VisionEncoder | None, processor: ImageProcessor | None, hidden_size: int,
-                 tp: TensorParallel | None = None, cache_bytes: int = CACHE_BYTES) -> None:
-        """encoder, processor: rank 0's (one device's). Under tensor parallelism (tp) rank 0
-        encodes and broadcasts each step's features; a worker has neither (None) and receives
-        them, its windows telling it how many (its requests' images carry no pixels)."""
-        self.encoder, self.processor, self.tp, self.cache_bytes = encoder, processor, tp, cache_bytes
+    def __init__(self, encoder: VisionEncoder | None, processor: ImageProcessor | None,
+                 video_processor: VideoProcessor | None, hidden_size: int, tp: TensorParallel | None = None,
+                 cache_bytes: int = CACHE_BYTES) -> None:
+        """encoder, processor, video_processor: rank 0's (one device's). Under tensor parallelism
+        (tp) rank 0 encodes and broadcasts each step's features; a worker has none (None) and
+        receives them, its windows telling it how many (its requests' images carry no pixels)."""
+        self.encoder, self.tp, self.cache_bytes = encoder, tp, cache_bytes
+        self.processor, self.video_processor = processor, video_processor
         self.hidden_size = hidden_size
         self._cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()   # digest -> [tokens, H]
 
@@ -79,7 +83,7 @@ class ImageFeatures:
         calls: list[list[tuple[ImageInput, tuple[int, int, int]]]] = []
         patches_in_call = 0
         for image in images:
-            grid = self.processor.grid_thw(image)
+            grid = self._processor(image).grid_thw(image)
             if not calls or patches_in_call + math.prod(grid) > ENCODE_PATCHES:
                 calls.append([])
                 patches_in_call = 0
@@ -87,11 +91,14 @@ class ImageFeatures:
             patches_in_call += math.prod(grid)
         device = next(self.encoder.parameters()).device
         for call in calls:
-            patches = torch.cat([self.processor.patchify(image, device) for image, _ in call])
+            patches = torch.cat([self._processor(image).patchify(image, device) for image, _ in call])
             features = self.encoder(patches, [grid for _, grid in call])
-            parts = features.split([self.processor.num_tokens(image) for image, _ in call])
+            parts = features.split([self._processor(image).num_tokens(image) for image, _ in call])
             for (image, _), part in zip(call, parts):
                 self._cache[image.digest] = part
+
+    def _processor(self, item: ImageInput) -> ImageProcessor | VideoProcessor:
+        return self.video_processor if item.video else self.processor
 
     def _evict(self, keep) -> None:
         total = sum(t.numel() * t.element_size() for t in self._cache.values())

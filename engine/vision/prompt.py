@@ -1,17 +1,22 @@
-"""Where a prompt's images sit, and the multimodal RoPE positions that follow from it.
+"""Where a prompt's images and videos sit, and the multimodal RoPE positions that follow from it.
 
 A prompt names each image with the model's image token (`<|image_pad|>`, as Qwen3.5's chat
 template writes it once per image); the model replaces one such token per merged patch group
 with the vision encoder's output, so each image's token is repeated `num_tokens` times
-(`expand_image_tokens`). An image's tokens form one run; `ImageSpans` records the runs.
+(`expand_image_tokens`). A video is named by one video token (`<|video_pad|>`), which becomes,
+for each of its temporal patches, the patch's time as text and the patch's tokens between
+vision start and end tokens (`expand_video_tokens`, HF's Qwen3VLProcessor), so a video's
+patches sit in the prompt as images do, separated by their times. Each image's or patch's tokens
+form one run; `PromptImages` records the runs.
 
 Multimodal RoPE (M-RoPE, Qwen2-VL onwards) rotates every token by three positions (temporal,
 height, width). A text token's three are equal: its index plus the shift the images before it
 leave (`delta`). An image of grid (t, h, w) merged to (t, h/m, w/m) gives its token (i, j, k)
 the positions (p + i, p + j, p + k), p the position of the image's first token; the text after
 it continues from p + max(h, w)/m, so the positions fall behind the token indices by
-num_tokens - max(h, w)/m each image. Generated tokens are text: index + delta, one shift for
-the whole request. Knows nothing of pixels or the encoder beyond each image's grid.
+num_tokens - max(h, w)/m each image. A video patch is an image of grid (1, h, w) (HF splits a
+video's grid per patch). Generated tokens are text: index + delta, one shift for the whole
+request. Knows nothing of pixels or the encoder beyond each item's grid.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .image import ImageInput
+from .image import ImageInput, VideoInput
 
 
 def expand_image_tokens(token_ids: Sequence[int], images: Sequence[ImageInput], image_token_id: int,
@@ -46,6 +51,50 @@ def expand_image_tokens(token_ids: Sequence[int], images: Sequence[ImageInput], 
     return expanded
 
 
+def expand_video_tokens(token_ids: Sequence[int], videos: Sequence[VideoInput], video_token_id: int,
+                        vision_start_id: int, vision_end_id: int, num_tokens: Callable[[ImageInput], int],
+                        text_ids: Callable[[str], list[int]]) -> list[int]:
+    """The prompt with video i's token replaced, for each of its temporal patches p, by HF's
+    `<{t_p:.1f} seconds><|vision_start|><|video_pad|> * num_tokens(p)<|vision_end|>` (text_ids
+    tokenizes the time: it sits between special tokens, so alone it tokenizes as in context).
+    The prompt holds one video token per video (as a chat template writes them), or already
+    each video in that form (returned as it is); anything else is a ValueError naming both."""
+    def patch_tokens(patch: ImageInput, seconds: float) -> list[int]:
+        return [*text_ids(f"<{seconds:.1f} seconds>"), vision_start_id, *[video_token_id] * num_tokens(patch),
+                vision_end_id]
+
+    token_ids = list(token_ids)
+    at = [i for i, t in enumerate(token_ids) if t == video_token_id]
+    wanted = [sum(num_tokens(patch) for patch in video.patches) for video in videos]
+    if len(at) == sum(wanted) and _expanded(token_ids, at, [patch_tokens(p, t) for video in videos
+                                                             for p, t in zip(video.patches, video.timestamps)]):
+        return token_ids
+    if len(at) != len(videos):
+        raise ValueError(f"the prompt holds {len(at)} video tokens ({video_token_id}) for {len(videos)} videos: one "
+                         f"per video (the chat template's placeholder), or each video's times and tokens "
+                         f"({sum(wanted)} video tokens)")
+    expanded, start = [], 0
+    for i, video in zip(at, videos):
+        expanded += token_ids[start:i]
+        for patch, seconds in zip(video.patches, video.timestamps):
+            expanded += patch_tokens(patch, seconds)
+        start = i + 1
+    return expanded + token_ids[start:]
+
+
+def _expanded(token_ids: list[int], at: list[int], patches: list[list[int]]) -> bool:
+    """Whether the prompt already holds each patch's tokens (`expand_video_tokens`' form) where
+    its video tokens are, in order."""
+    first = 0
+    for tokens in patches:
+        count = sum(1 for t in tokens if t == tokens[-2])  # the patch's video tokens
+        start = at[first] - (len(tokens) - count - 1)  # its time and vision start come first
+        if start < 0 or token_ids[start:start + len(tokens)] != tokens:
+            return False
+        first += count
+    return True
+
+
 # Prefix-cache key ids of image tokens are negative (token ids never are) and derived from the
 # image's digest and the token's index within the image: equal for equal images at equal places,
 # apart for any other image. (2^62: the keys stay int64 however many tokens an image has.)
@@ -54,10 +103,11 @@ _KEY_SPAN = 1 << 62
 
 @dataclass(frozen=True, eq=False)
 class PromptImages:
-    """A prompt's images in order: image i's tokens are [starts[i], starts[i] + counts[i]) of
-    the prompt, its patch grid grids[i] (t, h, w), merged merge x merge into a token. positions
-    [3, prompt length] int64: the prompt's multimodal RoPE positions; delta: a token past the
-    prompt turns by its index + delta on every axis."""
+    """A prompt's images and video patches (`ImageInput.video`) in prompt order: item i's tokens
+    are [starts[i], starts[i] + counts[i]) of the prompt, its patch grid grids[i] (t, h, w),
+    merged merge x merge into a token. positions [3, prompt length] int64: the prompt's
+    multimodal RoPE positions; delta: a token past the prompt turns by its index + delta on every
+    axis."""
 
     images: tuple[ImageInput, ...]
     starts: tuple[int, ...]
@@ -71,25 +121,34 @@ class PromptImages:
         return tuple(t * h * w // self.merge ** 2 for t, h, w in self.grids)
 
     @classmethod
-    def place(cls, token_ids: Sequence[int], images: Sequence[ImageInput], image_token_id: int,
-              grids: Sequence[tuple[int, int, int]], merge: int) -> "PromptImages":
-        """Where each image sits in an expanded prompt (`expand_image_tokens`): image i on the
-        next counts[i] image tokens, which must be one run. ValueError otherwise."""
+    def place(cls, token_ids: Sequence[int], items: Sequence[ImageInput], grids: Sequence[tuple[int, int, int]],
+              merge: int, image_token_id: int, video_token_id: int | None = None) -> "PromptImages":
+        """Where each item sits in an expanded prompt (`expand_image_tokens`,
+        `expand_video_tokens`): the images, in order, on the runs of image tokens, the video
+        patches, in order, on the runs of video tokens, counts[i] tokens each, which must be one
+        run. ValueError otherwise."""
         ids = np.asarray(token_ids, dtype=np.int64)
-        at = np.flatnonzero(ids == image_token_id)
-        counts = [t * h * w // merge ** 2 for t, h, w in grids]
-        if len(at) != sum(counts):
-            raise ValueError(f"the prompt holds {len(at)} image tokens ({image_token_id}); its {len(images)} images "
-                             f"take {sum(counts)}")
-        starts, first = [], 0
-        for i, count in enumerate(counts):
-            run = at[first:first + count]
-            if run[-1] - run[0] != count - 1:
-                raise ValueError(f"image {i}'s {count} tokens are not one run in the prompt")
-            starts.append(int(run[0]))
-            first += count
+        placed = []  # (start, item, grid)
+        for video, token, name in ((False, image_token_id, "image"), (True, video_token_id, "video")):
+            kind = [(item, tuple(grid)) for item, grid in zip(items, grids) if item.video == video]
+            at = np.flatnonzero(ids == token) if token is not None else np.empty(0, dtype=np.int64)
+            counts = [t * h * w // merge ** 2 for _, (t, h, w) in kind]
+            if len(at) != sum(counts):
+                raise ValueError(f"the prompt holds {len(at)} {name} tokens ({token}); its {len(kind)} "
+                                 f"{'video patches' if video else 'images'} take {sum(counts)}")
+            first = 0
+            for i, ((item, grid), count) in enumerate(zip(kind, counts)):
+                run = at[first:first + count]
+                if run[-1] - run[0] != count - 1:
+                    raise ValueError(f"{name} {'patch ' if video else ''}{i}'s {count} tokens are not one run in "
+                                     f"the prompt")
+                placed.append((int(run[0]), item, grid))
+                first += count
+        placed.sort(key=lambda p: p[0])
+        starts = [start for start, _, _ in placed]
+        grids = [grid for _, _, grid in placed]
         positions, delta = _mrope_positions(len(ids), starts, grids, merge)
-        return cls(tuple(images), tuple(starts), tuple(tuple(g) for g in grids), merge, positions, delta)
+        return cls(tuple(item for _, item, _ in placed), tuple(starts), tuple(grids), merge, positions, delta)
 
     def rope_positions(self, start: int, end: int) -> np.ndarray:
         """[3, end - start] int64: the positions of tokens start..end-1 (past the prompt: index + delta)."""
@@ -110,7 +169,8 @@ class PromptImages:
     def without_pixels(self) -> "PromptImages":
         """This placement with its images' pixels left out (digests and sizes kept): what a
         tensor-parallel worker needs, which receives the encoder's outputs from rank 0."""
-        return replace(self, images=tuple(ImageInput(b"", i.height, i.width, i.digest) for i in self.images))
+        return replace(self, images=tuple(ImageInput(b"", i.height, i.width, i.digest, i.frames, i.video)
+                                          for i in self.images))
 
     def spans(self, start: int, end: int) -> list[tuple[int, int, int]]:
         """The image tokens among tokens start..end-1: (image, first, last) per image touched,

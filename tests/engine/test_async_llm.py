@@ -28,7 +28,7 @@ class ScriptedCore:
         self.num_launched = 0
         self._consumed = consumed
 
-    def add_request(self, prompt, params, request_id, resume_from=None, fork_of=None, images=()):
+    def add_request(self, prompt, params, request_id, resume_from=None, fork_of=None, images=(), videos=()):
         request = SimpleNamespace(request_id=request_id, max_tokens=params.max_tokens, num_tokens=0)
         self.requests[request_id] = request
         return request

@@ -92,7 +92,7 @@ def test_rope_positions_match_hf(vision_checkpoint, hf_model):
     pad = processor.image_token_id
     prompt = [7, 8, 9, pad, 11, 12, 13, 14, 15, pad, 17, 18]
     expanded = expand_image_tokens(prompt, images, pad, processor.num_tokens)
-    placed = PromptImages.place(expanded, images, pad, [processor.grid_thw(i) for i in images], 2)
+    placed = PromptImages.place(expanded, images, [processor.grid_thw(i) for i in images], 2, pad)
     ids = torch.tensor([expanded])
     positions, delta = hf_model.model.get_rope_index(ids, (ids == pad).int(),
                                                      image_grid_thw=torch.tensor(placed.grids))
@@ -183,8 +183,8 @@ def test_bad_image_input_is_refused(vision_checkpoint, checkpoint):
         llm.generate(f"{USER}{IMAGE}{TURN_END}")
     with pytest.raises(ValueError, match="not an image"):
         llm.generate({"prompt": f"{USER}{IMAGE}{TURN_END}", "multi_modal_data": {"image": b"not a png"}})
-    with pytest.raises(ValueError, match="images only"):
-        llm.generate({"prompt": "x", "multi_modal_data": {"video": [image]}})
+    with pytest.raises(ValueError, match="images and videos"):
+        llm.generate({"prompt": "x", "multi_modal_data": {"audio": [image]}})
     # The engine still serves.
     assert llm.generate("hello", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="language model only"):
