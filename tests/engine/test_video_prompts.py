@@ -256,3 +256,29 @@ def test_bad_video_input_is_refused(vision_checkpoint, checkpoint):
     assert llm.generate("hello", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="reads no images"):
         engine(checkpoint("qwen3_5")).generate({"prompt": "look", "multi_modal_data": {"video": video}})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_videos_through_the_gpu_graphs(tmp_path_factory):
+    """On the GPU (float32), decode and speculative steps in CUDA graphs: the CPU reference's
+    tokens (which equal HF's above), plain and with MTP drafts, video and image-and-video prompts
+    beside a text one in one batch; a video decoded from a file on the way."""
+    from fixtures import GPU_SHAPE
+    path = make_vision_checkpoint(tmp_path_factory.mktemp("video_gpu"), seed=13, **GPU_SHAPE)
+    rng = np.random.default_rng(14)
+    prompts = [{"prompt": f"{USER}Clip {i}: {VIDEO}, then {IMAGE}.{TURN_END}",
+                "multi_modal_data": {"video": (random_frames(rng, 4 + 2 * i, 32 + 16 * i, 48), {"fps": 2.0}),
+                                     "image": Image.fromarray(random_frames(rng, 1, 64, 48)[0])}}
+               for i in range(3)]
+    prompts += [{"prompt": f"{USER}A file: {VIDEO}{TURN_END}",
+                 "multi_modal_data": {"video": encoded_video(random_frames(rng, 8, 48, 64), fps=4)}},
+                f"{USER}Only text.{TURN_END}"]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+    reference = engine(path).generate(prompts, params, use_tqdm=False)
+    for k in (0, 2):
+        gpu = LLM(str(path), device="cuda", dtype="float32", num_draft_tokens=k, adaptive_draft_length=False)
+        for ours, theirs in zip(gpu.generate(prompts, params, use_tqdm=False), reference):
+            assert ours.prompt_token_ids == theirs.prompt_token_ids
+            assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids, (k, ours.prompt)
+        gpu.close()
