@@ -44,7 +44,7 @@ QWEN3_5_IMAGE_TOKEN_ID = 248056
 
 # preprocessor_config.json keys whose only supported value is HF's default for Qwen (None: the
 # key is present but unset, which HF also reads as its default). resample 3 is PIL's BICUBIC.
-_FIXED_SETTINGS: dict[str, object] = {
+FIXED_SETTINGS: dict[str, object] = {
     "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
     "rescale_factor": 1 / 255, "resample": int(Image.Resampling.BICUBIC),
 }
@@ -66,13 +66,13 @@ class ImageProcessorConfig:
         problems = []
         for name in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels"):
             value = getattr(self, name)
-            if not _is_int(value) or value <= 0:
+            if not is_int(value) or value <= 0:
                 problems.append(f"{name} must be a positive integer, got {value!r}")
         if not problems and self.min_pixels > self.max_pixels:
             problems.append(f"min_pixels {self.min_pixels} exceeds max_pixels {self.max_pixels}")
         for name in ("image_mean", "image_std"):
             value = getattr(self, name)
-            if not (isinstance(value, tuple) and len(value) == 3 and all(_is_real(v) for v in value)):
+            if not (isinstance(value, tuple) and len(value) == 3 and all(is_real(v) for v in value)):
                 problems.append(f"{name} must be a tuple of 3 finite numbers, got {value!r}")
             elif name == "image_std" and min(value) <= 0:
                 problems.append(f"image_std must be > 0, got {value!r}")
@@ -123,7 +123,7 @@ class ImageProcessor:
     def __post_init__(self) -> None:
         if not isinstance(self.config, ImageProcessorConfig):
             raise TypeError(f"config must be an ImageProcessorConfig, got {type(self.config).__name__}")
-        if not _is_int(self.image_token_id) or self.image_token_id < 0:
+        if not is_int(self.image_token_id) or self.image_token_id < 0:
             raise ValueError(f"image_token_id must be a non-negative integer, got {self.image_token_id!r}")
         # HF: rescale = (uint8 as float64 * (1/255)) cast to float32; normalise = (x - mean) / std
         # with mean and std as float32 arrays, in float32.
@@ -143,49 +143,49 @@ class ImageProcessor:
         config_file = path / "config.json"
         if not config_file.is_file():
             raise ValueError(f"no config.json at {path}")
-        raw = _read_json_object(config_file)
+        raw = read_json_object(config_file)
         vision = raw.get("vision_config")
         if vision is None:
             return None
         if not isinstance(vision, dict):
             raise ValueError(f"{config_file}: vision_config must be an object, got {vision!r}")
         image_token_id = raw.get("image_token_id", QWEN3_5_IMAGE_TOKEN_ID)
-        if not _is_int(image_token_id) or image_token_id < 0:
+        if not is_int(image_token_id) or image_token_id < 0:
             raise ValueError(f"{config_file}: image_token_id must be a non-negative integer, got {image_token_id!r}")
         defaults = ImageProcessorConfig()
         # The encoder's own sizes: its patch embedding and merger are built from them.
         encoder = {
-            "patch_size": _int_field(vision, "patch_size", defaults.patch_size, config_file, "vision_config."),
-            "temporal_patch_size": _int_field(vision, "temporal_patch_size", defaults.temporal_patch_size,
+            "patch_size": int_field(vision, "patch_size", defaults.patch_size, config_file, "vision_config."),
+            "temporal_patch_size": int_field(vision, "temporal_patch_size", defaults.temporal_patch_size,
                                               config_file, "vision_config."),
-            "merge_size": _int_field(vision, "spatial_merge_size", defaults.merge_size, config_file,
+            "merge_size": int_field(vision, "spatial_merge_size", defaults.merge_size, config_file,
                                      "vision_config."),
         }
 
         preprocessor_file = path / "preprocessor_config.json"
-        pre = _read_json_object(preprocessor_file) if preprocessor_file.is_file() else {}
-        for key, expected in _FIXED_SETTINGS.items():
+        pre = read_json_object(preprocessor_file) if preprocessor_file.is_file() else {}
+        for key, expected in FIXED_SETTINGS.items():
             if pre.get(key) is not None and pre[key] != expected:
                 raise ValueError(f"{preprocessor_file}: {key} = {pre[key]!r} is not supported "
                                  f"(deltaspec preprocesses images with {key} = {expected!r})")
         sizes = {}
         for key, value in encoder.items():
-            sizes[key] = _int_field(pre, key, value, preprocessor_file)
+            sizes[key] = int_field(pre, key, value, preprocessor_file)
             if sizes[key] != value:
                 raise ValueError(f"{preprocessor_file}: {key} = {sizes[key]} disagrees with "
                                  f"{config_file}'s vision_config ({value})")
         size = {} if pre.get("size") is None else pre["size"]
         if not isinstance(size, dict):
             raise ValueError(f"{preprocessor_file}: size must be an object, got {size!r}")
-        min_pixels = _int_field(size, "shortest_edge", defaults.min_pixels, preprocessor_file, "size.")
-        max_pixels = _int_field(size, "longest_edge", defaults.max_pixels, preprocessor_file, "size.")
+        min_pixels = int_field(size, "shortest_edge", defaults.min_pixels, preprocessor_file, "size.")
+        max_pixels = int_field(size, "longest_edge", defaults.max_pixels, preprocessor_file, "size.")
         try:
             config = ImageProcessorConfig(
                 **sizes,
-                min_pixels=_int_field(pre, "min_pixels", min_pixels, preprocessor_file),
-                max_pixels=_int_field(pre, "max_pixels", max_pixels, preprocessor_file),
-                image_mean=_channels_field(pre, "image_mean", defaults.image_mean, preprocessor_file),
-                image_std=_channels_field(pre, "image_std", defaults.image_std, preprocessor_file),
+                min_pixels=int_field(pre, "min_pixels", min_pixels, preprocessor_file),
+                max_pixels=int_field(pre, "max_pixels", max_pixels, preprocessor_file),
+                image_mean=channels_field(pre, "image_mean", defaults.image_mean, preprocessor_file),
+                image_std=channels_field(pre, "image_std", defaults.image_std, preprocessor_file),
             )
         except ValueError as e:
             raise ValueError(f"{preprocessor_file}: {e}") from None
@@ -207,9 +207,9 @@ class ImageProcessor:
                 decoded = Image.open(io.BytesIO(image))
             except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
                 # The warning only arrives here raised, where warnings are made errors.
-                raise ValueError(f"image too large to decode: {_one_line(e)}") from None
+                raise ValueError(f"image too large to decode: {one_line(e)}") from None
             except Exception as e:  # Pillow's readers raise many types (OSError, SyntaxError...).
-                raise ValueError(f"not an image Pillow can read: {_one_line(e)}") from None
+                raise ValueError(f"not an image Pillow can read: {one_line(e)}") from None
         elif isinstance(image, Image.Image):
             decoded = image
         else:
@@ -223,11 +223,11 @@ class ImageProcessor:
         try:
             decoded.load()  # decoding happens here, lazily: a truncated or corrupt file fails now
         except Exception as e:
-            raise ValueError(f"not an image Pillow can read: {_one_line(e)}") from None
+            raise ValueError(f"not an image Pillow can read: {one_line(e)}") from None
         try:
-            rgb = _to_rgb(decoded)
+            rgb = to_rgb(decoded)
         except ValueError as e:  # a mode Pillow cannot convert (La, ...), as in HF
-            raise ValueError(f"cannot convert a {decoded.mode} image to RGB: {_one_line(e)}") from None
+            raise ValueError(f"cannot convert a {decoded.mode} image to RGB: {one_line(e)}") from None
         # HF resizes the RGB uint8 pixels as a PIL image (reducing_gap None), back to uint8.
         resized = rgb.resize((new_width, new_height), resample=Image.Resampling.BICUBIC)
         return ImageInput.of(np.asarray(resized))
@@ -283,7 +283,7 @@ def patchify(item: ImageInput, levels: torch.Tensor, patch_size: int, merge_size
     return frames.reshape(grid_h * grid_w, 3 * temporal_patch_size * p * p)
 
 
-def _to_rgb(image: Image.Image) -> Image.Image:
+def to_rgb(image: Image.Image) -> Image.Image:
     """HF's convert_to_rgb: an image with an alpha band or a transparency key (P, L, RGB with
     info["transparency"]) is composited onto opaque white; any other mode is Pillow's convert."""
     if "A" in image.getbands() or image.info.get("transparency") is not None:
@@ -293,46 +293,46 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def _one_line(error: Exception) -> str:
+def one_line(error: Exception) -> str:
     text = " ".join(str(error).split())
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_real(value: Any) -> bool:
+def is_real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _read_json_object(path: Path) -> dict:
+def read_json_object(path: Path) -> dict:
     try:
         raw = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is not readable JSON: {_one_line(e)}") from None
+        raise ValueError(f"{path} is not readable JSON: {one_line(e)}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(raw).__name__}")
     return raw
 
 
-def _int_field(raw: dict, key: str, default: int, path: Path, prefix: str = "") -> int:
+def int_field(raw: dict, key: str, default: int, path: Path, prefix: str = "") -> int:
     value = raw.get(key)
     if value is None:
         return default
-    if not _is_int(value) or value <= 0:
+    if not is_int(value) or value <= 0:
         raise ValueError(f"{path}: {prefix}{key} must be a positive integer, got {value!r}")
     return value
 
 
-def _channels_field(raw: dict, key: str, default: tuple[float, float, float],
+def channels_field(raw: dict, key: str, default: tuple[float, float, float],
                     path: Path) -> tuple[float, float, float]:
     """A per-channel value: 3 numbers, or one for all channels (HF accepts both)."""
     value = raw.get(key)
     if value is None:
         return default
-    if _is_real(value):
+    if is_real(value):
         return (float(value),) * 3
-    if isinstance(value, list) and len(value) == 3 and all(_is_real(v) for v in value):
+    if isinstance(value, list) and len(value) == 3 and all(is_real(v) for v in value):
         return (float(value[0]), float(value[1]), float(value[2]))
     raise ValueError(f"{path}: {key} must be 3 finite numbers, got {value!r}")

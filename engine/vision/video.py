@@ -42,8 +42,8 @@ import torch.nn.functional as F
 from PIL import Image
 
 from .image import ImageInput, VideoInput
-from .preprocess import (_FIXED_SETTINGS, MAX_ASPECT_RATIO, MAX_DECODED_PIXELS, _channels_field, _int_field, _is_int,
-                         _is_real, _one_line, _read_json_object, _to_rgb, patchify)
+from .preprocess import (FIXED_SETTINGS, MAX_ASPECT_RATIO, MAX_DECODED_PIXELS, channels_field, int_field, is_int,
+                         is_real, one_line, read_json_object, to_rgb, patchify)
 
 # Qwen3.5's `<|video_pad|>`, for config.json files that do not name it.
 QWEN3_5_VIDEO_TOKEN_ID = 248057
@@ -65,7 +65,7 @@ VIDEO_FORMATS = ("mov", "mp4", "m4v", "3gp", "matroska", "webm", "avi", "flv", "
 
 # video_preprocessor_config.json keys that must keep HF's default (None: unset, HF's default).
 # cap_pixels_per_frame (HF's opt-in per-frame pixel cap) is not implemented: HF's default, off.
-_VIDEO_FIXED_SETTINGS: dict[str, object] = {**_FIXED_SETTINGS, "cap_pixels_per_frame": False}
+_VIDEO_FIXED_SETTINGS: dict[str, object] = {**FIXED_SETTINGS, "cap_pixels_per_frame": False}
 
 # mm_processor_kwargs keys `with_options` takes (vLLM's, for Qwen3-VL's video processor).
 OPTION_KEYS = ("fps", "num_frames", "do_sample_frames", "min_frames", "max_frames", "min_pixels", "max_pixels", "size")
@@ -97,19 +97,19 @@ class VideoProcessorConfig:
         for name in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels", "min_frames",
                      "max_frames"):
             value = getattr(self, name)
-            if not _is_int(value) or value <= 0:
+            if not is_int(value) or value <= 0:
                 problems.append(f"{name} must be a positive integer, got {value!r}")
         if not problems:
             if self.min_pixels > self.max_pixels:
                 problems.append(f"min_pixels {self.min_pixels} exceeds max_pixels {self.max_pixels}")
             if self.min_frames > self.max_frames:
                 problems.append(f"min_frames {self.min_frames} exceeds max_frames {self.max_frames}")
-        if self.fps is not None and (not _is_real(self.fps) or self.fps <= 0):
+        if self.fps is not None and (not is_real(self.fps) or self.fps <= 0):
             problems.append(f"fps must be a positive number, got {self.fps!r}")
         if self.num_frames is not None:
-            if not _is_int(self.num_frames) or self.num_frames <= 0:
+            if not is_int(self.num_frames) or self.num_frames <= 0:
                 problems.append(f"num_frames must be a positive integer, got {self.num_frames!r}")
-            elif _is_int(self.max_frames) and self.num_frames > self.max_frames:
+            elif is_int(self.max_frames) and self.num_frames > self.max_frames:
                 problems.append(f"num_frames {self.num_frames} exceeds max_frames {self.max_frames}")
         if (self.fps is None) == (self.num_frames is None):
             problems.append(f"give exactly one of fps and num_frames, got fps {self.fps!r} and num_frames "
@@ -118,7 +118,7 @@ class VideoProcessorConfig:
             problems.append(f"do_sample_frames must be a bool, got {self.do_sample_frames!r}")
         for name in ("image_mean", "image_std"):
             value = getattr(self, name)
-            if not (isinstance(value, tuple) and len(value) == 3 and all(_is_real(v) for v in value)):
+            if not (isinstance(value, tuple) and len(value) == 3 and all(is_real(v) for v in value)):
                 problems.append(f"{name} must be a tuple of 3 finite numbers, got {value!r}")
             elif name == "image_std" and min(value) <= 0:
                 problems.append(f"image_std must be > 0, got {value!r}")
@@ -204,9 +204,9 @@ class VideoProcessor:
     def __post_init__(self) -> None:
         if not isinstance(self.config, VideoProcessorConfig):
             raise TypeError(f"config must be a VideoProcessorConfig, got {type(self.config).__name__}")
-        if not _is_int(self.video_token_id) or self.video_token_id < 0:
+        if not is_int(self.video_token_id) or self.video_token_id < 0:
             raise ValueError(f"video_token_id must be a non-negative integer, got {self.video_token_id!r}")
-        rescale_factor = _FIXED_SETTINGS["rescale_factor"]
+        rescale_factor = FIXED_SETTINGS["rescale_factor"]
         mean = torch.tensor(self.config.image_mean, dtype=torch.float32) * (1.0 / rescale_factor)
         std = torch.tensor(self.config.image_std, dtype=torch.float32) * (1.0 / rescale_factor)
         levels = torch.arange(256, dtype=torch.float32)[None, :]
@@ -224,22 +224,22 @@ class VideoProcessor:
         config_file = path / "config.json"
         if not config_file.is_file():
             raise ValueError(f"no config.json at {path}")
-        raw = _read_json_object(config_file)
+        raw = read_json_object(config_file)
         vision = raw.get("vision_config")
         if vision is None:
             return None
         if not isinstance(vision, dict):
             raise ValueError(f"{config_file}: vision_config must be an object, got {vision!r}")
         video_token_id = raw.get("video_token_id", QWEN3_5_VIDEO_TOKEN_ID)
-        if not _is_int(video_token_id) or video_token_id < 0:
+        if not is_int(video_token_id) or video_token_id < 0:
             raise ValueError(f"{config_file}: video_token_id must be a non-negative integer, got {video_token_id!r}")
         defaults = VideoProcessorConfig()
         # The encoder's own sizes: its patch embedding and merger are built from them.
         encoder = {
-            "patch_size": _int_field(vision, "patch_size", defaults.patch_size, config_file, "vision_config."),
-            "temporal_patch_size": _int_field(vision, "temporal_patch_size", defaults.temporal_patch_size,
+            "patch_size": int_field(vision, "patch_size", defaults.patch_size, config_file, "vision_config."),
+            "temporal_patch_size": int_field(vision, "temporal_patch_size", defaults.temporal_patch_size,
                                               config_file, "vision_config."),
-            "merge_size": _int_field(vision, "spatial_merge_size", defaults.merge_size, config_file,
+            "merge_size": int_field(vision, "spatial_merge_size", defaults.merge_size, config_file,
                                      "vision_config."),
         }
 
@@ -250,7 +250,7 @@ class VideoProcessor:
                                  f"(deltaspec preprocesses videos with {key} = {expected!r})")
         sizes = {}
         for key, value in encoder.items():
-            sizes[key] = _int_field(pre, key, value, source)
+            sizes[key] = int_field(pre, key, value, source)
             if sizes[key] != value:
                 raise ValueError(f"{source}: {key} = {sizes[key]} disagrees with {config_file}'s vision_config "
                                  f"({value})")
@@ -268,20 +268,20 @@ class VideoProcessor:
         if not isinstance(do_sample_frames, bool):
             raise ValueError(f"{source}: do_sample_frames must be true or false, got {do_sample_frames!r}")
         fps = pre.get("fps")
-        if fps is not None and (not _is_real(fps) or fps <= 0):
+        if fps is not None and (not is_real(fps) or fps <= 0):
             raise ValueError(f"{source}: fps must be a positive number, got {fps!r}")
         try:
             config = VideoProcessorConfig(
                 **sizes,
-                min_pixels=_int_field(size, "shortest_edge", defaults.min_pixels, source, "size."),
-                max_pixels=_int_field(size, "longest_edge", defaults.max_pixels, source, "size."),
+                min_pixels=int_field(size, "shortest_edge", defaults.min_pixels, source, "size."),
+                max_pixels=int_field(size, "longest_edge", defaults.max_pixels, source, "size."),
                 fps=None if num_frames is not None else float(fps if fps is not None else defaults.fps),
-                num_frames=None if num_frames is None else _int_field(pre, "num_frames", 1, source),
+                num_frames=None if num_frames is None else int_field(pre, "num_frames", 1, source),
                 do_sample_frames=do_sample_frames,
-                min_frames=_int_field(pre, "min_frames", defaults.min_frames, source),
-                max_frames=_int_field(pre, "max_frames", defaults.max_frames, source),
-                image_mean=_channels_field(pre, "image_mean", defaults.image_mean, source),
-                image_std=_channels_field(pre, "image_std", defaults.image_std, source),
+                min_frames=int_field(pre, "min_frames", defaults.min_frames, source),
+                max_frames=int_field(pre, "max_frames", defaults.max_frames, source),
+                image_mean=channels_field(pre, "image_mean", defaults.image_mean, source),
+                image_std=channels_field(pre, "image_std", defaults.image_std, source),
             )
         except ValueError as e:
             raise ValueError(f"{source}: {e}") from None
@@ -301,7 +301,7 @@ class VideoProcessor:
             raise ValueError("video options fps and num_frames are mutually exclusive: give one")
         changes: dict[str, Any] = {}
         if "fps" in options:
-            if not _is_real(options["fps"]) or options["fps"] <= 0:
+            if not is_real(options["fps"]) or options["fps"] <= 0:
                 raise ValueError(f"video option fps must be a positive number, got {options['fps']!r}")
             changes.update(fps=float(options["fps"]), num_frames=None)
         if "do_sample_frames" in options:
@@ -315,7 +315,7 @@ class VideoProcessor:
         pixels.update({key: options[key] for key in ("min_pixels", "max_pixels") if key in options})
         counts = {key: options[key] for key in ("num_frames", "min_frames", "max_frames") if key in options}
         for key, value in {**counts, **pixels}.items():
-            if value is not None and (not _is_int(value) or value <= 0):
+            if value is not None and (not is_int(value) or value <= 0):
                 raise ValueError(f"video option {key} must be a positive integer, got {value!r}")
         if "num_frames" in counts:
             changes["fps"] = None
@@ -373,7 +373,7 @@ class VideoProcessor:
                     raise ValueError(f"the video's frame count changed between two decodings ({total_frames}, "
                                      f"then {frames.decoded})")
         except av.FFmpegError as e:
-            raise ValueError(f"not a video PyAV can read: {_one_line(e)}") from None
+            raise ValueError(f"not a video PyAV can read: {one_line(e)}") from None
         return self._patches(np.stack(taken), indices, video_fps)
 
     def from_frames(self, frames: np.ndarray | torch.Tensor | Sequence[np.ndarray | Image.Image],
@@ -398,7 +398,7 @@ class VideoProcessor:
                             f"{type(frames).__name__}")
         if len(video) == 0 or 0 in video[0].shape:
             raise ValueError("a video needs at least one non-empty frame")
-        if fps is not None and (not _is_real(fps) or fps <= 0):
+        if fps is not None and (not is_real(fps) or fps <= 0):
             raise ValueError(f"a video's fps must be a positive number, got {fps!r}")
         if indices is None:
             indices = self.frame_indices(len(video), fps)
@@ -509,7 +509,7 @@ def _open(av: Any, data: bytes) -> Any:
         container = av.open(io.BytesIO(bytes(data)), mode="r", container_options=options, metadata_errors="ignore")
     except av.FFmpegError as e:
         raise ValueError(f"not a video PyAV can read (formats read: {', '.join(VIDEO_FORMATS)}): "
-                         f"{_one_line(e)}") from None
+                         f"{one_line(e)}") from None
     if not container.streams.video:
         name = container.format.name
         container.close()
@@ -547,14 +547,14 @@ def _video_settings(path: Path) -> tuple[Path, dict]:
     "video_processor", then video_preprocessor_config.json; no file: ({} from a file that is not)."""
     processor_file = path / "processor_config.json"
     if processor_file.is_file():
-        nested = _read_json_object(processor_file).get("video_processor")
+        nested = read_json_object(processor_file).get("video_processor")
         if nested is not None:
             if not isinstance(nested, dict):
                 raise ValueError(f"{processor_file}: video_processor must be an object, got {nested!r}")
             return processor_file, nested
     video_file = path / "video_preprocessor_config.json"
     if video_file.is_file():
-        return video_file, _read_json_object(video_file)
+        return video_file, read_json_object(video_file)
     return video_file, {}
 
 
@@ -562,7 +562,7 @@ def _frame_array(frame: np.ndarray | Image.Image) -> np.ndarray:
     if isinstance(frame, Image.Image):
         if frame.width * frame.height > MAX_DECODED_PIXELS:
             raise ValueError(f"video frame of {frame.width}x{frame.height} has more than {MAX_DECODED_PIXELS} pixels")
-        return np.asarray(_to_rgb(frame))
+        return np.asarray(to_rgb(frame))
     if isinstance(frame, np.ndarray) and frame.dtype == np.uint8 and frame.ndim == 3 and frame.shape[-1] == 3:
         return frame
     raise ValueError(f"a video frame must be a PIL image or RGB uint8 [height, width, 3], got "
