@@ -20,7 +20,9 @@ request whose engine step failed (StepFailedError) gets a 500, one whose engine 
 
 Images (image parts of the three chat APIs) are fetched concurrently (`media.MediaConnector`,
 its HTTP session the app's) and resized off the loop by the engine's `image_processor` before the
-prompt is rendered; a model without one refuses them.
+prompt is rendered; a model without one refuses them. Videos (chat's video_url parts) are
+fetched the same way and decoded by the engine's `video_processor` in threads of their own, a
+few at once (`MAX_VIDEOS_AT_ONCE`).
 
 Knows the engine only through the API AsyncLLM and EngineProcess (an engine in its own process)
 share; knows nothing about processes or signals.
@@ -45,8 +47,9 @@ from aiohttp import web
 
 from ..engine import AsyncLLM, EngineDeadError, RequestDelta, StepFailedError
 from ..engine.engine_process import EngineProcess
-from ..engine.vision.image import ImageInput
+from ..engine.vision.image import ImageInput, VideoInput
 from ..engine.vision.preprocess import ImageProcessor
+from ..engine.vision.video import VideoProcessor
 from ..engine.vllm_options import mm_processor_options
 from . import anthropic_api, responses_api
 from .anthropic_api import MessagesRenderer, count_tokens, error_body, messages_input
@@ -55,10 +58,10 @@ from .chat_output import ChatOutput
 from .config import ServerConfig
 from .cors import Cors
 from .errors import APIError, decode_error
-from .inputs import (ChatImages, ChatParsers, EngineInput, chat_input, completion_inputs, num_choices, prompts,
-                     with_choices, with_images)
-from .media import ImagePart, MediaConnector
-from .messages import check_tools, image_parts, render_prompt
+from .inputs import (ChatImages, ChatParsers, ChatVideos, EngineInput, chat_input, completion_inputs, num_choices,
+                     prompts, with_choices, with_images, with_videos)
+from .media import MediaConnector, MediaPart
+from .messages import check_tools, image_parts, render_prompt, video_parts
 from .metrics import RequestTimer, ServerMetrics
 from .openapi import openapi_document
 from .protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
@@ -85,9 +88,23 @@ _ZLIB_WBITS = {"identity": None, "gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MA
 # aiohttp's own refusals, as OpenAI-style error codes.
 _HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 # Request bodies at most unless --max-body-bytes says otherwise: a text request's, and one
-# carrying base64 images (a phone photo is a few MB; Claude Code sends screenshots).
+# carrying base64 images (a phone photo is a few MB; Claude Code sends screenshots) or videos.
+# Not raised for videos (vLLM sets no cap): 64 MiB holds ~48 MB of video inline, a minute or
+# more of 1080p H.264; a larger one comes by URL, fetched in chunks up to media.MAX_VIDEO_BYTES.
+# A body is read whole, then parsed as JSON and its base64 decoded on the event loop (~100 ms
+# for 64 MiB, every stream waits meanwhile), and every admitted request may hold one.
 TEXT_BODY_BYTES = 1 << 20
 IMAGE_BODY_BYTES = 64 << 20
+# Videos fetched or being decoded at once, across requests; the rest wait for a place before
+# their fetch begins. Each holds up to media.MAX_VIDEO_BYTES of encoded bytes and, while it
+# decodes, its sampled frames: 4 bound that to ~1 GiB of encoded bytes and two decodes' frames,
+# however many video requests arrive. A decode runs in one of _NUM_VIDEO_WORKERS threads of its
+# own (not the tokenizing threads: a long video's seconds of decoding never queue a text
+# request's tokenizing), two so that a Python-level decode loop shares the GIL with the event
+# loop and the tokenizing threads rather than taking most of its turns; the two further places
+# let the next videos' fetches overlap the decodes.
+MAX_VIDEOS_AT_ONCE = 4
+_NUM_VIDEO_WORKERS = 2
 
 
 class OpenAIServer:
@@ -133,6 +150,8 @@ class OpenAIServer:
         # Tokenizing and template rendering of request bodies (up to max_body_bytes each) run
         # here, off the event loop that streams every response and answers /health.
         self._executor = ThreadPoolExecutor(max_workers=_NUM_REQUEST_WORKERS, thread_name_prefix="deltaspec-request")
+        self._video_executor = ThreadPoolExecutor(max_workers=_NUM_VIDEO_WORKERS, thread_name_prefix="deltaspec-video")
+        self._video_places = asyncio.Semaphore(MAX_VIDEOS_AT_ONCE)
         self.app.on_cleanup.append(self._shut_down_executor)
         self.app.cleanup_ctx.append(self._drop_stalled)
         self.media = MediaConnector(config.media)
@@ -168,9 +187,9 @@ class OpenAIServer:
         self._check_model(body.model)
         n = num_choices(body)
         with self._admit(n):
-            images = await self._chat_images(body.messages, mm_processor_kwargs=body.mm_processor_kwargs)
+            images, videos = await self._chat_media(body.messages, body.mm_processor_kwargs)
             engine_input, output = await self._off_loop(chat_input, body, self.engine.tokenizer,
-                                                        self.engine.max_model_len, self.chat_parsers, images)
+                                                        self.engine.max_model_len, self.chat_parsers, images, videos)
             renderers = []
             for index in range(n):
                 # prompt_logprobs go beside the choices, once: the first choice's renderer writes them.
@@ -221,9 +240,9 @@ class OpenAIServer:
         self._check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send either prompt or messages", param="prompt", code="invalid_value")
-        images = await self._chat_images(body.messages, mm_processor_kwargs=body.mm_processor_kwargs) \
-            if body.messages is not None else None
-        tokens = await self._off_loop(_tokenize, self.engine.tokenizer, body, images)
+        images, videos = await self._chat_media(body.messages, body.mm_processor_kwargs) \
+            if body.messages is not None else (None, None)
+        tokens = await self._off_loop(_tokenize, self.engine.tokenizer, body, images, videos)
         return _json(TokenizeResponse(len(tokens), self.engine.max_model_len, tokens))
 
     async def detokenize(self, request: web.Request) -> web.Response:
@@ -271,7 +290,7 @@ class OpenAIServer:
         streams = [self.engine.generate(engine_input.prompt_token_ids, engine_input.params, renderer.request_id,
                                         fork_of=None if engine_input.fork_of is None
                                         else renderers[engine_input.fork_of].request_id,
-                                        images=engine_input.images)
+                                        images=engine_input.images, videos=engine_input.videos)
                    for engine_input, renderer in zip(inputs, renderers)]
         request_ids = [renderer.request_id for renderer in renderers]
         self.in_flight.update(request_ids)
@@ -434,7 +453,14 @@ class OpenAIServer:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
-    # Images -------------------------------------------------------------------------------
+    # Images and videos --------------------------------------------------------------------
+
+    async def _chat_media(self, messages: list[ChatMessage], mm_processor_kwargs: dict[str, Any] | None
+                          ) -> tuple[ChatImages | None, ChatVideos | None]:
+        """A chat request's images and videos (`_chat_images`, `_chat_videos`), fetched at once."""
+        images, videos = await _each([self._chat_images(messages, mm_processor_kwargs=mm_processor_kwargs),
+                                      self._chat_videos(messages, mm_processor_kwargs)])
+        return images, videos
 
     async def _chat_images(self, messages: list[ChatMessage], param: str | None = None,
                            mm_processor_kwargs: dict[str, Any] | None = None) -> ChatImages | None:
@@ -460,13 +486,58 @@ class OpenAIServer:
         images = await _each(self._image(part, processor) for part in parts)
         return ChatImages(tuple(images), processor)
 
-    async def _image(self, part: ImagePart, processor: ImageProcessor) -> ImageInput:
+    async def _image(self, part: MediaPart, processor: ImageProcessor) -> ImageInput:
         """One image part's image, fetched, then decoded and resized off the loop (CPU work)."""
         data = await self.media.fetch(part)
         try:
             return await self._off_loop(processor.resize, data)
         except ValueError as error:  # not an image, a decompression bomb, an extreme aspect ratio
             raise part.error(str(error), code="invalid_image") from None
+
+    async def _chat_videos(self, messages: list[ChatMessage],
+                           mm_processor_kwargs: dict[str, Any] | None = None) -> ChatVideos | None:
+        """The videos of the messages' video_url parts, fetched and decoded concurrently (None:
+        the messages have none). mm_processor_kwargs: the request's video options (vLLM's field:
+        fps, num_frames, ...)."""
+        parts = video_parts(messages)
+        if not parts:
+            return None
+        processor = self.engine.video_processor
+        if processor is None:  # the engine says why, as for images
+            raise APIError(400, f"video input is not supported: {self.engine.images_refused}", param=parts[0].param,
+                           code="unsupported_parameter")
+        if mm_processor_kwargs is not None:
+            try:
+                processor = processor.with_options(**mm_processor_options(mm_processor_kwargs)[1])
+            except ValueError as error:
+                raise APIError(400, str(error), param="mm_processor_kwargs", code="invalid_value") from None
+        limit = self.config.media.max_videos
+        if limit is not None and len(parts) > limit:
+            raise APIError(400, f"the request holds {len(parts)} videos; at most {limit} are taken per prompt "
+                                f"(--limit-mm-per-prompt)", param=parts[limit].param, code="invalid_value")
+        videos = await _each(self._video(part, processor) for part in parts)
+        return ChatVideos(tuple(videos), processor)
+
+    async def _video(self, part: MediaPart, processor: VideoProcessor) -> VideoInput:
+        """One video part's video, fetched, then decoded off the loop (demuxing, decoding the
+        sampled frames, resizing them: CPU work). It holds one of MAX_VIDEOS_AT_ONCE places from
+        its fetch until its decode ends, also when its request goes away first (a decode thread
+        cannot be stopped: the place is freed when it finishes, or when it is dropped unstarted),
+        so bytes and frames held stay bounded however many video requests come and go."""
+        places = self._video_places
+        await places.acquire()
+        loop = asyncio.get_running_loop()
+        try:
+            data = await self.media.fetch(part)
+            decoding = self._video_executor.submit(processor.decode, data)
+        except BaseException:
+            places.release()
+            raise
+        decoding.add_done_callback(functools.partial(_release_from_thread, loop, places))
+        try:
+            return await asyncio.wrap_future(decoding)
+        except ValueError as error:  # not a video, no video stream, no frame that decodes
+            raise part.error(str(error), code="invalid_video") from None
 
     # Middleware and helpers ---------------------------------------------------------------
 
@@ -564,6 +635,7 @@ class OpenAIServer:
 
     async def _shut_down_executor(self, app: web.Application) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._video_executor.shutdown(wait=False, cancel_futures=True)
 
     def _model(self, name: str) -> Model:
         return Model(name, self._created, self.engine.max_model_len, dict(self.engine.generation_defaults))
@@ -757,9 +829,16 @@ def _decompress(body: bytes, encoding: str, max_bytes: int) -> bytes:
     return text
 
 
-def _tokenize(tokenizer, body: TokenizeRequest, images: ChatImages | None) -> list[int]:
+def _release_from_thread(loop: asyncio.AbstractEventLoop, semaphore: asyncio.Semaphore, _: Any) -> None:
+    """A done callback of a thread's work: the semaphore released on its loop (none left once
+    the server has stopped)."""
+    if not loop.is_closed():
+        loop.call_soon_threadsafe(semaphore.release)
+
+
+def _tokenize(tokenizer, body: TokenizeRequest, images: ChatImages | None, videos: ChatVideos | None) -> list[int]:
     """/tokenize's work: the prompt, or the messages rendered as /v1/chat/completions renders them
-    (with their images' tokens)."""
+    (with their images' and videos' tokens)."""
     if body.messages is not None:
         check_tools(body.tools or [])
         add_generation_prompt = not body.continue_final_message if body.add_generation_prompt is None \
@@ -768,7 +847,8 @@ def _tokenize(tokenizer, body: TokenizeRequest, images: ChatImages | None) -> li
                              body.continue_final_message)
     else:
         text = body.prompt
-    return with_images(tokenizer.encode(text, add_special_tokens=body.add_special_tokens), images)
+    return with_videos(with_images(tokenizer.encode(text, add_special_tokens=body.add_special_tokens), images),
+                       videos, tokenizer)
 
 
 def _is_utf8(charset: str) -> bool:

@@ -61,7 +61,7 @@ def _serve(args: argparse.Namespace) -> int:
                                  ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
                                  ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
                                  media=MediaPolicy(args.allowed_media_domains, args.allowed_local_media_path,
-                                                   args.limit_mm_per_prompt))
+                                                   **args.limit_mm_per_prompt))
     # A Hub repo is downloaded here, before anything starts: a bad id fails at once.
     engine_config = local_config(EngineConfig(model=model, max_model_len=args.max_model_len,
                                              max_num_seqs=args.max_running,
@@ -103,16 +103,19 @@ def _string_list(text: str) -> tuple[str, ...]:
     return tuple(values)
 
 
-# --limit-mm-per-prompt's modalities beside images: this server reads no video or audio (their
-# parts are refused whatever the limit), so a vLLM command line's limits for them change nothing.
-_OTHER_MODALITIES = ("video", "audio")
+# --limit-mm-per-prompt's modalities: images and videos are read and counted; this server reads
+# no audio (its parts are refused whatever the limit), so a vLLM command line's limit for it
+# changes nothing.
+_READ_MODALITIES = ("image", "video")
+_UNREAD_MODALITIES = ("audio",)
 
 
-def _image_limit(text: str) -> int | None:
-    """vLLM's --limit-mm-per-prompt as the images a prompt may hold (None: no limit): JSON
-    ('{"image": 4, "video": 0}', a count or {"count": N, ...} whose other keys size vLLM's
-    memory profiling, which has no counterpart here) or vLLM's older form 'image=4,video=0'."""
-    expected = f"expected a JSON object like '{{\"image\": 4}}' or image=4, got {text!r}"
+def _media_limits(text: str) -> dict[str, int | None]:
+    """vLLM's --limit-mm-per-prompt as the images and the videos a prompt may hold, MediaPolicy's
+    max_images and max_videos (None: no limit): JSON ('{"image": 4, "video": 1}', each a count
+    or {"count": N, ...} whose other keys size vLLM's memory profiling, which has no counterpart
+    here) or vLLM's older form 'image=4,video=1'."""
+    expected = f"expected a JSON object like '{{\"image\": 4, \"video\": 1}}' or image=4,video=1, got {text!r}"
     try:
         limits = json.loads(text)
     except ValueError:
@@ -122,15 +125,19 @@ def _image_limit(text: str) -> int | None:
             raise argparse.ArgumentTypeError(expected) from None
     if not isinstance(limits, dict):
         raise argparse.ArgumentTypeError(expected)
-    unknown = sorted(limits.keys() - {"image", *_OTHER_MODALITIES})
+    unknown = sorted(limits.keys() - {*_READ_MODALITIES, *_UNREAD_MODALITIES})
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown modalities {unknown}: image (and video, audio) are known")
-    limit = limits.get("image")
-    if isinstance(limit, dict):
-        limit = limit.get("count")
-    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0):
-        raise argparse.ArgumentTypeError(f"the image limit must be a count >= 0, got {limits['image']!r}")
-    return limit
+        raise argparse.ArgumentTypeError(f"unknown modalities {unknown}: image and video (and audio, which is not "
+                                         f"read) are known")
+    counts = {}
+    for modality in _READ_MODALITIES:
+        limit = limits.get(modality)
+        if isinstance(limit, dict):
+            limit = limit.get("count")
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0):
+            raise argparse.ArgumentTypeError(f"the {modality} limit must be a count >= 0, got {limits[modality]!r}")
+        counts[f"max_{modality}s"] = limit
+    return counts
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -177,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
                               help="the model ids requests may name; responses, metrics and logs name the first "
                                    "(default: the model directory's name, or the Hub repo id)")
     serve_parser.add_argument("--max-body-bytes", type=int, default=None,
-                              help="larger bodies get HTTP 413 (default 1 MiB, 64 MiB for a model that reads images)")
+                              help="larger bodies get HTTP 413 (default 1 MiB, 64 MiB for a model that reads images "
+                                   "and videos: a larger video is sent by URL)")
     serve_parser.add_argument("--no-prefix-cache", "--no-enable-prefix-caching", dest="no_prefix_cache",
                               action="store_true", help="prefill every prompt in full (prefix reuse is on by default)")
     serve_parser.add_argument("--enable-prefix-caching", dest="no_prefix_cache", action="store_false",
@@ -227,15 +235,19 @@ def main(argv: list[str] | None = None) -> int:
     cors.add_argument("--allowed-headers", type=_string_list, default=("*",), metavar="LIST", help="default: any")
     cors.add_argument("--allow-credentials", action="store_true",
                       help="let browsers send cookies and HTTP authentication along")
-    media = serve_parser.add_argument_group("images in requests (vLLM's flags; VLLM_IMAGE_FETCH_TIMEOUT: seconds "
-                                            "to fetch an image, default 5)")
+    media = serve_parser.add_argument_group("images and videos in requests (vLLM's flags; seconds to fetch one: "
+                                            "VLLM_IMAGE_FETCH_TIMEOUT, default 5, and VLLM_VIDEO_FETCH_TIMEOUT, "
+                                            "default 30)")
     media.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
-                       help="the only hosts http(s) image URLs may name, redirects included (default: any)")
+                       help="the only hosts http(s) image and video URLs may name, redirects included (default: "
+                            "any)")
     media.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
-                       help="let file:// image URLs read files under DIR (default: file:// URLs are refused)")
-    media.add_argument("--limit-mm-per-prompt", type=_image_limit, default=None, metavar="JSON",
-                       help="images a request may hold at most: '{\"image\": 4}' (or image=4; default: as many "
-                            "as the context has room for)")
+                       help="let file:// image and video URLs read files under DIR (default: file:// URLs are "
+                            "refused)")
+    media.add_argument("--limit-mm-per-prompt", type=_media_limits, default={}, metavar="JSON",
+                       help="images and videos a request may hold at most: '{\"image\": 4, \"video\": 1}' (or "
+                            "image=4,video=1; default: as many as the context has room for; an audio limit is "
+                            "accepted and changes nothing: audio is not read)")
     # vLLM flags whose behaviour is this server's anyway, so vLLM command lines run unchanged.
     accept_vllm_flags(serve_parser, {
         "--enable-auto-tool-choice": "requests with tools always get their calls parsed (--tool-call-parser none "

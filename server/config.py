@@ -18,8 +18,9 @@ class ServerConfig:
     port: int = 8000                    # 0: any free port (the log line says which)
     api_key: str | None = None          # when set, /v1 routes need "Authorization: Bearer <key>" (or "x-api-key")
     max_waiting: int = 256              # queued requests at most; past it new ones get 503
-    # Larger request bodies get 413. None: 1 MiB, or 64 MiB where the model reads images (a
-    # base64 photo or screenshot is megabytes; vLLM sets no limit).
+    # Larger request bodies get 413. None: 1 MiB, or 64 MiB where the model reads images and
+    # videos (a base64 photo or screenshot is megabytes; a larger video comes by URL; vLLM sets
+    # no limit).
     max_body_bytes: int | None = None
     shutdown_timeout: float = 30.0      # seconds in-flight requests get to finish on SIGINT/SIGTERM
     idle_timeout: float = 60.0          # seconds a connection may go without a whole request header
@@ -29,8 +30,9 @@ class ServerConfig:
     reasoning_parser: str | None = None  # qwen3 or none; None: qwen3 when the chat template thinks
     chat_template: str | None = None    # a Jinja template replacing the checkpoint's (vLLM's --chat-template)
     cors: CorsPolicy = CorsPolicy()     # which other origins' pages may call the API (vLLM's defaults: all)
-    # Where images may come from and how many a request may hold (vLLM's --allowed-media-domains,
-    # --allowed-local-media-path, --limit-mm-per-prompt; VLLM_IMAGE_FETCH_TIMEOUT read when made).
+    # Where images and videos may come from and how many a request may hold (vLLM's
+    # --allowed-media-domains, --allowed-local-media-path, --limit-mm-per-prompt;
+    # VLLM_IMAGE_FETCH_TIMEOUT and VLLM_VIDEO_FETCH_TIMEOUT read when made).
     media: MediaPolicy = field(default_factory=MediaPolicy)
     # HTTPS when ssl_certfile is set (vLLM's --ssl-* flags, passed to uvicorn there): the certificate
     # chain's PEM file, the key's (None: in the certificate's file), the CAs client certificates

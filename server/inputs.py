@@ -20,9 +20,10 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from ..engine import SamplingParams, Structured, TooManyTokensError
-from ..engine.vision.image import ImageInput
+from ..engine.vision.image import ImageInput, VideoInput
 from ..engine.vision.preprocess import ImageProcessor
-from ..engine.vision.prompt import expand_image_tokens
+from ..engine.vision.prompt import expand_image_tokens, expand_video_tokens
+from ..engine.vision.video import VideoProcessor
 from .chat_output import OutputSettings
 from .errors import APIError, refuse
 from .messages import check_tools, message_text, render_prompt
@@ -35,6 +36,10 @@ MAX_N = 64  # choices per prompt at most (`n`): each is a running request of its
 # OpenAI's default for /v1/completions (less where the context has less room); chat requests
 # default to the rest of the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+# The tokens around each temporal patch's video tokens, Qwen's (HF's Qwen3VLProcessor): as the
+# chat template writes them around a video's one token, so the tokenizer's ids for that text.
+VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 
 
 class PromptTokenizer(Protocol):
@@ -64,9 +69,11 @@ class EngineInput:
     # prompt's log-probabilities come with the first token), and the choice leaves that token
     # out; usage does not count it.
     echo_only: bool = False
-    # A chat request's images in prompt order (resized), whose tokens prompt_token_ids holds
-    # expanded (`with_images`); every choice of the request shares them.
+    # A chat request's images in prompt order (resized) and its videos (decoded), whose tokens
+    # prompt_token_ids holds expanded (`with_images`, `with_videos`); every choice of the
+    # request shares them.
     images: tuple[ImageInput, ...] = ()
+    videos: tuple[VideoInput, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,16 @@ class ChatImages:
 
     images: tuple[ImageInput, ...]
     processor: ImageProcessor
+
+
+@dataclass(frozen=True)
+class ChatVideos:
+    """A chat request's videos in the order its messages hold them (decoded: sampled frames,
+    resized, in temporal patches), and the processor that names their tokens and counts each
+    patch's tokens."""
+
+    videos: tuple[VideoInput, ...]
+    processor: VideoProcessor
 
 
 def num_choices(request: SamplingFields) -> int:
@@ -170,9 +187,11 @@ class ChatParsers:
 
 
 def chat_input(request: ChatCompletionRequest, tokenizer: PromptTokenizer, max_model_len: int,
-               parsers: ChatParsers, images: ChatImages | None = None) -> tuple[EngineInput, OutputSettings]:
+               parsers: ChatParsers, images: ChatImages | None = None,
+               videos: ChatVideos | None = None) -> tuple[EngineInput, OutputSettings]:
     """The engine input and how to read its output. images: those of the messages' image parts
-    (`messages.image_parts`, fetched and resized), whose tokens the prompt holds expanded.
+    (`messages.image_parts`, fetched and resized), videos: those of its video parts
+    (`messages.video_parts`, fetched and decoded), whose tokens the prompt holds expanded.
 
     tool_choice is enforced by forcing the start of the output: after the template renders, the
     opening of a call (`<tool_call>\n<function=NAME>\n` for a named function; for "required",
@@ -198,6 +217,8 @@ def chat_input(request: ChatCompletionRequest, tokenizer: PromptTokenizer, max_m
         ("store", bool(request.store), "responses are not stored"),
         ("truncate_prompt_tokens", request.truncate_prompt_tokens is not None and images is not None,
          "a prompt with images is not cut (the cut could split an image's tokens)"),
+        ("truncate_prompt_tokens", request.truncate_prompt_tokens is not None and videos is not None,
+         "a prompt with videos is not cut (the cut could split a video's tokens)"),
     ])
     _check_prompt_logprobs(request)
     if request.continue_final_message and request.add_generation_prompt:
@@ -257,14 +278,16 @@ def chat_input(request: ChatCompletionRequest, tokenizer: PromptTokenizer, max_m
     keep = _num_kept(request, max_model_len, requested or 1)
     token_ids = _encode(tokenizer, prompt + forced_text, bool(request.add_special_tokens), keep is not None,
                         max_model_len, requested, "messages", max_tokens_field)
-    token_ids = with_images(token_ids, images)  # before the context check: image tokens count
+    # Before the context check: image and video tokens count.
+    token_ids = with_videos(with_images(token_ids, images), videos, tokenizer)
     if keep is not None:
         token_ids = token_ids[-keep:]
     max_tokens = requested or max(1, max_model_len - len(token_ids))
     _check_context(len(token_ids), max_tokens, max_model_len, "messages", max_tokens_field)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     params = _sampling_params(request, max_tokens, logprobs, request.prompt_logprobs, structured or name_constraint)
-    return EngineInput(token_ids, params, images=images.images if images is not None else ()), settings
+    return EngineInput(token_ids, params, images=images.images if images is not None else (),
+                       videos=videos.videos if videos is not None else ()), settings
 
 
 def with_images(token_ids: list[int], images: ChatImages | None) -> list[int]:
@@ -284,6 +307,36 @@ def with_images(token_ids: list[int], images: ChatImages | None) -> list[int]:
         return expand_image_tokens(token_ids, images.images, token_id, images.processor.num_tokens)
     except ValueError as error:  # more image tokens than images: the text holds some
         raise APIError(400, str(error), param="messages", code="invalid_value") from None
+
+
+def with_videos(token_ids: list[int], videos: ChatVideos | None, tokenizer: PromptTokenizer) -> list[int]:
+    """The prompt with each video's token replaced by its temporal patches: each patch's time as
+    text (`<1.5 seconds>`) and its tokens between vision start and end (the engine's
+    `expand_video_tokens`, which the engine applies to a prompt that holds one token per video
+    and leaves an expanded one as it is). As for images, a template that writes no video token
+    for a video part has no place for it: a 400."""
+    if videos is None:
+        return token_ids
+    processor, num_videos = videos.processor, len(videos.videos)
+    placed = token_ids.count(processor.video_token_id)
+    if placed < num_videos:
+        raise APIError(400, f"the chat template places no video tokens for {num_videos - placed} of the request's "
+                            f"{num_videos} videos: it does not render video parts", param="messages",
+                       code="unsupported_parameter")
+    start, end = (_special_token_id(tokenizer, text) for text in (VISION_START, VISION_END))
+    try:
+        return expand_video_tokens(token_ids, videos.videos, processor.video_token_id, start, end,
+                                   processor.num_tokens, tokenizer.encode)
+    except ValueError as error:  # more video tokens than videos: the text holds some
+        raise APIError(400, str(error), param="messages", code="invalid_value") from None
+
+
+def _special_token_id(tokenizer: PromptTokenizer, text: str) -> int:
+    ids = tokenizer.encode(text)
+    if len(ids) != 1:
+        raise APIError(400, f"this model's tokenizer has no {text} token to place a video's frames between",
+                       param="messages", code="unsupported_parameter")
+    return ids[0]
 
 
 def translated_chat_input(chat: ChatCompletionRequest, tokenizer: PromptTokenizer, max_model_len: int,

@@ -1,18 +1,22 @@
-"""The bytes of a request's images, fetched as vLLM's MediaConnector fetches them.
+"""The bytes of a request's images and videos, fetched as vLLM's MediaConnector fetches them.
 
-An image part names its image by URL (every API's part becomes chat's `image_url` part first):
+An image or video part names its media by URL (every API's image part becomes chat's
+`image_url` part first; videos come in chat's `video_url` parts only):
 
-    data:image/png;base64,...   decoded here (base64 only; the media type must be an image's)
+    data:image/png;base64,...   decoded here (base64 only; the media type must be an image's, or
+    data:video/mp4;base64,...   a video's for a video part)
     http://, https://           fetched with the server's one HTTP session: within
-                                VLLM_IMAGE_FETCH_TIMEOUT seconds (vLLM's variable, default 5) for
-                                the whole fetch, redirects included, at most MAX_IMAGE_BYTES, only
-                                from --allowed-media-domains when it is given (each redirect's
-                                host too); any answer but 200 is refused
+                                VLLM_IMAGE_FETCH_TIMEOUT seconds for an image (vLLM's variable,
+                                default 5), VLLM_VIDEO_FETCH_TIMEOUT for a video (default 30), for
+                                the whole fetch, redirects included, at most MAX_IMAGE_BYTES or
+                                MAX_VIDEO_BYTES, only from --allowed-media-domains when it is given
+                                (each redirect's host too); any answer but 200 is refused
     file://                     read only under --allowed-local-media-path (symlinks resolved first)
 
 Anything else (ftp:, a bare path, a stored file's id) is refused. Every refusal is a 400 naming
-the image (`ImagePart.error`): what the client sent cannot be read, nothing about the server.
-Decoding and resizing are the engine's `ImageProcessor.resize` (the app runs it off the loop).
+the image or video (`MediaPart.error`): what the client sent cannot be read, nothing about the
+server. Decoding is the engine's `ImageProcessor.resize` and `VideoProcessor.decode` (the app
+runs them off the loop).
 
 Knows nothing about the APIs' shapes or the engine.
 """
@@ -26,6 +30,7 @@ import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import aiohttp
 from aiohttp import web
@@ -36,37 +41,51 @@ from .errors import APIError
 
 FETCH_TIMEOUT_ENV = "VLLM_IMAGE_FETCH_TIMEOUT"  # vLLM's variable, in seconds
 DEFAULT_FETCH_TIMEOUT = 5.0  # vLLM's default
+VIDEO_FETCH_TIMEOUT_ENV = "VLLM_VIDEO_FETCH_TIMEOUT"  # vLLM's variable, in seconds
+DEFAULT_VIDEO_FETCH_TIMEOUT = 30.0  # vLLM's default
 # A fetched or read image's bytes at most. A 4K screenshot as PNG is ~5-10 MB; past this a file
 # is no picture a client meant to send, and the server would hold it in memory while it decodes.
 # The body is read in chunks and cut off here, never read whole first.
 MAX_IMAGE_BYTES = 20 * 2**20
+# A fetched or read video's bytes at most: a video is compressed across frames, so its bytes say
+# little about its tokens (the processor samples at most max_frames frames, whatever its
+# length), and clips run larger than pictures: 1080p H.264 is ~0.5-1 MB a second, so this takes
+# a few minutes of it. The server holds these bytes while the video decodes, and the app fetches
+# and decodes only a few videos at once (`app.MAX_VIDEOS_AT_ONCE`), so a burst of requests holds
+# at most that many times this. Cut off while streaming, as an image's.
+MAX_VIDEO_BYTES = 256 * 2**20
 MAX_REDIRECTS = 10  # aiohttp's and requests' default bound
 _REDIRECT_STATUSES = (301, 302, 303, 307, 308)
 _CHUNK_BYTES = 1 << 16
-_PREVIEW_CHARS = 64  # of a URL in an error message (a data: URL is the whole image)
+_PREVIEW_CHARS = 64  # of a URL in an error message (a data: URL is the whole image or video)
 
 
-def _fetch_timeout_from_env() -> float:
-    text = os.environ.get(FETCH_TIMEOUT_ENV)
+def _seconds_from_env(name: str, default: float) -> float:
+    text = os.environ.get(name)
     if text is None:
-        return DEFAULT_FETCH_TIMEOUT
+        return default
     try:
         return float(text)
     except ValueError:
-        raise ValueError(f"{FETCH_TIMEOUT_ENV} must be a number of seconds, got {text!r}") from None
+        raise ValueError(f"{name} must be a number of seconds, got {text!r}") from None
 
 
 @dataclass(frozen=True)
 class MediaPolicy:
-    """Where images may come from, and how many a request may hold (vLLM's flags)."""
+    """Where images and videos may come from, and how many a request may hold (vLLM's flags)."""
 
-    # --allowed-media-domains: the hosts http(s) images may come from (None: any).
+    # --allowed-media-domains: the hosts http(s) images and videos may come from (None: any).
     allowed_domains: tuple[str, ...] | None = None
-    # --allowed-local-media-path: the directory file:// images may be read under (None: no file://).
+    # --allowed-local-media-path: the directory file:// media may be read under (None: no file://).
     allowed_local_path: str | None = None
-    # --limit-mm-per-prompt's image count: images a request may hold at most (None: the context's room).
+    # --limit-mm-per-prompt's image and video counts: images, videos a request may hold at most
+    # (None: the context's room).
     max_images: int | None = None
-    fetch_timeout: float = field(default_factory=_fetch_timeout_from_env)  # seconds for one http(s) image
+    max_videos: int | None = None
+    # Seconds for one http(s) image, one http(s) video (vLLM's variables, read when made).
+    fetch_timeout: float = field(default_factory=lambda: _seconds_from_env(FETCH_TIMEOUT_ENV, DEFAULT_FETCH_TIMEOUT))
+    video_fetch_timeout: float = field(
+        default_factory=lambda: _seconds_from_env(VIDEO_FETCH_TIMEOUT_ENV, DEFAULT_VIDEO_FETCH_TIMEOUT))
 
     def __post_init__(self) -> None:
         problems = []
@@ -80,41 +99,55 @@ class MediaPolicy:
             if not root.is_dir():
                 problems.append(f"allowed local media path {self.allowed_local_path!r} is not a directory")
             object.__setattr__(self, "allowed_local_path", str(root))
-        if self.max_images is not None and self.max_images < 0:
-            problems.append(f"the image limit per prompt must be >= 0, got {self.max_images}")
-        if not self.fetch_timeout > 0:
-            problems.append(f"the image fetch timeout ({FETCH_TIMEOUT_ENV}) must be > 0 seconds, "
-                            f"got {self.fetch_timeout}")
+        for modality, limit in (("image", self.max_images), ("video", self.max_videos)):
+            if limit is not None and limit < 0:
+                problems.append(f"the {modality} limit per prompt must be >= 0, got {limit}")
+        for modality, timeout, name in (("image", self.fetch_timeout, FETCH_TIMEOUT_ENV),
+                                        ("video", self.video_fetch_timeout, VIDEO_FETCH_TIMEOUT_ENV)):
+            if not timeout > 0:
+                problems.append(f"the {modality} fetch timeout ({name}) must be > 0 seconds, got {timeout}")
         if problems:
             raise ValueError("invalid media settings: " + "; ".join(problems))
 
 
 @dataclass(frozen=True)
-class ImagePart:
-    """An image part of a request: its URL, its number among the request's images (from 1, in
-    prompt order) and the field an error about it names."""
+class MediaPart:
+    """An image or video part of a request: its URL, its number among the request's images or
+    videos (from 1, in prompt order), the field an error about it names, and which it is."""
 
     url: str
     number: int
     param: str
+    modality: Literal["image", "video"] = "image"
 
-    def error(self, reason: str, code: str = "invalid_image_url") -> APIError:
-        """A 400 naming this image: by number and URL, which read the same in every API (their
-        parts are numbered differently)."""
+    @property
+    def noun(self) -> str:
+        return "an image" if self.modality == "image" else "a video"
+
+    @property
+    def max_bytes(self) -> int:
+        """The bytes a fetched or read file may have (read when asked: tests lower the caps)."""
+        return MAX_IMAGE_BYTES if self.modality == "image" else MAX_VIDEO_BYTES
+
+    def error(self, reason: str, code: str | None = None) -> APIError:
+        """A 400 naming this image or video: by number and URL, which read the same in every API
+        (their parts are numbered differently). code: invalid_image_url / invalid_video_url
+        unless given."""
         url = self.url if len(self.url) <= _PREVIEW_CHARS else self.url[:_PREVIEW_CHARS] + "..."
-        return APIError(400, f"image {self.number} ({url}): {reason}", param=self.param, code=code)
+        return APIError(400, f"{self.modality} {self.number} ({url}): {reason}", param=self.param,
+                        code=code or f"invalid_{self.modality}_url")
 
 
 class MediaConnector:
-    """Fetches images' bytes under a `MediaPolicy`. Its HTTP session is the app's, opened when
-    the app starts and closed when it stops (`session`, a cleanup context)."""
+    """Fetches images' and videos' bytes under a `MediaPolicy`. Its HTTP session is the app's,
+    opened when the app starts and closed when it stops (`session`, a cleanup context)."""
 
     def __init__(self, policy: MediaPolicy) -> None:
         self.policy = policy
         self._session: aiohttp.ClientSession | None = None
 
     async def session(self, app: web.Application) -> AsyncIterator[None]:
-        # One session (its connection pool) for every request's images. trust_env: the proxies
+        # One session (its connection pool) for every request's media. trust_env: the proxies
         # HTTP(S)_PROXY name, as vLLM's session. No timeout of aiohttp's: `fetch` bounds the whole
         # fetch, redirects and body included.
         async with aiohttp.ClientSession(trust_env=True, timeout=aiohttp.ClientTimeout(total=None)) as session:
@@ -122,7 +155,7 @@ class MediaConnector:
             yield
             self._session = None
 
-    async def fetch(self, part: ImagePart) -> bytes:
+    async def fetch(self, part: MediaPart) -> bytes:
         scheme = part.url.partition(":")[0].lower() if ":" in part.url else ""
         if scheme == "data":
             return _data_url_bytes(part)
@@ -136,17 +169,18 @@ class MediaConnector:
         raise part.error(f"URLs of scheme {scheme!r} are not read (data:, http:, https: and, under "
                          f"--allowed-local-media-path, file: are)")
 
-    async def _fetch_http(self, part: ImagePart) -> bytes:
-        timeout = self.policy.fetch_timeout
+    async def _fetch_http(self, part: MediaPart) -> bytes:
+        timeout, name = (self.policy.fetch_timeout, FETCH_TIMEOUT_ENV) if part.modality == "image" \
+            else (self.policy.video_fetch_timeout, VIDEO_FETCH_TIMEOUT_ENV)
         try:
             async with asyncio.timeout(timeout):
                 return await self._follow(part, URL(part.url))
         except TimeoutError:
-            raise part.error(f"not fetched within {timeout:g}s ({FETCH_TIMEOUT_ENV})") from None
+            raise part.error(f"not fetched within {timeout:g}s ({name})") from None
         except (aiohttp.ClientError, ValueError) as error:  # (ValueError: a URL yarl cannot parse)
             raise part.error(f"cannot fetch it: {type(error).__name__}: {error}") from None
 
-    async def _follow(self, part: ImagePart, url: URL) -> bytes:
+    async def _follow(self, part: MediaPart, url: URL) -> bytes:
         """The body at url, redirects followed here (not by aiohttp) so that each hop's host is
         checked against the allowed domains."""
         for _ in range(MAX_REDIRECTS + 1):
@@ -161,7 +195,7 @@ class MediaConnector:
                 return await _capped_body(part, response)
         raise part.error(f"more than {MAX_REDIRECTS} redirects")
 
-    def _check_host(self, part: ImagePart, url: URL) -> None:
+    def _check_host(self, part: MediaPart, url: URL) -> None:
         if url.scheme not in ("http", "https"):
             raise part.error(f"redirected to {url.scheme}:, not http: or https:")
         allowed = self.policy.allowed_domains
@@ -169,7 +203,7 @@ class MediaConnector:
             raise part.error(f"host {url.host!r} is not an allowed media domain (--allowed-media-domains: "
                              f"{', '.join(allowed)})")
 
-    def _read_file(self, part: ImagePart) -> bytes:
+    def _read_file(self, part: MediaPart) -> bytes:
         """A file: URL's bytes, from under the allowed directory only (runs in a thread)."""
         root = self.policy.allowed_local_path
         if root is None:
@@ -183,31 +217,33 @@ class MediaConnector:
         path = Path(urllib.request.url2pathname(parsed.path)).resolve()
         if not path.is_relative_to(root):
             raise part.error(f"the file is not under --allowed-local-media-path {root}")
+        max_bytes = part.max_bytes
         try:
             with open(path, "rb") as file:
-                data = file.read(MAX_IMAGE_BYTES + 1)
+                data = file.read(max_bytes + 1)
         except OSError as error:
             raise part.error(f"cannot read the file: {error.strerror or error}") from None
-        if len(data) > MAX_IMAGE_BYTES:
-            raise part.error(f"the file is larger than {MAX_IMAGE_BYTES} bytes")
+        if len(data) > max_bytes:
+            raise part.error(f"the file is larger than {max_bytes} bytes")
         return data
 
 
-def _data_url_bytes(part: ImagePart) -> bytes:
+def _data_url_bytes(part: MediaPart) -> bytes:
     try:
-        return data_url_bytes(part.url)
+        return data_url_bytes(part.url, part.modality)
     except ValueError as error:
         raise part.error(str(error)) from None
 
 
-async def _capped_body(part: ImagePart, response: aiohttp.ClientResponse) -> bytes:
-    """The body, read in chunks and refused once past MAX_IMAGE_BYTES (the connection is closed
+async def _capped_body(part: MediaPart, response: aiohttp.ClientResponse) -> bytes:
+    """The body, read in chunks and refused once past the part's cap (the connection is closed
     then, the rest never read)."""
-    if response.content_length is not None and response.content_length > MAX_IMAGE_BYTES:
-        raise part.error(f"{response.content_length} bytes, more than the {MAX_IMAGE_BYTES} an image may have")
+    max_bytes = part.max_bytes
+    if response.content_length is not None and response.content_length > max_bytes:
+        raise part.error(f"{response.content_length} bytes, more than the {max_bytes} {part.noun} may have")
     body = bytearray()
     async for chunk in response.content.iter_chunked(_CHUNK_BYTES):
         body += chunk
-        if len(body) > MAX_IMAGE_BYTES:
-            raise part.error(f"more than the {MAX_IMAGE_BYTES} bytes an image may have")
+        if len(body) > max_bytes:
+            raise part.error(f"more than the {max_bytes} bytes {part.noun} may have")
     return bytes(body)

@@ -3,11 +3,12 @@
 Every field a template can use reaches it: `name`, `tool_calls` (with `function.arguments`
 parsed from JSON text into a dict, as HF and vLLM give templates), `tool_call_id`, a turn's
 reasoning (as `reasoning_content` and `reasoning`, from either), and content as a string or a
-list of text and image parts. Parts stay a list for templates that read parts (Qwen3.5's
-`render_content`), an image part as `{"type": "image"}` in its place, which the template writes
-as its image token (`image_parts` lists the images in that order); they are joined for templates
-that concatenate strings (plain ChatML), which have no place for an image (`inputs.with_images`
-refuses the request then). What cannot be honoured (an audio or file part, a refusal, a legacy
+list of text, image and video parts. Parts stay a list for templates that read parts (Qwen3.5's
+`render_content`), an image part as `{"type": "image"}` and a video part as `{"type": "video"}`
+in its place, which the template writes as its image or video token (`image_parts` and
+`video_parts` list them in that order); they are joined for templates that concatenate strings
+(plain ChatML), which have no place for either (`inputs.with_images` and `inputs.with_videos`
+refuse the request then). What cannot be honoured (an audio or file part, a refusal, a legacy
 `function_call`) is a 400 naming it, never dropped. The rendered prompt can leave a final
 assistant message open for the model to continue (`continue_final_message`).
 
@@ -23,8 +24,8 @@ from typing import Any, Protocol
 import msgspec
 
 from .errors import APIError
-from .media import ImagePart
-from .protocol import ChatMessage, ContentPart, ImageURL, Tool
+from .media import MediaPart
+from .protocol import ChatMessage, ContentPart, ImageURL, Tool, VideoURL
 
 # Templates that branch on the content's type, or loop over it, take lists of parts.
 _READS_CONTENT_PARTS = re.compile(r"content\s+is\s+(not\s+)?string|for\s+\w+\s+in\s+(message\.|message\[.)?content")
@@ -50,19 +51,18 @@ def template_messages(messages: list[ChatMessage], template: str) -> list[dict[s
     return rendered
 
 
-def image_parts(messages: list[ChatMessage], param: str | None = None) -> list[ImagePart]:
+def image_parts(messages: list[ChatMessage], param: str | None = None) -> list[MediaPart]:
     """The messages' image parts in the order the template renders them (message by message,
     part by part). param: the field errors about an image name (by default its part's own,
     messages[i].content[j]; a route whose messages were translated from items numbered otherwise
     names its own field)."""
-    parts = []
-    for index, message in enumerate(messages):
-        if isinstance(message.content, list):
-            for part_index, part in enumerate(message.content):
-                if part.type == "image_url":
-                    where = f"messages[{index}].content[{part_index}]"
-                    parts.append(ImagePart(_image_url(part, where), len(parts) + 1, param or where))
-    return parts
+    return _media_parts(messages, "image", param)
+
+
+def video_parts(messages: list[ChatMessage]) -> list[MediaPart]:
+    """The messages' video parts (chat's video_url) in the order the template renders them,
+    numbered apart from the images (as the template's "Video N" labels)."""
+    return _media_parts(messages, "video", None)
 
 
 def check_tools(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -135,6 +135,10 @@ def _template_message(message: ChatMessage, index: int, content_parts: bool) -> 
     return rendered
 
 
+# A media part's type, and what the template is given in its place.
+_MEDIA_PARTS = {"image_url": {"type": "image"}, "video_url": {"type": "video"}}
+
+
 def _content(content, where: str, content_parts: bool) -> str | list[dict[str, str]]:
     if content is None:
         return ""  # templates that concatenate strings cannot take None; the rest render both alike
@@ -142,20 +146,37 @@ def _content(content, where: str, content_parts: bool) -> str | list[dict[str, s
         return content
     for index, part in enumerate(content):
         is_text = part.type == "text" and part.text is not None
-        if not is_text and part.type != "image_url":  # (an image's URL is read by `image_parts`)
-            raise APIError(400, f"content parts of type {part.type!r} are not supported (text and image_url are): "
-                                f"{where}.content[{index}]", param=f"{where}.content", code="unsupported_parameter")
+        if not is_text and part.type not in _MEDIA_PARTS:  # (their URLs are read by `_media_parts`)
+            raise APIError(400, f"content parts of type {part.type!r} are not supported (text, image_url and video_url "
+                                f"are): {where}.content[{index}]", param=f"{where}.content",
+                           code="unsupported_parameter")
     if content_parts:
-        return [{"type": "text", "text": part.text} if part.type == "text" else {"type": "image"} for part in content]
+        return [{"type": "text", "text": part.text} if part.type == "text" else dict(_MEDIA_PARTS[part.type])
+                for part in content]
     return "".join(part.text for part in content if part.type == "text")
 
 
-def _image_url(part: ContentPart, where: str) -> str:
-    """An image_url part's URL: its image_url's url, or image_url itself as a string (vLLM's)."""
-    if part.image_url is None:
-        raise APIError(400, f"{where}.image_url is required in a part of type 'image_url'",
-                       param=f"{where}.image_url", code="missing_required_parameter")
-    return part.image_url.url if isinstance(part.image_url, ImageURL) else part.image_url
+def _media_parts(messages: list[ChatMessage], modality: str, param: str | None) -> list[MediaPart]:
+    """The messages' parts of one modality (image_url or video_url), numbered from 1 in order."""
+    kind = f"{modality}_url"
+    parts = []
+    for index, message in enumerate(messages):
+        if isinstance(message.content, list):
+            for part_index, part in enumerate(message.content):
+                if part.type == kind:
+                    where = f"messages[{index}].content[{part_index}]"
+                    parts.append(MediaPart(_media_url(part, kind, where), len(parts) + 1, param or where, modality))
+    return parts
+
+
+def _media_url(part: ContentPart, kind: str, where: str) -> str:
+    """An image_url or video_url part's URL: the object's url, or the field itself as a string
+    (vLLM takes both)."""
+    value = getattr(part, kind)
+    if value is None:
+        raise APIError(400, f"{where}.{kind} is required in a part of type {kind!r}",
+                       param=f"{where}.{kind}", code="missing_required_parameter")
+    return value.url if isinstance(value, (ImageURL, VideoURL)) else value
 
 
 def _tool_call(call, where: str) -> dict[str, Any]:

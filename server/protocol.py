@@ -113,13 +113,19 @@ class ImageURL(Request):
     detail: str | None = None
 
 
+class VideoURL(Request):
+    url: str  # data:video/...;base64, http(s): or file: (media.py reads them)
+
+
 class ContentPart(Request):
-    """One part of a message's content list; text and image_url parts are served (`messages`
-    rejects the rest by name), but any part decodes so the error can say which type it was."""
+    """One part of a message's content list; text, image_url and video_url parts are served
+    (`messages` rejects the rest by name), but any part decodes so the error can say which type
+    it was."""
 
     type: str
     text: str | None = None
     image_url: str | ImageURL | None = None  # an image_url part's (vLLM also takes the URL as a bare string)
+    video_url: str | VideoURL | None = None  # a video_url part's (vLLM's; a bare string too)
     input_audio: Any = None
     file: Any = None
     refusal: str | None = None
@@ -213,7 +219,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false} (vLLM's name)
-    # vLLM's: the image processor's pixel bounds for this request's images ({"max_pixels": N}).
+    # vLLM's: the image processor's pixel bounds for this request's images ({"max_pixels": N}) and
+    # the video processor's options for its videos ({"fps": 1, "num_frames": 8, ...}).
     mm_processor_kwargs: dict[str, Any] | None = None
     logprobs: bool | None = None
     top_logprobs: NumLogprobs | None = None

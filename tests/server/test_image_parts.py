@@ -76,7 +76,7 @@ class FakeEngine:
         self.error = None
         self.requests: list[dict] = []
 
-    def generate(self, prompt, params, request_id=None, fork_of=None, images=()):
+    def generate(self, prompt, params, request_id=None, fork_of=None, images=(), videos=()):
         async def stream():
             self.requests.append(dict(prompt=list(prompt), params=params, fork_of=fork_of, images=tuple(images)))
             yield RequestDelta(request_id, [0], "ok", "stop", num_cached_tokens=0)
@@ -473,7 +473,8 @@ async def test_bad_image_parts_and_requests_are_400s(engine, processor):
         error = error_of(await chat(base_url, [{"role": "user", "content": [{"type": "image_url"}]}]))
         assert "messages[0].content[0].image_url is required" in error["message"]
         error = error_of(await chat(base_url, [{"role": "user", "content": [{"type": "input_audio"}]}]))
-        assert "content parts of type 'input_audio' are not supported (text and image_url are)" in error["message"]
+        assert "content parts of type 'input_audio' are not supported (text, image_url and video_url are)" in \
+            error["message"]
         error = error_of(await chat(base_url, [{"role": "user", "content": [image_part(image)]}],
                                     truncate_prompt_tokens=8))
         assert "a prompt with images is not cut" in error["message"]
