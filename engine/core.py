@@ -69,7 +69,7 @@ from .vision.encoder import load_vision_encoder, random_vision_encoder
 from .vision.features import ImageFeatures
 from .vision.image import ImageInput, VideoInput
 from .vision.preprocess import ImageProcessor
-from .vision.prompt import PromptImages, expand_image_tokens, expand_video_tokens
+from .vision.prompt import PromptImages, expand_image_tokens
 from .vision.video import VideoProcessor
 from .weights import load_model, random_model
 
@@ -314,9 +314,7 @@ class EngineCore:
             for patch in video.patches:
                 patch.array()
         expanded = expand_image_tokens(token_ids, images, config.image_token_id, self.image_processor.num_tokens)
-        expanded = expand_video_tokens(expanded, videos, config.video_token_id, config.vision_start_token_id,
-                                       config.vision_end_token_id, self.video_processor.num_tokens,
-                                       self.tokenizer.encode)
+        expanded = self.video_processor.expand(expanded, videos, self.tokenizer.encode)
         items = [*images, *(patch for video in videos for patch in video.patches)]
         grids = [(self.video_processor if item.video else self.image_processor).grid_thw(item) for item in items]
         return expanded, PromptImages.place(expanded, items, grids, config.vision.spatial_merge_size,

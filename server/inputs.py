@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from ..engine import SamplingParams, Structured, TooManyTokensError
 from ..engine.vision.image import ImageInput, VideoInput
 from ..engine.vision.preprocess import ImageProcessor
-from ..engine.vision.prompt import expand_image_tokens, expand_video_tokens
+from ..engine.vision.prompt import expand_image_tokens
 from ..engine.vision.video import VideoProcessor
 from .chat_output import OutputSettings
 from .errors import APIError, refuse
@@ -39,7 +39,6 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 # The tokens around each temporal patch's video tokens, Qwen's (HF's Qwen3VLProcessor): as the
 # chat template writes them around a video's one token, so the tokenizer's ids for that text.
-VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 
 
 class PromptTokenizer(Protocol):
@@ -323,20 +322,10 @@ def with_videos(token_ids: list[int], videos: ChatVideos | None, tokenizer: Prom
         raise APIError(400, f"the chat template places no video tokens for {num_videos - placed} of the request's "
                             f"{num_videos} videos: it does not render video parts", param="messages",
                        code="unsupported_parameter")
-    start, end = (_special_token_id(tokenizer, text) for text in (VISION_START, VISION_END))
     try:
-        return expand_video_tokens(token_ids, videos.videos, processor.video_token_id, start, end,
-                                   processor.num_tokens, tokenizer.encode)
+        return processor.expand(token_ids, videos.videos, tokenizer.encode)
     except ValueError as error:  # more video tokens than videos: the text holds some
         raise APIError(400, str(error), param="messages", code="invalid_value") from None
-
-
-def _special_token_id(tokenizer: PromptTokenizer, text: str) -> int:
-    ids = tokenizer.encode(text)
-    if len(ids) != 1:
-        raise APIError(400, f"this model's tokenizer has no {text} token to place a video's frames between",
-                       param="messages", code="unsupported_parameter")
-    return ids[0]
 
 
 def translated_chat_input(chat: ChatCompletionRequest, tokenizer: PromptTokenizer, max_model_len: int,

@@ -3,11 +3,11 @@
 A prompt names each image with the model's image token (`<|image_pad|>`, as Qwen3.5's chat
 template writes it once per image); the model replaces one such token per merged patch group
 with the vision encoder's output, so each image's token is repeated `num_tokens` times
-(`expand_image_tokens`). A video is named by one video token (`<|video_pad|>`), which becomes,
-for each of its temporal patches, the patch's time as text and the patch's tokens between
-vision start and end tokens (`expand_video_tokens`, HF's Qwen3VLProcessor), so a video's
-patches sit in the prompt as images do, separated by their times. Each image's or patch's tokens
-form one run; `PromptImages` records the runs.
+(`expand_image_tokens`). A video is named by one video token (`<|video_pad|>`, between vision
+start and end tokens), which becomes, for each of its temporal patches, the patch's time as
+text and the patch's tokens between vision start and end tokens (`expand_video_tokens`, vLLM's
+Qwen3-VL rule), so a video's patches sit in the prompt as images do, separated by their times.
+Each image's or patch's tokens form one run; `PromptImages` records the runs.
 
 Multimodal RoPE (M-RoPE, Qwen2-VL onwards) rotates every token by three positions (temporal,
 height, width). A text token's three are equal: its index plus the shift the images before it
@@ -54,11 +54,14 @@ def expand_image_tokens(token_ids: Sequence[int], images: Sequence[ImageInput], 
 def expand_video_tokens(token_ids: Sequence[int], videos: Sequence[VideoInput], video_token_id: int,
                         vision_start_id: int, vision_end_id: int, num_tokens: Callable[[ImageInput], int],
                         text_ids: Callable[[str], list[int]]) -> list[int]:
-    """The prompt with video i's token replaced, for each of its temporal patches p, by HF's
+    """The prompt with video i's placeholder replaced by, for each of its temporal patches p,
     `<{t_p:.1f} seconds><|vision_start|><|video_pad|> * num_tokens(p)<|vision_end|>` (text_ids
     tokenizes the time: it sits between special tokens, so alone it tokenizes as in context).
-    The prompt holds one video token per video (as a chat template writes them), or already
-    each video in that form (returned as it is); anything else is a ValueError naming both."""
+    The placeholder is the chat template's `<|vision_start|><|video_pad|><|vision_end|>` whole, as
+    vLLM and HF's Qwen3VLProcessor before transformers 5 replace it (the form Qwen3-VL and Qwen3.5
+    were trained on: no vision start before a patch's time), else a bare video token. The prompt
+    holds one placeholder per video, or already each video in the replaced form (returned as it
+    is); anything else is a ValueError naming both."""
     def patch_tokens(patch: ImageInput, seconds: float) -> list[int]:
         return [*text_ids(f"<{seconds:.1f} seconds>"), vision_start_id, *[video_token_id] * num_tokens(patch),
                 vision_end_id]
@@ -75,10 +78,11 @@ def expand_video_tokens(token_ids: Sequence[int], videos: Sequence[VideoInput], 
                          f"({sum(wanted)} video tokens)")
     expanded, start = [], 0
     for i, video in zip(at, videos):
-        expanded += token_ids[start:i]
+        wrapped = 0 < i < len(token_ids) - 1 and token_ids[i - 1] == vision_start_id and token_ids[i + 1] == vision_end_id
+        expanded += token_ids[start:i - wrapped]
         for patch, seconds in zip(video.patches, video.timestamps):
             expanded += patch_tokens(patch, seconds)
-        start = i + 1
+        start = i + 1 + wrapped
     return expanded + token_ids[start:]
 
 

@@ -34,7 +34,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -42,11 +42,15 @@ import torch.nn.functional as F
 from PIL import Image
 
 from .image import ImageInput, VideoInput
+from .prompt import expand_video_tokens
 from .preprocess import (FIXED_SETTINGS, MAX_ASPECT_RATIO, MAX_DECODED_PIXELS, channels_field, int_field, is_int,
                          is_real, one_line, read_json_object, to_rgb, patchify)
 
-# Qwen3.5's `<|video_pad|>`, for config.json files that do not name it.
+# Qwen3.5's `<|video_pad|>`, `<|vision_start|>` and `<|vision_end|>`, for config.json files that
+# do not name them.
 QWEN3_5_VIDEO_TOKEN_ID = 248057
+QWEN3_5_VISION_START_TOKEN_ID = 248053
+QWEN3_5_VISION_END_TOKEN_ID = 248054
 
 # The frame rate HF assumes for frames given without one (its warning's "Defaulting to fps=24"),
 # for sampling by fps and for the timestamps.
@@ -192,10 +196,13 @@ def timestamps(indices: Sequence[int], video_fps: float, temporal_patch_size: in
 @dataclass(frozen=True)
 class VideoProcessor:
     """Qwen3.5's video preprocessing with `config`; `video_token_id` is the `<|video_pad|>` token the
-    model replaces with a temporal patch's features (num_tokens of them per patch)."""
+    model replaces with a temporal patch's features (num_tokens of them per patch), between the
+    vision start and end tokens (`expand`)."""
 
     config: VideoProcessorConfig = field(default_factory=VideoProcessorConfig)
     video_token_id: int = QWEN3_5_VIDEO_TOKEN_ID
+    vision_start_token_id: int = QWEN3_5_VISION_START_TOKEN_ID
+    vision_end_token_id: int = QWEN3_5_VISION_END_TOKEN_ID
     # [3, 256] float32: each channel's 256 levels normalised as HF normalises videos (patchify's
     # lookup table). HF fuses the rescale into the mean and std: mean and std as float32 tensors
     # times 1 / rescale_factor (in float32: 127.5 for 0.5), then (float32(x) - mean) / std.
@@ -204,8 +211,9 @@ class VideoProcessor:
     def __post_init__(self) -> None:
         if not isinstance(self.config, VideoProcessorConfig):
             raise TypeError(f"config must be a VideoProcessorConfig, got {type(self.config).__name__}")
-        if not is_int(self.video_token_id) or self.video_token_id < 0:
-            raise ValueError(f"video_token_id must be a non-negative integer, got {self.video_token_id!r}")
+        for name in ("video_token_id", "vision_start_token_id", "vision_end_token_id"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {getattr(self, name)!r}")
         rescale_factor = FIXED_SETTINGS["rescale_factor"]
         mean = torch.tensor(self.config.image_mean, dtype=torch.float32) * (1.0 / rescale_factor)
         std = torch.tensor(self.config.image_std, dtype=torch.float32) * (1.0 / rescale_factor)
@@ -230,9 +238,12 @@ class VideoProcessor:
             return None
         if not isinstance(vision, dict):
             raise ValueError(f"{config_file}: vision_config must be an object, got {vision!r}")
-        video_token_id = raw.get("video_token_id", QWEN3_5_VIDEO_TOKEN_ID)
-        if not is_int(video_token_id) or video_token_id < 0:
-            raise ValueError(f"{config_file}: video_token_id must be a non-negative integer, got {video_token_id!r}")
+        tokens = {name: raw.get(name, default) for name, default in (
+            ("video_token_id", QWEN3_5_VIDEO_TOKEN_ID), ("vision_start_token_id", QWEN3_5_VISION_START_TOKEN_ID),
+            ("vision_end_token_id", QWEN3_5_VISION_END_TOKEN_ID))}
+        for name, value in tokens.items():
+            if not is_int(value) or value < 0:
+                raise ValueError(f"{config_file}: {name} must be a non-negative integer, got {value!r}")
         defaults = VideoProcessorConfig()
         # The encoder's own sizes: its patch embedding and merger are built from them.
         encoder = {
@@ -285,7 +296,7 @@ class VideoProcessor:
             )
         except ValueError as e:
             raise ValueError(f"{source}: {e}") from None
-        return cls(config, video_token_id)
+        return cls(config, **tokens)
 
     def with_options(self, **options: Any) -> VideoProcessor:
         """This processor with vLLM's mm_processor_kwargs for videos (OPTION_KEYS): fps or num_frames
@@ -325,7 +336,14 @@ class VideoProcessor:
             config = replace(self.config, **changes)
         except ValueError as e:
             raise ValueError(f"video options {sorted(options)}: {e}") from None
-        return VideoProcessor(config, self.video_token_id)
+        return replace(self, config=config)
+
+    def expand(self, token_ids: Sequence[int], videos: Sequence[VideoInput],
+               text_ids: Callable[[str], list[int]]) -> list[int]:
+        """The prompt with each video's placeholder expanded to its patches' times and tokens
+        (prompt.expand_video_tokens with this checkpoint's token ids); text_ids tokenizes."""
+        return expand_video_tokens(token_ids, videos, self.video_token_id, self.vision_start_token_id,
+                                   self.vision_end_token_id, self.num_tokens, text_ids)
 
     def frame_indices(self, total_frames: int, video_fps: float | None) -> list[int]:
         """The frames to take of a video of total_frames (HF's Qwen3VLVideoProcessor.sample_frames):
@@ -368,10 +386,11 @@ class VideoProcessor:
                 # count is exact).
                 total_frames = frames.decoded
                 indices = self.frame_indices(total_frames, video_fps)
-                taken = self._resized(_SampledFrames(av, data, indices), len(indices))
+                again = _SampledFrames(av, data, indices)
+                taken = self._resized(again, len(indices))
                 if len(taken) < len(indices):
                     raise ValueError(f"the video's frame count changed between two decodings ({total_frames}, "
-                                     f"then {frames.decoded})")
+                                     f"then {again.decoded})")
         except av.FFmpegError as e:
             raise ValueError(f"not a video PyAV can read: {one_line(e)}") from None
         return self._patches(np.stack(taken), indices, video_fps)

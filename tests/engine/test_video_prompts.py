@@ -1,8 +1,8 @@
 """Video input end to end on a tiny random Qwen3.5 vision-language checkpoint (fixtures.
 make_vision_checkpoint), against HF transformers' Qwen3_5ForConditionalGeneration as the oracle.
 
-Contracts: a video's placeholder becomes HF Qwen3VLProcessor's text (each temporal patch's time,
-then its tokens between vision start and end), written here from HF's rule and tokenized apart;
+Contracts: a video's placeholder becomes vLLM's text (each temporal patch's time, then its tokens
+between vision start and end), written here from vLLM's rule and tokenized apart;
 the multimodal RoPE positions of a prompt with images and videos equal HF's get_rope_index (each
 patch a grid of its own, as HF splits a video's grid); greedy generation with videos (alone,
 beside images) equals HF's tokens with pixel_values_videos, log-probabilities within float32
@@ -81,9 +81,10 @@ def encoded_video(frames: np.ndarray, fps: int = 4) -> bytes:
 
 
 def hf_text(text: str, videos: list[VideoInput], num_tokens) -> str:
-    """HF Qwen3VLProcessor.replace_video_token, written from its rule: each video placeholder
-    token becomes, per temporal patch, `<t seconds>` (one decimal) and the patch's tokens."""
-    pieces = text.split("<|video_pad|>")
+    """vLLM's Qwen3-VL prompt replacement (HF Qwen3VLProcessor's before transformers 5), written
+    from its rule: each `<|vision_start|><|video_pad|><|vision_end|>` becomes, per temporal patch,
+    `<t seconds>` (one decimal) and the patch's tokens between vision start and end."""
+    pieces = text.split(VIDEO)
     assert len(pieces) == len(videos) + 1
     out = pieces[0]
     for video, piece in zip(videos, pieces[1:]):

@@ -144,7 +144,8 @@ def processor(tokenizer) -> VideoProcessor:
     """Qwen3.5's video processor with small bounds (the vision fixture's): 2 fps, 2 to 8 frames,
     a video's pixels over all its frames between 2 x 32 x 32 and 8 x 64 x 64."""
     config = VideoProcessorConfig(min_pixels=2 * 32 * 32, max_pixels=8 * 64 * 64, fps=2, min_frames=2, max_frames=8)
-    return VideoProcessor(config, video_token_id=token_id(tokenizer, "<|video_pad|>"))
+    return VideoProcessor(config, *(token_id(tokenizer, t) for t in ("<|video_pad|>", "<|vision_start|>",
+                                                                     "<|vision_end|>")))
 
 
 @pytest.fixture
