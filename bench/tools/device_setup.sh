@@ -1,11 +1,10 @@
-# Source on the GPU machine from the repo root (carry .whl): puts msgspec, pytest-asyncio,
-# llguidance and av (PyAV, video decoding) (missing from its image) and this checkout on the path
-# without touching the image's torch. .whl holds their py3.12 manylinux wheels (`pip download
-# --no-deps --python-version 3.12 --platform manylinux_2_31_x86_64 ... msgspec pytest-asyncio
-# llguidance av`).
+# Source on the GPU machine from the repo root (carry .whl): puts msgspec, pytest-asyncio and
+# llguidance (missing from its image) and this checkout on the path without touching the image's
+# torch. .whl holds their py3.12 manylinux wheels (`pip download --no-deps --python-version 3.12
+# --platform manylinux_2_31_x86_64 ... msgspec pytest-asyncio llguidance`).
 # `pip install -e .` would need network for setuptools; a symlinked package tree does not.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/msgspec*.whl .whl/pytest_asyncio*.whl .whl/llguidance*.whl .whl/av-*.whl
+    .whl/msgspec*.whl .whl/pytest_asyncio*.whl .whl/llguidance*.whl
 mkdir -p /tmp/shim/deltaspec
 touch /tmp/shim/deltaspec/__init__.py
 for d in engine spec kernels server; do ln -sfn "$PWD/$d" "/tmp/shim/deltaspec/$d"; done
