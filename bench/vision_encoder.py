@@ -3,7 +3,7 @@ by side on one GPU, at the published Qwen3.5 tower (27 blocks of 1152, 16 heads,
 9B's 4096) in bf16, with the same random weights.
 
     source bench/tools/device_setup.sh && python3 bench/vision_encoder.py [--sides 448,1024,2048]
-        [--videos 10x720x1280,30x480x864] [--out DIR]
+        [--videos 10x704x1280,30x480x864] [--out DIR]
 
 For square images of each side (pixels; patch 16, merge 2: side^2 / 1024 LLM tokens), one image
 and a batch of four: ms per encode (the median of eager_time_us' rounds after a warm-up, as the
@@ -39,7 +39,7 @@ def hf_encoder(config: dict):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sides", default="448,1024,2048")
-    parser.add_argument("--videos", default="10x720x1280,30x480x864")
+    parser.add_argument("--videos", default="10x704x1280,30x480x864")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     torch.manual_seed(0)

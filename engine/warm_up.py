@@ -131,11 +131,12 @@ def _run(core) -> float:
     waves = sorted({n for n in (1, 2, 3, 4, 8, 16, 32, 64, 128, 256) if n <= config.max_num_seqs}
                    | {config.max_num_seqs})
 
-    image_token_id = core.model_config.image_token_id
+    media_tokens = {core.model_config.image_token_id, core.model_config.video_token_id} - {None}
 
     def prompt(length: int) -> list[int]:
-        # Random text: never the image token, which needs an image (`image_prompt`).
-        return [t if t != image_token_id else (t + 1) % vocab for t in (rng.randrange(vocab) for _ in range(max(1, length)))]
+        # Random text: never an image or video token, which needs its media (`image_prompt`).
+        text = [rng.randrange(vocab) for _ in range(max(1, length))]
+        return [t if t not in media_tokens else next(u for u in range(vocab) if u not in media_tokens) for t in text]
 
     shared = prompt(min(48, long_prompt))  # submitted twice: the second restores a cached prefix
     for index, rows in enumerate(waves):
