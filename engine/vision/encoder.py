@@ -146,10 +146,17 @@ class _Block(nn.Module):
         n = x.shape[0]
         q, k, v = self.qkv(self.norm1(x)).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        out, start = [], 0
+        # Consecutive items of one frame size (a video's temporal patches, same-sized images)
+        # share an SDPA call, their frames the batch: a frame attends to itself only, and no
+        # mask spans more than one frame.
+        runs: list[list[int]] = []
         for t, h, w in grids:
-            # One SDPA call per image, its t frames the batch: a frame attends to itself only,
-            # and no mask spans more than one frame.
+            if runs and runs[-1][1:] == [h, w]:
+                runs[-1][0] += t
+            else:
+                runs.append([t, h, w])
+        out, start = [], 0
+        for t, h, w in runs:
             frame = slice(start, start + t * h * w)
             q_, k_, v_ = (y[frame].view(t, h * w, self.num_heads, self.head_dim).transpose(1, 2)
                           for y in (q, k, v))

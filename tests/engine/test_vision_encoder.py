@@ -105,6 +105,20 @@ def test_bfloat16_matches_hf(tmp_path):
     assert torch.equal(out, expected)
 
 
+def test_a_videos_patches_encode_as_its_grid(tmp_path):
+    """A video of grid (3, h, w) in HF equals its 3 temporal patches as items of grid (1, h, w)
+    (how the engine encodes a video), beside an image of the same size and one of another: the
+    patches sharing an attention call change nothing."""
+    model = hf_model(7, "sdpa")
+    config = config_of(model)
+    encoder = load_vision_encoder(save(tensors_of(model), tmp_path / "ckpt"), config, torch.float32, "cpu")
+    hf_grids = [(1, 4, 6), (3, 4, 6), (1, 8, 4)]
+    x = patches(hf_grids, config, seed=8)
+    with torch.no_grad():
+        out = encoder(x, [(1, 4, 6)] * 4 + [(1, 8, 4)])
+    torch.testing.assert_close(out, hf_output(model, x, hf_grids), rtol=1e-5, atol=1e-5)
+
+
 def test_images_are_isolated(tmp_path):
     model = hf_model(5)
     config = config_of(model)
