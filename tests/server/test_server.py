@@ -362,7 +362,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "messages[0].content[0].image_url", "is required"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, 400,
-     "messages[0].content", "(text and image_url are)"),
+     "messages[0].content", "(text, image_url and video_url are)"),
     ("/v1/completions", {"prompt": "hi", "temperature": 2.5}, 400, "temperature", "<= 2"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [100000]}, 400, None, "stop_token_ids outside"),
     ("/v1/completions", {"prompt": "hi", "max_completion_tokens": 4}, 400, "max_completion_tokens", "unknown"),
