@@ -65,9 +65,41 @@ def mm_processor_options(mm_processor_kwargs: Any) -> tuple[dict[str, int], dict
     return {name: value for name, value in pixels.items() if value is not None}, video
 
 
+def merge_video_options(media_io: dict[str, Any], mm_processor: dict[str, Any]) -> dict[str, Any]:
+    """The video options media_io_kwargs and mm_processor_kwargs set together; a key both set
+    differently is a ValueError naming it."""
+    clash = sorted(k for k in media_io.keys() & mm_processor.keys() if media_io[k] != mm_processor[k])
+    if clash:
+        raise ValueError(f"media_io_kwargs and mm_processor_kwargs set the video's {clash} differently: give one")
+    return {**media_io, **mm_processor}
+
+
+def media_io_video_options(media_io_kwargs: Any) -> dict[str, Any]:
+    """vLLM's media_io_kwargs (its media loaders' settings: `--media-io-kwargs '{"video":
+    {"num_frames": -1}}'`, as Qwen3.5's model card serves) as the video processor's options.
+    vLLM's video loader keeps num_frames frames spread evenly, or with -1 every frame for the
+    processor to sample by fps; here the processor samples the decoded stream itself, so -1 is
+    what always happens, num_frames N is the processor's num_frames and fps F (-1: unset) its
+    fps. Another key or modality is a ValueError naming it."""
+    if not isinstance(media_io_kwargs, dict):
+        raise ValueError("media_io_kwargs must be a JSON object / dict")
+    unknown = sorted(media_io_kwargs.keys() - {"video"})
+    video = media_io_kwargs.get("video", {})
+    if unknown or not isinstance(video, dict) or video.keys() - {"num_frames", "fps"}:
+        raise ValueError(f"media_io_kwargs takes {{'video': {{'num_frames': .., 'fps': ..}}}}; got "
+                         f"{media_io_kwargs!r}")
+    options = {}
+    for name, value in video.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not (value == -1 or value > 0):
+            raise ValueError(f"media_io_kwargs: video {name} must be -1 (unset) or positive, got {value!r}")
+        if value != -1:
+            options[name] = value
+    return options
+
+
 def engine_options(model: str | Path, options: dict[str, Any]) -> dict[str, Any]:
     """`LLM(model, **options)`'s keyword arguments as EngineConfig fields. vLLM's enforce_eager,
-    enable_prefix_caching, speculative_config and mm_processor_kwargs are translated; trust_remote_code (no remote
+    enable_prefix_caching, speculative_config, mm_processor_kwargs and media_io_kwargs are translated; trust_remote_code (no remote
     code ever runs: the model classes are the engine's) and tokenizer naming the model itself are
     accepted; every other name must be an EngineConfig field (kv_cache_dtype, seed, ... are)."""
     options = dict(options)
@@ -78,13 +110,12 @@ def engine_options(model: str | Path, options: dict[str, Any]) -> dict[str, Any]
     if options.get("speculative_config") is not None:
         translate(options, "speculative_config", "num_draft_tokens", draft_tokens(options.pop("speculative_config")))
     options.pop("speculative_config", None)
-    if options.get("mm_processor_kwargs") is not None:
-        pixels, video = mm_processor_options(options.pop("mm_processor_kwargs"))
-        for name, value in pixels.items():
-            translate(options, "mm_processor_kwargs", f"image_{name}", value)
-        if video:
-            translate(options, "mm_processor_kwargs", "video_options", video)
-    options.pop("mm_processor_kwargs", None)
+    pixels, video = mm_processor_options(options.pop("mm_processor_kwargs", None) or {})
+    for name, value in pixels.items():
+        translate(options, "mm_processor_kwargs", f"image_{name}", value)
+    video = merge_video_options(media_io_video_options(options.pop("media_io_kwargs", None) or {}), video)
+    if video:
+        translate(options, "mm_processor_kwargs", "video_options", video)
     options.pop("trust_remote_code", None)
     tokenizer = options.pop("tokenizer", None)
     if tokenizer is not None and str(tokenizer) != str(model):

@@ -14,7 +14,8 @@ import argparse
 import json
 
 from ..engine.engine_config import ALL_REDUCES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, SSM_CACHE_DTYPES
-from ..engine.vllm_options import draft_tokens, mm_processor_options, translate
+from ..engine.vllm_options import (draft_tokens, media_io_video_options, merge_video_options, mm_processor_options,
+                                   translate)
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -79,6 +80,10 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                              "shortest_edge and longest_edge, which bound a video's pixels too); a video's frames: "
                              "fps, num_frames, do_sample_frames, min_frames, max_frames; a request's "
                              "mm_processor_kwargs overrides it for its images and videos")
+    parser.add_argument("--media-io-kwargs", type=_media_io_kwargs, default=None, metavar="JSON",
+                        help="vLLM's video loader settings: '{\"video\": {\"num_frames\": -1}}' (Qwen3.5's model "
+                             "card: every frame to the processor, which samples by fps; what always happens here), "
+                             "num_frames N: N frames spread evenly, fps F: F frames a second")
     parser.add_argument("--block-size", type=int, default=None,
                         help="tokens per KV-cache block (default: 16); must divide the checkpoint interval")
     parser.add_argument("--disable-custom-all-reduce", action="store_true",
@@ -108,6 +113,14 @@ def _mm_processor_kwargs(text: str) -> tuple[dict[str, int], dict]:
         raise argparse.ArgumentTypeError(str(error).removeprefix("mm_processor_kwargs: ")) from None
 
 
+def _media_io_kwargs(text: str) -> dict:
+    """vLLM's --media-io-kwargs (JSON) as the video options it sets."""
+    try:
+        return media_io_video_options(json.loads(text))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("media_io_kwargs: ")) from None
+
+
 def _speculative_config(text: str) -> int:
     """vLLM's --speculative-config (JSON) as the MTP drafts per step it asks for."""
     try:
@@ -133,12 +146,12 @@ def engine_options(args: argparse.Namespace) -> dict:
     options = {name: getattr(args, name) for name in _FIELDS if getattr(args, name) is not None}
     if args.speculative_config is not None:
         translate(options, "--speculative-config", "num_draft_tokens", args.speculative_config, _setting)
-    if args.mm_processor_kwargs is not None:
-        pixels, video = args.mm_processor_kwargs
-        for name, value in pixels.items():
-            translate(options, "--mm-processor-kwargs", f"image_{name}", value, _setting)
-        if video:
-            translate(options, "--mm-processor-kwargs", "video_options", video, _setting)
+    pixels, video = args.mm_processor_kwargs or ({}, {})
+    for name, value in pixels.items():
+        translate(options, "--mm-processor-kwargs", f"image_{name}", value, _setting)
+    video = merge_video_options(args.media_io_kwargs or {}, video)
+    if video:
+        translate(options, "--mm-processor-kwargs", "video_options", video, _setting)
     if args.disable_custom_all_reduce:
         translate(options, "--disable-custom-all-reduce", "all_reduce", "nccl", _setting)
     if args.enforce_eager:

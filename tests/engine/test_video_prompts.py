@@ -283,3 +283,30 @@ def test_videos_through_the_gpu_graphs(tmp_path_factory):
             assert ours.prompt_token_ids == theirs.prompt_token_ids
             assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids, (k, ours.prompt)
         gpu.close()
+
+
+def test_vllm_video_settings_reach_the_video_processor(vision_checkpoint, monkeypatch):
+    """vLLM's engine-wide video settings: LLM(mm_processor_kwargs={"fps": ..}) samples the
+    engine's videos; --media-io-kwargs '{"video": {"num_frames": -1}}' (Qwen3.5's model card)
+    changes nothing, num_frames N takes N frames, and with --mm-processor-kwargs they meet in
+    EngineConfig.video_options; settings that cannot hold are refused by name."""
+    from deltaspec.server import cli
+    frames = random_frames(np.random.default_rng(7), 8, 32, 32)
+    assert len(engine(vision_checkpoint, mm_processor_kwargs={"fps": 0.5}).core.video_processor.from_frames(
+        frames, fps=2.0).patches) == 1  # 4 s at 0.5 fps: 2 frames (min_frames), one patch
+    served = {}
+
+    async def serve(engine_config, server_config, single_process=False):
+        served["engine"] = engine_config
+
+    monkeypatch.setattr(cli, "serve", serve)
+    monkeypatch.setattr(cli.logging, "basicConfig", lambda **options: None)
+    for flags, options in ((['{"video": {"num_frames": -1}}'], None), (['{"video": {"num_frames": 6}}'],
+                                                                      {"num_frames": 6}),
+                           (['{"video": {"num_frames": -1}}', "--mm-processor-kwargs", '{"fps": 1}'], {"fps": 1})):
+        assert cli.main(["serve", str(vision_checkpoint), "--media-io-kwargs", *flags]) == 0
+        assert served["engine"].video_options == options
+    with pytest.raises(ValueError, match=r"media_io_kwargs takes"):
+        engine(vision_checkpoint, media_io_kwargs={"audio": {}})
+    with pytest.raises(ValueError, match=r"set the video's \['num_frames'\] differently"):
+        engine(vision_checkpoint, media_io_kwargs={"video": {"num_frames": 4}}, mm_processor_kwargs={"num_frames": 6})
