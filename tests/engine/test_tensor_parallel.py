@@ -531,8 +531,8 @@ def test_gpu_symmetric_all_reduce_greedy_equals_nccl_and_one_gpu(checkpoint):
 
 def test_images_under_tp_equal_one_device(tmp_path):
     """A vision-language checkpoint at tp 2 (rank 0 encodes, the worker receives the features):
-    prompts with images (cut over prefill chunks, with MTP drafts) give one device's tokens; a
-    repeated prompt restores its image prefix."""
+    prompts with images and a video (cut over prefill chunks, with MTP drafts) give one device's
+    tokens; a repeated prompt restores its image prefix."""
     import numpy as np
     from PIL import Image
     from fixtures import make_vision_checkpoint
@@ -543,6 +543,8 @@ def test_images_under_tp_equal_one_device(tmp_path):
     pad = "<|vision_start|><|image_pad|><|vision_end|>"
     batch = [{"prompt": turn.format(f"see {pad} and {pad}"), "multi_modal_data": {"image": [image(96, 64), image(48, 80)]}},
              {"prompt": turn.format(f"one {pad}"), "multi_modal_data": {"image": [image(64, 64)]}},
+             {"prompt": turn.format("a clip <|vision_start|><|video_pad|><|vision_end|>"),
+              "multi_modal_data": {"video": (rng.integers(0, 256, (6, 48, 64, 3), dtype=np.uint8), {"fps": 2.0})}},
              turn.format("text only")]
     options = dict(num_draft_tokens=2, **POOLS)
     with LLM(path, **options) as one:
