@@ -470,21 +470,30 @@ class OpenAIServer:
         parts = image_parts(messages, param)
         if not parts:
             return None
-        processor = self.engine.image_processor
-        if processor is None:  # the engine says why: a text-only checkpoint, --language-model-only, ...
-            raise APIError(400, f"image input is not supported: {self.engine.images_refused}", param=parts[0].param,
-                           code="unsupported_parameter")
-        if mm_processor_kwargs is not None:
-            try:
-                processor = processor.with_pixels(**mm_processor_options(mm_processor_kwargs)[0])
-            except ValueError as error:
-                raise APIError(400, str(error), param="mm_processor_kwargs", code="invalid_value") from None
-        limit = self.config.media.max_images
-        if limit is not None and len(parts) > limit:
-            raise APIError(400, f"the request holds {len(parts)} images; at most {limit} are taken per prompt "
-                                f"(--limit-mm-per-prompt)", param=parts[limit].param, code="invalid_value")
+        processor = self._media_processor(
+            parts, "image", self.engine.image_processor, self.config.media.max_images,
+            mm_processor_kwargs and (lambda p: p.with_pixels(**mm_processor_options(mm_processor_kwargs)[0])))
         images = await _each(self._image(part, processor) for part in parts)
         return ChatImages(tuple(images), processor)
+
+    def _media_processor(self, parts: list[MediaPart], modality: str, processor: Any, limit: int | None,
+                         configure: Callable[[Any], Any] | None) -> Any:
+        """What a request's parts of one modality go through: the engine's processor (none: a
+        400 saying why, a text-only checkpoint, --language-model-only, ...), configured for the
+        request (`configure`: its mm_processor_kwargs; a bad one a 400 naming the field); more
+        parts than --limit-mm-per-prompt's count are a 400."""
+        if processor is None:
+            raise APIError(400, f"{modality} input is not supported: {self.engine.images_refused}",
+                           param=parts[0].param, code="unsupported_parameter")
+        if configure:
+            try:
+                processor = configure(processor)
+            except ValueError as error:
+                raise APIError(400, str(error), param="mm_processor_kwargs", code="invalid_value") from None
+        if limit is not None and len(parts) > limit:
+            raise APIError(400, f"the request holds {len(parts)} {modality}s; at most {limit} are taken per prompt "
+                                f"(--limit-mm-per-prompt)", param=parts[limit].param, code="invalid_value")
+        return processor
 
     async def _image(self, part: MediaPart, processor: ImageProcessor) -> ImageInput:
         """One image part's image, fetched, then decoded and resized off the loop (CPU work)."""
@@ -502,19 +511,9 @@ class OpenAIServer:
         parts = video_parts(messages)
         if not parts:
             return None
-        processor = self.engine.video_processor
-        if processor is None:  # the engine says why, as for images
-            raise APIError(400, f"video input is not supported: {self.engine.images_refused}", param=parts[0].param,
-                           code="unsupported_parameter")
-        if mm_processor_kwargs is not None:
-            try:
-                processor = processor.with_options(**mm_processor_options(mm_processor_kwargs)[1])
-            except ValueError as error:
-                raise APIError(400, str(error), param="mm_processor_kwargs", code="invalid_value") from None
-        limit = self.config.media.max_videos
-        if limit is not None and len(parts) > limit:
-            raise APIError(400, f"the request holds {len(parts)} videos; at most {limit} are taken per prompt "
-                                f"(--limit-mm-per-prompt)", param=parts[limit].param, code="invalid_value")
+        processor = self._media_processor(
+            parts, "video", self.engine.video_processor, self.config.media.max_videos,
+            mm_processor_kwargs and (lambda p: p.with_options(**mm_processor_options(mm_processor_kwargs)[1])))
         videos = await _each(self._video(part, processor) for part in parts)
         return ChatVideos(tuple(videos), processor)
 
