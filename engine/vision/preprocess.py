@@ -70,12 +70,7 @@ class ImageProcessorConfig:
                 problems.append(f"{name} must be a positive integer, got {value!r}")
         if not problems and self.min_pixels > self.max_pixels:
             problems.append(f"min_pixels {self.min_pixels} exceeds max_pixels {self.max_pixels}")
-        for name in ("image_mean", "image_std"):
-            value = getattr(self, name)
-            if not (isinstance(value, tuple) and len(value) == 3 and all(is_real(v) for v in value)):
-                problems.append(f"{name} must be a tuple of 3 finite numbers, got {value!r}")
-            elif name == "image_std" and min(value) <= 0:
-                problems.append(f"image_std must be > 0, got {value!r}")
+        problems += normalisation_problems(self.image_mean, self.image_std)
         if problems:
             raise ValueError("invalid image processor config: " + "; ".join(problems))
 
@@ -281,6 +276,17 @@ def patchify(item: ImageInput, levels: torch.Tensor, patch_size: int, merge_size
     blocks = blocks.permute(1, 4, 2, 5, 7, 0, 3, 6)
     frames = blocks.expand(*blocks.shape[:5], temporal_patch_size, p, p)
     return frames.reshape(grid_h * grid_w, 3 * temporal_patch_size * p * p)
+
+
+def normalisation_problems(mean: Any, std: Any) -> list[str]:
+    """What is wrong with a processor's per-channel mean and std (3 finite numbers each, std > 0)."""
+    problems = []
+    for name, value in (("image_mean", mean), ("image_std", std)):
+        if not (isinstance(value, tuple) and len(value) == 3 and all(is_real(v) for v in value)):
+            problems.append(f"{name} must be a tuple of 3 finite numbers, got {value!r}")
+        elif name == "image_std" and min(value) <= 0:
+            problems.append(f"image_std must be > 0, got {value!r}")
+    return problems
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

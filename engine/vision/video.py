@@ -44,7 +44,7 @@ from PIL import Image
 from .image import ImageInput, VideoInput
 from .prompt import expand_video_tokens
 from .preprocess import (FIXED_SETTINGS, MAX_ASPECT_RATIO, MAX_DECODED_PIXELS, channels_field, int_field, is_int,
-                         is_real, one_line, read_json_object, to_rgb, patchify)
+                         is_real, normalisation_problems, one_line, read_json_object, to_rgb, patchify)
 
 # Qwen3.5's `<|video_pad|>`, `<|vision_start|>` and `<|vision_end|>`, for config.json files that
 # do not name them.
@@ -120,12 +120,7 @@ class VideoProcessorConfig:
                             f"{self.num_frames!r}")
         if not isinstance(self.do_sample_frames, bool):
             problems.append(f"do_sample_frames must be a bool, got {self.do_sample_frames!r}")
-        for name in ("image_mean", "image_std"):
-            value = getattr(self, name)
-            if not (isinstance(value, tuple) and len(value) == 3 and all(is_real(v) for v in value)):
-                problems.append(f"{name} must be a tuple of 3 finite numbers, got {value!r}")
-            elif name == "image_std" and min(value) <= 0:
-                problems.append(f"image_std must be > 0, got {value!r}")
+        problems += normalisation_problems(self.image_mean, self.image_std)
         if problems:
             raise ValueError("invalid video processor config: " + "; ".join(problems))
 
