@@ -310,7 +310,8 @@ class EngineCore:
             image.array()  # its size against its pixels
         for i, video in enumerate(videos):
             if not isinstance(video, VideoInput):
-                raise ValueError(f"videos[{i}] must be a VideoInput (VideoProcessor.decode), got {type(video).__name__}")
+                raise ValueError(f"videos[{i}] must be a VideoInput (VideoProcessor.decode), got "
+                                 f"{type(video).__name__}")
             for patch in video.patches:
                 patch.array()
         expanded = expand_image_tokens(token_ids, images, config.image_token_id, self.image_processor.num_tokens)

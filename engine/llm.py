@@ -255,7 +255,8 @@ def _part_media(part: dict[str, Any], kind: str, modality: str, where: str):
     url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str) or not url.startswith("data:"):
         raise ValueError(f"{where}: LLM.chat reads {kind} parts as data: URLs (base64); got "
-                         f"{str(url)[:64]!r}: pass the {modality} itself ({{'type': '{modality}', '{modality}': ...}}), "
+                         f"{str(url)[:64]!r}: pass the {modality} itself "
+                         f"({{'type': '{modality}', '{modality}': ...}}), "
                          f"or serve the model (the server fetches http(s) media)")
     try:
         return data_url_bytes(url, modality)

@@ -99,9 +99,10 @@ def media_io_video_options(media_io_kwargs: Any) -> dict[str, Any]:
 
 def engine_options(model: str | Path, options: dict[str, Any]) -> dict[str, Any]:
     """`LLM(model, **options)`'s keyword arguments as EngineConfig fields. vLLM's enforce_eager,
-    enable_prefix_caching, speculative_config, mm_processor_kwargs and media_io_kwargs are translated; trust_remote_code (no remote
-    code ever runs: the model classes are the engine's) and tokenizer naming the model itself are
-    accepted; every other name must be an EngineConfig field (kv_cache_dtype, seed, ... are)."""
+    enable_prefix_caching, speculative_config, mm_processor_kwargs and media_io_kwargs are
+    translated; trust_remote_code (no remote code ever runs: the model classes are the engine's)
+    and tokenizer naming the model itself are accepted; every other name must be an EngineConfig
+    field (kv_cache_dtype, seed, ... are)."""
     options = dict(options)
     if "enforce_eager" in options:
         translate(options, "enforce_eager", "enable_cuda_graphs", not options.pop("enforce_eager"))

@@ -42,7 +42,8 @@ class ImageInput(msgspec.Struct, frozen=True, array_like=True, gc=False):
                              f"{array.dtype} {list(array.shape)}")
         frames, height, width = (1, *array.shape[:2]) if array.ndim == 3 else array.shape[:3]
         pixels = np.ascontiguousarray(array).tobytes()
-        digest = hashlib.sha256(f"{'video' if video else 'image'}:{frames}x{height}x{width}:".encode() + pixels).digest()
+        kind = "video" if video else "image"
+        digest = hashlib.sha256(f"{kind}:{frames}x{height}x{width}:".encode() + pixels).digest()
         return cls(pixels, int(height), int(width), digest, int(frames), video)
 
     def array(self) -> np.ndarray:
@@ -64,7 +65,8 @@ def data_url_bytes(url: str, media: str = "image") -> bytes:
     if not parameters or parameters[-1].lower() != "base64":
         raise ValueError("only base64 data: URLs are read (data:image/png;base64,...)")
     if not media_type.lower().startswith(f"{media}/"):
-        raise ValueError(f"a data: URL of media type {media_type or 'text/plain'!r} is not {'an' if media[0] in 'aeiou' else 'a'} {media}")
+        article = "an" if media[0] in "aeiou" else "a"
+        raise ValueError(f"a data: URL of media type {media_type or 'text/plain'!r} is not {article} {media}")
     try:
         return base64.b64decode(data, validate=True)
     except binascii.Error as error:

@@ -78,7 +78,8 @@ def expand_video_tokens(token_ids: Sequence[int], videos: Sequence[VideoInput], 
                          f"({sum(wanted)} video tokens)")
     expanded, start = [], 0
     for i, video in zip(at, videos):
-        wrapped = 0 < i < len(token_ids) - 1 and token_ids[i - 1] == vision_start_id and token_ids[i + 1] == vision_end_id
+        wrapped = (0 < i < len(token_ids) - 1 and token_ids[i - 1] == vision_start_id
+                   and token_ids[i + 1] == vision_end_id)
         expanded += token_ids[start:i - wrapped]
         for patch, seconds in zip(video.patches, video.timestamps):
             expanded += patch_tokens(patch, seconds)
