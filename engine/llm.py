@@ -25,6 +25,7 @@ from .prefix_cache import CheckpointHandle
 from .request import RequestOutput
 from .sampling_params import SamplingParams
 from . import vllm_options
+from .vision.fetch import fetch_url
 from .vision.image import ImageInput, VideoInput, data_url_bytes
 from .vision.video import VideoProcessor
 
@@ -142,11 +143,11 @@ class LLM:
         templates take them, tools and chat_template_kwargs such as {"enable_thinking": False}
         as template variables), then generated as `generate` does. The outputs' text is the
         model's raw text (reasoning and tool calls unparsed). Image parts, for a model that
-        reads images: {"type": "image_url", "image_url": {"url": a data: URL}}, {"type":
+        reads images: {"type": "image_url", "image_url": {"url": a data: or http(s) URL}}, {"type":
         "image_pil", "image_pil": a PIL image} or {"type": "image", "image": a PIL image or
-        encoded bytes}; video parts: {"type": "video_url", "video_url": {"url": a data: URL}} or
-        {"type": "video", "video": what multi_modal_data's "video" takes}; other URLs are refused
-        (fetch them first, or serve the model: the server fetches http(s) media)."""
+        encoded bytes}; video parts: {"type": "video_url", "video_url": {"url": ...}} or
+        {"type": "video", "video": what multi_modal_data's "video" takes}. http(s) URLs are
+        fetched (vision/fetch.py: the server's time and size limits); other URLs are refused."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conversation in conversations:
@@ -253,13 +254,12 @@ def _part_media(part: dict[str, Any], kind: str, modality: str, where: str):
             raise ValueError(f"{where}: a {kind!r} part needs its {modality} under {kind!r}")
         return value
     url = value.get("url") if isinstance(value, dict) else value
-    if not isinstance(url, str) or not url.startswith("data:"):
-        raise ValueError(f"{where}: LLM.chat reads {kind} parts as data: URLs (base64); got "
-                         f"{str(url)[:64]!r}: pass the {modality} itself "
-                         f"({{'type': '{modality}', '{modality}': ...}}), "
-                         f"or serve the model (the server fetches http(s) media)")
+    scheme = url.partition(":")[0].lower() if isinstance(url, str) else None
+    if scheme not in ("data", "http", "https"):
+        raise ValueError(f"{where}: LLM.chat reads {kind} parts as data: or http(s) URLs; got {str(url)[:64]!r}: "
+                         f"pass the {modality} itself ({{'type': '{modality}', '{modality}': ...}})")
     try:
-        return data_url_bytes(url, modality)
+        return data_url_bytes(url, modality) if scheme == "data" else fetch_url(url, modality)
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from None
 

@@ -24,7 +24,6 @@ Knows nothing about the APIs' shapes or the engine.
 from __future__ import annotations
 
 import asyncio
-import os
 import urllib.parse
 import urllib.request
 from collections.abc import AsyncIterator
@@ -36,38 +35,14 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
+from ..engine.vision.fetch import (CHUNK_BYTES, DEFAULT_FETCH_TIMEOUT, DEFAULT_VIDEO_FETCH_TIMEOUT, FETCH_TIMEOUT_ENV,
+                                   MAX_IMAGE_BYTES, MAX_REDIRECTS, MAX_VIDEO_BYTES, VIDEO_FETCH_TIMEOUT_ENV,
+                                   seconds_from_env)
 from ..engine.vision.image import data_url_bytes
 from .errors import APIError
 
-FETCH_TIMEOUT_ENV = "VLLM_IMAGE_FETCH_TIMEOUT"  # vLLM's variable, in seconds
-DEFAULT_FETCH_TIMEOUT = 5.0  # vLLM's default
-VIDEO_FETCH_TIMEOUT_ENV = "VLLM_VIDEO_FETCH_TIMEOUT"  # vLLM's variable, in seconds
-DEFAULT_VIDEO_FETCH_TIMEOUT = 30.0  # vLLM's default
-# A fetched or read image's bytes at most. A 4K screenshot as PNG is ~5-10 MB; past this a file
-# is no picture a client meant to send, and the server would hold it in memory while it decodes.
-# The body is read in chunks and cut off here, never read whole first.
-MAX_IMAGE_BYTES = 20 * 2**20
-# A fetched or read video's bytes at most: a video is compressed across frames, so its bytes say
-# little about its tokens (the processor samples at most max_frames frames, whatever its
-# length), and clips run larger than pictures: 1080p H.264 is ~0.5-1 MB a second, so this takes
-# a few minutes of it. The server holds these bytes while the video decodes, and the app fetches
-# and decodes only a few videos at once (`app.MAX_VIDEOS_AT_ONCE`), so a burst of requests holds
-# at most that many times this. Cut off while streaming, as an image's.
-MAX_VIDEO_BYTES = 256 * 2**20
-MAX_REDIRECTS = 10  # aiohttp's and requests' default bound
 _REDIRECT_STATUSES = (301, 302, 303, 307, 308)
-_CHUNK_BYTES = 1 << 16
 _PREVIEW_CHARS = 64  # of a URL in an error message (a data: URL is the whole image or video)
-
-
-def _seconds_from_env(name: str, default: float) -> float:
-    text = os.environ.get(name)
-    if text is None:
-        return default
-    try:
-        return float(text)
-    except ValueError:
-        raise ValueError(f"{name} must be a number of seconds, got {text!r}") from None
 
 
 @dataclass(frozen=True)
@@ -83,9 +58,9 @@ class MediaPolicy:
     max_images: int | None = None
     max_videos: int | None = None
     # Seconds for one http(s) image, one http(s) video (vLLM's variables, read when made).
-    fetch_timeout: float = field(default_factory=lambda: _seconds_from_env(FETCH_TIMEOUT_ENV, DEFAULT_FETCH_TIMEOUT))
+    fetch_timeout: float = field(default_factory=lambda: seconds_from_env(FETCH_TIMEOUT_ENV, DEFAULT_FETCH_TIMEOUT))
     video_fetch_timeout: float = field(
-        default_factory=lambda: _seconds_from_env(VIDEO_FETCH_TIMEOUT_ENV, DEFAULT_VIDEO_FETCH_TIMEOUT))
+        default_factory=lambda: seconds_from_env(VIDEO_FETCH_TIMEOUT_ENV, DEFAULT_VIDEO_FETCH_TIMEOUT))
 
     def __post_init__(self) -> None:
         problems = []
@@ -242,7 +217,7 @@ async def _capped_body(part: MediaPart, response: aiohttp.ClientResponse) -> byt
     if response.content_length is not None and response.content_length > max_bytes:
         raise part.error(f"{response.content_length} bytes, more than the {max_bytes} {part.noun} may have")
     body = bytearray()
-    async for chunk in response.content.iter_chunked(_CHUNK_BYTES):
+    async for chunk in response.content.iter_chunked(CHUNK_BYTES):
         body += chunk
         if len(body) > max_bytes:
             raise part.error(f"more than the {max_bytes} bytes {part.noun} may have")

@@ -217,7 +217,7 @@ def test_images_through_the_gpu_graphs(tmp_path_factory):
 
 def test_llm_chat_reads_image_parts(vision_checkpoint):
     """LLM.chat's image parts (a data: URL, a PIL image) render as the template's placeholder and
-    give what generate gives for the same prompt and images; an http URL is refused by name."""
+    give what generate gives for the same prompt and images; an ftp URL is refused by name."""
     import base64
     import io
     rng = np.random.default_rng(9)
@@ -236,8 +236,8 @@ def test_llm_chat_reads_image_parts(vision_checkpoint):
                            "multi_modal_data": {"image": [first, second]}}, params, use_tqdm=False)[0]
     assert chat.prompt_token_ids == direct.prompt_token_ids
     assert chat.outputs[0].token_ids == direct.outputs[0].token_ids
-    with pytest.raises(ValueError, match="data: URLs"):
-        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}])
+    with pytest.raises(ValueError, match="data: or http"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "ftp://x/y.png"}}]}])
 
 
 def test_pixel_bounds_set_an_images_tokens(vision_checkpoint):
