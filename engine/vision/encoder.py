@@ -142,10 +142,10 @@ class _Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 grids: Sequence[tuple[int, int, int]]) -> torch.Tensor:
-        """x [N, hidden]; cos, sin [N, head_dim] float32."""
+        """x [N, hidden]; cos, signed sin [N, 1, 1, head_dim] float32 (`_rotate`)."""
         n = x.shape[0]
-        q, k, v = self.qkv(self.norm1(x)).view(n, 3, self.num_heads, self.head_dim).unbind(1)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        qkv = self.qkv(self.norm1(x)).view(n, 3, self.num_heads, self.head_dim)
+        (q, k), v = _rotate(qkv[:, :2], cos, sin).unbind(1), qkv[:, 2]
         # Consecutive items of one frame size (a video's temporal patches, same-sized images)
         # share an SDPA call, their frames the batch: a frame attends to itself only, and no
         # mask spans more than one frame.
@@ -167,13 +167,14 @@ class _Block(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate=self.approximate))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rope over the whole head dim, in float32 (as HF), back in x's dtype.
-    x [N, heads, head_dim]; cos, sin [N, head_dim]."""
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rope over the whole head dim, in float32 (as HF), back in x's dtype; q and k
+    together, x [N, 2, heads, head_dim]; cos, signed_sin [N, 1, 1, head_dim]. HF's
+    rotate_half(y) * sin is cat(-y2, y1) * sin = roll(y, half) * cat(-sin1, sin2): the sign
+    moved onto sin is exact, so the products and their sum round as HF's, in a third of the
+    launches (the encoder is launch-bound at small images)."""
     y = x.float()
-    y1, y2 = y.chunk(2, dim=-1)
-    rotated = torch.cat((-y2, y1), dim=-1)
-    return (y * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+    return (y * cos + y.roll(x.shape[-1] // 2, dims=-1) * signed_sin).to(x.dtype)
 
 
 class _Merger(nn.Module):
@@ -280,8 +281,8 @@ class VisionEncoder(nn.Module):
         return torch.cat(out)
 
     def _rope(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [N, head_dim] float32 of each patch's (row, col): angles laid out
-        [row freqs | col freqs | row freqs | col freqs], each head_dim / 4 wide."""
+        """cos, signed sin [N, 1, 1, head_dim] float32 of each patch's (row, col): angles laid
+        out [row freqs | col freqs | row freqs | col freqs], each head_dim / 4 wide."""
         merge, device = self.config.spatial_merge_size, self.inv_freq.device
         out = []
         for t, h, w in grids:
@@ -290,8 +291,10 @@ class VisionEncoder(nn.Module):
             angles = torch.cat((rows[:, None].expand(h, w, -1), cols[None].expand(h, w, -1)), dim=-1)
             out.append(_merge_order(angles, merge).repeat(t, 1))
         angles = torch.cat(out)
-        angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos(), angles.sin()
+        sin = angles.sin()
+        # [N, 1, 1, head_dim]: broadcast over q/k and heads; sin's first half negated (`_rotate`).
+        return (torch.cat((angles, angles), dim=-1).cos()[:, None, None],
+                torch.cat((-sin, sin), dim=-1)[:, None, None])
 
 
 def _taps(size: int, side: int, device: torch.device) -> tuple[torch.Tensor, ...]:
