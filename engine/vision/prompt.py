@@ -69,7 +69,7 @@ def expand_video_tokens(token_ids: Sequence[int], videos: Sequence[VideoInput], 
     token_ids = list(token_ids)
     at = [i for i, t in enumerate(token_ids) if t == video_token_id]
     wanted = [sum(num_tokens(patch) for patch in video.patches) for video in videos]
-    if len(at) == sum(wanted) and _expanded(token_ids, at, [patch_tokens(p, t) for video in videos
+    if len(at) == sum(wanted) and _expanded(token_ids, at, [(patch_tokens(p, t), num_tokens(p)) for video in videos
                                                              for p, t in zip(video.patches, video.timestamps)]):
         return token_ids
     if len(at) != len(videos):
@@ -87,13 +87,13 @@ def expand_video_tokens(token_ids: Sequence[int], videos: Sequence[VideoInput], 
     return expanded + token_ids[start:]
 
 
-def _expanded(token_ids: list[int], at: list[int], patches: list[list[int]]) -> bool:
-    """Whether the prompt already holds each patch's tokens (`expand_video_tokens`' form) where
-    its video tokens are, in order."""
+def _expanded(token_ids: list[int], at: list[int], patches: list[tuple[list[int], int]]) -> bool:
+    """Whether the prompt already holds each patch's tokens (`expand_video_tokens`' form: its
+    time, vision start, its `count` video tokens, vision end) where its video tokens are
+    (`at`: the video tokens' indices), in order."""
     first = 0
-    for tokens in patches:
-        count = sum(1 for t in tokens if t == tokens[-2])  # the patch's video tokens
-        start = at[first] - (len(tokens) - count - 1)  # its time and vision start come first
+    for tokens, count in patches:
+        start = at[first] - (len(tokens) - count - 1)  # the time and vision start come first
         if start < 0 or token_ids[start:start + len(tokens)] != tokens:
             return False
         first += count
