@@ -24,7 +24,9 @@ video_preprocessor_config.json) and nothing else: not the encoder, the prompt's 
 engine. Where HF fails, this does not: a video of fewer than temporal_patch_size sampled frames
 (HF's smart_resize refuses it) has its last frame repeated first. Pixels follow HF on the same
 machine: torch's uint8 resize may round differently on another CPU (as HF's does). PyAV's
-rgb24 conversion is HF's PyAV reader's; vLLM's OpenCV reader converts colours its own way.
+rgb24 conversion is HF's PyAV reader's; vLLM's OpenCV reader converts colours its own way. A
+frame is turned as its display matrix says (`upright`: a phone's portrait video stands up), as
+vLLM's OpenCV reader and FFmpeg's player show it; HF's PyAV reader leaves it as stored.
 """
 
 from __future__ import annotations
@@ -510,9 +512,17 @@ class _SampledFrames:
                 if frame.width * frame.height > MAX_DECODED_PIXELS:
                     raise ValueError(f"video frame of {frame.width}x{frame.height} has more than "
                                      f"{MAX_DECODED_PIXELS} pixels")
-                rgb = frame.to_ndarray(format="rgb24")  # [H, W, 3], HF's PyAV reader's conversion
+                rgb = upright(frame.to_ndarray(format="rgb24"), frame.rotation)  # HF's PyAV reader's conversion
                 for _ in range(self.wanted[index]):
                     yield rgb
+
+
+def upright(frame: np.ndarray, rotation: int) -> np.ndarray:
+    """A decoded frame [H, W, 3] as it is shown: turned counterclockwise by its display matrix's
+    rotation (PyAV's VideoFrame.rotation, degrees), as FFmpeg's player and vLLM's OpenCV reader
+    show a phone's portrait video; HF's PyAV reader leaves it sideways. A rotation that is not a
+    multiple of 90 degrees is not applied (no container writes one)."""
+    return np.ascontiguousarray(np.rot90(frame, k=rotation // 90)) if rotation % 90 == 0 and rotation % 360 else frame
 
 
 def _open(av: Any, data: bytes) -> Any:

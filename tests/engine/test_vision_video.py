@@ -105,12 +105,16 @@ def random_size(rng) -> tuple[int, int]:
     return height, max(1, min(20_000, int(height * ratio)))
 
 
-def encode(frames: np.ndarray, fps, container: str = "matroska", codec: str = "ffv1", pix_fmt: str = "bgr0") -> bytes:
-    """frames [N, H, W, 3] uint8 as a video file; ffv1 with bgr0 (and png) are lossless."""
+def encode(frames: np.ndarray, fps, container: str = "matroska", codec: str = "ffv1", pix_fmt: str = "bgr0",
+           rotation: int = 0) -> bytes:
+    """frames [N, H, W, 3] uint8 as a video file; ffv1 with bgr0 (and png) are lossless.
+    rotation: the display matrix's counterclockwise turn, as a phone writes a portrait video's."""
     buffer = io.BytesIO()
     with av.open(buffer, mode="w", format=container) as output:
         stream = output.add_stream(codec, rate=fps)
         stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], pix_fmt
+        if rotation:
+            stream.set_display_rotation(rotation)
         for frame in frames:
             output.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         output.mux(stream.encode())
@@ -287,6 +291,20 @@ def test_short_videos_repeat_their_last_frame(rng):
 
 
 # --- decoding -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rotation", [-90, 90, 180])
+def test_decode_shows_frames_upright(rng, rotation):
+    """A video whose display matrix turns it (a phone's portrait video: stored landscape, shown
+    turned) decodes as shown: each frame turned counterclockwise by the rotation, so a band at
+    the stored top is at the right after -90 degrees; the same as from_frames of the turned frames."""
+    frames = noise(rng, (4, 32, 64, 3))
+    frames[:, :8] = 255
+    processor = VideoProcessor(VideoProcessorConfig(fps=2.0, min_frames=2))
+    video = processor.decode(encode(frames, 2, "mov", "png", "rgb24", rotation=rotation))
+    shown = np.rot90(frames, k=rotation // 90, axes=(1, 2))
+    assert video == processor.from_frames(np.ascontiguousarray(shown), fps=2.0)
+    if rotation == -90:
+        assert (video.patches[0].array()[0][:, -8:] == 255).all()
 
 @pytest.mark.parametrize("container, codec, pix_fmt", [("matroska", "ffv1", "bgr0"), ("avi", "ffv1", "bgr0"),
                                                        ("mov", "png", "rgb24")])
