@@ -25,20 +25,28 @@ from .prefix_cache import CheckpointHandle
 from .request import RequestOutput
 from .sampling_params import SamplingParams
 from . import vllm_options
-from .vision.fetch import fetch_url
+from .vision.fetch import fetch_limits, fetch_url, read_file_url
 from .vision.image import ImageInput, VideoInput, data_url_bytes
 from .vision.video import VideoProcessor
 
 
 class LLM:
-    def __init__(self, model: str | Path, device: str = "auto", dtype: str = "auto", **engine_options) -> None:
+    def __init__(self, model: str | Path, device: str = "auto", dtype: str = "auto",
+                 allowed_local_media_path: str | Path | None = None, **engine_options) -> None:
         """model: a checkpoint directory or a Hugging Face Hub repo id ("Qwen/Qwen3.5-0.8B",
         downloaded or found in the Hub cache; `revision` and `download_dir` pick the commit and
         the cache). device, dtype: "auto" is a GPU in the checkpoint's dtype when there is one, else
         the CPU in float32 (EngineConfig). engine_options: any other EngineConfig field
         (max_model_len, max_num_seqs, seed, ...), or vLLM's name for one (enforce_eager,
         enable_prefix_caching, speculative_config, ...: vllm_options.py), so vLLM's
-        `LLM(model=..., ...)` runs as it is."""
+        `LLM(model=..., ...)` runs as it is. allowed_local_media_path (vLLM's): the directory
+        `chat`'s file: URLs may name media under (None: file: URLs are refused)."""
+        self._local_media = None
+        if allowed_local_media_path is not None:
+            root = Path(allowed_local_media_path).expanduser().resolve()
+            if not root.is_dir():
+                raise ValueError(f"allowed_local_media_path {str(allowed_local_media_path)!r} is not a directory")
+            self._local_media = str(root)
         self.core = EngineCore(EngineConfig(model=model, device=device, dtype=dtype,
                                             **vllm_options.engine_options(model, engine_options)))
 
@@ -147,11 +155,12 @@ class LLM:
         "image_pil", "image_pil": a PIL image} or {"type": "image", "image": a PIL image or
         encoded bytes}; video parts: {"type": "video_url", "video_url": {"url": ...}} or
         {"type": "video", "video": what multi_modal_data's "video" takes}. http(s) URLs are
-        fetched (vision/fetch.py: the server's time and size limits); other URLs are refused."""
+        fetched (vision/fetch.py: the server's time and size limits), file: URLs read under
+        allowed_local_media_path; other URLs are refused."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conversation in conversations:
-            rendered, media = _chat_media(conversation)
+            rendered, media = _chat_media(conversation, self._local_media)
             text = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
                                                       continue_final_message=continue_final_message, tools=tools,
                                                       **(chat_template_kwargs or {}))
@@ -221,10 +230,12 @@ _IMAGE_PARTS = ("image_url", "image_pil", "image")
 _VIDEO_PARTS = ("video_url", "video")
 
 
-def _chat_media(conversation: Seq[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, list]]:
+def _chat_media(conversation: Seq[dict[str, Any]],
+                local_media: str | None) -> tuple[list[dict[str, Any]], dict[str, list]]:
     """The messages as the chat template takes them, each image part made {"type": "image"}
     and each video part {"type": "video"} (where Qwen3.5's template writes the placeholders),
-    and multi_modal_data of the images and videos in order ({} when there are none)."""
+    and multi_modal_data of the images and videos in order ({} when there are none).
+    local_media: the directory file: URLs may read under (None: none)."""
     messages, media = [], {}
     for index, message in enumerate(conversation):
         content = message.get("content")
@@ -239,15 +250,16 @@ def _chat_media(conversation: Seq[dict[str, Any]]) -> tuple[list[dict[str, Any]]
                 parts.append(part)
                 continue
             modality = "video" if kind in _VIDEO_PARTS else "image"
-            media.setdefault(modality, []).append(_part_media(part, kind, modality, f"messages[{index}]"))
+            media.setdefault(modality, []).append(_part_media(part, kind, modality, f"messages[{index}]",
+                                                              local_media))
             parts.append({"type": modality})
         messages.append({**message, "content": parts})
     return messages, media
 
 
-def _part_media(part: dict[str, Any], kind: str, modality: str, where: str):
+def _part_media(part: dict[str, Any], kind: str, modality: str, where: str, local_media: str | None):
     """An image or video part's media as given (a PIL image, frames, encoded bytes: a data:
-    URL's, decoded)."""
+    URL's decoded, an http(s) URL's fetched, a file: URL's read under local_media)."""
     value = part.get(kind)
     if not kind.endswith("_url"):
         if value is None:
@@ -255,11 +267,16 @@ def _part_media(part: dict[str, Any], kind: str, modality: str, where: str):
         return value
     url = value.get("url") if isinstance(value, dict) else value
     scheme = url.partition(":")[0].lower() if isinstance(url, str) else None
-    if scheme not in ("data", "http", "https"):
-        raise ValueError(f"{where}: LLM.chat reads {kind} parts as data: or http(s) URLs; got {str(url)[:64]!r}: "
-                         f"pass the {modality} itself ({{'type': '{modality}', '{modality}': ...}})")
+    if scheme not in ("data", "http", "https", "file") or (scheme == "file" and local_media is None):
+        raise ValueError(f"{where}: LLM.chat reads {kind} parts as data: or http(s) URLs, and file: URLs under "
+                         f"LLM(allowed_local_media_path=...); got {str(url)[:64]!r}: pass the {modality} itself "
+                         f"({{'type': '{modality}', '{modality}': ...}})")
     try:
-        return data_url_bytes(url, modality) if scheme == "data" else fetch_url(url, modality)
+        if scheme == "data":
+            return data_url_bytes(url, modality)
+        if scheme == "file":
+            return read_file_url(url, local_media, fetch_limits(modality)[2], "allowed_local_media_path")
+        return fetch_url(url, modality)
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from None
 

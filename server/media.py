@@ -24,8 +24,6 @@ Knows nothing about the APIs' shapes or the engine.
 from __future__ import annotations
 
 import asyncio
-import urllib.parse
-import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +35,7 @@ from yarl import URL
 
 from ..engine.vision.fetch import (CHUNK_BYTES, DEFAULT_FETCH_TIMEOUT, DEFAULT_VIDEO_FETCH_TIMEOUT, FETCH_TIMEOUT_ENV,
                                    MAX_IMAGE_BYTES, MAX_REDIRECTS, MAX_VIDEO_BYTES, VIDEO_FETCH_TIMEOUT_ENV,
-                                   seconds_from_env)
+                                   read_file_url, seconds_from_env)
 from ..engine.vision.image import data_url_bytes
 from .errors import APIError
 
@@ -180,27 +178,14 @@ class MediaConnector:
 
     def _read_file(self, part: MediaPart) -> bytes:
         """A file: URL's bytes, from under the allowed directory only (runs in a thread)."""
-        root = self.policy.allowed_local_path
-        if root is None:
+        if self.policy.allowed_local_path is None:
             raise part.error("file: URLs are read only under --allowed-local-media-path, which this server "
                              "was not started with")
-        parsed = urllib.parse.urlsplit(part.url)
-        if parsed.netloc not in ("", "localhost"):
-            raise part.error(f"a file: URL names this machine's files, not host {parsed.netloc!r}")
-        # Resolved first (symlinks and ".." followed), then checked: a link out of the directory
-        # is as refused as a path out of it.
-        path = Path(urllib.request.url2pathname(parsed.path)).resolve()
-        if not path.is_relative_to(root):
-            raise part.error(f"the file is not under --allowed-local-media-path {root}")
-        max_bytes = part.max_bytes
         try:
-            with open(path, "rb") as file:
-                data = file.read(max_bytes + 1)
-        except OSError as error:
-            raise part.error(f"cannot read the file: {error.strerror or error}") from None
-        if len(data) > max_bytes:
-            raise part.error(f"the file is larger than {max_bytes} bytes")
-        return data
+            return read_file_url(part.url, self.policy.allowed_local_path, part.max_bytes,
+                                 "--allowed-local-media-path")
+        except ValueError as error:
+            raise part.error(str(error)) from None
 
 
 def _data_url_bytes(part: MediaPart) -> bytes:

@@ -5,8 +5,10 @@ in place (`image.data_url_bytes`), http(s) URLs are fetched here, synchronously,
 limits the server applies to the same URLs (server/media.py fetches them asynchronously, over
 the app's session, with its --allowed-media-domains on top): vLLM's VLLM_IMAGE_FETCH_TIMEOUT and
 VLLM_VIDEO_FETCH_TIMEOUT for the whole fetch, a byte cap per modality cut off while the body
-streams, redirects to http(s) only, at most MAX_REDIRECTS of them. Anything else is a ValueError
-naming why. Knows nothing of what the bytes hold.
+streams, redirects to http(s) only, at most MAX_REDIRECTS of them. file: URLs are read only
+under a directory the user allowed (vLLM's allowed_local_media_path; `read_file_url`, which the
+server's --allowed-local-media-path uses too). Anything else is a ValueError naming why. Knows
+nothing of what the bytes hold.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from pathlib import Path
 
 FETCH_TIMEOUT_ENV = "VLLM_IMAGE_FETCH_TIMEOUT"  # vLLM's variable, in seconds
 DEFAULT_FETCH_TIMEOUT = 5.0  # vLLM's default
@@ -97,3 +100,24 @@ def fetch_url(url: str, modality: str) -> bytes:
         raise ValueError(f"{url[:64]!r} was not fetched within {timeout:g}s ({variable})") from None
     except urllib.error.URLError as error:
         raise ValueError(f"cannot fetch {url[:64]!r}: {error.reason}") from None
+
+
+def read_file_url(url: str, root: str, max_bytes: int, setting: str) -> bytes:
+    """A file: URL's bytes, from under the directory root only (setting: what allowed it, for
+    the refusals). ValueError naming why not: another host, a path out of root (symlinks and ".."
+    resolved first: a link out of the directory is as refused as a path out of it), an unreadable
+    file, more than max_bytes."""
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.netloc not in ("", "localhost"):
+        raise ValueError(f"a file: URL names this machine's files, not host {parsed.netloc!r}")
+    path = Path(urllib.request.url2pathname(parsed.path)).resolve()
+    if not path.is_relative_to(root):
+        raise ValueError(f"the file is not under {setting} {root}")
+    try:
+        with open(path, "rb") as file:
+            data = file.read(max_bytes + 1)
+    except OSError as error:
+        raise ValueError(f"cannot read the file: {error.strerror or error}") from None
+    if len(data) > max_bytes:
+        raise ValueError(f"the file is larger than {max_bytes} bytes")
+    return data

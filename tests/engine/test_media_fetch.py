@@ -1,7 +1,8 @@
 """The offline API's fetch of media URLs (engine/vision/fetch.py) against a local HTTP server:
 the body of a 200 whole; another status, a redirect out of http(s), a body over the modality's
 byte cap (declared or streamed) and a server slower than the modality's timeout are ValueErrors
-naming why; LLM.chat reads an http(s) image part as it reads the same image inline."""
+naming why; LLM.chat reads an http(s) image part, and a file: one under its
+allowed_local_media_path, as it reads the same image inline."""
 
 from __future__ import annotations
 
@@ -79,8 +80,10 @@ def test_fetch_url(server, monkeypatch):
 
 
 @pytest.mark.slow
-def test_llm_chat_fetches_http_image_parts(server, vision_checkpoint_path):
-    """An image_url part naming an http URL gives what the same image as a data: URL gives."""
+def test_llm_chat_fetches_http_and_reads_file_image_parts(server, vision_checkpoint_path, tmp_path):
+    """An image_url part naming an http URL, or a file: URL under allowed_local_media_path
+    (vLLM's LLM argument), gives what the same image as a data: URL gives; a file: URL out of
+    that directory, or without it, is refused by name."""
     from deltaspec.engine import LLM, SamplingParams
     base, routes = server
     image = Image.fromarray(np.random.default_rng(3).integers(0, 256, (64, 80, 3), dtype=np.uint8))
@@ -88,19 +91,32 @@ def test_llm_chat_fetches_http_image_parts(server, vision_checkpoint_path):
     image.save(png, format="PNG")
     routes["/picture.png"] = (200, {"Content-Type": "image/png"}, png.getvalue())
     inline = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
-    llm = LLM(str(vision_checkpoint_path), dtype="float32", device="cpu", num_draft_tokens=0)
+    (tmp_path / "media").mkdir()
+    (tmp_path / "media" / "picture.png").write_bytes(png.getvalue())
+    (tmp_path / "outside.png").write_bytes(png.getvalue())
+    with pytest.raises(ValueError, match="is not a directory"):
+        LLM(str(vision_checkpoint_path), device="cpu", allowed_local_media_path=tmp_path / "none")
+    llm = LLM(str(vision_checkpoint_path), dtype="float32", device="cpu", num_draft_tokens=0,
+              allowed_local_media_path=tmp_path / "media")
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
-    def chat(url):
+    def chat(llm, url):
         return llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}],
                         params, use_tqdm=False)[0]
-    fetched, given = chat(f"{base}/picture.png"), chat(inline)
-    assert fetched.prompt_token_ids == given.prompt_token_ids
-    assert fetched.outputs[0].token_ids == given.outputs[0].token_ids
+    picture = (tmp_path / "media" / "picture.png").as_uri()
+    fetched, read, given = chat(llm, f"{base}/picture.png"), chat(llm, picture), chat(llm, inline)
+    for output in (fetched, read):
+        assert output.prompt_token_ids == given.prompt_token_ids
+        assert output.outputs[0].token_ids == given.outputs[0].token_ids
+    with pytest.raises(ValueError, match="not under allowed_local_media_path"):
+        chat(llm, f"{picture.rpartition('/')[0]}/../outside.png")
     with pytest.raises(ValueError, match=r"messages\[0\]: .*HTTP 404"):
-        chat(f"{base}/missing.png")
+        chat(llm, f"{base}/missing.png")
     with pytest.raises(ValueError, match="data: or http"):
-        chat("ftp://example.com/x.png")
+        chat(llm, "ftp://example.com/x.png")
+    plain = LLM(str(vision_checkpoint_path), dtype="float32", device="cpu", num_draft_tokens=0)
+    with pytest.raises(ValueError, match=r"file: URLs under LLM\(allowed_local_media_path"):
+        chat(plain, picture)
 
 
 @pytest.fixture(scope="module")
