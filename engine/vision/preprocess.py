@@ -148,30 +148,9 @@ class ImageProcessor:
         if not is_int(image_token_id) or image_token_id < 0:
             raise ValueError(f"{config_file}: image_token_id must be a non-negative integer, got {image_token_id!r}")
         defaults = ImageProcessorConfig()
-        # The encoder's own sizes: its patch embedding and merger are built from them.
-        encoder = {
-            "patch_size": int_field(vision, "patch_size", defaults.patch_size, config_file, "vision_config."),
-            "temporal_patch_size": int_field(vision, "temporal_patch_size", defaults.temporal_patch_size,
-                                              config_file, "vision_config."),
-            "merge_size": int_field(vision, "spatial_merge_size", defaults.merge_size, config_file,
-                                     "vision_config."),
-        }
-
         preprocessor_file = path / "preprocessor_config.json"
         pre = read_json_object(preprocessor_file) if preprocessor_file.is_file() else {}
-        for key, expected in FIXED_SETTINGS.items():
-            if pre.get(key) is not None and pre[key] != expected:
-                raise ValueError(f"{preprocessor_file}: {key} = {pre[key]!r} is not supported "
-                                 f"(deltaspec preprocesses images with {key} = {expected!r})")
-        sizes = {}
-        for key, value in encoder.items():
-            sizes[key] = int_field(pre, key, value, preprocessor_file)
-            if sizes[key] != value:
-                raise ValueError(f"{preprocessor_file}: {key} = {sizes[key]} disagrees with "
-                                 f"{config_file}'s vision_config ({value})")
-        size = {} if pre.get("size") is None else pre["size"]
-        if not isinstance(size, dict):
-            raise ValueError(f"{preprocessor_file}: size must be an object, got {size!r}")
+        sizes, size = checked_sizes(vision, config_file, pre, preprocessor_file, FIXED_SETTINGS, "images", defaults)
         min_pixels = int_field(size, "shortest_edge", defaults.min_pixels, preprocessor_file, "size.")
         max_pixels = int_field(size, "longest_edge", defaults.max_pixels, preprocessor_file, "size.")
         try:
@@ -276,6 +255,34 @@ def patchify(item: ImageInput, levels: torch.Tensor, patch_size: int, merge_size
     blocks = blocks.permute(1, 4, 2, 5, 7, 0, 3, 6)
     frames = blocks.expand(*blocks.shape[:5], temporal_patch_size, p, p)
     return frames.reshape(grid_h * grid_w, 3 * temporal_patch_size * p * p)
+
+
+def checked_sizes(vision: dict, config_file: Path, pre: dict, source: Path, fixed: dict[str, object], media: str,
+                  defaults: Any) -> tuple[dict[str, int], dict]:
+    """What a preprocessor file (`pre`, read from `source`) and config.json's vision_config
+    settle for a processor of `media`: ({patch_size, temporal_patch_size, merge_size}, the
+    `size` object). Raises ValueError naming the file and the key for a fixed setting (`fixed`)
+    that differs, a size that disagrees with the encoder's (its patch embedding and merger are
+    built from vision_config's), or a `size` that is not an object."""
+    encoder = {
+        "patch_size": int_field(vision, "patch_size", defaults.patch_size, config_file, "vision_config."),
+        "temporal_patch_size": int_field(vision, "temporal_patch_size", defaults.temporal_patch_size, config_file,
+                                         "vision_config."),
+        "merge_size": int_field(vision, "spatial_merge_size", defaults.merge_size, config_file, "vision_config."),
+    }
+    for key, expected in fixed.items():
+        if pre.get(key) is not None and pre[key] != expected:
+            raise ValueError(f"{source}: {key} = {pre[key]!r} is not supported "
+                             f"(deltaspec preprocesses {media} with {key} = {expected!r})")
+    sizes = {}
+    for key, value in encoder.items():
+        sizes[key] = int_field(pre, key, value, source)
+        if sizes[key] != value:
+            raise ValueError(f"{source}: {key} = {sizes[key]} disagrees with {config_file}'s vision_config ({value})")
+    size = {} if pre.get("size") is None else pre["size"]
+    if not isinstance(size, dict):
+        raise ValueError(f"{source}: size must be an object, got {size!r}")
+    return sizes, size
 
 
 def normalisation_problems(mean: Any, std: Any) -> list[str]:

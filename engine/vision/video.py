@@ -45,8 +45,9 @@ from PIL import Image
 
 from .image import ImageInput, VideoInput
 from .prompt import expand_video_tokens
-from .preprocess import (FIXED_SETTINGS, MAX_ASPECT_RATIO, MAX_DECODED_PIXELS, channels_field, int_field, is_int,
-                         is_real, normalisation_problems, one_line, read_json_object, to_rgb, patchify)
+from .preprocess import (FIXED_SETTINGS, MAX_ASPECT_RATIO, MAX_DECODED_PIXELS, channels_field, checked_sizes,
+                         int_field, is_int, is_real, normalisation_problems, one_line, read_json_object, to_rgb,
+                         patchify)
 
 # Qwen3.5's `<|video_pad|>`, `<|vision_start|>` and `<|vision_end|>`, for config.json files that
 # do not name them.
@@ -242,29 +243,8 @@ class VideoProcessor:
             if not is_int(value) or value < 0:
                 raise ValueError(f"{config_file}: {name} must be a non-negative integer, got {value!r}")
         defaults = VideoProcessorConfig()
-        # The encoder's own sizes: its patch embedding and merger are built from them.
-        encoder = {
-            "patch_size": int_field(vision, "patch_size", defaults.patch_size, config_file, "vision_config."),
-            "temporal_patch_size": int_field(vision, "temporal_patch_size", defaults.temporal_patch_size,
-                                              config_file, "vision_config."),
-            "merge_size": int_field(vision, "spatial_merge_size", defaults.merge_size, config_file,
-                                     "vision_config."),
-        }
-
         source, pre = _video_settings(path)
-        for key, expected in _VIDEO_FIXED_SETTINGS.items():
-            if pre.get(key) is not None and pre[key] != expected:
-                raise ValueError(f"{source}: {key} = {pre[key]!r} is not supported "
-                                 f"(deltaspec preprocesses videos with {key} = {expected!r})")
-        sizes = {}
-        for key, value in encoder.items():
-            sizes[key] = int_field(pre, key, value, source)
-            if sizes[key] != value:
-                raise ValueError(f"{source}: {key} = {sizes[key]} disagrees with {config_file}'s vision_config "
-                                 f"({value})")
-        size = {} if pre.get("size") is None else pre["size"]
-        if not isinstance(size, dict):
-            raise ValueError(f"{source}: size must be an object, got {size!r}")
+        sizes, size = checked_sizes(vision, config_file, pre, source, _VIDEO_FIXED_SETTINGS, "videos", defaults)
         # HF's Qwen3-VL video processor reads size alone (top-level min_pixels / max_pixels are
         # not among its settings); null means HF's default, as for every key.
         num_frames = pre.get("num_frames")
