@@ -482,6 +482,34 @@ def make_vision_checkpoint(directory: Path, *, family: str = "qwen3_5", seed: in
     return directory
 
 
+# A chat turn as the vision checkpoints' template writes it, and its media placeholders.
+USER_TURN = "<|im_start|>user\n"
+ASSISTANT_TURN = "<|im_end|>\n<|im_start|>assistant\n"
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
+
+
+def vision_checkpoints(tmp_path_factory, seed: int):
+    """make(family) -> a tiny vision-language checkpoint of that family (make_vision_checkpoint
+    with this seed), made once per family."""
+    made = {}
+
+    def make(family: str) -> Path:
+        if family not in made:
+            made[family] = make_vision_checkpoint(tmp_path_factory.mktemp(family), family=family, seed=seed)
+        return made[family]
+    return make
+
+
+def hf_vision_model(path: Path):
+    """HF's Qwen3_5[Moe]ForConditionalGeneration of a vision checkpoint, in float32: the oracle."""
+    import transformers
+    config = transformers.AutoConfig.from_pretrained(path)
+    model_class = {"qwen3_5": transformers.Qwen3_5ForConditionalGeneration,
+                   "qwen3_5_moe": transformers.Qwen3_5MoeForConditionalGeneration}[config.model_type]
+    return model_class.from_pretrained(path, dtype=torch.float32).eval()
+
+
 def _random_vision_parameter(name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
     """LayerNorms near (1, 0), biases small, the rest at 1/sqrt(fan-in): O(1) activations."""
     normal = torch.randn(shape, generator=generator)

@@ -25,38 +25,21 @@ from tokenizers import Tokenizer
 from deltaspec.engine import LLM, SamplingParams
 from deltaspec.engine.vision.image import VideoInput
 from deltaspec.engine.vision.prompt import PromptImages, expand_image_tokens, expand_video_tokens
-from fixtures import make_vision_checkpoint
+import fixtures
+from fixtures import (ASSISTANT_TURN as TURN_END, IMAGE_PLACEHOLDER as IMAGE, USER_TURN as USER,
+                      VIDEO_PLACEHOLDER as VIDEO, hf_vision_model, make_vision_checkpoint)
 
 pytestmark = pytest.mark.slow
-
-USER = "<|im_start|>user\n"
-TURN_END = "<|im_end|>\n<|im_start|>assistant\n"
-IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
-VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
 
 
 @pytest.fixture(scope="module")
 def vision_checkpoints(tmp_path_factory):
-    made = {}
-
-    def make(family: str):
-        if family not in made:
-            made[family] = make_vision_checkpoint(tmp_path_factory.mktemp(family), family=family, seed=11)
-        return made[family]
-    return make
+    return fixtures.vision_checkpoints(tmp_path_factory, seed=11)
 
 
 @pytest.fixture(scope="module")
 def vision_checkpoint(vision_checkpoints):
     return vision_checkpoints("qwen3_5")
-
-
-def hf_vision_model(path):
-    import transformers
-    config = transformers.AutoConfig.from_pretrained(path)
-    model_class = {"qwen3_5": transformers.Qwen3_5ForConditionalGeneration,
-                   "qwen3_5_moe": transformers.Qwen3_5MoeForConditionalGeneration}[config.model_type]
-    return model_class.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def engine(path, **options) -> LLM:
