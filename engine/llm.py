@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence as Seq
 
+import numpy as np
 import torch
 from PIL import Image
 from tqdm import tqdm
@@ -168,10 +169,12 @@ class LLM:
         return self.generate(prompts, sampling_params, n=n, use_tqdm=use_tqdm)
 
     def _resize(self, images: list) -> list[ImageInput]:
-        """A prompt's images (PIL images, encoded bytes or ImageInputs) as the engine takes them."""
+        """A prompt's images (PIL images, RGB uint8 arrays [height, width, 3] as vLLM takes them,
+        encoded bytes or ImageInputs) as the engine takes them."""
         if images and self.core.image_processor is None:
             raise ValueError(self.core.images_refused)
-        return [image if isinstance(image, ImageInput) else self.core.image_processor.resize(image) for image in images]
+        return [image if isinstance(image, ImageInput) else self.core.image_processor.resize(_pil(image))
+                for image in images]
 
     def _decode(self, videos: list) -> list[VideoInput]:
         """A prompt's videos as the engine takes them: encoded bytes (a video file), frames
@@ -279,6 +282,15 @@ def _part_media(part: dict[str, Any], kind: str, modality: str, where: str, loca
         return fetch_url(url, modality)
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from None
+
+
+def _pil(image: Any) -> Any:
+    """An image given as an array, as a PIL image; anything else as it is (the processor checks)."""
+    if not isinstance(image, np.ndarray):
+        return image
+    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+        raise ValueError(f"an image array must be RGB uint8 [height, width, 3], got {image.dtype} {list(image.shape)}")
+    return Image.fromarray(image)
 
 
 def _video(video: Any, processor: VideoProcessor) -> VideoInput:

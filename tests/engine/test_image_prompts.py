@@ -200,7 +200,8 @@ def test_images_through_the_gpu_graphs(tmp_path_factory):
 
 def test_llm_chat_reads_image_parts(vision_checkpoint):
     """LLM.chat's image parts (a data: URL, a PIL image) render as the template's placeholder and
-    give what generate gives for the same prompt and images; an ftp URL is refused by name."""
+    give what generate gives for the same prompt and images (and for them as RGB arrays, as vLLM
+    takes them); an ftp URL is refused by name."""
     import base64
     import io
     rng = np.random.default_rng(9)
@@ -219,6 +220,13 @@ def test_llm_chat_reads_image_parts(vision_checkpoint):
                            "multi_modal_data": {"image": [first, second]}}, params, use_tqdm=False)[0]
     assert chat.prompt_token_ids == direct.prompt_token_ids
     assert chat.outputs[0].token_ids == direct.outputs[0].token_ids
+    arrays = llm.generate({"prompt": f"{USER}A {IMAGE} and {IMAGE}<|im_end|>\n<|im_start|>assistant\n",
+                           "multi_modal_data": {"image": [np.asarray(first), np.asarray(second)]}}, params,
+                          use_tqdm=False)[0]  # vLLM's arrays [height, width, 3]
+    assert arrays.outputs[0].token_ids == direct.outputs[0].token_ids
+    with pytest.raises(ValueError, match="RGB uint8"):
+        llm.generate({"prompt": f"{USER}{IMAGE}{TURN_END}",
+                      "multi_modal_data": {"image": np.zeros((8, 8), np.float32)}})
     with pytest.raises(ValueError, match="data: or http"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "ftp://x/y.png"}}]}])
 
