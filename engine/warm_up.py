@@ -132,11 +132,12 @@ def _run(core) -> float:
                    | {config.max_num_seqs})
 
     media_tokens = {core.model_config.image_token_id, core.model_config.video_token_id} - {None}
+    plain_token = next(t for t in range(vocab) if t not in media_tokens)
 
     def prompt(length: int) -> list[int]:
         # Random text: never an image or video token, which needs its media (`image_prompt`).
         text = [rng.randrange(vocab) for _ in range(max(1, length))]
-        return [t if t not in media_tokens else next(u for u in range(vocab) if u not in media_tokens) for t in text]
+        return [t if t not in media_tokens else plain_token for t in text]
 
     shared = prompt(min(48, long_prompt))  # submitted twice: the second restores a cached prefix
     for index, rows in enumerate(waves):

@@ -37,9 +37,6 @@ MAX_N = 64  # choices per prompt at most (`n`): each is a running request of its
 # default to the rest of the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
-# The tokens around each temporal patch's video tokens, Qwen's (HF's Qwen3VLProcessor): as the
-# chat template writes them around a video's one token, so the tokenizer's ids for that text.
-
 
 class PromptTokenizer(Protocol):
     """What the server needs of the engine's tokenizer (`AsyncLLM.tokenizer`)."""
