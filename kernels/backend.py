@@ -31,6 +31,7 @@ from .rope import qk_norm_rope_kv_reference
 from .sampling import sample_reference
 from .penalties import penalize_rows_reference, record_tokens_reference
 from .token_bitmask import apply_token_bitmask_reference
+from .wna16 import wna16_linear_reference, wna16_moe_experts_reference
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ class Ops:
     moe_route: Callable
     moe_experts: Callable
     fp8_moe_experts: Callable
+    wna16_linear: Callable
+    wna16_moe_experts: Callable
     sample: Callable
     greedy_argmax: Callable
     token_logprobs: Callable
@@ -85,6 +88,8 @@ REFERENCE_OPS = Ops(
     moe_route=route_reference,
     moe_experts=moe_experts_reference,
     fp8_moe_experts=fp8_moe_experts_reference,
+    wna16_linear=wna16_linear_reference,
+    wna16_moe_experts=wna16_moe_experts_reference,
     sample=sample_reference,
     greedy_argmax=greedy_argmax_reference,
     token_logprobs=token_logprobs_reference,
@@ -101,7 +106,7 @@ def triton_ops() -> Ops:
     """The GPU table: Triton kernels where they exist; the remaining entries are the (batched,
     device-agnostic) torch references, listed here so the mix is visible in one place."""
     from . import activation, attention, conv1d, decode_metadata, embedding, fp8, gdn_chunked, gdn_decode, greedy, linear, \
-        logprobs, moe, norms, penalties, rope, sampling, token_bitmask
+        logprobs, moe, norms, penalties, rope, sampling, token_bitmask, wna16
 
     return replace(
         REFERENCE_OPS,
@@ -122,6 +127,8 @@ def triton_ops() -> Ops:
         moe_route=moe.route,
         moe_experts=moe.moe_experts,
         fp8_moe_experts=fp8.fp8_moe_experts,
+        wna16_linear=wna16.wna16_linear,
+        wna16_moe_experts=wna16.wna16_moe_experts,
         sample=sampling.sample,
         greedy_argmax=greedy.greedy_argmax,
         token_logprobs=logprobs.token_logprobs,

@@ -129,8 +129,9 @@ def run_kernels() -> None:
     """Kernels the greedy engine runs above do not reach: sampling, penalties and their statistics, grammar masks,
     log-probabilities, MoE's per-token path, the split GDN prefill (few long rows on a real GPU; the tiny engine
     batches here look like CPU tensors, which take the fused path), the tensor-parallel
-    all-reduce + RMSNorm with its barrier (signal pads given), and the FP8 one-row form (the
-    engine reaches it only when a lone request's garbage logits happen to be finite)."""
+    all-reduce + RMSNorm with its barrier (signal pads given), the FP8 one-row form (the
+    engine reaches it only when a lone request's garbage logits happen to be finite), and the
+    weight-only integer GEMM's three paths and experts (no packed checkpoint in the engine above)."""
     from deltaspec.kernels import all_reduce_norm, fp8, gdn_chunked, logprobs, moe, penalties, sampling, token_bitmask
 
     vocab, rows = 1000, 4
@@ -177,6 +178,15 @@ def run_kernels() -> None:
                                         torch.randn(hidden, dtype=torch.bfloat16), 1e-6,
                                         torch.randn(rows, hidden, dtype=torch.bfloat16), addresses, addresses, 1,
                                         rows * hidden, num_slots=1024)
+    from deltaspec.kernels import wna16
+    packed = wna16.pack_reference(torch.zeros(256, 256, dtype=torch.int64), 4)
+    for rows in (1, 100, wna16.DEQUANT_MIN_ROWS):    # skinny split-K, prefill tiles, dequantize + cuBLAS
+        wna16.wna16_linear(torch.randn(rows, 256, dtype=torch.bfloat16), packed, torch.ones(256, 2), None, None, 128, 4)
+    experts = dict(w_gate_up=packed.view(4, 64, 32), gate_up_scales=torch.ones(4, 64, 2), gate_up_zeros=None,
+                   w_down=torch.zeros(4, 256, 4, dtype=torch.int32), down_scales=torch.ones(4, 256, 1), down_zeros=None)
+    for tokens in (1, 8):                            # the per-token path, the grouped path
+        wna16.wna16_moe_experts(torch.randn(tokens, 256, dtype=torch.bfloat16), torch.rand(tokens, 1),
+                                torch.zeros(tokens, 1, dtype=torch.int64), **experts, group_size=128, bits=4)
 
 
 def main() -> None:
