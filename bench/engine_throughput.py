@@ -10,6 +10,7 @@ measured copy bandwidth.
 
     python bench/engine_throughput.py [--shapes 0.8b,9b] [--batches 1,16,64,256]
     python bench/engine_throughput.py --quantization fp8 [--shapes 9b,35b-a3b] [--out DIR]
+    python bench/engine_throughput.py --quantization w4a16 [--shapes 9b,35b-a3b] [--out DIR]
 
 --quantization fp8 (writes engine_fp8-<gpu>.json): each dense shape's bf16 model and its FP8
 twin, quantized from the same weights through the online path (engine/online_quantization.py),
@@ -18,6 +19,11 @@ prompt), their ratios (the issue's bars: FP8 >= 1.6x bf16 decode at batch 1, >= 
 and the peak memory of the online load; no HF generate. The 35b-a3b shape (Qwen3.5-35B-A3B,
 random FP8 weights drawn in place, with its MTP layer) runs plain and speculative (3 drafts)
 decoding at batches 1 and 16, and prints its memory against one H100's 80 GB.
+
+--quantization w4a16 / w8a16 (writes engine_w4a16-<gpu>.json): the same, with each dense shape's
+bf16 model beside a weight-only integer twin (random packed weights, 128-column groups, symmetric,
+as llm-compressor's W4A16 / W8A16; the kernels' speed does not depend on the values), and the
+35b-a3b shape with packed experts and projections.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -45,7 +52,7 @@ from deltaspec.engine.batch import ForwardBatch, Row  # noqa: E402
 from deltaspec.engine.core import EngineCore  # noqa: E402
 from deltaspec.engine.state_pool import KVPool, StatePool  # noqa: E402
 from deltaspec.engine.tokenizer import Tokenizer  # noqa: E402
-from deltaspec.engine.quantization import with_online_quantization  # noqa: E402
+from deltaspec.engine.quantization import Wna16Config, with_online_quantization  # noqa: E402
 from deltaspec.engine.weights import model_from_tensors  # noqa: E402
 from deltaspec.kernels import select_ops  # noqa: E402
 import common  # noqa: E402
@@ -237,6 +244,30 @@ def measure_fp8_pair(shape: str, batches: list[int], bandwidth: float, tokenizer
     return {"bf16": bf16, "fp8": fp8, **ratios}
 
 
+def wna16_config(config: ModelConfig, scheme: str) -> ModelConfig:
+    """config with llm-compressor's W4A16 or W8A16 scheme (128-column groups, symmetric)."""
+    bits = {"w4a16": 4, "w8a16": 8}[scheme]
+    return replace(config, quantization=Wna16Config("compressed-tensors", bits, 128, True, method="compressed-tensors"))
+
+
+def measure_wna16_pair(shape: str, batches: list[int], bandwidth: float, tokenizer, scheme: str) -> dict:
+    """bf16 and weight-only integer engines of one dense shape (the packed twin's weights random)."""
+    hf, model, config = build(shape)
+    del hf
+    bf16 = measure_engine(engine(model, tokenizer, batches), model, config, batches, bandwidth)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    packed_config = wna16_config(config, scheme)
+    model = common.random_model(packed_config, "cuda", torch.bfloat16)
+    model.mtp = None   # as the bf16 model, built without its MTP layer
+    packed = measure_engine(engine(model, tokenizer, batches), model, packed_config, batches, bandwidth)
+    ratios = {"decode_speedup": {b["batch"]: f["tokens_per_s"] / b["tokens_per_s"]
+                                 for b, f in zip(bf16["decode"], packed["decode"])},
+              "prefill_speedup": packed["prefill_tokens_per_s"] / bf16["prefill_tokens_per_s"]}
+    return {"bf16": bf16, scheme: packed, **ratios}
+
+
 def generate_tokens_per_s(core: EngineCore, batch: int, tokens: int) -> float:
     """Output tokens/s of `batch` requests of `tokens` each, prefill and first token off the clock."""
     params = SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True)
@@ -259,11 +290,11 @@ def moe_fp8_config() -> ModelConfig:
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}})
 
 
-def measure_moe_fp8(tokenizer, batches: list[int]) -> dict:
-    """The 35B-A3B shape in FP8 with its MTP layer: memory against one H100, then plain and
-    speculative greedy decoding (random weights: the drafts are rarely accepted; this shows
-    it runs under the graphs, not what speculation gains)."""
-    config = moe_fp8_config()
+def measure_moe_fp8(tokenizer, batches: list[int], config: ModelConfig | None = None) -> dict:
+    """The 35B-A3B shape in FP8 (or `config`'s quantization) with its MTP layer: memory against
+    one H100, then plain and speculative greedy decoding (random weights: the drafts are rarely
+    accepted; this shows it runs under the graphs, not what speculation gains)."""
+    config = config or moe_fp8_config()
     torch.cuda.reset_peak_memory_stats()
     model = common.random_model(config, "cuda", torch.bfloat16)
     entry = {"weight_bytes": weight_bytes(model), "mtp_weight_bytes": weight_bytes(model.mtp), "decode": {}}
@@ -336,8 +367,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default=None, help="default: 0.8b,9b (with --quantization fp8: 9b,35b-a3b)")
     parser.add_argument("--batches", default="1,16,64,256")
-    parser.add_argument("--quantization", choices=("fp8",), default=None,
-                        help="fp8: bf16 and online-FP8 engines side by side (engine_fp8-<gpu>.json)")
+    parser.add_argument("--quantization", choices=("fp8", "w4a16", "w8a16"), default=None,
+                        help="fp8: bf16 and online-FP8 engines side by side (engine_fp8-<gpu>.json); w4a16 / "
+                             "w8a16: bf16 and weight-only integer engines (engine_w4a16-<gpu>.json)")
     parser.add_argument("--state-dtypes", default=None,
                         help="e.g. float32,bfloat16: each shape's engine on each recurrent-state dtype side by side "
                              "(mamba_ssm_cache_dtype; engine_state_dtype-<gpu>.json)")
@@ -350,17 +382,24 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     tokenizer = Tokenizer.from_dir(make_tokenizer(Path(tempfile.mkdtemp())))
     gpu = torch.cuda.get_device_name()
-    result = {"benchmark": "engine_throughput" + ("_fp8" if args.quantization else ""), "device": gpu,
+    suffix = f"_{args.quantization}" if args.quantization else ""
+    result = {"benchmark": "engine_throughput" + suffix, "device": gpu,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "commit": commit_id(),
               "command": " ".join(["python"] + sys.argv), "copy_bandwidth_bytes_per_s": bandwidth,
               "torch": torch.__version__, "shapes": {}}
     for shape in tqdm(shapes, desc="shapes"):
         if args.quantization and shape == "35b-a3b":
-            entry = measure_moe_fp8(tokenizer, [b for b in batches if b <= 16] or [1])
-        elif args.quantization:
+            config = None if args.quantization == "fp8" else wna16_config(
+                ModelConfig.from_dict({**COMMON, **MOE_SHAPE}), args.quantization)
+            entry = measure_moe_fp8(tokenizer, [b for b in batches if b <= 16] or [1], config)
+        elif args.quantization == "fp8":
             entry = measure_fp8_pair(shape, batches, bandwidth, tokenizer)
             print(f"{shape}: FP8 / bf16 decode {entry['decode_speedup']}, prefill {entry['prefill_speedup']:.2f}x")
+        elif args.quantization:
+            entry = measure_wna16_pair(shape, batches, bandwidth, tokenizer, args.quantization)
+            print(f"{shape}: {args.quantization} / bf16 decode {entry['decode_speedup']}, "
+                  f"prefill {entry['prefill_speedup']:.2f}x")
         else:
             hf, model, config = build(shape)
             entry = measure_engine(engine(model, tokenizer, batches), model, config, batches, bandwidth)
@@ -375,7 +414,7 @@ def main() -> None:
         print(json.dumps(entry, indent=1))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"engine{'_fp8' if args.quantization else ''}-{device_tag(gpu)}.json"
+    path = out / f"engine{suffix}-{device_tag(gpu)}.json"
     path.write_text(json.dumps(result, indent=2))
     print("wrote", path)
 

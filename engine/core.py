@@ -64,7 +64,7 @@ from .step import StepOutput, StepPlan
 from .tokenizer import Tokenizer
 from .tensor_parallel import TensorParallel
 from .warm_up import num_compiles_after_warm_up, warm_up
-from .quantization import with_online_quantization
+from .quantization import ONLINE_METHODS, Fp8Config, with_quantization_option
 from .vision.encoder import load_vision_encoder, random_vision_encoder
 from .vision.features import ImageFeatures
 from .vision.image import ImageInput, VideoInput
@@ -175,14 +175,14 @@ class EngineCore:
         if model is None:
             self.model_config = ModelConfig.from_file(path)
             if config.quantization is not None:
-                self.model_config = with_online_quantization(self.model_config, config.quantization)
+                self.model_config = with_quantization_option(self.model_config, config.quantization)
             self.ops = select_ops(self.device, config.kernel_backend)
             if config.load_format == "dummy":
                 self.model = random_model(self.model_config, self.ops, self.dtype, self.device, self.tp,
                                           config.enable_expert_parallel)
             else:
                 self.model = load_model(path, self.ops, self.dtype, self.device, self.model_config,
-                                        quantize_online=config.quantization is not None, tp=self.tp,
+                                        quantize_online=config.quantization in ONLINE_METHODS, tp=self.tp,
                                         expert_parallel=config.enable_expert_parallel)
         else:
             self.model, self.model_config, self.ops = model, model.config, model.ops
@@ -280,13 +280,13 @@ class EngineCore:
         if self.tp is not None and self.tp.rank > 0:  # rank 0 encodes; this rank receives its features
             return None, None, ImageFeatures(None, None, None, hidden_size, self.tp)
         processor, video_processor = engine_image_processor(config), engine_video_processor(config)
-        vision, fp8 = self.model_config.vision, self.model_config.quantization
+        vision, quantization = self.model_config.vision, self.model_config.quantization
         if config.load_format == "dummy":  # random weights, as the language model's
             encoder = random_vision_encoder(vision, self.dtype, self.device)
-        elif fp8 is None:
+        elif isinstance(quantization, Fp8Config):  # FP8 visual weights, if any, in the checkpoint's blocks
+            encoder = load_vision_encoder(path, vision, self.dtype, self.device, quantization.weight_block_size)
+        else:
             encoder = load_vision_encoder(path, vision, self.dtype, self.device)
-        else:  # FP8 visual weights, if any, in the checkpoint's blocks
-            encoder = load_vision_encoder(path, vision, self.dtype, self.device, fp8.weight_block_size)
         return processor, video_processor, ImageFeatures(encoder, processor, video_processor, hidden_size, self.tp)
 
     def _place_vision(self, token_ids: list[int], images: Seq[ImageInput],

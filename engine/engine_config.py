@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..kernels.gdn_chunked import CHUNK_SIZE
+from .quantization import CHECKPOINT_OPTIONS, ONLINE_METHODS
 from .vllm_options import VIDEO_KEYS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -67,7 +68,9 @@ class EngineConfig:
     host_cache_bytes: int = 0               # host tier: pinned CPU memory evicted checkpoints move to
     warm_up: bool = True                    # CUDA: compile and autotune the eager steps' kernels at start-up
     generation_config: str = "auto"         # unset sampling fields from generation_config.json ("none": off)
-    quantization: str | None = None         # "fp8": quantize an unquantized checkpoint to block FP8 at load
+    # "fp8": quantize an unquantized checkpoint to block FP8 at load; a weight-only method's name
+    # (gptq, awq, compressed-tensors, auto-round; vLLM's *_marlin too): checked against the checkpoint
+    quantization: str | None = None
     tensor_parallel_size: int = 1           # ranks the model is sharded over (one process and device each)
     enable_expert_parallel: bool = False    # MoE: whole experts per rank (experts / tp each) instead of split
     load_format: str = "auto"               # "dummy": random weights of the config's shapes (benchmarks)
@@ -132,8 +135,9 @@ class EngineConfig:
             problems.append("num_kv_blocks must be >= 2 (block 0 is scratch)")
         if self.generation_config not in ("auto", "none"):
             problems.append(f"generation_config must be 'auto' or 'none', got {self.generation_config!r}")
-        if self.quantization not in (None, "fp8"):
-            problems.append(f"quantization must be 'fp8' (online block FP8) or None, got {self.quantization!r}")
+        if self.quantization not in (None, *ONLINE_METHODS, *CHECKPOINT_OPTIONS):
+            problems.append(f"quantization must be 'fp8' (online block FP8), the checkpoint's weight-only method "
+                            f"({', '.join(CHECKPOINT_OPTIONS)}) or None, got {self.quantization!r}")
         if self.video_options is not None and (not isinstance(self.video_options, dict)
                                                or self.video_options.keys() - {*VIDEO_KEYS, "size"}):
             problems.append(f"video_options must be a dict of {', '.join(VIDEO_KEYS)} and size, "

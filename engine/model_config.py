@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from ..kernels.rope import Yarn
 
 if TYPE_CHECKING:
-    from .quantization import Fp8Config
+    from .quantization import Fp8Config, Wna16Config
     from .vision.encoder import VisionConfig
 
 # model_type -> family. The family decides the weight-name scheme and the MLP kind.
@@ -77,8 +77,9 @@ class ModelConfig:
     num_mtp_layers: int = 0
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
-    # Block-FP8 checkpoint (its quantization_config), None for unquantized weights.
-    quantization: Fp8Config | None = None
+    # A block-FP8 or weight-only integer checkpoint (its quantization_config), None for
+    # unquantized weights.
+    quantization: "Fp8Config | Wna16Config | None" = None
     # Expert parallelism (engine/sharding.py): this rank's experts start at first_local_expert
     # (num_local_experts of them; 0: every expert). The router still scores all num_experts.
     first_local_expert: int = 0
@@ -204,9 +205,9 @@ class ModelConfig:
         family = SUPPORTED_MODEL_TYPES[model_type]
         # Before anything else: an unsupported quantization method is one line, not a
         # complaint about its tensors later. (Imported here: quantization.py uses ConfigError.)
-        from .quantization import Fp8Config
-        quantization = Fp8Config.from_dict(raw.get("quantization_config")
-                                           or (raw.get("text_config") or {}).get("quantization_config"))
+        from .quantization import quantization_from_dict
+        quantization = quantization_from_dict(raw.get("quantization_config")
+                                              or (raw.get("text_config") or {}).get("quantization_config"))
         # Multimodal Qwen3.5 checkpoints nest the language model under text_config; vision
         # settings are ignored. Top-level fields (tie_word_embeddings) still apply.
         text = dict(raw.get("text_config") or raw)
@@ -229,7 +230,7 @@ class ModelConfig:
 
     @classmethod
     def _from_text_config(cls, model_type: str, family: str, c: dict,
-                          quantization: "Fp8Config | None") -> "ModelConfig":
+                          quantization: "Fp8Config | Wna16Config | None") -> "ModelConfig":
         _check_fixed_choices(c)
         num_layers = int(c["num_hidden_layers"])
         layer_types = c.get("layer_types")

@@ -29,7 +29,8 @@ from ..kernels.fp8 import FP8
 from . import online_quantization
 from .model_config import ModelConfig
 from .models import HybridLM
-from .quantization import canonical_module
+from .quantization import Wna16Config, canonical_module, with_checkpoint_modules
+from .wna16_tensors import canonical_tensors, is_wna16_tensor
 from .sharding import NotThisRank, Sharding, shard_config
 from .tensor_parallel import TensorParallel
 
@@ -64,24 +65,31 @@ def _canonical_name(name: str) -> str | None:
     return None if name.startswith(_VISION_PREFIXES) else canonical_module(name)
 
 
-_FUSED_PROJECTIONS = ("in_proj_qkvz.weight", "in_proj_ba.weight",
-                      "in_proj_qkvz.weight_scale_inv", "in_proj_ba.weight_scale_inv")
+_FUSED_LEAVES = ("weight", "weight_scale_inv", "weight_scale", "weight_zero_point", "g_idx")
+_FUSED_PROJECTIONS = tuple(f"{projection}.{leaf}" for projection in ("in_proj_qkvz", "in_proj_ba")
+                           for leaf in _FUSED_LEAVES)
 _SCALE_SUFFIX = ".weight_scale_inv"
 
 
 def _split_fused_projections(name: str, tensor: torch.Tensor, c: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Qwen3-Next stores q|k|v|z and b|a grouped per key head: [HK, (K, K, rV, rV), H] and
-    [HK, (r, r), H] with r = HV/HK. Yield the flat (Qwen3.5) layout instead. A block scale
-    (already repeated over rows, maybe past the last row) is regrouped the same way; its
-    columns are H's blocks."""
+    [HK, (r, r), H] with r = HV/HK. Yield the flat (Qwen3.5) layout instead. A tensor of one
+    row per weight row (a block scale already repeated over rows, maybe past the last row; packed
+    integers, their group scales and zero points) is regrouped the same way; an act-order g_idx
+    (one entry per input column) belongs to both halves."""
     stem, _, suffix = name.partition(".in_proj_")
     projection, leaf = suffix.split(".", 1)
+    halves = ("qkv", "z") if projection == "qkvz" else ("b", "a")
+    if leaf == "g_idx":
+        for half in halves:
+            yield f"{stem}.in_proj_{half}.{leaf}", tensor
+        return
     hk, r = c.linear_num_key_heads, c.linear_num_value_heads // c.linear_num_key_heads
     dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
-    is_scale = leaf == "weight_scale_inv"
-    columns = _block_count(c.hidden_size, c.quantization.weight_block_size[1]) if is_scale else c.hidden_size
+    plain_weight = leaf == "weight" and tensor.is_floating_point()   # bf16 or FP8: [N, H]
+    columns = c.hidden_size if plain_weight else tensor.shape[-1]
     num_rows = hk * (2 * dk + 2 * r * dv) if projection == "qkvz" else hk * 2 * r
-    if is_scale and tensor.shape[0] >= num_rows:
+    if not plain_weight and tensor.dim() == 2 and tensor.shape[0] >= num_rows:
         tensor = tensor[:num_rows]
     if tuple(tensor.shape) != (num_rows, columns):
         raise _ShapeMismatch(name, (num_rows, columns), tuple(tensor.shape))
@@ -106,11 +114,19 @@ class _ShapeMismatch(Exception):
 
 
 def _normalise(name: str, tensor: torch.Tensor, c: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    if name.endswith(_SCALE_SUFFIX) and c.quantization is not None and tensor.dim() == 2:
+    q = c.quantization
+    if isinstance(q, Wna16Config) and is_wna16_tensor(name, q):
+        for canonical, piece in canonical_tensors(name, tensor, q):
+            if canonical.endswith(_FUSED_PROJECTIONS):
+                yield from _split_fused_projections(canonical, piece, c)
+            else:
+                yield canonical, piece
+        return
+    if name.endswith(_SCALE_SUFFIX) and q is not None and tensor.dim() == 2:
         # [ceil(N / bn), KB] -> [ceil(N / bn) * bn, KB]: one scale per weight row; the copy
         # trims the rows past N (kernels/fp8.py says why scales are kept per row).
-        tensor = tensor.float().repeat_interleave(c.quantization.weight_block_size[0], dim=0)
-    if name.endswith(_FUSED_PROJECTIONS) and (c.quantization is not None or not name.endswith(_SCALE_SUFFIX)):
+        tensor = tensor.float().repeat_interleave(q.weight_block_size[0], dim=0)
+    if name.endswith(_FUSED_PROJECTIONS) and (q is not None or not name.endswith(_SCALE_SUFFIX)):
         yield from _split_fused_projections(name, tensor, c)
     elif name.endswith("conv1d.weight") and tensor.dim() == 3:
         yield name, tensor.squeeze(1)   # [C, 1, W] depthwise conv -> [C, W]
@@ -146,6 +162,7 @@ def load_model(path: str | Path, ops: Ops, dtype: torch.dtype, device: torch.dev
     config = config or ModelConfig.from_file(path)
     files = checkpoint_files(path)
     names = _checkpoint_names(files)
+    config = with_checkpoint_modules(config, names)
     sharding = Sharding(config, tp.rank, tp.size, expert_parallel) if tp is not None else None
     shard = shard_config(config, tp.size, tp.rank, expert_parallel) if tp is not None else config
     total_bytes = sum(f.stat().st_size for f in files)
@@ -162,15 +179,26 @@ def random_model(config: ModelConfig, ops: Ops, dtype: torch.dtype, device: torc
     trained model has (A_log in [0, 2.7], vectors ~0.1, matrices ~1/sqrt(fan-in)): benchmarks of
     real sizes without their checkpoints (EngineConfig.load_format "dummy"). A config with
     block-FP8 quantization gets random e4m3 values and block scales of the same magnitude, drawn
-    in place (no bf16 copy: a 35B-A3B-shape model fits one H100)."""
+    in place (no bf16 copy: a 35B-A3B-shape model fits one H100); weight-only integers random
+    packed values with group scales that give the bf16 weights' magnitude."""
     shard = shard_config(config, tp.size, tp.rank, expert_parallel) if tp is not None else config
     with torch.device(device):
         model = HybridLM(shard, ops, dtype, with_mtp=True, tp=tp)
     generator = torch.Generator(device=device).manual_seed(seed + (tp.rank if tp is not None else 0))
+    q = config.quantization
     for name, p in model.named_parameters():
         if p.dtype == FP8:                     # block FP8: e4m3 values ~N(0, 64) ...
             for chunk in p.data.view(-1, p.shape[-1]).split(4096):
                 chunk.copy_(torch.randn(chunk.shape, device=device, generator=generator).mul_(64).clamp_(-448, 448))
+        elif p.dtype in (torch.int32, torch.uint8):   # packed integers (any bits) and zero points (mid-range)
+            if p.dtype == torch.uint8:
+                p.data.fill_(1 << (q.bits - 1))
+            else:
+                p.data.random_(-2 ** 31, 2 ** 31, generator=generator)
+        elif name.endswith("_scale") and isinstance(q, Wna16Config):
+            # uniform values in [0, 2^bits) about the zero: std 2^bits / sqrt(12) a step
+            fan_in = p.shape[-1] * q.group_size
+            p.data.fill_(fan_in ** -0.5 / (2 ** q.bits / 12 ** 0.5))
         elif name.endswith("_scale"):          # ... times 1 / (64 sqrt(fan-in)): the bf16 weights' scale
             p.data.fill_((p.shape[-1] * 128) ** -0.5 / 64)
         elif name.endswith("A_log"):
@@ -194,7 +222,10 @@ def model_from_tensors(config: ModelConfig, tensors: Iterable[tuple[str, torch.T
     if quantize_online:
         tensors = online_quantization.quantize_online(tensors, config.quantization, device)
     _fill(model, tensors, config)
-    model.finish_loading()
+    try:
+        model.finish_loading()
+    except ValueError as e:  # an act-order checkpoint whose column orders cannot be followed
+        raise WeightLoadError(str(e)) from None
     return model.eval()
 
 
@@ -258,9 +289,10 @@ def _fill(model: HybridLM, tensors: Iterable[tuple[str, torch.Tensor]], config: 
             target = params[param_name].data[index]
             if canonical.endswith(_SCALE_SUFFIX):
                 piece = _trim_scale_rows(piece, target, config)
-            if (piece.dtype == FP8) != (target.dtype == FP8):
-                wrong_dtype.append(f"{raw_name}: {piece.dtype}, expected "
-                                   f"{'float8_e4m3fn' if target.dtype == FP8 else 'an unquantized float'}")
+            elif canonical.endswith(".weight_zero_point") and target.shape[0] < piece.shape[0] < target.shape[0] + 8:
+                piece = piece[:target.shape[0]]   # zero points packed along N, past its last row
+            if _storage(piece.dtype) != _storage(target.dtype):
+                wrong_dtype.append(f"{raw_name}: {piece.dtype}, expected {_storage(target.dtype)}")
                 continue
             if target.shape != piece.shape:
                 mismatched.append(f"{canonical}: expected {list(target.shape)}, got {list(piece.shape)}")
@@ -284,9 +316,23 @@ def _fill(model: HybridLM, tensors: Iterable[tuple[str, torch.Tensor]], config: 
     if config.quantization is None and any(_SCALE_SUFFIX in line for line in unexpected):
         problems.insert(0, "the checkpoint holds FP8 block scales (*.weight_scale_inv) but its config.json has "
                            "no quantization_config: add the one published with the checkpoint")
+    if config.quantization is None and any(leaf in line for line in unexpected for leaf in (".qweight", ".weight_packed")):
+        problems.insert(0, "the checkpoint holds packed integer weights (*.qweight / *.weight_packed) but its "
+                           "config.json has no quantization_config: add the one published with the checkpoint")
     if problems:
         raise WeightLoadError(f"checkpoint does not match the {config.model_type} config:\n  "
                               + "\n  ".join(problems))
+
+
+def _storage(dtype: torch.dtype) -> str:
+    """What a parameter stores, in the words a dtype error names."""
+    if dtype == FP8:
+        return "float8_e4m3fn"
+    if dtype == torch.int32:
+        return "int32 (packed integer weights or g_idx)"
+    if dtype == torch.uint8:
+        return "uint8 (zero points)"
+    return "an unquantized float" if dtype.is_floating_point else str(dtype)
 
 
 def _trim_scale_rows(piece: torch.Tensor, target: torch.Tensor, config: ModelConfig) -> torch.Tensor:

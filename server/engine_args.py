@@ -14,6 +14,7 @@ import argparse
 import json
 
 from ..engine.engine_config import ALL_REDUCES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, SSM_CACHE_DTYPES
+from ..engine.quantization import CHECKPOINT_OPTIONS
 from ..engine.vllm_options import (draft_tokens, media_io_video_options, merge_video_options, mm_processor_options,
                                    translate)
 
@@ -44,9 +45,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generation-config", choices=("auto", "none"), default=None,
                         help="auto (default): sampling fields a request leaves unset take the checkpoint's "
                              "generation_config.json values; none: the built-in neutral ones")
-    parser.add_argument("--quantization", choices=("fp8",), default=None,
+    parser.add_argument("--quantization", "-q", choices=("fp8", *CHECKPOINT_OPTIONS), default=None,
                         help="fp8: quantize an unquantized checkpoint to block FP8 (128x128 weight blocks, as the "
-                             "official FP8 checkpoints) while loading; FP8 checkpoints need no option")
+                             "official FP8 checkpoints) while loading; a weight-only method (gptq, awq, "
+                             "compressed-tensors, auto-round, vLLM's *_marlin names) is checked against the "
+                             "checkpoint's own. Quantized checkpoints need no option")
     parser.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=None,
                         help="fcfs (default): requests in arrival order; priority: by each request's priority "
                              "(lower first), a request taking the place of running ones it outranks (vLLM's)")

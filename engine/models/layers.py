@@ -5,8 +5,9 @@ projections too (`ops.linear`: a skinny-GEMM kernel for decode batches, cuBLAS o
 Projections are `Linear`s stored fused for one GEMM each (GDN q|k|v|z|b|a, attention
 q+gate|k|v, MLP gate|up); `checkpoint_map` says which checkpoint tensor fills which region, so
 the loader needs no knowledge of the modules. Each module is built with its checkpoint name
-(`src`), which decides, for an FP8 checkpoint, whether a projection is stored in FP8 with block
-scales (engine/quantization.py). Knows nothing about checkpoint files or scheduling.
+(`src`), which decides, for a quantized checkpoint, whether a projection is stored in FP8 with
+block scales or as packed integers with group scales (engine/quantization.py). Knows nothing
+about checkpoint files or scheduling.
 
 The residual-stream form (`DecoderLayer.forward_stream`, where the Ops table's linear fuses the
 block ops: kernels/linear.py): each block's RMSNorm weights are folded into the projections
@@ -14,7 +15,8 @@ after them at load time (`fold_norms`; the norms keep a zero weight, so the othe
 the same), the stream is one tensor the blocks update in place, a projection after a norm reads
 it as a `Stream` (normalising its rows in its own kernel), the block's last projection adds its
 output into it, and the MLP's gate_up applies SwiGLU itself. One device, bf16 projections and
-dense MLPs only; otherwise `forward`, where the norm kernels fuse the residual add.
+dense MLPs only; otherwise `forward`, where the norm kernels fuse the residual add. Quantized
+projections fuse no block op: their norm weights cannot fold into quantized values.
 
 FP8 activations: at decode, verify and draft batches (<= SKINNY_MAX_ROWS rows, the Triton FP8
 GEMM's) the op before an FP8 projection quantizes its own output (`quantize_group`: the norms,
@@ -38,11 +40,13 @@ from torch import nn
 from ...kernels import Ops
 from ...kernels.conv1d import ConvDecode
 from ...kernels.fp8 import FP8, SKINNY_MAX_ROWS, block_scales
+from ...kernels.wna16 import pack_reference, unpack_reference
 from ...kernels.norms import GatedNorm
 from ...kernels.rope import QKNormRopeKV
 from ...kernels.quantize import Activation, activation_values
 from ..batch import ForwardBatch, PrefillCheckpoints
-from ..model_config import ModelConfig
+from ..model_config import ConfigError, ModelConfig
+from ..quantization import Fp8Config, Wna16Config
 from ..state_pool import GDNLayerState, KVLayer
 
 # checkpoint name -> (parameter name, index into that parameter)
@@ -92,6 +96,14 @@ def _rows(start: int, size: int) -> tuple:
 
 
 def _is_fp8(c: ModelConfig, modules) -> bool:
+    return isinstance(c.quantization, Fp8Config) and c.quantization.quantizes_all(modules)
+
+
+def _is_wna16(c: ModelConfig, modules) -> bool:
+    return isinstance(c.quantization, Wna16Config) and c.quantization.quantizes_all(modules)
+
+
+def _is_quantized(c: ModelConfig, modules) -> bool:
     return c.quantization is not None and c.quantization.quantizes_all(modules)
 
 
@@ -110,48 +122,104 @@ def _at_skinny(group_size: int, num_rows: int) -> int:
 class Linear(nn.Module):
     """y = x W^T for the checkpoint projections `parts` (module name -> rows), stacked in order.
 
-    W is `weight` [N, K] in the model dtype, or, when the checkpoint stores these projections in
-    FP8, float8_e4m3fn with `weight_scale` [N, ceil(K / G)] float32 (each checkpoint block
-    scale repeated over its rows: see kernels/fp8.py). No dequantized copy is kept."""
+    W is `weight` [N, K] in the model dtype; or, when the checkpoint stores these projections in
+    FP8, float8_e4m3fn with `weight_scale` [N, ceil(K / G)] float32 (each checkpoint block scale
+    repeated over its rows: see kernels/fp8.py); or, in a weight-only integer checkpoint,
+    `weight` [N, K / P] int32 of packed `bits`-bit values with `weight_scale` [N, KG] float32 and
+    `weight_zero_point` [N, KG] uint8 (None: symmetric) per group of `weight_group` columns
+    (kernels/wna16.py's layout; engine/wna16_tensors.py converts each format to it). No
+    dequantized copy is kept."""
 
     def __init__(self, c: ModelConfig, parts: dict[str, int], in_features: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.parts = parts
         num_rows = sum(parts.values())
         self.block_scale = None    # FP8 with whole-block scales: [ceil(N / bn), KB] (finish_loading)
+        self.weight_scale = self.weight_zero_point = self.g_idx = None
+        self.group_size = self.block_rows = 0    # FP8: the activation group the op before may quantize in
+        self.bits = 0                             # weight-only integers: bits a value (0: not such a projection)
+        self.perm = None           # act-order: x's columns in the order the groups were formed (finish_loading)
         if _is_fp8(c, parts):
             self.group_size = c.quantization.group_size
             self.block_rows = c.quantization.weight_block_size[0]
             self.weight = _param(num_rows, in_features, dtype=FP8)
             self.weight_scale = _param(num_rows, triton.cdiv(in_features, self.group_size), dtype=torch.float32)
+        elif _is_wna16(c, parts):
+            q = c.quantization
+            self.bits, self.weight_group = q.bits, q.columns_per_group(in_features)
+            num_groups = triton.cdiv(in_features, self.weight_group)
+            self.weight = _param(num_rows, in_features // q.pack, dtype=torch.int32)
+            self.weight_scale = _param(num_rows, num_groups, dtype=torch.float32)
+            if not q.symmetric:
+                self.weight_zero_point = _param(num_rows, num_groups, dtype=torch.uint8)
+            if q.act_order:  # each part's g_idx; fused parts must agree (finish_loading)
+                self.g_idx = _param(len(parts), in_features, dtype=torch.int32)
         else:
-            self.group_size = self.block_rows = 0
             self.weight = _param(num_rows, in_features, dtype=dtype)
-            self.weight_scale = None
 
     def finish_loading(self) -> None:
-        """After the weights are in: the checkpoint's block scales, where the per-row scales are
-        whole blocks (kernels/fp8.py block_scales), for the GPU table's cuBLAS prefill path."""
-        if self.weight_scale is not None:
+        """After the weights are in: an FP8 checkpoint's block scales, where the per-row scales
+        are whole blocks (kernels/fp8.py block_scales), for the GPU table's cuBLAS prefill path;
+        an act-order checkpoint's permutation (`_order_groups`)."""
+        if self.is_fp8:
             self.block_scale = block_scales(self.weight_scale.data, self.block_rows)
+        if self.g_idx is not None:
+            self._order_groups()
+
+    def _order_groups(self) -> None:
+        """Act-order (GPTQ desc_act, compressed-tensors actorder "group"): column k of W belongs
+        to group g_idx[k]. Sorting the columns by group (perm, stable) makes each group's
+        columns contiguous, so W[:, perm] is an ordinary grouped weight and y = x[:, perm] @
+        W[:, perm]^T; the kernel gathers x through perm. A trivial g_idx leaves W as it is."""
+        g_idx = self.g_idx.data
+        if not torch.equal(g_idx, g_idx[:1].expand_as(g_idx)):
+            raise ValueError(f"the act-order g_idx of {', '.join(self.parts)} differ: deltaspec runs these "
+                             f"projections as one GEMM over one order of x's columns")
+        g_idx, in_features = g_idx[0].long(), g_idx.shape[1]
+        groups = torch.arange(in_features, device=g_idx.device) // self.weight_group
+        self.g_idx = None
+        if torch.equal(g_idx, groups):
+            return
+        perm = torch.sort(g_idx, stable=True).indices
+        if not torch.equal(g_idx[perm], groups):
+            raise ValueError(f"the act-order g_idx of {', '.join(self.parts)} has groups of other than "
+                             f"{self.weight_group} columns")
+        values = unpack_reference(self.weight.data, self.bits)
+        self.weight.data.copy_(pack_reference(values[:, perm], self.bits))
+        self.perm = perm.to(torch.int32)
 
     def checkpoint_map(self, dst: str) -> CheckpointMap:
         mapping, start = {}, 0
-        for module, num_rows in self.parts.items():
-            mapping[f"{module}.weight"] = (f"{dst}.weight", _rows(start, num_rows))
-            if self.weight_scale is not None:
-                mapping[f"{module}.weight_scale_inv"] = (f"{dst}.weight_scale", _rows(start, num_rows))
+        for part, (module, num_rows) in enumerate(self.parts.items()):
+            rows = _rows(start, num_rows)
+            mapping[f"{module}.weight"] = (f"{dst}.weight", rows)
+            if self.is_fp8:
+                mapping[f"{module}.weight_scale_inv"] = (f"{dst}.weight_scale", rows)
+            elif self.is_wna16:
+                mapping[f"{module}.weight_scale"] = (f"{dst}.weight_scale", rows)
+                if self.weight_zero_point is not None:
+                    mapping[f"{module}.weight_zero_point"] = (f"{dst}.weight_zero_point", rows)
+                if self.g_idx is not None:
+                    mapping[f"{module}.g_idx"] = (f"{dst}.g_idx", (part,))
             start += num_rows
         return mapping
 
     @property
     def is_fp8(self) -> bool:
-        return self.weight_scale is not None
+        return self.weight.dtype == FP8
+
+    @property
+    def is_wna16(self) -> bool:
+        return self.bits > 0
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.is_fp8 or self.is_wna16
 
     def fold_norm(self, norm_weight: torch.Tensor) -> None:
         """W <- W diag(1 + w): the zero-centred RMSNorm weight of the norm before this projection
         (layers' forward_stream), in float32, rounded once. bf16 / fp32 weights only."""
-        assert not self.is_fp8, "fold_norm: FP8 weights keep their block scales"
+        assert not self.is_quantized, "fold_norm: quantized weights keep their scales"
         self.weight.data.copy_(self.weight.data.float() * (1.0 + norm_weight.float()))
 
     def forward(self, x: Activation | Stream, ops: Ops, *, glu: bool = False,
@@ -161,13 +229,20 @@ class Linear(nn.Module):
         residual stream to normalise; glu: silu(gate) * up of a [gate; up] projection; residual:
         the output added into it (in place; returned); conv: the GDN's decode conv of the output's
         first columns; gated_norm: the GDN's gated norm of x by heads (kernels/linear.py); rope_kv:
-        the gated attention's q/k norm, RoPE and KV write of the output (kernels/rope.py). An FP8
-        projection takes rope_kv (run after it) and conv (ops.fp8_linear), none of the others."""
+        the gated attention's q/k norm, RoPE and KV write of the output (kernels/rope.py). A
+        quantized projection takes rope_kv and conv (run after it, or for FP8 in its launch:
+        ops.fp8_linear), none of the others."""
         values, norm_eps = (x.values, x.eps) if isinstance(x, Stream) else (activation_values(x), None)
-        if self.is_fp8:
+        if self.is_quantized:
             assert norm_eps is None and not glu and residual is None and gated_norm is None, \
-                "FP8 projections fuse no block op but the decode conv"
-            y = ops.fp8_linear(x, self.weight, self.weight_scale, self.group_size, self.block_scale, conv=conv)
+                "quantized projections fuse no block op but the decode conv"
+            if self.is_fp8:
+                y = ops.fp8_linear(x, self.weight, self.weight_scale, self.group_size, self.block_scale, conv=conv)
+            else:
+                y = ops.wna16_linear(values, self.weight, self.weight_scale, self.weight_zero_point, self.perm,
+                                     self.weight_group, self.bits)
+                if conv is not None:
+                    ops.causal_conv1d_decode(y[:, :conv.weight.shape[0]], *conv)
             if rope_kv is not None:
                 ops.qk_norm_rope_kv(y, rope_kv)
             return y
@@ -180,12 +255,12 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         self.c, self.src = c, src
         hv = c.linear_num_value_heads
-        # in_proj rows: q | k | v (the conv channels) | z | b | a. FP8 checkpoints keep b and a
-        # in bf16: then they are a second, small projection in_proj_ba.
+        # in_proj rows: q | k | v (the conv channels) | z | b | a. Quantized checkpoints keep b
+        # and a in bf16: then they are a second, small projection in_proj_ba.
         self.splits = (c.conv_dim, c.linear_value_dim, hv, hv)
         qkvz = {f"{src}.in_proj_qkv": c.conv_dim, f"{src}.in_proj_z": c.linear_value_dim}
         ba = {f"{src}.in_proj_b": hv, f"{src}.in_proj_a": hv}
-        if _is_fp8(c, qkvz) == _is_fp8(c, ba):
+        if _is_quantized(c, qkvz) == _is_quantized(c, ba):
             self.in_proj, self.in_proj_ba = Linear(c, {**qkvz, **ba}, c.hidden_size, dtype), None
         else:
             self.in_proj, self.in_proj_ba = Linear(c, qkvz, c.hidden_size, dtype), Linear(c, ba, c.hidden_size, dtype)
@@ -274,7 +349,7 @@ class GatedDeltaNet(nn.Module):
             if written is not None:
                 state.recurrent[written.slots] = saved
                 state.conv[written.slots] = checkpoint_conv_windows(mixed[span], written, state.conv)
-        if not self.out_proj.is_fp8:  # the projection runs the gated norm (in the one-row form, itself)
+        if not self.out_proj.is_quantized:  # the projection runs the gated norm (in the one-row form, itself)
             return self.out_proj(core.reshape(num_tokens, -1), ops, residual=residual,
                                  gated_norm=GatedNorm(z, self.norm_weight, c.rms_norm_eps))
         gate = z.reshape(num_tokens, c.linear_num_value_heads, c.linear_value_head_dim)
@@ -359,7 +434,9 @@ class MoEMLP(nn.Module):
         e = len(c.local_experts)
         self.expert_parallel = e != c.num_experts
         self.router = Linear(c, {f"{src}.gate": c.num_experts}, h, dtype)
-        expert_modules = [f"{src}.experts.{n}.{p}_proj" for n in range(e) for p in ("gate", "up", "down")]
+        expert_modules = [f"{src}.experts.{n}.{p}_proj" for n in c.local_experts for p in ("gate", "up", "down")]
+        self.group_size = self.bits = 0
+        self.w_gate_up_scale = self.w_down_scale = self.w_gate_up_zero_point = self.w_down_zero_point = None
         if _is_fp8(c, expert_modules):
             # FP8 experts (stored per expert) with their block scales repeated over rows.
             g = self.group_size = c.quantization.group_size
@@ -367,11 +444,24 @@ class MoEMLP(nn.Module):
             self.w_down = _param(e, h, i, dtype=FP8)
             self.w_gate_up_scale = _param(e, 2 * i, triton.cdiv(h, g), dtype=torch.float32)
             self.w_down_scale = _param(e, h, triton.cdiv(i, g), dtype=torch.float32)
+        elif _is_wna16(c, expert_modules):
+            # Packed integer experts (kernels/wna16.py's layout), stored per expert.
+            q = c.quantization
+            if q.act_order or q.group_size == -1:
+                raise ConfigError("MoE experts quantized with act-order (g_idx) or per channel (group_size -1) are "
+                                 "not supported: the grouped expert GEMMs take one group size and x in one order")
+            self.bits, self.weight_group = q.bits, q.group_size
+            groups_h, groups_i = triton.cdiv(h, self.weight_group), triton.cdiv(i, self.weight_group)
+            self.w_gate_up = _param(e, 2 * i, h // q.pack, dtype=torch.int32)
+            self.w_down = _param(e, h, i // q.pack, dtype=torch.int32)
+            self.w_gate_up_scale = _param(e, 2 * i, groups_h, dtype=torch.float32)
+            self.w_down_scale = _param(e, h, groups_i, dtype=torch.float32)
+            if not q.symmetric:
+                self.w_gate_up_zero_point = _param(e, 2 * i, groups_h, dtype=torch.uint8)
+                self.w_down_zero_point = _param(e, h, groups_i, dtype=torch.uint8)
         else:
-            self.group_size = 0
             self.w_gate_up = _param(e, 2 * i, h, dtype=dtype)
             self.w_down = _param(e, h, i, dtype=dtype)
-            self.w_gate_up_scale = self.w_down_scale = None
         self.shared = DenseMLP(c, f"{src}.shared_expert", c.shared_expert_intermediate_size, dtype)
         self.shared_gate = Linear(c, {f"{src}.shared_expert_gate": 1}, h, dtype)
         # The FP8 experts and shared expert read x in the one group size of the checkpoint.
@@ -392,20 +482,29 @@ class MoEMLP(nn.Module):
             rows = {"gate": (e - first, slice(0, i)), "up": (e - first, slice(i, 2 * i)), "down": (e - first,)}
             for projection, index in rows.items():
                 target = "w_down" if projection == "down" else "w_gate_up"
-                mapping[f"{src}.experts.{e}.{projection}_proj.weight"] = (f"{dst}.{target}", index)
-                if self.w_down_scale is not None:
-                    mapping[f"{src}.experts.{e}.{projection}_proj.weight_scale_inv"] = (f"{dst}.{target}_scale", index)
+                module = f"{src}.experts.{e}.{projection}_proj"
+                mapping[f"{module}.weight"] = (f"{dst}.{target}", index)
+                if self.group_size:
+                    mapping[f"{module}.weight_scale_inv"] = (f"{dst}.{target}_scale", index)
+                elif self.bits:
+                    mapping[f"{module}.weight_scale"] = (f"{dst}.{target}_scale", index)
+                    if self.w_down_zero_point is not None:
+                        mapping[f"{module}.weight_zero_point"] = (f"{dst}.{target}_zero_point", index)
         return mapping
 
     def forward(self, x: Activation, ops: Ops) -> torch.Tensor:
         weights, experts = ops.moe_route(self.router(x, ops), self.c.num_experts_per_tok, self.c.norm_topk_prob)
         if self.expert_parallel:
             weights, experts = self._local_pairs(weights, experts)
-        if self.w_down_scale is None:
-            routed = ops.moe_experts(activation_values(x), weights, experts, self.w_gate_up, self.w_down)
-        else:
+        if self.group_size:
             routed = ops.fp8_moe_experts(x, weights, experts, self.w_gate_up, self.w_gate_up_scale, self.w_down,
                                          self.w_down_scale, self.group_size)
+        elif self.bits:
+            routed = ops.wna16_moe_experts(activation_values(x), weights, experts, self.w_gate_up, self.w_gate_up_scale,
+                                           self.w_gate_up_zero_point, self.w_down, self.w_down_scale,
+                                           self.w_down_zero_point, self.weight_group, self.bits)
+        else:
+            routed = ops.moe_experts(activation_values(x), weights, experts, self.w_gate_up, self.w_down)
         return routed + torch.sigmoid(self.shared_gate(x, ops)) * self.shared(x, ops)
 
     def _local_pairs(self, weights: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -466,12 +565,12 @@ class DecoderLayer(nn.Module):
         """Whether fold_norms and forward_stream apply: bf16 projections, a single one after each
         norm, a dense MLP."""
         return self.mixer.input_projection is not None and isinstance(self.mlp, DenseMLP) \
-            and not any(m.is_fp8 for m in self.modules() if isinstance(m, Linear))
+            and not any(m.is_quantized for m in self.modules() if isinstance(m, Linear))
 
     def fold_norms(self) -> None:
         """The two norms' weights into the projections after them; the norms keep zero weights
         (x / rms(x) * (1 + 0)), so `forward` computes what it did, `forward_stream` too."""
-        assert self.foldable, "fold_norms: a layer with FP8 or split input projections or an MoE MLP"
+        assert self.foldable, "fold_norms: a layer with quantized or split input projections or an MoE MLP"
         for norm, projection in ((self.input_norm, self.mixer.input_projection),
                                  (self.post_attention_norm, self.mlp.gate_up)):
             projection.fold_norm(norm.data)
