@@ -367,78 +367,6 @@ def _wna16_dequantize_kernel(qweight, scales, zeros, out, N, K, group_size, num_
     tl.store(out + rows[:, None] * K + k[None, :], weight.to(out.dtype.element_ty), mask=(k < K)[None, :])
 
 
-@triton.jit(do_not_specialize=["M"])
-def _wna16_gemv_kernel(x, qweight, scales, zeros, perm, y, M, N, K, num_groups, group_size, stride_xm, stride_ym,
-                       BITS: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                       HAS_PERM: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
-    """The few-row form: program pid computes y[:M, tile] for BLOCK_N rows of W with its whole
-    [BLOCK_N, K / P] share of packed words, and their groups' scales and zeros, in registers,
-    loaded before the PDL wait (linear.py's one-row form for packed weights: the weight stream
-    overlaps the kernel before and, after the wait, only x's M rows remain). Each value becomes
-    (2^23 + q) by OR-ing its bits into fp32's mantissa, less (2^23 + zero): q - zero exactly, in
-    one shift, one LOP3 and one FADD, with no integer-to-float conversion; each word's P
-    products are summed, times their group's scale (a word never straddles groups: P divides G),
-    then summed over the row. No split-K: the N tiles alone give every SM programs."""
-    P: tl.constexpr = 32 // BITS
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_w = tl.minimum(rows, N - 1).to(tl.int64)
-    word = tl.arange(0, WORDS)
-    in_k = (word < K // P)[None, :]
-    packed = tl.load(qweight + rows_w[:, None] * (K // P) + word[None, :], mask=in_k, other=0)     # [BLOCK_N, WORDS]
-    group = rows_w[:, None] * num_groups + (word * P // group_size)[None, :]
-    scale = tl.load(scales + group, mask=in_k, other=0.0).to(tl.float32)                           # per word
-    if HAS_ZEROS:
-        magic_zero = tl.load(zeros + group, mask=in_k, other=0).to(tl.float32) + 8388608.0
-    else:
-        magic_zero = tl.full([BLOCK_N, WORDS], 8388608.0 + 2 ** (BITS - 1), tl.float32)
-    dependent_prologue(DEPENDENT_LAUNCH)
-    shifts = tl.arange(0, P) * BITS
-    values = ((packed[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)) | 0x4B000000
-    weight = values.to(tl.float32, bitcast=True) - magic_zero[:, :, None]                         # q - zero
-    columns = word[:, None] * P + tl.arange(0, P)[None, :]                                        # [WORDS, P]
-    in_row = columns < K
-    if HAS_PERM:
-        columns = tl.load(perm + columns, mask=in_row, other=0)
-    for m in range(M):
-        x_row = tl.load(x + m * stride_xm + columns, mask=in_row, other=0.0).to(tl.float32)
-        acc = tl.sum(tl.sum(weight * x_row[None, :, :], axis=2) * scale, axis=1)                 # [BLOCK_N]
-        tl.store(y + m * stride_ym + rows, acc.to(y.dtype.element_ty), mask=rows < N)
-
-
-GEMV_MAX_ROWS = 4          # up to here the few-row form (_wna16_gemv_kernel): a verify step of 3 drafts
-GEMV_PROGRAM_BYTES = 8 << 10   # packed bytes of W a program of the few-row form holds
-
-
-def gemv_config(num_features: int, num_columns: int, bits: int, device: torch.device,
-                program_bytes: int = GEMV_PROGRAM_BYTES, num_warps: int = 4) -> TileConfig:
-    """The few-row form's tile: block_k = K padded to a power of two (its words in registers),
-    block_n the most rows whose packed share fits program_bytes (at least one), halved until
-    the N tiles give every SM a program. Shapes only."""
-    row_bytes = triton.next_power_of_2(num_columns) * bits // 8
-    block_n = max(1, 1 << max(0, (program_bytes // row_bytes).bit_length() - 1))
-    sms = 1 if INTERPRETED else num_sms(device)
-    while block_n > 1 and triton.cdiv(num_features, block_n) < sms:
-        block_n //= 2
-    return TileConfig(block_n=block_n, block_k=triton.next_power_of_2(num_columns), num_warps=num_warps)
-
-
-def launch_wna16_gemv(y: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                      zeros: torch.Tensor | None, perm: torch.Tensor | None, group_size: int, bits: int,
-                      config: TileConfig) -> None:
-    """y [M, N] = x[:, perm] @ W^T through the few-row form with an explicit config (gemv_config's)."""
-    _check_wna16_linear_args(x, qweight, scales, zeros, perm, group_size, bits)
-    (num_rows, num_columns), num_features = x.shape, qweight.shape[0]
-    assert y.shape == (num_rows, num_features) and y.stride(1) == 1, f"y {tuple(y.shape)}"
-    if num_rows == 0:
-        return
-    _wna16_gemv_kernel[(triton.cdiv(num_features, config.block_n),)](
-        x, qweight, scales, qweight if zeros is None else zeros, qweight if perm is None else perm, y, num_rows,
-        num_features, num_columns, scales.shape[1], group_size, x.stride(0), y.stride(0), BITS=bits,
-        BLOCK_N=config.block_n, WORDS=config.block_k // values_per_word(bits), HAS_ZEROS=zeros is not None,
-        HAS_PERM=perm is not None, num_warps=config.num_warps, **pdl(x.device))
-
-
 SKINNY_MAX_ROWS = 64       # decode / verify / draft batches: split-K over the SMs
 DEQUANT_MIN_ROWS = 1024    # from here: dequantize W, then cuBLAS (module docstring)
 
@@ -583,10 +511,6 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         weight = dequantize(qweight, scales, zeros, group_size, bits, x.dtype)
         return cublas_linear(x if perm is None else x.index_select(1, perm), weight)
     y = torch.empty(num_rows, qweight.shape[0], dtype=x.dtype, device=x.device)
-    if num_rows <= GEMV_MAX_ROWS:
-        launch_wna16_gemv(y, x, qweight, scales, zeros, perm, group_size, bits,
-                          gemv_config(qweight.shape[0], num_columns, bits, x.device))
-        return y
     config = wna16_config(num_rows, qweight.shape[0], num_columns, group_size, x.device)
     launch_wna16_gemm(y, x, qweight, scales, zeros, perm, group_size, bits, config)
     return y
