@@ -52,7 +52,7 @@ from deltaspec.engine.batch import ForwardBatch, Row  # noqa: E402
 from deltaspec.engine.core import EngineCore  # noqa: E402
 from deltaspec.engine.state_pool import KVPool, StatePool  # noqa: E402
 from deltaspec.engine.tokenizer import Tokenizer  # noqa: E402
-from deltaspec.engine.quantization import Wna16Config, with_online_quantization  # noqa: E402
+from deltaspec.engine.quantization import Fp8Config, Wna16Config, with_online_quantization  # noqa: E402
 from deltaspec.engine.weights import model_from_tensors  # noqa: E402
 from deltaspec.kernels import select_ops  # noqa: E402
 import common  # noqa: E402
@@ -319,7 +319,8 @@ def measure_moe_fp8(tokenizer, batches: list[int], config: ModelConfig | None = 
     room = int((0.9 * H100_BYTES - entry["peak_allocated_bytes"]) // per_sequence)
     entry.update(h100_bytes=H100_BYTES, bytes_per_32k_sequence=per_sequence, more_32k_sequences_on_h100=room,
                  fits_one_h100=room > 0)
-    print(f"35B-A3B FP8 + MTP: weights {entry['weight_bytes'] / 1e9:.1f} GB (MTP {entry['mtp_weight_bytes'] / 1e9:.2f}),"
+    kind = "FP8" if isinstance(config.quantization, Fp8Config) else f"{config.quantization.bits}-bit weight-only"
+    print(f"35B-A3B {kind} + MTP: weights {entry['weight_bytes'] / 1e9:.1f} GB (MTP {entry['mtp_weight_bytes'] / 1e9:.2f}),"
           f" peak allocated {entry['peak_allocated_bytes'] / 1e9:.1f} GB; one H100 (72 of 80 GB) holds that and "
           f"{room} more 32K-token sequences ({per_sequence / 1e9:.2f} GB each)")
     return entry
