@@ -5,7 +5,8 @@ deltaspec runs two kinds of quantized checkpoint:
 - Block FP8 (`Fp8Config`), the official checkpoints of Qwen3.5 and Qwen3-Next: weights in
   float8_e4m3fn, each with `<name>.weight_scale_inv` of shape [ceil(out / bn), ceil(in / bk)]
   (the real weight is `w.float() * scale_inv` over bn x bk blocks), activations quantized at run
-  time per token in groups of bk ("dynamic").
+  time per token in groups of bk ("dynamic"); and llm-compressor's compressed-tensors FP8
+  (FP8_BLOCK, and FP8_DYNAMIC's one scale per output row as a block of one row).
 - Weight-only integers (`Wna16Config`: 4 or 8 bits, activations in the model dtype) as GPTQ
   (GPTQModel, AutoGPTQ), AWQ (AutoAWQ's GEMM layout), compressed-tensors' pack-quantized
   (llm-compressor's W4A16 / W8A16) and auto-round write them: integer values packed into int32
@@ -22,6 +23,7 @@ only the config and the rule saying which projection is stored quantized.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import Iterable
 
@@ -63,10 +65,18 @@ def _contains_run(module: tuple[str, ...], entry: tuple[str, ...]) -> bool:
 
 @dataclass(frozen=True)
 class Fp8Config:
-    """Block FP8 (e4m3 weights with block scales, dynamic per-token-group e4m3 activations)."""
+    """Block FP8 (e4m3 weights with block scales, dynamic per-token-group e4m3 activations).
+
+    The official checkpoints store `<m>.weight_scale_inv` [ceil(N / bn), ceil(K / bk)];
+    llm-compressor's compressed-tensors FP8 (scale_name "weight_scale") the same blocks
+    (FP8_BLOCK) or one scale per output row (FP8_DYNAMIC: bn = 1, its [N, 1] scale broadcast over
+    the row's column groups). ignore_patterns: compressed-tensors' "re:" entries of `ignore`,
+    matched against canonical module names."""
 
     weight_block_size: tuple[int, int] = (128, 128)   # (rows bn, columns bk) of one weight scale
     modules_to_not_convert: tuple[str, ...] = ()      # canonical module names, kept unquantized
+    scale_name: str = "weight_scale_inv"              # the checkpoint leaf of the weight scales
+    ignore_patterns: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.weight_block_size) != 2 or any(not isinstance(b, int) or b <= 0
@@ -83,7 +93,8 @@ class Fp8Config:
         """Whether the projection `module` (canonical checkpoint name without `.weight`) is FP8."""
         parts = tuple(module.split("."))
         skipped = ALWAYS_BF16 + self.modules_to_not_convert
-        return not any(_contains_run(parts, tuple(entry.split("."))) for entry in skipped)
+        return not any(_contains_run(parts, tuple(entry.split("."))) for entry in skipped) \
+            and not any(re.match(pattern, module) for pattern in self.ignore_patterns)
 
     def quantizes_all(self, modules: Iterable[str]) -> bool:
         """For a fused parameter: its checkpoint modules must share one format."""
@@ -219,16 +230,23 @@ def _awq(raw: dict, method: str = "awq") -> Wna16Config:
                        modules_to_not_convert=tuple(canonical_module(m) for m in raw.get("modules_to_not_convert") or ()))
 
 
-def _compressed_tensors(raw: dict) -> Wna16Config:
-    """llm-compressor's weight-only integer schemes (W4A16, W8A16; format pack-quantized): every
-    config group must quantize weights alone, as int, by group or channel, with one setting."""
+def _compressed_tensors(raw: dict) -> "Wna16Config | Fp8Config":
+    """llm-compressor's weight-only integer schemes (W4A16, W8A16; format pack-quantized) or its
+    FP8 ones with dynamic activations (FP8_DYNAMIC, FP8_BLOCK; format float-quantized): every
+    config group must share one setting."""
     name = "compressed-tensors quantization_config"
+    for field in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+        if raw.get(field):
+            raise ConfigError(f"{name}: {field} is not supported")
+    groups = list((raw.get("config_groups") or {}).values())
+    if groups and all((g.get("weights") or {}).get("type") == "float" for g in groups):
+        return _compressed_tensors_fp8(raw, groups)
     schemes, formats = set(), {raw.get("format")}
     for group_name, group in (raw.get("config_groups") or {}).items():
         weights = group.get("weights") or {}
         if group.get("input_activations") or group.get("output_activations"):
-            raise ConfigError(f"{name}: {group_name} quantizes activations (a W8A8 or FP8 scheme); deltaspec runs "
-                              f"weight-only integer schemes (W4A16, W8A16) and official block-FP8 checkpoints")
+            raise ConfigError(f"{name}: {group_name} quantizes activations of integer weights (W8A8 int8, W4A8); deltaspec "
+                              f"runs weight-only integer schemes (W4A16, W8A16) and FP8 ones")
         if weights.get("type", "int") != "int" or weights.get("strategy") not in ("group", "channel") \
                 or weights.get("num_bits") not in (4, 8) or weights.get("dynamic"):
             raise ConfigError(f"{name}: {group_name}'s weights {weights!r} are not supported (4 or 8 bit int, "
@@ -242,11 +260,39 @@ def _compressed_tensors(raw: dict) -> Wna16Config:
         raise ConfigError(f"{name}: format {sorted(formats) or 'unnamed'} is not supported (pack-quantized is)")
     if len(schemes) != 1:
         raise ConfigError(f"{name}: {len(schemes)} different weight schemes {sorted(schemes)}; one is supported")
-    for field in ("kv_cache_scheme", "sparsity_config", "transform_config"):
-        if raw.get(field):
-            raise ConfigError(f"{name}: {field} is not supported")
     bits, group, sym, act_order = schemes.pop()
     return Wna16Config("compressed-tensors", bits, group, sym, method="compressed-tensors", act_order=act_order)
+
+
+def _compressed_tensors_fp8(raw: dict, groups: list[dict]) -> Fp8Config:
+    """FP8_DYNAMIC (e4m3 weights with a scale per output row, activations quantized per token at
+    run time) and FP8_BLOCK (bn x bk weight blocks, activations per token group of bk): both run
+    as block FP8, the per-row scale a block of one row; activations are quantized in groups of
+    128 columns here (per token in vLLM: a finer grid, so no larger an error)."""
+    name = "compressed-tensors FP8 quantization_config"
+    if raw.get("format") not in ("float-quantized", None) or len({repr(g.get("weights")) for g in groups}) != 1 \
+            or len({repr(g.get("input_activations")) for g in groups}) != 1:
+        raise ConfigError(f"{name}: format {raw.get('format')!r} with {len(groups)} schemes is not supported "
+                          f"(float-quantized, one scheme)")
+    weights, activations = groups[0]["weights"], groups[0].get("input_activations") or {}
+    if weights.get("num_bits") != 8 or activations.get("type") != "float" or activations.get("num_bits") != 8:
+        raise ConfigError(f"{name}: weights {weights!r} with activations {activations or None!r} are not supported "
+                          f"(8-bit float weights with 8-bit float activations)")
+    if not activations.get("dynamic"):
+        raise ConfigError(f"{name}: static activation scales (input_scale) are not supported; dynamic ones are")
+    if weights.get("strategy") == "channel" and activations.get("strategy") == "token":
+        block = (1, 128)
+    elif weights.get("strategy") == "block" and activations.get("strategy") == "group" \
+            and list(weights.get("block_structure") or ())[1:] == [activations.get("group_size")]:
+        block = tuple(weights["block_structure"])
+    else:
+        raise ConfigError(f"{name}: weight strategy {weights.get('strategy')!r} with activation strategy "
+                          f"{activations.get('strategy')!r} is not supported (channel with token, or block with "
+                          f"group)")
+    plain = tuple(canonical_module(m) for m in raw.get("ignore") or () if not m.startswith("re:"))
+    patterns = tuple(m[3:] for m in raw.get("ignore") or () if m.startswith("re:"))
+    return Fp8Config(weight_block_size=block, modules_to_not_convert=plain, scale_name="weight_scale",
+                     ignore_patterns=patterns)
 
 
 def _auto_round(raw: dict) -> Wna16Config:

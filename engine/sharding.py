@@ -26,7 +26,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .model_config import ModelConfig
-from .quantization import Wna16Config
+from .quantization import Fp8Config, Wna16Config
 
 # (dim, start, stop): one slice of a checkpoint tensor; a rank's part is its pieces concatenated
 # along dim.
@@ -100,9 +100,11 @@ class Sharding:
         None when every rank reads it whole; raises NotThisRank when no part is this rank's.
         An FP8 block scale's pieces are its weight's, in blocks."""
         module, is_scale = name, False
-        for leaf in (".weight_scale_inv", ".weight"):
+        q = self.config.quantization
+        scale = f".{q.scale_name}" if isinstance(q, Fp8Config) else ".weight_scale_inv"
+        for leaf in (scale, ".weight"):
             if name.endswith(leaf):
-                module, is_scale = name[:-len(leaf)], leaf == ".weight_scale_inv"
+                module, is_scale = name[:-len(leaf)], leaf == scale
         pieces = self._weight_pieces(module)
         if pieces is None or not is_scale:
             return pieces
@@ -178,6 +180,9 @@ class Sharding:
         block = self.config.quantization.weight_block_size
         out = []
         for dim, start, stop in pieces:
+            if dim == 1 and block[0] == 1 and shape[1] == 1:   # FP8_DYNAMIC's one scale a row: every column piece's
+                out.append((dim, 0, 1))
+                continue
             b = block[dim]
             end = -(-stop // b)
             if start % b or (stop % b and end != shape[dim]):

@@ -29,7 +29,7 @@ from ..kernels.fp8 import FP8
 from . import online_quantization
 from .model_config import ModelConfig
 from .models import HybridLM
-from .quantization import Wna16Config, canonical_module, with_checkpoint_modules
+from .quantization import Fp8Config, Wna16Config, canonical_module, with_checkpoint_modules
 from .wna16_tensors import canonical_tensors, is_wna16_tensor
 from .sharding import NotThisRank, Sharding, shard_config
 from .tensor_parallel import TensorParallel
@@ -122,6 +122,8 @@ def _normalise(name: str, tensor: torch.Tensor, c: ModelConfig) -> Iterator[tupl
             else:
                 yield canonical, piece
         return
+    if isinstance(q, Fp8Config) and q.scale_name != _SCALE_SUFFIX[1:] and name.endswith(f".{q.scale_name}"):
+        name = name.removesuffix(f".{q.scale_name}") + _SCALE_SUFFIX   # compressed-tensors' name, the same scales
     if name.endswith(_SCALE_SUFFIX) and q is not None and tensor.dim() == 2:
         # [ceil(N / bn), KB] -> [ceil(N / bn) * bn, KB]: one scale per weight row; the copy
         # trims the rows past N (kernels/fp8.py says why scales are kept per row).
@@ -289,6 +291,8 @@ def _fill(model: HybridLM, tensors: Iterable[tuple[str, torch.Tensor]], config: 
             target = params[param_name].data[index]
             if canonical.endswith(_SCALE_SUFFIX):
                 piece = _trim_scale_rows(piece, target, config)
+                if piece.shape[-1] == 1 < target.shape[-1]:   # one scale a row: over each of its groups
+                    piece = piece.expand(*piece.shape[:-1], target.shape[-1])
             elif canonical.endswith(".weight_zero_point") and target.shape[0] < piece.shape[0] < target.shape[0] + 8:
                 piece = piece[:target.shape[0]]   # zero points packed along N, past its last row
             if _storage(piece.dtype) != _storage(target.dtype):

@@ -326,10 +326,12 @@ def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: t
     return weight.float() * expanded
 
 
-def _to_fp8(tensors: dict[str, tuple[str, torch.Tensor]], block: tuple[int, int],
-            extra_kept: tuple[str, ...]) -> tuple[dict[str, tuple[str, torch.Tensor]], list[str]]:
+def _to_fp8(tensors: dict[str, tuple[str, torch.Tensor]], block: tuple[int, int] | None,
+            extra_kept: tuple[str, ...], scale_name: str = "weight_scale_inv"
+            ) -> tuple[dict[str, tuple[str, torch.Tensor]], list[str]]:
     """Quantize every 2-D projection weight outside the kept modules; returns the new tensors and
-    modules_to_not_convert (every kept projection, as the published configs list them)."""
+    modules_to_not_convert (every kept projection, as the published configs list them). block
+    None: one scale per output row ([N, 1] in bf16, llm-compressor's FP8_DYNAMIC)."""
     result, kept = {}, []
     for name, (file, tensor) in tensors.items():
         module = name.removesuffix(".weight")
@@ -337,9 +339,9 @@ def _to_fp8(tensors: dict[str, tuple[str, torch.Tensor]], block: tuple[int, int]
         if is_projection and (FP8_KEPT_MODULES.search(module) or module in extra_kept):
             kept.append(module)
         if is_projection and module not in kept:
-            weight, scale_inv = quantize_block_fp8(tensor, block)
+            weight, scale_inv = quantize_block_fp8(tensor, block or (1, tensor.shape[1]))
             result[name] = (file, weight)
-            result[f"{module}.weight_scale_inv"] = (file, scale_inv)
+            result[f"{module}.{scale_name}"] = (file, scale_inv if block else scale_inv.to(torch.bfloat16))
         else:
             result[name] = (file, tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor)
     return result, sorted(kept)
@@ -714,13 +716,19 @@ def dequantize_checkpoint(source: Path, destination: Path, dtype: torch.dtype = 
     quantization = config.pop("quantization_config")
     tensors = _read_checkpoint(source)
     result = {}
-    if quantization["quant_method"] == "fp8":
-        block = tuple(quantization["weight_block_size"])
+    if quantization["quant_method"] == "fp8" or quantization.get("format") == "float-quantized":
+        scale_name = "weight_scale_inv" if quantization["quant_method"] == "fp8" else "weight_scale"
         for name, (file, tensor) in tensors.items():
-            if name.endswith(".weight_scale_inv"):
+            if name.endswith(f".{scale_name}"):
                 continue
-            scale = tensors.get(name.removesuffix(".weight") + ".weight_scale_inv")
-            value = dequantize_block_fp8(tensor, scale[1], block) if scale is not None else tensor.float()
+            scale = tensors.get(name.removesuffix(".weight") + f".{scale_name}")
+            if scale is None:
+                value = tensor.float()
+            else:   # blocks of the config's size, or one scale a row ([N, 1]: blocks of 1 x K)
+                weights = next(iter(quantization.get("config_groups", {"": {"weights": {}}}).values()))["weights"]
+                block = (1, tensor.shape[1]) if weights.get("strategy") == "channel" else \
+                    tuple(quantization.get("weight_block_size") or weights["block_structure"])
+                value = dequantize_block_fp8(tensor, scale[1].float(), block)
             result[name] = (file, value.to(dtype))
     else:
         layout, bits, zeros_minus_one = _wna16_spec_of(quantization)
@@ -783,8 +791,9 @@ def make_checkpoint(
     max_shard_size: int | str | None = None,
     dtype: torch.dtype = torch.float32,
     fp8: bool = False,
-    fp8_block_size: tuple[int, int] = (128, 128),
+    fp8_block_size: tuple[int, int] | None = (128, 128),
     fp8_not_converted: tuple[str, ...] = (),
+    fp8_format: str = "fp8",
     wna16: str | None = None,
     wna16_bits: int = 4,
     wna16_group_size: int = 32,
@@ -802,6 +811,8 @@ def make_checkpoint(
     fp8: the official block-FP8 layout (float8_e4m3fn projections with `weight_scale_inv`
     [ceil(out/bn), ceil(in/bk)], experts per expert, the kept modules and every other tensor in
     bf16, `quantization_config` in config.json); fp8_not_converted adds modules kept in bf16.
+    fp8_format "compressed-tensors": llm-compressor's layout instead (`weight_scale`, format
+    float-quantized; fp8_block_size None: FP8_DYNAMIC, one bf16 scale [N, 1] per output row).
     wna16: a weight-only integer layout, "gptq", "gptq_v2", "awq", "compressed-tensors" or
     "auto-round" (module docstring), of wna16_bits (4 or 8) in groups of wna16_group_size columns
     (-1: per channel), symmetric or not, with act-order groups (GPTQ, compressed-tensors); the
@@ -843,7 +854,8 @@ def make_checkpoint(
     if moe_layout == "fused":
         tensors = _fuse_experts(tensors)
     if fp8:
-        tensors, not_converted = _to_fp8(tensors, fp8_block_size, fp8_not_converted)
+        tensors, not_converted = _to_fp8(tensors, fp8_block_size, fp8_not_converted,
+                                         "weight_scale_inv" if fp8_format == "fp8" else "weight_scale")
     if spec is not None:
         tensors, wna16_not_quantized = _to_wna16(tensors, spec, wna16_kept, wna16_quantize_mtp, generator)
     prefix = (lambda m: re.sub(r"^model\.", "model.language_model.", m)) if language_model_prefix else str
@@ -854,16 +866,34 @@ def make_checkpoint(
     saved = json.loads(config_path.read_text())
     if with_mtp:
         saved[MTP_CONFIG_KEY[family]] = 1
-    if fp8:
+    if fp8 and fp8_format == "fp8":
         saved["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                         "weight_block_size": list(fp8_block_size),
                                         "modules_to_not_convert": [prefix(m) for m in not_converted]}
+    elif fp8:
+        saved["quantization_config"] = _compressed_tensors_fp8_config(fp8_block_size, [prefix(m) for m in not_converted])
     if spec is not None:
         saved["quantization_config"] = _wna16_quantization_config(spec, wna16_not_quantized, with_mtp,
                                                                   wna16_quantize_mtp, prefix)
         saved["dtype"] = str(spec.dtype).removeprefix("torch.")
     config_path.write_text(json.dumps(saved, indent=2))
     return directory
+
+
+def _compressed_tensors_fp8_config(block: tuple[int, int] | None, kept: list[str]) -> dict:
+    """llm-compressor's FP8_DYNAMIC (block None: a scale per output row, activations per token)
+    or FP8_BLOCK quantization_config; `ignore` lists the kept projections, the router also by
+    pattern, as its recipes do."""
+    float8 = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "actorder": None,
+              "block_structure": None, "observer": "minmax", "observer_kwargs": {}}
+    weights = {**float8, "dynamic": False, "strategy": "channel"} if block is None else \
+        {**float8, "dynamic": False, "strategy": "block", "block_structure": list(block)}
+    activations = {**float8, "dynamic": True, "observer": None, "strategy": "token"} if block is None else \
+        {**float8, "dynamic": True, "observer": None, "strategy": "group", "group_size": block[1]}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations,
+                                          "output_activations": None, "format": "float-quantized"}},
+            "ignore": [*kept, "re:.*mlp.gate$"], "kv_cache_scheme": None, "global_compression_ratio": None}
 
 
 # A chat template that places images as Qwen3.5's does (one <|vision_start|><|image_pad|>

@@ -161,7 +161,7 @@ class Linear(nn.Module):
         """After the weights are in: an FP8 checkpoint's block scales, where the per-row scales
         are whole blocks (kernels/fp8.py block_scales), for the GPU table's cuBLAS prefill path;
         an act-order checkpoint's permutation (`_order_groups`)."""
-        if self.is_fp8:
+        if self.is_fp8 and self.block_rows == 128:   # cuBLAS's blocks are 128 x 128
             self.block_scale = block_scales(self.weight_scale.data, self.block_rows)
         if self.g_idx is not None:
             self._order_groups()
