@@ -119,6 +119,18 @@ def _at_skinny(group_size: int, num_rows: int) -> int:
     return group_size if num_rows <= SKINNY_MAX_ROWS else 0
 
 
+def _scale_map(module: str, param: str, index: tuple, fp8: bool, wna16: bool, zero_point: bool) -> CheckpointMap:
+    """A quantized checkpoint projection's scales (and zero points) -> `param`_scale
+    (`param`_zero_point) at index: FP8's weight_scale_inv, the canonical weight-only leaves
+    (engine/wna16_tensors.py)."""
+    if fp8:
+        return {f"{module}.weight_scale_inv": (f"{param}_scale", index)}
+    if not wna16:
+        return {}
+    return {f"{module}.weight_scale": (f"{param}_scale", index),
+            **({f"{module}.weight_zero_point": (f"{param}_zero_point", index)} if zero_point else {})}
+
+
 class Linear(nn.Module):
     """y = x W^T for the checkpoint projections `parts` (module name -> rows), stacked in order.
 
@@ -193,14 +205,10 @@ class Linear(nn.Module):
         for part, (module, num_rows) in enumerate(self.parts.items()):
             rows = _rows(start, num_rows)
             mapping[f"{module}.weight"] = (f"{dst}.weight", rows)
-            if self.is_fp8:
-                mapping[f"{module}.weight_scale_inv"] = (f"{dst}.weight_scale", rows)
-            elif self.is_wna16:
-                mapping[f"{module}.weight_scale"] = (f"{dst}.weight_scale", rows)
-                if self.weight_zero_point is not None:
-                    mapping[f"{module}.weight_zero_point"] = (f"{dst}.weight_zero_point", rows)
-                if self.g_idx is not None:
-                    mapping[f"{module}.g_idx"] = (f"{dst}.g_idx", (part,))
+            mapping.update(_scale_map(module, f"{dst}.weight", rows, self.is_fp8, self.is_wna16,
+                                      self.weight_zero_point is not None))
+            if self.g_idx is not None:
+                mapping[f"{module}.g_idx"] = (f"{dst}.g_idx", (part,))
             start += num_rows
         return mapping
 
@@ -484,12 +492,8 @@ class MoEMLP(nn.Module):
                 target = "w_down" if projection == "down" else "w_gate_up"
                 module = f"{src}.experts.{e}.{projection}_proj"
                 mapping[f"{module}.weight"] = (f"{dst}.{target}", index)
-                if self.group_size:
-                    mapping[f"{module}.weight_scale_inv"] = (f"{dst}.{target}_scale", index)
-                elif self.bits:
-                    mapping[f"{module}.weight_scale"] = (f"{dst}.{target}_scale", index)
-                    if self.w_down_zero_point is not None:
-                        mapping[f"{module}.weight_zero_point"] = (f"{dst}.{target}_zero_point", index)
+                mapping.update(_scale_map(module, f"{dst}.{target}", index, self.group_size > 0, self.bits > 0,
+                                          self.w_down_zero_point is not None))
         return mapping
 
     def forward(self, x: Activation, ops: Ops) -> torch.Tensor:

@@ -8,7 +8,9 @@ test_gpu_engine.py): prompts, generate, and ScriptedDrafter, a draft editor that
 acceptance count. LaunchCounter (test_async_scheduling.py, test_structured.py) counts the steps
 launched ahead of the one before them. Sampled steps (test_sampled_steps.py, test_gpu_engine.py):
 a mix of greedy and sampled rows, the same rows sent through the eager redecision, and a run
-that counts the step's own draws and the redecisions after it."""
+that counts the step's own draws and the redecisions after it. Quantized checkpoints on the GPU
+(test_fp8_checkpoints.py, test_wna16_checkpoints.py, test_compressed_fp8.py):
+assert_graphs_decode_as_eager."""
 
 import dataclasses
 import random
@@ -230,3 +232,25 @@ def run_counted(core: EngineCore, batch: list[list[int]], params: list[SamplingP
         core.step()
     outputs = [(r.output_token_ids, r.output_logprobs) for r in requests]
     return outputs, {"draws": len(draws), "redecisions": sum(map(len, redecisions))}
+
+
+# Quantized checkpoints on the GPU ---------------------------------------------------------------
+
+def assert_graphs_decode_as_eager(path, **options) -> tuple[list[list[int]], list[list[int]], SamplingParams]:
+    """Greedy decoding of prompts of 3, 50 and 200 tokens through the decode graphs, and greedy
+    speculation (2 drafts) through the speculative graphs, equal eager decoding (float32
+    activations on CUDA, so that the comparison is not about bf16 rounding of different batch
+    shapes): the kernels are graph-safe. Returns (prompts, eager tokens, params) for more checks."""
+    from deltaspec.engine import LLM
+    batch = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 50, 200)]
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    options = dict(device="cuda", dtype="float32", **options)
+    eager = LLM(path, **options, num_draft_tokens=0, enable_cuda_graphs=False)
+    graphs = LLM(path, **options, num_draft_tokens=0)
+    spec = LLM(path, **options, num_draft_tokens=2, adaptive_draft_length=False)
+    assert graphs.core.runner.graphs is not None and spec.core.runner.spec_graphs is not None
+    expected = [o.token_ids for o in eager.generate(batch, params)]
+    assert [o.token_ids for o in graphs.generate(batch, params)] == expected
+    assert [o.token_ids for o in spec.generate(batch, params)] == expected
+    assert spec.core.stats()["spec"]["num_verify_steps"] > 0
+    return batch, expected, params

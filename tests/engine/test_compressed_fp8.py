@@ -15,7 +15,7 @@ from deltaspec.engine.quantization import Fp8Config, quantization_from_dict
 from deltaspec.kernels.fp8 import FP8, dequantize_reference
 
 from fixtures import GPU_SHAPE, dequantize_checkpoint
-from harness import generate, prompts
+from harness import assert_graphs_decode_as_eager, generate, prompts
 from test_fp8_checkpoints import _set_ops, perturbed_inputs_ops, relative_rms
 
 SCHEMES = {"dynamic": None, "block": (128, 128)}
@@ -112,20 +112,10 @@ def test_what_cannot_run_is_named(config, named):
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_compressed_fp8_on_gpu_under_cuda_graphs(checkpoint, scheme):
-    """The Triton FP8 GEMMs with per-row scales (and cuBLAS's blocks for FP8_BLOCK at prefill):
-    graphs and speculative graphs give eager decoding's tokens (float32 activations)."""
-    from deltaspec.engine import SamplingParams
-    path = checkpoint("qwen3_5", fp8=True, fp8_format="compressed-tensors", fp8_block_size=SCHEMES[scheme],
-                      mtp_copy_of_last_layer=True, **GPU_SHAPE)
-    batch = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 50, 200)]
-    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-    options = dict(device="cuda", dtype="float32")
-    expected = [o.token_ids for o in LLM(path, **options, num_draft_tokens=0, enable_cuda_graphs=False)
-                .generate(batch, params)]
-    assert [o.token_ids for o in LLM(path, **options, num_draft_tokens=0).generate(batch, params)] == expected
-    spec = LLM(path, **options, num_draft_tokens=2, adaptive_draft_length=False)
-    assert [o.token_ids for o in spec.generate(batch, params)] == expected
-
+    """The Triton FP8 GEMMs with per-row scales (and cuBLAS's blocks for FP8_BLOCK at prefill)
+    under the graphs (harness.assert_graphs_decode_as_eager)."""
+    assert_graphs_decode_as_eager(checkpoint("qwen3_5", fp8=True, fp8_format="compressed-tensors",
+                                             fp8_block_size=SCHEMES[scheme], mtp_copy_of_last_layer=True, **GPU_SHAPE))
 
 def test_per_row_scales_are_sliced_with_their_rows(checkpoint):
     """tp=2 reads: a column-parallel projection's [N, 1] scales split with its rows, a

@@ -12,13 +12,13 @@ from functools import lru_cache
 import pytest
 import torch
 
-from deltaspec.engine import LLM, ConfigError, EngineConfig, ModelConfig, SamplingParams, WeightLoadError
+from deltaspec.engine import LLM, ConfigError, EngineConfig, WeightLoadError
 from deltaspec.engine.core import EngineCore
 from deltaspec.engine.quantization import Wna16Config, quantization_from_dict
 from deltaspec.kernels.wna16 import dequantize_reference
 
 from fixtures import GPU_SHAPE, dequantize_checkpoint
-from harness import generate, prompts
+from harness import assert_graphs_decode_as_eager, generate, prompts
 
 FORMATS = ["gptq", "gptq_v2", "awq", "compressed-tensors", "auto-round"]
 
@@ -227,21 +227,10 @@ def test_tensor_parallelism_is_refused_for_packed_checkpoints(checkpoint):
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
 def test_wna16_runs_under_cuda_graphs_and_speculates_losslessly(checkpoint, family):
-    """The Triton WNA16 kernels are graph-safe: decoding through the captured graphs equals eager
-    decoding, and greedy speculation through the speculative graphs equals both (float32
-    activations, so that the comparison is not about bf16 rounding of different batch shapes);
-    the torch table on the same GPU gives the same tokens."""
+    """The Triton WNA16 kernels are graph-safe (harness.assert_graphs_decode_as_eager), and the
+    torch table on the same GPU gives the same tokens."""
     path = checkpoint(family, wna16="gptq", wna16_group_size=64, mtp_copy_of_last_layer=True, **GPU_SHAPE)
-    batch = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 50, 200)]
-    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-    options = dict(device="cuda", dtype="float32")
-    eager = LLM(path, **options, num_draft_tokens=0, enable_cuda_graphs=False)
-    graphs = LLM(path, **options, num_draft_tokens=0)
-    spec = LLM(path, **options, num_draft_tokens=2, adaptive_draft_length=False)
-    assert graphs.core.runner.graphs is not None and spec.core.runner.spec_graphs is not None
-    expected = [o.token_ids for o in eager.generate(batch, params)]
-    assert [o.token_ids for o in graphs.generate(batch, params)] == expected
-    assert [o.token_ids for o in spec.generate(batch, params)] == expected
-    assert spec.core.stats()["spec"]["num_verify_steps"] > 0
-    reference = LLM(path, **options, num_draft_tokens=0, kernel_backend="torch", enable_cuda_graphs=False)
+    batch, expected, params = assert_graphs_decode_as_eager(path)
+    reference = LLM(path, device="cuda", dtype="float32", num_draft_tokens=0, kernel_backend="torch",
+                    enable_cuda_graphs=False)
     assert [o.token_ids for o in reference.generate(batch, params)] == expected
