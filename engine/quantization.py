@@ -227,7 +227,8 @@ def _awq(raw: dict, method: str = "awq") -> Wna16Config:
     return Wna16Config("awq", int(_int_field(raw, "bits", "w_bit", default=4)),
                        int(_int_field(raw, "group_size", "q_group_size", default=128)),
                        symmetric=not raw.get("zero_point", True), method=method,
-                       modules_to_not_convert=tuple(canonical_module(m) for m in raw.get("modules_to_not_convert") or ()))
+                       modules_to_not_convert=tuple(canonical_module(m)
+                                                    for m in raw.get("modules_to_not_convert") or ()))
 
 
 def _compressed_tensors(raw: dict) -> "Wna16Config | Fp8Config":
@@ -245,8 +246,8 @@ def _compressed_tensors(raw: dict) -> "Wna16Config | Fp8Config":
     for group_name, group in (raw.get("config_groups") or {}).items():
         weights = group.get("weights") or {}
         if group.get("input_activations") or group.get("output_activations"):
-            raise ConfigError(f"{name}: {group_name} quantizes activations of integer weights (W8A8 int8, W4A8); deltaspec "
-                              f"runs weight-only integer schemes (W4A16, W8A16) and FP8 ones")
+            raise ConfigError(f"{name}: {group_name} quantizes activations of integer weights (W8A8 int8, "
+                              f"W4A8); deltaspec runs weight-only integer schemes (W4A16, W8A16) and FP8 ones")
         if weights.get("type", "int") != "int" or weights.get("strategy") not in ("group", "channel") \
                 or weights.get("num_bits") not in (4, 8) or weights.get("dynamic"):
             raise ConfigError(f"{name}: {group_name}'s weights {weights!r} are not supported (4 or 8 bit int, "

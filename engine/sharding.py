@@ -26,7 +26,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .model_config import ModelConfig
-from .quantization import Fp8Config, Wna16Config
+from .quantization import Fp8Config
 
 # (dim, start, stop): one slice of a checkpoint tensor; a rank's part is its pieces concatenated
 # along dim.
@@ -34,11 +34,7 @@ Piece = tuple[int, int, int]
 
 
 def check_divisible(c: ModelConfig, tp: int, expert_parallel: bool) -> None:
-    """ValueError naming every size tp does not divide (and one for weight-only integer
-    checkpoints, whose packed layouts are not sharded)."""
-    if tp > 1 and isinstance(c.quantization, Wna16Config):
-        raise ValueError(f"tensor_parallel_size={tp}: {c.quantization.layout} (weight-only integer) checkpoints run on "
-                         f"one GPU here; a 4-bit checkpoint of a model this size usually fits one")
+    """ValueError naming every size tp does not divide."""
     problems = []
 
     def need(name: str, value: int) -> None:

@@ -30,7 +30,7 @@ from . import online_quantization
 from .model_config import ModelConfig
 from .models import HybridLM
 from .quantization import Fp8Config, Wna16Config, canonical_module, with_checkpoint_modules
-from .wna16_tensors import canonical_tensors, is_wna16_tensor
+from .wna16_tensors import canonical_stream
 from .sharding import NotThisRank, Sharding, shard_config
 from .tensor_parallel import TensorParallel
 
@@ -115,13 +115,6 @@ class _ShapeMismatch(Exception):
 
 def _normalise(name: str, tensor: torch.Tensor, c: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     q = c.quantization
-    if isinstance(q, Wna16Config) and is_wna16_tensor(name, q):
-        for canonical, piece in canonical_tensors(name, tensor, q):
-            if canonical.endswith(_FUSED_PROJECTIONS):
-                yield from _split_fused_projections(canonical, piece, c)
-            else:
-                yield canonical, piece
-        return
     if isinstance(q, Fp8Config) and q.scale_name != _SCALE_SUFFIX[1:] and name.endswith(f".{q.scale_name}"):
         name = name.removesuffix(f".{q.scale_name}") + _SCALE_SUFFIX   # compressed-tensors' name, the same scales
     if name.endswith(_SCALE_SUFFIX) and q is not None and tensor.dim() == 2:
@@ -170,9 +163,23 @@ def load_model(path: str | Path, ops: Ops, dtype: torch.dtype, device: torch.dev
     total_bytes = sum(f.stat().st_size for f in files)
     with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="loading weights",
               disable=total_bytes < _PROGRESS_BAR_BYTES or (tp is not None and tp.rank > 0)) as bar:
-        return model_from_tensors(shard, read_tensors(files, sharding, bar), ops, dtype, device,
+        tensors = read_tensors(files, sharding, bar)
+        if isinstance(config.quantization, Wna16Config):   # each format's tensors in the packed layout
+            tensors = _canonical_packed(tensors, config.quantization, sharding)
+        return model_from_tensors(shard, tensors, ops, dtype, device,
                                   with_mtp=any((_canonical_name(n) or "").startswith("mtp.") for n in names),
                                   quantize_online=quantize_online, tp=tp)
+
+
+def _canonical_packed(tensors: Iterable[tuple[str, torch.Tensor]], q: Wna16Config,
+                      sharding: Sharding | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """wna16_tensors.canonical_stream, a cut it refuses as a WeightLoadError."""
+    try:
+        yield from canonical_stream(tensors, q, sharding)
+    except WeightLoadError:
+        raise
+    except ValueError as e:
+        raise WeightLoadError(str(e)) from None
 
 
 def random_model(config: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device | str,
@@ -218,7 +225,8 @@ def model_from_tensors(config: ModelConfig, tensors: Iterable[tuple[str, torch.T
                        quantize_online: bool = False, tp: TensorParallel | None = None) -> HybridLM:
     """Build the model and fill it from (checkpoint name, tensor) pairs, e.g. an HF state_dict
     (quantize_online: as load_model). config: the model or (under tensor parallelism) this
-    rank's shard of it, and the tensors this rank's slices."""
+    rank's shard of it, and the tensors this rank's slices; a weight-only integer checkpoint's in
+    the canonical packed layout (wna16_tensors.canonical_stream)."""
     with torch.device(device):
         model = HybridLM(config, ops, dtype, with_mtp=with_mtp, tp=tp)
     if quantize_online:
@@ -234,7 +242,9 @@ def model_from_tensors(config: ModelConfig, tensors: Iterable[tuple[str, torch.T
 def read_tensors(files: list[Path], sharding: Sharding | None = None,
                  bar: tqdm | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every tensor in the files; with a sharding, only this rank's slices
-    (safetensors reads just those bytes) and no tensor that is wholly another rank's."""
+    (safetensors reads just those bytes) and no tensor that is wholly another rank's (a
+    weight-only integer checkpoint's packed tensors whole: wna16_tensors.canonical_stream cuts
+    them)."""
     for file in files:
         with _open(file) as f:
             for name in f.keys():
@@ -320,7 +330,8 @@ def _fill(model: HybridLM, tensors: Iterable[tuple[str, torch.Tensor]], config: 
     if config.quantization is None and any(_SCALE_SUFFIX in line for line in unexpected):
         problems.insert(0, "the checkpoint holds FP8 block scales (*.weight_scale_inv) but its config.json has "
                            "no quantization_config: add the one published with the checkpoint")
-    if config.quantization is None and any(leaf in line for line in unexpected for leaf in (".qweight", ".weight_packed")):
+    if config.quantization is None and any(leaf in line for line in unexpected
+                                           for leaf in (".qweight", ".weight_packed")):
         problems.insert(0, "the checkpoint holds packed integer weights (*.qweight / *.weight_packed) but its "
                            "config.json has no quantization_config: add the one published with the checkpoint")
     if problems:

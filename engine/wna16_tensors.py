@@ -21,17 +21,24 @@ values are); `weight_shape` is checked by the model's shapes instead; `weight_g_
 
 A symmetric checkpoint's zero points (GPTQ writes them anyway) are not read: vLLM ignores them
 too. A trivial g_idx (column k in group k / G) is dropped unless the config is act-order, where
-the model's projection takes it and decides (layers.Linear._order_groups). Knows nothing about
-the model beyond canonical names.
+the model's projection takes it and decides (layers.Linear._order_groups).
+
+`canonical_stream` is the loader's stage (engine/weights.py load_model): under tensor
+parallelism these tensors are read whole (their stored layouts are not the model's) and cut
+here, after the rewrite, by the rows and columns of the logical weight [N, K] that the rank's
+sharding gives (engine/sharding.py): packed words by K / P, scales and zero points by groups. A
+cut inside a word or a group, or through an act-order projection's columns, is a ValueError.
+Knows nothing about the model beyond canonical names.
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 
-from .quantization import Wna16Config
+from .quantization import Wna16Config, canonical_module
+from .sharding import Sharding
 
 # AWQ's nibble i of a word holds column 8 * word + AWQ_ORDER[i]; so column 8 * word + r sits in
 # nibble AWQ_REVERSE_ORDER[r].
@@ -112,3 +119,46 @@ def _zero_points(tensor: torch.Tensor, q: Wna16Config) -> torch.Tensor:
     else:                               # older compressed-tensors: signed [N, KG]
         zeros = tensor.to(torch.int32) + (1 << (q.bits - 1))
     return zeros.to(torch.uint8).contiguous()
+
+
+def canonical_stream(tensors: Iterable[tuple[str, torch.Tensor]], q: Wna16Config,
+                     sharding: Sharding | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) pairs -> the same, each quantized projection's tensors in the
+    canonical layout and, with a sharding, cut to the rank's slices; other tensors as they come
+    (read_tensors already cut those)."""
+    for name, tensor in tensors:
+        if not is_wna16_tensor(name, q):
+            yield name, tensor
+            continue
+        for canonical, piece in canonical_tensors(name, tensor, q):
+            yield canonical, piece if sharding is None else _rank_slices(canonical, piece, q, sharding)
+
+
+def _rank_slices(name: str, tensor: torch.Tensor, q: Wna16Config, sharding: Sharding) -> torch.Tensor:
+    """A canonical tensor's part on the sharding's rank: the logical weight's pieces, rows as
+    rows, columns in words (the packed weight), groups (scales, zero points) or columns (g_idx)."""
+    module, _, leaf = name.rpartition(".")
+    if leaf == "g_idx":
+        in_features, per_entry = tensor.numel(), 1
+    else:
+        per_entry = q.pack if leaf == "weight" else q.group_size
+        in_features = tensor.shape[1] * per_entry if per_entry > 0 else 0   # per channel: unknown, whole
+    pieces = sharding.pieces(f"{canonical_module(module)}.weight", (tensor.shape[0], in_features))
+    if pieces is None:
+        return tensor
+    parts = []
+    for dim, start, stop in pieces:
+        if dim == 0:
+            parts.append(tensor if leaf == "g_idx" else tensor[start:stop])
+        elif leaf == "g_idx":
+            raise ValueError(f"{name}: tensor_parallel_size={sharding.size} splits the columns of an act-order "
+                             f"projection, whose groups are spread over all of them; load it on one GPU")
+        elif per_entry < 0:      # per-channel scales: one a row, for every column piece
+            parts.append(tensor)
+        elif start % per_entry or (stop % per_entry and stop != in_features):
+            unit = "word" if leaf == "weight" else "quantization group"
+            raise ValueError(f"{name}: tensor_parallel_size={sharding.size} cuts a {unit} of {per_entry} columns "
+                             f"(columns [{start}, {stop}) are this rank's); use a size whose shards are whole groups")
+        else:
+            parts.append(tensor[:, start // per_entry:-(-stop // per_entry)])
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=pieces[0][0])

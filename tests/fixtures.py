@@ -871,7 +871,8 @@ def make_checkpoint(
                                         "weight_block_size": list(fp8_block_size),
                                         "modules_to_not_convert": [prefix(m) for m in not_converted]}
     elif fp8:
-        saved["quantization_config"] = _compressed_tensors_fp8_config(fp8_block_size, [prefix(m) for m in not_converted])
+        saved["quantization_config"] = _compressed_tensors_fp8_config(fp8_block_size,
+                                                                      [prefix(m) for m in not_converted])
     if spec is not None:
         saved["quantization_config"] = _wna16_quantization_config(spec, wna16_not_quantized, with_mtp,
                                                                   wna16_quantize_mtp, prefix)

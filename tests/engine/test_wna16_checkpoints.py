@@ -12,7 +12,7 @@ from functools import lru_cache
 import pytest
 import torch
 
-from deltaspec.engine import LLM, ConfigError, EngineConfig, WeightLoadError
+from deltaspec.engine import LLM, ConfigError, EngineConfig, ModelConfig, WeightLoadError
 from deltaspec.engine.core import EngineCore
 from deltaspec.engine.quantization import Wna16Config, quantization_from_dict
 from deltaspec.kernels.wna16 import dequantize_reference
@@ -183,7 +183,8 @@ def test_formats_parse_to_one_config():
         == Wna16Config("awq", 4, 64, False, method="awq", modules_to_not_convert=("model.visual",))
     channel = {**W4A16, "config_groups": {"group_0": {**W4A16["config_groups"]["group_0"], "weights": {
         "num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}}}}
-    assert quantization_from_dict(channel) == Wna16Config("compressed-tensors", 8, -1, True, method="compressed-tensors")
+    assert quantization_from_dict(channel) == Wna16Config("compressed-tensors", 8, -1, True,
+                                                          method="compressed-tensors")
     assert quantization_from_dict({"quant_method": "auto-round", "bits": 4, "group_size": 128, "sym": True,
                                    "packing_format": "auto_round:auto_gptq"}).layout == "gptq"
 
@@ -219,9 +220,67 @@ def test_the_quantization_option_names_the_checkpoints_method(checkpoint):
         LLM(path, quantization="fp8")
 
 
-def test_tensor_parallelism_is_refused_for_packed_checkpoints(checkpoint):
-    with pytest.raises(ValueError, match="weight-only integer"):
-        LLM(checkpoint("qwen3_5", wna16="awq"), tensor_parallel_size=2)
+def _canonical(path, rank: int | None = None) -> dict[str, torch.Tensor]:
+    """A packed checkpoint's tensors after the loader's stage, whole or rank `rank` of 2's."""
+    from deltaspec.engine.sharding import Sharding
+    from deltaspec.engine.weights import checkpoint_files, read_tensors
+    from deltaspec.engine.wna16_tensors import canonical_stream
+    config = ModelConfig.from_file(path)
+    sharding = None if rank is None else Sharding(config, rank, 2)
+    return dict(canonical_stream(read_tensors(checkpoint_files(path), sharding), config.quantization, sharding))
+
+
+@pytest.mark.parametrize("family, options", [
+    ("qwen3_5", dict(wna16="gptq", wna16_symmetric=False)),
+    ("qwen3_5", dict(wna16="awq", wna16_symmetric=False)),
+    ("qwen3_next", dict(wna16="compressed-tensors", wna16_symmetric=False)),
+    ("qwen3_5_moe", dict(wna16="gptq", wna16_group_size=-1)),
+], ids=["gptq", "awq", "ct-next", "gptq-channel-moe"])
+def test_rank_slices_of_packed_tensors_concatenate(checkpoint, family, options):
+    """tp=2: each rank's packed weights, scales and zero points are its rows (column-parallel
+    projections: q|k|v by blocks) or its words and groups (row-parallel: o_proj, out_proj,
+    down), cut from the canonical tensors; per-channel scales stay whole."""
+    path = checkpoint(family, **options)
+    whole, ranks = _canonical(path), [_canonical(path, r) for r in range(2)]
+    checked = 0
+    for name, tensor in whole.items():
+        if tensor.dtype not in (torch.int32, torch.uint8) and not name.endswith(".weight_scale"):
+            continue
+        parts = [r[name] for r in ranks]
+        row_parallel = name.rpartition(".")[0].endswith(("o_proj", "out_proj", "down_proj"))
+        if row_parallel and parts[0].shape[1] == tensor.shape[1]:   # one scale a row
+            assert all(torch.equal(part, tensor) for part in parts), name
+        elif row_parallel:
+            assert torch.equal(torch.cat(parts, dim=1), tensor), name
+        elif parts[0].shape[0] * 2 == tensor.shape[0] and "in_proj_qkv." not in name:
+            assert torch.equal(torch.cat(parts), tensor), name
+        checked += 1
+    assert checked > 10
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_packed_checkpoint_under_tensor_parallelism_equals_one_device(checkpoint, family):
+    """tp=2 over gloo: greedy tokens of a GPTQ checkpoint with zero points equal one device's
+    (weight-only quantization: the ranks' partial products only sum in another order)."""
+    from test_tensor_parallel import GREEDY, POOLS
+    path = checkpoint(family, wna16="gptq", wna16_symmetric=False)
+    batch = prompts(2, seed=9)
+    with LLM(path, num_draft_tokens=0, **POOLS) as one:
+        expected = [o.token_ids for o in one.generate(batch, GREEDY)]
+    with LLM(path, tensor_parallel_size=2, num_draft_tokens=0, **POOLS) as llm:
+        assert [o.token_ids for o in llm.generate(batch, GREEDY)] == expected
+
+
+def test_act_order_columns_are_not_split(checkpoint):
+    """An act-order projection's groups are spread over all its columns: a row-parallel cut of
+    them is refused by name (column-parallel ones are cut by rows and load)."""
+    from deltaspec.engine.tensor_parallel import TensorParallel
+    from deltaspec.engine.weights import load_model
+    from deltaspec.kernels import REFERENCE_OPS
+    path = checkpoint("qwen3_5", wna16="gptq", wna16_act_order=True)
+    with pytest.raises(WeightLoadError, match="splits the columns of an act-order projection"):
+        load_model(path, REFERENCE_OPS, torch.float32, "cpu", tp=TensorParallel(1, 2, torch.device("cpu")))
 
 
 @pytest.mark.gpu
