@@ -385,6 +385,9 @@ def load_vision_encoder(path: Path, config: VisionConfig, dtype: torch.dtype, de
                              ("tensors with the wrong dtype", wrong_dtype, "; ")):
         if items:
             problems.append(f"{what} ({len(items)}): " + sep.join(items))
+    if any(raw.endswith((".qweight", ".weight_packed")) for raw in unexpected):
+        problems.insert(0, "the vision tower is stored as packed integers (GPTQ / AWQ / compressed-tensors), which "
+                           "deltaspec does not load: serve the language model alone (--language-model-only)")
     if problems:
         raise WeightLoadError(f"checkpoint {path} does not match its vision_config:\n  " + "\n  ".join(problems))
     return encoder.eval()

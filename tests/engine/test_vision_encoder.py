@@ -174,6 +174,20 @@ def test_load_errors_name_every_tensor(tmp_path):
     assert "given twice (1): model.visual.pos_embed.weight, visual.pos_embed.weight" in message
 
 
+def test_a_packed_integer_tower_is_named(tmp_path):
+    """A vision tower a GPTQ / AWQ / compressed-tensors tool quantized (its weights as qweight or
+    weight_packed) is not loaded: the error says so first and names the way around it."""
+    model = hf_model(9)
+    tensors = tensors_of(model)
+    weight = tensors.pop("model.visual.blocks.0.mlp.linear_fc1.weight")
+    tensors["model.visual.blocks.0.mlp.linear_fc1.weight_packed"] = torch.zeros(weight.shape[0], weight.shape[1] // 8,
+                                                                                 dtype=torch.int32)
+    with pytest.raises(WeightLoadError) as error:
+        load_vision_encoder(save(tensors, tmp_path / "packed"), config_of(model), torch.float32, "cpu")
+    first_problem = str(error.value).splitlines()[1]
+    assert "stored as packed integers" in first_problem and "--language-model-only" in first_problem
+
+
 @pytest.mark.parametrize("block", [(16, 16), (128, 128)])
 def test_fp8_weights_load_dequantized(tmp_path, block):
     model = hf_model(10)
