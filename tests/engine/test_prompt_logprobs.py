@@ -72,14 +72,18 @@ def test_prompt_logprobs_over_chunks_cache_and_choices(path):
     first = llm.generate([prompt, _prompt(8, 90)], [asking, plain])
     check_against_reference(llm, prompt, first[0].prompt_logprobs, 2)
     assert first[1].prompt_logprobs is None
-    again = llm.generate([prompt], asking)[0]  # its prefix is cached now
-    assert again.prompt_logprobs == first[0].prompt_logprobs
+    # Its prefix is cached now: the rest is prefilled from a checkpoint, in other row blocks than
+    # the first time, whose products the CPU's GEMM may round otherwise (they differed in the 7th
+    # digit on a 2-core CI machine): the reference's tolerance, not equality.
+    again = llm.generate([prompt], asking)[0]
+    check_against_reference(llm, prompt, again.prompt_logprobs, 2)
     assert again.token_ids == first[0].token_ids
     choices = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.8, seed=3, ignore_eos=True,
                                                     prompt_logprobs=2), n=3)
     assert len(choices) == 3
-    for choice in choices:
-        assert choice.prompt_logprobs == first[0].prompt_logprobs
+    check_against_reference(llm, prompt, choices[0].prompt_logprobs, 2)
+    for choice in choices[1:]:   # the forks copy the one prefill's scores
+        assert choice.prompt_logprobs == choices[0].prompt_logprobs
 
 
 def test_prompt_logprobs_with_speculation_unchanged_tokens(path):
