@@ -64,7 +64,7 @@ from .step import StepOutput, StepPlan
 from .tokenizer import Tokenizer
 from .tensor_parallel import TensorParallel
 from .warm_up import num_compiles_after_warm_up, warm_up
-from .quantization import ONLINE_METHODS, Fp8Config, with_quantization_option
+from .quantization import ONLINE_METHODS, Fp8Config, describe as describe_quantization, with_quantization_option
 from .vision.encoder import load_vision_encoder, random_vision_encoder
 from .vision.features import ImageFeatures
 from .vision.image import ImageInput, VideoInput
@@ -186,6 +186,8 @@ class EngineCore:
                                         expert_parallel=config.enable_expert_parallel)
         else:
             self.model, self.model_config, self.ops = model, model.config, model.ops
+        logger.info("weights: %.2f GB on this device, %s", sum(p.nbytes for p in self.model.parameters()) / 1e9,
+                    describe_quantization(self.model.config.quantization))
         self.image_processor, self.video_processor, image_features = self._vision(config, path, loaded=model is None)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.num_draft_tokens = self._draft_tokens()

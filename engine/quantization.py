@@ -339,6 +339,20 @@ def quantization_from_dict(raw) -> "Fp8Config | Wna16Config | None":
                       f"integer ones (gptq, awq, compressed-tensors pack-quantized, auto-round)")
 
 
+def describe(quantization: "Fp8Config | Wna16Config | None") -> str:
+    """The checkpoint's weight format in a few words, for the start-up log."""
+    if quantization is None:
+        return "unquantized"
+    if isinstance(quantization, Fp8Config):
+        bn, bk = quantization.weight_block_size
+        return "FP8, a scale a row" if bn == 1 else f"FP8, {bn} x {bk} weight blocks"
+    q = quantization
+    groups = "a group a row" if q.group_size == -1 else f"groups of {q.group_size}"
+    packed = "" if q.quantized is None else f", {len(q.quantized)} projections packed"
+    return (f"{q.method or q.layout} {q.bits}-bit weights, {groups}, {'symmetric' if q.symmetric else 'zero points'}"
+            f"{', act-order' if q.act_order else ''}{packed}")
+
+
 # Fused checkpoint projections (Qwen3-Next) -> the canonical modules they hold.
 _FUSED_MODULES = {"in_proj_qkvz": ("in_proj_qkv", "in_proj_z"), "in_proj_ba": ("in_proj_b", "in_proj_a")}
 

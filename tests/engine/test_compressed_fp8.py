@@ -11,7 +11,7 @@ import torch
 
 from deltaspec.engine import LLM, ConfigError, EngineConfig
 from deltaspec.engine.core import EngineCore
-from deltaspec.engine.quantization import Fp8Config, quantization_from_dict
+from deltaspec.engine.quantization import Fp8Config, describe, quantization_from_dict
 from deltaspec.kernels.fp8 import FP8, dequantize_reference
 
 from fixtures import GPU_SHAPE, dequantize_checkpoint
@@ -88,9 +88,11 @@ def test_schemes_parse_to_block_fp8():
                                modules_to_not_convert=("model.layers.0.mlp.shared_expert_gate", "lm_head"),
                                ignore_patterns=(".*mlp.gate$",))
     assert not parsed.quantizes("model.layers.3.mlp.gate") and parsed.quantizes("model.layers.3.mlp.gate_proj")
+    assert describe(parsed) == "FP8, a scale a row"
     block = _config({**FLOAT8, "strategy": "block", "block_structure": [128, 128]},
                     {**FLOAT8, "strategy": "group", "group_size": 128, "dynamic": True})
     assert quantization_from_dict(block) == Fp8Config(weight_block_size=(128, 128), scale_name="weight_scale")
+    assert describe(quantization_from_dict(block)) == "FP8, 128 x 128 weight blocks"
 
 
 @pytest.mark.parametrize("config, named", [

@@ -199,6 +199,13 @@ def test_quantized_modules_come_from_the_tensor_names(checkpoint):
     assert llm.model.layers[3].mixer.o_proj.is_wna16 and not llm.model.mtp.fc.is_wna16
 
 
+def test_the_start_up_log_names_the_weight_format(checkpoint, caplog):
+    with caplog.at_level("INFO", logger="deltaspec"):
+        llm = LLM(checkpoint("qwen3_5", wna16="gptq"))
+    packed = len(llm.model.config.quantization.quantized)
+    assert f"gptq 4-bit weights, groups of 32, symmetric, {packed} projections packed" in caplog.text and packed > 10
+
+
 def test_packed_weights_without_quantization_config_say_so(checkpoint, tmp_path):
     path = tmp_path / "ckpt"
     shutil.copytree(checkpoint("qwen3_5", wna16="gptq"), path)
