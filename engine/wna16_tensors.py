@@ -37,6 +37,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from ..kernels.wna16 import pack_reference
 from .quantization import Wna16Config, canonical_module
 from .sharding import Sharding
 
@@ -64,15 +65,6 @@ def unpack_columns(packed: torch.Tensor, bits: int, order: tuple[int, ...] | Non
     if order is not None:
         shifts = shifts[list(order)]
     return ((packed[..., None] >> shifts) & ((1 << bits) - 1)).flatten(-2)
-
-
-def _pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """[R, C] values in [0, 2^bits) -> [R, C / P] int32 packed along C consecutively."""
-    pack = 32 // bits
-    shifts = torch.arange(pack, dtype=torch.int32, device=values.device) * bits
-    words = values.to(torch.int32).view(*values.shape[:-1], -1, pack) << shifts
-    # The fields do not overlap, so their sum is their bitwise or (int32 wraps the top one).
-    return words.sum(dim=-1, dtype=torch.int32)
 
 
 def _trivial_g_idx(g_idx: torch.Tensor, q: Wna16Config) -> bool:
@@ -103,7 +95,7 @@ def canonical_tensors(name: str, tensor: torch.Tensor, q: Wna16Config) -> Iterat
         yield f"{module}.weight", tensor.t().contiguous()
     elif q.layout == "awq":      # qweight [K, N / P]: N packed, interleaved
         values = unpack_columns(tensor, q.bits, AWQ_REVERSE_ORDER if q.bits == 4 else None)
-        yield f"{module}.weight", _pack_rows(values.t(), q.bits)
+        yield f"{module}.weight", pack_reference(values.t(), q.bits)
     else:
         yield f"{module}.weight", tensor
 
