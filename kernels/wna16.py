@@ -38,7 +38,10 @@ ptxas (sm_90, compile-only: tests/kernels/compile_for_hopper.py's driver) gives 
 (bf16, 4-bit, 128-row tiles) ~3 instructions per weight value, the ones-MMA and x's permutation
 included; unpacking value by value (shift, mask, convert) gave ~4.7 and a trip through shared
 memory. An H200 streams ~36 weight values a clock per SM at its copy bandwidth against 128
-instruction issues: the unpacking, not the MMA, is what can keep a decode GEMM off the bandwidth.
+instruction issues. Measured there (ncu, gate_up at one row): 3.9 instructions a value, issued on
+a quarter of the cycles: 3 warps a scheduler (167 registers) stall on the words' shared-memory
+loads and the step's barriers. The loop is latency-bound at ~25% of the copy bandwidth, where a
+read of the same bytes in the same tiles reaches 85% (bench/results/wna16_floor-h200.json).
 
 `wna16_linear` (the GPU table's) by rows M, from shapes alone (CUDA graphs replay the choice):
   M <= SKINNY_MAX_ROWS   decode, verify and draft batches: bandwidth-bound; one MMA tile of the
@@ -248,14 +251,30 @@ def _row_tile(row, k0, K, BLOCK_K: tl.constexpr, P: tl.constexpr, EVEN_K: tl.con
 
 
 @triton.jit
-def _step_product(x_tile, qweight, scales, zeros, rows_w, words_per_row, num_groups, k0, K, group_size, pair_mask,
-                  BITS: tl.constexpr, HALF_MAGIC: tl.constexpr, OFFSET: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, HAS_ZEROS: tl.constexpr, ZERO_BY_DOT: tl.constexpr,
-                  EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+def _group_params(scales, zeros, rows_w, num_groups, k0, group_size, BITS: tl.constexpr, OFFSET: tl.constexpr,
+                  BLOCK_N: tl.constexpr, HAS_ZEROS: tl.constexpr):
+    """The scale and the shift c + z of group k0 // group_size for rows_w [BLOCK_N] -> two
+    [BLOCK_N] float32. The K loops ask for a step's pair one step ahead: a row's scale is a
+    line of its own, and Triton pipelines only the MMA's operands, so a load at its use would
+    stall every step on a DRAM round trip (ncu: the step's largest stall, bench/results/
+    attempts' wna16 floor)."""
+    group = rows_w * num_groups + k0 // group_size
+    scale = tl.load(scales + group).to(tl.float32)
+    if HAS_ZEROS:
+        shift = tl.load(zeros + group).to(tl.float32) + OFFSET
+    else:
+        shift = tl.full([BLOCK_N], 2 ** (BITS - 1) + OFFSET, tl.float32)
+    return scale, shift
+
+
+@triton.jit
+def _step_product(x_tile, qweight, scale, shift, rows_w, words_per_row, k0, pair_mask, BITS: tl.constexpr,
+                  HALF_MAGIC: tl.constexpr, OFFSET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  ZERO_BY_DOT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
     """One K step: sum over k in [k0, k0 + BLOCK_K) of W[rows_w, k] x[:, k] -> [BLOCK_N, BLOCK_M]
     float32 (y^T's tile), x_tile [BLOCK_M, BLOCK_K] in pair order (0 past K), rows_w [BLOCK_N]
-    int64 rows of qweight [.., words_per_row] and of scales / zeros [.., num_groups]. The step
-    lies in group k0 // group_size: its product is (dot(c + q, x) - (c + z) sum x) * scale."""
+    int64 rows of qweight [.., words_per_row]. The step lies in one group, whose scale and
+    shift c + z (_group_params) make the product (dot(c + q, x) - (c + z) sum x) * scale."""
     P: tl.constexpr = 32 // BITS
     word = k0 // P + tl.arange(0, BLOCK_K // P)
     word_ptrs = qweight + rows_w[:, None] * words_per_row + word[None, :]
@@ -263,12 +282,6 @@ def _step_product(x_tile, qweight, scales, zeros, rows_w, words_per_row, num_gro
         words = tl.load(word_ptrs)
     else:  # past K: value 0 (c + 0 against x = 0)
         words = tl.load(word_ptrs, mask=(word < words_per_row)[None, :], other=0)
-    group = rows_w * num_groups + k0 // group_size
-    scale = tl.load(scales + group).to(tl.float32)
-    if HAS_ZEROS:
-        shift = tl.load(zeros + group).to(tl.float32) + OFFSET
-    else:
-        shift = tl.full([BLOCK_N], 2 ** (BITS - 1) + OFFSET, tl.float32)
     values = _unpack_pairs(words, pair_mask, BITS, HALF_MAGIC, OFFSET, x_tile.dtype, BLOCK_N, BLOCK_K)
     x_t = tl.trans(x_tile)
     if ZERO_BY_DOT:
@@ -322,12 +335,17 @@ def _wna16_gemm_kernel(x, qweight, scales, zeros, perm, y, partials, arrivals, p
             prefetch_l2(qweight + rows_w * words_per_row + word)
     dependent_prologue(DEPENDENT_LAUNCH)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    scale, shift = _group_params(scales, zeros, rows_w, num_groups, first * BLOCK_K, group_size, BITS, OFFSET,
+                                 BLOCK_N, HAS_ZEROS)
     for step in range(first, last):
         k0 = step * BLOCK_K
+        ahead = tl.minimum(step + 1, last - 1) * BLOCK_K
+        next_scale, next_shift = _group_params(scales, zeros, rows_w, num_groups, ahead, group_size, BITS, OFFSET,
+                                               BLOCK_N, HAS_ZEROS)
         x_tile = _x_tile(x, rows_x, stride_xm, perm, k0, K, BLOCK_M, BLOCK_K, P, HAS_PERM, EVEN_K)
-        acc += _step_product(x_tile, qweight, scales, zeros, rows_w, words_per_row, num_groups, k0, K, group_size,
-                             pair_mask, BITS, HALF_MAGIC, OFFSET, BLOCK_N, BLOCK_K, HAS_ZEROS, ZERO_BY_DOT, EVEN_K,
-                             PRECISION)
+        acc += _step_product(x_tile, qweight, scale, shift, rows_w, words_per_row, k0, pair_mask, BITS, HALF_MAGIC,
+                             OFFSET, BLOCK_N, BLOCK_K, ZERO_BY_DOT, EVEN_K, PRECISION)
+        scale, shift = next_scale, next_shift
     out = (offs_n < N)[:, None] & (offs_m < M)[None, :]
     y_ptrs = y + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
     if SPLIT_K == 1:
@@ -404,8 +422,10 @@ def wna16_config(num_rows: int, num_features: int, num_columns: int, group_size:
                  device: torch.device) -> TileConfig:
     """Tiles of _wna16_gemm_kernel (shapes and the SM count only: CUDA graphs replay the
     choice). Skinny batches (<= SKINNY_MAX_ROWS): the batch in one tile of 16..64 rows, 128 rows
-    of W up to 16 rows (64 above: the zero-point MMA's and x's share grows with the batch), K
-    steps of 128 (at most G), split until about two programs per SM, each split at least 4
+    of W up to 16 rows where N / 128 tiles fill the SMs, else 64 (above 16 rows the zero-point
+    MMA's and x's share grows with the batch; below a wave of 128-row tiles more, smaller
+    programs hide more of the step's latency: 15-20% on the 9B's narrower projections, H200),
+    K steps of 128 (at most G), split until about two programs per SM, each split at least 4
     steps (the pipeline's depth). Prefill: 128 x 128 tiles (64 rows of x below 128), K steps of
     64, 8 warps, 3 stages. Unmeasured starting points: bench/kernels_wna16.py --sweep times
     the alternatives on the GPU."""
@@ -416,7 +436,7 @@ def wna16_config(num_rows: int, num_features: int, num_columns: int, group_size:
                           num_warps=4, num_stages=1)
     if num_rows <= SKINNY_MAX_ROWS:
         block_m = max(16, triton.next_power_of_2(num_rows))
-        block_n = 128 if num_rows <= 16 else 64
+        block_n = 128 if num_rows <= 16 and triton.cdiv(num_features, 128) >= num_sms(device) else 64
         block_k = _block_k(128, group_size, num_columns)
         num_tiles = triton.cdiv(num_rows, block_m) * triton.cdiv(num_features, block_n)
         wanted = min(triton.cdiv(2 * num_sms(device), num_tiles), max(1, num_steps(block_k) // 4))
@@ -521,16 +541,27 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _gate_up_product(x_tile, w, scales, zeros, gate_rows, I, words_per_row, num_groups, k0, K, group_size, pair_mask,
-                     BITS: tl.constexpr, HALF_MAGIC: tl.constexpr, OFFSET: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, HAS_ZEROS: tl.constexpr, ZERO_BY_DOT: tl.constexpr,
-                     EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+def _gate_up_params(scales, zeros, gate_rows, I, num_groups, k0, group_size, BITS: tl.constexpr,
+                    OFFSET: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ZEROS: tl.constexpr):
+    """_group_params of the gate rows and of the up rows I below them: (gate scale, gate shift,
+    up scale, up shift)."""
+    gate_scale, gate_shift = _group_params(scales, zeros, gate_rows, num_groups, k0, group_size, BITS, OFFSET,
+                                           BLOCK_N, HAS_ZEROS)
+    up_scale, up_shift = _group_params(scales, zeros, gate_rows + I, num_groups, k0, group_size, BITS, OFFSET,
+                                       BLOCK_N, HAS_ZEROS)
+    return gate_scale, gate_shift, up_scale, up_shift
+
+
+@triton.jit
+def _gate_up_product(x_tile, w, gate_scale, gate_shift, up_scale, up_shift, gate_rows, I, words_per_row, k0,
+                     pair_mask, BITS: tl.constexpr, HALF_MAGIC: tl.constexpr, OFFSET: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ZERO_BY_DOT: tl.constexpr, EVEN_K: tl.constexpr,
+                     PRECISION: tl.constexpr):
     """One K step of the gate rows `gate_rows` and of the up rows I below them -> (gate, up)."""
-    gate = _step_product(x_tile, w, scales, zeros, gate_rows, words_per_row, num_groups, k0, K, group_size, pair_mask,
-                         BITS, HALF_MAGIC, OFFSET, BLOCK_N, BLOCK_K, HAS_ZEROS, ZERO_BY_DOT, EVEN_K, PRECISION)
-    up = _step_product(x_tile, w, scales, zeros, gate_rows + I, words_per_row, num_groups, k0, K, group_size,
-                       pair_mask, BITS, HALF_MAGIC, OFFSET, BLOCK_N, BLOCK_K, HAS_ZEROS, ZERO_BY_DOT, EVEN_K,
-                       PRECISION)
+    gate = _step_product(x_tile, w, gate_scale, gate_shift, gate_rows, words_per_row, k0, pair_mask, BITS,
+                         HALF_MAGIC, OFFSET, BLOCK_N, BLOCK_K, ZERO_BY_DOT, EVEN_K, PRECISION)
+    up = _step_product(x_tile, w, up_scale, up_shift, gate_rows + I, words_per_row, k0, pair_mask, BITS, HALF_MAGIC,
+                       OFFSET, BLOCK_N, BLOCK_K, ZERO_BY_DOT, EVEN_K, PRECISION)
     return gate, up
 
 
@@ -566,13 +597,16 @@ def _wna16_gate_up_per_pair_kernel(x, experts, w, scales, zeros, act, pair_mask,
     x_row = x + (pair // TOP_K) * H
     gate = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
     up = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    params = _gate_up_params(scales, zeros, gate_rows, I, num_groups, 0, group_size, BITS, OFFSET, BLOCK_N, HAS_ZEROS)
     for k0 in range(0, H, BLOCK_K):
+        next_params = _gate_up_params(scales, zeros, gate_rows, I, num_groups, tl.minimum(k0 + BLOCK_K, H - 1),
+                                      group_size, BITS, OFFSET, BLOCK_N, HAS_ZEROS)
         x_tile = _row_tile(x_row, k0, H, BLOCK_K, P, EVEN_K)
-        gate_step, up_step = _gate_up_product(x_tile, w, scales, zeros, gate_rows, I, H // P, num_groups, k0, H,
-                                              group_size, pair_mask, BITS, HALF_MAGIC, OFFSET, BLOCK_N, BLOCK_K,
-                                              HAS_ZEROS, True, EVEN_K, PRECISION)
+        gate_step, up_step = _gate_up_product(x_tile, w, *params, gate_rows, I, H // P, k0, pair_mask, BITS,
+                                              HALF_MAGIC, OFFSET, BLOCK_N, BLOCK_K, True, EVEN_K, PRECISION)
         gate += gate_step
         up += up_step
+        params = next_params
     tl.store(act + pair * I + n, _first_column(_silu_times(gate, up)).to(act.dtype.element_ty), mask=n < I)
 
 
@@ -596,10 +630,15 @@ def _wna16_down_per_token_kernel(act, weights, experts, w, scales, zeros, out, p
         if (expert >= 0) & (expert < E):
             rows = expert * H + tl.minimum(n, H - 1)
             acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+            scale, shift = _group_params(scales, zeros, rows, num_groups, 0, group_size, BITS, OFFSET, BLOCK_N,
+                                         HAS_ZEROS)
             for k0 in range(0, I, BLOCK_K):
+                next_scale, next_shift = _group_params(scales, zeros, rows, num_groups, tl.minimum(k0 + BLOCK_K, I - 1),
+                                                       group_size, BITS, OFFSET, BLOCK_N, HAS_ZEROS)
                 x_tile = _row_tile(act + pair * I, k0, I, BLOCK_K, P, EVEN_K)
-                acc += _step_product(x_tile, w, scales, zeros, rows, I // P, num_groups, k0, I, group_size, pair_mask,
-                                     BITS, HALF_MAGIC, OFFSET, BLOCK_N, BLOCK_K, HAS_ZEROS, True, EVEN_K, PRECISION)
+                acc += _step_product(x_tile, w, scale, shift, rows, I // P, k0, pair_mask, BITS, HALF_MAGIC, OFFSET,
+                                     BLOCK_N, BLOCK_K, True, EVEN_K, PRECISION)
+                scale, shift = next_scale, next_shift
             total += tl.load(weights + pair).to(tl.float32) * acc
     tl.store(out + token * H + n, _first_column(total).to(out.dtype.element_ty), mask=n < H)
 
@@ -624,13 +663,16 @@ def _wna16_gate_up_grouped_kernel(x, counts, sorted_pairs, w, scales, zeros, act
     gate_rows = expert.to(tl.int64) * 2 * I + tl.minimum(n, I - 1)
     gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    params = _gate_up_params(scales, zeros, gate_rows, I, num_groups, 0, group_size, BITS, OFFSET, BLOCK_N, HAS_ZEROS)
     for k0 in range(0, H, BLOCK_K):
+        next_params = _gate_up_params(scales, zeros, gate_rows, I, num_groups, tl.minimum(k0 + BLOCK_K, H - 1),
+                                      group_size, BITS, OFFSET, BLOCK_N, HAS_ZEROS)
         x_tile = _x_tile(x, token, H, x, k0, H, BLOCK_M, BLOCK_K, P, False, EVEN_K)
-        gate_step, up_step = _gate_up_product(x_tile, w, scales, zeros, gate_rows, I, H // P, num_groups, k0, H,
-                                              group_size, pair_mask, BITS, HALF_MAGIC, OFFSET, BLOCK_N, BLOCK_K,
-                                              HAS_ZEROS, ZERO_BY_DOT, EVEN_K, PRECISION)
+        gate_step, up_step = _gate_up_product(x_tile, w, *params, gate_rows, I, H // P, k0, pair_mask, BITS,
+                                              HALF_MAGIC, OFFSET, BLOCK_N, BLOCK_K, ZERO_BY_DOT, EVEN_K, PRECISION)
         gate += gate_step
         up += up_step
+        params = next_params
     tl.store(act + position[None, :].to(tl.int64) * I + n[:, None], _silu_times(gate, up).to(act.dtype.element_ty),
              mask=valid[None, :] & (n < I)[:, None])
 
@@ -652,10 +694,14 @@ def _wna16_down_grouped_kernel(act, counts, sorted_pairs, weights, w, scales, ze
     rows = expert.to(tl.int64) * H + tl.minimum(n, H - 1)
     act_rows = tl.where(valid, position, 0).to(tl.int64)     # padding rows: any written row, never stored
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    scale, shift = _group_params(scales, zeros, rows, num_groups, 0, group_size, BITS, OFFSET, BLOCK_N, HAS_ZEROS)
     for k0 in range(0, I, BLOCK_K):
+        next_scale, next_shift = _group_params(scales, zeros, rows, num_groups, tl.minimum(k0 + BLOCK_K, I - 1),
+                                               group_size, BITS, OFFSET, BLOCK_N, HAS_ZEROS)
         x_tile = _x_tile(act, act_rows, I, act, k0, I, BLOCK_M, BLOCK_K, P, False, EVEN_K)
-        acc += _step_product(x_tile, w, scales, zeros, rows, I // P, num_groups, k0, I, group_size, pair_mask, BITS,
-                             HALF_MAGIC, OFFSET, BLOCK_N, BLOCK_K, HAS_ZEROS, ZERO_BY_DOT, EVEN_K, PRECISION)
+        acc += _step_product(x_tile, w, scale, shift, rows, I // P, k0, pair_mask, BITS, HALF_MAGIC, OFFSET, BLOCK_N,
+                             BLOCK_K, ZERO_BY_DOT, EVEN_K, PRECISION)
+        scale, shift = next_scale, next_shift
     store_weighted_pairs(out_pairs, tl.trans(acc), weights, pair, valid, n, n < H, H)
 
 
