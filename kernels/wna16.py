@@ -421,14 +421,15 @@ def _block_k(wanted: int, group_size: int, num_columns: int) -> int:
 def wna16_config(num_rows: int, num_features: int, num_columns: int, group_size: int,
                  device: torch.device) -> TileConfig:
     """Tiles of _wna16_gemm_kernel (shapes and the SM count only: CUDA graphs replay the
-    choice). Skinny batches (<= SKINNY_MAX_ROWS): the batch in one tile of 16..64 rows, 128 rows
-    of W up to 16 rows where N / 128 tiles fill the SMs, else 64 (above 16 rows the zero-point
-    MMA's and x's share grows with the batch; below a wave of 128-row tiles more, smaller
-    programs hide more of the step's latency: 15-20% on the 9B's narrower projections, H200),
-    K steps of 128 (at most G), split until about two programs per SM, each split at least 4
-    steps (the pipeline's depth). Prefill: 128 x 128 tiles (64 rows of x below 128), K steps of
-    64, 8 warps, 3 stages. Unmeasured starting points: bench/kernels_wna16.py --sweep times
-    the alternatives on the GPU."""
+    choice). Skinny batches (<= SKINNY_MAX_ROWS): the batch in one tile of 16..64 rows, K steps
+    of 128 (at most G), K split into splits of at least 4 steps (the pipeline's depth) until
+      - up to 16 rows where N / 128 tiles fill the SMs: 128 rows of W, ~2 programs per SM;
+      - else 64 rows of W, ~4 programs per SM: the loop is latency-bound (the module docstring),
+        and more, smaller programs hide more of it (H200: 15-20% on the 9B's narrower
+        projections at 1 and 8 rows, at 32 rows too; bench/results/attempts/
+        wna16_mma_v2_tiles-h200.json). Above 16 rows the zero-point MMA's and x's share grows.
+    Prefill: 128 x 128 tiles (64 rows of x below 128), K steps of 64, 8 warps, 3 stages
+    (unmeasured starting points: bench/kernels_wna16.py --sweep times alternatives)."""
     num_steps = lambda block_k: triton.cdiv(num_columns, block_k)  # noqa: E731
     if INTERPRETED:
         block_k = _block_k(32, group_size, num_columns)
@@ -436,10 +437,11 @@ def wna16_config(num_rows: int, num_features: int, num_columns: int, group_size:
                           num_warps=4, num_stages=1)
     if num_rows <= SKINNY_MAX_ROWS:
         block_m = max(16, triton.next_power_of_2(num_rows))
-        block_n = 128 if num_rows <= 16 and triton.cdiv(num_features, 128) >= num_sms(device) else 64
+        wide = num_rows <= 16 and triton.cdiv(num_features, 128) >= num_sms(device)
+        block_n, per_sm = (128, 2) if wide else (64, 4)
         block_k = _block_k(128, group_size, num_columns)
         num_tiles = triton.cdiv(num_rows, block_m) * triton.cdiv(num_features, block_n)
-        wanted = min(triton.cdiv(2 * num_sms(device), num_tiles), max(1, num_steps(block_k) // 4))
+        wanted = min(triton.cdiv(per_sm * num_sms(device), num_tiles), max(1, num_steps(block_k) // 4))
         return TileConfig(block_m=block_m, block_n=block_n, block_k=block_k,
                           num_splits=split_k_for(num_steps(block_k), wanted), num_warps=4, num_stages=4)
     return TileConfig(block_m=128 if num_rows >= 128 else 64, block_n=128,

@@ -1,6 +1,7 @@
 """Skinny packed GEMM tiles at 1, 8 and 32 rows: MMAv2 (1-2 warps, small tiles, many programs) against the 4-warp
 wgmma tiles (kernels/wna16.py at 6955de0^ with the scale prefetch). Run from the repo root on the GPU:
     python bench/results/attempts/wna16_mma_v2_tiles.py OUT.json
+"""
 import json, sys, time
 import torch, triton
 sys.path.insert(0, "bench")
