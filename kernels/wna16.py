@@ -29,14 +29,16 @@ tile in registers straight into the MMA's operand (`_unpack_pairs`):
     is. bf16 with 8 bits (bf16 holds 7 bits of payload) and fp32 activations go through fp32's
     magic (0x4B000000 | q = 2^23 + q), a subtraction and a conversion instead.
   - The offset c and the zero point leave a rank-one term: sum_k (c + q - c - z) x_k =
-    dot(c + q, x) - (c + z) sum_k x_k. Skinny tiles (decode) take sum_k x_k from a second MMA
-    with a tile of ones, the tensor cores being idle at those shapes; wide tiles (prefill,
-    MMA-bound) subtract c + z from each value instead (exact: small integers). The step's fp32
-    product is then scaled by its group's scale (a step never straddles groups: BLOCK_K divides
-    G, or G = K).
-ptxas (sm_90, compile-only: tests/kernels/compile_for_hopper.py's driver) gives the skinny loop
-(bf16, 4-bit, 128-row tiles) ~3 instructions per weight value, the ones-MMA and x's permutation
-included; unpacking value by value (shift, mask, convert) gave ~4.7 and a trip through shared
+    dot(c + q, x) - (c + z) sum_k x_k. The linear layer's GEMM subtracts c + z from each value
+    (exact: small integers). Taking sum_k x_k from a second MMA with a tile of ones instead
+    keeps 64 registers of constants and a second wgmma a step, and measured slower at decode
+    shapes (H200, gate_up at one row: 45 against 36 µs; bench/results/attempts/
+    wna16_zero_by_dot-h200.json). The MoE kernels' tiles of up to 32 rows still take it
+    (ZERO_BY_DOT; not measured against). The step's fp32 product is then scaled by its
+    group's scale (a step never straddles groups: BLOCK_K divides G, or G = K).
+ptxas (sm_90, compile-only: tests/kernels/compile_for_hopper.py's driver) gave the skinny loop
+(bf16, 4-bit, 128-row tiles, with the ones-MMA) ~3 instructions per weight value, x's
+permutation included; unpacking value by value (shift, mask, convert) gave ~4.7 and a trip through shared
 memory. An H200 streams ~36 weight values a clock per SM at its copy bandwidth against 128
 instruction issues. Measured there (ncu, gate_up at one row): 3.9 instructions a value, issued on
 a quarter of the cycles: 3 warps a scheduler (167 registers) stall on the words' shared-memory
@@ -302,7 +304,7 @@ def _wna16_gemm_kernel(x, qweight, scales, zeros, perm, y, partials, arrivals, p
                        num_groups, steps_per_split, stride_xm, stride_ym, BITS: tl.constexpr, HALF_MAGIC: tl.constexpr,
                        OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
-                       ZERO_BY_DOT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                       EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
                        DEPENDENT_LAUNCH: tl.constexpr):
     """Program (m tile x n tile, K split): acc [BLOCK_N, BLOCK_M] = W[tile rows] x[tile rows]^T
     (y^T: W's rows are the MMA's M side, so that a decode batch padded to 16 rows is its N) over
@@ -344,7 +346,7 @@ def _wna16_gemm_kernel(x, qweight, scales, zeros, perm, y, partials, arrivals, p
                                                BLOCK_N, HAS_ZEROS)
         x_tile = _x_tile(x, rows_x, stride_xm, perm, k0, K, BLOCK_M, BLOCK_K, P, HAS_PERM, EVEN_K)
         acc += _step_product(x_tile, qweight, scale, shift, rows_w, words_per_row, k0, pair_mask, BITS, HALF_MAGIC,
-                             OFFSET, BLOCK_N, BLOCK_K, ZERO_BY_DOT, EVEN_K, PRECISION)
+                             OFFSET, BLOCK_N, BLOCK_K, False, EVEN_K, PRECISION)
         scale, shift = next_scale, next_shift
     out = (offs_n < N)[:, None] & (offs_m < M)[None, :]
     y_ptrs = y + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
@@ -423,11 +425,12 @@ def wna16_config(num_rows: int, num_features: int, num_columns: int, group_size:
     """Tiles of _wna16_gemm_kernel (shapes and the SM count only: CUDA graphs replay the
     choice). Skinny batches (<= SKINNY_MAX_ROWS): the batch in one tile of 16..64 rows, K steps
     of 128 (at most G), K split into splits of at least 4 steps (the pipeline's depth) until
-      - up to 16 rows where N / 128 tiles fill the SMs: 128 rows of W, ~2 programs per SM;
-      - else 64 rows of W, ~4 programs per SM: the loop is latency-bound (the module docstring),
-        and more, smaller programs hide more of it (H200: 15-20% on the 9B's narrower
-        projections at 1 and 8 rows, at 32 rows too; bench/results/attempts/
-        wna16_mma_v2_tiles-h200.json). Above 16 rows the zero-point MMA's and x's share grows.
+      - up to 16 rows where N / 128 tiles fill the SMs: 128 rows of W, ~2 programs per SM,
+        4 stages;
+      - else 64 rows of W, ~4 programs per SM, 3 stages: the loop is latency-bound (the module
+        docstring), and more, smaller programs hide more of it (H200: 15-20% on the 9B's
+        narrower projections at 1 and 8 rows, at 32 rows too; bench/results/attempts/
+        wna16_mma_v2_tiles-h200.json; the stages: wna16_zero_by_dot-h200.json).
     Prefill: 128 x 128 tiles (64 rows of x below 128), K steps of 64, 8 warps, 3 stages
     (unmeasured starting points: bench/kernels_wna16.py --sweep times alternatives)."""
     num_steps = lambda block_k: triton.cdiv(num_columns, block_k)  # noqa: E731
@@ -438,12 +441,12 @@ def wna16_config(num_rows: int, num_features: int, num_columns: int, group_size:
     if num_rows <= SKINNY_MAX_ROWS:
         block_m = max(16, triton.next_power_of_2(num_rows))
         wide = num_rows <= 16 and triton.cdiv(num_features, 128) >= num_sms(device)
-        block_n, per_sm = (128, 2) if wide else (64, 4)
+        block_n, per_sm, stages = (128, 2, 4) if wide else (64, 4, 3)
         block_k = _block_k(128, group_size, num_columns)
         num_tiles = triton.cdiv(num_rows, block_m) * triton.cdiv(num_features, block_n)
         wanted = min(triton.cdiv(per_sm * num_sms(device), num_tiles), max(1, num_steps(block_k) // 4))
         return TileConfig(block_m=block_m, block_n=block_n, block_k=block_k,
-                          num_splits=split_k_for(num_steps(block_k), wanted), num_warps=4, num_stages=4)
+                          num_splits=split_k_for(num_steps(block_k), wanted), num_warps=4, num_stages=stages)
     return TileConfig(block_m=128 if num_rows >= 128 else 64, block_n=128,
                       block_k=_block_k(64, group_size, num_columns), num_warps=8, num_stages=3)
 
@@ -479,7 +482,7 @@ def launch_wna16_gemm(y: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, s
                       config: TileConfig) -> None:
     """y [M, N] = x[:, perm] [M, K] @ W^T through _wna16_gemm_kernel with an explicit config
     (tests, benchmark sweeps): block_k a multiple of P, at least 16, within one group
-    (step_limit); num_splits > 1 splits K (the zero point by MMA where block_m <= 32). Scratch
+    (step_limit); num_splits > 1 splits K. Scratch
     is torch.empty and the shared arrival counters: capturable in a CUDA graph."""
     _check_wna16_linear_args(x, qweight, scales, zeros, perm, group_size, bits)
     (num_rows, num_columns), num_features = x.shape, qweight.shape[0]
@@ -504,7 +507,7 @@ def launch_wna16_gemm(y: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, s
         arrivals, pair_mask(bits), num_rows, num_features, num_columns, group_size, scales.shape[1], steps_per_split,
         x.stride(0), y.stride(0), BITS=bits, **_unpack_constants(x.dtype, bits), BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=grid[1], GROUP_M=8, HAS_ZEROS=zeros is not None,
-        HAS_PERM=perm is not None, ZERO_BY_DOT=config.block_m <= 32, EVEN_K=num_columns % config.block_k == 0,
+        HAS_PERM=perm is not None, EVEN_K=num_columns % config.block_k == 0,
         PRECISION=dot_precision(x.dtype), **config.launch_options(), **pdl(x.device))
 
 
