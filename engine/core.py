@@ -375,8 +375,9 @@ class EngineCore:
             raise ValueError(f"prompt has {len(token_ids)} tokens; the context limit is {self.max_model_len} "
                              f"(including at least one generated token)")
         parent = self.requests.get(fork_of) if fork_of is not None else None
-        if parent is not None and (parent.prompt_token_ids != token_ids or _digests(parent.images) != _digests(placed)):
-            raise ValueError(f"fork_of {fork_of!r}: that request has a different prompt")
+        if parent is not None and (parent.prompt_token_ids != token_ids or _digests(parent.images) != _digests(placed)
+                                   or parent.cache_salt != (params.cache_salt or "")):
+            raise ValueError(f"fork_of {fork_of!r}: that request has a different prompt or cache_salt")
         arrival = next(self._arrivals)
         request_id = str(arrival) if request_id is None else str(request_id)
         if request_id in self.requests:

@@ -84,7 +84,8 @@ class LLM:
         """Prompts are strings, token-id lists or vLLM's prompt dicts ({"prompt": text} or
         {"prompt_token_ids": ids}, with {"multi_modal_data": {"image": images, "video": videos}}
         for a model that reads them: each named in the prompt by its image or video token, as a
-        chat template writes it), one or a list; params one for all or one per prompt. A bad
+        chat template writes it; and {"cache_salt": salt}: its prefixes shared in the prefix
+        cache only with prompts of the same salt, SamplingParams.cache_salt), one or a list; params one for all or one per prompt. A bad
         prompt raises ValueError; the ones submitted before it are withdrawn.
         resume_from: a session saved by `save_checkpoint`; every prompt continues it (so several
         prompts fork one conversation). Choices, each prompt prefilled once and choice i sampling
@@ -97,7 +98,7 @@ class LLM:
         (the engine's scheduling_policy "priority" serves lower first)."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        texts, prompts, images, videos = zip(*map(_prompt, prompts)) if prompts else ((), (), (), ())
+        texts, prompts, images, videos, salts = zip(*map(_prompt, prompts)) if prompts else ((), (), (), (), ())
         images = [self._resize(given) for given in images]
         videos = [self._decode(given) for given in videos]
         params = sampling_params or SamplingParams()
@@ -108,6 +109,7 @@ class LLM:
             if len(priority) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
             params = [dataclasses.replace(p, priority=rank) for p, rank in zip(params, priority)]
+        params = [p if salt is None else dataclasses.replace(p, cache_salt=salt) for p, salt in zip(params, salts)]
         if n != 1 and any(p.n != 1 for p in params):
             raise ValueError("choices asked for twice: give SamplingParams.n or generate's n, not both")
         counts = [p.n if n == 1 else n for p in params]  # each prompt's choices
@@ -312,17 +314,18 @@ def _video(video: Any, processor: VideoProcessor) -> VideoInput:
     return processor.from_frames(video)
 
 
-def _prompt(prompt: Prompt) -> tuple[str | None, str | Seq[int], list, list]:
-    """(its text or None, what EngineCore.add_request takes, its images and its videos as given)
-    of a prompt: text, token ids, or vLLM's prompt dicts, {"prompt": text} or
-    {"prompt_token_ids": ids}, with {"multi_modal_data": {"image": an image or a list of them,
-    "video": a video or a list of them}} beside it. Any other key or modality is refused by name."""
+def _prompt(prompt: Prompt) -> tuple[str | None, str | Seq[int], list, list, str | None]:
+    """(its text or None, what EngineCore.add_request takes, its images and its videos as given,
+    its cache salt or None) of a prompt: text, token ids, or vLLM's prompt dicts, {"prompt":
+    text} or {"prompt_token_ids": ids}, with {"multi_modal_data": {"image": an image or a list of
+    them, "video": a video or a list of them}} and {"cache_salt": a string} beside it. Any other
+    key or modality is refused by name."""
     if not isinstance(prompt, dict):
-        return (prompt if isinstance(prompt, str) else None), prompt, [], []
-    unknown = sorted(prompt.keys() - {"prompt", "prompt_token_ids", "multi_modal_data"})
+        return (prompt if isinstance(prompt, str) else None), prompt, [], [], None
+    unknown = sorted(prompt.keys() - {"prompt", "prompt_token_ids", "multi_modal_data", "cache_salt"})
     if unknown or len(prompt.keys() & {"prompt", "prompt_token_ids"}) != 1:
         raise ValueError(f"a prompt dict holds one of 'prompt' (text) and 'prompt_token_ids', and optionally "
-                         f"'multi_modal_data'; got keys {sorted(prompt)}")
+                         f"'multi_modal_data' and 'cache_salt'; got keys {sorted(prompt)}")
     data = prompt.get("multi_modal_data") or {}
     if not isinstance(data, dict) or data.keys() - {"image", "video"}:
         raise ValueError(f"multi_modal_data takes images and videos ({{'image': ..., 'video': ...}}); got "
@@ -334,6 +337,7 @@ def _prompt(prompt: Prompt) -> tuple[str | None, str | Seq[int], list, list]:
     videos = data.get("video", [])
     if not isinstance(videos, list) or (videos and all(isinstance(v, Image.Image) for v in videos)):
         videos = [videos]
+    salt = prompt.get("cache_salt")
     if "prompt" in prompt:
-        return prompt["prompt"], prompt["prompt"], images, videos
-    return None, prompt["prompt_token_ids"], images, videos
+        return prompt["prompt"], prompt["prompt"], images, videos, salt
+    return None, prompt["prompt_token_ids"], images, videos, salt

@@ -16,6 +16,10 @@ Checkpoints come from (docs/design.md, "Prefix cache"):
 Keys: token blocks hashed in a chain (hash of the parent hash and the block's tokens); a
 checkpoint inside a block is found through its last full block's hash and its tail tokens.
 A hit compares the tokens themselves, so a hash collision cannot restore the wrong state.
+A salt (vLLM's cache_salt, a request's) puts a prefix in a namespace of its own: it seeds the
+chain and a hit compares it too, so requests of one salt share their prefixes with each other
+only, and unsalted requests with unsalted ones (a tenant cannot learn, by timing its prefills,
+which prompts another tenant sent).
 Restores copy (copy-on-restore): the restoring sequence shares the full blocks below the first
 position it will write and gets its own copies of the rest and of the slot.
 
@@ -64,6 +68,7 @@ class Checkpoint:
     pins: int = 0               # steps and waiting requests restoring it + session handles
     sessions: int = 0           # session handles on it (it may move to the host, never be dropped)
     request_ids: list[str] = field(default_factory=list)  # finished requests it is the end of
+    salt: str = ""              # its namespace (the module docstring): "" for unsalted requests
 
     @property
     def position(self) -> int:
@@ -171,14 +176,14 @@ class PrefixCache:
 
     # Lookup ---------------------------------------------------------------------------------
 
-    def lookup(self, token_ids: Sequence[int]) -> Checkpoint | None:
-        """The checkpoint of the longest prefix of token_ids that can be restored: a prefix
-        shorter than token_ids, or all of it when the checkpoint kept the hidden state its
-        next token's logits need."""
+    def lookup(self, token_ids: Sequence[int], salt: str = "") -> Checkpoint | None:
+        """The checkpoint of the longest prefix of token_ids that can be restored, within the
+        salt's namespace: a prefix shorter than token_ids, or all of it when the checkpoint
+        kept the hidden state its next token's logits need."""
         if not self.enabled:
             return None
         key = _tokens(token_ids)
-        hashes = self._chain(key)
+        hashes = self._chain(key, salt)
         for j in range(len(hashes) - 1, -1, -1):
             tails = sorted(self._tails.get(hashes[j], ()), key=lambda c: -c.position)
             candidates = [c for c in tails if c.position <= len(token_ids)]
@@ -187,7 +192,7 @@ class PrefixCache:
                 candidates.append(aligned)
             for c in candidates:
                 usable = c.position < len(token_ids) or c.has_hidden
-                if usable and key[:c.position] == c.token_ids:
+                if usable and c.salt == salt and key[:c.position] == c.token_ids:
                     self._touch(c)
                     return c
         return None
@@ -202,14 +207,14 @@ class PrefixCache:
         interval-th boundary and the end of the known tokens."""
         return self.enabled and position > 0 and (position % self.interval == 0 or position == num_known)
 
-    def reserve_write(self, token_ids: Sequence[int], block_table: Sequence[int],
-                      ends_tokens: bool) -> CheckpointWrite | None:
+    def reserve_write(self, token_ids: Sequence[int], block_table: Sequence[int], ends_tokens: bool,
+                      salt: str = "") -> CheckpointWrite | None:
         """A slot (and, for a position inside a block, a tail block copied after the forward)
         for a checkpoint of token_ids written by this step's forward; None when it is cached
         already or no room can be made. ends_tokens: token_ids are all the sequence's known
         tokens, so the MTP's KV stops one position short (its next token is not known yet)."""
         key = _tokens(token_ids)
-        if self._find(key) is not None:
+        if self._find(key, salt) is not None:
             return None
         position = len(key)
         tail = position % self.block_size != 0
@@ -223,7 +228,7 @@ class PrefixCache:
             blocks += self.blocks.allocate(1)
             self._ops.tail_copies.append((block_table[full], blocks[-1]))
         mtp_position = position - int(self.mtp and ends_tokens)
-        checkpoint = Checkpoint(next(self._ids), key, mtp_position, True, slot, blocks, len(blocks))
+        checkpoint = Checkpoint(next(self._ids), key, mtp_position, True, slot, blocks, len(blocks), salt=salt)
         self._hold(checkpoint)
         self._pending.append(checkpoint)
         self._reserved.append(checkpoint)
@@ -245,7 +250,7 @@ class PrefixCache:
         """The step that wrote these reserved checkpoints ran: make them findable."""
         for checkpoint in writes:
             self._pending.remove(checkpoint)
-            if self._find(checkpoint.token_ids) is not None:
+            if self._find(checkpoint.token_ids, checkpoint.salt) is not None:
                 self._drop(checkpoint)  # two rows of one step wrote the same prefix
             else:
                 self._insert(checkpoint)
@@ -257,16 +262,17 @@ class PrefixCache:
             self._drop(checkpoint)
 
     def adopt(self, request_id: str, token_ids: Sequence[int], all_token_ids: Sequence[int], mtp_position: int,
-              slot: int, blocks: Sequence[int]) -> bool:
+              slot: int, blocks: Sequence[int], salt: str = "") -> bool:
         """Take over a finished request's slot and the KV blocks covering token_ids, its
-        committed tokens (one reference each), as their checkpoint; False (nothing taken) when
-        that prefix is cached already. all_token_ids: every token of the request, for `save`."""
+        committed tokens (one reference each), as their checkpoint in the salt's namespace;
+        False (nothing taken) when that prefix is cached already. all_token_ids: every token of
+        the request, for `save`."""
         if not self.enabled:
             return False  # a cache that is off holds nothing: idle, every slot is free
         key = _tokens(token_ids)
-        existing = self._find(key)
+        existing = self._find(key, salt)
         checkpoint = existing or Checkpoint(next(self._ids), key, mtp_position, False, slot, list(blocks),
-                                            len(blocks))
+                                            len(blocks), salt=salt)
         if existing is None:
             self._hold(checkpoint)
             self._insert(checkpoint)
@@ -408,20 +414,20 @@ class PrefixCache:
 
     # Internals ------------------------------------------------------------------------------
 
-    def _chain(self, token_ids: Sequence[int]) -> list[int]:
-        """hashes[j]: chain hash of the first j full blocks (hashes[0] the root)."""
-        hashes = [_ROOT_HASH]
+    def _chain(self, token_ids: Sequence[int], salt: str) -> list[int]:
+        """hashes[j]: chain hash of the first j full blocks (hashes[0] the root, the salt's)."""
+        hashes = [hash((_ROOT_HASH, salt)) if salt else _ROOT_HASH]
         for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
             hashes.append(hash((hashes[-1], tuple(token_ids[start:start + self.block_size]))))
         return hashes
 
-    def _find(self, key: array) -> Checkpoint | None:
-        hashes = self._chain(key)
+    def _find(self, key: array, salt: str) -> Checkpoint | None:
+        hashes = self._chain(key, salt)
         full = len(key) // self.block_size
         if len(key) % self.block_size == 0:
             found = self._aligned.get(hashes[full])
-            return found if found is not None and found.token_ids == key else None
-        return next((c for c in self._tails.get(hashes[full], ()) if c.token_ids == key), None)
+            return found if found is not None and found.salt == salt and found.token_ids == key else None
+        return next((c for c in self._tails.get(hashes[full], ()) if c.salt == salt and c.token_ids == key), None)
 
     def _touch(self, checkpoint: Checkpoint) -> None:
         """Make it the most recently used: the last of `_entries`."""
@@ -429,7 +435,7 @@ class PrefixCache:
 
     def _insert(self, checkpoint: Checkpoint) -> None:
         self._entries[checkpoint.id] = checkpoint
-        hashes = self._chain(checkpoint.token_ids)
+        hashes = self._chain(checkpoint.token_ids, checkpoint.salt)
         full = checkpoint.position // self.block_size
         if checkpoint.position % self.block_size == 0:
             self._aligned[hashes[full]] = checkpoint
@@ -489,7 +495,7 @@ class PrefixCache:
     def _remove(self, checkpoint: Checkpoint) -> None:
         """Forget a registered checkpoint and free what it holds."""
         del self._entries[checkpoint.id]
-        hashes = self._chain(checkpoint.token_ids)
+        hashes = self._chain(checkpoint.token_ids, checkpoint.salt)
         full = checkpoint.position // self.block_size
         if checkpoint.position % self.block_size == 0:
             del self._aligned[hashes[full]]

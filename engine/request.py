@@ -242,6 +242,11 @@ class Request:
         return token_ids if self.images is None else self.images.key_ids(token_ids)
 
     @property
+    def cache_salt(self) -> str:
+        """The prefix cache's namespace of the request (SamplingParams.cache_salt; "" unsalted)."""
+        return self.params.cache_salt or ""
+
+    @property
     def rank(self) -> tuple[int, int]:
         """Scheduling order, first served first: (priority, arrival). The last-ranked running
         request is preempted first."""

@@ -75,6 +75,10 @@ class SamplingParams:
     # vLLM's request priority: lower is served first (then by arrival); only an engine whose
     # scheduling_policy is "priority" takes a non-zero one (scheduler.py).
     priority: int = 0
+    # vLLM's cache_salt (of a prompt dict or a request): the request's prefixes are shared in the
+    # prefix cache only with requests of the same salt (prefix_cache.py); None: with unsalted ones.
+    # A request property carried here, as priority is, so every path that takes params takes it.
+    cache_salt: str | None = None
     # Output constrained to a grammar (structured.py): a JSON schema, any JSON object, a regex,
     # a choice of strings or a context-free grammar. A (kind, spec) pair or a mapping {kind: spec} is taken too.
     structured: Structured | None = None
@@ -157,6 +161,8 @@ class SamplingParams:
             problems.append(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
             problems.append(f"priority must be an int, got {self.priority!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            problems.append(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             problems.append("bad_words must be non-empty strings")
         if problems:

@@ -388,7 +388,8 @@ class Scheduler:
         if request.prompt_logprobs is not None and request.fork_of is not None and request.fork_of.prompt_scored:
             request.prompt_logprobs = list(request.fork_of.prompt_logprobs)  # the same prompt, the same scores
         restorable = request.restorable
-        hit = request.resume_from or (self.cache.lookup(request.cache_key(restorable)) if restorable else None)
+        hit = request.resume_from or (self.cache.lookup(request.cache_key(restorable), request.cache_salt)
+                                      if restorable else None)
         start = hit.position if hit is not None else 0
         full_hit = start == request.num_tokens
         chunk = 0 if full_hit else self._chunk(request, start, budget)
@@ -441,7 +442,7 @@ class Scheduler:
                     or not self.cache.wants_checkpoint(position, request.num_tokens):
                 continue
             write = self.cache.reserve_write(request.cache_key(position), request.block_table,
-                                             ends_tokens=position == request.num_tokens)
+                                             ends_tokens=position == request.num_tokens, salt=request.cache_salt)
             if write is not None:
                 writes.append(write)
         return self._row(request, num_tokens, checkpoints=tuple(reversed(writes)),
@@ -538,7 +539,7 @@ class Scheduler:
             return
         keep = self.blocks.blocks_needed(committed)
         if self.cache.adopt(request.request_id, request.cache_key(committed), request.cache_key(request.num_tokens),
-                            mtp_position, request.slot, request.block_table[:keep]):
+                            mtp_position, request.slot, request.block_table[:keep], request.cache_salt):
             self.blocks.free(request.block_table[keep:])
             request.slot, request.block_table = None, ()
 

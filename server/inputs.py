@@ -405,7 +405,8 @@ def _sampling_params(request: SamplingFields, max_tokens: int, logprobs: int | N
                    min_tokens=request.min_tokens, bad_words=request.bad_words, structured=structured,
                    allowed_token_ids=request.allowed_token_ids,
                    include_stop_str_in_output=request.include_stop_str_in_output,
-                   skip_special_tokens=request.skip_special_tokens, priority=request.priority)
+                   skip_special_tokens=request.skip_special_tokens, priority=request.priority,
+                   cache_salt=request.cache_salt)
     try:
         # Unset (None) fields keep SamplingParams' defaults: the sampling ones are resolved
         # against the checkpoint's generation defaults when the engine takes the request.

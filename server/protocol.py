@@ -89,6 +89,10 @@ class SamplingFields(Request, kw_only=True):
     # vLLM's: lower is served first; a server without --scheduling-policy priority refuses any
     # but 0 (the engine's check, a 400).
     priority: int | None = None
+    # vLLM's: the request's prefixes are shared in the prefix cache only with requests of the
+    # same salt (SamplingParams.cache_salt): a tenant's random salt keeps others from timing
+    # which prompts it sent.
+    cache_salt: Annotated[str, msgspec.Meta(min_length=1)] | None = None
     user: str | None = None  # an end-user id for abuse monitoring: accepted, nothing to do with it
 
 

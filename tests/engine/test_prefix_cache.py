@@ -5,6 +5,7 @@ restoring one checkpoint at once, eviction to the host tier and back, memory pre
 sessions; nothing leaks. Plus the pure-Python cache's own rules."""
 
 import asyncio
+import dataclasses
 import gc
 import random
 
@@ -229,10 +230,10 @@ def make_cache(num_slots: int = 8, num_blocks: int = 32, host: int = 0) -> Prefi
                        host_capacity_bytes=host, checkpoint_bytes=lambda n: 100 + n)
 
 
-def adopt(cache: PrefixCache, token_ids: list[int], name: str) -> None:
+def adopt(cache: PrefixCache, token_ids: list[int], name: str, salt: str = "") -> None:
     slot = cache.slots.allocate(1)[0]
     blocks = cache.blocks.allocate(cache.blocks.blocks_needed(len(token_ids)))
-    assert cache.adopt(name, token_ids, token_ids, len(token_ids), slot, blocks)
+    assert cache.adopt(name, token_ids, token_ids, len(token_ids), slot, blocks, salt)
 
 
 def test_lookup_takes_the_longest_restorable_prefix():
@@ -273,9 +274,70 @@ def test_eviction_is_lru_skips_pinned_and_keeps_sessions():
 
 def test_a_hash_collision_cannot_restore_the_wrong_prefix(monkeypatch):
     cache = make_cache()
-    adopt(cache, [1, 2, 3, 4, 5], "a")
-    monkeypatch.setattr(cache, "_chain", lambda token_ids: [0] * (len(token_ids) // 4 + 1))
+    monkeypatch.setattr(cache, "_chain", lambda token_ids, salt: [0] * (len(token_ids) // 4 + 1))
+    adopt(cache, [1, 2, 3, 4, 5], "a")                     # every chain hash collides
+    adopt(cache, [7, 7, 7, 7, 7], "b", salt="s")
     assert cache.lookup([9, 9, 9, 9, 5, 1]) is None
+    assert cache.lookup([1, 2, 3, 4, 5, 1], salt="s") is None      # the tokens match, not the salt
+    assert cache.lookup([7, 7, 7, 7, 7, 1]) is None
+    assert cache.lookup([7, 7, 7, 7, 7, 1], salt="s").position == 5
+
+
+def test_salts_keep_prefixes_apart():
+    """vLLM's cache_salt: a prefix is found in its own salt's namespace only ("" is unsalted),
+    the same tokens may be cached once per namespace, and writes are refused as cached only
+    within one."""
+    cache = make_cache()
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    adopt(cache, tokens, "salted", salt="tenant-a")
+    for salt in ("", "tenant-b", "tenant-a "):
+        assert cache.lookup(tokens + [10], salt) is None
+    salted = cache.lookup(tokens + [10], "tenant-a")
+    assert salted.position == 9 and salted.salt == "tenant-a"
+    adopt(cache, tokens, "plain")                                       # not cached in "": taken
+    plain = cache.lookup(tokens + [10])
+    assert plain is not salted and plain.salt == "" and cache.lookup(tokens + [10], "tenant-a") is salted
+    assert not cache.adopt("again", tokens, tokens, 9, 7, [], "tenant-a")   # cached in its namespace
+    table = cache.blocks.allocate(3)                                     # a running sequence's blocks
+    assert cache.reserve_write(tokens, table, ends_tokens=True, salt="tenant-b") is not None
+    assert cache.reserve_write(tokens, table, ends_tokens=True, salt="tenant-a") is None
+    written, = cache.take_writes()
+    cache.register_writes([written])
+    assert cache.lookup(tokens, "tenant-b") is written and written.salt == "tenant-b"   # it kept the hidden state
+    assert cache.lookup(tokens, "tenant-a") is None                    # adopted: no hidden state
+
+
+def test_cache_salt_shares_prefixes_within_a_salt_only(checkpoint):
+    """A request reuses the cached prefixes of its own salt's requests only (LLM's prompt dicts'
+    cache_salt, SamplingParams.cache_salt), and the outputs are those of an uncached engine."""
+    from deltaspec.engine import LLM
+    path = checkpoint("qwen3_5")
+    rng = random.Random(9)
+    system = tokens(rng, 150)
+    prompts = [system + tokens(rng, 12) for _ in range(5)]
+    salts = [None, "a", "a", "b", None]          # each prompt after the first shares `system`
+    llm = LLM(path, **OPTIONS)
+    reference = EngineCore(EngineConfig(model=path, enable_prefix_cache=False, **OPTIONS))
+    greedy = params(False, 0)
+    reused = []
+    for prompt, salt in zip(prompts, salts):
+        before = llm.core.stats()["prefix_cache"]["reused_tokens"]
+        given = {"prompt_token_ids": prompt} if salt is None else {"prompt_token_ids": prompt, "cache_salt": salt}
+        output = llm.generate(given, greedy, use_tqdm=False)[0]
+        reused.append(llm.core.stats()["prefix_cache"]["reused_tokens"] - before)
+        request = reference.add_request(prompt, greedy)
+        while reference.has_work:
+            reference.step()
+        assert list(output.outputs[0].token_ids) == request.output_token_ids
+    assert reused[0] == reused[1] == reused[3] == 0 and reused[2] >= 128 and reused[4] >= 128
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+        llm.generate({"prompt": "a", "cache_salt": ""}, use_tqdm=False)
+    first = llm.core.add_request(prompts[0], greedy)
+    with pytest.raises(ValueError, match="different prompt or cache_salt"):
+        llm.core.add_request(prompts[0], dataclasses.replace(greedy, cache_salt="a"), fork_of=first.request_id)
+    while llm.core.has_work:
+        llm.core.step()
+    assert_idle(llm.core.stats())
 
 
 @pytest.mark.gpu

@@ -225,7 +225,10 @@ def _bounded(path: str, body: dict, rng: random.Random) -> dict:
         body["max_tokens"] = rng.randint(1, SMALL_INTS["max_tokens"])
         if body.get("stream") is None:
             body["stream"] = rng.random() < 0.5
-    if path == "/v1/responses":  # max_tokens is chat's: refused here
+    if path == "/v1/responses":  # chat's fields and what needs stored responses: refused here
+        for name in ("max_tokens", "n", "response_format", "stream_options", "prompt_logprobs", "store",
+                     "previous_response_id", "background", "truncation", "top_logprobs"):
+            body.pop(name, None)
         body["max_output_tokens"] = rng.randint(1, SMALL_INTS["max_output_tokens"])
         if body.get("stream") is None:
             body["stream"] = rng.random() < 0.5

@@ -152,6 +152,8 @@ REFUSED = [
     ("chat", {"truncate_prompt_tokens": -2}, "truncate_prompt_tokens", ">= -1"),
     ("chat", {"store": True}, "store", "not stored"),
     ("completions", {"allowed_token_ids": []}, "allowed_token_ids", "length >= 1"),
+    ("chat", {"cache_salt": ""}, "cache_salt", "length >= 1"),
+    ("completions", {"cache_salt": 7}, "cache_salt", "Expected `str | null`"),
     ("chat", {"allowed_token_ids": [10**6]}, None, "outside the vocabulary"),  # the engine's check
     ("chat", {"reasoning_effort": "maximal"}, "reasoning_effort", "Invalid enum value"),
     ("completions", {"spaces_between_special_tokens": False}, "spaces_between_special_tokens", "unknown field"),
@@ -369,6 +371,27 @@ async def test_priority_needs_the_priority_policy(client, checkpoint):
     finally:
         await running.stop()
         await engine.shutdown()
+
+
+async def test_cache_salt_shares_cached_prefixes_within_a_salt_only(client):
+    """vLLM's cache_salt: a request's usage counts cached prompt tokens only from earlier requests
+    of its own salt (no salt: unsalted ones); the output does not change. /v1/responses takes
+    the field too."""
+    messages = [{"role": "user", "content": "Salted prefixes stay apart: " + "tenant " * 40}]
+    cached, texts = [], []
+    for salt in (None, "tenant-a", "tenant-a", "tenant-b", None):
+        response = await client.chat.completions.create(
+            model=MODEL, messages=messages, extra_body={} if salt is None else {"cache_salt": salt}, **GREEDY)
+        cached.append(response.usage.prompt_tokens_details.cached_tokens)
+        texts.append(response.choices[0].message.content)
+    assert cached[0] == cached[1] == cached[3] == 0 and cached[2] > 0 and cached[4] > 0, cached
+    assert len(set(texts)) == 1
+    cached = []
+    for salt in ("tenant-c", "tenant-c", "tenant-d"):
+        response = await client.responses.create(model=MODEL, input="Responses too: " + "salt " * 40,
+                                                 max_output_tokens=4, extra_body={"cache_salt": salt})
+        cached.append(response.usage.input_tokens_details.cached_tokens)
+    assert cached[0] == cached[2] == 0 and cached[1] > 0, cached
 
 
 @pytest.mark.parametrize("route", ["completions", "chat"])
