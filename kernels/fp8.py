@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from .activation import silu_and_mul_reference
-from .arrivals import arrival_counters, last_to_arrive, reset_arrivals
+from .arrivals import arrival_counters, store_split_k
 from .conv1d import ConvDecode, causal_conv1d_decode, causal_conv1d_decode_reference, check_conv_decode_args
 from .device import INTERPRETED, num_sms
 from .launch import dependent_prologue, pdl
@@ -157,21 +157,9 @@ def _fp8_gemm_kernel(x_fp8, x_scale, w, w_scale, y, partials, arrivals, M, N, K,
         a_scale = tl.load(x_scale + rows_x * num_groups + g, mask=m_ok, other=0.0)
         b_scale = tl.load(w_scale + rows_w * num_groups + g, mask=n_ok, other=0.0)
         acc += tl.dot(a, tl.trans(b)) * a_scale[:, None] * b_scale[None, :]
-    out = m_ok[:, None] & n_ok[None, :]
-    y_ptrs = y + rows_x[:, None] * stride_ym + offs_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(y_ptrs, acc.to(y.dtype.element_ty), mask=out)
-    else:
-        tile = rows_x[:, None] * N + offs_n[None, :]                     # within one [M, N] partial
-        tl.store(partials + pid_k.to(tl.int64) * M * N + tile, acc, mask=out)
-        counter = arrivals + pid
-        if last_to_arrive(counter, SPLIT_K):
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                # .cg: from L2, where the other SMs' stores are, never a stale L1 line
-                total += tl.load(partials + s * M * N + tile, mask=out, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptrs, total.to(y.dtype.element_ty), mask=out)
-            reset_arrivals(counter)
+    tile = rows_x[:, None] * N + offs_n[None, :]                         # within one [M, N] partial
+    store_split_k(acc, y + rows_x[:, None] * stride_ym + offs_n[None, :], m_ok[:, None] & n_ok[None, :], partials,
+                  tile, M * N, pid_k, arrivals + pid, SPLIT_K)
 
 
 @triton.jit

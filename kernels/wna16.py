@@ -72,7 +72,7 @@ import triton
 import triton.language as tl
 
 from .activation import silu_and_mul_reference
-from .arrivals import arrival_counters, last_to_arrive, reset_arrivals
+from .arrivals import arrival_counters, store_split_k
 from .device import INTERPRETED, num_sms
 from .launch import dependent_prologue, dot_precision, pdl, prefetch_l2
 from .linear import cublas_linear, split_k_for
@@ -348,21 +348,9 @@ def _wna16_gemm_kernel(x, qweight, scales, zeros, perm, y, partials, arrivals, p
         acc += _step_product(x_tile, qweight, scale, shift, rows_w, words_per_row, k0, pair_mask, BITS, HALF_MAGIC,
                              OFFSET, BLOCK_N, BLOCK_K, False, EVEN_K, PRECISION)
         scale, shift = next_scale, next_shift
-    out = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-    y_ptrs = y + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
-    if SPLIT_K == 1:
-        tl.store(y_ptrs, acc.to(y.dtype.element_ty), mask=out)
-    else:
-        tile = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]             # within one [M, N] partial
-        tl.store(partials + pid_k.to(tl.int64) * M * N + tile, acc, mask=out)
-        counter = arrivals + pid
-        if last_to_arrive(counter, SPLIT_K):
-            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                # .cg: from L2, where the other SMs' stores are, never a stale L1 line
-                total += tl.load(partials + s * M * N + tile, mask=out, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptrs, total.to(y.dtype.element_ty), mask=out)
-            reset_arrivals(counter)
+    tile = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]                 # within one [M, N] partial
+    store_split_k(acc, y + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None],
+                  (offs_n < N)[:, None] & (offs_m < M)[None, :], partials, tile, M * N, pid_k, arrivals + pid, SPLIT_K)
 
 
 @triton.jit
