@@ -36,6 +36,8 @@
 # sampling: sampling_cost three times, each its own process (#29's 1.15x bar)
 # fp8     : kernels_fp8 and engine_throughput --quantization fp8 with the fused activation
 #           quantizer and without it (#30's bars)
+# wna16ab : the packed int4 GEMM (bench/kernels_wna16.py at 1, 8, 64 rows) and the 9B W4A16 engine with its
+#           bf16 twin (batches 1, 16, 64) for this tree and the baseline tree AB_BASE, new then base
 # fp8ab   : bench/tools/fp8_gemv_chain.py, then the FP8 9B engine at batch 1 (with its bf16 twin) for
 #           this tree and AB_BASE, alternating new, base, new, and its profile_step (#30)
 # abuse   : `deltaspec bench serve --abuse` at 16 and 64 streams (#33)
@@ -215,6 +217,15 @@ for part in ${parts//,/ }; do
         --out "$out/fp8_fused" 2>&1 | tail -4
     DELTASPEC_FUSE_FP8_QUANT=0 timeout 180 python bench/engine_throughput.py --quantization fp8 --shapes 9b \
         --batches 1,16 --out "$out/fp8_unfused" 2>&1 | tail -4 ;;
+  wna16ab)
+    : "${AB_BASE:?AB_BASE: the baseline tree}"
+    for tree in new base; do
+        mkdir -p "$out/$tree"
+        in_tree "$tree" timeout 100 python "$(pwd)/bench/kernels_wna16.py" --rows 1,8,64 --out "$out/$tree" 2>&1 \
+            | grep -E "^(mlp|attn|gdn|moe)" | sed "s/^/$tree /"
+        in_tree "$tree" timeout 200 python "$(pwd)/bench/engine_throughput.py" --quantization w4a16 --shapes 9b \
+            --batches 1,16,64 --out "$out/$tree" 2>&1 | grep -E '"tokens_per_s"' | sed "s/^/$tree /"
+    done ;;
   fp8ab)
     # #30: the FP8 one-row chain (tiles), then the FP8 9B engine at batch 1 with its bf16 twin,
     # this tree and AB_BASE alternating, and its profile.
