@@ -2,6 +2,7 @@
 and the Python APIs (sync `LLM`, asyncio `AsyncLLM`). Never imports deltaspec.server."""
 
 from .async_llm import AsyncLLM
+from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from .errors import EngineDeadError, NonFiniteLogitsError, StepFailedError
 from .model_config import ConfigError, ModelConfig
 from .engine_config import EngineConfig
@@ -13,6 +14,7 @@ from .structured import Structured
 from .tokenizer import TooManyTokensError
 from .weights import WeightLoadError
 
-__all__ = ["AsyncLLM", "CheckpointHandle", "CompletionOutput", "ConfigError", "EngineConfig", "EngineDeadError", "LLM",
-           "Logprob", "ModelConfig", "NonFiniteLogitsError", "RequestDelta", "RequestOutput", "SamplingParams",
-           "StepFailedError", "Structured", "TokenLogprobs", "TooManyTokensError", "WeightLoadError"]
+__all__ = ["AsyncLLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CheckpointHandle",
+           "CompletionOutput", "ConfigError", "EngineConfig", "EngineDeadError", "LLM", "Logprob", "ModelConfig",
+           "NonFiniteLogitsError", "RequestDelta", "RequestOutput", "SamplingParams", "StepFailedError", "Structured",
+           "TokenLogprobs", "TooManyTokensError", "WeightLoadError"]

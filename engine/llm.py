@@ -1,5 +1,5 @@
-"""The synchronous Python API: `LLM(model).generate(prompts, sampling_params)`, `LLM.chat` and
-`LLM.score`, in vLLM's shape (its keyword arguments, prompt dicts, `outputs`, `SamplingParams.n`),
+"""The synchronous Python API: `LLM(model).generate(prompts, sampling_params)`, `LLM.chat`,
+`LLM.beam_search` and `LLM.score`, in vLLM's shape (its keyword arguments, prompt dicts, `outputs`, `SamplingParams.n`),
 so a vLLM offline script runs as it is.
 
 A thin wrapper that drives the same EngineCore as AsyncLLM until every submitted request is
@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
+from .beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from .core import EngineCore
 from .engine_config import EngineConfig
 from .errors import NonFiniteLogitsError
@@ -85,8 +86,9 @@ class LLM:
         {"prompt_token_ids": ids}, with {"multi_modal_data": {"image": images, "video": videos}}
         for a model that reads them: each named in the prompt by its image or video token, as a
         chat template writes it; and {"cache_salt": salt}: its prefixes shared in the prefix
-        cache only with prompts of the same salt, SamplingParams.cache_salt), one or a list; params one for all or one per prompt. A bad
-        prompt raises ValueError; the ones submitted before it are withdrawn.
+        cache only with prompts of the same salt, SamplingParams.cache_salt), one or a list;
+        params one for all or one per prompt. A bad prompt raises ValueError; the ones submitted
+        before it are withdrawn.
         resume_from: a session saved by `save_checkpoint`; every prompt continues it (so several
         prompts fork one conversation). Choices, each prompt prefilled once and choice i sampling
         with seed + i (SamplingParams.for_choices; an unset seed from the engine's `seed`):
@@ -187,6 +189,29 @@ class LLM:
         if videos and self.core.video_processor is None:
             raise ValueError(self.core.images_refused)
         return [_video(video, self.core.video_processor) for video in videos]
+
+    def beam_search(self, prompts: Seq[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's beam search (engine/beam_search.py) from each prompt: text, token ids or a prompt
+        dict without multi_modal_data (its cache_salt applies to every step). Each step is a
+        `generate` of every live beam; the prefix cache (on by default) makes a step a one-token
+        prefill a beam. use_tqdm: a progress bar of the steps."""
+        parsed = [_prompt(prompt) for prompt in prompts]
+        if any(images or videos for _, _, images, videos, _ in parsed):
+            raise ValueError("beam_search takes text or token-id prompts: multi_modal_data is not supported")
+        token_ids = [self.tokenizer.encode(given) if isinstance(given, str) else list(given)
+                     for _, given, _, _, _ in parsed]
+        salts = [salt for *_, salt in parsed]
+
+        def step(beams: list[tuple[int, list[int]]], step_params: SamplingParams) -> list[RequestOutput]:
+            return self.generate([{"prompt_token_ids": tokens} if salts[index] is None else
+                                  {"prompt_token_ids": tokens, "cache_salt": salts[index]} for index, tokens in beams],
+                                 step_params, use_tqdm=False)
+
+        with tqdm(total=params.max_tokens, desc="beam search", unit="step", disable=not use_tqdm) as bar:
+            return beam_search(step, token_ids, params, frozenset(self.tokenizer.eos_token_ids),
+                               self.core.max_model_len, lambda tokens: self.tokenizer.decode(tokens, False),
+                               lambda: bar.update(1))
 
     def _run(self, requests: list, use_tqdm: bool) -> None:
         """Step until the engine is idle; the bar counts finished requests and generated tokens/s."""
