@@ -32,8 +32,8 @@ tile in registers straight into the MMA's operand (`_unpack_pairs`):
     dot(c + q, x) - (c + z) sum_k x_k. The linear layer's GEMM subtracts c + z from each value
     (exact: small integers). Taking sum_k x_k from a second MMA with a tile of ones instead
     keeps 64 registers of constants and a second wgmma a step, and measured slower at decode
-    shapes (H200, gate_up at one row: 45 against 36 µs; bench/results/attempts/
-    wna16_zero_by_dot-h200.json). The MoE kernels' tiles of up to 32 rows still take it
+    shapes (H200, gate_up at one row: 45 against 36 µs; bench/results/
+    wna16_zero_by_dot-h200/). The MoE kernels' tiles of up to 32 rows still take it
     (ZERO_BY_DOT; not measured against). The step's fp32 product is then scaled by its
     group's scale (a step never straddles groups: BLOCK_K divides G, or G = K).
 ptxas (sm_90, compile-only: tests/kernels/compile_for_hopper.py's driver) gave the skinny loop
@@ -418,7 +418,7 @@ def wna16_config(num_rows: int, num_features: int, num_columns: int, group_size:
       - else 64 rows of W, ~4 programs per SM, 3 stages: the loop is latency-bound (the module
         docstring), and more, smaller programs hide more of it (H200: 15-20% on the 9B's
         narrower projections at 1 and 8 rows, at 32 rows too; bench/results/attempts/
-        wna16_mma_v2_tiles-h200.json; the stages: wna16_zero_by_dot-h200.json).
+        wna16_mma_v2_tiles-h200.json; the stages: bench/results/wna16_zero_by_dot-h200/).
     Prefill: 128 x 128 tiles (64 rows of x below 128), K steps of 64, 8 warps, 3 stages
     (unmeasured starting points: bench/kernels_wna16.py --sweep times alternatives)."""
     num_steps = lambda block_k: triton.cdiv(num_columns, block_k)  # noqa: E731

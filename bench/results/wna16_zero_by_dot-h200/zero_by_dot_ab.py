@@ -1,6 +1,6 @@
 """The zero point by a ones-MMA (ZERO_BY_DOT) against subtracted from the unpacked values, 3 and 4 stages, at 1 and 8
 rows on the 9B projections, with the tiles wna16_config chose at 64e0817 (whose _wna16_gemm_kernel took ZERO_BY_DOT;
-run there, from the repo root: python bench/results/attempts/wna16_zero_by_dot.py OUT.json). H200 -> wna16_zero_by_dot-h200.json."""
+run there, from the repo root: python bench/results/wna16_zero_by_dot-h200/zero_by_dot_ab.py OUT.json). H200 -> zero_by_dot_ab-h200.json."""
 import json, sys
 import torch, triton
 sys.path.insert(0, "bench")
