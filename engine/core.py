@@ -376,7 +376,7 @@ class EngineCore:
                              f"(including at least one generated token)")
         parent = self.requests.get(fork_of) if fork_of is not None else None
         if parent is not None and (parent.prompt_token_ids != token_ids or _digests(parent.images) != _digests(placed)
-                                   or parent.cache_salt != (params.cache_salt or "")):
+                                   or parent.params.cache_salt != params.cache_salt):
             raise ValueError(f"fork_of {fork_of!r}: that request has a different prompt or cache_salt")
         arrival = next(self._arrivals)
         request_id = str(arrival) if request_id is None else str(request_id)

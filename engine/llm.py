@@ -1,6 +1,6 @@
 """The synchronous Python API: `LLM(model).generate(prompts, sampling_params)`, `LLM.chat`,
-`LLM.beam_search` and `LLM.score`, in vLLM's shape (its keyword arguments, prompt dicts, `outputs`, `SamplingParams.n`),
-so a vLLM offline script runs as it is.
+`LLM.beam_search` and `LLM.score`, in vLLM's shape (its keyword arguments, prompt dicts,
+`outputs`, `SamplingParams.n`), so a vLLM offline script runs as it is.
 
 A thin wrapper that drives the same EngineCore as AsyncLLM until every submitted request is
 done, so a list of prompts is continuously batched like concurrent requests. Knows nothing
@@ -204,9 +204,9 @@ class LLM:
         salts = [salt for *_, salt in parsed]
 
         def step(beams: list[tuple[int, list[int]]], step_params: SamplingParams) -> list[RequestOutput]:
-            return self.generate([{"prompt_token_ids": tokens} if salts[index] is None else
-                                  {"prompt_token_ids": tokens, "cache_salt": salts[index]} for index, tokens in beams],
-                                 step_params, use_tqdm=False)
+            return self.generate([tokens for _, tokens in beams],
+                                 [dataclasses.replace(step_params, cache_salt=salts[index]) for index, _ in beams],
+                                 use_tqdm=False)
 
         with tqdm(total=params.max_tokens, desc="beam search", unit="step", disable=not use_tqdm) as bar:
             return beam_search(step, token_ids, params, frozenset(self.tokenizer.eos_token_ids),

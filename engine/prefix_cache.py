@@ -74,6 +74,10 @@ class Checkpoint:
     def position(self) -> int:
         return len(self.token_ids)
 
+    def holds(self, key: array, salt: str) -> bool:
+        """Whether it is the checkpoint of exactly these tokens in the salt's namespace."""
+        return self.salt == salt and self.token_ids == key
+
 
 @dataclass(frozen=True)
 class CheckpointHandle:
@@ -192,7 +196,7 @@ class PrefixCache:
                 candidates.append(aligned)
             for c in candidates:
                 usable = c.position < len(token_ids) or c.has_hidden
-                if usable and c.salt == salt and key[:c.position] == c.token_ids:
+                if usable and c.holds(key[:c.position], salt):
                     self._touch(c)
                     return c
         return None
@@ -426,8 +430,8 @@ class PrefixCache:
         full = len(key) // self.block_size
         if len(key) % self.block_size == 0:
             found = self._aligned.get(hashes[full])
-            return found if found is not None and found.salt == salt and found.token_ids == key else None
-        return next((c for c in self._tails.get(hashes[full], ()) if c.salt == salt and c.token_ids == key), None)
+            return found if found is not None and found.holds(key, salt) else None
+        return next((c for c in self._tails.get(hashes[full], ()) if c.holds(key, salt)), None)
 
     def _touch(self, checkpoint: Checkpoint) -> None:
         """Make it the most recently used: the last of `_entries`."""
