@@ -38,8 +38,8 @@ tile in registers straight into the MMA's operand (`_unpack_pairs`):
     group's scale (a step never straddles groups: BLOCK_K divides G, or G = K).
 ptxas (sm_90, compile-only: tests/kernels/compile_for_hopper.py's driver) gave the skinny loop
 (bf16, 4-bit, 128-row tiles, with the ones-MMA) ~3 instructions per weight value, x's
-permutation included; unpacking value by value (shift, mask, convert) gave ~4.7 and a trip through shared
-memory. An H200 streams ~36 weight values a clock per SM at its copy bandwidth against 128
+permutation included; unpacking value by value (shift, mask, convert) gave ~4.7 and a trip
+through shared memory. An H200 streams ~36 weight values a clock per SM at its copy bandwidth against 128
 instruction issues. Measured there (ncu, gate_up at one row): 3.9 instructions a value, issued on
 a quarter of the cycles: 3 warps a scheduler (167 registers) stall on the words' shared-memory
 loads and the step's barriers. The loop is latency-bound at ~25% of the copy bandwidth, where a
@@ -258,8 +258,8 @@ def _group_params(scales, zeros, rows_w, num_groups, k0, group_size, BITS: tl.co
     """The scale and the shift c + z of group k0 // group_size for rows_w [BLOCK_N] -> two
     [BLOCK_N] float32. The K loops ask for a step's pair one step ahead: a row's scale is a
     line of its own, and Triton pipelines only the MMA's operands, so a load at its use would
-    stall every step on a DRAM round trip (ncu: the step's largest stall, bench/results/
-    attempts' wna16 floor)."""
+    stall every step on a DRAM round trip (ncu: among the step's largest stalls, bench/results/
+    wna16_floor_ncu-h200.txt)."""
     group = rows_w * num_groups + k0 // group_size
     scale = tl.load(scales + group).to(tl.float32)
     if HAS_ZEROS:

@@ -24,9 +24,9 @@ import triton.language as tl
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from common import copy_bandwidth, graph_time_us, write_result  # noqa: E402
-from deltaspec.kernels.wna16 import quantize_reference, wna16_linear, wna16_linear_reference  # noqa: E402
+from kernels_wna16 import GROUP, num_copies, packed_weights  # noqa: E402
+from deltaspec.kernels.wna16 import wna16_linear, wna16_linear_reference  # noqa: E402
 
-GROUP = 128
 SHAPES = {"in_proj": (12352, 4096), "gate_up": (24576, 4096), "down": (4096, 12288), "out_proj": (4096, 4096)}
 READ_TILES = [(128, 16, 2), (128, 16, 8), (128, 32, 2), (64, 64, 2), (16, 128, 1), (16, 64, 1), (8, 128, 1),
               (32, 128, 1), (8, 256, 1), (4, 512, 1)]                   # rows, words, K splits
@@ -71,11 +71,8 @@ def _gemv(x, w, scales, y, words_per_row, N, num_groups, steps_per_split, BN: tl
 
 
 def measure(name: str, n: int, k: int, bandwidth: float) -> dict:
-    copies = max(2, -(-(256 << 20) // (n * k // 2)))
-    packed = []
-    for _ in range(copies):
-        qweight, scales, _ = quantize_reference(torch.randn(n, k, device="cuda") / k ** 0.5, GROUP, 4, True)
-        packed.append((qweight, scales.float().contiguous()))
+    copies = num_copies(n * k // 2)
+    packed = packed_weights(n, k, copies)
     nbytes = n * k // 2 + n * (k // GROUP) * 4
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     reference = wna16_linear_reference(x.float(), *packed[0], None, None, GROUP, 4).reshape(-1)
